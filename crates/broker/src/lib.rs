@@ -1,1 +1,141 @@
-//! warren-broker
+//! warren-broker: Warren's broker core.
+//!
+//! Virtual hosts, exchanges, bindings, routing and queues, as plain deterministic Rust: no
+//! tokio, no sockets, no clock reads (time comes in as `now_ms`). `crates/session` calls the
+//! [`Broker`] API; `crates/server` is the only driver.
+//!
+//! Behaviour (reply codes and texts) follows RabbitMQ 3.10: see `shared/reference` and the
+//! tests beside each module.
+
+mod broker;
+mod erl;
+pub mod exchange;
+pub mod names;
+pub mod queue;
+
+pub use broker::{Broker, QueueInfo};
+pub use exchange::ExchangeKind;
+pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
+pub use queue::machine;
+
+use bytes::Bytes;
+use warren_codec::{FieldTable, ShortStr};
+
+/// Identifies a client connection for the life of the broker.
+pub type ConnId = u64;
+
+/// Identifies a consumer: its connection, channel and consumer tag.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConsumerKey {
+    pub conn: ConnId,
+    pub channel: u16,
+    pub tag: ShortStr,
+}
+
+/// Identifies a queue, unique for the broker's life: a redeclared queue gets a new id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QueueId(pub u64);
+
+/// A message as routed: every field refcounted, so cloning for fan-out copies no payload and
+/// allocates nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    pub exchange: ShortStr,
+    pub routing_key: ShortStr,
+    /// Raw content-header property bytes as received (property flags first).
+    pub properties: Bytes,
+    pub body: Bytes,
+    pub persistent: bool,
+}
+
+/// A message handed to a consumer or to basic.get.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    pub queue: QueueId,
+    pub queue_name: ShortStr,
+    /// The message's id in its queue: pass it back to settle / requeue / discard.
+    pub msg_id: u64,
+    pub message: Message,
+    pub redelivered: bool,
+    /// How many times the message has now been delivered, this delivery included (for
+    /// `x-delivery-count` and delivery limits).
+    pub delivery_count: u32,
+}
+
+/// Limits and knobs of a broker.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BrokerConfig {
+    /// The virtual host created at start ("/").
+    pub default_vhost: String,
+    /// Most queues in one vhost (RabbitMQ: vhost `max-queues`); `None` = unlimited.
+    pub max_queues: Option<usize>,
+    /// Largest accepted message body in bytes (RabbitMQ's `max_message_size`, 128 MiB).
+    pub max_message_size: usize,
+    /// Seed for server-named queue names. Deterministic for tests; the server should seed it
+    /// from OS randomness so names differ across restarts.
+    pub name_seed: u64,
+    /// Most deliveries one queue makes in one [`Broker::dispatch`] call; a queue with more
+    /// work stays dirty ([`Broker::needs_dispatch`]), so no call does unbounded work.
+    pub dispatch_batch: usize,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        BrokerConfig {
+            default_vhost: "/".to_string(),
+            max_queues: None,
+            max_message_size: 128 * 1024 * 1024,
+            name_seed: 0x5741_5252_454e_2121,
+            dispatch_batch: 1024,
+        }
+    }
+}
+
+/// A queue.declare request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeclareQueue {
+    /// "" = server-named (`amq.gen-` and 22 base64url characters, like RabbitMQ).
+    pub name: ShortStr,
+    pub passive: bool,
+    pub durable: bool,
+    pub exclusive: bool,
+    pub auto_delete: bool,
+    pub arguments: FieldTable,
+}
+
+/// The answer to queue.declare.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QueueDeclared {
+    pub queue: QueueId,
+    pub name: ShortStr,
+    /// Ready messages (not in flight).
+    pub message_count: u32,
+    pub consumer_count: u32,
+}
+
+/// The answer to queue.delete.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct QueueDeleted {
+    /// Ready messages the queue held.
+    pub message_count: u32,
+    /// Consumers to notify with basic.cancel.
+    pub cancelled: Vec<ConsumerKey>,
+}
+
+/// The result of a publish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Routed {
+    /// Number of queues the message was enqueued on; 0 = unroutable (basic.return 312
+    /// NO_ROUTE if mandatory).
+    pub queues: u32,
+}
+
+/// Where [`Broker::dispatch`] puts deliveries.
+pub trait DeliverySink {
+    /// May this consumer take one more message now (prefetch credit, socket back-pressure)?
+    /// Called right before a message is taken for it.
+    fn has_credit(&mut self, consumer: &ConsumerKey) -> bool;
+    /// The message now belongs to this consumer (in flight unless the consumer is no-ack, in
+    /// which case the queue already forgot it).
+    fn deliver(&mut self, consumer: &ConsumerKey, delivery: Delivery);
+}

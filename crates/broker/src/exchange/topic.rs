@@ -1,0 +1,338 @@
+//! Topic routing: a trie over binding-key words, as RabbitMQ's topic exchange.
+//!
+//! Keys split on `.` exactly like `rabbit_exchange_type_topic:split_topic_key/1`: the empty
+//! key has no words, and every `.` separates two (possibly empty) words, so `"a."` is
+//! `["a", ""]`. In a binding key `*` matches exactly one word and `#` zero or more.
+//!
+//! Nodes live in one arena `Vec` (indices, not pointers) and freed nodes are reused, so the
+//! trie stays compact and a match walks contiguous memory.
+
+use std::collections::{HashMap, HashSet};
+
+/// Splits a topic key into words (`""` has none).
+pub fn words(key: &str) -> impl Iterator<Item = &str> {
+    let mut it = key.split('.');
+    if key.is_empty() {
+        it.next();
+    }
+    it
+}
+
+#[derive(Clone, Debug, Default)]
+struct Node<D> {
+    children: HashMap<Box<str>, u32>,
+    star: Option<u32>,
+    hash: Option<u32>,
+    /// Destinations bound with exactly this key (a destination appears once per binding).
+    dests: Vec<D>,
+}
+
+impl<D> Node<D> {
+    fn is_empty(&self) -> bool {
+        self.children.is_empty()
+            && self.star.is_none()
+            && self.hash.is_none()
+            && self.dests.is_empty()
+    }
+}
+
+/// A topic trie mapping binding keys to destinations `D`.
+#[derive(Clone, Debug)]
+pub struct TopicTrie<D> {
+    nodes: Vec<Node<D>>,
+    free: Vec<u32>,
+}
+
+impl<D> Default for TopicTrie<D> {
+    fn default() -> Self {
+        TopicTrie {
+            nodes: vec![Node {
+                children: HashMap::new(),
+                star: None,
+                hash: None,
+                dests: Vec::new(),
+            }],
+            free: Vec::new(),
+        }
+    }
+}
+
+enum Edge<'a> {
+    Word(&'a str),
+    Star,
+    Hash,
+}
+
+fn edge(word: &str) -> Edge<'_> {
+    match word {
+        "*" => Edge::Star,
+        "#" => Edge::Hash,
+        w => Edge::Word(w),
+    }
+}
+
+impl<D: Clone + PartialEq> TopicTrie<D> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn node(&self, i: u32) -> Option<&Node<D>> {
+        self.nodes.get(i as usize)
+    }
+
+    fn child(&self, at: u32, e: &Edge<'_>) -> Option<u32> {
+        let n = self.node(at)?;
+        match e {
+            Edge::Word(w) => n.children.get(*w).copied(),
+            Edge::Star => n.star,
+            Edge::Hash => n.hash,
+        }
+    }
+
+    fn alloc(&mut self) -> u32 {
+        let fresh = Node {
+            children: HashMap::new(),
+            star: None,
+            hash: None,
+            dests: Vec::new(),
+        };
+        if let Some(i) = self.free.pop() {
+            if let Some(slot) = self.nodes.get_mut(i as usize) {
+                *slot = fresh;
+                return i;
+            }
+        }
+        self.nodes.push(fresh);
+        (self.nodes.len() - 1) as u32
+    }
+
+    /// Adds one binding of `key` to `dest`.
+    pub fn insert(&mut self, key: &str, dest: D) {
+        let mut at = 0u32;
+        for w in words(key) {
+            let e = edge(w);
+            at = match self.child(at, &e) {
+                Some(c) => c,
+                None => {
+                    let c = self.alloc();
+                    if let Some(n) = self.nodes.get_mut(at as usize) {
+                        match e {
+                            Edge::Word(w) => {
+                                n.children.insert(w.into(), c);
+                            }
+                            Edge::Star => n.star = Some(c),
+                            Edge::Hash => n.hash = Some(c),
+                        }
+                    }
+                    c
+                }
+            };
+        }
+        if let Some(n) = self.nodes.get_mut(at as usize) {
+            n.dests.push(dest);
+        }
+    }
+
+    /// Removes one binding of `key` to `dest`; prunes nodes left empty. False if absent.
+    pub fn remove(&mut self, key: &str, dest: &D) -> bool {
+        let mut path: Vec<(u32, &str)> = Vec::new();
+        let mut at = 0u32;
+        for w in words(key) {
+            match self.child(at, &edge(w)) {
+                Some(c) => {
+                    path.push((at, w));
+                    at = c;
+                }
+                None => return false,
+            }
+        }
+        let Some(n) = self.nodes.get_mut(at as usize) else {
+            return false;
+        };
+        let Some(pos) = n.dests.iter().position(|d| d == dest) else {
+            return false;
+        };
+        n.dests.swap_remove(pos);
+        // Prune empty nodes bottom-up (never the root).
+        let mut child = at;
+        while let Some((parent, w)) = path.pop() {
+            if !self.node(child).is_some_and(Node::is_empty) {
+                break;
+            }
+            if let Some(p) = self.nodes.get_mut(parent as usize) {
+                match edge(w) {
+                    Edge::Word(w) => {
+                        p.children.remove(w);
+                    }
+                    Edge::Star => p.star = None,
+                    Edge::Hash => p.hash = None,
+                }
+            }
+            self.free.push(child);
+            child = parent;
+        }
+        true
+    }
+
+    /// Appends every destination whose binding key matches `routing_key` to `out`
+    /// (a destination bound twice may appear twice).
+    pub fn matches(&self, routing_key: &str, out: &mut Vec<D>) {
+        let words: Vec<&str> = words(routing_key).collect();
+        let n = words.len();
+        let mut stack: Vec<(u32, usize)> = vec![(0, 0)];
+        // (node, position) pairs already explored: only needed once a `#` can make two paths
+        // reach the same state, so it is allocated lazily.
+        let mut seen: Option<HashSet<(u32, usize)>> = None;
+        while let Some((at, i)) = stack.pop() {
+            let Some(node) = self.node(at) else { continue };
+            if let Some(h) = node.hash {
+                let seen = seen.get_or_insert_with(HashSet::new);
+                // `#` takes zero or more words.
+                for j in i..=n {
+                    if seen.insert((h, j)) {
+                        stack.push((h, j));
+                    }
+                }
+            }
+            if i == n {
+                out.extend(node.dests.iter().cloned());
+                continue;
+            }
+            let Some(w) = words.get(i) else { continue };
+            if let Some(&c) = node.children.get(*w) {
+                stack.push((c, i + 1));
+            }
+            if let Some(c) = node.star {
+                stack.push((c, i + 1));
+            }
+        }
+    }
+
+    /// Number of live nodes (tests: pruning).
+    pub fn node_count(&self) -> usize {
+        self.nodes.len() - self.free.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route(bindings: &[&str], key: &str) -> Vec<usize> {
+        let mut t = TopicTrie::new();
+        for (i, b) in bindings.iter().enumerate() {
+            t.insert(b, i);
+        }
+        let mut out = Vec::new();
+        t.matches(key, &mut out);
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    fn hit(binding: &str, key: &str) -> bool {
+        !route(&[binding], key).is_empty()
+    }
+
+    #[test]
+    fn word_splitting() {
+        assert_eq!(words("").count(), 0);
+        assert_eq!(words("a").collect::<Vec<_>>(), vec!["a"]);
+        assert_eq!(words("a.").collect::<Vec<_>>(), vec!["a", ""]);
+        assert_eq!(words(".").collect::<Vec<_>>(), vec!["", ""]);
+        assert_eq!(words("a..b").collect::<Vec<_>>(), vec!["a", "", "b"]);
+    }
+
+    #[test]
+    fn hash_matches_everything() {
+        for key in ["", "a", "a.b", "a.b.c", ".", "..", "a..b"] {
+            assert!(hit("#", key), "{key}");
+        }
+    }
+
+    #[test]
+    fn exact_and_star() {
+        assert!(hit("a.b", "a.b"));
+        assert!(!hit("a.b", "a.b.c"));
+        assert!(!hit("a.b", "a"));
+        assert!(hit("", ""));
+        assert!(!hit("", "a"));
+        assert!(hit("*", "a"));
+        // "" has no words, so `*` (exactly one word) does not match it.
+        assert!(!hit("*", ""));
+    }
+
+    #[test]
+    fn star_star() {
+        assert!(hit("*.*", "a.b"));
+        assert!(hit("*.*", "."));
+        assert!(hit("*.*", "a."));
+        assert!(!hit("*.*", "a"));
+        assert!(!hit("*.*", "a.b.c"));
+        assert!(!hit("*.*", ""));
+    }
+
+    #[test]
+    fn hash_in_the_middle() {
+        assert!(hit("a.#.b", "a.b"));
+        assert!(hit("a.#.b", "a.x.b"));
+        assert!(hit("a.#.b", "a.x.y.b"));
+        assert!(!hit("a.#.b", "a.x.y"));
+        assert!(!hit("a.#.b", "b.a.b"));
+        assert!(hit("a.#", "a"));
+        assert!(hit("a.#", "a.b.c"));
+        assert!(!hit("a.#", "b"));
+        assert!(hit("#.b", "b"));
+        assert!(hit("#.b", "a.b"));
+        assert!(!hit("#.b", "b.a"));
+        assert!(hit("#.#", ""));
+        assert!(hit("#.*", "a"));
+        assert!(!hit("#.*", ""));
+        assert!(hit("*.#.*", "a.b"));
+        assert!(!hit("*.#.*", "a"));
+    }
+
+    #[test]
+    fn empty_words() {
+        assert!(hit("a..b", "a..b"));
+        assert!(hit("a.*.b", "a..b"));
+        assert!(!hit("a.b", "a..b"));
+        assert!(hit("a.", "a."));
+        assert!(!hit("a.", "a"));
+    }
+
+    #[test]
+    fn many_bindings_and_dedup() {
+        let got = route(&["a.*", "a.#", "#", "b.*", "a.b", "*.b"], "a.b");
+        assert_eq!(got, vec![0, 1, 2, 4, 5]);
+        // Pathological: many hashes stay polynomial and find the match once per binding.
+        let got = route(
+            &["#.#.#.#.#.#.#.#.a"],
+            "x.x.x.x.x.x.x.x.x.x.x.x.x.x.x.x.x.x.a",
+        );
+        assert_eq!(got, vec![0]);
+    }
+
+    #[test]
+    fn remove_prunes() {
+        let mut t = TopicTrie::new();
+        t.insert("a.b.c", 1);
+        t.insert("a.#", 2);
+        t.insert("a.b.c", 3);
+        assert_eq!(t.node_count(), 5);
+        assert!(t.remove("a.b.c", &1));
+        assert!(!t.remove("a.b.c", &1));
+        assert!(!t.remove("x", &1));
+        assert_eq!(t.node_count(), 5);
+        assert!(t.remove("a.b.c", &3));
+        assert_eq!(t.node_count(), 3);
+        let mut out = Vec::new();
+        t.matches("a.b.c", &mut out);
+        assert_eq!(out, vec![2]);
+        assert!(t.remove("a.#", &2));
+        assert_eq!(t.node_count(), 1);
+        // Reuses freed nodes.
+        t.insert("q.r", 9);
+        assert_eq!(t.nodes.len(), 5);
+    }
+}

@@ -1,0 +1,638 @@
+//! Queue `x-` arguments: validation, equivalence and the parsed form.
+//!
+//! Mirrors RabbitMQ 3.10's `rabbit_amqqueue:declare_args/0`: the same keys, checked in the
+//! same order, with the same error terms (printed as Erlang's `~p` would), and the same set
+//! of keys compared when a queue is redeclared.
+
+use warren_codec::{AmqpError, FieldTable, FieldValue};
+
+use crate::erl;
+
+/// `?MAX_EXPIRY_TIMER` in RabbitMQ (ms).
+pub const MAX_EXPIRY_MS: i64 = 4_294_967_295;
+/// `?MAX_SUPPORTED_PRIORITY`.
+pub const MAX_PRIORITY: i64 = 255;
+
+/// The keys RabbitMQ validates on declare and compares on redeclare, in its order.
+pub const DECLARE_ARGS: [&str; 19] = [
+    "x-expires",
+    "x-message-ttl",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-dead-letter-strategy",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-max-in-memory-length",
+    "x-max-in-memory-bytes",
+    "x-max-priority",
+    "x-overflow",
+    "x-queue-mode",
+    "x-single-active-consumer",
+    "x-queue-type",
+    "x-quorum-initial-group-size",
+    "x-max-age",
+    "x-stream-max-segment-size-bytes",
+    "x-initial-cluster-size",
+    "x-queue-leader-locator",
+];
+
+/// `x-queue-type`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QueueType {
+    #[default]
+    Classic,
+    Quorum,
+    Stream,
+}
+
+/// `x-overflow`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overflow {
+    #[default]
+    DropHead,
+    RejectPublish,
+    RejectPublishDlx,
+}
+
+/// `x-queue-mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QueueMode {
+    #[default]
+    Default,
+    Lazy,
+}
+
+/// `x-dead-letter-strategy`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeadLetterStrategy {
+    #[default]
+    AtMostOnce,
+    AtLeastOnce,
+}
+
+/// The validated, parsed queue arguments. Features built later (TTL, max-length,
+/// dead-lettering, priorities, single active consumer, delivery limits) read these.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct QueueArgs {
+    /// `x-expires`: delete the queue after this long unused (ms, > 0).
+    pub expires_ms: Option<u64>,
+    /// `x-message-ttl` (ms).
+    pub message_ttl_ms: Option<u64>,
+    /// `x-dead-letter-exchange`.
+    pub dead_letter_exchange: Option<String>,
+    /// `x-dead-letter-routing-key`.
+    pub dead_letter_routing_key: Option<String>,
+    /// `x-dead-letter-strategy`.
+    pub dead_letter_strategy: DeadLetterStrategy,
+    /// `x-max-length` (messages).
+    pub max_length: Option<u64>,
+    /// `x-max-length-bytes`.
+    pub max_length_bytes: Option<u64>,
+    /// `x-max-priority` (0..=255).
+    pub max_priority: Option<u8>,
+    /// `x-overflow`.
+    pub overflow: Overflow,
+    /// `x-queue-mode` (accepted; every queue behaves the same).
+    pub queue_mode: QueueMode,
+    /// `x-single-active-consumer`.
+    pub single_active_consumer: bool,
+    /// `x-queue-type`.
+    pub queue_type: QueueType,
+    /// `x-max-age` for streams, in ms.
+    pub max_age_ms: Option<u64>,
+    /// `x-delivery-limit` (not validated by RabbitMQ 3.10: taken when it is a non-negative
+    /// integer, ignored otherwise).
+    pub delivery_limit: Option<u64>,
+}
+
+/// An error term as RabbitMQ prints it with `~p`.
+enum Bad {
+    /// `{value_negative,-5}` and friends.
+    Tagged(&'static str, String),
+    /// A bare atom such as `invalid_overflow`.
+    Atom(&'static str),
+    /// A string, printed quoted.
+    Text(String),
+}
+
+impl Bad {
+    fn render(&self) -> String {
+        match self {
+            Bad::Tagged(tag, v) => format!("{{{tag},{v}}}"),
+            Bad::Atom(a) => (*a).to_string(),
+            Bad::Text(t) => erl::quoted(t),
+        }
+    }
+}
+
+fn check_int(v: &FieldValue) -> Result<i64, Bad> {
+    erl::int_arg(v).ok_or_else(|| Bad::Text(format!("expected integer, got {}", v.type_name())))
+}
+
+fn check_non_neg(v: &FieldValue) -> Result<u64, Bad> {
+    let i = check_int(v)?;
+    u64::try_from(i).map_err(|_| Bad::Tagged("value_negative", i.to_string()))
+}
+
+fn check_expiry(i: i64) -> Result<u64, Bad> {
+    if i < 0 {
+        Err(Bad::Tagged("value_negative", i.to_string()))
+    } else if i > MAX_EXPIRY_MS {
+        Err(Bad::Tagged("value_too_large", i.to_string()))
+    } else {
+        Ok(i as u64)
+    }
+}
+
+fn check_str<'a>(v: &'a FieldValue) -> Result<&'a [u8], Bad> {
+    match v {
+        FieldValue::LongStr(b) => Ok(b),
+        other => Err(Bad::Tagged(
+            "unacceptable_type",
+            other.type_name().to_string(),
+        )),
+    }
+}
+
+fn check_one_of<'a>(v: &FieldValue, known: &[&'a str], err: &'static str) -> Result<&'a str, Bad> {
+    let s = check_str(v)?;
+    known
+        .iter()
+        .find(|k| k.as_bytes() == s)
+        .copied()
+        .ok_or(Bad::Atom(err))
+}
+
+fn lossy(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `check_max_age/1`: digits then exactly one unit of Y M D h m s, value > 0.
+fn parse_max_age(s: &[u8]) -> Option<u64> {
+    let digits = s.iter().take_while(|c| c.is_ascii_digit()).count();
+    let (num, unit) = s.split_at(digits);
+    let n: u64 = std::str::from_utf8(num).ok()?.parse().ok()?;
+    if n == 0 {
+        return None;
+    }
+    let unit_ms: u64 = match unit {
+        b"Y" => 365 * 24 * 3600 * 1000,
+        b"M" => 30 * 24 * 3600 * 1000,
+        b"D" => 24 * 3600 * 1000,
+        b"h" => 3600 * 1000,
+        b"m" => 60 * 1000,
+        b"s" => 1000,
+        _ => return None,
+    };
+    n.checked_mul(unit_ms)
+}
+
+fn check_key(key: &str, v: &FieldValue, args: &FieldTable, out: &mut QueueArgs) -> Result<(), Bad> {
+    match key {
+        "x-expires" => {
+            let i = check_int(v)?;
+            if i == 0 {
+                return Err(Bad::Tagged("value_zero", "0".to_string()));
+            }
+            out.expires_ms = Some(check_expiry(i)?);
+        }
+        "x-message-ttl" => out.message_ttl_ms = Some(check_expiry(check_int(v)?)?),
+        "x-dead-letter-exchange" => out.dead_letter_exchange = Some(lossy(check_str(v)?)),
+        "x-dead-letter-routing-key" => {
+            let s = check_str(v)?;
+            if args.get("x-dead-letter-exchange").is_none() {
+                return Err(Bad::Atom("routing_key_but_no_dlx_defined"));
+            }
+            out.dead_letter_routing_key = Some(lossy(s));
+        }
+        "x-dead-letter-strategy" => {
+            out.dead_letter_strategy = match check_one_of(
+                v,
+                &["at-most-once", "at-least-once"],
+                "invalid_dlx_strategy",
+            )? {
+                "at-least-once" => DeadLetterStrategy::AtLeastOnce,
+                _ => DeadLetterStrategy::AtMostOnce,
+            }
+        }
+        "x-max-length" => out.max_length = Some(check_non_neg(v)?),
+        "x-max-length-bytes" => out.max_length_bytes = Some(check_non_neg(v)?),
+        "x-max-in-memory-length" | "x-max-in-memory-bytes" | "x-stream-max-segment-size-bytes" => {
+            check_non_neg(v)?;
+        }
+        "x-max-priority" => {
+            let n = check_non_neg(v)?;
+            out.max_priority = Some(
+                u8::try_from(n).map_err(|_| Bad::Tagged("max_value_exceeded", n.to_string()))?,
+            );
+        }
+        "x-overflow" => {
+            out.overflow = match check_one_of(
+                v,
+                &["drop-head", "reject-publish", "reject-publish-dlx"],
+                "invalid_overflow",
+            )? {
+                "reject-publish" => Overflow::RejectPublish,
+                "reject-publish-dlx" => Overflow::RejectPublishDlx,
+                _ => Overflow::DropHead,
+            }
+        }
+        "x-queue-mode" => {
+            let s = check_str(v)?;
+            out.queue_mode = match s {
+                b"default" => QueueMode::Default,
+                b"lazy" => QueueMode::Lazy,
+                _ => return Err(Bad::Text(format!("unsupported queue mode '{}'", lossy(s)))),
+            }
+        }
+        "x-single-active-consumer" => match v {
+            FieldValue::Bool(b) => out.single_active_consumer = *b,
+            other => {
+                return Err(Bad::Tagged(
+                    "unacceptable_type",
+                    other.type_name().to_string(),
+                ))
+            }
+        },
+        "x-queue-type" => {
+            let s = check_str(v)?;
+            out.queue_type = match s {
+                b"classic" => QueueType::Classic,
+                b"quorum" => QueueType::Quorum,
+                b"stream" => QueueType::Stream,
+                _ => return Err(Bad::Text(format!("unsupported queue type '{}'", lossy(s)))),
+            }
+        }
+        "x-quorum-initial-group-size" | "x-initial-cluster-size" => {
+            if check_non_neg(v)? == 0 {
+                return Err(Bad::Tagged("value_zero", "0".to_string()));
+            }
+        }
+        "x-max-age" => {
+            let s = check_str(v)?;
+            out.max_age_ms = Some(parse_max_age(s).ok_or(Bad::Atom("invalid_max_age"))?);
+        }
+        "x-queue-leader-locator" => {
+            check_one_of(
+                v,
+                &["client-local", "random", "least-leaders"],
+                "invalid_queue_locator_arg",
+            )?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Validates the arguments of a new queue (`check_declare_arguments`) and parses them.
+/// `rs` is the queue's resource text (`queue 'q' in vhost '/'`).
+pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
+    let mut out = QueueArgs::default();
+    for key in DECLARE_ARGS {
+        if let Some(v) = args.get(key) {
+            check_key(key, v, args, &mut out).map_err(|bad| {
+                AmqpError::precondition_failed(format!(
+                    "invalid arg '{key}' for {rs}: {}",
+                    bad.render()
+                ))
+            })?;
+        }
+    }
+    out.delivery_limit = args.get("x-delivery-limit").and_then(|v| v.as_u64());
+    Ok(out)
+}
+
+/// The `x-dead-letter-exchange` type check that RabbitMQ's channel makes before declaring.
+pub fn check_dlx_type(args: &FieldTable, rs: &str) -> Result<(), AmqpError> {
+    const KEY: &str = "x-dead-letter-exchange";
+    match args.get(KEY) {
+        None | Some(FieldValue::LongStr(_)) => Ok(()),
+        Some(other) => Err(AmqpError::precondition_failed(format!(
+            "invalid type '{}' for arg '{KEY}' in {rs}",
+            other.type_name()
+        ))),
+    }
+}
+
+/// `rabbit_misc:val/1` for a value that may be missing.
+fn val_opt(v: Option<&FieldValue>) -> String {
+    match v {
+        None => "none".to_string(),
+        Some(v) => format!("the value '{}' of type '{}'", erl::val(v), v.type_name()),
+    }
+}
+
+/// `rabbit_misc:assert_args_equivalence/4` over `keys`: the first differing key fails with
+/// RabbitMQ's 406 text.
+pub fn assert_args_equivalence(
+    current: &FieldTable,
+    received: &FieldTable,
+    rs: &str,
+    keys: &[&str],
+) -> Result<(), AmqpError> {
+    for &key in keys {
+        let (orig, new) = (current.get(key), received.get(key));
+        let fail = |received: String, current: String| {
+            AmqpError::precondition_failed(format!(
+                "inequivalent arg '{key}' for {rs}: received {received} but current is {current}"
+            ))
+        };
+        match (orig, new) {
+            (None, None) => {}
+            (Some(o), Some(n)) => {
+                let same = (erl::type_class(o) == erl::type_class(n) && erl::value_eq(o, n))
+                    // assert_field_equivalence(Current, Current): identical Erlang values.
+                    || (o.type_name() == n.type_name() && o == n);
+                if !same {
+                    return Err(fail(
+                        format!("'{}'", erl::val(n)),
+                        format!("'{}'", erl::val(o)),
+                    ));
+                }
+            }
+            (o, n) => {
+                let classic = |v: Option<&FieldValue>| matches!(v, Some(FieldValue::LongStr(b)) if &b[..] == b"classic");
+                if key == "x-queue-type" && (classic(o) || classic(n)) {
+                    continue;
+                }
+                return Err(fail(val_opt(n), val_opt(o)));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `rabbit_misc:assert_field_equivalence/4` for a boolean property (durable, auto_delete...).
+pub fn assert_field_equivalence(
+    current: bool,
+    received: bool,
+    rs: &str,
+    key: &str,
+) -> Result<(), AmqpError> {
+    if current == received {
+        Ok(())
+    } else {
+        Err(AmqpError::precondition_failed(format!(
+            "inequivalent arg '{key}' for {rs}: received '{received}' but current is '{current}'"
+        )))
+    }
+}
+
+/// Validates basic.consume arguments (`check_consume_arguments`); returns `x-priority`.
+pub fn validate_consume(args: &FieldTable, rs: &str) -> Result<i64, AmqpError> {
+    let err = |key: &str, bad: Bad| {
+        AmqpError::precondition_failed(format!("invalid arg '{key}' for {rs}: {}", bad.render()))
+    };
+    let mut priority = 0;
+    if let Some(v) = args.get("x-priority") {
+        priority = check_int(v).map_err(|b| err("x-priority", b))?;
+    }
+    if let Some(v) = args.get("x-cancel-on-ha-failover") {
+        if !matches!(v, FieldValue::Bool(_)) {
+            return Err(err(
+                "x-cancel-on-ha-failover",
+                Bad::Tagged("unacceptable_type", v.type_name().to_string()),
+            ));
+        }
+    }
+    Ok(priority)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warren_codec::ReplyCode;
+
+    const RS: &str = "queue 'q' in vhost '/'";
+
+    fn table(pairs: &[(&'static str, FieldValue)]) -> FieldTable {
+        let mut t = FieldTable::new();
+        for (k, v) in pairs {
+            t.insert(*k, v.clone());
+        }
+        t
+    }
+
+    fn invalid(pairs: &[(&'static str, FieldValue)]) -> String {
+        match validate(&table(pairs), RS) {
+            Ok(a) => panic!("accepted: {a:?}"),
+            Err(e) => {
+                assert_eq!(e.code, ReplyCode::PreconditionFailed);
+                e.text
+            }
+        }
+    }
+
+    #[test]
+    fn reference_texts() {
+        assert_eq!(
+            invalid(&[("x-message-ttl", FieldValue::I32(-5))]),
+            "invalid arg 'x-message-ttl' for queue 'q' in vhost '/': {value_negative,-5}"
+        );
+        assert_eq!(
+            invalid(&[("x-max-length", FieldValue::long_str("ten"))]),
+            "invalid arg 'x-max-length' for queue 'q' in vhost '/': \"expected integer, got longstr\""
+        );
+    }
+
+    #[test]
+    fn each_validator() {
+        let cases: Vec<(&'static str, FieldValue, &str)> = vec![
+            ("x-expires", FieldValue::I32(0), "{value_zero,0}"),
+            (
+                "x-expires",
+                FieldValue::I64(4_294_967_296),
+                "{value_too_large,4294967296}",
+            ),
+            (
+                "x-expires",
+                FieldValue::F64(1.0),
+                "\"expected integer, got double\"",
+            ),
+            (
+                "x-message-ttl",
+                FieldValue::Timestamp(5),
+                "\"expected integer, got timestamp\"",
+            ),
+            (
+                "x-dead-letter-exchange",
+                FieldValue::I32(1),
+                "{unacceptable_type,signedint}",
+            ),
+            (
+                "x-max-length-bytes",
+                FieldValue::I8(-1),
+                "{value_negative,-1}",
+            ),
+            (
+                "x-max-priority",
+                FieldValue::I32(256),
+                "{max_value_exceeded,256}",
+            ),
+            (
+                "x-overflow",
+                FieldValue::long_str("nope"),
+                "invalid_overflow",
+            ),
+            (
+                "x-overflow",
+                FieldValue::Bool(true),
+                "{unacceptable_type,bool}",
+            ),
+            (
+                "x-queue-mode",
+                FieldValue::long_str("eager"),
+                "\"unsupported queue mode 'eager'\"",
+            ),
+            (
+                "x-single-active-consumer",
+                FieldValue::long_str("yes"),
+                "{unacceptable_type,longstr}",
+            ),
+            (
+                "x-queue-type",
+                FieldValue::long_str("fifo"),
+                "\"unsupported queue type 'fifo'\"",
+            ),
+            (
+                "x-queue-type",
+                FieldValue::I32(1),
+                "{unacceptable_type,signedint}",
+            ),
+            (
+                "x-dead-letter-strategy",
+                FieldValue::long_str("x"),
+                "invalid_dlx_strategy",
+            ),
+            ("x-max-age", FieldValue::long_str("10x"), "invalid_max_age"),
+            ("x-max-age", FieldValue::long_str("0D"), "invalid_max_age"),
+            (
+                "x-quorum-initial-group-size",
+                FieldValue::I32(0),
+                "{value_zero,0}",
+            ),
+            (
+                "x-queue-leader-locator",
+                FieldValue::long_str("x"),
+                "invalid_queue_locator_arg",
+            ),
+        ];
+        for (key, v, want) in cases {
+            let text = invalid(&[(key, v)]);
+            assert_eq!(text, format!("invalid arg '{key}' for {RS}: {want}"));
+        }
+        assert_eq!(
+            invalid(&[("x-dead-letter-routing-key", FieldValue::long_str("rk"))]),
+            format!(
+                "invalid arg 'x-dead-letter-routing-key' for {RS}: routing_key_but_no_dlx_defined"
+            )
+        );
+    }
+
+    #[test]
+    fn first_invalid_in_rabbitmq_order() {
+        // x-expires comes before x-max-length in declare_args, whatever the table order.
+        let text = invalid(&[
+            ("x-max-length", FieldValue::I32(-1)),
+            ("x-expires", FieldValue::I32(0)),
+        ]);
+        assert!(text.starts_with("invalid arg 'x-expires'"), "{text}");
+    }
+
+    #[test]
+    fn parses_valid_args() {
+        let a = validate(
+            &table(&[
+                ("x-expires", FieldValue::I32(1000)),
+                ("x-message-ttl", FieldValue::U16(0)),
+                ("x-dead-letter-exchange", FieldValue::long_str("dlx")),
+                ("x-dead-letter-routing-key", FieldValue::long_str("rk")),
+                ("x-max-length", FieldValue::I64(10)),
+                ("x-max-length-bytes", FieldValue::I64(100)),
+                ("x-max-priority", FieldValue::U8(10)),
+                ("x-overflow", FieldValue::long_str("reject-publish-dlx")),
+                ("x-queue-mode", FieldValue::long_str("lazy")),
+                ("x-single-active-consumer", FieldValue::Bool(true)),
+                ("x-queue-type", FieldValue::long_str("quorum")),
+                ("x-delivery-limit", FieldValue::I32(3)),
+                ("x-max-age", FieldValue::long_str("7D")),
+                ("x-unknown", FieldValue::long_str("ignored")),
+            ]),
+            RS,
+        )
+        .expect("valid");
+        assert_eq!(a.expires_ms, Some(1000));
+        assert_eq!(a.message_ttl_ms, Some(0));
+        assert_eq!(a.dead_letter_exchange.as_deref(), Some("dlx"));
+        assert_eq!(a.dead_letter_routing_key.as_deref(), Some("rk"));
+        assert_eq!(a.max_length, Some(10));
+        assert_eq!(a.max_length_bytes, Some(100));
+        assert_eq!(a.max_priority, Some(10));
+        assert_eq!(a.overflow, Overflow::RejectPublishDlx);
+        assert_eq!(a.queue_mode, QueueMode::Lazy);
+        assert!(a.single_active_consumer);
+        assert_eq!(a.queue_type, QueueType::Quorum);
+        assert_eq!(a.delivery_limit, Some(3));
+        assert_eq!(a.max_age_ms, Some(7 * 24 * 3600 * 1000));
+    }
+
+    #[test]
+    fn dlx_type_check() {
+        let e = check_dlx_type(
+            &table(&[("x-dead-letter-exchange", FieldValue::I64(1))]),
+            RS,
+        )
+        .expect_err("long");
+        assert_eq!(
+            e.text,
+            "invalid type 'long' for arg 'x-dead-letter-exchange' in queue 'q' in vhost '/'"
+        );
+    }
+
+    #[test]
+    fn equivalence() {
+        let keys = &DECLARE_ARGS[..];
+        let ten = table(&[("x-max-length", FieldValue::I32(10))]);
+        let twenty = table(&[("x-max-length", FieldValue::I64(20))]);
+        let e = assert_args_equivalence(&ten, &twenty, RS, keys).expect_err("differs");
+        assert_eq!(
+            e.text,
+            "inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received '20' but current is '10'"
+        );
+        // Same integer class, different width: equivalent.
+        let ten_long = table(&[("x-max-length", FieldValue::I64(10))]);
+        assert!(assert_args_equivalence(&ten, &ten_long, RS, keys).is_ok());
+        // Missing on one side.
+        let e = assert_args_equivalence(&ten, &FieldTable::new(), RS, keys).expect_err("missing");
+        assert_eq!(
+            e.text,
+            "inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received none but current is the value '10' of type 'signedint'"
+        );
+        // Unknown keys are not compared; classic == no type.
+        let classic = table(&[
+            ("x-queue-type", FieldValue::long_str("classic")),
+            ("x-foo", FieldValue::I32(1)),
+        ]);
+        assert!(assert_args_equivalence(&FieldTable::new(), &classic, RS, keys).is_ok());
+        assert!(assert_args_equivalence(&classic, &FieldTable::new(), RS, keys).is_ok());
+        let e = assert_field_equivalence(false, true, RS, "durable").expect_err("durable");
+        assert_eq!(
+            e.text,
+            "inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current is 'false'"
+        );
+    }
+
+    #[test]
+    fn consume_args() {
+        let e = validate_consume(&table(&[("x-priority", FieldValue::long_str("hi"))]), RS)
+            .expect_err("string priority");
+        assert_eq!(
+            e.text,
+            "invalid arg 'x-priority' for queue 'q' in vhost '/': \"expected integer, got longstr\""
+        );
+        assert_eq!(
+            validate_consume(&table(&[("x-priority", FieldValue::I32(5))]), RS).ok(),
+            Some(5)
+        );
+    }
+}
