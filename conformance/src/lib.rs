@@ -1,1 +1,313 @@
-//! Black-box conformance tests: see tests/.
+//! Black-box conformance harness for Warren.
+//!
+//! Every test in `tests/` talks to a real broker over TCP:
+//!
+//! * if `WARREN_TEST_URL` is set (for example `amqp://guest:guest@127.0.0.1:5672/%2f`), that external broker
+//!   is used: this is how the suite is checked against RabbitMQ itself;
+//! * otherwise each [`TestBroker`] spawns the `warren` binary on a free loopback port and kills it on drop.
+//!
+//! Two clients are available: [lapin](https://docs.rs/lapin) (what Rust applications use) and [`raw::Raw`], a
+//! small socket-level client built on `amq-protocol` that can see everything lapin hides (class and method ids
+//! of a close, frame sizes, heartbeats) and can send malformed input.
+
+pub mod raw;
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub use lapin;
+
+use lapin::{Connection, ConnectionProperties};
+
+/// How long a test waits for something that must happen. Only reached when a test is failing.
+pub const WAIT: Duration = Duration::from_secs(5);
+/// How long a test watches for something that must NOT happen.
+pub const QUIET: Duration = Duration::from_millis(300);
+
+/// A broker under test: either a spawned `warren` process or the external broker of `WARREN_TEST_URL`.
+pub struct TestBroker {
+    url: String,
+    addr: SocketAddr,
+    vhost_path: String,
+    child: Option<Child>,
+    output: Arc<Mutex<Vec<u8>>>,
+}
+
+impl TestBroker {
+    /// Starts a broker with default settings (or uses `WARREN_TEST_URL`).
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts `warren --bind 127.0.0.1 --port <free> <extra_args...>`, or uses `WARREN_TEST_URL` (in which case
+    /// the extra arguments are ignored: check [`TestBroker::is_external`] when a test depends on them).
+    pub fn start_with(extra_args: &[&str]) -> Self {
+        if let Some(url) = external_url() {
+            let (addr, vhost_path) = parse_url(&url);
+            return TestBroker {
+                url,
+                addr,
+                vhost_path,
+                child: None,
+                output: Arc::new(Mutex::new(Vec::new())),
+            };
+        }
+        let bin = warren_binary();
+        let port = free_port();
+        let mut cmd = Command::new(&bin);
+        cmd.arg("--bind")
+            .arg("127.0.0.1")
+            .arg("--port")
+            .arg(port.to_string())
+            .args(extra_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let output = Arc::new(Mutex::new(Vec::new()));
+        for pipe in [
+            child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+            child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let sink = output.clone();
+            std::thread::spawn(move || {
+                let mut pipe = pipe;
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = pipe.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    sink.lock().unwrap().extend_from_slice(&buf[..n]);
+                }
+            });
+        }
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let mut broker = TestBroker {
+            url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+            addr,
+            vhost_path: "%2f".into(),
+            child: Some(child),
+            output,
+        };
+        broker.wait_until_listening();
+        broker
+    }
+
+    fn wait_until_listening(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(100)).is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!(
+                    "warren exited before accepting connections ({status}); its output:\n{}",
+                    self.output()
+                );
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "warren did not accept connections on {} within 10 s; its output:\n{}",
+                    self.addr,
+                    self.output()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `amqp://guest:guest@host:port/%2f`
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The URL with other credentials.
+    pub fn url_with_credentials(&self, user: &str, password: &str) -> String {
+        format!("amqp://{user}:{password}@{}/{}", self.addr, self.vhost_path)
+    }
+
+    /// The URL for another virtual host (percent-encoded by the caller).
+    pub fn url_with_vhost(&self, vhost_path: &str) -> String {
+        format!("amqp://guest:guest@{}/{vhost_path}", self.addr)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// True when the suite runs against `WARREN_TEST_URL` (for example RabbitMQ), not a spawned Warren.
+    pub fn is_external(&self) -> bool {
+        self.child.is_none()
+    }
+
+    /// Everything the spawned broker printed so far.
+    pub fn output(&self) -> String {
+        String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
+    }
+
+    /// Opens a lapin connection as guest/guest.
+    pub async fn connect(&self) -> Connection {
+        connect_url(&self.url).await
+    }
+
+    /// Opens a raw-socket connection, completes the handshake, negotiates no heartbeats.
+    pub async fn raw(&self) -> raw::Raw {
+        raw::Raw::open(self.addr).await
+    }
+
+    /// Sends SIGTERM to the spawned broker. Panics for an external broker.
+    pub fn sigterm(&self) {
+        let child = self.child.as_ref().expect("sigterm needs a spawned broker");
+        let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill(SIGTERM) failed");
+    }
+
+    /// Waits for the spawned broker to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let child = self.child.as_mut().expect("needs a spawned broker");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for TestBroker {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+            if std::thread::panicking() {
+                // Let the pipe readers drain what is left.
+                std::thread::sleep(Duration::from_millis(50));
+                eprintln!(
+                    "---- warren output ({}) ----\n{}\n---- end of warren output ----",
+                    self.addr,
+                    self.output()
+                );
+            }
+        }
+    }
+}
+
+fn external_url() -> Option<String> {
+    std::env::var("WARREN_TEST_URL")
+        .ok()
+        .filter(|s| !s.trim().is_empty())
+}
+
+/// Splits `amqp://user:pass@host:port/vhost` into a socket address and the vhost path segment.
+fn parse_url(url: &str) -> (SocketAddr, String) {
+    let rest = url
+        .strip_prefix("amqp://")
+        .unwrap_or_else(|| panic!("WARREN_TEST_URL must start with amqp://, got {url}"));
+    let rest = rest.rsplit_once('@').map(|(_, r)| r).unwrap_or(rest);
+    let (hostport, vhost) = rest.split_once('/').unwrap_or((rest, "%2f"));
+    let hostport = if hostport.contains(':') {
+        hostport.to_string()
+    } else {
+        format!("{hostport}:5672")
+    };
+    let addr = hostport
+        .to_socket_addrs()
+        .unwrap_or_else(|e| panic!("cannot resolve {hostport}: {e}"))
+        .next()
+        .expect("no address");
+    let vhost = if vhost.is_empty() { "%2f" } else { vhost };
+    (addr, vhost.to_string())
+}
+
+/// The `warren` binary: `WARREN_BIN`, else `target/<profile>/warren` next to the test executable.
+pub fn warren_binary() -> PathBuf {
+    if let Ok(bin) = std::env::var("WARREN_BIN") {
+        return PathBuf::from(bin);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> -> target/<profile>/warren
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join(format!("warren{}", std::env::consts::EXE_SUFFIX));
+    if !bin.exists() {
+        panic!(
+            "the warren binary is missing at {} — build it first (cargo build -p warren-server), \
+             set WARREN_BIN, or set WARREN_TEST_URL to test an external broker",
+            bin.display()
+        );
+    }
+    bin
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    listener.local_addr().unwrap().port()
+}
+
+/// A name no other test (nor another run against a shared broker) uses: `<prefix>-<pid>-<n>-<nanos>`.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("{prefix}-{:x}-{n}-{nanos:x}", std::process::id())
+}
+
+/// Opens a lapin connection to `url`, failing the test after [`WAIT`].
+pub async fn connect_url(url: &str) -> Connection {
+    tokio::time::timeout(
+        WAIT,
+        Connection::connect(url, ConnectionProperties::default()),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("connect to {url} timed out"))
+    .unwrap_or_else(|e| panic!("connect to {url} failed: {e:?}"))
+}
+
+/// Awaits `fut`, failing the test with `what` after [`WAIT`].
+pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(WAIT, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {WAIT:?} waiting for {what}"),
+    }
+}
+
+/// The reply code and text of a lapin error that carries a channel.close or connection.close.
+pub fn amqp_error(err: &lapin::Error) -> Option<(u16, String)> {
+    match err.kind() {
+        lapin::ErrorKind::ProtocolError(e) => Some((e.get_id(), e.get_message().to_string())),
+        _ => None,
+    }
+}
+
+/// Asserts that a lapin result failed with a broker error of this reply code and exact reply text.
+#[track_caller]
+pub fn assert_amqp_error<T: std::fmt::Debug>(res: lapin::Result<T>, code: u16, text: &str) {
+    match res {
+        Ok(v) => panic!("expected error {code} {text:?}, got Ok({v:?})"),
+        Err(e) => match amqp_error(&e) {
+            Some((c, t)) => {
+                assert_eq!((c, t.as_str()), (code, text), "wrong error (full: {e:?})")
+            }
+            None => panic!("expected AMQP error {code} {text:?}, got {e:?}"),
+        },
+    }
+}
