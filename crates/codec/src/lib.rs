@@ -26,6 +26,8 @@ pub mod table;
 mod wire;
 
 #[cfg(test)]
+mod oracle;
+#[cfg(test)]
 mod proptests;
 #[cfg(test)]
 mod testing;
