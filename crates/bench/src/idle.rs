@@ -1,0 +1,288 @@
+//! Idle-queue and idle-connection modes: what one more idle item costs the broker.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::{Channel, Connection};
+use serde::Serialize;
+
+use crate::opts::Opts;
+use crate::run::{connect, BoxError};
+use crate::stats::{self, BrokerReport};
+
+#[derive(Debug, Serialize)]
+pub struct IdleReport {
+    pub mode: &'static str,
+    pub label: Option<String>,
+    pub config: Opts,
+    /// Queues declared or connections opened.
+    pub items: u64,
+    /// Seconds to declare / open them all.
+    pub create_s: f64,
+    /// Items per second.
+    pub create_rate: f64,
+    /// Broker RSS growth per item, in bytes, after --settle seconds.
+    pub bytes_per_item: Option<f64>,
+    /// Broker CPU and memory from before the first item until after the settle time.
+    pub broker: Option<BrokerReport>,
+    pub client_cpu_s: f64,
+    pub errors: Vec<String>,
+}
+
+/// Prints "created n/N (rate/s)" once a second until `done` reaches `total`.
+fn spawn_progress(
+    done: Arc<AtomicU64>,
+    total: u64,
+    what: &'static str,
+    pid: Option<u32>,
+    quiet: bool,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.tick().await;
+        let mut last = 0;
+        loop {
+            tick.tick().await;
+            let n = done.load(Relaxed);
+            if !quiet {
+                let rss = pid
+                    .and_then(|p| stats::sample(p).ok())
+                    .map(|s| format!("  broker rss {} MiB", s.rss_kb / 1024))
+                    .unwrap_or_default();
+                eprintln!(
+                    "{:>5.0}s  {what} {n}/{total}  {}/s{rss}",
+                    start.elapsed().as_secs_f64(),
+                    n - last
+                );
+            }
+            last = n;
+            if n >= total {
+                break;
+            }
+        }
+    })
+}
+
+/// Splits `0..n` into `parts` contiguous ranges.
+pub fn split_range(n: u64, parts: u64) -> Vec<std::ops::Range<u64>> {
+    let parts = parts.clamp(1, n.max(1));
+    (0..parts)
+        .map(|i| (n * i / parts)..(n * (i + 1) / parts))
+        .collect()
+}
+
+struct Before {
+    peak_reset: bool,
+    broker: Option<stats::ProcSample>,
+    client: stats::ProcSample,
+    start: Instant,
+}
+
+/// Waits (at most `max`) until the broker's RSS has stopped moving, so that memory a previous
+/// run is still giving back is not counted against this one. Returns the seconds waited.
+async fn wait_quiet(pid: u32, max: Duration, quiet: bool) -> f64 {
+    let start = Instant::now();
+    let mut prev = stats::sample(pid).map(|s| s.rss_kb).unwrap_or(0);
+    while start.elapsed() < max {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = stats::sample(pid).map(|s| s.rss_kb).unwrap_or(0);
+        let moved = now.abs_diff(prev);
+        if moved <= 512.max(now / 500) {
+            break;
+        }
+        if !quiet {
+            eprintln!("waiting for the broker's RSS to settle: {prev} -> {now} kB");
+        }
+        prev = now;
+    }
+    start.elapsed().as_secs_f64()
+}
+
+async fn before(opts: &Opts) -> Result<Before, BoxError> {
+    if let Some(pid) = opts.broker_pid {
+        wait_quiet(pid, Duration::from_secs_f64(opts.quiesce), opts.quiet).await;
+    }
+    let peak_reset = match opts.broker_pid {
+        Some(pid) if !opts.no_reset_peak => stats::reset_peak(pid),
+        _ => false,
+    };
+    Ok(Before {
+        peak_reset,
+        broker: opts.broker_pid.map(stats::sample).transpose()?,
+        client: stats::sample_self(),
+        start: Instant::now(),
+    })
+}
+
+fn report(
+    mode: &'static str,
+    opts: &Opts,
+    b: Before,
+    items: u64,
+    create_s: f64,
+    errors: Vec<String>,
+) -> Result<IdleReport, BoxError> {
+    let total_s = b.start.elapsed().as_secs_f64();
+    let broker = match (opts.broker_pid, b.broker) {
+        (Some(pid), Some(start)) => {
+            let end = stats::sample(pid)?;
+            Some(BrokerReport::new(pid, start, end, 0, total_s, b.peak_reset))
+        }
+        _ => None,
+    };
+    let bytes_per_item = broker
+        .as_ref()
+        .filter(|_| items > 0)
+        .map(|br| stats::round1(br.rss_delta_kb as f64 * 1024.0 / items as f64));
+    Ok(IdleReport {
+        mode,
+        label: opts.label.clone(),
+        config: opts.clone(),
+        items,
+        create_s: stats::round3(create_s),
+        create_rate: if create_s > 0.0 {
+            stats::round1(items as f64 / create_s)
+        } else {
+            0.0
+        },
+        bytes_per_item,
+        broker,
+        client_cpu_s: stats::round3((stats::sample_self().cpu_s - b.client.cpu_s).max(0.0)),
+        errors,
+    })
+}
+
+pub async fn idle_queues(opts: Opts, n: u64) -> Result<IdleReport, BoxError> {
+    let conn = connect(&opts.url, "warren-bench idle-queues").await?;
+    let parallel = u64::from(opts.parallel);
+    let mut channels = Vec::new();
+    for _ in 0..parallel.max(8) {
+        channels.push(conn.create_channel().await?);
+    }
+    let args = opts.queue_arguments();
+    let names: Arc<Vec<String>> = Arc::new(opts.queue_names(n as usize));
+    let done = Arc::new(AtomicU64::new(0));
+    let b = before(&opts).await?;
+    let progress = spawn_progress(done.clone(), n, "declared", opts.broker_pid, opts.quiet);
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for (range, ch) in split_range(n, parallel)
+        .into_iter()
+        .zip(channels.iter().cloned())
+    {
+        let (names, args, done) = (names.clone(), args.clone(), done.clone());
+        let durable = opts.durable;
+        tasks.push(tokio::spawn(async move {
+            for i in range {
+                ch.queue_declare(
+                    names[i as usize].as_str().into(),
+                    QueueDeclareOptions {
+                        durable,
+                        ..Default::default()
+                    },
+                    args.clone(),
+                )
+                .await?;
+                done.fetch_add(1, Relaxed);
+            }
+            Ok::<_, lapin::Error>(())
+        }));
+    }
+    let mut errors = Vec::new();
+    for t in tasks {
+        if let Err(e) = t.await? {
+            errors.push(format!("declare: {e}"));
+        }
+    }
+    let create_s = t0.elapsed().as_secs_f64();
+    let declared = done.load(Relaxed);
+    progress.abort();
+    tokio::time::sleep(Duration::from_secs_f64(opts.settle)).await;
+    let r = report("idle-queues", &opts, b, declared, create_s, errors)?;
+    if !opts.keep {
+        delete_queues(&channels, &names).await;
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(r)
+}
+
+async fn delete_queues(channels: &[Channel], names: &Arc<Vec<String>>) {
+    let mut tasks = Vec::new();
+    for (range, ch) in split_range(names.len() as u64, channels.len() as u64)
+        .into_iter()
+        .zip(channels.iter().cloned())
+    {
+        let names = names.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in range {
+                let _ = ch
+                    .queue_delete(
+                        names[i as usize].as_str().into(),
+                        QueueDeleteOptions::default(),
+                    )
+                    .await;
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+}
+
+pub async fn idle_connections(opts: Opts, n: u64) -> Result<IdleReport, BoxError> {
+    let done = Arc::new(AtomicU64::new(0));
+    let b = before(&opts).await?;
+    let progress = spawn_progress(done.clone(), n, "connections", opts.broker_pid, opts.quiet);
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for range in split_range(n, u64::from(opts.parallel)) {
+        let (url, done) = (opts.url.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut held: Vec<(Connection, Channel)> = Vec::new();
+            for i in range {
+                let conn = connect(&url, &format!("warren-bench idle {i}")).await?;
+                let ch = conn.create_channel().await?;
+                held.push((conn, ch));
+                done.fetch_add(1, Relaxed);
+            }
+            Ok::<_, BoxError>(held)
+        }));
+    }
+    let mut errors = Vec::new();
+    let mut held = Vec::new();
+    for t in tasks {
+        match t.await? {
+            Ok(h) => held.extend(h),
+            Err(e) => errors.push(format!("connect: {e}")),
+        }
+    }
+    let create_s = t0.elapsed().as_secs_f64();
+    progress.abort();
+    tokio::time::sleep(Duration::from_secs_f64(opts.settle)).await;
+    let r = report(
+        "idle-connections",
+        &opts,
+        b,
+        held.len() as u64,
+        create_s,
+        errors,
+    )?;
+    let closes = held.iter().map(|(conn, _)| conn.close(200, "bye".into()));
+    futures_util::future::join_all(closes).await;
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_range;
+
+    #[test]
+    fn ranges_cover_everything_once() {
+        assert_eq!(split_range(10, 3), vec![0..3, 3..6, 6..10]);
+        assert_eq!(split_range(2, 8), vec![0..1, 1..2]);
+        assert_eq!(split_range(0, 4), vec![0..0]);
+    }
+}

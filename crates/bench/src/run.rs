@@ -1,0 +1,734 @@
+//! The throughput / latency run: producers and consumers over a set of queues.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use futures_util::{FutureExt, StreamExt};
+use hdrhistogram::Histogram;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer,
+    ExchangeKind, PublisherConfirm,
+};
+use serde::Serialize;
+use tokio::sync::{mpsc, watch, Semaphore};
+
+use crate::opts::{ExchangeType, Opts};
+use crate::rate::RateLimiter;
+use crate::stats::{self, new_histogram, now_ns, BrokerReport, LatencySummary, ProcSample};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Counters shared with the progress line. Each task also keeps its own exact figures.
+#[derive(Default)]
+pub struct Shared {
+    pub published: AtomicU64,
+    pub confirmed: AtomicU64,
+    pub nacked: AtomicU64,
+    pub consumed: AtomicU64,
+    /// Sum and max of end-to-end latency (us) since the last progress line.
+    pub lat_sum_us: AtomicU64,
+    pub lat_n: AtomicU64,
+    pub lat_max_us: AtomicU64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RunReport {
+    pub mode: &'static str,
+    pub label: Option<String>,
+    pub config: Opts,
+    /// Seconds from the start (all connections open, consumers registered) to the end.
+    pub elapsed_s: f64,
+    pub published: u64,
+    /// Messages per second over the publishing interval (until the last producer finished,
+    /// confirms included).
+    pub publish_rate: f64,
+    pub publish_elapsed_s: f64,
+    pub confirmed: u64,
+    pub nacked: u64,
+    /// Messages the rate limiter gave up on because the producer fell more than 100 ms behind.
+    pub rate_skipped: u64,
+    pub consumed: u64,
+    /// Messages per second from the consumers' start to the last message received.
+    pub consume_rate: f64,
+    pub consume_elapsed_s: f64,
+    pub latency: Option<LatencySummary>,
+    pub confirm_latency: Option<LatencySummary>,
+    pub broker: Option<BrokerReport>,
+    /// This process's own CPU seconds and share of one core over the run.
+    pub client_cpu_s: f64,
+    pub client_cpu_pct: f64,
+    pub errors: Vec<String>,
+}
+
+struct ProducerResult {
+    published: u64,
+    confirmed: u64,
+    nacked: u64,
+    skipped: u64,
+    confirm_hist: Histogram<u64>,
+    end: Instant,
+}
+
+struct ConsumerResult {
+    consumed: u64,
+    hist: Histogram<u64>,
+    last: Option<Instant>,
+}
+
+pub async fn connect(url: &str, name: &str) -> Result<Connection, BoxError> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    Ok(Connection::connect(url, props).await?)
+}
+
+pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
+    let shared = Arc::new(Shared::default());
+    let queues = opts.queue_names(opts.queues);
+    let mut errors = Vec::new();
+
+    // Topology, on a connection of its own that also tears it down at the end.
+    let admin = connect(&opts.url, "warren-bench admin").await?;
+    let admin_ch = admin.create_channel().await?;
+    if !opts.predeclare {
+        declare_topology(&opts, &admin_ch, &queues).await?;
+    }
+
+    // Consumers first, so that nothing published is missed.
+    let mut consumers = Vec::new();
+    for i in 0..opts.consumers {
+        let conn = connect(&opts.url, &format!("warren-bench consumer {i}")).await?;
+        let ch = conn.create_channel().await?;
+        if !opts.auto_ack {
+            ch.basic_qos(opts.prefetch, BasicQosOptions::default())
+                .await?;
+        }
+        let queue = &queues[i % queues.len()];
+        let consumer = ch
+            .basic_consume(
+                queue.as_str().into(),
+                format!("warren-bench-{i}").as_str().into(),
+                BasicConsumeOptions {
+                    no_ack: opts.auto_ack,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        consumers.push((conn, ch, Some(consumer)));
+    }
+    let mut producers = Vec::new();
+    for i in 0..opts.producers {
+        let conn = connect(&opts.url, &format!("warren-bench producer {i}")).await?;
+        let ch = conn.create_channel().await?;
+        if opts.confirm > 0 {
+            ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        }
+        let routing_key = if opts.exchange.is_empty() || opts.exchange_type != ExchangeType::Fanout
+        {
+            queues[i % queues.len()].clone()
+        } else {
+            String::new()
+        };
+        producers.push((conn, ch, routing_key));
+    }
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let broker_pid = opts.broker_pid;
+    let peak_reset = match broker_pid {
+        Some(pid) if !opts.no_reset_peak => stats::reset_peak(pid),
+        _ => false,
+    };
+    let broker_start = broker_pid.map(stats::sample).transpose()?;
+    let client_start = stats::sample_self();
+    let start = Instant::now();
+
+    let cfg = Arc::new(opts.clone());
+    let n_producers = producers.len() as u64;
+    let mut producer_tasks = Vec::new();
+    for (i, (_conn, ch, rk)) in producers.iter().enumerate() {
+        let quota = opts
+            .count
+            .map(|c| c / n_producers + u64::from((i as u64) < c % n_producers));
+        producer_tasks.push(tokio::spawn(producer(
+            ch.clone(),
+            cfg.clone(),
+            rk.clone(),
+            quota,
+            shared.clone(),
+            stop_rx.clone(),
+            start,
+        )));
+    }
+    let mut consumer_tasks = Vec::new();
+    for (_conn, ch, consumer) in consumers.iter_mut() {
+        consumer_tasks.push(tokio::spawn(consume(
+            ch.clone(),
+            consumer.take().expect("consumer"),
+            cfg.clone(),
+            shared.clone(),
+            stop_rx.clone(),
+        )));
+    }
+
+    // Supervise: progress once a second, stop on the deadline or when the count is reached.
+    let deadline = opts.duration().map(|d| start + d);
+    let expected = opts.count.map(|c| {
+        if opts.producers == 0 {
+            c
+        } else {
+            c * opts.fanout_factor()
+        }
+    });
+    let idle_timeout = Duration::from_secs_f64(opts.idle_timeout);
+    let mut progress = Progress::new(&shared, broker_pid, start, opts.confirm > 0);
+    let mut last_consumed = 0;
+    let mut last_change = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(20));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = &mut ctrl_c => {
+                errors.push("interrupted".to_string());
+                break;
+            }
+        }
+        let now = Instant::now();
+        progress.maybe_print(now, opts.quiet);
+        if deadline.is_some_and(|d| now >= d) {
+            break;
+        }
+        let producers_done = producer_tasks.iter().all(|t| t.is_finished());
+        let consumed = shared.consumed.load(Relaxed);
+        if consumed != last_consumed {
+            last_consumed = consumed;
+            last_change = now;
+        }
+        if producers_done && opts.duration.is_none() {
+            if opts.consumers == 0 {
+                break;
+            }
+            if expected.is_some_and(|e| consumed >= e) {
+                break;
+            }
+            if now - last_change > idle_timeout {
+                errors.push(format!(
+                    "no message for {:.0}s: stopped with {consumed} of {} consumed",
+                    opts.idle_timeout,
+                    expected.unwrap_or(0)
+                ));
+                break;
+            }
+        }
+        if deadline.is_some() && opts.producers > 0 && producers_done {
+            // Producers only end early in a timed run when they failed.
+            break;
+        }
+    }
+    let _ = stop_tx.send(true);
+    let end = Instant::now();
+    let broker_end = broker_pid.map(stats::sample).transpose()?;
+    let client_end = stats::sample_self();
+
+    let mut published = 0;
+    let mut confirmed = 0;
+    let mut nacked = 0;
+    let mut skipped = 0;
+    let mut confirm_hist = new_histogram();
+    let mut publish_end = start;
+    for t in producer_tasks {
+        match t.await? {
+            Ok(r) => {
+                published += r.published;
+                confirmed += r.confirmed;
+                nacked += r.nacked;
+                skipped += r.skipped;
+                confirm_hist.add(&r.confirm_hist)?;
+                publish_end = publish_end.max(r.end);
+            }
+            Err(e) => errors.push(format!("producer: {e}")),
+        }
+    }
+    let mut consumed = 0;
+    let mut hist = new_histogram();
+    let mut consume_end = start;
+    for t in consumer_tasks {
+        let r = t.await?;
+        consumed += r.consumed;
+        hist.add(&r.hist)?;
+        if let Some(last) = r.last {
+            consume_end = consume_end.max(last);
+        }
+    }
+    // In duration mode the interval is the duration; in count mode it ends with the last event.
+    if opts.count.is_none() {
+        publish_end = end;
+        consume_end = end;
+    }
+
+    // Tear down: consumers first (their queues are about to go), then producers.
+    for (conn, _, _) in consumers.iter() {
+        let _ = conn.close(200, "bye".into()).await;
+    }
+    for (conn, _, _) in producers.iter() {
+        let _ = conn.close(200, "bye".into()).await;
+    }
+    if opts.delete || (!opts.predeclare && !opts.no_consume && !opts.keep) {
+        if let Err(e) = delete_topology(&opts, &admin_ch, &queues).await {
+            errors.push(format!("cleanup: {e}"));
+        }
+    }
+    let _ = admin.close(200, "bye".into()).await;
+
+    let elapsed = (end - start).as_secs_f64();
+    let publish_elapsed = (publish_end - start).as_secs_f64();
+    let consume_elapsed = (consume_end - start).as_secs_f64();
+    let broker = match (broker_pid, broker_start, broker_end) {
+        (Some(pid), Some(s), Some(e)) => {
+            let mut b = BrokerReport::new(pid, s, e, progress.rss_max_kb, elapsed, peak_reset);
+            if consumed > 0 {
+                b.set_per_msg(consumed, "consumed");
+            } else {
+                b.set_per_msg(published, "published");
+            }
+            Some(b)
+        }
+        _ => None,
+    };
+    let client_cpu = (client_end.cpu_s - client_start.cpu_s).max(0.0);
+    Ok(RunReport {
+        mode: "throughput",
+        label: opts.label.clone(),
+        elapsed_s: stats::round3(elapsed),
+        published,
+        publish_rate: rate(published, publish_elapsed),
+        publish_elapsed_s: stats::round3(publish_elapsed),
+        confirmed,
+        nacked,
+        rate_skipped: skipped,
+        consumed,
+        consume_rate: rate(consumed, consume_elapsed),
+        consume_elapsed_s: stats::round3(consume_elapsed),
+        latency: LatencySummary::from_histogram(&hist),
+        confirm_latency: LatencySummary::from_histogram(&confirm_hist),
+        broker,
+        client_cpu_s: stats::round3(client_cpu),
+        client_cpu_pct: if elapsed > 0.0 {
+            stats::round1(client_cpu / elapsed * 100.0)
+        } else {
+            0.0
+        },
+        errors,
+        config: opts,
+    })
+}
+
+fn rate(n: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        stats::round1(n as f64 / secs)
+    } else {
+        0.0
+    }
+}
+
+fn exchange_kind(t: ExchangeType) -> ExchangeKind {
+    match t {
+        ExchangeType::Direct => ExchangeKind::Direct,
+        ExchangeType::Fanout => ExchangeKind::Fanout,
+        ExchangeType::Topic => ExchangeKind::Topic,
+    }
+}
+
+async fn declare_topology(opts: &Opts, ch: &Channel, queues: &[String]) -> Result<(), BoxError> {
+    if !opts.exchange.is_empty() {
+        ch.exchange_declare(
+            opts.exchange.as_str().into(),
+            exchange_kind(opts.exchange_type),
+            ExchangeDeclareOptions {
+                durable: opts.durable,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    }
+    let args = opts.queue_arguments();
+    for q in queues {
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                durable: opts.durable,
+                ..Default::default()
+            },
+            args.clone(),
+        )
+        .await?;
+        // A queue left over from an interrupted run with the same name would skew the figures.
+        if opts.producers > 0 {
+            ch.queue_purge(q.as_str().into(), Default::default())
+                .await?;
+        }
+        if !opts.exchange.is_empty() {
+            ch.queue_bind(
+                q.as_str().into(),
+                opts.exchange.as_str().into(),
+                q.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+async fn delete_topology(opts: &Opts, ch: &Channel, queues: &[String]) -> Result<(), BoxError> {
+    for q in queues {
+        ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+    }
+    if !opts.exchange.is_empty() {
+        ch.exchange_delete(
+            opts.exchange.as_str().into(),
+            ExchangeDeleteOptions::default(),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+struct ConfirmResult {
+    confirmed: u64,
+    nacked: u64,
+    hist: Histogram<u64>,
+}
+
+/// Awaits the confirms of one producer in publish order, records their latency and gives the
+/// window back to the producer.
+async fn confirm_task(
+    mut rx: mpsc::UnboundedReceiver<(u64, Vec<PublisherConfirm>)>,
+    window: Arc<Semaphore>,
+    shared: Arc<Shared>,
+) -> Result<ConfirmResult, BoxError> {
+    let mut r = ConfirmResult {
+        confirmed: 0,
+        nacked: 0,
+        hist: new_histogram(),
+    };
+    while let Some((sent_ns, confirms)) = rx.recv().await {
+        let mut released = 0;
+        for mut c in confirms {
+            let result = match (&mut c).now_or_never() {
+                Some(res) => res,
+                None => {
+                    // Give back what is done before waiting for more.
+                    if released > 0 {
+                        window.add_permits(released);
+                        released = 0;
+                    }
+                    c.await
+                }
+            };
+            match result? {
+                Confirmation::Nack(_) => {
+                    r.nacked += 1;
+                    shared.nacked.fetch_add(1, Relaxed);
+                }
+                _ => {
+                    r.confirmed += 1;
+                    shared.confirmed.fetch_add(1, Relaxed);
+                }
+            }
+            r.hist
+                .saturating_record(now_ns().saturating_sub(sent_ns) / 1_000);
+            released += 1;
+        }
+        window.add_permits(released);
+    }
+    Ok(r)
+}
+
+async fn producer(
+    ch: Channel,
+    opts: Arc<Opts>,
+    routing_key: String,
+    quota: Option<u64>,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+    start: Instant,
+) -> Result<ProducerResult, BoxError> {
+    let size = opts.size as usize;
+    let props = if opts.persistent {
+        BasicProperties::default().with_delivery_mode(2)
+    } else {
+        BasicProperties::default()
+    };
+    let exchange = ShortString::from(opts.exchange.as_str());
+    let routing_key = ShortString::from(routing_key.as_str());
+    let mut batch_max = opts.batch as u64;
+    if opts.confirm > 0 {
+        batch_max = batch_max.min(opts.confirm as u64);
+    }
+    // One reusable buffer holding a batch of bodies; lapin copies them into frames.
+    let mut buf = vec![0u8; batch_max as usize * size];
+    let confirms = (opts.confirm > 0).then(|| {
+        let window = Arc::new(Semaphore::new(opts.confirm as usize));
+        let (tx, rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(confirm_task(rx, window.clone(), shared.clone()));
+        (window, tx, task)
+    });
+    let slice = Duration::from_secs_f64(opts.slice_ms / 1000.0);
+    let mut limiter =
+        (opts.rate > 0.0).then(|| RateLimiter::new(opts.rate, Duration::from_millis(100)));
+    let mut sent = 0u64;
+    let mut error = None;
+    'outer: loop {
+        if *stop.borrow() {
+            break;
+        }
+        let remaining = quota.map_or(u64::MAX, |q| q - sent);
+        if remaining == 0 {
+            break;
+        }
+        let mut n = batch_max.min(remaining);
+        if let Some(rl) = limiter.as_mut() {
+            let elapsed = start.elapsed();
+            let due = rl.due(elapsed);
+            if due == 0 {
+                let wake = start + rl.next_wake(elapsed, slice);
+                tokio::select! {
+                    _ = tokio::time::sleep_until(wake.into()) => {}
+                    _ = stop.changed() => break,
+                }
+                continue;
+            }
+            n = n.min(due);
+        }
+        if let Some((window, _, _)) = &confirms {
+            tokio::select! {
+                permit = window.acquire_many(n as u32) => permit?.forget(),
+                _ = stop.changed() => break,
+            }
+        }
+        let ts = now_ns().to_le_bytes();
+        let bodies = &mut buf[..n as usize * size];
+        for body in bodies.chunks_exact_mut(size) {
+            body[..8].copy_from_slice(&ts);
+        }
+        let publishes = bodies.chunks_exact(size).map(|body| {
+            ch.basic_publish(
+                exchange.clone(),
+                routing_key.clone(),
+                BasicPublishOptions::default(),
+                body,
+                props.clone(),
+            )
+        });
+        let results = join_all(publishes).await;
+        let mut pending = Vec::with_capacity(if confirms.is_some() { results.len() } else { 0 });
+        for r in results {
+            match r {
+                Ok(c) => {
+                    if confirms.is_some() {
+                        pending.push(c);
+                    }
+                }
+                Err(e) => {
+                    error = Some(e.into());
+                    break 'outer;
+                }
+            }
+        }
+        if let Some((_, tx, _)) = &confirms {
+            let _ = tx.send((u64::from_le_bytes(ts), pending));
+        }
+        if let Some(rl) = limiter.as_mut() {
+            rl.sent(n);
+        }
+        sent += n;
+        shared.published.fetch_add(n, Relaxed);
+    }
+    let (mut confirmed, mut nacked, mut confirm_hist) = (0, 0, new_histogram());
+    if let Some((_, tx, task)) = confirms {
+        drop(tx);
+        // On a stop by deadline the outstanding confirms still arrive; wait a little for them.
+        let waited = if *stop.borrow() {
+            tokio::time::timeout(Duration::from_secs(5), task)
+                .await
+                .ok()
+        } else {
+            Some(task.await)
+        };
+        if let Some(r) = waited {
+            let r = r??;
+            confirmed = r.confirmed;
+            nacked = r.nacked;
+            confirm_hist = r.hist;
+        }
+    }
+    if let Some(e) = error {
+        return Err(e);
+    }
+    Ok(ProducerResult {
+        published: sent,
+        confirmed,
+        nacked,
+        skipped: limiter.map_or(0, |l| l.skipped),
+        confirm_hist,
+        end: Instant::now(),
+    })
+}
+
+async fn consume(
+    ch: Channel,
+    mut consumer: Consumer,
+    opts: Arc<Opts>,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) -> ConsumerResult {
+    let mut hist = new_histogram();
+    let every = opts.multi_ack_every as u64;
+    let multiple = every > 1;
+    let mut consumed = 0u64;
+    let mut unacked = 0u64;
+    let mut last_tag = 0;
+    let mut last = None;
+    loop {
+        let delivery = tokio::select! {
+            biased;
+            _ = stop.changed() => break,
+            d = consumer.next() => d,
+        };
+        let delivery = match delivery {
+            Some(Ok(d)) => d,
+            _ => break,
+        };
+        let now = now_ns();
+        let lat_us = match delivery.data.get(..8) {
+            Some(ts) => now.saturating_sub(u64::from_le_bytes(ts.try_into().unwrap())) / 1_000,
+            None => 0,
+        };
+        hist.saturating_record(lat_us);
+        consumed += 1;
+        last = Some(Instant::now());
+        shared.consumed.fetch_add(1, Relaxed);
+        shared.lat_sum_us.fetch_add(lat_us, Relaxed);
+        shared.lat_n.fetch_add(1, Relaxed);
+        shared.lat_max_us.fetch_max(lat_us, Relaxed);
+        if !opts.auto_ack {
+            unacked += 1;
+            last_tag = delivery.delivery_tag;
+            if unacked >= every {
+                // The ack frame is queued on the first poll; not waiting for lapin's I/O thread
+                // to write it lets the next delivery be handled at once.
+                let _ = ch
+                    .basic_ack(last_tag, BasicAckOptions { multiple })
+                    .now_or_never();
+                unacked = 0;
+            }
+        }
+    }
+    if unacked > 0 {
+        let _ = ch
+            .basic_ack(last_tag, BasicAckOptions { multiple: true })
+            .await;
+    }
+    ConsumerResult {
+        consumed,
+        hist,
+        last,
+    }
+}
+
+/// The once-a-second progress line on stderr, and RSS sampling for the peak.
+pub struct Progress {
+    shared: Arc<Shared>,
+    pid: Option<u32>,
+    start: Instant,
+    next: Instant,
+    last: Instant,
+    last_pub: u64,
+    last_conf: u64,
+    last_cons: u64,
+    last_cpu: Option<ProcSample>,
+    confirms: bool,
+    pub rss_max_kb: u64,
+}
+
+impl Progress {
+    pub fn new(shared: &Arc<Shared>, pid: Option<u32>, start: Instant, confirms: bool) -> Self {
+        let last_cpu = pid.and_then(|p| stats::sample(p).ok());
+        Self {
+            shared: shared.clone(),
+            pid,
+            start,
+            next: start + Duration::from_secs(1),
+            last: start,
+            last_pub: 0,
+            last_conf: 0,
+            last_cons: 0,
+            rss_max_kb: last_cpu.map_or(0, |s| s.rss_kb),
+            last_cpu,
+            confirms,
+        }
+    }
+
+    pub fn maybe_print(&mut self, now: Instant, quiet: bool) {
+        if now < self.next {
+            return;
+        }
+        self.next += Duration::from_secs(1);
+        let secs = (now - self.last).as_secs_f64();
+        self.last = now;
+        let s = &self.shared;
+        let (p, c, k) = (
+            s.published.load(Relaxed),
+            s.confirmed.load(Relaxed),
+            s.consumed.load(Relaxed),
+        );
+        let lat_n = s.lat_n.swap(0, Relaxed);
+        let lat_sum = s.lat_sum_us.swap(0, Relaxed);
+        let lat_max = s.lat_max_us.swap(0, Relaxed);
+        let mut line = format!(
+            "{:>5.0}s  pub {:>7.0}/s",
+            (now - self.start).as_secs_f64(),
+            (p - self.last_pub) as f64 / secs,
+        );
+        if self.confirms {
+            line += &format!("  conf {:>7.0}/s", (c - self.last_conf) as f64 / secs);
+        }
+        line += &format!("  cons {:>7.0}/s", (k - self.last_cons) as f64 / secs);
+        if let Some(avg) = lat_sum.checked_div(lat_n) {
+            line += &format!(
+                "  lat avg {} max {}",
+                stats::fmt_us(avg),
+                stats::fmt_us(lat_max)
+            );
+        }
+        (self.last_pub, self.last_conf, self.last_cons) = (p, c, k);
+        if let Some(pid) = self.pid {
+            if let Ok(sample) = stats::sample(pid) {
+                self.rss_max_kb = self.rss_max_kb.max(sample.rss_kb);
+                if let Some(prev) = self.last_cpu {
+                    line += &format!(
+                        "  broker cpu {:>3.0}% rss {} MiB",
+                        (sample.cpu_s - prev.cpu_s) / secs * 100.0,
+                        sample.rss_kb / 1024
+                    );
+                }
+                self.last_cpu = Some(sample);
+            }
+        }
+        if !quiet {
+            eprintln!("{line}");
+        }
+    }
+}
