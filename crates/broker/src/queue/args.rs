@@ -144,7 +144,7 @@ fn check_expiry(i: i64) -> Result<u64, Bad> {
     }
 }
 
-fn check_str<'a>(v: &'a FieldValue) -> Result<&'a [u8], Bad> {
+fn check_str(v: &FieldValue) -> Result<&[u8], Bad> {
     match v {
         FieldValue::LongStr(b) => Ok(b),
         other => Err(Bad::Tagged(
@@ -264,9 +264,10 @@ fn check_key(key: &str, v: &FieldValue, args: &FieldTable, out: &mut QueueArgs) 
             }
         }
         "x-quorum-initial-group-size" | "x-initial-cluster-size" => {
-            if check_non_neg(v)? == 0 {
-                return Err(Bad::Tagged("value_zero", "0".to_string()));
-            }
+            check_non_neg(v).and_then(|n| match n {
+                0 => Err(Bad::Tagged("value_zero", "0".to_string())),
+                _ => Ok(()),
+            })?;
         }
         "x-max-age" => {
             let s = check_str(v)?;

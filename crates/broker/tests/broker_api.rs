@@ -1,0 +1,1033 @@
+//! The broker API against RabbitMQ 3.10's answers (codes and exact texts).
+
+use std::collections::HashMap;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use warren_broker::{
+    Broker, BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Delivery, DeliverySink, Message,
+    QueueId,
+};
+use warren_codec::{AmqpError, FieldTable, FieldValue, ReplyCode, ShortStr};
+
+const V: &str = "/";
+const C1: ConnId = 1;
+const C2: ConnId = 2;
+
+fn broker() -> Broker {
+    Broker::new(BrokerConfig::default())
+}
+
+fn req(name: &'static str) -> DeclareQueue {
+    DeclareQueue {
+        name: name.into(),
+        passive: false,
+        durable: false,
+        exclusive: false,
+        auto_delete: false,
+        arguments: FieldTable::new(),
+    }
+}
+
+fn declare(b: &mut Broker, name: &'static str) -> QueueId {
+    b.declare_queue(V, req(name), C1).expect("declare").queue
+}
+
+fn table(pairs: &[(&'static str, FieldValue)]) -> FieldTable {
+    let mut t = FieldTable::new();
+    for (k, v) in pairs {
+        t.insert(*k, v.clone());
+    }
+    t
+}
+
+fn msg(body: &'static str) -> Message {
+    Message {
+        exchange: "".into(),
+        routing_key: "".into(),
+        properties: Bytes::from_static(&[0, 0]),
+        body: Bytes::from_static(body.as_bytes()),
+        persistent: false,
+    }
+}
+
+/// Raw basic properties holding only a headers table.
+fn with_headers(body: &'static str, headers: &FieldTable) -> Message {
+    let mut raw = BytesMut::new();
+    raw.put_u16(1 << 13);
+    headers.encode(&mut raw);
+    Message {
+        properties: raw.freeze(),
+        ..msg(body)
+    }
+}
+
+fn err(code: ReplyCode, text: &str) -> AmqpError {
+    AmqpError::new(code, text)
+}
+
+fn ck(conn: ConnId, channel: u16, tag: &'static str) -> ConsumerKey {
+    ConsumerKey {
+        conn,
+        channel,
+        tag: tag.into(),
+    }
+}
+
+fn publish(b: &mut Broker, x: &str, rk: &str, m: Message) -> u32 {
+    b.publish(V, x, rk, m, 0).expect("publish").queues
+}
+
+fn ready(b: &Broker, q: QueueId) -> u32 {
+    b.queue_info(q).expect("queue").message_count
+}
+
+/// A sink with per-consumer credit that records deliveries.
+#[derive(Default)]
+struct Sink {
+    credit: HashMap<ConsumerKey, u32>,
+    got: Vec<(ConsumerKey, Delivery)>,
+}
+
+impl DeliverySink for Sink {
+    fn has_credit(&mut self, c: &ConsumerKey) -> bool {
+        self.credit.get(c).is_none_or(|n| *n > 0)
+    }
+    fn deliver(&mut self, c: &ConsumerKey, d: Delivery) {
+        if let Some(n) = self.credit.get_mut(c) {
+            *n -= 1;
+        }
+        self.got.push((c.clone(), d));
+    }
+}
+
+// ------------------------------------------------------------------ declare
+
+#[test]
+fn predeclared_exchanges() {
+    let mut b = broker();
+    for x in [
+        "amq.direct",
+        "amq.fanout",
+        "amq.topic",
+        "amq.headers",
+        "amq.match",
+        "amq.rabbitmq.trace",
+    ] {
+        assert!(b.exchange_exists(V, x), "{x}");
+        assert_eq!(
+            b.declare_exchange(V, x, "", true, false, false, false, &FieldTable::new()),
+            Ok(())
+        );
+    }
+    // Redeclaring a system exchange with its own type is fine.
+    assert_eq!(
+        b.declare_exchange(
+            V,
+            "amq.direct",
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new()
+        ),
+        Ok(())
+    );
+    assert_eq!(
+        b.publish(V, "amq.rabbitmq.trace", "x", msg("m"), 0),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "cannot publish to internal exchange 'amq.rabbitmq.trace' in vhost '/'"
+        ))
+    );
+    assert!(b.vhost_exists("/"));
+    assert!(!b.vhost_exists("other"));
+}
+
+#[test]
+fn passive_declare_missing_queue() {
+    let mut b = broker();
+    let mut r = req("nope");
+    r.passive = true;
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(ReplyCode::NotFound, "no queue 'nope' in vhost '/'"))
+    );
+}
+
+#[test]
+fn declare_and_redeclare() {
+    let mut b = broker();
+    let d = b.declare_queue(V, req("q"), C1).expect("declare");
+    assert_eq!(
+        (d.name.as_str(), d.message_count, d.consumer_count),
+        ("q", 0, 0)
+    );
+    publish(&mut b, "", "q", msg("a"));
+    let again = b.declare_queue(V, req("q"), C2).expect("redeclare");
+    assert_eq!((again.queue, again.message_count), (d.queue, 1));
+    let mut passive = req("q");
+    passive.passive = true;
+    passive.durable = true; // ignored when passive
+    assert_eq!(
+        b.declare_queue(V, passive, C2).expect("passive").queue,
+        d.queue
+    );
+
+    let mut durable = req("q");
+    durable.durable = true;
+    assert_eq!(
+        b.declare_queue(V, durable, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current is 'false'"
+        ))
+    );
+    let mut ad = req("q");
+    ad.auto_delete = true;
+    assert_eq!(
+        b.declare_queue(V, ad, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'auto_delete' for queue 'q' in vhost '/': received 'true' but current is 'false'"
+        ))
+    );
+}
+
+#[test]
+fn inequivalent_x_args() {
+    let mut b = broker();
+    let mut r = req("ml");
+    r.arguments = table(&[("x-max-length", FieldValue::I32(10))]);
+    b.declare_queue(V, r.clone(), C1).expect("declare");
+    r.arguments = table(&[("x-max-length", FieldValue::I32(20))]);
+    assert_eq!(
+        b.declare_queue(V, r.clone(), C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'x-max-length' for queue 'ml' in vhost '/': received '20' but current is '10'"
+        ))
+    );
+    // Unknown x- args are not compared; a wider integer type is equivalent.
+    r.arguments = table(&[
+        ("x-max-length", FieldValue::I64(10)),
+        ("x-other", FieldValue::Bool(true)),
+    ]);
+    assert!(b.declare_queue(V, r, C1).is_ok());
+}
+
+#[test]
+fn reserved_queue_name_and_invalid_args() {
+    let mut b = broker();
+    assert_eq!(
+        b.declare_queue(V, req("amq.q"), C1),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "queue name 'amq.q' contains reserved prefix 'amq.*'"
+        ))
+    );
+    let mut r = req("ttl");
+    r.arguments = table(&[("x-message-ttl", FieldValue::I32(-5))]);
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid arg 'x-message-ttl' for queue 'ttl' in vhost '/': {value_negative,-5}"
+        ))
+    );
+    let mut r = req("ml");
+    r.arguments = table(&[("x-max-length", FieldValue::long_str("ten"))]);
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid arg 'x-max-length' for queue 'ml' in vhost '/': \"expected integer, got longstr\""
+        ))
+    );
+    let mut r = req("dlx");
+    r.arguments = table(&[("x-dead-letter-exchange", FieldValue::I32(1))]);
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid type 'signedint' for arg 'x-dead-letter-exchange' in queue 'dlx' in vhost '/'"
+        ))
+    );
+    assert!(b.queue_id(V, "ttl").is_none());
+}
+
+#[test]
+fn quorum_properties() {
+    let mut b = broker();
+    let quorum = table(&[("x-queue-type", FieldValue::long_str("quorum"))]);
+    let mut r = req("qq");
+    r.arguments = quorum.clone();
+    r.durable = true;
+    r.exclusive = true;
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid property 'exclusive-owner' for queue 'qq' in vhost '/'"
+        ))
+    );
+    let mut r = req("qq");
+    r.arguments = quorum.clone();
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid property 'non-durable' for queue 'qq' in vhost '/'"
+        ))
+    );
+    let mut r = req("qq");
+    r.arguments = quorum.clone();
+    r.durable = true;
+    r.auto_delete = true;
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid property 'auto-delete' for queue 'qq' in vhost '/'"
+        ))
+    );
+    let mut r = req("qq");
+    r.arguments = quorum;
+    r.durable = true;
+    let id = b.declare_queue(V, r, C1).expect("quorum").queue;
+    assert_eq!(
+        b.queue_args(id).map(|a| a.queue_type),
+        Some(warren_broker::QueueType::Quorum)
+    );
+    // classic == no type on redeclare.
+    let mut r = req("cl");
+    r.arguments = table(&[("x-queue-type", FieldValue::long_str("classic"))]);
+    b.declare_queue(V, r, C1).expect("classic");
+    assert!(b.declare_queue(V, req("cl"), C1).is_ok());
+}
+
+#[test]
+fn server_named_queues() {
+    let mut b = broker();
+    let a = b.declare_queue(V, req(""), C1).expect("a");
+    let c = b.declare_queue(V, req(""), C1).expect("b");
+    assert_ne!(a.name, c.name);
+    for n in [&a.name, &c.name] {
+        assert!(n.starts_with("amq.gen-"), "{n}");
+        assert_eq!(n.len(), 30);
+    }
+    assert_eq!(b.queue_id(V, &a.name), Some(a.queue));
+    // Deterministic for a seed.
+    let mut b2 = broker();
+    assert_eq!(b2.declare_queue(V, req(""), C1).expect("same").name, a.name);
+}
+
+#[test]
+fn cr_lf_stripped_from_names() {
+    let mut b = broker();
+    let d = b.declare_queue(V, req("a\r\nb"), C1).expect("declare");
+    assert_eq!(d.name.as_str(), "ab");
+}
+
+// ---------------------------------------------------------------- exclusive
+
+fn locked(q: &str) -> AmqpError {
+    err(
+        ReplyCode::ResourceLocked,
+        &format!(
+            "cannot obtain exclusive access to locked queue '{q}' in vhost '/'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
+        ),
+    )
+}
+
+#[test]
+fn exclusive_queue_locked_for_other_connections() {
+    let mut b = broker();
+    let mut r = req("ex");
+    r.exclusive = true;
+    r.durable = true;
+    let id = b.declare_queue(V, r.clone(), C1).expect("declare").queue;
+    assert!(
+        !b.queue_info(id).expect("info").durable,
+        "exclusive queues are never durable"
+    );
+    // The owner may redeclare (durable is forced off on both sides).
+    assert!(b.declare_queue(V, r.clone(), C1).is_ok());
+    assert_eq!(b.declare_queue(V, r.clone(), C2), Err(locked("ex")));
+    // Same connection, exclusive flag differs: locked too.
+    assert_eq!(b.declare_queue(V, req("ex"), C1), Err(locked("ex")));
+    let mut passive = req("ex");
+    passive.passive = true;
+    assert_eq!(b.declare_queue(V, passive.clone(), C2), Err(locked("ex")));
+    assert!(b.declare_queue(V, passive, C1).is_ok());
+    assert_eq!(b.delete_queue(V, "ex", false, false, C2), Err(locked("ex")));
+    assert_eq!(b.purge_queue(V, "ex", C2), Err(locked("ex")));
+    assert_eq!(b.get(V, "ex", false, C2), Err(locked("ex")));
+    assert_eq!(
+        b.consume(V, "ex", ck(C2, 1, "t"), false, false, &FieldTable::new()),
+        Err(locked("ex"))
+    );
+    assert_eq!(
+        b.bind_queue(V, "ex", "amq.direct", "k", &FieldTable::new(), C2),
+        Err(locked("ex"))
+    );
+    b.bind_queue(V, "ex", "amq.direct", "k", &FieldTable::new(), C1)
+        .expect("owner binds");
+    assert_eq!(
+        b.unbind_queue(V, "ex", "amq.direct", "k", &FieldTable::new(), C2),
+        Err(locked("ex"))
+    );
+    // Publishing to it from anywhere is fine.
+    assert_eq!(publish(&mut b, "amq.direct", "k", msg("m")), 1);
+    // The owner's connection closes: the queue goes.
+    assert_eq!(b.connection_closed(C1), vec![id]);
+    assert!(b.queue_id(V, "ex").is_none());
+    assert_eq!(publish(&mut b, "amq.direct", "k", msg("m")), 0);
+}
+
+// ------------------------------------------------------------ delete, purge
+
+#[test]
+fn delete_and_purge() {
+    let mut b = broker();
+    let q = declare(&mut b, "q");
+    publish(&mut b, "", "q", msg("1"));
+    publish(&mut b, "", "q", msg("2"));
+    assert_eq!(
+        b.delete_queue(V, "q", false, true, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "queue 'q' in vhost '/' not empty"
+        ))
+    );
+    b.consume(V, "q", ck(C1, 1, "t"), false, false, &FieldTable::new())
+        .expect("consume");
+    assert_eq!(
+        b.delete_queue(V, "q", true, false, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "queue 'q' in vhost '/' in use"
+        ))
+    );
+    // if-empty is checked first.
+    assert_eq!(
+        b.delete_queue(V, "q", true, true, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "queue 'q' in vhost '/' not empty"
+        ))
+    );
+    // One in flight, one ready: purge drops the ready one only.
+    let mut sink = Sink::default();
+    sink.credit.insert(ck(C1, 1, "t"), 1);
+    b.dispatch(&mut sink);
+    assert_eq!(sink.got.len(), 1);
+    assert_eq!(b.purge_queue(V, "q", C1), Ok(1));
+    let info = b.queue_info(q).expect("info");
+    assert_eq!((info.message_count, info.in_flight), (0, 1));
+    assert_eq!(
+        b.purge_queue(V, "nope", C1),
+        Err(err(ReplyCode::NotFound, "no queue 'nope' in vhost '/'"))
+    );
+    // Delete cancels consumers and reports the ready count.
+    publish(&mut b, "", "q", msg("3"));
+    let d = b.delete_queue(V, "q", false, false, C1).expect("delete");
+    assert_eq!(d.message_count, 1);
+    assert_eq!(d.cancelled, vec![ck(C1, 1, "t")]);
+    assert!(b.queue_info(q).is_none());
+    assert!(b.consumer_queue(&ck(C1, 1, "t")).is_none());
+    // Deleting a missing queue is ok with 0 messages.
+    assert_eq!(
+        b.delete_queue(V, "q", true, true, C1)
+            .map(|d| d.message_count),
+        Ok(0)
+    );
+    // Settling against a deleted queue is ignored.
+    let (_, delivery) = &sink.got[0];
+    b.settle(delivery.queue, delivery.msg_id);
+    b.requeue(delivery.queue, delivery.msg_id);
+    b.discard(delivery.queue, delivery.msg_id);
+    // A redeclared queue gets a new id.
+    assert_ne!(declare(&mut b, "q"), q);
+}
+
+// --------------------------------------------------------------- exchanges
+
+#[test]
+fn exchange_errors() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    let passive =
+        |b: &mut Broker, n: &str| b.declare_exchange(V, n, "", true, false, false, false, &none);
+    assert_eq!(
+        passive(&mut b, "nope-x"),
+        Err(err(
+            ReplyCode::NotFound,
+            "no exchange 'nope-x' in vhost '/'"
+        ))
+    );
+    assert_eq!(
+        passive(&mut b, ""),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "operation not permitted on the default exchange"
+        ))
+    );
+    let none = FieldTable::new();
+    b.declare_exchange(V, "x", "direct", false, false, false, false, &none)
+        .expect("declare");
+    assert_eq!(
+        b.declare_exchange(V, "x", "fanout", false, false, false, false, &none),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'type' for exchange 'x' in vhost '/': received 'fanout' but current is 'direct'"
+        ))
+    );
+    assert_eq!(
+        b.declare_exchange(V, "x", "direct", false, true, false, false, &none),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'durable' for exchange 'x' in vhost '/': received 'true' but current is 'false'"
+        ))
+    );
+    assert_eq!(
+        b.declare_exchange(V, "x", "direct", false, false, false, true, &none),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'internal' for exchange 'x' in vhost '/': received 'true' but current is 'false'"
+        ))
+    );
+    let ae = table(&[("alternate-exchange", FieldValue::long_str("ae"))]);
+    assert_eq!(
+        b.declare_exchange(V, "x", "direct", false, false, false, false, &ae),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'alternate-exchange' for exchange 'x' in vhost '/': received the value 'ae' of type 'longstr' but current is none"
+        ))
+    );
+    assert_eq!(
+        b.declare_exchange(V, "bogus-x", "bogus", false, false, false, false, &none),
+        Err(err(
+            ReplyCode::CommandInvalid,
+            "unknown exchange type 'bogus'"
+        ))
+    );
+    assert_eq!(
+        b.declare_exchange(V, "amq.custom", "direct", false, false, false, false, &none),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "exchange name 'amq.custom' contains reserved prefix 'amq.*'"
+        ))
+    );
+    assert_eq!(
+        b.declare_exchange(V, "", "direct", false, false, false, false, &none),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "operation not permitted on the default exchange"
+        ))
+    );
+    let bad_ae = table(&[("alternate-exchange", FieldValue::I32(1))]);
+    assert_eq!(
+        b.declare_exchange(V, "y", "direct", false, false, false, false, &bad_ae),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid type 'signedint' for arg 'alternate-exchange' in exchange 'y' in vhost '/'"
+        ))
+    );
+    assert_eq!(
+        b.delete_exchange(V, "", false),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "operation not permitted on the default exchange"
+        ))
+    );
+    assert_eq!(
+        b.delete_exchange(V, "amq.direct", false),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "deletion of system exchange 'amq.direct' in vhost '/' not allowed"
+        ))
+    );
+    assert_eq!(b.delete_exchange(V, "never-was", true), Ok(()));
+    declare(&mut b, "q");
+    b.bind_queue(V, "q", "x", "k", &none, C1).expect("bind");
+    assert_eq!(
+        b.delete_exchange(V, "x", true),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "exchange 'x' in vhost '/' in use"
+        ))
+    );
+    assert_eq!(b.delete_exchange(V, "x", false), Ok(()));
+    assert!(!b.exchange_exists(V, "x"));
+    assert_eq!(
+        b.publish(V, "x", "k", msg("m"), 0),
+        Err(err(ReplyCode::NotFound, "no exchange 'x' in vhost '/'"))
+    );
+    b.declare_exchange(V, "int", "fanout", false, false, false, true, &none)
+        .expect("internal");
+    assert_eq!(
+        b.publish(V, "int", "k", msg("m"), 0),
+        Err(err(
+            ReplyCode::AccessRefused,
+            "cannot publish to internal exchange 'int' in vhost '/'"
+        ))
+    );
+}
+
+#[test]
+fn binding_errors() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    declare(&mut b, "q");
+    let default = err(
+        ReplyCode::AccessRefused,
+        "operation not permitted on the default exchange",
+    );
+    assert_eq!(
+        b.bind_queue(V, "q", "", "q", &none, C1),
+        Err(default.clone())
+    );
+    assert_eq!(
+        b.unbind_queue(V, "q", "", "q", &none, C1),
+        Err(default.clone())
+    );
+    assert_eq!(
+        b.bind_exchange(V, "", "amq.direct", "k", &none),
+        Err(default.clone())
+    );
+    assert_eq!(
+        b.bind_exchange(V, "amq.direct", "", "k", &none),
+        Err(default)
+    );
+    assert_eq!(
+        b.bind_queue(V, "q", "nope-x", "k", &none, C1),
+        Err(err(
+            ReplyCode::NotFound,
+            "no exchange 'nope-x' in vhost '/'"
+        ))
+    );
+    // The source is reported first when both are missing.
+    assert_eq!(
+        b.bind_queue(V, "nope", "nope-x", "k", &none, C1),
+        Err(err(
+            ReplyCode::NotFound,
+            "no exchange 'nope-x' in vhost '/'"
+        ))
+    );
+    assert_eq!(
+        b.bind_queue(V, "nope", "amq.direct", "k", &none, C1),
+        Err(err(ReplyCode::NotFound, "no queue 'nope' in vhost '/'"))
+    );
+    assert_eq!(
+        b.bind_exchange(V, "nope-x", "amq.direct", "k", &none),
+        Err(err(
+            ReplyCode::NotFound,
+            "no exchange 'nope-x' in vhost '/'"
+        ))
+    );
+    assert_eq!(
+        b.bind_exchange(V, "amq.direct", "nope-src", "k", &none),
+        Err(err(
+            ReplyCode::NotFound,
+            "no exchange 'nope-src' in vhost '/'"
+        ))
+    );
+    assert_eq!(
+        b.bind_queue(V, "q", "amq.headers", "", &table(&[("x-match", FieldValue::long_str("most"))]), C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "Invalid x-match field value <<\"most\">>; expected all, any, all-with-x, or any-with-x"
+        ))
+    );
+    // Unbinding what does not exist is fine.
+    assert_eq!(
+        b.unbind_queue(V, "q", "amq.direct", "none", &none, C1),
+        Ok(())
+    );
+    assert_eq!(b.unbind_queue(V, "nope", "nope-x", "k", &none, C1), Ok(()));
+    assert_eq!(b.unbind_exchange(V, "nope", "nope-x", "k", &none), Ok(()));
+}
+
+// ----------------------------------------------------------------- routing
+
+#[test]
+fn default_exchange_routes_by_queue_name() {
+    let mut b = broker();
+    let q = declare(&mut b, "q");
+    assert_eq!(publish(&mut b, "", "q", msg("m")), 1);
+    assert_eq!(publish(&mut b, "", "other", msg("m")), 0);
+    assert_eq!(ready(&b, q), 1);
+}
+
+#[test]
+fn direct_fanout_topic_headers() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    let (q1, q2, q3) = (
+        declare(&mut b, "q1"),
+        declare(&mut b, "q2"),
+        declare(&mut b, "q3"),
+    );
+    // direct
+    b.bind_queue(V, "q1", "amq.direct", "a", &none, C1)
+        .expect("bind");
+    b.bind_queue(V, "q2", "amq.direct", "a", &none, C1)
+        .expect("bind");
+    b.bind_queue(V, "q3", "amq.direct", "b", &none, C1)
+        .expect("bind");
+    assert_eq!(publish(&mut b, "amq.direct", "a", msg("m")), 2);
+    assert_eq!(publish(&mut b, "amq.direct", "c", msg("m")), 0);
+    b.unbind_queue(V, "q2", "amq.direct", "a", &none, C1)
+        .expect("unbind");
+    assert_eq!(publish(&mut b, "amq.direct", "a", msg("m")), 1);
+    // fanout
+    b.bind_queue(V, "q1", "amq.fanout", "", &none, C1)
+        .expect("bind");
+    b.bind_queue(V, "q2", "amq.fanout", "ignored", &none, C1)
+        .expect("bind");
+    assert_eq!(publish(&mut b, "amq.fanout", "anything", msg("m")), 2);
+    // topic
+    for (q, key) in [("q1", "a.*"), ("q2", "#"), ("q3", "a.#.z")] {
+        b.bind_queue(V, q, "amq.topic", key, &none, C1)
+            .expect("bind");
+    }
+    assert_eq!(publish(&mut b, "amq.topic", "a.b", msg("m")), 2);
+    assert_eq!(publish(&mut b, "amq.topic", "a.z", msg("m")), 3);
+    assert_eq!(publish(&mut b, "amq.topic", "", msg("m")), 1);
+    assert_eq!(publish(&mut b, "amq.topic", "a.b.c.z", msg("m")), 2);
+    // headers
+    let all = table(&[
+        ("x-match", FieldValue::long_str("all")),
+        ("a", FieldValue::I32(1)),
+        ("b", FieldValue::long_str("x")),
+    ]);
+    let any = table(&[
+        ("x-match", FieldValue::long_str("any")),
+        ("a", FieldValue::I32(1)),
+        ("b", FieldValue::long_str("x")),
+    ]);
+    b.bind_queue(V, "q1", "amq.headers", "", &all, C1)
+        .expect("bind");
+    b.bind_queue(V, "q2", "amq.match", "", &any, C1)
+        .expect("bind");
+    let both = table(&[("b", FieldValue::long_str("x")), ("a", FieldValue::I64(1))]);
+    let one = table(&[("a", FieldValue::I64(1))]);
+    assert_eq!(
+        publish(&mut b, "amq.headers", "", with_headers("m", &both)),
+        1
+    );
+    assert_eq!(
+        publish(&mut b, "amq.headers", "", with_headers("m", &one)),
+        0
+    );
+    assert_eq!(publish(&mut b, "amq.match", "", with_headers("m", &one)), 1);
+    assert_eq!(publish(&mut b, "amq.match", "", msg("no headers")), 0);
+    let _ = (q1, q2, q3);
+}
+
+#[test]
+fn queue_bound_twice_gets_one_copy() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    let q = declare(&mut b, "q");
+    b.bind_queue(V, "q", "amq.topic", "a.*", &none, C1)
+        .expect("bind");
+    b.bind_queue(V, "q", "amq.topic", "*.b", &none, C1)
+        .expect("bind");
+    b.bind_queue(V, "q", "amq.topic", "a.*", &none, C1)
+        .expect("same binding again");
+    b.bind_queue(
+        V,
+        "q",
+        "amq.topic",
+        "a.*",
+        &table(&[("k", FieldValue::I32(1))]),
+        C1,
+    )
+    .expect("with args");
+    assert_eq!(publish(&mut b, "amq.topic", "a.b", msg("m")), 1);
+    assert_eq!(ready(&b, q), 1);
+}
+
+#[test]
+fn exchange_to_exchange_with_cycles() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    for (x, t) in [("x1", "direct"), ("x2", "fanout"), ("x3", "topic")] {
+        b.declare_exchange(V, x, t, false, false, false, false, &none)
+            .expect("declare");
+    }
+    let q = declare(&mut b, "q");
+    let q2 = declare(&mut b, "q2");
+    b.bind_exchange(V, "x2", "x1", "k", &none)
+        .expect("x1 -> x2");
+    b.bind_exchange(V, "x3", "x2", "", &none).expect("x2 -> x3");
+    b.bind_exchange(V, "x1", "x3", "#", &none)
+        .expect("x3 -> x1 (cycle)");
+    b.bind_exchange(V, "x2", "x2", "", &none)
+        .expect("self loop");
+    b.bind_queue(V, "q", "x3", "k", &none, C1).expect("bind");
+    b.bind_queue(V, "q", "x2", "", &none, C1)
+        .expect("bind twice through the path");
+    b.bind_queue(V, "q2", "x1", "other", &none, C1)
+        .expect("bind");
+    assert_eq!(publish(&mut b, "x1", "k", msg("m")), 1);
+    assert_eq!(ready(&b, q), 1);
+    // Through the cycle: x3 -> x1 routes "other" to q2, and x3 also to... only q via "k".
+    assert_eq!(publish(&mut b, "x3", "other", msg("m")), 1);
+    assert_eq!(ready(&b, q2), 1);
+    b.unbind_exchange(V, "x2", "x1", "k", &none)
+        .expect("unbind");
+    assert_eq!(publish(&mut b, "x1", "k", msg("m")), 0);
+    // Deleting an exchange removes bindings in both directions.
+    b.delete_exchange(V, "x3", false).expect("delete");
+    assert_eq!(publish(&mut b, "x2", "", msg("m")), 1);
+}
+
+#[test]
+fn alternate_exchange() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    b.declare_exchange(V, "ae", "fanout", false, false, false, false, &none)
+        .expect("ae");
+    let ae = table(&[("alternate-exchange", FieldValue::long_str("ae"))]);
+    b.declare_exchange(V, "main", "direct", false, false, false, false, &ae)
+        .expect("main");
+    let (q, lost) = (declare(&mut b, "q"), declare(&mut b, "lost"));
+    b.bind_queue(V, "q", "main", "k", &none, C1).expect("bind");
+    b.bind_queue(V, "lost", "ae", "", &none, C1).expect("bind");
+    assert_eq!(publish(&mut b, "main", "k", msg("m")), 1);
+    assert_eq!(publish(&mut b, "main", "other", msg("m")), 1);
+    assert_eq!((ready(&b, q), ready(&b, lost)), (1, 1));
+}
+
+#[test]
+fn auto_delete_exchange_goes_with_last_binding() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    b.declare_exchange(V, "ad", "direct", false, false, true, false, &none)
+        .expect("declare");
+    declare(&mut b, "q1");
+    declare(&mut b, "q2");
+    b.bind_queue(V, "q1", "ad", "a", &none, C1).expect("bind");
+    b.bind_queue(V, "q2", "ad", "a", &none, C1).expect("bind");
+    b.unbind_queue(V, "q1", "ad", "a", &none, C1)
+        .expect("unbind");
+    assert!(b.exchange_exists(V, "ad"));
+    // Deleting the last bound queue removes the last binding.
+    b.delete_queue(V, "q2", false, false, C1).expect("delete");
+    assert!(!b.exchange_exists(V, "ad"));
+}
+
+// ---------------------------------------------------------------- consumers
+
+#[test]
+fn consume_errors_and_exclusive_consumers() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    declare(&mut b, "q");
+    assert_eq!(
+        b.consume(V, "nope", ck(C1, 1, "t"), false, false, &none),
+        Err(err(ReplyCode::NotFound, "no queue 'nope' in vhost '/'"))
+    );
+    assert_eq!(
+        b.get(V, "nope", false, C1),
+        Err(err(ReplyCode::NotFound, "no queue 'nope' in vhost '/'"))
+    );
+    let id = b
+        .consume(V, "q", ck(C1, 1, "ex"), false, true, &none)
+        .expect("exclusive");
+    let in_use = err(
+        ReplyCode::AccessRefused,
+        "queue 'q' in vhost '/' in exclusive use",
+    );
+    assert_eq!(
+        b.consume(V, "q", ck(C2, 1, "t"), false, false, &none),
+        Err(in_use.clone())
+    );
+    assert!(b.cancel(id, &ck(C1, 1, "ex")));
+    assert!(!b.cancel(id, &ck(C1, 1, "ex")));
+    b.consume(V, "q", ck(C1, 1, "t"), false, false, &none)
+        .expect("shared");
+    assert_eq!(
+        b.consume(V, "q", ck(C2, 1, "ex"), false, true, &none),
+        Err(in_use)
+    );
+    assert_eq!(
+        b.consume(V, "q", ck(C1, 1, "t"), false, false, &none),
+        Err(err(
+            ReplyCode::NotAllowed,
+            "attempt to reuse consumer tag 't'"
+        ))
+    );
+    assert_eq!(
+        b.consume(V, "q", ck(C1, 2, "p"), false, false, &table(&[("x-priority", FieldValue::long_str("high"))])),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid arg 'x-priority' for queue 'q' in vhost '/': \"expected integer, got longstr\""
+        ))
+    );
+    assert_eq!(b.queue_info(id).map(|i| i.consumer_count), Some(1));
+}
+
+#[test]
+fn auto_delete_queue_goes_with_last_consumer() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    let mut r = req("ad");
+    r.auto_delete = true;
+    let id = b.declare_queue(V, r, C1).expect("declare").queue;
+    // Never consumed: stays.
+    assert!(b.get(V, "ad", true, C1).expect("get").is_none());
+    b.consume(V, "ad", ck(C1, 1, "a"), false, false, &none)
+        .expect("a");
+    b.consume(V, "ad", ck(C2, 1, "b"), false, false, &none)
+        .expect("b");
+    assert!(b.cancel(id, &ck(C1, 1, "a")));
+    assert!(b.queue_info(id).is_some());
+    // The other connection closing cancels the last consumer.
+    assert_eq!(b.connection_closed(C2), vec![id]);
+    assert!(b.queue_info(id).is_none());
+}
+
+#[test]
+fn dispatch_round_robin_with_credit() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    let q = declare(&mut b, "q");
+    for i in 0..6 {
+        let body: &'static str = ["0", "1", "2", "3", "4", "5"][i];
+        publish(&mut b, "", "q", msg(body));
+    }
+    let (a, c) = (ck(C1, 1, "a"), ck(C1, 2, "c"));
+    b.consume(V, "q", a.clone(), false, false, &none)
+        .expect("a");
+    b.consume(V, "q", c.clone(), false, false, &none)
+        .expect("c");
+    let mut sink = Sink::default();
+    sink.credit.insert(a.clone(), 2);
+    sink.credit.insert(c.clone(), 1);
+    b.dispatch(&mut sink);
+    let seen: Vec<(String, u64)> = sink
+        .got
+        .iter()
+        .map(|(k, d)| (k.tag.to_string(), d.msg_id))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![("a".into(), 0), ("c".into(), 1), ("a".into(), 2)]
+    );
+    assert!(!b.needs_dispatch());
+    // No credit: nothing more until credit comes back.
+    b.dispatch(&mut sink);
+    assert_eq!(sink.got.len(), 3);
+    // Ack one and grant credit to c.
+    b.settle(q, 1);
+    sink.credit.insert(c.clone(), 1);
+    b.credit_changed(&c);
+    assert!(b.needs_dispatch());
+    b.dispatch(&mut sink);
+    assert_eq!(
+        sink.got.last().map(|(k, d)| (k.clone(), d.msg_id)),
+        Some((c.clone(), 3))
+    );
+    // Requeue 0: redelivered before the later ones.
+    b.requeue(q, 0);
+    sink.credit.insert(a.clone(), 10);
+    b.channel_credit_changed(C1, 1);
+    b.dispatch(&mut sink);
+    let tail: Vec<(u64, bool)> = sink.got[4..]
+        .iter()
+        .map(|(_, d)| (d.msg_id, d.redelivered))
+        .collect();
+    assert_eq!(tail, vec![(0, true), (4, false), (5, false)]);
+    let info = b.queue_info(q).expect("info");
+    assert_eq!((info.message_count, info.in_flight), (0, 5));
+    // discard forgets.
+    b.discard(q, 0);
+    assert_eq!(b.queue_info(q).map(|i| i.in_flight), Some(4));
+    // A closed channel: its consumers are cancelled.
+    assert_eq!(b.channel_closed(C1, 2), vec![c.clone()]);
+    assert_eq!(b.consumers_of(C1, None), vec![(a, q)]);
+}
+
+#[test]
+fn dispatch_batch_keeps_queue_dirty() {
+    let mut b = Broker::new(BrokerConfig {
+        dispatch_batch: 2,
+        ..BrokerConfig::default()
+    });
+    declare(&mut b, "q");
+    for _ in 0..5 {
+        publish(&mut b, "", "q", msg("m"));
+    }
+    b.consume(V, "q", ck(C1, 1, "t"), true, false, &FieldTable::new())
+        .expect("consume");
+    let mut sink = Sink::default();
+    b.dispatch(&mut sink);
+    assert_eq!(sink.got.len(), 2);
+    assert!(b.needs_dispatch());
+    b.dispatch(&mut sink);
+    b.dispatch(&mut sink);
+    assert_eq!(sink.got.len(), 5);
+    // no-ack: nothing in flight.
+    let q = b.queue_id(V, "q").expect("q");
+    assert_eq!(
+        b.queue_info(q).map(|i| (i.message_count, i.in_flight)),
+        Some((0, 0))
+    );
+}
+
+#[test]
+fn basic_get() {
+    let mut b = broker();
+    let q = declare(&mut b, "q");
+    publish(&mut b, "", "q", msg("a"));
+    publish(&mut b, "", "q", msg("b"));
+    let (d, left) = b.get(V, "q", false, C1).expect("ok").expect("message");
+    assert_eq!(
+        (d.msg_id, d.redelivered, left, d.queue_name.as_str()),
+        (0, false, 1, "q")
+    );
+    assert_eq!(d.message.body, Bytes::from_static(b"a"));
+    b.requeue(q, d.msg_id);
+    let (d, left) = b.get(V, "q", true, C1).expect("ok").expect("message");
+    assert_eq!(
+        (d.msg_id, d.redelivered, d.delivery_count, left),
+        (0, true, 2, 1)
+    );
+    let (d, left) = b.get(V, "q", true, C1).expect("ok").expect("message");
+    assert_eq!((d.msg_id, left), (1, 0));
+    assert!(b.get(V, "q", true, C1).expect("ok").is_none());
+    assert_eq!(b.queue_info(q).map(|i| i.in_flight), Some(0));
+}
+
+#[test]
+fn limits() {
+    let mut b = Broker::new(BrokerConfig {
+        max_queues: Some(1),
+        max_message_size: 3,
+        ..BrokerConfig::default()
+    });
+    declare(&mut b, "q");
+    assert_eq!(
+        b.declare_queue(V, req("q2"), C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "cannot declare queue 'q2': queue limit in vhost '/' (1) is reached"
+        ))
+    );
+    assert_eq!(
+        b.publish(V, "", "q", msg("long"), 0),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "message size 4 is larger than configured max size 3"
+        ))
+    );
+    assert_eq!(
+        b.declare_queue("nope", req("x"), C1),
+        Err(err(ReplyCode::NotAllowed, "vhost nope not found"))
+    );
+    let _: ShortStr = ShortStr::from("unused");
+}
