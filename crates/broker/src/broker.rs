@@ -1,7 +1,7 @@
 //! The broker: vhosts, exchanges, bindings, queues, and the API the session calls.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
@@ -72,6 +72,8 @@ pub struct Broker {
     /// Reused routing buffers.
     scratch_dests: Vec<Dest>,
     scratch_queues: Vec<QueueId>,
+    /// The latest time seen (publish, tick).
+    now_ms: u64,
 }
 
 /// RabbitMQ strips CR and LF from queue and exchange names.
@@ -234,6 +236,7 @@ impl Broker {
             dirty: VecDeque::new(),
             scratch_dests: Vec::new(),
             scratch_queues: Vec::new(),
+            now_ms: 0,
         };
         let default = b.config.default_vhost.clone();
         b.add_vhost(&default);
@@ -761,7 +764,8 @@ impl Broker {
         message: Message,
         now_ms: u64,
     ) -> Result<Routed, AmqpError> {
-        let _ = now_ms; // TTL and delayed delivery will use it.
+        // TTL and delayed delivery will use the time.
+        self.now_ms = self.now_ms.max(now_ms);
         if message.body.len() > self.config.max_message_size {
             return Err(AmqpError::precondition_failed(format!(
                 "message size {} is larger than configured max size {}",
@@ -1004,6 +1008,37 @@ impl Broker {
         }
     }
 
+    // ----------------------------------------------------------------- time
+
+    /// Time passes: the hook for message TTL, `x-expires` and consumer timeouts (none of
+    /// which is enforced yet). The server calls it at [`Broker::next_deadline`] or
+    /// periodically.
+    pub fn tick(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+    }
+
+    /// The earliest time at which [`Broker::tick`] has work to do; `None` while nothing is
+    /// time-bound.
+    pub fn next_deadline(&self) -> Option<u64> {
+        None
+    }
+
+    /// Every queue of a vhost, sorted by name.
+    pub fn queues(&self, vhost: &str) -> Vec<QueueInfo> {
+        let mut out: Vec<QueueInfo> = self
+            .vhosts
+            .get(vhost)
+            .map(|vh| {
+                vh.queues
+                    .values()
+                    .filter_map(|id| self.queue_info(*id))
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
+    }
+
     // ------------------------------------------------------------ basic.get
 
     /// basic.get: the next ready message and how many stay ready.
@@ -1089,7 +1124,9 @@ fn route(
 ) {
     let mut headers = LazyHeaders::new(&message.properties);
     let mut pending: Vec<&Exchange> = vec![start];
+    // Exchanges already routed through; a linear scan while few (the common case).
     let mut seen: Vec<&str> = vec![&start.name];
+    let mut seen_set: Option<HashSet<&str>> = None;
     while let Some(x) = pending.pop() {
         dests.clear();
         x.route(routing_key, &mut headers, dests);
@@ -1104,11 +1141,26 @@ fn route(
             match d {
                 Dest::Queue(id) => out.push(id),
                 Dest::Exchange(name) => {
-                    if seen.iter().any(|s| *s == &*name) {
+                    let Some((k, next)) = vh.exchanges.get_key_value(&name) else {
                         continue;
-                    }
-                    if let Some((k, next)) = vh.exchanges.get_key_value(&name) {
-                        seen.push(k);
+                    };
+                    let new = match &mut seen_set {
+                        Some(set) => set.insert(k.as_str()),
+                        None if seen.len() < 16 => {
+                            let new = !seen.contains(&k.as_str());
+                            if new {
+                                seen.push(k);
+                            }
+                            new
+                        }
+                        None => {
+                            let mut set: HashSet<&str> = seen.drain(..).collect();
+                            let new = set.insert(k.as_str());
+                            seen_set = Some(set);
+                            new
+                        }
+                    };
+                    if new {
                         pending.push(next);
                     }
                 }

@@ -786,6 +786,33 @@ fn exchange_to_exchange_with_cycles() {
 }
 
 #[test]
+fn long_exchange_ring() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    let names: Vec<String> = (0..40).map(|i| format!("ring-{i}")).collect();
+    for n in &names {
+        b.declare_exchange(V, n, "fanout", false, false, false, false, &none)
+            .expect("declare");
+    }
+    for i in 0..names.len() {
+        let next = &names[(i + 1) % names.len()];
+        b.bind_exchange(V, next, &names[i], "", &none)
+            .expect("bind");
+        // Shortcuts: every exchange also reaches the one after next.
+        let skip = &names[(i + 2) % names.len()];
+        b.bind_exchange(V, skip, &names[i], "", &none)
+            .expect("bind");
+    }
+    let q = declare(&mut b, "q");
+    b.bind_queue(V, "q", "ring-39", "", &none, C1)
+        .expect("bind");
+    b.bind_queue(V, "q", "ring-20", "", &none, C1)
+        .expect("bind");
+    assert_eq!(publish(&mut b, "ring-0", "", msg("m")), 1);
+    assert_eq!(ready(&b, q), 1);
+}
+
+#[test]
 fn alternate_exchange() {
     let mut b = broker();
     let none = FieldTable::new();
