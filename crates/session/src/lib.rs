@@ -1,1 +1,17 @@
-//! warren-session
+//! Warren's protocol layer: the AMQP 0-9-1 connection and channel state machines.
+//!
+//! Sans-IO, like the rest of the core: [`Node`] takes decoded frames and the current time, and gives back the
+//! bytes each connection must write. The tokio driver lives in `warren-server`.
+
+mod auth;
+mod channel;
+pub mod config;
+mod connection;
+mod node;
+mod out;
+
+pub use config::{SessionConfig, User};
+pub use node::{Node, Transmit};
+
+#[cfg(test)]
+mod tests;

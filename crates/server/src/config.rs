@@ -1,0 +1,204 @@
+//! Settings: command-line flags, then `WARREN_*` environment variables, then an optional TOML file, then defaults.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use serde::Deserialize;
+use warren_session::{SessionConfig, User};
+
+#[derive(Parser, Debug, Default)]
+#[command(
+    name = "warren",
+    version,
+    about = "Warren: an AMQP 0-9-1 message broker for task queues"
+)]
+pub struct Args {
+    /// Address to listen on for AMQP clients [default: 0.0.0.0]
+    #[arg(long, env = "WARREN_BIND")]
+    pub bind: Option<IpAddr>,
+    /// AMQP port [default: 5672]
+    #[arg(long, env = "WARREN_PORT")]
+    pub port: Option<u16>,
+    /// A TOML file with any of these settings (keys as the long flags, with underscores), and `[[users]]`.
+    #[arg(long, env = "WARREN_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Log filter, e.g. `info`, `warn`, `warren_session=debug` [default: info]
+    #[arg(long, env = "WARREN_LOG")]
+    pub log_level: Option<String>,
+    /// Heartbeat interval proposed to clients, in seconds; 0 disables [default: 60]
+    #[arg(long, env = "WARREN_HEARTBEAT")]
+    pub heartbeat: Option<u16>,
+    /// Largest frame accepted and sent, in bytes [default: 131072]
+    #[arg(long, env = "WARREN_FRAME_MAX")]
+    pub frame_max: Option<u32>,
+    /// Highest channel number per connection [default: 2047]
+    #[arg(long, env = "WARREN_CHANNEL_MAX")]
+    pub channel_max: Option<u16>,
+    /// Largest message body accepted, in bytes [default: 134217728]
+    #[arg(long, env = "WARREN_MAX_MESSAGE_SIZE")]
+    pub max_message_size: Option<u64>,
+    /// Seconds a client has to complete the AMQP handshake [default: 10]
+    #[arg(long, env = "WARREN_HANDSHAKE_TIMEOUT")]
+    pub handshake_timeout: Option<u64>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub bind: Option<IpAddr>,
+    pub port: Option<u16>,
+    pub log_level: Option<String>,
+    pub heartbeat: Option<u16>,
+    pub frame_max: Option<u32>,
+    pub channel_max: Option<u16>,
+    pub max_message_size: Option<u64>,
+    pub handshake_timeout: Option<u64>,
+    /// Replaces the default guest user when present.
+    pub users: Option<Vec<FileUser>>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct FileUser {
+    pub name: String,
+    pub password: String,
+    #[serde(default)]
+    pub loopback_only: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    #[error("frame_max must be at least 4096, got {0}")]
+    FrameMax(u32),
+}
+
+/// Everything the server needs, resolved.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub bind: IpAddr,
+    pub port: u16,
+    pub log_level: String,
+    pub session: SessionConfig,
+}
+
+impl Config {
+    pub fn resolve(args: Args) -> Result<Config, ConfigError> {
+        let file = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: path.clone(),
+                    source,
+                })?
+            }
+            None => FileConfig::default(),
+        };
+        let mut session = SessionConfig::default();
+        if let Some(v) = args.heartbeat.or(file.heartbeat) {
+            session.heartbeat_secs = v;
+        }
+        if let Some(v) = args.frame_max.or(file.frame_max) {
+            if v < 4096 {
+                return Err(ConfigError::FrameMax(v));
+            }
+            session.frame_max = v;
+        }
+        if let Some(v) = args.channel_max.or(file.channel_max) {
+            session.channel_max = v;
+        }
+        if let Some(v) = args.max_message_size.or(file.max_message_size) {
+            session.max_message_size = v;
+        }
+        if let Some(v) = args.handshake_timeout.or(file.handshake_timeout) {
+            session.handshake_timeout_ms = v.saturating_mul(1000);
+        }
+        if let Some(users) = file.users {
+            session.users = users
+                .into_iter()
+                .map(|u| User {
+                    name: u.name,
+                    password: u.password,
+                    loopback_only: u.loopback_only,
+                })
+                .collect();
+        }
+        Ok(Config {
+            bind: args
+                .bind
+                .or(file.bind)
+                .unwrap_or(IpAddr::from([0, 0, 0, 0])),
+            port: args.port.or(file.port).unwrap_or(5672),
+            log_level: args
+                .log_level
+                .or(file.log_level)
+                .unwrap_or_else(|| "info".into()),
+            session,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_rabbitmq() {
+        let c = Config::resolve(Args::default()).unwrap();
+        assert_eq!(c.port, 5672);
+        assert_eq!(c.session.frame_max, 131_072);
+        assert_eq!(c.session.heartbeat_secs, 60);
+        assert_eq!(c.session.channel_max, 2047);
+        assert_eq!(c.session.users[0].name, "guest");
+        assert!(c.session.users[0].loopback_only);
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = std::env::temp_dir().join(format!("warren-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("warren.toml");
+        std::fs::write(
+            &path,
+            "port = 5999\nheartbeat = 5\n[[users]]\nname = \"app\"\npassword = \"s3cret\"\n",
+        )
+        .unwrap();
+        let args = Args {
+            config: Some(path),
+            heartbeat: Some(7),
+            ..Args::default()
+        };
+        let c = Config::resolve(args).unwrap();
+        assert_eq!(c.port, 5999);
+        assert_eq!(c.session.heartbeat_secs, 7);
+        assert_eq!(c.session.users.len(), 1);
+        assert_eq!(c.session.users[0].name, "app");
+        assert!(!c.session.users[0].loopback_only);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn rejects_a_tiny_frame_max() {
+        let args = Args {
+            frame_max: Some(100),
+            ..Args::default()
+        };
+        assert!(matches!(
+            Config::resolve(args),
+            Err(ConfigError::FrameMax(100))
+        ));
+    }
+}

@@ -1,0 +1,318 @@
+//! The tokio driver: sockets and timers around the sans-IO [`Node`].
+//!
+//! One core task owns the node and handles events in batches; each connection has a reader task (protocol
+//! header, frame decoding) and a writer task (socket writes). Readers feed the core through one bounded
+//! channel, so a core that falls behind stops the readers and TCP pushes back on publishers.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio::task::AbortHandle;
+use warren_broker::ConnId;
+use warren_codec::{DecodeError, Frame, FrameDecoder, PROTOCOL_HEADER};
+use warren_session::{Node, Transmit};
+
+/// Events queued for the core; bounded so readers wait (and stop reading) when the core is busy.
+const EVENT_QUEUE: usize = 1024;
+/// Events handled per batch before the node's output is flushed, so one busy client can't delay others' bytes.
+const BATCH: usize = 256;
+const READ_BUFFER: usize = 64 * 1024;
+const TICK: Duration = Duration::from_millis(100);
+/// How long a shutdown waits for clients to answer connection.close.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+enum Event {
+    Opened {
+        conn: ConnId,
+        peer: SocketAddr,
+        writer: mpsc::UnboundedSender<Transmit>,
+        frame_max: Arc<AtomicU32>,
+    },
+    Frames {
+        conn: ConnId,
+        frames: Vec<Frame>,
+    },
+    DecodeError {
+        conn: ConnId,
+        error: DecodeError,
+    },
+    Lost {
+        conn: ConnId,
+    },
+    Written {
+        conn: ConnId,
+        n: usize,
+    },
+}
+
+struct Writer {
+    tx: mpsc::UnboundedSender<Transmit>,
+    frame_max: Arc<AtomicU32>,
+}
+
+/// Runs the broker on `listener` until `shutdown` turns true, then closes every connection with 320.
+pub async fn serve(
+    listener: TcpListener,
+    node: Node,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let config = node.config().clone();
+    let (events_tx, events_rx) = mpsc::channel(EVENT_QUEUE);
+    let core = tokio::spawn(core(node, events_rx, shutdown.clone()));
+    let next_id = AtomicU64::new(1);
+    let handshake_timeout = Duration::from_millis(config.handshake_timeout_ms);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        // Out of file descriptors and the like: keep serving the connections we have.
+                        tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let conn = next_id.fetch_add(1, Ordering::Relaxed);
+                let events = events_tx.clone();
+                let frame_max = config.frame_max;
+                tokio::spawn(async move {
+                    connection(stream, peer, conn, events, frame_max, handshake_timeout).await;
+                });
+            }
+            _ = shutdown.changed() => break,
+        }
+    }
+    drop(events_tx);
+    core.await.map_err(std::io::Error::other)
+}
+
+async fn core(
+    mut node: Node,
+    mut events: mpsc::Receiver<Event>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let start = Instant::now();
+    let now = || u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let mut writers: HashMap<ConnId, Writer> = HashMap::new();
+    let mut ticker = tokio::time::interval(TICK);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut transmits = Vec::new();
+    let mut stopping: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            ev = events.recv() => {
+                let Some(ev) = ev else { break };
+                let t = now();
+                handle(&mut node, &mut writers, ev, t);
+                for _ in 1..BATCH {
+                    match events.try_recv() {
+                        Ok(ev) => handle(&mut node, &mut writers, ev, t),
+                        Err(_) => break,
+                    }
+                }
+            }
+            _ = ticker.tick() => {
+                node.tick(now());
+                if let Some(since) = stopping {
+                    if node.connection_count() == 0 || since.elapsed() > SHUTDOWN_GRACE {
+                        break;
+                    }
+                }
+            }
+            changed = shutdown.changed(), if stopping.is_none() => {
+                if changed.is_ok() {
+                    tracing::info!(connections = node.connection_count(), "shutting down");
+                    node.shutdown(now());
+                    stopping = Some(Instant::now());
+                }
+            }
+        }
+        node.poll_transmit(now(), &mut transmits);
+        for t in transmits.drain(..) {
+            let close = t.close;
+            let conn = t.conn;
+            if let Some(w) = writers.get(&conn) {
+                if let Some(fm) = t.frame_max {
+                    w.frame_max.store(fm, Ordering::Relaxed);
+                }
+                // A gone writer means the socket is gone; its Lost event is on the way.
+                let _ = w.tx.send(t);
+            }
+            if close {
+                writers.remove(&conn);
+            }
+        }
+    }
+    // Let writers flush their last close frames.
+    drop(writers);
+}
+
+fn handle(node: &mut Node, writers: &mut HashMap<ConnId, Writer>, ev: Event, now: u64) {
+    match ev {
+        Event::Opened {
+            conn,
+            peer,
+            writer,
+            frame_max,
+        } => {
+            writers.insert(
+                conn,
+                Writer {
+                    tx: writer,
+                    frame_max,
+                },
+            );
+            node.connection_opened(conn, Some(peer), now);
+        }
+        Event::Frames { conn, frames } => {
+            for frame in frames {
+                node.handle_frame(conn, frame, now);
+            }
+        }
+        Event::DecodeError { conn, error } => node.decode_error(conn, &error, now),
+        Event::Lost { conn } => {
+            writers.remove(&conn);
+            node.connection_lost(conn);
+        }
+        Event::Written { conn, n } => node.bytes_written(conn, n),
+    }
+}
+
+async fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    conn: ConnId,
+    events: mpsc::Sender<Event>,
+    frame_max: u32,
+    handshake_timeout: Duration,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(conn, error = %e, "set_nodelay failed");
+    }
+    let (mut rd, mut wr) = stream.into_split();
+    let mut header = [0u8; 8];
+    match tokio::time::timeout(handshake_timeout, rd.read_exact(&mut header)).await {
+        Ok(Ok(_)) if &header == PROTOCOL_HEADER => {}
+        Ok(Ok(_)) => {
+            // The spec: answer a header we don't speak with the one we do, then close.
+            let _ = wr.write_all(PROTOCOL_HEADER).await;
+            let _ = wr.shutdown().await;
+            return;
+        }
+        _ => return,
+    }
+    let frame_max = Arc::new(AtomicU32::new(frame_max));
+    let (tx, rx) = mpsc::unbounded_channel();
+    if events
+        .send(Event::Opened {
+            conn,
+            peer,
+            writer: tx,
+            frame_max: frame_max.clone(),
+        })
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let reader = tokio::spawn(read_loop(rd, conn, events.clone(), frame_max));
+    write_loop(wr, rx, conn, events, reader.abort_handle()).await;
+}
+
+async fn read_loop(
+    mut rd: OwnedReadHalf,
+    conn: ConnId,
+    events: mpsc::Sender<Event>,
+    frame_max: Arc<AtomicU32>,
+) {
+    let mut decoder = FrameDecoder::new(frame_max.load(Ordering::Relaxed));
+    let mut buf = BytesMut::with_capacity(READ_BUFFER);
+    loop {
+        if buf.capacity() - buf.len() < READ_BUFFER / 4 {
+            buf.reserve(READ_BUFFER);
+        }
+        match rd.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => {
+                let _ = events.send(Event::Lost { conn }).await;
+                return;
+            }
+            Ok(_) => {}
+        }
+        let fm = frame_max.load(Ordering::Relaxed);
+        if fm != decoder.frame_max() {
+            decoder.set_frame_max(fm);
+        }
+        let mut frames = Vec::new();
+        let mut failure = None;
+        loop {
+            match decoder.decode(&mut buf) {
+                Ok(Some(frame)) => frames.push(frame),
+                Ok(None) => break,
+                Err(error) => {
+                    failure = Some(error);
+                    break;
+                }
+            }
+        }
+        if !frames.is_empty() && events.send(Event::Frames { conn, frames }).await.is_err() {
+            return;
+        }
+        if let Some(error) = failure {
+            // Nothing after a framing error can be trusted: stop reading; the core closes the connection.
+            let _ = events.send(Event::DecodeError { conn, error }).await;
+            return;
+        }
+    }
+}
+
+async fn write_loop(
+    mut wr: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Transmit>,
+    conn: ConnId,
+    events: mpsc::Sender<Event>,
+    reader: AbortHandle,
+) {
+    let mut batch: Vec<Bytes> = Vec::new();
+    'outer: while let Some(first) = rx.recv().await {
+        let mut close = first.close;
+        batch.push(first.bytes);
+        while !close {
+            match rx.try_recv() {
+                Ok(t) => {
+                    close = t.close;
+                    batch.push(t.bytes);
+                }
+                Err(_) => break,
+            }
+        }
+        let mut written = 0;
+        for bytes in batch.drain(..) {
+            if wr.write_all(&bytes).await.is_err() {
+                break 'outer;
+            }
+            written += bytes.len();
+        }
+        if events
+            .send(Event::Written { conn, n: written })
+            .await
+            .is_err()
+        {
+            break;
+        }
+        if close {
+            break;
+        }
+    }
+    let _ = wr.shutdown().await;
+    reader.abort();
+    let _ = events.send(Event::Lost { conn }).await;
+}

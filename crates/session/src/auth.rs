@@ -1,0 +1,167 @@
+//! SASL mechanisms RabbitMQ offers by default: PLAIN and AMQPLAIN.
+
+use std::net::IpAddr;
+
+use bytes::Bytes;
+use warren_codec::{FieldTable, FieldValue};
+
+use crate::config::User;
+
+pub const MECHANISMS: &str = "PLAIN AMQPLAIN";
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct Credentials {
+    pub user: String,
+    pub password: String,
+}
+
+/// Why a login failed; each maps to the connection.close RabbitMQ sends.
+#[derive(Debug, PartialEq, Eq)]
+pub enum AuthError {
+    UnknownMechanism(String),
+    /// The response could not be parsed for this mechanism.
+    Malformed,
+    Refused,
+}
+
+pub fn parse_response(mechanism: &str, response: &Bytes) -> Result<Credentials, AuthError> {
+    match mechanism {
+        "PLAIN" => parse_plain(response),
+        "AMQPLAIN" => parse_amqplain(response),
+        other => Err(AuthError::UnknownMechanism(other.to_string())),
+    }
+}
+
+/// RFC 4616: `[authzid] NUL authcid NUL passwd`.
+fn parse_plain(response: &[u8]) -> Result<Credentials, AuthError> {
+    let mut parts = response.split(|b| *b == 0);
+    let _authzid = parts.next().ok_or(AuthError::Malformed)?;
+    let user = parts.next().ok_or(AuthError::Malformed)?;
+    let password = parts.next().ok_or(AuthError::Malformed)?;
+    if parts.next().is_some() {
+        return Err(AuthError::Malformed);
+    }
+    Ok(Credentials {
+        user: String::from_utf8(user.to_vec()).map_err(|_| AuthError::Malformed)?,
+        password: String::from_utf8(password.to_vec()).map_err(|_| AuthError::Malformed)?,
+    })
+}
+
+/// AMQPLAIN: a field table without its length prefix, holding LOGIN and PASSWORD.
+fn parse_amqplain(response: &Bytes) -> Result<Credentials, AuthError> {
+    let len = u32::try_from(response.len()).map_err(|_| AuthError::Malformed)?;
+    let mut framed = Vec::with_capacity(response.len() + 4);
+    framed.extend_from_slice(&len.to_be_bytes());
+    framed.extend_from_slice(response);
+    let table = FieldTable::decode(&mut Bytes::from(framed)).map_err(|_| AuthError::Malformed)?;
+    let text = |key: &str| -> Result<String, AuthError> {
+        match table.get(key) {
+            Some(FieldValue::LongStr(b)) => {
+                String::from_utf8(b.to_vec()).map_err(|_| AuthError::Malformed)
+            }
+            _ => Err(AuthError::Malformed),
+        }
+    };
+    Ok(Credentials {
+        user: text("LOGIN")?,
+        password: text("PASSWORD")?,
+    })
+}
+
+pub fn authenticate(
+    users: &[User],
+    creds: &Credentials,
+    peer: Option<IpAddr>,
+) -> Result<(), AuthError> {
+    let user = users
+        .iter()
+        .find(|u| u.name == creds.user)
+        .ok_or(AuthError::Refused)?;
+    if !constant_time_eq(user.password.as_bytes(), creds.password.as_bytes()) {
+        return Err(AuthError::Refused);
+    }
+    if user.loopback_only && !peer.is_some_and(|ip| ip.is_loopback() || is_mapped_loopback(ip)) {
+        return Err(AuthError::Refused);
+    }
+    Ok(())
+}
+
+fn is_mapped_loopback(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
+        IpAddr::V4(_) => false,
+    }
+}
+
+/// Keeps the comparison time independent of where the passwords differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::BytesMut;
+
+    fn guest() -> Vec<User> {
+        crate::config::SessionConfig::default().users
+    }
+
+    #[test]
+    fn plain_parses_and_checks() {
+        let c = parse_response("PLAIN", &Bytes::from_static(b"\0guest\0guest")).unwrap();
+        assert_eq!(c.user, "guest");
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        assert_eq!(authenticate(&guest(), &c, Some(lo)), Ok(()));
+        let bad = parse_response("PLAIN", &Bytes::from_static(b"\0guest\0wrong")).unwrap();
+        assert_eq!(
+            authenticate(&guest(), &bad, Some(lo)),
+            Err(AuthError::Refused)
+        );
+    }
+
+    #[test]
+    fn guest_is_refused_from_remote_addresses() {
+        let c = parse_response("PLAIN", &Bytes::from_static(b"\0guest\0guest")).unwrap();
+        let remote: IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(
+            authenticate(&guest(), &c, Some(remote)),
+            Err(AuthError::Refused)
+        );
+        let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        assert_eq!(authenticate(&guest(), &c, Some(mapped)), Ok(()));
+    }
+
+    #[test]
+    fn plain_rejects_garbage() {
+        assert_eq!(
+            parse_response("PLAIN", &Bytes::from_static(b"guest")),
+            Err(AuthError::Malformed)
+        );
+        assert!(matches!(
+            parse_response("SCRAM", &Bytes::new()),
+            Err(AuthError::UnknownMechanism(_))
+        ));
+    }
+
+    #[test]
+    fn amqplain_parses() {
+        let mut t = FieldTable::default();
+        t.insert("LOGIN", FieldValue::LongStr(Bytes::from_static(b"guest")));
+        t.insert("PASSWORD", FieldValue::LongStr(Bytes::from_static(b"pw")));
+        let mut buf = BytesMut::new();
+        t.encode(&mut buf);
+        let body = Bytes::from(buf).slice(4..);
+        let c = parse_response("AMQPLAIN", &body).unwrap();
+        assert_eq!(
+            c,
+            Credentials {
+                user: "guest".into(),
+                password: "pw".into()
+            }
+        );
+    }
+}

@@ -1,0 +1,963 @@
+//! One AMQP channel: content assembly, consumers, delivery tags, prefetch, confirms and transactions.
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+use warren_broker::{Broker, ConnId, ConsumerKey, DeclareQueue, Message, QueueId};
+use warren_codec::{
+    encode_ack, encode_get_ok, encode_return, properties, AmqpError, BasicPublish, ContentHeader,
+    Frame, Method, ReplyCode, ShortStr,
+};
+use warren_codec::{
+    BasicCancelOk, BasicConsumeOk, BasicGetEmpty, BasicQosOk, BasicRecoverOk, ChannelFlowOk,
+    ConfirmSelectOk, ExchangeBindOk, ExchangeDeclareOk, ExchangeDeleteOk, ExchangeUnbindOk,
+    QueueBindOk, QueueDeclareOk, QueueDeleteOk, QueuePurgeOk, QueueUnbindOk, TxCommitOk,
+    TxRollbackOk, TxSelectOk,
+};
+
+use crate::config::SessionConfig;
+use crate::out::send;
+
+const BASIC_CLASS: u16 = 60;
+const BASIC_PUBLISH: u16 = 40;
+
+/// An error raised while handling a frame, with the method it is blamed on (for the close frame).
+#[derive(Debug)]
+pub(crate) struct Fault {
+    pub error: AmqpError,
+    pub class_id: u16,
+    pub method_id: u16,
+}
+
+impl Fault {
+    pub fn new(error: AmqpError, class_id: u16, method_id: u16) -> Self {
+        Fault {
+            error,
+            class_id,
+            method_id,
+        }
+    }
+
+    fn on(method: &Method, error: AmqpError) -> Self {
+        Fault::new(error, method.class_id(), method.method_id())
+    }
+
+    fn on_publish(error: AmqpError) -> Self {
+        Fault::new(error, BASIC_CLASS, BASIC_PUBLISH)
+    }
+}
+
+/// What a channel handler needs from outside the channel.
+pub(crate) struct Ctx<'a> {
+    pub broker: &'a mut Broker,
+    pub conn: ConnId,
+    pub vhost: &'a str,
+    pub out: &'a mut BytesMut,
+    pub frame_max: u32,
+    pub now: u64,
+    pub config: &'a SessionConfig,
+    /// Consumers of queues deleted by this frame: each gets a basic.cancel if its client wants one.
+    pub cancelled: &'a mut Vec<ConsumerKey>,
+    /// Source of unique suffixes for generated consumer tags.
+    pub next_id: &'a mut u64,
+}
+
+#[derive(Debug)]
+pub(crate) struct Unacked {
+    pub tag: u64,
+    pub queue: QueueId,
+    pub msg_id: u64,
+    /// None for basic.get deliveries.
+    pub consumer: Option<ShortStr>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Consumer {
+    pub queue: QueueId,
+    pub no_ack: bool,
+    /// 0 = unlimited.
+    pub prefetch: u16,
+    pub unacked: u32,
+}
+
+enum Content {
+    Idle,
+    AwaitHeader(BasicPublish),
+    AwaitBody {
+        publish: BasicPublish,
+        header: ContentHeader,
+        body: Body,
+    },
+}
+
+/// A body that arrives in one frame stays the frame's own slice; only multi-frame bodies are copied together.
+enum Body {
+    Empty,
+    One(Bytes),
+    Many(BytesMut),
+}
+
+impl Body {
+    fn len(&self) -> usize {
+        match self {
+            Body::Empty => 0,
+            Body::One(b) => b.len(),
+            Body::Many(b) => b.len(),
+        }
+    }
+
+    fn push(&mut self, chunk: Bytes, total: usize) {
+        *self = match std::mem::replace(self, Body::Empty) {
+            Body::Empty => Body::One(chunk),
+            Body::One(first) => {
+                let mut all = BytesMut::with_capacity(total);
+                all.extend_from_slice(&first);
+                all.extend_from_slice(&chunk);
+                Body::Many(all)
+            }
+            Body::Many(mut all) => {
+                all.extend_from_slice(&chunk);
+                Body::Many(all)
+            }
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Body::Empty => Bytes::new(),
+            Body::One(b) => b,
+            Body::Many(b) => b.freeze(),
+        }
+    }
+}
+
+/// Work a transaction holds back until tx.commit.
+enum TxOp {
+    Publish {
+        exchange: ShortStr,
+        routing_key: ShortStr,
+        mandatory: bool,
+        message: Message,
+    },
+    Ack {
+        tag: u64,
+        multiple: bool,
+    },
+    Reject {
+        tag: u64,
+        multiple: bool,
+        requeue: bool,
+    },
+}
+
+pub(crate) struct Channel {
+    pub id: u16,
+    /// The server sent channel.close and waits for close-ok: everything else on the channel is dropped.
+    pub closing: bool,
+    content: Content,
+    confirm: bool,
+    publish_seq: u64,
+    /// Publishes confirmed but not yet acknowledged to the client: acks go out coalesced, once per batch.
+    confirm_pending: Option<(u64, u64)>,
+    tx: Option<Vec<TxOp>>,
+    next_tag: u64,
+    pub unacked: VecDeque<Unacked>,
+    pub consumers: HashMap<ShortStr, Consumer>,
+    consumer_prefetch: u16,
+    pub channel_prefetch: u16,
+    pub channel_unacked: u32,
+    last_queue: Option<ShortStr>,
+}
+
+enum Settle {
+    Ack,
+    Requeue,
+    Discard,
+}
+
+impl Channel {
+    pub fn new(id: u16) -> Self {
+        Channel {
+            id,
+            closing: false,
+            content: Content::Idle,
+            confirm: false,
+            publish_seq: 0,
+            confirm_pending: None,
+            tx: None,
+            next_tag: 1,
+            unacked: VecDeque::new(),
+            consumers: HashMap::new(),
+            consumer_prefetch: 0,
+            channel_prefetch: 0,
+            channel_unacked: 0,
+            last_queue: None,
+        }
+    }
+
+    /// May this consumer take one more message under its own and the channel's prefetch?
+    pub fn has_credit(&self, tag: &str) -> bool {
+        if self.closing {
+            return false;
+        }
+        let Some(c) = self.consumers.get(tag) else {
+            return false;
+        };
+        if c.no_ack {
+            return true;
+        }
+        (c.prefetch == 0 || c.unacked < u32::from(c.prefetch))
+            && (self.channel_prefetch == 0
+                || self.channel_unacked < u32::from(self.channel_prefetch))
+    }
+
+    /// Records a delivery to one of this channel's consumers and returns its delivery tag.
+    pub fn record_delivery(&mut self, tag: &ShortStr, queue: QueueId, msg_id: u64) -> u64 {
+        let delivery_tag = self.next_tag;
+        self.next_tag += 1;
+        if let Some(c) = self.consumers.get_mut(tag) {
+            if !c.no_ack {
+                c.unacked += 1;
+                self.channel_unacked += 1;
+                self.unacked.push_back(Unacked {
+                    tag: delivery_tag,
+                    queue,
+                    msg_id,
+                    consumer: Some(tag.clone()),
+                });
+            }
+        }
+        delivery_tag
+    }
+
+    /// Writes the coalesced publisher confirms (one basic.ack, multiple where it covers several).
+    pub fn flush_confirms(&mut self, out: &mut BytesMut) {
+        if let Some((first, last)) = self.confirm_pending.take() {
+            encode_ack(out, self.id, last, last > first);
+        }
+    }
+
+    /// The channel is going away: unacked deliveries return to their queues, consumers are cancelled.
+    pub fn release_all(&mut self, conn: ConnId, broker: &mut Broker) {
+        for u in self.unacked.drain(..) {
+            broker.requeue(u.queue, u.msg_id);
+        }
+        for (tag, c) in self.consumers.drain() {
+            broker.cancel(
+                c.queue,
+                &ConsumerKey {
+                    conn,
+                    channel: self.id,
+                    tag,
+                },
+            );
+        }
+        self.channel_unacked = 0;
+        self.content = Content::Idle;
+        self.tx = None;
+    }
+
+    pub fn on_frame(&mut self, frame: Frame, ctx: &mut Ctx<'_>) -> Result<(), Fault> {
+        match std::mem::replace(&mut self.content, Content::Idle) {
+            Content::Idle => match frame {
+                Frame::Method { method, .. } => self.on_method(method, ctx),
+                _ => Err(Fault::new(
+                    AmqpError::unexpected_frame(
+                        "expected method frame, got non method frame instead".to_string(),
+                    ),
+                    0,
+                    0,
+                )),
+            },
+            Content::AwaitHeader(publish) => match frame {
+                Frame::Header { header, .. } => self.on_header(publish, header, ctx),
+                _ => Err(Fault::on_publish(AmqpError::unexpected_frame(
+                    "expected content header for class 60, got non content header frame instead"
+                        .to_string(),
+                ))),
+            },
+            Content::AwaitBody {
+                publish,
+                header,
+                mut body,
+            } => match frame {
+                Frame::Body { payload, .. } => {
+                    let expected = header.body_size;
+                    let total = body.len() as u64 + payload.len() as u64;
+                    if total > expected {
+                        return Err(Fault::on_publish(AmqpError::frame_error(format!(
+                            "content body of {total} bytes exceeds the {expected} bytes announced in its header"
+                        ))));
+                    }
+                    // Bounded by max_message_size, checked when the header arrived.
+                    body.push(payload, expected as usize);
+                    if total == expected {
+                        self.complete_publish(publish, header, body.into_bytes(), ctx)
+                    } else {
+                        self.content = Content::AwaitBody {
+                            publish,
+                            header,
+                            body,
+                        };
+                        Ok(())
+                    }
+                }
+                _ => Err(Fault::on_publish(AmqpError::unexpected_frame(
+                    "expected content body, got non content body frame instead".to_string(),
+                ))),
+            },
+        }
+    }
+
+    fn on_header(
+        &mut self,
+        publish: BasicPublish,
+        header: ContentHeader,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), Fault> {
+        if header.class_id != BASIC_CLASS {
+            return Err(Fault::on_publish(AmqpError::unexpected_frame(format!(
+                "expected content header for class 60, got one for class {}",
+                header.class_id
+            ))));
+        }
+        let max = ctx.config.max_message_size;
+        if header.body_size > max {
+            return Err(Fault::on_publish(AmqpError::precondition_failed(format!(
+                "message size {} is larger than configured max size {max}",
+                header.body_size
+            ))));
+        }
+        if header.body_size == 0 {
+            return self.complete_publish(publish, header, Bytes::new(), ctx);
+        }
+        self.content = Content::AwaitBody {
+            publish,
+            header,
+            body: Body::Empty,
+        };
+        Ok(())
+    }
+
+    fn complete_publish(
+        &mut self,
+        publish: BasicPublish,
+        header: ContentHeader,
+        body: Bytes,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), Fault> {
+        check_expiration(&header.properties).map_err(Fault::on_publish)?;
+        let persistent = properties::delivery_mode(&header.properties) == Some(2);
+        let message = Message {
+            exchange: publish.exchange.clone(),
+            routing_key: publish.routing_key.clone(),
+            properties: header.properties,
+            body,
+            persistent,
+        };
+        if let Some(ops) = self.tx.as_mut() {
+            ops.push(TxOp::Publish {
+                exchange: publish.exchange,
+                routing_key: publish.routing_key,
+                mandatory: publish.mandatory,
+                message,
+            });
+            return Ok(());
+        }
+        if self.confirm {
+            self.publish_seq += 1;
+        }
+        self.route(
+            &publish.exchange,
+            &publish.routing_key,
+            publish.mandatory,
+            message,
+            ctx,
+        )?;
+        if self.confirm {
+            let seq = self.publish_seq;
+            self.confirm_pending = Some(match self.confirm_pending {
+                Some((first, _)) => (first, seq),
+                None => (seq, seq),
+            });
+        }
+        Ok(())
+    }
+
+    fn route(
+        &mut self,
+        exchange: &ShortStr,
+        routing_key: &ShortStr,
+        mandatory: bool,
+        message: Message,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), Fault> {
+        // Only a mandatory publish can come back, so only then is a handle on the message kept.
+        let returned = mandatory.then(|| message.clone());
+        let routed = ctx
+            .broker
+            .publish(ctx.vhost, exchange, routing_key, message, ctx.now)
+            .map_err(Fault::on_publish)?;
+        if routed.queues == 0 {
+            if let Some(m) = returned {
+                encode_return(
+                    ctx.out,
+                    self.id,
+                    ReplyCode::NoRoute.code(),
+                    "NO_ROUTE",
+                    exchange,
+                    routing_key,
+                    &m.properties,
+                    &m.body,
+                    ctx.frame_max,
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn resolve_queue(&self, name: &ShortStr) -> Result<ShortStr, AmqpError> {
+        if !name.is_empty() {
+            return Ok(name.clone());
+        }
+        self.last_queue
+            .clone()
+            .ok_or_else(|| AmqpError::not_found("no previously declared queue".to_string()))
+    }
+
+    fn key(&self, ctx: &Ctx<'_>, tag: ShortStr) -> ConsumerKey {
+        ConsumerKey {
+            conn: ctx.conn,
+            channel: self.id,
+            tag,
+        }
+    }
+
+    fn on_method(&mut self, method: Method, ctx: &mut Ctx<'_>) -> Result<(), Fault> {
+        let (class_id, method_id) = (method.class_id(), method.method_id());
+        let fail = |e: AmqpError| Fault::new(e, class_id, method_id);
+        let ch = self.id;
+        match method {
+            Method::BasicPublish(p) => {
+                if p.immediate {
+                    return Err(fail(AmqpError::not_implemented(
+                        "immediate=true".to_string(),
+                    )));
+                }
+                self.content = Content::AwaitHeader(p);
+                Ok(())
+            }
+            Method::BasicAck(a) => self
+                .settle(a.delivery_tag, a.multiple, Settle::Ack, ctx)
+                .map_err(fail),
+            Method::BasicNack(n) => {
+                let how = if n.requeue {
+                    Settle::Requeue
+                } else {
+                    Settle::Discard
+                };
+                self.settle(n.delivery_tag, n.multiple, how, ctx)
+                    .map_err(fail)
+            }
+            Method::BasicReject(r) => {
+                let how = if r.requeue {
+                    Settle::Requeue
+                } else {
+                    Settle::Discard
+                };
+                self.settle(r.delivery_tag, false, how, ctx).map_err(fail)
+            }
+            Method::BasicQos(q) => {
+                if q.prefetch_size != 0 {
+                    return Err(fail(AmqpError::not_implemented(format!(
+                        "prefetch_size!=0 ({})",
+                        q.prefetch_size
+                    ))));
+                }
+                if q.global {
+                    self.channel_prefetch = q.prefetch_count;
+                } else {
+                    self.consumer_prefetch = q.prefetch_count;
+                }
+                self.notify_credit(ctx);
+                send(ctx.out, ch, BasicQosOk {});
+                Ok(())
+            }
+            Method::BasicConsume(c) => {
+                let queue = self.resolve_queue(&c.queue).map_err(fail)?;
+                let tag = if c.consumer_tag.is_empty() {
+                    *ctx.next_id += 1;
+                    ShortStr::from_string(generated_name("amq.ctag-", ctx.conn, *ctx.next_id))
+                } else {
+                    c.consumer_tag.clone()
+                };
+                if self.consumers.contains_key(&tag) {
+                    return Err(fail(AmqpError::not_allowed(format!(
+                        "attempt to reuse consumer tag '{tag}'"
+                    ))));
+                }
+                let key = self.key(ctx, tag.clone());
+                let queue_id = ctx
+                    .broker
+                    .consume(ctx.vhost, &queue, key, c.no_ack, c.exclusive, &c.arguments)
+                    .map_err(fail)?;
+                self.consumers.insert(
+                    tag.clone(),
+                    Consumer {
+                        queue: queue_id,
+                        no_ack: c.no_ack,
+                        prefetch: self.consumer_prefetch,
+                        unacked: 0,
+                    },
+                );
+                if !c.no_wait {
+                    send(ctx.out, ch, BasicConsumeOk { consumer_tag: tag });
+                }
+                Ok(())
+            }
+            Method::BasicCancel(c) => {
+                if let Some(consumer) = self.consumers.remove(&c.consumer_tag) {
+                    let key = self.key(ctx, c.consumer_tag.clone());
+                    ctx.broker.cancel(consumer.queue, &key);
+                }
+                if !c.no_wait {
+                    send(
+                        ctx.out,
+                        ch,
+                        BasicCancelOk {
+                            consumer_tag: c.consumer_tag,
+                        },
+                    );
+                }
+                Ok(())
+            }
+            Method::BasicGet(g) => {
+                let queue = self.resolve_queue(&g.queue).map_err(fail)?;
+                match ctx
+                    .broker
+                    .get(ctx.vhost, &queue, g.no_ack, ctx.conn)
+                    .map_err(fail)?
+                {
+                    Some((d, remaining)) => {
+                        let tag = self.next_tag;
+                        self.next_tag += 1;
+                        if !g.no_ack {
+                            self.unacked.push_back(Unacked {
+                                tag,
+                                queue: d.queue,
+                                msg_id: d.msg_id,
+                                consumer: None,
+                            });
+                        }
+                        encode_get_ok(
+                            ctx.out,
+                            ch,
+                            tag,
+                            d.redelivered,
+                            &d.message.exchange,
+                            &d.message.routing_key,
+                            remaining,
+                            &d.message.properties,
+                            &d.message.body,
+                            ctx.frame_max,
+                        );
+                    }
+                    None => send(ctx.out, ch, BasicGetEmpty::default()),
+                }
+                Ok(())
+            }
+            Method::BasicRecover(r) => {
+                self.recover(r.requeue, ctx).map_err(fail)?;
+                send(ctx.out, ch, BasicRecoverOk {});
+                Ok(())
+            }
+            Method::BasicRecoverAsync(r) => self.recover(r.requeue, ctx).map_err(fail),
+            Method::ChannelFlow(f) => {
+                if !f.active {
+                    return Err(fail(AmqpError::not_implemented("active=false".to_string())));
+                }
+                send(ctx.out, ch, ChannelFlowOk { active: true });
+                Ok(())
+            }
+            Method::ChannelFlowOk(_) => Ok(()),
+            Method::ExchangeDeclare(e) => {
+                ctx.broker
+                    .declare_exchange(
+                        ctx.vhost,
+                        &e.exchange,
+                        &e.kind,
+                        e.passive,
+                        e.durable,
+                        e.auto_delete,
+                        e.internal,
+                        &e.arguments,
+                    )
+                    .map_err(fail)?;
+                if !e.no_wait {
+                    send(ctx.out, ch, ExchangeDeclareOk {});
+                }
+                Ok(())
+            }
+            Method::ExchangeDelete(e) => {
+                ctx.broker
+                    .delete_exchange(ctx.vhost, &e.exchange, e.if_unused)
+                    .map_err(fail)?;
+                if !e.no_wait {
+                    send(ctx.out, ch, ExchangeDeleteOk {});
+                }
+                Ok(())
+            }
+            Method::ExchangeBind(b) => {
+                ctx.broker
+                    .bind_exchange(
+                        ctx.vhost,
+                        &b.destination,
+                        &b.source,
+                        &b.routing_key,
+                        &b.arguments,
+                    )
+                    .map_err(fail)?;
+                if !b.no_wait {
+                    send(ctx.out, ch, ExchangeBindOk {});
+                }
+                Ok(())
+            }
+            Method::ExchangeUnbind(b) => {
+                ctx.broker
+                    .unbind_exchange(
+                        ctx.vhost,
+                        &b.destination,
+                        &b.source,
+                        &b.routing_key,
+                        &b.arguments,
+                    )
+                    .map_err(fail)?;
+                if !b.no_wait {
+                    send(ctx.out, ch, ExchangeUnbindOk {});
+                }
+                Ok(())
+            }
+            Method::QueueDeclare(q) => {
+                let no_wait = q.no_wait;
+                let declared = ctx
+                    .broker
+                    .declare_queue(
+                        ctx.vhost,
+                        DeclareQueue {
+                            name: q.queue,
+                            passive: q.passive,
+                            durable: q.durable,
+                            exclusive: q.exclusive,
+                            auto_delete: q.auto_delete,
+                            arguments: q.arguments,
+                        },
+                        ctx.conn,
+                    )
+                    .map_err(fail)?;
+                self.last_queue = Some(declared.name.clone());
+                if !no_wait {
+                    send(
+                        ctx.out,
+                        ch,
+                        QueueDeclareOk {
+                            queue: declared.name,
+                            message_count: declared.message_count,
+                            consumer_count: declared.consumer_count,
+                        },
+                    );
+                }
+                Ok(())
+            }
+            Method::QueueBind(b) => {
+                let queue = self.resolve_queue(&b.queue).map_err(fail)?;
+                // The spec: an empty queue name and routing key both mean the last declared queue.
+                let routing_key = if b.queue.is_empty() && b.routing_key.is_empty() {
+                    queue.clone()
+                } else {
+                    b.routing_key.clone()
+                };
+                ctx.broker
+                    .bind_queue(
+                        ctx.vhost,
+                        &queue,
+                        &b.exchange,
+                        &routing_key,
+                        &b.arguments,
+                        ctx.conn,
+                    )
+                    .map_err(fail)?;
+                if !b.no_wait {
+                    send(ctx.out, ch, QueueBindOk {});
+                }
+                Ok(())
+            }
+            Method::QueueUnbind(b) => {
+                let queue = self.resolve_queue(&b.queue).map_err(fail)?;
+                ctx.broker
+                    .unbind_queue(
+                        ctx.vhost,
+                        &queue,
+                        &b.exchange,
+                        &b.routing_key,
+                        &b.arguments,
+                        ctx.conn,
+                    )
+                    .map_err(fail)?;
+                send(ctx.out, ch, QueueUnbindOk {});
+                Ok(())
+            }
+            Method::QueuePurge(p) => {
+                let queue = self.resolve_queue(&p.queue).map_err(fail)?;
+                let count = ctx
+                    .broker
+                    .purge_queue(ctx.vhost, &queue, ctx.conn)
+                    .map_err(fail)?;
+                if !p.no_wait {
+                    send(
+                        ctx.out,
+                        ch,
+                        QueuePurgeOk {
+                            message_count: count,
+                        },
+                    );
+                }
+                Ok(())
+            }
+            Method::QueueDelete(d) => {
+                let queue = self.resolve_queue(&d.queue).map_err(fail)?;
+                let deleted = ctx
+                    .broker
+                    .delete_queue(ctx.vhost, &queue, d.if_unused, d.if_empty, ctx.conn)
+                    .map_err(fail)?;
+                ctx.cancelled.extend(deleted.cancelled);
+                if !d.no_wait {
+                    send(
+                        ctx.out,
+                        ch,
+                        QueueDeleteOk {
+                            message_count: deleted.message_count,
+                        },
+                    );
+                }
+                Ok(())
+            }
+            Method::ConfirmSelect(c) => {
+                if self.tx.is_some() {
+                    return Err(fail(AmqpError::precondition_failed(
+                        "cannot switch from tx to confirm mode".to_string(),
+                    )));
+                }
+                self.confirm = true;
+                if !c.no_wait {
+                    send(ctx.out, ch, ConfirmSelectOk {});
+                }
+                Ok(())
+            }
+            Method::TxSelect(_) => {
+                if self.confirm {
+                    return Err(fail(AmqpError::precondition_failed(
+                        "cannot switch from confirm to tx mode".to_string(),
+                    )));
+                }
+                if self.tx.is_none() {
+                    self.tx = Some(Vec::new());
+                }
+                send(ctx.out, ch, TxSelectOk {});
+                Ok(())
+            }
+            Method::TxCommit(_) => {
+                let ops = self.tx.replace(Vec::new()).ok_or_else(|| {
+                    fail(AmqpError::precondition_failed(
+                        "channel is not transactional".to_string(),
+                    ))
+                })?;
+                for op in ops {
+                    match op {
+                        TxOp::Publish {
+                            exchange,
+                            routing_key,
+                            mandatory,
+                            message,
+                        } => self
+                            .route(&exchange, &routing_key, mandatory, message, ctx)
+                            .map_err(|f| fail(f.error))?,
+                        TxOp::Ack { tag, multiple } => self
+                            .settle_now(tag, multiple, Settle::Ack, ctx)
+                            .map_err(fail)?,
+                        TxOp::Reject {
+                            tag,
+                            multiple,
+                            requeue,
+                        } => {
+                            let how = if requeue {
+                                Settle::Requeue
+                            } else {
+                                Settle::Discard
+                            };
+                            self.settle_now(tag, multiple, how, ctx).map_err(fail)?
+                        }
+                    }
+                }
+                send(ctx.out, ch, TxCommitOk {});
+                Ok(())
+            }
+            Method::TxRollback(_) => {
+                if self.tx.replace(Vec::new()).is_none() {
+                    self.tx = None;
+                    return Err(fail(AmqpError::precondition_failed(
+                        "channel is not transactional".to_string(),
+                    )));
+                }
+                send(ctx.out, ch, TxRollbackOk {});
+                Ok(())
+            }
+            other => Err(Fault::on(
+                &other,
+                AmqpError::command_invalid(format!(
+                    "unexpected method {} on channel {ch}",
+                    other.name()
+                )),
+            )),
+        }
+    }
+
+    fn recover(&mut self, requeue: bool, ctx: &mut Ctx<'_>) -> Result<(), AmqpError> {
+        if !requeue {
+            return Err(AmqpError::not_implemented("requeue=false".to_string()));
+        }
+        if self.unacked.is_empty() {
+            return Ok(());
+        }
+        let last = self.unacked.back().map_or(0, |u| u.tag);
+        self.settle_now(last, true, Settle::Requeue, ctx)
+    }
+
+    fn settle(
+        &mut self,
+        tag: u64,
+        multiple: bool,
+        how: Settle,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), AmqpError> {
+        if self.tx.is_some() {
+            // Validated now so an unknown tag fails at once, as RabbitMQ does.
+            self.find_range(tag, multiple)?;
+        }
+        if let Some(ops) = self.tx.as_mut() {
+            ops.push(match how {
+                Settle::Ack => TxOp::Ack { tag, multiple },
+                Settle::Requeue => TxOp::Reject {
+                    tag,
+                    multiple,
+                    requeue: true,
+                },
+                Settle::Discard => TxOp::Reject {
+                    tag,
+                    multiple,
+                    requeue: false,
+                },
+            });
+            return Ok(());
+        }
+        self.settle_now(tag, multiple, how, ctx)
+    }
+
+    /// The index range of `unacked` an ack of `tag` covers. Tag 0 with multiple means everything.
+    fn find_range(&self, tag: u64, multiple: bool) -> Result<std::ops::Range<usize>, AmqpError> {
+        if multiple && tag == 0 {
+            return Ok(0..self.unacked.len());
+        }
+        match self.unacked.binary_search_by_key(&tag, |u| u.tag) {
+            Ok(i) if multiple => Ok(0..i + 1),
+            Ok(i) => Ok(i..i + 1),
+            Err(_) => Err(AmqpError::precondition_failed(format!(
+                "unknown delivery tag {tag}"
+            ))),
+        }
+    }
+
+    fn settle_now(
+        &mut self,
+        tag: u64,
+        multiple: bool,
+        how: Settle,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), AmqpError> {
+        let range = self.find_range(tag, multiple)?;
+        let global_limited = self.channel_prefetch != 0;
+        for u in self.unacked.drain(range) {
+            match how {
+                Settle::Ack => ctx.broker.settle(u.queue, u.msg_id),
+                Settle::Requeue => ctx.broker.requeue(u.queue, u.msg_id),
+                Settle::Discard => ctx.broker.discard(u.queue, u.msg_id),
+            }
+            if let Some(ctag) = u.consumer {
+                self.channel_unacked = self.channel_unacked.saturating_sub(1);
+                if let Some(c) = self.consumers.get_mut(&ctag) {
+                    c.unacked = c.unacked.saturating_sub(1);
+                    if !global_limited {
+                        ctx.broker.credit_changed(&ConsumerKey {
+                            conn: ctx.conn,
+                            channel: self.id,
+                            tag: ctag,
+                        });
+                    }
+                }
+            }
+        }
+        if global_limited {
+            self.notify_credit(ctx);
+        }
+        Ok(())
+    }
+
+    fn notify_credit(&self, ctx: &mut Ctx<'_>) {
+        for tag in self.consumers.keys() {
+            ctx.broker.credit_changed(&ConsumerKey {
+                conn: ctx.conn,
+                channel: self.id,
+                tag: tag.clone(),
+            });
+        }
+    }
+
+    /// A consumer removed by the broker (its queue was deleted).
+    pub fn drop_consumer(&mut self, tag: &str) -> bool {
+        self.consumers.remove(tag).is_some()
+    }
+}
+
+/// RabbitMQ's rule for the expiration property: a non-negative integer of milliseconds, as text.
+fn check_expiration(props: &[u8]) -> Result<(), AmqpError> {
+    let Some(exp) = properties::expiration(props) else {
+        return Ok(());
+    };
+    match exp.parse::<i64>() {
+        Ok(v) if v >= 0 => Ok(()),
+        Ok(v) => Err(AmqpError::precondition_failed(format!(
+            "invalid expiration '{exp}': {{value_negative,{v}}}"
+        ))),
+        Err(_) => Err(AmqpError::precondition_failed(format!(
+            "invalid expiration '{exp}': no_integer"
+        ))),
+    }
+}
+
+/// A name like RabbitMQ's `amq.ctag-<22 url-safe base64 chars>`, unique per connection and counter.
+pub(crate) fn generated_name(prefix: &str, conn: ConnId, counter: u64) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut state =
+        conn.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ counter.rotate_left(32) ^ 0xD6E8_FEB8_6659_FD93;
+    let mut s = String::with_capacity(prefix.len() + 22);
+    s.push_str(prefix);
+    for _ in 0..22 {
+        // splitmix64: cheap, and distinct inputs give distinct streams.
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        s.push(char::from(ALPHABET[(z & 63) as usize]));
+    }
+    s
+}

@@ -1,0 +1,55 @@
+//! Settings of the protocol layer: negotiation limits, users, what the broker advertises.
+
+/// A user allowed to log in. Passwords are compared as given; RabbitMQ-style hashes come with definitions import.
+#[derive(Clone, Debug)]
+pub struct User {
+    pub name: String,
+    pub password: String,
+    /// Like RabbitMQ's `loopback_users`: this user may only connect from 127.0.0.0/8 or ::1.
+    pub loopback_only: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    /// Highest channel number a client may open (RabbitMQ's default: 2047).
+    pub channel_max: u16,
+    /// Largest frame, header and end octet included (RabbitMQ's default: 131072).
+    pub frame_max: u32,
+    /// Heartbeat interval the server proposes, in seconds (RabbitMQ's default: 60).
+    pub heartbeat_secs: u16,
+    /// Largest message body accepted from a publisher, in bytes.
+    pub max_message_size: u64,
+    /// A client that has not finished the handshake by then is disconnected.
+    pub handshake_timeout_ms: u64,
+    /// How long to wait for connection.close-ok after the server sent connection.close.
+    pub close_timeout_ms: u64,
+    /// Bytes handed to a connection's writer but not yet written; above it no more deliveries go to that
+    /// connection, so a slow reader cannot make the broker buffer without bound.
+    pub write_backlog_limit: usize,
+    pub users: Vec<User>,
+    pub product: String,
+    pub version: String,
+    pub cluster_name: String,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        SessionConfig {
+            channel_max: 2047,
+            frame_max: 131_072,
+            heartbeat_secs: 60,
+            max_message_size: 128 * 1024 * 1024,
+            handshake_timeout_ms: 10_000,
+            close_timeout_ms: 3_000,
+            write_backlog_limit: 4 * 1024 * 1024,
+            users: vec![User {
+                name: "guest".into(),
+                password: "guest".into(),
+                loopback_only: true,
+            }],
+            product: "Warren".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            cluster_name: "warren".into(),
+        }
+    }
+}

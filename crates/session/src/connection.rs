@@ -1,0 +1,318 @@
+//! One client connection: handshake, negotiation, heartbeats and the channel table.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use bytes::{Bytes, BytesMut};
+use warren_broker::ConnId;
+use warren_codec::{
+    AmqpError, ConnectionClose, ConnectionCloseOk, ConnectionOpenOk, ConnectionStart,
+    ConnectionTune, ConnectionUpdateSecretOk, FieldTable, FieldValue, Method, ShortStr,
+    FRAME_MIN_SIZE,
+};
+
+use crate::auth::{self, AuthError};
+use crate::channel::{Channel, Fault};
+use crate::config::SessionConfig;
+use crate::out::send;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    AwaitStartOk,
+    AwaitTuneOk,
+    AwaitOpen,
+    Open,
+    /// The server sent connection.close: only close-ok (or a crossing close) is read.
+    Closing,
+    /// Torn down; the socket is being closed.
+    Closed,
+}
+
+impl State {
+    fn name(self) -> &'static str {
+        match self {
+            State::AwaitStartOk => "starting",
+            State::AwaitTuneOk => "tuning",
+            State::AwaitOpen => "opening",
+            State::Open => "running",
+            State::Closing => "closing",
+            State::Closed => "closed",
+        }
+    }
+}
+
+/// Extensions the client said it understands, from client-properties.capabilities.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct ClientCaps {
+    pub consumer_cancel_notify: bool,
+}
+
+pub(crate) struct Connection {
+    pub id: ConnId,
+    pub peer: Option<SocketAddr>,
+    pub state: State,
+    pub opened_at: u64,
+    pub vhost: String,
+    pub user: String,
+    pub channel_max: u16,
+    pub frame_max: u32,
+    pub heartbeat_ms: u64,
+    pub last_recv: u64,
+    pub last_send: u64,
+    pub close_deadline: u64,
+    pub channels: HashMap<u16, Channel>,
+    pub caps: ClientCaps,
+    pub out: BytesMut,
+    /// Bytes handed to the writer and not yet reported written.
+    pub in_transit: usize,
+    /// Set when this connection has something for the driver (bytes, a close, a new frame_max).
+    pub dirty: bool,
+    pub close_socket: bool,
+    pub frame_max_changed: bool,
+    /// Some channel holds coalesced confirms not yet written.
+    pub confirms_pending: bool,
+    /// Channels and consumers were already released to the broker.
+    pub released: bool,
+}
+
+/// What a connection-level step asks the node to do next.
+pub(crate) enum Next {
+    Nothing,
+    /// A fatal protocol error: send connection.close and release everything.
+    Fail(Fault),
+    /// Close the socket now (after flushing what is queued) and release everything.
+    Drop,
+}
+
+impl Connection {
+    pub fn new(id: ConnId, peer: Option<SocketAddr>, now: u64, config: &SessionConfig) -> Self {
+        Connection {
+            id,
+            peer,
+            state: State::AwaitStartOk,
+            opened_at: now,
+            vhost: String::new(),
+            user: String::new(),
+            channel_max: config.channel_max,
+            frame_max: config.frame_max,
+            heartbeat_ms: 0,
+            last_recv: now,
+            last_send: now,
+            close_deadline: 0,
+            channels: HashMap::new(),
+            caps: ClientCaps::default(),
+            out: BytesMut::with_capacity(4096),
+            in_transit: 0,
+            dirty: false,
+            close_socket: false,
+            frame_max_changed: false,
+            confirms_pending: false,
+            released: false,
+        }
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.state == State::Open
+    }
+
+    pub fn send_start(&mut self, config: &SessionConfig) {
+        send(
+            &mut self.out,
+            0,
+            ConnectionStart {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: server_properties(config),
+                mechanisms: Bytes::from_static(auth::MECHANISMS.as_bytes()),
+                locales: Bytes::from_static(b"en_US"),
+            },
+        );
+    }
+
+    /// Sends connection.close for a fault and enters the closing state.
+    pub fn start_close(&mut self, fault: &Fault, now: u64, config: &SessionConfig) {
+        if matches!(self.state, State::Closing | State::Closed) {
+            return;
+        }
+        send(
+            &mut self.out,
+            0,
+            ConnectionClose {
+                reply_code: fault.error.code.code(),
+                reply_text: short_text(&fault.error.reply_text()),
+                class_id: fault.class_id,
+                method_id: fault.method_id,
+            },
+        );
+        self.state = State::Closing;
+        self.close_deadline = now + config.close_timeout_ms;
+    }
+
+    /// A method on channel 0.
+    pub fn on_connection_method(
+        &mut self,
+        method: Method,
+        config: &SessionConfig,
+        vhost_exists: impl Fn(&str) -> bool,
+    ) -> Next {
+        let (class_id, method_id) = (method.class_id(), method.method_id());
+        let fail = |e: AmqpError| Next::Fail(Fault::new(e, class_id, method_id));
+        match (self.state, method) {
+            (State::Closing, Method::ConnectionCloseOk(_)) => Next::Drop,
+            (State::Closing, Method::ConnectionClose(_)) => {
+                send(&mut self.out, 0, ConnectionCloseOk {});
+                Next::Drop
+            }
+            (State::Closing | State::Closed, _) => Next::Nothing,
+            (_, Method::ConnectionClose(_)) => {
+                send(&mut self.out, 0, ConnectionCloseOk {});
+                Next::Drop
+            }
+            (State::AwaitStartOk, Method::ConnectionStartOk(ok)) => {
+                self.caps = client_caps(&ok.client_properties);
+                let creds = match auth::parse_response(&ok.mechanism, &ok.response) {
+                    Ok(c) => c,
+                    Err(AuthError::UnknownMechanism(m)) => {
+                        return fail(AmqpError::command_invalid(format!(
+                            "unknown authentication mechanism '{m}'"
+                        )))
+                    }
+                    Err(_) => return fail(login_refused(&ok.mechanism)),
+                };
+                if auth::authenticate(&config.users, &creds, self.peer.map(|p| p.ip())).is_err() {
+                    tracing::info!(conn = self.id, user = %creds.user, "login refused");
+                    return fail(login_refused(&ok.mechanism));
+                }
+                self.user = creds.user;
+                send(
+                    &mut self.out,
+                    0,
+                    ConnectionTune {
+                        channel_max: config.channel_max,
+                        frame_max: config.frame_max,
+                        heartbeat: config.heartbeat_secs,
+                    },
+                );
+                self.state = State::AwaitTuneOk;
+                Next::Nothing
+            }
+            (State::AwaitTuneOk, Method::ConnectionTuneOk(t)) => {
+                if t.channel_max > config.channel_max {
+                    return fail(AmqpError::not_allowed(format!(
+                        "channel_max={} > {} max",
+                        t.channel_max, config.channel_max
+                    )));
+                }
+                if t.frame_max != 0 && t.frame_max < FRAME_MIN_SIZE {
+                    return fail(AmqpError::not_allowed(format!(
+                        "frame_max={} < {FRAME_MIN_SIZE} min size",
+                        t.frame_max
+                    )));
+                }
+                if t.frame_max > config.frame_max {
+                    return fail(AmqpError::not_allowed(format!(
+                        "frame_max={} > {} max size",
+                        t.frame_max, config.frame_max
+                    )));
+                }
+                self.channel_max = if t.channel_max == 0 {
+                    config.channel_max
+                } else {
+                    t.channel_max
+                };
+                self.frame_max = if t.frame_max == 0 {
+                    config.frame_max
+                } else {
+                    t.frame_max
+                };
+                self.frame_max_changed = true;
+                self.heartbeat_ms = u64::from(t.heartbeat) * 1000;
+                self.state = State::AwaitOpen;
+                Next::Nothing
+            }
+            (State::AwaitOpen, Method::ConnectionOpen(o)) => {
+                if !vhost_exists(&o.virtual_host) {
+                    return fail(AmqpError::not_allowed(format!(
+                        "vhost {} not found",
+                        o.virtual_host.as_str()
+                    )));
+                }
+                self.vhost = o.virtual_host.to_string();
+                send(&mut self.out, 0, ConnectionOpenOk::default());
+                self.state = State::Open;
+                Next::Nothing
+            }
+            (State::Open, Method::ConnectionUpdateSecret(_)) => {
+                // Passwords are not time-limited tokens here: accept, as RabbitMQ does for plain users.
+                send(&mut self.out, 0, ConnectionUpdateSecretOk {});
+                Next::Nothing
+            }
+            (State::Open, Method::ConnectionBlocked(_) | Method::ConnectionUnblocked(_)) => {
+                Next::Nothing
+            }
+            (state, other) => fail(AmqpError::channel_error(format!(
+                "unexpected method {} in connection state {}",
+                other.name(),
+                state.name()
+            ))),
+        }
+    }
+}
+
+fn login_refused(mechanism: &str) -> AmqpError {
+    AmqpError::access_refused(format!(
+        "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+    ))
+}
+
+/// A reply text must fit a shortstr.
+pub(crate) fn short_text(text: &str) -> ShortStr {
+    let mut end = text.len().min(255);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    ShortStr::from_string(text.get(..end).unwrap_or_default().to_string())
+}
+
+fn client_caps(props: &FieldTable) -> ClientCaps {
+    let Some(FieldValue::Table(caps)) = props.get("capabilities") else {
+        return ClientCaps::default();
+    };
+    let flag = |k: &str| matches!(caps.get(k), Some(FieldValue::Bool(true)));
+    ClientCaps {
+        consumer_cancel_notify: flag("consumer_cancel_notify"),
+    }
+}
+
+fn server_properties(config: &SessionConfig) -> FieldTable {
+    let mut caps = FieldTable::default();
+    for cap in [
+        "publisher_confirms",
+        "exchange_exchange_bindings",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "connection.blocked",
+        "consumer_priorities",
+        "authentication_failure_close",
+        "per_consumer_qos",
+        "direct_reply_to",
+    ] {
+        caps.insert(ShortStr::from(cap), FieldValue::Bool(true));
+    }
+    let text = |s: &str| FieldValue::LongStr(Bytes::copy_from_slice(s.as_bytes()));
+    let mut props = FieldTable::default();
+    props.insert(ShortStr::from("capabilities"), FieldValue::Table(caps));
+    props.insert(ShortStr::from("cluster_name"), text(&config.cluster_name));
+    props.insert(
+        ShortStr::from("copyright"),
+        text("Copyright (c) the Warren authors"),
+    );
+    props.insert(
+        ShortStr::from("information"),
+        text("Warren: an AMQP 0-9-1 broker for task queues. Licensed under the Apache License 2.0"),
+    );
+    props.insert(ShortStr::from("platform"), text("Rust"));
+    props.insert(ShortStr::from("product"), text(&config.product));
+    props.insert(ShortStr::from("version"), text(&config.version));
+    props
+}

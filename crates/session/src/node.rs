@@ -1,0 +1,544 @@
+//! The whole protocol core of one broker node: every connection's state machine and the broker they share.
+//!
+//! Sans-IO: the driver (crates/server) feeds it events with the current time and drains the bytes to write.
+//! Nothing here blocks, sleeps or reads a clock, so tests drive it frame by frame with simulated time.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use warren_broker::{Broker, ConnId, ConsumerKey, Delivery, DeliverySink, QueueId};
+use warren_codec::{
+    encode_deliver, encode_heartbeat, AmqpError, BasicCancel, ChannelClose, ChannelCloseOk,
+    ChannelOpenOk, DecodeError, Frame, Method,
+};
+
+use crate::channel::{Channel, Ctx, Fault};
+use crate::config::SessionConfig;
+use crate::connection::{short_text, Connection, Next, State};
+use crate::out::send;
+
+/// Bytes for one connection's socket, and what to do after writing them.
+#[derive(Debug)]
+pub struct Transmit {
+    pub conn: ConnId,
+    pub bytes: Bytes,
+    /// The negotiated frame_max: the reader's decoder must enforce it from now on.
+    pub frame_max: Option<u32>,
+    /// Close the socket once these bytes are written.
+    pub close: bool,
+}
+
+pub struct Node {
+    broker: Broker,
+    config: SessionConfig,
+    conns: HashMap<ConnId, Connection>,
+    /// Connections with something for the driver.
+    dirty: Vec<ConnId>,
+    /// Consumers whose queue went away, to be told with basic.cancel.
+    cancelled: Vec<ConsumerKey>,
+    next_id: u64,
+}
+
+impl Node {
+    pub fn new(config: SessionConfig, broker: Broker) -> Self {
+        Node {
+            broker,
+            config,
+            conns: HashMap::new(),
+            dirty: Vec::new(),
+            cancelled: Vec::new(),
+            next_id: 0,
+        }
+    }
+
+    pub fn broker(&self) -> &Broker {
+        &self.broker
+    }
+
+    pub fn config(&self) -> &SessionConfig {
+        &self.config
+    }
+
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// A client sent a valid protocol header: the server speaks first with connection.start.
+    pub fn connection_opened(&mut self, conn: ConnId, peer: Option<SocketAddr>, now: u64) {
+        let mut c = Connection::new(conn, peer, now, &self.config);
+        c.send_start(&self.config);
+        self.conns.insert(conn, c);
+        self.mark(conn);
+    }
+
+    /// The socket is gone (EOF, error, or after the close the node asked for): forget the connection.
+    pub fn connection_lost(&mut self, conn: ConnId) {
+        self.release(conn);
+        self.conns.remove(&conn);
+    }
+
+    /// The writer finished writing `n` bytes of this connection's output.
+    pub fn bytes_written(&mut self, conn: ConnId, n: usize) {
+        let limit = self.config.write_backlog_limit;
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let was_blocked = c.in_transit >= limit;
+        c.in_transit = c.in_transit.saturating_sub(n);
+        if was_blocked && c.in_transit < limit {
+            // Its consumers were skipped while the socket was backed up: offer them messages again.
+            for (ch_id, ch) in &c.channels {
+                for tag in ch.consumers.keys() {
+                    self.broker.credit_changed(&ConsumerKey {
+                        conn,
+                        channel: *ch_id,
+                        tag: tag.clone(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// The frame decoder failed: the connection is closed with the code RabbitMQ uses for that error.
+    pub fn decode_error(&mut self, conn: ConnId, error: &DecodeError, now: u64) {
+        let (class_id, method_id) = error.class_method();
+        self.fail_connection(
+            conn,
+            Fault::new(error.to_amqp_error(), class_id, method_id),
+            now,
+        );
+    }
+
+    pub fn handle_frame(&mut self, conn: ConnId, frame: Frame, now: u64) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        c.last_recv = now;
+        let state = c.state;
+        let next = match frame {
+            _ if state == State::Closed => Next::Nothing,
+            Frame::Heartbeat { channel: 0 } => Next::Nothing,
+            Frame::Heartbeat { .. } => Next::Fail(Fault::new(
+                AmqpError::frame_error("heartbeat frame on a non-zero channel".to_string()),
+                0,
+                0,
+            )),
+            Frame::Method { channel: 0, method } => {
+                let broker = &self.broker;
+                c.on_connection_method(method, &self.config, |v| broker.vhost_exists(v))
+            }
+            Frame::Header { channel: 0, .. } | Frame::Body { channel: 0, .. } => {
+                Next::Fail(Fault::new(
+                    AmqpError::unexpected_frame(
+                        "expected method frame, got non method frame instead".to_string(),
+                    ),
+                    0,
+                    0,
+                ))
+            }
+            frame => match state {
+                State::Open => self.channel_frame(conn, frame, now),
+                State::Closing | State::Closed => Next::Nothing,
+                _ => {
+                    let (class_id, method_id) = method_ids(&frame);
+                    Next::Fail(Fault::new(
+                        AmqpError::channel_error(format!(
+                            "channel {} used before the connection was opened",
+                            frame.channel()
+                        )),
+                        class_id,
+                        method_id,
+                    ))
+                }
+            },
+        };
+        self.after(conn, next, now);
+    }
+
+    fn after(&mut self, conn: ConnId, next: Next, now: u64) {
+        match next {
+            Next::Nothing => {}
+            Next::Fail(fault) => self.fail_connection(conn, fault, now),
+            Next::Drop => self.drop_connection(conn),
+        }
+        self.notify_cancelled();
+        self.mark(conn);
+    }
+
+    fn channel_frame(&mut self, conn: ConnId, frame: Frame, now: u64) -> Next {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Next::Nothing;
+        };
+        let id = frame.channel();
+        if id > c.channel_max {
+            return Next::Fail(Fault::new(
+                AmqpError::channel_error(format!(
+                    "channel id {id} exceeds the negotiated channel_max {}",
+                    c.channel_max
+                )),
+                method_ids(&frame).0,
+                method_ids(&frame).1,
+            ));
+        }
+        let Connection {
+            channels,
+            out,
+            vhost,
+            frame_max,
+            confirms_pending,
+            ..
+        } = c;
+        let Some(ch) = channels.get_mut(&id) else {
+            return match frame {
+                Frame::Method {
+                    method: Method::ChannelOpen(_),
+                    ..
+                } => {
+                    channels.insert(id, Channel::new(id));
+                    send(out, id, ChannelOpenOk::default());
+                    Next::Nothing
+                }
+                other => {
+                    let (class_id, method_id) = method_ids(&other);
+                    Next::Fail(Fault::new(
+                        AmqpError::channel_error("expected 'channel.open'".to_string()),
+                        class_id,
+                        method_id,
+                    ))
+                }
+            };
+        };
+        if ch.closing {
+            // After the server's channel.close only close-ok (or a crossing close) is read on the channel.
+            match frame {
+                Frame::Method {
+                    method: Method::ChannelCloseOk(_),
+                    ..
+                } => {
+                    channels.remove(&id);
+                }
+                Frame::Method {
+                    method: Method::ChannelClose(_),
+                    ..
+                } => {
+                    send(out, id, ChannelCloseOk {});
+                    channels.remove(&id);
+                }
+                _ => {}
+            }
+            return Next::Nothing;
+        }
+        match frame {
+            Frame::Method {
+                method: Method::ChannelOpen(_),
+                ..
+            } => {
+                return Next::Fail(Fault::new(
+                    AmqpError::channel_error("second 'channel.open' seen".to_string()),
+                    20,
+                    10,
+                ))
+            }
+            Frame::Method {
+                method: Method::ChannelClose(_),
+                ..
+            } => {
+                ch.flush_confirms(out);
+                ch.release_all(conn, &mut self.broker);
+                channels.remove(&id);
+                send(out, id, ChannelCloseOk {});
+                return Next::Nothing;
+            }
+            Frame::Method {
+                method: Method::ChannelCloseOk(_),
+                ..
+            } => return Next::Nothing,
+            _ => {}
+        }
+        let mut ctx = Ctx {
+            broker: &mut self.broker,
+            conn,
+            vhost,
+            out,
+            frame_max: *frame_max,
+            now,
+            config: &self.config,
+            cancelled: &mut self.cancelled,
+            next_id: &mut self.next_id,
+        };
+        let result = ch.on_frame(frame, &mut ctx);
+        *confirms_pending = true;
+        match result {
+            Ok(()) => Next::Nothing,
+            Err(fault) if fault.error.is_hard() => Next::Fail(fault),
+            Err(fault) => {
+                ch.flush_confirms(out);
+                send(
+                    out,
+                    id,
+                    ChannelClose {
+                        reply_code: fault.error.code.code(),
+                        reply_text: short_text(&fault.error.reply_text()),
+                        class_id: fault.class_id,
+                        method_id: fault.method_id,
+                    },
+                );
+                ch.closing = true;
+                ch.release_all(conn, &mut self.broker);
+                tracing::debug!(conn, channel = id, error = %fault.error, "channel closed by the broker");
+                Next::Nothing
+            }
+        }
+    }
+
+    fn fail_connection(&mut self, conn: ConnId, fault: Fault, now: u64) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        tracing::debug!(conn, error = %fault.error, "closing connection on error");
+        let handshaking = matches!(
+            c.state,
+            State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen
+        );
+        c.start_close(&fault, now, &self.config);
+        if handshaking && c.state == State::Closing && fault.error.code.code() == 403 {
+            // authentication_failure_close: the close is sent, then the socket goes; no close-ok is awaited.
+            c.close_socket = true;
+        }
+        self.release(conn);
+        self.mark(conn);
+    }
+
+    fn drop_connection(&mut self, conn: ConnId) {
+        self.release(conn);
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.state = State::Closed;
+            c.close_socket = true;
+        }
+        self.mark(conn);
+    }
+
+    /// Unacked deliveries go back to their queues, consumers are cancelled, exclusive queues are deleted.
+    fn release(&mut self, conn: ConnId) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        if c.released {
+            return;
+        }
+        c.released = true;
+        let mut ids: Vec<u16> = c.channels.keys().copied().collect();
+        ids.sort_unstable();
+        for id in ids {
+            if let Some(mut ch) = c.channels.remove(&id) {
+                ch.release_all(conn, &mut self.broker);
+            }
+        }
+        let _deleted: Vec<QueueId> = self.broker.connection_closed(conn);
+    }
+
+    fn notify_cancelled(&mut self) {
+        for key in std::mem::take(&mut self.cancelled) {
+            let Some(c) = self.conns.get_mut(&key.conn) else {
+                continue;
+            };
+            let notify = c.caps.consumer_cancel_notify && c.is_open();
+            let Some(ch) = c.channels.get_mut(&key.channel) else {
+                continue;
+            };
+            if ch.drop_consumer(&key.tag) && notify && !ch.closing {
+                send(
+                    &mut c.out,
+                    key.channel,
+                    BasicCancel {
+                        consumer_tag: key.tag.clone(),
+                        no_wait: true,
+                    },
+                );
+                if !c.dirty {
+                    c.dirty = true;
+                    self.dirty.push(key.conn);
+                }
+            }
+        }
+    }
+
+    /// Timers: heartbeats both ways, the handshake deadline, the close-ok deadline.
+    pub fn tick(&mut self, now: u64) {
+        let mut drop = Vec::new();
+        for (id, c) in &mut self.conns {
+            match c.state {
+                State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen
+                    if now.saturating_sub(c.opened_at) >= self.config.handshake_timeout_ms =>
+                {
+                    tracing::info!(conn = id, "handshake timeout");
+                    drop.push(*id);
+                }
+                State::Open if c.heartbeat_ms > 0 => {
+                    if now.saturating_sub(c.last_recv) >= 2 * c.heartbeat_ms {
+                        tracing::info!(
+                            conn = id,
+                            timeout_ms = c.heartbeat_ms,
+                            "missed heartbeats from client"
+                        );
+                        drop.push(*id);
+                    } else if now.saturating_sub(c.last_send) >= c.heartbeat_ms / 2 {
+                        encode_heartbeat(&mut c.out);
+                        if !c.dirty {
+                            c.dirty = true;
+                            self.dirty.push(*id);
+                        }
+                    }
+                }
+                State::Closing if now >= c.close_deadline => drop.push(*id),
+                _ => {}
+            }
+        }
+        for id in drop {
+            self.drop_connection(id);
+        }
+    }
+
+    /// The broker is shutting down: every open connection gets connection.close 320.
+    pub fn shutdown(&mut self, now: u64) {
+        let ids: Vec<ConnId> = self.conns.keys().copied().collect();
+        for id in ids {
+            let fault = Fault::new(
+                AmqpError::new(
+                    warren_codec::ReplyCode::ConnectionForced,
+                    "broker forced connection closure with reason 'shutdown'".to_string(),
+                ),
+                0,
+                0,
+            );
+            let open = self.conns.get(&id).is_some_and(|c| c.state == State::Open);
+            if open {
+                self.fail_connection(id, fault, now);
+            } else {
+                self.drop_connection(id);
+            }
+        }
+    }
+
+    fn mark(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            if !c.dirty {
+                c.dirty = true;
+                self.dirty.push(conn);
+            }
+        }
+    }
+
+    /// Runs dispatch, then hands out everything each connection has to write, one buffer per connection.
+    pub fn poll_transmit(&mut self, now: u64, out: &mut Vec<Transmit>) {
+        let mut orphans = Vec::new();
+        {
+            let mut sink = Sink {
+                conns: &mut self.conns,
+                dirty: &mut self.dirty,
+                backlog_limit: self.config.write_backlog_limit,
+                orphans: &mut orphans,
+            };
+            self.broker.dispatch(&mut sink);
+        }
+        for (queue, msg_id) in orphans {
+            self.broker.requeue(queue, msg_id);
+        }
+        for conn in std::mem::take(&mut self.dirty) {
+            let Some(c) = self.conns.get_mut(&conn) else {
+                continue;
+            };
+            c.dirty = false;
+            if c.confirms_pending {
+                c.confirms_pending = false;
+                let Connection { channels, out, .. } = c;
+                for ch in channels.values_mut() {
+                    ch.flush_confirms(out);
+                }
+            }
+            if c.out.is_empty() && !c.close_socket && !c.frame_max_changed {
+                continue;
+            }
+            let bytes = c.out.split().freeze();
+            if !bytes.is_empty() {
+                c.last_send = now;
+            }
+            c.in_transit += bytes.len();
+            let frame_max = std::mem::take(&mut c.frame_max_changed).then_some(c.frame_max);
+            let close = c.close_socket;
+            out.push(Transmit {
+                conn,
+                bytes,
+                frame_max,
+                close,
+            });
+            if close {
+                self.release(conn);
+                self.conns.remove(&conn);
+            }
+        }
+    }
+}
+
+/// Lets the broker's dispatch see prefetch credit and socket back-pressure, and records each delivery.
+struct Sink<'a> {
+    conns: &'a mut HashMap<ConnId, Connection>,
+    dirty: &'a mut Vec<ConnId>,
+    backlog_limit: usize,
+    orphans: &'a mut Vec<(QueueId, u64)>,
+}
+
+impl DeliverySink for Sink<'_> {
+    fn has_credit(&mut self, consumer: &ConsumerKey) -> bool {
+        let Some(c) = self.conns.get(&consumer.conn) else {
+            return false;
+        };
+        if !c.is_open() || c.in_transit + c.out.len() >= self.backlog_limit {
+            return false;
+        }
+        c.channels
+            .get(&consumer.channel)
+            .is_some_and(|ch| ch.has_credit(&consumer.tag))
+    }
+
+    fn deliver(&mut self, consumer: &ConsumerKey, d: Delivery) {
+        let Some(c) = self.conns.get_mut(&consumer.conn) else {
+            self.orphans.push((d.queue, d.msg_id));
+            return;
+        };
+        let frame_max = c.frame_max;
+        let Some(ch) = c.channels.get_mut(&consumer.channel) else {
+            self.orphans.push((d.queue, d.msg_id));
+            return;
+        };
+        if !ch.consumers.contains_key(&consumer.tag) {
+            self.orphans.push((d.queue, d.msg_id));
+            return;
+        }
+        let tag = ch.record_delivery(&consumer.tag, d.queue, d.msg_id);
+        encode_deliver(
+            &mut c.out,
+            consumer.channel,
+            &consumer.tag,
+            tag,
+            d.redelivered,
+            &d.message.exchange,
+            &d.message.routing_key,
+            &d.message.properties,
+            &d.message.body,
+            frame_max,
+        );
+        if !c.dirty {
+            c.dirty = true;
+            self.dirty.push(consumer.conn);
+        }
+    }
+}
+
+fn method_ids(frame: &Frame) -> (u16, u16) {
+    match frame {
+        Frame::Method { method, .. } => (method.class_id(), method.method_id()),
+        _ => (0, 0),
+    }
+}

@@ -1,0 +1,837 @@
+//! The node driven frame by frame with simulated time: no sockets, no sleeps.
+
+use bytes::{Bytes, BytesMut};
+use warren_broker::{Broker, BrokerConfig};
+use warren_codec::*;
+
+use crate::{Node, SessionConfig, Transmit};
+
+const CONN: u64 = 1;
+
+struct Client {
+    node: Node,
+    now: u64,
+    decoder: FrameDecoder,
+    closed: bool,
+    received: Vec<Frame>,
+}
+
+impl Client {
+    fn connect_from(config: SessionConfig, peer: &str) -> Client {
+        let mut node = Node::new(config, Broker::new(BrokerConfig::default()));
+        node.connection_opened(CONN, Some(peer.parse().unwrap()), 0);
+        Client {
+            node,
+            now: 0,
+            decoder: FrameDecoder::new(131_072),
+            closed: false,
+            received: Vec::new(),
+        }
+    }
+
+    fn start_ok(&mut self, user: &str, password: &str) {
+        let start = self.recv_method();
+        assert!(matches!(start, Method::ConnectionStart(_)), "{start:?}");
+        self.send(
+            0,
+            ConnectionStartOk {
+                client_properties: client_properties(),
+                mechanism: ShortStr::from("PLAIN"),
+                response: Bytes::from(format!("\0{user}\0{password}")),
+                locale: ShortStr::from("en_US"),
+            },
+        );
+    }
+
+    /// A fully opened connection, as a client library leaves it.
+    fn open_with(config: SessionConfig) -> Client {
+        let mut c = Client::connect_from(config, "127.0.0.1:40000");
+        c.start_ok("guest", "guest");
+        let tune = c.recv_method();
+        let Method::ConnectionTune(t) = tune else {
+            panic!("{tune:?}")
+        };
+        c.send(
+            0,
+            ConnectionTuneOk {
+                channel_max: t.channel_max,
+                frame_max: t.frame_max,
+                heartbeat: t.heartbeat,
+            },
+        );
+        c.send(
+            0,
+            ConnectionOpen {
+                virtual_host: ShortStr::from("/"),
+                ..Default::default()
+            },
+        );
+        assert!(matches!(c.recv_method(), Method::ConnectionOpenOk(_)));
+        c
+    }
+
+    fn open() -> Client {
+        Client::open_with(SessionConfig::default())
+    }
+
+    fn send(&mut self, channel: u16, method: impl Into<Method>) {
+        self.node.handle_frame(
+            CONN,
+            Frame::Method {
+                channel,
+                method: method.into(),
+            },
+            self.now,
+        );
+    }
+
+    fn channel(&mut self, channel: u16) {
+        self.send(channel, ChannelOpen::default());
+        assert!(matches!(self.recv_method(), Method::ChannelOpenOk(_)));
+    }
+
+    fn publish_props(&mut self, channel: u16, routing_key: &str, body: &[u8], properties: Bytes) {
+        self.send(
+            channel,
+            BasicPublish {
+                exchange: ShortStr::from(""),
+                routing_key: ShortStr::from_string(routing_key.to_string()),
+                ..Default::default()
+            },
+        );
+        self.node.handle_frame(
+            CONN,
+            Frame::Header {
+                channel,
+                header: ContentHeader {
+                    class_id: 60,
+                    weight: 0,
+                    body_size: body.len() as u64,
+                    properties,
+                },
+            },
+            self.now,
+        );
+        if !body.is_empty() {
+            self.node.handle_frame(
+                CONN,
+                Frame::Body {
+                    channel,
+                    payload: Bytes::copy_from_slice(body),
+                },
+                self.now,
+            );
+        }
+    }
+
+    fn publish(&mut self, channel: u16, routing_key: &str, body: &[u8]) {
+        self.publish_props(
+            channel,
+            routing_key,
+            body,
+            BasicProperties::default().encode(),
+        );
+    }
+
+    fn declare(&mut self, channel: u16, name: &str) {
+        self.send(
+            channel,
+            QueueDeclare {
+                queue: ShortStr::from_string(name.to_string()),
+                ..Default::default()
+            },
+        );
+        assert!(matches!(self.recv_method(), Method::QueueDeclareOk(_)));
+    }
+
+    /// Everything the node wants written, decoded.
+    fn pump(&mut self) {
+        let mut out: Vec<Transmit> = Vec::new();
+        self.node.poll_transmit(self.now, &mut out);
+        for t in out {
+            let mut buf = BytesMut::from(&t.bytes[..]);
+            while let Some(f) = self.decoder.decode(&mut buf).unwrap() {
+                self.received.push(f);
+            }
+            assert!(buf.is_empty());
+            self.node.bytes_written(CONN, t.bytes.len());
+            if t.close {
+                self.closed = true;
+            }
+        }
+    }
+
+    fn frames(&mut self) -> Vec<Frame> {
+        self.pump();
+        std::mem::take(&mut self.received)
+    }
+
+    fn recv_method(&mut self) -> Method {
+        self.pump();
+        assert!(!self.received.is_empty(), "nothing received");
+        match self.received.remove(0) {
+            Frame::Method { method, .. } => method,
+            other => panic!("expected a method, got {other:?}"),
+        }
+    }
+
+    /// Deliveries received as (delivery tag, body, redelivered).
+    fn deliveries(&mut self) -> Vec<(u64, Bytes, bool)> {
+        let mut got = Vec::new();
+        let mut pending: Option<(u64, bool)> = None;
+        for f in self.frames() {
+            match f {
+                Frame::Method {
+                    method: Method::BasicDeliver(d),
+                    ..
+                } => pending = Some((d.delivery_tag, d.redelivered)),
+                Frame::Method {
+                    method: Method::BasicGetOk(d),
+                    ..
+                } => pending = Some((d.delivery_tag, d.redelivered)),
+                Frame::Body { payload, .. } => {
+                    let (tag, redelivered) = pending.take().unwrap();
+                    got.push((tag, payload, redelivered));
+                }
+                Frame::Header { header, .. } if header.body_size == 0 => {
+                    let (tag, redelivered) = pending.take().unwrap();
+                    got.push((tag, Bytes::new(), redelivered));
+                }
+                _ => {}
+            }
+        }
+        got
+    }
+
+    fn consume(&mut self, channel: u16, queue: &str, no_ack: bool) -> ShortStr {
+        self.send(
+            channel,
+            BasicConsume {
+                queue: ShortStr::from_string(queue.to_string()),
+                no_ack,
+                ..Default::default()
+            },
+        );
+        match self.recv_method() {
+            Method::BasicConsumeOk(ok) => ok.consumer_tag,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn qos(&mut self, channel: u16, prefetch_count: u16, global: bool) {
+        self.send(
+            channel,
+            BasicQos {
+                prefetch_count,
+                global,
+                ..Default::default()
+            },
+        );
+        assert!(matches!(self.recv_method(), Method::BasicQosOk(_)));
+    }
+}
+
+fn client_properties() -> FieldTable {
+    let mut caps = FieldTable::default();
+    caps.insert(
+        ShortStr::from("consumer_cancel_notify"),
+        FieldValue::Bool(true),
+    );
+    let mut props = FieldTable::default();
+    props.insert(ShortStr::from("capabilities"), FieldValue::Table(caps));
+    props
+}
+
+fn expect_channel_close(m: Method, code: u16, text: &str, class_id: u16, method_id: u16) {
+    let Method::ChannelClose(c) = m else {
+        panic!("expected channel.close, got {m:?}")
+    };
+    assert_eq!(
+        (c.reply_code, c.reply_text.as_str(), c.class_id, c.method_id),
+        (code, text, class_id, method_id)
+    );
+}
+
+fn expect_connection_close(m: Method, code: u16, text: &str, class_id: u16, method_id: u16) {
+    let Method::ConnectionClose(c) = m else {
+        panic!("expected connection.close, got {m:?}")
+    };
+    assert_eq!(
+        (c.reply_code, c.reply_text.as_str(), c.class_id, c.method_id),
+        (code, text, class_id, method_id)
+    );
+}
+
+#[test]
+fn handshake_advertises_rabbitmq_capabilities_and_defaults() {
+    let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
+    let Method::ConnectionStart(start) = c.recv_method() else {
+        panic!()
+    };
+    assert_eq!((start.version_major, start.version_minor), (0, 9));
+    assert_eq!(&start.mechanisms[..], b"PLAIN AMQPLAIN");
+    let Some(FieldValue::Table(caps)) = start.server_properties.get("capabilities") else {
+        panic!()
+    };
+    for cap in [
+        "publisher_confirms",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "per_consumer_qos",
+        "authentication_failure_close",
+    ] {
+        assert_eq!(caps.get(cap), Some(&FieldValue::Bool(true)), "{cap}");
+    }
+    c.received.clear();
+    c.send(
+        0,
+        ConnectionStartOk {
+            client_properties: FieldTable::default(),
+            mechanism: ShortStr::from("PLAIN"),
+            response: Bytes::from_static(b"\0guest\0guest"),
+            locale: ShortStr::from("en_US"),
+        },
+    );
+    let Method::ConnectionTune(t) = c.recv_method() else {
+        panic!()
+    };
+    assert_eq!(
+        (t.channel_max, t.frame_max, t.heartbeat),
+        (2047, 131_072, 60)
+    );
+}
+
+#[test]
+fn wrong_password_is_refused_with_rabbitmq_text_and_the_socket_closes() {
+    let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
+    c.start_ok("guest", "wrong");
+    expect_connection_close(
+        c.recv_method(),
+        403,
+        "ACCESS_REFUSED - Login was refused using authentication mechanism PLAIN. For details see the broker logfile.",
+        10,
+        11,
+    );
+    assert!(c.closed);
+}
+
+#[test]
+fn guest_cannot_log_in_from_a_remote_address() {
+    let mut c = Client::connect_from(SessionConfig::default(), "192.0.2.7:40000");
+    c.start_ok("guest", "guest");
+    let Method::ConnectionClose(close) = c.recv_method() else {
+        panic!()
+    };
+    assert_eq!(close.reply_code, 403);
+}
+
+#[test]
+fn missing_vhost_is_530() {
+    let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
+    c.start_ok("guest", "guest");
+    c.recv_method();
+    c.send(
+        0,
+        ConnectionTuneOk {
+            channel_max: 0,
+            frame_max: 131_072,
+            heartbeat: 0,
+        },
+    );
+    c.send(
+        0,
+        ConnectionOpen {
+            virtual_host: ShortStr::from("novhost"),
+            ..Default::default()
+        },
+    );
+    expect_connection_close(
+        c.recv_method(),
+        530,
+        "NOT_ALLOWED - vhost novhost not found",
+        10,
+        40,
+    );
+}
+
+#[test]
+fn publish_get_ack_and_unknown_tag() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    c.publish(1, "q", b"hello");
+    c.send(
+        1,
+        BasicGet {
+            queue: ShortStr::from("q"),
+            no_ack: false,
+            ..Default::default()
+        },
+    );
+    let got = c.deliveries();
+    assert_eq!(got, vec![(1, Bytes::from_static(b"hello"), false)]);
+    c.send(
+        1,
+        BasicAck {
+            delivery_tag: 1,
+            multiple: false,
+        },
+    );
+    c.send(
+        1,
+        BasicGet {
+            queue: ShortStr::from("q"),
+            ..Default::default()
+        },
+    );
+    assert!(matches!(c.recv_method(), Method::BasicGetEmpty(_)));
+    c.send(
+        1,
+        BasicAck {
+            delivery_tag: 1,
+            multiple: false,
+        },
+    );
+    expect_channel_close(
+        c.recv_method(),
+        406,
+        "PRECONDITION_FAILED - unknown delivery tag 1",
+        60,
+        80,
+    );
+}
+
+#[test]
+fn prefetch_limits_a_consumer_until_it_acks() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    for i in 0..5u8 {
+        c.publish(1, "q", &[i]);
+    }
+    c.qos(1, 2, false);
+    c.consume(1, "q", false);
+    let first = c.deliveries();
+    assert_eq!(first.len(), 2);
+    c.send(
+        1,
+        BasicAck {
+            delivery_tag: 2,
+            multiple: true,
+        },
+    );
+    let second = c.deliveries();
+    assert_eq!(second.iter().map(|d| d.0).collect::<Vec<_>>(), vec![3, 4]);
+    assert_eq!(second[0].1, Bytes::from_static(&[2]));
+}
+
+#[test]
+fn global_prefetch_is_shared_by_the_channel_consumers() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "a");
+    c.declare(1, "b");
+    for i in 0..3u8 {
+        c.publish(1, "a", &[i]);
+        c.publish(1, "b", &[i]);
+    }
+    c.qos(1, 3, true);
+    for q in ["a", "b"] {
+        c.send(
+            1,
+            BasicConsume {
+                queue: ShortStr::from(q),
+                ..Default::default()
+            },
+        );
+    }
+    assert_eq!(c.deliveries().len(), 3);
+    c.send(
+        1,
+        BasicAck {
+            delivery_tag: 0,
+            multiple: true,
+        },
+    );
+    assert_eq!(c.deliveries().len(), 3);
+}
+
+#[test]
+fn closing_a_channel_requeues_its_unacked_at_their_original_position() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.channel(2);
+    c.declare(1, "q");
+    for i in 0..3u8 {
+        c.publish(1, "q", &[i]);
+    }
+    c.qos(2, 2, false);
+    c.consume(2, "q", false);
+    assert_eq!(c.deliveries().len(), 2);
+    c.send(2, ChannelClose::default());
+    assert!(matches!(c.recv_method(), Method::ChannelCloseOk(_)));
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        c.send(
+            1,
+            BasicGet {
+                queue: ShortStr::from("q"),
+                no_ack: true,
+                ..Default::default()
+            },
+        );
+        got.extend(c.deliveries());
+    }
+    let bodies: Vec<(u8, bool)> = got.iter().map(|d| (d.1[0], d.2)).collect();
+    assert_eq!(bodies, vec![(0, true), (1, true), (2, false)]);
+}
+
+#[test]
+fn connection_loss_requeues_and_deletes_exclusive_queues() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "shared");
+    c.send(
+        1,
+        QueueDeclare {
+            queue: ShortStr::from("mine"),
+            exclusive: true,
+            ..Default::default()
+        },
+    );
+    c.recv_method();
+    c.publish(1, "shared", b"x");
+    c.consume(1, "shared", false);
+    assert_eq!(c.deliveries().len(), 1);
+    c.node.connection_lost(CONN);
+    let broker = c.node.broker();
+    assert!(broker.queue_id("/", "mine").is_none());
+    let id = broker.queue_id("/", "shared").unwrap();
+    assert_eq!(broker.queue_info(id).unwrap().message_count, 1);
+}
+
+#[test]
+fn after_channel_close_only_close_ok_is_read() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.send(
+        1,
+        BasicGet {
+            queue: ShortStr::from("nope"),
+            ..Default::default()
+        },
+    );
+    expect_channel_close(
+        c.recv_method(),
+        404,
+        "NOT_FOUND - no queue 'nope' in vhost '/'",
+        60,
+        70,
+    );
+    // Ignored: the channel is closing.
+    c.send(
+        1,
+        QueueDeclare {
+            queue: ShortStr::from("q"),
+            ..Default::default()
+        },
+    );
+    assert!(c.frames().is_empty());
+    assert!(c.node.broker().queue_id("/", "q").is_none());
+    c.send(1, ChannelCloseOk {});
+    c.channel(1);
+}
+
+#[test]
+fn confirms_are_coalesced_into_one_multiple_ack() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    c.send(1, ConfirmSelect { no_wait: false });
+    assert!(matches!(c.recv_method(), Method::ConfirmSelectOk(_)));
+    for _ in 0..3 {
+        c.publish(1, "q", b"m");
+    }
+    let acks: Vec<(u64, bool)> = c
+        .frames()
+        .into_iter()
+        .filter_map(|f| match f {
+            Frame::Method {
+                method: Method::BasicAck(a),
+                ..
+            } => Some((a.delivery_tag, a.multiple)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(acks, vec![(3, true)]);
+}
+
+#[test]
+fn mandatory_unroutable_comes_back_before_its_confirm() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.send(1, ConfirmSelect { no_wait: false });
+    c.recv_method();
+    c.send(
+        1,
+        BasicPublish {
+            routing_key: ShortStr::from("nowhere"),
+            mandatory: true,
+            ..Default::default()
+        },
+    );
+    c.node.handle_frame(
+        CONN,
+        Frame::Header {
+            channel: 1,
+            header: ContentHeader {
+                class_id: 60,
+                weight: 0,
+                body_size: 0,
+                properties: BasicProperties::default().encode(),
+            },
+        },
+        0,
+    );
+    let frames = c.frames();
+    let Frame::Method {
+        method: Method::BasicReturn(r),
+        ..
+    } = &frames[0]
+    else {
+        panic!("{frames:?}")
+    };
+    assert_eq!((r.reply_code, r.reply_text.as_str()), (312, "NO_ROUTE"));
+    assert!(matches!(
+        frames.last(),
+        Some(Frame::Method {
+            method: Method::BasicAck(_),
+            ..
+        })
+    ));
+}
+
+#[test]
+fn reusing_a_consumer_tag_closes_the_connection() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    c.send(
+        1,
+        BasicConsume {
+            queue: ShortStr::from("q"),
+            consumer_tag: ShortStr::from("t1"),
+            ..Default::default()
+        },
+    );
+    c.recv_method();
+    c.send(
+        1,
+        BasicConsume {
+            queue: ShortStr::from("q"),
+            consumer_tag: ShortStr::from("t1"),
+            ..Default::default()
+        },
+    );
+    expect_connection_close(
+        c.recv_method(),
+        530,
+        "NOT_ALLOWED - attempt to reuse consumer tag 't1'",
+        60,
+        20,
+    );
+}
+
+#[test]
+fn methods_on_an_unopened_channel_are_a_channel_error() {
+    let mut c = Client::open();
+    c.send(
+        3,
+        QueueDeclare {
+            queue: ShortStr::from("q"),
+            ..Default::default()
+        },
+    );
+    expect_connection_close(
+        c.recv_method(),
+        504,
+        "CHANNEL_ERROR - expected 'channel.open'",
+        50,
+        10,
+    );
+}
+
+#[test]
+fn content_without_a_publish_is_an_unexpected_frame() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.node.handle_frame(
+        CONN,
+        Frame::Body {
+            channel: 1,
+            payload: Bytes::from_static(b"x"),
+        },
+        0,
+    );
+    let Method::ConnectionClose(close) = c.recv_method() else {
+        panic!()
+    };
+    assert_eq!(close.reply_code, 505);
+}
+
+#[test]
+fn multi_frame_bodies_are_reassembled() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    c.send(
+        1,
+        BasicPublish {
+            routing_key: ShortStr::from("q"),
+            ..Default::default()
+        },
+    );
+    c.node.handle_frame(
+        CONN,
+        Frame::Header {
+            channel: 1,
+            header: ContentHeader {
+                class_id: 60,
+                weight: 0,
+                body_size: 6,
+                properties: BasicProperties::default().encode(),
+            },
+        },
+        0,
+    );
+    for part in [&b"ab"[..], b"cd", b"ef"] {
+        c.node.handle_frame(
+            CONN,
+            Frame::Body {
+                channel: 1,
+                payload: Bytes::copy_from_slice(part),
+            },
+            0,
+        );
+    }
+    c.send(
+        1,
+        BasicGet {
+            queue: ShortStr::from("q"),
+            no_ack: true,
+            ..Default::default()
+        },
+    );
+    assert_eq!(c.deliveries()[0].1, Bytes::from_static(b"abcdef"));
+}
+
+#[test]
+fn an_oversized_message_is_refused_from_its_header() {
+    let config = SessionConfig {
+        max_message_size: 10,
+        ..SessionConfig::default()
+    };
+    let mut c = Client::open_with(config);
+    c.channel(1);
+    c.send(
+        1,
+        BasicPublish {
+            routing_key: ShortStr::from("q"),
+            ..Default::default()
+        },
+    );
+    c.node.handle_frame(
+        CONN,
+        Frame::Header {
+            channel: 1,
+            header: ContentHeader {
+                class_id: 60,
+                weight: 0,
+                body_size: 11,
+                properties: BasicProperties::default().encode(),
+            },
+        },
+        0,
+    );
+    expect_channel_close(
+        c.recv_method(),
+        406,
+        "PRECONDITION_FAILED - message size 11 is larger than configured max size 10",
+        60,
+        40,
+    );
+}
+
+#[test]
+fn heartbeats_are_sent_and_a_silent_client_is_dropped() {
+    let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
+    c.start_ok("guest", "guest");
+    c.recv_method();
+    c.send(
+        0,
+        ConnectionTuneOk {
+            channel_max: 0,
+            frame_max: 131_072,
+            heartbeat: 1,
+        },
+    );
+    c.send(
+        0,
+        ConnectionOpen {
+            virtual_host: ShortStr::from("/"),
+            ..Default::default()
+        },
+    );
+    c.recv_method();
+    c.now = 600;
+    c.node.tick(c.now);
+    assert!(matches!(
+        c.frames().as_slice(),
+        [Frame::Heartbeat { channel: 0 }]
+    ));
+    c.now = 1999;
+    c.node.tick(c.now);
+    c.pump();
+    assert!(!c.closed);
+    c.now = 2000;
+    c.node.tick(c.now);
+    c.pump();
+    assert!(c.closed);
+}
+
+#[test]
+fn a_deleted_queue_cancels_its_consumers() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    let tag = c.consume(1, "q", false);
+    c.send(
+        1,
+        QueueDelete {
+            queue: ShortStr::from("q"),
+            ..Default::default()
+        },
+    );
+    let frames = c.frames();
+    let cancel = frames.iter().find_map(|f| match f {
+        Frame::Method {
+            method: Method::BasicCancel(b),
+            ..
+        } => Some(b.consumer_tag.clone()),
+        _ => None,
+    });
+    assert_eq!(cancel, Some(tag));
+}
+
+#[test]
+fn shutdown_sends_connection_forced() {
+    let mut c = Client::open();
+    c.node.shutdown(0);
+    expect_connection_close(
+        c.recv_method(),
+        320,
+        "CONNECTION_FORCED - broker forced connection closure with reason 'shutdown'",
+        0,
+        0,
+    );
+}
