@@ -56,8 +56,6 @@ struct InFlight<C, M> {
 struct Slot<C> {
     consumer: C,
     no_ack: bool,
-    /// The checkout pass in which this consumer last said it had no credit.
-    blocked_pass: u64,
 }
 
 /// A message handed to a consumer (or to basic.get).
@@ -163,7 +161,6 @@ pub struct QueueMachine<C, M> {
     consumers: VecDeque<Slot<C>>,
     ready_bytes: u64,
     in_flight_bytes: u64,
-    pass: u64,
     now_ms: u64,
 }
 
@@ -177,7 +174,6 @@ impl<C, M> Default for QueueMachine<C, M> {
             consumers: VecDeque::new(),
             ready_bytes: 0,
             in_flight_bytes: 0,
-            pass: 0,
             now_ms: 0,
         }
     }
@@ -261,11 +257,7 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
         if self.has_consumer(&consumer) {
             return false;
         }
-        self.consumers.push_back(Slot {
-            consumer,
-            no_ack,
-            blocked_pass: 0,
-        });
+        self.consumers.push_back(Slot { consumer, no_ack });
         true
     }
 
@@ -421,41 +413,31 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
 
     /// Offers ready messages to consumers with credit, round-robin, at most `max` of them.
     /// Returns how many were delivered. Each consumer is asked for credit right before a
-    /// message is taken for it; one that says no is not asked again during this call.
+    /// message is taken for it; one that says no is set aside for the rest of this call and
+    /// then goes to the back of the order (as RabbitMQ moves blocked consumers), so every
+    /// delivery costs O(1) however many consumers are blocked.
     pub fn checkout(&mut self, driver: &mut dyn Checkout<C, M>, max: usize) -> usize {
-        self.pass = self.pass.wrapping_add(1);
-        let pass = self.pass;
         let mut delivered = 0;
-        let mut blocked = 0;
-        'outer: while delivered < max && self.ready_count() > 0 && blocked < self.consumers.len() {
-            for i in 0..self.consumers.len() {
-                let Some(slot) = self.consumers.get_mut(i) else {
-                    break 'outer;
-                };
-                if slot.blocked_pass == pass {
-                    continue;
-                }
-                if !driver.has_credit(&slot.consumer) {
-                    slot.blocked_pass = pass;
-                    blocked += 1;
-                    continue;
-                }
-                let (consumer, no_ack) = (slot.consumer.clone(), slot.no_ack);
-                // Round-robin: the served consumer goes to the back.
-                if let Some(slot) = self.consumers.remove(i) {
-                    self.consumers.push_back(slot);
-                }
-                let Some(entry) = self.pop_ready() else {
-                    break 'outer;
-                };
-                let d = self.hand_out(entry, Some(consumer), no_ack);
-                driver.deliver(d);
-                delivered += 1;
-                continue 'outer;
+        let mut blocked: Vec<Slot<C>> = Vec::new();
+        while delivered < max && self.ready_count() > 0 {
+            let Some(slot) = self.consumers.pop_front() else {
+                break;
+            };
+            if !driver.has_credit(&slot.consumer) {
+                blocked.push(slot);
+                continue;
             }
-            // Every consumer was asked and none had credit.
-            break;
+            let (consumer, no_ack) = (slot.consumer.clone(), slot.no_ack);
+            // Round-robin: the served consumer goes to the back.
+            self.consumers.push_back(slot);
+            let Some(entry) = self.pop_ready() else {
+                break;
+            };
+            let d = self.hand_out(entry, Some(consumer), no_ack);
+            driver.deliver(d);
+            delivered += 1;
         }
+        self.consumers.extend(blocked);
         delivered
     }
 
