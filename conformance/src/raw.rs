@@ -50,6 +50,9 @@ pub struct RawDelivery {
     pub method: AMQPClass,
     pub properties: AMQPProperties,
     pub body: Vec<u8>,
+    /// The content header payload after class id, weight and body size: property flags and property values
+    /// exactly as the broker sent them.
+    pub property_bytes: Vec<u8>,
     /// Payload sizes of the body frames that carried the body.
     pub body_frame_sizes: Vec<u32>,
 }
@@ -304,6 +307,33 @@ impl Raw {
         self.send_bytes(&bytes).await;
     }
 
+    /// basic.publish + a content header whose property flags and values are `property_bytes` verbatim + one
+    /// body frame.
+    pub async fn publish_with_property_bytes(
+        &mut self,
+        channel: u16,
+        exchange: &str,
+        routing_key: &str,
+        property_bytes: &[u8],
+        body: &[u8],
+    ) {
+        let mut bytes = encode(&AMQPFrame::Method(
+            channel,
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+                mandatory: false,
+                immediate: false,
+            })),
+        ));
+        let mut header = vec![0, 60, 0, 0];
+        header.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        header.extend_from_slice(property_bytes);
+        bytes.extend(raw_frame(2, channel, &header));
+        bytes.extend(raw_frame(3, channel, body));
+        self.send_bytes(&bytes).await;
+    }
+
     pub async fn channel_open(&mut self, channel: u16) {
         self.send(
             channel,
@@ -336,6 +366,40 @@ impl Raw {
         {
             AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)) => ok,
             other => unreachable!("{other:?}"),
+        }
+    }
+
+    /// Polls a passive queue.declare until the queue holds `ready` ready messages (publishes are asynchronous:
+    /// a declare right after a publish may not count it yet). Returns the last declare-ok.
+    pub async fn wait_ready(&mut self, channel: u16, queue: &str, ready: u32) -> queue::DeclareOk {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let ok = match self
+                .call(
+                    channel,
+                    m::queue_declare(
+                        queue,
+                        QueueFlags {
+                            passive: true,
+                            ..Default::default()
+                        },
+                    ),
+                )
+                .await
+            {
+                AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)) => ok,
+                other => unreachable!("{other:?}"),
+            };
+            if ok.message_count == ready {
+                return ok;
+            }
+            if tokio::time::Instant::now() > deadline {
+                panic!(
+                    "queue {queue} has {} ready messages after {WAIT:?}, expected {ready}",
+                    ok.message_count
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 
@@ -493,13 +557,14 @@ impl Raw {
 
     /// Reads the content header and body frames following `method`.
     pub async fn recv_content(&mut self, channel: u16, method: AMQPClass) -> RawDelivery {
-        let header = loop {
+        let (header, property_bytes) = loop {
             match self.recv().await {
                 Ok(Frame { kind: 8, .. }) => continue,
                 Ok(Frame {
                     parsed: Some(AMQPFrame::Header(ch, h)),
+                    payload,
                     ..
-                }) if ch == channel => break h,
+                }) if ch == channel => break (h, payload[12..].to_vec()),
                 other => panic!("expected a content header on {channel}, got {other:?}"),
             }
         };
@@ -530,6 +595,7 @@ impl Raw {
             channel,
             method,
             properties: header.properties,
+            property_bytes,
             body,
             body_frame_sizes: sizes,
         }
