@@ -8,7 +8,7 @@ use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
-use crate::queue::args::{self, QueueType, DECLARE_ARGS};
+use crate::queue::args::{self, QueueType};
 use crate::queue::machine::{
     Checkout, DeadLetterReason, Deliver, Discarded, MsgMeta, QueueMachine,
 };
@@ -368,7 +368,12 @@ impl Broker {
             }
             args::assert_field_equivalence(q.durable, durable, &rs, "durable")?;
             args::assert_field_equivalence(q.auto_delete, req.auto_delete, &rs, "auto_delete")?;
-            args::assert_args_equivalence(&q.arguments, &req.arguments, &rs, &DECLARE_ARGS)?;
+            args::assert_args_equivalence(
+                &q.arguments,
+                &req.arguments,
+                &rs,
+                q.args.queue_type.equivalence_keys(),
+            )?;
             return Ok(declared(q));
         }
 
@@ -573,7 +578,7 @@ impl Broker {
         args::assert_field_equivalence(x.durable, durable, &rs, "durable")?;
         args::assert_field_equivalence(x.auto_delete, auto_delete, &rs, "auto_delete")?;
         args::assert_field_equivalence(x.internal, internal, &rs, "internal")?;
-        args::assert_args_equivalence(&x.arguments, arguments, &rs, &["alternate-exchange"])
+        args::assert_args_equivalence(&x.arguments, arguments, &rs, ["alternate-exchange"])
     }
 
     pub fn delete_exchange(

@@ -307,6 +307,52 @@ fn quorum_properties() {
 }
 
 #[test]
+fn redeclare_compares_the_types_arguments() {
+    let mut b = broker();
+    // A classic queue ignores arguments it does not have on redeclare.
+    declare(&mut b, "c");
+    let mut r = req("c");
+    r.arguments = table(&[
+        ("x-delivery-limit", FieldValue::I32(5)),
+        ("x-max-age", FieldValue::long_str("1D")),
+    ]);
+    assert!(b.declare_queue(V, r, C1).is_ok());
+    // ...but not a type change.
+    let mut r = req("c");
+    r.arguments = table(&[("x-queue-type", FieldValue::long_str("quorum"))]);
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'x-queue-type' for queue 'c' in vhost '/': received the value 'quorum' of type 'longstr' but current is none"
+        ))
+    );
+    // A quorum queue compares x-delivery-limit.
+    let mut r = req("qq");
+    r.durable = true;
+    r.arguments = table(&[("x-queue-type", FieldValue::long_str("quorum"))]);
+    b.declare_queue(V, r.clone(), C1).expect("quorum");
+    r.arguments.insert("x-delivery-limit", FieldValue::I32(3));
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "inequivalent arg 'x-delivery-limit' for queue 'qq' in vhost '/': received the value '3' of type 'signedint' but current is none"
+        ))
+    );
+    // Arguments a type does not support are refused on declare.
+    let mut r = req("c2");
+    r.arguments = table(&[("x-delivery-limit", FieldValue::I32(5))]);
+    assert_eq!(
+        b.declare_queue(V, r, C1),
+        Err(err(
+            ReplyCode::PreconditionFailed,
+            "invalid arg 'x-delivery-limit' for queue 'c2' in vhost '/' of queue type rabbit_classic_queue"
+        ))
+    );
+}
+
+#[test]
 fn server_named_queues() {
     let mut b = broker();
     let a = b.declare_queue(V, req(""), C1).expect("a");

@@ -8,13 +8,14 @@ use warren_codec::{AmqpError, FieldTable, FieldValue};
 
 use crate::erl;
 
-/// `?MAX_EXPIRY_TIMER` in RabbitMQ (ms).
-pub const MAX_EXPIRY_MS: i64 = 4_294_967_295;
+/// The largest TTL / expiry RabbitMQ 3.10 accepts (ms): ten years.
+pub const MAX_EXPIRY_MS: i64 = 315_360_000_000;
 /// `?MAX_SUPPORTED_PRIORITY`.
 pub const MAX_PRIORITY: i64 = 255;
 
-/// The keys RabbitMQ validates on declare and compares on redeclare, in its order.
-pub const DECLARE_ARGS: [&str; 19] = [
+/// Every queue argument RabbitMQ 3.10 knows, in its `declare_args/0` order: values are
+/// validated, and a redeclare compared, in this order.
+pub const DECLARE_ARGS: [&str; 22] = [
     "x-expires",
     "x-message-ttl",
     "x-dead-letter-exchange",
@@ -27,9 +28,58 @@ pub const DECLARE_ARGS: [&str; 19] = [
     "x-max-priority",
     "x-overflow",
     "x-queue-mode",
+    "x-queue-version",
     "x-single-active-consumer",
     "x-queue-type",
     "x-quorum-initial-group-size",
+    "x-max-age",
+    "x-stream-max-segment-size-bytes",
+    "x-initial-cluster-size",
+    "x-queue-leader-locator",
+    "x-queue-master-locator",
+    "x-delivery-limit",
+];
+
+/// The arguments a classic queue accepts (RabbitMQ 3.10.8, measured).
+const CLASSIC_ARGS: &[&str] = &[
+    "x-expires",
+    "x-message-ttl",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-max-priority",
+    "x-overflow",
+    "x-queue-mode",
+    "x-queue-version",
+    "x-single-active-consumer",
+    "x-queue-type",
+    "x-queue-master-locator",
+];
+
+/// The arguments a quorum queue accepts.
+const QUORUM_ARGS: &[&str] = &[
+    "x-expires",
+    "x-message-ttl",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-dead-letter-strategy",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-max-in-memory-length",
+    "x-max-in-memory-bytes",
+    "x-overflow",
+    "x-single-active-consumer",
+    "x-queue-type",
+    "x-quorum-initial-group-size",
+    "x-queue-leader-locator",
+    "x-delivery-limit",
+];
+
+/// The arguments a stream accepts.
+const STREAM_ARGS: &[&str] = &[
+    "x-max-length-bytes",
+    "x-queue-type",
     "x-max-age",
     "x-stream-max-segment-size-bytes",
     "x-initial-cluster-size",
@@ -43,6 +93,35 @@ pub enum QueueType {
     Classic,
     Quorum,
     Stream,
+}
+
+impl QueueType {
+    /// The `x-` arguments this type accepts; the other known ones are refused.
+    pub fn supported_args(self) -> &'static [&'static str] {
+        match self {
+            QueueType::Classic => CLASSIC_ARGS,
+            QueueType::Quorum => QUORUM_ARGS,
+            QueueType::Stream => STREAM_ARGS,
+        }
+    }
+
+    pub fn supports(self, key: &str) -> bool {
+        self.supported_args().contains(&key)
+    }
+
+    /// RabbitMQ's module name for the type, as its error texts show it.
+    pub fn module(self) -> &'static str {
+        match self {
+            QueueType::Classic => "rabbit_classic_queue",
+            QueueType::Quorum => "rabbit_quorum_queue",
+            QueueType::Stream => "rabbit_stream_queue",
+        }
+    }
+
+    /// The arguments compared when a queue of this type is redeclared, in RabbitMQ's order.
+    pub fn equivalence_keys(self) -> impl Iterator<Item = &'static str> {
+        DECLARE_ARGS.into_iter().filter(move |k| self.supports(k))
+    }
 }
 
 /// `x-overflow`.
@@ -94,14 +173,16 @@ pub struct QueueArgs {
     pub overflow: Overflow,
     /// `x-queue-mode` (accepted; every queue behaves the same).
     pub queue_mode: QueueMode,
+    /// `x-queue-version` (1 or 2; accepted, no effect).
+    pub queue_version: Option<u8>,
     /// `x-single-active-consumer`.
     pub single_active_consumer: bool,
     /// `x-queue-type`.
     pub queue_type: QueueType,
     /// `x-max-age` for streams, in ms.
     pub max_age_ms: Option<u64>,
-    /// `x-delivery-limit` (not validated by RabbitMQ 3.10: taken when it is a non-negative
-    /// integer, ignored otherwise).
+    /// `x-delivery-limit` (quorum queues; not validated by RabbitMQ 3.10: taken when it is
+    /// a non-negative integer, ignored otherwise).
     pub delivery_limit: Option<u64>,
 }
 
@@ -245,6 +326,15 @@ fn check_key(key: &str, v: &FieldValue, args: &FieldTable, out: &mut QueueArgs) 
                 _ => return Err(Bad::Text(format!("unsupported queue mode '{}'", lossy(s)))),
             }
         }
+        "x-queue-version" => {
+            let i = check_int(v)?;
+            out.queue_version = match i {
+                1 => Some(1),
+                2 => Some(2),
+                _ => return Err(Bad::Text(format!("unsupported queue version '{i}'"))),
+            };
+        }
+        "x-delivery-limit" => out.delivery_limit = v.as_u64(),
         "x-single-active-consumer" => match v {
             FieldValue::Bool(b) => out.single_active_consumer = *b,
             other => {
@@ -285,21 +375,36 @@ fn check_key(key: &str, v: &FieldValue, args: &FieldTable, out: &mut QueueArgs) 
     Ok(())
 }
 
-/// Validates the arguments of a new queue (`check_declare_arguments`) and parses them.
-/// `rs` is the queue's resource text (`queue 'q' in vhost '/'`).
+/// Validates the arguments of a new queue and parses them, as RabbitMQ 3.10's
+/// `check_declare_arguments`: `x-queue-type` first, then the values of the arguments the
+/// type supports (in [`DECLARE_ARGS`] order), then known arguments the type does not
+/// support (in the table's order). `rs` is the queue's resource text
+/// (`queue 'q' in vhost '/'`).
 pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
+    let invalid = |key: &str, bad: Bad| {
+        AmqpError::precondition_failed(format!("invalid arg '{key}' for {rs}: {}", bad.render()))
+    };
     let mut out = QueueArgs::default();
+    if let Some(v) = args.get("x-queue-type") {
+        check_key("x-queue-type", v, args, &mut out).map_err(|b| invalid("x-queue-type", b))?;
+    }
+    let qtype = out.queue_type;
     for key in DECLARE_ARGS {
+        if key == "x-queue-type" || !qtype.supports(key) {
+            continue;
+        }
         if let Some(v) = args.get(key) {
-            check_key(key, v, args, &mut out).map_err(|bad| {
-                AmqpError::precondition_failed(format!(
-                    "invalid arg '{key}' for {rs}: {}",
-                    bad.render()
-                ))
-            })?;
+            check_key(key, v, args, &mut out).map_err(|b| invalid(key, b))?;
         }
     }
-    out.delivery_limit = args.get("x-delivery-limit").and_then(|v| v.as_u64());
+    for (key, _) in args.iter() {
+        if DECLARE_ARGS.contains(&key.as_str()) && !qtype.supports(key) {
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid arg '{key}' for {rs} of queue type {}",
+                qtype.module()
+            )));
+        }
+    }
     Ok(out)
 }
 
@@ -325,13 +430,13 @@ fn val_opt(v: Option<&FieldValue>) -> String {
 
 /// `rabbit_misc:assert_args_equivalence/4` over `keys`: the first differing key fails with
 /// RabbitMQ's 406 text.
-pub fn assert_args_equivalence(
+pub fn assert_args_equivalence<'k>(
     current: &FieldTable,
     received: &FieldTable,
     rs: &str,
-    keys: &[&str],
+    keys: impl IntoIterator<Item = &'k str>,
 ) -> Result<(), AmqpError> {
-    for &key in keys {
+    for key in keys {
         let (orig, new) = (current.get(key), received.get(key));
         let fail = |received: String, current: String| {
             AmqpError::precondition_failed(format!(
@@ -424,6 +529,14 @@ mod tests {
         }
     }
 
+    fn with_type(
+        t: &'static str,
+        key: &'static str,
+        v: FieldValue,
+    ) -> Vec<(&'static str, FieldValue)> {
+        vec![("x-queue-type", FieldValue::long_str(t)), (key, v)]
+    }
+
     #[test]
     fn reference_texts() {
         assert_eq!(
@@ -438,89 +551,153 @@ mod tests {
 
     #[test]
     fn each_validator() {
-        let cases: Vec<(&'static str, FieldValue, &str)> = vec![
-            ("x-expires", FieldValue::I32(0), "{value_zero,0}"),
+        let cases: Vec<(&'static str, &'static str, FieldValue, &str)> = vec![
+            ("classic", "x-expires", FieldValue::I32(0), "{value_zero,0}"),
             (
+                "classic",
                 "x-expires",
-                FieldValue::I64(4_294_967_296),
-                "{value_too_large,4294967296}",
+                FieldValue::I64(315_360_000_001),
+                "{value_too_large,315360000001}",
             ),
             (
+                "classic",
                 "x-expires",
                 FieldValue::F64(1.0),
                 "\"expected integer, got double\"",
             ),
             (
+                "classic",
                 "x-message-ttl",
                 FieldValue::Timestamp(5),
                 "\"expected integer, got timestamp\"",
             ),
             (
+                "classic",
+                "x-message-ttl",
+                FieldValue::Decimal {
+                    scale: 1,
+                    value: 15,
+                },
+                "\"expected integer, got decimal\"",
+            ),
+            (
+                "classic",
+                "x-max-length",
+                FieldValue::Bool(true),
+                "\"expected integer, got bool\"",
+            ),
+            (
+                "classic",
                 "x-dead-letter-exchange",
                 FieldValue::I32(1),
                 "{unacceptable_type,signedint}",
             ),
             (
+                "classic",
                 "x-max-length-bytes",
                 FieldValue::I8(-1),
                 "{value_negative,-1}",
             ),
             (
+                "classic",
                 "x-max-priority",
                 FieldValue::I32(256),
                 "{max_value_exceeded,256}",
             ),
             (
+                "classic",
                 "x-overflow",
                 FieldValue::long_str("nope"),
                 "invalid_overflow",
             ),
             (
+                "classic",
                 "x-overflow",
                 FieldValue::Bool(true),
                 "{unacceptable_type,bool}",
             ),
             (
+                "classic",
                 "x-queue-mode",
                 FieldValue::long_str("eager"),
                 "\"unsupported queue mode 'eager'\"",
             ),
             (
+                "classic",
+                "x-queue-version",
+                FieldValue::I32(3),
+                "\"unsupported queue version '3'\"",
+            ),
+            (
+                "classic",
+                "x-queue-version",
+                FieldValue::long_str("x"),
+                "\"expected integer, got longstr\"",
+            ),
+            (
+                "classic",
                 "x-single-active-consumer",
                 FieldValue::long_str("yes"),
                 "{unacceptable_type,longstr}",
             ),
             (
-                "x-queue-type",
-                FieldValue::long_str("fifo"),
-                "\"unsupported queue type 'fifo'\"",
-            ),
-            (
-                "x-queue-type",
-                FieldValue::I32(1),
-                "{unacceptable_type,signedint}",
-            ),
-            (
+                "quorum",
                 "x-dead-letter-strategy",
                 FieldValue::long_str("x"),
                 "invalid_dlx_strategy",
             ),
-            ("x-max-age", FieldValue::long_str("10x"), "invalid_max_age"),
-            ("x-max-age", FieldValue::long_str("0D"), "invalid_max_age"),
             (
+                "quorum",
+                "x-max-in-memory-length",
+                FieldValue::I32(-2),
+                "{value_negative,-2}",
+            ),
+            (
+                "quorum",
                 "x-quorum-initial-group-size",
                 FieldValue::I32(0),
                 "{value_zero,0}",
             ),
             (
+                "quorum",
                 "x-queue-leader-locator",
                 FieldValue::long_str("x"),
                 "invalid_queue_locator_arg",
             ),
+            (
+                "stream",
+                "x-max-age",
+                FieldValue::long_str("10x"),
+                "invalid_max_age",
+            ),
+            (
+                "stream",
+                "x-max-age",
+                FieldValue::long_str("0D"),
+                "invalid_max_age",
+            ),
+            (
+                "stream",
+                "x-initial-cluster-size",
+                FieldValue::I32(0),
+                "{value_zero,0}",
+            ),
         ];
-        for (key, v, want) in cases {
-            let text = invalid(&[(key, v)]);
+        for (t, key, v, want) in cases {
+            let text = invalid(&with_type(t, key, v));
             assert_eq!(text, format!("invalid arg '{key}' for {RS}: {want}"));
+        }
+        for (v, want) in [
+            (
+                FieldValue::long_str("fifo"),
+                "\"unsupported queue type 'fifo'\"",
+            ),
+            (FieldValue::long_str(""), "\"unsupported queue type ''\""),
+            (FieldValue::I32(1), "{unacceptable_type,signedint}"),
+        ] {
+            // x-queue-type is checked before anything else.
+            let text = invalid(&[("x-message-ttl", FieldValue::I32(-5)), ("x-queue-type", v)]);
+            assert_eq!(text, format!("invalid arg 'x-queue-type' for {RS}: {want}"));
         }
         assert_eq!(
             invalid(&[("x-dead-letter-routing-key", FieldValue::long_str("rk"))]),
@@ -528,6 +705,21 @@ mod tests {
                 "invalid arg 'x-dead-letter-routing-key' for {RS}: routing_key_but_no_dlx_defined"
             )
         );
+        assert_eq!(
+            invalid(&[
+                ("x-dead-letter-exchange", FieldValue::long_str("d")),
+                ("x-dead-letter-routing-key", FieldValue::I32(5)),
+            ]),
+            format!(
+                "invalid arg 'x-dead-letter-routing-key' for {RS}: {{unacceptable_type,signedint}}"
+            )
+        );
+        // The largest accepted TTL: ten years.
+        assert!(validate(
+            &table(&[("x-message-ttl", FieldValue::I64(315_360_000_000))]),
+            RS
+        )
+        .is_ok());
     }
 
     #[test]
@@ -538,6 +730,49 @@ mod tests {
             ("x-expires", FieldValue::I32(0)),
         ]);
         assert!(text.starts_with("invalid arg 'x-expires'"), "{text}");
+    }
+
+    #[test]
+    fn arguments_the_type_does_not_support() {
+        for (t, key, v) in [
+            ("classic", "x-delivery-limit", FieldValue::I32(5)),
+            ("classic", "x-max-age", FieldValue::long_str("10x")),
+            (
+                "classic",
+                "x-dead-letter-strategy",
+                FieldValue::long_str("bad"),
+            ),
+            ("classic", "x-max-in-memory-length", FieldValue::I32(1)),
+            ("quorum", "x-max-priority", FieldValue::I32(500)),
+            ("quorum", "x-queue-mode", FieldValue::long_str("lazy")),
+            ("stream", "x-message-ttl", FieldValue::I32(5)),
+            ("stream", "x-overflow", FieldValue::long_str("drop-head")),
+        ] {
+            let module = format!("rabbit_{t}_queue");
+            assert_eq!(
+                invalid(&with_type(t, key, v)),
+                format!("invalid arg '{key}' for {RS} of queue type {module}")
+            );
+        }
+        // Supported values are validated before unsupported keys are refused...
+        let text = invalid(&[
+            ("x-dead-letter-strategy", FieldValue::long_str("bad")),
+            ("x-max-length", FieldValue::I32(-1)),
+        ]);
+        assert_eq!(
+            text,
+            format!("invalid arg 'x-max-length' for {RS}: {{value_negative,-1}}")
+        );
+        // ...and unsupported keys are reported in the table's order.
+        for (a, b) in [
+            ("x-max-age", "x-delivery-limit"),
+            ("x-delivery-limit", "x-max-age"),
+        ] {
+            let text = invalid(&[(a, FieldValue::long_str("1D")), (b, FieldValue::I32(1))]);
+            assert!(text.starts_with(&format!("invalid arg '{a}'")), "{text}");
+        }
+        // Unknown arguments are nobody's business.
+        assert!(validate(&table(&[("x-consumer-timeout", FieldValue::I32(1))]), RS).is_ok());
     }
 
     #[test]
@@ -553,15 +788,17 @@ mod tests {
                 ("x-max-priority", FieldValue::U8(10)),
                 ("x-overflow", FieldValue::long_str("reject-publish-dlx")),
                 ("x-queue-mode", FieldValue::long_str("lazy")),
+                ("x-queue-version", FieldValue::I32(2)),
                 ("x-single-active-consumer", FieldValue::Bool(true)),
-                ("x-queue-type", FieldValue::long_str("quorum")),
-                ("x-delivery-limit", FieldValue::I32(3)),
-                ("x-max-age", FieldValue::long_str("7D")),
+                (
+                    "x-queue-master-locator",
+                    FieldValue::long_str("min-masters"),
+                ),
                 ("x-unknown", FieldValue::long_str("ignored")),
             ]),
             RS,
         )
-        .expect("valid");
+        .expect("valid classic");
         assert_eq!(a.expires_ms, Some(1000));
         assert_eq!(a.message_ttl_ms, Some(0));
         assert_eq!(a.dead_letter_exchange.as_deref(), Some("dlx"));
@@ -571,10 +808,46 @@ mod tests {
         assert_eq!(a.max_priority, Some(10));
         assert_eq!(a.overflow, Overflow::RejectPublishDlx);
         assert_eq!(a.queue_mode, QueueMode::Lazy);
+        assert_eq!(a.queue_version, Some(2));
         assert!(a.single_active_consumer);
-        assert_eq!(a.queue_type, QueueType::Quorum);
-        assert_eq!(a.delivery_limit, Some(3));
-        assert_eq!(a.max_age_ms, Some(7 * 24 * 3600 * 1000));
+        assert_eq!(a.queue_type, QueueType::Classic);
+
+        let q = validate(
+            &table(&[
+                ("x-queue-type", FieldValue::long_str("quorum")),
+                ("x-delivery-limit", FieldValue::I32(3)),
+                (
+                    "x-dead-letter-strategy",
+                    FieldValue::long_str("at-least-once"),
+                ),
+                ("x-max-in-memory-bytes", FieldValue::I32(3)),
+            ]),
+            RS,
+        )
+        .expect("valid quorum");
+        assert_eq!(q.queue_type, QueueType::Quorum);
+        assert_eq!(q.delivery_limit, Some(3));
+        assert_eq!(q.dead_letter_strategy, DeadLetterStrategy::AtLeastOnce);
+        // RabbitMQ 3.10 does not validate x-delivery-limit.
+        let q = validate(
+            &table(&[
+                ("x-queue-type", FieldValue::long_str("quorum")),
+                ("x-delivery-limit", FieldValue::long_str("x")),
+            ]),
+            RS,
+        )
+        .expect("unvalidated");
+        assert_eq!(q.delivery_limit, None);
+
+        let st = validate(
+            &table(&[
+                ("x-queue-type", FieldValue::long_str("stream")),
+                ("x-max-age", FieldValue::long_str("7D")),
+            ]),
+            RS,
+        )
+        .expect("valid stream");
+        assert_eq!(st.max_age_ms, Some(7 * 24 * 3600 * 1000));
     }
 
     #[test]
@@ -592,30 +865,65 @@ mod tests {
 
     #[test]
     fn equivalence() {
-        let keys = &DECLARE_ARGS[..];
+        let keys = || QueueType::Classic.equivalence_keys();
         let ten = table(&[("x-max-length", FieldValue::I32(10))]);
         let twenty = table(&[("x-max-length", FieldValue::I64(20))]);
-        let e = assert_args_equivalence(&ten, &twenty, RS, keys).expect_err("differs");
+        let e = assert_args_equivalence(&ten, &twenty, RS, keys()).expect_err("differs");
         assert_eq!(
             e.text,
             "inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received '20' but current is '10'"
         );
         // Same integer class, different width: equivalent.
         let ten_long = table(&[("x-max-length", FieldValue::I64(10))]);
-        assert!(assert_args_equivalence(&ten, &ten_long, RS, keys).is_ok());
+        assert!(assert_args_equivalence(&ten, &ten_long, RS, keys()).is_ok());
+        // A string is not an integer, even when it prints the same.
+        let ten_str = table(&[("x-max-length", FieldValue::long_str("10"))]);
+        let e = assert_args_equivalence(&ten, &ten_str, RS, keys()).expect_err("string");
+        assert_eq!(
+            e.text,
+            "inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received '10' but current is '10'"
+        );
         // Missing on one side.
-        let e = assert_args_equivalence(&ten, &FieldTable::new(), RS, keys).expect_err("missing");
+        let e = assert_args_equivalence(&ten, &FieldTable::new(), RS, keys()).expect_err("missing");
         assert_eq!(
             e.text,
             "inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received none but current is the value '10' of type 'signedint'"
         );
-        // Unknown keys are not compared; classic == no type.
+        // Keys are compared in declare_args order.
+        let a = table(&[
+            ("x-max-length", FieldValue::I32(1)),
+            ("x-expires", FieldValue::I32(1000)),
+        ]);
+        let b = table(&[
+            ("x-max-length", FieldValue::I32(2)),
+            ("x-expires", FieldValue::I32(2000)),
+        ]);
+        let e = assert_args_equivalence(&a, &b, RS, keys()).expect_err("both differ");
+        assert!(
+            e.text.starts_with("inequivalent arg 'x-expires'"),
+            "{}",
+            e.text
+        );
+        // Unknown keys and keys the type does not have are not compared; classic == no type.
         let classic = table(&[
             ("x-queue-type", FieldValue::long_str("classic")),
             ("x-foo", FieldValue::I32(1)),
+            ("x-delivery-limit", FieldValue::I32(1)),
         ]);
-        assert!(assert_args_equivalence(&FieldTable::new(), &classic, RS, keys).is_ok());
-        assert!(assert_args_equivalence(&classic, &FieldTable::new(), RS, keys).is_ok());
+        assert!(assert_args_equivalence(&FieldTable::new(), &classic, RS, keys()).is_ok());
+        assert!(assert_args_equivalence(&classic, &FieldTable::new(), RS, keys()).is_ok());
+        // A quorum queue compares x-delivery-limit.
+        let e = assert_args_equivalence(
+            &FieldTable::new(),
+            &table(&[("x-delivery-limit", FieldValue::I32(3))]),
+            RS,
+            QueueType::Quorum.equivalence_keys(),
+        )
+        .expect_err("delivery limit");
+        assert_eq!(
+            e.text,
+            "inequivalent arg 'x-delivery-limit' for queue 'q' in vhost '/': received the value '3' of type 'signedint' but current is none"
+        );
         let e = assert_field_equivalence(false, true, RS, "durable").expect_err("durable");
         assert_eq!(
             e.text,
@@ -630,6 +938,15 @@ mod tests {
         assert_eq!(
             e.text,
             "invalid arg 'x-priority' for queue 'q' in vhost '/': \"expected integer, got longstr\""
+        );
+        let e = validate_consume(
+            &table(&[("x-cancel-on-ha-failover", FieldValue::I32(1))]),
+            RS,
+        )
+        .expect_err("not a bool");
+        assert_eq!(
+            e.text,
+            "invalid arg 'x-cancel-on-ha-failover' for queue 'q' in vhost '/': {unacceptable_type,signedint}"
         );
         assert_eq!(
             validate_consume(&table(&[("x-priority", FieldValue::I32(5))]), RS).ok(),
