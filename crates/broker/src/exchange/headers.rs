@@ -188,6 +188,172 @@ mod tests {
         assert!(!m(&[("n", FieldValue::I32(1))], &[("n", s("1"))]));
     }
 
+    /// Which bindings match which headers, as RabbitMQ 3.10.8 routed them (measured with
+    /// pika: ints as signedint, or long past 32 bits; None as void; dicts as tables).
+    #[test]
+    fn same_matches_as_rabbitmq() {
+        fn nested() -> FieldValue {
+            FieldValue::Table(table(&[("k", FieldValue::I32(1))]))
+        }
+        let any = || ("x-match", s("any"));
+        let bindings: Vec<(&str, Vec<(&'static str, FieldValue)>)> = vec![
+            ("all-empty", vec![]),
+            ("any-empty", vec![any()]),
+            ("all-a1-b2", vec![("a", FieldValue::I32(1)), ("b", s("2"))]),
+            (
+                "any-a1-b2",
+                vec![any(), ("a", FieldValue::I32(1)), ("b", s("2"))],
+            ),
+            ("all-xfoo", vec![("x-foo", s("1"))]),
+            (
+                "allx-xfoo",
+                vec![("x-match", s("all-with-x")), ("x-foo", s("1"))],
+            ),
+            (
+                "anyx-xfoo-a",
+                vec![
+                    ("x-match", s("any-with-x")),
+                    ("x-foo", s("1")),
+                    ("a", FieldValue::I32(2)),
+                ],
+            ),
+            ("all-void", vec![("a", FieldValue::Void)]),
+            (
+                "any-void-b",
+                vec![any(), ("a", FieldValue::Void), ("b", s("zz"))],
+            ),
+            ("all-bool", vec![("t", FieldValue::Bool(true))]),
+            ("all-str1", vec![("a", s("1"))]),
+            ("all-nested", vec![("n", nested())]),
+        ];
+        let messages: Vec<(&str, Option<Vec<(&'static str, FieldValue)>>)> = vec![
+            ("none", None),
+            ("a1", Some(vec![("a", FieldValue::I32(1))])),
+            (
+                "a1-b2",
+                Some(vec![("a", FieldValue::I32(1)), ("b", s("2"))]),
+            ),
+            (
+                "b2-a1",
+                Some(vec![("b", s("2")), ("a", FieldValue::I32(1))]),
+            ),
+            ("a1big", Some(vec![("a", FieldValue::I64(1 << 40))])),
+            ("a-str1", Some(vec![("a", s("1"))])),
+            (
+                "a-dec1",
+                Some(vec![("a", FieldValue::Decimal { scale: 0, value: 1 })]),
+            ),
+            ("xfoo1", Some(vec![("x-foo", s("1"))])),
+            (
+                "xfoo1-a2",
+                Some(vec![("x-foo", s("1")), ("a", FieldValue::I32(2))]),
+            ),
+            ("a2", Some(vec![("a", FieldValue::I32(2))])),
+            ("t-true", Some(vec![("t", FieldValue::Bool(true))])),
+            ("t-1", Some(vec![("t", FieldValue::I32(1))])),
+            ("nested", Some(vec![("n", nested())])),
+            ("a-none", Some(vec![("a", FieldValue::Void)])),
+        ];
+        let rabbitmq: Vec<(&str, &[&str])> = vec![
+            ("none", &["all-empty", "all-xfoo"]),
+            (
+                "a1",
+                &[
+                    "all-empty",
+                    "any-a1-b2",
+                    "all-xfoo",
+                    "all-void",
+                    "any-void-b",
+                ],
+            ),
+            (
+                "a1-b2",
+                &[
+                    "all-empty",
+                    "all-a1-b2",
+                    "any-a1-b2",
+                    "all-xfoo",
+                    "all-void",
+                    "any-void-b",
+                ],
+            ),
+            (
+                "b2-a1",
+                &[
+                    "all-empty",
+                    "all-a1-b2",
+                    "any-a1-b2",
+                    "all-xfoo",
+                    "all-void",
+                    "any-void-b",
+                ],
+            ),
+            (
+                "a1big",
+                &["all-empty", "all-xfoo", "all-void", "any-void-b"],
+            ),
+            (
+                "a-str1",
+                &[
+                    "all-empty",
+                    "all-xfoo",
+                    "all-void",
+                    "any-void-b",
+                    "all-str1",
+                ],
+            ),
+            (
+                "a-dec1",
+                &["all-empty", "all-xfoo", "all-void", "any-void-b"],
+            ),
+            (
+                "xfoo1",
+                &["all-empty", "all-xfoo", "allx-xfoo", "anyx-xfoo-a"],
+            ),
+            (
+                "xfoo1-a2",
+                &[
+                    "all-empty",
+                    "all-xfoo",
+                    "allx-xfoo",
+                    "anyx-xfoo-a",
+                    "all-void",
+                    "any-void-b",
+                ],
+            ),
+            (
+                "a2",
+                &[
+                    "all-empty",
+                    "all-xfoo",
+                    "anyx-xfoo-a",
+                    "all-void",
+                    "any-void-b",
+                ],
+            ),
+            ("t-true", &["all-empty", "all-xfoo", "all-bool"]),
+            ("t-1", &["all-empty", "all-xfoo"]),
+            ("nested", &["all-empty", "all-xfoo", "all-nested"]),
+            (
+                "a-none",
+                &["all-empty", "all-xfoo", "all-void", "any-void-b"],
+            ),
+        ];
+        for (msg, want) in rabbitmq {
+            let headers = messages
+                .iter()
+                .find(|(m, _)| *m == msg)
+                .map(|(_, h)| sorted_headers(h.as_ref().map(|h| table(h))))
+                .expect("message");
+            let got: Vec<&str> = bindings
+                .iter()
+                .filter(|(_, b)| HeadersSpec::parse(&table(b)).matches(&headers))
+                .map(|(n, _)| *n)
+                .collect();
+            assert_eq!(got, want.to_vec(), "message {msg}");
+        }
+    }
+
     #[test]
     fn validation_texts() {
         let e = validate(&table(&[("x-match", s("some"))])).expect_err("bad value");

@@ -313,6 +313,105 @@ mod tests {
         assert_eq!(got, vec![0]);
     }
 
+    /// Which of these binding keys match which routing keys, as RabbitMQ 3.10.8 routed them
+    /// (measured: one queue per binding key on a topic exchange, one publish per key).
+    #[test]
+    fn same_matches_as_rabbitmq() {
+        const PATTERNS: [&str; 21] = [
+            "#", "*", "", "a", "a.*", "a.#", "#.a", "*.a", "a.#.b", "*.*", "#.*", "*.#", "#.#",
+            "a..b", "a.*.b", ".", "a.", ".a", "#.a.#", "*.#.*", "#.b.#.a",
+        ];
+        const RABBITMQ: [(&str, &[&str]); 17] = [
+            ("", &["#", "", "#.#"]),
+            (
+                "a",
+                &["#", "*", "a", "a.#", "#.a", "#.*", "*.#", "#.#", "#.a.#"],
+            ),
+            ("b", &["#", "*", "#.*", "*.#", "#.#"]),
+            (
+                "a.b",
+                &[
+                    "#", "a.*", "a.#", "a.#.b", "*.*", "#.*", "*.#", "#.#", "#.a.#", "*.#.*",
+                ],
+            ),
+            (
+                "a.a",
+                &[
+                    "#", "a.*", "a.#", "#.a", "*.a", "*.*", "#.*", "*.#", "#.#", "#.a.#", "*.#.*",
+                ],
+            ),
+            (
+                "a..b",
+                &[
+                    "#", "a.#", "a.#.b", "#.*", "*.#", "#.#", "a..b", "a.*.b", "#.a.#", "*.#.*",
+                ],
+            ),
+            (
+                "a.x.b",
+                &[
+                    "#", "a.#", "a.#.b", "#.*", "*.#", "#.#", "a.*.b", "#.a.#", "*.#.*",
+                ],
+            ),
+            (
+                "a.x.y.b",
+                &["#", "a.#", "a.#.b", "#.*", "*.#", "#.#", "#.a.#", "*.#.*"],
+            ),
+            (".", &["#", "*.*", "#.*", "*.#", "#.#", ".", "*.#.*"]),
+            ("..", &["#", "#.*", "*.#", "#.#", "*.#.*"]),
+            (
+                "a.",
+                &[
+                    "#", "a.*", "a.#", "*.*", "#.*", "*.#", "#.#", "a.", "#.a.#", "*.#.*",
+                ],
+            ),
+            (
+                ".a",
+                &[
+                    "#", "#.a", "*.a", "*.*", "#.*", "*.#", "#.#", ".a", "#.a.#", "*.#.*",
+                ],
+            ),
+            (
+                "a.b.c",
+                &["#", "a.#", "#.*", "*.#", "#.#", "#.a.#", "*.#.*"],
+            ),
+            (
+                "b.a",
+                &[
+                    "#", "#.a", "*.a", "*.*", "#.*", "*.#", "#.#", "#.a.#", "*.#.*", "#.b.#.a",
+                ],
+            ),
+            (
+                "a.a.a",
+                &["#", "a.#", "#.a", "#.*", "*.#", "#.#", "#.a.#", "*.#.*"],
+            ),
+            (
+                "x.b.y.a",
+                &["#", "#.a", "#.*", "*.#", "#.#", "#.a.#", "*.#.*", "#.b.#.a"],
+            ),
+            (
+                "b.a.a",
+                &["#", "#.a", "#.*", "*.#", "#.#", "#.a.#", "*.#.*", "#.b.#.a"],
+            ),
+        ];
+        let mut t = TopicTrie::new();
+        for (i, p) in PATTERNS.iter().enumerate() {
+            t.insert(p, i);
+        }
+        for (key, want) in RABBITMQ {
+            let mut got = Vec::new();
+            t.matches(key, &mut got);
+            got.sort_unstable();
+            got.dedup();
+            let got: Vec<&str> = got
+                .into_iter()
+                .filter_map(|i| PATTERNS.get(i).copied())
+                .collect();
+            let mut want: Vec<&str> = want.to_vec();
+            want.sort_by_key(|p| PATTERNS.iter().position(|q| q == p));
+            assert_eq!(got, want, "routing key {key:?}");
+        }
+    }
+
     #[test]
     fn remove_prunes() {
         let mut t = TopicTrie::new();
