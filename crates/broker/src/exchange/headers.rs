@@ -226,7 +226,8 @@ mod tests {
             ("all-str1", vec![("a", s("1"))]),
             ("all-nested", vec![("n", nested())]),
         ];
-        let messages: Vec<(&str, Option<Vec<(&'static str, FieldValue)>>)> = vec![
+        type Pairs = Vec<(&'static str, FieldValue)>;
+        let messages: Vec<(&str, Option<Pairs>)> = vec![
             ("none", None),
             ("a1", Some(vec![("a", FieldValue::I32(1))])),
             (
