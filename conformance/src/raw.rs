@@ -4,6 +4,7 @@
 //! Encoding and decoding of well-formed frames is done by `amq-protocol` (an implementation independent of
 //! Warren's codec); malformed input is written byte by byte with [`Raw::send_bytes`].
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -157,6 +158,32 @@ pub struct Raw {
     pub frame_max: u32,
     pub start: Option<connection::Start>,
     pub tune: Option<connection::Tune>,
+    /// Asynchronous methods (deliveries, returns, confirms, cancels) that arrived while [`Raw::call`] or
+    /// [`Raw::get`] waited for a synchronous reply; handed out first by the receive methods.
+    pending: VecDeque<Pending>,
+    /// The content of a pending delivery whose method [`Raw::recv_method`] already handed out.
+    stashed: Option<RawDelivery>,
+}
+
+enum Pending {
+    Method(u16, AMQPClass),
+    Delivery(RawDelivery),
+}
+
+fn is_async_content(m: &AMQPClass) -> bool {
+    matches!(
+        m,
+        AMQPClass::Basic(basic::AMQPMethod::Deliver(_) | basic::AMQPMethod::Return(_))
+    )
+}
+
+fn is_async_method(m: &AMQPClass) -> bool {
+    matches!(
+        m,
+        AMQPClass::Basic(
+            basic::AMQPMethod::Ack(_) | basic::AMQPMethod::Nack(_) | basic::AMQPMethod::Cancel(_)
+        )
+    )
 }
 
 impl Raw {
@@ -173,6 +200,8 @@ impl Raw {
             frame_max: 4096,
             start: None,
             tune: None,
+            pending: VecDeque::new(),
+            stashed: None,
         }
     }
 
@@ -350,12 +379,38 @@ impl Raw {
     pub async fn call(&mut self, channel: u16, method: AMQPClass) -> AMQPClass {
         let expected = reply_of(&method);
         self.send(channel, method.clone()).await;
-        let (ch, reply) = self.recv_method().await;
-        let ids = (reply.get_amqp_class_id(), reply.get_amqp_method_id());
-        if ch != channel || Some(ids) != expected {
-            panic!("sent {method:?} on channel {channel}, expected reply {expected:?}, got {reply:?} on channel {ch}");
+        self.recv_reply(channel, |reply| {
+            Some((reply.get_amqp_class_id(), reply.get_amqp_method_id())) == expected
+        })
+        .await
+        .unwrap_or_else(|(ch, reply)| {
+            panic!("sent {method:?} on channel {channel}, expected reply {expected:?}, got {reply:?} on channel {ch}")
+        })
+    }
+
+    /// Reads from the wire until a method on `channel` that `is_reply` accepts, setting aside deliveries,
+    /// returns, confirms and cancels that arrive first. Anything else is returned as an error.
+    async fn recv_reply(
+        &mut self,
+        channel: u16,
+        is_reply: impl Fn(&AMQPClass) -> bool,
+    ) -> Result<AMQPClass, (u16, AMQPClass)> {
+        loop {
+            let (ch, reply) = self.recv_method_wire(WAIT).await.unwrap_or_else(|e| {
+                panic!("waiting for a reply on channel {channel}, connection ended: {e:?}")
+            });
+            if ch == channel && is_reply(&reply) {
+                return Ok(reply);
+            }
+            if is_async_content(&reply) {
+                let d = self.recv_content_wire(ch, reply).await;
+                self.pending.push_back(Pending::Delivery(d));
+            } else if is_async_method(&reply) {
+                self.pending.push_back(Pending::Method(ch, reply));
+            } else {
+                return Err((ch, reply));
+            }
         }
-        reply
     }
 
     /// queue.declare with no arguments; returns declare-ok.
@@ -493,26 +548,33 @@ impl Raw {
         })
     }
 
-    /// The next method frame, skipping heartbeats; panics on anything else.
+    /// The next method (set-aside asynchronous methods first, then the wire), skipping heartbeats; panics on
+    /// anything else.
     pub async fn recv_method(&mut self) -> (u16, AMQPClass) {
-        loop {
-            match self.recv().await {
-                Ok(Frame {
-                    parsed: Some(AMQPFrame::Method(ch, m)),
-                    ..
-                }) => return (ch, m),
-                Ok(Frame { kind: 8, .. }) => continue,
-                Ok(other) => panic!("expected a method frame, got {other:?}"),
-                Err(e) => panic!("expected a method frame, connection ended: {e:?}"),
-            }
+        match self.recv_method_timeout(WAIT).await {
+            Ok(m) => m,
+            Err(RecvError::Timeout) => panic!("no method frame from the broker within {WAIT:?}"),
+            Err(e) => panic!("expected a method frame, connection ended: {e:?}"),
         }
     }
 
-    /// The next method frame within `timeout`, skipping heartbeats.
+    /// The next method within `timeout` (set-aside asynchronous methods first), skipping heartbeats.
     pub async fn recv_method_timeout(
         &mut self,
         timeout: Duration,
     ) -> Result<(u16, AMQPClass), RecvError> {
+        match self.pending.pop_front() {
+            Some(Pending::Method(ch, m)) => Ok((ch, m)),
+            Some(Pending::Delivery(d)) => {
+                let out = (d.channel, d.method.clone());
+                self.stashed = Some(d);
+                Ok(out)
+            }
+            None => self.recv_method_wire(timeout).await,
+        }
+    }
+
+    async fn recv_method_wire(&mut self, timeout: Duration) -> Result<(u16, AMQPClass), RecvError> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -529,6 +591,12 @@ impl Raw {
 
     /// Asserts that no frame (other than heartbeats) arrives for `d`.
     pub async fn expect_silence(&mut self, d: Duration) {
+        if let Some(p) = self.pending.front() {
+            match p {
+                Pending::Method(ch, m) => panic!("expected nothing from the broker, got {m:?} on {ch}"),
+                Pending::Delivery(d) => panic!("expected nothing from the broker, got {:?} on {}", d.method, d.channel),
+            }
+        }
         let deadline = tokio::time::Instant::now() + d;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -557,6 +625,14 @@ impl Raw {
 
     /// Reads the content header and body frames following `method`.
     pub async fn recv_content(&mut self, channel: u16, method: AMQPClass) -> RawDelivery {
+        if let Some(d) = self.stashed.take() {
+            assert_eq!((d.channel, &d.method), (channel, &method), "content of another method");
+            return d;
+        }
+        self.recv_content_wire(channel, method).await
+    }
+
+    async fn recv_content_wire(&mut self, channel: u16, method: AMQPClass) -> RawDelivery {
         let (header, property_bytes) = loop {
             match self.recv().await {
                 Ok(Frame { kind: 8, .. }) => continue,
@@ -604,12 +680,19 @@ impl Raw {
     /// basic.get on `queue` (no-ack as given); None for get-empty.
     pub async fn get(&mut self, channel: u16, queue: &str, no_ack: bool) -> Option<RawDelivery> {
         self.send(channel, m::basic_get(queue, no_ack)).await;
-        let (ch, method) = self.recv_method().await;
-        assert_eq!(ch, channel, "reply on the wrong channel: {method:?}");
+        let method = self
+            .recv_reply(channel, |m| {
+                matches!(
+                    m,
+                    AMQPClass::Basic(basic::AMQPMethod::GetOk(_) | basic::AMQPMethod::GetEmpty(_))
+                )
+            })
+            .await
+            .unwrap_or_else(|(ch, m)| panic!("expected get-ok or get-empty on {channel}, got {m:?} on {ch}"));
         match method {
             AMQPClass::Basic(basic::AMQPMethod::GetEmpty(_)) => None,
             AMQPClass::Basic(basic::AMQPMethod::GetOk(_)) => {
-                Some(self.recv_content(channel, method).await)
+                Some(self.recv_content_wire(channel, method).await)
             }
             other => panic!("expected get-ok or get-empty, got {other:?}"),
         }
