@@ -25,6 +25,9 @@ pub mod strings;
 pub mod table;
 mod wire;
 
+#[doc(hidden)]
+pub mod fuzzing;
+
 #[cfg(test)]
 mod oracle;
 #[cfg(test)]

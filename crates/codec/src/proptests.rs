@@ -236,3 +236,97 @@ proptest! {
         }
     }
 }
+
+/// One fuzz input: a frame_max selector byte, then valid frames with a few mutations
+/// (byte overwrites, insertions, deletions, truncation), or plain random bytes.
+pub(crate) fn arb_fuzz_input() -> impl Strategy<Value = Vec<u8>> {
+    // mostly frame_max 0, 4096 or 131072 so that valid frames get through
+    let selector = prop_oneof![1 => any::<u8>(), 3 => prop::sample::select(vec![0u8, 4, 5])];
+    let structured = (
+        selector,
+        vec(arb_frame(), 0..6),
+        vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..4), 0..4),
+    )
+        .prop_map(|(selector, frames, edits)| {
+            let mut out = BytesMut::new();
+            for f in &frames {
+                f.encode(&mut out);
+            }
+            let mut data = out.to_vec();
+            for (at, byte, op) in edits {
+                if data.is_empty() {
+                    break;
+                }
+                let i = at.index(data.len());
+                match op {
+                    0 => data[i] = byte,
+                    1 => data.insert(i, byte),
+                    2 => {
+                        data.remove(i);
+                    }
+                    _ => data.truncate(i),
+                }
+            }
+            data.insert(0, selector);
+            data
+        });
+    prop_oneof![
+        4 => structured,
+        1 => vec(any::<u8>(), 0..512),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    #[test]
+    fn fuzz_oracle_holds(data in arb_fuzz_input()) {
+        crate::fuzzing::check_frames(&data).map_err(TestCaseError::fail)?;
+    }
+}
+
+/// The long randomized run standing in for cargo-fuzz on stable:
+/// `WARREN_FUZZ_SECS=600 cargo test -p warren-codec --lib fuzz_loop -- --ignored --nocapture`
+/// (default 10 seconds). Prints how many inputs ran.
+#[test]
+#[ignore]
+fn fuzz_loop() {
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    use std::time::{Duration, Instant};
+
+    let secs: u64 = std::env::var("WARREN_FUZZ_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let seed: u64 = std::env::var("WARREN_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    let mut seed_bytes = [0u8; 32];
+    seed_bytes[..8].copy_from_slice(&seed.to_le_bytes());
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::from_seed(RngAlgorithm::ChaCha, &seed_bytes),
+    );
+    let strategy = arb_fuzz_input();
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    let (mut inputs, mut frames, mut bytes) = (0u64, 0u64, 0u64);
+    while Instant::now() < deadline {
+        let tree = strategy.new_tree(&mut runner).expect("strategy");
+        let data = proptest::strategy::ValueTree::current(&tree);
+        match crate::fuzzing::check_frames(&data) {
+            Ok(n) => frames += n as u64,
+            Err(e) => panic!("seed {seed}, input {inputs}: {e}\ninput: {data:?}"),
+        }
+        inputs += 1;
+        bytes += data.len() as u64;
+    }
+    println!(
+        "fuzz_loop: seed {seed}, {inputs} inputs, {bytes} bytes, {frames} frames decoded in {secs}s, no failure"
+    );
+}

@@ -338,6 +338,19 @@ impl From<&str> for FieldValue {
     }
 }
 
+/// A `LongStr` sharing the string's buffer.
+impl From<ShortStr> for FieldValue {
+    fn from(s: ShortStr) -> FieldValue {
+        FieldValue::LongStr(s.into_bytes())
+    }
+}
+
+impl From<Bytes> for FieldValue {
+    fn from(b: Bytes) -> FieldValue {
+        FieldValue::LongStr(b)
+    }
+}
+
 impl From<String> for FieldValue {
     fn from(s: String) -> FieldValue {
         FieldValue::LongStr(Bytes::from(s))
