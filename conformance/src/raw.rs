@@ -609,6 +609,21 @@ impl Raw {
         }
     }
 
+    /// Like [`Raw::expect_silence`], but the broker closing the socket also counts as saying nothing.
+    pub async fn expect_silence_or_eof(&mut self, d: Duration) {
+        assert!(self.pending.is_empty(), "expected nothing from the broker, got a pending frame");
+        let deadline = tokio::time::Instant::now() + d;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.recv_timeout(left).await {
+                Err(RecvError::Timeout) => return,
+                Ok(Frame { kind: 8, .. }) => continue,
+                Ok(f) => panic!("expected nothing from the broker, got {f:?}"),
+                Err(_) => return,
+            }
+        }
+    }
+
     /// The method, content header and body frames of one delivery (basic.deliver, basic.get-ok, basic.return).
     pub async fn recv_delivery(&mut self) -> RawDelivery {
         let (channel, method) = self.recv_method().await;

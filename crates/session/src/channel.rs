@@ -477,7 +477,9 @@ impl Channel {
                 if q.global {
                     self.channel_prefetch = q.prefetch_count;
                 } else {
+                    // As RabbitMQ 3.x does: a per-consumer qos also lifts a channel-wide limit set before it.
                     self.consumer_prefetch = q.prefetch_count;
+                    self.channel_prefetch = 0;
                 }
                 self.notify_credit(ctx);
                 send(ctx.out, ch, BasicQosOk {});

@@ -177,11 +177,11 @@ impl Connection {
                             "unknown authentication mechanism '{m}'"
                         )))
                     }
-                    Err(_) => return fail(login_refused(&ok.mechanism)),
+                    Err(_) => return login_refused(&ok.mechanism),
                 };
                 if auth::authenticate(&config.users, &creds, self.peer.map(|p| p.ip())).is_err() {
                     tracing::info!(conn = self.id, user = %creds.user, "login refused");
-                    return fail(login_refused(&ok.mechanism));
+                    return login_refused(&ok.mechanism);
                 }
                 self.user = creds.user;
                 send(
@@ -259,9 +259,14 @@ impl Connection {
     }
 }
 
-fn login_refused(mechanism: &str) -> AmqpError {
-    AmqpError::access_refused(format!(
-        "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+/// RabbitMQ blames no method for a refused login (class and method ids are 0).
+fn login_refused(mechanism: &str) -> Next {
+    Next::Fail(Fault::new(
+        AmqpError::access_refused(format!(
+            "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+        )),
+        0,
+        0,
     ))
 }
 

@@ -171,22 +171,13 @@ impl Node {
             return Next::Nothing;
         };
         let id = frame.channel();
-        if id > c.channel_max {
-            return Next::Fail(Fault::new(
-                AmqpError::channel_error(format!(
-                    "channel id {id} exceeds the negotiated channel_max {}",
-                    c.channel_max
-                )),
-                method_ids(&frame).0,
-                method_ids(&frame).1,
-            ));
-        }
         let Connection {
             channels,
             out,
             vhost,
             frame_max,
             confirms_pending,
+            channel_max,
             ..
         } = c;
         let Some(ch) = channels.get_mut(&id) else {
@@ -195,6 +186,16 @@ impl Node {
                     method: Method::ChannelOpen(_),
                     ..
                 } => {
+                    if channels.len() >= usize::from(*channel_max) {
+                        return Next::Fail(Fault::new(
+                            AmqpError::not_allowed(format!(
+                                "number of channels opened ({}) has reached the negotiated channel_max ({channel_max})",
+                                channels.len()
+                            )),
+                            0,
+                            0,
+                        ));
+                    }
                     channels.insert(id, Channel::new(id));
                     send(out, id, ChannelOpenOk::default());
                     Next::Nothing
