@@ -25,7 +25,7 @@ pub use lapin;
 use lapin::{Connection, ConnectionProperties};
 
 /// How long a test waits for something that must happen. Only reached when a test is failing.
-pub const WAIT: Duration = Duration::from_secs(5);
+pub const WAIT: Duration = Duration::from_secs(10);
 /// How long a test watches for something that must NOT happen.
 pub const QUIET: Duration = Duration::from_millis(300);
 

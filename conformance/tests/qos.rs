@@ -319,27 +319,34 @@ async fn raw_consumer_never_exceeds_prefetch() {
     raw.call(2, m::basic_consume(&q, "c", false, false)).await;
     let mut unacked: Vec<u64> = Vec::new();
     let mut received = 0;
+    let mut round = 0;
     while received < 100 {
-        match raw.recv_method_timeout(QUIET).await {
-            Ok((2, method @ AMQPClass::Basic(basic::AMQPMethod::Deliver(_)))) => {
-                let d = raw.recv_content(2, method).await;
-                unacked.push(d.delivery_tag());
-                received += 1;
-                assert!(unacked.len() <= 4, "{} unacked with prefetch 4", unacked.len());
+        let d = raw.recv_delivery().await;
+        unacked.push(d.delivery_tag());
+        received += 1;
+        assert!(unacked.len() <= 4, "{} unacked with prefetch 4", unacked.len());
+        if unacked.len() == 4 {
+            // Full: the broker must hold back (checked briefly, then once for longer at the start).
+            let wait = if round == 0 { QUIET } else { std::time::Duration::from_millis(20) };
+            if let Ok(m) = raw.recv_method_timeout(wait).await {
+                panic!("a 5th unacked delivery with prefetch 4: {m:?}");
             }
-            Ok(other) => panic!("unexpected {other:?}"),
-            Err(_) => {
-                assert_eq!(unacked.len(), 4, "stalled with fewer than prefetch unacked");
-                // Ack the two oldest.
-                raw.send(2, m::basic_ack(unacked[0], false)).await;
-                raw.send(2, m::basic_ack(unacked[1], false)).await;
-                unacked.drain(..2);
+            // Settle in varying ways: one single ack, a multiple ack of two, a multiple ack of all.
+            match round % 3 {
+                0 => {
+                    raw.send(2, m::basic_ack(unacked.remove(0), false)).await;
+                }
+                1 => {
+                    raw.send(2, m::basic_ack(unacked[1], true)).await;
+                    unacked.drain(..2);
+                }
+                _ => {
+                    raw.send(2, m::basic_ack(*unacked.last().unwrap(), true)).await;
+                    unacked.clear();
+                }
             }
-        }
-        if unacked.len() == 4 && received % 3 == 0 {
-            let last = *unacked.last().unwrap();
-            raw.send(2, m::basic_ack(last, true)).await;
-            unacked.clear();
+            round += 1;
         }
     }
+    raw.expect_silence(QUIET).await;
 }
