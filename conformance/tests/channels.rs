@@ -57,15 +57,7 @@ async fn channel_flow_active_true_is_acknowledged() {
     raw.declare_queue(1, &unique("ch-flow")).await;
 }
 
-#[tokio::test]
-async fn channel_flow_active_false_is_540() {
-    let broker = TestBroker::start();
-    let mut raw = broker.raw().await;
-    raw.channel_open(1).await;
-    raw.send(1, m::channel_flow(false)).await;
-    raw.expect_connection_close(540, "NOT_IMPLEMENTED - active=false", 20, 20)
-        .await;
-}
+// channel.flow active=false (540) is in errors.rs with the other reference rows.
 
 /// After the server sends channel.close it must ignore everything the client sends on that channel until
 /// close-ok (spec 0-9-1, channel.close), content included; then the channel number can be reused.
