@@ -7,7 +7,63 @@
 //! Nodes live in one arena `Vec` (indices, not pointers) and freed nodes are reused, so the
 //! trie stays compact and a match walks contiguous memory.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+
+/// The position after the last word of a key.
+const END: usize = usize::MAX - 1;
+
+/// The word at byte offset `pos` (not `END`) and the position after it.
+fn next_word(key: &str, pos: usize) -> (&str, usize) {
+    let rest = key.get(pos..).unwrap_or("");
+    match rest.find('.') {
+        Some(dot) => (rest.get(..dot).unwrap_or(""), pos + dot + 1),
+        None => (rest, END),
+    }
+}
+
+/// A stack that lives inline up to `N` items and spills to the heap past that.
+struct Small<T: Copy + Default, const N: usize> {
+    inline: [T; N],
+    len: usize,
+    spill: Vec<T>,
+}
+
+impl<T: Copy + Default, const N: usize> Small<T, N> {
+    fn new() -> Self {
+        Small {
+            inline: [T::default(); N],
+            len: 0,
+            spill: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, v: T) {
+        match self.inline.get_mut(self.len) {
+            Some(slot) => {
+                *slot = v;
+                self.len += 1;
+            }
+            None => self.spill.push(v),
+        }
+    }
+
+    fn pop(&mut self) -> Option<T> {
+        if let Some(v) = self.spill.pop() {
+            return Some(v);
+        }
+        self.len = self.len.checked_sub(1)?;
+        self.inline.get(self.len).copied()
+    }
+
+    fn find_mut(&mut self, mut f: impl FnMut(&T) -> bool) -> Option<&mut T> {
+        let len = self.len;
+        self.inline
+            .iter_mut()
+            .take(len)
+            .chain(self.spill.iter_mut())
+            .find(|v| f(v))
+    }
+}
 
 /// Splits a topic key into words (`""` has none).
 pub fn words(key: &str) -> impl Iterator<Item = &str> {
@@ -176,34 +232,52 @@ impl<D: Clone + PartialEq> TopicTrie<D> {
 
     /// Appends every destination whose binding key matches `routing_key` to `out`
     /// (a destination bound twice may appear twice).
+    ///
+    /// A depth-first walk over (node, position in the key); positions are byte offsets, so
+    /// the key is never split into a vector. `#` expands to every later position once per
+    /// `#` node: each one remembers the smallest position it was expanded from, which keeps
+    /// patterns like `#.#.#` linear instead of exponential. No allocation unless the walk is
+    /// unusually deep or wide.
     pub fn matches(&self, routing_key: &str, out: &mut Vec<D>) {
-        let words: Vec<&str> = words(routing_key).collect();
-        let n = words.len();
-        let mut stack: Vec<(u32, usize)> = vec![(0, 0)];
-        // (node, position) pairs already explored: only needed once a `#` can make two paths
-        // reach the same state, so it is allocated lazily.
-        let mut seen: Option<HashSet<(u32, usize)>> = None;
-        while let Some((at, i)) = stack.pop() {
+        let start = if routing_key.is_empty() { END } else { 0 };
+        let mut stack: Small<(u32, usize), 16> = Small::new();
+        let mut hash_from: Small<(u32, usize), 8> = Small::new();
+        stack.push((0, start));
+        while let Some((at, pos)) = stack.pop() {
             let Some(node) = self.node(at) else { continue };
             if let Some(h) = node.hash {
-                let seen = seen.get_or_insert_with(HashSet::new);
-                // `#` takes zero or more words.
-                for j in i..=n {
-                    if seen.insert((h, j)) {
-                        stack.push((h, j));
+                // `#` takes zero or more words: positions pos, next(pos), ... up to where
+                // this `#` node was already expanded from.
+                let until = match hash_from.find_mut(|(n, _)| *n == h) {
+                    Some(entry) => {
+                        let until = entry.1;
+                        entry.1 = entry.1.min(pos);
+                        until
                     }
+                    None => {
+                        hash_from.push((h, pos));
+                        usize::MAX
+                    }
+                };
+                let mut p = pos;
+                while p < until {
+                    stack.push((h, p));
+                    if p == END {
+                        break;
+                    }
+                    p = next_word(routing_key, p).1;
                 }
             }
-            if i == n {
+            if pos == END {
                 out.extend(node.dests.iter().cloned());
                 continue;
             }
-            let Some(w) = words.get(i) else { continue };
-            if let Some(&c) = node.children.get(*w) {
-                stack.push((c, i + 1));
+            let (word, next) = next_word(routing_key, pos);
+            if let Some(&c) = node.children.get(word) {
+                stack.push((c, next));
             }
             if let Some(c) = node.star {
-                stack.push((c, i + 1));
+                stack.push((c, next));
             }
         }
     }
