@@ -24,7 +24,9 @@ use warren_session::{Node, Transmit};
 const EVENT_QUEUE: usize = 1024;
 /// Events handled per batch before the node's output is flushed, so one busy client can't delay others' bytes.
 const BATCH: usize = 256;
-const READ_BUFFER: usize = 64 * 1024;
+/// Read sizes adapt between these: small for quiet clients, large for streaming publishers.
+const MIN_READ: usize = 4 * 1024;
+const MAX_READ: usize = 128 * 1024;
 const TICK: Duration = Duration::from_millis(100);
 /// How long a shutdown waits for clients to answer connection.close.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
@@ -235,16 +237,29 @@ async fn read_loop(
     frame_max: Arc<AtomicU32>,
 ) {
     let mut decoder = FrameDecoder::new(frame_max.load(Ordering::Relaxed));
-    let mut buf = BytesMut::with_capacity(READ_BUFFER);
+    let mut buf = BytesMut::new();
+    let mut read_size = MIN_READ;
     loop {
-        if buf.capacity() - buf.len() < READ_BUFFER / 4 {
-            buf.reserve(READ_BUFFER);
+        if buf.is_empty() {
+            // An idle connection holds no read buffer, and the frames already taken out keep only their
+            // own chunk alive (a queued message pins the buffer its body was read into).
+            buf = BytesMut::new();
+            if rd.readable().await.is_err() {
+                let _ = events.send(Event::Lost { conn }).await;
+                return;
+            }
         }
+        if buf.capacity() - buf.len() < read_size / 2 {
+            buf.reserve(read_size);
+        }
+        let spare = buf.capacity() - buf.len();
         match rd.read_buf(&mut buf).await {
             Ok(0) | Err(_) => {
                 let _ = events.send(Event::Lost { conn }).await;
                 return;
             }
+            // A read that fills the buffer means a busy client: read more at a time.
+            Ok(n) if n == spare => read_size = (read_size * 2).min(MAX_READ),
             Ok(_) => {}
         }
         let fm = frame_max.load(Ordering::Relaxed);

@@ -101,7 +101,7 @@ impl Connection {
             close_deadline: 0,
             channels: HashMap::new(),
             caps: ClientCaps::default(),
-            out: BytesMut::with_capacity(4096),
+            out: BytesMut::new(),
             in_transit: 0,
             dirty: false,
             close_socket: false,

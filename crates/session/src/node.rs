@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use warren_broker::{Broker, ConnId, ConsumerKey, Delivery, DeliverySink, QueueId};
 use warren_codec::{
     encode_deliver, encode_heartbeat, AmqpError, BasicCancel, ChannelClose, ChannelCloseOk,
@@ -17,6 +17,9 @@ use crate::channel::{Channel, Ctx, Fault};
 use crate::config::SessionConfig;
 use crate::connection::{short_text, Connection, Next, State};
 use crate::out::send;
+
+/// Output buffer capacity a connection keeps between batches.
+const OUT_BUFFER_KEEP: usize = 64 * 1024;
 
 /// Bytes for one connection's socket, and what to do after writing them.
 #[derive(Debug)]
@@ -462,6 +465,10 @@ impl Node {
                 continue;
             }
             let bytes = c.out.split().freeze();
+            if c.out.capacity() > OUT_BUFFER_KEEP {
+                // A burst grew the buffer: don't keep it for an idle connection.
+                c.out = BytesMut::new();
+            }
             if !bytes.is_empty() {
                 c.last_send = now;
             }
