@@ -20,7 +20,7 @@ pub const FRAME_OVERHEAD: usize = 8;
 /// The smallest frame_max a peer may negotiate.
 pub const FRAME_MIN_SIZE: u32 = 4096;
 /// RabbitMQ tolerates frames up to this many bytes over frame_max, "since quite a few
-/// [clients] get it wrong - off-by 1 or 8 (empty frame size) are typical": a frame is too
+/// \[clients\] get it wrong - off-by 1 or 8 (empty frame size) are typical": a frame is too
 /// large when its payload size exceeds frame_max - 8 + 8.
 pub const FRAME_SIZE_FUDGE: u32 = 8;
 
