@@ -13,6 +13,7 @@ use crate::queue::machine::{
     Checkout, DeadLetterReason, Deliver, Discarded, MsgMeta, QueueMachine,
 };
 use crate::queue::{ConsumerInfo, Queue};
+use crate::small::Small;
 use crate::{
     BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Delivery, DeliverySink, Message,
     QueueDeclared, QueueDeleted, QueueId, Routed,
@@ -1128,11 +1129,16 @@ fn route(
     out: &mut Vec<QueueId>,
 ) {
     let mut headers = LazyHeaders::new(&message.properties);
-    let mut pending: Vec<&Exchange> = vec![start];
-    // Exchanges already routed through; a linear scan while few (the common case).
-    let mut seen: Vec<&str> = vec![&start.name];
+    let mut pending: Small<Option<&Exchange>, 8> = Small::new();
+    pending.push(Some(start));
+    // Exchanges already routed through: an inline list while few (the common case), a hash
+    // set for large exchange-to-exchange graphs.
+    let mut seen: Small<&str, 8> = Small::new();
+    let mut seen_count = 1usize;
+    seen.push(&start.name);
     let mut seen_set: Option<HashSet<&str>> = None;
     while let Some(x) = pending.pop() {
+        let Some(x) = x else { continue };
         dests.clear();
         x.route(routing_key, &mut headers, dests);
         if dests.is_empty() {
@@ -1149,24 +1155,29 @@ fn route(
                     let Some((k, next)) = vh.exchanges.get_key_value(&name) else {
                         continue;
                     };
+                    let k = k.as_str();
                     let new = match &mut seen_set {
-                        Some(set) => set.insert(k.as_str()),
-                        None if seen.len() < 16 => {
-                            let new = !seen.contains(&k.as_str());
+                        Some(set) => set.insert(k),
+                        None if seen_count < 16 => {
+                            let new = !seen.any(|s| *s == k);
                             if new {
                                 seen.push(k);
+                                seen_count += 1;
                             }
                             new
                         }
                         None => {
-                            let mut set: HashSet<&str> = seen.drain(..).collect();
-                            let new = set.insert(k.as_str());
+                            let mut set: HashSet<&str> = HashSet::new();
+                            while let Some(s) = seen.pop() {
+                                set.insert(s);
+                            }
+                            let new = set.insert(k);
                             seen_set = Some(set);
                             new
                         }
                     };
                     if new {
-                        pending.push(next);
+                        pending.push(Some(next));
                     }
                 }
             }

@@ -12,6 +12,7 @@ mod erl;
 pub mod exchange;
 pub mod names;
 pub mod queue;
+mod small;
 
 pub use broker::{Broker, QueueInfo};
 pub use exchange::ExchangeKind;

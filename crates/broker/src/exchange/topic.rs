@@ -9,6 +9,8 @@
 
 use std::collections::HashMap;
 
+use crate::small::Small;
+
 /// The position after the last word of a key.
 const END: usize = usize::MAX - 1;
 
@@ -18,50 +20,6 @@ fn next_word(key: &str, pos: usize) -> (&str, usize) {
     match rest.find('.') {
         Some(dot) => (rest.get(..dot).unwrap_or(""), pos + dot + 1),
         None => (rest, END),
-    }
-}
-
-/// A stack that lives inline up to `N` items and spills to the heap past that.
-struct Small<T: Copy + Default, const N: usize> {
-    inline: [T; N],
-    len: usize,
-    spill: Vec<T>,
-}
-
-impl<T: Copy + Default, const N: usize> Small<T, N> {
-    fn new() -> Self {
-        Small {
-            inline: [T::default(); N],
-            len: 0,
-            spill: Vec::new(),
-        }
-    }
-
-    fn push(&mut self, v: T) {
-        match self.inline.get_mut(self.len) {
-            Some(slot) => {
-                *slot = v;
-                self.len += 1;
-            }
-            None => self.spill.push(v),
-        }
-    }
-
-    fn pop(&mut self) -> Option<T> {
-        if let Some(v) = self.spill.pop() {
-            return Some(v);
-        }
-        self.len = self.len.checked_sub(1)?;
-        self.inline.get(self.len).copied()
-    }
-
-    fn find_mut(&mut self, mut f: impl FnMut(&T) -> bool) -> Option<&mut T> {
-        let len = self.len;
-        self.inline
-            .iter_mut()
-            .take(len)
-            .chain(self.spill.iter_mut())
-            .find(|v| f(v))
     }
 }
 
