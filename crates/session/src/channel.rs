@@ -60,6 +60,29 @@ pub(crate) struct Ctx<'a> {
     pub cancelled: &'a mut Vec<ConsumerKey>,
     /// Source of unique suffixes for generated consumer tags.
     pub next_id: &'a mut u64,
+    /// Messages published to a direct reply-to address, for the node to hand to that channel's consumer.
+    pub direct_replies: &'a mut Vec<DirectReply>,
+}
+
+/// RabbitMQ's direct reply-to: a pseudo-queue a client consumes from (no-ack) to get RPC replies without
+/// declaring a queue. Publishing with this `reply_to` rewrites it to an address of the publishing channel.
+pub(crate) const REPLY_TO: &str = "amq.rabbitmq.reply-to";
+const REPLY_TO_PREFIX: &str = "amq.rabbitmq.reply-to.";
+
+pub(crate) struct DirectReply {
+    pub conn: ConnId,
+    pub channel: u16,
+    pub key: String,
+    pub message: Message,
+}
+
+/// `amq.rabbitmq.reply-to.<conn>.<channel>.<key>` -> its parts.
+fn parse_reply_address(routing_key: &str) -> Option<(ConnId, u16, &str)> {
+    let rest = routing_key.strip_prefix(REPLY_TO_PREFIX)?;
+    let mut parts = rest.splitn(3, '.');
+    let conn = parts.next()?.parse().ok()?;
+    let channel = parts.next()?.parse().ok()?;
+    Some((conn, channel, parts.next()?))
 }
 
 #[derive(Debug)]
@@ -167,6 +190,8 @@ pub(crate) struct Channel {
     pub channel_prefetch: u16,
     pub channel_unacked: u32,
     last_queue: Option<ShortStr>,
+    /// The direct reply-to consumer's tag and the secret part of this channel's reply address.
+    pub reply_consumer: Option<(ShortStr, String)>,
 }
 
 enum Settle {
@@ -192,7 +217,15 @@ impl Channel {
             channel_prefetch: 0,
             channel_unacked: 0,
             last_queue: None,
+            reply_consumer: None,
         }
+    }
+
+    /// The next delivery tag, for a delivery that is never acked (direct reply-to).
+    pub fn take_delivery_tag(&mut self) -> u64 {
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        tag
     }
 
     /// May this consumer take one more message under its own and the channel's prefetch?
@@ -255,6 +288,7 @@ impl Channel {
         self.channel_unacked = 0;
         self.content = Content::Idle;
         self.tx = None;
+        self.reply_consumer = None;
     }
 
     pub fn on_frame(&mut self, frame: Frame, ctx: &mut Ctx<'_>) -> Result<(), Fault> {
@@ -348,10 +382,14 @@ impl Channel {
     ) -> Result<(), Fault> {
         check_expiration(&header.properties).map_err(Fault::on_publish)?;
         let persistent = properties::delivery_mode(&header.properties) == Some(2);
+        let mut props = header.properties;
+        if properties::reply_to(&props) == Some(REPLY_TO) {
+            props = self.reply_address(&props, ctx).map_err(Fault::on_publish)?;
+        }
         let message = Message {
             exchange: publish.exchange.clone(),
             routing_key: publish.routing_key.clone(),
-            properties: header.properties,
+            properties: props,
             body,
             persistent,
         };
@@ -392,6 +430,18 @@ impl Channel {
         message: Message,
         ctx: &mut Ctx<'_>,
     ) -> Result<(), Fault> {
+        if exchange.is_empty() {
+            if let Some((conn, channel, key)) = parse_reply_address(routing_key) {
+                // Delivered by the node, straight to the waiting consumer; dropped if it is gone, as in RabbitMQ.
+                ctx.direct_replies.push(DirectReply {
+                    conn,
+                    channel,
+                    key: key.to_string(),
+                    message,
+                });
+                return Ok(());
+            }
+        }
         // Only a mandatory publish can come back, so only then is a handle on the message kept.
         let returned = mandatory.then(|| message.clone());
         let routed = ctx
@@ -414,6 +464,22 @@ impl Channel {
             }
         }
         Ok(())
+    }
+
+    /// The publish asks for replies on this channel: its reply_to becomes the channel's own address.
+    fn reply_address(&self, props: &Bytes, ctx: &Ctx<'_>) -> Result<Bytes, AmqpError> {
+        let Some((_, key)) = &self.reply_consumer else {
+            return Err(AmqpError::precondition_failed(
+                "fast reply consumer does not exist".to_string(),
+            ));
+        };
+        let mut decoded = warren_codec::BasicProperties::decode(props)
+            .map_err(|e| AmqpError::syntax_error(e.to_string()))?;
+        decoded.reply_to = Some(ShortStr::from_string(format!(
+            "{REPLY_TO_PREFIX}{}.{}.{key}",
+            ctx.conn, self.id
+        )));
+        Ok(decoded.encode())
     }
 
     fn resolve_queue(&self, name: &ShortStr) -> Result<ShortStr, AmqpError> {
@@ -493,10 +559,32 @@ impl Channel {
                 } else {
                     c.consumer_tag.clone()
                 };
-                if self.consumers.contains_key(&tag) {
+                if self.consumers.contains_key(&tag)
+                    || self.reply_consumer.as_ref().is_some_and(|(t, _)| *t == tag)
+                {
                     return Err(fail(AmqpError::not_allowed(format!(
                         "attempt to reuse consumer tag '{tag}'"
                     ))));
+                }
+                if queue.as_str() == REPLY_TO {
+                    if !c.no_ack {
+                        return Err(fail(AmqpError::precondition_failed(
+                            "reply consumer cannot acknowledge".to_string(),
+                        )));
+                    }
+                    if self.reply_consumer.is_some() {
+                        return Err(fail(AmqpError::precondition_failed(
+                            "reply consumer already set".to_string(),
+                        )));
+                    }
+                    *ctx.next_id += 1;
+                    let secret =
+                        generated_name("", ctx.conn ^ u64::from(self.id) << 48, *ctx.next_id);
+                    self.reply_consumer = Some((tag.clone(), secret));
+                    if !c.no_wait {
+                        send(ctx.out, ch, BasicConsumeOk { consumer_tag: tag });
+                    }
+                    return Ok(());
                 }
                 let key = self.key(ctx, tag.clone());
                 let queue_id = ctx
@@ -518,6 +606,13 @@ impl Channel {
                 Ok(())
             }
             Method::BasicCancel(c) => {
+                if self
+                    .reply_consumer
+                    .as_ref()
+                    .is_some_and(|(t, _)| *t == c.consumer_tag)
+                {
+                    self.reply_consumer = None;
+                }
                 if let Some(consumer) = self.consumers.remove(&c.consumer_tag) {
                     let key = self.key(ctx, c.consumer_tag.clone());
                     ctx.broker.cancel(consumer.queue, &key);
@@ -636,6 +731,21 @@ impl Channel {
                     .map_err(fail)?;
                 if !b.no_wait {
                     send(ctx.out, ch, ExchangeUnbindOk {});
+                }
+                Ok(())
+            }
+            Method::QueueDeclare(q) if q.queue.as_str() == REPLY_TO => {
+                // The pseudo-queue exists for every channel, as in RabbitMQ, and is always empty.
+                if !q.no_wait {
+                    send(
+                        ctx.out,
+                        ch,
+                        QueueDeclareOk {
+                            queue: q.queue,
+                            message_count: 0,
+                            consumer_count: 0,
+                        },
+                    );
                 }
                 Ok(())
             }

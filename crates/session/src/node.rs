@@ -13,7 +13,7 @@ use warren_codec::{
     ChannelOpenOk, DecodeError, Frame, Method,
 };
 
-use crate::channel::{Channel, Ctx, Fault};
+use crate::channel::{Channel, Ctx, DirectReply, Fault};
 use crate::config::SessionConfig;
 use crate::connection::{short_text, Connection, Next, State};
 use crate::out::send;
@@ -40,6 +40,7 @@ pub struct Node {
     dirty: Vec<ConnId>,
     /// Consumers whose queue went away, to be told with basic.cancel.
     cancelled: Vec<ConsumerKey>,
+    direct_replies: Vec<DirectReply>,
     next_id: u64,
 }
 
@@ -51,6 +52,7 @@ impl Node {
             conns: HashMap::new(),
             dirty: Vec::new(),
             cancelled: Vec::new(),
+            direct_replies: Vec::new(),
             next_id: 0,
         }
     }
@@ -166,7 +168,47 @@ impl Node {
             Next::Drop => self.drop_connection(conn),
         }
         self.notify_cancelled();
+        self.deliver_direct_replies();
         self.mark(conn);
+    }
+
+    /// Replies published to a direct reply-to address go straight to that channel's reply consumer.
+    fn deliver_direct_replies(&mut self) {
+        for r in std::mem::take(&mut self.direct_replies) {
+            let Some(c) = self.conns.get_mut(&r.conn) else {
+                continue;
+            };
+            if !c.is_open() {
+                continue;
+            }
+            let frame_max = c.frame_max;
+            let Some(ch) = c.channels.get_mut(&r.channel) else {
+                continue;
+            };
+            let Some((tag, key)) = ch.reply_consumer.clone() else {
+                continue;
+            };
+            if key != r.key || ch.closing {
+                continue;
+            }
+            let delivery_tag = ch.take_delivery_tag();
+            encode_deliver(
+                &mut c.out,
+                r.channel,
+                &tag,
+                delivery_tag,
+                false,
+                &r.message.exchange,
+                &r.message.routing_key,
+                &r.message.properties,
+                &r.message.body,
+                frame_max,
+            );
+            if !c.dirty {
+                c.dirty = true;
+                self.dirty.push(r.conn);
+            }
+        }
     }
 
     fn channel_frame(&mut self, conn: ConnId, frame: Frame, now: u64) -> Next {
@@ -270,6 +312,7 @@ impl Node {
             config: &self.config,
             cancelled: &mut self.cancelled,
             next_id: &mut self.next_id,
+            direct_replies: &mut self.direct_replies,
         };
         let result = ch.on_frame(frame, &mut ctx);
         *confirms_pending = true;

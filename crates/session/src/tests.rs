@@ -835,3 +835,70 @@ fn shutdown_sends_connection_forced() {
         0,
     );
 }
+
+#[test]
+fn direct_reply_to_round_trip() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.channel(2);
+    c.declare(2, "rpc");
+    let tag = c.consume(1, "amq.rabbitmq.reply-to", true);
+    let props = BasicProperties {
+        reply_to: Some(ShortStr::from("amq.rabbitmq.reply-to")),
+        correlation_id: Some(ShortStr::from("42")),
+        ..Default::default()
+    };
+    c.publish_props(1, "rpc", b"ping", props.encode());
+    c.send(
+        2,
+        BasicGet {
+            queue: ShortStr::from("rpc"),
+            no_ack: true,
+            ..Default::default()
+        },
+    );
+    let frames = c.frames();
+    let header = frames
+        .iter()
+        .find_map(|f| match f {
+            Frame::Header { header, .. } => Some(header.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let request = BasicProperties::decode(&header.properties).unwrap();
+    let address = request.reply_to.unwrap();
+    assert!(address.starts_with("amq.rabbitmq.reply-to."), "{address}");
+    assert_eq!(request.correlation_id.as_deref(), Some("42"));
+    c.publish(2, &address, b"pong");
+    let frames = c.frames();
+    let Frame::Method {
+        channel: 1,
+        method: Method::BasicDeliver(d),
+    } = &frames[0]
+    else {
+        panic!("{frames:?}")
+    };
+    assert_eq!(d.consumer_tag, tag);
+    assert!(matches!(&frames[2], Frame::Body { payload, .. } if &payload[..] == b"pong"));
+    // A forged address reaches nobody.
+    c.publish(2, "amq.rabbitmq.reply-to.1.1.forged", b"x");
+    assert!(c.frames().is_empty());
+}
+
+#[test]
+fn reply_to_without_a_reply_consumer_is_refused() {
+    let mut c = Client::open();
+    c.channel(1);
+    let props = BasicProperties {
+        reply_to: Some(ShortStr::from("amq.rabbitmq.reply-to")),
+        ..Default::default()
+    };
+    c.publish_props(1, "rpc", b"ping", props.encode());
+    expect_channel_close(
+        c.recv_method(),
+        406,
+        "PRECONDITION_FAILED - fast reply consumer does not exist",
+        60,
+        40,
+    );
+}
