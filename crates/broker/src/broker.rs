@@ -1093,7 +1093,7 @@ impl Broker {
     }
 
     /// reject/nack without requeue: the message leaves the queue and goes to
-    /// [`Broker::dead_letter`].
+    /// the dead-lettering hook (`Broker::dead_letter`, private; dropped for now).
     pub fn discard(&mut self, queue: QueueId, msg_id: u64) {
         let Some(q) = self.queues.get_mut(&queue) else {
             return;

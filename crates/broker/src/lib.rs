@@ -6,6 +6,25 @@
 //!
 //! Behaviour (reply codes and texts) follows RabbitMQ 3.10: see `shared/reference` and the
 //! tests beside each module.
+//!
+//! # Driving it
+//!
+//! - Declarations, bindings, publish, consume, get: plain calls returning `AmqpError`s with
+//!   RabbitMQ's reply texts.
+//! - Deliveries: after anything that may have produced work (publish, consume, requeue,
+//!   [`Broker::credit_changed`] / [`Broker::channel_credit_changed`] when prefetch credit or
+//!   socket room came back), call [`Broker::dispatch`] with a [`DeliverySink`]. Each queue
+//!   makes at most `BrokerConfig::dispatch_batch` deliveries per call; while
+//!   [`Broker::needs_dispatch`] is true there is more to hand out.
+//! - Settlement: [`Broker::settle`] (ack), [`Broker::requeue`] (nack/reject with requeue,
+//!   channel closed), [`Broker::discard`] (without requeue), by `(QueueId, msg_id)` from the
+//!   [`Delivery`].
+//! - Teardown: [`Broker::cancel`] / [`Broker::channel_closed`] for consumers,
+//!   [`Broker::connection_closed`] for exclusive queues.
+//! - Time: [`Broker::tick`] (a hook: nothing is time-bound yet).
+//!
+//! The queue itself is a pure state machine ([`machine::QueueMachine`]), like RabbitMQ's
+//! `rabbit_fifo`.
 
 mod broker;
 mod erl;

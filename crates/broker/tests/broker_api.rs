@@ -859,6 +859,30 @@ fn long_exchange_ring() {
 }
 
 #[test]
+fn fanout_to_many_exchanges() {
+    let mut b = broker();
+    let none = FieldTable::new();
+    b.declare_exchange(V, "hub", "fanout", false, false, false, false, &none)
+        .expect("hub");
+    let q = declare(&mut b, "q");
+    for i in 0..30 {
+        let x = format!("spoke-{i}");
+        b.declare_exchange(V, &x, "direct", false, false, false, false, &none)
+            .expect("spoke");
+        b.bind_exchange(V, &x, "hub", "", &none)
+            .expect("hub -> spoke");
+        b.bind_queue(V, "q", &x, "k", &none, C1)
+            .expect("spoke -> q");
+    }
+    let other = declare(&mut b, "other");
+    b.bind_queue(V, "other", "spoke-29", "k", &none, C1)
+        .expect("bind");
+    assert_eq!(publish(&mut b, "hub", "k", msg("m")), 2);
+    assert_eq!((ready(&b, q), ready(&b, other)), (1, 1));
+    assert_eq!(publish(&mut b, "hub", "nope", msg("m")), 0);
+}
+
+#[test]
 fn alternate_exchange() {
     let mut b = broker();
     let none = FieldTable::new();
