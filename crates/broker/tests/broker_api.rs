@@ -915,6 +915,29 @@ fn auto_delete_exchange_goes_with_last_binding() {
     // Deleting the last bound queue removes the last binding.
     b.delete_queue(V, "q2", false, false, C1).expect("delete");
     assert!(!b.exchange_exists(V, "ad"));
+
+    // Only bindings with the exchange as source count (as RabbitMQ 3.10.8 does).
+    b.declare_exchange(V, "ad", "direct", false, false, true, false, &none)
+        .expect("again");
+    b.declare_exchange(V, "other", "fanout", false, false, false, false, &none)
+        .expect("other");
+    b.bind_exchange(V, "ad", "other", "", &none)
+        .expect("ad as destination");
+    b.unbind_exchange(V, "ad", "other", "", &none)
+        .expect("unbind");
+    assert!(b.exchange_exists(V, "ad"));
+    b.bind_exchange(V, "other", "ad", "k", &none)
+        .expect("ad as source");
+    b.unbind_exchange(V, "other", "ad", "k", &none)
+        .expect("unbind");
+    assert!(!b.exchange_exists(V, "ad"));
+    // Deleting a destination exchange removes the binding, and with it an auto-delete source.
+    b.declare_exchange(V, "ad", "direct", false, false, true, false, &none)
+        .expect("again");
+    b.bind_exchange(V, "other", "ad", "k", &none)
+        .expect("ad as source");
+    b.delete_exchange(V, "other", false).expect("delete other");
+    assert!(!b.exchange_exists(V, "ad"));
 }
 
 // ---------------------------------------------------------------- consumers
