@@ -779,7 +779,9 @@ impl Raw {
         );
     }
 
-    /// Like [`Raw::expect_connection_close`] but the text only has to start with `text_prefix`.
+    /// Like [`Raw::expect_connection_close`] but the text only has to start with `text_prefix`, and the socket
+    /// is not waited for: after a framing error RabbitMQ cannot read our close-ok (frame boundaries are lost)
+    /// and drops the socket only after a 3 s timeout.
     pub async fn expect_connection_close_prefix(
         &mut self,
         code: u16,
@@ -787,7 +789,8 @@ impl Raw {
         class_id: u16,
         method_id: u16,
     ) -> connection::Close {
-        let close = self.recv_connection_close().await;
+        let close = self.recv_connection_close_frame().await;
+        self.send_connection_close_ok().await;
         assert!(
             close.reply_code == code
                 && close.reply_text.as_str().starts_with(text_prefix)
@@ -801,7 +804,25 @@ impl Raw {
     /// Receives connection.close (skipping heartbeats and frames on other channels that were already in
     /// flight), answers close-ok and waits for the broker to close the socket.
     pub async fn recv_connection_close(&mut self) -> connection::Close {
-        let close = loop {
+        let close = self.recv_connection_close_frame().await;
+        self.send_connection_close_ok().await;
+        self.expect_disconnect().await;
+        close
+    }
+
+    /// Answers a connection.close (ignoring write errors: the broker may already have closed the socket).
+    pub async fn send_connection_close_ok(&mut self) {
+        let _ = self
+            .try_send_bytes(&encode(&AMQPFrame::Method(
+                0,
+                AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+            )))
+            .await;
+    }
+
+    /// Receives connection.close (skipping heartbeats) without answering it.
+    pub async fn recv_connection_close_frame(&mut self) -> connection::Close {
+        loop {
             match self.recv().await {
                 Ok(Frame {
                     parsed:
@@ -810,20 +831,12 @@ impl Raw {
                             AMQPClass::Connection(connection::AMQPMethod::Close(c)),
                         )),
                     ..
-                }) => break c,
+                }) => return c,
                 Ok(Frame { kind: 8, .. }) => continue,
                 Ok(other) => panic!("expected connection.close, got {other:?}"),
                 Err(e) => panic!("expected connection.close, the connection ended first: {e:?}"),
             }
-        };
-        let _ = self
-            .try_send_bytes(&encode(&AMQPFrame::Method(
-                0,
-                AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-            )))
-            .await;
-        self.expect_disconnect().await;
-        close
+        }
     }
 
     /// Expects the broker to close the socket (within [`WAIT`]), ignoring heartbeats.
