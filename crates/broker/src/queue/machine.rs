@@ -242,7 +242,7 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
     pub fn enqueue(&mut self, message: M, meta: MsgMeta) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        self.ready_bytes += meta.size;
+        self.ready_bytes = self.ready_bytes.saturating_add(meta.size);
         self.ready.push_back(Entry {
             id,
             msg: message,
@@ -361,7 +361,7 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
         } else {
             self.ready.pop_front()
         }?;
-        self.ready_bytes -= entry.meta.size;
+        self.ready_bytes = self.ready_bytes.saturating_sub(entry.meta.size);
         Some(entry)
     }
 
@@ -386,7 +386,7 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
             }
         } else {
             let message = entry.msg.clone();
-            self.in_flight_bytes += entry.meta.size;
+            self.in_flight_bytes = self.in_flight_bytes.saturating_add(entry.meta.size);
             self.in_flight.insert(
                 msg_id,
                 InFlight {
@@ -445,7 +445,7 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
     pub fn settle(&mut self, msg_id: u64) -> bool {
         match self.in_flight.remove(&msg_id) {
             Some(f) => {
-                self.in_flight_bytes -= f.entry.meta.size;
+                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
                 true
             }
             None => false,
@@ -457,8 +457,8 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
     pub fn requeue(&mut self, msg_id: u64) -> bool {
         match self.in_flight.remove(&msg_id) {
             Some(f) => {
-                self.in_flight_bytes -= f.entry.meta.size;
-                self.ready_bytes += f.entry.meta.size;
+                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
+                self.ready_bytes = self.ready_bytes.saturating_add(f.entry.meta.size);
                 self.returned.insert(msg_id, f.entry);
                 true
             }
@@ -470,7 +470,7 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
     /// caller can dead-letter it. `None` if it is not in flight.
     pub fn discard(&mut self, msg_id: u64) -> Option<Discarded<M>> {
         let f = self.in_flight.remove(&msg_id)?;
-        self.in_flight_bytes -= f.entry.meta.size;
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
         Some(Discarded {
             msg_id,
             message: f.entry.msg,
