@@ -4,11 +4,14 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::future::join_all;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
-use lapin::{Channel, Connection};
+use lapin::Channel;
 use serde::Serialize;
+use tokio::sync::watch;
 
 use crate::opts::Opts;
+use crate::rawconn::{IdleConnection, Target};
 use crate::run::{connect, BoxError};
 use crate::stats::{self, BrokerReport};
 
@@ -232,46 +235,51 @@ async fn delete_queues(channels: &[Channel], names: &Arc<Vec<String>>) {
     }
 }
 
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 pub async fn idle_connections(opts: Opts, n: u64) -> Result<IdleReport, BoxError> {
+    let target = Arc::new(Target::from_url(&opts.url)?);
     let done = Arc::new(AtomicU64::new(0));
+    let (stop_tx, stop_rx) = watch::channel(false);
     let b = before(&opts).await?;
     let progress = spawn_progress(done.clone(), n, "connections", opts.broker_pid, opts.quiet);
     let t0 = Instant::now();
-    let mut tasks = Vec::new();
+    let mut openers = Vec::new();
     for range in split_range(n, u64::from(opts.parallel)) {
-        let (url, done) = (opts.url.clone(), done.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut held: Vec<(Connection, Channel)> = Vec::new();
-            for i in range {
-                let conn = connect(&url, &format!("warren-bench idle {i}")).await?;
-                let ch = conn.create_channel().await?;
-                held.push((conn, ch));
+        let (target, done, stop_rx) = (target.clone(), done.clone(), stop_rx.clone());
+        openers.push(tokio::spawn(async move {
+            let mut idlers = Vec::new();
+            for _ in range {
+                // A broker out of sockets accepts at the TCP level and then never answers.
+                let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, IdleConnection::open(&target))
+                    .await
+                    .map_err(|_| "handshake timed out (is the broker out of sockets?)")??;
+                idlers.push(tokio::spawn(conn.idle(stop_rx.clone())));
                 done.fetch_add(1, Relaxed);
             }
-            Ok::<_, BoxError>(held)
+            Ok::<_, BoxError>(idlers)
         }));
     }
     let mut errors = Vec::new();
-    let mut held = Vec::new();
-    for t in tasks {
+    let mut idlers = Vec::new();
+    for t in openers {
         match t.await? {
-            Ok(h) => held.extend(h),
+            Ok(h) => idlers.extend(h),
             Err(e) => errors.push(format!("connect: {e}")),
         }
     }
     let create_s = t0.elapsed().as_secs_f64();
+    let opened = idlers.len() as u64;
     progress.abort();
     tokio::time::sleep(Duration::from_secs_f64(opts.settle)).await;
-    let r = report(
-        "idle-connections",
-        &opts,
-        b,
-        held.len() as u64,
-        create_s,
-        errors,
-    )?;
-    let closes = held.iter().map(|(conn, _)| conn.close(200, "bye".into()));
-    futures_util::future::join_all(closes).await;
+    // A connection the broker dropped while idle would make the figure a lie.
+    let dropped = idlers.iter().filter(|t| t.is_finished()).count();
+    if dropped > 0 {
+        errors.push(format!("{dropped} connections ended while idle"));
+    }
+    let r = report("idle-connections", &opts, b, opened, create_s, errors)?;
+    let _ = stop_tx.send(true);
+    let _ = tokio::time::timeout(Duration::from_secs(30), join_all(idlers)).await;
     Ok(r)
 }
 

@@ -3,6 +3,7 @@
 mod idle;
 mod opts;
 mod rate;
+mod rawconn;
 mod run;
 mod stats;
 

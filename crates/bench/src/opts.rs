@@ -83,6 +83,12 @@ pub struct Opts {
     #[arg(long, short = 'r', default_value_t = 0.0)]
     pub rate: f64,
 
+    /// Hold the producers back while more than this many messages are in flight (published but
+    /// not yet consumed, counting each fanout copy), so that an unthrottled run measures the
+    /// sustainable rate instead of a queue that grows for the whole run (0 = no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_inflight: u64,
+
     /// Run for this many seconds (fractions allowed). Default 10 unless --count is given.
     #[arg(long, short = 'z')]
     pub duration: Option<f64>,

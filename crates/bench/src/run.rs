@@ -274,18 +274,16 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         consume_end = end;
     }
 
-    // Tear down: consumers first (their queues are about to go), then producers.
-    for (conn, _, _) in consumers.iter() {
-        let _ = conn.close(200, "bye".into()).await;
-    }
-    for (conn, _, _) in producers.iter() {
-        let _ = conn.close(200, "bye".into()).await;
-    }
+    // Tear down: consumers, then the queues (which also relieves a broker that is throttling the
+    // producers), then the producers. A broker that does not answer a close in time is left to
+    // notice the closed socket when this process exits.
+    close_all(consumers.iter().map(|(c, _, _)| c)).await;
     if opts.delete || (!opts.predeclare && !opts.no_consume && !opts.keep) {
         if let Err(e) = delete_topology(&opts, &admin_ch, &queues).await {
             errors.push(format!("cleanup: {e}"));
         }
     }
+    close_all(producers.iter().map(|(c, _, _)| c)).await;
     let _ = admin.close(200, "bye".into()).await;
 
     let elapsed = (end - start).as_secs_f64();
@@ -329,6 +327,12 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         errors,
         config: opts,
     })
+}
+
+/// Closes connections concurrently, giving up after a few seconds.
+async fn close_all<'a>(conns: impl Iterator<Item = &'a Connection>) {
+    let closes = conns.map(|c| c.close(200, "bye".into()));
+    let _ = tokio::time::timeout(Duration::from_secs(3), join_all(closes)).await;
 }
 
 fn rate(n: u64, secs: f64) -> f64 {
@@ -490,6 +494,12 @@ async fn producer(
         (opts.rate > 0.0).then(|| RateLimiter::new(opts.rate, Duration::from_millis(100)));
     let mut sent = 0u64;
     let mut error = None;
+    let fanout = opts.fanout_factor();
+    let inflight_limit = if opts.consumers > 0 {
+        opts.max_inflight
+    } else {
+        0
+    };
     'outer: loop {
         if *stop.borrow() {
             break;
@@ -512,6 +522,17 @@ async fn producer(
             }
             n = n.min(due);
         }
+        if inflight_limit > 0 {
+            // End-to-end back-pressure; checked once per batch, polled on the timer.
+            while shared.published.load(Relaxed) * fanout
+                > shared.consumed.load(Relaxed) + inflight_limit
+            {
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(1)) => {}
+                    _ = stop.changed() => break 'outer,
+                }
+            }
+        }
         if let Some((window, _, _)) = &confirms {
             tokio::select! {
                 permit = window.acquire_many(n as u32) => permit?.forget(),
@@ -532,7 +553,12 @@ async fn producer(
                 props.clone(),
             )
         });
-        let results = join_all(publishes).await;
+        // A broker applying flow control may not read the socket for a long time: do not let
+        // that hold the end of the run (the frames of this batch are then left unsent).
+        let results = tokio::select! {
+            r = join_all(publishes) => r,
+            _ = stop.changed() => break,
+        };
         let mut pending = Vec::with_capacity(if confirms.is_some() { results.len() } else { 0 });
         for r in results {
             match r {

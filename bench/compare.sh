@@ -1,0 +1,312 @@
+#!/usr/bin/env bash
+# Runs the benchmark scenarios of issue 3 against RabbitMQ (A) and Warren (B), alternately
+# (A B A B ...), and writes docs/benchmarks.md with the medians, the ratios and a chart.
+#
+#   bench/compare.sh                 # full run: 3 pairs, 20 s per timed run
+#   bench/compare.sh --quick         # smoke test: 1 pair, 3 s runs, small idle/backlog counts
+#   bench/compare.sh --self-test --quick --out /tmp/b.md   # both sides RabbitMQ: checks the pipeline
+#
+# See bench/README.md for every option.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+INVOCATION="bench/compare.sh $*"
+cd "$ROOT"
+
+PAIRS=3
+DURATION=20
+INFLIGHT=1000
+PAUSE=3
+BACKLOG=1000000
+IDLE_QUEUES=10000
+IDLE_CONNECTIONS=1000
+SCENARIOS="s6,s7,s1,s1r,s2,s2r,s3,s4,s5,s8"
+OUT="docs/benchmarks.md"
+CHART="bench/benchmarks.svg"
+RESULTS=""
+SELF_TEST=0
+BUILD=1
+QUICK=0
+WARREN_PORT=5673
+WARREN_BIN=""
+WARREN_ARGS=""
+WARREN_PID=""
+RABBIT_URL="amqp://guest:guest@127.0.0.1:5672/%2f"
+WARREN_STORAGE="in memory: persistent messages on durable queues are kept in RAM until the RocksDB store lands (no fsync, lost on restart); rerun scenario 2 once it does"
+
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; cat <<'EOF'
+Options:
+  --pairs N              A/B pairs per scenario (default 3)
+  --duration S           seconds per timed run (default 20)
+  --pause S              seconds between runs (default 3)
+  --inflight N           unthrottled scenarios hold producers back beyond N unconsumed messages
+                         per queue, measuring the sustainable rate (default 1000; 0 = PerfTest-style
+                         unbounded publishing, where the queue grows all run long)
+  --quick                1 pair, 3 s runs, backlog 20000, 500 idle queues, 100 idle connections
+  --scenarios LIST       comma-separated subset of s1,s1r,s2,s2r,s3,s4,s5,s6,s7,s8
+  --backlog N            messages in scenario 8 (default 1000000)
+  --idle-queues N        queues in scenario 6 (default 10000)
+  --idle-connections N   connections in scenario 7 (default 1000)
+  --out FILE             report (default docs/benchmarks.md)
+  --chart FILE           SVG chart (default bench/benchmarks.svg)
+  --results DIR          where the JSON of every run goes (default bench/results/<time>)
+  --self-test            side B is RabbitMQ too (checks the pipeline without Warren)
+  --no-build             use the binaries already built
+  --warren-port P        port for Warren (default 5673)
+  --warren-bin PATH      Warren binary (default: the release build)
+  --warren-args "..."    extra arguments for Warren
+  --warren-pid PID       use an already running Warren on --warren-port instead of starting one
+  --rabbit-url URL       RabbitMQ URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
+  --warren-storage TEXT  what Warren persists, for the report
+EOF
+}
+
+for arg in "$@"; do
+  if [ "$arg" = --quick ]; then
+    # Quick defaults first; options given explicitly below still win.
+    QUICK=1; PAIRS=1; DURATION=3; PAUSE=1; BACKLOG=20000; IDLE_QUEUES=500; IDLE_CONNECTIONS=100
+  fi
+done
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --pairs) PAIRS="$2"; shift ;;
+    --duration) DURATION="$2"; shift ;;
+    --pause) PAUSE="$2"; shift ;;
+    --inflight) INFLIGHT="$2"; shift ;;
+    --quick) QUICK=1 ;;
+    --scenarios) SCENARIOS="$2"; shift ;;
+    --backlog) BACKLOG="$2"; shift ;;
+    --idle-queues) IDLE_QUEUES="$2"; shift ;;
+    --idle-connections) IDLE_CONNECTIONS="$2"; shift ;;
+    --out) OUT="$2"; shift ;;
+    --chart) CHART="$2"; shift ;;
+    --results) RESULTS="$2"; shift ;;
+    --self-test) SELF_TEST=1 ;;
+    --no-build) BUILD=0 ;;
+    --warren-port) WARREN_PORT="$2"; shift ;;
+    --warren-bin) WARREN_BIN="$2"; shift ;;
+    --warren-args) WARREN_ARGS="$2"; shift ;;
+    --warren-pid) WARREN_PID="$2"; shift ;;
+    --rabbit-url) RABBIT_URL="$2"; shift ;;
+    --warren-storage) WARREN_STORAGE="$2"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+
+log() { printf '[compare %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+
+# ---------------------------------------------------------------- RabbitMQ (side A)
+if ! command -v rabbitmq-server >/dev/null 2>&1; then
+  log "installing rabbitmq-server from the distribution's packages"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq rabbitmq-server >/dev/null
+fi
+if ! rabbitmqctl -q status >/dev/null 2>&1; then
+  log "starting RabbitMQ"
+  # RabbitMQ sizes its socket limit from the file-descriptor limit it starts with; 1024 would
+  # stop scenario 7 at about 830 connections.
+  $SUDO bash -c 'ulimit -n 65536 2>/dev/null || true; rabbitmq-server -detached'
+  sleep 2
+fi
+rabbitmqctl -q await_startup >/dev/null 2>&1 || { sleep 5; rabbitmqctl -q await_startup; }
+RABBIT_PID="$(rabbitmqctl -q eval 'list_to_integer(os:getpid()).' 2>/dev/null | tr -dc 0-9)"
+if [ -z "$RABBIT_PID" ] || [ ! -d "/proc/$RABBIT_PID" ]; then
+  RABBIT_PID="$(pgrep -o -x beam.smp || true)"
+fi
+[ -n "$RABBIT_PID" ] || { echo "cannot find RabbitMQ's beam.smp pid" >&2; exit 1; }
+RABBIT_VERSION="$(rabbitmqctl -q version 2>/dev/null || dpkg-query -W -f '${Version}' rabbitmq-server)"
+ERLANG_VERSION="$(rabbitmqctl -q eval 'erlang:system_info(otp_release).' 2>/dev/null | tr -d '"' || echo '?')"
+log "RabbitMQ $RABBIT_VERSION (OTP $ERLANG_VERSION), beam.smp pid $RABBIT_PID"
+# Scenario 7 needs that many free sockets on RabbitMQ (a RabbitMQ started elsewhere with
+# `ulimit -n 1024` allows about 830): use what is free, on both sides alike, and say so.
+SOCKETS_LINE="$(rabbitmqctl -q status 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' | grep -m1 '^Sockets:' || true)"
+SOCKETS_USED="$(echo "$SOCKETS_LINE" | sed -n 's/^Sockets: *\([0-9]*\),.*/\1/p')"
+SOCKETS_LIMIT="$(echo "$SOCKETS_LINE" | sed -n 's/.*limit: *\([0-9]*\).*/\1/p')"
+IDLE_CONNECTIONS_NOTE=""
+if [ -n "$SOCKETS_LIMIT" ] && [ -n "$SOCKETS_USED" ]; then
+  FREE_SOCKETS=$((SOCKETS_LIMIT - SOCKETS_USED - 100))
+  if [ "$FREE_SOCKETS" -lt "$IDLE_CONNECTIONS" ]; then
+    IDLE_CONNECTIONS_NOTE="RabbitMQ's socket limit is $SOCKETS_LIMIT (started with a low \`ulimit -n\`), so scenario 7 opened $FREE_SOCKETS connections instead of $IDLE_CONNECTIONS on both brokers; restart RabbitMQ with \`ulimit -n 65536\` for the full count."
+    log "WARNING: $IDLE_CONNECTIONS_NOTE"
+    IDLE_CONNECTIONS="$FREE_SOCKETS"
+  fi
+fi
+
+# ---------------------------------------------------------------- build
+TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}"
+export CARGO_TARGET_DIR="$TARGET_DIR"
+if [ "$BUILD" = 1 ]; then
+  if [ "$SELF_TEST" = 1 ]; then
+    log "building warren-bench (release)"
+    cargo build --release -q -p warren-bench
+  else
+    log "building warren and warren-bench (release)"
+    cargo build --release -q -p warren-server -p warren-bench
+  fi
+fi
+BENCH="$TARGET_DIR/release/warren-bench"
+[ -x "$BENCH" ] || { echo "missing $BENCH (build it or drop --no-build)" >&2; exit 1; }
+[ -n "$WARREN_BIN" ] || WARREN_BIN="$TARGET_DIR/release/warren"
+
+# ---------------------------------------------------------------- Warren (side B)
+STARTED_WARREN=""
+cleanup() {
+  if [ -n "$STARTED_WARREN" ] && kill -0 "$STARTED_WARREN" 2>/dev/null; then
+    log "stopping Warren (pid $STARTED_WARREN)"
+    kill "$STARTED_WARREN" 2>/dev/null || true
+    wait "$STARTED_WARREN" 2>/dev/null || true
+  fi
+}
+trap cleanup EXIT INT TERM
+
+[ -n "$RESULTS" ] || RESULTS="bench/results/$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$RESULTS"
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+if [ "$SELF_TEST" = 1 ]; then
+  A_NAME="RabbitMQ"; B_NAME="RabbitMQ (B)"
+  B_URL="$RABBIT_URL"; B_PID="$RABBIT_PID"; B_VERSION="$RABBIT_VERSION"
+else
+  A_NAME="RabbitMQ"; B_NAME="Warren"
+  B_URL="amqp://guest:guest@127.0.0.1:$WARREN_PORT/%2f"
+  if [ -n "$WARREN_PID" ]; then
+    B_PID="$WARREN_PID"
+  else
+    [ -x "$WARREN_BIN" ] || { echo "missing Warren binary $WARREN_BIN" >&2; exit 1; }
+    if port_open "$WARREN_PORT"; then
+      echo "port $WARREN_PORT is already taken; stop that process or pass --warren-pid" >&2; exit 1
+    fi
+    log "starting Warren on 127.0.0.1:$WARREN_PORT"
+    # shellcheck disable=SC2086
+    "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" $WARREN_ARGS >"$RESULTS/warren.log" 2>&1 &
+    STARTED_WARREN=$!
+    B_PID=$STARTED_WARREN
+    for _ in $(seq 1 100); do
+      port_open "$WARREN_PORT" && break
+      kill -0 "$STARTED_WARREN" 2>/dev/null || { echo "Warren exited; see $RESULTS/warren.log" >&2; exit 1; }
+      sleep 0.1
+    done
+    port_open "$WARREN_PORT" || { echo "Warren does not listen on $WARREN_PORT" >&2; exit 1; }
+  fi
+  B_VERSION="$("$WARREN_BIN" --version 2>/dev/null | head -1 || echo '?')"
+fi
+A_URL="$RABBIT_URL"; A_PID="$RABBIT_PID"
+log "A = $A_NAME (pid $A_PID), B = $B_NAME (pid $B_PID); results in $RESULTS"
+
+# ---------------------------------------------------------------- scenarios
+# Arguments of each scenario, without URL, pid, queue names and output flags.
+scenario_args() {
+  case "$1" in
+    s1)  echo "-x 1 -y 1 --queues 1 -s 16 -q 200 --max-inflight $INFLIGHT -z $DURATION" ;;
+    s1r) echo "-x 1 -y 1 --queues 1 -s 16 -q 200 --rate 5000 -z $DURATION" ;;
+    s2)  echo "-x 1 -y 1 --queues 1 -s 1024 --persistent --durable --confirm 1000 -q 200 --max-inflight $INFLIGHT -z $DURATION" ;;
+    s2r) echo "-x 1 -y 1 --queues 1 -s 1024 --persistent --durable --confirm 1000 -q 200 --rate 5000 -z $DURATION" ;;
+    s3)  echo "-x 1 -y 10 --queues 10 -e EXCHANGE -t fanout -s 16 -q 200 --max-inflight $((INFLIGHT * 10)) -z $DURATION" ;;
+    s4)  echo "-x 10 -y 10 --queues 10 -s 1024 -q 200 --max-inflight $((INFLIGHT * 10)) -z $DURATION" ;;
+    s5)  echo "-x 1 -y 1 --queues 1 -s 1024 -q 200 --rate 10000 -z $DURATION" ;;
+    s6)  echo "--idle-queues $IDLE_QUEUES" ;;
+    s7)  echo "--idle-connections $IDLE_CONNECTIONS --parallel 4" ;;
+    s8p) echo "--no-consume -x 1 -y 0 --queues 1 -s 1024 -C $BACKLOG" ;;
+    s8d) echo "--predeclare --delete --no-reset-peak -x 0 -y 1 --queues 1 -q 200 -C $BACKLOG" ;;
+    *) echo "unknown scenario $1" >&2; exit 2 ;;
+  esac
+}
+
+COMMANDS="$RESULTS/commands.txt"
+: >"$COMMANDS"
+record_command() {
+  # The exact command, with the machine-specific parts as variables.
+  grep -qxF -- "$1" "$COMMANDS" 2>/dev/null || echo "$1" >>"$COMMANDS"
+}
+
+# run_one SCENARIO SIDE PAIR
+run_one() {
+  local scen="$1" side="$2" pair="$3" url pid name base args tag out
+  if [ "$side" = A ]; then url="$A_URL"; pid="$A_PID"; name="$A_NAME"; else url="$B_URL"; pid="$B_PID"; name="$B_NAME"; fi
+  case "$scen" in s8p|s8d) base=s8 ;; *) base="$scen" ;; esac
+  tag="wb-$base-$side$pair-$$"
+  args="$(scenario_args "$scen")"
+  args="${args//EXCHANGE/$tag-fanout}"
+  record_command "warren-bench --url \$URL --broker-pid \$PID --json --queue-pattern wb-$base-%d ${args//$tag-fanout/wb-fanout}"
+  out="$RESULTS/$scen-$side-$pair.json"
+  log "$scen pair $pair: $name"
+  # shellcheck disable=SC2086
+  if ! "$BENCH" --url "$url" --broker-pid "$pid" --json --label "$scen/$side/$pair" \
+      --queue-pattern "$tag-%d" $args >"$out" 2>"$RESULTS/$scen-$side-$pair.log"; then
+    log "  $scen on $name failed (see $RESULTS/$scen-$side-$pair.log)"
+    tail -3 "$RESULTS/$scen-$side-$pair.log" >&2 || true
+  fi
+  python3 bench/report.py --summarize "$out" >&2 || true
+  sleep "$PAUSE"
+}
+
+busy_count() { local n; n="$(pgrep -c -x 'cargo|rustc' 2>/dev/null || true)"; echo "${n:-0}"; }
+BUSY_AT_START="$(busy_count)"
+LOAD_AT_START="$(cut -d' ' -f1-3 /proc/loadavg)"
+if [ "$BUSY_AT_START" != 0 ]; then
+  log "WARNING: $BUSY_AT_START cargo/rustc processes are running: the figures will be noisy"
+fi
+MAX_BUSY="$BUSY_AT_START"
+
+START_TIME="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+IFS=',' read -r -a SCEN_LIST <<<"$SCENARIOS"
+for scen in "${SCEN_LIST[@]}"; do
+  for pair in $(seq 1 "$PAIRS"); do
+    for side in A B; do
+      b="$(busy_count)"; [ "$b" -gt "$MAX_BUSY" ] && MAX_BUSY="$b"
+      if [ "$scen" = s8 ]; then
+        run_one s8p "$side" "$pair"
+        run_one s8d "$side" "$pair"
+      else
+        run_one "$scen" "$side" "$pair"
+      fi
+    done
+  done
+done
+END_TIME="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+
+# ---------------------------------------------------------------- machine and report
+GIT_REV="$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+git diff --quiet HEAD -- crates 2>/dev/null || GIT_REV="$GIT_REV (with local changes)"
+python3 - "$RESULTS/meta.json" <<EOF
+import json, sys, platform, subprocess
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout.strip()
+    except Exception:
+        return "?"
+mem_kb = int(sh("awk '/MemTotal/ {print \$2}' /proc/meminfo") or 0)
+meta = {
+    "start": "$START_TIME", "end": "$END_TIME",
+    "quick": $QUICK == 1, "self_test": $SELF_TEST == 1,
+    "pairs": $PAIRS, "duration_s": $DURATION, "pause_s": $PAUSE, "inflight": $INFLIGHT,
+    "invocation": """$INVOCATION""",
+    "backlog": $BACKLOG, "idle_queues": $IDLE_QUEUES, "idle_connections": $IDLE_CONNECTIONS,
+    "scenarios": "$SCENARIOS".split(","),
+    "a_name": "$A_NAME", "b_name": "$B_NAME",
+    "a_version": "RabbitMQ $RABBIT_VERSION (Erlang/OTP $ERLANG_VERSION)",
+    "b_version": """$B_VERSION""",
+    "git_rev": "$GIT_REV",
+    "warren_storage": """$WARREN_STORAGE""",
+    "warren_args": "$WARREN_ARGS",
+    "notes": [n for n in ["""$IDLE_CONNECTIONS_NOTE"""] if n],
+    "machine": {
+        "nproc": sh("nproc"),
+        "cpu": sh("lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1") or platform.processor(),
+        "memory_gib": round(mem_kb / 1048576, 1),
+        "kernel": sh("uname -sr"),
+        "os": sh(". /etc/os-release && echo \$PRETTY_NAME"),
+        "rustc": sh("rustc --version"),
+    },
+    "busy_at_start": $BUSY_AT_START, "max_busy": $MAX_BUSY, "load_at_start": "$LOAD_AT_START",
+    "commands": open("$COMMANDS").read().splitlines(),
+}
+json.dump(meta, open(sys.argv[1], "w"), indent=1)
+EOF
+python3 bench/report.py --results "$RESULTS" --out "$OUT" --chart "$CHART"
+log "wrote $OUT and $CHART"

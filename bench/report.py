@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""Turns the JSON of a bench/compare.sh run into docs/benchmarks.md and an SVG chart.
+
+    bench/report.py --results bench/results/<time> --out docs/benchmarks.md --chart bench/benchmarks.svg
+    bench/report.py --summarize bench/results/<time>/s1-A-1.json     # one line per run, for the log
+
+Standard library only.
+"""
+
+import argparse
+import glob
+import html
+import json
+import os
+import statistics
+import sys
+
+SCENARIOS = {
+    "s6": "6. {idle_queues:,} idle queues: broker memory per queue, declare rate",
+    "s7": "7. {idle_connections:,} idle connections (one channel each): broker memory per connection",
+    "s1": "1. 1 producer -> 1 queue -> 1 consumer, 16 B transient, manual ack, prefetch 200, unthrottled",
+    "s1r": "1 at a fixed 5,000 msg/s: broker CPU per message",
+    "s2": "2. 1 -> 1, 1 KiB persistent, durable queue, confirms (window 1000), unthrottled",
+    "s2r": "2 at a fixed 5,000 msg/s: broker CPU per message",
+    "s3": "3. Fan-out: 1 producer -> fanout exchange -> 10 queues -> 10 consumers, 16 B",
+    "s4": "4. 10 producers -> 10 queues -> 10 consumers, 1 KiB",
+    "s5": "5. Latency at a fixed 10,000 msg/s, 1 KiB, 1 -> 1",
+    "s8": "8. Backlog: publish {backlog:,} x 1 KiB with no consumer, then drain",
+}
+
+
+def describe(scen, meta):
+    counts = {k: meta.get(k) or 0 for k in ("idle_queues", "idle_connections", "backlog")}
+    return SCENARIOS[scen].format(**counts)
+
+
+# Targets of issue 3, as "times better than RabbitMQ" (>= this).
+TARGETS = {
+    ("s1", "consume_rate"): 3,
+    ("s1r", "cpu_us"): 5,
+    ("s2r", "cpu_us"): 5,
+    ("s3", "consume_rate"): 2,
+    ("s4", "consume_rate"): 2,
+    ("s5", "cpu_us"): 5,
+    ("s5", "p99"): 3,
+    ("s6", "per_item"): 10,
+    ("s7", "per_item"): 10,
+}
+
+
+def get(d, *path):
+    for p in path:
+        if d is None:
+            return None
+        d = d.get(p) if isinstance(d, dict) else None
+    return d
+
+
+def ms(us):
+    return None if us is None else us / 1000.0
+
+
+def kb(b):
+    return None if b is None else b / 1000.0
+
+
+def metrics_of(scen, run, drain=None):
+    """(key, label, unit, better, value) for one run of a scenario."""
+    m = []
+
+    def add(key, label, unit, better, value):
+        m.append((key, label, unit, better, value))
+
+    cpu = get(run, "broker", "cpu_us_per_msg")
+    if scen in ("s1", "s2", "s3", "s4"):
+        add("consume_rate", "consume rate", "msg/s", "higher", run.get("consume_rate"))
+        add("publish_rate", "publish rate", "msg/s", "higher", run.get("publish_rate"))
+        if scen == "s2":
+            add("confirm_p99", "confirm latency p99", "ms", "lower", ms(get(run, "confirm_latency", "p99_us")))
+        add("cpu_us", "broker CPU per message", "us", "lower", cpu)
+    elif scen in ("s1r", "s2r", "s5"):
+        add("cpu_us", "broker CPU per message", "us", "lower", cpu)
+        add("consume_rate", "consume rate", "msg/s", "higher", run.get("consume_rate"))
+        add("p50", "latency p50", "ms", "lower", ms(get(run, "latency", "p50_us")))
+        if scen == "s5":
+            add("p95", "latency p95", "ms", "lower", ms(get(run, "latency", "p95_us")))
+        add("p99", "latency p99", "ms", "lower", ms(get(run, "latency", "p99_us")))
+        if scen == "s5":
+            add("max", "latency max", "ms", "lower", ms(get(run, "latency", "max_us")))
+        if scen == "s2r":
+            add("confirm_p99", "confirm latency p99", "ms", "lower", ms(get(run, "confirm_latency", "p99_us")))
+    elif scen in ("s6", "s7"):
+        what = "queue" if scen == "s6" else "connection"
+        add("per_item", f"broker memory per {what}", "KB", "lower", kb(run.get("bytes_per_item")))
+        add("create_rate", "declare rate" if scen == "s6" else "connection open rate", f"{what}s/s", "higher", run.get("create_rate"))
+    elif scen == "s8":
+        add("publish_rate", "publish rate", "msg/s", "higher", run.get("publish_rate"))
+        if drain is not None:
+            add("drain_rate", "drain rate", "msg/s", "higher", drain.get("consume_rate"))
+        peaks = [get(r, "broker", "rss_peak_kb") for r in (run, drain) if r is not None]
+        peaks = [p for p in peaks if p is not None]
+        add("peak_rss", "broker peak RSS", "MiB", "lower", max(peaks) / 1024 if peaks else None)
+        pub_cpu = get(run, "broker", "cpu_us_per_msg")
+        add("cpu_us", "broker CPU per message (publish)", "us", "lower", pub_cpu)
+    return m
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            txt = f.read().strip()
+        return json.loads(txt) if txt else None
+    except (OSError, ValueError):
+        return None
+
+
+def collect(results):
+    """{scen: {side: [metrics list per pair]}}, {scen: {side: [errors]}}"""
+    data, errors = {}, {}
+    for path in sorted(glob.glob(os.path.join(results, "*.json"))):
+        name = os.path.basename(path)[:-5]
+        parts = name.split("-")
+        if len(parts) != 3 or parts[1] not in ("A", "B"):
+            continue
+        scen, side, pair = parts
+        if scen == "s8d":
+            continue
+        run = load(path)
+        drain = None
+        if scen == "s8p":
+            scen = "s8"
+            drain = load(os.path.join(results, f"s8d-{side}-{pair}.json"))
+        errs = []
+        if run is None:
+            errs.append(f"{name}: no result")
+            run = {}
+        errs += [f"{name}: {e}" for e in run.get("errors", [])]
+        if scen == "s8" and drain is not None:
+            errs += [f"s8d-{side}-{pair}: {e}" for e in drain.get("errors", [])]
+        data.setdefault(scen, {}).setdefault(side, []).append((int(pair), metrics_of(scen, run, drain)))
+        errors.setdefault(scen, {}).setdefault(side, []).extend(errs)
+    return data, errors
+
+
+def median_table(data):
+    """[(scen, key, label, unit, better, medA, medB, valsA, valsB)]"""
+    rows = []
+    order = [s for s in SCENARIOS if s in data]
+    for scen in order:
+        sides = data[scen]
+        template = None
+        for side in ("A", "B"):
+            for _, ms_ in sides.get(side, []):
+                template = template or ms_
+        if not template:
+            continue
+        for i, (key, label, unit, better, _) in enumerate(template):
+            vals = {}
+            for side in ("A", "B"):
+                vals[side] = [m[i][4] for _, m in sorted(sides.get(side, [])) if i < len(m) and m[i][4] is not None]
+            med = {s: (statistics.median(v) if v else None) for s, v in vals.items()}
+            rows.append((scen, key, label, unit, better, med["A"], med["B"], vals["A"], vals["B"]))
+    return rows
+
+
+def advantage(better, a, b):
+    """How many times better B is than A (> 1 means B is better)."""
+    if a is None or b is None:
+        return None
+    if better == "higher":
+        return b / a if a > 0 else None
+    return a / b if b > 0 else None
+
+
+def fmt(v, unit=""):
+    if v is None:
+        return "n/a"
+    if abs(v) >= 100:
+        s = f"{v:,.0f}"
+    elif abs(v) >= 10:
+        s = f"{v:.1f}"
+    else:
+        s = f"{v:.2f}"
+    return s
+
+
+def fmt_short(v):
+    """Compact number for chart labels: 15.3k, 1.2M."""
+    if v is None:
+        return "n/a"
+    if abs(v) >= 1e6:
+        return f"{v / 1e6:.1f}M"
+    if abs(v) >= 1e4:
+        return f"{v / 1e3:.1f}k"
+    return fmt(v)
+
+
+def summarize(path):
+    r = load(path)
+    if r is None:
+        print(f"  {os.path.basename(path)}: no result")
+        return
+    name = os.path.basename(path)[:-5]
+    scen = name.split("-")[0]
+    scen = "s8" if scen in ("s8p", "s8d") else scen
+    parts = []
+    ms_ = metrics_of(scen, {}, r) if name.startswith("s8d") else metrics_of(scen, r)
+    for _, label, unit, _, v in ms_:
+        if v is not None:
+            parts.append(f"{label} {fmt(v)} {unit}")
+    errs = r.get("errors", [])
+    print(f"  {name}: " + ", ".join(parts) + (f"  ERRORS: {errs}" if errs else ""))
+
+
+# ------------------------------------------------------------------------------ SVG chart
+
+PANELS = [
+    ("Throughput (msg/s, higher is better)", [
+        ("s1", "consume_rate", "1: 1->1 16 B"),
+        ("s2", "consume_rate", "2: persistent+confirms"),
+        ("s3", "consume_rate", "3: fan-out x10"),
+        ("s4", "consume_rate", "4: 10x10 1 KiB"),
+        ("s8", "publish_rate", "8: backlog publish"),
+        ("s8", "drain_rate", "8: backlog drain"),
+    ]),
+    ("Broker CPU per message (us, lower is better)", [
+        ("s1r", "cpu_us", "1 @ 5k msg/s"),
+        ("s2r", "cpu_us", "2 @ 5k msg/s"),
+        ("s5", "cpu_us", "5 @ 10k msg/s"),
+    ]),
+    ("Latency at 10,000 msg/s, 1 KiB (ms, lower is better)", [
+        ("s5", "p50", "p50"),
+        ("s5", "p95", "p95"),
+        ("s5", "p99", "p99"),
+        ("s5", "max", "max"),
+    ]),
+    ("Broker memory (lower is better)", [
+        ("s6", "per_item", "KB per idle queue"),
+        ("s7", "per_item", "KB per idle connection"),
+        ("s8", "peak_rss", "MiB peak, backlog"),
+    ]),
+]
+
+COLORS = ("#f28e2b", "#4e79a7")  # A (RabbitMQ orange), B (Warren blue)
+
+
+def svg_chart(rows, a_name, b_name, title):
+    by_key = {(r[0], r[1]): r for r in rows}
+    pw, ph = 470, 300  # panel size
+    cols = 2
+    width = cols * pw + 20
+    height = 70 + 2 * (ph + 30)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="22" text-anchor="middle" font-size="15" font-weight="bold">{html.escape(title)}</text>',
+    ]
+    # Legend.
+    lx = width / 2 - 150
+    for i, name in enumerate((a_name, b_name)):
+        x = lx + i * 170
+        out.append(f'<rect x="{x}" y="34" width="12" height="12" fill="{COLORS[i]}"/>')
+        out.append(f'<text x="{x + 17}" y="44">{html.escape(name)}</text>')
+    out.append(
+        f'<text x="{width / 2}" y="62" text-anchor="middle" fill="#555">'
+        "Medians. Each pair of bars is scaled to its larger value; the label above a group is how many "
+        "times better the second broker is.</text>"
+    )
+    for p, (ptitle, groups) in enumerate(PANELS):
+        px = 10 + (p % cols) * pw
+        py = 75 + (p // cols) * (ph + 30)
+        out.append(f'<rect x="{px}" y="{py}" width="{pw - 10}" height="{ph}" fill="#fafafa" stroke="#ddd"/>')
+        out.append(f'<text x="{px + 10}" y="{py + 18}" font-weight="bold">{html.escape(ptitle)}</text>')
+        n = len(groups)
+        gw = (pw - 30) / n
+        base = py + ph - 45
+        top = py + 50
+        for g, (scen, key, label) in enumerate(groups):
+            gx = px + 10 + g * gw
+            r = by_key.get((scen, key))
+            a = r[5] if r else None
+            b = r[6] if r else None
+            vmax = max([v for v in (a, b) if v is not None] or [0])
+            bw = min(34, gw / 3)
+            for i, v in enumerate((a, b)):
+                x = gx + gw / 2 - bw + i * bw
+                if v is None or vmax <= 0:
+                    out.append(f'<text x="{x + bw / 2}" y="{base - 4}" text-anchor="middle" fill="#999">n/a</text>')
+                    continue
+                h = (base - top) * (v / vmax)
+                out.append(f'<rect x="{x:.1f}" y="{base - h:.1f}" width="{bw - 2:.1f}" height="{h:.1f}" fill="{COLORS[i]}"/>')
+                out.append(
+                    f'<text x="{x + bw / 2 - 1:.1f}" y="{base - h - 3:.1f}" text-anchor="middle" font-size="9">{fmt_short(v)}</text>'
+                )
+            if r:
+                adv = advantage(r[4], a, b)
+                if adv is not None:
+                    out.append(
+                        f'<text x="{gx + gw / 2:.1f}" y="{top - 14}" text-anchor="middle" font-weight="bold" '
+                        f'fill="{"#2a7" if adv >= 1 else "#c33"}">{adv:.2f}x</text>'
+                    )
+            # Label, wrapped on two lines if long.
+            words = label.split(" ")
+            lines, cur = [], ""
+            for w in words:
+                if len(cur) + len(w) + 1 > max(8, int(gw / 6)) and cur:
+                    lines.append(cur)
+                    cur = w
+                else:
+                    cur = (cur + " " + w).strip()
+            lines.append(cur)
+            for li, text in enumerate(lines[:3]):
+                out.append(
+                    f'<text x="{gx + gw / 2:.1f}" y="{base + 14 + li * 12}" text-anchor="middle">{html.escape(text)}</text>'
+                )
+        out.append(f'<line x1="{px + 5}" y1="{base}" x2="{px + pw - 15}" y2="{base}" stroke="#888"/>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------ markdown
+
+
+def report(results, out_path, chart_path):
+    meta = load(os.path.join(results, "meta.json")) or {}
+    data, errors = collect(results)
+    rows = median_table(data)
+    a_name = meta.get("a_name", "A")
+    b_name = meta.get("b_name", "B")
+    pairs = meta.get("pairs", "?")
+    mach = meta.get("machine", {})
+
+    title = f"{b_name} vs {a_name}"
+    with open(chart_path, "w") as f:
+        f.write(svg_chart(rows, a_name, b_name, title))
+
+    L = []
+    L.append(f"# Benchmarks: {b_name} vs {a_name}")
+    L.append("")
+    L.append(
+        f"Generated by `bench/compare.sh` from {meta.get('start', '?')} to {meta.get('end', '?')}; "
+        f"Warren at commit `{meta.get('git_rev', '?')}`. Every scenario ran {pairs} time(s) on each broker, "
+        f"alternately ({a_name}, {b_name}, {a_name}, {b_name}, ...); the tables show medians."
+    )
+    L.append("")
+    if meta.get("self_test"):
+        L.append(
+            "> **Pipeline self-test: both sides are the same RabbitMQ.** These figures only show that the "
+            "scripts work; ratios should be close to 1."
+        )
+        L.append("")
+    if meta.get("quick"):
+        L.append(
+            f"> **Quick mode** ({meta.get('duration_s')} s runs, {meta.get('backlog'):,} backlog messages, "
+            f"{meta.get('idle_queues'):,} idle queues, {meta.get('idle_connections'):,} idle connections): "
+            "a smoke test, not a measurement."
+        )
+        L.append("")
+    for note in meta.get("notes", []):
+        L.append(f"> **Note:** {note}")
+        L.append("")
+    busy = meta.get("max_busy", 0)
+    if busy:
+        L.append(
+            f"> **Noisy run:** up to {busy} cargo/rustc processes were running during the measurements "
+            f"(load average at the start {meta.get('load_at_start', '?')}). Treat throughput figures with care; "
+            "CPU per message holds up better."
+        )
+        L.append("")
+
+    L.append("## Machine")
+    L.append("")
+    L.append("| | |")
+    L.append("|---|---|")
+    L.append(f"| CPU | {mach.get('cpu', '?')}, {mach.get('nproc', '?')} cores (shared by both brokers and the load generator) |")
+    L.append(f"| Memory | {mach.get('memory_gib', '?')} GiB |")
+    L.append(f"| Kernel / OS | {mach.get('kernel', '?')} / {mach.get('os', '?')} |")
+    L.append(f"| {a_name} | {meta.get('a_version', '?')} (Debian package, default configuration, classic queues) |")
+    L.append(f"| {b_name} | {meta.get('b_version', '?')} {('`' + meta['warren_args'] + '`') if meta.get('warren_args') else ''} |")
+    L.append(f"| Toolchain | {mach.get('rustc', '?')} |")
+    L.append(f"| Load generator | `warren-bench` (lapin 4.12, one connection per producer and consumer, same process) |")
+    L.append("")
+
+    L.append("## Results")
+    L.append("")
+    L.append(
+        f"The last column is how many times better {b_name} is (above 1: {b_name} is better, whichever "
+        "direction is better for the metric); *target* is the goal set in issue 3. Broker CPU per message "
+        "at a fixed rate is the headline: both brokers share 2 cores with the load generator, so raw msg/s "
+        "is partly the client's limit, while CPU per message is the broker's own cost."
+    )
+    L.append("")
+    L.append(f"| Scenario | Metric | {a_name} | {b_name} | {b_name} advantage |")
+    L.append("|---|---|---:|---:|---:|")
+    for scen, key, label, unit, better, a, b, _, _ in rows:
+        adv = advantage(better, a, b)
+        t = TARGETS.get((scen, key))
+        adv_s = "n/a" if adv is None else f"{adv:.2f}x"
+        if t is not None and adv is not None:
+            adv_s += f" (target {t}x: {'met' if adv >= t else 'not met'})"
+        elif t is not None:
+            adv_s += f" (target {t}x)"
+        arrow = "higher is better" if better == "higher" else "lower is better"
+        L.append(f"| {scen} | {label} ({unit}, {arrow}) | {fmt(a)} | {fmt(b)} | {adv_s} |")
+    L.append("")
+    rel_chart = os.path.relpath(chart_path, os.path.dirname(os.path.abspath(out_path)) or ".")
+    L.append(f"![{title}]({rel_chart})")
+    L.append("")
+
+    L.append(f"## What {b_name} persists in these runs")
+    L.append("")
+    if meta.get("self_test"):
+        L.append("Not applicable (self-test).")
+    else:
+        L.append(f"- Scenario 2 and 2 @ 5k (persistent messages, durable queue, confirms): {meta.get('warren_storage', '?')}")
+        L.append(f"- All other scenarios use transient messages on non-durable queues: in memory on both brokers.")
+        L.append(
+            f"- {a_name}: classic queues (version 1 index in 3.10); persistent messages are written to its message "
+            "store and confirmed after the write is synced (fsync batched by the queue/store)."
+        )
+    L.append("")
+
+    L.append("## Scenarios and exact commands")
+    L.append("")
+    L.append(
+        "`$URL` is the broker's AMQP URL (`amqp://guest:guest@127.0.0.1:5672/%2f` for RabbitMQ, port 5673 for "
+        "Warren) and `$PID` its process id (RabbitMQ's `beam.smp`). Each run also gets `--label` and a queue "
+        "pattern unique to the run; scenario 8 is two commands (publish, then drain the same queue). "
+        f"This report: `{meta.get('invocation', 'bench/compare.sh')}`."
+    )
+    L.append("")
+    for scen in SCENARIOS:
+        if scen in data:
+            L.append(f"- **{scen}**: {describe(scen, meta)}")
+    L.append("")
+    L.append("```sh")
+    for c in meta.get("commands", []):
+        L.append(c)
+    L.append("```")
+    L.append("")
+    inflight = meta.get("inflight", 0)
+    if inflight:
+        L.append(
+            f"The unthrottled scenarios (1, 2, 3, 4) hold the producers back while more than {inflight:,} "
+            "messages per queue are published but not yet consumed (`--max-inflight`, counted over all "
+            "queues). They measure the rate a broker sustains with a short queue; without the limit the "
+            "producer outruns the consumer, the queue grows for the whole run and the consume rate "
+            "depends on the backlog more than on the broker (`--inflight 0` runs them that way)."
+        )
+        L.append("")
+    L.append(
+        "Options worth knowing: `--rate` is per producer; CPU per message divides the broker's CPU time "
+        "(utime + stime from `/proc/<pid>/stat`, over the run, setup excluded) by the messages consumed "
+        "(each one published, delivered and acknowledged), or by the messages published when nothing "
+        "consumes. Memory per idle item is the growth of `VmRSS` divided by the item count, read after the "
+        "broker's RSS has stopped moving and a settle time of 3 s. Peak RSS is `VmHWM` after resetting it "
+        "through `/proc/<pid>/clear_refs` at the start of the scenario, or the highest sampled `VmRSS`."
+    )
+    L.append("")
+
+    L.append("## Every run")
+    L.append("")
+    L.append(f"| Scenario | Metric | {a_name} runs | {b_name} runs |")
+    L.append("|---|---|---|---|")
+    for scen, key, label, unit, better, a, b, va, vb in rows:
+        L.append(f"| {scen} | {label} ({unit}) | {', '.join(fmt(v) for v in va)} | {', '.join(fmt(v) for v in vb)} |")
+    L.append("")
+    errs = [(scen, side, e) for scen, sides in errors.items() for side, es in sides.items() for e in es]
+    if errs:
+        L.append("Errors reported by the load generator:")
+        L.append("")
+        for scen, side, e in errs:
+            L.append(f"- {a_name if side == 'A' else b_name}: {e}")
+        L.append("")
+
+    with open(out_path, "w") as f:
+        f.write("\n".join(L))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results")
+    ap.add_argument("--out", default="docs/benchmarks.md")
+    ap.add_argument("--chart", default="bench/benchmarks.svg")
+    ap.add_argument("--summarize", metavar="JSON")
+    args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
+    if not args.results:
+        ap.error("--results is required")
+    report(args.results, args.out, args.chart)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
