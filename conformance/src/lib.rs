@@ -73,8 +73,14 @@ impl TestBroker {
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         let output = Arc::new(Mutex::new(Vec::new()));
         for pipe in [
-            child.stdout.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
-            child.stderr.take().map(|p| Box::new(p) as Box<dyn Read + Send>),
+            child
+                .stdout
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
+            child
+                .stderr
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
         ]
         .into_iter()
         .flatten()
@@ -109,7 +115,11 @@ impl TestBroker {
             if TcpStream::connect_timeout(&self.addr, Duration::from_millis(100)).is_ok() {
                 return;
             }
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 panic!(
                     "warren exited before accepting connections ({status}); its output:\n{}",
                     self.output()

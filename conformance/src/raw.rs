@@ -167,7 +167,7 @@ pub struct Raw {
 
 enum Pending {
     Method(u16, AMQPClass),
-    Delivery(RawDelivery),
+    Delivery(Box<RawDelivery>),
 }
 
 fn is_async_content(m: &AMQPClass) -> bool {
@@ -404,7 +404,7 @@ impl Raw {
             }
             if is_async_content(&reply) {
                 let d = self.recv_content_wire(ch, reply).await;
-                self.pending.push_back(Pending::Delivery(d));
+                self.pending.push_back(Pending::Delivery(Box::new(d)));
             } else if is_async_method(&reply) {
                 self.pending.push_back(Pending::Method(ch, reply));
             } else {
@@ -567,7 +567,7 @@ impl Raw {
             Some(Pending::Method(ch, m)) => Ok((ch, m)),
             Some(Pending::Delivery(d)) => {
                 let out = (d.channel, d.method.clone());
-                self.stashed = Some(d);
+                self.stashed = Some(*d);
                 Ok(out)
             }
             None => self.recv_method_wire(timeout).await,
@@ -593,8 +593,13 @@ impl Raw {
     pub async fn expect_silence(&mut self, d: Duration) {
         if let Some(p) = self.pending.front() {
             match p {
-                Pending::Method(ch, m) => panic!("expected nothing from the broker, got {m:?} on {ch}"),
-                Pending::Delivery(d) => panic!("expected nothing from the broker, got {:?} on {}", d.method, d.channel),
+                Pending::Method(ch, m) => {
+                    panic!("expected nothing from the broker, got {m:?} on {ch}")
+                }
+                Pending::Delivery(d) => panic!(
+                    "expected nothing from the broker, got {:?} on {}",
+                    d.method, d.channel
+                ),
             }
         }
         let deadline = tokio::time::Instant::now() + d;
@@ -611,7 +616,10 @@ impl Raw {
 
     /// Like [`Raw::expect_silence`], but the broker closing the socket also counts as saying nothing.
     pub async fn expect_silence_or_eof(&mut self, d: Duration) {
-        assert!(self.pending.is_empty(), "expected nothing from the broker, got a pending frame");
+        assert!(
+            self.pending.is_empty(),
+            "expected nothing from the broker, got a pending frame"
+        );
         let deadline = tokio::time::Instant::now() + d;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -641,7 +649,11 @@ impl Raw {
     /// Reads the content header and body frames following `method`.
     pub async fn recv_content(&mut self, channel: u16, method: AMQPClass) -> RawDelivery {
         if let Some(d) = self.stashed.take() {
-            assert_eq!((d.channel, &d.method), (channel, &method), "content of another method");
+            assert_eq!(
+                (d.channel, &d.method),
+                (channel, &method),
+                "content of another method"
+            );
             return d;
         }
         self.recv_content_wire(channel, method).await
@@ -703,7 +715,9 @@ impl Raw {
                 )
             })
             .await
-            .unwrap_or_else(|(ch, m)| panic!("expected get-ok or get-empty on {channel}, got {m:?} on {ch}"));
+            .unwrap_or_else(|(ch, m)| {
+                panic!("expected get-ok or get-empty on {channel}, got {m:?} on {ch}")
+            });
         match method {
             AMQPClass::Basic(basic::AMQPMethod::GetEmpty(_)) => None,
             AMQPClass::Basic(basic::AMQPMethod::GetOk(_)) => {
@@ -997,7 +1011,12 @@ pub mod m {
     }
 
     /// basic.qos as raw bytes, for a non-zero prefetch-size (amq-protocol always encodes 0).
-    pub fn basic_qos_frame(channel: u16, prefetch_size: u32, prefetch_count: u16, global: bool) -> Vec<u8> {
+    pub fn basic_qos_frame(
+        channel: u16,
+        prefetch_size: u32,
+        prefetch_count: u16,
+        global: bool,
+    ) -> Vec<u8> {
         let mut payload = vec![0, 60, 0, 10];
         payload.extend_from_slice(&prefetch_size.to_be_bytes());
         payload.extend_from_slice(&prefetch_count.to_be_bytes());
@@ -1079,7 +1098,9 @@ pub mod m {
     }
 
     pub fn confirm_select() -> AMQPClass {
-        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: false }))
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: false,
+        }))
     }
 
     pub fn tx_select() -> AMQPClass {

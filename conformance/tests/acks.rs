@@ -3,8 +3,8 @@
 
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicRejectOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
+    BasicRejectOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
@@ -15,7 +15,8 @@ use warren_conformance::{unique, within, TestBroker, QUIET};
 async fn fill(raw: &mut Raw, q: &str, bodies: &[&str]) {
     raw.declare_queue(1, q).await;
     for b in bodies {
-        raw.publish(1, "", q, false, Default::default(), b.as_bytes()).await;
+        raw.publish(1, "", q, false, Default::default(), b.as_bytes())
+            .await;
     }
     raw.wait_ready(1, q, bodies.len() as u32).await;
 }
@@ -90,12 +91,23 @@ async fn nack_requeue_puts_message_back_at_its_position_redelivered() {
     fill(&mut raw, &q, &["a", "b", "c"]).await;
     let d = raw.get(2, &q, false).await.unwrap();
     assert_eq!(d.body, b"a");
-    raw.send(2, m::basic_nack(d.delivery_tag(), false, true)).await;
+    raw.send(2, m::basic_nack(d.delivery_tag(), false, true))
+        .await;
     let again = raw.get(2, &q, false).await.unwrap();
-    assert_eq!((again.body.as_slice(), again.redelivered()), (&b"a"[..], true));
-    assert_eq!(again.delivery_tag(), 2, "a redelivery gets a new delivery tag");
+    assert_eq!(
+        (again.body.as_slice(), again.redelivered()),
+        (&b"a"[..], true)
+    );
+    assert_eq!(
+        again.delivery_tag(),
+        2,
+        "a redelivery gets a new delivery tag"
+    );
     raw.send(2, m::basic_ack(2, false)).await;
-    assert_eq!(drain(&mut raw, 2, &q).await, owned(&[("b", false), ("c", false)]));
+    assert_eq!(
+        drain(&mut raw, 2, &q).await,
+        owned(&[("b", false), ("c", false)])
+    );
 }
 
 #[tokio::test]
@@ -153,29 +165,55 @@ async fn lapin_ack_nack_reject() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("ack-lapin");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     for b in ["ack", "nack", "reject"] {
-        ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b.as_bytes(), BasicProperties::default())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            b.as_bytes(),
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     }
     let mut consumer = ch
-        .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let mut seen = Vec::new();
     while seen.len() < 5 {
-        let d = within("a delivery", consumer.next()).await.unwrap().unwrap();
+        let d = within("a delivery", consumer.next())
+            .await
+            .unwrap()
+            .unwrap();
         let body = String::from_utf8(d.data.clone()).unwrap();
         seen.push((body.clone(), d.redelivered));
         let res = match (body.as_str(), d.redelivered) {
             ("ack", _) => d.ack(BasicAckOptions::default()).await,
-            ("nack", false) => d.nack(BasicNackOptions { requeue: true, ..Default::default() }).await,
+            ("nack", false) => {
+                d.nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await
+            }
             ("reject", false) => d.reject(BasicRejectOptions { requeue: true }).await,
             (_, true) => d.ack(BasicAckOptions::default()).await,
             _ => unreachable!(),
@@ -204,10 +242,10 @@ async fn recover_requeue_redelivers_unacked() {
     let q = unique("recover");
     fill(&mut raw, &q, &["a", "b"]).await;
     raw.call(2, m::basic_consume(&q, "c", false, false)).await;
-    let first: Vec<_> = vec![raw.recv_delivery().await, raw.recv_delivery().await];
+    let first = [raw.recv_delivery().await, raw.recv_delivery().await];
     assert_eq!((first[0].delivery_tag(), first[1].delivery_tag()), (1, 2));
     raw.call(2, m::basic_recover(true)).await;
-    let mut again = vec![raw.recv_delivery().await, raw.recv_delivery().await];
+    let mut again = [raw.recv_delivery().await, raw.recv_delivery().await];
     again.sort_by_key(|d| d.body.clone());
     assert_eq!(again[0].body, b"a");
     assert_eq!(again[1].body, b"b");
@@ -217,7 +255,14 @@ async fn recover_requeue_redelivers_unacked() {
     assert_eq!(tags, vec![3, 4], "redeliveries get new delivery tags");
     // The old tags are gone.
     raw.send(2, m::basic_ack(1, false)).await;
-    raw.expect_channel_close(2, 406, "PRECONDITION_FAILED - unknown delivery tag 1", 60, 80).await;
+    raw.expect_channel_close(
+        2,
+        406,
+        "PRECONDITION_FAILED - unknown delivery tag 1",
+        60,
+        80,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -236,7 +281,14 @@ async fn delivery_tags_are_per_channel() {
     // Acking on the wrong channel is an unknown tag there.
     raw.send(3, m::basic_ack(2, false)).await;
     raw.send(3, m::basic_ack(3, false)).await;
-    raw.expect_channel_close(3, 406, "PRECONDITION_FAILED - unknown delivery tag 3", 60, 80).await;
+    raw.expect_channel_close(
+        3,
+        406,
+        "PRECONDITION_FAILED - unknown delivery tag 3",
+        60,
+        80,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -250,8 +302,15 @@ async fn unacked_messages_requeue_at_original_position_on_channel_close() {
     raw.send(2, m::basic_qos(3, false)).await;
     raw.recv_method().await;
     raw.call(2, m::basic_consume(&q, "c", false, false)).await;
-    let ds: Vec<_> = vec![raw.recv_delivery().await, raw.recv_delivery().await, raw.recv_delivery().await];
-    assert_eq!(ds.iter().map(|d| d.body.clone()).collect::<Vec<_>>(), vec![b"m1".to_vec(), b"m2".to_vec(), b"m3".to_vec()]);
+    let ds: Vec<_> = vec![
+        raw.recv_delivery().await,
+        raw.recv_delivery().await,
+        raw.recv_delivery().await,
+    ];
+    assert_eq!(
+        ds.iter().map(|d| d.body.clone()).collect::<Vec<_>>(),
+        vec![b"m1".to_vec(), b"m2".to_vec(), b"m3".to_vec()]
+    );
     // Ack m2 only; m1 and m3 stay unacked, and the freed credit brings m4.
     raw.send(2, m::basic_ack(ds[1].delivery_tag(), false)).await;
     assert_eq!(raw.recv_delivery().await.body, b"m4");
@@ -277,7 +336,9 @@ async fn unacked_messages_requeue_at_original_position_on_connection_close() {
     assert_eq!(worker.get(1, &q, false).await.unwrap().body, b"m1");
     worker.send(2, m::basic_qos(2, false)).await;
     worker.recv_method().await;
-    worker.call(2, m::basic_consume(&q, "w", false, false)).await;
+    worker
+        .call(2, m::basic_consume(&q, "w", false, false))
+        .await;
     worker.recv_delivery().await;
     worker.recv_delivery().await;
     worker.close().await;
@@ -303,7 +364,10 @@ async fn unacked_messages_requeue_when_socket_drops() {
         // dropped without connection.close
     }
     admin.wait_ready(1, &q, 2).await;
-    assert_eq!(drain(&mut admin, 1, &q).await, owned(&[("m1", true), ("m2", false)]));
+    assert_eq!(
+        drain(&mut admin, 1, &q).await,
+        owned(&[("m1", true), ("m2", false)])
+    );
 }
 
 #[tokio::test]
@@ -312,17 +376,34 @@ async fn lapin_channel_close_requeues_for_next_consumer() {
     let conn = broker.connect().await;
     let q = unique("requeue-lapin");
     let ch1 = conn.create_channel().await.unwrap();
-    ch1.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+    ch1.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch1.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch1.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    ch1.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"once", BasicProperties::default())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    ch1.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"once",
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
     let mut c1 = ch1
-        .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let d = within("first delivery", c1.next()).await.unwrap().unwrap();
@@ -331,7 +412,12 @@ async fn lapin_channel_close_requeues_for_next_consumer() {
 
     let ch2 = conn.create_channel().await.unwrap();
     let mut c2 = ch2
-        .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let d = within("redelivery", c2.next()).await.unwrap().unwrap();

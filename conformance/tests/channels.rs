@@ -87,8 +87,15 @@ async fn after_server_channel_close_only_close_ok_is_accepted() {
     .await;
     raw.send(1, m::queue_declare(&discarded1, QueueFlags::default()))
         .await;
-    raw.publish(1, "", &target, false, Default::default(), b"must be discarded")
-        .await;
+    raw.publish(
+        1,
+        "",
+        &target,
+        false,
+        Default::default(),
+        b"must be discarded",
+    )
+    .await;
     let close = raw.recv_channel_close_only(1).await;
     assert_eq!(close.reply_code, 404);
     assert_eq!(
@@ -122,8 +129,14 @@ async fn after_server_channel_close_only_close_ok_is_accepted() {
             ),
         )
         .await;
-        raw.expect_channel_close(3, 404, &format!("NOT_FOUND - no queue '{name}' in vhost '/'"), 50, 10)
-            .await;
+        raw.expect_channel_close(
+            3,
+            404,
+            &format!("NOT_FOUND - no queue '{name}' in vhost '/'"),
+            50,
+            10,
+        )
+        .await;
     }
     match raw
         .call(
@@ -139,7 +152,10 @@ async fn after_server_channel_close_only_close_ok_is_accepted() {
         .await
     {
         AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)) => {
-            assert_eq!(ok.message_count, 0, "publishes after channel.close must be discarded")
+            assert_eq!(
+                ok.message_count, 0,
+                "publishes after channel.close must be discarded"
+            )
         }
         other => panic!("{other:?}"),
     }
@@ -164,8 +180,14 @@ async fn channel_error_leaves_other_channels_open() {
         ),
     )
     .await;
-    raw.expect_channel_close(1, 404, &format!("NOT_FOUND - no queue '{missing}' in vhost '/'"), 50, 10)
-        .await;
+    raw.expect_channel_close(
+        1,
+        404,
+        &format!("NOT_FOUND - no queue '{missing}' in vhost '/'"),
+        50,
+        10,
+    )
+    .await;
     raw.declare_queue(2, &unique("ch-other")).await;
     raw.close().await;
 }
@@ -178,8 +200,15 @@ async fn client_channel_close_with_pending_deliveries_gets_close_ok() {
     let q = unique("ch-pending");
     raw.declare_queue(1, &q).await;
     for i in 0..50 {
-        raw.publish(1, "", &q, false, Default::default(), format!("m{i}").as_bytes())
-            .await;
+        raw.publish(
+            1,
+            "",
+            &q,
+            false,
+            Default::default(),
+            format!("m{i}").as_bytes(),
+        )
+        .await;
     }
     raw.call(1, m::basic_consume(&q, "c1", false, false)).await;
     // Deliveries may be in flight when the client closes; the server must still answer close-ok.
@@ -216,7 +245,11 @@ async fn lapin_channel_error_closes_only_that_channel() {
             FieldTable::default(),
         )
         .await;
-    assert_amqp_error(res, 404, &format!("NOT_FOUND - no queue '{missing}' in vhost '/'"));
+    assert_amqp_error(
+        res,
+        404,
+        &format!("NOT_FOUND - no queue '{missing}' in vhost '/'"),
+    );
     assert!(!ch1.status().connected());
     ch2.queue_declare(
         unique("ch-ok").as_str().into(),

@@ -31,9 +31,20 @@ async fn collect_acks_from(raw: &mut Raw, ch: u16, first: u64, n: u64) -> Vec<ba
     while (confirmed.len() as u64) < n + 1 - first {
         match raw.recv_method().await {
             (c, AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) if c == ch => {
-                assert!(ack.delivery_tag > last, "confirm tags must increase: {} after {last}", ack.delivery_tag);
-                assert!(ack.delivery_tag <= n, "confirm for a tag never published: {ack:?}");
-                let from = if ack.multiple { last + 1 } else { ack.delivery_tag };
+                assert!(
+                    ack.delivery_tag > last,
+                    "confirm tags must increase: {} after {last}",
+                    ack.delivery_tag
+                );
+                assert!(
+                    ack.delivery_tag <= n,
+                    "confirm for a tag never published: {ack:?}"
+                );
+                let from = if ack.multiple {
+                    last + 1
+                } else {
+                    ack.delivery_tag
+                };
                 for t in from..=ack.delivery_tag {
                     confirmed.insert(t);
                 }
@@ -55,7 +66,8 @@ async fn confirm_select_then_each_publish_is_acked_with_sequence_tags() {
     raw.declare_queue(1, &q).await;
     select(&mut raw, 1).await;
     for i in 1..=3u64 {
-        raw.publish(1, "", &q, false, Default::default(), b"c").await;
+        raw.publish(1, "", &q, false, Default::default(), b"c")
+            .await;
         match raw.recv_method().await {
             (1, AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => {
                 assert_eq!(ack.delivery_tag, i);
@@ -73,7 +85,15 @@ async fn confirm_select_is_idempotent() {
     raw.channel_open(1).await;
     select(&mut raw, 1).await;
     select(&mut raw, 1).await;
-    raw.publish(1, "", &unique("cf-nowhere"), false, Default::default(), b"x").await;
+    raw.publish(
+        1,
+        "",
+        &unique("cf-nowhere"),
+        false,
+        Default::default(),
+        b"x",
+    )
+    .await;
     let acks = collect_acks(&mut raw, 1, 1).await;
     assert_eq!(acks.len(), 1);
 }
@@ -84,7 +104,15 @@ async fn unroutable_publish_is_still_acked() {
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
     select(&mut raw, 1).await;
-    raw.publish(1, "", &unique("cf-nowhere"), false, Default::default(), b"x").await;
+    raw.publish(
+        1,
+        "",
+        &unique("cf-nowhere"),
+        false,
+        Default::default(),
+        b"x",
+    )
+    .await;
     collect_acks(&mut raw, 1, 1).await;
 }
 
@@ -97,7 +125,15 @@ async fn burst_of_publishes_is_fully_confirmed_in_order() {
     raw.declare_queue(1, &q).await;
     select(&mut raw, 1).await;
     for i in 0..500 {
-        raw.publish(1, "", &q, false, Default::default(), format!("{i}").as_bytes()).await;
+        raw.publish(
+            1,
+            "",
+            &q,
+            false,
+            Default::default(),
+            format!("{i}").as_bytes(),
+        )
+        .await;
     }
     let frames = collect_acks(&mut raw, 1, 500).await;
     assert!(!frames.is_empty());
@@ -115,12 +151,15 @@ async fn confirm_tags_are_per_channel() {
     raw.declare_queue(1, &q).await;
     select(&mut raw, 1).await;
     select(&mut raw, 2).await;
-    raw.publish(1, "", &q, false, Default::default(), b"a").await;
+    raw.publish(1, "", &q, false, Default::default(), b"a")
+        .await;
     collect_acks(&mut raw, 1, 1).await;
-    raw.publish(2, "", &q, false, Default::default(), b"b").await;
+    raw.publish(2, "", &q, false, Default::default(), b"b")
+        .await;
     let acks = collect_acks(&mut raw, 2, 1).await;
     assert_eq!(acks[0].delivery_tag, 1, "each channel counts from 1");
-    raw.publish(1, "", &q, false, Default::default(), b"c").await;
+    raw.publish(1, "", &q, false, Default::default(), b"c")
+        .await;
     let acks = collect_acks_from(&mut raw, 1, 2, 2).await;
     assert_eq!(acks.last().unwrap().delivery_tag, 2);
 }
@@ -131,7 +170,8 @@ async fn mandatory_return_comes_before_its_ack() {
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
     select(&mut raw, 1).await;
-    raw.publish(1, "", &unique("cf-nowhere"), true, Default::default(), b"r").await;
+    raw.publish(1, "", &unique("cf-nowhere"), true, Default::default(), b"r")
+        .await;
     let ret = raw.recv_delivery().await;
     match &ret.method {
         AMQPClass::Basic(basic::AMQPMethod::Return(r)) => assert_eq!(r.reply_code, 312),
@@ -147,16 +187,28 @@ async fn lapin_publisher_confirms() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("cf-lapin");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     let mut pending = Vec::new();
     for i in 0..100 {
         pending.push(
-            ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), format!("{i}").as_bytes(), BasicProperties::default())
-                .await
-                .unwrap(),
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                format!("{i}").as_bytes(),
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap(),
         );
     }
     for p in pending {
@@ -171,9 +223,15 @@ async fn nowait_confirm_select_sends_no_reply() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
-    raw.send(1, AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select { nowait: true })))
+    raw.send(
+        1,
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: true,
+        })),
+    )
+    .await;
+    raw.publish(1, "", &unique("cf-nowait"), false, Default::default(), b"x")
         .await;
-    raw.publish(1, "", &unique("cf-nowait"), false, Default::default(), b"x").await;
     match raw.recv_method().await {
         (1, AMQPClass::Basic(basic::AMQPMethod::Ack(ack))) => assert_eq!(ack.delivery_tag, 1),
         other => panic!("expected basic.ack only, got {other:?}"),

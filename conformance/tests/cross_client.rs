@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use warren_conformance::TestBroker;
 
 fn clients_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("clients")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("clients")
 }
 
 fn python() -> String {
@@ -39,7 +41,9 @@ fn run(mut cmd: Command, timeout: Duration) -> (bool, String) {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {desc}: {e} — is it installed? (scripts/test sets it up)"));
+        .unwrap_or_else(|e| {
+            panic!("cannot run {desc}: {e} — is it installed? (scripts/test sets it up)")
+        });
     let mut out = child.stdout.take().unwrap();
     let mut err = child.stderr.take().unwrap();
     let out_reader = std::thread::spawn(move || {
@@ -71,7 +75,10 @@ fn run(mut cmd: Command, timeout: Duration) -> (bool, String) {
     );
     match status {
         Some(s) => (s.success(), output),
-        None => (false, format!("{desc} timed out after {timeout:?}\n{output}")),
+        None => (
+            false,
+            format!("{desc} timed out after {timeout:?}\n{output}"),
+        ),
     }
 }
 

@@ -3,12 +3,12 @@
 
 use std::time::{Duration, Instant};
 
+use warren_conformance::raw::types::AMQPValue;
 use warren_conformance::raw::{
     self, amqplain_response, encode, m, plain_response, raw_frame, Handshake, Raw, RecvError,
     PROTOCOL_HEADER,
 };
 use warren_conformance::raw::{frame::AMQPFrame, protocol::connection, protocol::AMQPClass};
-use warren_conformance::raw::types::AMQPValue;
 use warren_conformance::{assert_amqp_error, connect_url, unique, TestBroker, QUIET};
 
 async fn start_of(broker: &TestBroker) -> connection::Start {
@@ -22,7 +22,10 @@ async fn expect_header_rejected(broker: &TestBroker, header: &[u8]) {
     let mut raw = Raw::tcp(broker.addr()).await;
     raw.send_bytes(header).await;
     let reply = raw.recv_raw_bytes(8).await;
-    assert_eq!(reply, PROTOCOL_HEADER, "server must answer with its own protocol header");
+    assert_eq!(
+        reply, PROTOCOL_HEADER,
+        "server must answer with its own protocol header"
+    );
     raw.expect_disconnect().await;
 }
 
@@ -34,9 +37,15 @@ async fn connection_start_announces_0_9_and_mechanisms() {
     let mechanisms = String::from_utf8_lossy(start.mechanisms.as_bytes()).into_owned();
     let mechanisms: Vec<&str> = mechanisms.split(' ').collect();
     assert!(mechanisms.contains(&"PLAIN"), "mechanisms {mechanisms:?}");
-    assert!(mechanisms.contains(&"AMQPLAIN"), "mechanisms {mechanisms:?}");
+    assert!(
+        mechanisms.contains(&"AMQPLAIN"),
+        "mechanisms {mechanisms:?}"
+    );
     let locales = String::from_utf8_lossy(start.locales.as_bytes()).into_owned();
-    assert!(locales.split(' ').any(|l| l == "en_US"), "locales {locales:?}");
+    assert!(
+        locales.split(' ').any(|l| l == "en_US"),
+        "locales {locales:?}"
+    );
 }
 
 #[tokio::test]
@@ -364,7 +373,11 @@ async fn open_missing_vhost_lapin_sees_530() {
     )
     .await
     .expect("lapin connect must fail promptly");
-    assert_amqp_error(res.map(|_| ()), 530, "NOT_ALLOWED - vhost novhost not found");
+    assert_amqp_error(
+        res.map(|_| ()),
+        530,
+        "NOT_ALLOWED - vhost novhost not found",
+    );
 }
 
 #[tokio::test]
@@ -447,9 +460,10 @@ async fn silent_client_is_disconnected_after_two_intervals() {
             Ok(f) if f.kind == 8 => continue,
             Ok(f) => match &f.parsed {
                 // A connection.close before the socket closes is fine too.
-                Some(AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(_)))) => {
-                    continue
-                }
+                Some(AMQPFrame::Method(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::Close(_)),
+                )) => continue,
                 _ => panic!("unexpected frame {f:?}"),
             },
             Err(RecvError::Closed(_)) => break t0.elapsed(),
@@ -460,7 +474,10 @@ async fn silent_client_is_disconnected_after_two_intervals() {
         ended >= Duration::from_millis(1500),
         "disconnected too early ({ended:?}): the client may be silent for up to 2 intervals"
     );
-    assert!(ended <= Duration::from_millis(4500), "disconnected too late: {ended:?}");
+    assert!(
+        ended <= Duration::from_millis(4500),
+        "disconnected too late: {ended:?}"
+    );
 }
 
 #[tokio::test]
@@ -543,9 +560,14 @@ async fn sigterm_closes_connections_with_320() {
     let status = broker
         .wait_exit(Duration::from_secs(10))
         .expect("warren did not exit within 10 s of SIGTERM");
-    assert!(status.success(), "warren exited with {status} after SIGTERM");
+    assert!(
+        status.success(),
+        "warren exited with {status} after SIGTERM"
+    );
     // lapin saw the close as well.
     tokio::time::sleep(QUIET).await;
-    assert!(!conn.status().connected(), "lapin still thinks it is connected");
+    assert!(
+        !conn.status().connected(),
+        "lapin still thinks it is connected"
+    );
 }
-

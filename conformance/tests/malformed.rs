@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
+use warren_conformance::raw::frame::AMQPFrame;
 use warren_conformance::raw::protocol::{connection, AMQPClass};
 use warren_conformance::raw::{m, raw_frame, Raw, RecvError};
-use warren_conformance::raw::frame::AMQPFrame;
 use warren_conformance::{unique, TestBroker};
 
 /// The broker still accepts a connection and answers a declare.
@@ -75,8 +75,14 @@ async fn expect_connection_ended(raw: &mut Raw, codes: &[u16]) {
             Err(RecvError::Timeout) => panic!("the connection was not closed"),
             Ok(f) if f.kind == 8 => continue,
             Ok(f) => match &f.parsed {
-                Some(AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(c)))) => {
-                    assert!(codes.contains(&c.reply_code), "connection.close {c:?}, expected one of {codes:?}");
+                Some(AMQPFrame::Method(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::Close(c)),
+                )) => {
+                    assert!(
+                        codes.contains(&c.reply_code),
+                        "connection.close {c:?}, expected one of {codes:?}"
+                    );
                     // Not waiting for the socket: after a framing error the broker may not read our close-ok.
                     raw.send_connection_close_ok().await;
                     return;
@@ -93,10 +99,15 @@ async fn expect_connection_ended(raw: &mut Raw, codes: &[u16]) {
 async fn bad_frame_end_octet_is_501() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
-    let mut frame = raw_frame(1, 1, &method_payload(50, 10, &queue_declare_args("x", &[0, 0, 0, 0])));
+    let mut frame = raw_frame(
+        1,
+        1,
+        &method_payload(50, 10, &queue_declare_args("x", &[0, 0, 0, 0])),
+    );
     *frame.last_mut().unwrap() = 0x00;
     raw.send_bytes(&frame).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0).await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -108,7 +119,8 @@ async fn frame_larger_than_frame_max_is_501_from_the_header_alone() {
     let mut header = vec![1u8, 0, 1];
     header.extend_from_slice(&u32::MAX.to_be_bytes());
     raw.send_bytes(&header).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0).await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -125,7 +137,8 @@ async fn frame_payload_one_byte_over_frame_max_is_501() {
     bytes.extend(content_header(1, 60, size as u64));
     bytes.extend(raw_frame(3, 1, &vec![b'x'; size]));
     raw.send_bytes(&bytes).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0).await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -154,7 +167,8 @@ async fn unknown_frame_type_is_501() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
     raw.send_bytes(&raw_frame(9, 0, b"abc")).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0).await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -163,7 +177,8 @@ async fn method_frame_too_short_for_ids_is_501() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
     raw.send_bytes(&raw_frame(1, 1, &[0, 50])).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0).await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -172,7 +187,8 @@ async fn heartbeat_with_payload_is_501() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
     raw.send_bytes(&raw_frame(8, 0, b"xx")).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0).await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR", 0, 0)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -183,8 +199,10 @@ async fn truncated_method_arguments_are_501_with_method_ids() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
     // queue.declare: reserved short, then a short string claiming 255 bytes with none following.
-    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 10, &[0, 0, 0xff]))).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR - cannot decode", 50, 10).await;
+    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 10, &[0, 0, 0xff])))
+        .await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR - cannot decode", 50, 10)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -194,8 +212,10 @@ async fn trailing_bytes_after_method_arguments_are_501_with_method_ids() {
     let mut raw = opened(&broker).await;
     let mut args = queue_declare_args(&unique("mf-extra"), &[0, 0, 0, 0]);
     args.extend_from_slice(b"junkjunk");
-    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 10, &args))).await;
-    raw.expect_connection_close_prefix(501, "FRAME_ERROR - cannot decode", 50, 10).await;
+    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 10, &args)))
+        .await;
+    raw.expect_connection_close_prefix(501, "FRAME_ERROR - cannot decode", 50, 10)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -207,7 +227,8 @@ async fn trailing_bytes_after_method_arguments_are_501_with_method_ids() {
 async fn unknown_method_id_ends_the_connection() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
-    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 99, &[]))).await;
+    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 99, &[])))
+        .await;
     expect_connection_ended(&mut raw, &[501, 502, 503, 540]).await;
     still_serving(&broker).await;
 }
@@ -216,7 +237,8 @@ async fn unknown_method_id_ends_the_connection() {
 async fn unknown_class_id_ends_the_connection() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
-    raw.send_bytes(&raw_frame(1, 1, &method_payload(99, 10, &[]))).await;
+    raw.send_bytes(&raw_frame(1, 1, &method_payload(99, 10, &[])))
+        .await;
     expect_connection_ended(&mut raw, &[501, 502, 503, 540]).await;
     still_serving(&broker).await;
 }
@@ -230,8 +252,12 @@ async fn unknown_field_table_type_ends_the_connection() {
     entry.extend_from_slice(b"abc");
     let mut table = (entry.len() as u32).to_be_bytes().to_vec();
     table.extend(entry);
-    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 10, &queue_declare_args(&unique("mf-z"), &table))))
-        .await;
+    raw.send_bytes(&raw_frame(
+        1,
+        1,
+        &method_payload(50, 10, &queue_declare_args(&unique("mf-z"), &table)),
+    ))
+    .await;
     expect_connection_ended(&mut raw, &[501, 502]).await;
     still_serving(&broker).await;
 }
@@ -246,8 +272,12 @@ async fn field_table_value_overrunning_the_table_ends_the_connection() {
     entry.extend_from_slice(b"ab");
     let mut table = (entry.len() as u32).to_be_bytes().to_vec();
     table.extend(entry);
-    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 10, &queue_declare_args(&unique("mf-t"), &table))))
-        .await;
+    raw.send_bytes(&raw_frame(
+        1,
+        1,
+        &method_payload(50, 10, &queue_declare_args(&unique("mf-t"), &table)),
+    ))
+    .await;
     expect_connection_ended(&mut raw, &[501, 502]).await;
     still_serving(&broker).await;
 }
@@ -279,8 +309,13 @@ async fn random_garbage_ends_the_connection() {
 async fn method_on_unopened_channel_is_504() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
-    raw.send(5, m::queue_declare(&unique("mf-unopened"), Default::default())).await;
-    raw.expect_connection_close(504, "CHANNEL_ERROR - expected 'channel.open'", 50, 10).await;
+    raw.send(
+        5,
+        m::queue_declare(&unique("mf-unopened"), Default::default()),
+    )
+    .await;
+    raw.expect_connection_close(504, "CHANNEL_ERROR - expected 'channel.open'", 50, 10)
+        .await;
     still_serving(&broker).await;
 }
 
@@ -289,7 +324,8 @@ async fn channel_close_on_unopened_channel_is_504() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
     raw.send(7, m::channel_close()).await;
-    raw.expect_connection_close(504, "CHANNEL_ERROR - expected 'channel.open'", 20, 40).await;
+    raw.expect_connection_close(504, "CHANNEL_ERROR - expected 'channel.open'", 20, 40)
+        .await;
 }
 
 #[tokio::test]
@@ -297,18 +333,33 @@ async fn channel_method_on_channel_zero_is_504() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
     raw.send(0, m::basic_qos(1, false)).await;
-    raw.expect_connection_close(504, "CHANNEL_ERROR - unexpected method in connection state running", 60, 10)
-        .await;
+    raw.expect_connection_close(
+        504,
+        "CHANNEL_ERROR - unexpected method in connection state running",
+        60,
+        10,
+    )
+    .await;
 }
 
 #[tokio::test]
 async fn connection_open_twice_is_504() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
-    raw.send(0, AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open { virtual_host: "/".into() })))
-        .await;
-    raw.expect_connection_close(504, "CHANNEL_ERROR - unexpected method in connection state running", 10, 40)
-        .await;
+    raw.send(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+            virtual_host: "/".into(),
+        })),
+    )
+    .await;
+    raw.expect_connection_close(
+        504,
+        "CHANNEL_ERROR - unexpected method in connection state running",
+        10,
+        40,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -316,8 +367,13 @@ async fn content_header_without_publish_is_505() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
     raw.send_bytes(&content_header(1, 60, 5)).await;
-    raw.expect_connection_close(505, "UNEXPECTED_FRAME - expected method frame, got non method frame instead", 0, 0)
-        .await;
+    raw.expect_connection_close(
+        505,
+        "UNEXPECTED_FRAME - expected method frame, got non method frame instead",
+        0,
+        0,
+    )
+    .await;
     still_serving(&broker).await;
 }
 
@@ -326,8 +382,13 @@ async fn body_without_publish_is_505() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
     raw.send_bytes(&raw_frame(3, 1, b"hello")).await;
-    raw.expect_connection_close(505, "UNEXPECTED_FRAME - expected method frame, got non method frame instead", 0, 0)
-        .await;
+    raw.expect_connection_close(
+        505,
+        "UNEXPECTED_FRAME - expected method frame, got non method frame instead",
+        0,
+        0,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -368,14 +429,16 @@ async fn heartbeat_on_non_zero_channel_is_505() {
     let broker = TestBroker::start();
     let mut raw = opened(&broker).await;
     raw.send_bytes(&raw_frame(8, 1, &[])).await;
-    raw.expect_connection_close_prefix(505, "UNEXPECTED_FRAME", 0, 0).await;
+    raw.expect_connection_close_prefix(505, "UNEXPECTED_FRAME", 0, 0)
+        .await;
 }
 
 #[tokio::test]
 async fn channel_open_before_connection_open_is_refused() {
     let broker = TestBroker::start();
     let mut raw = Raw::tcp(broker.addr()).await;
-    raw.send_bytes(warren_conformance::raw::PROTOCOL_HEADER).await;
+    raw.send_bytes(warren_conformance::raw::PROTOCOL_HEADER)
+        .await;
     raw.expect_start().await;
     raw.send_start_ok(&Default::default()).await;
     let tune = match raw.recv_method().await {
@@ -401,7 +464,8 @@ async fn immediate_publish_closes_connection_540() {
     bytes.extend(content_header(1, 60, 1));
     bytes.extend(raw_frame(3, 1, b"x"));
     raw.send_bytes(&bytes).await;
-    raw.expect_connection_close(540, "NOT_IMPLEMENTED - immediate=true", 60, 40).await;
+    raw.expect_connection_close(540, "NOT_IMPLEMENTED - immediate=true", 60, 40)
+        .await;
 }
 
 // ----- well-formed input cut in awkward places -----
@@ -492,12 +556,19 @@ async fn table_with_every_rabbitmq_field_type_is_accepted() {
     let mut table = (t.len() as u32).to_be_bytes().to_vec();
     table.extend(t);
     let q = unique("mf-types");
-    raw.send_bytes(&raw_frame(1, 1, &method_payload(50, 10, &queue_declare_args(&q, &table)))).await;
+    raw.send_bytes(&raw_frame(
+        1,
+        1,
+        &method_payload(50, 10, &queue_declare_args(&q, &table)),
+    ))
+    .await;
     match raw.recv_method().await {
-        (1, AMQPClass::Queue(warren_conformance::raw::protocol::queue::AMQPMethod::DeclareOk(ok))) => {
+        (
+            1,
+            AMQPClass::Queue(warren_conformance::raw::protocol::queue::AMQPMethod::DeclareOk(ok)),
+        ) => {
             assert_eq!(ok.queue.as_str(), q)
         }
         other => panic!("expected queue.declare-ok, got {other:?}"),
     }
 }
-

@@ -30,9 +30,13 @@ async fn properties_and_headers_roundtrip_with_lapin() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("pc-props");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), LFieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        LFieldTable::default(),
+    )
+    .await
+    .unwrap();
     let mut headers = LFieldTable::default();
     headers.insert("bool".into(), LV::Boolean(true));
     headers.insert("i8".into(), LV::ShortShortInt(-8));
@@ -43,7 +47,10 @@ async fn properties_and_headers_roundtrip_with_lapin() {
     headers.insert("f64".into(), LV::Double(2.25));
     headers.insert("str".into(), LV::LongString("hello".into()));
     headers.insert("ts".into(), LV::Timestamp(1_700_000_000));
-    headers.insert("bytes".into(), LV::ByteArray(ByteArray::from(vec![0u8, 1, 2, 255])));
+    headers.insert(
+        "bytes".into(),
+        LV::ByteArray(ByteArray::from(vec![0u8, 1, 2, 255])),
+    );
     headers.insert("void".into(), LV::Void);
     let mut arr = FieldArray::default();
     arr.push(LV::LongString("a".into()));
@@ -66,11 +73,21 @@ async fn properties_and_headers_roundtrip_with_lapin() {
         .with_type("my-type".into())
         .with_user_id("guest".into())
         .with_app_id("conformance".into());
-    ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"{\"a\":1}", props.clone())
-        .await
-        .unwrap();
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        b"{\"a\":1}",
+        props.clone(),
+    )
+    .await
+    .unwrap();
     let msg = loop {
-        if let Some(msg) = ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap() {
+        if let Some(msg) = ch
+            .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        {
             break msg;
         }
     };
@@ -113,7 +130,8 @@ async fn property_bytes_are_forwarded_verbatim() {
 
     let mut props = Vec::new();
     // content-type, headers, delivery-mode, correlation-id, message-id, timestamp
-    props.extend_from_slice(&(0x8000u16 | 0x2000 | 0x1000 | 0x0400 | 0x0080 | 0x0040).to_be_bytes());
+    props
+        .extend_from_slice(&(0x8000u16 | 0x2000 | 0x1000 | 0x0400 | 0x0080 | 0x0040).to_be_bytes());
     props.push(10);
     props.extend_from_slice(b"text/plain");
     props.extend_from_slice(&(table.len() as u32).to_be_bytes());
@@ -125,10 +143,14 @@ async fn property_bytes_are_forwarded_verbatim() {
     props.extend_from_slice(b"m-1");
     props.extend_from_slice(&1_700_000_000u64.to_be_bytes());
 
-    raw.publish_with_property_bytes(1, "", &q, &props, b"verbatim").await;
+    raw.publish_with_property_bytes(1, "", &q, &props, b"verbatim")
+        .await;
     let d = get_one(&mut raw, 1, &q).await;
     assert_eq!(d.body, b"verbatim");
-    assert_eq!(d.property_bytes, props, "content properties must be forwarded byte for byte");
+    assert_eq!(
+        d.property_bytes, props,
+        "content properties must be forwarded byte for byte"
+    );
 }
 
 #[tokio::test]
@@ -141,7 +163,11 @@ async fn empty_body_is_delivered_without_body_frames() {
     raw.publish(1, "", &q, false, Default::default(), b"").await;
     let d = get_one(&mut raw, 1, &q).await;
     assert!(d.body.is_empty());
-    assert!(d.body_frame_sizes.is_empty(), "no body frame for an empty body: {:?}", d.body_frame_sizes);
+    assert!(
+        d.body_frame_sizes.is_empty(),
+        "no body frame for an empty body: {:?}",
+        d.body_frame_sizes
+    );
     // The next frame is a normal method, not a stray empty body frame.
     raw.declare_queue(1, &q).await;
 }
@@ -149,18 +175,32 @@ async fn empty_body_is_delivered_without_body_frames() {
 #[tokio::test]
 async fn large_message_is_split_into_frames_of_frame_max() {
     let broker = TestBroker::start();
-    let body: Vec<u8> = (0..(1024 * 1024u32)).map(|i| (i.wrapping_mul(31) % 256) as u8).collect();
+    let body: Vec<u8> = (0..(1024 * 1024u32))
+        .map(|i| (i.wrapping_mul(31) % 256) as u8)
+        .collect();
     let q = unique("pc-large");
 
     // lapin publishes it (splitting at 131072) ...
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), LFieldTable::default())
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        LFieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     let confirm = ch
-        .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
+        .basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            &body,
+            BasicProperties::default(),
+        )
         .await
         .unwrap()
         .await
@@ -181,16 +221,33 @@ async fn large_message_is_split_into_frames_of_frame_max() {
     assert!(d.body_frame_sizes.len() >= 9, "{:?}", d.body_frame_sizes);
 
     // lapin consumes a second copy.
-    ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), &body, BasicProperties::default())
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        BasicPublishOptions::default(),
+        &body,
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            LFieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let delivery = within("the large delivery", consumer.next())
         .await
         .unwrap()
-        .await
         .unwrap();
-    let mut consumer = ch
-        .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, LFieldTable::default())
-        .await
-        .unwrap();
-    let delivery = within("the large delivery", consumer.next()).await.unwrap().unwrap();
     assert!(delivery.data == body);
 }
 
@@ -214,7 +271,10 @@ async fn mandatory_unroutable_message_is_returned_312() {
     }
     assert_eq!(d.channel, 1);
     assert_eq!(d.body, b"come back");
-    assert_eq!(d.properties.message_id().as_ref().map(|s| s.as_str()), Some("ret-1"));
+    assert_eq!(
+        d.properties.message_id().as_ref().map(|s| s.as_str()),
+        Some("ret-1")
+    );
 }
 
 #[tokio::test]
@@ -224,7 +284,8 @@ async fn mandatory_routable_message_is_not_returned() {
     raw.channel_open(1).await;
     let q = unique("pc-routable");
     raw.declare_queue(1, &q).await;
-    raw.publish(1, "", &q, true, Default::default(), b"stays").await;
+    raw.publish(1, "", &q, true, Default::default(), b"stays")
+        .await;
     raw.expect_silence(QUIET).await;
     assert_eq!(get_one(&mut raw, 1, &q).await.body, b"stays");
 }
@@ -234,7 +295,15 @@ async fn non_mandatory_unroutable_message_is_dropped_silently() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
-    raw.publish(1, "", &unique("pc-nowhere"), false, Default::default(), b"gone").await;
+    raw.publish(
+        1,
+        "",
+        &unique("pc-nowhere"),
+        false,
+        Default::default(),
+        b"gone",
+    )
+    .await;
     raw.expect_silence(QUIET).await;
     raw.declare_queue(1, &unique("pc-still-open")).await;
 }
@@ -244,12 +313,17 @@ async fn mandatory_return_with_lapin_confirm() {
     let broker = TestBroker::start();
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let confirm = ch
         .basic_publish(
             "".into(),
             unique("pc-nowhere").as_str().into(),
-            BasicPublishOptions { mandatory: true, ..Default::default() },
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
             b"returned",
             BasicProperties::default(),
         )
@@ -285,7 +359,8 @@ async fn consume_with_empty_tag_gets_server_generated_amq_ctag() {
     assert!(tag1.starts_with("amq.ctag-"), "{tag1}");
     assert!(tag2.starts_with("amq.ctag-"), "{tag2}");
     assert_ne!(tag1, tag2);
-    raw.publish(1, "", &q, false, Default::default(), b"x").await;
+    raw.publish(1, "", &q, false, Default::default(), b"x")
+        .await;
     let d = raw.recv_delivery().await;
     assert!([tag1.as_str(), tag2.as_str()].contains(&d.consumer_tag().as_str()));
 }
@@ -297,12 +372,25 @@ async fn deliver_carries_tag_exchange_routing_key_and_counts_tags_from_1() {
     raw.channel_open(1).await;
     let q = unique("pc-deliver");
     raw.declare_queue(1, &q).await;
-    match raw.call(1, m::basic_consume(&q, "my-tag", false, false)).await {
-        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok)) => assert_eq!(ok.consumer_tag.as_str(), "my-tag"),
+    match raw
+        .call(1, m::basic_consume(&q, "my-tag", false, false))
+        .await
+    {
+        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(ok)) => {
+            assert_eq!(ok.consumer_tag.as_str(), "my-tag")
+        }
         other => panic!("{other:?}"),
     }
     for i in 1..=3u64 {
-        raw.publish(1, "", &q, false, Default::default(), format!("m{i}").as_bytes()).await;
+        raw.publish(
+            1,
+            "",
+            &q,
+            false,
+            Default::default(),
+            format!("m{i}").as_bytes(),
+        )
+        .await;
         let d = raw.recv_delivery().await;
         match &d.method {
             AMQPClass::Basic(basic::AMQPMethod::Deliver(del)) => {
@@ -326,7 +414,15 @@ async fn messages_are_delivered_in_publish_order() {
     let q = unique("pc-fifo");
     raw.declare_queue(1, &q).await;
     for i in 0..100 {
-        raw.publish(1, "", &q, false, Default::default(), format!("{i}").as_bytes()).await;
+        raw.publish(
+            1,
+            "",
+            &q,
+            false,
+            Default::default(),
+            format!("{i}").as_bytes(),
+        )
+        .await;
     }
     raw.call(1, m::basic_consume(&q, "c", true, false)).await;
     for i in 0..100 {
@@ -343,7 +439,8 @@ async fn no_ack_consumer_deliveries_are_settled_on_send() {
     let q = unique("pc-noack");
     raw.declare_queue(1, &q).await;
     for _ in 0..3 {
-        raw.publish(1, "", &q, false, Default::default(), b"n").await;
+        raw.publish(1, "", &q, false, Default::default(), b"n")
+            .await;
     }
     raw.call(2, m::basic_consume(&q, "c", true, false)).await;
     for _ in 0..3 {
@@ -364,13 +461,17 @@ async fn cancel_stops_deliveries() {
     let q = unique("pc-cancel");
     raw.declare_queue(1, &q).await;
     raw.call(1, m::basic_consume(&q, "c1", true, false)).await;
-    raw.publish(1, "", &q, false, Default::default(), b"before").await;
+    raw.publish(1, "", &q, false, Default::default(), b"before")
+        .await;
     assert_eq!(raw.recv_delivery().await.body, b"before");
     match raw.call(1, m::basic_cancel("c1")).await {
-        AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => assert_eq!(ok.consumer_tag.as_str(), "c1"),
+        AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
+            assert_eq!(ok.consumer_tag.as_str(), "c1")
+        }
         other => panic!("{other:?}"),
     }
-    raw.publish(1, "", &q, false, Default::default(), b"after").await;
+    raw.publish(1, "", &q, false, Default::default(), b"after")
+        .await;
     raw.wait_ready(1, &q, 1).await;
     raw.expect_silence(QUIET).await;
 }
@@ -381,7 +482,9 @@ async fn cancel_of_unknown_tag_is_answered_with_cancel_ok() {
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
     match raw.call(1, m::basic_cancel("never-was")).await {
-        AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => assert_eq!(ok.consumer_tag.as_str(), "never-was"),
+        AMQPClass::Basic(basic::AMQPMethod::CancelOk(ok)) => {
+            assert_eq!(ok.consumer_tag.as_str(), "never-was")
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -393,7 +496,9 @@ async fn queue_deletion_sends_basic_cancel_to_consumers() {
     consumer.channel_open(1).await;
     let q = unique("pc-srv-cancel");
     consumer.declare_queue(1, &q).await;
-    consumer.call(1, m::basic_consume(&q, "watch", false, false)).await;
+    consumer
+        .call(1, m::basic_consume(&q, "watch", false, false))
+        .await;
 
     let mut admin = broker.raw().await;
     admin.channel_open(1).await;
@@ -415,11 +520,20 @@ async fn no_basic_cancel_for_clients_without_consumer_cancel_notify() {
     let mut props = client_properties();
     let caps = FieldTable::default(); // no capabilities at all
     props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
-    let mut consumer = Raw::open_with(broker.addr(), Handshake { client_properties: props, ..Handshake::default() }).await;
+    let mut consumer = Raw::open_with(
+        broker.addr(),
+        Handshake {
+            client_properties: props,
+            ..Handshake::default()
+        },
+    )
+    .await;
     consumer.channel_open(1).await;
     let q = unique("pc-no-notify");
     consumer.declare_queue(1, &q).await;
-    consumer.call(1, m::basic_consume(&q, "quiet", false, false)).await;
+    consumer
+        .call(1, m::basic_consume(&q, "quiet", false, false))
+        .await;
 
     let mut admin = broker.raw().await;
     admin.channel_open(1).await;
@@ -468,17 +582,32 @@ async fn round_robin_among_consumers() {
         raw.call(1, m::basic_consume(&q, tag, true, false)).await;
     }
     for i in 0..30 {
-        raw.publish(1, "", &q, false, Default::default(), format!("{i}").as_bytes()).await;
+        raw.publish(
+            1,
+            "",
+            &q,
+            false,
+            Default::default(),
+            format!("{i}").as_bytes(),
+        )
+        .await;
     }
     let mut tags = Vec::new();
     for _ in 0..30 {
         tags.push(raw.recv_delivery().await.consumer_tag());
     }
     for tag in ["a", "b", "c"] {
-        assert_eq!(tags.iter().filter(|t| t.as_str() == tag).count(), 10, "deliveries: {tags:?}");
+        assert_eq!(
+            tags.iter().filter(|t| t.as_str() == tag).count(),
+            10,
+            "deliveries: {tags:?}"
+        );
     }
     // Strict rotation: no consumer gets two in a row.
-    assert!(tags.windows(2).all(|w| w[0] != w[1]), "not round-robin: {tags:?}");
+    assert!(
+        tags.windows(2).all(|w| w[0] != w[1]),
+        "not round-robin: {tags:?}"
+    );
 }
 
 #[tokio::test]
@@ -490,12 +619,21 @@ async fn round_robin_with_lapin_consumers_on_separate_connections() {
     for _ in 0..2 {
         let conn = broker.connect().await;
         let ch = conn.create_channel().await.unwrap();
-        ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), LFieldTable::default())
-            .await
-            .unwrap();
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions::default(),
+            LFieldTable::default(),
+        )
+        .await
+        .unwrap();
         ch.basic_qos(10, BasicQosOptions::default()).await.unwrap();
         let c = ch
-            .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), LFieldTable::default())
+            .basic_consume(
+                q.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                LFieldTable::default(),
+            )
             .await
             .unwrap();
         consumers.push(c);
@@ -504,7 +642,13 @@ async fn round_robin_with_lapin_consumers_on_separate_connections() {
     let pubch = conns[0].0.create_channel().await.unwrap();
     for i in 0..10 {
         pubch
-            .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), format!("{i}").as_bytes(), BasicProperties::default())
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                format!("{i}").as_bytes(),
+                BasicProperties::default(),
+            )
             .await
             .unwrap();
     }

@@ -3,8 +3,8 @@
 
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
@@ -22,7 +22,15 @@ async fn qos(raw: &mut Raw, ch: u16, count: u16, global: bool) {
 async fn fill(raw: &mut Raw, q: &str, n: usize) {
     raw.declare_queue(1, q).await;
     for i in 0..n {
-        raw.publish(1, "", q, false, Default::default(), format!("{i}").as_bytes()).await;
+        raw.publish(
+            1,
+            "",
+            q,
+            false,
+            Default::default(),
+            format!("{i}").as_bytes(),
+        )
+        .await;
     }
     raw.wait_ready(1, q, n as u32).await;
 }
@@ -93,7 +101,8 @@ async fn global_prefetch_is_shared_by_all_consumers_on_the_channel() {
         got.push(raw.recv_delivery().await);
     }
     raw.expect_silence(QUIET).await;
-    raw.send(2, m::basic_ack(got[0].delivery_tag(), false)).await;
+    raw.send(2, m::basic_ack(got[0].delivery_tag(), false))
+        .await;
     raw.recv_delivery().await;
     raw.expect_silence(QUIET).await;
 }
@@ -178,16 +187,22 @@ async fn prefetch_is_fixed_when_the_consumer_starts() {
     fill(&mut raw, &q1, 5).await;
     fill(&mut raw, &q2, 5).await;
     qos(&mut raw, 2, 1, false).await;
-    raw.call(2, m::basic_consume(&q1, "one", false, false)).await;
+    raw.call(2, m::basic_consume(&q1, "one", false, false))
+        .await;
     raw.recv_delivery().await;
     qos(&mut raw, 2, 3, false).await;
-    raw.call(2, m::basic_consume(&q2, "three", false, false)).await;
+    raw.call(2, m::basic_consume(&q2, "three", false, false))
+        .await;
     let mut tags = Vec::new();
     for _ in 0..3 {
         tags.push(raw.recv_delivery().await.consumer_tag());
     }
     raw.expect_silence(QUIET).await;
-    assert_eq!(tags, ["three", "three", "three"], "the first consumer keeps prefetch 1");
+    assert_eq!(
+        tags,
+        ["three", "three", "three"],
+        "the first consumer keeps prefetch 1"
+    );
 }
 
 #[tokio::test]
@@ -232,9 +247,13 @@ async fn requeued_delivery_respects_prefetch() {
     let d = raw.recv_delivery().await;
     assert_eq!(d.body, b"0");
     raw.expect_silence(QUIET).await;
-    raw.send(2, m::basic_nack(d.delivery_tag(), false, true)).await;
+    raw.send(2, m::basic_nack(d.delivery_tag(), false, true))
+        .await;
     let again = raw.recv_delivery().await;
-    assert_eq!((again.body.as_slice(), again.redelivered()), (&b"0"[..], true));
+    assert_eq!(
+        (again.body.as_slice(), again.redelivered()),
+        (&b"0"[..], true)
+    );
     raw.expect_silence(QUIET).await;
 }
 
@@ -246,7 +265,11 @@ async fn consumers_never_exceed_prefetch_under_load() {
     let q = unique("qos-load");
     let pubch = conn.create_channel().await.unwrap();
     pubch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let total = 200usize;
@@ -256,7 +279,12 @@ async fn consumers_never_exceed_prefetch_under_load() {
         let ch = conn.create_channel().await.unwrap();
         ch.basic_qos(3, BasicQosOptions::default()).await.unwrap();
         let mut consumer = ch
-            .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+            .basic_consume(
+                q.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
             .await
             .unwrap();
         let counter = counter.clone();
@@ -264,7 +292,9 @@ async fn consumers_never_exceed_prefetch_under_load() {
             let mut held = Vec::new();
             let mut max_held = 0;
             loop {
-                let next = tokio::time::timeout(std::time::Duration::from_millis(50), consumer.next()).await;
+                let next =
+                    tokio::time::timeout(std::time::Duration::from_millis(50), consumer.next())
+                        .await;
                 match next {
                     Ok(Some(d)) => {
                         held.push(d.unwrap());
@@ -274,7 +304,9 @@ async fn consumers_never_exceed_prefetch_under_load() {
                     Ok(None) => break,
                     Err(_) => {
                         // Nothing more within 50 ms: ack what we hold, oldest first.
-                        if held.is_empty() && counter.load(std::sync::atomic::Ordering::SeqCst) >= total {
+                        if held.is_empty()
+                            && counter.load(std::sync::atomic::Ordering::SeqCst) >= total
+                        {
                             break;
                         }
                         for d in held.drain(..) {
@@ -291,17 +323,29 @@ async fn consumers_never_exceed_prefetch_under_load() {
             (max_held, ch)
         }));
     }
-    pubch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    pubch
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     for i in 0..total {
         pubch
-            .basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), format!("{i}").as_bytes(), BasicProperties::default())
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                format!("{i}").as_bytes(),
+                BasicProperties::default(),
+            )
             .await
             .unwrap();
     }
     pubch.wait_for_confirms().await.unwrap();
     for t in tasks {
         let (max_held, _ch) = within("consumers to finish", t).await.unwrap();
-        assert!(max_held <= 3, "a consumer held {max_held} unacked deliveries with prefetch 3");
+        assert!(
+            max_held <= 3,
+            "a consumer held {max_held} unacked deliveries with prefetch 3"
+        );
     }
     assert_eq!(counter.load(std::sync::atomic::Ordering::SeqCst), total);
 }
@@ -324,10 +368,18 @@ async fn raw_consumer_never_exceeds_prefetch() {
         let d = raw.recv_delivery().await;
         unacked.push(d.delivery_tag());
         received += 1;
-        assert!(unacked.len() <= 4, "{} unacked with prefetch 4", unacked.len());
+        assert!(
+            unacked.len() <= 4,
+            "{} unacked with prefetch 4",
+            unacked.len()
+        );
         if unacked.len() == 4 {
             // Full: the broker must hold back (checked briefly, then once for longer at the start).
-            let wait = if round == 0 { QUIET } else { std::time::Duration::from_millis(20) };
+            let wait = if round == 0 {
+                QUIET
+            } else {
+                std::time::Duration::from_millis(20)
+            };
             if let Ok(m) = raw.recv_method_timeout(wait).await {
                 panic!("a 5th unacked delivery with prefetch 4: {m:?}");
             }
@@ -341,7 +393,8 @@ async fn raw_consumer_never_exceeds_prefetch() {
                     unacked.drain(..2);
                 }
                 _ => {
-                    raw.send(2, m::basic_ack(*unacked.last().unwrap(), true)).await;
+                    raw.send(2, m::basic_ack(*unacked.last().unwrap(), true))
+                        .await;
                     unacked.clear();
                 }
             }

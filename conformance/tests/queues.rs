@@ -2,8 +2,8 @@
 //! purge, delete (if-unused, if-empty), and how bindings on the default exchange are refused.
 
 use lapin::options::{
-    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-    QueueDeleteOptions, QueuePurgeOptions,
+    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
 use lapin::BasicProperties;
@@ -18,7 +18,11 @@ fn passive() -> QueueFlags {
     }
 }
 
-async fn declare_ok(raw: &mut warren_conformance::raw::Raw, ch: u16, method: AMQPClass) -> queue::DeclareOk {
+async fn declare_ok(
+    raw: &mut warren_conformance::raw::Raw,
+    ch: u16,
+    method: AMQPClass,
+) -> queue::DeclareOk {
     match raw.call(ch, method).await {
         AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)) => ok,
         other => unreachable!("{other:?}"),
@@ -31,9 +35,13 @@ async fn default_exchange_routes_by_queue_name() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("q-default");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     ch.basic_publish(
         "".into(),
         q.as_str().into(),
@@ -67,8 +75,14 @@ async fn amq_default_is_not_an_exchange() {
     raw.declare_queue(1, &q).await;
     raw.publish(1, "amq.default", &q, false, Default::default(), b"x")
         .await;
-    raw.expect_channel_close(1, 404, "NOT_FOUND - no exchange 'amq.default' in vhost '/'", 60, 40)
-        .await;
+    raw.expect_channel_close(
+        1,
+        404,
+        "NOT_FOUND - no exchange 'amq.default' in vhost '/'",
+        60,
+        40,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -79,7 +93,10 @@ async fn server_named_queue_starts_with_amq_gen() {
     let ok = raw.declare_queue(1, "").await;
     let name = ok.queue.as_str().to_string();
     assert!(name.starts_with("amq.gen-"), "server-named queue {name:?}");
-    assert!(name.len() > "amq.gen-".len() + 8, "name too short: {name:?}");
+    assert!(
+        name.len() > "amq.gen-".len() + 8,
+        "name too short: {name:?}"
+    );
     assert_eq!((ok.message_count, ok.consumer_count), (0, 0));
     // Each declare gets a fresh name, and the queue is usable by name.
     let other = raw.declare_queue(1, "").await;
@@ -95,7 +112,14 @@ async fn server_named_queue_with_lapin() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = ch
-        .queue_declare("".into(), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     assert!(q.name().as_str().starts_with("amq.gen-"), "{:?}", q.name());
@@ -109,10 +133,20 @@ async fn declare_ok_reports_message_and_consumer_counts() {
     raw.channel_open(2).await;
     let q = unique("q-counts");
     let ok = raw.declare_queue(1, &q).await;
-    assert_eq!((ok.queue.as_str(), ok.message_count, ok.consumer_count), (q.as_str(), 0, 0));
+    assert_eq!(
+        (ok.queue.as_str(), ok.message_count, ok.consumer_count),
+        (q.as_str(), 0, 0)
+    );
     for i in 0..3 {
-        raw.publish(1, "", &q, false, Default::default(), format!("{i}").as_bytes())
-            .await;
+        raw.publish(
+            1,
+            "",
+            &q,
+            false,
+            Default::default(),
+            format!("{i}").as_bytes(),
+        )
+        .await;
     }
     raw.wait_ready(1, &q, 3).await;
     // Redeclare with the same properties is idempotent and reports the counts.
@@ -133,12 +167,31 @@ async fn passive_declare_of_existing_queue_does_not_check_flags() {
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
     let q = unique("q-passive");
-    declare_ok(&mut raw, 1, m::queue_declare(&q, QueueFlags { durable: true, ..Default::default() })).await;
+    declare_ok(
+        &mut raw,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                durable: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
     // Passive with other flags: only existence is checked.
     let ok = declare_ok(
         &mut raw,
         1,
-        m::queue_declare(&q, QueueFlags { passive: true, durable: false, auto_delete: true, ..Default::default() }),
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                passive: true,
+                durable: false,
+                auto_delete: true,
+                ..Default::default()
+            },
+        ),
     )
     .await;
     assert_eq!(ok.queue.as_str(), q);
@@ -152,9 +205,20 @@ async fn passive_declare_of_missing_queue_is_404_with_lapin() {
     let ch = conn.create_channel().await.unwrap();
     let q = unique("q-missing");
     let res = ch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await;
-    assert_amqp_error(res, 404, &format!("NOT_FOUND - no queue '{q}' in vhost '/'"));
+    assert_amqp_error(
+        res,
+        404,
+        &format!("NOT_FOUND - no queue '{q}' in vhost '/'"),
+    );
 }
 
 #[tokio::test]
@@ -163,9 +227,32 @@ async fn durable_flag_is_recorded() {
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
     let q = unique("q-durable");
-    declare_ok(&mut raw, 1, m::queue_declare(&q, QueueFlags { durable: true, ..Default::default() })).await;
-    declare_ok(&mut raw, 1, m::queue_declare(&q, QueueFlags { durable: true, ..Default::default() })).await;
-    raw.send(1, m::queue_declare(&q, QueueFlags::default())).await;
+    declare_ok(
+        &mut raw,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                durable: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
+    declare_ok(
+        &mut raw,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                durable: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
+    raw.send(1, m::queue_declare(&q, QueueFlags::default()))
+        .await;
     raw.expect_channel_close(
         1,
         406,
@@ -184,8 +271,20 @@ async fn auto_delete_flag_is_recorded() {
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
     let q = unique("q-ad-flag");
-    declare_ok(&mut raw, 1, m::queue_declare(&q, QueueFlags { auto_delete: true, ..Default::default() })).await;
-    raw.send(1, m::queue_declare(&q, QueueFlags::default())).await;
+    declare_ok(
+        &mut raw,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                auto_delete: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
+    raw.send(1, m::queue_declare(&q, QueueFlags::default()))
+        .await;
     raw.expect_channel_close(
         1,
         406,
@@ -203,16 +302,39 @@ async fn exclusive_queue_is_usable_by_its_connection() {
     raw.channel_open(1).await;
     raw.channel_open(2).await;
     let q = unique("q-excl");
-    declare_ok(&mut raw, 1, m::queue_declare(&q, QueueFlags { exclusive: true, ..Default::default() })).await;
+    declare_ok(
+        &mut raw,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                exclusive: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
     // Any channel of the owning connection may use it.
-    raw.publish(2, "", &q, false, Default::default(), b"mine").await;
+    raw.publish(2, "", &q, false, Default::default(), b"mine")
+        .await;
     let d = loop {
         if let Some(d) = raw.get(2, &q, true).await {
             break d;
         }
     };
     assert_eq!(d.body, b"mine");
-    declare_ok(&mut raw, 2, m::queue_declare(&q, QueueFlags { exclusive: true, ..Default::default() })).await;
+    declare_ok(
+        &mut raw,
+        2,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                exclusive: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -221,15 +343,34 @@ async fn exclusive_queue_vanishes_with_its_connection() {
     let mut owner = broker.raw().await;
     owner.channel_open(1).await;
     let q = unique("q-excl-gone");
-    declare_ok(&mut owner, 1, m::queue_declare(&q, QueueFlags { exclusive: true, ..Default::default() })).await;
-    owner.publish(1, "", &q, false, Default::default(), b"x").await;
+    declare_ok(
+        &mut owner,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                exclusive: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
+    owner
+        .publish(1, "", &q, false, Default::default(), b"x")
+        .await;
     owner.close().await;
 
     let mut other = broker.raw().await;
     other.channel_open(1).await;
     other.send(1, m::queue_declare(&q, passive())).await;
     other
-        .expect_channel_close(1, 404, &format!("NOT_FOUND - no queue '{q}' in vhost '/'"), 50, 10)
+        .expect_channel_close(
+            1,
+            404,
+            &format!("NOT_FOUND - no queue '{q}' in vhost '/'"),
+            50,
+            10,
+        )
         .await;
 }
 
@@ -240,7 +381,18 @@ async fn exclusive_queue_vanishes_when_connection_drops_without_close() {
     {
         let mut owner = broker.raw().await;
         owner.channel_open(1).await;
-        declare_ok(&mut owner, 1, m::queue_declare(&q, QueueFlags { exclusive: true, ..Default::default() })).await;
+        declare_ok(
+            &mut owner,
+            1,
+            m::queue_declare(
+                &q,
+                QueueFlags {
+                    exclusive: true,
+                    ..Default::default()
+                },
+            ),
+        )
+        .await;
         // Dropped: the socket is closed without connection.close.
     }
     let mut other = broker.raw().await;
@@ -250,7 +402,9 @@ async fn exclusive_queue_vanishes_when_connection_drops_without_close() {
         other.send(1, m::queue_declare(&q, passive())).await;
         let (_, reply) = other.recv_method().await;
         match reply {
-            AMQPClass::Channel(warren_conformance::raw::protocol::channel::AMQPMethod::Close(c)) => {
+            AMQPClass::Channel(warren_conformance::raw::protocol::channel::AMQPMethod::Close(
+                c,
+            )) => {
                 assert_eq!(c.reply_code, 404, "{c:?}");
                 other.send(1, m::channel_close_ok()).await;
                 break;
@@ -271,7 +425,18 @@ async fn auto_delete_queue_is_deleted_when_last_consumer_cancels() {
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
     let q = unique("q-autodel");
-    declare_ok(&mut raw, 1, m::queue_declare(&q, QueueFlags { auto_delete: true, ..Default::default() })).await;
+    declare_ok(
+        &mut raw,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                auto_delete: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
     // Without ever having had a consumer it stays.
     declare_ok(&mut raw, 1, m::queue_declare(&q, passive())).await;
     raw.call(1, m::basic_consume(&q, "c1", true, false)).await;
@@ -281,8 +446,14 @@ async fn auto_delete_queue_is_deleted_when_last_consumer_cancels() {
     declare_ok(&mut raw, 1, m::queue_declare(&q, passive())).await;
     raw.call(1, m::basic_cancel("c2")).await;
     raw.send(1, m::queue_declare(&q, passive())).await;
-    raw.expect_channel_close(1, 404, &format!("NOT_FOUND - no queue '{q}' in vhost '/'"), 50, 10)
-        .await;
+    raw.expect_channel_close(
+        1,
+        404,
+        &format!("NOT_FOUND - no queue '{q}' in vhost '/'"),
+        50,
+        10,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -292,12 +463,29 @@ async fn auto_delete_queue_is_deleted_when_consumer_channel_closes() {
     raw.channel_open(1).await;
     raw.channel_open(2).await;
     let q = unique("q-autodel2");
-    declare_ok(&mut raw, 1, m::queue_declare(&q, QueueFlags { auto_delete: true, ..Default::default() })).await;
+    declare_ok(
+        &mut raw,
+        1,
+        m::queue_declare(
+            &q,
+            QueueFlags {
+                auto_delete: true,
+                ..Default::default()
+            },
+        ),
+    )
+    .await;
     raw.call(2, m::basic_consume(&q, "c1", false, false)).await;
     raw.call(2, m::channel_close()).await;
     raw.send(1, m::queue_declare(&q, passive())).await;
-    raw.expect_channel_close(1, 404, &format!("NOT_FOUND - no queue '{q}' in vhost '/'"), 50, 10)
-        .await;
+    raw.expect_channel_close(
+        1,
+        404,
+        &format!("NOT_FOUND - no queue '{q}' in vhost '/'"),
+        50,
+        10,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -306,27 +494,58 @@ async fn purge_returns_count_and_empties_queue() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("q-purge");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     for _ in 0..7 {
-        ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"p", BasicProperties::default())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            b"p",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     }
     // Make sure all 7 have arrived (declare is synchronous and ordered after the publishes).
     let declared = ch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     assert_eq!(declared.message_count(), 7);
-    let purged = ch.queue_purge(q.as_str().into(), QueuePurgeOptions::default()).await.unwrap();
+    let purged = ch
+        .queue_purge(q.as_str().into(), QueuePurgeOptions::default())
+        .await
+        .unwrap();
     assert_eq!(purged, 7);
-    assert!(ch.basic_get(q.as_str().into(), BasicGetOptions::default()).await.unwrap().is_none());
-    assert_eq!(ch.queue_purge(q.as_str().into(), QueuePurgeOptions::default()).await.unwrap(), 0);
+    assert!(ch
+        .basic_get(q.as_str().into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        ch.queue_purge(q.as_str().into(), QueuePurgeOptions::default())
+            .await
+            .unwrap(),
+        0
+    );
 }
 
 #[tokio::test]
@@ -359,26 +578,59 @@ async fn delete_returns_message_count_and_removes_queue() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("q-delete");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
     for _ in 0..4 {
-        ch.basic_publish("".into(), q.as_str().into(), BasicPublishOptions::default(), b"d", BasicProperties::default())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        ch.basic_publish(
+            "".into(),
+            q.as_str().into(),
+            BasicPublishOptions::default(),
+            b"d",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
         .await
         .unwrap();
-    let n = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    }
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let n = ch
+        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
     assert_eq!(n, 4);
     let res = ch
-        .queue_declare(q.as_str().into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await;
-    assert_amqp_error(res, 404, &format!("NOT_FOUND - no queue '{q}' in vhost '/'"));
+    assert_amqp_error(
+        res,
+        404,
+        &format!("NOT_FOUND - no queue '{q}' in vhost '/'"),
+    );
 }
 
 #[tokio::test]
@@ -386,7 +638,10 @@ async fn delete_of_missing_queue_is_ok_with_zero() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
-    match raw.call(1, m::queue_delete(&unique("q-never"), false, false)).await {
+    match raw
+        .call(1, m::queue_delete(&unique("q-never"), false, false))
+        .await
+    {
         AMQPClass::Queue(queue::AMQPMethod::DeleteOk(ok)) => assert_eq!(ok.message_count, 0),
         other => panic!("{other:?}"),
     }
@@ -404,8 +659,14 @@ async fn delete_if_unused_and_if_empty_succeed_when_conditions_hold() {
         other => panic!("{other:?}"),
     }
     raw.send(1, m::queue_declare(&q, passive())).await;
-    raw.expect_channel_close(1, 404, &format!("NOT_FOUND - no queue '{q}' in vhost '/'"), 50, 10)
-        .await;
+    raw.expect_channel_close(
+        1,
+        404,
+        &format!("NOT_FOUND - no queue '{q}' in vhost '/'"),
+        50,
+        10,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -415,8 +676,10 @@ async fn delete_if_unused_on_queue_with_messages_but_no_consumer_succeeds() {
     raw.channel_open(1).await;
     let q = unique("q-del-unused");
     raw.declare_queue(1, &q).await;
-    raw.publish(1, "", &q, false, Default::default(), b"1").await;
-    raw.publish(1, "", &q, false, Default::default(), b"2").await;
+    raw.publish(1, "", &q, false, Default::default(), b"1")
+        .await;
+    raw.publish(1, "", &q, false, Default::default(), b"2")
+        .await;
     raw.wait_ready(1, &q, 2).await;
     match raw.call(1, m::queue_delete(&q, true, false)).await {
         AMQPClass::Queue(queue::AMQPMethod::DeleteOk(ok)) => assert_eq!(ok.message_count, 2),
@@ -430,20 +693,39 @@ async fn queue_delete_cancels_its_consumers_for_lapin() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("q-del-consumed");
-    ch.queue_declare(q.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
-        .await
-        .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
     let mut consumer = ch
-        .basic_consume(q.as_str().into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let other = conn.create_channel().await.unwrap();
-    other.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    other
+        .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
     use futures_lite::StreamExt;
     // lapin ends the consumer stream when the server cancels it.
-    let next = within("the consumer stream to end after basic.cancel", consumer.next()).await;
+    let next = within(
+        "the consumer stream to end after basic.cancel",
+        consumer.next(),
+    )
+    .await;
     assert!(next.is_none(), "expected the stream to end, got {next:?}");
-    assert!(ch.status().connected(), "server-sent basic.cancel must not close the channel");
+    assert!(
+        ch.status().connected(),
+        "server-sent basic.cancel must not close the channel"
+    );
 }
 
 #[tokio::test]
@@ -454,6 +736,12 @@ async fn unbind_from_default_exchange_is_403() {
     let q = unique("q-unbind-default");
     raw.declare_queue(1, &q).await;
     raw.send(1, m::queue_unbind(&q, "", &q)).await;
-    raw.expect_channel_close(1, 403, "ACCESS_REFUSED - operation not permitted on the default exchange", 50, 50)
-        .await;
+    raw.expect_channel_close(
+        1,
+        403,
+        "ACCESS_REFUSED - operation not permitted on the default exchange",
+        50,
+        50,
+    )
+    .await;
 }
