@@ -17,7 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use warren_broker::ConnId;
-use warren_codec::{DecodeError, Frame, FrameDecoder, PROTOCOL_HEADER};
+use warren_codec::{decode_protocol_header, DecodeError, Frame, FrameDecoder, PROTOCOL_HEADER};
 use warren_session::{Node, Transmit};
 
 /// Events queued for the core; bounded so readers wait (and stop reading) when the core is busy.
@@ -109,32 +109,56 @@ async fn core(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut transmits = Vec::new();
     let mut stopping: Option<Instant> = None;
+    let mut last_tick = Instant::now();
     loop {
-        tokio::select! {
-            ev = events.recv() => {
-                let Some(ev) = ev else { break };
-                let t = now();
-                handle(&mut node, &mut writers, ev, t);
-                for _ in 1..BATCH {
-                    match events.try_recv() {
-                        Ok(ev) => handle(&mut node, &mut writers, ev, t),
-                        Err(_) => break,
-                    }
+        if node.needs_dispatch() {
+            // Deliveries are still possible: take what is queued without waiting, then dispatch again.
+            tokio::task::yield_now().await;
+            let t = now();
+            for _ in 0..BATCH {
+                match events.try_recv() {
+                    Ok(ev) => handle(&mut node, &mut writers, ev, t),
+                    Err(_) => break,
                 }
             }
-            _ = ticker.tick() => {
-                node.tick(now());
-                if let Some(since) = stopping {
-                    if node.connection_count() == 0 || since.elapsed() > SHUTDOWN_GRACE {
-                        break;
+            if last_tick.elapsed() >= TICK {
+                last_tick = Instant::now();
+                node.tick(t);
+            }
+            if stopping.is_none() && shutdown.has_changed().unwrap_or(false) {
+                shutdown.mark_unchanged();
+                tracing::info!(connections = node.connection_count(), "shutting down");
+                node.shutdown(t);
+                stopping = Some(Instant::now());
+            }
+        } else {
+            tokio::select! {
+                ev = events.recv() => {
+                    let Some(ev) = ev else { break };
+                    let t = now();
+                    handle(&mut node, &mut writers, ev, t);
+                    for _ in 1..BATCH {
+                        match events.try_recv() {
+                            Ok(ev) => handle(&mut node, &mut writers, ev, t),
+                            Err(_) => break,
+                        }
                     }
                 }
-            }
-            changed = shutdown.changed(), if stopping.is_none() => {
-                if changed.is_ok() {
-                    tracing::info!(connections = node.connection_count(), "shutting down");
-                    node.shutdown(now());
-                    stopping = Some(Instant::now());
+                _ = ticker.tick() => {
+                    last_tick = Instant::now();
+                    node.tick(now());
+                    if let Some(since) = stopping {
+                        if node.connection_count() == 0 || since.elapsed() > SHUTDOWN_GRACE {
+                            break;
+                        }
+                    }
+                }
+                changed = shutdown.changed(), if stopping.is_none() => {
+                    if changed.is_ok() {
+                        tracing::info!(connections = node.connection_count(), "shutting down");
+                        node.shutdown(now());
+                        stopping = Some(Instant::now());
+                    }
                 }
             }
         }
@@ -201,10 +225,9 @@ async fn connection(
         tracing::debug!(conn, error = %e, "set_nodelay failed");
     }
     let (mut rd, mut wr) = stream.into_split();
-    let mut header = [0u8; 8];
-    match tokio::time::timeout(handshake_timeout, rd.read_exact(&mut header)).await {
-        Ok(Ok(_)) if &header == PROTOCOL_HEADER => {}
-        Ok(Ok(_)) => {
+    match tokio::time::timeout(handshake_timeout, read_protocol_header(&mut rd)).await {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => {
             // The spec: answer a header we don't speak with the one we do, then close.
             let _ = wr.write_all(PROTOCOL_HEADER).await;
             let _ = wr.shutdown().await;
@@ -228,6 +251,26 @@ async fn connection(
     }
     let reader = tokio::spawn(read_loop(rd, conn, events.clone(), frame_max));
     write_loop(wr, rx, conn, events, reader.abort_handle()).await;
+}
+
+/// Reads until the 8-byte protocol header is known good (true) or bad (false); a bad prefix is refused
+/// as soon as it arrives rather than after 8 bytes.
+async fn read_protocol_header(rd: &mut OwnedReadHalf) -> std::io::Result<bool> {
+    let mut buf = BytesMut::with_capacity(8);
+    loop {
+        match decode_protocol_header(&mut buf) {
+            Ok(true) => return Ok(true),
+            Ok(false) => {}
+            Err(_) => return Ok(false),
+        }
+        let mut byte = [0u8; 8];
+        let want = 8 - buf.len();
+        let n = rd.read(&mut byte[..want]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        buf.extend_from_slice(&byte[..n]);
+    }
 }
 
 async fn read_loop(

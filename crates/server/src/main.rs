@@ -57,7 +57,19 @@ async fn run(config: Config) -> std::io::Result<()> {
         )
     })?;
     tracing::info!(address = %listener.local_addr()?, "warren listening for AMQP 0-9-1 clients");
-    let node = Node::new(config.session.clone(), Broker::new(BrokerConfig::default()));
+    // Server-named queues must not be predictable across restarts.
+    let name_seed = {
+        use std::hash::{BuildHasher, Hasher};
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    };
+    let broker = Broker::new(BrokerConfig {
+        name_seed,
+        max_message_size: usize::try_from(config.session.max_message_size).unwrap_or(usize::MAX),
+        ..BrokerConfig::default()
+    });
+    let node = Node::new(config.session.clone(), broker);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;

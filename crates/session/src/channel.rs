@@ -351,7 +351,7 @@ impl Channel {
     ) -> Result<(), Fault> {
         if header.class_id != BASIC_CLASS {
             return Err(Fault::on_publish(AmqpError::unexpected_frame(format!(
-                "expected content header for class 60, got one for class {}",
+                "expected content header for class 60, got one for class {} instead",
                 header.class_id
             ))));
         }

@@ -250,9 +250,8 @@ impl Connection {
             (State::Open, Method::ConnectionBlocked(_) | Method::ConnectionUnblocked(_)) => {
                 Next::Nothing
             }
-            (state, other) => fail(AmqpError::channel_error(format!(
-                "unexpected method {} in connection state {}",
-                other.name(),
+            (state, _) => fail(AmqpError::channel_error(format!(
+                "unexpected method in connection state {}",
                 state.name()
             ))),
         }

@@ -145,17 +145,16 @@ impl Node {
             frame => match state {
                 State::Open => self.channel_frame(conn, frame, now),
                 State::Closing | State::Closed => Next::Nothing,
-                _ => {
-                    let (class_id, method_id) = method_ids(&frame);
-                    Next::Fail(Fault::new(
-                        AmqpError::channel_error(format!(
-                            "channel {} used before the connection was opened",
-                            frame.channel()
-                        )),
-                        class_id,
-                        method_id,
-                    ))
-                }
+                // As RabbitMQ: a channel frame during the handshake is an unexpected frame, shown raw.
+                _ => Next::Fail(Fault::new(
+                    AmqpError::unexpected_frame(format!(
+                        "type {}, all octets = <<{}>>",
+                        frame.frame_type(),
+                        erlang_octets(&frame)
+                    )),
+                    0,
+                    0,
+                )),
             },
         };
         self.after(conn, next, now);
@@ -411,8 +410,14 @@ impl Node {
         }
     }
 
-    /// Timers: heartbeats both ways, the handshake deadline, the close-ok deadline.
+    /// Dispatch stopped at its per-call batch with deliveries still possible: poll again soon.
+    pub fn needs_dispatch(&self) -> bool {
+        self.broker.needs_dispatch()
+    }
+
+    /// Timers: heartbeats both ways, the handshake deadline, the close-ok deadline, the broker's clock.
     pub fn tick(&mut self, now: u64) {
+        self.broker.tick(now);
         let mut drop = Vec::new();
         for (id, c) in &mut self.conns {
             match c.state {
@@ -592,4 +597,21 @@ fn method_ids(frame: &Frame) -> (u16, u16) {
         Frame::Method { method, .. } => (method.class_id(), method.method_id()),
         _ => (0, 0),
     }
+}
+
+/// A frame's payload as Erlang prints a binary (`0,20,0,10,0`), cut short like RabbitMQ's log lines.
+fn erlang_octets(frame: &Frame) -> String {
+    let mut payload = BytesMut::new();
+    match frame {
+        Frame::Method { method, .. } => method.encode(&mut payload),
+        Frame::Header { header, .. } => header.encode(&mut payload),
+        Frame::Body { payload: body, .. } => payload.extend_from_slice(body),
+        Frame::Heartbeat { .. } => {}
+    }
+    let shown: Vec<String> = payload.iter().take(32).map(u8::to_string).collect();
+    let mut text = shown.join(",");
+    if payload.len() > 32 {
+        text.push_str(",...");
+    }
+    text
 }
