@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,7 @@ enum Event {
         peer: SocketAddr,
         writer: mpsc::UnboundedSender<Transmit>,
         frame_max: Arc<AtomicU32>,
+        pending: Arc<AtomicUsize>,
     },
     Frames {
         conn: ConnId,
@@ -49,15 +50,26 @@ enum Event {
     Lost {
         conn: ConnId,
     },
-    Written {
+    /// The writer drained below the back-pressure limit.
+    Writable {
         conn: ConnId,
-        n: usize,
     },
 }
 
 struct Writer {
     tx: mpsc::UnboundedSender<Transmit>,
     frame_max: Arc<AtomicU32>,
+    /// Bytes handed to the writer task and not yet written. Shared, so the writer reports only crossings of
+    /// the limit instead of every write.
+    pending: Arc<AtomicUsize>,
+    blocked: bool,
+}
+
+/// What a connection's tasks share with the core.
+struct Shared {
+    frame_max: Arc<AtomicU32>,
+    pending: Arc<AtomicUsize>,
+    backlog_limit: usize,
 }
 
 /// Runs the broker on `listener` until `shutdown` turns true, then closes every connection with 320.
@@ -86,8 +98,9 @@ pub async fn serve(
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
                 let events = events_tx.clone();
                 let frame_max = config.frame_max;
+                let backlog_limit = config.write_backlog_limit;
                 tokio::spawn(async move {
-                    connection(stream, peer, conn, events, frame_max, handshake_timeout).await;
+                    connection(stream, peer, conn, events, frame_max, handshake_timeout, backlog_limit).await;
                 });
             }
             _ = shutdown.changed() => break,
@@ -108,6 +121,7 @@ async fn core(
     let mut ticker = tokio::time::interval(TICK);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut transmits = Vec::new();
+    let backlog_limit = node.config().write_backlog_limit;
     let mut stopping: Option<Instant> = None;
     let mut last_tick = Instant::now();
     loop {
@@ -166,12 +180,18 @@ async fn core(
         for t in transmits.drain(..) {
             let close = t.close;
             let conn = t.conn;
-            if let Some(w) = writers.get(&conn) {
+            if let Some(w) = writers.get_mut(&conn) {
                 if let Some(fm) = t.frame_max {
                     w.frame_max.store(fm, Ordering::Relaxed);
                 }
+                let n = t.bytes.len();
+                let pending = w.pending.fetch_add(n, Ordering::AcqRel) + n;
                 // A gone writer means the socket is gone; its Lost event is on the way.
                 let _ = w.tx.send(t);
+                if pending >= backlog_limit && !w.blocked {
+                    w.blocked = true;
+                    node.set_write_blocked(conn, true);
+                }
             }
             if close {
                 writers.remove(&conn);
@@ -189,12 +209,15 @@ fn handle(node: &mut Node, writers: &mut HashMap<ConnId, Writer>, ev: Event, now
             peer,
             writer,
             frame_max,
+            pending,
         } => {
             writers.insert(
                 conn,
                 Writer {
                     tx: writer,
                     frame_max,
+                    pending,
+                    blocked: false,
                 },
             );
             node.connection_opened(conn, Some(peer), now);
@@ -209,7 +232,12 @@ fn handle(node: &mut Node, writers: &mut HashMap<ConnId, Writer>, ev: Event, now
             writers.remove(&conn);
             node.connection_lost(conn);
         }
-        Event::Written { conn, n } => node.bytes_written(conn, n),
+        Event::Writable { conn } => {
+            if let Some(w) = writers.get_mut(&conn) {
+                w.blocked = false;
+            }
+            node.set_write_blocked(conn, false);
+        }
     }
 }
 
@@ -220,6 +248,7 @@ async fn connection(
     events: mpsc::Sender<Event>,
     frame_max: u32,
     handshake_timeout: Duration,
+    backlog_limit: usize,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
@@ -235,22 +264,32 @@ async fn connection(
         }
         _ => return,
     }
-    let frame_max = Arc::new(AtomicU32::new(frame_max));
+    let shared = Shared {
+        frame_max: Arc::new(AtomicU32::new(frame_max)),
+        pending: Arc::new(AtomicUsize::new(0)),
+        backlog_limit,
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     if events
         .send(Event::Opened {
             conn,
             peer,
             writer: tx,
-            frame_max: frame_max.clone(),
+            frame_max: shared.frame_max.clone(),
+            pending: shared.pending.clone(),
         })
         .await
         .is_err()
     {
         return;
     }
-    let reader = tokio::spawn(read_loop(rd, conn, events.clone(), frame_max));
-    write_loop(wr, rx, conn, events, reader.abort_handle()).await;
+    let reader = tokio::spawn(read_loop(
+        rd,
+        conn,
+        events.clone(),
+        shared.frame_max.clone(),
+    ));
+    write_loop(wr, rx, conn, events, reader.abort_handle(), shared).await;
 }
 
 /// Reads until the 8-byte protocol header is known good (true) or bad (false); a bad prefix is refused
@@ -338,6 +377,7 @@ async fn write_loop(
     conn: ConnId,
     events: mpsc::Sender<Event>,
     reader: AbortHandle,
+    shared: Shared,
 ) {
     let mut batch: Vec<Bytes> = Vec::new();
     'outer: while let Some(first) = rx.recv().await {
@@ -359,10 +399,11 @@ async fn write_loop(
             }
             written += bytes.len();
         }
-        if events
-            .send(Event::Written { conn, n: written })
-            .await
-            .is_err()
+        let before = shared.pending.fetch_sub(written, Ordering::AcqRel);
+        let limit = shared.backlog_limit;
+        if before >= limit
+            && before - written < limit
+            && events.send(Event::Writable { conn }).await.is_err()
         {
             break;
         }

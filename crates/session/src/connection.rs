@@ -63,8 +63,8 @@ pub(crate) struct Connection {
     pub channels: HashMap<u16, Channel>,
     pub caps: ClientCaps,
     pub out: BytesMut,
-    /// Bytes handed to the writer and not yet reported written.
-    pub in_transit: usize,
+    /// The socket is backed up: no deliveries until the driver says it drained.
+    pub write_blocked: bool,
     /// Set when this connection has something for the driver (bytes, a close, a new frame_max).
     pub dirty: bool,
     pub close_socket: bool,
@@ -102,7 +102,7 @@ impl Connection {
             channels: HashMap::new(),
             caps: ClientCaps::default(),
             out: BytesMut::new(),
-            in_transit: 0,
+            write_blocked: false,
             dirty: false,
             close_socket: false,
             frame_max_changed: false,

@@ -83,15 +83,14 @@ impl Node {
         self.conns.remove(&conn);
     }
 
-    /// The writer finished writing `n` bytes of this connection's output.
-    pub fn bytes_written(&mut self, conn: ConnId, n: usize) {
-        let limit = self.config.write_backlog_limit;
+    /// The connection's socket is backed up (the client reads slower than it is sent to): no deliveries go
+    /// to it until it drains. The driver decides, from the bytes it has handed to the writer and not yet written.
+    pub fn set_write_blocked(&mut self, conn: ConnId, blocked: bool) {
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
-        let was_blocked = c.in_transit >= limit;
-        c.in_transit = c.in_transit.saturating_sub(n);
-        if was_blocked && c.in_transit < limit {
+        let was = std::mem::replace(&mut c.write_blocked, blocked);
+        if was && !blocked {
             // Its consumers were skipped while the socket was backed up: offer them messages again.
             for (ch_id, ch) in &c.channels {
                 for tag in ch.consumers.keys() {
@@ -102,6 +101,7 @@ impl Node {
                     });
                 }
             }
+            self.mark(conn);
         }
     }
 
@@ -520,7 +520,6 @@ impl Node {
             if !bytes.is_empty() {
                 c.last_send = now;
             }
-            c.in_transit += bytes.len();
             let frame_max = std::mem::take(&mut c.frame_max_changed).then_some(c.frame_max);
             let close = c.close_socket;
             out.push(Transmit {
@@ -550,7 +549,7 @@ impl DeliverySink for Sink<'_> {
         let Some(c) = self.conns.get(&consumer.conn) else {
             return false;
         };
-        if !c.is_open() || c.in_transit + c.out.len() >= self.backlog_limit {
+        if !c.is_open() || c.write_blocked || c.out.len() >= self.backlog_limit {
             return false;
         }
         c.channels

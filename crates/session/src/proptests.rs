@@ -129,7 +129,6 @@ fn connect(node: &mut Node, conn: u64) {
 fn flush(node: &mut Node, now: u64, out: &mut Vec<Transmit>) {
     node.poll_transmit(now, out);
     for t in out.drain(..) {
-        node.bytes_written(t.conn, t.bytes.len());
         let mut buf = bytes::BytesMut::from(&t.bytes[..]);
         let mut decoder = FrameDecoder::new(131_072);
         while let Ok(Some(frame)) = decoder.decode(&mut buf) {

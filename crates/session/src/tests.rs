@@ -154,7 +154,6 @@ impl Client {
                 self.received.push(f);
             }
             assert!(buf.is_empty());
-            self.node.bytes_written(CONN, t.bytes.len());
             if t.close {
                 self.closed = true;
             }
@@ -901,4 +900,17 @@ fn reply_to_without_a_reply_consumer_is_refused() {
         60,
         40,
     );
+}
+
+#[test]
+fn a_backed_up_socket_gets_no_deliveries_until_it_drains() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    c.node.set_write_blocked(CONN, true);
+    c.publish(1, "q", b"a");
+    c.consume(1, "q", true);
+    assert!(c.deliveries().is_empty());
+    c.node.set_write_blocked(CONN, false);
+    assert_eq!(c.deliveries().len(), 1);
 }
