@@ -571,3 +571,71 @@ async fn sigterm_closes_connections_with_320() {
         "lapin still thinks it is connected"
     );
 }
+
+#[tokio::test]
+async fn heartbeat_timeout_cleans_up_the_connection() {
+    let broker = TestBroker::start();
+    let mut admin = broker.raw().await;
+    admin.channel_open(1).await;
+    let q = unique("hs-hb-cleanup");
+    let excl = unique("hs-hb-excl");
+    admin.declare_queue(1, &q).await;
+    admin
+        .publish(1, "", &q, false, Default::default(), b"held")
+        .await;
+    admin.wait_ready(1, &q, 1).await;
+
+    // A client that holds an unacked message and an exclusive queue, then goes silent.
+    let mut silent = open_with_heartbeat(&broker, 1).await;
+    silent.channel_open(1).await;
+    let d = silent.get(1, &q, false).await.expect("a message");
+    assert_eq!(d.body, b"held");
+    silent
+        .call(
+            1,
+            m::queue_declare(
+                &excl,
+                raw::QueueFlags {
+                    exclusive: true,
+                    ..Default::default()
+                },
+            ),
+        )
+        .await;
+    loop {
+        match silent.recv_timeout(Duration::from_secs(6)).await {
+            Ok(_) => continue,
+            Err(RecvError::Closed(_)) => break,
+            Err(RecvError::Timeout) => panic!("silent client not disconnected"),
+        }
+    }
+
+    // Its unacked message is back (redelivered) and its exclusive queue is gone.
+    admin.wait_ready(1, &q, 1).await;
+    let back = admin.get(1, &q, true).await.expect("requeued message");
+    assert_eq!(
+        (back.body.as_slice(), back.redelivered()),
+        (&b"held"[..], true)
+    );
+    admin
+        .send(
+            1,
+            m::queue_declare(
+                &excl,
+                raw::QueueFlags {
+                    passive: true,
+                    ..Default::default()
+                },
+            ),
+        )
+        .await;
+    admin
+        .expect_channel_close(
+            1,
+            404,
+            &format!("NOT_FOUND - no queue '{excl}' in vhost '/'"),
+            50,
+            10,
+        )
+        .await;
+}
