@@ -66,6 +66,16 @@ async fn http_request_gets_server_header_and_close() {
     expect_header_rejected(&broker, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
 }
 
+/// Some old clients send the AMQP 0-9 header `AMQP 1 1 0 9`; RabbitMQ answers it as 0-9-1.
+#[tokio::test]
+async fn amqp_0_9_header_is_accepted_as_0_9_1() {
+    let broker = TestBroker::start();
+    let mut raw = Raw::tcp(broker.addr()).await;
+    raw.send_bytes(b"AMQP\x01\x01\x00\x09").await;
+    let start = raw.expect_start().await;
+    assert_eq!((start.version_major, start.version_minor), (0, 9));
+}
+
 #[tokio::test]
 async fn protocol_header_split_across_writes_is_accepted() {
     let broker = TestBroker::start();
