@@ -58,8 +58,24 @@ impl TestBroker {
             };
         }
         let bin = warren_binary();
-        let port = free_port();
-        let mut cmd = Command::new(&bin);
+        // A port can be taken between our check and warren's bind (by another test process on the machine):
+        // warren then exits at once, and we try another port.
+        let mut last_output = String::new();
+        for _attempt in 0..5 {
+            let port = free_port();
+            let mut broker = Self::spawn(&bin, port, extra_args);
+            match broker.wait_until_listening() {
+                Ok(()) => return broker,
+                Err(output) => last_output = output,
+            }
+        }
+        panic!(
+            "warren exited before accepting connections, 5 times; its last output:\n{last_output}"
+        );
+    }
+
+    fn spawn(bin: &std::path::Path, port: u16, extra_args: &[&str]) -> TestBroker {
+        let mut cmd = Command::new(bin);
         cmd.arg("--bind")
             .arg("127.0.0.1")
             .arg("--port")
@@ -97,33 +113,39 @@ impl TestBroker {
                 }
             });
         }
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
-        let mut broker = TestBroker {
+        TestBroker {
             url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
-            addr,
+            addr: ([127, 0, 0, 1], port).into(),
             vhost_path: "%2f".into(),
             child: Some(child),
             output,
-        };
-        broker.wait_until_listening();
-        broker
+        }
     }
 
-    fn wait_until_listening(&mut self) {
+    /// Ok once the spawned broker accepts connections; Err(output) if it exited first. Panics after 10 s.
+    fn wait_until_listening(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(100)).is_ok() {
-                return;
-            }
-            if let Some(status) = self
+            if let Some(_status) = self
                 .child
                 .as_mut()
                 .and_then(|c| c.try_wait().ok().flatten())
             {
-                panic!(
-                    "warren exited before accepting connections ({status}); its output:\n{}",
-                    self.output()
-                );
+                std::thread::sleep(Duration::from_millis(20));
+                return Err(self.output());
+            }
+            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(100)).is_ok() {
+                // Make sure it is our process that answered, not another broker on a reused port.
+                std::thread::sleep(Duration::from_millis(5));
+                if let Some(_status) = self
+                    .child
+                    .as_mut()
+                    .and_then(|c| c.try_wait().ok().flatten())
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                    return Err(self.output());
+                }
+                return Ok(());
             }
             if Instant::now() > deadline {
                 panic!(
@@ -265,9 +287,20 @@ pub fn warren_binary() -> PathBuf {
     bin
 }
 
+/// A free loopback port below the kernel's ephemeral range (so outgoing connections never take it), spread by
+/// process id so that concurrent test processes on one machine start in different places.
 fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-    listener.local_addr().unwrap().port()
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    const LOW: u64 = 20_000;
+    const SPAN: u64 = 12_000;
+    let start = (std::process::id() as u64 * 7919) % SPAN;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (LOW + (start + n) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// A name no other test (nor another run against a shared broker) uses: `<prefix>-<pid>-<n>-<nanos>`.
