@@ -312,6 +312,21 @@ impl Raw {
         properties: AMQPProperties,
         body: &[u8],
     ) {
+        let bytes =
+            self.encode_publish(channel, exchange, routing_key, mandatory, properties, body);
+        self.send_bytes(&bytes).await;
+    }
+
+    /// The frames of [`Raw::publish`], for sending many publishes in one write.
+    pub fn encode_publish(
+        &self,
+        channel: u16,
+        exchange: &str,
+        routing_key: &str,
+        mandatory: bool,
+        properties: AMQPProperties,
+        body: &[u8],
+    ) -> Vec<u8> {
         let mut bytes = encode(&AMQPFrame::Method(
             channel,
             AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
@@ -333,7 +348,7 @@ impl Raw {
         for chunk in body.chunks(max) {
             bytes.extend(encode(&AMQPFrame::Body(channel, chunk.to_vec())));
         }
-        self.send_bytes(&bytes).await;
+        bytes
     }
 
     /// basic.publish + a content header whose property flags and values are `property_bytes` verbatim + one
