@@ -1,8 +1,10 @@
 //! The tokio driver: sockets and timers around the sans-IO [`Node`].
 //!
 //! One core task owns the node and handles events in batches; each connection has a reader task (protocol
-//! header, frame decoding) and a writer task (socket writes). Readers feed the core through one bounded
-//! channel, so a core that falls behind stops the readers and TCP pushes back on publishers.
+//! header, frame decoding) and a writer task. Readers feed the core through one bounded channel, so a core
+//! that falls behind stops the readers and TCP pushes back on publishers. The core writes to a socket itself
+//! while the socket takes everything at once (the common case: no task wake-up per write); what the socket
+//! does not take goes, in order, to the connection's writer task, which waits for the socket.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -11,14 +13,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::AbortHandle;
 use warren_broker::ConnId;
 use warren_codec::{decode_protocol_header, DecodeError, Frame, FrameDecoder, PROTOCOL_HEADER};
-use warren_session::{Node, Transmit};
+use warren_session::Node;
 
 /// Events queued for the core; bounded so readers wait (and stop reading) when the core is busy.
 const EVENT_QUEUE: usize = 1024;
@@ -35,7 +37,8 @@ enum Event {
     Opened {
         conn: ConnId,
         peer: SocketAddr,
-        writer: mpsc::UnboundedSender<Transmit>,
+        writer: mpsc::UnboundedSender<Outgoing>,
+        socket: Arc<OwnedWriteHalf>,
         frame_max: Arc<AtomicU32>,
         pending: Arc<AtomicUsize>,
     },
@@ -56,8 +59,15 @@ enum Event {
     },
 }
 
+/// Bytes for a writer task; `close` ends the connection once they are written.
+struct Outgoing {
+    bytes: Bytes,
+    close: bool,
+}
+
 struct Writer {
-    tx: mpsc::UnboundedSender<Transmit>,
+    tx: mpsc::UnboundedSender<Outgoing>,
+    socket: Arc<OwnedWriteHalf>,
     frame_max: Arc<AtomicU32>,
     /// Bytes handed to the writer task and not yet written. Shared, so the writer reports only crossings of
     /// the limit instead of every write.
@@ -184,11 +194,7 @@ async fn core(
                 if let Some(fm) = t.frame_max {
                     w.frame_max.store(fm, Ordering::Relaxed);
                 }
-                let n = t.bytes.len();
-                let pending = w.pending.fetch_add(n, Ordering::AcqRel) + n;
-                // A gone writer means the socket is gone; its Lost event is on the way.
-                let _ = w.tx.send(t);
-                if pending >= backlog_limit && !w.blocked {
+                if w.transmit(t.bytes, close) >= backlog_limit && !w.blocked {
                     w.blocked = true;
                     node.set_write_blocked(conn, true);
                 }
@@ -202,12 +208,41 @@ async fn core(
     drop(writers);
 }
 
+impl Writer {
+    /// Writes what the socket takes now, if the writer task holds nothing older, and queues the rest for
+    /// the task. Returns the bytes now waiting in the task.
+    fn transmit(&self, mut bytes: Bytes, close: bool) -> usize {
+        if self.pending.load(Ordering::Acquire) == 0 {
+            // Nothing queued, so writing here keeps the order: the task decrements only after writing.
+            while !bytes.is_empty() {
+                match self.socket.try_write(&bytes) {
+                    Ok(n) => {
+                        let _ = bytes.split_to(n);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    // The reader will see the error too and report the connection lost.
+                    Err(_) => return 0,
+                }
+            }
+            if bytes.is_empty() && !close {
+                return 0;
+            }
+        }
+        let n = bytes.len();
+        let pending = self.pending.fetch_add(n, Ordering::AcqRel) + n;
+        // A gone writer task means the socket is gone; its Lost event is on the way.
+        let _ = self.tx.send(Outgoing { bytes, close });
+        pending
+    }
+}
+
 fn handle(node: &mut Node, writers: &mut HashMap<ConnId, Writer>, ev: Event, now: u64) {
     match ev {
         Event::Opened {
             conn,
             peer,
             writer,
+            socket,
             frame_max,
             pending,
         } => {
@@ -215,6 +250,7 @@ fn handle(node: &mut Node, writers: &mut HashMap<ConnId, Writer>, ev: Event, now
                 conn,
                 Writer {
                     tx: writer,
+                    socket,
                     frame_max,
                     pending,
                     blocked: false,
@@ -253,13 +289,13 @@ async fn connection(
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
     }
-    let (mut rd, mut wr) = stream.into_split();
+    let (mut rd, wr) = stream.into_split();
+    let wr = Arc::new(wr);
     match tokio::time::timeout(handshake_timeout, read_protocol_header(&mut rd)).await {
         Ok(Ok(true)) => {}
         Ok(Ok(false)) => {
             // The spec: answer a header we don't speak with the one we do, then close.
-            let _ = wr.write_all(PROTOCOL_HEADER).await;
-            let _ = wr.shutdown().await;
+            let _ = write_all(&wr, PROTOCOL_HEADER).await;
             return;
         }
         _ => return,
@@ -275,6 +311,7 @@ async fn connection(
             conn,
             peer,
             writer: tx,
+            socket: wr.clone(),
             frame_max: shared.frame_max.clone(),
             pending: shared.pending.clone(),
         })
@@ -371,34 +408,34 @@ async fn read_loop(
     }
 }
 
+/// Writes all of `buf`, waiting for the socket as needed.
+async fn write_all(socket: &OwnedWriteHalf, mut buf: &[u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        socket.writable().await?;
+        match socket.try_write(buf) {
+            Ok(n) => buf = buf.get(n..).unwrap_or_default(),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Writes what the core could not write at once. The socket's write side shuts down when the last
+/// handle (this task's and the core's) is dropped.
 async fn write_loop(
-    mut wr: OwnedWriteHalf,
-    mut rx: mpsc::UnboundedReceiver<Transmit>,
+    socket: Arc<OwnedWriteHalf>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
     conn: ConnId,
     events: mpsc::Sender<Event>,
     reader: AbortHandle,
     shared: Shared,
 ) {
-    let mut batch: Vec<Bytes> = Vec::new();
-    'outer: while let Some(first) = rx.recv().await {
-        let mut close = first.close;
-        batch.push(first.bytes);
-        while !close {
-            match rx.try_recv() {
-                Ok(t) => {
-                    close = t.close;
-                    batch.push(t.bytes);
-                }
-                Err(_) => break,
-            }
+    while let Some(out) = rx.recv().await {
+        if write_all(&socket, &out.bytes).await.is_err() {
+            break;
         }
-        let mut written = 0;
-        for bytes in batch.drain(..) {
-            if wr.write_all(&bytes).await.is_err() {
-                break 'outer;
-            }
-            written += bytes.len();
-        }
+        let written = out.bytes.len();
         let before = shared.pending.fetch_sub(written, Ordering::AcqRel);
         let limit = shared.backlog_limit;
         if before >= limit
@@ -407,11 +444,11 @@ async fn write_loop(
         {
             break;
         }
-        if close {
+        if out.close {
             break;
         }
     }
-    let _ = wr.shutdown().await;
+    drop(socket);
     reader.abort();
     let _ = events.send(Event::Lost { conn }).await;
 }
