@@ -27,7 +27,7 @@ RESULTS=""
 SELF_TEST=0
 BUILD=1
 QUICK=0
-WARREN_PORT=5673
+WARREN_PORT=5690
 WARREN_BIN=""
 WARREN_ARGS=""
 WARREN_PID=""
@@ -52,7 +52,7 @@ Options:
   --results DIR          where the JSON of every run goes (default bench/results/<time>)
   --self-test            side B is RabbitMQ too (checks the pipeline without Warren)
   --no-build             use the binaries already built
-  --warren-port P        port for Warren (default 5673)
+  --warren-port P        port for Warren (default 5690)
   --warren-bin PATH      Warren binary (default: the release build)
   --warren-args "..."    extra arguments for Warren
   --warren-pid PID       use an already running Warren on --warren-port instead of starting one
@@ -168,6 +168,31 @@ mkdir -p "$RESULTS"
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+WARREN_RESTARTS=0
+start_warren() {
+  log "starting Warren on 127.0.0.1:$WARREN_PORT"
+  # shellcheck disable=SC2086
+  "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" $WARREN_ARGS >>"$RESULTS/warren.log" 2>&1 &
+  STARTED_WARREN=$!
+  B_PID=$STARTED_WARREN
+  for _ in $(seq 1 100); do
+    port_open "$WARREN_PORT" && break
+    kill -0 "$STARTED_WARREN" 2>/dev/null || { echo "Warren exited; see $RESULTS/warren.log" >&2; exit 1; }
+    sleep 0.1
+  done
+  port_open "$WARREN_PORT" || { echo "Warren does not listen on $WARREN_PORT" >&2; exit 1; }
+}
+
+# On a shared machine something may stop our Warren between runs; start it again and say so.
+ensure_warren() {
+  [ -n "$STARTED_WARREN" ] || return 0
+  kill -0 "$STARTED_WARREN" 2>/dev/null && return 0
+  wait "$STARTED_WARREN" 2>/dev/null || true
+  WARREN_RESTARTS=$((WARREN_RESTARTS + 1))
+  log "WARNING: Warren (pid $STARTED_WARREN) has exited (see $RESULTS/warren.log); restarting it"
+  start_warren
+}
+
 if [ "$SELF_TEST" = 1 ]; then
   A_NAME="RabbitMQ"; B_NAME="RabbitMQ (B)"
   B_URL="$RABBIT_URL"; B_PID="$RABBIT_PID"; B_VERSION="$RABBIT_VERSION"
@@ -181,17 +206,7 @@ else
     if port_open "$WARREN_PORT"; then
       echo "port $WARREN_PORT is already taken; stop that process or pass --warren-pid" >&2; exit 1
     fi
-    log "starting Warren on 127.0.0.1:$WARREN_PORT"
-    # shellcheck disable=SC2086
-    "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" $WARREN_ARGS >"$RESULTS/warren.log" 2>&1 &
-    STARTED_WARREN=$!
-    B_PID=$STARTED_WARREN
-    for _ in $(seq 1 100); do
-      port_open "$WARREN_PORT" && break
-      kill -0 "$STARTED_WARREN" 2>/dev/null || { echo "Warren exited; see $RESULTS/warren.log" >&2; exit 1; }
-      sleep 0.1
-    done
-    port_open "$WARREN_PORT" || { echo "Warren does not listen on $WARREN_PORT" >&2; exit 1; }
+    start_warren
   fi
   B_VERSION="$("$WARREN_BIN" --version 2>/dev/null | head -1 || echo '?')"
 fi
@@ -227,6 +242,7 @@ record_command() {
 # run_one SCENARIO SIDE PAIR
 run_one() {
   local scen="$1" side="$2" pair="$3" url pid name base args tag out
+  [ "$side" = A ] || ensure_warren
   if [ "$side" = A ]; then url="$A_URL"; pid="$A_PID"; name="$A_NAME"; else url="$B_URL"; pid="$B_PID"; name="$B_NAME"; fi
   case "$scen" in s8p|s8d) base=s8 ;; *) base="$scen" ;; esac
   tag="wb-$base-$side$pair-$$"
@@ -293,8 +309,9 @@ meta = {
     "b_version": """$B_VERSION""",
     "git_rev": "$GIT_REV",
     "warren_storage": """$WARREN_STORAGE""",
-    "warren_args": "$WARREN_ARGS",
-    "notes": [n for n in ["""$IDLE_CONNECTIONS_NOTE"""] if n],
+    "warren_args": "$WARREN_ARGS", "warren_port": $WARREN_PORT,
+    "notes": [n for n in ["""$IDLE_CONNECTIONS_NOTE""",
+        "Warren exited during the run and was restarted $WARREN_RESTARTS time(s) (see warren.log in the results)" if $WARREN_RESTARTS else ""] if n],
     "machine": {
         "nproc": sh("nproc"),
         "cpu": sh("lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -1") or platform.processor(),

@@ -424,8 +424,8 @@ def report(results, out_path, chart_path):
     L.append("## Scenarios and exact commands")
     L.append("")
     L.append(
-        "`$URL` is the broker's AMQP URL (`amqp://guest:guest@127.0.0.1:5672/%2f` for RabbitMQ, port 5673 for "
-        "Warren) and `$PID` its process id (RabbitMQ's `beam.smp`). Each run also gets `--label` and a queue "
+        "`$URL` is the broker's AMQP URL (`amqp://guest:guest@127.0.0.1:5672/%2f` for RabbitMQ, port "
+        f"{meta.get('warren_port', 5690)} for Warren) and `$PID` its process id (RabbitMQ's `beam.smp`). Each run also gets `--label` and a queue "
         "pattern unique to the run; scenario 8 is two commands (publish, then drain the same queue). "
         f"This report: `{meta.get('invocation', 'bench/compare.sh')}`."
     )
