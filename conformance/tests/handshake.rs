@@ -391,7 +391,7 @@ async fn open_missing_vhost_lapin_sees_530() {
 }
 
 #[tokio::test]
-async fn client_connection_close_gets_close_ok_and_socket_closed() {
+async fn client_connection_close_gets_close_ok() {
     let broker = TestBroker::start();
     let mut raw = broker.raw().await;
     raw.channel_open(1).await;
