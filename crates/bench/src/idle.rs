@@ -129,11 +129,15 @@ fn report(
     errors: Vec<String>,
 ) -> Result<IdleReport, BoxError> {
     let total_s = b.start.elapsed().as_secs_f64();
+    let mut errors = errors;
     let broker = match (opts.broker_pid, b.broker) {
-        (Some(pid), Some(start)) => {
-            let end = stats::sample(pid)?;
-            Some(BrokerReport::new(pid, start, end, 0, total_s, b.peak_reset))
-        }
+        (Some(pid), Some(start)) => match stats::sample(pid) {
+            Ok(end) => Some(BrokerReport::new(pid, start, end, 0, total_s, b.peak_reset)),
+            Err(e) => {
+                errors.push(format!("broker process: {e}"));
+                None
+            }
+        },
         _ => None,
     };
     let bytes_per_item = broker

@@ -235,7 +235,13 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
     }
     let _ = stop_tx.send(true);
     let end = Instant::now();
-    let broker_end = broker_pid.map(stats::sample).transpose()?;
+    let broker_end = match broker_pid.map(stats::sample) {
+        Some(Err(e)) => {
+            errors.push(format!("broker process: {e}"));
+            None
+        }
+        other => other.and_then(Result::ok),
+    };
     let client_end = stats::sample_self();
 
     let mut published = 0;
