@@ -356,7 +356,8 @@ impl Broker {
         } else if let Cow::Owned(s) = stripped {
             ShortStr::from_string(s)
         } else {
-            req.name.clone()
+            // Kept for the queue's life: not a slice of the client's read buffer.
+            req.name.detached()
         };
         let owner = req.exclusive.then_some(conn);
         let durable = req.durable && !req.exclusive;
@@ -413,7 +414,7 @@ impl Broker {
             durable,
             auto_delete: req.auto_delete,
             owner,
-            arguments: req.arguments,
+            arguments: req.arguments.detached(),
             args: parsed,
             machine: QueueMachine::new(),
             consumers: Vec::new(),
@@ -562,7 +563,7 @@ impl Broker {
                         durable,
                         auto_delete,
                         internal,
-                        arguments.clone(),
+                        arguments.detached(),
                     ),
                 );
                 return Ok(());
@@ -645,8 +646,9 @@ impl Broker {
         }
         check_access(q, conn)?;
         let key = short(routing_key);
+        let arguments = arguments.detached();
         if x.bind(Dest::Queue(q.id), key.clone(), arguments.clone()) {
-            q.bindings.push((x.name.clone(), key, arguments.clone()));
+            q.bindings.push((x.name.clone(), key, arguments));
         }
         Ok(())
     }
@@ -713,6 +715,7 @@ impl Broker {
         }
         let (src_name, dst_name) = (src.name.clone(), dst.name.clone());
         let key = short(routing_key);
+        let arguments = &arguments.detached();
         let added = vh.exchanges.get_mut(&src_name).is_some_and(|src| {
             src.bind(
                 Dest::Exchange(dst_name.clone()),
@@ -856,7 +859,7 @@ impl Broker {
                 no_ack,
                 exclusive,
                 priority,
-                arguments: arguments.clone(),
+                arguments: arguments.detached(),
             },
         ));
         if exclusive {

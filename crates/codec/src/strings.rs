@@ -66,6 +66,12 @@ impl ShortStr {
         Ok(ShortStr(ByteString::from(s)))
     }
 
+    /// A copy with its own allocation. Decoded strings are slices of the network read buffer; one that lives
+    /// long (a queue name, a consumer tag) would keep that whole buffer alive.
+    pub fn detached(&self) -> Self {
+        ShortStr(ByteString::from(self.as_str()))
+    }
+
     /// Wraps bytes (zero copy), checking the length and UTF-8.
     pub fn try_from_bytes(bytes: Bytes) -> Result<Self, CodecError> {
         if bytes.len() > Self::MAX_LEN {

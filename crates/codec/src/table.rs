@@ -103,6 +103,19 @@ impl PartialEq for FieldValue {
 }
 
 impl FieldValue {
+    /// A deep copy that owns all its bytes (see [`FieldTable::detached`]).
+    pub fn detached(&self) -> Self {
+        match self {
+            FieldValue::LongStr(b) => FieldValue::LongStr(Bytes::copy_from_slice(b)),
+            FieldValue::ByteArray(b) => FieldValue::ByteArray(Bytes::copy_from_slice(b)),
+            FieldValue::Array(items) => {
+                FieldValue::Array(items.iter().map(FieldValue::detached).collect())
+            }
+            FieldValue::Table(t) => FieldValue::Table(t.detached()),
+            other => other.clone(),
+        }
+    }
+
     /// The wire type tag.
     pub fn tag(&self) -> u8 {
         match self {
@@ -364,6 +377,17 @@ pub struct FieldTable(pub Vec<(ShortStr, FieldValue)>);
 impl FieldTable {
     pub fn new() -> Self {
         FieldTable(Vec::new())
+    }
+
+    /// A deep copy that owns all its bytes, for tables kept long after the frame they came in (queue
+    /// and binding arguments): a decoded table's strings are slices of the network read buffer.
+    pub fn detached(&self) -> Self {
+        FieldTable(
+            self.0
+                .iter()
+                .map(|(k, v)| (k.detached(), v.detached()))
+                .collect(),
+        )
     }
 
     /// The first value with this key (RabbitMQ's `table_lookup` also takes the first).
@@ -631,6 +655,31 @@ fn validate_value(buf: &mut Bytes, depth: usize) -> Result<(), CodecError> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn detached_tables_share_no_bytes_with_the_frame() {
+        let mut inner = FieldTable::new();
+        inner.insert("k", FieldValue::LongStr(Bytes::from_static(b"v")));
+        let mut t = FieldTable::new();
+        t.insert(
+            "x-dead-letter-exchange",
+            FieldValue::LongStr(Bytes::from_static(b"dlx")),
+        );
+        t.insert("nested", FieldValue::Table(inner));
+        let mut wire = BytesMut::new();
+        t.encode(&mut wire);
+        let frame = wire.freeze();
+        let decoded = FieldTable::decode(&mut frame.clone()).unwrap();
+        let copy = decoded.detached();
+        assert_eq!(copy, t);
+        let range = frame.as_ptr() as usize..frame.as_ptr() as usize + frame.len();
+        let Some(FieldValue::LongStr(v)) = copy.get("x-dead-letter-exchange") else {
+            panic!()
+        };
+        assert!(!range.contains(&(v.as_ptr() as usize)));
+        let (k, _) = &copy.0[0];
+        assert!(!range.contains(&(k.as_bytes().as_ptr() as usize)));
+    }
     use super::*;
 
     fn every_tag_table() -> FieldTable {

@@ -359,16 +359,9 @@ async fn read_loop(
     let mut buf = BytesMut::new();
     let mut read_size = MIN_READ;
     loop {
-        if buf.is_empty() {
-            // An idle connection holds no read buffer, and the frames already taken out keep only their
-            // own chunk alive (a queued message pins the buffer its body was read into).
-            buf = BytesMut::new();
-            if rd.readable().await.is_err() {
-                let _ = events.send(Event::Lost { conn }).await;
-                return;
-            }
-        }
-        if buf.capacity() - buf.len() < read_size / 2 {
+        if buf.capacity() - buf.len() < MIN_READ {
+            // Frames taken out earlier keep their part of the old buffer alive; small reads share one
+            // buffer, so a small message does not pin a buffer of its own.
             buf.reserve(read_size);
         }
         let spare = buf.capacity() - buf.len();
@@ -377,8 +370,9 @@ async fn read_loop(
                 let _ = events.send(Event::Lost { conn }).await;
                 return;
             }
-            // A read that fills the buffer means a busy client: read more at a time.
+            // A read that fills the buffer means a busy client: read more at a time; small reads, less.
             Ok(n) if n == spare => read_size = (read_size * 2).min(MAX_READ),
+            Ok(n) if n < read_size / 8 => read_size = (read_size / 2).max(MIN_READ),
             Ok(_) => {}
         }
         let fm = frame_max.load(Ordering::Relaxed);

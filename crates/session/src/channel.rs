@@ -557,7 +557,8 @@ impl Channel {
                     *ctx.next_id += 1;
                     ShortStr::from_string(generated_name("amq.ctag-", ctx.conn, *ctx.next_id))
                 } else {
-                    c.consumer_tag.clone()
+                    // Kept as long as the consumer lives: not a slice of the read buffer.
+                    c.consumer_tag.detached()
                 };
                 if self.consumers.contains_key(&tag)
                     || self.reply_consumer.as_ref().is_some_and(|(t, _)| *t == tag)
