@@ -1,63 +1,37 @@
 //! The tokio driver: sockets and timers around the sans-IO [`Node`].
 //!
-//! One core task owns the node and handles events in batches; each connection has a reader task (protocol
-//! header, frame decoding) and a writer task. Readers feed the core through one bounded channel, so a core
-//! that falls behind stops the readers and TCP pushes back on publishers. The core writes to a socket itself
-//! while the socket takes everything at once (the common case: no task wake-up per write); what the socket
-//! does not take goes, in order, to the connection's writer task, which waits for the socket.
+//! The node sits behind one mutex, held only for plain computation, never across an await. Each
+//! connection's reader task reads and decodes frames, then takes the lock, feeds the frames to the node and
+//! writes what the node produced straight to the sockets that take it at once: a message from publisher to
+//! consumer crosses no task boundary, which at moderate rates costs more than the protocol work itself. What a
+//! socket does not take at once goes, in order, to that connection's writer task, which waits for the socket;
+//! past a limit of unwritten bytes the node stops delivering to that connection. A ticker task drives the
+//! node's timers, and a dispatcher task finishes deliveries that one pass left pending.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::AbortHandle;
 use warren_broker::ConnId;
-use warren_codec::{decode_protocol_header, DecodeError, Frame, FrameDecoder, PROTOCOL_HEADER};
-use warren_session::Node;
+use warren_codec::{decode_protocol_header, FrameDecoder, PROTOCOL_HEADER};
+use warren_session::{Node, Transmit};
 
-/// Events queued for the core; bounded so readers wait (and stop reading) when the core is busy.
-const EVENT_QUEUE: usize = 1024;
-/// Events handled per batch before the node's output is flushed, so one busy client can't delay others' bytes.
-const BATCH: usize = 256;
 /// Read sizes adapt between these: small for quiet clients, large for streaming publishers.
 const MIN_READ: usize = 4 * 1024;
 const MAX_READ: usize = 128 * 1024;
 const TICK: Duration = Duration::from_millis(100);
 /// How long a shutdown waits for clients to answer connection.close.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
-
-enum Event {
-    Opened {
-        conn: ConnId,
-        peer: SocketAddr,
-        writer: mpsc::UnboundedSender<Outgoing>,
-        socket: Arc<OwnedWriteHalf>,
-        frame_max: Arc<AtomicU32>,
-        pending: Arc<AtomicUsize>,
-    },
-    Frames {
-        conn: ConnId,
-        frames: Vec<Frame>,
-    },
-    DecodeError {
-        conn: ConnId,
-        error: DecodeError,
-    },
-    Lost {
-        conn: ConnId,
-    },
-    /// The writer drained below the back-pressure limit.
-    Writable {
-        conn: ConnId,
-    },
-}
+/// Dispatch passes made under one lock before other tasks get a turn.
+const DISPATCH_PASSES: usize = 4;
 
 /// Bytes for a writer task; `close` ends the connection once they are written.
 struct Outgoing {
@@ -65,21 +39,123 @@ struct Outgoing {
     close: bool,
 }
 
+/// The core's handle on one connection's socket.
 struct Writer {
     tx: mpsc::UnboundedSender<Outgoing>,
     socket: Arc<OwnedWriteHalf>,
     frame_max: Arc<AtomicU32>,
-    /// Bytes handed to the writer task and not yet written. Shared, so the writer reports only crossings of
-    /// the limit instead of every write.
+    /// Bytes handed to the writer task and not yet written; shared so the writer task reports only when
+    /// it drains below the limit, not every write.
     pending: Arc<AtomicUsize>,
     blocked: bool,
 }
 
-/// What a connection's tasks share with the core.
-struct Shared {
-    frame_max: Arc<AtomicU32>,
-    pending: Arc<AtomicUsize>,
+/// The node and what the node's output needs to reach sockets.
+struct Core {
+    node: Node,
+    writers: HashMap<ConnId, Writer>,
+    transmits: Vec<Transmit>,
+    start: Instant,
     backlog_limit: usize,
+}
+
+struct Shared {
+    core: Mutex<Core>,
+    /// Woken when a flush leaves deliveries pending.
+    dispatch: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        // A panic while holding the lock is a bug elsewhere; the node's state is still consistent enough
+        // to keep serving the other connections, so a poisoned lock is taken over rather than propagated.
+        self.core
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs `f` on the node, then writes out whatever the node produced.
+    fn with_node(&self, f: impl FnOnce(&mut Node, u64)) {
+        self.with_core(|core, now| f(&mut core.node, now));
+    }
+
+    fn with_core(&self, f: impl FnOnce(&mut Core, u64)) {
+        let more = {
+            let mut core = self.lock();
+            let now = core.now();
+            f(&mut core, now);
+            core.flush(DISPATCH_PASSES)
+        };
+        if more {
+            self.dispatch.notify_one();
+        }
+    }
+}
+
+impl Core {
+    fn now(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Hands each connection's output to its socket; returns true if deliveries are still pending.
+    fn flush(&mut self, passes: usize) -> bool {
+        let now = self.now();
+        for _ in 0..passes {
+            self.node.poll_transmit(now, &mut self.transmits);
+            for t in std::mem::take(&mut self.transmits) {
+                self.send(t);
+            }
+            if !self.node.needs_dispatch() {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn send(&mut self, t: Transmit) {
+        let Some(w) = self.writers.get_mut(&t.conn) else {
+            return;
+        };
+        if let Some(fm) = t.frame_max {
+            w.frame_max.store(fm, Ordering::Relaxed);
+        }
+        if w.transmit(t.bytes, t.close) >= self.backlog_limit && !w.blocked {
+            w.blocked = true;
+            self.node.set_write_blocked(t.conn, true);
+        }
+        if t.close {
+            // The socket's write side shuts down once the writer task drops its handle too.
+            self.writers.remove(&t.conn);
+        }
+    }
+}
+
+impl Writer {
+    /// Writes what the socket takes now, if the writer task holds nothing older, and queues the rest for
+    /// the task. Returns the bytes now waiting in the task.
+    fn transmit(&self, mut bytes: Bytes, close: bool) -> usize {
+        if self.pending.load(Ordering::Acquire) == 0 {
+            // Nothing queued, so writing here keeps the order: the task decrements only after writing.
+            while !bytes.is_empty() {
+                match self.socket.try_write(&bytes) {
+                    Ok(n) => {
+                        let _ = bytes.split_to(n);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    // The reader sees the error too and reports the connection lost.
+                    Err(_) => return 0,
+                }
+            }
+            if bytes.is_empty() && !close {
+                return 0;
+            }
+        }
+        let n = bytes.len();
+        let pending = self.pending.fetch_add(n, Ordering::AcqRel) + n;
+        // A gone writer task means the socket is gone; the reader reports it.
+        let _ = self.tx.send(Outgoing { bytes, close });
+        pending
+    }
 }
 
 /// Runs the broker on `listener` until `shutdown` turns true, then closes every connection with 320.
@@ -89,8 +165,18 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let config = node.config().clone();
-    let (events_tx, events_rx) = mpsc::channel(EVENT_QUEUE);
-    let core = tokio::spawn(core(node, events_rx, shutdown.clone()));
+    let shared = Arc::new(Shared {
+        core: Mutex::new(Core {
+            node,
+            writers: HashMap::new(),
+            transmits: Vec::new(),
+            start: Instant::now(),
+            backlog_limit: config.write_backlog_limit,
+        }),
+        dispatch: Notify::new(),
+    });
+    let ticker = tokio::spawn(ticker(shared.clone()));
+    let dispatcher = tokio::spawn(dispatcher(shared.clone()));
     let next_id = AtomicU64::new(1);
     let handshake_timeout = Duration::from_millis(config.handshake_timeout_ms);
     loop {
@@ -106,173 +192,49 @@ pub async fn serve(
                     }
                 };
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
-                let events = events_tx.clone();
+                let shared = shared.clone();
                 let frame_max = config.frame_max;
-                let backlog_limit = config.write_backlog_limit;
                 tokio::spawn(async move {
-                    connection(stream, peer, conn, events, frame_max, handshake_timeout, backlog_limit).await;
+                    connection(stream, peer, conn, shared, frame_max, handshake_timeout).await;
                 });
             }
             _ = shutdown.changed() => break,
         }
     }
-    drop(events_tx);
-    core.await.map_err(std::io::Error::other)
+    drop(listener);
+    let open = shared.lock().node.connection_count();
+    tracing::info!(connections = open, "shutting down");
+    shared.with_node(|node, now| node.shutdown(now));
+    let deadline = Instant::now() + SHUTDOWN_GRACE;
+    while Instant::now() < deadline && shared.lock().node.connection_count() > 0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ticker.abort();
+    dispatcher.abort();
+    Ok(())
 }
 
-async fn core(
-    mut node: Node,
-    mut events: mpsc::Receiver<Event>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let start = Instant::now();
-    let now = || u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX);
-    let mut writers: HashMap<ConnId, Writer> = HashMap::new();
-    let mut ticker = tokio::time::interval(TICK);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut transmits = Vec::new();
-    let backlog_limit = node.config().write_backlog_limit;
-    let mut stopping: Option<Instant> = None;
-    let mut last_tick = Instant::now();
+/// Heartbeats, handshake and close deadlines.
+async fn ticker(shared: Arc<Shared>) {
+    let mut interval = tokio::time::interval(TICK);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        if node.needs_dispatch() {
-            // Deliveries are still possible: take what is queued without waiting, then dispatch again.
+        interval.tick().await;
+        shared.with_node(|node, now| node.tick(now));
+    }
+}
+
+/// Finishes deliveries a flush left pending (a queue hands out at most one batch per pass).
+async fn dispatcher(shared: Arc<Shared>) {
+    loop {
+        shared.dispatch.notified().await;
+        loop {
+            let more = shared.lock().flush(DISPATCH_PASSES);
+            if !more {
+                break;
+            }
+            // Let readers and writers in between batches.
             tokio::task::yield_now().await;
-            let t = now();
-            for _ in 0..BATCH {
-                match events.try_recv() {
-                    Ok(ev) => handle(&mut node, &mut writers, ev, t),
-                    Err(_) => break,
-                }
-            }
-            if last_tick.elapsed() >= TICK {
-                last_tick = Instant::now();
-                node.tick(t);
-            }
-            if stopping.is_none() && shutdown.has_changed().unwrap_or(false) {
-                shutdown.mark_unchanged();
-                tracing::info!(connections = node.connection_count(), "shutting down");
-                node.shutdown(t);
-                stopping = Some(Instant::now());
-            }
-        } else {
-            tokio::select! {
-                ev = events.recv() => {
-                    let Some(ev) = ev else { break };
-                    let t = now();
-                    handle(&mut node, &mut writers, ev, t);
-                    for _ in 1..BATCH {
-                        match events.try_recv() {
-                            Ok(ev) => handle(&mut node, &mut writers, ev, t),
-                            Err(_) => break,
-                        }
-                    }
-                }
-                _ = ticker.tick() => {
-                    last_tick = Instant::now();
-                    node.tick(now());
-                    if let Some(since) = stopping {
-                        if node.connection_count() == 0 || since.elapsed() > SHUTDOWN_GRACE {
-                            break;
-                        }
-                    }
-                }
-                changed = shutdown.changed(), if stopping.is_none() => {
-                    if changed.is_ok() {
-                        tracing::info!(connections = node.connection_count(), "shutting down");
-                        node.shutdown(now());
-                        stopping = Some(Instant::now());
-                    }
-                }
-            }
-        }
-        node.poll_transmit(now(), &mut transmits);
-        for t in transmits.drain(..) {
-            let close = t.close;
-            let conn = t.conn;
-            if let Some(w) = writers.get_mut(&conn) {
-                if let Some(fm) = t.frame_max {
-                    w.frame_max.store(fm, Ordering::Relaxed);
-                }
-                if w.transmit(t.bytes, close) >= backlog_limit && !w.blocked {
-                    w.blocked = true;
-                    node.set_write_blocked(conn, true);
-                }
-            }
-            if close {
-                writers.remove(&conn);
-            }
-        }
-    }
-    // Let writers flush their last close frames.
-    drop(writers);
-}
-
-impl Writer {
-    /// Writes what the socket takes now, if the writer task holds nothing older, and queues the rest for
-    /// the task. Returns the bytes now waiting in the task.
-    fn transmit(&self, mut bytes: Bytes, close: bool) -> usize {
-        if self.pending.load(Ordering::Acquire) == 0 {
-            // Nothing queued, so writing here keeps the order: the task decrements only after writing.
-            while !bytes.is_empty() {
-                match self.socket.try_write(&bytes) {
-                    Ok(n) => {
-                        let _ = bytes.split_to(n);
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                    // The reader will see the error too and report the connection lost.
-                    Err(_) => return 0,
-                }
-            }
-            if bytes.is_empty() && !close {
-                return 0;
-            }
-        }
-        let n = bytes.len();
-        let pending = self.pending.fetch_add(n, Ordering::AcqRel) + n;
-        // A gone writer task means the socket is gone; its Lost event is on the way.
-        let _ = self.tx.send(Outgoing { bytes, close });
-        pending
-    }
-}
-
-fn handle(node: &mut Node, writers: &mut HashMap<ConnId, Writer>, ev: Event, now: u64) {
-    match ev {
-        Event::Opened {
-            conn,
-            peer,
-            writer,
-            socket,
-            frame_max,
-            pending,
-        } => {
-            writers.insert(
-                conn,
-                Writer {
-                    tx: writer,
-                    socket,
-                    frame_max,
-                    pending,
-                    blocked: false,
-                },
-            );
-            node.connection_opened(conn, Some(peer), now);
-        }
-        Event::Frames { conn, frames } => {
-            for frame in frames {
-                node.handle_frame(conn, frame, now);
-            }
-        }
-        Event::DecodeError { conn, error } => node.decode_error(conn, &error, now),
-        Event::Lost { conn } => {
-            writers.remove(&conn);
-            node.connection_lost(conn);
-        }
-        Event::Writable { conn } => {
-            if let Some(w) = writers.get_mut(&conn) {
-                w.blocked = false;
-            }
-            node.set_write_blocked(conn, false);
         }
     }
 }
@@ -281,10 +243,9 @@ async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     conn: ConnId,
-    events: mpsc::Sender<Event>,
+    shared: Arc<Shared>,
     frame_max: u32,
     handshake_timeout: Duration,
-    backlog_limit: usize,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
@@ -300,33 +261,24 @@ async fn connection(
         }
         _ => return,
     }
-    let shared = Shared {
-        frame_max: Arc::new(AtomicU32::new(frame_max)),
-        pending: Arc::new(AtomicUsize::new(0)),
-        backlog_limit,
-    };
+    let frame_max = Arc::new(AtomicU32::new(frame_max));
+    let pending = Arc::new(AtomicUsize::new(0));
     let (tx, rx) = mpsc::unbounded_channel();
-    if events
-        .send(Event::Opened {
+    shared.with_core(|core, now| {
+        core.writers.insert(
             conn,
-            peer,
-            writer: tx,
-            socket: wr.clone(),
-            frame_max: shared.frame_max.clone(),
-            pending: shared.pending.clone(),
-        })
-        .await
-        .is_err()
-    {
-        return;
-    }
-    let reader = tokio::spawn(read_loop(
-        rd,
-        conn,
-        events.clone(),
-        shared.frame_max.clone(),
-    ));
-    write_loop(wr, rx, conn, events, reader.abort_handle(), shared).await;
+            Writer {
+                tx,
+                socket: wr.clone(),
+                frame_max: frame_max.clone(),
+                pending: pending.clone(),
+                blocked: false,
+            },
+        );
+        core.node.connection_opened(conn, Some(peer), now);
+    });
+    let reader = tokio::spawn(read_loop(rd, conn, shared.clone(), frame_max));
+    write_loop(wr, rx, conn, shared, reader.abort_handle(), pending).await;
 }
 
 /// Reads until the 8-byte protocol header is known good (true) or bad (false); a bad prefix is refused
@@ -339,25 +291,26 @@ async fn read_protocol_header(rd: &mut OwnedReadHalf) -> std::io::Result<bool> {
             Ok(false) => {}
             Err(_) => return Ok(false),
         }
-        let mut byte = [0u8; 8];
+        let mut chunk = [0u8; 8];
         let want = 8 - buf.len();
-        let n = rd.read(&mut byte[..want]).await?;
+        let n = rd.read(&mut chunk[..want]).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        buf.extend_from_slice(&byte[..n]);
+        buf.extend_from_slice(&chunk[..n]);
     }
 }
 
 async fn read_loop(
     mut rd: OwnedReadHalf,
     conn: ConnId,
-    events: mpsc::Sender<Event>,
+    shared: Arc<Shared>,
     frame_max: Arc<AtomicU32>,
 ) {
     let mut decoder = FrameDecoder::new(frame_max.load(Ordering::Relaxed));
     let mut buf = BytesMut::new();
     let mut read_size = MIN_READ;
+    let mut frames = Vec::new();
     loop {
         if buf.capacity() - buf.len() < MIN_READ {
             // Frames taken out earlier keep their part of the old buffer alive; small reads share one
@@ -366,10 +319,7 @@ async fn read_loop(
         }
         let spare = buf.capacity() - buf.len();
         match rd.read_buf(&mut buf).await {
-            Ok(0) | Err(_) => {
-                let _ = events.send(Event::Lost { conn }).await;
-                return;
-            }
+            Ok(0) | Err(_) => break,
             // A read that fills the buffer means a busy client: read more at a time; small reads, less.
             Ok(n) if n == spare => read_size = (read_size * 2).min(MAX_READ),
             Ok(n) if n < read_size / 8 => read_size = (read_size / 2).max(MIN_READ),
@@ -379,7 +329,6 @@ async fn read_loop(
         if fm != decoder.frame_max() {
             decoder.set_frame_max(fm);
         }
-        let mut frames = Vec::new();
         let mut failure = None;
         loop {
             match decoder.decode(&mut buf) {
@@ -391,15 +340,24 @@ async fn read_loop(
                 }
             }
         }
-        if !frames.is_empty() && events.send(Event::Frames { conn, frames }).await.is_err() {
-            return;
-        }
-        if let Some(error) = failure {
-            // Nothing after a framing error can be trusted: stop reading; the core closes the connection.
-            let _ = events.send(Event::DecodeError { conn, error }).await;
+        let failed = failure.is_some();
+        shared.with_node(|node, now| {
+            for frame in frames.drain(..) {
+                node.handle_frame(conn, frame, now);
+            }
+            if let Some(error) = &failure {
+                node.decode_error(conn, error, now);
+            }
+        });
+        if failed {
+            // Nothing after a framing error can be trusted: stop reading; the node closes the connection.
             return;
         }
     }
+    shared.with_core(|core, _| {
+        core.node.connection_lost(conn);
+        core.writers.remove(&conn);
+    });
 }
 
 /// Writes all of `buf`, waiting for the socket as needed.
@@ -415,34 +373,41 @@ async fn write_all(socket: &OwnedWriteHalf, mut buf: &[u8]) -> std::io::Result<(
     Ok(())
 }
 
-/// Writes what the core could not write at once. The socket's write side shuts down when the last
-/// handle (this task's and the core's) is dropped.
+/// Writes what the core could not write at once. The socket's write side shuts down when the last handle
+/// (this task's and the core's) is dropped.
 async fn write_loop(
     socket: Arc<OwnedWriteHalf>,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     conn: ConnId,
-    events: mpsc::Sender<Event>,
+    shared: Arc<Shared>,
     reader: AbortHandle,
-    shared: Shared,
+    pending: Arc<AtomicUsize>,
 ) {
+    let limit = shared.lock().backlog_limit;
+    let mut ended_by_close = false;
     while let Some(out) = rx.recv().await {
         if write_all(&socket, &out.bytes).await.is_err() {
             break;
         }
         let written = out.bytes.len();
-        let before = shared.pending.fetch_sub(written, Ordering::AcqRel);
-        let limit = shared.backlog_limit;
-        if before >= limit
-            && before - written < limit
-            && events.send(Event::Writable { conn }).await.is_err()
-        {
-            break;
+        let before = pending.fetch_sub(written, Ordering::AcqRel);
+        if before >= limit && before - written < limit {
+            shared.with_core(|core, _| {
+                if let Some(w) = core.writers.get_mut(&conn) {
+                    w.blocked = false;
+                }
+                core.node.set_write_blocked(conn, false);
+            });
         }
         if out.close {
+            ended_by_close = true;
             break;
         }
     }
     drop(socket);
-    reader.abort();
-    let _ = events.send(Event::Lost { conn }).await;
+    if ended_by_close {
+        // The node already let go of the connection; a client that keeps its socket open is not read.
+        reader.abort();
+        shared.with_node(|node, _| node.connection_lost(conn));
+    }
 }
