@@ -20,28 +20,25 @@ impl DeliverySink for Sink {
     }
 }
 
-fn main() {
+fn main() -> Result<(), warren_codec::AmqpError> {
     let mut b = Broker::new(BrokerConfig::default());
     let none = FieldTable::new();
     let mut queues = Vec::new();
     for i in 0..100 {
         let name = format!("q{i}");
-        let d = b
-            .declare_queue(
-                "/",
-                DeclareQueue {
-                    name: warren_codec::ShortStr::from_string(name.clone()),
-                    passive: false,
-                    durable: false,
-                    exclusive: false,
-                    auto_delete: false,
-                    arguments: FieldTable::new(),
-                },
-                1,
-            )
-            .expect("declare");
-        b.bind_queue("/", &name, "amq.topic", &format!("a.{i}.#"), &none, 1)
-            .expect("bind");
+        let d = b.declare_queue(
+            "/",
+            DeclareQueue {
+                name: warren_codec::ShortStr::from_string(name.clone()),
+                passive: false,
+                durable: false,
+                exclusive: false,
+                auto_delete: false,
+                arguments: FieldTable::new(),
+            },
+            1,
+        )?;
+        b.bind_queue("/", &name, "amq.topic", &format!("a.{i}.#"), &none, 1)?;
         b.consume(
             "/",
             &name,
@@ -53,8 +50,7 @@ fn main() {
             false,
             false,
             &none,
-        )
-        .expect("consume");
+        )?;
         queues.push(d.queue);
     }
     let msg = Message {
@@ -70,15 +66,11 @@ fn main() {
     let start = Instant::now();
     for i in 0..n {
         let key = &keys[(i % 100) as usize];
-        b.publish("/", "amq.topic", key, msg.clone(), i)
-            .expect("publish");
+        b.publish("/", "amq.topic", key, msg.clone(), i)?;
         if i % 100 == 99 {
             b.dispatch(&mut sink);
             for (id, q) in sink.0.drain(..) {
                 b.settle(q, id);
-            }
-            for q in &queues {
-                let _ = q;
             }
             b.channel_credit_changed(1, 1);
         }
@@ -89,4 +81,5 @@ fn main() {
         "{n} publish+deliver+settle in {el:?}: {:.0}/s",
         n as f64 / el.as_secs_f64()
     );
+    Ok(())
 }

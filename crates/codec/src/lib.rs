@@ -29,10 +29,13 @@ mod wire;
 pub mod fuzzing;
 
 #[cfg(test)]
+#[path = "tests/oracle.rs"]
 mod oracle;
 #[cfg(test)]
+#[path = "tests/proptests.rs"]
 mod proptests;
 #[cfg(test)]
+#[path = "tests/testing.rs"]
 mod testing;
 
 pub use encode::{

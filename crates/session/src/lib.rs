@@ -14,6 +14,4 @@ pub use config::{SessionConfig, User};
 pub use node::{Node, Transmit};
 
 #[cfg(test)]
-mod proptests;
-#[cfg(test)]
 mod tests;

@@ -1,5 +1,7 @@
 //! The node driven frame by frame with simulated time: no sockets, no sleeps.
 
+mod props;
+
 use bytes::{Bytes, BytesMut};
 use warren_broker::{Broker, BrokerConfig};
 use warren_codec::*;
