@@ -691,18 +691,14 @@ impl Channel {
                         &e.arguments,
                     )
                     .map_err(fail)?;
-                if !e.no_wait {
-                    send(ctx.out, ch, ExchangeDeclareOk {});
-                }
+                reply(ctx.out, ch, e.no_wait, ExchangeDeclareOk {});
                 Ok(())
             }
             Method::ExchangeDelete(e) => {
                 ctx.broker
                     .delete_exchange(ctx.vhost, &e.exchange, e.if_unused)
                     .map_err(fail)?;
-                if !e.no_wait {
-                    send(ctx.out, ch, ExchangeDeleteOk {});
-                }
+                reply(ctx.out, ch, e.no_wait, ExchangeDeleteOk {});
                 Ok(())
             }
             Method::ExchangeBind(b) => {
@@ -715,9 +711,7 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
-                if !b.no_wait {
-                    send(ctx.out, ch, ExchangeBindOk {});
-                }
+                reply(ctx.out, ch, b.no_wait, ExchangeBindOk {});
                 Ok(())
             }
             Method::ExchangeUnbind(b) => {
@@ -730,9 +724,7 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
-                if !b.no_wait {
-                    send(ctx.out, ch, ExchangeUnbindOk {});
-                }
+                reply(ctx.out, ch, b.no_wait, ExchangeUnbindOk {});
                 Ok(())
             }
             Method::QueueDeclare(q) if q.queue.as_str() == REPLY_TO => {
@@ -799,9 +791,7 @@ impl Channel {
                         ctx.conn,
                     )
                     .map_err(fail)?;
-                if !b.no_wait {
-                    send(ctx.out, ch, QueueBindOk {});
-                }
+                reply(ctx.out, ch, b.no_wait, QueueBindOk {});
                 Ok(())
             }
             Method::QueueUnbind(b) => {
@@ -861,9 +851,7 @@ impl Channel {
                     )));
                 }
                 self.confirm = true;
-                if !c.no_wait {
-                    send(ctx.out, ch, ConfirmSelectOk {});
-                }
+                reply(ctx.out, ch, c.no_wait, ConfirmSelectOk {});
                 Ok(())
             }
             Method::TxSelect(_) => {
@@ -1037,6 +1025,13 @@ impl Channel {
     /// A consumer removed by the broker (its queue was deleted).
     pub fn drop_consumer(&mut self, tag: &str) -> bool {
         self.consumers.remove(tag).is_some()
+    }
+}
+
+/// Sends a method's -ok unless the client asked for no-wait.
+fn reply(out: &mut BytesMut, channel: u16, no_wait: bool, ok: impl Into<Method>) {
+    if !no_wait {
+        send(out, channel, ok);
     }
 }
 
