@@ -26,6 +26,7 @@ CHART="bench/benchmarks.svg"
 RESULTS=""
 SELF_TEST=0
 BUILD=1
+CLEAN_BUILD=0
 QUICK=0
 WARREN_PORT=5690
 WARREN_BIN=""
@@ -52,6 +53,7 @@ Options:
   --results DIR          where the JSON of every run goes (default bench/results/<time>)
   --self-test            side B is RabbitMQ too (checks the pipeline without Warren)
   --no-build             use the binaries already built
+  --clean-build          build a clean export of HEAD (ignores uncommitted changes in the tree)
   --warren-port P        port for Warren (default 5690)
   --warren-bin PATH      Warren binary (default: the release build)
   --warren-args "..."    extra arguments for Warren
@@ -83,6 +85,7 @@ while [ $# -gt 0 ]; do
     --results) RESULTS="$2"; shift ;;
     --self-test) SELF_TEST=1 ;;
     --no-build) BUILD=0 ;;
+    --clean-build) CLEAN_BUILD=1 ;;
     --warren-port) WARREN_PORT="$2"; shift ;;
     --warren-bin) WARREN_BIN="$2"; shift ;;
     --warren-args) WARREN_ARGS="$2"; shift ;;
@@ -139,17 +142,39 @@ fi
 # ---------------------------------------------------------------- build
 TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}"
 export CARGO_TARGET_DIR="$TARGET_DIR"
+[ -n "$RESULTS" ] || RESULTS="bench/results/$(date -u +%Y%m%dT%H%M%SZ)"
+mkdir -p "$RESULTS/bin"
+SRC="$ROOT"
+CLEAN_SRC=""
+GIT_REV="$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+if [ "$CLEAN_BUILD" = 1 ]; then
+  # Build exactly HEAD: uncommitted work in the tree does not end up in the measured binaries.
+  CLEAN_SRC="$(mktemp -d)"
+  git archive HEAD | tar -x -C "$CLEAN_SRC"
+  SRC="$CLEAN_SRC"
+  GIT_REV="$GIT_REV (clean build of HEAD)"
+elif [ -n "$(git status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null)" ]; then
+  GIT_REV="$GIT_REV (with uncommitted changes)"
+fi
 if [ "$BUILD" = 1 ]; then
   if [ "$SELF_TEST" = 1 ]; then
     log "building warren-bench (release)"
-    cargo build --release -q -p warren-bench
+    (cd "$SRC" && cargo build --release -q -p warren-bench)
   else
     log "building warren and warren-bench (release)"
-    cargo build --release -q -p warren-server -p warren-bench
+    (cd "$SRC" && cargo build --release -q -p warren-server -p warren-bench)
   fi
 fi
-BENCH="$TARGET_DIR/release/warren-bench"
-[ -x "$BENCH" ] || { echo "missing $BENCH (build it or drop --no-build)" >&2; exit 1; }
+[ -n "$CLEAN_SRC" ] && rm -rf "$CLEAN_SRC"
+# Run private copies: a rebuild in the shared target directory during the run changes nothing.
+cp "$TARGET_DIR/release/warren-bench" "$RESULTS/bin/" ||
+  { echo "missing $TARGET_DIR/release/warren-bench (build it or drop --no-build)" >&2; exit 1; }
+BENCH="$RESULTS/bin/warren-bench"
+if [ -z "$WARREN_BIN" ] && [ "$SELF_TEST" = 0 ] && [ -z "$WARREN_PID" ]; then
+  cp "$TARGET_DIR/release/warren" "$RESULTS/bin/" ||
+    { echo "missing $TARGET_DIR/release/warren (build it or drop --no-build)" >&2; exit 1; }
+  WARREN_BIN="$RESULTS/bin/warren"
+fi
 [ -n "$WARREN_BIN" ] || WARREN_BIN="$TARGET_DIR/release/warren"
 
 # ---------------------------------------------------------------- Warren (side B)
@@ -161,10 +186,8 @@ cleanup() {
     wait "$STARTED_WARREN" 2>/dev/null || true
   fi
 }
-trap cleanup EXIT INT TERM
-
-[ -n "$RESULTS" ] || RESULTS="bench/results/$(date -u +%Y%m%dT%H%M%SZ)"
-mkdir -p "$RESULTS"
+trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
@@ -287,8 +310,6 @@ done
 END_TIME="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 
 # ---------------------------------------------------------------- machine and report
-GIT_REV="$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-git diff --quiet HEAD -- crates 2>/dev/null || GIT_REV="$GIT_REV (with local changes)"
 python3 - "$RESULTS/meta.json" <<EOF
 import json, sys, platform, subprocess
 def sh(cmd):
