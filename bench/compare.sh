@@ -204,6 +204,13 @@ start_warren() {
     sleep 0.1
   done
   port_open "$WARREN_PORT" || { echo "Warren does not listen on $WARREN_PORT" >&2; exit 1; }
+  # A broker that listens but cannot complete a handshake would only produce failed runs.
+  if ! "$BENCH" --url "amqp://guest:guest@127.0.0.1:$WARREN_PORT/%2f" --idle-connections 1 \
+      --settle 0 --quiesce 0 --quiet >/dev/null 2>"$RESULTS/warren-handshake.log"; then
+    echo "Warren on port $WARREN_PORT does not complete an AMQP handshake:" >&2
+    cat "$RESULTS/warren-handshake.log" >&2
+    exit 1
+  fi
 }
 
 # On a shared machine something may stop our Warren between runs; start it again and say so.
