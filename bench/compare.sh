@@ -27,6 +27,8 @@ RESULTS=""
 SELF_TEST=0
 BUILD=1
 CLEAN_BUILD=0
+RESTART_RABBIT=auto
+RABBIT_OURS=0
 QUICK=0
 WARREN_PORT=5690
 WARREN_BIN=""
@@ -54,6 +56,8 @@ Options:
   --self-test            side B is RabbitMQ too (checks the pipeline without Warren)
   --no-build             use the binaries already built
   --clean-build          build a clean export of HEAD (ignores uncommitted changes in the tree)
+  --restart-rabbitmq     restart RabbitMQ before each idle-scenario run (default: only if this
+                         script started it); --no-restart-rabbitmq never does
   --warren-port P        port for Warren (default 5690)
   --warren-bin PATH      Warren binary (default: the release build)
   --warren-args "..."    extra arguments for Warren
@@ -86,6 +90,8 @@ while [ $# -gt 0 ]; do
     --self-test) SELF_TEST=1 ;;
     --no-build) BUILD=0 ;;
     --clean-build) CLEAN_BUILD=1 ;;
+    --restart-rabbitmq) RESTART_RABBIT=1 ;;
+    --no-restart-rabbitmq) RESTART_RABBIT=0 ;;
     --warren-port) WARREN_PORT="$2"; shift ;;
     --warren-bin) WARREN_BIN="$2"; shift ;;
     --warren-args) WARREN_ARGS="$2"; shift ;;
@@ -108,19 +114,32 @@ if ! command -v rabbitmq-server >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq rabbitmq-server >/dev/null
 fi
-if ! rabbitmqctl -q status >/dev/null 2>&1; then
-  log "starting RabbitMQ"
+start_rabbit() {
   # RabbitMQ sizes its socket limit from the file-descriptor limit it starts with; 1024 would
   # stop scenario 7 at about 830 connections.
   $SUDO bash -c 'ulimit -n 65536 2>/dev/null || true; rabbitmq-server -detached'
   sleep 2
+  rabbitmqctl -q await_startup >/dev/null 2>&1 || { sleep 5; rabbitmqctl -q await_startup; }
+}
+rabbit_pid() {
+  local pid
+  pid="$(rabbitmqctl -q eval 'list_to_integer(os:getpid()).' 2>/dev/null | tr -dc 0-9)"
+  if [ -z "$pid" ] || [ ! -d "/proc/$pid" ]; then
+    pid="$(pgrep -o -x beam.smp || true)"
+  fi
+  [ -n "$pid" ] || { echo "cannot find RabbitMQ's beam.smp pid" >&2; exit 1; }
+  echo "$pid"
+}
+if ! rabbitmqctl -q status >/dev/null 2>&1; then
+  log "starting RabbitMQ"
+  start_rabbit
+  RABBIT_OURS=1
 fi
 rabbitmqctl -q await_startup >/dev/null 2>&1 || { sleep 5; rabbitmqctl -q await_startup; }
-RABBIT_PID="$(rabbitmqctl -q eval 'list_to_integer(os:getpid()).' 2>/dev/null | tr -dc 0-9)"
-if [ -z "$RABBIT_PID" ] || [ ! -d "/proc/$RABBIT_PID" ]; then
-  RABBIT_PID="$(pgrep -o -x beam.smp || true)"
-fi
-[ -n "$RABBIT_PID" ] || { echo "cannot find RabbitMQ's beam.smp pid" >&2; exit 1; }
+RABBIT_PID="$(rabbit_pid)"
+# Restarting RabbitMQ before the idle scenarios is only done when this script started it (or
+# when asked): on a shared machine someone else may be using it.
+[ "$RESTART_RABBIT" = auto ] && RESTART_RABBIT="$RABBIT_OURS"
 RABBIT_VERSION="$(rabbitmqctl -q version 2>/dev/null || dpkg-query -W -f '${Version}' rabbitmq-server)"
 ERLANG_VERSION="$(rabbitmqctl -q eval 'erlang:system_info(otp_release).' 2>/dev/null | tr -d '"' || echo '?')"
 log "RabbitMQ $RABBIT_VERSION (OTP $ERLANG_VERSION), beam.smp pid $RABBIT_PID"
@@ -213,6 +232,23 @@ start_warren() {
   fi
 }
 
+restart_rabbit() {
+  log "restarting RabbitMQ (fresh memory for the idle scenario)"
+  rabbitmqctl -q stop >/dev/null 2>&1 || true
+  start_rabbit
+  RABBIT_PID="$(rabbit_pid)"
+  A_PID="$RABBIT_PID"
+  [ "$SELF_TEST" = 1 ] && B_PID="$RABBIT_PID"
+  return 0
+}
+
+restart_warren() {
+  kill "$STARTED_WARREN" 2>/dev/null || true
+  wait "$STARTED_WARREN" 2>/dev/null || true
+  STARTED_WARREN=""
+  start_warren
+}
+
 # On a shared machine something may stop our Warren between runs; start it again and say so.
 ensure_warren() {
   [ -n "$STARTED_WARREN" ] || return 0
@@ -273,6 +309,15 @@ record_command() {
 run_one() {
   local scen="$1" side="$2" pair="$3" url pid name base args tag out
   [ "$side" = A ] || ensure_warren
+  if [ "$scen" = s6 ] || [ "$scen" = s7 ]; then
+    # Memory per idle item from a fresh process: the allocator would otherwise hand the previous
+    # run's freed memory to this one and make an item look free.
+    if [ "$side" = B ] && [ -n "$STARTED_WARREN" ]; then
+      restart_warren
+    elif [ "$RESTART_RABBIT" = 1 ] && { [ "$side" = A ] || [ "$SELF_TEST" = 1 ]; }; then
+      restart_rabbit
+    fi
+  fi
   if [ "$side" = A ]; then url="$A_URL"; pid="$A_PID"; name="$A_NAME"; else url="$B_URL"; pid="$B_PID"; name="$B_NAME"; fi
   case "$scen" in s8p|s8d) base=s8 ;; *) base="$scen" ;; esac
   tag="wb-$base-$side$pair-$$"
@@ -338,6 +383,8 @@ meta = {
     "git_rev": "$GIT_REV",
     "warren_storage": """$WARREN_STORAGE""",
     "warren_args": "$WARREN_ARGS", "warren_port": $WARREN_PORT,
+    "fresh_for_idle": {"A": $RESTART_RABBIT == 1,
+                       "B": ($RESTART_RABBIT == 1) if $SELF_TEST else ("$WARREN_PID" == "")},
     "notes": [n for n in ["""$IDLE_CONNECTIONS_NOTE""",
         "Warren exited during the run and was restarted $WARREN_RESTARTS time(s) (see warren.log in the results)" if $WARREN_RESTARTS else ""] if n],
     "machine": {

@@ -91,7 +91,12 @@ def metrics_of(scen, run, drain=None):
             add("confirm_p99", "confirm latency p99", "ms", "lower", ms(get(run, "confirm_latency", "p99_us")))
     elif scen in ("s6", "s7"):
         what = "queue" if scen == "s6" else "connection"
+        # The second half's growth is the steadier figure (the first half soaks up memory the
+        # allocator kept from earlier runs); older results only have the overall one.
         add("per_item", f"broker memory per {what}", "KB", "lower", kb(run.get("bytes_per_item")))
+        if "bytes_per_item_second_half" in run:
+            add("per_item_2nd", f"broker memory per {what}, second half only", "KB", "lower",
+                kb(run.get("bytes_per_item_second_half")))
         add("create_rate", "declare rate" if scen == "s6" else "connection open rate", f"{what}s/s", "higher", run.get("create_rate"))
     elif scen == "s8":
         add("publish_rate", "publish rate", "msg/s", "higher", run.get("publish_rate"))
@@ -322,6 +327,28 @@ def svg_chart(rows, a_name, b_name, title):
 # ------------------------------------------------------------------------------ markdown
 
 
+def fresh_note(meta):
+    """How the idle scenarios avoided (or did not avoid) memory kept from earlier runs."""
+    fresh = meta.get("fresh_for_idle", {})
+    a, b = meta.get("a_name", "A"), meta.get("b_name", "B")
+    restarted = [n for n, side in ((a, "A"), (b, "B")) if fresh.get(side)]
+    kept = [n for n, side in ((a, "A"), (b, "B")) if not fresh.get(side)]
+    text = ""
+    if restarted:
+        text += (
+            f"{' and '.join(restarted)} {'was' if len(restarted) == 1 else 'were'} restarted before each "
+            "idle-scenario run, so that memory the allocator kept from the previous run could not make an "
+            "item look free. "
+        )
+    if kept:
+        text += (
+            f"{' and '.join(kept)} {'was' if len(kept) == 1 else 'were'} not restarted (shared with other "
+            "users of this machine): memory freed by earlier scenarios may be reused, which tends to make "
+            f"{'its' if len(kept) == 1 else 'their'} per-item figures lower than from a fresh start. "
+        )
+    return text
+
+
 def report(results, out_path, chart_path):
     meta = load(os.path.join(results, "meta.json")) or {}
     data, errors = collect(results)
@@ -453,8 +480,12 @@ def report(results, out_path, chart_path):
         "Options worth knowing: `--rate` is per producer; CPU per message divides the broker's CPU time "
         "(utime + stime from `/proc/<pid>/stat`, over the run, setup excluded) by the messages consumed "
         "(each one published, delivered and acknowledged), or by the messages published when nothing "
-        "consumes. Memory per idle item is the growth of `VmRSS` divided by the item count, read after the "
-        "broker's RSS has stopped moving and a settle time of 3 s. Peak RSS is `VmHWM` after resetting it "
+        "consumes. Memory per idle item is the growth of `VmRSS` divided by the item count, from a reading taken "
+        "once the broker's RSS has stopped moving to one taken 3 s after the last item; the *second half "
+        "only* row divides the growth between a reading after the first half (and 3 s) and the end by the "
+        "second half's count, which leaves out fixed start-up costs. "
+        + fresh_note(meta)
+        + " Peak RSS is `VmHWM` after resetting it "
         "through `/proc/<pid>/clear_refs` at the start of the scenario, or the highest sampled `VmRSS`."
     )
     L.append("")

@@ -28,6 +28,12 @@ pub struct IdleReport {
     pub create_rate: f64,
     /// Broker RSS growth per item, in bytes, after --settle seconds.
     pub bytes_per_item: Option<f64>,
+    /// The same over the second half of the items only (RSS after --settle at the half-way point
+    /// to RSS at the end). Memory the allocator kept from earlier work is mostly used up by the
+    /// first half, so this is the steadier figure of what one more item costs.
+    pub bytes_per_item_second_half: Option<f64>,
+    /// Broker RSS at the half-way point (after --settle seconds).
+    pub rss_mid_kb: Option<u64>,
     /// Broker CPU and memory from before the first item until after the settle time.
     pub broker: Option<BrokerReport>,
     pub client_cpu_s: f64,
@@ -120,10 +126,28 @@ async fn before(opts: &Opts) -> Result<Before, BoxError> {
     })
 }
 
+/// The half-way reading: items created so far and the broker's RSS after the settle time.
+struct Mid {
+    items: u64,
+    rss_kb: Option<u64>,
+}
+
+async fn midpoint(opts: &Opts, items: u64) -> Mid {
+    tokio::time::sleep(Duration::from_secs_f64(opts.settle)).await;
+    Mid {
+        items,
+        rss_kb: opts
+            .broker_pid
+            .and_then(|p| stats::sample(p).ok())
+            .map(|s| s.rss_kb),
+    }
+}
+
 fn report(
     mode: &'static str,
     opts: &Opts,
     b: Before,
+    mid: Mid,
     items: u64,
     create_s: f64,
     errors: Vec<String>,
@@ -144,6 +168,13 @@ fn report(
         .as_ref()
         .filter(|_| items > 0)
         .map(|br| stats::round1(br.rss_delta_kb as f64 * 1024.0 / items as f64));
+    let second_half = items.saturating_sub(mid.items);
+    let bytes_per_item_second_half = match (&broker, mid.rss_kb) {
+        (Some(br), Some(mid_kb)) if second_half > 0 => Some(stats::round1(
+            (br.rss_end_kb as f64 - mid_kb as f64) * 1024.0 / second_half as f64,
+        )),
+        _ => None,
+    };
     Ok(IdleReport {
         mode,
         label: opts.label.clone(),
@@ -156,6 +187,8 @@ fn report(
             0.0
         },
         bytes_per_item,
+        bytes_per_item_second_half,
+        rss_mid_kb: mid.rss_kb,
         broker,
         client_cpu_s: stats::round3((stats::sample_self().cpu_s - b.client.cpu_s).max(0.0)),
         errors,
@@ -169,23 +202,51 @@ pub async fn idle_queues(opts: Opts, n: u64) -> Result<IdleReport, BoxError> {
     for _ in 0..parallel.max(8) {
         channels.push(conn.create_channel().await?);
     }
-    let args = opts.queue_arguments();
     let names: Arc<Vec<String>> = Arc::new(opts.queue_names(n as usize));
     let done = Arc::new(AtomicU64::new(0));
     let b = before(&opts).await?;
     let progress = spawn_progress(done.clone(), n, "declared", opts.broker_pid, opts.quiet);
+    let mut errors = Vec::new();
     let t0 = Instant::now();
+    errors.extend(declare(&opts, &channels, &names, 0..n / 2, &done).await?);
+    let mut create_s = t0.elapsed().as_secs_f64();
+    let mid = midpoint(&opts, done.load(Relaxed)).await;
+    let t1 = Instant::now();
+    errors.extend(declare(&opts, &channels, &names, n / 2..n, &done).await?);
+    create_s += t1.elapsed().as_secs_f64();
+    let declared = done.load(Relaxed);
+    progress.abort();
+    tokio::time::sleep(Duration::from_secs_f64(opts.settle)).await;
+    let r = report("idle-queues", &opts, b, mid, declared, create_s, errors)?;
+    if !opts.keep {
+        delete_queues(&channels, &names).await;
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    Ok(r)
+}
+
+/// Declares the queues `range` of `names`, --parallel channels at a time.
+async fn declare(
+    opts: &Opts,
+    channels: &[Channel],
+    names: &Arc<Vec<String>>,
+    range: std::ops::Range<u64>,
+    done: &Arc<AtomicU64>,
+) -> Result<Vec<String>, BoxError> {
+    let args = opts.queue_arguments();
     let mut tasks = Vec::new();
-    for (range, ch) in split_range(n, parallel)
+    let len = range.end - range.start;
+    for (part, ch) in split_range(len, u64::from(opts.parallel))
         .into_iter()
         .zip(channels.iter().cloned())
     {
         let (names, args, done) = (names.clone(), args.clone(), done.clone());
         let durable = opts.durable;
+        let base = range.start;
         tasks.push(tokio::spawn(async move {
-            for i in range {
+            for i in part {
                 ch.queue_declare(
-                    names[i as usize].as_str().into(),
+                    names[(base + i) as usize].as_str().into(),
                     QueueDeclareOptions {
                         durable,
                         ..Default::default()
@@ -204,16 +265,7 @@ pub async fn idle_queues(opts: Opts, n: u64) -> Result<IdleReport, BoxError> {
             errors.push(format!("declare: {e}"));
         }
     }
-    let create_s = t0.elapsed().as_secs_f64();
-    let declared = done.load(Relaxed);
-    progress.abort();
-    tokio::time::sleep(Duration::from_secs_f64(opts.settle)).await;
-    let r = report("idle-queues", &opts, b, declared, create_s, errors)?;
-    if !opts.keep {
-        delete_queues(&channels, &names).await;
-    }
-    let _ = conn.close(200, "bye".into()).await;
-    Ok(r)
+    Ok(errors)
 }
 
 async fn delete_queues(channels: &[Channel], names: &Arc<Vec<String>>) {
@@ -247,32 +299,35 @@ pub async fn idle_connections(opts: Opts, n: u64) -> Result<IdleReport, BoxError
     let (stop_tx, stop_rx) = watch::channel(false);
     let b = before(&opts).await?;
     let progress = spawn_progress(done.clone(), n, "connections", opts.broker_pid, opts.quiet);
-    let t0 = Instant::now();
-    let mut openers = Vec::new();
-    for range in split_range(n, u64::from(opts.parallel)) {
-        let (target, done, stop_rx) = (target.clone(), done.clone(), stop_rx.clone());
-        openers.push(tokio::spawn(async move {
-            let mut idlers = Vec::new();
-            for _ in range {
-                // A broker out of sockets accepts at the TCP level and then never answers.
-                let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, IdleConnection::open(&target))
-                    .await
-                    .map_err(|_| "handshake timed out (is the broker out of sockets?)")??;
-                idlers.push(tokio::spawn(conn.idle(stop_rx.clone())));
-                done.fetch_add(1, Relaxed);
-            }
-            Ok::<_, BoxError>(idlers)
-        }));
-    }
     let mut errors = Vec::new();
     let mut idlers = Vec::new();
-    for t in openers {
-        match t.await? {
-            Ok(h) => idlers.extend(h),
-            Err(e) => errors.push(format!("connect: {e}")),
-        }
+    let t0 = Instant::now();
+    open(
+        &opts,
+        &target,
+        n / 2,
+        &done,
+        &stop_rx,
+        &mut idlers,
+        &mut errors,
+    )
+    .await?;
+    let mut create_s = t0.elapsed().as_secs_f64();
+    let mid = midpoint(&opts, idlers.len() as u64).await;
+    let t1 = Instant::now();
+    if errors.is_empty() {
+        open(
+            &opts,
+            &target,
+            n - n / 2,
+            &done,
+            &stop_rx,
+            &mut idlers,
+            &mut errors,
+        )
+        .await?;
     }
-    let create_s = t0.elapsed().as_secs_f64();
+    create_s += t1.elapsed().as_secs_f64();
     let opened = idlers.len() as u64;
     progress.abort();
     tokio::time::sleep(Duration::from_secs_f64(opts.settle)).await;
@@ -281,10 +336,50 @@ pub async fn idle_connections(opts: Opts, n: u64) -> Result<IdleReport, BoxError
     if dropped > 0 {
         errors.push(format!("{dropped} connections ended while idle"));
     }
-    let r = report("idle-connections", &opts, b, opened, create_s, errors)?;
+    let r = report("idle-connections", &opts, b, mid, opened, create_s, errors)?;
     let _ = stop_tx.send(true);
     let _ = tokio::time::timeout(Duration::from_secs(30), join_all(idlers)).await;
     Ok(r)
+}
+
+/// Opens `n` more idle connections, --parallel at a time; each then idles on its own task.
+async fn open(
+    opts: &Opts,
+    target: &Arc<Target>,
+    n: u64,
+    done: &Arc<AtomicU64>,
+    stop_rx: &watch::Receiver<bool>,
+    idlers: &mut Vec<tokio::task::JoinHandle<Result<(), BoxError>>>,
+    errors: &mut Vec<String>,
+) -> Result<(), BoxError> {
+    let mut openers = Vec::new();
+    for range in split_range(n, u64::from(opts.parallel)) {
+        let (target, done, stop_rx) = (target.clone(), done.clone(), stop_rx.clone());
+        openers.push(tokio::spawn(async move {
+            let mut opened = Vec::new();
+            for _ in range {
+                // A broker out of sockets accepts at the TCP level and then never answers.
+                let conn = tokio::time::timeout(HANDSHAKE_TIMEOUT, IdleConnection::open(&target))
+                    .await
+                    .map_err(|_| "handshake timed out (is the broker out of sockets?)");
+                match conn {
+                    Ok(Ok(conn)) => opened.push(tokio::spawn(conn.idle(stop_rx.clone()))),
+                    Ok(Err(e)) => return (opened, Some(e.to_string())),
+                    Err(e) => return (opened, Some(e.to_string())),
+                }
+                done.fetch_add(1, Relaxed);
+            }
+            (opened, None)
+        }));
+    }
+    for t in openers {
+        let (opened, error) = t.await?;
+        idlers.extend(opened);
+        if let Some(e) = error {
+            errors.push(format!("connect: {e}"));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

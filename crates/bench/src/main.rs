@@ -133,6 +133,9 @@ fn summary_idle(r: &IdleReport, what: &str, one: &str) -> String {
     if let Some(per) = r.bytes_per_item {
         s += &format!(" | {:.1} KB per {one}", per / 1000.0);
     }
+    if let Some(per) = r.bytes_per_item_second_half {
+        s += &format!(" ({:.1} KB over the second half)", per / 1000.0);
+    }
     for e in &r.errors {
         s += &format!(" | ERROR {e}");
     }
