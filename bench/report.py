@@ -349,7 +349,21 @@ def fresh_note(meta):
     return text
 
 
-def report(results, out_path, chart_path):
+def load_notes(path):
+    """Hand-written analysis kept outside the generated report (HTML comments dropped)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    while "<!--" in text and "-->" in text:
+        start = text.index("<!--")
+        end = text.index("-->", start) + 3
+        text = text[:start] + text[end:]
+    return text.strip()
+
+
+def report(results, out_path, chart_path, notes_path=None):
     meta = load(os.path.join(results, "meta.json")) or {}
     data, errors = collect(results)
     rows = median_table(data)
@@ -434,6 +448,12 @@ def report(results, out_path, chart_path):
     rel_chart = os.path.relpath(chart_path, os.path.dirname(os.path.abspath(out_path)) or ".")
     L.append(f"![{title}]({rel_chart})")
     L.append("")
+    notes = load_notes(notes_path)
+    if notes:
+        L.append("## Notes")
+        L.append("")
+        L.append(notes)
+        L.append("")
 
     L.append(f"## What {b_name} persists in these runs")
     L.append("")
@@ -515,13 +535,15 @@ def main():
     ap.add_argument("--out", default="docs/benchmarks.md")
     ap.add_argument("--chart", default="bench/benchmarks.svg")
     ap.add_argument("--summarize", metavar="JSON")
+    ap.add_argument("--notes", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "notes.md"),
+                    help="hand-written analysis appended to the report (default bench/notes.md)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
         return
     if not args.results:
         ap.error("--results is required")
-    report(args.results, args.out, args.chart)
+    report(args.results, args.out, args.chart, args.notes)
 
 
 if __name__ == "__main__":
