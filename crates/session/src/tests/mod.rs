@@ -92,15 +92,15 @@ impl Client {
         assert!(matches!(self.recv_method(), Method::ChannelOpenOk(_)));
     }
 
-    fn publish_props(&mut self, channel: u16, routing_key: &str, body: &[u8], properties: Bytes) {
-        self.send(
-            channel,
-            BasicPublish {
-                exchange: ShortStr::from(""),
-                routing_key: ShortStr::from_string(routing_key.to_string()),
-                ..Default::default()
-            },
-        );
+    /// basic.publish and its content header; the body frames, if any, are the caller's.
+    fn publish_header(
+        &mut self,
+        channel: u16,
+        publish: BasicPublish,
+        body_size: u64,
+        properties: Bytes,
+    ) {
+        self.send(channel, publish);
         self.node.handle_frame(
             CONN,
             Frame::Header {
@@ -108,12 +108,20 @@ impl Client {
                 header: ContentHeader {
                     class_id: 60,
                     weight: 0,
-                    body_size: body.len() as u64,
+                    body_size,
                     properties,
                 },
             },
             self.now,
         );
+    }
+
+    fn publish_props(&mut self, channel: u16, routing_key: &str, body: &[u8], properties: Bytes) {
+        let publish = BasicPublish {
+            routing_key: ShortStr::from_string(routing_key.to_string()),
+            ..Default::default()
+        };
+        self.publish_header(channel, publish, body.len() as u64, properties);
         if !body.is_empty() {
             self.node.handle_frame(
                 CONN,
@@ -573,26 +581,15 @@ fn mandatory_unroutable_comes_back_before_its_confirm() {
     c.channel(1);
     c.send(1, ConfirmSelect { no_wait: false });
     c.recv_method();
-    c.send(
+    c.publish_header(
         1,
         BasicPublish {
             routing_key: ShortStr::from("nowhere"),
             mandatory: true,
             ..Default::default()
         },
-    );
-    c.node.handle_frame(
-        CONN,
-        Frame::Header {
-            channel: 1,
-            header: ContentHeader {
-                class_id: 60,
-                weight: 0,
-                body_size: 0,
-                properties: BasicProperties::default().encode(),
-            },
-        },
         0,
+        BasicProperties::default().encode(),
     );
     let frames = c.frames();
     let Frame::Method {
@@ -685,25 +682,14 @@ fn multi_frame_bodies_are_reassembled() {
     let mut c = Client::open();
     c.channel(1);
     c.declare(1, "q");
-    c.send(
+    c.publish_header(
         1,
         BasicPublish {
             routing_key: ShortStr::from("q"),
             ..Default::default()
         },
-    );
-    c.node.handle_frame(
-        CONN,
-        Frame::Header {
-            channel: 1,
-            header: ContentHeader {
-                class_id: 60,
-                weight: 0,
-                body_size: 6,
-                properties: BasicProperties::default().encode(),
-            },
-        },
-        0,
+        6,
+        BasicProperties::default().encode(),
     );
     for part in [&b"ab"[..], b"cd", b"ef"] {
         c.node.handle_frame(
@@ -734,25 +720,14 @@ fn an_oversized_message_is_refused_from_its_header() {
     };
     let mut c = Client::open_with(config);
     c.channel(1);
-    c.send(
+    c.publish_header(
         1,
         BasicPublish {
             routing_key: ShortStr::from("q"),
             ..Default::default()
         },
-    );
-    c.node.handle_frame(
-        CONN,
-        Frame::Header {
-            channel: 1,
-            header: ContentHeader {
-                class_id: 60,
-                weight: 0,
-                body_size: 11,
-                properties: BasicProperties::default().encode(),
-            },
-        },
-        0,
+        11,
+        BasicProperties::default().encode(),
     );
     expect_channel_close(
         c.recv_method(),
