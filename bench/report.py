@@ -26,6 +26,10 @@ SCENARIOS = {
     "s4": "4. 10 producers -> 10 queues -> 10 consumers, 1 KiB",
     "s5": "5. Latency at a fixed 10,000 msg/s, 1 KiB, 1 -> 1",
     "s8": "8. Backlog: publish {backlog:,} x 1 KiB with no consumer, then drain",
+    "s9": "9. 1 at a fixed 5,000 msg/s with a worker-style consumer (each ack written before the next "
+          "message): broker CPU per message",
+    "s10": "10. Producer faster than the consumer: unthrottled 1 KiB publishes, a worker-style consumer "
+           "limited to 5,000 msg/s, no in-flight cap (the queue grows for the whole run)",
 }
 
 
@@ -78,7 +82,7 @@ def metrics_of(scen, run, drain=None):
         if scen == "s2":
             add("confirm_p99", "confirm latency p99", "ms", "lower", ms(get(run, "confirm_latency", "p99_us")))
         add("cpu_us", "broker CPU per message", "us", "lower", cpu)
-    elif scen in ("s1r", "s2r", "s5"):
+    elif scen in ("s1r", "s2r", "s5", "s9"):
         add("cpu_us", "broker CPU per message", "us", "lower", cpu)
         add("consume_rate", "consume rate", "msg/s", "higher", run.get("consume_rate"))
         add("p50", "latency p50", "ms", "lower", ms(get(run, "latency", "p50_us")))
@@ -89,6 +93,21 @@ def metrics_of(scen, run, drain=None):
             add("max", "latency max", "ms", "lower", ms(get(run, "latency", "max_us")))
         if scen == "s2r":
             add("confirm_p99", "confirm latency p99", "ms", "lower", ms(get(run, "confirm_latency", "p99_us")))
+    elif scen == "s10":
+        b = get(run, "broker") or {}
+        backlog = run.get("backlog_end")
+        add("publish_rate", "publish rate", "msg/s", "higher", run.get("publish_rate"))
+        add("consume_rate", "consume rate, of the 5,000 the worker asks for", "msg/s", "higher", run.get("consume_rate"))
+        # How fast the queue grew and what it held at the end follow from the two rates: context,
+        # not a score.
+        add("growth", "queue growth", "msg/s", None, run.get("backlog_growth_rate"))
+        add("backlog", "messages queued at the end", "msg", None, backlog)
+        add("cpu_us", "broker CPU per message published", "us", "lower", b.get("cpu_us_per_published"))
+        add("rss_end", "broker RSS at the end", "MiB", None,
+            b["rss_end_kb"] / 1024 if "rss_end_kb" in b else None)
+        grown = b.get("rss_end_kb", 0) - b.get("rss_start_kb", 0) if b else None
+        add("per_queued", "broker memory growth per queued message", "B", "lower",
+            grown * 1024 / backlog if grown is not None and backlog and backlog > 0 else None)
     elif scen in ("s6", "s7"):
         what = "queue" if scen == "s6" else "connection"
         # The second half's growth is the steadier figure (the first half soaks up memory the
@@ -169,8 +188,8 @@ def median_table(data):
 
 
 def advantage(better, a, b):
-    """How many times better B is than A (> 1 means B is better)."""
-    if a is None or b is None:
+    """How many times better B is than A (> 1 means B is better); None for context rows."""
+    if a is None or b is None or better not in ("higher", "lower"):
         return None
     if better == "higher":
         return b / a if a > 0 else None
@@ -232,6 +251,7 @@ PANELS = [
         ("s1r", "cpu_us", "1 @ 5k msg/s"),
         ("s2r", "cpu_us", "2 @ 5k msg/s"),
         ("s5", "cpu_us", "5 @ 10k msg/s"),
+        ("s9", "cpu_us", "9: 1 @ 5k, ack-wait worker"),
     ]),
     ("Latency at 10,000 msg/s, 1 KiB (ms, lower is better)", [
         ("s5", "p50", "p50"),
@@ -243,6 +263,7 @@ PANELS = [
         ("s6", "per_item", "KB per idle queue"),
         ("s7", "per_item", "KB per idle connection"),
         ("s8", "peak_rss", "MiB peak, backlog"),
+        ("s10", "per_queued", "B per queued msg, growing queue"),
     ]),
 ]
 
@@ -438,11 +459,13 @@ def report(results, out_path, chart_path, notes_path=None):
         adv = advantage(better, a, b)
         t = TARGETS.get((scen, key))
         adv_s = "n/a" if adv is None else f"{adv:.2f}x"
+        if better is None:
+            adv_s = "(context)"
         if t is not None and adv is not None:
             adv_s += f" (target {t}x: {'met' if adv >= t else 'not met'})"
         elif t is not None:
             adv_s += f" (target {t}x)"
-        arrow = "higher is better" if better == "higher" else "lower is better"
+        arrow = {"higher": "higher is better", "lower": "lower is better"}.get(better, "context")
         L.append(f"| {scen} | {label} ({unit}, {arrow}) | {fmt(a)} | {fmt(b)} | {adv_s} |")
     L.append("")
     rel_chart = os.path.relpath(chart_path, os.path.dirname(os.path.abspath(out_path)) or ".")
@@ -494,6 +517,21 @@ def report(results, out_path, chart_path, notes_path=None):
             "queues). They measure the rate a broker sustains with a short queue; without the limit the "
             "producer outruns the consumer, the queue grows for the whole run and the consume rate "
             "depends on the backlog more than on the broker (`--inflight 0` runs them that way)."
+        )
+        L.append("")
+    if "s9" in data or "s10" in data:
+        L.append(
+            "Scenarios 9 and 10 consume as a task-queue worker does (`--ack-wait`): each message is acked "
+            "on its own and the consumer waits until the ack has been written to the socket before it takes "
+            "the next one, so every ack is a write of its own, where the other scenarios let the client "
+            "write many queued acks at once. Scenario 9 is scenario 1 @ 5k with that one change: the "
+            "difference between the two is what a broker pays for unbatched acks. Scenario 10 has no "
+            "in-flight cap on purpose: the producer publishes as fast as the broker takes its messages, "
+            "the worker handles at most 5,000 msg/s (`--consume-rate`), and the queue grows for the whole "
+            "run. Its CPU per message divides by the messages published (most are only stored), its memory "
+            "growth per queued message divides the growth of `VmRSS` over the run by the messages left "
+            "queued at the end (published minus consumed), and the rates tell whether the publish path "
+            "and the deliveries to the worker hold up while the queue grows."
         )
         L.append("")
     L.append(

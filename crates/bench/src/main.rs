@@ -93,6 +93,15 @@ fn summary_run(r: &RunReport) -> String {
             fmt_us(l.max_us)
         );
     }
+    if r.config.producers > 0 && r.config.consumers > 0 && r.config.max_inflight == 0 {
+        s += &format!(
+            " | backlog {} ({:+.0}/s)",
+            r.backlog_end, r.backlog_growth_rate
+        );
+        if let Some(d) = r.queue_depth_end {
+            s += &format!(", {d} ready on the broker");
+        }
+    }
     if r.nacked > 0 {
         s += &format!(" | {} nacked", r.nacked);
     }

@@ -75,8 +75,20 @@ pub struct Opts {
     pub multi_ack_every: u32,
 
     /// Consume with no-ack (auto-ack): the broker forgets a message once it is sent.
-    #[arg(long, short = 'a')]
+    #[arg(long, short = 'a', conflicts_with = "ack_wait")]
     pub auto_ack: bool,
+
+    /// Worker-style consumer, as a pika or Celery worker acks: ack each message on its own and
+    /// wait until the ack has been written to the socket before taking the next delivery (one
+    /// write per ack). Without it acks are queued without waiting, and lapin writes many of them
+    /// at once.
+    #[arg(long)]
+    pub ack_wait: bool,
+
+    /// Consume at most this many messages per second PER CONSUMER (0 = as fast as they arrive):
+    /// a slow worker. With an unthrottled producer the queue then grows for the whole run.
+    #[arg(long, default_value_t = 0.0)]
+    pub consume_rate: f64,
 
     /// Publish rate limit in messages per second PER PRODUCER (0 = as fast as possible).
     /// The total offered rate is --rate times --producers.
@@ -242,6 +254,9 @@ impl Opts {
         if self.rate < 0.0 || !self.rate.is_finite() {
             return Err("--rate must be >= 0".into());
         }
+        if self.consume_rate < 0.0 || !self.consume_rate.is_finite() {
+            return Err("--consume-rate must be >= 0".into());
+        }
         if self.slice_ms <= 0.0 {
             return Err("--slice-ms must be > 0".into());
         }
@@ -273,6 +288,9 @@ impl Opts {
                 "--multi-ack-every {} exceeds --prefetch {}: the consumer would stall",
                 self.multi_ack_every, self.prefetch
             ));
+        }
+        if self.ack_wait && self.multi_ack_every > 1 {
+            return Err("--ack-wait acks each message on its own: drop --multi-ack-every".into());
         }
         if self.exchange.is_empty() && self.exchange_type != ExchangeType::Direct {
             return Err("--exchange-type needs a named --exchange".into());
@@ -426,6 +444,9 @@ mod tests {
         assert_eq!(o.mode(), Mode::IdleConnections(1000));
         let o = parse(&["--no-consume", "-C", "100"]).unwrap();
         assert_eq!(o.consumers, 0);
+        let o = parse(&["--ack-wait", "--consume-rate", "5000"]).unwrap();
+        assert!(o.ack_wait);
+        assert_eq!(o.consume_rate, 5000.0);
     }
 
     #[test]
@@ -436,6 +457,9 @@ mod tests {
         assert!(parse(&["-x", "0", "-y", "0"]).is_err());
         assert!(parse(&["--queue-arg", "novalue"]).is_err());
         assert!(parse(&["--rate", "-5"]).is_err());
+        assert!(parse(&["--consume-rate", "-5"]).is_err());
+        assert!(parse(&["--ack-wait", "--auto-ack"]).is_err());
+        assert!(parse(&["--ack-wait", "--multi-ack-every", "10"]).is_err());
         assert!(parse(&["--idle-queues", "1", "--idle-connections", "1"]).is_err());
     }
 

@@ -59,6 +59,15 @@ pub struct RunReport {
     /// Messages per second from the consumers' start to the last message received.
     pub consume_rate: f64,
     pub consume_elapsed_s: f64,
+    /// Messages published (times the fanout factor) but not consumed when the run stopped: in
+    /// the queues, or delivered and not yet handled. It grows for the whole run when the
+    /// producers outpace the consumers.
+    pub backlog_end: i64,
+    /// `backlog_end` over the run's duration: how fast the queues grew, in messages per second.
+    pub backlog_growth_rate: f64,
+    /// The broker's own count of ready messages over all queues (a passive queue.declare on the
+    /// admin connection right after the run stopped), if it answered within 5 s.
+    pub queue_depth_end: Option<u64>,
     pub latency: Option<LatencySummary>,
     pub confirm_latency: Option<LatencySummary>,
     pub broker: Option<BrokerReport>,
@@ -81,6 +90,7 @@ struct ConsumerResult {
     consumed: u64,
     hist: Histogram<u64>,
     last: Option<Instant>,
+    error: Option<String>,
 }
 
 pub async fn connect(url: &str, name: &str) -> Result<Connection, BoxError> {
@@ -174,6 +184,7 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
             cfg.clone(),
             shared.clone(),
             stop_rx.clone(),
+            start,
         )));
     }
 
@@ -188,6 +199,9 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
     });
     let idle_timeout = Duration::from_secs_f64(opts.idle_timeout);
     let mut progress = Progress::new(&shared, broker_pid, start, opts.confirm > 0);
+    if opts.producers > 0 && opts.consumers > 0 {
+        progress.show_backlog(opts.fanout_factor());
+    }
     let mut last_consumed = 0;
     let mut last_change = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(20));
@@ -243,6 +257,11 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         other => other.and_then(Result::ok),
     };
     let client_end = stats::sample_self();
+    let queue_depth_end = if opts.producers > 0 {
+        queue_depth(&admin_ch, &queues).await
+    } else {
+        None
+    };
 
     let mut published = 0;
     let mut confirmed = 0;
@@ -268,6 +287,9 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
     let mut consume_end = start;
     for t in consumer_tasks {
         let r = t.await?;
+        if let Some(e) = r.error {
+            errors.push(format!("consumer: {e}"));
+        }
         consumed += r.consumed;
         hist.add(&r.hist)?;
         if let Some(last) = r.last {
@@ -303,11 +325,17 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
             } else {
                 b.set_per_msg(published, "published");
             }
+            b.set_per_published(published);
             Some(b)
         }
         _ => None,
     };
     let client_cpu = (client_end.cpu_s - client_start.cpu_s).max(0.0);
+    let backlog_end = if opts.producers > 0 {
+        (published * opts.fanout_factor()) as i64 - consumed as i64
+    } else {
+        0
+    };
     Ok(RunReport {
         mode: "throughput",
         label: opts.label.clone(),
@@ -321,6 +349,13 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         consumed,
         consume_rate: rate(consumed, consume_elapsed),
         consume_elapsed_s: stats::round3(consume_elapsed),
+        backlog_end,
+        backlog_growth_rate: if elapsed > 0.0 {
+            stats::round1(backlog_end as f64 / elapsed)
+        } else {
+            0.0
+        },
+        queue_depth_end,
         latency: LatencySummary::from_histogram(&hist),
         confirm_latency: LatencySummary::from_histogram(&confirm_hist),
         broker,
@@ -333,6 +368,29 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         errors,
         config: opts,
     })
+}
+
+/// The ready messages over all `queues`, by passive declares; None if the broker does not answer
+/// within 5 s (a broker busy with a flood of publishes may take a while).
+async fn queue_depth(ch: &Channel, queues: &[String]) -> Option<u64> {
+    let declares = queues.iter().map(|q| {
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+    });
+    let results = tokio::time::timeout(Duration::from_secs(5), join_all(declares))
+        .await
+        .ok()?;
+    let mut depth = 0;
+    for r in results {
+        depth += u64::from(r.ok()?.message_count());
+    }
+    Some(depth)
 }
 
 /// Closes connections concurrently, giving up after a few seconds.
@@ -625,6 +683,7 @@ async fn consume(
     opts: Arc<Opts>,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
+    start: Instant,
 ) -> ConsumerResult {
     let mut hist = new_histogram();
     let every = opts.multi_ack_every as u64;
@@ -633,7 +692,26 @@ async fn consume(
     let mut unacked = 0u64;
     let mut last_tag = 0;
     let mut last = None;
+    let mut error = None;
+    // A slow worker takes the next delivery only once it is due (the producer's limiter, reused:
+    // woken once per slice, and a stall of more than 100 ms is not caught up with a burst).
+    let slice = Duration::from_secs_f64(opts.slice_ms / 1000.0);
+    let mut limiter = (opts.consume_rate > 0.0)
+        .then(|| RateLimiter::new(opts.consume_rate, Duration::from_millis(100)));
     loop {
+        if let Some(rl) = limiter.as_mut() {
+            let elapsed = start.elapsed();
+            if rl.due(elapsed) == 0 {
+                let wake = start + rl.next_wake(elapsed, slice);
+                tokio::select! {
+                    biased;
+                    _ = stop.changed() => break,
+                    _ = tokio::time::sleep_until(wake.into()) => {}
+                }
+                continue;
+            }
+            rl.sent(1);
+        }
         let delivery = tokio::select! {
             biased;
             _ = stop.changed() => break,
@@ -655,12 +733,29 @@ async fn consume(
         shared.lat_sum_us.fetch_add(lat_us, Relaxed);
         shared.lat_n.fetch_add(1, Relaxed);
         shared.lat_max_us.fetch_max(lat_us, Relaxed);
-        if !opts.auto_ack {
+        if opts.ack_wait {
+            // What is awaited (lapin 4.12): `Channel::basic_ack` queues the ack frame and returns
+            // a promise that lapin's I/O thread resolves in `IoLoop::write_to_stream` once the
+            // socket's write has taken every byte of that frame, that is once the ack has been
+            // handed to the kernel (not when the broker has read it: basic.ack has no reply).
+            // So each ack costs its own write(2) and a wake-up of this task, as in a pika or
+            // Celery worker, and is never merged with the next message's ack.
+            let ack = ch.basic_ack(delivery.delivery_tag, BasicAckOptions { multiple: false });
+            tokio::select! {
+                biased;
+                r = ack => if let Err(e) = r {
+                    error = Some(format!("ack: {e}"));
+                    break;
+                },
+                _ = stop.changed() => break,
+            }
+        } else if !opts.auto_ack {
             unacked += 1;
             last_tag = delivery.delivery_tag;
             if unacked >= every {
                 // The ack frame is queued on the first poll; not waiting for lapin's I/O thread
-                // to write it lets the next delivery be handled at once.
+                // to write it lets the next delivery be handled at once (and lapin writes the
+                // acks queued meanwhile together).
                 let _ = ch
                     .basic_ack(last_tag, BasicAckOptions { multiple })
                     .now_or_never();
@@ -677,6 +772,7 @@ async fn consume(
         consumed,
         hist,
         last,
+        error,
     }
 }
 
@@ -692,6 +788,8 @@ pub struct Progress {
     last_cons: u64,
     last_cpu: Option<ProcSample>,
     confirms: bool,
+    /// Show the backlog (published times this fanout factor, minus consumed).
+    backlog_fanout: Option<u64>,
     pub rss_max_kb: u64,
 }
 
@@ -710,7 +808,12 @@ impl Progress {
             rss_max_kb: last_cpu.map_or(0, |s| s.rss_kb),
             last_cpu,
             confirms,
+            backlog_fanout: None,
         }
+    }
+
+    pub fn show_backlog(&mut self, fanout: u64) {
+        self.backlog_fanout = Some(fanout);
     }
 
     pub fn maybe_print(&mut self, now: Instant, quiet: bool) {
@@ -738,6 +841,9 @@ impl Progress {
             line += &format!("  conf {:>7.0}/s", (c - self.last_conf) as f64 / secs);
         }
         line += &format!("  cons {:>7.0}/s", (k - self.last_cons) as f64 / secs);
+        if let Some(fanout) = self.backlog_fanout {
+            line += &format!("  backlog {:>8}", (p * fanout) as i64 - k as i64);
+        }
         if let Some(avg) = lat_sum.checked_div(lat_n) {
             line += &format!(
                 "  lat avg {} max {}",

@@ -139,6 +139,9 @@ pub struct BrokerReport {
     /// Which count `cpu_us_per_msg` divides by: "consumed" (each publish + deliver + ack) when
     /// there are consumers, else "published".
     pub per_msg_basis: &'static str,
+    /// Broker CPU microseconds per message published (whatever became of it): the figure to
+    /// read when the producers outpace the consumers and most messages are only stored.
+    pub cpu_us_per_published: Option<f64>,
     pub rss_start_kb: u64,
     pub rss_end_kb: u64,
     pub rss_delta_kb: i64,
@@ -168,6 +171,7 @@ impl BrokerReport {
             },
             cpu_us_per_msg: None,
             per_msg_basis: "",
+            cpu_us_per_published: None,
             rss_start_kb: start.rss_kb,
             rss_end_kb: end.rss_kb,
             rss_delta_kb: end.rss_kb as i64 - start.rss_kb as i64,
@@ -177,6 +181,12 @@ impl BrokerReport {
                 0
             }),
             peak_reset,
+        }
+    }
+
+    pub fn set_per_published(&mut self, published: u64) {
+        if published > 0 {
+            self.cpu_us_per_published = Some(round3(self.cpu_s * 1e6 / published as f64));
         }
     }
 
