@@ -5,6 +5,9 @@
 //! * if `WARREN_TEST_URL` is set (for example `amqp://guest:guest@127.0.0.1:5672/%2f`), that external broker
 //!   is used: this is how the suite is checked against RabbitMQ itself;
 //! * otherwise each [`TestBroker`] spawns the `warren` binary on a free loopback port and kills it on drop.
+//!   The broker records every command applied to its queues (`--record-commands`); on drop the log is
+//!   replayed into fresh queue machines and every recorded digest must match, so the whole suite also
+//!   checks that queues are rebuilt exactly from their commands (`WARREN_TEST_RECORD=0` turns it off).
 //!
 //! Two clients are available: [lapin](https://docs.rs/lapin) (what Rust applications use) and [`raw::Raw`], a
 //! small socket-level client built on `amq-protocol` that can see everything lapin hides (class and method ids
@@ -36,6 +39,8 @@ pub struct TestBroker {
     vhost_path: String,
     child: Option<Child>,
     output: Arc<Mutex<Vec<u8>>>,
+    /// The command log the spawned broker writes, replayed on drop.
+    command_log: Option<PathBuf>,
 }
 
 impl TestBroker {
@@ -55,6 +60,7 @@ impl TestBroker {
                 vhost_path,
                 child: None,
                 output: Arc::new(Mutex::new(Vec::new())),
+                command_log: None,
             };
         }
         let bin = warren_binary();
@@ -76,6 +82,17 @@ impl TestBroker {
 
     fn spawn(bin: &std::path::Path, port: u16, extra_args: &[&str]) -> TestBroker {
         let mut cmd = Command::new(bin);
+        let command_log = recording().then(|| {
+            std::env::temp_dir().join(format!(
+                "warren-commands-{}-{port}-{}.log",
+                std::process::id(),
+                LOG_COUNTER.fetch_add(1, Ordering::Relaxed)
+            ))
+        });
+        if let Some(path) = &command_log {
+            let _ = std::fs::remove_file(path);
+            cmd.arg("--record-commands").arg(path);
+        }
         cmd.arg("--bind")
             .arg("127.0.0.1")
             .arg("--port")
@@ -119,6 +136,30 @@ impl TestBroker {
             vhost_path: "%2f".into(),
             child: Some(child),
             output,
+            command_log,
+        }
+    }
+
+    /// Replays the spawned broker's command log (after it exited): every recorded digest of every
+    /// queue must come out the same. Panics on a divergence, keeping the log for inspection.
+    fn check_command_log(&mut self) {
+        let Some(path) = self.command_log.take() else {
+            return;
+        };
+        let data = match std::fs::read(&path) {
+            Ok(d) => d,
+            // The broker never started (a port race): nothing to check.
+            Err(_) => return,
+        };
+        match warren_broker::queue::log::replay(bytes::Bytes::from(data)) {
+            Ok(_) => {
+                let _ = std::fs::remove_file(&path);
+            }
+            Err(e) if !std::thread::panicking() => panic!(
+                "replaying the broker's command log {} does not rebuild its queues: {e}",
+                path.display()
+            ),
+            Err(e) => eprintln!("command log {}: {e}", path.display()),
         }
     }
 
@@ -225,6 +266,7 @@ impl Drop for TestBroker {
         if let Some(child) = self.child.as_mut() {
             let _ = child.kill();
             let _ = child.wait();
+            self.check_command_log();
             if std::thread::panicking() {
                 // Let the pipe readers drain what is left.
                 std::thread::sleep(Duration::from_millis(50));
@@ -236,6 +278,13 @@ impl Drop for TestBroker {
             }
         }
     }
+}
+
+static LOG_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Spawned brokers record their queue commands unless `WARREN_TEST_RECORD=0`.
+fn recording() -> bool {
+    std::env::var("WARREN_TEST_RECORD").map_or(true, |v| v.trim() != "0")
 }
 
 fn external_url() -> Option<String> {

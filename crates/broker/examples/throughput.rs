@@ -4,20 +4,20 @@
 use std::time::Instant;
 
 use bytes::Bytes;
-use warren_broker::{
-    Broker, BrokerConfig, ConsumerKey, DeclareQueue, Delivery, DeliverySink, Message,
-};
+use warren_broker::{Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message};
 use warren_codec::FieldTable;
 
-struct Sink(Vec<(u64, warren_broker::QueueId)>);
-
-impl DeliverySink for Sink {
-    fn has_credit(&mut self, _: &ConsumerKey) -> bool {
-        self.0.len() < 1000
+/// Runs every queue's checkouts until none has work, then acks what was delivered (the
+/// receipts give the consumers their prefetch back). Returns how many were delivered.
+fn dispatch_and_settle(b: &mut Broker, deliveries: &mut Vec<Delivery>) -> u64 {
+    while b.needs_dispatch() {
+        b.dispatch_one(deliveries);
     }
-    fn deliver(&mut self, _: &ConsumerKey, d: Delivery) {
-        self.0.push((d.msg_id, d.queue));
+    let n = deliveries.len() as u64;
+    for d in deliveries.drain(..) {
+        b.settle(d.queue, d.receipt);
     }
+    n
 }
 
 fn main() -> Result<(), warren_codec::AmqpError> {
@@ -42,13 +42,15 @@ fn main() -> Result<(), warren_codec::AmqpError> {
         b.consume(
             "/",
             &name,
-            ConsumerKey {
+            CreditGroup {
                 conn: 1,
                 channel: 1,
-                tag: warren_codec::ShortStr::from_string(format!("t{i}")),
             },
+            warren_codec::ShortStr::from_string(format!("t{i}")),
             false,
             false,
+            // Each consumer may hold up to 1000 unacked messages.
+            1000,
             &none,
         )?;
         queues.push(d.queue);
@@ -62,21 +64,19 @@ fn main() -> Result<(), warren_codec::AmqpError> {
     };
     let keys: Vec<String> = (0..100).map(|i| format!("a.{i}.x.y")).collect();
     let n = 1_000_000u64;
-    let mut sink = Sink(Vec::with_capacity(1000));
+    let mut deliveries: Vec<Delivery> = Vec::with_capacity(1000);
+    let mut delivered = 0u64;
     let start = Instant::now();
     for i in 0..n {
         let key = &keys[(i % 100) as usize];
         b.publish("/", "amq.topic", key, msg.clone(), i)?;
         if i % 100 == 99 {
-            b.dispatch(&mut sink);
-            for (id, q) in sink.0.drain(..) {
-                b.settle(q, id);
-            }
-            b.channel_credit_changed(1, 1);
+            delivered += dispatch_and_settle(&mut b, &mut deliveries);
         }
     }
-    b.dispatch(&mut sink);
+    delivered += dispatch_and_settle(&mut b, &mut deliveries);
     let el = start.elapsed();
+    assert_eq!(delivered, n, "every message delivered");
     println!(
         "{n} publish+deliver+settle in {el:?}: {:.0}/s",
         n as f64 / el.as_secs_f64()

@@ -1,7 +1,7 @@
 //! The broker: vhosts, exchanges, bindings, queues, and the API the session calls.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
@@ -9,14 +9,16 @@ use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
 use crate::queue::args::{self, QueueType};
+use crate::queue::log::{Record, STATE_DIGEST_EVERY};
 use crate::queue::machine::{
-    Checkout, DeadLetterReason, Deliver, Discarded, MsgMeta, QueueMachine,
+    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DeadLetterReason,
+    Effect, Meta, MsgMeta, QueueMachine, Receipt, Refusal, Reply,
 };
-use crate::queue::{ConsumerInfo, Queue};
+use crate::queue::Queue;
 use crate::small::Small;
 use crate::{
-    BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Delivery, DeliverySink, Message,
-    QueueDeclared, QueueDeleted, QueueId, Routed,
+    BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Delivery, Message, QueueDeclared,
+    QueueDeleted, QueueId, Routed,
 };
 
 /// A snapshot of one queue's counters.
@@ -62,9 +64,8 @@ pub struct Broker {
     vhosts: HashMap<String, VHost>,
     queues: HashMap<QueueId, Queue>,
     next_queue: u64,
-    /// Every consumer and its queue (ordered, so a connection's or a channel's consumers
-    /// are a range).
-    consumers: BTreeMap<ConsumerKey, QueueId>,
+    /// The next consumer id (ids are never reused).
+    next_consumer: u64,
     /// Exclusive queues by owning connection.
     exclusive: HashMap<ConnId, Vec<QueueId>>,
     /// Queues that may have work for dispatch (each at most once: `Queue::dirty`).
@@ -75,6 +76,12 @@ pub struct Broker {
     scratch_queues: Vec<QueueId>,
     /// The latest time seen (publish, tick).
     now_ms: u64,
+    /// Queues with a deadline, by deadline (each queue once, under `Queue::scheduled`).
+    deadlines: BTreeSet<(u64, QueueId)>,
+    /// The effects of the command being applied (reused buffer).
+    effects: Vec<Effect<Message>>,
+    /// Every applied command, while recording is on (a debug option: see `queue::log`).
+    recording: Option<Vec<Record>>,
 }
 
 /// RabbitMQ strips CR and LF from queue and exchange names.
@@ -128,38 +135,11 @@ fn declared(q: &Queue) -> QueueDeclared {
     }
 }
 
-/// Puts a queue on the dirty list if it has consumers and ready messages.
+/// Puts a queue on the dirty list if a checkout would deliver something.
 fn mark_dirty(dirty: &mut VecDeque<QueueId>, q: &mut Queue) {
-    if !q.dirty && !q.consumers.is_empty() && q.machine.ready_count() > 0 {
+    if !q.dirty && q.machine.has_work() {
         q.dirty = true;
         dirty.push_back(q.id);
-    }
-}
-
-/// Adapts a [`DeliverySink`] to the queue machine's [`Checkout`].
-struct SinkCheckout<'a> {
-    sink: &'a mut dyn DeliverySink,
-    queue: QueueId,
-    queue_name: &'a ShortStr,
-}
-
-impl Checkout<ConsumerKey, Message> for SinkCheckout<'_> {
-    fn has_credit(&mut self, consumer: &ConsumerKey) -> bool {
-        self.sink.has_credit(consumer)
-    }
-
-    fn deliver(&mut self, d: Deliver<ConsumerKey, Message>) {
-        if let Some(consumer) = d.consumer {
-            let delivery = Delivery {
-                queue: self.queue,
-                queue_name: self.queue_name.clone(),
-                msg_id: d.msg_id,
-                message: d.message,
-                redelivered: d.redelivered,
-                delivery_count: d.delivery_count,
-            };
-            self.sink.deliver(&consumer, delivery);
-        }
     }
 }
 
@@ -232,12 +212,15 @@ impl Broker {
             vhosts: HashMap::new(),
             queues: HashMap::new(),
             next_queue: 1,
-            consumers: BTreeMap::new(),
+            next_consumer: 1,
             exclusive: HashMap::new(),
             dirty: VecDeque::new(),
             scratch_dests: Vec::new(),
             scratch_queues: Vec::new(),
             now_ms: 0,
+            deadlines: BTreeSet::new(),
+            effects: Vec::new(),
+            recording: None,
         };
         let default = b.config.default_vhost.clone();
         b.add_vhost(&default);
@@ -278,14 +261,6 @@ impl Broker {
         vh.queues
             .get(name)
             .and_then(|id| self.queues.get(id))
-            .ok_or_else(|| no_queue(name, vhost))
-    }
-
-    fn queue_by_name_mut(&mut self, vhost: &str, name: &str) -> Result<&mut Queue, AmqpError> {
-        let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
-        vh.queues
-            .get(name)
-            .and_then(|id| self.queues.get_mut(id))
             .ok_or_else(|| no_queue(name, vhost))
     }
 
@@ -417,11 +392,9 @@ impl Broker {
             arguments: req.arguments.detached(),
             args: parsed,
             machine: QueueMachine::new(),
-            consumers: Vec::new(),
-            exclusive_consumer: None,
-            has_had_consumers: false,
             bindings: Vec::new(),
             dirty: false,
+            scheduled: None,
         };
         let out = declared(&q);
         if let Some(vh) = self.vhosts.get_mut(vhost) {
@@ -457,7 +430,7 @@ impl Broker {
                 q.rs()
             )));
         }
-        if if_unused && !q.consumers.is_empty() {
+        if if_unused && q.machine.consumer_count() > 0 {
             return Err(AmqpError::precondition_failed(format!("{} in use", q.rs())));
         }
         Ok(self.remove_queue(id).unwrap_or_default())
@@ -487,10 +460,18 @@ impl Broker {
                 }
             }
         }
-        let cancelled: Vec<ConsumerKey> = q.consumers.into_iter().map(|(k, _)| k).collect();
-        for k in &cancelled {
-            self.consumers.remove(k);
+        if let Some(at) = q.scheduled {
+            self.deadlines.remove(&(at, id));
         }
+        let cancelled: Vec<ConsumerKey> = q
+            .machine
+            .consumers()
+            .map(|(_, spec, _)| ConsumerKey {
+                conn: spec.group.conn,
+                channel: spec.group.channel,
+                tag: spec.tag.clone(),
+            })
+            .collect();
         Some(QueueDeleted {
             message_count: u32::try_from(q.machine.ready_count()).unwrap_or(u32::MAX),
             cancelled,
@@ -500,9 +481,13 @@ impl Broker {
     /// Removes the READY messages; in-flight ones stay. Returns how many were removed.
     pub fn purge_queue(&mut self, vhost: &str, name: &str, conn: ConnId) -> Result<u32, AmqpError> {
         let name = strip_cr_lf(name);
-        let q = self.queue_by_name_mut(vhost, &name)?;
+        let q = self.queue_by_name(vhost, &name)?;
         check_access(q, conn)?;
-        Ok(q.machine.purge())
+        let id = q.id;
+        match self.run(id, Command::Purge) {
+            Some(Reply::Purged { count }) => Ok(count),
+            _ => Ok(0),
+        }
     }
 
     // ------------------------------------------------------------- exchanges
@@ -811,9 +796,11 @@ impl Broker {
         };
         let mut routed = 0u32;
         for id in &targets {
-            if let Some(q) = self.queues.get_mut(id) {
-                q.machine.enqueue(message.clone(), meta);
-                mark_dirty(&mut self.dirty, q);
+            let command = Command::Enqueue {
+                message: message.clone(),
+                meta,
+            };
+            if self.run(*id, command).is_some() {
                 routed += 1;
             }
         }
@@ -821,138 +808,151 @@ impl Broker {
         Ok(Routed { queues: routed })
     }
 
+    // ------------------------------------------------------ the queue machine
+
+    /// Applies one command to a queue's machine: the only way a queue's state changes. The
+    /// command gets the queue's next log index and the broker's time; it is recorded when
+    /// recording is on; the queue's deadline and dirty flag follow its new state. The effects
+    /// are left in `self.effects`. `None` if the queue does not exist.
+    fn run(&mut self, id: QueueId, command: Command<Message>) -> Option<Reply> {
+        let q = self.queues.get_mut(&id)?;
+        let meta = Meta {
+            index: q.machine.last_index() + 1,
+            now_ms: self.now_ms,
+        };
+        let logged = self.recording.is_some().then(|| command.clone());
+        self.effects.clear();
+        let reply = q.machine.apply(meta, command, &mut self.effects);
+        if let (Some(log), Some(command)) = (self.recording.as_mut(), logged) {
+            // Small machines are checked after every command, big ones now and then (O(state)).
+            let small = q.machine.ready_count() + q.machine.in_flight_count() < 64;
+            let state = (small || meta.index.is_multiple_of(STATE_DIGEST_EVERY))
+                .then(|| q.machine.digest());
+            log.push(Record {
+                queue: id.0,
+                meta,
+                command,
+                effects: effects_digest(&reply, &self.effects),
+                state,
+            });
+        }
+        let next = q.machine.next_deadline();
+        if next != q.scheduled {
+            if let Some(old) = q.scheduled {
+                self.deadlines.remove(&(old, id));
+            }
+            if let Some(at) = next {
+                self.deadlines.insert((at, id));
+            }
+            q.scheduled = next;
+        }
+        mark_dirty(&mut self.dirty, q);
+        Some(reply)
+    }
+
+    /// Handles what a command left in `self.effects` besides deliveries (the callers that can
+    /// deliver take those first).
+    fn finish_effects(&mut self, queue: QueueId) {
+        for effect in std::mem::take(&mut self.effects) {
+            match effect {
+                Effect::DeadLetter {
+                    msg_id,
+                    message,
+                    delivery_count,
+                    reason,
+                } => self.dead_letter(queue, msg_id, message, delivery_count, reason),
+                Effect::Deliver(d) => {
+                    // Only Checkout and Get deliver, and their callers take the deliveries.
+                    debug_assert!(false, "unexpected delivery {:?}", d.receipt);
+                }
+            }
+        }
+    }
+
+    /// Starts or stops recording every command applied to every queue (a debug option: the
+    /// server writes the records to a file, and `queue::log::replay` checks them).
+    pub fn set_recording(&mut self, on: bool) {
+        self.recording = on.then(Vec::new);
+    }
+
+    /// The records made since the last call (empty while recording is off).
+    pub fn take_records(&mut self) -> Vec<Record> {
+        match self.recording.as_mut() {
+            Some(log) => std::mem::take(log),
+            None => Vec::new(),
+        }
+    }
+
     // ------------------------------------------------------------ consumers
 
+    /// basic.consume: registers a consumer in the queue's machine. Errors: 404 no queue, 405
+    /// exclusive queue of another connection, 403 exclusive use, 406 bad arguments.
     #[allow(clippy::too_many_arguments)]
     pub fn consume(
         &mut self,
         vhost: &str,
         queue: &str,
-        consumer: ConsumerKey,
+        group: CreditGroup,
+        tag: ShortStr,
         no_ack: bool,
         exclusive: bool,
+        prefetch: u32,
         arguments: &FieldTable,
-    ) -> Result<QueueId, AmqpError> {
+    ) -> Result<(QueueId, ConsumerId), AmqpError> {
         let queue = strip_cr_lf(queue);
         let q = self.queue_by_name(vhost, &queue)?;
-        check_access(q, consumer.conn)?;
+        check_access(q, group.conn)?;
         let priority = args::validate_consume(arguments, &q.rs())?;
-        if q.exclusive_consumer.is_some() || (exclusive && !q.consumers.is_empty()) {
-            return Err(AmqpError::access_refused(format!(
-                "queue '{queue}' in vhost '{vhost}' in exclusive use"
-            )));
-        }
-        if self.consumers.contains_key(&consumer) {
-            return Err(AmqpError::not_allowed(format!(
-                "attempt to reuse consumer tag '{}'",
-                consumer.tag
-            )));
-        }
         let id = q.id;
-        let Some(q) = self.queues.get_mut(&id) else {
-            return Err(no_queue(&queue, vhost));
+        let consumer = ConsumerId(self.next_consumer);
+        self.next_consumer += 1;
+        let spec = ConsumerSpec {
+            group,
+            tag,
+            no_ack,
+            prefetch,
+            exclusive,
+            priority,
+            arguments: arguments.detached(),
         };
-        q.machine.add_consumer(consumer.clone(), no_ack);
-        q.consumers.push((
-            consumer.clone(),
-            ConsumerInfo {
-                no_ack,
-                exclusive,
-                priority,
-                arguments: arguments.detached(),
-            },
-        ));
-        if exclusive {
-            q.exclusive_consumer = Some(consumer.clone());
+        match self.run(id, Command::Consume { id: consumer, spec }) {
+            Some(Reply::Ok) => Ok((id, consumer)),
+            Some(Reply::Refused(Refusal::ExclusiveInUse)) => Err(AmqpError::access_refused(
+                format!("queue '{queue}' in vhost '{vhost}' in exclusive use"),
+            )),
+            _ => Err(no_queue(&queue, vhost)),
         }
-        q.has_had_consumers = true;
-        mark_dirty(&mut self.dirty, q);
-        self.consumers.insert(consumer, id);
-        Ok(id)
     }
 
-    /// Removes the consumer; its in-flight messages stay in flight (owned by the channel until
-    /// acked or the channel closes). auto_delete queues are deleted when their last consumer
-    /// goes. Returns false if unknown.
-    pub fn cancel(&mut self, queue: QueueId, consumer: &ConsumerKey) -> bool {
-        self.cancel_inner(queue, consumer).0
-    }
-
-    /// (known, auto-deleted queue)
-    fn cancel_inner(&mut self, queue: QueueId, consumer: &ConsumerKey) -> (bool, Option<QueueId>) {
-        let Some(q) = self.queues.get_mut(&queue) else {
-            return (false, None);
+    /// Removes the consumer; its in-flight messages stay in flight (the channel holds them
+    /// until they are acked or the channel closes). An auto-delete queue is deleted when its
+    /// last consumer goes. Returns false if the consumer or queue is unknown.
+    pub fn cancel(&mut self, queue: QueueId, consumer: ConsumerId) -> bool {
+        let Some(Reply::Cancelled { consumers_left }) =
+            self.run(queue, Command::Cancel { id: consumer })
+        else {
+            return false;
         };
-        if !q.machine.remove_consumer(consumer) {
-            return (false, None);
-        }
-        q.consumers.retain(|(k, _)| k != consumer);
-        if q.exclusive_consumer.as_ref() == Some(consumer) {
-            q.exclusive_consumer = None;
-        }
-        if self.consumers.get(consumer) == Some(&queue) {
-            self.consumers.remove(consumer);
-        }
-        if q.auto_delete && q.consumers.is_empty() && q.has_had_consumers {
+        let auto_delete = self
+            .queues
+            .get(&queue)
+            .is_some_and(|q| q.auto_delete && consumers_left == 0 && q.machine.has_had_consumers());
+        if auto_delete {
             self.remove_queue(queue);
-            return (true, Some(queue));
         }
-        (true, None)
+        true
     }
 
-    /// The queue a consumer consumes from.
-    pub fn consumer_queue(&self, consumer: &ConsumerKey) -> Option<QueueId> {
-        self.consumers.get(consumer).copied()
+    /// Sets the credit of a channel's consumers in one queue (channel-wide prefetch, a backed
+    /// up socket): what the queue cannot see reaches it as a command.
+    pub fn set_credit(&mut self, queue: QueueId, group: CreditGroup, credit: Credit) {
+        self.run(queue, Command::Credit { group, credit });
     }
 
-    fn channel_range(conn: ConnId, channel: Option<u16>) -> (ConsumerKey, ConsumerKey) {
-        let (lo, hi) = match channel {
-            Some(c) => ((conn, c), (conn, c)),
-            None => ((conn, 0), (conn, u16::MAX)),
-        };
-        (
-            ConsumerKey {
-                conn: lo.0,
-                channel: lo.1,
-                tag: ShortStr::empty(),
-            },
-            ConsumerKey {
-                conn: hi.0,
-                channel: hi.1,
-                tag: ShortStr::empty(),
-            },
-        )
-    }
-
-    /// The consumers of one channel (`Some`) or of a whole connection (`None`).
-    pub fn consumers_of(&self, conn: ConnId, channel: Option<u16>) -> Vec<(ConsumerKey, QueueId)> {
-        let (lo, _) = Self::channel_range(conn, channel);
-        self.consumers
-            .range(lo..)
-            .take_while(|(k, _)| k.conn == conn && channel.is_none_or(|c| k.channel == c))
-            .map(|(k, q)| (k.clone(), *q))
-            .collect()
-    }
-
-    /// Cancels every consumer of a channel (the channel closed). Returns them. Their in-flight
-    /// messages stay with the channel, which requeues them.
-    pub fn channel_closed(&mut self, conn: ConnId, channel: u16) -> Vec<ConsumerKey> {
-        let list = self.consumers_of(conn, Some(channel));
-        for (k, q) in &list {
-            self.cancel_inner(*q, k);
-        }
-        list.into_iter().map(|(k, _)| k).collect()
-    }
-
-    /// Connection gone: cancels its remaining consumers and deletes its exclusive queues (and
-    /// auto-delete queues that lost their last consumer). Returns the deleted queue ids.
+    /// Connection gone (its consumers already cancelled by the session): deletes its exclusive
+    /// queues. Returns the deleted queue ids.
     pub fn connection_closed(&mut self, conn: ConnId) -> Vec<QueueId> {
         let mut deleted = Vec::new();
-        for (k, q) in self.consumers_of(conn, None) {
-            if let (_, Some(gone)) = self.cancel_inner(q, &k) {
-                deleted.push(gone);
-            }
-        }
         if let Some(ids) = self.exclusive.remove(&conn) {
             for id in ids {
                 if self.remove_queue(id).is_some() {
@@ -963,73 +963,100 @@ impl Broker {
         deleted
     }
 
-    /// A consumer may have gained credit (ack, qos change): its queue is dispatched again.
-    pub fn credit_changed(&mut self, consumer: &ConsumerKey) {
-        if let Some(id) = self.consumers.get(consumer) {
-            if let Some(q) = self.queues.get_mut(id) {
-                mark_dirty(&mut self.dirty, q);
-            }
-        }
-    }
-
-    /// Every consumer of a channel may have gained credit (channel-wide prefetch, writable
-    /// socket again).
-    pub fn channel_credit_changed(&mut self, conn: ConnId, channel: u16) {
-        let (lo, _) = Self::channel_range(conn, Some(channel));
-        for (k, id) in self.consumers.range(lo..) {
-            if k.conn != conn || k.channel != channel {
-                break;
-            }
-            if let Some(q) = self.queues.get_mut(id) {
-                mark_dirty(&mut self.dirty, q);
-            }
-        }
-    }
-
-    /// Is there a queue with work for [`Broker::dispatch`]?
+    /// Is there a queue with work for [`Broker::dispatch_one`]?
     pub fn needs_dispatch(&self) -> bool {
         !self.dirty.is_empty()
     }
 
-    /// Offers ready messages to consumers with credit, round-robin among a queue's
-    /// consumers, for every queue that has work. Each queue makes at most
-    /// `config.dispatch_batch` deliveries per call; one with more stays dirty.
-    pub fn dispatch(&mut self, sink: &mut dyn DeliverySink) {
-        let batch = self.config.dispatch_batch.max(1);
-        for _ in 0..self.dirty.len() {
-            let Some(id) = self.dirty.pop_front() else {
-                break;
-            };
-            let Some(q) = self.queues.get_mut(&id) else {
-                continue;
-            };
-            q.dirty = false;
-            let Queue { machine, name, .. } = &mut *q;
-            let mut checkout = SinkCheckout {
-                sink: &mut *sink,
-                queue: id,
-                queue_name: name,
-            };
-            let delivered = machine.checkout(&mut checkout, batch);
-            if delivered >= batch {
-                mark_dirty(&mut self.dirty, q);
+    /// Queues waiting for dispatch now (a caller that dispatches each once stops after this
+    /// many).
+    pub fn dirty_count(&self) -> usize {
+        self.dirty.len()
+    }
+
+    /// Runs one checkout (at most `config.dispatch_batch` deliveries) on the next queue with
+    /// work; its deliveries are appended to `out`. A queue with more work stays dirty. False
+    /// when no queue has work.
+    pub fn dispatch_one(&mut self, out: &mut Vec<Delivery>) -> bool {
+        let Some(id) = self.dirty.pop_front() else {
+            return false;
+        };
+        let Some(q) = self.queues.get_mut(&id) else {
+            return true;
+        };
+        q.dirty = false;
+        let max = u32::try_from(self.config.dispatch_batch.max(1)).unwrap_or(u32::MAX);
+        if self.run(id, Command::Checkout { max }).is_none() {
+            return true;
+        }
+        self.take_deliveries(id, out);
+        true
+    }
+
+    /// Moves the deliveries out of `self.effects` into `out`, then handles the rest.
+    fn take_deliveries(&mut self, id: QueueId, out: &mut Vec<Delivery>) {
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        let mut rest = Vec::new();
+        for effect in self.effects.drain(..) {
+            match effect {
+                Effect::Deliver(d) => out.push(Delivery {
+                    queue: id,
+                    queue_name: q.name.clone(),
+                    receipt: d.receipt,
+                    message: d.message,
+                    redelivered: d.redelivered,
+                    settled: d.settled,
+                    consumer: d
+                        .consumer
+                        .zip(d.to)
+                        .map(|(id, (group, tag))| (id, group, tag)),
+                }),
+                other => rest.push(other),
             }
+        }
+        if !rest.is_empty() {
+            self.effects = rest;
+            self.finish_effects(id);
         }
     }
 
     // ----------------------------------------------------------------- time
 
-    /// Time passes: the hook for message TTL, `x-expires` and consumer timeouts (none of
-    /// which is enforced yet). The server calls it at [`Broker::next_deadline`] or
-    /// periodically.
+    /// Time passes: every queue whose deadline has come gets a Tick (message expiry now;
+    /// queue expiry, visibility timeouts and delayed messages as they land). The server calls
+    /// it at [`Broker::next_deadline`].
     pub fn tick(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        while let Some(&(at, id)) = self.deadlines.first() {
+            if at > self.now_ms {
+                break;
+            }
+            if self.run(id, Command::Tick).is_none() {
+                self.deadlines.remove(&(at, id));
+                continue;
+            }
+            if self.deadlines.first() == Some(&(at, id)) {
+                // The machine reported a deadline that a tick does not clear: never spin.
+                self.deadlines.remove(&(at, id));
+                if let Some(q) = self.queues.get_mut(&id) {
+                    q.scheduled = None;
+                }
+            }
+            self.finish_effects(id);
+        }
+    }
+
+    /// The time of the commands that follow (milliseconds on the driver's clock; it never goes
+    /// backwards). Every command a queue applies carries the broker's latest time.
+    pub fn advance_time(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
     }
 
-    /// The earliest time at which [`Broker::tick`] has work to do; `None` while nothing is
-    /// time-bound.
+    /// The earliest time at which [`Broker::tick`] has work to do.
     pub fn next_deadline(&self) -> Option<u64> {
-        None
+        self.deadlines.first().map(|&(at, _)| at)
     }
 
     /// Every queue of a vhost, sorted by name.
@@ -1048,6 +1075,11 @@ impl Broker {
         out
     }
 
+    /// A queue's machine (read-only: tests, diagnostics, digests).
+    pub fn machine(&self, queue: QueueId) -> Option<&QueueMachine<Message>> {
+        self.queues.get(&queue).map(|q| &q.machine)
+    }
+
     // ------------------------------------------------------------ basic.get
 
     /// basic.get: the next ready message and how many stay ready.
@@ -1059,64 +1091,55 @@ impl Broker {
         conn: ConnId,
     ) -> Result<Option<(Delivery, u32)>, AmqpError> {
         let queue = strip_cr_lf(queue);
-        let q = self.queue_by_name_mut(vhost, &queue)?;
+        let q = self.queue_by_name(vhost, &queue)?;
         check_access(q, conn)?;
-        let Some(d) = q.machine.get(no_ack) else {
+        let id = q.id;
+        if q.machine.ready_count() == 0 {
+            // Nothing to take: no command, so an empty poll loop writes nothing to the log.
             return Ok(None);
-        };
-        let delivery = Delivery {
-            queue: q.id,
-            queue_name: q.name.clone(),
-            msg_id: d.msg_id,
-            message: d.message,
-            redelivered: d.redelivered,
-            delivery_count: d.delivery_count,
-        };
-        Ok(Some((delivery, q.ready_count())))
+        }
+        self.run(id, Command::Get { no_ack });
+        let mut got = Vec::with_capacity(1);
+        self.take_deliveries(id, &mut got);
+        let remaining = self.queues.get(&id).map_or(0, |q| q.ready_count());
+        Ok(got.pop().map(|d| (d, remaining)))
     }
 
     // ----------------------------------------------------------- settlement
 
-    /// Ack: forgets the in-flight message. Unknown ids or queues are ignored (the queue may
-    /// be gone).
-    pub fn settle(&mut self, queue: QueueId, msg_id: u64) {
-        if let Some(q) = self.queues.get_mut(&queue) {
-            q.machine.settle(msg_id);
-        }
+    /// Ack. False if the receipt is not current (the queue is gone, or the message was
+    /// returned and delivered again since): nothing changes.
+    pub fn settle(&mut self, queue: QueueId, receipt: Receipt) -> bool {
+        self.run(queue, Command::Settle { receipt }) == Some(Reply::Ok)
     }
 
     /// nack/reject with requeue, channel closed: the message goes back to its original
-    /// position and is redelivered=true on its next delivery.
-    pub fn requeue(&mut self, queue: QueueId, msg_id: u64) {
-        if let Some(q) = self.queues.get_mut(&queue) {
-            if q.machine.requeue(msg_id) {
-                mark_dirty(&mut self.dirty, q);
-            }
-        }
+    /// position and is redelivered=true on its next delivery. False if the receipt is stale.
+    pub fn requeue(&mut self, queue: QueueId, receipt: Receipt) -> bool {
+        self.run(queue, Command::Return { receipt }) == Some(Reply::Ok)
     }
 
-    /// reject/nack without requeue: the message leaves the queue and goes to
-    /// the dead-lettering hook (`Broker::dead_letter`, private; dropped for now).
-    pub fn discard(&mut self, queue: QueueId, msg_id: u64) {
-        let Some(q) = self.queues.get_mut(&queue) else {
-            return;
-        };
-        if let Some(discarded) = q.machine.discard(msg_id) {
-            self.dead_letter(queue, discarded, DeadLetterReason::Rejected);
-        }
+    /// reject/nack without requeue: the message leaves the queue and goes to the
+    /// dead-lettering hook. False if the receipt is stale.
+    pub fn discard(&mut self, queue: QueueId, receipt: Receipt) -> bool {
+        let ok = self.run(queue, Command::Discard { receipt }) == Some(Reply::Ok);
+        self.finish_effects(queue);
+        ok
     }
 
-    /// The dead-lettering hook: every message that leaves a queue unacknowledged (rejected
-    /// now; expired, over max-length or over the delivery limit later) comes here. Not
-    /// implemented yet: the message is dropped. With `x-dead-letter-exchange` set
+    /// The dead-lettering hook: every message that leaves a queue unacknowledged (rejected,
+    /// expired; over max-length or the delivery limit later) comes here. Not implemented yet:
+    /// the message is dropped. With `x-dead-letter-exchange` set
     /// (`QueueArgs::dead_letter_exchange`), it is to be republished there with `x-death`.
     fn dead_letter(
         &mut self,
         queue: QueueId,
-        discarded: Discarded<Message>,
+        msg_id: u64,
+        message: Message,
+        delivery_count: u32,
         reason: DeadLetterReason,
     ) {
-        let _ = (queue, discarded, reason);
+        let _ = (queue, msg_id, message, delivery_count, reason);
     }
 }
 

@@ -11,20 +11,20 @@
 //!
 //! - Declarations, bindings, publish, consume, get: plain calls returning `AmqpError`s with
 //!   RabbitMQ's reply texts.
-//! - Deliveries: after anything that may have produced work (publish, consume, requeue,
-//!   [`Broker::credit_changed`] / [`Broker::channel_credit_changed`] when prefetch credit or
-//!   socket room came back), call [`Broker::dispatch`] with a [`DeliverySink`]. Each queue
-//!   makes at most `BrokerConfig::dispatch_batch` deliveries per call; while
-//!   [`Broker::needs_dispatch`] is true there is more to hand out.
+//! - Every change to a queue is a [`machine::Command`] applied to its
+//!   [`machine::QueueMachine`] (a pure function, like RabbitMQ's `rabbit_fifo`), with the
+//!   queue's next log index and the broker's time. [`Broker::set_recording`] keeps every
+//!   command so that [`queue::log::replay`] can check a replay rebuilds the same queues.
+//! - Deliveries: while [`Broker::needs_dispatch`], call [`Broker::dispatch_one`]; each call
+//!   runs one bounded checkout on one queue. Consumers' prefetch lives in the machine;
+//!   channel-wide credit (global prefetch, a backed-up socket) is set with
+//!   [`Broker::set_credit`].
 //! - Settlement: [`Broker::settle`] (ack), [`Broker::requeue`] (nack/reject with requeue,
-//!   channel closed), [`Broker::discard`] (without requeue), by `(QueueId, msg_id)` from the
-//!   [`Delivery`].
-//! - Teardown: [`Broker::cancel`] / [`Broker::channel_closed`] for consumers,
-//!   [`Broker::connection_closed`] for exclusive queues.
-//! - Time: [`Broker::tick`] (a hook: nothing is time-bound yet).
-//!
-//! The queue itself is a pure state machine ([`machine::QueueMachine`]), like RabbitMQ's
-//! `rabbit_fifo`.
+//!   channel closed), [`Broker::discard`] (without requeue), with the delivery's
+//!   [`machine::Receipt`]; a stale receipt changes nothing.
+//! - Teardown: [`Broker::cancel`] for consumers, [`Broker::connection_closed`] for exclusive
+//!   queues.
+//! - Time: [`Broker::tick`] at [`Broker::next_deadline`].
 
 mod broker;
 mod erl;
@@ -37,6 +37,7 @@ pub use broker::{Broker, QueueInfo};
 pub use exchange::ExchangeKind;
 pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
 pub use queue::machine;
+pub use queue::machine::{ConsumerId, Credit, CreditGroup, Receipt};
 
 use bytes::Bytes;
 use warren_codec::{FieldTable, ShortStr};
@@ -58,7 +59,7 @@ pub struct QueueId(pub u64);
 
 /// A message as routed: every field refcounted, so cloning for fan-out copies no payload and
 /// allocates nothing.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Message {
     pub exchange: ShortStr,
     pub routing_key: ShortStr,
@@ -73,13 +74,15 @@ pub struct Message {
 pub struct Delivery {
     pub queue: QueueId,
     pub queue_name: ShortStr,
-    /// The message's id in its queue: pass it back to settle / requeue / discard.
-    pub msg_id: u64,
+    /// Pass it back to settle / requeue / discard; `receipt.attempt` is how many times the
+    /// message has now been delivered, this delivery included (`x-delivery-count`).
+    pub receipt: Receipt,
     pub message: Message,
     pub redelivered: bool,
-    /// How many times the message has now been delivered, this delivery included (for
-    /// `x-delivery-count` and delivery limits).
-    pub delivery_count: u32,
+    /// The queue already forgot the message (a no-ack consumer or basic.get with no-ack).
+    pub settled: bool,
+    /// The consumer, its channel and its tag; `None` for basic.get.
+    pub consumer: Option<(ConsumerId, CreditGroup, ShortStr)>,
 }
 
 /// Limits and knobs of a broker.
@@ -94,7 +97,7 @@ pub struct BrokerConfig {
     /// Seed for server-named queue names. Deterministic for tests; the server should seed it
     /// from OS randomness so names differ across restarts.
     pub name_seed: u64,
-    /// Most deliveries one queue makes in one [`Broker::dispatch`] call; a queue with more
+    /// Most deliveries one queue makes in one [`Broker::dispatch_one`] call; a queue with more
     /// work stays dirty ([`Broker::needs_dispatch`]), so no call does unbounded work.
     pub dispatch_batch: usize,
 }
@@ -148,14 +151,4 @@ pub struct Routed {
     /// Number of queues the message was enqueued on; 0 = unroutable (basic.return 312
     /// NO_ROUTE if mandatory).
     pub queues: u32,
-}
-
-/// Where [`Broker::dispatch`] puts deliveries.
-pub trait DeliverySink {
-    /// May this consumer take one more message now (prefetch credit, socket back-pressure)?
-    /// Called right before a message is taken for it.
-    fn has_credit(&mut self, consumer: &ConsumerKey) -> bool;
-    /// The message now belongs to this consumer (in flight unless the consumer is no-ack, in
-    /// which case the queue already forgot it).
-    fn deliver(&mut self, consumer: &ConsumerKey, delivery: Delivery);
 }

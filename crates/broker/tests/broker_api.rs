@@ -1,11 +1,9 @@
 //! The broker API against RabbitMQ 3.10's answers (codes and exact texts).
 
-use std::collections::HashMap;
-
 use bytes::{BufMut, Bytes, BytesMut};
 use warren_broker::{
-    Broker, BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Delivery, DeliverySink, Message,
-    QueueId,
+    Broker, BrokerConfig, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue,
+    Delivery, Message, QueueId,
 };
 use warren_codec::{AmqpError, FieldTable, FieldValue, ReplyCode, ShortStr};
 
@@ -81,23 +79,53 @@ fn ready(b: &Broker, q: QueueId) -> u32 {
     b.queue_info(q).expect("queue").message_count
 }
 
-/// A sink with per-consumer credit that records deliveries.
-#[derive(Default)]
-struct Sink {
-    credit: HashMap<ConsumerKey, u32>,
-    got: Vec<(ConsumerKey, Delivery)>,
+fn group(conn: ConnId, channel: u16) -> CreditGroup {
+    CreditGroup { conn, channel }
 }
 
-impl DeliverySink for Sink {
-    fn has_credit(&mut self, c: &ConsumerKey) -> bool {
-        self.credit.get(c).is_none_or(|n| *n > 0)
+/// basic.consume with no prefetch limit and no arguments.
+fn consume(
+    b: &mut Broker,
+    queue: &str,
+    conn: ConnId,
+    channel: u16,
+    tag: &'static str,
+    no_ack: bool,
+    exclusive: bool,
+) -> Result<(QueueId, ConsumerId), AmqpError> {
+    b.consume(
+        V,
+        queue,
+        group(conn, channel),
+        tag.into(),
+        no_ack,
+        exclusive,
+        0,
+        &FieldTable::new(),
+    )
+}
+
+/// Dispatches until no queue has work, as the server does; returns the deliveries.
+fn dispatch(b: &mut Broker) -> Vec<Delivery> {
+    let mut out = Vec::new();
+    let mut calls = 0;
+    while b.needs_dispatch() {
+        assert!(
+            b.dispatch_one(&mut out),
+            "needs_dispatch but no queue had work"
+        );
+        calls += 1;
+        assert!(calls < 10_000, "dispatch never settles");
     }
-    fn deliver(&mut self, c: &ConsumerKey, d: Delivery) {
-        if let Some(n) = self.credit.get_mut(c) {
-            *n -= 1;
-        }
-        self.got.push((c.clone(), d));
-    }
+    out
+}
+
+/// The consumer tag of a delivery ("" for basic.get).
+fn tag_of(d: &Delivery) -> String {
+    d.consumer
+        .as_ref()
+        .map(|(_, _, t)| t.to_string())
+        .unwrap_or_default()
 }
 
 // ------------------------------------------------------------------ declare
@@ -410,7 +438,7 @@ fn exclusive_queue_locked_for_other_connections() {
     assert_eq!(b.purge_queue(V, "ex", C2), Err(locked("ex")));
     assert_eq!(b.get(V, "ex", false, C2), Err(locked("ex")));
     assert_eq!(
-        b.consume(V, "ex", ck(C2, 1, "t"), false, false, &FieldTable::new()),
+        consume(&mut b, "ex", C2, 1, "t", false, false),
         Err(locked("ex"))
     );
     assert_eq!(
@@ -436,6 +464,7 @@ fn exclusive_queue_locked_for_other_connections() {
 #[test]
 fn delete_and_purge() {
     let mut b = broker();
+    let none = FieldTable::new();
     let q = declare(&mut b, "q");
     publish(&mut b, "", "q", msg("1"));
     publish(&mut b, "", "q", msg("2"));
@@ -446,7 +475,9 @@ fn delete_and_purge() {
             "queue 'q' in vhost '/' not empty"
         ))
     );
-    b.consume(V, "q", ck(C1, 1, "t"), false, false, &FieldTable::new())
+    // Prefetch 1: the consumer takes one message and leaves the other ready.
+    let (_, t) = b
+        .consume(V, "q", group(C1, 1), "t".into(), false, false, 1, &none)
         .expect("consume");
     assert_eq!(
         b.delete_queue(V, "q", true, false, C1),
@@ -464,10 +495,8 @@ fn delete_and_purge() {
         ))
     );
     // One in flight, one ready: purge drops the ready one only.
-    let mut sink = Sink::default();
-    sink.credit.insert(ck(C1, 1, "t"), 1);
-    b.dispatch(&mut sink);
-    assert_eq!(sink.got.len(), 1);
+    let got = dispatch(&mut b);
+    assert_eq!(got.len(), 1);
     assert_eq!(b.purge_queue(V, "q", C1), Ok(1));
     let info = b.queue_info(q).expect("info");
     assert_eq!((info.message_count, info.in_flight), (0, 1));
@@ -481,18 +510,19 @@ fn delete_and_purge() {
     assert_eq!(d.message_count, 1);
     assert_eq!(d.cancelled, vec![ck(C1, 1, "t")]);
     assert!(b.queue_info(q).is_none());
-    assert!(b.consumer_queue(&ck(C1, 1, "t")).is_none());
+    assert!(b.machine(q).is_none());
+    assert!(!b.cancel(q, t), "the consumer went with its queue");
     // Deleting a missing queue is ok with 0 messages.
     assert_eq!(
         b.delete_queue(V, "q", true, true, C1)
             .map(|d| d.message_count),
         Ok(0)
     );
-    // Settling against a deleted queue is ignored.
-    let (_, delivery) = &sink.got[0];
-    b.settle(delivery.queue, delivery.msg_id);
-    b.requeue(delivery.queue, delivery.msg_id);
-    b.discard(delivery.queue, delivery.msg_id);
+    // Settling against a deleted queue changes nothing (the receipt is stale).
+    let delivery = &got[0];
+    assert!(!b.settle(delivery.queue, delivery.receipt));
+    assert!(!b.requeue(delivery.queue, delivery.receipt));
+    assert!(!b.discard(delivery.queue, delivery.receipt));
     // A redeclared queue gets a new id.
     assert_ne!(declare(&mut b, "q"), q);
 }
@@ -945,70 +975,96 @@ fn auto_delete_exchange_goes_with_last_binding() {
 #[test]
 fn consume_errors_and_exclusive_consumers() {
     let mut b = broker();
-    let none = FieldTable::new();
     declare(&mut b, "q");
     assert_eq!(
-        b.consume(V, "nope", ck(C1, 1, "t"), false, false, &none),
+        consume(&mut b, "nope", C1, 1, "t", false, false),
         Err(err(ReplyCode::NotFound, "no queue 'nope' in vhost '/'"))
     );
     assert_eq!(
         b.get(V, "nope", false, C1),
         Err(err(ReplyCode::NotFound, "no queue 'nope' in vhost '/'"))
     );
-    let id = b
-        .consume(V, "q", ck(C1, 1, "ex"), false, true, &none)
-        .expect("exclusive");
+    let (id, ex) = consume(&mut b, "q", C1, 1, "ex", false, true).expect("exclusive");
+    assert_eq!(b.machine(id).and_then(|m| m.exclusive_consumer()), Some(ex));
     let in_use = err(
         ReplyCode::AccessRefused,
         "queue 'q' in vhost '/' in exclusive use",
     );
     assert_eq!(
-        b.consume(V, "q", ck(C2, 1, "t"), false, false, &none),
+        consume(&mut b, "q", C2, 1, "t", false, false),
         Err(in_use.clone())
     );
-    assert!(b.cancel(id, &ck(C1, 1, "ex")));
-    assert!(!b.cancel(id, &ck(C1, 1, "ex")));
-    b.consume(V, "q", ck(C1, 1, "t"), false, false, &none)
-        .expect("shared");
+    assert!(b.cancel(id, ex));
+    assert!(!b.cancel(id, ex));
+    assert_eq!(b.machine(id).and_then(|m| m.exclusive_consumer()), None);
+    let (_, t) = consume(&mut b, "q", C1, 1, "t", false, false).expect("shared");
+    assert_eq!(consume(&mut b, "q", C2, 1, "ex", false, true), Err(in_use));
+    // A reused consumer tag is the session's to refuse (530 "attempt to reuse consumer tag"):
+    // the broker registers a second consumer with its own id.
+    let (_, again) = consume(&mut b, "q", C1, 1, "t", false, false).expect("tag not checked");
+    assert_ne!(again, t);
+    assert_eq!(b.queue_info(id).map(|i| i.consumer_count), Some(2));
+    assert!(b.cancel(id, again));
     assert_eq!(
-        b.consume(V, "q", ck(C2, 1, "ex"), false, true, &none),
-        Err(in_use)
-    );
-    assert_eq!(
-        b.consume(V, "q", ck(C1, 1, "t"), false, false, &none),
-        Err(err(
-            ReplyCode::NotAllowed,
-            "attempt to reuse consumer tag 't'"
-        ))
-    );
-    assert_eq!(
-        b.consume(V, "q", ck(C1, 2, "p"), false, false, &table(&[("x-priority", FieldValue::long_str("high"))])),
+        b.consume(V, "q", group(C1, 2), "p".into(), false, false, 0, &table(&[("x-priority", FieldValue::long_str("high"))])),
         Err(err(
             ReplyCode::PreconditionFailed,
             "invalid arg 'x-priority' for queue 'q' in vhost '/': \"expected integer, got longstr\""
         ))
     );
     assert_eq!(b.queue_info(id).map(|i| i.consumer_count), Some(1));
+    // The machine keeps the consumer as declared.
+    let (_, p) = b
+        .consume(
+            V,
+            "q",
+            group(C2, 3),
+            "p".into(),
+            true,
+            false,
+            7,
+            &table(&[("x-priority", FieldValue::I32(5))]),
+        )
+        .expect("with priority");
+    let spec = b
+        .machine(id)
+        .and_then(|m| m.consumer(p))
+        .cloned()
+        .expect("spec");
+    assert_eq!(
+        (
+            spec.group,
+            spec.tag.as_str(),
+            spec.no_ack,
+            spec.exclusive,
+            spec.prefetch,
+            spec.priority
+        ),
+        (group(C2, 3), "p", true, false, 7, 5)
+    );
 }
 
 #[test]
 fn auto_delete_queue_goes_with_last_consumer() {
     let mut b = broker();
-    let none = FieldTable::new();
     let mut r = req("ad");
     r.auto_delete = true;
     let id = b.declare_queue(V, r, C1).expect("declare").queue;
     // Never consumed: stays.
     assert!(b.get(V, "ad", true, C1).expect("get").is_none());
-    b.consume(V, "ad", ck(C1, 1, "a"), false, false, &none)
-        .expect("a");
-    b.consume(V, "ad", ck(C2, 1, "b"), false, false, &none)
-        .expect("b");
-    assert!(b.cancel(id, &ck(C1, 1, "a")));
+    let (_, a) = consume(&mut b, "ad", C1, 1, "a", false, false).expect("a");
+    let (_, c) = consume(&mut b, "ad", C2, 1, "b", false, false).expect("b");
+    assert!(b.cancel(id, a));
     assert!(b.queue_info(id).is_some());
-    // The other connection closing cancels the last consumer.
-    assert_eq!(b.connection_closed(C2), vec![id]);
+    // A connection closing deletes only its exclusive queues: its consumers are the session's
+    // to cancel first.
+    assert_eq!(b.connection_closed(C2), Vec::<QueueId>::new());
+    assert_eq!(b.queue_info(id).map(|i| i.consumer_count), Some(1));
+    // The session cancels the other connection's consumer, the last one: the queue goes.
+    assert!(b.cancel(id, c));
     assert!(b.queue_info(id).is_none());
+    assert!(b.queue_id(V, "ad").is_none());
+    assert!(!b.cancel(id, c));
 }
 
 #[test]
@@ -1016,60 +1072,166 @@ fn dispatch_round_robin_with_credit() {
     let mut b = broker();
     let none = FieldTable::new();
     let q = declare(&mut b, "q");
-    for i in 0..6 {
-        let body: &'static str = ["0", "1", "2", "3", "4", "5"][i];
+    for body in ["0", "1", "2", "3", "4", "5"] {
         publish(&mut b, "", "q", msg(body));
     }
-    let (a, c) = (ck(C1, 1, "a"), ck(C1, 2, "c"));
-    b.consume(V, "q", a.clone(), false, false, &none)
+    let (ga, gc) = (group(C1, 1), group(C1, 2));
+    // a has no prefetch of its own, but its channel has a channel-wide credit of 2 (what the
+    // session sets for a global prefetch); c has a prefetch of 1, which acks give back.
+    let (_, a) = b
+        .consume(V, "q", ga, "a".into(), false, false, 0, &none)
         .expect("a");
-    b.consume(V, "q", c.clone(), false, false, &none)
+    b.set_credit(
+        q,
+        ga,
+        Credit {
+            blocked: false,
+            limit: Some(2),
+        },
+    );
+    let (_, c) = b
+        .consume(V, "q", gc, "c".into(), false, false, 1, &none)
         .expect("c");
-    let mut sink = Sink::default();
-    sink.credit.insert(a.clone(), 2);
-    sink.credit.insert(c.clone(), 1);
-    b.dispatch(&mut sink);
-    let seen: Vec<(String, u64)> = sink
-        .got
-        .iter()
-        .map(|(k, d)| (k.tag.to_string(), d.msg_id))
-        .collect();
+    let mut got = dispatch(&mut b);
+    let seen: Vec<(String, u64)> = got.iter().map(|d| (tag_of(d), d.receipt.msg_id)).collect();
     assert_eq!(
         seen,
         vec![("a".into(), 0), ("c".into(), 1), ("a".into(), 2)]
     );
-    assert!(!b.needs_dispatch());
-    // No credit: nothing more until credit comes back.
-    b.dispatch(&mut sink);
-    assert_eq!(sink.got.len(), 3);
-    // Ack one and grant credit to c.
-    b.settle(q, 1);
-    sink.credit.insert(c.clone(), 1);
-    b.credit_changed(&c);
-    assert!(b.needs_dispatch());
-    b.dispatch(&mut sink);
-    assert_eq!(
-        sink.got.last().map(|(k, d)| (k.clone(), d.msg_id)),
-        Some((c.clone(), 3))
-    );
-    // Requeue 0: redelivered before the later ones.
-    b.requeue(q, 0);
-    sink.credit.insert(a.clone(), 10);
-    b.channel_credit_changed(C1, 1);
-    b.dispatch(&mut sink);
-    let tail: Vec<(u64, bool)> = sink.got[4..]
+    assert_eq!(got[1].consumer, Some((c, gc, "c".into())));
+    assert!(got
         .iter()
-        .map(|(_, d)| (d.msg_id, d.redelivered))
+        .all(|d| d.queue == q && !d.redelivered && !d.settled && d.receipt.attempt == 1));
+    assert!(!b.needs_dispatch());
+    // What each consumer holds is kept by the queue.
+    let held: Vec<(ConsumerId, u32)> = b
+        .machine(q)
+        .expect("q")
+        .consumers()
+        .map(|(id, _, n)| (id, n))
         .collect();
-    assert_eq!(tail, vec![(0, true), (4, false), (5, false)]);
+    assert_eq!(held, vec![(a, 2), (c, 1)]);
+    // No credit: nothing more until credit comes back.
+    assert!(dispatch(&mut b).is_empty());
+    // Acking c's message gives c its credit back.
+    assert!(b.settle(q, got[1].receipt));
+    assert!(!b.settle(q, got[1].receipt), "settled twice");
+    assert!(b.needs_dispatch());
+    got.extend(dispatch(&mut b));
+    assert_eq!(
+        got.last().map(|d| (tag_of(d), d.receipt.msg_id)),
+        Some(("c".into(), 3))
+    );
+    // Requeue 0: back in its place, but a's channel has no credit left (acks do not give
+    // channel credit back: the session does, with set_credit).
+    assert!(b.requeue(q, got[0].receipt));
+    assert!(!b.needs_dispatch());
+    assert_eq!(b.machine(q).map(|m| m.ready_ids()), Some(vec![0, 4, 5]));
+    // The session grants a's channel more credit: 0 is redelivered before the later ones.
+    b.set_credit(
+        q,
+        ga,
+        Credit {
+            blocked: false,
+            limit: Some(10),
+        },
+    );
+    assert!(b.needs_dispatch());
+    got.extend(dispatch(&mut b));
+    let tail: Vec<(String, u64, bool, u32)> = got[4..]
+        .iter()
+        .map(|d| {
+            (
+                tag_of(d),
+                d.receipt.msg_id,
+                d.redelivered,
+                d.receipt.attempt,
+            )
+        })
+        .collect();
+    assert_eq!(
+        tail,
+        vec![
+            ("a".into(), 0, true, 2),
+            ("a".into(), 4, false, 1),
+            ("a".into(), 5, false, 1)
+        ]
+    );
     let info = b.queue_info(q).expect("info");
     assert_eq!((info.message_count, info.in_flight), (0, 5));
-    // discard forgets.
-    b.discard(q, 0);
+    // discard forgets; the first delivery's receipt of 0 is stale.
+    assert!(!b.discard(q, got[0].receipt));
+    assert!(b.discard(q, got[4].receipt));
     assert_eq!(b.queue_info(q).map(|i| i.in_flight), Some(4));
-    // A closed channel: its consumers are cancelled.
-    assert_eq!(b.channel_closed(C1, 2), vec![c.clone()]);
-    assert_eq!(b.consumers_of(C1, None), vec![(a, q)]);
+    // A closed channel: the session cancels its consumers. What they hold stays in flight
+    // (the channel holds it) until the session requeues it.
+    assert!(b.cancel(q, c));
+    let left: Vec<(ConsumerId, CreditGroup, String)> = b
+        .machine(q)
+        .expect("q")
+        .consumers()
+        .map(|(id, spec, _)| (id, spec.group, spec.tag.to_string()))
+        .collect();
+    assert_eq!(left, vec![(a, ga, "a".to_string())]);
+    assert_eq!(
+        b.machine(q).and_then(|m| m.holder(got[3].receipt)),
+        Some(Some(c))
+    );
+    assert_eq!(b.queue_info(q).map(|i| i.in_flight), Some(4));
+    assert!(b.requeue(q, got[3].receipt));
+    let again = dispatch(&mut b);
+    assert_eq!(
+        again
+            .iter()
+            .map(|d| (tag_of(d), d.receipt.msg_id, d.redelivered))
+            .collect::<Vec<_>>(),
+        vec![("a".into(), 3, true)]
+    );
+}
+
+#[test]
+fn blocked_channel_gets_nothing() {
+    let mut b = broker();
+    let q = declare(&mut b, "q");
+    for _ in 0..3 {
+        publish(&mut b, "", "q", msg("m"));
+    }
+    let g = group(C1, 1);
+    let blocked = Credit {
+        blocked: true,
+        limit: None,
+    };
+    // A queue keeps no credit for a channel that has no consumer there (the session tells a
+    // queue its channel's credit right after consuming from it).
+    b.set_credit(q, g, blocked);
+    let fresh = b.machine(q).map(|m| m.digest());
+    consume(&mut b, "q", C1, 1, "n", true, false).expect("no-ack");
+    b.cancel(
+        q,
+        b.machine(q)
+            .and_then(|m| m.consumers().next())
+            .map(|c| c.0)
+            .expect("consumer"),
+    );
+    assert_ne!(b.machine(q).map(|m| m.digest()), fresh);
+    // A backed-up socket blocks even no-ack consumers.
+    consume(&mut b, "q", C1, 1, "n2", true, false).expect("no-ack");
+    b.set_credit(q, g, blocked);
+    assert!(dispatch(&mut b).is_empty());
+    assert_eq!(ready(&b, q), 3);
+    // A channel-wide limit does not hold back no-ack consumers.
+    b.set_credit(
+        q,
+        g,
+        Credit {
+            blocked: false,
+            limit: Some(0),
+        },
+    );
+    let got = dispatch(&mut b);
+    assert_eq!(got.len(), 3);
+    assert!(got.iter().all(|d| d.settled));
+    assert_eq!(b.queue_info(q).map(|i| i.in_flight), Some(0));
 }
 
 #[test]
@@ -1082,16 +1244,18 @@ fn dispatch_batch_keeps_queue_dirty() {
     for _ in 0..5 {
         publish(&mut b, "", "q", msg("m"));
     }
-    b.consume(V, "q", ck(C1, 1, "t"), true, false, &FieldTable::new())
-        .expect("consume");
-    let mut sink = Sink::default();
-    b.dispatch(&mut sink);
-    assert_eq!(sink.got.len(), 2);
+    consume(&mut b, "q", C1, 1, "t", true, false).expect("consume");
+    let mut got = Vec::new();
+    assert!(b.dispatch_one(&mut got));
+    assert_eq!(got.len(), 2);
     assert!(b.needs_dispatch());
-    b.dispatch(&mut sink);
-    b.dispatch(&mut sink);
-    assert_eq!(sink.got.len(), 5);
+    assert!(b.dispatch_one(&mut got));
+    assert!(b.dispatch_one(&mut got));
+    assert_eq!(got.len(), 5);
+    assert!(!b.needs_dispatch());
+    assert!(!b.dispatch_one(&mut got));
     // no-ack: nothing in flight.
+    assert!(got.iter().all(|d| d.settled));
     let q = b.queue_id(V, "q").expect("q");
     assert_eq!(
         b.queue_info(q).map(|i| (i.message_count, i.in_flight)),
@@ -1107,18 +1271,34 @@ fn basic_get() {
     publish(&mut b, "", "q", msg("b"));
     let (d, left) = b.get(V, "q", false, C1).expect("ok").expect("message");
     assert_eq!(
-        (d.msg_id, d.redelivered, left, d.queue_name.as_str()),
-        (0, false, 1, "q")
+        (
+            d.receipt.msg_id,
+            d.redelivered,
+            d.settled,
+            left,
+            d.queue_name.as_str()
+        ),
+        (0, false, false, 1, "q")
     );
+    assert_eq!(d.consumer, None);
     assert_eq!(d.message.body, Bytes::from_static(b"a"));
-    b.requeue(q, d.msg_id);
+    assert_eq!(b.machine(q).and_then(|m| m.holder(d.receipt)), Some(None));
+    assert!(b.requeue(q, d.receipt));
+    let first = d.receipt;
     let (d, left) = b.get(V, "q", true, C1).expect("ok").expect("message");
     assert_eq!(
-        (d.msg_id, d.redelivered, d.delivery_count, left),
-        (0, true, 2, 1)
+        (
+            d.receipt.msg_id,
+            d.redelivered,
+            d.receipt.attempt,
+            d.settled,
+            left
+        ),
+        (0, true, 2, true, 1)
     );
+    assert!(!b.settle(q, first), "no longer in flight");
     let (d, left) = b.get(V, "q", true, C1).expect("ok").expect("message");
-    assert_eq!((d.msg_id, left), (1, 0));
+    assert_eq!((d.receipt.msg_id, left), (1, 0));
     assert!(b.get(V, "q", true, C1).expect("ok").is_none());
     assert_eq!(b.queue_info(q).map(|i| i.in_flight), Some(0));
 }

@@ -1,12 +1,17 @@
 //! Property tests: random command sequences against the queue machine, checked step by step
-//! against a simple model.
+//! against a simple model, and replayed into a fresh machine.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
-use warren_broker::machine::{Checkout, Deliver, MsgMeta, QueueMachine};
+use warren_broker::machine::{
+    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DeadLetterReason,
+    Deliver, Effect, Meta, MsgMeta, QueueMachine, Receipt, Reply,
+};
+use warren_codec::{FieldTable, ShortStr};
 
-type Consumer = u8;
+/// A consumer slot of the test (a slot re-used after a cancel is a new consumer).
+type Slot = u8;
 /// The message is its own id plus a size, so the test can check what came back.
 type Msg = (u64, u64);
 
@@ -14,69 +19,97 @@ type Msg = (u64, u64);
 enum Op {
     Enqueue {
         size: u64,
+        ttl: Option<u64>,
     },
     Consume {
-        c: Consumer,
+        slot: Slot,
+        channel: u16,
         no_ack: bool,
         prefetch: u32,
     },
     Cancel {
-        c: Consumer,
+        slot: Slot,
+    },
+    Credit {
+        channel: u16,
+        blocked: bool,
+        limit: Option<u32>,
     },
     Checkout {
-        max: usize,
+        max: u32,
     },
     Get {
         no_ack: bool,
     },
     Settle {
         pick: usize,
+        stale: bool,
     },
     Return {
         pick: usize,
+        stale: bool,
     },
     Discard {
         pick: usize,
+        stale: bool,
     },
     Purge,
+    Tick {
+        advance: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u64..100).prop_map(|size| Op::Enqueue { size }),
-        2 => (0u8..4, any::<bool>(), 0u32..4).prop_map(|(c, no_ack, prefetch)| Op::Consume { c, no_ack: no_ack && c == 3, prefetch }),
-        1 => (0u8..4).prop_map(|c| Op::Cancel { c }),
-        4 => (1usize..6).prop_map(|max| Op::Checkout { max }),
+        6 => (0u64..100, prop::option::weighted(0.3, 1u64..50)).prop_map(|(size, ttl)| Op::Enqueue { size, ttl }),
+        2 => (0u8..4, 0u16..2, any::<bool>(), 0u32..4).prop_map(|(slot, channel, no_ack, prefetch)| Op::Consume { slot, channel, no_ack: no_ack && slot == 3, prefetch }),
+        1 => (0u8..4).prop_map(|slot| Op::Cancel { slot }),
+        1 => (0u16..2, prop::bool::weighted(0.3), prop::option::of(0u32..4)).prop_map(|(channel, blocked, limit)| Op::Credit { channel, blocked, limit }),
+        4 => (1u32..6).prop_map(|max| Op::Checkout { max }),
         1 => any::<bool>().prop_map(|no_ack| Op::Get { no_ack }),
-        3 => any::<usize>().prop_map(|pick| Op::Settle { pick }),
-        2 => any::<usize>().prop_map(|pick| Op::Return { pick }),
-        1 => any::<usize>().prop_map(|pick| Op::Discard { pick }),
+        3 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(pick, stale)| Op::Settle { pick, stale }),
+        2 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(pick, stale)| Op::Return { pick, stale }),
+        1 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(pick, stale)| Op::Discard { pick, stale }),
         1 => Just(Op::Purge),
+        1 => (0u64..30).prop_map(|advance| Op::Tick { advance }),
     ]
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Ready,
-    InFlight(Option<Consumer>),
+    InFlight {
+        consumer: Option<ConsumerId>,
+        attempt: u32,
+    },
     Settled,
     Discarded,
     Purged,
+    Expired,
+}
+
+#[derive(Clone, Debug)]
+struct ModelConsumer {
+    group: CreditGroup,
+    no_ack: bool,
+    prefetch: u32,
 }
 
 #[derive(Default)]
 struct Model {
-    state: HashMap<u64, State>,
-    size: HashMap<u64, u64>,
-    delivered_before: BTreeSet<u64>,
-    /// Prefetch per live consumer (0 = unlimited).
-    prefetch: HashMap<Consumer, u32>,
-    /// In-flight messages per consumer incarnation (kept after cancel, like a channel's
-    /// unacked map; a consumer re-added with the same id is a new incarnation).
-    unacked: HashMap<(Consumer, u32), u32>,
-    generation: HashMap<Consumer, u32>,
-    /// The incarnation an in-flight message was delivered to.
-    owner: HashMap<u64, (Consumer, u32)>,
+    state: BTreeMap<u64, State>,
+    size: BTreeMap<u64, u64>,
+    expires: BTreeMap<u64, u64>,
+    deliveries: BTreeMap<u64, u32>,
+    consumers: BTreeMap<ConsumerId, ModelConsumer>,
+    slots: BTreeMap<Slot, ConsumerId>,
+    credit: BTreeMap<CreditGroup, Credit>,
+    next_consumer: u64,
+    now: u64,
+}
+
+fn group(channel: u16) -> CreditGroup {
+    CreditGroup { conn: 7, channel }
 }
 
 impl Model {
@@ -87,293 +120,485 @@ impl Model {
             .map(|(id, _)| *id)
             .collect()
     }
-    fn in_flight(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self
-            .state
+
+    fn in_flight(&self) -> Vec<(u64, Option<ConsumerId>, u32)> {
+        self.state
             .iter()
-            .filter(|(_, s)| matches!(s, State::InFlight(_)))
-            .map(|(id, _)| *id)
-            .collect();
-        v.sort_unstable();
-        v
+            .filter_map(|(id, s)| match s {
+                State::InFlight { consumer, attempt } => Some((*id, *consumer, *attempt)),
+                _ => None,
+            })
+            .collect()
     }
-    fn incarnation(&self, c: Consumer) -> (Consumer, u32) {
-        (c, self.generation.get(&c).copied().unwrap_or(0))
+
+    fn held(&self, c: ConsumerId) -> u32 {
+        self.in_flight()
+            .iter()
+            .filter(|(_, who, _)| *who == Some(c))
+            .count() as u32
     }
-    fn unacked_of(&self, c: Consumer) -> u32 {
-        self.unacked.get(&self.incarnation(c)).copied().unwrap_or(0)
-    }
-    fn has_credit(&self, c: Consumer) -> bool {
-        match self.prefetch.get(&c) {
-            None => false,
-            Some(0) => true,
-            Some(p) => self.unacked_of(c) < *p,
+
+    fn may_take(&self, id: ConsumerId) -> bool {
+        let Some(c) = self.consumers.get(&id) else {
+            return false;
+        };
+        let credit = self.credit.get(&c.group).copied().unwrap_or_default();
+        if credit.blocked {
+            return false;
         }
+        if c.no_ack {
+            return true;
+        }
+        (c.prefetch == 0 || self.held(id) < c.prefetch) && credit.limit.is_none_or(|n| n > 0)
     }
-    /// Records a delivery, checking it took the smallest ready id of a ready message.
-    fn delivered(&mut self, d: &Deliver<Consumer, Msg>) -> Result<(), TestCaseError> {
-        let min = self.ready().first().copied();
-        prop_assert_eq!(Some(d.msg_id), min, "not the head of the queue");
-        prop_assert_eq!(
-            self.state.get(&d.msg_id),
-            Some(&State::Ready),
-            "delivered twice"
-        );
-        prop_assert_eq!(d.message.0, d.msg_id);
-        prop_assert_eq!(d.redelivered, self.delivered_before.contains(&d.msg_id));
-        self.delivered_before.insert(d.msg_id);
+
+    /// Records a delivery, checking it took the head of the queue and was allowed.
+    fn delivered(&mut self, d: &Deliver<Msg>) -> Result<(), TestCaseError> {
+        let id = d.receipt.msg_id;
+        prop_assert_eq!(Some(id), self.ready().first().copied(), "not the head");
+        prop_assert_eq!(d.message.0, id);
+        let before = self.deliveries.get(&id).copied().unwrap_or(0);
+        prop_assert_eq!(d.redelivered, before > 0);
+        prop_assert_eq!(d.receipt.attempt, before + 1);
+        self.deliveries.insert(id, before + 1);
+        if let Some(c) = d.consumer {
+            prop_assert!(self.may_take(c), "delivery to {:?} without credit", c);
+            let mc = &self.consumers[&c];
+            prop_assert_eq!(d.settled, mc.no_ack);
+            if !mc.no_ack {
+                if let Some(n) = self
+                    .credit
+                    .get_mut(&mc.group)
+                    .and_then(|cr| cr.limit.as_mut())
+                {
+                    *n = n.saturating_sub(1);
+                }
+            }
+        }
         let next = if d.settled {
             State::Settled
         } else {
-            if let Some(c) = d.consumer {
-                let inc = self.incarnation(c);
-                *self.unacked.entry(inc).or_default() += 1;
-                self.owner.insert(d.msg_id, inc);
+            State::InFlight {
+                consumer: d.consumer,
+                attempt: d.receipt.attempt,
             }
-            State::InFlight(d.consumer)
         };
-        self.state.insert(d.msg_id, next);
+        self.state.insert(id, next);
         Ok(())
     }
-    fn leave_flight(&mut self, id: u64, to: State) {
-        if let Some(inc) = self.owner.remove(&id) {
-            if let Some(n) = self.unacked.get_mut(&inc) {
-                *n -= 1;
-            }
-        }
-        self.state.insert(id, to);
+}
+
+/// Applies commands with consecutive indexes and keeps the log for a replay.
+struct Runner {
+    m: QueueMachine<Msg>,
+    effects: Vec<Effect<Msg>>,
+    log: Vec<(Meta, Command<Msg>, u64)>,
+    /// Whether each command changed the queue (beyond its index and time).
+    changed: Vec<bool>,
+}
+
+impl Runner {
+    fn apply(&mut self, now: u64, c: Command<Msg>) -> Reply {
+        let meta = Meta {
+            index: self.log.len() as u64 + 1,
+            now_ms: now,
+        };
+        self.effects.clear();
+        let reply = self.m.apply(meta, c.clone(), &mut self.effects);
+        let changed = match (&c, reply) {
+            (_, Reply::Enqueued { .. } | Reply::Cancelled { .. }) => true,
+            (_, Reply::Purged { count } | Reply::Delivered { count }) => count > 0,
+            (Command::Consume { .. } | Command::Settle { .. }, Reply::Ok) => true,
+            (Command::Return { .. } | Command::Discard { .. }, Reply::Ok) => true,
+            (Command::Tick, _) => !self.effects.is_empty(),
+            _ => false,
+        };
+        self.changed.push(changed);
+        self.log
+            .push((meta, c, effects_digest(&reply, &self.effects)));
+        reply
     }
 }
 
-/// A sink that grants credit from the model's prefetch and checks every delivery was
-/// preceded by a has_credit that said yes, for that consumer.
-struct Sink<'a> {
-    model: &'a mut Model,
-    asked: Option<(Consumer, bool)>,
-    error: Option<TestCaseError>,
-    count: usize,
-}
-
-impl Checkout<Consumer, Msg> for Sink<'_> {
-    fn has_credit(&mut self, c: &Consumer) -> bool {
-        let yes = self.model.has_credit(*c);
-        self.asked = Some((*c, yes));
-        yes
-    }
-    fn deliver(&mut self, d: Deliver<Consumer, Msg>) {
-        self.count += 1;
-        if self.error.is_some() {
-            return;
-        }
-        let consumer = d.consumer;
-        if consumer.is_none() || self.asked.take() != consumer.map(|c| (c, true)) {
-            self.error = Some(TestCaseError::fail(format!(
-                "delivery to {consumer:?} without credit"
-            )));
-            return;
-        }
-        if let Err(e) = self.model.delivered(&d) {
-            self.error = Some(e);
-        }
-    }
-}
-
-fn check(m: &QueueMachine<Consumer, Msg>, model: &Model) -> Result<(), TestCaseError> {
+fn check(m: &QueueMachine<Msg>, model: &Model) -> Result<(), TestCaseError> {
     // Exactly one place per message.
     prop_assert_eq!(model.state.len() as u64, m.next_msg_id());
     let ready = model.ready();
     prop_assert_eq!(m.ready_ids(), ready.iter().copied().collect::<Vec<_>>());
-    prop_assert_eq!(m.ready_count(), ready.len());
-    prop_assert_eq!(m.in_flight_count(), model.in_flight().len());
-    for (id, s) in &model.state {
-        prop_assert_eq!(m.is_ready(*id), *s == State::Ready);
-        match s {
-            State::InFlight(c) => prop_assert_eq!(m.in_flight_consumer(*id), Some(c.as_ref())),
-            _ => prop_assert_eq!(m.in_flight_consumer(*id), None),
-        }
+    let flying = model.in_flight();
+    prop_assert_eq!(m.in_flight_count(), flying.len());
+    for (id, who, attempt) in &flying {
+        let r = Receipt {
+            msg_id: *id,
+            attempt: *attempt,
+        };
+        prop_assert_eq!(m.holder(r), Some(*who));
     }
     let bytes = |ids: &mut dyn Iterator<Item = u64>| ids.map(|id| model.size[&id]).sum::<u64>();
     prop_assert_eq!(m.ready_bytes(), bytes(&mut ready.iter().copied()));
-    prop_assert_eq!(
-        m.in_flight_bytes(),
-        bytes(&mut model.in_flight().into_iter())
-    );
-    // Prefetch respected.
-    for (c, p) in &model.prefetch {
-        if *p > 0 {
-            prop_assert!(model.unacked_of(*c) <= *p);
+    prop_assert_eq!(m.in_flight_bytes(), bytes(&mut flying.iter().map(|f| f.0)));
+    // Prefetch respected; the machine's view of what each consumer holds is the model's.
+    let held: BTreeMap<ConsumerId, u32> = m.consumers().map(|(id, _, h)| (id, h)).collect();
+    prop_assert_eq!(held.len(), model.consumers.len());
+    for (id, c) in &model.consumers {
+        prop_assert_eq!(held.get(id).copied(), Some(model.held(*id)));
+        if c.prefetch > 0 && !c.no_ack {
+            prop_assert!(model.held(*id) <= c.prefetch);
         }
     }
+    // The next deadline is the earliest expiry among ready messages.
+    let next = ready.iter().filter_map(|id| model.expires.get(id)).min();
+    prop_assert_eq!(m.next_deadline(), next.copied());
     Ok(())
 }
 
-fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let mut m: QueueMachine<Consumer, Msg> = QueueMachine::new();
+fn pick_receipt(model: &Model, pick: usize, stale: bool, next_id: u64) -> Receipt {
+    let flying = model.in_flight();
+    if !stale && !flying.is_empty() {
+        let (msg_id, _, attempt) = flying[pick % flying.len()];
+        return Receipt { msg_id, attempt };
+    }
+    // An old attempt of a flying message, or any id at all.
+    match flying.get(pick % flying.len().max(1)) {
+        Some(&(msg_id, _, attempt)) if attempt > 1 && pick.is_multiple_of(2) => Receipt {
+            msg_id,
+            attempt: attempt - 1,
+        },
+        _ => Receipt {
+            msg_id: (pick as u64) % (next_id + 2),
+            attempt: 1 + (pick as u32 % 3),
+        },
+    }
+}
+
+fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
+    let mut r = Runner {
+        m: QueueMachine::new(),
+        effects: Vec::new(),
+        log: Vec::new(),
+        changed: Vec::new(),
+    };
     let mut model = Model::default();
     for op in ops {
+        let now = model.now;
         match op {
-            Op::Enqueue { size } => {
-                let id = m.next_msg_id();
-                prop_assert_eq!(
-                    m.enqueue(
-                        (id, size),
-                        MsgMeta {
-                            size,
-                            expires_at: None
-                        }
-                    ),
-                    id
+            Op::Enqueue { size, ttl } => {
+                let id = r.m.next_msg_id();
+                let expires_at = ttl.map(|t| now + t);
+                let reply = r.apply(
+                    now,
+                    Command::Enqueue {
+                        message: (id, size),
+                        meta: MsgMeta { size, expires_at },
+                    },
                 );
+                prop_assert_eq!(reply, Reply::Enqueued { msg_id: id });
                 model.state.insert(id, State::Ready);
                 model.size.insert(id, size);
+                if let Some(at) = expires_at {
+                    model.expires.insert(id, at);
+                }
             }
             Op::Consume {
-                c,
+                slot,
+                channel,
                 no_ack,
                 prefetch,
             } => {
-                let added = m.add_consumer(c, no_ack);
-                prop_assert_eq!(added, !model.prefetch.contains_key(&c));
-                if added {
-                    model.prefetch.insert(c, if no_ack { 0 } else { prefetch });
-                    *model.generation.entry(c).or_default() += 1;
+                if model.slots.contains_key(&slot) {
+                    continue;
+                }
+                model.next_consumer += 1;
+                let id = ConsumerId(model.next_consumer);
+                let spec = ConsumerSpec {
+                    group: group(channel),
+                    tag: ShortStr::from("c"),
+                    no_ack,
+                    prefetch,
+                    exclusive: false,
+                    priority: 0,
+                    arguments: FieldTable::new(),
+                };
+                prop_assert_eq!(r.apply(now, Command::Consume { id, spec }), Reply::Ok);
+                model.slots.insert(slot, id);
+                model.consumers.insert(
+                    id,
+                    ModelConsumer {
+                        group: group(channel),
+                        no_ack,
+                        prefetch,
+                    },
+                );
+            }
+            Op::Cancel { slot } => {
+                let id = model.slots.remove(&slot).unwrap_or(ConsumerId(u64::MAX));
+                let known = model.consumers.remove(&id);
+                let reply = r.apply(now, Command::Cancel { id });
+                match known {
+                    Some(c) => {
+                        prop_assert_eq!(
+                            reply,
+                            Reply::Cancelled {
+                                consumers_left: model.consumers.len() as u32
+                            }
+                        );
+                        if !model.consumers.values().any(|o| o.group == c.group) {
+                            model.credit.remove(&c.group);
+                        }
+                    }
+                    None => prop_assert_eq!(reply, Reply::Stale),
                 }
             }
-            Op::Cancel { c } => {
-                prop_assert_eq!(m.remove_consumer(&c), model.prefetch.remove(&c).is_some());
+            Op::Credit {
+                channel,
+                blocked,
+                limit,
+            } => {
+                let credit = Credit { blocked, limit };
+                r.apply(
+                    now,
+                    Command::Credit {
+                        group: group(channel),
+                        credit,
+                    },
+                );
+                let present = model.consumers.values().any(|c| c.group == group(channel));
+                if credit == Credit::default() || !present {
+                    model.credit.remove(&group(channel));
+                } else {
+                    model.credit.insert(group(channel), credit);
+                }
             }
             Op::Checkout { max } => {
-                let mut sink = Sink {
-                    model: &mut model,
-                    asked: None,
-                    error: None,
-                    count: 0,
+                let reply = r.apply(now, Command::Checkout { max });
+                let Reply::Delivered { count } = reply else {
+                    return Err(TestCaseError::fail(format!("checkout gave {reply:?}")));
                 };
-                let n = m.checkout(&mut sink, max);
-                if let Some(e) = sink.error {
-                    return Err(e);
+                prop_assert!(count <= max);
+                prop_assert_eq!(count as usize, r.effects.len());
+                for e in r.effects.clone() {
+                    match e {
+                        Effect::Deliver(d) => {
+                            prop_assert!(d.consumer.is_some());
+                            model.delivered(&d)?;
+                        }
+                        other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                    }
                 }
-                prop_assert_eq!(n, sink.count);
-                prop_assert!(n <= max);
                 // It stops only when out of messages, out of budget or out of credit.
-                if n < max && m.ready_count() > 0 {
-                    for c in model.prefetch.keys() {
-                        prop_assert!(!model.has_credit(*c), "consumer {} left with credit", c);
+                if count < max && !model.ready().is_empty() {
+                    for id in model.consumers.keys() {
+                        prop_assert!(!model.may_take(*id), "{:?} left with credit", id);
                     }
                 }
             }
-            Op::Get { no_ack } => match m.get(no_ack) {
-                Some(d) => {
-                    prop_assert_eq!(d.consumer, None);
-                    prop_assert_eq!(d.settled, no_ack);
-                    model.delivered(&d)?;
+            Op::Get { no_ack } => {
+                let reply = r.apply(now, Command::Get { no_ack });
+                match r.effects.clone().as_slice() {
+                    [Effect::Deliver(d)] => {
+                        prop_assert_eq!(reply, Reply::Delivered { count: 1 });
+                        prop_assert_eq!(d.consumer, None);
+                        prop_assert_eq!(d.settled, no_ack);
+                        model.delivered(d)?;
+                    }
+                    [] => {
+                        prop_assert_eq!(reply, Reply::Delivered { count: 0 });
+                        prop_assert!(model.ready().is_empty());
+                    }
+                    other => return Err(TestCaseError::fail(format!("{other:?}"))),
                 }
-                None => prop_assert!(model.ready().is_empty()),
-            },
-            Op::Settle { pick } | Op::Return { pick } | Op::Discard { pick } => {
-                // Mostly in-flight ids, sometimes any id (unknown / already settled).
-                let flying = model.in_flight();
-                let id = if pick % 4 != 0 && !flying.is_empty() {
-                    flying[pick % flying.len()]
-                } else {
-                    (pick as u64) % (m.next_msg_id() + 2)
+            }
+            Op::Settle { pick, stale }
+            | Op::Return { pick, stale }
+            | Op::Discard { pick, stale } => {
+                let receipt = pick_receipt(&model, pick, stale, r.m.next_msg_id());
+                let current = matches!(
+                    model.state.get(&receipt.msg_id),
+                    Some(State::InFlight { attempt, .. }) if *attempt == receipt.attempt
+                );
+                let (command, to) = match op {
+                    Op::Settle { .. } => (Command::Settle { receipt }, State::Settled),
+                    Op::Return { .. } => (Command::Return { receipt }, State::Ready),
+                    _ => (Command::Discard { receipt }, State::Discarded),
                 };
-                let was_flying = matches!(model.state.get(&id), Some(State::InFlight(_)));
-                match op {
-                    Op::Settle { .. } => {
-                        prop_assert_eq!(m.settle(id), was_flying);
-                        if was_flying {
-                            model.leave_flight(id, State::Settled);
+                let reply = r.apply(now, command);
+                prop_assert_eq!(reply, if current { Reply::Ok } else { Reply::Stale });
+                if current {
+                    model.state.insert(receipt.msg_id, to);
+                    if to == State::Discarded {
+                        match r.effects.as_slice() {
+                            [Effect::DeadLetter {
+                                msg_id,
+                                reason: DeadLetterReason::Rejected,
+                                delivery_count,
+                                ..
+                            }] => {
+                                prop_assert_eq!(*msg_id, receipt.msg_id);
+                                prop_assert_eq!(*delivery_count, receipt.attempt);
+                            }
+                            other => return Err(TestCaseError::fail(format!("{other:?}"))),
                         }
                     }
-                    Op::Return { .. } => {
-                        prop_assert_eq!(m.requeue(id), was_flying);
-                        if was_flying {
-                            model.leave_flight(id, State::Ready);
-                        }
-                    }
-                    _ => {
-                        let d = m.discard(id);
-                        prop_assert_eq!(d.is_some(), was_flying);
-                        if let Some(d) = d {
-                            prop_assert_eq!(d.message.0, id);
-                            prop_assert!(d.delivery_count >= 1);
-                            model.leave_flight(id, State::Discarded);
-                        }
-                    }
+                } else {
+                    prop_assert!(r.effects.is_empty());
                 }
             }
             Op::Purge => {
                 let ready = model.ready();
-                prop_assert_eq!(m.purge() as usize, ready.len());
+                prop_assert_eq!(
+                    r.apply(now, Command::Purge),
+                    Reply::Purged {
+                        count: ready.len() as u32
+                    }
+                );
                 for id in ready {
                     model.state.insert(id, State::Purged);
                 }
             }
+            Op::Tick { advance } => {
+                model.now += advance;
+                let now = model.now;
+                r.apply(now, Command::Tick);
+                let due: BTreeSet<u64> = model
+                    .ready()
+                    .into_iter()
+                    .filter(|id| model.expires.get(id).is_some_and(|at| *at <= now))
+                    .collect();
+                let expired: BTreeSet<u64> = r
+                    .effects
+                    .iter()
+                    .map(|e| match e {
+                        Effect::DeadLetter {
+                            msg_id,
+                            reason: DeadLetterReason::Expired,
+                            ..
+                        } => Ok(*msg_id),
+                        other => Err(TestCaseError::fail(format!("{other:?}"))),
+                    })
+                    .collect::<Result<_, _>>()?;
+                prop_assert_eq!(&expired, &due);
+                for id in due {
+                    model.state.insert(id, State::Expired);
+                }
+            }
         }
-        check(&m, &model)?;
+        check(&r.m, &model)?;
     }
-    Ok(())
+    Ok((r, model))
+}
+
+/// Replays a log into a fresh machine; the digest of every step's effects and the final state
+/// must match.
+fn replay(log: &[(Meta, Command<Msg>, u64)]) -> Result<QueueMachine<Msg>, (usize, &'static str)> {
+    let mut m = QueueMachine::new();
+    let mut effects = Vec::new();
+    for (i, (meta, c, want)) in log.iter().enumerate() {
+        effects.clear();
+        let reply = m.apply(*meta, c.clone(), &mut effects);
+        if effects_digest(&reply, &effects) != *want {
+            return Err((i, "effects"));
+        }
+    }
+    Ok(m)
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     #[test]
-    fn machine_matches_model(ops in proptest::collection::vec(op(), 0..120)) {
-        run(ops)?;
+    fn machine_matches_model_and_replays(ops in proptest::collection::vec(op(), 0..150)) {
+        let (r, _) = run(ops)?;
+        let replayed = replay(&r.log).map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+        prop_assert_eq!(replayed.digest(), r.m.digest());
+    }
+
+    /// A log with one state-changing command left out does not replay to the same machine.
+    #[test]
+    fn a_dropped_command_is_detected(ops in proptest::collection::vec(op(), 1..150), pick in any::<usize>()) {
+        let (r, _) = run(ops)?;
+        // A command that changed nothing (a stale ack, an empty checkout) cannot be missed:
+        // pick one that changed the queue.
+        let changing: Vec<usize> = (0..r.log.len()).filter(|i| r.changed[*i]).collect();
+        prop_assume!(!changing.is_empty());
+        let drop = changing[pick % changing.len()];
+        let mut log = r.log.clone();
+        log.remove(drop);
+        let diverged = match replay(&log) {
+            Err(_) => true,
+            Ok(m) => m.digest() != r.m.digest(),
+        };
+        prop_assert!(diverged, "dropping command {} ({:?}) went unnoticed", drop, r.log[drop].1);
     }
 
     /// One consumer, no requeues: deliveries come in id order, all of them, once.
     #[test]
     fn single_consumer_gets_id_order(
-        batches in proptest::collection::vec((0usize..5, 0usize..5, any::<bool>()), 1..40)
+        batches in proptest::collection::vec((0usize..5, 0u32..5, any::<bool>()), 1..40)
     ) {
-        let mut m: QueueMachine<Consumer, Msg> = QueueMachine::new();
-        m.add_consumer(0, false);
-        struct All(Vec<u64>);
-        impl Checkout<Consumer, Msg> for All {
-            fn has_credit(&mut self, _: &Consumer) -> bool { true }
-            fn deliver(&mut self, d: Deliver<Consumer, Msg>) { self.0.push(d.msg_id) }
-        }
-        let mut sink = All(Vec::new());
+        let mut r = Runner { m: QueueMachine::new(), effects: Vec::new(), log: Vec::new(), changed: Vec::new() };
+        let spec = ConsumerSpec {
+            group: group(1),
+            tag: ShortStr::from("c"),
+            no_ack: false,
+            prefetch: 0,
+            exclusive: false,
+            priority: 0,
+            arguments: FieldTable::new(),
+        };
+        r.apply(0, Command::Consume { id: ConsumerId(1), spec });
+        let mut got = Vec::new();
         for (enqueue, take, settle) in batches {
             for _ in 0..enqueue {
-                let id = m.next_msg_id();
-                m.enqueue((id, 1), MsgMeta::default());
+                let id = r.m.next_msg_id();
+                r.apply(0, Command::Enqueue { message: (id, 1), meta: MsgMeta::default() });
             }
-            m.checkout(&mut sink, take);
+            r.apply(0, Command::Checkout { max: take });
+            let mut receipts = Vec::new();
+            for e in &r.effects {
+                if let Effect::Deliver(d) = e {
+                    got.push(d.receipt.msg_id);
+                    receipts.push(d.receipt);
+                }
+            }
             if settle {
-                for id in sink.0.clone() {
-                    m.settle(id);
+                for receipt in receipts {
+                    prop_assert_eq!(r.apply(0, Command::Settle { receipt }), Reply::Ok);
                 }
             }
         }
-        m.checkout(&mut sink, usize::MAX);
-        let want: Vec<u64> = (0..m.next_msg_id()).collect();
-        prop_assert_eq!(sink.0, want);
+        r.apply(0, Command::Checkout { max: u32::MAX });
+        for e in &r.effects {
+            if let Effect::Deliver(d) = e {
+                got.push(d.receipt.msg_id);
+            }
+        }
+        let want: Vec<u64> = (0..r.m.next_msg_id()).collect();
+        prop_assert_eq!(got, want);
     }
 
     /// Requeued messages come back before every later one, in id order among themselves.
     #[test]
     fn requeued_come_back_first(n in 1u64..30, back in proptest::collection::btree_set(0u64..30, 0..10)) {
-        let mut m: QueueMachine<Consumer, Msg> = QueueMachine::new();
+        let mut r = Runner { m: QueueMachine::new(), effects: Vec::new(), log: Vec::new(), changed: Vec::new() };
         for id in 0..n {
-            m.enqueue((id, 1), MsgMeta::default());
+            r.apply(0, Command::Enqueue { message: (id, 1), meta: MsgMeta::default() });
         }
         let half = n / 2;
         for _ in 0..half {
-            prop_assert!(m.get(false).is_some());
+            prop_assert_eq!(r.apply(0, Command::Get { no_ack: false }), Reply::Delivered { count: 1 });
         }
         let back: Vec<u64> = back.into_iter().filter(|id| *id < half).collect();
         // Return in reverse order: position, not return order, decides.
         for id in back.iter().rev() {
-            prop_assert!(m.requeue(*id));
+            let receipt = Receipt { msg_id: *id, attempt: 1 };
+            prop_assert_eq!(r.apply(0, Command::Return { receipt }), Reply::Ok);
         }
         let mut got = Vec::new();
-        while let Some(d) = m.get(true) {
-            prop_assert_eq!(d.redelivered, back.contains(&d.msg_id));
-            got.push(d.msg_id);
+        loop {
+            r.apply(0, Command::Get { no_ack: true });
+            let Some(Effect::Deliver(d)) = r.effects.first() else { break };
+            prop_assert_eq!(d.redelivered, back.contains(&d.receipt.msg_id));
+            got.push(d.receipt.msg_id);
         }
         let want: Vec<u64> = back.iter().copied().chain(half..n).collect();
         prop_assert_eq!(got, want);

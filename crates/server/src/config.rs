@@ -41,6 +41,13 @@ pub struct Args {
     /// Seconds a client has to complete the AMQP handshake [default: 10]
     #[arg(long, env = "WARREN_HANDSHAKE_TIMEOUT")]
     pub handshake_timeout: Option<u64>,
+    /// Debugging: append every command applied to every queue to FILE (see docs/design.md)
+    #[arg(long, env = "WARREN_RECORD_COMMANDS", value_name = "FILE")]
+    pub record_commands: Option<PathBuf>,
+    /// Debugging: replay a command log written by --record-commands, check that it rebuilds
+    /// the same queues, and exit
+    #[arg(long, value_name = "FILE")]
+    pub replay_commands: Option<PathBuf>,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -90,6 +97,7 @@ pub struct Config {
     pub port: u16,
     pub log_level: String,
     pub session: SessionConfig,
+    pub record_commands: Option<PathBuf>,
 }
 
 impl Config {
@@ -147,6 +155,7 @@ impl Config {
                 .or(file.log_level)
                 .unwrap_or_else(|| "info".into()),
             session,
+            record_commands: args.record_commands,
         })
     }
 }

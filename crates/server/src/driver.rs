@@ -5,10 +5,14 @@
 //! writes what the node produced straight to the sockets that take it at once: a message from publisher to
 //! consumer crosses no task boundary, which at moderate rates costs more than the protocol work itself. What a
 //! socket does not take at once goes, in order, to that connection's writer task, which waits for the socket;
-//! past a limit of unwritten bytes the node stops delivering to that connection. A ticker task drives the
-//! node's timers, and a dispatcher task finishes deliveries that one pass left pending.
+//! past a limit of unwritten bytes the node stops delivering to that connection. A timer task sleeps until the
+//! node's earliest deadline (a heartbeat, a handshake or close timeout, a queue's expiry) and ticks it then:
+//! an idle broker wakes only when something is due. A dispatcher task finishes deliveries that one pass left
+//! pending.
 
 use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,7 +31,6 @@ use warren_session::{Node, Transmit};
 /// Read sizes adapt between these: small for quiet clients, large for streaming publishers.
 const MIN_READ: usize = 4 * 1024;
 const MAX_READ: usize = 128 * 1024;
-const TICK: Duration = Duration::from_millis(100);
 /// How long a shutdown waits for clients to answer connection.close.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// Dispatch passes made under one lock before other tasks get a turn.
@@ -51,7 +54,23 @@ struct Writer {
 }
 
 /// The node and what the node's output needs to reach sockets.
+/// The command log of `--record-commands`.
+pub struct Recorder {
+    file: File,
+    buf: BytesMut,
+}
+
+impl Recorder {
+    pub fn new(file: File) -> Self {
+        Recorder {
+            file,
+            buf: BytesMut::new(),
+        }
+    }
+}
+
 struct Core {
+    recorder: Option<Recorder>,
     node: Node,
     writers: HashMap<ConnId, Writer>,
     transmits: Vec<Transmit>,
@@ -63,6 +82,10 @@ struct Shared {
     core: Mutex<Core>,
     /// Woken when a flush leaves deliveries pending.
     dispatch: Notify,
+    /// Wakes the timer task when the node's earliest deadline moved before the one it sleeps until.
+    timer: Notify,
+    /// The deadline (node ms) the timer task sleeps until; `u64::MAX` = none.
+    armed: AtomicU64,
 }
 
 impl Shared {
@@ -80,14 +103,17 @@ impl Shared {
     }
 
     fn with_core(&self, f: impl FnOnce(&mut Core, u64)) {
-        let more = {
+        let (more, next) = {
             let mut core = self.lock();
             let now = core.now();
             f(&mut core, now);
-            core.flush(DISPATCH_PASSES)
+            (core.flush(DISPATCH_PASSES), core.node.next_deadline())
         };
         if more {
             self.dispatch.notify_one();
+        }
+        if next.is_some_and(|at| at < self.armed.load(Ordering::Acquire)) {
+            self.timer.notify_one();
         }
     }
 }
@@ -102,6 +128,8 @@ impl Core {
         let now = self.now();
         for _ in 0..passes {
             self.node.poll_transmit(now, &mut self.transmits);
+            // Before any client sees an effect of these commands, they are in the log.
+            self.record();
             for t in std::mem::take(&mut self.transmits) {
                 self.send(t);
             }
@@ -110,6 +138,25 @@ impl Core {
             }
         }
         true
+    }
+
+    /// Appends the commands applied since the last call to the command log, if one is kept.
+    fn record(&mut self) {
+        let Some(rec) = self.recorder.as_mut() else {
+            return;
+        };
+        let records = self.node.take_records();
+        if records.is_empty() {
+            return;
+        }
+        rec.buf.clear();
+        for r in &records {
+            warren_broker::queue::log::encode(r, &mut rec.buf);
+        }
+        if let Err(e) = rec.file.write_all(&rec.buf) {
+            tracing::error!(error = %e, "cannot write the command log: recording stops");
+            self.recorder = None;
+        }
     }
 
     fn send(&mut self, t: Transmit) {
@@ -162,11 +209,13 @@ impl Writer {
 pub async fn serve(
     listener: TcpListener,
     node: Node,
+    recorder: Option<Recorder>,
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let config = node.config().clone();
     let shared = Arc::new(Shared {
         core: Mutex::new(Core {
+            recorder,
             node,
             writers: HashMap::new(),
             transmits: Vec::new(),
@@ -174,8 +223,10 @@ pub async fn serve(
             backlog_limit: config.write_backlog_limit,
         }),
         dispatch: Notify::new(),
+        timer: Notify::new(),
+        armed: AtomicU64::new(u64::MAX),
     });
-    let ticker = tokio::spawn(ticker(shared.clone()));
+    let ticker = tokio::spawn(timer(shared.clone()));
     let dispatcher = tokio::spawn(dispatcher(shared.clone()));
     let next_id = AtomicU64::new(1);
     let handshake_timeout = Duration::from_millis(config.handshake_timeout_ms);
@@ -214,13 +265,29 @@ pub async fn serve(
     Ok(())
 }
 
-/// Heartbeats, handshake and close deadlines.
-async fn ticker(shared: Arc<Shared>) {
-    let mut interval = tokio::time::interval(TICK);
-    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// Sleeps until the node's earliest deadline, ticks it, and again; woken early when an event
+/// brings a deadline forward. With nothing due it sleeps until an event arrives.
+async fn timer(shared: Arc<Shared>) {
     loop {
-        interval.tick().await;
-        shared.with_node(|node, now| node.tick(now));
+        let (next, start) = {
+            let core = shared.lock();
+            (core.node.next_deadline(), core.start)
+        };
+        shared
+            .armed
+            .store(next.unwrap_or(u64::MAX), Ordering::Release);
+        match next {
+            Some(at) => {
+                let when = tokio::time::Instant::from_std(start + Duration::from_millis(at));
+                tokio::select! {
+                    _ = tokio::time::sleep_until(when) => {
+                        shared.with_node(|node, now| node.tick(now));
+                    }
+                    _ = shared.timer.notified() => {}
+                }
+            }
+            None => shared.timer.notified().await,
+        }
     }
 }
 

@@ -16,7 +16,11 @@ use warren_session::Node;
 use crate::config::{Args, Config};
 
 fn main() -> ExitCode {
-    let config = match Config::resolve(Args::parse()) {
+    let args = Args::parse();
+    if let Some(path) = &args.replay_commands {
+        return replay_commands(path);
+    }
+    let config = match Config::resolve(args) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("warren: {e}");
@@ -48,6 +52,38 @@ fn main() -> ExitCode {
     }
 }
 
+/// `--replay-commands FILE`: checks that a command log rebuilds the queues it recorded.
+fn replay_commands(path: &std::path::Path) -> ExitCode {
+    let data = match std::fs::read(path) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("warren: cannot read {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    };
+    match warren_broker::queue::log::replay(data.into()) {
+        Ok(s) => {
+            println!(
+                "{}: {} commands on {} queues replayed, {} state digests matched{}",
+                path.display(),
+                s.records,
+                s.queues,
+                s.state_checks,
+                if s.truncated {
+                    " (the log ends inside a record: the writer was killed; ignored)"
+                } else {
+                    ""
+                }
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("warren: {}: replay failed: {e}", path.display());
+            ExitCode::FAILURE
+        }
+    }
+}
+
 async fn run(config: Config) -> std::io::Result<()> {
     let addr = (config.bind, config.port);
     let listener = TcpListener::bind(addr).await.map_err(|e| {
@@ -64,18 +100,39 @@ async fn run(config: Config) -> std::io::Result<()> {
             .build_hasher()
             .finish()
     };
-    let broker = Broker::new(BrokerConfig {
+    let mut broker = Broker::new(BrokerConfig {
         name_seed,
         max_message_size: usize::try_from(config.session.max_message_size).unwrap_or(usize::MAX),
         ..BrokerConfig::default()
     });
+    let recorder = match &config.record_commands {
+        Some(path) => {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| {
+                    std::io::Error::new(
+                        e.kind(),
+                        format!(
+                            "cannot open the command log {} (--record-commands): {e}",
+                            path.display()
+                        ),
+                    )
+                })?;
+            broker.set_recording(true);
+            tracing::warn!(path = %path.display(), "recording every queue command (a debugging option: it slows the broker)");
+            Some(driver::Recorder::new(file))
+        }
+        None => None,
+    };
     let node = Node::new(config.session.clone(), broker);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;
         let _ = stop_tx.send(true);
     });
-    driver::serve(listener, node, stop_rx).await?;
+    driver::serve(listener, node, recorder, stop_rx).await?;
     // Give writer tasks a moment to put the last close frames on the wire.
     tokio::time::sleep(Duration::from_millis(100)).await;
     Ok(())

@@ -1,9 +1,12 @@
 //! One AMQP channel: content assembly, consumers, delivery tags, prefetch, confirms and transactions.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
-use warren_broker::{Broker, ConnId, ConsumerKey, DeclareQueue, Message, QueueId};
+use warren_broker::{
+    Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Message, QueueId,
+    Receipt,
+};
 use warren_codec::{
     encode_ack, encode_get_ok, encode_return, properties, AmqpError, BasicPublish, ContentHeader,
     Frame, Method, ReplyCode, ShortStr,
@@ -62,6 +65,8 @@ pub(crate) struct Ctx<'a> {
     pub next_id: &'a mut u64,
     /// Messages published to a direct reply-to address, for the node to hand to that channel's consumer.
     pub direct_replies: &'a mut Vec<DirectReply>,
+    /// The connection takes no deliveries now (its socket is backed up).
+    pub conn_blocked: bool,
 }
 
 /// RabbitMQ's direct reply-to: a pseudo-queue a client consumes from (no-ack) to get RPC replies without
@@ -85,22 +90,22 @@ fn parse_reply_address(routing_key: &str) -> Option<(ConnId, u16, &str)> {
     Some((conn, channel, parts.next()?))
 }
 
+/// A delivery the client has not settled yet, by delivery tag.
 #[derive(Debug)]
 pub(crate) struct Unacked {
-    pub tag: u64,
     pub queue: QueueId,
-    pub msg_id: u64,
-    /// None for basic.get deliveries.
-    pub consumer: Option<ShortStr>,
+    pub receipt: Receipt,
+    /// A consumer delivery (counted against the channel-wide prefetch); false for basic.get.
+    pub counted: bool,
 }
 
+/// The channel's record of one of its consumers: the consumer itself (prefetch, what it holds)
+/// lives in its queue's machine.
 #[derive(Debug)]
 pub(crate) struct Consumer {
     pub queue: QueueId,
+    pub id: ConsumerId,
     pub no_ack: bool,
-    /// 0 = unlimited.
-    pub prefetch: u16,
-    pub unacked: u32,
 }
 
 enum Content {
@@ -184,16 +189,21 @@ pub(crate) struct Channel {
     confirm_pending: Option<(u64, u64)>,
     tx: Option<Vec<TxOp>>,
     next_tag: u64,
-    pub unacked: VecDeque<Unacked>,
-    pub consumers: HashMap<ShortStr, Consumer>,
+    /// Ordered by delivery tag: a single ack is O(log n) in any order, a multiple ack splits.
+    pub unacked: BTreeMap<u64, Unacked>,
+    pub consumers: BTreeMap<ShortStr, Consumer>,
     consumer_prefetch: u16,
     pub channel_prefetch: u16,
     pub channel_unacked: u32,
+    /// The credit last given to this channel's consumers in their queues; `None` when a queue
+    /// may hold another value (it must be told again).
+    sent_credit: Option<Credit>,
     last_queue: Option<ShortStr>,
     /// The direct reply-to consumer's tag and the secret part of this channel's reply address.
     pub reply_consumer: Option<(ShortStr, String)>,
 }
 
+#[derive(Clone, Copy)]
 enum Settle {
     Ack,
     Requeue,
@@ -211,11 +221,12 @@ impl Channel {
             confirm_pending: None,
             tx: None,
             next_tag: 1,
-            unacked: VecDeque::new(),
-            consumers: HashMap::new(),
+            unacked: BTreeMap::new(),
+            consumers: BTreeMap::new(),
             consumer_prefetch: 0,
             channel_prefetch: 0,
             channel_unacked: 0,
+            sent_credit: Some(Credit::default()),
             last_queue: None,
             reply_consumer: None,
         }
@@ -228,39 +239,60 @@ impl Channel {
         tag
     }
 
-    /// May this consumer take one more message under its own and the channel's prefetch?
-    pub fn has_credit(&self, tag: &str) -> bool {
-        if self.closing {
-            return false;
-        }
-        let Some(c) = self.consumers.get(tag) else {
-            return false;
-        };
-        if c.no_ack {
-            return true;
-        }
-        (c.prefetch == 0 || c.unacked < u32::from(c.prefetch))
-            && (self.channel_prefetch == 0
-                || self.channel_unacked < u32::from(self.channel_prefetch))
+    /// A queue used up credit on a delivery the channel did not take: tell the queues again.
+    pub fn forget_sent_credit(&mut self) {
+        self.sent_credit = None;
     }
 
     /// Records a delivery to one of this channel's consumers and returns its delivery tag.
-    pub fn record_delivery(&mut self, tag: &ShortStr, queue: QueueId, msg_id: u64) -> u64 {
+    pub fn record_delivery(&mut self, no_ack: bool, queue: QueueId, receipt: Receipt) -> u64 {
         let delivery_tag = self.next_tag;
         self.next_tag += 1;
-        if let Some(c) = self.consumers.get_mut(tag) {
-            if !c.no_ack {
-                c.unacked += 1;
-                self.channel_unacked += 1;
-                self.unacked.push_back(Unacked {
-                    tag: delivery_tag,
+        if !no_ack {
+            self.channel_unacked += 1;
+            self.unacked.insert(
+                delivery_tag,
+                Unacked {
                     queue,
-                    msg_id,
-                    consumer: Some(tag.clone()),
-                });
-            }
+                    receipt,
+                    counted: true,
+                },
+            );
         }
         delivery_tag
+    }
+
+    /// The credit this channel's consumers have in their queues: none while the connection is
+    /// backed up or the channel is closing; what is left of the channel-wide prefetch.
+    fn credit(&self, conn_blocked: bool) -> Credit {
+        Credit {
+            blocked: conn_blocked || self.closing,
+            limit: (self.channel_prefetch != 0)
+                .then(|| u32::from(self.channel_prefetch).saturating_sub(self.channel_unacked)),
+        }
+    }
+
+    /// Tells the queues of this channel's consumers its credit, if it changed since last told
+    /// (with a channel-wide prefetch it changes with every delivery and ack).
+    pub fn push_credit(&mut self, conn: ConnId, conn_blocked: bool, broker: &mut Broker) {
+        let credit = self.credit(conn_blocked);
+        if Some(credit) == self.sent_credit {
+            return;
+        }
+        self.sent_credit = Some(credit);
+        let group = CreditGroup {
+            conn,
+            channel: self.id,
+        };
+        let mut last = None;
+        for c in self.consumers.values() {
+            // Consumers of one queue are usually next to each other: tell each queue once
+            // in a row (a repeat is harmless).
+            if last != Some(c.queue) {
+                broker.set_credit(c.queue, group, credit);
+                last = Some(c.queue);
+            }
+        }
     }
 
     /// Writes the coalesced publisher confirms (one basic.ack, multiple where it covers several).
@@ -271,21 +303,15 @@ impl Channel {
     }
 
     /// The channel is going away: unacked deliveries return to their queues, consumers are cancelled.
-    pub fn release_all(&mut self, conn: ConnId, broker: &mut Broker) {
-        for u in self.unacked.drain(..) {
-            broker.requeue(u.queue, u.msg_id);
+    pub fn release_all(&mut self, broker: &mut Broker) {
+        for (_, u) in std::mem::take(&mut self.unacked) {
+            broker.requeue(u.queue, u.receipt);
         }
-        for (tag, c) in self.consumers.drain() {
-            broker.cancel(
-                c.queue,
-                &ConsumerKey {
-                    conn,
-                    channel: self.id,
-                    tag,
-                },
-            );
+        for (_, c) in std::mem::take(&mut self.consumers) {
+            broker.cancel(c.queue, c.id);
         }
         self.channel_unacked = 0;
+        self.sent_credit = Some(Credit::default());
         self.content = Content::Idle;
         self.tx = None;
         self.reply_consumer = None;
@@ -491,14 +517,6 @@ impl Channel {
             .ok_or_else(|| AmqpError::not_found("no previously declared queue".to_string()))
     }
 
-    fn key(&self, ctx: &Ctx<'_>, tag: ShortStr) -> ConsumerKey {
-        ConsumerKey {
-            conn: ctx.conn,
-            channel: self.id,
-            tag,
-        }
-    }
-
     fn on_method(&mut self, method: Method, ctx: &mut Ctx<'_>) -> Result<(), Fault> {
         let (class_id, method_id) = (method.class_id(), method.method_id());
         let fail = |e: AmqpError| Fault::new(e, class_id, method_id);
@@ -547,7 +565,7 @@ impl Channel {
                     self.consumer_prefetch = q.prefetch_count;
                     self.channel_prefetch = 0;
                 }
-                self.notify_credit(ctx);
+                self.push_credit(ctx.conn, ctx.conn_blocked, ctx.broker);
                 send(ctx.out, ch, BasicQosOk {});
                 Ok(())
             }
@@ -587,20 +605,36 @@ impl Channel {
                     }
                     return Ok(());
                 }
-                let key = self.key(ctx, tag.clone());
-                let queue_id = ctx
+                let group = CreditGroup {
+                    conn: ctx.conn,
+                    channel: ch,
+                };
+                let (queue_id, id) = ctx
                     .broker
-                    .consume(ctx.vhost, &queue, key, c.no_ack, c.exclusive, &c.arguments)
+                    .consume(
+                        ctx.vhost,
+                        &queue,
+                        group,
+                        tag.clone(),
+                        c.no_ack,
+                        c.exclusive,
+                        u32::from(self.consumer_prefetch),
+                        &c.arguments,
+                    )
                     .map_err(fail)?;
                 self.consumers.insert(
                     tag.clone(),
                     Consumer {
                         queue: queue_id,
+                        id,
                         no_ack: c.no_ack,
-                        prefetch: self.consumer_prefetch,
-                        unacked: 0,
                     },
                 );
+                if self.sent_credit != Some(Credit::default()) {
+                    // The new consumer's queue has not heard of this channel's credit yet.
+                    self.sent_credit = None;
+                    self.push_credit(ctx.conn, ctx.conn_blocked, ctx.broker);
+                }
                 if !c.no_wait {
                     send(ctx.out, ch, BasicConsumeOk { consumer_tag: tag });
                 }
@@ -615,8 +649,7 @@ impl Channel {
                     self.reply_consumer = None;
                 }
                 if let Some(consumer) = self.consumers.remove(&c.consumer_tag) {
-                    let key = self.key(ctx, c.consumer_tag.clone());
-                    ctx.broker.cancel(consumer.queue, &key);
+                    ctx.broker.cancel(consumer.queue, consumer.id);
                 }
                 if !c.no_wait {
                     send(
@@ -640,12 +673,14 @@ impl Channel {
                         let tag = self.next_tag;
                         self.next_tag += 1;
                         if !g.no_ack {
-                            self.unacked.push_back(Unacked {
+                            self.unacked.insert(
                                 tag,
-                                queue: d.queue,
-                                msg_id: d.msg_id,
-                                consumer: None,
-                            });
+                                Unacked {
+                                    queue: d.queue,
+                                    receipt: d.receipt,
+                                    counted: false,
+                                },
+                            );
                         }
                         encode_get_ok(
                             ctx.out,
@@ -926,11 +961,10 @@ impl Channel {
         if !requeue {
             return Err(AmqpError::not_implemented("requeue=false".to_string()));
         }
-        if self.unacked.is_empty() {
-            return Ok(());
+        match self.unacked.last_key_value() {
+            Some((&last, _)) => self.settle_now(last, true, Settle::Requeue, ctx),
+            None => Ok(()),
         }
-        let last = self.unacked.back().map_or(0, |u| u.tag);
-        self.settle_now(last, true, Settle::Requeue, ctx)
     }
 
     fn settle(
@@ -942,7 +976,7 @@ impl Channel {
     ) -> Result<(), AmqpError> {
         if self.tx.is_some() {
             // Validated now so an unknown tag fails at once, as RabbitMQ does.
-            self.find_range(tag, multiple)?;
+            self.check_tag(tag, multiple)?;
         }
         if let Some(ops) = self.tx.as_mut() {
             ops.push(match how {
@@ -963,17 +997,14 @@ impl Channel {
         self.settle_now(tag, multiple, how, ctx)
     }
 
-    /// The index range of `unacked` an ack of `tag` covers. Tag 0 with multiple means everything.
-    fn find_range(&self, tag: u64, multiple: bool) -> Result<std::ops::Range<usize>, AmqpError> {
-        if multiple && tag == 0 {
-            return Ok(0..self.unacked.len());
-        }
-        match self.unacked.binary_search_by_key(&tag, |u| u.tag) {
-            Ok(i) if multiple => Ok(0..i + 1),
-            Ok(i) => Ok(i..i + 1),
-            Err(_) => Err(AmqpError::precondition_failed(format!(
+    /// An ack of `tag` must name an unacked delivery, except tag 0 with multiple (everything).
+    fn check_tag(&self, tag: u64, multiple: bool) -> Result<(), AmqpError> {
+        if (multiple && tag == 0) || self.unacked.contains_key(&tag) {
+            Ok(())
+        } else {
+            Err(AmqpError::precondition_failed(format!(
                 "unknown delivery tag {tag}"
-            ))),
+            )))
         }
     }
 
@@ -984,41 +1015,34 @@ impl Channel {
         how: Settle,
         ctx: &mut Ctx<'_>,
     ) -> Result<(), AmqpError> {
-        let range = self.find_range(tag, multiple)?;
-        let global_limited = self.channel_prefetch != 0;
-        for u in self.unacked.drain(range) {
-            match how {
-                Settle::Ack => ctx.broker.settle(u.queue, u.msg_id),
-                Settle::Requeue => ctx.broker.requeue(u.queue, u.msg_id),
-                Settle::Discard => ctx.broker.discard(u.queue, u.msg_id),
+        self.check_tag(tag, multiple)?;
+        if multiple {
+            // Everything up to and including `tag`; the rest stays.
+            let rest = match tag.checked_add(1) {
+                Some(next) if tag != 0 => self.unacked.split_off(&next),
+                _ => BTreeMap::new(),
+            };
+            for (_, u) in std::mem::replace(&mut self.unacked, rest) {
+                self.settle_one(u, how, ctx);
             }
-            if let Some(ctag) = u.consumer {
-                self.channel_unacked = self.channel_unacked.saturating_sub(1);
-                if let Some(c) = self.consumers.get_mut(&ctag) {
-                    c.unacked = c.unacked.saturating_sub(1);
-                    if !global_limited {
-                        ctx.broker.credit_changed(&ConsumerKey {
-                            conn: ctx.conn,
-                            channel: self.id,
-                            tag: ctag,
-                        });
-                    }
-                }
-            }
+        } else if let Some(u) = self.unacked.remove(&tag) {
+            self.settle_one(u, how, ctx);
         }
-        if global_limited {
-            self.notify_credit(ctx);
+        if self.channel_prefetch != 0 {
+            self.push_credit(ctx.conn, ctx.conn_blocked, ctx.broker);
         }
         Ok(())
     }
 
-    fn notify_credit(&self, ctx: &mut Ctx<'_>) {
-        for tag in self.consumers.keys() {
-            ctx.broker.credit_changed(&ConsumerKey {
-                conn: ctx.conn,
-                channel: self.id,
-                tag: tag.clone(),
-            });
+    fn settle_one(&mut self, u: Unacked, how: Settle, ctx: &mut Ctx<'_>) {
+        // A stale receipt (the queue is gone) changes nothing: the client's ack is still valid.
+        let _current = match how {
+            Settle::Ack => ctx.broker.settle(u.queue, u.receipt),
+            Settle::Requeue => ctx.broker.requeue(u.queue, u.receipt),
+            Settle::Discard => ctx.broker.discard(u.queue, u.receipt),
+        };
+        if u.counted {
+            self.channel_unacked = self.channel_unacked.saturating_sub(1);
         }
     }
 

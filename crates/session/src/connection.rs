@@ -1,6 +1,6 @@
 //! One client connection: handshake, negotiation, heartbeats and the channel table.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use bytes::{Bytes, BytesMut};
@@ -60,11 +60,15 @@ pub(crate) struct Connection {
     pub last_recv: u64,
     pub last_send: u64,
     pub close_deadline: u64,
-    pub channels: HashMap<u16, Channel>,
+    pub channels: BTreeMap<u16, Channel>,
     pub caps: ClientCaps,
     pub out: BytesMut,
     /// The socket is backed up: no deliveries until the driver says it drained.
     pub write_blocked: bool,
+    /// A dispatch filled `out` past the backlog limit: no deliveries until it is handed over.
+    pub out_blocked: bool,
+    /// The deadline this connection is filed under in the node's timer index.
+    pub timer: Option<u64>,
     /// Set when this connection has something for the driver (bytes, a close, a new frame_max).
     pub dirty: bool,
     pub close_socket: bool,
@@ -99,7 +103,9 @@ impl Connection {
             last_recv: now,
             last_send: now,
             close_deadline: 0,
-            channels: HashMap::new(),
+            channels: BTreeMap::new(),
+            out_blocked: false,
+            timer: None,
             caps: ClientCaps::default(),
             out: BytesMut::new(),
             write_blocked: false,
@@ -113,6 +119,28 @@ impl Connection {
 
     pub fn is_open(&self) -> bool {
         self.state == State::Open
+    }
+
+    /// Takes no deliveries now: its socket or its output buffer is backed up.
+    pub fn credit_blocked(&self) -> bool {
+        self.write_blocked || self.out_blocked
+    }
+
+    /// When this connection next has something to do on its own: the handshake deadline,
+    /// a heartbeat to send or a missed one to act on, the close-ok deadline.
+    pub fn deadline(&self, config: &SessionConfig) -> Option<u64> {
+        match self.state {
+            State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => {
+                Some(self.opened_at.saturating_add(config.handshake_timeout_ms))
+            }
+            State::Open if self.heartbeat_ms > 0 => Some(
+                self.last_recv
+                    .saturating_add(2 * self.heartbeat_ms)
+                    .min(self.last_send.saturating_add(self.heartbeat_ms / 2)),
+            ),
+            State::Closing => Some(self.close_deadline),
+            _ => None,
+        }
     }
 
     pub fn send_start(&mut self, config: &SessionConfig) {

@@ -3,11 +3,11 @@
 //! Sans-IO: the driver (crates/server) feeds it events with the current time and drains the bytes to write.
 //! Nothing here blocks, sleeps or reads a clock, so tests drive it frame by frame with simulated time.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use bytes::{Bytes, BytesMut};
-use warren_broker::{Broker, ConnId, ConsumerKey, Delivery, DeliverySink, QueueId};
+use warren_broker::{Broker, ConnId, ConsumerKey, Delivery, QueueId, Receipt};
 use warren_codec::{
     encode_deliver, encode_heartbeat, AmqpError, BasicCancel, ChannelClose, ChannelCloseOk,
     ChannelOpenOk, DecodeError, Frame, Method,
@@ -35,7 +35,13 @@ pub struct Transmit {
 pub struct Node {
     broker: Broker,
     config: SessionConfig,
-    conns: HashMap<ConnId, Connection>,
+    conns: BTreeMap<ConnId, Connection>,
+    /// `(deadline, connection)`: each connection at most once, under `Connection::timer`. A
+    /// deadline is filed early rather than late: activity only moves a connection's real
+    /// deadline later, and an entry that fires early is filed again.
+    timers: BTreeSet<(u64, ConnId)>,
+    /// Reused delivery buffer.
+    deliveries: Vec<Delivery>,
     /// Connections with something for the driver.
     dirty: Vec<ConnId>,
     /// Consumers whose queue went away, to be told with basic.cancel.
@@ -49,7 +55,9 @@ impl Node {
         Node {
             broker,
             config,
-            conns: HashMap::new(),
+            conns: BTreeMap::new(),
+            timers: BTreeSet::new(),
+            deliveries: Vec::new(),
             dirty: Vec::new(),
             cancelled: Vec::new(),
             direct_replies: Vec::new(),
@@ -59,6 +67,12 @@ impl Node {
 
     pub fn broker(&self) -> &Broker {
         &self.broker
+    }
+
+    /// The commands applied to queues since the last call, while the broker records them
+    /// (`Broker::set_recording`, a debug option).
+    pub fn take_records(&mut self) -> Vec<warren_broker::queue::log::Record> {
+        self.broker.take_records()
     }
 
     pub fn config(&self) -> &SessionConfig {
@@ -74,13 +88,63 @@ impl Node {
         let mut c = Connection::new(conn, peer, now, &self.config);
         c.send_start(&self.config);
         self.conns.insert(conn, c);
+        self.schedule(conn);
         self.mark(conn);
     }
 
     /// The socket is gone (EOF, error, or after the close the node asked for): forget the connection.
     pub fn connection_lost(&mut self, conn: ConnId) {
         self.release(conn);
-        self.conns.remove(&conn);
+        self.forget(conn);
+    }
+
+    fn forget(&mut self, conn: ConnId) {
+        if let Some(c) = self.conns.remove(&conn) {
+            if let Some(at) = c.timer {
+                self.timers.remove(&(at, conn));
+            }
+        }
+    }
+
+    /// Files the connection under its next deadline, unless it is filed under an earlier one.
+    fn schedule(&mut self, conn: ConnId) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let next = c.deadline(&self.config);
+        match (c.timer, next) {
+            (Some(filed), Some(at)) if filed <= at => {}
+            (filed, next) => {
+                if let Some(f) = filed {
+                    self.timers.remove(&(f, conn));
+                }
+                if let Some(at) = next {
+                    self.timers.insert((at, conn));
+                }
+                c.timer = next;
+            }
+        }
+    }
+
+    /// The earliest time at which [`Node::tick`] has something to do (connection timers and
+    /// the broker's queues); `None` when nothing is time-bound.
+    pub fn next_deadline(&self) -> Option<u64> {
+        let conns = self.timers.first().map(|&(at, _)| at);
+        match (conns, self.broker.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Tells the queues of a connection's consumers whether it takes deliveries now.
+    fn push_credit(&mut self, conn: ConnId) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let blocked = c.credit_blocked();
+        for ch in c.channels.values_mut() {
+            ch.push_credit(conn, blocked, &mut self.broker);
+        }
     }
 
     /// The connection's socket is backed up (the client reads slower than it is sent to): no deliveries go
@@ -90,17 +154,8 @@ impl Node {
             return;
         };
         let was = std::mem::replace(&mut c.write_blocked, blocked);
-        if was && !blocked {
-            // Its consumers were skipped while the socket was backed up: offer them messages again.
-            for (ch_id, ch) in &c.channels {
-                for tag in ch.consumers.keys() {
-                    self.broker.credit_changed(&ConsumerKey {
-                        conn,
-                        channel: *ch_id,
-                        tag: tag.clone(),
-                    });
-                }
-            }
+        if was != blocked {
+            self.push_credit(conn);
             self.mark(conn);
         }
     }
@@ -116,6 +171,7 @@ impl Node {
     }
 
     pub fn handle_frame(&mut self, conn: ConnId, frame: Frame, now: u64) {
+        self.broker.advance_time(now);
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -166,6 +222,7 @@ impl Node {
             Next::Fail(fault) => self.fail_connection(conn, fault, now),
             Next::Drop => self.drop_connection(conn),
         }
+        self.schedule(conn);
         self.notify_cancelled();
         self.deliver_direct_replies();
         self.mark(conn);
@@ -222,8 +279,11 @@ impl Node {
             frame_max,
             confirms_pending,
             channel_max,
+            write_blocked,
+            out_blocked,
             ..
         } = c;
+        let conn_blocked = *write_blocked || *out_blocked;
         let Some(ch) = channels.get_mut(&id) else {
             return match frame {
                 Frame::Method {
@@ -290,7 +350,7 @@ impl Node {
                 ..
             } => {
                 ch.flush_confirms(out);
-                ch.release_all(conn, &mut self.broker);
+                ch.release_all(&mut self.broker);
                 channels.remove(&id);
                 send(out, id, ChannelCloseOk {});
                 return Next::Nothing;
@@ -312,6 +372,7 @@ impl Node {
             cancelled: &mut self.cancelled,
             next_id: &mut self.next_id,
             direct_replies: &mut self.direct_replies,
+            conn_blocked,
         };
         let result = ch.on_frame(frame, &mut ctx);
         *confirms_pending = true;
@@ -331,7 +392,7 @@ impl Node {
                     },
                 );
                 ch.closing = true;
-                ch.release_all(conn, &mut self.broker);
+                ch.release_all(&mut self.broker);
                 tracing::debug!(conn, channel = id, error = %fault.error, "channel closed by the broker");
                 Next::Nothing
             }
@@ -374,12 +435,8 @@ impl Node {
             return;
         }
         c.released = true;
-        let mut ids: Vec<u16> = c.channels.keys().copied().collect();
-        ids.sort_unstable();
-        for id in ids {
-            if let Some(mut ch) = c.channels.remove(&id) {
-                ch.release_all(conn, &mut self.broker);
-            }
+        for (_, mut ch) in std::mem::take(&mut c.channels) {
+            ch.release_all(&mut self.broker);
         }
         let _deleted: Vec<QueueId> = self.broker.connection_closed(conn);
     }
@@ -416,16 +473,31 @@ impl Node {
     }
 
     /// Timers: heartbeats both ways, the handshake deadline, the close-ok deadline, the broker's clock.
+    /// Only the connections whose deadline has come are looked at.
     pub fn tick(&mut self, now: u64) {
         self.broker.tick(now);
+        let mut due = Vec::new();
+        while let Some(&(at, id)) = self.timers.first() {
+            if at > now {
+                break;
+            }
+            self.timers.pop_first();
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.timer = None;
+            }
+            due.push(id);
+        }
         let mut drop = Vec::new();
-        for (id, c) in &mut self.conns {
+        for id in due {
+            let Some(c) = self.conns.get_mut(&id) else {
+                continue;
+            };
             match c.state {
                 State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen
                     if now.saturating_sub(c.opened_at) >= self.config.handshake_timeout_ms =>
                 {
                     tracing::info!(conn = id, "handshake timeout");
-                    drop.push(*id);
+                    drop.push(id);
                 }
                 State::Open if c.heartbeat_ms > 0 => {
                     if now.saturating_sub(c.last_recv) >= 2 * c.heartbeat_ms {
@@ -434,21 +506,25 @@ impl Node {
                             timeout_ms = c.heartbeat_ms,
                             "missed heartbeats from client"
                         );
-                        drop.push(*id);
+                        drop.push(id);
                     } else if now.saturating_sub(c.last_send) >= c.heartbeat_ms / 2 {
                         encode_heartbeat(&mut c.out);
+                        // Counts as sent now: the next heartbeat is half an interval away.
+                        c.last_send = now;
                         if !c.dirty {
                             c.dirty = true;
-                            self.dirty.push(*id);
+                            self.dirty.push(id);
                         }
                     }
                 }
-                State::Closing if now >= c.close_deadline => drop.push(*id),
+                State::Closing if now >= c.close_deadline => drop.push(id),
                 _ => {}
             }
+            self.schedule(id);
         }
         for id in drop {
             self.drop_connection(id);
+            self.schedule(id);
         }
     }
 
@@ -482,21 +558,91 @@ impl Node {
         }
     }
 
+    /// Offers ready messages to consumers: one bounded checkout per queue with work (each queue
+    /// at most once per call), each delivery written to its connection's buffer. A connection
+    /// whose buffer passes the backlog limit is blocked before the next queue's checkout.
+    fn dispatch(&mut self, now: u64) {
+        self.broker.advance_time(now);
+        let mut deliveries = std::mem::take(&mut self.deliveries);
+        let mut orphans: Vec<(QueueId, Receipt)> = Vec::new();
+        let mut full: Vec<ConnId> = Vec::new();
+        for _ in 0..self.broker.dirty_count() {
+            if !self.broker.dispatch_one(&mut deliveries) {
+                break;
+            }
+            for d in deliveries.drain(..) {
+                if let Some(conn) = self.deliver(d, &mut orphans) {
+                    full.push(conn);
+                }
+            }
+            for (queue, receipt) in orphans.drain(..) {
+                self.broker.requeue(queue, receipt);
+            }
+            full.dedup();
+            for conn in full.drain(..) {
+                self.push_credit(conn);
+            }
+        }
+        self.deliveries = deliveries;
+    }
+
+    /// Writes one delivery to its consumer's connection. A delivery whose consumer is gone goes
+    /// to `orphans` (to be returned). Returns the connection if its credit must be told again:
+    /// its buffer just passed the backlog limit, or the channel has a channel-wide prefetch
+    /// (which each delivery uses up, and the channel's other queues must hear of before their
+    /// own checkout).
+    fn deliver(&mut self, d: Delivery, orphans: &mut Vec<(QueueId, Receipt)>) -> Option<ConnId> {
+        let (id, group, tag) = d.consumer?;
+        let c = self.conns.get_mut(&group.conn);
+        let ch = c.and_then(|c| {
+            let frame_max = c.frame_max;
+            let ch = c.channels.get_mut(&group.channel)?;
+            Some((frame_max, &mut c.out, &mut c.dirty, &mut c.out_blocked, ch))
+        });
+        let Some((frame_max, out, dirty, out_blocked, ch)) = ch else {
+            if !d.settled {
+                orphans.push((d.queue, d.receipt));
+            }
+            return None;
+        };
+        let no_ack = match ch.consumers.get(&tag) {
+            Some(consumer) if consumer.id == id => consumer.no_ack,
+            _ => {
+                if !d.settled {
+                    orphans.push((d.queue, d.receipt));
+                }
+                // The queue counted the delivery against the channel's credit.
+                ch.forget_sent_credit();
+                return Some(group.conn);
+            }
+        };
+        let delivery_tag = ch.record_delivery(no_ack, d.queue, d.receipt);
+        encode_deliver(
+            out,
+            group.channel,
+            &tag,
+            delivery_tag,
+            d.redelivered,
+            &d.message.exchange,
+            &d.message.routing_key,
+            &d.message.properties,
+            &d.message.body,
+            frame_max,
+        );
+        if !*dirty {
+            *dirty = true;
+            self.dirty.push(group.conn);
+        }
+        if !*out_blocked && out.len() >= self.config.write_backlog_limit {
+            *out_blocked = true;
+            return Some(group.conn);
+        }
+        (ch.channel_prefetch != 0 && !no_ack).then_some(group.conn)
+    }
+
     /// Runs dispatch, then hands out everything each connection has to write, one buffer per connection.
     pub fn poll_transmit(&mut self, now: u64, out: &mut Vec<Transmit>) {
-        let mut orphans = Vec::new();
-        {
-            let mut sink = Sink {
-                conns: &mut self.conns,
-                dirty: &mut self.dirty,
-                backlog_limit: self.config.write_backlog_limit,
-                orphans: &mut orphans,
-            };
-            self.broker.dispatch(&mut sink);
-        }
-        for (queue, msg_id) in orphans {
-            self.broker.requeue(queue, msg_id);
-        }
+        self.dispatch(now);
         for conn in std::mem::take(&mut self.dirty) {
             let Some(c) = self.conns.get_mut(&conn) else {
                 continue;
@@ -530,63 +676,12 @@ impl Node {
             });
             if close {
                 self.release(conn);
-                self.conns.remove(&conn);
+                self.forget(conn);
+            } else if c.out_blocked {
+                // What the dispatch piled up went to the writer: deliveries may resume.
+                c.out_blocked = false;
+                self.push_credit(conn);
             }
-        }
-    }
-}
-
-/// Lets the broker's dispatch see prefetch credit and socket back-pressure, and records each delivery.
-struct Sink<'a> {
-    conns: &'a mut HashMap<ConnId, Connection>,
-    dirty: &'a mut Vec<ConnId>,
-    backlog_limit: usize,
-    orphans: &'a mut Vec<(QueueId, u64)>,
-}
-
-impl DeliverySink for Sink<'_> {
-    fn has_credit(&mut self, consumer: &ConsumerKey) -> bool {
-        let Some(c) = self.conns.get(&consumer.conn) else {
-            return false;
-        };
-        if !c.is_open() || c.write_blocked || c.out.len() >= self.backlog_limit {
-            return false;
-        }
-        c.channels
-            .get(&consumer.channel)
-            .is_some_and(|ch| ch.has_credit(&consumer.tag))
-    }
-
-    fn deliver(&mut self, consumer: &ConsumerKey, d: Delivery) {
-        let Some(c) = self.conns.get_mut(&consumer.conn) else {
-            self.orphans.push((d.queue, d.msg_id));
-            return;
-        };
-        let frame_max = c.frame_max;
-        let Some(ch) = c.channels.get_mut(&consumer.channel) else {
-            self.orphans.push((d.queue, d.msg_id));
-            return;
-        };
-        if !ch.consumers.contains_key(&consumer.tag) {
-            self.orphans.push((d.queue, d.msg_id));
-            return;
-        }
-        let tag = ch.record_delivery(&consumer.tag, d.queue, d.msg_id);
-        encode_deliver(
-            &mut c.out,
-            consumer.channel,
-            &consumer.tag,
-            tag,
-            d.redelivered,
-            &d.message.exchange,
-            &d.message.routing_key,
-            &d.message.properties,
-            &d.message.body,
-            frame_max,
-        );
-        if !c.dirty {
-            c.dirty = true;
-            self.dirty.push(consumer.conn);
         }
     }
 }

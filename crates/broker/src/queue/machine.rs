@@ -1,40 +1,229 @@
 //! The queue state machine: a pure, deterministic function of the commands it is given.
 //!
-//! Modelled on RabbitMQ's `rabbit_fifo`: no I/O, no clock reads (time comes in as
-//! `now_ms`), so the same command sequence always gives the same state and effects. That is
-//! what makes it property-testable today and replicable (apply the same log on every member)
-//! later.
+//! Modelled on RabbitMQ's `rabbit_fifo`: [`QueueMachine::apply`] takes a [`Meta`] (the log
+//! index and the time, both chosen by whoever orders the commands: the broker today, a Raft
+//! leader later) and a [`Command`], changes the state, returns a [`Reply`] and pushes
+//! [`Effect`]s. Nothing else changes the state. There is no I/O, no clock read and no
+//! callback, so applying the same commands to a fresh machine gives the same state (see
+//! [`QueueMachine::digest`]) and the same effects: that is what the store recovers from and
+//! what replication will replicate.
 //!
 //! Every enqueued message gets a monotonically increasing `msg_id`, which is also its position
 //! in the queue. A message is in exactly one of these places:
 //!
-//! * **ready**: `ready` (a `VecDeque` in id order: the common path, no per-message allocation
-//!   beyond the deque's amortised growth) or `returned` (a `BTreeMap` for messages that were
-//!   delivered and came back, so they go back to their ORIGINAL position: the next delivery
-//!   takes the smaller id of the two heads);
+//! * **ready**: `ready` (a `VecDeque` in id order: the common path) or `returned` (a
+//!   `BTreeMap` for messages that were delivered and came back, so they go back to their
+//!   ORIGINAL position: the next delivery takes the smaller id of the two heads);
 //! * **in flight**: `in_flight`, keyed by `msg_id`, remembering the consumer (`None` for
-//!   basic.get) and how many times it was delivered;
-//! * **gone**: settled, discarded, purged or handed to a no-ack consumer.
+//!   basic.get) and the attempt;
+//! * **gone**: settled, discarded, expired, purged or handed to a no-ack consumer.
 //!
-//! Consumers are kept in round-robin order: after a consumer gets a message it moves to the
-//! back. Whether a consumer may take one more message right now (prefetch, back-pressure) is
-//! not part of the state: the [`Checkout`] driver is asked right before each message is taken.
+//! Every delivery carries a [`Receipt`] (message id and attempt number). Settling, returning
+//! or discarding with a receipt that is no longer current (the message was returned and
+//! delivered again since) changes nothing and replies [`Reply::Stale`].
 //!
-//! Later features hook in here: message TTL / `x-expires` via [`MsgMeta::expires_at`] and
-//! [`QueueMachine::tick`]; max-length via the O(1) counters; dead-lettering via the
-//! [`Discarded`] value that [`QueueMachine::discard`] returns; delivery limits via
-//! `delivery_count`.
+//! Consumers, their prefetch and what each holds live here. Whether a consumer may take a
+//! message is decided from the state alone: its own prefetch against what it holds, and the
+//! credit of its channel ([`CreditGroup`]), which the session sets with [`Command::Credit`]
+//! for what the queue cannot see (a channel-wide prefetch shared with other queues, a socket
+//! that is backed up). Consumers that may take a message wait in `service`, in round-robin
+//! order; one that runs out of credit leaves it and rejoins at the back when credit returns,
+//! so a delivery costs O(log n) however many consumers are blocked.
+//!
+//! Timed things are an ordered index: `expiries` holds `(expires_at, msg_id)` of ready
+//! messages with a TTL, and [`QueueMachine::next_deadline`] reports the earliest.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::hash::Hash;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::hash::{Hash, Hasher};
+
+use bytes::BytesMut;
+use warren_codec::{FieldTable, ShortStr};
+
+use crate::ConnId;
 
 /// What the machine needs to know about a message, computed by the caller when enqueuing.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MsgMeta {
     /// Body size in bytes, for the `bytes` counters (and later `x-max-length-bytes`).
     pub size: u64,
-    /// Absolute expiry in ms (per-message or queue TTL), if any. Not enforced yet.
+    /// Absolute expiry in ms (per-message or queue TTL), if any: the message is dropped from
+    /// ready (with a [`DeadLetterReason::Expired`] effect) once the time reaches it.
     pub expires_at: Option<u64>,
+}
+
+/// Where a command sits in the queue's history and when it happened. Chosen by whoever orders
+/// the commands, never read from a clock inside the machine, so a replay sees the same time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Meta {
+    /// The command's position in the queue's log (1, 2, 3...).
+    pub index: u64,
+    /// Milliseconds on the orderer's clock. The machine's time never goes backwards: an older
+    /// value is taken as the latest one seen.
+    pub now_ms: u64,
+}
+
+/// A consumer's id, unique for the broker's life (never reused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConsumerId(pub u64);
+
+/// The channel a consumer lives on: the unit of channel-wide credit (global prefetch, socket
+/// back-pressure).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CreditGroup {
+    pub conn: ConnId,
+    pub channel: u16,
+}
+
+/// A delivery's receipt: which message, and which delivery of it. Only the current delivery's
+/// receipt settles it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Receipt {
+    pub msg_id: u64,
+    /// The delivery count of this delivery (1 for the first).
+    pub attempt: u32,
+}
+
+/// A consumer as basic.consume declared it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConsumerSpec {
+    pub group: CreditGroup,
+    pub tag: ShortStr,
+    pub no_ack: bool,
+    /// Most unacked messages it may hold; 0 = unlimited. Ignored for no-ack consumers.
+    pub prefetch: u32,
+    pub exclusive: bool,
+    /// `x-priority` (0 when absent); consumer priorities come later.
+    pub priority: i64,
+    pub arguments: FieldTable,
+}
+
+/// The credit the session gives a channel in this queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Credit {
+    /// No deliveries at all (the connection's socket is backed up), no-ack consumers included.
+    pub blocked: bool,
+    /// At most this many more deliveries to acking consumers of the channel (channel-wide
+    /// prefetch); `None` = no channel-wide limit. Each delivery takes one.
+    pub limit: Option<u32>,
+}
+
+/// The commands of the machine. Plain data: they can be written to a log and replayed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command<M> {
+    Enqueue {
+        message: M,
+        meta: MsgMeta,
+    },
+    /// basic.consume.
+    Consume {
+        id: ConsumerId,
+        spec: ConsumerSpec,
+    },
+    /// basic.cancel, or the consumer's channel closed. Its in-flight messages stay in flight
+    /// (the channel still holds them).
+    Cancel {
+        id: ConsumerId,
+    },
+    /// Sets a channel's credit in this queue.
+    Credit {
+        group: CreditGroup,
+        credit: Credit,
+    },
+    /// Hands up to `max` ready messages to consumers that may take them.
+    Checkout {
+        max: u32,
+    },
+    /// basic.get: takes one ready message with no consumer.
+    Get {
+        no_ack: bool,
+    },
+    /// Ack.
+    Settle {
+        receipt: Receipt,
+    },
+    /// nack/reject with requeue, channel closed: back to its original position.
+    Return {
+        receipt: Receipt,
+    },
+    /// reject/nack without requeue.
+    Discard {
+        receipt: Receipt,
+    },
+    /// Drops every ready message.
+    Purge,
+    /// Time passes (the time is in [`Meta`]): expires what is due.
+    Tick,
+}
+
+/// Why a consume was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// An exclusive consumer holds the queue, or an exclusive consume met other consumers.
+    ExclusiveInUse,
+    /// The consumer id is already registered.
+    DuplicateConsumer,
+}
+
+/// The machine's answer to one command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reply {
+    Ok,
+    Enqueued {
+        msg_id: u64,
+    },
+    /// Checkout and Get: how many messages were handed out (in [`Effect::Deliver`]).
+    Delivered {
+        count: u32,
+    },
+    Purged {
+        count: u32,
+    },
+    /// A consumer was removed; how many are left.
+    Cancelled {
+        consumers_left: u32,
+    },
+    /// The receipt or consumer is not current: nothing changed.
+    Stale,
+    Refused(Refusal),
+}
+
+/// Why a message left the queue without being acknowledged (names follow RabbitMQ's
+/// `x-death` reasons).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeadLetterReason {
+    Rejected,
+    Expired,
+    MaxLen,
+    DeliveryLimit,
+}
+
+/// A message handed to a consumer (or to basic.get).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Deliver<M> {
+    /// `None` for basic.get.
+    pub consumer: Option<ConsumerId>,
+    /// The consumer's channel and tag (copied from its spec, so the caller needs no lookup).
+    pub to: Option<(CreditGroup, ShortStr)>,
+    pub receipt: Receipt,
+    pub message: M,
+    /// True if the message was delivered before (and came back).
+    pub redelivered: bool,
+    /// The queue already forgot the message (no-ack consumer or basic.get with no-ack).
+    pub settled: bool,
+}
+
+/// What a command asks the world to do.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Effect<M> {
+    Deliver(Deliver<M>),
+    /// A message left the queue unacknowledged: dead-letter it if the queue has a dead-letter
+    /// exchange, else drop it.
+    DeadLetter {
+        msg_id: u64,
+        message: M,
+        delivery_count: u32,
+        reason: DeadLetterReason,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -47,202 +236,147 @@ struct Entry<M> {
 }
 
 #[derive(Clone, Debug)]
-struct InFlight<C, M> {
-    consumer: Option<C>,
+struct InFlight<M> {
+    consumer: Option<ConsumerId>,
     entry: Entry<M>,
 }
 
 #[derive(Clone, Debug)]
-struct Slot<C> {
-    consumer: C,
-    no_ack: bool,
+struct Consumer {
+    spec: ConsumerSpec,
+    /// Unacked messages it holds.
+    held: u32,
+    /// Waiting in `service`.
+    in_service: bool,
 }
 
-/// A message handed to a consumer (or to basic.get).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Deliver<C, M> {
-    /// `None` for basic.get.
-    pub consumer: Option<C>,
-    pub msg_id: u64,
-    pub message: M,
-    /// True if the message was delivered before (and came back).
-    pub redelivered: bool,
-    /// Number of times it has now been delivered, this delivery included (>= 1).
-    pub delivery_count: u32,
-    /// The queue already forgot the message (no-ack consumer or basic.get with no-ack).
-    pub settled: bool,
-}
-
-/// A message removed by discard (reject/nack without requeue): the hook for dead-lettering.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Discarded<M> {
-    pub msg_id: u64,
-    pub message: M,
-    pub delivery_count: u32,
-}
-
-/// Why a message left the queue without being acknowledged; carried by
-/// [`Effect::DeadLetter`] once dead-lettering exists (names follow RabbitMQ's `x-death`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeadLetterReason {
-    Rejected,
-    Expired,
-    MaxLen,
-    DeliveryLimit,
-}
-
-/// The driver of a checkout: says whether a consumer has credit and takes the deliveries.
-pub trait Checkout<C, M> {
-    /// May this consumer take one more message now? Asked right before a message is taken.
-    fn has_credit(&mut self, consumer: &C) -> bool;
-    /// The message now belongs to the consumer.
-    fn deliver(&mut self, delivery: Deliver<C, M>);
-}
-
-/// The commands of the machine, for drivers that log or replay them (replication, tests).
-/// Each maps to one method; [`QueueMachine::apply`] runs it.
+/// The queue state machine. `M` is the message (cheap to clone: a fan-out clones it).
 #[derive(Clone, Debug)]
-pub enum Command<C, M> {
-    Enqueue {
-        message: M,
-        meta: MsgMeta,
-    },
-    Consume {
-        consumer: C,
-        no_ack: bool,
-    },
-    Cancel {
-        consumer: C,
-    },
-    /// basic.get: take one ready message with no consumer.
-    Get {
-        no_ack: bool,
-    },
-    Settle {
-        msg_id: u64,
-    },
-    Return {
-        msg_id: u64,
-    },
-    Discard {
-        msg_id: u64,
-    },
-    Purge,
-    Tick,
-}
-
-/// The effects of a command.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Effect<C, M> {
-    /// A message was enqueued with this id.
-    Enqueued { msg_id: u64 },
-    /// A message was handed out (only from `Get`; consumer deliveries go through [`Checkout`]).
-    Deliver(Deliver<C, M>),
-    /// A discarded message, to be dead-lettered when the queue has a dead-letter exchange.
-    DeadLetter {
-        discarded: Discarded<M>,
-        reason: DeadLetterReason,
-    },
-    /// `n` ready messages were dropped (purge).
-    Dropped { count: u32 },
-    /// The command referred to something unknown (settled id, missing consumer): no change.
-    Ignored,
-    /// The command succeeded with nothing else to report.
-    Done,
-}
-
-/// The queue state machine. `C` identifies a consumer, `M` is the message (cheap to clone).
-#[derive(Clone, Debug)]
-pub struct QueueMachine<C, M> {
+pub struct QueueMachine<M> {
     next_id: u64,
     ready: VecDeque<Entry<M>>,
     returned: BTreeMap<u64, Entry<M>>,
-    in_flight: HashMap<u64, InFlight<C, M>>,
-    consumers: VecDeque<Slot<C>>,
+    in_flight: BTreeMap<u64, InFlight<M>>,
+    consumers: BTreeMap<ConsumerId, Consumer>,
+    /// Consumers that may take a message, in round-robin order.
+    service: VecDeque<ConsumerId>,
+    /// Channels with a credit other than the default (unblocked, no limit).
+    credit: BTreeMap<CreditGroup, Credit>,
+    exclusive_consumer: Option<ConsumerId>,
+    /// auto-delete queues are deleted when their last consumer goes, if they ever had one.
+    has_had_consumers: bool,
+    /// `(expires_at, msg_id)` of ready messages with a TTL.
+    expiries: BTreeSet<(u64, u64)>,
     ready_bytes: u64,
     in_flight_bytes: u64,
+    /// The last applied command's index and the latest time seen.
+    last_index: u64,
     now_ms: u64,
 }
 
-impl<C, M> Default for QueueMachine<C, M> {
+impl<M> Default for QueueMachine<M> {
     fn default() -> Self {
         QueueMachine {
             next_id: 0,
             ready: VecDeque::new(),
             returned: BTreeMap::new(),
-            in_flight: HashMap::new(),
-            consumers: VecDeque::new(),
+            in_flight: BTreeMap::new(),
+            consumers: BTreeMap::new(),
+            service: VecDeque::new(),
+            credit: BTreeMap::new(),
+            exclusive_consumer: None,
+            has_had_consumers: false,
+            expiries: BTreeSet::new(),
             ready_bytes: 0,
             in_flight_bytes: 0,
+            last_index: 0,
             now_ms: 0,
         }
     }
 }
 
-impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
+impl<M: Clone + Hash> QueueMachine<M> {
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Runs one command. Consumer deliveries need credit information, so they are not a
-    /// command: call [`QueueMachine::checkout`].
-    pub fn apply(&mut self, command: Command<C, M>, now_ms: u64) -> Effect<C, M> {
-        self.now_ms = self.now_ms.max(now_ms);
+    /// Runs one command: the only way the state changes. Effects are appended to `effects`
+    /// (a buffer the caller reuses, so the hot path allocates nothing here).
+    pub fn apply(
+        &mut self,
+        meta: Meta,
+        command: Command<M>,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Reply {
+        self.last_index = self.last_index.max(meta.index);
+        self.now_ms = self.now_ms.max(meta.now_ms);
         match command {
-            Command::Enqueue { message, meta } => Effect::Enqueued {
+            Command::Enqueue { message, meta } => Reply::Enqueued {
                 msg_id: self.enqueue(message, meta),
             },
-            Command::Consume { consumer, no_ack } => {
-                if self.add_consumer(consumer, no_ack) {
-                    Effect::Done
-                } else {
-                    Effect::Ignored
-                }
+            Command::Consume { id, spec } => self.consume(id, spec),
+            Command::Cancel { id } => self.cancel(id),
+            Command::Credit { group, credit } => {
+                self.set_credit(group, credit);
+                Reply::Ok
             }
-            Command::Cancel { consumer } => {
-                if self.remove_consumer(&consumer) {
-                    Effect::Done
-                } else {
-                    Effect::Ignored
-                }
-            }
-            Command::Get { no_ack } => match self.get(no_ack) {
-                Some(d) => Effect::Deliver(d),
-                None => Effect::Ignored,
+            Command::Checkout { max } => Reply::Delivered {
+                count: self.checkout(max, effects),
             },
-            Command::Settle { msg_id } => {
-                if self.settle(msg_id) {
-                    Effect::Done
-                } else {
-                    Effect::Ignored
-                }
+            Command::Get { no_ack } => {
+                let count = match self.pop_ready() {
+                    Some(entry) => {
+                        effects.push(Effect::Deliver(self.hand_out(entry, None, no_ack)));
+                        1
+                    }
+                    None => 0,
+                };
+                Reply::Delivered { count }
             }
-            Command::Return { msg_id } => {
-                if self.requeue(msg_id) {
-                    Effect::Done
-                } else {
-                    Effect::Ignored
-                }
-            }
-            Command::Discard { msg_id } => match self.discard(msg_id) {
-                Some(discarded) => Effect::DeadLetter {
-                    discarded,
-                    reason: DeadLetterReason::Rejected,
-                },
-                None => Effect::Ignored,
+            Command::Settle { receipt } => match self.take_in_flight(receipt) {
+                Some(_) => Reply::Ok,
+                None => Reply::Stale,
             },
-            Command::Purge => Effect::Dropped {
+            Command::Return { receipt } => match self.take_in_flight(receipt) {
+                Some(entry) => {
+                    self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+                    if let Some(at) = entry.meta.expires_at {
+                        self.expiries.insert((at, entry.id));
+                    }
+                    self.returned.insert(entry.id, entry);
+                    Reply::Ok
+                }
+                None => Reply::Stale,
+            },
+            Command::Discard { receipt } => match self.take_in_flight(receipt) {
+                Some(entry) => {
+                    effects.push(Effect::DeadLetter {
+                        msg_id: entry.id,
+                        message: entry.msg,
+                        delivery_count: entry.delivery_count,
+                        reason: DeadLetterReason::Rejected,
+                    });
+                    Reply::Ok
+                }
+                None => Reply::Stale,
+            },
+            Command::Purge => Reply::Purged {
                 count: self.purge(),
             },
-            Command::Tick => Effect::Done,
+            Command::Tick => {
+                self.expire(effects);
+                Reply::Ok
+            }
         }
     }
 
-    /// Appends a message; returns its id (= its position).
-    pub fn enqueue(&mut self, message: M, meta: MsgMeta) -> u64 {
+    fn enqueue(&mut self, message: M, meta: MsgMeta) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         self.ready_bytes = self.ready_bytes.saturating_add(meta.size);
+        if let Some(at) = meta.expires_at {
+            self.expiries.insert((at, id));
+        }
         self.ready.push_back(Entry {
             id,
             msg: message,
@@ -252,37 +386,265 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
         id
     }
 
-    /// Adds a consumer at the back of the round-robin order. False if it is already there.
-    pub fn add_consumer(&mut self, consumer: C, no_ack: bool) -> bool {
-        if self.has_consumer(&consumer) {
+    fn consume(&mut self, id: ConsumerId, spec: ConsumerSpec) -> Reply {
+        if self.consumers.contains_key(&id) {
+            return Reply::Refused(Refusal::DuplicateConsumer);
+        }
+        if self.exclusive_consumer.is_some() || (spec.exclusive && !self.consumers.is_empty()) {
+            return Reply::Refused(Refusal::ExclusiveInUse);
+        }
+        if spec.exclusive {
+            self.exclusive_consumer = Some(id);
+        }
+        self.has_had_consumers = true;
+        let mut c = Consumer {
+            spec,
+            held: 0,
+            in_service: false,
+        };
+        if self.may_take(&c) {
+            c.in_service = true;
+            self.service.push_back(id);
+        }
+        self.consumers.insert(id, c);
+        Reply::Ok
+    }
+
+    fn cancel(&mut self, id: ConsumerId) -> Reply {
+        let Some(c) = self.consumers.remove(&id) else {
+            return Reply::Stale;
+        };
+        if c.in_service {
+            self.service.retain(|s| *s != id);
+        }
+        if self.exclusive_consumer == Some(id) {
+            self.exclusive_consumer = None;
+        }
+        let group = c.spec.group;
+        if self.credit.contains_key(&group)
+            && !self.consumers.values().any(|o| o.spec.group == group)
+        {
+            // Nobody of that channel is left here: forget its credit.
+            self.credit.remove(&group);
+        }
+        Reply::Cancelled {
+            consumers_left: u32::try_from(self.consumers.len()).unwrap_or(u32::MAX),
+        }
+    }
+
+    fn set_credit(&mut self, group: CreditGroup, credit: Credit) {
+        // Kept only while a consumer of the channel is here (the channel tells a queue its
+        // credit after consuming from it), so a queue never collects channels it does not serve.
+        let present = self.consumers.values().any(|c| c.spec.group == group);
+        if credit == Credit::default() || !present {
+            self.credit.remove(&group);
+        } else {
+            self.credit.insert(group, credit);
+        }
+        // Consumers of the channel that can take messages again rejoin the round-robin, in id
+        // order (deterministic).
+        let mut back = Vec::new();
+        for (id, c) in &self.consumers {
+            if c.spec.group == group && !c.in_service && self.may_take(c) {
+                back.push(*id);
+            }
+        }
+        for id in back {
+            if let Some(c) = self.consumers.get_mut(&id) {
+                c.in_service = true;
+            }
+            self.service.push_back(id);
+        }
+    }
+
+    /// May this consumer take one more message now?
+    fn may_take(&self, c: &Consumer) -> bool {
+        let credit = self.credit.get(&c.spec.group).copied().unwrap_or_default();
+        if credit.blocked {
             return false;
         }
-        self.consumers.push_back(Slot { consumer, no_ack });
-        true
+        if c.spec.no_ack {
+            return true;
+        }
+        (c.spec.prefetch == 0 || c.held < c.spec.prefetch) && credit.limit.is_none_or(|n| n > 0)
     }
 
-    /// Removes a consumer. Its in-flight messages stay in flight. False if unknown.
-    pub fn remove_consumer(&mut self, consumer: &C) -> bool {
-        match self.consumers.iter().position(|s| &s.consumer == consumer) {
-            Some(i) => {
-                self.consumers.remove(i);
-                true
+    fn checkout(&mut self, max: u32, effects: &mut Vec<Effect<M>>) -> u32 {
+        let mut delivered = 0;
+        while delivered < max && self.ready_count() > 0 {
+            let Some(id) = self.service.pop_front() else {
+                break;
+            };
+            let Some(c) = self.consumers.get(&id) else {
+                continue;
+            };
+            if !self.may_take(c) {
+                if let Some(c) = self.consumers.get_mut(&id) {
+                    c.in_service = false;
+                }
+                continue;
             }
-            None => false,
+            let no_ack = c.spec.no_ack;
+            let to = (c.spec.group, c.spec.tag.clone());
+            let Some(entry) = self.pop_ready() else {
+                self.service.push_front(id);
+                break;
+            };
+            let d = self.hand_out(entry, Some((id, to)), no_ack);
+            effects.push(Effect::Deliver(d));
+            delivered += 1;
+            if !no_ack {
+                if let Some(c) = self.consumers.get_mut(&id) {
+                    c.held = c.held.saturating_add(1);
+                    if let Some(cr) = self.credit.get_mut(&c.spec.group) {
+                        if let Some(n) = cr.limit.as_mut() {
+                            *n = n.saturating_sub(1);
+                        }
+                    }
+                }
+            }
+            // Round-robin: the served consumer goes to the back, if it may take more.
+            let again = self.consumers.get(&id).is_some_and(|c| self.may_take(c));
+            if again {
+                self.service.push_back(id);
+            } else if let Some(c) = self.consumers.get_mut(&id) {
+                c.in_service = false;
+            }
+        }
+        delivered
+    }
+
+    fn pop_ready(&mut self) -> Option<Entry<M>> {
+        let take_returned = match (self.returned.first_key_value(), self.ready.front()) {
+            (Some((&r, _)), Some(q)) => r < q.id,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        let entry = if take_returned {
+            self.returned.pop_first().map(|(_, e)| e)
+        } else {
+            self.ready.pop_front()
+        }?;
+        self.ready_bytes = self.ready_bytes.saturating_sub(entry.meta.size);
+        if let Some(at) = entry.meta.expires_at {
+            self.expiries.remove(&(at, entry.id));
+        }
+        Some(entry)
+    }
+
+    fn hand_out(
+        &mut self,
+        mut entry: Entry<M>,
+        consumer: Option<(ConsumerId, (CreditGroup, ShortStr))>,
+        no_ack: bool,
+    ) -> Deliver<M> {
+        let redelivered = entry.delivery_count > 0;
+        entry.delivery_count = entry.delivery_count.saturating_add(1);
+        let receipt = Receipt {
+            msg_id: entry.id,
+            attempt: entry.delivery_count,
+        };
+        let (consumer, to) = match consumer {
+            Some((id, to)) => (Some(id), Some(to)),
+            None => (None, None),
+        };
+        if no_ack {
+            return Deliver {
+                consumer,
+                to,
+                receipt,
+                message: entry.msg,
+                redelivered,
+                settled: true,
+            };
+        }
+        let message = entry.msg.clone();
+        self.in_flight_bytes = self.in_flight_bytes.saturating_add(entry.meta.size);
+        self.in_flight
+            .insert(entry.id, InFlight { consumer, entry });
+        Deliver {
+            consumer,
+            to,
+            receipt,
+            message,
+            redelivered,
+            settled: false,
         }
     }
 
-    pub fn has_consumer(&self, consumer: &C) -> bool {
-        self.consumers.iter().any(|s| &s.consumer == consumer)
+    /// Removes the in-flight message the receipt names, if the receipt is current, and gives
+    /// its consumer the credit back.
+    fn take_in_flight(&mut self, receipt: Receipt) -> Option<Entry<M>> {
+        let current = self
+            .in_flight
+            .get(&receipt.msg_id)
+            .is_some_and(|f| f.entry.delivery_count == receipt.attempt);
+        if !current {
+            return None;
+        }
+        let f = self.in_flight.remove(&receipt.msg_id)?;
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
+        if let Some(id) = f.consumer {
+            if let Some(c) = self.consumers.get_mut(&id) {
+                c.held = c.held.saturating_sub(1);
+            }
+            if let Some(c) = self.consumers.get(&id) {
+                if !c.in_service && self.may_take(c) {
+                    self.service.push_back(id);
+                    if let Some(c) = self.consumers.get_mut(&id) {
+                        c.in_service = true;
+                    }
+                }
+            }
+        }
+        Some(f.entry)
     }
 
-    /// Consumers in their current round-robin order (the next one to be offered first).
-    pub fn consumers(&self) -> impl Iterator<Item = &C> + '_ {
-        self.consumers.iter().map(|s| &s.consumer)
+    fn purge(&mut self) -> u32 {
+        let n = self.ready_count();
+        self.ready.clear();
+        self.returned.clear();
+        self.expiries.clear();
+        self.ready_bytes = 0;
+        u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    pub fn consumer_count(&self) -> usize {
-        self.consumers.len()
+    /// Drops every ready message whose expiry has come. In-flight messages are not expired
+    /// (RabbitMQ's rule: a delivered message belongs to its consumer); one that comes back
+    /// expires then.
+    fn expire(&mut self, effects: &mut Vec<Effect<M>>) {
+        while let Some(&(at, id)) = self.expiries.first() {
+            if at > self.now_ms {
+                break;
+            }
+            self.expiries.pop_first();
+            let entry = if let Some(e) = self.returned.remove(&id) {
+                Some(e)
+            } else {
+                // `ready` is sorted by id. A queue-wide TTL expires from the head (O(1)); a
+                // per-message expiry in the middle shifts the shorter side of the deque.
+                match self.ready.binary_search_by_key(&id, |e| e.id) {
+                    Ok(i) => self.ready.remove(i),
+                    Err(_) => None,
+                }
+            };
+            if let Some(e) = entry {
+                self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
+                effects.push(Effect::DeadLetter {
+                    msg_id: e.id,
+                    message: e.msg,
+                    delivery_count: e.delivery_count,
+                    reason: DeadLetterReason::Expired,
+                });
+            }
+        }
+    }
+
+    // ------------------------------------------------------------ queries (no change)
+
+    /// The earliest time at which a [`Command::Tick`] has work to do.
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.expiries.first().map(|&(at, _)| at)
     }
 
     /// Ready messages (not in flight).
@@ -302,315 +664,508 @@ impl<C: Clone + Eq + Hash, M: Clone> QueueMachine<C, M> {
         self.in_flight_bytes
     }
 
+    /// Would a [`Command::Checkout`] deliver anything now?
+    pub fn has_work(&self) -> bool {
+        self.ready_count() > 0 && !self.service.is_empty()
+    }
+
+    pub fn consumer_count(&self) -> usize {
+        self.consumers.len()
+    }
+
+    pub fn consumer(&self, id: ConsumerId) -> Option<&ConsumerSpec> {
+        self.consumers.get(&id).map(|c| &c.spec)
+    }
+
+    /// Consumers in id order, with how many messages each holds.
+    pub fn consumers(&self) -> impl Iterator<Item = (ConsumerId, &ConsumerSpec, u32)> + '_ {
+        self.consumers.iter().map(|(id, c)| (*id, &c.spec, c.held))
+    }
+
+    pub fn has_had_consumers(&self) -> bool {
+        self.has_had_consumers
+    }
+
+    pub fn exclusive_consumer(&self) -> Option<ConsumerId> {
+        self.exclusive_consumer
+    }
+
     /// The id the next enqueued message will get (= how many were ever enqueued).
     pub fn next_msg_id(&self) -> u64 {
         self.next_id
     }
 
-    /// Is this message in flight, and with whom (`Some(None)` = basic.get)?
-    pub fn in_flight_consumer(&self, msg_id: u64) -> Option<Option<&C>> {
-        self.in_flight.get(&msg_id).map(|f| f.consumer.as_ref())
-    }
-
-    /// Is this message ready (waiting for delivery)?
-    pub fn is_ready(&self, msg_id: u64) -> bool {
-        if self.returned.contains_key(&msg_id) {
-            return true;
-        }
-        // `ready` is sorted by id: binary search.
-        self.ready.binary_search_by_key(&msg_id, |e| e.id).is_ok()
-    }
-
-    /// Ids of ready messages in delivery order (tests and diagnostics; O(n)).
-    pub fn ready_ids(&self) -> Vec<u64> {
-        let mut out = Vec::with_capacity(self.ready_count());
-        let mut r = self.returned.keys().peekable();
-        let mut q = self.ready.iter().map(|e| e.id).peekable();
-        loop {
-            match (r.peek(), q.peek()) {
-                (Some(&&a), Some(&b)) => {
-                    if a < b {
-                        out.push(a);
-                        r.next();
-                    } else {
-                        out.push(b);
-                        q.next();
-                    }
-                }
-                (Some(&&a), None) => {
-                    out.push(a);
-                    r.next();
-                }
-                (None, Some(&b)) => {
-                    out.push(b);
-                    q.next();
-                }
-                (None, None) => return out,
-            }
-        }
-    }
-
-    fn pop_ready(&mut self) -> Option<Entry<M>> {
-        let take_returned = match (self.returned.first_key_value(), self.ready.front()) {
-            (Some((&r, _)), Some(q)) => r < q.id,
-            (Some(_), None) => true,
-            (None, _) => false,
-        };
-        let entry = if take_returned {
-            self.returned.pop_first().map(|(_, e)| e)
-        } else {
-            self.ready.pop_front()
-        }?;
-        self.ready_bytes = self.ready_bytes.saturating_sub(entry.meta.size);
-        Some(entry)
-    }
-
-    fn hand_out(
-        &mut self,
-        mut entry: Entry<M>,
-        consumer: Option<C>,
-        no_ack: bool,
-    ) -> Deliver<C, M> {
-        let redelivered = entry.delivery_count > 0;
-        entry.delivery_count = entry.delivery_count.saturating_add(1);
-        let msg_id = entry.id;
-        let delivery_count = entry.delivery_count;
-        if no_ack {
-            Deliver {
-                consumer,
-                msg_id,
-                message: entry.msg,
-                redelivered,
-                delivery_count,
-                settled: true,
-            }
-        } else {
-            let message = entry.msg.clone();
-            self.in_flight_bytes = self.in_flight_bytes.saturating_add(entry.meta.size);
-            self.in_flight.insert(
-                msg_id,
-                InFlight {
-                    consumer: consumer.clone(),
-                    entry,
-                },
-            );
-            Deliver {
-                consumer,
-                msg_id,
-                message,
-                redelivered,
-                delivery_count,
-                settled: false,
-            }
-        }
-    }
-
-    /// basic.get: takes the next ready message with no consumer.
-    pub fn get(&mut self, no_ack: bool) -> Option<Deliver<C, M>> {
-        let entry = self.pop_ready()?;
-        Some(self.hand_out(entry, None, no_ack))
-    }
-
-    /// Offers ready messages to consumers with credit, round-robin, at most `max` of them.
-    /// Returns how many were delivered. Each consumer is asked for credit right before a
-    /// message is taken for it; one that says no is set aside for the rest of this call and
-    /// then goes to the back of the order (as RabbitMQ moves blocked consumers), so every
-    /// delivery costs O(1) however many consumers are blocked.
-    pub fn checkout(&mut self, driver: &mut dyn Checkout<C, M>, max: usize) -> usize {
-        let mut delivered = 0;
-        let mut blocked: Vec<Slot<C>> = Vec::new();
-        while delivered < max && self.ready_count() > 0 {
-            let Some(slot) = self.consumers.pop_front() else {
-                break;
-            };
-            if !driver.has_credit(&slot.consumer) {
-                blocked.push(slot);
-                continue;
-            }
-            let (consumer, no_ack) = (slot.consumer.clone(), slot.no_ack);
-            // Round-robin: the served consumer goes to the back.
-            self.consumers.push_back(slot);
-            let Some(entry) = self.pop_ready() else {
-                break;
-            };
-            let d = self.hand_out(entry, Some(consumer), no_ack);
-            driver.deliver(d);
-            delivered += 1;
-        }
-        self.consumers.extend(blocked);
-        delivered
-    }
-
-    /// Ack: forgets an in-flight message. False if it is not in flight.
-    pub fn settle(&mut self, msg_id: u64) -> bool {
-        match self.in_flight.remove(&msg_id) {
-            Some(f) => {
-                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Requeue (nack/reject with requeue, channel closed): the message goes back to its
-    /// original position and is marked redelivered. False if it is not in flight.
-    pub fn requeue(&mut self, msg_id: u64) -> bool {
-        match self.in_flight.remove(&msg_id) {
-            Some(f) => {
-                self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
-                self.ready_bytes = self.ready_bytes.saturating_add(f.entry.meta.size);
-                self.returned.insert(msg_id, f.entry);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Reject/nack without requeue: removes the in-flight message and returns it, so the
-    /// caller can dead-letter it. `None` if it is not in flight.
-    pub fn discard(&mut self, msg_id: u64) -> Option<Discarded<M>> {
-        let f = self.in_flight.remove(&msg_id)?;
-        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
-        Some(Discarded {
-            msg_id,
-            message: f.entry.msg,
-            delivery_count: f.entry.delivery_count,
-        })
-    }
-
-    /// Drops every ready message; in-flight ones stay. Returns how many were dropped.
-    pub fn purge(&mut self) -> u32 {
-        let n = self.ready_count();
-        self.ready.clear();
-        self.returned.clear();
-        self.ready_bytes = 0;
-        u32::try_from(n).unwrap_or(u32::MAX)
-    }
-
-    /// Time passes. Hook for TTL, `x-expires` and consumer timeouts; nothing expires yet.
-    pub fn tick(&mut self, now_ms: u64) -> Vec<Effect<C, M>> {
-        self.now_ms = self.now_ms.max(now_ms);
-        Vec::new()
+    /// The index of the last command applied.
+    pub fn last_index(&self) -> u64 {
+        self.last_index
     }
 
     /// The latest time the machine has seen.
     pub fn now_ms(&self) -> u64 {
         self.now_ms
     }
+
+    /// Is this receipt the current delivery of an in-flight message, and to whom
+    /// (`Some(None)` = basic.get)?
+    pub fn holder(&self, receipt: Receipt) -> Option<Option<ConsumerId>> {
+        self.in_flight
+            .get(&receipt.msg_id)
+            .filter(|f| f.entry.delivery_count == receipt.attempt)
+            .map(|f| f.consumer)
+    }
+
+    /// Ids of ready messages in delivery order (tests and diagnostics; O(n)).
+    pub fn ready_ids(&self) -> Vec<u64> {
+        let mut out = Vec::with_capacity(self.ready_count());
+        let mut r = self.returned.keys().copied().peekable();
+        let mut q = self.ready.iter().map(|e| e.id).peekable();
+        loop {
+            let next = match (r.peek(), q.peek()) {
+                (Some(&a), Some(&b)) if a < b => r.next(),
+                (Some(_), Some(_)) | (None, Some(_)) => q.next(),
+                (Some(_), None) => r.next(),
+                (None, None) => return out,
+            };
+            out.extend(next);
+        }
+    }
+
+    /// A digest of the whole state: two machines with the same digest are the same machine
+    /// (used to check that replaying a command log rebuilds a queue exactly). O(state).
+    pub fn digest(&self) -> u64 {
+        let mut h = std::hash::DefaultHasher::new();
+        self.next_id.hash(&mut h);
+        self.last_index.hash(&mut h);
+        self.now_ms.hash(&mut h);
+        self.ready_bytes.hash(&mut h);
+        self.in_flight_bytes.hash(&mut h);
+        self.ready.len().hash(&mut h);
+        for e in &self.ready {
+            hash_entry(e, &mut h);
+        }
+        self.returned.len().hash(&mut h);
+        for e in self.returned.values() {
+            hash_entry(e, &mut h);
+        }
+        self.in_flight.len().hash(&mut h);
+        for f in self.in_flight.values() {
+            f.consumer.hash(&mut h);
+            hash_entry(&f.entry, &mut h);
+        }
+        self.consumers.len().hash(&mut h);
+        let mut args = BytesMut::new();
+        for (id, c) in &self.consumers {
+            id.hash(&mut h);
+            let s = &c.spec;
+            (
+                s.group,
+                &s.tag,
+                s.no_ack,
+                s.prefetch,
+                s.exclusive,
+                s.priority,
+            )
+                .hash(&mut h);
+            args.clear();
+            s.arguments.encode(&mut args);
+            args.hash(&mut h);
+            (c.held, c.in_service).hash(&mut h);
+        }
+        self.service.hash(&mut h);
+        self.credit.len().hash(&mut h);
+        for (g, c) in &self.credit {
+            (g, c).hash(&mut h);
+        }
+        self.exclusive_consumer.hash(&mut h);
+        self.has_had_consumers.hash(&mut h);
+        self.expiries.len().hash(&mut h);
+        for e in &self.expiries {
+            e.hash(&mut h);
+        }
+        h.finish()
+    }
+}
+
+fn hash_entry<M: Hash>(e: &Entry<M>, h: &mut impl Hasher) {
+    e.id.hash(h);
+    e.msg.hash(h);
+    e.meta.hash(h);
+    e.delivery_count.hash(h);
+}
+
+/// A digest of a command's effects and reply, for comparing a replay with the original run.
+pub fn effects_digest<M: Hash>(reply: &Reply, effects: &[Effect<M>]) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    reply.hash(&mut h);
+    effects.hash(&mut h);
+    h.finish()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    struct Sink {
-        credit: HashMap<u32, usize>,
-        got: Vec<Deliver<u32, &'static str>>,
+    type M = QueueMachine<&'static str>;
+
+    struct Driver {
+        m: M,
+        index: u64,
+        now: u64,
+        effects: Vec<Effect<&'static str>>,
     }
 
-    impl Checkout<u32, &'static str> for Sink {
-        fn has_credit(&mut self, c: &u32) -> bool {
-            self.credit.get(c).copied().unwrap_or(0) > 0
-        }
-        fn deliver(&mut self, d: Deliver<u32, &'static str>) {
-            if let Some(c) = d.consumer {
-                if let Some(n) = self.credit.get_mut(&c) {
-                    *n -= 1;
-                }
+    impl Driver {
+        fn new() -> Self {
+            Driver {
+                m: M::new(),
+                index: 0,
+                now: 0,
+                effects: Vec::new(),
             }
-            self.got.push(d);
+        }
+
+        fn run(&mut self, c: Command<&'static str>) -> Reply {
+            self.index += 1;
+            let meta = Meta {
+                index: self.index,
+                now_ms: self.now,
+            };
+            self.m.apply(meta, c, &mut self.effects)
+        }
+
+        fn enqueue(&mut self, s: &'static str, size: u64, expires_at: Option<u64>) -> u64 {
+            match self.run(Command::Enqueue {
+                message: s,
+                meta: MsgMeta { size, expires_at },
+            }) {
+                Reply::Enqueued { msg_id } => msg_id,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+
+        fn delivered(&mut self) -> Vec<(Option<u64>, u64, u32, bool)> {
+            self.effects
+                .drain(..)
+                .filter_map(|e| match e {
+                    Effect::Deliver(d) => Some((
+                        d.consumer.map(|c| c.0),
+                        d.receipt.msg_id,
+                        d.receipt.attempt,
+                        d.redelivered,
+                    )),
+                    _ => None,
+                })
+                .collect()
         }
     }
 
-    fn sink(credits: &[(u32, usize)]) -> Sink {
-        Sink {
-            credit: credits.iter().copied().collect(),
-            got: Vec::new(),
+    fn spec(channel: u16, prefetch: u32, no_ack: bool) -> ConsumerSpec {
+        ConsumerSpec {
+            group: CreditGroup { conn: 1, channel },
+            tag: ShortStr::from("t"),
+            no_ack,
+            prefetch,
+            exclusive: false,
+            priority: 0,
+            arguments: FieldTable::new(),
         }
     }
 
-    fn meta(size: u64) -> MsgMeta {
-        MsgMeta {
-            size,
-            expires_at: None,
-        }
+    fn receipt(msg_id: u64, attempt: u32) -> Receipt {
+        Receipt { msg_id, attempt }
     }
 
     #[test]
-    fn round_robin_and_requeue_to_original_position() {
-        let mut m: QueueMachine<u32, &'static str> = QueueMachine::new();
+    fn round_robin_prefetch_and_requeue_to_original_position() {
+        let mut d = Driver::new();
         for s in ["a", "b", "c", "d"] {
-            m.enqueue(s, meta(1));
+            d.enqueue(s, 1, None);
         }
-        assert!(m.add_consumer(1, false));
-        assert!(m.add_consumer(2, false));
-        assert!(!m.add_consumer(2, false));
-        let mut s = sink(&[(1, 10), (2, 10)]);
-        assert_eq!(m.checkout(&mut s, 3), 3);
-        let who: Vec<_> = s.got.iter().map(|d| (d.consumer, d.msg_id)).collect();
-        assert_eq!(who, vec![(Some(1), 0), (Some(2), 1), (Some(1), 2)]);
-        assert_eq!(m.ready_count(), 1);
-        assert_eq!(m.in_flight_count(), 3);
-        assert_eq!(m.ready_bytes(), 1);
-        assert_eq!(m.in_flight_bytes(), 3);
-        // Return 1: it comes back before 3.
-        assert!(m.requeue(1));
-        assert!(!m.requeue(1));
-        assert_eq!(m.ready_ids(), vec![1, 3]);
-        let d = m.get(false).expect("ready");
-        assert_eq!((d.msg_id, d.redelivered, d.delivery_count), (1, true, 2));
-        assert!(m.settle(1));
-        assert!(!m.settle(1));
-        assert_eq!(m.discard(0).map(|d| d.message), Some("a"));
-        assert_eq!(m.purge(), 1);
-        assert_eq!(m.ready_count(), 0);
-        assert_eq!(m.in_flight_count(), 1);
-        assert_eq!(m.ready_bytes(), 0);
-    }
-
-    #[test]
-    fn consumers_without_credit_are_skipped_and_no_ack_forgets() {
-        let mut m: QueueMachine<u32, &'static str> = QueueMachine::new();
-        m.add_consumer(1, false);
-        m.add_consumer(2, true);
-        for s in ["a", "b", "c"] {
-            m.enqueue(s, meta(2));
-        }
-        let mut s = sink(&[(1, 0), (2, 2)]);
-        assert_eq!(m.checkout(&mut s, usize::MAX), 2);
-        assert!(s.got.iter().all(|d| d.consumer == Some(2) && d.settled));
-        assert_eq!(m.in_flight_count(), 0);
-        assert_eq!(m.ready_count(), 1);
-        // Nobody has credit now: nothing happens.
-        assert_eq!(m.checkout(&mut s, usize::MAX), 0);
-        assert!(m.remove_consumer(&2));
-        assert!(!m.remove_consumer(&2));
-        assert_eq!(m.consumer_count(), 1);
-    }
-
-    #[test]
-    fn apply_maps_commands() {
-        let mut m: QueueMachine<u32, u8> = QueueMachine::new();
         assert_eq!(
-            m.apply(
-                Command::Enqueue {
-                    message: 7,
-                    meta: meta(1)
-                },
-                5
-            ),
-            Effect::Enqueued { msg_id: 0 }
+            d.run(Command::Consume {
+                id: ConsumerId(1),
+                spec: spec(1, 1, false)
+            }),
+            Reply::Ok
         );
-        assert_eq!(m.apply(Command::Settle { msg_id: 0 }, 6), Effect::Ignored);
-        match m.apply(Command::Get { no_ack: false }, 7) {
-            Effect::Deliver(d) => assert_eq!((d.msg_id, d.message), (0, 7)),
+        assert_eq!(
+            d.run(Command::Consume {
+                id: ConsumerId(2),
+                spec: spec(2, 0, false)
+            }),
+            Reply::Ok
+        );
+        assert_eq!(
+            d.run(Command::Consume {
+                id: ConsumerId(2),
+                spec: spec(2, 0, false)
+            }),
+            Reply::Refused(Refusal::DuplicateConsumer)
+        );
+        assert_eq!(
+            d.run(Command::Checkout { max: 3 }),
+            Reply::Delivered { count: 3 }
+        );
+        // Consumer 1 has prefetch 1: after one message it leaves the rotation.
+        assert_eq!(
+            d.delivered(),
+            vec![
+                (Some(1), 0, 1, false),
+                (Some(2), 1, 1, false),
+                (Some(2), 2, 1, false)
+            ]
+        );
+        assert_eq!((d.m.ready_count(), d.m.in_flight_count()), (1, 3));
+        assert_eq!((d.m.ready_bytes(), d.m.in_flight_bytes()), (1, 3));
+        // Return 1: it comes back before 3.
+        assert_eq!(
+            d.run(Command::Return {
+                receipt: receipt(1, 1)
+            }),
+            Reply::Ok
+        );
+        assert_eq!(
+            d.run(Command::Return {
+                receipt: receipt(1, 1)
+            }),
+            Reply::Stale
+        );
+        assert_eq!(d.m.ready_ids(), vec![1, 3]);
+        assert_eq!(
+            d.run(Command::Get { no_ack: false }),
+            Reply::Delivered { count: 1 }
+        );
+        assert_eq!(d.delivered(), vec![(None, 1, 2, true)]);
+        // The first delivery's receipt is stale now; the second's settles.
+        assert_eq!(
+            d.run(Command::Settle {
+                receipt: receipt(1, 1)
+            }),
+            Reply::Stale
+        );
+        assert_eq!(d.m.holder(receipt(1, 2)), Some(None));
+        assert_eq!(
+            d.run(Command::Settle {
+                receipt: receipt(1, 2)
+            }),
+            Reply::Ok
+        );
+        // Settling consumer 1's message gives it credit back: it takes message 3.
+        assert_eq!(
+            d.run(Command::Settle {
+                receipt: receipt(0, 1)
+            }),
+            Reply::Ok
+        );
+        d.run(Command::Credit {
+            group: CreditGroup {
+                conn: 1,
+                channel: 2,
+            },
+            credit: Credit {
+                blocked: true,
+                limit: None,
+            },
+        });
+        assert_eq!(
+            d.run(Command::Checkout { max: 10 }),
+            Reply::Delivered { count: 1 }
+        );
+        assert_eq!(d.delivered(), vec![(Some(1), 3, 1, false)]);
+        match d.run(Command::Discard {
+            receipt: receipt(2, 1),
+        }) {
+            Reply::Ok => {}
             other => panic!("unexpected {other:?}"),
         }
         assert!(matches!(
-            m.apply(Command::Discard { msg_id: 0 }, 8),
-            Effect::DeadLetter { .. }
+            d.effects.pop(),
+            Some(Effect::DeadLetter {
+                msg_id: 2,
+                reason: DeadLetterReason::Rejected,
+                ..
+            })
         ));
-        assert_eq!(m.now_ms(), 8);
-        assert_eq!(m.apply(Command::Purge, 9), Effect::Dropped { count: 0 });
+        assert_eq!(d.run(Command::Purge), Reply::Purged { count: 0 });
+        assert_eq!(
+            d.run(Command::Cancel { id: ConsumerId(2) }),
+            Reply::Cancelled { consumers_left: 1 }
+        );
+        assert_eq!(d.run(Command::Cancel { id: ConsumerId(2) }), Reply::Stale);
+    }
+
+    #[test]
+    fn channel_credit_limits_deliveries_exactly() {
+        let mut d = Driver::new();
+        for s in ["a", "b", "c", "d", "e"] {
+            d.enqueue(s, 1, None);
+        }
+        let g = CreditGroup {
+            conn: 1,
+            channel: 1,
+        };
+        let limited = Command::Credit {
+            group: g,
+            credit: Credit {
+                blocked: false,
+                limit: Some(2),
+            },
+        };
+        // A channel with no consumer here: the queue does not keep its credit.
+        d.run(limited.clone());
+        assert_eq!(d.m.consumers().count(), 0);
+        assert_eq!(d.m.digest(), {
+            let mut fresh = Driver::new();
+            for s in ["a", "b", "c", "d", "e"] {
+                fresh.enqueue(s, 1, None);
+            }
+            fresh.run(Command::Tick);
+            fresh.m.digest()
+        });
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 0, false),
+        });
+        d.run(Command::Consume {
+            id: ConsumerId(2),
+            spec: spec(1, 0, false),
+        });
+        d.run(limited);
+        // Two consumers share the channel's limit of 2 within one checkout.
+        assert_eq!(
+            d.run(Command::Checkout { max: 10 }),
+            Reply::Delivered { count: 2 }
+        );
+        assert!(!d.m.has_work());
+        d.run(Command::Credit {
+            group: g,
+            credit: Credit {
+                blocked: false,
+                limit: Some(1),
+            },
+        });
+        assert_eq!(
+            d.run(Command::Checkout { max: 10 }),
+            Reply::Delivered { count: 1 }
+        );
+        // No-ack consumers ignore the limit but not a block.
+        d.run(Command::Consume {
+            id: ConsumerId(3),
+            spec: spec(1, 0, true),
+        });
+        assert_eq!(
+            d.run(Command::Checkout { max: 1 }),
+            Reply::Delivered { count: 1 }
+        );
+        d.run(Command::Credit {
+            group: g,
+            credit: Credit {
+                blocked: true,
+                limit: None,
+            },
+        });
+        assert_eq!(
+            d.run(Command::Checkout { max: 10 }),
+            Reply::Delivered { count: 0 }
+        );
+        d.run(Command::Credit {
+            group: g,
+            credit: Credit::default(),
+        });
+        assert_eq!(
+            d.run(Command::Checkout { max: 10 }),
+            Reply::Delivered { count: 1 }
+        );
+        assert_eq!(d.m.ready_count(), 0);
+    }
+
+    #[test]
+    fn expiry_follows_the_deadline_index() {
+        let mut d = Driver::new();
+        d.enqueue("a", 1, Some(100));
+        d.enqueue("b", 1, None);
+        d.enqueue("c", 1, Some(50));
+        assert_eq!(d.m.next_deadline(), Some(50));
+        d.now = 49;
+        d.run(Command::Tick);
+        assert!(d.effects.is_empty());
+        d.now = 60;
+        d.run(Command::Tick);
+        assert_eq!(d.m.ready_ids(), vec![0, 1]);
+        assert_eq!(d.m.next_deadline(), Some(100));
+        // A delivered message does not expire; back in the queue, it does.
+        d.run(Command::Get { no_ack: false });
+        d.effects.clear();
+        d.now = 200;
+        d.run(Command::Tick);
+        assert!(d.effects.is_empty());
+        d.run(Command::Return {
+            receipt: receipt(0, 1),
+        });
+        assert_eq!(d.m.next_deadline(), Some(100));
+        d.run(Command::Tick);
+        assert_eq!(d.effects.len(), 1);
+        assert_eq!(d.m.ready_ids(), vec![1]);
+        assert_eq!(d.m.next_deadline(), None);
+        // Time never goes backwards.
+        d.now = 10;
+        d.run(Command::Tick);
+        assert_eq!(d.m.now_ms(), 200);
+    }
+
+    #[test]
+    fn exclusive_consumers() {
+        let mut d = Driver::new();
+        let mut ex = spec(1, 0, false);
+        ex.exclusive = true;
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 0, false),
+        });
+        assert_eq!(
+            d.run(Command::Consume {
+                id: ConsumerId(2),
+                spec: ex.clone()
+            }),
+            Reply::Refused(Refusal::ExclusiveInUse)
+        );
+        d.run(Command::Cancel { id: ConsumerId(1) });
+        assert_eq!(
+            d.run(Command::Consume {
+                id: ConsumerId(2),
+                spec: ex
+            }),
+            Reply::Ok
+        );
+        assert_eq!(d.m.exclusive_consumer(), Some(ConsumerId(2)));
+        assert_eq!(
+            d.run(Command::Consume {
+                id: ConsumerId(3),
+                spec: spec(1, 0, false)
+            }),
+            Reply::Refused(Refusal::ExclusiveInUse)
+        );
+        assert!(d.m.has_had_consumers());
+    }
+
+    #[test]
+    fn same_commands_same_digest() {
+        let script = |d: &mut Driver| {
+            d.enqueue("a", 1, None);
+            d.run(Command::Consume {
+                id: ConsumerId(1),
+                spec: spec(1, 0, false),
+            });
+            d.run(Command::Checkout { max: 5 });
+            d.run(Command::Return {
+                receipt: receipt(0, 1),
+            });
+        };
+        let (mut a, mut b) = (Driver::new(), Driver::new());
+        script(&mut a);
+        script(&mut b);
+        assert_eq!(a.m.digest(), b.m.digest());
+        b.run(Command::Checkout { max: 5 });
+        assert_ne!(a.m.digest(), b.m.digest());
     }
 }

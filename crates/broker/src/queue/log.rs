@@ -1,0 +1,440 @@
+//! The queue command log: every command applied to a queue machine, as plain bytes, and the
+//! replay that checks a log rebuilds the same machines.
+//!
+//! The broker records `(queue, meta, command)` with a digest of the reply and effects and,
+//! after every command while the queue holds few messages and every [`STATE_DIGEST_EVERY`]
+//! commands otherwise, a digest of the whole machine. [`replay`] applies the commands to fresh machines and compares both digests at
+//! every record: any divergence (a command missing from the log, a decision taken outside the
+//! machine, an order that depends on hashing) shows up as a mismatch.
+//!
+//! A record is `u32` length (big-endian) + body; a log cut short by a crash ends with a partial
+//! record, which [`replay`] reports and ignores.
+
+use std::collections::BTreeMap;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use warren_codec::{FieldTable, ShortStr};
+
+use super::machine::{
+    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, Meta, MsgMeta,
+    QueueMachine, Receipt,
+};
+use crate::Message;
+
+/// How often (in commands per queue) a record carries the digest of the whole machine.
+pub const STATE_DIGEST_EVERY: u64 = 16;
+
+/// One applied command.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Record {
+    pub queue: u64,
+    pub meta: Meta,
+    pub command: Command<Message>,
+    /// [`effects_digest`] of the reply and effects the command gave.
+    pub effects: u64,
+    /// [`QueueMachine::digest`] after the command, on some records.
+    pub state: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LogError {
+    #[error("record {record}: {what}")]
+    Malformed { record: u64, what: String },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Log(#[from] LogError),
+    #[error("queue {queue}, index {index}: {what} differs on replay (recorded {recorded:#x}, replayed {replayed:#x})")]
+    Diverged {
+        queue: u64,
+        index: u64,
+        what: &'static str,
+        recorded: u64,
+        replayed: u64,
+    },
+    #[error("queue {queue}: index {index} follows {previous} (a command is missing from the log)")]
+    Gap {
+        queue: u64,
+        index: u64,
+        previous: u64,
+    },
+}
+
+/// What a replay checked.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReplaySummary {
+    pub records: u64,
+    pub queues: usize,
+    pub state_checks: u64,
+    /// The log ended inside a record (the writer was killed); the partial record was ignored.
+    pub truncated: bool,
+}
+
+// ---------------------------------------------------------------------- encoding
+
+const ENQUEUE: u8 = 1;
+const CONSUME: u8 = 2;
+const CANCEL: u8 = 3;
+const CREDIT: u8 = 4;
+const CHECKOUT: u8 = 5;
+const GET: u8 = 6;
+const SETTLE: u8 = 7;
+const RETURN: u8 = 8;
+const DISCARD: u8 = 9;
+const PURGE: u8 = 10;
+const TICK: u8 = 11;
+
+fn put_short(out: &mut BytesMut, s: &ShortStr) {
+    out.put_u8(s.len() as u8);
+    out.put_slice(s.as_bytes());
+}
+
+fn put_long(out: &mut BytesMut, b: &[u8]) {
+    out.put_u32(u32::try_from(b.len()).unwrap_or(u32::MAX));
+    out.put_slice(b);
+}
+
+fn put_opt_u64(out: &mut BytesMut, v: Option<u64>) {
+    match v {
+        Some(v) => {
+            out.put_u8(1);
+            out.put_u64(v);
+        }
+        None => out.put_u8(0),
+    }
+}
+
+fn put_receipt(out: &mut BytesMut, r: Receipt) {
+    out.put_u64(r.msg_id);
+    out.put_u32(r.attempt);
+}
+
+fn put_group(out: &mut BytesMut, g: CreditGroup) {
+    out.put_u64(g.conn);
+    out.put_u16(g.channel);
+}
+
+/// Appends one record to `out`.
+pub fn encode(record: &Record, out: &mut BytesMut) {
+    let start = out.len();
+    out.put_u32(0);
+    out.put_u64(record.queue);
+    out.put_u64(record.meta.index);
+    out.put_u64(record.meta.now_ms);
+    match &record.command {
+        Command::Enqueue { message, meta } => {
+            out.put_u8(ENQUEUE);
+            put_short(out, &message.exchange);
+            put_short(out, &message.routing_key);
+            put_long(out, &message.properties);
+            put_long(out, &message.body);
+            out.put_u8(u8::from(message.persistent));
+            out.put_u64(meta.size);
+            put_opt_u64(out, meta.expires_at);
+        }
+        Command::Consume { id, spec } => {
+            out.put_u8(CONSUME);
+            out.put_u64(id.0);
+            put_group(out, spec.group);
+            put_short(out, &spec.tag);
+            out.put_u8(u8::from(spec.no_ack) | u8::from(spec.exclusive) << 1);
+            out.put_u32(spec.prefetch);
+            out.put_i64(spec.priority);
+            spec.arguments.encode(out);
+        }
+        Command::Cancel { id } => {
+            out.put_u8(CANCEL);
+            out.put_u64(id.0);
+        }
+        Command::Credit { group, credit } => {
+            out.put_u8(CREDIT);
+            put_group(out, *group);
+            out.put_u8(u8::from(credit.blocked));
+            put_opt_u64(out, credit.limit.map(u64::from));
+        }
+        Command::Checkout { max } => {
+            out.put_u8(CHECKOUT);
+            out.put_u32(*max);
+        }
+        Command::Get { no_ack } => {
+            out.put_u8(GET);
+            out.put_u8(u8::from(*no_ack));
+        }
+        Command::Settle { receipt } => {
+            out.put_u8(SETTLE);
+            put_receipt(out, *receipt);
+        }
+        Command::Return { receipt } => {
+            out.put_u8(RETURN);
+            put_receipt(out, *receipt);
+        }
+        Command::Discard { receipt } => {
+            out.put_u8(DISCARD);
+            put_receipt(out, *receipt);
+        }
+        Command::Purge => out.put_u8(PURGE),
+        Command::Tick => out.put_u8(TICK),
+    }
+    out.put_u64(record.effects);
+    put_opt_u64(out, record.state);
+    let len = u32::try_from(out.len() - start - 4).unwrap_or(u32::MAX);
+    out[start..start + 4].copy_from_slice(&len.to_be_bytes());
+}
+
+/// Reads a record body; every length is checked against what is left.
+struct Reader {
+    buf: Bytes,
+    record: u64,
+}
+
+impl Reader {
+    fn fail(&self, what: impl Into<String>) -> LogError {
+        LogError::Malformed {
+            record: self.record,
+            what: what.into(),
+        }
+    }
+
+    fn need(&self, n: usize, what: &str) -> Result<(), LogError> {
+        if self.buf.remaining() < n {
+            return Err(self.fail(format!("{what} cut short")));
+        }
+        Ok(())
+    }
+
+    fn u8(&mut self, what: &str) -> Result<u8, LogError> {
+        self.need(1, what)?;
+        Ok(self.buf.get_u8())
+    }
+
+    fn u16(&mut self, what: &str) -> Result<u16, LogError> {
+        self.need(2, what)?;
+        Ok(self.buf.get_u16())
+    }
+
+    fn u32(&mut self, what: &str) -> Result<u32, LogError> {
+        self.need(4, what)?;
+        Ok(self.buf.get_u32())
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, LogError> {
+        self.need(8, what)?;
+        Ok(self.buf.get_u64())
+    }
+
+    fn opt_u64(&mut self, what: &str) -> Result<Option<u64>, LogError> {
+        match self.u8(what)? {
+            0 => Ok(None),
+            1 => Ok(Some(self.u64(what)?)),
+            t => Err(self.fail(format!("{what}: bad option tag {t}"))),
+        }
+    }
+
+    fn bytes(&mut self, n: usize, what: &str) -> Result<Bytes, LogError> {
+        self.need(n, what)?;
+        Ok(self.buf.split_to(n))
+    }
+
+    fn short(&mut self, what: &str) -> Result<ShortStr, LogError> {
+        let n = usize::from(self.u8(what)?);
+        let b = self.bytes(n, what)?;
+        ShortStr::try_from_bytes(b).map_err(|e| self.fail(format!("{what}: {e}")))
+    }
+
+    fn long(&mut self, what: &str) -> Result<Bytes, LogError> {
+        let n = self.u32(what)? as usize;
+        self.bytes(n, what)
+    }
+
+    fn receipt(&mut self) -> Result<Receipt, LogError> {
+        Ok(Receipt {
+            msg_id: self.u64("receipt")?,
+            attempt: self.u32("receipt")?,
+        })
+    }
+
+    fn group(&mut self) -> Result<CreditGroup, LogError> {
+        Ok(CreditGroup {
+            conn: self.u64("group")?,
+            channel: self.u16("group")?,
+        })
+    }
+
+    fn command(&mut self) -> Result<Command<Message>, LogError> {
+        Ok(match self.u8("command")? {
+            ENQUEUE => {
+                let message = Message {
+                    exchange: self.short("exchange")?,
+                    routing_key: self.short("routing key")?,
+                    properties: self.long("properties")?,
+                    body: self.long("body")?,
+                    persistent: self.u8("persistent")? != 0,
+                };
+                let meta = MsgMeta {
+                    size: self.u64("size")?,
+                    expires_at: self.opt_u64("expiry")?,
+                };
+                Command::Enqueue { message, meta }
+            }
+            CONSUME => {
+                let id = ConsumerId(self.u64("consumer")?);
+                let group = self.group()?;
+                let tag = self.short("tag")?;
+                let flags = self.u8("flags")?;
+                let prefetch = self.u32("prefetch")?;
+                self.need(8, "priority")?;
+                let priority = self.buf.get_i64();
+                let arguments =
+                    FieldTable::decode(&mut self.buf).map_err(|e| self.fail(e.to_string()))?;
+                Command::Consume {
+                    id,
+                    spec: ConsumerSpec {
+                        group,
+                        tag,
+                        no_ack: flags & 1 != 0,
+                        prefetch,
+                        exclusive: flags & 2 != 0,
+                        priority,
+                        arguments,
+                    },
+                }
+            }
+            CANCEL => Command::Cancel {
+                id: ConsumerId(self.u64("consumer")?),
+            },
+            CREDIT => {
+                let group = self.group()?;
+                let blocked = self.u8("credit")? != 0;
+                let limit = match self.opt_u64("credit")? {
+                    Some(n) => {
+                        Some(u32::try_from(n).map_err(|_| self.fail("credit limit too large"))?)
+                    }
+                    None => None,
+                };
+                Command::Credit {
+                    group,
+                    credit: Credit { blocked, limit },
+                }
+            }
+            CHECKOUT => Command::Checkout {
+                max: self.u32("max")?,
+            },
+            GET => Command::Get {
+                no_ack: self.u8("no_ack")? != 0,
+            },
+            SETTLE => Command::Settle {
+                receipt: self.receipt()?,
+            },
+            RETURN => Command::Return {
+                receipt: self.receipt()?,
+            },
+            DISCARD => Command::Discard {
+                receipt: self.receipt()?,
+            },
+            PURGE => Command::Purge,
+            TICK => Command::Tick,
+            t => return Err(self.fail(format!("unknown command {t}"))),
+        })
+    }
+}
+
+/// Decodes the records of a log. Returns them and whether the log ended inside a record.
+pub fn decode_all(mut data: Bytes) -> Result<(Vec<Record>, bool), LogError> {
+    let mut out = Vec::new();
+    let mut n = 0u64;
+    loop {
+        if data.is_empty() {
+            return Ok((out, false));
+        }
+        if data.len() < 4 {
+            return Ok((out, true));
+        }
+        let len = u32::from_be_bytes([data[0], data[1], data[2], data[3]]) as usize;
+        if data.len() - 4 < len {
+            return Ok((out, true));
+        }
+        data.advance(4);
+        let mut r = Reader {
+            buf: data.split_to(len),
+            record: n,
+        };
+        let queue = r.u64("queue")?;
+        let meta = Meta {
+            index: r.u64("index")?,
+            now_ms: r.u64("time")?,
+        };
+        let command = r.command()?;
+        let effects = r.u64("effects digest")?;
+        let state = r.opt_u64("state digest")?;
+        if r.buf.has_remaining() {
+            return Err(r.fail(format!("{} bytes after the record", r.buf.remaining())));
+        }
+        out.push(Record {
+            queue,
+            meta,
+            command,
+            effects,
+            state,
+        });
+        n += 1;
+    }
+}
+
+/// Applies a log to fresh machines and checks every recorded digest.
+pub fn replay(data: Bytes) -> Result<ReplaySummary, ReplayError> {
+    let (records, truncated) = decode_all(data)?;
+    replay_records(records, truncated).map(|(summary, _)| summary)
+}
+
+/// [`replay`] over decoded records; also returns the rebuilt machines by queue id.
+pub fn replay_records(
+    records: Vec<Record>,
+    truncated: bool,
+) -> Result<(ReplaySummary, BTreeMap<u64, QueueMachine<Message>>), ReplayError> {
+    let mut machines: BTreeMap<u64, QueueMachine<Message>> = BTreeMap::new();
+    let mut effects: Vec<Effect<Message>> = Vec::new();
+    let mut summary = ReplaySummary {
+        truncated,
+        ..ReplaySummary::default()
+    };
+    for r in records {
+        let m = machines.entry(r.queue).or_default();
+        if r.meta.index != m.last_index() + 1 {
+            return Err(ReplayError::Gap {
+                queue: r.queue,
+                index: r.meta.index,
+                previous: m.last_index(),
+            });
+        }
+        effects.clear();
+        let reply = m.apply(r.meta, r.command, &mut effects);
+        let got = effects_digest(&reply, &effects);
+        if got != r.effects {
+            return Err(ReplayError::Diverged {
+                queue: r.queue,
+                index: r.meta.index,
+                what: "reply and effects",
+                recorded: r.effects,
+                replayed: got,
+            });
+        }
+        if let Some(want) = r.state {
+            let got = m.digest();
+            summary.state_checks += 1;
+            if got != want {
+                return Err(ReplayError::Diverged {
+                    queue: r.queue,
+                    index: r.meta.index,
+                    what: "state",
+                    recorded: want,
+                    replayed: got,
+                });
+            }
+        }
+        summary.records += 1;
+    }
+    summary.queues = machines.len();
+    Ok((summary, machines))
+}
