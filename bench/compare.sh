@@ -116,8 +116,13 @@ if ! command -v rabbitmq-server >/dev/null 2>&1; then
 fi
 start_rabbit() {
   # RabbitMQ sizes its socket limit from the file-descriptor limit it starts with; 1024 would
-  # stop scenario 7 at about 830 connections.
-  $SUDO bash -c 'ulimit -n 65536 2>/dev/null || true; rabbitmq-server -detached'
+  # stop scenario 7 at about 830 connections. Debian's rabbitmq-server switches to the rabbitmq
+  # user with su, whose pam_limits resets the limit to limits.conf's: raise it there too.
+  if [ -d /etc/security/limits.d ] && [ ! -e /etc/security/limits.d/rabbitmq.conf ]; then
+    printf 'rabbitmq soft nofile 20000\nrabbitmq hard nofile 20000\n' |
+      $SUDO tee /etc/security/limits.d/rabbitmq.conf >/dev/null || true
+  fi
+  $SUDO bash -c 'ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true; rabbitmq-server -detached'
   sleep 2
   rabbitmqctl -q await_startup >/dev/null 2>&1 || { sleep 5; rabbitmqctl -q await_startup; }
 }
