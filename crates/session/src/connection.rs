@@ -60,7 +60,9 @@ pub(crate) struct Connection {
     pub last_recv: u64,
     pub last_send: u64,
     pub close_deadline: u64,
-    pub channels: BTreeMap<u16, Channel>,
+    /// Boxed: a B-tree node holds eleven values inline, and a channel is a few hundred bytes,
+    /// so unboxed channels would cost an idle one-channel connection kilobytes.
+    pub channels: BTreeMap<u16, Box<Channel>>,
     pub caps: ClientCaps,
     pub out: BytesMut,
     /// The socket is backed up: no deliveries until the driver says it drained.

@@ -300,7 +300,7 @@ impl Node {
                             0,
                         ));
                     }
-                    channels.insert(id, Channel::new(id));
+                    channels.insert(id, Box::new(Channel::new(id)));
                     send(out, id, ChannelOpenOk::default());
                     Next::Nothing
                 }
