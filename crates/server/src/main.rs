@@ -87,9 +87,26 @@ fn replay_commands(path: &std::path::Path) -> ExitCode {
 async fn run(config: Config) -> std::io::Result<()> {
     let addr = (config.bind, config.port);
     let listener = TcpListener::bind(addr).await.map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::AddrInUse => format!(
+                " (another program, a RabbitMQ perhaps, is listening there: pick another port with \
+                 --port N or WARREN_PORT=N; through cargo: cargo run --release -- --port {})",
+                config.port.saturating_add(1)
+            ),
+            std::io::ErrorKind::PermissionDenied => {
+                " (ports below 1024 need privileges: choose another with --port N)".to_string()
+            }
+            std::io::ErrorKind::AddrNotAvailable => {
+                " (no interface has that address: choose another with --bind ADDR)".to_string()
+            }
+            _ => String::new(),
+        };
         std::io::Error::new(
             e.kind(),
-            format!("cannot listen on {}:{}: {e}", config.bind, config.port),
+            format!(
+                "cannot listen on {}:{}: {e}{hint}",
+                config.bind, config.port
+            ),
         )
     })?;
     tracing::info!(address = %listener.local_addr()?, "warren listening for AMQP 0-9-1 clients");

@@ -270,6 +270,13 @@ impl Connection {
                 self.vhost = o.virtual_host.to_string();
                 send(&mut self.out, 0, ConnectionOpenOk::default());
                 self.state = State::Open;
+                tracing::info!(
+                    conn = self.id,
+                    peer = ?self.peer,
+                    user = %self.user,
+                    vhost = %self.vhost,
+                    "connection opened"
+                );
                 Next::Nothing
             }
             (State::Open, Method::ConnectionUpdateSecret(_)) => {

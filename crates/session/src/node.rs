@@ -98,8 +98,22 @@ impl Node {
         self.forget(conn);
     }
 
+    /// Logs the end of a connection that completed its handshake (as RabbitMQ logs
+    /// "closing AMQP connection").
+    fn log_closed(c: &Connection, how: &str) {
+        if !c.user.is_empty() && !c.vhost.is_empty() {
+            tracing::info!(conn = c.id, peer = ?c.peer, user = %c.user, vhost = %c.vhost, how, "connection closed");
+        }
+    }
+
     fn forget(&mut self, conn: ConnId) {
         if let Some(c) = self.conns.remove(&conn) {
+            let how = if c.close_socket {
+                "closed"
+            } else {
+                "socket lost"
+            };
+            Self::log_closed(&c, how);
             if let Some(at) = c.timer {
                 self.timers.remove(&(at, conn));
             }
