@@ -1,8 +1,9 @@
 //! Channels: open/close handshakes in both directions, channel.flow, the discard rule after a server-sent
 //! channel.close, isolation between channels.
 
+use warren_conformance::raw::frame::AMQPFrame;
 use warren_conformance::raw::protocol::{channel, queue, AMQPClass};
-use warren_conformance::raw::{m, QueueFlags};
+use warren_conformance::raw::{encode, m, AMQPProperties, QueueFlags};
 use warren_conformance::{assert_amqp_error, unique, TestBroker, QUIET};
 
 use lapin::options::QueueDeclareOptions;
@@ -267,4 +268,48 @@ async fn lapin_channel_error_closes_only_that_channel() {
     )
     .await
     .unwrap();
+}
+
+/// amqp091-go's Publish to a missing exchange followed at once by Channel.Close: the client's close
+/// crosses the broker's 404 close. The broker answers the client's close, ends the channel when the
+/// client's close-ok for its own close arrives, and leaves every other channel working (RabbitMQ
+/// does the same).
+#[tokio::test]
+async fn crossing_channel_closes_leave_other_channels_working() {
+    let broker = TestBroker::start();
+    let mut raw = broker.raw().await;
+    raw.channel_open(1).await;
+    raw.channel_open(2).await;
+    let mut both = raw.encode_publish(
+        1,
+        &unique("missing-x"),
+        "k",
+        false,
+        AMQPProperties::default(),
+        b"",
+    );
+    // The publish and the close go out in one write, before the broker's close can be read.
+    both.extend_from_slice(&encode(&AMQPFrame::Method(1, m::channel_close())));
+    raw.send_bytes(&both).await;
+    let mut got = Vec::new();
+    for _ in 0..2 {
+        got.push(raw.recv_method().await);
+    }
+    match &got[0] {
+        (1, AMQPClass::Channel(channel::AMQPMethod::Close(c))) => assert_eq!(c.reply_code, 404),
+        other => panic!("expected the broker's channel.close 404, got {other:?}"),
+    }
+    assert!(
+        matches!(
+            got[1],
+            (1, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)))
+        ),
+        "{got:?}"
+    );
+    raw.send(1, m::channel_close_ok()).await;
+    raw.call(2, m::exchange_declare(&unique("x"), "direct", false, false))
+        .await;
+    raw.channel_open(1).await;
+    raw.declare_queue(1, &unique("after-crossing")).await;
+    raw.close().await;
 }

@@ -182,6 +182,8 @@ pub(crate) struct Channel {
     pub id: u16,
     /// The server sent channel.close and waits for close-ok: everything else on the channel is dropped.
     pub closing: bool,
+    /// While closing: the client's own channel.close crossed ours (and was answered).
+    pub peer_closed: bool,
     content: Content,
     confirm: bool,
     publish_seq: u64,
@@ -215,6 +217,7 @@ impl Channel {
         Channel {
             id,
             closing: false,
+            peer_closed: false,
             content: Content::Idle,
             confirm: false,
             publish_seq: 0,

@@ -337,12 +337,25 @@ impl Node {
                 } => {
                     channels.remove(&id);
                 }
+                // The client's close crossed ours. As RabbitMQ does: answer it, and keep the
+                // channel closing until the client's close-ok for our close arrives (a client
+                // sends one; removing the channel now would make that close-ok a frame on an
+                // unopened channel, a connection error). A repeated close is not answered twice.
                 Frame::Method {
                     method: Method::ChannelClose(_),
                     ..
-                } => {
+                } if !ch.peer_closed => {
+                    ch.peer_closed = true;
                     send(out, id, ChannelCloseOk {});
-                    channels.remove(&id);
+                }
+                Frame::Method {
+                    method: Method::ChannelOpen(_),
+                    ..
+                } if ch.peer_closed => {
+                    // A client that took our close as the close-ok of its own (the specification's
+                    // rule for crossing closes) may open the channel number again at once.
+                    **ch = Channel::new(id);
+                    send(out, id, ChannelOpenOk::default());
                 }
                 _ => {}
             }

@@ -551,6 +551,96 @@ fn after_channel_close_only_close_ok_is_read() {
     c.channel(1);
 }
 
+/// Publishes to a missing exchange on channel 1 and sends the client's own channel.close before
+/// reading the broker's (as amqp091-go's Publish then Close does): the two closes cross. Returns the
+/// methods the broker sent.
+fn cross_closes(c: &mut Client) -> Vec<Method> {
+    c.channel(1);
+    c.channel(2);
+    let publish = BasicPublish {
+        exchange: ShortStr::from("missing"),
+        routing_key: ShortStr::from("k"),
+        ..Default::default()
+    };
+    c.publish_header(1, publish, 0, BasicProperties::default().encode());
+    c.send(
+        1,
+        ChannelClose {
+            reply_code: 200,
+            reply_text: ShortStr::from("bye"),
+            class_id: 0,
+            method_id: 0,
+        },
+    );
+    let methods: Vec<Method> = c
+        .frames()
+        .into_iter()
+        .filter_map(|f| match f {
+            Frame::Method { method, .. } => Some(method),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(methods.len(), 2, "{methods:?}");
+    expect_channel_close(
+        methods[0].clone(),
+        404,
+        "NOT_FOUND - no exchange 'missing' in vhost '/'",
+        60,
+        40,
+    );
+    assert!(
+        matches!(methods[1], Method::ChannelCloseOk(_)),
+        "{methods:?}"
+    );
+    methods
+}
+
+fn declare_exchange_works(c: &mut Client, channel: u16, name: &str) {
+    c.send(
+        channel,
+        ExchangeDeclare {
+            exchange: ShortStr::from_string(name.to_string()),
+            kind: ShortStr::from("direct"),
+            ..Default::default()
+        },
+    );
+    assert!(matches!(c.recv_method(), Method::ExchangeDeclareOk(_)));
+}
+
+#[test]
+fn crossing_channel_closes_leave_the_connection_alone() {
+    let mut c = Client::open();
+    cross_closes(&mut c);
+    // The client answers the broker's close, as clients do; that ends the channel quietly.
+    c.send(1, ChannelCloseOk {});
+    assert!(c.frames().is_empty());
+    // Channel 2 still works, and channel 1 opens again.
+    declare_exchange_works(&mut c, 2, "x");
+    c.channel(1);
+    declare_exchange_works(&mut c, 1, "x1");
+}
+
+#[test]
+fn a_client_that_takes_a_crossing_close_as_its_close_ok_can_reopen_the_channel() {
+    let mut c = Client::open();
+    cross_closes(&mut c);
+    // A second close from the client is not answered twice.
+    c.send(
+        1,
+        ChannelClose {
+            reply_code: 200,
+            reply_text: ShortStr::from("bye"),
+            class_id: 0,
+            method_id: 0,
+        },
+    );
+    assert!(c.frames().is_empty());
+    // No close-ok from this client: it opens channel 1 again straight away.
+    c.channel(1);
+    declare_exchange_works(&mut c, 1, "y");
+    declare_exchange_works(&mut c, 2, "z");
+}
+
 #[test]
 fn confirms_are_coalesced_into_one_multiple_ack() {
     let mut c = Client::open();
