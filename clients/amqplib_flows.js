@@ -243,6 +243,27 @@ flow('server cancels a consumer when its queue is deleted', async () => {
   await ch.close();
 });
 
+flow('closing with publishes still buffered completes the close handshake', async () => {
+  // A new user's first try: publish until the client's buffer is full, then close at once. amqplib
+  // sends connection.close ahead of the publishes still in its buffer; the broker must read past
+  // its close-ok until the client closes, or the client sees a reset (EPIPE) instead of a close.
+  const other = await amqp.connect(url);
+  const errors = [];
+  other.on('error', (err) => errors.push(err));
+  const ch = await other.createChannel();
+  ch.on('error', (err) => errors.push(err));
+  const q = unique('flood');
+  await ch.assertQueue(q, { autoDelete: false });
+  const body = Buffer.alloc(1024, 7);
+  let sent = 0;
+  while (ch.sendToQueue(q, body) && sent < 200000) sent += 1;
+  await withTimeout(other.close(), 'connection.close with publishes still buffered');
+  assert.deepEqual(errors.map(String), []);
+  const admin = await conn.createChannel();
+  await admin.deleteQueue(q);
+  await admin.close();
+});
+
 flow('close the connection', async () => {
   await conn.close();
 });

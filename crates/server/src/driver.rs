@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -23,7 +23,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Notify};
-use tokio::task::AbortHandle;
+use tokio::task::JoinHandle;
 use warren_broker::ConnId;
 use warren_codec::{decode_protocol_header, FrameDecoder, PROTOCOL_HEADER};
 use warren_session::{Node, Transmit};
@@ -33,6 +33,9 @@ const MIN_READ: usize = 4 * 1024;
 const MAX_READ: usize = 128 * 1024;
 /// How long a shutdown waits for clients to answer connection.close.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+/// After the broker's last frame (a close-ok or a close), how long the socket is still read (and
+/// what arrives discarded) while waiting for the client to close it.
+const CLOSE_DRAIN: Duration = Duration::from_secs(5);
 /// Dispatch passes made under one lock before other tasks get a turn.
 const DISPATCH_PASSES: usize = 4;
 
@@ -344,8 +347,15 @@ async fn connection(
         );
         core.node.connection_opened(conn, Some(peer), now);
     });
-    let reader = tokio::spawn(read_loop(rd, conn, shared.clone(), frame_max));
-    write_loop(wr, rx, conn, shared, reader.abort_handle(), pending).await;
+    let draining = Arc::new(AtomicBool::new(false));
+    let reader = tokio::spawn(read_loop(
+        rd,
+        conn,
+        shared.clone(),
+        frame_max,
+        draining.clone(),
+    ));
+    write_loop(wr, rx, conn, shared, reader, draining, pending).await;
 }
 
 /// Reads until the 8-byte protocol header is known good (true) or bad (false); a bad prefix is refused
@@ -373,6 +383,7 @@ async fn read_loop(
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: Arc<AtomicU32>,
+    draining: Arc<AtomicBool>,
 ) {
     let mut decoder = FrameDecoder::new(frame_max.load(Ordering::Relaxed));
     let mut buf = BytesMut::new();
@@ -391,6 +402,11 @@ async fn read_loop(
             Ok(n) if n == spare => read_size = (read_size * 2).min(MAX_READ),
             Ok(n) if n < read_size / 8 => read_size = (read_size / 2).max(MIN_READ),
             Ok(_) => {}
+        }
+        if draining.load(Ordering::Acquire) {
+            // The connection is over: read only so that the client's close is not met with a reset.
+            buf.clear();
+            continue;
         }
         let fm = frame_max.load(Ordering::Relaxed);
         if fm != decoder.frame_max() {
@@ -447,7 +463,8 @@ async fn write_loop(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     conn: ConnId,
     shared: Arc<Shared>,
-    reader: AbortHandle,
+    mut reader: JoinHandle<()>,
+    draining: Arc<AtomicBool>,
     pending: Arc<AtomicUsize>,
 ) {
     let limit = shared.lock().backlog_limit;
@@ -471,10 +488,19 @@ async fn write_loop(
             break;
         }
     }
+    // Sends FIN once the last reference (ours) goes: the client sees the end of the stream.
     drop(socket);
     if ended_by_close {
-        // The node already let go of the connection; a client that keeps its socket open is not read.
-        reader.abort();
         shared.with_node(|node, _| node.connection_lost(conn));
+        // The client may still be sending (publishes it had buffered before its connection.close):
+        // closing a socket with unread bytes makes the kernel send a reset, and the client would
+        // lose the close-ok. Read and discard until it closes, for a bounded time.
+        draining.store(true, Ordering::Release);
+        if tokio::time::timeout(CLOSE_DRAIN, &mut reader)
+            .await
+            .is_err()
+        {
+            reader.abort();
+        }
     }
 }
