@@ -853,7 +853,9 @@ impl Broker {
     /// Handles what a command left in `self.effects` besides deliveries (the callers that can
     /// deliver take those first).
     fn finish_effects(&mut self, queue: QueueId) {
-        for effect in std::mem::take(&mut self.effects) {
+        // Drained from a moved-out buffer that is put back: the buffer keeps its capacity.
+        let mut effects = std::mem::take(&mut self.effects);
+        for effect in effects.drain(..) {
             match effect {
                 Effect::DeadLetter {
                     msg_id,
@@ -867,6 +869,7 @@ impl Broker {
                 }
             }
         }
+        self.effects = effects;
     }
 
     /// Starts or stops recording every command applied to every queue (a debug option: the

@@ -443,17 +443,14 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         // Consumers of the channel that can take messages again rejoin the round-robin, in id
         // order (deterministic).
-        let mut back = Vec::new();
-        for (id, c) in &self.consumers {
-            if c.spec.group == group && !c.in_service && self.may_take(c) {
-                back.push(*id);
-            }
-        }
-        for id in back {
-            if let Some(c) = self.consumers.get_mut(&id) {
-                c.in_service = true;
-            }
-            self.service.push_back(id);
+        let of_group: Vec<ConsumerId> = self
+            .consumers
+            .iter()
+            .filter(|(_, c)| c.spec.group == group)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in of_group {
+            self.rejoin(id);
         }
     }
 
@@ -575,29 +572,38 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// Removes the in-flight message the receipt names, if the receipt is current, and gives
     /// its consumer the credit back.
     fn take_in_flight(&mut self, receipt: Receipt) -> Option<Entry<M>> {
-        let current = self
-            .in_flight
-            .get(&receipt.msg_id)
-            .is_some_and(|f| f.entry.delivery_count == receipt.attempt);
-        if !current {
+        let std::collections::btree_map::Entry::Occupied(slot) =
+            self.in_flight.entry(receipt.msg_id)
+        else {
+            return None;
+        };
+        if slot.get().entry.delivery_count != receipt.attempt {
             return None;
         }
-        let f = self.in_flight.remove(&receipt.msg_id)?;
+        let f = slot.remove();
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
         if let Some(id) = f.consumer {
             if let Some(c) = self.consumers.get_mut(&id) {
                 c.held = c.held.saturating_sub(1);
             }
-            if let Some(c) = self.consumers.get(&id) {
-                if !c.in_service && self.may_take(c) {
-                    self.service.push_back(id);
-                    if let Some(c) = self.consumers.get_mut(&id) {
-                        c.in_service = true;
-                    }
-                }
-            }
+            self.rejoin(id);
         }
         Some(f.entry)
+    }
+
+    /// Puts a consumer back at the end of the round-robin line if it may take a message now and
+    /// is not already waiting there.
+    fn rejoin(&mut self, id: ConsumerId) {
+        let back = self
+            .consumers
+            .get(&id)
+            .is_some_and(|c| !c.in_service && self.may_take(c));
+        if back {
+            if let Some(c) = self.consumers.get_mut(&id) {
+                c.in_service = true;
+            }
+            self.service.push_back(id);
+        }
     }
 
     fn purge(&mut self) -> u32 {
@@ -833,6 +839,18 @@ mod tests {
             self.m.apply(meta, c, &mut self.effects)
         }
 
+        fn settle(&mut self, msg_id: u64, attempt: u32) -> Reply {
+            self.run(Command::Settle {
+                receipt: receipt(msg_id, attempt),
+            })
+        }
+
+        fn ret(&mut self, msg_id: u64, attempt: u32) -> Reply {
+            self.run(Command::Return {
+                receipt: receipt(msg_id, attempt),
+            })
+        }
+
         fn enqueue(&mut self, s: &'static str, size: u64, expires_at: Option<u64>) -> u64 {
             match self.run(Command::Enqueue {
                 message: s,
@@ -918,18 +936,8 @@ mod tests {
         assert_eq!((d.m.ready_count(), d.m.in_flight_count()), (1, 3));
         assert_eq!((d.m.ready_bytes(), d.m.in_flight_bytes()), (1, 3));
         // Return 1: it comes back before 3.
-        assert_eq!(
-            d.run(Command::Return {
-                receipt: receipt(1, 1)
-            }),
-            Reply::Ok
-        );
-        assert_eq!(
-            d.run(Command::Return {
-                receipt: receipt(1, 1)
-            }),
-            Reply::Stale
-        );
+        assert_eq!(d.ret(1, 1), Reply::Ok);
+        assert_eq!(d.ret(1, 1), Reply::Stale);
         assert_eq!(d.m.ready_ids(), vec![1, 3]);
         assert_eq!(
             d.run(Command::Get { no_ack: false }),
@@ -937,26 +945,11 @@ mod tests {
         );
         assert_eq!(d.delivered(), vec![(None, 1, 2, true)]);
         // The first delivery's receipt is stale now; the second's settles.
-        assert_eq!(
-            d.run(Command::Settle {
-                receipt: receipt(1, 1)
-            }),
-            Reply::Stale
-        );
+        assert_eq!(d.settle(1, 1), Reply::Stale);
         assert_eq!(d.m.holder(receipt(1, 2)), Some(None));
-        assert_eq!(
-            d.run(Command::Settle {
-                receipt: receipt(1, 2)
-            }),
-            Reply::Ok
-        );
+        assert_eq!(d.settle(1, 2), Reply::Ok);
         // Settling consumer 1's message gives it credit back: it takes message 3.
-        assert_eq!(
-            d.run(Command::Settle {
-                receipt: receipt(0, 1)
-            }),
-            Reply::Ok
-        );
+        assert_eq!(d.settle(0, 1), Reply::Ok);
         d.run(Command::Credit {
             group: CreditGroup {
                 conn: 1,

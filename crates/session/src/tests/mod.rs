@@ -563,15 +563,7 @@ fn cross_closes(c: &mut Client) -> Vec<Method> {
         ..Default::default()
     };
     c.publish_header(1, publish, 0, BasicProperties::default().encode());
-    c.send(
-        1,
-        ChannelClose {
-            reply_code: 200,
-            reply_text: ShortStr::from("bye"),
-            class_id: 0,
-            method_id: 0,
-        },
-    );
+    client_close(c, 1);
     let methods: Vec<Method> = c
         .frames()
         .into_iter()
@@ -593,6 +585,19 @@ fn cross_closes(c: &mut Client) -> Vec<Method> {
         "{methods:?}"
     );
     methods
+}
+
+/// The client's own channel.close (reply 200).
+fn client_close(c: &mut Client, channel: u16) {
+    c.send(
+        channel,
+        ChannelClose {
+            reply_code: 200,
+            reply_text: ShortStr::from("bye"),
+            class_id: 0,
+            method_id: 0,
+        },
+    );
 }
 
 fn declare_exchange_works(c: &mut Client, channel: u16, name: &str) {
@@ -625,15 +630,7 @@ fn a_client_that_takes_a_crossing_close_as_its_close_ok_can_reopen_the_channel()
     let mut c = Client::open();
     cross_closes(&mut c);
     // A second close from the client is not answered twice.
-    c.send(
-        1,
-        ChannelClose {
-            reply_code: 200,
-            reply_text: ShortStr::from("bye"),
-            class_id: 0,
-            method_id: 0,
-        },
-    );
+    client_close(&mut c, 1);
     assert!(c.frames().is_empty());
     // No close-ok from this client: it opens channel 1 again straight away.
     c.channel(1);
