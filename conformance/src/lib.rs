@@ -41,6 +41,11 @@ pub struct TestBroker {
     output: Arc<Mutex<Vec<u8>>>,
     /// The command log the spawned broker writes, replayed on drop.
     command_log: Option<PathBuf>,
+    /// The spawned broker's data directory (a fresh one per test unless the test gives
+    /// `--data-dir`), removed on drop when the harness made it.
+    data_dir: Option<PathBuf>,
+    owns_data_dir: bool,
+    extra_args: Vec<String>,
 }
 
 impl TestBroker {
@@ -61,15 +66,29 @@ impl TestBroker {
                 child: None,
                 output: Arc::new(Mutex::new(Vec::new())),
                 command_log: None,
+                data_dir: None,
+                owns_data_dir: false,
+                extra_args: Vec::new(),
             };
         }
         let bin = warren_binary();
+        let given_dir = extra_args.contains(&"--data-dir");
+        let data_dir = (!given_dir).then(|| {
+            std::env::temp_dir().join(format!(
+                "warren-test-data-{}-{}",
+                std::process::id(),
+                LOG_COUNTER.fetch_add(1, Ordering::Relaxed)
+            ))
+        });
         // A port can be taken between our check and warren's bind (by another test process on the machine):
         // warren then exits at once, and we try another port.
         let mut last_output = String::new();
         for _attempt in 0..5 {
             let port = free_port();
-            let mut broker = Self::spawn(&bin, port, extra_args);
+            if let Some(d) = &data_dir {
+                let _ = std::fs::remove_dir_all(d);
+            }
+            let mut broker = Self::spawn(&bin, port, extra_args, data_dir.as_deref());
             match broker.wait_until_listening() {
                 Ok(()) => return broker,
                 Err(output) => last_output = output,
@@ -80,8 +99,16 @@ impl TestBroker {
         );
     }
 
-    fn spawn(bin: &std::path::Path, port: u16, extra_args: &[&str]) -> TestBroker {
+    fn spawn(
+        bin: &std::path::Path,
+        port: u16,
+        extra_args: &[&str],
+        data_dir: Option<&std::path::Path>,
+    ) -> TestBroker {
         let mut cmd = Command::new(bin);
+        if let Some(d) = data_dir {
+            cmd.arg("--data-dir").arg(d);
+        }
         let command_log = recording().then(|| {
             std::env::temp_dir().join(format!(
                 "warren-commands-{}-{port}-{}.log",
@@ -137,7 +164,49 @@ impl TestBroker {
             child: Some(child),
             output,
             command_log,
+            data_dir: data_dir.map(|d| d.to_path_buf()),
+            owns_data_dir: data_dir.is_some(),
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
         }
+    }
+
+    /// Stops the spawned broker (SIGKILL if `kill`, else SIGTERM and a wait for its exit),
+    /// checks its command log, and starts it again on the same port and data directory.
+    pub fn restart(&mut self, kill: bool) {
+        let mut child = self.child.take().expect("restart needs a spawned broker");
+        if kill {
+            let _ = child.kill();
+        } else {
+            unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        }
+        let _ = child.wait();
+        self.check_command_log();
+        let port = self.addr.port();
+        let args: Vec<&str> = self.extra_args.iter().map(String::as_str).collect();
+        let bin = warren_binary();
+        let mut last_output = String::new();
+        for _attempt in 0..5 {
+            let mut next = Self::spawn(&bin, port, &args, self.data_dir.as_deref());
+            next.owns_data_dir = std::mem::take(&mut self.owns_data_dir);
+            match next.wait_until_listening() {
+                Ok(()) => {
+                    // The old value's drop has nothing left to do (no child, no log, no dir).
+                    *self = next;
+                    return;
+                }
+                Err(output) => {
+                    self.owns_data_dir = std::mem::take(&mut next.owns_data_dir);
+                    last_output = output;
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        panic!("warren did not restart on port {port}; its last output:\n{last_output}");
+    }
+
+    /// The spawned broker's data directory.
+    pub fn data_dir(&self) -> Option<&std::path::Path> {
+        self.data_dir.as_deref()
     }
 
     /// Replays the spawned broker's command log (after it exited): every recorded digest of every
@@ -267,6 +336,11 @@ impl Drop for TestBroker {
             let _ = child.kill();
             let _ = child.wait();
             self.check_command_log();
+            if self.owns_data_dir {
+                if let Some(d) = &self.data_dir {
+                    let _ = std::fs::remove_dir_all(d);
+                }
+            }
             if std::thread::panicking() {
                 // Let the pipe readers drain what is left.
                 std::thread::sleep(Duration::from_millis(50));

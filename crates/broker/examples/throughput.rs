@@ -61,6 +61,7 @@ fn main() -> Result<(), warren_codec::AmqpError> {
         properties: Bytes::from_static(&[0, 0]),
         body: Bytes::from(vec![0u8; 100]),
         persistent: false,
+        store_key: None,
     };
     let keys: Vec<String> = (0..100).map(|i| format!("a.{i}.x.y")).collect();
     let n = 1_000_000u64;

@@ -8,6 +8,9 @@ use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
+use crate::persist::{
+    BindingDef, BindingDest, ExchangeDef, Persist, QueueDef, StoreKeys, StoreOp, WriteBatch,
+};
 use crate::queue::args::{self, QueueType};
 use crate::queue::log::{Record, STATE_DIGEST_EVERY};
 use crate::queue::machine::{
@@ -82,6 +85,9 @@ pub struct Broker {
     effects: Vec<Effect<Message>>,
     /// Every applied command, while recording is on (a debug option: see `queue::log`).
     recording: Option<Vec<Record>>,
+    /// The write buffer for the store, with persistence on (set aside while recovery rebuilds
+    /// what the store already holds).
+    persist: Option<Persist>,
 }
 
 /// RabbitMQ strips CR and LF from queue and exchange names.
@@ -143,14 +149,110 @@ fn mark_dirty(dirty: &mut VecDeque<QueueId>, q: &mut Queue) {
     }
 }
 
+/// The store's name for a binding's destination, if the binding is durable (both ends are).
+fn durable_dest(
+    vh: &VHost,
+    queues: &HashMap<QueueId, Queue>,
+    source_durable: bool,
+    dest: &Dest,
+) -> Option<BindingDest> {
+    if !source_durable {
+        return None;
+    }
+    match dest {
+        Dest::Queue(id) => queues
+            .get(id)
+            .filter(|q| q.store_key.is_some())
+            .map(|q| BindingDest::Queue(q.name.clone())),
+        Dest::Exchange(name) => vh
+            .exchanges
+            .get(name)
+            .filter(|x| x.durable)
+            .map(|x| BindingDest::Exchange(x.name.clone())),
+    }
+}
+
+fn binding_def(
+    vhost: &str,
+    source: &ShortStr,
+    dest: BindingDest,
+    key: &ShortStr,
+    args: &FieldTable,
+) -> BindingDef {
+    BindingDef {
+        vhost: vhost.to_owned(),
+        source: source.clone(),
+        dest,
+        routing_key: key.clone(),
+        arguments: args.clone(),
+    }
+}
+
+/// Writes a binding change if the binding is durable.
+#[allow(clippy::too_many_arguments)]
+fn persist_binding(
+    persist: Option<&mut Persist>,
+    vhost: &str,
+    vh: &VHost,
+    queues: &HashMap<QueueId, Queue>,
+    source: &ShortStr,
+    dest: &Dest,
+    key: &ShortStr,
+    args: &FieldTable,
+    present: bool,
+) {
+    let Some(p) = persist else { return };
+    let source_durable = vh.exchanges.get(source).is_some_and(|x| x.durable);
+    if let Some(d) = durable_dest(vh, queues, source_durable, dest) {
+        let def = binding_def(vhost, source, d, key, args);
+        if present {
+            p.push(StoreOp::PutBinding(def), true);
+        } else {
+            p.push(StoreOp::DeleteBinding(def), false);
+        }
+    }
+}
+
 /// Removes an exchange and every binding it takes part in; source exchanges left without
 /// bindings that are auto-delete go too (a worklist, so chains cannot recurse deeply).
-fn remove_exchange(vh: &mut VHost, queues: &mut HashMap<QueueId, Queue>, name: &str) {
+fn remove_exchange(
+    vhost: &str,
+    vh: &mut VHost,
+    queues: &mut HashMap<QueueId, Queue>,
+    mut persist: Option<&mut Persist>,
+    name: &str,
+) {
     let mut work: Vec<ShortStr> = vec![short(name)];
     while let Some(name) = work.pop() {
         let Some(x) = vh.exchanges.remove(&name) else {
             continue;
         };
+        if let Some(p) = persist.as_deref_mut().filter(|_| x.durable) {
+            for (dest, key, args) in x.bindings() {
+                if let Some(d) = durable_dest(vh, queues, true, dest) {
+                    p.push(
+                        StoreOp::DeleteBinding(binding_def(vhost, &name, d, key, args)),
+                        false,
+                    );
+                }
+            }
+            for (src, key, args) in &x.incoming {
+                if vh.exchanges.get(src).is_some_and(|s| s.durable) {
+                    let d = BindingDest::Exchange(name.clone());
+                    p.push(
+                        StoreOp::DeleteBinding(binding_def(vhost, src, d, key, args)),
+                        false,
+                    );
+                }
+            }
+            p.push(
+                StoreOp::DeleteExchange {
+                    vhost: vhost.to_owned(),
+                    name: name.clone(),
+                },
+                true,
+            );
+        }
         for (dest, key, args) in x.bindings() {
             match dest {
                 Dest::Queue(id) => {
@@ -193,13 +295,19 @@ fn remove_one(
 }
 
 /// Deletes `source` if it is auto-delete and has no bindings left.
-fn maybe_auto_delete(vh: &mut VHost, queues: &mut HashMap<QueueId, Queue>, source: &str) {
+fn maybe_auto_delete(
+    vhost: &str,
+    vh: &mut VHost,
+    queues: &mut HashMap<QueueId, Queue>,
+    persist: Option<&mut Persist>,
+    source: &str,
+) {
     if vh
         .exchanges
         .get(source)
         .is_some_and(|x| x.auto_delete && x.binding_count() == 0)
     {
-        remove_exchange(vh, queues, source);
+        remove_exchange(vhost, vh, queues, persist, source);
     }
 }
 
@@ -221,7 +329,11 @@ impl Broker {
             deadlines: BTreeSet::new(),
             effects: Vec::new(),
             recording: None,
+            persist: None,
         };
+        if b.config.persistence {
+            b.persist = Some(Persist::new());
+        }
         let default = b.config.default_vhost.clone();
         b.add_vhost(&default);
         b
@@ -382,6 +494,24 @@ impl Broker {
 
         let id = QueueId(self.next_queue);
         self.next_queue += 1;
+        let store_key = match self.persist.as_mut() {
+            Some(p) if durable => {
+                let key = p.next_queue_key;
+                p.next_queue_key += 1;
+                p.push(
+                    StoreOp::PutQueue(QueueDef {
+                        vhost: vhost.to_owned(),
+                        name: name.clone(),
+                        key,
+                        auto_delete: req.auto_delete,
+                        arguments: req.arguments.detached(),
+                    }),
+                    true,
+                );
+                Some(key)
+            }
+            _ => None,
+        };
         let q = Queue {
             id,
             name: name.clone(),
@@ -395,6 +525,7 @@ impl Broker {
             bindings: Vec::new(),
             dirty: false,
             scheduled: None,
+            store_key,
         };
         let out = declared(&q);
         if let Some(vh) = self.vhosts.get_mut(vhost) {
@@ -440,6 +571,30 @@ impl Broker {
     /// bindings (and auto-delete exchanges left without bindings), its messages.
     fn remove_queue(&mut self, id: QueueId) -> Option<QueueDeleted> {
         let q = self.queues.remove(&id)?;
+        if let (Some(p), Some(key)) = (self.persist.as_mut(), q.store_key) {
+            if let Some(vh) = self.vhosts.get(&q.vhost) {
+                for (x, rk, args) in &q.bindings {
+                    if vh.exchanges.get(x).is_some_and(|x| x.durable) {
+                        let d = BindingDest::Queue(q.name.clone());
+                        let def = binding_def(&q.vhost, x, d, rk, args);
+                        p.push(StoreOp::DeleteBinding(def), false);
+                    }
+                }
+            }
+            p.push(
+                StoreOp::DeleteQueue {
+                    vhost: q.vhost.clone(),
+                    name: q.name.clone(),
+                    key,
+                },
+                true,
+            );
+            for (_, m, _) in q.machine.messages() {
+                if let Some(body) = m.store_key {
+                    p.release_body(body);
+                }
+            }
+        }
         if let Some(vh) = self.vhosts.get_mut(&q.vhost) {
             if vh.queues.get(&q.name) == Some(&id) {
                 vh.queues.remove(&q.name);
@@ -449,7 +604,7 @@ impl Broker {
                 if let Some(ex) = vh.exchanges.get_mut(x) {
                     ex.unbind(&dest, key, args);
                 }
-                maybe_auto_delete(vh, &mut self.queues, x);
+                maybe_auto_delete(&q.vhost, vh, &mut self.queues, self.persist.as_mut(), x);
             }
         }
         if let Some(owner) = q.owner {
@@ -484,6 +639,14 @@ impl Broker {
         let q = self.queue_by_name(vhost, &name)?;
         check_access(q, conn)?;
         let id = q.id;
+        let stored = self.queues.get(&id).and_then(|q| Some((q.store_key?, q)));
+        if let (Some(p), Some((key, q))) = (self.persist.as_mut(), stored) {
+            for (msg_id, m, count) in q.machine.ready_messages() {
+                if let Some(body) = m.store_key {
+                    p.forget(key, msg_id, body, count > 0);
+                }
+            }
+        }
         match self.run(id, Command::Purge) {
             Some(Reply::Purged { count }) => Ok(count),
             _ => Ok(0),
@@ -540,6 +703,19 @@ impl Broker {
                     }
                 }
                 let name = short(&name);
+                if let Some(p) = self.persist.as_mut().filter(|_| durable) {
+                    p.push(
+                        StoreOp::PutExchange(ExchangeDef {
+                            vhost: vhost.to_owned(),
+                            name: name.clone(),
+                            kind,
+                            auto_delete,
+                            internal,
+                            arguments: arguments.detached(),
+                        }),
+                        true,
+                    );
+                }
                 vh.exchanges.insert(
                     name.clone(),
                     Exchange::new(
@@ -595,7 +771,7 @@ impl Broker {
                 rs("exchange", &name, vhost)
             )));
         }
-        remove_exchange(vh, &mut self.queues, &name);
+        remove_exchange(vhost, vh, &mut self.queues, self.persist.as_mut(), &name);
         Ok(())
     }
 
@@ -633,7 +809,16 @@ impl Broker {
         let key = short(routing_key);
         let arguments = arguments.detached();
         if x.bind(Dest::Queue(q.id), key.clone(), arguments.clone()) {
-            q.bindings.push((x.name.clone(), key, arguments));
+            q.bindings
+                .push((x.name.clone(), key.clone(), arguments.clone()));
+            if let (Some(p), true, true) = (self.persist.as_mut(), x.durable, q.store_key.is_some())
+            {
+                let d = BindingDest::Queue(q.name.clone());
+                p.push(
+                    StoreOp::PutBinding(binding_def(vhost, &x.name, d, &key, &arguments)),
+                    true,
+                );
+            }
         }
         Ok(())
     }
@@ -672,7 +857,20 @@ impl Broker {
         check_access(q, conn)?;
         x.unbind(&dest, &key, arguments);
         remove_one(&mut q.bindings, &exchange, &key, arguments);
-        maybe_auto_delete(vh, &mut self.queues, &exchange);
+        if let (Some(p), true, true) = (self.persist.as_mut(), x.durable, q.store_key.is_some()) {
+            let d = BindingDest::Queue(q.name.clone());
+            p.push(
+                StoreOp::DeleteBinding(binding_def(vhost, &x.name, d, &key, arguments)),
+                false,
+            );
+        }
+        maybe_auto_delete(
+            vhost,
+            vh,
+            &mut self.queues,
+            self.persist.as_mut(),
+            &exchange,
+        );
         Ok(())
     }
 
@@ -709,6 +907,17 @@ impl Broker {
             )
         });
         if added {
+            persist_binding(
+                self.persist.as_mut(),
+                vhost,
+                vh,
+                &self.queues,
+                &src_name,
+                &Dest::Exchange(dst_name.clone()),
+                &key,
+                arguments,
+                true,
+            );
             if let Some(dst) = vh.exchanges.get_mut(&dst_name) {
                 dst.incoming.push((src_name, key, arguments.clone()));
             }
@@ -738,10 +947,21 @@ impl Broker {
             .get_mut(&*source)
             .is_some_and(|src| src.unbind(&Dest::Exchange(dst_name.clone()), &key, arguments));
         if removed {
+            persist_binding(
+                self.persist.as_mut(),
+                vhost,
+                vh,
+                &self.queues,
+                &short(&source),
+                &Dest::Exchange(dst_name.clone()),
+                &key,
+                arguments,
+                false,
+            );
             if let Some(dst) = vh.exchanges.get_mut(&dst_name) {
                 remove_one(&mut dst.incoming, &source, &key, arguments);
             }
-            maybe_auto_delete(vh, &mut self.queues, &source);
+            maybe_auto_delete(vhost, vh, &mut self.queues, self.persist.as_mut(), &source);
         }
         Ok(())
     }
@@ -794,18 +1014,62 @@ impl Broker {
             size: message.body.len() as u64,
             expires_at: None,
         };
+        let mut message = message;
+        let mut batch = None;
+        if let Some(p) = self.persist.as_mut().filter(|_| message.persistent) {
+            let durable = targets
+                .iter()
+                .filter(|id| self.queues.get(id).is_some_and(|q| q.store_key.is_some()))
+                .count();
+            if durable > 0 {
+                let key = p.next_body_key;
+                p.next_body_key += 1;
+                message.store_key = Some(key);
+                let queues = u32::try_from(durable).unwrap_or(u32::MAX);
+                p.push(
+                    StoreOp::PutBody {
+                        key,
+                        message: message.clone(),
+                        queues,
+                    },
+                    true,
+                );
+                if queues > 1 {
+                    p.shared.insert(key, queues);
+                }
+                batch = Some(p.next_batch);
+            }
+        }
         let mut routed = 0u32;
         for id in &targets {
             let command = Command::Enqueue {
                 message: message.clone(),
                 meta,
             };
-            if self.run(*id, command).is_some() {
-                routed += 1;
+            let Some(reply) = self.run(*id, command) else {
+                continue;
+            };
+            routed += 1;
+            if let (Some(body), Reply::Enqueued { msg_id }) = (message.store_key, reply) {
+                let queue = self.queues.get(id).and_then(|q| q.store_key);
+                if let (Some(p), Some(queue)) = (self.persist.as_mut(), queue) {
+                    p.push(
+                        StoreOp::PutEntry {
+                            queue,
+                            msg_id,
+                            body,
+                            expires_at: meta.expires_at,
+                        },
+                        true,
+                    );
+                }
             }
         }
         self.scratch_queues = targets;
-        Ok(Routed { queues: routed })
+        Ok(Routed {
+            queues: routed,
+            batch,
+        })
     }
 
     // ------------------------------------------------------ the queue machine
@@ -862,7 +1126,13 @@ impl Broker {
                     message,
                     delivery_count,
                     reason,
-                } => self.dead_letter(queue, msg_id, message, delivery_count, reason),
+                } => {
+                    // A rejected message was in flight (its count is stored if it came back
+                    // before); an expired one was ready (stored if it was ever delivered).
+                    let in_flight = reason == DeadLetterReason::Rejected;
+                    self.forget_stored(queue, msg_id, &message, delivery_count, in_flight);
+                    self.dead_letter(queue, msg_id, message, delivery_count, reason);
+                }
                 Effect::Deliver(d) => {
                     // Only Checkout and Get deliver, and their callers take the deliveries.
                     debug_assert!(false, "unexpected delivery {:?}", d.receipt);
@@ -884,6 +1154,124 @@ impl Broker {
             Some(log) => std::mem::take(log),
             None => Vec::new(),
         }
+    }
+
+    // ---------------------------------------------------------------- store
+
+    /// The writes made since the last call, as the next numbered batch (`None` if nothing
+    /// changed on disk, or persistence is off).
+    pub fn take_writes(&mut self) -> Option<WriteBatch> {
+        self.persist.as_mut()?.take()
+    }
+
+    /// Does a write wait to be taken?
+    pub fn has_writes(&self) -> bool {
+        self.persist.as_ref().is_some_and(|p| !p.ops.is_empty())
+    }
+
+    /// Recovery: a durable exchange as the store holds it. Nothing is written back.
+    pub fn restore_exchange(&mut self, def: &ExchangeDef) -> Result<(), AmqpError> {
+        let saved = self.persist.take();
+        let r = self.declare_exchange(
+            &def.vhost,
+            &def.name,
+            def.kind.as_str(),
+            false,
+            true,
+            def.auto_delete,
+            def.internal,
+            &def.arguments,
+        );
+        self.persist = saved;
+        r
+    }
+
+    /// Recovery: a durable queue as the store holds it, under its store key.
+    pub fn restore_queue(&mut self, def: &QueueDef) -> Result<QueueId, AmqpError> {
+        let saved = self.persist.take();
+        let r = self.declare_queue(
+            &def.vhost,
+            DeclareQueue {
+                name: def.name.clone(),
+                passive: false,
+                durable: true,
+                exclusive: false,
+                auto_delete: def.auto_delete,
+                arguments: def.arguments.clone(),
+            },
+            0,
+        );
+        self.persist = saved;
+        let declared = r?;
+        if let Some(q) = self.queues.get_mut(&declared.queue) {
+            q.store_key = Some(def.key);
+        }
+        Ok(declared.queue)
+    }
+
+    /// Recovery: a durable binding.
+    pub fn restore_binding(&mut self, def: &BindingDef) -> Result<(), AmqpError> {
+        let saved = self.persist.take();
+        let r = match &def.dest {
+            BindingDest::Queue(q) => self.bind_queue(
+                &def.vhost,
+                q,
+                &def.source,
+                &def.routing_key,
+                &def.arguments,
+                0,
+            ),
+            BindingDest::Exchange(x) => {
+                self.bind_exchange(&def.vhost, x, &def.source, &def.routing_key, &def.arguments)
+            }
+        };
+        self.persist = saved;
+        r
+    }
+
+    /// Recovery: a stored message back in its queue, ready, with its id and delivery count
+    /// (`redelivered` after a crash, when any message may have been delivered). False if the
+    /// queue is unknown or the id is not after the queue's last one.
+    pub fn restore_message(
+        &mut self,
+        queue: QueueId,
+        msg_id: u64,
+        message: Message,
+        delivery_count: u32,
+        expires_at: Option<u64>,
+        redelivered: bool,
+    ) -> bool {
+        let meta = MsgMeta {
+            size: message.body.len() as u64,
+            expires_at,
+        };
+        let command = Command::Restore {
+            msg_id,
+            message,
+            meta,
+            delivery_count,
+            redelivered,
+        };
+        matches!(self.run(queue, command), Some(Reply::Enqueued { .. }))
+    }
+
+    /// Recovery is over: new queues and bodies get keys past the ones on disk, and bodies
+    /// shared by several queues are counted (`shared`: body key, queues holding it).
+    pub fn set_store_keys(
+        &mut self,
+        keys: StoreKeys,
+        shared: impl IntoIterator<Item = (u64, u32)>,
+    ) {
+        if let Some(p) = self.persist.as_mut() {
+            p.next_queue_key = p.next_queue_key.max(keys.next_queue_key);
+            p.next_body_key = p.next_body_key.max(keys.next_body_key);
+            p.shared.extend(shared.into_iter().filter(|&(_, n)| n > 1));
+        }
+    }
+
+    /// The store key of a durable queue (persistence on).
+    pub fn queue_store_key(&self, queue: QueueId) -> Option<u64> {
+        self.queues.get(&queue)?.store_key
     }
 
     // ------------------------------------------------------------ consumers
@@ -1004,18 +1392,27 @@ impl Broker {
         let mut rest = Vec::new();
         for effect in self.effects.drain(..) {
             match effect {
-                Effect::Deliver(d) => out.push(Delivery {
-                    queue: id,
-                    queue_name: q.name.clone(),
-                    receipt: d.receipt,
-                    message: d.message,
-                    redelivered: d.redelivered,
-                    settled: d.settled,
-                    consumer: d
-                        .consumer
-                        .zip(d.to)
-                        .map(|(id, (group, tag))| (id, group, tag)),
-                }),
+                Effect::Deliver(d) => {
+                    if d.settled {
+                        if let (Some(p), Some(queue), Some(body)) =
+                            (self.persist.as_mut(), q.store_key, d.message.store_key)
+                        {
+                            p.forget(queue, d.receipt.msg_id, body, d.receipt.attempt > 1);
+                        }
+                    }
+                    out.push(Delivery {
+                        queue: id,
+                        queue_name: q.name.clone(),
+                        receipt: d.receipt,
+                        message: d.message,
+                        redelivered: d.redelivered,
+                        settled: d.settled,
+                        consumer: d
+                            .consumer
+                            .zip(d.to)
+                            .map(|(id, (group, tag))| (id, group, tag)),
+                    })
+                }
                 other => rest.push(other),
             }
         }
@@ -1113,13 +1510,67 @@ impl Broker {
     /// Ack. False if the receipt is not current (the queue is gone, or the message was
     /// returned and delivered again since): nothing changes.
     pub fn settle(&mut self, queue: QueueId, receipt: Receipt) -> bool {
-        self.run(queue, Command::Settle { receipt }) == Some(Reply::Ok)
+        let stored = self.stored_in_flight(queue, receipt);
+        let ok = self.run(queue, Command::Settle { receipt }) == Some(Reply::Ok);
+        if let (true, Some((qkey, body)), Some(p)) = (ok, stored, self.persist.as_mut()) {
+            p.forget(qkey, receipt.msg_id, body, receipt.attempt > 1);
+        }
+        ok
+    }
+
+    /// The queue's and body's store keys of an in-flight message that is on disk.
+    fn stored_in_flight(&self, queue: QueueId, receipt: Receipt) -> Option<(u64, u64)> {
+        self.persist.as_ref()?;
+        let q = self.queues.get(&queue)?;
+        let qkey = q.store_key?;
+        let (m, _) = q.machine.in_flight_message(receipt.msg_id)?;
+        Some((qkey, m.store_key?))
+    }
+
+    /// A stored message left a durable queue outside a settle.
+    fn forget_stored(
+        &mut self,
+        queue: QueueId,
+        msg_id: u64,
+        message: &Message,
+        delivery_count: u32,
+        in_flight: bool,
+    ) {
+        let Some(p) = self.persist.as_mut() else {
+            return;
+        };
+        let (Some(qkey), Some(body)) = (
+            self.queues.get(&queue).and_then(|q| q.store_key),
+            message.store_key,
+        ) else {
+            return;
+        };
+        // A count is stored once a message comes back: for one in flight, the current
+        // delivery is not counted on disk.
+        let count = if in_flight {
+            delivery_count > 1
+        } else {
+            delivery_count > 0
+        };
+        p.forget(qkey, msg_id, body, count);
     }
 
     /// nack/reject with requeue, channel closed: the message goes back to its original
     /// position and is redelivered=true on its next delivery. False if the receipt is stale.
     pub fn requeue(&mut self, queue: QueueId, receipt: Receipt) -> bool {
-        self.run(queue, Command::Return { receipt }) == Some(Reply::Ok)
+        let stored = self.stored_in_flight(queue, receipt);
+        let ok = self.run(queue, Command::Return { receipt }) == Some(Reply::Ok);
+        if let (true, Some((qkey, _)), Some(p)) = (ok, stored, self.persist.as_mut()) {
+            p.push(
+                StoreOp::PutCount {
+                    queue: qkey,
+                    msg_id: receipt.msg_id,
+                    count: receipt.attempt,
+                },
+                false,
+            );
+        }
+        ok
     }
 
     /// reject/nack without requeue: the message leaves the queue and goes to the

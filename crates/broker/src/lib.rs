@@ -30,11 +30,13 @@ mod broker;
 mod erl;
 pub mod exchange;
 pub mod names;
+pub mod persist;
 pub mod queue;
 mod small;
 
 pub use broker::{Broker, QueueInfo};
 pub use exchange::ExchangeKind;
+pub use persist::{BindingDef, BindingDest, ExchangeDef, QueueDef, StoreKeys, StoreOp, WriteBatch};
 pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
 pub use queue::machine;
 pub use queue::machine::{ConsumerId, Credit, CreditGroup, Receipt};
@@ -67,6 +69,9 @@ pub struct Message {
     pub properties: Bytes,
     pub body: Bytes,
     pub persistent: bool,
+    /// The key of the stored body, once the broker has written the message to disk (a
+    /// persistent message routed to a durable queue); `None` for a message only in memory.
+    pub store_key: Option<u64>,
 }
 
 /// A message handed to a consumer or to basic.get.
@@ -100,6 +105,9 @@ pub struct BrokerConfig {
     /// Most deliveries one queue makes in one [`Broker::dispatch_one`] call; a queue with more
     /// work stays dirty ([`Broker::needs_dispatch`]), so no call does unbounded work.
     pub dispatch_batch: usize,
+    /// Keep durable state on disk: the broker produces [`WriteBatch`]es
+    /// ([`Broker::take_writes`]) and confirms of persistent messages wait for them.
+    pub persistence: bool,
 }
 
 impl Default for BrokerConfig {
@@ -110,6 +118,7 @@ impl Default for BrokerConfig {
             max_message_size: 128 * 1024 * 1024,
             name_seed: 0x5741_5252_454e_2121,
             dispatch_batch: 1024,
+            persistence: false,
         }
     }
 }
@@ -151,4 +160,6 @@ pub struct Routed {
     /// Number of queues the message was enqueued on; 0 = unroutable (basic.return 312
     /// NO_ROUTE if mandatory).
     pub queues: u32,
+    /// The message is being written to disk in this batch: its confirm waits for it.
+    pub batch: Option<u64>,
 }

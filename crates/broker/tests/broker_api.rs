@@ -45,6 +45,7 @@ fn msg(body: &'static str) -> Message {
         properties: Bytes::from_static(&[0, 0]),
         body: Bytes::from_static(body.as_bytes()),
         persistent: false,
+        store_key: None,
     }
 }
 

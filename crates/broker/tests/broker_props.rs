@@ -242,6 +242,7 @@ fn msg() -> Message {
         properties: Bytes::from_static(&[0, 0]),
         body: Bytes::from_static(b"m"),
         persistent: false,
+        store_key: None,
     }
 }
 

@@ -41,6 +41,10 @@ pub struct Args {
     /// Seconds a client has to complete the AMQP handshake [default: 10]
     #[arg(long, env = "WARREN_HANDSHAKE_TIMEOUT")]
     pub handshake_timeout: Option<u64>,
+    /// Where durable queues, exchanges, bindings and persistent messages are kept
+    /// [default: $XDG_DATA_HOME/warren, else ~/.local/share/warren]
+    #[arg(long, env = "WARREN_DATA_DIR", value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
     /// Debugging: append every command applied to every queue to FILE (see docs/design.md)
     #[arg(long, env = "WARREN_RECORD_COMMANDS", value_name = "FILE")]
     pub record_commands: Option<PathBuf>,
@@ -61,6 +65,7 @@ pub struct FileConfig {
     pub channel_max: Option<u16>,
     pub max_message_size: Option<u64>,
     pub handshake_timeout: Option<u64>,
+    pub data_dir: Option<PathBuf>,
     /// Replaces the default guest user when present.
     pub users: Option<Vec<FileUser>>,
 }
@@ -88,6 +93,22 @@ pub enum ConfigError {
     },
     #[error("frame_max must be at least 4096, got {0}")]
     FrameMax(u32),
+    #[error(
+        "no data directory: neither XDG_DATA_HOME nor HOME is set; give one with --data-dir DIR \
+         or WARREN_DATA_DIR"
+    )]
+    NoDataDir,
+}
+
+/// `$XDG_DATA_HOME/warren`, else `$HOME/.local/share/warren` (the XDG default).
+fn default_data_dir() -> Option<PathBuf> {
+    let non_empty = |v: std::ffi::OsString| (!v.is_empty()).then(|| PathBuf::from(v));
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME").and_then(non_empty) {
+        return Some(d.join("warren"));
+    }
+    std::env::var_os("HOME")
+        .and_then(non_empty)
+        .map(|h| h.join(".local/share/warren"))
 }
 
 /// Everything the server needs, resolved.
@@ -97,6 +118,7 @@ pub struct Config {
     pub port: u16,
     pub log_level: String,
     pub session: SessionConfig,
+    pub data_dir: PathBuf,
     pub record_commands: Option<PathBuf>,
 }
 
@@ -144,7 +166,12 @@ impl Config {
                 })
                 .collect();
         }
+        let data_dir = match args.data_dir.or(file.data_dir) {
+            Some(d) => d,
+            None => default_data_dir().ok_or(ConfigError::NoDataDir)?,
+        };
         Ok(Config {
+            data_dir,
             bind: args
                 .bind
                 .or(file.bind)

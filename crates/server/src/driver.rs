@@ -28,6 +28,8 @@ use warren_broker::ConnId;
 use warren_codec::{decode_protocol_header, FrameDecoder, PROTOCOL_HEADER};
 use warren_session::{Node, Transmit};
 
+use crate::storage::StoreThread;
+
 /// Read sizes adapt between these: small for quiet clients, large for streaming publishers.
 const MIN_READ: usize = 4 * 1024;
 const MAX_READ: usize = 128 * 1024;
@@ -74,6 +76,8 @@ impl Recorder {
 
 struct Core {
     recorder: Option<Recorder>,
+    /// The store thread's queue of write batches (persistence on).
+    store: Option<std::sync::mpsc::Sender<warren_broker::WriteBatch>>,
     node: Node,
     writers: HashMap<ConnId, Writer>,
     transmits: Vec<Transmit>,
@@ -133,6 +137,7 @@ impl Core {
             self.node.poll_transmit(now, &mut self.transmits);
             // Before any client sees an effect of these commands, they are in the log.
             self.record();
+            self.persist();
             for t in std::mem::take(&mut self.transmits) {
                 self.send(t);
             }
@@ -141,6 +146,19 @@ impl Core {
             }
         }
         true
+    }
+
+    /// Hands the store writes made since the last call to the store thread.
+    fn persist(&mut self) {
+        let Some(tx) = self.store.as_ref() else {
+            return;
+        };
+        if let Some(batch) = self.node.take_writes() {
+            if tx.send(batch).is_err() {
+                tracing::error!("the store thread is gone: nothing more is written");
+                self.store = None;
+            }
+        }
     }
 
     /// Appends the commands applied since the last call to the command log, if one is kept.
@@ -213,12 +231,14 @@ pub async fn serve(
     listener: TcpListener,
     node: Node,
     recorder: Option<Recorder>,
+    store: Option<warren_store::Store>,
     mut shutdown: watch::Receiver<bool>,
-) -> std::io::Result<()> {
+) -> std::io::Result<Option<warren_store::Store>> {
     let config = node.config().clone();
     let shared = Arc::new(Shared {
         core: Mutex::new(Core {
             recorder,
+            store: None,
             node,
             writers: HashMap::new(),
             transmits: Vec::new(),
@@ -229,6 +249,17 @@ pub async fn serve(
         timer: Notify::new(),
         armed: AtomicU64::new(u64::MAX),
     });
+    let store_thread = match store {
+        Some(store) => {
+            let on_written = shared.clone();
+            let t = StoreThread::spawn(store, move |last, ok| {
+                on_written.with_node(|node, _| node.writes_done(last, ok));
+            })?;
+            shared.lock().store = Some(t.tx.clone());
+            Some(t)
+        }
+        None => None,
+    };
     let ticker = tokio::spawn(timer(shared.clone()));
     let dispatcher = tokio::spawn(dispatcher(shared.clone()));
     let next_id = AtomicU64::new(1);
@@ -265,7 +296,10 @@ pub async fn serve(
     }
     ticker.abort();
     dispatcher.abort();
-    Ok(())
+    // The last writes (messages of closed channels coming back) reach the disk before the store
+    // is handed back.
+    shared.lock().store = None;
+    Ok(store_thread.and_then(StoreThread::finish))
 }
 
 /// Sleeps until the node's earliest deadline, ticks it, and again; woken early when an event

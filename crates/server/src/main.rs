@@ -2,6 +2,7 @@
 
 mod config;
 mod driver;
+mod storage;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -120,6 +121,7 @@ async fn run(config: Config) -> std::io::Result<()> {
     let mut broker = Broker::new(BrokerConfig {
         name_seed,
         max_message_size: usize::try_from(config.session.max_message_size).unwrap_or(usize::MAX),
+        persistence: true,
         ..BrokerConfig::default()
     });
     let recorder = match &config.record_commands {
@@ -143,15 +145,36 @@ async fn run(config: Config) -> std::io::Result<()> {
         }
         None => None,
     };
+    let store = warren_store::Store::open(&config.data_dir)
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    let started = std::time::Instant::now();
+    let recovered = store
+        .recover(&mut broker)
+        .map_err(|e| std::io::Error::other(format!("{}: {e}", config.data_dir.display())))?;
+    tracing::info!(
+        data_dir = %config.data_dir.display(),
+        exchanges = recovered.exchanges,
+        queues = recovered.queues,
+        bindings = recovered.bindings,
+        messages = recovered.messages,
+        after_crash = recovered.after_crash,
+        ms = started.elapsed().as_millis() as u64,
+        "recovered durable state"
+    );
     let node = Node::new(config.session.clone(), broker);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;
         let _ = stop_tx.send(true);
     });
-    driver::serve(listener, node, recorder, stop_rx).await?;
+    let store = driver::serve(listener, node, recorder, Some(store), stop_rx).await?;
     // Give writer tasks a moment to put the last close frames on the wire.
     tokio::time::sleep(Duration::from_millis(100)).await;
+    if let Some(store) = store {
+        store
+            .close_clean()
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+    }
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! One AMQP channel: content assembly, consumers, delivery tags, prefetch, confirms and transactions.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use bytes::{Bytes, BytesMut};
 use warren_broker::{
@@ -8,8 +8,8 @@ use warren_broker::{
     Receipt,
 };
 use warren_codec::{
-    encode_ack, encode_get_ok, encode_return, properties, AmqpError, BasicPublish, ContentHeader,
-    Frame, Method, ReplyCode, ShortStr,
+    encode_ack, encode_get_ok, encode_nack, encode_return, properties, AmqpError, BasicPublish,
+    ContentHeader, Frame, Method, ReplyCode, ShortStr,
 };
 use warren_codec::{
     BasicCancelOk, BasicConsumeOk, BasicGetEmpty, BasicQosOk, BasicRecoverOk, ChannelFlowOk,
@@ -165,7 +165,7 @@ enum TxOp {
         exchange: ShortStr,
         routing_key: ShortStr,
         mandatory: bool,
-        message: Message,
+        message: Box<Message>,
     },
     Ack {
         tag: u64,
@@ -189,6 +189,10 @@ pub(crate) struct Channel {
     publish_seq: u64,
     /// Publishes confirmed but not yet acknowledged to the client: acks go out coalesced, once per batch.
     confirm_pending: Option<(u64, u64)>,
+    /// Publishes whose confirm waits for a store write: (publish sequence number, write batch),
+    /// in publish order. A publish that needs no write but follows one that does waits too
+    /// (batch 0), so that a `multiple` ack never covers a message not yet on disk.
+    confirm_waiting: VecDeque<(u64, u64)>,
     tx: Option<Vec<TxOp>>,
     next_tag: u64,
     /// Ordered by delivery tag: a single ack is O(log n) in any order, a multiple ack splits.
@@ -222,6 +226,7 @@ impl Channel {
             confirm: false,
             publish_seq: 0,
             confirm_pending: None,
+            confirm_waiting: VecDeque::new(),
             tx: None,
             next_tag: 1,
             unacked: BTreeMap::new(),
@@ -421,20 +426,21 @@ impl Channel {
             properties: props,
             body,
             persistent,
+            store_key: None,
         };
         if let Some(ops) = self.tx.as_mut() {
             ops.push(TxOp::Publish {
                 exchange: publish.exchange,
                 routing_key: publish.routing_key,
                 mandatory: publish.mandatory,
-                message,
+                message: Box::new(message),
             });
             return Ok(());
         }
         if self.confirm {
             self.publish_seq += 1;
         }
-        self.route(
+        let batch = self.route(
             &publish.exchange,
             &publish.routing_key,
             publish.mandatory,
@@ -443,12 +449,45 @@ impl Channel {
         )?;
         if self.confirm {
             let seq = self.publish_seq;
-            self.confirm_pending = Some(match self.confirm_pending {
-                Some((first, _)) => (first, seq),
-                None => (seq, seq),
-            });
+            if batch.is_some() || !self.confirm_waiting.is_empty() {
+                self.confirm_waiting.push_back((seq, batch.unwrap_or(0)));
+            } else {
+                self.confirm_ready(seq);
+            }
         }
         Ok(())
+    }
+
+    fn confirm_ready(&mut self, seq: u64) {
+        self.confirm_pending = Some(match self.confirm_pending {
+            Some((first, _)) => (first, seq),
+            None => (seq, seq),
+        });
+    }
+
+    /// Publishes wait for a store write.
+    pub fn confirms_waiting(&self) -> bool {
+        !self.confirm_waiting.is_empty()
+    }
+
+    /// Store writes up to batch `upto` are done (`ok`) or failed: the confirms waiting for them
+    /// are released in publish order, as acks, or as nacks for the messages of a failed write.
+    /// True if confirms are still waiting.
+    pub fn writes_done(&mut self, upto: u64, ok: bool, out: &mut BytesMut) -> bool {
+        while let Some(&(seq, batch)) = self.confirm_waiting.front() {
+            if batch > upto {
+                break;
+            }
+            self.confirm_waiting.pop_front();
+            if ok || batch == 0 {
+                self.confirm_ready(seq);
+            } else {
+                // Acks before this one go out first: a multiple ack must not cover it.
+                self.flush_confirms(out);
+                encode_nack(out, self.id, seq, false, false);
+            }
+        }
+        !self.confirm_waiting.is_empty()
     }
 
     fn route(
@@ -458,7 +497,7 @@ impl Channel {
         mandatory: bool,
         message: Message,
         ctx: &mut Ctx<'_>,
-    ) -> Result<(), Fault> {
+    ) -> Result<Option<u64>, Fault> {
         if exchange.is_empty() {
             if let Some((conn, channel, key)) = parse_reply_address(routing_key) {
                 // Delivered by the node, straight to the waiting consumer; dropped if it is gone, as in RabbitMQ.
@@ -468,7 +507,7 @@ impl Channel {
                     key: key.to_string(),
                     message,
                 });
-                return Ok(());
+                return Ok(None);
             }
         }
         // Only a mandatory publish can come back, so only then is a handle on the message kept.
@@ -492,7 +531,7 @@ impl Channel {
                 );
             }
         }
-        Ok(())
+        Ok(routed.batch)
     }
 
     /// The publish asks for replies on this channel: its reply_to becomes the channel's own address.
@@ -918,7 +957,9 @@ impl Channel {
                             mandatory,
                             message,
                         } => self
-                            .route(&exchange, &routing_key, mandatory, message, ctx)
+                            // tx.commit-ok does not wait for the disk yet (see compatibility.md).
+                            .route(&exchange, &routing_key, mandatory, *message, ctx)
+                            .map(|_| ())
                             .map_err(|f| fail(f.error))?,
                         TxOp::Ack { tag, multiple } => self
                             .settle_now(tag, multiple, Settle::Ack, ctx)

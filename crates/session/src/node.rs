@@ -48,6 +48,8 @@ pub struct Node {
     cancelled: Vec<ConsumerKey>,
     direct_replies: Vec<DirectReply>,
     next_id: u64,
+    /// Channels with publisher confirms waiting for a store write.
+    confirm_waiters: BTreeSet<(ConnId, u16)>,
 }
 
 impl Node {
@@ -62,6 +64,35 @@ impl Node {
             cancelled: Vec::new(),
             direct_replies: Vec::new(),
             next_id: 0,
+            confirm_waiters: BTreeSet::new(),
+        }
+    }
+
+    /// The store writes made since the last call, as the next numbered batch: the driver writes
+    /// batches in order and reports each with [`Node::writes_done`].
+    pub fn take_writes(&mut self) -> Option<warren_broker::WriteBatch> {
+        self.broker.take_writes()
+    }
+
+    /// Every batch up to `upto` is written (`ok`), or the write holding them failed: publisher
+    /// confirms waiting for them go out (acks, or nacks after a failure).
+    pub fn writes_done(&mut self, upto: u64, ok: bool) {
+        let waiters = std::mem::take(&mut self.confirm_waiters);
+        for (conn, channel) in waiters {
+            let Some(c) = self.conns.get_mut(&conn) else {
+                continue;
+            };
+            let Some(ch) = c.channels.get_mut(&channel) else {
+                continue;
+            };
+            if ch.writes_done(upto, ok, &mut c.out) {
+                self.confirm_waiters.insert((conn, channel));
+            }
+            c.confirms_pending = true;
+            if !c.dirty {
+                c.dirty = true;
+                self.dirty.push(conn);
+            }
         }
     }
 
@@ -403,6 +434,9 @@ impl Node {
         };
         let result = ch.on_frame(frame, &mut ctx);
         *confirms_pending = true;
+        if ch.confirms_waiting() {
+            self.confirm_waiters.insert((conn, id));
+        }
         match result {
             Ok(()) => Next::Nothing,
             Err(fault) if fault.error.is_hard() => Next::Fail(fault),

@@ -85,6 +85,7 @@ const RETURN: u8 = 8;
 const DISCARD: u8 = 9;
 const PURGE: u8 = 10;
 const TICK: u8 = 11;
+const RESTORE: u8 = 12;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -116,6 +117,20 @@ fn put_group(out: &mut BytesMut, g: CreditGroup) {
     out.put_u16(g.channel);
 }
 
+fn put_message(out: &mut BytesMut, message: &Message) {
+    put_short(out, &message.exchange);
+    put_short(out, &message.routing_key);
+    put_long(out, &message.properties);
+    put_long(out, &message.body);
+    out.put_u8(u8::from(message.persistent));
+    put_opt_u64(out, message.store_key);
+}
+
+fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
+    out.put_u64(meta.size);
+    put_opt_u64(out, meta.expires_at);
+}
+
 /// Appends one record to `out`.
 pub fn encode(record: &Record, out: &mut BytesMut) {
     let start = out.len();
@@ -126,13 +141,22 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
     match &record.command {
         Command::Enqueue { message, meta } => {
             out.put_u8(ENQUEUE);
-            put_short(out, &message.exchange);
-            put_short(out, &message.routing_key);
-            put_long(out, &message.properties);
-            put_long(out, &message.body);
-            out.put_u8(u8::from(message.persistent));
-            out.put_u64(meta.size);
-            put_opt_u64(out, meta.expires_at);
+            put_message(out, message);
+            put_msg_meta(out, meta);
+        }
+        Command::Restore {
+            msg_id,
+            message,
+            meta,
+            delivery_count,
+            redelivered,
+        } => {
+            out.put_u8(RESTORE);
+            out.put_u64(*msg_id);
+            put_message(out, message);
+            put_msg_meta(out, meta);
+            out.put_u32(*delivery_count);
+            out.put_u8(u8::from(*redelivered));
         }
         Command::Consume { id, spec } => {
             out.put_u8(CONSUME);
@@ -262,21 +286,42 @@ impl Reader {
         })
     }
 
+    fn message(&mut self) -> Result<Message, LogError> {
+        Ok(Message {
+            exchange: self.short("exchange")?,
+            routing_key: self.short("routing key")?,
+            properties: self.long("properties")?,
+            body: self.long("body")?,
+            persistent: self.u8("persistent")? != 0,
+            store_key: self.opt_u64("store key")?,
+        })
+    }
+
+    fn msg_meta(&mut self) -> Result<MsgMeta, LogError> {
+        Ok(MsgMeta {
+            size: self.u64("size")?,
+            expires_at: self.opt_u64("expiry")?,
+        })
+    }
+
     fn command(&mut self) -> Result<Command<Message>, LogError> {
         Ok(match self.u8("command")? {
             ENQUEUE => {
-                let message = Message {
-                    exchange: self.short("exchange")?,
-                    routing_key: self.short("routing key")?,
-                    properties: self.long("properties")?,
-                    body: self.long("body")?,
-                    persistent: self.u8("persistent")? != 0,
-                };
-                let meta = MsgMeta {
-                    size: self.u64("size")?,
-                    expires_at: self.opt_u64("expiry")?,
-                };
+                let message = self.message()?;
+                let meta = self.msg_meta()?;
                 Command::Enqueue { message, meta }
+            }
+            RESTORE => {
+                let msg_id = self.u64("message id")?;
+                let message = self.message()?;
+                let meta = self.msg_meta()?;
+                Command::Restore {
+                    msg_id,
+                    message,
+                    meta,
+                    delivery_count: self.u32("delivery count")?,
+                    redelivered: self.u8("redelivered")? != 0,
+                }
             }
             CONSUME => {
                 let id = ConsumerId(self.u64("consumer")?);

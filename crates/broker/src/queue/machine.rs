@@ -114,6 +114,17 @@ pub enum Command<M> {
         message: M,
         meta: MsgMeta,
     },
+    /// Recovery: a message read back from the store, ready, with the id, delivery count and
+    /// expiry it had. Ids must come in increasing order, after every id the machine has given
+    /// (else [`Reply::Stale`]). `redelivered` marks a message that may have been delivered
+    /// although its count says not (recovered after a crash).
+    Restore {
+        msg_id: u64,
+        message: M,
+        meta: MsgMeta,
+        delivery_count: u32,
+        redelivered: bool,
+    },
     /// basic.consume.
     Consume {
         id: ConsumerId,
@@ -233,6 +244,8 @@ struct Entry<M> {
     meta: MsgMeta,
     /// How many times this message has been handed out (0 while it was never delivered).
     delivery_count: u32,
+    /// Delivered as redelivered even with a count of 0 (recovered after a crash).
+    maybe_delivered: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -314,6 +327,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Command::Enqueue { message, meta } => Reply::Enqueued {
                 msg_id: self.enqueue(message, meta),
             },
+            Command::Restore {
+                msg_id,
+                message,
+                meta,
+                delivery_count,
+                redelivered,
+            } => self.restore(msg_id, message, meta, delivery_count, redelivered),
             Command::Consume { id, spec } => self.consume(id, spec),
             Command::Cancel { id } => self.cancel(id),
             Command::Credit { group, credit } => {
@@ -382,8 +402,35 @@ impl<M: Clone + Hash> QueueMachine<M> {
             msg: message,
             meta,
             delivery_count: 0,
+            maybe_delivered: false,
         });
         id
+    }
+
+    fn restore(
+        &mut self,
+        id: u64,
+        message: M,
+        meta: MsgMeta,
+        delivery_count: u32,
+        maybe_delivered: bool,
+    ) -> Reply {
+        if id < self.next_id {
+            return Reply::Stale;
+        }
+        self.next_id = id + 1;
+        self.ready_bytes = self.ready_bytes.saturating_add(meta.size);
+        if let Some(at) = meta.expires_at {
+            self.expiries.insert((at, id));
+        }
+        self.ready.push_back(Entry {
+            id,
+            msg: message,
+            meta,
+            delivery_count,
+            maybe_delivered,
+        });
+        Reply::Enqueued { msg_id: id }
     }
 
     fn consume(&mut self, id: ConsumerId, spec: ConsumerSpec) -> Reply {
@@ -535,7 +582,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         consumer: Option<(ConsumerId, (CreditGroup, ShortStr))>,
         no_ack: bool,
     ) -> Deliver<M> {
-        let redelivered = entry.delivery_count > 0;
+        let redelivered = entry.delivery_count > 0 || entry.maybe_delivered;
         entry.delivery_count = entry.delivery_count.saturating_add(1);
         let receipt = Receipt {
             msg_id: entry.id,
@@ -720,6 +767,30 @@ impl<M: Clone + Hash> QueueMachine<M> {
             .map(|f| f.consumer)
     }
 
+    /// An in-flight message and its delivery count, whatever the attempt.
+    pub fn in_flight_message(&self, msg_id: u64) -> Option<(&M, u32)> {
+        self.in_flight
+            .get(&msg_id)
+            .map(|f| (&f.entry.msg, f.entry.delivery_count))
+    }
+
+    /// Every ready message with its id and delivery count, in no particular order.
+    pub fn ready_messages(&self) -> impl Iterator<Item = (u64, &M, u32)> + '_ {
+        self.ready
+            .iter()
+            .chain(self.returned.values())
+            .map(|e| (e.id, &e.msg, e.delivery_count))
+    }
+
+    /// Every message the queue holds, ready or in flight, with its id and delivery count.
+    pub fn messages(&self) -> impl Iterator<Item = (u64, &M, u32)> + '_ {
+        self.ready_messages().chain(
+            self.in_flight
+                .values()
+                .map(|f| (f.entry.id, &f.entry.msg, f.entry.delivery_count)),
+        )
+    }
+
     /// Ids of ready messages in delivery order (tests and diagnostics; O(n)).
     pub fn ready_ids(&self) -> Vec<u64> {
         let mut out = Vec::with_capacity(self.ready_count());
@@ -797,6 +868,7 @@ fn hash_entry<M: Hash>(e: &Entry<M>, h: &mut impl Hasher) {
     e.msg.hash(h);
     e.meta.hash(h);
     e.delivery_count.hash(h);
+    e.maybe_delivered.hash(h);
 }
 
 /// A digest of a command's effects and reply, for comparing a replay with the original run.

@@ -32,6 +32,8 @@ pub struct Queue {
     pub dirty: bool,
     /// The deadline this queue is filed under in the broker's timer index.
     pub scheduled: Option<u64>,
+    /// The key its messages are stored under (a durable queue, with persistence on).
+    pub store_key: Option<u64>,
 }
 
 impl Queue {

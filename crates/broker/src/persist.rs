@@ -1,0 +1,190 @@
+//! What the broker asks the store to write, as plain data.
+//!
+//! The broker is sans-IO: as commands change durable state it appends [`StoreOp`]s to a buffer,
+//! and the server takes the buffer as numbered [`WriteBatch`]es (`Broker::take_writes`), writes
+//! them (group commit: every batch waiting, one synced write) and reports the last batch
+//! written. A publisher confirm that needs the disk waits for the number of the batch that holds
+//! its message (`Broker::pending_batch`). Ops are applied in order, so a delete always follows
+//! the put it undoes. The schema is in docs/design.md ("Storage").
+
+use std::collections::HashMap;
+
+use warren_codec::{FieldTable, ShortStr};
+
+use crate::exchange::ExchangeKind;
+use crate::Message;
+
+/// Where a stored binding leads (by name: ids do not outlive the process).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum BindingDest {
+    Queue(ShortStr),
+    Exchange(ShortStr),
+}
+
+/// A durable binding: both ends are durable.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BindingDef {
+    pub vhost: String,
+    pub source: ShortStr,
+    pub dest: BindingDest,
+    pub routing_key: ShortStr,
+    pub arguments: FieldTable,
+}
+
+/// A durable exchange's declaration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExchangeDef {
+    pub vhost: String,
+    pub name: ShortStr,
+    pub kind: ExchangeKind,
+    pub auto_delete: bool,
+    pub internal: bool,
+    pub arguments: FieldTable,
+}
+
+/// A durable queue's declaration and the key its messages are stored under.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QueueDef {
+    pub vhost: String,
+    pub name: ShortStr,
+    pub key: u64,
+    pub auto_delete: bool,
+    pub arguments: FieldTable,
+}
+
+/// One change to durable state.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StoreOp {
+    PutExchange(ExchangeDef),
+    DeleteExchange {
+        vhost: String,
+        name: ShortStr,
+    },
+    PutQueue(QueueDef),
+    /// The declaration and every message entry of the queue (its bodies are released one by
+    /// one with [`StoreOp::DeleteBody`]).
+    DeleteQueue {
+        vhost: String,
+        name: ShortStr,
+        key: u64,
+    },
+    PutBinding(BindingDef),
+    DeleteBinding(BindingDef),
+    /// A message's exchange, routing key, properties and body, once per publish.
+    PutBody {
+        key: u64,
+        message: Message,
+        /// How many durable queues it was routed to.
+        queues: u32,
+    },
+    /// The last queue holding the body let it go.
+    DeleteBody {
+        key: u64,
+    },
+    /// A message in a queue: its id there, its body, its expiry.
+    PutEntry {
+        queue: u64,
+        msg_id: u64,
+        body: u64,
+        expires_at: Option<u64>,
+    },
+    /// The message left the queue; `count` when a delivery count was stored for it.
+    DeleteEntry {
+        queue: u64,
+        msg_id: u64,
+        count: bool,
+    },
+    /// The message came back (nack, requeue, channel closed) after this many deliveries.
+    PutCount {
+        queue: u64,
+        msg_id: u64,
+        count: u32,
+    },
+}
+
+/// The ops made since the last [`crate::Broker::take_writes`], under one number.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WriteBatch {
+    /// Batches are numbered 1, 2, 3... in the order they must be applied.
+    pub number: u64,
+    pub ops: Vec<StoreOp>,
+    /// Something here waits for the disk (a message put, a declaration): fsync the write.
+    /// Deletes alone may ride on the next synced write.
+    pub sync: bool,
+}
+
+/// The broker's write buffer and store bookkeeping.
+#[derive(Debug)]
+pub(crate) struct Persist {
+    pub ops: Vec<StoreOp>,
+    pub sync: bool,
+    /// The number the buffered ops get when taken.
+    pub next_batch: u64,
+    pub next_body_key: u64,
+    pub next_queue_key: u64,
+    /// Bodies stored for more than one durable queue: how many still hold each. A body held by
+    /// one queue has no entry (the common case costs no bookkeeping).
+    pub shared: HashMap<u64, u32>,
+}
+
+impl Persist {
+    pub fn new() -> Self {
+        Persist {
+            ops: Vec::new(),
+            sync: false,
+            next_batch: 1,
+            next_body_key: 1,
+            next_queue_key: 1,
+            shared: HashMap::new(),
+        }
+    }
+
+    pub fn push(&mut self, op: StoreOp, sync: bool) {
+        self.ops.push(op);
+        self.sync |= sync;
+    }
+
+    /// One queue no longer holds the body: delete it with the last one.
+    pub fn release_body(&mut self, key: u64) {
+        if let Some(n) = self.shared.get_mut(&key) {
+            *n = n.saturating_sub(1);
+            if *n > 0 {
+                return;
+            }
+            self.shared.remove(&key);
+        }
+        self.ops.push(StoreOp::DeleteBody { key });
+    }
+
+    /// A stored message left a durable queue.
+    pub fn forget(&mut self, queue: u64, msg_id: u64, body: u64, count: bool) {
+        self.ops.push(StoreOp::DeleteEntry {
+            queue,
+            msg_id,
+            count,
+        });
+        self.release_body(body);
+    }
+
+    pub fn take(&mut self) -> Option<WriteBatch> {
+        if self.ops.is_empty() {
+            return None;
+        }
+        let batch = WriteBatch {
+            number: self.next_batch,
+            ops: std::mem::take(&mut self.ops),
+            sync: std::mem::take(&mut self.sync),
+        };
+        self.next_batch += 1;
+        Some(batch)
+    }
+}
+
+/// Where the broker's store counters stand after recovery.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreKeys {
+    /// Larger than every queue key on disk.
+    pub next_queue_key: u64,
+    /// Larger than every body key on disk.
+    pub next_body_key: u64,
+}

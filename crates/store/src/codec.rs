@@ -1,0 +1,423 @@
+//! Keys and values of the store (the schema is in docs/design.md, "Storage"). Integers are
+//! big-endian so that key order is numeric order; strings carry their length first, so no
+//! name can run into the next field.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use warren_broker::{BindingDef, BindingDest, ExchangeDef, ExchangeKind, Message, QueueDef};
+use warren_codec::{FieldTable, ShortStr};
+
+use crate::StoreError;
+
+pub const EXCHANGE: u8 = b'x';
+pub const QUEUE: u8 = b'q';
+pub const BINDING: u8 = b'b';
+
+const DEST_QUEUE: u8 = b'q';
+const DEST_EXCHANGE: u8 = b'e';
+const FLAG_AUTO_DELETE: u8 = 1;
+const FLAG_INTERNAL: u8 = 2;
+/// The first byte of a body value: its layout version.
+const BODY_V1: u8 = 1;
+
+fn put_vhost(out: &mut BytesMut, vhost: &str) {
+    out.put_u32(u32::try_from(vhost.len()).unwrap_or(u32::MAX));
+    out.put_slice(vhost.as_bytes());
+}
+
+fn put_short(out: &mut BytesMut, s: &ShortStr) {
+    // A ShortStr is at most 255 bytes by construction.
+    out.put_u8(u8::try_from(s.len()).unwrap_or(u8::MAX));
+    out.put_slice(s.as_bytes());
+}
+
+pub fn exchange_key(vhost: &str, name: &ShortStr) -> BytesMut {
+    let mut k = BytesMut::with_capacity(6 + vhost.len() + name.len());
+    k.put_u8(EXCHANGE);
+    put_vhost(&mut k, vhost);
+    put_short(&mut k, name);
+    k
+}
+
+pub fn queue_key(vhost: &str, name: &ShortStr) -> BytesMut {
+    let mut k = BytesMut::with_capacity(6 + vhost.len() + name.len());
+    k.put_u8(QUEUE);
+    put_vhost(&mut k, vhost);
+    put_short(&mut k, name);
+    k
+}
+
+/// A binding is its key: everything that tells two bindings apart, arguments included.
+pub fn binding_key(b: &BindingDef) -> BytesMut {
+    let mut k = BytesMut::with_capacity(32 + b.vhost.len() + b.source.len());
+    k.put_u8(BINDING);
+    put_vhost(&mut k, &b.vhost);
+    put_short(&mut k, &b.source);
+    match &b.dest {
+        BindingDest::Queue(q) => {
+            k.put_u8(DEST_QUEUE);
+            put_short(&mut k, q);
+        }
+        BindingDest::Exchange(x) => {
+            k.put_u8(DEST_EXCHANGE);
+            put_short(&mut k, x);
+        }
+    }
+    put_short(&mut k, &b.routing_key);
+    b.arguments.encode(&mut k);
+    k
+}
+
+pub fn exchange_value(x: &ExchangeDef) -> BytesMut {
+    let mut v = BytesMut::new();
+    put_short(&mut v, &ShortStr::from_static(x.kind.as_str()));
+    let mut flags = 0;
+    if x.auto_delete {
+        flags |= FLAG_AUTO_DELETE;
+    }
+    if x.internal {
+        flags |= FLAG_INTERNAL;
+    }
+    v.put_u8(flags);
+    x.arguments.encode(&mut v);
+    v
+}
+
+pub fn queue_value(q: &QueueDef) -> BytesMut {
+    let mut v = BytesMut::new();
+    v.put_u64(q.key);
+    v.put_u8(if q.auto_delete { FLAG_AUTO_DELETE } else { 0 });
+    q.arguments.encode(&mut v);
+    v
+}
+
+/// `index` and `counts` keys: the queue's store key, then the message id.
+pub fn entry_key(queue: u64, msg_id: u64) -> [u8; 16] {
+    let mut k = [0u8; 16];
+    k[..8].copy_from_slice(&queue.to_be_bytes());
+    k[8..].copy_from_slice(&msg_id.to_be_bytes());
+    k
+}
+
+/// The bounds of one queue's entries: `[queue, queue + 1)`.
+pub fn queue_range(queue: u64) -> ([u8; 8], [u8; 8]) {
+    (queue.to_be_bytes(), queue.saturating_add(1).to_be_bytes())
+}
+
+pub fn entry_value(body: u64, expires_at: Option<u64>) -> BytesMut {
+    let mut v = BytesMut::with_capacity(17);
+    v.put_u64(body);
+    match expires_at {
+        Some(at) => {
+            v.put_u8(1);
+            v.put_u64(at);
+        }
+        None => v.put_u8(0),
+    }
+    v
+}
+
+/// A body with the number of durable queues it was written for (recovery counts references
+/// only for bodies shared by several).
+pub fn body_value(message: &Message, queues: u32) -> BytesMut {
+    let mut v = BytesMut::with_capacity(
+        16 + message.exchange.len()
+            + message.routing_key.len()
+            + message.properties.len()
+            + message.body.len(),
+    );
+    v.put_u8(BODY_V1);
+    v.put_u32(queues);
+    put_short(&mut v, &message.exchange);
+    put_short(&mut v, &message.routing_key);
+    v.put_u32(u32::try_from(message.properties.len()).unwrap_or(u32::MAX));
+    v.put_slice(&message.properties);
+    v.put_slice(&message.body);
+    v
+}
+
+/// Reads one stored value, naming what is wrong when it is damaged.
+pub struct Reader {
+    buf: Bytes,
+    what: &'static str,
+}
+
+impl Reader {
+    pub fn new(buf: impl Into<Bytes>, what: &'static str) -> Self {
+        Reader {
+            buf: buf.into(),
+            what,
+        }
+    }
+
+    fn bad(&self, field: &str) -> StoreError {
+        StoreError::Corrupt(format!("{}: {field} is cut short or malformed", self.what))
+    }
+
+    fn need(&self, n: usize, field: &str) -> Result<(), StoreError> {
+        if self.buf.remaining() < n {
+            Err(self.bad(field))
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn u8(&mut self, field: &str) -> Result<u8, StoreError> {
+        self.need(1, field)?;
+        Ok(self.buf.get_u8())
+    }
+
+    pub fn u32(&mut self, field: &str) -> Result<u32, StoreError> {
+        self.need(4, field)?;
+        Ok(self.buf.get_u32())
+    }
+
+    pub fn u64(&mut self, field: &str) -> Result<u64, StoreError> {
+        self.need(8, field)?;
+        Ok(self.buf.get_u64())
+    }
+
+    fn bytes(&mut self, n: usize, field: &str) -> Result<Bytes, StoreError> {
+        self.need(n, field)?;
+        Ok(self.buf.split_to(n))
+    }
+
+    pub fn vhost(&mut self) -> Result<String, StoreError> {
+        let n = self.u32("vhost length")? as usize;
+        let b = self.bytes(n, "vhost")?;
+        String::from_utf8(b.to_vec()).map_err(|_| self.bad("vhost"))
+    }
+
+    pub fn short(&mut self, field: &str) -> Result<ShortStr, StoreError> {
+        let n = usize::from(self.u8(field)?);
+        let b = self.bytes(n, field)?;
+        ShortStr::try_from_bytes(b).map_err(|_| self.bad(field))
+    }
+
+    pub fn table(&mut self, field: &str) -> Result<FieldTable, StoreError> {
+        FieldTable::decode(&mut self.buf).map_err(|_| self.bad(field))
+    }
+
+    pub fn rest(self) -> Bytes {
+        self.buf
+    }
+
+    pub fn done(&self, field: &str) -> Result<(), StoreError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(self.bad(field))
+        }
+    }
+}
+
+/// A `defs` record, decoded.
+pub enum Def {
+    Exchange(ExchangeDef),
+    Queue(QueueDef),
+    Binding(BindingDef),
+}
+
+pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
+    let mut k = Reader::new(Bytes::copy_from_slice(key), "a definition key");
+    let mut v = Reader::new(Bytes::copy_from_slice(value), "a definition");
+    match k.u8("kind")? {
+        EXCHANGE => {
+            let vhost = k.vhost()?;
+            let name = k.short("exchange name")?;
+            k.done("exchange key")?;
+            let kind_name = v.short("exchange type")?;
+            let kind = ExchangeKind::parse(&kind_name).ok_or_else(|| {
+                StoreError::Corrupt(format!("exchange '{name}': unknown type '{kind_name}'"))
+            })?;
+            let flags = v.u8("exchange flags")?;
+            let arguments = v.table("exchange arguments")?;
+            Ok(Def::Exchange(ExchangeDef {
+                vhost,
+                name,
+                kind,
+                auto_delete: flags & FLAG_AUTO_DELETE != 0,
+                internal: flags & FLAG_INTERNAL != 0,
+                arguments,
+            }))
+        }
+        QUEUE => {
+            let vhost = k.vhost()?;
+            let name = k.short("queue name")?;
+            k.done("queue key")?;
+            let key = v.u64("queue store key")?;
+            let flags = v.u8("queue flags")?;
+            let arguments = v.table("queue arguments")?;
+            Ok(Def::Queue(QueueDef {
+                vhost,
+                name,
+                key,
+                auto_delete: flags & FLAG_AUTO_DELETE != 0,
+                arguments,
+            }))
+        }
+        BINDING => {
+            let vhost = k.vhost()?;
+            let source = k.short("binding source")?;
+            let dest = match k.u8("binding destination kind")? {
+                DEST_QUEUE => BindingDest::Queue(k.short("binding queue")?),
+                DEST_EXCHANGE => BindingDest::Exchange(k.short("binding exchange")?),
+                other => {
+                    return Err(StoreError::Corrupt(format!(
+                        "binding from '{source}': unknown destination kind {other}"
+                    )))
+                }
+            };
+            let routing_key = k.short("binding routing key")?;
+            let arguments = k.table("binding arguments")?;
+            k.done("binding key")?;
+            Ok(Def::Binding(BindingDef {
+                vhost,
+                source,
+                dest,
+                routing_key,
+                arguments,
+            }))
+        }
+        other => Err(StoreError::Corrupt(format!(
+            "unknown definition kind {other:#04x}"
+        ))),
+    }
+}
+
+/// An `index` value: the body key and the expiry.
+pub fn decode_entry(value: &[u8]) -> Result<(u64, Option<u64>), StoreError> {
+    let mut v = Reader::new(Bytes::copy_from_slice(value), "a queue entry");
+    let body = v.u64("body key")?;
+    let expires_at = match v.u8("expiry flag")? {
+        0 => None,
+        _ => Some(v.u64("expiry")?),
+    };
+    Ok((body, expires_at))
+}
+
+/// A body value: the message (persistent, under `key`) and the queues it was written for.
+pub fn decode_body(key: u64, value: Vec<u8>) -> Result<(Message, u32), StoreError> {
+    let mut v = Reader::new(value, "a message body");
+    if v.u8("layout")? != BODY_V1 {
+        return Err(StoreError::Corrupt(format!(
+            "message body {key}: unknown layout"
+        )));
+    }
+    let queues = v.u32("queue count")?;
+    let exchange = v.short("exchange")?;
+    let routing_key = v.short("routing key")?;
+    let n = v.u32("properties length")? as usize;
+    let properties = v.bytes(n, "properties")?;
+    let body = v.rest();
+    Ok((
+        Message {
+            exchange,
+            routing_key,
+            properties,
+            body,
+            persistent: true,
+            store_key: Some(key),
+        },
+        queues,
+    ))
+}
+
+pub fn decode_u64(key: &[u8], what: &str) -> Result<u64, StoreError> {
+    let arr: [u8; 8] = key
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or_else(|| StoreError::Corrupt(format!("{what}: key shorter than 8 bytes")))?;
+    Ok(u64::from_be_bytes(arr))
+}
+
+pub fn decode_entry_key(key: &[u8]) -> Result<(u64, u64), StoreError> {
+    if key.len() != 16 {
+        return Err(StoreError::Corrupt(format!(
+            "queue entry key of {} bytes (16 expected)",
+            key.len()
+        )));
+    }
+    Ok((
+        decode_u64(key, "queue entry")?,
+        decode_u64(&key[8..], "queue entry")?,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warren_codec::FieldValue;
+
+    fn args() -> FieldTable {
+        let mut t = FieldTable::new();
+        t.insert(ShortStr::from_static("x-max-length"), FieldValue::I32(5));
+        t
+    }
+
+    #[test]
+    fn definitions_round_trip() {
+        let x = ExchangeDef {
+            vhost: "/".into(),
+            name: ShortStr::from_static("logs"),
+            kind: ExchangeKind::Topic,
+            auto_delete: true,
+            internal: false,
+            arguments: args(),
+        };
+        match decode_def(&exchange_key(&x.vhost, &x.name), &exchange_value(&x)) {
+            Ok(Def::Exchange(back)) => assert_eq!(back, x),
+            _ => panic!("exchange did not round-trip"),
+        }
+        let q = QueueDef {
+            vhost: "v".into(),
+            name: ShortStr::from_static("jobs"),
+            key: 42,
+            auto_delete: false,
+            arguments: args(),
+        };
+        match decode_def(&queue_key(&q.vhost, &q.name), &queue_value(&q)) {
+            Ok(Def::Queue(back)) => assert_eq!(back, q),
+            _ => panic!("queue did not round-trip"),
+        }
+        let b = BindingDef {
+            vhost: "/".into(),
+            source: ShortStr::from_static("logs"),
+            dest: BindingDest::Queue(ShortStr::from_static("jobs")),
+            routing_key: ShortStr::from_static("a.#"),
+            arguments: args(),
+        };
+        match decode_def(&binding_key(&b), &[]) {
+            Ok(Def::Binding(back)) => assert_eq!(back, b),
+            _ => panic!("binding did not round-trip"),
+        }
+    }
+
+    #[test]
+    fn bodies_and_entries_round_trip() {
+        let m = Message {
+            exchange: ShortStr::from_static("x"),
+            routing_key: ShortStr::from_static("k"),
+            properties: Bytes::from_static(&[0x10, 0x00, 2]),
+            body: Bytes::from_static(b"hello"),
+            persistent: true,
+            store_key: Some(7),
+        };
+        let (back, queues) = decode_body(7, body_value(&m, 3).to_vec()).expect("body");
+        assert_eq!((back, queues), (m, 3));
+        assert_eq!(
+            decode_entry(&entry_value(9, Some(1234))).ok(),
+            Some((9, Some(1234)))
+        );
+        assert_eq!(decode_entry(&entry_value(9, None)).ok(), Some((9, None)));
+        assert_eq!(decode_entry_key(&entry_key(3, 4)).ok(), Some((3, 4)));
+    }
+
+    #[test]
+    fn damaged_values_are_errors_not_panics() {
+        assert!(decode_body(1, vec![BODY_V1, 0, 0]).is_err());
+        assert!(decode_entry(&[1, 2]).is_err());
+        assert!(decode_def(&[EXCHANGE, 0, 0, 0, 9], &[]).is_err());
+        assert!(decode_def(&[0xff], &[]).is_err());
+        assert!(decode_entry_key(&[0; 3]).is_err());
+    }
+}

@@ -1,0 +1,338 @@
+//! Warren's durable storage on RocksDB: what the broker's [`WriteBatch`]es say, written with
+//! one synced write per group, and the recovery that rebuilds the broker from it.
+//!
+//! The schema, the write path and recovery are described in docs/design.md ("Storage"). This
+//! crate does I/O only; deciding what to write is the broker's (sans-IO) job.
+
+mod codec;
+mod recover;
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use rocksdb::{
+    BlockBasedOptions, ColumnFamilyDescriptor, DBCompressionType, Options, WriteOptions, DB,
+};
+use warren_broker::{StoreOp, WriteBatch};
+
+pub use recover::Recovered;
+
+/// The layout this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+const CF_DEFS: &str = "defs";
+const CF_BODIES: &str = "bodies";
+const CF_INDEX: &str = "index";
+const CF_COUNTS: &str = "counts";
+const KEY_FORMAT: &[u8] = b"format";
+const KEY_CLEAN: &[u8] = b"clean";
+const LOCK_FILE: &str = "warren.lock";
+/// Bodies at least this large go to blob files, out of the LSM's compactions.
+const MIN_BLOB_SIZE: u64 = 4096;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "another Warren is using the data directory {dir} (it holds {lock}); stop it, or give this \
+         one its own directory with --data-dir DIR or WARREN_DATA_DIR"
+    )]
+    Locked { dir: PathBuf, lock: PathBuf },
+    #[error("cannot use the data directory {dir}: {source}")]
+    Io {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot open the data directory {dir}: {source} (if it is damaged, move it aside and \
+         Warren starts with an empty one)"
+    )]
+    Open {
+        dir: PathBuf,
+        source: rocksdb::Error,
+    },
+    #[error(
+        "the data directory {dir} has format {found}, and this Warren reads format \
+         {FORMAT_VERSION}: run the Warren that wrote it, or start with another --data-dir"
+    )]
+    Format { dir: PathBuf, found: String },
+    #[error("write failed: {0}")]
+    Write(rocksdb::Error),
+    #[error("read failed: {0}")]
+    Read(rocksdb::Error),
+    #[error("the data directory holds damaged data: {0}")]
+    Corrupt(String),
+}
+
+/// An open data directory. Dropping it closes RocksDB and releases the lock.
+pub struct Store {
+    db: DB,
+    dir: PathBuf,
+    /// Held (locked) for the store's life: a second broker on the directory is refused.
+    _lock: File,
+    /// Whether the previous run stopped cleanly (read at open, before the marker is removed).
+    clean_start: bool,
+}
+
+fn cf_options() -> Options {
+    let mut o = Options::default();
+    o.set_compression_type(DBCompressionType::Lz4);
+    o
+}
+
+impl Store {
+    /// Opens (or creates) the store in `dir`. Refuses a directory another process holds, one
+    /// of another format, and damaged RocksDB files, with a message that names the directory.
+    pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        let io = |source| StoreError::Io {
+            dir: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let lock_path = dir.join(LOCK_FILE);
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io)?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StoreError::Locked {
+                    dir: dir.to_path_buf(),
+                    lock: lock_path,
+                })
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io(e)),
+        }
+        let fresh = !dir.join("CURRENT").exists();
+
+        let mut opts = Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        // A broker shares the machine with its clients: two background jobs are plenty.
+        opts.set_max_background_jobs(2);
+        // All memtables together stay small: the broker's RAM is for messages.
+        opts.set_db_write_buffer_size(64 << 20);
+        opts.set_compression_type(DBCompressionType::Lz4);
+
+        let defs = ColumnFamilyDescriptor::new(CF_DEFS, cf_options());
+        let mut bodies_opts = cf_options();
+        bodies_opts.set_enable_blob_files(true);
+        bodies_opts.set_min_blob_size(MIN_BLOB_SIZE);
+        bodies_opts.set_enable_blob_gc(true);
+        bodies_opts.set_blob_compression_type(DBCompressionType::Lz4);
+        let bodies = ColumnFamilyDescriptor::new(CF_BODIES, bodies_opts);
+        let mut index_opts = cf_options();
+        // A queue deletes at its head what it appended at its tail: files full of tombstones
+        // are compacted early (RocksDB's advice for queue-shaped keyspaces).
+        index_opts.add_compact_on_deletion_collector_factory(128, 64, 0.5);
+        let mut table = BlockBasedOptions::default();
+        table.set_bloom_filter(10.0, false);
+        index_opts.set_block_based_table_factory(&table);
+        let index = ColumnFamilyDescriptor::new(CF_INDEX, index_opts);
+        let counts = ColumnFamilyDescriptor::new(CF_COUNTS, cf_options());
+
+        let db = DB::open_cf_descriptors(&opts, dir, vec![defs, bodies, index, counts]).map_err(
+            |source| StoreError::Open {
+                dir: dir.to_path_buf(),
+                source,
+            },
+        )?;
+        let format = db.get(KEY_FORMAT).map_err(StoreError::Read)?;
+        match format.as_deref() {
+            Some(v) if v == FORMAT_VERSION.to_be_bytes() => {}
+            None if fresh => {
+                let mut w = WriteOptions::default();
+                w.set_sync(true);
+                db.put_opt(KEY_FORMAT, FORMAT_VERSION.to_be_bytes(), &w)
+                    .map_err(StoreError::Write)?;
+            }
+            other => {
+                let found = match other {
+                    Some(v) => match <[u8; 4]>::try_from(v) {
+                        Ok(b) => u32::from_be_bytes(b).to_string(),
+                        Err(_) => format!("{v:02x?}"),
+                    },
+                    None => "none (the format record is missing)".to_string(),
+                };
+                return Err(StoreError::Format {
+                    dir: dir.to_path_buf(),
+                    found,
+                });
+            }
+        }
+        let clean_start = db.get(KEY_CLEAN).map_err(StoreError::Read)?.is_some() || fresh;
+        // From here until a clean stop, a restart is a crash recovery.
+        let mut w = WriteOptions::default();
+        w.set_sync(true);
+        db.delete_opt(KEY_CLEAN, &w).map_err(StoreError::Write)?;
+        Ok(Store {
+            db,
+            dir: dir.to_path_buf(),
+            _lock: lock,
+            clean_start,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Did the previous run stop cleanly (or is the directory new)?
+    pub fn clean_start(&self) -> bool {
+        self.clean_start
+    }
+
+    fn cf(&self, name: &str) -> Result<&rocksdb::ColumnFamily, StoreError> {
+        self.db
+            .cf_handle(name)
+            .ok_or_else(|| StoreError::Corrupt(format!("column family {name} is missing")))
+    }
+
+    /// Writes `batches` (in order) as one RocksDB write, synced if any of them asks for it: the
+    /// group commit. A message put and deleted within the group (acked before it reached the
+    /// disk) is written not at all.
+    pub fn write(&self, batches: &[WriteBatch]) -> Result<(), StoreError> {
+        let (defs, bodies, index, counts) = (
+            self.cf(CF_DEFS)?,
+            self.cf(CF_BODIES)?,
+            self.cf(CF_INDEX)?,
+            self.cf(CF_COUNTS)?,
+        );
+        // What is both created and removed within this group.
+        let mut gone_bodies = HashSet::new();
+        let mut gone_entries = HashSet::new();
+        for op in batches.iter().flat_map(|b| &b.ops) {
+            match op {
+                StoreOp::DeleteBody { key } => {
+                    gone_bodies.insert(*key);
+                }
+                StoreOp::DeleteEntry { queue, msg_id, .. } => {
+                    gone_entries.insert((*queue, *msg_id));
+                }
+                _ => {}
+            }
+        }
+        let mut put_bodies = HashSet::new();
+        let mut put_entries = HashSet::new();
+        for op in batches.iter().flat_map(|b| &b.ops) {
+            match op {
+                StoreOp::PutBody { key, .. } if gone_bodies.contains(key) => {
+                    put_bodies.insert(*key);
+                }
+                StoreOp::PutEntry { queue, msg_id, .. }
+                    if gone_entries.contains(&(*queue, *msg_id)) =>
+                {
+                    put_entries.insert((*queue, *msg_id));
+                }
+                _ => {}
+            }
+        }
+
+        let mut wb = rocksdb::WriteBatch::default();
+        let mut sync = false;
+        for batch in batches {
+            sync |= batch.sync;
+            for op in &batch.ops {
+                match op {
+                    StoreOp::PutExchange(x) => wb.put_cf(
+                        defs,
+                        codec::exchange_key(&x.vhost, &x.name),
+                        codec::exchange_value(x),
+                    ),
+                    StoreOp::DeleteExchange { vhost, name } => {
+                        wb.delete_cf(defs, codec::exchange_key(vhost, name))
+                    }
+                    StoreOp::PutQueue(q) => wb.put_cf(
+                        defs,
+                        codec::queue_key(&q.vhost, &q.name),
+                        codec::queue_value(q),
+                    ),
+                    StoreOp::DeleteQueue { vhost, name, key } => {
+                        wb.delete_cf(defs, codec::queue_key(vhost, name));
+                        let (from, to) = codec::queue_range(*key);
+                        wb.delete_range_cf(index, from, to);
+                        wb.delete_range_cf(counts, from, to);
+                    }
+                    StoreOp::PutBinding(b) => wb.put_cf(defs, codec::binding_key(b), []),
+                    StoreOp::DeleteBinding(b) => wb.delete_cf(defs, codec::binding_key(b)),
+                    StoreOp::PutBody {
+                        key,
+                        message,
+                        queues,
+                    } => {
+                        if !put_bodies.contains(key) {
+                            wb.put_cf(
+                                bodies,
+                                key.to_be_bytes(),
+                                codec::body_value(message, *queues),
+                            );
+                        }
+                    }
+                    StoreOp::DeleteBody { key } => {
+                        if !put_bodies.contains(key) {
+                            // Written once, deleted once: the put and this cancel out in the
+                            // first compaction that sees both, leaving no tombstone behind.
+                            wb.single_delete_cf(bodies, key.to_be_bytes());
+                        }
+                    }
+                    StoreOp::PutEntry {
+                        queue,
+                        msg_id,
+                        body,
+                        expires_at,
+                    } => {
+                        if !put_entries.contains(&(*queue, *msg_id)) {
+                            wb.put_cf(
+                                index,
+                                codec::entry_key(*queue, *msg_id),
+                                codec::entry_value(*body, *expires_at),
+                            );
+                        }
+                    }
+                    StoreOp::DeleteEntry {
+                        queue,
+                        msg_id,
+                        count,
+                    } => {
+                        let key = codec::entry_key(*queue, *msg_id);
+                        if !put_entries.contains(&(*queue, *msg_id)) {
+                            wb.single_delete_cf(index, key);
+                        }
+                        if *count {
+                            wb.delete_cf(counts, key);
+                        }
+                    }
+                    StoreOp::PutCount {
+                        queue,
+                        msg_id,
+                        count,
+                    } => wb.put_cf(
+                        counts,
+                        codec::entry_key(*queue, *msg_id),
+                        count.to_be_bytes(),
+                    ),
+                }
+            }
+        }
+        let mut w = WriteOptions::default();
+        w.set_sync(sync);
+        self.db.write_opt(wb, &w).map_err(StoreError::Write)
+    }
+
+    /// Marks a clean stop: the next start does not treat recovered messages as possibly
+    /// delivered. Call after the last write.
+    pub fn close_clean(self) -> Result<(), StoreError> {
+        let mut w = WriteOptions::default();
+        w.set_sync(true);
+        self.db
+            .put_opt(KEY_CLEAN, [1u8], &w)
+            .map_err(StoreError::Write)?;
+        self.db.flush_wal(true).map_err(StoreError::Write)
+    }
+}
+
+#[cfg(test)]
+mod tests;

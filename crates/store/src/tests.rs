@@ -1,0 +1,352 @@
+use bytes::Bytes;
+use warren_broker::{Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message};
+use warren_codec::{FieldTable, ShortStr};
+
+use super::*;
+
+fn broker() -> Broker {
+    Broker::new(BrokerConfig {
+        persistence: true,
+        ..BrokerConfig::default()
+    })
+}
+
+fn declare(b: &mut Broker, name: &'static str, durable: bool) {
+    b.declare_queue(
+        "/",
+        DeclareQueue {
+            name: ShortStr::from_static(name),
+            passive: false,
+            durable,
+            exclusive: false,
+            auto_delete: false,
+            arguments: FieldTable::new(),
+        },
+        1,
+    )
+    .expect("declare");
+}
+
+fn msg(body: &'static str, persistent: bool) -> Message {
+    Message {
+        exchange: ShortStr::empty(),
+        routing_key: ShortStr::empty(),
+        // Property flags with delivery-mode set, then delivery-mode 2.
+        properties: Bytes::from_static(&[0x10, 0x00, 2]),
+        body: Bytes::from_static(body.as_bytes()),
+        persistent,
+        store_key: None,
+    }
+}
+
+fn flush(b: &mut Broker, s: &Store) {
+    let mut batches = Vec::new();
+    while let Some(w) = b.take_writes() {
+        batches.push(w);
+    }
+    s.write(&batches).expect("write");
+}
+
+fn ready(b: &Broker, q: &str) -> Vec<Bytes> {
+    let id = b.queue_id("/", q).expect("queue");
+    let m = b.machine(id).expect("machine");
+    let mut v: Vec<(u64, Bytes)> = m
+        .ready_messages()
+        .map(|(id, m, _)| (id, m.body.clone()))
+        .collect();
+    v.sort_by_key(|(id, _)| *id);
+    v.into_iter().map(|(_, b)| b).collect()
+}
+
+fn consume_all(b: &mut Broker, q: &str) -> Vec<Delivery> {
+    b.consume(
+        "/",
+        q,
+        CreditGroup {
+            conn: 1,
+            channel: 1,
+        },
+        ShortStr::from_static("c"),
+        false,
+        false,
+        0,
+        &FieldTable::new(),
+    )
+    .expect("consume");
+    let mut out = Vec::new();
+    while b.dispatch_one(&mut out) {}
+    out
+}
+
+#[test]
+fn durable_messages_survive_and_transient_ones_do_not() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        declare(&mut b, "durable", true);
+        declare(&mut b, "transient", false);
+        for (body, persistent) in [("a", true), ("b", false), ("c", true)] {
+            b.publish("/", "", "durable", msg(body, persistent), 0)
+                .expect("publish");
+            b.publish("/", "", "transient", msg(body, persistent), 0)
+                .expect("publish");
+        }
+        flush(&mut b, &s);
+        s.close_clean().expect("close");
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    assert!(s.clean_start());
+    let mut b = broker();
+    let r = s.recover(&mut b).expect("recover");
+    assert_eq!((r.queues, r.messages, r.after_crash), (1, 2, false));
+    assert_eq!(ready(&b, "durable"), vec!["a", "c"]);
+    assert!(b.queue_id("/", "transient").is_none());
+}
+
+#[test]
+fn acked_messages_stay_gone_and_unacked_ones_come_back_redelivered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        declare(&mut b, "q", true);
+        for body in ["1", "2", "3"] {
+            b.publish("/", "", "q", msg(body, true), 0)
+                .expect("publish");
+        }
+        flush(&mut b, &s);
+        let d = consume_all(&mut b, "q");
+        assert_eq!(d.len(), 3);
+        assert!(b.settle(d[0].queue, d[0].receipt));
+        // "2" came back once (nack with requeue) and was delivered again.
+        assert!(b.requeue(d[1].queue, d[1].receipt));
+        let again: Vec<Delivery> = {
+            let mut out = Vec::new();
+            while b.dispatch_one(&mut out) {}
+            out
+        };
+        assert_eq!(again.len(), 1);
+        flush(&mut b, &s);
+        // No clean close: a crash.
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    assert!(!s.clean_start());
+    let mut b = broker();
+    let r = s.recover(&mut b).expect("recover");
+    assert!(r.after_crash);
+    assert_eq!(ready(&b, "q"), vec!["2", "3"]);
+    let d = consume_all(&mut b, "q");
+    assert!(
+        d.iter().all(|d| d.redelivered),
+        "after a crash all come back redelivered"
+    );
+    // "2" was delivered twice before; its count was stored when it came back the first time.
+    assert_eq!(d[0].receipt.attempt, 2);
+    assert_eq!(d[1].receipt.attempt, 1);
+}
+
+#[test]
+fn fanned_out_body_is_stored_once_and_deleted_with_its_last_queue_entry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Store::open(dir.path()).expect("open");
+    let mut b = broker();
+    declare(&mut b, "q1", true);
+    declare(&mut b, "q2", true);
+    b.bind_queue("/", "q1", "amq.fanout", "", &FieldTable::new(), 1)
+        .expect("bind");
+    b.bind_queue("/", "q2", "amq.fanout", "", &FieldTable::new(), 1)
+        .expect("bind");
+    let mut m = msg("fan", true);
+    m.exchange = ShortStr::from_static("amq.fanout");
+    b.publish("/", "amq.fanout", "", m, 0).expect("publish");
+    let w = b.take_writes().expect("writes");
+    let bodies = w
+        .ops
+        .iter()
+        .filter(|o| matches!(o, StoreOp::PutBody { .. }))
+        .count();
+    assert_eq!(bodies, 1);
+    s.write(&[w]).expect("write");
+    let d1 = consume_all(&mut b, "q1");
+    assert!(b.settle(d1[0].queue, d1[0].receipt));
+    let w = b.take_writes().expect("writes");
+    assert!(!w
+        .ops
+        .iter()
+        .any(|o| matches!(o, StoreOp::DeleteBody { .. })));
+    s.write(&[w]).expect("write");
+    let bodies_cf = s.cf(CF_BODIES).expect("cf");
+    assert_eq!(
+        s.db.iterator_cf(bodies_cf, rocksdb::IteratorMode::Start)
+            .count(),
+        1
+    );
+    let d2 = consume_all(&mut b, "q2");
+    assert!(b.settle(d2[0].queue, d2[0].receipt));
+    flush(&mut b, &s);
+    assert_eq!(
+        s.db.iterator_cf(bodies_cf, rocksdb::IteratorMode::Start)
+            .count(),
+        0
+    );
+}
+
+#[test]
+fn definitions_survive_with_their_arguments() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut args = FieldTable::new();
+    args.insert(
+        ShortStr::from_static("x-max-length"),
+        warren_codec::FieldValue::I32(10),
+    );
+    let mut xargs = FieldTable::new();
+    xargs.insert(
+        ShortStr::from_static("alternate-exchange"),
+        warren_codec::FieldValue::LongStr(Bytes::from_static(b"ae")),
+    );
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        b.declare_exchange("/", "logs", "topic", false, true, false, false, &xargs)
+            .expect("exchange");
+        b.declare_exchange("/", "gone", "direct", false, false, false, false, &args)
+            .expect("exchange");
+        b.declare_queue(
+            "/",
+            DeclareQueue {
+                name: ShortStr::from_static("q"),
+                passive: false,
+                durable: true,
+                exclusive: false,
+                auto_delete: false,
+                arguments: args.clone(),
+            },
+            1,
+        )
+        .expect("queue");
+        b.bind_queue("/", "q", "logs", "a.#", &FieldTable::new(), 1)
+            .expect("bind");
+        b.bind_exchange("/", "logs", "amq.topic", "x.*", &FieldTable::new())
+            .expect("bind");
+        flush(&mut b, &s);
+        s.close_clean().expect("close");
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    let mut b = broker();
+    let r = s.recover(&mut b).expect("recover");
+    assert_eq!((r.exchanges, r.queues, r.bindings, r.skipped), (1, 1, 2, 0));
+    assert!(b.exchange_exists("/", "logs"));
+    assert!(!b.exchange_exists("/", "gone"));
+    // Redeclaring with the same arguments is accepted; other arguments are refused (406).
+    b.declare_exchange("/", "logs", "topic", false, true, false, false, &xargs)
+        .expect("equivalent");
+    assert!(b
+        .declare_exchange(
+            "/",
+            "logs",
+            "topic",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new()
+        )
+        .is_err());
+    let q = b.queue_id("/", "q").expect("queue");
+    assert_eq!(b.queue_info(q).map(|i| i.durable), Some(true));
+    assert!(b
+        .declare_queue(
+            "/",
+            DeclareQueue {
+                name: ShortStr::from_static("q"),
+                passive: false,
+                durable: true,
+                exclusive: false,
+                auto_delete: false,
+                arguments: FieldTable::new(),
+            },
+            1,
+        )
+        .is_err());
+    // The restored bindings route: amq.topic -> logs -> q.
+    let mut m = msg("routed", true);
+    m.exchange = ShortStr::from_static("amq.topic");
+    let routed = b.publish("/", "amq.topic", "x.y", m, 0).expect("publish");
+    assert_eq!(routed.queues, 0, "x.y does not match a.#");
+    let mut m = msg("routed", true);
+    m.exchange = ShortStr::from_static("logs");
+    let routed = b.publish("/", "logs", "a.b", m, 0).expect("publish");
+    assert_eq!(routed.queues, 1);
+    assert!(routed.batch.is_some());
+}
+
+#[test]
+fn a_deleted_queue_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        declare(&mut b, "q", true);
+        for body in ["1", "2"] {
+            b.publish("/", "", "q", msg(body, true), 0)
+                .expect("publish");
+        }
+        flush(&mut b, &s);
+        b.delete_queue("/", "q", false, false, 1).expect("delete");
+        flush(&mut b, &s);
+        for cf in [CF_BODIES, CF_INDEX, CF_DEFS] {
+            let handle = s.cf(cf).expect("cf");
+            assert_eq!(
+                s.db.iterator_cf(handle, rocksdb::IteratorMode::Start)
+                    .count(),
+                0,
+                "{cf} is not empty"
+            );
+        }
+        s.close_clean().expect("close");
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    let mut b = broker();
+    assert_eq!(s.recover(&mut b).expect("recover").queues, 0);
+}
+
+#[test]
+fn a_second_store_on_the_same_directory_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let _first = Store::open(dir.path()).expect("open");
+    match Store::open(dir.path()) {
+        Err(e @ StoreError::Locked { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("--data-dir"), "{text}");
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a second store opened the same directory"),
+    }
+}
+
+#[test]
+fn a_newer_format_or_damaged_files_are_clear_errors() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = Store::open(dir.path()).expect("open");
+        s.db.put(KEY_FORMAT, 99u32.to_be_bytes()).expect("put");
+    }
+    match Store::open(dir.path()) {
+        Err(e @ StoreError::Format { .. }) => assert!(e.to_string().contains("99"), "{e}"),
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a store of another format opened"),
+    }
+    // A CURRENT file pointing nowhere: RocksDB's own corruption.
+    let dir = tempfile::tempdir().expect("tempdir");
+    drop(Store::open(dir.path()).expect("open"));
+    std::fs::write(dir.path().join("CURRENT"), "MANIFEST-999999\n").expect("write");
+    match Store::open(dir.path()) {
+        Err(e @ StoreError::Open { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains(&dir.path().display().to_string()), "{text}");
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("a damaged store opened"),
+    }
+}
