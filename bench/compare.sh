@@ -35,7 +35,7 @@ WARREN_BIN=""
 WARREN_ARGS=""
 WARREN_PID=""
 RABBIT_URL="amqp://guest:guest@127.0.0.1:5672/%2f"
-WARREN_STORAGE="in memory: persistent messages on durable queues are kept in RAM until the RocksDB store lands (no fsync, lost on restart); rerun scenario 2 once it does"
+WARREN_STORAGE="RocksDB (a fresh --data-dir per start): persistent messages on durable queues are fsynced before their confirm, one synced write per group of publishes"
 
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; cat <<'EOF'
 Options:
@@ -209,6 +209,7 @@ cleanup() {
     kill "$STARTED_WARREN" 2>/dev/null || true
     wait "$STARTED_WARREN" 2>/dev/null || true
   fi
+  rm -rf "$RESULTS/warren-data"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -218,8 +219,11 @@ port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 WARREN_RESTARTS=0
 start_warren() {
   log "starting Warren on 127.0.0.1:$WARREN_PORT"
+  # Every start begins empty, as a restarted RabbitMQ has no queues of earlier scenarios either.
+  rm -rf "$RESULTS/warren-data"
   # shellcheck disable=SC2086
-  "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" $WARREN_ARGS >>"$RESULTS/warren.log" 2>&1 &
+  "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" --data-dir "$RESULTS/warren-data" $WARREN_ARGS \
+    >>"$RESULTS/warren.log" 2>&1 &
   STARTED_WARREN=$!
   B_PID=$STARTED_WARREN
   for _ in $(seq 1 100); do

@@ -402,3 +402,102 @@ async fn confirmed_messages_survive_repeated_kill_9() {
         "delivered but never published: {invented:?}"
     );
 }
+
+/// A small tmpfs mounted for one test, unmounted on drop.
+struct SmallDisk {
+    path: std::path::PathBuf,
+}
+
+impl SmallDisk {
+    /// Needs root (mount); `None`, with the reason printed, where the machine does not allow it.
+    fn mount(size: &str) -> Option<SmallDisk> {
+        let path = std::env::temp_dir().join(unique("warren-small-disk"));
+        std::fs::create_dir_all(&path).ok()?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&path)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(SmallDisk { path }),
+            Ok(o) => {
+                eprintln!(
+                    "SKIPPED: cannot mount a {size} tmpfs (needs root): {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                );
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIPPED: cannot run mount: {e}");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(&self.path)
+            .status();
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_nacks_publishes_and_the_broker_keeps_serving() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return;
+    }
+    let Some(disk) = SmallDisk::mount("24m") else {
+        return;
+    };
+    let dir = disk.path.join("data");
+    let dir = dir.to_str().expect("utf-8 path");
+    let broker = TestBroker::start_with(&["--data-dir", dir, "--disk-free-limit", "0"]);
+    let conn = broker.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let q = unique("full");
+    declare(&ch, &q, true).await;
+    let body = vec![b'x'; 64 * 1024];
+    let (mut acked, mut nacked) = (0u32, 0u32);
+    // 24 MiB hold fewer than 400 such messages.
+    for _ in 0..1000 {
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                persistent(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        match confirm {
+            Confirmation::Ack(_) => acked += 1,
+            Confirmation::Nack(_) => {
+                nacked += 1;
+                if nacked == 3 {
+                    break;
+                }
+            }
+            Confirmation::NotRequested => panic!("confirms were selected"),
+        }
+    }
+    assert!(acked > 10, "the disk took only {acked} messages");
+    assert_eq!(nacked, 3, "a full disk must nack publishes ({acked} acked)");
+    // Still serving: a transient queue works, and so does the connection that was nacked.
+    let t = unique("full-transient");
+    declare(&ch, &t, false).await;
+    publish_confirmed(&ch, "", &t, b"still here", BasicProperties::default()).await;
+    assert_eq!(
+        drain(&ch, &t).await,
+        vec![("still here".to_string(), false)]
+    );
+    drop(conn);
+    drop(broker);
+}

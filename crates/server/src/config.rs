@@ -45,6 +45,17 @@ pub struct Args {
     /// [default: $XDG_DATA_HOME/warren, else ~/.local/share/warren]
     #[arg(long, env = "WARREN_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+    /// Publishers are blocked while the broker's memory (RSS) is above this fraction of the
+    /// machine's RAM, as RabbitMQ's vm_memory_high_watermark [default: 0.4]
+    #[arg(long, env = "WARREN_MEMORY_HIGH_WATERMARK", value_name = "FRACTION")]
+    pub memory_high_watermark: Option<f64>,
+    /// The same limit in bytes; wins over --memory-high-watermark
+    #[arg(long, env = "WARREN_MEMORY_LIMIT", value_name = "BYTES")]
+    pub memory_limit: Option<u64>,
+    /// Publishers are blocked while the data directory's disk has less free space than this,
+    /// as RabbitMQ's disk_free_limit; 0 disables [default: 50000000]
+    #[arg(long, env = "WARREN_DISK_FREE_LIMIT", value_name = "BYTES")]
+    pub disk_free_limit: Option<u64>,
     /// Debugging: append every command applied to every queue to FILE (see docs/design.md)
     #[arg(long, env = "WARREN_RECORD_COMMANDS", value_name = "FILE")]
     pub record_commands: Option<PathBuf>,
@@ -66,6 +77,9 @@ pub struct FileConfig {
     pub max_message_size: Option<u64>,
     pub handshake_timeout: Option<u64>,
     pub data_dir: Option<PathBuf>,
+    pub memory_high_watermark: Option<f64>,
+    pub memory_limit: Option<u64>,
+    pub disk_free_limit: Option<u64>,
     /// Replaces the default guest user when present.
     pub users: Option<Vec<FileUser>>,
 }
@@ -93,6 +107,8 @@ pub enum ConfigError {
     },
     #[error("frame_max must be at least 4096, got {0}")]
     FrameMax(u32),
+    #[error("memory_high_watermark must be a fraction between 0 and 1 (RabbitMQ's default is 0.4), got {0}")]
+    Watermark(f64),
     #[error(
         "no data directory: neither XDG_DATA_HOME nor HOME is set; give one with --data-dir DIR \
          or WARREN_DATA_DIR"
@@ -111,6 +127,17 @@ fn default_data_dir() -> Option<PathBuf> {
         .map(|h| h.join(".local/share/warren"))
 }
 
+/// When publishers are blocked (RabbitMQ's resource alarms).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AlarmConfig {
+    /// Fraction of the machine's RAM.
+    pub memory_high_watermark: f64,
+    /// Absolute bytes; wins over the fraction.
+    pub memory_limit: Option<u64>,
+    /// Free bytes on the data directory's disk; 0 = no disk alarm.
+    pub disk_free_limit: u64,
+}
+
 /// Everything the server needs, resolved.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -119,6 +146,7 @@ pub struct Config {
     pub log_level: String,
     pub session: SessionConfig,
     pub data_dir: PathBuf,
+    pub alarms: AlarmConfig,
     pub record_commands: Option<PathBuf>,
 }
 
@@ -170,8 +198,24 @@ impl Config {
             Some(d) => d,
             None => default_data_dir().ok_or(ConfigError::NoDataDir)?,
         };
+        let memory_high_watermark = args
+            .memory_high_watermark
+            .or(file.memory_high_watermark)
+            .unwrap_or(0.4);
+        if !(memory_high_watermark > 0.0 && memory_high_watermark <= 1.0) {
+            return Err(ConfigError::Watermark(memory_high_watermark));
+        }
+        let alarms = AlarmConfig {
+            memory_high_watermark,
+            memory_limit: args.memory_limit.or(file.memory_limit),
+            disk_free_limit: args
+                .disk_free_limit
+                .or(file.disk_free_limit)
+                .unwrap_or(50_000_000),
+        };
         Ok(Config {
             data_dir,
+            alarms,
             bind: args
                 .bind
                 .or(file.bind)

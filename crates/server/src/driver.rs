@@ -56,6 +56,8 @@ struct Writer {
     /// it drains below the limit, not every write.
     pending: Arc<AtomicUsize>,
     blocked: bool,
+    /// True while a resource alarm holds the connection: its reader reads nothing.
+    pause: watch::Sender<bool>,
 }
 
 /// The node and what the node's output needs to reach sockets.
@@ -187,6 +189,9 @@ impl Core {
         if let Some(fm) = t.frame_max {
             w.frame_max.store(fm, Ordering::Relaxed);
         }
+        if let Some(p) = t.pause {
+            w.pause.send_replace(p);
+        }
         if w.transmit(t.bytes, t.close) >= self.backlog_limit && !w.blocked {
             w.blocked = true;
             self.node.set_write_blocked(t.conn, true);
@@ -232,6 +237,7 @@ pub async fn serve(
     node: Node,
     recorder: Option<Recorder>,
     store: Option<warren_store::Store>,
+    (alarms, data_dir): (crate::config::AlarmConfig, std::path::PathBuf),
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<Option<warren_store::Store>> {
     let config = node.config().clone();
@@ -260,6 +266,11 @@ pub async fn serve(
         }
         None => None,
     };
+    let on_alarm = shared.clone();
+    let set_alarms: Arc<dyn Fn(bool, bool) + Send + Sync> = Arc::new(move |memory, disk| {
+        on_alarm.with_node(|node, now| node.set_alarms(memory, disk, now));
+    });
+    let monitor = tokio::spawn(crate::alarms::monitor(alarms, data_dir, set_alarms));
     let ticker = tokio::spawn(timer(shared.clone()));
     let dispatcher = tokio::spawn(dispatcher(shared.clone()));
     let next_id = AtomicU64::new(1);
@@ -296,6 +307,7 @@ pub async fn serve(
     }
     ticker.abort();
     dispatcher.abort();
+    monitor.abort();
     // The last writes (messages of closed channels coming back) reach the disk before the store
     // is handed back.
     shared.lock().store = None;
@@ -368,6 +380,7 @@ async fn connection(
     let frame_max = Arc::new(AtomicU32::new(frame_max));
     let pending = Arc::new(AtomicUsize::new(0));
     let (tx, rx) = mpsc::unbounded_channel();
+    let (pause, paused) = watch::channel(false);
     shared.with_core(|core, now| {
         core.writers.insert(
             conn,
@@ -377,6 +390,7 @@ async fn connection(
                 frame_max: frame_max.clone(),
                 pending: pending.clone(),
                 blocked: false,
+                pause,
             },
         );
         core.node.connection_opened(conn, Some(peer), now);
@@ -388,6 +402,7 @@ async fn connection(
         shared.clone(),
         frame_max,
         draining.clone(),
+        paused,
     ));
     write_loop(wr, rx, conn, shared, reader, draining, pending).await;
 }
@@ -418,6 +433,7 @@ async fn read_loop(
     shared: Arc<Shared>,
     frame_max: Arc<AtomicU32>,
     draining: Arc<AtomicBool>,
+    mut paused: watch::Receiver<bool>,
 ) {
     let mut decoder = FrameDecoder::new(frame_max.load(Ordering::Relaxed));
     let mut buf = BytesMut::new();
@@ -428,6 +444,13 @@ async fn read_loop(
             // Frames taken out earlier keep their part of the old buffer alive; small reads share one
             // buffer, so a small message does not pin a buffer of its own.
             buf.reserve(read_size);
+        }
+        if *paused.borrow() {
+            // A resource alarm: leave the client's bytes in the kernel (TCP back-pressure)
+            // until it clears. A closed sender means the connection is going away.
+            if paused.wait_for(|p| !*p).await.is_err() {
+                break;
+            }
         }
         let spare = buf.capacity() - buf.len();
         match rd.read_buf(&mut buf).await {

@@ -1,5 +1,6 @@
 //! The `warren` binary: an AMQP 0-9-1 broker.
 
+mod alarms;
 mod config;
 mod driver;
 mod storage;
@@ -167,7 +168,15 @@ async fn run(config: Config) -> std::io::Result<()> {
         wait_for_signal().await;
         let _ = stop_tx.send(true);
     });
-    let store = driver::serve(listener, node, recorder, Some(store), stop_rx).await?;
+    let store = driver::serve(
+        listener,
+        node,
+        recorder,
+        Some(store),
+        (config.alarms, config.data_dir.clone()),
+        stop_rx,
+    )
+    .await?;
     // Give writer tasks a moment to put the last close frames on the wire.
     tokio::time::sleep(Duration::from_millis(100)).await;
     if let Some(store) = store {

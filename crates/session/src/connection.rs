@@ -45,6 +45,7 @@ impl State {
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct ClientCaps {
     pub consumer_cancel_notify: bool,
+    pub connection_blocked: bool,
 }
 
 pub(crate) struct Connection {
@@ -79,6 +80,12 @@ pub(crate) struct Connection {
     pub confirms_pending: bool,
     /// Channels and consumers were already released to the broker.
     pub released: bool,
+    /// It has published: a resource alarm stops reading from it.
+    pub published: bool,
+    /// A resource alarm holds it: the driver reads nothing from its socket until it ends.
+    pub paused: bool,
+    /// `paused` changed and the driver has not been told.
+    pub pause_changed: bool,
 }
 
 /// What a connection-level step asks the node to do next.
@@ -116,6 +123,9 @@ impl Connection {
             frame_max_changed: false,
             confirms_pending: false,
             released: false,
+            published: false,
+            paused: false,
+            pause_changed: false,
         }
     }
 
@@ -322,6 +332,7 @@ fn client_caps(props: &FieldTable) -> ClientCaps {
     let flag = |k: &str| matches!(caps.get(k), Some(FieldValue::Bool(true)));
     ClientCaps {
         consumer_cancel_notify: flag("consumer_cancel_notify"),
+        connection_blocked: flag("connection.blocked"),
     }
 }
 

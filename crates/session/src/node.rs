@@ -30,6 +30,9 @@ pub struct Transmit {
     pub frame_max: Option<u32>,
     /// Close the socket once these bytes are written.
     pub close: bool,
+    /// Stop (true) or resume (false) reading from the socket: a resource alarm (memory, disk)
+    /// holds publishers back as RabbitMQ does, by not reading what they send.
+    pub pause: Option<bool>,
 }
 
 pub struct Node {
@@ -50,6 +53,8 @@ pub struct Node {
     next_id: u64,
     /// Channels with publisher confirms waiting for a store write.
     confirm_waiters: BTreeSet<(ConnId, u16)>,
+    /// The resource alarm in force ("low on memory", "low on disk"), if any.
+    alarm: Option<&'static str>,
 }
 
 impl Node {
@@ -65,6 +70,86 @@ impl Node {
             direct_replies: Vec::new(),
             next_id: 0,
             confirm_waiters: BTreeSet::new(),
+            alarm: None,
+        }
+    }
+
+    /// Sets the resource alarms (the driver measures memory and free disk). While one is on,
+    /// every connection that publishes is blocked: the driver stops reading its socket, and a
+    /// client that advertises the `connection.blocked` capability is told so, with RabbitMQ's
+    /// reason text. Connections that only consume keep running, so queues drain. When the
+    /// last alarm clears, blocked connections get `connection.unblocked` and are read again.
+    pub fn set_alarms(&mut self, memory: bool, disk: bool, now: u64) {
+        let alarm = match (memory, disk) {
+            (true, _) => Some("low on memory"),
+            (false, true) => Some("low on disk"),
+            (false, false) => None,
+        };
+        if alarm == self.alarm {
+            return;
+        }
+        let was = self.alarm.is_some();
+        self.alarm = alarm;
+        match alarm {
+            Some(_) if !was => {
+                tracing::warn!(reason = alarm, "resource alarm: publishers are blocked");
+                let ids: Vec<ConnId> = self
+                    .conns
+                    .iter()
+                    .filter(|(_, c)| c.published && !c.paused)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in ids {
+                    self.block(id);
+                }
+            }
+            Some(_) => {}
+            None => {
+                tracing::warn!("resource alarm cleared: publishers may publish again");
+                for (id, c) in self.conns.iter_mut().filter(|(_, c)| c.paused) {
+                    c.paused = false;
+                    c.pause_changed = true;
+                    // Its heartbeats were not read while it was blocked.
+                    c.last_recv = now;
+                    if c.caps.connection_blocked && c.is_open() {
+                        send(&mut c.out, 0, warren_codec::ConnectionUnblocked {});
+                    }
+                    if !c.dirty {
+                        c.dirty = true;
+                        self.dirty.push(*id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Is a resource alarm in force?
+    pub fn alarm(&self) -> Option<&'static str> {
+        self.alarm
+    }
+
+    fn block(&mut self, conn: ConnId) {
+        let Some(reason) = self.alarm else { return };
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        if c.paused || !c.is_open() {
+            return;
+        }
+        c.paused = true;
+        c.pause_changed = true;
+        if c.caps.connection_blocked {
+            send(
+                &mut c.out,
+                0,
+                warren_codec::ConnectionBlocked {
+                    reason: warren_codec::ShortStr::from_static(reason),
+                },
+            );
+        }
+        if !c.dirty {
+            c.dirty = true;
+            self.dirty.push(conn);
         }
     }
 
@@ -244,7 +329,25 @@ impl Node {
                 ))
             }
             frame => match state {
-                State::Open => self.channel_frame(conn, frame, now),
+                State::Open => {
+                    let first_publish = !c.published
+                        && matches!(
+                            &frame,
+                            Frame::Method {
+                                method: Method::BasicPublish(_),
+                                ..
+                            }
+                        );
+                    if first_publish {
+                        c.published = true;
+                        if self.alarm.is_some() {
+                            // This publish is handled; what follows is not read until the
+                            // alarm clears.
+                            self.block(conn);
+                        }
+                    }
+                    self.channel_frame(conn, frame, now)
+                }
                 State::Closing | State::Closed => Next::Nothing,
                 // As RabbitMQ: a channel frame during the handshake is an unexpected frame, shown raw.
                 _ => Next::Fail(Fault::new(
@@ -561,7 +664,8 @@ impl Node {
                     drop.push(id);
                 }
                 State::Open if c.heartbeat_ms > 0 => {
-                    if now.saturating_sub(c.last_recv) >= 2 * c.heartbeat_ms {
+                    // A connection blocked by an alarm is not read: its silence is ours.
+                    if !c.paused && now.saturating_sub(c.last_recv) >= 2 * c.heartbeat_ms {
                         tracing::info!(
                             conn = id,
                             timeout_ms = c.heartbeat_ms,
@@ -716,7 +820,8 @@ impl Node {
                     ch.flush_confirms(out);
                 }
             }
-            if c.out.is_empty() && !c.close_socket && !c.frame_max_changed {
+            let pause = std::mem::take(&mut c.pause_changed).then_some(c.paused);
+            if c.out.is_empty() && !c.close_socket && !c.frame_max_changed && pause.is_none() {
                 continue;
             }
             let bytes = c.out.split().freeze();
@@ -734,6 +839,7 @@ impl Node {
                 bytes,
                 frame_max,
                 close,
+                pause,
             });
             if close {
                 self.release(conn);

@@ -1,0 +1,72 @@
+//! Resource alarms, as RabbitMQ raises them: the broker's memory above its high watermark, or
+//! too little free disk where the data lives. While one is on, publishers are blocked (see
+//! `Node::set_alarms`); consumers keep draining queues, which is what ends a memory alarm.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::AlarmConfig;
+
+/// How often memory and disk are measured (RabbitMQ: memory every 2.5 s, disk every 1-10 s).
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// The broker's resident memory, from /proc (Linux); `None` elsewhere.
+pub fn rss_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf only reads a configuration value.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages.saturating_mul(u64::try_from(page).ok()?))
+}
+
+/// The machine's RAM, from /proc/meminfo.
+pub fn total_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Free bytes available to the broker on the filesystem holding `dir`.
+pub fn free_disk(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs writes into the zeroed struct we own; the path is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    // The field types differ between targets (32-bit on some): widen whatever they are.
+    #[allow(clippy::useless_conversion)]
+    let (blocks, size) = (u64::from(st.f_bavail), u64::from(st.f_frsize));
+    Some(blocks.saturating_mul(size))
+}
+
+/// The memory limit in bytes, if it can be known.
+pub fn memory_limit(config: &AlarmConfig) -> Option<u64> {
+    config.memory_limit.or_else(|| {
+        total_memory().map(|total| (total as f64 * config.memory_high_watermark) as u64)
+    })
+}
+
+/// Measures memory and disk every second and tells the node.
+pub async fn monitor(
+    config: AlarmConfig,
+    data_dir: std::path::PathBuf,
+    set: Arc<dyn Fn(bool, bool) + Send + Sync>,
+) {
+    let limit = memory_limit(&config);
+    tracing::info!(
+        memory_limit = limit,
+        disk_free_limit = config.disk_free_limit,
+        "resource alarms armed"
+    );
+    loop {
+        let memory = matches!((rss_bytes(), limit), (Some(rss), Some(limit)) if rss > limit);
+        let disk = config.disk_free_limit > 0
+            && free_disk(&data_dir).is_some_and(|free| free < config.disk_free_limit);
+        set(memory, disk);
+        tokio::time::sleep(CHECK_EVERY).await;
+    }
+}
