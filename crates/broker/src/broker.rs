@@ -88,6 +88,9 @@ pub struct Broker {
     /// The write buffer for the store, with persistence on (set aside while recovery rebuilds
     /// what the store already holds).
     persist: Option<Persist>,
+    /// Recovery is declaring what the store holds: names a client may not declare
+    /// (`amq.gen-...` of server-named queues) and vhost limits are accepted.
+    restoring: bool,
 }
 
 /// RabbitMQ strips CR and LF from queue and exchange names.
@@ -330,6 +333,7 @@ impl Broker {
             effects: Vec::new(),
             recording: None,
             persist: None,
+            restoring: false,
         };
         if b.config.persistence {
             b.persist = Some(Persist::new());
@@ -436,7 +440,7 @@ impl Broker {
                     break ShortStr::from_string(n);
                 }
             }
-        } else if stripped.starts_with("amq.") {
+        } else if stripped.starts_with("amq.") && !self.restoring {
             return Err(AmqpError::access_refused(format!(
                 "queue name '{stripped}' contains reserved prefix 'amq.*'"
             )));
@@ -466,7 +470,7 @@ impl Broker {
             return Ok(declared(q));
         }
 
-        if let Some(max) = self.config.max_queues {
+        if let Some(max) = self.config.max_queues.filter(|_| !self.restoring) {
             if vh.queues.len() >= max {
                 return Err(AmqpError::precondition_failed(format!(
                     "cannot declare queue '{name}': queue limit in vhost '{vhost}' ({max}) is reached"
@@ -496,8 +500,7 @@ impl Broker {
         self.next_queue += 1;
         let store_key = match self.persist.as_mut() {
             Some(p) if durable => {
-                let key = p.next_queue_key;
-                p.next_queue_key += 1;
+                let key = p.queue_key();
                 p.push(
                     StoreOp::PutQueue(QueueDef {
                         vhost: vhost.to_owned(),
@@ -1015,6 +1018,8 @@ impl Broker {
             expires_at: None,
         };
         let mut message = message;
+        // A key is this publish's to give (a message republished from a queue carries its old one).
+        message.store_key = None;
         let mut batch = None;
         if let Some(p) = self.persist.as_mut().filter(|_| message.persistent) {
             let durable = targets
@@ -1022,8 +1027,7 @@ impl Broker {
                 .filter(|id| self.queues.get(id).is_some_and(|q| q.store_key.is_some()))
                 .count();
             if durable > 0 {
-                let key = p.next_body_key;
-                p.next_body_key += 1;
+                let key = p.body_key();
                 message.store_key = Some(key);
                 let queues = u32::try_from(durable).unwrap_or(u32::MAX);
                 p.push(
@@ -1189,6 +1193,7 @@ impl Broker {
     /// Recovery: a durable queue as the store holds it, under its store key.
     pub fn restore_queue(&mut self, def: &QueueDef) -> Result<QueueId, AmqpError> {
         let saved = self.persist.take();
+        self.restoring = true;
         let r = self.declare_queue(
             &def.vhost,
             DeclareQueue {
@@ -1201,6 +1206,7 @@ impl Broker {
             },
             0,
         );
+        self.restoring = false;
         self.persist = saved;
         let declared = r?;
         if let Some(q) = self.queues.get_mut(&declared.queue) {
@@ -1265,8 +1271,18 @@ impl Broker {
         if let Some(p) = self.persist.as_mut() {
             p.next_queue_key = p.next_queue_key.max(keys.next_queue_key);
             p.next_body_key = p.next_body_key.max(keys.next_body_key);
+            p.reserved = StoreKeys {
+                next_queue_key: p.next_queue_key,
+                next_body_key: p.next_body_key,
+            };
             p.shared.extend(shared.into_iter().filter(|&(_, n)| n > 1));
         }
+    }
+
+    /// Recovery: ids below `next_id` are never given to new messages of this queue (an entry
+    /// on disk that could not be restored keeps its key).
+    pub fn skip_message_ids(&mut self, queue: QueueId, next_id: u64) {
+        self.run(queue, Command::SkipIds { next_id });
     }
 
     /// The store key of a durable queue (persistence on).

@@ -100,6 +100,9 @@ pub enum StoreOp {
         msg_id: u64,
         count: u32,
     },
+    /// Keys below these are (or may have been) used: after a restart, new keys start here, so
+    /// no key is ever written twice (`SingleDelete` relies on it).
+    ReserveKeys(StoreKeys),
 }
 
 /// The ops made since the last [`crate::Broker::take_writes`], under one number.
@@ -125,7 +128,12 @@ pub(crate) struct Persist {
     /// Bodies stored for more than one durable queue: how many still hold each. A body held by
     /// one queue has no entry (the common case costs no bookkeeping).
     pub shared: HashMap<u64, u32>,
+    /// The key reservations last written.
+    pub reserved: StoreKeys,
 }
+
+/// Body keys are reserved on disk this many at a time: one small write per block of publishes.
+const RESERVE_BODIES: u64 = 1 << 16;
 
 impl Persist {
     pub fn new() -> Self {
@@ -136,7 +144,31 @@ impl Persist {
             next_body_key: 1,
             next_queue_key: 1,
             shared: HashMap::new(),
+            reserved: StoreKeys {
+                next_queue_key: 1,
+                next_body_key: 1,
+            },
         }
+    }
+
+    /// A new queue's store key (reserved on disk with the queue's declaration).
+    pub fn queue_key(&mut self) -> u64 {
+        let key = self.next_queue_key;
+        self.next_queue_key += 1;
+        self.reserved.next_queue_key = self.next_queue_key;
+        self.ops.push(StoreOp::ReserveKeys(self.reserved.clone()));
+        key
+    }
+
+    /// A new body key; every [`RESERVE_BODIES`] keys the reservation on disk moves on.
+    pub fn body_key(&mut self) -> u64 {
+        let key = self.next_body_key;
+        self.next_body_key += 1;
+        if key >= self.reserved.next_body_key {
+            self.reserved.next_body_key = key.saturating_add(RESERVE_BODIES);
+            self.ops.push(StoreOp::ReserveKeys(self.reserved.clone()));
+        }
+        key
     }
 
     pub fn push(&mut self, op: StoreOp, sync: bool) {

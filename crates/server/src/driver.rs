@@ -157,8 +157,10 @@ impl Core {
         };
         if let Some(batch) = self.node.take_writes() {
             if tx.send(batch).is_err() {
-                tracing::error!("the store thread is gone: nothing more is written");
-                self.store = None;
+                // Serving on without a disk would confirm nothing and grow without bound, and
+                // what is on disk is consistent up to here: stop.
+                tracing::error!("the store thread is gone: stopping the broker");
+                std::process::exit(70);
             }
         }
     }

@@ -11,6 +11,9 @@ use std::thread::JoinHandle;
 use warren_broker::WriteBatch;
 use warren_store::Store;
 
+/// How long a failed write waits before it is tried again.
+const RETRY_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
+
 pub struct StoreThread {
     pub tx: mpsc::Sender<WriteBatch>,
     handle: JoinHandle<Store>,
@@ -27,23 +30,40 @@ impl StoreThread {
         let handle = std::thread::Builder::new()
             .name("warren-store".into())
             .spawn(move || {
-                let mut group = Vec::new();
+                let mut group: Vec<WriteBatch> = Vec::new();
+                // The last batch whose waiting confirms were already nacked.
+                let mut nacked = 0;
                 // Ends when every sender is gone and the last batches are written.
-                while let Ok(first) = rx.recv() {
-                    group.push(first);
+                loop {
+                    if group.is_empty() {
+                        match rx.recv() {
+                            Ok(first) => group.push(first),
+                            Err(_) => break,
+                        }
+                    }
                     while let Ok(more) = rx.try_recv() {
                         group.push(more);
                     }
                     let last = group.last().map_or(0, |b| b.number);
-                    let ok = match store.write(&group) {
-                        Ok(()) => true,
-                        Err(e) => {
-                            tracing::error!(error = %e, batches = group.len(), "store write failed: the publishes in it are nacked");
-                            false
+                    match store.write(&group) {
+                        Ok(()) => {
+                            group.clear();
+                            written(last, true);
                         }
-                    };
-                    group.clear();
-                    written(last, ok);
+                        Err(e) => {
+                            // The disk must not skip a write and apply the next (a lost delete
+                            // would bring an acked message back): the group is kept and tried
+                            // again, with what comes after it. Its publishers are nacked now
+                            // rather than left waiting; a retry that succeeds makes their
+                            // messages durable anyway (a nack promises nothing either way).
+                            if last > nacked {
+                                tracing::error!(error = %e, batches = group.len(), "store write failed: the publishes waiting for it are nacked; retrying");
+                                written(last, false);
+                                nacked = last;
+                            }
+                            std::thread::sleep(RETRY_AFTER);
+                        }
+                    }
                 }
                 store
             })?;

@@ -27,6 +27,8 @@ const CF_INDEX: &str = "index";
 const CF_COUNTS: &str = "counts";
 const KEY_FORMAT: &[u8] = b"format";
 const KEY_CLEAN: &[u8] = b"clean";
+/// The key reservations (`StoreOp::ReserveKeys`): next queue key, next body key.
+const KEY_RESERVED: &[u8] = b"keys";
 const LOCK_FILE: &str = "warren.lock";
 /// Bodies at least this large go to blob files, out of the LSM's compactions.
 const MIN_BLOB_SIZE: u64 = 4096;
@@ -78,6 +80,21 @@ fn cf_options() -> Options {
     let mut o = Options::default();
     o.set_compression_type(DBCompressionType::Lz4);
     o
+}
+
+/// No key in any column family.
+fn is_empty(db: &DB) -> bool {
+    let default_empty = db.iterator(rocksdb::IteratorMode::Start).next().is_none();
+    default_empty
+        && [CF_DEFS, CF_BODIES, CF_INDEX, CF_COUNTS]
+            .iter()
+            .all(|name| {
+                db.cf_handle(name).is_none_or(|cf| {
+                    db.iterator_cf(cf, rocksdb::IteratorMode::Start)
+                        .next()
+                        .is_none()
+                })
+            })
 }
 
 impl Store {
@@ -141,6 +158,9 @@ impl Store {
             },
         )?;
         let format = db.get(KEY_FORMAT).map_err(StoreError::Read)?;
+        // A first start killed between creating the files and writing the format record left
+        // a directory with nothing in it: still fresh.
+        let fresh = fresh || (format.is_none() && is_empty(&db));
         match format.as_deref() {
             Some(v) if v == FORMAT_VERSION.to_be_bytes() => {}
             None if fresh => {
@@ -314,6 +334,12 @@ impl Store {
                         codec::entry_key(*queue, *msg_id),
                         count.to_be_bytes(),
                     ),
+                    StoreOp::ReserveKeys(keys) => {
+                        let mut v = [0u8; 16];
+                        v[..8].copy_from_slice(&keys.next_queue_key.to_be_bytes());
+                        v[8..].copy_from_slice(&keys.next_body_key.to_be_bytes());
+                        wb.put(KEY_RESERVED, v);
+                    }
                 }
             }
         }

@@ -88,6 +88,18 @@ impl Store {
             let (k, _) = item.map_err(StoreError::Read)?;
             keys.next_body_key = codec::decode_u64(&k, "a body key")?.saturating_add(1);
         }
+        // Keys given out and since deleted are past the largest found: the reservations say
+        // how far keys went, so none is ever written twice.
+        if let Some(v) = self.db.get(crate::KEY_RESERVED).map_err(StoreError::Read)? {
+            let reserved = <[u8; 16]>::try_from(v.as_slice()).map_err(|_| {
+                StoreError::Corrupt("the key reservation record is malformed".into())
+            })?;
+            let (q, b) = reserved.split_at(8);
+            keys.next_queue_key = keys
+                .next_queue_key
+                .max(codec::decode_u64(q, "reservation")?);
+            keys.next_body_key = keys.next_body_key.max(codec::decode_u64(b, "reservation")?);
+        }
         broker.set_store_keys(keys, shared);
         Ok(out)
     }
@@ -130,6 +142,9 @@ impl Store {
         let bodies = self.cf(CF_BODIES)?;
         let index = self.cf(CF_INDEX)?;
         let mut n = 0;
+        // The id after the last entry that could not be restored: new messages start past it,
+        // so its key is never written again.
+        let mut skip_to = None;
         for item in self.db.iterator_cf_opt(
             index,
             bounded(),
@@ -144,6 +159,7 @@ impl Store {
                 .map_err(StoreError::Read)?
             else {
                 tracing::warn!(queue = %def.name, msg_id, body_key, "a stored message has no body: skipped");
+                skip_to = Some(msg_id.saturating_add(1));
                 continue;
             };
             let (message, queues) = codec::decode_body(body_key, body)?;
@@ -153,7 +169,12 @@ impl Store {
             let count = counts.get(&msg_id).copied().unwrap_or(0);
             if broker.restore_message(id, msg_id, message, count, expires_at, !self.clean_start) {
                 n += 1;
+            } else {
+                skip_to = Some(msg_id.saturating_add(1));
             }
+        }
+        if let Some(next_id) = skip_to {
+            broker.skip_message_ids(id, next_id);
         }
         Ok(n)
     }

@@ -350,3 +350,62 @@ fn a_newer_format_or_damaged_files_are_clear_errors() {
         Ok(_) => panic!("a damaged store opened"),
     }
 }
+
+#[test]
+fn server_named_durable_queues_come_back_and_keys_are_never_reused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (named, deleted_key) = {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        let named = b
+            .declare_queue(
+                "/",
+                DeclareQueue {
+                    name: ShortStr::empty(),
+                    passive: false,
+                    durable: true,
+                    exclusive: false,
+                    auto_delete: false,
+                    arguments: FieldTable::new(),
+                },
+                1,
+            )
+            .expect("declare")
+            .name;
+        b.publish("/", "", &named, msg("kept", true), 0)
+            .expect("publish");
+        // The queue with the largest key is deleted: its key must not come back.
+        declare(&mut b, "gone", true);
+        let gone = b.queue_id("/", "gone").expect("queue");
+        let deleted_key = b.queue_store_key(gone).expect("key");
+        b.publish("/", "", "gone", msg("x", true), 0)
+            .expect("publish");
+        b.delete_queue("/", "gone", false, false, 1)
+            .expect("delete");
+        flush(&mut b, &s);
+        s.close_clean().expect("close");
+        (named, deleted_key)
+    };
+    let s = Store::open(dir.path()).expect("reopen");
+    let mut b = broker();
+    s.recover(&mut b).expect("recover");
+    assert!(named.starts_with("amq.gen-"));
+    assert_eq!(ready(&b, &named), vec!["kept"]);
+    declare(&mut b, "new", true);
+    let key = b
+        .queue_store_key(b.queue_id("/", "new").expect("queue"))
+        .expect("key");
+    assert!(
+        key > deleted_key,
+        "key {key} reused (deleted queue had {deleted_key})"
+    );
+    // Bodies too: the next body key is past every key given out before the restart.
+    b.publish("/", "", "new", msg("y", true), 0)
+        .expect("publish");
+    let w = b.take_writes().expect("writes");
+    let body = w.ops.iter().find_map(|o| match o {
+        StoreOp::PutBody { key, .. } => Some(*key),
+        _ => None,
+    });
+    assert!(body.is_some_and(|k| k > 2), "{body:?}");
+}

@@ -86,6 +86,7 @@ const DISCARD: u8 = 9;
 const PURGE: u8 = 10;
 const TICK: u8 = 11;
 const RESTORE: u8 = 12;
+const SKIP_IDS: u8 = 13;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -157,6 +158,10 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
             put_msg_meta(out, meta);
             out.put_u32(*delivery_count);
             out.put_u8(u8::from(*redelivered));
+        }
+        Command::SkipIds { next_id } => {
+            out.put_u8(SKIP_IDS);
+            out.put_u64(*next_id);
         }
         Command::Consume { id, spec } => {
             out.put_u8(CONSUME);
@@ -323,6 +328,9 @@ impl Reader {
                     redelivered: self.u8("redelivered")? != 0,
                 }
             }
+            SKIP_IDS => Command::SkipIds {
+                next_id: self.u64("next id")?,
+            },
             CONSUME => {
                 let id = ConsumerId(self.u64("consumer")?);
                 let group = self.group()?;

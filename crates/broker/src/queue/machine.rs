@@ -125,6 +125,10 @@ pub enum Command<M> {
         delivery_count: u32,
         redelivered: bool,
     },
+    /// Recovery: ids below `next_id` are taken (entries on disk that could not be restored).
+    SkipIds {
+        next_id: u64,
+    },
     /// basic.consume.
     Consume {
         id: ConsumerId,
@@ -334,6 +338,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 delivery_count,
                 redelivered,
             } => self.restore(msg_id, message, meta, delivery_count, redelivered),
+            Command::SkipIds { next_id } => {
+                self.next_id = self.next_id.max(next_id);
+                Reply::Ok
+            }
             Command::Consume { id, spec } => self.consume(id, spec),
             Command::Cancel { id } => self.cancel(id),
             Command::Credit { group, credit } => {
@@ -415,10 +423,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
         delivery_count: u32,
         maybe_delivered: bool,
     ) -> Reply {
-        if id < self.next_id {
+        let Some(next) = id.checked_add(1).filter(|_| id >= self.next_id) else {
             return Reply::Stale;
-        }
-        self.next_id = id + 1;
+        };
+        self.next_id = next;
         self.ready_bytes = self.ready_bytes.saturating_add(meta.size);
         if let Some(at) = meta.expires_at {
             self.expiries.insert((at, id));
