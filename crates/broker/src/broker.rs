@@ -1020,6 +1020,9 @@ impl Broker {
         let mut message = message;
         // A key is this publish's to give (a message republished from a queue carries its old one).
         message.store_key = None;
+        if !targets.is_empty() {
+            message.compact();
+        }
         let mut batch = None;
         if let Some(p) = self.persist.as_mut().filter(|_| message.persistent) {
             let durable = targets

@@ -92,7 +92,8 @@ async fn run(config: Config) -> std::io::Result<()> {
         let hint = match e.kind() {
             std::io::ErrorKind::AddrInUse => format!(
                 " (another program, a RabbitMQ perhaps, is listening there: pick another port with \
-                 --port N or WARREN_PORT=N; through cargo: cargo run --release -- --port {})",
+                 --port N or WARREN_PORT=N, e.g. scripts/run --port {0}, or through cargo: \
+                 cargo run --release -- --port {0})",
                 config.port.saturating_add(1)
             ),
             std::io::ErrorKind::PermissionDenied => {
