@@ -316,14 +316,15 @@ async fn confirmed_messages_survive_repeated_kill_9() {
     if broker.is_external() {
         return;
     }
-    let cycles: u32 = std::env::var("WARREN_CRASH_CYCLES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(6);
+    // The suite runs a few cycles; scripts/crash-test runs it for minutes (WARREN_CRASH_SECONDS).
+    let env = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<u64>().ok());
+    let seconds = env("WARREN_CRASH_SECONDS");
+    let cycles = env("WARREN_CRASH_CYCLES").unwrap_or(if seconds.is_some() { u64::MAX } else { 6 });
+    let deadline = Instant::now() + Duration::from_secs(seconds.unwrap_or(3600));
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
-    eprintln!("crash test: {cycles} cycles, seed {seed}");
+    eprintln!("crash test: {cycles} cycles or {seconds:?} s, seed {seed}");
     let mut rng = Lcg(seed);
     let q = unique("crash");
     {
@@ -335,7 +336,9 @@ async fn confirmed_messages_survive_repeated_kill_9() {
     let confirmed = Arc::new(Mutex::new(BTreeSet::new()));
     let delivered = Arc::new(Mutex::new(BTreeSet::new()));
     let started = Instant::now();
-    for cycle in 0..cycles {
+    let mut cycle = 0u64;
+    while cycle < cycles && Instant::now() < deadline {
+        cycle += 1;
         let url = broker.url().to_string();
         let mut tasks = Vec::new();
         for _ in 0..2 {
@@ -377,7 +380,7 @@ async fn confirmed_messages_survive_repeated_kill_9() {
     let published = *next.lock().unwrap();
     let lost: Vec<&u64> = confirmed.difference(&delivered).take(20).collect();
     eprintln!(
-        "crash test: {} published, {} confirmed, {} delivered, {:.1} s",
+        "crash test: {cycle} kills, {} published, {} confirmed, {} delivered, {:.1} s",
         published,
         confirmed.len(),
         delivered.len(),
