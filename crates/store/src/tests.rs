@@ -12,6 +12,16 @@ fn broker() -> Broker {
 }
 
 fn declare(b: &mut Broker, name: &'static str, durable: bool) {
+    declare_with(b, name, durable, FieldTable::new()).expect("declare");
+}
+
+/// Declares a queue ("" = server-named); its name, or the broker's refusal.
+fn declare_with(
+    b: &mut Broker,
+    name: &'static str,
+    durable: bool,
+    arguments: FieldTable,
+) -> Result<ShortStr, warren_codec::AmqpError> {
     b.declare_queue(
         "/",
         DeclareQueue {
@@ -20,11 +30,11 @@ fn declare(b: &mut Broker, name: &'static str, durable: bool) {
             durable,
             exclusive: false,
             auto_delete: false,
-            arguments: FieldTable::new(),
+            arguments,
         },
         1,
     )
-    .expect("declare");
+    .map(|d| d.name)
 }
 
 fn msg(body: &'static str, persistent: bool) -> Message {
@@ -212,19 +222,7 @@ fn definitions_survive_with_their_arguments() {
             .expect("exchange");
         b.declare_exchange("/", "gone", "direct", false, false, false, false, &args)
             .expect("exchange");
-        b.declare_queue(
-            "/",
-            DeclareQueue {
-                name: ShortStr::from_static("q"),
-                passive: false,
-                durable: true,
-                exclusive: false,
-                auto_delete: false,
-                arguments: args.clone(),
-            },
-            1,
-        )
-        .expect("queue");
+        declare_with(&mut b, "q", true, args.clone()).expect("queue");
         b.bind_queue("/", "q", "logs", "a.#", &FieldTable::new(), 1)
             .expect("bind");
         b.bind_exchange("/", "logs", "amq.topic", "x.*", &FieldTable::new())
@@ -255,20 +253,7 @@ fn definitions_survive_with_their_arguments() {
         .is_err());
     let q = b.queue_id("/", "q").expect("queue");
     assert_eq!(b.queue_info(q).map(|i| i.durable), Some(true));
-    assert!(b
-        .declare_queue(
-            "/",
-            DeclareQueue {
-                name: ShortStr::from_static("q"),
-                passive: false,
-                durable: true,
-                exclusive: false,
-                auto_delete: false,
-                arguments: FieldTable::new(),
-            },
-            1,
-        )
-        .is_err());
+    assert!(declare_with(&mut b, "q", true, FieldTable::new()).is_err());
     // The restored bindings route: amq.topic -> logs -> q.
     let mut m = msg("routed", true);
     m.exchange = ShortStr::from_static("amq.topic");
@@ -357,21 +342,7 @@ fn server_named_durable_queues_come_back_and_keys_are_never_reused() {
     let (named, deleted_key) = {
         let s = Store::open(dir.path()).expect("open");
         let mut b = broker();
-        let named = b
-            .declare_queue(
-                "/",
-                DeclareQueue {
-                    name: ShortStr::empty(),
-                    passive: false,
-                    durable: true,
-                    exclusive: false,
-                    auto_delete: false,
-                    arguments: FieldTable::new(),
-                },
-                1,
-            )
-            .expect("declare")
-            .name;
+        let named = declare_with(&mut b, "", true, FieldTable::new()).expect("declare");
         b.publish("/", "", &named, msg("kept", true), 0)
             .expect("publish");
         // The queue with the largest key is deleted: its key must not come back.

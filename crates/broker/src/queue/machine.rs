@@ -401,11 +401,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     fn enqueue(&mut self, message: M, meta: MsgMeta) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        self.ready_bytes = self.ready_bytes.saturating_add(meta.size);
-        if let Some(at) = meta.expires_at {
-            self.expiries.insert((at, id));
-        }
-        self.ready.push_back(Entry {
+        self.push_ready(Entry {
             id,
             msg: message,
             meta,
@@ -427,11 +423,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return Reply::Stale;
         };
         self.next_id = next;
-        self.ready_bytes = self.ready_bytes.saturating_add(meta.size);
-        if let Some(at) = meta.expires_at {
-            self.expiries.insert((at, id));
-        }
-        self.ready.push_back(Entry {
+        self.push_ready(Entry {
             id,
             msg: message,
             meta,
@@ -439,6 +431,15 @@ impl<M: Clone + Hash> QueueMachine<M> {
             maybe_delivered,
         });
         Reply::Enqueued { msg_id: id }
+    }
+
+    /// Appends a message with the largest id so far to the ready line.
+    fn push_ready(&mut self, entry: Entry<M>) {
+        self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+        if let Some(at) = entry.meta.expires_at {
+            self.expiries.insert((at, entry.id));
+        }
+        self.ready.push_back(entry);
     }
 
     fn consume(&mut self, id: ConsumerId, spec: ConsumerSpec) -> Reply {
