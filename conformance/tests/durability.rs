@@ -504,3 +504,36 @@ async fn a_full_disk_nacks_publishes_and_the_broker_keeps_serving() {
     drop(conn);
     drop(broker);
 }
+
+#[tokio::test]
+async fn a_committed_transaction_survives_kill_9() {
+    let mut broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    let q = unique("dur-tx");
+    {
+        let conn = broker.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        declare(&ch, &q, true).await;
+        ch.tx_select().await.unwrap();
+        for body in [&b"t1"[..], b"t2"] {
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                persistent(),
+            )
+            .await
+            .unwrap();
+        }
+        // commit-ok means on disk, as a confirm does: a kill right after loses nothing.
+        ch.tx_commit().await.unwrap();
+        broker.restart(true);
+    }
+    let conn = broker.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let got: Vec<String> = drain(&ch, &q).await.into_iter().map(|(b, _)| b).collect();
+    assert_eq!(got, vec!["t1", "t2"]);
+}

@@ -193,6 +193,9 @@ pub(crate) struct Channel {
     /// in publish order. A publish that needs no write but follows one that does waits too
     /// (batch 0), so that a `multiple` ack never covers a message not yet on disk.
     confirm_waiting: VecDeque<(u64, u64)>,
+    /// tx.commit-ok replies waiting for the store write that holds the transaction's persistent
+    /// messages (the batch numbers, in commit order).
+    commit_waiting: VecDeque<u64>,
     tx: Option<Vec<TxOp>>,
     next_tag: u64,
     /// Ordered by delivery tag: a single ack is O(log n) in any order, a multiple ack splits.
@@ -227,6 +230,7 @@ impl Channel {
             publish_seq: 0,
             confirm_pending: None,
             confirm_waiting: VecDeque::new(),
+            commit_waiting: VecDeque::new(),
             tx: None,
             next_tag: 1,
             unacked: BTreeMap::new(),
@@ -465,9 +469,9 @@ impl Channel {
         });
     }
 
-    /// Publishes wait for a store write.
+    /// Publishes (or a tx.commit) wait for a store write.
     pub fn confirms_waiting(&self) -> bool {
-        !self.confirm_waiting.is_empty()
+        !self.confirm_waiting.is_empty() || !self.commit_waiting.is_empty()
     }
 
     /// Store writes up to batch `upto` are done (`ok`) or failed: the confirms waiting for them
@@ -487,7 +491,12 @@ impl Channel {
                 encode_nack(out, self.id, seq, false, false);
             }
         }
-        !self.confirm_waiting.is_empty()
+        // A commit has no nack: after a failed write it waits for the retry that succeeds.
+        while ok && self.commit_waiting.front().is_some_and(|&b| b <= upto) {
+            self.commit_waiting.pop_front();
+            send(out, self.id, TxCommitOk {});
+        }
+        self.confirms_waiting()
     }
 
     fn route(
@@ -949,6 +958,8 @@ impl Channel {
                         "channel is not transactional".to_string(),
                     ))
                 })?;
+                // The last store write the transaction's persistent messages are in.
+                let mut wait = None;
                 for op in ops {
                     match op {
                         TxOp::Publish {
@@ -956,11 +967,12 @@ impl Channel {
                             routing_key,
                             mandatory,
                             message,
-                        } => self
-                            // tx.commit-ok does not wait for the disk yet (see compatibility.md).
-                            .route(&exchange, &routing_key, mandatory, *message, ctx)
-                            .map(|_| ())
-                            .map_err(|f| fail(f.error))?,
+                        } => {
+                            let batch = self
+                                .route(&exchange, &routing_key, mandatory, *message, ctx)
+                                .map_err(|f| fail(f.error))?;
+                            wait = wait.max(batch);
+                        }
                         TxOp::Ack { tag, multiple } => self
                             .settle_now(tag, multiple, Settle::Ack, ctx)
                             .map_err(fail)?,
@@ -978,7 +990,11 @@ impl Channel {
                         }
                     }
                 }
-                send(ctx.out, ch, TxCommitOk {});
+                match wait {
+                    // As a confirm does, commit-ok means the messages are on disk.
+                    Some(batch) => self.commit_waiting.push_back(batch),
+                    None => send(ctx.out, ch, TxCommitOk {}),
+                }
                 Ok(())
             }
             Method::TxRollback(_) => {
