@@ -20,7 +20,11 @@ struct Client {
 
 impl Client {
     fn connect_from(config: SessionConfig, peer: &str) -> Client {
-        let mut node = Node::new(config, Broker::new(BrokerConfig::default()));
+        Client::connect_with(config, peer, Broker::new(BrokerConfig::default()))
+    }
+
+    fn connect_with(config: SessionConfig, peer: &str, broker: Broker) -> Client {
+        let mut node = Node::new(config, broker);
         node.connection_opened(CONN, Some(peer.parse().unwrap()), 0);
         Client {
             node,
@@ -47,7 +51,11 @@ impl Client {
 
     /// A fully opened connection, as a client library leaves it.
     fn open_with(config: SessionConfig) -> Client {
-        let mut c = Client::connect_from(config, "127.0.0.1:40000");
+        Client::open_with_broker(config, Broker::new(BrokerConfig::default()))
+    }
+
+    fn open_with_broker(config: SessionConfig, broker: Broker) -> Client {
+        let mut c = Client::connect_with(config, "127.0.0.1:40000", broker);
         c.start_ok("guest", "guest");
         let tune = c.recv_method();
         let Method::ConnectionTune(t) = tune else {
@@ -977,4 +985,94 @@ fn a_backed_up_socket_gets_no_deliveries_until_it_drains() {
     assert!(c.deliveries().is_empty());
     c.node.set_write_blocked(CONN, false);
     assert_eq!(c.deliveries().len(), 1);
+}
+
+/// A client of a node whose broker writes to a store (the test plays the store), with a durable
+/// queue "q" on channel 1.
+fn persistent_client() -> Client {
+    let broker = Broker::new(BrokerConfig {
+        persistence: true,
+        ..BrokerConfig::default()
+    });
+    let mut c = Client::open_with_broker(SessionConfig::default(), broker);
+    c.channel(1);
+    c.send(
+        1,
+        QueueDeclare {
+            queue: ShortStr::from("q"),
+            durable: true,
+            ..Default::default()
+        },
+    );
+    assert!(matches!(c.recv_method(), Method::QueueDeclareOk(_)));
+    c
+}
+
+fn persistent_props() -> Bytes {
+    BasicProperties {
+        delivery_mode: Some(2),
+        ..Default::default()
+    }
+    .encode()
+}
+
+/// Publisher acks and nacks received: (ack?, tag, multiple).
+fn confirms(frames: Vec<Frame>) -> Vec<(bool, u64, bool)> {
+    frames
+        .into_iter()
+        .filter_map(|f| match f {
+            Frame::Method {
+                method: Method::BasicAck(a),
+                ..
+            } => Some((true, a.delivery_tag, a.multiple)),
+            Frame::Method {
+                method: Method::BasicNack(n),
+                ..
+            } => Some((false, n.delivery_tag, n.multiple)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_persistent_publish_is_confirmed_only_once_its_write_is_done() {
+    let mut c = persistent_client();
+    c.send(1, ConfirmSelect { no_wait: false });
+    assert!(matches!(c.recv_method(), Method::ConfirmSelectOk(_)));
+    c.publish_props(1, "q", b"on disk", persistent_props());
+    // A transient publish behind it waits too: a multiple ack must not cover tag 1 early.
+    c.publish(1, "q", b"in memory");
+    assert_eq!(confirms(c.frames()), vec![]);
+    let batch = c.node.take_writes().expect("a write for the persistent message");
+    assert!(batch.sync);
+    c.node.writes_done(batch.number, true);
+    assert_eq!(confirms(c.frames()), vec![(true, 2, true)]);
+}
+
+#[test]
+fn a_failed_write_nacks_its_publishes_and_releases_the_rest() {
+    let mut c = persistent_client();
+    c.send(1, ConfirmSelect { no_wait: false });
+    assert!(matches!(c.recv_method(), Method::ConfirmSelectOk(_)));
+    c.publish_props(1, "q", b"lost", persistent_props());
+    c.publish(1, "q", b"in memory");
+    let batch = c.node.take_writes().expect("a write");
+    c.node.writes_done(batch.number, false);
+    assert_eq!(confirms(c.frames()), vec![(false, 1, false), (true, 2, false)]);
+}
+
+#[test]
+fn tx_commit_ok_waits_for_the_write_of_its_persistent_messages() {
+    let mut c = persistent_client();
+    c.send(1, TxSelect {});
+    assert!(matches!(c.recv_method(), Method::TxSelectOk(_)));
+    c.publish_props(1, "q", b"committed", persistent_props());
+    c.send(1, TxCommit {});
+    assert!(c.frames().is_empty(), "commit-ok before the write");
+    let batch = c.node.take_writes().expect("a write");
+    // A failed write does not answer the commit: the store retries until it succeeds.
+    c.node.writes_done(batch.number, false);
+    assert!(c.frames().is_empty());
+    c.node.writes_done(batch.number, true);
+    assert!(matches!(c.recv_method(), Method::TxCommitOk(_)));
 }
