@@ -1178,40 +1178,48 @@ impl Broker {
 
     /// Recovery: a durable exchange as the store holds it. Nothing is written back.
     pub fn restore_exchange(&mut self, def: &ExchangeDef) -> Result<(), AmqpError> {
+        self.restoring(|b| {
+            b.declare_exchange(
+                &def.vhost,
+                &def.name,
+                def.kind.as_str(),
+                false,
+                true,
+                def.auto_delete,
+                def.internal,
+                &def.arguments,
+            )
+        })
+    }
+
+    /// Runs a declaration for recovery: nothing is written back to the store (it holds it
+    /// already), and what only the store may declare (`amq.gen-` names, past vhost limits) is
+    /// accepted.
+    fn restoring<T>(&mut self, f: impl FnOnce(&mut Broker) -> T) -> T {
         let saved = self.persist.take();
-        let r = self.declare_exchange(
-            &def.vhost,
-            &def.name,
-            def.kind.as_str(),
-            false,
-            true,
-            def.auto_delete,
-            def.internal,
-            &def.arguments,
-        );
+        self.restoring = true;
+        let r = f(self);
+        self.restoring = false;
         self.persist = saved;
         r
     }
 
     /// Recovery: a durable queue as the store holds it, under its store key.
     pub fn restore_queue(&mut self, def: &QueueDef) -> Result<QueueId, AmqpError> {
-        let saved = self.persist.take();
-        self.restoring = true;
-        let r = self.declare_queue(
-            &def.vhost,
-            DeclareQueue {
-                name: def.name.clone(),
-                passive: false,
-                durable: true,
-                exclusive: false,
-                auto_delete: def.auto_delete,
-                arguments: def.arguments.clone(),
-            },
-            0,
-        );
-        self.restoring = false;
-        self.persist = saved;
-        let declared = r?;
+        let declared = self.restoring(|b| {
+            b.declare_queue(
+                &def.vhost,
+                DeclareQueue {
+                    name: def.name.clone(),
+                    passive: false,
+                    durable: true,
+                    exclusive: false,
+                    auto_delete: def.auto_delete,
+                    arguments: def.arguments.clone(),
+                },
+                0,
+            )
+        })?;
         if let Some(q) = self.queues.get_mut(&declared.queue) {
             q.store_key = Some(def.key);
         }
@@ -1220,9 +1228,8 @@ impl Broker {
 
     /// Recovery: a durable binding.
     pub fn restore_binding(&mut self, def: &BindingDef) -> Result<(), AmqpError> {
-        let saved = self.persist.take();
-        let r = match &def.dest {
-            BindingDest::Queue(q) => self.bind_queue(
+        self.restoring(|b| match &def.dest {
+            BindingDest::Queue(q) => b.bind_queue(
                 &def.vhost,
                 q,
                 &def.source,
@@ -1231,11 +1238,9 @@ impl Broker {
                 0,
             ),
             BindingDest::Exchange(x) => {
-                self.bind_exchange(&def.vhost, x, &def.source, &def.routing_key, &def.arguments)
+                b.bind_exchange(&def.vhost, x, &def.source, &def.routing_key, &def.arguments)
             }
-        };
-        self.persist = saved;
-        r
+        })
     }
 
     /// Recovery: a stored message back in its queue, ready, with its id and delivery count

@@ -1043,7 +1043,10 @@ fn a_persistent_publish_is_confirmed_only_once_its_write_is_done() {
     // A transient publish behind it waits too: a multiple ack must not cover tag 1 early.
     c.publish(1, "q", b"in memory");
     assert_eq!(confirms(c.frames()), vec![]);
-    let batch = c.node.take_writes().expect("a write for the persistent message");
+    let batch = c
+        .node
+        .take_writes()
+        .expect("a write for the persistent message");
     assert!(batch.sync);
     c.node.writes_done(batch.number, true);
     assert_eq!(confirms(c.frames()), vec![(true, 2, true)]);
@@ -1058,7 +1061,10 @@ fn a_failed_write_nacks_its_publishes_and_releases_the_rest() {
     c.publish(1, "q", b"in memory");
     let batch = c.node.take_writes().expect("a write");
     c.node.writes_done(batch.number, false);
-    assert_eq!(confirms(c.frames()), vec![(false, 1, false), (true, 2, false)]);
+    assert_eq!(
+        confirms(c.frames()),
+        vec![(false, 1, false), (true, 2, false)]
+    );
 }
 
 #[test]
