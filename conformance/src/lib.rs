@@ -287,6 +287,19 @@ impl TestBroker {
         self.addr
     }
 
+    /// The spawned broker's process id (`None` against an external broker).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The spawned broker's resident memory in bytes, from /proc (`None` elsewhere).
+    pub fn rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    }
+
     /// True when the suite runs against `WARREN_TEST_URL` (for example RabbitMQ), not a spawned Warren.
     pub fn is_external(&self) -> bool {
         self.child.is_none()

@@ -1,7 +1,7 @@
 //! The broker: vhosts, exchanges, bindings, queues, and the API the session calls.
 
 use std::borrow::Cow;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
@@ -9,7 +9,8 @@ use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
 use crate::persist::{
-    BindingDef, BindingDest, ExchangeDef, Persist, QueueDef, StoreKeys, StoreOp, WriteBatch,
+    BindingDef, BindingDest, ExchangeDef, PageSource, Persist, QueueDef, StoreKeys, StoreOp,
+    WriteBatch,
 };
 use crate::queue::args::{self, QueueType};
 use crate::queue::log::{Record, STATE_DIGEST_EVERY};
@@ -91,6 +92,11 @@ pub struct Broker {
     /// Recovery is declaring what the store holds: names a client may not declare
     /// (`amq.gen-...` of server-named queues) and vhost limits are accepted.
     restoring: bool,
+    /// Reads paged messages back; without one, nothing is paged out.
+    pager: Option<Pager>,
+    /// Stored messages that may be paged out once their batch is written: (batch, queue,
+    /// message id), in batch order, one entry per queue and batch.
+    page_pending: VecDeque<(u64, QueueId, u64)>,
 }
 
 /// RabbitMQ strips CR and LF from queue and exchange names.
@@ -144,13 +150,30 @@ fn declared(q: &Queue) -> QueueDeclared {
     }
 }
 
-/// Puts a queue on the dirty list if a checkout would deliver something.
-fn mark_dirty(dirty: &mut VecDeque<QueueId>, q: &mut Queue) {
-    if !q.dirty && q.machine.has_work() {
+/// Puts a queue on the dirty list if a checkout would deliver something, or its consumers
+/// wait for paged messages to be read back (`low_water`: read ahead below this many).
+fn mark_dirty(dirty: &mut VecDeque<QueueId>, q: &mut Queue, low_water: usize, now_ms: u64) {
+    if q.dirty {
+        return;
+    }
+    let load = || q.load_retry_at.is_none_or(|t| now_ms >= t) && q.machine.wants_load(low_water);
+    if q.machine.has_work() || load() {
         q.dirty = true;
         dirty.push_back(q.id);
     }
 }
+
+/// The broker's [`PageSource`] (a wrapper, so the broker stays `Debug`).
+struct Pager(Box<dyn PageSource>);
+
+impl std::fmt::Debug for Pager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pager")
+    }
+}
+
+/// How long a queue waits before reading its paged messages again after a failed read.
+const LOAD_RETRY_MS: u64 = 1000;
 
 /// The store's name for a binding's destination, if the binding is durable (both ends are).
 fn durable_dest(
@@ -334,6 +357,8 @@ impl Broker {
             recording: None,
             persist: None,
             restoring: false,
+            pager: None,
+            page_pending: VecDeque::new(),
         };
         if b.config.persistence {
             b.persist = Some(Persist::new());
@@ -529,6 +554,7 @@ impl Broker {
             dirty: false,
             scheduled: None,
             store_key,
+            load_retry_at: None,
         };
         let out = declared(&q);
         if let Some(vh) = self.vhosts.get_mut(vhost) {
@@ -583,6 +609,14 @@ impl Broker {
                         p.push(StoreOp::DeleteBinding(def), false);
                     }
                 }
+            }
+            for (first_id, last_id) in q.machine.paged_runs() {
+                let op = StoreOp::DropRun {
+                    queue: key,
+                    first_id,
+                    last_id,
+                };
+                p.push(op, false);
             }
             p.push(
                 StoreOp::DeleteQueue {
@@ -648,6 +682,14 @@ impl Broker {
                 if let Some(body) = m.store_key {
                     p.forget(key, msg_id, body, count > 0);
                 }
+            }
+            for (first_id, last_id) in q.machine.paged_runs() {
+                let op = StoreOp::DropRun {
+                    queue: key,
+                    first_id,
+                    last_id,
+                };
+                p.push(op, false);
             }
         }
         match self.run(id, Command::Purge) {
@@ -1016,6 +1058,7 @@ impl Broker {
         let meta = MsgMeta {
             size: message.body.len() as u64,
             expires_at: None,
+            pageable: false,
         };
         let mut message = message;
         // A key is this publish's to give (a message republished from a queue carries its old one).
@@ -1024,8 +1067,9 @@ impl Broker {
             message.compact();
         }
         let mut batch = None;
+        let mut durable = 0;
         if let Some(p) = self.persist.as_mut().filter(|_| message.persistent) {
-            let durable = targets
+            durable = targets
                 .iter()
                 .filter(|id| self.queues.get(id).is_some_and(|q| q.store_key.is_some()))
                 .count();
@@ -1048,7 +1092,15 @@ impl Broker {
             }
         }
         let mut routed = 0u32;
+        // Only a body stored for one queue is paged out (a shared one is counted in memory).
+        let paging = self.pager.is_some() && durable == 1;
+        let keep = self.config.page_window.min(self.config.page_window_idle) as usize;
         for id in &targets {
+            let queue = self.queues.get(id).and_then(|q| q.store_key);
+            let meta = MsgMeta {
+                pageable: paging && queue.is_some(),
+                ..meta
+            };
             let command = Command::Enqueue {
                 message: message.clone(),
                 meta,
@@ -1058,17 +1110,29 @@ impl Broker {
             };
             routed += 1;
             if let (Some(body), Reply::Enqueued { msg_id }) = (message.store_key, reply) {
-                let queue = self.queues.get(id).and_then(|q| q.store_key);
                 if let (Some(p), Some(queue)) = (self.persist.as_mut(), queue) {
                     p.push(
                         StoreOp::PutEntry {
                             queue,
                             msg_id,
                             body,
+                            size: meta.size,
+                            shared: durable > 1,
                             expires_at: meta.expires_at,
                         },
                         true,
                     );
+                    let deep = self
+                        .queues
+                        .get(id)
+                        .is_some_and(|q| q.machine.head_count() > keep || q.machine.has_tail());
+                    if meta.pageable && deep {
+                        let number = p.next_batch;
+                        match self.page_pending.back_mut() {
+                            Some((b, q, m)) if *b == number && q == id => *m = msg_id,
+                            _ => self.page_pending.push_back((number, *id, msg_id)),
+                        }
+                    }
                 }
             }
         }
@@ -1117,7 +1181,8 @@ impl Broker {
             }
             q.scheduled = next;
         }
-        mark_dirty(&mut self.dirty, q);
+        let low_water = (self.config.page_window / 2).max(1) as usize;
+        mark_dirty(&mut self.dirty, q, low_water, self.now_ms);
         Some(reply)
     }
 
@@ -1169,6 +1234,85 @@ impl Broker {
     /// changed on disk, or persistence is off).
     pub fn take_writes(&mut self) -> Option<WriteBatch> {
         self.persist.as_mut()?.take()
+    }
+
+    /// The store wrote every batch up to `upto`: messages they hold may leave memory. Each
+    /// queue with stored messages past its window gets a `PageOut`.
+    pub fn writes_done(&mut self, upto: u64) {
+        let mut due: BTreeMap<QueueId, u64> = BTreeMap::new();
+        while let Some(&(batch, queue, msg_id)) = self.page_pending.front() {
+            if batch > upto {
+                break;
+            }
+            self.page_pending.pop_front();
+            let m = due.entry(queue).or_insert(msg_id);
+            *m = (*m).max(msg_id);
+        }
+        for (id, upto_id) in due {
+            let Some(q) = self.queues.get(&id) else {
+                continue;
+            };
+            let keep = if q.machine.consumer_count() > 0 {
+                self.config.page_window
+            } else {
+                self.config.page_window_idle
+            };
+            let command = Command::PageOut {
+                keep,
+                keep_bytes: self.config.page_window_bytes,
+                upto_id,
+            };
+            self.run(id, command);
+        }
+    }
+
+    /// Gives the broker what reads paged messages back; from then on, stored messages of deep
+    /// queues leave memory once written.
+    pub fn set_pager(&mut self, pager: Box<dyn PageSource>) {
+        self.pager = Some(Pager(pager));
+    }
+
+    /// Reads the queue's next paged messages back if its head is below `low_water`. A failed
+    /// read is logged and tried again later (the messages stay on disk; nothing is lost).
+    fn fill(&mut self, id: QueueId, low_water: usize) {
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        let (Some(request), Some(qkey)) = (q.machine.load_request(low_water), q.store_key) else {
+            return;
+        };
+        let Some(pager) = self.pager.as_mut() else {
+            return;
+        };
+        let window = self.config.page_window.max(1) as usize;
+        let max = window.saturating_sub(q.machine.head_count()).max(1);
+        match pager
+            .0
+            .read(qkey, request, max, self.config.page_window_bytes.max(1))
+        {
+            Ok(page) => {
+                if let Some(q) = self.queues.get_mut(&id) {
+                    q.load_retry_at = None;
+                }
+                let command = Command::Load {
+                    messages: page.messages,
+                    through_id: page.through_id,
+                };
+                if self.run(id, command) != Some(Reply::Ok) {
+                    tracing::warn!(
+                        queue = id.0,
+                        from = request.from_id,
+                        "a page read back did not match the queue"
+                    );
+                }
+            }
+            Err(error) => {
+                tracing::error!(queue = id.0, from = request.from_id, %error, "reading paged messages failed; trying again in a second");
+                if let Some(q) = self.queues.get_mut(&id) {
+                    q.load_retry_at = Some(self.now_ms.saturating_add(LOAD_RETRY_MS));
+                }
+            }
+        }
     }
 
     /// Does a write wait to be taken?
@@ -1258,6 +1402,7 @@ impl Broker {
         let meta = MsgMeta {
             size: message.body.len() as u64,
             expires_at,
+            pageable: false,
         };
         let command = Command::Restore {
             msg_id,
@@ -1267,6 +1412,28 @@ impl Broker {
             redelivered,
         };
         matches!(self.run(queue, command), Some(Reply::Enqueued { .. }))
+    }
+
+    /// Recovery: `count` stored messages (`bytes` of bodies) with ids in `first_id..=last_id`
+    /// are ready in the queue but left on disk, read back when consumers come near them. False
+    /// if the queue is unknown or the ids are not after the queue's last one.
+    pub fn restore_run(
+        &mut self,
+        queue: QueueId,
+        first_id: u64,
+        last_id: u64,
+        count: u64,
+        bytes: u64,
+        redelivered: bool,
+    ) -> bool {
+        let command = Command::RestoreRun {
+            first_id,
+            last_id,
+            count,
+            bytes,
+            redelivered,
+        };
+        self.run(queue, command) == Some(Reply::Ok)
     }
 
     /// Recovery is over: new queues and bodies get keys past the ones on disk, and bodies
@@ -1400,6 +1567,10 @@ impl Broker {
             return true;
         };
         q.dirty = false;
+        let low_water = (self.config.page_window / 2).max(1) as usize;
+        if q.machine.wants_load(low_water) && q.load_retry_at.is_none_or(|t| self.now_ms >= t) {
+            self.fill(id, low_water);
+        }
         let max = u32::try_from(self.config.dispatch_batch.max(1)).unwrap_or(u32::MAX);
         if self.run(id, Command::Checkout { max }).is_none() {
             return true;
@@ -1521,6 +1692,9 @@ impl Broker {
         if q.machine.ready_count() == 0 {
             // Nothing to take: no command, so an empty poll loop writes nothing to the log.
             return Ok(None);
+        }
+        if !q.machine.head_loaded() {
+            self.fill(id, 1);
         }
         self.run(id, Command::Get { no_ack });
         let mut got = Vec::with_capacity(1);

@@ -36,7 +36,10 @@ mod small;
 
 pub use broker::{Broker, QueueInfo};
 pub use exchange::ExchangeKind;
-pub use persist::{BindingDef, BindingDest, ExchangeDef, QueueDef, StoreKeys, StoreOp, WriteBatch};
+pub use persist::{
+    BindingDef, BindingDest, ExchangeDef, Page, PageSource, QueueDef, StoreKeys, StoreOp,
+    WriteBatch,
+};
 pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
 pub use queue::machine;
 pub use queue::machine::{ConsumerId, Credit, CreditGroup, Receipt};
@@ -146,6 +149,13 @@ pub struct BrokerConfig {
     /// Keep durable state on disk: the broker produces [`WriteBatch`]es
     /// ([`Broker::take_writes`]) and confirms of persistent messages wait for them.
     pub persistence: bool,
+    /// A queue with consumers keeps this many ready messages in memory at its head (and
+    /// at most `page_window_bytes` of bodies); stored messages past it leave memory once
+    /// written and are read back ahead of the consumers (with a [`PageSource`]).
+    pub page_window: u32,
+    pub page_window_bytes: u64,
+    /// The same for a queue without consumers: nothing reads it, so little is kept.
+    pub page_window_idle: u32,
 }
 
 impl Default for BrokerConfig {
@@ -157,6 +167,9 @@ impl Default for BrokerConfig {
             name_seed: 0x5741_5252_454e_2121,
             dispatch_batch: 1024,
             persistence: false,
+            page_window: 1024,
+            page_window_bytes: 1 << 20,
+            page_window_idle: 64,
         }
     }
 }

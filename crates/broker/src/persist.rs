@@ -12,6 +12,7 @@ use std::collections::HashMap;
 use warren_codec::{FieldTable, ShortStr};
 
 use crate::exchange::ExchangeKind;
+use crate::queue::machine::{LoadRequest, Loaded};
 use crate::Message;
 
 /// Where a stored binding leads (by name: ids do not outlive the process).
@@ -81,12 +82,23 @@ pub enum StoreOp {
     DeleteBody {
         key: u64,
     },
-    /// A message in a queue: its id there, its body, its expiry.
+    /// A message in a queue: its id there, its body (of `size` bytes; `shared` by other
+    /// queues), its expiry.
     PutEntry {
         queue: u64,
         msg_id: u64,
         body: u64,
+        size: u64,
+        shared: bool,
         expires_at: Option<u64>,
+    },
+    /// Purge or delete of a paged run: every entry of the queue with an id in
+    /// `first_id..=last_id`, their delivery counts and their bodies (never shared: only
+    /// messages stored for one queue are paged).
+    DropRun {
+        queue: u64,
+        first_id: u64,
+        last_id: u64,
     },
     /// The message left the queue; `count` when a delivery count was stored for it.
     DeleteEntry {
@@ -103,6 +115,29 @@ pub enum StoreOp {
     /// Keys below these are (or may have been) used: after a restart, new keys start here, so
     /// no key is ever written twice (`SingleDelete` relies on it).
     ReserveKeys(StoreKeys),
+}
+
+/// Reads paged-out messages back (the server gives the broker one over the store). Called
+/// on the broker's thread: a page is a bounded read of one queue's entries and their bodies.
+/// It only ever asks for messages whose write was reported done.
+pub trait PageSource: Send {
+    /// The stored messages of queue `queue_key` with ids in `request.from_id..=to_id`, in id
+    /// order, stopping after `max_messages` or once `max_bytes` of bodies are read.
+    fn read(
+        &mut self,
+        queue_key: u64,
+        request: LoadRequest,
+        max_messages: usize,
+        max_bytes: u64,
+    ) -> Result<Page, String>;
+}
+
+/// What a [`PageSource`] read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Page {
+    pub messages: Vec<Loaded<Message>>,
+    /// The last id the read covered (`to_id` when it reached the end of the range).
+    pub through_id: u64,
 }
 
 /// The ops made since the last [`crate::Broker::take_writes`], under one number.

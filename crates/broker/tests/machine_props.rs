@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use proptest::prelude::*;
 use warren_broker::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DeadLetterReason,
-    Deliver, Effect, Meta, MsgMeta, QueueMachine, Receipt, Reply,
+    Deliver, Effect, Loaded, Meta, MsgMeta, QueueMachine, Receipt, Reply,
 };
 use warren_codec::{FieldTable, ShortStr};
 
@@ -20,6 +20,12 @@ enum Op {
     Enqueue {
         size: u64,
         ttl: Option<u64>,
+        pageable: bool,
+    },
+    /// Pages out past `keep` what is written: ids below `next_id - unwritten`.
+    PageOut {
+        keep: u32,
+        unwritten: u64,
     },
     Consume {
         slot: Slot,
@@ -61,7 +67,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u64..100, prop::option::weighted(0.3, 1u64..50)).prop_map(|(size, ttl)| Op::Enqueue { size, ttl }),
+        6 => (0u64..100, prop::option::weighted(0.3, 1u64..50), prop::bool::weighted(0.8)).prop_map(|(size, ttl, pageable)| Op::Enqueue { size, ttl, pageable }),
+        2 => (0u32..4, 0u64..3).prop_map(|(keep, unwritten)| Op::PageOut { keep, unwritten }),
         2 => (0u8..4, 0u16..2, any::<bool>(), 0u32..4).prop_map(|(slot, channel, no_ack, prefetch)| Op::Consume { slot, channel, no_ack: no_ack && slot == 3, prefetch }),
         1 => (0u8..4).prop_map(|slot| Op::Cancel { slot }),
         1 => (0u16..2, prop::bool::weighted(0.3), prop::option::of(0u32..4)).prop_map(|(channel, blocked, limit)| Op::Credit { channel, blocked, limit }),
@@ -98,6 +105,8 @@ struct ModelConsumer {
 #[derive(Default)]
 struct Model {
     state: BTreeMap<u64, State>,
+    /// Messages the "store" holds: pageable ones, until they leave the queue.
+    stored: BTreeSet<u64>,
     size: BTreeMap<u64, u64>,
     expires: BTreeMap<u64, u64>,
     deliveries: BTreeMap<u64, u32>,
@@ -175,6 +184,9 @@ impl Model {
                 }
             }
         }
+        if d.settled {
+            self.stored.remove(&id);
+        }
         let next = if d.settled {
             State::Settled
         } else {
@@ -204,8 +216,12 @@ impl Runner {
             now_ms: now,
         };
         self.effects.clear();
+        let paging = |m: &QueueMachine<Msg>| m.paging_totals();
+        let before = paging(&self.m);
         let reply = self.m.apply(meta, c.clone(), &mut self.effects);
+        let paging_changed = before != paging(&self.m);
         let changed = match (&c, reply) {
+            (Command::PageOut { .. } | Command::Load { .. }, _) => paging_changed,
             (_, Reply::Enqueued { .. } | Reply::Cancelled { .. }) => true,
             (_, Reply::Purged { count } | Reply::Delivered { count }) => count > 0,
             (Command::Consume { .. } | Command::Settle { .. }, Reply::Ok) => true,
@@ -220,11 +236,81 @@ impl Runner {
     }
 }
 
+/// Ready ids inside the machine's paged runs.
+fn paged(m: &QueueMachine<Msg>, ready: &BTreeSet<u64>) -> BTreeSet<u64> {
+    m.paged_runs()
+        .flat_map(|(a, b)| ready.range(a..=b).copied())
+        .collect()
+}
+
+/// What the broker does before a checkout or a get: the store reads the run's range back
+/// (at most `max` messages), and the machine loads them.
+fn load(
+    r: &mut Runner,
+    model: &Model,
+    now: u64,
+    low_water: usize,
+    max: usize,
+) -> Result<(), TestCaseError> {
+    let Some(req) = r.m.load_request(low_water) else {
+        return Ok(());
+    };
+    let found: Vec<u64> = model
+        .stored
+        .range(req.from_id..=req.to_id)
+        .copied()
+        .take(max)
+        .collect();
+    // Only ready messages may be in a run's range: the run holds exactly its messages.
+    for id in &found {
+        prop_assert_eq!(
+            model.state.get(id),
+            Some(&State::Ready),
+            "run range holds {}",
+            id
+        );
+    }
+    let through_id = if found.len() == max {
+        found[max - 1]
+    } else {
+        req.to_id
+    };
+    let messages = found
+        .iter()
+        .map(|id| Loaded {
+            msg_id: *id,
+            message: (*id, model.size[id]),
+            meta: MsgMeta {
+                size: model.size[id],
+                expires_at: model.expires.get(id).copied(),
+                pageable: true,
+            },
+            delivery_count: model.deliveries.get(id).copied().unwrap_or(0),
+        })
+        .collect();
+    let reply = r.apply(
+        now,
+        Command::Load {
+            messages,
+            through_id,
+        },
+    );
+    prop_assert_eq!(reply, Reply::Ok);
+    Ok(())
+}
+
 fn check(m: &QueueMachine<Msg>, model: &Model) -> Result<(), TestCaseError> {
     // Exactly one place per message.
     prop_assert_eq!(model.state.len() as u64, m.next_msg_id());
     let ready = model.ready();
-    prop_assert_eq!(m.ready_ids(), ready.iter().copied().collect::<Vec<_>>());
+    prop_assert_eq!(m.ready_count(), ready.len());
+    let on_disk = paged(m, &ready);
+    prop_assert_eq!(m.paged_count(), on_disk.len() as u64);
+    for id in &on_disk {
+        prop_assert!(model.stored.contains(id), "{} paged but not stored", id);
+    }
+    let in_memory: Vec<u64> = ready.difference(&on_disk).copied().collect();
+    prop_assert_eq!(m.ready_ids(), in_memory.clone());
     let flying = model.in_flight();
     prop_assert_eq!(m.in_flight_count(), flying.len());
     for (id, who, attempt) in &flying {
@@ -246,8 +332,11 @@ fn check(m: &QueueMachine<Msg>, model: &Model) -> Result<(), TestCaseError> {
             prop_assert!(model.held(*id) <= c.prefetch);
         }
     }
-    // The next deadline is the earliest expiry among ready messages.
-    let next = ready.iter().filter_map(|id| model.expires.get(id)).min();
+    // The next deadline is the earliest expiry among ready messages in memory.
+    let next = in_memory
+        .iter()
+        .filter_map(|id| model.expires.get(id))
+        .min();
     prop_assert_eq!(m.next_deadline(), next.copied());
     Ok(())
 }
@@ -282,18 +371,29 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
     for op in ops {
         let now = model.now;
         match op {
-            Op::Enqueue { size, ttl } => {
+            Op::Enqueue {
+                size,
+                ttl,
+                pageable,
+            } => {
                 let id = r.m.next_msg_id();
                 let expires_at = ttl.map(|t| now + t);
                 let reply = r.apply(
                     now,
                     Command::Enqueue {
                         message: (id, size),
-                        meta: MsgMeta { size, expires_at },
+                        meta: MsgMeta {
+                            size,
+                            expires_at,
+                            pageable,
+                        },
                     },
                 );
                 prop_assert_eq!(reply, Reply::Enqueued { msg_id: id });
                 model.state.insert(id, State::Ready);
+                if pageable {
+                    model.stored.insert(id);
+                }
                 model.size.insert(id, size);
                 if let Some(at) = expires_at {
                     model.expires.insert(id, at);
@@ -369,7 +469,23 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     model.credit.insert(group(channel), credit);
                 }
             }
+            Op::PageOut { keep, unwritten } => {
+                let Some(upto_id) = r.m.next_msg_id().checked_sub(unwritten + 1) else {
+                    continue;
+                };
+                r.apply(
+                    now,
+                    Command::PageOut {
+                        keep,
+                        keep_bytes: 150,
+                        upto_id,
+                    },
+                );
+            }
             Op::Checkout { max } => {
+                if r.m.wants_load(2) {
+                    load(&mut r, &model, now, 2, 3)?;
+                }
                 let reply = r.apply(now, Command::Checkout { max });
                 let Reply::Delivered { count } = reply else {
                     return Err(TestCaseError::fail(format!("checkout gave {reply:?}")));
@@ -385,14 +501,18 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                         other => return Err(TestCaseError::fail(format!("{other:?}"))),
                     }
                 }
-                // It stops only when out of messages, out of budget or out of credit.
-                if count < max && !model.ready().is_empty() {
+                // It stops only when out of messages (in memory), out of budget or out of
+                // credit.
+                if count < max && r.m.head_loaded() {
                     for id in model.consumers.keys() {
                         prop_assert!(!model.may_take(*id), "{:?} left with credit", id);
                     }
                 }
             }
             Op::Get { no_ack } => {
+                if !r.m.head_loaded() {
+                    load(&mut r, &model, now, 1, 2)?;
+                }
                 let reply = r.apply(now, Command::Get { no_ack });
                 match r.effects.clone().as_slice() {
                     [Effect::Deliver(d)] => {
@@ -425,6 +545,9 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 prop_assert_eq!(reply, if current { Reply::Ok } else { Reply::Stale });
                 if current {
                     model.state.insert(receipt.msg_id, to);
+                    if to != State::Ready {
+                        model.stored.remove(&receipt.msg_id);
+                    }
                     if to == State::Discarded {
                         match r.effects.as_slice() {
                             [Effect::DeadLetter {
@@ -453,15 +576,19 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 );
                 for id in ready {
                     model.state.insert(id, State::Purged);
+                    model.stored.remove(&id);
                 }
             }
             Op::Tick { advance } => {
                 model.now += advance;
                 let now = model.now;
+                // Paged messages expire once read back, not on disk.
+                let ready = model.ready();
+                let on_disk = paged(&r.m, &ready);
                 r.apply(now, Command::Tick);
-                let due: BTreeSet<u64> = model
-                    .ready()
-                    .into_iter()
+                let due: BTreeSet<u64> = ready
+                    .difference(&on_disk)
+                    .copied()
                     .filter(|id| model.expires.get(id).is_some_and(|at| *at <= now))
                     .collect();
                 let expired: BTreeSet<u64> = r
@@ -479,6 +606,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 prop_assert_eq!(&expired, &due);
                 for id in due {
                     model.state.insert(id, State::Expired);
+                    model.stored.remove(&id);
                 }
             }
         }

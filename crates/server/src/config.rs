@@ -56,6 +56,11 @@ pub struct Args {
     /// as RabbitMQ's disk_free_limit; 0 disables [default: 50000000]
     #[arg(long, env = "WARREN_DISK_FREE_LIMIT", value_name = "BYTES")]
     pub disk_free_limit: Option<u64>,
+    /// Ready messages a queue with consumers keeps in memory at its head (at most 1 MiB of
+    /// bodies); persistent messages past it stay on disk until consumers come near them.
+    /// A queue without consumers keeps a sixteenth of it [default: 1024]
+    #[arg(long, env = "WARREN_QUEUE_WINDOW", value_name = "MESSAGES")]
+    pub queue_window: Option<u32>,
     /// Debugging: append every command applied to every queue to FILE (see docs/design.md)
     #[arg(long, env = "WARREN_RECORD_COMMANDS", value_name = "FILE")]
     pub record_commands: Option<PathBuf>,
@@ -80,6 +85,7 @@ pub struct FileConfig {
     pub memory_high_watermark: Option<f64>,
     pub memory_limit: Option<u64>,
     pub disk_free_limit: Option<u64>,
+    pub queue_window: Option<u32>,
     /// Replaces the default guest user when present.
     pub users: Option<Vec<FileUser>>,
 }
@@ -107,6 +113,8 @@ pub enum ConfigError {
     },
     #[error("frame_max must be at least 4096, got {0}")]
     FrameMax(u32),
+    #[error("queue_window must be at least 1, got 0")]
+    QueueWindow,
     #[error("memory_high_watermark must be a fraction between 0 and 1 (RabbitMQ's default is 0.4), got {0}")]
     Watermark(f64),
     #[error(
@@ -147,6 +155,8 @@ pub struct Config {
     pub session: SessionConfig,
     pub data_dir: PathBuf,
     pub alarms: AlarmConfig,
+    /// Messages kept in memory at the head of a queue with consumers (`--queue-window`).
+    pub queue_window: u32,
     pub record_commands: Option<PathBuf>,
 }
 
@@ -213,9 +223,14 @@ impl Config {
                 .or(file.disk_free_limit)
                 .unwrap_or(50_000_000),
         };
+        let queue_window = args.queue_window.or(file.queue_window).unwrap_or(1024);
+        if queue_window == 0 {
+            return Err(ConfigError::QueueWindow);
+        }
         Ok(Config {
             data_dir,
             alarms,
+            queue_window,
             bind: args
                 .bind
                 .or(file.bind)

@@ -238,10 +238,10 @@ pub async fn serve(
     listener: TcpListener,
     node: Node,
     recorder: Option<Recorder>,
-    store: Option<warren_store::Store>,
+    store: Option<Arc<warren_store::Store>>,
     (alarms, data_dir): (crate::config::AlarmConfig, std::path::PathBuf),
     mut shutdown: watch::Receiver<bool>,
-) -> std::io::Result<Option<warren_store::Store>> {
+) -> std::io::Result<Option<Arc<warren_store::Store>>> {
     let config = node.config().clone();
     let shared = Arc::new(Shared {
         core: Mutex::new(Core {

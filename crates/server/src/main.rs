@@ -124,6 +124,8 @@ async fn run(config: Config) -> std::io::Result<()> {
         name_seed,
         max_message_size: usize::try_from(config.session.max_message_size).unwrap_or(usize::MAX),
         persistence: true,
+        page_window: config.queue_window,
+        page_window_idle: (config.queue_window / 16).max(1),
         ..BrokerConfig::default()
     });
     let recorder = match &config.record_commands {
@@ -148,7 +150,10 @@ async fn run(config: Config) -> std::io::Result<()> {
         None => None,
     };
     let store = warren_store::Store::open(&config.data_dir)
+        .map(std::sync::Arc::new)
         .map_err(|e| std::io::Error::other(e.to_string()))?;
+    // Deep queues keep their messages on disk and read them back through the store.
+    broker.set_pager(Box::new(warren_store::StorePager(store.clone())));
     let started = std::time::Instant::now();
     let recovered = store
         .recover(&mut broker)

@@ -5,7 +5,7 @@
 //! While one synced write is in progress, the batches made meanwhile queue up and go together
 //! in the next: one fsync covers every connection and queue that wrote in that time.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 use warren_broker::WriteBatch;
@@ -16,14 +16,14 @@ const RETRY_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
 
 pub struct StoreThread {
     pub tx: mpsc::Sender<WriteBatch>,
-    handle: JoinHandle<Store>,
+    handle: JoinHandle<Arc<Store>>,
 }
 
 impl StoreThread {
     /// Starts the thread; `written(last, ok)` is called after each group with the number of its
     /// last batch and whether the write succeeded.
     pub fn spawn(
-        store: Store,
+        store: Arc<Store>,
         written: impl Fn(u64, bool) + Send + 'static,
     ) -> std::io::Result<StoreThread> {
         let (tx, rx) = mpsc::channel::<WriteBatch>();
@@ -71,7 +71,7 @@ impl StoreThread {
     }
 
     /// Waits for the batches already sent to be written, then hands the store back.
-    pub fn finish(self) -> Option<Store> {
+    pub fn finish(self) -> Option<Arc<Store>> {
         drop(self.tx);
         self.handle.join().ok()
     }

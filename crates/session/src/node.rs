@@ -162,6 +162,9 @@ impl Node {
     /// Every batch up to `upto` is written (`ok`), or the write holding them failed: publisher
     /// confirms waiting for them go out (acks, or nacks after a failure).
     pub fn writes_done(&mut self, upto: u64, ok: bool) {
+        if ok {
+            self.broker.writes_done(upto);
+        }
         let waiters = std::mem::take(&mut self.confirm_waiters);
         for (conn, channel) in waiters {
             let Some(c) = self.conns.get_mut(&conn) else {

@@ -98,20 +98,64 @@ pub fn entry_key(queue: u64, msg_id: u64) -> [u8; 16] {
     k
 }
 
+/// The bounds of a queue's entries with ids in `first..=last`.
+pub fn id_range(queue: u64, first: u64, last: u64) -> ([u8; 16], [u8; 16]) {
+    let to = match last.checked_add(1) {
+        Some(next) => entry_key(queue, next),
+        None => entry_key(queue.saturating_add(1), 0),
+    };
+    (entry_key(queue, first), to)
+}
+
+/// Read options for an iterator that stays within `[from, to)`.
+pub fn bounded(from: &[u8], to: &[u8]) -> rocksdb::ReadOptions {
+    let mut r = rocksdb::ReadOptions::default();
+    r.set_iterate_lower_bound(from.to_vec());
+    r.set_iterate_upper_bound(to.to_vec());
+    r
+}
+
 /// The bounds of one queue's entries: `[queue, queue + 1)`.
 pub fn queue_range(queue: u64) -> ([u8; 8], [u8; 8]) {
     (queue.to_be_bytes(), queue.saturating_add(1).to_be_bytes())
 }
 
-pub fn entry_value(body: u64, expires_at: Option<u64>) -> BytesMut {
-    let mut v = BytesMut::with_capacity(17);
-    v.put_u64(body);
-    match expires_at {
-        Some(at) => {
-            v.put_u8(1);
-            v.put_u64(at);
-        }
-        None => v.put_u8(0),
+/// An `index` value: which body, how large, whether other queues hold it too, the expiry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub body: u64,
+    /// `None` for entries written before sizes were stored (their queue is loaded whole).
+    pub size: Option<u32>,
+    pub shared: bool,
+    pub expires_at: Option<u64>,
+}
+
+impl Entry {
+    /// Can the message stay on disk until its queue reads it (a run at recovery)?
+    pub fn pageable(&self) -> bool {
+        self.size.is_some() && !self.shared
+    }
+}
+
+const ENTRY_SHARED: u8 = 1;
+const ENTRY_EXPIRES: u8 = 2;
+
+/// Layout: body key (u64), body size (u32), flags (u8), expiry (u64, if flagged): 13 or 21
+/// bytes. The first layout (body key, expiry flag, expiry: 9 or 17 bytes) is still read.
+pub fn entry_value(e: &Entry) -> BytesMut {
+    let mut v = BytesMut::with_capacity(21);
+    v.put_u64(e.body);
+    v.put_u32(e.size.unwrap_or(0));
+    let mut flags = 0;
+    if e.shared {
+        flags |= ENTRY_SHARED;
+    }
+    if e.expires_at.is_some() {
+        flags |= ENTRY_EXPIRES;
+    }
+    v.put_u8(flags);
+    if let Some(at) = e.expires_at {
+        v.put_u64(at);
     }
     v
 }
@@ -284,15 +328,37 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
     }
 }
 
-/// An `index` value: the body key and the expiry.
-pub fn decode_entry(value: &[u8]) -> Result<(u64, Option<u64>), StoreError> {
+/// An `index` value, in either layout (told apart by length).
+pub fn decode_entry(value: &[u8]) -> Result<Entry, StoreError> {
     let mut v = Reader::new(Bytes::copy_from_slice(value), "a queue entry");
     let body = v.u64("body key")?;
-    let expires_at = match v.u8("expiry flag")? {
-        0 => None,
-        _ => Some(v.u64("expiry")?),
+    if value.len() == 9 || value.len() == 17 {
+        let expires_at = match v.u8("expiry flag")? {
+            0 => None,
+            _ => Some(v.u64("expiry")?),
+        };
+        return Ok(Entry {
+            body,
+            size: None,
+            // Unknown: such a body is counted like a shared one.
+            shared: true,
+            expires_at,
+        });
+    }
+    let size = v.u32("body size")?;
+    let flags = v.u8("entry flags")?;
+    let expires_at = if flags & ENTRY_EXPIRES != 0 {
+        Some(v.u64("expiry")?)
+    } else {
+        None
     };
-    Ok((body, expires_at))
+    v.done("queue entry")?;
+    Ok(Entry {
+        body,
+        size: Some(size),
+        shared: flags & ENTRY_SHARED != 0,
+        expires_at,
+    })
 }
 
 /// A body value: the message (persistent, under `key`) and the queues it was written for.
@@ -404,11 +470,29 @@ mod tests {
         };
         let (back, queues) = decode_body(7, body_value(&m, 3).to_vec()).expect("body");
         assert_eq!((back, queues), (m, 3));
-        assert_eq!(
-            decode_entry(&entry_value(9, Some(1234))).ok(),
-            Some((9, Some(1234)))
-        );
-        assert_eq!(decode_entry(&entry_value(9, None)).ok(), Some((9, None)));
+        for e in [
+            Entry {
+                body: 9,
+                size: Some(5),
+                shared: false,
+                expires_at: Some(1234),
+            },
+            Entry {
+                body: 9,
+                size: Some(0),
+                shared: true,
+                expires_at: None,
+            },
+        ] {
+            assert_eq!(decode_entry(&entry_value(&e)).ok(), Some(e));
+        }
+        // The first layout: body key, expiry flag, expiry.
+        let mut old = 9u64.to_be_bytes().to_vec();
+        old.push(1);
+        old.extend_from_slice(&1234u64.to_be_bytes());
+        let e = decode_entry(&old).expect("old layout");
+        assert_eq!((e.body, e.size, e.expires_at), (9, None, Some(1234)));
+        assert!(!e.pageable());
         assert_eq!(decode_entry_key(&entry_key(3, 4)).ok(), Some((3, 4)));
     }
 

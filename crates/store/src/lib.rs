@@ -5,6 +5,7 @@
 //! crate does I/O only; deciding what to write is the broker's (sans-IO) job.
 
 mod codec;
+mod page;
 mod recover;
 
 use std::collections::HashSet;
@@ -16,6 +17,7 @@ use rocksdb::{
 };
 use warren_broker::{StoreOp, WriteBatch};
 
+pub use page::StorePager;
 pub use recover::Recovered;
 
 /// The layout this build reads and writes.
@@ -302,15 +304,45 @@ impl Store {
                         queue,
                         msg_id,
                         body,
+                        size,
+                        shared,
                         expires_at,
                     } => {
                         if !put_entries.contains(&(*queue, *msg_id)) {
+                            let entry = codec::Entry {
+                                body: *body,
+                                size: Some(u32::try_from(*size).unwrap_or(u32::MAX)),
+                                shared: *shared,
+                                expires_at: *expires_at,
+                            };
                             wb.put_cf(
                                 index,
                                 codec::entry_key(*queue, *msg_id),
-                                codec::entry_value(*body, *expires_at),
+                                codec::entry_value(&entry),
                             );
                         }
+                    }
+                    StoreOp::DropRun {
+                        queue,
+                        first_id,
+                        last_id,
+                    } => {
+                        // The run's entries were written in an earlier group (only written
+                        // messages are paged), so the database has them now.
+                        let (from, to) = codec::id_range(*queue, *first_id, *last_id);
+                        for item in self.db.iterator_cf_opt(
+                            index,
+                            codec::bounded(&from, &to),
+                            rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
+                        ) {
+                            let (_, v) = item.map_err(StoreError::Read)?;
+                            let entry = codec::decode_entry(&v)?;
+                            if !entry.shared {
+                                wb.single_delete_cf(bodies, entry.body.to_be_bytes());
+                            }
+                        }
+                        wb.delete_range_cf(index, from, to);
+                        wb.delete_range_cf(counts, from, to);
                     }
                     StoreOp::DeleteEntry {
                         queue,
@@ -350,7 +382,7 @@ impl Store {
 
     /// Marks a clean stop: the next start does not treat recovered messages as possibly
     /// delivered. Call after the last write.
-    pub fn close_clean(self) -> Result<(), StoreError> {
+    pub fn close_clean(&self) -> Result<(), StoreError> {
         let mut w = WriteOptions::default();
         w.set_sync(true);
         self.db

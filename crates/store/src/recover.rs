@@ -105,7 +105,9 @@ impl Store {
     }
 
     /// One queue's messages, in id order: a bounded scan of its `index` range, its stored
-    /// delivery counts beside it, each body fetched by key.
+    /// delivery counts beside it. Messages stored for this queue alone stay on disk, as runs
+    /// the queue reads back when consumers need them (start-up reads no bodies for them);
+    /// shared bodies, and entries from before sizes were stored, are read now.
     fn recover_queue(
         &self,
         broker: &mut Broker,
@@ -145,6 +147,8 @@ impl Store {
         // The id after the last entry that could not be restored: new messages start past it,
         // so its key is never written again.
         let mut skip_to = None;
+        let redelivered = !self.clean_start;
+        let mut run: Option<Run> = None;
         for item in self.db.iterator_cf_opt(
             index,
             bounded(),
@@ -152,7 +156,30 @@ impl Store {
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
             let (_, msg_id) = codec::decode_entry_key(&k)?;
-            let (body_key, expires_at) = codec::decode_entry(&v)?;
+            let entry = codec::decode_entry(&v)?;
+            if entry.pageable() {
+                let size = u64::from(entry.size.unwrap_or(0));
+                match run.as_mut() {
+                    Some(r) => {
+                        r.last = msg_id;
+                        r.count += 1;
+                        r.bytes = r.bytes.saturating_add(size);
+                    }
+                    None => {
+                        run = Some(Run {
+                            first: msg_id,
+                            last: msg_id,
+                            count: 1,
+                            bytes: size,
+                        })
+                    }
+                }
+                continue;
+            }
+            if let Some(r) = run.take() {
+                n += r.restore(broker, id, redelivered, &mut skip_to);
+            }
+            let (body_key, expires_at) = (entry.body, entry.expires_at);
             let Some(body) = self
                 .db
                 .get_cf(bodies, body_key.to_be_bytes())
@@ -167,15 +194,50 @@ impl Store {
                 *shared.entry(body_key).or_insert(0) += 1;
             }
             let count = counts.get(&msg_id).copied().unwrap_or(0);
-            if broker.restore_message(id, msg_id, message, count, expires_at, !self.clean_start) {
+            if broker.restore_message(id, msg_id, message, count, expires_at, redelivered) {
                 n += 1;
             } else {
                 skip_to = Some(msg_id.saturating_add(1));
             }
         }
+        if let Some(r) = run.take() {
+            n += r.restore(broker, id, redelivered, &mut skip_to);
+        }
         if let Some(next_id) = skip_to {
             broker.skip_message_ids(id, next_id);
         }
         Ok(n)
+    }
+}
+
+/// Consecutive stored entries that stay on disk at recovery.
+struct Run {
+    first: u64,
+    last: u64,
+    count: u64,
+    bytes: u64,
+}
+
+impl Run {
+    fn restore(
+        self,
+        broker: &mut Broker,
+        queue: warren_broker::QueueId,
+        redelivered: bool,
+        skip_to: &mut Option<u64>,
+    ) -> u64 {
+        if broker.restore_run(
+            queue,
+            self.first,
+            self.last,
+            self.count,
+            self.bytes,
+            redelivered,
+        ) {
+            self.count
+        } else {
+            *skip_to = Some(self.last.saturating_add(1));
+            0
+        }
     }
 }

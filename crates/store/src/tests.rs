@@ -57,13 +57,34 @@ fn flush(b: &mut Broker, s: &Store) {
     s.write(&batches).expect("write");
 }
 
-fn ready(b: &Broker, q: &str) -> Vec<Bytes> {
+/// A broker rebuilt from the store, reading paged messages back through it.
+fn recovered(s: Store) -> (Broker, Recovered, std::sync::Arc<Store>) {
+    let s = std::sync::Arc::new(s);
+    let mut b = broker();
+    b.set_pager(Box::new(StorePager(s.clone())));
+    let r = s.recover(&mut b).expect("recover");
+    (b, r, s)
+}
+
+/// The bodies of a queue's ready messages in id order, in memory or paged out.
+fn ready(b: &Broker, s: &Store, q: &str) -> Vec<Bytes> {
     let id = b.queue_id("/", q).expect("queue");
     let m = b.machine(id).expect("machine");
     let mut v: Vec<(u64, Bytes)> = m
         .ready_messages()
         .map(|(id, m, _)| (id, m.body.clone()))
         .collect();
+    let key = b.queue_store_key(id).expect("durable");
+    for (first, last) in m.paged_runs() {
+        let page = s
+            .read_page(key, first, last, usize::MAX, u64::MAX)
+            .expect("read");
+        v.extend(
+            page.messages
+                .into_iter()
+                .map(|l| (l.msg_id, l.message.body)),
+        );
+    }
     v.sort_by_key(|(id, _)| *id);
     v.into_iter().map(|(_, b)| b).collect()
 }
@@ -107,10 +128,9 @@ fn durable_messages_survive_and_transient_ones_do_not() {
     }
     let s = Store::open(dir.path()).expect("reopen");
     assert!(s.clean_start());
-    let mut b = broker();
-    let r = s.recover(&mut b).expect("recover");
+    let (b, r, s) = recovered(s);
     assert_eq!((r.queues, r.messages, r.after_crash), (1, 2, false));
-    assert_eq!(ready(&b, "durable"), vec!["a", "c"]);
+    assert_eq!(ready(&b, &s, "durable"), vec!["a", "c"]);
     assert!(b.queue_id("/", "transient").is_none());
 }
 
@@ -142,10 +162,9 @@ fn acked_messages_stay_gone_and_unacked_ones_come_back_redelivered() {
     }
     let s = Store::open(dir.path()).expect("reopen");
     assert!(!s.clean_start());
-    let mut b = broker();
-    let r = s.recover(&mut b).expect("recover");
+    let (mut b, r, s) = recovered(s);
     assert!(r.after_crash);
-    assert_eq!(ready(&b, "q"), vec!["2", "3"]);
+    assert_eq!(ready(&b, &s, "q"), vec!["2", "3"]);
     let d = consume_all(&mut b, "q");
     assert!(
         d.iter().all(|d| d.redelivered),
@@ -231,8 +250,7 @@ fn definitions_survive_with_their_arguments() {
         s.close_clean().expect("close");
     }
     let s = Store::open(dir.path()).expect("reopen");
-    let mut b = broker();
-    let r = s.recover(&mut b).expect("recover");
+    let (mut b, r, _s) = recovered(s);
     assert_eq!((r.exchanges, r.queues, r.bindings, r.skipped), (1, 1, 2, 0));
     assert!(b.exchange_exists("/", "logs"));
     assert!(!b.exchange_exists("/", "gone"));
@@ -358,10 +376,9 @@ fn server_named_durable_queues_come_back_and_keys_are_never_reused() {
         (named, deleted_key)
     };
     let s = Store::open(dir.path()).expect("reopen");
-    let mut b = broker();
-    s.recover(&mut b).expect("recover");
+    let (mut b, _, s) = recovered(s);
     assert!(named.starts_with("amq.gen-"));
-    assert_eq!(ready(&b, &named), vec!["kept"]);
+    assert_eq!(ready(&b, &s, &named), vec!["kept"]);
     declare(&mut b, "new", true);
     let key = b
         .queue_store_key(b.queue_id("/", "new").expect("queue"))
@@ -431,6 +448,8 @@ fn a_queue_that_moved_a_million_messages_is_as_fast_and_gives_its_disk_back() {
                     queue: 1,
                     msg_id: i,
                     body: i + 1,
+                    size: 1024,
+                    shared: false,
                     expires_at: None,
                 });
             }
@@ -493,4 +512,164 @@ fn a_queue_that_moved_a_million_messages_is_as_fast_and_gives_its_disk_back() {
         size >> 20
     );
     assert!(scan < std::time::Duration::from_millis(500), "{scan:?}");
+}
+
+// ------------------------------------------------------------------ paging
+
+/// A broker that pages: small windows, reading back through the store.
+fn paging_broker(s: &std::sync::Arc<Store>) -> Broker {
+    let mut b = Broker::new(BrokerConfig {
+        persistence: true,
+        page_window: 8,
+        page_window_idle: 4,
+        ..BrokerConfig::default()
+    });
+    b.set_pager(Box::new(StorePager(s.clone())));
+    b
+}
+
+/// Writes what the broker made and tells it the writes are done (which lets it page out).
+fn flush_done(b: &mut Broker, s: &Store) {
+    let mut batches = Vec::new();
+    while let Some(w) = b.take_writes() {
+        batches.push(w);
+    }
+    s.write(&batches).expect("write");
+    if let Some(last) = batches.last() {
+        b.writes_done(last.number);
+    }
+}
+
+fn count(s: &Store, cf: &str) -> usize {
+    let handle = s.cf(cf).expect("cf");
+    s.db.iterator_cf(handle, rocksdb::IteratorMode::Start)
+        .count()
+}
+
+fn owned_msg(body: String, persistent: bool) -> Message {
+    Message {
+        body: Bytes::from(body),
+        ..msg("", persistent)
+    }
+}
+
+fn paged_count(b: &Broker, q: &str) -> u64 {
+    let id = b.queue_id("/", q).expect("queue");
+    b.machine(id).expect("machine").paged_count()
+}
+
+fn head_count(b: &Broker, q: &str) -> usize {
+    let id = b.queue_id("/", q).expect("queue");
+    b.machine(id).expect("machine").head_count()
+}
+
+#[test]
+fn a_deep_queue_keeps_a_window_in_memory_and_delivers_everything_in_order() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+    let mut b = paging_broker(&s);
+    declare(&mut b, "deep", true);
+    // Persistent messages with a transient one now and then: those stay in memory, in place.
+    for i in 0..200 {
+        let m = owned_msg(format!("m{i}"), i % 50 != 7);
+        b.publish("/", "", "deep", m, 0).expect("publish");
+        if i % 30 == 29 {
+            flush_done(&mut b, &s);
+        }
+    }
+    flush_done(&mut b, &s);
+    // Idle window 4, and 4 transient messages that cannot leave memory.
+    assert_eq!(head_count(&b, "deep"), 4);
+    assert_eq!(paged_count(&b, "deep"), 192);
+    let info = b
+        .queue_info(b.queue_id("/", "deep").expect("id"))
+        .expect("info");
+    assert_eq!(info.message_count, 200, "paged messages still count");
+    let d = consume_all(&mut b, "deep");
+    let bodies: Vec<String> = d
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.message.body).into_owned())
+        .collect();
+    let want: Vec<String> = (0..200).map(|i| format!("m{i}")).collect();
+    assert_eq!(bodies, want);
+    assert!(d.iter().all(|d| !d.redelivered));
+    for d in &d {
+        assert!(b.settle(d.queue, d.receipt));
+    }
+    flush_done(&mut b, &s);
+    assert_eq!((count(&s, CF_INDEX), count(&s, CF_BODIES)), (0, 0));
+}
+
+#[test]
+fn purging_or_deleting_a_paged_queue_removes_its_bodies_from_disk() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+    let mut b = paging_broker(&s);
+    for q in ["purged", "deleted"] {
+        declare(&mut b, q, true);
+        for i in 0..50 {
+            b.publish("/", "", q, owned_msg(format!("{q}{i}"), true), 0)
+                .expect("publish");
+        }
+        flush_done(&mut b, &s);
+        assert!(paged_count(&b, q) > 0);
+    }
+    assert_eq!(count(&s, CF_BODIES), 100);
+    assert_eq!(b.purge_queue("/", "purged", 1).expect("purge"), 50);
+    flush_done(&mut b, &s);
+    assert_eq!((count(&s, CF_INDEX), count(&s, CF_BODIES)), (50, 50));
+    let deleted = b
+        .delete_queue("/", "deleted", false, false, 1)
+        .expect("delete");
+    assert_eq!(deleted.message_count, 50);
+    flush_done(&mut b, &s);
+    assert_eq!((count(&s, CF_INDEX), count(&s, CF_BODIES)), (0, 0));
+}
+
+#[test]
+fn recovery_leaves_messages_on_disk_until_a_consumer_reads_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+        let mut b = paging_broker(&s);
+        declare(&mut b, "q", true);
+        for i in 0..30 {
+            b.publish("/", "", "q", owned_msg(format!("m{i}"), true), 0)
+                .expect("publish");
+        }
+        flush_done(&mut b, &s);
+        // m0 goes out and comes back: its count is stored.
+        let id = b.queue_id("/", "q").expect("id");
+        let (got, _) = b.get("/", "q", false, 1).expect("get").expect("a message");
+        assert!(b.requeue(id, got.receipt));
+        flush_done(&mut b, &s);
+        // A crash: no clean close.
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    let (mut b, r, s) = {
+        let s = std::sync::Arc::new(s);
+        let mut b = paging_broker(&s);
+        let r = s.recover(&mut b).expect("recover");
+        (b, r, s)
+    };
+    assert_eq!(r.messages, 30);
+    assert_eq!(paged_count(&b, "q"), 30, "start-up reads no bodies");
+    assert_eq!(ready(&b, &s, "q").len(), 30);
+    let (first, _) = b.get("/", "q", true, 1).expect("get").expect("a message");
+    assert_eq!(&first.message.body[..], b"m0");
+    assert_eq!(
+        first.receipt.attempt, 2,
+        "the stored delivery count is read back"
+    );
+    let d = consume_all(&mut b, "q");
+    assert_eq!(d.len(), 29);
+    assert!(
+        d.iter().all(|d| d.redelivered),
+        "after a crash, all redelivered"
+    );
+    let bodies: Vec<String> = d
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.message.body).into_owned())
+        .collect();
+    assert_eq!(bodies, (1..30).map(|i| format!("m{i}")).collect::<Vec<_>>());
 }

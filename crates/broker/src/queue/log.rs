@@ -16,8 +16,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use warren_codec::{FieldTable, ShortStr};
 
 use super::machine::{
-    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, Meta, MsgMeta,
-    QueueMachine, Receipt,
+    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, Loaded, Meta,
+    MsgMeta, QueueMachine, Receipt,
 };
 use crate::Message;
 
@@ -87,6 +87,9 @@ const PURGE: u8 = 10;
 const TICK: u8 = 11;
 const RESTORE: u8 = 12;
 const SKIP_IDS: u8 = 13;
+const RESTORE_RUN: u8 = 14;
+const PAGE_OUT: u8 = 15;
+const LOAD: u8 = 16;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -130,6 +133,7 @@ fn put_message(out: &mut BytesMut, message: &Message) {
 fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
     out.put_u64(meta.size);
     put_opt_u64(out, meta.expires_at);
+    out.put_u8(u8::from(meta.pageable));
 }
 
 /// Appends one record to `out`.
@@ -162,6 +166,44 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
         Command::SkipIds { next_id } => {
             out.put_u8(SKIP_IDS);
             out.put_u64(*next_id);
+        }
+        Command::RestoreRun {
+            first_id,
+            last_id,
+            count,
+            bytes,
+            redelivered,
+        } => {
+            out.put_u8(RESTORE_RUN);
+            out.put_u64(*first_id);
+            out.put_u64(*last_id);
+            out.put_u64(*count);
+            out.put_u64(*bytes);
+            out.put_u8(u8::from(*redelivered));
+        }
+        Command::PageOut {
+            keep,
+            keep_bytes,
+            upto_id,
+        } => {
+            out.put_u8(PAGE_OUT);
+            out.put_u32(*keep);
+            out.put_u64(*keep_bytes);
+            out.put_u64(*upto_id);
+        }
+        Command::Load {
+            messages,
+            through_id,
+        } => {
+            out.put_u8(LOAD);
+            out.put_u64(*through_id);
+            out.put_u32(u32::try_from(messages.len()).unwrap_or(u32::MAX));
+            for m in messages {
+                out.put_u64(m.msg_id);
+                put_message(out, &m.message);
+                put_msg_meta(out, &m.meta);
+                out.put_u32(m.delivery_count);
+            }
         }
         Command::Consume { id, spec } => {
             out.put_u8(CONSUME);
@@ -306,6 +348,7 @@ impl Reader {
         Ok(MsgMeta {
             size: self.u64("size")?,
             expires_at: self.opt_u64("expiry")?,
+            pageable: self.u8("pageable")? != 0,
         })
     }
 
@@ -331,6 +374,36 @@ impl Reader {
             SKIP_IDS => Command::SkipIds {
                 next_id: self.u64("next id")?,
             },
+            RESTORE_RUN => Command::RestoreRun {
+                first_id: self.u64("first id")?,
+                last_id: self.u64("last id")?,
+                count: self.u64("count")?,
+                bytes: self.u64("bytes")?,
+                redelivered: self.u8("redelivered")? != 0,
+            },
+            PAGE_OUT => Command::PageOut {
+                keep: self.u32("keep")?,
+                keep_bytes: self.u64("keep bytes")?,
+                upto_id: self.u64("upto id")?,
+            },
+            LOAD => {
+                let through_id = self.u64("through id")?;
+                let n = self.u32("message count")?;
+                // Grown as records are read: the count is not trusted for an allocation.
+                let mut messages = Vec::new();
+                for _ in 0..n {
+                    messages.push(Loaded {
+                        msg_id: self.u64("message id")?,
+                        message: self.message()?,
+                        meta: self.msg_meta()?,
+                        delivery_count: self.u32("delivery count")?,
+                    });
+                }
+                Command::Load {
+                    messages,
+                    through_id,
+                }
+            }
             CONSUME => {
                 let id = ConsumerId(self.u64("consumer")?);
                 let group = self.group()?;

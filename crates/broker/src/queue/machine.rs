@@ -49,6 +49,9 @@ pub struct MsgMeta {
     /// Absolute expiry in ms (per-message or queue TTL), if any: the message is dropped from
     /// ready (with a [`DeadLetterReason::Expired`] effect) once the time reaches it.
     pub expires_at: Option<u64>,
+    /// The message is on disk, for this queue alone, and can be read back by its id: a
+    /// [`Command::PageOut`] may drop it from memory once its write is done.
+    pub pageable: bool,
 }
 
 /// Where a command sits in the queue's history and when it happened. Chosen by whoever orders
@@ -129,6 +132,31 @@ pub enum Command<M> {
     SkipIds {
         next_id: u64,
     },
+    /// Recovery: `count` stored messages (`bytes` in all) with ids in `first_id..=last_id`,
+    /// left on disk: they are ready, and read back with [`Command::Load`] before delivery. Same
+    /// id rule as `Restore`.
+    RestoreRun {
+        first_id: u64,
+        last_id: u64,
+        count: u64,
+        bytes: u64,
+        redelivered: bool,
+    },
+    /// Memory: the ready messages past the first `keep` (and past `keep_bytes`) that are
+    /// pageable and have ids up to `upto_id` (their writes are done) leave memory. They stay
+    /// in the queue, in place, as runs of ids; a run's messages are read back with
+    /// [`Command::Load`] when they come near the head.
+    PageOut {
+        keep: u32,
+        keep_bytes: u64,
+        upto_id: u64,
+    },
+    /// The first paged run's messages with ids up to `through_id`, read back from the store in
+    /// id order. A load that does not match the first run changes nothing ([`Reply::Stale`]).
+    Load {
+        messages: Vec<Loaded<M>>,
+        through_id: u64,
+    },
     /// basic.consume.
     Consume {
         id: ConsumerId,
@@ -170,6 +198,23 @@ pub enum Command<M> {
     Tick,
 }
 
+/// A message read back from the store for [`Command::Load`].
+#[derive(Clone, Debug, PartialEq, Hash)]
+pub struct Loaded<M> {
+    pub msg_id: u64,
+    pub message: M,
+    pub meta: MsgMeta,
+    pub delivery_count: u32,
+}
+
+/// What the store should read for a queue whose next message is paged out: the stored
+/// messages with ids in `from_id..=to_id` (as many as fit a page).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadRequest {
+    pub from_id: u64,
+    pub to_id: u64,
+}
+
 /// Why a consume was refused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Refusal {
@@ -191,6 +236,10 @@ pub enum Reply {
         count: u32,
     },
     Purged {
+        count: u32,
+    },
+    /// PageOut: how many messages left memory.
+    Paged {
         count: u32,
     },
     /// A consumer was removed; how many are left.
@@ -252,6 +301,34 @@ struct Entry<M> {
     maybe_delivered: bool,
 }
 
+/// Ready messages that are on disk only: every message of the queue with an id in
+/// `first..=last` (ids in between are not in the queue).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Run {
+    first: u64,
+    last: u64,
+    count: u64,
+    bytes: u64,
+    /// Recovered after a crash: delivered as redelivered.
+    maybe_delivered: bool,
+}
+
+/// A place in the tail of the ready line: a message in memory, or a run on disk.
+#[derive(Clone, Debug)]
+enum Slot<M> {
+    Msg(Entry<M>),
+    Paged(Run),
+}
+
+impl<M> Slot<M> {
+    fn first_id(&self) -> u64 {
+        match self {
+            Slot::Msg(e) => e.id,
+            Slot::Paged(r) => r.first,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 struct InFlight<M> {
     consumer: Option<ConsumerId>,
@@ -271,7 +348,22 @@ struct Consumer {
 #[derive(Clone, Debug)]
 pub struct QueueMachine<M> {
     next_id: u64,
+    /// The head of the ready line, in memory, in id order.
     ready: VecDeque<Entry<M>>,
+    /// The rest of the ready line (every id above `ready`'s), once the queue pages: runs on
+    /// disk and messages still in memory (not yet written, or not pageable). Empty while the
+    /// queue is shallow: then new messages go to `ready`.
+    tail: VecDeque<Slot<M>>,
+    /// Messages in `tail`, paged or not.
+    tail_count: u64,
+    /// Runs in `tail`.
+    tail_runs: usize,
+    /// Tail messages with smaller ids were considered by a `PageOut` already.
+    paged_below: u64,
+    /// Messages ever paged out, and ever read back (statistics; part of the state, so a
+    /// replay that misses a `PageOut` or a `Load` is caught even when a purge erased it).
+    paged_out_total: u64,
+    loaded_total: u64,
     returned: BTreeMap<u64, Entry<M>>,
     in_flight: BTreeMap<u64, InFlight<M>>,
     consumers: BTreeMap<ConsumerId, Consumer>,
@@ -296,6 +388,12 @@ impl<M> Default for QueueMachine<M> {
         QueueMachine {
             next_id: 0,
             ready: VecDeque::new(),
+            tail: VecDeque::new(),
+            tail_count: 0,
+            tail_runs: 0,
+            paged_below: 0,
+            paged_out_total: 0,
+            loaded_total: 0,
             returned: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             consumers: BTreeMap::new(),
@@ -342,6 +440,24 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.next_id = self.next_id.max(next_id);
                 Reply::Ok
             }
+            Command::RestoreRun {
+                first_id,
+                last_id,
+                count,
+                bytes,
+                redelivered,
+            } => self.restore_run(first_id, last_id, count, bytes, redelivered),
+            Command::PageOut {
+                keep,
+                keep_bytes,
+                upto_id,
+            } => Reply::Paged {
+                count: self.page_out(keep, keep_bytes, upto_id),
+            },
+            Command::Load {
+                messages,
+                through_id,
+            } => self.load(messages, through_id),
             Command::Consume { id, spec } => self.consume(id, spec),
             Command::Cancel { id } => self.cancel(id),
             Command::Credit { group, credit } => {
@@ -439,7 +555,183 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if let Some(at) = entry.meta.expires_at {
             self.expiries.insert((at, entry.id));
         }
-        self.ready.push_back(entry);
+        if self.tail.is_empty() {
+            self.ready.push_back(entry);
+        } else {
+            self.tail_count += 1;
+            self.tail.push_back(Slot::Msg(entry));
+        }
+    }
+
+    fn restore_run(
+        &mut self,
+        first: u64,
+        last: u64,
+        count: u64,
+        bytes: u64,
+        maybe_delivered: bool,
+    ) -> Reply {
+        let span = last.checked_sub(first).and_then(|d| d.checked_add(1));
+        let Some(next) = last
+            .checked_add(1)
+            .filter(|_| first >= self.next_id && count > 0 && span.is_some_and(|s| count <= s))
+        else {
+            return Reply::Stale;
+        };
+        self.next_id = next;
+        self.paged_below = self.paged_below.max(next);
+        self.tail_count += count;
+        self.tail_runs += 1;
+        self.ready_bytes = self.ready_bytes.saturating_add(bytes);
+        self.tail.push_back(Slot::Paged(Run {
+            first,
+            last,
+            count,
+            bytes,
+            maybe_delivered,
+        }));
+        Reply::Ok
+    }
+
+    /// Drops from memory the pageable ready messages past the first `keep` / `keep_bytes`
+    /// with ids up to `upto_id`. Runs are contiguous ids: a message that stays in memory (or a
+    /// gap) starts a new run, so reading a run's range back finds exactly its messages.
+    fn page_out(&mut self, keep: u32, keep_bytes: u64, upto_id: u64) -> u32 {
+        let before = self.paged_out_total;
+        if self.tail.is_empty() {
+            // The line splits once: past the window, everything moves to the tail.
+            let (mut n, mut bytes, mut split) = (0u32, 0u64, self.ready.len());
+            for (i, e) in self.ready.iter().enumerate() {
+                if n >= keep || bytes >= keep_bytes {
+                    split = i;
+                    break;
+                }
+                n += 1;
+                bytes = bytes.saturating_add(e.meta.size);
+            }
+            if split == self.ready.len() {
+                return 0;
+            }
+            self.paged_below = 0;
+            let moved = self.ready.split_off(split);
+            self.tail_count += moved.len() as u64;
+            self.tail.extend(moved.into_iter().map(Slot::Msg));
+        }
+        // Only the part of the tail that no earlier PageOut covered is looked at.
+        let from = self
+            .tail
+            .partition_point(|s| s.first_id() < self.paged_below);
+        let rest = self.tail.split_off(from);
+        let mut paged_below = self.paged_below;
+        for slot in rest {
+            match slot {
+                Slot::Msg(e) if e.meta.pageable && e.id <= upto_id => {
+                    paged_below = paged_below.max(e.id + 1);
+                    self.paged_out_total += 1;
+                    if let Some(at) = e.meta.expires_at {
+                        self.expiries.remove(&(at, e.id));
+                    }
+                    let run = Run {
+                        first: e.id,
+                        last: e.id,
+                        count: 1,
+                        bytes: e.meta.size,
+                        maybe_delivered: e.maybe_delivered || e.delivery_count > 0,
+                    };
+                    match self.tail.back_mut() {
+                        Some(Slot::Paged(r))
+                            if r.last + 1 == e.id && r.maybe_delivered == run.maybe_delivered =>
+                        {
+                            r.last = e.id;
+                            r.count += 1;
+                            r.bytes = r.bytes.saturating_add(e.meta.size);
+                        }
+                        _ => {
+                            self.tail_runs += 1;
+                            self.tail.push_back(Slot::Paged(run));
+                        }
+                    }
+                }
+                Slot::Msg(e) if e.id <= upto_id => {
+                    paged_below = paged_below.max(e.id + 1);
+                    self.tail.push_back(Slot::Msg(e));
+                }
+                other => self.tail.push_back(other),
+            }
+        }
+        self.paged_below = paged_below;
+        u32::try_from(self.paged_out_total - before).unwrap_or(u32::MAX)
+    }
+
+    fn load(&mut self, messages: Vec<Loaded<M>>, through_id: u64) -> Reply {
+        let Some(Slot::Paged(run)) = self.tail.front().cloned() else {
+            return Reply::Stale;
+        };
+        let in_order = messages.windows(2).all(|w| w[0].msg_id < w[1].msg_id);
+        let in_run = messages
+            .iter()
+            .all(|m| m.msg_id >= run.first && m.msg_id <= run.last.min(through_id));
+        if through_id < run.first || !in_order || !in_run {
+            return Reply::Stale;
+        }
+        let mut left = run;
+        self.loaded_total += messages.len() as u64;
+        for m in messages {
+            left.count = left.count.saturating_sub(1);
+            left.bytes = left.bytes.saturating_sub(m.meta.size);
+            if let Some(at) = m.meta.expires_at {
+                self.expiries.insert((at, m.msg_id));
+            }
+            self.tail_count = self.tail_count.saturating_sub(1);
+            self.ready.push_back(Entry {
+                id: m.msg_id,
+                msg: m.message,
+                meta: m.meta,
+                delivery_count: m.delivery_count,
+                maybe_delivered: run.maybe_delivered,
+            });
+        }
+        if through_id < run.last && left.count > 0 {
+            left.first = through_id + 1;
+            if let Some(front) = self.tail.front_mut() {
+                *front = Slot::Paged(left);
+            }
+        } else {
+            self.tail.pop_front();
+            self.tail_runs = self.tail_runs.saturating_sub(1);
+            // The run is read to its end: whatever it still counts was not on disk.
+            self.tail_count = self.tail_count.saturating_sub(left.count);
+            self.ready_bytes = self.ready_bytes.saturating_sub(left.bytes);
+        }
+        self.settle_tail();
+        Reply::Ok
+    }
+
+    /// Once the tail holds no run, it is just the rest of the line: back into `ready`.
+    fn settle_tail(&mut self) {
+        if self.tail_runs > 0 || self.tail.is_empty() {
+            return;
+        }
+        for slot in std::mem::take(&mut self.tail) {
+            if let Slot::Msg(e) = slot {
+                self.ready.push_back(e);
+            }
+        }
+        self.tail_count = 0;
+        self.paged_below = 0;
+    }
+
+    /// Would [`Self::pop_ready`] give a message? (Not when the next one is paged out.)
+    fn head_available(&self) -> bool {
+        if !self.ready.is_empty() {
+            return true;
+        }
+        match (self.tail.front(), self.returned.first_key_value()) {
+            (Some(Slot::Msg(_)), _) => true,
+            (Some(Slot::Paged(r)), Some((&id, _))) => id < r.first,
+            (Some(Slot::Paged(_)), None) => false,
+            (None, returned) => returned.is_some(),
+        }
     }
 
     fn consume(&mut self, id: ConsumerId, spec: ConsumerSpec) -> Reply {
@@ -524,7 +816,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     fn checkout(&mut self, max: u32, effects: &mut Vec<Effect<M>>) -> u32 {
         let mut delivered = 0;
-        while delivered < max && self.ready_count() > 0 {
+        while delivered < max && self.head_available() {
             let Some(id) = self.service.pop_front() else {
                 break;
             };
@@ -567,16 +859,33 @@ impl<M: Clone + Hash> QueueMachine<M> {
         delivered
     }
 
+    /// Takes the next ready message in id order: the returned one with the smallest id, or the
+    /// head of the line (in `ready`, or in the tail once `ready` is empty). `None` when there
+    /// is none, or the next one is paged out (it must be loaded first).
     fn pop_ready(&mut self) -> Option<Entry<M>> {
-        let take_returned = match (self.returned.first_key_value(), self.ready.front()) {
-            (Some((&r, _)), Some(q)) => r < q.id,
+        let line_head = match self.ready.front() {
+            Some(e) => Some(e.id),
+            None => self.tail.front().map(Slot::first_id),
+        };
+        let take_returned = match (self.returned.first_key_value(), line_head) {
+            (Some((&r, _)), Some(h)) => r < h,
             (Some(_), None) => true,
             (None, _) => false,
         };
         let entry = if take_returned {
             self.returned.pop_first().map(|(_, e)| e)
+        } else if let Some(e) = self.ready.pop_front() {
+            Some(e)
+        } else if let Some(Slot::Msg(_)) = self.tail.front() {
+            let e = match self.tail.pop_front() {
+                Some(Slot::Msg(e)) => Some(e),
+                _ => None,
+            };
+            self.tail_count = self.tail_count.saturating_sub(1);
+            self.settle_tail();
+            e
         } else {
-            self.ready.pop_front()
+            None
         }?;
         self.ready_bytes = self.ready_bytes.saturating_sub(entry.meta.size);
         if let Some(at) = entry.meta.expires_at {
@@ -665,6 +974,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
     fn purge(&mut self) -> u32 {
         let n = self.ready_count();
         self.ready.clear();
+        self.tail.clear();
+        self.tail_count = 0;
+        self.tail_runs = 0;
+        self.paged_below = 0;
         self.returned.clear();
         self.expiries.clear();
         self.ready_bytes = 0;
@@ -687,7 +1000,16 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 // per-message expiry in the middle shifts the shorter side of the deque.
                 match self.ready.binary_search_by_key(&id, |e| e.id) {
                     Ok(i) => self.ready.remove(i),
-                    Err(_) => None,
+                    Err(_) => match self.tail.binary_search_by_key(&id, Slot::first_id) {
+                        Ok(i) if matches!(self.tail.get(i), Some(Slot::Msg(_))) => {
+                            self.tail_count = self.tail_count.saturating_sub(1);
+                            match self.tail.remove(i) {
+                                Some(Slot::Msg(e)) => Some(e),
+                                _ => None,
+                            }
+                        }
+                        _ => None,
+                    },
                 }
             };
             if let Some(e) = entry {
@@ -709,9 +1031,64 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.expiries.first().map(|&(at, _)| at)
     }
 
-    /// Ready messages (not in flight).
+    /// Ready messages (not in flight), paged out or not.
     pub fn ready_count(&self) -> usize {
-        self.ready.len() + self.returned.len()
+        self.ready.len()
+            + self.returned.len()
+            + usize::try_from(self.tail_count).unwrap_or(usize::MAX)
+    }
+
+    /// Ready messages in memory at the head of the line (what a `PageOut` keeps).
+    pub fn head_count(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// Ready messages that are on disk only.
+    pub fn paged_count(&self) -> u64 {
+        self.tail
+            .iter()
+            .map(|s| match s {
+                Slot::Paged(r) => r.count,
+                Slot::Msg(_) => 0,
+            })
+            .sum()
+    }
+
+    /// Messages ever paged out, and ever read back.
+    pub fn paging_totals(&self) -> (u64, u64) {
+        (self.paged_out_total, self.loaded_total)
+    }
+
+    /// The id ranges of the paged runs, in order (each holds exactly the queue's messages
+    /// with ids in it).
+    pub fn paged_runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.tail.iter().filter_map(|s| match s {
+            Slot::Paged(r) => Some((r.first, r.last)),
+            Slot::Msg(_) => None,
+        })
+    }
+
+    /// The next message is paged out and the head is below `low_water` messages: what to
+    /// read back with a [`Command::Load`].
+    pub fn load_request(&self, low_water: usize) -> Option<LoadRequest> {
+        match self.tail.front() {
+            Some(Slot::Paged(r)) if self.ready.len() < low_water => Some(LoadRequest {
+                from_id: r.first,
+                to_id: r.last,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Do consumers wait, and is the head below `low_water` with a paged run next: should
+    /// the next page be read back before a checkout?
+    pub fn wants_load(&self, low_water: usize) -> bool {
+        !self.service.is_empty() && self.load_request(low_water).is_some()
+    }
+
+    /// Has the line split into a head and a tail (the queue pages)?
+    pub fn has_tail(&self) -> bool {
+        !self.tail.is_empty()
     }
 
     pub fn ready_bytes(&self) -> u64 {
@@ -728,7 +1105,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     /// Would a [`Command::Checkout`] deliver anything now?
     pub fn has_work(&self) -> bool {
-        self.ready_count() > 0 && !self.service.is_empty()
+        self.head_available() && !self.service.is_empty()
+    }
+
+    /// Would a [`Command::Get`] find a message without loading one first?
+    pub fn head_loaded(&self) -> bool {
+        self.head_available()
     }
 
     pub fn consumer_count(&self) -> usize {
@@ -783,10 +1165,15 @@ impl<M: Clone + Hash> QueueMachine<M> {
             .map(|f| (&f.entry.msg, f.entry.delivery_count))
     }
 
-    /// Every ready message with its id and delivery count, in no particular order.
+    /// Every ready message in memory with its id and delivery count, in no particular order
+    /// (paged ones are in [`Self::paged_runs`]).
     pub fn ready_messages(&self) -> impl Iterator<Item = (u64, &M, u32)> + '_ {
         self.ready
             .iter()
+            .chain(self.tail.iter().filter_map(|s| match s {
+                Slot::Msg(e) => Some(e),
+                Slot::Paged(_) => None,
+            }))
             .chain(self.returned.values())
             .map(|e| (e.id, &e.msg, e.delivery_count))
     }
@@ -800,11 +1187,19 @@ impl<M: Clone + Hash> QueueMachine<M> {
         )
     }
 
-    /// Ids of ready messages in delivery order (tests and diagnostics; O(n)).
+    /// Ids of the ready messages in memory in delivery order (tests and diagnostics; O(n)).
     pub fn ready_ids(&self) -> Vec<u64> {
-        let mut out = Vec::with_capacity(self.ready_count());
+        let mut out = Vec::new();
         let mut r = self.returned.keys().copied().peekable();
-        let mut q = self.ready.iter().map(|e| e.id).peekable();
+        let mut q = self
+            .ready
+            .iter()
+            .map(|e| e.id)
+            .chain(self.tail.iter().filter_map(|s| match s {
+                Slot::Msg(e) => Some(e.id),
+                Slot::Paged(_) => None,
+            }))
+            .peekable();
         loop {
             let next = match (r.peek(), q.peek()) {
                 (Some(&a), Some(&b)) if a < b => r.next(),
@@ -828,6 +1223,20 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.ready.len().hash(&mut h);
         for e in &self.ready {
             hash_entry(e, &mut h);
+        }
+        (
+            self.tail.len(),
+            self.tail_count,
+            self.tail_runs,
+            self.paged_below,
+        )
+            .hash(&mut h);
+        (self.paged_out_total, self.loaded_total).hash(&mut h);
+        for s in &self.tail {
+            match s {
+                Slot::Msg(e) => hash_entry(e, &mut h),
+                Slot::Paged(r) => r.hash(&mut h),
+            }
         }
         self.returned.len().hash(&mut h);
         for e in self.returned.values() {
@@ -935,7 +1344,11 @@ mod tests {
         fn enqueue(&mut self, s: &'static str, size: u64, expires_at: Option<u64>) -> u64 {
             match self.run(Command::Enqueue {
                 message: s,
-                meta: MsgMeta { size, expires_at },
+                meta: MsgMeta {
+                    size,
+                    expires_at,
+                    pageable: false,
+                },
             }) {
                 Reply::Enqueued { msg_id } => msg_id,
                 other => panic!("unexpected {other:?}"),

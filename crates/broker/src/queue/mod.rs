@@ -34,6 +34,8 @@ pub struct Queue {
     pub scheduled: Option<u64>,
     /// The key its messages are stored under (a durable queue, with persistence on).
     pub store_key: Option<u64>,
+    /// Reading its paged messages back failed: not tried again before this time (ms).
+    pub load_retry_at: Option<u64>,
 }
 
 impl Queue {

@@ -1,0 +1,115 @@
+//! Reading paged-out messages back: a bounded scan of one queue's `index` range, the delivery
+//! counts beside it, and the bodies in one `multi_get`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use rocksdb::{Direction, IteratorMode};
+use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
+use warren_broker::{Page, PageSource};
+
+use crate::{codec, Store, StoreError, CF_BODIES, CF_COUNTS, CF_INDEX};
+
+impl Store {
+    /// The stored messages of `queue` with ids in `from..=to`, in id order, stopping after
+    /// `max_messages` or once `max_bytes` of bodies are read. An entry whose body is missing
+    /// is skipped with a warning.
+    pub fn read_page(
+        &self,
+        queue: u64,
+        from: u64,
+        to: u64,
+        max_messages: usize,
+        max_bytes: u64,
+    ) -> Result<Page, StoreError> {
+        let (lo, hi) = codec::id_range(queue, from, to);
+        let mut entries = Vec::new();
+        let mut bytes = 0u64;
+        let mut through = to;
+        for item in self.db.iterator_cf_opt(
+            self.cf(CF_INDEX)?,
+            codec::bounded(&lo, &hi),
+            IteratorMode::From(&lo, Direction::Forward),
+        ) {
+            let (k, v) = item.map_err(StoreError::Read)?;
+            let (_, msg_id) = codec::decode_entry_key(&k)?;
+            let entry = codec::decode_entry(&v)?;
+            bytes = bytes.saturating_add(u64::from(entry.size.unwrap_or(0)));
+            entries.push((msg_id, entry));
+            if entries.len() >= max_messages.max(1) || bytes >= max_bytes {
+                through = msg_id;
+                break;
+            }
+        }
+        let mut counts = BTreeMap::new();
+        let (_, counts_hi) = codec::id_range(queue, from, through);
+        for item in self.db.iterator_cf_opt(
+            self.cf(CF_COUNTS)?,
+            codec::bounded(&lo, &counts_hi),
+            IteratorMode::From(&lo, Direction::Forward),
+        ) {
+            let (k, v) = item.map_err(StoreError::Read)?;
+            let (_, msg_id) = codec::decode_entry_key(&k)?;
+            let count = <[u8; 4]>::try_from(&*v)
+                .map(u32::from_be_bytes)
+                .map_err(|_| StoreError::Corrupt("a delivery count is malformed".into()))?;
+            counts.insert(msg_id, count);
+        }
+        let keys: Vec<[u8; 8]> = entries.iter().map(|(_, e)| e.body.to_be_bytes()).collect();
+        let bodies = self
+            .db
+            .batched_multi_get_cf(self.cf(CF_BODIES)?, &keys, false);
+        let mut messages = Vec::with_capacity(entries.len());
+        for ((msg_id, entry), body) in entries.into_iter().zip(bodies) {
+            let Some(body) = body.map_err(StoreError::Read)? else {
+                tracing::warn!(
+                    queue,
+                    msg_id,
+                    body_key = entry.body,
+                    "a paged message has no body: skipped"
+                );
+                continue;
+            };
+            let (message, _) = codec::decode_body(entry.body, body.to_vec())?;
+            let meta = MsgMeta {
+                size: message.body.len() as u64,
+                expires_at: entry.expires_at,
+                pageable: true,
+            };
+            messages.push(Loaded {
+                msg_id,
+                message,
+                meta,
+                delivery_count: counts.get(&msg_id).copied().unwrap_or(0),
+            });
+        }
+        Ok(Page {
+            messages,
+            through_id: through,
+        })
+    }
+}
+
+/// The broker's [`PageSource`] over a shared [`Store`] (RocksDB reads are thread-safe; the
+/// store thread writes while the broker reads).
+pub struct StorePager(pub Arc<Store>);
+
+impl PageSource for StorePager {
+    fn read(
+        &mut self,
+        queue_key: u64,
+        request: LoadRequest,
+        max_messages: usize,
+        max_bytes: u64,
+    ) -> Result<Page, String> {
+        self.0
+            .read_page(
+                queue_key,
+                request.from_id,
+                request.to_id,
+                max_messages,
+                max_bytes,
+            )
+            .map_err(|e| e.to_string())
+    }
+}
