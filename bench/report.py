@@ -384,6 +384,20 @@ def load_notes(path):
     return text.strip()
 
 
+def latest_deep_summary(bench_dir):
+    """The summary of the latest bench/deep-queue.sh run, if any (its own section)."""
+    runs = sorted(glob.glob(os.path.join(bench_dir, "results", "deep-*", "summary.md")))
+    if not runs:
+        return None, ""
+    with open(runs[-1]) as f:
+        text = f.read().strip()
+    # Its title becomes a section of this report.
+    lines = text.splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    return runs[-1], "\n".join(lines).strip()
+
+
 def report(results, out_path, chart_path, notes_path=None):
     meta = load(os.path.join(results, "meta.json")) or {}
     data, errors = collect(results)
@@ -476,6 +490,15 @@ def report(results, out_path, chart_path, notes_path=None):
         L.append("## Notes")
         L.append("")
         L.append(notes)
+        L.append("")
+    deep_path, deep = latest_deep_summary(os.path.dirname(os.path.abspath(__file__)))
+    if deep:
+        rel = os.path.relpath(deep_path, os.path.dirname(os.path.abspath(out_path)) or ".")
+        L.append(f"## Deep queues, start-up and flow control ({b_name} alone)")
+        L.append("")
+        L.append(f"From `bench/deep-queue.sh` ([{os.path.basename(os.path.dirname(deep_path))}]({rel})):")
+        L.append("")
+        L.append(deep)
         L.append("")
 
     L.append(f"## What {b_name} persists in these runs")

@@ -77,3 +77,45 @@ async fn without_an_alarm_nobody_is_blocked() {
     }
     assert_eq!(publisher.wait_ready(1, &q, 1).await.message_count, 1);
 }
+
+/// A client that writes and never reads (here: mandatory publishes that all come back as
+/// basic.return) is not read either once its unsent output piles up: the broker's memory stays
+/// bounded, and the connection is not lost.
+#[tokio::test]
+async fn a_client_that_never_reads_its_returns_is_not_read_either() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        eprintln!("SKIPPED: measures the spawned broker's memory");
+        return;
+    }
+    let mut raw = broker.raw().await;
+    raw.channel_open(1).await;
+    let nowhere = unique("nowhere");
+    let body = vec![b'r'; 16 * 1024];
+    let mut batch = Vec::new();
+    for _ in 0..64 {
+        let props = warren_conformance::raw::AMQPProperties::default();
+        batch.extend(raw.encode_publish(1, "", &nowhere, true, props, &body));
+    }
+    let before = broker.rss_bytes().expect("rss");
+    let mut written = 0usize;
+    // Unbounded, the broker would take all 512 MB and hold the returns in memory.
+    while written < 512 << 20 {
+        match tokio::time::timeout(Duration::from_millis(500), raw.try_send_bytes(&batch)).await {
+            Ok(Ok(())) => written += batch.len(),
+            Ok(Err(e)) => panic!("the broker dropped the connection: {e}"),
+            Err(_) => break,
+        }
+    }
+    let grown = broker.rss_bytes().expect("rss").saturating_sub(before);
+    assert!(
+        written < 160 << 20,
+        "the broker kept reading a client that does not read: {} MB taken",
+        written >> 20
+    );
+    assert!(grown < 160 << 20, "the broker grew by {} MB", grown >> 20);
+    // Still served: another connection works.
+    let mut other = broker.raw().await;
+    other.channel_open(1).await;
+    other.declare_queue(1, &unique("after")).await;
+}

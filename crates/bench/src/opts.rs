@@ -120,6 +120,11 @@ pub struct Opts {
     #[arg(long)]
     pub predeclare: bool,
 
+    /// Every producer publishes to every queue in turn (routing key = queue name), instead of
+    /// producer i to queue i: fills many queues from a few producers.
+    #[arg(long)]
+    pub spread: bool,
+
     /// Do not start consumers and keep the queues at the end (publish a backlog for a later
     /// --predeclare run to drain).
     #[arg(long)]

@@ -166,10 +166,15 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         let quota = opts
             .count
             .map(|c| c / n_producers + u64::from((i as u64) < c % n_producers));
+        let keys = if cfg.spread && cfg.exchange_type != ExchangeType::Fanout {
+            queues.clone()
+        } else {
+            vec![rk.clone()]
+        };
         producer_tasks.push(tokio::spawn(producer(
             ch.clone(),
             cfg.clone(),
-            rk.clone(),
+            keys,
             quota,
             shared.clone(),
             stop_rx.clone(),
@@ -527,7 +532,7 @@ async fn confirm_task(
 async fn producer(
     ch: Channel,
     opts: Arc<Opts>,
-    routing_key: String,
+    routing_keys: Vec<String>,
     quota: Option<u64>,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
@@ -540,7 +545,11 @@ async fn producer(
         BasicProperties::default()
     };
     let exchange = ShortString::from(opts.exchange.as_str());
-    let routing_key = ShortString::from(routing_key.as_str());
+    let routing_keys: Vec<ShortString> = routing_keys
+        .iter()
+        .map(|k| ShortString::from(k.as_str()))
+        .collect();
+    let mut next_key = 0usize;
     let mut batch_max = opts.batch as u64;
     if opts.confirm > 0 {
         batch_max = batch_max.min(opts.confirm as u64);
@@ -609,9 +618,14 @@ async fn producer(
             body[..8].copy_from_slice(&ts);
         }
         let publishes = bodies.chunks_exact(size).map(|body| {
+            let key = routing_keys
+                .get(next_key % routing_keys.len().max(1))
+                .cloned()
+                .unwrap_or_default();
+            next_key = next_key.wrapping_add(1);
             ch.basic_publish(
                 exchange.clone(),
-                routing_key.clone(),
+                key,
                 BasicPublishOptions::default(),
                 body,
                 props.clone(),

@@ -1171,7 +1171,11 @@ impl Broker {
                 state,
             });
         }
-        let next = q.machine.next_deadline();
+        // A queue whose page read failed is woken to try again.
+        let next = match (q.machine.next_deadline(), q.load_retry_at) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         if next != q.scheduled {
             if let Some(old) = q.scheduled {
                 self.deadlines.remove(&(old, id));
@@ -1274,45 +1278,74 @@ impl Broker {
 
     /// Reads the queue's next paged messages back if its head is below `low_water`. A failed
     /// read is logged and tried again later (the messages stay on disk; nothing is lost).
-    fn fill(&mut self, id: QueueId, low_water: usize) {
+    /// Every way this fails leaves the queue waiting [`LOAD_RETRY_MS`] (its deadline wakes it),
+    /// so a queue whose pages cannot be read never spins the dispatcher.
+    /// True if a page was read and loaded.
+    fn fill(&mut self, id: QueueId, low_water: usize, window: u32) -> bool {
         let Some(q) = self.queues.get(&id) else {
-            return;
+            return false;
         };
-        let (Some(request), Some(qkey)) = (q.machine.load_request(low_water), q.store_key) else {
-            return;
+        if q.load_retry_at.is_some_and(|t| self.now_ms < t) {
+            return false;
+        }
+        let Some(request) = q.machine.load_request(low_water) else {
+            return false;
         };
-        let Some(pager) = self.pager.as_mut() else {
-            return;
+        let qkey = q.store_key;
+        let max = (window as usize)
+            .saturating_sub(q.machine.head_count())
+            .max(1);
+        let read = match (self.pager.as_mut(), qkey) {
+            (Some(pager), Some(qkey)) => {
+                pager
+                    .0
+                    .read(qkey, request, max, self.config.page_window_bytes.max(1))
+            }
+            _ => Err("no store to read paged messages from".to_string()),
         };
-        let window = self.config.page_window.max(1) as usize;
-        let max = window.saturating_sub(q.machine.head_count()).max(1);
-        match pager
-            .0
-            .read(qkey, request, max, self.config.page_window_bytes.max(1))
-        {
+        let loaded = match read {
             Ok(page) => {
-                if let Some(q) = self.queues.get_mut(&id) {
-                    q.load_retry_at = None;
+                // Entries the store could not turn into messages (no body, a damaged one) are
+                // dropped from disk, so they are not found again after a restart.
+                if let (Some(p), Some(qkey)) = (self.persist.as_mut(), qkey) {
+                    for msg_id in page.unreadable {
+                        let op = StoreOp::DeleteEntry {
+                            queue: qkey,
+                            msg_id,
+                            count: true,
+                        };
+                        p.push(op, false);
+                    }
                 }
                 let command = Command::Load {
                     messages: page.messages,
                     through_id: page.through_id,
                 };
-                if self.run(id, command) != Some(Reply::Ok) {
+                let ok = self.run(id, command) == Some(Reply::Ok);
+                self.finish_effects(id);
+                if !ok {
                     tracing::warn!(
                         queue = id.0,
                         from = request.from_id,
-                        "a page read back did not match the queue"
+                        "a page read back did not match the queue; trying again in a second"
                     );
                 }
+                ok
             }
             Err(error) => {
                 tracing::error!(queue = id.0, from = request.from_id, %error, "reading paged messages failed; trying again in a second");
-                if let Some(q) = self.queues.get_mut(&id) {
-                    q.load_retry_at = Some(self.now_ms.saturating_add(LOAD_RETRY_MS));
-                }
+                false
             }
+        };
+        if let Some(q) = self.queues.get_mut(&id) {
+            q.load_retry_at = (!loaded).then(|| self.now_ms.saturating_add(LOAD_RETRY_MS));
         }
+        loaded
+    }
+
+    /// Can stored messages stay on disk until read (a [`PageSource`] is set)?
+    pub fn pages(&self) -> bool {
+        self.pager.is_some()
     }
 
     /// Does a write wait to be taken?
@@ -1569,7 +1602,7 @@ impl Broker {
         q.dirty = false;
         let low_water = (self.config.page_window / 2).max(1) as usize;
         if q.machine.wants_load(low_water) && q.load_retry_at.is_none_or(|t| self.now_ms >= t) {
-            self.fill(id, low_water);
+            self.fill(id, low_water, self.config.page_window);
         }
         let max = u32::try_from(self.config.dispatch_batch.max(1)).unwrap_or(u32::MAX);
         if self.run(id, Command::Checkout { max }).is_none() {
@@ -1693,8 +1726,16 @@ impl Broker {
             // Nothing to take: no command, so an empty poll loop writes nothing to the log.
             return Ok(None);
         }
-        if !q.machine.head_loaded() {
-            self.fill(id, 1);
+        // A poller reads a few at a time: a queue without consumers pages out to its small
+        // window again with the next write. A page may have expired whole: read on.
+        while self
+            .queues
+            .get(&id)
+            .is_some_and(|q| !q.machine.head_loaded() && q.machine.load_request(1).is_some())
+        {
+            if !self.fill(id, 1, self.config.page_window_idle) {
+                break;
+            }
         }
         self.run(id, Command::Get { no_ack });
         let mut got = Vec::with_capacity(1);

@@ -169,7 +169,7 @@ impl Default for BrokerConfig {
             persistence: false,
             page_window: 1024,
             page_window_bytes: 1 << 20,
-            page_window_idle: 64,
+            page_window_idle: 4,
         }
     }
 }

@@ -138,6 +138,9 @@ pub struct Page {
     pub messages: Vec<Loaded<Message>>,
     /// The last id the read covered (`to_id` when it reached the end of the range).
     pub through_id: u64,
+    /// Ids within the range whose entries could not be read back as messages (the body is
+    /// missing or damaged): the broker deletes those entries.
+    pub unreadable: Vec<u64>,
 }
 
 /// The ops made since the last [`crate::Broker::take_writes`], under one number.

@@ -247,7 +247,7 @@ fn paged(m: &QueueMachine<Msg>, ready: &BTreeSet<u64>) -> BTreeSet<u64> {
 /// (at most `max` messages), and the machine loads them.
 fn load(
     r: &mut Runner,
-    model: &Model,
+    model: &mut Model,
     now: u64,
     low_water: usize,
     max: usize,
@@ -296,6 +296,23 @@ fn load(
         },
     );
     prop_assert_eq!(reply, Reply::Ok);
+    // What expired on disk goes as it is read back.
+    for e in r.effects.clone() {
+        match e {
+            Effect::DeadLetter {
+                msg_id,
+                reason: DeadLetterReason::Expired,
+                ..
+            } => {
+                prop_assert!(model.expires.get(&msg_id).is_some_and(|at| *at <= now));
+                // Loaded or already in memory: everything due goes.
+                prop_assert_eq!(model.state.get(&msg_id), Some(&State::Ready));
+                model.state.insert(msg_id, State::Expired);
+                model.stored.remove(&msg_id);
+            }
+            other => return Err(TestCaseError::fail(format!("{other:?}"))),
+        }
+    }
     Ok(())
 }
 
@@ -484,7 +501,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
             }
             Op::Checkout { max } => {
                 if r.m.wants_load(2) {
-                    load(&mut r, &model, now, 2, 3)?;
+                    load(&mut r, &mut model, now, 2, 3)?;
                 }
                 let reply = r.apply(now, Command::Checkout { max });
                 let Reply::Delivered { count } = reply else {
@@ -510,8 +527,9 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 }
             }
             Op::Get { no_ack } => {
-                if !r.m.head_loaded() {
-                    load(&mut r, &model, now, 1, 2)?;
+                // As the broker does: read on while whole pages expire as they are read.
+                while !r.m.head_loaded() && r.m.load_request(1).is_some() {
+                    load(&mut r, &mut model, now, 1, 2)?;
                 }
                 let reply = r.apply(now, Command::Get { no_ack });
                 match r.effects.clone().as_slice() {

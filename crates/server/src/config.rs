@@ -58,7 +58,7 @@ pub struct Args {
     pub disk_free_limit: Option<u64>,
     /// Ready messages a queue with consumers keeps in memory at its head (at most 1 MiB of
     /// bodies); persistent messages past it stay on disk until consumers come near them.
-    /// A queue without consumers keeps a sixteenth of it [default: 1024]
+    /// A queue without consumers keeps a 256th of it [default: 1024]
     #[arg(long, env = "WARREN_QUEUE_WINDOW", value_name = "MESSAGES")]
     pub queue_window: Option<u32>,
     /// Debugging: append every command applied to every queue to FILE (see docs/design.md)

@@ -33,6 +33,10 @@ use crate::storage::StoreThread;
 /// Read sizes adapt between these: small for quiet clients, large for streaming publishers.
 const MIN_READ: usize = 4 * 1024;
 const MAX_READ: usize = 128 * 1024;
+/// A connection whose unsent output reaches this many times the backlog limit is not read until
+/// it drains (deliveries already stop at the limit itself).
+const UNSENT_READ_FACTOR: usize = 4;
+const UNSENT_POLL: Duration = Duration::from_millis(10);
 /// How long a shutdown waits for clients to answer connection.close.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 /// After the broker's last frame (a close-ok or a close), how long the socket is still read (and
@@ -404,7 +408,7 @@ async fn connection(
         shared.clone(),
         frame_max,
         draining.clone(),
-        paused,
+        (paused, pending.clone()),
     ));
     write_loop(wr, rx, conn, shared, reader, draining, pending).await;
 }
@@ -435,9 +439,16 @@ async fn read_loop(
     shared: Arc<Shared>,
     frame_max: Arc<AtomicU32>,
     draining: Arc<AtomicBool>,
-    mut paused: watch::Receiver<bool>,
+    (mut paused, unsent): (watch::Receiver<bool>, Arc<AtomicUsize>),
 ) {
     let mut decoder = FrameDecoder::new(frame_max.load(Ordering::Relaxed));
+    // Deliveries stop at the backlog limit; what a client's own frames make the broker send
+    // (returns, get-ok, confirms, replies) stops here: a client that writes and never reads
+    // is not read either, and its output stays bounded.
+    let unsent_limit = shared
+        .lock()
+        .backlog_limit
+        .saturating_mul(UNSENT_READ_FACTOR);
     let mut buf = BytesMut::new();
     let mut read_size = MIN_READ;
     let mut frames = Vec::new();
@@ -446,6 +457,10 @@ async fn read_loop(
             // Frames taken out earlier keep their part of the old buffer alive; small reads share one
             // buffer, so a small message does not pin a buffer of its own.
             buf.reserve(read_size);
+        }
+        while unsent.load(Ordering::Acquire) >= unsent_limit {
+            // Rare (a client that does not read its socket), so a poll is enough.
+            tokio::time::sleep(UNSENT_POLL).await;
         }
         if *paused.borrow() {
             // A resource alarm: leave the client's bytes in the kernel (TCP back-pressure)
@@ -547,6 +562,9 @@ async fn write_loop(
             break;
         }
     }
+    // Nothing more will be sent: a reader held back by unsent output goes on (to the end of the
+    // stream, or to drain it).
+    pending.store(0, Ordering::Release);
     // Sends FIN once the last reference (ours) goes: the client sees the end of the stream.
     drop(socket);
     if ended_by_close {

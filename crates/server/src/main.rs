@@ -125,7 +125,7 @@ async fn run(config: Config) -> std::io::Result<()> {
         max_message_size: usize::try_from(config.session.max_message_size).unwrap_or(usize::MAX),
         persistence: true,
         page_window: config.queue_window,
-        page_window_idle: (config.queue_window / 16).max(1),
+        page_window_idle: (config.queue_window / 256).max(1),
         ..BrokerConfig::default()
     });
     let recorder = match &config.record_commands {

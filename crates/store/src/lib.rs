@@ -20,8 +20,12 @@ use warren_broker::{StoreOp, WriteBatch};
 pub use page::StorePager;
 pub use recover::Recovered;
 
-/// The layout this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The layout this build writes. Format 2 added the body size and a shared flag to `index`
+/// entries; a directory of format 1 is still read (its entries are loaded whole) and marked 2,
+/// so that an older Warren, which would misread the new entries, refuses it.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest layout this build reads.
+const OLDEST_FORMAT: u32 = 1;
 
 const CF_DEFS: &str = "defs";
 const CF_BODIES: &str = "bodies";
@@ -56,8 +60,9 @@ pub enum StoreError {
         source: rocksdb::Error,
     },
     #[error(
-        "the data directory {dir} has format {found}, and this Warren reads format \
-         {FORMAT_VERSION}: run the Warren that wrote it, or start with another --data-dir"
+        "the data directory {dir} has format {found}, and this Warren reads formats \
+         {OLDEST_FORMAT} to {FORMAT_VERSION}: run the Warren that wrote it, or start with \
+         another --data-dir"
     )]
     Format { dir: PathBuf, found: String },
     #[error("write failed: {0}")]
@@ -78,9 +83,22 @@ pub struct Store {
     clean_start: bool,
 }
 
-fn cf_options() -> Options {
+/// The block cache all column families share. Index and filter blocks live in it too, so the
+/// store's read-side memory is bounded however much data the directory holds (otherwise every
+/// open table file keeps its index and filter in memory: tens of MB for a deep queue).
+const BLOCK_CACHE: usize = 32 << 20;
+
+fn cf_options(cache: &rocksdb::Cache, bloom: bool) -> Options {
     let mut o = Options::default();
     o.set_compression_type(DBCompressionType::Lz4);
+    let mut table = BlockBasedOptions::default();
+    table.set_block_cache(cache);
+    table.set_cache_index_and_filter_blocks(true);
+    table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+    if bloom {
+        table.set_bloom_filter(10.0, false);
+    }
+    o.set_block_based_table_factory(&table);
     o
 }
 
@@ -136,22 +154,20 @@ impl Store {
         opts.set_db_write_buffer_size(64 << 20);
         opts.set_compression_type(DBCompressionType::Lz4);
 
-        let defs = ColumnFamilyDescriptor::new(CF_DEFS, cf_options());
-        let mut bodies_opts = cf_options();
+        let cache = rocksdb::Cache::new_lru_cache(BLOCK_CACHE);
+        let defs = ColumnFamilyDescriptor::new(CF_DEFS, cf_options(&cache, false));
+        let mut bodies_opts = cf_options(&cache, false);
         bodies_opts.set_enable_blob_files(true);
         bodies_opts.set_min_blob_size(MIN_BLOB_SIZE);
         bodies_opts.set_enable_blob_gc(true);
         bodies_opts.set_blob_compression_type(DBCompressionType::Lz4);
         let bodies = ColumnFamilyDescriptor::new(CF_BODIES, bodies_opts);
-        let mut index_opts = cf_options();
+        let mut index_opts = cf_options(&cache, true);
         // A queue deletes at its head what it appended at its tail: files full of tombstones
         // are compacted early (RocksDB's advice for queue-shaped keyspaces).
         index_opts.add_compact_on_deletion_collector_factory(128, 64, 0.5);
-        let mut table = BlockBasedOptions::default();
-        table.set_bloom_filter(10.0, false);
-        index_opts.set_block_based_table_factory(&table);
         let index = ColumnFamilyDescriptor::new(CF_INDEX, index_opts);
-        let counts = ColumnFamilyDescriptor::new(CF_COUNTS, cf_options());
+        let counts = ColumnFamilyDescriptor::new(CF_COUNTS, cf_options(&cache, false));
 
         let db = DB::open_cf_descriptors(&opts, dir, vec![defs, bodies, index, counts]).map_err(
             |source| StoreError::Open {
@@ -163,8 +179,20 @@ impl Store {
         // A first start killed between creating the files and writing the format record left
         // a directory with nothing in it: still fresh.
         let fresh = fresh || (format.is_none() && is_empty(&db));
+        let readable = |v: &[u8]| {
+            <[u8; 4]>::try_from(v)
+                .map(u32::from_be_bytes)
+                .is_ok_and(|f| (OLDEST_FORMAT..=FORMAT_VERSION).contains(&f))
+        };
         match format.as_deref() {
             Some(v) if v == FORMAT_VERSION.to_be_bytes() => {}
+            Some(v) if readable(v) => {
+                tracing::info!(dir = %dir.display(), "data directory upgraded to format {FORMAT_VERSION}");
+                let mut w = WriteOptions::default();
+                w.set_sync(true);
+                db.put_opt(KEY_FORMAT, FORMAT_VERSION.to_be_bytes(), &w)
+                    .map_err(StoreError::Write)?;
+            }
             None if fresh => {
                 let mut w = WriteOptions::default();
                 w.set_sync(true);
@@ -253,6 +281,16 @@ impl Store {
             }
         }
 
+        for op in batches.iter().flat_map(|b| &b.ops) {
+            if let StoreOp::DropRun {
+                queue,
+                first_id,
+                last_id,
+            } = op
+            {
+                self.drop_run_bodies(*queue, *first_id, *last_id)?;
+            }
+        }
         let mut wb = rocksdb::WriteBatch::default();
         let mut sync = false;
         for batch in batches {
@@ -327,20 +365,8 @@ impl Store {
                         first_id,
                         last_id,
                     } => {
-                        // The run's entries were written in an earlier group (only written
-                        // messages are paged), so the database has them now.
+                        // The bodies went first (`drop_run_bodies`).
                         let (from, to) = codec::id_range(*queue, *first_id, *last_id);
-                        for item in self.db.iterator_cf_opt(
-                            index,
-                            codec::bounded(&from, &to),
-                            rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
-                        ) {
-                            let (_, v) = item.map_err(StoreError::Read)?;
-                            let entry = codec::decode_entry(&v)?;
-                            if !entry.shared {
-                                wb.single_delete_cf(bodies, entry.body.to_be_bytes());
-                            }
-                        }
                         wb.delete_range_cf(index, from, to);
                         wb.delete_range_cf(counts, from, to);
                     }
@@ -378,6 +404,42 @@ impl Store {
         let mut w = WriteOptions::default();
         w.set_sync(sync);
         self.db.write_opt(wb, &w).map_err(StoreError::Write)
+    }
+
+    /// Deletes the bodies of a dropped run (a purge or delete of a paged queue), in writes of
+    /// bounded size: a run can hold millions of messages. They go before the group that drops
+    /// the run's entries (a run holds only messages written in earlier groups, and nothing else
+    /// deletes them); after a crash in between, the entries left without bodies are skipped
+    /// and deleted when read.
+    fn drop_run_bodies(&self, queue: u64, first_id: u64, last_id: u64) -> Result<(), StoreError> {
+        const CHUNK: usize = 65_536;
+        let (index, bodies) = (self.cf(CF_INDEX)?, self.cf(CF_BODIES)?);
+        let (from, to) = codec::id_range(queue, first_id, last_id);
+        let mut wb = rocksdb::WriteBatch::default();
+        for item in self.db.iterator_cf_opt(
+            index,
+            codec::bounded(&from, &to),
+            rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
+        ) {
+            let (k, v) = item.map_err(StoreError::Read)?;
+            match codec::decode_entry(&v) {
+                // Only unshared bodies are paged; a shared one is released by its last queue.
+                Ok(entry) if !entry.shared => wb.single_delete_cf(bodies, entry.body.to_be_bytes()),
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::warn!(key = ?k, %error, "a damaged queue entry of a dropped run: its body, if any, stays");
+                }
+            }
+            if wb.len() >= CHUNK {
+                self.db
+                    .write(std::mem::take(&mut wb))
+                    .map_err(StoreError::Write)?;
+            }
+        }
+        if !wb.is_empty() {
+            self.db.write(wb).map_err(StoreError::Write)?;
+        }
+        Ok(())
     }
 
     /// Marks a clean stop: the next start does not treat recovered messages as possibly

@@ -13,7 +13,7 @@ use crate::{codec, Store, StoreError, CF_BODIES, CF_COUNTS, CF_INDEX};
 impl Store {
     /// The stored messages of `queue` with ids in `from..=to`, in id order, stopping after
     /// `max_messages` or once `max_bytes` of bodies are read. An entry whose body is missing
-    /// is skipped with a warning.
+    /// or damaged is skipped with a warning and reported in [`Page::unreadable`].
     pub fn read_page(
         &self,
         queue: u64,
@@ -60,6 +60,7 @@ impl Store {
             .db
             .batched_multi_get_cf(self.cf(CF_BODIES)?, &keys, false);
         let mut messages = Vec::with_capacity(entries.len());
+        let mut unreadable = Vec::new();
         for ((msg_id, entry), body) in entries.into_iter().zip(bodies) {
             let Some(body) = body.map_err(StoreError::Read)? else {
                 tracing::warn!(
@@ -68,9 +69,17 @@ impl Store {
                     body_key = entry.body,
                     "a paged message has no body: skipped"
                 );
+                unreadable.push(msg_id);
                 continue;
             };
-            let (message, _) = codec::decode_body(entry.body, body.to_vec())?;
+            let message = match codec::decode_body(entry.body, body.to_vec()) {
+                Ok((message, _)) => message,
+                Err(error) => {
+                    tracing::warn!(queue, msg_id, body_key = entry.body, %error, "a paged message's body is damaged: skipped");
+                    unreadable.push(msg_id);
+                    continue;
+                }
+            };
             let meta = MsgMeta {
                 size: message.body.len() as u64,
                 expires_at: entry.expires_at,
@@ -86,6 +95,7 @@ impl Store {
         Ok(Page {
             messages,
             through_id: through,
+            unreadable,
         })
     }
 }

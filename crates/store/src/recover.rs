@@ -148,6 +148,8 @@ impl Store {
         // so its key is never written again.
         let mut skip_to = None;
         let redelivered = !self.clean_start;
+        // Without a pager (a broker that cannot read pages back), everything is loaded.
+        let paging = broker.pages();
         let mut run: Option<Run> = None;
         for item in self.db.iterator_cf_opt(
             index,
@@ -157,7 +159,7 @@ impl Store {
             let (k, v) = item.map_err(StoreError::Read)?;
             let (_, msg_id) = codec::decode_entry_key(&k)?;
             let entry = codec::decode_entry(&v)?;
-            if entry.pageable() {
+            if paging && entry.pageable() {
                 let size = u64::from(entry.size.unwrap_or(0));
                 match run.as_mut() {
                     Some(r) => {

@@ -153,6 +153,7 @@ pub enum Command<M> {
     },
     /// The first paged run's messages with ids up to `through_id`, read back from the store in
     /// id order. A load that does not match the first run changes nothing ([`Reply::Stale`]).
+    /// Loaded messages whose time has come expire at once (`DeadLetter { Expired }`).
     Load {
         messages: Vec<Loaded<M>>,
         through_id: u64,
@@ -457,7 +458,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Command::Load {
                 messages,
                 through_id,
-            } => self.load(messages, through_id),
+            } => {
+                let reply = self.load(messages, through_id);
+                // What expired on disk goes now, before a checkout could hand it out.
+                self.expire(effects);
+                reply
+            }
             Command::Consume { id, spec } => self.consume(id, spec),
             Command::Cancel { id } => self.cancel(id),
             Command::Credit { group, credit } => {
@@ -1564,6 +1570,94 @@ mod tests {
             Reply::Delivered { count: 1 }
         );
         assert_eq!(d.m.ready_count(), 0);
+    }
+
+    #[test]
+    fn paged_messages_come_back_in_place_and_expire_when_read_back() {
+        let mut d = Driver::new();
+        for (i, s) in ["a", "b", "c", "d", "e"].into_iter().enumerate() {
+            let id = d.m.next_msg_id();
+            let expires_at = (i == 3).then_some(10);
+            let meta = MsgMeta {
+                size: 1,
+                expires_at,
+                pageable: i != 2,
+            };
+            d.run(Command::Enqueue { message: s, meta });
+            assert_eq!(id, i as u64);
+        }
+        // Keep one; "c" is not pageable, so it splits the runs: [1], c, [3, 4].
+        assert_eq!(
+            d.run(Command::PageOut {
+                keep: 1,
+                keep_bytes: 100,
+                upto_id: 4,
+            }),
+            Reply::Paged { count: 3 }
+        );
+        assert_eq!(d.m.paged_runs().collect::<Vec<_>>(), vec![(1, 1), (3, 4)]);
+        assert_eq!((d.m.ready_count(), d.m.ready_bytes()), (5, 5));
+        assert_eq!(
+            d.m.next_deadline(),
+            None,
+            "a paged message has no deadline in memory"
+        );
+        assert_eq!(d.m.load_request(1), None, "the head is in memory");
+        assert_eq!(
+            d.run(Command::Get { no_ack: true }),
+            Reply::Delivered { count: 1 }
+        );
+        assert_eq!(
+            d.run(Command::Get { no_ack: true }),
+            Reply::Delivered { count: 0 },
+            "the next one is on disk"
+        );
+        let req = d.m.load_request(1).expect("a load");
+        assert_eq!((req.from_id, req.to_id), (1, 1));
+        // A load that does not start at the run changes nothing.
+        let wrong = Command::Load {
+            messages: Vec::new(),
+            through_id: 0,
+        };
+        assert_eq!(d.run(wrong), Reply::Stale);
+        let load = |id: u64, s: &'static str, expires_at| Loaded {
+            msg_id: id,
+            message: s,
+            meta: MsgMeta {
+                size: 1,
+                expires_at,
+                pageable: true,
+            },
+            delivery_count: 0,
+        };
+        d.run(Command::Load {
+            messages: vec![load(1, "b", None)],
+            through_id: 1,
+        });
+        // "c" waits in memory behind the run just read; then the run [3, 4].
+        assert_eq!(d.m.ready_ids(), vec![1, 2]);
+        d.run(Command::Get { no_ack: true });
+        d.run(Command::Get { no_ack: true });
+        d.now = 20;
+        d.effects.clear();
+        d.run(Command::Load {
+            messages: vec![load(3, "d", Some(10)), load(4, "e", None)],
+            through_id: 4,
+        });
+        assert!(
+            matches!(
+                d.effects.as_slice(),
+                [Effect::DeadLetter {
+                    msg_id: 3,
+                    reason: DeadLetterReason::Expired,
+                    ..
+                }]
+            ),
+            "an expired message read back goes at once: {:?}",
+            d.effects
+        );
+        assert_eq!(d.m.paged_runs().count(), 0);
+        assert_eq!((d.m.ready_ids(), d.m.ready_count()), (vec![4], 1));
     }
 
     #[test]

@@ -1,0 +1,255 @@
+//! Paging through the broker, with an in-memory store standing in for RocksDB: deep queues
+//! page out only what was written, read back ahead of consumers, and a store that cannot be
+//! read makes a queue wait and try again (on its deadline), never spin or lose a message.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
+use warren_broker::{
+    Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message, Page, PageSource, StoreOp,
+};
+use warren_codec::{FieldTable, ShortStr};
+
+/// What the store holds: bodies by key, entries by (queue, id).
+#[derive(Default)]
+struct Mem {
+    bodies: BTreeMap<u64, Message>,
+    entries: BTreeMap<(u64, u64), u64>,
+    failing: bool,
+    reads: usize,
+}
+
+#[derive(Clone, Default)]
+struct MemStore(Arc<Mutex<Mem>>);
+
+impl MemStore {
+    fn apply(&self, b: &mut Broker) {
+        let mut mem = self.0.lock().unwrap();
+        let mut last = None;
+        while let Some(w) = b.take_writes() {
+            last = Some(w.number);
+            for op in w.ops {
+                match op {
+                    StoreOp::PutBody { key, message, .. } => {
+                        mem.bodies.insert(key, message);
+                    }
+                    StoreOp::DeleteBody { key } => {
+                        mem.bodies.remove(&key);
+                    }
+                    StoreOp::PutEntry {
+                        queue,
+                        msg_id,
+                        body,
+                        ..
+                    } => {
+                        mem.entries.insert((queue, msg_id), body);
+                    }
+                    StoreOp::DeleteEntry { queue, msg_id, .. } => {
+                        mem.entries.remove(&(queue, msg_id));
+                    }
+                    StoreOp::DropRun {
+                        queue,
+                        first_id,
+                        last_id,
+                    } => {
+                        let gone: Vec<(u64, u64)> = mem
+                            .entries
+                            .range((queue, first_id)..=(queue, last_id))
+                            .map(|(k, _)| *k)
+                            .collect();
+                        for k in gone {
+                            if let Some(body) = mem.entries.remove(&k) {
+                                mem.bodies.remove(&body);
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        drop(mem);
+        if let Some(n) = last {
+            b.writes_done(n);
+        }
+    }
+}
+
+impl PageSource for MemStore {
+    fn read(
+        &mut self,
+        queue_key: u64,
+        request: LoadRequest,
+        max_messages: usize,
+        _max_bytes: u64,
+    ) -> Result<Page, String> {
+        let mut mem = self.0.lock().unwrap();
+        mem.reads += 1;
+        if mem.failing {
+            return Err("the disk is on fire".into());
+        }
+        let mut messages = Vec::new();
+        let mut through_id = request.to_id;
+        for (&(_, msg_id), body) in mem
+            .entries
+            .range((queue_key, request.from_id)..=(queue_key, request.to_id))
+        {
+            let message = mem.bodies[body].clone();
+            let meta = MsgMeta {
+                size: message.body.len() as u64,
+                expires_at: None,
+                pageable: true,
+            };
+            messages.push(Loaded {
+                msg_id,
+                message,
+                meta,
+                delivery_count: 0,
+            });
+            if messages.len() == max_messages {
+                through_id = msg_id;
+                break;
+            }
+        }
+        Ok(Page {
+            messages,
+            through_id,
+            unreadable: Vec::new(),
+        })
+    }
+}
+
+fn setup() -> (Broker, MemStore) {
+    let mut b = Broker::new(BrokerConfig {
+        persistence: true,
+        page_window: 8,
+        page_window_idle: 2,
+        ..BrokerConfig::default()
+    });
+    let store = MemStore::default();
+    b.set_pager(Box::new(store.clone()));
+    b.declare_queue(
+        "/",
+        DeclareQueue {
+            name: "deep".into(),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: FieldTable::new(),
+        },
+        1,
+    )
+    .expect("declare");
+    (b, store)
+}
+
+fn publish(b: &mut Broker, i: u32) {
+    let m = Message {
+        exchange: ShortStr::empty(),
+        routing_key: ShortStr::from("deep"),
+        properties: Bytes::from_static(&[0x10, 0x00, 2]),
+        body: Bytes::from(format!("m{i}")),
+        persistent: true,
+        store_key: None,
+    };
+    b.publish("/", "", "deep", m, 0).expect("publish");
+}
+
+fn consume(b: &mut Broker) {
+    b.consume(
+        "/",
+        "deep",
+        CreditGroup {
+            conn: 1,
+            channel: 1,
+        },
+        ShortStr::from("c"),
+        true,
+        false,
+        0,
+        &FieldTable::new(),
+    )
+    .expect("consume");
+}
+
+fn drain(b: &mut Broker) -> Vec<String> {
+    let mut out: Vec<Delivery> = Vec::new();
+    let mut rounds = 0;
+    while b.dispatch_one(&mut out) {
+        rounds += 1;
+        assert!(rounds < 10_000, "the dispatcher spins");
+    }
+    out.iter()
+        .map(|d| String::from_utf8_lossy(&d.message.body).into_owned())
+        .collect()
+}
+
+fn paged(b: &Broker) -> u64 {
+    let id = b.queue_id("/", "deep").expect("queue");
+    b.machine(id).expect("machine").paged_count()
+}
+
+#[test]
+fn only_written_messages_leave_memory_and_all_come_back_in_order() {
+    let (mut b, store) = setup();
+    for i in 0..40 {
+        publish(&mut b, i);
+    }
+    assert_eq!(paged(&b), 0, "nothing is paged before its write is done");
+    store.apply(&mut b);
+    assert_eq!(paged(&b), 38, "all but the idle window of 2");
+    for i in 40..50 {
+        publish(&mut b, i);
+    }
+    assert_eq!(paged(&b), 38);
+    consume(&mut b);
+    let got = drain(&mut b);
+    assert_eq!(got, (0..50).map(|i| format!("m{i}")).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_store_that_cannot_be_read_makes_the_queue_wait_and_try_again() {
+    let (mut b, store) = setup();
+    for i in 0..30 {
+        publish(&mut b, i);
+    }
+    store.apply(&mut b);
+    store.0.lock().unwrap().failing = true;
+    b.advance_time(1_000);
+    consume(&mut b);
+    let first = drain(&mut b);
+    assert_eq!(
+        first,
+        vec!["m0", "m1"],
+        "the window in memory, then the read fails"
+    );
+    assert_eq!(
+        store.0.lock().unwrap().reads,
+        1,
+        "one read, not a read per dispatch"
+    );
+    assert_eq!(b.next_deadline(), Some(2_000), "woken again in a second");
+    // Nothing changes before the deadline.
+    b.tick(1_500);
+    assert!(drain(&mut b).is_empty());
+    assert_eq!(store.0.lock().unwrap().reads, 1);
+    store.0.lock().unwrap().failing = false;
+    b.tick(2_000);
+    let rest = drain(&mut b);
+    assert_eq!(rest, (2..30).map(|i| format!("m{i}")).collect::<Vec<_>>());
+}
+
+#[test]
+fn purging_a_paged_queue_drops_its_runs_from_the_store() {
+    let (mut b, store) = setup();
+    for i in 0..20 {
+        publish(&mut b, i);
+    }
+    store.apply(&mut b);
+    assert_eq!(b.purge_queue("/", "deep", 1).expect("purge"), 20);
+    store.apply(&mut b);
+    let mem = store.0.lock().unwrap();
+    assert!(mem.entries.is_empty() && mem.bodies.is_empty());
+}
