@@ -123,3 +123,63 @@ async fn a_deep_queue_stays_on_disk_and_drains_in_order_across_a_kill_9() {
     );
     assert_eq!(declare(&ch, &q, true).await, 0);
 }
+
+#[tokio::test]
+async fn transient_messages_of_a_deep_queue_leave_memory_too() {
+    // Paging ratio 0: as if memory were short from the start.
+    let broker = TestBroker::start_with(&["--queue-window", "64", "--memory-paging-ratio", "0"]);
+    if broker.is_external() {
+        eprintln!("SKIPPED: --queue-window and the broker's memory are Warren's");
+        return;
+    }
+    const N: u32 = 60_000;
+    let q = unique("deep-transient");
+    // The monitor reports memory pressure within its first second.
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let conn = broker.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let before = broker.rss_bytes().expect("rss");
+    within("publishing", async {
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let mut pending = Vec::new();
+        for i in 0..N {
+            let c = ch
+                .basic_publish(
+                    "".into(),
+                    q.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &body(i),
+                    BasicProperties::default(),
+                )
+                .await
+                .unwrap();
+            pending.push(c);
+            if pending.len() == 500 || i + 1 == N {
+                for c in pending.drain(..) {
+                    assert!(matches!(c.await.unwrap(), Confirmation::Ack(_)));
+                }
+            }
+        }
+    })
+    .await;
+    let grown = broker.rss_bytes().expect("rss").saturating_sub(before);
+    assert!(
+        grown < 120 << 20,
+        "the broker grew by {} MB for a transient queue of {} MB",
+        grown >> 20,
+        (u64::from(N) * BODY as u64) >> 20
+    );
+    let got = within("draining", consume(&ch, &q, N)).await;
+    let order: Vec<u32> = got.iter().map(|(i, _)| *i).collect();
+    assert_eq!(order, (0..N).collect::<Vec<_>>());
+    assert!(got.iter().all(|(_, r)| !*r));
+}

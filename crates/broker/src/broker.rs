@@ -78,6 +78,7 @@ pub struct Broker {
     /// Reused routing buffers.
     scratch_dests: Vec<Dest>,
     scratch_queues: Vec<QueueId>,
+    scratch_kinds: Vec<Kept>,
     /// The latest time seen (publish, tick).
     now_ms: u64,
     /// Queues with a deadline, by deadline (each queue once, under `Queue::scheduled`).
@@ -94,6 +95,9 @@ pub struct Broker {
     restoring: bool,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
+    /// Memory is short: messages the store does not keep go to its scratch area when they
+    /// reach a deep queue, so that they can leave memory too.
+    spill: bool,
     /// Stored messages that may be paged out once their batch is written: (batch, queue,
     /// message id), in batch order, one entry per queue and batch.
     page_pending: VecDeque<(u64, QueueId, u64)>,
@@ -163,6 +167,25 @@ fn mark_dirty(dirty: &mut VecDeque<QueueId>, q: &mut Queue, low_water: usize, no
     }
 }
 
+/// A purge or delete: the queue's paged runs leave the store (entries and bodies).
+fn drop_runs(p: &mut Persist, q: &Queue) {
+    for run in q.machine.runs() {
+        let key = if run.spilled {
+            q.spill_key
+        } else {
+            q.store_key
+        };
+        if let Some(queue) = key {
+            let op = StoreOp::DropRun {
+                queue,
+                first_id: run.first_id,
+                last_id: run.last_id,
+            };
+            p.push(op, false);
+        }
+    }
+}
+
 /// The broker's [`PageSource`] (a wrapper, so the broker stays `Debug`).
 struct Pager(Box<dyn PageSource>);
 
@@ -170,6 +193,14 @@ impl std::fmt::Debug for Pager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Pager")
     }
+}
+
+/// Where a queue keeps its copy of a message being published.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kept {
+    Memory,
+    Durable,
+    Spilled,
 }
 
 /// How long a queue waits before reading its paged messages again after a failed read.
@@ -351,6 +382,7 @@ impl Broker {
             dirty: VecDeque::new(),
             scratch_dests: Vec::new(),
             scratch_queues: Vec::new(),
+            scratch_kinds: Vec::new(),
             now_ms: 0,
             deadlines: BTreeSet::new(),
             effects: Vec::new(),
@@ -358,6 +390,7 @@ impl Broker {
             persist: None,
             restoring: false,
             pager: None,
+            spill: false,
             page_pending: VecDeque::new(),
         };
         if b.config.persistence {
@@ -555,6 +588,7 @@ impl Broker {
             scheduled: None,
             store_key,
             load_retry_at: None,
+            spill_key: None,
         };
         let out = declared(&q);
         if let Some(vh) = self.vhosts.get_mut(vhost) {
@@ -600,8 +634,8 @@ impl Broker {
     /// bindings (and auto-delete exchanges left without bindings), its messages.
     fn remove_queue(&mut self, id: QueueId) -> Option<QueueDeleted> {
         let q = self.queues.remove(&id)?;
-        if let (Some(p), Some(key)) = (self.persist.as_mut(), q.store_key) {
-            if let Some(vh) = self.vhosts.get(&q.vhost) {
+        if let Some(p) = self.persist.as_mut() {
+            if let (Some(vh), true) = (self.vhosts.get(&q.vhost), q.store_key.is_some()) {
                 for (x, rk, args) in &q.bindings {
                     if vh.exchanges.get(x).is_some_and(|x| x.durable) {
                         let d = BindingDest::Queue(q.name.clone());
@@ -610,22 +644,19 @@ impl Broker {
                     }
                 }
             }
-            for (first_id, last_id) in q.machine.paged_runs() {
-                let op = StoreOp::DropRun {
-                    queue: key,
-                    first_id,
-                    last_id,
-                };
-                p.push(op, false);
-            }
-            p.push(
-                StoreOp::DeleteQueue {
+            drop_runs(p, &q);
+            if let Some(key) = q.store_key {
+                let op = StoreOp::DeleteQueue {
                     vhost: q.vhost.clone(),
                     name: q.name.clone(),
                     key,
-                },
-                true,
-            );
+                };
+                p.push(op, true);
+            }
+            if let Some(queue) = q.spill_key {
+                p.push(StoreOp::DeleteEntries { queue }, false);
+            }
+            // Each copy on disk holds its body (a copy in memory only has no key).
             for (_, m, _) in q.machine.messages() {
                 if let Some(body) = m.store_key {
                     p.release_body(body);
@@ -676,21 +707,13 @@ impl Broker {
         let q = self.queue_by_name(vhost, &name)?;
         check_access(q, conn)?;
         let id = q.id;
-        let stored = self.queues.get(&id).and_then(|q| Some((q.store_key?, q)));
-        if let (Some(p), Some((key, q))) = (self.persist.as_mut(), stored) {
+        if let (Some(p), Some(q)) = (self.persist.as_mut(), self.queues.get(&id)) {
             for (msg_id, m, count) in q.machine.ready_messages() {
-                if let Some(body) = m.store_key {
+                if let (Some(key), Some(body)) = (q.entry_key(m), m.store_key) {
                     p.forget(key, msg_id, body, count > 0);
                 }
             }
-            for (first_id, last_id) in q.machine.paged_runs() {
-                let op = StoreOp::DropRun {
-                    queue: key,
-                    first_id,
-                    last_id,
-                };
-                p.push(op, false);
-            }
+            drop_runs(p, q);
         }
         match self.run(id, Command::Purge) {
             Some(Reply::Purged { count }) => Ok(count),
@@ -1059,6 +1082,7 @@ impl Broker {
             size: message.body.len() as u64,
             expires_at: None,
             pageable: false,
+            spilled: false,
         };
         let mut message = message;
         // A key is this publish's to give (a message republished from a queue carries its old one).
@@ -1066,76 +1090,110 @@ impl Broker {
         if !targets.is_empty() {
             message.compact();
         }
+        // Where each target keeps the message on disk: a persistent message in a durable queue
+        // in the store (its confirm waits for the write); anything else in a queue past its
+        // window in the scratch area, so that a deep queue's messages can leave memory.
+        let mut kinds = std::mem::take(&mut self.scratch_kinds);
+        kinds.clear();
+        let (mut durable, mut spilled) = (0u32, 0u32);
+        if self.persist.is_some() {
+            for id in &targets {
+                let kind = match self.queues.get(id) {
+                    Some(q) if message.persistent && q.store_key.is_some() => {
+                        durable += 1;
+                        Kept::Durable
+                    }
+                    Some(q) if self.spill && self.pager.is_some() && q.is_deep(self.keep(q)) => {
+                        spilled += 1;
+                        Kept::Spilled
+                    }
+                    _ => Kept::Memory,
+                };
+                kinds.push(kind);
+            }
+        }
+        let stored = durable.saturating_add(spilled);
         let mut batch = None;
-        let mut durable = 0;
-        if let Some(p) = self.persist.as_mut().filter(|_| message.persistent) {
-            durable = targets
-                .iter()
-                .filter(|id| self.queues.get(id).is_some_and(|q| q.store_key.is_some()))
-                .count();
+        if let Some(p) = self.persist.as_mut().filter(|_| stored > 0) {
+            let key = if durable > 0 {
+                p.body_key()
+            } else {
+                p.spill_key()
+            };
+            message.store_key = Some(key);
+            let op = StoreOp::PutBody {
+                key,
+                message: message.clone(),
+                queues: stored,
+            };
+            p.push(op, durable > 0);
+            if stored > 1 {
+                p.shared.insert(key, stored);
+            }
             if durable > 0 {
-                let key = p.body_key();
-                message.store_key = Some(key);
-                let queues = u32::try_from(durable).unwrap_or(u32::MAX);
-                p.push(
-                    StoreOp::PutBody {
-                        key,
-                        message: message.clone(),
-                        queues,
-                    },
-                    true,
-                );
-                if queues > 1 {
-                    p.shared.insert(key, queues);
-                }
                 batch = Some(p.next_batch);
             }
         }
         let mut routed = 0u32;
         // Only a body stored for one queue is paged out (a shared one is counted in memory).
-        let paging = self.pager.is_some() && durable == 1;
-        let keep = self.config.page_window.min(self.config.page_window_idle) as usize;
-        for id in &targets {
-            let queue = self.queues.get(id).and_then(|q| q.store_key);
+        let paging = self.pager.is_some() && stored == 1;
+        for (i, id) in targets.iter().enumerate() {
+            let kind = kinds.get(i).copied().unwrap_or(Kept::Memory);
+            let mut copy = message.clone();
+            if kind == Kept::Memory {
+                // This queue's copy is in memory only: nothing to delete when it goes.
+                copy.store_key = None;
+            }
             let meta = MsgMeta {
-                pageable: paging && queue.is_some(),
+                pageable: paging && kind != Kept::Memory,
+                spilled: kind == Kept::Spilled,
                 ..meta
             };
             let command = Command::Enqueue {
-                message: message.clone(),
+                message: copy,
                 meta,
             };
             let Some(reply) = self.run(*id, command) else {
                 continue;
             };
             routed += 1;
-            if let (Some(body), Reply::Enqueued { msg_id }) = (message.store_key, reply) {
-                if let (Some(p), Some(queue)) = (self.persist.as_mut(), queue) {
-                    p.push(
-                        StoreOp::PutEntry {
-                            queue,
-                            msg_id,
-                            body,
-                            size: meta.size,
-                            shared: durable > 1,
-                            expires_at: meta.expires_at,
-                        },
-                        true,
-                    );
-                    let deep = self
-                        .queues
-                        .get(id)
-                        .is_some_and(|q| q.machine.head_count() > keep || q.machine.has_tail());
-                    if meta.pageable && deep {
-                        let number = p.next_batch;
-                        match self.page_pending.back_mut() {
-                            Some((b, q, m)) if *b == number && q == id => *m = msg_id,
-                            _ => self.page_pending.push_back((number, *id, msg_id)),
-                        }
-                    }
+            let (Some(body), Reply::Enqueued { msg_id }) = (message.store_key, reply) else {
+                continue;
+            };
+            let (Some(p), Some(q)) = (self.persist.as_mut(), self.queues.get_mut(id)) else {
+                continue;
+            };
+            let queue = match kind {
+                Kept::Memory => continue,
+                Kept::Durable => q.store_key,
+                Kept::Spilled => Some(*q.spill_key.get_or_insert_with(|| p.spill_key())),
+            };
+            let Some(queue) = queue else {
+                continue;
+            };
+            let op = StoreOp::PutEntry {
+                queue,
+                msg_id,
+                body,
+                size: meta.size,
+                shared: stored > 1,
+                expires_at: meta.expires_at,
+            };
+            p.push(op, kind == Kept::Durable);
+            let keep = if q.machine.consumer_count() > 0 {
+                self.config.page_window
+            } else {
+                self.config.page_window_idle
+            };
+            if meta.pageable && q.is_deep(keep) {
+                let number = p.next_batch;
+                match self.page_pending.back_mut() {
+                    Some((b, q, m)) if *b == number && q == id => *m = msg_id,
+                    _ => self.page_pending.push_back((number, *id, msg_id)),
                 }
             }
         }
+        self.scratch_kinds = kinds;
         self.scratch_queues = targets;
         Ok(Routed {
             queues: routed,
@@ -1256,11 +1314,7 @@ impl Broker {
             let Some(q) = self.queues.get(&id) else {
                 continue;
             };
-            let keep = if q.machine.consumer_count() > 0 {
-                self.config.page_window
-            } else {
-                self.config.page_window_idle
-            };
+            let keep = self.keep(q);
             let command = Command::PageOut {
                 keep,
                 keep_bytes: self.config.page_window_bytes,
@@ -1268,6 +1322,33 @@ impl Broker {
             };
             self.run(id, command);
         }
+    }
+
+    /// How many ready messages the queue keeps in memory at its head.
+    fn keep(&self, q: &Queue) -> u32 {
+        if q.machine.consumer_count() > 0 {
+            self.config.page_window
+        } else {
+            self.config.page_window_idle
+        }
+    }
+
+    /// Under memory pressure (the server's paging threshold), transient messages that reach
+    /// a queue past its window are written to the store's scratch area and page out like
+    /// persistent ones; otherwise they stay in memory. Messages already queued stay as they are.
+    pub fn set_spill(&mut self, on: bool) {
+        if on != self.spill {
+            tracing::info!(
+                paging = on,
+                "transient messages of deep queues {}",
+                if on {
+                    "now go to disk"
+                } else {
+                    "stay in memory again"
+                }
+            );
+        }
+        self.spill = on;
     }
 
     /// Gives the broker what reads paged messages back; from then on, stored messages of deep
@@ -1291,7 +1372,11 @@ impl Broker {
         let Some(request) = q.machine.load_request(low_water) else {
             return false;
         };
-        let qkey = q.store_key;
+        let qkey = if request.spilled {
+            q.spill_key
+        } else {
+            q.store_key
+        };
         let max = (window as usize)
             .saturating_sub(q.machine.head_count())
             .max(1);
@@ -1436,6 +1521,7 @@ impl Broker {
             size: message.body.len() as u64,
             expires_at,
             pageable: false,
+            spilled: false,
         };
         let command = Command::Restore {
             msg_id,
@@ -1622,9 +1708,11 @@ impl Broker {
             match effect {
                 Effect::Deliver(d) => {
                     if d.settled {
-                        if let (Some(p), Some(queue), Some(body)) =
-                            (self.persist.as_mut(), q.store_key, d.message.store_key)
-                        {
+                        if let (Some(p), Some(queue), Some(body)) = (
+                            self.persist.as_mut(),
+                            q.entry_key(&d.message),
+                            d.message.store_key,
+                        ) {
                             p.forget(queue, d.receipt.msg_id, body, d.receipt.attempt > 1);
                         }
                     }
@@ -1761,9 +1849,8 @@ impl Broker {
     fn stored_in_flight(&self, queue: QueueId, receipt: Receipt) -> Option<(u64, u64)> {
         self.persist.as_ref()?;
         let q = self.queues.get(&queue)?;
-        let qkey = q.store_key?;
         let (m, _) = q.machine.in_flight_message(receipt.msg_id)?;
-        Some((qkey, m.store_key?))
+        Some((q.entry_key(m)?, m.store_key?))
     }
 
     /// A stored message left a durable queue outside a settle.
@@ -1779,7 +1866,7 @@ impl Broker {
             return;
         };
         let (Some(qkey), Some(body)) = (
-            self.queues.get(&queue).and_then(|q| q.store_key),
+            self.queues.get(&queue).and_then(|q| q.entry_key(message)),
             message.store_key,
         ) else {
             return;

@@ -38,7 +38,7 @@ pub use broker::{Broker, QueueInfo};
 pub use exchange::ExchangeKind;
 pub use persist::{
     BindingDef, BindingDest, ExchangeDef, Page, PageSource, QueueDef, StoreKeys, StoreOp,
-    WriteBatch,
+    WriteBatch, SPILL_BIT,
 };
 pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
 pub use queue::machine;

@@ -100,6 +100,10 @@ pub enum StoreOp {
         first_id: u64,
         last_id: u64,
     },
+    /// Every entry and count of a queue key (a queue's scratch entries when it goes).
+    DeleteEntries {
+        queue: u64,
+    },
     /// The message left the queue; `count` when a delivery count was stored for it.
     DeleteEntry {
         queue: u64,
@@ -163,6 +167,8 @@ pub(crate) struct Persist {
     pub next_batch: u64,
     pub next_body_key: u64,
     pub next_queue_key: u64,
+    /// The next scratch-area key (queue or body); starts again with every start.
+    pub next_spill_key: u64,
     /// Bodies stored for more than one durable queue: how many still hold each. A body held by
     /// one queue has no entry (the common case costs no bookkeeping).
     pub shared: HashMap<u64, u32>,
@@ -173,6 +179,10 @@ pub(crate) struct Persist {
 /// Body keys are reserved on disk this many at a time: one small write per block of publishes.
 const RESERVE_BODIES: u64 = 1 << 16;
 
+/// Keys with this bit (queue keys and body keys alike) are in the scratch area: transient
+/// messages of deep queues, kept on disk only to leave memory, and dropped at every start.
+pub const SPILL_BIT: u64 = 1 << 63;
+
 impl Persist {
     pub fn new() -> Self {
         Persist {
@@ -181,6 +191,7 @@ impl Persist {
             next_batch: 1,
             next_body_key: 1,
             next_queue_key: 1,
+            next_spill_key: SPILL_BIT | 1,
             shared: HashMap::new(),
             reserved: StoreKeys {
                 next_queue_key: 1,
@@ -195,6 +206,13 @@ impl Persist {
         self.next_queue_key += 1;
         self.reserved.next_queue_key = self.next_queue_key;
         self.ops.push(StoreOp::ReserveKeys(self.reserved.clone()));
+        key
+    }
+
+    /// A new scratch-area key (for a queue's spilled entries, or a spilled body).
+    pub fn spill_key(&mut self) -> u64 {
+        let key = self.next_spill_key;
+        self.next_spill_key += 1;
         key
     }
 

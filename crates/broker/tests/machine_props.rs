@@ -107,6 +107,8 @@ struct Model {
     state: BTreeMap<u64, State>,
     /// Messages the "store" holds: pageable ones, until they leave the queue.
     stored: BTreeSet<u64>,
+    /// Of those, the ones in the scratch area.
+    spilled: BTreeSet<u64>,
     size: BTreeMap<u64, u64>,
     expires: BTreeMap<u64, u64>,
     deliveries: BTreeMap<u64, u32>,
@@ -261,8 +263,15 @@ fn load(
         .copied()
         .take(max)
         .collect();
-    // Only ready messages may be in a run's range: the run holds exactly its messages.
+    // Only ready messages may be in a run's range: the run holds exactly its messages, all
+    // from one place.
     for id in &found {
+        prop_assert_eq!(
+            model.spilled.contains(id),
+            req.spilled,
+            "mixed run at {}",
+            id
+        );
         prop_assert_eq!(
             model.state.get(id),
             Some(&State::Ready),
@@ -284,6 +293,7 @@ fn load(
                 size: model.size[id],
                 expires_at: model.expires.get(id).copied(),
                 pageable: true,
+                spilled: req.spilled,
             },
             delivery_count: model.deliveries.get(id).copied().unwrap_or(0),
         })
@@ -403,6 +413,8 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                             size,
                             expires_at,
                             pageable,
+                            // Two kinds of storage: runs must never mix them.
+                            spilled: pageable && size % 2 == 0,
                         },
                     },
                 );
@@ -410,6 +422,9 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 model.state.insert(id, State::Ready);
                 if pageable {
                     model.stored.insert(id);
+                }
+                if pageable && size % 2 == 0 {
+                    model.spilled.insert(id);
                 }
                 model.size.insert(id, size);
                 if let Some(at) = expires_at {

@@ -9,6 +9,7 @@ use bytes::Bytes;
 use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
 use warren_broker::{
     Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message, Page, PageSource, StoreOp,
+    SPILL_BIT,
 };
 use warren_codec::{FieldTable, ShortStr};
 
@@ -48,6 +49,16 @@ impl MemStore {
                     }
                     StoreOp::DeleteEntry { queue, msg_id, .. } => {
                         mem.entries.remove(&(queue, msg_id));
+                    }
+                    StoreOp::DeleteEntries { queue } | StoreOp::DeleteQueue { key: queue, .. } => {
+                        let gone: Vec<(u64, u64)> = mem
+                            .entries
+                            .range((queue, 0)..=(queue, u64::MAX))
+                            .map(|(k, _)| *k)
+                            .collect();
+                        for k in gone {
+                            mem.entries.remove(&k);
+                        }
                     }
                     StoreOp::DropRun {
                         queue,
@@ -100,6 +111,7 @@ impl PageSource for MemStore {
                 size: message.body.len() as u64,
                 expires_at: None,
                 pageable: true,
+                spilled: queue_key & SPILL_BIT != 0,
             };
             messages.push(Loaded {
                 msg_id,
@@ -146,15 +158,19 @@ fn setup() -> (Broker, MemStore) {
 }
 
 fn publish(b: &mut Broker, i: u32) {
+    publish_to(b, "deep", i, true);
+}
+
+fn publish_to(b: &mut Broker, q: &'static str, i: u32, persistent: bool) {
     let m = Message {
         exchange: ShortStr::empty(),
-        routing_key: ShortStr::from("deep"),
+        routing_key: ShortStr::from(q),
         properties: Bytes::from_static(&[0x10, 0x00, 2]),
         body: Bytes::from(format!("m{i}")),
-        persistent: true,
+        persistent,
         store_key: None,
     };
-    b.publish("/", "", "deep", m, 0).expect("publish");
+    b.publish("/", "", q, m, 0).expect("publish");
 }
 
 fn consume(b: &mut Broker) {
@@ -252,4 +268,83 @@ fn purging_a_paged_queue_drops_its_runs_from_the_store() {
     store.apply(&mut b);
     let mem = store.0.lock().unwrap();
     assert!(mem.entries.is_empty() && mem.bodies.is_empty());
+}
+
+#[test]
+fn transient_messages_of_deep_queues_spill_page_and_leave_nothing_behind() {
+    let (mut b, store) = setup();
+    b.declare_queue(
+        "/",
+        DeclareQueue {
+            name: "scratch".into(),
+            passive: false,
+            durable: false,
+            exclusive: false,
+            auto_delete: false,
+            arguments: FieldTable::new(),
+        },
+        1,
+    )
+    .expect("declare");
+    // Under memory pressure; without it transient messages stay in memory.
+    for i in 0..10 {
+        publish_to(&mut b, "scratch", i, false);
+    }
+    store.apply(&mut b);
+    let scratch = b.queue_id("/", "scratch").expect("queue");
+    assert_eq!(b.machine(scratch).expect("machine").paged_count(), 0);
+    b.purge_queue("/", "scratch", 1).expect("purge");
+    b.set_spill(true);
+    // The durable queue gets both kinds; the other queue only transient messages.
+    for i in 0..40 {
+        publish_to(&mut b, "deep", i, i % 2 == 0);
+        publish_to(&mut b, "scratch", i, false);
+    }
+    store.apply(&mut b);
+    assert_eq!(
+        paged(&b),
+        38,
+        "persistent and spilled alike, past the window"
+    );
+    assert_eq!(b.machine(scratch).expect("machine").paged_count(), 38);
+    // Consume with acks: every acked message leaves the store.
+    b.consume(
+        "/",
+        "deep",
+        CreditGroup {
+            conn: 1,
+            channel: 1,
+        },
+        ShortStr::from("c"),
+        false,
+        false,
+        0,
+        &FieldTable::new(),
+    )
+    .expect("consume");
+    let mut out: Vec<Delivery> = Vec::new();
+    while b.dispatch_one(&mut out) {}
+    let bodies: Vec<String> = out
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.message.body).into_owned())
+        .collect();
+    assert_eq!(bodies, (0..40).map(|i| format!("m{i}")).collect::<Vec<_>>());
+    assert_eq!(
+        out.iter().filter(|d| d.message.persistent).count(),
+        20,
+        "a spilled message comes back transient"
+    );
+    for d in &out {
+        assert!(b.settle(d.queue, d.receipt));
+    }
+    b.delete_queue("/", "scratch", false, false, 1)
+        .expect("delete");
+    store.apply(&mut b);
+    let mem = store.0.lock().unwrap();
+    assert!(mem.entries.is_empty(), "entries left: {:?}", mem.entries);
+    assert!(
+        mem.bodies.is_empty(),
+        "bodies left: {:?}",
+        mem.bodies.keys()
+    );
 }

@@ -50,23 +50,40 @@ pub fn memory_limit(config: &AlarmConfig) -> Option<u64> {
     })
 }
 
+/// What the monitor found: alarms, and whether queues should page transient messages out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pressure {
+    pub memory: bool,
+    pub disk: bool,
+    /// Memory above the paging ratio of the limit.
+    pub paging: bool,
+}
+
 /// Measures memory and disk every second and tells the node.
 pub async fn monitor(
     config: AlarmConfig,
     data_dir: std::path::PathBuf,
-    set: Arc<dyn Fn(bool, bool) + Send + Sync>,
+    set: Arc<dyn Fn(Pressure) + Send + Sync>,
 ) {
     let limit = memory_limit(&config);
+    let paging_at = limit.map(|l| (l as f64 * config.paging_ratio) as u64);
     tracing::info!(
         memory_limit = limit,
+        paging_at,
         disk_free_limit = config.disk_free_limit,
         "resource alarms armed"
     );
     loop {
-        let memory = matches!((rss_bytes(), limit), (Some(rss), Some(limit)) if rss > limit);
+        let rss = rss_bytes();
+        let memory = matches!((rss, limit), (Some(rss), Some(limit)) if rss > limit);
+        let paging = matches!((rss, paging_at), (Some(rss), Some(at)) if rss >= at);
         let disk = config.disk_free_limit > 0
             && free_disk(&data_dir).is_some_and(|free| free < config.disk_free_limit);
-        set(memory, disk);
+        set(Pressure {
+            memory,
+            disk,
+            paging,
+        });
         tokio::time::sleep(CHECK_EVERY).await;
     }
 }

@@ -52,6 +52,10 @@ pub struct Args {
     /// The same limit in bytes; wins over --memory-high-watermark
     #[arg(long, env = "WARREN_MEMORY_LIMIT", value_name = "BYTES")]
     pub memory_limit: Option<u64>,
+    /// Above this fraction of the memory limit, transient messages reaching a deep queue go to
+    /// disk too, as RabbitMQ's vm_memory_high_watermark_paging_ratio; 0 = always [default: 0.5]
+    #[arg(long, env = "WARREN_MEMORY_PAGING_RATIO", value_name = "FRACTION")]
+    pub memory_paging_ratio: Option<f64>,
     /// Publishers are blocked while the data directory's disk has less free space than this,
     /// as RabbitMQ's disk_free_limit; 0 disables [default: 50000000]
     #[arg(long, env = "WARREN_DISK_FREE_LIMIT", value_name = "BYTES")]
@@ -84,6 +88,7 @@ pub struct FileConfig {
     pub data_dir: Option<PathBuf>,
     pub memory_high_watermark: Option<f64>,
     pub memory_limit: Option<u64>,
+    pub memory_paging_ratio: Option<f64>,
     pub disk_free_limit: Option<u64>,
     pub queue_window: Option<u32>,
     /// Replaces the default guest user when present.
@@ -113,6 +118,8 @@ pub enum ConfigError {
     },
     #[error("frame_max must be at least 4096, got {0}")]
     FrameMax(u32),
+    #[error("memory_paging_ratio must be a fraction between 0 and 1 (RabbitMQ's default is 0.5), got {0}")]
+    PagingRatio(f64),
     #[error("queue_window must be at least 1, got 0")]
     QueueWindow,
     #[error("memory_high_watermark must be a fraction between 0 and 1 (RabbitMQ's default is 0.4), got {0}")]
@@ -144,6 +151,8 @@ pub struct AlarmConfig {
     pub memory_limit: Option<u64>,
     /// Free bytes on the data directory's disk; 0 = no disk alarm.
     pub disk_free_limit: u64,
+    /// Fraction of the memory limit above which transient messages of deep queues page out.
+    pub paging_ratio: f64,
 }
 
 /// Everything the server needs, resolved.
@@ -215,7 +224,15 @@ impl Config {
         if !(memory_high_watermark > 0.0 && memory_high_watermark <= 1.0) {
             return Err(ConfigError::Watermark(memory_high_watermark));
         }
+        let paging_ratio = args
+            .memory_paging_ratio
+            .or(file.memory_paging_ratio)
+            .unwrap_or(0.5);
+        if !(0.0..=1.0).contains(&paging_ratio) {
+            return Err(ConfigError::PagingRatio(paging_ratio));
+        }
         let alarms = AlarmConfig {
+            paging_ratio,
             memory_high_watermark,
             memory_limit: args.memory_limit.or(file.memory_limit),
             disk_free_limit: args

@@ -273,9 +273,13 @@ pub async fn serve(
         None => None,
     };
     let on_alarm = shared.clone();
-    let set_alarms: Arc<dyn Fn(bool, bool) + Send + Sync> = Arc::new(move |memory, disk| {
-        on_alarm.with_node(|node, now| node.set_alarms(memory, disk, now));
-    });
+    let set_alarms: Arc<dyn Fn(crate::alarms::Pressure) + Send + Sync> =
+        Arc::new(move |p: crate::alarms::Pressure| {
+            on_alarm.with_node(|node, now| {
+                node.set_alarms(p.memory, p.disk, now);
+                node.set_paging(p.paging);
+            });
+        });
     let monitor = tokio::spawn(crate::alarms::monitor(alarms, data_dir, set_alarms));
     let ticker = tokio::spawn(timer(shared.clone()));
     let dispatcher = tokio::spawn(dispatcher(shared.clone()));

@@ -79,6 +79,12 @@ impl Node {
     /// client that advertises the `connection.blocked` capability is told so, with RabbitMQ's
     /// reason text. Connections that only consume keep running, so queues drain. When the
     /// last alarm clears, blocked connections get `connection.unblocked` and are read again.
+    /// Memory is past the paging threshold: transient messages of deep queues go to disk
+    /// (see `Broker::set_spill`).
+    pub fn set_paging(&mut self, on: bool) {
+        self.broker.set_spill(on);
+    }
+
     pub fn set_alarms(&mut self, memory: bool, disk: bool, now: u64) {
         let alarm = match (memory, disk) {
             (true, _) => Some("low on memory"),

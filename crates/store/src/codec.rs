@@ -16,8 +16,67 @@ const DEST_QUEUE: u8 = b'q';
 const DEST_EXCHANGE: u8 = b'e';
 const FLAG_AUTO_DELETE: u8 = 1;
 const FLAG_INTERNAL: u8 = 2;
-/// The first byte of a body value: its layout version.
+/// The first byte of a body value: its layout version (the first layout is of a persistent
+/// message; the same layout for a transient one, which only the scratch area holds).
 const BODY_V1: u8 = 1;
+const BODY_V1_TRANSIENT: u8 = 2;
+
+/// Prefixes of the scratch area's keys (one column family holds its entries, counts and
+/// bodies, and is dropped at every start).
+pub const SPILL_ENTRY: u8 = b'i';
+pub const SPILL_COUNT: u8 = b'c';
+pub const SPILL_BODY: u8 = b'b';
+
+/// A key of at most 17 bytes, on the stack.
+#[derive(Clone, Copy)]
+pub struct Key {
+    buf: [u8; 17],
+    len: usize,
+}
+
+impl AsRef<[u8]> for Key {
+    fn as_ref(&self) -> &[u8] {
+        self.buf.get(..self.len).unwrap_or_default()
+    }
+}
+
+fn key_of(prefix: Option<u8>, parts: &[u64]) -> Key {
+    let mut k = Key {
+        buf: [0; 17],
+        len: 0,
+    };
+    if let Some(p) = prefix {
+        k.buf[0] = p;
+        k.len = 1;
+    }
+    for part in parts {
+        if let Some(dst) = k.buf.get_mut(k.len..k.len + 8) {
+            dst.copy_from_slice(&part.to_be_bytes());
+            k.len += 8;
+        }
+    }
+    k
+}
+
+/// An entry's (or a count's) key: the queue key, then the message id; with the scratch
+/// area's prefix when it has one.
+pub fn entry_key_in(prefix: Option<u8>, queue: u64, msg_id: u64) -> Key {
+    key_of(prefix, &[queue, msg_id])
+}
+
+/// A body's key, with the scratch area's prefix when it has one.
+pub fn body_key_in(prefix: Option<u8>, key: u64) -> Key {
+    key_of(prefix, &[key])
+}
+
+/// The bounds of a queue's entries with ids in `first..=last`, with a prefix.
+pub fn id_range_in(prefix: Option<u8>, queue: u64, first: u64, last: u64) -> (Key, Key) {
+    let to = match last.checked_add(1) {
+        Some(next) => key_of(prefix, &[queue, next]),
+        None => key_of(prefix, &[queue.saturating_add(1), 0]),
+    };
+    (key_of(prefix, &[queue, first]), to)
+}
 
 fn put_vhost(out: &mut BytesMut, vhost: &str) {
     out.put_u32(u32::try_from(vhost.len()).unwrap_or(u32::MAX));
@@ -90,23 +149,6 @@ pub fn queue_value(q: &QueueDef) -> BytesMut {
     v
 }
 
-/// `index` and `counts` keys: the queue's store key, then the message id.
-pub fn entry_key(queue: u64, msg_id: u64) -> [u8; 16] {
-    let mut k = [0u8; 16];
-    k[..8].copy_from_slice(&queue.to_be_bytes());
-    k[8..].copy_from_slice(&msg_id.to_be_bytes());
-    k
-}
-
-/// The bounds of a queue's entries with ids in `first..=last`.
-pub fn id_range(queue: u64, first: u64, last: u64) -> ([u8; 16], [u8; 16]) {
-    let to = match last.checked_add(1) {
-        Some(next) => entry_key(queue, next),
-        None => entry_key(queue.saturating_add(1), 0),
-    };
-    (entry_key(queue, first), to)
-}
-
 /// Read options for an iterator that stays within `[from, to)`.
 pub fn bounded(from: &[u8], to: &[u8]) -> rocksdb::ReadOptions {
     let mut r = rocksdb::ReadOptions::default();
@@ -169,7 +211,11 @@ pub fn body_value(message: &Message, queues: u32) -> BytesMut {
             + message.properties.len()
             + message.body.len(),
     );
-    v.put_u8(BODY_V1);
+    v.put_u8(if message.persistent {
+        BODY_V1
+    } else {
+        BODY_V1_TRANSIENT
+    });
     v.put_u32(queues);
     put_short(&mut v, &message.exchange);
     put_short(&mut v, &message.routing_key);
@@ -361,14 +407,18 @@ pub fn decode_entry(value: &[u8]) -> Result<Entry, StoreError> {
     })
 }
 
-/// A body value: the message (persistent, under `key`) and the queues it was written for.
+/// A body value: the message (under `key`) and the queues it was written for.
 pub fn decode_body(key: u64, value: Vec<u8>) -> Result<(Message, u32), StoreError> {
     let mut v = Reader::new(value, "a message body");
-    if v.u8("layout")? != BODY_V1 {
-        return Err(StoreError::Corrupt(format!(
-            "message body {key}: unknown layout"
-        )));
-    }
+    let persistent = match v.u8("layout")? {
+        BODY_V1 => true,
+        BODY_V1_TRANSIENT => false,
+        _ => {
+            return Err(StoreError::Corrupt(format!(
+                "message body {key}: unknown layout"
+            )))
+        }
+    };
     let queues = v.u32("queue count")?;
     let exchange = v.short("exchange")?;
     let routing_key = v.short("routing key")?;
@@ -381,7 +431,7 @@ pub fn decode_body(key: u64, value: Vec<u8>) -> Result<(Message, u32), StoreErro
             routing_key,
             properties,
             body,
-            persistent: true,
+            persistent,
             store_key: Some(key),
         },
         queues,
@@ -493,7 +543,10 @@ mod tests {
         let e = decode_entry(&old).expect("old layout");
         assert_eq!((e.body, e.size, e.expires_at), (9, None, Some(1234)));
         assert!(!e.pageable());
-        assert_eq!(decode_entry_key(&entry_key(3, 4)).ok(), Some((3, 4)));
+        assert_eq!(
+            decode_entry_key(entry_key_in(None, 3, 4).as_ref()).ok(),
+            Some((3, 4))
+        );
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use rocksdb::{
     BlockBasedOptions, ColumnFamilyDescriptor, DBCompressionType, Options, WriteOptions, DB,
 };
-use warren_broker::{StoreOp, WriteBatch};
+use warren_broker::{StoreOp, WriteBatch, SPILL_BIT};
 
 pub use page::StorePager;
 pub use recover::Recovered;
@@ -31,6 +31,9 @@ const CF_DEFS: &str = "defs";
 const CF_BODIES: &str = "bodies";
 const CF_INDEX: &str = "index";
 const CF_COUNTS: &str = "counts";
+/// The scratch area: transient messages of deep queues (entries, counts and bodies under
+/// prefixes), dropped and created anew at every start.
+const CF_SPILL: &str = "spill";
 const KEY_FORMAT: &[u8] = b"format";
 const KEY_CLEAN: &[u8] = b"clean";
 /// The key reservations (`StoreOp::ReserveKeys`): next queue key, next body key.
@@ -102,6 +105,20 @@ fn cf_options(cache: &rocksdb::Cache, bloom: bool) -> Options {
     o
 }
 
+/// The batch an op on `key` (a queue or body key) belongs in: the scratch area's, or the
+/// durable one.
+fn pick<'a>(
+    durable: &'a mut rocksdb::WriteBatch,
+    scratch: &'a mut rocksdb::WriteBatch,
+    key: u64,
+) -> &'a mut rocksdb::WriteBatch {
+    if key & SPILL_BIT != 0 {
+        scratch
+    } else {
+        durable
+    }
+}
+
 /// No key in any column family.
 fn is_empty(db: &DB) -> bool {
     let default_empty = db.iterator(rocksdb::IteratorMode::Start).next().is_none();
@@ -169,12 +186,17 @@ impl Store {
         let index = ColumnFamilyDescriptor::new(CF_INDEX, index_opts);
         let counts = ColumnFamilyDescriptor::new(CF_COUNTS, cf_options(&cache, false));
 
-        let db = DB::open_cf_descriptors(&opts, dir, vec![defs, bodies, index, counts]).map_err(
-            |source| StoreError::Open {
-                dir: dir.to_path_buf(),
-                source,
-            },
-        )?;
+        let spill = ColumnFamilyDescriptor::new(CF_SPILL, cf_options(&cache, false));
+        let open_err = |source| StoreError::Open {
+            dir: dir.to_path_buf(),
+            source,
+        };
+        let mut db = DB::open_cf_descriptors(&opts, dir, vec![defs, bodies, index, counts, spill])
+            .map_err(open_err)?;
+        // The scratch area of the previous run goes (its messages were transient), at once.
+        db.drop_cf(CF_SPILL).map_err(open_err)?;
+        db.create_cf(CF_SPILL, &cf_options(&cache, false))
+            .map_err(open_err)?;
         let format = db.get(KEY_FORMAT).map_err(StoreError::Read)?;
         // A first start killed between creating the files and writing the format record left
         // a directory with nothing in it: still fresh.
@@ -241,16 +263,42 @@ impl Store {
             .ok_or_else(|| StoreError::Corrupt(format!("column family {name} is missing")))
     }
 
+    /// Where a queue key's entries live: `index`, or the scratch area under its prefix.
+    fn entries_of(&self, queue: u64) -> Result<(&rocksdb::ColumnFamily, Option<u8>), StoreError> {
+        if queue & SPILL_BIT != 0 {
+            Ok((self.cf(CF_SPILL)?, Some(codec::SPILL_ENTRY)))
+        } else {
+            Ok((self.cf(CF_INDEX)?, None))
+        }
+    }
+
+    /// Where a queue key's delivery counts live.
+    fn counts_of(&self, queue: u64) -> Result<(&rocksdb::ColumnFamily, Option<u8>), StoreError> {
+        if queue & SPILL_BIT != 0 {
+            Ok((self.cf(CF_SPILL)?, Some(codec::SPILL_COUNT)))
+        } else {
+            Ok((self.cf(CF_COUNTS)?, None))
+        }
+    }
+
+    /// Where a body key's body lives.
+    fn body_of(&self, key: u64) -> Result<(&rocksdb::ColumnFamily, codec::Key), StoreError> {
+        if key & SPILL_BIT != 0 {
+            Ok((
+                self.cf(CF_SPILL)?,
+                codec::body_key_in(Some(codec::SPILL_BODY), key),
+            ))
+        } else {
+            Ok((self.cf(CF_BODIES)?, codec::body_key_in(None, key)))
+        }
+    }
+
     /// Writes `batches` (in order) as one RocksDB write, synced if any of them asks for it: the
     /// group commit. A message put and deleted within the group (acked before it reached the
-    /// disk) is written not at all.
+    /// disk) is written not at all. What goes to the scratch area is written first, without
+    /// the write-ahead log (it is dropped at the next start anyway).
     pub fn write(&self, batches: &[WriteBatch]) -> Result<(), StoreError> {
-        let (defs, bodies, index, counts) = (
-            self.cf(CF_DEFS)?,
-            self.cf(CF_BODIES)?,
-            self.cf(CF_INDEX)?,
-            self.cf(CF_COUNTS)?,
-        );
+        let defs = self.cf(CF_DEFS)?;
         // What is both created and removed within this group.
         let mut gone_bodies = HashSet::new();
         let mut gone_entries = HashSet::new();
@@ -277,21 +325,18 @@ impl Store {
                 {
                     put_entries.insert((*queue, *msg_id));
                 }
+                StoreOp::DropRun {
+                    queue,
+                    first_id,
+                    last_id,
+                } => self.drop_run_bodies(*queue, *first_id, *last_id)?,
                 _ => {}
             }
         }
 
-        for op in batches.iter().flat_map(|b| &b.ops) {
-            if let StoreOp::DropRun {
-                queue,
-                first_id,
-                last_id,
-            } = op
-            {
-                self.drop_run_bodies(*queue, *first_id, *last_id)?;
-            }
-        }
         let mut wb = rocksdb::WriteBatch::default();
+        // The scratch area's ops, in the same order.
+        let mut scratch = rocksdb::WriteBatch::default();
         let mut sync = false;
         for batch in batches {
             sync |= batch.sync;
@@ -312,9 +357,10 @@ impl Store {
                     ),
                     StoreOp::DeleteQueue { vhost, name, key } => {
                         wb.delete_cf(defs, codec::queue_key(vhost, name));
-                        let (from, to) = codec::queue_range(*key);
-                        wb.delete_range_cf(index, from, to);
-                        wb.delete_range_cf(counts, from, to);
+                        self.delete_entries(&mut wb, &mut scratch, *key)?;
+                    }
+                    StoreOp::DeleteEntries { queue } => {
+                        self.delete_entries(&mut wb, &mut scratch, *queue)?;
                     }
                     StoreOp::PutBinding(b) => wb.put_cf(defs, codec::binding_key(b), []),
                     StoreOp::DeleteBinding(b) => wb.delete_cf(defs, codec::binding_key(b)),
@@ -324,18 +370,17 @@ impl Store {
                         queues,
                     } => {
                         if !put_bodies.contains(key) {
-                            wb.put_cf(
-                                bodies,
-                                key.to_be_bytes(),
-                                codec::body_value(message, *queues),
-                            );
+                            let (cf, k) = self.body_of(*key)?;
+                            let value = codec::body_value(message, *queues);
+                            pick(&mut wb, &mut scratch, *key).put_cf(cf, k, value);
                         }
                     }
                     StoreOp::DeleteBody { key } => {
                         if !put_bodies.contains(key) {
                             // Written once, deleted once: the put and this cancel out in the
                             // first compaction that sees both, leaving no tombstone behind.
-                            wb.single_delete_cf(bodies, key.to_be_bytes());
+                            let (cf, k) = self.body_of(*key)?;
+                            pick(&mut wb, &mut scratch, *key).single_delete_cf(cf, k);
                         }
                     }
                     StoreOp::PutEntry {
@@ -353,11 +398,10 @@ impl Store {
                                 shared: *shared,
                                 expires_at: *expires_at,
                             };
-                            wb.put_cf(
-                                index,
-                                codec::entry_key(*queue, *msg_id),
-                                codec::entry_value(&entry),
-                            );
+                            let (cf, prefix) = self.entries_of(*queue)?;
+                            let k = codec::entry_key_in(prefix, *queue, *msg_id);
+                            let value = codec::entry_value(&entry);
+                            pick(&mut wb, &mut scratch, *queue).put_cf(cf, k, value);
                         }
                     }
                     StoreOp::DropRun {
@@ -366,32 +410,36 @@ impl Store {
                         last_id,
                     } => {
                         // The bodies went first (`drop_run_bodies`).
-                        let (from, to) = codec::id_range(*queue, *first_id, *last_id);
-                        wb.delete_range_cf(index, from, to);
-                        wb.delete_range_cf(counts, from, to);
+                        for (cf, prefix) in [self.entries_of(*queue)?, self.counts_of(*queue)?] {
+                            let (from, to) =
+                                codec::id_range_in(prefix, *queue, *first_id, *last_id);
+                            pick(&mut wb, &mut scratch, *queue).delete_range_cf(cf, from, to);
+                        }
                     }
                     StoreOp::DeleteEntry {
                         queue,
                         msg_id,
                         count,
                     } => {
-                        let key = codec::entry_key(*queue, *msg_id);
+                        let w = pick(&mut wb, &mut scratch, *queue);
                         if !put_entries.contains(&(*queue, *msg_id)) {
-                            wb.single_delete_cf(index, key);
+                            let (cf, prefix) = self.entries_of(*queue)?;
+                            w.single_delete_cf(cf, codec::entry_key_in(prefix, *queue, *msg_id));
                         }
                         if *count {
-                            wb.delete_cf(counts, key);
+                            let (cf, prefix) = self.counts_of(*queue)?;
+                            w.delete_cf(cf, codec::entry_key_in(prefix, *queue, *msg_id));
                         }
                     }
                     StoreOp::PutCount {
                         queue,
                         msg_id,
                         count,
-                    } => wb.put_cf(
-                        counts,
-                        codec::entry_key(*queue, *msg_id),
-                        count.to_be_bytes(),
-                    ),
+                    } => {
+                        let (cf, prefix) = self.counts_of(*queue)?;
+                        let k = codec::entry_key_in(prefix, *queue, *msg_id);
+                        pick(&mut wb, &mut scratch, *queue).put_cf(cf, k, count.to_be_bytes());
+                    }
                     StoreOp::ReserveKeys(keys) => {
                         let mut v = [0u8; 16];
                         v[..8].copy_from_slice(&keys.next_queue_key.to_be_bytes());
@@ -401,9 +449,28 @@ impl Store {
                 }
             }
         }
+        if !scratch.is_empty() {
+            let mut w = WriteOptions::default();
+            w.disable_wal(true);
+            self.db.write_opt(scratch, &w).map_err(StoreError::Write)?;
+        }
         let mut w = WriteOptions::default();
         w.set_sync(sync);
         self.db.write_opt(wb, &w).map_err(StoreError::Write)
+    }
+
+    /// Every entry and count of a queue key.
+    fn delete_entries(
+        &self,
+        wb: &mut rocksdb::WriteBatch,
+        scratch: &mut rocksdb::WriteBatch,
+        queue: u64,
+    ) -> Result<(), StoreError> {
+        for (cf, prefix) in [self.entries_of(queue)?, self.counts_of(queue)?] {
+            let (from, to) = codec::id_range_in(prefix, queue, 0, u64::MAX);
+            pick(wb, scratch, queue).delete_range_cf(cf, from, to);
+        }
+        Ok(())
     }
 
     /// Deletes the bodies of a dropped run (a purge or delete of a paged queue), in writes of
@@ -413,18 +480,21 @@ impl Store {
     /// and deleted when read.
     fn drop_run_bodies(&self, queue: u64, first_id: u64, last_id: u64) -> Result<(), StoreError> {
         const CHUNK: usize = 65_536;
-        let (index, bodies) = (self.cf(CF_INDEX)?, self.cf(CF_BODIES)?);
-        let (from, to) = codec::id_range(queue, first_id, last_id);
+        let (entries, prefix) = self.entries_of(queue)?;
+        let (from, to) = codec::id_range_in(prefix, queue, first_id, last_id);
         let mut wb = rocksdb::WriteBatch::default();
         for item in self.db.iterator_cf_opt(
-            index,
-            codec::bounded(&from, &to),
-            rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward),
+            entries,
+            codec::bounded(from.as_ref(), to.as_ref()),
+            rocksdb::IteratorMode::From(from.as_ref(), rocksdb::Direction::Forward),
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
             match codec::decode_entry(&v) {
                 // Only unshared bodies are paged; a shared one is released by its last queue.
-                Ok(entry) if !entry.shared => wb.single_delete_cf(bodies, entry.body.to_be_bytes()),
+                Ok(entry) if !entry.shared => {
+                    let (cf, key) = self.body_of(entry.body)?;
+                    wb.single_delete_cf(cf, key);
+                }
                 Ok(_) => {}
                 Err(error) => {
                     tracing::warn!(key = ?k, %error, "a damaged queue entry of a dropped run: its body, if any, stays");

@@ -1,14 +1,23 @@
-//! Reading paged-out messages back: a bounded scan of one queue's `index` range, the delivery
-//! counts beside it, and the bodies in one `multi_get`.
+//! Reading paged-out messages back: a bounded scan of one queue's entries (in `index`, or in the
+//! scratch area for spilled ones), the delivery counts beside them, and the bodies in one
+//! `multi_get`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use rocksdb::{Direction, IteratorMode};
 use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
-use warren_broker::{Page, PageSource};
+use warren_broker::{Page, PageSource, SPILL_BIT};
 
-use crate::{codec, Store, StoreError, CF_BODIES, CF_COUNTS, CF_INDEX};
+use crate::{codec, Store, StoreError};
+
+/// An entry or count key without the scratch area's prefix.
+fn unprefixed(key: &[u8], prefix: Option<u8>) -> &[u8] {
+    match prefix {
+        Some(_) => key.get(1..).unwrap_or_default(),
+        None => key,
+    }
+}
 
 impl Store {
     /// The stored messages of `queue` with ids in `from..=to`, in id order, stopping after
@@ -22,17 +31,18 @@ impl Store {
         max_messages: usize,
         max_bytes: u64,
     ) -> Result<Page, StoreError> {
-        let (lo, hi) = codec::id_range(queue, from, to);
+        let (index, prefix) = self.entries_of(queue)?;
+        let (lo, hi) = codec::id_range_in(prefix, queue, from, to);
         let mut entries = Vec::new();
         let mut bytes = 0u64;
         let mut through = to;
         for item in self.db.iterator_cf_opt(
-            self.cf(CF_INDEX)?,
-            codec::bounded(&lo, &hi),
-            IteratorMode::From(&lo, Direction::Forward),
+            index,
+            codec::bounded(lo.as_ref(), hi.as_ref()),
+            IteratorMode::From(lo.as_ref(), Direction::Forward),
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
-            let (_, msg_id) = codec::decode_entry_key(&k)?;
+            let (_, msg_id) = codec::decode_entry_key(unprefixed(&k, prefix))?;
             let entry = codec::decode_entry(&v)?;
             bytes = bytes.saturating_add(u64::from(entry.size.unwrap_or(0)));
             entries.push((msg_id, entry));
@@ -42,23 +52,25 @@ impl Store {
             }
         }
         let mut counts = BTreeMap::new();
-        let (_, counts_hi) = codec::id_range(queue, from, through);
+        let (counts_cf, prefix) = self.counts_of(queue)?;
+        let (counts_lo, counts_hi) = codec::id_range_in(prefix, queue, from, through);
         for item in self.db.iterator_cf_opt(
-            self.cf(CF_COUNTS)?,
-            codec::bounded(&lo, &counts_hi),
-            IteratorMode::From(&lo, Direction::Forward),
+            counts_cf,
+            codec::bounded(counts_lo.as_ref(), counts_hi.as_ref()),
+            IteratorMode::From(counts_lo.as_ref(), Direction::Forward),
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
-            let (_, msg_id) = codec::decode_entry_key(&k)?;
+            let (_, msg_id) = codec::decode_entry_key(unprefixed(&k, prefix))?;
             let count = <[u8; 4]>::try_from(&*v)
                 .map(u32::from_be_bytes)
                 .map_err(|_| StoreError::Corrupt("a delivery count is malformed".into()))?;
             counts.insert(msg_id, count);
         }
-        let keys: Vec<[u8; 8]> = entries.iter().map(|(_, e)| e.body.to_be_bytes()).collect();
-        let bodies = self
-            .db
-            .batched_multi_get_cf(self.cf(CF_BODIES)?, &keys, false);
+        let keys = entries
+            .iter()
+            .map(|(_, e)| self.body_of(e.body))
+            .collect::<Result<Vec<_>, _>>()?;
+        let bodies = self.db.multi_get_cf(keys.iter().map(|(cf, k)| (*cf, k)));
         let mut messages = Vec::with_capacity(entries.len());
         let mut unreadable = Vec::new();
         for ((msg_id, entry), body) in entries.into_iter().zip(bodies) {
@@ -72,7 +84,7 @@ impl Store {
                 unreadable.push(msg_id);
                 continue;
             };
-            let message = match codec::decode_body(entry.body, body.to_vec()) {
+            let message = match codec::decode_body(entry.body, body) {
                 Ok((message, _)) => message,
                 Err(error) => {
                     tracing::warn!(queue, msg_id, body_key = entry.body, %error, "a paged message's body is damaged: skipped");
@@ -84,6 +96,7 @@ impl Store {
                 size: message.body.len() as u64,
                 expires_at: entry.expires_at,
                 pageable: true,
+                spilled: queue & SPILL_BIT != 0,
             };
             messages.push(Loaded {
                 msg_id,

@@ -673,3 +673,55 @@ fn recovery_leaves_messages_on_disk_until_a_consumer_reads_them() {
         .collect();
     assert_eq!(bodies, (1..30).map(|i| format!("m{i}")).collect::<Vec<_>>());
 }
+
+#[test]
+fn transient_messages_of_a_deep_queue_spill_and_are_gone_after_a_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+        let mut b = paging_broker(&s);
+        // Memory pressure, as the server reports it past the paging ratio.
+        b.set_spill(true);
+        declare(&mut b, "durable", true);
+        declare(&mut b, "transient", false);
+        // A durable queue with both kinds, and a transient queue: all past the window spill.
+        for i in 0..60 {
+            let m = owned_msg(format!("d{i}"), i % 3 != 0);
+            b.publish("/", "", "durable", m, 0).expect("publish");
+            let m = owned_msg(format!("t{i}"), false);
+            b.publish("/", "", "transient", m, 0).expect("publish");
+        }
+        flush_done(&mut b, &s);
+        assert_eq!(paged_count(&b, "transient"), 56, "all but the idle window");
+        assert_eq!(paged_count(&b, "durable"), 56);
+        assert!(count(&s, CF_SPILL) > 0);
+        let bodies: Vec<String> = consume_all(&mut b, "durable")
+            .iter()
+            .map(|d| String::from_utf8_lossy(&d.message.body).into_owned())
+            .collect();
+        assert_eq!(bodies, (0..60).map(|i| format!("d{i}")).collect::<Vec<_>>());
+        // The transient queue is deleted with its spilled messages.
+        b.delete_queue("/", "transient", false, false, 1)
+            .expect("delete");
+        flush_done(&mut b, &s);
+        // Re-publish a few transient ones to the durable queue (no consumer now... it has one,
+        // so they are kept in memory) and leave some spilled data behind for the restart.
+        declare(&mut b, "scratch", false);
+        for i in 0..30 {
+            let m = owned_msg(format!("s{i}"), false);
+            b.publish("/", "", "scratch", m, 0).expect("publish");
+        }
+        flush_done(&mut b, &s);
+        assert!(count(&s, CF_SPILL) > 0);
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    assert_eq!(
+        count(&s, CF_SPILL),
+        0,
+        "the scratch area is dropped at start"
+    );
+    let (b, r, _s) = recovered(s);
+    assert!(b.queue_id("/", "scratch").is_none());
+    // The durable queue's persistent messages were consumed (not acked): they come back.
+    assert_eq!(r.messages, 40);
+}

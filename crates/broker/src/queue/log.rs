@@ -133,7 +133,7 @@ fn put_message(out: &mut BytesMut, message: &Message) {
 fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
     out.put_u64(meta.size);
     put_opt_u64(out, meta.expires_at);
-    out.put_u8(u8::from(meta.pageable));
+    out.put_u8(u8::from(meta.pageable) | u8::from(meta.spilled) << 1);
 }
 
 /// Appends one record to `out`.
@@ -345,10 +345,14 @@ impl Reader {
     }
 
     fn msg_meta(&mut self) -> Result<MsgMeta, LogError> {
+        let size = self.u64("size")?;
+        let expires_at = self.opt_u64("expiry")?;
+        let flags = self.u8("paging flags")?;
         Ok(MsgMeta {
-            size: self.u64("size")?,
-            expires_at: self.opt_u64("expiry")?,
-            pageable: self.u8("pageable")? != 0,
+            size,
+            expires_at,
+            pageable: flags & 1 != 0,
+            spilled: flags & 2 != 0,
         })
     }
 

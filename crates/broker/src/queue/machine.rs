@@ -52,6 +52,9 @@ pub struct MsgMeta {
     /// The message is on disk, for this queue alone, and can be read back by its id: a
     /// [`Command::PageOut`] may drop it from memory once its write is done.
     pub pageable: bool,
+    /// It is on disk in the scratch area (a transient message of a deep queue, dropped at
+    /// start), not in the durable store: read back from there. Runs never mix the two.
+    pub spilled: bool,
 }
 
 /// Where a command sits in the queue's history and when it happened. Chosen by whoever orders
@@ -214,6 +217,16 @@ pub struct Loaded<M> {
 pub struct LoadRequest {
     pub from_id: u64,
     pub to_id: u64,
+    /// The run is in the scratch area.
+    pub spilled: bool,
+}
+
+/// A paged run: the queue's messages with ids in `first_id..=last_id`, on disk only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedRun {
+    pub first_id: u64,
+    pub last_id: u64,
+    pub spilled: bool,
 }
 
 /// Why a consume was refused.
@@ -312,6 +325,8 @@ struct Run {
     bytes: u64,
     /// Recovered after a crash: delivered as redelivered.
     maybe_delivered: bool,
+    /// In the scratch area, not the durable store.
+    spilled: bool,
 }
 
 /// A place in the tail of the ready line: a message in memory, or a run on disk.
@@ -595,6 +610,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             count,
             bytes,
             maybe_delivered,
+            spilled: false,
         }));
         Reply::Ok
     }
@@ -643,10 +659,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
                         count: 1,
                         bytes: e.meta.size,
                         maybe_delivered: e.maybe_delivered || e.delivery_count > 0,
+                        spilled: e.meta.spilled,
                     };
                     match self.tail.back_mut() {
                         Some(Slot::Paged(r))
-                            if r.last + 1 == e.id && r.maybe_delivered == run.maybe_delivered =>
+                            if r.last + 1 == e.id
+                                && r.maybe_delivered == run.maybe_delivered
+                                && r.spilled == run.spilled =>
                         {
                             r.last = e.id;
                             r.count += 1;
@@ -1065,6 +1084,18 @@ impl<M: Clone + Hash> QueueMachine<M> {
         (self.paged_out_total, self.loaded_total)
     }
 
+    /// The paged runs, in order, and where each is.
+    pub fn runs(&self) -> impl Iterator<Item = PagedRun> + '_ {
+        self.tail.iter().filter_map(|s| match s {
+            Slot::Paged(r) => Some(PagedRun {
+                first_id: r.first,
+                last_id: r.last,
+                spilled: r.spilled,
+            }),
+            Slot::Msg(_) => None,
+        })
+    }
+
     /// The id ranges of the paged runs, in order (each holds exactly the queue's messages
     /// with ids in it).
     pub fn paged_runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
@@ -1081,6 +1112,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Some(Slot::Paged(r)) if self.ready.len() < low_water => Some(LoadRequest {
                 from_id: r.first,
                 to_id: r.last,
+                spilled: r.spilled,
             }),
             _ => None,
         }
@@ -1354,6 +1386,7 @@ mod tests {
                     size,
                     expires_at,
                     pageable: false,
+                    spilled: false,
                 },
             }) {
                 Reply::Enqueued { msg_id } => msg_id,
@@ -1582,6 +1615,7 @@ mod tests {
                 size: 1,
                 expires_at,
                 pageable: i != 2,
+                spilled: false,
             };
             d.run(Command::Enqueue { message: s, meta });
             assert_eq!(id, i as u64);
@@ -1627,6 +1661,7 @@ mod tests {
                 size: 1,
                 expires_at,
                 pageable: true,
+                spilled: false,
             },
             delivery_count: 0,
         };

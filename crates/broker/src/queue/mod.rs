@@ -36,6 +36,28 @@ pub struct Queue {
     pub store_key: Option<u64>,
     /// Reading its paged messages back failed: not tried again before this time (ms).
     pub load_retry_at: Option<u64>,
+    /// The key its messages in the scratch area are under, once it spilled one (a transient
+    /// message past its window).
+    pub spill_key: Option<u64>,
+}
+
+impl Queue {
+    /// The key of the entry holding this queue's copy of a message on disk: the durable
+    /// store for a persistent message in a durable queue, the scratch area for anything else
+    /// this queue spilled; `None` when the copy is in memory only.
+    pub fn entry_key(&self, m: &Message) -> Option<u64> {
+        m.store_key?;
+        if m.persistent && self.store_key.is_some() {
+            self.store_key
+        } else {
+            self.spill_key
+        }
+    }
+
+    /// Is the queue past its in-memory window (`keep` messages)?
+    pub fn is_deep(&self, keep: u32) -> bool {
+        self.machine.head_count() >= keep as usize || self.machine.has_tail()
+    }
 }
 
 impl Queue {
