@@ -34,12 +34,11 @@ async fn declare(ch: &Channel, q: &str, passive: bool) -> u32 {
     .message_count()
 }
 
-/// Publishes `n` persistent messages, 500 confirms in flight at a time.
-async fn publish(ch: &Channel, q: &str, n: u32) {
+/// Publishes `n` messages, 500 confirms in flight at a time.
+async fn publish(ch: &Channel, q: &str, n: u32, props: BasicProperties) {
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let props = BasicProperties::default().with_delivery_mode(2);
     let mut pending = Vec::new();
     for i in 0..n {
         let c = ch
@@ -97,7 +96,8 @@ async fn a_deep_queue_stays_on_disk_and_drains_in_order_across_a_kill_9() {
     let ch = conn.create_channel().await.unwrap();
     declare(&ch, &q, false).await;
     let before = broker.rss_bytes().expect("rss");
-    within("publishing", publish(&ch, &q, N)).await;
+    let persistent = BasicProperties::default().with_delivery_mode(2);
+    within("publishing", publish(&ch, &q, N, persistent)).await;
     let grown = broker.rss_bytes().expect("rss").saturating_sub(before);
     // 240 MB of bodies went in: a queue holding them in memory grows by more than that (350 MB
     // measured). Paged, what remains is RocksDB's memtables (up to 64 MB) and the window.
@@ -146,30 +146,10 @@ async fn transient_messages_of_a_deep_queue_leave_memory_too() {
     .await
     .unwrap();
     let before = broker.rss_bytes().expect("rss");
-    within("publishing", async {
-        ch.confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap();
-        let mut pending = Vec::new();
-        for i in 0..N {
-            let c = ch
-                .basic_publish(
-                    "".into(),
-                    q.as_str().into(),
-                    BasicPublishOptions::default(),
-                    &body(i),
-                    BasicProperties::default(),
-                )
-                .await
-                .unwrap();
-            pending.push(c);
-            if pending.len() == 500 || i + 1 == N {
-                for c in pending.drain(..) {
-                    assert!(matches!(c.await.unwrap(), Confirmation::Ack(_)));
-                }
-            }
-        }
-    })
+    within(
+        "publishing",
+        publish(&ch, &q, N, BasicProperties::default()),
+    )
     .await;
     let grown = broker.rss_bytes().expect("rss").saturating_sub(before);
     assert!(
@@ -182,4 +162,55 @@ async fn transient_messages_of_a_deep_queue_leave_memory_too() {
     let order: Vec<u32> = got.iter().map(|(i, _)| *i).collect();
     assert_eq!(order, (0..N).collect::<Vec<_>>());
     assert!(got.iter().all(|(_, r)| !*r));
+}
+
+/// Many shallow queues: 100,000 queues holding one 100-byte message each, from publishes that
+/// interleave with the declares (so no read buffer is shared by one queue's messages only),
+/// cost well under 1 GB.
+#[tokio::test]
+async fn a_hundred_thousand_queues_of_one_message_cost_well_under_a_gigabyte() {
+    use warren_conformance::raw::frame::AMQPFrame;
+    use warren_conformance::raw::{encode, m, QueueFlags};
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        eprintln!("SKIPPED: measures the spawned broker's memory");
+        return;
+    }
+    const QUEUES: u32 = 100_000;
+    let prefix = unique("many");
+    let mut raw = broker.raw().await;
+    raw.channel_open(1).await;
+    let before = broker.rss_bytes().expect("rss");
+    let body = [b'x'; 100];
+    let flags = QueueFlags {
+        nowait: true,
+        ..QueueFlags::default()
+    };
+    let mut batch = Vec::new();
+    for i in 0..QUEUES {
+        let name = format!("{prefix}-{i}");
+        batch.extend(encode(&AMQPFrame::Method(
+            1,
+            m::queue_declare(&name, flags),
+        )));
+        let props = warren_conformance::raw::AMQPProperties::default();
+        batch.extend(raw.encode_publish(1, "", &name, false, props, &body));
+        if batch.len() > 256 * 1024 || i + 1 == QUEUES {
+            raw.send_bytes(&batch).await;
+            batch.clear();
+        }
+    }
+    // A declare with a reply: everything before it on the channel is done.
+    let last = raw
+        .declare_queue(1, &format!("{prefix}-{}", QUEUES - 1))
+        .await;
+    assert_eq!(last.message_count, 1);
+    let first = raw.declare_queue(1, &format!("{prefix}-0")).await;
+    assert_eq!(first.message_count, 1);
+    let grown = broker.rss_bytes().expect("rss").saturating_sub(before);
+    eprintln!(
+        "100,000 queues of one message: the broker grew by {} MB",
+        grown >> 20
+    );
+    assert!(grown < 500 << 20, "the broker grew by {} MB", grown >> 20);
 }

@@ -98,6 +98,9 @@ pub struct Broker {
     /// Memory is short: messages the store does not keep go to its scratch area when they
     /// reach a deep queue, so that they can leave memory too.
     spill: bool,
+    /// The store is still bringing queues back: no timer runs (an expiry could release a
+    /// body whose references are not all counted yet).
+    recovering: bool,
     /// Stored messages that may be paged out once their batch is written: (batch, queue,
     /// message id), in batch order, one entry per queue and batch.
     page_pending: VecDeque<(u64, QueueId, u64)>,
@@ -391,6 +394,7 @@ impl Broker {
             restoring: false,
             pager: None,
             spill: false,
+            recovering: false,
             page_pending: VecDeque::new(),
         };
         if b.config.persistence {
@@ -1333,6 +1337,12 @@ impl Broker {
         }
     }
 
+    /// While on, the store is still restoring queues (see `Store::recover_step`): timers wait.
+    /// The server keeps clients away from queues meanwhile.
+    pub fn set_recovering(&mut self, on: bool) {
+        self.recovering = on;
+    }
+
     /// Under memory pressure (the server's paging threshold), transient messages that reach
     /// a queue past its window are written to the store's scratch area and page out like
     /// persistent ones; otherwise they stay in memory. Messages already queued stay as they are.
@@ -1745,6 +1755,9 @@ impl Broker {
     /// it at [`Broker::next_deadline`].
     pub fn tick(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
+        if self.recovering {
+            return;
+        }
         while let Some(&(at, id)) = self.deadlines.first() {
             if at > self.now_ms {
                 break;

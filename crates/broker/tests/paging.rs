@@ -174,15 +174,21 @@ fn publish_to(b: &mut Broker, q: &'static str, i: u32, persistent: bool) {
 }
 
 fn consume(b: &mut Broker) {
+    consume_with(b, true);
+}
+
+fn consume_with(b: &mut Broker, no_ack: bool) {
+    let group = CreditGroup {
+        conn: 1,
+        channel: 1,
+    };
+    let tag = ShortStr::from("c");
     b.consume(
         "/",
         "deep",
-        CreditGroup {
-            conn: 1,
-            channel: 1,
-        },
-        ShortStr::from("c"),
-        true,
+        group,
+        tag,
+        no_ack,
         false,
         0,
         &FieldTable::new(),
@@ -308,20 +314,7 @@ fn transient_messages_of_deep_queues_spill_page_and_leave_nothing_behind() {
     );
     assert_eq!(b.machine(scratch).expect("machine").paged_count(), 38);
     // Consume with acks: every acked message leaves the store.
-    b.consume(
-        "/",
-        "deep",
-        CreditGroup {
-            conn: 1,
-            channel: 1,
-        },
-        ShortStr::from("c"),
-        false,
-        false,
-        0,
-        &FieldTable::new(),
-    )
-    .expect("consume");
+    consume_with(&mut b, false);
     let mut out: Vec<Delivery> = Vec::new();
     while b.dispatch_one(&mut out) {}
     let bodies: Vec<String> = out

@@ -65,6 +65,10 @@ pub struct Args {
     /// A queue without consumers keeps a 256th of it [default: 1024]
     #[arg(long, env = "WARREN_QUEUE_WINDOW", value_name = "MESSAGES")]
     pub queue_window: Option<u32>,
+    /// Tests: wait this long before each queue that recovery brings back (to observe a
+    /// broker that serves connections while it recovers)
+    #[arg(long, hide = true, value_name = "MS")]
+    pub test_recovery_step_ms: Option<u64>,
     /// Debugging: append every command applied to every queue to FILE (see docs/design.md)
     #[arg(long, env = "WARREN_RECORD_COMMANDS", value_name = "FILE")]
     pub record_commands: Option<PathBuf>,
@@ -166,6 +170,8 @@ pub struct Config {
     pub alarms: AlarmConfig,
     /// Messages kept in memory at the head of a queue with consumers (`--queue-window`).
     pub queue_window: u32,
+    /// Tests only: a pause before each queue recovery brings back.
+    pub recovery_step_delay: Option<std::time::Duration>,
     pub record_commands: Option<PathBuf>,
 }
 
@@ -248,6 +254,9 @@ impl Config {
             data_dir,
             alarms,
             queue_window,
+            recovery_step_delay: args
+                .test_recovery_step_ms
+                .map(std::time::Duration::from_millis),
             bind: args
                 .bind
                 .or(file.bind)

@@ -237,12 +237,19 @@ impl Writer {
     }
 }
 
+/// The recovery the server finishes while it serves (see [`recover`]).
+pub struct PendingRecovery {
+    pub recovery: warren_store::Recovery,
+    /// Tests only: a pause before each queue.
+    pub step_pause: Option<Duration>,
+}
+
 /// Runs the broker on `listener` until `shutdown` turns true, then closes every connection with 320.
 pub async fn serve(
     listener: TcpListener,
     node: Node,
     recorder: Option<Recorder>,
-    store: Option<Arc<warren_store::Store>>,
+    (store, recovery): (Option<Arc<warren_store::Store>>, Option<PendingRecovery>),
     (alarms, data_dir): (crate::config::AlarmConfig, std::path::PathBuf),
     mut shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<Option<Arc<warren_store::Store>>> {
@@ -261,6 +268,12 @@ pub async fn serve(
         timer: Notify::new(),
         armed: AtomicU64::new(u64::MAX),
     });
+    let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none());
+    if let (Some(recovery), Some(store)) = (recovery, store.clone()) {
+        let shared = shared.clone();
+        let dir = data_dir.clone();
+        tokio::task::spawn_blocking(move || recover(&shared, &store, recovery, &dir, recovered_tx));
+    }
     let store_thread = match store {
         Some(store) => {
             let on_written = shared.clone();
@@ -300,8 +313,9 @@ pub async fn serve(
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
                 let shared = shared.clone();
                 let frame_max = config.frame_max;
+                let limits = (handshake_timeout, recovered_rx.clone());
                 tokio::spawn(async move {
-                    connection(stream, peer, conn, shared, frame_max, handshake_timeout).await;
+                    connection(stream, peer, conn, shared, frame_max, limits).await;
                 });
             }
             _ = shutdown.changed() => break,
@@ -322,6 +336,66 @@ pub async fn serve(
     // is handed back.
     shared.lock().store = None;
     Ok(store_thread.and_then(StoreThread::finish))
+}
+
+/// Brings the queues' messages back one queue at a time, between the node's other events
+/// (handshakes go on meanwhile; open connections wait, see `read_loop`), then lets clients in.
+/// A store that cannot be read stops the broker, as it did before it served anyone.
+fn recover(
+    shared: &Shared,
+    store: &warren_store::Store,
+    PendingRecovery {
+        recovery,
+        step_pause: pause,
+    }: PendingRecovery,
+    dir: &std::path::Path,
+    done: watch::Sender<bool>,
+) {
+    let started = Instant::now();
+    let fail = |e: warren_store::StoreError| -> ! {
+        tracing::error!(data_dir = %dir.display(), error = %e, "recovery failed");
+        eprintln!("warren: {}: {e}", dir.display());
+        std::process::exit(1);
+    };
+    let mut recovery = Some(recovery);
+    loop {
+        if let Some(p) = pause {
+            std::thread::sleep(p);
+        }
+        let mut step = Ok(false);
+        shared.with_node(|node, _| {
+            if let Some(r) = recovery.as_mut() {
+                step = store.recover_step(node.broker_mut(), r);
+            }
+        });
+        match step {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(e) => fail(e),
+        }
+    }
+    let mut finished = None;
+    shared.with_node(|node, _| {
+        if let Some(r) = recovery.take() {
+            finished = Some(store.finish_recovery(node.broker_mut(), r));
+        }
+        node.broker_mut().set_recovering(false);
+    });
+    match finished {
+        Some(Ok(r)) => tracing::info!(
+            data_dir = %dir.display(),
+            exchanges = r.exchanges,
+            queues = r.queues,
+            bindings = r.bindings,
+            messages = r.messages,
+            after_crash = r.after_crash,
+            ms = started.elapsed().as_millis() as u64,
+            "recovered durable state"
+        ),
+        Some(Err(e)) => fail(e),
+        None => {}
+    }
+    let _ = done.send(true);
 }
 
 /// Sleeps until the node's earliest deadline, ticks it, and again; woken early when an event
@@ -371,7 +445,7 @@ async fn connection(
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: u32,
-    handshake_timeout: Duration,
+    (handshake_timeout, recovered): (Duration, watch::Receiver<bool>),
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
@@ -413,6 +487,7 @@ async fn connection(
         frame_max,
         draining.clone(),
         (paused, pending.clone()),
+        recovered,
     ));
     write_loop(wr, rx, conn, shared, reader, draining, pending).await;
 }
@@ -444,6 +519,7 @@ async fn read_loop(
     frame_max: Arc<AtomicU32>,
     draining: Arc<AtomicBool>,
     (mut paused, unsent): (watch::Receiver<bool>, Arc<AtomicUsize>),
+    mut recovered: watch::Receiver<bool>,
 ) {
     let mut decoder = FrameDecoder::new(frame_max.load(Ordering::Relaxed));
     // Deliveries stop at the backlog limit; what a client's own frames make the broker send
@@ -455,7 +531,7 @@ async fn read_loop(
         .saturating_mul(UNSENT_READ_FACTOR);
     let mut buf = BytesMut::new();
     let mut read_size = MIN_READ;
-    let mut frames = Vec::new();
+    let mut frames = std::collections::VecDeque::new();
     loop {
         if buf.capacity() - buf.len() < MIN_READ {
             // Frames taken out earlier keep their part of the old buffer alive; small reads share one
@@ -493,7 +569,7 @@ async fn read_loop(
         let mut failure = None;
         loop {
             match decoder.decode(&mut buf) {
-                Ok(Some(frame)) => frames.push(frame),
+                Ok(Some(frame)) => frames.push_back(frame),
                 Ok(None) => break,
                 Err(error) => {
                     failure = Some(error);
@@ -502,14 +578,29 @@ async fn read_loop(
             }
         }
         let failed = failure.is_some();
-        shared.with_node(|node, now| {
-            for frame in frames.drain(..) {
-                node.handle_frame(conn, frame, now);
+        loop {
+            // While the store is still bringing queues back, an open connection's frames wait
+            // (its handshake does not): no client reaches a queue before recovery is over.
+            let gated = !*recovered.borrow();
+            shared.with_node(|node, now| {
+                while let Some(frame) = frames.pop_front() {
+                    if gated && node.is_open(conn) {
+                        frames.push_front(frame);
+                        return;
+                    }
+                    node.handle_frame(conn, frame, now);
+                }
+                if let Some(error) = &failure {
+                    node.decode_error(conn, error, now);
+                }
+            });
+            if frames.is_empty() {
+                break;
             }
-            if let Some(error) = &failure {
-                node.decode_error(conn, error, now);
+            if recovered.wait_for(|done| *done).await.is_err() {
+                return;
             }
-        });
+        }
         if failed {
             // Nothing after a framing error can be trusted: stop reading; the node closes the connection.
             return;

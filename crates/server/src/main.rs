@@ -154,19 +154,18 @@ async fn run(config: Config) -> std::io::Result<()> {
         .map_err(|e| std::io::Error::other(e.to_string()))?;
     // Deep queues keep their messages on disk and read them back through the store.
     broker.set_pager(Box::new(warren_store::StorePager(store.clone())));
+    // Definitions now; the queues' messages in the background, one queue at a time, while
+    // connections are accepted (and held after their handshake until it is over).
     let started = std::time::Instant::now();
-    let recovered = store
-        .recover(&mut broker)
+    let recovery = store
+        .begin_recovery(&mut broker)
         .map_err(|e| std::io::Error::other(format!("{}: {e}", config.data_dir.display())))?;
+    broker.set_recovering(true);
     tracing::info!(
         data_dir = %config.data_dir.display(),
-        exchanges = recovered.exchanges,
-        queues = recovered.queues,
-        bindings = recovered.bindings,
-        messages = recovered.messages,
-        after_crash = recovered.after_crash,
+        queues = recovery.queues_left(),
         ms = started.elapsed().as_millis() as u64,
-        "recovered durable state"
+        "definitions recovered; restoring the queues' messages"
     );
     let node = Node::new(config.session.clone(), broker);
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -178,7 +177,13 @@ async fn run(config: Config) -> std::io::Result<()> {
         listener,
         node,
         recorder,
-        Some(store),
+        (
+            Some(store),
+            Some(driver::PendingRecovery {
+                recovery,
+                step_pause: config.recovery_step_delay,
+            }),
+        ),
         (config.alarms, config.data_dir.clone()),
         stop_rx,
     )

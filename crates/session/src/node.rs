@@ -194,6 +194,17 @@ impl Node {
         &self.broker
     }
 
+    /// The broker, for recovery (which runs between the node's events, before any client
+    /// reaches a queue).
+    pub fn broker_mut(&mut self) -> &mut Broker {
+        &mut self.broker
+    }
+
+    /// Has the connection finished its handshake (connection.open-ok sent)?
+    pub fn is_open(&self, conn: ConnId) -> bool {
+        self.conns.get(&conn).is_some_and(|c| c.is_open())
+    }
+
     /// The commands applied to queues since the last call, while the broker records them
     /// (`Broker::set_recording`, a debug option).
     pub fn take_records(&mut self) -> Vec<warren_broker::queue::log::Record> {

@@ -18,7 +18,7 @@ use rocksdb::{
 use warren_broker::{StoreOp, WriteBatch, SPILL_BIT};
 
 pub use page::StorePager;
-pub use recover::Recovered;
+pub use recover::{Recovered, Recovery};
 
 /// The layout this build writes. Format 2 added the body size and a shared flag to `index`
 /// entries; a directory of format 1 is still read (its entries are loaded whole) and marked 2,

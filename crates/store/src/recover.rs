@@ -1,7 +1,7 @@
 //! Recovery: rebuilds the broker's durable exchanges, queues, bindings and messages from the
 //! store, through the broker's own declaration code and the queue machine's `Restore` command.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use rocksdb::{Direction, IteratorMode, ReadOptions};
 use warren_broker::{Broker, QueueDef, StoreKeys};
@@ -22,10 +22,34 @@ pub struct Recovered {
     pub after_crash: bool,
 }
 
+/// A recovery in progress: the definitions are back, the queues' messages come one queue per
+/// [`Store::recover_step`], so that a server can answer connections between steps.
+pub struct Recovery {
+    pending: VecDeque<(QueueDef, warren_broker::QueueId)>,
+    keys: StoreKeys,
+    /// References to bodies written for several queues (only those are counted): complete
+    /// only once every queue is back, so nothing may release a body before the end.
+    shared: HashMap<u64, u32>,
+    found: Recovered,
+}
+
+impl Recovery {
+    /// Queues whose messages are still to come.
+    pub fn queues_left(&self) -> usize {
+        self.pending.len()
+    }
+}
+
 impl Store {
     /// Loads everything into `broker` (whose persistence must be on, so later changes are
     /// written): definitions first, then each queue's messages in id order.
     pub fn recover(&self, broker: &mut Broker) -> Result<Recovered, StoreError> {
+        let recovery = self.begin_recovery(broker)?;
+        self.finish_recovery(broker, recovery)
+    }
+
+    /// The first part of [`Store::recover`]: durable exchanges, queues and bindings.
+    pub fn begin_recovery(&self, broker: &mut Broker) -> Result<Recovery, StoreError> {
         let mut out = Recovered {
             after_crash: !self.clean_start,
             ..Recovered::default()
@@ -77,12 +101,44 @@ impl Store {
             next_queue_key: 1,
             next_body_key: 1,
         };
-        // References to bodies written for several queues (only those are counted).
-        let mut shared: HashMap<u64, u32> = HashMap::new();
-        for (def, id) in &restored {
+        for (def, _) in &restored {
             keys.next_queue_key = keys.next_queue_key.max(def.key.saturating_add(1));
-            out.messages += self.recover_queue(broker, def, *id, &mut shared)?;
         }
+        Ok(Recovery {
+            pending: restored.into(),
+            keys,
+            shared: HashMap::new(),
+            found: out,
+        })
+    }
+
+    /// The messages of the next queue; false once every queue is back.
+    pub fn recover_step(
+        &self,
+        broker: &mut Broker,
+        recovery: &mut Recovery,
+    ) -> Result<bool, StoreError> {
+        let Some((def, id)) = recovery.pending.pop_front() else {
+            return Ok(false);
+        };
+        recovery.found.messages += self.recover_queue(broker, &def, id, &mut recovery.shared)?;
+        Ok(!recovery.pending.is_empty())
+    }
+
+    /// The last part (after the remaining steps, if any): key counters past everything on
+    /// disk, and the shared bodies' counts. Nothing may reach a queue before it returns.
+    pub fn finish_recovery(
+        &self,
+        broker: &mut Broker,
+        mut recovery: Recovery,
+    ) -> Result<Recovered, StoreError> {
+        while self.recover_step(broker, &mut recovery)? {}
+        let Recovery {
+            mut keys,
+            shared,
+            found: out,
+            ..
+        } = recovery;
         let bodies = self.cf(CF_BODIES)?;
         if let Some(item) = self.db.iterator_cf(bodies, IteratorMode::End).next() {
             let (k, _) = item.map_err(StoreError::Read)?;
