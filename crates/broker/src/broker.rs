@@ -1100,6 +1100,10 @@ impl Broker {
         let mut kinds = std::mem::take(&mut self.scratch_kinds);
         kinds.clear();
         let (mut durable, mut spilled) = (0u32, 0u32);
+        // Spilling pays only for a body this queue alone holds: one that is also stored
+        // durably, or spilled for several queues, has its references counted in memory and
+        // could not leave it anyway (and a durable body must not count scratch references,
+        // which a restart drops).
         if self.persist.is_some() {
             for id in &targets {
                 let kind = match self.queues.get(id) {
@@ -1115,6 +1119,12 @@ impl Broker {
                 };
                 kinds.push(kind);
             }
+        }
+        if durable > 0 || spilled > 1 {
+            for kind in kinds.iter_mut().filter(|k| **k == Kept::Spilled) {
+                *kind = Kept::Memory;
+            }
+            spilled = 0;
         }
         let stored = durable.saturating_add(spilled);
         let mut batch = None;
@@ -1783,8 +1793,12 @@ impl Broker {
         self.now_ms = self.now_ms.max(now_ms);
     }
 
-    /// The earliest time at which [`Broker::tick`] has work to do.
+    /// The earliest time at which [`Broker::tick`] has work to do (none while recovering:
+    /// ticks wait for the end of it).
     pub fn next_deadline(&self) -> Option<u64> {
+        if self.recovering {
+            return None;
+        }
         self.deadlines.first().map(|&(at, _)| at)
     }
 

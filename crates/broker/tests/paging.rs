@@ -341,3 +341,47 @@ fn transient_messages_of_deep_queues_spill_page_and_leave_nothing_behind() {
         mem.bodies.keys()
     );
 }
+
+#[test]
+fn a_message_stored_durably_is_not_spilled_for_another_queue() {
+    let (mut b, store) = setup();
+    b.set_spill(true);
+    b.declare_queue(
+        "/",
+        DeclareQueue {
+            name: "scratch".into(),
+            passive: false,
+            durable: false,
+            exclusive: false,
+            auto_delete: false,
+            arguments: FieldTable::new(),
+        },
+        1,
+    )
+    .expect("declare");
+    for q in ["deep", "scratch"] {
+        b.bind_queue("/", q, "amq.fanout", "", &FieldTable::new(), 1)
+            .expect("bind");
+    }
+    // Both queues deep: the fanned-out persistent messages are stored once, for "deep" alone,
+    // so they page out there; "scratch" keeps its copies in memory (a scratch reference to a
+    // durable body would be lost at a restart and leave the body behind).
+    for i in 0..30 {
+        let m = Message {
+            exchange: ShortStr::from("amq.fanout"),
+            routing_key: ShortStr::empty(),
+            properties: Bytes::from_static(&[0x10, 0x00, 2]),
+            body: Bytes::from(format!("f{i}")),
+            persistent: true,
+            store_key: None,
+        };
+        b.publish("/", "amq.fanout", "", m, 0).expect("publish");
+    }
+    store.apply(&mut b);
+    assert_eq!(paged(&b), 28);
+    let scratch = b.queue_id("/", "scratch").expect("queue");
+    assert_eq!(b.machine(scratch).expect("machine").paged_count(), 0);
+    let mem = store.0.lock().unwrap();
+    assert_eq!(mem.entries.len(), 30, "entries of \"deep\" only");
+    assert!(mem.entries.keys().all(|(q, _)| q & SPILL_BIT == 0));
+}

@@ -268,11 +268,22 @@ pub async fn serve(
         timer: Notify::new(),
         armed: AtomicU64::new(u64::MAX),
     });
-    let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none());
+    let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
+    let cancel_recovery = Arc::new(AtomicBool::new(false));
     if let (Some(recovery), Some(store)) = (recovery, store.clone()) {
         let shared = shared.clone();
         let dir = data_dir.clone();
-        tokio::task::spawn_blocking(move || recover(&shared, &store, recovery, &dir, recovered_tx));
+        let cancel = cancel_recovery.clone();
+        tokio::task::spawn_blocking(move || {
+            let run = std::panic::AssertUnwindSafe(|| {
+                recover(&shared, &store, recovery, &dir, (recovered_tx, &cancel))
+            });
+            if std::panic::catch_unwind(run).is_err() {
+                // Clients would wait for ever behind a recovery that will not finish.
+                eprintln!("warren: recovery failed unexpectedly (see the log); stopping");
+                std::process::exit(70);
+            }
+        });
     }
     let store_thread = match store {
         Some(store) => {
@@ -322,6 +333,7 @@ pub async fn serve(
         }
     }
     drop(listener);
+    cancel_recovery.store(true, Ordering::Release);
     let open = shared.lock().node.connection_count();
     tracing::info!(connections = open, "shutting down");
     shared.with_node(|node, now| node.shutdown(now));
@@ -349,7 +361,7 @@ fn recover(
         step_pause: pause,
     }: PendingRecovery,
     dir: &std::path::Path,
-    done: watch::Sender<bool>,
+    (done, cancel): (watch::Sender<bool>, &AtomicBool),
 ) {
     let started = Instant::now();
     let fail = |e: warren_store::StoreError| -> ! {
@@ -361,6 +373,10 @@ fn recover(
     loop {
         if let Some(p) = pause {
             std::thread::sleep(p);
+        }
+        if cancel.load(Ordering::Acquire) {
+            // Shutting down: what is on disk stays there for the next start.
+            return;
         }
         let mut step = Ok(false);
         shared.with_node(|node, _| {
@@ -375,11 +391,11 @@ fn recover(
         }
     }
     let mut finished = None;
-    shared.with_node(|node, _| {
+    shared.with_node(|node, now| {
         if let Some(r) = recovery.take() {
             finished = Some(store.finish_recovery(node.broker_mut(), r));
         }
-        node.broker_mut().set_recovering(false);
+        node.set_recovering(false, now);
     });
     match finished {
         Some(Ok(r)) => tracing::info!(

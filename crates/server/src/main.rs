@@ -160,14 +160,14 @@ async fn run(config: Config) -> std::io::Result<()> {
     let recovery = store
         .begin_recovery(&mut broker)
         .map_err(|e| std::io::Error::other(format!("{}: {e}", config.data_dir.display())))?;
-    broker.set_recovering(true);
     tracing::info!(
         data_dir = %config.data_dir.display(),
         queues = recovery.queues_left(),
         ms = started.elapsed().as_millis() as u64,
         "definitions recovered; restoring the queues' messages"
     );
-    let node = Node::new(config.session.clone(), broker);
+    let mut node = Node::new(config.session.clone(), broker);
+    node.set_recovering(true, 0);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;

@@ -55,6 +55,8 @@ pub struct Node {
     confirm_waiters: BTreeSet<(ConnId, u16)>,
     /// The resource alarm in force ("low on memory", "low on disk"), if any.
     alarm: Option<&'static str>,
+    /// Recovery is in progress (`set_recovering`).
+    recovering: bool,
 }
 
 impl Node {
@@ -71,6 +73,7 @@ impl Node {
             next_id: 0,
             confirm_waiters: BTreeSet::new(),
             alarm: None,
+            recovering: false,
         }
     }
 
@@ -198,6 +201,19 @@ impl Node {
     /// reaches a queue).
     pub fn broker_mut(&mut self) -> &mut Broker {
         &mut self.broker
+    }
+
+    /// While on, the store is bringing queues back: open connections are not read (the server
+    /// holds their frames), so their heartbeats are not held against them, and broker timers
+    /// wait. Turning it off counts every connection as heard from now.
+    pub fn set_recovering(&mut self, on: bool, now: u64) {
+        self.recovering = on;
+        self.broker.set_recovering(on);
+        if !on {
+            for c in self.conns.values_mut() {
+                c.last_recv = c.last_recv.max(now);
+            }
+        }
     }
 
     /// Has the connection finished its handshake (connection.open-ok sent)?
@@ -685,7 +701,8 @@ impl Node {
                 }
                 State::Open if c.heartbeat_ms > 0 => {
                     // A connection blocked by an alarm is not read: its silence is ours.
-                    if !c.paused && now.saturating_sub(c.last_recv) >= 2 * c.heartbeat_ms {
+                    let heard = c.paused || self.recovering;
+                    if !heard && now.saturating_sub(c.last_recv) >= 2 * c.heartbeat_ms {
                         tracing::info!(
                             conn = id,
                             timeout_ms = c.heartbeat_ms,

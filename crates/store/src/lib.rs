@@ -299,15 +299,18 @@ impl Store {
     /// the write-ahead log (it is dropped at the next start anyway).
     pub fn write(&self, batches: &[WriteBatch]) -> Result<(), StoreError> {
         let defs = self.cf(CF_DEFS)?;
-        // What is both created and removed within this group.
+        // What is both created and removed within this group, in the durable store. (The
+        // scratch area is written first and without this: a group retried after a failed
+        // durable write writes its scratch part again, so there a put and its delete are
+        // both written, and deletes are plain deletes, which tolerate a key put twice.)
         let mut gone_bodies = HashSet::new();
         let mut gone_entries = HashSet::new();
         for op in batches.iter().flat_map(|b| &b.ops) {
             match op {
-                StoreOp::DeleteBody { key } => {
+                StoreOp::DeleteBody { key } if key & SPILL_BIT == 0 => {
                     gone_bodies.insert(*key);
                 }
-                StoreOp::DeleteEntry { queue, msg_id, .. } => {
+                StoreOp::DeleteEntry { queue, msg_id, .. } if queue & SPILL_BIT == 0 => {
                     gone_entries.insert((*queue, *msg_id));
                 }
                 _ => {}
@@ -380,7 +383,11 @@ impl Store {
                             // Written once, deleted once: the put and this cancel out in the
                             // first compaction that sees both, leaving no tombstone behind.
                             let (cf, k) = self.body_of(*key)?;
-                            pick(&mut wb, &mut scratch, *key).single_delete_cf(cf, k);
+                            if key & SPILL_BIT == 0 {
+                                wb.single_delete_cf(cf, k);
+                            } else {
+                                scratch.delete_cf(cf, k);
+                            }
                         }
                     }
                     StoreOp::PutEntry {
@@ -424,7 +431,12 @@ impl Store {
                         let w = pick(&mut wb, &mut scratch, *queue);
                         if !put_entries.contains(&(*queue, *msg_id)) {
                             let (cf, prefix) = self.entries_of(*queue)?;
-                            w.single_delete_cf(cf, codec::entry_key_in(prefix, *queue, *msg_id));
+                            let k = codec::entry_key_in(prefix, *queue, *msg_id);
+                            if queue & SPILL_BIT == 0 {
+                                w.single_delete_cf(cf, k);
+                            } else {
+                                w.delete_cf(cf, k);
+                            }
                         }
                         if *count {
                             let (cf, prefix) = self.counts_of(*queue)?;
@@ -493,7 +505,11 @@ impl Store {
                 // Only unshared bodies are paged; a shared one is released by its last queue.
                 Ok(entry) if !entry.shared => {
                     let (cf, key) = self.body_of(entry.body)?;
-                    wb.single_delete_cf(cf, key);
+                    if entry.body & SPILL_BIT == 0 {
+                        wb.single_delete_cf(cf, key);
+                    } else {
+                        wb.delete_cf(cf, key);
+                    }
                 }
                 Ok(_) => {}
                 Err(error) => {

@@ -66,11 +66,24 @@ impl Store {
                 .map_err(|_| StoreError::Corrupt("a delivery count is malformed".into()))?;
             counts.insert(msg_id, count);
         }
+        // A run's bodies are all in one place (stored, or in the scratch area): one batched
+        // lookup. Entries from elsewhere (none today) are looked up one by one.
         let keys = entries
             .iter()
             .map(|(_, e)| self.body_of(e.body))
             .collect::<Result<Vec<_>, _>>()?;
-        let bodies = self.db.multi_get_cf(keys.iter().map(|(cf, k)| (*cf, k)));
+        let same_place = entries
+            .windows(2)
+            .all(|w| (w[0].1.body ^ w[1].1.body) & SPILL_BIT == 0);
+        let bodies: Vec<Result<Option<Vec<u8>>, rocksdb::Error>> = match keys.first() {
+            Some((cf, _)) if same_place => self
+                .db
+                .batched_multi_get_cf(*cf, keys.iter().map(|(_, k)| k), false)
+                .into_iter()
+                .map(|r| r.map(|v| v.map(|v| v.to_vec())))
+                .collect(),
+            _ => self.db.multi_get_cf(keys.iter().map(|(cf, k)| (*cf, k))),
+        };
         let mut messages = Vec::with_capacity(entries.len());
         let mut unreadable = Vec::new();
         for ((msg_id, entry), body) in entries.into_iter().zip(bodies) {

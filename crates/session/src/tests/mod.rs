@@ -871,6 +871,44 @@ fn heartbeats_are_sent_and_a_silent_client_is_dropped() {
 }
 
 #[test]
+fn a_client_held_during_recovery_is_not_dropped_for_its_silence() {
+    let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
+    c.start_ok("guest", "guest");
+    c.recv_method();
+    c.send(
+        0,
+        ConnectionTuneOk {
+            channel_max: 0,
+            frame_max: 131_072,
+            heartbeat: 1,
+        },
+    );
+    c.send(
+        0,
+        ConnectionOpen {
+            virtual_host: ShortStr::from("/"),
+            ..Default::default()
+        },
+    );
+    c.recv_method();
+    // The server holds the client's frames while recovery runs: its heartbeats go unread.
+    c.node.set_recovering(true, c.now);
+    c.now = 10_000;
+    c.node.tick(c.now);
+    c.pump();
+    assert!(!c.closed, "dropped for a silence that was ours");
+    c.node.set_recovering(false, c.now);
+    c.now = 11_999;
+    c.node.tick(c.now);
+    c.pump();
+    assert!(!c.closed, "counted as heard from when recovery ended");
+    c.now = 12_000;
+    c.node.tick(c.now);
+    c.pump();
+    assert!(c.closed, "then silent for two intervals");
+}
+
+#[test]
 fn a_deleted_queue_cancels_its_consumers() {
     let mut c = Client::open();
     c.channel(1);
