@@ -161,4 +161,6 @@ fi
 stop
 trap - EXIT
 rm -rf "$DATA"
+# The summary docs/benchmarks.md includes (bench/report.py); results/ itself is not committed.
+cp "$SUMMARY" "$ROOT/bench/deep-queue.md"
 cat "$SUMMARY"

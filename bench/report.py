@@ -8,7 +8,6 @@ Standard library only.
 """
 
 import argparse
-import glob
 import html
 import json
 import os
@@ -385,17 +384,18 @@ def load_notes(path):
 
 
 def latest_deep_summary(bench_dir):
-    """The summary of the latest bench/deep-queue.sh run, if any (its own section)."""
-    runs = sorted(glob.glob(os.path.join(bench_dir, "results", "deep-*", "summary.md")))
-    if not runs:
+    """The summary of the latest bench/deep-queue.sh run (kept in bench/deep-queue.md), if any."""
+    path = os.path.join(bench_dir, "deep-queue.md")
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
         return None, ""
-    with open(runs[-1]) as f:
-        text = f.read().strip()
     # Its title becomes a section of this report.
     lines = text.splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]
-    return runs[-1], "\n".join(lines).strip()
+    return path, "\n".join(lines).strip()
 
 
 def report(results, out_path, chart_path, notes_path=None):
@@ -496,7 +496,7 @@ def report(results, out_path, chart_path, notes_path=None):
         rel = os.path.relpath(deep_path, os.path.dirname(os.path.abspath(out_path)) or ".")
         L.append(f"## Deep queues, start-up and flow control ({b_name} alone)")
         L.append("")
-        L.append(f"From `bench/deep-queue.sh` ([{os.path.basename(os.path.dirname(deep_path))}]({rel})):")
+        L.append(f"From `bench/deep-queue.sh` (its last summary: [bench/deep-queue.md]({rel})):")
         L.append("")
         L.append(deep)
         L.append("")

@@ -66,7 +66,10 @@ const DEFAULT_EXCHANGE: &str = "operation not permitted on the default exchange"
 pub struct Broker {
     config: BrokerConfig,
     vhosts: HashMap<String, VHost>,
-    queues: HashMap<QueueId, Queue>,
+    /// Boxed: a table holding `Queue`s inline (680 bytes each) pays its spare capacity in
+    /// whole queues; boxed, spare slots are pointers. An idle queue cost 1.32 KB inline and
+    /// 0.9 KB boxed (`warren-bench --idle-queues 10000`, release build).
+    queues: HashMap<QueueId, Box<Queue>>,
     next_queue: u64,
     /// The next consumer id (ids are never reused).
     next_consumer: u64,
@@ -212,7 +215,7 @@ const LOAD_RETRY_MS: u64 = 1000;
 /// The store's name for a binding's destination, if the binding is durable (both ends are).
 fn durable_dest(
     vh: &VHost,
-    queues: &HashMap<QueueId, Queue>,
+    queues: &HashMap<QueueId, Box<Queue>>,
     source_durable: bool,
     dest: &Dest,
 ) -> Option<BindingDest> {
@@ -254,7 +257,7 @@ fn persist_binding(
     persist: Option<&mut Persist>,
     vhost: &str,
     vh: &VHost,
-    queues: &HashMap<QueueId, Queue>,
+    queues: &HashMap<QueueId, Box<Queue>>,
     source: &ShortStr,
     dest: &Dest,
     key: &ShortStr,
@@ -278,7 +281,7 @@ fn persist_binding(
 fn remove_exchange(
     vhost: &str,
     vh: &mut VHost,
-    queues: &mut HashMap<QueueId, Queue>,
+    queues: &mut HashMap<QueueId, Box<Queue>>,
     mut persist: Option<&mut Persist>,
     name: &str,
 ) {
@@ -358,7 +361,7 @@ fn remove_one(
 fn maybe_auto_delete(
     vhost: &str,
     vh: &mut VHost,
-    queues: &mut HashMap<QueueId, Queue>,
+    queues: &mut HashMap<QueueId, Box<Queue>>,
     persist: Option<&mut Persist>,
     source: &str,
 ) {
@@ -438,7 +441,7 @@ impl Broker {
         let vh = self.vhost(vhost)?;
         vh.queues
             .get(name)
-            .and_then(|id| self.queues.get(id))
+            .and_then(|id| self.queues.get(id).map(|q| &**q))
             .ok_or_else(|| no_queue(name, vhost))
     }
 
@@ -601,7 +604,7 @@ impl Broker {
         if let Some(o) = owner {
             self.exclusive.entry(o).or_default().push(id);
         }
-        self.queues.insert(id, q);
+        self.queues.insert(id, Box::new(q));
         Ok(out)
     }
 
