@@ -157,6 +157,18 @@ fn setup() -> (Broker, MemStore) {
     (b, store)
 }
 
+fn declare_transient(b: &mut Broker, name: &'static str) {
+    let req = DeclareQueue {
+        name: name.into(),
+        passive: false,
+        durable: false,
+        exclusive: false,
+        auto_delete: false,
+        arguments: FieldTable::new(),
+    };
+    b.declare_queue("/", req, 1).expect("declare");
+}
+
 fn publish(b: &mut Broker, i: u32) {
     publish_to(b, "deep", i, true);
 }
@@ -279,19 +291,7 @@ fn purging_a_paged_queue_drops_its_runs_from_the_store() {
 #[test]
 fn transient_messages_of_deep_queues_spill_page_and_leave_nothing_behind() {
     let (mut b, store) = setup();
-    b.declare_queue(
-        "/",
-        DeclareQueue {
-            name: "scratch".into(),
-            passive: false,
-            durable: false,
-            exclusive: false,
-            auto_delete: false,
-            arguments: FieldTable::new(),
-        },
-        1,
-    )
-    .expect("declare");
+    declare_transient(&mut b, "scratch");
     // Under memory pressure; without it transient messages stay in memory.
     for i in 0..10 {
         publish_to(&mut b, "scratch", i, false);
@@ -346,19 +346,7 @@ fn transient_messages_of_deep_queues_spill_page_and_leave_nothing_behind() {
 fn a_message_stored_durably_is_not_spilled_for_another_queue() {
     let (mut b, store) = setup();
     b.set_spill(true);
-    b.declare_queue(
-        "/",
-        DeclareQueue {
-            name: "scratch".into(),
-            passive: false,
-            durable: false,
-            exclusive: false,
-            auto_delete: false,
-            arguments: FieldTable::new(),
-        },
-        1,
-    )
-    .expect("declare");
+    declare_transient(&mut b, "scratch");
     for q in ["deep", "scratch"] {
         b.bind_queue("/", q, "amq.fanout", "", &FieldTable::new(), 1)
             .expect("bind");

@@ -833,8 +833,8 @@ fn an_oversized_message_is_refused_from_its_header() {
     );
 }
 
-#[test]
-fn heartbeats_are_sent_and_a_silent_client_is_dropped() {
+/// A connection through the handshake that negotiated a 1 s heartbeat.
+fn open_with_heartbeat_1s() -> Client {
     let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
     c.start_ok("guest", "guest");
     c.recv_method();
@@ -854,6 +854,12 @@ fn heartbeats_are_sent_and_a_silent_client_is_dropped() {
         },
     );
     c.recv_method();
+    c
+}
+
+#[test]
+fn heartbeats_are_sent_and_a_silent_client_is_dropped() {
+    let mut c = open_with_heartbeat_1s();
     c.now = 600;
     c.node.tick(c.now);
     assert!(matches!(
@@ -872,25 +878,7 @@ fn heartbeats_are_sent_and_a_silent_client_is_dropped() {
 
 #[test]
 fn a_client_held_during_recovery_is_not_dropped_for_its_silence() {
-    let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
-    c.start_ok("guest", "guest");
-    c.recv_method();
-    c.send(
-        0,
-        ConnectionTuneOk {
-            channel_max: 0,
-            frame_max: 131_072,
-            heartbeat: 1,
-        },
-    );
-    c.send(
-        0,
-        ConnectionOpen {
-            virtual_host: ShortStr::from("/"),
-            ..Default::default()
-        },
-    );
-    c.recv_method();
+    let mut c = open_with_heartbeat_1s();
     // The server holds the client's frames while recovery runs: its heartbeats go unread.
     c.node.set_recovering(true, c.now);
     c.now = 10_000;
