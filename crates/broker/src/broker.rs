@@ -1107,7 +1107,9 @@ impl Broker {
         // durably, or spilled for several queues, has its references counted in memory and
         // could not leave it anyway (and a durable body must not count scratch references,
         // which a restart drops).
-        if self.persist.is_some() {
+        // A transient message with no memory pressure stays in memory everywhere: no look at
+        // the targets (the common path of transient traffic costs nothing here).
+        if self.persist.is_some() && (message.persistent || self.spill) {
             for id in &targets {
                 let kind = match self.queues.get(id) {
                     Some(q) if message.persistent && q.store_key.is_some() => {
