@@ -30,6 +30,7 @@ fn main() {
         .worker_threads(opts.threads as usize)
         .enable_all()
         .build()
+        // The load generator cannot run without its runtime (only fails if the OS refuses threads).
         .expect("tokio runtime");
     match runtime.block_on(run_mode(opts)) {
         Ok(ok) => std::process::exit(if ok { 0 } else { 1 }),

@@ -185,6 +185,7 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
     for (_conn, ch, consumer) in consumers.iter_mut() {
         consumer_tasks.push(tokio::spawn(consume(
             ch.clone(),
+            // Every slot was filled when the consumers were set up, and is taken once here.
             consumer.take().expect("consumer"),
             cfg.clone(),
             shared.clone(),
@@ -736,8 +737,12 @@ async fn consume(
             _ => break,
         };
         let now = now_ns();
-        let lat_us = match delivery.data.get(..8) {
-            Some(ts) => now.saturating_sub(u64::from_le_bytes(ts.try_into().unwrap())) / 1_000,
+        let lat_us = match delivery
+            .data
+            .get(..8)
+            .and_then(|ts| <[u8; 8]>::try_from(ts).ok())
+        {
+            Some(ts) => now.saturating_sub(u64::from_le_bytes(ts)) / 1_000,
             None => 0,
         };
         hist.saturating_record(lat_us);

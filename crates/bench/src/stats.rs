@@ -23,6 +23,7 @@ pub fn now_ns() -> u64 {
 
 /// Latencies are recorded in microseconds, 1 us to 1 hour, 3 significant digits.
 pub fn new_histogram() -> Histogram<u64> {
+    // Constant bounds that hdrhistogram accepts (low >= 1, high >= 2 * low, 3 digits <= 5).
     Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
 }
 

@@ -192,6 +192,15 @@ fn drop_runs(p: &mut Persist, q: &Queue) {
     }
 }
 
+/// How many ready messages the queue keeps in memory at its head.
+fn keep(config: &BrokerConfig, q: &Queue) -> u32 {
+    if q.machine.consumer_count() > 0 {
+        config.page_window
+    } else {
+        config.page_window_idle
+    }
+}
+
 /// The broker's [`PageSource`] (a wrapper, so the broker stays `Debug`).
 struct Pager(Box<dyn PageSource>);
 
@@ -1116,7 +1125,11 @@ impl Broker {
                         durable += 1;
                         Kept::Durable
                     }
-                    Some(q) if self.spill && self.pager.is_some() && q.is_deep(self.keep(q)) => {
+                    Some(q)
+                        if self.spill
+                            && self.pager.is_some()
+                            && q.is_deep(keep(&self.config, q)) =>
+                    {
                         spilled += 1;
                         Kept::Spilled
                     }
@@ -1199,12 +1212,7 @@ impl Broker {
                 expires_at: meta.expires_at,
             };
             p.push(op, kind == Kept::Durable);
-            let keep = if q.machine.consumer_count() > 0 {
-                self.config.page_window
-            } else {
-                self.config.page_window_idle
-            };
-            if meta.pageable && q.is_deep(keep) {
+            if meta.pageable && q.is_deep(keep(&self.config, q)) {
                 let number = p.next_batch;
                 match self.page_pending.back_mut() {
                     Some((b, q, m)) if *b == number && q == id => *m = msg_id,
@@ -1333,22 +1341,12 @@ impl Broker {
             let Some(q) = self.queues.get(&id) else {
                 continue;
             };
-            let keep = self.keep(q);
             let command = Command::PageOut {
-                keep,
+                keep: keep(&self.config, q),
                 keep_bytes: self.config.page_window_bytes,
                 upto_id,
             };
             self.run(id, command);
-        }
-    }
-
-    /// How many ready messages the queue keeps in memory at its head.
-    fn keep(&self, q: &Queue) -> u32 {
-        if q.machine.consumer_count() > 0 {
-            self.config.page_window
-        } else {
-            self.config.page_window_idle
         }
     }
 

@@ -746,8 +746,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.paged_below = 0;
     }
 
-    /// Would [`Self::pop_ready`] give a message? (Not when the next one is paged out.)
-    fn head_available(&self) -> bool {
+    /// Would a [`Command::Get`] (or [`Self::pop_ready`]) find a message without loading one
+    /// first? (Not when the next one is paged out.)
+    pub fn head_loaded(&self) -> bool {
         if !self.ready.is_empty() {
             return true;
         }
@@ -841,7 +842,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     fn checkout(&mut self, max: u32, effects: &mut Vec<Effect<M>>) -> u32 {
         let mut delivered = 0;
-        while delivered < max && self.head_available() {
+        while delivered < max && self.head_loaded() {
             let Some(id) = self.service.pop_front() else {
                 break;
             };
@@ -1099,10 +1100,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// The id ranges of the paged runs, in order (each holds exactly the queue's messages
     /// with ids in it).
     pub fn paged_runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.tail.iter().filter_map(|s| match s {
-            Slot::Paged(r) => Some((r.first, r.last)),
-            Slot::Msg(_) => None,
-        })
+        self.runs().map(|r| (r.first_id, r.last_id))
     }
 
     /// The next message is paged out and the head is below `low_water` messages: what to
@@ -1143,12 +1141,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     /// Would a [`Command::Checkout`] deliver anything now?
     pub fn has_work(&self) -> bool {
-        self.head_available() && !self.service.is_empty()
-    }
-
-    /// Would a [`Command::Get`] find a message without loading one first?
-    pub fn head_loaded(&self) -> bool {
-        self.head_available()
+        self.head_loaded() && !self.service.is_empty()
     }
 
     pub fn consumer_count(&self) -> usize {
