@@ -990,8 +990,9 @@ impl Channel {
                         }
                     }
                 }
-                match wait {
-                    // As a confirm does, commit-ok means the messages are on disk.
+                // As a confirm does, commit-ok means the messages are on disk; a commit with
+                // nothing to write still waits behind an earlier one (replies keep their order).
+                match wait.or_else(|| self.commit_waiting.back().copied()) {
                     Some(batch) => self.commit_waiting.push_back(batch),
                     None => send(ctx.out, ch, TxCommitOk {}),
                 }

@@ -1108,3 +1108,33 @@ fn tx_commit_ok_waits_for_the_write_of_its_persistent_messages() {
     c.node.writes_done(batch.number, true);
     assert!(matches!(c.recv_method(), Method::TxCommitOk(_)));
 }
+
+#[test]
+fn commit_oks_keep_their_order_behind_one_waiting_for_the_disk() {
+    let mut c = persistent_client();
+    c.send(1, TxSelect {});
+    assert!(matches!(c.recv_method(), Method::TxSelectOk(_)));
+    c.publish_props(1, "q", b"committed", persistent_props());
+    c.send(1, TxCommit {});
+    // A pipelining client commits again at once, this time with nothing to write: its
+    // commit-ok must not overtake the first one's.
+    c.publish(1, "q", b"in memory");
+    c.send(1, TxCommit {});
+    assert!(c.frames().is_empty(), "a commit-ok ahead of the first");
+    let batch = c.node.take_writes().expect("a write");
+    c.node.writes_done(batch.number, true);
+    let oks = c
+        .frames()
+        .into_iter()
+        .filter(|f| {
+            matches!(
+                f,
+                Frame::Method {
+                    method: Method::TxCommitOk(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(oks, 2);
+}
