@@ -1,11 +1,15 @@
 //! The core flows (connect, declare, publish, get, consume with manual ack, prefetch, requeue on close,
 //! confirms) driven by pika and by amqplib against the test broker: `clients/pika_flows.py` and
-//! `clients/amqplib_flows.js`. A missing interpreter or library fails the test (never a silent skip):
-//! `scripts/test` installs pika into `clients/.deps/python` and amqplib into `clients/node_modules`.
+//! `clients/amqplib_flows.js`; a real Celery application with its worker (`clients/celery_flows.py`); and
+//! asyncio flows with aio-pika (`clients/aiopika_flows.py`), including a robust connection that lives through
+//! broker restarts. A missing interpreter or library fails the test (never a silent skip): `scripts/test`
+//! installs pika, Celery and aio-pika (`clients/requirements.txt`) into `clients/.deps/python` and amqplib into
+//! `clients/node_modules`.
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use warren_conformance::TestBroker;
@@ -24,7 +28,7 @@ fn node() -> String {
     std::env::var("WARREN_NODE").unwrap_or_else(|_| "node".into())
 }
 
-/// PYTHONPATH with the project-local pika first.
+/// PYTHONPATH with the project-local Python packages (pika, Celery, aio-pika) first.
 fn python_path() -> String {
     let local = clients_dir().join(".deps").join("python");
     match std::env::var("PYTHONPATH") {
@@ -95,6 +99,109 @@ fn require_pika() {
     );
 }
 
+/// Runs `cmd` with its standard input piped, handing each line it prints to `on_line`; a `Some(reply)` is
+/// written back to its standard input as one line. Fails the test after `timeout`; returns (success,
+/// stdout + stderr).
+fn run_interactive(
+    mut cmd: Command,
+    timeout: Duration,
+    mut on_line: impl FnMut(&str) -> Option<String>,
+) -> (bool, String) {
+    let desc = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {desc}: {e} — is it installed? (scripts/test sets it up)")
+        });
+    let mut stdin = child.stdin.take().unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let (lines_tx, lines) = mpsc::channel::<String>();
+    let out_reader = std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if lines_tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + timeout;
+    let mut stdout = String::new();
+    let mut timed_out = false;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => {
+                stdout.push_str(&line);
+                stdout.push('\n');
+                if let Some(reply) = on_line(&line) {
+                    // The script may have died meanwhile: its output says why.
+                    let _ = writeln!(stdin, "{reply}").and_then(|()| stdin.flush());
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                timed_out = true;
+                break;
+            }
+        }
+    }
+    drop(stdin);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if timed_out || Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = out_reader.join();
+    let output = format!(
+        "--- stdout ---\n{stdout}--- stderr ---\n{}",
+        err_reader.join().unwrap()
+    );
+    match status {
+        Some(s) => (s.success(), output),
+        None => (
+            false,
+            format!("{desc} timed out after {timeout:?}\n{output}"),
+        ),
+    }
+}
+
+/// Checks that `modules` import from the project-local Python packages, with the message telling what to run.
+fn require_python_modules(modules: &str) {
+    let mut cmd = Command::new(python());
+    cmd.arg("-c")
+        .arg(format!("import {modules}"))
+        .env("PYTHONPATH", python_path());
+    let (ok, out) = run(cmd, Duration::from_secs(30));
+    assert!(
+        ok,
+        "python3 with {modules} is required for the cross-client tests (run scripts/test, or \
+         `python3 -m pip install --target clients/.deps/python -r clients/requirements.txt`):\n{out}"
+    );
+}
+
+fn require_celery() {
+    require_python_modules("celery, kombu, sqlalchemy");
+}
+
+fn require_aiopika() {
+    require_python_modules("aio_pika, aiormq");
+}
+
 fn require_amqplib() {
     let mut cmd = Command::new(node());
     cmd.arg("-e")
@@ -130,4 +237,94 @@ fn amqplib_core_flows() {
         .current_dir(clients_dir());
     let (ok, out) = run(cmd, Duration::from_secs(120));
     assert!(ok, "amqplib flows failed against {}:\n{out}", broker.url());
+}
+
+/// Runs `clients/celery_flows.py` (a Celery app, its worker as a subprocess, results in SQLite) with the flows
+/// whose names start with one of `flows`.
+fn celery_flows(flows: &[&str]) {
+    require_celery();
+    let broker = TestBroker::start();
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("celery_flows.py"))
+        .arg(broker.url())
+        .args(flows)
+        .env("PYTHONPATH", python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = run(cmd, Duration::from_secs(120));
+    assert!(ok, "celery flows failed against {}:\n{out}", broker.url());
+}
+
+/// Plain tasks and results (and a failing task), countdown and eta tasks (run no earlier than asked),
+/// `self.retry(countdown=1)` ending in success, an `acks_late` task whose worker is SIGKILLed mid-task and runs
+/// again in a new worker (redelivered), a group and a chord.
+#[test]
+fn celery_tasks_eta_retry_acks_late_and_canvas() {
+    celery_flows(&["tasks", "eta", "retry", "acks_late", "canvas"]);
+}
+
+/// A worker holds ETA tasks unacked until they are due and raises its prefetch (basic.qos) for each, so that
+/// other tasks still reach it.
+///
+/// kombu sends that basic.qos with global=true only to a broker whose `product` is RabbitMQ (3.3 or later), and
+/// global=false otherwise, which RabbitMQ and Warren apply to new consumers only: this is why Warren's
+/// `connection.start` says RabbitMQ 3.10.8 (its `platform` says Warren).
+#[test]
+fn celery_eta_tasks_do_not_hold_up_other_tasks() {
+    celery_flows(&["prefetch"]);
+}
+
+/// Publisher confirms (100 concurrent, then consumed in order with manual acks; a mandatory publish to no
+/// queue returned with 312 NO_ROUTE), RPC over direct reply-to, and the 406 for a reply-to without a reply
+/// consumer.
+#[test]
+fn aiopika_confirms_and_direct_reply_to() {
+    require_aiopika();
+    let broker = TestBroker::start();
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("aiopika_flows.py"))
+        .arg(broker.url())
+        .arg("core")
+        .env("PYTHONPATH", python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = run(cmd, Duration::from_secs(60));
+    assert!(ok, "aio-pika flows failed against {}:\n{out}", broker.url());
+}
+
+/// `aio_pika.connect_robust` consuming from a durable queue with prefetch 1 while the broker is stopped with
+/// SIGTERM and started again on the same port and data directory, then killed with SIGKILL and started again:
+/// the connection, channel and consumer come back by themselves, the message held unacked comes back
+/// redelivered, the queued persistent messages follow in order, and publishing on the same channel goes on.
+#[test]
+fn aiopika_robust_connection_survives_broker_restarts() {
+    require_aiopika();
+    let mut broker = TestBroker::start();
+    if broker.is_external() {
+        eprintln!("skipped: needs a spawned warren (restarts it)");
+        return;
+    }
+    let url = broker.url().to_string();
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("aiopika_flows.py"))
+        .arg(&url)
+        .arg("robust")
+        .env("PYTHONPATH", python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let mut restarts = Vec::new();
+    let (ok, out) = run_interactive(cmd, Duration::from_secs(120), |line| {
+        let how = line.strip_prefix("RESTART-BROKER ")?;
+        let kill = match how.trim() {
+            "term" => false,
+            "kill" => true,
+            other => panic!("the script asked for an unknown restart {other:?}"),
+        };
+        broker.restart(kill);
+        restarts.push(how.trim().to_string());
+        Some("restarted".into())
+    });
+    assert!(ok, "aio-pika robust flow failed against {url}:\n{out}");
+    assert_eq!(
+        restarts,
+        ["term", "kill"],
+        "restarts the script asked for:\n{out}"
+    );
 }

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
+use crate::dead_letter::{self, Death};
 use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
@@ -16,7 +17,7 @@ use crate::queue::args::{self, QueueType};
 use crate::queue::log::{Record, STATE_DIGEST_EVERY};
 use crate::queue::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DeadLetterReason,
-    Effect, Meta, MsgMeta, QueueMachine, Receipt, Refusal, Reply,
+    Effect, Meta, MsgMeta, Policy, QueueMachine, Receipt, Refusal, Reply,
 };
 use crate::queue::Queue;
 use crate::small::Small;
@@ -107,6 +108,84 @@ pub struct Broker {
     /// Stored messages that may be paged out once their batch is written: (batch, queue,
     /// message id), in batch order, one entry per queue and batch.
     page_pending: VecDeque<(u64, QueueId, u64)>,
+    /// Messages on their way to a dead-letter exchange, republished in order by
+    /// [`Broker::dead_letter_pending`] (a worklist: a dead letter that makes another queue
+    /// drop its head does not recurse).
+    dead_letters: VecDeque<DeadLetter>,
+    /// `dead_letter_pending` is running.
+    dead_lettering: bool,
+}
+
+/// A message that left a queue with a dead-letter exchange, with what its `x-death` needs.
+#[derive(Debug)]
+struct DeadLetter {
+    vhost: String,
+    queue: ShortStr,
+    exchange: String,
+    routing_key: Option<String>,
+    message: Message,
+    reason: DeadLetterReason,
+}
+
+/// What a queue's declaration asks of its machine.
+fn policy(a: &args::QueueArgs) -> Policy {
+    Policy {
+        max_length: a.max_length,
+        max_length_bytes: a.max_length_bytes,
+        overflow: a.overflow,
+        expires_ms: a.expires_ms,
+        max_priority: a.max_priority,
+        single_active: a.single_active_consumer,
+        delivery_limit: a.delivery_limit,
+    }
+}
+
+/// A message's own TTL (the `expiration` property, validated by the session), in ms.
+fn message_ttl(message: &Message) -> Option<u64> {
+    warren_codec::properties::expiration(&message.properties)?
+        .parse()
+        .ok()
+}
+
+/// When a message enqueued `now` expires in this queue: the shorter of the queue's TTL and
+/// the message's own.
+fn expiry(q: &Queue, own_ttl: Option<u64>, now: u64) -> Option<u64> {
+    let ttl = match (q.args.message_ttl_ms, own_ttl) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    ttl.map(|t| now.saturating_add(t))
+}
+
+/// A message's priority in this queue (`x-max-priority`): its `priority` property, capped.
+fn priority(q: &Queue, message: &Message) -> u8 {
+    match q.args.max_priority {
+        Some(max) => warren_codec::properties::priority(&message.properties)
+            .unwrap_or(0)
+            .min(max),
+        None => 0,
+    }
+}
+
+/// The dead letter of a message leaving `q`, if `q` has a dead-letter exchange (else the
+/// message is dropped, as in RabbitMQ).
+fn dead_letter_of(q: &Queue, message: Message, reason: DeadLetterReason) -> Option<DeadLetter> {
+    let exchange = q.args.dead_letter_exchange.clone()?;
+    Some(DeadLetter {
+        vhost: q.vhost.clone(),
+        queue: q.name.clone(),
+        exchange,
+        routing_key: q.args.dead_letter_routing_key.clone(),
+        message,
+        reason,
+    })
+}
+
+/// May this queue's copy of a message leave memory? Not in a queue with a length limit
+/// (the limit bounds its memory and its head must be droppable) or with priorities (its
+/// order is not the ids' order).
+fn may_page(q: &Queue) -> bool {
+    !q.args.limits_length() && q.args.max_priority.is_none()
 }
 
 /// RabbitMQ strips CR and LF from queue and exchange names.
@@ -217,6 +296,9 @@ enum Kept {
     Durable,
     Spilled,
 }
+
+/// Most pages [`Broker::tick`] reads back in one call to expire what is on disk.
+const EXPIRY_READS_PER_TICK: u32 = 16;
 
 /// How long a queue waits before reading its paged messages again after a failed read.
 const LOAD_RETRY_MS: u64 = 1000;
@@ -408,6 +490,8 @@ impl Broker {
             spill: false,
             recovering: false,
             page_pending: VecDeque::new(),
+            dead_letters: VecDeque::new(),
+            dead_lettering: false,
         };
         if b.config.persistence {
             b.persist = Some(Persist::new());
@@ -504,7 +588,9 @@ impl Broker {
         if req.passive {
             let q = self.queue_by_name(vhost, &stripped)?;
             check_access(q, conn)?;
-            return Ok(declared(q));
+            let (id, out) = (q.id, declared(q));
+            self.touch(id);
+            return Ok(out);
         }
         let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
         let name = if stripped.is_empty() {
@@ -541,7 +627,9 @@ impl Broker {
                 &rs,
                 q.args.queue_type.equivalence_keys(),
             )?;
-            return Ok(declared(q));
+            let (id, out) = (q.id, declared(q));
+            self.touch(id);
+            return Ok(out);
         }
 
         if let Some(max) = self.config.max_queues.filter(|_| !self.restoring) {
@@ -568,6 +656,13 @@ impl Broker {
                     "invalid property '{prop}' for {rs}"
                 )));
             }
+        }
+        if parsed.queue_type == QueueType::Stream {
+            // Refused in the words RabbitMQ uses for a queue type it does not know, rather than
+            // declared as a queue that would not act like a stream (no offsets, no replay).
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid arg 'x-queue-type' for {rs}: \"unsupported queue type 'stream'\""
+            )));
         }
 
         let id = QueueId(self.next_queue);
@@ -607,6 +702,7 @@ impl Broker {
             spill_key: None,
         };
         let out = declared(&q);
+        let policy = policy(&q.args);
         if let Some(vh) = self.vhosts.get_mut(vhost) {
             vh.queues.insert(name, id);
         }
@@ -614,7 +710,21 @@ impl Broker {
             self.exclusive.entry(o).or_default().push(id);
         }
         self.queues.insert(id, Box::new(q));
+        if !policy.is_plain() {
+            self.run(id, Command::Configure(policy));
+        }
         Ok(out)
+    }
+
+    /// A declaration renews an `x-expires` lease (nothing to log for other queues).
+    fn touch(&mut self, id: QueueId) {
+        if self
+            .queues
+            .get(&id)
+            .is_some_and(|q| q.args.expires_ms.is_some())
+        {
+            self.run(id, Command::Touch);
+        }
     }
 
     pub fn delete_queue(
@@ -1062,8 +1172,22 @@ impl Broker {
         message: Message,
         now_ms: u64,
     ) -> Result<Routed, AmqpError> {
-        // TTL and delayed delivery will use the time.
         self.now_ms = self.now_ms.max(now_ms);
+        let routed = self.publish_to(vhost, exchange, routing_key, message, None);
+        self.dead_letter_pending();
+        routed
+    }
+
+    /// Routes and enqueues; `death`: the message is a dead letter (its reason, and its
+    /// `x-death` header after this death), and queues it would cycle back to are left out.
+    fn publish_to(
+        &mut self,
+        vhost: &str,
+        exchange: &str,
+        routing_key: &str,
+        message: Message,
+        death: Option<(DeadLetterReason, Option<FieldValue>, Vec<String>)>,
+    ) -> Result<Routed, AmqpError> {
         if message.body.len() > self.config.max_message_size {
             return Err(AmqpError::precondition_failed(format!(
                 "message size {} is larger than configured max size {}",
@@ -1078,6 +1202,13 @@ impl Broker {
             if let Some(&id) = vh.queues.get(routing_key) {
                 targets.push(id);
             }
+            for key in death.iter().flat_map(|(_, _, cc)| cc) {
+                if let Some(&id) = vh.queues.get(key.as_str()) {
+                    targets.push(id);
+                }
+            }
+            targets.sort_unstable();
+            targets.dedup();
         } else {
             let Some(x) = vh.exchanges.get(exchange) else {
                 self.scratch_queues = targets;
@@ -1092,13 +1223,52 @@ impl Broker {
             }
             let mut dests = std::mem::take(&mut self.scratch_dests);
             route(vh, x, routing_key, &message, &mut dests, &mut targets);
+            for key in death.iter().flat_map(|(_, _, cc)| cc) {
+                route(vh, x, key, &message, &mut dests, &mut targets);
+            }
             self.scratch_dests = dests;
         }
+        if let Some((reason, x_death, _)) = &death {
+            let queues = &self.queues;
+            targets.retain(|id| {
+                let cycle = queues
+                    .get(id)
+                    .is_some_and(|q| dead_letter::is_cycle(x_death.as_ref(), *reason, &q.name));
+                if cycle {
+                    tracing::warn!(
+                        queue = id.0,
+                        "dead-lettering cycle: message dropped for this queue, as RabbitMQ does"
+                    );
+                }
+                !cycle
+            });
+        }
+        let size = message.body.len() as u64;
+        // A full queue that refuses new messages counts as routed, and the publisher's
+        // confirm becomes a nack.
+        let mut rejected = 0u32;
+        targets.retain(|id| {
+            let Some(q) = self.queues.get(id) else {
+                return true;
+            };
+            if !q.machine.rejects(size) {
+                return true;
+            }
+            rejected += 1;
+            if q.args.overflow == args::Overflow::RejectPublishDlx {
+                if let Some(dl) = dead_letter_of(q, message.clone(), DeadLetterReason::MaxLen) {
+                    self.dead_letters.push_back(dl);
+                }
+            }
+            false
+        });
+        let own_ttl = message_ttl(&message);
         let meta = MsgMeta {
-            size: message.body.len() as u64,
+            size,
             expires_at: None,
             pageable: false,
             spilled: false,
+            priority: 0,
         };
         let mut message = message;
         // A key is this publish's to give (a message republished from a queue carries its old one).
@@ -1166,7 +1336,7 @@ impl Broker {
                 batch = Some(p.next_batch);
             }
         }
-        let mut routed = 0u32;
+        let mut routed = rejected;
         // Only a body stored for one queue is paged out (a shared one is counted in memory).
         let paging = self.pager.is_some() && stored == 1;
         for (i, id) in targets.iter().enumerate() {
@@ -1176,9 +1346,14 @@ impl Broker {
                 // This queue's copy is in memory only: nothing to delete when it goes.
                 copy.store_key = None;
             }
+            let Some(q) = self.queues.get(id) else {
+                continue;
+            };
             let meta = MsgMeta {
-                pageable: paging && kind != Kept::Memory,
+                pageable: paging && kind != Kept::Memory && may_page(q),
                 spilled: kind == Kept::Spilled,
+                expires_at: expiry(q, own_ttl, self.now_ms),
+                priority: priority(q, &copy),
                 ..meta
             };
             let command = Command::Enqueue {
@@ -1189,19 +1364,48 @@ impl Broker {
                 continue;
             };
             routed += 1;
+            // A queue over its length drops its head: handled once this copy's entry is
+            // written (the head may be this very message).
+            let dropped = (!self.effects.is_empty()).then(|| std::mem::take(&mut self.effects));
+            self.store_entry(*id, kind, &message, meta, stored, reply);
+            if let Some(effects) = dropped {
+                self.effects = effects;
+                self.finish_effects(*id);
+            }
+        }
+        self.scratch_kinds = kinds;
+        self.scratch_queues = targets;
+        Ok(Routed {
+            queues: routed,
+            batch,
+            rejected: rejected > 0,
+        })
+    }
+
+    /// Writes a queue's entry for a message it just took (if its copy is on disk).
+    fn store_entry(
+        &mut self,
+        id: QueueId,
+        kind: Kept,
+        message: &Message,
+        meta: MsgMeta,
+        stored: u32,
+        reply: Reply,
+    ) {
+        {
             let (Some(body), Reply::Enqueued { msg_id }) = (message.store_key, reply) else {
-                continue;
+                return;
             };
-            let (Some(p), Some(q)) = (self.persist.as_mut(), self.queues.get_mut(id)) else {
-                continue;
+            let (Some(p), Some(q)) = (self.persist.as_mut(), self.queues.get_mut(&id)) else {
+                return;
             };
             let queue = match kind {
-                Kept::Memory => continue,
+                Kept::Memory => return,
                 Kept::Durable => q.store_key,
                 Kept::Spilled => Some(*q.spill_key.get_or_insert_with(|| p.spill_key())),
             };
             let Some(queue) = queue else {
-                continue;
+                return;
             };
             let op = StoreOp::PutEntry {
                 queue,
@@ -1215,17 +1419,11 @@ impl Broker {
             if meta.pageable && q.is_deep(keep(&self.config, q)) {
                 let number = p.next_batch;
                 match self.page_pending.back_mut() {
-                    Some((b, q, m)) if *b == number && q == id => *m = msg_id,
-                    _ => self.page_pending.push_back((number, *id, msg_id)),
+                    Some((b, q, m)) if *b == number && *q == id => *m = msg_id,
+                    _ => self.page_pending.push_back((number, id, msg_id)),
                 }
             }
         }
-        self.scratch_kinds = kinds;
-        self.scratch_queues = targets;
-        Ok(Routed {
-            queues: routed,
-            batch,
-        })
     }
 
     // ------------------------------------------------------ the queue machine
@@ -1290,9 +1488,18 @@ impl Broker {
                 } => {
                     // A rejected message was in flight (its count is stored if it came back
                     // before); an expired one was ready (stored if it was ever delivered).
-                    let in_flight = reason == DeadLetterReason::Rejected;
+                    let in_flight = matches!(
+                        reason,
+                        DeadLetterReason::Rejected | DeadLetterReason::DeliveryLimit
+                    );
                     self.forget_stored(queue, msg_id, &message, delivery_count, in_flight);
-                    self.dead_letter(queue, msg_id, message, delivery_count, reason);
+                    if let Some(dl) = self
+                        .queues
+                        .get(&queue)
+                        .and_then(|q| dead_letter_of(q, message, reason))
+                    {
+                        self.dead_letters.push_back(dl);
+                    }
                 }
                 Effect::Deliver(d) => {
                     // Only Checkout and Get deliver, and their callers take the deliveries.
@@ -1301,6 +1508,84 @@ impl Broker {
             }
         }
         self.effects = effects;
+        self.dead_letter_pending();
+    }
+
+    /// Republishes the waiting dead letters to their exchanges, with `x-death` recorded. A
+    /// dead letter that makes another queue drop or expire messages adds to the list, which
+    /// this works through in order; a call made while it runs returns at once.
+    ///
+    /// As in RabbitMQ: a dead-letter exchange that does not exist, or routes the message
+    /// nowhere, drops it (with a log line); a message that would cycle back to a queue it died
+    /// in without a rejection on the way is dropped for that queue.
+    fn dead_letter_pending(&mut self) {
+        if self.dead_lettering {
+            return;
+        }
+        self.dead_lettering = true;
+        while let Some(dl) = self.dead_letters.pop_front() {
+            let m = &dl.message;
+            let headers = warren_codec::properties::headers(&m.properties)
+                .ok()
+                .flatten();
+            let death = Death {
+                queue: &dl.queue,
+                reason: dl.reason,
+                exchange: &m.exchange,
+                routing_keys: dead_letter::routing_keys(&m.routing_key, headers.as_ref()),
+                time_s: self.now_ms / 1000,
+            };
+            let keep_cc = dl.routing_key.is_none();
+            let properties = match dead_letter::record(&m.properties, &death, keep_cc) {
+                Ok(p) => p,
+                Err(error) => {
+                    // The session validated them on publish: not expected.
+                    tracing::warn!(queue = %dl.queue, %error, "dead letter with unreadable properties dropped");
+                    continue;
+                }
+            };
+            let x_death = dead_letter::x_death(&properties);
+            let routing_key = match &dl.routing_key {
+                Some(k) => ShortStr::from_string(k.clone()),
+                None => m.routing_key.clone(),
+            };
+            let message = Message {
+                exchange: ShortStr::from_string(dl.exchange.clone()),
+                routing_key: routing_key.clone(),
+                properties,
+                body: m.body.clone(),
+                persistent: m.persistent,
+                store_key: None,
+            };
+            // Without its own routing key, the queue's dead letters go by the keys they were
+            // published with: the routing key and the CC header's.
+            let cc: Vec<String> = match (&dl.routing_key, &headers) {
+                (None, Some(h)) => match h.get("CC") {
+                    Some(FieldValue::Array(keys)) => keys
+                        .iter()
+                        .filter_map(|k| match k {
+                            FieldValue::LongStr(b) => {
+                                std::str::from_utf8(b).ok().map(str::to_owned)
+                            }
+                            _ => None,
+                        })
+                        .collect(),
+                    _ => Vec::new(),
+                },
+                _ => Vec::new(),
+            };
+            let death = Some((dl.reason, x_death, cc));
+            match self.publish_to(&dl.vhost, &dl.exchange, &routing_key, message, death) {
+                Ok(r) if r.queues > 0 => {}
+                Ok(_) => {
+                    tracing::debug!(queue = %dl.queue, exchange = %dl.exchange, "dead letter routed nowhere: dropped")
+                }
+                Err(error) => {
+                    tracing::warn!(queue = %dl.queue, exchange = %dl.exchange, %error, "dead-letter exchange unusable: message dropped")
+                }
+            }
+        }
+        self.dead_lettering = false;
     }
 
     /// Starts or stops recording every command applied to every queue (a debug option: the
@@ -1425,8 +1710,18 @@ impl Broker {
                         p.push(op, false);
                     }
                 }
+                let mut messages = page.messages;
+                if let Some(q) = self
+                    .queues
+                    .get(&id)
+                    .filter(|q| q.args.max_priority.is_some())
+                {
+                    for m in &mut messages {
+                        m.meta.priority = priority(q, &m.message);
+                    }
+                }
                 let command = Command::Load {
-                    messages: page.messages,
+                    messages,
                     through_id: page.through_id,
                 };
                 let ok = self.run(id, command) == Some(Reply::Ok);
@@ -1545,6 +1840,7 @@ impl Broker {
             expires_at,
             pageable: false,
             spilled: false,
+            priority: self.queues.get(&queue).map_or(0, |q| priority(q, &message)),
         };
         let command = Command::Restore {
             msg_id,
@@ -1559,6 +1855,7 @@ impl Broker {
     /// Recovery: `count` stored messages (`bytes` of bodies) with ids in `first_id..=last_id`
     /// are ready in the queue but left on disk, read back when consumers come near them. False
     /// if the queue is unknown or the ids are not after the queue's last one.
+    #[allow(clippy::too_many_arguments)]
     pub fn restore_run(
         &mut self,
         queue: QueueId,
@@ -1567,6 +1864,7 @@ impl Broker {
         count: u64,
         bytes: u64,
         redelivered: bool,
+        expires_min: Option<u64>,
     ) -> bool {
         let command = Command::RestoreRun {
             first_id,
@@ -1574,6 +1872,7 @@ impl Broker {
             count,
             bytes,
             redelivered,
+            expires_min,
         };
         self.run(queue, command) == Some(Reply::Ok)
     }
@@ -1739,11 +2038,23 @@ impl Broker {
                             p.forget(queue, d.receipt.msg_id, body, d.receipt.attempt > 1);
                         }
                     }
+                    let mut message = d.message;
+                    // A quorum queue tells a consumer how many times the message went out
+                    // before (RabbitMQ: on every redelivery, and on every basic.get).
+                    if q.args.queue_type == QueueType::Quorum
+                        && (d.receipt.attempt > 1 || d.consumer.is_none())
+                    {
+                        let before = d.receipt.attempt.saturating_sub(1);
+                        if let Ok(p) = dead_letter::with_delivery_count(&message.properties, before)
+                        {
+                            message.properties = p;
+                        }
+                    }
                     out.push(Delivery {
                         queue: id,
                         queue_name: q.name.clone(),
                         receipt: d.receipt,
-                        message: d.message,
+                        message,
                         redelivered: d.redelivered,
                         settled: d.settled,
                         consumer: d
@@ -1771,13 +2082,34 @@ impl Broker {
         if self.recovering {
             return;
         }
+        // Pages read back to expire them, this call: the rest waits for the next tick (due
+        // at once), so one call never holds the node for a whole backlog of expired pages.
+        let mut reads = 0;
         while let Some(&(at, id)) = self.deadlines.first() {
-            if at > self.now_ms {
+            if at > self.now_ms || reads >= EXPIRY_READS_PER_TICK {
                 break;
             }
-            if self.run(id, Command::Tick).is_none() {
+            let reply = self.run(id, Command::Tick);
+            if reply.is_none() {
                 self.deadlines.remove(&(at, id));
                 continue;
+            }
+            if reply == Some(Reply::QueueExpired) {
+                tracing::debug!(queue = id.0, "queue unused for its x-expires: deleted");
+                self.finish_effects(id);
+                self.remove_queue(id);
+                continue;
+            }
+            if self.queues.get(&id).is_some_and(|q| q.machine.run_due()) {
+                // Expired messages on disk with nothing ahead of them: read them back to
+                // drop (or dead-letter) them.
+                self.finish_effects(id);
+                let low_water = (self.config.page_window / 2).max(1) as usize;
+                reads += 1;
+                if self.fill(id, low_water, self.config.page_window) {
+                    // Progress (a page read): the same deadline again is the next page.
+                    continue;
+                }
             }
             if self.deadlines.first() == Some(&(at, id)) {
                 // The machine reported a deadline that a tick does not clear: never spin.
@@ -1845,19 +2177,35 @@ impl Broker {
             return Ok(None);
         }
         // A poller reads a few at a time: a queue without consumers pages out to its small
-        // window again with the next write. A page may have expired whole: read on.
-        while self
-            .queues
-            .get(&id)
-            .is_some_and(|q| !q.machine.head_loaded() && q.machine.load_request(1).is_some())
-        {
-            if !self.fill(id, 1, self.config.page_window_idle) {
+        // window again with the next write. A page may have expired whole: read on. What was
+        // in memory may expire as the get begins, leaving a paged head: read that too.
+        let mut got = Vec::with_capacity(1);
+        loop {
+            while self
+                .queues
+                .get(&id)
+                .is_some_and(|q| !q.machine.head_loaded() && q.machine.load_request(1).is_some())
+            {
+                if !self.fill(id, 1, self.config.page_window_idle) {
+                    break;
+                }
+            }
+            self.run(id, Command::Get { no_ack });
+            self.take_deliveries(id, &mut got);
+            let paged_head = self
+                .queues
+                .get(&id)
+                .is_some_and(|q| !q.machine.head_loaded() && q.machine.load_request(1).is_some());
+            // Another round only if this one expired what was in memory and the next page
+            // can be read (a failed read waits for its retry: no spinning on a broken page).
+            let waiting = self
+                .queues
+                .get(&id)
+                .is_some_and(|q| q.load_retry_at.is_some_and(|t| self.now_ms < t));
+            if !got.is_empty() || !paged_head || waiting {
                 break;
             }
         }
-        self.run(id, Command::Get { no_ack });
-        let mut got = Vec::with_capacity(1);
-        self.take_deliveries(id, &mut got);
         let remaining = self.queues.get(&id).map_or(0, |q| q.ready_count());
         Ok(got.pop().map(|d| (d, remaining)))
     }
@@ -1916,7 +2264,11 @@ impl Broker {
     pub fn requeue(&mut self, queue: QueueId, receipt: Receipt) -> bool {
         let stored = self.stored_in_flight(queue, receipt);
         let ok = self.run(queue, Command::Return { receipt }) == Some(Reply::Ok);
-        if let (true, Some((qkey, _)), Some(p)) = (ok, stored, self.persist.as_mut()) {
+        let gone = self
+            .effects
+            .iter()
+            .any(|e| matches!(e, Effect::DeadLetter { msg_id, .. } if *msg_id == receipt.msg_id));
+        if let (true, false, Some((qkey, _)), Some(p)) = (ok, gone, stored, self.persist.as_mut()) {
             p.push(
                 StoreOp::PutCount {
                     queue: qkey,
@@ -1926,30 +2278,18 @@ impl Broker {
                 false,
             );
         }
-        ok
-    }
-
-    /// reject/nack without requeue: the message leaves the queue and goes to the
-    /// dead-lettering hook. False if the receipt is stale.
-    pub fn discard(&mut self, queue: QueueId, receipt: Receipt) -> bool {
-        let ok = self.run(queue, Command::Discard { receipt }) == Some(Reply::Ok);
+        // Past its delivery limit the message is dead-lettered instead of returned; back over
+        // the queue's length limit, drop-head drops it (or an older one).
         self.finish_effects(queue);
         ok
     }
 
-    /// The dead-lettering hook: every message that leaves a queue unacknowledged (rejected,
-    /// expired; over max-length or the delivery limit later) comes here. Not implemented yet:
-    /// the message is dropped. With `x-dead-letter-exchange` set
-    /// (`QueueArgs::dead_letter_exchange`), it is to be republished there with `x-death`.
-    fn dead_letter(
-        &mut self,
-        queue: QueueId,
-        msg_id: u64,
-        message: Message,
-        delivery_count: u32,
-        reason: DeadLetterReason,
-    ) {
-        let _ = (queue, msg_id, message, delivery_count, reason);
+    /// reject/nack without requeue: the message leaves the queue, to its dead-letter exchange
+    /// if it has one. False if the receipt is stale.
+    pub fn discard(&mut self, queue: QueueId, receipt: Receipt) -> bool {
+        let ok = self.run(queue, Command::Discard { receipt }) == Some(Reply::Ok);
+        self.finish_effects(queue);
+        ok
     }
 }
 

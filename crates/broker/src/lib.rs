@@ -27,6 +27,7 @@
 //! - Time: [`Broker::tick`] at [`Broker::next_deadline`].
 
 mod broker;
+pub mod dead_letter;
 mod erl;
 pub mod exchange;
 pub mod names;
@@ -213,6 +214,10 @@ pub struct Routed {
     pub queues: u32,
     /// The message is being written to disk in this batch: its confirm waits for it.
     pub batch: Option<u64>,
+    /// A target queue was full and refused it (`x-overflow` = `reject-publish` or
+    /// `reject-publish-dlx`): the publisher's confirm is a nack. Such a queue counts as
+    /// routed (no basic.return for a mandatory publish).
+    pub rejected: bool,
 }
 
 #[cfg(test)]

@@ -294,6 +294,7 @@ fn load(
                 expires_at: model.expires.get(id).copied(),
                 pageable: true,
                 spilled: req.spilled,
+                priority: 0,
             },
             delivery_count: model.deliveries.get(id).copied().unwrap_or(0),
         })
@@ -314,7 +315,7 @@ fn load(
                 reason: DeadLetterReason::Expired,
                 ..
             } => {
-                prop_assert!(model.expires.get(&msg_id).is_some_and(|at| *at <= now));
+                prop_assert!(model.expires.get(&msg_id).is_some_and(|at| *at < now));
                 // Loaded or already in memory: everything due goes.
                 prop_assert_eq!(model.state.get(&msg_id), Some(&State::Ready));
                 model.state.insert(msg_id, State::Expired);
@@ -323,6 +324,24 @@ fn load(
             other => return Err(TestCaseError::fail(format!("{other:?}"))),
         }
     }
+    Ok(())
+}
+
+/// A message that expired as a checkout or get began: it was ready, in memory, and its time
+/// had passed.
+fn expired_now(model: &mut Model, e: &Effect<Msg>, now: u64) -> Result<(), TestCaseError> {
+    let Effect::DeadLetter {
+        msg_id,
+        reason: DeadLetterReason::Expired,
+        ..
+    } = e
+    else {
+        return Err(TestCaseError::fail(format!("{e:?}")));
+    };
+    prop_assert!(model.expires.get(msg_id).is_some_and(|at| *at < now));
+    prop_assert_eq!(model.state.get(msg_id), Some(&State::Ready));
+    model.state.insert(*msg_id, State::Expired);
+    model.stored.remove(msg_id);
     Ok(())
 }
 
@@ -359,12 +378,20 @@ fn check(m: &QueueMachine<Msg>, model: &Model) -> Result<(), TestCaseError> {
             prop_assert!(model.held(*id) <= c.prefetch);
         }
     }
-    // The next deadline is the earliest expiry among ready messages in memory.
-    let next = in_memory
-        .iter()
-        .filter_map(|id| model.expires.get(id))
-        .min();
-    prop_assert_eq!(m.next_deadline(), next.copied());
+    // The next deadline is just past the earliest expiry among ready messages in memory; a
+    // paged run with nothing in memory ahead of it may bring it forward (the run is read back
+    // when its earliest message is due; after a partial read that bound may be early).
+    let earliest = |ids: &mut dyn Iterator<Item = &u64>| {
+        ids.filter_map(|id| model.expires.get(id))
+            .min()
+            .map(|at| at + 1)
+    };
+    let memory = earliest(&mut in_memory.iter());
+    if on_disk.is_empty() {
+        prop_assert_eq!(m.next_deadline(), memory);
+    } else if let Some(at) = memory {
+        prop_assert!(m.next_deadline().is_some_and(|d| d <= at));
+    }
     Ok(())
 }
 
@@ -415,6 +442,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                             pageable,
                             // Two kinds of storage: runs must never mix them.
                             spilled: pageable && size % 2 == 0,
+                            priority: 0,
                         },
                     },
                 );
@@ -523,14 +551,20 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     return Err(TestCaseError::fail(format!("checkout gave {reply:?}")));
                 };
                 prop_assert!(count <= max);
-                prop_assert_eq!(count as usize, r.effects.len());
+                let delivered = r
+                    .effects
+                    .iter()
+                    .filter(|e| matches!(e, Effect::Deliver(_)))
+                    .count();
+                prop_assert_eq!(count as usize, delivered);
                 for e in r.effects.clone() {
                     match e {
                         Effect::Deliver(d) => {
                             prop_assert!(d.consumer.is_some());
                             model.delivered(&d)?;
                         }
-                        other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                        // Nothing expired goes out: what came back expired meanwhile goes first.
+                        other => expired_now(&mut model, &other, now)?,
                     }
                 }
                 // It stops only when out of messages (in memory), out of budget or out of
@@ -546,8 +580,26 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 while !r.m.head_loaded() && r.m.load_request(1).is_some() {
                     load(&mut r, &mut model, now, 1, 2)?;
                 }
-                let reply = r.apply(now, Command::Get { no_ack });
-                match r.effects.clone().as_slice() {
+                let mut reply = r.apply(now, Command::Get { no_ack });
+                let mut effects = r.effects.clone();
+                loop {
+                    while effects
+                        .first()
+                        .is_some_and(|e| !matches!(e, Effect::Deliver(_)))
+                    {
+                        expired_now(&mut model, &effects.remove(0), now)?;
+                    }
+                    // What was in memory expired, leaving a paged head: the broker reads on.
+                    if !effects.is_empty() || r.m.head_loaded() || r.m.load_request(1).is_none() {
+                        break;
+                    }
+                    while !r.m.head_loaded() && r.m.load_request(1).is_some() {
+                        load(&mut r, &mut model, now, 1, 2)?;
+                    }
+                    reply = r.apply(now, Command::Get { no_ack });
+                    effects = r.effects.clone();
+                }
+                match effects.as_slice() {
                     [Effect::Deliver(d)] => {
                         prop_assert_eq!(reply, Reply::Delivered { count: 1 });
                         prop_assert_eq!(d.consumer, None);
@@ -622,7 +674,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 let due: BTreeSet<u64> = ready
                     .difference(&on_disk)
                     .copied()
-                    .filter(|id| model.expires.get(id).is_some_and(|at| *at <= now))
+                    .filter(|id| model.expires.get(id).is_some_and(|at| *at < now))
                     .collect();
                 let expired: BTreeSet<u64> = r
                     .effects

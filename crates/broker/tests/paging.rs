@@ -13,11 +13,12 @@ use warren_broker::{
 };
 use warren_codec::{FieldTable, ShortStr};
 
-/// What the store holds: bodies by key, entries by (queue, id).
+/// What the store holds: bodies by key, entries by (queue, id), with their expiry.
 #[derive(Default)]
 struct Mem {
     bodies: BTreeMap<u64, Message>,
     entries: BTreeMap<(u64, u64), u64>,
+    expiries: BTreeMap<(u64, u64), u64>,
     failing: bool,
     reads: usize,
 }
@@ -43,9 +44,13 @@ impl MemStore {
                         queue,
                         msg_id,
                         body,
+                        expires_at,
                         ..
                     } => {
                         mem.entries.insert((queue, msg_id), body);
+                        if let Some(at) = expires_at {
+                            mem.expiries.insert((queue, msg_id), at);
+                        }
                     }
                     StoreOp::DeleteEntry { queue, msg_id, .. } => {
                         mem.entries.remove(&(queue, msg_id));
@@ -109,9 +114,10 @@ impl PageSource for MemStore {
             let message = mem.bodies[body].clone();
             let meta = MsgMeta {
                 size: message.body.len() as u64,
-                expires_at: None,
+                expires_at: mem.expiries.get(&(queue_key, msg_id)).copied(),
                 pageable: true,
                 spilled: queue_key & SPILL_BIT != 0,
+                priority: 0,
             };
             messages.push(Loaded {
                 msg_id,
@@ -372,4 +378,46 @@ fn a_message_stored_durably_is_not_spilled_for_another_queue() {
     let mem = store.0.lock().unwrap();
     assert_eq!(mem.entries.len(), 30, "entries of \"deep\" only");
     assert!(mem.entries.keys().all(|(q, _)| q & SPILL_BIT == 0));
+}
+
+/// A deep queue with a TTL and no consumer: what expired on disk is read back on the queue's
+/// deadline and dead-lettered (here to a second queue), page by page, without anyone asking.
+#[test]
+fn expired_pages_are_read_back_and_dead_lettered_without_a_consumer() {
+    let (mut b, store) = setup();
+    declare_transient(&mut b, "dead");
+    let mut args = FieldTable::new();
+    args.insert("x-message-ttl", warren_codec::FieldValue::I32(100));
+    args.insert(
+        "x-dead-letter-exchange",
+        warren_codec::FieldValue::long_str(""),
+    );
+    args.insert(
+        "x-dead-letter-routing-key",
+        warren_codec::FieldValue::long_str("dead"),
+    );
+    let req = DeclareQueue {
+        name: "delay".into(),
+        passive: false,
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments: args,
+    };
+    b.declare_queue("/", req, 1).expect("declare");
+    for i in 0..40 {
+        publish_to(&mut b, "delay", i, true);
+    }
+    store.apply(&mut b);
+    let delay = b.queue_id("/", "delay").unwrap();
+    let paged = b.machine(delay).unwrap().paged_count();
+    assert!(paged > 30, "the queue pages: {paged} on disk");
+    let due = b.next_deadline().expect("a deadline for the head");
+    assert!(due <= 101);
+    b.tick(200);
+    store.apply(&mut b);
+    let dead = b.queue_id("/", "dead").unwrap();
+    assert_eq!(b.queue_info(delay).unwrap().message_count, 0);
+    assert_eq!(b.queue_info(dead).unwrap().message_count, 40);
+    assert_eq!(b.next_deadline(), None, "nothing left to wake for");
 }

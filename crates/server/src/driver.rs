@@ -88,6 +88,10 @@ struct Core {
     writers: HashMap<ConnId, Writer>,
     transmits: Vec<Transmit>,
     start: Instant,
+    /// Wall-clock milliseconds since the Unix epoch at `start`. The node's time is this plus
+    /// the monotonic time since: expiry times written to disk stay meaningful after a
+    /// restart, and x-death timestamps are real dates, while the clock never goes backwards.
+    epoch_ms: u64,
     backlog_limit: usize,
 }
 
@@ -131,9 +135,17 @@ impl Shared {
     }
 }
 
+/// Milliseconds since the Unix epoch (0 if the system clock is set before it).
+fn wall_clock_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 impl Core {
     fn now(&self) -> u64 {
-        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+        let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.epoch_ms.saturating_add(elapsed)
     }
 
     /// Hands each connection's output to its socket; returns true if deliveries are still pending.
@@ -262,6 +274,7 @@ pub async fn serve(
             writers: HashMap::new(),
             transmits: Vec::new(),
             start: Instant::now(),
+            epoch_ms: wall_clock_ms(),
             backlog_limit: config.write_backlog_limit,
         }),
         dispatch: Notify::new(),
@@ -420,14 +433,16 @@ async fn timer(shared: Arc<Shared>) {
     loop {
         let (next, start) = {
             let core = shared.lock();
-            (core.node.next_deadline(), core.start)
+            (core.node.next_deadline(), (core.start, core.epoch_ms))
         };
         shared
             .armed
             .store(next.unwrap_or(u64::MAX), Ordering::Release);
         match next {
             Some(at) => {
-                let when = tokio::time::Instant::from_std(start + Duration::from_millis(at));
+                let (start, epoch_ms) = start;
+                let after = Duration::from_millis(at.saturating_sub(epoch_ms));
+                let when = tokio::time::Instant::from_std(start + after);
                 tokio::select! {
                     _ = tokio::time::sleep_until(when) => {
                         shared.with_node(|node, now| node.tick(now));

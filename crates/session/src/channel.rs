@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use bytes::{Bytes, BytesMut};
+use warren_broker::queue::args::QueueType;
 use warren_broker::{
     Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Message, QueueId,
     Receipt,
@@ -192,7 +193,7 @@ pub(crate) struct Channel {
     /// Publishes whose confirm waits for a store write: (publish sequence number, write batch),
     /// in publish order. A publish that needs no write but follows one that does waits too
     /// (batch 0), so that a `multiple` ack never covers a message not yet on disk.
-    confirm_waiting: VecDeque<(u64, u64)>,
+    confirm_waiting: VecDeque<(u64, u64, bool)>,
     /// tx.commit-ok replies waiting for the store write that holds the transaction's persistent
     /// messages (the batch numbers, in commit order).
     commit_waiting: VecDeque<u64>,
@@ -444,7 +445,7 @@ impl Channel {
         if self.confirm {
             self.publish_seq += 1;
         }
-        let batch = self.route(
+        let (batch, rejected) = self.route(
             &publish.exchange,
             &publish.routing_key,
             publish.mandatory,
@@ -454,7 +455,13 @@ impl Channel {
         if self.confirm {
             let seq = self.publish_seq;
             if batch.is_some() || !self.confirm_waiting.is_empty() {
-                self.confirm_waiting.push_back((seq, batch.unwrap_or(0)));
+                self.confirm_waiting
+                    .push_back((seq, batch.unwrap_or(0), rejected));
+            } else if rejected {
+                // A full queue refused it (x-overflow reject-publish): acks before it go
+                // first, so that a multiple ack cannot cover it.
+                self.flush_confirms(ctx.out);
+                encode_nack(ctx.out, self.id, seq, false, false);
             } else {
                 self.confirm_ready(seq);
             }
@@ -478,12 +485,12 @@ impl Channel {
     /// are released in publish order, as acks, or as nacks for the messages of a failed write.
     /// True if confirms are still waiting.
     pub fn writes_done(&mut self, upto: u64, ok: bool, out: &mut BytesMut) -> bool {
-        while let Some(&(seq, batch)) = self.confirm_waiting.front() {
+        while let Some(&(seq, batch, rejected)) = self.confirm_waiting.front() {
             if batch > upto {
                 break;
             }
             self.confirm_waiting.pop_front();
-            if ok || batch == 0 {
+            if !rejected && (ok || batch == 0) {
                 self.confirm_ready(seq);
             } else {
                 // Acks before this one go out first: a multiple ack must not cover it.
@@ -506,7 +513,7 @@ impl Channel {
         mandatory: bool,
         message: Message,
         ctx: &mut Ctx<'_>,
-    ) -> Result<Option<u64>, Fault> {
+    ) -> Result<(Option<u64>, bool), Fault> {
         if exchange.is_empty() {
             if let Some((conn, channel, key)) = parse_reply_address(routing_key) {
                 // Delivered by the node, straight to the waiting consumer; dropped if it is gone, as in RabbitMQ.
@@ -516,7 +523,7 @@ impl Channel {
                     key: key.to_string(),
                     message,
                 });
-                return Ok(None);
+                return Ok((None, false));
             }
         }
         // Only a mandatory publish can come back, so only then is a handle on the message kept.
@@ -540,7 +547,7 @@ impl Channel {
                 );
             }
         }
-        Ok(routed.batch)
+        Ok((routed.batch, routed.rejected))
     }
 
     /// The publish asks for replies on this channel: its reply_to becomes the channel's own address.
@@ -655,6 +662,18 @@ impl Channel {
                         send(ctx.out, ch, BasicConsumeOk { consumer_tag: tag });
                     }
                     return Ok(());
+                }
+                let quorum = ctx
+                    .broker
+                    .queue_id(ctx.vhost, &queue)
+                    .and_then(|id| ctx.broker.queue_args(id))
+                    .is_some_and(|a| a.queue_type == QueueType::Quorum);
+                if quorum && self.channel_prefetch != 0 {
+                    // A connection error in RabbitMQ, as here.
+                    return Err(fail(AmqpError::not_implemented(format!(
+                        "queue '{queue}' in vhost '{}' does not support global qos",
+                        ctx.vhost
+                    ))));
                 }
                 let group = CreditGroup {
                     conn: ctx.conn,
@@ -968,7 +987,7 @@ impl Channel {
                             mandatory,
                             message,
                         } => {
-                            let batch = self
+                            let (batch, _) = self
                                 .route(&exchange, &routing_key, mandatory, *message, ctx)
                                 .map_err(|f| fail(f.error))?;
                             wait = wait.max(batch);

@@ -47,8 +47,14 @@ impl Default for SessionConfig {
                 password: "guest".into(),
                 loopback_only: true,
             }],
-            product: "Warren".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
+            // Clients branch on these: kombu (Celery) sends basic.qos with global=true, the
+            // RabbitMQ way of limiting a channel's existing consumers, only to a product named
+            // RabbitMQ from 3.3 on, and global=false (which RabbitMQ, and Warren, apply to new
+            // consumers only) to anything else, which stalls a Celery worker behind its ETA
+            // tasks. Warren behaves as RabbitMQ 3.10.8 does, so it says so; `platform` says
+            // what it is.
+            product: "RabbitMQ".into(),
+            version: "3.10.8".into(),
             cluster_name: "warren".into(),
         }
     }

@@ -363,7 +363,10 @@ fn server_properties(config: &SessionConfig) -> FieldTable {
         ShortStr::from("information"),
         text("Warren: an AMQP 0-9-1 broker for task queues. Licensed under the Apache License 2.0"),
     );
-    props.insert(ShortStr::from("platform"), text("Rust"));
+    props.insert(
+        ShortStr::from("platform"),
+        text(concat!("Warren ", env!("CARGO_PKG_VERSION"), " (Rust)")),
+    );
     props.insert(ShortStr::from("product"), text(&config.product));
     props.insert(ShortStr::from("version"), text(&config.version));
     props

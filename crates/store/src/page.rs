@@ -110,6 +110,8 @@ impl Store {
                 expires_at: entry.expires_at,
                 pageable: true,
                 spilled: queue & SPILL_BIT != 0,
+                // Set by the broker, which knows the queue's `x-max-priority`.
+                priority: 0,
             };
             messages.push(Loaded {
                 msg_id,

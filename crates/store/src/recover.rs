@@ -204,8 +204,12 @@ impl Store {
         // so its key is never written again.
         let mut skip_to = None;
         let redelivered = !self.clean_start;
-        // Without a pager (a broker that cannot read pages back), everything is loaded.
-        let paging = broker.pages();
+        // Without a pager (a broker that cannot read pages back), everything is loaded; so is
+        // a queue that keeps its messages in memory (a length limit, priorities).
+        let paging = broker.pages()
+            && broker
+                .queue_args(id)
+                .is_some_and(|a| !a.limits_length() && a.max_priority.is_none());
         let mut run: Option<Run> = None;
         for item in self.db.iterator_cf_opt(
             index,
@@ -222,6 +226,10 @@ impl Store {
                         r.last = msg_id;
                         r.count += 1;
                         r.bytes = r.bytes.saturating_add(size);
+                        r.expires_min = match (r.expires_min, entry.expires_at) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
                     }
                     None => {
                         run = Some(Run {
@@ -229,6 +237,7 @@ impl Store {
                             last: msg_id,
                             count: 1,
                             bytes: size,
+                            expires_min: entry.expires_at,
                         })
                     }
                 }
@@ -274,6 +283,7 @@ struct Run {
     last: u64,
     count: u64,
     bytes: u64,
+    expires_min: Option<u64>,
 }
 
 impl Run {
@@ -291,6 +301,7 @@ impl Run {
             self.count,
             self.bytes,
             redelivered,
+            self.expires_min,
         ) {
             self.count
         } else {

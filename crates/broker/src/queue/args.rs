@@ -125,7 +125,7 @@ impl QueueType {
 }
 
 /// `x-overflow`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Overflow {
     #[default]
     DropHead,
@@ -184,6 +184,13 @@ pub struct QueueArgs {
     /// `x-delivery-limit` (quorum queues; not validated by RabbitMQ 3.10: taken when it is
     /// a non-negative integer, ignored otherwise).
     pub delivery_limit: Option<u64>,
+}
+
+impl QueueArgs {
+    /// Does the queue keep a length limit (`x-max-length` or `x-max-length-bytes`)?
+    pub fn limits_length(&self) -> bool {
+        self.max_length.is_some() || self.max_length_bytes.is_some()
+    }
 }
 
 /// An error term as RabbitMQ prints it with `~p`.

@@ -17,8 +17,9 @@ use warren_codec::{FieldTable, ShortStr};
 
 use super::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, Loaded, Meta,
-    MsgMeta, QueueMachine, Receipt,
+    MsgMeta, Policy, QueueMachine, Receipt,
 };
+use crate::queue::args::Overflow;
 use crate::Message;
 
 /// How often (in commands per queue) a record carries the digest of the whole machine.
@@ -90,6 +91,8 @@ const SKIP_IDS: u8 = 13;
 const RESTORE_RUN: u8 = 14;
 const PAGE_OUT: u8 = 15;
 const LOAD: u8 = 16;
+const CONFIGURE: u8 = 17;
+const TOUCH: u8 = 18;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -134,6 +137,21 @@ fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
     out.put_u64(meta.size);
     put_opt_u64(out, meta.expires_at);
     out.put_u8(u8::from(meta.pageable) | u8::from(meta.spilled) << 1);
+    out.put_u8(meta.priority);
+}
+
+fn put_policy(out: &mut BytesMut, p: &Policy) {
+    put_opt_u64(out, p.max_length);
+    put_opt_u64(out, p.max_length_bytes);
+    out.put_u8(match p.overflow {
+        Overflow::DropHead => 0,
+        Overflow::RejectPublish => 1,
+        Overflow::RejectPublishDlx => 2,
+    });
+    put_opt_u64(out, p.expires_ms);
+    put_opt_u64(out, p.max_priority.map(u64::from));
+    out.put_u8(u8::from(p.single_active));
+    put_opt_u64(out, p.delivery_limit);
 }
 
 /// Appends one record to `out`.
@@ -173,6 +191,7 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
             count,
             bytes,
             redelivered,
+            expires_min,
         } => {
             out.put_u8(RESTORE_RUN);
             out.put_u64(*first_id);
@@ -180,6 +199,7 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
             out.put_u64(*count);
             out.put_u64(*bytes);
             out.put_u8(u8::from(*redelivered));
+            put_opt_u64(out, *expires_min);
         }
         Command::PageOut {
             keep,
@@ -247,6 +267,11 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
         }
         Command::Purge => out.put_u8(PURGE),
         Command::Tick => out.put_u8(TICK),
+        Command::Configure(policy) => {
+            out.put_u8(CONFIGURE);
+            put_policy(out, policy);
+        }
+        Command::Touch => out.put_u8(TOUCH),
     }
     out.put_u64(record.effects);
     put_opt_u64(out, record.state);
@@ -353,6 +378,32 @@ impl Reader {
             expires_at,
             pageable: flags & 1 != 0,
             spilled: flags & 2 != 0,
+            priority: self.u8("priority")?,
+        })
+    }
+
+    fn policy(&mut self) -> Result<Policy, LogError> {
+        let max_length = self.opt_u64("max length")?;
+        let max_length_bytes = self.opt_u64("max length bytes")?;
+        let overflow = match self.u8("overflow")? {
+            0 => Overflow::DropHead,
+            1 => Overflow::RejectPublish,
+            2 => Overflow::RejectPublishDlx,
+            t => return Err(self.fail(format!("bad overflow {t}"))),
+        };
+        let expires_ms = self.opt_u64("expires")?;
+        let max_priority = match self.opt_u64("max priority")? {
+            Some(p) => Some(u8::try_from(p).map_err(|_| self.fail("max priority over 255"))?),
+            None => None,
+        };
+        Ok(Policy {
+            max_length,
+            max_length_bytes,
+            overflow,
+            expires_ms,
+            max_priority,
+            single_active: self.u8("single active")? != 0,
+            delivery_limit: self.opt_u64("delivery limit")?,
         })
     }
 
@@ -384,7 +435,10 @@ impl Reader {
                 count: self.u64("count")?,
                 bytes: self.u64("bytes")?,
                 redelivered: self.u8("redelivered")? != 0,
+                expires_min: self.opt_u64("earliest expiry")?,
             },
+            CONFIGURE => Command::Configure(self.policy()?),
+            TOUCH => Command::Touch,
             PAGE_OUT => Command::PageOut {
                 keep: self.u32("keep")?,
                 keep_bytes: self.u64("keep bytes")?,

@@ -39,6 +39,7 @@ use std::hash::{Hash, Hasher};
 use bytes::BytesMut;
 use warren_codec::{FieldTable, ShortStr};
 
+use crate::queue::args::Overflow;
 use crate::ConnId;
 
 /// What the machine needs to know about a message, computed by the caller when enqueuing.
@@ -55,6 +56,43 @@ pub struct MsgMeta {
     /// It is on disk in the scratch area (a transient message of a deep queue, dropped at
     /// start), not in the durable store: read back from there. Runs never mix the two.
     pub spilled: bool,
+    /// The message's priority in a queue with `x-max-priority` (already capped to it; 0
+    /// elsewhere).
+    pub priority: u8,
+}
+
+/// What a queue's declaration asks of its machine (`x-max-length`, `x-expires`...), set once
+/// with [`Command::Configure`] when the queue is declared or recovered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Policy {
+    /// `x-max-length`: most ready messages.
+    pub max_length: Option<u64>,
+    /// `x-max-length-bytes`: most bytes of ready message bodies.
+    pub max_length_bytes: Option<u64>,
+    /// `x-overflow`: what a full queue does.
+    pub overflow: Overflow,
+    /// `x-expires`: the queue goes once it has had no consumer, no basic.get and no
+    /// redeclaration for this long (ms).
+    pub expires_ms: Option<u64>,
+    /// `x-max-priority`: ready messages go out highest priority first.
+    pub max_priority: Option<u8>,
+    /// `x-single-active-consumer`: only the oldest consumer receives.
+    pub single_active: bool,
+    /// `x-delivery-limit`: a message returned after this many deliveries is dead-lettered
+    /// (reason `delivery_limit`) instead of going back.
+    pub delivery_limit: Option<u64>,
+}
+
+impl Policy {
+    /// Is this the default (a plain queue: no command needed)?
+    pub fn is_plain(&self) -> bool {
+        *self == Policy::default()
+    }
+
+    /// Does the queue keep a length limit?
+    pub fn limits_length(&self) -> bool {
+        self.max_length.is_some() || self.max_length_bytes.is_some()
+    }
 }
 
 /// Where a command sits in the queue's history and when it happened. Chosen by whoever orders
@@ -144,6 +182,8 @@ pub enum Command<M> {
         count: u64,
         bytes: u64,
         redelivered: bool,
+        /// The earliest expiry among them, if any has one.
+        expires_min: Option<u64>,
     },
     /// Memory: the ready messages past the first `keep` (and past `keep_bytes`) that are
     /// pageable and have ids up to `upto_id` (their writes are done) leave memory. They stay
@@ -198,8 +238,13 @@ pub enum Command<M> {
     },
     /// Drops every ready message.
     Purge,
-    /// Time passes (the time is in [`Meta`]): expires what is due.
+    /// Time passes (the time is in [`Meta`]): expires what is due; a queue unused past its
+    /// `x-expires` replies [`Reply::QueueExpired`].
     Tick,
+    /// Sets the queue's policy (its declaration's arguments). Counts as a use of the queue.
+    Configure(Policy),
+    /// The queue was redeclared: a use (`x-expires` counts from here).
+    Touch,
 }
 
 /// A message read back from the store for [`Command::Load`].
@@ -236,6 +281,8 @@ pub enum Refusal {
     ExclusiveInUse,
     /// The consumer id is already registered.
     DuplicateConsumer,
+    /// Enqueue: the queue is full and its `x-overflow` refuses new messages.
+    Full,
 }
 
 /// The machine's answer to one command.
@@ -263,6 +310,8 @@ pub enum Reply {
     /// The receipt or consumer is not current: nothing changed.
     Stale,
     Refused(Refusal),
+    /// Tick: the queue has been unused for its `x-expires`; the broker deletes it.
+    QueueExpired,
 }
 
 /// Why a message left the queue without being acknowledged (names follow RabbitMQ's
@@ -327,6 +376,70 @@ struct Run {
     maybe_delivered: bool,
     /// In the scratch area, not the durable store.
     spilled: bool,
+    /// The earliest expiry of its messages, if any has one (an upper bound once part of the
+    /// run was read: the rest may expire later).
+    expires_min: Option<u64>,
+}
+
+fn min_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Has a message with this expiry expired at `now`? Strictly after: a message with a TTL of 0
+/// can still go to a consumer waiting at the moment it arrives, as in RabbitMQ.
+fn expired(at: u64, now: u64) -> bool {
+    at < now
+}
+
+/// Consumers that may take a message now, highest `x-priority` first and in round-robin order
+/// within a priority. Nearly always one level (every consumer at 0).
+#[derive(Clone, Debug, Default, Hash)]
+struct Service {
+    levels: Vec<(i64, VecDeque<ConsumerId>)>,
+}
+
+impl Service {
+    fn line(&mut self, priority: i64) -> &mut VecDeque<ConsumerId> {
+        let i = match self.levels.iter().position(|(p, _)| *p <= priority) {
+            Some(i) if self.levels.get(i).is_some_and(|(p, _)| *p == priority) => i,
+            Some(i) => {
+                self.levels.insert(i, (priority, VecDeque::new()));
+                i
+            }
+            None => {
+                self.levels.push((priority, VecDeque::new()));
+                self.levels.len() - 1
+            }
+        };
+        &mut self.levels[i].1
+    }
+
+    fn push_back(&mut self, priority: i64, id: ConsumerId) {
+        self.line(priority).push_back(id);
+    }
+
+    fn push_front(&mut self, priority: i64, id: ConsumerId) {
+        self.line(priority).push_front(id);
+    }
+
+    fn pop_front(&mut self) -> Option<(ConsumerId, i64)> {
+        self.levels
+            .iter_mut()
+            .find_map(|(p, line)| line.pop_front().map(|id| (id, *p)))
+    }
+
+    fn remove(&mut self, id: ConsumerId) {
+        for (_, line) in &mut self.levels {
+            line.retain(|c| *c != id);
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.levels.iter().all(|(_, line)| line.is_empty())
+    }
 }
 
 /// A place in the tail of the ready line: a message in memory, or a run on disk.
@@ -381,10 +494,19 @@ pub struct QueueMachine<M> {
     paged_out_total: u64,
     loaded_total: u64,
     returned: BTreeMap<u64, Entry<M>>,
+    /// The ready messages of a queue with `x-max-priority`, by (priority, reversed; id): the
+    /// first is the next to go. Such a queue keeps its ready messages here and nowhere else.
+    by_priority: BTreeMap<(u8, u64), Entry<M>>,
     in_flight: BTreeMap<u64, InFlight<M>>,
     consumers: BTreeMap<ConsumerId, Consumer>,
-    /// Consumers that may take a message, in round-robin order.
-    service: VecDeque<ConsumerId>,
+    /// Consumers that may take a message, by priority, in round-robin order.
+    service: Service,
+    /// What the declaration asks for.
+    policy: Policy,
+    /// With `x-single-active-consumer`: the one consumer that receives.
+    active: Option<ConsumerId>,
+    /// The last time the queue was used (declared, consumed from, polled): `x-expires`.
+    last_used: u64,
     /// Channels with a credit other than the default (unblocked, no limit).
     credit: BTreeMap<CreditGroup, Credit>,
     exclusive_consumer: Option<ConsumerId>,
@@ -411,9 +533,13 @@ impl<M> Default for QueueMachine<M> {
             paged_out_total: 0,
             loaded_total: 0,
             returned: BTreeMap::new(),
+            by_priority: BTreeMap::new(),
             in_flight: BTreeMap::new(),
             consumers: BTreeMap::new(),
-            service: VecDeque::new(),
+            service: Service::default(),
+            policy: Policy::default(),
+            active: None,
+            last_used: 0,
             credit: BTreeMap::new(),
             exclusive_consumer: None,
             has_had_consumers: false,
@@ -442,9 +568,14 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.last_index = self.last_index.max(meta.index);
         self.now_ms = self.now_ms.max(meta.now_ms);
         match command {
-            Command::Enqueue { message, meta } => Reply::Enqueued {
-                msg_id: self.enqueue(message, meta),
-            },
+            Command::Enqueue { message, meta } => {
+                if self.rejects(meta.size) {
+                    return Reply::Refused(Refusal::Full);
+                }
+                let msg_id = self.enqueue(message, meta);
+                self.drop_over_limit(effects);
+                Reply::Enqueued { msg_id }
+            }
             Command::Restore {
                 msg_id,
                 message,
@@ -462,7 +593,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 count,
                 bytes,
                 redelivered,
-            } => self.restore_run(first_id, last_id, count, bytes, redelivered),
+                expires_min,
+            } => self.restore_run(first_id, last_id, count, bytes, redelivered, expires_min),
             Command::PageOut {
                 keep,
                 keep_bytes,
@@ -479,16 +611,28 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.expire(effects);
                 reply
             }
-            Command::Consume { id, spec } => self.consume(id, spec),
-            Command::Cancel { id } => self.cancel(id),
+            Command::Consume { id, spec } => {
+                self.last_used = self.now_ms;
+                self.consume(id, spec)
+            }
+            Command::Cancel { id } => {
+                self.last_used = self.now_ms;
+                self.cancel(id)
+            }
             Command::Credit { group, credit } => {
                 self.set_credit(group, credit);
                 Reply::Ok
             }
-            Command::Checkout { max } => Reply::Delivered {
-                count: self.checkout(max, effects),
-            },
+            Command::Checkout { max } => {
+                // Nothing expired goes out, whether or not its tick has come yet.
+                self.expire(effects);
+                Reply::Delivered {
+                    count: self.checkout(max, effects),
+                }
+            }
             Command::Get { no_ack } => {
+                self.last_used = self.now_ms;
+                self.expire(effects);
                 let count = match self.pop_ready() {
                     Some(entry) => {
                         effects.push(Effect::Deliver(self.hand_out(entry, None, no_ack)));
@@ -504,11 +648,28 @@ impl<M: Clone + Hash> QueueMachine<M> {
             },
             Command::Return { receipt } => match self.take_in_flight(receipt) {
                 Some(entry) => {
+                    let limit = self.policy.delivery_limit;
+                    if limit.is_some_and(|l| u64::from(entry.delivery_count) > l) {
+                        effects.push(Effect::DeadLetter {
+                            msg_id: entry.id,
+                            message: entry.msg,
+                            delivery_count: entry.delivery_count,
+                            reason: DeadLetterReason::DeliveryLimit,
+                        });
+                        return Reply::Ok;
+                    }
                     self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
                     if let Some(at) = entry.meta.expires_at {
                         self.expiries.insert((at, entry.id));
                     }
-                    self.returned.insert(entry.id, entry);
+                    if self.policy.max_priority.is_some() {
+                        self.by_priority
+                            .insert((u8::MAX - entry.meta.priority, entry.id), entry);
+                    } else {
+                        self.returned.insert(entry.id, entry);
+                    }
+                    // Back at the head, over the limit: drop-head drops it again at once.
+                    self.drop_over_limit(effects);
                     Reply::Ok
                 }
                 None => Reply::Stale,
@@ -530,9 +691,75 @@ impl<M: Clone + Hash> QueueMachine<M> {
             },
             Command::Tick => {
                 self.expire(effects);
+                if self.queue_expiry().is_some_and(|at| at <= self.now_ms) {
+                    Reply::QueueExpired
+                } else {
+                    Reply::Ok
+                }
+            }
+            Command::Configure(policy) => {
+                self.policy = policy;
+                self.last_used = self.now_ms;
+                Reply::Ok
+            }
+            Command::Touch => {
+                self.last_used = self.now_ms;
                 Reply::Ok
             }
         }
+    }
+
+    /// Would a message of `size` bytes be refused (`x-overflow` = `reject-publish` or
+    /// `reject-publish-dlx` and the queue is full)? As RabbitMQ: refused once the ready
+    /// messages have reached the length or the bytes limit.
+    pub fn rejects(&self, size: u64) -> bool {
+        let _ = size;
+        self.policy.overflow != Overflow::DropHead && self.is_full()
+    }
+
+    /// Has the ready line reached `x-max-length` or `x-max-length-bytes`?
+    fn is_full(&self) -> bool {
+        self.policy
+            .max_length
+            .is_some_and(|n| self.ready_count() as u64 >= n)
+            || self
+                .policy
+                .max_length_bytes
+                .is_some_and(|n| self.ready_bytes >= n)
+    }
+
+    /// `drop-head`: while the ready line is over a limit, its head goes (dead-lettered with
+    /// reason `maxlen`).
+    fn drop_over_limit(&mut self, effects: &mut Vec<Effect<M>>) {
+        if self.policy.overflow != Overflow::DropHead || !self.policy.limits_length() {
+            return;
+        }
+        let over = |m: &Self| {
+            m.policy
+                .max_length
+                .is_some_and(|n| m.ready_count() as u64 > n)
+                || m.policy.max_length_bytes.is_some_and(|n| m.ready_bytes > n)
+        };
+        while over(self) {
+            let Some(e) = self.pop_ready() else {
+                // The head is paged out: trimmed once it is read back.
+                break;
+            };
+            effects.push(Effect::DeadLetter {
+                msg_id: e.id,
+                message: e.msg,
+                delivery_count: e.delivery_count,
+                reason: DeadLetterReason::MaxLen,
+            });
+        }
+    }
+
+    /// When the queue expires if nobody uses it (`x-expires`; only while it has no consumer).
+    fn queue_expiry(&self) -> Option<u64> {
+        let ms = self.policy.expires_ms?;
+        self.consumers
+            .is_empty()
+            .then(|| self.last_used.saturating_add(ms))
     }
 
     fn enqueue(&mut self, message: M, meta: MsgMeta) -> u64 {
@@ -576,7 +803,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if let Some(at) = entry.meta.expires_at {
             self.expiries.insert((at, entry.id));
         }
-        if self.tail.is_empty() {
+        if self.policy.max_priority.is_some() {
+            self.by_priority
+                .insert((u8::MAX - entry.meta.priority, entry.id), entry);
+        } else if self.tail.is_empty() {
             self.ready.push_back(entry);
         } else {
             self.tail_count += 1;
@@ -591,6 +821,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         count: u64,
         bytes: u64,
         maybe_delivered: bool,
+        expires_min: Option<u64>,
     ) -> Reply {
         let span = last.checked_sub(first).and_then(|d| d.checked_add(1));
         let Some(next) = last
@@ -611,6 +842,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             bytes,
             maybe_delivered,
             spilled: false,
+            expires_min,
         }));
         Reply::Ok
     }
@@ -660,6 +892,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                         bytes: e.meta.size,
                         maybe_delivered: e.maybe_delivered || e.delivery_count > 0,
                         spilled: e.meta.spilled,
+                        expires_min: e.meta.expires_at,
                     };
                     match self.tail.back_mut() {
                         Some(Slot::Paged(r))
@@ -670,6 +903,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                             r.last = e.id;
                             r.count += 1;
                             r.bytes = r.bytes.saturating_add(e.meta.size);
+                            r.expires_min = min_opt(r.expires_min, e.meta.expires_at);
                         }
                         _ => {
                             self.tail_runs += 1;
@@ -708,13 +942,19 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.expiries.insert((at, m.msg_id));
             }
             self.tail_count = self.tail_count.saturating_sub(1);
-            self.ready.push_back(Entry {
+            let entry = Entry {
                 id: m.msg_id,
                 msg: m.message,
                 meta: m.meta,
                 delivery_count: m.delivery_count,
                 maybe_delivered: run.maybe_delivered,
-            });
+            };
+            if self.policy.max_priority.is_some() {
+                self.by_priority
+                    .insert((u8::MAX - entry.meta.priority, entry.id), entry);
+            } else {
+                self.ready.push_back(entry);
+            }
         }
         if through_id < run.last && left.count > 0 {
             left.first = through_id + 1;
@@ -749,7 +989,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// Would a [`Command::Get`] (or [`Self::pop_ready`]) find a message without loading one
     /// first? (Not when the next one is paged out.)
     pub fn head_loaded(&self) -> bool {
-        if !self.ready.is_empty() {
+        if !self.ready.is_empty() || !self.by_priority.is_empty() {
             return true;
         }
         match (self.tail.front(), self.returned.first_key_value()) {
@@ -770,18 +1010,27 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if spec.exclusive {
             self.exclusive_consumer = Some(id);
         }
+        if self.policy.single_active && self.active.is_none() {
+            self.active = Some(id);
+        }
         self.has_had_consumers = true;
+        let priority = spec.priority;
         let mut c = Consumer {
             spec,
             held: 0,
             in_service: false,
         };
-        if self.may_take(&c) {
+        if self.may_take(&c) && self.may_receive(id) {
             c.in_service = true;
-            self.service.push_back(id);
+            self.service.push_back(priority, id);
         }
         self.consumers.insert(id, c);
         Reply::Ok
+    }
+
+    /// With a single active consumer, only that one receives.
+    fn may_receive(&self, id: ConsumerId) -> bool {
+        !self.policy.single_active || self.active == Some(id)
     }
 
     fn cancel(&mut self, id: ConsumerId) -> Reply {
@@ -789,10 +1038,17 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return Reply::Stale;
         };
         if c.in_service {
-            self.service.retain(|s| *s != id);
+            self.service.remove(id);
         }
         if self.exclusive_consumer == Some(id) {
             self.exclusive_consumer = None;
+        }
+        if self.active == Some(id) {
+            // The next in line, in the order they came, takes over.
+            self.active = self.consumers.keys().next().copied();
+            if let Some(next) = self.active {
+                self.rejoin(next);
+            }
         }
         let group = c.spec.group;
         if self.credit.contains_key(&group)
@@ -843,7 +1099,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     fn checkout(&mut self, max: u32, effects: &mut Vec<Effect<M>>) -> u32 {
         let mut delivered = 0;
         while delivered < max && self.head_loaded() {
-            let Some(id) = self.service.pop_front() else {
+            let Some((id, priority)) = self.service.pop_front() else {
                 break;
             };
             let Some(c) = self.consumers.get(&id) else {
@@ -858,7 +1114,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             let no_ack = c.spec.no_ack;
             let to = (c.spec.group, c.spec.tag.clone());
             let Some(entry) = self.pop_ready() else {
-                self.service.push_front(id);
+                self.service.push_front(priority, id);
                 break;
             };
             let d = self.hand_out(entry, Some((id, to)), no_ack);
@@ -877,7 +1133,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             // Round-robin: the served consumer goes to the back, if it may take more.
             let again = self.consumers.get(&id).is_some_and(|c| self.may_take(c));
             if again {
-                self.service.push_back(id);
+                self.service.push_back(priority, id);
             } else if let Some(c) = self.consumers.get_mut(&id) {
                 c.in_service = false;
             }
@@ -889,6 +1145,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// head of the line (in `ready`, or in the tail once `ready` is empty). `None` when there
     /// is none, or the next one is paged out (it must be loaded first).
     fn pop_ready(&mut self) -> Option<Entry<M>> {
+        if let Some((_, entry)) = self.by_priority.pop_first() {
+            self.ready_bytes = self.ready_bytes.saturating_sub(entry.meta.size);
+            if let Some(at) = entry.meta.expires_at {
+                self.expiries.remove(&(at, entry.id));
+            }
+            return Some(entry);
+        }
         let line_head = match self.ready.front() {
             Some(e) => Some(e.id),
             None => self.tail.front().map(Slot::first_id),
@@ -988,12 +1251,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
         let back = self
             .consumers
             .get(&id)
-            .is_some_and(|c| !c.in_service && self.may_take(c));
-        if back {
+            .filter(|c| !c.in_service && self.may_take(c) && self.may_receive(id))
+            .map(|c| c.spec.priority);
+        if let Some(priority) = back {
             if let Some(c) = self.consumers.get_mut(&id) {
                 c.in_service = true;
             }
-            self.service.push_back(id);
+            self.service.push_back(priority, id);
         }
     }
 
@@ -1005,6 +1269,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.tail_runs = 0;
         self.paged_below = 0;
         self.returned.clear();
+        self.by_priority.clear();
         self.expiries.clear();
         self.ready_bytes = 0;
         u32::try_from(n).unwrap_or(u32::MAX)
@@ -1015,12 +1280,21 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// expires then.
     fn expire(&mut self, effects: &mut Vec<Effect<M>>) {
         while let Some(&(at, id)) = self.expiries.first() {
-            if at > self.now_ms {
+            if !expired(at, self.now_ms) {
                 break;
             }
             self.expiries.pop_first();
+            // A priority queue's entry is found by trying each level (few: x-max-priority).
+            let level = match self.policy.max_priority {
+                Some(max) => {
+                    (u8::MAX - max..=u8::MAX).find(|p| self.by_priority.contains_key(&(*p, id)))
+                }
+                None => None,
+            };
             let entry = if let Some(e) = self.returned.remove(&id) {
                 Some(e)
+            } else if let Some(p) = level {
+                self.by_priority.remove(&(p, id))
             } else {
                 // `ready` is sorted by id. A queue-wide TTL expires from the head (O(1)); a
                 // per-message expiry in the middle shifts the shorter side of the deque.
@@ -1054,13 +1328,35 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     /// The earliest time at which a [`Command::Tick`] has work to do.
     pub fn next_deadline(&self) -> Option<u64> {
-        self.expiries.first().map(|&(at, _)| at)
+        let message = self.expiries.first().map(|&(at, _)| at.saturating_add(1));
+        let run = self.run_expiry().map(|at| at.saturating_add(1));
+        min_opt(min_opt(message, run), self.queue_expiry())
+    }
+
+    /// The earliest expiry of the next paged run when nothing is ahead of it in memory: its
+    /// messages should be read back then, to expire (a queue nobody consumes from still
+    /// sheds what expired).
+    fn run_expiry(&self) -> Option<u64> {
+        if !self.ready.is_empty() || !self.returned.is_empty() || !self.by_priority.is_empty() {
+            return None;
+        }
+        match self.tail.front() {
+            Some(Slot::Paged(r)) => r.expires_min,
+            _ => None,
+        }
+    }
+
+    /// Has the next paged run's earliest expiry passed, with nothing ahead of it in memory?
+    /// (The broker then reads it back, which expires what is due.)
+    pub fn run_due(&self) -> bool {
+        self.run_expiry().is_some_and(|at| expired(at, self.now_ms))
     }
 
     /// Ready messages (not in flight), paged out or not.
     pub fn ready_count(&self) -> usize {
         self.ready.len()
             + self.returned.len()
+            + self.by_priority.len()
             + usize::try_from(self.tail_count).unwrap_or(usize::MAX)
     }
 
@@ -1206,6 +1502,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 Slot::Paged(_) => None,
             }))
             .chain(self.returned.values())
+            .chain(self.by_priority.values())
             .map(|e| (e.id, &e.msg, e.delivery_count))
     }
 
@@ -1220,7 +1517,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     /// Ids of the ready messages in memory in delivery order (tests and diagnostics; O(n)).
     pub fn ready_ids(&self) -> Vec<u64> {
-        let mut out = Vec::new();
+        let mut out: Vec<u64> = self.by_priority.values().map(|e| e.id).collect();
         let mut r = self.returned.keys().copied().peekable();
         let mut q = self
             .ready
@@ -1273,6 +1570,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
         for e in self.returned.values() {
             hash_entry(e, &mut h);
         }
+        self.by_priority.len().hash(&mut h);
+        for e in self.by_priority.values() {
+            hash_entry(e, &mut h);
+        }
+        (self.policy, self.active, self.last_used).hash(&mut h);
         self.in_flight.len().hash(&mut h);
         for f in self.in_flight.values() {
             f.consumer.hash(&mut h);
@@ -1380,6 +1682,7 @@ mod tests {
                     expires_at,
                     pageable: false,
                     spilled: false,
+                    priority: 0,
                 },
             }) {
                 Reply::Enqueued { msg_id } => msg_id,
@@ -1609,6 +1912,7 @@ mod tests {
                 expires_at,
                 pageable: i != 2,
                 spilled: false,
+                priority: 0,
             };
             d.run(Command::Enqueue { message: s, meta });
             assert_eq!(id, i as u64);
@@ -1655,6 +1959,7 @@ mod tests {
                 expires_at,
                 pageable: true,
                 spilled: false,
+                priority: 0,
             },
             delivery_count: 0,
         };
@@ -1694,14 +1999,16 @@ mod tests {
         d.enqueue("a", 1, Some(100));
         d.enqueue("b", 1, None);
         d.enqueue("c", 1, Some(50));
-        assert_eq!(d.m.next_deadline(), Some(50));
-        d.now = 49;
+        // A message expires once its time has passed (at its time, a waiting consumer may
+        // still take it: a TTL of 0 reaches a consumer that is ready).
+        assert_eq!(d.m.next_deadline(), Some(51));
+        d.now = 50;
         d.run(Command::Tick);
         assert!(d.effects.is_empty());
         d.now = 60;
         d.run(Command::Tick);
         assert_eq!(d.m.ready_ids(), vec![0, 1]);
-        assert_eq!(d.m.next_deadline(), Some(100));
+        assert_eq!(d.m.next_deadline(), Some(101));
         // A delivered message does not expire; back in the queue, it does.
         d.run(Command::Get { no_ack: false });
         d.effects.clear();
@@ -1711,7 +2018,7 @@ mod tests {
         d.run(Command::Return {
             receipt: receipt(0, 1),
         });
-        assert_eq!(d.m.next_deadline(), Some(100));
+        assert_eq!(d.m.next_deadline(), Some(101));
         d.run(Command::Tick);
         assert_eq!(d.effects.len(), 1);
         assert_eq!(d.m.ready_ids(), vec![1]);
@@ -1776,5 +2083,249 @@ mod tests {
         assert_eq!(a.m.digest(), b.m.digest());
         b.run(Command::Checkout { max: 5 });
         assert_ne!(a.m.digest(), b.m.digest());
+    }
+
+    fn dead_letters(d: &mut Driver) -> Vec<(u64, DeadLetterReason)> {
+        let mut out = Vec::new();
+        d.effects.retain(|e| match e {
+            Effect::DeadLetter { msg_id, reason, .. } => {
+                out.push((*msg_id, *reason));
+                false
+            }
+            _ => true,
+        });
+        out
+    }
+
+    fn with_policy(policy: Policy) -> Driver {
+        let mut d = Driver::new();
+        assert_eq!(d.run(Command::Configure(policy)), Reply::Ok);
+        d
+    }
+
+    fn enqueue_prio(d: &mut Driver, s: &'static str, priority: u8) -> Reply {
+        d.run(Command::Enqueue {
+            message: s,
+            meta: MsgMeta {
+                size: 1,
+                priority,
+                ..MsgMeta::default()
+            },
+        })
+    }
+
+    #[test]
+    fn drop_head_keeps_the_newest_and_dead_letters_the_rest() {
+        let mut d = with_policy(Policy {
+            max_length: Some(2),
+            ..Policy::default()
+        });
+        for s in ["a", "b", "c", "e"] {
+            d.enqueue(s, 1, None);
+        }
+        assert_eq!(
+            dead_letters(&mut d),
+            vec![(0, DeadLetterReason::MaxLen), (1, DeadLetterReason::MaxLen)]
+        );
+        assert_eq!(d.m.ready_ids(), vec![2, 3]);
+        // In flight does not count; a message back over the limit goes at once.
+        d.run(Command::Get { no_ack: false });
+        d.enqueue("f", 1, None);
+        assert!(dead_letters(&mut d).is_empty());
+        d.effects.clear();
+        d.ret(2, 1);
+        assert_eq!(dead_letters(&mut d), vec![(2, DeadLetterReason::MaxLen)]);
+        assert_eq!(d.m.ready_ids(), vec![3, 4]);
+    }
+
+    #[test]
+    fn reject_publish_refuses_once_full_by_count_or_bytes() {
+        let mut d = with_policy(Policy {
+            max_length_bytes: Some(3),
+            overflow: Overflow::RejectPublish,
+            ..Policy::default()
+        });
+        d.enqueue("a", 2, None);
+        d.enqueue("b", 2, None);
+        let refused = d.run(Command::Enqueue {
+            message: "c",
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        });
+        assert_eq!(refused, Reply::Refused(Refusal::Full));
+        assert!(d.m.rejects(1));
+        assert_eq!(d.m.ready_count(), 2);
+        assert!(d.effects.is_empty(), "refused, not dropped");
+    }
+
+    #[test]
+    fn a_delivery_limit_dead_letters_instead_of_returning() {
+        let mut d = with_policy(Policy {
+            delivery_limit: Some(1),
+            ..Policy::default()
+        });
+        d.enqueue("a", 1, None);
+        d.run(Command::Get { no_ack: false });
+        d.effects.clear();
+        d.ret(0, 1);
+        assert!(dead_letters(&mut d).is_empty(), "one failure is allowed");
+        d.run(Command::Get { no_ack: false });
+        d.effects.clear();
+        d.ret(0, 2);
+        assert_eq!(
+            dead_letters(&mut d),
+            vec![(0, DeadLetterReason::DeliveryLimit)]
+        );
+        assert_eq!(d.m.ready_count(), 0);
+    }
+
+    #[test]
+    fn priorities_order_ready_messages_and_returns() {
+        let mut d = with_policy(Policy {
+            max_priority: Some(5),
+            ..Policy::default()
+        });
+        enqueue_prio(&mut d, "low", 0);
+        enqueue_prio(&mut d, "high", 5);
+        enqueue_prio(&mut d, "mid", 3);
+        enqueue_prio(&mut d, "high2", 5);
+        assert_eq!(d.m.ready_ids(), vec![1, 3, 2, 0]);
+        d.run(Command::Get { no_ack: false });
+        d.effects.clear();
+        enqueue_prio(&mut d, "top", 5);
+        d.ret(1, 1);
+        // Back at the head of its level, ahead of a later message of the same priority.
+        assert_eq!(d.m.ready_ids(), vec![1, 3, 4, 2, 0]);
+        // Expiry finds a message in any level.
+        d.run(Command::Enqueue {
+            message: "short",
+            meta: MsgMeta {
+                size: 1,
+                priority: 2,
+                expires_at: Some(5),
+                ..MsgMeta::default()
+            },
+        });
+        d.now = 10;
+        d.run(Command::Tick);
+        assert_eq!(dead_letters(&mut d), vec![(5, DeadLetterReason::Expired)]);
+        assert_eq!(d.m.ready_count(), 5);
+    }
+
+    #[test]
+    fn a_single_active_consumer_hands_over_when_it_goes() {
+        let mut d = with_policy(Policy {
+            single_active: true,
+            ..Policy::default()
+        });
+        for id in [1, 2] {
+            d.run(Command::Consume {
+                id: ConsumerId(id),
+                spec: spec(id as u16, 0, false),
+            });
+        }
+        for s in ["a", "b"] {
+            d.enqueue(s, 1, None);
+        }
+        d.run(Command::Checkout { max: 10 });
+        let got = d.delivered();
+        assert!(got.iter().all(|(c, ..)| *c == Some(1)), "{got:?}");
+        assert_eq!(
+            d.run(Command::Cancel { id: ConsumerId(1) }),
+            Reply::Cancelled { consumers_left: 1 }
+        );
+        d.ret(0, 1);
+        d.enqueue("c", 1, None);
+        d.run(Command::Checkout { max: 10 });
+        let got = d.delivered();
+        assert_eq!(
+            got.first(),
+            Some(&(Some(2), 0, 2, true)),
+            "returned first: {got:?}"
+        );
+        assert!(got.iter().all(|(c, ..)| *c == Some(2)));
+    }
+
+    #[test]
+    fn higher_priority_consumers_take_first_while_they_have_credit() {
+        let mut d = Driver::new();
+        let mut lo = spec(1, 0, false);
+        lo.priority = 1;
+        let mut hi = spec(2, 2, false);
+        hi.priority = 10;
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: lo,
+        });
+        d.run(Command::Consume {
+            id: ConsumerId(2),
+            spec: hi,
+        });
+        for s in ["a", "b", "c", "e", "f"] {
+            d.enqueue(s, 1, None);
+        }
+        d.run(Command::Checkout { max: 10 });
+        let to: Vec<Option<u64>> = d.delivered().iter().map(|g| g.0).collect();
+        assert_eq!(to, vec![Some(2), Some(2), Some(1), Some(1), Some(1)]);
+    }
+
+    #[test]
+    fn an_unused_queue_expires_and_consumers_hold_it() {
+        let mut d = with_policy(Policy {
+            expires_ms: Some(100),
+            ..Policy::default()
+        });
+        assert_eq!(d.m.next_deadline(), Some(100));
+        d.now = 50;
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 0, false),
+        });
+        assert_eq!(d.m.next_deadline(), None, "a consumer holds it");
+        d.now = 500;
+        assert_eq!(d.run(Command::Tick), Reply::Ok);
+        d.run(Command::Cancel { id: ConsumerId(1) });
+        assert_eq!(d.m.next_deadline(), Some(600));
+        d.now = 550;
+        d.run(Command::Touch);
+        d.now = 600;
+        assert_eq!(d.run(Command::Tick), Reply::Ok, "renewed by a declare");
+        d.now = 650;
+        assert_eq!(d.run(Command::Tick), Reply::QueueExpired);
+    }
+
+    #[test]
+    fn a_due_paged_run_asks_to_be_read_back_once_nothing_is_ahead() {
+        let mut d = Driver::new();
+        for i in 0..4u64 {
+            d.run(Command::Enqueue {
+                message: "m",
+                meta: MsgMeta {
+                    size: 1,
+                    expires_at: Some(100 + i),
+                    pageable: true,
+                    ..MsgMeta::default()
+                },
+            });
+        }
+        d.run(Command::PageOut {
+            keep: 1,
+            keep_bytes: u64::MAX,
+            upto_id: 3,
+        });
+        assert_eq!(d.m.paged_count(), 3);
+        assert_eq!(d.m.next_deadline(), Some(101), "the head in memory first");
+        d.now = 101;
+        d.run(Command::Tick);
+        assert_eq!(dead_letters(&mut d), vec![(0, DeadLetterReason::Expired)]);
+        // Nothing in memory ahead of the run: its earliest expiry is the deadline.
+        assert_eq!(d.m.next_deadline(), Some(102));
+        assert!(!d.m.run_due());
+        d.now = 102;
+        d.run(Command::Tick);
+        assert!(d.effects.is_empty(), "paged messages expire when read back");
+        assert!(d.m.run_due());
     }
 }
