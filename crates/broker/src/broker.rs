@@ -114,6 +114,13 @@ pub struct Broker {
     dead_letters: VecDeque<DeadLetter>,
     /// `dead_letter_pending` is running.
     dead_lettering: bool,
+    /// Queues a dead-letter cycle was reported for (logged once each).
+    cycles_reported: HashSet<QueueId>,
+    /// `tick` is running: deadlines are filed exactly.
+    ticking: bool,
+    /// Queues that may refuse a publish (`x-overflow` reject-publish with a length limit): while
+    /// there are none, a publish does not look its targets up to ask.
+    refusing_queues: usize,
 }
 
 /// A message that left a queue with a dead-letter exchange, with what its `x-death` needs.
@@ -136,8 +143,13 @@ fn policy(a: &args::QueueArgs) -> Policy {
         expires_ms: a.expires_ms,
         max_priority: a.max_priority,
         single_active: a.single_active_consumer,
-        delivery_limit: a.delivery_limit,
+        delivery_limit: a.effective_delivery_limit(),
     }
+}
+
+/// May a queue with this policy refuse a publish?
+fn refuses(p: &Policy) -> bool {
+    p.overflow != args::Overflow::DropHead && p.limits_length()
 }
 
 /// A message's own TTL (the `expiration` property, validated by the session), in ms.
@@ -492,6 +504,9 @@ impl Broker {
             page_pending: VecDeque::new(),
             dead_letters: VecDeque::new(),
             dead_lettering: false,
+            cycles_reported: HashSet::new(),
+            ticking: false,
+            refusing_queues: 0,
         };
         if b.config.persistence {
             b.persist = Some(Persist::new());
@@ -710,6 +725,9 @@ impl Broker {
             self.exclusive.entry(o).or_default().push(id);
         }
         self.queues.insert(id, Box::new(q));
+        if refuses(&policy) {
+            self.refusing_queues += 1;
+        }
         if !policy.is_plain() {
             self.run(id, Command::Configure(policy));
         }
@@ -760,6 +778,10 @@ impl Broker {
     /// bindings (and auto-delete exchanges left without bindings), its messages.
     fn remove_queue(&mut self, id: QueueId) -> Option<QueueDeleted> {
         let q = self.queues.remove(&id)?;
+        self.cycles_reported.remove(&id);
+        if refuses(&policy(&q.args)) {
+            self.refusing_queues = self.refusing_queues.saturating_sub(1);
+        }
         if let Some(p) = self.persist.as_mut() {
             if let (Some(vh), true) = (self.vhosts.get(&q.vhost), q.store_key.is_some()) {
                 for (x, rk, args) in &q.bindings {
@@ -1229,16 +1251,19 @@ impl Broker {
             self.scratch_dests = dests;
         }
         if let Some((reason, x_death, _)) = &death {
-            let queues = &self.queues;
+            let (queues, reported) = (&self.queues, &mut self.cycles_reported);
             targets.retain(|id| {
-                let cycle = queues
-                    .get(id)
-                    .is_some_and(|q| dead_letter::is_cycle(x_death.as_ref(), *reason, &q.name));
+                let Some(q) = queues.get(id) else {
+                    return true;
+                };
+                let cycle = dead_letter::is_cycle(x_death.as_ref(), *reason, &q.name);
                 if cycle {
-                    tracing::warn!(
-                        queue = id.0,
-                        "dead-lettering cycle: message dropped for this queue, as RabbitMQ does"
-                    );
+                    // Once per queue at warning level (RabbitMQ: once per cycle), then quietly.
+                    if reported.insert(*id) {
+                        tracing::warn!(queue = %q.name, vhost = %q.vhost, "dead-letter cycle: a message that would reach this queue again with no rejection on the way is dropped (reported once)");
+                    } else {
+                        tracing::debug!(queue = %q.name, "dead-letter cycle: message dropped");
+                    }
                 }
                 !cycle
             });
@@ -1247,7 +1272,11 @@ impl Broker {
         // A full queue that refuses new messages counts as routed, and the publisher's
         // confirm becomes a nack.
         let mut rejected = 0u32;
+        let refusing = self.refusing_queues > 0;
         targets.retain(|id| {
+            if !refusing {
+                return true;
+            }
             let Some(q) = self.queues.get(id) else {
                 return true;
             };
@@ -1459,7 +1488,12 @@ impl Broker {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        if next != q.scheduled {
+        // A deadline that only moved later stays filed where it was (outside a tick): with a
+        // TTL, every delivery moves it to the next message's expiry, and refiling each time
+        // would cost two tree operations per message. The early tick finds nothing due and
+        // files the real deadline.
+        let later = matches!((q.scheduled, next), (Some(old), Some(new)) if new > old);
+        if next != q.scheduled && !(later && !self.ticking) {
             if let Some(old) = q.scheduled {
                 self.deadlines.remove(&(old, id));
             }
@@ -2085,6 +2119,7 @@ impl Broker {
         // Pages read back to expire them, this call: the rest waits for the next tick (due
         // at once), so one call never holds the node for a whole backlog of expired pages.
         let mut reads = 0;
+        self.ticking = true;
         while let Some(&(at, id)) = self.deadlines.first() {
             if at > self.now_ms || reads >= EXPIRY_READS_PER_TICK {
                 break;
@@ -2120,6 +2155,7 @@ impl Broker {
             }
             self.finish_effects(id);
         }
+        self.ticking = false;
     }
 
     /// The time of the commands that follow (milliseconds on the driver's clock; it never goes

@@ -184,9 +184,23 @@ pub struct QueueArgs {
     /// `x-delivery-limit` (quorum queues; not validated by RabbitMQ 3.10: taken when it is
     /// a non-negative integer, ignored otherwise).
     pub delivery_limit: Option<u64>,
+    /// `x-delivery-limit` was an integer (a negative one: no limit).
+    pub delivery_limit_given: bool,
 }
 
+/// The delivery limit of a quorum queue declared without one (RabbitMQ 4.0's default).
+pub const QUORUM_DEFAULT_DELIVERY_LIMIT: u64 = 20;
+
 impl QueueArgs {
+    /// The delivery limit that applies: the argument, or for a quorum queue without one,
+    /// RabbitMQ 4's default of 20 (a negative argument: none).
+    pub fn effective_delivery_limit(&self) -> Option<u64> {
+        match (self.queue_type, self.delivery_limit_given) {
+            (QueueType::Quorum, false) => Some(QUORUM_DEFAULT_DELIVERY_LIMIT),
+            _ => self.delivery_limit,
+        }
+    }
+
     /// Does the queue keep a length limit (`x-max-length` or `x-max-length-bytes`)?
     pub fn limits_length(&self) -> bool {
         self.max_length.is_some() || self.max_length_bytes.is_some()
@@ -341,7 +355,10 @@ fn check_key(key: &str, v: &FieldValue, args: &FieldTable, out: &mut QueueArgs) 
                 _ => return Err(Bad::Text(format!("unsupported queue version '{i}'"))),
             };
         }
-        "x-delivery-limit" => out.delivery_limit = v.as_u64(),
+        "x-delivery-limit" => {
+            out.delivery_limit = v.as_u64();
+            out.delivery_limit_given = v.as_i64().is_some();
+        }
         "x-single-active-consumer" => match v {
             FieldValue::Bool(b) => out.single_active_consumer = *b,
             other => {
@@ -845,6 +862,21 @@ mod tests {
         )
         .expect("unvalidated");
         assert_eq!(q.delivery_limit, None);
+        // Without an integer limit a quorum queue has RabbitMQ 4's default; a negative one
+        // lifts it.
+        assert_eq!(
+            q.effective_delivery_limit(),
+            Some(QUORUM_DEFAULT_DELIVERY_LIMIT)
+        );
+        let unlimited = validate(
+            &table(&[
+                ("x-queue-type", FieldValue::long_str("quorum")),
+                ("x-delivery-limit", FieldValue::I32(-1)),
+            ]),
+            RS,
+        )
+        .expect("valid quorum");
+        assert_eq!(unlimited.effective_delivery_limit(), None);
 
         let st = validate(
             &table(&[

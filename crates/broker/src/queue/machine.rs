@@ -514,6 +514,10 @@ pub struct QueueMachine<M> {
     has_had_consumers: bool,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
+    /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
+    /// message expires after the one before it): a deque, so the common case costs no tree
+    /// node per message. Every entry's message is in `ready`; `expiries` holds the rest.
+    expiries_in_order: VecDeque<(u64, u64)>,
     ready_bytes: u64,
     in_flight_bytes: u64,
     /// The last applied command's index and the latest time seen.
@@ -544,6 +548,7 @@ impl<M> Default for QueueMachine<M> {
             exclusive_consumer: None,
             has_had_consumers: false,
             expiries: BTreeSet::new(),
+            expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
             in_flight_bytes: 0,
             last_index: 0,
@@ -800,8 +805,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// Appends a message with the largest id so far to the ready line.
     fn push_ready(&mut self, entry: Entry<M>) {
         self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+        let in_ready = self.policy.max_priority.is_none() && self.tail.is_empty();
         if let Some(at) = entry.meta.expires_at {
-            self.expiries.insert((at, entry.id));
+            self.track_expiry(at, entry.id, in_ready);
         }
         if self.policy.max_priority.is_some() {
             self.by_priority
@@ -811,6 +817,31 @@ impl<M: Clone + Hash> QueueMachine<M> {
         } else {
             self.tail_count += 1;
             self.tail.push_back(Slot::Msg(entry));
+        }
+    }
+
+    /// Files a ready message's expiry: in the in-order deque if the message goes to the back of
+    /// `ready` and expires no earlier than the last one there, else in the ordered index.
+    fn track_expiry(&mut self, at: u64, id: u64, back_of_ready: bool) {
+        let in_order = back_of_ready
+            && self
+                .expiries_in_order
+                .back()
+                .is_none_or(|&(last, last_id)| at >= last && id > last_id);
+        if in_order {
+            self.expiries_in_order.push_back((at, id));
+        } else {
+            self.expiries.insert((at, id));
+        }
+    }
+
+    /// A ready message leaves with its expiry (taken from the head of `ready`, or anywhere
+    /// else through the index).
+    fn untrack_expiry(&mut self, at: u64, id: u64) {
+        if self.expiries_in_order.front() == Some(&(at, id)) {
+            self.expiries_in_order.pop_front();
+        } else {
+            self.expiries.remove(&(at, id));
         }
     }
 
@@ -868,6 +899,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
             }
             self.paged_below = 0;
             let moved = self.ready.split_off(split);
+            // What leaves `ready` takes its expiry to the index.
+            if let Some(first) = moved.front().map(|e| e.id) {
+                while let Some(&(at, id)) = self.expiries_in_order.back().filter(|e| e.1 >= first) {
+                    self.expiries_in_order.pop_back();
+                    self.expiries.insert((at, id));
+                }
+            }
             self.tail_count += moved.len() as u64;
             self.tail.extend(moved.into_iter().map(Slot::Msg));
         }
@@ -939,7 +977,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             left.count = left.count.saturating_sub(1);
             left.bytes = left.bytes.saturating_sub(m.meta.size);
             if let Some(at) = m.meta.expires_at {
-                self.expiries.insert((at, m.msg_id));
+                self.track_expiry(at, m.msg_id, self.policy.max_priority.is_none());
             }
             self.tail_count = self.tail_count.saturating_sub(1);
             let entry = Entry {
@@ -1178,7 +1216,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }?;
         self.ready_bytes = self.ready_bytes.saturating_sub(entry.meta.size);
         if let Some(at) = entry.meta.expires_at {
-            self.expiries.remove(&(at, entry.id));
+            self.untrack_expiry(at, entry.id);
         }
         Some(entry)
     }
@@ -1271,6 +1309,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.returned.clear();
         self.by_priority.clear();
         self.expiries.clear();
+        self.expiries_in_order.clear();
         self.ready_bytes = 0;
         u32::try_from(n).unwrap_or(u32::MAX)
     }
@@ -1279,6 +1318,26 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// (RabbitMQ's rule: a delivered message belongs to its consumer); one that comes back
     /// expires then.
     fn expire(&mut self, effects: &mut Vec<Effect<M>>) {
+        // The in-order deque first: its messages are in `ready`, nearly always at its head.
+        while let Some(&(at, id)) = self.expiries_in_order.front() {
+            if !expired(at, self.now_ms) {
+                break;
+            }
+            self.expiries_in_order.pop_front();
+            let entry = match self.ready.binary_search_by_key(&id, |e| e.id) {
+                Ok(i) => self.ready.remove(i),
+                Err(_) => None,
+            };
+            if let Some(e) = entry {
+                self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
+                effects.push(Effect::DeadLetter {
+                    msg_id: e.id,
+                    message: e.msg,
+                    delivery_count: e.delivery_count,
+                    reason: DeadLetterReason::Expired,
+                });
+            }
+        }
         while let Some(&(at, id)) = self.expiries.first() {
             if !expired(at, self.now_ms) {
                 break;
@@ -1328,7 +1387,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     /// The earliest time at which a [`Command::Tick`] has work to do.
     pub fn next_deadline(&self) -> Option<u64> {
-        let message = self.expiries.first().map(|&(at, _)| at.saturating_add(1));
+        let first = min_opt(
+            self.expiries.first().map(|&(at, _)| at),
+            self.expiries_in_order.front().map(|&(at, _)| at),
+        );
+        let message = first.map(|at| at.saturating_add(1));
         let run = self.run_expiry().map(|at| at.saturating_add(1));
         min_opt(min_opt(message, run), self.queue_expiry())
     }
@@ -1606,6 +1669,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         self.exclusive_consumer.hash(&mut h);
         self.has_had_consumers.hash(&mut h);
+        self.expiries_in_order.hash(&mut h);
         self.expiries.len().hash(&mut h);
         for e in &self.expiries {
             e.hash(&mut h);

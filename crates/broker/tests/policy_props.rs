@@ -1,0 +1,343 @@
+//! Property tests for queues with a policy (`x-max-length`, `x-overflow`, `x-max-priority`,
+//! `x-delivery-limit`, single active consumer, consumer priorities): random command sequences,
+//! with every message accounted for after every step, the policy's promise checked, and the
+//! log replayed into a fresh machine.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+use warren_broker::machine::{
+    effects_digest, Command, ConsumerId, ConsumerSpec, CreditGroup, DeadLetterReason, Effect, Meta,
+    MsgMeta, Policy, QueueMachine, Receipt, Reply,
+};
+use warren_broker::queue::args::Overflow;
+use warren_codec::{FieldTable, ShortStr};
+
+/// A message is its id and priority.
+type Msg = (u64, u8);
+
+#[derive(Clone, Debug)]
+enum Op {
+    Enqueue { priority: u8, ttl: Option<u64> },
+    Consume { priority: i64, prefetch: u32 },
+    Cancel { pick: usize },
+    Checkout { max: u32 },
+    Get,
+    Settle { pick: usize },
+    Return { pick: usize },
+    Discard { pick: usize },
+    Tick { advance: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0u8..12, prop::option::weighted(0.2, 1u64..40))
+            .prop_map(|(priority, ttl)| Op::Enqueue { priority, ttl }),
+        1 => (-2i64..3, 0u32..4).prop_map(|(priority, prefetch)| Op::Consume { priority, prefetch }),
+        1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
+        3 => (1u32..5).prop_map(|max| Op::Checkout { max }),
+        1 => Just(Op::Get),
+        2 => any::<usize>().prop_map(|pick| Op::Settle { pick }),
+        2 => any::<usize>().prop_map(|pick| Op::Return { pick }),
+        1 => any::<usize>().prop_map(|pick| Op::Discard { pick }),
+        1 => (0u64..20).prop_map(|advance| Op::Tick { advance }),
+    ]
+}
+
+fn policy() -> impl Strategy<Value = Policy> {
+    (
+        prop::option::of(0u64..5),
+        prop::option::of(0u64..6),
+        prop_oneof![
+            Just(Overflow::DropHead),
+            Just(Overflow::RejectPublish),
+            Just(Overflow::RejectPublishDlx)
+        ],
+        prop::option::of(0u8..10),
+        any::<bool>(),
+        prop::option::of(0u64..3),
+    )
+        .prop_map(
+            |(
+                max_length,
+                max_length_bytes,
+                overflow,
+                max_priority,
+                single_active,
+                delivery_limit,
+            )| {
+                Policy {
+                    max_length,
+                    max_length_bytes,
+                    overflow,
+                    expires_ms: None,
+                    max_priority,
+                    single_active,
+                    delivery_limit,
+                }
+            },
+        )
+}
+
+/// Where each message is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Place {
+    Ready,
+    InFlight(Option<ConsumerId>, u32),
+    Gone,
+}
+
+struct Run {
+    m: QueueMachine<Msg>,
+    now: u64,
+    log: Vec<(Meta, Command<Msg>, u64)>,
+    places: BTreeMap<u64, Place>,
+    consumers: Vec<(ConsumerId, i64, u32)>,
+    next_consumer: u64,
+    effects: Vec<Effect<Msg>>,
+}
+
+impl Run {
+    fn apply(&mut self, c: Command<Msg>) -> Reply {
+        let meta = Meta {
+            index: self.log.len() as u64 + 1,
+            now_ms: self.now,
+        };
+        self.effects.clear();
+        let reply = self.m.apply(meta, c.clone(), &mut self.effects);
+        self.log
+            .push((meta, c, effects_digest(&reply, &self.effects)));
+        reply
+    }
+
+    /// Books the effects of the last command: deliveries and dead letters.
+    fn book(&mut self, policy: &Policy) -> Result<Vec<(u64, Option<ConsumerId>)>, TestCaseError> {
+        let mut delivered = Vec::new();
+        for e in self.effects.clone() {
+            match e {
+                Effect::Deliver(d) => {
+                    let id = d.receipt.msg_id;
+                    prop_assert_eq!(
+                        self.places.get(&id),
+                        Some(&Place::Ready),
+                        "{} delivered twice",
+                        id
+                    );
+                    let place = if d.settled {
+                        Place::Gone
+                    } else {
+                        Place::InFlight(d.consumer, d.receipt.attempt)
+                    };
+                    self.places.insert(id, place);
+                    delivered.push((id, d.consumer));
+                }
+                Effect::DeadLetter {
+                    msg_id,
+                    reason,
+                    delivery_count,
+                    ..
+                } => {
+                    let was = self.places.get(&msg_id).copied();
+                    match reason {
+                        DeadLetterReason::MaxLen | DeadLetterReason::Expired => {
+                            prop_assert_eq!(was, Some(Place::Ready))
+                        }
+                        DeadLetterReason::DeliveryLimit => {
+                            let limit = policy.delivery_limit.unwrap_or(u64::MAX);
+                            prop_assert!(u64::from(delivery_count) > limit);
+                        }
+                        DeadLetterReason::Rejected => {}
+                    }
+                    self.places.insert(msg_id, Place::Gone);
+                }
+            }
+        }
+        Ok(delivered)
+    }
+
+    fn in_flight(&self) -> Vec<(u64, Option<ConsumerId>, u32)> {
+        self.places
+            .iter()
+            .filter_map(|(id, p)| match p {
+                Place::InFlight(c, a) => Some((*id, *c, *a)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn check(r: &Run, policy: &Policy) -> Result<(), TestCaseError> {
+    let ready: BTreeSet<u64> = r
+        .places
+        .iter()
+        .filter(|(_, p)| **p == Place::Ready)
+        .map(|(id, _)| *id)
+        .collect();
+    prop_assert_eq!(r.m.ready_count(), ready.len(), "every message in one place");
+    prop_assert_eq!(r.m.in_flight_count(), r.in_flight().len());
+    let ids = r.m.ready_ids();
+    prop_assert_eq!(ids.iter().copied().collect::<BTreeSet<u64>>(), ready);
+    if let Some(max) = policy.max_priority {
+        // Highest priority first, then id order (a returned message goes back in place).
+        let key = |id: &u64| {
+            let p =
+                r.m.ready_messages()
+                    .find(|(i, _, _)| i == id)
+                    .map(|(_, m, _)| m.1);
+            (std::cmp::Reverse(p.unwrap_or(0).min(max)), *id)
+        };
+        let mut sorted = ids.clone();
+        sorted.sort_by_key(key);
+        prop_assert_eq!(&ids, &sorted);
+    }
+    Ok(())
+}
+
+fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
+    let mut r = Run {
+        m: QueueMachine::new(),
+        now: 0,
+        log: Vec::new(),
+        places: BTreeMap::new(),
+        consumers: Vec::new(),
+        next_consumer: 1,
+        effects: Vec::new(),
+    };
+    r.apply(Command::Configure(policy));
+    for op in ops {
+        match op {
+            Op::Enqueue { priority, ttl } => {
+                let id = r.m.next_msg_id();
+                let was_full = r.m.rejects(1);
+                let meta = MsgMeta {
+                    size: 1,
+                    expires_at: ttl.map(|t| r.now + t),
+                    priority: policy.max_priority.map_or(0, |m| priority.min(m)),
+                    ..MsgMeta::default()
+                };
+                let reply = r.apply(Command::Enqueue {
+                    message: (id, priority),
+                    meta,
+                });
+                match reply {
+                    Reply::Enqueued { msg_id } => {
+                        prop_assert!(!was_full);
+                        prop_assert_eq!(msg_id, id);
+                        r.places.insert(id, Place::Ready);
+                    }
+                    Reply::Refused(_) => {
+                        prop_assert!(was_full && policy.overflow != Overflow::DropHead);
+                        prop_assert!(r.effects.is_empty());
+                        continue;
+                    }
+                    other => return Err(TestCaseError::fail(format!("{other:?}"))),
+                }
+                r.book(&policy)?;
+                if policy.overflow == Overflow::DropHead {
+                    if let Some(n) = policy.max_length {
+                        prop_assert!(r.m.ready_count() as u64 <= n);
+                    }
+                    if let Some(n) = policy.max_length_bytes {
+                        prop_assert!(r.m.ready_bytes() <= n);
+                    }
+                }
+            }
+            Op::Consume { priority, prefetch } => {
+                let id = ConsumerId(r.next_consumer);
+                r.next_consumer += 1;
+                let spec = ConsumerSpec {
+                    group: CreditGroup {
+                        conn: 1,
+                        channel: id.0 as u16,
+                    },
+                    tag: ShortStr::from("c"),
+                    no_ack: false,
+                    prefetch,
+                    exclusive: false,
+                    priority,
+                    arguments: FieldTable::new(),
+                };
+                prop_assert_eq!(r.apply(Command::Consume { id, spec }), Reply::Ok);
+                r.consumers.push((id, priority, prefetch));
+            }
+            Op::Cancel { pick } => {
+                if r.consumers.is_empty() {
+                    continue;
+                }
+                let (id, ..) = r.consumers.remove(pick % r.consumers.len());
+                r.apply(Command::Cancel { id });
+            }
+            Op::Checkout { max } => {
+                r.apply(Command::Checkout { max });
+                let delivered = r.book(&policy)?;
+                if policy.single_active {
+                    // Only the oldest consumer still there receives.
+                    let oldest = r.consumers.iter().map(|c| c.0).min();
+                    for (_, c) in &delivered {
+                        prop_assert_eq!(*c, oldest);
+                    }
+                } else if let Some(&(_, first)) = delivered.first() {
+                    // Nobody of a higher priority than the first served was left with credit
+                    // before it (checked on the first delivery of the checkout).
+                    let p = r.consumers.iter().find(|c| Some(c.0) == first).map(|c| c.1);
+                    let held = |id: ConsumerId| {
+                        r.in_flight().iter().filter(|f| f.1 == Some(id)).count() as u32
+                    };
+                    for (id, prio, prefetch) in &r.consumers {
+                        if p.is_some_and(|p| *prio > p) {
+                            let had_room = *prefetch == 0 || held(*id) < *prefetch;
+                            prop_assert!(!had_room, "{:?} (priority {}) skipped", id, prio);
+                        }
+                    }
+                }
+            }
+            Op::Get => {
+                r.apply(Command::Get { no_ack: false });
+                r.book(&policy)?;
+            }
+            Op::Settle { pick } | Op::Return { pick } | Op::Discard { pick } => {
+                let flying = r.in_flight();
+                if flying.is_empty() {
+                    continue;
+                }
+                let (msg_id, _, attempt) = flying[pick % flying.len()];
+                let receipt = Receipt { msg_id, attempt };
+                let (c, after) = match op {
+                    Op::Settle { .. } => (Command::Settle { receipt }, Place::Gone),
+                    Op::Return { .. } => (Command::Return { receipt }, Place::Ready),
+                    _ => (Command::Discard { receipt }, Place::Gone),
+                };
+                prop_assert_eq!(r.apply(c), Reply::Ok);
+                r.places.insert(msg_id, after);
+                r.book(&policy)?;
+            }
+            Op::Tick { advance } => {
+                r.now += advance;
+                r.apply(Command::Tick);
+                r.book(&policy)?;
+            }
+        }
+        check(&r, &policy)?;
+    }
+    Ok(r)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn policies_keep_every_message_accounted_for_and_replay(
+        policy in policy(),
+        ops in proptest::collection::vec(op(), 0..120),
+    ) {
+        let r = run(policy, ops)?;
+        let mut m = QueueMachine::new();
+        let mut effects = Vec::new();
+        for (meta, c, want) in &r.log {
+            effects.clear();
+            let reply = m.apply(*meta, c.clone(), &mut effects);
+            prop_assert_eq!(effects_digest(&reply, &effects), *want);
+        }
+        prop_assert_eq!(m.digest(), r.m.digest());
+    }
+}
