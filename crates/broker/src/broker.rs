@@ -1493,7 +1493,7 @@ impl Broker {
         // would cost two tree operations per message. The early tick finds nothing due and
         // files the real deadline.
         let later = matches!((q.scheduled, next), (Some(old), Some(new)) if new > old);
-        if next != q.scheduled && !(later && !self.ticking) {
+        if next != q.scheduled && (self.ticking || !later) {
             if let Some(old) = q.scheduled {
                 self.deadlines.remove(&(old, id));
             }
