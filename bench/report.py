@@ -8,6 +8,7 @@ Standard library only.
 """
 
 import argparse
+import glob
 import html
 import json
 import os

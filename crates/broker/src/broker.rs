@@ -118,6 +118,12 @@ pub struct Broker {
     cycles_reported: HashSet<QueueId>,
     /// `tick` is running: deadlines are filed exactly.
     ticking: bool,
+    /// Deliveries to consumers that timed out since the last [`Broker::take_timed_out`]: the
+    /// session stops counting them against their channel's prefetch.
+    timed_out: Vec<(QueueId, CreditGroup, Receipt)>,
+    /// Consumers cancelled by their consumer timeout since the last
+    /// [`Broker::take_consumer_timeouts`].
+    consumer_timeouts: Vec<ConsumerTimeout>,
     /// Queues that may refuse a publish (`x-overflow` reject-publish with a length limit): while
     /// there are none, a publish does not look its targets up to ask.
     refusing_queues: usize,
@@ -134,6 +140,16 @@ struct DeadLetter {
     reason: DeadLetterReason,
 }
 
+/// A consumer cancelled because it left a delivery unsettled past its consumer timeout.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConsumerTimeout {
+    pub queue: QueueId,
+    pub consumer: ConsumerId,
+    pub group: CreditGroup,
+    pub tag: ShortStr,
+    pub timeout_ms: u64,
+}
+
 /// What a queue's declaration asks of its machine.
 fn policy(a: &args::QueueArgs) -> Policy {
     Policy {
@@ -144,6 +160,8 @@ fn policy(a: &args::QueueArgs) -> Policy {
         max_priority: a.max_priority,
         single_active: a.single_active_consumer,
         delivery_limit: a.effective_delivery_limit(),
+        visibility_timeout_ms: a.visibility_timeout_ms,
+        consumer_timeout_ms: a.consumer_timeout_ms,
     }
 }
 
@@ -506,6 +524,8 @@ impl Broker {
             dead_lettering: false,
             cycles_reported: HashSet::new(),
             ticking: false,
+            timed_out: Vec::new(),
+            consumer_timeouts: Vec::new(),
             refusing_queues: 0,
         };
         if b.config.persistence {
@@ -1539,6 +1559,45 @@ impl Broker {
                     // Only Checkout and Get deliver, and their callers take the deliveries.
                     debug_assert!(false, "unexpected delivery {:?}", d.receipt);
                 }
+                Effect::TimedOut {
+                    msg_id,
+                    attempt,
+                    group,
+                    message,
+                } => {
+                    // Back in the queue: its count is written, as for a requeue (a
+                    // dead-lettered one follows as a DeadLetter).
+                    let keys = self.queues.get(&queue).and_then(|q| q.entry_key(&message));
+                    if let (Some(p), Some(qkey)) = (self.persist.as_mut(), keys) {
+                        let op = StoreOp::PutCount {
+                            queue: qkey,
+                            msg_id,
+                            count: attempt,
+                        };
+                        p.push(op, false);
+                    }
+                    if let Some(group) = group {
+                        let receipt = Receipt { msg_id, attempt };
+                        self.timed_out.push((queue, group, receipt));
+                    }
+                }
+                Effect::SettledLate {
+                    msg_id,
+                    message,
+                    delivery_count,
+                } => self.forget_stored(queue, msg_id, &message, delivery_count, false),
+                Effect::ConsumerTimedOut {
+                    consumer,
+                    group,
+                    tag,
+                    timeout_ms,
+                } => self.consumer_timeouts.push(ConsumerTimeout {
+                    queue,
+                    consumer,
+                    group,
+                    tag,
+                    timeout_ms,
+                }),
             }
         }
         self.effects = effects;
@@ -1615,7 +1674,8 @@ impl Broker {
                     tracing::debug!(queue = %dl.queue, exchange = %dl.exchange, "dead letter routed nowhere: dropped")
                 }
                 Err(error) => {
-                    tracing::warn!(queue = %dl.queue, exchange = %dl.exchange, %error, "dead-letter exchange unusable: message dropped")
+                    // As RabbitMQ: silently (a line per message would flood the log).
+                    tracing::debug!(queue = %dl.queue, exchange = %dl.exchange, %error, "dead-letter exchange unusable: message dropped")
                 }
             }
         }
@@ -2075,9 +2135,8 @@ impl Broker {
                     let mut message = d.message;
                     // A quorum queue tells a consumer how many times the message went out
                     // before (RabbitMQ: on every redelivery, and on every basic.get).
-                    if q.args.queue_type == QueueType::Quorum
-                        && (d.receipt.attempt > 1 || d.consumer.is_none())
-                    {
+                    let counts = q.args.queue_type == QueueType::Quorum || q.args.is_task_queue();
+                    if counts && (d.receipt.attempt > 1 || d.consumer.is_none()) {
                         let before = d.receipt.attempt.saturating_sub(1);
                         if let Ok(p) = dead_letter::with_delivery_count(&message.properties, before)
                         {
@@ -2256,6 +2315,10 @@ impl Broker {
         if let (true, Some((qkey, body)), Some(p)) = (ok, stored, self.persist.as_mut()) {
             p.forget(qkey, receipt.msg_id, body, receipt.attempt > 1);
         }
+        if !self.effects.is_empty() {
+            // A late ack that settled a timed-out message waiting in the queue.
+            self.finish_effects(queue);
+        }
         ok
     }
 
@@ -2318,6 +2381,30 @@ impl Broker {
         // the queue's length limit, drop-head drops it (or an older one).
         self.finish_effects(queue);
         ok
+    }
+
+    /// A delivery's holder asks for more time: its visibility deadline becomes now plus
+    /// `timeout_ms`. False if the receipt is not current (it timed out already, or the queue
+    /// is gone).
+    pub fn extend(&mut self, queue: QueueId, receipt: Receipt, timeout_ms: u64) -> bool {
+        self.run(
+            queue,
+            Command::Extend {
+                receipt,
+                timeout_ms,
+            },
+        ) == Some(Reply::Ok)
+    }
+
+    /// The consumers cancelled by their consumer timeout since the last call (the session tells
+    /// their clients).
+    pub fn take_consumer_timeouts(&mut self) -> Vec<ConsumerTimeout> {
+        std::mem::take(&mut self.consumer_timeouts)
+    }
+
+    /// The consumer deliveries that timed out since the last call: (queue, channel, receipt).
+    pub fn take_timed_out(&mut self) -> Vec<(QueueId, CreditGroup, Receipt)> {
+        std::mem::take(&mut self.timed_out)
     }
 
     /// reject/nack without requeue: the message leaves the queue, to its dead-letter exchange

@@ -35,7 +35,7 @@ pub mod persist;
 pub mod queue;
 mod small;
 
-pub use broker::{Broker, QueueInfo};
+pub use broker::{Broker, ConsumerTimeout, QueueInfo};
 pub use exchange::ExchangeKind;
 pub use persist::{
     BindingDef, BindingDest, ExchangeDef, Page, PageSource, QueueDef, StoreKeys, StoreOp,

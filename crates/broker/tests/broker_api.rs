@@ -342,10 +342,14 @@ fn redeclare_compares_the_types_arguments() {
     declare(&mut b, "c");
     let mut r = req("c");
     r.arguments = table(&[
-        ("x-delivery-limit", FieldValue::I32(5)),
+        ("x-quorum-initial-group-size", FieldValue::I32(5)),
         ("x-max-age", FieldValue::long_str("1D")),
     ]);
     assert!(b.declare_queue(V, r, C1).is_ok());
+    // x-delivery-limit acts on classic queues in Warren, so it is compared.
+    let mut r = req("c");
+    r.arguments = table(&[("x-delivery-limit", FieldValue::I32(5))]);
+    assert!(b.declare_queue(V, r, C1).is_err());
     // ...but not a type change.
     let mut r = req("c");
     r.arguments = table(&[("x-queue-type", FieldValue::long_str("quorum"))]);
@@ -371,12 +375,12 @@ fn redeclare_compares_the_types_arguments() {
     );
     // Arguments a type does not support are refused on declare.
     let mut r = req("c2");
-    r.arguments = table(&[("x-delivery-limit", FieldValue::I32(5))]);
+    r.arguments = table(&[("x-quorum-initial-group-size", FieldValue::I32(5))]);
     assert_eq!(
         b.declare_queue(V, r, C1),
         Err(err(
             ReplyCode::PreconditionFailed,
-            "invalid arg 'x-delivery-limit' for queue 'c2' in vhost '/' of queue type rabbit_classic_queue"
+            "invalid arg 'x-quorum-initial-group-size' for queue 'c2' in vhost '/' of queue type rabbit_classic_queue"
         ))
     );
 }

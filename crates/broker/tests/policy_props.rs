@@ -18,15 +18,42 @@ type Msg = (u64, u8);
 
 #[derive(Clone, Debug)]
 enum Op {
-    Enqueue { priority: u8, ttl: Option<u64> },
-    Consume { priority: i64, prefetch: u32 },
-    Cancel { pick: usize },
-    Checkout { max: u32 },
+    Enqueue {
+        priority: u8,
+        ttl: Option<u64>,
+    },
+    Consume {
+        priority: i64,
+        prefetch: u32,
+    },
+    Cancel {
+        pick: usize,
+    },
+    Checkout {
+        max: u32,
+    },
     Get,
-    Settle { pick: usize },
-    Return { pick: usize },
-    Discard { pick: usize },
-    Tick { advance: u64 },
+    Settle {
+        pick: usize,
+    },
+    Return {
+        pick: usize,
+    },
+    Discard {
+        pick: usize,
+    },
+    Tick {
+        advance: u64,
+    },
+    /// Extends a delivery's visibility.
+    Extend {
+        pick: usize,
+        ms: u64,
+    },
+    /// An ack with the receipt of a delivery that timed out.
+    LateSettle {
+        pick: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -41,6 +68,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => any::<usize>().prop_map(|pick| Op::Return { pick }),
         1 => any::<usize>().prop_map(|pick| Op::Discard { pick }),
         1 => (0u64..20).prop_map(|advance| Op::Tick { advance }),
+        1 => (any::<usize>(), 1u64..30).prop_map(|(pick, ms)| Op::Extend { pick, ms }),
+        1 => any::<usize>().prop_map(|pick| Op::LateSettle { pick }),
     ]
 }
 
@@ -56,6 +85,8 @@ fn policy() -> impl Strategy<Value = Policy> {
         prop::option::of(0u8..10),
         any::<bool>(),
         prop::option::of(0u64..3),
+        prop::option::of(1u64..30),
+        prop::option::weighted(0.3, 1u64..40),
     )
         .prop_map(
             |(
@@ -65,6 +96,8 @@ fn policy() -> impl Strategy<Value = Policy> {
                 max_priority,
                 single_active,
                 delivery_limit,
+                visibility_timeout_ms,
+                consumer_timeout_ms,
             )| {
                 Policy {
                     max_length,
@@ -74,6 +107,8 @@ fn policy() -> impl Strategy<Value = Policy> {
                     max_priority,
                     single_active,
                     delivery_limit,
+                    visibility_timeout_ms,
+                    consumer_timeout_ms,
                 }
             },
         )
@@ -95,6 +130,12 @@ struct Run {
     consumers: Vec<(ConsumerId, i64, u32)>,
     next_consumer: u64,
     effects: Vec<Effect<Msg>>,
+    /// The latest attempt of each message that was delivered.
+    attempts: BTreeMap<u64, u32>,
+    /// Receipts of deliveries that timed out.
+    timed_out: Vec<Receipt>,
+    /// Messages whose delivery was extended (a deadline even without the queue's timeout).
+    extended: BTreeSet<u64>,
 }
 
 impl Run {
@@ -129,7 +170,40 @@ impl Run {
                         Place::InFlight(d.consumer, d.receipt.attempt)
                     };
                     self.places.insert(id, place);
+                    self.attempts.insert(id, d.receipt.attempt);
                     delivered.push((id, d.consumer));
+                }
+                Effect::TimedOut {
+                    msg_id, attempt, ..
+                } => {
+                    let held = matches!(self.places.get(&msg_id), Some(Place::InFlight(_, a)) if *a == attempt);
+                    prop_assert!(held, "{} timed out but was not in flight", msg_id);
+                    let deadline = policy.visibility_timeout_ms.is_some()
+                        || policy.consumer_timeout_ms.is_some()
+                        || self.extended.contains(&msg_id);
+                    prop_assert!(deadline, "{} timed out with no timeout", msg_id);
+                    self.places.insert(msg_id, Place::Ready);
+                    self.timed_out.push(Receipt { msg_id, attempt });
+                }
+                Effect::ConsumerTimedOut { consumer, .. } => {
+                    prop_assert!(policy.consumer_timeout_ms.is_some());
+                    let before = self.consumers.len();
+                    self.consumers.retain(|c| c.0 != consumer);
+                    prop_assert_eq!(
+                        self.consumers.len() + 1,
+                        before,
+                        "{:?} cancelled twice",
+                        consumer
+                    );
+                }
+                Effect::SettledLate {
+                    msg_id,
+                    delivery_count,
+                    ..
+                } => {
+                    prop_assert_eq!(self.places.get(&msg_id), Some(&Place::Ready));
+                    prop_assert_eq!(self.attempts.get(&msg_id), Some(&delivery_count));
+                    self.places.insert(msg_id, Place::Gone);
                 }
                 Effect::DeadLetter {
                     msg_id,
@@ -202,6 +276,9 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
         consumers: Vec::new(),
         next_consumer: 1,
         effects: Vec::new(),
+        attempts: BTreeMap::new(),
+        timed_out: Vec::new(),
+        extended: BTreeSet::new(),
     };
     r.apply(Command::Configure(policy));
     for op in ops {
@@ -314,6 +391,32 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
             Op::Tick { advance } => {
                 r.now += advance;
                 r.apply(Command::Tick);
+                r.book(&policy)?;
+            }
+            Op::Extend { pick, ms } => {
+                let flying = r.in_flight();
+                if flying.is_empty() {
+                    continue;
+                }
+                let (msg_id, _, attempt) = flying[pick % flying.len()];
+                let receipt = Receipt { msg_id, attempt };
+                let reply = r.apply(Command::Extend {
+                    receipt,
+                    timeout_ms: ms,
+                });
+                prop_assert_eq!(reply, Reply::Ok);
+                r.extended.insert(msg_id);
+            }
+            Op::LateSettle { pick } => {
+                if r.timed_out.is_empty() {
+                    continue;
+                }
+                let receipt = r.timed_out[pick % r.timed_out.len()];
+                // Settles only a message waiting in the queue, delivered to nobody since.
+                let waiting = r.places.get(&receipt.msg_id) == Some(&Place::Ready)
+                    && r.attempts.get(&receipt.msg_id) == Some(&receipt.attempt);
+                let reply = r.apply(Command::Settle { receipt });
+                prop_assert_eq!(reply, if waiting { Reply::Ok } else { Reply::Stale });
                 r.book(&policy)?;
             }
         }

@@ -41,6 +41,10 @@ pub struct Args {
     /// Seconds a client has to complete the AMQP handshake [default: 10]
     #[arg(long, env = "WARREN_HANDSHAKE_TIMEOUT")]
     pub handshake_timeout: Option<u64>,
+    /// A consumer past its x-consumer-timeout gets its channel closed with 406, as RabbitMQ
+    /// before 4.3 did, instead of basic.cancel (RabbitMQ 4.3's behaviour, the default)
+    #[arg(long, env = "WARREN_CONSUMER_TIMEOUT_CLOSES_CHANNEL")]
+    pub consumer_timeout_closes_channel: bool,
     /// Where durable queues, exchanges, bindings and persistent messages are kept
     /// [default: $XDG_DATA_HOME/warren, else ~/.local/share/warren]
     #[arg(long, env = "WARREN_DATA_DIR", value_name = "DIR")]
@@ -89,6 +93,7 @@ pub struct FileConfig {
     pub channel_max: Option<u16>,
     pub max_message_size: Option<u64>,
     pub handshake_timeout: Option<u64>,
+    pub consumer_timeout_closes_channel: Option<bool>,
     pub data_dir: Option<PathBuf>,
     pub memory_high_watermark: Option<f64>,
     pub memory_limit: Option<u64>,
@@ -209,6 +214,8 @@ impl Config {
         if let Some(v) = args.handshake_timeout.or(file.handshake_timeout) {
             session.handshake_timeout_ms = v.saturating_mul(1000);
         }
+        session.consumer_timeout_closes_channel = args.consumer_timeout_closes_channel
+            || file.consumer_timeout_closes_channel.unwrap_or(false);
         if let Some(users) = file.users {
             session.users = users
                 .into_iter()

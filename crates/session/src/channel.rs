@@ -91,6 +91,10 @@ fn parse_reply_address(routing_key: &str) -> Option<(ConnId, u16, &str)> {
     Some((conn, channel, parts.next()?))
 }
 
+/// Publishing to this exchange name extends the visibility timeout of a delivery the channel
+/// holds (headers `x-delivery-tag` and `x-visibility-timeout`); nothing is routed.
+pub const VISIBILITY_EXCHANGE: &str = "amq.warren.visibility";
+
 /// A delivery the client has not settled yet, by delivery tag.
 #[derive(Debug)]
 pub(crate) struct Unacked {
@@ -98,6 +102,9 @@ pub(crate) struct Unacked {
     pub receipt: Receipt,
     /// A consumer delivery (counted against the channel-wide prefetch); false for basic.get.
     pub counted: bool,
+    /// Its visibility timeout passed: the message went back to its queue. The tag stays valid
+    /// (a late ack is not an error), but no longer counts against the channel's prefetch.
+    pub timed_out: bool,
 }
 
 /// The channel's record of one of its consumers: the consumer itself (prefetch, what it holds)
@@ -269,6 +276,7 @@ impl Channel {
                     queue,
                     receipt,
                     counted: true,
+                    timed_out: false,
                 },
             );
         }
@@ -419,6 +427,16 @@ impl Channel {
         body: Bytes,
         ctx: &mut Ctx<'_>,
     ) -> Result<(), Fault> {
+        if publish.exchange.as_str() == VISIBILITY_EXCHANGE {
+            // Not a message: a holder asking for more time on one of its deliveries. Its
+            // confirm (if the channel has confirms on) says whether it got it.
+            let extended = self.extend_visibility(&header.properties, ctx);
+            if self.confirm {
+                self.publish_seq += 1;
+                self.confirm_publish(None, !extended, ctx.out);
+            }
+            return Ok(());
+        }
         check_expiration(&header.properties).map_err(Fault::on_publish)?;
         let persistent = properties::delivery_mode(&header.properties) == Some(2);
         let mut props = header.properties;
@@ -453,20 +471,46 @@ impl Channel {
             ctx,
         )?;
         if self.confirm {
-            let seq = self.publish_seq;
-            if batch.is_some() || !self.confirm_waiting.is_empty() {
-                self.confirm_waiting
-                    .push_back((seq, batch.unwrap_or(0), rejected));
-            } else if rejected {
-                // A full queue refused it (x-overflow reject-publish): acks before it go
-                // first, so that a multiple ack cannot cover it.
-                self.flush_confirms(ctx.out);
-                encode_nack(ctx.out, self.id, seq, false, false);
-            } else {
-                self.confirm_ready(seq);
-            }
+            self.confirm_publish(batch, rejected, ctx.out);
         }
         Ok(())
+    }
+
+    /// Confirms the latest publish: at once, or after the store write it waits for (`batch`),
+    /// in publish order; as a nack if it was `rejected` (a full queue refused it).
+    fn confirm_publish(&mut self, batch: Option<u64>, rejected: bool, out: &mut BytesMut) {
+        let seq = self.publish_seq;
+        if batch.is_some() || !self.confirm_waiting.is_empty() {
+            self.confirm_waiting
+                .push_back((seq, batch.unwrap_or(0), rejected));
+        } else if rejected {
+            // Acks before it go first, so that a multiple ack cannot cover it.
+            self.flush_confirms(out);
+            encode_nack(out, self.id, seq, false, false);
+        } else {
+            self.confirm_ready(seq);
+        }
+    }
+
+    /// A publish to `amq.warren.visibility`: headers `x-delivery-tag` (a delivery this channel
+    /// holds) and `x-visibility-timeout` (ms from now). True if the delivery's deadline moved;
+    /// false for an unknown or timed-out tag, a queue without the delivery, or bad headers.
+    fn extend_visibility(&mut self, props: &Bytes, ctx: &mut Ctx<'_>) -> bool {
+        let Ok(Some(headers)) = properties::headers(props) else {
+            return false;
+        };
+        let tag = headers.get("x-delivery-tag").and_then(|v| v.as_u64());
+        let ms = headers
+            .get("x-visibility-timeout")
+            .and_then(|v| v.as_u64())
+            .filter(|ms| *ms > 0);
+        let (Some(tag), Some(ms)) = (tag, ms) else {
+            return false;
+        };
+        match self.unacked.get(&tag) {
+            Some(u) if !u.timed_out => ctx.broker.extend(u.queue, u.receipt, ms),
+            _ => false,
+        }
     }
 
     fn confirm_ready(&mut self, seq: u64) {
@@ -749,6 +793,7 @@ impl Channel {
                                     queue: d.queue,
                                     receipt: d.receipt,
                                     counted: false,
+                                    timed_out: false,
                                 },
                             );
                         }
@@ -1115,15 +1160,34 @@ impl Channel {
     }
 
     fn settle_one(&mut self, u: Unacked, how: Settle, ctx: &mut Ctx<'_>) {
-        // A stale receipt (the queue is gone) changes nothing: the client's ack is still valid.
+        // A stale receipt (the queue is gone, or the delivery timed out and went to another
+        // worker) changes nothing: the client's ack is still valid. A late ack of a timed-out
+        // delivery still settles the message if nobody else has taken it since.
         let _current = match how {
             Settle::Ack => ctx.broker.settle(u.queue, u.receipt),
             Settle::Requeue => ctx.broker.requeue(u.queue, u.receipt),
             Settle::Discard => ctx.broker.discard(u.queue, u.receipt),
         };
+        if u.counted && !u.timed_out {
+            self.channel_unacked = self.channel_unacked.saturating_sub(1);
+        }
+    }
+
+    /// A delivery of this channel timed out (its message is back in its queue): it stops
+    /// counting against the channel-wide prefetch. True if the channel had it.
+    pub fn delivery_timed_out(&mut self, queue: QueueId, receipt: Receipt) -> bool {
+        let Some(u) = self
+            .unacked
+            .values_mut()
+            .find(|u| u.queue == queue && u.receipt == receipt && !u.timed_out)
+        else {
+            return false;
+        };
+        u.timed_out = true;
         if u.counted {
             self.channel_unacked = self.channel_unacked.saturating_sub(1);
         }
+        true
     }
 
     /// A consumer removed by the broker (its queue was deleted).

@@ -27,6 +27,9 @@ pub struct SessionConfig {
     /// connection, so a slow reader cannot make the broker buffer without bound.
     pub write_backlog_limit: usize,
     pub users: Vec<User>,
+    /// A consumer past its `x-consumer-timeout` gets its channel closed with 406 (RabbitMQ
+    /// before 4.3) rather than a basic.cancel (4.3).
+    pub consumer_timeout_closes_channel: bool,
     pub product: String,
     pub version: String,
     pub cluster_name: String,
@@ -53,6 +56,7 @@ impl Default for SessionConfig {
             // consumers only) to anything else, which stalls a Celery worker behind its ETA
             // tasks. Warren behaves as RabbitMQ 3.10.8 does, so it says so; `platform` says
             // what it is.
+            consumer_timeout_closes_channel: false,
             product: "RabbitMQ".into(),
             version: "3.10.8".into(),
             cluster_name: "warren".into(),

@@ -641,6 +641,43 @@ impl Node {
         let _deleted: Vec<QueueId> = self.broker.connection_closed(conn);
     }
 
+    /// RabbitMQ before 4.3: a consumer timeout closes the consumer's channel.
+    fn close_channel_on_timeout(&mut self, t: &warren_broker::ConsumerTimeout) {
+        let Some(c) = self.conns.get_mut(&t.group.conn) else {
+            return;
+        };
+        let Some(ch) = c.channels.get_mut(&t.group.channel) else {
+            return;
+        };
+        if ch.closing {
+            return;
+        }
+        let text = format!(
+            "PRECONDITION_FAILED - delivery acknowledgement on channel {} timed out. Timeout value used: {} ms. This timeout value can be configured, see consumers doc guide to learn more",
+            t.group.channel, t.timeout_ms
+        );
+        ch.flush_confirms(&mut c.out);
+        send(
+            &mut c.out,
+            t.group.channel,
+            ChannelClose {
+                reply_code: 406,
+                reply_text: short_text(&text),
+                class_id: 0,
+                method_id: 0,
+            },
+        );
+        ch.closing = true;
+        ch.release_all(&mut self.broker);
+        tracing::info!(
+            conn = t.group.conn,
+            channel = t.group.channel,
+            timeout_ms = t.timeout_ms,
+            "consumer timeout: channel closed"
+        );
+        self.mark(t.group.conn);
+    }
+
     fn notify_cancelled(&mut self) {
         for key in std::mem::take(&mut self.cancelled) {
             let Some(c) = self.conns.get_mut(&key.conn) else {
@@ -676,6 +713,34 @@ impl Node {
     /// Only the connections whose deadline has come are looked at.
     pub fn tick(&mut self, now: u64) {
         self.broker.tick(now);
+        // Deliveries whose visibility timeout passed no longer count against their channel's
+        // prefetch: the channel's queues hear of its new credit.
+        for (queue, group, receipt) in self.broker.take_timed_out() {
+            let found = self
+                .conns
+                .get_mut(&group.conn)
+                .and_then(|c| c.channels.get_mut(&group.channel))
+                .is_some_and(|ch| ch.delivery_timed_out(queue, receipt));
+            if found {
+                self.push_credit(group.conn);
+                self.mark(group.conn);
+            }
+        }
+        // Consumers cancelled by their consumer timeout: the client hears of it as RabbitMQ
+        // 4.3 tells it (basic.cancel), or, with the older behaviour configured, loses the
+        // channel (406).
+        for t in self.broker.take_consumer_timeouts() {
+            if self.config.consumer_timeout_closes_channel {
+                self.close_channel_on_timeout(&t);
+            } else {
+                self.cancelled.push(ConsumerKey {
+                    conn: t.group.conn,
+                    channel: t.group.channel,
+                    tag: t.tag,
+                });
+            }
+        }
+        self.notify_cancelled();
         let mut due = Vec::new();
         while let Some(&(at, id)) = self.timers.first() {
             if at > now {

@@ -55,6 +55,8 @@ const CLASSIC_ARGS: &[&str] = &[
     "x-single-active-consumer",
     "x-queue-type",
     "x-queue-master-locator",
+    // Quorum queues' only in RabbitMQ 3.10; Warren acts on it for every queue.
+    "x-delivery-limit",
 ];
 
 /// The arguments a quorum queue accepts.
@@ -186,12 +188,24 @@ pub struct QueueArgs {
     pub delivery_limit: Option<u64>,
     /// `x-delivery-limit` was an integer (a negative one: no limit).
     pub delivery_limit_given: bool,
+    /// `x-visibility-timeout` (Warren's): a delivery not settled within this many ms comes
+    /// back to the queue.
+    pub visibility_timeout_ms: Option<u64>,
+    /// `x-consumer-timeout` (RabbitMQ 4.3's): a consumer that leaves a delivery unsettled this
+    /// long is cancelled.
+    pub consumer_timeout_ms: Option<u64>,
 }
 
 /// The delivery limit of a quorum queue declared without one (RabbitMQ 4.0's default).
 pub const QUORUM_DEFAULT_DELIVERY_LIMIT: u64 = 20;
 
 impl QueueArgs {
+    /// Does the queue use Warren's task-queue arguments (a visibility timeout, a delivery
+    /// limit)? Its redeliveries then say how many deliveries came before (`x-delivery-count`).
+    pub fn is_task_queue(&self) -> bool {
+        self.visibility_timeout_ms.is_some() || self.delivery_limit.is_some()
+    }
+
     /// The delivery limit that applies: the argument, or for a quorum queue without one,
     /// RabbitMQ 4's default of 20 (a negative argument: none).
     pub fn effective_delivery_limit(&self) -> Option<u64> {
@@ -421,6 +435,13 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
             check_key(key, v, args, &mut out).map_err(|b| invalid(key, b))?;
         }
     }
+    if qtype != QueueType::Stream {
+        for key in WARREN_ARGS {
+            if let Some(v) = args.get(key) {
+                check_warren_key(key, v, &mut out).map_err(|b| invalid(key, b))?;
+            }
+        }
+    }
     for (key, _) in args.iter() {
         if DECLARE_ARGS.contains(&key.as_str()) && !qtype.supports(key) {
             return Err(AmqpError::precondition_failed(format!(
@@ -430,6 +451,29 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
         }
     }
     Ok(out)
+}
+
+/// Warren's own queue arguments (RabbitMQ ignores them), for classic and quorum queues.
+/// (`x-consumer-timeout` is RabbitMQ 4.3's; 3.10 ignores it.)
+pub const WARREN_ARGS: [&str; 2] = ["x-visibility-timeout", "x-consumer-timeout"];
+
+fn check_warren_key(key: &str, v: &FieldValue, out: &mut QueueArgs) -> Result<(), Bad> {
+    match key {
+        "x-visibility-timeout" => out.visibility_timeout_ms = Some(check_positive_ms(v)?),
+        "x-consumer-timeout" => out.consumer_timeout_ms = Some(check_positive_ms(v)?),
+        _ => {}
+    }
+    Ok(())
+}
+
+/// A positive number of milliseconds, at most ten years.
+fn check_positive_ms(v: &FieldValue) -> Result<u64, Bad> {
+    let n = check_int(v)?;
+    if n == 0 {
+        return Err(Bad::Tagged("value_zero", "0".to_string()));
+    }
+    let n = check_expiry(n)?;
+    Ok(n)
 }
 
 /// The `x-dead-letter-exchange` type check that RabbitMQ's channel makes before declaring.
@@ -516,6 +560,11 @@ pub fn validate_consume(args: &FieldTable, rs: &str) -> Result<i64, AmqpError> {
     let mut priority = 0;
     if let Some(v) = args.get("x-priority") {
         priority = check_int(v).map_err(|b| err("x-priority", b))?;
+    }
+    for key in ["x-visibility-timeout", "x-consumer-timeout"] {
+        if let Some(v) = args.get(key) {
+            check_positive_ms(v).map_err(|b| err(key, b))?;
+        }
     }
     if let Some(v) = args.get("x-cancel-on-ha-failover") {
         if !matches!(v, FieldValue::Bool(_)) {
@@ -759,7 +808,7 @@ mod tests {
     #[test]
     fn arguments_the_type_does_not_support() {
         for (t, key, v) in [
-            ("classic", "x-delivery-limit", FieldValue::I32(5)),
+            ("classic", "x-quorum-initial-group-size", FieldValue::I32(3)),
             ("classic", "x-max-age", FieldValue::long_str("10x")),
             (
                 "classic",
@@ -789,14 +838,22 @@ mod tests {
         );
         // ...and unsupported keys are reported in the table's order.
         for (a, b) in [
-            ("x-max-age", "x-delivery-limit"),
-            ("x-delivery-limit", "x-max-age"),
+            ("x-max-age", "x-quorum-initial-group-size"),
+            ("x-quorum-initial-group-size", "x-max-age"),
         ] {
             let text = invalid(&[(a, FieldValue::long_str("1D")), (b, FieldValue::I32(1))]);
             assert!(text.starts_with(&format!("invalid arg '{a}'")), "{text}");
         }
         // Unknown arguments are nobody's business.
-        assert!(validate(&table(&[("x-consumer-timeout", FieldValue::I32(1))]), RS).is_ok());
+        assert!(validate(&table(&[("x-not-an-argument", FieldValue::I32(1))]), RS).is_ok());
+        // Warren acts on x-delivery-limit on classic queues too (RabbitMQ 3.10 refuses it).
+        let a = validate(&table(&[("x-delivery-limit", FieldValue::I32(5))]), RS).unwrap();
+        assert_eq!(a.delivery_limit, Some(5));
+        // Its own arguments are checked.
+        assert_eq!(
+            invalid(&[("x-consumer-timeout", FieldValue::I32(0))]),
+            format!("invalid arg 'x-consumer-timeout' for {RS}: {{value_zero,0}}")
+        );
     }
 
     #[test]
@@ -947,7 +1004,7 @@ mod tests {
         let classic = table(&[
             ("x-queue-type", FieldValue::long_str("classic")),
             ("x-foo", FieldValue::I32(1)),
-            ("x-delivery-limit", FieldValue::I32(1)),
+            ("x-quorum-initial-group-size", FieldValue::I32(1)),
         ]);
         assert!(assert_args_equivalence(&FieldTable::new(), &classic, RS, keys()).is_ok());
         assert!(assert_args_equivalence(&classic, &FieldTable::new(), RS, keys()).is_ok());

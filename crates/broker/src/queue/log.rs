@@ -93,6 +93,7 @@ const PAGE_OUT: u8 = 15;
 const LOAD: u8 = 16;
 const CONFIGURE: u8 = 17;
 const TOUCH: u8 = 18;
+const EXTEND: u8 = 19;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -152,6 +153,8 @@ fn put_policy(out: &mut BytesMut, p: &Policy) {
     put_opt_u64(out, p.max_priority.map(u64::from));
     out.put_u8(u8::from(p.single_active));
     put_opt_u64(out, p.delivery_limit);
+    put_opt_u64(out, p.visibility_timeout_ms);
+    put_opt_u64(out, p.consumer_timeout_ms);
 }
 
 /// Appends one record to `out`.
@@ -272,6 +275,14 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
             put_policy(out, policy);
         }
         Command::Touch => out.put_u8(TOUCH),
+        Command::Extend {
+            receipt,
+            timeout_ms,
+        } => {
+            out.put_u8(EXTEND);
+            put_receipt(out, *receipt);
+            out.put_u64(*timeout_ms);
+        }
     }
     out.put_u64(record.effects);
     put_opt_u64(out, record.state);
@@ -404,6 +415,8 @@ impl Reader {
             max_priority,
             single_active: self.u8("single active")? != 0,
             delivery_limit: self.opt_u64("delivery limit")?,
+            visibility_timeout_ms: self.opt_u64("visibility timeout")?,
+            consumer_timeout_ms: self.opt_u64("consumer timeout")?,
         })
     }
 
@@ -439,6 +452,10 @@ impl Reader {
             },
             CONFIGURE => Command::Configure(self.policy()?),
             TOUCH => Command::Touch,
+            EXTEND => Command::Extend {
+                receipt: self.receipt()?,
+                timeout_ms: self.u64("timeout")?,
+            },
             PAGE_OUT => Command::PageOut {
                 keep: self.u32("keep")?,
                 keep_bytes: self.u64("keep bytes")?,

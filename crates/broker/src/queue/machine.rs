@@ -81,6 +81,12 @@ pub struct Policy {
     /// `x-delivery-limit`: a message returned after this many deliveries is dead-lettered
     /// (reason `delivery_limit`) instead of going back.
     pub delivery_limit: Option<u64>,
+    /// `x-visibility-timeout`: a delivery not settled this long after it went out comes back
+    /// on its own (ms; a consumer's own `x-visibility-timeout` overrides it).
+    pub visibility_timeout_ms: Option<u64>,
+    /// `x-consumer-timeout` (RabbitMQ 4.3): a consumer that leaves a delivery unsettled this
+    /// long is cancelled and all its deliveries come back (ms; a consumer's own overrides it).
+    pub consumer_timeout_ms: Option<u64>,
 }
 
 impl Policy {
@@ -243,6 +249,12 @@ pub enum Command<M> {
     Tick,
     /// Sets the queue's policy (its declaration's arguments). Counts as a use of the queue.
     Configure(Policy),
+    /// The holder of a delivery asks for more time: its visibility deadline becomes now plus
+    /// `timeout_ms`. `Stale` if the receipt is not the current delivery.
+    Extend {
+        receipt: Receipt,
+        timeout_ms: u64,
+    },
     /// The queue was redeclared: a use (`x-expires` counts from here).
     Touch,
 }
@@ -351,6 +363,30 @@ pub enum Effect<M> {
         delivery_count: u32,
         reason: DeadLetterReason,
     },
+    /// A delivery was not settled within its visibility timeout: the message is ready again
+    /// (or dead-lettered, past its delivery limit: a `DeadLetter` follows). `group`: the
+    /// channel that held it, for a consumer delivery.
+    TimedOut {
+        msg_id: u64,
+        attempt: u32,
+        group: Option<CreditGroup>,
+        message: M,
+    },
+    /// A consumer left a delivery unsettled past its consumer timeout: it is cancelled (its
+    /// deliveries come back, each with a `TimedOut`). The session tells the client.
+    ConsumerTimedOut {
+        consumer: ConsumerId,
+        group: CreditGroup,
+        tag: ShortStr,
+        timeout_ms: u64,
+    },
+    /// A late ack (the delivery had timed out) removed the message from the ready line: it
+    /// was waiting there, delivered to nobody else since.
+    SettledLate {
+        msg_id: u64,
+        message: M,
+        delivery_count: u32,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -362,6 +398,9 @@ struct Entry<M> {
     delivery_count: u32,
     /// Delivered as redelivered even with a count of 0 (recovered after a crash).
     maybe_delivered: bool,
+    /// Back in the ready line because its delivery timed out (not because its holder gave it
+    /// back): a late ack from that holder may still settle it.
+    timed_out: bool,
 }
 
 /// Ready messages that are on disk only: every message of the queue with an id in
@@ -461,6 +500,12 @@ impl<M> Slot<M> {
 #[derive(Clone, Debug)]
 struct InFlight<M> {
     consumer: Option<ConsumerId>,
+    /// The channel of a consumer delivery (the consumer may be cancelled before it settles).
+    group: Option<CreditGroup>,
+    /// When it comes back if not settled (a visibility timeout).
+    deadline: Option<u64>,
+    /// When its consumer is cancelled if it is not settled (a consumer timeout).
+    ack_deadline: Option<u64>,
     entry: Entry<M>,
 }
 
@@ -471,6 +516,19 @@ struct Consumer {
     held: u32,
     /// Waiting in `service`.
     in_service: bool,
+    /// Its own `x-visibility-timeout` (ms), overriding the queue's.
+    visibility_ms: Option<u64>,
+    /// Its own `x-consumer-timeout` (ms), overriding the queue's.
+    ack_timeout_ms: Option<u64>,
+}
+
+/// A consumer's timeout argument (`x-visibility-timeout`, `x-consumer-timeout`; validated by
+/// the broker: a positive integer of ms).
+fn consumer_timeout(arguments: &FieldTable, key: &str) -> Option<u64> {
+    arguments
+        .get(key)
+        .and_then(|v| v.as_u64())
+        .filter(|ms| *ms > 0)
 }
 
 /// The queue state machine. `M` is the message (cheap to clone: a fan-out clones it).
@@ -512,6 +570,10 @@ pub struct QueueMachine<M> {
     exclusive_consumer: Option<ConsumerId>,
     /// auto-delete queues are deleted when their last consumer goes, if they ever had one.
     has_had_consumers: bool,
+    /// `(deadline, msg_id)` of in-flight messages with a visibility timeout.
+    visibility: BTreeSet<(u64, u64)>,
+    /// `(deadline, msg_id)` of consumer deliveries with a consumer timeout.
+    ack_deadlines: BTreeSet<(u64, u64)>,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
     /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
@@ -547,6 +609,8 @@ impl<M> Default for QueueMachine<M> {
             credit: BTreeMap::new(),
             exclusive_consumer: None,
             has_had_consumers: false,
+            visibility: BTreeSet::new(),
+            ack_deadlines: BTreeSet::new(),
             expiries: BTreeSet::new(),
             expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
@@ -649,32 +713,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
             }
             Command::Settle { receipt } => match self.take_in_flight(receipt) {
                 Some(_) => Reply::Ok,
-                None => Reply::Stale,
+                None => self.settle_late(receipt, effects),
             },
             Command::Return { receipt } => match self.take_in_flight(receipt) {
                 Some(entry) => {
-                    let limit = self.policy.delivery_limit;
-                    if limit.is_some_and(|l| u64::from(entry.delivery_count) > l) {
-                        effects.push(Effect::DeadLetter {
-                            msg_id: entry.id,
-                            message: entry.msg,
-                            delivery_count: entry.delivery_count,
-                            reason: DeadLetterReason::DeliveryLimit,
-                        });
-                        return Reply::Ok;
-                    }
-                    self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
-                    if let Some(at) = entry.meta.expires_at {
-                        self.expiries.insert((at, entry.id));
-                    }
-                    if self.policy.max_priority.is_some() {
-                        self.by_priority
-                            .insert((u8::MAX - entry.meta.priority, entry.id), entry);
-                    } else {
-                        self.returned.insert(entry.id, entry);
-                    }
-                    // Back at the head, over the limit: drop-head drops it again at once.
-                    self.drop_over_limit(effects);
+                    self.back_to_ready(entry, effects);
                     Reply::Ok
                 }
                 None => Reply::Stale,
@@ -695,6 +738,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 count: self.purge(),
             },
             Command::Tick => {
+                self.consumers_time_out(effects);
+                self.time_out(effects);
                 self.expire(effects);
                 if self.queue_expiry().is_some_and(|at| at <= self.now_ms) {
                     Reply::QueueExpired
@@ -711,7 +756,164 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.last_used = self.now_ms;
                 Reply::Ok
             }
+            Command::Extend {
+                receipt,
+                timeout_ms,
+            } => self.extend(receipt, timeout_ms),
         }
+    }
+
+    /// A message that was in flight goes back to its place in the ready line, unless it has
+    /// used up its delivery limit (dead-lettered, reason `delivery_limit`); a queue back over
+    /// its length limit drops its head.
+    fn back_to_ready(&mut self, entry: Entry<M>, effects: &mut Vec<Effect<M>>) {
+        let limit = self.policy.delivery_limit;
+        if limit.is_some_and(|l| u64::from(entry.delivery_count) > l) {
+            effects.push(Effect::DeadLetter {
+                msg_id: entry.id,
+                message: entry.msg,
+                delivery_count: entry.delivery_count,
+                reason: DeadLetterReason::DeliveryLimit,
+            });
+            return;
+        }
+        self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+        if let Some(at) = entry.meta.expires_at {
+            self.expiries.insert((at, entry.id));
+        }
+        if self.policy.max_priority.is_some() {
+            self.by_priority
+                .insert((u8::MAX - entry.meta.priority, entry.id), entry);
+        } else {
+            self.returned.insert(entry.id, entry);
+        }
+        // Back at the head, over the limit: drop-head drops it again at once.
+        self.drop_over_limit(effects);
+    }
+
+    /// Deliveries whose visibility deadline has passed come back (the consumer and its
+    /// channel stay; the consumer gets its credit back).
+    fn time_out(&mut self, effects: &mut Vec<Effect<M>>) {
+        while let Some(&(at, id)) = self.visibility.first() {
+            if !expired(at, self.now_ms) {
+                break;
+            }
+            self.visibility.pop_first();
+            self.return_timed_out(id, effects);
+        }
+    }
+
+    /// An in-flight message comes back because a timeout passed.
+    fn return_timed_out(&mut self, id: u64, effects: &mut Vec<Effect<M>>) {
+        let Some(f) = self.in_flight.get(&id) else {
+            return;
+        };
+        let receipt = Receipt {
+            msg_id: id,
+            attempt: f.entry.delivery_count,
+        };
+        let group = f.group;
+        let Some(mut entry) = self.take_in_flight(receipt) else {
+            return;
+        };
+        entry.timed_out = true;
+        effects.push(Effect::TimedOut {
+            msg_id: id,
+            attempt: receipt.attempt,
+            group,
+            message: entry.msg.clone(),
+        });
+        self.back_to_ready(entry, effects);
+    }
+
+    /// Consumers that left a delivery unsettled past their consumer timeout are cancelled, and
+    /// every delivery they hold comes back (RabbitMQ 4.3's `x-consumer-timeout`). A delivery
+    /// whose consumer was cancelled already comes back alone.
+    fn consumers_time_out(&mut self, effects: &mut Vec<Effect<M>>) {
+        while let Some(&(at, id)) = self.ack_deadlines.first() {
+            if !expired(at, self.now_ms) {
+                break;
+            }
+            self.ack_deadlines.pop_first();
+            let Some(cid) = self.in_flight.get(&id).and_then(|f| f.consumer) else {
+                continue;
+            };
+            let Some(c) = self.consumers.get(&cid) else {
+                self.return_timed_out(id, effects);
+                continue;
+            };
+            let timeout_ms = c
+                .ack_timeout_ms
+                .or(self.policy.consumer_timeout_ms)
+                .unwrap_or(0);
+            let (group, tag) = (c.spec.group, c.spec.tag.clone());
+            self.cancel(cid);
+            self.last_used = self.now_ms;
+            effects.push(Effect::ConsumerTimedOut {
+                consumer: cid,
+                group,
+                tag,
+                timeout_ms,
+            });
+            let held: Vec<u64> = self
+                .in_flight
+                .iter()
+                .filter(|(_, f)| f.consumer == Some(cid))
+                .map(|(id, _)| *id)
+                .collect();
+            for mid in held {
+                self.return_timed_out(mid, effects);
+            }
+        }
+    }
+
+    fn extend(&mut self, receipt: Receipt, timeout_ms: u64) -> Reply {
+        let now = self.now_ms;
+        let Some(f) = self
+            .in_flight
+            .get_mut(&receipt.msg_id)
+            .filter(|f| f.entry.delivery_count == receipt.attempt)
+        else {
+            return Reply::Stale;
+        };
+        if let Some(old) = f.deadline.take() {
+            self.visibility.remove(&(old, receipt.msg_id));
+        }
+        let at = now.saturating_add(timeout_ms);
+        f.deadline = Some(at);
+        self.visibility.insert((at, receipt.msg_id));
+        Reply::Ok
+    }
+
+    /// An ack whose delivery is no longer current. If its delivery timed out and the message
+    /// is back in the ready line, delivered to nobody since (its count is the ack's attempt),
+    /// the ack still settles it: the work was done. If another delivery holds it now, nothing
+    /// changes: a late ack never takes a message from the worker that has it.
+    fn settle_late(&mut self, receipt: Receipt, effects: &mut Vec<Effect<M>>) -> Reply {
+        let id = receipt.msg_id;
+        let current = |e: &Entry<M>| e.timed_out && e.delivery_count == receipt.attempt;
+        let entry = if self.returned.get(&id).is_some_and(current) {
+            self.returned.remove(&id)
+        } else if let Some(max) = self.policy.max_priority {
+            let level = (u8::MAX - max..=u8::MAX)
+                .find(|p| self.by_priority.get(&(*p, id)).is_some_and(current));
+            level.and_then(|p| self.by_priority.remove(&(p, id)))
+        } else {
+            None
+        };
+        let Some(e) = entry else {
+            return Reply::Stale;
+        };
+        self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
+        if let Some(at) = e.meta.expires_at {
+            self.expiries.remove(&(at, e.id));
+        }
+        effects.push(Effect::SettledLate {
+            msg_id: e.id,
+            message: e.msg,
+            delivery_count: e.delivery_count,
+        });
+        Reply::Ok
     }
 
     /// Would a message of `size` bytes be refused (`x-overflow` = `reject-publish` or
@@ -776,6 +978,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             meta,
             delivery_count: 0,
             maybe_delivered: false,
+            timed_out: false,
         });
         id
     }
@@ -798,6 +1001,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             meta,
             delivery_count,
             maybe_delivered,
+            timed_out: false,
         });
         Reply::Enqueued { msg_id: id }
     }
@@ -986,6 +1190,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 meta: m.meta,
                 delivery_count: m.delivery_count,
                 maybe_delivered: run.maybe_delivered,
+                timed_out: false,
             };
             if self.policy.max_priority.is_some() {
                 self.by_priority
@@ -1053,10 +1258,14 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         self.has_had_consumers = true;
         let priority = spec.priority;
+        let visibility_ms = consumer_timeout(&spec.arguments, "x-visibility-timeout");
+        let ack_timeout_ms = consumer_timeout(&spec.arguments, "x-consumer-timeout");
         let mut c = Consumer {
             spec,
             held: 0,
             in_service: false,
+            visibility_ms,
+            ack_timeout_ms,
         };
         if self.may_take(&c) && self.may_receive(id) {
             c.in_service = true;
@@ -1229,6 +1438,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     ) -> Deliver<M> {
         let redelivered = entry.delivery_count > 0 || entry.maybe_delivered;
         entry.delivery_count = entry.delivery_count.saturating_add(1);
+        entry.timed_out = false;
         let receipt = Receipt {
             msg_id: entry.id,
             attempt: entry.delivery_count,
@@ -1249,8 +1459,32 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         let message = entry.msg.clone();
         self.in_flight_bytes = self.in_flight_bytes.saturating_add(entry.meta.size);
-        self.in_flight
-            .insert(entry.id, InFlight { consumer, entry });
+        let holder = consumer.and_then(|c| self.consumers.get(&c));
+        let deadline = holder
+            .and_then(|c| c.visibility_ms)
+            .or(self.policy.visibility_timeout_ms)
+            .map(|ms| self.now_ms.saturating_add(ms));
+        // Only a consumer can time out as a consumer (basic.get has none).
+        let ack_deadline = holder
+            .and_then(|c| c.ack_timeout_ms.or(self.policy.consumer_timeout_ms))
+            .map(|ms| self.now_ms.saturating_add(ms));
+        if let Some(at) = deadline {
+            self.visibility.insert((at, entry.id));
+        }
+        if let Some(at) = ack_deadline {
+            self.ack_deadlines.insert((at, entry.id));
+        }
+        let group = to.as_ref().map(|(g, _)| *g);
+        self.in_flight.insert(
+            entry.id,
+            InFlight {
+                consumer,
+                group,
+                deadline,
+                ack_deadline,
+                entry,
+            },
+        );
         Deliver {
             consumer,
             to,
@@ -1273,6 +1507,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return None;
         }
         let f = slot.remove();
+        if let Some(at) = f.deadline {
+            self.visibility.remove(&(at, receipt.msg_id));
+        }
+        if let Some(at) = f.ack_deadline {
+            self.ack_deadlines.remove(&(at, receipt.msg_id));
+        }
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
         if let Some(id) = f.consumer {
             if let Some(c) = self.consumers.get_mut(&id) {
@@ -1391,6 +1631,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
             self.expiries.first().map(|&(at, _)| at),
             self.expiries_in_order.front().map(|&(at, _)| at),
         );
+        let first = min_opt(first, self.visibility.first().map(|&(at, _)| at));
+        let first = min_opt(first, self.ack_deadlines.first().map(|&(at, _)| at));
         let message = first.map(|at| at.saturating_add(1));
         let run = self.run_expiry().map(|at| at.saturating_add(1));
         min_opt(min_opt(message, run), self.queue_expiry())
@@ -1639,8 +1881,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         (self.policy, self.active, self.last_used).hash(&mut h);
         self.in_flight.len().hash(&mut h);
+        self.visibility.hash(&mut h);
+        self.ack_deadlines.hash(&mut h);
         for f in self.in_flight.values() {
             f.consumer.hash(&mut h);
+            (f.group, f.deadline, f.ack_deadline).hash(&mut h);
             hash_entry(&f.entry, &mut h);
         }
         self.consumers.len().hash(&mut h);
@@ -1684,6 +1929,7 @@ fn hash_entry<M: Hash>(e: &Entry<M>, h: &mut impl Hasher) {
     e.meta.hash(h);
     e.delivery_count.hash(h);
     e.maybe_delivered.hash(h);
+    e.timed_out.hash(h);
 }
 
 /// A digest of a command's effects and reply, for comparing a replay with the original run.
