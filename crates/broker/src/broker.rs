@@ -1395,21 +1395,23 @@ impl Broker {
                 // This queue's copy is in memory only: nothing to delete when it goes.
                 copy.store_key = None;
             }
-            let Some(q) = self.queues.get(id) else {
-                continue;
-            };
-            let meta = MsgMeta {
-                pageable: paging && kind != Kept::Memory && may_page(q),
-                spilled: kind == Kept::Spilled,
-                expires_at: expiry(q, own_ttl, self.now_ms),
-                priority: priority(q, &copy),
-                ..meta
-            };
-            let command = Command::Enqueue {
-                message: copy,
-                meta,
-            };
-            let Some(reply) = self.run(*id, command) else {
+            let now = self.now_ms;
+            // The copy's meta depends on its queue (TTL, priorities): built from the same
+            // lookup that applies the command.
+            let Some((reply, meta)) = self.run_with(*id, |q| {
+                let meta = MsgMeta {
+                    pageable: paging && kind != Kept::Memory && may_page(q),
+                    spilled: kind == Kept::Spilled,
+                    expires_at: expiry(q, own_ttl, now),
+                    priority: priority(q, &copy),
+                    ..meta
+                };
+                let command = Command::Enqueue {
+                    message: copy,
+                    meta,
+                };
+                (command, meta)
+            }) else {
                 continue;
             };
             routed += 1;
@@ -1482,7 +1484,19 @@ impl Broker {
     /// recording is on; the queue's deadline and dirty flag follow its new state. The effects
     /// are left in `self.effects`. `None` if the queue does not exist.
     fn run(&mut self, id: QueueId, command: Command<Message>) -> Option<Reply> {
+        self.run_with(id, |_| (command, ()))
+            .map(|(reply, ())| reply)
+    }
+
+    /// [`Broker::run`] with the command built from the queue (one lookup), and something the
+    /// builder returns beside it.
+    fn run_with<T>(
+        &mut self,
+        id: QueueId,
+        build: impl FnOnce(&Queue) -> (Command<Message>, T),
+    ) -> Option<(Reply, T)> {
         let q = self.queues.get_mut(&id)?;
+        let (command, extra) = build(q);
         let meta = Meta {
             index: q.machine.last_index() + 1,
             now_ms: self.now_ms,
@@ -1524,7 +1538,7 @@ impl Broker {
         }
         let low_water = (self.config.page_window / 2).max(1) as usize;
         mark_dirty(&mut self.dirty, q, low_water, self.now_ms);
-        Some(reply)
+        Some((reply, extra))
     }
 
     /// Handles what a command left in `self.effects` besides deliveries (the callers that can

@@ -500,13 +500,19 @@ impl<M> Slot<M> {
 #[derive(Clone, Debug)]
 struct InFlight<M> {
     consumer: Option<ConsumerId>,
+    entry: Entry<M>,
+}
+
+/// The timers of an in-flight message, kept beside `in_flight` for the deliveries that have
+/// one (most have none: they cost nothing).
+#[derive(Clone, Copy, Debug, Default, Hash)]
+struct Timers {
     /// The channel of a consumer delivery (the consumer may be cancelled before it settles).
     group: Option<CreditGroup>,
     /// When it comes back if not settled (a visibility timeout).
     deadline: Option<u64>,
     /// When its consumer is cancelled if it is not settled (a consumer timeout).
     ack_deadline: Option<u64>,
-    entry: Entry<M>,
 }
 
 #[derive(Clone, Debug)]
@@ -574,6 +580,8 @@ pub struct QueueMachine<M> {
     visibility: BTreeSet<(u64, u64)>,
     /// `(deadline, msg_id)` of consumer deliveries with a consumer timeout.
     ack_deadlines: BTreeSet<(u64, u64)>,
+    /// The timers of the in-flight messages that have one, by message id.
+    timers: BTreeMap<u64, Timers>,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
     /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
@@ -611,6 +619,7 @@ impl<M> Default for QueueMachine<M> {
             has_had_consumers: false,
             visibility: BTreeSet::new(),
             ack_deadlines: BTreeSet::new(),
+            timers: BTreeMap::new(),
             expiries: BTreeSet::new(),
             expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
@@ -704,7 +713,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.expire(effects);
                 let count = match self.pop_ready() {
                     Some(entry) => {
-                        effects.push(Effect::Deliver(self.hand_out(entry, None, no_ack)));
+                        let d = self.hand_out(entry, None, no_ack, (None, None));
+                        effects.push(Effect::Deliver(d));
                         1
                     }
                     None => 0,
@@ -812,7 +822,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             msg_id: id,
             attempt: f.entry.delivery_count,
         };
-        let group = f.group;
+        let group = self.timers.get(&id).and_then(|t| t.group);
         let Some(mut entry) = self.take_in_flight(receipt) else {
             return;
         };
@@ -876,11 +886,20 @@ impl<M: Clone + Hash> QueueMachine<M> {
         else {
             return Reply::Stale;
         };
-        if let Some(old) = f.deadline.take() {
+        // A delivery that had no timer yet: its channel is its consumer's, if it is still here.
+        let group = f
+            .consumer
+            .and_then(|c| self.consumers.get(&c))
+            .map(|c| c.spec.group);
+        let t = self.timers.entry(receipt.msg_id).or_insert(Timers {
+            group,
+            ..Timers::default()
+        });
+        if let Some(old) = t.deadline.take() {
             self.visibility.remove(&(old, receipt.msg_id));
         }
         let at = now.saturating_add(timeout_ms);
-        f.deadline = Some(at);
+        t.deadline = Some(at);
         self.visibility.insert((at, receipt.msg_id));
         Reply::Ok
     }
@@ -1360,11 +1379,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
             }
             let no_ack = c.spec.no_ack;
             let to = (c.spec.group, c.spec.tag.clone());
+            let own = (c.visibility_ms, c.ack_timeout_ms);
             let Some(entry) = self.pop_ready() else {
                 self.service.push_front(priority, id);
                 break;
             };
-            let d = self.hand_out(entry, Some((id, to)), no_ack);
+            let d = self.hand_out(entry, Some((id, to)), no_ack, own);
             effects.push(Effect::Deliver(d));
             delivered += 1;
             if !no_ack {
@@ -1435,6 +1455,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         mut entry: Entry<M>,
         consumer: Option<(ConsumerId, (CreditGroup, ShortStr))>,
         no_ack: bool,
+        (own_visibility, own_ack_timeout): (Option<u64>, Option<u64>),
     ) -> Deliver<M> {
         let redelivered = entry.delivery_count > 0 || entry.maybe_delivered;
         entry.delivery_count = entry.delivery_count.saturating_add(1);
@@ -1459,14 +1480,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         let message = entry.msg.clone();
         self.in_flight_bytes = self.in_flight_bytes.saturating_add(entry.meta.size);
-        let holder = consumer.and_then(|c| self.consumers.get(&c));
-        let deadline = holder
-            .and_then(|c| c.visibility_ms)
+        let deadline = own_visibility
             .or(self.policy.visibility_timeout_ms)
             .map(|ms| self.now_ms.saturating_add(ms));
         // Only a consumer can time out as a consumer (basic.get has none).
-        let ack_deadline = holder
-            .and_then(|c| c.ack_timeout_ms.or(self.policy.consumer_timeout_ms))
+        let ack_deadline = consumer
+            .and(own_ack_timeout.or(self.policy.consumer_timeout_ms))
             .map(|ms| self.now_ms.saturating_add(ms));
         if let Some(at) = deadline {
             self.visibility.insert((at, entry.id));
@@ -1474,17 +1493,17 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if let Some(at) = ack_deadline {
             self.ack_deadlines.insert((at, entry.id));
         }
-        let group = to.as_ref().map(|(g, _)| *g);
-        self.in_flight.insert(
-            entry.id,
-            InFlight {
-                consumer,
+        if deadline.is_some() || ack_deadline.is_some() {
+            let group = to.as_ref().map(|(g, _)| *g);
+            let timers = Timers {
                 group,
                 deadline,
                 ack_deadline,
-                entry,
-            },
-        );
+            };
+            self.timers.insert(entry.id, timers);
+        }
+        self.in_flight
+            .insert(entry.id, InFlight { consumer, entry });
         Deliver {
             consumer,
             to,
@@ -1507,11 +1526,15 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return None;
         }
         let f = slot.remove();
-        if let Some(at) = f.deadline {
-            self.visibility.remove(&(at, receipt.msg_id));
-        }
-        if let Some(at) = f.ack_deadline {
-            self.ack_deadlines.remove(&(at, receipt.msg_id));
+        if !self.timers.is_empty() {
+            if let Some(t) = self.timers.remove(&receipt.msg_id) {
+                if let Some(at) = t.deadline {
+                    self.visibility.remove(&(at, receipt.msg_id));
+                }
+                if let Some(at) = t.ack_deadline {
+                    self.ack_deadlines.remove(&(at, receipt.msg_id));
+                }
+            }
         }
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
         if let Some(id) = f.consumer {
@@ -1883,9 +1906,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.in_flight.len().hash(&mut h);
         self.visibility.hash(&mut h);
         self.ack_deadlines.hash(&mut h);
+        self.timers.len().hash(&mut h);
+        for (id, t) in &self.timers {
+            (id, t).hash(&mut h);
+        }
         for f in self.in_flight.values() {
             f.consumer.hash(&mut h);
-            (f.group, f.deadline, f.ack_deadline).hash(&mut h);
             hash_entry(&f.entry, &mut h);
         }
         self.consumers.len().hash(&mut h);
