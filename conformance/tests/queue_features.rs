@@ -18,16 +18,10 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
-use warren_conformance::raw::m;
+use warren_conformance::queues::{
+    args, dead_letter_queue, deaths, field, get_eventually, header, ready, text, wait_ready,
+};
 use warren_conformance::{amqp_error, unique, within, TestBroker, QUIET};
-
-fn args(entries: &[(&str, AMQPValue)]) -> FieldTable {
-    m::table(entries)
-}
-
-fn text(s: &str) -> AMQPValue {
-    AMQPValue::LongString(s.into())
-}
 
 async fn declare(ch: &Channel, q: &str, arguments: FieldTable) {
     ch.queue_declare(q.into(), QueueDeclareOptions::default(), arguments)
@@ -47,110 +41,14 @@ async fn publish(ch: &Channel, exchange: &str, key: &str, body: &[u8], props: Ba
     .unwrap();
 }
 
-/// A fanout exchange with a queue bound to it: where dead letters are looked at.
-async fn dead_letter_queue(ch: &Channel, prefix: &str) -> (String, String) {
-    let (x, q) = (
-        unique(&format!("{prefix}-dlx")),
-        unique(&format!("{prefix}-dlq")),
-    );
-    ch.exchange_declare(
-        x.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    declare(ch, &q, FieldTable::default()).await;
-    ch.queue_bind(
-        q.as_str().into(),
-        x.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    (x, q)
-}
-
-/// Polls basic.get until a message comes (failing the test after the harness's wait).
 async fn next_get(ch: &Channel, q: &str) -> BasicGetMessage {
-    within(&format!("a message in {q}"), async {
-        loop {
-            if let Some(m) = ch
-                .basic_get(q.into(), BasicGetOptions { no_ack: false })
-                .await
-                .unwrap()
-            {
-                return m;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
+    get_eventually(ch, q, false).await
 }
 
 async fn get_now(ch: &Channel, q: &str) -> Option<BasicGetMessage> {
     ch.basic_get(q.into(), BasicGetOptions { no_ack: true })
         .await
         .unwrap()
-}
-
-/// The ready count a passive declare reports (a passive declare renews `x-expires`).
-async fn ready(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
-}
-
-async fn wait_ready(ch: &Channel, q: &str, n: u32) {
-    within(&format!("{q} to hold {n} ready"), async {
-        while ready(ch, q).await != n {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-}
-
-fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
-    props
-        .headers()
-        .as_ref()?
-        .inner()
-        .get(&ShortString::from(key))
-}
-
-/// The x-death entries, most recent first.
-fn deaths(props: &BasicProperties) -> Vec<std::collections::BTreeMap<ShortString, AMQPValue>> {
-    match header(props, "x-death") {
-        Some(AMQPValue::FieldArray(list)) => list
-            .as_slice()
-            .iter()
-            .map(|v| match v {
-                AMQPValue::FieldTable(t) => t.inner().clone(),
-                other => panic!("x-death entry is not a table: {other:?}"),
-            })
-            .collect(),
-        other => panic!("no x-death array: {other:?}"),
-    }
-}
-
-fn field<'a>(
-    entry: &'a std::collections::BTreeMap<ShortString, AMQPValue>,
-    key: &str,
-) -> &'a AMQPValue {
-    entry
-        .get(&ShortString::from(key))
-        .unwrap_or_else(|| panic!("x-death entry without {key}: {entry:?}"))
 }
 
 async fn confirm_channel(conn: &lapin::Connection) -> Channel {
@@ -330,7 +228,7 @@ async fn a_rejected_message_is_dead_lettered_with_x_death_as_rabbitmq_writes_it(
     let broker = TestBroker::start();
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let (dlx, dlq) = dead_letter_queue(&ch, "rej").await;
+    let (dlx, dlq) = dead_letter_queue(&ch, "rej", false).await;
     let q = unique("rej");
     declare(&ch, &q, args(&[("x-dead-letter-exchange", text(&dlx))])).await;
     let mut user = FieldTable::default();
@@ -459,7 +357,7 @@ async fn an_automatic_dead_letter_cycle_is_dropped_once() {
     let broker = TestBroker::start();
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let (dlx, tap) = dead_letter_queue(&ch, "cycle").await;
+    let (dlx, tap) = dead_letter_queue(&ch, "cycle", false).await;
     let q = unique("cycle");
     declare(
         &ch,
@@ -522,7 +420,7 @@ async fn drop_head_dead_letters_the_oldest() {
     let broker = TestBroker::start();
     let conn = broker.connect().await;
     let ch = confirm_channel(&conn).await;
-    let (dlx, dlq) = dead_letter_queue(&ch, "maxlen").await;
+    let (dlx, dlq) = dead_letter_queue(&ch, "maxlen", false).await;
     let q = unique("maxlen");
     declare(
         &ch,
@@ -626,7 +524,7 @@ async fn reject_publish_dlx_dead_letters_the_refused_message() {
     let broker = TestBroker::start();
     let conn = broker.connect().await;
     let ch = confirm_channel(&conn).await;
-    let (dlx, dlq) = dead_letter_queue(&ch, "rpdlx").await;
+    let (dlx, dlq) = dead_letter_queue(&ch, "rpdlx", false).await;
     let q = unique("rpdlx");
     declare(
         &ch,
@@ -917,7 +815,7 @@ async fn quorum_delivery_limit_dead_letters_and_counts_deliveries() {
     let broker = TestBroker::start();
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let (dlx, dlq) = dead_letter_queue(&ch, "qq").await;
+    let (dlx, dlq) = dead_letter_queue(&ch, "qq", false).await;
     let q = unique("qq-limit");
     declare_durable(
         &ch,

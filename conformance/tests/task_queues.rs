@@ -11,29 +11,15 @@ use futures_lite::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
-    BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Consumer, ExchangeKind};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation, Consumer};
+use warren_conformance::queues::{
+    args, dead_letter_queue, deaths, field, get_eventually, header, ready, text, wait_ready,
+};
 use warren_conformance::raw::m;
 use warren_conformance::{amqp_error, unique, within, TestBroker, QUIET};
-
-fn args(entries: &[(&str, AMQPValue)]) -> FieldTable {
-    m::table(entries)
-}
-
-fn text(s: &str) -> AMQPValue {
-    AMQPValue::LongString(s.into())
-}
-
-fn header<'a>(props: &'a BasicProperties, key: &str) -> Option<&'a AMQPValue> {
-    props
-        .headers()
-        .as_ref()?
-        .inner()
-        .get(&ShortString::from(key))
-}
 
 async fn declare(ch: &Channel, q: &str, arguments: FieldTable) {
     ch.queue_declare(
@@ -76,20 +62,6 @@ async fn consume(ch: &Channel, q: &str, prefetch: u16, arguments: FieldTable) ->
 
 async fn next(c: &mut Consumer, what: &str) -> Delivery {
     within(what, c.next()).await.unwrap().unwrap()
-}
-
-async fn ready(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 /// Asks for `ms` more milliseconds on a delivery this channel holds; the confirm says whether
@@ -192,19 +164,7 @@ async fn a_late_ack_leaves_the_copy_another_worker_holds() {
         })
         .await
         .unwrap();
-    let back = within("the job, back", async {
-        loop {
-            if let Some(m) = ch
-                .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
-                .await
-                .unwrap()
-            {
-                return m;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    let back = get_eventually(&ch, &q, true).await;
     assert_eq!(back.delivery.data, b"job");
 }
 
@@ -233,19 +193,9 @@ async fn a_late_ack_settles_a_message_nobody_else_took() {
     .await
     .unwrap()
     .expect("the job");
-    within("the job back in the queue", async {
-        while ready(&ch, &q).await != 1 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    wait_ready(&ch, &q, 1).await;
     m.delivery.ack(BasicAckOptions::default()).await.unwrap();
-    within("the late ack to settle it", async {
-        while ready(&ch, &q).await != 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    wait_ready(&ch, &q, 0).await;
 }
 
 /// A long job keeps its delivery by publishing to amq.warren.visibility, as often as it needs;
@@ -335,28 +285,7 @@ async fn a_classic_queue_dead_letters_past_its_delivery_limit() {
     }
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let (dlx, dlq) = (unique("poison-dlx"), unique("poison-dlq"));
-    ch.exchange_declare(
-        dlx.as_str().into(),
-        ExchangeKind::Fanout,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    declare(&ch, &dlq, FieldTable::default()).await;
-    ch.queue_bind(
-        dlq.as_str().into(),
-        dlx.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    let (dlx, dlq) = dead_letter_queue(&ch, "poison", true).await;
     let q = unique("poison");
     declare(
         &ch,
@@ -383,31 +312,12 @@ async fn a_classic_queue_dead_letters_past_its_delivery_limit() {
         }
     }
     assert_eq!(seen, ["poison", "poison", "fine"]);
-    let dead = within("the dead letter", async {
-        loop {
-            if let Some(m) = ch
-                .basic_get(dlq.as_str().into(), BasicGetOptions { no_ack: true })
-                .await
-                .unwrap()
-            {
-                return m;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    let dead = get_eventually(&ch, &dlq, true).await;
     assert_eq!(dead.delivery.data, b"poison");
-    let deaths = match header(&dead.delivery.properties, "x-death") {
-        Some(AMQPValue::FieldArray(a)) => a.as_slice().to_vec(),
-        other => panic!("x-death: {other:?}"),
-    };
-    match deaths.first() {
-        Some(AMQPValue::FieldTable(t)) => assert_eq!(
-            t.inner().get(&ShortString::from("reason")),
-            Some(&text("delivery_limit"))
-        ),
-        other => panic!("x-death entry: {other:?}"),
-    }
+    assert_eq!(
+        field(&deaths(&dead.delivery.properties)[0], "reason"),
+        &text("delivery_limit")
+    );
 }
 
 #[tokio::test]
@@ -486,19 +396,7 @@ async fn a_consumer_past_its_consumer_timeout_is_cancelled() {
     // Its deliveries are back, first; the third never went out.
     let mut got = Vec::new();
     for _ in 0..3 {
-        let m = within("a message back", async {
-            loop {
-                if let Some(m) = ch
-                    .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
-                    .await
-                    .unwrap()
-                {
-                    return m;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await;
+        let m = get_eventually(&ch, &q, true).await;
         got.push((m.delivery.data.clone(), m.delivery.redelivered));
     }
     assert_eq!(
