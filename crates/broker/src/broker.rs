@@ -2168,6 +2168,7 @@ impl Broker {
                             .consumer
                             .zip(d.to)
                             .map(|(id, (group, tag))| (id, group, tag)),
+                        timed: d.timed,
                     })
                 }
                 other => rest.push(other),

@@ -130,6 +130,8 @@ pub struct Delivery {
     pub settled: bool,
     /// The consumer, its channel and its tag; `None` for basic.get.
     pub consumer: Option<(ConsumerId, CreditGroup, ShortStr)>,
+    /// It may time out (visibility or consumer timeout): the session indexes it by receipt.
+    pub timed: bool,
 }
 
 /// Limits and knobs of a broker.

@@ -1,6 +1,6 @@
 //! One AMQP channel: content assembly, consumers, delivery tags, prefetch, confirms and transactions.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use bytes::{Bytes, BytesMut};
 use warren_broker::queue::args::QueueType;
@@ -107,6 +107,10 @@ pub(crate) struct Unacked {
     pub timed_out: bool,
 }
 
+/// Timed-out deliveries a channel keeps for late acks; past this, the oldest are forgotten
+/// (their late ack is still no error: see `forgotten_below`).
+const TIMED_OUT_KEPT: usize = 4096;
+
 /// The channel's record of one of its consumers: the consumer itself (prefetch, what it holds)
 /// lives in its queue's machine.
 #[derive(Debug)]
@@ -208,6 +212,14 @@ pub(crate) struct Channel {
     next_tag: u64,
     /// Ordered by delivery tag: a single ack is O(log n) in any order, a multiple ack splits.
     pub unacked: BTreeMap<u64, Unacked>,
+    /// The unacked deliveries that may time out, by (queue, message id): a timeout finds its
+    /// tag without a scan. Deliveries without a timer are not in it (it costs them nothing).
+    timed: HashMap<(QueueId, u64), u64>,
+    /// Timed-out deliveries still in `unacked` (kept for late acks).
+    timed_out_kept: usize,
+    /// Tags below this that are not in `unacked` may be timed-out deliveries forgotten to bound
+    /// memory: their ack is accepted (and does nothing) instead of failing as unknown.
+    forgotten_below: u64,
     pub consumers: BTreeMap<ShortStr, Consumer>,
     consumer_prefetch: u16,
     pub channel_prefetch: u16,
@@ -242,6 +254,9 @@ impl Channel {
             tx: None,
             next_tag: 1,
             unacked: BTreeMap::new(),
+            timed: HashMap::new(),
+            timed_out_kept: 0,
+            forgotten_below: 0,
             consumers: BTreeMap::new(),
             consumer_prefetch: 0,
             channel_prefetch: 0,
@@ -265,10 +280,19 @@ impl Channel {
     }
 
     /// Records a delivery to one of this channel's consumers and returns its delivery tag.
-    pub fn record_delivery(&mut self, no_ack: bool, queue: QueueId, receipt: Receipt) -> u64 {
+    pub fn record_delivery(
+        &mut self,
+        no_ack: bool,
+        queue: QueueId,
+        receipt: Receipt,
+        timed: bool,
+    ) -> u64 {
         let delivery_tag = self.next_tag;
         self.next_tag += 1;
         if !no_ack {
+            if timed {
+                self.timed.insert((queue, receipt.msg_id), delivery_tag);
+            }
             self.channel_unacked += 1;
             self.unacked.insert(
                 delivery_tag,
@@ -328,6 +352,8 @@ impl Channel {
         for (_, u) in std::mem::take(&mut self.unacked) {
             broker.requeue(u.queue, u.receipt);
         }
+        self.timed.clear();
+        self.timed_out_kept = 0;
         for (_, c) in std::mem::take(&mut self.consumers) {
             broker.cancel(c.queue, c.id);
         }
@@ -1124,7 +1150,7 @@ impl Channel {
 
     /// An ack of `tag` must name an unacked delivery, except tag 0 with multiple (everything).
     fn check_tag(&self, tag: u64, multiple: bool) -> Result<(), AmqpError> {
-        if (multiple && tag == 0) || self.unacked.contains_key(&tag) {
+        if (multiple && tag == 0) || self.unacked.contains_key(&tag) || tag < self.forgotten_below {
             Ok(())
         } else {
             Err(AmqpError::precondition_failed(format!(
@@ -1160,6 +1186,11 @@ impl Channel {
     }
 
     fn settle_one(&mut self, u: Unacked, how: Settle, ctx: &mut Ctx<'_>) {
+        if u.timed_out {
+            self.timed_out_kept = self.timed_out_kept.saturating_sub(1);
+        } else if !self.timed.is_empty() {
+            self.timed.remove(&(u.queue, u.receipt.msg_id));
+        }
         // A stale receipt (the queue is gone, or the delivery timed out and went to another
         // worker) changes nothing: the client's ack is still valid. A late ack of a timed-out
         // delivery still settles the message if nobody else has taken it since.
@@ -1176,18 +1207,53 @@ impl Channel {
     /// A delivery of this channel timed out (its message is back in its queue): it stops
     /// counting against the channel-wide prefetch. True if the channel had it.
     pub fn delivery_timed_out(&mut self, queue: QueueId, receipt: Receipt) -> bool {
-        let Some(u) = self
-            .unacked
-            .values_mut()
-            .find(|u| u.queue == queue && u.receipt == receipt && !u.timed_out)
-        else {
+        let indexed = self
+            .timed
+            .remove(&(queue, receipt.msg_id))
+            .filter(|tag| self.unacked.get(tag).is_some_and(|u| u.receipt == receipt));
+        let tag = match indexed {
+            Some(tag) => Some(tag),
+            // A delivery given a timer after it went out (an extension on a queue without a
+            // timeout) is not indexed: looked for.
+            None => self
+                .unacked
+                .iter()
+                .find(|(_, u)| u.queue == queue && u.receipt == receipt && !u.timed_out)
+                .map(|(tag, _)| *tag),
+        };
+        let Some(u) = tag.and_then(|t| self.unacked.get_mut(&t)) else {
             return false;
         };
+        if u.timed_out {
+            return false;
+        }
         u.timed_out = true;
         if u.counted {
             self.channel_unacked = self.channel_unacked.saturating_sub(1);
         }
+        self.timed_out_kept += 1;
+        if self.timed_out_kept > TIMED_OUT_KEPT {
+            self.forget_oldest_timed_out();
+        }
         true
+    }
+
+    /// Drops the oldest timed-out deliveries beyond [`TIMED_OUT_KEPT`]: a worker that never
+    /// acks must not grow the channel without bound. Their late ack stays harmless.
+    fn forget_oldest_timed_out(&mut self) {
+        let excess = self.timed_out_kept.saturating_sub(TIMED_OUT_KEPT);
+        let old: Vec<u64> = self
+            .unacked
+            .iter()
+            .filter(|(_, u)| u.timed_out)
+            .map(|(tag, _)| *tag)
+            .take(excess)
+            .collect();
+        for tag in old {
+            self.unacked.remove(&tag);
+            self.timed_out_kept = self.timed_out_kept.saturating_sub(1);
+            self.forgotten_below = self.forgotten_below.max(tag.saturating_add(1));
+        }
     }
 
     /// A consumer removed by the broker (its queue was deleted).

@@ -641,6 +641,12 @@ impl Node {
         let _deleted: Vec<QueueId> = self.broker.connection_closed(conn);
     }
 
+    /// A channel of a connection (tests look inside).
+    #[cfg(test)]
+    pub(crate) fn channel(&self, conn: ConnId, channel: u16) -> Option<&Channel> {
+        self.conns.get(&conn)?.channels.get(&channel).map(|c| &**c)
+    }
+
     /// RabbitMQ before 4.3: a consumer timeout closes the consumer's channel.
     fn close_channel_on_timeout(&mut self, t: &warren_broker::ConsumerTimeout) {
         let Some(c) = self.conns.get_mut(&t.group.conn) else {
@@ -883,7 +889,7 @@ impl Node {
                 return Some(group.conn);
             }
         };
-        let delivery_tag = ch.record_delivery(no_ack, d.queue, d.receipt);
+        let delivery_tag = ch.record_delivery(no_ack, d.queue, d.receipt, d.timed);
         encode_deliver(
             out,
             group.channel,

@@ -30,8 +30,14 @@
 //! order; one that runs out of credit leaves it and rejoins at the back when credit returns,
 //! so a delivery costs O(log n) however many consumers are blocked.
 //!
-//! Timed things are an ordered index: `expiries` holds `(expires_at, msg_id)` of ready
-//! messages with a TTL, and [`QueueMachine::next_deadline`] reports the earliest.
+//! Timed things are ordered indexes: `expiries` (and `expiries_in_order`, for a queue TTL)
+//! hold the expiries of ready messages, `visibility` and `ack_deadlines` the visibility and
+//! consumer timeouts of deliveries; [`QueueMachine::next_deadline`] reports the earliest of
+//! them, of the next paged run's expiry and of the queue's own `x-expires`.
+//!
+//! What a declaration asks for (length limits, priorities, single active consumer, delivery
+//! limit, timeouts) arrives as a [`Policy`] with [`Command::Configure`], so a replay rebuilds
+//! it like everything else.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{Hash, Hasher};
@@ -349,6 +355,9 @@ pub struct Deliver<M> {
     pub redelivered: bool,
     /// The queue already forgot the message (no-ack consumer or basic.get with no-ack).
     pub settled: bool,
+    /// The delivery has a timer (visibility or consumer timeout): it may time out, and the
+    /// session is told with a [`Effect::TimedOut`] naming its receipt.
+    pub timed: bool,
 }
 
 /// What a command asks the world to do.
@@ -1476,6 +1485,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 message: entry.msg,
                 redelivered,
                 settled: true,
+                timed: false,
             };
         }
         let message = entry.msg.clone();
@@ -1493,7 +1503,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if let Some(at) = ack_deadline {
             self.ack_deadlines.insert((at, entry.id));
         }
-        if deadline.is_some() || ack_deadline.is_some() {
+        let timed = deadline.is_some() || ack_deadline.is_some();
+        if timed {
             let group = to.as_ref().map(|(g, _)| *g);
             let timers = Timers {
                 group,
@@ -1511,6 +1522,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             message,
             redelivered,
             settled: false,
+            timed,
         }
     }
 

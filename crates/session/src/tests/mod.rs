@@ -1138,3 +1138,108 @@ fn commit_oks_keep_their_order_behind_one_waiting_for_the_disk() {
         .count();
     assert_eq!(oks, 2);
 }
+
+impl Client {
+    fn declare_args(&mut self, channel: u16, name: &str, arguments: FieldTable) {
+        self.send(
+            channel,
+            QueueDeclare {
+                queue: ShortStr::from_string(name.to_string()),
+                arguments,
+                ..Default::default()
+            },
+        );
+        assert!(matches!(self.recv_method(), Method::QueueDeclareOk(_)));
+    }
+
+    /// Time passes by `ms` on the node's clock.
+    fn advance(&mut self, ms: u64) {
+        self.now += ms;
+        self.node.tick(self.now);
+    }
+}
+
+fn visibility(ms: i32) -> FieldTable {
+    let mut t = FieldTable::new();
+    t.insert("x-visibility-timeout", FieldValue::I32(ms));
+    t
+}
+
+#[test]
+fn a_timed_out_delivery_frees_its_place_in_a_global_prefetch() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare_args(1, "jobs", visibility(100));
+    for i in 0..2u8 {
+        c.publish(1, "jobs", &[i]);
+    }
+    c.qos(1, 1, true);
+    c.consume(1, "jobs", false);
+    let first = c.deliveries();
+    assert_eq!(first.len(), 1);
+    c.advance(50);
+    assert!(
+        c.deliveries().is_empty(),
+        "the channel's one place is taken"
+    );
+    // The delivery times out: its message comes back, and the channel may take one again.
+    c.advance(60);
+    let next = c.deliveries();
+    assert_eq!(next.len(), 1, "{next:?}");
+    assert_eq!(
+        next[0].1,
+        Bytes::from_static(&[0]),
+        "the timed-out message first"
+    );
+    assert!(next[0].2, "redelivered");
+    // The late ack of the first delivery is no error.
+    c.send(
+        1,
+        BasicAck {
+            delivery_tag: first[0].0,
+            multiple: false,
+        },
+    );
+    assert!(c.frames().is_empty(), "no channel.close for a late ack");
+}
+
+#[test]
+fn a_worker_that_never_acks_keeps_a_bounded_channel() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare_args(1, "stuck", visibility(10));
+    c.publish(1, "stuck", b"job");
+    c.qos(1, 1, false);
+    c.consume(1, "stuck", false);
+    let mut first_tag = None;
+    for _ in 0..5_000 {
+        let got = c.deliveries();
+        assert_eq!(got.len(), 1);
+        first_tag.get_or_insert(got[0].0);
+        c.advance(11);
+    }
+    let unacked = c
+        .node
+        .channel(CONN, 1)
+        .map(|ch| ch.unacked.len())
+        .unwrap_or_default();
+    assert!(
+        (4_000..=4_200).contains(&unacked),
+        "timed-out deliveries kept: {unacked}"
+    );
+    // Even a forgotten delivery's ack is not an error.
+    c.send(
+        1,
+        BasicAck {
+            delivery_tag: first_tag.unwrap_or(1),
+            multiple: false,
+        },
+    );
+    assert!(c.frames().iter().all(|f| !matches!(
+        f,
+        Frame::Method {
+            method: Method::ChannelClose(_),
+            ..
+        }
+    )));
+}
