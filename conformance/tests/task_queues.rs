@@ -458,3 +458,100 @@ async fn the_older_consumer_timeout_closes_the_channel_when_configured() {
     let ok = raw.wait_ready(2, &q, 1).await;
     assert_eq!(ok.message_count, 1, "the job is back");
 }
+
+/// Delayed retries: a nacked job comes back only after its back-off (linear here: 60 ms, then
+/// 120 ms), never early; a job whose worker's channel closes comes back at once.
+#[tokio::test]
+async fn a_nacked_job_comes_back_after_its_back_off() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    let conn = broker.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("retry");
+    declare(
+        &ch,
+        &q,
+        args(&[
+            ("x-delayed-retry-min", AMQPValue::LongInt(60)),
+            ("x-delayed-retry-max", AMQPValue::LongInt(1000)),
+        ]),
+    )
+    .await;
+    publish(&ch, &q, b"flaky").await;
+    let wch = conn.create_channel().await.unwrap();
+    let mut worker = consume(&wch, &q, 1, FieldTable::default()).await;
+    let mut d = next(&mut worker, "the job").await;
+    for expected_ms in [60u64, 120] {
+        let nacked = std::time::Instant::now();
+        d.nack(BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        })
+        .await
+        .unwrap();
+        d = next(&mut worker, "the retry").await;
+        let waited = nacked.elapsed();
+        assert!(
+            waited >= Duration::from_millis(expected_ms),
+            "retried after {waited:?}, before its {expected_ms} ms back-off"
+        );
+        assert!(d.redelivered);
+    }
+    // The worker goes away holding it: no back-off for that.
+    let other = conn.create_channel().await.unwrap();
+    let mut next_worker = consume(&other, &q, 1, FieldTable::default()).await;
+    let closed = std::time::Instant::now();
+    wch.close(200, "bye".into()).await.unwrap();
+    let again = next(&mut next_worker, "the job, from a closed channel").await;
+    assert_eq!(again.data, b"flaky");
+    assert!(
+        closed.elapsed() < Duration::from_millis(240),
+        "a closed channel's job waited {:?}",
+        closed.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn bad_retry_arguments_are_refused() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    let conn = broker.connect().await;
+    for (key, value, term) in [
+        (
+            "x-delayed-retry-type",
+            text("sometimes"),
+            "\"unsupported delayed retry type 'sometimes'\"",
+        ),
+        (
+            "x-delayed-retry-min",
+            AMQPValue::LongInt(0),
+            "{value_zero,0}",
+        ),
+        (
+            "x-delayed-retry-jitter",
+            AMQPValue::LongInt(101),
+            "{max_value_exceeded,101}",
+        ),
+    ] {
+        let ch = conn.create_channel().await.unwrap();
+        let q = unique("retry-bad");
+        let res = ch
+            .queue_declare(
+                q.as_str().into(),
+                QueueDeclareOptions::default(),
+                args(&[(key, value)]),
+            )
+            .await;
+        assert_eq!(
+            amqp_error(&res.unwrap_err()),
+            Some((
+                406,
+                format!("PRECONDITION_FAILED - invalid arg '{key}' for queue '{q}' in vhost '/': {term}")
+            ))
+        );
+    }
+}

@@ -17,7 +17,7 @@ use crate::queue::args::{self, QueueType};
 use crate::queue::log::{Record, STATE_DIGEST_EVERY};
 use crate::queue::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DeadLetterReason,
-    Effect, Meta, MsgMeta, Policy, QueueMachine, Receipt, Refusal, Reply,
+    Effect, Meta, MsgMeta, Policy, QueueMachine, Receipt, Refusal, Reply, RetryPolicy,
 };
 use crate::queue::Queue;
 use crate::small::Small;
@@ -162,6 +162,15 @@ fn policy(a: &args::QueueArgs) -> Policy {
         delivery_limit: a.effective_delivery_limit(),
         visibility_timeout_ms: a.visibility_timeout_ms,
         consumer_timeout_ms: a.consumer_timeout_ms,
+        retry: a
+            .retry_min_ms
+            .filter(|_| a.retries())
+            .map(|min_ms| RetryPolicy {
+                min_ms,
+                max_ms: a.retry_max_ms,
+                multiplier: a.retry_multiplier,
+                jitter_pct: a.retry_jitter_pct,
+            }),
     }
 }
 
@@ -2373,11 +2382,26 @@ impl Broker {
         p.forget(qkey, msg_id, body, count);
     }
 
-    /// nack/reject with requeue, channel closed: the message goes back to its original
-    /// position and is redelivered=true on its next delivery. False if the receipt is stale.
+    /// nack/reject with requeue, basic.recover: the message goes back to its original position
+    /// (after its retry delay, with delayed retries) and is redelivered=true on its next
+    /// delivery. False if the receipt is stale.
     pub fn requeue(&mut self, queue: QueueId, receipt: Receipt) -> bool {
+        self.give_back(queue, receipt, true)
+    }
+
+    /// The holder's channel closed: the message goes back at once (no retry delay).
+    pub fn release(&mut self, queue: QueueId, receipt: Receipt) -> bool {
+        self.give_back(queue, receipt, false)
+    }
+
+    fn give_back(&mut self, queue: QueueId, receipt: Receipt, by_client: bool) -> bool {
         let stored = self.stored_in_flight(queue, receipt);
-        let ok = self.run(queue, Command::Return { receipt }) == Some(Reply::Ok);
+        let command = if by_client {
+            Command::Return { receipt }
+        } else {
+            Command::Release { receipt }
+        };
+        let ok = self.run(queue, command) == Some(Reply::Ok);
         let gone = self
             .effects
             .iter()

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use proptest::prelude::*;
 use warren_broker::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, CreditGroup, DeadLetterReason, Effect, Meta,
-    MsgMeta, Policy, QueueMachine, Receipt, Reply,
+    MsgMeta, Policy, QueueMachine, Receipt, Reply, RetryPolicy,
 };
 use warren_broker::queue::args::Overflow;
 use warren_codec::{FieldTable, ShortStr};
@@ -87,6 +87,15 @@ fn policy() -> impl Strategy<Value = Policy> {
         prop::option::of(0u64..3),
         prop::option::of(1u64..30),
         prop::option::weighted(0.3, 1u64..40),
+        prop::option::weighted(
+            0.3,
+            (
+                1u64..20,
+                prop::option::of(1u64..60),
+                prop::option::of(1u64..4),
+                0u8..60,
+            ),
+        ),
     )
         .prop_map(
             |(
@@ -98,6 +107,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                 delivery_limit,
                 visibility_timeout_ms,
                 consumer_timeout_ms,
+                retry,
             )| {
                 Policy {
                     max_length,
@@ -109,6 +119,12 @@ fn policy() -> impl Strategy<Value = Policy> {
                     delivery_limit,
                     visibility_timeout_ms,
                     consumer_timeout_ms,
+                    retry: retry.map(|(min_ms, max_ms, multiplier, jitter_pct)| RetryPolicy {
+                        min_ms,
+                        max_ms,
+                        multiplier,
+                        jitter_pct,
+                    }),
                 }
             },
         )
@@ -119,6 +135,8 @@ fn policy() -> impl Strategy<Value = Policy> {
 enum Place {
     Ready,
     InFlight(Option<ConsumerId>, u32),
+    /// Waiting for a delayed retry due at this time.
+    Retrying(u64),
     Gone,
 }
 
@@ -182,7 +200,8 @@ impl Run {
                         || policy.consumer_timeout_ms.is_some()
                         || self.extended.contains(&msg_id);
                     prop_assert!(deadline, "{} timed out with no timeout", msg_id);
-                    self.places.insert(msg_id, Place::Ready);
+                    let back = self.back(policy, msg_id, attempt);
+                    self.places.insert(msg_id, back);
                     self.timed_out.push(Receipt { msg_id, attempt });
                 }
                 Effect::ConsumerTimedOut { consumer, .. } => {
@@ -201,7 +220,11 @@ impl Run {
                     delivery_count,
                     ..
                 } => {
-                    prop_assert_eq!(self.places.get(&msg_id), Some(&Place::Ready));
+                    let waiting = matches!(
+                        self.places.get(&msg_id),
+                        Some(Place::Ready | Place::Retrying(_))
+                    );
+                    prop_assert!(waiting, "{} settled late but not waiting", msg_id);
                     prop_assert_eq!(self.attempts.get(&msg_id), Some(&delivery_count));
                     self.places.insert(msg_id, Place::Gone);
                 }
@@ -229,6 +252,14 @@ impl Run {
         Ok(delivered)
     }
 
+    /// Where a message given back (returned or timed out) goes: a delayed retry, or the line.
+    fn back(&self, policy: &Policy, msg_id: u64, attempt: u32) -> Place {
+        match policy.retry {
+            Some(r) => Place::Retrying(self.now + r.delay(msg_id, attempt)),
+            None => Place::Ready,
+        }
+    }
+
     fn in_flight(&self) -> Vec<(u64, Option<ConsumerId>, u32)> {
         self.places
             .iter()
@@ -247,7 +278,17 @@ fn check(r: &Run, policy: &Policy) -> Result<(), TestCaseError> {
         .filter(|(_, p)| **p == Place::Ready)
         .map(|(id, _)| *id)
         .collect();
-    prop_assert_eq!(r.m.ready_count(), ready.len(), "every message in one place");
+    let retrying = r
+        .places
+        .values()
+        .filter(|p| matches!(p, Place::Retrying(_)))
+        .count();
+    prop_assert_eq!(r.m.retrying_count(), retrying);
+    prop_assert_eq!(
+        r.m.ready_count(),
+        ready.len() + retrying,
+        "every message in one place"
+    );
     prop_assert_eq!(r.m.in_flight_count(), r.in_flight().len());
     let ids = r.m.ready_ids();
     prop_assert_eq!(ids.iter().copied().collect::<BTreeSet<u64>>(), ready);
@@ -312,9 +353,9 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
                 r.book(&policy)?;
                 if policy.overflow == Overflow::DropHead {
                     if let Some(n) = policy.max_length {
-                        prop_assert!(r.m.ready_count() as u64 <= n);
+                        prop_assert!((r.m.ready_count() - r.m.retrying_count()) as u64 <= n);
                     }
-                    if let Some(n) = policy.max_length_bytes {
+                    if let Some(n) = policy.max_length_bytes.filter(|_| policy.retry.is_none()) {
                         prop_assert!(r.m.ready_bytes() <= n);
                     }
                 }
@@ -381,7 +422,10 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
                 let receipt = Receipt { msg_id, attempt };
                 let (c, after) = match op {
                     Op::Settle { .. } => (Command::Settle { receipt }, Place::Gone),
-                    Op::Return { .. } => (Command::Return { receipt }, Place::Ready),
+                    Op::Return { .. } => (
+                        Command::Return { receipt },
+                        r.back(&policy, msg_id, attempt),
+                    ),
                     _ => (Command::Discard { receipt }, Place::Gone),
                 };
                 prop_assert_eq!(r.apply(c), Reply::Ok);
@@ -390,6 +434,13 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
             }
             Op::Tick { advance } => {
                 r.now += advance;
+                // Retries due by now are back in the line before anything else happens.
+                let now = r.now;
+                for p in r.places.values_mut() {
+                    if matches!(p, Place::Retrying(at) if *at <= now) {
+                        *p = Place::Ready;
+                    }
+                }
                 r.apply(Command::Tick);
                 r.book(&policy)?;
             }
@@ -413,8 +464,10 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
                 }
                 let receipt = r.timed_out[pick % r.timed_out.len()];
                 // Settles only a message waiting in the queue, delivered to nobody since.
-                let waiting = r.places.get(&receipt.msg_id) == Some(&Place::Ready)
-                    && r.attempts.get(&receipt.msg_id) == Some(&receipt.attempt);
+                let waiting = matches!(
+                    r.places.get(&receipt.msg_id),
+                    Some(Place::Ready | Place::Retrying(_))
+                ) && r.attempts.get(&receipt.msg_id) == Some(&receipt.attempt);
                 let reply = r.apply(Command::Settle { receipt });
                 prop_assert_eq!(reply, if waiting { Reply::Ok } else { Reply::Stale });
                 r.book(&policy)?;

@@ -350,7 +350,7 @@ impl Channel {
     /// The channel is going away: unacked deliveries return to their queues, consumers are cancelled.
     pub fn release_all(&mut self, broker: &mut Broker) {
         for (_, u) in std::mem::take(&mut self.unacked) {
-            broker.requeue(u.queue, u.receipt);
+            broker.release(u.queue, u.receipt);
         }
         self.timed.clear();
         self.timed_out_kept = 0;

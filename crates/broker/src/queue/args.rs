@@ -194,6 +194,13 @@ pub struct QueueArgs {
     /// `x-consumer-timeout` (RabbitMQ 4.3's): a consumer that leaves a delivery unsettled this
     /// long is cancelled.
     pub consumer_timeout_ms: Option<u64>,
+    /// `x-delayed-retry-type` = `disabled`.
+    pub retry_disabled: bool,
+    /// `x-delayed-retry-min`, `-max` (ms), `-multiplier`, `-jitter` (percent).
+    pub retry_min_ms: Option<u64>,
+    pub retry_max_ms: Option<u64>,
+    pub retry_multiplier: Option<u64>,
+    pub retry_jitter_pct: u8,
 }
 
 /// The delivery limit of a quorum queue declared without one (RabbitMQ 4.0's default).
@@ -203,16 +210,24 @@ impl QueueArgs {
     /// Does the queue use Warren's task-queue arguments (a visibility timeout, a delivery
     /// limit)? Its redeliveries then say how many deliveries came before (`x-delivery-count`).
     pub fn is_task_queue(&self) -> bool {
-        self.visibility_timeout_ms.is_some() || self.delivery_limit.is_some()
+        self.visibility_timeout_ms.is_some() || self.delivery_limit.is_some() || self.retries()
     }
 
     /// The delivery limit that applies: the argument, or for a quorum queue without one,
     /// RabbitMQ 4's default of 20 (a negative argument: none).
     pub fn effective_delivery_limit(&self) -> Option<u64> {
         match (self.queue_type, self.delivery_limit_given) {
+            // Delayed retries without a limit would retry a poison message forever (LavinMQ
+            // has the same default).
             (QueueType::Quorum, false) => Some(QUORUM_DEFAULT_DELIVERY_LIMIT),
+            (_, false) if self.retries() => Some(QUORUM_DEFAULT_DELIVERY_LIMIT),
             _ => self.delivery_limit,
         }
+    }
+
+    /// Are delayed retries on (`x-delayed-retry-min` given, the type not `disabled`)?
+    pub fn retries(&self) -> bool {
+        self.retry_min_ms.is_some() && !self.retry_disabled
     }
 
     /// Does the queue keep a length limit (`x-max-length` or `x-max-length-bytes`)?
@@ -454,13 +469,50 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
 }
 
 /// Warren's own queue arguments (RabbitMQ ignores them), for classic and quorum queues.
-/// (`x-consumer-timeout` is RabbitMQ 4.3's; 3.10 ignores it.)
-pub const WARREN_ARGS: [&str; 2] = ["x-visibility-timeout", "x-consumer-timeout"];
+/// (`x-consumer-timeout` and `x-delayed-retry-type`/`-min`/`-max` are RabbitMQ 4.3's,
+/// `x-delayed-retry-multiplier` LavinMQ's; 3.10 ignores them all.)
+pub const WARREN_ARGS: [&str; 7] = [
+    "x-visibility-timeout",
+    "x-consumer-timeout",
+    "x-delayed-retry-type",
+    "x-delayed-retry-min",
+    "x-delayed-retry-max",
+    "x-delayed-retry-multiplier",
+    "x-delayed-retry-jitter",
+];
 
 fn check_warren_key(key: &str, v: &FieldValue, out: &mut QueueArgs) -> Result<(), Bad> {
     match key {
         "x-visibility-timeout" => out.visibility_timeout_ms = Some(check_positive_ms(v)?),
         "x-consumer-timeout" => out.consumer_timeout_ms = Some(check_positive_ms(v)?),
+        "x-delayed-retry-type" => {
+            out.retry_disabled = match check_str(v)? {
+                b"disabled" => true,
+                b"all" | b"failed" | b"returned" => false,
+                other => {
+                    return Err(Bad::Text(format!(
+                        "unsupported delayed retry type '{}'",
+                        lossy(other)
+                    )))
+                }
+            }
+        }
+        "x-delayed-retry-min" => out.retry_min_ms = Some(check_positive_ms(v)?),
+        "x-delayed-retry-max" => out.retry_max_ms = Some(check_positive_ms(v)?),
+        "x-delayed-retry-multiplier" => {
+            let n = check_non_neg(v)?;
+            if n == 0 {
+                return Err(Bad::Tagged("value_zero", "0".to_string()));
+            }
+            out.retry_multiplier = Some(n);
+        }
+        "x-delayed-retry-jitter" => {
+            let n = check_non_neg(v)?;
+            out.retry_jitter_pct = u8::try_from(n)
+                .ok()
+                .filter(|p| *p <= 100)
+                .ok_or_else(|| Bad::Tagged("max_value_exceeded", n.to_string()))?;
+        }
         _ => {}
     }
     Ok(())

@@ -17,7 +17,7 @@ use warren_codec::{FieldTable, ShortStr};
 
 use super::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, Loaded, Meta,
-    MsgMeta, Policy, QueueMachine, Receipt,
+    MsgMeta, Policy, QueueMachine, Receipt, RetryPolicy,
 };
 use crate::queue::args::Overflow;
 use crate::Message;
@@ -94,6 +94,7 @@ const LOAD: u8 = 16;
 const CONFIGURE: u8 = 17;
 const TOUCH: u8 = 18;
 const EXTEND: u8 = 19;
+const RELEASE: u8 = 20;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -155,6 +156,16 @@ fn put_policy(out: &mut BytesMut, p: &Policy) {
     put_opt_u64(out, p.delivery_limit);
     put_opt_u64(out, p.visibility_timeout_ms);
     put_opt_u64(out, p.consumer_timeout_ms);
+    match p.retry {
+        Some(r) => {
+            out.put_u8(1);
+            out.put_u64(r.min_ms);
+            put_opt_u64(out, r.max_ms);
+            put_opt_u64(out, r.multiplier);
+            out.put_u8(r.jitter_pct);
+        }
+        None => out.put_u8(0),
+    }
 }
 
 /// Appends one record to `out`.
@@ -266,6 +277,10 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
         }
         Command::Discard { receipt } => {
             out.put_u8(DISCARD);
+            put_receipt(out, *receipt);
+        }
+        Command::Release { receipt } => {
+            out.put_u8(RELEASE);
             put_receipt(out, *receipt);
         }
         Command::Purge => out.put_u8(PURGE),
@@ -417,6 +432,16 @@ impl Reader {
             delivery_limit: self.opt_u64("delivery limit")?,
             visibility_timeout_ms: self.opt_u64("visibility timeout")?,
             consumer_timeout_ms: self.opt_u64("consumer timeout")?,
+            retry: match self.u8("retry")? {
+                0 => None,
+                1 => Some(RetryPolicy {
+                    min_ms: self.u64("retry min")?,
+                    max_ms: self.opt_u64("retry max")?,
+                    multiplier: self.opt_u64("retry multiplier")?,
+                    jitter_pct: self.u8("retry jitter")?,
+                }),
+                t => return Err(self.fail(format!("bad retry tag {t}"))),
+            },
         })
     }
 
@@ -452,6 +477,9 @@ impl Reader {
             },
             CONFIGURE => Command::Configure(self.policy()?),
             TOUCH => Command::Touch,
+            RELEASE => Command::Release {
+                receipt: self.receipt()?,
+            },
             EXTEND => Command::Extend {
                 receipt: self.receipt()?,
                 timeout_ms: self.u64("timeout")?,

@@ -93,6 +93,54 @@ pub struct Policy {
     /// `x-consumer-timeout` (RabbitMQ 4.3): a consumer that leaves a delivery unsettled this
     /// long is cancelled and all its deliveries come back (ms; a consumer's own overrides it).
     pub consumer_timeout_ms: Option<u64>,
+    /// `x-delayed-retry-*`: a message given back by its consumer (nack or reject with requeue,
+    /// a visibility timeout) is delivered again only after a back-off delay.
+    pub retry: Option<RetryPolicy>,
+}
+
+/// The back-off of delayed retries (RabbitMQ 4.3's `x-delayed-retry-min`/`-max`, LavinMQ's
+/// `x-delayed-retry-multiplier`, and Warren's `x-delayed-retry-jitter`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RetryPolicy {
+    /// The first retry's delay (ms).
+    pub min_ms: u64,
+    /// No delay is longer than this (ms); retries never stop because of it.
+    pub max_ms: Option<u64>,
+    /// None: linear (min x failed deliveries); 1: constant; n >= 2: exponential (min x
+    /// n^(failed deliveries - 1)).
+    pub multiplier: Option<u64>,
+    /// Up to this percentage of a delay is taken off, differently for each message and
+    /// attempt (spreads a burst of retries); 0 = none.
+    pub jitter_pct: u8,
+}
+
+impl RetryPolicy {
+    /// The delay before delivery `failed + 1` of message `id`, after `failed` failed ones.
+    pub fn delay(&self, id: u64, failed: u32) -> u64 {
+        let n = u64::from(failed.max(1));
+        let base = match self.multiplier {
+            None => self.min_ms.saturating_mul(n),
+            Some(1) => self.min_ms,
+            Some(m) => {
+                let exp = u32::try_from(n - 1).unwrap_or(u32::MAX).min(63);
+                self.min_ms.saturating_mul(m.saturating_pow(exp))
+            }
+        };
+        let capped = self.max_ms.map_or(base, |max| base.min(max));
+        if self.jitter_pct == 0 {
+            return capped;
+        }
+        // A deterministic spread (the machine has no randomness): a mix of id and attempt.
+        let span = capped.saturating_mul(u64::from(self.jitter_pct.min(100))) / 100;
+        capped - mix(id ^ n.rotate_left(32)) % span.saturating_add(1)
+    }
+}
+
+/// splitmix64's finaliser: a well-spread 64-bit function of its input.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl Policy {
@@ -240,8 +288,14 @@ pub enum Command<M> {
     Settle {
         receipt: Receipt,
     },
-    /// nack/reject with requeue, channel closed: back to its original position.
+    /// nack/reject with requeue, basic.recover: back to its original position (after a delay
+    /// with delayed retries).
     Return {
+        receipt: Receipt,
+    },
+    /// The holder's channel closed: back to its original position at once (no retry delay:
+    /// the worker went away, not the message's fault).
+    Release {
         receipt: Receipt,
     },
     /// reject/nack without requeue.
@@ -591,6 +645,12 @@ pub struct QueueMachine<M> {
     ack_deadlines: BTreeSet<(u64, u64)>,
     /// The timers of the in-flight messages that have one, by message id.
     timers: BTreeMap<u64, Timers>,
+    /// Messages waiting for a delayed retry (counted as ready, not deliverable until due), and
+    /// `(due, msg_id)` of them.
+    retrying: BTreeMap<u64, Entry<M>>,
+    retry_due: BTreeSet<(u64, u64)>,
+    /// Bytes of the messages waiting for a retry (in `ready_bytes` too).
+    retrying_bytes: u64,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
     /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
@@ -629,6 +689,9 @@ impl<M> Default for QueueMachine<M> {
             visibility: BTreeSet::new(),
             ack_deadlines: BTreeSet::new(),
             timers: BTreeMap::new(),
+            retrying: BTreeMap::new(),
+            retry_due: BTreeSet::new(),
+            retrying_bytes: 0,
             expiries: BTreeSet::new(),
             expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
@@ -736,7 +799,14 @@ impl<M: Clone + Hash> QueueMachine<M> {
             },
             Command::Return { receipt } => match self.take_in_flight(receipt) {
                 Some(entry) => {
-                    self.back_to_ready(entry, effects);
+                    self.back_to_ready(entry, true, effects);
+                    Reply::Ok
+                }
+                None => Reply::Stale,
+            },
+            Command::Release { receipt } => match self.take_in_flight(receipt) {
+                Some(entry) => {
+                    self.back_to_ready(entry, false, effects);
                     Reply::Ok
                 }
                 None => Reply::Stale,
@@ -759,6 +829,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Command::Tick => {
                 self.consumers_time_out(effects);
                 self.time_out(effects);
+                self.retries_due();
                 self.expire(effects);
                 if self.queue_expiry().is_some_and(|at| at <= self.now_ms) {
                     Reply::QueueExpired
@@ -785,7 +856,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// A message that was in flight goes back to its place in the ready line, unless it has
     /// used up its delivery limit (dead-lettered, reason `delivery_limit`); a queue back over
     /// its length limit drops its head.
-    fn back_to_ready(&mut self, entry: Entry<M>, effects: &mut Vec<Effect<M>>) {
+    fn back_to_ready(&mut self, entry: Entry<M>, retry: bool, effects: &mut Vec<Effect<M>>) {
         let limit = self.policy.delivery_limit;
         if limit.is_some_and(|l| u64::from(entry.delivery_count) > l) {
             effects.push(Effect::DeadLetter {
@@ -797,6 +868,24 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return;
         }
         self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+        if let Some(r) = self.policy.retry.filter(|_| retry) {
+            // Waits for its retry; its expiry is filed when it is due.
+            let at = self
+                .now_ms
+                .saturating_add(r.delay(entry.id, entry.delivery_count));
+            self.retry_due.insert((at, entry.id));
+            self.retrying_bytes = self.retrying_bytes.saturating_add(entry.meta.size);
+            self.retrying.insert(entry.id, entry);
+            return;
+        }
+        self.rejoin_line(entry);
+        // Back at the head, over the limit: drop-head drops it again at once.
+        self.drop_over_limit(effects);
+    }
+
+    /// A message that was delivered goes back to its place in the ready line (counted in
+    /// `ready_bytes` already).
+    fn rejoin_line(&mut self, entry: Entry<M>) {
         if let Some(at) = entry.meta.expires_at {
             self.expiries.insert((at, entry.id));
         }
@@ -806,8 +895,20 @@ impl<M: Clone + Hash> QueueMachine<M> {
         } else {
             self.returned.insert(entry.id, entry);
         }
-        // Back at the head, over the limit: drop-head drops it again at once.
-        self.drop_over_limit(effects);
+    }
+
+    /// Messages whose retry delay has passed join the ready line.
+    fn retries_due(&mut self) {
+        while let Some(&(at, id)) = self.retry_due.first() {
+            if at > self.now_ms {
+                break;
+            }
+            self.retry_due.pop_first();
+            if let Some(entry) = self.retrying.remove(&id) {
+                self.retrying_bytes = self.retrying_bytes.saturating_sub(entry.meta.size);
+                self.rejoin_line(entry);
+            }
+        }
     }
 
     /// Deliveries whose visibility deadline has passed come back (the consumer and its
@@ -842,7 +943,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             group,
             message: entry.msg.clone(),
         });
-        self.back_to_ready(entry, effects);
+        self.back_to_ready(entry, true, effects);
     }
 
     /// Consumers that left a delivery unsettled past their consumer timeout are cancelled, and
@@ -922,6 +1023,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
         let current = |e: &Entry<M>| e.timed_out && e.delivery_count == receipt.attempt;
         let entry = if self.returned.get(&id).is_some_and(current) {
             self.returned.remove(&id)
+        } else if self.retrying.get(&id).is_some_and(current) {
+            self.retry_due.retain(|(_, m)| *m != id);
+            let e = self.retrying.remove(&id);
+            if let Some(e) = &e {
+                self.retrying_bytes = self.retrying_bytes.saturating_sub(e.meta.size);
+            }
+            e
         } else if let Some(max) = self.policy.max_priority {
             let level = (u8::MAX - max..=u8::MAX)
                 .find(|p| self.by_priority.get(&(*p, id)).is_some_and(current));
@@ -954,13 +1062,17 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     /// Has the ready line reached `x-max-length` or `x-max-length-bytes`?
     fn is_full(&self) -> bool {
-        self.policy
-            .max_length
-            .is_some_and(|n| self.ready_count() as u64 >= n)
-            || self
-                .policy
-                .max_length_bytes
-                .is_some_and(|n| self.ready_bytes >= n)
+        let (count, bytes) = self.limited();
+        self.policy.max_length.is_some_and(|n| count >= n)
+            || self.policy.max_length_bytes.is_some_and(|n| bytes >= n)
+    }
+
+    /// What the length limits count: the ready messages and their bytes, less those waiting
+    /// for a retry (delivered already, like the unacked, which do not count either).
+    fn limited(&self) -> (u64, u64) {
+        let count = self.ready_count().saturating_sub(self.retrying.len()) as u64;
+        let bytes = self.ready_bytes.saturating_sub(self.retrying_bytes);
+        (count, bytes)
     }
 
     /// `drop-head`: while the ready line is over a limit, its head goes (dead-lettered with
@@ -970,10 +1082,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return;
         }
         let over = |m: &Self| {
-            m.policy
-                .max_length
-                .is_some_and(|n| m.ready_count() as u64 > n)
-                || m.policy.max_length_bytes.is_some_and(|n| m.ready_bytes > n)
+            let (count, bytes) = m.limited();
+            m.policy.max_length.is_some_and(|n| count > n)
+                || m.policy.max_length_bytes.is_some_and(|n| bytes > n)
         };
         while over(self) {
             let Some(e) = self.pop_ready() else {
@@ -1583,6 +1694,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.paged_below = 0;
         self.returned.clear();
         self.by_priority.clear();
+        self.retrying.clear();
+        self.retry_due.clear();
+        self.retrying_bytes = 0;
         self.expiries.clear();
         self.expiries_in_order.clear();
         self.ready_bytes = 0;
@@ -1669,6 +1783,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
         let first = min_opt(first, self.visibility.first().map(|&(at, _)| at));
         let first = min_opt(first, self.ack_deadlines.first().map(|&(at, _)| at));
         let message = first.map(|at| at.saturating_add(1));
+        // A retry is due at its time (not strictly after, as expiries are).
+        let message = min_opt(message, self.retry_due.first().map(|&(at, _)| at));
         let run = self.run_expiry().map(|at| at.saturating_add(1));
         min_opt(min_opt(message, run), self.queue_expiry())
     }
@@ -1697,7 +1813,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.ready.len()
             + self.returned.len()
             + self.by_priority.len()
+            + self.retrying.len()
             + usize::try_from(self.tail_count).unwrap_or(usize::MAX)
+    }
+
+    /// Ready messages waiting for a delayed retry (counted in [`Self::ready_count`]).
+    pub fn retrying_count(&self) -> usize {
+        self.retrying.len()
     }
 
     /// Ready messages in memory at the head of the line (what a `PageOut` keeps).
@@ -1843,6 +1965,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             }))
             .chain(self.returned.values())
             .chain(self.by_priority.values())
+            .chain(self.retrying.values())
             .map(|e| (e.id, &e.msg, e.delivery_count))
     }
 
@@ -1914,6 +2037,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
         for e in self.by_priority.values() {
             hash_entry(e, &mut h);
         }
+        (self.retrying.len(), self.retrying_bytes).hash(&mut h);
+        for e in self.retrying.values() {
+            hash_entry(e, &mut h);
+        }
+        self.retry_due.hash(&mut h);
         (self.policy, self.active, self.last_used).hash(&mut h);
         self.in_flight.len().hash(&mut h);
         self.visibility.hash(&mut h);
@@ -2675,5 +2803,70 @@ mod tests {
         d.run(Command::Tick);
         assert!(d.effects.is_empty(), "paged messages expire when read back");
         assert!(d.m.run_due());
+    }
+
+    #[test]
+    fn retry_delays_grow_as_configured_and_stay_capped() {
+        let linear = RetryPolicy {
+            min_ms: 100,
+            max_ms: Some(250),
+            multiplier: None,
+            jitter_pct: 0,
+        };
+        let delays: Vec<u64> = (1..=4).map(|n| linear.delay(7, n)).collect();
+        assert_eq!(delays, vec![100, 200, 250, 250]);
+        let constant = RetryPolicy {
+            multiplier: Some(1),
+            max_ms: None,
+            ..linear
+        };
+        assert_eq!(constant.delay(7, 5), 100);
+        let exponential = RetryPolicy {
+            multiplier: Some(3),
+            max_ms: Some(10_000),
+            ..linear
+        };
+        let delays: Vec<u64> = (1..=5).map(|n| exponential.delay(7, n)).collect();
+        assert_eq!(delays, vec![100, 300, 900, 2_700, 8_100]);
+        assert_eq!(exponential.delay(7, 60), 10_000, "capped, no overflow");
+        // Jitter takes up to its share off, differently per message, the same on a replay.
+        let jittered = RetryPolicy {
+            jitter_pct: 50,
+            ..exponential
+        };
+        let spread: Vec<u64> = (0..200).map(|id| jittered.delay(id, 2)).collect();
+        assert!(spread.iter().all(|d| (150..=300).contains(d)), "{spread:?}");
+        assert!(spread.iter().any(|d| *d < 250) && spread.iter().any(|d| *d > 250));
+        assert_eq!(jittered.delay(3, 2), jittered.delay(3, 2));
+    }
+
+    #[test]
+    fn a_returned_message_waits_for_its_retry_but_a_released_one_does_not() {
+        let mut d = with_policy(Policy {
+            retry: Some(RetryPolicy {
+                min_ms: 100,
+                ..RetryPolicy::default()
+            }),
+            ..Policy::default()
+        });
+        d.enqueue("a", 1, None);
+        d.enqueue("b", 1, None);
+        d.run(Command::Get { no_ack: false });
+        d.run(Command::Get { no_ack: false });
+        d.effects.clear();
+        d.ret(0, 1);
+        d.run(Command::Release {
+            receipt: receipt(1, 1),
+        });
+        assert_eq!(d.m.ready_count(), 2);
+        assert_eq!(d.m.retrying_count(), 1);
+        assert_eq!(d.m.ready_ids(), vec![1], "the released one at once");
+        assert_eq!(d.m.next_deadline(), Some(100));
+        d.now = 99;
+        d.run(Command::Tick);
+        assert_eq!(d.m.retrying_count(), 1, "never early");
+        d.now = 100;
+        d.run(Command::Tick);
+        assert_eq!(d.m.ready_ids(), vec![0, 1], "back in its place");
     }
 }
