@@ -1675,20 +1675,11 @@ impl Broker {
             };
             // Without its own routing key, the queue's dead letters go by the keys they were
             // published with: the routing key and the CC header's.
-            let cc: Vec<String> = match (&dl.routing_key, &headers) {
-                (None, Some(h)) => match h.get("CC") {
-                    Some(FieldValue::Array(keys)) => keys
-                        .iter()
-                        .filter_map(|k| match k {
-                            FieldValue::LongStr(b) => {
-                                std::str::from_utf8(b).ok().map(str::to_owned)
-                            }
-                            _ => None,
-                        })
-                        .collect(),
-                    _ => Vec::new(),
-                },
-                _ => Vec::new(),
+            let cc: Vec<String> = match &dl.routing_key {
+                None => dead_letter::cc(headers.as_ref())
+                    .map(str::to_owned)
+                    .collect(),
+                Some(_) => Vec::new(),
             };
             let death = Some((dl.reason, x_death, cc));
             match self.publish_to(&dl.vhost, &dl.exchange, &routing_key, message, death) {

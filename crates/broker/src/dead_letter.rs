@@ -45,10 +45,18 @@ fn text(v: &FieldValue) -> Option<&[u8]> {
 /// The routing keys a message was published with: its routing key, then the `CC` header's.
 pub fn routing_keys(routing_key: &str, headers: Option<&FieldTable>) -> Vec<FieldValue> {
     let mut keys = vec![FieldValue::long_str(routing_key)];
-    if let Some(FieldValue::Array(cc)) = headers.and_then(|h| h.get("CC")) {
-        keys.extend(cc.iter().filter(|v| text(v).is_some()).cloned());
-    }
+    keys.extend(cc(headers).map(FieldValue::long_str));
     keys
+}
+
+/// The `CC` header's routing keys (its text entries).
+pub fn cc(headers: Option<&FieldTable>) -> impl Iterator<Item = &str> {
+    let list = match headers.and_then(|h| h.get("CC")) {
+        Some(FieldValue::Array(list)) => list.as_slice(),
+        _ => &[],
+    };
+    list.iter()
+        .filter_map(|v| text(v).and_then(|b| std::str::from_utf8(b).ok()))
 }
 
 /// Sorts a table's entries by key, bytewise (stable: duplicates keep their order), as

@@ -897,6 +897,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
     }
 
+    /// The `by_priority` level holding message `id` (if it passes `test`), found by trying each
+    /// level the queue has (few: `x-max-priority`).
+    fn priority_level(&self, id: u64, test: impl Fn(&Entry<M>) -> bool) -> Option<u8> {
+        let max = self.policy.max_priority?;
+        (u8::MAX - max..=u8::MAX).find(|p| self.by_priority.get(&(*p, id)).is_some_and(&test))
+    }
+
     /// Messages whose retry delay has passed join the ready line.
     fn retries_due(&mut self) {
         while let Some(&(at, id)) = self.retry_due.first() {
@@ -1030,10 +1037,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.retrying_bytes = self.retrying_bytes.saturating_sub(e.meta.size);
             }
             e
-        } else if let Some(max) = self.policy.max_priority {
-            let level = (u8::MAX - max..=u8::MAX)
-                .find(|p| self.by_priority.get(&(*p, id)).is_some_and(current));
-            level.and_then(|p| self.by_priority.remove(&(p, id)))
+        } else if let Some(p) = self.priority_level(id, current) {
+            self.by_priority.remove(&(p, id))
         } else {
             None
         };
@@ -1732,13 +1737,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 break;
             }
             self.expiries.pop_first();
-            // A priority queue's entry is found by trying each level (few: x-max-priority).
-            let level = match self.policy.max_priority {
-                Some(max) => {
-                    (u8::MAX - max..=u8::MAX).find(|p| self.by_priority.contains_key(&(*p, id)))
-                }
-                None => None,
-            };
+            let level = self.priority_level(id, |_| true);
             let entry = if let Some(e) = self.returned.remove(&id) {
                 Some(e)
             } else if let Some(p) = level {
