@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
 use crate::dead_letter::{self, Death};
+use crate::delayed::{self, DelayKey, Delayed, Scheduler};
 use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
@@ -127,6 +128,10 @@ pub struct Broker {
     /// Queues that may refuse a publish (`x-overflow` reject-publish with a length limit): while
     /// there are none, a publish does not look its targets up to ask.
     refusing_queues: usize,
+    /// Queues with `x-delivery-delay`: while there are none, a publish does not look for one.
+    delaying_queues: usize,
+    /// Messages held back until they are due (delayed exchanges, queues' delivery delays).
+    scheduler: Scheduler,
 }
 
 /// A message that left a queue with a dead-letter exchange, with what its `x-death` needs.
@@ -225,6 +230,43 @@ fn dead_letter_of(q: &Queue, message: Message, reason: DeadLetterReason) -> Opti
 /// order is not the ids' order).
 fn may_page(q: &Queue) -> bool {
     !q.args.limits_length() && q.args.max_priority.is_none()
+}
+
+/// The exchange type the delayed-message plugin registers.
+const DELAYED_TYPE: &str = "x-delayed-message";
+
+/// An exchange.declare `type` (and, for `x-delayed-message`, its `x-delayed-type` argument):
+/// how the exchange routes, and whether it delays. The plugin's replies.
+fn exchange_type(kind: &str, arguments: &FieldTable) -> Result<(ExchangeKind, bool), AmqpError> {
+    let unknown =
+        |kind: &str| AmqpError::command_invalid(format!("unknown exchange type '{kind}'"));
+    if kind != DELAYED_TYPE {
+        return Ok((
+            ExchangeKind::parse(kind).ok_or_else(|| unknown(kind))?,
+            false,
+        ));
+    }
+    match arguments.get("x-delayed-type").and_then(FieldValue::as_str) {
+        Some(DELAYED_TYPE) => Err(AmqpError::precondition_failed(
+            "Invalid argument, 'x-delayed-message' can't be used for 'x-delayed-type'",
+        )),
+        Some(inner) => Ok((
+            ExchangeKind::parse(inner).ok_or_else(|| unknown(inner))?,
+            true,
+        )),
+        None => Err(AmqpError::precondition_failed(
+            "Invalid argument, 'x-delayed-type' must be an existing exchange type",
+        )),
+    }
+}
+
+/// The type an exchange was declared with.
+fn type_name(kind: ExchangeKind, delayed: bool) -> &'static str {
+    if delayed {
+        DELAYED_TYPE
+    } else {
+        kind.as_str()
+    }
 }
 
 /// RabbitMQ strips CR and LF from queue and exchange names.
@@ -338,6 +380,9 @@ enum Kept {
 
 /// Most pages [`Broker::tick`] reads back in one call to expire what is on disk.
 const EXPIRY_READS_PER_TICK: u32 = 16;
+/// Most delayed messages one tick releases (a backlog keeps the deadline at now, so the rest
+/// follow on the next tick without holding the node for long).
+const RELEASES_PER_TICK: usize = 4096;
 
 /// How long a queue waits before reading its paged messages again after a failed read.
 const LOAD_RETRY_MS: u64 = 1000;
@@ -536,6 +581,8 @@ impl Broker {
             timed_out: Vec::new(),
             consumer_timeouts: Vec::new(),
             refusing_queues: 0,
+            delaying_queues: 0,
+            scheduler: Scheduler::default(),
         };
         if b.config.persistence {
             b.persist = Some(Persist::new());
@@ -747,6 +794,7 @@ impl Broker {
         };
         let out = declared(&q);
         let policy = policy(&q.args);
+        let delays = q.args.delivery_delay_ms.is_some();
         if let Some(vh) = self.vhosts.get_mut(vhost) {
             vh.queues.insert(name, id);
         }
@@ -756,6 +804,9 @@ impl Broker {
         self.queues.insert(id, Box::new(q));
         if refuses(&policy) {
             self.refusing_queues += 1;
+        }
+        if delays {
+            self.delaying_queues += 1;
         }
         if !policy.is_plain() {
             self.run(id, Command::Configure(policy));
@@ -810,6 +861,9 @@ impl Broker {
         self.cycles_reported.remove(&id);
         if refuses(&policy(&q.args)) {
             self.refusing_queues = self.refusing_queues.saturating_sub(1);
+        }
+        if q.args.delivery_delay_ms.is_some() {
+            self.delaying_queues = self.delaying_queues.saturating_sub(1);
         }
         if let Some(p) = self.persist.as_mut() {
             if let (Some(vh), true) = (self.vhosts.get(&q.vhost), q.store_key.is_some()) {
@@ -923,8 +977,7 @@ impl Broker {
                 Err(no_exchange(&name, vhost))
             };
         }
-        let kind = ExchangeKind::parse(kind)
-            .ok_or_else(|| AmqpError::command_invalid(format!("unknown exchange type '{kind}'")))?;
+        let (kind, delayed) = exchange_type(kind, arguments)?;
         if name.is_empty() {
             return Err(AmqpError::access_refused(DEFAULT_EXCHANGE));
         }
@@ -954,6 +1007,7 @@ impl Broker {
                             vhost: vhost.to_owned(),
                             name: name.clone(),
                             kind,
+                            delayed,
                             auto_delete,
                             internal,
                             arguments: arguments.detached(),
@@ -961,26 +1015,25 @@ impl Broker {
                         true,
                     );
                 }
-                vh.exchanges.insert(
+                let mut x = Exchange::new(
                     name.clone(),
-                    Exchange::new(
-                        name.clone(),
-                        kind,
-                        durable,
-                        auto_delete,
-                        internal,
-                        arguments.detached(),
-                    ),
+                    kind,
+                    durable,
+                    auto_delete,
+                    internal,
+                    arguments.detached(),
                 );
+                x.delayed = delayed;
+                vh.exchanges.insert(name.clone(), x);
                 return Ok(());
             }
         };
         // rabbit_exchange:assert_equivalence/6
-        if x.kind != kind {
+        if x.kind != kind || x.delayed != delayed {
             return Err(AmqpError::precondition_failed(format!(
                 "inequivalent arg 'type' for {rs}: received '{}' but current is '{}'",
-                kind.as_str(),
-                x.kind.as_str()
+                type_name(kind, delayed),
+                type_name(x.kind, x.delayed)
             )));
         }
         args::assert_field_equivalence(x.durable, durable, &rs, "durable")?;
@@ -1224,9 +1277,128 @@ impl Broker {
         now_ms: u64,
     ) -> Result<Routed, AmqpError> {
         self.now_ms = self.now_ms.max(now_ms);
-        let routed = self.publish_to(vhost, exchange, routing_key, message, None);
+        let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
         self.dead_letter_pending();
         routed
+    }
+
+    /// Holds a message back `delay_ms` (on disk with a store), to be routed by its exchange
+    /// (`queue` = `None`) or enqueued on `queue` when due. It counts as routed; a persistent
+    /// one's confirm waits for its write.
+    fn schedule(
+        &mut self,
+        vhost: &str,
+        queue: Option<ShortStr>,
+        mut message: Message,
+        delay_ms: u64,
+    ) -> Routed {
+        message.store_key = None;
+        message.compact();
+        let due = self.now_ms.saturating_add(delay_ms);
+        let d = Delayed {
+            vhost: vhost.to_owned(),
+            queue,
+            message,
+        };
+        let mut batch = None;
+        match self.persist.as_mut() {
+            Some(p) => {
+                let key = DelayKey {
+                    due,
+                    seq: p.body_key(),
+                };
+                let number = p.next_batch;
+                let sync = d.message.persistent;
+                let op = StoreOp::PutDelayed {
+                    key,
+                    delayed: d.clone(),
+                };
+                p.push(op, sync);
+                batch = sync.then_some(number);
+                // Without a reader, what leaves memory could not come back: keep it all.
+                let stored = self.pager.is_some().then_some(number);
+                self.scheduler.schedule(key, d, stored);
+            }
+            None => {
+                let key = DelayKey {
+                    due,
+                    seq: self.scheduler.memory_seq(),
+                };
+                self.scheduler.schedule(key, d, None);
+            }
+        }
+        Routed {
+            queues: 1,
+            batch,
+            rejected: false,
+        }
+    }
+
+    /// Routes the scheduled messages that are due (at most [`RELEASES_PER_TICK`]; a backlog
+    /// keeps the deadline at now), reading the next ones back from disk as memory runs low.
+    fn release_delayed(&mut self) {
+        let now = self.now_ms;
+        let mut released = 0;
+        loop {
+            if self.scheduler.wants_read(now) {
+                self.read_delayed();
+            }
+            if released >= RELEASES_PER_TICK {
+                break;
+            }
+            let Some((key, d)) = self.scheduler.pop_due(now) else {
+                break;
+            };
+            released += 1;
+            if let Some(p) = self.persist.as_mut() {
+                // In the batch that puts the message in its queues: a crash before it is
+                // written releases it again, never loses it.
+                p.push(StoreOp::DeleteDelayed { key }, false);
+            }
+            let Delayed {
+                vhost,
+                queue,
+                message,
+            } = d;
+            let (exchange, routing_key) = match queue {
+                Some(q) => (ShortStr::from_static(""), q),
+                None => (message.exchange.clone(), message.routing_key.clone()),
+            };
+            if let Err(e) = self.publish_to(&vhost, &exchange, &routing_key, message, None, true) {
+                tracing::debug!(vhost = %vhost, exchange = %exchange, error = %e, "a delayed message came due with nowhere to go: dropped");
+            }
+        }
+        self.dead_letter_pending();
+    }
+
+    /// Reads the next scheduled messages back from disk (a failed read is tried again soon).
+    fn read_delayed(&mut self) {
+        let now = self.now_ms;
+        let Some((from, max, bytes)) = self.scheduler.read_request(now) else {
+            return;
+        };
+        let read = match self.pager.as_mut() {
+            Some(pager) => pager.0.read_delayed(from, max, bytes),
+            None => Err("no store to read delayed messages from".to_string()),
+        };
+        match read {
+            Ok((found, more)) => self.scheduler.loaded_from_disk(found, more),
+            Err(error) => {
+                tracing::error!(%error, "reading delayed messages failed; trying again shortly");
+                self.scheduler.read_failed(now);
+            }
+        }
+    }
+
+    /// Recovery: the store holds scheduled messages; they are read back, earliest first, as
+    /// soon as ticks run (those due while the node was down are released at once).
+    pub fn restore_delayed(&mut self) {
+        self.scheduler.restore();
+    }
+
+    /// Scheduled messages this run knows of, and how many of them are in memory.
+    pub fn delayed_counts(&self) -> (u64, usize) {
+        (self.scheduler.count(), self.scheduler.loaded())
     }
 
     /// Routes and enqueues; `death`: the message is a dead letter (its reason, and its
@@ -1238,6 +1410,7 @@ impl Broker {
         routing_key: &str,
         message: Message,
         death: Option<(DeadLetterReason, Option<FieldValue>, Vec<String>)>,
+        released: bool,
     ) -> Result<Routed, AmqpError> {
         if message.body.len() > self.config.max_message_size {
             return Err(AmqpError::precondition_failed(format!(
@@ -1271,6 +1444,22 @@ impl Broker {
                     "cannot publish to internal {}",
                     rs("exchange", exchange, vhost)
                 )));
+            }
+            if x.delayed && !released {
+                let headers = warren_codec::properties::headers(&message.properties);
+                if let Some(delay) = delayed::header_delay(headers.ok().flatten().as_ref()) {
+                    self.scratch_queues = targets;
+                    // Routed when due as it was published (the message's own fields are
+                    // what a delivery shows; they normally say the same).
+                    let mut message = message;
+                    if message.exchange.as_str() != exchange {
+                        message.exchange = short(exchange);
+                    }
+                    if message.routing_key.as_str() != routing_key {
+                        message.routing_key = short(routing_key);
+                    }
+                    return Ok(self.schedule(vhost, None, message, delay));
+                }
             }
             let mut dests = std::mem::take(&mut self.scratch_dests);
             route(vh, x, routing_key, &message, &mut dests, &mut targets);
@@ -1320,6 +1509,24 @@ impl Broker {
             }
             false
         });
+        // Queues with a delivery delay get their copy when it is due.
+        let mut held: Vec<(ShortStr, u64)> = Vec::new();
+        if self.delaying_queues > 0 && !released {
+            let headers = warren_codec::properties::headers(&message.properties);
+            let own = delayed::header_delay(headers.ok().flatten().as_ref());
+            targets.retain(|id| {
+                let Some(q) = self.queues.get(id) else {
+                    return true;
+                };
+                match q.args.delivery_delay_ms {
+                    Some(delay) => {
+                        held.push((q.name.clone(), own.unwrap_or(delay)));
+                        false
+                    }
+                    None => true,
+                }
+            });
+        }
         let own_ttl = message_ttl(&message);
         let meta = MsgMeta {
             size,
@@ -1435,6 +1642,11 @@ impl Broker {
         }
         self.scratch_kinds = kinds;
         self.scratch_queues = targets;
+        for (queue, delay) in held {
+            let r = self.schedule(vhost, Some(queue), message.clone(), delay);
+            routed += r.queues;
+            batch = batch.max(r.batch);
+        }
         Ok(Routed {
             queues: routed,
             batch,
@@ -1682,7 +1894,7 @@ impl Broker {
                 Some(_) => Vec::new(),
             };
             let death = Some((dl.reason, x_death, cc));
-            match self.publish_to(&dl.vhost, &dl.exchange, &routing_key, message, death) {
+            match self.publish_to(&dl.vhost, &dl.exchange, &routing_key, message, death, false) {
                 Ok(r) if r.queues > 0 => {}
                 Ok(_) => {
                     tracing::debug!(queue = %dl.queue, exchange = %dl.exchange, "dead letter routed nowhere: dropped")
@@ -1721,6 +1933,7 @@ impl Broker {
     /// The store wrote every batch up to `upto`: messages they hold may leave memory. Each
     /// queue with stored messages past its window gets a `PageOut`.
     pub fn writes_done(&mut self, upto: u64) {
+        self.scheduler.written(upto);
         let mut due: BTreeMap<QueueId, u64> = BTreeMap::new();
         while let Some(&(batch, queue, msg_id)) = self.page_pending.front() {
             if batch > upto {
@@ -1870,7 +2083,7 @@ impl Broker {
             b.declare_exchange(
                 &def.vhost,
                 &def.name,
-                def.kind.as_str(),
+                type_name(def.kind, def.delayed),
                 false,
                 true,
                 def.auto_delete,
@@ -2230,6 +2443,7 @@ impl Broker {
             self.finish_effects(id);
         }
         self.ticking = false;
+        self.release_delayed();
     }
 
     /// The time of the commands that follow (milliseconds on the driver's clock; it never goes
@@ -2244,7 +2458,11 @@ impl Broker {
         if self.recovering {
             return None;
         }
-        self.deadlines.first().map(|&(at, _)| at)
+        let queues = self.deadlines.first().map(|&(at, _)| at);
+        match (queues, self.scheduler.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Every queue of a vhost, sorted by name.

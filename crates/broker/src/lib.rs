@@ -28,6 +28,7 @@
 
 mod broker;
 pub mod dead_letter;
+pub mod delayed;
 mod erl;
 pub mod exchange;
 pub mod names;
@@ -36,6 +37,7 @@ pub mod queue;
 mod small;
 
 pub use broker::{Broker, ConsumerTimeout, QueueInfo};
+pub use delayed::{DelayKey, Delayed};
 pub use exchange::ExchangeKind;
 pub use persist::{
     BindingDef, BindingDest, ExchangeDef, Page, PageSource, QueueDef, StoreKeys, StoreOp,

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 
 use warren_codec::{FieldTable, ShortStr};
 
+use crate::delayed::{DelayKey, Delayed};
 use crate::exchange::ExchangeKind;
 use crate::queue::machine::{LoadRequest, Loaded};
 use crate::Message;
@@ -37,7 +38,10 @@ pub struct BindingDef {
 pub struct ExchangeDef {
     pub vhost: String,
     pub name: ShortStr,
+    /// How it routes (for an `x-delayed-message` exchange, its `x-delayed-type`).
     pub kind: ExchangeKind,
+    /// An `x-delayed-message` exchange.
+    pub delayed: bool,
     pub auto_delete: bool,
     pub internal: bool,
     pub arguments: FieldTable,
@@ -116,6 +120,16 @@ pub enum StoreOp {
         msg_id: u64,
         count: u32,
     },
+    /// A message held back until `key.due` (a delayed exchange's, or a queue's
+    /// `x-delivery-delay`).
+    PutDelayed {
+        key: DelayKey,
+        delayed: Delayed,
+    },
+    /// The scheduled message was released (or dropped).
+    DeleteDelayed {
+        key: DelayKey,
+    },
     /// Keys below these are (or may have been) used: after a restart, new keys start here, so
     /// no key is ever written twice (`SingleDelete` relies on it).
     ReserveKeys(StoreKeys),
@@ -134,6 +148,16 @@ pub trait PageSource: Send {
         max_messages: usize,
         max_bytes: u64,
     ) -> Result<Page, String>;
+
+    /// Scheduled messages with keys from `from` on, in key order, stopping after
+    /// `max_messages` or once `max_bytes` are read; the flag says a limit stopped the read
+    /// (more may follow). Entries that cannot be read as messages are skipped with a warning.
+    fn read_delayed(
+        &mut self,
+        from: DelayKey,
+        max_messages: usize,
+        max_bytes: u64,
+    ) -> Result<(Vec<(DelayKey, Delayed)>, bool), String>;
 }
 
 /// What a [`PageSource`] read.

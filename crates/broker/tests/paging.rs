@@ -2,141 +2,14 @@
 //! page out only what was written, read back ahead of consumers, and a store that cannot be
 //! read makes a queue wait and try again (on its deadline), never spin or lose a message.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+mod common;
 
 use bytes::Bytes;
-use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
+use common::MemStore;
 use warren_broker::{
-    Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message, Page, PageSource, StoreOp,
-    SPILL_BIT,
+    Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message, SPILL_BIT,
 };
 use warren_codec::{FieldTable, ShortStr};
-
-/// What the store holds: bodies by key, entries by (queue, id), with their expiry.
-#[derive(Default)]
-struct Mem {
-    bodies: BTreeMap<u64, Message>,
-    entries: BTreeMap<(u64, u64), u64>,
-    expiries: BTreeMap<(u64, u64), u64>,
-    failing: bool,
-    reads: usize,
-}
-
-#[derive(Clone, Default)]
-struct MemStore(Arc<Mutex<Mem>>);
-
-impl MemStore {
-    fn apply(&self, b: &mut Broker) {
-        let mut mem = self.0.lock().unwrap();
-        let mut last = None;
-        while let Some(w) = b.take_writes() {
-            last = Some(w.number);
-            for op in w.ops {
-                match op {
-                    StoreOp::PutBody { key, message, .. } => {
-                        mem.bodies.insert(key, message);
-                    }
-                    StoreOp::DeleteBody { key } => {
-                        mem.bodies.remove(&key);
-                    }
-                    StoreOp::PutEntry {
-                        queue,
-                        msg_id,
-                        body,
-                        expires_at,
-                        ..
-                    } => {
-                        mem.entries.insert((queue, msg_id), body);
-                        if let Some(at) = expires_at {
-                            mem.expiries.insert((queue, msg_id), at);
-                        }
-                    }
-                    StoreOp::DeleteEntry { queue, msg_id, .. } => {
-                        mem.entries.remove(&(queue, msg_id));
-                    }
-                    StoreOp::DeleteEntries { queue } | StoreOp::DeleteQueue { key: queue, .. } => {
-                        let gone: Vec<(u64, u64)> = mem
-                            .entries
-                            .range((queue, 0)..=(queue, u64::MAX))
-                            .map(|(k, _)| *k)
-                            .collect();
-                        for k in gone {
-                            mem.entries.remove(&k);
-                        }
-                    }
-                    StoreOp::DropRun {
-                        queue,
-                        first_id,
-                        last_id,
-                    } => {
-                        let gone: Vec<(u64, u64)> = mem
-                            .entries
-                            .range((queue, first_id)..=(queue, last_id))
-                            .map(|(k, _)| *k)
-                            .collect();
-                        for k in gone {
-                            if let Some(body) = mem.entries.remove(&k) {
-                                mem.bodies.remove(&body);
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-            }
-        }
-        drop(mem);
-        if let Some(n) = last {
-            b.writes_done(n);
-        }
-    }
-}
-
-impl PageSource for MemStore {
-    fn read(
-        &mut self,
-        queue_key: u64,
-        request: LoadRequest,
-        max_messages: usize,
-        _max_bytes: u64,
-    ) -> Result<Page, String> {
-        let mut mem = self.0.lock().unwrap();
-        mem.reads += 1;
-        if mem.failing {
-            return Err("the disk is on fire".into());
-        }
-        let mut messages = Vec::new();
-        let mut through_id = request.to_id;
-        for (&(_, msg_id), body) in mem
-            .entries
-            .range((queue_key, request.from_id)..=(queue_key, request.to_id))
-        {
-            let message = mem.bodies[body].clone();
-            let meta = MsgMeta {
-                size: message.body.len() as u64,
-                expires_at: mem.expiries.get(&(queue_key, msg_id)).copied(),
-                pageable: true,
-                spilled: queue_key & SPILL_BIT != 0,
-                priority: 0,
-            };
-            messages.push(Loaded {
-                msg_id,
-                message,
-                meta,
-                delivery_count: 0,
-            });
-            if messages.len() == max_messages {
-                through_id = msg_id;
-                break;
-            }
-        }
-        Ok(Page {
-            messages,
-            through_id,
-            unreadable: Vec::new(),
-        })
-    }
-}
 
 fn setup() -> (Broker, MemStore) {
     let mut b = Broker::new(BrokerConfig {

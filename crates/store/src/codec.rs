@@ -3,7 +3,9 @@
 //! name can run into the next field.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use warren_broker::{BindingDef, BindingDest, ExchangeDef, ExchangeKind, Message, QueueDef};
+use warren_broker::{
+    BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Message, QueueDef,
+};
 use warren_codec::{FieldTable, ShortStr};
 
 use crate::StoreError;
@@ -16,6 +18,8 @@ const DEST_QUEUE: u8 = b'q';
 const DEST_EXCHANGE: u8 = b'e';
 const FLAG_AUTO_DELETE: u8 = 1;
 const FLAG_INTERNAL: u8 = 2;
+/// An `x-delayed-message` exchange (its type field holds how it routes).
+const FLAG_DELAYED: u8 = 4;
 /// The first byte of a body value: its layout version (the first layout is of a persistent
 /// message; the same layout for a transient one, which only the scratch area holds).
 const BODY_V1: u8 = 1;
@@ -67,6 +71,57 @@ pub fn entry_key_in(prefix: Option<u8>, queue: u64, msg_id: u64) -> Key {
 /// A body's key, with the scratch area's prefix when it has one.
 pub fn body_key_in(prefix: Option<u8>, key: u64) -> Key {
     key_of(prefix, &[key])
+}
+
+/// A scheduled message's key: its due time, then its sequence number (so a scan is in due
+/// order).
+pub fn delayed_key(k: DelayKey) -> Key {
+    key_of(None, &[k.due, k.seq])
+}
+
+pub fn decode_delayed_key(key: &[u8]) -> Result<DelayKey, StoreError> {
+    let (due, seq) = decode_entry_key(key)?;
+    Ok(DelayKey { due, seq })
+}
+
+const DELAYED_V1: u8 = 1;
+
+/// A scheduled message: where it goes (vhost; a queue, or its exchange when absent), then the
+/// message as a body value.
+pub fn delayed_value(d: &Delayed) -> BytesMut {
+    let mut v = BytesMut::new();
+    v.put_u8(DELAYED_V1);
+    put_vhost(&mut v, &d.vhost);
+    match &d.queue {
+        Some(q) => {
+            v.put_u8(1);
+            put_short(&mut v, q);
+        }
+        None => v.put_u8(0),
+    }
+    v.put_slice(&body_value(&d.message, 0));
+    v
+}
+
+pub fn decode_delayed(value: Vec<u8>) -> Result<Delayed, StoreError> {
+    let mut v = Reader::new(value, "a delayed message");
+    if v.u8("layout")? != DELAYED_V1 {
+        return Err(StoreError::Corrupt(
+            "a delayed message has an unknown layout".into(),
+        ));
+    }
+    let vhost = v.vhost()?;
+    let queue = match v.u8("target")? {
+        0 => None,
+        _ => Some(v.short("queue")?),
+    };
+    let (mut message, _) = decode_body(0, v.rest().to_vec())?;
+    message.store_key = None;
+    Ok(Delayed {
+        vhost,
+        queue,
+        message,
+    })
 }
 
 /// The bounds of a queue's entries with ids in `first..=last`, with a prefix.
@@ -135,6 +190,9 @@ pub fn exchange_value(x: &ExchangeDef) -> BytesMut {
     }
     if x.internal {
         flags |= FLAG_INTERNAL;
+    }
+    if x.delayed {
+        flags |= FLAG_DELAYED;
     }
     v.put_u8(flags);
     x.arguments.encode(&mut v);
@@ -325,6 +383,7 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
                 vhost,
                 name,
                 kind,
+                delayed: flags & FLAG_DELAYED != 0,
                 auto_delete: flags & FLAG_AUTO_DELETE != 0,
                 internal: flags & FLAG_INTERNAL != 0,
                 arguments,
@@ -471,11 +530,40 @@ mod tests {
     }
 
     #[test]
+    fn delayed_messages_round_trip_and_sort_by_due_time() {
+        for queue in [None, Some(ShortStr::from_static("jobs"))] {
+            let d = Delayed {
+                vhost: "v".into(),
+                queue,
+                message: Message {
+                    exchange: ShortStr::from_static("later"),
+                    routing_key: ShortStr::from_static("k"),
+                    properties: Bytes::from_static(&[0x10, 0, 2]),
+                    body: Bytes::from_static(b"body"),
+                    persistent: false,
+                    store_key: None,
+                },
+            };
+            let back = decode_delayed(delayed_value(&d).to_vec()).expect("decodes");
+            assert_eq!(back, d);
+        }
+        let a = delayed_key(DelayKey { due: 1, seq: 900 });
+        let b = delayed_key(DelayKey { due: 2, seq: 1 });
+        assert!(a.as_ref() < b.as_ref());
+        assert_eq!(
+            decode_delayed_key(b.as_ref()).expect("key"),
+            DelayKey { due: 2, seq: 1 }
+        );
+        assert!(decode_delayed(vec![9, 0, 0]).is_err());
+    }
+
+    #[test]
     fn definitions_round_trip() {
         let x = ExchangeDef {
             vhost: "/".into(),
             name: ShortStr::from_static("logs"),
             kind: ExchangeKind::Topic,
+            delayed: false,
             auto_delete: true,
             internal: false,
             arguments: args(),
@@ -483,6 +571,18 @@ mod tests {
         match decode_def(&exchange_key(&x.vhost, &x.name), &exchange_value(&x)) {
             Ok(Def::Exchange(back)) => assert_eq!(back, x),
             _ => panic!("exchange did not round-trip"),
+        }
+        let delayed = ExchangeDef {
+            delayed: true,
+            auto_delete: false,
+            ..x
+        };
+        match decode_def(
+            &exchange_key(&delayed.vhost, &delayed.name),
+            &exchange_value(&delayed),
+        ) {
+            Ok(Def::Exchange(back)) => assert_eq!(back, delayed),
+            _ => panic!("delayed exchange did not round-trip"),
         }
         let q = QueueDef {
             vhost: "v".into(),

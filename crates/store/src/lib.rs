@@ -31,6 +31,8 @@ const CF_DEFS: &str = "defs";
 const CF_BODIES: &str = "bodies";
 const CF_INDEX: &str = "index";
 const CF_COUNTS: &str = "counts";
+/// Scheduled messages (delayed exchanges, queues' delivery delays), keyed by due time.
+const CF_DELAYED: &str = "delayed";
 /// The scratch area: transient messages of deep queues (entries, counts and bodies under
 /// prefixes), dropped and created anew at every start.
 const CF_SPILL: &str = "spill";
@@ -123,7 +125,7 @@ fn pick<'a>(
 fn is_empty(db: &DB) -> bool {
     let default_empty = db.iterator(rocksdb::IteratorMode::Start).next().is_none();
     default_empty
-        && [CF_DEFS, CF_BODIES, CF_INDEX, CF_COUNTS]
+        && [CF_DEFS, CF_BODIES, CF_INDEX, CF_COUNTS, CF_DELAYED]
             .iter()
             .all(|name| {
                 db.cf_handle(name).is_none_or(|cf| {
@@ -185,14 +187,26 @@ impl Store {
         index_opts.add_compact_on_deletion_collector_factory(128, 64, 0.5);
         let index = ColumnFamilyDescriptor::new(CF_INDEX, index_opts);
         let counts = ColumnFamilyDescriptor::new(CF_COUNTS, cf_options(&cache, false));
+        // Released in due order, so deleted at the head like a queue; large bodies in blobs.
+        let mut delayed_opts = cf_options(&cache, false);
+        delayed_opts.add_compact_on_deletion_collector_factory(128, 64, 0.5);
+        delayed_opts.set_enable_blob_files(true);
+        delayed_opts.set_min_blob_size(MIN_BLOB_SIZE);
+        delayed_opts.set_enable_blob_gc(true);
+        delayed_opts.set_blob_compression_type(DBCompressionType::Lz4);
+        let delayed = ColumnFamilyDescriptor::new(CF_DELAYED, delayed_opts);
 
         let spill = ColumnFamilyDescriptor::new(CF_SPILL, cf_options(&cache, false));
         let open_err = |source| StoreError::Open {
             dir: dir.to_path_buf(),
             source,
         };
-        let mut db = DB::open_cf_descriptors(&opts, dir, vec![defs, bodies, index, counts, spill])
-            .map_err(open_err)?;
+        let mut db = DB::open_cf_descriptors(
+            &opts,
+            dir,
+            vec![defs, bodies, index, counts, delayed, spill],
+        )
+        .map_err(open_err)?;
         // The scratch area of the previous run goes (its messages were transient), at once.
         db.drop_cf(CF_SPILL).map_err(open_err)?;
         db.create_cf(CF_SPILL, &cf_options(&cache, false))
@@ -422,6 +436,14 @@ impl Store {
                                 codec::id_range_in(prefix, *queue, *first_id, *last_id);
                             pick(&mut wb, &mut scratch, *queue).delete_range_cf(cf, from, to);
                         }
+                    }
+                    StoreOp::PutDelayed { key, delayed } => {
+                        let cf = self.cf(CF_DELAYED)?;
+                        wb.put_cf(cf, codec::delayed_key(*key), codec::delayed_value(delayed));
+                    }
+                    StoreOp::DeleteDelayed { key } => {
+                        // Keys are never reused: written once, deleted once.
+                        wb.single_delete_cf(self.cf(CF_DELAYED)?, codec::delayed_key(*key));
                     }
                     StoreOp::DeleteEntry {
                         queue,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use rocksdb::{Direction, IteratorMode};
 use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
-use warren_broker::{Page, PageSource, SPILL_BIT};
+use warren_broker::{DelayKey, Delayed, Page, PageSource, SPILL_BIT};
 
 use crate::{codec, Store, StoreError};
 
@@ -128,6 +128,54 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Scheduled messages from `from` on, in due order, stopping after `max_messages` or once
+    /// `max_bytes` are read (true: a limit stopped it). A damaged one is skipped and deleted
+    /// with a warning, so it is not found again.
+    pub fn read_delayed(
+        &self,
+        from: DelayKey,
+        max_messages: usize,
+        max_bytes: u64,
+    ) -> Result<(Vec<(DelayKey, Delayed)>, bool), StoreError> {
+        let cf = self.cf(crate::CF_DELAYED)?;
+        let lo = codec::delayed_key(from);
+        let mut out = Vec::new();
+        let mut bytes = 0u64;
+        let mut opts = rocksdb::ReadOptions::default();
+        opts.set_iterate_lower_bound(lo.as_ref().to_vec());
+        for item in self.db.iterator_cf_opt(
+            cf,
+            opts,
+            IteratorMode::From(lo.as_ref(), Direction::Forward),
+        ) {
+            if out.len() >= max_messages.max(1) || bytes >= max_bytes {
+                return Ok((out, true));
+            }
+            let (k, v) = item.map_err(StoreError::Read)?;
+            let key = codec::decode_delayed_key(&k)?;
+            bytes = bytes.saturating_add(v.len() as u64);
+            match codec::decode_delayed(v.to_vec()) {
+                Ok(d) => out.push((key, d)),
+                Err(error) => {
+                    tracing::warn!(due = key.due, seq = key.seq, %error, "a delayed message is damaged: deleted");
+                    self.db.delete_cf(cf, &k).map_err(StoreError::Write)?;
+                }
+            }
+        }
+        Ok((out, false))
+    }
+
+    /// Does the store hold scheduled messages?
+    pub fn has_delayed(&self) -> Result<bool, StoreError> {
+        let cf = self.cf(crate::CF_DELAYED)?;
+        match self.db.iterator_cf(cf, IteratorMode::Start).next() {
+            Some(item) => item.map(|_| true).map_err(StoreError::Read),
+            None => Ok(false),
+        }
+    }
+}
+
 /// The broker's [`PageSource`] over a shared [`Store`] (RocksDB reads are thread-safe; the
 /// store thread writes while the broker reads).
 pub struct StorePager(pub Arc<Store>);
@@ -148,6 +196,17 @@ impl PageSource for StorePager {
                 max_messages,
                 max_bytes,
             )
+            .map_err(|e| e.to_string())
+    }
+
+    fn read_delayed(
+        &mut self,
+        from: DelayKey,
+        max_messages: usize,
+        max_bytes: u64,
+    ) -> Result<(Vec<(DelayKey, Delayed)>, bool), String> {
+        self.0
+            .read_delayed(from, max_messages, max_bytes)
             .map_err(|e| e.to_string())
     }
 }

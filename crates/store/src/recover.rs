@@ -157,6 +157,11 @@ impl Store {
             keys.next_body_key = keys.next_body_key.max(codec::decode_u64(b, "reservation")?);
         }
         broker.set_store_keys(keys, shared);
+        if self.has_delayed()? {
+            // Read back as ticks start, earliest first: what fell due while the node was
+            // down is released at once.
+            broker.restore_delayed();
+        }
         Ok(out)
     }
 

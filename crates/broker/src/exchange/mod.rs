@@ -104,7 +104,11 @@ enum Index {
 #[derive(Clone, Debug)]
 pub struct Exchange {
     pub name: ShortStr,
+    /// How it routes (an `x-delayed-message` exchange routes as its `x-delayed-type`).
     pub kind: ExchangeKind,
+    /// An `x-delayed-message` exchange: a message with a positive `x-delay` header is held
+    /// back that many milliseconds, then routed.
+    pub delayed: bool,
     pub durable: bool,
     pub auto_delete: bool,
     pub internal: bool,
@@ -136,6 +140,7 @@ impl Exchange {
         Exchange {
             name,
             kind,
+            delayed: false,
             durable,
             auto_delete,
             internal,

@@ -121,8 +121,19 @@ impl QueueType {
     }
 
     /// The arguments compared when a queue of this type is redeclared, in RabbitMQ's order.
+    /// The arguments a redeclaration must repeat: RabbitMQ's for the type, and Warren's own
+    /// (RabbitMQ would ignore those; a worker that redeclares a task queue with another
+    /// visibility timeout is told, rather than silently getting the first one).
     pub fn equivalence_keys(self) -> impl Iterator<Item = &'static str> {
-        DECLARE_ARGS.into_iter().filter(move |k| self.supports(k))
+        let warren = if self == QueueType::Stream {
+            &[][..]
+        } else {
+            &WARREN_ARGS[..]
+        };
+        DECLARE_ARGS
+            .into_iter()
+            .filter(move |k| self.supports(k))
+            .chain(warren.iter().copied())
     }
 }
 
@@ -191,6 +202,9 @@ pub struct QueueArgs {
     /// `x-visibility-timeout` (Warren's): a delivery not settled within this many ms comes
     /// back to the queue.
     pub visibility_timeout_ms: Option<u64>,
+    /// `x-delivery-delay` (Warren's, SQS's DelaySeconds): every message is held back this many
+    /// ms before it joins the queue (a message's own `x-delay` header overrides it).
+    pub delivery_delay_ms: Option<u64>,
     /// `x-consumer-timeout` (RabbitMQ 4.3's): a consumer that leaves a delivery unsettled this
     /// long is cancelled.
     pub consumer_timeout_ms: Option<u64>,
@@ -471,8 +485,9 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
 /// Warren's own queue arguments (RabbitMQ ignores them), for classic and quorum queues.
 /// (`x-consumer-timeout` and `x-delayed-retry-type`/`-min`/`-max` are RabbitMQ 4.3's,
 /// `x-delayed-retry-multiplier` LavinMQ's; 3.10 ignores them all.)
-pub const WARREN_ARGS: [&str; 7] = [
+pub const WARREN_ARGS: [&str; 8] = [
     "x-visibility-timeout",
+    "x-delivery-delay",
     "x-consumer-timeout",
     "x-delayed-retry-type",
     "x-delayed-retry-min",
@@ -484,6 +499,7 @@ pub const WARREN_ARGS: [&str; 7] = [
 fn check_warren_key(key: &str, v: &FieldValue, out: &mut QueueArgs) -> Result<(), Bad> {
     match key {
         "x-visibility-timeout" => out.visibility_timeout_ms = Some(check_positive_ms(v)?),
+        "x-delivery-delay" => out.delivery_delay_ms = Some(check_positive_ms(v)?),
         "x-consumer-timeout" => out.consumer_timeout_ms = Some(check_positive_ms(v)?),
         "x-delayed-retry-type" => {
             out.retry_disabled = match check_str(v)? {

@@ -1,0 +1,349 @@
+//! Delayed messages: what the `x-delayed-message` exchange holds back (its `x-delay` header)
+//! and what a queue with `x-delivery-delay` holds back, until they are due.
+//!
+//! Scheduled messages are kept on disk, ordered by due time (the store's `delayed` column
+//! family, keyed by [`DelayKey`]), and only the earliest few thousand are in memory: ten
+//! million scheduled messages cost the memory of [`MAX_LOADED`]. The memory window holds every
+//! scheduled message with a key below [`Scheduler::disk_from`]; what sorts after it is on disk
+//! only and is read back, in key order, as the window empties. A message leaves the store in
+//! the same write batch that puts it in its queues, so a crash delivers it again (at least
+//! once) and never loses it.
+//!
+//! Without persistence every scheduled message stays in memory.
+
+use std::collections::BTreeMap;
+
+use warren_codec::{FieldTable, FieldValue, ShortStr};
+
+use crate::Message;
+
+/// Where a scheduled message sorts: its due time (ms, node clock), then a sequence number
+/// unique for the store's life (a body key), so keys are never written twice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct DelayKey {
+    pub due: u64,
+    pub seq: u64,
+}
+
+impl DelayKey {
+    /// The first key after this one.
+    pub fn next(self) -> DelayKey {
+        match self.seq.checked_add(1) {
+            Some(seq) => DelayKey { due: self.due, seq },
+            None => DelayKey {
+                due: self.due.saturating_add(1),
+                seq: 0,
+            },
+        }
+    }
+}
+
+/// A message waiting for its due time.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Delayed {
+    pub vhost: String,
+    /// `None`: routed by its exchange (a delayed exchange) when due. `Some`: enqueued on this
+    /// queue when due (the queue's `x-delivery-delay`).
+    pub queue: Option<ShortStr>,
+    pub message: Message,
+}
+
+impl Delayed {
+    fn size(&self) -> u64 {
+        (self.message.body.len() + self.message.properties.len() + 64) as u64
+    }
+}
+
+/// At most this many scheduled messages in memory (with a store)...
+pub const MAX_LOADED: usize = 8192;
+/// ...and at most this many bytes of them.
+pub const MAX_LOADED_BYTES: u64 = 8 << 20;
+/// Below half of either, the next ones are read back from disk.
+const LOW_LOADED: usize = MAX_LOADED / 2;
+const LOW_LOADED_BYTES: u64 = MAX_LOADED_BYTES / 2;
+/// A read that could not run (writes still on their way, or a failed read) is tried again
+/// this much later.
+pub const READ_RETRY_MS: u64 = 5;
+
+/// The node's scheduled messages.
+#[derive(Debug, Default)]
+pub(crate) struct Scheduler {
+    /// Every scheduled message with a key below `disk_from` (all of them when it is `None`).
+    loaded: BTreeMap<DelayKey, Delayed>,
+    loaded_bytes: u64,
+    /// The first key that may be on disk only; `None` when memory holds everything.
+    disk_from: Option<DelayKey>,
+    /// The write batch holding the latest message that left (or skipped) memory: a read
+    /// waits until the store has written it, so it cannot miss a message.
+    unwritten: u64,
+    /// The last batch the store reported written.
+    written: u64,
+    /// A read that could not run waits until then.
+    retry_at: Option<u64>,
+    /// Sequence numbers without a store.
+    next_seq: u64,
+    /// Scheduled messages known to this run (those found on disk at start are counted as
+    /// they are read back).
+    count: u64,
+}
+
+impl Scheduler {
+    /// A sequence number for a key when nothing is stored (the store's keys come from its
+    /// body-key reservations).
+    pub fn memory_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    /// Holds `d` back until `key.due`. `stored`: it is written in batch `batch` (with a store);
+    /// then it may leave memory.
+    pub fn schedule(&mut self, key: DelayKey, d: Delayed, stored: Option<u64>) {
+        self.count += 1;
+        if let (Some(batch), Some(from)) = (stored, self.disk_from) {
+            if key >= from {
+                self.unwritten = self.unwritten.max(batch);
+                return;
+            }
+        }
+        self.loaded_bytes += d.size();
+        self.loaded.insert(key, d);
+        let Some(batch) = stored else { return };
+        while self.loaded.len() > MAX_LOADED || self.loaded_bytes > MAX_LOADED_BYTES {
+            let Some((last, evicted)) = self.loaded.pop_last() else {
+                break;
+            };
+            self.loaded_bytes = self.loaded_bytes.saturating_sub(evicted.size());
+            self.disk_from = Some(self.disk_from.map_or(last, |f| f.min(last)));
+            self.unwritten = self.unwritten.max(batch);
+        }
+    }
+
+    /// The store holds scheduled messages from an earlier run: read them back from the start.
+    pub fn restore(&mut self) {
+        self.disk_from = Some(DelayKey { due: 0, seq: 0 });
+    }
+
+    /// The store wrote every batch up to `upto`.
+    pub fn written(&mut self, upto: u64) {
+        self.written = self.written.max(upto);
+    }
+
+    /// Is it time to read the next scheduled messages back from disk?
+    pub fn wants_read(&self, now: u64) -> bool {
+        self.disk_from.is_some()
+            && (self.loaded.len() < LOW_LOADED && self.loaded_bytes < LOW_LOADED_BYTES)
+            && self.retry_at.is_none_or(|t| now >= t)
+    }
+
+    /// Where and how much to read, if a read may run now (every write it could need is done);
+    /// otherwise the read is retried [`READ_RETRY_MS`] later.
+    pub fn read_request(&mut self, now: u64) -> Option<(DelayKey, usize, u64)> {
+        let from = self.disk_from?;
+        if self.written < self.unwritten {
+            self.retry_at = Some(now.saturating_add(READ_RETRY_MS));
+            return None;
+        }
+        let max = MAX_LOADED.saturating_sub(self.loaded.len()).max(1);
+        let bytes = MAX_LOADED_BYTES.saturating_sub(self.loaded_bytes).max(1);
+        Some((from, max, bytes))
+    }
+
+    /// A read from `disk_from` returned `read` (in key order); `more`: it stopped at its limit.
+    pub fn loaded_from_disk(&mut self, read: Vec<(DelayKey, Delayed)>, more: bool) {
+        let last = read.last().map(|(k, _)| *k);
+        for (key, d) in read {
+            if self.disk_from.is_some_and(|f| key < f) {
+                // Below the window's edge: memory already has it.
+                continue;
+            }
+            self.loaded_bytes += d.size();
+            self.loaded.insert(key, d);
+        }
+        self.disk_from = match (more, last) {
+            (true, Some(last)) => Some(last.next()),
+            _ => None,
+        };
+        self.retry_at = None;
+    }
+
+    /// A read failed: try again later.
+    pub fn read_failed(&mut self, now: u64) {
+        self.retry_at = Some(now.saturating_add(READ_RETRY_MS));
+    }
+
+    /// The next scheduled message if it is due at `now`.
+    pub fn pop_due(&mut self, now: u64) -> Option<(DelayKey, Delayed)> {
+        let entry = self.loaded.first_entry()?;
+        if entry.key().due > now {
+            return None;
+        }
+        let (key, d) = entry.remove_entry();
+        self.loaded_bytes = self.loaded_bytes.saturating_sub(d.size());
+        self.count = self.count.saturating_sub(1);
+        Some((key, d))
+    }
+
+    /// When the scheduler next has work: a message due, or a read to make.
+    pub fn deadline(&self) -> Option<u64> {
+        let due = self.loaded.first_key_value().map(|(k, _)| k.due);
+        let read = self.disk_from.map(|from| {
+            if self.loaded.len() < LOW_LOADED && self.loaded_bytes < LOW_LOADED_BYTES {
+                self.retry_at.unwrap_or(0)
+            } else {
+                // The window is full enough: read when it runs dry, at the earliest when the
+                // first message on disk could be due.
+                from.due
+            }
+        });
+        match (due, read) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Scheduled messages this run knows of (in memory and on disk).
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// Scheduled messages in memory.
+    pub fn loaded(&self) -> usize {
+        self.loaded.len()
+    }
+}
+
+/// What a message's `x-delay` header asks for, as the delayed-message plugin reads it: an
+/// integer number of milliseconds (any integer type); a positive one delays the message, zero,
+/// a negative number or anything else does not.
+pub fn header_delay(headers: Option<&FieldTable>) -> Option<u64> {
+    let v = headers?.get("x-delay")?;
+    let ms = match v {
+        FieldValue::I8(_)
+        | FieldValue::U8(_)
+        | FieldValue::I16(_)
+        | FieldValue::U16(_)
+        | FieldValue::I32(_)
+        | FieldValue::U32(_)
+        | FieldValue::I64(_)
+        | FieldValue::U64(_) => v.as_i64()?,
+        _ => return None,
+    };
+    u64::try_from(ms).ok().filter(|ms| *ms > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn d(n: u8) -> Delayed {
+        Delayed {
+            vhost: "/".into(),
+            queue: None,
+            message: Message {
+                exchange: "x".into(),
+                routing_key: "k".into(),
+                properties: Bytes::new(),
+                body: Bytes::from(vec![n; 10]),
+                persistent: true,
+                store_key: None,
+            },
+        }
+    }
+
+    fn key(due: u64, seq: u64) -> DelayKey {
+        DelayKey { due, seq }
+    }
+
+    #[test]
+    fn in_memory_everything_stays_and_comes_out_in_due_order() {
+        let mut s = Scheduler::default();
+        for (i, due) in [30u64, 10, 20, 10].into_iter().enumerate() {
+            let seq = s.memory_seq();
+            s.schedule(key(due, seq), d(i as u8), None);
+        }
+        assert_eq!(s.deadline(), Some(10));
+        assert!(s.pop_due(9).is_none(), "never early");
+        let out: Vec<u64> = std::iter::from_fn(|| s.pop_due(25))
+            .map(|(k, _)| k.due)
+            .collect();
+        assert_eq!(out, vec![10, 10, 20]);
+        assert_eq!(s.deadline(), Some(30));
+        assert_eq!(s.count(), 1);
+    }
+
+    #[test]
+    fn past_the_window_messages_live_on_disk_and_a_read_waits_for_their_write() {
+        let mut s = Scheduler::default();
+        for i in 0..(MAX_LOADED as u64 + 10) {
+            s.schedule(key(1000 + i, i), d(0), Some(1));
+        }
+        assert_eq!(s.loaded(), MAX_LOADED);
+        assert_eq!(
+            s.disk_from,
+            Some(key(1000 + MAX_LOADED as u64, MAX_LOADED as u64))
+        );
+        // Later than the edge: disk only. Earlier: memory, and the last one leaves.
+        s.schedule(key(5_000_000, 1 << 40), d(0), Some(2));
+        assert_eq!(s.loaded(), MAX_LOADED);
+        s.schedule(key(1, 1 << 41), d(0), Some(2));
+        assert_eq!(s.loaded(), MAX_LOADED);
+        assert_eq!(
+            s.disk_from,
+            Some(key(999 + MAX_LOADED as u64, MAX_LOADED as u64 - 1))
+        );
+        // Drain below the low-water mark: a read is wanted, but batch 2 is not written yet.
+        let mut n = 0;
+        while s.pop_due(1000 + LOW_LOADED as u64).is_some() {
+            n += 1;
+        }
+        assert!(n > LOW_LOADED);
+        assert!(s.wants_read(0));
+        assert_eq!(s.read_request(100), None);
+        assert!(!s.wants_read(100));
+        assert!(s.wants_read(100 + READ_RETRY_MS));
+        s.written(2);
+        let (from, max, _) = s.read_request(200).unwrap();
+        assert_eq!(from, s.disk_from.unwrap());
+        assert_eq!(max, MAX_LOADED - s.loaded());
+        s.loaded_from_disk(vec![(from, d(1)), (key(5_000_000, 1 << 40), d(2))], false);
+        assert_eq!(s.disk_from, None);
+        assert!(!s.wants_read(300));
+        assert_eq!(s.count(), MAX_LOADED as u64 + 12 - n as u64);
+    }
+
+    #[test]
+    fn after_a_restart_the_first_read_comes_at_once() {
+        let mut s = Scheduler::default();
+        s.restore();
+        assert_eq!(s.deadline(), Some(0));
+        let (from, _, _) = s.read_request(50).unwrap();
+        assert_eq!(from, key(0, 0));
+        s.loaded_from_disk(vec![(key(40, 7), d(0))], true);
+        assert_eq!(s.disk_from, Some(key(40, 8)));
+        assert_eq!(s.pop_due(50).map(|(k, _)| k), Some(key(40, 7)));
+        // Still below the low-water mark with more on disk: read again now.
+        assert_eq!(s.deadline(), Some(0));
+        s.loaded_from_disk(Vec::new(), false);
+        assert_eq!(s.deadline(), None);
+    }
+
+    #[test]
+    fn x_delay_is_an_integer_number_of_milliseconds() {
+        let mut h = FieldTable::new();
+        assert_eq!(header_delay(Some(&h)), None);
+        for (v, want) in [
+            (FieldValue::I32(1500), Some(1500)),
+            (FieldValue::I64(5), Some(5)),
+            (FieldValue::U8(7), Some(7)),
+            (FieldValue::I32(0), None),
+            (FieldValue::I32(-10), None),
+            (FieldValue::long_str("1000"), None),
+            (FieldValue::F64(10.0), None),
+        ] {
+            h.insert("x-delay", v.clone());
+            assert_eq!(header_delay(Some(&h)), want, "{v:?}");
+        }
+        assert_eq!(header_delay(None), None);
+    }
+}

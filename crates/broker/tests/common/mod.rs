@@ -1,0 +1,165 @@
+//! An in-memory store standing in for RocksDB: it applies the broker's write batches and
+//! reads pages and scheduled messages back, as `warren-store` does.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
+use warren_broker::{Broker, DelayKey, Delayed, Message, Page, PageSource, StoreOp, SPILL_BIT};
+
+/// What the store holds: bodies by key, entries by (queue, id), with their expiry.
+#[derive(Default)]
+pub struct Mem {
+    pub bodies: BTreeMap<u64, Message>,
+    pub entries: BTreeMap<(u64, u64), u64>,
+    pub expiries: BTreeMap<(u64, u64), u64>,
+    /// Scheduled messages by key.
+    pub delayed: BTreeMap<DelayKey, Delayed>,
+    pub failing: bool,
+    pub reads: usize,
+}
+
+#[derive(Clone, Default)]
+pub struct MemStore(pub Arc<Mutex<Mem>>);
+
+impl MemStore {
+    /// Applies every write the broker made and reports them done.
+    pub fn apply(&self, b: &mut Broker) {
+        let mut mem = self.0.lock().unwrap();
+        let mut last = None;
+        while let Some(w) = b.take_writes() {
+            last = Some(w.number);
+            for op in w.ops {
+                match op {
+                    StoreOp::PutBody { key, message, .. } => {
+                        mem.bodies.insert(key, message);
+                    }
+                    StoreOp::DeleteBody { key } => {
+                        mem.bodies.remove(&key);
+                    }
+                    StoreOp::PutEntry {
+                        queue,
+                        msg_id,
+                        body,
+                        expires_at,
+                        ..
+                    } => {
+                        mem.entries.insert((queue, msg_id), body);
+                        if let Some(at) = expires_at {
+                            mem.expiries.insert((queue, msg_id), at);
+                        }
+                    }
+                    StoreOp::DeleteEntry { queue, msg_id, .. } => {
+                        mem.entries.remove(&(queue, msg_id));
+                    }
+                    StoreOp::DeleteEntries { queue } | StoreOp::DeleteQueue { key: queue, .. } => {
+                        let gone: Vec<(u64, u64)> = mem
+                            .entries
+                            .range((queue, 0)..=(queue, u64::MAX))
+                            .map(|(k, _)| *k)
+                            .collect();
+                        for k in gone {
+                            mem.entries.remove(&k);
+                        }
+                    }
+                    StoreOp::DropRun {
+                        queue,
+                        first_id,
+                        last_id,
+                    } => {
+                        let gone: Vec<(u64, u64)> = mem
+                            .entries
+                            .range((queue, first_id)..=(queue, last_id))
+                            .map(|(k, _)| *k)
+                            .collect();
+                        for k in gone {
+                            if let Some(body) = mem.entries.remove(&k) {
+                                mem.bodies.remove(&body);
+                            }
+                        }
+                    }
+                    StoreOp::PutDelayed { key, delayed } => {
+                        mem.delayed.insert(key, delayed);
+                    }
+                    StoreOp::DeleteDelayed { key } => {
+                        assert!(mem.delayed.remove(&key).is_some(), "deleted twice: {key:?}");
+                    }
+                    _ => {}
+                }
+            }
+        }
+        drop(mem);
+        if let Some(n) = last {
+            b.writes_done(n);
+        }
+    }
+}
+
+impl PageSource for MemStore {
+    fn read(
+        &mut self,
+        queue_key: u64,
+        request: LoadRequest,
+        max_messages: usize,
+        _max_bytes: u64,
+    ) -> Result<Page, String> {
+        let mut mem = self.0.lock().unwrap();
+        mem.reads += 1;
+        if mem.failing {
+            return Err("the disk is on fire".into());
+        }
+        let mut messages = Vec::new();
+        let mut through_id = request.to_id;
+        for (&(_, msg_id), body) in mem
+            .entries
+            .range((queue_key, request.from_id)..=(queue_key, request.to_id))
+        {
+            let message = mem.bodies[body].clone();
+            let meta = MsgMeta {
+                size: message.body.len() as u64,
+                expires_at: mem.expiries.get(&(queue_key, msg_id)).copied(),
+                pageable: true,
+                spilled: queue_key & SPILL_BIT != 0,
+                priority: 0,
+            };
+            messages.push(Loaded {
+                msg_id,
+                message,
+                meta,
+                delivery_count: 0,
+            });
+            if messages.len() == max_messages {
+                through_id = msg_id;
+                break;
+            }
+        }
+        Ok(Page {
+            messages,
+            through_id,
+            unreadable: Vec::new(),
+        })
+    }
+
+    fn read_delayed(
+        &mut self,
+        from: DelayKey,
+        max_messages: usize,
+        _max_bytes: u64,
+    ) -> Result<(Vec<(DelayKey, Delayed)>, bool), String> {
+        let mut mem = self.0.lock().unwrap();
+        mem.reads += 1;
+        if mem.failing {
+            return Err("the disk is on fire".into());
+        }
+        let mut out: Vec<(DelayKey, Delayed)> = mem
+            .delayed
+            .range(from..)
+            .take(max_messages + 1)
+            .map(|(k, d)| (*k, d.clone()))
+            .collect();
+        let more = out.len() > max_messages;
+        out.truncate(max_messages);
+        Ok((out, more))
+    }
+}
