@@ -144,8 +144,8 @@ async fn x_delay_holds_a_message_back_until_it_is_due() {
     assert!(!second.redelivered);
     assert_eq!(
         header(&second.properties, "x-delay"),
-        Some(&AMQPValue::LongLongInt(400)),
-        "headers as published"
+        Some(&AMQPValue::LongInt(-400)),
+        "the delay negated, as the plugin delivers it"
     );
 }
 

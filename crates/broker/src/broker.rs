@@ -130,6 +130,11 @@ pub struct Broker {
     refusing_queues: usize,
     /// Queues with `x-delivery-delay`: while there are none, a publish does not look for one.
     delaying_queues: usize,
+    /// Queues and exchanges with `x-message-deduplication` (the same: no look while none).
+    dedup_queues: usize,
+    /// An exchange with `x-message-deduplication` was declared (never reset: while none was,
+    /// a publish does not look its exchange up twice).
+    dedup_exchanges: bool,
     /// Messages held back until they are due (delayed exchanges, queues' delivery delays).
     scheduler: Scheduler,
 }
@@ -201,14 +206,35 @@ fn expiry(q: &Queue, own_ttl: Option<u64>, now: u64) -> Option<u64> {
     ttl.map(|t| now.saturating_add(t))
 }
 
-/// A message's priority in this queue (`x-max-priority`): its `priority` property, capped.
+/// A message's priority in this queue (`x-max-priority`): its `priority` property, capped. In
+/// a queue with message groups, none: a group's order is its publish order.
 fn priority(q: &Queue, message: &Message) -> u8 {
+    if q.args.group_header.is_some() {
+        return 0;
+    }
     match q.args.max_priority {
         Some(max) => warren_codec::properties::priority(&message.properties)
             .unwrap_or(0)
             .min(max),
         None => 0,
     }
+}
+
+/// A message's group in a queue with `x-group-header`: a hash of the value of the header it
+/// names (a string, or an integer read as its decimal digits); `None` without that header
+/// (the message is in no group and goes out as in any queue).
+fn message_group(q: &Queue, message: &Message) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let name = q.args.group_header.as_deref()?;
+    let headers = warren_codec::properties::headers(&message.properties)
+        .ok()
+        .flatten()?;
+    let mut h = std::hash::DefaultHasher::new();
+    match headers.get(name)? {
+        FieldValue::LongStr(b) | FieldValue::ByteArray(b) => b[..].hash(&mut h),
+        v => v.as_i64()?.to_string().as_bytes().hash(&mut h),
+    }
+    Some(h.finish())
 }
 
 /// The dead letter of a message leaving `q`, if `q` has a dead-letter exchange (else the
@@ -229,7 +255,7 @@ fn dead_letter_of(q: &Queue, message: Message, reason: DeadLetterReason) -> Opti
 /// (the limit bounds its memory and its head must be droppable) or with priorities (its
 /// order is not the ids' order).
 fn may_page(q: &Queue) -> bool {
-    !q.args.limits_length() && q.args.max_priority.is_none()
+    !q.args.limits_length() && q.args.max_priority.is_none() && q.args.group_header.is_none()
 }
 
 /// The exchange type the delayed-message plugin registers.
@@ -582,6 +608,8 @@ impl Broker {
             consumer_timeouts: Vec::new(),
             refusing_queues: 0,
             delaying_queues: 0,
+            dedup_queues: 0,
+            dedup_exchanges: false,
             scheduler: Scheduler::default(),
         };
         if b.config.persistence {
@@ -783,6 +811,7 @@ impl Broker {
             auto_delete: req.auto_delete,
             owner,
             arguments: req.arguments.detached(),
+            dedup: parsed.dedup.clone().map(crate::dedup::Dedup::new),
             args: parsed,
             machine: QueueMachine::new(),
             bindings: Vec::new(),
@@ -795,6 +824,7 @@ impl Broker {
         let out = declared(&q);
         let policy = policy(&q.args);
         let delays = q.args.delivery_delay_ms.is_some();
+        let dedups = q.dedup.is_some();
         if let Some(vh) = self.vhosts.get_mut(vhost) {
             vh.queues.insert(name, id);
         }
@@ -807,6 +837,9 @@ impl Broker {
         }
         if delays {
             self.delaying_queues += 1;
+        }
+        if dedups {
+            self.dedup_queues += 1;
         }
         if !policy.is_plain() {
             self.run(id, Command::Configure(policy));
@@ -864,6 +897,9 @@ impl Broker {
         }
         if q.args.delivery_delay_ms.is_some() {
             self.delaying_queues = self.delaying_queues.saturating_sub(1);
+        }
+        if q.dedup.is_some() {
+            self.dedup_queues = self.dedup_queues.saturating_sub(1);
         }
         if let Some(p) = self.persist.as_mut() {
             if let (Some(vh), true) = (self.vhosts.get(&q.vhost), q.store_key.is_some()) {
@@ -1000,6 +1036,11 @@ impl Broker {
                         )));
                     }
                 }
+                let dedup = crate::dedup::spec(arguments).map_err(|text| {
+                    AmqpError::precondition_failed(format!(
+                        "invalid arg 'x-message-deduplication' for {rs}: {text}"
+                    ))
+                })?;
                 let name = short(&name);
                 if let Some(p) = self.persist.as_mut().filter(|_| durable) {
                     p.push(
@@ -1024,6 +1065,8 @@ impl Broker {
                     arguments.detached(),
                 );
                 x.delayed = delayed;
+                x.dedup = dedup.map(crate::dedup::Dedup::new);
+                self.dedup_exchanges |= x.dedup.is_some();
                 vh.exchanges.insert(name.clone(), x);
                 return Ok(());
             }
@@ -1360,9 +1403,19 @@ impl Broker {
                 queue,
                 message,
             } = d;
+            let mut message = message;
             let (exchange, routing_key) = match queue {
                 Some(q) => (ShortStr::from_static(""), q),
-                None => (message.exchange.clone(), message.routing_key.clone()),
+                None => {
+                    // Delivered with the delay spent (`x-delay` negated), as the plugin does.
+                    let headers = warren_codec::properties::headers(&message.properties);
+                    if let Some(delay) = delayed::header_delay(headers.ok().flatten().as_ref()) {
+                        if let Ok(p) = delayed::released_properties(&message.properties, delay) {
+                            message.properties = p;
+                        }
+                    }
+                    (message.exchange.clone(), message.routing_key.clone())
+                }
             };
             if let Err(e) = self.publish_to(&vhost, &exchange, &routing_key, message, None, true) {
                 tracing::debug!(vhost = %vhost, exchange = %exchange, error = %e, "a delayed message came due with nowhere to go: dropped");
@@ -1418,6 +1471,22 @@ impl Broker {
                 message.body.len(),
                 self.config.max_message_size
             )));
+        }
+        if self.dedup_exchanges && !released && !exchange.is_empty() {
+            let now = self.now_ms;
+            let window = self
+                .vhosts
+                .get_mut(vhost)
+                .and_then(|vh| vh.exchanges.get_mut(exchange))
+                .and_then(|x| x.dedup.as_mut());
+            if window.is_some_and(|d| d.is_duplicate(&message, now)) {
+                // Seen within the window: dropped, and confirmed as the first copy was.
+                return Ok(Routed {
+                    queues: 1,
+                    batch: None,
+                    rejected: false,
+                });
+            }
         }
         let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
         let mut targets = std::mem::take(&mut self.scratch_queues);
@@ -1509,6 +1578,21 @@ impl Broker {
             }
             false
         });
+        // A queue that saw the message's key within its window drops this copy (counted as
+        // routed: the publisher's confirm is an ack, as for the first copy).
+        let mut duplicates = 0u32;
+        if self.dedup_queues > 0 && !released {
+            let now = self.now_ms;
+            let queues = &mut self.queues;
+            targets.retain(|id| {
+                let dup = queues
+                    .get_mut(id)
+                    .and_then(|q| q.dedup.as_mut())
+                    .is_some_and(|d| d.is_duplicate(&message, now));
+                duplicates += u32::from(dup);
+                !dup
+            });
+        }
         // Queues with a delivery delay get their copy when it is due.
         let mut held: Vec<(ShortStr, u64)> = Vec::new();
         if self.delaying_queues > 0 && !released {
@@ -1534,6 +1618,7 @@ impl Broker {
             pageable: false,
             spilled: false,
             priority: 0,
+            group: None,
         };
         let mut message = message;
         // A key is this publish's to give (a message republished from a queue carries its old one).
@@ -1601,7 +1686,7 @@ impl Broker {
                 batch = Some(p.next_batch);
             }
         }
-        let mut routed = rejected;
+        let mut routed = rejected + duplicates;
         // Only a body stored for one queue is paged out (a shared one is counted in memory).
         let paging = self.pager.is_some() && stored == 1;
         for (i, id) in targets.iter().enumerate() {
@@ -1620,6 +1705,7 @@ impl Broker {
                     spilled: kind == Kept::Spilled,
                     expires_at: expiry(q, own_ttl, now),
                     priority: priority(q, &copy),
+                    group: message_group(q, &copy),
                     ..meta
                 };
                 let command = Command::Enqueue {
@@ -2162,6 +2248,10 @@ impl Broker {
             pageable: false,
             spilled: false,
             priority: self.queues.get(&queue).map_or(0, |q| priority(q, &message)),
+            group: self
+                .queues
+                .get(&queue)
+                .and_then(|q| message_group(q, &message)),
         };
         let command = Command::Restore {
             msg_id,

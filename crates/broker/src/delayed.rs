@@ -13,7 +13,8 @@
 
 use std::collections::BTreeMap;
 
-use warren_codec::{FieldTable, FieldValue, ShortStr};
+use bytes::Bytes;
+use warren_codec::{BasicProperties, CodecError, FieldTable, FieldValue, ShortStr};
 
 use crate::Message;
 
@@ -212,12 +213,17 @@ impl Scheduler {
     }
 }
 
-/// What a message's `x-delay` header asks for, as the delayed-message plugin reads it: an
-/// integer number of milliseconds (any integer type); a positive one delays the message, zero,
-/// a negative number or anything else does not.
+/// The longest delay the delayed-message plugin accepts (2^32 - 1 ms, 49.7 days); a longer
+/// one routes the message at once, as there.
+pub const MAX_DELAY_MS: u64 = u32::MAX as u64;
+
+/// What a message's `x-delay` header asks for, as the delayed-message plugin reads it:
+/// milliseconds as any integer type, a numeric string, or a float (truncated). Only a delay
+/// in `1..=MAX_DELAY_MS` holds the message back; a missing, zero, negative, too large or
+/// unreadable one routes it at once (never an error).
 pub fn header_delay(headers: Option<&FieldTable>) -> Option<u64> {
     let v = headers?.get("x-delay")?;
-    let ms = match v {
+    let ms: i128 = match v {
         FieldValue::I8(_)
         | FieldValue::U8(_)
         | FieldValue::I16(_)
@@ -225,16 +231,42 @@ pub fn header_delay(headers: Option<&FieldTable>) -> Option<u64> {
         | FieldValue::I32(_)
         | FieldValue::U32(_)
         | FieldValue::I64(_)
-        | FieldValue::U64(_) => v.as_i64()?,
+        | FieldValue::U64(_) => i128::from(v.as_i64()?),
+        FieldValue::F32(_) | FieldValue::F64(_) => {
+            let f = v.as_f64()?;
+            if !f.is_finite() {
+                return None;
+            }
+            f.trunc() as i128
+        }
+        FieldValue::LongStr(b) => std::str::from_utf8(b).ok()?.trim().parse().ok()?,
         _ => return None,
     };
-    u64::try_from(ms).ok().filter(|ms| *ms > 0)
+    u64::try_from(ms)
+        .ok()
+        .filter(|ms| (1..=MAX_DELAY_MS).contains(ms))
+}
+
+/// The properties a message from a delayed exchange is delivered with: `x-delay` set to the
+/// negated delay (as the plugin does, so that a copy sent back to a delayed exchange, by a
+/// dead-letter exchange say, is not held back again). A 32-bit integer, as RabbitMQ 3.10's
+/// plugin writes it, when it fits.
+pub fn released_properties(properties: &Bytes, delay_ms: u64) -> Result<Bytes, CodecError> {
+    let mut props = BasicProperties::decode_bytes(properties.clone())?;
+    let mut headers = props.headers.take().unwrap_or_default();
+    let negated = -(i64::try_from(delay_ms).unwrap_or(i64::MAX));
+    let value = match i32::try_from(negated) {
+        Ok(v) => FieldValue::I32(v),
+        Err(_) => FieldValue::I64(negated),
+    };
+    headers.insert(ShortStr::from_static("x-delay"), value);
+    props.headers = Some(headers);
+    Ok(props.encode())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
 
     fn d(n: u8) -> Delayed {
         Delayed {
@@ -329,6 +361,23 @@ mod tests {
     }
 
     #[test]
+    fn a_released_message_says_its_delay_was_spent() {
+        let mut h = FieldTable::new();
+        h.insert("x-delay", FieldValue::I64(1500));
+        h.insert("k", FieldValue::long_str("v"));
+        let p = BasicProperties {
+            headers: Some(h),
+            ..BasicProperties::default()
+        }
+        .encode();
+        let back = BasicProperties::decode_bytes(released_properties(&p, 1500).unwrap()).unwrap();
+        let h = back.headers.unwrap();
+        assert_eq!(h.get("x-delay"), Some(&FieldValue::I32(-1500)));
+        assert_eq!(h.get("k"), Some(&FieldValue::long_str("v")));
+        assert_eq!(header_delay(Some(&h)), None, "not delayed again");
+    }
+
+    #[test]
     fn x_delay_is_an_integer_number_of_milliseconds() {
         let mut h = FieldTable::new();
         assert_eq!(header_delay(Some(&h)), None);
@@ -338,8 +387,13 @@ mod tests {
             (FieldValue::U8(7), Some(7)),
             (FieldValue::I32(0), None),
             (FieldValue::I32(-10), None),
-            (FieldValue::long_str("1000"), None),
-            (FieldValue::F64(10.0), None),
+            (FieldValue::long_str("1000"), Some(1000)),
+            (FieldValue::long_str("soon"), None),
+            (FieldValue::F64(10.7), Some(10)),
+            (FieldValue::F64(f64::NAN), None),
+            (FieldValue::I64(MAX_DELAY_MS as i64), Some(MAX_DELAY_MS)),
+            (FieldValue::I64(MAX_DELAY_MS as i64 + 1), None),
+            (FieldValue::Bool(true), None),
         ] {
             h.insert("x-delay", v.clone());
             assert_eq!(header_delay(Some(&h)), want, "{v:?}");

@@ -28,6 +28,7 @@
 
 mod broker;
 pub mod dead_letter;
+pub mod dedup;
 pub mod delayed;
 mod erl;
 pub mod exchange;

@@ -295,6 +295,7 @@ fn load(
                 pageable: true,
                 spilled: req.spilled,
                 priority: 0,
+                group: None,
             },
             delivery_count: model.deliveries.get(id).copied().unwrap_or(0),
         })
@@ -443,6 +444,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                             // Two kinds of storage: runs must never mix them.
                             spilled: pageable && size % 2 == 0,
                             priority: 0,
+                            group: None,
                         },
                     },
                 );

@@ -21,6 +21,8 @@ enum Op {
     Enqueue {
         priority: u8,
         ttl: Option<u64>,
+        /// Its message group (used when the queue has no priorities, as the broker does).
+        group: Option<u8>,
     },
     Consume {
         priority: i64,
@@ -58,8 +60,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        5 => (0u8..12, prop::option::weighted(0.2, 1u64..40))
-            .prop_map(|(priority, ttl)| Op::Enqueue { priority, ttl }),
+        5 => (0u8..12, prop::option::weighted(0.2, 1u64..40), prop::option::weighted(0.5, 0u8..3))
+            .prop_map(|(priority, ttl, group)| Op::Enqueue { priority, ttl, group }),
         1 => (-2i64..3, 0u32..4).prop_map(|(priority, prefetch)| Op::Consume { priority, prefetch }),
         1 => any::<usize>().prop_map(|pick| Op::Cancel { pick }),
         3 => (1u32..5).prop_map(|max| Op::Checkout { max }),
@@ -154,6 +156,8 @@ struct Run {
     timed_out: Vec<Receipt>,
     /// Messages whose delivery was extended (a deadline even without the queue's timeout).
     extended: BTreeSet<u64>,
+    /// The group of each message enqueued in one.
+    groups: BTreeMap<u64, u8>,
 }
 
 impl Run {
@@ -176,6 +180,28 @@ impl Run {
             match e {
                 Effect::Deliver(d) => {
                     let id = d.receipt.msg_id;
+                    if let Some(g) = self.groups.get(&id) {
+                        // Everything before it in its group is done (settled or dead-lettered):
+                        // publish order, and never two of a group out at once.
+                        let earlier_left = self
+                            .groups
+                            .range(..id)
+                            .filter(|(_, h)| *h == g)
+                            .all(|(e, _)| self.places.get(e) == Some(&Place::Gone));
+                        prop_assert!(
+                            earlier_left,
+                            "{} of group {} overtook an earlier one",
+                            id,
+                            g
+                        );
+                        let alone = self.groups.iter().filter(|(_, h)| *h == g).all(|(e, _)| {
+                            !matches!(
+                                self.places.get(e),
+                                Some(Place::InFlight(..) | Place::Retrying(_))
+                            )
+                        });
+                        prop_assert!(alone, "{} of group {} delivered beside another", id, g);
+                    }
                     prop_assert_eq!(
                         self.places.get(&id),
                         Some(&Place::Ready),
@@ -320,17 +346,24 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
         attempts: BTreeMap::new(),
         timed_out: Vec::new(),
         extended: BTreeSet::new(),
+        groups: BTreeMap::new(),
     };
     r.apply(Command::Configure(policy));
     for op in ops {
         match op {
-            Op::Enqueue { priority, ttl } => {
+            Op::Enqueue {
+                priority,
+                ttl,
+                group,
+            } => {
                 let id = r.m.next_msg_id();
                 let was_full = r.m.rejects(1);
+                let group = group.filter(|_| policy.max_priority.is_none());
                 let meta = MsgMeta {
                     size: 1,
                     expires_at: ttl.map(|t| r.now + t),
                     priority: policy.max_priority.map_or(0, |m| priority.min(m)),
+                    group: group.map(u64::from),
                     ..MsgMeta::default()
                 };
                 let reply = r.apply(Command::Enqueue {
@@ -342,6 +375,9 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
                         prop_assert!(!was_full);
                         prop_assert_eq!(msg_id, id);
                         r.places.insert(id, Place::Ready);
+                        if let Some(g) = group {
+                            r.groups.insert(id, g);
+                        }
                     }
                     Reply::Refused(_) => {
                         prop_assert!(was_full && policy.overflow != Overflow::DropHead);

@@ -112,6 +112,7 @@ impl Store {
                 spilled: queue & SPILL_BIT != 0,
                 // Set by the broker, which knows the queue's `x-max-priority`.
                 priority: 0,
+                group: None,
             };
             messages.push(Loaded {
                 msg_id,

@@ -109,6 +109,8 @@ pub struct Exchange {
     /// An `x-delayed-message` exchange: a message with a positive `x-delay` header is held
     /// back that many milliseconds, then routed.
     pub delayed: bool,
+    /// The deduplication window (`x-message-deduplication`).
+    pub dedup: Option<crate::dedup::Dedup>,
     pub durable: bool,
     pub auto_delete: bool,
     pub internal: bool,
@@ -141,6 +143,7 @@ impl Exchange {
             name,
             kind,
             delayed: false,
+            dedup: None,
             durable,
             auto_delete,
             internal,

@@ -205,6 +205,11 @@ pub struct QueueArgs {
     /// `x-delivery-delay` (Warren's, SQS's DelaySeconds): every message is held back this many
     /// ms before it joins the queue (a message's own `x-delay` header overrides it).
     pub delivery_delay_ms: Option<u64>,
+    /// `x-message-deduplication` and its `x-cache-*` (LavinMQ's).
+    pub dedup: Option<crate::dedup::DedupSpec>,
+    /// `x-group-header` (Warren's): the header whose value is a message's group; a group's
+    /// messages go out in publish order, one at a time (SQS FIFO's MessageGroupId).
+    pub group_header: Option<String>,
     /// `x-consumer-timeout` (RabbitMQ 4.3's): a consumer that leaves a delivery unsettled this
     /// long is cancelled.
     pub consumer_timeout_ms: Option<u64>,
@@ -470,6 +475,8 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
                 check_warren_key(key, v, &mut out).map_err(|b| invalid(key, b))?;
             }
         }
+        out.dedup = crate::dedup::spec(args)
+            .map_err(|text| invalid("x-message-deduplication", Bad::Text(text)))?;
     }
     for (key, _) in args.iter() {
         if DECLARE_ARGS.contains(&key.as_str()) && !qtype.supports(key) {
@@ -485,9 +492,14 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
 /// Warren's own queue arguments (RabbitMQ ignores them), for classic and quorum queues.
 /// (`x-consumer-timeout` and `x-delayed-retry-type`/`-min`/`-max` are RabbitMQ 4.3's,
 /// `x-delayed-retry-multiplier` LavinMQ's; 3.10 ignores them all.)
-pub const WARREN_ARGS: [&str; 8] = [
+pub const WARREN_ARGS: [&str; 13] = [
+    "x-message-deduplication",
+    "x-cache-size",
+    "x-cache-ttl",
+    "x-deduplication-header",
     "x-visibility-timeout",
     "x-delivery-delay",
+    "x-group-header",
     "x-consumer-timeout",
     "x-delayed-retry-type",
     "x-delayed-retry-min",
@@ -500,6 +512,13 @@ fn check_warren_key(key: &str, v: &FieldValue, out: &mut QueueArgs) -> Result<()
     match key {
         "x-visibility-timeout" => out.visibility_timeout_ms = Some(check_positive_ms(v)?),
         "x-delivery-delay" => out.delivery_delay_ms = Some(check_positive_ms(v)?),
+        "x-group-header" => {
+            let name = std::str::from_utf8(check_str(v)?)
+                .ok()
+                .filter(|n| !n.is_empty())
+                .ok_or_else(|| Bad::Text("a header name is needed".to_string()))?;
+            out.group_header = Some(name.to_owned());
+        }
         "x-consumer-timeout" => out.consumer_timeout_ms = Some(check_positive_ms(v)?),
         "x-delayed-retry-type" => {
             out.retry_disabled = match check_str(v)? {

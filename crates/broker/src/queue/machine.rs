@@ -65,6 +65,9 @@ pub struct MsgMeta {
     /// The message's priority in a queue with `x-max-priority` (already capped to it; 0
     /// elsewhere).
     pub priority: u8,
+    /// Its message group in a queue with `x-group-header` (a hash of the header's value): a
+    /// group's messages go out in order, one at a time.
+    pub group: Option<u64>,
 }
 
 /// What a queue's declaration asks of its machine (`x-max-length`, `x-expires`...), set once
@@ -659,6 +662,13 @@ pub struct QueueMachine<M> {
     expiries_in_order: VecDeque<(u64, u64)>,
     ready_bytes: u64,
     in_flight_bytes: u64,
+    /// Message groups with a message in flight or waiting for its retry, and that message's
+    /// id: the group's next message waits until it is settled or dead-lettered.
+    group_locks: BTreeMap<u64, u64>,
+    /// Ready messages of locked groups, set aside when they reached the head of the line, in
+    /// id order per group (counted as ready, in `ready_bytes` too).
+    parked: BTreeMap<u64, BTreeMap<u64, Entry<M>>>,
+    parked_count: usize,
     /// The last applied command's index and the latest time seen.
     last_index: u64,
     now_ms: u64,
@@ -696,6 +706,9 @@ impl<M> Default for QueueMachine<M> {
             expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
             in_flight_bytes: 0,
+            group_locks: BTreeMap::new(),
+            parked: BTreeMap::new(),
+            parked_count: 0,
             last_index: 0,
             now_ms: 0,
         }
@@ -783,7 +796,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Command::Get { no_ack } => {
                 self.last_used = self.now_ms;
                 self.expire(effects);
-                let count = match self.pop_ready() {
+                let count = match self.pop_deliverable() {
                     Some(entry) => {
                         let d = self.hand_out(entry, None, no_ack, (None, None));
                         effects.push(Effect::Deliver(d));
@@ -794,7 +807,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 Reply::Delivered { count }
             }
             Command::Settle { receipt } => match self.take_in_flight(receipt) {
-                Some(_) => Reply::Ok,
+                Some(entry) => {
+                    self.group_done(&entry);
+                    Reply::Ok
+                }
                 None => self.settle_late(receipt, effects),
             },
             Command::Return { receipt } => match self.take_in_flight(receipt) {
@@ -813,6 +829,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             },
             Command::Discard { receipt } => match self.take_in_flight(receipt) {
                 Some(entry) => {
+                    self.group_done(&entry);
                     effects.push(Effect::DeadLetter {
                         msg_id: entry.id,
                         message: entry.msg,
@@ -859,6 +876,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     fn back_to_ready(&mut self, entry: Entry<M>, retry: bool, effects: &mut Vec<Effect<M>>) {
         let limit = self.policy.delivery_limit;
         if limit.is_some_and(|l| u64::from(entry.delivery_count) > l) {
+            self.group_done(&entry);
             effects.push(Effect::DeadLetter {
                 msg_id: entry.id,
                 message: entry.msg,
@@ -869,7 +887,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
         if let Some(r) = self.policy.retry.filter(|_| retry) {
-            // Waits for its retry; its expiry is filed when it is due.
+            // Waits for its retry (its group stays locked: nothing overtakes it); its expiry is
+            // filed when it is due.
             let at = self
                 .now_ms
                 .saturating_add(r.delay(entry.id, entry.delivery_count));
@@ -878,9 +897,104 @@ impl<M: Clone + Hash> QueueMachine<M> {
             self.retrying.insert(entry.id, entry);
             return;
         }
+        // Back in the line in its place: its group's next message may not overtake it (ids).
+        self.group_done(&entry);
         self.rejoin_line(entry);
         // Back at the head, over the limit: drop-head drops it again at once.
         self.drop_over_limit(effects);
+    }
+
+    /// The message that held its group's lock left flight (settled, dead-lettered, back in the
+    /// line): the group's next parked message rejoins the line.
+    fn group_done(&mut self, entry: &Entry<M>) {
+        let Some(g) = entry.meta.group else { return };
+        if self.group_locks.get(&g) != Some(&entry.id) {
+            return;
+        }
+        self.group_locks.remove(&g);
+        self.unpark(g);
+    }
+
+    /// A ready message left the line without being delivered (expired, dropped, settled
+    /// late): if it was its group's way forward, the group's next parked message takes its
+    /// place, so an unlocked group never waits behind nothing.
+    fn left_line(&mut self, entry: &Entry<M>) {
+        if let Some(g) = entry
+            .meta
+            .group
+            .filter(|g| !self.group_locks.contains_key(g))
+        {
+            self.unpark(g);
+        }
+    }
+
+    /// The group's first parked message rejoins the line.
+    fn unpark(&mut self, g: u64) {
+        let Some(line) = self.parked.get_mut(&g) else {
+            return;
+        };
+        let next = line.pop_first();
+        if line.is_empty() {
+            self.parked.remove(&g);
+        }
+        if let Some((_, next)) = next {
+            self.parked_count = self.parked_count.saturating_sub(1);
+            self.rejoin_line(next);
+        }
+    }
+
+    /// Takes the parked message with the smallest id (for `drop-head`).
+    fn pop_parked(&mut self) -> Option<Entry<M>> {
+        let (&g, _) = self
+            .parked
+            .iter()
+            .min_by_key(|(_, line)| line.keys().next().copied().unwrap_or(u64::MAX))?;
+        let line = self.parked.get_mut(&g)?;
+        let (_, e) = line.pop_first()?;
+        if line.is_empty() {
+            self.parked.remove(&g);
+        }
+        self.parked_count = self.parked_count.saturating_sub(1);
+        self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
+        Some(e)
+    }
+
+    /// The next ready message that may go out now. One of a group whose lock another message
+    /// holds is set aside (parked) until that one is done, so a group never has two messages
+    /// in flight, and other groups' messages go past it.
+    fn pop_deliverable(&mut self) -> Option<Entry<M>> {
+        loop {
+            let entry = self.pop_ready()?;
+            let Some(g) = entry.meta.group else {
+                return Some(entry);
+            };
+            if self
+                .group_locks
+                .get(&g)
+                .is_none_or(|holder| *holder == entry.id)
+            {
+                // An earlier message of the group parked meanwhile goes first.
+                let earlier = self
+                    .parked
+                    .get_mut(&g)
+                    .and_then(|line| line.first_entry())
+                    .filter(|first| *first.key() < entry.id)
+                    .map(|first| first.remove());
+                let Some(earlier) = earlier else {
+                    return Some(entry);
+                };
+                if self.parked.get(&g).is_some_and(BTreeMap::is_empty) {
+                    self.parked.remove(&g);
+                }
+                self.parked.entry(g).or_default().insert(entry.id, entry);
+                return Some(earlier);
+            }
+            // Its expiry is filed again when it rejoins the line.
+            self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+            self.parked_count += 1;
+            // By id: one that rejoined the line and was parked again keeps its place.
+            self.parked.entry(g).or_default().insert(entry.id, entry);
+        }
     }
 
     /// A message that was delivered goes back to its place in the ready line (counted in
@@ -913,6 +1027,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             self.retry_due.pop_first();
             if let Some(entry) = self.retrying.remove(&id) {
                 self.retrying_bytes = self.retrying_bytes.saturating_sub(entry.meta.size);
+                self.group_done(&entry);
                 self.rejoin_line(entry);
             }
         }
@@ -1045,6 +1160,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
         let Some(e) = entry else {
             return Reply::Stale;
         };
+        // A message waiting for its retry held its group's lock; one in the line may have been
+        // its group's way forward.
+        self.group_done(&e);
+        self.left_line(&e);
         self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
         if let Some(at) = e.meta.expires_at {
             self.expiries.remove(&(at, e.id));
@@ -1092,10 +1211,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 || m.policy.max_length_bytes.is_some_and(|n| bytes > n)
         };
         while over(self) {
-            let Some(e) = self.pop_ready() else {
+            // Parked messages count too: when the line has nothing droppable, the oldest of
+            // them goes.
+            let Some(e) = self.pop_ready().or_else(|| self.pop_parked()) else {
                 // The head is paged out: trimmed once it is read back.
                 break;
             };
+            self.left_line(&e);
             effects.push(Effect::DeadLetter {
                 msg_id: e.id,
                 message: e.msg,
@@ -1505,7 +1627,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             let no_ack = c.spec.no_ack;
             let to = (c.spec.group, c.spec.tag.clone());
             let own = (c.visibility_ms, c.ack_timeout_ms);
-            let Some(entry) = self.pop_ready() else {
+            let Some(entry) = self.pop_deliverable() else {
                 self.service.push_front(priority, id);
                 break;
             };
@@ -1629,6 +1751,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
             };
             self.timers.insert(entry.id, timers);
         }
+        if let Some(g) = entry.meta.group {
+            self.group_locks.insert(g, entry.id);
+        }
         self.in_flight
             .insert(entry.id, InFlight { consumer, entry });
         Deliver {
@@ -1702,6 +1827,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.retrying.clear();
         self.retry_due.clear();
         self.retrying_bytes = 0;
+        self.parked.clear();
+        self.parked_count = 0;
+        let in_flight = &self.in_flight;
+        self.group_locks.retain(|_, id| in_flight.contains_key(id));
         self.expiries.clear();
         self.expiries_in_order.clear();
         self.ready_bytes = 0;
@@ -1724,6 +1853,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             };
             if let Some(e) = entry {
                 self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
+                self.left_line(&e);
                 effects.push(Effect::DeadLetter {
                     msg_id: e.id,
                     message: e.msg,
@@ -1761,6 +1891,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             };
             if let Some(e) = entry {
                 self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
+                self.left_line(&e);
                 effects.push(Effect::DeadLetter {
                     msg_id: e.id,
                     message: e.msg,
@@ -1813,6 +1944,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             + self.returned.len()
             + self.by_priority.len()
             + self.retrying.len()
+            + self.parked_count
             + usize::try_from(self.tail_count).unwrap_or(usize::MAX)
     }
 
@@ -1965,6 +2097,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             .chain(self.returned.values())
             .chain(self.by_priority.values())
             .chain(self.retrying.values())
+            .chain(self.parked.values().flat_map(|line| line.values()))
             .map(|e| (e.id, &e.msg, e.delivery_count))
     }
 
@@ -1977,7 +2110,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
         )
     }
 
-    /// Ids of the ready messages in memory in delivery order (tests and diagnostics; O(n)).
+    /// Ids of the ready messages in memory in delivery order, then those parked behind their
+    /// group's message in flight (tests and diagnostics; O(n)).
     pub fn ready_ids(&self) -> Vec<u64> {
         let mut out: Vec<u64> = self.by_priority.values().map(|e| e.id).collect();
         let mut r = self.returned.keys().copied().peekable();
@@ -1995,7 +2129,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 (Some(&a), Some(&b)) if a < b => r.next(),
                 (Some(_), Some(_)) | (None, Some(_)) => q.next(),
                 (Some(_), None) => r.next(),
-                (None, None) => return out,
+                (None, None) => {
+                    out.extend(self.parked.values().flat_map(|line| line.keys()));
+                    return out;
+                }
             };
             out.extend(next);
         }
@@ -2041,6 +2178,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
             hash_entry(e, &mut h);
         }
         self.retry_due.hash(&mut h);
+        (self.parked_count, &self.group_locks).hash(&mut h);
+        for (g, line) in &self.parked {
+            g.hash(&mut h);
+            for e in line.values() {
+                hash_entry(e, &mut h);
+            }
+        }
         (self.policy, self.active, self.last_used).hash(&mut h);
         self.in_flight.len().hash(&mut h);
         self.visibility.hash(&mut h);
@@ -2158,6 +2302,7 @@ mod tests {
                     pageable: false,
                     spilled: false,
                     priority: 0,
+                    group: None,
                 },
             }) {
                 Reply::Enqueued { msg_id } => msg_id,
@@ -2388,6 +2533,7 @@ mod tests {
                 pageable: i != 2,
                 spilled: false,
                 priority: 0,
+                group: None,
             };
             d.run(Command::Enqueue { message: s, meta });
             assert_eq!(id, i as u64);
@@ -2435,6 +2581,7 @@ mod tests {
                 pageable: true,
                 spilled: false,
                 priority: 0,
+                group: None,
             },
             delivery_count: 0,
         };
@@ -2679,6 +2826,7 @@ mod tests {
             meta: MsgMeta {
                 size: 1,
                 priority: 2,
+                group: None,
                 expires_at: Some(5),
                 ..MsgMeta::default()
             },
@@ -2867,5 +3015,93 @@ mod tests {
         d.now = 100;
         d.run(Command::Tick);
         assert_eq!(d.m.ready_ids(), vec![0, 1], "back in its place");
+    }
+
+    fn enqueue_in(d: &mut Driver, s: &'static str, group: Option<u64>) -> u64 {
+        let meta = MsgMeta {
+            size: 1,
+            group,
+            ..MsgMeta::default()
+        };
+        match d.run(Command::Enqueue { message: s, meta }) {
+            Reply::Enqueued { msg_id } => msg_id,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_group_has_one_message_in_flight_and_keeps_its_order_through_returns_and_retries() {
+        let mut d = with_policy(Policy {
+            retry: Some(RetryPolicy {
+                min_ms: 100,
+                ..RetryPolicy::default()
+            }),
+            delivery_limit: Some(1),
+            ..Policy::default()
+        });
+        // a1 a2 b1 a3 b2 x (no group)
+        let a1 = enqueue_in(&mut d, "a1", Some(1));
+        let a2 = enqueue_in(&mut d, "a2", Some(1));
+        let b1 = enqueue_in(&mut d, "b1", Some(2));
+        let a3 = enqueue_in(&mut d, "a3", Some(1));
+        let b2 = enqueue_in(&mut d, "b2", Some(2));
+        let x = enqueue_in(&mut d, "x", None);
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 10, false),
+        });
+        d.run(Command::Checkout { max: 10 });
+        let ids: Vec<u64> = d.delivered().iter().map(|t| t.1).collect();
+        assert_eq!(ids, vec![a1, b1, x], "one per group, and the ungrouped one");
+        assert_eq!(d.m.ready_count(), 3, "parked messages are still ready");
+        // b1 settled: b2 may go; a1 given back: it waits for its retry, a2 still waits.
+        d.settle(b1, 1);
+        d.ret(a1, 1);
+        d.run(Command::Checkout { max: 10 });
+        let ids: Vec<u64> = d.delivered().iter().map(|t| t.1).collect();
+        assert_eq!(
+            ids,
+            vec![b2],
+            "nothing overtakes a1 while it waits for its retry"
+        );
+        d.now = 100;
+        d.run(Command::Tick);
+        d.run(Command::Checkout { max: 10 });
+        let out = d.delivered();
+        assert_eq!(out.iter().map(|t| t.1).collect::<Vec<_>>(), vec![a1]);
+        // Its second failure passes the delivery limit: dead-lettered, and a2 goes next.
+        d.ret(a1, 2);
+        assert!(d
+            .effects
+            .iter()
+            .any(|e| matches!(e, Effect::DeadLetter { msg_id, reason: DeadLetterReason::DeliveryLimit, .. } if *msg_id == a1)));
+        d.effects.clear();
+        d.run(Command::Checkout { max: 10 });
+        assert_eq!(
+            d.delivered().iter().map(|t| t.1).collect::<Vec<_>>(),
+            vec![a2]
+        );
+        d.settle(a2, 1);
+        d.run(Command::Checkout { max: 10 });
+        assert_eq!(
+            d.delivered().iter().map(|t| t.1).collect::<Vec<_>>(),
+            vec![a3]
+        );
+        // A purge forgets what was parked but keeps the lock of what is in flight.
+        let a4 = enqueue_in(&mut d, "a4", Some(1));
+        d.run(Command::Checkout { max: 10 });
+        assert!(d.delivered().is_empty());
+        assert_eq!(d.m.ready_count(), 1);
+        assert_eq!(d.run(Command::Purge), Reply::Purged { count: 1 });
+        let a5 = enqueue_in(&mut d, "a5", Some(1));
+        d.run(Command::Checkout { max: 10 });
+        assert!(d.delivered().is_empty(), "a3 still holds the group");
+        d.settle(a3, 1);
+        d.run(Command::Checkout { max: 10 });
+        assert_eq!(
+            d.delivered().iter().map(|t| t.1).collect::<Vec<_>>(),
+            vec![a5]
+        );
+        let _ = a4;
     }
 }

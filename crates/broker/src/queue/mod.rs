@@ -39,6 +39,8 @@ pub struct Queue {
     /// The key its messages in the scratch area are under, once it spilled one (a transient
     /// message past its window).
     pub spill_key: Option<u64>,
+    /// The deduplication window (`x-message-deduplication`).
+    pub dedup: Option<crate::dedup::Dedup>,
 }
 
 impl Queue {

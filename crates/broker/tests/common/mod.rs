@@ -122,6 +122,7 @@ impl PageSource for MemStore {
                 pageable: true,
                 spilled: queue_key & SPILL_BIT != 0,
                 priority: 0,
+                group: None,
             };
             messages.push(Loaded {
                 msg_id,
