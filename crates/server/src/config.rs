@@ -7,6 +7,14 @@ use clap::Parser;
 use serde::Deserialize;
 use warren_session::{SessionConfig, User};
 
+/// What `warren` can run besides the broker.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Moves messages from a queue (a dead-letter queue) back to where they came from, or to
+    /// another queue, at a chosen rate, without losing any (see docs/task-queues.md)
+    Redrive(crate::redrive::RedriveArgs),
+}
+
 #[derive(Parser, Debug, Default)]
 #[command(
     name = "warren",
@@ -14,6 +22,9 @@ use warren_session::{SessionConfig, User};
     about = "Warren: an AMQP 0-9-1 message broker for task queues"
 )]
 pub struct Args {
+    /// Runs a command instead of the broker.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// Address to listen on for AMQP clients [default: 0.0.0.0]
     #[arg(long, env = "WARREN_BIND")]
     pub bind: Option<IpAddr>,

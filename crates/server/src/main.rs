@@ -3,6 +3,7 @@
 mod alarms;
 mod config;
 mod driver;
+mod redrive;
 mod storage;
 
 use std::process::ExitCode;
@@ -19,6 +20,9 @@ use crate::config::{Args, Config};
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(config::Command::Redrive(r)) = args.command {
+        return redrive::main(r);
+    }
     if let Some(path) = &args.replay_commands {
         return replay_commands(path);
     }
