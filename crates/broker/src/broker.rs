@@ -251,11 +251,9 @@ fn dead_letter_of(q: &Queue, message: Message, reason: DeadLetterReason) -> Opti
     })
 }
 
-/// May this queue's copy of a message leave memory? Not in a queue with a length limit
-/// (the limit bounds its memory and its head must be droppable) or with priorities (its
-/// order is not the ids' order).
+/// May this queue's copy of a message leave memory? ([`args::QueueArgs::pages`])
 fn may_page(q: &Queue) -> bool {
-    !q.args.limits_length() && q.args.max_priority.is_none() && q.args.group_header.is_none()
+    q.args.pages()
 }
 
 /// The exchange type the delayed-message plugin registers.

@@ -210,11 +210,8 @@ impl Store {
         let mut skip_to = None;
         let redelivered = !self.clean_start;
         // Without a pager (a broker that cannot read pages back), everything is loaded; so is
-        // a queue that keeps its messages in memory (a length limit, priorities).
-        let paging = broker.pages()
-            && broker
-                .queue_args(id)
-                .is_some_and(|a| !a.limits_length() && a.max_priority.is_none());
+        // a queue that keeps its messages in memory (a length limit, priorities, groups).
+        let paging = broker.pages() && broker.queue_args(id).is_some_and(|a| a.pages());
         let mut run: Option<Run> = None;
         for item in self.db.iterator_cf_opt(
             index,

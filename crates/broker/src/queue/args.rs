@@ -244,6 +244,13 @@ impl QueueArgs {
         }
     }
 
+    /// May the queue's messages leave memory (page)? Not with a length limit (the limit bounds
+    /// its memory and its head must be droppable), priorities (their order is not the ids')
+    /// or message groups (a message's group is worked out when it is enqueued).
+    pub fn pages(&self) -> bool {
+        !self.limits_length() && self.max_priority.is_none() && self.group_header.is_none()
+    }
+
     /// Are delayed retries on (`x-delayed-retry-min` given, the type not `disabled`)?
     pub fn retries(&self) -> bool {
         self.retry_min_ms.is_some() && !self.retry_disabled
