@@ -146,11 +146,16 @@ impl Body {
         }
     }
 
+    /// Adds a frame's bytes. Memory follows what arrived, never the size the content header
+    /// announced (`total`, which only caps the first reservation): a client that announces
+    /// 128 MiB and sends two frames costs two frames, and a body that does arrive grows by
+    /// doubling, so at most twice its bytes are ever reserved.
     fn push(&mut self, chunk: Bytes, total: usize) {
         *self = match std::mem::replace(self, Body::Empty) {
             Body::Empty => Body::One(chunk),
             Body::One(first) => {
-                let mut all = BytesMut::with_capacity(total);
+                let arrived = first.len() + chunk.len();
+                let mut all = BytesMut::with_capacity(total.min(arrived.saturating_mul(2)));
                 all.extend_from_slice(&first);
                 all.extend_from_slice(&chunk);
                 Body::Many(all)
@@ -1302,4 +1307,34 @@ pub(crate) fn generated_name(prefix: &str, conn: ConnId, counter: u64) -> String
         s.push(char::from(ALPHABET[(z & 63) as usize]));
     }
     s
+}
+
+#[cfg(test)]
+mod body_tests {
+    use super::*;
+
+    #[test]
+    fn a_body_reserves_what_arrived_not_what_was_announced() {
+        let announced = 128 << 20;
+        let mut body = Body::Empty;
+        body.push(Bytes::from(vec![1u8; 10]), announced);
+        body.push(Bytes::from(vec![2u8; 10]), announced);
+        let Body::Many(all) = &body else {
+            panic!("two frames make a copied body");
+        };
+        assert!(all.capacity() <= 64, "reserved {} bytes", all.capacity());
+        for _ in 0..1000 {
+            body.push(Bytes::from(vec![3u8; 1000]), announced);
+        }
+        assert_eq!(body.len(), 20 + 1000 * 1000);
+        let Body::Many(all) = &body else {
+            panic!("still copied");
+        };
+        assert!(all.capacity() <= 2 * body.len() + 1024);
+        // A body that says its size exactly gets it in one reservation.
+        let mut exact = Body::Empty;
+        exact.push(Bytes::from(vec![1u8; 6]), 12);
+        exact.push(Bytes::from(vec![2u8; 6]), 12);
+        assert_eq!(exact.into_bytes().len(), 12);
+    }
 }
