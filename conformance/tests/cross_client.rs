@@ -2,7 +2,8 @@
 //! confirms) driven by pika and by amqplib against the test broker: `clients/pika_flows.py` and
 //! `clients/amqplib_flows.js`; a real Celery application with its worker (`clients/celery_flows.py`); and
 //! asyncio flows with aio-pika (`clients/aiopika_flows.py`), including a robust connection that lives through
-//! broker restarts. A missing interpreter or library fails the test (never a silent skip): `scripts/test`
+//! broker restarts; and a pool of pika worker processes on Warren's task-queue features
+//! (`clients/worker_pool.py`). A missing interpreter or library fails the test (never a silent skip): `scripts/test`
 //! installs pika, Celery and aio-pika (`clients/requirements.txt`) into `clients/.deps/python` and amqplib into
 //! `clients/node_modules`.
 
@@ -225,6 +226,37 @@ fn pika_core_flows() {
         .env("PYTHONUNBUFFERED", "1");
     let (ok, out) = run(cmd, Duration::from_secs(120));
     assert!(ok, "pika flows failed against {}:\n{out}", broker.url());
+}
+
+/// The worker pool of Warren's task queues, end to end (`clients/worker_pool.py`): 4 pika worker processes
+/// (prefetch 3, each its own connection) on a queue with `x-visibility-timeout`, `x-delivery-limit` and a
+/// dead-letter exchange, `x-delayed-retry-min` and `x-group-header`, given a few hundred persistent jobs. Some
+/// crash their worker (os._exit: the connection drops; the worker is restarted), some run for several
+/// visibility timeouts extending their delivery through `amq.warren.visibility`, some stall past their timeout
+/// and ack late, some always nack (poison), and 10 groups of jobs carry crash, long and poison jobs too. Every
+/// job but the poison ones is done; the poison ones, and only they, are in the dead-letter queue once each with
+/// an `x-death` of reason `delivery_limit`; long jobs are done once and never redelivered; each group's jobs ran
+/// one at a time, first completions in publish order; the work queue ends empty.
+#[test]
+fn pika_worker_pool_with_crashes_extensions_poison_and_groups() {
+    require_pika();
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        eprintln!("skipped: needs Warren's task-queue arguments (visibility timeouts, groups)");
+        return;
+    }
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("worker_pool.py"))
+        .arg(broker.url())
+        .env("PYTHONPATH", python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = run(cmd, Duration::from_secs(90));
+    assert!(
+        ok,
+        "the pika worker pool failed against {}:\n{out}",
+        broker.url()
+    );
+    eprintln!("{out}");
 }
 
 #[test]
