@@ -1425,15 +1425,15 @@ impl Broker {
     /// Reads the next scheduled messages back from disk (a failed read is tried again soon).
     fn read_delayed(&mut self) {
         let now = self.now_ms;
-        let Some((from, max, bytes)) = self.scheduler.read_request(now) else {
+        let Some(request) = self.scheduler.read_request(now) else {
             return;
         };
         let read = match self.pager.as_mut() {
-            Some(pager) => pager.0.read_delayed(from, max, bytes),
+            Some(pager) => pager.0.read_delayed(request),
             None => Err("no store to read delayed messages from".to_string()),
         };
         match read {
-            Ok((found, more)) => self.scheduler.loaded_from_disk(found, more),
+            Ok((found, more)) => self.scheduler.loaded_from_disk(request, found, more),
             Err(error) => {
                 tracing::error!(%error, "reading delayed messages failed; trying again shortly");
                 self.scheduler.read_failed(now);

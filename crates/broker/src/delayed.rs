@@ -55,6 +55,16 @@ impl Delayed {
     }
 }
 
+/// A read of scheduled messages from disk: keys from `from` on, below `until` if given, at
+/// most `max_messages` or about `max_bytes`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReadRequest {
+    pub from: DelayKey,
+    pub until: Option<DelayKey>,
+    pub max_messages: usize,
+    pub max_bytes: u64,
+}
+
 /// At most this many scheduled messages in memory (with a store)...
 pub const MAX_LOADED: usize = 8192;
 /// ...and at most this many bytes of them.
@@ -74,11 +84,11 @@ pub(crate) struct Scheduler {
     loaded_bytes: u64,
     /// The first key that may be on disk only; `None` when memory holds everything.
     disk_from: Option<DelayKey>,
-    /// The write batch holding the latest message that left (or skipped) memory: a read
-    /// waits until the store has written it, so it cannot miss a message.
-    unwritten: u64,
-    /// The last batch the store reported written.
-    written: u64,
+    /// Write batches not yet reported written that hold messages which left (or skipped)
+    /// memory, with the smallest such key in each: a read stops before the smallest of them,
+    /// so it cannot miss a message, and never waits for writes of later keys (under a steady
+    /// stream of publishes some batch is always on its way to the disk).
+    unwritten: BTreeMap<u64, DelayKey>,
     /// A read that could not run waits until then.
     retry_at: Option<u64>,
     /// Sequence numbers without a store.
@@ -102,7 +112,7 @@ impl Scheduler {
         self.count += 1;
         if let (Some(batch), Some(from)) = (stored, self.disk_from) {
             if key >= from {
-                self.unwritten = self.unwritten.max(batch);
+                self.on_disk_only(batch, key);
                 return;
             }
         }
@@ -115,8 +125,19 @@ impl Scheduler {
             };
             self.loaded_bytes = self.loaded_bytes.saturating_sub(evicted.size());
             self.disk_from = Some(self.disk_from.map_or(last, |f| f.min(last)));
-            self.unwritten = self.unwritten.max(batch);
+            self.on_disk_only(batch, last);
         }
+    }
+
+    /// `key` is now on disk only, once batch `batch` is written.
+    fn on_disk_only(&mut self, batch: u64, key: DelayKey) {
+        let min = self.unwritten.entry(batch).or_insert(key);
+        *min = (*min).min(key);
+    }
+
+    /// The smallest key that may be missing from disk still.
+    fn barrier(&self) -> Option<DelayKey> {
+        self.unwritten.values().min().copied()
     }
 
     /// The store holds scheduled messages from an earlier run: read them back from the start.
@@ -126,7 +147,13 @@ impl Scheduler {
 
     /// The store wrote every batch up to `upto`.
     pub fn written(&mut self, upto: u64) {
-        self.written = self.written.max(upto);
+        while self
+            .unwritten
+            .first_key_value()
+            .is_some_and(|(batch, _)| *batch <= upto)
+        {
+            self.unwritten.pop_first();
+        }
     }
 
     /// Is it time to read the next scheduled messages back from disk?
@@ -136,25 +163,36 @@ impl Scheduler {
             && self.retry_at.is_none_or(|t| now >= t)
     }
 
-    /// Where and how much to read, if a read may run now (every write it could need is done);
-    /// otherwise the read is retried [`READ_RETRY_MS`] later.
-    pub fn read_request(&mut self, now: u64) -> Option<(DelayKey, usize, u64)> {
+    /// Where to read from, up to which key (exclusive: the first that may not be written yet)
+    /// and how much, if a read may run now; otherwise it is retried [`READ_RETRY_MS`] later.
+    pub fn read_request(&mut self, now: u64) -> Option<ReadRequest> {
         let from = self.disk_from?;
-        if self.written < self.unwritten {
+        let until = self.barrier();
+        if until.is_some_and(|u| u <= from) {
             self.retry_at = Some(now.saturating_add(READ_RETRY_MS));
             return None;
         }
         let max = MAX_LOADED.saturating_sub(self.loaded.len()).max(1);
         let bytes = MAX_LOADED_BYTES.saturating_sub(self.loaded_bytes).max(1);
-        Some((from, max, bytes))
+        Some(ReadRequest {
+            from,
+            until,
+            max_messages: max,
+            max_bytes: bytes,
+        })
     }
 
-    /// A read from `disk_from` returned `read` (in key order); `more`: it stopped at its limit.
-    pub fn loaded_from_disk(&mut self, read: Vec<(DelayKey, Delayed)>, more: bool) {
+    /// A read of `request` returned `read` (in key order); `more`: it stopped at its limit.
+    pub fn loaded_from_disk(
+        &mut self,
+        request: ReadRequest,
+        read: Vec<(DelayKey, Delayed)>,
+        more: bool,
+    ) {
         let last = read.last().map(|(k, _)| *k);
         for (key, d) in read {
-            if self.disk_from.is_some_and(|f| key < f) {
-                // Below the window's edge: memory already has it.
+            if key < request.from || request.until.is_some_and(|u| key >= u) {
+                // Outside what was asked: memory has it already, or it is read later.
                 continue;
             }
             self.loaded_bytes += d.size();
@@ -162,7 +200,8 @@ impl Scheduler {
         }
         self.disk_from = match (more, last) {
             (true, Some(last)) => Some(last.next()),
-            _ => None,
+            // Everything before the barrier is read; from there on, the disk may hold more.
+            _ => request.until,
         };
         self.retry_at = None;
     }
@@ -335,10 +374,16 @@ mod tests {
         assert!(!s.wants_read(100));
         assert!(s.wants_read(100 + READ_RETRY_MS));
         s.written(2);
-        let (from, max, _) = s.read_request(200).unwrap();
-        assert_eq!(from, s.disk_from.unwrap());
-        assert_eq!(max, MAX_LOADED - s.loaded());
-        s.loaded_from_disk(vec![(from, d(1)), (key(5_000_000, 1 << 40), d(2))], false);
+        let r = s.read_request(200).unwrap();
+        assert_eq!(r.from, s.disk_from.unwrap());
+        assert_eq!(r.until, None, "everything is written");
+        assert_eq!(r.max_messages, MAX_LOADED - s.loaded());
+        let from = r.from;
+        s.loaded_from_disk(
+            r,
+            vec![(from, d(1)), (key(5_000_000, 1 << 40), d(2))],
+            false,
+        );
         assert_eq!(s.disk_from, None);
         assert!(!s.wants_read(300));
         assert_eq!(s.count(), MAX_LOADED as u64 + 12 - n as u64);
@@ -349,15 +394,55 @@ mod tests {
         let mut s = Scheduler::default();
         s.restore();
         assert_eq!(s.deadline(), Some(0));
-        let (from, _, _) = s.read_request(50).unwrap();
-        assert_eq!(from, key(0, 0));
-        s.loaded_from_disk(vec![(key(40, 7), d(0))], true);
+        let r = s.read_request(50).unwrap();
+        assert_eq!(r.from, key(0, 0));
+        s.loaded_from_disk(r, vec![(key(40, 7), d(0))], true);
         assert_eq!(s.disk_from, Some(key(40, 8)));
         assert_eq!(s.pop_due(50).map(|(k, _)| k), Some(key(40, 7)));
         // Still below the low-water mark with more on disk: read again now.
         assert_eq!(s.deadline(), Some(0));
-        s.loaded_from_disk(Vec::new(), false);
+        let r = s.read_request(50).unwrap();
+        s.loaded_from_disk(r, Vec::new(), false);
         assert_eq!(s.deadline(), None);
+    }
+
+    #[test]
+    fn later_writes_on_their_way_do_not_hold_back_a_read_of_earlier_keys() {
+        // The steady state of a busy delayed exchange: every new message is due after what is
+        // on disk, and some batch is always being written.
+        let mut s = Scheduler::default();
+        let total = MAX_LOADED as u64 + 2000;
+        for i in 0..total {
+            s.schedule(key(1000 + i, i), d(0), Some(1));
+        }
+        s.written(1);
+        let mut batch = 2;
+        let mut next = total;
+        let mut released = 0;
+        for now in 1000..(1000 + total) {
+            // A new message, due later than everything, in a batch not yet written.
+            s.schedule(key(1_000_000 + next, next), d(0), Some(batch));
+            next += 1;
+            if s.wants_read(now) {
+                let r = s
+                    .read_request(now)
+                    .expect("a read may run below the barrier");
+                // Two batches are on their way: the barrier is the older one's key.
+                assert_eq!(r.until, Some(key(1_000_000 + next - 2, next - 2)));
+                // What the disk holds in that range: the earlier keys, all written.
+                let found = (r.from.seq..total.min(r.from.seq + r.max_messages as u64))
+                    .map(|i| (key(1000 + i, i), d(0)))
+                    .collect::<Vec<_>>();
+                let more = r.from.seq + (r.max_messages as u64) < total;
+                s.loaded_from_disk(r, found, more);
+            }
+            while s.pop_due(now).is_some() {
+                released += 1;
+            }
+            s.written(batch - 1);
+            batch += 1;
+        }
+        assert_eq!(released, total, "every earlier message released on time");
     }
 
     #[test]

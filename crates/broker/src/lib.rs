@@ -38,7 +38,7 @@ pub mod queue;
 mod small;
 
 pub use broker::{Broker, ConsumerTimeout, QueueInfo};
-pub use delayed::{DelayKey, Delayed};
+pub use delayed::{DelayKey, Delayed, ReadRequest};
 pub use exchange::ExchangeKind;
 pub use persist::{
     BindingDef, BindingDest, ExchangeDef, Page, PageSource, QueueDef, StoreKeys, StoreOp,

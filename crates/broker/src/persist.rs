@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use warren_codec::{FieldTable, ShortStr};
 
-use crate::delayed::{DelayKey, Delayed};
+use crate::delayed::{DelayKey, Delayed, ReadRequest};
 use crate::exchange::ExchangeKind;
 use crate::queue::machine::{LoadRequest, Loaded};
 use crate::Message;
@@ -149,14 +149,13 @@ pub trait PageSource: Send {
         max_bytes: u64,
     ) -> Result<Page, String>;
 
-    /// Scheduled messages with keys from `from` on, in key order, stopping after
-    /// `max_messages` or once `max_bytes` are read; the flag says a limit stopped the read
-    /// (more may follow). Entries that cannot be read as messages are skipped with a warning.
+    /// Scheduled messages with keys from `request.from` on and below `request.until` (if
+    /// given), in key order, stopping after `max_messages` or once `max_bytes` are read; the
+    /// flag says a limit stopped the read (more may follow). Entries that cannot be read as
+    /// messages are skipped with a warning.
     fn read_delayed(
         &mut self,
-        from: DelayKey,
-        max_messages: usize,
-        max_bytes: u64,
+        request: ReadRequest,
     ) -> Result<(Vec<(DelayKey, Delayed)>, bool), String>;
 }
 

@@ -115,7 +115,7 @@ pub fn decode_delayed(value: Vec<u8>) -> Result<Delayed, StoreError> {
         0 => None,
         _ => Some(v.short("queue")?),
     };
-    let (mut message, _) = decode_body(0, v.rest().to_vec())?;
+    let (mut message, _) = decode_body(0, v.rest())?;
     message.store_key = None;
     Ok(Delayed {
         vhost,
@@ -467,7 +467,7 @@ pub fn decode_entry(value: &[u8]) -> Result<Entry, StoreError> {
 }
 
 /// A body value: the message (under `key`) and the queues it was written for.
-pub fn decode_body(key: u64, value: Vec<u8>) -> Result<(Message, u32), StoreError> {
+pub fn decode_body(key: u64, value: impl Into<Bytes>) -> Result<(Message, u32), StoreError> {
     let mut v = Reader::new(value, "a message body");
     let persistent = match v.u8("layout")? {
         BODY_V1 => true,

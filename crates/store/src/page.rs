@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use rocksdb::{Direction, IteratorMode};
 use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
-use warren_broker::{DelayKey, Delayed, Page, PageSource, SPILL_BIT};
+use warren_broker::{DelayKey, Delayed, Page, PageSource, ReadRequest, SPILL_BIT};
 
 use crate::{codec, Store, StoreError};
 
@@ -130,21 +130,23 @@ impl Store {
 }
 
 impl Store {
-    /// Scheduled messages from `from` on, in due order, stopping after `max_messages` or once
-    /// `max_bytes` are read (true: a limit stopped it). A damaged one is skipped and deleted
-    /// with a warning, so it is not found again.
+    /// Scheduled messages from `request.from` on (below `request.until`), in due order,
+    /// stopping after `max_messages` or once `max_bytes` are read (true: a limit stopped it).
+    /// A damaged one is skipped and deleted with a warning, so it is not found again.
     pub fn read_delayed(
         &self,
-        from: DelayKey,
-        max_messages: usize,
-        max_bytes: u64,
+        request: ReadRequest,
     ) -> Result<(Vec<(DelayKey, Delayed)>, bool), StoreError> {
+        let (max_messages, max_bytes) = (request.max_messages, request.max_bytes);
         let cf = self.cf(crate::CF_DELAYED)?;
-        let lo = codec::delayed_key(from);
+        let lo = codec::delayed_key(request.from);
         let mut out = Vec::new();
         let mut bytes = 0u64;
         let mut opts = rocksdb::ReadOptions::default();
         opts.set_iterate_lower_bound(lo.as_ref().to_vec());
+        if let Some(until) = request.until {
+            opts.set_iterate_upper_bound(codec::delayed_key(until).as_ref().to_vec());
+        }
         for item in self.db.iterator_cf_opt(
             cf,
             opts,
@@ -202,12 +204,8 @@ impl PageSource for StorePager {
 
     fn read_delayed(
         &mut self,
-        from: DelayKey,
-        max_messages: usize,
-        max_bytes: u64,
+        request: ReadRequest,
     ) -> Result<(Vec<(DelayKey, Delayed)>, bool), String> {
-        self.0
-            .read_delayed(from, max_messages, max_bytes)
-            .map_err(|e| e.to_string())
+        self.0.read_delayed(request).map_err(|e| e.to_string())
     }
 }

@@ -725,3 +725,85 @@ fn transient_messages_of_a_deep_queue_spill_and_are_gone_after_a_restart() {
     // The durable queue's persistent messages were consumed (not acked): they come back.
     assert_eq!(r.messages, 40);
 }
+
+/// Delayed messages on RocksDB: more than the memory window is scheduled, a restart finds them
+/// all, and each is released once, in due order, leaving the column family empty.
+#[test]
+fn delayed_messages_live_on_disk_and_come_back_after_a_restart() {
+    use warren_codec::properties::BasicProperties;
+    use warren_codec::FieldValue;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let total = warren_broker::delayed::MAX_LOADED as u64 + 500;
+    let declare_all = |b: &mut Broker| {
+        let mut args = FieldTable::new();
+        args.insert("x-delayed-type", FieldValue::long_str("direct"));
+        b.declare_exchange(
+            "/",
+            "later",
+            "x-delayed-message",
+            false,
+            true,
+            false,
+            false,
+            &args,
+        )
+        .expect("exchange");
+        declare(b, "jobs", true);
+        b.bind_queue("/", "jobs", "later", "jobs", &FieldTable::new(), 1)
+            .expect("bind");
+    };
+    {
+        let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+        let mut b = paging_broker(&s);
+        declare_all(&mut b);
+        for i in 0..total {
+            let mut h = FieldTable::new();
+            // Due in reverse publish order: 100_000 ms down to 100_000 - total.
+            h.insert("x-delay", FieldValue::I64((100_000 - i) as i64));
+            let m = Message {
+                exchange: ShortStr::from_static("later"),
+                routing_key: ShortStr::from_static("jobs"),
+                properties: BasicProperties {
+                    headers: Some(h),
+                    delivery_mode: Some(2),
+                    ..BasicProperties::default()
+                }
+                .encode(),
+                ..owned_msg(format!("{i}"), true)
+            };
+            b.publish("/", "later", "jobs", m, 0).expect("publish");
+            if i % 1000 == 0 {
+                flush_done(&mut b, &s);
+            }
+        }
+        flush_done(&mut b, &s);
+        let (_, loaded) = b.delayed_counts();
+        assert!(loaded <= warren_broker::delayed::MAX_LOADED);
+        assert_eq!(count(&s, CF_DELAYED) as u64, total);
+    }
+    let (mut b, _, s) = recovered(Store::open(dir.path()).expect("reopen"));
+    // The exchange came back as a delayed one (its flag in the definition).
+    assert_eq!(b.next_deadline(), Some(0), "the first read is due at once");
+    let mut got = Vec::new();
+    // Not yet due: nothing comes out.
+    b.tick(100_000 - total);
+    assert!(b.get("/", "jobs", true, 1).expect("get").is_none());
+    // All due: each tick releases a bounded batch, reading the next ones from disk.
+    let now = 200_000;
+    while b.next_deadline().is_some() {
+        b.tick(now);
+        flush_done(&mut b, &s);
+        while let Some((d, _)) = b.get("/", "jobs", true, 1).expect("get") {
+            got.push(
+                String::from_utf8_lossy(&d.message.body)
+                    .parse::<u64>()
+                    .unwrap(),
+            );
+        }
+        flush_done(&mut b, &s);
+    }
+    assert_eq!(got.len() as u64, total, "each released once");
+    let expected: Vec<u64> = (0..total).rev().collect();
+    assert_eq!(got, expected, "in due order");
+    assert_eq!(count(&s, CF_DELAYED), 0, "nothing left scheduled");
+}

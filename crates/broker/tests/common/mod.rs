@@ -6,7 +6,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use warren_broker::machine::{LoadRequest, Loaded, MsgMeta};
-use warren_broker::{Broker, DelayKey, Delayed, Message, Page, PageSource, StoreOp, SPILL_BIT};
+use warren_broker::{
+    Broker, DelayKey, Delayed, Message, Page, PageSource, ReadRequest, StoreOp, SPILL_BIT,
+};
 
 /// What the store holds: bodies by key, entries by (queue, id), with their expiry.
 #[derive(Default)]
@@ -144,18 +146,21 @@ impl PageSource for MemStore {
 
     fn read_delayed(
         &mut self,
-        from: DelayKey,
-        max_messages: usize,
-        _max_bytes: u64,
+        request: ReadRequest,
     ) -> Result<(Vec<(DelayKey, Delayed)>, bool), String> {
+        let max_messages = request.max_messages;
         let mut mem = self.0.lock().unwrap();
         mem.reads += 1;
         if mem.failing {
             return Err("the disk is on fire".into());
         }
+        let until = request.until.unwrap_or(DelayKey {
+            due: u64::MAX,
+            seq: u64::MAX,
+        });
         let mut out: Vec<(DelayKey, Delayed)> = mem
             .delayed
-            .range(from..)
+            .range(request.from..until)
             .take(max_messages + 1)
             .map(|(k, d)| (*k, d.clone()))
             .collect();
