@@ -416,10 +416,9 @@ mod tests {
             s.schedule(key(1000 + i, i), d(0), Some(1));
         }
         s.written(1);
-        let mut batch = 2;
         let mut next = total;
         let mut released = 0;
-        for now in 1000..(1000 + total) {
+        for (batch, now) in (2..).zip(1000..(1000 + total)) {
             // A new message, due later than everything, in a batch not yet written.
             s.schedule(key(1_000_000 + next, next), d(0), Some(batch));
             next += 1;
@@ -440,7 +439,6 @@ mod tests {
                 released += 1;
             }
             s.written(batch - 1);
-            batch += 1;
         }
         assert_eq!(released, total, "every earlier message released on time");
     }
