@@ -144,11 +144,38 @@ pub struct Opts {
     #[arg(long, value_name = "N")]
     pub idle_connections: Option<u64>,
 
+    /// Delayed-schedule mode: publish N messages (split over --producers) to an
+    /// x-delayed-message exchange (--exchange, default warren-bench-delayed; x-delayed-type =
+    /// --exchange-type) bound to one queue, each with an x-delay of --delay-ms plus a uniformly
+    /// random 0..--delay-spread-ms (default 1 to 2 hours: none falls due during the run). Reports
+    /// the publish rate and the broker's RSS after publishing and after --settle seconds. The
+    /// exchange, the queue and the scheduled messages are kept (--delete removes the first two).
+    #[arg(long, value_name = "N", conflicts_with_all = ["idle_queues", "idle_connections", "delayed_rate"])]
+    pub delayed_schedule: Option<u64>,
+
+    /// Delayed-lateness mode: publish R msg/s in total (split over --producers) with an x-delay
+    /// of --delay-ms (default 2,000) for --duration seconds to an x-delayed-message exchange,
+    /// while one consumer with acks receives them. Each body carries its due time (ms since the
+    /// Unix epoch: publish time + x-delay) and a sequence number; reports the lateness (receive
+    /// time minus due time), early deliveries, duplicates and messages lost.
+    #[arg(long, value_name = "R", conflicts_with_all = ["idle_queues", "idle_connections"])]
+    pub delayed_rate: Option<f64>,
+
+    /// Delayed modes: the x-delay of each message, in milliseconds (default 3,600,000 with
+    /// --delayed-schedule, 2,000 with --delayed-rate).
+    #[arg(long, value_name = "MS")]
+    pub delay_ms: Option<u64>,
+
+    /// Delayed modes: add a uniformly random 0..MS to each message's delay (default 3,600,000
+    /// with --delayed-schedule, 0 with --delayed-rate).
+    #[arg(long, value_name = "MS")]
+    pub delay_spread_ms: Option<u64>,
+
     /// Idle modes: how many declares or connection opens run concurrently.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub parallel: u32,
 
-    /// Idle modes: seconds to wait before the final memory reading.
+    /// Idle modes and --delayed-schedule: seconds to wait before the final memory reading.
     #[arg(long, default_value_t = 3.0)]
     pub settle: f64,
 
@@ -241,7 +268,14 @@ pub enum Mode {
     Throughput,
     IdleQueues(u64),
     IdleConnections(u64),
+    /// Schedule this many delayed messages.
+    DelayedSchedule(u64),
+    /// Delayed messages at --delayed-rate: their lateness.
+    DelayedRate,
 }
+
+/// The exchange of the delayed modes when --exchange is not given.
+pub const DEFAULT_DELAYED_EXCHANGE: &str = "warren-bench-delayed";
 
 impl Opts {
     pub fn mode(&self) -> Mode {
@@ -249,8 +283,64 @@ impl Opts {
             Mode::IdleQueues(n)
         } else if let Some(n) = self.idle_connections {
             Mode::IdleConnections(n)
+        } else if let Some(n) = self.delayed_schedule {
+            Mode::DelayedSchedule(n)
+        } else if self.delayed_rate.is_some() {
+            Mode::DelayedRate
         } else {
             Mode::Throughput
+        }
+    }
+
+    /// Delayed modes: the x-delay before the random spread, in ms.
+    pub fn delay_base_ms(&self) -> u64 {
+        self.delay_ms.unwrap_or(match self.mode() {
+            Mode::DelayedSchedule(_) => 3_600_000,
+            _ => 2_000,
+        })
+    }
+
+    /// Delayed modes: the width of the uniformly random part of the delay, in ms.
+    pub fn delay_spread(&self) -> u64 {
+        self.delay_spread_ms.unwrap_or(match self.mode() {
+            Mode::DelayedSchedule(_) => 3_600_000,
+            _ => 0,
+        })
+    }
+
+    /// Delayed modes: the exchange (--exchange, or a default name).
+    pub fn delayed_exchange(&self) -> &str {
+        if self.exchange.is_empty() {
+            DEFAULT_DELAYED_EXCHANGE
+        } else {
+            &self.exchange
+        }
+    }
+
+    fn validate_delayed(&mut self) -> Result<(), String> {
+        if let Some(r) = self.delayed_rate {
+            if r <= 0.0 || !r.is_finite() {
+                return Err("--delayed-rate must be > 0".into());
+            }
+            if self.duration.is_none() {
+                self.duration = Some(10.0);
+            }
+        }
+        if self.size < 16 {
+            return Err(
+                "delayed modes need --size >= 16 (the body carries its due time and a sequence number)"
+                    .into(),
+            );
+        }
+        if self.producers == 0 {
+            return Err("delayed modes need at least one producer".into());
+        }
+        if self.delay_base_ms() == 0 {
+            return Err("--delay-ms must be >= 1 (an x-delay of 0 does not delay)".into());
+        }
+        match self.delay_base_ms().checked_add(self.delay_spread()) {
+            Some(max) if max <= i64::MAX as u64 => Ok(()),
+            _ => Err("--delay-ms plus --delay-spread-ms is too large".into()),
         }
     }
 
@@ -270,8 +360,10 @@ impl Opts {
                 return Err("--duration must be > 0".into());
             }
         }
-        if self.mode() != Mode::Throughput {
-            return Ok(());
+        match self.mode() {
+            Mode::Throughput => {}
+            Mode::DelayedSchedule(_) | Mode::DelayedRate => return self.validate_delayed(),
+            Mode::IdleQueues(_) | Mode::IdleConnections(_) => return Ok(()),
         }
         if self.queues == 0 {
             return Err("--queues must be >= 1".into());
@@ -466,6 +558,38 @@ mod tests {
         assert!(parse(&["--ack-wait", "--auto-ack"]).is_err());
         assert!(parse(&["--ack-wait", "--multi-ack-every", "10"]).is_err());
         assert!(parse(&["--idle-queues", "1", "--idle-connections", "1"]).is_err());
+        assert!(parse(&["--delayed-schedule", "1", "--delayed-rate", "10"]).is_err());
+        assert!(parse(&["--delayed-schedule", "1", "--idle-queues", "1"]).is_err());
+        assert!(parse(&["--delayed-rate", "0"]).is_err());
+        assert!(parse(&["--delayed-rate", "10", "-s", "8"]).is_err());
+        assert!(parse(&["--delayed-rate", "10", "--delay-ms", "0"]).is_err());
+        assert!(parse(&["--delayed-schedule", "10", "-x", "0"]).is_err());
+    }
+
+    #[test]
+    fn delayed_modes() {
+        let o = parse(&["--delayed-schedule", "10000000"]).unwrap();
+        assert_eq!(o.mode(), Mode::DelayedSchedule(10_000_000));
+        assert_eq!(
+            (o.delay_base_ms(), o.delay_spread()),
+            (3_600_000, 3_600_000)
+        );
+        assert_eq!(o.delayed_exchange(), DEFAULT_DELAYED_EXCHANGE);
+        let o = parse(&["--delayed-rate", "10000", "--delay-ms", "2000", "-z", "60"]).unwrap();
+        assert_eq!(o.mode(), Mode::DelayedRate);
+        assert_eq!((o.delay_base_ms(), o.delay_spread()), (2000, 0));
+        assert_eq!(o.duration, Some(60.0));
+        let o = parse(&[
+            "--delayed-rate",
+            "5",
+            "-e",
+            "later",
+            "--delay-spread-ms",
+            "10",
+        ])
+        .unwrap();
+        assert_eq!(o.duration, Some(10.0));
+        assert_eq!((o.delayed_exchange(), o.delay_spread()), ("later", 10));
     }
 
     #[test]

@@ -378,7 +378,7 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
 
 /// The ready messages over all `queues`, by passive declares; None if the broker does not answer
 /// within 5 s (a broker busy with a flood of publishes may take a while).
-async fn queue_depth(ch: &Channel, queues: &[String]) -> Option<u64> {
+pub(crate) async fn queue_depth(ch: &Channel, queues: &[String]) -> Option<u64> {
     let declares = queues.iter().map(|q| {
         ch.queue_declare(
             q.as_str().into(),
@@ -400,12 +400,12 @@ async fn queue_depth(ch: &Channel, queues: &[String]) -> Option<u64> {
 }
 
 /// Closes connections concurrently, giving up after a few seconds.
-async fn close_all<'a>(conns: impl Iterator<Item = &'a Connection>) {
+pub(crate) async fn close_all<'a>(conns: impl Iterator<Item = &'a Connection>) {
     let closes = conns.map(|c| c.close(200, "bye".into()));
     let _ = tokio::time::timeout(Duration::from_secs(3), join_all(closes)).await;
 }
 
-fn rate(n: u64, secs: f64) -> f64 {
+pub(crate) fn rate(n: u64, secs: f64) -> f64 {
     if secs > 0.0 {
         stats::round1(n as f64 / secs)
     } else {
@@ -479,15 +479,15 @@ async fn delete_topology(opts: &Opts, ch: &Channel, queues: &[String]) -> Result
     Ok(())
 }
 
-struct ConfirmResult {
-    confirmed: u64,
-    nacked: u64,
-    hist: Histogram<u64>,
+pub(crate) struct ConfirmResult {
+    pub confirmed: u64,
+    pub nacked: u64,
+    pub hist: Histogram<u64>,
 }
 
 /// Awaits the confirms of one producer in publish order, records their latency and gives the
 /// window back to the producer.
-async fn confirm_task(
+pub(crate) async fn confirm_task(
     mut rx: mpsc::UnboundedReceiver<(u64, Vec<PublisherConfirm>)>,
     window: Arc<Semaphore>,
     shared: Arc<Shared>,
