@@ -210,7 +210,7 @@ row disk "data directory at the end" "$(du -sh "$DATA" | awk '{print $1}')"
 stop
 trap - EXIT
 errors=$(cat "$OUT"/*.log | grep -c -E "(ERROR|WARN)" || true)
-row logs "ERROR and WARN lines in the broker's logs" "$errors (see $OUT/*.log)"
+row logs "ERROR and WARN lines in the broker's logs" "$errors (see ${OUT#"$ROOT"/}/*.log)"
 {
   echo
   echo "Load average (1, 5, 15 min) when each step began (2 cores; the machine may be shared):"

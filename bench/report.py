@@ -388,9 +388,10 @@ def load_notes(path):
     return text.strip()
 
 
-def latest_deep_summary(bench_dir):
-    """The summary of the latest bench/deep-queue.sh run (kept in bench/deep-queue.md), if any."""
-    path = os.path.join(bench_dir, "deep-queue.md")
+def latest_deep_summary(bench_dir, name="deep-queue.md"):
+    """A hand-kept summary beside this script (bench/deep-queue.md from bench/deep-queue.sh,
+    bench/delayed.md from bench/delayed.sh), without its title, if any."""
+    path = os.path.join(bench_dir, name)
     try:
         with open(path) as f:
             text = f.read().strip()
@@ -504,6 +505,15 @@ def report(results, out_path, chart_path, notes_path=None):
         L.append(f"From `bench/deep-queue.sh` (its last summary: [bench/deep-queue.md]({rel})):")
         L.append("")
         L.append(deep)
+        L.append("")
+    delayed_path, delayed = latest_deep_summary(os.path.dirname(os.path.abspath(__file__)), "delayed.md")
+    if delayed:
+        rel = os.path.relpath(delayed_path, os.path.dirname(os.path.abspath(out_path)) or ".")
+        L.append(f"## Delayed messages ({b_name} alone)")
+        L.append("")
+        L.append(f"From `bench/delayed.sh` (kept in [bench/delayed.md]({rel})):")
+        L.append("")
+        L.append(delayed)
         L.append("")
 
     L.append(f"## What {b_name} persists in these runs")
