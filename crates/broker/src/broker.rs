@@ -223,7 +223,7 @@ fn priority(q: &Queue, message: &Message) -> u8 {
 /// A message's group in a queue with `x-group-header`: a hash of the value of the header it
 /// names (a string, or an integer read as its decimal digits); `None` without that header
 /// (the message is in no group and goes out as in any queue).
-fn message_group(q: &Queue, message: &Message) -> Option<u64> {
+fn message_group(q: &Queue, message: &Message) -> Option<crate::machine::GroupKey> {
     use std::hash::{Hash, Hasher};
     let name = q.args.group_header.as_deref()?;
     let headers = warren_codec::properties::headers(&message.properties)
@@ -234,7 +234,8 @@ fn message_group(q: &Queue, message: &Message) -> Option<u64> {
         FieldValue::LongStr(b) | FieldValue::ByteArray(b) => b[..].hash(&mut h),
         v => v.as_i64()?.to_string().as_bytes().hash(&mut h),
     }
-    Some(h.finish())
+    // A hash of 0 (one in 2^64) shares group 1.
+    crate::machine::GroupKey::new(h.finish()).or(crate::machine::GroupKey::new(1))
 }
 
 /// The dead letter of a message leaving `q`, if `q` has a dead-letter exchange (else the
@@ -809,7 +810,10 @@ impl Broker {
             auto_delete: req.auto_delete,
             owner,
             arguments: req.arguments.detached(),
-            dedup: parsed.dedup.clone().map(crate::dedup::Dedup::new),
+            dedup: parsed
+                .dedup
+                .clone()
+                .map(|s| Box::new(crate::dedup::Dedup::new(s))),
             args: parsed,
             machine: QueueMachine::new(),
             bindings: Vec::new(),
@@ -1063,7 +1067,7 @@ impl Broker {
                     arguments.detached(),
                 );
                 x.delayed = delayed;
-                x.dedup = dedup.map(crate::dedup::Dedup::new);
+                x.dedup = dedup.map(|s| Box::new(crate::dedup::Dedup::new(s)));
                 self.dedup_exchanges |= x.dedup.is_some();
                 vh.exchanges.insert(name.clone(), x);
                 return Ok(());

@@ -363,7 +363,7 @@ fn run(policy: Policy, ops: Vec<Op>) -> Result<Run, TestCaseError> {
                     size: 1,
                     expires_at: ttl.map(|t| r.now + t),
                     priority: policy.max_priority.map_or(0, |m| priority.min(m)),
-                    group: group.map(u64::from),
+                    group: group.and_then(|g| std::num::NonZeroU64::new(u64::from(g) + 1)),
                     ..MsgMeta::default()
                 };
                 let reply = r.apply(Command::Enqueue {

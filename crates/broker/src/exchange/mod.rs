@@ -110,7 +110,7 @@ pub struct Exchange {
     /// back that many milliseconds, then routed.
     pub delayed: bool,
     /// The deduplication window (`x-message-deduplication`).
-    pub dedup: Option<crate::dedup::Dedup>,
+    pub dedup: Option<Box<crate::dedup::Dedup>>,
     pub durable: bool,
     pub auto_delete: bool,
     pub internal: bool,

@@ -140,7 +140,7 @@ fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
     put_opt_u64(out, meta.expires_at);
     out.put_u8(u8::from(meta.pageable) | u8::from(meta.spilled) << 1);
     out.put_u8(meta.priority);
-    put_opt_u64(out, meta.group);
+    put_opt_u64(out, meta.group.map(std::num::NonZeroU64::get));
 }
 
 fn put_policy(out: &mut BytesMut, p: &Policy) {
@@ -406,7 +406,7 @@ impl Reader {
             pageable: flags & 1 != 0,
             spilled: flags & 2 != 0,
             priority: self.u8("priority")?,
-            group: self.opt_u64("group")?,
+            group: self.opt_u64("group")?.and_then(std::num::NonZeroU64::new),
         })
     }
 

@@ -48,6 +48,9 @@ use warren_codec::{FieldTable, ShortStr};
 use crate::queue::args::Overflow;
 use crate::ConnId;
 
+/// A message group, as a non-zero hash of the group header's value.
+pub type GroupKey = std::num::NonZeroU64;
+
 /// What the machine needs to know about a message, computed by the caller when enqueuing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MsgMeta {
@@ -66,8 +69,9 @@ pub struct MsgMeta {
     /// elsewhere).
     pub priority: u8,
     /// Its message group in a queue with `x-group-header` (a hash of the header's value): a
-    /// group's messages go out in order, one at a time.
-    pub group: Option<u64>,
+    /// group's messages go out in order, one at a time. (Non-zero, so the option costs no
+    /// space: every queued entry carries it.)
+    pub group: Option<GroupKey>,
 }
 
 /// What a queue's declaration asks of its machine (`x-max-length`, `x-expires`...), set once
@@ -664,10 +668,10 @@ pub struct QueueMachine<M> {
     in_flight_bytes: u64,
     /// Message groups with a message in flight or waiting for its retry, and that message's
     /// id: the group's next message waits until it is settled or dead-lettered.
-    group_locks: BTreeMap<u64, u64>,
+    group_locks: BTreeMap<GroupKey, u64>,
     /// Ready messages of locked groups, set aside when they reached the head of the line, in
     /// id order per group (counted as ready, in `ready_bytes` too).
-    parked: BTreeMap<u64, BTreeMap<u64, Entry<M>>>,
+    parked: BTreeMap<GroupKey, BTreeMap<u64, Entry<M>>>,
     parked_count: usize,
     /// The last applied command's index and the latest time seen.
     last_index: u64,
@@ -906,7 +910,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     /// The message that held its group's lock left flight (settled, dead-lettered, back in the
     /// line): the group's next parked message rejoins the line.
+    #[inline]
     fn group_done(&mut self, entry: &Entry<M>) {
+        if self.group_locks.is_empty() {
+            return;
+        }
         let Some(g) = entry.meta.group else { return };
         if self.group_locks.get(&g) != Some(&entry.id) {
             return;
@@ -929,7 +937,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     }
 
     /// The group's first parked message rejoins the line.
-    fn unpark(&mut self, g: u64) {
+    fn unpark(&mut self, g: GroupKey) {
         let Some(line) = self.parked.get_mut(&g) else {
             return;
         };
@@ -962,7 +970,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// The next ready message that may go out now. One of a group whose lock another message
     /// holds is set aside (parked) until that one is done, so a group never has two messages
     /// in flight, and other groups' messages go past it.
+    #[inline]
     fn pop_deliverable(&mut self) -> Option<Entry<M>> {
+        if self.group_locks.is_empty() && self.parked.is_empty() {
+            // No group waits for anything: the head goes.
+            return self.pop_ready();
+        }
         loop {
             let entry = self.pop_ready()?;
             let Some(g) = entry.meta.group else {
@@ -3020,7 +3033,7 @@ mod tests {
     fn enqueue_in(d: &mut Driver, s: &'static str, group: Option<u64>) -> u64 {
         let meta = MsgMeta {
             size: 1,
-            group,
+            group: group.and_then(GroupKey::new),
             ..MsgMeta::default()
         };
         match d.run(Command::Enqueue { message: s, meta }) {

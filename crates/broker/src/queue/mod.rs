@@ -40,7 +40,7 @@ pub struct Queue {
     /// message past its window).
     pub spill_key: Option<u64>,
     /// The deduplication window (`x-message-deduplication`).
-    pub dedup: Option<crate::dedup::Dedup>,
+    pub dedup: Option<Box<crate::dedup::Dedup>>,
 }
 
 impl Queue {
