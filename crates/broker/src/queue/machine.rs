@@ -1671,6 +1671,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// Takes the next ready message in id order: the returned one with the smallest id, or the
     /// head of the line (in `ready`, or in the tail once `ready` is empty). `None` when there
     /// is none, or the next one is paged out (it must be loaded first).
+    #[inline]
     fn pop_ready(&mut self) -> Option<Entry<M>> {
         if let Some((_, entry)) = self.by_priority.pop_first() {
             self.ready_bytes = self.ready_bytes.saturating_sub(entry.meta.size);
