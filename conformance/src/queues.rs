@@ -6,12 +6,36 @@ use std::time::Duration;
 
 use lapin::message::BasicGetMessage;
 use lapin::options::{
-    BasicGetOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicGetOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 
 use crate::{unique, within};
+
+/// Declares a durable queue with these arguments (failing the test if refused).
+pub async fn declare_durable(ch: &Channel, q: &str, arguments: FieldTable) {
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        arguments,
+    )
+    .await
+    .unwrap();
+}
+
+/// A new channel in confirm mode.
+pub async fn confirm_channel(conn: &lapin::Connection) -> Channel {
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    ch
+}
 
 /// A field table from (key, value) pairs.
 pub fn args(entries: &[(&str, AMQPValue)]) -> FieldTable {

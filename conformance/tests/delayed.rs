@@ -9,21 +9,13 @@ use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
-use warren_conformance::queues::{args, get_eventually, header, ready, text};
+use warren_conformance::queues::{args, confirm_channel, get_eventually, header, ready, text};
 use warren_conformance::{assert_amqp_error, unique, within, TestBroker};
-
-async fn confirm_channel(conn: &lapin::Connection) -> Channel {
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    ch
-}
 
 /// A durable delayed exchange routing as `direct`, and a durable queue bound with key "k".
 async fn delayed_setup(ch: &Channel, prefix: &str) -> (String, String) {

@@ -8,33 +8,12 @@ use futures_lite::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Consumer, ExchangeKind};
-use warren_conformance::queues::{args, ready, text};
+use warren_conformance::queues::{args, confirm_channel, declare_durable, ready, text};
 use warren_conformance::{assert_amqp_error, unique, within, TestBroker, QUIET};
-
-async fn confirm_channel(conn: &lapin::Connection) -> Channel {
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    ch
-}
-
-async fn declare(ch: &Channel, q: &str, arguments: FieldTable) {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        arguments,
-    )
-    .await
-    .unwrap();
-}
 
 async fn publish(ch: &Channel, exchange: &str, key: &str, body: &str, props: BasicProperties) {
     let confirm = ch
@@ -84,7 +63,7 @@ async fn a_group_has_one_message_out_at_a_time_in_publish_order() {
     let conn = broker.connect().await;
     let ch = confirm_channel(&conn).await;
     let q = unique("groups");
-    declare(&ch, &q, args(&[("x-group-header", text("x-group-key"))])).await;
+    declare_durable(&ch, &q, args(&[("x-group-header", text("x-group-key"))])).await;
     for (b, g) in [
         ("a1", "a"),
         ("a2", "a"),
@@ -146,7 +125,7 @@ async fn a_queue_drops_a_duplicate_within_its_window() {
     let conn = broker.connect().await;
     let ch = confirm_channel(&conn).await;
     let q = unique("dedup");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[
@@ -206,7 +185,7 @@ async fn an_exchange_drops_a_duplicate_before_routing() {
     .unwrap();
     let (q1, q2) = (unique("dedup-x1"), unique("dedup-x2"));
     for q in [&q1, &q2] {
-        declare(&ch, q, FieldTable::default()).await;
+        declare_durable(&ch, q, FieldTable::default()).await;
         ch.queue_bind(
             q.as_str().into(),
             x.as_str().into(),
@@ -244,7 +223,7 @@ async fn groups_keep_their_order_after_a_restart() {
     {
         let conn = broker.connect().await;
         let ch = confirm_channel(&conn).await;
-        declare(&ch, &q, args(&[("x-group-header", text("x-group-key"))])).await;
+        declare_durable(&ch, &q, args(&[("x-group-header", text("x-group-key"))])).await;
         for (b, g) in [
             ("a1", "a"),
             ("b1", "b"),

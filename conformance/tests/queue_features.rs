@@ -13,13 +13,14 @@ use futures_lite::StreamExt;
 use lapin::message::BasicGetMessage;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
-    BasicQosOptions, BasicRejectOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    BasicQosOptions, BasicRejectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
 use warren_conformance::queues::{
-    args, dead_letter_queue, deaths, field, get_eventually, header, ready, text, wait_ready,
+    args, confirm_channel, dead_letter_queue, deaths, declare_durable, field, get_eventually,
+    header, ready, text, wait_ready,
 };
 use warren_conformance::{amqp_error, unique, within, TestBroker, QUIET};
 
@@ -49,14 +50,6 @@ async fn get_now(ch: &Channel, q: &str) -> Option<BasicGetMessage> {
     ch.basic_get(q.into(), BasicGetOptions { no_ack: true })
         .await
         .unwrap()
-}
-
-async fn confirm_channel(conn: &lapin::Connection) -> Channel {
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    ch
 }
 
 // ------------------------------------------------------------------------------------ TTL
@@ -793,19 +786,6 @@ fn quorum(extra: &[(&str, AMQPValue)]) -> FieldTable {
     let mut entries = vec![("x-queue-type", text("quorum"))];
     entries.extend(extra.iter().cloned());
     args(&entries)
-}
-
-async fn declare_durable(ch: &Channel, q: &str, arguments: FieldTable) {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        arguments,
-    )
-    .await
-    .unwrap();
 }
 
 /// x-delivery-limit on a quorum queue: a message is delivered limit + 1 times, then

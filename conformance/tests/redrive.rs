@@ -9,25 +9,12 @@ use std::time::{Duration, Instant};
 
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, BasicRejectOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
 };
-use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
-use warren_conformance::queues::{args, dead_letter_queue, ready, text, wait_ready};
+use warren_conformance::queues::{
+    args, dead_letter_queue, declare_durable, ready, text, wait_ready,
+};
 use warren_conformance::{unique, warren_binary, TestBroker};
-
-async fn declare(ch: &Channel, q: &str, arguments: FieldTable) {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        arguments,
-    )
-    .await
-    .unwrap();
-}
 
 async fn publish(ch: &Channel, q: &str, body: String) {
     ch.basic_publish(
@@ -104,7 +91,7 @@ async fn setup(broker: &TestBroker, prefix: &str) -> (Channel, String, String, S
         unique(&format!("{prefix}-b")),
     );
     for q in [&a, &b] {
-        declare(&ch, q, args(&[("x-dead-letter-exchange", text(&dlx))])).await;
+        declare_durable(&ch, q, args(&[("x-dead-letter-exchange", text(&dlx))])).await;
     }
     // The connection must outlive the channel.
     std::mem::forget(conn);

@@ -16,23 +16,11 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Consumer};
 use warren_conformance::queues::{
-    args, dead_letter_queue, deaths, field, get_eventually, header, ready, text, wait_ready,
+    args, dead_letter_queue, deaths, declare_durable, field, get_eventually, header, ready, text,
+    wait_ready,
 };
 use warren_conformance::raw::m;
 use warren_conformance::{amqp_error, unique, within, TestBroker, QUIET};
-
-async fn declare(ch: &Channel, q: &str, arguments: FieldTable) {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        arguments,
-    )
-    .await
-    .unwrap();
-}
 
 async fn publish(ch: &Channel, q: &str, body: &[u8]) {
     ch.basic_publish(
@@ -94,7 +82,7 @@ async fn an_unacked_delivery_comes_back_after_the_visibility_timeout() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("vis");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[("x-visibility-timeout", AMQPValue::LongInt(80))]),
@@ -131,7 +119,7 @@ async fn a_late_ack_leaves_the_copy_another_worker_holds() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("vis-late");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[("x-visibility-timeout", AMQPValue::LongInt(60))]),
@@ -179,7 +167,7 @@ async fn a_late_ack_settles_a_message_nobody_else_took() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("vis-waiting");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[("x-visibility-timeout", AMQPValue::LongInt(40))]),
@@ -209,7 +197,7 @@ async fn a_worker_extends_its_delivery_from_an_unmodified_client() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("vis-extend");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[("x-visibility-timeout", AMQPValue::LongInt(100))]),
@@ -259,7 +247,7 @@ async fn a_consumer_sets_its_own_visibility_timeout() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("vis-consumer");
-    declare(&ch, &q, FieldTable::default()).await;
+    declare_durable(&ch, &q, FieldTable::default()).await;
     publish(&ch, &q, b"job").await;
     let wch = conn.create_channel().await.unwrap();
     let mut worker = consume(
@@ -287,7 +275,7 @@ async fn a_classic_queue_dead_letters_past_its_delivery_limit() {
     let ch = conn.create_channel().await.unwrap();
     let (dlx, dlq) = dead_letter_queue(&ch, "poison", true).await;
     let q = unique("poison");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[
@@ -346,7 +334,7 @@ async fn bad_visibility_timeouts_are_refused() {
         ))
     );
     let ch = conn.create_channel().await.unwrap();
-    declare(&ch, &q, FieldTable::default()).await;
+    declare_durable(&ch, &q, FieldTable::default()).await;
     let res = ch
         .basic_consume(
             q.as_str().into(),
@@ -377,7 +365,7 @@ async fn a_consumer_past_its_consumer_timeout_is_cancelled() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("ctimeout");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[("x-consumer-timeout", AMQPValue::LongInt(60))]),
@@ -470,7 +458,7 @@ async fn a_nacked_job_comes_back_after_its_back_off() {
     let conn = broker.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = unique("retry");
-    declare(
+    declare_durable(
         &ch,
         &q,
         args(&[
