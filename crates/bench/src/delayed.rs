@@ -30,7 +30,10 @@ use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::opts::{ExchangeType, Opts};
 use crate::rate::RateLimiter;
-use crate::run::{close_all, confirm_task, connect, queue_depth, rate, BoxError, Progress, Shared};
+use crate::run::{
+    close_all, confirm_task, connect, finish_producer, queue_depth, rate, BoxError, ProducerResult,
+    Progress, Shared,
+};
 use crate::stats::{self, new_histogram, now_ns, BrokerReport, LatencySummary};
 
 /// The exchange type of RabbitMQ's delayed-message plugin, which Warren implements.
@@ -279,14 +282,7 @@ struct Plan {
     step: u64,
 }
 
-struct PublishResult {
-    published: u64,
-    confirmed: u64,
-    nacked: u64,
-    skipped: u64,
-    confirm_hist: Histogram<u64>,
-    end: Instant,
-}
+type PublishResult = ProducerResult;
 
 /// Publishes delayed messages as `plan` says, in batches, within the confirm window.
 async fn publisher(
@@ -413,35 +409,14 @@ async fn publisher(
         sent += n;
         shared.published.fetch_add(n, Relaxed);
     }
-    let (mut confirmed, mut nacked, mut confirm_hist) = (0, 0, new_histogram());
-    if let Some((_, tx, task)) = confirms {
-        drop(tx);
-        // After a stop the outstanding confirms still arrive; wait a little for them.
-        let waited = if *stop.borrow() {
-            tokio::time::timeout(Duration::from_secs(5), task)
-                .await
-                .ok()
-        } else {
-            Some(task.await)
-        };
-        if let Some(r) = waited {
-            let r = r??;
-            confirmed = r.confirmed;
-            nacked = r.nacked;
-            confirm_hist = r.hist;
-        }
-    }
-    if let Some(e) = error {
-        return Err(e);
-    }
-    Ok(PublishResult {
-        published: sent,
-        confirmed,
-        nacked,
-        skipped: limiter.map_or(0, |l| l.skipped),
-        confirm_hist,
-        end: Instant::now(),
-    })
+    finish_producer(
+        confirms,
+        &stop,
+        sent,
+        limiter.map_or(0, |l| l.skipped),
+        error,
+    )
+    .await
 }
 
 /// The publishers' connections and channels (confirm mode as asked).

@@ -77,13 +77,13 @@ pub struct RunReport {
     pub errors: Vec<String>,
 }
 
-struct ProducerResult {
-    published: u64,
-    confirmed: u64,
-    nacked: u64,
-    skipped: u64,
-    confirm_hist: Histogram<u64>,
-    end: Instant,
+pub(crate) struct ProducerResult {
+    pub published: u64,
+    pub confirmed: u64,
+    pub nacked: u64,
+    pub skipped: u64,
+    pub confirm_hist: Histogram<u64>,
+    pub end: Instant,
 }
 
 struct ConsumerResult {
@@ -661,10 +661,35 @@ async fn producer(
         sent += n;
         shared.published.fetch_add(n, Relaxed);
     }
+    finish_producer(
+        confirms,
+        &stop,
+        sent,
+        limiter.map_or(0, |l| l.skipped),
+        error,
+    )
+    .await
+}
+
+/// A producer's confirm window, the sender of its pending confirms, and the task collecting them.
+pub(crate) type Confirms = (
+    Arc<Semaphore>,
+    mpsc::UnboundedSender<(u64, Vec<PublisherConfirm>)>,
+    tokio::task::JoinHandle<Result<ConfirmResult, BoxError>>,
+);
+
+/// The end of a producer: its outstanding confirms (waited for a little after a stop by
+/// deadline, when they still arrive), its counts, or the error that stopped it.
+pub(crate) async fn finish_producer(
+    confirms: Option<Confirms>,
+    stop: &watch::Receiver<bool>,
+    sent: u64,
+    skipped: u64,
+    error: Option<BoxError>,
+) -> Result<ProducerResult, BoxError> {
     let (mut confirmed, mut nacked, mut confirm_hist) = (0, 0, new_histogram());
     if let Some((_, tx, task)) = confirms {
         drop(tx);
-        // On a stop by deadline the outstanding confirms still arrive; wait a little for them.
         let waited = if *stop.borrow() {
             tokio::time::timeout(Duration::from_secs(5), task)
                 .await
@@ -686,7 +711,7 @@ async fn producer(
         published: sent,
         confirmed,
         nacked,
-        skipped: limiter.map_or(0, |l| l.skipped),
+        skipped,
         confirm_hist,
         end: Instant::now(),
     })
