@@ -174,7 +174,9 @@ GIT_REV="$(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 if [ "$CLEAN_BUILD" = 1 ]; then
   # Build exactly HEAD: uncommitted work in the tree does not end up in the measured binaries.
   CLEAN_SRC="$(mktemp -d)"
-  git archive HEAD | tar -x -C "$CLEAN_SRC"
+  # -m: files get the time of extraction, so cargo rebuilds them rather than reusing a newer build
+  # of the working tree (uncommitted changes included).
+  git archive HEAD | tar -x -m -C "$CLEAN_SRC"
   SRC="$CLEAN_SRC"
   GIT_REV="$GIT_REV (clean build of HEAD)"
 elif [ -n "$(git status --porcelain -- crates Cargo.toml Cargo.lock 2>/dev/null)" ]; then
