@@ -1890,12 +1890,15 @@ impl Broker {
                 } => {
                     // Back in the queue: its count is written, as for a requeue (a
                     // dead-lettered one follows as a DeadLetter).
-                    let keys = self.queues.get(&queue).and_then(|q| q.entry_key(&message));
+                    let q = self.queues.get(&queue);
+                    let keys = q.and_then(|q| q.entry_key(&message));
+                    let retry_at = q.and_then(|q| q.machine.retry_due_of(msg_id));
                     if let (Some(p), Some(qkey)) = (self.persist.as_mut(), keys) {
                         let op = StoreOp::PutCount {
                             queue: qkey,
                             msg_id,
                             count: attempt,
+                            retry_at,
                         };
                         p.push(op, false);
                     }
@@ -2233,14 +2236,15 @@ impl Broker {
     }
 
     /// Recovery: a stored message back in its queue, ready, with its id and delivery count
-    /// (`redelivered` after a crash, when any message may have been delivered). False if the
-    /// queue is unknown or the id is not after the queue's last one.
+    /// (`redelivered` after a crash, when any message may have been delivered), and the due
+    /// time of the delayed retry it was waiting for, if any. False if the queue is unknown or
+    /// the id is not after the queue's last one.
     pub fn restore_message(
         &mut self,
         queue: QueueId,
         msg_id: u64,
         message: Message,
-        delivery_count: u32,
+        (delivery_count, retry_at): (u32, Option<u64>),
         expires_at: Option<u64>,
         redelivered: bool,
     ) -> bool {
@@ -2261,6 +2265,7 @@ impl Broker {
             meta,
             delivery_count,
             redelivered,
+            retry_at,
         };
         matches!(self.run(queue, command), Some(Reply::Enqueued { .. }))
     }
@@ -2707,12 +2712,17 @@ impl Broker {
             .effects
             .iter()
             .any(|e| matches!(e, Effect::DeadLetter { msg_id, .. } if *msg_id == receipt.msg_id));
+        let retry_at = self
+            .queues
+            .get(&queue)
+            .and_then(|q| q.machine.retry_due_of(receipt.msg_id));
         if let (true, false, Some((qkey, _)), Some(p)) = (ok, gone, stored, self.persist.as_mut()) {
             p.push(
                 StoreOp::PutCount {
                     queue: qkey,
                     msg_id: receipt.msg_id,
                     count: receipt.attempt,
+                    retry_at,
                 },
                 false,
             );

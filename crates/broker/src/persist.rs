@@ -114,11 +114,13 @@ pub enum StoreOp {
         msg_id: u64,
         count: bool,
     },
-    /// The message came back (nack, requeue, channel closed) after this many deliveries.
+    /// The message came back (nack, requeue, channel closed) after this many deliveries;
+    /// `retry_at`: it waits for a delayed retry due then.
     PutCount {
         queue: u64,
         msg_id: u64,
         count: u32,
+        retry_at: Option<u64>,
     },
     /// A message held back until `key.due` (a delayed exchange's, or a queue's
     /// `x-delivery-delay`).

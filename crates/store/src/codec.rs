@@ -260,6 +260,35 @@ pub fn entry_value(e: &Entry) -> BytesMut {
     v
 }
 
+/// A delivery count, and the due time of the delayed retry the message waits for (if any):
+/// 4 bytes, or 12 (format 3).
+pub fn count_value(count: u32, retry_at: Option<u64>) -> Vec<u8> {
+    let mut v = count.to_be_bytes().to_vec();
+    if let Some(at) = retry_at {
+        v.extend_from_slice(&at.to_be_bytes());
+    }
+    v
+}
+
+/// Reads a [`count_value`].
+pub fn decode_count(v: &[u8]) -> Result<(u32, Option<u64>), StoreError> {
+    let bad = || StoreError::Corrupt("a delivery count is malformed".into());
+    let count = v
+        .get(..4)
+        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+        .map(u32::from_be_bytes)
+        .ok_or_else(bad)?;
+    let retry_at = match v.len() {
+        4 => None,
+        12 => v
+            .get(4..12)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map(u64::from_be_bytes),
+        _ => return Err(bad()),
+    };
+    Ok((count, retry_at))
+}
+
 /// A body with the number of durable queues it was written for (recovery counts references
 /// only for bodies shared by several).
 pub fn body_value(message: &Message, queues: u32) -> BytesMut {
@@ -527,6 +556,23 @@ mod tests {
         let mut t = FieldTable::new();
         t.insert(ShortStr::from_static("x-max-length"), FieldValue::I32(5));
         t
+    }
+
+    #[test]
+    fn counts_carry_a_retry_time_when_they_have_one() {
+        assert_eq!(decode_count(&count_value(3, None)).unwrap(), (3, None));
+        assert_eq!(
+            decode_count(&count_value(7, Some(1_700_000_000_123))).unwrap(),
+            (7, Some(1_700_000_000_123))
+        );
+        assert_eq!(
+            count_value(3, None).len(),
+            4,
+            "format 2's layout when no retry waits"
+        );
+        for bad in [&[0u8; 3][..], &[0u8; 5][..], &[0u8; 13][..]] {
+            assert!(decode_count(bad).is_err());
+        }
     }
 
     #[test]

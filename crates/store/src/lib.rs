@@ -21,9 +21,10 @@ pub use page::StorePager;
 pub use recover::{Recovered, Recovery};
 
 /// The layout this build writes. Format 2 added the body size and a shared flag to `index`
-/// entries; a directory of format 1 is still read (its entries are loaded whole) and marked 2,
-/// so that an older Warren, which would misread the new entries, refuses it.
-pub const FORMAT_VERSION: u32 = 2;
+/// entries; format 3 the `delayed` column family and retry due times beside delivery counts
+/// (`counts` values of 12 bytes). Older directories are still read and marked 3, so that an
+/// older Warren, which would misread the new values, refuses them.
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 
@@ -469,10 +470,12 @@ impl Store {
                         queue,
                         msg_id,
                         count,
+                        retry_at,
                     } => {
                         let (cf, prefix) = self.counts_of(*queue)?;
                         let k = codec::entry_key_in(prefix, *queue, *msg_id);
-                        pick(&mut wb, &mut scratch, *queue).put_cf(cf, k, count.to_be_bytes());
+                        let value = codec::count_value(*count, *retry_at);
+                        pick(&mut wb, &mut scratch, *queue).put_cf(cf, k, value);
                     }
                     StoreOp::ReserveKeys(keys) => {
                         let mut v = [0u8; 16];

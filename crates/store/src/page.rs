@@ -61,9 +61,8 @@ impl Store {
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
             let (_, msg_id) = codec::decode_entry_key(unprefixed(&k, prefix))?;
-            let count = <[u8; 4]>::try_from(&*v)
-                .map(u32::from_be_bytes)
-                .map_err(|_| StoreError::Corrupt("a delivery count is malformed".into()))?;
+            // A paged message's retry due time is not kept: it is ready when read back.
+            let (count, _) = codec::decode_count(&v)?;
             counts.insert(msg_id, count);
         }
         // A run's bodies are all in one place (stored, or in the scratch area): one batched

@@ -192,14 +192,12 @@ impl Store {
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
             let (_, msg_id) = codec::decode_entry_key(&k)?;
-            let count = <[u8; 4]>::try_from(&*v)
-                .map(u32::from_be_bytes)
-                .map_err(|_| {
-                    StoreError::Corrupt(format!(
-                        "queue '{}': a delivery count is malformed",
-                        def.name
-                    ))
-                })?;
+            let count = codec::decode_count(&v).map_err(|_| {
+                StoreError::Corrupt(format!(
+                    "queue '{}': a delivery count is malformed",
+                    def.name
+                ))
+            })?;
             counts.insert(msg_id, count);
         }
         let bodies = self.cf(CF_BODIES)?;
@@ -221,7 +219,12 @@ impl Store {
             let (k, v) = item.map_err(StoreError::Read)?;
             let (_, msg_id) = codec::decode_entry_key(&k)?;
             let entry = codec::decode_entry(&v)?;
-            if paging && entry.pageable() {
+            // A message waiting for a delayed retry is restored whole, with its due time (a page
+            // read back later would make it ready at once).
+            let waits = counts
+                .get(&msg_id)
+                .is_some_and(|(_, retry_at)| retry_at.is_some());
+            if paging && entry.pageable() && !waits {
                 let size = u64::from(entry.size.unwrap_or(0));
                 match run.as_mut() {
                     Some(r) => {
@@ -262,7 +265,7 @@ impl Store {
             if queues > 1 {
                 *shared.entry(body_key).or_insert(0) += 1;
             }
-            let count = counts.get(&msg_id).copied().unwrap_or(0);
+            let count = counts.get(&msg_id).copied().unwrap_or((0, None));
             if broker.restore_message(id, msg_id, message, count, expires_at, redelivered) {
                 n += 1;
             } else {

@@ -807,3 +807,59 @@ fn delayed_messages_live_on_disk_and_come_back_after_a_restart() {
     assert_eq!(got, expected, "in due order");
     assert_eq!(count(&s, CF_DELAYED), 0, "nothing left scheduled");
 }
+
+/// A message waiting for its delayed retry still waits after a restart (its due time is kept
+/// beside its delivery count), also in a queue that pages; one whose time passed meanwhile is
+/// ready at the first tick.
+#[test]
+fn a_retry_back_off_survives_a_restart() {
+    use warren_codec::FieldValue;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut args = FieldTable::new();
+    args.insert("x-delayed-retry-min", FieldValue::I32(10_000));
+    {
+        let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+        let mut b = paging_broker(&s);
+        declare_with(&mut b, "jobs", true, args.clone()).expect("declare");
+        for i in 0..20 {
+            b.publish("/", "", "jobs", owned_msg(format!("m{i}"), true), 1_000)
+                .expect("publish");
+        }
+        flush_done(&mut b, &s);
+        let (d, _) = b
+            .get("/", "jobs", false, 1)
+            .expect("get")
+            .expect("a message");
+        b.advance_time(1_000);
+        assert!(b.requeue(d.queue, d.receipt), "back, waiting 10 s");
+        flush_done(&mut b, &s);
+        let id = b.queue_id("/", "jobs").expect("queue");
+        assert_eq!(b.machine(id).unwrap().retry_due_of(0), Some(11_000));
+    }
+    let (mut b, _, s) = recovered(Store::open(dir.path()).expect("reopen"));
+    let id = b.queue_id("/", "jobs").expect("queue");
+    let m = b.machine(id).expect("machine");
+    assert_eq!(m.retry_due_of(0), Some(11_000), "still waiting");
+    assert_eq!(m.ready_count(), 20);
+    // Before its time the others go first; at its time it is back.
+    b.tick(5_000);
+    let first = b
+        .get("/", "jobs", true, 1)
+        .expect("get")
+        .expect("a message")
+        .0;
+    assert_eq!(first.message.body, Bytes::from_static(b"m1"));
+    b.tick(11_000);
+    flush_done(&mut b, &s);
+    let next = b
+        .get("/", "jobs", true, 1)
+        .expect("get")
+        .expect("a message")
+        .0;
+    assert_eq!(
+        next.message.body,
+        Bytes::from_static(b"m0"),
+        "back in its place"
+    );
+    assert_eq!(next.receipt.attempt, 2);
+}

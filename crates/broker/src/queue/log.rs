@@ -188,6 +188,7 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
             meta,
             delivery_count,
             redelivered,
+            retry_at,
         } => {
             out.put_u8(RESTORE);
             out.put_u64(*msg_id);
@@ -195,6 +196,7 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
             put_msg_meta(out, meta);
             out.put_u32(*delivery_count);
             out.put_u8(u8::from(*redelivered));
+            put_opt_u64(out, *retry_at);
         }
         Command::SkipIds { next_id } => {
             out.put_u8(SKIP_IDS);
@@ -464,6 +466,7 @@ impl Reader {
                     meta,
                     delivery_count: self.u32("delivery count")?,
                     redelivered: self.u8("redelivered")? != 0,
+                    retry_at: self.opt_u64("retry due")?,
                 }
             }
             SKIP_IDS => Command::SkipIds {

@@ -235,6 +235,8 @@ pub enum Command<M> {
         meta: MsgMeta,
         delivery_count: u32,
         redelivered: bool,
+        /// It was waiting for a delayed retry due then (with retries on, it waits on).
+        retry_at: Option<u64>,
     },
     /// Recovery: ids below `next_id` are taken (entries on disk that could not be restored).
     SkipIds {
@@ -654,7 +656,7 @@ pub struct QueueMachine<M> {
     timers: BTreeMap<u64, Timers>,
     /// Messages waiting for a delayed retry (counted as ready, not deliverable until due), and
     /// `(due, msg_id)` of them.
-    retrying: BTreeMap<u64, Entry<M>>,
+    retrying: BTreeMap<u64, (u64, Entry<M>)>,
     retry_due: BTreeSet<(u64, u64)>,
     /// Bytes of the messages waiting for a retry (in `ready_bytes` too).
     retrying_bytes: u64,
@@ -749,7 +751,14 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 meta,
                 delivery_count,
                 redelivered,
-            } => self.restore(msg_id, message, meta, delivery_count, redelivered),
+                retry_at,
+            } => self.restore(
+                msg_id,
+                message,
+                meta,
+                (delivery_count, retry_at),
+                redelivered,
+            ),
             Command::SkipIds { next_id } => {
                 self.next_id = self.next_id.max(next_id);
                 Reply::Ok
@@ -898,7 +907,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 .saturating_add(r.delay(entry.id, entry.delivery_count));
             self.retry_due.insert((at, entry.id));
             self.retrying_bytes = self.retrying_bytes.saturating_add(entry.meta.size);
-            self.retrying.insert(entry.id, entry);
+            self.retrying.insert(entry.id, (at, entry));
             return;
         }
         // Back in the line in its place: its group's next message may not overtake it (ids).
@@ -1038,7 +1047,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 break;
             }
             self.retry_due.pop_first();
-            if let Some(entry) = self.retrying.remove(&id) {
+            if let Some((_, entry)) = self.retrying.remove(&id) {
                 self.retrying_bytes = self.retrying_bytes.saturating_sub(entry.meta.size);
                 self.group_done(&entry);
                 self.rejoin_line(entry);
@@ -1158,9 +1167,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
         let current = |e: &Entry<M>| e.timed_out && e.delivery_count == receipt.attempt;
         let entry = if self.returned.get(&id).is_some_and(current) {
             self.returned.remove(&id)
-        } else if self.retrying.get(&id).is_some_and(current) {
-            self.retry_due.retain(|(_, m)| *m != id);
-            let e = self.retrying.remove(&id);
+        } else if self.retrying.get(&id).is_some_and(|(_, e)| current(e)) {
+            let e = self.retrying.remove(&id).map(|(at, e)| {
+                self.retry_due.remove(&(at, id));
+                e
+            });
             if let Some(e) = &e {
                 self.retrying_bytes = self.retrying_bytes.saturating_sub(e.meta.size);
             }
@@ -1267,21 +1278,32 @@ impl<M: Clone + Hash> QueueMachine<M> {
         id: u64,
         message: M,
         meta: MsgMeta,
-        delivery_count: u32,
+        (delivery_count, retry_at): (u32, Option<u64>),
         maybe_delivered: bool,
     ) -> Reply {
         let Some(next) = id.checked_add(1).filter(|_| id >= self.next_id) else {
             return Reply::Stale;
         };
         self.next_id = next;
-        self.push_ready(Entry {
+        let entry = Entry {
             id,
             msg: message,
             meta,
             delivery_count,
             maybe_delivered,
             timed_out: false,
-        });
+        };
+        match retry_at.filter(|_| self.policy.retry.is_some()) {
+            // It was waiting for its retry: it waits on (until its time, which may have passed:
+            // the next tick brings it back then).
+            Some(at) => {
+                self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+                self.retrying_bytes = self.retrying_bytes.saturating_add(entry.meta.size);
+                self.retry_due.insert((at, id));
+                self.retrying.insert(id, (at, entry));
+            }
+            None => self.push_ready(entry),
+        }
         Reply::Enqueued { msg_id: id }
     }
 
@@ -1962,6 +1984,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
             + usize::try_from(self.tail_count).unwrap_or(usize::MAX)
     }
 
+    /// When a message waiting for its delayed retry is due (the broker stores it, so that a
+    /// restart keeps the back-off).
+    pub fn retry_due_of(&self, msg_id: u64) -> Option<u64> {
+        self.retrying.get(&msg_id).map(|(at, _)| *at)
+    }
+
     /// Ready messages waiting for a delayed retry (counted in [`Self::ready_count`]).
     pub fn retrying_count(&self) -> usize {
         self.retrying.len()
@@ -2110,7 +2138,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             }))
             .chain(self.returned.values())
             .chain(self.by_priority.values())
-            .chain(self.retrying.values())
+            .chain(self.retrying.values().map(|(_, e)| e))
             .chain(self.parked.values().flat_map(|line| line.values()))
             .map(|e| (e.id, &e.msg, e.delivery_count))
     }
@@ -2188,7 +2216,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
             hash_entry(e, &mut h);
         }
         (self.retrying.len(), self.retrying_bytes).hash(&mut h);
-        for e in self.retrying.values() {
+        for (at, e) in self.retrying.values() {
+            at.hash(&mut h);
             hash_entry(e, &mut h);
         }
         self.retry_due.hash(&mut h);
