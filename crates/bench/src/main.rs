@@ -122,23 +122,33 @@ fn summary_run(r: &RunReport) -> String {
     if r.rate_skipped > 0 {
         s += &format!(" | {} behind rate", r.rate_skipped);
     }
-    if let Some(b) = &r.broker {
-        s += &format!(" | broker cpu {:.2}s ({:.0}%)", b.cpu_s, b.cpu_pct);
+    broker_and_errors(&mut s, r.broker.as_ref(), r.client_cpu_pct, &r.errors);
+    s
+}
+
+/// The end of a run's summary line: the broker's CPU and memory, the client's CPU, the errors.
+fn broker_and_errors(
+    s: &mut String,
+    broker: Option<&stats::BrokerReport>,
+    client_cpu_pct: f64,
+    errors: &[String],
+) {
+    if let Some(b) = broker {
+        *s += &format!(" | broker cpu {:.2}s ({:.0}%)", b.cpu_s, b.cpu_pct);
         if let Some(us) = b.cpu_us_per_msg {
-            s += &format!(" {us:.1}us/msg");
+            *s += &format!(" {us:.1}us/msg");
         }
-        s += &format!(
+        *s += &format!(
             " rss {}->{} MiB peak {} MiB",
             b.rss_start_kb / 1024,
             b.rss_end_kb / 1024,
             b.rss_peak_kb / 1024
         );
     }
-    s += &format!(" | client cpu {:.0}%", r.client_cpu_pct);
-    for e in &r.errors {
-        s += &format!(" | ERROR {e}");
+    *s += &format!(" | client cpu {:.0}%", client_cpu_pct);
+    for e in errors {
+        *s += &format!(" | ERROR {e}");
     }
-    s
 }
 
 fn summary_idle(r: &IdleReport, what: &str, one: &str) -> String {
@@ -228,21 +238,6 @@ fn summary_lateness(r: &LatenessReport) -> String {
     if r.rate_skipped > 0 {
         s += &format!(" | {} behind rate", r.rate_skipped);
     }
-    if let Some(b) = &r.broker {
-        s += &format!(" | broker cpu {:.2}s ({:.0}%)", b.cpu_s, b.cpu_pct);
-        if let Some(us) = b.cpu_us_per_msg {
-            s += &format!(" {us:.1}us/msg");
-        }
-        s += &format!(
-            " rss {}->{} MiB peak {} MiB",
-            b.rss_start_kb / 1024,
-            b.rss_end_kb / 1024,
-            b.rss_peak_kb / 1024
-        );
-    }
-    s += &format!(" | client cpu {:.0}%", r.client_cpu_pct);
-    for e in &r.errors {
-        s += &format!(" | ERROR {e}");
-    }
+    broker_and_errors(&mut s, r.broker.as_ref(), r.client_cpu_pct, &r.errors);
     s
 }

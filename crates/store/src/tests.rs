@@ -1,3 +1,6 @@
+//! The store's tests, compiled only under `#[cfg(test)]` (`mod tests` in lib.rs): every unwrap
+//! and expect below is test code.
+
 use bytes::Bytes;
 use warren_broker::{Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message};
 use warren_codec::{FieldTable, ShortStr};
