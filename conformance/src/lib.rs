@@ -47,6 +47,9 @@ pub struct TestBroker {
     data_dir: Option<PathBuf>,
     owns_data_dir: bool,
     extra_args: Vec<String>,
+    /// The management API's and metrics' base URLs (`http://127.0.0.1:PORT`).
+    http_url: Option<String>,
+    metrics_url: Option<String>,
 }
 
 impl TestBroker {
@@ -70,6 +73,14 @@ impl TestBroker {
                 data_dir: None,
                 owns_data_dir: false,
                 extra_args: Vec::new(),
+                http_url: Some(
+                    std::env::var("WARREN_TEST_HTTP_URL")
+                        .unwrap_or_else(|_| "http://127.0.0.1:15672".into()),
+                ),
+                metrics_url: Some(
+                    std::env::var("WARREN_TEST_METRICS_URL")
+                        .unwrap_or_else(|_| "http://127.0.0.1:15692".into()),
+                ),
             };
         }
         let bin = warren_binary();
@@ -121,6 +132,21 @@ impl TestBroker {
             let _ = std::fs::remove_file(path);
             cmd.arg("--record-commands").arg(path);
         }
+        // The management API and metrics on free ports of their own (tests run side by side),
+        // unless the test chose.
+        let chosen = |flag: &str| extra_args.iter().any(|a| a.starts_with(flag));
+        let mut http_url = None;
+        let mut metrics_url = None;
+        if !chosen("--no-management") && !chosen("--management-port") {
+            let p = free_port();
+            cmd.arg("--management-port").arg(p.to_string());
+            http_url = Some(format!("http://127.0.0.1:{p}"));
+        }
+        if !chosen("--no-prometheus") && !chosen("--prometheus-port") {
+            let p = free_port();
+            cmd.arg("--prometheus-port").arg(p.to_string());
+            metrics_url = Some(format!("http://127.0.0.1:{p}"));
+        }
         cmd.arg("--bind")
             .arg("127.0.0.1")
             .arg("--port")
@@ -168,6 +194,8 @@ impl TestBroker {
             data_dir: data_dir.map(|d| d.to_path_buf()),
             owns_data_dir: data_dir.is_some(),
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            http_url,
+            metrics_url,
         }
     }
 
@@ -282,6 +310,18 @@ impl TestBroker {
     /// The URL for another virtual host (percent-encoded by the caller).
     pub fn url_with_vhost(&self, vhost_path: &str) -> String {
         format!("amqp://guest:guest@{}/{vhost_path}", self.addr)
+    }
+
+    /// The management API's base URL, `http://127.0.0.1:PORT` (`WARREN_TEST_HTTP_URL`, by
+    /// default `http://127.0.0.1:15672`, against an external broker); `None` if turned off.
+    pub fn http_url(&self) -> Option<&str> {
+        self.http_url.as_deref()
+    }
+
+    /// The Prometheus endpoint's base URL (`WARREN_TEST_METRICS_URL` against an external
+    /// broker, by default `http://127.0.0.1:15692`).
+    pub fn metrics_url(&self) -> Option<&str> {
+        self.metrics_url.as_deref()
     }
 
     pub fn addr(&self) -> SocketAddr {

@@ -1,5 +1,7 @@
 //! The broker: vhosts, exchanges, bindings, queues, and the API the session calls.
 
+pub mod snapshot;
+
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
@@ -22,6 +24,7 @@ use crate::queue::machine::{
 };
 use crate::queue::Queue;
 use crate::small::Small;
+use crate::stats::Counted;
 use crate::{
     BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Delivery, Message, QueueDeclared,
     QueueDeleted, QueueId, Routed,
@@ -137,6 +140,8 @@ pub struct Broker {
     dedup_exchanges: bool,
     /// Messages held back until they are due (delayed exchanges, queues' delivery delays).
     scheduler: Scheduler,
+    /// Node-wide message counters (for operators).
+    counters: crate::stats::BrokerCounters,
 }
 
 /// A message that left a queue with a dead-letter exchange, with what its `x-death` needs.
@@ -610,6 +615,7 @@ impl Broker {
             dedup_queues: 0,
             dedup_exchanges: false,
             scheduler: Scheduler::default(),
+            counters: Default::default(),
         };
         if b.config.persistence {
             b.persist = Some(Persist::new());
@@ -822,6 +828,7 @@ impl Broker {
             store_key,
             load_retry_at: None,
             spill_key: None,
+            stats: Box::default(),
         };
         let out = declared(&q);
         let policy = policy(&q.args);
@@ -1323,6 +1330,10 @@ impl Broker {
     ) -> Result<Routed, AmqpError> {
         self.now_ms = self.now_ms.max(now_ms);
         let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
+        self.counters.received += 1;
+        if routed.as_ref().is_ok_and(|r| r.queues == 0) {
+            self.counters.unroutable += 1;
+        }
         self.dead_letter_pending();
         routed
     }
@@ -1811,8 +1822,24 @@ impl Broker {
             now_ms: self.now_ms,
         };
         let logged = self.recording.is_some().then(|| command.clone());
+        let counted = match &command {
+            Command::Enqueue { .. } => Counted::Enqueue,
+            Command::Settle { receipt } => Counted::Settle {
+                attempt: receipt.attempt,
+            },
+            Command::Restore { msg_id, .. } => Counted::Restored { first_id: *msg_id },
+            Command::RestoreRun { first_id, .. } => Counted::Restored {
+                first_id: *first_id,
+            },
+            _ => Counted::Other,
+        };
         self.effects.clear();
         let reply = q.machine.apply(meta, command, &mut self.effects);
+        let machine = &q.machine;
+        q.stats
+            .observe((counted, &reply), &self.effects, self.now_ms, || {
+                machine.oldest_ready_id()
+            });
         if let (Some(log), Some(command)) = (self.recording.as_mut(), logged) {
             // Small machines are checked after every command, big ones now and then (O(state)).
             let small = q.machine.ready_count() + q.machine.in_flight_count() < 64;

@@ -36,7 +36,11 @@ pub mod names;
 pub mod persist;
 pub mod queue;
 mod small;
+pub mod stats;
 
+pub use broker::snapshot::{
+    BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
+};
 pub use broker::{Broker, ConsumerTimeout, QueueInfo};
 pub use delayed::{DelayKey, Delayed, ReadRequest};
 pub use exchange::ExchangeKind;

@@ -84,6 +84,23 @@ pub struct Args {
     /// broker that serves connections while it recovers)
     #[arg(long, hide = true, value_name = "MS")]
     pub test_recovery_step_ms: Option<u64>,
+    /// Port of the management HTTP API and web page, as RabbitMQ's management plugin
+    /// [default: 15672]
+    #[arg(long, env = "WARREN_MANAGEMENT_PORT", value_name = "PORT")]
+    pub management_port: Option<u16>,
+    /// Turns the management HTTP API and web page off
+    #[arg(long, env = "WARREN_NO_MANAGEMENT")]
+    pub no_management: bool,
+    /// Port of the Prometheus endpoint (/metrics), as RabbitMQ's prometheus plugin
+    /// [default: 15692]
+    #[arg(long, env = "WARREN_PROMETHEUS_PORT", value_name = "PORT")]
+    pub prometheus_port: Option<u16>,
+    /// Turns the Prometheus endpoint off
+    #[arg(long, env = "WARREN_NO_PROMETHEUS")]
+    pub no_prometheus: bool,
+    /// Log lines as text or as JSON objects, one per line [default: text]
+    #[arg(long, env = "WARREN_LOG_FORMAT", value_name = "text|json")]
+    pub log_format: Option<LogFormat>,
     /// Debugging: append every command applied to every queue to FILE (see docs/design.md)
     #[arg(long, env = "WARREN_RECORD_COMMANDS", value_name = "FILE")]
     pub record_commands: Option<PathBuf>,
@@ -91,6 +108,15 @@ pub struct Args {
     /// the same queues, and exit
     #[arg(long, value_name = "FILE")]
     pub replay_commands: Option<PathBuf>,
+}
+
+/// How log lines are written.
+#[derive(clap::ValueEnum, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
 }
 
 #[derive(Deserialize, Debug, Default)]
@@ -111,6 +137,13 @@ pub struct FileConfig {
     pub memory_paging_ratio: Option<f64>,
     pub disk_free_limit: Option<u64>,
     pub queue_window: Option<u32>,
+    pub management_port: Option<u16>,
+    /// `false` turns the management API off.
+    pub management: Option<bool>,
+    pub prometheus_port: Option<u16>,
+    /// `false` turns the Prometheus endpoint off.
+    pub prometheus: Option<bool>,
+    pub log_format: Option<LogFormat>,
     /// Replaces the default guest user when present.
     pub users: Option<Vec<FileUser>>,
 }
@@ -122,6 +155,10 @@ pub struct FileUser {
     pub password: String,
     #[serde(default)]
     pub loopback_only: bool,
+    /// RabbitMQ's user tags (`administrator`, `monitoring`, `management`): what the user may
+    /// see and do in the management API.
+    #[serde(default)]
+    pub tags: Vec<String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -189,6 +226,11 @@ pub struct Config {
     /// Tests only: a pause before each queue recovery brings back.
     pub recovery_step_delay: Option<std::time::Duration>,
     pub record_commands: Option<PathBuf>,
+    /// The management API's port (`None`: turned off).
+    pub management_port: Option<u16>,
+    /// The Prometheus endpoint's port (`None`: turned off).
+    pub prometheus_port: Option<u16>,
+    pub log_format: LogFormat,
 }
 
 impl Config {
@@ -234,6 +276,7 @@ impl Config {
                     name: u.name,
                     password: u.password,
                     loopback_only: u.loopback_only,
+                    tags: u.tags,
                 })
                 .collect();
         }
@@ -286,6 +329,17 @@ impl Config {
                 .unwrap_or_else(|| "info".into()),
             session,
             record_commands: args.record_commands,
+            management_port: (!args.no_management && file.management != Some(false)).then(|| {
+                args.management_port
+                    .or(file.management_port)
+                    .unwrap_or(15672)
+            }),
+            prometheus_port: (!args.no_prometheus && file.prometheus != Some(false)).then(|| {
+                args.prometheus_port
+                    .or(file.prometheus_port)
+                    .unwrap_or(15692)
+            }),
+            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
         })
     }
 }
@@ -303,6 +357,22 @@ mod tests {
         assert_eq!(c.session.channel_max, 2047);
         assert_eq!(c.session.users[0].name, "guest");
         assert!(c.session.users[0].loopback_only);
+        assert_eq!(c.session.users[0].tags, ["administrator"]);
+        assert_eq!(c.management_port, Some(15672));
+        assert_eq!(c.prometheus_port, Some(15692));
+        assert_eq!(c.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn http_listeners_can_be_moved_or_turned_off() {
+        let args = Args {
+            management_port: Some(25672),
+            no_prometheus: true,
+            ..Args::default()
+        };
+        let c = Config::resolve(args).unwrap();
+        assert_eq!(c.management_port, Some(25672));
+        assert_eq!(c.prometheus_port, None);
     }
 
     #[test]

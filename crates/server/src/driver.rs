@@ -115,16 +115,16 @@ impl Shared {
     }
 
     /// Runs `f` on the node, then writes out whatever the node produced.
-    fn with_node(&self, f: impl FnOnce(&mut Node, u64)) {
-        self.with_core(|core, now| f(&mut core.node, now));
+    fn with_node<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> R {
+        self.with_core(|core, now| f(&mut core.node, now))
     }
 
-    fn with_core(&self, f: impl FnOnce(&mut Core, u64)) {
-        let (more, next) = {
+    fn with_core<R>(&self, f: impl FnOnce(&mut Core, u64) -> R) -> R {
+        let (r, more, next) = {
             let mut core = self.lock();
             let now = core.now();
-            f(&mut core, now);
-            (core.flush(DISPATCH_PASSES), core.node.next_deadline())
+            let r = f(&mut core, now);
+            (r, core.flush(DISPATCH_PASSES), core.node.next_deadline())
         };
         if more {
             self.dispatch.notify_one();
@@ -132,6 +132,26 @@ impl Shared {
         if next.is_some_and(|at| at < self.armed.load(Ordering::Acquire)) {
             self.timer.notify_one();
         }
+        r
+    }
+}
+
+/// The node, for the management API and metrics: reads take the lock only to copy what they
+/// need; changes go through the same path as a client's frames (flushed, persisted).
+#[derive(Clone)]
+pub struct NodeHandle(Arc<Shared>);
+
+impl NodeHandle {
+    /// Reads the node (and its time, ms since the epoch) under the lock; keep `f` short.
+    pub fn read<R>(&self, f: impl FnOnce(&Node, u64) -> R) -> R {
+        let core = self.0.lock();
+        let now = core.now();
+        f(&core.node, now)
+    }
+
+    /// Changes the node; what it produced is written out as after a client's frame.
+    pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> R {
+        self.0.with_node(f)
     }
 }
 
@@ -264,6 +284,7 @@ pub async fn serve(
     (store, recovery): (Option<Arc<warren_store::Store>>, Option<PendingRecovery>),
     (alarms, data_dir): (crate::config::AlarmConfig, std::path::PathBuf),
     mut shutdown: watch::Receiver<bool>,
+    on_start: impl FnOnce(NodeHandle),
 ) -> std::io::Result<Option<Arc<warren_store::Store>>> {
     let config = node.config().clone();
     let shared = Arc::new(Shared {
@@ -281,6 +302,7 @@ pub async fn serve(
         timer: Notify::new(),
         armed: AtomicU64::new(u64::MAX),
     });
+    on_start(NodeHandle(shared.clone()));
     let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
     let cancel_recovery = Arc::new(AtomicBool::new(false));
     if let (Some(recovery), Some(store)) = (recovery, store.clone()) {
@@ -481,6 +503,7 @@ async fn connection(
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
     }
+    let local = stream.local_addr().ok();
     let (mut rd, wr) = stream.into_split();
     let wr = Arc::new(wr);
     match tokio::time::timeout(handshake_timeout, read_protocol_header(&mut rd)).await {
@@ -509,6 +532,9 @@ async fn connection(
             },
         );
         core.node.connection_opened(conn, Some(peer), now);
+        if let Some(local) = local {
+            core.node.set_local_addr(conn, local);
+        }
     });
     let draining = Arc::new(AtomicBool::new(false));
     let reader = tokio::spawn(read_loop(

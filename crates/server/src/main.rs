@@ -3,6 +3,8 @@
 mod alarms;
 mod config;
 mod driver;
+mod http;
+mod metrics;
 mod redrive;
 mod storage;
 
@@ -34,11 +36,15 @@ fn main() -> ExitCode {
         }
     };
     let filter = EnvFilter::try_new(&config.log_level).unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+        .with_writer(std::io::stderr);
+    match config.log_format {
+        config::LogFormat::Json => logs.json().flatten_event(true).init(),
+        config::LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -90,18 +96,23 @@ fn replay_commands(path: &std::path::Path) -> ExitCode {
     }
 }
 
-async fn run(config: Config) -> std::io::Result<()> {
-    let addr = (config.bind, config.port);
-    let listener = TcpListener::bind(addr).await.map_err(|e| {
+/// Listens on `port`, or says which flag moves it.
+async fn listen(
+    config: &Config,
+    port: u16,
+    what: &str,
+    flag: &str,
+) -> std::io::Result<TcpListener> {
+    TcpListener::bind((config.bind, port)).await.map_err(|e| {
         let hint = match e.kind() {
             std::io::ErrorKind::AddrInUse => format!(
                 " (another program, a RabbitMQ perhaps, is listening there: pick another port with \
-                 --port N or WARREN_PORT=N, e.g. scripts/run --port {0}, or through cargo: \
-                 cargo run --release -- --port {0})",
-                config.port.saturating_add(1)
+                 {flag} N, e.g. scripts/run {flag} {0}, or through cargo: \
+                 cargo run --release -- {flag} {0})",
+                port.saturating_add(1)
             ),
             std::io::ErrorKind::PermissionDenied => {
-                " (ports below 1024 need privileges: choose another with --port N)".to_string()
+                format!(" (ports below 1024 need privileges: choose another with {flag} N)")
             }
             std::io::ErrorKind::AddrNotAvailable => {
                 " (no interface has that address: choose another with --bind ADDR)".to_string()
@@ -111,12 +122,51 @@ async fn run(config: Config) -> std::io::Result<()> {
         std::io::Error::new(
             e.kind(),
             format!(
-                "cannot listen on {}:{}: {e}{hint}",
-                config.bind, config.port
+                "cannot listen on {}:{port} ({what}): {e}{hint}",
+                config.bind
             ),
         )
-    })?;
+    })
+}
+
+/// Binds the management API's and metrics' ports (so that a busy port stops the start, with
+/// the flag that moves it, or that turns the listener off).
+async fn http_listeners(
+    config: &Config,
+) -> std::io::Result<(Option<TcpListener>, Option<TcpListener>)> {
+    let management = match config.management_port {
+        Some(p) => Some(
+            listen(config, p, "the management API", "--management-port")
+                .await
+                .map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("{e}; --no-management turns it off"))
+                })?,
+        ),
+        None => None,
+    };
+    let prometheus = match config.prometheus_port {
+        Some(p) => Some(
+            listen(config, p, "Prometheus", "--prometheus-port")
+                .await
+                .map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("{e}; --no-prometheus turns it off"))
+                })?,
+        ),
+        None => None,
+    };
+    Ok((management, prometheus))
+}
+
+async fn run(config: Config) -> std::io::Result<()> {
+    let listener = listen(&config, config.port, "AMQP clients", "--port").await?;
+    let (management, prometheus) = http_listeners(&config).await?;
     tracing::info!(address = %listener.local_addr()?, "warren listening for AMQP 0-9-1 clients");
+    if let Some(l) = &management {
+        tracing::info!(address = %l.local_addr()?, "management API and web page at http://{}/", l.local_addr()?);
+    }
+    if let Some(l) = &prometheus {
+        tracing::info!(address = %l.local_addr()?, "Prometheus metrics at http://{}/metrics", l.local_addr()?);
+    }
     // Server-named queues must not be predictable across restarts.
     let name_seed = {
         use std::hash::{BuildHasher, Hasher};
@@ -190,6 +240,7 @@ async fn run(config: Config) -> std::io::Result<()> {
         ),
         (config.alarms, config.data_dir.clone()),
         stop_rx,
+        |node| start_http(node, &config, management, prometheus),
     )
     .await?;
     // Give writer tasks a moment to put the last close frames on the wire.
@@ -200,6 +251,42 @@ async fn run(config: Config) -> std::io::Result<()> {
             .map_err(|e| std::io::Error::other(e.to_string()))?;
     }
     Ok(())
+}
+
+/// Starts the management API, the metrics endpoint and the rate sampler behind them.
+fn start_http(
+    node: driver::NodeHandle,
+    config: &Config,
+    management: Option<TcpListener>,
+    prometheus: Option<TcpListener>,
+) {
+    if management.is_none() && prometheus.is_none() {
+        return;
+    }
+    let port_of = |l: &Option<TcpListener>| {
+        l.as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map(|a| a.port())
+    };
+    let rates = std::sync::Arc::new(http::rates::Rates::default());
+    let api = std::sync::Arc::new(http::Api {
+        started_ms: node.read(|_, now| now),
+        node,
+        node_name: format!("warren@{}", http::hostname()),
+        amqp_port: config.port,
+        http_port: port_of(&management).unwrap_or(0),
+        prometheus_port: port_of(&prometheus),
+        rates: rates.clone(),
+        data_dir: config.data_dir.clone(),
+        alarms: config.alarms,
+    });
+    tokio::spawn(http::rates::run(rates, api.node.clone()));
+    if let Some(l) = management {
+        tokio::spawn(http::serve(l, api.clone()));
+    }
+    if let Some(l) = prometheus {
+        tokio::spawn(metrics::serve(l, api));
+    }
 }
 
 async fn wait_for_signal() {

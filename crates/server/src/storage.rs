@@ -45,8 +45,10 @@ impl StoreThread {
                         group.push(more);
                     }
                     let last = group.last().map_or(0, |b| b.number);
+                    let started = std::time::Instant::now();
                     match store.write(&group) {
                         Ok(()) => {
+                            crate::metrics::STORE_WRITES.observe(started.elapsed());
                             group.clear();
                             written(last, true);
                         }

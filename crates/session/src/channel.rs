@@ -353,6 +353,20 @@ impl Channel {
     }
 
     /// The channel is going away: unacked deliveries return to their queues, consumers are cancelled.
+    /// What the management API shows of this channel.
+    pub fn snapshot(&self) -> crate::manage::ChannelSnapshot {
+        crate::manage::ChannelSnapshot {
+            number: self.id,
+            confirm: self.confirm,
+            transactional: self.tx.is_some(),
+            prefetch_count: self.consumer_prefetch,
+            global_prefetch_count: self.channel_prefetch,
+            unacked: self.unacked.len() as u64,
+            consumers: self.consumers.len() as u32,
+            closing: self.closing,
+        }
+    }
+
     pub fn release_all(&mut self, broker: &mut Broker) {
         for (_, u) in std::mem::take(&mut self.unacked) {
             broker.release(u.queue, u.receipt);

@@ -7,6 +7,9 @@ pub struct User {
     pub password: String,
     /// Like RabbitMQ's `loopback_users`: this user may only connect from 127.0.0.0/8 or ::1.
     pub loopback_only: bool,
+    /// RabbitMQ's user tags: `administrator`, `monitoring`, `management`, `policymaker`
+    /// (what the management API lets the user see and do).
+    pub tags: Vec<String>,
 }
 
 #[derive(Clone, Debug)]
@@ -49,6 +52,7 @@ impl Default for SessionConfig {
                 name: "guest".into(),
                 password: "guest".into(),
                 loopback_only: true,
+                tags: vec!["administrator".into()],
             }],
             // Clients branch on these: kombu (Celery) sends basic.qos with global=true, the
             // RabbitMQ way of limiting a channel's existing consumers, only to a product named

@@ -29,7 +29,7 @@ pub(crate) enum State {
 }
 
 impl State {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             State::AwaitStartOk => "starting",
             State::AwaitTuneOk => "tuning",
@@ -51,6 +51,8 @@ pub(crate) struct ClientCaps {
 pub(crate) struct Connection {
     pub id: ConnId,
     pub peer: Option<SocketAddr>,
+    /// The broker's end of the socket (for the connection's name in the management API).
+    pub local: Option<SocketAddr>,
     pub state: State,
     pub opened_at: u64,
     pub vhost: String,
@@ -65,6 +67,8 @@ pub(crate) struct Connection {
     /// so unboxed channels would cost an idle one-channel connection kilobytes.
     pub channels: BTreeMap<u16, Box<Channel>>,
     pub caps: ClientCaps,
+    /// What the client said about itself in connection.start-ok (shown by the management API).
+    pub client_properties: warren_codec::FieldTable,
     pub out: BytesMut,
     /// The socket is backed up: no deliveries until the driver says it drained.
     pub write_blocked: bool,
@@ -102,6 +106,7 @@ impl Connection {
         Connection {
             id,
             peer,
+            local: None,
             state: State::AwaitStartOk,
             opened_at: now,
             vhost: String::new(),
@@ -116,6 +121,7 @@ impl Connection {
             out_blocked: false,
             timer: None,
             caps: ClientCaps::default(),
+            client_properties: warren_codec::FieldTable::new(),
             out: BytesMut::new(),
             write_blocked: false,
             dirty: false,
@@ -210,6 +216,7 @@ impl Connection {
             }
             (State::AwaitStartOk, Method::ConnectionStartOk(ok)) => {
                 self.caps = client_caps(&ok.client_properties);
+                self.client_properties = ok.client_properties.clone();
                 let creds = match auth::parse_response(&ok.mechanism, &ok.response) {
                     Ok(c) => c,
                     Err(AuthError::UnknownMechanism(m)) => {

@@ -38,7 +38,7 @@ pub struct Transmit {
 pub struct Node {
     broker: Broker,
     config: SessionConfig,
-    conns: BTreeMap<ConnId, Connection>,
+    pub(crate) conns: BTreeMap<ConnId, Connection>,
     /// `(deadline, connection)`: each connection at most once, under `Connection::timer`. A
     /// deadline is filed early rather than late: activity only moves a connection's real
     /// deadline later, and an entry that fires early is filed again.
@@ -599,7 +599,7 @@ impl Node {
         }
     }
 
-    fn fail_connection(&mut self, conn: ConnId, fault: Fault, now: u64) {
+    pub(crate) fn fail_connection(&mut self, conn: ConnId, fault: Fault, now: u64) {
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -617,7 +617,7 @@ impl Node {
         self.mark(conn);
     }
 
-    fn drop_connection(&mut self, conn: ConnId) {
+    pub(crate) fn drop_connection(&mut self, conn: ConnId) {
         self.release(conn);
         if let Some(c) = self.conns.get_mut(&conn) {
             c.state = State::Closed;
@@ -682,6 +682,12 @@ impl Node {
             "consumer timeout: channel closed"
         );
         self.mark(t.group.conn);
+    }
+
+    /// Consumers whose queue went away by another way than a client's frame.
+    pub(crate) fn consumers_cancelled(&mut self, keys: impl Iterator<Item = ConsumerKey>) {
+        self.cancelled.extend(keys);
+        self.notify_cancelled();
     }
 
     fn notify_cancelled(&mut self) {

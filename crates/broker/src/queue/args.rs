@@ -98,6 +98,17 @@ pub enum QueueType {
 }
 
 impl QueueType {
+    /// The name `x-queue-type` gives it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Classic => "classic",
+            QueueType::Quorum => "quorum",
+            QueueType::Stream => "stream",
+        }
+    }
+}
+
+impl QueueType {
     /// The `x-` arguments this type accepts; the other known ones are refused.
     pub fn supported_args(self) -> &'static [&'static str] {
         match self {

@@ -1974,6 +1974,38 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.run_expiry().is_some_and(|at| expired(at, self.now_ms))
     }
 
+    /// The smallest id among ready messages (the one waiting longest, as ids grow with time),
+    /// paged out or not, waiting for a retry or parked behind its group included.
+    pub fn oldest_ready_id(&self) -> Option<u64> {
+        let firsts = [
+            self.ready.front().map(|e| e.id),
+            self.returned.keys().next().copied(),
+            self.tail.front().map(Slot::first_id),
+            self.retrying.keys().next().copied(),
+            self.parked
+                .values()
+                .filter_map(|g| g.keys().next().copied())
+                .min(),
+            self.oldest_by_priority(),
+        ];
+        firsts.into_iter().flatten().min()
+    }
+
+    /// Ordered by priority first: the oldest is the smallest first id of any level (one
+    /// seek per level present, at most 256).
+    fn oldest_by_priority(&self) -> Option<u64> {
+        let mut oldest: Option<u64> = None;
+        let mut from = (0u8, 0u64);
+        while let Some(((level, id), _)) = self.by_priority.range(from..).next() {
+            oldest = Some(oldest.map_or(*id, |o| o.min(*id)));
+            match level.checked_add(1) {
+                Some(next) => from = (next, 0),
+                None => break,
+            }
+        }
+        oldest
+    }
+
     /// Ready messages (not in flight), paged out or not.
     pub fn ready_count(&self) -> usize {
         self.ready.len()
@@ -2090,6 +2122,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     pub fn has_had_consumers(&self) -> bool {
         self.has_had_consumers
+    }
+
+    /// With `x-single-active-consumer`: the consumer that receives.
+    pub fn active_consumer(&self) -> Option<ConsumerId> {
+        self.active
     }
 
     pub fn exclusive_consumer(&self) -> Option<ConsumerId> {

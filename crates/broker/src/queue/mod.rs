@@ -41,6 +41,8 @@ pub struct Queue {
     pub spill_key: Option<u64>,
     /// The deduplication window (`x-message-deduplication`).
     pub dedup: Option<Box<crate::dedup::Dedup>>,
+    /// Counters and enqueue times for operators (not part of the machine's state).
+    pub stats: Box<crate::stats::QueueStats>,
 }
 
 impl Queue {
@@ -79,5 +81,11 @@ impl Queue {
 
     pub fn consumer_count(&self) -> u32 {
         u32::try_from(self.machine.consumer_count()).unwrap_or(u32::MAX)
+    }
+
+    /// When the oldest ready message was enqueued (to within a second or so), if known.
+    pub fn oldest_ready_at(&self) -> Option<u64> {
+        let id = self.machine.oldest_ready_id()?;
+        self.stats.enqueue_times.peek_enqueued_at(id)
     }
 }

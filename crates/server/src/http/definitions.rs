@@ -1,0 +1,246 @@
+//! Definitions in RabbitMQ's format (`GET`/`POST /api/definitions`): what a RabbitMQ export
+//! holds loads into Warren, and Warren's export loads into RabbitMQ.
+
+use serde_json::{json, Value};
+use warren_broker::DeclareQueue;
+use warren_codec::ShortStr;
+use warren_session::manage::API_CONN;
+
+use super::json::{table, to_table};
+use super::{Api, ApiError};
+
+/// System objects RabbitMQ leaves out of an export: the default exchange and `amq.*`.
+fn exported_exchange(name: &str) -> bool {
+    !name.is_empty() && !name.starts_with("amq.")
+}
+
+pub fn export(api: &Api, vhost: Option<&str>) -> Value {
+    let (queues, exchanges, bindings, vhosts, users) = api.node.read(|n, _| {
+        let b = n.broker();
+        (
+            b.queue_snapshots(vhost),
+            b.exchange_snapshots(vhost),
+            b.binding_snapshots(vhost),
+            b.vhost_names(),
+            n.users().to_vec(),
+        )
+    });
+    // In a one-vhost export objects carry no vhost (RabbitMQ's format): it is the target's.
+    let with_vhost = |mut v: Value, name: &str| {
+        if vhost.is_none() {
+            if let Some(m) = v.as_object_mut() {
+                m.insert("vhost".into(), name.into());
+            }
+        }
+        v
+    };
+    let mut queue_list: Vec<Value> = queues
+        .iter()
+        .filter(|q| q.owner.is_none())
+        .map(|q| {
+            with_vhost(
+                json!({"name": q.name.as_str(), "durable": q.durable,
+                       "auto_delete": q.auto_delete, "arguments": table(&q.arguments)}),
+                &q.vhost,
+            )
+        })
+        .collect();
+    let mut exchange_list: Vec<Value> = exchanges
+        .iter()
+        .filter(|x| exported_exchange(&x.name))
+        .map(|x| {
+            with_vhost(
+                json!({"name": x.name.as_str(), "type": x.kind, "durable": x.durable,
+                       "auto_delete": x.auto_delete, "internal": x.internal,
+                       "arguments": table(&x.arguments)}),
+                &x.vhost,
+            )
+        })
+        .collect();
+    let exclusive: Vec<(&str, &str)> = queues
+        .iter()
+        .filter(|q| q.owner.is_some())
+        .map(|q| (q.vhost.as_str(), q.name.as_str()))
+        .collect();
+    let mut binding_list: Vec<Value> = bindings
+        .iter()
+        .filter(|b| !b.source.is_empty())
+        .filter(|b| {
+            !(b.to_queue && exclusive.contains(&(b.vhost.as_str(), b.destination.as_str())))
+        })
+        .map(|b| {
+            with_vhost(
+                json!({"source": b.source.as_str(), "destination": b.destination.as_str(),
+                       "destination_type": if b.to_queue { "queue" } else { "exchange" },
+                       "routing_key": b.routing_key.as_str(), "arguments": table(&b.arguments)}),
+                &b.vhost,
+            )
+        })
+        .collect();
+    let key = |v: &Value| {
+        (
+            v["vhost"].as_str().unwrap_or("").to_owned(),
+            v["name"].as_str().unwrap_or("").to_owned(),
+        )
+    };
+    queue_list.sort_by_key(key);
+    exchange_list.sort_by_key(key);
+    binding_list.sort_by_key(|v| v.to_string());
+    let version = env!("CARGO_PKG_VERSION");
+    let mut out = json!({
+        "rabbit_version": "3.10.8",
+        "rabbitmq_version": "3.10.8",
+        "product_name": "Warren",
+        "product_version": version,
+        "parameters": [],
+        "policies": [],
+        "queues": queue_list,
+        "exchanges": exchange_list,
+        "bindings": binding_list,
+    });
+    if vhost.is_none() {
+        if let Some(m) = out.as_object_mut() {
+            m.insert(
+                "users".into(),
+                users
+                    .iter()
+                    .map(|u| {
+                        json!({"name": u.name,
+                               "password_hash": super::passwords::sha256_hash(&u.password),
+                               "hashing_algorithm": "rabbit_password_hashing_sha256",
+                               "tags": u.tags, "limits": {}})
+                    })
+                    .collect(),
+            );
+            m.insert(
+                "vhosts".into(),
+                vhosts
+                    .iter()
+                    .map(|v| json!({"name": v, "limits": [], "metadata": {"description": "", "tags": []}}))
+                    .collect(),
+            );
+            let mut perms = Vec::new();
+            for u in &users {
+                for v in &vhosts {
+                    perms.push(json!({"user": u.name, "vhost": v, "configure": ".*", "write": ".*", "read": ".*"}));
+                }
+            }
+            m.insert("permissions".into(), perms.into());
+            m.insert("topic_permissions".into(), json!([]));
+            m.insert(
+                "global_parameters".into(),
+                json!([{"name": "cluster_name", "value": api.node_name}]),
+            );
+        }
+    }
+    out
+}
+
+fn text<'a>(v: &'a Value, k: &str, what: &str) -> Result<&'a str, ApiError> {
+    v.get(k)
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_request(format!("{what}: {k} missing or not a string")))
+}
+
+fn boolean(v: &Value, k: &str, default: bool) -> bool {
+    v.get(k).and_then(Value::as_bool).unwrap_or(default)
+}
+
+fn list<'a>(defs: &'a Value, k: &str) -> &'a [Value] {
+    defs.get(k)
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice)
+}
+
+/// Declares what `defs` holds: vhosts, exchanges, queues, bindings, in that order (as
+/// RabbitMQ does). Objects that exist already must be equivalent. Users, permissions and
+/// policies are not imported yet (logged).
+pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), ApiError> {
+    if !defs.is_object() {
+        return Err(ApiError::bad_request("definitions must be a JSON object"));
+    }
+    let vhost_of = |v: &Value| -> Result<String, ApiError> {
+        match only_vhost {
+            Some(t) => Ok(t.to_owned()),
+            None => Ok(text(v, "vhost", "definition")?.to_owned()),
+        }
+    };
+    let skipped: Vec<&str> = [
+        "users",
+        "permissions",
+        "topic_permissions",
+        "policies",
+        "parameters",
+    ]
+    .into_iter()
+    .filter(|k| !list(defs, k).is_empty())
+    .collect();
+    if !skipped.is_empty() {
+        tracing::warn!(
+            skipped = ?skipped,
+            "definitions import: users, permissions, policies and parameters are not imported yet"
+        );
+    }
+    api.node.write(|n, _| -> Result<(), ApiError> {
+        if only_vhost.is_none() {
+            for v in list(defs, "vhosts") {
+                let name = text(v, "name", "vhost")?;
+                n.broker_mut().add_vhost(name);
+            }
+        }
+        for x in list(defs, "exchanges") {
+            let vhost = vhost_of(x)?;
+            let name = text(x, "name", "exchange")?;
+            let kind = text(x, "type", "exchange")?;
+            let args = to_table(x.get("arguments").unwrap_or(&Value::Null))
+                .map_err(ApiError::bad_request)?;
+            n.broker_mut().declare_exchange(
+                &vhost,
+                name,
+                kind,
+                false,
+                boolean(x, "durable", true),
+                boolean(x, "auto_delete", false),
+                boolean(x, "internal", false),
+                &args,
+            )?;
+        }
+        for q in list(defs, "queues") {
+            let vhost = vhost_of(q)?;
+            let name = text(q, "name", "queue")?;
+            let req = DeclareQueue {
+                name: ShortStr::try_from_str(name)
+                    .map_err(|_| ApiError::bad_request("queue name too long"))?,
+                passive: false,
+                durable: boolean(q, "durable", true),
+                exclusive: false,
+                auto_delete: boolean(q, "auto_delete", false),
+                arguments: to_table(q.get("arguments").unwrap_or(&Value::Null))
+                    .map_err(ApiError::bad_request)?,
+            };
+            n.broker_mut().declare_queue(&vhost, req, API_CONN)?;
+        }
+        for b in list(defs, "bindings") {
+            let vhost = vhost_of(b)?;
+            let source = text(b, "source", "binding")?;
+            let dest = text(b, "destination", "binding")?;
+            let key = b.get("routing_key").and_then(Value::as_str).unwrap_or("");
+            let args = to_table(b.get("arguments").unwrap_or(&Value::Null))
+                .map_err(ApiError::bad_request)?;
+            match text(b, "destination_type", "binding")? {
+                "queue" => n
+                    .broker_mut()
+                    .bind_queue(&vhost, dest, source, key, &args, API_CONN)?,
+                "exchange" => n
+                    .broker_mut()
+                    .bind_exchange(&vhost, dest, source, key, &args)?,
+                other => {
+                    return Err(ApiError::bad_request(format!(
+                        "binding: unknown destination_type {other}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    })
+}

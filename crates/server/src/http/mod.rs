@@ -1,0 +1,265 @@
+//! The management HTTP API (RabbitMQ's paths, JSON fields and status codes, on 15672) and the
+//! web page it serves.
+//!
+//! Handlers read the node through [`NodeHandle::read`], which copies what they need (plain
+//! snapshots) under the node's lock; JSON is built after the lock is released, so listing
+//! 10,000 queues holds the node only for the copy.
+
+mod definitions;
+mod json;
+mod list;
+mod objects;
+mod passwords;
+pub mod rates;
+mod routes;
+mod ui;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use serde_json::json;
+use tokio::net::TcpListener;
+use warren_codec::AmqpError;
+
+use crate::driver::NodeHandle;
+
+/// What the API knows besides the node.
+pub struct Api {
+    pub node: NodeHandle,
+    /// `warren@<hostname>` (RabbitMQ's nodes are `rabbit@<hostname>`).
+    pub node_name: String,
+    /// The AMQP listener's port (`/api/health/checks/port-listener`, `listeners`).
+    pub amqp_port: u16,
+    pub http_port: u16,
+    pub prometheus_port: Option<u16>,
+    /// Node time (ms since the epoch) when the broker started.
+    pub started_ms: u64,
+    pub rates: Arc<rates::Rates>,
+    pub data_dir: std::path::PathBuf,
+    pub alarms: crate::config::AlarmConfig,
+}
+
+/// An error as RabbitMQ's management API sends it: a status and `{"error", "reason"}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    error: &'static str,
+    reason: String,
+}
+
+impl ApiError {
+    pub fn bad_request(reason: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            error: "bad_request",
+            reason: reason.into(),
+        }
+    }
+
+    pub fn pagination(reason: String) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            error: "invalid_pagination_parameters",
+            reason,
+        }
+    }
+
+    pub fn page_out_of_range(reason: String) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            error: "page_out_of_range",
+            reason,
+        }
+    }
+
+    pub fn not_found() -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            error: "Object Not Found",
+            reason: "Not Found".into(),
+        }
+    }
+
+    /// A login that failed (RabbitMQ spells this one `not_authorized`).
+    fn login_failed() -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            error: "not_authorized",
+            reason: "Login failed".into(),
+        }
+    }
+
+    /// No credentials at all: RabbitMQ answers with the challenge and an empty body.
+    fn no_credentials() -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            error: "",
+            reason: String::new(),
+        }
+    }
+
+    /// The user may not do this (RabbitMQ: 401 `not_authorised`, without a challenge).
+    pub fn not_allowed(reason: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            error: "not_authorised",
+            reason: reason.into(),
+        }
+    }
+
+    /// A broker object named in a request body is missing (RabbitMQ's `not_found` with the
+    /// AMQP text, as opposed to a path's `Object Not Found`).
+    pub fn amqp_not_found(text: &str) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            error: "not_found",
+            reason: format!("NOT_FOUND - {text}"),
+        }
+    }
+}
+
+/// An AMQP error from the broker, as RabbitMQ's API reports it: a missing object 404, a
+/// refused operation (a reserved `amq.` name...) 401 "Access refused.", anything else 400 with
+/// the AMQP reply text.
+impl From<AmqpError> for ApiError {
+    fn from(e: AmqpError) -> Self {
+        match e.code.code() {
+            404 => ApiError::amqp_not_found(&e.text),
+            403 => ApiError::not_allowed("Access refused."),
+            _ => ApiError::bad_request(e.text.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let challenge = self.status == StatusCode::UNAUTHORIZED && self.error != "not_authorised";
+        let mut r = if self.error.is_empty() {
+            self.status.into_response()
+        } else {
+            (
+                self.status,
+                axum::Json(json!({"error": self.error, "reason": self.reason})),
+            )
+                .into_response()
+        };
+        if challenge {
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"RabbitMQ Management\""),
+            );
+        }
+        r
+    }
+}
+
+/// What a request may do, from its user's tags (RabbitMQ's management permissions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// `management`, `policymaker`: its own connections, declare and delete objects.
+    Management,
+    /// `monitoring`: also everyone's connections, channels, node figures.
+    Monitoring,
+    /// `administrator`: everything, users, vhosts, definitions.
+    Administrator,
+}
+
+/// The logged-in user of a request.
+pub struct Login {
+    pub name: String,
+    pub tags: Vec<String>,
+    pub level: Level,
+}
+
+impl Login {
+    pub fn require(&self, level: Level) -> Result<(), ApiError> {
+        if self.level >= level {
+            return Ok(());
+        }
+        Err(ApiError::not_allowed(match level {
+            Level::Administrator => "Not administrator user",
+            Level::Monitoring => "Not monitor user",
+            Level::Management => "Not management user",
+        }))
+    }
+
+    /// Sees every connection and channel, not only its own.
+    pub fn sees_all(&self) -> bool {
+        self.level >= Level::Monitoring
+    }
+}
+
+fn level_of(tags: &[String]) -> Option<Level> {
+    let has = |t: &str| tags.iter().any(|x| x == t);
+    if has("administrator") {
+        Some(Level::Administrator)
+    } else if has("monitoring") {
+        Some(Level::Monitoring)
+    } else if has("management") || has("policymaker") {
+        Some(Level::Management)
+    } else {
+        None
+    }
+}
+
+impl Api {
+    /// Checks HTTP basic auth against the broker's users (loopback-only users from loopback
+    /// only, as over AMQP); users without a management tag are refused, as by RabbitMQ.
+    pub fn login(&self, headers: &HeaderMap, peer: SocketAddr) -> Result<Login, ApiError> {
+        let (name, password) = basic_auth(headers).ok_or_else(ApiError::no_credentials)?;
+        let user = self
+            .node
+            .read(|node, _| {
+                node.check_login(&name, &password, Some(peer.ip()))
+                    .map(|u| u.tags.clone())
+            })
+            .ok_or_else(|| {
+                tracing::info!(user = %name, peer = %peer, "HTTP login refused");
+                ApiError::login_failed()
+            })?;
+        let level = level_of(&user).ok_or_else(|| ApiError::not_allowed("Not management user"))?;
+        Ok(Login {
+            name,
+            tags: user,
+            level,
+        })
+    }
+}
+
+fn basic_auth(headers: &HeaderMap) -> Option<(String, String)> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let encoded = value
+        .strip_prefix("Basic ")
+        .or_else(|| value.strip_prefix("basic "))?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let (user, password) = text.split_once(':')?;
+    Some((user.to_owned(), password.to_owned()))
+}
+
+/// The host's name, for the node's name.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Serves the management API and web page on `listener` until the process ends.
+pub async fn serve(listener: TcpListener, api: Arc<Api>) {
+    let app = routes::router(api);
+    if let Err(e) = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await
+    {
+        tracing::error!(error = %e, "the management API stopped");
+    }
+}

@@ -1,0 +1,326 @@
+//! Broker objects in the JSON shapes of RabbitMQ's management API (3.10): the fields tools
+//! and dashboards read, with RabbitMQ's names and types.
+
+use serde_json::{json, Map, Value};
+use warren_broker::{BindingSnapshot, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot};
+use warren_session::manage::{ChannelSnapshot, ConnectionSnapshot};
+
+use super::json::table;
+use super::rates::{Point, QueueRates};
+
+/// `{"rate": r}`, RabbitMQ's `*_details` object.
+fn details(rate: f64) -> Value {
+    json!({ "rate": rate })
+}
+
+/// A queue's `message_stats`: RabbitMQ's counters with their `_details` rates.
+fn message_stats(s: &QueueSnapshot, r: &QueueRates) -> Value {
+    let c = &s.counters;
+    let mut m = Map::new();
+    let mut put = |k: &str, n: u64, rate: f64| {
+        m.insert(k.into(), n.into());
+        m.insert(format!("{k}_details"), details(rate));
+    };
+    put("publish", c.published, r.publish);
+    put("deliver", c.delivered, r.deliver);
+    put("deliver_no_ack", c.delivered_no_ack, r.deliver_no_ack);
+    put("get", c.got, r.get);
+    put("get_no_ack", c.got_no_ack, r.get_no_ack);
+    put("deliver_get", c.deliver_get(), r.deliver_get);
+    put("ack", c.acked, r.ack);
+    put("redeliver", c.redelivered, r.redeliver);
+    Value::Object(m)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC), the management API's date format (`idle_since`...).
+pub fn date(ms: u64) -> String {
+    let secs = ms / 1000;
+    let days = i64::try_from(secs / 86_400).unwrap_or(0);
+    let rem = secs % 86_400;
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
+    let oldest_age = s
+        .oldest_ready_at
+        .map(|at| now.saturating_sub(at) as f64 / 1000.0);
+    let c = &s.counters;
+    let buckets: Vec<Value> = warren_broker::stats::DELIVERY_BUCKETS
+        .iter()
+        .map(|b| Value::from(b.to_string()))
+        .chain(std::iter::once(Value::from("more")))
+        .collect();
+    let distribution: Map<String, Value> = buckets
+        .iter()
+        .zip(c.deliveries.iter())
+        .map(|(b, n)| (b.as_str().unwrap_or_default().to_owned(), Value::from(*n)))
+        .collect();
+    let dead: Map<String, Value> = warren_broker::stats::DEAD_LETTER_REASONS
+        .iter()
+        .map(|(reason, name)| ((*name).to_owned(), c.dead_lettered_by(*reason).into()))
+        .collect();
+    json!({
+        "name": s.name.as_str(),
+        "vhost": s.vhost,
+        "type": s.queue_type,
+        "durable": s.durable,
+        "auto_delete": s.auto_delete,
+        "exclusive": s.owner.is_some(),
+        "arguments": table(&s.arguments),
+        "node": node,
+        "state": "running",
+        "policy": null,
+        "operator_policy": null,
+        "effective_policy_definition": {},
+        "exclusive_consumer_tag": null,
+        "consumers": s.consumers,
+        "consumer_capacity": if s.consumers > 0 { 1.0 } else { 0.0 },
+        "consumer_utilisation": if s.consumers > 0 { 1.0 } else { 0.0 },
+        "messages": s.ready + s.unacked,
+        "messages_details": details(0.0),
+        "messages_ready": s.ready,
+        "messages_ready_details": details(0.0),
+        "messages_unacknowledged": s.unacked,
+        "messages_unacknowledged_details": details(0.0),
+        "messages_ram": (s.ready - s.paged.min(s.ready)) + s.unacked,
+        "messages_ready_ram": s.ready - s.paged.min(s.ready),
+        "messages_unacknowledged_ram": s.unacked,
+        "messages_paged_out": s.paged,
+        "message_bytes": s.ready_bytes + s.unacked_bytes,
+        "message_bytes_ready": s.ready_bytes,
+        "message_bytes_unacknowledged": s.unacked_bytes,
+        "message_stats": message_stats(s, r),
+        "head_message_timestamp": null,
+        // Warren's own: the age of the oldest ready message (seconds, to within about a
+        // second), messages waiting for a delayed retry, and how many deliveries the
+        // messages that left needed.
+        "oldest_ready_age_seconds": oldest_age,
+        "messages_retrying": s.retrying,
+        "delivery_count_distribution": distribution,
+        "dead_lettered": dead,
+    })
+}
+
+/// RabbitMQ's `*_details` with `samples` (newest first), for `lengths_age` / `msg_rates_age`.
+pub fn with_history(mut q: Value, history: &[Point]) -> Value {
+    let samples = |f: &dyn Fn(&Point) -> Value| -> Value {
+        history
+            .iter()
+            .rev()
+            .map(|p| json!({"timestamp": p.at * 1000, "sample": f(p)}))
+            .collect()
+    };
+    if let Some(m) = q.as_object_mut() {
+        m.insert(
+            "messages_ready_details".into(),
+            json!({"rate": 0.0, "samples": samples(&|p| p.ready.into())}),
+        );
+        m.insert(
+            "messages_unacknowledged_details".into(),
+            json!({"rate": 0.0, "samples": samples(&|p| p.unacked.into())}),
+        );
+        m.insert(
+            "rate_history".into(),
+            history
+                .iter()
+                .map(|p| {
+                    json!({"timestamp": p.at * 1000, "publish": p.publish,
+                           "deliver_get": p.deliver_get, "ack": p.ack})
+                })
+                .collect(),
+        );
+    }
+    q
+}
+
+pub fn exchange(x: &ExchangeSnapshot) -> Value {
+    json!({
+        "name": x.name.as_str(),
+        "vhost": x.vhost,
+        "type": x.kind,
+        "durable": x.durable,
+        "auto_delete": x.auto_delete,
+        "internal": x.internal,
+        "arguments": table(&x.arguments),
+        "user_who_performed_action": "rmq-internal",
+        "policy": null,
+    })
+}
+
+/// RabbitMQ's `properties_key` of a binding: `~` for an empty key without arguments, else the
+/// routing key (percent-encoded), followed by `~` and a hash of the arguments when there are
+/// any.
+pub fn properties_key(b: &BindingSnapshot) -> String {
+    let key = if b.routing_key.is_empty() && b.arguments.is_empty() {
+        "~".to_owned()
+    } else {
+        encode_component(&b.routing_key)
+    };
+    if b.arguments.is_empty() {
+        key
+    } else {
+        format!("{key}~{}", arguments_hash(&b.arguments))
+    }
+}
+
+/// A short stable digest of binding arguments (identifies a binding among those with the same
+/// key; RabbitMQ uses a hash of its own term format, so the digits differ from RabbitMQ's).
+fn arguments_hash(args: &warren_codec::FieldTable) -> String {
+    use base64::Engine;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in table(args).to_string().bytes() {
+        h ^= u64::from(byte);
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(h.to_be_bytes())
+}
+
+fn encode_component(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+pub fn binding(b: &BindingSnapshot) -> Value {
+    json!({
+        "source": b.source.as_str(),
+        "vhost": b.vhost,
+        "destination": b.destination.as_str(),
+        "destination_type": if b.to_queue { "queue" } else { "exchange" },
+        "routing_key": b.routing_key.as_str(),
+        "arguments": table(&b.arguments),
+        "properties_key": properties_key(b),
+    })
+}
+
+/// RabbitMQ names a connection `client ip:port -> server ip:port`.
+pub fn connection_name(c: &ConnectionSnapshot) -> String {
+    let addr =
+        |a: Option<std::net::SocketAddr>| a.map_or_else(|| "?".to_owned(), |a| a.to_string());
+    format!("{} -> {}", addr(c.peer), addr(c.local))
+}
+
+pub fn connection(c: &ConnectionSnapshot, node: &str) -> Value {
+    json!({
+        "name": connection_name(c),
+        "node": node,
+        "type": "network",
+        "protocol": "AMQP 0-9-1",
+        "state": c.state,
+        "user": c.user,
+        "user_who_performed_action": c.user,
+        "vhost": c.vhost,
+        "host": c.local.map(|a| a.ip().to_string()),
+        "port": c.local.map(|a| a.port()),
+        "peer_host": c.peer.map(|a| a.ip().to_string()),
+        "peer_port": c.peer.map(|a| a.port()),
+        "ssl": false,
+        "auth_mechanism": "PLAIN",
+        "channels": c.channels.len(),
+        "channel_max": c.channel_max,
+        "frame_max": c.frame_max,
+        "timeout": c.heartbeat_secs,
+        "connected_at": c.opened_at,
+        "client_properties": table(&c.client_properties),
+    })
+}
+
+pub fn channel_name(c: &ConnectionSnapshot, ch: &ChannelSnapshot) -> String {
+    format!("{} ({})", connection_name(c), ch.number)
+}
+
+pub fn channel(c: &ConnectionSnapshot, ch: &ChannelSnapshot, node: &str) -> Value {
+    json!({
+        "name": channel_name(c, ch),
+        "node": node,
+        "number": ch.number,
+        "user": c.user,
+        "vhost": c.vhost,
+        "state": if ch.closing { "closing" } else { "running" },
+        "confirm": ch.confirm,
+        "transactional": ch.transactional,
+        "prefetch_count": ch.prefetch_count,
+        "global_prefetch_count": ch.global_prefetch_count,
+        "messages_unacknowledged": ch.unacked,
+        "messages_unconfirmed": 0,
+        "messages_uncommitted": 0,
+        "acks_uncommitted": 0,
+        "consumer_count": ch.consumers,
+        "connection_details": {"name": connection_name(c), "peer_host": c.peer.map(|a| a.ip().to_string()), "peer_port": c.peer.map(|a| a.port())},
+    })
+}
+
+pub fn consumer(k: &ConsumerSnapshot, conn: Option<&ConnectionSnapshot>) -> Value {
+    let channel = conn.map(|c| {
+        json!({
+            "name": format!("{} ({})", connection_name(c), k.channel),
+            "number": k.channel,
+            "user": c.user,
+            "connection_name": connection_name(c),
+            "peer_host": c.peer.map(|a| a.ip().to_string()),
+            "peer_port": c.peer.map(|a| a.port()),
+        })
+    });
+    json!({
+        "consumer_tag": k.tag.as_str(),
+        "queue": {"name": k.queue.as_str(), "vhost": k.vhost},
+        "channel_details": channel,
+        "ack_required": k.ack_required,
+        "prefetch_count": k.prefetch,
+        "exclusive": k.exclusive,
+        "active": k.active,
+        "activity_status": if k.active { "up" } else { "waiting" },
+        "consumer_timeout": null,
+        "arguments": table(&k.arguments),
+        "priority": k.priority,
+        "messages_unacknowledged": k.held,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_in_the_management_format() {
+        assert_eq!(date(0), "1970-01-01 00:00:00");
+        assert_eq!(date(1_796_083_200_000 + 3_723_000), "2026-12-01 01:02:03");
+    }
+
+    #[test]
+    fn properties_keys_as_rabbitmq() {
+        let b = |key: &str| BindingSnapshot {
+            vhost: "/".into(),
+            source: warren_codec::ShortStr::from_static("x"),
+            destination: warren_codec::ShortStr::from_static("q"),
+            to_queue: true,
+            routing_key: warren_codec::ShortStr::try_from_str(key).unwrap(),
+            arguments: warren_codec::FieldTable::new(),
+        };
+        assert_eq!(properties_key(&b("")), "~");
+        assert_eq!(properties_key(&b("a.b")), "a.b");
+        assert_eq!(properties_key(&b("a b/c")), "a%20b%2Fc");
+    }
+}
