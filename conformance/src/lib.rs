@@ -13,6 +13,7 @@
 //! small socket-level client built on `amq-protocol` that can see everything lapin hides (class and method ids
 //! of a close, frame sizes, heartbeats) and can send malformed input.
 
+pub mod http;
 pub mod queues;
 pub mod raw;
 

@@ -99,19 +99,23 @@ impl ListQuery {
 
     /// Sorts, pages and trims `items` (already filtered by name; `total` before filtering).
     pub fn finish(&self, mut items: Vec<Value>, total: usize) -> Result<Value, ApiError> {
-        match &self.sort {
-            Some(field) => {
-                items.sort_by(|a, b| compare(lookup(a, field), lookup(b, field)));
-            }
-            // RabbitMQ's default order: by vhost, then name.
-            None => items.sort_by(|a, b| {
-                compare(lookup(a, "vhost"), lookup(b, "vhost"))
-                    .then_with(|| compare(lookup(a, "name"), lookup(b, "name")))
-            }),
-        }
-        if self.sort_reverse {
-            items.reverse();
-        }
+        // Ties go by vhost, then name, in both directions, so that pages are stable.
+        let by_name = |a: &Value, b: &Value| {
+            compare(lookup(a, "vhost"), lookup(b, "vhost"))
+                .then_with(|| compare(lookup(a, "name"), lookup(b, "name")))
+        };
+        let reverse = self.sort_reverse;
+        let field = self.sort.as_deref();
+        items.sort_by(|a, b| {
+            let key = field.map_or(Ordering::Equal, |f| compare(lookup(a, f), lookup(b, f)));
+            let key = if reverse { key.reverse() } else { key };
+            let ties = by_name(a, b);
+            key.then(if field.is_none() && reverse {
+                ties.reverse()
+            } else {
+                ties
+            })
+        });
         let filtered = items.len();
         let Some(page) = self.page else {
             return Ok(Value::Array(self.trim(items)));

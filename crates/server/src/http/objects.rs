@@ -203,6 +203,31 @@ fn encode_component(s: &str) -> String {
     out
 }
 
+/// Undoes `%XX` escapes (invalid ones are kept as they are).
+pub fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes.get(i), hex) {
+            (Some(b'%'), Some(v)) => {
+                out.push(v);
+                i += 3;
+            }
+            (Some(b), _) => {
+                out.push(*b);
+                i += 1;
+            }
+            (None, _) => break,
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 pub fn binding(b: &BindingSnapshot) -> Value {
     json!({
         "source": b.source.as_str(),
@@ -322,5 +347,6 @@ mod tests {
         assert_eq!(properties_key(&b("")), "~");
         assert_eq!(properties_key(&b("a.b")), "a.b");
         assert_eq!(properties_key(&b("a b/c")), "a%20b%2Fc");
+        assert_eq!(percent_decode("a%20b%2Fc%zz"), "a b/c%zz");
     }
 }

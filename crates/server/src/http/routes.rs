@@ -1132,7 +1132,12 @@ fn find_binding(
     ends_exist(api, vhost, source, dest, queue)?;
     between(api, vhost, source, dest, queue)
         .into_iter()
-        .find(|b| objects::properties_key(b) == *props)
+        .find(|b| {
+            // The path was percent-decoded once: a key's escapes arrive decoded (or, if the
+            // client encoded them twice as RabbitMQ's Location header does, as sent).
+            let key = objects::properties_key(b);
+            key == *props || objects::percent_decode(&key) == *props
+        })
         .ok_or_else(ApiError::not_found)
 }
 

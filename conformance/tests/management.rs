@@ -1,0 +1,408 @@
+//! The management HTTP API and the Prometheus endpoint, as RabbitMQ 3.10.8 answers: status
+//! codes, error bodies and JSON fields that tools read. Against an external broker
+//! (`WARREN_TEST_URL`) the API is `WARREN_TEST_HTTP_URL` (default http://127.0.0.1:15672).
+
+use serde_json::json;
+use warren_conformance::http::request;
+use warren_conformance::{unique, TestBroker};
+
+const GUEST: Option<(&str, &str)> = Some(("guest", "guest"));
+
+fn api(b: &TestBroker) -> String {
+    format!("{}/api", b.http_url().expect("management API on"))
+}
+
+#[test]
+fn logins_are_checked_as_rabbitmq_does() {
+    let b = TestBroker::start();
+    let url = format!("{}/overview", api(&b));
+    let none = request("GET", &url, None, &[], None);
+    assert_eq!(none.status, 401);
+    assert_eq!(
+        none.header("www-authenticate"),
+        Some("Basic realm=\"RabbitMQ Management\"")
+    );
+    assert!(none.body.is_empty());
+    let wrong = request("GET", &url, Some(("guest", "nope")), &[], None);
+    assert_eq!(wrong.status, 401);
+    assert_eq!(
+        wrong.json(),
+        json!({"error": "not_authorized", "reason": "Login failed"})
+    );
+    let ok = request("GET", &url, GUEST, &[], None);
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let v = ok.json();
+    assert!(v["object_totals"]["queues"].is_u64(), "{v}");
+    assert_eq!(
+        request("GET", &format!("{}/whoami", api(&b)), GUEST, &[], None).json()["name"],
+        "guest"
+    );
+    let missing = request("GET", &format!("{}/nonexistent", api(&b)), GUEST, &[], None);
+    assert_eq!(missing.status, 404);
+    assert_eq!(
+        missing.json(),
+        json!({"error": "Object Not Found", "reason": "Not Found"})
+    );
+}
+
+#[test]
+fn queues_are_declared_published_to_peeked_purged_and_deleted() {
+    let b = TestBroker::start();
+    let q = unique("http-q");
+    let url = format!("{}/queues/%2F/{q}", api(&b));
+    let args = r#"{"durable":true,"arguments":{"x-message-ttl":60000}}"#;
+    assert_eq!(request("PUT", &url, GUEST, &[], Some(args)).status, 201);
+    assert_eq!(request("PUT", &url, GUEST, &[], Some(args)).status, 204);
+    let other = request(
+        "PUT",
+        &url,
+        GUEST,
+        &[],
+        Some(r#"{"durable":true,"arguments":{"x-message-ttl":5000}}"#),
+    );
+    assert_eq!(other.status, 400);
+    assert_eq!(
+        other.json()["reason"],
+        format!(
+            "inequivalent arg 'x-message-ttl' for queue '{q}' in vhost '/': received '5000' but current is '60000'"
+        )
+    );
+    assert_eq!(
+        request("PUT", &url, GUEST, &[], Some("{\"durable\":tru")).json(),
+        json!({"error": "bad_request", "reason": "not_json"})
+    );
+    let publish = format!("{}/exchanges/%2F/amq.default/publish", api(&b));
+    let body = json!({"properties": {"delivery_mode": 2, "headers": {"h": "v"}},
+                      "routing_key": q, "payload": "hello", "payload_encoding": "string"});
+    let r = request("POST", &publish, GUEST, &[], Some(&body.to_string()));
+    assert_eq!(r.json(), json!({"routed": true}));
+    let one = request("GET", &url, GUEST, &[], None).json();
+    assert_eq!(one["messages_ready"], 1, "{one}");
+    assert_eq!(one["durable"], true);
+    assert_eq!(one["arguments"], json!({"x-message-ttl": 60000}));
+    let get = format!("{url}/get");
+    let peek = request(
+        "POST",
+        &get,
+        GUEST,
+        &[],
+        Some(r#"{"count":5,"ackmode":"ack_requeue_true","encoding":"auto"}"#),
+    )
+    .json();
+    assert_eq!(peek[0]["payload"], "hello", "{peek}");
+    assert_eq!(peek[0]["message_count"], 0);
+    assert_eq!(peek[0]["properties"]["headers"], json!({"h": "v"}));
+    // Peeked, not taken: it is still there, now redelivered.
+    let again = request(
+        "POST",
+        &get,
+        GUEST,
+        &[],
+        Some(r#"{"count":1,"ackmode":"ack_requeue_true","encoding":"base64"}"#),
+    )
+    .json();
+    assert_eq!(again[0]["redelivered"], true);
+    assert_eq!(again[0]["payload"], "aGVsbG8=");
+    assert_eq!(
+        request("POST", &get, GUEST, &[], Some(r#"{"count":1}"#)).json()["reason"],
+        "[{key_missing,ackmode},{key_missing,encoding}]"
+    );
+    assert_eq!(
+        request("DELETE", &format!("{url}?if-empty=true"), GUEST, &[], None).status,
+        400
+    );
+    assert_eq!(
+        request("DELETE", &format!("{url}/contents"), GUEST, &[], None).status,
+        204
+    );
+    assert_eq!(request("GET", &url, GUEST, &[], None).json()["messages"], 0);
+    assert_eq!(request("DELETE", &url, GUEST, &[], None).status, 204);
+    assert_eq!(request("DELETE", &url, GUEST, &[], None).status, 404);
+    // Reserved names are refused as RabbitMQ refuses them.
+    let reserved = request(
+        "PUT",
+        &format!("{}/queues/%2F/amq.{q}", api(&b)),
+        GUEST,
+        &[],
+        Some("{}"),
+    );
+    assert_eq!(reserved.status, 401);
+    assert_eq!(
+        reserved.json(),
+        json!({"error": "not_authorised", "reason": "Access refused."})
+    );
+}
+
+#[test]
+fn lists_page_sort_and_filter() {
+    let b = TestBroker::start();
+    let prefix = unique("page");
+    for i in 0..5 {
+        let url = format!("{}/queues/%2F/{prefix}-{i}", api(&b));
+        assert_eq!(request("PUT", &url, GUEST, &[], Some("{}")).status, 201);
+    }
+    let list = format!(
+        "{}/queues/%2F?page=2&page_size=2&name={prefix}&sort=name&sort_reverse=true&columns=name,messages",
+        api(&b)
+    );
+    let v = request("GET", &list, GUEST, &[], None).json();
+    assert_eq!(v["filtered_count"], 5, "{v}");
+    assert_eq!(v["page_count"], 3);
+    assert_eq!(v["item_count"], 2);
+    assert_eq!(
+        v["items"],
+        json!([{"name": format!("{prefix}-2"), "messages": 0}, {"name": format!("{prefix}-1"), "messages": 0}])
+    );
+    let too_big = request(
+        "GET",
+        &format!("{}/queues?page=1&page_size=501", api(&b)),
+        GUEST,
+        &[],
+        None,
+    );
+    assert_eq!(
+        too_big.json(),
+        json!({"error": "invalid_pagination_parameters",
+               "reason": "Invalid pagination parameters: page number 1, page size 501"})
+    );
+}
+
+#[test]
+fn bindings_are_created_listed_and_deleted_by_properties_key() {
+    let b = TestBroker::start();
+    let q = unique("bq");
+    let x = unique("bx");
+    let a = api(&b);
+    assert_eq!(
+        request(
+            "PUT",
+            &format!("{a}/queues/%2F/{q}"),
+            GUEST,
+            &[],
+            Some("{}")
+        )
+        .status,
+        201
+    );
+    assert_eq!(
+        request(
+            "PUT",
+            &format!("{a}/exchanges/%2F/{x}"),
+            GUEST,
+            &[],
+            Some(r#"{"type":"topic"}"#)
+        )
+        .status,
+        201
+    );
+    let path = format!("{a}/bindings/%2F/e/{x}/q/{q}");
+    let made = request(
+        "POST",
+        &path,
+        GUEST,
+        &[],
+        Some(r#"{"routing_key":"order.*"}"#),
+    );
+    assert_eq!(made.status, 201);
+    let list = request("GET", &path, GUEST, &[], None).json();
+    assert_eq!(list[0]["routing_key"], "order.*", "{list}");
+    assert_eq!(list[0]["destination_type"], "queue");
+    let key = list[0]["properties_key"].as_str().unwrap().to_string();
+    assert_eq!(
+        request("DELETE", &format!("{path}/{key}"), GUEST, &[], None).status,
+        204
+    );
+    assert_eq!(request("GET", &path, GUEST, &[], None).json(), json!([]));
+}
+
+#[test]
+fn connections_are_listed_and_closed_with_the_reason() {
+    let b = TestBroker::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let conn = rt.block_on(b.connect());
+    let list = request("GET", &format!("{}/connections", api(&b)), GUEST, &[], None).json();
+    let name = list
+        .as_array()
+        .and_then(|l| l.first())
+        .and_then(|c| c["name"].as_str())
+        .expect("one connection")
+        .to_string();
+    assert!(name.contains(" -> "), "{name}");
+    let encoded: String = name
+        .bytes()
+        .map(|c| match c {
+            b' ' => "%20".to_string(),
+            b'>' => "%3E".to_string(),
+            c => (c as char).to_string(),
+        })
+        .collect();
+    let r = request(
+        "DELETE",
+        &format!("{}/connections/{encoded}", api(&b)),
+        GUEST,
+        &[("X-Reason", "maintenance")],
+        None,
+    );
+    assert_eq!(r.status, 204);
+    rt.block_on(async {
+        let deadline = std::time::Instant::now() + warren_conformance::WAIT;
+        while conn.status().connected() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    });
+    assert!(!conn.status().connected());
+}
+
+#[test]
+fn health_checks_and_aliveness() {
+    let b = TestBroker::start();
+    let a = api(&b);
+    for path in [
+        "health/checks/alarms",
+        "health/checks/virtual-hosts",
+        "aliveness-test/%2F",
+    ] {
+        let r = request("GET", &format!("{a}/{path}"), GUEST, &[], None);
+        assert_eq!(
+            (r.status, r.json()),
+            (200, json!({"status": "ok"})),
+            "{path}"
+        );
+    }
+    let port = b.addr().port();
+    let up = request(
+        "GET",
+        &format!("{a}/health/checks/port-listener/{port}"),
+        GUEST,
+        &[],
+        None,
+    );
+    assert_eq!(up.status, 200);
+    let down = request(
+        "GET",
+        &format!("{a}/health/checks/port-listener/1"),
+        GUEST,
+        &[],
+        None,
+    );
+    assert_eq!(down.status, 503);
+    assert_eq!(down.json()["status"], "failed");
+}
+
+#[test]
+fn definitions_export_and_import() {
+    let b = TestBroker::start();
+    let q = unique("def-q");
+    let defs = json!({
+        "queues": [{"name": q, "vhost": "/", "durable": true, "auto_delete": false, "arguments": {"x-max-length": 10}}],
+        "exchanges": [{"name": format!("{q}-x"), "vhost": "/", "type": "fanout", "durable": true, "auto_delete": false, "internal": false, "arguments": {}}],
+        "bindings": [{"source": format!("{q}-x"), "vhost": "/", "destination": q, "destination_type": "queue", "routing_key": "", "arguments": {}}],
+    });
+    let a = api(&b);
+    let r = request(
+        "POST",
+        &format!("{a}/definitions"),
+        GUEST,
+        &[],
+        Some(&defs.to_string()),
+    );
+    assert_eq!(r.status, 204, "{}", r.text());
+    let out = request("GET", &format!("{a}/definitions"), GUEST, &[], None).json();
+    assert!(
+        out["queues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["name"] == q && x["arguments"]["x-max-length"] == 10),
+        "{out}"
+    );
+    assert!(out["bindings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["destination"] == q));
+    assert!(out["users"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|u| u["name"] == "guest"));
+}
+
+#[test]
+fn metrics_use_rabbitmqs_names_and_pass_promtool() {
+    let b = TestBroker::start();
+    if b.is_external() {
+        return; // the per-queue family names below are Warren's own too
+    }
+    let q = unique("m-q");
+    let a = api(&b);
+    request(
+        "PUT",
+        &format!("{a}/queues/%2F/{q}"),
+        GUEST,
+        &[],
+        Some("{}"),
+    );
+    let body =
+        json!({"properties": {}, "routing_key": q, "payload": "x", "payload_encoding": "string"});
+    request(
+        "POST",
+        &format!("{a}/exchanges/%2F/amq.default/publish"),
+        GUEST,
+        &[],
+        Some(&body.to_string()),
+    );
+    let base = b.metrics_url().expect("metrics on");
+    let agg = request("GET", &format!("{base}/metrics"), None, &[], None);
+    assert_eq!(agg.status, 200);
+    assert_eq!(
+        agg.header("content-type"),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    let text = agg.text();
+    for family in [
+        "rabbitmq_identity_info",
+        "rabbitmq_queue_messages_ready",
+        "rabbitmq_global_messages_received_total",
+        "warren_queue_oldest_ready_seconds",
+        "warren_store_sync_seconds_bucket",
+    ] {
+        assert!(text.contains(family), "{family} missing");
+    }
+    let per = request(
+        "GET",
+        &format!("{base}/metrics/per-object"),
+        None,
+        &[],
+        None,
+    )
+    .text();
+    assert!(
+        per.contains(&format!(
+            "rabbitmq_queue_messages_ready{{vhost=\"/\",queue=\"{q}\"}} 1"
+        )),
+        "{per}"
+    );
+    // Prometheus's own checker, where the machine has it (Debian's prometheus package).
+    for t in [&text, &per] {
+        let Ok(mut child) = std::process::Command::new("promtool")
+            .args(["check", "metrics"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+        else {
+            eprintln!("promtool not installed: skipping its check");
+            return;
+        };
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(t.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
