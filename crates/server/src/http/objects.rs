@@ -32,30 +32,6 @@ fn message_stats(s: &QueueSnapshot, r: &QueueRates) -> Value {
     Value::Object(m)
 }
 
-/// `YYYY-MM-DD HH:MM:SS` (UTC), the management API's date format (`idle_since`...).
-pub fn date(ms: u64) -> String {
-    let secs = ms / 1000;
-    let days = i64::try_from(secs / 86_400).unwrap_or(0);
-    let rem = secs % 86_400;
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
-}
-
 pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
     let oldest_age = s
         .oldest_ready_at
@@ -327,12 +303,6 @@ pub fn consumer(k: &ConsumerSnapshot, conn: Option<&ConnectionSnapshot>) -> Valu
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dates_in_the_management_format() {
-        assert_eq!(date(0), "1970-01-01 00:00:00");
-        assert_eq!(date(1_796_083_200_000 + 3_723_000), "2026-12-01 01:02:03");
-    }
 
     #[test]
     fn properties_keys_as_rabbitmq() {
