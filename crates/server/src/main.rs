@@ -129,31 +129,36 @@ async fn listen(
     })
 }
 
-/// Binds the management API's and metrics' ports (so that a busy port stops the start, with
-/// the flag that moves it, or that turns the listener off).
+/// Binds an optional HTTP listener (so that a busy port stops the start, naming the flag that
+/// moves it and the one that turns it off).
+async fn optional_listener(
+    config: &Config,
+    port: Option<u16>,
+    (what, flag, off): (&str, &str, &str),
+) -> std::io::Result<Option<TcpListener>> {
+    let Some(p) = port else { return Ok(None) };
+    listen(config, p, what, flag)
+        .await
+        .map(Some)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{e}; {off} turns it off")))
+}
+
+/// Binds the management API's and metrics' ports.
 async fn http_listeners(
     config: &Config,
 ) -> std::io::Result<(Option<TcpListener>, Option<TcpListener>)> {
-    let management = match config.management_port {
-        Some(p) => Some(
-            listen(config, p, "the management API", "--management-port")
-                .await
-                .map_err(|e| {
-                    std::io::Error::new(e.kind(), format!("{e}; --no-management turns it off"))
-                })?,
-        ),
-        None => None,
-    };
-    let prometheus = match config.prometheus_port {
-        Some(p) => Some(
-            listen(config, p, "Prometheus", "--prometheus-port")
-                .await
-                .map_err(|e| {
-                    std::io::Error::new(e.kind(), format!("{e}; --no-prometheus turns it off"))
-                })?,
-        ),
-        None => None,
-    };
+    let management = optional_listener(
+        config,
+        config.management_port,
+        ("the management API", "--management-port", "--no-management"),
+    )
+    .await?;
+    let prometheus = optional_listener(
+        config,
+        config.prometheus_port,
+        ("Prometheus", "--prometheus-port", "--no-prometheus"),
+    )
+    .await?;
     Ok((management, prometheus))
 }
 
