@@ -97,42 +97,83 @@ impl ListQuery {
         })
     }
 
-    /// Sorts, pages and trims `items` (already filtered by name; `total` before filtering).
-    pub fn finish(&self, mut items: Vec<Value>, total: usize) -> Result<Value, ApiError> {
-        // Ties go by vhost, then name, in both directions, so that pages are stable.
-        let by_name = |a: &Value, b: &Value| {
-            compare(lookup(a, "vhost"), lookup(b, "vhost"))
-                .then_with(|| compare(lookup(a, "name"), lookup(b, "name")))
-        };
-        let reverse = self.sort_reverse;
+    /// Sorts, pages and trims rendered `items` (already filtered by name; `total` before
+    /// filtering).
+    pub fn finish(&self, items: Vec<Value>, total: usize) -> Result<Value, ApiError> {
+        let text = |v: &Value, k: &str| lookup(v, k).and_then(Value::as_str).map(str::to_owned);
+        self.finish_with(
+            items,
+            total,
+            |v, field| lookup(v, field).cloned(),
+            |v| (text(v, "vhost"), text(v, "name")),
+            |v| v,
+        )
+    }
+
+    /// Sorts, pages and trims `items` (already filtered by name; `total` before filtering),
+    /// rendering only the items of the page: with 10,000 queues, rendering each one to
+    /// JSON costs far more than sorting them. `key` gives an item's value of a sort field
+    /// as it would appear rendered; `names` its vhost and name, which break ties.
+    pub fn finish_with<T, N: Ord>(
+        &self,
+        items: Vec<T>,
+        total: usize,
+        key: impl Fn(&T, &str) -> Option<Value>,
+        names: impl Fn(&T) -> N,
+        render: impl FnMut(T) -> Value,
+    ) -> Result<Value, ApiError> {
         let field = self.sort.as_deref();
-        items.sort_by(|a, b| {
-            let key = field.map_or(Ordering::Equal, |f| compare(lookup(a, f), lookup(b, f)));
-            let key = if reverse { key.reverse() } else { key };
-            let ties = by_name(a, b);
-            key.then(if field.is_none() && reverse {
+        let reverse = self.sort_reverse;
+        let mut order: Vec<(Option<Value>, N, usize)> = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| (field.and_then(|f| key(item, f)), names(item), i))
+            .collect();
+        // Ties go by vhost, then name, in both directions, so that pages are stable.
+        order.sort_by(|a, b| {
+            let by_key = match field {
+                Some(_) => compare(a.0.as_ref(), b.0.as_ref()),
+                None => Ordering::Equal,
+            };
+            let by_key = if reverse { by_key.reverse() } else { by_key };
+            let ties = a.1.cmp(&b.1);
+            by_key.then(if field.is_none() && reverse {
                 ties.reverse()
             } else {
                 ties
             })
         });
-        let filtered = items.len();
-        let Some(page) = self.page else {
-            return Ok(Value::Array(self.trim(items)));
+        let filtered = order.len();
+        let (page, range) = match self.page {
+            None => (None, 0..filtered),
+            Some(page) => {
+                let page_count = filtered.div_ceil(self.page_size).max(1);
+                if page > page_count {
+                    return Err(ApiError::page_out_of_range(format!(
+                        "Page out of range, page: {page} page size: {}, len: {filtered}",
+                        self.page_size
+                    )));
+                }
+                let start = (page - 1) * self.page_size;
+                let end = start.saturating_add(self.page_size).min(filtered);
+                (Some((page, page_count)), start..end)
+            }
         };
-        let page_count = filtered.div_ceil(self.page_size).max(1);
-        if page > page_count {
-            return Err(ApiError::page_out_of_range(format!(
-                "Page out of range, page: {page} page size: {}, len: {filtered}",
-                self.page_size
-            )));
-        }
-        let start = (page - 1) * self.page_size;
-        let page_items: Vec<Value> = items.into_iter().skip(start).take(self.page_size).collect();
+        let mut slots: Vec<Option<T>> = items.into_iter().map(Some).collect();
+        let rendered: Vec<Value> = order
+            .get(range)
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|(_, _, i)| slots.get_mut(*i).and_then(Option::take))
+            .map(render)
+            .collect();
+        let Some((page, page_count)) = page else {
+            return Ok(Value::Array(self.trim(rendered)));
+        };
         Ok(json!({
             "filtered_count": filtered,
-            "item_count": page_items.len(),
-            "items": self.trim(page_items),
+            "item_count": rendered.len(),
+            "items": self.trim(rendered),
             "page": page,
             "page_count": page_count,
             "page_size": self.page_size,

@@ -33,9 +33,7 @@ fn message_stats(s: &QueueSnapshot, r: &QueueRates) -> Value {
 }
 
 pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
-    let oldest_age = s
-        .oldest_ready_at
-        .map(|at| now.saturating_sub(at) as f64 / 1000.0);
+    let oldest_age = oldest_ready_age(s, now);
     let c = &s.counters;
     let buckets: Vec<Value> = warren_broker::stats::DELIVERY_BUCKETS
         .iter()
@@ -91,6 +89,73 @@ pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
         "delivery_count_distribution": distribution,
         "dead_lettered": dead,
     })
+}
+
+/// A queue's value of the field `path` (dotted for nested ones), as [`queue`] would render
+/// it, without rendering the rest: the queue list sorts 10,000 queues by it. The fields
+/// tools sort by are read straight from the snapshot; any other is rendered.
+pub fn queue_field(
+    s: &QueueSnapshot,
+    r: &QueueRates,
+    node: &str,
+    now: u64,
+    path: &str,
+) -> Option<Value> {
+    let c = &s.counters;
+    if let Some(rest) = path.strip_prefix("message_stats.") {
+        let (name, rate_only) = match rest.split_once('.') {
+            Some((name, "rate")) => (name.strip_suffix("_details")?, true),
+            Some(_) => return None,
+            None => (rest, false),
+        };
+        let (n, rate) = match name {
+            "publish" => (c.published, r.publish),
+            "deliver" => (c.delivered, r.deliver),
+            "deliver_no_ack" => (c.delivered_no_ack, r.deliver_no_ack),
+            "get" => (c.got, r.get),
+            "get_no_ack" => (c.got_no_ack, r.get_no_ack),
+            "deliver_get" => (c.deliver_get(), r.deliver_get),
+            "ack" => (c.acked, r.ack),
+            "redeliver" => (c.redelivered, r.redeliver),
+            _ => return lookup(&queue(s, r, node, now), path),
+        };
+        return Some(if rate_only { rate.into() } else { n.into() });
+    }
+    let ram = s.ready - s.paged.min(s.ready);
+    Some(match path {
+        "name" => s.name.as_str().into(),
+        "vhost" => s.vhost.as_str().into(),
+        "type" => s.queue_type.into(),
+        "durable" => s.durable.into(),
+        "auto_delete" => s.auto_delete.into(),
+        "exclusive" => s.owner.is_some().into(),
+        "state" => "running".into(),
+        "node" => node.into(),
+        "consumers" => s.consumers.into(),
+        "messages" => (s.ready + s.unacked).into(),
+        "messages_ready" => s.ready.into(),
+        "messages_unacknowledged" => s.unacked.into(),
+        "messages_ram" => (ram + s.unacked).into(),
+        "messages_ready_ram" => ram.into(),
+        "messages_unacknowledged_ram" => s.unacked.into(),
+        "messages_paged_out" => s.paged.into(),
+        "message_bytes" => (s.ready_bytes + s.unacked_bytes).into(),
+        "message_bytes_ready" => s.ready_bytes.into(),
+        "message_bytes_unacknowledged" => s.unacked_bytes.into(),
+        "messages_retrying" => s.retrying.into(),
+        "oldest_ready_age_seconds" => oldest_ready_age(s, now).into(),
+        _ => return lookup(&queue(s, r, node, now), path),
+    })
+}
+
+fn lookup(v: &Value, path: &str) -> Option<Value> {
+    path.split('.').try_fold(v, |v, k| v.get(k)).cloned()
+}
+
+/// Seconds since the oldest ready message was enqueued (to within about a second).
+fn oldest_ready_age(s: &QueueSnapshot, now: u64) -> Option<f64> {
+    s.oldest_ready_at
+        .map(|at| now.saturating_sub(at) as f64 / 1000.0)
 }
 
 /// RabbitMQ's `*_details` with `samples` (newest first), for `lengths_age` / `msg_rates_age`.
@@ -303,6 +368,77 @@ pub fn consumer(k: &ConsumerSnapshot, conn: Option<&ConnectionSnapshot>) -> Valu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every field the queue list sorts by without rendering reads as the rendered queue.
+    #[test]
+    fn queue_fields_read_as_rendered() {
+        let s = QueueSnapshot {
+            id: warren_broker::QueueId(1),
+            vhost: "v".into(),
+            name: warren_codec::ShortStr::from_static("q"),
+            durable: true,
+            auto_delete: false,
+            owner: None,
+            arguments: warren_codec::FieldTable::new(),
+            queue_type: "quorum",
+            ready: 7,
+            unacked: 3,
+            ready_bytes: 700,
+            unacked_bytes: 30,
+            paged: 2,
+            retrying: 1,
+            consumers: 2,
+            counters: warren_broker::stats::QueueCounters {
+                published: 11,
+                delivered: 12,
+                delivered_no_ack: 13,
+                got: 14,
+                got_no_ack: 15,
+                redelivered: 16,
+                acked: 17,
+                ..Default::default()
+            },
+            oldest_ready_at: Some(1_000),
+        };
+        let r = QueueRates {
+            publish: 1.5,
+            deliver: 2.5,
+            deliver_no_ack: 3.5,
+            get: 4.5,
+            get_no_ack: 5.5,
+            deliver_get: 6.5,
+            ack: 7.5,
+            redeliver: 8.5,
+        };
+        let rendered = queue(&s, &r, "n", 4_500);
+        let mut paths = Vec::new();
+        fn walk(v: &Value, at: String, out: &mut Vec<String>) {
+            if let Value::Object(m) = v {
+                for (k, v) in m {
+                    let p = if at.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{at}.{k}")
+                    };
+                    walk(v, p.clone(), out);
+                    out.push(p);
+                }
+            }
+        }
+        walk(&rendered, String::new(), &mut paths);
+        assert!(paths.len() > 60, "{paths:?}");
+        for p in paths
+            .iter()
+            .map(String::as_str)
+            .chain(["nope", "message_stats.x.rate"])
+        {
+            assert_eq!(
+                queue_field(&s, &r, "n", 4_500, p),
+                lookup(&rendered, p),
+                "field {p}"
+            );
+        }
+    }
 
     #[test]
     fn properties_keys_as_rabbitmq() {

@@ -739,12 +739,14 @@ fn list_queues(api: &Api, vhost: Option<&str>, q: &HashMap<String, String>) -> A
     let total = snaps.len();
     let kept: Vec<_> = snaps.into_iter().filter(|s| matcher(&s.name)).collect();
     let rates = api.rates.queues(kept.iter().map(|s| s.id));
-    let items = kept
-        .iter()
-        .zip(rates.iter())
-        .map(|(s, r)| objects::queue(s, r, &api.node_name, now))
-        .collect();
-    ok(query.finish(items, total)?)
+    let node = api.node_name.as_str();
+    ok(query.finish_with(
+        kept.into_iter().zip(rates).collect(),
+        total,
+        |(s, r), field| objects::queue_field(s, r, node, now, field),
+        |(s, _)| (s.vhost.clone(), s.name.clone()),
+        |(s, r)| objects::queue(&s, &r, node, now),
+    )?)
 }
 
 async fn queues_all(
