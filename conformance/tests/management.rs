@@ -392,6 +392,11 @@ fn metrics_use_rabbitmqs_names_and_pass_promtool() {
             .stderr(std::process::Stdio::piped())
             .spawn()
         else {
+            // scripts/test installs it and then requires it.
+            assert!(
+                std::env::var_os("WARREN_TEST_REQUIRE_PROMTOOL").is_none(),
+                "promtool is required (WARREN_TEST_REQUIRE_PROMTOOL is set) but cannot be run"
+            );
             eprintln!("promtool not installed: skipping its check");
             return;
         };
