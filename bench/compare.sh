@@ -31,6 +31,10 @@ RESTART_RABBIT=auto
 RABBIT_OURS=0
 QUICK=0
 WARREN_PORT=5690
+# Warren's management API and Prometheus ports in the run (RabbitMQ's plugins hold 15672/15692).
+WARREN_HTTP_PORT=15690
+WARREN_METRICS_PORT=15691
+SCRAPE=1
 WARREN_BIN=""
 WARREN_ARGS=""
 WARREN_PID=""
@@ -60,6 +64,10 @@ Options:
                          script started it); --no-restart-rabbitmq never does
   --warren-port P        port for Warren (default 5690)
   --warren-bin PATH      Warren binary (default: the release build)
+  --no-scrape            do not scrape the brokers' management API and Prometheus endpoint
+                         during the timed runs (by default each is read once a second, as a
+                         dashboard and Prometheus would: /api/overview, the first page of
+                         /api/queues, /metrics)
   --warren-args "..."    extra arguments for Warren
   --warren-pid PID       use an already running Warren on --warren-port instead of starting one
   --rabbit-url URL       RabbitMQ URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
@@ -98,6 +106,7 @@ while [ $# -gt 0 ]; do
     --warren-pid) WARREN_PID="$2"; shift ;;
     --rabbit-url) RABBIT_URL="$2"; shift ;;
     --warren-storage) WARREN_STORAGE="$2"; shift ;;
+    --no-scrape) SCRAPE=0 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown option: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -224,7 +233,8 @@ start_warren() {
   # Every start begins empty, as a restarted RabbitMQ has no queues of earlier scenarios either.
   rm -rf "$RESULTS/warren-data"
   # shellcheck disable=SC2086
-  "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" --data-dir "$RESULTS/warren-data" $WARREN_ARGS \
+  "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" --data-dir "$RESULTS/warren-data" \
+    --management-port "$WARREN_HTTP_PORT" --prometheus-port "$WARREN_METRICS_PORT" $WARREN_ARGS \
     >>"$RESULTS/warren.log" 2>&1 &
   STARTED_WARREN=$!
   B_PID=$STARTED_WARREN
@@ -327,6 +337,32 @@ record_command() {
   grep -qxF -- "$1" "$COMMANDS" 2>/dev/null || echo "$1" >>"$COMMANDS"
 }
 
+# scrape SIDE: reads the side's management API and metrics once a second until killed, as a
+# dashboard and Prometheus would; counts answers and failures per side in the results.
+scrape() {
+  local side="$1" http metrics ok=0 failed=0
+  if [ "$side" = A ] || [ "$SELF_TEST" = 1 ]; then
+    http="http://guest:guest@127.0.0.1:15672"; metrics="http://127.0.0.1:15692"
+  else
+    http="http://guest:guest@127.0.0.1:$WARREN_HTTP_PORT"; metrics="http://127.0.0.1:$WARREN_METRICS_PORT"
+  fi
+  trap 'echo "$ok $failed" >>"$RESULTS/scrapes-$side"; exit 0' TERM
+  while true; do
+    for u in "$http/api/overview" "$http/api/queues?page=1&page_size=100" "$metrics/metrics"; do
+      if curl -sf -o /dev/null --max-time 5 "$u"; then ok=$((ok + 1)); else failed=$((failed + 1)); fi
+    done
+    sleep 1
+  done
+}
+
+scrape_note() {
+  [ "$SCRAPE" = 1 ] || { echo "The management API and metrics were not scraped (--no-scrape)."; return; }
+  local a b
+  a="$(awk '{o+=$1; f+=$2} END {printf "%d answered, %d failed", o, f}' "$RESULTS/scrapes-A" 2>/dev/null)"
+  b="$(awk '{o+=$1; f+=$2} END {printf "%d answered, %d failed", o, f}' "$RESULTS/scrapes-B" 2>/dev/null)"
+  echo "During every timed run the broker's management API (/api/overview, the first page of /api/queues) and Prometheus endpoint (/metrics) were read once a second, as a dashboard and Prometheus would: RabbitMQ ${a:-not scraped}, Warren ${b:-not scraped}."
+}
+
 # run_one SCENARIO SIDE PAIR
 run_one() {
   local scen="$1" side="$2" pair="$3" url pid name base args tag out
@@ -348,11 +384,20 @@ run_one() {
   record_command "warren-bench --url \$URL --broker-pid \$PID --json --queue-pattern wb-$base-%d ${args//$tag-fanout/wb-fanout}"
   out="$RESULTS/$scen-$side-$pair.json"
   log "$scen pair $pair: $name"
+  local scraper=""
+  if [ "$SCRAPE" = 1 ]; then
+    scrape "$side" &
+    scraper=$!
+  fi
   # shellcheck disable=SC2086
   if ! "$BENCH" --url "$url" --broker-pid "$pid" --json --label "$scen/$side/$pair" \
       --queue-pattern "$tag-%d" $args >"$out" 2>"$RESULTS/$scen-$side-$pair.log"; then
     log "  $scen on $name failed (see $RESULTS/$scen-$side-$pair.log)"
     tail -3 "$RESULTS/$scen-$side-$pair.log" >&2 || true
+  fi
+  if [ -n "$scraper" ]; then
+    kill "$scraper" 2>/dev/null || true
+    wait "$scraper" 2>/dev/null || true
   fi
   python3 bench/report.py --summarize "$out" >&2 || true
   sleep "$PAUSE"
@@ -407,7 +452,7 @@ meta = {
     "warren_args": "$WARREN_ARGS", "warren_port": $WARREN_PORT,
     "fresh_for_idle": {"A": $RESTART_RABBIT == 1,
                        "B": ($RESTART_RABBIT == 1) if $SELF_TEST else ("$WARREN_PID" == "")},
-    "notes": [n for n in ["""$IDLE_CONNECTIONS_NOTE""",
+    "notes": [n for n in ["""$IDLE_CONNECTIONS_NOTE""", """$(scrape_note)""",
         "Warren exited during the run and was restarted $WARREN_RESTARTS time(s) (see warren.log in the results)" if $WARREN_RESTARTS else ""] if n],
     "machine": {
         "nproc": sh("nproc"),
