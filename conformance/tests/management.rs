@@ -343,15 +343,24 @@ fn metrics_use_rabbitmqs_names_and_pass_promtool() {
         &[],
         Some("{}"),
     );
-    let body =
-        json!({"properties": {}, "routing_key": q, "payload": "x", "payload_encoding": "string"});
-    request(
-        "POST",
-        &format!("{a}/exchanges/%2F/amq.default/publish"),
-        GUEST,
-        &[],
-        Some(&body.to_string()),
-    );
+    // One publish with a confirm, for the confirm counters.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let conn = b.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                Default::default(),
+                b"x",
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        assert!(confirm.await.unwrap().is_ack());
+    });
     let base = b.metrics_url().expect("metrics on");
     let agg = request("GET", &format!("{base}/metrics"), None, &[], None);
     assert_eq!(agg.status, 200);
@@ -368,6 +377,13 @@ fn metrics_use_rabbitmqs_names_and_pass_promtool() {
         "warren_store_sync_seconds_bucket",
     ] {
         assert!(text.contains(family), "{family} missing");
+    }
+    for sample in [
+        "rabbitmq_global_messages_confirmed_total 1\n",
+        "warren_confirm_latency_seconds_count 1\n",
+        "warren_confirm_latency_seconds_bucket{le=\"+Inf\"} 1\n",
+    ] {
+        assert!(text.contains(sample), "{sample} missing in\n{text}");
     }
     let per = request(
         "GET",

@@ -324,7 +324,7 @@ pub async fn serve(
         Some(store) => {
             let on_written = shared.clone();
             let t = StoreThread::spawn(store, move |last, ok| {
-                on_written.with_node(|node, _| node.writes_done(last, ok));
+                on_written.with_node(|node, now| node.writes_done(last, ok, now));
             })?;
             shared.lock().store = Some(t.tx.clone());
             Some(t)

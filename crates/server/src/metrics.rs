@@ -19,6 +19,7 @@ use axum::Router;
 use tokio::net::TcpListener;
 use warren_broker::stats::{QueueCounters, DEAD_LETTER_REASONS, DELIVERY_BUCKETS};
 use warren_broker::QueueSnapshot;
+use warren_session::latency::CONFIRM_BOUNDS_MS;
 
 use crate::http::Api;
 
@@ -31,14 +32,12 @@ const SYNC_BOUNDS: [f64; 10] = [
 pub struct LatencyHistogram {
     buckets: [AtomicU64; SYNC_BOUNDS.len() + 1],
     sum_us: AtomicU64,
-    count: AtomicU64,
 }
 
 /// The store's synced writes (one per group commit): the floor under a confirm's latency.
 pub static STORE_WRITES: LatencyHistogram = LatencyHistogram {
     buckets: [const { AtomicU64::new(0) }; SYNC_BOUNDS.len() + 1],
     sum_us: AtomicU64::new(0),
-    count: AtomicU64::new(0),
 };
 
 impl LatencyHistogram {
@@ -55,7 +54,6 @@ impl LatencyHistogram {
             u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
-        self.count.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -92,6 +90,22 @@ impl Text {
     fn one(&mut self, name: &str, kind: &str, help: &str, v: impl std::fmt::Display) {
         self.family(name, kind, help);
         self.sample(name, "", v);
+    }
+
+    /// A histogram without labels from per-bucket counts (`counts` has one more entry than
+    /// `bounds`: what is over every bound).
+    fn histogram(&mut self, name: &str, help: &str, bounds: &[f64], counts: &[u64], sum: f64) {
+        self.family(name, "histogram", help);
+        let bucket = format!("{name}_bucket");
+        let mut cumulative = 0;
+        for (b, n) in bounds.iter().zip(counts) {
+            cumulative += n;
+            self.sample(&bucket, &format!("le=\"{b}\""), cumulative);
+        }
+        let count: u64 = counts.iter().sum();
+        self.sample(&bucket, "le=\"+Inf\"", count);
+        self.sample(&format!("{name}_sum"), "", sum);
+        self.sample(&format!("{name}_count"), "", count);
     }
 }
 
@@ -191,19 +205,21 @@ fn delivery_histogram(t: &mut Text, labels: &str, c: &QueueCounters) {
 
 /// Builds the exposition text; `per_object`: a series per queue rather than totals.
 pub fn render(api: &Api, per_object: bool) -> String {
-    let (now, queues, counters, totals, conns, alarm, delayed) = api.node.read(|n, now| {
-        let b = n.broker();
-        let conns = n.connection_snapshots();
-        (
-            now,
-            b.queue_snapshots(None),
-            b.counters(),
-            b.totals(),
-            conns,
-            n.alarm(),
-            b.delayed_counts().0,
-        )
-    });
+    let (now, queues, counters, totals, conns, alarm, delayed, confirms) =
+        api.node.read(|n, now| {
+            let b = n.broker();
+            let conns = n.connection_snapshots();
+            (
+                now,
+                b.queue_snapshots(None),
+                b.counters(),
+                b.totals(),
+                conns,
+                n.alarm(),
+                b.delayed_counts().0,
+                n.confirm_latency().clone(),
+            )
+        });
     let mut t = Text(String::with_capacity(4096 + queues.len() * 1200));
     t.family(
         "rabbitmq_identity_info",
@@ -382,26 +398,37 @@ pub fn render(api: &Api, per_object: bool) -> String {
         "Messages held back by delayed exchanges and queue delivery delays",
         delayed,
     );
-    // The store's synced writes.
+    t.one(
+        "rabbitmq_global_messages_confirmed_total",
+        "counter",
+        "Total number of messages confirmed to publishers",
+        confirms.count,
+    );
+    // From each publish to its confirm, and the store's synced writes under them.
+    let bounds: Vec<f64> = CONFIRM_BOUNDS_MS
+        .iter()
+        .map(|b| *b as f64 / 1000.0)
+        .collect();
+    t.histogram(
+        "warren_confirm_latency_seconds",
+        "Time from a publish to its publisher confirm (persistent messages wait for their store write)",
+        &bounds,
+        &confirms.buckets,
+        confirms.sum_ms as f64 / 1000.0,
+    );
     let h = &STORE_WRITES;
-    t.family("warren_store_sync_seconds", "histogram", "Time to write and fsync one group of store batches (a publisher confirm waits at least this long)");
-    let mut cumulative = 0;
-    for (i, b) in SYNC_BOUNDS.iter().enumerate() {
-        cumulative += h.buckets.get(i).map_or(0, |b| b.load(Ordering::Relaxed));
-        t.sample(
-            "warren_store_sync_seconds_bucket",
-            &format!("le=\"{b}\""),
-            cumulative,
-        );
-    }
-    let count = h.count.load(Ordering::Relaxed);
-    t.sample("warren_store_sync_seconds_bucket", "le=\"+Inf\"", count);
-    t.sample(
-        "warren_store_sync_seconds_sum",
-        "",
+    let counts: Vec<u64> = h
+        .buckets
+        .iter()
+        .map(|b| b.load(Ordering::Relaxed))
+        .collect();
+    t.histogram(
+        "warren_store_sync_seconds",
+        "Time to write and fsync one group of store batches (a publisher confirm waits at least this long)",
+        &SYNC_BOUNDS,
+        &counts,
         h.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
     );
-    t.sample("warren_store_sync_seconds_count", "", count);
 
     // Queues: summed, or one series each.
     let oldest = |q: &QueueSnapshot| {

@@ -20,6 +20,7 @@ use warren_codec::{
 };
 
 use crate::config::SessionConfig;
+use crate::latency::ConfirmLatency;
 use crate::out::send;
 
 const BASIC_CLASS: u16 = 60;
@@ -52,6 +53,18 @@ impl Fault {
 }
 
 /// What a channel handler needs from outside the channel.
+/// A publish whose confirm waits for a store write (or for an earlier one that does).
+#[derive(Clone, Copy, Debug)]
+struct Waiting {
+    seq: u64,
+    /// The store batch it waits for (0: none, only its turn).
+    batch: u64,
+    /// A full queue refused it: a nack.
+    rejected: bool,
+    /// When it was published (ms), for the confirm latency.
+    at: u64,
+}
+
 pub(crate) struct Ctx<'a> {
     pub broker: &'a mut Broker,
     pub conn: ConnId,
@@ -64,6 +77,8 @@ pub(crate) struct Ctx<'a> {
     pub cancelled: &'a mut Vec<ConsumerKey>,
     /// Source of unique suffixes for generated consumer tags.
     pub next_id: &'a mut u64,
+    /// The node's confirm latency histogram.
+    pub confirm_latency: &'a mut ConfirmLatency,
     /// Messages published to a direct reply-to address, for the node to hand to that channel's consumer.
     pub direct_replies: &'a mut Vec<DirectReply>,
     /// The connection takes no deliveries now (its socket is backed up).
@@ -209,7 +224,7 @@ pub(crate) struct Channel {
     /// Publishes whose confirm waits for a store write: (publish sequence number, write batch),
     /// in publish order. A publish that needs no write but follows one that does waits too
     /// (batch 0), so that a `multiple` ack never covers a message not yet on disk.
-    confirm_waiting: VecDeque<(u64, u64, bool)>,
+    confirm_waiting: VecDeque<Waiting>,
     /// tx.commit-ok replies waiting for the store write that holds the transaction's persistent
     /// messages (the batch numbers, in commit order).
     commit_waiting: VecDeque<u64>,
@@ -478,7 +493,7 @@ impl Channel {
             let extended = self.extend_visibility(&header.properties, ctx);
             if self.confirm {
                 self.publish_seq += 1;
-                self.confirm_publish(None, !extended, ctx.out);
+                self.confirm_publish(None, !extended, ctx);
             }
             return Ok(());
         }
@@ -516,22 +531,29 @@ impl Channel {
             ctx,
         )?;
         if self.confirm {
-            self.confirm_publish(batch, rejected, ctx.out);
+            self.confirm_publish(batch, rejected, ctx);
         }
         Ok(())
     }
 
     /// Confirms the latest publish: at once, or after the store write it waits for (`batch`),
     /// in publish order; as a nack if it was `rejected` (a full queue refused it).
-    fn confirm_publish(&mut self, batch: Option<u64>, rejected: bool, out: &mut BytesMut) {
+    fn confirm_publish(&mut self, batch: Option<u64>, rejected: bool, ctx: &mut Ctx<'_>) {
         let seq = self.publish_seq;
         if batch.is_some() || !self.confirm_waiting.is_empty() {
-            self.confirm_waiting
-                .push_back((seq, batch.unwrap_or(0), rejected));
-        } else if rejected {
+            self.confirm_waiting.push_back(Waiting {
+                seq,
+                batch: batch.unwrap_or(0),
+                rejected,
+                at: ctx.now,
+            });
+            return;
+        }
+        ctx.confirm_latency.observe(0);
+        if rejected {
             // Acks before it go first, so that a multiple ack cannot cover it.
-            self.flush_confirms(out);
-            encode_nack(out, self.id, seq, false, false);
+            self.flush_confirms(ctx.out);
+            encode_nack(ctx.out, self.id, seq, false, false);
         } else {
             self.confirm_ready(seq);
         }
@@ -573,12 +595,26 @@ impl Channel {
     /// Store writes up to batch `upto` are done (`ok`) or failed: the confirms waiting for them
     /// are released in publish order, as acks, or as nacks for the messages of a failed write.
     /// True if confirms are still waiting.
-    pub fn writes_done(&mut self, upto: u64, ok: bool, out: &mut BytesMut) -> bool {
-        while let Some(&(seq, batch, rejected)) = self.confirm_waiting.front() {
+    pub fn writes_done(
+        &mut self,
+        upto: u64,
+        ok: bool,
+        now: u64,
+        latency: &mut ConfirmLatency,
+        out: &mut BytesMut,
+    ) -> bool {
+        while let Some(&Waiting {
+            seq,
+            batch,
+            rejected,
+            at,
+        }) = self.confirm_waiting.front()
+        {
             if batch > upto {
                 break;
             }
             self.confirm_waiting.pop_front();
+            latency.observe(now.saturating_sub(at));
             if !rejected && (ok || batch == 0) {
                 self.confirm_ready(seq);
             } else {

@@ -7,6 +7,7 @@ mod auth;
 mod channel;
 pub mod config;
 mod connection;
+pub mod latency;
 pub mod manage;
 mod node;
 mod out;

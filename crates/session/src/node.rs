@@ -16,6 +16,7 @@ use warren_codec::{
 use crate::channel::{Channel, Ctx, DirectReply, Fault};
 use crate::config::SessionConfig;
 use crate::connection::{short_text, Connection, Next, State};
+use crate::latency::ConfirmLatency;
 use crate::out::send;
 
 /// Output buffer capacity a connection keeps between batches.
@@ -51,6 +52,7 @@ pub struct Node {
     cancelled: Vec<ConsumerKey>,
     direct_replies: Vec<DirectReply>,
     next_id: u64,
+    confirm_latency: ConfirmLatency,
     /// Channels with publisher confirms waiting for a store write.
     confirm_waiters: BTreeSet<(ConnId, u16)>,
     /// The resource alarm in force ("low on memory", "low on disk"), if any.
@@ -71,6 +73,7 @@ impl Node {
             cancelled: Vec::new(),
             direct_replies: Vec::new(),
             next_id: 0,
+            confirm_latency: ConfirmLatency::default(),
             confirm_waiters: BTreeSet::new(),
             alarm: None,
             recovering: false,
@@ -170,7 +173,7 @@ impl Node {
 
     /// Every batch up to `upto` is written (`ok`), or the write holding them failed: publisher
     /// confirms waiting for them go out (acks, or nacks after a failure).
-    pub fn writes_done(&mut self, upto: u64, ok: bool) {
+    pub fn writes_done(&mut self, upto: u64, ok: bool, now: u64) {
         if ok {
             self.broker.writes_done(upto);
         }
@@ -182,7 +185,7 @@ impl Node {
             let Some(ch) = c.channels.get_mut(&channel) else {
                 continue;
             };
-            if ch.writes_done(upto, ok, &mut c.out) {
+            if ch.writes_done(upto, ok, now, &mut self.confirm_latency, &mut c.out) {
                 self.confirm_waiters.insert((conn, channel));
             }
             c.confirms_pending = true;
@@ -191,6 +194,11 @@ impl Node {
                 self.dirty.push(conn);
             }
         }
+    }
+
+    /// From each publish to its confirm, over every confirm sent since the start.
+    pub fn confirm_latency(&self) -> &ConfirmLatency {
+        &self.confirm_latency
     }
 
     pub fn broker(&self) -> &Broker {
@@ -568,6 +576,7 @@ impl Node {
             config: &self.config,
             cancelled: &mut self.cancelled,
             next_id: &mut self.next_id,
+            confirm_latency: &mut self.confirm_latency,
             direct_replies: &mut self.direct_replies,
             conn_blocked,
         };

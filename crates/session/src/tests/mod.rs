@@ -1074,8 +1074,17 @@ fn a_persistent_publish_is_confirmed_only_once_its_write_is_done() {
         .take_writes()
         .expect("a write for the persistent message");
     assert!(batch.sync);
-    c.node.writes_done(batch.number, true);
+    c.now += 7;
+    c.node.writes_done(batch.number, true, c.now);
     assert_eq!(confirms(c.frames()), vec![(true, 2, true)]);
+    // Both confirms waited 7 ms: the (5, 10] bucket.
+    let h = c.node.confirm_latency();
+    assert_eq!((h.count, h.sum_ms, h.buckets[3]), (2, 14, 2));
+    // A confirm that waits for nothing counts as 0 ms.
+    c.publish(1, "q", b"in memory");
+    assert_eq!(confirms(c.frames()), vec![(true, 3, false)]);
+    let h = c.node.confirm_latency();
+    assert_eq!((h.count, h.buckets[0]), (3, 1));
 }
 
 #[test]
@@ -1086,7 +1095,7 @@ fn a_failed_write_nacks_its_publishes_and_releases_the_rest() {
     c.publish_props(1, "q", b"lost", persistent_props());
     c.publish(1, "q", b"in memory");
     let batch = c.node.take_writes().expect("a write");
-    c.node.writes_done(batch.number, false);
+    c.node.writes_done(batch.number, false, c.now);
     assert_eq!(
         confirms(c.frames()),
         vec![(false, 1, false), (true, 2, false)]
@@ -1103,9 +1112,9 @@ fn tx_commit_ok_waits_for_the_write_of_its_persistent_messages() {
     assert!(c.frames().is_empty(), "commit-ok before the write");
     let batch = c.node.take_writes().expect("a write");
     // A failed write does not answer the commit: the store retries until it succeeds.
-    c.node.writes_done(batch.number, false);
+    c.node.writes_done(batch.number, false, c.now);
     assert!(c.frames().is_empty());
-    c.node.writes_done(batch.number, true);
+    c.node.writes_done(batch.number, true, c.now);
     assert!(matches!(c.recv_method(), Method::TxCommitOk(_)));
 }
 
@@ -1122,7 +1131,7 @@ fn commit_oks_keep_their_order_behind_one_waiting_for_the_disk() {
     c.send(1, TxCommit {});
     assert!(c.frames().is_empty(), "a commit-ok ahead of the first");
     let batch = c.node.take_writes().expect("a write");
-    c.node.writes_done(batch.number, true);
+    c.node.writes_done(batch.number, true, c.now);
     let oks = c
         .frames()
         .into_iter()
