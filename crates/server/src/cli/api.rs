@@ -175,9 +175,16 @@ impl Api {
     }
 
     fn transport_error(&self, e: ureq::Error) -> CliError {
-        CliError::Unreachable {
-            api: self.base.clone(),
-            detail: e.to_string(),
+        match e {
+            ureq::Error::BadUri(_) | ureq::Error::Http(_) => CliError::Usage(format!(
+                "{} is not a usable address for the management API ({e}): pass --api \
+                 http://host:15672",
+                self.base
+            )),
+            _ => CliError::Unreachable {
+                api: self.base.clone(),
+                detail: e.to_string(),
+            },
         }
     }
 }
