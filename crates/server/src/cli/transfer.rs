@@ -176,9 +176,14 @@ impl Progress {
         if std::io::stderr().is_terminal() {
             let bar = indicatif::ProgressBar::new(total);
             if let Ok(style) = indicatif::ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} moved, {per_sec}, {eta} left",
+                "{bar:40} {pos}/{len} moved, {rate} msg/s, {eta} left",
             ) {
-                bar.set_style(style);
+                bar.set_style(style.with_key(
+                    "rate",
+                    |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                        let _ = write!(w, "{:.0}", s.per_sec());
+                    },
+                ));
             }
             Progress::Bar(bar)
         } else {
@@ -195,7 +200,8 @@ impl Progress {
             Progress::Bar(bar) => {
                 bar.set_position(moved);
                 if done {
-                    bar.finish();
+                    // The summary line that follows says what was moved.
+                    bar.finish_and_clear();
                 }
             }
             Progress::Lines {
