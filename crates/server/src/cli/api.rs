@@ -48,6 +48,7 @@ impl Api {
             // The management port is usually local: a proxy from the environment would only
             // get in the way.
             .proxy(None)
+            .user_agent(concat!("warren/", env!("CARGO_PKG_VERSION")))
             .build();
         let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"));
         Api {
@@ -149,7 +150,8 @@ impl Api {
         let mut items = Vec::new();
         let mut page = 1u64;
         loop {
-            let mut query = format!("{path}?page={page}&page_size=500");
+            // Sorted by name so that pages do not shift between requests.
+            let mut query = format!("{path}?page={page}&page_size=500&sort=name");
             if let Some(f) = filter {
                 query.push_str(&format!("&name={}&use_regex=true", enc(f)));
             }
