@@ -12,14 +12,23 @@ use warren_session::{SessionConfig, User};
 pub enum Command {
     /// Moves messages from a queue (a dead-letter queue) back to where they came from, or to
     /// another queue, at a chosen rate, without losing any (see docs/task-queues.md)
-    Redrive(crate::redrive::RedriveArgs),
+    Redrive(crate::cli::transfer::RedriveArgs),
+    /// The commands over the management HTTP API (docs/operations.md, "CLI"), and move.
+    #[command(flatten)]
+    Cli(crate::cli::Command),
 }
 
 #[derive(Parser, Debug, Default)]
 #[command(
     name = "warren",
     version,
-    about = "Warren: an AMQP 0-9-1 message broker for task queues"
+    about = "Warren: an AMQP 0-9-1 message broker for task queues",
+    long_about = "Warren: an AMQP 0-9-1 message broker for task queues.\n\n\
+        Without a command, runs the broker (its settings are the options below). With one, \
+        talks to a running broker: status, list, declare, delete, purge, publish, get, export, \
+        import and close use the management HTTP API (--api, default http://127.0.0.1:15672; \
+        RabbitMQ's management plugin too); move and redrive use AMQP (--url). \
+        `warren COMMAND --help` for each."
 )]
 pub struct Args {
     /// Runs a command instead of the broker.

@@ -1,11 +1,11 @@
-//! The `warren` binary: an AMQP 0-9-1 broker.
+//! The `warren` binary: an AMQP 0-9-1 broker, and the commands that manage one (`cli`).
 
 mod alarms;
+mod cli;
 mod config;
 mod driver;
 mod http;
 mod metrics;
-mod redrive;
 mod storage;
 
 use std::process::ExitCode;
@@ -22,8 +22,10 @@ use crate::config::{Args, Config};
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    if let Some(config::Command::Redrive(r)) = args.command {
-        return redrive::main(r);
+    match args.command {
+        Some(config::Command::Redrive(r)) => return cli::transfer::main_redrive(r),
+        Some(config::Command::Cli(c)) => return cli::main(c),
+        None => {}
     }
     if let Some(path) = &args.replay_commands {
         return replay_commands(path);

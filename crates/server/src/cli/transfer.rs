@@ -1,5 +1,6 @@
-//! `warren redrive`: moves messages out of a queue (a dead-letter queue, typically) back to the
-//! queue each was dead-lettered from, or to a named queue, over AMQP at a chosen rate.
+//! `warren move` and `warren redrive`: move messages out of a queue into another over AMQP, at
+//! a chosen rate. `redrive` is a move whose target defaults, message by message, to the queue
+//! each was dead-lettered from; both run [`transfer`].
 //!
 //! Each message is taken with `basic.get`, published to the target through the default
 //! exchange on a confirm channel (mandatory, so a missing target is noticed), and acked in
@@ -20,8 +21,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 
-/// Moves messages from one queue to another: a dead-letter queue back to where its messages
-/// came from, or any queue into any other.
+/// Moves messages from a dead-letter queue back to where they came from, or to another queue.
 #[derive(Args, Debug, Clone)]
 pub struct RedriveArgs {
     /// The queue to take messages from.
@@ -31,13 +31,33 @@ pub struct RedriveArgs {
     /// `x-first-death-queue` header or its first `x-death` entry]
     #[arg(long)]
     pub to: Option<String>,
+    #[command(flatten)]
+    pub pace: Pace,
+}
+
+/// Moves messages from one queue to another.
+#[derive(Args, Debug, Clone)]
+pub struct MoveArgs {
+    /// The queue to take messages from.
+    #[arg(long)]
+    pub from: String,
+    /// The queue to move them to.
+    #[arg(long)]
+    pub to: String,
+    #[command(flatten)]
+    pub pace: Pace,
+}
+
+/// How fast, how many, and where the broker is (AMQP, for the confirmed hand-over).
+#[derive(Args, Debug, Clone)]
+pub struct Pace {
     /// Most messages moved per second [default: as fast as confirms come back]
     #[arg(long)]
     pub rate: Option<u32>,
     /// Most messages to move [default: all those in the queue when the move starts]
     #[arg(long)]
     pub limit: Option<u64>,
-    /// The broker (vhost "/" is %2f)
+    /// The broker's AMQP address (vhost "/" is %2f)
     #[arg(
         long,
         env = "WARREN_URL",
@@ -47,7 +67,7 @@ pub struct RedriveArgs {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum RedriveError {
+enum TransferError {
     #[error(
         "cannot connect to {url}: {source} (is the broker running? pass --url amqp://user:pass@host:port/vhost)"
     )]
@@ -72,29 +92,35 @@ enum RedriveError {
     Amqp(#[from] lapin::Error),
 }
 
-/// Runs the command: exit 0 when the messages were moved (or there were none).
-pub fn main(args: RedriveArgs) -> ExitCode {
+/// `warren redrive`: exit 0 when the messages were moved (or there were none).
+pub fn main_redrive(a: RedriveArgs) -> ExitCode {
+    run("redrive", &a.from, a.to.as_deref(), &a.pace)
+}
+
+/// `warren move`: the same, to one named queue.
+pub fn main_move(a: MoveArgs) -> ExitCode {
+    run("move", &a.from, Some(&a.to), &a.pace)
+}
+
+fn run(command: &str, from: &str, to: Option<&str>, pace: &Pace) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("warren redrive: cannot start the runtime: {e}");
+            eprintln!("warren {command}: cannot start the runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(redrive(&args)) {
+    match runtime.block_on(transfer(from, to, pace)) {
         Ok(moved) => {
-            let to = args
-                .to
-                .as_deref()
-                .map_or_else(|| "their source queues".to_string(), |q| format!("'{q}'"));
-            println!("moved {moved} message(s) from '{}' to {to}", args.from);
+            let to = to.map_or_else(|| "their source queues".to_string(), |q| format!("'{q}'"));
+            println!("moved {moved} message(s) from '{from}' to {to}");
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("warren redrive: {e}");
+            eprintln!("warren {command}: {e}");
             ExitCode::FAILURE
         }
     }
@@ -121,7 +147,7 @@ fn origin(props: &BasicProperties) -> Option<String> {
     })
 }
 
-async fn message_count(ch: &Channel, queue: &str) -> Result<u32, RedriveError> {
+async fn message_count(ch: &Channel, queue: &str) -> Result<u32, TransferError> {
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()
@@ -131,73 +157,104 @@ async fn message_count(ch: &Channel, queue: &str) -> Result<u32, RedriveError> {
         .await
     {
         Ok(q) => Ok(q.message_count()),
-        Err(_) => Err(RedriveError::NoQueue(queue.to_string())),
+        Err(_) => Err(TransferError::NoQueue(queue.to_string())),
     }
 }
 
-/// Shows progress: a line rewritten in place on a terminal, a line a second otherwise.
-struct Progress {
-    start: Instant,
-    shown: Instant,
-    total: u64,
-    tty: bool,
+/// Shows progress: a bar on a terminal (indicatif), a line a second otherwise (logs).
+enum Progress {
+    Bar(indicatif::ProgressBar),
+    Lines {
+        start: Instant,
+        shown: Instant,
+        total: u64,
+    },
 }
 
 impl Progress {
-    fn show(&mut self, moved: u64, done: bool) {
-        if !done && self.shown.elapsed() < Duration::from_millis(if self.tty { 100 } else { 1000 })
-        {
-            return;
-        }
-        self.shown = Instant::now();
-        let secs = self.start.elapsed().as_secs_f64().max(1e-3);
-        let line = format!(
-            "moved {moved}/{} ({:.0} msg/s)",
-            self.total,
-            moved as f64 / secs
-        );
-        let mut err = std::io::stderr();
-        if self.tty {
-            let _ = write!(err, "\r{line}{}", if done { "\n" } else { "" });
+    fn new(total: u64) -> Progress {
+        if std::io::stderr().is_terminal() {
+            let bar = indicatif::ProgressBar::new(total);
+            if let Ok(style) = indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} moved, {rate} msg/s, {eta} left",
+            ) {
+                bar.set_style(style.with_key(
+                    "rate",
+                    |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                        let _ = write!(w, "{:.0}", s.per_sec());
+                    },
+                ));
+            }
+            Progress::Bar(bar)
         } else {
-            let _ = writeln!(err, "{line}");
+            Progress::Lines {
+                start: Instant::now(),
+                shown: Instant::now(),
+                total,
+            }
         }
-        let _ = err.flush();
+    }
+
+    fn show(&mut self, moved: u64, done: bool) {
+        match self {
+            Progress::Bar(bar) => {
+                bar.set_position(moved);
+                if done {
+                    // The summary line that follows says what was moved.
+                    bar.finish_and_clear();
+                }
+            }
+            Progress::Lines {
+                start,
+                shown,
+                total,
+            } => {
+                if !done && shown.elapsed() < Duration::from_secs(1) {
+                    return;
+                }
+                *shown = Instant::now();
+                let secs = start.elapsed().as_secs_f64().max(1e-3);
+                let mut err = std::io::stderr();
+                let _ = writeln!(
+                    err,
+                    "moved {moved}/{total} ({:.0} msg/s)",
+                    moved as f64 / secs
+                );
+                let _ = err.flush();
+            }
+        }
     }
 }
 
-async fn redrive(a: &RedriveArgs) -> Result<u64, RedriveError> {
-    let conn = Connection::connect(&a.url, ConnectionProperties::default())
+/// Moves the messages of `from` (those present at the start, at most `pace.limit`) to `to`,
+/// or each to its dead-letter origin; returns how many were moved.
+async fn transfer(from: &str, to: Option<&str>, pace: &Pace) -> Result<u64, TransferError> {
+    let conn = Connection::connect(&pace.url, ConnectionProperties::default())
         .await
-        .map_err(|source| RedriveError::Connect {
-            url: a.url.clone(),
+        .map_err(|source| TransferError::Connect {
+            url: pace.url.clone(),
             source,
         })?;
     // One channel for the checks (a failed passive declare closes it), one for the move.
     let check = conn.create_channel().await?;
-    let present = u64::from(message_count(&check, &a.from).await?);
-    if let Some(to) = &a.to {
+    let present = u64::from(message_count(&check, from).await?);
+    if let Some(to) = to {
         message_count(&check, to).await?;
     }
-    let total = a.limit.map_or(present, |l| l.min(present));
+    let total = pace.limit.map_or(present, |l| l.min(present));
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     // Batches small enough that a rate limit is kept smoothly.
-    let batch = a.rate.map_or(100, |r| (r / 10).clamp(1, 100)) as u64;
-    let tty = std::io::stderr().is_terminal();
-    let mut progress = Progress {
-        start: Instant::now(),
-        shown: Instant::now(),
-        total,
-        tty,
-    };
+    let batch = pace.rate.map_or(100, |r| (r / 10).clamp(1, 100)) as u64;
+    let start = Instant::now();
+    let mut progress = Progress::new(total);
     let mut moved = 0u64;
     let result = async {
         while moved < total {
             let mut taken = Vec::new();
             while (taken.len() as u64) < batch.min(total - moved) {
                 match ch
-                    .basic_get(a.from.as_str().into(), BasicGetOptions { no_ack: false })
+                    .basic_get(from.into(), BasicGetOptions { no_ack: false })
                     .await?
                 {
                     Some(m) => taken.push(m),
@@ -212,8 +269,8 @@ async fn redrive(a: &RedriveArgs) -> Result<u64, RedriveError> {
             let mut stop = None;
             for m in &taken {
                 let d = &m.delivery;
-                let Some(to) = a.to.clone().or_else(|| origin(&d.properties)) else {
-                    stop = Some(RedriveError::NoOrigin(a.from.clone()));
+                let Some(to) = to.map(str::to_owned).or_else(|| origin(&d.properties)) else {
+                    stop = Some(TransferError::NoOrigin(from.to_owned()));
                     break;
                 };
                 let confirm = ch
@@ -238,10 +295,10 @@ async fn redrive(a: &RedriveArgs) -> Result<u64, RedriveError> {
                         moved += 1;
                     }
                     Confirmation::Ack(Some(_)) => {
-                        stop.get_or_insert(RedriveError::Unroutable(to));
+                        stop.get_or_insert(TransferError::Unroutable(to));
                     }
                     Confirmation::Nack(_) => {
-                        stop.get_or_insert(RedriveError::Refused(to));
+                        stop.get_or_insert(TransferError::Refused(to));
                     }
                 }
             }
@@ -249,9 +306,9 @@ async fn redrive(a: &RedriveArgs) -> Result<u64, RedriveError> {
                 return Err(e);
             }
             progress.show(moved, false);
-            if let Some(rate) = a.rate.filter(|r| *r > 0) {
+            if let Some(rate) = pace.rate.filter(|r| *r > 0) {
                 let due = Duration::from_secs_f64(moved as f64 / f64::from(rate));
-                let elapsed = progress.start.elapsed();
+                let elapsed = start.elapsed();
                 if due > elapsed {
                     tokio::time::sleep(due - elapsed).await;
                 }
@@ -262,7 +319,7 @@ async fn redrive(a: &RedriveArgs) -> Result<u64, RedriveError> {
     .await;
     progress.show(moved, true);
     // Closing returns whatever was taken and not moved to the source at once.
-    let _ = conn.close(200, "redrive done".into()).await;
+    let _ = conn.close(200, "move done".into()).await;
     result.map(|()| moved)
 }
 

@@ -1,0 +1,583 @@
+//! The `warren` CLI end to end: each test runs the binary's subcommands against a spawned
+//! broker's management API (`WARREN_API`), and checks what they print, their exit codes and
+//! what they did to the broker. Against an external broker (`WARREN_TEST_URL`) the API is
+//! `WARREN_TEST_HTTP_URL`; the command is always Warren's binary.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lapin::{Connection, ConnectionProperties};
+
+use serde_json::Value;
+use warren_conformance::queues::ready;
+use warren_conformance::{unique, warren_binary, TestBroker, WAIT};
+
+/// What a run of the CLI gave.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn ok(self) -> Run {
+        assert_eq!(
+            self.code, 0,
+            "stdout:\n{}\nstderr:\n{}",
+            self.stdout, self.stderr
+        );
+        self
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}):\n{}", self.stdout))
+    }
+}
+
+/// Runs `warren ARGS` against the broker's API, with `stdin` as its input.
+fn warren_in(b: &TestBroker, args: &[&str], stdin: &str) -> Run {
+    let mut child = Command::new(warren_binary())
+        .args(args)
+        .env("WARREN_API", b.http_url().expect("management API on"))
+        .env_remove("WARREN_USER")
+        .env_remove("WARREN_PASSWORD")
+        .env_remove("WARREN_URL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run warren");
+    if let Some(mut input) = child.stdin.take() {
+        input.write_all(stdin.as_bytes()).expect("write stdin");
+    }
+    let out = child.wait_with_output().expect("warren output");
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn warren(b: &TestBroker, args: &[&str]) -> Run {
+    warren_in(b, args, "")
+}
+
+fn ready_now(b: &TestBroker, q: &str) -> u32 {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let conn = b.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let n = ready(&ch, q).await;
+        let _ = conn.close(200, "".into()).await;
+        n
+    })
+}
+
+#[test]
+fn a_queue_is_declared_published_to_listed_peeked_and_purged() {
+    let b = TestBroker::start();
+    let q = unique("cli-q");
+    let made = warren(
+        &b,
+        &[
+            "declare",
+            "queue",
+            &q,
+            "--durable",
+            "--argument",
+            "x-max-length=10",
+        ],
+    )
+    .ok();
+    assert!(made.stdout.contains("declared queue"), "{}", made.stdout);
+    let again = warren(
+        &b,
+        &[
+            "declare",
+            "queue",
+            &q,
+            "--durable",
+            "--argument",
+            "x-max-length=10",
+        ],
+    )
+    .ok();
+    assert!(again.stdout.contains("unchanged"), "{}", again.stdout);
+    for body in ["one", "two"] {
+        let p = warren(
+            &b,
+            &[
+                "publish",
+                "--routing-key",
+                &q,
+                "--body",
+                body,
+                "--header",
+                "n=1",
+            ],
+        )
+        .ok();
+        assert_eq!(p.stdout.trim(), "routed: true");
+    }
+    warren_in(
+        &b,
+        &[
+            "publish",
+            "--routing-key",
+            &q,
+            "--property",
+            "delivery_mode=2",
+        ],
+        "from stdin",
+    )
+    .ok();
+    assert_eq!(ready_now(&b, &q), 3);
+
+    // A table with the queue's row, and the API's JSON with typed arguments.
+    let table = warren(&b, &["list", "queues", "--filter", &format!("^{q}$")])
+        .ok()
+        .stdout;
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 2, "{table}");
+    assert!(
+        lines[0].starts_with("name") && lines[0].contains("ready"),
+        "{table}"
+    );
+    assert!(
+        lines[1].starts_with(&q) && lines[1].contains("classic"),
+        "{table}"
+    );
+    let listed = warren(
+        &b,
+        &[
+            "list",
+            "queues",
+            "--filter",
+            &format!("^{q}$"),
+            "--format",
+            "json",
+        ],
+    )
+    .ok()
+    .json();
+    assert_eq!(listed[0]["name"], q.as_str());
+    assert_eq!(
+        listed[0]["arguments"]["x-max-length"], 10,
+        "a number, not \"10\""
+    );
+    assert_eq!(listed[0]["durable"], true);
+
+    // get peeks by default: the messages stay.
+    let peek = warren(&b, &["get", &q, "--count", "3"]).ok().stdout;
+    for body in ["one", "two", "from stdin"] {
+        assert!(peek.lines().any(|l| l == body), "{peek}");
+    }
+    assert!(peek.contains("\"n\":1"), "headers shown: {peek}");
+    assert_eq!(ready_now(&b, &q), 3);
+    let taken = warren(
+        &b,
+        &[
+            "get",
+            &q,
+            "--ackmode",
+            "ack_requeue_false",
+            "--format",
+            "json",
+        ],
+    )
+    .ok()
+    .json();
+    assert_eq!(taken.as_array().map(Vec::len), Some(1));
+    assert_eq!(ready_now(&b, &q), 2);
+
+    warren(&b, &["purge", &q]).ok();
+    assert_eq!(ready_now(&b, &q), 0);
+    let unrouted = warren(
+        &b,
+        &[
+            "publish",
+            "--routing-key",
+            &unique("nowhere"),
+            "--body",
+            "x",
+        ],
+    );
+    assert_eq!(unrouted.code, 1, "{}", unrouted.stderr);
+    assert_eq!(unrouted.stdout.trim(), "routed: false");
+    warren(&b, &["delete", "queue", &q, "--if-empty"]).ok();
+    let gone = warren(&b, &["purge", &q]);
+    assert_eq!(gone.code, 1);
+    assert!(
+        gone.stderr
+            .contains(&format!("queue '{q}' does not exist in vhost '/'")),
+        "{}",
+        gone.stderr
+    );
+}
+
+#[test]
+fn bindings_are_declared_used_and_deleted() {
+    let b = TestBroker::start();
+    let (q, x) = (unique("cli-bq"), unique("cli-bx"));
+    warren(&b, &["declare", "queue", &q]).ok();
+    warren(&b, &["declare", "exchange", &x, "--type", "direct"]).ok();
+    let key = "a key/with.odd chars";
+    warren(
+        &b,
+        &[
+            "declare",
+            "binding",
+            "--source",
+            &x,
+            "--destination",
+            &q,
+            "--routing-key",
+            key,
+        ],
+    )
+    .ok();
+    let listed = warren(
+        &b,
+        &["list", "bindings", "--format", "json", "--filter", &x],
+    )
+    .ok()
+    .json();
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["source"] == x.as_str() && v["routing_key"] == key),
+        "{listed}"
+    );
+    let routed = warren(
+        &b,
+        &[
+            "publish",
+            "--exchange",
+            &x,
+            "--routing-key",
+            key,
+            "--body",
+            "hi",
+        ],
+    )
+    .ok();
+    assert_eq!(routed.stdout.trim(), "routed: true");
+    warren(
+        &b,
+        &[
+            "delete",
+            "binding",
+            "--source",
+            &x,
+            "--destination",
+            &q,
+            "--routing-key",
+            key,
+        ],
+    )
+    .ok();
+    let not = warren(
+        &b,
+        &[
+            "publish",
+            "--exchange",
+            &x,
+            "--routing-key",
+            key,
+            "--body",
+            "hi",
+        ],
+    );
+    assert_eq!((not.code, not.stdout.trim()), (1, "routed: false"));
+    let again = warren(
+        &b,
+        &[
+            "delete",
+            "binding",
+            "--source",
+            &x,
+            "--destination",
+            &q,
+            "--routing-key",
+            key,
+        ],
+    );
+    assert_eq!(again.code, 1);
+    assert!(
+        again.stderr.contains("no binding from exchange"),
+        "{}",
+        again.stderr
+    );
+    warren(&b, &["delete", "exchange", &x]).ok();
+    warren(&b, &["delete", "queue", &q]).ok();
+}
+
+#[test]
+fn definitions_are_exported_and_imported_back() {
+    let b = TestBroker::start();
+    let (q, x) = (unique("cli-dq"), unique("cli-dx"));
+    warren(
+        &b,
+        &[
+            "declare",
+            "queue",
+            &q,
+            "--durable",
+            "--argument",
+            "x-message-ttl=60000",
+        ],
+    )
+    .ok();
+    warren(
+        &b,
+        &["declare", "exchange", &x, "--type", "fanout", "--durable"],
+    )
+    .ok();
+    warren(
+        &b,
+        &["declare", "binding", "--source", &x, "--destination", &q],
+    )
+    .ok();
+    let file = std::env::temp_dir().join(format!("{}.json", unique("warren-defs")));
+    let path = file.to_str().unwrap();
+    let out = warren(&b, &["export", path]).ok();
+    assert!(out.stderr.contains("exported"), "{}", out.stderr);
+    let defs: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert!(defs["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|v| v["name"] == q.as_str()));
+    warren(&b, &["delete", "exchange", &x]).ok();
+    warren(&b, &["delete", "queue", &q]).ok();
+    warren(&b, &["import", path]).ok();
+    let back = warren(&b, &["list", "queues", "--format", "json", "--filter", &q])
+        .ok()
+        .json();
+    assert_eq!(back[0]["arguments"]["x-message-ttl"], 60000);
+    let bound = warren(&b, &["publish", "--exchange", &x, "--body", "again"]).ok();
+    assert_eq!(
+        bound.stdout.trim(),
+        "routed: true",
+        "the binding came back too"
+    );
+    let _ = std::fs::remove_file(&file);
+    warren(&b, &["delete", "exchange", &x]).ok();
+    warren(&b, &["delete", "queue", &q]).ok();
+}
+
+#[test]
+fn a_connection_is_closed_by_its_name() {
+    let b = TestBroker::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let tag = unique("cli-conn");
+    let props = ConnectionProperties::default().with_connection_name(tag.as_str().into());
+    let conn = rt
+        .block_on(Connection::connect(b.url(), props))
+        .expect("connect");
+    // Ours among any others, by the name it gave; RabbitMQ lists a connection only once its
+    // first statistics are out (a few seconds), Warren at once.
+    let deadline = Instant::now() + WAIT;
+    let name = loop {
+        let listed = warren(&b, &["list", "connections", "--format", "json"])
+            .ok()
+            .json();
+        let ours = listed.as_array().unwrap().iter().find_map(|c| {
+            (c["client_properties"]["connection_name"] == tag.as_str())
+                .then(|| c["name"].as_str().map(str::to_owned))
+                .flatten()
+        });
+        match ours {
+            Some(n) => break n,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            None => panic!("our connection is not listed: {listed}"),
+        }
+    };
+    let table = warren(&b, &["list", "connections"]).ok().stdout;
+    assert!(table.contains(&name), "{table}");
+    warren(&b, &["close", &name, "--reason", "maintenance"]).ok();
+    rt.block_on(async {
+        while conn.status().connected() && Instant::now() < deadline + WAIT {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    assert!(!conn.status().connected(), "closed");
+    let again = warren(&b, &["close", &name]);
+    assert_eq!(again.code, 1);
+    assert!(again.stderr.contains("does not exist"), "{}", again.stderr);
+}
+
+#[test]
+fn messages_move_between_queues_with_a_limit() {
+    let b = TestBroker::start();
+    let (from, to) = (unique("cli-from"), unique("cli-to"));
+    for q in [&from, &to] {
+        warren(&b, &["declare", "queue", q, "--durable"]).ok();
+    }
+    for i in 0..10 {
+        warren(
+            &b,
+            &[
+                "publish",
+                "--routing-key",
+                &from,
+                "--body",
+                &format!("m{i}"),
+            ],
+        )
+        .ok();
+    }
+    let moved = warren(
+        &b,
+        &[
+            "move",
+            "--from",
+            &from,
+            "--to",
+            &to,
+            "--limit",
+            "4",
+            "--url",
+            b.url(),
+        ],
+    )
+    .ok();
+    assert!(
+        moved.stdout.contains("moved 4 message(s)"),
+        "{}",
+        moved.stdout
+    );
+    assert!(
+        moved.stderr.contains("moved 4/4"),
+        "the progress line: {}",
+        moved.stderr
+    );
+    assert_eq!((ready_now(&b, &from), ready_now(&b, &to)), (6, 4));
+    // The first four, in order.
+    let got = warren(&b, &["get", &to, "--count", "10", "--format", "json"])
+        .ok()
+        .json();
+    let bodies: Vec<&str> = got
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["payload"].as_str())
+        .collect();
+    assert_eq!(bodies, ["m0", "m1", "m2", "m3"]);
+    let missing = warren(
+        &b,
+        &[
+            "move",
+            "--from",
+            &from,
+            "--to",
+            &unique("nope"),
+            "--url",
+            b.url(),
+        ],
+    );
+    assert_eq!(missing.code, 1);
+    assert!(
+        missing.stderr.contains("does not exist"),
+        "{}",
+        missing.stderr
+    );
+    assert_eq!(ready_now(&b, &from), 6, "nothing moved to a missing queue");
+    for q in [&from, &to] {
+        warren(&b, &["delete", "queue", q]).ok();
+    }
+}
+
+#[test]
+fn lists_longer_than_a_page_are_listed_whole() {
+    let b = TestBroker::start();
+    let prefix = unique("cli-page");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let n = 520; // more than one page of 500
+    rt.block_on(async {
+        let conn = b.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        for i in 0..n {
+            ch.queue_declare(
+                format!("{prefix}-{i:04}").as_str().into(),
+                Default::default(),
+                Default::default(),
+            )
+            .await
+            .unwrap();
+        }
+        let _ = conn.close(200, "".into()).await;
+    });
+    let table = warren(&b, &["list", "queues", "--filter", &format!("^{prefix}-")])
+        .ok()
+        .stdout;
+    assert_eq!(table.lines().count(), n + 1, "a header and every queue");
+    assert!(table
+        .lines()
+        .nth(n)
+        .unwrap()
+        .starts_with(&format!("{prefix}-0519")));
+    rt.block_on(async {
+        let conn = b.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        for i in 0..n {
+            let q = format!("{prefix}-{i:04}");
+            ch.queue_delete(q.as_str().into(), Default::default())
+                .await
+                .unwrap();
+        }
+        let _ = conn.close(200, "".into()).await;
+    });
+    let status = warren(&b, &["status"]).ok().stdout;
+    assert!(status.contains("queues:"), "{status}");
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("listeners:") && l.contains("amqp")),
+        "{status}"
+    );
+    if !b.is_external() {
+        assert!(status.contains("Warren"), "{status}");
+    }
+}
+
+#[test]
+fn errors_say_what_to_do_next() {
+    let b = TestBroker::start();
+    let denied = warren(&b, &["list", "queues", "--password", "wrong"]);
+    assert_eq!(denied.code, 1);
+    assert!(
+        denied.stderr.contains("--user") && denied.stderr.contains("--password"),
+        "{}",
+        denied.stderr
+    );
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let api = format!("http://127.0.0.1:{port}");
+    let down = warren(&b, &["status", "--api", &api]);
+    assert_eq!(down.code, 1);
+    assert!(
+        down.stderr
+            .contains(&format!("cannot reach the management API at {api}"))
+            && down.stderr.contains("pass --api"),
+        "{}",
+        down.stderr
+    );
+    let vhost = warren(&b, &["list", "queues", "--vhost", &unique("no-vhost")]);
+    assert_eq!(vhost.code, 1);
+    assert!(vhost.stderr.contains("vhost 'no-vhost"), "{}", vhost.stderr);
+    let usage = warren(
+        &b,
+        &["declare", "queue", "q", "--argument", "no-equals-sign"],
+    );
+    assert_eq!(usage.code, 2, "{}", usage.stderr);
+    assert!(usage.stderr.contains("KEY=VALUE"), "{}", usage.stderr);
+}
