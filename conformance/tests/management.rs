@@ -426,7 +426,12 @@ fn metrics_use_rabbitmqs_names_and_pass_promtool() {
         per.contains(&line).then_some(per.clone()).ok_or(per)
     });
     request("DELETE", &format!("{a}/queues/%2F/{q}"), GUEST, &[], None);
-    // Prometheus's own checker, where the machine has it (Debian's prometheus package).
+    // Prometheus's own checker, where the machine has it (Debian's prometheus package). Not
+    // against RabbitMQ: 3.10.8's own output fails its lint (erlang_mnesia_*_transactions are
+    // counters without the `_total` suffix).
+    if b.is_external() {
+        return;
+    }
     for t in [&text, &per] {
         let Ok(mut child) = std::process::Command::new("promtool")
             .args(["check", "metrics"])
