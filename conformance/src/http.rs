@@ -115,3 +115,23 @@ fn dechunk(mut data: &[u8]) -> Vec<u8> {
         data = &data[(eol + 4 + size).min(data.len())..];
     }
 }
+
+/// How long [`eventually`] waits. RabbitMQ's management API shows a queue's message counts and
+/// a new connection only after its stats are next emitted (`collect_statistics_interval`, 5 s by
+/// default), so a test that reads them right after acting must poll; Warren answers at once.
+pub const STATS_WAIT: Duration = Duration::from_secs(15);
+
+/// Calls `check` until it returns `Ok` (at most [`STATS_WAIT`]), else panics with `what` and
+/// the last `Err` it returned.
+pub fn eventually<T>(what: &str, mut check: impl FnMut() -> Result<T, String>) -> T {
+    let deadline = std::time::Instant::now() + STATS_WAIT;
+    loop {
+        match check() {
+            Ok(v) => return v,
+            Err(last) if std::time::Instant::now() > deadline => {
+                panic!("timed out after {STATS_WAIT:?} waiting for {what}; last: {last}")
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}

@@ -75,6 +75,9 @@ pub struct ConsumerSnapshot {
     pub active: bool,
     /// Unacked messages it holds.
     pub held: u32,
+    /// Its consumer timeout (ms): its own `x-consumer-timeout`, else its queue's; `None` when
+    /// it has none.
+    pub timeout_ms: Option<u64>,
 }
 
 /// Totals over every queue (RabbitMQ's `queue_totals`, `object_totals`).
@@ -232,6 +235,7 @@ impl Broker {
                     arguments: spec.arguments.clone(),
                     active: !single || Some(id) == receiving,
                     held,
+                    timeout_ms: q.machine.consumer_timeout_ms(id),
                 });
             }
         }

@@ -2120,6 +2120,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.consumers.iter().map(|(id, c)| (*id, &c.spec, c.held))
     }
 
+    /// A consumer's timeout (ms), as it is enforced: its own `x-consumer-timeout`, else the
+    /// queue's; `None` when it has none (or is gone).
+    pub fn consumer_timeout_ms(&self, id: ConsumerId) -> Option<u64> {
+        let c = self.consumers.get(&id)?;
+        c.ack_timeout_ms.or(self.policy.consumer_timeout_ms)
+    }
+
     pub fn has_had_consumers(&self) -> bool {
         self.has_had_consumers
     }

@@ -338,10 +338,11 @@ pub fn channel(c: &ConnectionSnapshot, ch: &ChannelSnapshot, node: &str) -> Valu
     })
 }
 
-pub fn consumer(k: &ConsumerSnapshot, conn: Option<&ConnectionSnapshot>) -> Value {
+pub fn consumer(k: &ConsumerSnapshot, conn: Option<&ConnectionSnapshot>, node: &str) -> Value {
     let channel = conn.map(|c| {
         json!({
             "name": format!("{} ({})", connection_name(c), k.channel),
+            "node": node,
             "number": k.channel,
             "user": c.user,
             "connection_name": connection_name(c),
@@ -349,7 +350,7 @@ pub fn consumer(k: &ConsumerSnapshot, conn: Option<&ConnectionSnapshot>) -> Valu
             "peer_port": c.peer.map(|a| a.port()),
         })
     });
-    json!({
+    let mut v = json!({
         "consumer_tag": k.tag.as_str(),
         "queue": {"name": k.queue.as_str(), "vhost": k.vhost},
         "channel_details": channel,
@@ -358,11 +359,18 @@ pub fn consumer(k: &ConsumerSnapshot, conn: Option<&ConnectionSnapshot>) -> Valu
         "exclusive": k.exclusive,
         "active": k.active,
         "activity_status": if k.active { "up" } else { "waiting" },
-        "consumer_timeout": null,
         "arguments": table(&k.arguments),
         "priority": k.priority,
         "messages_unacknowledged": k.held,
-    })
+    });
+    // RabbitMQ 3.12+ always sends the consumer's timeout in ms (its default is 30 minutes),
+    // and RabbitMQ's own clients read it as a number; 3.10.8 sends none. Warren has no default
+    // timeout: the field is there when one applies, absent (as in 3.10.8) when none does,
+    // never null.
+    if let Some(ms) = k.timeout_ms {
+        v["consumer_timeout"] = json!(ms);
+    }
+    v
 }
 
 #[cfg(test)]

@@ -102,6 +102,10 @@ pub fn router(api: Arc<Api>) -> Router {
             get(one_connection).delete(close_connection),
         )
         .route("/api/connections/{name}/channels", get(connection_channels))
+        .route(
+            "/api/connections/username/{user}",
+            get(user_connections).delete(close_user_connections),
+        )
         .route("/api/channels", get(channels))
         .route("/api/channels/{name}", get(one_channel))
         .route("/api/consumers", get(consumers_all))
@@ -546,7 +550,14 @@ async fn one_exchange(
             .into_iter()
             .find(|x| x.name.as_str() == name)
     });
-    ok(objects::exchange(&x.ok_or_else(ApiError::not_found)?))
+    let mut v = objects::exchange(&x.ok_or_else(ApiError::not_found)?);
+    // RabbitMQ's one-exchange view adds the per-channel and per-queue publish stats, empty
+    // unless rates_mode is detailed (Warren's is basic).
+    if let Some(m) = v.as_object_mut() {
+        m.insert("incoming".into(), json!([]));
+        m.insert("outgoing".into(), json!([]));
+    }
+    ok(v)
 }
 
 async fn put_exchange(
@@ -801,10 +812,14 @@ async fn one_queue(
     }
     let details: Vec<Value> = consumers
         .iter()
-        .map(|c| objects::consumer(c, conns.iter().find(|x| x.id == c.conn)))
+        .map(|c| objects::consumer(c, conns.iter().find(|x| x.id == c.conn), &api.node_name))
         .collect();
     if let Some(m) = v.as_object_mut() {
         m.insert("consumer_details".into(), Value::Array(details));
+        // Per-channel and per-exchange stats, as RabbitMQ's one-queue view: empty unless
+        // rates_mode is detailed (Warren's is basic).
+        m.insert("deliveries".into(), json!([]));
+        m.insert("incoming".into(), json!([]));
     }
     ok(v)
 }
@@ -1284,6 +1299,72 @@ async fn close_connection(
     no_content()
 }
 
+/// A user's connections, for `/api/connections/username/{user}`: that user itself or an
+/// administrator may ask (RabbitMQ's `is_authorized_user`).
+fn connections_of_user(
+    api: &Api,
+    who: &Login,
+    user: &str,
+) -> Result<Vec<warren_session::manage::ConnectionSnapshot>, ApiError> {
+    if who.name != user && who.level < Level::Administrator {
+        return Err(ApiError::not_allowed(
+            "User not authorised to access object",
+        ));
+    }
+    Ok(api
+        .node
+        .read(|n, _| n.connection_snapshots())
+        .into_iter()
+        .filter(|c| c.user == user)
+        .collect())
+}
+
+/// As RabbitMQ: the user's connections as `{name, node, user, vhost}` (its tracked
+/// connections), `[]` for a user with none or no such user.
+async fn user_connections(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Answer {
+    let who = login(&api, &headers, peer)?;
+    let conns = connections_of_user(&api, &who, &user)?;
+    ok(conns
+        .iter()
+        .map(|c| {
+            json!({
+                "name": objects::connection_name(c),
+                "node": api.node_name,
+                "user": c.user,
+                "vhost": c.vhost,
+            })
+        })
+        .collect())
+}
+
+/// Closes every connection of a user (`X-Reason` as for one connection); 204 even when the
+/// user has none, as RabbitMQ.
+async fn close_user_connections(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Answer {
+    let who = login(&api, &headers, peer)?;
+    let conns = connections_of_user(&api, &who, &user)?;
+    let reason = headers
+        .get("x-reason")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("Closed via management plugin")
+        .to_owned();
+    for c in conns {
+        tracing::info!(conn = c.id, by = %who.name, reason = %reason, "closing a connection through the management API");
+        api.node
+            .write(|n, now| n.close_connection(c.id, &reason, now));
+    }
+    no_content()
+}
+
 async fn connection_channels(
     State(api): ApiState,
     ConnectInfo(peer): Peer,
@@ -1370,7 +1451,7 @@ fn list_consumers(api: &Api, vhost: Option<&str>) -> Answer {
     });
     ok(consumers
         .iter()
-        .map(|k| objects::consumer(k, conns.iter().find(|c| c.id == k.conn)))
+        .map(|k| objects::consumer(k, conns.iter().find(|c| c.id == k.conn), &api.node_name))
         .collect())
 }
 
