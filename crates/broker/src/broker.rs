@@ -1,6 +1,7 @@
 //! The broker: vhosts, exchanges, bindings, queues, and the API the session calls.
 
 pub mod snapshot;
+mod users;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -98,6 +99,8 @@ pub struct Broker {
     /// The write buffer for the store, with persistence on (set aside while recovery rebuilds
     /// what the store already holds).
     persist: Option<Persist>,
+    /// Users and what each may do where.
+    access: crate::access::Access,
     /// Recovery is declaring what the store holds: names a client may not declare
     /// (`amq.gen-...` of server-named queues) and vhost limits are accepted.
     restoring: bool,
@@ -600,6 +603,7 @@ impl Broker {
             recording: None,
             persist: None,
             restoring: false,
+            access: crate::access::Access::default(),
             pager: None,
             spill: false,
             recovering: false,

@@ -26,6 +26,7 @@
 //!   queues.
 //! - Time: [`Broker::tick`] at [`Broker::next_deadline`].
 
+pub mod access;
 mod broker;
 pub mod dead_letter;
 pub mod dedup;

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 
 use warren_codec::{FieldTable, ShortStr};
 
+use crate::access::{PermissionDef, TopicPermissionDef, UserDef};
 use crate::delayed::{DelayKey, Delayed, ReadRequest};
 use crate::exchange::ExchangeKind;
 use crate::queue::machine::{LoadRequest, Loaded};
@@ -135,6 +136,29 @@ pub enum StoreOp {
     /// Keys below these are (or may have been) used: after a restart, new keys start here, so
     /// no key is ever written twice (`SingleDelete` relies on it).
     ReserveKeys(StoreKeys),
+    /// A vhost made (or kept) by the management API or definitions; its exchanges and queues
+    /// have their own ops.
+    PutVhost {
+        name: String,
+    },
+    DeleteVhost {
+        name: String,
+    },
+    PutUser(UserDef),
+    DeleteUser {
+        name: String,
+    },
+    PutPermission(PermissionDef),
+    DeletePermission {
+        user: String,
+        vhost: String,
+    },
+    PutTopicPermission(TopicPermissionDef),
+    DeleteTopicPermission {
+        user: String,
+        vhost: String,
+        exchange: String,
+    },
 }
 
 /// Reads paged-out messages back (the server gives the broker one over the store). Called

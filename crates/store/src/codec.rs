@@ -3,8 +3,12 @@
 //! name can run into the next field.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use warren_broker::access::{
+    HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
+};
 use warren_broker::{
     BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Message, QueueDef,
+    StoreOp,
 };
 use warren_codec::{FieldTable, ShortStr};
 
@@ -13,6 +17,10 @@ use crate::StoreError;
 pub const EXCHANGE: u8 = b'x';
 pub const QUEUE: u8 = b'q';
 pub const BINDING: u8 = b'b';
+pub const VHOST: u8 = b'v';
+pub const USER: u8 = b'u';
+pub const PERMISSION: u8 = b'p';
+pub const TOPIC_PERMISSION: u8 = b't';
 
 const DEST_QUEUE: u8 = b'q';
 const DEST_EXCHANGE: u8 = b'e';
@@ -387,8 +395,149 @@ impl Reader {
     }
 }
 
+/// A string with a 4-byte length first (names of users and vhosts are not bounded by AMQP's
+/// short strings).
+fn put_text(out: &mut BytesMut, s: &str) {
+    put_vhost(out, s);
+}
+
+/// The key of a vhost, user or (topic) permission record, for a put or a delete.
+pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
+    let mut k = BytesMut::new();
+    match op {
+        StoreOp::PutVhost { name } | StoreOp::DeleteVhost { name } => {
+            k.put_u8(VHOST);
+            put_text(&mut k, name);
+        }
+        StoreOp::PutUser(UserDef { name, .. }) | StoreOp::DeleteUser { name } => {
+            k.put_u8(USER);
+            put_text(&mut k, name);
+        }
+        StoreOp::PutPermission(PermissionDef { user, vhost, .. })
+        | StoreOp::DeletePermission { user, vhost } => {
+            k.put_u8(PERMISSION);
+            put_text(&mut k, user);
+            put_text(&mut k, vhost);
+        }
+        StoreOp::PutTopicPermission(TopicPermissionDef {
+            user,
+            vhost,
+            exchange,
+            ..
+        })
+        | StoreOp::DeleteTopicPermission {
+            user,
+            vhost,
+            exchange,
+        } => {
+            k.put_u8(TOPIC_PERMISSION);
+            put_text(&mut k, user);
+            put_text(&mut k, vhost);
+            put_text(&mut k, exchange);
+        }
+        _ => return None,
+    }
+    Some(k)
+}
+
+/// The key and value of a put of a vhost, user or (topic) permission.
+pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
+    let key = access_key(op)?;
+    let mut v = BytesMut::new();
+    match op {
+        StoreOp::PutVhost { .. } => {}
+        StoreOp::PutUser(u) => {
+            match &u.hash {
+                None => v.put_u8(0),
+                Some(h) => {
+                    v.put_u8(match h.algorithm {
+                        HashAlgorithm::Sha256 => 1,
+                        HashAlgorithm::Sha512 => 2,
+                    });
+                    v.put_u32(u32::try_from(h.bytes.len()).unwrap_or(u32::MAX));
+                    v.put_slice(&h.bytes);
+                }
+            }
+            v.put_u32(u32::try_from(u.tags.len()).unwrap_or(u32::MAX));
+            for t in &u.tags {
+                put_text(&mut v, t);
+            }
+        }
+        StoreOp::PutPermission(p) => {
+            put_text(&mut v, &p.configure);
+            put_text(&mut v, &p.write);
+            put_text(&mut v, &p.read);
+        }
+        StoreOp::PutTopicPermission(t) => {
+            put_text(&mut v, &t.write);
+            put_text(&mut v, &t.read);
+        }
+        _ => return None,
+    }
+    Some((key, v))
+}
+
+impl Reader {
+    fn text(&mut self, field: &str) -> Result<String, StoreError> {
+        let n = self.u32(field)? as usize;
+        let b = self.bytes(n, field)?;
+        String::from_utf8(b.to_vec()).map_err(|_| self.bad(field))
+    }
+}
+
+/// A stored vhost, user or permission, as the op that wrote it.
+fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, StoreError> {
+    let op = match kind {
+        VHOST => StoreOp::PutVhost {
+            name: k.text("vhost name")?,
+        },
+        USER => {
+            let name = k.text("user name")?;
+            let hash = match v.u8("password hash algorithm")? {
+                0 => None,
+                a => {
+                    let algorithm = if a == 2 {
+                        HashAlgorithm::Sha512
+                    } else {
+                        HashAlgorithm::Sha256
+                    };
+                    let n = v.u32("password hash length")? as usize;
+                    let bytes = v.bytes(n, "password hash")?.to_vec();
+                    Some(PasswordHash::from_bytes(bytes, algorithm).ok_or_else(|| {
+                        StoreError::Corrupt(format!("user '{name}': password hash of a wrong size"))
+                    })?)
+                }
+            };
+            let n = v.u32("tag count")?;
+            let tags = (0..n)
+                .map(|_| v.text("tag"))
+                .collect::<Result<Vec<_>, _>>()?;
+            StoreOp::PutUser(UserDef { name, hash, tags })
+        }
+        PERMISSION => StoreOp::PutPermission(PermissionDef {
+            user: k.text("permission user")?,
+            vhost: k.text("permission vhost")?,
+            configure: v.text("configure")?,
+            write: v.text("write")?,
+            read: v.text("read")?,
+        }),
+        _ => StoreOp::PutTopicPermission(TopicPermissionDef {
+            user: k.text("topic permission user")?,
+            vhost: k.text("topic permission vhost")?,
+            exchange: k.text("topic permission exchange")?,
+            write: v.text("write")?,
+            read: v.text("read")?,
+        }),
+    };
+    k.done("access key")?;
+    v.done("access record")?;
+    Ok(op)
+}
+
 /// A `defs` record, decoded.
 pub enum Def {
+    /// A vhost, user or permission, as the op that wrote it.
+    Access(StoreOp),
     Exchange(ExchangeDef),
     Queue(QueueDef),
     Binding(BindingDef),
@@ -455,6 +604,9 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
                 routing_key,
                 arguments,
             }))
+        }
+        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION) => {
+            decode_access(kind, &mut k, &mut v).map(Def::Access)
         }
         other => Err(StoreError::Corrupt(format!(
             "unknown definition kind {other:#04x}"

@@ -22,9 +22,10 @@ pub use recover::{Recovered, Recovery};
 
 /// The layout this build writes. Format 2 added the body size and a shared flag to `index`
 /// entries; format 3 the `delayed` column family and retry due times beside delivery counts
-/// (`counts` values of 12 bytes). Older directories are still read and marked 3, so that an
-/// older Warren, which would misread the new values, refuses them.
-pub const FORMAT_VERSION: u32 = 3;
+/// (`counts` values of 12 bytes); format 4 vhosts, users and permissions in `defs`. Older
+/// directories are still read and marked 4, so that an older Warren, which would misread the
+/// new records, refuses them.
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 
@@ -379,6 +380,22 @@ impl Store {
                     }
                     StoreOp::DeleteEntries { queue } => {
                         self.delete_entries(&mut wb, &mut scratch, *queue)?;
+                    }
+                    StoreOp::PutVhost { .. }
+                    | StoreOp::PutUser(_)
+                    | StoreOp::PutPermission(_)
+                    | StoreOp::PutTopicPermission(_) => {
+                        if let Some((k, v)) = codec::access_record(op) {
+                            wb.put_cf(defs, k, v);
+                        }
+                    }
+                    StoreOp::DeleteVhost { .. }
+                    | StoreOp::DeleteUser { .. }
+                    | StoreOp::DeletePermission { .. }
+                    | StoreOp::DeleteTopicPermission { .. } => {
+                        if let Some(k) = codec::access_key(op) {
+                            wb.delete_cf(defs, k);
+                        }
                     }
                     StoreOp::PutBinding(b) => wb.put_cf(defs, codec::binding_key(b), []),
                     StoreOp::DeleteBinding(b) => wb.delete_cf(defs, codec::binding_key(b)),

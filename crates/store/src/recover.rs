@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use rocksdb::{Direction, IteratorMode, ReadOptions};
-use warren_broker::{Broker, QueueDef, StoreKeys};
+use warren_broker::{Broker, QueueDef, StoreKeys, StoreOp};
 
 use crate::codec::{self, Def};
 use crate::{Store, StoreError, CF_BODIES, CF_COUNTS, CF_DEFS, CF_INDEX};
@@ -57,12 +57,26 @@ impl Store {
         let mut exchanges = Vec::new();
         let mut queues = Vec::new();
         let mut bindings = Vec::new();
+        let mut access = Vec::new();
         for item in self.db.iterator_cf(self.cf(CF_DEFS)?, IteratorMode::Start) {
             let (k, v) = item.map_err(StoreError::Read)?;
             match codec::decode_def(&k, &v)? {
+                Def::Access(op) => access.push(op),
                 Def::Exchange(x) => exchanges.push(x),
                 Def::Queue(q) => queues.push(q),
                 Def::Binding(b) => bindings.push(b),
+            }
+        }
+        // Vhosts first (the key order puts them last), then users, then permissions.
+        access.sort_by_key(|op| match op {
+            StoreOp::PutVhost { .. } => 0,
+            StoreOp::PutUser(_) => 1,
+            _ => 2,
+        });
+        for op in &access {
+            if let Err(e) = broker.restore_access(op) {
+                tracing::warn!(record = ?op, error = %e, "stored access record not restored");
+                out.skipped += 1;
             }
         }
         for x in &exchanges {

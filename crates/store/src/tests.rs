@@ -288,6 +288,88 @@ fn definitions_survive_with_their_arguments() {
 }
 
 #[test]
+fn vhosts_users_and_permissions_survive_and_deletions_too() {
+    use warren_broker::access::{
+        HashAlgorithm, PasswordHash, Perm, PermissionDef, Resource, TopicPermissionDef, UserDef,
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let user = |name: &str, tags: &[&str]| UserDef {
+        name: name.into(),
+        hash: Some(PasswordHash::new("pw", [9, 8, 7, 6], HashAlgorithm::Sha512)),
+        tags: tags.iter().map(|t| t.to_string()).collect(),
+    };
+    let perm = |user: &str, vhost: &str| PermissionDef {
+        user: user.into(),
+        vhost: vhost.into(),
+        configure: "^c-".into(),
+        write: "".into(),
+        read: ".*".into(),
+    };
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        b.declare_vhost("staging");
+        b.declare_vhost("gone");
+        b.put_user(user("app", &["monitoring"]));
+        b.put_user(user("old", &[]));
+        b.set_permission(perm("app", "staging"))
+            .expect("permission");
+        b.set_permission(perm("app", "gone")).expect("permission");
+        b.set_permission(perm("old", "/")).expect("permission");
+        b.set_topic_permission(TopicPermissionDef {
+            user: "app".into(),
+            vhost: "staging".into(),
+            exchange: "amq.topic".into(),
+            write: "^{username}".into(),
+            read: "".into(),
+        })
+        .expect("topic permission");
+        b.declare_exchange(
+            "staging",
+            "x",
+            "topic",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("exchange");
+        b.delete_user("old");
+        b.delete_vhost("gone");
+        flush(&mut b, &s);
+        s.close_clean().expect("close");
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    let (b, r, _s) = recovered(s);
+    assert_eq!(r.skipped, 0);
+    assert!(b.vhost_exists("staging"));
+    assert!(!b.vhost_exists("gone"));
+    assert!(b.exchange_exists("staging", "x"));
+    let a = b.access();
+    assert!(a.user("old").is_none());
+    assert_eq!(
+        a.login("app", "pw").map(|u| u.tags.clone()),
+        Some(vec!["monitoring".to_string()])
+    );
+    assert!(a.may_open("app", "staging"));
+    assert!(!a.may_open("app", "gone"));
+    assert!(a
+        .check("app", "staging", Perm::Configure, Resource::Queue("c-1"))
+        .is_ok());
+    assert!(a
+        .check("app", "staging", Perm::Write, Resource::Exchange("c-1"))
+        .is_err());
+    assert!(a
+        .check_topic("app", "staging", "amq.topic", Perm::Write, "app.x")
+        .is_ok());
+    assert!(a
+        .check_topic("app", "staging", "amq.topic", Perm::Write, "bob.x")
+        .is_err());
+    assert_eq!(a.permissions().count(), 1);
+}
+
+#[test]
 fn a_deleted_queue_leaves_nothing_behind() {
     let dir = tempfile::tempdir().expect("tempdir");
     {

@@ -1,0 +1,278 @@
+//! Vhosts, users and permissions as the management API and definitions change them; every
+//! change is written to the store, so that it outlives a restart.
+
+use warren_codec::AmqpError;
+
+use super::Broker;
+use crate::access::{Access, AccessError, PermissionDef, TopicPermissionDef, UserDef};
+use crate::persist::StoreOp;
+
+impl Broker {
+    pub fn access(&self) -> &Access {
+        &self.access
+    }
+
+    fn write_def(&mut self, op: StoreOp) {
+        if self.restoring {
+            return;
+        }
+        if let Some(p) = self.persist.as_mut() {
+            p.push(op, true);
+        }
+    }
+
+    /// Creates a vhost (with its system exchanges) and keeps it. False if it exists.
+    pub fn declare_vhost(&mut self, name: &str) -> bool {
+        if !self.add_vhost(name) {
+            return false;
+        }
+        self.write_def(StoreOp::PutVhost {
+            name: name.to_owned(),
+        });
+        true
+    }
+
+    /// Deletes a vhost with everything in it: queues (their messages too), exchanges,
+    /// bindings, permissions. The caller closes its connections first. False if there was
+    /// no such vhost.
+    pub fn delete_vhost(&mut self, name: &str) -> bool {
+        let Some(vh) = self.vhosts.get(name) else {
+            return false;
+        };
+        let queues: Vec<String> = vh.queues.keys().map(|q| q.to_string()).collect();
+        let exchanges: Vec<String> = vh.exchanges.keys().map(|x| x.to_string()).collect();
+        for q in queues {
+            let owner = self
+                .queue_id(name, &q)
+                .and_then(|id| self.queues.get(&id))
+                .and_then(|q| q.owner)
+                .unwrap_or(0);
+            if let Err(e) = self.delete_queue(name, &q, false, false, owner) {
+                tracing::warn!(vhost = name, queue = %q, error = %e, "queue of a deleted vhost not deleted");
+            }
+        }
+        for x in exchanges {
+            if let Some(vh) = self.vhosts.get_mut(name) {
+                super::remove_exchange(name, vh, &mut self.queues, self.persist.as_mut(), &x);
+            }
+        }
+        self.vhosts.remove(name);
+        let gone: Vec<(String, Option<String>)> = self
+            .access
+            .permissions()
+            .filter(|p| p.vhost == name)
+            .map(|p| (p.user.clone(), None))
+            .chain(
+                self.access
+                    .topic_permissions()
+                    .filter(|t| t.vhost == name)
+                    .map(|t| (t.user.clone(), Some(t.exchange.clone()))),
+            )
+            .collect();
+        self.access.vhost_deleted(name);
+        for (user, exchange) in gone {
+            self.write_def(match exchange {
+                None => StoreOp::DeletePermission {
+                    user,
+                    vhost: name.to_owned(),
+                },
+                Some(exchange) => StoreOp::DeleteTopicPermission {
+                    user,
+                    vhost: name.to_owned(),
+                    exchange,
+                },
+            });
+        }
+        self.write_def(StoreOp::DeleteVhost {
+            name: name.to_owned(),
+        });
+        true
+    }
+
+    /// Creates or replaces a user.
+    pub fn put_user(&mut self, user: UserDef) {
+        self.write_def(StoreOp::PutUser(user.clone()));
+        self.access.put_user(user);
+    }
+
+    /// Deletes a user and their permissions; the caller closes their connections. False if
+    /// there was no such user.
+    pub fn delete_user(&mut self, name: &str) -> bool {
+        let gone: Vec<StoreOp> = self
+            .access
+            .permissions()
+            .filter(|p| p.user == name)
+            .map(|p| StoreOp::DeletePermission {
+                user: p.user.clone(),
+                vhost: p.vhost.clone(),
+            })
+            .chain(
+                self.access
+                    .topic_permissions()
+                    .filter(|t| t.user == name)
+                    .map(|t| StoreOp::DeleteTopicPermission {
+                        user: t.user.clone(),
+                        vhost: t.vhost.clone(),
+                        exchange: t.exchange.clone(),
+                    }),
+            )
+            .collect();
+        if !self.access.delete_user(name) {
+            return false;
+        }
+        for op in gone {
+            self.write_def(op);
+        }
+        self.write_def(StoreOp::DeleteUser {
+            name: name.to_owned(),
+        });
+        true
+    }
+
+    pub fn set_permission(&mut self, def: PermissionDef) -> Result<(), AccessError> {
+        if !self.vhost_exists(&def.vhost) {
+            return Err(AccessError::NoVhost(def.vhost));
+        }
+        self.access.set_permission(def.clone())?;
+        self.write_def(StoreOp::PutPermission(def));
+        Ok(())
+    }
+
+    pub fn clear_permission(&mut self, user: &str, vhost: &str) -> bool {
+        let found = self.access.clear_permission(user, vhost);
+        if found {
+            self.write_def(StoreOp::DeletePermission {
+                user: user.to_owned(),
+                vhost: vhost.to_owned(),
+            });
+        }
+        found
+    }
+
+    pub fn set_topic_permission(&mut self, def: TopicPermissionDef) -> Result<(), AccessError> {
+        if !self.vhost_exists(&def.vhost) {
+            return Err(AccessError::NoVhost(def.vhost));
+        }
+        self.access.set_topic_permission(def.clone())?;
+        self.write_def(StoreOp::PutTopicPermission(def));
+        Ok(())
+    }
+
+    /// Clears a user's topic permissions in a vhost, on one exchange or on all.
+    pub fn clear_topic_permission(&mut self, user: &str, vhost: &str, exchange: Option<&str>) {
+        let gone: Vec<String> = self
+            .access
+            .topic_permissions()
+            .filter(|t| t.user == user && t.vhost == vhost)
+            .filter(|t| exchange.is_none_or(|e| e == t.exchange))
+            .map(|t| t.exchange.clone())
+            .collect();
+        self.access.clear_topic_permission(user, vhost, exchange);
+        for exchange in gone {
+            self.write_def(StoreOp::DeleteTopicPermission {
+                user: user.to_owned(),
+                vhost: vhost.to_owned(),
+                exchange,
+            });
+        }
+    }
+
+    /// Recovery: a stored vhost, user or permission comes back (written nowhere).
+    pub fn restore_access(&mut self, op: &StoreOp) -> Result<(), AmqpError> {
+        let refused = |e: AccessError| AmqpError::not_found(e.to_string());
+        match op {
+            StoreOp::PutVhost { name } => {
+                self.add_vhost(name);
+            }
+            StoreOp::PutUser(u) => self.access.put_user(u.clone()),
+            StoreOp::PutPermission(p) => {
+                if !self.vhost_exists(&p.vhost) {
+                    return Err(refused(AccessError::NoVhost(p.vhost.clone())));
+                }
+                self.access.set_permission(p.clone()).map_err(refused)?;
+            }
+            StoreOp::PutTopicPermission(t) => {
+                if !self.vhost_exists(&t.vhost) {
+                    return Err(refused(AccessError::NoVhost(t.vhost.clone())));
+                }
+                self.access
+                    .set_topic_permission(t.clone())
+                    .map_err(refused)?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::access::{HashAlgorithm, PasswordHash, Perm, Resource};
+    use crate::{Broker, BrokerConfig};
+
+    use super::*;
+
+    fn broker() -> Broker {
+        Broker::new(BrokerConfig {
+            persistence: true,
+            ..BrokerConfig::default()
+        })
+    }
+
+    #[test]
+    fn users_permissions_and_vhosts_are_written_and_go_with_their_vhost() {
+        let mut b = broker();
+        assert!(b.declare_vhost("v"));
+        assert!(!b.declare_vhost("v"));
+        b.put_user(UserDef {
+            name: "u".into(),
+            hash: Some(PasswordHash::new("p", [0; 4], HashAlgorithm::Sha256)),
+            tags: vec![],
+        });
+        let all = |vhost: &str| PermissionDef {
+            user: "u".into(),
+            vhost: vhost.into(),
+            configure: ".*".into(),
+            write: ".*".into(),
+            read: ".*".into(),
+        };
+        assert_eq!(
+            b.set_permission(all("nowhere")),
+            Err(AccessError::NoVhost("nowhere".into()))
+        );
+        b.set_permission(all("v")).unwrap();
+        let q = crate::DeclareQueue {
+            name: warren_codec::ShortStr::from_static("q"),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: Default::default(),
+        };
+        b.declare_queue("v", q, 1).unwrap();
+        let ops = b.take_writes().map(|w| w.ops).unwrap_or_default();
+        assert!(ops.contains(&StoreOp::PutVhost { name: "v".into() }));
+        assert!(ops
+            .iter()
+            .any(|o| matches!(o, StoreOp::PutUser(u) if u.name == "u")));
+        assert!(ops.contains(&StoreOp::PutPermission(all("v"))));
+        assert!(b
+            .access()
+            .check("u", "v", Perm::Read, Resource::Queue("q"))
+            .is_ok());
+
+        assert!(b.delete_vhost("v"));
+        assert!(!b.vhost_exists("v"));
+        assert!(!b.access().may_open("u", "v"));
+        let ops = b.take_writes().map(|w| w.ops).unwrap_or_default();
+        assert!(ops
+            .iter()
+            .any(|o| matches!(o, StoreOp::DeleteQueue { name, .. } if name.as_str() == "q")));
+        assert!(ops.contains(&StoreOp::DeletePermission {
+            user: "u".into(),
+            vhost: "v".into()
+        }));
+        assert!(ops.contains(&StoreOp::DeleteVhost { name: "v".into() }));
+        assert!(!b.delete_vhost("v"));
+    }
+}
