@@ -712,6 +712,20 @@ impl Broker {
         req: DeclareQueue,
         conn: ConnId,
     ) -> Result<QueueDeclared, AmqpError> {
+        self.declare_queue_as(vhost, req, conn, None)
+    }
+
+    /// queue.declare by a user whose permissions are checked where RabbitMQ checks them:
+    /// configure on the queue (by its generated name for a server-named one), and for a new
+    /// queue with a dead-letter exchange, read on the queue and write on that exchange.
+    pub fn declare_queue_as(
+        &mut self,
+        vhost: &str,
+        req: DeclareQueue,
+        conn: ConnId,
+        user: Option<&str>,
+    ) -> Result<QueueDeclared, AmqpError> {
+        use crate::access::{Perm, Resource};
         let stripped = strip_cr_lf(&req.name);
         if req.passive {
             let q = self.queue_by_name(vhost, &stripped)?;
@@ -738,6 +752,10 @@ impl Broker {
             // Kept for the queue's life: not a slice of the client's read buffer.
             req.name.detached()
         };
+        if let Some(u) = user {
+            self.access
+                .check(u, vhost, Perm::Configure, Resource::Queue(&name))?;
+        }
         let owner = req.exclusive.then_some(conn);
         let durable = req.durable && !req.exclusive;
         let rs = rs("queue", &name, vhost);
@@ -768,6 +786,15 @@ impl Broker {
             }
         }
         args::check_dlx_type(&req.arguments, &rs)?;
+        if let (Some(u), Some(FieldValue::LongStr(dlx))) =
+            (user, req.arguments.get("x-dead-letter-exchange"))
+        {
+            self.access
+                .check(u, vhost, Perm::Read, Resource::Queue(&name))?;
+            let dlx = String::from_utf8_lossy(dlx);
+            self.access
+                .check(u, vhost, Perm::Write, Resource::Exchange(&dlx))?;
+        }
         let parsed = args::validate(&req.arguments, &rs)?;
         if matches!(parsed.queue_type, QueueType::Quorum | QueueType::Stream) {
             let bad = if req.auto_delete {

@@ -288,6 +288,7 @@ impl Config {
                     tags: u.tags,
                 })
                 .collect();
+            session.explicit_users = true;
         }
         let data_dir = match args.data_dir.or(file.data_dir) {
             Some(d) => d,

@@ -228,6 +228,10 @@ async fn run(config: Config) -> std::io::Result<()> {
         "definitions recovered; restoring the queues' messages"
     );
     let mut node = Node::new(config.session.clone(), broker);
+    // Users come after the stored ones: a user deleted through the API stays deleted, and
+    // the built-in guest is made on a new node only.
+    let fresh = node.broker().access().is_empty();
+    node.apply_config_users(fresh, &mut http::passwords::salt);
     node.set_recovering(true, 0);
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {

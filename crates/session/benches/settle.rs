@@ -27,6 +27,7 @@ fn loaded() -> Node {
         SessionConfig::default(),
         Broker::new(BrokerConfig::default()),
     );
+    node.apply_config_users(true, &mut || [0, 1, 2, 3]);
     let mut out: Vec<Transmit> = Vec::new();
     node.connection_opened(1, Some("127.0.0.1:1".parse().expect("addr")), 0);
     node.handle_frame(

@@ -5,7 +5,9 @@ use std::net::IpAddr;
 use bytes::Bytes;
 use warren_codec::{FieldTable, FieldValue};
 
-use crate::config::User;
+use warren_broker::access::Access;
+
+use crate::config::SessionConfig;
 
 pub const MECHANISMS: &str = "PLAIN AMQPLAIN";
 
@@ -68,19 +70,20 @@ fn parse_amqplain(response: &Bytes) -> Result<Credentials, AuthError> {
     })
 }
 
+/// Checks a password login against the broker's users, and that a loopback-only user (see
+/// [`SessionConfig::loopback_only`]) comes from this machine.
 pub fn authenticate(
-    users: &[User],
+    access: &Access,
+    config: &SessionConfig,
     creds: &Credentials,
     peer: Option<IpAddr>,
 ) -> Result<(), AuthError> {
-    let user = users
-        .iter()
-        .find(|u| u.name == creds.user)
+    access
+        .login(&creds.user, &creds.password)
         .ok_or(AuthError::Refused)?;
-    if !constant_time_eq(user.password.as_bytes(), creds.password.as_bytes()) {
-        return Err(AuthError::Refused);
-    }
-    if user.loopback_only && !peer.is_some_and(|ip| ip.is_loopback() || is_mapped_loopback(ip)) {
+    if config.loopback_only(&creds.user)
+        && !peer.is_some_and(|ip| ip.is_loopback() || is_mapped_loopback(ip))
+    {
         return Err(AuthError::Refused);
     }
     Ok(())
@@ -93,21 +96,17 @@ fn is_mapped_loopback(ip: IpAddr) -> bool {
     }
 }
 
-/// Keeps the comparison time independent of where the passwords differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use bytes::BytesMut;
 
-    fn guest() -> Vec<User> {
-        crate::config::SessionConfig::default().users
+    /// The default configuration's guest, as a fresh node makes it.
+    fn guest() -> (Access, SessionConfig) {
+        let config = SessionConfig::default();
+        let mut b = warren_broker::Broker::new(Default::default());
+        crate::manage::apply_config_users(&mut b, &config, true, &mut || [1, 2, 3, 4]);
+        (b.access().clone(), config)
     }
 
     #[test]
@@ -115,10 +114,11 @@ mod tests {
         let c = parse_response("PLAIN", &Bytes::from_static(b"\0guest\0guest")).unwrap();
         assert_eq!(c.user, "guest");
         let lo: IpAddr = "127.0.0.1".parse().unwrap();
-        assert_eq!(authenticate(&guest(), &c, Some(lo)), Ok(()));
+        let (a, cfg) = guest();
+        assert_eq!(authenticate(&a, &cfg, &c, Some(lo)), Ok(()));
         let bad = parse_response("PLAIN", &Bytes::from_static(b"\0guest\0wrong")).unwrap();
         assert_eq!(
-            authenticate(&guest(), &bad, Some(lo)),
+            authenticate(&a, &cfg, &bad, Some(lo)),
             Err(AuthError::Refused)
         );
     }
@@ -127,12 +127,13 @@ mod tests {
     fn guest_is_refused_from_remote_addresses() {
         let c = parse_response("PLAIN", &Bytes::from_static(b"\0guest\0guest")).unwrap();
         let remote: IpAddr = "10.1.2.3".parse().unwrap();
+        let (a, cfg) = guest();
         assert_eq!(
-            authenticate(&guest(), &c, Some(remote)),
+            authenticate(&a, &cfg, &c, Some(remote)),
             Err(AuthError::Refused)
         );
         let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
-        assert_eq!(authenticate(&guest(), &c, Some(mapped)), Ok(()));
+        assert_eq!(authenticate(&a, &cfg, &c, Some(mapped)), Ok(()));
     }
 
     #[test]

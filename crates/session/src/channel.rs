@@ -10,7 +10,7 @@ use warren_broker::{
 };
 use warren_codec::{
     encode_ack, encode_get_ok, encode_nack, encode_return, properties, AmqpError, BasicPublish,
-    ContentHeader, Frame, Method, ReplyCode, ShortStr,
+    ContentHeader, FieldValue, Frame, Method, ReplyCode, ShortStr,
 };
 use warren_codec::{
     BasicCancelOk, BasicConsumeOk, BasicGetEmpty, BasicQosOk, BasicRecoverOk, ChannelFlowOk,
@@ -22,6 +22,7 @@ use warren_codec::{
 use crate::config::SessionConfig;
 use crate::latency::ConfirmLatency;
 use crate::out::send;
+use warren_broker::access::{Perm, Resource};
 
 const BASIC_CLASS: u16 = 60;
 const BASIC_PUBLISH: u16 = 40;
@@ -69,6 +70,8 @@ pub(crate) struct Ctx<'a> {
     pub broker: &'a mut Broker,
     pub conn: ConnId,
     pub vhost: &'a str,
+    /// The connection's user, whose permissions each operation is checked against.
+    pub user: &'a str,
     pub out: &'a mut BytesMut,
     pub frame_max: u32,
     pub now: u64,
@@ -83,6 +86,22 @@ pub(crate) struct Ctx<'a> {
     pub direct_replies: &'a mut Vec<DirectReply>,
     /// The connection takes no deliveries now (its socket is backed up).
     pub conn_blocked: bool,
+}
+
+impl Ctx<'_> {
+    /// RabbitMQ's permission check for the connection's user in its vhost.
+    fn check(&self, perm: Perm, resource: Resource<'_>) -> Result<(), AmqpError> {
+        self.broker
+            .access()
+            .check(self.user, self.vhost, perm, resource)
+    }
+
+    /// RabbitMQ's topic authorisation of a routing key on an exchange.
+    fn check_topic(&self, exchange: &str, perm: Perm, key: &str) -> Result<(), AmqpError> {
+        self.broker
+            .access()
+            .check_topic(self.user, self.vhost, exchange, perm, key)
+    }
 }
 
 /// RabbitMQ's direct reply-to: a pseudo-queue a client consumes from (no-ack) to get RPC replies without
@@ -225,6 +244,9 @@ pub(crate) struct Channel {
     /// in publish order. A publish that needs no write but follows one that does waits too
     /// (batch 0), so that a `multiple` ack never covers a message not yet on disk.
     confirm_waiting: VecDeque<Waiting>,
+    /// The exchange the last publish was allowed to write to, and the permissions'
+    /// generation then.
+    write_checked: Option<(u64, ShortStr)>,
     /// tx.commit-ok replies waiting for the store write that holds the transaction's persistent
     /// messages (the batch numbers, in commit order).
     commit_waiting: VecDeque<u64>,
@@ -270,6 +292,7 @@ impl Channel {
             publish_seq: 0,
             confirm_pending: None,
             confirm_waiting: VecDeque::new(),
+            write_checked: None,
             commit_waiting: VecDeque::new(),
             tx: None,
             next_tag: 1,
@@ -700,6 +723,21 @@ impl Channel {
             .ok_or_else(|| AmqpError::not_found("no previously declared queue".to_string()))
     }
 
+    /// A binding needs write on its destination and read on its source exchange, checked in
+    /// that order as RabbitMQ does (the default exchange is left to the broker's own refusal).
+    fn check_binding(
+        &self,
+        destination: Resource<'_>,
+        source: &str,
+        ctx: &Ctx<'_>,
+    ) -> Result<(), AmqpError> {
+        ctx.check(Perm::Write, destination)?;
+        if source.is_empty() {
+            return Ok(());
+        }
+        ctx.check(Perm::Read, Resource::Exchange(source))
+    }
+
     fn on_method(&mut self, method: Method, ctx: &mut Ctx<'_>) -> Result<(), Fault> {
         let (class_id, method_id) = (method.class_id(), method.method_id());
         let fail = |e: AmqpError| Fault::new(e, class_id, method_id);
@@ -711,6 +749,20 @@ impl Channel {
                         "immediate=true".to_string(),
                     )));
                 }
+                // The answer is kept per exchange until a permission changes: a publisher
+                // pays for the check once, not per message.
+                let generation = ctx.broker.access().generation();
+                let checked = self
+                    .write_checked
+                    .as_ref()
+                    .is_some_and(|(g, x)| *g == generation && *x == p.exchange);
+                if !checked {
+                    ctx.check(Perm::Write, Resource::Exchange(&p.exchange))
+                        .map_err(fail)?;
+                    self.write_checked = Some((generation, p.exchange.detached()));
+                }
+                ctx.check_topic(&p.exchange, Perm::Write, &p.routing_key)
+                    .map_err(fail)?;
                 self.content = Content::AwaitHeader(p);
                 Ok(())
             }
@@ -754,6 +806,10 @@ impl Channel {
             }
             Method::BasicConsume(c) => {
                 let queue = self.resolve_queue(&c.queue).map_err(fail)?;
+                if queue.as_str() != REPLY_TO {
+                    ctx.check(Perm::Read, Resource::Queue(&queue))
+                        .map_err(fail)?;
+                }
                 let tag = if c.consumer_tag.is_empty() {
                     *ctx.next_id += 1;
                     ShortStr::from_string(generated_name("amq.ctag-", ctx.conn, *ctx.next_id))
@@ -859,6 +915,8 @@ impl Channel {
             }
             Method::BasicGet(g) => {
                 let queue = self.resolve_queue(&g.queue).map_err(fail)?;
+                ctx.check(Perm::Read, Resource::Queue(&queue))
+                    .map_err(fail)?;
                 match ctx
                     .broker
                     .get(ctx.vhost, &queue, g.no_ack, ctx.conn)
@@ -910,6 +968,20 @@ impl Channel {
             }
             Method::ChannelFlowOk(_) => Ok(()),
             Method::ExchangeDeclare(e) => {
+                if !e.passive && !e.exchange.is_empty() {
+                    ctx.check(Perm::Configure, Resource::Exchange(&e.exchange))
+                        .map_err(fail)?;
+                    let ae = e.arguments.get("alternate-exchange");
+                    if let Some(FieldValue::LongStr(ae)) = ae {
+                        if !ctx.broker.exchange_exists(ctx.vhost, &e.exchange) {
+                            ctx.check(Perm::Read, Resource::Exchange(&e.exchange))
+                                .map_err(fail)?;
+                            let ae = String::from_utf8_lossy(ae);
+                            ctx.check(Perm::Write, Resource::Exchange(&ae))
+                                .map_err(fail)?;
+                        }
+                    }
+                }
                 ctx.broker
                     .declare_exchange(
                         ctx.vhost,
@@ -926,6 +998,10 @@ impl Channel {
                 Ok(())
             }
             Method::ExchangeDelete(e) => {
+                if !e.exchange.is_empty() {
+                    ctx.check(Perm::Configure, Resource::Exchange(&e.exchange))
+                        .map_err(fail)?;
+                }
                 ctx.broker
                     .delete_exchange(ctx.vhost, &e.exchange, e.if_unused)
                     .map_err(fail)?;
@@ -933,6 +1009,8 @@ impl Channel {
                 Ok(())
             }
             Method::ExchangeBind(b) => {
+                self.check_binding(Resource::Exchange(&b.destination), &b.source, ctx)
+                    .map_err(fail)?;
                 ctx.broker
                     .bind_exchange(
                         ctx.vhost,
@@ -946,6 +1024,8 @@ impl Channel {
                 Ok(())
             }
             Method::ExchangeUnbind(b) => {
+                self.check_binding(Resource::Exchange(&b.destination), &b.source, ctx)
+                    .map_err(fail)?;
                 ctx.broker
                     .unbind_exchange(
                         ctx.vhost,
@@ -977,7 +1057,7 @@ impl Channel {
                 let no_wait = q.no_wait;
                 let declared = ctx
                     .broker
-                    .declare_queue(
+                    .declare_queue_as(
                         ctx.vhost,
                         DeclareQueue {
                             name: q.queue,
@@ -988,6 +1068,7 @@ impl Channel {
                             arguments: q.arguments,
                         },
                         ctx.conn,
+                        Some(ctx.user),
                     )
                     .map_err(fail)?;
                 self.last_queue = Some(declared.name.clone());
@@ -1012,6 +1093,10 @@ impl Channel {
                 } else {
                     b.routing_key.clone()
                 };
+                self.check_binding(Resource::Queue(&queue), &b.exchange, ctx)
+                    .map_err(fail)?;
+                ctx.check_topic(&b.exchange, Perm::Read, &routing_key)
+                    .map_err(fail)?;
                 ctx.broker
                     .bind_queue(
                         ctx.vhost,
@@ -1027,6 +1112,8 @@ impl Channel {
             }
             Method::QueueUnbind(b) => {
                 let queue = self.resolve_queue(&b.queue).map_err(fail)?;
+                self.check_binding(Resource::Queue(&queue), &b.exchange, ctx)
+                    .map_err(fail)?;
                 ctx.broker
                     .unbind_queue(
                         ctx.vhost,
@@ -1042,6 +1129,8 @@ impl Channel {
             }
             Method::QueuePurge(p) => {
                 let queue = self.resolve_queue(&p.queue).map_err(fail)?;
+                ctx.check(Perm::Read, Resource::Queue(&queue))
+                    .map_err(fail)?;
                 let count = ctx
                     .broker
                     .purge_queue(ctx.vhost, &queue, ctx.conn)
@@ -1059,6 +1148,8 @@ impl Channel {
             }
             Method::QueueDelete(d) => {
                 let queue = self.resolve_queue(&d.queue).map_err(fail)?;
+                ctx.check(Perm::Configure, Resource::Queue(&queue))
+                    .map_err(fail)?;
                 let deleted = ctx
                     .broker
                     .delete_queue(ctx.vhost, &queue, d.if_unused, d.if_empty, ctx.conn)

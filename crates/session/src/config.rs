@@ -29,13 +29,29 @@ pub struct SessionConfig {
     /// Bytes handed to a connection's writer but not yet written; above it no more deliveries go to that
     /// connection, so a slow reader cannot make the broker buffer without bound.
     pub write_backlog_limit: usize,
+    /// Users made at start: on a fresh node, these (by default guest/guest); on every start,
+    /// those the configuration file names (`explicit_users`), whose password and tags it
+    /// keeps as configured. Users made through the management API live in the store.
     pub users: Vec<User>,
+    /// `users` came from the configuration file (not the built-in guest).
+    pub explicit_users: bool,
     /// A consumer past its `x-consumer-timeout` gets its channel closed with 406 (RabbitMQ
     /// before 4.3) rather than a basic.cancel (4.3).
     pub consumer_timeout_closes_channel: bool,
     pub product: String,
     pub version: String,
     pub cluster_name: String,
+}
+
+impl SessionConfig {
+    /// RabbitMQ's `loopback_users`: a user the configuration marks so, or `guest` unless the
+    /// configuration says otherwise of it, may only connect from this machine.
+    pub fn loopback_only(&self, user: &str) -> bool {
+        match self.users.iter().find(|u| u.name == user) {
+            Some(u) => u.loopback_only,
+            None => user == "guest",
+        }
+    }
 }
 
 impl Default for SessionConfig {
@@ -54,6 +70,7 @@ impl Default for SessionConfig {
                 loopback_only: true,
                 tags: vec!["administrator".into()],
             }],
+            explicit_users: false,
             // Clients branch on these: kombu (Celery) sends basic.qos with global=true, the
             // RabbitMQ way of limiting a channel's existing consumers, only to a product named
             // RabbitMQ from 3.3 on, and global=false (which RabbitMQ, and Warren, apply to new

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use bytes::{Bytes, BytesMut};
-use warren_broker::ConnId;
+use warren_broker::{Broker, ConnId};
 use warren_codec::{
     AmqpError, ConnectionClose, ConnectionCloseOk, ConnectionOpenOk, ConnectionStart,
     ConnectionTune, ConnectionUpdateSecretOk, FieldTable, FieldValue, Method, ShortStr,
@@ -199,7 +199,7 @@ impl Connection {
         &mut self,
         method: Method,
         config: &SessionConfig,
-        vhost_exists: impl Fn(&str) -> bool,
+        broker: &Broker,
     ) -> Next {
         let (class_id, method_id) = (method.class_id(), method.method_id());
         let fail = |e: AmqpError| Next::Fail(Fault::new(e, class_id, method_id));
@@ -226,7 +226,8 @@ impl Connection {
                     }
                     Err(_) => return login_refused(&ok.mechanism),
                 };
-                if auth::authenticate(&config.users, &creds, self.peer.map(|p| p.ip())).is_err() {
+                let peer = self.peer.map(|p| p.ip());
+                if auth::authenticate(broker.access(), config, &creds, peer).is_err() {
                     tracing::info!(conn = self.id, user = %creds.user, "login refused");
                     return login_refused(&ok.mechanism);
                 }
@@ -278,10 +279,18 @@ impl Connection {
                 Next::Nothing
             }
             (State::AwaitOpen, Method::ConnectionOpen(o)) => {
-                if !vhost_exists(&o.virtual_host) {
+                if !broker.vhost_exists(&o.virtual_host) {
                     return fail(AmqpError::not_allowed(format!(
                         "vhost {} not found",
                         o.virtual_host.as_str()
+                    )));
+                }
+                if !broker.access().may_open(&self.user, &o.virtual_host) {
+                    tracing::info!(conn = self.id, user = %self.user, vhost = %o.virtual_host.as_str(), "vhost access refused");
+                    return fail(AmqpError::not_allowed(format!(
+                        "access to vhost '{}' refused for user '{}'",
+                        o.virtual_host.as_str(),
+                        self.user
                     )));
                 }
                 self.vhost = o.virtual_host.to_string();

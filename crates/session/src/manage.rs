@@ -3,12 +3,13 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use warren_broker::{ConnId, QueueDeleted};
+use warren_broker::access::{HashAlgorithm, PasswordHash, PermissionDef, UserDef};
+use warren_broker::{Broker, ConnId, QueueDeleted};
 use warren_codec::{AmqpError, FieldTable};
 
 use crate::auth::{self, Credentials};
 use crate::channel::Fault;
-use crate::config::User;
+use crate::config::SessionConfig;
 use crate::connection::State;
 use crate::node::Node;
 
@@ -73,19 +74,58 @@ impl Node {
     /// gets connection.close 320 CONNECTION_FORCED with the reason, as from RabbitMQ. False if
     /// there is no such connection.
     pub fn close_connection(&mut self, conn: ConnId, reason: &str, now: u64) -> bool {
+        self.force_close(
+            conn,
+            format!("broker forced connection closure with reason '{reason}'"),
+            now,
+        )
+    }
+
+    /// Closes a connection with 320 CONNECTION_FORCED and this text (or drops it if it is not
+    /// open yet). False if there is no such connection.
+    fn force_close(&mut self, conn: ConnId, text: String, now: u64) -> bool {
         let Some(open) = self.conns.get(&conn).map(|c| c.state == State::Open) else {
             return false;
         };
         if open {
-            let error = AmqpError::new(
-                warren_codec::ReplyCode::ConnectionForced,
-                format!("broker forced connection closure with reason '{reason}'"),
-            );
+            let error = AmqpError::new(warren_codec::ReplyCode::ConnectionForced, text);
             self.fail_connection(conn, Fault::new(error, 0, 0), now);
         } else {
             self.drop_connection(conn);
         }
         true
+    }
+
+    fn close_where(&mut self, keep: impl Fn(&str, &str) -> bool, text: &str, now: u64) {
+        let doomed: Vec<ConnId> = self
+            .conns
+            .values()
+            .filter(|c| c.state == State::Open && !keep(&c.user, &c.vhost))
+            .map(|c| c.id)
+            .collect();
+        for conn in doomed {
+            self.force_close(conn, text.to_owned(), now);
+        }
+    }
+
+    /// Deletes a vhost and all in it; its connections are closed first, as RabbitMQ does
+    /// (320 "vhost 'v' is deleted"). False if there was no such vhost.
+    pub fn delete_vhost(&mut self, name: &str, now: u64) -> bool {
+        if !self.broker().vhost_exists(name) {
+            return false;
+        }
+        self.close_where(|_, v| v != name, &format!("vhost '{name}' is deleted"), now);
+        self.broker_mut().delete_vhost(name)
+    }
+
+    /// Deletes a user and their permissions; their connections are closed first, as RabbitMQ
+    /// does (320 "user 'u' is deleted"). False if there was no such user.
+    pub fn delete_user(&mut self, name: &str, now: u64) -> bool {
+        if self.broker().access().user(name).is_none() {
+            return false;
+        }
+        self.close_where(|u, _| u != name, &format!("user '{name}' is deleted"), now);
+        self.broker_mut().delete_user(name)
     }
 
     /// The broker's end of a connection's socket.
@@ -95,20 +135,75 @@ impl Node {
         }
     }
 
-    /// The configured users.
-    pub fn users(&self) -> &[User] {
-        &self.config().users
-    }
-
     /// A login by another protocol (HTTP basic auth): the user, if the name, password and
     /// peer address are accepted as they would be for AMQP.
-    pub fn check_login(&self, name: &str, password: &str, peer: Option<IpAddr>) -> Option<&User> {
+    pub fn check_login(
+        &self,
+        name: &str,
+        password: &str,
+        peer: Option<IpAddr>,
+    ) -> Option<&UserDef> {
         let creds = Credentials {
             user: name.to_owned(),
             password: password.to_owned(),
         };
-        auth::authenticate(self.users(), &creds, peer).ok()?;
-        self.users().iter().find(|u| u.name == name)
+        let access = self.broker().access();
+        auth::authenticate(access, self.config(), &creds, peer).ok()?;
+        access.user(name)
+    }
+
+    /// Brings the configured users into the broker (see [`SessionConfig::users`]); `fresh`:
+    /// the store held no users (a new node). `salt` gives each new password hash its salt.
+    pub fn apply_config_users(&mut self, fresh: bool, salt: &mut dyn FnMut() -> [u8; 4]) {
+        let config = self.config().clone();
+        apply_config_users(self.broker_mut(), &config, fresh, salt);
+    }
+}
+
+/// See [`Node::apply_config_users`]: on a fresh node every configured user is made, with all
+/// permissions on the default vhost; after that only the users the configuration file names,
+/// whose password and tags follow it (a user the file adds gets all permissions on the
+/// default vhost; existing permissions are left as they are).
+pub fn apply_config_users(
+    broker: &mut Broker,
+    config: &SessionConfig,
+    fresh: bool,
+    salt: &mut dyn FnMut() -> [u8; 4],
+) {
+    if !fresh && !config.explicit_users {
+        return;
+    }
+    let vhost = broker.config().default_vhost.clone();
+    for u in &config.users {
+        let existing = broker.access().user(&u.name);
+        let same = existing.is_some_and(|e| {
+            e.tags == u.tags && e.hash.as_ref().is_some_and(|h| h.matches(&u.password))
+        });
+        if same {
+            continue;
+        }
+        let new = existing.is_none();
+        broker.put_user(UserDef {
+            name: u.name.clone(),
+            hash: Some(PasswordHash::new(
+                &u.password,
+                salt(),
+                HashAlgorithm::Sha256,
+            )),
+            tags: u.tags.clone(),
+        });
+        if new {
+            let all = PermissionDef {
+                user: u.name.clone(),
+                vhost: vhost.clone(),
+                configure: ".*".into(),
+                write: ".*".into(),
+                read: ".*".into(),
+            };
+            if let Err(e) = broker.set_permission(all) {
+                tracing::warn!(user = %u.name, error = %e, "configured user without permissions");
+            }
+        }
     }
 }
 

@@ -360,8 +360,7 @@ impl Node {
                 0,
             )),
             Frame::Method { channel: 0, method } => {
-                let broker = &self.broker;
-                c.on_connection_method(method, &self.config, |v| broker.vhost_exists(v))
+                c.on_connection_method(method, &self.config, &self.broker)
             }
             Frame::Header { channel: 0, .. } | Frame::Body { channel: 0, .. } => {
                 Next::Fail(Fault::new(
@@ -468,6 +467,7 @@ impl Node {
             channels,
             out,
             vhost,
+            user,
             frame_max,
             confirms_pending,
             channel_max,
@@ -570,6 +570,7 @@ impl Node {
             broker: &mut self.broker,
             conn,
             vhost,
+            user,
             out,
             frame_max: *frame_max,
             now,

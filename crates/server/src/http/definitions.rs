@@ -2,6 +2,7 @@
 //! holds loads into Warren, and Warren's export loads into RabbitMQ.
 
 use serde_json::{json, Value};
+use warren_broker::access::{AccessError, PermissionDef, TopicPermissionDef};
 use warren_broker::DeclareQueue;
 use warren_codec::ShortStr;
 use warren_session::manage::API_CONN;
@@ -15,14 +16,17 @@ fn exported_exchange(name: &str) -> bool {
 }
 
 pub fn export(api: &Api, vhost: Option<&str>) -> Value {
-    let (queues, exchanges, bindings, vhosts, users) = api.node.read(|n, _| {
+    let (queues, exchanges, bindings, vhosts, users, perms, topics) = api.node.read(|n, _| {
         let b = n.broker();
+        let a = b.access();
         (
             b.queue_snapshots(vhost),
             b.exchange_snapshots(vhost),
             b.binding_snapshots(vhost),
             b.vhost_names(),
-            n.users().to_vec(),
+            a.users().cloned().collect::<Vec<_>>(),
+            a.permissions().cloned().collect::<Vec<_>>(),
+            a.topic_permissions().cloned().collect::<Vec<_>>(),
         )
     });
     // In a one-vhost export objects carry no vhost (RabbitMQ's format): it is the target's.
@@ -102,15 +106,7 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
         if let Some(m) = out.as_object_mut() {
             m.insert(
                 "users".into(),
-                users
-                    .iter()
-                    .map(|u| {
-                        json!({"name": u.name,
-                               "password_hash": super::passwords::sha256_hash(&u.password),
-                               "hashing_algorithm": "rabbit_password_hashing_sha256",
-                               "tags": u.tags, "limits": {}})
-                    })
-                    .collect(),
+                users.iter().map(super::access::user_json).collect(),
             );
             m.insert(
                 "vhosts".into(),
@@ -119,14 +115,26 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
                     .map(|v| json!({"name": v, "limits": [], "metadata": {"description": "", "tags": []}}))
                     .collect(),
             );
-            let mut perms = Vec::new();
-            for u in &users {
-                for v in &vhosts {
-                    perms.push(json!({"user": u.name, "vhost": v, "configure": ".*", "write": ".*", "read": ".*"}));
-                }
-            }
-            m.insert("permissions".into(), perms.into());
-            m.insert("topic_permissions".into(), json!([]));
+            m.insert(
+                "permissions".into(),
+                perms
+                    .iter()
+                    .map(|p| {
+                        json!({"user": p.user, "vhost": p.vhost, "configure": p.configure,
+                                    "write": p.write, "read": p.read})
+                    })
+                    .collect(),
+            );
+            m.insert(
+                "topic_permissions".into(),
+                topics
+                    .iter()
+                    .map(|t| {
+                        json!({"user": t.user, "vhost": t.vhost, "exchange": t.exchange,
+                                    "write": t.write, "read": t.read})
+                    })
+                    .collect(),
+            );
             m.insert(
                 "global_parameters".into(),
                 json!([{"name": "cluster_name", "value": api.node_name}]),
@@ -152,9 +160,9 @@ fn list<'a>(defs: &'a Value, k: &str) -> &'a [Value] {
         .map_or(&[][..], Vec::as_slice)
 }
 
-/// Declares what `defs` holds: vhosts, exchanges, queues, bindings, in that order (as
-/// RabbitMQ does). Objects that exist already must be equivalent. Users, permissions and
-/// policies are not imported yet (logged).
+/// Declares what `defs` holds: vhosts, users, permissions, exchanges, queues, bindings, in
+/// that order (as RabbitMQ does). Objects that exist already must be equivalent. Policies
+/// and parameters are not imported yet (logged).
 pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), ApiError> {
     if !defs.is_object() {
         return Err(ApiError::bad_request("definitions must be a JSON object"));
@@ -165,27 +173,57 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
             None => Ok(text(v, "vhost", "definition")?.to_owned()),
         }
     };
-    let skipped: Vec<&str> = [
-        "users",
-        "permissions",
-        "topic_permissions",
-        "policies",
-        "parameters",
-    ]
-    .into_iter()
-    .filter(|k| !list(defs, k).is_empty())
-    .collect();
+    let skipped: Vec<&str> = ["policies", "parameters"]
+        .into_iter()
+        .filter(|k| !list(defs, k).is_empty())
+        .collect();
     if !skipped.is_empty() {
         tracing::warn!(
             skipped = ?skipped,
-            "definitions import: users, permissions, policies and parameters are not imported yet"
+            "definitions import: policies and parameters are not imported yet"
         );
     }
+    // Users are read (and passwords hashed) before the node is locked.
+    let users = list(defs, "users")
+        .iter()
+        .map(|u| {
+            let name = text(u, "name", "user")?;
+            let body = u.as_object().cloned().unwrap_or_default();
+            super::access::user_from(name, &body)
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let field = |v: &Value, k: &str| text(v, k, "permission").map(str::to_owned);
     api.node.write(|n, _| -> Result<(), ApiError> {
         if only_vhost.is_none() {
             for v in list(defs, "vhosts") {
                 let name = text(v, "name", "vhost")?;
-                n.broker_mut().add_vhost(name);
+                n.broker_mut().declare_vhost(name);
+            }
+            for u in users {
+                n.broker_mut().put_user(u);
+            }
+            let refused = |e: AccessError| ApiError::bad_request(e.to_string());
+            for p in list(defs, "permissions") {
+                n.broker_mut()
+                    .set_permission(PermissionDef {
+                        user: field(p, "user")?,
+                        vhost: field(p, "vhost")?,
+                        configure: field(p, "configure")?,
+                        write: field(p, "write")?,
+                        read: field(p, "read")?,
+                    })
+                    .map_err(refused)?;
+            }
+            for t in list(defs, "topic_permissions") {
+                n.broker_mut()
+                    .set_topic_permission(TopicPermissionDef {
+                        user: field(t, "user")?,
+                        vhost: field(t, "vhost")?,
+                        exchange: field(t, "exchange")?,
+                        write: field(t, "write")?,
+                        read: field(t, "read")?,
+                    })
+                    .map_err(refused)?;
             }
         }
         for x in list(defs, "exchanges") {

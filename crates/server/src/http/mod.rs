@@ -5,11 +5,12 @@
 //! snapshots) under the node's lock; JSON is built after the lock is released, so listing
 //! 10,000 queues holds the node only for the copy.
 
+mod access;
 mod definitions;
 mod json;
 mod list;
 mod objects;
-mod passwords;
+pub mod passwords;
 pub mod rates;
 mod routes;
 mod ui;

@@ -1,11 +1,12 @@
-//! RabbitMQ's password hash format (`rabbit_password_hashing_sha256`): base64 of a 4-byte
-//! salt followed by SHA-256(salt ++ password), so exported users load into RabbitMQ.
+//! RabbitMQ's password hash format in definitions and the API (`password_hash`): base64 of a
+//! 4-byte salt followed by SHA-256 (or SHA-512) of salt and password.
 
 use base64::Engine;
-use sha2::{Digest, Sha256};
+use warren_broker::access::{HashAlgorithm, PasswordHash};
 
-/// A fresh salt: RabbitMQ uses 4 random bytes.
-fn salt() -> [u8; 4] {
+/// A fresh salt, from the standard library's randomly seeded hasher (salts must differ, not
+/// be secret).
+pub fn salt() -> [u8; 4] {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(
@@ -17,17 +18,21 @@ fn salt() -> [u8; 4] {
     [v[0], v[1], v[2], v[3]]
 }
 
-pub fn sha256_hash(password: &str) -> String {
-    sha256_with_salt(salt(), password)
+/// A new hash of a password, as RabbitMQ makes one by default.
+pub fn hash(password: &str) -> PasswordHash {
+    PasswordHash::new(password, salt(), HashAlgorithm::Sha256)
 }
 
-fn sha256_with_salt(salt: [u8; 4], password: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(salt);
-    h.update(password.as_bytes());
-    let mut out = salt.to_vec();
-    out.extend_from_slice(&h.finalize());
-    base64::engine::general_purpose::STANDARD.encode(out)
+pub fn encode(h: &PasswordHash) -> String {
+    base64::engine::general_purpose::STANDARD.encode(&h.bytes)
+}
+
+/// A `password_hash` as definitions carry it; None if it is not one.
+pub fn decode(text: &str, algorithm: HashAlgorithm) -> Option<PasswordHash> {
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .ok()?;
+    PasswordHash::from_bytes(bytes, algorithm)
 }
 
 #[cfg(test)]
@@ -35,18 +40,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn matches_rabbitmqs_format() {
-        // The salt leads, then SHA-256(salt ++ password): 36 bytes, 48 base64 characters.
-        let h = sha256_with_salt([0x90, 0x8d, 0xc6, 0x0a], "test12");
-        let raw = base64::engine::general_purpose::STANDARD
-            .decode(&h)
-            .unwrap();
-        assert_eq!(raw.len(), 36);
-        assert_eq!(&raw[..4], &[0x90, 0x8d, 0xc6, 0x0a]);
-        let mut d = Sha256::new();
-        d.update([0x90, 0x8d, 0xc6, 0x0a]);
-        d.update(b"test12");
-        assert_eq!(&raw[4..], &d.finalize()[..]);
-        assert_ne!(sha256_hash("x"), sha256_hash("x"), "salted");
+    fn reads_rabbitmqs_hashes() {
+        // Made by RabbitMQ 3.10.8 for the password "y" (PUT /api/users).
+        let h = decode(
+            "LDkFZb3phSVksKWJAPytxd+y9RK3iHIfsf78LoWDS2Y/xkSW",
+            HashAlgorithm::Sha256,
+        )
+        .expect("a sha256 hash");
+        assert!(h.matches("y"));
+        assert!(!h.matches("x"));
+        assert_eq!(
+            encode(&h),
+            "LDkFZb3phSVksKWJAPytxd+y9RK3iHIfsf78LoWDS2Y/xkSW"
+        );
+        assert!(decode("short", HashAlgorithm::Sha256).is_none());
+        assert!(hash("x").matches("x"));
+        assert_ne!(encode(&hash("x")), encode(&hash("x")), "salted");
     }
 }

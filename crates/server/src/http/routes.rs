@@ -44,18 +44,11 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/nodes", get(nodes))
         .route("/api/nodes/{node}", get(one_node))
         .route("/api/extensions", get(extensions))
+        .merge(super::access::routes())
         .route("/api/whoami", get(whoami))
         .route("/api/vhosts", get(vhosts))
-        .route("/api/vhosts/{vhost}", get(one_vhost).put(put_vhost))
         .route("/api/vhosts/{vhost}/connections", get(vhost_connections))
         .route("/api/vhosts/{vhost}/channels", get(vhost_channels))
-        .route("/api/vhosts/{vhost}/permissions", get(vhost_permissions))
-        .route("/api/users", get(users))
-        .route("/api/users/{user}", get(one_user))
-        .route("/api/users/{user}/permissions", get(user_permissions))
-        .route("/api/permissions", get(permissions))
-        .route("/api/permissions/{vhost}/{user}", get(one_permission))
-        .route("/api/topic-permissions", get(empty_admin_list))
         .route("/api/policies", get(empty_list))
         .route("/api/policies/{vhost}", get(empty_list))
         .route("/api/parameters", get(empty_list))
@@ -318,7 +311,7 @@ async fn whoami(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMa
 
 // ------------------------------------------------------------------ vhosts, users
 
-fn vhost_json(api: &Api, name: &str) -> Value {
+pub(super) fn vhost_json(api: &Api, name: &str) -> Value {
     let (ready, unacked) = api.node.read(|n, _| {
         n.broker()
             .queue_snapshots(Some(name))
@@ -351,136 +344,6 @@ async fn vhosts(
         .map(|n| vhost_json(&api, n))
         .collect();
     ok(query.finish(items, total)?)
-}
-
-async fn one_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?;
-    vhost_must_exist(&api, &vhost)?;
-    ok(vhost_json(&api, &vhost))
-}
-
-async fn put_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    let added = api.node.write(|n, _| n.broker_mut().add_vhost(&vhost));
-    if added {
-        created()
-    } else {
-        no_content()
-    }
-}
-
-fn user_json(u: &warren_session::User) -> Value {
-    json!({
-        "name": u.name,
-        "password_hash": super::passwords::sha256_hash(&u.password),
-        "hashing_algorithm": "rabbit_password_hashing_sha256",
-        "tags": u.tags,
-        "limits": {},
-    })
-}
-
-async fn users(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    let users = api.node.read(|n, _| n.users().to_vec());
-    ok(users.iter().map(user_json).collect())
-}
-
-async fn one_user(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(user): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    let u = api
-        .node
-        .read(|n, _| n.users().iter().find(|u| u.name == user).cloned());
-    ok(user_json(&u.ok_or_else(ApiError::not_found)?))
-}
-
-/// Every user may do everything in every vhost until access control lands: the permissions
-/// say so (configure, write and read `.*`), as RabbitMQ lists a full grant.
-fn all_permissions(api: &Api, user: Option<&str>, vhost: Option<&str>) -> Value {
-    let (users, vhosts) = api.node.read(|n, _| {
-        (
-            n.users().iter().map(|u| u.name.clone()).collect::<Vec<_>>(),
-            n.broker().vhost_names(),
-        )
-    });
-    let mut out = Vec::new();
-    for u in users.iter().filter(|u| user.is_none_or(|x| x == *u)) {
-        for v in vhosts.iter().filter(|v| vhost.is_none_or(|x| x == *v)) {
-            out.push(
-                json!({"user": u, "vhost": v, "configure": ".*", "write": ".*", "read": ".*"}),
-            );
-        }
-    }
-    Value::Array(out)
-}
-
-async fn permissions(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    ok(all_permissions(&api, None, None))
-}
-
-async fn user_permissions(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(user): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    if !api
-        .node
-        .read(|n, _| n.users().iter().any(|u| u.name == user))
-    {
-        return Err(ApiError::not_found());
-    }
-    ok(all_permissions(&api, Some(&user), None))
-}
-
-async fn vhost_permissions(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    vhost_must_exist(&api, &vhost)?;
-    ok(all_permissions(&api, None, Some(&vhost)))
-}
-
-async fn one_permission(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path((vhost, user)): Path<(String, String)>,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    let all = all_permissions(&api, Some(&user), Some(&vhost));
-    match all.as_array().and_then(|a| a.first()) {
-        Some(p) => ok(p.clone()),
-        None => Err(ApiError::not_found()),
-    }
-}
-
-async fn empty_admin_list(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
-    ok(json!([]))
 }
 
 /// Policies and parameters: Warren takes queue features from arguments only (none can be set

@@ -25,6 +25,8 @@ impl Client {
 
     fn connect_with(config: SessionConfig, peer: &str, broker: Broker) -> Client {
         let mut node = Node::new(config, broker);
+        let fresh = node.broker().access().is_empty();
+        node.apply_config_users(fresh, &mut || [0, 1, 2, 3]);
         node.connection_opened(CONN, Some(peer.parse().unwrap()), 0);
         Client {
             node,

@@ -169,6 +169,7 @@ proptest! {
         let mut broker = Broker::new(BrokerConfig::default());
         broker.set_recording(true);
         let mut node = Node::new(SessionConfig::default(), broker);
+        node.apply_config_users(true, &mut || [0, 1, 2, 3]);
         let mut conns = [1u64, 2];
         let mut next_conn = 3;
         for c in conns {

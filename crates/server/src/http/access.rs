@@ -1,0 +1,486 @@
+//! Vhosts, users, permissions and topic permissions over the management API, with RabbitMQ's
+//! paths, bodies and answers (201 made, 204 changed or deleted, 404 missing, 400 with
+//! RabbitMQ's reasons). Administrators only, as in RabbitMQ.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use warren_broker::access::{
+    AccessError, HashAlgorithm, PermissionDef, TopicPermissionDef, UserDef,
+};
+
+use super::{passwords, Api, ApiError, Level};
+
+type ApiState = State<Arc<Api>>;
+type Peer = ConnectInfo<SocketAddr>;
+type Answer = Result<Response, ApiError>;
+
+pub fn routes() -> Router<Arc<Api>> {
+    Router::new()
+        .route(
+            "/api/vhosts/{vhost}",
+            get(one_vhost).put(put_vhost).delete(delete_vhost),
+        )
+        .route("/api/vhosts/{vhost}/permissions", get(vhost_permissions))
+        .route(
+            "/api/vhosts/{vhost}/topic-permissions",
+            get(vhost_topic_permissions),
+        )
+        .route("/api/users", get(users))
+        .route(
+            "/api/users/{user}",
+            get(one_user).put(put_user).delete(delete_user),
+        )
+        .route("/api/users/{user}/permissions", get(user_permissions))
+        .route(
+            "/api/users/{user}/topic-permissions",
+            get(user_topic_permissions),
+        )
+        .route("/api/permissions", get(permissions))
+        .route(
+            "/api/permissions/{vhost}/{user}",
+            get(one_permission)
+                .put(put_permission)
+                .delete(delete_permission),
+        )
+        .route("/api/topic-permissions", get(topic_permissions))
+        .route(
+            "/api/topic-permissions/{vhost}/{user}",
+            get(one_topic_permission)
+                .put(put_topic_permission)
+                .delete(delete_topic_permission),
+        )
+}
+
+fn ok(v: Value) -> Answer {
+    Ok(Json(v).into_response())
+}
+
+fn made(new: bool) -> Answer {
+    let status = if new {
+        axum::http::StatusCode::CREATED
+    } else {
+        axum::http::StatusCode::NO_CONTENT
+    };
+    Ok(status.into_response())
+}
+
+fn found(yes: bool) -> Answer {
+    if yes {
+        made(false)
+    } else {
+        Err(ApiError::not_found())
+    }
+}
+
+fn admin(api: &Api, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+    api.login(headers, peer)?.require(Level::Administrator)
+}
+
+/// A JSON object body (an empty body is an empty object, as RabbitMQ reads it).
+fn object(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
+    if body.is_empty() {
+        return Ok(serde_json::Map::new());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        _ => Err(ApiError::bad_request("body must be a JSON object")),
+    }
+}
+
+/// RabbitMQ's answer to missing keys: `[{key_missing,write},{key_missing,read}]`.
+fn required<'a>(
+    body: &'a serde_json::Map<String, Value>,
+    keys: &[&str],
+) -> Result<Vec<&'a str>, ApiError> {
+    let missing: Vec<String> = keys
+        .iter()
+        .filter(|k| !body.contains_key(**k))
+        .map(|k| format!("{{key_missing,{k}}}"))
+        .collect();
+    if !missing.is_empty() {
+        return Err(ApiError::bad_request(format!("[{}]", missing.join(","))));
+    }
+    keys.iter()
+        .map(|k| {
+            body.get(*k)
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::bad_request(format!("{k} must be a string")))
+        })
+        .collect()
+}
+
+fn refused(e: AccessError) -> ApiError {
+    match e {
+        AccessError::NoUser(_) | AccessError::NoVhost(_) => {
+            ApiError::bad_request("vhost_or_user_not_found")
+        }
+        AccessError::BadPattern(..) => ApiError::bad_request(e.to_string()),
+    }
+}
+
+// ------------------------------------------------------------------ vhosts
+
+async fn one_vhost(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(vhost): Path<String>,
+) -> Answer {
+    api.login(&headers, peer)?;
+    if !api.node.read(|n, _| n.broker().vhost_exists(&vhost)) {
+        return Err(ApiError::not_found());
+    }
+    ok(super::routes::vhost_json(&api, &vhost))
+}
+
+async fn put_vhost(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(vhost): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    made(api.node.write(|n, _| n.broker_mut().declare_vhost(&vhost)))
+}
+
+async fn delete_vhost(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(vhost): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    found(api.node.write(|n, now| n.delete_vhost(&vhost, now)))
+}
+
+// ------------------------------------------------------------------ users
+
+pub fn user_json(u: &UserDef) -> Value {
+    json!({
+        "name": u.name,
+        "password_hash": u.hash.as_ref().map(passwords::encode).unwrap_or_default(),
+        "hashing_algorithm": u.hash.as_ref().map_or(HashAlgorithm::Sha256, |h| h.algorithm).rabbitmq_name(),
+        "tags": u.tags,
+        "limits": {},
+    })
+}
+
+/// Tags as RabbitMQ takes them: a comma-separated string or a list.
+pub fn tags(v: Option<&Value>) -> Vec<String> {
+    match v {
+        Some(Value::String(s)) => s
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_owned)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A user from a PUT body or a definitions entry: `password` (hashed here), or
+/// `password_hash` with `hashing_algorithm`; neither makes a user without a password.
+pub fn user_from(name: &str, body: &serde_json::Map<String, Value>) -> Result<UserDef, ApiError> {
+    let algorithm = match body.get("hashing_algorithm").and_then(Value::as_str) {
+        None => HashAlgorithm::Sha256,
+        Some(a) => HashAlgorithm::from_rabbitmq_name(a)
+            .ok_or_else(|| ApiError::bad_request(format!("unknown hashing_algorithm {a}")))?,
+    };
+    let hash = match (
+        body.get("password").and_then(Value::as_str),
+        body.get("password_hash").and_then(Value::as_str),
+    ) {
+        (Some(p), _) => Some(passwords::hash(p)),
+        (None, Some("")) | (None, None) => None,
+        (None, Some(h)) => Some(passwords::decode(h, algorithm).ok_or_else(|| {
+            ApiError::bad_request("password_hash is not a hash of its hashing_algorithm")
+        })?),
+    };
+    Ok(UserDef {
+        name: name.to_owned(),
+        hash,
+        tags: tags(body.get("tags")),
+    })
+}
+
+async fn users(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
+    admin(&api, &headers, peer)?;
+    let users: Vec<UserDef> = api
+        .node
+        .read(|n, _| n.broker().access().users().cloned().collect());
+    ok(users.iter().map(user_json).collect())
+}
+
+async fn one_user(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    let u = api
+        .node
+        .read(|n, _| n.broker().access().user(&user).cloned());
+    ok(user_json(&u.ok_or_else(ApiError::not_found)?))
+}
+
+async fn put_user(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+    body: Bytes,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    let def = user_from(&user, &object(&body)?)?;
+    made(api.node.write(|n, _| {
+        let new = n.broker().access().user(&user).is_none();
+        n.broker_mut().put_user(def);
+        new
+    }))
+}
+
+async fn delete_user(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    found(api.node.write(|n, now| n.delete_user(&user, now)))
+}
+
+// ------------------------------------------------------------------ permissions
+
+fn permission_json(p: &PermissionDef) -> Value {
+    json!({"user": p.user, "vhost": p.vhost, "configure": p.configure, "write": p.write, "read": p.read})
+}
+
+fn topic_json(t: &TopicPermissionDef) -> Value {
+    json!({"user": t.user, "vhost": t.vhost, "exchange": t.exchange, "write": t.write, "read": t.read})
+}
+
+fn permissions_where(api: &Api, keep: impl Fn(&PermissionDef) -> bool) -> Value {
+    api.node.read(|n, _| {
+        n.broker()
+            .access()
+            .permissions()
+            .filter(|p| keep(p))
+            .map(permission_json)
+            .collect()
+    })
+}
+
+fn topics_where(api: &Api, keep: impl Fn(&TopicPermissionDef) -> bool) -> Value {
+    api.node.read(|n, _| {
+        n.broker()
+            .access()
+            .topic_permissions()
+            .filter(|t| keep(t))
+            .map(topic_json)
+            .collect()
+    })
+}
+
+async fn permissions(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
+    admin(&api, &headers, peer)?;
+    ok(permissions_where(&api, |_| true))
+}
+
+async fn topic_permissions(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    ok(topics_where(&api, |_| true))
+}
+
+fn user_must_exist(api: &Api, user: &str) -> Result<(), ApiError> {
+    if api
+        .node
+        .read(|n, _| n.broker().access().user(user).is_some())
+    {
+        Ok(())
+    } else {
+        Err(ApiError::not_found())
+    }
+}
+
+fn vhost_must_exist(api: &Api, vhost: &str) -> Result<(), ApiError> {
+    if api.node.read(|n, _| n.broker().vhost_exists(vhost)) {
+        Ok(())
+    } else {
+        Err(ApiError::not_found())
+    }
+}
+
+async fn user_permissions(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    user_must_exist(&api, &user)?;
+    ok(permissions_where(&api, |p| p.user == user))
+}
+
+async fn user_topic_permissions(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(user): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    user_must_exist(&api, &user)?;
+    ok(topics_where(&api, |t| t.user == user))
+}
+
+async fn vhost_permissions(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(vhost): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    vhost_must_exist(&api, &vhost)?;
+    ok(permissions_where(&api, |p| p.vhost == vhost))
+}
+
+async fn vhost_topic_permissions(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(vhost): Path<String>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    vhost_must_exist(&api, &vhost)?;
+    ok(topics_where(&api, |t| t.vhost == vhost))
+}
+
+async fn one_permission(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    let p = api.node.read(|n, _| {
+        n.broker()
+            .access()
+            .permission(&user, &vhost)
+            .map(permission_json)
+    });
+    ok(p.ok_or_else(ApiError::not_found)?)
+}
+
+async fn put_permission(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, user)): Path<(String, String)>,
+    body: Bytes,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    let body = object(&body)?;
+    let v = required(&body, &["configure", "write", "read"])?;
+    let def = PermissionDef {
+        user: user.clone(),
+        vhost: vhost.clone(),
+        configure: v[0].to_owned(),
+        write: v[1].to_owned(),
+        read: v[2].to_owned(),
+    };
+    let new = api.node.write(|n, _| {
+        let new = n.broker().access().permission(&user, &vhost).is_none();
+        n.broker_mut().set_permission(def).map(|()| new)
+    });
+    made(new.map_err(refused)?)
+}
+
+async fn delete_permission(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    found(
+        api.node
+            .write(|n, _| n.broker_mut().clear_permission(&user, &vhost)),
+    )
+}
+
+async fn one_topic_permission(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    let list = topics_where(&api, |t| t.user == user && t.vhost == vhost);
+    if list.as_array().is_some_and(Vec::is_empty) {
+        return Err(ApiError::not_found());
+    }
+    ok(list)
+}
+
+async fn put_topic_permission(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, user)): Path<(String, String)>,
+    body: Bytes,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    let body = object(&body)?;
+    let v = required(&body, &["exchange", "write", "read"])?;
+    let def = TopicPermissionDef {
+        user: user.clone(),
+        vhost: vhost.clone(),
+        exchange: v[0].to_owned(),
+        write: v[1].to_owned(),
+        read: v[2].to_owned(),
+    };
+    let new = api.node.write(|n, _| {
+        let new = !n
+            .broker()
+            .access()
+            .topic_permissions()
+            .any(|t| t.user == user && t.vhost == vhost && t.exchange == def.exchange);
+        n.broker_mut().set_topic_permission(def).map(|()| new)
+    });
+    made(new.map_err(refused)?)
+}
+
+async fn delete_topic_permission(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Answer {
+    admin(&api, &headers, peer)?;
+    found(api.node.write(|n, _| {
+        let any = n
+            .broker()
+            .access()
+            .topic_permissions()
+            .any(|t| t.user == user && t.vhost == vhost);
+        n.broker_mut().clear_topic_permission(&user, &vhost, None);
+        any
+    }))
+}
