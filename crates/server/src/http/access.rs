@@ -16,7 +16,7 @@ use warren_broker::access::{
     AccessError, HashAlgorithm, PermissionDef, TopicPermissionDef, UserDef,
 };
 
-use super::{passwords, Api, ApiError, Level};
+use super::{passwords, Api, ApiError, Level, Login};
 
 type ApiState = State<Arc<Api>>;
 type Peer = ConnectInfo<SocketAddr>;
@@ -80,8 +80,10 @@ fn found(yes: bool) -> Answer {
     }
 }
 
-fn admin(api: &Api, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
-    api.login(headers, peer)?.require(Level::Administrator)
+fn admin(api: &Api, headers: &HeaderMap, peer: SocketAddr) -> Result<Login, ApiError> {
+    let who = api.login(headers, peer)?;
+    who.require(Level::Administrator)?;
+    Ok(who)
 }
 
 /// A JSON object body (an empty body is an empty object, as RabbitMQ reads it).
@@ -147,8 +149,24 @@ async fn put_vhost(
     headers: HeaderMap,
     Path(vhost): Path<String>,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
-    made(api.node.write(|n, _| n.broker_mut().declare_vhost(&vhost)))
+    let who = admin(&api, &headers, peer)?;
+    // As RabbitMQ does, whoever makes a vhost through the API may do everything in it.
+    made(api.node.write(|n, _| {
+        let new = n.broker_mut().declare_vhost(&vhost);
+        if new {
+            let all = PermissionDef {
+                user: who.name.clone(),
+                vhost: vhost.clone(),
+                configure: ".*".into(),
+                write: ".*".into(),
+                read: ".*".into(),
+            };
+            if let Err(e) = n.broker_mut().set_permission(all) {
+                tracing::warn!(user = %who.name, vhost = %vhost, error = %e, "no permissions for the vhost's maker");
+            }
+        }
+        new
+    }))
 }
 
 async fn delete_vhost(
