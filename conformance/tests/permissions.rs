@@ -117,6 +117,9 @@ fn args(key: &str, value: &str) -> FieldTable {
     t
 }
 
+/// An operation, and the resource (kind, name) it is refused on, if it is.
+type Case<'a> = (&'a str, AMQPClass, Option<(&'a str, String)>);
+
 /// Each operation with the permission it needs: allowed (None) or refused on a resource.
 #[tokio::test]
 async fn each_operation_needs_the_permission_rabbitmq_asks_for() {
@@ -130,7 +133,7 @@ async fn each_operation_needs_the_permission_rabbitmq_asks_for() {
         passive: true,
         ..QueueFlags::default()
     };
-    let cases: Vec<(&str, AMQPClass, Option<(&str, String)>)> = vec![
+    let cases: Vec<Case> = vec![
         (
             "declare a queue outside configure",
             m::queue_declare(&x, flags),
