@@ -2,7 +2,7 @@
 //! codes, error bodies and JSON fields that tools read. Against an external broker
 //! (`WARREN_TEST_URL`) the API is `WARREN_TEST_HTTP_URL` (default http://127.0.0.1:15672).
 
-use serde_json::json;
+use serde_json::{json, Value};
 use warren_conformance::http::{eventually, request};
 use warren_conformance::{unique, TestBroker};
 
@@ -139,6 +139,78 @@ fn queues_are_declared_published_to_peeked_purged_and_deleted() {
         reserved.json(),
         json!({"error": "not_authorised", "reason": "Access refused."})
     );
+}
+
+/// Warren's own `POST .../move`: ready messages go to another queue, oldest first, with
+/// their properties; at most `count`; a missing target is a 404 and moves nothing.
+#[test]
+fn messages_move_between_queues() {
+    let b = TestBroker::start();
+    if b.is_external() {
+        return; // RabbitMQ moves messages with a shovel instead
+    }
+    let a = api(&b);
+    let (from, to) = (unique("mv-from"), unique("mv-to"));
+    for q in [&from, &to] {
+        let r = request(
+            "PUT",
+            &format!("{a}/queues/%2F/{q}"),
+            GUEST,
+            &[],
+            Some(r#"{"durable":true}"#),
+        );
+        assert_eq!(r.status, 201);
+    }
+    for i in 0..3 {
+        let body = json!({"properties": {"delivery_mode": 2, "headers": {"n": i}},
+                          "routing_key": from, "payload": format!("m{i}"), "payload_encoding": "string"});
+        let r = request(
+            "POST",
+            &format!("{a}/exchanges/%2F/amq.default/publish"),
+            GUEST,
+            &[],
+            Some(&body.to_string()),
+        );
+        assert_eq!(r.json(), json!({"routed": true}));
+    }
+    let mv = |body: Value| {
+        request(
+            "POST",
+            &format!("{a}/queues/%2F/{from}/move"),
+            GUEST,
+            &[],
+            Some(&body.to_string()),
+        )
+    };
+    let missing = mv(json!({"destination": "no-such-queue"}));
+    assert_eq!(missing.status, 404, "{}", missing.text());
+    assert_eq!(
+        mv(json!({"destination": to, "count": 2})).json(),
+        json!({"moved": 2})
+    );
+    let take = |q: &str| {
+        request(
+            "POST",
+            &format!("{a}/queues/%2F/{q}/get"),
+            GUEST,
+            &[],
+            Some(r#"{"count":10,"ackmode":"ack_requeue_false","encoding":"auto"}"#),
+        )
+        .json()
+    };
+    let moved = take(&to);
+    let payloads: Vec<&str> = moved
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["payload"].as_str().unwrap())
+        .collect();
+    assert_eq!(payloads, ["m0", "m1"], "{moved}");
+    assert_eq!(moved[1]["properties"]["headers"], json!({"n": 1}));
+    assert_eq!(moved[1]["properties"]["delivery_mode"], 2);
+    let left = take(&from);
+    assert_eq!(left.as_array().map(Vec::len), Some(1), "{left}");
+    assert_eq!(left[0]["payload"], "m2");
 }
 
 #[test]

@@ -391,7 +391,8 @@ async fn vhost_access_and_deletions_close_connections() {
     .await;
 }
 
-/// Users, permissions and vhosts made through the API outlive a restart, as do deletions.
+/// Users, permissions and vhosts made through the API outlive a kill -9 right after their
+/// answer (the API answers once the change is on disk), as do deletions.
 #[tokio::test]
 async fn users_and_permissions_survive_a_restart() {
     let mut s = Setup::new();
@@ -440,7 +441,7 @@ async fn users_and_permissions_survive_a_restart() {
         request("DELETE", &format!("{api}/users/guest"), as_admin, &[], None).status,
         204
     );
-    s.b.restart(false);
+    s.b.restart(true);
     let api = format!("{}/api", s.b.http_url().expect("management API on"));
     let who = request("GET", &format!("{api}/whoami"), GUEST, &[], None);
     assert_eq!(who.status, 401, "guest came back after a restart");

@@ -15,7 +15,7 @@ use std::fs::File;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -93,6 +93,15 @@ struct Core {
     /// restart, and x-death timestamps are real dates, while the clock never goes backwards.
     epoch_ms: u64,
     backlog_limit: usize,
+    /// The number of the last batch handed to the store thread.
+    last_sent: u64,
+}
+
+/// The last batch the store wrote, for the management API to wait on.
+#[derive(Default)]
+struct Written {
+    upto: Mutex<u64>,
+    changed: Condvar,
 }
 
 struct Shared {
@@ -103,6 +112,7 @@ struct Shared {
     timer: Notify,
     /// The deadline (node ms) the timer task sleeps until; `u64::MAX` = none.
     armed: AtomicU64,
+    written: Written,
 }
 
 impl Shared {
@@ -149,11 +159,35 @@ impl NodeHandle {
         f(&core.node, now)
     }
 
-    /// Changes the node; what it produced is written out as after a client's frame.
+    /// Changes the node; what it produced is written out as after a client's frame, and
+    /// the call returns once the store has it on disk (as RabbitMQ answers an API change
+    /// once its database has it), or after [`WRITE_WAIT`] if the disk fails meanwhile.
     pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> R {
-        self.0.with_node(f)
+        let r = self.0.with_node(f);
+        let sent = self.0.lock().last_sent;
+        let w = &self.0.written;
+        let upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
+        if *upto >= sent {
+            return r;
+        }
+        // A few milliseconds (one group commit): the worker's other tasks move elsewhere.
+        tokio::task::block_in_place(|| {
+            let waited = w
+                .changed
+                .wait_timeout_while(upto, WRITE_WAIT, |upto| *upto < sent);
+            if waited.is_err() || waited.is_ok_and(|(_, t)| t.timed_out()) {
+                tracing::warn!(
+                    batch = sent,
+                    "an API change is not on disk yet: answering anyway"
+                );
+            }
+        });
+        r
     }
 }
+
+/// How long an API change waits for its store write before it is answered anyway.
+const WRITE_WAIT: Duration = Duration::from_secs(10);
 
 /// Milliseconds since the Unix epoch (0 if the system clock is set before it).
 fn wall_clock_ms() -> u64 {
@@ -192,6 +226,7 @@ impl Core {
             return;
         };
         if let Some(batch) = self.node.take_writes() {
+            self.last_sent = batch.number;
             if tx.send(batch).is_err() {
                 // Serving on without a disk would confirm nothing and grow without bound, and
                 // what is on disk is consistent up to here: stop.
@@ -297,10 +332,12 @@ pub async fn serve(
             start: Instant::now(),
             epoch_ms: wall_clock_ms(),
             backlog_limit: config.write_backlog_limit,
+            last_sent: 0,
         }),
         dispatch: Notify::new(),
         timer: Notify::new(),
         armed: AtomicU64::new(u64::MAX),
+        written: Written::default(),
     });
     on_start(NodeHandle(shared.clone()));
     let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
@@ -325,6 +362,12 @@ pub async fn serve(
             let on_written = shared.clone();
             let t = StoreThread::spawn(store, move |last, ok| {
                 on_written.with_node(|node, now| node.writes_done(last, ok, now));
+                if ok {
+                    let w = &on_written.written;
+                    let mut upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
+                    *upto = (*upto).max(last);
+                    w.changed.notify_all();
+                }
             })?;
             shared.lock().store = Some(t.tx.clone());
             Some(t)

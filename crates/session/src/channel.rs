@@ -752,10 +752,13 @@ impl Channel {
                 // The answer is kept per exchange until a permission changes: a publisher
                 // pays for the check once, not per message.
                 let generation = ctx.broker.access().generation();
-                let checked = self
-                    .write_checked
-                    .as_ref()
-                    .is_some_and(|(g, x)| *g == generation && *x == p.exchange);
+                // `amq.warren.visibility` only acts on deliveries this channel holds, which
+                // its user could read: it needs no write permission.
+                let checked = p.exchange.as_str() == VISIBILITY_EXCHANGE
+                    || self
+                        .write_checked
+                        .as_ref()
+                        .is_some_and(|(g, x)| *g == generation && *x == p.exchange);
                 if !checked {
                     ctx.check(Perm::Write, Resource::Exchange(&p.exchange))
                         .map_err(fail)?;

@@ -4,8 +4,8 @@
 use std::net::{IpAddr, SocketAddr};
 
 use warren_broker::access::{HashAlgorithm, PasswordHash, PermissionDef, UserDef};
-use warren_broker::{Broker, ConnId, QueueDeleted};
-use warren_codec::{AmqpError, FieldTable};
+use warren_broker::{Broker, ConnId, Message, QueueDeleted};
+use warren_codec::{AmqpError, FieldTable, ShortStr};
 
 use crate::auth::{self, Credentials};
 use crate::channel::Fault;
@@ -211,6 +211,57 @@ pub fn apply_config_users(
 pub const API_CONN: ConnId = 0;
 
 impl Node {
+    /// Moves up to `count` ready messages, oldest first, from queue `from` to queue `to` of
+    /// the same vhost (through the default exchange, properties and body unchanged). Each is
+    /// put in `to` and acked in `from` by the same store write, so a crash leaves it in one
+    /// queue or the other, never in neither. Stops early when `from` runs dry, or when `to`
+    /// refuses a message (full with `reject-publish`), which stays in `from`. Returns how
+    /// many moved.
+    pub fn move_messages(
+        &mut self,
+        vhost: &str,
+        from: &str,
+        to: &str,
+        count: u32,
+        now: u64,
+    ) -> Result<u32, AmqpError> {
+        let broker = self.broker_mut();
+        let target = ShortStr::try_from_str(to)
+            .ok()
+            .filter(|_| broker.queue_id(vhost, to).is_some())
+            .ok_or_else(|| AmqpError::not_found(format!("no queue '{to}' in vhost '{vhost}'")))?;
+        if from == to {
+            return Err(AmqpError::precondition_failed(format!(
+                "cannot move messages of queue '{from}' to itself"
+            )));
+        }
+        let mut moved = 0;
+        while moved < count {
+            let Some((d, _)) = broker.get(vhost, from, false, API_CONN)? else {
+                break;
+            };
+            let message = Message {
+                exchange: ShortStr::empty(),
+                routing_key: target.clone(),
+                properties: d.message.properties.clone(),
+                body: d.message.body.clone(),
+                persistent: d.message.persistent,
+                store_key: None,
+            };
+            match broker.publish(vhost, "", to, message, now) {
+                Ok(r) if r.queues > 0 && !r.rejected => {
+                    broker.settle(d.queue, d.receipt);
+                    moved += 1;
+                }
+                _ => {
+                    broker.release(d.queue, d.receipt);
+                    break;
+                }
+            }
+        }
+        Ok(moved)
+    }
+
     /// Deletes a queue as queue.delete would; its consumers get basic.cancel if their clients
     /// take it.
     pub fn delete_queue(

@@ -78,6 +78,7 @@ pub fn router(api: Arc<Api>) -> Router {
             axum::routing::delete(purge_queue),
         )
         .route("/api/queues/{vhost}/{name}/get", post(get_messages))
+        .route("/api/queues/{vhost}/{name}/move", post(move_messages))
         .route("/api/queues/{vhost}/{name}/bindings", get(queue_bindings))
         .route("/api/bindings", get(bindings_all))
         .route("/api/bindings/{vhost}", get(bindings_vhost))
@@ -758,6 +759,40 @@ async fn purge_queue(
 
 /// `POST /api/queues/{vhost}/{name}/get`: takes up to `count` messages, then settles them as
 /// `ackmode` says (`ack_requeue_true` puts them back, redelivered, as RabbitMQ does).
+/// Warren's own: `POST /api/queues/{vhost}/{name}/move` with `{"destination": "q2"}` and an
+/// optional `count` (default and most: 10,000) moves ready messages to another queue of
+/// the vhost, each put there and acked here in one store write. Answers `{"moved": n}`.
+async fn move_messages(
+    State(api): ApiState,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Answer {
+    login(&api, &headers, peer)?;
+    vhost_must_exist(&api, &vhost)?;
+    let b = body_json(&body)?;
+    let destination = b
+        .get("destination")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_request("[{key_missing,destination}]"))?
+        .to_owned();
+    // At most this many per call, so that one call holds the node for milliseconds: a
+    // caller moving more calls again until `moved` comes back short.
+    const MOST: u32 = 10_000;
+    let count = match b.get("count") {
+        None | Some(Value::Null) => MOST,
+        Some(v) => v
+            .as_u64()
+            .map(|n| u32::try_from(n).unwrap_or(u32::MAX).min(MOST))
+            .ok_or_else(|| ApiError::bad_request("count must be a non-negative integer"))?,
+    };
+    let moved = api
+        .node
+        .write(|n, now| n.move_messages(&vhost, &name, &destination, count, now))?;
+    ok(json!({ "moved": moved }))
+}
+
 async fn get_messages(
     State(api): ApiState,
     ConnectInfo(peer): Peer,
