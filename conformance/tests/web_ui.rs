@@ -459,6 +459,11 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
             broker.addr().port()
         )
     );
+    // The move button waits for a target queue.
+    assert!(
+        dom.contains("data-testid=\"move\" disabled"),
+        "a disabled Move button:\n{dom}"
+    );
     assert!(dom.contains("data-testid=\"graph-depth\""), "depth graph");
     assert!(dom.contains("data-testid=\"graph-rates\""), "rates graph");
     // The queue with a consumer: its unacked message and the consumer's row.
