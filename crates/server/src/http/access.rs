@@ -2,12 +2,10 @@
 //! paths, bodies and answers (201 made, 204 changed or deleted, 404 missing, 400 with
 //! RabbitMQ's reasons). Administrators only, as in RabbitMQ.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{ConnectInfo, Path, State};
-use axum::http::HeaderMap;
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
@@ -16,10 +14,9 @@ use warren_broker::access::{
     AccessError, HashAlgorithm, PermissionDef, TopicPermissionDef, UserDef,
 };
 
-use super::{passwords, Api, ApiError, Level, Login};
+use super::{passwords, Admin, Api, ApiError, LoggedIn};
 
 type ApiState = State<Arc<Api>>;
-type Peer = ConnectInfo<SocketAddr>;
 type Answer = Result<Response, ApiError>;
 
 pub fn routes() -> Router<Arc<Api>> {
@@ -80,12 +77,6 @@ fn found(yes: bool) -> Answer {
     }
 }
 
-fn admin(api: &Api, headers: &HeaderMap, peer: SocketAddr) -> Result<Login, ApiError> {
-    let who = api.login(headers, peer)?;
-    who.require(Level::Administrator)?;
-    Ok(who)
-}
-
 /// A JSON object body (an empty body is an empty object, as RabbitMQ reads it).
 fn object(body: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
     if body.is_empty() {
@@ -130,26 +121,14 @@ fn refused(e: AccessError) -> ApiError {
 
 // ------------------------------------------------------------------ vhosts
 
-async fn one_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    api.login(&headers, peer)?;
+async fn one_vhost(State(api): ApiState, _: LoggedIn, Path(vhost): Path<String>) -> Answer {
     if !api.node.read(|n, _| n.broker().vhost_exists(&vhost)) {
         return Err(ApiError::not_found());
     }
     ok(super::routes::vhost_json(&api, &vhost))
 }
 
-async fn put_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    let who = admin(&api, &headers, peer)?;
+async fn put_vhost(State(api): ApiState, Admin(who): Admin, Path(vhost): Path<String>) -> Answer {
     // As RabbitMQ does, whoever makes a vhost through the API may do everything in it.
     made(api.node.write(|n, _| {
         let new = n.broker_mut().declare_vhost(&vhost);
@@ -169,13 +148,7 @@ async fn put_vhost(
     }))
 }
 
-async fn delete_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn delete_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) -> Answer {
     found(api.node.write(|n, now| n.delete_vhost(&vhost, now)))
 }
 
@@ -234,35 +207,21 @@ pub fn user_from(name: &str, body: &serde_json::Map<String, Value>) -> Result<Us
     })
 }
 
-async fn users(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn users(State(api): ApiState, _: Admin) -> Answer {
     let users: Vec<UserDef> = api
         .node
         .read(|n, _| n.broker().access().users().cloned().collect());
     ok(users.iter().map(user_json).collect())
 }
 
-async fn one_user(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(user): Path<String>,
-) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn one_user(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
     let u = api
         .node
         .read(|n, _| n.broker().access().user(&user).cloned());
     ok(user_json(&u.ok_or_else(ApiError::not_found)?))
 }
 
-async fn put_user(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(user): Path<String>,
-    body: Bytes,
-) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn put_user(State(api): ApiState, _: Admin, Path(user): Path<String>, body: Bytes) -> Answer {
     let def = user_from(&user, &object(&body)?)?;
     made(api.node.write(|n, _| {
         let new = n.broker().access().user(&user).is_none();
@@ -271,13 +230,7 @@ async fn put_user(
     }))
 }
 
-async fn delete_user(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(user): Path<String>,
-) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn delete_user(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
     found(api.node.write(|n, now| n.delete_user(&user, now)))
 }
 
@@ -313,17 +266,11 @@ fn topics_where(api: &Api, keep: impl Fn(&TopicPermissionDef) -> bool) -> Value 
     })
 }
 
-async fn permissions(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn permissions(State(api): ApiState, _: Admin) -> Answer {
     ok(permissions_where(&api, |_| true))
 }
 
-async fn topic_permissions(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn topic_permissions(State(api): ApiState, _: Admin) -> Answer {
     ok(topics_where(&api, |_| true))
 }
 
@@ -346,57 +293,39 @@ fn vhost_must_exist(api: &Api, vhost: &str) -> Result<(), ApiError> {
     }
 }
 
-async fn user_permissions(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(user): Path<String>,
-) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn user_permissions(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
     user_must_exist(&api, &user)?;
     ok(permissions_where(&api, |p| p.user == user))
 }
 
 async fn user_topic_permissions(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path(user): Path<String>,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     user_must_exist(&api, &user)?;
     ok(topics_where(&api, |t| t.user == user))
 }
 
-async fn vhost_permissions(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    admin(&api, &headers, peer)?;
+async fn vhost_permissions(State(api): ApiState, _: Admin, Path(vhost): Path<String>) -> Answer {
     vhost_must_exist(&api, &vhost)?;
     ok(permissions_where(&api, |p| p.vhost == vhost))
 }
 
 async fn vhost_topic_permissions(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path(vhost): Path<String>,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     ok(topics_where(&api, |t| t.vhost == vhost))
 }
 
 async fn one_permission(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path((vhost, user)): Path<(String, String)>,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     let p = api.node.read(|n, _| {
         n.broker()
             .access()
@@ -408,12 +337,10 @@ async fn one_permission(
 
 async fn put_permission(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path((vhost, user)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     let body = object(&body)?;
     let v = required(&body, &["configure", "write", "read"])?;
     let def = PermissionDef {
@@ -432,11 +359,9 @@ async fn put_permission(
 
 async fn delete_permission(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path((vhost, user)): Path<(String, String)>,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     found(
         api.node
             .write(|n, _| n.broker_mut().clear_permission(&user, &vhost)),
@@ -445,11 +370,9 @@ async fn delete_permission(
 
 async fn one_topic_permission(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path((vhost, user)): Path<(String, String)>,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     let list = topics_where(&api, |t| t.user == user && t.vhost == vhost);
     if list.as_array().is_some_and(Vec::is_empty) {
         return Err(ApiError::not_found());
@@ -459,12 +382,10 @@ async fn one_topic_permission(
 
 async fn put_topic_permission(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path((vhost, user)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     let body = object(&body)?;
     let v = required(&body, &["exchange", "write", "read"])?;
     let def = TopicPermissionDef {
@@ -487,11 +408,9 @@ async fn put_topic_permission(
 
 async fn delete_topic_permission(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path((vhost, user)): Path<(String, String)>,
 ) -> Answer {
-    admin(&api, &headers, peer)?;
     found(api.node.write(|n, _| {
         let any = n
             .broker()

@@ -18,6 +18,8 @@ mod ui;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
@@ -227,6 +229,40 @@ impl Api {
             tags: user,
             level,
         })
+    }
+}
+
+/// A request from a logged-in user of the management tags (for handlers: logs in from the
+/// Authorization header and the peer address, as [`Api::login`]).
+pub struct LoggedIn(pub Login);
+
+/// A request from an administrator.
+pub struct Admin(pub Login);
+
+fn login_from(parts: &Parts, api: &Api) -> Result<Login, ApiError> {
+    let peer = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map(|c| c.0)
+        .ok_or_else(ApiError::no_credentials)?;
+    api.login(&parts.headers, peer)
+}
+
+impl FromRequestParts<Arc<Api>> for LoggedIn {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, api: &Arc<Api>) -> Result<Self, ApiError> {
+        login_from(parts, api).map(LoggedIn)
+    }
+}
+
+impl FromRequestParts<Arc<Api>> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, api: &Arc<Api>) -> Result<Self, ApiError> {
+        let who = login_from(parts, api)?;
+        who.require(Level::Administrator)?;
+        Ok(Admin(who))
     }
 }
 

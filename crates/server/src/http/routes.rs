@@ -17,7 +17,7 @@ use warren_codec::{FieldTable, ShortStr};
 use warren_session::manage::API_CONN;
 
 use super::list::ListQuery;
-use super::{json as conv, objects, Api, ApiError, Level, Login};
+use super::{json as conv, objects, Api, ApiError, Level, LoggedIn, Login};
 
 type ApiState = State<Arc<Api>>;
 type Peer = ConnectInfo<SocketAddr>;
@@ -305,8 +305,7 @@ async fn extensions(State(api): ApiState, ConnectInfo(peer): Peer, headers: Head
     ok(json!([]))
 }
 
-async fn whoami(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    let who = login(&api, &headers, peer)?;
+async fn whoami(LoggedIn(who): LoggedIn) -> Answer {
     ok(json!({"name": who.name, "tags": who.tags}))
 }
 
