@@ -1,4 +1,5 @@
-//! SASL mechanisms RabbitMQ offers by default: PLAIN and AMQPLAIN.
+//! SASL mechanisms RabbitMQ offers by default: PLAIN and AMQPLAIN; and EXTERNAL (RabbitMQ's
+//! `rabbitmq_auth_mechanism_ssl`) on TLS connections that presented a verified client certificate.
 
 use std::net::IpAddr;
 
@@ -8,6 +9,9 @@ use warren_codec::{FieldTable, FieldValue};
 use crate::config::User;
 
 pub const MECHANISMS: &str = "PLAIN AMQPLAIN";
+/// What a connection with a verified client certificate is offered.
+pub const MECHANISMS_WITH_EXTERNAL: &str = "PLAIN AMQPLAIN EXTERNAL";
+pub const EXTERNAL: &str = "EXTERNAL";
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct Credentials {
@@ -86,6 +90,23 @@ pub fn authenticate(
     Ok(())
 }
 
+/// EXTERNAL: the user named by the client certificate (the driver verified it and extracted the
+/// name) must exist; there is no password. The loopback-only rule still applies, as in RabbitMQ.
+pub fn authenticate_external(
+    users: &[User],
+    name: &str,
+    peer: Option<IpAddr>,
+) -> Result<(), AuthError> {
+    let user = users
+        .iter()
+        .find(|u| u.name == name)
+        .ok_or(AuthError::Refused)?;
+    if user.loopback_only && !peer.is_some_and(|ip| ip.is_loopback() || is_mapped_loopback(ip)) {
+        return Err(AuthError::Refused);
+    }
+    Ok(())
+}
+
 fn is_mapped_loopback(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
@@ -133,6 +154,21 @@ mod tests {
         );
         let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
         assert_eq!(authenticate(&guest(), &c, Some(mapped)), Ok(()));
+    }
+
+    #[test]
+    fn external_needs_an_existing_user_and_no_password() {
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let remote: IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(authenticate_external(&guest(), "guest", Some(lo)), Ok(()));
+        assert_eq!(
+            authenticate_external(&guest(), "nobody", Some(lo)),
+            Err(AuthError::Refused)
+        );
+        assert_eq!(
+            authenticate_external(&guest(), "guest", Some(remote)),
+            Err(AuthError::Refused)
+        );
     }
 
     #[test]
