@@ -21,7 +21,6 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use serde_json::json;
-use tokio::net::TcpListener;
 use warren_codec::AmqpError;
 
 use crate::driver::NodeHandle;
@@ -252,10 +251,15 @@ pub fn hostname() -> String {
 }
 
 /// Serves the management API and web page on `listener` until the process ends.
-pub async fn serve(listener: TcpListener, api: Arc<Api>) {
+/// Serves on a plain or a TLS listener (see `crate::tls::HttpsListener`).
+pub async fn serve<L>(listener: L, api: Arc<Api>)
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
     let app = routes::router(api);
+    // tap_io: axum gives the peer address (ConnectInfo) for any listener through it.
     if let Err(e) = axum::serve(
-        listener,
+        axum::serve::ListenerExt::tap_io(listener, |_| {}),
         app.into_make_service_with_connect_info::<SocketAddr>(),
     )
     .await
