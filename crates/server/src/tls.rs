@@ -41,6 +41,8 @@ pub enum Verify {
 #[derive(clap::ValueEnum, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 #[value(rename_all = "snake_case")]
+// RabbitMQ's value names, shared suffix and all.
+#[allow(clippy::enum_variant_names)]
 pub enum LoginFrom {
     /// The subject's CN.
     #[default]
