@@ -759,6 +759,9 @@ async fn management_api_and_metrics_over_https() {
         .unwrap();
     assert!(overview.starts_with("HTTP/1.1 200"), "{overview}");
     assert!(overview.contains("\"product_name\""), "{overview}");
+    // The listeners as RabbitMQ names them.
+    assert!(overview.contains("\"amqp/ssl\""), "{overview}");
+    assert!(overview.contains("\"https\""), "{overview}");
     let metrics = within("HTTPS", https_get(prom, &pki.ca.cert_pem, "/metrics"))
         .await
         .unwrap();

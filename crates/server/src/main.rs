@@ -317,6 +317,8 @@ fn start_http(
         amqp_port: config.port,
         http_port: port_of(&management).unwrap_or(0),
         prometheus_port: port_of(&prometheus),
+        amqps_port: tls.map(|_| config.tls_port),
+        http_tls: (config.management_tls, config.prometheus_tls),
         rates: rates.clone(),
         data_dir: config.data_dir.clone(),
         alarms: config.alarms,

@@ -366,6 +366,44 @@ impl axum::serve::Listener for HttpsListener {
 mod tests {
     use super::*;
 
+    fn client_cert() -> Vec<u8> {
+        use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair, SanType};
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.distinguished_name = DistinguishedName::new();
+        params.distinguished_name.push(DnType::CountryName, "GB");
+        params
+            .distinguished_name
+            .push(DnType::OrganizationName, "Example, Ltd");
+        params.distinguished_name.push(DnType::CommonName, "app");
+        params.subject_alt_names = vec![
+            SanType::Rfc822Name("ops@example.com".try_into().unwrap()),
+            SanType::DnsName("app.example.com".try_into().unwrap()),
+        ];
+        let key = KeyPair::generate().unwrap();
+        params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn login_names_as_rabbitmq_takes_them() {
+        let der = client_cert();
+        assert_eq!(
+            login_name(&der, LoginFrom::CommonName).as_deref(),
+            Some("app")
+        );
+        assert_eq!(
+            login_name(&der, LoginFrom::DistinguishedName).as_deref(),
+            Some("CN=app,O=Example\\, Ltd,C=GB")
+        );
+        assert_eq!(
+            login_name(&der, LoginFrom::SubjectAlternativeName).as_deref(),
+            Some("app.example.com")
+        );
+        assert_eq!(
+            login_name(b"not a certificate", LoginFrom::CommonName),
+            None
+        );
+    }
+
     #[test]
     fn dn_values_are_escaped() {
         assert_eq!(escape_dn_value("a,b"), "a\\,b");

@@ -34,6 +34,10 @@ pub struct Api {
     pub amqp_port: u16,
     pub http_port: u16,
     pub prometheus_port: Option<u16>,
+    /// The amqps listener's port (`amqp/ssl` in `listeners`, as RabbitMQ names it).
+    pub amqps_port: Option<u16>,
+    /// The management API and the metrics endpoint speak HTTPS (`https` in `listeners`).
+    pub http_tls: (bool, bool),
     /// Node time (ms since the epoch) when the broker started.
     pub started_ms: u64,
     pub rates: Arc<rates::Rates>,
