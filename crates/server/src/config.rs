@@ -373,10 +373,13 @@ impl Config {
                     .or(file.tls_login_from)
                     .unwrap_or_default(),
             }),
-            (Some(cert), None) => return Err(ConfigError::Tls(format!(
-                "--tls-cert {} needs the certificate's private key: give it with --tls-key FILE",
-                cert.display()
-            ))),
+            (Some(cert), None) => {
+                let e = format!(
+                    "--tls-cert {} needs the certificate's private key: give it with --tls-key FILE",
+                    cert.display()
+                );
+                return Err(ConfigError::Tls(e));
+            }
             (None, Some(_)) => {
                 return Err(ConfigError::Tls(
                     "--tls-key needs the certificate: give it with --tls-cert FILE".into(),
