@@ -107,6 +107,33 @@ pub struct Args {
     /// Turns the Prometheus endpoint off
     #[arg(long, env = "WARREN_NO_PROMETHEUS")]
     pub no_prometheus: bool,
+    /// Turns amqps on: the server's certificate chain, a PEM file (RabbitMQ's
+    /// ssl_options.certfile); read again on SIGHUP
+    #[arg(long, env = "WARREN_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key, a PEM file (ssl_options.keyfile)
+    #[arg(long, env = "WARREN_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// The amqps port, beside the plain one (listeners.ssl.default) [default: 5671]
+    #[arg(long, env = "WARREN_TLS_PORT", value_name = "PORT")]
+    pub tls_port: Option<u16>,
+    /// Trust roots for client certificates, a PEM file (ssl_options.cacertfile)
+    #[arg(long, env = "WARREN_TLS_CA", value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificates: none asks for none (verify_none), optional checks one if sent
+    /// (verify_peer), required refuses clients without one (fail_if_no_peer_cert) [default: none]
+    #[arg(long, env = "WARREN_TLS_VERIFY", value_name = "none|optional|required")]
+    pub tls_verify: Option<crate::tls::Verify>,
+    /// Where the EXTERNAL mechanism finds the user name in a client certificate
+    /// (ssl_cert_login_from) [default: common_name]
+    #[arg(long, env = "WARREN_TLS_LOGIN_FROM", value_name = "FIELD")]
+    pub tls_login_from: Option<crate::tls::LoginFrom>,
+    /// Serves the management API over HTTPS with the --tls-cert certificate
+    #[arg(long, env = "WARREN_MANAGEMENT_TLS")]
+    pub management_tls: bool,
+    /// Serves /metrics over HTTPS with the --tls-cert certificate
+    #[arg(long, env = "WARREN_PROMETHEUS_TLS")]
+    pub prometheus_tls: bool,
     /// Log lines as text or as JSON objects, one per line [default: text]
     #[arg(long, env = "WARREN_LOG_FORMAT", value_name = "text|json")]
     pub log_format: Option<LogFormat>,
@@ -153,6 +180,14 @@ pub struct FileConfig {
     /// `false` turns the Prometheus endpoint off.
     pub prometheus: Option<bool>,
     pub log_format: Option<LogFormat>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_port: Option<u16>,
+    pub tls_ca: Option<PathBuf>,
+    pub tls_verify: Option<crate::tls::Verify>,
+    pub tls_login_from: Option<crate::tls::LoginFrom>,
+    pub management_tls: Option<bool>,
+    pub prometheus_tls: Option<bool>,
     /// Replaces the default guest user when present.
     pub users: Option<Vec<FileUser>>,
 }
@@ -190,6 +225,8 @@ pub enum ConfigError {
     QueueWindow,
     #[error("memory_high_watermark must be a fraction between 0 and 1 (RabbitMQ's default is 0.4), got {0}")]
     Watermark(f64),
+    #[error("{0}")]
+    Tls(String),
     #[error(
         "no data directory: neither XDG_DATA_HOME nor HOME is set; give one with --data-dir DIR \
          or WARREN_DATA_DIR"
@@ -240,6 +277,12 @@ pub struct Config {
     /// The Prometheus endpoint's port (`None`: turned off).
     pub prometheus_port: Option<u16>,
     pub log_format: LogFormat,
+    /// amqps (`None`: no certificate given, TLS off).
+    pub tls: Option<crate::tls::TlsFiles>,
+    pub tls_port: u16,
+    /// The management API and the metrics endpoint over HTTPS.
+    pub management_tls: bool,
+    pub prometheus_tls: bool,
 }
 
 impl Config {
@@ -317,6 +360,46 @@ impl Config {
                 .or(file.disk_free_limit)
                 .unwrap_or(50_000_000),
         };
+        let tls = match (
+            args.tls_cert.or(file.tls_cert),
+            args.tls_key.or(file.tls_key),
+        ) {
+            (Some(cert), Some(key)) => Some(crate::tls::TlsFiles {
+                cert,
+                key,
+                ca: args.tls_ca.or(file.tls_ca),
+                verify: args.tls_verify.or(file.tls_verify).unwrap_or_default(),
+                login_from: args
+                    .tls_login_from
+                    .or(file.tls_login_from)
+                    .unwrap_or_default(),
+            }),
+            (Some(cert), None) => {
+                let e = format!(
+                    "--tls-cert {} needs the certificate's private key: give it with --tls-key FILE",
+                    cert.display()
+                );
+                return Err(ConfigError::Tls(e));
+            }
+            (None, Some(_)) => {
+                return Err(ConfigError::Tls(
+                    "--tls-key needs the certificate: give it with --tls-cert FILE".into(),
+                ))
+            }
+            (None, None) => None,
+        };
+        let management_tls = args.management_tls || file.management_tls.unwrap_or(false);
+        let prometheus_tls = args.prometheus_tls || file.prometheus_tls.unwrap_or(false);
+        if tls.is_none() && (management_tls || prometheus_tls) {
+            return Err(ConfigError::Tls(format!(
+                "{} uses the --tls-cert certificate: give --tls-cert FILE and --tls-key FILE",
+                if management_tls {
+                    "--management-tls"
+                } else {
+                    "--prometheus-tls"
+                }
+            )));
+        }
         let queue_window = args.queue_window.or(file.queue_window).unwrap_or(1024);
         if queue_window == 0 {
             return Err(ConfigError::QueueWindow);
@@ -350,6 +433,10 @@ impl Config {
                     .unwrap_or(15692)
             }),
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
+            tls,
+            tls_port: args.tls_port.or(file.tls_port).unwrap_or(5671),
+            management_tls,
+            prometheus_tls,
         })
     }
 }
@@ -407,6 +494,25 @@ mod tests {
         assert_eq!(c.session.users[0].name, "app");
         assert!(!c.session.users[0].loopback_only);
         std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn tls_is_off_without_a_certificate_and_needs_both_files() {
+        let c = Config::resolve(Args::default()).unwrap();
+        assert!(c.tls.is_none());
+        assert_eq!(c.tls_port, 5671);
+        let half = Args {
+            tls_cert: Some("server.pem".into()),
+            ..Args::default()
+        };
+        let e = Config::resolve(half).unwrap_err().to_string();
+        assert!(e.contains("--tls-key"), "{e}");
+        let https = Args {
+            management_tls: true,
+            ..Args::default()
+        };
+        let e = Config::resolve(https).unwrap_err().to_string();
+        assert!(e.contains("--tls-cert"), "{e}");
     }
 
     #[test]

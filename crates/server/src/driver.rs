@@ -19,8 +19,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::AsyncReadExt;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, WriteHalf};
+use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinHandle;
@@ -54,7 +54,9 @@ struct Outgoing {
 /// The core's handle on one connection's socket.
 struct Writer {
     tx: mpsc::UnboundedSender<Outgoing>,
-    socket: Arc<OwnedWriteHalf>,
+    /// A plain socket, written straight from the core when it takes the bytes at once; `None`
+    /// for TLS, whose records only the writer task makes.
+    socket: Option<Arc<OwnedWriteHalf>>,
     frame_max: Arc<AtomicU32>,
     /// Bytes handed to the writer task and not yet written; shared so the writer task reports only when
     /// it drains below the limit, not every write.
@@ -280,10 +282,10 @@ impl Writer {
     /// Writes what the socket takes now, if the writer task holds nothing older, and queues the rest for
     /// the task. Returns the bytes now waiting in the task.
     fn transmit(&self, mut bytes: Bytes, close: bool) -> usize {
-        if self.pending.load(Ordering::Acquire) == 0 {
+        if let (0, Some(socket)) = (self.pending.load(Ordering::Acquire), &self.socket) {
             // Nothing queued, so writing here keeps the order: the task decrements only after writing.
             while !bytes.is_empty() {
-                match self.socket.try_write(&bytes) {
+                match socket.try_write(&bytes) {
                     Ok(n) => {
                         let _ = bytes.split_to(n);
                     }
@@ -313,7 +315,7 @@ pub struct PendingRecovery {
 
 /// Runs the broker on `listener` until `shutdown` turns true, then closes every connection with 320.
 pub async fn serve(
-    listener: TcpListener,
+    (listener, tls_listener): (TcpListener, Option<(TcpListener, crate::tls::Tls)>),
     node: Node,
     recorder: Option<Recorder>,
     (store, recovery): (Option<Arc<warren_store::Store>>, Option<PendingRecovery>),
@@ -407,10 +409,30 @@ pub async fn serve(
                     connection(stream, peer, conn, shared, frame_max, limits).await;
                 });
             }
+            accepted = accept_tls(&tls_listener) => {
+                let (stream, peer) = match accepted {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed (amqps)");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let Some((_, tls)) = &tls_listener else { continue };
+                let conn = next_id.fetch_add(1, Ordering::Relaxed);
+                let shared = shared.clone();
+                let frame_max = config.frame_max;
+                let limits = (handshake_timeout, recovered_rx.clone());
+                let tls = tls.clone();
+                tokio::spawn(async move {
+                    tls_connection(stream, peer, tls, conn, shared, frame_max, limits).await;
+                });
+            }
             _ = shutdown.changed() => break,
         }
     }
     drop(listener);
+    drop(tls_listener);
     cancel_recovery.store(true, Ordering::Release);
     let open = shared.lock().node.connection_count();
     tracing::info!(connections = open, "shutting down");
@@ -535,25 +557,134 @@ async fn dispatcher(shared: Arc<Shared>) {
     }
 }
 
+/// Accepts on the amqps listener, if there is one (else never returns).
+async fn accept_tls(
+    listener: &Option<(TcpListener, crate::tls::Tls)>,
+) -> std::io::Result<(TcpStream, SocketAddr)> {
+    match listener {
+        Some((l, _)) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The writing end of a connection's socket, as the writer task holds it.
+enum WriteSide {
+    Tcp(Arc<OwnedWriteHalf>),
+    Tls(WriteHalf<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl WriteSide {
+    async fn write(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match self {
+            WriteSide::Tcp(socket) => write_all(socket, buf).await,
+            WriteSide::Tls(w) => {
+                w.write_all(buf).await?;
+                w.flush().await
+            }
+        }
+    }
+
+    /// Ends the stream: FIN for TCP once the core's handle is gone too; for TLS, close_notify
+    /// then FIN.
+    async fn finish(self) {
+        match self {
+            WriteSide::Tcp(socket) => drop(socket),
+            WriteSide::Tls(mut w) => {
+                let _ = tokio::time::timeout(Duration::from_secs(1), w.shutdown()).await;
+            }
+        }
+    }
+}
+
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: u32,
-    (handshake_timeout, recovered): (Duration, watch::Receiver<bool>),
+    limits: (Duration, watch::Receiver<bool>),
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
     }
     let local = stream.local_addr().ok();
-    let (mut rd, wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
     let wr = Arc::new(wr);
+    run_connection(
+        rd,
+        WriteSide::Tcp(wr),
+        (peer, local, None),
+        conn,
+        shared,
+        frame_max,
+        limits,
+    )
+    .await;
+}
+
+/// An amqps connection: the TLS handshake (within the AMQP handshake's time limit), then the
+/// same life as a plain one; a verified client certificate names the user EXTERNAL logs in.
+async fn tls_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    tls: crate::tls::Tls,
+    conn: ConnId,
+    shared: Arc<Shared>,
+    frame_max: u32,
+    limits: (Duration, watch::Receiver<bool>),
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!(conn, error = %e, "set_nodelay failed");
+    }
+    let local = stream.local_addr().ok();
+    let stream = match tokio::time::timeout(limits.0, tls.amqp_acceptor().accept(stream)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::info!(conn, %peer, error = %e, "TLS handshake failed");
+            return;
+        }
+        Err(_) => {
+            tracing::info!(conn, %peer, "TLS handshake timed out");
+            return;
+        }
+    };
+    let external = tls.external_identity(&stream);
+    if let Some((version, suite)) = stream
+        .get_ref()
+        .1
+        .protocol_version()
+        .zip(stream.get_ref().1.negotiated_cipher_suite())
+    {
+        tracing::debug!(conn, %peer, version = ?version, suite = ?suite.suite(), client_cert = ?external, "TLS handshake done");
+    }
+    let (rd, wr) = tokio::io::split(stream);
+    run_connection(
+        rd,
+        WriteSide::Tls(wr),
+        (peer, local, external),
+        conn,
+        shared,
+        frame_max,
+        limits,
+    )
+    .await;
+}
+
+async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
+    mut rd: R,
+    mut wr: WriteSide,
+    (peer, local, external): (SocketAddr, Option<SocketAddr>, Option<String>),
+    conn: ConnId,
+    shared: Arc<Shared>,
+    frame_max: u32,
+    (handshake_timeout, recovered): (Duration, watch::Receiver<bool>),
+) {
     match tokio::time::timeout(handshake_timeout, read_protocol_header(&mut rd)).await {
         Ok(Ok(true)) => {}
         Ok(Ok(false)) => {
             // The spec: answer a header we don't speak with the one we do, then close.
-            let _ = write_all(&wr, PROTOCOL_HEADER).await;
+            let _ = wr.write(PROTOCOL_HEADER).await;
+            wr.finish().await;
             return;
         }
         _ => return,
@@ -562,19 +693,24 @@ async fn connection(
     let pending = Arc::new(AtomicUsize::new(0));
     let (tx, rx) = mpsc::unbounded_channel();
     let (pause, paused) = watch::channel(false);
+    let direct = match &wr {
+        WriteSide::Tcp(socket) => Some(socket.clone()),
+        WriteSide::Tls(_) => None,
+    };
     shared.with_core(|core, now| {
         core.writers.insert(
             conn,
             Writer {
                 tx,
-                socket: wr.clone(),
+                socket: direct,
                 frame_max: frame_max.clone(),
                 pending: pending.clone(),
                 blocked: false,
                 pause,
             },
         );
-        core.node.connection_opened(conn, Some(peer), now);
+        core.node
+            .connection_opened_as(conn, Some(peer), external, now);
         if let Some(local) = local {
             core.node.set_local_addr(conn, local);
         }
@@ -594,7 +730,7 @@ async fn connection(
 
 /// Reads until the 8-byte protocol header is known good (true) or bad (false); a bad prefix is refused
 /// as soon as it arrives rather than after 8 bytes.
-async fn read_protocol_header(rd: &mut OwnedReadHalf) -> std::io::Result<bool> {
+async fn read_protocol_header<R: AsyncRead + Unpin>(rd: &mut R) -> std::io::Result<bool> {
     let mut buf = BytesMut::with_capacity(8);
     loop {
         match decode_protocol_header(&mut buf) {
@@ -612,8 +748,8 @@ async fn read_protocol_header(rd: &mut OwnedReadHalf) -> std::io::Result<bool> {
     }
 }
 
-async fn read_loop(
-    mut rd: OwnedReadHalf,
+async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
+    mut rd: R,
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: Arc<AtomicU32>,
@@ -728,7 +864,7 @@ async fn write_all(socket: &OwnedWriteHalf, mut buf: &[u8]) -> std::io::Result<(
 /// Writes what the core could not write at once. The socket's write side shuts down when the last handle
 /// (this task's and the core's) is dropped.
 async fn write_loop(
-    socket: Arc<OwnedWriteHalf>,
+    mut socket: WriteSide,
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
     conn: ConnId,
     shared: Arc<Shared>,
@@ -739,7 +875,7 @@ async fn write_loop(
     let limit = shared.lock().backlog_limit;
     let mut ended_by_close = false;
     while let Some(out) = rx.recv().await {
-        if write_all(&socket, &out.bytes).await.is_err() {
+        if socket.write(&out.bytes).await.is_err() {
             break;
         }
         let written = out.bytes.len();
@@ -761,7 +897,7 @@ async fn write_loop(
     // stream, or to drain it).
     pending.store(0, Ordering::Release);
     // Sends FIN once the last reference (ours) goes: the client sees the end of the stream.
-    drop(socket);
+    socket.finish().await;
     if ended_by_close {
         shared.with_node(|node, _| node.connection_lost(conn));
         // The client may still be sending (publishes it had buffered before its connection.close):

@@ -7,6 +7,7 @@ mod driver;
 mod http;
 mod metrics;
 mod storage;
+mod tls;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -165,14 +166,46 @@ async fn http_listeners(
 }
 
 async fn run(config: Config) -> std::io::Result<()> {
+    let tls = match &config.tls {
+        Some(files) => Some(
+            tls::Tls::load(files.clone())
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+        ),
+        None => None,
+    };
     let listener = listen(&config, config.port, "AMQP clients", "--port").await?;
+    let tls_listener = match &tls {
+        Some(t) => Some((
+            listen(
+                &config,
+                config.tls_port,
+                "AMQP clients over TLS",
+                "--tls-port",
+            )
+            .await?,
+            t.clone(),
+        )),
+        None => None,
+    };
     let (management, prometheus) = http_listeners(&config).await?;
     tracing::info!(address = %listener.local_addr()?, "warren listening for AMQP 0-9-1 clients");
+    if let Some((l, t)) = &tls_listener {
+        tracing::info!(
+            address = %l.local_addr()?,
+            cert = %t.files().cert.display(),
+            verify = ?t.files().verify,
+            "warren listening for AMQP 0-9-1 clients over TLS (amqps); SIGHUP reloads the certificate"
+        );
+    }
+    let scheme = |on: bool| if on { "https" } else { "http" };
     if let Some(l) = &management {
-        tracing::info!(address = %l.local_addr()?, "management API and web page at http://{}/", l.local_addr()?);
+        tracing::info!(address = %l.local_addr()?, "management API and web page at {}://{}/", scheme(config.management_tls), l.local_addr()?);
     }
     if let Some(l) = &prometheus {
-        tracing::info!(address = %l.local_addr()?, "Prometheus metrics at http://{}/metrics", l.local_addr()?);
+        tracing::info!(address = %l.local_addr()?, "Prometheus metrics at {}://{}/metrics", scheme(config.prometheus_tls), l.local_addr()?);
+    }
+    if let Some(t) = &tls {
+        tokio::spawn(reload_on_sighup(t.clone()));
     }
     // Server-named queues must not be predictable across restarts.
     let name_seed = {
@@ -239,7 +272,7 @@ async fn run(config: Config) -> std::io::Result<()> {
         let _ = stop_tx.send(true);
     });
     let store = driver::serve(
-        listener,
+        (listener, tls_listener),
         node,
         recorder,
         (
@@ -251,7 +284,7 @@ async fn run(config: Config) -> std::io::Result<()> {
         ),
         (config.alarms, config.data_dir.clone()),
         stop_rx,
-        |node| start_http(node, &config, management, prometheus),
+        |node| start_http(node, &config, tls.as_ref(), management, prometheus),
     )
     .await?;
     // Give writer tasks a moment to put the last close frames on the wire.
@@ -268,6 +301,7 @@ async fn run(config: Config) -> std::io::Result<()> {
 fn start_http(
     node: driver::NodeHandle,
     config: &Config,
+    tls: Option<&tls::Tls>,
     management: Option<TcpListener>,
     prometheus: Option<TcpListener>,
 ) {
@@ -287,16 +321,72 @@ fn start_http(
         amqp_port: config.port,
         http_port: port_of(&management).unwrap_or(0),
         prometheus_port: port_of(&prometheus),
+        amqps_port: tls.map(|_| config.tls_port),
+        http_tls: (config.management_tls, config.prometheus_tls),
         rates: rates.clone(),
         data_dir: config.data_dir.clone(),
         alarms: config.alarms,
     });
     tokio::spawn(http::rates::run(rates, api.node.clone()));
+    // Config::resolve refuses --management-tls / --prometheus-tls without a certificate.
+    let https = |on: bool| tls.filter(|_| on).cloned();
     if let Some(l) = management {
-        tokio::spawn(http::serve(l, api.clone()));
+        match https(config.management_tls) {
+            Some(t) => match tls::HttpsListener::new(l, t, "management API") {
+                Ok(l) => {
+                    tokio::spawn(http::serve(l, api.clone()));
+                }
+                Err(e) => tracing::error!(error = %e, "the management API cannot start"),
+            },
+            None => {
+                tokio::spawn(http::serve(l, api.clone()));
+            }
+        }
     }
     if let Some(l) = prometheus {
-        tokio::spawn(metrics::serve(l, api));
+        match https(config.prometheus_tls) {
+            Some(t) => match tls::HttpsListener::new(l, t, "metrics") {
+                Ok(l) => {
+                    tokio::spawn(metrics::serve(l, api));
+                }
+                Err(e) => tracing::error!(error = %e, "the metrics endpoint cannot start"),
+            },
+            None => {
+                tokio::spawn(metrics::serve(l, api));
+            }
+        }
+    }
+}
+
+/// SIGHUP reads the TLS certificate, key and CA files again: new connections get them, open
+/// ones keep what they negotiated; a file that does not load leaves the old settings in force.
+async fn reload_on_sighup(tls: tls::Tls) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch SIGHUP: TLS files are not reloadable");
+                return;
+            }
+        };
+        while hup.recv().await.is_some() {
+            match tls.reload() {
+                Ok(()) => tracing::info!(
+                    cert = %tls.files().cert.display(),
+                    "SIGHUP: TLS certificate and key reloaded; new connections use them"
+                ),
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "SIGHUP: TLS reload failed; the previous certificate stays in use"
+                ),
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tls;
     }
 }
 

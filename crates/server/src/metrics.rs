@@ -16,7 +16,6 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
-use tokio::net::TcpListener;
 use warren_broker::stats::{QueueCounters, DEAD_LETTER_REASONS, DELIVERY_BUCKETS};
 use warren_broker::QueueSnapshot;
 use warren_session::latency::CONFIRM_BOUNDS_MS;
@@ -529,13 +528,18 @@ fn metrics_text(api: &Api, per_object: bool) -> impl IntoResponse {
 }
 
 /// Serves `/metrics` and `/metrics/per-object` on `listener` until the process ends.
-pub async fn serve(listener: TcpListener, api: Arc<Api>) {
+/// Serves on a plain or a TLS listener (see `crate::tls::HttpsListener`).
+pub async fn serve<L>(listener: L, api: Arc<Api>)
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/metrics/per-object", get(per_object))
         .with_state(api);
+    // tap_io: axum gives the peer address (ConnectInfo) for any listener through it.
     if let Err(e) = axum::serve(
-        listener,
+        axum::serve::ListenerExt::tap_io(listener, |_| {}),
         app.into_make_service_with_connect_info::<SocketAddr>(),
     )
     .await

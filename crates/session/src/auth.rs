@@ -1,4 +1,5 @@
-//! SASL mechanisms RabbitMQ offers by default: PLAIN and AMQPLAIN.
+//! SASL mechanisms RabbitMQ offers by default: PLAIN and AMQPLAIN; and EXTERNAL (RabbitMQ's
+//! `rabbitmq_auth_mechanism_ssl`) on TLS connections that presented a verified client certificate.
 
 use std::net::IpAddr;
 
@@ -10,6 +11,9 @@ use warren_broker::access::Access;
 use crate::config::SessionConfig;
 
 pub const MECHANISMS: &str = "PLAIN AMQPLAIN";
+/// What a connection with a verified client certificate is offered.
+pub const MECHANISMS_WITH_EXTERNAL: &str = "PLAIN AMQPLAIN EXTERNAL";
+pub const EXTERNAL: &str = "EXTERNAL";
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct Credentials {
@@ -89,6 +93,23 @@ pub fn authenticate(
     Ok(())
 }
 
+/// EXTERNAL: the user named by the client certificate (the driver verified it and extracted the
+/// name) must exist; there is no password. The loopback-only rule still applies, as in RabbitMQ.
+pub fn authenticate_external(
+    access: &Access,
+    config: &SessionConfig,
+    name: &str,
+    peer: Option<IpAddr>,
+) -> Result<(), AuthError> {
+    access.user(name).ok_or(AuthError::Refused)?;
+    if config.loopback_only(name)
+        && !peer.is_some_and(|ip| ip.is_loopback() || is_mapped_loopback(ip))
+    {
+        return Err(AuthError::Refused);
+    }
+    Ok(())
+}
+
 fn is_mapped_loopback(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback()),
@@ -134,6 +155,22 @@ mod tests {
         );
         let mapped: IpAddr = "::ffff:127.0.0.1".parse().unwrap();
         assert_eq!(authenticate(&a, &cfg, &c, Some(mapped)), Ok(()));
+    }
+
+    #[test]
+    fn external_needs_an_existing_user_and_no_password() {
+        let lo: IpAddr = "127.0.0.1".parse().unwrap();
+        let remote: IpAddr = "10.1.2.3".parse().unwrap();
+        let (a, cfg) = guest();
+        assert_eq!(authenticate_external(&a, &cfg, "guest", Some(lo)), Ok(()));
+        assert_eq!(
+            authenticate_external(&a, &cfg, "nobody", Some(lo)),
+            Err(AuthError::Refused)
+        );
+        assert_eq!(
+            authenticate_external(&a, &cfg, "guest", Some(remote)),
+            Err(AuthError::Refused)
+        );
     }
 
     #[test]

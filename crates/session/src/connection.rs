@@ -53,6 +53,8 @@ pub(crate) struct Connection {
     pub peer: Option<SocketAddr>,
     /// The broker's end of the socket (for the connection's name in the management API).
     pub local: Option<SocketAddr>,
+    /// The user name from a verified TLS client certificate: EXTERNAL is offered and accepted.
+    pub external: Option<String>,
     pub state: State,
     pub opened_at: u64,
     pub vhost: String,
@@ -107,6 +109,7 @@ impl Connection {
             id,
             peer,
             local: None,
+            external: None,
             state: State::AwaitStartOk,
             opened_at: now,
             vhost: String::new(),
@@ -169,10 +172,28 @@ impl Connection {
                 version_major: 0,
                 version_minor: 9,
                 server_properties: server_properties(config),
-                mechanisms: Bytes::from_static(auth::MECHANISMS.as_bytes()),
+                mechanisms: Bytes::from_static(if self.external.is_some() {
+                    auth::MECHANISMS_WITH_EXTERNAL.as_bytes()
+                } else {
+                    auth::MECHANISMS.as_bytes()
+                }),
                 locales: Bytes::from_static(b"en_US"),
             },
         );
+    }
+
+    /// Login accepted: connection.tune, then wait for tune-ok.
+    fn send_tune(&mut self, config: &SessionConfig) {
+        send(
+            &mut self.out,
+            0,
+            ConnectionTune {
+                channel_max: config.channel_max,
+                frame_max: config.frame_max,
+                heartbeat: config.heartbeat_secs,
+            },
+        );
+        self.state = State::AwaitTuneOk;
     }
 
     /// Sends connection.close for a fault and enters the closing state.
@@ -217,6 +238,29 @@ impl Connection {
             (State::AwaitStartOk, Method::ConnectionStartOk(ok)) => {
                 self.caps = client_caps(&ok.client_properties);
                 self.client_properties = ok.client_properties.clone();
+                if ok.mechanism == auth::EXTERNAL {
+                    // Offered only with a verified certificate; otherwise as unknown as any other.
+                    let Some(name) = self.external.clone() else {
+                        return fail(AmqpError::command_invalid(format!(
+                            "unknown authentication mechanism '{}'",
+                            ok.mechanism
+                        )));
+                    };
+                    if auth::authenticate_external(
+                        broker.access(),
+                        config,
+                        &name,
+                        self.peer.map(|p| p.ip()),
+                    )
+                    .is_err()
+                    {
+                        tracing::info!(conn = self.id, user = %name, "login refused (EXTERNAL: no such user)");
+                        return login_refused(&ok.mechanism);
+                    }
+                    self.user = name;
+                    self.send_tune(config);
+                    return Next::Nothing;
+                }
                 let creds = match auth::parse_response(&ok.mechanism, &ok.response) {
                     Ok(c) => c,
                     Err(AuthError::UnknownMechanism(m)) => {
@@ -232,16 +276,7 @@ impl Connection {
                     return login_refused(&ok.mechanism);
                 }
                 self.user = creds.user;
-                send(
-                    &mut self.out,
-                    0,
-                    ConnectionTune {
-                        channel_max: config.channel_max,
-                        frame_max: config.frame_max,
-                        heartbeat: config.heartbeat_secs,
-                    },
-                );
-                self.state = State::AwaitTuneOk;
+                self.send_tune(config);
                 Next::Nothing
             }
             (State::AwaitTuneOk, Method::ConnectionTuneOk(t)) => {

@@ -245,7 +245,20 @@ impl Node {
 
     /// A client sent a valid protocol header: the server speaks first with connection.start.
     pub fn connection_opened(&mut self, conn: ConnId, peer: Option<SocketAddr>, now: u64) {
+        self.connection_opened_as(conn, peer, None, now);
+    }
+
+    /// As [`Node::connection_opened`], for a TLS connection whose client certificate the driver
+    /// verified: `external` is the user name taken from it, and EXTERNAL is offered.
+    pub fn connection_opened_as(
+        &mut self,
+        conn: ConnId,
+        peer: Option<SocketAddr>,
+        external: Option<String>,
+        now: u64,
+    ) {
         let mut c = Connection::new(conn, peer, now, &self.config);
+        c.external = external;
         c.send_start(&self.config);
         self.conns.insert(conn, c);
         self.schedule(conn);

@@ -24,7 +24,6 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use serde_json::json;
-use tokio::net::TcpListener;
 use warren_codec::AmqpError;
 
 use crate::driver::NodeHandle;
@@ -38,6 +37,10 @@ pub struct Api {
     pub amqp_port: u16,
     pub http_port: u16,
     pub prometheus_port: Option<u16>,
+    /// The amqps listener's port (`amqp/ssl` in `listeners`, as RabbitMQ names it).
+    pub amqps_port: Option<u16>,
+    /// The management API and the metrics endpoint speak HTTPS (`https` in `listeners`).
+    pub http_tls: (bool, bool),
     /// Node time (ms since the epoch) when the broker started.
     pub started_ms: u64,
     pub rates: Arc<rates::Rates>,
@@ -289,10 +292,15 @@ pub fn hostname() -> String {
 }
 
 /// Serves the management API and web page on `listener` until the process ends.
-pub async fn serve(listener: TcpListener, api: Arc<Api>) {
+/// Serves on a plain or a TLS listener (see `crate::tls::HttpsListener`).
+pub async fn serve<L>(listener: L, api: Arc<Api>)
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
     let app = routes::router(api);
+    // tap_io: axum gives the peer address (ConnectInfo) for any listener through it.
     if let Err(e) = axum::serve(
-        listener,
+        axum::serve::ListenerExt::tap_io(listener, |_| {}),
         app.into_make_service_with_connect_info::<SocketAddr>(),
     )
     .await

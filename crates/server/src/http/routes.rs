@@ -181,12 +181,25 @@ fn vhost_must_exist(api: &Api, vhost: &str) -> Result<(), ApiError> {
 // ------------------------------------------------------------------ overview, nodes
 
 fn listeners(api: &Api) -> Value {
+    // RabbitMQ's names: amqp/ssl for amqps, https and https/prometheus over TLS.
+    let (mgmt_tls, prom_tls) = api.http_tls;
     let mut l = vec![
         json!({"node": api.node_name, "protocol": "amqp", "ip_address": "::", "port": api.amqp_port}),
-        json!({"node": api.node_name, "protocol": "http", "ip_address": "::", "port": api.http_port}),
+        json!({"node": api.node_name, "protocol": if mgmt_tls { "https" } else { "http" }, "ip_address": "::", "port": api.http_port}),
     ];
+    if let Some(p) = api.amqps_port {
+        l.insert(
+            1,
+            json!({"node": api.node_name, "protocol": "amqp/ssl", "ip_address": "::", "port": p}),
+        );
+    }
     if let Some(p) = api.prometheus_port {
-        l.push(json!({"node": api.node_name, "protocol": "http/prometheus", "ip_address": "::", "port": p}));
+        let protocol = if prom_tls {
+            "https/prometheus"
+        } else {
+            "http/prometheus"
+        };
+        l.push(json!({"node": api.node_name, "protocol": protocol, "ip_address": "::", "port": p}));
     }
     Value::Array(l)
 }
@@ -1474,6 +1487,7 @@ async fn health_ok_2(
 
 fn listening_ports(api: &Api) -> Vec<u16> {
     let mut ports = vec![api.amqp_port, api.http_port];
+    ports.extend(api.amqps_port);
     ports.extend(api.prometheus_port);
     ports
 }
@@ -1507,8 +1521,13 @@ async fn health_protocol(
 ) -> Answer {
     login(&api, &headers, peer)?;
     let known = match protocol.as_str() {
-        "amqp" | "amqp091" | "amqp0.9.1" | "amqp0-9-1" | "http" => true,
-        "prometheus" | "http/prometheus" => api.prometheus_port.is_some(),
+        "amqp" | "amqp091" | "amqp0.9.1" | "amqp0-9-1" => true,
+        "http" => !api.http_tls.0,
+        "https" => api.http_tls.0,
+        "amqp/ssl" | "amqps" => api.amqps_port.is_some(),
+        "prometheus" => api.prometheus_port.is_some(),
+        "http/prometheus" => api.prometheus_port.is_some() && !api.http_tls.1,
+        "https/prometheus" => api.prometheus_port.is_some() && api.http_tls.1,
         _ => false,
     };
     if known {
