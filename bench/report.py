@@ -516,6 +516,15 @@ def report(results, out_path, chart_path, notes_path=None):
         L.append(delayed)
         L.append("")
 
+    mgmt_path, mgmt = latest_deep_summary(os.path.dirname(os.path.abspath(__file__)), "management.md")
+    if mgmt:
+        rel = os.path.relpath(mgmt_path, os.path.dirname(os.path.abspath(out_path)) or ".")
+        L.append("## Management API, metrics and access control")
+        L.append("")
+        L.append(f"From `bench/api.sh` and an A/B of the message path (kept in [bench/management.md]({rel})):")
+        L.append("")
+        L.append(mgmt)
+        L.append("")
     L.append(f"## What {b_name} persists in these runs")
     L.append("")
     if meta.get("self_test"):
