@@ -17,7 +17,7 @@ use warren_codec::{FieldTable, ShortStr};
 use warren_session::manage::API_CONN;
 
 use super::list::ListQuery;
-use super::{json as conv, objects, Api, ApiError, Level, LoggedIn, Login};
+use super::{json as conv, objects, Admin, Api, ApiError, Level, LoggedIn, Login};
 
 type ApiState = State<Arc<Api>>;
 type Peer = ConnectInfo<SocketAddr>;
@@ -214,8 +214,7 @@ fn exchange_types() -> Value {
     ])
 }
 
-async fn overview(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?;
+async fn overview(State(api): ApiState, _: LoggedIn) -> Answer {
     let (totals, counters, conns, channels) = api.node.read(|n, _| {
         let snaps = n.connection_snapshots();
         let channels: usize = snaps.iter().map(|c| c.channels.len()).sum();
@@ -262,8 +261,7 @@ async fn overview(State(api): ApiState, ConnectInfo(peer): Peer, headers: Header
     }))
 }
 
-async fn cluster_name(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?;
+async fn cluster_name(State(api): ApiState, _: LoggedIn) -> Answer {
     ok(json!({ "name": api.node_name }))
 }
 
@@ -313,8 +311,7 @@ async fn one_node(
     ok(node_json(&api))
 }
 
-async fn extensions(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?;
+async fn extensions(_: LoggedIn) -> Answer {
     ok(json!([]))
 }
 
@@ -340,13 +337,7 @@ pub(super) fn vhost_json(api: &Api, name: &str) -> Value {
     })
 }
 
-async fn vhosts(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Query(q): Params,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn vhosts(State(api): ApiState, _: LoggedIn, Query(q): Params) -> Answer {
     let query = ListQuery::parse(&q)?;
     let names = api.node.read(|n, _| n.broker().vhost_names());
     let matcher = query.matcher()?;
@@ -361,8 +352,7 @@ async fn vhosts(
 
 /// Policies and parameters: Warren takes queue features from arguments only (none can be set
 /// by policy yet), so the lists are empty.
-async fn empty_list(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?;
+async fn empty_list(_: LoggedIn) -> Answer {
     ok(json!([]))
 }
 
@@ -381,24 +371,16 @@ fn list_exchanges(api: &Api, vhost: Option<&str>, q: &HashMap<String, String>) -
     ok(query.finish(items, total)?)
 }
 
-async fn exchanges_all(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Query(q): Params,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn exchanges_all(State(api): ApiState, _: LoggedIn, Query(q): Params) -> Answer {
     list_exchanges(&api, None, &q)
 }
 
 async fn exchanges_vhost(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path(vhost): Path<String>,
     Query(q): Params,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     list_exchanges(&api, Some(&vhost), &q)
 }
@@ -414,11 +396,9 @@ fn exchange_name(name: &str) -> &str {
 
 async fn one_exchange(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     let name = exchange_name(&name);
     let x = api.node.read(|n, _| {
         n.broker()
@@ -438,12 +418,10 @@ async fn one_exchange(
 
 async fn put_exchange(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     let b = body_json(&body)?;
     // RabbitMQ's defaults: a direct exchange, not durable.
@@ -484,12 +462,10 @@ async fn put_exchange(
 
 async fn delete_exchange(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     Query(q): Params,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     let if_unused = flag(&q, "if-unused");
     api.node.write(|n, _| {
@@ -505,12 +481,10 @@ async fn delete_exchange(
 
 async fn publish(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     let b = body_json(&body)?;
     let routing_key = b
@@ -582,11 +556,9 @@ fn bindings_where(
 
 async fn exchange_bindings_source(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     let name = exchange_name(&name).to_owned();
     if !api
         .node
@@ -599,11 +571,9 @@ async fn exchange_bindings_source(
 
 async fn exchange_bindings_destination(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     if !api
         .node
         .read(|n, _| n.broker().exchange_exists(&vhost, &name))
@@ -636,36 +606,26 @@ fn list_queues(api: &Api, vhost: Option<&str>, q: &HashMap<String, String>) -> A
     )?)
 }
 
-async fn queues_all(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Query(q): Params,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn queues_all(State(api): ApiState, _: LoggedIn, Query(q): Params) -> Answer {
     list_queues(&api, None, &q)
 }
 
 async fn queues_vhost(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path(vhost): Path<String>,
     Query(q): Params,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     list_queues(&api, Some(&vhost), &q)
 }
 
 async fn one_queue(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     Query(q): Params,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     let (now, snap, consumers, conns) = api.node.read(|n, now| {
         let b = n.broker();
         let snap = b.queue_snapshot(&vhost, &name);
@@ -702,12 +662,10 @@ async fn one_queue(
 
 async fn put_queue(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     let b = body_json(&body)?;
     // RabbitMQ's default: not durable.
@@ -738,12 +696,10 @@ async fn put_queue(
 
 async fn delete_queue(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     Query(q): Params,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     let conditions = (flag(&q, "if-unused"), flag(&q, "if-empty"));
     api.node.write(|n, _| {
@@ -758,11 +714,9 @@ async fn delete_queue(
 
 async fn purge_queue(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     api.node
         .write(|n, _| n.broker_mut().purge_queue(&vhost, &name, API_CONN))?;
@@ -776,12 +730,10 @@ async fn purge_queue(
 /// the vhost, each put there and acked here in one store write. Answers `{"moved": n}`.
 async fn move_messages(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     let b = body_json(&body)?;
     let destination = b
@@ -807,12 +759,10 @@ async fn move_messages(
 
 async fn get_messages(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     let b = body_json(&body)?;
     let missing: Vec<String> = ["ackmode", "count", "encoding"]
@@ -906,11 +856,9 @@ async fn get_messages(
 
 async fn queue_bindings(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     if api
         .node
         .read(|n, _| n.broker().queue_id(&vhost, &name))
@@ -925,19 +873,12 @@ async fn queue_bindings(
 
 // ------------------------------------------------------------------ bindings
 
-async fn bindings_all(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?;
+async fn bindings_all(State(api): ApiState, _: LoggedIn) -> Answer {
     let all = api.node.read(|n, _| n.broker().binding_snapshots(None));
     ok(all.iter().map(objects::binding).collect())
 }
 
-async fn bindings_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn bindings_vhost(State(api): ApiState, _: LoggedIn, Path(vhost): Path<String>) -> Answer {
     vhost_must_exist(&api, &vhost)?;
     ok(bindings_where(&api, &vhost, |_| true))
 }
@@ -993,11 +934,9 @@ fn between(
 
 async fn bindings_between(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path((vhost, source, kind, dest)): Path<(String, String, String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     let queue = to_queue(&kind)?;
     let source = exchange_name(&source).to_owned();
     ends_exist(&api, &vhost, &source, &dest, queue)?;
@@ -1070,21 +1009,17 @@ fn find_binding(
 
 async fn one_binding(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path(path): Path<(String, String, String, String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     ok(objects::binding(&find_binding(&api, &path)?))
 }
 
 async fn delete_binding(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path(path): Path<(String, String, String, String, String)>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     let b = find_binding(&api, &path)?;
     api.node.write(|n, _| {
         let broker = n.broker_mut();
@@ -1144,24 +1079,16 @@ fn list_connections(
     ok(query.finish(items, total)?)
 }
 
-async fn connections(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Query(q): Params,
-) -> Answer {
-    let who = login(&api, &headers, peer)?;
+async fn connections(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params) -> Answer {
     list_connections(&api, &who, None, &q)
 }
 
 async fn vhost_connections(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    LoggedIn(who): LoggedIn,
     Path(vhost): Path<String>,
     Query(q): Params,
 ) -> Answer {
-    let who = login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     list_connections(&api, &who, Some(&vhost), &q)
 }
@@ -1179,11 +1106,9 @@ fn find_connection(
 
 async fn one_connection(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    LoggedIn(who): LoggedIn,
     Path(name): Path<String>,
 ) -> Answer {
-    let who = login(&api, &headers, peer)?;
     ok(objects::connection(
         &find_connection(&api, &who, &name)?,
         &api.node_name,
@@ -1233,11 +1158,9 @@ fn connections_of_user(
 /// connections), `[]` for a user with none or no such user.
 async fn user_connections(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    LoggedIn(who): LoggedIn,
     Path(user): Path<String>,
 ) -> Answer {
-    let who = login(&api, &headers, peer)?;
     let conns = connections_of_user(&api, &who, &user)?;
     ok(conns
         .iter()
@@ -1277,11 +1200,9 @@ async fn close_user_connections(
 
 async fn connection_channels(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    LoggedIn(who): LoggedIn,
     Path(name): Path<String>,
 ) -> Answer {
-    let who = login(&api, &headers, peer)?;
     let c = find_connection(&api, &who, &name)?;
     ok(c.channels
         .iter()
@@ -1311,35 +1232,25 @@ fn list_channels(
     ok(query.finish(items, total)?)
 }
 
-async fn channels(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Query(q): Params,
-) -> Answer {
-    let who = login(&api, &headers, peer)?;
+async fn channels(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params) -> Answer {
     list_channels(&api, &who, None, &q)
 }
 
 async fn vhost_channels(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    LoggedIn(who): LoggedIn,
     Path(vhost): Path<String>,
     Query(q): Params,
 ) -> Answer {
-    let who = login(&api, &headers, peer)?;
     vhost_must_exist(&api, &vhost)?;
     list_channels(&api, &who, Some(&vhost), &q)
 }
 
 async fn one_channel(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    LoggedIn(who): LoggedIn,
     Path(name): Path<String>,
 ) -> Answer {
-    let who = login(&api, &headers, peer)?;
     for c in visible_connections(&api, &who, None) {
         if let Some(ch) = c
             .channels
@@ -1365,44 +1276,22 @@ fn list_consumers(api: &Api, vhost: Option<&str>) -> Answer {
         .collect())
 }
 
-async fn consumers_all(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn consumers_all(State(api): ApiState, _: LoggedIn) -> Answer {
     list_consumers(&api, None)
 }
 
-async fn consumers_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn consumers_vhost(State(api): ApiState, _: LoggedIn, Path(vhost): Path<String>) -> Answer {
     vhost_must_exist(&api, &vhost)?;
     list_consumers(&api, Some(&vhost))
 }
 
 // ------------------------------------------------------------------ definitions
 
-async fn definitions_all(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
+async fn definitions_all(State(api): ApiState, _: Admin) -> Answer {
     Ok(attachment(super::definitions::export(&api, None)))
 }
 
-async fn definitions_vhost(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
+async fn definitions_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) -> Answer {
     vhost_must_exist(&api, &vhost)?;
     Ok(attachment(super::definitions::export(&api, Some(&vhost))))
 }
@@ -1412,13 +1301,7 @@ fn attachment(v: Value) -> Response {
     Json(v).into_response()
 }
 
-async fn import_definitions(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
+async fn import_definitions(State(api): ApiState, _: Admin, body: Bytes) -> Answer {
     let defs = body_json(&body)?;
     super::definitions::import(&api, &defs, None)?;
     no_content()
@@ -1426,12 +1309,10 @@ async fn import_definitions(
 
 async fn import_definitions_vhost(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: Admin,
     Path(vhost): Path<String>,
     body: Bytes,
 ) -> Answer {
-    login(&api, &headers, peer)?.require(Level::Administrator)?;
     vhost_must_exist(&api, &vhost)?;
     let defs = body_json(&body)?;
     super::definitions::import(&api, &defs, Some(&vhost))?;
@@ -1448,12 +1329,7 @@ fn health_failed(reason: &str, extra: Value) -> Answer {
     Ok((StatusCode::SERVICE_UNAVAILABLE, Json(v)).into_response())
 }
 
-async fn health_alarms(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn health_alarms(State(api): ApiState, _: LoggedIn) -> Answer {
     match api.node.read(|n, _| n.alarm()) {
         None => ok(json!({"status": "ok"})),
         Some(alarm) => {
@@ -1470,18 +1346,11 @@ async fn health_alarms(
     }
 }
 
-async fn health_ok(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
-    login(&api, &headers, peer)?;
+async fn health_ok(_: LoggedIn) -> Answer {
     ok(json!({"status": "ok"}))
 }
 
-async fn health_ok_2(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(_): Path<(String, String)>,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn health_ok_2(_: LoggedIn, Path(_): Path<(String, String)>) -> Answer {
     ok(json!({"status": "ok"}))
 }
 
@@ -1492,13 +1361,7 @@ fn listening_ports(api: &Api) -> Vec<u16> {
     ports
 }
 
-async fn health_port(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(port): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn health_port(State(api): ApiState, _: LoggedIn, Path(port): Path<String>) -> Answer {
     let port: u16 = port
         .parse()
         .map_err(|_| ApiError::bad_request(format!("invalid port {port}")))?;
@@ -1515,11 +1378,9 @@ async fn health_port(
 
 async fn health_protocol(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    _: LoggedIn,
     Path(protocol): Path<String>,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     let known = match protocol.as_str() {
         "amqp" | "amqp091" | "amqp0.9.1" | "amqp0-9-1" => true,
         "http" => !api.http_tls.0,
@@ -1542,13 +1403,7 @@ async fn health_protocol(
 
 /// RabbitMQ's aliveness test: declares the `aliveness-test` queue in the vhost, publishes a
 /// message to it and gets it back.
-async fn aliveness(
-    State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
-    Path(vhost): Path<String>,
-) -> Answer {
-    login(&api, &headers, peer)?;
+async fn aliveness(State(api): ApiState, _: LoggedIn, Path(vhost): Path<String>) -> Answer {
     vhost_must_exist(&api, &vhost)?;
     const QUEUE: &str = "aliveness-test";
     let body = Bytes::from_static(b"test_message");
