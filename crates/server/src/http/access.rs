@@ -236,11 +236,11 @@ async fn delete_user(State(api): ApiState, _: Admin, Path(user): Path<String>) -
 
 // ------------------------------------------------------------------ permissions
 
-fn permission_json(p: &PermissionDef) -> Value {
+pub fn permission_json(p: &PermissionDef) -> Value {
     json!({"user": p.user, "vhost": p.vhost, "configure": p.configure, "write": p.write, "read": p.read})
 }
 
-fn topic_json(t: &TopicPermissionDef) -> Value {
+pub fn topic_json(t: &TopicPermissionDef) -> Value {
     json!({"user": t.user, "vhost": t.vhost, "exchange": t.exchange, "write": t.write, "read": t.read})
 }
 

@@ -117,23 +117,11 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
             );
             m.insert(
                 "permissions".into(),
-                perms
-                    .iter()
-                    .map(|p| {
-                        json!({"user": p.user, "vhost": p.vhost, "configure": p.configure,
-                                    "write": p.write, "read": p.read})
-                    })
-                    .collect(),
+                perms.iter().map(super::access::permission_json).collect(),
             );
             m.insert(
                 "topic_permissions".into(),
-                topics
-                    .iter()
-                    .map(|t| {
-                        json!({"user": t.user, "vhost": t.vhost, "exchange": t.exchange,
-                                    "write": t.write, "read": t.read})
-                    })
-                    .collect(),
+                topics.iter().map(super::access::topic_json).collect(),
             );
             m.insert(
                 "global_parameters".into(),

@@ -8,6 +8,9 @@
 //! and no queue holds an unsettled delivery or a consumer (the invariants of the session
 //! crate's property test); the recorded queue log decodes to itself and replays to the
 //! live queues.
+//!
+//! The `unwrap`s and `expect`s below are this harness's assertions (a failed one is the
+//! finding libFuzzer reports); none is in code a client reaches.
 #![no_main]
 
 use bytes::{Bytes, BytesMut};
