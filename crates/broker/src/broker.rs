@@ -101,6 +101,7 @@ pub struct Broker {
     persist: Option<Persist>,
     /// Users and what each may do where.
     access: crate::access::Access,
+    limits: crate::limits::LimitTable,
     /// Recovery is declaring what the store holds: names a client may not declare
     /// (`amq.gen-...` of server-named queues) and vhost limits are accepted.
     restoring: bool,
@@ -604,6 +605,7 @@ impl Broker {
             persist: None,
             restoring: false,
             access: crate::access::Access::default(),
+            limits: crate::limits::LimitTable::default(),
             pager: None,
             spill: false,
             recovering: false,
@@ -726,6 +728,7 @@ impl Broker {
         user: Option<&str>,
     ) -> Result<QueueDeclared, AmqpError> {
         use crate::access::{Perm, Resource};
+        use crate::limits::{LimitScope, MAX_QUEUES};
         let stripped = strip_cr_lf(&req.name);
         if req.passive {
             let q = self.queue_by_name(vhost, &stripped)?;
@@ -778,8 +781,16 @@ impl Broker {
             return Ok(out);
         }
 
-        if let Some(max) = self.config.max_queues.filter(|_| !self.restoring) {
-            if vh.queues.len() >= max {
+        // The node's default applies where a vhost sets no `max-queues` of its own.
+        let max = self
+            .limits
+            .of(LimitScope::Vhost, vhost)
+            .filter(|l| l.iter().any(|(n, _)| n == MAX_QUEUES))
+            .map_or(self.config.max_queues.map(|m| m as u64), |l| {
+                l.get(MAX_QUEUES)
+            });
+        if let Some(max) = max.filter(|_| !self.restoring) {
+            if vh.queues.len() as u64 >= max {
                 return Err(AmqpError::precondition_failed(format!(
                     "cannot declare queue '{name}': queue limit in vhost '{vhost}' ({max}) is reached"
                 )));
@@ -2401,6 +2412,13 @@ impl Broker {
         let queue = strip_cr_lf(queue);
         let q = self.queue_by_name(vhost, &queue)?;
         check_access(q, group.conn)?;
+        if let Some(max) = self.config.consumer_max_per_queue {
+            if q.machine.consumer_count() >= max {
+                return Err(AmqpError::precondition_failed(format!(
+                    "cannot consume from queue '{queue}' in vhost '{vhost}': consumer limit ({max}) is reached"
+                )));
+            }
+        }
         let priority = args::validate_consume(arguments, &q.rs())?;
         let id = q.id;
         let consumer = ConsumerId(self.next_consumer);

@@ -33,6 +33,7 @@ pub mod dedup;
 pub mod delayed;
 mod erl;
 pub mod exchange;
+pub mod limits;
 pub mod names;
 pub mod persist;
 pub mod queue;
@@ -149,6 +150,10 @@ pub struct BrokerConfig {
     pub default_vhost: String,
     /// Most queues in one vhost (RabbitMQ: vhost `max-queues`); `None` = unlimited.
     pub max_queues: Option<usize>,
+    /// Most consumers on one queue; `None` = unlimited. RabbitMQ has no such limit (its
+    /// `consumer_max_per_channel` is the session's); this one bounds a queue's consumer list
+    /// whatever the number of channels.
+    pub consumer_max_per_queue: Option<usize>,
     /// Largest accepted message body in bytes (RabbitMQ's `max_message_size`, 128 MiB).
     pub max_message_size: usize,
     /// Seed for server-named queue names. Deterministic for tests; the server should seed it
@@ -174,6 +179,7 @@ impl Default for BrokerConfig {
         BrokerConfig {
             default_vhost: "/".to_string(),
             max_queues: None,
+            consumer_max_per_queue: None,
             max_message_size: 128 * 1024 * 1024,
             name_seed: 0x5741_5252_454e_2121,
             dispatch_batch: 1024,

@@ -14,6 +14,7 @@ use warren_codec::{FieldTable, ShortStr};
 use crate::access::{PermissionDef, TopicPermissionDef, UserDef};
 use crate::delayed::{DelayKey, Delayed, ReadRequest};
 use crate::exchange::ExchangeKind;
+use crate::limits::{LimitScope, Limits};
 use crate::queue::machine::{LoadRequest, Loaded};
 use crate::Message;
 
@@ -158,6 +159,12 @@ pub enum StoreOp {
         user: String,
         vhost: String,
         exchange: String,
+    },
+    /// The limits of a vhost or a user, all of them at once; empty limits delete the record.
+    PutLimits {
+        scope: LimitScope,
+        name: String,
+        limits: Limits,
     },
 }
 

@@ -58,6 +58,18 @@ pub struct Args {
     /// Largest message body accepted, in bytes [default: 134217728]
     #[arg(long, env = "WARREN_MAX_MESSAGE_SIZE")]
     pub max_message_size: Option<u64>,
+    /// Most client connections the node keeps open (RabbitMQ's connection_max); past it a
+    /// connection.open is refused with 530 [default: no limit]
+    #[arg(long, env = "WARREN_CONNECTION_MAX", value_name = "N")]
+    pub connection_max: Option<usize>,
+    /// Most consumers on one channel (RabbitMQ's consumer_max_per_channel); past it
+    /// basic.consume closes the connection with 530 [default: no limit]
+    #[arg(long, env = "WARREN_CONSUMER_MAX_PER_CHANNEL", value_name = "N")]
+    pub consumer_max_per_channel: Option<usize>,
+    /// Most consumers on one queue (Warren's own; RabbitMQ has none); past it basic.consume
+    /// closes the channel with 406 [default: no limit]
+    #[arg(long, env = "WARREN_CONSUMER_MAX_PER_QUEUE", value_name = "N")]
+    pub consumer_max_per_queue: Option<usize>,
     /// Seconds a client has to complete the AMQP handshake [default: 10]
     #[arg(long, env = "WARREN_HANDSHAKE_TIMEOUT")]
     pub handshake_timeout: Option<u64>,
@@ -166,6 +178,9 @@ pub struct FileConfig {
     pub channel_max: Option<u16>,
     pub max_message_size: Option<u64>,
     pub handshake_timeout: Option<u64>,
+    pub connection_max: Option<usize>,
+    pub consumer_max_per_channel: Option<usize>,
+    pub consumer_max_per_queue: Option<usize>,
     pub consumer_timeout_closes_channel: Option<bool>,
     pub data_dir: Option<PathBuf>,
     pub memory_high_watermark: Option<f64>,
@@ -269,6 +284,8 @@ pub struct Config {
     pub alarms: AlarmConfig,
     /// Messages kept in memory at the head of a queue with consumers (`--queue-window`).
     pub queue_window: u32,
+    /// Most consumers on one queue (`--consumer-max-per-queue`).
+    pub consumer_max_per_queue: Option<usize>,
     /// Tests only: a pause before each queue recovery brings back.
     pub recovery_step_delay: Option<std::time::Duration>,
     pub record_commands: Option<PathBuf>,
@@ -319,6 +336,10 @@ impl Config {
         if let Some(v) = args.handshake_timeout.or(file.handshake_timeout) {
             session.handshake_timeout_ms = v.saturating_mul(1000);
         }
+        session.connection_max = args.connection_max.or(file.connection_max);
+        session.consumer_max_per_channel = args
+            .consumer_max_per_channel
+            .or(file.consumer_max_per_channel);
         session.consumer_timeout_closes_channel = args.consumer_timeout_closes_channel
             || file.consumer_timeout_closes_channel.unwrap_or(false);
         if let Some(users) = file.users {
@@ -408,6 +429,7 @@ impl Config {
             data_dir,
             alarms,
             queue_window,
+            consumer_max_per_queue: args.consumer_max_per_queue.or(file.consumer_max_per_queue),
             recovery_step_delay: args
                 .test_recovery_step_ms
                 .map(std::time::Duration::from_millis),

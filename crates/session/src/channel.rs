@@ -808,6 +808,16 @@ impl Channel {
                 Ok(())
             }
             Method::BasicConsume(c) => {
+                if let Some(max) = ctx.config.consumer_max_per_channel {
+                    // As RabbitMQ: counted before anything else is checked, and a tag in use
+                    // is left to the reuse check below.
+                    let current = self.consumers.len() + usize::from(self.reply_consumer.is_some());
+                    if current >= max && !self.consumers.contains_key(&c.consumer_tag) {
+                        return Err(fail(AmqpError::not_allowed(format!(
+                            "reached maximum ({max}) of consumers per channel"
+                        ))));
+                    }
+                }
                 let queue = self.resolve_queue(&c.queue).map_err(fail)?;
                 if queue.as_str() != REPLY_TO {
                     ctx.check(Perm::Read, Resource::Queue(&queue))

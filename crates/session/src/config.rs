@@ -29,6 +29,12 @@ pub struct SessionConfig {
     /// Bytes handed to a connection's writer but not yet written; above it no more deliveries go to that
     /// connection, so a slow reader cannot make the broker buffer without bound.
     pub write_backlog_limit: usize,
+    /// Most connections the node keeps open (RabbitMQ's `connection_max`); `None`: no limit.
+    /// RabbitMQ stops accepting sockets past it, so a client waits in the listen backlog;
+    /// Warren refuses the connection.open with 530, so the client learns why at once.
+    pub connection_max: Option<usize>,
+    /// Most consumers on one channel (RabbitMQ's `consumer_max_per_channel`); `None`: no limit.
+    pub consumer_max_per_channel: Option<usize>,
     /// Users made at start: on a fresh node, these (by default guest/guest); on every start,
     /// those the configuration file names (`explicit_users`), whose password and tags it
     /// keeps as configured. Users made through the management API live in the store.
@@ -64,6 +70,8 @@ impl Default for SessionConfig {
             handshake_timeout_ms: 10_000,
             close_timeout_ms: 3_000,
             write_backlog_limit: 4 * 1024 * 1024,
+            connection_max: None,
+            consumer_max_per_channel: None,
             users: vec![User {
                 name: "guest".into(),
                 password: "guest".into(),

@@ -216,11 +216,14 @@ impl Connection {
     }
 
     /// A method on channel 0.
+    /// `over_limit` is the refusal the node would give this connection's open for a
+    /// connection limit (node, vhost, user); it applies once the vhost and access checks pass.
     pub fn on_connection_method(
         &mut self,
         method: Method,
         config: &SessionConfig,
         broker: &Broker,
+        over_limit: Option<AmqpError>,
     ) -> Next {
         let (class_id, method_id) = (method.class_id(), method.method_id());
         let fail = |e: AmqpError| Next::Fail(Fault::new(e, class_id, method_id));
@@ -327,6 +330,10 @@ impl Connection {
                         o.virtual_host.as_str(),
                         self.user
                     )));
+                }
+                if let Some(e) = over_limit {
+                    tracing::info!(conn = self.id, user = %self.user, vhost = %o.virtual_host.as_str(), reason = %e.text, "connection refused: limit");
+                    return fail(e);
                 }
                 self.vhost = o.virtual_host.to_string();
                 send(&mut self.out, 0, ConnectionOpenOk::default());

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use bytes::{Bytes, BytesMut};
+use warren_broker::limits::{LimitScope, MAX_CHANNELS, MAX_CONNECTIONS};
 use warren_broker::{Broker, ConnId, ConsumerKey, Delivery, QueueId, Receipt};
 use warren_codec::{
     encode_deliver, encode_heartbeat, AmqpError, BasicCancel, ChannelClose, ChannelCloseOk,
@@ -359,6 +360,13 @@ impl Node {
 
     pub fn handle_frame(&mut self, conn: ConnId, frame: Frame, now: u64) {
         self.broker.advance_time(now);
+        let over_limit = match &frame {
+            Frame::Method {
+                channel: 0,
+                method: Method::ConnectionOpen(o),
+            } => self.open_refusal(conn, o.virtual_host.as_str()),
+            _ => None,
+        };
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -373,7 +381,7 @@ impl Node {
                 0,
             )),
             Frame::Method { channel: 0, method } => {
-                c.on_connection_method(method, &self.config, &self.broker)
+                c.on_connection_method(method, &self.config, &self.broker, over_limit)
             }
             Frame::Header { channel: 0, .. } | Frame::Body { channel: 0, .. } => {
                 Next::Fail(Fault::new(
@@ -418,6 +426,66 @@ impl Node {
             },
         };
         self.after(conn, next, now);
+    }
+
+    /// The refusal a connection.open to `vhost` gets for a connection limit, checked in
+    /// RabbitMQ's order: the node's `connection_max`, the vhost's then the user's
+    /// `max-connections`. Counting walks the open connections, and only when a limit is set.
+    fn open_refusal(&self, conn: ConnId, vhost: &str) -> Option<AmqpError> {
+        let user = self.conns.get(&conn)?.user.as_str();
+        let opened = || {
+            self.conns
+                .values()
+                .filter(move |c| c.id != conn && !c.vhost.is_empty())
+        };
+        if let Some(max) = self.config.connection_max {
+            if opened().count() >= max {
+                return Some(AmqpError::not_allowed(format!(
+                    "connection refused: node connection limit ({max}) is reached"
+                )));
+            }
+        }
+        let limits = self.broker.limits();
+        if limits.is_empty() {
+            return None;
+        }
+        if let Some(max) = limits.limit(LimitScope::Vhost, vhost, MAX_CONNECTIONS) {
+            if opened().filter(|c| c.vhost == vhost).count() as u64 >= max {
+                return Some(AmqpError::not_allowed(format!(
+                    "access to vhost '{vhost}' refused for user '{user}': connection limit ({max}) is reached"
+                )));
+            }
+        }
+        if let Some(max) = limits.limit(LimitScope::User, user, MAX_CONNECTIONS) {
+            if opened().filter(|c| c.user == user).count() as u64 >= max {
+                return Some(AmqpError::not_allowed(format!(
+                    "connection refused for user '{user}': user connection limit ({max}) is reached"
+                )));
+            }
+        }
+        None
+    }
+
+    /// The refusal a channel.open gets for its user's `max-channels`, counted over all the
+    /// user's connections.
+    fn channel_refusal(&self, conn: ConnId) -> Option<AmqpError> {
+        let limits = self.broker.limits();
+        if limits.is_empty() {
+            return None;
+        }
+        let user = self.conns.get(&conn)?.user.as_str();
+        let max = limits.limit(LimitScope::User, user, MAX_CHANNELS)?;
+        let open: usize = self
+            .conns
+            .values()
+            .filter(|c| c.user == user)
+            .map(|c| c.channels.len())
+            .sum();
+        (open as u64 >= max).then(|| {
+            AmqpError::not_allowed(format!(
+                "number of channels opened for user '{user}' has reached the maximum allowed user limit of ({max})"
+            ))
+        })
     }
 
     fn after(&mut self, conn: ConnId, next: Next, now: u64) {
@@ -472,6 +540,20 @@ impl Node {
     }
 
     fn channel_frame(&mut self, conn: ConnId, frame: Frame, now: u64) -> Next {
+        if let Frame::Method {
+            channel,
+            method: Method::ChannelOpen(_),
+        } = &frame
+        {
+            let fresh = self
+                .conns
+                .get(&conn)
+                .is_some_and(|c| !c.channels.contains_key(channel));
+            if let Some(e) = fresh.then(|| self.channel_refusal(conn)).flatten() {
+                // RabbitMQ names no method for this refusal.
+                return Next::Fail(Fault::new(e, 0, 0));
+            }
+        }
         let Some(c) = self.conns.get_mut(&conn) else {
             return Next::Nothing;
         };

@@ -6,6 +6,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use warren_broker::access::{
     HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
 };
+use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::{
     BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Message, QueueDef,
     StoreOp,
@@ -21,6 +22,8 @@ pub const VHOST: u8 = b'v';
 pub const USER: u8 = b'u';
 pub const PERMISSION: u8 = b'p';
 pub const TOPIC_PERMISSION: u8 = b't';
+/// The limits of a vhost (`LIMITS`, `VHOST`, name) or of a user (`LIMITS`, `USER`, name).
+pub const LIMITS: u8 = b'l';
 
 const DEST_QUEUE: u8 = b'q';
 const DEST_EXCHANGE: u8 = b'e';
@@ -435,6 +438,14 @@ pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
             put_text(&mut k, vhost);
             put_text(&mut k, exchange);
         }
+        StoreOp::PutLimits { scope, name, .. } => {
+            k.put_u8(LIMITS);
+            k.put_u8(match scope {
+                LimitScope::Vhost => VHOST,
+                LimitScope::User => USER,
+            });
+            put_text(&mut k, name);
+        }
         _ => return None,
     }
     Some(k)
@@ -471,6 +482,14 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
         StoreOp::PutTopicPermission(t) => {
             put_text(&mut v, &t.write);
             put_text(&mut v, &t.read);
+        }
+        StoreOp::PutLimits { limits, .. } => {
+            let all: Vec<(&str, i64)> = limits.iter().collect();
+            v.put_u32(u32::try_from(all.len()).unwrap_or(u32::MAX));
+            for (name, value) in all {
+                put_text(&mut v, name);
+                v.put_i64(value);
+            }
         }
         _ => return None,
     }
@@ -513,6 +532,27 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                 .map(|_| v.text("tag"))
                 .collect::<Result<Vec<_>, _>>()?;
             StoreOp::PutUser(UserDef { name, hash, tags })
+        }
+        LIMITS => {
+            let scope = match k.u8("limits scope")? {
+                VHOST => LimitScope::Vhost,
+                USER => LimitScope::User,
+                other => {
+                    return Err(StoreError::Corrupt(format!(
+                        "limits of an unknown kind {other:#04x}"
+                    )))
+                }
+            };
+            let name = k.text("limits owner")?;
+            let n = v.u32("limit count")?;
+            let limits = (0..n)
+                .map(|_| Ok((v.text("limit name")?, v.u64("limit value")? as i64)))
+                .collect::<Result<Limits, StoreError>>()?;
+            StoreOp::PutLimits {
+                scope,
+                name,
+                limits,
+            }
         }
         PERMISSION => StoreOp::PutPermission(PermissionDef {
             user: k.text("permission user")?,
@@ -605,7 +645,7 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
                 arguments,
             }))
         }
-        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION) => {
+        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS) => {
             decode_access(kind, &mut k, &mut v).map(Def::Access)
         }
         other => Err(StoreError::Corrupt(format!(

@@ -22,10 +22,10 @@ pub use recover::{Recovered, Recovery};
 
 /// The layout this build writes. Format 2 added the body size and a shared flag to `index`
 /// entries; format 3 the `delayed` column family and retry due times beside delivery counts
-/// (`counts` values of 12 bytes); format 4 vhosts, users and permissions in `defs`. Older
-/// directories are still read and marked 4, so that an older Warren, which would misread the
-/// new records, refuses them.
-pub const FORMAT_VERSION: u32 = 4;
+/// (`counts` values of 12 bytes); format 4 vhosts, users and permissions in `defs`; format 5
+/// vhost and user limits in `defs`. Older directories are still read and marked 5, so that an
+/// older Warren, which would misread the new records, refuses them.
+pub const FORMAT_VERSION: u32 = 5;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 
@@ -385,6 +385,16 @@ impl Store {
                     | StoreOp::PutUser(_)
                     | StoreOp::PutPermission(_)
                     | StoreOp::PutTopicPermission(_) => {
+                        if let Some((k, v)) = codec::access_record(op) {
+                            wb.put_cf(defs, k, v);
+                        }
+                    }
+                    StoreOp::PutLimits { limits, .. } if limits.is_empty() => {
+                        if let Some(k) = codec::access_key(op) {
+                            wb.delete_cf(defs, k);
+                        }
+                    }
+                    StoreOp::PutLimits { .. } => {
                         if let Some((k, v)) = codec::access_record(op) {
                             wb.put_cf(defs, k, v);
                         }

@@ -335,6 +335,21 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
             &FieldTable::new(),
         )
         .expect("exchange");
+        use warren_broker::limits::LimitScope;
+        b.set_limit(LimitScope::Vhost, "staging", "max-queues", 7)
+            .expect("limit");
+        b.set_limit(LimitScope::Vhost, "staging", "max-connections", -1)
+            .expect("limit");
+        b.set_limit(LimitScope::Vhost, "gone", "max-queues", 1)
+            .expect("limit");
+        b.set_limit(LimitScope::User, "app", "max-channels", 3)
+            .expect("limit");
+        b.set_limit(LimitScope::User, "old", "max-channels", 3)
+            .expect("limit");
+        b.set_limit(LimitScope::Vhost, "/", "max-queues", 5)
+            .expect("limit");
+        b.clear_limit(LimitScope::Vhost, "/", "max-queues")
+            .expect("clear");
         b.delete_user("old");
         b.delete_vhost("gone");
         flush(&mut b, &s);
@@ -346,6 +361,25 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
     assert!(b.vhost_exists("staging"));
     assert!(!b.vhost_exists("gone"));
     assert!(b.exchange_exists("staging", "x"));
+    {
+        use warren_broker::limits::LimitScope;
+        let l = b.limits();
+        assert_eq!(l.limit(LimitScope::Vhost, "staging", "max-queues"), Some(7));
+        assert_eq!(
+            l.of(LimitScope::Vhost, "staging").map(|l| l
+                .iter()
+                .map(|(n, v)| (n.to_string(), v))
+                .collect::<Vec<_>>()),
+            Some(vec![
+                ("max-connections".to_string(), -1),
+                ("max-queues".to_string(), 7)
+            ])
+        );
+        assert_eq!(l.limit(LimitScope::User, "app", "max-channels"), Some(3));
+        assert!(l.of(LimitScope::Vhost, "gone").is_none());
+        assert!(l.of(LimitScope::User, "old").is_none());
+        assert!(l.of(LimitScope::Vhost, "/").is_none());
+    }
     let a = b.access();
     assert!(a.user("old").is_none());
     assert_eq!(

@@ -5,11 +5,80 @@ use warren_codec::AmqpError;
 
 use super::Broker;
 use crate::access::{Access, AccessError, PermissionDef, TopicPermissionDef, UserDef};
+use crate::limits::{LimitScope, LimitTable, Limits};
 use crate::persist::StoreOp;
 
 impl Broker {
     pub fn access(&self) -> &Access {
         &self.access
+    }
+
+    pub fn limits(&self) -> &LimitTable {
+        &self.limits
+    }
+
+    /// Sets one limit of a vhost or user (negative: unlimited, but kept as set, as RabbitMQ
+    /// shows it). The name must be one the scope knows (`LimitScope::accepts`).
+    pub fn set_limit(
+        &mut self,
+        scope: LimitScope,
+        name: &str,
+        limit: &str,
+        value: i64,
+    ) -> Result<(), AccessError> {
+        self.limit_owner_exists(scope, name)?;
+        let mut limits = self.limits.of(scope, name).cloned().unwrap_or_default();
+        limits.set(limit, value);
+        self.put_limits(scope, name, limits);
+        Ok(())
+    }
+
+    /// Clears one limit; clearing one that is not set is no error (RabbitMQ answers 204).
+    pub fn clear_limit(
+        &mut self,
+        scope: LimitScope,
+        name: &str,
+        limit: &str,
+    ) -> Result<(), AccessError> {
+        self.limit_owner_exists(scope, name)?;
+        let mut limits = self.limits.of(scope, name).cloned().unwrap_or_default();
+        if limits.remove(limit) {
+            self.put_limits(scope, name, limits);
+        }
+        Ok(())
+    }
+
+    /// Replaces every limit of a vhost or user (definitions import).
+    pub fn put_limits(&mut self, scope: LimitScope, name: &str, limits: Limits) {
+        self.write_def(StoreOp::PutLimits {
+            scope,
+            name: name.to_owned(),
+            limits: limits.clone(),
+        });
+        self.limits.put(scope, name, limits);
+    }
+
+    fn limit_owner_exists(&self, scope: LimitScope, name: &str) -> Result<(), AccessError> {
+        match scope {
+            LimitScope::Vhost if !self.vhost_exists(name) => {
+                Err(AccessError::NoVhost(name.to_owned()))
+            }
+            LimitScope::User if self.access.user(name).is_none() => {
+                Err(AccessError::NoUser(name.to_owned()))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// A vhost or user is gone: its limits go too, on disk as well.
+    fn forget_limits(&mut self, scope: LimitScope, name: &str) {
+        if self.limits.forget(scope, name) {
+            self.write_def(StoreOp::PutLimits {
+                scope,
+                name: name.to_owned(),
+                limits: Limits::default(),
+            });
+        }
     }
 
     fn write_def(&mut self, op: StoreOp) {
@@ -70,6 +139,7 @@ impl Broker {
             )
             .collect();
         self.access.vhost_deleted(name);
+        self.forget_limits(LimitScope::Vhost, name);
         for (user, exchange) in gone {
             self.write_def(match exchange {
                 None => StoreOp::DeletePermission {
@@ -120,6 +190,7 @@ impl Broker {
         if !self.access.delete_user(name) {
             return false;
         }
+        self.forget_limits(LimitScope::User, name);
         for op in gone {
             self.write_def(op);
         }
@@ -198,6 +269,14 @@ impl Broker {
                 self.access
                     .set_topic_permission(t.clone())
                     .map_err(refused)?;
+            }
+            StoreOp::PutLimits {
+                scope,
+                name,
+                limits,
+            } => {
+                self.limit_owner_exists(*scope, name).map_err(refused)?;
+                self.limits.put(*scope, name, limits.clone());
             }
             _ => {}
         }

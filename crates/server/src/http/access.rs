@@ -13,6 +13,8 @@ use serde_json::{json, Value};
 use warren_broker::access::{
     AccessError, HashAlgorithm, PermissionDef, TopicPermissionDef, UserDef,
 };
+use warren_broker::limits::{LimitScope, Limits};
+use warren_broker::Broker;
 
 use super::{passwords, Admin, Api, ApiError, LoggedIn};
 
@@ -154,14 +156,21 @@ async fn delete_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>)
 
 // ------------------------------------------------------------------ users
 
-pub fn user_json(u: &UserDef) -> Value {
+pub fn user_json(u: &UserDef, limits: Option<&Limits>) -> Value {
     json!({
         "name": u.name,
         "password_hash": u.hash.as_ref().map(passwords::encode).unwrap_or_default(),
         "hashing_algorithm": u.hash.as_ref().map_or(HashAlgorithm::Sha256, |h| h.algorithm).rabbitmq_name(),
         "tags": u.tags,
-        "limits": {},
+        "limits": limits.map_or_else(|| json!({}), super::limits::limits_json),
     })
+}
+
+/// Users with their limits, as `/api/users` and definitions show them.
+pub fn users_json<'a>(broker: &Broker, users: impl Iterator<Item = &'a UserDef>) -> Value {
+    users
+        .map(|u| user_json(u, broker.limits().of(LimitScope::User, &u.name)))
+        .collect()
 }
 
 /// Tags as RabbitMQ takes them: a comma-separated string or a list.
@@ -208,17 +217,19 @@ pub fn user_from(name: &str, body: &serde_json::Map<String, Value>) -> Result<Us
 }
 
 async fn users(State(api): ApiState, _: Admin) -> Answer {
-    let users: Vec<UserDef> = api
+    ok(api
         .node
-        .read(|n, _| n.broker().access().users().cloned().collect());
-    ok(users.iter().map(user_json).collect())
+        .read(|n, _| users_json(n.broker(), n.broker().access().users())))
 }
 
 async fn one_user(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
-    let u = api
-        .node
-        .read(|n, _| n.broker().access().user(&user).cloned());
-    ok(user_json(&u.ok_or_else(ApiError::not_found)?))
+    let u = api.node.read(|n, _| {
+        let b = n.broker();
+        b.access()
+            .user(&user)
+            .map(|u| user_json(u, b.limits().of(LimitScope::User, &u.name)))
+    });
+    ok(u.ok_or_else(ApiError::not_found)?)
 }
 
 async fn put_user(State(api): ApiState, _: Admin, Path(user): Path<String>, body: Bytes) -> Answer {

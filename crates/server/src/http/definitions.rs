@@ -3,6 +3,7 @@
 
 use serde_json::{json, Value};
 use warren_broker::access::{AccessError, PermissionDef, TopicPermissionDef};
+use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::DeclareQueue;
 use warren_codec::ShortStr;
 use warren_session::manage::API_CONN;
@@ -16,6 +17,17 @@ fn exported_exchange(name: &str) -> bool {
 }
 
 pub fn export(api: &Api, vhost: Option<&str>) -> Value {
+    let limits: Vec<Value> = api.node.read(|n, _| {
+        n.broker()
+            .limits()
+            .all(LimitScope::Vhost)
+            .filter(|(v, _)| vhost.is_none_or(|only| only == *v))
+            .map(|(v, l)| {
+                json!({"value": super::limits::limits_json(l), "vhost": v,
+                       "component": VHOST_LIMITS, "name": "limits"})
+            })
+            .collect()
+    });
     let (queues, exchanges, bindings, vhosts, users, perms, topics) = api.node.read(|n, _| {
         let b = n.broker();
         let a = b.access();
@@ -24,7 +36,7 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
             b.exchange_snapshots(vhost),
             b.binding_snapshots(vhost),
             b.vhost_names(),
-            a.users().cloned().collect::<Vec<_>>(),
+            super::access::users_json(b, a.users()),
             a.permissions().cloned().collect::<Vec<_>>(),
             a.topic_permissions().cloned().collect::<Vec<_>>(),
         )
@@ -96,7 +108,7 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
         "rabbitmq_version": "3.10.8",
         "product_name": "Warren",
         "product_version": version,
-        "parameters": [],
+        "parameters": limits,
         "policies": [],
         "queues": queue_list,
         "exchanges": exchange_list,
@@ -104,10 +116,7 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
     });
     if vhost.is_none() {
         if let Some(m) = out.as_object_mut() {
-            m.insert(
-                "users".into(),
-                users.iter().map(super::access::user_json).collect(),
-            );
+            m.insert("users".into(), users);
             m.insert(
                 "vhosts".into(),
                 vhosts
@@ -132,6 +141,27 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
     out
 }
 
+/// The component RabbitMQ stores vhost limits under, as a runtime parameter named `limits`.
+const VHOST_LIMITS: &str = "vhost-limits";
+
+/// Limits from a definitions object (`{"max-queues": 10}`; RabbitMQ writes `[]` for none).
+fn limits_from(v: Option<&Value>, scope: LimitScope) -> Result<Limits, ApiError> {
+    let Some(Value::Object(m)) = v else {
+        return Ok(Limits::default());
+    };
+    m.iter()
+        .map(|(name, value)| {
+            if !scope.accepts(name) {
+                return Err(ApiError::bad_request(format!("unknown limit '{name}'")));
+            }
+            value
+                .as_i64()
+                .map(|v| (name.clone(), v))
+                .ok_or_else(|| ApiError::bad_request(format!("limit '{name}' must be an integer")))
+        })
+        .collect()
+}
+
 fn text<'a>(v: &'a Value, k: &str, what: &str) -> Result<&'a str, ApiError> {
     v.get(k)
         .and_then(Value::as_str)
@@ -149,8 +179,9 @@ fn list<'a>(defs: &'a Value, k: &str) -> &'a [Value] {
 }
 
 /// Declares what `defs` holds: vhosts, users, permissions, exchanges, queues, bindings, in
-/// that order (as RabbitMQ does). Objects that exist already must be equivalent. Policies
-/// and parameters are not imported yet (logged).
+/// that order (as RabbitMQ does), with user and vhost limits. Objects that exist already
+/// must be equivalent. Policies and parameters other than vhost limits are not imported yet
+/// (logged).
 pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), ApiError> {
     if !defs.is_object() {
         return Err(ApiError::bad_request("definitions must be a JSON object"));
@@ -161,16 +192,35 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
             None => Ok(text(v, "vhost", "definition")?.to_owned()),
         }
     };
-    let skipped: Vec<&str> = ["policies", "parameters"]
-        .into_iter()
-        .filter(|k| !list(defs, k).is_empty())
-        .collect();
-    if !skipped.is_empty() {
+    let (vhost_limits, others): (Vec<&Value>, Vec<&Value>) = list(defs, "parameters")
+        .iter()
+        .partition(|p| p.get("component").and_then(Value::as_str) == Some(VHOST_LIMITS));
+    if !list(defs, "policies").is_empty() || !others.is_empty() {
         tracing::warn!(
-            skipped = ?skipped,
-            "definitions import: policies and parameters are not imported yet"
+            policies = list(defs, "policies").len(),
+            parameters = others.len(),
+            "definitions import: policies and parameters other than vhost limits are not imported yet"
         );
     }
+    let vhost_limits = vhost_limits
+        .into_iter()
+        .map(|p| {
+            Ok((
+                vhost_of(p)?,
+                limits_from(p.get("value"), LimitScope::Vhost)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let user_limits = list(defs, "users")
+        .iter()
+        .filter(|u| u.get("limits").is_some())
+        .map(|u| {
+            Ok((
+                text(u, "name", "user")?.to_owned(),
+                limits_from(u.get("limits"), LimitScope::User)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
     // Users are read (and passwords hashed) before the node is locked.
     let users = list(defs, "users")
         .iter()
@@ -189,6 +239,9 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
             }
             for u in users {
                 n.broker_mut().put_user(u);
+            }
+            for (user, limits) in user_limits {
+                n.broker_mut().put_limits(LimitScope::User, &user, limits);
             }
             let refused = |e: AccessError| ApiError::bad_request(e.to_string());
             for p in list(defs, "permissions") {
@@ -213,6 +266,14 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
                     })
                     .map_err(refused)?;
             }
+        }
+        for (vhost, limits) in vhost_limits {
+            if !n.broker().vhost_exists(&vhost) {
+                return Err(ApiError::bad_request(format!(
+                    "vhost limits: vhost '{vhost}' does not exist"
+                )));
+            }
+            n.broker_mut().put_limits(LimitScope::Vhost, &vhost, limits);
         }
         for x in list(defs, "exchanges") {
             let vhost = vhost_of(x)?;

@@ -8,6 +8,7 @@
 mod access;
 mod definitions;
 mod json;
+mod limits;
 mod list;
 mod objects;
 pub mod passwords;
@@ -23,7 +24,7 @@ use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
-use serde_json::json;
+use serde_json::{json, Value};
 use warren_codec::AmqpError;
 
 use crate::driver::NodeHandle;
@@ -54,6 +55,8 @@ pub struct ApiError {
     status: StatusCode,
     error: &'static str,
     reason: String,
+    /// A reason RabbitMQ sends as a JSON term rather than a string (`["no_such_user","u"]`).
+    reason_json: Option<Value>,
 }
 
 impl ApiError {
@@ -62,6 +65,7 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             error: "bad_request",
             reason: reason.into(),
+            reason_json: None,
         }
     }
 
@@ -70,6 +74,7 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             error: "invalid_pagination_parameters",
             reason,
+            reason_json: None,
         }
     }
 
@@ -78,6 +83,7 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             error: "page_out_of_range",
             reason,
+            reason_json: None,
         }
     }
 
@@ -86,6 +92,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             error: "Object Not Found",
             reason: "Not Found".into(),
+            reason_json: None,
         }
     }
 
@@ -95,6 +102,7 @@ impl ApiError {
             status: StatusCode::UNAUTHORIZED,
             error: "not_authorized",
             reason: "Login failed".into(),
+            reason_json: None,
         }
     }
 
@@ -104,6 +112,7 @@ impl ApiError {
             status: StatusCode::UNAUTHORIZED,
             error: "",
             reason: String::new(),
+            reason_json: None,
         }
     }
 
@@ -113,6 +122,27 @@ impl ApiError {
             status: StatusCode::UNAUTHORIZED,
             error: "not_authorised",
             reason: reason.into(),
+            reason_json: None,
+        }
+    }
+
+    /// A 400 whose reason is a JSON term (RabbitMQ's `["no_such_user","u"]`).
+    pub fn bad_request_term(reason: Value) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            error: "bad_request",
+            reason: String::new(),
+            reason_json: Some(reason),
+        }
+    }
+
+    /// A vhost named in the path is missing where RabbitMQ says so (`vhost_not_found`).
+    pub fn vhost_not_found() -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            error: "not_found",
+            reason: "vhost_not_found".into(),
+            reason_json: None,
         }
     }
 
@@ -123,6 +153,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             error: "not_found",
             reason: format!("NOT_FOUND - {text}"),
+            reason_json: None,
         }
     }
 }
@@ -148,7 +179,10 @@ impl IntoResponse for ApiError {
         } else {
             (
                 self.status,
-                axum::Json(json!({"error": self.error, "reason": self.reason})),
+                axum::Json(json!({
+                    "error": self.error,
+                    "reason": self.reason_json.unwrap_or(Value::String(self.reason)),
+                })),
             )
                 .into_response()
         };

@@ -45,6 +45,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/nodes/{node}", get(one_node))
         .route("/api/extensions", get(extensions))
         .merge(super::access::routes())
+        .merge(super::limits::routes())
         .route("/api/whoami", get(whoami))
         .route("/api/vhosts", get(vhosts))
         .route("/api/vhosts/{vhost}/connections", get(vhost_connections))
