@@ -563,6 +563,27 @@ async fn external_user_from_the_subject_alternative_name_or_the_whole_subject() 
             )
             .text();
             if conns.contains(user) {
+                // And shows it as TLS, as RabbitMQ does: protocol, cipher, the certificate.
+                let all: serde_json::Value = serde_json::from_str(&conns).expect("JSON");
+                let c = all
+                    .as_array()
+                    .and_then(|a| a.iter().find(|c| c["user"] == user))
+                    .expect("the connection");
+                assert_eq!(c["ssl"], true, "{c}");
+                assert_eq!(c["ssl_protocol"], "tlsv1.3", "{c}");
+                assert_eq!(c["ssl_key_exchange"], "any", "{c}");
+                assert!(
+                    c["ssl_cipher"].as_str().is_some_and(|s| !s.is_empty()),
+                    "{c}"
+                );
+                assert_eq!(c["auth_mechanism"], "EXTERNAL", "{c}");
+                assert_eq!(c["peer_cert_subject"], "CN=dn-user,O=Warren tests", "{c}");
+                assert!(
+                    c["peer_cert_issuer"]
+                        .as_str()
+                        .is_some_and(|s| s.starts_with("CN=")),
+                    "{c}"
+                );
                 break;
             }
             assert!(

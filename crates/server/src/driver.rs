@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, watch, Notify};
 use tokio::task::JoinHandle;
 use warren_broker::ConnId;
 use warren_codec::{decode_protocol_header, FrameDecoder, PROTOCOL_HEADER};
+use warren_session::manage::TlsInfo;
 use warren_session::{Node, Transmit};
 
 use crate::storage::StoreThread;
@@ -648,20 +649,13 @@ async fn tls_connection(
             return;
         }
     };
-    let external = tls.external_identity(&stream);
-    if let Some((version, suite)) = stream
-        .get_ref()
-        .1
-        .protocol_version()
-        .zip(stream.get_ref().1.negotiated_cipher_suite())
-    {
-        tracing::debug!(conn, %peer, version = ?version, suite = ?suite.suite(), client_cert = ?external, "TLS handshake done");
-    }
+    let info = tls.info(&stream);
+    tracing::debug!(conn, %peer, protocol = %info.protocol, cipher = %info.cipher, client_cert = ?info.peer_cert_subject, "TLS handshake done");
     let (rd, wr) = tokio::io::split(stream);
     run_connection(
         rd,
         WriteSide::Tls(wr),
-        (peer, local, external),
+        (peer, local, Some(info)),
         conn,
         shared,
         frame_max,
@@ -673,7 +667,7 @@ async fn tls_connection(
 async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
     mut rd: R,
     mut wr: WriteSide,
-    (peer, local, external): (SocketAddr, Option<SocketAddr>, Option<String>),
+    (peer, local, tls): (SocketAddr, Option<SocketAddr>, Option<TlsInfo>),
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: u32,
@@ -709,8 +703,7 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
                 pause,
             },
         );
-        core.node
-            .connection_opened_as(conn, Some(peer), external, now);
+        core.node.connection_opened_as(conn, Some(peer), tls, now);
         if let Some(local) = local {
             core.node.set_local_addr(conn, local);
         }

@@ -22,6 +22,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
+use warren_session::manage::TlsInfo;
 
 /// Whether clients are asked for a certificate (RabbitMQ's `verify` and `fail_if_no_peer_cert`).
 #[derive(clap::ValueEnum, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -126,6 +127,43 @@ impl Tls {
         // rustls only completes a handshake with a certificate its verifier accepted.
         let cert = stream.get_ref().1.peer_certificates()?.first()?;
         login_name(cert.as_ref(), self.files.login_from)
+    }
+
+    /// What the management API shows of a TLS connection, as RabbitMQ words it.
+    pub fn info(&self, stream: &TlsStream<TcpStream>) -> TlsInfo {
+        let session = stream.get_ref().1;
+        let protocol = match session.protocol_version() {
+            Some(rustls::ProtocolVersion::TLSv1_3) => "tlsv1.3",
+            Some(rustls::ProtocolVersion::TLSv1_2) => "tlsv1.2",
+            _ => "unknown",
+        };
+        let (key_exchange, cipher) = session
+            .negotiated_cipher_suite()
+            .and_then(|s| s.suite().as_str())
+            .map(suite_parts)
+            .unwrap_or_default();
+        let cert = session
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|c| {
+                x509_parser::parse_x509_certificate(c.as_ref())
+                    .ok()
+                    .map(|(_, c)| c)
+            });
+        TlsInfo {
+            protocol: protocol.to_owned(),
+            key_exchange,
+            cipher,
+            // Every suite rustls offers is an AEAD one (Erlang's `mac` is then `aead`).
+            hash: "aead".to_owned(),
+            peer_cert_subject: cert.as_ref().and_then(|c| distinguished_name(c.subject())),
+            peer_cert_issuer: cert.as_ref().and_then(|c| distinguished_name(c.issuer())),
+            peer_cert_validity: cert.as_ref().map(|c| {
+                let v = c.validity();
+                format!("{} - {}", v.not_before, v.not_after)
+            }),
+            external: self.external_identity(stream),
+        }
     }
 }
 
@@ -244,24 +282,7 @@ pub fn login_name(der: &[u8], from: LoginFrom) -> Option<String> {
             .next()
             .and_then(|cn| cn.as_str().ok())
             .map(str::to_owned),
-        LoginFrom::DistinguishedName => {
-            let registry = x509_parser::objects::oid_registry();
-            let mut rdns = Vec::new();
-            for rdn in cert.subject().iter_rdn() {
-                let mut parts = Vec::new();
-                for attr in rdn.iter() {
-                    let key = x509_parser::objects::oid2abbrev(attr.attr_type(), registry)
-                        .map(str::to_owned)
-                        .unwrap_or_else(|_| attr.attr_type().to_id_string());
-                    let value = attr.as_str().ok()?;
-                    parts.push(format!("{key}={}", escape_dn_value(value)));
-                }
-                rdns.push(parts.join("+"));
-            }
-            // RFC 4514 writes the last RDN first, as RabbitMQ does.
-            rdns.reverse();
-            Some(rdns.join(","))
-        }
+        LoginFrom::DistinguishedName => distinguished_name(cert.subject()),
         LoginFrom::SubjectAlternativeName => {
             let san = cert.subject_alternative_name().ok()??;
             let names = &san.value.general_names;
@@ -278,6 +299,48 @@ pub fn login_name(der: &[u8], from: LoginFrom) -> Option<String> {
             dns.or_else(email).map(str::to_owned)
         }
     }
+}
+
+/// A name as RabbitMQ writes it: `CN=app,O=Example,C=GB` (RFC 4514, the last RDN first).
+fn distinguished_name(name: &x509_parser::x509::X509Name<'_>) -> Option<String> {
+    let registry = x509_parser::objects::oid_registry();
+    let mut rdns = Vec::new();
+    for rdn in name.iter_rdn() {
+        let mut parts = Vec::new();
+        for attr in rdn.iter() {
+            let key = x509_parser::objects::oid2abbrev(attr.attr_type(), registry)
+                .map(str::to_owned)
+                .unwrap_or_else(|_| attr.attr_type().to_id_string());
+            let value = attr.as_str().ok()?;
+            parts.push(format!("{key}={}", escape_dn_value(value)));
+        }
+        rdns.push(parts.join("+"));
+    }
+    rdns.reverse();
+    Some(rdns.join(","))
+}
+
+/// Erlang's key exchange and cipher names from a rustls suite name:
+/// `TLS13_AES_256_GCM_SHA384` is (`any`, `aes_256_gcm`),
+/// `TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256` is (`ecdhe_rsa`, `aes_128_gcm`).
+fn suite_parts(name: &str) -> (String, String) {
+    let lower = name.to_ascii_lowercase();
+    let (kx, rest) = match lower.strip_prefix("tls13_") {
+        Some(rest) => ("any".to_owned(), rest.to_owned()),
+        None => {
+            let rest = lower.strip_prefix("tls_").unwrap_or(&lower);
+            match rest.split_once("_with_") {
+                Some((kx, cipher)) => (kx.to_owned(), cipher.to_owned()),
+                None => (String::new(), rest.to_owned()),
+            }
+        }
+    };
+    let cipher = rest
+        .strip_suffix("_sha256")
+        .or_else(|| rest.strip_suffix("_sha384"))
+        .unwrap_or(&rest)
+        .to_owned();
+    (kx, cipher)
 }
 
 /// RFC 4514 escaping of an attribute value.
@@ -381,6 +444,22 @@ mod tests {
         ];
         let key = KeyPair::generate().unwrap();
         params.self_signed(&key).unwrap().der().to_vec()
+    }
+
+    #[test]
+    fn suites_in_erlang_words() {
+        assert_eq!(
+            suite_parts("TLS13_AES_256_GCM_SHA384"),
+            ("any".into(), "aes_256_gcm".into())
+        );
+        assert_eq!(
+            suite_parts("TLS13_CHACHA20_POLY1305_SHA256"),
+            ("any".into(), "chacha20_poly1305".into())
+        );
+        assert_eq!(
+            suite_parts("TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256"),
+            ("ecdhe_rsa".into(), "aes_128_gcm".into())
+        );
     }
 
     #[test]

@@ -55,6 +55,10 @@ pub(crate) struct Connection {
     pub local: Option<SocketAddr>,
     /// The user name from a verified TLS client certificate: EXTERNAL is offered and accepted.
     pub external: Option<String>,
+    /// Boxed: most connections are plain TCP.
+    pub tls: Option<Box<crate::manage::TlsInfo>>,
+    /// The SASL mechanism of start-ok, for the management API.
+    pub auth_mechanism: String,
     pub state: State,
     pub opened_at: u64,
     pub vhost: String,
@@ -110,6 +114,8 @@ impl Connection {
             peer,
             local: None,
             external: None,
+            tls: None,
+            auth_mechanism: String::new(),
             state: State::AwaitStartOk,
             opened_at: now,
             vhost: String::new(),
@@ -241,6 +247,7 @@ impl Connection {
             (State::AwaitStartOk, Method::ConnectionStartOk(ok)) => {
                 self.caps = client_caps(&ok.client_properties);
                 self.client_properties = ok.client_properties.clone();
+                self.auth_mechanism = ok.mechanism.as_str().to_owned();
                 if ok.mechanism == auth::EXTERNAL {
                     // Offered only with a verified certificate; otherwise as unknown as any other.
                     let Some(name) = self.external.clone() else {

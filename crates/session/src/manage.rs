@@ -44,7 +44,27 @@ pub struct ConnectionSnapshot {
     pub client_properties: FieldTable,
     /// A resource alarm holds its publishes (`blocked` in RabbitMQ's terms).
     pub blocked: bool,
+    /// `None` for a plain TCP connection.
+    pub tls: Option<TlsInfo>,
+    /// The SASL mechanism the client logged in with (empty before start-ok).
+    pub auth_mechanism: String,
     pub channels: Vec<ChannelSnapshot>,
+}
+
+/// What the driver learnt from a connection's TLS handshake, in the words RabbitMQ's management
+/// API uses (`ssl_protocol` "tlsv1.3", `ssl_cipher` "aes_256_gcm"...).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TlsInfo {
+    pub protocol: String,
+    pub key_exchange: String,
+    pub cipher: String,
+    pub hash: String,
+    /// The client certificate's subject and issuer (RFC 4514) and validity, if it sent one.
+    pub peer_cert_subject: Option<String>,
+    pub peer_cert_issuer: Option<String>,
+    pub peer_cert_validity: Option<String>,
+    /// The user name a verified client certificate gives EXTERNAL: then EXTERNAL is offered.
+    pub external: Option<String>,
 }
 
 impl Node {
@@ -65,6 +85,8 @@ impl Node {
                 heartbeat_secs: c.heartbeat_ms / 1000,
                 client_properties: c.client_properties.clone(),
                 blocked: c.paused,
+                tls: c.tls.as_deref().cloned(),
+                auth_mechanism: c.auth_mechanism.clone(),
                 channels: c.channels.values().map(|ch| ch.snapshot()).collect(),
             })
             .collect()

@@ -249,17 +249,18 @@ impl Node {
         self.connection_opened_as(conn, peer, None, now);
     }
 
-    /// As [`Node::connection_opened`], for a TLS connection whose client certificate the driver
-    /// verified: `external` is the user name taken from it, and EXTERNAL is offered.
+    /// As [`Node::connection_opened`], for a TLS connection: when the driver verified a client
+    /// certificate, `tls.external` is the user name taken from it, and EXTERNAL is offered.
     pub fn connection_opened_as(
         &mut self,
         conn: ConnId,
         peer: Option<SocketAddr>,
-        external: Option<String>,
+        tls: Option<crate::manage::TlsInfo>,
         now: u64,
     ) {
         let mut c = Connection::new(conn, peer, now, &self.config);
-        c.external = external;
+        c.external = tls.as_ref().and_then(|t| t.external.clone());
+        c.tls = tls.map(Box::new);
         c.send_start(&self.config);
         self.conns.insert(conn, c);
         self.schedule(conn);
