@@ -581,3 +581,238 @@ fn errors_say_what_to_do_next() {
     assert_eq!(usage.code, 2, "{}", usage.stderr);
     assert!(usage.stderr.contains("KEY=VALUE"), "{}", usage.stderr);
 }
+
+/// `warren ctl` does what `rabbitmqctl`'s commands of the same names do, through the API:
+/// users (the password from stdin or an argument), tags, vhosts, permissions and topic
+/// permissions.
+#[test]
+fn ctl_manages_users_vhosts_and_permissions_under_rabbitmqctl_names() {
+    use warren_conformance::http::request;
+    let b = TestBroker::start();
+    let api = format!("{}/api", b.http_url().expect("management API on"));
+    let user = unique("ctl-u");
+    let vhost = unique("ctl-v");
+    let logs_in = |password: &str| {
+        request(
+            "GET",
+            &format!("{api}/whoami"),
+            Some((&user, password)),
+            &[],
+            None,
+        )
+        .status
+            == 200
+    };
+    let tags_of = |json: &Value| -> Option<Value> {
+        json.as_array()?
+            .iter()
+            .find(|u| u["name"] == user.as_str())
+            .map(|u| u["tags"].clone())
+    };
+
+    // The password from stdin, kept out of the shell's history.
+    let r = warren_in(
+        &b,
+        &["ctl", "add_user", &user, "--tags", "management"],
+        "first pw\n",
+    )
+    .ok();
+    assert!(
+        r.stdout.contains(&format!("added user '{user}'")),
+        "{}",
+        r.stdout
+    );
+    assert!(logs_in("first pw"));
+    let again = warren_in(
+        &b,
+        &["ctl", "add_user", &user, "--tags", "administrator"],
+        "x\n",
+    );
+    assert_eq!(
+        again.code, 1,
+        "adding an existing user fails: {}",
+        again.stdout
+    );
+    assert!(again.stderr.contains("already exists"), "{}", again.stderr);
+    assert!(
+        logs_in("first pw"),
+        "a refused add_user leaves the password"
+    );
+
+    let users = warren(&b, &["ctl", "list_users", "--format", "json"])
+        .ok()
+        .json();
+    assert_eq!(tags_of(&users), Some(serde_json::json!(["management"])));
+
+    // A logged-in user the API refuses gets the API's reason, not a "wrong password".
+    let refused = warren(
+        &b,
+        &[
+            "ctl",
+            "list_users",
+            "--user",
+            &user,
+            "--password",
+            "first pw",
+        ],
+    );
+    assert_eq!(refused.code, 1);
+    assert!(
+        refused.stderr.contains("Not administrator user"),
+        "{}",
+        refused.stderr
+    );
+
+    warren(&b, &["ctl", "change_password", &user, "second pw"]).ok();
+    assert!(logs_in("second pw") && !logs_in("first pw"));
+    warren(
+        &b,
+        &["ctl", "set_user_tags", &user, "monitoring", "policymaker"],
+    )
+    .ok();
+    let users = warren(&b, &["ctl", "list_users", "--format", "json"])
+        .ok()
+        .json();
+    assert_eq!(
+        tags_of(&users),
+        Some(serde_json::json!(["monitoring", "policymaker"]))
+    );
+    assert!(logs_in("second pw"), "set_user_tags keeps the password");
+    let table = warren(&b, &["ctl", "list_users"]).ok().stdout;
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&user) && l.contains("monitoring,policymaker")),
+        "{table}"
+    );
+
+    warren(&b, &["ctl", "add_vhost", &vhost]).ok();
+    let kept = warren(&b, &["ctl", "add_vhost", &vhost]).ok();
+    assert!(kept.stdout.contains("already exists"), "{}", kept.stdout);
+    let vhosts = warren(&b, &["ctl", "list_vhosts", "--format", "json"])
+        .ok()
+        .json();
+    assert!(vhosts
+        .as_array()
+        .is_some_and(|a| a.iter().any(|v| v["name"] == vhost.as_str())));
+
+    warren(
+        &b,
+        &[
+            "ctl",
+            "set_permissions",
+            "-p",
+            &vhost,
+            &user,
+            "^c-",
+            "^w-",
+            "",
+        ],
+    )
+    .ok();
+    let perms = warren(
+        &b,
+        &["ctl", "list_permissions", "-p", &vhost, "--format", "json"],
+    )
+    .ok()
+    .json();
+    let mine = perms
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["user"] == user.as_str()).cloned());
+    assert_eq!(
+        mine.map(|p| (
+            p["configure"].clone(),
+            p["write"].clone(),
+            p["read"].clone()
+        )),
+        Some((
+            serde_json::json!("^c-"),
+            serde_json::json!("^w-"),
+            serde_json::json!("")
+        ))
+    );
+    let by_user = warren(&b, &["ctl", "list_user_permissions", &user])
+        .ok()
+        .stdout;
+    assert!(
+        by_user
+            .lines()
+            .any(|l| l.starts_with(&vhost) && l.contains("^c-")),
+        "{by_user}"
+    );
+
+    for x in ["amq.topic", "amq.direct"] {
+        warren(
+            &b,
+            &[
+                "ctl",
+                "set_topic_permissions",
+                "-p",
+                &vhost,
+                &user,
+                x,
+                "^w\\.",
+                "^r\\.",
+            ],
+        )
+        .ok();
+    }
+    let exchanges = |b: &TestBroker| -> Vec<String> {
+        let mut x: Vec<String> = warren(
+            b,
+            &[
+                "ctl",
+                "list_user_topic_permissions",
+                &user,
+                "--format",
+                "json",
+            ],
+        )
+        .ok()
+        .json()
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["exchange"].as_str().map(str::to_owned))
+        .collect();
+        x.sort();
+        x
+    };
+    assert_eq!(exchanges(&b), ["amq.direct", "amq.topic"]);
+    warren(
+        &b,
+        &[
+            "ctl",
+            "clear_topic_permissions",
+            "-p",
+            &vhost,
+            &user,
+            "amq.topic",
+        ],
+    )
+    .ok();
+    assert_eq!(exchanges(&b), ["amq.direct"], "one exchange's cleared");
+    let listed = warren(&b, &["ctl", "list_topic_permissions", "-p", &vhost])
+        .ok()
+        .stdout;
+    assert!(
+        listed.contains("amq.direct") && listed.contains("^w\\."),
+        "{listed}"
+    );
+    warren(&b, &["ctl", "clear_topic_permissions", "-p", &vhost, &user]).ok();
+    assert!(exchanges(&b).is_empty());
+
+    warren(&b, &["ctl", "clear_permissions", "-p", &vhost, &user]).ok();
+    let gone = warren(&b, &["ctl", "clear_permissions", "-p", &vhost, &user]);
+    assert_eq!(gone.code, 1, "nothing left to clear: {}", gone.stdout);
+    warren(&b, &["ctl", "delete_vhost", &vhost]).ok();
+    warren(&b, &["ctl", "delete_user", &user]).ok();
+    assert!(!logs_in("second pw"));
+    let missing = warren(&b, &["ctl", "delete_user", &user]);
+    assert_eq!(missing.code, 1);
+    assert!(
+        missing.stderr.contains("does not exist"),
+        "{}",
+        missing.stderr
+    );
+}

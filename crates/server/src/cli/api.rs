@@ -120,6 +120,16 @@ impl Api {
         };
         match status {
             200..=299 => Ok(Reply { status, body }),
+            // Logged in, but refused: a tag or a vhost permission is missing (RabbitMQ spells
+            // it not_authorised, a failed login not_authorized).
+            401 if body.get("error").and_then(Value::as_str) == Some("not_authorised") => {
+                Err(CliError::Failed(format!(
+                    "user '{}' may not {method} {path}: {} (it needs a permission in the vhost \
+                     or a user tag that allows it; pass another --user/--password)",
+                    self.user,
+                    reason(&body)
+                )))
+            }
             401 => Err(CliError::Unauthorized {
                 user: self.user.clone(),
                 api: self.base.clone(),

@@ -1,10 +1,12 @@
 //! `warren status`, `list`, `declare`, `delete`, `purge`, `publish`, `get`, `export`, `import`,
-//! `close`: commands over the management HTTP API, so they work against RabbitMQ's management
-//! plugin too; and `move` / `redrive`, which speak AMQP for a confirmed hand-over.
+//! `close`, and `ctl` (users, vhosts and permissions under `rabbitmqctl`'s names): commands
+//! over the management HTTP API, so they work against RabbitMQ's management plugin too; and
+//! `move` / `redrive`, which speak AMQP for a confirmed hand-over.
 //!
 //! Exit codes: 0 done, 1 the operation failed, 2 a usage error (clap's own code).
 
 mod api;
+mod ctl;
 mod definitions;
 mod messages;
 mod objects;
@@ -125,6 +127,10 @@ pub enum Command {
     /// Moves messages from one queue to another over AMQP, each acked in the source only once
     /// the target confirmed it (interrupt and rerun at will)
     Move(transfer::MoveArgs),
+    /// Users, vhosts and permissions, with rabbitmqctl's command names and arguments
+    /// (`warren ctl add_user app`, `warren ctl set_permissions -p / app '.*' '.*' '.*'`)
+    #[command(subcommand)]
+    Ctl(ctl::Ctl),
 }
 
 /// Why a command failed, worded to say what to do next.
@@ -171,6 +177,7 @@ pub fn main(cmd: Command) -> ExitCode {
     let name = command_name(&cmd);
     let result = match cmd {
         Command::Move(m) => return transfer::main_move(m),
+        Command::Ctl(c) => ctl::main(&c),
         Command::Status { conn, format } => show::status(&conn.api(), format),
         Command::List(l) => show::list(&l),
         Command::Declare(d) => objects::declare(&d),
@@ -212,6 +219,7 @@ fn command_name(cmd: &Command) -> &'static str {
         Command::Import { .. } => "import",
         Command::Close { .. } => "close",
         Command::Move(_) => "move",
+        Command::Ctl(c) => ctl::name(c),
     }
 }
 
@@ -283,6 +291,63 @@ mod tests {
         assert!(parse(&["list", "nonsense"]).is_err());
         assert!(parse(&["get", "q", "--ackmode", "nope"]).is_err());
         assert!(parse(&["move", "--from", "a"]).is_err(), "move needs --to");
+    }
+
+    #[test]
+    fn ctl_takes_rabbitmqctl_arguments() {
+        let Ok(Command::Ctl(ctl::Ctl::SetPermissions {
+            username,
+            configure,
+            write,
+            read,
+            at,
+        })) = parse(&[
+            "ctl",
+            "set_permissions",
+            "-p",
+            "v1",
+            "app",
+            "^app\\.",
+            ".*",
+            "",
+            "--user",
+            "admin",
+        ])
+        else {
+            panic!("set_permissions did not parse");
+        };
+        assert_eq!(
+            (
+                username.as_str(),
+                configure.as_str(),
+                write.as_str(),
+                read.as_str()
+            ),
+            ("app", "^app\\.", ".*", "")
+        );
+        assert_eq!((at.vhost.as_str(), at.conn.user.as_str()), ("v1", "admin"));
+        let Ok(Command::Ctl(ctl::Ctl::AddUser {
+            password,
+            tags,
+            conn,
+            ..
+        })) = parse(&[
+            "ctl",
+            "add-user",
+            "app",
+            "--tags",
+            "management,monitoring",
+            "--password",
+            "apipw",
+        ])
+        else {
+            panic!("add_user did not parse");
+        };
+        // The new user's password is positional; --password stays the API login's.
+        assert_eq!(password, None);
+        assert_eq!(tags, ["management", "monitoring"]);
+        assert_eq!(conn.password, "apipw");
+        assert!(parse(&["ctl", "set_permissions", "app", ".*"]).is_err());
     }
 
     #[test]

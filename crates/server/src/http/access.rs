@@ -16,7 +16,7 @@ use warren_broker::access::{
 use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::Broker;
 
-use super::{passwords, Admin, Api, ApiError, LoggedIn};
+use super::{passwords, Admin, Api, ApiError};
 
 type ApiState = State<Arc<Api>>;
 type Answer = Result<Response, ApiError>;
@@ -123,7 +123,9 @@ fn refused(e: AccessError) -> ApiError {
 
 // ------------------------------------------------------------------ vhosts
 
-async fn one_vhost(State(api): ApiState, _: LoggedIn, Path(vhost): Path<String>) -> Answer {
+/// Administrators only: RabbitMQ 3.10 answers 401 "Not administrator user" to anyone else,
+/// even for a vhost they may use (they see theirs in `/api/vhosts`).
+async fn one_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) -> Answer {
     if !api.node.read(|n, _| n.broker().vhost_exists(&vhost)) {
         return Err(ApiError::not_found());
     }

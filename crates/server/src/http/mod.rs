@@ -19,12 +19,13 @@ mod ui;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequestParts, RawPathParams};
 use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use serde_json::{json, Value};
+use warren_broker::access::{Access, Perm, Resource};
 use warren_codec::AmqpError;
 
 use crate::driver::NodeHandle;
@@ -230,6 +231,85 @@ impl Login {
     pub fn sees_all(&self) -> bool {
         self.level >= Level::Monitoring
     }
+
+    /// RabbitMQ's `is_authorized_vhost`: administrators see every vhost, everyone else only
+    /// those where they have a permission (monitoring users included, for queues, exchanges
+    /// and bindings; their wider view of connections is [`Login::sees_all`]).
+    pub fn sees_vhost(&self, access: &Access, vhost: &str) -> bool {
+        self.level == Level::Administrator || access.may_open(&self.name, vhost)
+    }
+
+    /// Checks what the AMQP operation behind an API call would need, with the answer
+    /// RabbitMQ's API gives for that call (`via`). Administrators are checked too: in
+    /// RabbitMQ their tag opens the API, not the vhosts' resources.
+    pub fn permit(
+        &self,
+        api: &Api,
+        vhost: &str,
+        needs: &[Need<'_>],
+        via: Via,
+    ) -> Result<(), ApiError> {
+        api.node
+            .read(|n, _| self.permit_in(n.broker().access(), vhost, needs, via))
+    }
+
+    pub fn permit_in(
+        &self,
+        access: &Access,
+        vhost: &str,
+        needs: &[Need<'_>],
+        via: Via,
+    ) -> Result<(), ApiError> {
+        // RabbitMQ's API acts through a connection of the user to the vhost, which is
+        // refused before any resource is looked at.
+        if !access.may_open(&self.name, vhost) {
+            return Err(ApiError::not_allowed("Access refused."));
+        }
+        for need in needs {
+            match *need {
+                Need::On(perm, resource) => access.check(&self.name, vhost, perm, resource),
+                Need::Topic(perm, exchange, key) => {
+                    access.check_topic(&self.name, vhost, exchange, perm, key)
+                }
+            }
+            .map_err(|e| via.refusal(&e))?;
+        }
+        Ok(())
+    }
+}
+
+/// A permission an API operation needs, as its AMQP counterpart would.
+#[derive(Clone, Copy, Debug)]
+pub enum Need<'a> {
+    On(Perm, Resource<'a>),
+    /// A routing key on an exchange, under the user's topic permissions.
+    Topic(Perm, &'a str, &'a str),
+}
+
+/// How RabbitMQ's API answers a refused permission, which depends on how its handler reaches
+/// the broker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Via {
+    /// `direct_request` (declare, delete, purge, bind, unbind): 401 "Access refused.",
+    /// without saying which resource.
+    Direct,
+    /// A channel of the user (get, the aliveness test; Warren's move, which is a get and a
+    /// publish): 401 with the channel's error text.
+    Channel,
+    /// The publish endpoint: 400 with the channel error's code and text.
+    Publish,
+}
+
+impl Via {
+    fn refusal(self, e: &AmqpError) -> ApiError {
+        match self {
+            Via::Direct => ApiError::not_allowed("Access refused."),
+            Via::Channel => ApiError::not_allowed(format!("{} - {}", e.code.name(), e.text)),
+            Via::Publish => {
+                ApiError::bad_request(format!("{} {} - {}", e.code.code(), e.code.name(), e.text))
+            }
+        }
+    }
 }
 
 fn level_of(tags: &[String]) -> Option<Level> {
@@ -270,8 +350,15 @@ impl Api {
 }
 
 /// A request from a logged-in user of the management tags (for handlers: logs in from the
-/// Authorization header and the peer address, as [`Api::login`]).
+/// Authorization header and the peer address, as [`Api::login`]). A path naming an existing
+/// vhost the user may not see is refused here, so that no handler can forget it (RabbitMQ's
+/// 401 "User not authorised to access virtual host"; a missing vhost is left to the handler's
+/// 404, as RabbitMQ's).
 pub struct LoggedIn(pub Login);
+
+/// A logged-in user whose path's vhost is not checked: the few RabbitMQ endpoints that filter
+/// what they show instead (`/api/consumers/{vhost}`).
+pub struct Unscoped(pub Login);
 
 /// A request from an administrator.
 pub struct Admin(pub Login);
@@ -289,7 +376,31 @@ impl FromRequestParts<Arc<Api>> for LoggedIn {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, api: &Arc<Api>) -> Result<Self, ApiError> {
-        login_from(parts, api).map(LoggedIn)
+        let who = login_from(parts, api)?;
+        let params = RawPathParams::from_request_parts(parts, api).await.ok();
+        let vhost = params
+            .as_ref()
+            .and_then(|p| p.iter().find(|(k, _)| *k == "vhost").map(|(_, v)| v));
+        if let Some(vhost) = vhost {
+            let hidden = api.node.read(|n, _| {
+                let b = n.broker();
+                b.vhost_exists(vhost) && !who.sees_vhost(b.access(), vhost)
+            });
+            if hidden {
+                return Err(ApiError::not_allowed(
+                    "User not authorised to access virtual host",
+                ));
+            }
+        }
+        Ok(LoggedIn(who))
+    }
+}
+
+impl FromRequestParts<Arc<Api>> for Unscoped {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, api: &Arc<Api>) -> Result<Self, ApiError> {
+        login_from(parts, api).map(Unscoped)
     }
 }
 

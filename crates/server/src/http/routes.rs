@@ -12,12 +12,15 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine;
 use serde_json::{json, Value};
+use warren_broker::access::{Perm, Resource};
 use warren_broker::{DeclareQueue, Message};
 use warren_codec::{FieldTable, ShortStr};
 use warren_session::manage::API_CONN;
 
 use super::list::ListQuery;
-use super::{json as conv, objects, Admin, Api, ApiError, Level, LoggedIn, Login};
+use super::{
+    json as conv, objects, Admin, Api, ApiError, Level, LoggedIn, Login, Need, Unscoped, Via,
+};
 
 type ApiState = State<Arc<Api>>;
 type Peer = ConnectInfo<SocketAddr>;
@@ -338,9 +341,17 @@ pub(super) fn vhost_json(api: &Api, name: &str) -> Value {
     })
 }
 
-async fn vhosts(State(api): ApiState, _: LoggedIn, Query(q): Params) -> Answer {
+async fn vhosts(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params) -> Answer {
     let query = ListQuery::parse(&q)?;
-    let names = api.node.read(|n, _| n.broker().vhost_names());
+    // RabbitMQ's list_visible_vhosts: monitoring users see every vhost here, though not
+    // the objects in those where they have no permission.
+    let names: Vec<String> = api.node.read(|n, _| {
+        let b = n.broker();
+        b.vhost_names()
+            .into_iter()
+            .filter(|v| who.sees_all() || who.sees_vhost(b.access(), v))
+            .collect()
+    });
     let matcher = query.matcher()?;
     let total = names.len();
     let items = names
@@ -359,10 +370,20 @@ async fn empty_list(_: LoggedIn) -> Answer {
 
 // ------------------------------------------------------------------ exchanges
 
-fn list_exchanges(api: &Api, vhost: Option<&str>, q: &HashMap<String, String>) -> Answer {
+fn list_exchanges(
+    api: &Api,
+    who: &Login,
+    vhost: Option<&str>,
+    q: &HashMap<String, String>,
+) -> Answer {
     let query = ListQuery::parse(q)?;
     let matcher = query.matcher()?;
-    let snaps = api.node.read(|n, _| n.broker().exchange_snapshots(vhost));
+    let snaps = api.node.read(|n, _| {
+        let b = n.broker();
+        let mut snaps = b.exchange_snapshots(vhost);
+        snaps.retain(|x| who.sees_vhost(b.access(), &x.vhost));
+        snaps
+    });
     let total = snaps.len();
     let items = snaps
         .iter()
@@ -372,18 +393,18 @@ fn list_exchanges(api: &Api, vhost: Option<&str>, q: &HashMap<String, String>) -
     ok(query.finish(items, total)?)
 }
 
-async fn exchanges_all(State(api): ApiState, _: LoggedIn, Query(q): Params) -> Answer {
-    list_exchanges(&api, None, &q)
+async fn exchanges_all(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params) -> Answer {
+    list_exchanges(&api, &who, None, &q)
 }
 
 async fn exchanges_vhost(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path(vhost): Path<String>,
     Query(q): Params,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    list_exchanges(&api, Some(&vhost), &q)
+    list_exchanges(&api, &who, Some(&vhost), &q)
 }
 
 /// The exchange named in a path: RabbitMQ's API names the default exchange `amq.default`.
@@ -419,7 +440,7 @@ async fn one_exchange(
 
 async fn put_exchange(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
@@ -441,6 +462,18 @@ async fn put_exchange(
     short(&name, "exchange")?;
     let existed = api.node.write(|n, _| {
         let existed = n.broker().exchange_exists(&vhost, &name);
+        // As exchange.declare: a new exchange with an alternate exchange also needs read on
+        // itself and write on the alternate.
+        let alternate = arguments.get("alternate-exchange").and_then(|v| match v {
+            warren_codec::FieldValue::LongStr(s) => Some(String::from_utf8_lossy(s).into_owned()),
+            _ => None,
+        });
+        let mut needs = vec![Need::On(Perm::Configure, Resource::Exchange(&name))];
+        if let (false, Some(ae)) = (existed, &alternate) {
+            needs.push(Need::On(Perm::Read, Resource::Exchange(&name)));
+            needs.push(Need::On(Perm::Write, Resource::Exchange(ae)));
+        }
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
         n.broker_mut()
             .declare_exchange(
                 &vhost,
@@ -453,6 +486,7 @@ async fn put_exchange(
                 &arguments,
             )
             .map(|()| existed)
+            .map_err(ApiError::from)
     })?;
     if existed {
         no_content()
@@ -463,7 +497,7 @@ async fn put_exchange(
 
 async fn delete_exchange(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     Query(q): Params,
 ) -> Answer {
@@ -473,6 +507,8 @@ async fn delete_exchange(
         if !n.broker().exchange_exists(&vhost, &name) {
             return Err(ApiError::not_found());
         }
+        let needs = [Need::On(Perm::Configure, Resource::Exchange(&name))];
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
         n.broker_mut()
             .delete_exchange(&vhost, &name, if_unused)
             .map_err(ApiError::from)
@@ -482,7 +518,7 @@ async fn delete_exchange(
 
 async fn publish(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
@@ -516,6 +552,17 @@ async fn publish(
     let properties = conv::to_properties(b.get("properties").unwrap_or(&Value::Null))
         .map_err(ApiError::bad_request)?;
     let exchange = exchange_name(&name);
+    // Before the exchange is looked up, as basic.publish: a refusal does not tell whether it
+    // exists.
+    who.permit(
+        &api,
+        &vhost,
+        &[
+            Need::On(Perm::Write, Resource::Exchange(exchange)),
+            Need::Topic(Perm::Write, exchange, routing_key),
+        ],
+        Via::Publish,
+    )?;
     let message = Message {
         exchange: short(exchange, "exchange")?,
         routing_key: short(routing_key, "routing key")?,
@@ -588,12 +635,15 @@ async fn exchange_bindings_destination(
 
 // ------------------------------------------------------------------ queues
 
-fn list_queues(api: &Api, vhost: Option<&str>, q: &HashMap<String, String>) -> Answer {
+fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, String>) -> Answer {
     let query = ListQuery::parse(q)?;
     let matcher = query.matcher()?;
-    let (now, snaps) = api
-        .node
-        .read(|n, now| (now, n.broker().queue_snapshots(vhost)));
+    let (now, snaps) = api.node.read(|n, now| {
+        let b = n.broker();
+        let mut snaps = b.queue_snapshots(vhost);
+        snaps.retain(|s| who.sees_vhost(b.access(), &s.vhost));
+        (now, snaps)
+    });
     let total = snaps.len();
     let kept: Vec<_> = snaps.into_iter().filter(|s| matcher(&s.name)).collect();
     let rates = api.rates.queues(kept.iter().map(|s| s.id));
@@ -607,18 +657,18 @@ fn list_queues(api: &Api, vhost: Option<&str>, q: &HashMap<String, String>) -> A
     )?)
 }
 
-async fn queues_all(State(api): ApiState, _: LoggedIn, Query(q): Params) -> Answer {
-    list_queues(&api, None, &q)
+async fn queues_all(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params) -> Answer {
+    list_queues(&api, &who, None, &q)
 }
 
 async fn queues_vhost(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path(vhost): Path<String>,
     Query(q): Params,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    list_queues(&api, Some(&vhost), &q)
+    list_queues(&api, &who, Some(&vhost), &q)
 }
 
 async fn one_queue(
@@ -663,7 +713,7 @@ async fn one_queue(
 
 async fn put_queue(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
@@ -684,9 +734,13 @@ async fn put_queue(
     }
     let existed = api.node.write(|n, _| {
         let existed = n.broker().queue_id(&vhost, &name).is_some();
+        let needs = [Need::On(Perm::Configure, Resource::Queue(&name))];
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
+        // As the user, for the dead-letter exchange's checks of queue.declare.
         n.broker_mut()
-            .declare_queue(&vhost, req, API_CONN)
+            .declare_queue_as(&vhost, req, API_CONN, Some(&who.name))
             .map(|_| existed)
+            .map_err(ApiError::from)
     })?;
     if existed {
         no_content()
@@ -697,7 +751,7 @@ async fn put_queue(
 
 async fn delete_queue(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     Query(q): Params,
 ) -> Answer {
@@ -707,6 +761,8 @@ async fn delete_queue(
         if n.broker().queue_id(&vhost, &name).is_none() {
             return Err(ApiError::not_found());
         }
+        let needs = [Need::On(Perm::Configure, Resource::Queue(&name))];
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
         n.delete_queue(&vhost, &name, conditions)
             .map_err(ApiError::from)
     })?;
@@ -715,12 +771,21 @@ async fn delete_queue(
 
 async fn purge_queue(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    api.node
-        .write(|n, _| n.broker_mut().purge_queue(&vhost, &name, API_CONN))?;
+    api.node.write(|n, _| {
+        // RabbitMQ answers 404 for a missing queue before looking at permissions.
+        if n.broker().queue_id(&vhost, &name).is_none() {
+            return Err(ApiError::not_found());
+        }
+        let needs = [Need::On(Perm::Read, Resource::Queue(&name))];
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
+        n.broker_mut()
+            .purge_queue(&vhost, &name, API_CONN)
+            .map_err(ApiError::from)
+    })?;
     no_content()
 }
 
@@ -731,7 +796,7 @@ async fn purge_queue(
 /// the vhost, each put there and acked here in one store write. Answers `{"moved": n}`.
 async fn move_messages(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
@@ -752,15 +817,23 @@ async fn move_messages(
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX).min(MOST))
             .ok_or_else(|| ApiError::bad_request("count must be a non-negative integer"))?,
     };
-    let moved = api
-        .node
-        .write(|n, now| n.move_messages(&vhost, &name, &destination, count, now))?;
+    // A get from the source and a publish to the destination through the default exchange:
+    // what a client doing the same over AMQP would need.
+    let needs = [
+        Need::On(Perm::Read, Resource::Queue(&name)),
+        Need::On(Perm::Write, Resource::Exchange("")),
+    ];
+    let moved = api.node.write(|n, now| {
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Channel)?;
+        n.move_messages(&vhost, &name, &destination, count, now)
+            .map_err(ApiError::from)
+    })?;
     ok(json!({ "moved": moved }))
 }
 
 async fn get_messages(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
@@ -808,6 +881,9 @@ async fn get_messages(
     }
     let truncate = number("truncate").map(|t| usize::try_from(t).unwrap_or(usize::MAX));
     let got = api.node.write(|n, _| {
+        // basic.get: checked before the queue is looked up.
+        let needs = [Need::On(Perm::Read, Resource::Queue(&name))];
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Channel)?;
         let broker = n.broker_mut();
         let mut got = Vec::new();
         for _ in 0..count {
@@ -874,8 +950,13 @@ async fn queue_bindings(
 
 // ------------------------------------------------------------------ bindings
 
-async fn bindings_all(State(api): ApiState, _: LoggedIn) -> Answer {
-    let all = api.node.read(|n, _| n.broker().binding_snapshots(None));
+async fn bindings_all(State(api): ApiState, LoggedIn(who): LoggedIn) -> Answer {
+    let all = api.node.read(|n, _| {
+        let b = n.broker();
+        let mut all = b.binding_snapshots(None);
+        all.retain(|x| who.sees_vhost(b.access(), &x.vhost));
+        all
+    });
     ok(all.iter().map(objects::binding).collect())
 }
 
@@ -949,12 +1030,10 @@ async fn bindings_between(
 
 async fn create_binding(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
-    headers: HeaderMap,
+    LoggedIn(who): LoggedIn,
     Path((vhost, source, kind, dest)): Path<(String, String, String, String)>,
     body: Bytes,
 ) -> Answer {
-    login(&api, &headers, peer)?;
     let queue = to_queue(&kind)?;
     ends_exist(&api, &vhost, &source, &dest, queue)?;
     let b = body_json(&body)?;
@@ -966,13 +1045,16 @@ async fn create_binding(
     let arguments = conv::to_table(b.get("arguments").unwrap_or(&Value::Null))
         .map_err(ApiError::bad_request)?;
     short(&key, "routing key")?;
+    let needs = binding_needs(&source, &dest, queue, &key);
     api.node.write(|n, _| {
+        who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
         let broker = n.broker_mut();
         if queue {
             broker.bind_queue(&vhost, &dest, &source, &key, &arguments, API_CONN)
         } else {
             broker.bind_exchange(&vhost, &dest, &source, &key, &arguments)
         }
+        .map_err(ApiError::from)
     })?;
     let made = warren_broker::BindingSnapshot {
         vhost: vhost.clone(),
@@ -988,6 +1070,21 @@ async fn create_binding(
         r.headers_mut().insert(header::LOCATION, v);
     }
     Ok(r)
+}
+
+/// queue.bind and exchange.bind (and their unbinds): write on the destination, read on the
+/// source, and the topic permission to read the key from the source.
+fn binding_needs<'a>(source: &'a str, dest: &'a str, queue: bool, key: &'a str) -> [Need<'a>; 3] {
+    let destination = if queue {
+        Resource::Queue(dest)
+    } else {
+        Resource::Exchange(dest)
+    };
+    [
+        Need::On(Perm::Write, destination),
+        Need::On(Perm::Read, Resource::Exchange(source)),
+        Need::Topic(Perm::Read, source, key),
+    ]
 }
 
 fn find_binding(
@@ -1018,11 +1115,13 @@ async fn one_binding(
 
 async fn delete_binding(
     State(api): ApiState,
-    _: LoggedIn,
+    LoggedIn(who): LoggedIn,
     Path(path): Path<(String, String, String, String, String)>,
 ) -> Answer {
     let b = find_binding(&api, &path)?;
+    let needs = binding_needs(&b.source, &b.destination, b.to_queue, &b.routing_key);
     api.node.write(|n, _| {
+        who.permit_in(n.broker().access(), &b.vhost, &needs, Via::Direct)?;
         let broker = n.broker_mut();
         if b.to_queue {
             broker.unbind_queue(
@@ -1042,6 +1141,7 @@ async fn delete_binding(
                 &b.arguments,
             )
         }
+        .map_err(ApiError::from)
     })?;
     no_content()
 }
@@ -1094,15 +1194,33 @@ async fn vhost_connections(
     list_connections(&api, &who, Some(&vhost), &q)
 }
 
+/// A connection by name: 404 when there is none, and RabbitMQ's 401 when it is another
+/// user's and this one may not see it or, to close it (`close`), is not an administrator
+/// (`is_authorized_user`: monitoring users see everyone's connections but close only theirs).
 fn find_connection(
     api: &Api,
     who: &Login,
     name: &str,
+    close: bool,
 ) -> Result<warren_session::manage::ConnectionSnapshot, ApiError> {
-    visible_connections(api, who, None)
+    let c = api
+        .node
+        .read(|n, _| n.connection_snapshots())
         .into_iter()
         .find(|c| objects::connection_name(c) == name)
-        .ok_or_else(ApiError::not_found)
+        .ok_or_else(ApiError::not_found)?;
+    let allowed = c.user == who.name
+        || if close {
+            who.level == Level::Administrator
+        } else {
+            who.sees_all()
+        };
+    if !allowed {
+        return Err(ApiError::not_allowed(
+            "User not authorised to access object",
+        ));
+    }
+    Ok(c)
 }
 
 async fn one_connection(
@@ -1111,19 +1229,18 @@ async fn one_connection(
     Path(name): Path<String>,
 ) -> Answer {
     ok(objects::connection(
-        &find_connection(&api, &who, &name)?,
+        &find_connection(&api, &who, &name, false)?,
         &api.node_name,
     ))
 }
 
 async fn close_connection(
     State(api): ApiState,
-    ConnectInfo(peer): Peer,
+    LoggedIn(who): LoggedIn,
     headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Answer {
-    let who = login(&api, &headers, peer)?;
-    let c = find_connection(&api, &who, &name)?;
+    let c = find_connection(&api, &who, &name, true)?;
     let reason = headers
         .get("x-reason")
         .and_then(|v| v.to_str().ok())
@@ -1204,7 +1321,7 @@ async fn connection_channels(
     LoggedIn(who): LoggedIn,
     Path(name): Path<String>,
 ) -> Answer {
-    let c = find_connection(&api, &who, &name)?;
+    let c = find_connection(&api, &who, &name, false)?;
     ok(c.channels
         .iter()
         .map(|ch| objects::channel(&c, ch, &api.node_name))
@@ -1264,7 +1381,9 @@ async fn one_channel(
     Err(ApiError::not_found())
 }
 
-fn list_consumers(api: &Api, vhost: Option<&str>) -> Answer {
+/// Consumers as RabbitMQ lists them: monitoring users see all, others those of their own
+/// connections (whatever the vhost, which is why `/api/consumers/{vhost}` is [`Unscoped`]).
+fn list_consumers(api: &Api, who: &Login, vhost: Option<&str>) -> Answer {
     let (consumers, conns) = api.node.read(|n, _| {
         (
             n.broker().consumer_snapshots(vhost),
@@ -1273,17 +1392,25 @@ fn list_consumers(api: &Api, vhost: Option<&str>) -> Answer {
     });
     ok(consumers
         .iter()
-        .map(|k| objects::consumer(k, conns.iter().find(|c| c.id == k.conn), &api.node_name))
+        .filter_map(|k| {
+            let conn = conns.iter().find(|c| c.id == k.conn);
+            let mine = conn.is_some_and(|c| c.user == who.name);
+            (who.sees_all() || mine).then(|| objects::consumer(k, conn, &api.node_name))
+        })
         .collect())
 }
 
-async fn consumers_all(State(api): ApiState, _: LoggedIn) -> Answer {
-    list_consumers(&api, None)
+async fn consumers_all(State(api): ApiState, LoggedIn(who): LoggedIn) -> Answer {
+    list_consumers(&api, &who, None)
 }
 
-async fn consumers_vhost(State(api): ApiState, _: LoggedIn, Path(vhost): Path<String>) -> Answer {
+async fn consumers_vhost(
+    State(api): ApiState,
+    Unscoped(who): Unscoped,
+    Path(vhost): Path<String>,
+) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    list_consumers(&api, Some(&vhost))
+    list_consumers(&api, &who, Some(&vhost))
 }
 
 // ------------------------------------------------------------------ definitions
@@ -1404,9 +1531,24 @@ async fn health_protocol(
 
 /// RabbitMQ's aliveness test: declares the `aliveness-test` queue in the vhost, publishes a
 /// message to it and gets it back.
-async fn aliveness(State(api): ApiState, _: LoggedIn, Path(vhost): Path<String>) -> Answer {
+async fn aliveness(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path(vhost): Path<String>,
+) -> Answer {
     vhost_must_exist(&api, &vhost)?;
     const QUEUE: &str = "aliveness-test";
+    // RabbitMQ runs the test on a channel of the asking user: declare, publish, get.
+    who.permit(
+        &api,
+        &vhost,
+        &[
+            Need::On(Perm::Configure, Resource::Queue(QUEUE)),
+            Need::On(Perm::Write, Resource::Exchange("")),
+            Need::On(Perm::Read, Resource::Queue(QUEUE)),
+        ],
+        Via::Channel,
+    )?;
     let body = Bytes::from_static(b"test_message");
     let got = api.node.write(|n, now| {
         let b = n.broker_mut();

@@ -1,0 +1,533 @@
+//! `warren ctl ...`: users, vhosts and permissions under `rabbitmqctl`'s command names and
+//! arguments, so that an operator's `rabbitmqctl add_user app s3cret` becomes
+//! `warren ctl add_user app s3cret`. They go through the management API (administrator
+//! users), so they work against RabbitMQ's management plugin too.
+
+use std::io::{BufRead, IsTerminal};
+use std::process::ExitCode;
+
+use serde_json::{json, Value};
+
+use super::api::{enc, Api};
+use super::table::{col, render, Column};
+use super::{print_json, CliError, Conn, Format};
+
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum Ctl {
+    /// Adds a user (fails if it exists). Without PASSWORD, the first line of stdin is the
+    /// password, which keeps it out of the shell's history
+    #[command(name = "add_user", alias = "add-user")]
+    AddUser {
+        /// The user
+        username: String,
+        /// The new user's password [default: stdin's first line]
+        #[arg(id = "new_password", value_name = "PASSWORD")]
+        password: Option<String>,
+        /// Tags, comma-separated (administrator, monitoring, management, policymaker)
+        #[arg(long, value_delimiter = ',')]
+        tags: Vec<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Deletes a user, its permissions, and closes its connections
+    #[command(name = "delete_user", alias = "delete-user")]
+    DeleteUser {
+        /// The user
+        username: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Sets a user's password (without PASSWORD: the first line of stdin); tags are kept
+    #[command(name = "change_password", alias = "change-password")]
+    ChangePassword {
+        /// The user
+        username: String,
+        /// The new user's password [default: stdin's first line]
+        #[arg(id = "new_password", value_name = "PASSWORD")]
+        password: Option<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Replaces a user's tags (none: no tags); the password is kept
+    #[command(name = "set_user_tags", alias = "set-user-tags")]
+    SetUserTags {
+        /// The user
+        username: String,
+        /// The new tags (administrator, monitoring, management, policymaker)
+        tags: Vec<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Lists users and their tags
+    #[command(name = "list_users", alias = "list-users")]
+    ListUsers {
+        #[command(flatten)]
+        out: Out,
+    },
+    /// Adds a virtual host (its maker gets every permission in it, as through RabbitMQ's API)
+    #[command(name = "add_vhost", alias = "add-vhost")]
+    AddVhost {
+        /// The virtual host
+        vhost: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Deletes a virtual host with its queues, exchanges and permissions
+    #[command(name = "delete_vhost", alias = "delete-vhost")]
+    DeleteVhost {
+        /// The virtual host
+        vhost: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Lists virtual hosts
+    #[command(name = "list_vhosts", alias = "list-vhosts")]
+    ListVhosts {
+        #[command(flatten)]
+        out: Out,
+    },
+    /// Sets a user's configure, write and read regular expressions in a vhost ("" allows
+    /// nothing, ".*" everything)
+    #[command(name = "set_permissions", alias = "set-permissions")]
+    SetPermissions {
+        /// The user
+        username: String,
+        /// Resources it may declare and delete (a regular expression)
+        configure: String,
+        /// What it may publish to or bind to (write); for topics, routing keys it may publish with
+        write: String,
+        /// What it may consume, get, purge or bind from (read); for topics, keys it may bind with
+        read: String,
+        #[command(flatten)]
+        at: Vhost,
+    },
+    /// Removes a user's permissions in a vhost
+    #[command(name = "clear_permissions", alias = "clear-permissions")]
+    ClearPermissions {
+        /// The user
+        username: String,
+        #[command(flatten)]
+        at: Vhost,
+    },
+    /// Lists the permissions of every user in a vhost
+    #[command(name = "list_permissions", alias = "list-permissions")]
+    ListPermissions {
+        #[command(flatten)]
+        at: Vhost,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
+    /// Lists a user's permissions in every vhost
+    #[command(name = "list_user_permissions", alias = "list-user-permissions")]
+    ListUserPermissions {
+        /// The user
+        username: String,
+        #[command(flatten)]
+        out: Out,
+    },
+    /// Sets which routing keys a user may publish with (write) and bind with (read) on a
+    /// topic exchange
+    #[command(name = "set_topic_permissions", alias = "set-topic-permissions")]
+    SetTopicPermissions {
+        /// The user
+        username: String,
+        /// The topic exchange
+        exchange: String,
+        /// What it may publish to or bind to (write); for topics, routing keys it may publish with
+        write: String,
+        /// What it may consume, get, purge or bind from (read); for topics, keys it may bind with
+        read: String,
+        #[command(flatten)]
+        at: Vhost,
+    },
+    /// Removes a user's topic permissions in a vhost: on one exchange, or on all
+    #[command(name = "clear_topic_permissions", alias = "clear-topic-permissions")]
+    ClearTopicPermissions {
+        /// The user
+        username: String,
+        /// Only this exchange's [default: every exchange's]
+        exchange: Option<String>,
+        #[command(flatten)]
+        at: Vhost,
+    },
+    /// Lists the topic permissions of every user in a vhost
+    #[command(name = "list_topic_permissions", alias = "list-topic-permissions")]
+    ListTopicPermissions {
+        #[command(flatten)]
+        at: Vhost,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
+    /// Lists a user's topic permissions in every vhost
+    #[command(
+        name = "list_user_topic_permissions",
+        alias = "list-user-topic-permissions"
+    )]
+    ListUserTopicPermissions {
+        /// The user
+        username: String,
+        #[command(flatten)]
+        out: Out,
+    },
+}
+
+/// The API and a vhost given as rabbitmqctl gives it (`-p`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct Vhost {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// Virtual host
+    #[arg(short = 'p', long, default_value = "/")]
+    pub vhost: String,
+}
+
+/// The API and an output format, for the lists.
+#[derive(clap::Args, Debug, Clone)]
+pub struct Out {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// Output format: an aligned table, or the API's JSON
+    #[arg(long, value_enum, default_value_t)]
+    pub format: Format,
+}
+
+const USERS: &[Column] = &[col("user", "name"), col("tags", "tags")];
+const VHOSTS: &[Column] = &[col("name", "name")];
+const VHOST_PERMISSIONS: &[Column] = &[
+    col("user", "user"),
+    col("configure", "configure"),
+    col("write", "write"),
+    col("read", "read"),
+];
+const USER_PERMISSIONS: &[Column] = &[
+    col("vhost", "vhost"),
+    col("configure", "configure"),
+    col("write", "write"),
+    col("read", "read"),
+];
+const VHOST_TOPICS: &[Column] = &[
+    col("user", "user"),
+    col("exchange", "exchange"),
+    col("write", "write"),
+    col("read", "read"),
+];
+const USER_TOPICS: &[Column] = &[
+    col("vhost", "vhost"),
+    col("exchange", "exchange"),
+    col("write", "write"),
+    col("read", "read"),
+];
+
+pub fn name(c: &Ctl) -> &'static str {
+    match c {
+        Ctl::AddUser { .. } => "ctl add_user",
+        Ctl::DeleteUser { .. } => "ctl delete_user",
+        Ctl::ChangePassword { .. } => "ctl change_password",
+        Ctl::SetUserTags { .. } => "ctl set_user_tags",
+        Ctl::ListUsers { .. } => "ctl list_users",
+        Ctl::AddVhost { .. } => "ctl add_vhost",
+        Ctl::DeleteVhost { .. } => "ctl delete_vhost",
+        Ctl::ListVhosts { .. } => "ctl list_vhosts",
+        Ctl::SetPermissions { .. } => "ctl set_permissions",
+        Ctl::ClearPermissions { .. } => "ctl clear_permissions",
+        Ctl::ListPermissions { .. } => "ctl list_permissions",
+        Ctl::ListUserPermissions { .. } => "ctl list_user_permissions",
+        Ctl::SetTopicPermissions { .. } => "ctl set_topic_permissions",
+        Ctl::ClearTopicPermissions { .. } => "ctl clear_topic_permissions",
+        Ctl::ListTopicPermissions { .. } => "ctl list_topic_permissions",
+        Ctl::ListUserTopicPermissions { .. } => "ctl list_user_topic_permissions",
+    }
+}
+
+fn no_user(user: &str) -> String {
+    format!("user '{user}' does not exist (see `warren ctl list_users`)")
+}
+
+fn no_vhost(vhost: &str) -> String {
+    format!("vhost '{vhost}' does not exist (see `warren ctl list_vhosts`; pass -p)")
+}
+
+fn no_user_or_vhost(user: &str, vhost: &str) -> String {
+    format!("user '{user}' or vhost '{vhost}' does not exist (see `warren ctl list_users`, `list_vhosts`)")
+}
+
+/// The password given, else the first line of stdin (its line ending removed).
+fn password_or_stdin(given: &Option<String>) -> Result<String, CliError> {
+    if let Some(p) = given {
+        return Ok(p.clone());
+    }
+    let stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        eprint!("Password (one line, shown as typed): ");
+    }
+    let mut line = String::new();
+    stdin
+        .lock()
+        .read_line(&mut line)
+        .map_err(|e| CliError::Failed(format!("cannot read the password from stdin: {e}")))?;
+    let password = line.trim_end_matches(['\n', '\r']).to_owned();
+    if password.is_empty() {
+        return Err(CliError::Usage(
+            "no password: give it as an argument or on stdin's first line".into(),
+        ));
+    }
+    Ok(password)
+}
+
+/// A user as the API shows it (None: there is none).
+fn user(api: &Api, name: &str) -> Result<Option<Value>, CliError> {
+    match api.get(&format!("/users/{}", enc(name)), &no_user(name)) {
+        Ok(v) => Ok(Some(v)),
+        Err(CliError::NotFound(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn list(
+    api: &Api,
+    path: &str,
+    what: &str,
+    columns: &[Column],
+    format: Format,
+) -> Result<(), CliError> {
+    let items = match api.get(path, what)? {
+        Value::Array(items) => items,
+        other => {
+            return Err(CliError::Failed(format!(
+                "GET {path}: expected a list, got {other}"
+            )))
+        }
+    };
+    if format == Format::Json {
+        print_json(&Value::Array(items));
+    } else {
+        print!("{}", render(columns, &items));
+    }
+    Ok(())
+}
+
+pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
+    match c {
+        Ctl::AddUser {
+            username,
+            password,
+            tags,
+            conn,
+        } => {
+            let api = conn.api();
+            // As rabbitmqctl: adding never resets an existing user's password.
+            if user(&api, username)?.is_some() {
+                return Err(CliError::Failed(format!(
+                    "user '{username}' already exists (change_password or set_user_tags change it)"
+                )));
+            }
+            let password = password_or_stdin(password)?;
+            let path = format!("/users/{}", enc(username));
+            let body = json!({"password": password, "tags": tags.join(",")});
+            api.call("PUT", &path, Some(&body), &[], &no_user(username))?;
+            println!("added user '{username}'");
+        }
+        Ctl::DeleteUser { username, conn } => {
+            let path = format!("/users/{}", enc(username));
+            conn.api()
+                .call("DELETE", &path, None, &[], &no_user(username))?;
+            println!("deleted user '{username}'");
+        }
+        Ctl::ChangePassword {
+            username,
+            password,
+            conn,
+        } => {
+            let api = conn.api();
+            let u = user(&api, username)?.ok_or_else(|| CliError::NotFound(no_user(username)))?;
+            let password = password_or_stdin(password)?;
+            let body =
+                json!({"password": password, "tags": u.get("tags").cloned().unwrap_or(json!(""))});
+            let path = format!("/users/{}", enc(username));
+            api.call("PUT", &path, Some(&body), &[], &no_user(username))?;
+            println!("changed the password of user '{username}'");
+        }
+        Ctl::SetUserTags {
+            username,
+            tags,
+            conn,
+        } => {
+            let api = conn.api();
+            let u = user(&api, username)?.ok_or_else(|| CliError::NotFound(no_user(username)))?;
+            // A PUT replaces the user: its hash goes back as it came, or the password would
+            // be lost.
+            let body = json!({
+                "password_hash": u.get("password_hash").cloned().unwrap_or(json!("")),
+                "hashing_algorithm": u.get("hashing_algorithm").cloned()
+                    .unwrap_or(json!("rabbit_password_hashing_sha256")),
+                "tags": tags.join(","),
+            });
+            let path = format!("/users/{}", enc(username));
+            api.call("PUT", &path, Some(&body), &[], &no_user(username))?;
+            println!("set the tags of user '{username}' to [{}]", tags.join(","));
+        }
+        Ctl::ListUsers { out } => list(&out.conn.api(), "/users", "users", USERS, out.format)?,
+        Ctl::AddVhost { vhost, conn } => {
+            let path = format!("/vhosts/{}", enc(vhost));
+            let r = conn.api().call("PUT", &path, None, &[], &no_vhost(vhost))?;
+            if r.status == 201 {
+                println!("added vhost '{vhost}'");
+            } else {
+                println!("vhost '{vhost}' already exists, unchanged");
+            }
+        }
+        Ctl::DeleteVhost { vhost, conn } => {
+            let path = format!("/vhosts/{}", enc(vhost));
+            conn.api()
+                .call("DELETE", &path, None, &[], &no_vhost(vhost))?;
+            println!("deleted vhost '{vhost}'");
+        }
+        Ctl::ListVhosts { out } => list(&out.conn.api(), "/vhosts", "vhosts", VHOSTS, out.format)?,
+        Ctl::SetPermissions {
+            username,
+            configure,
+            write,
+            read,
+            at,
+        } => {
+            let path = format!("/permissions/{}/{}", enc(&at.vhost), enc(username));
+            let body = json!({"configure": configure, "write": write, "read": read});
+            at.conn.api().call(
+                "PUT",
+                &path,
+                Some(&body),
+                &[],
+                &no_user_or_vhost(username, &at.vhost),
+            )?;
+            println!(
+                "set permissions of user '{username}' in vhost '{}': configure '{configure}', write '{write}', read '{read}'",
+                at.vhost
+            );
+        }
+        Ctl::ClearPermissions { username, at } => {
+            let path = format!("/permissions/{}/{}", enc(&at.vhost), enc(username));
+            let none = format!(
+                "user '{username}' has no permissions in vhost '{}' (see `warren ctl list_permissions -p {}`)",
+                at.vhost, at.vhost
+            );
+            at.conn.api().call("DELETE", &path, None, &[], &none)?;
+            println!(
+                "cleared permissions of user '{username}' in vhost '{}'",
+                at.vhost
+            );
+        }
+        Ctl::ListPermissions { at, format } => list(
+            &at.conn.api(),
+            &format!("/vhosts/{}/permissions", enc(&at.vhost)),
+            &no_vhost(&at.vhost),
+            VHOST_PERMISSIONS,
+            *format,
+        )?,
+        Ctl::ListUserPermissions { username, out } => list(
+            &out.conn.api(),
+            &format!("/users/{}/permissions", enc(username)),
+            &no_user(username),
+            USER_PERMISSIONS,
+            out.format,
+        )?,
+        Ctl::SetTopicPermissions {
+            username,
+            exchange,
+            write,
+            read,
+            at,
+        } => {
+            let path = format!("/topic-permissions/{}/{}", enc(&at.vhost), enc(username));
+            let body = json!({"exchange": exchange, "write": write, "read": read});
+            at.conn.api().call(
+                "PUT",
+                &path,
+                Some(&body),
+                &[],
+                &no_user_or_vhost(username, &at.vhost),
+            )?;
+            println!(
+                "set topic permissions of user '{username}' on exchange '{exchange}' in vhost '{}': write '{write}', read '{read}'",
+                at.vhost
+            );
+        }
+        Ctl::ClearTopicPermissions {
+            username,
+            exchange,
+            at,
+        } => clear_topic_permissions(&at.conn.api(), username, exchange.as_deref(), &at.vhost)?,
+        Ctl::ListTopicPermissions { at, format } => list(
+            &at.conn.api(),
+            &format!("/vhosts/{}/topic-permissions", enc(&at.vhost)),
+            &no_vhost(&at.vhost),
+            VHOST_TOPICS,
+            *format,
+        )?,
+        Ctl::ListUserTopicPermissions { username, out } => list(
+            &out.conn.api(),
+            &format!("/users/{}/topic-permissions", enc(username)),
+            &no_user(username),
+            USER_TOPICS,
+            out.format,
+        )?,
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The API deletes a user's topic permissions of a vhost all at once (RabbitMQ ignores an
+/// exchange there): clearing one exchange's deletes them all and puts the others back.
+fn clear_topic_permissions(
+    api: &Api,
+    user: &str,
+    exchange: Option<&str>,
+    vhost: &str,
+) -> Result<(), CliError> {
+    let path = format!("/topic-permissions/{}/{}", enc(vhost), enc(user));
+    let none = format!("user '{user}' has no topic permissions in vhost '{vhost}'");
+    let keep: Vec<Value> = match exchange {
+        None => Vec::new(),
+        Some(x) => {
+            let all = api.get(
+                &format!("/users/{}/topic-permissions", enc(user)),
+                &no_user(user),
+            )?;
+            let mine: Vec<Value> = all
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|t| t.get("vhost").and_then(Value::as_str) == Some(vhost))
+                .cloned()
+                .collect();
+            if !mine
+                .iter()
+                .any(|t| t.get("exchange").and_then(Value::as_str) == Some(x))
+            {
+                return Err(CliError::NotFound(format!(
+                    "user '{user}' has no topic permissions on exchange '{x}' in vhost '{vhost}'"
+                )));
+            }
+            mine.into_iter()
+                .filter(|t| t.get("exchange").and_then(Value::as_str) != Some(x))
+                .collect()
+        }
+    };
+    api.call("DELETE", &path, None, &[], &none)?;
+    for t in &keep {
+        let body =
+            json!({"exchange": t.get("exchange"), "write": t.get("write"), "read": t.get("read")});
+        api.call(
+            "PUT",
+            &path,
+            Some(&body),
+            &[],
+            &no_user_or_vhost(user, vhost),
+        )?;
+    }
+    match exchange {
+        Some(x) => println!(
+            "cleared topic permissions of user '{user}' on exchange '{x}' in vhost '{vhost}'"
+        ),
+        None => println!("cleared topic permissions of user '{user}' in vhost '{vhost}'"),
+    }
+    Ok(())
+}
