@@ -279,6 +279,14 @@ impl Raw {
         .await;
     }
 
+    /// The socket as a non-blocking std stream, for tests that go on byte by byte outside the
+    /// runtime (slow clients). Frames already read and not taken are dropped.
+    pub fn into_std(self) -> std::net::TcpStream {
+        self.stream
+            .into_std()
+            .unwrap_or_else(|e| panic!("cannot take the socket out of the runtime: {e}"))
+    }
+
     // ----- sending -----
 
     pub async fn send_bytes(&mut self, bytes: &[u8]) {

@@ -405,7 +405,7 @@ pub async fn serve(
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
                 let shared = shared.clone();
                 let frame_max = config.frame_max;
-                let limits = (handshake_timeout, recovered_rx.clone());
+                let limits = (HandshakeClock::start(handshake_timeout), recovered_rx.clone());
                 tokio::spawn(async move {
                     connection(stream, peer, conn, shared, frame_max, limits).await;
                 });
@@ -423,7 +423,7 @@ pub async fn serve(
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
                 let shared = shared.clone();
                 let frame_max = config.frame_max;
-                let limits = (handshake_timeout, recovered_rx.clone());
+                let limits = (HandshakeClock::start(handshake_timeout), recovered_rx.clone());
                 let tls = tls.clone();
                 tokio::spawn(async move {
                     tls_connection(stream, peer, tls, conn, shared, frame_max, limits).await;
@@ -597,13 +597,45 @@ impl WriteSide {
     }
 }
 
+/// When a connection was accepted and how long it has to finish the handshake. One clock runs
+/// from the accept through the TLS handshake, the protocol header and the AMQP handshake (as
+/// RabbitMQ's `handshake_timeout`): a client dribbling each part just under its own limit would
+/// otherwise hold the connection for several timeouts.
+#[derive(Clone, Copy)]
+struct HandshakeClock {
+    accepted: Instant,
+    timeout: Duration,
+}
+
+impl HandshakeClock {
+    fn start(timeout: Duration) -> Self {
+        HandshakeClock {
+            accepted: Instant::now(),
+            timeout,
+        }
+    }
+
+    /// `fut`'s output, or None if the handshake time runs out first.
+    async fn within<F: std::future::Future>(&self, fut: F) -> Option<F::Output> {
+        match self.accepted.checked_add(self.timeout) {
+            Some(at) => tokio::time::timeout_at(at.into(), fut).await.ok(),
+            // A timeout too far to represent: none.
+            None => Some(fut.await),
+        }
+    }
+
+    fn elapsed_ms(&self) -> u64 {
+        u64::try_from(self.accepted.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+}
+
 async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: u32,
-    limits: (Duration, watch::Receiver<bool>),
+    limits: (HandshakeClock, watch::Receiver<bool>),
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
@@ -632,19 +664,19 @@ async fn tls_connection(
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: u32,
-    limits: (Duration, watch::Receiver<bool>),
+    limits: (HandshakeClock, watch::Receiver<bool>),
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(conn, error = %e, "set_nodelay failed");
     }
     let local = stream.local_addr().ok();
-    let stream = match tokio::time::timeout(limits.0, tls.amqp_acceptor().accept(stream)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
+    let stream = match limits.0.within(tls.amqp_acceptor().accept(stream)).await {
+        Some(Ok(s)) => s,
+        Some(Err(e)) => {
             tracing::info!(conn, %peer, error = %e, "TLS handshake failed");
             return;
         }
-        Err(_) => {
+        None => {
             tracing::info!(conn, %peer, "TLS handshake timed out");
             return;
         }
@@ -671,11 +703,11 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
     conn: ConnId,
     shared: Arc<Shared>,
     frame_max: u32,
-    (handshake_timeout, recovered): (Duration, watch::Receiver<bool>),
+    (handshake, recovered): (HandshakeClock, watch::Receiver<bool>),
 ) {
-    match tokio::time::timeout(handshake_timeout, read_protocol_header(&mut rd)).await {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) => {
+    match handshake.within(read_protocol_header(&mut rd)).await {
+        Some(Ok(true)) => {}
+        Some(Ok(false)) => {
             // The spec: answer a header we don't speak with the one we do, then close.
             let _ = wr.write(PROTOCOL_HEADER).await;
             wr.finish().await;
@@ -703,7 +735,9 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
                 pause,
             },
         );
-        core.node.connection_opened_as(conn, Some(peer), tls, now);
+        // The node's handshake timer counts from the accept, not from the header.
+        let opened = now.saturating_sub(handshake.elapsed_ms());
+        core.node.connection_opened_as(conn, Some(peer), tls, opened);
         if let Some(local) = local {
             core.node.set_local_addr(conn, local);
         }

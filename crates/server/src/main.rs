@@ -99,6 +99,26 @@ fn replay_commands(path: &std::path::Path) -> ExitCode {
     }
 }
 
+/// Connections the kernel completes and holds until they are accepted (the kernel caps it at
+/// `net.core.somaxconn`). With the usual 128 a burst of connects (clients reconnecting after a
+/// restart, or a flood of idle ones) overflows it, and each connect past it waits for a SYN
+/// retransmit, a second or more; RabbitMQ's networking guide advises raising its 128 to 4096
+/// for such bursts. Entries cost the kernel little, and the handshake timeout bounds what each
+/// accepted connection may hold.
+const LISTEN_BACKLOG: u32 = 4096;
+
+fn bind_listener(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    // As std's and tokio's own bind: a restart can listen while old connections linger in TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Listens on `port`, or says which flag moves it.
 async fn listen(
     config: &Config,
@@ -106,7 +126,7 @@ async fn listen(
     what: &str,
     flag: &str,
 ) -> std::io::Result<TcpListener> {
-    TcpListener::bind((config.bind, port)).await.map_err(|e| {
+    bind_listener((config.bind, port).into()).map_err(|e| {
         let hint = match e.kind() {
             std::io::ErrorKind::AddrInUse => format!(
                 " (another program, a RabbitMQ perhaps, is listening there: pick another port with \
