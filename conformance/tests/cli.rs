@@ -816,3 +816,97 @@ fn ctl_manages_users_vhosts_and_permissions_under_rabbitmqctl_names() {
         missing.stderr
     );
 }
+
+/// `set_vhost_limits`, `set_user_limits` and their clear/list companions, under rabbitmqctl's
+/// names and JSON arguments.
+#[test]
+fn ctl_sets_vhost_and_user_limits_as_rabbitmqctl() {
+    let b = TestBroker::start();
+    let user = unique("ctl-lu");
+    let vhost = unique("ctl-lv");
+    warren_in(&b, &["ctl", "add_user", &user], "pw\n").ok();
+    warren(&b, &["ctl", "add_vhost", &vhost]).ok();
+
+    warren(
+        &b,
+        &[
+            "ctl",
+            "set_vhost_limits",
+            "-p",
+            &vhost,
+            r#"{"max-connections": 10, "max-queues": -1}"#,
+        ],
+    )
+    .ok();
+    let listed = warren(
+        &b,
+        &["ctl", "list_vhost_limits", "-p", &vhost, "--format", "json"],
+    )
+    .ok()
+    .json();
+    assert_eq!(
+        listed,
+        serde_json::json!([{"vhost": vhost, "value": {"max-connections": 10, "max-queues": -1}}])
+    );
+    let global = warren(&b, &["ctl", "list_vhost_limits", "--global"])
+        .ok()
+        .stdout;
+    assert!(
+        global
+            .lines()
+            .any(|l| l.starts_with(&vhost) && l.contains("max-connections")),
+        "{global}"
+    );
+    let bad = warren(
+        &b,
+        &[
+            "ctl",
+            "set_vhost_limits",
+            "-p",
+            &vhost,
+            r#"{"max-channels": 1}"#,
+        ],
+    );
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+    assert!(
+        bad.stderr.contains("unknown limit 'max-channels'"),
+        "{}",
+        bad.stderr
+    );
+    warren(&b, &["ctl", "clear_vhost_limits", "-p", &vhost]).ok();
+    let cleared = warren(
+        &b,
+        &["ctl", "list_vhost_limits", "-p", &vhost, "--format", "json"],
+    )
+    .ok()
+    .json();
+    assert_eq!(
+        cleared.as_array().map(|a| a
+            .iter()
+            .all(|e| e["value"].as_object().is_none_or(|o| o.is_empty()))),
+        Some(true),
+        "{cleared}"
+    );
+
+    warren(
+        &b,
+        &[
+            "ctl",
+            "set_user_limits",
+            &user,
+            r#"{"max-connections": 2, "max-channels": 20}"#,
+        ],
+    )
+    .ok();
+    warren(&b, &["ctl", "clear_user_limits", &user, "max-connections"]).ok();
+    let mine = warren(&b, &["ctl", "list_user_limits", &user, "--format", "json"])
+        .ok()
+        .json();
+    assert_eq!(
+        mine,
+        serde_json::json!([{"user": user, "value": {"max-channels": 20}}])
+    );
+    warren(&b, &["ctl", "clear_user_limits", &user, "all"]).ok();
+    warren(&b, &["ctl", "delete_user", &user]).ok();
+    warren(&b, &["ctl", "delete_vhost", &vhost]).ok();
+}

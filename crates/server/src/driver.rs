@@ -737,7 +737,8 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
         );
         // The node's handshake timer counts from the accept, not from the header.
         let opened = now.saturating_sub(handshake.elapsed_ms());
-        core.node.connection_opened_as(conn, Some(peer), tls, opened);
+        core.node
+            .connection_opened_as(conn, Some(peer), tls, opened);
         if let Some(local) = local {
             core.node.set_local_addr(conn, local);
         }

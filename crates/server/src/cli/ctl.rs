@@ -169,7 +169,66 @@ pub enum Ctl {
         #[command(flatten)]
         out: Out,
     },
+    /// Sets a vhost's limits from a JSON object, as rabbitmqctl takes it:
+    /// '{"max-connections": 100, "max-queues": 500}' (negative: no limit; 0: none allowed)
+    #[command(name = "set_vhost_limits", alias = "set-vhost-limits")]
+    SetVhostLimits {
+        /// The limits, a JSON object (max-connections, max-queues)
+        definition: String,
+        #[command(flatten)]
+        at: Vhost,
+    },
+    /// Clears every limit of a vhost
+    #[command(name = "clear_vhost_limits", alias = "clear-vhost-limits")]
+    ClearVhostLimits {
+        #[command(flatten)]
+        at: Vhost,
+    },
+    /// Lists a vhost's limits (--global: every vhost's)
+    #[command(name = "list_vhost_limits", alias = "list-vhost-limits")]
+    ListVhostLimits {
+        /// Every vhost's limits
+        #[arg(long)]
+        global: bool,
+        #[command(flatten)]
+        at: Vhost,
+        #[arg(long, value_enum, default_value_t)]
+        format: Format,
+    },
+    /// Sets a user's limits from a JSON object: '{"max-connections": 10, "max-channels": 100}'
+    #[command(name = "set_user_limits", alias = "set-user-limits")]
+    SetUserLimits {
+        /// The user
+        username: String,
+        /// The limits, a JSON object (max-connections, max-channels)
+        definition: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Clears one limit of a user (max-connections, max-channels), or all of them
+    #[command(name = "clear_user_limits", alias = "clear-user-limits")]
+    ClearUserLimits {
+        /// The user
+        username: String,
+        /// The limit, or `all`
+        limit: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Lists a user's limits, or every user's (rabbitmqctl's `--user NAME` is a plain argument
+    /// here: `--user` is the API login)
+    #[command(name = "list_user_limits", alias = "list-user-limits")]
+    ListUserLimits {
+        /// Only this user's
+        #[arg(id = "limits_of", value_name = "USERNAME")]
+        user: Option<String>,
+        #[command(flatten)]
+        out: Out,
+    },
 }
+
+const VHOST_LIMIT_NAMES: &[&str] = &["max-connections", "max-queues"];
+const USER_LIMIT_NAMES: &[&str] = &["max-connections", "max-channels"];
 
 /// The API and a vhost given as rabbitmqctl gives it (`-p`).
 #[derive(clap::Args, Debug, Clone)]
@@ -192,6 +251,8 @@ pub struct Out {
 }
 
 const USERS: &[Column] = &[col("user", "name"), col("tags", "tags")];
+const VHOST_LIMITS: &[Column] = &[col("vhost", "vhost"), col("limits", "value")];
+const USER_LIMITS: &[Column] = &[col("user", "user"), col("limits", "value")];
 const VHOSTS: &[Column] = &[col("name", "name")];
 const VHOST_PERMISSIONS: &[Column] = &[
     col("user", "user"),
@@ -236,7 +297,70 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::ClearTopicPermissions { .. } => "ctl clear_topic_permissions",
         Ctl::ListTopicPermissions { .. } => "ctl list_topic_permissions",
         Ctl::ListUserTopicPermissions { .. } => "ctl list_user_topic_permissions",
+        Ctl::SetVhostLimits { .. } => "ctl set_vhost_limits",
+        Ctl::ClearVhostLimits { .. } => "ctl clear_vhost_limits",
+        Ctl::ListVhostLimits { .. } => "ctl list_vhost_limits",
+        Ctl::SetUserLimits { .. } => "ctl set_user_limits",
+        Ctl::ClearUserLimits { .. } => "ctl clear_user_limits",
+        Ctl::ListUserLimits { .. } => "ctl list_user_limits",
     }
+}
+
+/// A limits definition as rabbitmqctl takes it: a JSON object of names to integers.
+fn limits_definition(text: &str, known: &[&str]) -> Result<Vec<(String, i64)>, CliError> {
+    let usage = |why: String| {
+        CliError::Usage(format!(
+            "{why}: give a JSON object such as '{{\"{}\": 10}}' (limits: {})",
+            known[0],
+            known.join(", ")
+        ))
+    };
+    let Ok(Value::Object(m)) = serde_json::from_str::<Value>(text) else {
+        return Err(usage(format!("'{text}' is not a JSON object")));
+    };
+    m.into_iter()
+        .map(|(name, v)| {
+            if !known.contains(&name.as_str()) {
+                return Err(usage(format!("unknown limit '{name}'")));
+            }
+            v.as_i64()
+                .map(|n| (name.clone(), n))
+                .ok_or_else(|| usage(format!("limit '{name}' must be an integer, not {v}")))
+        })
+        .collect()
+}
+
+/// PUTs each limit of a definition under `base` (`/vhost-limits/V` or `/user-limits/U`).
+fn put_limits(
+    api: &Api,
+    base: &str,
+    limits: &[(String, i64)],
+    missing: &str,
+) -> Result<(), CliError> {
+    for (name, value) in limits {
+        api.call(
+            "PUT",
+            &format!("{base}/{}", enc(name)),
+            Some(&json!({ "value": value })),
+            &[],
+            missing,
+        )?;
+    }
+    Ok(())
+}
+
+/// DELETEs each named limit under `base`.
+fn clear_limits(api: &Api, base: &str, names: &[&str], missing: &str) -> Result<(), CliError> {
+    for name in names {
+        api.call(
+            "DELETE",
+            &format!("{base}/{}", enc(name)),
+            None,
+            &[],
+            missing,
+        )?;
+    }
+    Ok(())
 }
 
 fn no_user(user: &str) -> String {
@@ -470,6 +594,72 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
             USER_TOPICS,
             out.format,
         )?,
+        Ctl::SetVhostLimits { definition, at } => {
+            let limits = limits_definition(definition, VHOST_LIMIT_NAMES)?;
+            let base = format!("/vhost-limits/{}", enc(&at.vhost));
+            put_limits(&at.conn.api(), &base, &limits, &no_vhost(&at.vhost))?;
+            println!("set limits of vhost '{}': {definition}", at.vhost);
+        }
+        Ctl::ClearVhostLimits { at } => {
+            let base = format!("/vhost-limits/{}", enc(&at.vhost));
+            clear_limits(
+                &at.conn.api(),
+                &base,
+                VHOST_LIMIT_NAMES,
+                &no_vhost(&at.vhost),
+            )?;
+            println!("cleared the limits of vhost '{}'", at.vhost);
+        }
+        Ctl::ListVhostLimits { global, at, format } => {
+            let path = if *global {
+                "/vhost-limits".to_owned()
+            } else {
+                format!("/vhost-limits/{}", enc(&at.vhost))
+            };
+            list(
+                &at.conn.api(),
+                &path,
+                &no_vhost(&at.vhost),
+                VHOST_LIMITS,
+                *format,
+            )?
+        }
+        Ctl::SetUserLimits {
+            username,
+            definition,
+            conn,
+        } => {
+            let limits = limits_definition(definition, USER_LIMIT_NAMES)?;
+            let base = format!("/user-limits/{}", enc(username));
+            put_limits(&conn.api(), &base, &limits, &no_user(username))?;
+            println!("set limits of user '{username}': {definition}");
+        }
+        Ctl::ClearUserLimits {
+            username,
+            limit,
+            conn,
+        } => {
+            let names: Vec<&str> = if limit == "all" {
+                USER_LIMIT_NAMES.to_vec()
+            } else if USER_LIMIT_NAMES.contains(&limit.as_str()) {
+                vec![limit.as_str()]
+            } else {
+                return Err(CliError::Usage(format!(
+                    "unknown limit '{limit}': give {} or all",
+                    USER_LIMIT_NAMES.join(", ")
+                )));
+            };
+            let base = format!("/user-limits/{}", enc(username));
+            clear_limits(&conn.api(), &base, &names, &no_user(username))?;
+            println!("cleared {limit} of user '{username}'");
+        }
+        Ctl::ListUserLimits { user, out } => {
+            let (path, missing) = match user {
+                Some(u) => (format!("/user-limits/{}", enc(u)), no_user(u)),
+                None => ("/user-limits".to_owned(), "user limits".to_owned()),
+            };
+            list(&out.conn.api(), &path, &missing, USER_LIMITS, out.format)?
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -246,6 +246,15 @@ mod tests {
         Cli::try_parse_from(std::iter::once("warren").chain(args.iter().copied())).map(|c| c.cmd)
     }
 
+    /// clap checks a command's definition (unique argument names...) only when it is built:
+    /// this builds every subcommand, so a clash fails here rather than at a user's prompt.
+    #[test]
+    fn every_subcommand_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        crate::config::Args::command().debug_assert();
+    }
+
     #[test]
     fn common_flags_have_rabbitmq_defaults() {
         let Ok(Command::Purge { queue, at }) = parse(&["purge", "jobs"]) else {
