@@ -505,9 +505,19 @@ pub async fn connect_url(url: &str) -> Connection {
 
 /// Awaits `fut`, failing the test with `what` after [`WAIT`].
 pub async fn within<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
-    match tokio::time::timeout(WAIT, fut).await {
+    within_for(WAIT, what, fut).await
+}
+
+/// [`within`] with a deadline of its own, for a step whose length is set by a volume of data
+/// (and so by how busy the machine is), not by a protocol timer.
+pub async fn within_for<T>(
+    limit: Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = T>,
+) -> T {
+    match tokio::time::timeout(limit, fut).await {
         Ok(v) => v,
-        Err(_) => panic!("timed out after {WAIT:?} waiting for {what}"),
+        Err(_) => panic!("timed out after {limit:?} waiting for {what}"),
     }
 }
 
