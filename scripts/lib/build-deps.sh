@@ -3,9 +3,18 @@
 
 have_root_apt() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
 
+# bindgen loads libclang's C API: libclang.so[.N] or libclang-N.so[.N] (Debian's libclang1-N package).
+# libclang-cpp.so.N (the C++ API, which some machines have without the C one) does not do.
 have_libclang() {
     [ -n "${LIBCLANG_PATH:-}" ] && return 0
-    ls /usr/lib/llvm-*/lib/libclang*.so* /usr/lib/*/libclang*.so* >/dev/null 2>&1 && command -v c++ >/dev/null 2>&1
+    command -v c++ >/dev/null 2>&1 || return 1
+    local lib
+    for lib in /usr/lib/llvm-*/lib/libclang* /usr/lib/*/libclang* /usr/lib/libclang*; do
+        case "${lib##*/}" in
+        libclang.so | libclang.so.* | libclang-[0-9]*.so | libclang-[0-9]*.so.*) return 0 ;;
+        esac
+    done
+    return 1
 }
 
 install_build_deps() {
