@@ -1252,14 +1252,22 @@ async fn close_connection(
     no_content()
 }
 
-/// A user's connections, for `/api/connections/username/{user}`: that user itself or an
-/// administrator may ask (RabbitMQ's `is_authorized_user`).
+/// A user's connections, for `/api/connections/username/{user}`: that user itself may list
+/// and close them, a monitoring user list them (as RabbitMQ 3.10.8 answers), an
+/// administrator both.
 fn connections_of_user(
     api: &Api,
     who: &Login,
     user: &str,
+    close: bool,
 ) -> Result<Vec<warren_session::manage::ConnectionSnapshot>, ApiError> {
-    if who.name != user && who.level < Level::Administrator {
+    let allowed = who.name == user
+        || if close {
+            who.level == Level::Administrator
+        } else {
+            who.sees_all()
+        };
+    if !allowed {
         return Err(ApiError::not_allowed(
             "User not authorised to access object",
         ));
@@ -1279,7 +1287,7 @@ async fn user_connections(
     LoggedIn(who): LoggedIn,
     Path(user): Path<String>,
 ) -> Answer {
-    let conns = connections_of_user(&api, &who, &user)?;
+    let conns = connections_of_user(&api, &who, &user, false)?;
     ok(conns
         .iter()
         .map(|c| {
@@ -1302,7 +1310,7 @@ async fn close_user_connections(
     Path(user): Path<String>,
 ) -> Answer {
     let who = login(&api, &headers, peer)?;
-    let conns = connections_of_user(&api, &who, &user)?;
+    let conns = connections_of_user(&api, &who, &user, true)?;
     let reason = headers
         .get("x-reason")
         .and_then(|v| v.to_str().ok())
@@ -1369,13 +1377,20 @@ async fn one_channel(
     LoggedIn(who): LoggedIn,
     Path(name): Path<String>,
 ) -> Answer {
-    for c in visible_connections(&api, &who, None) {
+    let conns = api.node.read(|n, _| n.connection_snapshots());
+    for c in &conns {
         if let Some(ch) = c
             .channels
             .iter()
-            .find(|ch| objects::channel_name(&c, ch) == name)
+            .find(|ch| objects::channel_name(c, ch) == name)
         {
-            return ok(objects::channel(&c, ch, &api.node_name));
+            // Another user's channel exists for everyone, as in RabbitMQ: 401, not 404.
+            if c.user != who.name && !who.sees_all() {
+                return Err(ApiError::not_allowed(
+                    "User not authorised to access object",
+                ));
+            }
+            return ok(objects::channel(c, ch, &api.node_name));
         }
     }
     Err(ApiError::not_found())
