@@ -73,8 +73,11 @@ pub(crate) struct Connection {
     /// so unboxed channels would cost an idle one-channel connection kilobytes.
     pub channels: BTreeMap<u16, Box<Channel>>,
     pub caps: ClientCaps,
-    /// What the client said about itself in connection.start-ok (shown by the management API).
-    pub client_properties: warren_codec::FieldTable,
+    /// What the client said about itself in connection.start-ok (shown by the management API),
+    /// encoded as on the wire: the decoded table's strings are slices of the read buffer it
+    /// came in, and kept for the connection's life they would pin that buffer (4 KiB or more)
+    /// where this copy takes the few hundred bytes the client sent.
+    pub client_properties: Bytes,
     pub out: BytesMut,
     /// The socket is backed up: no deliveries until the driver says it drained.
     pub write_blocked: bool,
@@ -130,7 +133,7 @@ impl Connection {
             out_blocked: false,
             timer: None,
             caps: ClientCaps::default(),
-            client_properties: warren_codec::FieldTable::new(),
+            client_properties: Bytes::new(),
             out: BytesMut::new(),
             write_blocked: false,
             dirty: false,
@@ -246,7 +249,9 @@ impl Connection {
             }
             (State::AwaitStartOk, Method::ConnectionStartOk(ok)) => {
                 self.caps = client_caps(&ok.client_properties);
-                self.client_properties = ok.client_properties.clone();
+                let mut encoded = BytesMut::new();
+                ok.client_properties.encode(&mut encoded);
+                self.client_properties = Bytes::copy_from_slice(&encoded);
                 self.auth_mechanism = ok.mechanism.as_str().to_owned();
                 if ok.mechanism == auth::EXTERNAL {
                     // Offered only with a verified certificate; otherwise as unknown as any other.

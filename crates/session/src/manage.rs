@@ -83,7 +83,9 @@ impl Node {
                 channel_max: c.channel_max,
                 frame_max: c.frame_max,
                 heartbeat_secs: c.heartbeat_ms / 1000,
-                client_properties: c.client_properties.clone(),
+                // Encoded by the connection itself from a table it had decoded.
+                client_properties: FieldTable::decode(&mut c.client_properties.clone())
+                    .unwrap_or_default(),
                 blocked: c.paused,
                 tls: c.tls.as_deref().cloned(),
                 auth_mechanism: c.auth_mechanism.clone(),

@@ -320,6 +320,47 @@ fn handshake_advertises_rabbitmq_capabilities_and_defaults() {
     );
 }
 
+/// The management API shows what the client sent in start-ok, and keeping it does not keep
+/// the buffer it was read into: a decoded table's strings are slices of that buffer, which is
+/// kilobytes for a few hundred bytes of properties.
+#[test]
+fn client_properties_are_kept_without_pinning_the_read_buffer() {
+    let mut sent = client_properties();
+    sent.insert(
+        ShortStr::from("connection_name"),
+        FieldValue::long_str("orders-worker"),
+    );
+    let mut wire = BytesMut::new();
+    sent.encode(&mut wire);
+    wire.extend_from_slice(&[0u8; 4096]);
+    let read_buffer = wire.freeze();
+    let decoded = FieldTable::decode(&mut read_buffer.clone()).unwrap();
+    assert!(
+        !read_buffer.is_unique(),
+        "the decoded table refers to the buffer"
+    );
+
+    let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
+    assert!(matches!(c.recv_method(), Method::ConnectionStart(_)));
+    c.send(
+        0,
+        ConnectionStartOk {
+            client_properties: decoded,
+            mechanism: ShortStr::from("PLAIN"),
+            response: Bytes::from_static(b"\0guest\0guest"),
+            locale: ShortStr::from("en_US"),
+        },
+    );
+    assert!(matches!(c.recv_method(), Method::ConnectionTune(_)));
+    assert!(
+        read_buffer.is_unique(),
+        "the connection still holds the read buffer"
+    );
+    let snapshots = c.node.connection_snapshots();
+    assert_eq!(snapshots.len(), 1);
+    assert_eq!(snapshots[0].client_properties, sent);
+}
+
 #[test]
 fn wrong_password_is_refused_with_rabbitmq_text_and_the_socket_closes() {
     let mut c = Client::connect_from(SessionConfig::default(), "127.0.0.1:40000");
