@@ -910,3 +910,100 @@ fn ctl_sets_vhost_and_user_limits_as_rabbitmqctl() {
     warren(&b, &["ctl", "delete_user", &user]).ok();
     warren(&b, &["ctl", "delete_vhost", &vhost]).ok();
 }
+
+/// A password typed at a terminal is not echoed: `warren ctl add_user` without a password,
+/// on a pseudo-terminal that is its controlling terminal, turns the echo off before it reads
+/// the line, and the terminal shows the prompt but never the password.
+#[cfg(target_os = "linux")]
+#[test]
+fn ctl_does_not_echo_a_password_typed_at_a_terminal() {
+    use std::io::Read;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+    use warren_conformance::http::request;
+
+    let b = TestBroker::start();
+    let api = b.http_url().expect("management API on");
+    let user = unique("tty-u");
+    let (mut master, slave) = {
+        let (mut m, mut s) = (-1, -1);
+        // SAFETY: openpty writes two descriptors it opened into m and s; both are owned below.
+        let rc = unsafe {
+            libc::openpty(
+                &mut m,
+                &mut s,
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+        // SAFETY: m and s are open descriptors that nothing else owns.
+        unsafe { (std::fs::File::from_raw_fd(m), OwnedFd::from_raw_fd(s)) }
+    };
+    let mut cmd = Command::new(warren_binary());
+    cmd.args(["ctl", "add_user", &user, "--tags", "management"])
+        .env("WARREN_API", api)
+        .env_remove("WARREN_USER")
+        .env_remove("WARREN_PASSWORD")
+        .env_remove("WARREN_URL")
+        .stdin(Stdio::from(slave.try_clone().expect("dup")))
+        .stdout(Stdio::from(slave.try_clone().expect("dup")))
+        .stderr(Stdio::from(slave));
+    // SAFETY: only async-signal-safe calls between fork and exec. The child leads a new
+    // session whose controlling terminal is the pseudo-terminal, so it can open /dev/tty.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("run warren on a terminal");
+    drop(cmd);
+
+    // Type only once the echo is off, as a person would after the prompt.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        // SAFETY: a zeroed termios is a valid buffer for tcgetattr to fill.
+        let mut t: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: master is an open terminal descriptor and t a valid termios.
+        assert_eq!(unsafe { libc::tcgetattr(master.as_raw_fd(), &mut t) }, 0);
+        if t.c_lflag & libc::ECHO == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("warren ctl add_user read the password with the terminal's echo on");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    master.write_all(b"typed secret\n").expect("type");
+    let status = child.wait().expect("warren exits");
+    let mut shown = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Once the child is gone, reading the master gives what it wrote, then EIO.
+    while let Ok(n) = master.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        shown.extend_from_slice(&buf[..n]);
+    }
+    let shown = String::from_utf8_lossy(&shown);
+    assert!(status.success(), "{status}: {shown}");
+    assert!(shown.contains("Password:"), "{shown}");
+    assert!(shown.contains(&format!("added user '{user}'")), "{shown}");
+    assert!(
+        !shown.contains("typed secret"),
+        "the password was echoed: {shown}"
+    );
+    let login = request(
+        "GET",
+        &format!("{api}/api/whoami"),
+        Some((&user, "typed secret")),
+        &[],
+        None,
+    );
+    assert_eq!(login.status, 200, "the typed password is the user's");
+}

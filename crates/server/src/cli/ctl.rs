@@ -375,20 +375,24 @@ fn no_user_or_vhost(user: &str, vhost: &str) -> String {
     format!("user '{user}' or vhost '{vhost}' does not exist (see `warren ctl list_users`, `list_vhosts`)")
 }
 
-/// The password given, else the first line of stdin (its line ending removed).
+/// The password given, else the first line of stdin (its line ending removed); typed at a
+/// terminal, it is not echoed.
 fn password_or_stdin(given: &Option<String>) -> Result<String, CliError> {
     if let Some(p) = given {
         return Ok(p.clone());
     }
     let stdin = std::io::stdin();
-    if stdin.is_terminal() {
-        eprint!("Password (one line, shown as typed): ");
-    }
-    let mut line = String::new();
-    stdin
-        .lock()
-        .read_line(&mut line)
-        .map_err(|e| CliError::Failed(format!("cannot read the password from stdin: {e}")))?;
+    let line = if stdin.is_terminal() {
+        rpassword::prompt_password("Password: ")
+            .map_err(|e| CliError::Failed(format!("cannot read the password: {e}")))?
+    } else {
+        let mut line = String::new();
+        stdin
+            .lock()
+            .read_line(&mut line)
+            .map_err(|e| CliError::Failed(format!("cannot read the password from stdin: {e}")))?;
+        line
+    };
     let password = line.trim_end_matches(['\n', '\r']).to_owned();
     if password.is_empty() {
         return Err(CliError::Usage(
