@@ -232,6 +232,18 @@ impl Login {
         self.level >= Level::Monitoring
     }
 
+    /// May read (or, with `close`, close) a connection of `owner`, or its channels: its own
+    /// always; anyone's, reading as a monitoring user and closing as an administrator
+    /// (RabbitMQ's `is_authorized_user`).
+    pub fn may_reach(&self, owner: &str, close: bool) -> bool {
+        self.name == owner
+            || if close {
+                self.level == Level::Administrator
+            } else {
+                self.sees_all()
+            }
+    }
+
     /// RabbitMQ's `is_authorized_vhost`: administrators see every vhost, everyone else only
     /// those where they have a permission (monitoring users included, for queues, exchanges
     /// and bindings; their wider view of connections is [`Login::sees_all`]).

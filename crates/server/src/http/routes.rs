@@ -1157,7 +1157,7 @@ fn visible_connections(
     api.node
         .read(|n, _| n.connection_snapshots())
         .into_iter()
-        .filter(|c| who.sees_all() || c.user == who.name)
+        .filter(|c| who.may_reach(&c.user, false))
         .filter(|c| vhost.is_none_or(|v| v == c.vhost))
         .collect()
 }
@@ -1209,13 +1209,7 @@ fn find_connection(
         .into_iter()
         .find(|c| objects::connection_name(c) == name)
         .ok_or_else(ApiError::not_found)?;
-    let allowed = c.user == who.name
-        || if close {
-            who.level == Level::Administrator
-        } else {
-            who.sees_all()
-        };
-    if !allowed {
+    if !who.may_reach(&c.user, close) {
         return Err(ApiError::not_allowed(
             "User not authorised to access object",
         ));
@@ -1261,13 +1255,7 @@ fn connections_of_user(
     user: &str,
     close: bool,
 ) -> Result<Vec<warren_session::manage::ConnectionSnapshot>, ApiError> {
-    let allowed = who.name == user
-        || if close {
-            who.level == Level::Administrator
-        } else {
-            who.sees_all()
-        };
-    if !allowed {
+    if !who.may_reach(user, close) {
         return Err(ApiError::not_allowed(
             "User not authorised to access object",
         ));
@@ -1385,7 +1373,7 @@ async fn one_channel(
             .find(|ch| objects::channel_name(c, ch) == name)
         {
             // Another user's channel exists for everyone, as in RabbitMQ: 401, not 404.
-            if c.user != who.name && !who.sees_all() {
+            if !who.may_reach(&c.user, false) {
                 return Err(ApiError::not_allowed(
                     "User not authorised to access object",
                 ));
