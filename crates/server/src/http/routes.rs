@@ -1397,8 +1397,8 @@ fn list_consumers(api: &Api, who: &Login, vhost: Option<&str>) -> Answer {
         .iter()
         .filter_map(|k| {
             let conn = conns.iter().find(|c| c.id == k.conn);
-            let mine = conn.is_some_and(|c| c.user == who.name);
-            (who.sees_all() || mine).then(|| objects::consumer(k, conn, &api.node_name))
+            conn.map_or(who.sees_all(), |c| who.may_reach(&c.user, false))
+                .then(|| objects::consumer(k, conn, &api.node_name))
         })
         .collect())
 }
