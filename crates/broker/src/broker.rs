@@ -706,6 +706,37 @@ impl Broker {
                 .is_some_and(|vh| vh.exchanges.contains_key(name))
     }
 
+    /// Whether a publish to `exchange` would be accepted, with [`Broker::publish`]'s errors
+    /// (404 no exchange, 403 internal exchange), without routing anything: a transaction
+    /// checks each publish as it comes, as RabbitMQ does, and routes them at commit.
+    pub fn check_publish(&self, vhost: &str, exchange: &str) -> Result<(), AmqpError> {
+        let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
+        if exchange.is_empty() {
+            return Ok(());
+        }
+        match vh.exchanges.get(exchange) {
+            None => Err(no_exchange(exchange, vhost)),
+            Some(x) if x.internal => Err(AmqpError::access_refused(format!(
+                "cannot publish to internal {}",
+                rs("exchange", exchange, vhost)
+            ))),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// A message its queue already handed out and forgot (no-ack) that could not be sent
+    /// after all: back in `queue`, at its tail. Not a new publish: no dedup window, no delay.
+    pub fn put_back(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        message: Message,
+    ) -> Result<Routed, AmqpError> {
+        let routed = self.publish_to(vhost, "", queue, message, None, true);
+        self.dead_letter_pending();
+        routed
+    }
+
     // ---------------------------------------------------------------- queues
 
     pub fn declare_queue(

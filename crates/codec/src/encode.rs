@@ -64,6 +64,19 @@ fn body_chunk(frame_max: u32, body_len: usize) -> usize {
     max.min(body_len.max(1))
 }
 
+/// The size of the content header frame that carries `properties_len` bytes of properties,
+/// overhead included. A header is never split: unlike a body, it must fit one frame.
+pub fn content_header_frame_len(properties_len: usize) -> usize {
+    FRAME_OVERHEAD + CONTENT_HEADER_FIXED_LEN + properties_len
+}
+
+/// Whether a frame of `frame_len` bytes, overhead included, may be sent to a peer that
+/// negotiated `frame_max` (0 = no limit). The encoders here do not check content headers:
+/// callers do, since a client that gets a larger frame closes its connection.
+pub fn frame_fits(frame_len: usize, frame_max: u32) -> bool {
+    frame_max == 0 || frame_len <= frame_max as usize
+}
+
 /// Bytes that [`encode_content`] writes.
 fn content_len(properties: &[u8], body: &[u8], frame_max: u32) -> usize {
     let chunk = body_chunk(frame_max, body.len());

@@ -39,8 +39,8 @@ mod proptests;
 mod testing;
 
 pub use encode::{
-    encode_ack, encode_content, encode_deliver, encode_get_ok, encode_heartbeat, encode_method,
-    encode_nack, encode_return,
+    content_header_frame_len, encode_ack, encode_content, encode_deliver, encode_get_ok,
+    encode_heartbeat, encode_method, encode_nack, encode_return, frame_fits,
 };
 pub use error::{CodecError, DecodeError, MAX_TABLE_DEPTH};
 pub use frame::{

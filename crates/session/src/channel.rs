@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use bytes::{Bytes, BytesMut};
 use warren_broker::queue::args::QueueType;
 use warren_broker::{
-    Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Message, QueueId,
-    Receipt,
+    Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Delivery, Message,
+    QueueId, Receipt,
 };
 use warren_codec::{
     encode_ack, encode_get_ok, encode_nack, encode_return, properties, AmqpError, BasicPublish,
@@ -20,6 +20,7 @@ use warren_codec::{
 };
 
 use crate::config::SessionConfig;
+use crate::fit::{self, Fit};
 use crate::latency::ConfirmLatency;
 use crate::out::send;
 use warren_broker::access::{Perm, Resource};
@@ -218,14 +219,12 @@ enum TxOp {
         mandatory: bool,
         message: Box<Message>,
     },
-    Ack {
-        tag: u64,
-        multiple: bool,
-    },
-    Reject {
-        tag: u64,
-        multiple: bool,
-        requeue: bool,
+    /// An ack, nack or reject: the deliveries it names leave the unacked map at once, as in
+    /// RabbitMQ (a second ack of one of them fails then, not halfway through the commit), and
+    /// go back to it on rollback. Until the commit they still count against the prefetch.
+    Settle {
+        how: Settle,
+        taken: Vec<(u64, Unacked)>,
     },
 }
 
@@ -250,6 +249,8 @@ pub(crate) struct Channel {
     /// tx.commit-ok replies waiting for the store write that holds the transaction's persistent
     /// messages (the batch numbers, in commit order).
     commit_waiting: VecDeque<u64>,
+    /// A store write a commit waited for failed: the channel is to be closed.
+    commit_failed: bool,
     tx: Option<Vec<TxOp>>,
     next_tag: u64,
     /// Ordered by delivery tag: a single ack is O(log n) in any order, a multiple ack splits.
@@ -294,6 +295,7 @@ impl Channel {
             confirm_waiting: VecDeque::new(),
             write_checked: None,
             commit_waiting: VecDeque::new(),
+            commit_failed: false,
             tx: None,
             next_tag: 1,
             unacked: BTreeMap::new(),
@@ -414,10 +416,17 @@ impl Channel {
         for (_, c) in std::mem::take(&mut self.consumers) {
             broker.cancel(c.queue, c.id);
         }
+        // Deliveries a transaction settled but did not commit are still the client's.
+        for op in self.tx.take().into_iter().flatten() {
+            if let TxOp::Settle { taken, .. } = op {
+                for (_, u) in taken {
+                    broker.release(u.queue, u.receipt);
+                }
+            }
+        }
         self.channel_unacked = 0;
         self.sent_credit = Some(Credit::default());
         self.content = Content::Idle;
-        self.tx = None;
         self.reply_consumer = None;
     }
 
@@ -534,6 +543,13 @@ impl Channel {
             persistent,
             store_key: None,
         };
+        if self.tx.is_some() {
+            // What the commit would refuse is refused now, as RabbitMQ does (its channel
+            // closes before the commit, and nothing of the transaction is applied).
+            ctx.broker
+                .check_publish(ctx.vhost, &publish.exchange)
+                .map_err(Fault::on_publish)?;
+        }
         if let Some(ops) = self.tx.as_mut() {
             ops.push(TxOp::Publish {
                 exchange: publish.exchange,
@@ -610,6 +626,12 @@ impl Channel {
         });
     }
 
+    /// A commit failed with its store write since last asked: the channel must be closed with
+    /// [`partial_tx`] (RabbitMQ's answer when a queue fails a transaction's message).
+    pub fn take_commit_failure(&mut self) -> Option<AmqpError> {
+        std::mem::take(&mut self.commit_failed).then(partial_tx)
+    }
+
     /// Publishes (or a tx.commit) wait for a store write.
     pub fn confirms_waiting(&self) -> bool {
         !self.confirm_waiting.is_empty() || !self.commit_waiting.is_empty()
@@ -646,7 +668,12 @@ impl Channel {
                 encode_nack(out, self.id, seq, false, false);
             }
         }
-        // A commit has no nack: after a failed write it waits for the retry that succeeds.
+        // A commit has no nack: a failed write fails the commits waiting for it (their
+        // messages may still reach the disk, as a nacked publish's may).
+        if !ok && self.commit_waiting.front().is_some_and(|&b| b <= upto) {
+            self.commit_waiting.clear();
+            self.commit_failed = true;
+        }
         while ok && self.commit_waiting.front().is_some_and(|&b| b <= upto) {
             self.commit_waiting.pop_front();
             send(out, self.id, TxCommitOk {});
@@ -681,6 +708,15 @@ impl Channel {
             .publish(ctx.vhost, exchange, routing_key, message, ctx.now)
             .map_err(Fault::on_publish)?;
         if routed.queues == 0 {
+            // The publisher's own header, but it may have sent it within RabbitMQ's few
+            // bytes of tolerance past frame_max: not sent back then.
+            let returned = returned.filter(|m| {
+                let fits = fit::fits(&m.properties, ctx.frame_max);
+                if !fits {
+                    tracing::warn!(conn = ctx.conn, channel = self.id, frame_max = ctx.frame_max, "an unroutable mandatory message's content header is larger than frame_max: dropped without basic.return");
+                }
+                fits
+            });
             if let Some(m) = returned {
                 encode_return(
                     ctx.out,
@@ -696,6 +732,22 @@ impl Channel {
             }
         }
         Ok((routed.batch, routed.rejected))
+    }
+
+    /// basic.get took a message whose content header this connection cannot take: it goes back
+    /// to its queue (to its tail if the get was no-ack, which made the queue forget it) and
+    /// the channel is closed with the error returned.
+    fn refuse_get(&mut self, d: Delivery, len: usize, ctx: &mut Ctx<'_>) -> AmqpError {
+        tracing::warn!(conn = ctx.conn, channel = self.id, queue = %d.queue_name, vhost = %ctx.vhost, header_len = len, frame_max = ctx.frame_max, "basic.get: the message's content header is larger than frame_max: not sent, the channel is closed");
+        let text = fit::too_large_text(&d.queue_name, ctx.vhost, len, ctx.frame_max);
+        if d.settled {
+            if let Err(e) = ctx.broker.put_back(ctx.vhost, &d.queue_name, d.message) {
+                tracing::error!(queue = %d.queue_name, vhost = %ctx.vhost, error = %e, "an unsendable basic.get message could not be put back in its queue");
+            }
+        } else {
+            ctx.broker.release(d.queue, d.receipt);
+        }
+        AmqpError::precondition_failed(text)
     }
 
     /// The publish asks for replies on this channel: its reply_to becomes the channel's own address.
@@ -936,6 +988,13 @@ impl Channel {
                     .map_err(fail)?
                 {
                     Some((d, remaining)) => {
+                        let smaller = match fit::fit(&d.message.properties, ctx.frame_max) {
+                            Fit::AsIs => None,
+                            Fit::Without(properties) => Some(properties),
+                            Fit::TooLarge(len) => {
+                                return Err(fail(self.refuse_get(d, len, ctx)));
+                            }
+                        };
                         let tag = self.next_tag;
                         self.next_tag += 1;
                         if !g.no_ack {
@@ -957,7 +1016,7 @@ impl Channel {
                             &d.message.exchange,
                             &d.message.routing_key,
                             remaining,
-                            &d.message.properties,
+                            smaller.as_ref().unwrap_or(&d.message.properties),
                             &d.message.body,
                             ctx.frame_max,
                         );
@@ -1202,57 +1261,23 @@ impl Channel {
                 Ok(())
             }
             Method::TxCommit(_) => {
-                let ops = self.tx.replace(Vec::new()).ok_or_else(|| {
+                let ops = self.tx.as_mut().map(std::mem::take).ok_or_else(|| {
                     fail(AmqpError::precondition_failed(
                         "channel is not transactional".to_string(),
                     ))
                 })?;
-                // The last store write the transaction's persistent messages are in.
-                let mut wait = None;
-                for op in ops {
-                    match op {
-                        TxOp::Publish {
-                            exchange,
-                            routing_key,
-                            mandatory,
-                            message,
-                        } => {
-                            let (batch, _) = self
-                                .route(&exchange, &routing_key, mandatory, *message, ctx)
-                                .map_err(|f| fail(f.error))?;
-                            wait = wait.max(batch);
-                        }
-                        TxOp::Ack { tag, multiple } => self
-                            .settle_now(tag, multiple, Settle::Ack, ctx)
-                            .map_err(fail)?,
-                        TxOp::Reject {
-                            tag,
-                            multiple,
-                            requeue,
-                        } => {
-                            let how = if requeue {
-                                Settle::Requeue
-                            } else {
-                                Settle::Discard
-                            };
-                            self.settle_now(tag, multiple, how, ctx).map_err(fail)?
-                        }
-                    }
-                }
-                // As a confirm does, commit-ok means the messages are on disk; a commit with
-                // nothing to write still waits behind an earlier one (replies keep their order).
-                match wait.or_else(|| self.commit_waiting.back().copied()) {
-                    Some(batch) => self.commit_waiting.push_back(batch),
-                    None => send(ctx.out, ch, TxCommitOk {}),
-                }
-                Ok(())
+                self.commit(ops, ctx).map_err(fail)
             }
             Method::TxRollback(_) => {
-                if self.tx.replace(Vec::new()).is_none() {
-                    self.tx = None;
+                let Some(ops) = self.tx.as_mut().map(std::mem::take) else {
                     return Err(fail(AmqpError::precondition_failed(
                         "channel is not transactional".to_string(),
                     )));
+                };
+                for op in ops {
+                    if let TxOp::Settle { taken, .. } = op {
+                        self.unacked.extend(taken);
+                    }
                 }
                 send(ctx.out, ch, TxRollbackOk {});
                 Ok(())
@@ -1287,21 +1312,10 @@ impl Channel {
         if self.tx.is_some() {
             // Validated now so an unknown tag fails at once, as RabbitMQ does.
             self.check_tag(tag, multiple)?;
-        }
-        if let Some(ops) = self.tx.as_mut() {
-            ops.push(match how {
-                Settle::Ack => TxOp::Ack { tag, multiple },
-                Settle::Requeue => TxOp::Reject {
-                    tag,
-                    multiple,
-                    requeue: true,
-                },
-                Settle::Discard => TxOp::Reject {
-                    tag,
-                    multiple,
-                    requeue: false,
-                },
-            });
+            let taken = self.take_unacked(tag, multiple);
+            if let Some(ops) = self.tx.as_mut() {
+                ops.push(TxOp::Settle { how, taken });
+            }
             return Ok(());
         }
         self.settle_now(tag, multiple, how, ctx)
@@ -1316,6 +1330,84 @@ impl Channel {
                 "unknown delivery tag {tag}"
             )))
         }
+    }
+
+    /// Takes the deliveries an ack of `tag` names out of the unacked map (`check_tag` first).
+    fn take_unacked(&mut self, tag: u64, multiple: bool) -> Vec<(u64, Unacked)> {
+        if !multiple {
+            return self
+                .unacked
+                .remove(&tag)
+                .map(|u| (tag, u))
+                .into_iter()
+                .collect();
+        }
+        let rest = match tag.checked_add(1) {
+            Some(next) if tag != 0 => self.unacked.split_off(&next),
+            _ => BTreeMap::new(),
+        };
+        std::mem::replace(&mut self.unacked, rest)
+            .into_iter()
+            .collect()
+    }
+
+    /// tx.commit: all of it or nothing of it. What could fail was checked as it came (the
+    /// exchanges, permissions and sizes of the publishes, the tags of the acks); what may
+    /// have changed since (an exchange deleted) is checked again before anything is applied.
+    /// A queue that refuses a message (reject-publish) cannot be foreseen: the rest is
+    /// applied and the commit fails, as in RabbitMQ ("partial tx completion").
+    fn commit(&mut self, ops: Vec<TxOp>, ctx: &mut Ctx<'_>) -> Result<(), AmqpError> {
+        let unfit = ops.iter().find_map(|op| match op {
+            TxOp::Publish { exchange, .. } => ctx.broker.check_publish(ctx.vhost, exchange).err(),
+            TxOp::Settle { .. } => None,
+        });
+        if let Some(e) = unfit {
+            // Put back, for the channel's close to return the deliveries it settled.
+            self.tx = Some(ops);
+            return Err(e);
+        }
+        // The last store write the transaction's persistent messages are in.
+        let mut wait = None;
+        let mut refused = false;
+        let mut ops = ops.into_iter();
+        while let Some(op) = ops.next() {
+            match op {
+                TxOp::Publish {
+                    exchange,
+                    routing_key,
+                    mandatory,
+                    message,
+                } => match self.route(&exchange, &routing_key, mandatory, *message, ctx) {
+                    Ok((batch, rejected)) => {
+                        wait = wait.max(batch);
+                        refused |= rejected;
+                    }
+                    Err(f) => {
+                        // Checked just above: not expected. The rest stays unapplied.
+                        self.tx = Some(ops.collect());
+                        return Err(f.error);
+                    }
+                },
+                TxOp::Settle { how, taken } => {
+                    for (_, u) in taken {
+                        self.settle_one(u, how, ctx);
+                    }
+                }
+            }
+        }
+        if self.channel_prefetch != 0 {
+            self.push_credit(ctx.conn, ctx.conn_blocked, ctx.broker);
+        }
+        if refused {
+            return Err(partial_tx());
+        }
+        // As a confirm does, commit-ok means the messages are on disk; a commit with
+        // nothing to write still waits behind an earlier one (replies keep their order).
+        match wait.or_else(|| self.commit_waiting.back().copied()) {
+            Some(batch) => self.commit_waiting.push_back(batch),
+            None => send(ctx.out, self.id, TxCommitOk {}),
+        }
+        Ok(())
     }
 
     fn settle_now(
@@ -1380,8 +1472,13 @@ impl Channel {
                 .find(|(_, u)| u.queue == queue && u.receipt == receipt && !u.timed_out)
                 .map(|(tag, _)| *tag),
         };
-        let Some(u) = tag.and_then(|t| self.unacked.get_mut(&t)) else {
-            return false;
+        let u = match tag.and_then(|t| self.unacked.get_mut(&t)) {
+            Some(u) => u,
+            // Settled in a transaction not committed yet: it stops counting all the same.
+            None => match held_mut(&mut self.tx, queue, receipt) {
+                Some(u) => u,
+                None => return false,
+            },
         };
         if u.timed_out {
             return false;
@@ -1419,6 +1516,22 @@ impl Channel {
     pub fn drop_consumer(&mut self, tag: &str) -> bool {
         self.consumers.remove(tag).is_some()
     }
+}
+
+/// A delivery a transaction settled and holds until its commit.
+fn held_mut(tx: &mut Option<Vec<TxOp>>, queue: QueueId, receipt: Receipt) -> Option<&mut Unacked> {
+    tx.iter_mut().flatten().find_map(|op| match op {
+        TxOp::Settle { taken, .. } => taken
+            .iter_mut()
+            .find(|(_, u)| u.queue == queue && u.receipt == receipt)
+            .map(|(_, u)| u),
+        TxOp::Publish { .. } => None,
+    })
+}
+
+/// RabbitMQ's error for a commit that was only partly applied.
+fn partial_tx() -> AmqpError {
+    AmqpError::precondition_failed("partial tx completion".to_string())
 }
 
 /// Sends a method's -ok unless the client asked for no-wait.

@@ -7,6 +7,7 @@ mod auth;
 mod channel;
 pub mod config;
 mod connection;
+mod fit;
 pub mod latency;
 pub mod manage;
 mod node;

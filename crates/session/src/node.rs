@@ -17,8 +17,50 @@ use warren_codec::{
 use crate::channel::{Channel, Ctx, DirectReply, Fault};
 use crate::config::SessionConfig;
 use crate::connection::{short_text, Connection, Next, State};
+use crate::fit::{self, Fit};
 use crate::latency::ConfirmLatency;
 use crate::out::send;
+
+/// tx.commit's class and method ids, for a commit that fails after its frame was handled.
+const TX_COMMIT: (u16, u16) = (90, 20);
+
+/// A delivery whose content header its consumer's connection cannot take (see [`fit`]).
+struct Oversized {
+    conn: ConnId,
+    channel: u16,
+    queue: QueueId,
+    queue_name: warren_codec::ShortStr,
+    receipt: Receipt,
+    /// The queue forgot it already (no-ack): it must be put back, not returned.
+    settled: bool,
+    message: warren_broker::Message,
+    header_len: usize,
+    frame_max: u32,
+}
+
+/// Closes a channel on the broker's own initiative, outside a frame of the channel: its
+/// unacked deliveries go back and its consumers are cancelled, as for any channel error.
+fn close_channel(
+    broker: &mut Broker,
+    out: &mut BytesMut,
+    ch: &mut Channel,
+    error: &AmqpError,
+    (class_id, method_id): (u16, u16),
+) {
+    ch.flush_confirms(out);
+    send(
+        out,
+        ch.id,
+        ChannelClose {
+            reply_code: error.code.code(),
+            reply_text: short_text(&error.reply_text()),
+            class_id,
+            method_id,
+        },
+    );
+    ch.closing = true;
+    ch.release_all(broker);
+}
 
 /// Output buffer capacity a connection keeps between batches.
 const OUT_BUFFER_KEEP: usize = 64 * 1024;
@@ -188,6 +230,10 @@ impl Node {
             };
             if ch.writes_done(upto, ok, now, &mut self.confirm_latency, &mut c.out) {
                 self.confirm_waiters.insert((conn, channel));
+            }
+            if let Some(error) = ch.take_commit_failure() {
+                tracing::warn!(conn, channel, "the store write of a committed transaction failed: the commit fails and its channel is closed");
+                close_channel(&mut self.broker, &mut c.out, ch, &error, TX_COMMIT);
             }
             c.confirms_pending = true;
             if !c.dirty {
@@ -518,6 +564,12 @@ impl Node {
                 continue;
             };
             if key != r.key || ch.closing {
+                continue;
+            }
+            if !fit::fits(&r.message.properties, frame_max) {
+                // Dropped as a reply to a consumer that is gone is (RabbitMQ drops those too):
+                // sent, it would cost the requester its connection.
+                tracing::warn!(conn = r.conn, channel = r.channel, frame_max, "a direct reply's content header is larger than its requester's frame_max: dropped");
                 continue;
             }
             let delivery_tag = ch.take_delivery_tag();
@@ -950,14 +1002,19 @@ impl Node {
         self.broker.advance_time(now);
         let mut deliveries = std::mem::take(&mut self.deliveries);
         let mut orphans: Vec<(QueueId, Receipt)> = Vec::new();
+        let mut oversized: Vec<Oversized> = Vec::new();
         let mut full: Vec<ConnId> = Vec::new();
         for _ in 0..self.broker.dirty_count() {
             if !self.broker.dispatch_one(&mut deliveries) {
                 break;
             }
             for d in deliveries.drain(..) {
-                if let Some(conn) = self.deliver(d, &mut orphans) {
+                if let Some(conn) = self.deliver(d, &mut orphans, &mut oversized) {
                     full.push(conn);
+                }
+                // At once: the channel's next deliveries in this batch find it closed.
+                for o in oversized.drain(..) {
+                    self.refuse_oversized(o);
                 }
             }
             for (queue, receipt) in orphans.drain(..) {
@@ -976,7 +1033,12 @@ impl Node {
     /// its buffer just passed the backlog limit, or the channel has a channel-wide prefetch
     /// (which each delivery uses up, and the channel's other queues must hear of before their
     /// own checkout).
-    fn deliver(&mut self, d: Delivery, orphans: &mut Vec<(QueueId, Receipt)>) -> Option<ConnId> {
+    fn deliver(
+        &mut self,
+        d: Delivery,
+        orphans: &mut Vec<(QueueId, Receipt)>,
+        oversized: &mut Vec<Oversized>,
+    ) -> Option<ConnId> {
         let (id, group, tag) = d.consumer?;
         let c = self.conns.get_mut(&group.conn);
         let ch = c.and_then(|c| {
@@ -1001,6 +1063,24 @@ impl Node {
                 return Some(group.conn);
             }
         };
+        let smaller = match fit::fit(&d.message.properties, frame_max) {
+            Fit::AsIs => None,
+            Fit::Without(properties) => Some(properties),
+            Fit::TooLarge(header_len) => {
+                oversized.push(Oversized {
+                    conn: group.conn,
+                    channel: group.channel,
+                    queue: d.queue,
+                    queue_name: d.queue_name,
+                    receipt: d.receipt,
+                    settled: d.settled,
+                    message: d.message,
+                    header_len,
+                    frame_max,
+                });
+                return None;
+            }
+        };
         let delivery_tag = ch.record_delivery(no_ack, d.queue, d.receipt, d.timed);
         encode_deliver(
             out,
@@ -1010,7 +1090,7 @@ impl Node {
             d.redelivered,
             &d.message.exchange,
             &d.message.routing_key,
-            &d.message.properties,
+            smaller.as_ref().unwrap_or(&d.message.properties),
             &d.message.body,
             frame_max,
         );
@@ -1023,6 +1103,36 @@ impl Node {
             return Some(group.conn);
         }
         (ch.channel_prefetch != 0 && !no_ack).then_some(group.conn)
+    }
+
+    /// A delivery its consumer's connection cannot take: the message stays in its queue (back
+    /// where it was, or at the tail for a no-ack consumer's, which the queue forgot) and the
+    /// consumer's channel is closed with 406, so that the queue does not offer it the message
+    /// again in a loop. The client hears why; the message waits for a connection with a larger
+    /// frame_max, the HTTP API, or a move.
+    fn refuse_oversized(&mut self, o: Oversized) {
+        let Some(c) = self.conns.get_mut(&o.conn) else {
+            return;
+        };
+        let vhost = c.vhost.clone();
+        let error = AmqpError::precondition_failed(fit::too_large_text(
+            &o.queue_name,
+            &vhost,
+            o.header_len,
+            o.frame_max,
+        ));
+        tracing::warn!(conn = o.conn, channel = o.channel, queue = %o.queue_name, vhost = %vhost, header_len = o.header_len, frame_max = o.frame_max, "a delivery's content header is larger than its consumer's frame_max: not sent, the consumer's channel is closed");
+        if let Some(ch) = c.channels.get_mut(&o.channel).filter(|ch| !ch.closing) {
+            close_channel(&mut self.broker, &mut c.out, ch, &error, (0, 0));
+        }
+        if o.settled {
+            if let Err(e) = self.broker.put_back(&vhost, &o.queue_name, o.message) {
+                tracing::error!(queue = %o.queue_name, vhost = %vhost, error = %e, "an unsendable no-ack delivery could not be put back in its queue");
+            }
+        } else {
+            self.broker.release(o.queue, o.receipt);
+        }
+        self.mark(o.conn);
     }
 
     /// Runs dispatch, then hands out everything each connection has to write, one buffer per connection.

@@ -1,6 +1,8 @@
 //! The node driven frame by frame with simulated time: no sockets, no sleeps.
 
+mod frame_max;
 mod props;
+mod tx;
 
 use bytes::{Bytes, BytesMut};
 use warren_broker::{Broker, BrokerConfig};
@@ -16,6 +18,8 @@ struct Client {
     decoder: FrameDecoder,
     closed: bool,
     received: Vec<Frame>,
+    /// The largest frame the node sent, overhead included.
+    largest_frame: usize,
 }
 
 impl Client {
@@ -34,6 +38,7 @@ impl Client {
             decoder: FrameDecoder::new(131_072),
             closed: false,
             received: Vec::new(),
+            largest_frame: 0,
         }
     }
 
@@ -57,6 +62,11 @@ impl Client {
     }
 
     fn open_with_broker(config: SessionConfig, broker: Broker) -> Client {
+        Client::open_tuned(config, broker, None)
+    }
+
+    /// Opened with the client's own frame_max in tune-ok (`None`: the server's).
+    fn open_tuned(config: SessionConfig, broker: Broker, frame_max: Option<u32>) -> Client {
         let mut c = Client::connect_with(config, "127.0.0.1:40000", broker);
         c.start_ok("guest", "guest");
         let tune = c.recv_method();
@@ -67,7 +77,7 @@ impl Client {
             0,
             ConnectionTuneOk {
                 channel_max: t.channel_max,
-                frame_max: t.frame_max,
+                frame_max: frame_max.unwrap_or(t.frame_max),
                 heartbeat: t.heartbeat,
             },
         );
@@ -169,6 +179,14 @@ impl Client {
         let mut out: Vec<Transmit> = Vec::new();
         self.node.poll_transmit(self.now, &mut out);
         for t in out {
+            // Frame by frame as written, whatever the decoder below would tolerate.
+            let mut rest = &t.bytes[..];
+            while rest.len() >= FRAME_HEADER_LEN {
+                let size = u32::from_be_bytes([rest[3], rest[4], rest[5], rest[6]]) as usize;
+                let len = (size + FRAME_OVERHEAD).min(rest.len());
+                self.largest_frame = self.largest_frame.max(len);
+                rest = &rest[len..];
+            }
             let mut buf = BytesMut::from(&t.bytes[..]);
             while let Some(f) = self.decoder.decode(&mut buf).unwrap() {
                 self.received.push(f);
@@ -1154,11 +1172,31 @@ fn tx_commit_ok_waits_for_the_write_of_its_persistent_messages() {
     c.send(1, TxCommit {});
     assert!(c.frames().is_empty(), "commit-ok before the write");
     let batch = c.node.take_writes().expect("a write");
-    // A failed write does not answer the commit: the store retries until it succeeds.
-    c.node.writes_done(batch.number, false, c.now);
-    assert!(c.frames().is_empty());
     c.node.writes_done(batch.number, true, c.now);
     assert!(matches!(c.recv_method(), Method::TxCommitOk(_)));
+}
+
+#[test]
+fn a_failed_write_fails_the_commit_waiting_for_it() {
+    let mut c = persistent_client();
+    c.send(1, TxSelect {});
+    assert!(matches!(c.recv_method(), Method::TxSelectOk(_)));
+    c.publish_props(1, "q", b"committed", persistent_props());
+    c.send(1, TxCommit {});
+    let batch = c.node.take_writes().expect("a write");
+    // No commit-ok for messages that may not be on disk, and no client left waiting while
+    // the disk is failing: the commit fails as RabbitMQ fails one a queue could not take.
+    c.node.writes_done(batch.number, false, c.now);
+    expect_channel_close(
+        c.recv_method(),
+        406,
+        "PRECONDITION_FAILED - partial tx completion",
+        90,
+        20,
+    );
+    // A retry that succeeds later does not answer the failed commit.
+    c.node.writes_done(batch.number, true, c.now);
+    assert!(c.frames().is_empty());
 }
 
 #[test]
