@@ -261,6 +261,132 @@ async fn lower_frame_max_is_used_for_outgoing_bodies() {
     assert!(d.body_frame_sizes.len() >= 5);
 }
 
+/// Property bytes (flags, then a headers table of one long string) whose content header
+/// frame is `frame_len` bytes, overhead included.
+fn property_bytes_for_header_frame(frame_len: usize) -> Vec<u8> {
+    // Frame overhead 8, class/weight/body size 12, flags 2, table length 4, then the entry:
+    // key (1 + 6), type (1), string length (4).
+    let n = frame_len - (8 + 12 + 2 + 4 + 7 + 1 + 4);
+    let mut p = vec![0x20, 0x00];
+    p.extend_from_slice(&(12 + n as u32).to_be_bytes());
+    p.push(6);
+    p.extend_from_slice(b"filler");
+    p.push(b'S');
+    p.extend_from_slice(&(n as u32).to_be_bytes());
+    p.extend(std::iter::repeat_n(b'f', n));
+    p
+}
+
+/// Opens a raw connection with frame_max 4096 and channel 1.
+async fn small_frames(broker: &TestBroker) -> Raw {
+    let mut raw = Raw::open_with(
+        broker.addr(),
+        Handshake {
+            frame_max: Some(4096),
+            ..Handshake::default()
+        },
+    )
+    .await;
+    raw.channel_open(1).await;
+    raw
+}
+
+fn header_frame_len(d: &raw::RawDelivery) -> usize {
+    8 + 12 + d.property_bytes.len()
+}
+
+fn delivery_tag(d: &raw::RawDelivery) -> u64 {
+    match &d.method {
+        AMQPClass::Basic(raw::protocol::basic::AMQPMethod::Deliver(m)) => m.delivery_tag,
+        other => panic!("{other:?}"),
+    }
+}
+
+// Warren-only: RabbitMQ adds x-delivery-count and sends the larger frame.
+#[tokio::test]
+async fn a_redelivery_near_frame_max_is_not_sent_in_a_larger_frame() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    let mut raw = small_frames(&broker).await;
+    let q = unique("hs-fm-qq");
+    let durable = raw::QueueFlags {
+        durable: true,
+        ..Default::default()
+    };
+    let args = m::table(&[("x-queue-type", AMQPValue::LongString("quorum".into()))]);
+    raw.call(1, m::queue_declare_args(&q, durable, args)).await;
+    raw.publish_with_property_bytes(1, "", &q, &property_bytes_for_header_frame(4086), b"m")
+        .await;
+    raw.call(1, m::basic_consume(&q, "c", false, false)).await;
+    let first = raw.recv_delivery().await;
+    assert_eq!(header_frame_len(&first), 4086);
+    raw.send(1, m::basic_nack(delivery_tag(&first), false, true))
+        .await;
+    let again = raw.recv_delivery().await;
+    assert!(
+        header_frame_len(&again) <= 4096,
+        "a content header frame of {} bytes for frame_max 4096",
+        header_frame_len(&again)
+    );
+    let headers = again.properties.headers().clone().unwrap_or_default();
+    assert!(headers.inner().contains_key("filler"));
+    raw.close().await;
+}
+
+// Warren-only: RabbitMQ sends the dead letter in a frame larger than frame_max.
+#[tokio::test]
+async fn a_dead_letter_too_large_for_a_consumer_stays_in_its_queue() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    let mut raw = small_frames(&broker).await;
+    let (work, dlq) = (unique("hs-fm-work"), unique("hs-fm-dlq"));
+    let args = m::table(&[
+        ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
+        (
+            "x-dead-letter-routing-key",
+            AMQPValue::LongString(dlq.as_str().into()),
+        ),
+    ]);
+    raw.call(1, m::queue_declare_args(&work, Default::default(), args))
+        .await;
+    raw.declare_queue(1, &dlq).await;
+    raw.publish_with_property_bytes(1, "", &work, &property_bytes_for_header_frame(4046), b"m")
+        .await;
+    raw.call(1, m::basic_consume(&work, "c", false, false))
+        .await;
+    let first = raw.recv_delivery().await;
+    raw.send(1, m::basic_reject(delivery_tag(&first), false))
+        .await;
+    raw.wait_ready(1, &dlq, 1).await;
+    // With x-death added the header no longer fits 4096: no delivery, the channel closes.
+    raw.channel_open(2).await;
+    raw.call(2, m::basic_consume(&dlq, "d", false, false)).await;
+    let close = raw.recv_channel_close(2).await;
+    assert_eq!(close.reply_code, 406);
+    assert!(
+        close
+            .reply_text
+            .as_str()
+            .contains("needs a content header frame of"),
+        "{}",
+        close.reply_text
+    );
+    raw.wait_ready(1, &dlq, 1).await;
+    raw.close().await;
+    // A connection with the default frame_max gets it, x-death and all.
+    let mut big = broker.raw().await;
+    big.channel_open(1).await;
+    let d = big.get(1, &dlq, false).await.expect("the dead letter");
+    assert!(header_frame_len(&d) > 4096);
+    let headers = d.properties.headers().clone().unwrap_or_default();
+    assert!(headers.inner().contains_key("x-death"));
+    big.close().await;
+}
+
 #[tokio::test]
 async fn lower_frame_max_is_enforced_on_incoming_frames() {
     let broker = TestBroker::start();
