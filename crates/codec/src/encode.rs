@@ -129,7 +129,8 @@ pub fn encode_content(
     write_content(out, channel, class_id, properties, body, frame_max);
 }
 
-/// basic.deliver method frame + header + body frames, without building a Method value.
+/// basic.deliver method frame + header + body frames, without building a Method value. The
+/// content header is one frame whatever its size: the caller checks it with [`frame_fits`].
 #[allow(clippy::too_many_arguments)]
 pub fn encode_deliver(
     out: &mut BytesMut,
