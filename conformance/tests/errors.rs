@@ -589,6 +589,43 @@ async fn basic_publish_to_missing_exchange_without_confirms_is_404() {
 }
 
 #[tokio::test]
+async fn basic_publish_in_another_users_name_is_406() {
+    let broker = TestBroker::start();
+    let mut raw = ch1(&broker).await;
+    let q = unique("ref");
+    raw.declare_queue(1, &q).await;
+    // RabbitMQ's validated user-id: guest may not publish as someone else.
+    raw.publish(
+        1,
+        "",
+        &q,
+        false,
+        AMQPProperties::default().with_user_id("someone-else".into()),
+        b"x",
+    )
+    .await;
+    raw.expect_channel_close(
+        1,
+        406,
+        "PRECONDITION_FAILED - user_id property set to 'someone-else' but authenticated user was 'guest'",
+        60,
+        40,
+    )
+    .await;
+    raw.channel_open(2).await;
+    raw.publish(
+        2,
+        "",
+        &q,
+        false,
+        AMQPProperties::default().with_user_id("guest".into()),
+        b"mine",
+    )
+    .await;
+    raw.wait_ready(2, &q, 1).await;
+}
+
+#[tokio::test]
 async fn basic_publish_with_invalid_expiration_is_406() {
     let broker = TestBroker::start();
     let mut raw = ch1(&broker).await;

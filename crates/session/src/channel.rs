@@ -529,6 +529,7 @@ impl Channel {
             }
             return Ok(());
         }
+        check_user_id(&header.properties, ctx).map_err(Fault::on_publish)?;
         check_expiration(&header.properties).map_err(Fault::on_publish)?;
         let persistent = properties::delivery_mode(&header.properties) == Some(2);
         let mut props = header.properties;
@@ -1539,6 +1540,27 @@ fn reply(out: &mut BytesMut, channel: u16, no_wait: bool, ok: impl Into<Method>)
     if !no_wait {
         send(out, channel, ok);
     }
+}
+
+/// RabbitMQ's validated user-id: a `user_id` property must name the connection's user, unless
+/// that user has the `impersonator` tag.
+fn check_user_id(props: &[u8], ctx: &Ctx<'_>) -> Result<(), AmqpError> {
+    let Some(claimed) = properties::user_id(props) else {
+        return Ok(());
+    };
+    let impersonator = || {
+        ctx.broker
+            .access()
+            .user(ctx.user)
+            .is_some_and(|u| u.tags.iter().any(|t| t == "impersonator"))
+    };
+    if claimed == ctx.user || impersonator() {
+        return Ok(());
+    }
+    Err(AmqpError::precondition_failed(format!(
+        "user_id property set to '{claimed}' but authenticated user was '{}'",
+        ctx.user
+    )))
 }
 
 /// RabbitMQ's rule for the expiration property: a non-negative integer of milliseconds, as text.

@@ -162,3 +162,37 @@ fn a_message_a_full_queue_refuses_fails_the_commit() {
     );
     assert_eq!((c.ready("q"), c.ready("full")), (1, 1));
 }
+
+#[test]
+fn a_publish_in_another_users_name_is_refused_at_once() {
+    let mut c = Client::open();
+    c.channel(1);
+    c.declare(1, "q");
+    c.tx_select(1);
+    c.publish_to(1, "", "q", b"first");
+    let props = BasicProperties {
+        user_id: Some(ShortStr::from("someone-else")),
+        ..Default::default()
+    }
+    .encode();
+    c.publish_props(1, "q", b"second", props);
+    expect_channel_close(
+        c.recv_method(),
+        406,
+        "PRECONDITION_FAILED - user_id property set to 'someone-else' but authenticated user was 'guest'",
+        60,
+        40,
+    );
+    c.send(1, ChannelCloseOk {});
+    assert_eq!(c.ready("q"), 0);
+    // Its own name is accepted.
+    c.channel(2);
+    let props = BasicProperties {
+        user_id: Some(ShortStr::from("guest")),
+        ..Default::default()
+    }
+    .encode();
+    c.publish_props(2, "q", b"mine", props);
+    assert!(c.frames().is_empty());
+    assert_eq!(c.ready("q"), 1);
+}
