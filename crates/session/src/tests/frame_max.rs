@@ -180,6 +180,15 @@ fn a_dead_letter_too_large_for_its_consumer_stays_in_its_queue() {
         (406, 60, 70)
     );
     assert_eq!(ready(&c), 1, "the no-ack get lost the message");
+    c.send(3, ChannelCloseOk {});
+    // A no-ack consumer too.
+    c.channel(4);
+    c.consume(4, "dlq", true);
+    let Method::ChannelClose(close) = c.recv_method() else {
+        panic!("expected channel.close")
+    };
+    assert_eq!(close.reply_code, 406);
+    assert_eq!(ready(&c), 1, "the no-ack delivery lost the message");
     assert!(
         c.largest_frame <= FRAME_MAX as usize,
         "a frame of {} bytes",
