@@ -19,7 +19,8 @@ use std::collections::{HashMap, VecDeque};
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
-use warren_codec::{FieldTable, FieldValue};
+use warren_codec::properties::BasicProperties;
+use warren_codec::{CodecError, FieldTable, FieldValue};
 
 /// The header that names a message's key when `x-deduplication-header` is not given.
 pub const DEFAULT_HEADER: &str = "x-deduplication-header";
@@ -144,6 +145,16 @@ pub fn clamped(args: &FieldTable) -> Option<FieldTable> {
 /// message is never judged: it may be the only copy left of one seen in the window.
 pub fn comes_back(headers: Option<&FieldTable>) -> bool {
     headers.is_some_and(|h| h.contains_key("x-death") || h.contains_key(MOVED_HEADER))
+}
+
+/// `properties` with [`MOVED_HEADER`] set to `from`: a message moved out of queue `from`,
+/// which deduplication lets through.
+pub fn moved_properties(properties: &Bytes, from: &str) -> Result<Bytes, CodecError> {
+    let mut props = BasicProperties::decode_bytes(properties.clone())?;
+    let mut headers = props.headers.take().unwrap_or_default();
+    headers.insert(MOVED_HEADER, FieldValue::long_str(from));
+    props.headers = Some(headers);
+    Ok(props.encode())
 }
 
 /// How far the store got: batches up to `written` are on disk; those after it up to `failed`
@@ -364,7 +375,6 @@ fn key(headers: Option<&FieldTable>, header: &str, properties: &Bytes) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
-    use warren_codec::properties::BasicProperties;
     use warren_codec::ShortStr;
 
     fn props(dedup: Option<&str>, message_id: Option<&str>, ttl: Option<i32>) -> Bytes {
@@ -607,6 +617,20 @@ mod tests {
             .encode();
             assert_eq!(verdict(&mut d, &p, 1, DISK), Verdict::Unjudged, "{header}");
         }
+    }
+
+    #[test]
+    fn a_message_moved_by_the_api_is_marked_and_let_through() {
+        let mut d = window(10, 1000);
+        let p = props(Some("k"), Some("m-1"), None);
+        assert!(!seen(&mut d, p.clone(), 0));
+        let m = moved_properties(&p, "jobs.dead").unwrap();
+        assert_eq!(warren_codec::properties::message_id(&m), Some("m-1"));
+        assert_eq!(verdict(&mut d, &m, 1, DISK), Verdict::Unjudged);
+        let again = moved_properties(&m, "other").unwrap();
+        let h = warren_codec::properties::headers(&again).unwrap().unwrap();
+        assert_eq!(h.get(MOVED_HEADER).and_then(FieldValue::as_str), Some("other"));
+        assert_eq!(h.get(DEFAULT_HEADER).and_then(FieldValue::as_str), Some("k"));
     }
 
     #[test]
