@@ -1867,7 +1867,11 @@ impl Broker {
             for (id, pending) in new_keys {
                 // Held for a delivery delay (no longer a target): scheduled, so taken too.
                 let taken = took.contains(&id) || !self.scratch_queues.contains(&id);
-                if let Some(d) = self.queues.get_mut(&id).and_then(|q| q.dedup.as_deref_mut()) {
+                if let Some(d) = self
+                    .queues
+                    .get_mut(&id)
+                    .and_then(|q| q.dedup.as_deref_mut())
+                {
                     if taken {
                         d.remember(pending, batch, now);
                     }

@@ -88,7 +88,10 @@ pub fn spec(args: &FieldTable) -> Result<Option<DedupSpec>, ArgError> {
             reason: format!("{{{tag},{n}}}"),
         };
         match v.as_i64().filter(|_| !matches!(v, FieldValue::Bool(_))) {
-            None => Err(text(key, format!("expected integer, got {}", v.type_name()))),
+            None => Err(text(
+                key,
+                format!("expected integer, got {}", v.type_name()),
+            )),
             Some(n) if n < 0 => Err(tagged("value_negative", n)),
             Some(0) if !zero => Err(tagged("value_zero", 0)),
             Some(n) if n as u64 > max => Err(tagged("value_too_large", n)),
@@ -128,7 +131,10 @@ pub fn clamped(args: &FieldTable) -> Option<FieldTable> {
             .and_then(FieldValue::as_i64)
             .is_some_and(|n| n > 0 && n as u64 > max)
     };
-    let limits = [("x-cache-size", MAX_SIZE as u64), ("x-cache-ttl", MAX_TTL_MS)];
+    let limits = [
+        ("x-cache-size", MAX_SIZE as u64),
+        ("x-cache-ttl", MAX_TTL_MS),
+    ];
     if !limits.iter().any(|(key, max)| over(key, *max)) {
         return None;
     }
@@ -346,8 +352,8 @@ impl Dedup {
     pub fn stats(&self) -> DedupStats {
         // A hash table slot holds the pair and a control byte.
         let slot = std::mem::size_of::<(Key, Entry)>() + 1;
-        let memory = self.seen.capacity() * slot
-            + self.order.capacity() * std::mem::size_of::<(Key, u64)>();
+        let memory =
+            self.seen.capacity() * slot + self.order.capacity() * std::mem::size_of::<(Key, u64)>();
         DedupStats {
             keys: self.seen.len() as u64,
             memory_bytes: memory as u64,
@@ -629,8 +635,14 @@ mod tests {
         assert_eq!(verdict(&mut d, &m, 1, DISK), Verdict::Unjudged);
         let again = moved_properties(&m, "other").unwrap();
         let h = warren_codec::properties::headers(&again).unwrap().unwrap();
-        assert_eq!(h.get(MOVED_HEADER).and_then(FieldValue::as_str), Some("other"));
-        assert_eq!(h.get(DEFAULT_HEADER).and_then(FieldValue::as_str), Some("k"));
+        assert_eq!(
+            h.get(MOVED_HEADER).and_then(FieldValue::as_str),
+            Some("other")
+        );
+        assert_eq!(
+            h.get(DEFAULT_HEADER).and_then(FieldValue::as_str),
+            Some("k")
+        );
     }
 
     #[test]

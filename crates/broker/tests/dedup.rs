@@ -102,7 +102,11 @@ fn a_dead_letter_coming_back_to_its_dedup_queue_is_kept() {
     assert_eq!(ready(&b, "wait"), 1);
     b.tick(20);
     assert_eq!(ready(&b, "wait"), 0);
-    assert_eq!(ready(&b, "jobs"), 1, "the retried message was dropped as a duplicate");
+    assert_eq!(
+        ready(&b, "jobs"),
+        1,
+        "the retried message was dropped as a duplicate"
+    );
     // A new publish of the same message is still a duplicate.
     publish(&mut b, "", "jobs", message("m-1", FieldTable::new()), 21);
     assert_eq!(ready(&b, "jobs"), 1);
@@ -139,8 +143,17 @@ fn a_redriven_or_moved_message_is_let_into_a_queue_that_saw_its_key() {
 #[test]
 fn a_full_reject_publish_queue_behind_a_dedup_exchange_leaves_the_retry_new() {
     let mut b = broker(false);
-    b.declare_exchange("/", "orders", "fanout", false, true, false, false, &dedup(&[]))
-        .unwrap();
+    b.declare_exchange(
+        "/",
+        "orders",
+        "fanout",
+        false,
+        true,
+        false,
+        false,
+        &dedup(&[]),
+    )
+    .unwrap();
     queue(
         &mut b,
         "small",
@@ -151,15 +164,28 @@ fn a_full_reject_publish_queue_behind_a_dedup_exchange_leaves_the_retry_new() {
     );
     b.bind_queue("/", "small", "orders", "", &FieldTable::new(), 1)
         .unwrap();
-    publish(&mut b, "orders", "", message("filler", FieldTable::new()), 0);
+    publish(
+        &mut b,
+        "orders",
+        "",
+        message("filler", FieldTable::new()),
+        0,
+    );
     let r = publish(&mut b, "orders", "", message("m-1", FieldTable::new()), 1);
-    assert!(r.rejected, "the full queue refuses it: the publisher is nacked");
+    assert!(
+        r.rejected,
+        "the full queue refuses it: the publisher is nacked"
+    );
     let (d, _) = b.get("/", "small", false, 1).unwrap().expect("filler");
     assert!(b.settle(d.queue, d.receipt));
     // The publisher retries: not a duplicate of a copy nobody took.
     let r = publish(&mut b, "orders", "", message("m-1", FieldTable::new()), 2);
     assert!(!r.rejected);
-    assert_eq!(ready(&b, "small"), 1, "the retry of a nacked publish was dropped");
+    assert_eq!(
+        ready(&b, "small"),
+        1,
+        "the retry of a nacked publish was dropped"
+    );
     // And now it is taken, its retry is a duplicate.
     publish(&mut b, "orders", "", message("m-1", FieldTable::new()), 3);
     assert_eq!(ready(&b, "small"), 1);
@@ -169,8 +195,17 @@ fn a_full_reject_publish_queue_behind_a_dedup_exchange_leaves_the_retry_new() {
 #[test]
 fn an_unroutable_first_copy_leaves_the_retry_new() {
     let mut b = broker(false);
-    b.declare_exchange("/", "orders", "direct", false, true, false, false, &dedup(&[]))
-        .unwrap();
+    b.declare_exchange(
+        "/",
+        "orders",
+        "direct",
+        false,
+        true,
+        false,
+        false,
+        &dedup(&[]),
+    )
+    .unwrap();
     let r = publish(&mut b, "orders", "k", message("m-1", FieldTable::new()), 0);
     assert_eq!(r.queues, 0);
     queue(&mut b, "q", FieldTable::new());
@@ -190,8 +225,17 @@ fn a_duplicates_confirm_waits_for_the_first_copys_write() {
             queue(&mut b, "jobs", dedup(&[]));
             ("", "jobs")
         } else {
-            b.declare_exchange("/", "orders", "fanout", false, true, false, false, &dedup(&[]))
-                .unwrap();
+            b.declare_exchange(
+                "/",
+                "orders",
+                "fanout",
+                false,
+                true,
+                false,
+                false,
+                &dedup(&[]),
+            )
+            .unwrap();
             queue(&mut b, "jobs", FieldTable::new());
             b.bind_queue("/", "jobs", "orders", "", &FieldTable::new(), 1)
                 .unwrap();
@@ -199,10 +243,16 @@ fn a_duplicates_confirm_waits_for_the_first_copys_write() {
         };
         while b.take_writes().is_some() {}
         let first = publish(&mut b, x, key, message("m-1", FieldTable::new()), 0);
-        let n = first.batch.expect("a persistent message waits for its write");
+        let n = first
+            .batch
+            .expect("a persistent message waits for its write");
         let dup = publish(&mut b, x, key, message("m-1", FieldTable::new()), 1);
         assert_eq!(ready(&b, "jobs"), 1, "{exchange:?}");
-        assert_eq!(dup.batch, Some(n), "{exchange:?}: confirmed before the write");
+        assert_eq!(
+            dup.batch,
+            Some(n),
+            "{exchange:?}: confirmed before the write"
+        );
         let w = b.take_writes().expect("the write");
         assert_eq!(w.number, n);
         b.writes_done(n);
@@ -284,6 +334,9 @@ fn a_stored_window_over_the_limits_is_recovered_at_the_limit() {
         arguments: dedup(&[("x-cache-size", FieldValue::I64(5_000_000))]),
     };
     let id = b.restore_queue(&def).expect("recovered");
-    let size = b.queue_args(id).and_then(|a| a.dedup.as_ref()).map(|d| d.size);
+    let size = b
+        .queue_args(id)
+        .and_then(|a| a.dedup.as_ref())
+        .map(|d| d.size);
     assert_eq!(size, Some(warren_broker::dedup::MAX_SIZE));
 }

@@ -372,7 +372,10 @@ mod tests {
             Some(&AMQPValue::LongString("jobs.dead".into()))
         );
         let bare = moved(&BasicProperties::default(), "q");
-        assert!(bare.headers().as_ref().is_some_and(|h| h.inner().len() == 1));
+        assert!(bare
+            .headers()
+            .as_ref()
+            .is_some_and(|h| h.inner().len() == 1));
     }
 
     #[test]
