@@ -154,7 +154,7 @@ fn origin(props: &BasicProperties) -> Option<String> {
 
 /// A message's properties as moved out of queue `from`: marked, so that the target does not
 /// take it for a new publish of a message it has seen (and drop it as a duplicate).
-fn moved(props: &BasicProperties, from: &str) -> BasicProperties {
+fn as_moved(props: &BasicProperties, from: &str) -> BasicProperties {
     let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(
         warren_broker::dedup::MOVED_HEADER.into(),
@@ -298,7 +298,7 @@ async fn transfer(from: &str, to: Option<&str>, pace: &Pace) -> Result<u64, Tran
                             ..Default::default()
                         },
                         &d.data,
-                        moved(&d.properties, from),
+                        as_moved(&d.properties, from),
                     )
                     .await?;
                 pending.push((confirm, to, d.delivery_tag));
@@ -360,7 +360,7 @@ mod tests {
         let p = BasicProperties::default()
             .with_message_id("m-1".into())
             .with_headers(h);
-        let m = moved(&p, "jobs.dead");
+        let m = as_moved(&p, "jobs.dead");
         assert_eq!(m.message_id(), p.message_id());
         let headers = m.headers().as_ref().expect("headers");
         assert_eq!(
@@ -371,7 +371,7 @@ mod tests {
             headers.inner().get("x-moved-from"),
             Some(&AMQPValue::LongString("jobs.dead".into()))
         );
-        let bare = moved(&BasicProperties::default(), "q");
+        let bare = as_moved(&BasicProperties::default(), "q");
         assert!(bare
             .headers()
             .as_ref()
