@@ -1222,6 +1222,40 @@ fn a_duplicate_is_confirmed_with_its_first_copys_write_and_a_failed_write_leaves
     );
 }
 
+/// The management API's move marks what it moves: a dedup target that saw the key keeps it.
+#[test]
+fn a_move_into_a_dedup_queue_that_saw_the_key_keeps_the_message() {
+    let mut c = persistent_client();
+    let mut arguments = FieldTable::new();
+    arguments.insert("x-message-deduplication", FieldValue::Bool(true));
+    c.send(
+        1,
+        QueueDeclare {
+            queue: ShortStr::from("jobs"),
+            durable: true,
+            arguments,
+            ..Default::default()
+        },
+    );
+    assert!(matches!(c.recv_method(), Method::QueueDeclareOk(_)));
+    let props = BasicProperties {
+        delivery_mode: Some(2),
+        message_id: Some(ShortStr::from("m-1")),
+        ..Default::default()
+    }
+    .encode();
+    c.publish_props(1, "jobs", b"done once", props.clone());
+    let b = c.node.broker_mut();
+    let (d, _) = b.get("/", "jobs", false, 1).unwrap().expect("the job");
+    assert!(b.settle(d.queue, d.receipt));
+    c.publish_props(1, "q", b"a copy elsewhere", props);
+    let moved = c.node.move_messages("/", "q", "jobs", 10, c.now).unwrap();
+    assert_eq!(moved, 1);
+    let b = c.node.broker();
+    let ready = |q: &str| b.queue_info(b.queue_id("/", q).unwrap()).unwrap().message_count;
+    assert_eq!((ready("q"), ready("jobs")), (0, 1), "moved into neither queue");
+}
+
 #[test]
 fn tx_commit_ok_waits_for_the_write_of_its_persistent_messages() {
     let mut c = persistent_client();
