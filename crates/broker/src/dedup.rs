@@ -29,7 +29,7 @@ pub const DEFAULT_HEADER: &str = "x-deduplication-header";
 pub const DEFAULT_SIZE: usize = 100_000;
 /// How long a key is remembered when `x-cache-ttl` is not given: SQS FIFO's five minutes.
 pub const DEFAULT_TTL_MS: u64 = 5 * 60 * 1000;
-/// The most keys a window holds: a key costs about 110 bytes, so a full window about 110 MB.
+/// The most keys a window holds: a key costs about 130 bytes, so a full window 130 MB or more.
 pub const MAX_SIZE: usize = 1_000_000;
 /// The longest window, ms: seven days (Azure Service Bus's longest duplicate detection).
 pub const MAX_TTL_MS: u64 = 7 * 24 * 60 * 60 * 1000;

@@ -1252,8 +1252,16 @@ fn a_move_into_a_dedup_queue_that_saw_the_key_keeps_the_message() {
     let moved = c.node.move_messages("/", "q", "jobs", 10, c.now).unwrap();
     assert_eq!(moved, 1);
     let b = c.node.broker();
-    let ready = |q: &str| b.queue_info(b.queue_id("/", q).unwrap()).unwrap().message_count;
-    assert_eq!((ready("q"), ready("jobs")), (0, 1), "moved into neither queue");
+    let ready = |q: &str| {
+        b.queue_info(b.queue_id("/", q).unwrap())
+            .unwrap()
+            .message_count
+    };
+    assert_eq!(
+        (ready("q"), ready("jobs")),
+        (0, 1),
+        "moved into neither queue"
+    );
 }
 
 #[test]
