@@ -12,6 +12,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Consumer, ExchangeKind};
+use warren_conformance::http::request;
 use warren_conformance::queues::{args, confirm_channel, declare_durable, ready, text};
 use warren_conformance::{assert_amqp_error, unique, within, TestBroker, QUIET};
 
@@ -147,6 +148,17 @@ async fn a_queue_drops_a_duplicate_within_its_window() {
     tokio::time::sleep(Duration::from_millis(350)).await;
     publish(&ch, "", &q, "o1 later", with_header("order-id", "1")).await;
     assert_eq!(ready(&ch, &q).await, 6, "a new window");
+    // The management API shows the window: its keys, their memory, the duplicates dropped.
+    let url = format!(
+        "{}/api/queues/%2f/{q}",
+        broker.http_url().expect("management API on")
+    );
+    let got = request("GET", &url, Some(("guest", "guest")), &[], None);
+    assert_eq!(got.status, 200, "{}", got.text());
+    let d = &got.json()["deduplication"];
+    assert_eq!(d["duplicates_dropped"], 2, "{d}");
+    assert!(d["keys"].as_u64().is_some_and(|k| k >= 1), "{d}");
+    assert!(d["memory_bytes"].as_u64().is_some_and(|m| m > 0), "{d}");
     // Malformed arguments are refused.
     let bad = unique("dedup-bad");
     let res = ch
@@ -161,6 +173,24 @@ async fn a_queue_drops_a_duplicate_within_its_window() {
         406,
         &format!(
             "PRECONDITION_FAILED - invalid arg 'x-message-deduplication' for queue '{bad}' in vhost '/': \"x-message-deduplication must be a boolean, not longstr\""
+        ),
+    );
+    let ch = confirm_channel(&conn).await;
+    let res = ch
+        .queue_declare(
+            bad.as_str().into(),
+            QueueDeclareOptions::default(),
+            args(&[
+                ("x-message-deduplication", AMQPValue::Boolean(true)),
+                ("x-cache-size", AMQPValue::LongLongInt(2_000_000)),
+            ]),
+        )
+        .await;
+    assert_amqp_error(
+        res,
+        406,
+        &format!(
+            "PRECONDITION_FAILED - invalid arg 'x-cache-size' for queue '{bad}' in vhost '/': {{value_too_large,2000000}}"
         ),
     );
 }

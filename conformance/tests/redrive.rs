@@ -169,3 +169,84 @@ async fn errors_leave_every_message_where_it_was() {
     assert_eq!(ready(&ch, &dlq).await, 1, "the stray one stays");
     assert_eq!(ready(&ch, &a).await, 5, "those before it were moved, once");
 }
+
+/// A redrive (or a move) into a queue with `x-message-deduplication` that saw the message's
+/// key within its window: the message is put back, not dropped as a duplicate and acked away
+/// at the source. (RabbitMQ ignores the argument, so there it is a plain redrive.)
+#[tokio::test]
+async fn a_redrive_into_a_dedup_queue_puts_the_message_back() {
+    let broker = TestBroker::start();
+    let conn = broker.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let (dlx, dlq) = dead_letter_queue(&ch, "redrive-dedup", true).await;
+    let jobs = unique("redrive-dedup-jobs");
+    declare_durable(
+        &ch,
+        &jobs,
+        args(&[
+            (
+                "x-message-deduplication",
+                lapin::types::AMQPValue::Boolean(true),
+            ),
+            ("x-dead-letter-exchange", text(&dlx)),
+        ]),
+    )
+    .await;
+    let id = unique("m");
+    let props = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(id.as_str().into());
+    let send = |q: String| {
+        let (ch, props) = (ch.clone(), props.clone());
+        async move {
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                b"job",
+                props,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap()
+        }
+    };
+    send(jobs.clone()).await;
+    let m = ch
+        .basic_get(jobs.as_str().into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .expect("the job");
+    m.delivery
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    wait_ready(&ch, &dlq, 1).await;
+    let (ok, out) = redrive(&broker, &["--from", &dlq]);
+    assert!(ok, "{out}");
+    assert!(out.contains("moved 1 message(s)"), "{out}");
+    assert_eq!(ready(&ch, &dlq).await, 0);
+    assert_eq!(
+        ready(&ch, &jobs).await,
+        1,
+        "the redriven message is in neither queue"
+    );
+    // A move of a copy that was never dead-lettered, into the queue that has seen its key.
+    assert_eq!(drain(&ch, &jobs).await.len(), 1);
+    let other = unique("redrive-dedup-other");
+    declare_durable(&ch, &other, lapin::types::FieldTable::default()).await;
+    send(other.clone()).await;
+    let (ok, out) = redrive(&broker, &["--from", &other, "--to", &jobs]);
+    assert!(ok, "{out}");
+    assert_eq!(ready(&ch, &other).await, 0);
+    assert_eq!(
+        ready(&ch, &jobs).await,
+        1,
+        "the moved message is in neither queue"
+    );
+    drop(conn);
+}

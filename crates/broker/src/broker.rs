@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
 use crate::dead_letter::{self, Death};
+use crate::dedup::Verdict;
 use crate::delayed::{self, DelayKey, Delayed, Scheduler};
 use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
@@ -142,6 +143,9 @@ pub struct Broker {
     /// An exchange with `x-message-deduplication` was declared (never reset: while none was,
     /// a publish does not look its exchange up twice).
     dedup_exchanges: bool,
+    /// How far the store got, for deduplication: a duplicate's confirm waits for its first
+    /// copy's write, and a failed write makes the key new again.
+    disk: crate::dedup::Disk,
     /// Messages held back until they are due (delayed exchanges, queues' delivery delays).
     scheduler: Scheduler,
     /// Node-wide message counters (for operators).
@@ -314,6 +318,21 @@ fn strip_cr_lf(name: &str) -> Cow<'_, str> {
 
 fn short(s: &str) -> ShortStr {
     ShortStr::from_string(s.to_owned())
+}
+
+/// Recovery: stored arguments with a deduplication window over today's limits brought down
+/// to them (said in the log), rather than a queue or exchange left unrecovered.
+fn restorable(arguments: &FieldTable, kind: &str, name: &str, vhost: &str) -> Option<FieldTable> {
+    let clamped = crate::dedup::clamped(arguments)?;
+    tracing::warn!(
+        kind,
+        name,
+        vhost,
+        max_size = crate::dedup::MAX_SIZE,
+        max_ttl_ms = crate::dedup::MAX_TTL_MS,
+        "x-cache-size or x-cache-ttl is over the limit: recovered with the limit"
+    );
+    Some(clamped)
 }
 
 fn no_vhost(vhost: &str) -> AmqpError {
@@ -620,6 +639,7 @@ impl Broker {
             delaying_queues: 0,
             dedup_queues: 0,
             dedup_exchanges: false,
+            disk: crate::dedup::Disk::default(),
             scheduler: Scheduler::default(),
             counters: Default::default(),
         };
@@ -1118,11 +1138,8 @@ impl Broker {
                         )));
                     }
                 }
-                let dedup = crate::dedup::spec(arguments).map_err(|text| {
-                    AmqpError::precondition_failed(format!(
-                        "invalid arg 'x-message-deduplication' for {rs}: {text}"
-                    ))
-                })?;
+                let dedup = crate::dedup::spec(arguments)
+                    .map_err(|e| AmqpError::precondition_failed(e.message(&rs)))?;
                 let name = short(&name);
                 if let Some(p) = self.persist.as_mut().filter(|_| durable) {
                     p.push(
@@ -1402,13 +1419,63 @@ impl Broker {
         now_ms: u64,
     ) -> Result<Routed, AmqpError> {
         self.now_ms = self.now_ms.max(now_ms);
-        let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
+        let routed = match self.exchange_verdict(vhost, exchange, &message) {
+            Verdict::Duplicate { batch } => Ok(Routed {
+                // Dropped, and confirmed as the first copy is (once it is on disk).
+                queues: 1,
+                batch,
+                rejected: false,
+            }),
+            verdict => {
+                let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
+                if let (Verdict::New(pending), Ok(r)) = (verdict, &routed) {
+                    // Remembered once a queue took it: a nacked or unroutable first copy
+                    // leaves its retry new.
+                    if r.queues > 0 && !r.rejected {
+                        let now = self.now_ms;
+                        if let Some(d) = self.exchange_dedup(vhost, exchange) {
+                            d.remember(pending, r.batch, now);
+                        }
+                    }
+                }
+                routed
+            }
+        };
         self.counters.received += 1;
         if routed.as_ref().is_ok_and(|r| r.queues == 0) {
             self.counters.unroutable += 1;
         }
         self.dead_letter_pending();
         routed
+    }
+
+    /// The deduplication window of a publish's exchange, if it has one.
+    fn exchange_dedup(&mut self, vhost: &str, exchange: &str) -> Option<&mut crate::dedup::Dedup> {
+        if !self.dedup_exchanges || exchange.is_empty() {
+            return None;
+        }
+        self.vhosts
+            .get_mut(vhost)?
+            .exchanges
+            .get_mut(exchange)?
+            .dedup
+            .as_deref_mut()
+    }
+
+    /// What the exchange's deduplication window says of a new publish (a message too large is
+    /// not judged: it is refused as any other).
+    fn exchange_verdict(&mut self, vhost: &str, exchange: &str, message: &Message) -> Verdict {
+        if message.body.len() > self.config.max_message_size {
+            return Verdict::Unjudged;
+        }
+        let (now, disk) = (self.now_ms, self.disk);
+        let Some(d) = self.exchange_dedup(vhost, exchange) else {
+            return Verdict::Unjudged;
+        };
+        let headers = warren_codec::properties::headers(&message.properties)
+            .ok()
+            .flatten();
+        d.judge(headers.as_ref(), &message.properties, now, disk)
     }
 
     /// Holds a message back `delay_ms` (on disk with a store), to be routed by its exchange
@@ -1558,22 +1625,6 @@ impl Broker {
                 self.config.max_message_size
             )));
         }
-        if self.dedup_exchanges && !released && !exchange.is_empty() {
-            let now = self.now_ms;
-            let window = self
-                .vhosts
-                .get_mut(vhost)
-                .and_then(|vh| vh.exchanges.get_mut(exchange))
-                .and_then(|x| x.dedup.as_mut());
-            if window.is_some_and(|d| d.is_duplicate(&message, now)) {
-                // Seen within the window: dropped, and confirmed as the first copy was.
-                return Ok(Routed {
-                    queues: 1,
-                    batch: None,
-                    rejected: false,
-                });
-            }
-        }
         let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
         let mut targets = std::mem::take(&mut self.scratch_queues);
         targets.clear();
@@ -1665,20 +1716,40 @@ impl Broker {
             false
         });
         // A queue that saw the message's key within its window drops this copy (counted as
-        // routed: the publisher's confirm is an ack, as for the first copy).
+        // routed: the publisher's confirm is the first copy's, once that is on disk). Only a
+        // new publish is judged: a dead letter or a delayed release may be the last copy.
         let mut duplicates = 0u32;
-        if self.dedup_queues > 0 && !released {
-            let now = self.now_ms;
+        let mut first_copies = None;
+        let mut new_keys: Vec<(QueueId, crate::dedup::Pending)> = Vec::new();
+        if self.dedup_queues > 0 && !released && death.is_none() {
+            let (now, disk) = (self.now_ms, self.disk);
             let queues = &mut self.queues;
+            let mut headers = None;
             targets.retain(|id| {
-                let dup = queues
-                    .get_mut(id)
-                    .and_then(|q| q.dedup.as_mut())
-                    .is_some_and(|d| d.is_duplicate(&message, now));
-                duplicates += u32::from(dup);
-                !dup
+                let Some(d) = queues.get_mut(id).and_then(|q| q.dedup.as_deref_mut()) else {
+                    return true;
+                };
+                let headers = headers.get_or_insert_with(|| {
+                    warren_codec::properties::headers(&message.properties)
+                        .ok()
+                        .flatten()
+                });
+                match d.judge(headers.as_ref(), &message.properties, now, disk) {
+                    Verdict::Duplicate { batch } => {
+                        duplicates += 1;
+                        first_copies = first_copies.max(batch);
+                        false
+                    }
+                    Verdict::New(pending) => {
+                        new_keys.push((*id, pending));
+                        true
+                    }
+                    Verdict::Unjudged => true,
+                }
             });
         }
+        // The judged queues that took their copy (a refused one leaves its key new).
+        let mut took: Vec<QueueId> = Vec::new();
         // Queues with a delivery delay get their copy when it is due.
         let mut held: Vec<(ShortStr, u64)> = Vec::new();
         if self.delaying_queues > 0 && !released {
@@ -1803,6 +1874,9 @@ impl Broker {
                 continue;
             };
             routed += 1;
+            if !new_keys.is_empty() && matches!(reply, Reply::Enqueued { .. }) {
+                took.push(*id);
+            }
             // A queue over its length drops its head: handled once this copy's entry is
             // written (the head may be this very message).
             let dropped = (!self.effects.is_empty()).then(|| std::mem::take(&mut self.effects));
@@ -1819,9 +1893,25 @@ impl Broker {
             routed += r.queues;
             batch = batch.max(r.batch);
         }
+        if !new_keys.is_empty() {
+            let now = self.now_ms;
+            for (id, pending) in new_keys {
+                // Held for a delivery delay (no longer a target): scheduled, so taken too.
+                let taken = took.contains(&id) || !self.scratch_queues.contains(&id);
+                if let Some(d) = self
+                    .queues
+                    .get_mut(&id)
+                    .and_then(|q| q.dedup.as_deref_mut())
+                {
+                    if taken {
+                        d.remember(pending, batch, now);
+                    }
+                }
+            }
+        }
         Ok(Routed {
             queues: routed,
-            batch,
+            batch: batch.max(first_copies),
             rejected: rejected > 0,
         })
     }
@@ -2121,9 +2211,16 @@ impl Broker {
         self.persist.as_mut()?.take()
     }
 
+    /// The store failed to write the batches up to `upto` (their publishers were nacked; the
+    /// store may still retry them): a message deduplication remembered from them is new again.
+    pub fn writes_failed(&mut self, upto: u64) {
+        self.disk.failed = self.disk.failed.max(upto);
+    }
+
     /// The store wrote every batch up to `upto`: messages they hold may leave memory. Each
     /// queue with stored messages past its window gets a `PageOut`.
     pub fn writes_done(&mut self, upto: u64) {
+        self.disk.written = self.disk.written.max(upto);
         self.scheduler.written(upto);
         let mut due: BTreeMap<QueueId, u64> = BTreeMap::new();
         while let Some(&(batch, queue, msg_id)) = self.page_pending.front() {
@@ -2270,6 +2367,8 @@ impl Broker {
 
     /// Recovery: a durable exchange as the store holds it. Nothing is written back.
     pub fn restore_exchange(&mut self, def: &ExchangeDef) -> Result<(), AmqpError> {
+        let clamped = restorable(&def.arguments, "exchange", &def.name, &def.vhost);
+        let arguments = clamped.as_ref().unwrap_or(&def.arguments);
         self.restoring(|b| {
             b.declare_exchange(
                 &def.vhost,
@@ -2279,7 +2378,7 @@ impl Broker {
                 true,
                 def.auto_delete,
                 def.internal,
-                &def.arguments,
+                arguments,
             )
         })
     }
@@ -2298,6 +2397,8 @@ impl Broker {
 
     /// Recovery: a durable queue as the store holds it, under its store key.
     pub fn restore_queue(&mut self, def: &QueueDef) -> Result<QueueId, AmqpError> {
+        let arguments = restorable(&def.arguments, "queue", &def.name, &def.vhost)
+            .unwrap_or_else(|| def.arguments.clone());
         let declared = self.restoring(|b| {
             b.declare_queue(
                 &def.vhost,
@@ -2307,7 +2408,7 @@ impl Broker {
                     durable: true,
                     exclusive: false,
                     auto_delete: def.auto_delete,
-                    arguments: def.arguments.clone(),
+                    arguments,
                 },
                 0,
             )

@@ -236,7 +236,8 @@ pub const API_CONN: ConnId = 0;
 
 impl Node {
     /// Moves up to `count` ready messages, oldest first, from queue `from` to queue `to` of
-    /// the same vhost (through the default exchange, properties and body unchanged). Each is
+    /// the same vhost (through the default exchange, body and properties unchanged but for the
+    /// header `x-moved-from` naming the source queue). Each is
     /// put in `to` and acked in `from` by the same store write, so a crash leaves it in one
     /// queue or the other, never in neither. Stops early when `from` runs dry, or when `to`
     /// refuses a message (full with `reject-publish`), which stays in `from`. Returns how
@@ -264,10 +265,18 @@ impl Node {
             let Some((d, _)) = broker.get(vhost, from, false, API_CONN)? else {
                 break;
             };
+            // Marked as moved: the target's deduplication must not drop it as a new publish
+            // of a message it has seen, and the ack below lose it.
+            let Ok(properties) =
+                warren_broker::dedup::moved_properties(&d.message.properties, from)
+            else {
+                broker.release(d.queue, d.receipt);
+                break;
+            };
             let message = Message {
                 exchange: ShortStr::empty(),
                 routing_key: target.clone(),
-                properties: d.message.properties.clone(),
+                properties,
                 body: d.message.body.clone(),
                 persistent: d.message.persistent,
                 store_key: None,

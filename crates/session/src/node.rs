@@ -219,6 +219,8 @@ impl Node {
     pub fn writes_done(&mut self, upto: u64, ok: bool, now: u64) {
         if ok {
             self.broker.writes_done(upto);
+        } else {
+            self.broker.writes_failed(upto);
         }
         let waiters = std::mem::take(&mut self.confirm_waiters);
         for (conn, channel) in waiters {

@@ -33,6 +33,8 @@ pub struct QueueSnapshot {
     pub counters: QueueCounters,
     /// When the oldest ready message was enqueued (ms since the epoch), if any is ready.
     pub oldest_ready_at: Option<u64>,
+    /// The deduplication window (`x-message-deduplication`), if it has one.
+    pub dedup: Option<crate::dedup::DedupStats>,
 }
 
 #[derive(Clone, Debug)]
@@ -45,6 +47,8 @@ pub struct ExchangeSnapshot {
     pub auto_delete: bool,
     pub internal: bool,
     pub arguments: FieldTable,
+    /// The deduplication window (`x-message-deduplication`), if it has one.
+    pub dedup: Option<crate::dedup::DedupStats>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -113,6 +117,7 @@ fn queue_snapshot(q: &Queue) -> QueueSnapshot {
         consumers: q.consumer_count(),
         counters: q.stats.counters.clone(),
         oldest_ready_at: q.oldest_ready_at(),
+        dedup: q.dedup.as_ref().map(|d| d.stats()),
     }
 }
 
@@ -154,6 +159,7 @@ impl Broker {
                 auto_delete: false,
                 internal: false,
                 arguments: FieldTable::new(),
+                dedup: None,
             });
             for x in vh.exchanges.values() {
                 out.push(ExchangeSnapshot {
@@ -164,6 +170,7 @@ impl Broker {
                     auto_delete: x.auto_delete,
                     internal: x.internal,
                     arguments: x.arguments.clone(),
+                    dedup: x.dedup.as_ref().map(|d| d.stats()),
                 });
             }
         }

@@ -493,8 +493,8 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
                 check_warren_key(key, v, &mut out).map_err(|b| invalid(key, b))?;
             }
         }
-        out.dedup = crate::dedup::spec(args)
-            .map_err(|text| invalid("x-message-deduplication", Bad::Text(text)))?;
+        out.dedup =
+            crate::dedup::spec(args).map_err(|e| AmqpError::precondition_failed(e.message(rs)))?;
     }
     for (key, _) in args.iter() {
         if DECLARE_ARGS.contains(&key.as_str()) && !qtype.supports(key) {

@@ -8,6 +8,11 @@
 //! carries on with what is left. Only the messages present at the start are moved (at most),
 //! so a target that dead-letters back into the source cannot make it run for ever. It speaks
 //! plain AMQP, so it works against RabbitMQ as well.
+//!
+//! Each moved copy carries the header `x-moved-from` (the source queue): Warren's
+//! deduplication judges only new messages, and without it a target with
+//! `x-message-deduplication` that saw the key within its window would confirm the copy and
+//! drop it, and the ack at the source would lose the message.
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -147,6 +152,17 @@ fn origin(props: &BasicProperties) -> Option<String> {
     })
 }
 
+/// A message's properties as moved out of queue `from`: marked, so that the target does not
+/// take it for a new publish of a message it has seen (and drop it as a duplicate).
+fn as_moved(props: &BasicProperties, from: &str) -> BasicProperties {
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(
+        warren_broker::dedup::MOVED_HEADER.into(),
+        AMQPValue::LongString(from.into()),
+    );
+    props.clone().with_headers(headers)
+}
+
 async fn message_count(ch: &Channel, queue: &str) -> Result<u32, TransferError> {
     let passive = QueueDeclareOptions {
         passive: true,
@@ -282,7 +298,7 @@ async fn transfer(from: &str, to: Option<&str>, pace: &Pace) -> Result<u64, Tran
                             ..Default::default()
                         },
                         &d.data,
-                        d.properties.clone(),
+                        as_moved(&d.properties, from),
                     )
                     .await?;
                 pending.push((confirm, to, d.delivery_tag));
@@ -335,6 +351,31 @@ mod tests {
             AMQPValue::LongString(LongString::from(queue)),
         );
         AMQPValue::FieldTable(t)
+    }
+
+    #[test]
+    fn a_moved_copy_says_where_it_came_from_and_keeps_the_rest() {
+        let mut h = FieldTable::default();
+        h.insert("order-id".into(), AMQPValue::LongString("o-7".into()));
+        let p = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_headers(h);
+        let m = as_moved(&p, "jobs.dead");
+        assert_eq!(m.message_id(), p.message_id());
+        let headers = m.headers().as_ref().expect("headers");
+        assert_eq!(
+            headers.inner().get("order-id"),
+            Some(&AMQPValue::LongString("o-7".into()))
+        );
+        assert_eq!(
+            headers.inner().get("x-moved-from"),
+            Some(&AMQPValue::LongString("jobs.dead".into()))
+        );
+        let bare = as_moved(&BasicProperties::default(), "q");
+        assert!(bare
+            .headers()
+            .as_ref()
+            .is_some_and(|h| h.inner().len() == 1));
     }
 
     #[test]

@@ -88,6 +88,7 @@ pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
         "messages_retrying": s.retrying,
         "delivery_count_distribution": distribution,
         "dead_lettered": dead,
+        "deduplication": deduplication(s.dedup),
     })
 }
 
@@ -201,7 +202,23 @@ pub fn exchange(x: &ExchangeSnapshot) -> Value {
         "arguments": table(&x.arguments),
         "user_who_performed_action": "rmq-internal",
         "policy": null,
+        // Warren's own.
+        "deduplication": deduplication(x.dedup),
     })
+}
+
+/// A deduplication window as the API shows it (`null` without one): its keys, the memory its
+/// tables hold (which the memory alarm sees as part of the broker's), and the duplicates it
+/// dropped.
+fn deduplication(d: Option<warren_broker::dedup::DedupStats>) -> Value {
+    match d {
+        None => Value::Null,
+        Some(d) => json!({
+            "keys": d.keys,
+            "memory_bytes": d.memory_bytes,
+            "duplicates_dropped": d.dropped,
+        }),
+    }
 }
 
 /// RabbitMQ's `properties_key` of a binding: `~` for an empty key without arguments, else the
@@ -414,6 +431,11 @@ mod tests {
                 ..Default::default()
             },
             oldest_ready_at: Some(1_000),
+            dedup: Some(warren_broker::dedup::DedupStats {
+                keys: 4,
+                memory_bytes: 512,
+                dropped: 9,
+            }),
         };
         let r = QueueRates {
             publish: 1.5,

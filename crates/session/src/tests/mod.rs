@@ -1163,6 +1163,125 @@ fn a_failed_write_nacks_its_publishes_and_releases_the_rest() {
     );
 }
 
+/// Publisher confirms by channel: (channel, ack?, tag).
+fn confirms_by_channel(frames: Vec<Frame>) -> Vec<(u16, bool, u64)> {
+    frames
+        .into_iter()
+        .filter_map(|f| match f {
+            Frame::Method {
+                channel,
+                method: Method::BasicAck(a),
+            } => Some((channel, true, a.delivery_tag)),
+            Frame::Method {
+                channel,
+                method: Method::BasicNack(n),
+            } => Some((channel, false, n.delivery_tag)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_duplicate_is_confirmed_with_its_first_copys_write_and_a_failed_write_leaves_its_retry_new() {
+    let mut c = persistent_client();
+    let mut arguments = FieldTable::new();
+    arguments.insert("x-message-deduplication", FieldValue::Bool(true));
+    c.send(
+        1,
+        QueueDeclare {
+            queue: ShortStr::from("jobs"),
+            durable: true,
+            arguments,
+            ..Default::default()
+        },
+    );
+    assert!(matches!(c.recv_method(), Method::QueueDeclareOk(_)));
+    c.channel(2);
+    for ch in [1, 2] {
+        c.send(ch, ConfirmSelect { no_wait: false });
+        assert!(matches!(c.recv_method(), Method::ConfirmSelectOk(_)));
+    }
+    let _ = c.node.take_writes();
+    let props = BasicProperties {
+        delivery_mode: Some(2),
+        message_id: Some(ShortStr::from("m-1")),
+        ..Default::default()
+    }
+    .encode();
+    c.publish_props(1, "jobs", b"first", props.clone());
+    // Another publisher's copy of the same message, while the first is not on disk yet.
+    c.publish_props(2, "jobs", b"again", props.clone());
+    assert_eq!(
+        confirms_by_channel(c.frames()),
+        vec![],
+        "confirmed before the disk"
+    );
+    let batch = c.node.take_writes().expect("the first copy's write");
+    c.node.writes_done(batch.number, false, c.now);
+    assert_eq!(
+        confirms_by_channel(c.frames()),
+        vec![(1, false, 1), (2, false, 1)],
+        "both nacked with the write"
+    );
+    // The retry is a new message, confirmed with its own write.
+    c.publish_props(2, "jobs", b"retry", props.clone());
+    assert_eq!(confirms_by_channel(c.frames()), vec![]);
+    let batch = c.node.take_writes().expect("the retry's write");
+    c.node.writes_done(batch.number, true, c.now);
+    assert_eq!(confirms_by_channel(c.frames()), vec![(2, true, 2)]);
+    // Now on disk: a duplicate is confirmed at once, and dropped.
+    c.publish_props(1, "jobs", b"late", props);
+    assert_eq!(confirms_by_channel(c.frames()), vec![(1, true, 2)]);
+    let id = c.node.broker().queue_id("/", "jobs").expect("jobs");
+    let ready = c.node.broker().queue_info(id).expect("info").message_count;
+    assert_eq!(
+        ready, 2,
+        "the first copy stays (the store may yet write it) and the retry"
+    );
+}
+
+/// The management API's move marks what it moves: a dedup target that saw the key keeps it.
+#[test]
+fn a_move_into_a_dedup_queue_that_saw_the_key_keeps_the_message() {
+    let mut c = persistent_client();
+    let mut arguments = FieldTable::new();
+    arguments.insert("x-message-deduplication", FieldValue::Bool(true));
+    c.send(
+        1,
+        QueueDeclare {
+            queue: ShortStr::from("jobs"),
+            durable: true,
+            arguments,
+            ..Default::default()
+        },
+    );
+    assert!(matches!(c.recv_method(), Method::QueueDeclareOk(_)));
+    let props = BasicProperties {
+        delivery_mode: Some(2),
+        message_id: Some(ShortStr::from("m-1")),
+        ..Default::default()
+    }
+    .encode();
+    c.publish_props(1, "jobs", b"done once", props.clone());
+    let b = c.node.broker_mut();
+    let (d, _) = b.get("/", "jobs", false, 1).unwrap().expect("the job");
+    assert!(b.settle(d.queue, d.receipt));
+    c.publish_props(1, "q", b"a copy elsewhere", props);
+    let moved = c.node.move_messages("/", "q", "jobs", 10, c.now).unwrap();
+    assert_eq!(moved, 1);
+    let b = c.node.broker();
+    let ready = |q: &str| {
+        b.queue_info(b.queue_id("/", q).unwrap())
+            .unwrap()
+            .message_count
+    };
+    assert_eq!(
+        (ready("q"), ready("jobs")),
+        (0, 1),
+        "moved into neither queue"
+    );
+}
+
 #[test]
 fn tx_commit_ok_waits_for_the_write_of_its_persistent_messages() {
     let mut c = persistent_client();
