@@ -517,7 +517,17 @@ async fn per_object(State(api): State<Arc<Api>>) -> impl IntoResponse {
     metrics_text(&api, true)
 }
 
-fn metrics_text(api: &Api, per_object: bool) -> impl IntoResponse {
+fn metrics_text(api: &Api, per_object: bool) -> axum::response::Response {
+    if let Some(left) = api.node.recovering() {
+        // Figures of half-restored queues would read as messages lost: a failed scrape
+        // (`up` 0), as RabbitMQ's endpoint that is not open yet.
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, "1")],
+            crate::http::recovering_reason(left),
+        )
+            .into_response();
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -525,6 +535,7 @@ fn metrics_text(api: &Api, per_object: bool) -> impl IntoResponse {
         )],
         render(api, per_object),
     )
+        .into_response()
 }
 
 /// Serves `/metrics` and `/metrics/per-object` on `listener` until the process ends.

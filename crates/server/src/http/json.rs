@@ -178,6 +178,17 @@ pub fn to_properties(v: &Value) -> Result<Bytes, String> {
     Ok(p.encode())
 }
 
+/// A JSON boolean as RabbitMQ's management API reads one (`rabbit_mgmt_util:parse_bool`):
+/// `true`, `false`, or the strings "true" and "false".
+pub fn boolean(v: &Value) -> Option<bool> {
+    match v {
+        Value::Bool(b) => Some(*b),
+        Value::String(s) if s == "true" => Some(true),
+        Value::String(s) if s == "false" => Some(false),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
