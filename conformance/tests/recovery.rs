@@ -101,8 +101,8 @@ async fn the_management_api_waits_for_recovery_and_corrupts_nothing() {
     use warren_conformance::http::{eventually, request};
     use warren_conformance::queues::{confirm_channel, declare_durable};
 
-    // 25 queues, 80 ms before each: the API calls below come well inside recovery.
-    let mut broker = TestBroker::start_with(&["--test-recovery-step-ms", "80"]);
+    // 25 queues, 120 ms before each: the API calls below come well inside recovery.
+    let mut broker = TestBroker::start_with(&["--test-recovery-step-ms", "120"]);
     if broker.is_external() {
         eprintln!("SKIPPED: restarts the spawned broker");
         return;
@@ -174,8 +174,8 @@ async fn the_management_api_waits_for_recovery_and_corrupts_nothing() {
     })
     .to_string();
     let get_one = r#"{"count":1,"ackmode":"ack_requeue_false","encoding":"auto"}"#;
-    let defs = request("GET", &format!("{api}/definitions"), GUEST, &[], None);
     let calls = [
+        ("GET", format!("{api}/definitions"), None),
         (
             "PUT",
             format!("{api}/queues/%2f/{z}"),
@@ -202,30 +202,36 @@ async fn the_management_api_waits_for_recovery_and_corrupts_nothing() {
         ("GET", format!("{api}/queues"), None),
         ("GET", format!("{api}/overview"), None),
         ("GET", format!("{api}/whoami"), None),
+        ("GET", format!("{api}/health/checks/alarms"), None),
+        (
+            "GET",
+            format!("{}/metrics", broker.metrics_url().expect("metrics on")),
+            None,
+        ),
+        ("GET", format!("{}/", broker.http_url().unwrap()), None),
     ];
-    let answers: Vec<_> = calls
-        .iter()
-        .map(|(method, url, body)| {
-            let r = request(method, url, GUEST, &[], body.as_deref());
-            (format!("{method} {url}"), r)
-        })
-        .collect();
-    let health = request(
-        "GET",
-        &format!("{api}/health/checks/alarms"),
-        GUEST,
-        &[],
-        None,
-    );
-    let metrics_url = format!("{}/metrics", broker.metrics_url().expect("metrics on"));
-    let metrics = request("GET", &metrics_url, None, &[], None);
-    let page = request("GET", broker.http_url().unwrap(), None, &[], None);
+    // All at once: each waits a moment for the end of recovery before it is refused.
+    let answers: Vec<_> = std::thread::scope(|s| {
+        let running: Vec<_> = calls
+            .iter()
+            .map(|(method, url, body)| {
+                s.spawn(move || {
+                    let r = request(method, url, GUEST, &[], body.as_deref());
+                    (format!("{method} {url}"), r)
+                })
+            })
+            .collect();
+        running.into_iter().map(|t| t.join().unwrap()).collect()
+    });
     assert!(
         !broker.output().contains("recovered durable state"),
         "recovery ended before the API calls were made (a very slow machine?): the test \
          proves nothing"
     );
-    for (call, r) in std::iter::once(("GET /api/definitions".to_string(), defs)).chain(answers) {
+    let (page, rest) = answers.split_last().unwrap();
+    let (metrics, rest) = rest.split_last().unwrap();
+    let (health, rest) = rest.split_last().unwrap();
+    for (call, r) in rest {
         assert_eq!(r.status, 503, "{call} during recovery: {}", r.text());
         let body = r.json();
         assert_eq!(body["error"], "service_unavailable", "{call}: {body}");
@@ -233,11 +239,11 @@ async fn the_management_api_waits_for_recovery_and_corrupts_nothing() {
         assert!(reason.contains("recovering"), "{call}: {body}");
         assert_eq!(r.header("retry-after"), Some("1"), "{call}");
     }
-    assert_eq!(health.status, 503, "{}", health.text());
-    assert_eq!(health.json()["status"], "failed");
-    assert_eq!(metrics.status, 503, "{}", metrics.text());
+    assert_eq!(health.1.status, 503, "{}", health.1.text());
+    assert_eq!(health.1.json()["status"], "failed");
+    assert_eq!(metrics.1.status, 503, "{}", metrics.1.text());
     assert_eq!(
-        page.status, 200,
+        page.1.status, 200,
         "the web page is served while the node starts"
     );
 

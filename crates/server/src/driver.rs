@@ -132,6 +132,8 @@ struct Shared {
     recovered: AtomicBool,
     /// Queues recovery still has to bring back, for the API's refusal.
     recovery_left: AtomicUsize,
+    /// Turns true just after `recovered`, for waiting on it.
+    recovered_rx: watch::Receiver<bool>,
 }
 
 impl Shared {
@@ -187,6 +189,17 @@ impl NodeHandle {
         } else {
             Some(self.0.recovery_left.load(Ordering::Relaxed))
         }
+    }
+
+    /// [`NodeHandle::recovering`], after waiting up to `most` for recovery to end: a
+    /// request that comes in its last moments (or just after a start with nothing to
+    /// restore, which still takes a step) is served rather than refused.
+    pub async fn recovering_after(&self, most: Duration) -> Option<usize> {
+        self.recovering()?;
+        let mut done = self.0.recovered_rx.clone();
+        // A closed channel means recovery ended without turning it (the process is exiting).
+        let _ = tokio::time::timeout(most, done.wait_for(|d| *d)).await;
+        self.recovering()
     }
 
     /// Changes the node; what it produced is written out as after a client's frame, and
@@ -399,6 +412,7 @@ pub async fn serve(
     on_start: impl FnOnce(NodeHandle),
 ) -> std::io::Result<Option<Arc<warren_store::Store>>> {
     let config = node.config().clone();
+    let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
     let shared = Arc::new(Shared {
         core: Mutex::new(Core {
             recorder,
@@ -418,9 +432,9 @@ pub async fn serve(
         write_wait: writes.wait,
         recovered: AtomicBool::new(recovery.is_none() || store.is_none()),
         recovery_left: AtomicUsize::new(recovery.as_ref().map_or(0, |r| r.recovery.queues_left())),
+        recovered_rx: recovered_rx.clone(),
     });
     on_start(NodeHandle(shared.clone()));
-    let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
     let cancel_recovery = Arc::new(AtomicBool::new(false));
     if let (Some(recovery), Some(store)) = (recovery, store.clone()) {
         let shared = shared.clone();

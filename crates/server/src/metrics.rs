@@ -510,15 +510,15 @@ pub fn render(api: &Api, per_object: bool) -> String {
 }
 
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    metrics_text(&api, false)
+    metrics_text(&api, false).await
 }
 
 async fn per_object(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    metrics_text(&api, true)
+    metrics_text(&api, true).await
 }
 
-fn metrics_text(api: &Api, per_object: bool) -> axum::response::Response {
-    if let Some(left) = api.node.recovering() {
+async fn metrics_text(api: &Api, per_object: bool) -> axum::response::Response {
+    if let Some(left) = api.node.recovering_after(crate::http::RECOVERY_HOLD).await {
         // Figures of half-restored queues would read as messages lost: a failed scrape
         // (`up` 0), as RabbitMQ's endpoint that is not open yet.
         return (

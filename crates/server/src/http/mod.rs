@@ -8,6 +8,7 @@
 mod access;
 mod definitions;
 mod gate;
+pub use gate::HOLD as RECOVERY_HOLD;
 mod json;
 mod limits;
 mod list;
