@@ -815,8 +815,7 @@ async fn move_messages(
     const MOST: u32 = 10_000;
     let count = match b.get("count") {
         None | Some(Value::Null) => MOST,
-        Some(v) => v
-            .as_u64()
+        Some(v) => conv::integer(v)
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX).min(MOST))
             .ok_or_else(|| ApiError::bad_request("count must be a non-negative integer"))?,
     };
@@ -851,12 +850,7 @@ async fn get_messages(
         return Err(ApiError::bad_request(format!("[{}]", missing.join(","))));
     }
     // Numbers may come as strings (RabbitMQ accepts both).
-    let number = |k: &str| {
-        b.get(k).and_then(|v| {
-            v.as_u64()
-                .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
-        })
-    };
+    let number = |k: &str| b.get(k).and_then(conv::integer);
     let count = number("count")
         .ok_or_else(|| ApiError::bad_request("count must be a non-negative integer"))?
         .min(10_000);
