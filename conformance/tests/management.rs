@@ -550,3 +550,50 @@ fn metrics_use_rabbitmqs_names_and_pass_promtool() {
         );
     }
 }
+
+/// An API change answers once the store has it on disk; when the disk does not confirm it
+/// within the wait, the answer is a 503 that says so, never a success for a change that is
+/// only in memory. A slow disk (every batch 3 s late) and a 200 ms wait make the case.
+#[test]
+fn a_change_the_disk_has_not_confirmed_is_not_reported_done() {
+    let b = TestBroker::start_with(&[
+        "--test-store-delay-ms",
+        "3000",
+        "--test-api-write-wait-ms",
+        "200",
+    ]);
+    if b.is_external() {
+        eprintln!("SKIPPED: needs the spawned broker's slow-disk test option");
+        return;
+    }
+    // Past start-up (the gate of recovery answers 503 too, for another reason).
+    eventually("the API to answer", || {
+        let r = request("GET", &format!("{}/overview", api(&b)), GUEST, &[], None);
+        (r.status == 200).then_some(()).ok_or(r.status.to_string())
+    });
+    let q = unique("slow-disk");
+    let url = format!("{}/queues/%2f/{q}", api(&b));
+    let declared = request("PUT", &url, GUEST, &[], Some(r#"{"durable":true}"#));
+    assert_eq!(declared.status, 503, "{}", declared.text());
+    let body = declared.json();
+    assert_eq!(body["error"], "service_unavailable", "{body}");
+    assert!(
+        body["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("not yet durable"),
+        "{body}"
+    );
+    // The change is made (in memory): a retry finds it, and answers once it is on disk.
+    assert_eq!(request("GET", &url, GUEST, &[], None).status, 200);
+    let publish = json!({"routing_key": q, "payload": "x", "payload_encoding": "string",
+                         "properties": {"delivery_mode": 2}});
+    let published = request(
+        "POST",
+        &format!("{}/exchanges/%2f/amq.default/publish", api(&b)),
+        GUEST,
+        &[],
+        Some(&publish.to_string()),
+    );
+    assert_eq!(published.status, 503, "{}", published.text());
+}

@@ -105,6 +105,13 @@ pub struct Args {
     /// broker that serves connections while it recovers)
     #[arg(long, hide = true, value_name = "MS")]
     pub test_recovery_step_ms: Option<u64>,
+    /// Tests: every store write batch reaches the disk this much later (a slow disk)
+    #[arg(long, hide = true, value_name = "MS")]
+    pub test_store_delay_ms: Option<u64>,
+    /// Tests: how long a management API change waits for the disk before it is refused
+    /// [default: 10000]
+    #[arg(long, hide = true, value_name = "MS")]
+    pub test_api_write_wait_ms: Option<u64>,
     /// Port of the management HTTP API and web page, as RabbitMQ's management plugin
     /// [default: 15672]
     #[arg(long, env = "WARREN_MANAGEMENT_PORT", value_name = "PORT")]
@@ -288,6 +295,8 @@ pub struct Config {
     pub consumer_max_per_queue: Option<usize>,
     /// Tests only: a pause before each queue recovery brings back.
     pub recovery_step_delay: Option<std::time::Duration>,
+    /// How the management API's changes wait for the disk (test options only).
+    pub api_writes: crate::driver::ApiWrites,
     pub record_commands: Option<PathBuf>,
     /// The management API's port (`None`: turned off).
     pub management_port: Option<u16>,
@@ -433,6 +442,14 @@ impl Config {
             recovery_step_delay: args
                 .test_recovery_step_ms
                 .map(std::time::Duration::from_millis),
+            api_writes: crate::driver::ApiWrites {
+                wait: args
+                    .test_api_write_wait_ms
+                    .map_or(crate::driver::WRITE_WAIT, std::time::Duration::from_millis),
+                store_delay: args
+                    .test_store_delay_ms
+                    .map(std::time::Duration::from_millis),
+            },
             bind: args
                 .bind
                 .or(file.bind)

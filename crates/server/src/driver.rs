@@ -100,11 +100,20 @@ struct Core {
     last_sent: u64,
 }
 
-/// The last batch the store wrote, for the management API to wait on.
+/// What the store made of the batches, for the management API to wait on.
 #[derive(Default)]
 struct Written {
-    upto: Mutex<u64>,
+    state: Mutex<WriteState>,
     changed: Condvar,
+}
+
+#[derive(Default, Clone, Copy)]
+struct WriteState {
+    /// The last batch on disk.
+    upto: u64,
+    /// The last batch of a group whose write failed (it may be retried; nobody was told
+    /// it is on disk).
+    failed: u64,
 }
 
 struct Shared {
@@ -116,6 +125,15 @@ struct Shared {
     /// The deadline (node ms) the timer task sleeps until; `u64::MAX` = none.
     armed: AtomicU64,
     written: Written,
+    /// How long an API change waits for its store write before it is refused.
+    write_wait: Duration,
+    /// Turns true, under the node's lock, in the step that ends recovery: the management API
+    /// refuses every request until then (see [`NodeHandle::recovering`]).
+    recovered: AtomicBool,
+    /// Queues recovery still has to bring back, for the API's refusal.
+    recovery_left: AtomicUsize,
+    /// Turns true just after `recovered`, for waiting on it.
+    recovered_rx: watch::Receiver<bool>,
 }
 
 impl Shared {
@@ -162,35 +180,86 @@ impl NodeHandle {
         f(&core.node, now)
     }
 
+    /// While the store is still bringing queues back, the number of queues left: until then
+    /// store keys, shared bodies and message ids are not restored, and any change (or a read
+    /// of a half-restored queue) would be wrong. Once `None`, it stays so.
+    pub fn recovering(&self) -> Option<usize> {
+        if self.0.recovered.load(Ordering::Acquire) {
+            None
+        } else {
+            Some(self.0.recovery_left.load(Ordering::Relaxed))
+        }
+    }
+
+    /// [`NodeHandle::recovering`], after waiting up to `most` for recovery to end: a
+    /// request that comes in its last moments (or just after a start with nothing to
+    /// restore, which still takes a step) is served rather than refused.
+    pub async fn recovering_after(&self, most: Duration) -> Option<usize> {
+        self.recovering()?;
+        let mut done = self.0.recovered_rx.clone();
+        // A closed channel means recovery ended without turning it (the process is exiting).
+        let _ = tokio::time::timeout(most, done.wait_for(|d| *d)).await;
+        self.recovering()
+    }
+
     /// Changes the node; what it produced is written out as after a client's frame, and
     /// the call returns once the store has it on disk (as RabbitMQ answers an API change
-    /// once its database has it), or after [`WRITE_WAIT`] if the disk fails meanwhile.
-    pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> R {
-        let r = self.0.with_node(f);
-        let sent = self.0.lock().last_sent;
-        let w = &self.0.written;
-        let upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
-        if *upto >= sent {
-            return r;
+    /// once its database has it). Refused, without running `f`, while the node recovers; an
+    /// error if the store's write fails or does not end within the wait: the change is made
+    /// in memory, but nobody may be told it is durable.
+    pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
+        let shared = &self.0;
+        let r = shared.with_node(|node, now| {
+            // Under the lock that recovery's last step holds: no change slips in before it.
+            if shared.recovered.load(Ordering::Acquire) {
+                Ok(f(node, now))
+            } else {
+                Err(WriteError::Recovering)
+            }
+        })?;
+        let sent = shared.lock().last_sent;
+        let w = &shared.written;
+        let state = w.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.upto >= sent {
+            return Ok(r);
         }
         // A few milliseconds (one group commit): the worker's other tasks move elsewhere.
-        tokio::task::block_in_place(|| {
-            let waited = w
+        let outcome = tokio::task::block_in_place(|| {
+            let (state, _) = w
                 .changed
-                .wait_timeout_while(upto, WRITE_WAIT, |upto| *upto < sent);
-            if waited.is_err() || waited.is_ok_and(|(_, t)| t.timed_out()) {
-                tracing::warn!(
-                    batch = sent,
-                    "an API change is not on disk yet: answering anyway"
-                );
-            }
+                .wait_timeout_while(state, shared.write_wait, |s| {
+                    s.upto < sent && s.failed < sent
+                })
+                .unwrap_or_else(|p| p.into_inner());
+            *state
         });
-        r
+        if outcome.upto >= sent {
+            return Ok(r);
+        }
+        let error = if outcome.failed >= sent {
+            WriteError::Failed
+        } else {
+            WriteError::TimedOut(shared.write_wait)
+        };
+        tracing::warn!(batch = sent, error = %error, "an API change is not on disk: refusing to confirm it");
+        Err(error)
     }
 }
 
-/// How long an API change waits for its store write before it is answered anyway.
-const WRITE_WAIT: Duration = Duration::from_secs(10);
+/// Why [`NodeHandle::write`] cannot say its change is on disk, or did not make it.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("the node is still recovering its queues")]
+    Recovering,
+    #[error("the store's write failed")]
+    Failed,
+    #[error("the store did not finish the write within {0:?}")]
+    TimedOut(Duration),
+}
+
+/// How long an API change waits for its store write before it is refused: far beyond a
+/// healthy fsync, short of an HTTP client's patience.
+pub const WRITE_WAIT: Duration = Duration::from_secs(10);
 
 /// Milliseconds since the Unix epoch (0 if the system clock is set before it).
 fn wall_clock_ms() -> u64 {
@@ -314,17 +383,36 @@ pub struct PendingRecovery {
     pub step_pause: Option<Duration>,
 }
 
+/// How the management API's changes wait for the store.
+#[derive(Clone, Copy, Debug)]
+pub struct ApiWrites {
+    /// How long a change waits for its write ([`WRITE_WAIT`] unless a test shortens it).
+    pub wait: Duration,
+    /// Tests only: each batch reaches the store this much later (a slow disk).
+    pub store_delay: Option<Duration>,
+}
+
+impl Default for ApiWrites {
+    fn default() -> Self {
+        ApiWrites {
+            wait: WRITE_WAIT,
+            store_delay: None,
+        }
+    }
+}
+
 /// Runs the broker on `listener` until `shutdown` turns true, then closes every connection with 320.
 pub async fn serve(
     (listener, tls_listener): (TcpListener, Option<(TcpListener, crate::tls::Tls)>),
     node: Node,
     recorder: Option<Recorder>,
     (store, recovery): (Option<Arc<warren_store::Store>>, Option<PendingRecovery>),
-    (alarms, data_dir): (crate::config::AlarmConfig, std::path::PathBuf),
+    (alarms, data_dir, writes): (crate::config::AlarmConfig, std::path::PathBuf, ApiWrites),
     mut shutdown: watch::Receiver<bool>,
     on_start: impl FnOnce(NodeHandle),
 ) -> std::io::Result<Option<Arc<warren_store::Store>>> {
     let config = node.config().clone();
+    let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
     let shared = Arc::new(Shared {
         core: Mutex::new(Core {
             recorder,
@@ -341,9 +429,12 @@ pub async fn serve(
         timer: Notify::new(),
         armed: AtomicU64::new(u64::MAX),
         written: Written::default(),
+        write_wait: writes.wait,
+        recovered: AtomicBool::new(recovery.is_none() || store.is_none()),
+        recovery_left: AtomicUsize::new(recovery.as_ref().map_or(0, |r| r.recovery.queues_left())),
+        recovered_rx: recovered_rx.clone(),
     });
     on_start(NodeHandle(shared.clone()));
-    let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
     let cancel_recovery = Arc::new(AtomicBool::new(false));
     if let (Some(recovery), Some(store)) = (recovery, store.clone()) {
         let shared = shared.clone();
@@ -365,14 +456,20 @@ pub async fn serve(
             let on_written = shared.clone();
             let t = StoreThread::spawn(store, move |last, ok| {
                 on_written.with_node(|node, now| node.writes_done(last, ok, now));
+                let w = &on_written.written;
+                let mut state = w.state.lock().unwrap_or_else(|p| p.into_inner());
                 if ok {
-                    let w = &on_written.written;
-                    let mut upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
-                    *upto = (*upto).max(last);
-                    w.changed.notify_all();
+                    state.upto = state.upto.max(last);
+                } else {
+                    state.failed = state.failed.max(last);
                 }
+                w.changed.notify_all();
             })?;
-            shared.lock().store = Some(t.tx.clone());
+            let tx = match writes.store_delay {
+                Some(delay) => slow_disk(t.tx.clone(), delay)?,
+                None => t.tx.clone(),
+            };
+            shared.lock().store = Some(tx);
             Some(t)
         }
         None => None,
@@ -451,6 +548,54 @@ pub async fn serve(
     Ok(store_thread.and_then(StoreThread::finish))
 }
 
+/// Tests only (`--test-store-delay-ms`): a disk that takes `delay` for every batch. Batches
+/// keep their order and overlap as a real disk's queue does; the relay ends, after the
+/// last batch, when the core drops its sender.
+fn slow_disk(
+    store: std::sync::mpsc::Sender<warren_broker::WriteBatch>,
+    delay: Duration,
+) -> std::io::Result<std::sync::mpsc::Sender<warren_broker::WriteBatch>> {
+    let (tx, rx) = std::sync::mpsc::channel::<warren_broker::WriteBatch>();
+    std::thread::Builder::new()
+        .name("warren-slow-disk".into())
+        .spawn(move || {
+            let mut held: std::collections::VecDeque<(Instant, warren_broker::WriteBatch)> =
+                std::collections::VecDeque::new();
+            loop {
+                let next = match held.front() {
+                    Some((at, _)) => {
+                        rx.recv_timeout((*at + delay).saturating_duration_since(Instant::now()))
+                    }
+                    None => rx
+                        .recv()
+                        .map_err(|_| std::sync::mpsc::RecvTimeoutError::Disconnected),
+                };
+                match next {
+                    Ok(batch) => held.push_back((Instant::now(), batch)),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) if held.is_empty() => {
+                        return
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                        if let Some((at, _)) = held.front() {
+                            std::thread::sleep(
+                                (*at + delay).saturating_duration_since(Instant::now()),
+                            );
+                        }
+                    }
+                }
+                while held.front().is_some_and(|(at, _)| at.elapsed() >= delay) {
+                    if let Some((_, batch)) = held.pop_front() {
+                        if store.send(batch).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        })?;
+    Ok(tx)
+}
+
 /// Brings the queues' messages back one queue at a time, between the node's other events
 /// (handshakes go on meanwhile; open connections wait, see `read_loop`), then lets clients in.
 /// A store that cannot be read stops the broker, as it did before it served anyone.
@@ -483,6 +628,9 @@ fn recover(
         shared.with_node(|node, _| {
             if let Some(r) = recovery.as_mut() {
                 step = store.recover_step(node.broker_mut(), r);
+                shared
+                    .recovery_left
+                    .store(r.queues_left(), Ordering::Relaxed);
             }
         });
         match step {
@@ -497,6 +645,8 @@ fn recover(
             finished = Some(store.finish_recovery(node.broker_mut(), r));
         }
         node.set_recovering(false, now);
+        // Inside the same lock as the last step: the API's first change comes after it.
+        shared.recovered.store(true, Ordering::Release);
     });
     match finished {
         Some(Ok(r)) => tracing::info!(

@@ -303,7 +303,7 @@ async fn run(config: Config) -> std::io::Result<()> {
                 step_pause: config.recovery_step_delay,
             }),
         ),
-        (config.alarms, config.data_dir.clone()),
+        (config.alarms, config.data_dir.clone(), config.api_writes),
         stop_rx,
         |node| start_http(node, &config, tls.as_ref(), management, prometheus),
     )

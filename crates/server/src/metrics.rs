@@ -510,14 +510,24 @@ pub fn render(api: &Api, per_object: bool) -> String {
 }
 
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    metrics_text(&api, false)
+    metrics_text(&api, false).await
 }
 
 async fn per_object(State(api): State<Arc<Api>>) -> impl IntoResponse {
-    metrics_text(&api, true)
+    metrics_text(&api, true).await
 }
 
-fn metrics_text(api: &Api, per_object: bool) -> impl IntoResponse {
+async fn metrics_text(api: &Api, per_object: bool) -> axum::response::Response {
+    if let Some(left) = api.node.recovering_after(crate::http::RECOVERY_HOLD).await {
+        // Figures of half-restored queues would read as messages lost: a failed scrape
+        // (`up` 0), as RabbitMQ's endpoint that is not open yet.
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            [(header::RETRY_AFTER, "1")],
+            crate::http::recovering_reason(left),
+        )
+            .into_response();
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -525,6 +535,7 @@ fn metrics_text(api: &Api, per_object: bool) -> impl IntoResponse {
         )],
         render(api, per_object),
     )
+        .into_response()
 }
 
 /// Serves `/metrics` and `/metrics/per-object` on `listener` until the process ends.

@@ -149,11 +149,11 @@ async fn put_vhost(State(api): ApiState, Admin(who): Admin, Path(vhost): Path<St
             }
         }
         new
-    }))
+    })?)
 }
 
 async fn delete_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) -> Answer {
-    found(api.node.write(|n, now| n.delete_vhost(&vhost, now)))
+    found(api.node.write(|n, now| n.delete_vhost(&vhost, now))?)
 }
 
 // ------------------------------------------------------------------ users
@@ -240,11 +240,11 @@ async fn put_user(State(api): ApiState, _: Admin, Path(user): Path<String>, body
         let new = n.broker().access().user(&user).is_none();
         n.broker_mut().put_user(def);
         new
-    }))
+    })?)
 }
 
 async fn delete_user(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
-    found(api.node.write(|n, now| n.delete_user(&user, now)))
+    found(api.node.write(|n, now| n.delete_user(&user, now))?)
 }
 
 // ------------------------------------------------------------------ permissions
@@ -366,7 +366,7 @@ async fn put_permission(
     let new = api.node.write(|n, _| {
         let new = n.broker().access().permission(&user, &vhost).is_none();
         n.broker_mut().set_permission(def).map(|()| new)
-    });
+    })?;
     made(new.map_err(refused)?)
 }
 
@@ -377,7 +377,7 @@ async fn delete_permission(
 ) -> Answer {
     found(
         api.node
-            .write(|n, _| n.broker_mut().clear_permission(&user, &vhost)),
+            .write(|n, _| n.broker_mut().clear_permission(&user, &vhost))?,
     )
 }
 
@@ -415,7 +415,7 @@ async fn put_topic_permission(
             .topic_permissions()
             .any(|t| t.user == user && t.vhost == vhost && t.exchange == def.exchange);
         n.broker_mut().set_topic_permission(def).map(|()| new)
-    });
+    })?;
     made(new.map_err(refused)?)
 }
 
@@ -432,5 +432,5 @@ async fn delete_topic_permission(
             .any(|t| t.user == user && t.vhost == vhost);
         n.broker_mut().clear_topic_permission(&user, &vhost, None);
         any
-    }))
+    })?)
 }

@@ -169,7 +169,7 @@ fn text<'a>(v: &'a Value, k: &str, what: &str) -> Result<&'a str, ApiError> {
 }
 
 fn boolean(v: &Value, k: &str, default: bool) -> bool {
-    v.get(k).and_then(Value::as_bool).unwrap_or(default)
+    v.get(k).and_then(super::json::boolean).unwrap_or(default)
 }
 
 fn list<'a>(defs: &'a Value, k: &str) -> &'a [Value] {
@@ -329,5 +329,5 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
             }
         }
         Ok(())
-    })
+    })?
 }

@@ -178,6 +178,31 @@ pub fn to_properties(v: &Value) -> Result<Bytes, String> {
     Ok(p.encode())
 }
 
+/// A JSON boolean as RabbitMQ's management API reads one (`rabbit_mgmt_util:parse_bool`):
+/// `true`, `false`, or the strings "true" and "false".
+pub fn boolean(v: &Value) -> Option<bool> {
+    match v {
+        Value::Bool(b) => Some(*b),
+        Value::String(s) if s == "true" => Some(true),
+        Value::String(s) if s == "false" => Some(false),
+        _ => None,
+    }
+}
+
+/// A non-negative integer as RabbitMQ's management API reads one (`rabbit_mgmt_util:parse_int`):
+/// a JSON number (a fraction is truncated) or a string of digits (rabbitmqadmin sends `"1"`).
+pub fn integer(v: &Value) -> Option<u64> {
+    match v {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| f.is_finite() && *f >= 0.0 && *f < u64::MAX as f64)
+                .map(|f| f.trunc() as u64)
+        }),
+        Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,5 +239,19 @@ mod tests {
         assert_eq!(properties(&raw), v);
         assert!(to_properties(&json!({"delivery_mode": 7})).is_err());
         assert!(to_properties(&json!({"bogus": 1})).is_err());
+    }
+
+    #[test]
+    fn booleans_and_integers_as_rabbitmq_reads_them() {
+        assert_eq!(boolean(&json!(true)), Some(true));
+        assert_eq!(boolean(&json!("false")), Some(false));
+        assert_eq!(boolean(&json!("yes")), None);
+        assert_eq!(boolean(&json!(1)), None);
+        assert_eq!(integer(&json!(3)), Some(3));
+        assert_eq!(integer(&json!(2.7)), Some(2));
+        assert_eq!(integer(&json!("12")), Some(12));
+        assert_eq!(integer(&json!("1.5")), None);
+        assert_eq!(integer(&json!(-1)), None);
+        assert_eq!(integer(&json!(true)), None);
     }
 }

@@ -156,7 +156,7 @@ async fn put_vhost_limit(
         .write(|n, _| {
             n.broker_mut()
                 .set_limit(LimitScope::Vhost, &vhost, &name, value)
-        })
+        })?
         .map_err(|_| ApiError::vhost_not_found())?;
     done()
 }
@@ -168,7 +168,7 @@ async fn delete_vhost_limit(
     Path((vhost, name)): Path<(String, String)>,
 ) -> Answer {
     api.node
-        .write(|n, _| n.broker_mut().clear_limit(LimitScope::Vhost, &vhost, &name))
+        .write(|n, _| n.broker_mut().clear_limit(LimitScope::Vhost, &vhost, &name))?
         .map_err(|_| ApiError::vhost_not_found())?;
     done()
 }
@@ -210,7 +210,7 @@ async fn put_user_limit(
         .write(|n, _| {
             n.broker_mut()
                 .set_limit(LimitScope::User, &user, &name, value)
-        })
+        })?
         .map_err(|_| no_such_user(&user))?;
     done()
 }
@@ -221,7 +221,7 @@ async fn delete_user_limit(
     Path((user, name)): Path<(String, String)>,
 ) -> Answer {
     api.node
-        .write(|n, _| n.broker_mut().clear_limit(LimitScope::User, &user, &name))
+        .write(|n, _| n.broker_mut().clear_limit(LimitScope::User, &user, &name))?
         .map_err(|_| ApiError::not_found())?;
     done()
 }

@@ -7,6 +7,8 @@
 
 mod access;
 mod definitions;
+mod gate;
+pub use gate::HOLD as RECOVERY_HOLD;
 mod json;
 mod limits;
 mod list;
@@ -28,7 +30,7 @@ use serde_json::{json, Value};
 use warren_broker::access::{Access, Perm, Resource};
 use warren_codec::AmqpError;
 
-use crate::driver::NodeHandle;
+use crate::driver::{NodeHandle, WriteError};
 
 /// What the API knows besides the node.
 pub struct Api {
@@ -58,6 +60,8 @@ pub struct ApiError {
     reason: String,
     /// A reason RabbitMQ sends as a JSON term rather than a string (`["no_such_user","u"]`).
     reason_json: Option<Value>,
+    /// Seconds for a `Retry-After` header (a node that is still starting).
+    retry_after: Option<u32>,
 }
 
 impl ApiError {
@@ -67,6 +71,7 @@ impl ApiError {
             error: "bad_request",
             reason: reason.into(),
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -76,6 +81,7 @@ impl ApiError {
             error: "invalid_pagination_parameters",
             reason,
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -85,6 +91,7 @@ impl ApiError {
             error: "page_out_of_range",
             reason,
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -94,6 +101,7 @@ impl ApiError {
             error: "Object Not Found",
             reason: "Not Found".into(),
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -104,6 +112,7 @@ impl ApiError {
             error: "not_authorized",
             reason: "Login failed".into(),
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -114,6 +123,7 @@ impl ApiError {
             error: "",
             reason: String::new(),
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -124,6 +134,7 @@ impl ApiError {
             error: "not_authorised",
             reason: reason.into(),
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -134,6 +145,7 @@ impl ApiError {
             error: "bad_request",
             reason: String::new(),
             reason_json: Some(reason),
+            retry_after: None,
         }
     }
 
@@ -144,6 +156,7 @@ impl ApiError {
             error: "not_found",
             reason: "vhost_not_found".into(),
             reason_json: None,
+            retry_after: None,
         }
     }
 
@@ -155,6 +168,63 @@ impl ApiError {
             error: "not_found",
             reason: format!("NOT_FOUND - {text}"),
             reason_json: None,
+            retry_after: None,
+        }
+    }
+}
+
+impl ApiError {
+    /// The node is still bringing its queues back from disk (see [`NodeHandle::recovering`]).
+    /// RabbitMQ opens its management listener only once the node has booted; Warren answers,
+    /// so that a health check or a dashboard can tell "starting" from "down".
+    pub fn recovering(left: usize) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            error: "service_unavailable",
+            reason: recovering_reason(left),
+            reason_json: None,
+            retry_after: Some(1),
+        }
+    }
+}
+
+/// What a request during start-up is told.
+pub fn recovering_reason(left: usize) -> String {
+    format!(
+        "the node is starting: it is still recovering its queues from disk ({left} left); \
+         the management API answers once that is over, retry shortly"
+    )
+}
+
+/// A change the store has not put on disk is not reported as done.
+impl From<WriteError> for ApiError {
+    fn from(e: WriteError) -> Self {
+        match e {
+            // The gate in front of the routes answers first; a change that reaches the node
+            // before the end of recovery is refused there too.
+            WriteError::Recovering => ApiError::recovering(0),
+            WriteError::Failed => ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                error: "internal_server_error",
+                reason: "the change is made in memory, but the store could not write it to \
+                         disk (see the broker's log): it is not durable and may be lost on a \
+                         restart"
+                    .into(),
+                reason_json: None,
+                retry_after: None,
+            },
+            WriteError::TimedOut(wait) => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                error: "service_unavailable",
+                reason: format!(
+                    "the change is made in memory, but the disk has not confirmed it after \
+                     {} ms (it is slow or failing): it is not yet durable and may be lost on \
+                     a restart",
+                    wait.as_millis()
+                ),
+                reason_json: None,
+                retry_after: None,
+            },
         }
     }
 }
@@ -187,6 +257,10 @@ impl IntoResponse for ApiError {
             )
                 .into_response()
         };
+        if let Some(secs) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         if challenge {
             r.headers_mut().insert(
                 header::WWW_AUTHENTICATE,
@@ -454,7 +528,10 @@ pub async fn serve<L>(listener: L, api: Arc<Api>)
 where
     L: axum::serve::Listener<Addr = SocketAddr>,
 {
-    let app = routes::router(api);
+    let app = routes::router(api.clone()).layer(axum::middleware::from_fn_with_state(
+        api,
+        gate::while_recovering,
+    ));
     // tap_io: axum gives the peer address (ConnectInfo) for any listener through it.
     if let Err(e) = axum::serve(
         axum::serve::ListenerExt::tap_io(listener, |_| {}),

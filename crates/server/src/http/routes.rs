@@ -55,6 +55,8 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/vhosts/{vhost}/channels", get(vhost_channels))
         .route("/api/policies", get(empty_list))
         .route("/api/policies/{vhost}", get(empty_list))
+        .route("/api/operator-policies", get(empty_list))
+        .route("/api/operator-policies/{vhost}", get(empty_list))
         .route("/api/parameters", get(empty_list))
         .route("/api/exchanges", get(exchanges_all))
         .route("/api/exchanges/{vhost}", get(exchanges_vhost))
@@ -161,12 +163,13 @@ fn short(s: &str, what: &str) -> Result<ShortStr, ApiError> {
     ShortStr::try_from_str(s).map_err(|_| ApiError::bad_request(format!("{what} name too long")))
 }
 
-/// A boolean field of a body, false when absent (RabbitMQ's 400 for another type).
+/// A boolean field of a body, false when absent; as RabbitMQ's `parse_bool`, also the strings
+/// "true" and "false" (what rabbitmqadmin sends), and a 400 for anything else.
 fn boolean(b: &Value, k: &str) -> Result<bool, ApiError> {
     match b.get(k) {
         None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(v)) => Ok(*v),
-        Some(other) => Err(ApiError::bad_request(format!("[\"not_boolean\", {other}]"))),
+        Some(other) => conv::boolean(other)
+            .ok_or_else(|| ApiError::bad_request(format!("[\"not_boolean\", {other}]"))),
     }
 }
 
@@ -487,7 +490,7 @@ async fn put_exchange(
             )
             .map(|()| existed)
             .map_err(ApiError::from)
-    })?;
+    })??;
     if existed {
         no_content()
     } else {
@@ -512,7 +515,7 @@ async fn delete_exchange(
         n.broker_mut()
             .delete_exchange(&vhost, &name, if_unused)
             .map_err(ApiError::from)
-    })?;
+    })??;
     no_content()
 }
 
@@ -584,7 +587,7 @@ async fn publish(
                 // RabbitMQ reports the channel error as text in a 400.
                 ApiError::bad_request(format!("{} {} - {}", e.code.code(), e.code.name(), e.text))
             })
-    })?;
+    })??;
     ok(json!({ "routed": routed.queues > 0 }))
 }
 
@@ -741,7 +744,7 @@ async fn put_queue(
             .declare_queue_as(&vhost, req, API_CONN, Some(&who.name))
             .map(|_| existed)
             .map_err(ApiError::from)
-    })?;
+    })??;
     if existed {
         no_content()
     } else {
@@ -765,7 +768,7 @@ async fn delete_queue(
         who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
         n.delete_queue(&vhost, &name, conditions)
             .map_err(ApiError::from)
-    })?;
+    })??;
     no_content()
 }
 
@@ -785,7 +788,7 @@ async fn purge_queue(
         n.broker_mut()
             .purge_queue(&vhost, &name, API_CONN)
             .map_err(ApiError::from)
-    })?;
+    })??;
     no_content()
 }
 
@@ -812,8 +815,7 @@ async fn move_messages(
     const MOST: u32 = 10_000;
     let count = match b.get("count") {
         None | Some(Value::Null) => MOST,
-        Some(v) => v
-            .as_u64()
+        Some(v) => conv::integer(v)
             .map(|n| u32::try_from(n).unwrap_or(u32::MAX).min(MOST))
             .ok_or_else(|| ApiError::bad_request("count must be a non-negative integer"))?,
     };
@@ -827,7 +829,7 @@ async fn move_messages(
         who.permit_in(n.broker().access(), &vhost, &needs, Via::Channel)?;
         n.move_messages(&vhost, &name, &destination, count, now)
             .map_err(ApiError::from)
-    })?;
+    })??;
     ok(json!({ "moved": moved }))
 }
 
@@ -848,12 +850,7 @@ async fn get_messages(
         return Err(ApiError::bad_request(format!("[{}]", missing.join(","))));
     }
     // Numbers may come as strings (RabbitMQ accepts both).
-    let number = |k: &str| {
-        b.get(k).and_then(|v| {
-            v.as_u64()
-                .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
-        })
-    };
+    let number = |k: &str| b.get(k).and_then(conv::integer);
     let count = number("count")
         .ok_or_else(|| ApiError::bad_request("count must be a non-negative integer"))?
         .min(10_000);
@@ -900,7 +897,7 @@ async fn get_messages(
             };
         }
         Ok::<_, ApiError>(got)
-    })?;
+    })??;
     let out: Vec<Value> = got
         .iter()
         .map(|(d, remaining)| {
@@ -1055,7 +1052,7 @@ async fn create_binding(
             broker.bind_exchange(&vhost, &dest, &source, &key, &arguments)
         }
         .map_err(ApiError::from)
-    })?;
+    })??;
     let made = warren_broker::BindingSnapshot {
         vhost: vhost.clone(),
         source: short(&source, "exchange")?,
@@ -1142,7 +1139,7 @@ async fn delete_binding(
             )
         }
         .map_err(ApiError::from)
-    })?;
+    })??;
     no_content()
 }
 
@@ -1242,7 +1239,7 @@ async fn close_connection(
         .to_owned();
     tracing::info!(conn = c.id, by = %who.name, reason = %reason, "closing a connection through the management API");
     api.node
-        .write(|n, now| n.close_connection(c.id, &reason, now));
+        .write(|n, now| n.close_connection(c.id, &reason, now))?;
     no_content()
 }
 
@@ -1307,7 +1304,7 @@ async fn close_user_connections(
     for c in conns {
         tracing::info!(conn = c.id, by = %who.name, reason = %reason, "closing a connection through the management API");
         api.node
-            .write(|n, now| n.close_connection(c.id, &reason, now));
+            .write(|n, now| n.close_connection(c.id, &reason, now))?;
     }
     no_content()
 }
@@ -1584,7 +1581,7 @@ async fn aliveness(
                 None => return Ok::<_, warren_codec::AmqpError>(false),
             }
         }
-    })?;
+    })??;
     if got {
         ok(json!({"status": "ok"}))
     } else {
