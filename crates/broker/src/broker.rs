@@ -1611,28 +1611,6 @@ impl Broker {
             });
         }
         let size = message.body.len() as u64;
-        // A full queue that refuses new messages counts as routed, and the publisher's
-        // confirm becomes a nack.
-        let mut rejected = 0u32;
-        let refusing = self.refusing_queues > 0;
-        targets.retain(|id| {
-            if !refusing {
-                return true;
-            }
-            let Some(q) = self.queues.get(id) else {
-                return true;
-            };
-            if !q.machine.rejects(size) {
-                return true;
-            }
-            rejected += 1;
-            if q.args.overflow == args::Overflow::RejectPublishDlx {
-                if let Some(dl) = dead_letter_of(q, message.clone(), DeadLetterReason::MaxLen) {
-                    self.dead_letters.push_back(dl);
-                }
-            }
-            false
-        });
         // A queue that saw the message's key within its window drops this copy (counted as
         // routed: the publisher's confirm is an ack, as for the first copy).
         let mut duplicates = 0u32;
@@ -1648,16 +1626,23 @@ impl Broker {
                 !dup
             });
         }
-        // Queues with a delivery delay get their copy when it is due.
+        // Queues with a delivery delay get their copy when it is due; one that is full and
+        // refuses new messages refuses it now, while its publisher can still be told.
         let mut held: Vec<(ShortStr, u64)> = Vec::new();
+        let mut refused_now: Vec<QueueId> = Vec::new();
         if self.delaying_queues > 0 && !released {
             let headers = warren_codec::properties::headers(&message.properties);
             let own = delayed::header_delay(headers.ok().flatten().as_ref());
+            let refusing = self.refusing_queues > 0;
             targets.retain(|id| {
                 let Some(q) = self.queues.get(id) else {
                     return true;
                 };
                 match q.args.delivery_delay_ms {
+                    Some(_) if refusing && q.machine.rejects(size) => {
+                        refused_now.push(*id);
+                        false
+                    }
                     Some(delay) => {
                         held.push((q.name.clone(), own.unwrap_or(delay)));
                         false
@@ -1665,6 +1650,9 @@ impl Broker {
                     None => true,
                 }
             });
+        }
+        for id in &refused_now {
+            self.refused(*id, Kept::Memory, &message);
         }
         let own_ttl = message_ttl(&message);
         let meta = MsgMeta {
@@ -1687,6 +1675,11 @@ impl Broker {
         let mut kinds = std::mem::take(&mut self.scratch_kinds);
         kinds.clear();
         let (mut durable, mut spilled) = (0u32, 0u32);
+        // A full `reject-publish` queue will refuse its copy: the machine decides (its Enqueue
+        // reply), and its copy is not written, since nothing changes a queue between this look
+        // and its Enqueue (dead letters wait until every copy is in, below).
+        let refusing = self.refusing_queues > 0;
+        let refuses = |q: &Queue| refusing && q.machine.rejects(size);
         // Spilling pays only for a body this queue alone holds: one that is also stored
         // durably, or spilled for several queues, has its references counted in memory and
         // could not leave it anyway (and a durable body must not count scratch references,
@@ -1696,6 +1689,7 @@ impl Broker {
         if self.persist.is_some() && (message.persistent || self.spill) {
             for id in &targets {
                 let kind = match self.queues.get(id) {
+                    Some(q) if refuses(q) => Kept::Memory,
                     Some(q) if message.persistent && q.store_key.is_some() => {
                         durable += 1;
                         Kept::Durable
@@ -1741,9 +1735,17 @@ impl Broker {
                 batch = Some(p.next_batch);
             }
         }
-        let mut routed = rejected + duplicates;
+        // A full queue that refuses the message counts as routed (no basic.return), and the
+        // publisher's confirm becomes a nack.
+        let mut rejected = refused_now.len() as u32;
+        let mut routed = duplicates + rejected;
         // Only a body stored for one queue is paged out (a shared one is counted in memory).
         let paging = self.pager.is_some() && stored == 1;
+        // What a copy makes its queue drop (drop-head) is dead-lettered once every copy is in:
+        // a dead letter that filled a later target would otherwise refuse that target's copy,
+        // and RabbitMQ's queues get a publish's copies before any dead letter it causes.
+        let defer = !self.dead_lettering;
+        self.dead_lettering = true;
         for (i, id) in targets.iter().enumerate() {
             let kind = kinds.get(i).copied().unwrap_or(Kept::Memory);
             let mut copy = message.clone();
@@ -1772,6 +1774,11 @@ impl Broker {
                 continue;
             };
             routed += 1;
+            if reply == Reply::Refused(Refusal::Full) {
+                self.refused(*id, kind, &message);
+                rejected += 1;
+                continue;
+            }
             // A queue over its length drops its head: handled once this copy's entry is
             // written (the head may be this very message).
             let dropped = (!self.effects.is_empty()).then(|| std::mem::take(&mut self.effects));
@@ -1780,6 +1787,10 @@ impl Broker {
                 self.effects = effects;
                 self.finish_effects(*id);
             }
+        }
+        if defer {
+            self.dead_lettering = false;
+            self.dead_letter_pending();
         }
         self.scratch_kinds = kinds;
         self.scratch_queues = targets;
@@ -1793,6 +1804,28 @@ impl Broker {
             batch,
             rejected: rejected > 0,
         })
+    }
+
+    /// A full `reject-publish` queue refused its copy of `message`: a stored copy lets its
+    /// body go, and `reject-publish-dlx` dead-letters the message (reason `maxlen`).
+    fn refused(&mut self, id: QueueId, kind: Kept, message: &Message) {
+        if let (Some(p), Some(body), false) = (
+            self.persist.as_mut(),
+            message.store_key,
+            kind == Kept::Memory,
+        ) {
+            p.release_body(body);
+        }
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        if q.args.overflow == args::Overflow::RejectPublishDlx {
+            let mut m = message.clone();
+            m.store_key = None;
+            if let Some(dl) = dead_letter_of(q, m, DeadLetterReason::MaxLen) {
+                self.dead_letters.push_back(dl);
+            }
+        }
     }
 
     /// Writes a queue's entry for a message it just took (if its copy is on disk).
@@ -2674,7 +2707,12 @@ impl Broker {
         check_access(q, conn)?;
         let id = q.id;
         if q.machine.ready_count() == 0 {
-            // Nothing to take: no command, so an empty poll loop writes nothing to the log.
+            // Nothing to take. A queue with `x-expires` still counts the poll as use (RabbitMQ
+            // restarts its expiry timer on every basic.get, empty or not); for any other queue
+            // no command, so an empty poll loop writes nothing to the log.
+            if q.args.expires_ms.is_some() {
+                self.run(id, Command::Get { no_ack });
+            }
             return Ok(None);
         }
         // A poller reads a few at a time: a queue without consumers pages out to its small
