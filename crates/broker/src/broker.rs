@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
 use crate::dead_letter::{self, Death};
-use crate::delayed::{self, DelayKey, Delayed, Scheduler};
+use crate::delayed::{self, DelayKey, Delayed, Holder, Scheduler};
 use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
@@ -144,6 +144,8 @@ pub struct Broker {
     dedup_exchanges: bool,
     /// Messages held back until they are due (delayed exchanges, queues' delivery delays).
     scheduler: Scheduler,
+    /// The last incarnation number given out without a store (with one, they are body keys).
+    last_incarnation: u64,
     /// Node-wide message counters (for operators).
     counters: crate::stats::BrokerCounters,
 }
@@ -492,6 +494,7 @@ fn remove_exchange(
     vh: &mut VHost,
     queues: &mut HashMap<QueueId, Box<Queue>>,
     mut persist: Option<&mut Persist>,
+    scheduler: &mut Scheduler,
     name: &str,
 ) {
     let mut work: Vec<ShortStr> = vec![short(name)];
@@ -499,6 +502,9 @@ fn remove_exchange(
         let Some(x) = vh.exchanges.remove(&name) else {
             continue;
         };
+        if x.delayed {
+            drop_held(scheduler, persist.as_deref_mut(), vhost, false, &name);
+        }
         if let Some(p) = persist.as_deref_mut().filter(|_| x.durable) {
             for (dest, key, args) in x.bindings() {
                 if let Some(d) = durable_dest(vh, queues, true, dest) {
@@ -551,6 +557,33 @@ fn remove_exchange(
     }
 }
 
+/// A queue with `x-delivery-delay` (`queue`) or a delayed exchange is gone: so are the
+/// messages it holds, from memory and from the store (what is on disk only goes when the
+/// scheduler reads it back and finds its holder gone).
+fn drop_held(
+    scheduler: &mut Scheduler,
+    persist: Option<&mut Persist>,
+    vhost: &str,
+    queue: bool,
+    name: &str,
+) {
+    let keys = scheduler.drop_held(vhost, queue, name);
+    if !keys.is_empty() {
+        tracing::debug!(
+            vhost,
+            holder = name,
+            queue,
+            count = keys.len(),
+            "held delayed messages dropped with their holder"
+        );
+    }
+    if let Some(p) = persist {
+        for key in keys {
+            p.push(StoreOp::DeleteDelayed { key }, false);
+        }
+    }
+}
+
 /// Removes one `(exchange, key, args)` entry from a reverse binding index.
 fn remove_one(
     list: &mut Vec<(ShortStr, ShortStr, FieldTable)>,
@@ -572,6 +605,7 @@ fn maybe_auto_delete(
     vh: &mut VHost,
     queues: &mut HashMap<QueueId, Box<Queue>>,
     persist: Option<&mut Persist>,
+    scheduler: &mut Scheduler,
     source: &str,
 ) {
     if vh
@@ -579,7 +613,7 @@ fn maybe_auto_delete(
         .get(source)
         .is_some_and(|x| x.auto_delete && x.binding_count() == 0)
     {
-        remove_exchange(vhost, vh, queues, persist, source);
+        remove_exchange(vhost, vh, queues, persist, scheduler, source);
     }
 }
 
@@ -621,6 +655,7 @@ impl Broker {
             dedup_queues: 0,
             dedup_exchanges: false,
             scheduler: Scheduler::default(),
+            last_incarnation: 0,
             counters: Default::default(),
         };
         if b.config.persistence {
@@ -833,6 +868,13 @@ impl Broker {
 
         let id = QueueId(self.next_queue);
         self.next_queue += 1;
+        // Only a queue that holds messages back needs a number besides its store key.
+        let incarnation =
+            if parsed.delivery_delay_ms.is_some() && !(durable && self.persist.is_some()) {
+                self.incarnation()
+            } else {
+                0
+            };
         let store_key = match self.persist.as_mut() {
             Some(p) if durable => {
                 let key = p.queue_key();
@@ -868,6 +910,7 @@ impl Broker {
             dirty: false,
             scheduled: None,
             store_key,
+            incarnation,
             load_retry_at: None,
             spill_key: None,
             stats: Box::default(),
@@ -896,6 +939,18 @@ impl Broker {
             self.run(id, Command::Configure(policy));
         }
         Ok(out)
+    }
+
+    /// A number no queue or exchange had, in this run or an earlier one: a body key with a
+    /// store (reserved on disk like any), else a counter.
+    fn incarnation(&mut self) -> u64 {
+        match self.persist.as_mut() {
+            Some(p) => p.body_key(),
+            None => {
+                self.last_incarnation += 1;
+                self.last_incarnation
+            }
+        }
     }
 
     /// A declaration renews an `x-expires` lease (nothing to log for other queues).
@@ -948,6 +1003,13 @@ impl Broker {
         }
         if q.args.delivery_delay_ms.is_some() {
             self.delaying_queues = self.delaying_queues.saturating_sub(1);
+            drop_held(
+                &mut self.scheduler,
+                self.persist.as_mut(),
+                &q.vhost,
+                true,
+                &q.name,
+            );
         }
         if q.dedup.is_some() {
             self.dedup_queues = self.dedup_queues.saturating_sub(1);
@@ -990,7 +1052,14 @@ impl Broker {
                 if let Some(ex) = vh.exchanges.get_mut(x) {
                     ex.unbind(&dest, key, args);
                 }
-                maybe_auto_delete(&q.vhost, vh, &mut self.queues, self.persist.as_mut(), x);
+                maybe_auto_delete(
+                    &q.vhost,
+                    vh,
+                    &mut self.queues,
+                    self.persist.as_mut(),
+                    &mut self.scheduler,
+                    x,
+                );
             }
         }
         if let Some(owner) = q.owner {
@@ -1093,6 +1162,13 @@ impl Broker {
                     ))
                 })?;
                 let name = short(&name);
+                let incarnation = delayed.then(|| match self.persist.as_mut() {
+                    Some(p) => p.body_key(),
+                    None => {
+                        self.last_incarnation += 1;
+                        self.last_incarnation
+                    }
+                });
                 if let Some(p) = self.persist.as_mut().filter(|_| durable) {
                     p.push(
                         StoreOp::PutExchange(ExchangeDef {
@@ -1100,6 +1176,7 @@ impl Broker {
                             name: name.clone(),
                             kind,
                             delayed,
+                            incarnation,
                             auto_delete,
                             internal,
                             arguments: arguments.detached(),
@@ -1116,6 +1193,7 @@ impl Broker {
                     arguments.detached(),
                 );
                 x.delayed = delayed;
+                x.incarnation = incarnation;
                 x.dedup = dedup.map(|s| Box::new(crate::dedup::Dedup::new(s)));
                 self.dedup_exchanges |= x.dedup.is_some();
                 vh.exchanges.insert(name.clone(), x);
@@ -1163,7 +1241,14 @@ impl Broker {
                 rs("exchange", &name, vhost)
             )));
         }
-        remove_exchange(vhost, vh, &mut self.queues, self.persist.as_mut(), &name);
+        remove_exchange(
+            vhost,
+            vh,
+            &mut self.queues,
+            self.persist.as_mut(),
+            &mut self.scheduler,
+            &name,
+        );
         Ok(())
     }
 
@@ -1261,6 +1346,7 @@ impl Broker {
             vh,
             &mut self.queues,
             self.persist.as_mut(),
+            &mut self.scheduler,
             &exchange,
         );
         Ok(())
@@ -1353,7 +1439,14 @@ impl Broker {
             if let Some(dst) = vh.exchanges.get_mut(&dst_name) {
                 remove_one(&mut dst.incoming, &source, &key, arguments);
             }
-            maybe_auto_delete(vhost, vh, &mut self.queues, self.persist.as_mut(), &source);
+            maybe_auto_delete(
+                vhost,
+                vh,
+                &mut self.queues,
+                self.persist.as_mut(),
+                &mut self.scheduler,
+                &source,
+            );
         }
         Ok(())
     }
@@ -1386,7 +1479,7 @@ impl Broker {
     fn schedule(
         &mut self,
         vhost: &str,
-        queue: Option<ShortStr>,
+        (queue, holder): (Option<ShortStr>, Holder),
         mut message: Message,
         delay_ms: u64,
     ) -> Routed {
@@ -1396,6 +1489,7 @@ impl Broker {
         let d = Delayed {
             vhost: vhost.to_owned(),
             queue,
+            holder,
             message,
         };
         let mut batch = None;
@@ -1453,10 +1547,17 @@ impl Broker {
                 // written releases it again, never loses it.
                 p.push(StoreOp::DeleteDelayed { key }, false);
             }
+            if !self.still_held(&d) {
+                // Its queue (or exchange) was deleted, perhaps declared again since: what
+                // the old one held went with it.
+                tracing::debug!(vhost = %d.vhost, queue = ?d.queue, exchange = %d.message.exchange, "a delayed message whose holder is gone: dropped");
+                continue;
+            }
             let Delayed {
                 vhost,
                 queue,
                 message,
+                ..
             } = d;
             let mut message = message;
             let (exchange, routing_key) = match queue {
@@ -1477,6 +1578,24 @@ impl Broker {
             }
         }
         self.dead_letter_pending();
+    }
+
+    /// Does the incarnation of the queue or exchange that held `d` still exist?
+    fn still_held(&self, d: &Delayed) -> bool {
+        let Some(vh) = self.vhosts.get(&d.vhost) else {
+            return false;
+        };
+        match &d.queue {
+            Some(name) => vh
+                .queues
+                .get(name)
+                .and_then(|id| self.queues.get(id))
+                .is_some_and(|q| q.args.delivery_delay_ms.is_some() && d.holder.admits(q.holder())),
+            None => vh
+                .exchanges
+                .get(&d.message.exchange)
+                .is_some_and(|x| x.delayed && d.holder.admits(x.holder())),
+        }
     }
 
     /// Reads the next scheduled messages back from disk (a failed read is tried again soon).
@@ -1582,7 +1701,8 @@ impl Broker {
                     if message.routing_key.as_str() != routing_key {
                         message.routing_key = short(routing_key);
                     }
-                    return Ok(self.schedule(vhost, None, message, delay));
+                    let holder = x.holder();
+                    return Ok(self.schedule(vhost, (None, holder), message, delay));
                 }
             }
             let mut dests = std::mem::take(&mut self.scratch_dests);
@@ -1628,7 +1748,7 @@ impl Broker {
         }
         // Queues with a delivery delay get their copy when it is due; one that is full and
         // refuses new messages refuses it now, while its publisher can still be told.
-        let mut held: Vec<(ShortStr, u64)> = Vec::new();
+        let mut held: Vec<(ShortStr, Holder, u64)> = Vec::new();
         let mut refused_now: Vec<QueueId> = Vec::new();
         if self.delaying_queues > 0 && !released {
             let headers = warren_codec::properties::headers(&message.properties);
@@ -1644,7 +1764,7 @@ impl Broker {
                         false
                     }
                     Some(delay) => {
-                        held.push((q.name.clone(), own.unwrap_or(delay)));
+                        held.push((q.name.clone(), q.holder(), own.unwrap_or(delay)));
                         false
                     }
                     None => true,
@@ -1794,8 +1914,8 @@ impl Broker {
         }
         self.scratch_kinds = kinds;
         self.scratch_queues = targets;
-        for (queue, delay) in held {
-            let r = self.schedule(vhost, Some(queue), message.clone(), delay);
+        for (queue, holder, delay) in held {
+            let r = self.schedule(vhost, (Some(queue), holder), message.clone(), delay);
             routed += r.queues;
             batch = batch.max(r.batch);
         }
@@ -2283,7 +2403,16 @@ impl Broker {
                 def.internal,
                 &def.arguments,
             )
-        })
+        })?;
+        // The same incarnation as before the restart: what it held is still its own.
+        if let Some(x) = self
+            .vhosts
+            .get_mut(&def.vhost)
+            .and_then(|vh| vh.exchanges.get_mut(&def.name))
+        {
+            x.incarnation = def.incarnation.filter(|_| def.delayed);
+        }
+        Ok(())
     }
 
     /// Runs a declaration for recovery: nothing is written back to the store (it holds it
