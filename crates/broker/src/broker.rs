@@ -146,6 +146,8 @@ pub struct Broker {
     scheduler: Scheduler,
     /// The last incarnation number given out without a store (with one, they are body keys).
     last_incarnation: u64,
+    /// A delayed message is being released: how many times a full queue refused it before.
+    releasing: Option<u32>,
     /// Node-wide message counters (for operators).
     counters: crate::stats::BrokerCounters,
 }
@@ -656,6 +658,7 @@ impl Broker {
             dedup_exchanges: false,
             scheduler: Scheduler::default(),
             last_incarnation: 0,
+            releasing: None,
             counters: Default::default(),
         };
         if b.config.persistence {
@@ -868,13 +871,13 @@ impl Broker {
 
         let id = QueueId(self.next_queue);
         self.next_queue += 1;
-        // Only a queue that holds messages back needs a number besides its store key.
-        let incarnation =
-            if parsed.delivery_delay_ms.is_some() && !(durable && self.persist.is_some()) {
-                self.incarnation()
-            } else {
-                0
-            };
+        // A queue may hold delayed messages (its own delay, or a release it refused): one
+        // without a store key needs a number to be told from the next queue of its name.
+        let incarnation = if durable && self.persist.is_some() {
+            0
+        } else {
+            self.incarnation()
+        };
         let store_key = match self.persist.as_mut() {
             Some(p) if durable => {
                 let key = p.queue_key();
@@ -998,11 +1001,15 @@ impl Broker {
     fn remove_queue(&mut self, id: QueueId) -> Option<QueueDeleted> {
         let q = self.queues.remove(&id)?;
         self.cycles_reported.remove(&id);
-        if refuses(&policy(&q.args)) {
+        let refusing = refuses(&policy(&q.args));
+        if refusing {
             self.refusing_queues = self.refusing_queues.saturating_sub(1);
         }
         if q.args.delivery_delay_ms.is_some() {
             self.delaying_queues = self.delaying_queues.saturating_sub(1);
+        }
+        // What it holds: its own delayed copies, and releases it refused when they fell due.
+        if refusing || q.args.delivery_delay_ms.is_some() {
             drop_held(
                 &mut self.scheduler,
                 self.persist.as_mut(),
@@ -1482,6 +1489,7 @@ impl Broker {
         (queue, holder): (Option<ShortStr>, Holder),
         mut message: Message,
         delay_ms: u64,
+        refused: u32,
     ) -> Routed {
         message.store_key = None;
         message.compact();
@@ -1490,6 +1498,7 @@ impl Broker {
             vhost: vhost.to_owned(),
             queue,
             holder,
+            refused,
             message,
         };
         let mut batch = None;
@@ -1557,6 +1566,7 @@ impl Broker {
                 vhost,
                 queue,
                 message,
+                refused,
                 ..
             } = d;
             let mut message = message;
@@ -1573,7 +1583,10 @@ impl Broker {
                     (message.exchange.clone(), message.routing_key.clone())
                 }
             };
-            if let Err(e) = self.publish_to(&vhost, &exchange, &routing_key, message, None, true) {
+            self.releasing = Some(refused);
+            let routed = self.publish_to(&vhost, &exchange, &routing_key, message, None, true);
+            self.releasing = None;
+            if let Err(e) = routed {
                 tracing::debug!(vhost = %vhost, exchange = %exchange, error = %e, "a delayed message came due with nowhere to go: dropped");
             }
         }
@@ -1590,7 +1603,7 @@ impl Broker {
                 .queues
                 .get(name)
                 .and_then(|id| self.queues.get(id))
-                .is_some_and(|q| q.args.delivery_delay_ms.is_some() && d.holder.admits(q.holder())),
+                .is_some_and(|q| d.holder.admits(q.holder())),
             None => vh
                 .exchanges
                 .get(&d.message.exchange)
@@ -1702,7 +1715,7 @@ impl Broker {
                         message.routing_key = short(routing_key);
                     }
                     let holder = x.holder();
-                    return Ok(self.schedule(vhost, (None, holder), message, delay));
+                    return Ok(self.schedule(vhost, (None, holder), message, delay, 0));
                 }
             }
             let mut dests = std::mem::take(&mut self.scratch_dests);
@@ -1915,7 +1928,7 @@ impl Broker {
         self.scratch_kinds = kinds;
         self.scratch_queues = targets;
         for (queue, holder, delay) in held {
-            let r = self.schedule(vhost, (Some(queue), holder), message.clone(), delay);
+            let r = self.schedule(vhost, (Some(queue), holder), message.clone(), delay, 0);
             routed += r.queues;
             batch = batch.max(r.batch);
         }
@@ -1927,7 +1940,10 @@ impl Broker {
     }
 
     /// A full `reject-publish` queue refused its copy of `message`: a stored copy lets its
-    /// body go, and `reject-publish-dlx` dead-letters the message (reason `maxlen`).
+    /// body go, and `reject-publish-dlx` dead-letters the message (reason `maxlen`). A delayed
+    /// message refused as it falls due was confirmed long ago, and nobody is left to tell:
+    /// with plain `reject-publish` it waits again, for this queue only, and is tried later
+    /// (the back-off doubles, 1 s to 60 s), rather than being dropped.
     fn refused(&mut self, id: QueueId, kind: Kept, message: &Message) {
         if let (Some(p), Some(body), false) = (
             self.persist.as_mut(),
@@ -1939,12 +1955,22 @@ impl Broker {
         let Some(q) = self.queues.get(&id) else {
             return;
         };
-        if q.args.overflow == args::Overflow::RejectPublishDlx {
-            let mut m = message.clone();
-            m.store_key = None;
-            if let Some(dl) = dead_letter_of(q, m, DeadLetterReason::MaxLen) {
-                self.dead_letters.push_back(dl);
+        let mut m = message.clone();
+        m.store_key = None;
+        match (q.args.overflow, self.releasing) {
+            (args::Overflow::RejectPublishDlx, _) => {
+                if let Some(dl) = dead_letter_of(q, m, DeadLetterReason::MaxLen) {
+                    self.dead_letters.push_back(dl);
+                }
             }
+            (_, Some(refused)) => {
+                let (vhost, target) = (q.vhost.clone(), (Some(q.name.clone()), q.holder()));
+                let wait = delayed::refused_retry_ms(refused);
+                self.counters.delayed_refused += 1;
+                tracing::debug!(queue = %q.name, vhost = %q.vhost, refused = refused + 1, retry_in_ms = wait, "a delayed message fell due into a full reject-publish queue: held back again");
+                self.schedule(&vhost, target, m, wait, refused.saturating_add(1));
+            }
+            _ => {}
         }
     }
 

@@ -72,7 +72,23 @@ pub struct Delayed {
     pub queue: Option<ShortStr>,
     /// The incarnation of the queue (or exchange) that holds it.
     pub holder: Holder,
+    /// How many times a full `reject-publish` queue refused it when it fell due (in memory
+    /// only: after a restart the back-off starts again).
+    pub refused: u32,
     pub message: Message,
+}
+
+/// A delayed message that a full `reject-publish` queue refused when due is tried again
+/// this much later, doubling with each refusal up to [`REFUSED_RETRY_MAX_MS`].
+pub const REFUSED_RETRY_MS: u64 = 1_000;
+pub const REFUSED_RETRY_MAX_MS: u64 = 60_000;
+
+/// How long a message refused `refused` times before waits for its next try.
+pub fn refused_retry_ms(refused: u32) -> u64 {
+    REFUSED_RETRY_MS
+        .checked_shl(refused.min(16))
+        .unwrap_or(u64::MAX)
+        .min(REFUSED_RETRY_MAX_MS)
 }
 
 impl Delayed {
@@ -368,6 +384,7 @@ mod tests {
             vhost: "/".into(),
             queue: None,
             holder: Holder::Any,
+            refused: 0,
             message: Message {
                 exchange: "x".into(),
                 routing_key: "k".into(),

@@ -574,3 +574,94 @@ fn a_deleted_delayed_exchange_takes_its_messages_with_it() {
         assert_eq!(b.delayed_counts(), (0, 0));
     }
 }
+
+fn full_when_one(extra: &[(&'static str, FieldValue)]) -> FieldTable {
+    let mut args = FieldTable::new();
+    args.insert("x-max-length", FieldValue::I32(1));
+    args.insert("x-overflow", FieldValue::long_str("reject-publish"));
+    for (k, v) in extra {
+        args.insert(*k, v.clone());
+    }
+    args
+}
+
+/// A delayed message was confirmed when it was published; a full `reject-publish` queue that
+/// refuses it when it falls due has nobody to nack. It is not dropped: it waits again, for
+/// that queue only, and is tried later (1 s, doubling), on disk meanwhile.
+#[test]
+fn a_release_a_full_reject_publish_queue_refuses_waits_and_is_tried_again() {
+    let mut b = setup(true);
+    let store = MemStore::default();
+    b.set_pager(Box::new(store.clone()));
+    queue(&mut b, "full", full_when_one(&[]));
+    queue(&mut b, "plain", FieldTable::new());
+    for q in ["full", "plain"] {
+        b.bind_queue("/", q, "delayed", "k", &FieldTable::new(), 1)
+            .expect("bind");
+    }
+    for body in ["first", "second"] {
+        let r = b
+            .publish(
+                "/",
+                "delayed",
+                "k",
+                message("delayed", body.into(), Some(100)),
+                0,
+            )
+            .expect("publish");
+        assert!(!r.rejected, "nothing is full when it is published");
+    }
+    store.apply(&mut b);
+    run_until(&mut b, &store, 100);
+    assert_eq!(drain(&mut b, "plain"), vec!["first", "second"]);
+    assert_eq!(drain(&mut b, "q"), vec!["first", "second"]);
+    assert_eq!(b.counters().delayed_refused, 1, "counted");
+    assert_eq!(b.delayed_counts().0, 1, "'second' waits again, for 'full'");
+    assert_eq!(store.0.lock().unwrap().delayed.len(), 1, "on disk");
+    // Still full at its next try: it waits twice as long.
+    run_until(&mut b, &store, 1_100);
+    assert_eq!(b.counters().delayed_refused, 2);
+    assert_eq!(b.next_deadline(), Some(3_100));
+    let got = b.get("/", "full", true, 1).expect("get").expect("first");
+    assert_eq!(&got.0.message.body[..], b"first");
+    run_until(&mut b, &store, 3_099);
+    assert!(drain(&mut b, "full").is_empty(), "never early");
+    run_until(&mut b, &store, 3_100);
+    assert_eq!(drain(&mut b, "full"), vec!["second"]);
+    assert!(
+        drain(&mut b, "plain").is_empty(),
+        "the other queues got theirs once"
+    );
+    assert!(store.0.lock().unwrap().delayed.is_empty());
+    // A queue's own delay, refused at release: the same; and `reject-publish-dlx`
+    // dead-letters it instead (reason maxlen), as it would a refused publish.
+    queue(&mut b, "dlq", FieldTable::new());
+    queue(
+        &mut b,
+        "own",
+        full_when_one(&[("x-delivery-delay", FieldValue::I32(50))]),
+    );
+    queue(
+        &mut b,
+        "own-dlx",
+        full_when_one(&[
+            ("x-delivery-delay", FieldValue::I32(50)),
+            ("x-overflow", FieldValue::long_str("reject-publish-dlx")),
+            ("x-dead-letter-exchange", FieldValue::long_str("")),
+            ("x-dead-letter-routing-key", FieldValue::long_str("dlq")),
+        ]),
+    );
+    for q in ["own", "own-dlx"] {
+        for body in ["a", "b"] {
+            b.publish("/", "", q, to_queue(q, body), 4_000)
+                .expect("publish");
+        }
+    }
+    run_until(&mut b, &store, 4_050);
+    assert_eq!(drain(&mut b, "own-dlx"), vec!["a"]);
+    assert_eq!(drain(&mut b, "dlq"), vec!["b"]);
+    assert_eq!(drain(&mut b, "own"), vec!["a"]);
+    run_until(&mut b, &store, 5_050);
+    assert_eq!(drain(&mut b, "own"), vec!["b"]);
+    assert_eq!(b.delayed_counts(), (0, 0));
+}

@@ -162,6 +162,7 @@ pub fn decode_delayed(value: Vec<u8>) -> Result<Delayed, StoreError> {
         vhost,
         queue,
         holder,
+        refused: 0,
         message,
     })
 }
@@ -819,6 +820,7 @@ mod tests {
                 vhost: "v".into(),
                 queue,
                 holder,
+                refused: 0,
                 message: Message {
                     exchange: ShortStr::from_static("later"),
                     routing_key: ShortStr::from_static("k"),
