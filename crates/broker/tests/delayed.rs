@@ -365,7 +365,7 @@ fn queue_as(b: &mut Broker, name: &'static str, durable: bool, how: Gone, argume
         name: name.into(),
         passive: false,
         durable,
-        exclusive: how == Gone::OwnerGone,
+        exclusive: how == Gone::OwnerClosed,
         auto_delete: how == Gone::AutoDelete,
         arguments,
     };
@@ -396,7 +396,7 @@ enum Gone {
     Deleted,
     Expired,
     AutoDelete,
-    OwnerGone,
+    OwnerClosed,
 }
 
 fn to_queue(q: &str, body: &str) -> Message {
@@ -416,7 +416,7 @@ fn a_queue_that_goes_takes_its_delayed_copies_with_it() {
         Gone::Deleted,
         Gone::Expired,
         Gone::AutoDelete,
-        Gone::OwnerGone,
+        Gone::OwnerClosed,
     ] {
         let mut b = Broker::new(BrokerConfig {
             persistence: true,
@@ -428,7 +428,7 @@ fn a_queue_that_goes_takes_its_delayed_copies_with_it() {
         if how == Gone::Expired {
             args.insert("x-expires", FieldValue::I32(500));
         }
-        queue_as(&mut b, "later", how != Gone::OwnerGone, how, args);
+        queue_as(&mut b, "later", how != Gone::OwnerClosed, how, args);
         b.publish("/", "", "later", to_queue("later", "held"), 0)
             .expect("publish");
         b.publish("/", "", "later", to_queue("later", "also held"), 0)
@@ -460,7 +460,7 @@ fn a_queue_that_goes_takes_its_delayed_copies_with_it() {
                     .expect("consume");
                 assert!(b.cancel(q, c));
             }
-            Gone::OwnerGone => {
+            Gone::OwnerClosed => {
                 b.connection_closed(7);
             }
         }
