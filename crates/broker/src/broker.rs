@@ -1785,7 +1785,7 @@ impl Broker {
             });
         }
         for id in &refused_now {
-            self.refused(*id, Kept::Memory, &message);
+            self.refused(*id, Kept::Memory, &message, None);
         }
         let own_ttl = message_ttl(&message);
         let meta = MsgMeta {
@@ -1878,6 +1878,8 @@ impl Broker {
         // a dead letter that filled a later target would otherwise refuse that target's copy,
         // and RabbitMQ's queues get a publish's copies before any dead letter it causes.
         let defer = !self.dead_lettering;
+        // This release's own copies only: not the dead letters republished below.
+        let releasing = self.releasing.take().filter(|_| released);
         self.dead_lettering = true;
         for (i, id) in targets.iter().enumerate() {
             let kind = kinds.get(i).copied().unwrap_or(Kept::Memory);
@@ -1908,7 +1910,7 @@ impl Broker {
             };
             routed += 1;
             if reply == Reply::Refused(Refusal::Full) {
-                self.refused(*id, kind, &message);
+                self.refused(*id, kind, &message, releasing);
                 rejected += 1;
                 continue;
             }
@@ -1944,7 +1946,8 @@ impl Broker {
     /// message refused as it falls due was confirmed long ago, and nobody is left to tell:
     /// with plain `reject-publish` it waits again, for this queue only, and is tried later
     /// (the back-off doubles, 1 s to 60 s), rather than being dropped.
-    fn refused(&mut self, id: QueueId, kind: Kept, message: &Message) {
+    /// `releasing`: the message is a delayed one falling due, refused that many times before.
+    fn refused(&mut self, id: QueueId, kind: Kept, message: &Message, releasing: Option<u32>) {
         if let (Some(p), Some(body), false) = (
             self.persist.as_mut(),
             message.store_key,
@@ -1957,7 +1960,7 @@ impl Broker {
         };
         let mut m = message.clone();
         m.store_key = None;
-        match (q.args.overflow, self.releasing) {
+        match (q.args.overflow, releasing) {
             (args::Overflow::RejectPublishDlx, _) => {
                 if let Some(dl) = dead_letter_of(q, m, DeadLetterReason::MaxLen) {
                     self.dead_letters.push_back(dl);
