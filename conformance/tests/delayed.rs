@@ -286,3 +286,79 @@ async fn a_queue_delivery_delay_holds_back_its_copy_only() {
         ),
     );
 }
+
+/// A queue's held copies go with it: `later` deleted and declared again (non-durable, other
+/// arguments) before the delay ends gets nothing; nor does a durable one declared again
+/// after a `kill -9` and a restart.
+#[tokio::test]
+async fn a_deleted_queue_takes_its_held_copies_with_it() {
+    let mut broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    // The durable one's delay outlasts the restart, so that its copy would be released to the
+    // queue declared after it, not dropped for want of one.
+    let (short, long) = (300, 1_000);
+    let (durable_later, sent) = {
+        let conn = broker.connect().await;
+        let ch = confirm_channel(&conn).await;
+        let (later, durable_later) = (unique("later"), unique("later-durable"));
+        for (q, delay) in [(&later, short), (&durable_later, long)] {
+            ch.queue_declare(
+                q.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args(&[("x-delivery-delay", AMQPValue::LongInt(delay))]),
+            )
+            .await
+            .unwrap();
+        }
+        let sent = Instant::now();
+        for q in [&later, &durable_later] {
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    q.as_str().into(),
+                    BasicPublishOptions::default(),
+                    b"held",
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert_eq!(confirm, Confirmation::Ack(None));
+            ch.queue_delete(q.as_str().into(), Default::default())
+                .await
+                .unwrap();
+        }
+        ch.queue_declare(
+            later.as_str().into(),
+            QueueDeclareOptions::default(),
+            args(&[("x-max-length", AMQPValue::LongInt(10))]),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(short as u64 + 200)).await;
+        assert_eq!(ready(&ch, &later).await, 0, "the old queue's copy arrived");
+        (durable_later, sent)
+    };
+    broker.restart(true);
+    let conn = broker.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        durable_later.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args(&[("x-delivery-delay", AMQPValue::LongInt(long))]),
+    )
+    .await
+    .unwrap();
+    let wait = Duration::from_millis(long as u64 + 200).saturating_sub(sent.elapsed());
+    tokio::time::sleep(wait.max(Duration::from_millis(100))).await;
+    assert_eq!(ready(&ch, &durable_later).await, 0, "back after a restart");
+}

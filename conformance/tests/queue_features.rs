@@ -608,6 +608,37 @@ async fn an_unused_queue_expires_and_a_consumer_holds_it() {
     assert_eq!(amqp_error(&gone.unwrap_err()).map(|e| e.0), Some(404));
 }
 
+/// RabbitMQ: a queue is unused while it has no consumers, is not redeclared and sees no
+/// basic.get; a poll that finds nothing counts too. Polled every 100 ms, a queue with an
+/// x-expires of 300 ms stays.
+#[tokio::test]
+async fn polling_with_basic_get_keeps_an_expiring_queue() {
+    let broker = TestBroker::start();
+    let conn = broker.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("expires-polled");
+    declare(&ch, &q, args(&[("x-expires", AMQPValue::LongInt(300))])).await;
+    for _ in 0..10 {
+        let got = ch
+            .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+            .expect("the queue is still there");
+        assert!(got.is_none());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let still = ch
+        .queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    assert!(still.is_ok(), "expired while polled: {still:?}");
+}
+
 // --------------------------------------------------------------------------- priorities
 
 #[tokio::test]

@@ -10,7 +10,7 @@ use warren_codec::{AmqpError, FieldTable, FieldValue, ShortStr};
 
 use crate::dead_letter::{self, Death};
 use crate::dedup::Verdict;
-use crate::delayed::{self, DelayKey, Delayed, Scheduler};
+use crate::delayed::{self, DelayKey, Delayed, Holder, Scheduler};
 use crate::erl::rs;
 use crate::exchange::{headers, Dest, Exchange, ExchangeKind, LazyHeaders};
 use crate::names::NameGen;
@@ -148,6 +148,10 @@ pub struct Broker {
     disk: crate::dedup::Disk,
     /// Messages held back until they are due (delayed exchanges, queues' delivery delays).
     scheduler: Scheduler,
+    /// The last incarnation number given out without a store (with one, they are body keys).
+    last_incarnation: u64,
+    /// A delayed message is being released: how many times a full queue refused it before.
+    releasing: Option<u32>,
     /// Node-wide message counters (for operators).
     counters: crate::stats::BrokerCounters,
 }
@@ -511,6 +515,7 @@ fn remove_exchange(
     vh: &mut VHost,
     queues: &mut HashMap<QueueId, Box<Queue>>,
     mut persist: Option<&mut Persist>,
+    scheduler: &mut Scheduler,
     name: &str,
 ) {
     let mut work: Vec<ShortStr> = vec![short(name)];
@@ -518,6 +523,9 @@ fn remove_exchange(
         let Some(x) = vh.exchanges.remove(&name) else {
             continue;
         };
+        if x.delayed {
+            drop_held(scheduler, persist.as_deref_mut(), vhost, false, &name);
+        }
         if let Some(p) = persist.as_deref_mut().filter(|_| x.durable) {
             for (dest, key, args) in x.bindings() {
                 if let Some(d) = durable_dest(vh, queues, true, dest) {
@@ -570,6 +578,33 @@ fn remove_exchange(
     }
 }
 
+/// A queue with `x-delivery-delay` (`queue`) or a delayed exchange is gone: so are the
+/// messages it holds, from memory and from the store (what is on disk only goes when the
+/// scheduler reads it back and finds its holder gone).
+fn drop_held(
+    scheduler: &mut Scheduler,
+    persist: Option<&mut Persist>,
+    vhost: &str,
+    queue: bool,
+    name: &str,
+) {
+    let keys = scheduler.drop_held(vhost, queue, name);
+    if !keys.is_empty() {
+        tracing::debug!(
+            vhost,
+            holder = name,
+            queue,
+            count = keys.len(),
+            "held delayed messages dropped with their holder"
+        );
+    }
+    if let Some(p) = persist {
+        for key in keys {
+            p.push(StoreOp::DeleteDelayed { key }, false);
+        }
+    }
+}
+
 /// Removes one `(exchange, key, args)` entry from a reverse binding index.
 fn remove_one(
     list: &mut Vec<(ShortStr, ShortStr, FieldTable)>,
@@ -591,6 +626,7 @@ fn maybe_auto_delete(
     vh: &mut VHost,
     queues: &mut HashMap<QueueId, Box<Queue>>,
     persist: Option<&mut Persist>,
+    scheduler: &mut Scheduler,
     source: &str,
 ) {
     if vh
@@ -598,7 +634,7 @@ fn maybe_auto_delete(
         .get(source)
         .is_some_and(|x| x.auto_delete && x.binding_count() == 0)
     {
-        remove_exchange(vhost, vh, queues, persist, source);
+        remove_exchange(vhost, vh, queues, persist, scheduler, source);
     }
 }
 
@@ -641,6 +677,8 @@ impl Broker {
             dedup_exchanges: false,
             disk: crate::dedup::Disk::default(),
             scheduler: Scheduler::default(),
+            last_incarnation: 0,
+            releasing: None,
             counters: Default::default(),
         };
         if b.config.persistence {
@@ -884,6 +922,13 @@ impl Broker {
 
         let id = QueueId(self.next_queue);
         self.next_queue += 1;
+        // A queue may hold delayed messages (its own delay, or a release it refused): one
+        // without a store key needs a number to be told from the next queue of its name.
+        let incarnation = if durable && self.persist.is_some() {
+            0
+        } else {
+            self.incarnation()
+        };
         let store_key = match self.persist.as_mut() {
             Some(p) if durable => {
                 let key = p.queue_key();
@@ -919,6 +964,7 @@ impl Broker {
             dirty: false,
             scheduled: None,
             store_key,
+            incarnation,
             load_retry_at: None,
             spill_key: None,
             stats: Box::default(),
@@ -947,6 +993,18 @@ impl Broker {
             self.run(id, Command::Configure(policy));
         }
         Ok(out)
+    }
+
+    /// A number no queue or exchange had, in this run or an earlier one: a body key with a
+    /// store (reserved on disk like any), else a counter.
+    fn incarnation(&mut self) -> u64 {
+        match self.persist.as_mut() {
+            Some(p) => p.body_key(),
+            None => {
+                self.last_incarnation += 1;
+                self.last_incarnation
+            }
+        }
     }
 
     /// A declaration renews an `x-expires` lease (nothing to log for other queues).
@@ -994,11 +1052,22 @@ impl Broker {
     fn remove_queue(&mut self, id: QueueId) -> Option<QueueDeleted> {
         let q = self.queues.remove(&id)?;
         self.cycles_reported.remove(&id);
-        if refuses(&policy(&q.args)) {
+        let refusing = refuses(&policy(&q.args));
+        if refusing {
             self.refusing_queues = self.refusing_queues.saturating_sub(1);
         }
         if q.args.delivery_delay_ms.is_some() {
             self.delaying_queues = self.delaying_queues.saturating_sub(1);
+        }
+        // What it holds: its own delayed copies, and releases it refused when they fell due.
+        if refusing || q.args.delivery_delay_ms.is_some() {
+            drop_held(
+                &mut self.scheduler,
+                self.persist.as_mut(),
+                &q.vhost,
+                true,
+                &q.name,
+            );
         }
         if q.dedup.is_some() {
             self.dedup_queues = self.dedup_queues.saturating_sub(1);
@@ -1041,7 +1110,14 @@ impl Broker {
                 if let Some(ex) = vh.exchanges.get_mut(x) {
                     ex.unbind(&dest, key, args);
                 }
-                maybe_auto_delete(&q.vhost, vh, &mut self.queues, self.persist.as_mut(), x);
+                maybe_auto_delete(
+                    &q.vhost,
+                    vh,
+                    &mut self.queues,
+                    self.persist.as_mut(),
+                    &mut self.scheduler,
+                    x,
+                );
             }
         }
         if let Some(owner) = q.owner {
@@ -1141,6 +1217,13 @@ impl Broker {
                 let dedup = crate::dedup::spec(arguments)
                     .map_err(|e| AmqpError::precondition_failed(e.message(&rs)))?;
                 let name = short(&name);
+                let incarnation = delayed.then(|| match self.persist.as_mut() {
+                    Some(p) => p.body_key(),
+                    None => {
+                        self.last_incarnation += 1;
+                        self.last_incarnation
+                    }
+                });
                 if let Some(p) = self.persist.as_mut().filter(|_| durable) {
                     p.push(
                         StoreOp::PutExchange(ExchangeDef {
@@ -1148,6 +1231,7 @@ impl Broker {
                             name: name.clone(),
                             kind,
                             delayed,
+                            incarnation,
                             auto_delete,
                             internal,
                             arguments: arguments.detached(),
@@ -1164,6 +1248,7 @@ impl Broker {
                     arguments.detached(),
                 );
                 x.delayed = delayed;
+                x.incarnation = incarnation;
                 x.dedup = dedup.map(|s| Box::new(crate::dedup::Dedup::new(s)));
                 self.dedup_exchanges |= x.dedup.is_some();
                 vh.exchanges.insert(name.clone(), x);
@@ -1211,7 +1296,14 @@ impl Broker {
                 rs("exchange", &name, vhost)
             )));
         }
-        remove_exchange(vhost, vh, &mut self.queues, self.persist.as_mut(), &name);
+        remove_exchange(
+            vhost,
+            vh,
+            &mut self.queues,
+            self.persist.as_mut(),
+            &mut self.scheduler,
+            &name,
+        );
         Ok(())
     }
 
@@ -1309,6 +1401,7 @@ impl Broker {
             vh,
             &mut self.queues,
             self.persist.as_mut(),
+            &mut self.scheduler,
             &exchange,
         );
         Ok(())
@@ -1401,7 +1494,14 @@ impl Broker {
             if let Some(dst) = vh.exchanges.get_mut(&dst_name) {
                 remove_one(&mut dst.incoming, &source, &key, arguments);
             }
-            maybe_auto_delete(vhost, vh, &mut self.queues, self.persist.as_mut(), &source);
+            maybe_auto_delete(
+                vhost,
+                vh,
+                &mut self.queues,
+                self.persist.as_mut(),
+                &mut self.scheduler,
+                &source,
+            );
         }
         Ok(())
     }
@@ -1484,9 +1584,10 @@ impl Broker {
     fn schedule(
         &mut self,
         vhost: &str,
-        queue: Option<ShortStr>,
+        (queue, holder): (Option<ShortStr>, Holder),
         mut message: Message,
         delay_ms: u64,
+        refused: u32,
     ) -> Routed {
         message.store_key = None;
         message.compact();
@@ -1494,6 +1595,8 @@ impl Broker {
         let d = Delayed {
             vhost: vhost.to_owned(),
             queue,
+            holder,
+            refused,
             message,
         };
         let mut batch = None;
@@ -1551,10 +1654,18 @@ impl Broker {
                 // written releases it again, never loses it.
                 p.push(StoreOp::DeleteDelayed { key }, false);
             }
+            if !self.still_held(&d) {
+                // Its queue (or exchange) was deleted, perhaps declared again since: what
+                // the old one held went with it.
+                tracing::debug!(vhost = %d.vhost, queue = ?d.queue, exchange = %d.message.exchange, "a delayed message whose holder is gone: dropped");
+                continue;
+            }
             let Delayed {
                 vhost,
                 queue,
                 message,
+                refused,
+                ..
             } = d;
             let mut message = message;
             let (exchange, routing_key) = match queue {
@@ -1570,11 +1681,32 @@ impl Broker {
                     (message.exchange.clone(), message.routing_key.clone())
                 }
             };
-            if let Err(e) = self.publish_to(&vhost, &exchange, &routing_key, message, None, true) {
+            self.releasing = Some(refused);
+            let routed = self.publish_to(&vhost, &exchange, &routing_key, message, None, true);
+            self.releasing = None;
+            if let Err(e) = routed {
                 tracing::debug!(vhost = %vhost, exchange = %exchange, error = %e, "a delayed message came due with nowhere to go: dropped");
             }
         }
         self.dead_letter_pending();
+    }
+
+    /// Does the incarnation of the queue or exchange that held `d` still exist?
+    fn still_held(&self, d: &Delayed) -> bool {
+        let Some(vh) = self.vhosts.get(&d.vhost) else {
+            return false;
+        };
+        match &d.queue {
+            Some(name) => vh
+                .queues
+                .get(name)
+                .and_then(|id| self.queues.get(id))
+                .is_some_and(|q| d.holder.admits(q.holder())),
+            None => vh
+                .exchanges
+                .get(&d.message.exchange)
+                .is_some_and(|x| x.delayed && d.holder.admits(x.holder())),
+        }
     }
 
     /// Reads the next scheduled messages back from disk (a failed read is tried again soon).
@@ -1664,7 +1796,8 @@ impl Broker {
                     if message.routing_key.as_str() != routing_key {
                         message.routing_key = short(routing_key);
                     }
-                    return Ok(self.schedule(vhost, None, message, delay));
+                    let holder = x.holder();
+                    return Ok(self.schedule(vhost, (None, holder), message, delay, 0));
                 }
             }
             let mut dests = std::mem::take(&mut self.scratch_dests);
@@ -1693,28 +1826,6 @@ impl Broker {
             });
         }
         let size = message.body.len() as u64;
-        // A full queue that refuses new messages counts as routed, and the publisher's
-        // confirm becomes a nack.
-        let mut rejected = 0u32;
-        let refusing = self.refusing_queues > 0;
-        targets.retain(|id| {
-            if !refusing {
-                return true;
-            }
-            let Some(q) = self.queues.get(id) else {
-                return true;
-            };
-            if !q.machine.rejects(size) {
-                return true;
-            }
-            rejected += 1;
-            if q.args.overflow == args::Overflow::RejectPublishDlx {
-                if let Some(dl) = dead_letter_of(q, message.clone(), DeadLetterReason::MaxLen) {
-                    self.dead_letters.push_back(dl);
-                }
-            }
-            false
-        });
         // A queue that saw the message's key within its window drops this copy (counted as
         // routed: the publisher's confirm is the first copy's, once that is on disk). Only a
         // new publish is judged: a dead letter or a delayed release may be the last copy.
@@ -1750,23 +1861,33 @@ impl Broker {
         }
         // The judged queues that took their copy (a refused one leaves its key new).
         let mut took: Vec<QueueId> = Vec::new();
-        // Queues with a delivery delay get their copy when it is due.
-        let mut held: Vec<(ShortStr, u64)> = Vec::new();
+        // Queues with a delivery delay get their copy when it is due; one that is full and
+        // refuses new messages refuses it now, while its publisher can still be told.
+        let mut held: Vec<(ShortStr, Holder, u64)> = Vec::new();
+        let mut refused_now: Vec<QueueId> = Vec::new();
         if self.delaying_queues > 0 && !released {
             let headers = warren_codec::properties::headers(&message.properties);
             let own = delayed::header_delay(headers.ok().flatten().as_ref());
+            let refusing = self.refusing_queues > 0;
             targets.retain(|id| {
                 let Some(q) = self.queues.get(id) else {
                     return true;
                 };
                 match q.args.delivery_delay_ms {
+                    Some(_) if refusing && q.machine.rejects(size) => {
+                        refused_now.push(*id);
+                        false
+                    }
                     Some(delay) => {
-                        held.push((q.name.clone(), own.unwrap_or(delay)));
+                        held.push((q.name.clone(), q.holder(), own.unwrap_or(delay)));
                         false
                     }
                     None => true,
                 }
             });
+        }
+        for id in &refused_now {
+            self.refused(*id, Kept::Memory, &message, None);
         }
         let own_ttl = message_ttl(&message);
         let meta = MsgMeta {
@@ -1789,6 +1910,11 @@ impl Broker {
         let mut kinds = std::mem::take(&mut self.scratch_kinds);
         kinds.clear();
         let (mut durable, mut spilled) = (0u32, 0u32);
+        // A full `reject-publish` queue will refuse its copy: the machine decides (its Enqueue
+        // reply), and its copy is not written, since nothing changes a queue between this look
+        // and its Enqueue (dead letters wait until every copy is in, below).
+        let refusing = self.refusing_queues > 0;
+        let refuses = |q: &Queue| refusing && q.machine.rejects(size);
         // Spilling pays only for a body this queue alone holds: one that is also stored
         // durably, or spilled for several queues, has its references counted in memory and
         // could not leave it anyway (and a durable body must not count scratch references,
@@ -1798,6 +1924,7 @@ impl Broker {
         if self.persist.is_some() && (message.persistent || self.spill) {
             for id in &targets {
                 let kind = match self.queues.get(id) {
+                    Some(q) if refuses(q) => Kept::Memory,
                     Some(q) if message.persistent && q.store_key.is_some() => {
                         durable += 1;
                         Kept::Durable
@@ -1843,9 +1970,19 @@ impl Broker {
                 batch = Some(p.next_batch);
             }
         }
-        let mut routed = rejected + duplicates;
+        // A full queue that refuses the message counts as routed (no basic.return), and the
+        // publisher's confirm becomes a nack.
+        let mut rejected = refused_now.len() as u32;
+        let mut routed = duplicates + rejected;
         // Only a body stored for one queue is paged out (a shared one is counted in memory).
         let paging = self.pager.is_some() && stored == 1;
+        // What a copy makes its queue drop (drop-head) is dead-lettered once every copy is in:
+        // a dead letter that filled a later target would otherwise refuse that target's copy,
+        // and RabbitMQ's queues get a publish's copies before any dead letter it causes.
+        let defer = !self.dead_lettering;
+        // This release's own copies only: not the dead letters republished below.
+        let releasing = self.releasing.take().filter(|_| released);
+        self.dead_lettering = true;
         for (i, id) in targets.iter().enumerate() {
             let kind = kinds.get(i).copied().unwrap_or(Kept::Memory);
             let mut copy = message.clone();
@@ -1874,6 +2011,11 @@ impl Broker {
                 continue;
             };
             routed += 1;
+            if reply == Reply::Refused(Refusal::Full) {
+                self.refused(*id, kind, &message, releasing);
+                rejected += 1;
+                continue;
+            }
             if !new_keys.is_empty() && matches!(reply, Reply::Enqueued { .. }) {
                 took.push(*id);
             }
@@ -1886,18 +2028,24 @@ impl Broker {
                 self.finish_effects(*id);
             }
         }
+        if defer {
+            self.dead_lettering = false;
+            self.dead_letter_pending();
+        }
         self.scratch_kinds = kinds;
         self.scratch_queues = targets;
-        for (queue, delay) in held {
-            let r = self.schedule(vhost, Some(queue), message.clone(), delay);
+        for (queue, holder, delay) in held {
+            let r = self.schedule(vhost, (Some(queue), holder), message.clone(), delay, 0);
             routed += r.queues;
             batch = batch.max(r.batch);
         }
         if !new_keys.is_empty() {
             let now = self.now_ms;
             for (id, pending) in new_keys {
-                // Held for a delivery delay (no longer a target): scheduled, so taken too.
-                let taken = took.contains(&id) || !self.scratch_queues.contains(&id);
+                // Held for a delivery delay (no longer a target, and not refused as full):
+                // scheduled, so taken too.
+                let taken = took.contains(&id)
+                    || (!self.scratch_queues.contains(&id) && !refused_now.contains(&id));
                 if let Some(d) = self
                     .queues
                     .get_mut(&id)
@@ -1914,6 +2062,42 @@ impl Broker {
             batch: batch.max(first_copies),
             rejected: rejected > 0,
         })
+    }
+
+    /// A full `reject-publish` queue refused its copy of `message`: a stored copy lets its
+    /// body go, and `reject-publish-dlx` dead-letters the message (reason `maxlen`). A delayed
+    /// message refused as it falls due was confirmed long ago, and nobody is left to tell:
+    /// with plain `reject-publish` it waits again, for this queue only, and is tried later
+    /// (the back-off doubles, 1 s to 60 s), rather than being dropped.
+    /// `releasing`: the message is a delayed one falling due, refused that many times before.
+    fn refused(&mut self, id: QueueId, kind: Kept, message: &Message, releasing: Option<u32>) {
+        if let (Some(p), Some(body), false) = (
+            self.persist.as_mut(),
+            message.store_key,
+            kind == Kept::Memory,
+        ) {
+            p.release_body(body);
+        }
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        let mut m = message.clone();
+        m.store_key = None;
+        match (q.args.overflow, releasing) {
+            (args::Overflow::RejectPublishDlx, _) => {
+                if let Some(dl) = dead_letter_of(q, m, DeadLetterReason::MaxLen) {
+                    self.dead_letters.push_back(dl);
+                }
+            }
+            (_, Some(refused)) => {
+                let (vhost, target) = (q.vhost.clone(), (Some(q.name.clone()), q.holder()));
+                let wait = delayed::refused_retry_ms(refused);
+                self.counters.delayed_refused += 1;
+                tracing::debug!(queue = %q.name, vhost = %q.vhost, refused = refused + 1, retry_in_ms = wait, "a delayed message fell due into a full reject-publish queue: held back again");
+                self.schedule(&vhost, target, m, wait, refused.saturating_add(1));
+            }
+            _ => {}
+        }
     }
 
     /// Writes a queue's entry for a message it just took (if its copy is on disk).
@@ -2380,7 +2564,16 @@ impl Broker {
                 def.internal,
                 arguments,
             )
-        })
+        })?;
+        // The same incarnation as before the restart: what it held is still its own.
+        if let Some(x) = self
+            .vhosts
+            .get_mut(&def.vhost)
+            .and_then(|vh| vh.exchanges.get_mut(&def.name))
+        {
+            x.incarnation = def.incarnation.filter(|_| def.delayed);
+        }
+        Ok(())
     }
 
     /// Runs a declaration for recovery: nothing is written back to the store (it holds it
@@ -2806,7 +2999,12 @@ impl Broker {
         check_access(q, conn)?;
         let id = q.id;
         if q.machine.ready_count() == 0 {
-            // Nothing to take: no command, so an empty poll loop writes nothing to the log.
+            // Nothing to take. A queue with `x-expires` still counts the poll as use (RabbitMQ
+            // restarts its expiry timer on every basic.get, empty or not); for any other queue
+            // no command, so an empty poll loop writes nothing to the log.
+            if q.args.expires_ms.is_some() {
+                self.run(id, Command::Get { no_ack });
+            }
             return Ok(None);
         }
         // A poller reads a few at a time: a queue without consumers pages out to its small

@@ -10,6 +10,11 @@
 //! once) and never loses it.
 //!
 //! Without persistence every scheduled message stays in memory.
+//!
+//! A scheduled message belongs to what holds it (its queue, or its delayed exchange), and
+//! to that one incarnation of it ([`Holder`]): deleting the holder drops what it holds (in
+//! memory at once; what is on disk only, when the scheduler reaches it), and a holder declared
+//! again under the same name starts empty.
 
 use std::collections::BTreeMap;
 
@@ -39,6 +44,25 @@ impl DelayKey {
     }
 }
 
+/// Which incarnation of a queue or exchange holds a scheduled message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Holder {
+    /// Stored before holders were recorded: whichever holder has the name.
+    Any,
+    /// A durable queue, by its store key (kept with its declaration, never reused).
+    Stored(u64),
+    /// Any other queue, or a delayed exchange, by a number never reused, across restarts
+    /// too (a body key, with a store; kept with a durable exchange's declaration).
+    Incarnation(u64),
+}
+
+impl Holder {
+    /// May a message recorded as held by `self` go to a holder that is `current`?
+    pub fn admits(self, current: Holder) -> bool {
+        self == Holder::Any || self == current
+    }
+}
+
 /// A message waiting for its due time.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Delayed {
@@ -46,7 +70,36 @@ pub struct Delayed {
     /// `None`: routed by its exchange (a delayed exchange) when due. `Some`: enqueued on this
     /// queue when due (the queue's `x-delivery-delay`).
     pub queue: Option<ShortStr>,
+    /// The incarnation of the queue (or exchange) that holds it.
+    pub holder: Holder,
+    /// How many times a full `reject-publish` queue refused it when it fell due (in memory
+    /// only: after a restart the back-off starts again).
+    pub refused: u32,
     pub message: Message,
+}
+
+/// A delayed message that a full `reject-publish` queue refused when due is tried again
+/// this much later, doubling with each refusal up to [`REFUSED_RETRY_MAX_MS`].
+pub const REFUSED_RETRY_MS: u64 = 1_000;
+pub const REFUSED_RETRY_MAX_MS: u64 = 60_000;
+
+/// How long a message refused `refused` times before waits for its next try.
+pub fn refused_retry_ms(refused: u32) -> u64 {
+    REFUSED_RETRY_MS
+        .checked_shl(refused.min(16))
+        .unwrap_or(u64::MAX)
+        .min(REFUSED_RETRY_MAX_MS)
+}
+
+impl Delayed {
+    /// Is it held by the queue `name` (`queue`) or the exchange `name` of `vhost`?
+    fn held_by(&self, vhost: &str, queue: bool, name: &str) -> bool {
+        self.vhost == vhost
+            && match &self.queue {
+                Some(q) => queue && q.as_str() == name,
+                None => !queue && self.message.exchange.as_str() == name,
+            }
+    }
 }
 
 impl Delayed {
@@ -211,6 +264,25 @@ impl Scheduler {
         self.retry_at = Some(now.saturating_add(READ_RETRY_MS));
     }
 
+    /// The holder (the queue `name` if `queue`, else the exchange `name`) is gone: what it
+    /// holds in memory goes, and the keys are returned (to delete them on disk). What is on
+    /// disk only is dropped when it is read back, by its [`Holder`].
+    pub fn drop_held(&mut self, vhost: &str, queue: bool, name: &str) -> Vec<DelayKey> {
+        let keys: Vec<DelayKey> = self
+            .loaded
+            .iter()
+            .filter(|(_, d)| d.held_by(vhost, queue, name))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in &keys {
+            if let Some(d) = self.loaded.remove(key) {
+                self.loaded_bytes = self.loaded_bytes.saturating_sub(d.size());
+                self.count = self.count.saturating_sub(1);
+            }
+        }
+        keys
+    }
+
     /// The next scheduled message if it is due at `now`.
     pub fn pop_due(&mut self, now: u64) -> Option<(DelayKey, Delayed)> {
         let entry = self.loaded.first_entry()?;
@@ -311,6 +383,8 @@ mod tests {
         Delayed {
             vhost: "/".into(),
             queue: None,
+            holder: Holder::Any,
+            refused: 0,
             message: Message {
                 exchange: "x".into(),
                 routing_key: "k".into(),

@@ -44,7 +44,7 @@ pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
 };
 pub use broker::{Broker, ConsumerTimeout, QueueInfo};
-pub use delayed::{DelayKey, Delayed, ReadRequest};
+pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;
 pub use persist::{
     BindingDef, BindingDest, ExchangeDef, Page, PageSource, QueueDef, StoreKeys, StoreOp,

@@ -44,6 +44,9 @@ pub struct ExchangeDef {
     pub kind: ExchangeKind,
     /// An `x-delayed-message` exchange.
     pub delayed: bool,
+    /// A delayed exchange's incarnation number (see `Exchange::incarnation`); `None` in
+    /// declarations stored before it was kept.
+    pub incarnation: Option<u64>,
     pub auto_delete: bool,
     pub internal: bool,
     pub arguments: FieldTable,

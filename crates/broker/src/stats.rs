@@ -85,6 +85,9 @@ pub struct BrokerCounters {
     pub received: u64,
     /// Of those, routed to no queue.
     pub unroutable: u64,
+    /// Delayed messages that a full `reject-publish` queue refused when they fell due (each
+    /// refusal once): they are held back and tried again, not dropped.
+    pub delayed_refused: u64,
 }
 
 /// What a command was, as far as counters care (taken before the command is applied).

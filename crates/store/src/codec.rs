@@ -8,8 +8,8 @@ use warren_broker::access::{
 };
 use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::{
-    BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Message, QueueDef,
-    StoreOp,
+    BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Holder, Message,
+    QueueDef, StoreOp,
 };
 use warren_codec::{FieldTable, ShortStr};
 
@@ -96,12 +96,18 @@ pub fn decode_delayed_key(key: &[u8]) -> Result<DelayKey, StoreError> {
 }
 
 const DELAYED_V1: u8 = 1;
+/// Layout 2 adds the holder after the target.
+const DELAYED_V2: u8 = 2;
+const HOLDER_ANY: u8 = 0;
+const HOLDER_STORED: u8 = 1;
+const HOLDER_INCARNATION: u8 = 2;
 
-/// A scheduled message: where it goes (vhost; a queue, or its exchange when absent), then the
-/// message as a body value.
+/// A scheduled message: where it goes (vhost; a queue, or its exchange when absent), which
+/// incarnation of that holder holds it (a kind byte and a u64), then the message as a body
+/// value.
 pub fn delayed_value(d: &Delayed) -> BytesMut {
     let mut v = BytesMut::new();
-    v.put_u8(DELAYED_V1);
+    v.put_u8(DELAYED_V2);
     put_vhost(&mut v, &d.vhost);
     match &d.queue {
         Some(q) => {
@@ -110,13 +116,21 @@ pub fn delayed_value(d: &Delayed) -> BytesMut {
         }
         None => v.put_u8(0),
     }
+    let (kind, n) = match d.holder {
+        Holder::Any => (HOLDER_ANY, 0),
+        Holder::Stored(k) => (HOLDER_STORED, k),
+        Holder::Incarnation(n) => (HOLDER_INCARNATION, n),
+    };
+    v.put_u8(kind);
+    v.put_u64(n);
     v.put_slice(&body_value(&d.message, 0));
     v
 }
 
 pub fn decode_delayed(value: Vec<u8>) -> Result<Delayed, StoreError> {
     let mut v = Reader::new(value, "a delayed message");
-    if v.u8("layout")? != DELAYED_V1 {
+    let layout = v.u8("layout")?;
+    if layout != DELAYED_V1 && layout != DELAYED_V2 {
         return Err(StoreError::Corrupt(
             "a delayed message has an unknown layout".into(),
         ));
@@ -126,11 +140,29 @@ pub fn decode_delayed(value: Vec<u8>) -> Result<Delayed, StoreError> {
         0 => None,
         _ => Some(v.short("queue")?),
     };
+    let holder = if layout == DELAYED_V1 {
+        Holder::Any
+    } else {
+        let kind = v.u8("holder kind")?;
+        let n = v.u64("holder")?;
+        match kind {
+            HOLDER_ANY => Holder::Any,
+            HOLDER_STORED => Holder::Stored(n),
+            HOLDER_INCARNATION => Holder::Incarnation(n),
+            _ => {
+                return Err(StoreError::Corrupt(
+                    "a delayed message has an unknown holder kind".into(),
+                ))
+            }
+        }
+    };
     let (mut message, _) = decode_body(0, v.rest())?;
     message.store_key = None;
     Ok(Delayed {
         vhost,
         queue,
+        holder,
+        refused: 0,
         message,
     })
 }
@@ -207,6 +239,10 @@ pub fn exchange_value(x: &ExchangeDef) -> BytesMut {
     }
     v.put_u8(flags);
     x.arguments.encode(&mut v);
+    // After the arguments, so that declarations stored without it still read.
+    if let Some(n) = x.incarnation {
+        v.put_u64(n);
+    }
     v
 }
 
@@ -597,11 +633,17 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             })?;
             let flags = v.u8("exchange flags")?;
             let arguments = v.table("exchange arguments")?;
+            let incarnation = if v.done("exchange").is_ok() {
+                None
+            } else {
+                Some(v.u64("delayed exchange incarnation")?)
+            };
             Ok(Def::Exchange(ExchangeDef {
                 vhost,
                 name,
                 kind,
                 delayed: flags & FLAG_DELAYED != 0,
+                incarnation,
                 auto_delete: flags & FLAG_AUTO_DELETE != 0,
                 internal: flags & FLAG_INTERNAL != 0,
                 arguments,
@@ -769,10 +811,16 @@ mod tests {
 
     #[test]
     fn delayed_messages_round_trip_and_sort_by_due_time() {
-        for queue in [None, Some(ShortStr::from_static("jobs"))] {
+        for (queue, holder) in [
+            (None, Holder::Incarnation(77)),
+            (Some(ShortStr::from_static("jobs")), Holder::Stored(3)),
+            (Some(ShortStr::from_static("jobs")), Holder::Any),
+        ] {
             let d = Delayed {
                 vhost: "v".into(),
                 queue,
+                holder,
+                refused: 0,
                 message: Message {
                     exchange: ShortStr::from_static("later"),
                     routing_key: ShortStr::from_static("k"),
@@ -784,6 +832,14 @@ mod tests {
             };
             let back = decode_delayed(delayed_value(&d).to_vec()).expect("decodes");
             assert_eq!(back, d);
+            // Layout 1 (no holder) reads as held by whichever holder has the name.
+            let mut v1 = delayed_value(&d).to_vec();
+            v1[0] = DELAYED_V1;
+            let at = 1 + 4 + d.vhost.len() + 1 + d.queue.as_ref().map_or(0, |q| 1 + q.len());
+            v1.drain(at..at + 9);
+            let back = decode_delayed(v1).expect("layout 1 decodes");
+            assert_eq!(back.holder, Holder::Any);
+            assert_eq!(back.message, d.message);
         }
         let a = delayed_key(DelayKey { due: 1, seq: 900 });
         let b = delayed_key(DelayKey { due: 2, seq: 1 });
@@ -802,6 +858,7 @@ mod tests {
             name: ShortStr::from_static("logs"),
             kind: ExchangeKind::Topic,
             delayed: false,
+            incarnation: None,
             auto_delete: true,
             internal: false,
             arguments: args(),
@@ -812,6 +869,7 @@ mod tests {
         }
         let delayed = ExchangeDef {
             delayed: true,
+            incarnation: Some(42),
             auto_delete: false,
             ..x
         };

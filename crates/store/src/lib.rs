@@ -23,9 +23,11 @@ pub use recover::{Recovered, Recovery};
 /// The layout this build writes. Format 2 added the body size and a shared flag to `index`
 /// entries; format 3 the `delayed` column family and retry due times beside delivery counts
 /// (`counts` values of 12 bytes); format 4 vhosts, users and permissions in `defs`; format 5
-/// vhost and user limits in `defs`. Older directories are still read and marked 5, so that an
-/// older Warren, which would misread the new records, refuses them.
-pub const FORMAT_VERSION: u32 = 5;
+/// vhost and user limits in `defs`; format 6 the holder of each delayed message (layout 2
+/// of `delayed` values) and a delayed exchange's incarnation after its arguments. Older
+/// directories are still read and marked 6, so that an older Warren, which would misread the
+/// new records, refuses them.
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 

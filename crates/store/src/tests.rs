@@ -982,3 +982,44 @@ fn a_retry_back_off_survives_a_restart() {
     );
     assert_eq!(next.receipt.attempt, 2);
 }
+
+/// What a durable queue with `x-delivery-delay` holds is still its own after a restart (it
+/// is held by the queue's store key), and is released to it; deleting the queue then takes
+/// what it still holds off the disk, and the next queue of its name gets none of it.
+#[test]
+fn a_delaying_queue_keeps_its_held_copies_over_a_restart_and_drops_them_when_deleted() {
+    use warren_codec::FieldValue;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut args = FieldTable::new();
+    args.insert("x-delivery-delay", FieldValue::I32(1_000));
+    {
+        let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+        let mut b = paging_broker(&s);
+        declare_with(&mut b, "later", true, args.clone()).expect("declare");
+        for (body, at) in [("soon", 0), ("late", 10_000)] {
+            let m = Message {
+                routing_key: ShortStr::from_static("later"),
+                ..owned_msg(body.into(), true)
+            };
+            b.publish("/", "", "later", m, at).expect("publish");
+        }
+        flush_done(&mut b, &s);
+        assert_eq!(count(&s, CF_DELAYED), 2);
+    }
+    let (mut b, _, s) = recovered(Store::open(dir.path()).expect("reopen"));
+    b.tick(10_000);
+    flush_done(&mut b, &s);
+    let got = b
+        .get("/", "later", true, 1)
+        .expect("get")
+        .expect("released");
+    assert_eq!(&got.0.message.body[..], b"soon");
+    assert_eq!(count(&s, CF_DELAYED), 1);
+    b.delete_queue("/", "later", false, false, 1)
+        .expect("delete");
+    flush_done(&mut b, &s);
+    assert_eq!(count(&s, CF_DELAYED), 0, "its held copy went with it");
+    declare_with(&mut b, "later", false, FieldTable::new()).expect("declare");
+    b.tick(20_000);
+    assert!(b.get("/", "later", true, 1).expect("get").is_none());
+}

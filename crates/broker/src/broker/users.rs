@@ -122,7 +122,14 @@ impl Broker {
         }
         for x in exchanges {
             if let Some(vh) = self.vhosts.get_mut(name) {
-                super::remove_exchange(name, vh, &mut self.queues, self.persist.as_mut(), &x);
+                super::remove_exchange(
+                    name,
+                    vh,
+                    &mut self.queues,
+                    self.persist.as_mut(),
+                    &mut self.scheduler,
+                    &x,
+                );
             }
         }
         self.vhosts.remove(name);

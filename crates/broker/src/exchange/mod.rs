@@ -109,6 +109,10 @@ pub struct Exchange {
     /// An `x-delayed-message` exchange: a message with a positive `x-delay` header is held
     /// back that many milliseconds, then routed.
     pub delayed: bool,
+    /// A delayed exchange's number, which no other queue or exchange gets (kept with a
+    /// durable one's declaration): messages it holds belong to this incarnation. `None` for
+    /// other exchanges, and for a delayed one stored before the number was kept.
+    pub incarnation: Option<u64>,
     /// The deduplication window (`x-message-deduplication`).
     pub dedup: Option<Box<crate::dedup::Dedup>>,
     pub durable: bool,
@@ -143,6 +147,7 @@ impl Exchange {
             name,
             kind,
             delayed: false,
+            incarnation: None,
             dedup: None,
             durable,
             auto_delete,
@@ -153,6 +158,14 @@ impl Exchange {
             index,
             incoming: Vec::new(),
         }
+    }
+
+    /// This incarnation, as the holder of the messages it delays.
+    pub fn holder(&self) -> crate::delayed::Holder {
+        self.incarnation.map_or(
+            crate::delayed::Holder::Any,
+            crate::delayed::Holder::Incarnation,
+        )
     }
 
     /// Number of bindings with this exchange as source.

@@ -34,6 +34,9 @@ pub struct Queue {
     pub scheduled: Option<u64>,
     /// The key its messages are stored under (a durable queue, with persistence on).
     pub store_key: Option<u64>,
+    /// A number no other queue or exchange gets, across restarts too: what identifies a
+    /// queue without a store key as the holder of its delayed messages.
+    pub incarnation: u64,
     /// Reading its paged messages back failed: not tried again before this time (ms).
     pub load_retry_at: Option<u64>,
     /// The key its messages in the scratch area are under, once it spilled one (a transient
@@ -56,6 +59,14 @@ impl Queue {
         } else {
             self.spill_key
         }
+    }
+
+    /// This incarnation, as the holder of its delayed messages (`x-delivery-delay`): a
+    /// durable queue by its store key, which survives restarts.
+    pub fn holder(&self) -> crate::delayed::Holder {
+        use crate::delayed::Holder;
+        self.store_key
+            .map_or(Holder::Incarnation(self.incarnation), Holder::Stored)
     }
 
     /// Is the queue past its in-memory window (`keep` messages)?
