@@ -116,6 +116,61 @@ struct Shared {
     /// The deadline (node ms) the timer task sleeps until; `u64::MAX` = none.
     armed: AtomicU64,
     written: Written,
+    alarms: Mutex<Alarms>,
+}
+
+/// What the resource alarms are made of: the monitor's measures, and the store's writes.
+#[derive(Default)]
+struct Alarms {
+    pressure: Option<crate::alarms::Pressure>,
+    /// The store's writes fail: a disk alarm, whatever the free space says.
+    store_failing: bool,
+}
+
+impl Shared {
+    /// Tells the node the alarms as they stand now.
+    fn apply_alarms(&self) {
+        let (memory, disk, paging) = {
+            let a = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
+            let p = a.pressure;
+            (
+                p.is_some_and(|p| p.memory),
+                p.is_some_and(|p| p.disk) || a.store_failing,
+                p.map(|p| p.paging),
+            )
+        };
+        self.with_node(|node, now| {
+            node.set_alarms(memory, disk, now);
+            if let Some(paging) = paging {
+                node.set_paging(paging);
+            }
+        });
+    }
+}
+
+/// The store thread's reports, turned into confirms and the disk alarm.
+struct StoreReports(Arc<Shared>);
+
+impl crate::storage::StoreEvents for StoreReports {
+    fn written(&self, last: u64, ok: bool) {
+        self.0
+            .with_node(|node, now| node.writes_done(last, ok, now));
+        if ok {
+            let w = &self.0.written;
+            let mut upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
+            *upto = (*upto).max(last);
+            w.changed.notify_all();
+        }
+    }
+
+    fn failing(&self, on: bool) {
+        self.0
+            .alarms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .store_failing = on;
+        self.0.apply_alarms();
+    }
 }
 
 impl Shared {
@@ -341,6 +396,7 @@ pub async fn serve(
         timer: Notify::new(),
         armed: AtomicU64::new(u64::MAX),
         written: Written::default(),
+        alarms: Mutex::new(Alarms::default()),
     });
     on_start(NodeHandle(shared.clone()));
     let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
@@ -362,16 +418,7 @@ pub async fn serve(
     }
     let store_thread = match store {
         Some(store) => {
-            let on_written = shared.clone();
-            let t = StoreThread::spawn(store, move |last, ok| {
-                on_written.with_node(|node, now| node.writes_done(last, ok, now));
-                if ok {
-                    let w = &on_written.written;
-                    let mut upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
-                    *upto = (*upto).max(last);
-                    w.changed.notify_all();
-                }
-            })?;
+            let t = StoreThread::spawn(store, StoreReports(shared.clone()))?;
             shared.lock().store = Some(t.tx.clone());
             Some(t)
         }
@@ -380,10 +427,12 @@ pub async fn serve(
     let on_alarm = shared.clone();
     let set_alarms: Arc<dyn Fn(crate::alarms::Pressure) + Send + Sync> =
         Arc::new(move |p: crate::alarms::Pressure| {
-            on_alarm.with_node(|node, now| {
-                node.set_alarms(p.memory, p.disk, now);
-                node.set_paging(p.paging);
-            });
+            on_alarm
+                .alarms
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pressure = Some(p);
+            on_alarm.apply_alarms();
         });
     let monitor = tokio::spawn(crate::alarms::monitor(alarms, data_dir, set_alarms));
     let ticker = tokio::spawn(timer(shared.clone()));
@@ -498,6 +547,17 @@ fn recover(
         }
         node.set_recovering(false, now);
     });
+    if let Some(Ok(r)) = &finished {
+        crate::metrics::QUARANTINED.store(r.quarantined as u64, Ordering::Relaxed);
+        if r.quarantined > 0 {
+            tracing::error!(
+                data_dir = %dir.display(),
+                quarantined = r.quarantined,
+                lost_messages = r.lost,
+                "recovery found damaged records: the rest is back; the damaged ones are kept under the 'quarantine/' keys of the default column family (see the errors above for which queue lost what)"
+            );
+        }
+    }
     match finished {
         Some(Ok(r)) => tracing::info!(
             data_dir = %dir.display(),
@@ -506,6 +566,8 @@ fn recover(
             bindings = r.bindings,
             messages = r.messages,
             after_crash = r.after_crash,
+            quarantined = r.quarantined,
+            lost_to_damage = r.lost,
             ms = started.elapsed().as_millis() as u64,
             "recovered durable state"
         ),
