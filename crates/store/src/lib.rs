@@ -620,4 +620,6 @@ impl Store {
 }
 
 #[cfg(test)]
+mod sim;
+#[cfg(test)]
 mod tests;
