@@ -75,6 +75,8 @@ struct Sim {
     torn: bool,
     rng_faults: u64,
     trace: Vec<String>,
+    /// What the current step did, for the trace.
+    note: String,
     stats: Stats,
 }
 
@@ -149,6 +151,13 @@ impl Sim {
         for q in QUEUES {
             declare(&mut broker, q);
         }
+        // The declarations are on disk before the first step (a crash then would only leave
+        // queues missing, which the clients redeclare anyway).
+        let mut batches = Vec::new();
+        while let Some(b) = broker.take_writes() {
+            batches.push(b);
+        }
+        store.write(&batches).expect("write");
         Sim {
             dir,
             store: Some(store),
@@ -163,6 +172,7 @@ impl Sim {
             torn: false,
             rng_faults: 1,
             trace: Vec::new(),
+            note: String::new(),
             stats: Stats::default(),
         }
     }
@@ -202,6 +212,7 @@ impl Sim {
             .broker
             .publish("/", "", q, m, self.now)
             .expect("publish");
+        self.note = format!("{name} batch {:?}", routed.batch);
         self.stats.published += 1;
         let mut rec = Rec::default();
         rec.queues.insert(q);
@@ -226,10 +237,14 @@ impl Sim {
         match self.commit.write(&store) {
             None => {}
             Some(Outcome::Written { last, .. }) => {
+                self.note = format!("written to {last}");
                 self.settle_confirms(last, true);
                 self.broker.writes_done(last);
             }
-            Some(Outcome::Failed { last, nack, .. }) => {
+            Some(Outcome::Failed {
+                last, nack, error, ..
+            }) => {
+                self.note = format!("failed to {last} ({error})");
                 self.stats.failed_writes += 1;
                 if nack {
                     self.settle_confirms(last, false);
@@ -265,6 +280,7 @@ impl Sim {
 
     fn get(&mut self, q: &'static str) {
         if let Ok(Some((d, _))) = self.broker.get("/", q, false, 1) {
+            self.note = String::from_utf8_lossy(&d.message.body).into_owned();
             self.seen(&d);
             self.held.push(d);
         }
@@ -277,6 +293,7 @@ impl Sim {
         let i = rng.below(self.held.len() as u64) as usize;
         let d = self.held.swap_remove(i);
         let body = String::from_utf8_lossy(&d.message.body).into_owned();
+        self.note = format!("{body} from {}", d.queue_name);
         Some((d, body))
     }
 
@@ -298,7 +315,8 @@ impl Sim {
 
     fn reject(&mut self, rng: &mut Rng) {
         if let Some((d, body)) = self.take_held(rng) {
-            let from_work = &*d.queue_name == "work";
+            // Dead-lettered to `dlq` if it exists; else dropped, as RabbitMQ drops it.
+            let from_work = &*d.queue_name == "work" && self.broker.queue_id("/", "dlq").is_some();
             if self.broker.discard(d.queue, d.receipt) {
                 if let Some(r) = self.recs.get_mut(&body) {
                     if from_work {
@@ -362,7 +380,12 @@ impl Sim {
         // The faults stay as they were (a new hook on the new store).
         let (p, t) = (self.fail_percent, self.torn);
         self.set_faults(p, t);
-        // Restored queues have their declarations; nothing else to redo.
+        // Clients redeclare what they use (a declaration lost with an unwritten batch).
+        for q in QUEUES {
+            if self.broker.queue_id("/", q).is_none() {
+                declare(&mut self.broker, q);
+            }
+        }
         self.broker.tick(self.now);
     }
 
@@ -422,7 +445,8 @@ impl Sim {
                 "flush"
             }
         };
-        self.trace.push(format!("{what} {q}"));
+        let note = std::mem::take(&mut self.note);
+        self.trace.push(format!("{what} {q} {note}"));
     }
 
     /// The disk works again, the last writes are done, a crash, everything is due: every
@@ -467,7 +491,8 @@ fn run_case(seed: u64, steps: usize) -> Stats {
         sim.check();
     });
     if let Err(e) = std::panic::catch_unwind(run) {
-        let tail: Vec<_> = sim.trace.iter().rev().take(60).rev().collect();
+        let keep = env("WARREN_SIM_TRACE").unwrap_or(60) as usize;
+        let tail: Vec<_> = sim.trace.iter().rev().take(keep).rev().collect();
         eprintln!(
             "simulation failed: seed {seed} (WARREN_SIM_SEED={seed} WARREN_SIM_CASES=1), {} steps; last steps: {tail:?}",
             sim.trace.len()
