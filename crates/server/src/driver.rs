@@ -103,8 +103,28 @@ struct Core {
 /// The last batch the store wrote, for the management API to wait on.
 #[derive(Default)]
 struct Written {
-    upto: Mutex<u64>,
+    upto: Mutex<Marks>,
     changed: Condvar,
+}
+
+/// How far the store got.
+#[derive(Default, Clone, Copy)]
+struct Marks {
+    /// Every batch up to here is written.
+    written: u64,
+    /// The last batch reported failed (it may still be written by a retry).
+    failed: u64,
+}
+
+/// Where an API change stands when [`NodeHandle::write_checked`] answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// On disk (or nothing to write).
+    Written,
+    /// Its write failed: it holds in memory, is retried, and is lost if the broker stops first.
+    Failed,
+    /// Not on disk after [`WRITE_WAIT`].
+    TimedOut,
 }
 
 struct Shared {
@@ -155,12 +175,14 @@ impl crate::storage::StoreEvents for StoreReports {
     fn written(&self, last: u64, ok: bool) {
         self.0
             .with_node(|node, now| node.writes_done(last, ok, now));
+        let w = &self.0.written;
+        let mut marks = w.upto.lock().unwrap_or_else(|p| p.into_inner());
         if ok {
-            let w = &self.0.written;
-            let mut upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
-            *upto = (*upto).max(last);
-            w.changed.notify_all();
+            marks.written = marks.written.max(last);
+        } else {
+            marks.failed = marks.failed.max(last);
         }
+        w.changed.notify_all();
     }
 
     fn failing(&self, on: bool) {
@@ -221,26 +243,44 @@ impl NodeHandle {
     /// the call returns once the store has it on disk (as RabbitMQ answers an API change
     /// once its database has it), or after [`WRITE_WAIT`] if the disk fails meanwhile.
     pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> R {
+        let (r, durability) = self.write_checked(f);
+        if durability != Durability::Written {
+            tracing::warn!(
+                ?durability,
+                "an API change is not on disk yet: answering anyway"
+            );
+        }
+        r
+    }
+
+    /// [`NodeHandle::write`], saying whether the change reached the disk: it returns as soon as
+    /// the store writes it or reports its write failed, or after [`WRITE_WAIT`].
+    pub fn write_checked<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> (R, Durability) {
         let r = self.0.with_node(f);
         let sent = self.0.lock().last_sent;
         let w = &self.0.written;
-        let upto = w.upto.lock().unwrap_or_else(|p| p.into_inner());
-        if *upto >= sent {
-            return r;
+        let marks = w.upto.lock().unwrap_or_else(|p| p.into_inner());
+        let done = |m: &Marks| m.written >= sent || m.failed >= sent;
+        if done(&marks) {
+            let d = if marks.written >= sent {
+                Durability::Written
+            } else {
+                Durability::Failed
+            };
+            return (r, d);
         }
         // A few milliseconds (one group commit): the worker's other tasks move elsewhere.
-        tokio::task::block_in_place(|| {
-            let waited = w
+        let durability = tokio::task::block_in_place(|| {
+            match w
                 .changed
-                .wait_timeout_while(upto, WRITE_WAIT, |upto| *upto < sent);
-            if waited.is_err() || waited.is_ok_and(|(_, t)| t.timed_out()) {
-                tracing::warn!(
-                    batch = sent,
-                    "an API change is not on disk yet: answering anyway"
-                );
+                .wait_timeout_while(marks, WRITE_WAIT, |m| !done(m))
+            {
+                Ok((m, _)) if m.written >= sent => Durability::Written,
+                Ok((m, _)) if m.failed >= sent => Durability::Failed,
+                _ => Durability::TimedOut,
             }
         });
-        r
+        (r, durability)
     }
 }
 
