@@ -11,7 +11,8 @@
 //! delivered that was not published.
 //!
 //! `WARREN_SIM_CASES` sets the number of cases (default 16), `WARREN_SIM_SEED` the first
-//! seed; a failure names its seed and the steps that led to it.
+//! seed, `WARREN_SIM_STEPS` the steps per case, `WARREN_SIM_TRACE` how many of the last steps
+//! a failure shows (with its seed); `WARREN_SIM_DEDUP=1` gives `work` message deduplication.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -88,6 +89,7 @@ struct Stats {
     delivered: u64,
     crashes: u64,
     failed_writes: u64,
+    redriven: u64,
     checked: u64,
 }
 
@@ -95,6 +97,12 @@ fn args(q: &str) -> FieldTable {
     let mut a = FieldTable::new();
     match q {
         "work" => {
+            if env("WARREN_SIM_DEDUP") == Some(1) {
+                a.insert(
+                    ShortStr::from_static("x-message-deduplication"),
+                    FieldValue::Bool(true),
+                );
+            }
             a.insert(
                 ShortStr::from_static("x-dead-letter-exchange"),
                 FieldValue::long_str(""),
@@ -113,6 +121,13 @@ fn args(q: &str) -> FieldTable {
         _ => {}
     }
     a
+}
+
+/// delivery-mode 2 and the message's name as its message-id.
+fn properties(name: &str) -> Bytes {
+    let mut p = vec![0x10, 0x80, 2, name.len() as u8];
+    p.extend_from_slice(name.as_bytes());
+    Bytes::from(p)
 }
 
 fn declare(b: &mut Broker, q: &'static str) {
@@ -203,7 +218,7 @@ impl Sim {
         let m = Message {
             exchange: ShortStr::empty(),
             routing_key: ShortStr::from_static(q),
-            properties: Bytes::from_static(&[0x10, 0x00, 2]),
+            properties: properties(&name),
             body: Bytes::from(name.clone().into_bytes()),
             persistent: true,
             store_key: None,
@@ -329,6 +344,37 @@ impl Sim {
         }
     }
 
+    /// `warren redrive` / the API's move, one message: taken from `dlq`, published to
+    /// `work` and acked in `dlq`, in the same store write.
+    fn redrive(&mut self) {
+        let Ok(Some((d, _))) = self.broker.get("/", "dlq", false, 1) else {
+            return;
+        };
+        self.seen(&d);
+        let body = String::from_utf8_lossy(&d.message.body).into_owned();
+        self.note = body.clone();
+        let message = Message {
+            exchange: ShortStr::empty(),
+            routing_key: ShortStr::from_static("work"),
+            properties: d.message.properties.clone(),
+            body: d.message.body.clone(),
+            persistent: d.message.persistent,
+            store_key: None,
+        };
+        match self.broker.publish("/", "", "work", message, self.now) {
+            Ok(r) if r.queues > 0 && !r.rejected => {
+                self.stats.redriven += 1;
+                self.broker.settle(d.queue, d.receipt);
+                if let Some(rec) = self.recs.get_mut(&body) {
+                    rec.queues.insert("work");
+                }
+            }
+            _ => {
+                self.broker.release(d.queue, d.receipt);
+            }
+        }
+    }
+
     /// Every message that may be in `q` may be gone.
     fn forget(&mut self, q: &str) {
         for r in self.recs.values_mut() {
@@ -421,13 +467,19 @@ impl Sim {
                 self.advance(rng.below(DELAY_MS * 2));
                 "advance"
             }
-            85..=86 => {
+            // Rare: each may remove every message the queue may hold, which the check
+            // can then no longer look for.
+            85..=86 if rng.chance(20) => {
                 self.purge(q);
                 "purge"
             }
-            87 => {
+            87 if rng.chance(20) => {
                 self.delete_and_redeclare(q);
                 "delete"
+            }
+            85..=87 => {
+                self.flush();
+                "flush"
             }
             88..=92 => {
                 let percent = [0, 0, 30, 100][rng.below(4) as usize];
@@ -438,6 +490,10 @@ impl Sim {
             93..=94 => {
                 self.crash();
                 "crash"
+            }
+            95..=96 => {
+                self.redrive();
+                "redrive"
             }
             _ => {
                 // A write that goes through now and then, whatever the faults.
@@ -521,6 +577,7 @@ fn no_confirmed_message_is_lost_whatever_the_disk_and_crashes_do() {
         total.delivered += s.delivered;
         total.crashes += s.crashes;
         total.failed_writes += s.failed_writes;
+        total.redriven += s.redriven;
         total.checked += s.checked;
     }
     eprintln!(
