@@ -134,6 +134,63 @@ struct Shared {
     recovery_left: AtomicUsize,
     /// Turns true just after `recovered`, for waiting on it.
     recovered_rx: watch::Receiver<bool>,
+    alarms: Mutex<Alarms>,
+}
+
+/// What the resource alarms are made of: the monitor's measures, and the store's writes.
+#[derive(Default)]
+struct Alarms {
+    pressure: Option<crate::alarms::Pressure>,
+    /// The store's writes fail: a disk alarm, whatever the free space says.
+    store_failing: bool,
+}
+
+impl Shared {
+    /// Tells the node the alarms as they stand now.
+    fn apply_alarms(&self) {
+        let (memory, disk, paging) = {
+            let a = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
+            let p = a.pressure;
+            (
+                p.is_some_and(|p| p.memory),
+                p.is_some_and(|p| p.disk) || a.store_failing,
+                p.map(|p| p.paging),
+            )
+        };
+        self.with_node(|node, now| {
+            node.set_alarms(memory, disk, now);
+            if let Some(paging) = paging {
+                node.set_paging(paging);
+            }
+        });
+    }
+}
+
+/// The store thread's reports, turned into confirms and the disk alarm.
+struct StoreReports(Arc<Shared>);
+
+impl crate::storage::StoreEvents for StoreReports {
+    fn written(&self, last: u64, ok: bool) {
+        self.0
+            .with_node(|node, now| node.writes_done(last, ok, now));
+        let w = &self.0.written;
+        let mut state = w.state.lock().unwrap_or_else(|p| p.into_inner());
+        if ok {
+            state.upto = state.upto.max(last);
+        } else {
+            state.failed = state.failed.max(last);
+        }
+        w.changed.notify_all();
+    }
+
+    fn failing(&self, on: bool) {
+        self.0
+            .alarms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .store_failing = on;
+        self.0.apply_alarms();
+    }
 }
 
 impl Shared {
@@ -433,6 +490,7 @@ pub async fn serve(
         recovered: AtomicBool::new(recovery.is_none() || store.is_none()),
         recovery_left: AtomicUsize::new(recovery.as_ref().map_or(0, |r| r.recovery.queues_left())),
         recovered_rx: recovered_rx.clone(),
+        alarms: Mutex::new(Alarms::default()),
     });
     on_start(NodeHandle(shared.clone()));
     let cancel_recovery = Arc::new(AtomicBool::new(false));
@@ -453,18 +511,7 @@ pub async fn serve(
     }
     let store_thread = match store {
         Some(store) => {
-            let on_written = shared.clone();
-            let t = StoreThread::spawn(store, move |last, ok| {
-                on_written.with_node(|node, now| node.writes_done(last, ok, now));
-                let w = &on_written.written;
-                let mut state = w.state.lock().unwrap_or_else(|p| p.into_inner());
-                if ok {
-                    state.upto = state.upto.max(last);
-                } else {
-                    state.failed = state.failed.max(last);
-                }
-                w.changed.notify_all();
-            })?;
+            let t = StoreThread::spawn(store, StoreReports(shared.clone()))?;
             let tx = match writes.store_delay {
                 Some(delay) => slow_disk(t.tx.clone(), delay)?,
                 None => t.tx.clone(),
@@ -477,10 +524,12 @@ pub async fn serve(
     let on_alarm = shared.clone();
     let set_alarms: Arc<dyn Fn(crate::alarms::Pressure) + Send + Sync> =
         Arc::new(move |p: crate::alarms::Pressure| {
-            on_alarm.with_node(|node, now| {
-                node.set_alarms(p.memory, p.disk, now);
-                node.set_paging(p.paging);
-            });
+            on_alarm
+                .alarms
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pressure = Some(p);
+            on_alarm.apply_alarms();
         });
     let monitor = tokio::spawn(crate::alarms::monitor(alarms, data_dir, set_alarms));
     let ticker = tokio::spawn(timer(shared.clone()));
@@ -648,6 +697,17 @@ fn recover(
         // Inside the same lock as the last step: the API's first change comes after it.
         shared.recovered.store(true, Ordering::Release);
     });
+    if let Some(Ok(r)) = &finished {
+        crate::metrics::QUARANTINED.store(r.quarantined as u64, Ordering::Relaxed);
+        if r.quarantined > 0 {
+            tracing::error!(
+                data_dir = %dir.display(),
+                quarantined = r.quarantined,
+                lost_messages = r.lost,
+                "recovery found damaged records: the rest is back; the damaged ones are kept under the 'quarantine/' keys of the default column family (see the errors above for which queue lost what)"
+            );
+        }
+    }
     match finished {
         Some(Ok(r)) => tracing::info!(
             data_dir = %dir.display(),
@@ -656,6 +716,8 @@ fn recover(
             bindings = r.bindings,
             messages = r.messages,
             after_crash = r.after_crash,
+            quarantined = r.quarantined,
+            lost_to_damage = r.lost,
             ms = started.elapsed().as_millis() as u64,
             "recovered durable state"
         ),

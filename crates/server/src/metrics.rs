@@ -8,7 +8,7 @@
 
 use std::fmt::Write;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -38,6 +38,11 @@ pub static STORE_WRITES: LatencyHistogram = LatencyHistogram {
     buckets: [const { AtomicU64::new(0) }; SYNC_BOUNDS.len() + 1],
     sum_us: AtomicU64::new(0),
 };
+
+/// The store's writes fail (the store thread sets it; the disk alarm is on meanwhile).
+pub static STORE_FAILING: AtomicBool = AtomicBool::new(false);
+/// Damaged records recovery moved to the quarantine at this start.
+pub static QUARANTINED: AtomicU64 = AtomicU64::new(0);
 
 impl LatencyHistogram {
     pub fn observe(&self, d: std::time::Duration) {
@@ -370,13 +375,25 @@ pub fn render(api: &Api, per_object: bool) -> String {
         "rabbitmq_alarms_memory_used_watermark",
         "gauge",
         "is 1 if VM memory watermark alarm is in effect",
-        u8::from(alarm == Some("memory")),
+        u8::from(alarm.is_some_and(|a| a.contains("memory"))),
     );
     t.one(
         "rabbitmq_alarms_free_disk_space_watermark",
         "gauge",
         "is 1 if free disk space watermark alarm is in effect",
         u8::from(alarm.is_some_and(|a| a.contains("disk"))),
+    );
+    t.one(
+        "warren_store_write_failing",
+        "gauge",
+        "is 1 while the store's writes fail (publishes are nacked, the disk alarm is on)",
+        u8::from(STORE_FAILING.load(Ordering::Relaxed)),
+    );
+    t.one(
+        "warren_store_quarantined_records",
+        "gauge",
+        "Damaged records recovery moved to the quarantine at this start",
+        QUARANTINED.load(Ordering::Relaxed),
     );
     let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
     t.one(

@@ -5,7 +5,11 @@
 //! crate does I/O only; deciding what to write is the broker's (sans-IO) job.
 
 mod codec;
+mod commit;
+#[cfg(any(test, feature = "fault-injection"))]
+pub mod faults;
 mod page;
+mod quarantine;
 mod recover;
 
 use std::collections::HashSet;
@@ -17,7 +21,9 @@ use rocksdb::{
 };
 use warren_broker::{StoreOp, WriteBatch, SPILL_BIT};
 
+pub use commit::{GroupCommit, Outcome};
 pub use page::StorePager;
+pub use quarantine::{Quarantined, QUARANTINE_PREFIX};
 pub use recover::{Recovered, Recovery};
 
 /// The layout this build writes. Format 2 added the body size and a shared flag to `index`
@@ -80,6 +86,9 @@ pub enum StoreError {
     Read(rocksdb::Error),
     #[error("the data directory holds damaged data: {0}")]
     Corrupt(String),
+    /// A fault a test injected (see `faults`).
+    #[error("injected fault: {0}")]
+    Injected(&'static str),
 }
 
 /// An open data directory. Dropping it closes RocksDB and releases the lock.
@@ -90,6 +99,8 @@ pub struct Store {
     _lock: File,
     /// Whether the previous run stopped cleanly (read at open, before the marker is removed).
     clean_start: bool,
+    #[cfg(any(test, feature = "fault-injection"))]
+    faults: faults::Hook,
 }
 
 /// The block cache all column families share. Index and filter blocks live in it too, so the
@@ -263,6 +274,8 @@ impl Store {
             dir: dir.to_path_buf(),
             _lock: lock,
             clean_start,
+            #[cfg(any(test, feature = "fault-injection"))]
+            faults: faults::Hook::default(),
         })
     }
 
@@ -316,6 +329,20 @@ impl Store {
     /// disk) is written not at all. What goes to the scratch area is written first, without
     /// the write-ahead log (it is dropped at the next start anyway).
     pub fn write(&self, batches: &[WriteBatch]) -> Result<(), StoreError> {
+        #[cfg(any(test, feature = "fault-injection"))]
+        let after = match self.faults.before_write(batches)? {
+            faults::After::Nothing => None,
+            faults::After::Fail(what) => Some(what),
+        };
+        let written = self.write_group(batches);
+        #[cfg(any(test, feature = "fault-injection"))]
+        if let (Ok(()), Some(what)) = (&written, after) {
+            return Err(StoreError::Injected(what));
+        }
+        written
+    }
+
+    fn write_group(&self, batches: &[WriteBatch]) -> Result<(), StoreError> {
         let defs = self.cf(CF_DEFS)?;
         // What is both created and removed within this group, in the durable store. (The
         // scratch area is written first and without this: a group retried after a failed
@@ -594,5 +621,7 @@ impl Store {
     }
 }
 
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;

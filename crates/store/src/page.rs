@@ -131,7 +131,7 @@ impl Store {
 impl Store {
     /// Scheduled messages from `request.from` on (below `request.until`), in due order,
     /// stopping after `max_messages` or once `max_bytes` are read (true: a limit stopped it).
-    /// A damaged one is skipped and deleted with a warning, so it is not found again.
+    /// A damaged one is logged and moved to the quarantine, so it is not found again.
     pub fn read_delayed(
         &self,
         request: ReadRequest,
@@ -160,8 +160,8 @@ impl Store {
             match codec::decode_delayed(v.to_vec()) {
                 Ok(d) => out.push((key, d)),
                 Err(error) => {
-                    tracing::warn!(due = key.due, seq = key.seq, %error, "a delayed message is damaged: deleted");
-                    self.db.delete_cf(cf, &k).map_err(StoreError::Write)?;
+                    tracing::error!(due = key.due, seq = key.seq, %error, "a delayed message is damaged: it is lost, and moved to the quarantine");
+                    self.quarantine(crate::CF_DELAYED, &k, &v)?;
                 }
             }
         }

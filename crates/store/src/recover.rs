@@ -9,6 +9,20 @@ use warren_broker::{Broker, QueueDef, StoreKeys, StoreOp};
 use crate::codec::{self, Def};
 use crate::{Store, StoreError, CF_BODIES, CF_COUNTS, CF_DEFS, CF_INDEX};
 
+/// How far past the stored keys new ones start when the reservation record is unreadable
+/// (more keys than a broker hands out in years).
+const KEY_MARGIN: u64 = 1 << 40;
+
+/// What one queue's recovery had to put aside.
+#[derive(Default)]
+struct Damage {
+    quarantined: usize,
+    /// Messages whose entry or body could not be read.
+    lost: u64,
+    /// Delivery counts that could not be read (their messages come back counted 0).
+    counts: u64,
+}
+
 /// What recovery found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Recovered {
@@ -18,6 +32,11 @@ pub struct Recovered {
     pub messages: u64,
     /// Definitions the broker refused (a vhost no longer configured, say): logged and skipped.
     pub skipped: usize,
+    /// Damaged records (definitions, index entries, delivery counts, bodies) moved to the
+    /// quarantine (see `Store::quarantined`), each logged with the queue it belonged to.
+    pub quarantined: usize,
+    /// Messages lost to damage (their entry or body could not be read).
+    pub lost: u64,
     /// The previous run did not stop cleanly: every message came back marked redelivered.
     pub after_crash: bool,
 }
@@ -60,11 +79,22 @@ impl Store {
         let mut access = Vec::new();
         for item in self.db.iterator_cf(self.cf(CF_DEFS)?, IteratorMode::Start) {
             let (k, v) = item.map_err(StoreError::Read)?;
-            match codec::decode_def(&k, &v)? {
-                Def::Access(op) => access.push(op),
-                Def::Exchange(x) => exchanges.push(x),
-                Def::Queue(q) => queues.push(q),
-                Def::Binding(b) => bindings.push(b),
+            match codec::decode_def(&k, &v) {
+                Ok(Def::Access(op)) => access.push(op),
+                Ok(Def::Exchange(x)) => exchanges.push(x),
+                Ok(Def::Queue(q)) => queues.push(q),
+                Ok(Def::Binding(b)) => bindings.push(b),
+                Err(error) => {
+                    // The key names what it was (kind byte, vhost, name): readable enough
+                    // for an operator. A queue's messages stay on disk, untouched.
+                    tracing::error!(
+                        record = %String::from_utf8_lossy(&k),
+                        %error,
+                        "a stored definition is damaged: not restored, moved to the quarantine"
+                    );
+                    self.quarantine(CF_DEFS, &k, &v)?;
+                    out.quarantined += 1;
+                }
             }
         }
         // Vhosts first (the key order puts them last), then users, then permissions.
@@ -135,7 +165,21 @@ impl Store {
         let Some((def, id)) = recovery.pending.pop_front() else {
             return Ok(false);
         };
-        recovery.found.messages += self.recover_queue(broker, &def, id, &mut recovery.shared)?;
+        let found = &mut recovery.found;
+        let (messages, damage) = self.recover_queue(broker, &def, id, &mut recovery.shared)?;
+        found.messages += messages;
+        found.quarantined += damage.quarantined;
+        found.lost += damage.lost;
+        if damage.quarantined > 0 || damage.lost > 0 {
+            tracing::error!(
+                vhost = %def.vhost,
+                queue = %def.name,
+                lost_messages = damage.lost,
+                lost_counts = damage.counts,
+                quarantined = damage.quarantined,
+                "a queue came back with damaged records: they are in the quarantine"
+            );
+        }
         Ok(!recovery.pending.is_empty())
     }
 
@@ -150,25 +194,46 @@ impl Store {
         let Recovery {
             mut keys,
             shared,
-            found: out,
+            found: mut out,
             ..
         } = recovery;
         let bodies = self.cf(CF_BODIES)?;
-        if let Some(item) = self.db.iterator_cf(bodies, IteratorMode::End).next() {
-            let (k, _) = item.map_err(StoreError::Read)?;
-            keys.next_body_key = codec::decode_u64(&k, "a body key")?.saturating_add(1);
+        for item in self.db.iterator_cf(bodies, IteratorMode::End) {
+            let (k, v) = item.map_err(StoreError::Read)?;
+            match <[u8; 8]>::try_from(&*k) {
+                Ok(key) => {
+                    keys.next_body_key = u64::from_be_bytes(key).saturating_add(1);
+                    break;
+                }
+                Err(_) => {
+                    tracing::error!(key = ?k, "a stored body has a damaged key: moved to the quarantine");
+                    self.quarantine(CF_BODIES, &k, &v)?;
+                    out.quarantined += 1;
+                }
+            }
         }
         // Keys given out and since deleted are past the largest found: the reservations say
         // how far keys went, so none is ever written twice.
         if let Some(v) = self.db.get(crate::KEY_RESERVED).map_err(StoreError::Read)? {
-            let reserved = <[u8; 16]>::try_from(v.as_slice()).map_err(|_| {
-                StoreError::Corrupt("the key reservation record is malformed".into())
-            })?;
-            let (q, b) = reserved.split_at(8);
-            keys.next_queue_key = keys
-                .next_queue_key
-                .max(codec::decode_u64(q, "reservation")?);
-            keys.next_body_key = keys.next_body_key.max(codec::decode_u64(b, "reservation")?);
+            match <[u8; 16]>::try_from(v.as_slice()) {
+                Ok(reserved) => {
+                    let (q, b) = reserved.split_at(8);
+                    keys.next_queue_key = keys
+                        .next_queue_key
+                        .max(codec::decode_u64(q, "reservation")?);
+                    keys.next_body_key =
+                        keys.next_body_key.max(codec::decode_u64(b, "reservation")?);
+                }
+                Err(_) => {
+                    // How far keys went is unknown: start far past what is found, so that
+                    // no deleted key is written again (SingleDelete relies on it).
+                    tracing::error!(
+                        "the key reservation record is damaged: new keys start far past the stored ones"
+                    );
+                    keys.next_queue_key = keys.next_queue_key.saturating_add(KEY_MARGIN);
+                    keys.next_body_key = keys.next_body_key.saturating_add(KEY_MARGIN);
+                }
+            }
         }
         broker.set_store_keys(keys, shared);
         if self.has_delayed()? {
@@ -189,7 +254,8 @@ impl Store {
         def: &QueueDef,
         id: warren_broker::QueueId,
         shared: &mut HashMap<u64, u32>,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, Damage), StoreError> {
+        let mut damage = Damage::default();
         let (from, to) = codec::queue_range(def.key);
         let bounded = || {
             let mut r = ReadOptions::default();
@@ -205,14 +271,19 @@ impl Store {
             IteratorMode::From(&from, Direction::Forward),
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
-            let (_, msg_id) = codec::decode_entry_key(&k)?;
-            let count = codec::decode_count(&v).map_err(|_| {
-                StoreError::Corrupt(format!(
-                    "queue '{}': a delivery count is malformed",
-                    def.name
-                ))
-            })?;
-            counts.insert(msg_id, count);
+            match (codec::decode_entry_key(&k), codec::decode_count(&v)) {
+                (Ok((_, msg_id)), Ok(count)) => {
+                    counts.insert(msg_id, count);
+                }
+                (key, count) => {
+                    // The message itself comes back, counted as never delivered.
+                    let error = key.err().or(count.err()).map(|e| e.to_string());
+                    tracing::error!(vhost = %def.vhost, queue = %def.name, key = ?k, ?error, "a delivery count is damaged: its message comes back counted 0; the count is in the quarantine");
+                    self.quarantine(CF_COUNTS, &k, &v)?;
+                    damage.quarantined += 1;
+                    damage.counts += 1;
+                }
+            }
         }
         let bodies = self.cf(CF_BODIES)?;
         let index = self.cf(CF_INDEX)?;
@@ -231,8 +302,30 @@ impl Store {
             IteratorMode::From(&from, Direction::Forward),
         ) {
             let (k, v) = item.map_err(StoreError::Read)?;
-            let (_, msg_id) = codec::decode_entry_key(&k)?;
-            let entry = codec::decode_entry(&v)?;
+            let (msg_id, entry) = match codec::decode_entry_key(&k) {
+                Ok((_, msg_id)) => match codec::decode_entry(&v) {
+                    Ok(entry) => (msg_id, entry),
+                    Err(error) => {
+                        tracing::error!(vhost = %def.vhost, queue = %def.name, msg_id, %error, "a stored message's index entry is damaged: the message is lost; the entry is in the quarantine");
+                        self.quarantine(CF_INDEX, &k, &v)?;
+                        damage.quarantined += 1;
+                        damage.lost += 1;
+                        // A run does not span it, and its id is never used again.
+                        if let Some(r) = run.take() {
+                            n += r.restore(broker, id, redelivered, &mut skip_to);
+                        }
+                        skip_to = Some(msg_id.saturating_add(1));
+                        continue;
+                    }
+                },
+                Err(error) => {
+                    tracing::error!(vhost = %def.vhost, queue = %def.name, key = ?k, %error, "a stored message's index key is damaged: the message is lost; the entry is in the quarantine");
+                    self.quarantine(CF_INDEX, &k, &v)?;
+                    damage.quarantined += 1;
+                    damage.lost += 1;
+                    continue;
+                }
+            };
             // A message waiting for a delayed retry is restored whole, with its due time (a page
             // read back later would make it ready at once).
             let waits = counts
@@ -271,11 +364,30 @@ impl Store {
                 .get_cf(bodies, body_key.to_be_bytes())
                 .map_err(StoreError::Read)?
             else {
-                tracing::warn!(queue = %def.name, msg_id, body_key, "a stored message has no body: skipped");
+                // Its body was damaged and quarantined with another queue's entry, or a
+                // crash came between a dropped run's bodies and its entries.
+                tracing::error!(vhost = %def.vhost, queue = %def.name, msg_id, body_key, "a stored message has no body: the message is lost; its entry is in the quarantine");
+                self.quarantine(CF_INDEX, &k, &v)?;
+                damage.quarantined += 1;
+                damage.lost += 1;
                 skip_to = Some(msg_id.saturating_add(1));
                 continue;
             };
-            let (message, queues) = codec::decode_body(body_key, body)?;
+            let body = bytes::Bytes::from(body);
+            let (message, queues) = match codec::decode_body(body_key, body.clone()) {
+                Ok(decoded) => decoded,
+                Err(error) => {
+                    // A shared body: the other queues holding it find it gone and skip
+                    // their entries too (each logged).
+                    tracing::error!(vhost = %def.vhost, queue = %def.name, msg_id, body_key, %error, "a stored message's body is damaged: the message is lost; body and entry are in the quarantine");
+                    self.quarantine(CF_BODIES, &body_key.to_be_bytes(), &body)?;
+                    self.quarantine(CF_INDEX, &k, &v)?;
+                    damage.quarantined += 2;
+                    damage.lost += 1;
+                    skip_to = Some(msg_id.saturating_add(1));
+                    continue;
+                }
+            };
             if queues > 1 {
                 *shared.entry(body_key).or_insert(0) += 1;
             }
@@ -292,7 +404,7 @@ impl Store {
         if let Some(next_id) = skip_to {
             broker.skip_message_ids(id, next_id);
         }
-        Ok(n)
+        Ok((n, damage))
     }
 }
 
