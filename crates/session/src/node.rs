@@ -939,6 +939,11 @@ impl Node {
                 State::Open if c.heartbeat_ms > 0 => {
                     // A connection blocked by an alarm is not read: its silence is ours.
                     let heard = c.paused || self.recovering;
+                    if heard {
+                        // Counted as heard now, so its deadline moves on: left in the past, it
+                        // would bring the timer straight back for as long as the alarm lasts.
+                        c.last_recv = c.last_recv.max(now);
+                    }
                     if !heard && now.saturating_sub(c.last_recv) >= 2 * c.heartbeat_ms {
                         tracing::info!(
                             conn = id,

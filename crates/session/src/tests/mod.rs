@@ -946,6 +946,14 @@ fn a_client_held_during_recovery_is_not_dropped_for_its_silence() {
     c.node.tick(c.now);
     c.pump();
     assert!(!c.closed, "dropped for a silence that was ours");
+    // A deadline left in the past would bring the timer straight back, a busy loop for as
+    // long as the client is held (seen under a long disk alarm).
+    assert!(
+        c.node.next_deadline().is_some_and(|at| at > c.now),
+        "next deadline {:?} is not after {}",
+        c.node.next_deadline(),
+        c.now
+    );
     c.node.set_recovering(false, c.now);
     c.now = 11_999;
     c.node.tick(c.now);
