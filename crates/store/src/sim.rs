@@ -12,7 +12,8 @@
 //!
 //! `WARREN_SIM_CASES` sets the number of cases (default 16), `WARREN_SIM_SEED` the first
 //! seed, `WARREN_SIM_STEPS` the steps per case, `WARREN_SIM_TRACE` how many of the last steps
-//! a failure shows (with its seed); `WARREN_SIM_DEDUP=1` gives `work` message deduplication.
+//! a failure shows (with its seed); `work` deduplicates messages unless `WARREN_SIM_DEDUP=0`
+//! (a redriven message must not be taken for a duplicate of itself).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -97,7 +98,7 @@ fn args(q: &str) -> FieldTable {
     let mut a = FieldTable::new();
     match q {
         "work" => {
-            if env("WARREN_SIM_DEDUP") == Some(1) {
+            if env("WARREN_SIM_DEDUP") != Some(0) {
                 a.insert(
                     ShortStr::from_static("x-message-deduplication"),
                     FieldValue::Bool(true),
