@@ -622,6 +622,4 @@ impl Store {
 }
 
 #[cfg(test)]
-mod sim;
-#[cfg(test)]
 mod tests;

@@ -1,6 +1,8 @@
 //! The store's tests, compiled only under `#[cfg(test)]` (`mod tests` in lib.rs): every unwrap
 //! and expect below is test code.
 
+mod sim;
+
 use bytes::Bytes;
 use warren_broker::{
     Broker, BrokerConfig, CreditGroup, DeclareQueue, DelayKey, Delivery, Message, ReadRequest,
