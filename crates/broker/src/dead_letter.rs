@@ -12,18 +12,6 @@ use warren_codec::{BasicProperties, CodecError, FieldTable, FieldValue, ShortStr
 
 use crate::queue::machine::DeadLetterReason;
 
-impl DeadLetterReason {
-    /// The reason as `x-death` spells it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeadLetterReason::Rejected => "rejected",
-            DeadLetterReason::Expired => "expired",
-            DeadLetterReason::MaxLen => "maxlen",
-            DeadLetterReason::DeliveryLimit => "delivery_limit",
-        }
-    }
-}
-
 /// Where a message died.
 pub struct Death<'a> {
     pub queue: &'a str,

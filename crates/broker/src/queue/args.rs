@@ -148,14 +148,7 @@ impl QueueType {
     }
 }
 
-/// `x-overflow`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Overflow {
-    #[default]
-    DropHead,
-    RejectPublish,
-    RejectPublishDlx,
-}
+pub use warren_queue::Overflow;
 
 /// `x-queue-mode`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,8 +1,7 @@
 //! Queues: the broker's record of a queue around its state machine.
 
 pub mod args;
-pub mod log;
-pub mod machine;
+pub use warren_queue::{log, machine};
 
 use warren_codec::{FieldTable, ShortStr};
 

@@ -45,8 +45,8 @@ use std::hash::{Hash, Hasher};
 use bytes::BytesMut;
 use warren_codec::{FieldTable, ShortStr};
 
-use crate::queue::args::Overflow;
 use crate::ConnId;
+use crate::Overflow;
 
 /// A message group, as a non-zero hash of the group header's value.
 pub type GroupKey = std::num::NonZeroU64;
@@ -403,6 +403,18 @@ pub enum DeadLetterReason {
     Expired,
     MaxLen,
     DeliveryLimit,
+}
+
+impl DeadLetterReason {
+    /// The reason as `x-death` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterReason::Rejected => "rejected",
+            DeadLetterReason::Expired => "expired",
+            DeadLetterReason::MaxLen => "maxlen",
+            DeadLetterReason::DeliveryLimit => "delivery_limit",
+        }
+    }
 }
 
 /// A message handed to a consumer (or to basic.get).

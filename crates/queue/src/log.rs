@@ -19,8 +19,8 @@ use super::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, Loaded, Meta,
     MsgMeta, Policy, QueueMachine, Receipt, RetryPolicy,
 };
-use crate::queue::args::Overflow;
 use crate::Message;
+use crate::Overflow;
 
 /// How often (in commands per queue) a record carries the digest of the whole machine.
 pub const STATE_DIGEST_EVERY: u64 = 16;

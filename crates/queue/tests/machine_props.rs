@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
-use warren_broker::machine::{
+use warren_codec::{FieldTable, ShortStr};
+use warren_queue::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DeadLetterReason,
     Deliver, Effect, Loaded, Meta, MsgMeta, QueueMachine, Receipt, Reply,
 };
-use warren_codec::{FieldTable, ShortStr};
 
 /// A consumer slot of the test (a slot re-used after a cancel is a new consumer).
 type Slot = u8;
