@@ -241,18 +241,19 @@ fn priority(q: &Queue, message: &Message) -> u8 {
 /// names (a string, or an integer read as its decimal digits); `None` without that header
 /// (the message is in no group and goes out as in any queue).
 fn message_group(q: &Queue, message: &Message) -> Option<crate::machine::GroupKey> {
-    use std::hash::{Hash, Hasher};
+    use warren_queue::stable_hash::hash_bytes;
     let name = q.args.group_header.as_deref()?;
     let headers = warren_codec::properties::headers(&message.properties)
         .ok()
         .flatten()?;
-    let mut h = std::hash::DefaultHasher::new();
-    match headers.get(name)? {
-        FieldValue::LongStr(b) | FieldValue::ByteArray(b) => b[..].hash(&mut h),
-        v => v.as_i64()?.to_string().as_bytes().hash(&mut h),
-    }
+    // The same value on every node and build (a replica or a restarted node derives the same
+    // key); recovery recomputes keys from the stored headers, so older keys never mix in.
+    let h = match headers.get(name)? {
+        FieldValue::LongStr(b) | FieldValue::ByteArray(b) => hash_bytes(b),
+        v => hash_bytes(v.as_i64()?.to_string().as_bytes()),
+    };
     // A hash of 0 (one in 2^64) shares group 1.
-    crate::machine::GroupKey::new(h.finish()).or(crate::machine::GroupKey::new(1))
+    crate::machine::GroupKey::new(h).or(crate::machine::GroupKey::new(1))
 }
 
 /// The dead letter of a message leaving `q`, if `q` has a dead-letter exchange (else the

@@ -8,6 +8,7 @@
 
 pub mod log;
 pub mod machine;
+pub mod stable_hash;
 
 use bytes::Bytes;
 use warren_codec::ShortStr;

@@ -2239,7 +2239,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// A digest of the whole state: two machines with the same digest are the same machine
     /// (used to check that replaying a command log rebuilds a queue exactly). O(state).
     pub fn digest(&self) -> u64 {
-        let mut h = std::hash::DefaultHasher::new();
+        let mut h = crate::stable_hash::StableHasher::new();
         self.next_id.hash(&mut h);
         self.last_index.hash(&mut h);
         self.now_ms.hash(&mut h);
@@ -2342,7 +2342,7 @@ fn hash_entry<M: Hash>(e: &Entry<M>, h: &mut impl Hasher) {
 
 /// A digest of a command's effects and reply, for comparing a replay with the original run.
 pub fn effects_digest<M: Hash>(reply: &Reply, effects: &[Effect<M>]) -> u64 {
-    let mut h = std::hash::DefaultHasher::new();
+    let mut h = crate::stable_hash::StableHasher::new();
     reply.hash(&mut h);
     effects.hash(&mut h);
     h.finish()
