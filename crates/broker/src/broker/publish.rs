@@ -1,0 +1,628 @@
+//! The publish pipeline: routing, deduplication, the copies a message leaves in its queues.
+
+use super::*;
+
+/// A message's own TTL (the `expiration` property, validated by the session), in ms.
+pub(super) fn message_ttl(message: &Message) -> Option<u64> {
+    warren_codec::properties::expiration(&message.properties)?
+        .parse()
+        .ok()
+}
+
+/// When a message enqueued `now` expires in this queue: the shorter of the queue's TTL and
+/// the message's own.
+pub(super) fn expiry(q: &Queue, own_ttl: Option<u64>, now: u64) -> Option<u64> {
+    let ttl = match (q.args.message_ttl_ms, own_ttl) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    ttl.map(|t| now.saturating_add(t))
+}
+
+/// A message's priority in this queue (`x-max-priority`): its `priority` property, capped. In
+/// a queue with message groups, none: a group's order is its publish order.
+pub(super) fn priority(q: &Queue, message: &Message) -> u8 {
+    if q.args.group_header.is_some() {
+        return 0;
+    }
+    match q.args.max_priority {
+        Some(max) => warren_codec::properties::priority(&message.properties)
+            .unwrap_or(0)
+            .min(max),
+        None => 0,
+    }
+}
+
+/// A message's group in a queue with `x-group-header`: a hash of the value of the header it
+/// names (a string, or an integer read as its decimal digits); `None` without that header
+/// (the message is in no group and goes out as in any queue).
+pub(super) fn message_group(q: &Queue, message: &Message) -> Option<crate::machine::GroupKey> {
+    use warren_queue::stable_hash::hash_bytes;
+    let name = q.args.group_header.as_deref()?;
+    let headers = warren_codec::properties::headers(&message.properties)
+        .ok()
+        .flatten()?;
+    // The same value on every node and build (a replica or a restarted node derives the same
+    // key); recovery recomputes keys from the stored headers, so older keys never mix in.
+    let h = match headers.get(name)? {
+        FieldValue::LongStr(b) | FieldValue::ByteArray(b) => hash_bytes(b),
+        v => hash_bytes(v.as_i64()?.to_string().as_bytes()),
+    };
+    // A hash of 0 (one in 2^64) shares group 1.
+    crate::machine::GroupKey::new(h).or(crate::machine::GroupKey::new(1))
+}
+
+/// Collects the queues a message goes to from exchange `start`: follows exchange-to-exchange
+/// bindings (each exchange visited once, so cycles end) and alternate exchanges (used when an
+/// exchange itself routes nowhere, as RabbitMQ does); `out` ends sorted and deduplicated.
+pub(super) fn route(
+    vh: &VHost,
+    start: &Exchange,
+    routing_key: &str,
+    message: &Message,
+    dests: &mut Vec<Dest>,
+    out: &mut Vec<QueueId>,
+) {
+    let mut headers = LazyHeaders::new(&message.properties);
+    let mut pending: Small<Option<&Exchange>, 8> = Small::new();
+    pending.push(Some(start));
+    // Exchanges already routed through: an inline list while few (the common case), a hash
+    // set for large exchange-to-exchange graphs.
+    let mut seen: Small<&str, 8> = Small::new();
+    let mut seen_count = 1usize;
+    seen.push(&start.name);
+    let mut seen_set: Option<HashSet<&str>> = None;
+    while let Some(x) = pending.pop() {
+        let Some(x) = x else { continue };
+        dests.clear();
+        x.route(routing_key, &mut headers, dests);
+        if dests.is_empty() {
+            if let Some(FieldValue::LongStr(ae)) = x.arguments.get("alternate-exchange") {
+                if let Ok(ae) = std::str::from_utf8(ae) {
+                    dests.push(Dest::Exchange(short(ae)));
+                }
+            }
+        }
+        for d in dests.drain(..) {
+            match d {
+                Dest::Queue(id) => out.push(id),
+                Dest::Exchange(name) => {
+                    let Some((k, next)) = vh.exchanges.get_key_value(&name) else {
+                        continue;
+                    };
+                    let k = k.as_str();
+                    let new = match &mut seen_set {
+                        Some(set) => set.insert(k),
+                        None if seen_count < 16 => {
+                            let new = !seen.any(|s| *s == k);
+                            if new {
+                                seen.push(k);
+                                seen_count += 1;
+                            }
+                            new
+                        }
+                        None => {
+                            let mut set: HashSet<&str> = HashSet::new();
+                            while let Some(s) = seen.pop() {
+                                set.insert(s);
+                            }
+                            let new = set.insert(k);
+                            seen_set = Some(set);
+                            new
+                        }
+                    };
+                    if new {
+                        pending.push(Some(next));
+                    }
+                }
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+}
+
+impl Broker {
+    /// A message its queue already handed out and forgot (no-ack) that could not be sent
+    /// after all: back in `queue`, at its tail. Not a new publish: no dedup window, no delay.
+    pub fn put_back(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        message: Message,
+    ) -> Result<Routed, AmqpError> {
+        let routed = self.publish_to(vhost, "", queue, message, None, true);
+        self.dead_letter_pending();
+        routed
+    }
+
+    /// Routes and enqueues. Errors: 404 no exchange, 403 internal exchange, 406 message too
+    /// large.
+    pub fn publish(
+        &mut self,
+        vhost: &str,
+        exchange: &str,
+        routing_key: &str,
+        message: Message,
+        now_ms: u64,
+    ) -> Result<Routed, AmqpError> {
+        self.now_ms = self.now_ms.max(now_ms);
+        let routed = match self.exchange_verdict(vhost, exchange, &message) {
+            Verdict::Duplicate { batch } => Ok(Routed {
+                // Dropped, and confirmed as the first copy is (once it is on disk).
+                queues: 1,
+                batch,
+                rejected: false,
+            }),
+            verdict => {
+                let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
+                if let (Verdict::New(pending), Ok(r)) = (verdict, &routed) {
+                    // Remembered once a queue took it: a nacked or unroutable first copy
+                    // leaves its retry new.
+                    if r.queues > 0 && !r.rejected {
+                        let now = self.now_ms;
+                        if let Some(d) = self.exchange_dedup(vhost, exchange) {
+                            d.remember(pending, r.batch, now);
+                        }
+                    }
+                }
+                routed
+            }
+        };
+        self.counters.received += 1;
+        if routed.as_ref().is_ok_and(|r| r.queues == 0) {
+            self.counters.unroutable += 1;
+        }
+        self.dead_letter_pending();
+        routed
+    }
+
+    /// The deduplication window of a publish's exchange, if it has one.
+    pub(super) fn exchange_dedup(
+        &mut self,
+        vhost: &str,
+        exchange: &str,
+    ) -> Option<&mut crate::dedup::Dedup> {
+        if !self.dedup_exchanges || exchange.is_empty() {
+            return None;
+        }
+        self.vhosts
+            .get_mut(vhost)?
+            .exchanges
+            .get_mut(exchange)?
+            .dedup
+            .as_deref_mut()
+    }
+
+    /// What the exchange's deduplication window says of a new publish (a message too large is
+    /// not judged: it is refused as any other).
+    pub(super) fn exchange_verdict(
+        &mut self,
+        vhost: &str,
+        exchange: &str,
+        message: &Message,
+    ) -> Verdict {
+        if message.body.len() > self.config.max_message_size {
+            return Verdict::Unjudged;
+        }
+        let (now, disk) = (self.now_ms, self.disk);
+        let Some(d) = self.exchange_dedup(vhost, exchange) else {
+            return Verdict::Unjudged;
+        };
+        let headers = warren_codec::properties::headers(&message.properties)
+            .ok()
+            .flatten();
+        d.judge(headers.as_ref(), &message.properties, now, disk)
+    }
+
+    /// Routes and enqueues; `death`: the message is a dead letter (its reason, and its
+    /// `x-death` header after this death), and queues it would cycle back to are left out.
+    pub(super) fn publish_to(
+        &mut self,
+        vhost: &str,
+        exchange: &str,
+        routing_key: &str,
+        message: Message,
+        death: Option<(DeadLetterReason, Option<FieldValue>, Vec<String>)>,
+        released: bool,
+    ) -> Result<Routed, AmqpError> {
+        if message.body.len() > self.config.max_message_size {
+            return Err(AmqpError::precondition_failed(format!(
+                "message size {} is larger than configured max size {}",
+                message.body.len(),
+                self.config.max_message_size
+            )));
+        }
+        let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
+        let mut targets = std::mem::take(&mut self.scratch_queues);
+        targets.clear();
+        if exchange.is_empty() {
+            if let Some(&id) = vh.queues.get(routing_key) {
+                targets.push(id);
+            }
+            for key in death.iter().flat_map(|(_, _, cc)| cc) {
+                if let Some(&id) = vh.queues.get(key.as_str()) {
+                    targets.push(id);
+                }
+            }
+            targets.sort_unstable();
+            targets.dedup();
+        } else {
+            let Some(x) = vh.exchanges.get(exchange) else {
+                self.scratch_queues = targets;
+                return Err(no_exchange(exchange, vhost));
+            };
+            if x.internal {
+                self.scratch_queues = targets;
+                return Err(AmqpError::access_refused(format!(
+                    "cannot publish to internal {}",
+                    rs("exchange", exchange, vhost)
+                )));
+            }
+            if x.delayed && !released {
+                let headers = warren_codec::properties::headers(&message.properties);
+                if let Some(delay) = delayed::header_delay(headers.ok().flatten().as_ref()) {
+                    self.scratch_queues = targets;
+                    // Routed when due as it was published (the message's own fields are
+                    // what a delivery shows; they normally say the same).
+                    let mut message = message;
+                    if message.exchange.as_str() != exchange {
+                        message.exchange = short(exchange);
+                    }
+                    if message.routing_key.as_str() != routing_key {
+                        message.routing_key = short(routing_key);
+                    }
+                    let holder = x.holder();
+                    return Ok(self.schedule(vhost, (None, holder), message, delay, 0));
+                }
+            }
+            let mut dests = std::mem::take(&mut self.scratch_dests);
+            route(vh, x, routing_key, &message, &mut dests, &mut targets);
+            for key in death.iter().flat_map(|(_, _, cc)| cc) {
+                route(vh, x, key, &message, &mut dests, &mut targets);
+            }
+            self.scratch_dests = dests;
+        }
+        if let Some((reason, x_death, _)) = &death {
+            let (queues, reported) = (&self.queues, &mut self.cycles_reported);
+            targets.retain(|id| {
+                let Some(q) = queues.get(id) else {
+                    return true;
+                };
+                let cycle = dead_letter::is_cycle(x_death.as_ref(), *reason, &q.name);
+                if cycle {
+                    // Once per queue at warning level (RabbitMQ: once per cycle), then quietly.
+                    if reported.insert(*id) {
+                        tracing::warn!(queue = %q.name, vhost = %q.vhost, "dead-letter cycle: a message that would reach this queue again with no rejection on the way is dropped (reported once)");
+                    } else {
+                        tracing::debug!(queue = %q.name, "dead-letter cycle: message dropped");
+                    }
+                }
+                !cycle
+            });
+        }
+        let size = message.body.len() as u64;
+        // A queue that saw the message's key within its window drops this copy (counted as
+        // routed: the publisher's confirm is the first copy's, once that is on disk). Only a
+        // new publish is judged: a dead letter or a delayed release may be the last copy.
+        let mut duplicates = 0u32;
+        let mut first_copies = None;
+        let mut new_keys: Vec<(QueueId, crate::dedup::Pending)> = Vec::new();
+        if self.dedup_queues > 0 && !released && death.is_none() {
+            let (now, disk) = (self.now_ms, self.disk);
+            let queues = &mut self.queues;
+            let mut headers = None;
+            targets.retain(|id| {
+                let Some(d) = queues.get_mut(id).and_then(|q| q.dedup.as_deref_mut()) else {
+                    return true;
+                };
+                let headers = headers.get_or_insert_with(|| {
+                    warren_codec::properties::headers(&message.properties)
+                        .ok()
+                        .flatten()
+                });
+                match d.judge(headers.as_ref(), &message.properties, now, disk) {
+                    Verdict::Duplicate { batch } => {
+                        duplicates += 1;
+                        first_copies = first_copies.max(batch);
+                        false
+                    }
+                    Verdict::New(pending) => {
+                        new_keys.push((*id, pending));
+                        true
+                    }
+                    Verdict::Unjudged => true,
+                }
+            });
+        }
+        // The judged queues that took their copy (a refused one leaves its key new).
+        let mut took: Vec<QueueId> = Vec::new();
+        // Queues with a delivery delay get their copy when it is due; one that is full and
+        // refuses new messages refuses it now, while its publisher can still be told.
+        let mut held: Vec<(ShortStr, Holder, u64)> = Vec::new();
+        let mut refused_now: Vec<QueueId> = Vec::new();
+        if self.delaying_queues > 0 && !released {
+            let headers = warren_codec::properties::headers(&message.properties);
+            let own = delayed::header_delay(headers.ok().flatten().as_ref());
+            let refusing = self.refusing_queues > 0;
+            targets.retain(|id| {
+                let Some(q) = self.queues.get(id) else {
+                    return true;
+                };
+                match q.args.delivery_delay_ms {
+                    Some(_) if refusing && q.machine.rejects(size) => {
+                        refused_now.push(*id);
+                        false
+                    }
+                    Some(delay) => {
+                        held.push((q.name.clone(), q.holder(), own.unwrap_or(delay)));
+                        false
+                    }
+                    None => true,
+                }
+            });
+        }
+        for id in &refused_now {
+            self.refused(*id, Kept::Memory, &message, None);
+        }
+        let own_ttl = message_ttl(&message);
+        let meta = MsgMeta {
+            size,
+            expires_at: None,
+            pageable: false,
+            spilled: false,
+            priority: 0,
+            group: None,
+        };
+        let mut message = message;
+        // A key is this publish's to give (a message republished from a queue carries its old one).
+        message.store_key = None;
+        if !targets.is_empty() {
+            message.compact();
+        }
+        // Where each target keeps the message on disk: a persistent message in a durable queue
+        // in the store (its confirm waits for the write); anything else in a queue past its
+        // window in the scratch area, so that a deep queue's messages can leave memory.
+        let mut kinds = std::mem::take(&mut self.scratch_kinds);
+        kinds.clear();
+        let (mut durable, mut spilled) = (0u32, 0u32);
+        // A full `reject-publish` queue will refuse its copy: the machine decides (its Enqueue
+        // reply), and its copy is not written, since nothing changes a queue between this look
+        // and its Enqueue (dead letters wait until every copy is in, below).
+        let refusing = self.refusing_queues > 0;
+        let refuses = |q: &Queue| refusing && q.machine.rejects(size);
+        // Spilling pays only for a body this queue alone holds: one that is also stored
+        // durably, or spilled for several queues, has its references counted in memory and
+        // could not leave it anyway (and a durable body must not count scratch references,
+        // which a restart drops).
+        // A transient message with no memory pressure stays in memory everywhere: no look at
+        // the targets (the common path of transient traffic costs nothing here).
+        if self.persist.is_some() && (message.persistent || self.spill) {
+            for id in &targets {
+                let kind = match self.queues.get(id) {
+                    Some(q) if refuses(q) => Kept::Memory,
+                    Some(q) if message.persistent && q.store_key.is_some() => {
+                        durable += 1;
+                        Kept::Durable
+                    }
+                    Some(q)
+                        if self.spill
+                            && self.pager.is_some()
+                            && q.is_deep(keep(&self.config, q)) =>
+                    {
+                        spilled += 1;
+                        Kept::Spilled
+                    }
+                    _ => Kept::Memory,
+                };
+                kinds.push(kind);
+            }
+        }
+        if durable > 0 || spilled > 1 {
+            for kind in kinds.iter_mut().filter(|k| **k == Kept::Spilled) {
+                *kind = Kept::Memory;
+            }
+            spilled = 0;
+        }
+        let stored = durable.saturating_add(spilled);
+        let mut batch = None;
+        if let Some(p) = self.persist.as_mut().filter(|_| stored > 0) {
+            let key = if durable > 0 {
+                p.body_key()
+            } else {
+                p.spill_key()
+            };
+            message.store_key = Some(key);
+            let op = StoreOp::PutBody {
+                key,
+                message: message.clone(),
+                queues: stored,
+            };
+            p.push(op, durable > 0);
+            if stored > 1 {
+                p.shared.insert(key, stored);
+            }
+            if durable > 0 {
+                batch = Some(p.next_batch);
+            }
+        }
+        // A full queue that refuses the message counts as routed (no basic.return), and the
+        // publisher's confirm becomes a nack.
+        let mut rejected = refused_now.len() as u32;
+        let mut routed = duplicates + rejected;
+        // Only a body stored for one queue is paged out (a shared one is counted in memory).
+        let paging = self.pager.is_some() && stored == 1;
+        // What a copy makes its queue drop (drop-head) is dead-lettered once every copy is in:
+        // a dead letter that filled a later target would otherwise refuse that target's copy,
+        // and RabbitMQ's queues get a publish's copies before any dead letter it causes.
+        let defer = !self.dead_lettering;
+        // This release's own copies only: not the dead letters republished below.
+        let releasing = self.releasing.take().filter(|_| released);
+        self.dead_lettering = true;
+        for (i, id) in targets.iter().enumerate() {
+            let kind = kinds.get(i).copied().unwrap_or(Kept::Memory);
+            let mut copy = message.clone();
+            if kind == Kept::Memory {
+                // This queue's copy is in memory only: nothing to delete when it goes.
+                copy.store_key = None;
+            }
+            let now = self.now_ms;
+            // The copy's meta depends on its queue (TTL, priorities): built from the same
+            // lookup that applies the command.
+            let Some((reply, meta)) = self.run_with(*id, |q| {
+                let meta = MsgMeta {
+                    pageable: paging && kind != Kept::Memory && may_page(q),
+                    spilled: kind == Kept::Spilled,
+                    expires_at: expiry(q, own_ttl, now),
+                    priority: priority(q, &copy),
+                    group: message_group(q, &copy),
+                    ..meta
+                };
+                let command = Command::Enqueue {
+                    message: copy,
+                    meta,
+                };
+                (command, meta)
+            }) else {
+                continue;
+            };
+            routed += 1;
+            if reply == Reply::Refused(Refusal::Full) {
+                self.refused(*id, kind, &message, releasing);
+                rejected += 1;
+                continue;
+            }
+            if !new_keys.is_empty() && matches!(reply, Reply::Enqueued { .. }) {
+                took.push(*id);
+            }
+            // A queue over its length drops its head: handled once this copy's entry is
+            // written (the head may be this very message).
+            let dropped = (!self.effects.is_empty()).then(|| std::mem::take(&mut self.effects));
+            self.store_entry(*id, kind, &message, meta, stored, reply);
+            if let Some(effects) = dropped {
+                self.effects = effects;
+                self.finish_effects(*id);
+            }
+        }
+        if defer {
+            self.dead_lettering = false;
+            self.dead_letter_pending();
+        }
+        self.scratch_kinds = kinds;
+        self.scratch_queues = targets;
+        for (queue, holder, delay) in held {
+            let r = self.schedule(vhost, (Some(queue), holder), message.clone(), delay, 0);
+            routed += r.queues;
+            batch = batch.max(r.batch);
+        }
+        if !new_keys.is_empty() {
+            let now = self.now_ms;
+            for (id, pending) in new_keys {
+                // Held for a delivery delay (no longer a target, and not refused as full):
+                // scheduled, so taken too.
+                let taken = took.contains(&id)
+                    || (!self.scratch_queues.contains(&id) && !refused_now.contains(&id));
+                if let Some(d) = self
+                    .queues
+                    .get_mut(&id)
+                    .and_then(|q| q.dedup.as_deref_mut())
+                {
+                    if taken {
+                        d.remember(pending, batch, now);
+                    }
+                }
+            }
+        }
+        Ok(Routed {
+            queues: routed,
+            batch: batch.max(first_copies),
+            rejected: rejected > 0,
+        })
+    }
+
+    /// A full `reject-publish` queue refused its copy of `message`: a stored copy lets its
+    /// body go, and `reject-publish-dlx` dead-letters the message (reason `maxlen`). A delayed
+    /// message refused as it falls due was confirmed long ago, and nobody is left to tell:
+    /// with plain `reject-publish` it waits again, for this queue only, and is tried later
+    /// (the back-off doubles, 1 s to 60 s), rather than being dropped.
+    /// `releasing`: the message is a delayed one falling due, refused that many times before.
+    pub(super) fn refused(
+        &mut self,
+        id: QueueId,
+        kind: Kept,
+        message: &Message,
+        releasing: Option<u32>,
+    ) {
+        if let (Some(p), Some(body), false) = (
+            self.persist.as_mut(),
+            message.store_key,
+            kind == Kept::Memory,
+        ) {
+            p.release_body(body);
+        }
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        let mut m = message.clone();
+        m.store_key = None;
+        match (q.args.overflow, releasing) {
+            (args::Overflow::RejectPublishDlx, _) => {
+                if let Some(dl) = dead_letter_of(q, m, DeadLetterReason::MaxLen) {
+                    self.dead_letters.push_back(dl);
+                }
+            }
+            (_, Some(refused)) => {
+                let (vhost, target) = (q.vhost.clone(), (Some(q.name.clone()), q.holder()));
+                let wait = delayed::refused_retry_ms(refused);
+                self.counters.delayed_refused += 1;
+                tracing::debug!(queue = %q.name, vhost = %q.vhost, refused = refused + 1, retry_in_ms = wait, "a delayed message fell due into a full reject-publish queue: held back again");
+                self.schedule(&vhost, target, m, wait, refused.saturating_add(1));
+            }
+            _ => {}
+        }
+    }
+
+    /// Writes a queue's entry for a message it just took (if its copy is on disk).
+    pub(super) fn store_entry(
+        &mut self,
+        id: QueueId,
+        kind: Kept,
+        message: &Message,
+        meta: MsgMeta,
+        stored: u32,
+        reply: Reply,
+    ) {
+        {
+            let (Some(body), Reply::Enqueued { msg_id }) = (message.store_key, reply) else {
+                return;
+            };
+            let (Some(p), Some(q)) = (self.persist.as_mut(), self.queues.get_mut(&id)) else {
+                return;
+            };
+            let queue = match kind {
+                Kept::Memory => return,
+                Kept::Durable => q.store_key,
+                Kept::Spilled => Some(*q.spill_key.get_or_insert_with(|| p.spill_key())),
+            };
+            let Some(queue) = queue else {
+                return;
+            };
+            let op = StoreOp::PutEntry {
+                queue,
+                msg_id,
+                body,
+                size: meta.size,
+                shared: stored > 1,
+                expires_at: meta.expires_at,
+            };
+            p.push(op, kind == Kept::Durable);
+            if meta.pageable && q.is_deep(keep(&self.config, q)) {
+                let number = p.next_batch;
+                match self.page_pending.back_mut() {
+                    Some((b, q, m)) if *b == number && *q == id => *m = msg_id,
+                    _ => self.page_pending.push_back((number, id, msg_id)),
+                }
+            }
+        }
+    }
+}
