@@ -195,14 +195,45 @@ pub fn encode(record: &Record, out: &mut BytesMut) {
     seal(out, start);
 }
 
+/// A command that cannot be an entry of a replicated log.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum EntryError {
+    #[error("{0} is this node's own (paging or recovery) and is never replicated")]
+    NodeLocal(&'static str),
+}
+
 /// Appends one command as a replicated log's entry: version, checksum, command.
-pub fn encode_entry(command: &Command<Message>, out: &mut BytesMut) {
+///
+/// Only logical facts are written. Node-local commands are refused
+/// ([`Command::is_node_local`]), and an enqueue leaves out what only the writing node knows:
+/// the message's store key and whether this node may page it (`pageable`, `spilled`). The
+/// node applying the entry decides those for itself, so two members under different memory
+/// pressure apply the same commands and reach the same digest.
+pub fn encode_entry(command: &Command<Message>, out: &mut BytesMut) -> Result<(), EntryError> {
+    if command.is_node_local() {
+        return Err(EntryError::NodeLocal(command.name()));
+    }
     let start = out.len();
     out.put_u8(FORMAT_VERSION);
     out.put_u32(0);
-    put_command(out, command);
+    match command {
+        Command::Enqueue { message, meta } => {
+            let message = Message {
+                store_key: None,
+                ..message.clone()
+            };
+            let meta = MsgMeta {
+                pageable: false,
+                spilled: false,
+                ..*meta
+            };
+            put_command(out, &Command::Enqueue { message, meta });
+        }
+        other => put_command(out, other),
+    }
     let crc = crc32fast::hash(&out[start + 5..]);
     out[start + 1..start + 5].copy_from_slice(&crc.to_be_bytes());
+    Ok(())
 }
 
 /// Reads an entry written by [`encode_entry`].
@@ -785,7 +816,7 @@ mod tests {
     fn an_entry_round_trips_and_a_flipped_bit_or_an_unknown_version_is_refused() {
         let command = enqueue(b"hello");
         let mut out = BytesMut::new();
-        encode_entry(&command, &mut out);
+        encode_entry(&command, &mut out).unwrap();
         let entry = out.freeze();
         assert_eq!(decode_entry(entry.clone()), Ok(command));
         for i in 0..entry.len() {
@@ -824,5 +855,57 @@ mod tests {
         damaged[first_len - 3] ^= 0xff;
         let err = decode_all(Bytes::from(damaged)).unwrap_err().to_string();
         assert!(err.contains("checksum mismatch"), "{err}");
+    }
+
+    #[test]
+    fn an_entry_carries_logical_facts_only_so_members_under_different_memory_pressure_agree() {
+        // The same publish as two members would log it: one stored the body and may page it
+        // out, the other keeps it in memory.
+        let plain = enqueue(b"payload");
+        let Command::Enqueue { message, meta } = plain.clone() else {
+            unreachable!()
+        };
+        let local = Command::Enqueue {
+            message: Message {
+                store_key: Some(42),
+                ..message
+            },
+            meta: MsgMeta {
+                pageable: true,
+                spilled: true,
+                ..meta
+            },
+        };
+        let entry = |c: &Command<Message>| {
+            let mut out = BytesMut::new();
+            encode_entry(c, &mut out).unwrap();
+            out.freeze()
+        };
+        assert_eq!(entry(&local), entry(&plain));
+        let (mut a, mut b) = (QueueMachine::default(), QueueMachine::default());
+        let meta = Meta {
+            index: 1,
+            now_ms: 1,
+        };
+        let mut effects = Vec::new();
+        a.apply(meta, decode_entry(entry(&local)).unwrap(), &mut effects);
+        b.apply(meta, decode_entry(entry(&plain)).unwrap(), &mut effects);
+        assert_eq!(a.digest(), b.digest());
+
+        // What only this node's memory or disk asks for is refused.
+        let paging = Command::PageOut {
+            keep: 0,
+            keep_bytes: 0,
+            upto_id: 1,
+        };
+        assert_eq!(
+            encode_entry(&paging, &mut BytesMut::new()),
+            Err(EntryError::NodeLocal("page_out"))
+        );
+        let load = Command::Load {
+            messages: Vec::new(),
+            through_id: 1,
+        };
+        assert!(encode_entry(&load, &mut BytesMut::new()).is_err());
     }
 }

@@ -328,6 +328,48 @@ pub enum Command<M> {
     Touch,
 }
 
+impl<M> Command<M> {
+    /// A command that only this node's memory or disk asks for: paging out and reading back,
+    /// and recovery from its own store. It never enters a replicated log: another member's
+    /// memory and disk differ, and what it holds must not depend on them.
+    pub fn is_node_local(&self) -> bool {
+        matches!(
+            self,
+            Command::Restore { .. }
+                | Command::SkipIds { .. }
+                | Command::RestoreRun { .. }
+                | Command::PageOut { .. }
+                | Command::Load { .. }
+        )
+    }
+
+    /// The command's name, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Command::Enqueue { .. } => "enqueue",
+            Command::Restore { .. } => "restore",
+            Command::SkipIds { .. } => "skip_ids",
+            Command::RestoreRun { .. } => "restore_run",
+            Command::PageOut { .. } => "page_out",
+            Command::Load { .. } => "load",
+            Command::Consume { .. } => "consume",
+            Command::Cancel { .. } => "cancel",
+            Command::Credit { .. } => "credit",
+            Command::Checkout { .. } => "checkout",
+            Command::Get { .. } => "get",
+            Command::Settle { .. } => "settle",
+            Command::Return { .. } => "return",
+            Command::Release { .. } => "release",
+            Command::Discard { .. } => "discard",
+            Command::Purge => "purge",
+            Command::Tick => "tick",
+            Command::Configure(_) => "configure",
+            Command::Extend { .. } => "extend",
+            Command::Touch => "touch",
+        }
+    }
+}
+
 /// A message read back from the store for [`Command::Load`].
 #[derive(Clone, Debug, PartialEq, Hash)]
 pub struct Loaded<M> {
