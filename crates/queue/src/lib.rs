@@ -13,8 +13,39 @@ pub mod stable_hash;
 use bytes::Bytes;
 use warren_codec::ShortStr;
 
-/// Identifies a client connection for the life of the broker.
+/// Identifies a client connection for the life of the broker. Node-qualified (see
+/// [`qualify`]): the node the connection is on is [`node_of`] its id.
 pub type ConnId = u64;
+
+/// A node of a cluster. Node 0 is a node on its own: every id minted before clustering (and
+/// every id in a log or store written then) is an id of node 0.
+pub type NodeId = u16;
+
+/// Ids that must not collide across nodes (connections, consumers, enqueuers) keep the node
+/// that minted them in their top 16 bits and a per-node counter in the low 48. A node mints
+/// ids of its own only, so two nodes never mint the same id; node 0's ids are the plain
+/// counter values.
+pub const LOCAL_ID_BITS: u32 = 48;
+
+/// The largest per-node counter value an id can carry.
+pub const LOCAL_ID_MAX: u64 = (1 << LOCAL_ID_BITS) - 1;
+
+/// The id minted on `node` with counter value `local`; `None` once the counter has outgrown
+/// its 48 bits (2.8e14 ids: the node must not reuse any).
+pub fn qualify(node: NodeId, local: u64) -> Option<u64> {
+    (local <= LOCAL_ID_MAX).then(|| u64::from(node) << LOCAL_ID_BITS | local)
+}
+
+/// The node that minted a qualified id.
+pub fn node_of(id: u64) -> NodeId {
+    // The shift leaves 16 bits: the cast cannot truncate.
+    (id >> LOCAL_ID_BITS) as NodeId
+}
+
+/// The per-node counter value of a qualified id.
+pub fn local_of(id: u64) -> u64 {
+    id & LOCAL_ID_MAX
+}
 
 /// `x-overflow`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -85,6 +116,28 @@ mod tests {
     fn within(part: &[u8], whole: &[u8]) -> bool {
         let (p, w) = (part.as_ptr() as usize, whole.as_ptr() as usize);
         p >= w && p < w + whole.len()
+    }
+
+    #[test]
+    fn qualified_ids_keep_node_and_counter_apart() {
+        // Node 0's ids are the plain counter: every id minted before clustering stays valid.
+        assert_eq!(qualify(0, 41), Some(41));
+        assert_eq!((node_of(41), local_of(41)), (0, 41));
+        let id = qualify(3, 41).unwrap();
+        assert_eq!(id, 3 << 48 | 41);
+        assert_eq!((node_of(id), local_of(id)), (3, 41));
+        assert_ne!(
+            qualify(1, 7),
+            qualify(2, 7),
+            "two nodes never mint the same id"
+        );
+        let top = qualify(NodeId::MAX, LOCAL_ID_MAX).unwrap();
+        assert_eq!((node_of(top), local_of(top)), (NodeId::MAX, LOCAL_ID_MAX));
+        assert_eq!(
+            qualify(1, LOCAL_ID_MAX + 1),
+            None,
+            "a counter past 48 bits is refused"
+        );
     }
 
     #[test]

@@ -23,8 +23,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use warren_codec::{FieldTable, ShortStr};
 
 use super::machine::{
-    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, Loaded, Meta,
-    MsgMeta, Policy, QueueMachine, Receipt, RetryPolicy,
+    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, EnqueuerId,
+    Loaded, Meta, MsgMeta, Policy, QueueMachine, Receipt, RetryPolicy,
 };
 use crate::Message;
 use crate::Overflow;
@@ -106,6 +106,10 @@ const CONFIGURE: u8 = 17;
 const TOUCH: u8 = 18;
 const EXTEND: u8 = 19;
 const RELEASE: u8 = 20;
+const DOWN: u8 = 21;
+const ENQUEUE_FROM: u8 = 22;
+const UNREGISTER: u8 = 23;
+const GET_BY: u8 = 24;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -218,22 +222,45 @@ pub fn encode_entry(command: &Command<Message>, out: &mut BytesMut) -> Result<()
     out.put_u32(0);
     match command {
         Command::Enqueue { message, meta } => {
-            let message = Message {
-                store_key: None,
-                ..message.clone()
-            };
-            let meta = MsgMeta {
-                pageable: false,
-                spilled: false,
-                ..*meta
-            };
+            let (message, meta) = (logical_message(message), logical_meta(meta));
             put_command(out, &Command::Enqueue { message, meta });
+        }
+        Command::EnqueueFrom {
+            enqueuer,
+            seq,
+            message,
+            meta,
+        } => {
+            let command = Command::EnqueueFrom {
+                enqueuer: *enqueuer,
+                seq: *seq,
+                message: logical_message(message),
+                meta: logical_meta(meta),
+            };
+            put_command(out, &command);
         }
         other => put_command(out, other),
     }
     let crc = crc32fast::hash(&out[start + 5..]);
     out[start + 1..start + 5].copy_from_slice(&crc.to_be_bytes());
     Ok(())
+}
+
+/// A message without what only the writing node knows (its store key).
+fn logical_message(message: &Message) -> Message {
+    Message {
+        store_key: None,
+        ..message.clone()
+    }
+}
+
+/// A message's meta without this node's paging flags.
+fn logical_meta(meta: &MsgMeta) -> MsgMeta {
+    MsgMeta {
+        pageable: false,
+        spilled: false,
+        ..*meta
+    }
 }
 
 /// Reads an entry written by [`encode_entry`].
@@ -276,6 +303,26 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
             out.put_u8(ENQUEUE);
             put_message(out, message);
             put_msg_meta(out, meta);
+        }
+        Command::EnqueueFrom {
+            enqueuer,
+            seq,
+            message,
+            meta,
+        } => {
+            out.put_u8(ENQUEUE_FROM);
+            out.put_u64(enqueuer.0);
+            out.put_u64(*seq);
+            put_message(out, message);
+            put_msg_meta(out, meta);
+        }
+        Command::Unregister { enqueuer } => {
+            out.put_u8(UNREGISTER);
+            out.put_u64(enqueuer.0);
+        }
+        Command::Down { node } => {
+            out.put_u8(DOWN);
+            out.put_u16(*node);
         }
         Command::Restore {
             msg_id,
@@ -364,6 +411,11 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
         Command::Get { no_ack } => {
             out.put_u8(GET);
             out.put_u8(u8::from(*no_ack));
+        }
+        Command::GetBy { no_ack, node } => {
+            out.put_u8(GET_BY);
+            out.put_u8(u8::from(*no_ack));
+            out.put_u16(*node);
         }
         Command::Settle { receipt } => {
             out.put_u8(SETTLE);
@@ -547,6 +599,24 @@ impl Reader {
                 let meta = self.msg_meta()?;
                 Command::Enqueue { message, meta }
             }
+            ENQUEUE_FROM => {
+                let enqueuer = EnqueuerId(self.u64("enqueuer")?);
+                let seq = self.u64("sequence")?;
+                let message = self.message()?;
+                let meta = self.msg_meta()?;
+                Command::EnqueueFrom {
+                    enqueuer,
+                    seq,
+                    message,
+                    meta,
+                }
+            }
+            UNREGISTER => Command::Unregister {
+                enqueuer: EnqueuerId(self.u64("enqueuer")?),
+            },
+            DOWN => Command::Down {
+                node: self.u16("node")?,
+            },
             RESTORE => {
                 let msg_id = self.u64("message id")?;
                 let message = self.message()?;
@@ -648,6 +718,10 @@ impl Reader {
             },
             GET => Command::Get {
                 no_ack: self.u8("no_ack")? != 0,
+            },
+            GET_BY => Command::GetBy {
+                no_ack: self.u8("no_ack")? != 0,
+                node: self.u16("node")?,
             },
             SETTLE => Command::Settle {
                 receipt: self.receipt()?,
@@ -780,6 +854,7 @@ pub fn replay_records(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::machine::Reply;
 
     fn enqueue(body: &'static [u8]) -> Command<Message> {
         Command::Enqueue {
@@ -907,5 +982,155 @@ mod tests {
             through_id: 1,
         };
         assert!(encode_entry(&load, &mut BytesMut::new()).is_err());
+    }
+
+    fn message(body: &'static [u8]) -> Message {
+        Message {
+            exchange: ShortStr::from(""),
+            routing_key: ShortStr::from("q"),
+            properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(body),
+            persistent: false,
+            store_key: None,
+        }
+    }
+
+    /// Runs the commands on one queue, recording each as the broker does (with a state
+    /// digest on every record).
+    fn record_all(commands: Vec<Command<Message>>) -> (BytesMut, Vec<Record>) {
+        let mut m = QueueMachine::new();
+        let mut effects = Vec::new();
+        let mut out = BytesMut::new();
+        let mut records = Vec::new();
+        for (i, command) in commands.into_iter().enumerate() {
+            let meta = Meta {
+                index: i as u64 + 1,
+                now_ms: 10,
+            };
+            effects.clear();
+            let reply = m.apply(meta, command.clone(), &mut effects);
+            let r = Record {
+                queue: 4,
+                meta,
+                command,
+                effects: effects_digest(&reply, &effects),
+                state: Some(m.digest()),
+            };
+            encode(&r, &mut out);
+            records.push(r);
+        }
+        (out, records)
+    }
+
+    #[test]
+    fn down_enqueuers_and_get_holders_round_trip_and_replay() {
+        let enqueuer = EnqueuerId(crate::qualify(2, 1).unwrap());
+        let enqueue = |seq| Command::EnqueueFrom {
+            enqueuer,
+            seq,
+            message: message(b"m"),
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        };
+        let (bytes, records) = record_all(vec![
+            enqueue(1),
+            enqueue(1),
+            enqueue(2),
+            Command::GetBy {
+                no_ack: false,
+                node: 2,
+            },
+            Command::Get { no_ack: false },
+            Command::Down { node: 2 },
+            enqueue(7),
+            Command::Unregister { enqueuer },
+        ]);
+        let (decoded, truncated) = decode_all(bytes.clone().freeze()).unwrap();
+        assert!(!truncated);
+        assert_eq!(decoded, records);
+        let (summary, machines) = replay_records(decoded, false).unwrap();
+        assert_eq!((summary.records, summary.state_checks), (8, 8));
+        let m = &machines[&4];
+        assert_eq!(
+            (m.next_msg_id(), m.ready_count(), m.in_flight_count()),
+            (3, 2, 1)
+        );
+        assert_eq!(m.enqueuer_count(), 0);
+        // The Down's reply and effects are a Touch's (`Ok`, none): only its state tells them
+        // apart, and the replay does.
+        let (mut changed, _) = decode_all(bytes.freeze()).unwrap();
+        changed[5].command = Command::Touch;
+        assert!(matches!(
+            replay_records(changed, false),
+            Err(ReplayError::Diverged {
+                index: 6,
+                what: "state",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn down_enqueuers_and_get_holders_are_entries_of_logical_facts() {
+        let enqueuer = EnqueuerId(crate::qualify(1, 3).unwrap());
+        let from = |message, meta| Command::EnqueueFrom {
+            enqueuer,
+            seq: 4,
+            message,
+            meta,
+        };
+        let plain = from(message(b"m"), MsgMeta::default());
+        let local = from(
+            Message {
+                store_key: Some(9),
+                ..message(b"m")
+            },
+            MsgMeta {
+                pageable: true,
+                spilled: true,
+                ..MsgMeta::default()
+            },
+        );
+        let entry = |c: &Command<Message>| {
+            let mut out = BytesMut::new();
+            encode_entry(c, &mut out).unwrap();
+            out.freeze()
+        };
+        assert_eq!(entry(&local), entry(&plain));
+        for c in [
+            plain,
+            Command::Unregister { enqueuer },
+            Command::Down { node: 1 },
+            Command::GetBy {
+                no_ack: true,
+                node: 2,
+            },
+        ] {
+            assert_eq!(decode_entry(entry(&c)), Ok(c));
+        }
+    }
+
+    #[test]
+    fn a_resend_replays_as_a_duplicate() {
+        let enqueuer = EnqueuerId(9);
+        let c = Command::EnqueueFrom {
+            enqueuer,
+            seq: 3,
+            message: message(b"x"),
+            meta: MsgMeta::default(),
+        };
+        let (bytes, _) = record_all(vec![c.clone(), c]);
+        let (records, _) = decode_all(bytes.freeze()).unwrap();
+        let mut m = QueueMachine::new();
+        let replies: Vec<Reply> = records
+            .into_iter()
+            .map(|r| m.apply(r.meta, r.command, &mut Vec::new()))
+            .collect();
+        assert_eq!(
+            replies,
+            vec![Reply::Enqueued { msg_id: 0 }, Reply::Duplicate]
+        );
     }
 }

@@ -14,8 +14,8 @@
 //! * **ready**: `ready` (a `VecDeque` in id order: the common path) or `returned` (a
 //!   `BTreeMap` for messages that were delivered and came back, so they go back to their
 //!   ORIGINAL position: the next delivery takes the smaller id of the two heads);
-//! * **in flight**: `in_flight`, keyed by `msg_id`, remembering the consumer (`None` for
-//!   basic.get) and the attempt;
+//! * **in flight**: `in_flight`, keyed by `msg_id`, remembering the holder (a consumer, or
+//!   the node of a basic.get) and the attempt;
 //! * **gone**: settled, discarded, expired, purged or handed to a no-ack consumer.
 //!
 //! Every delivery carries a [`Receipt`] (message id and attempt number). Settling, returning
@@ -45,8 +45,8 @@ use std::hash::{Hash, Hasher};
 use bytes::BytesMut;
 use warren_codec::{FieldTable, ShortStr};
 
-use crate::ConnId;
 use crate::Overflow;
+use crate::{node_of, ConnId, NodeId};
 
 /// A message group, as a non-zero hash of the group header's value.
 pub type GroupKey = std::num::NonZeroU64;
@@ -173,9 +173,31 @@ pub struct Meta {
     pub now_ms: u64,
 }
 
-/// A consumer's id, unique for the broker's life (never reused).
+/// A consumer's id, unique for the broker's life (never reused). Node-qualified
+/// ([`crate::qualify`]) and minted by the node its channel is on, so a delivery held by a
+/// consumer cancelled since still names the node that holds it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ConsumerId(pub u64);
+
+impl ConsumerId {
+    /// The node that minted it: the node of the consumer's channel.
+    pub fn node(self) -> NodeId {
+        node_of(self.0)
+    }
+}
+
+/// A publisher's channel as an enqueuer ([`Command::EnqueueFrom`]), node-qualified
+/// ([`crate::qualify`]) and minted by the channel's node. Never reused: a channel that closes
+/// and opens again is a new enqueuer, whose sequence numbers start afresh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EnqueuerId(pub u64);
+
+impl EnqueuerId {
+    /// The node of the publisher's channel.
+    pub fn node(self) -> NodeId {
+        node_of(self.0)
+    }
+}
 
 /// The channel a consumer lives on: the unit of channel-wide credit (global prefetch, socket
 /// back-pressure).
@@ -224,6 +246,44 @@ pub enum Command<M> {
     Enqueue {
         message: M,
         meta: MsgMeta,
+    },
+    /// An enqueue that a publisher's channel may send again (it forwards to a replicated
+    /// queue's leader and resends what was not answered after a failover). `seq` grows with
+    /// each publish of the enqueuer (gaps allowed: a publish routed elsewhere). A `seq` at or
+    /// below one the machine already decided for this enqueuer is a resend: nothing is
+    /// enqueued, and the reply is [`Reply::Duplicate`] (the first was enqueued: confirm it) or
+    /// `Refused(Full)` when a refusal of the enqueuer's came at or after it (the first may
+    /// have been refused; a nack is safe, a confirm might not be). The machine keeps, per
+    /// enqueuer, the highest sequence decided and the highest refused, until
+    /// [`Command::Unregister`] or a [`Command::Down`] of its node.
+    EnqueueFrom {
+        enqueuer: EnqueuerId,
+        seq: u64,
+        message: M,
+        meta: MsgMeta,
+    },
+    /// The enqueuer's channel closed: its sequence is forgotten. `Stale` if it was unknown.
+    Unregister {
+        enqueuer: EnqueuerId,
+    },
+    /// A node is gone (rabbit_fifo's `down`): every consumer whose channel is on it is
+    /// cancelled (with a single active consumer, the next takes over), every delivery its
+    /// channels hold (consumer deliveries, by the consumer's node, and basic.gets made with
+    /// [`Command::GetBy`] there) comes back at once to its original position, as
+    /// [`Command::Release`] does (no retry delay, delivery count kept, so a delivery limit
+    /// still applies), and its enqueuers are forgotten. Replies `Cancelled { consumers_left }`
+    /// if it cancelled a consumer, else `Ok`.
+    ///
+    /// There is no "suspected down" state as in rabbit_fifo (whose consumers wait out a
+    /// `noconnection` before they are cancelled): whoever sends `Down` has decided that the
+    /// node's connections are gone, and everything of the node goes with them. A node that
+    /// comes back (after a partition or a restart) has no consumers, deliveries or enqueuers
+    /// here: its clients consume and publish again under new ids, and a late ack from its old
+    /// channels is `Stale` (the message was redelivered, at least once as promised). Nothing is
+    /// needed for an `Up`. A restarted node's counters start over: `Down` of that node must be
+    /// applied before it mints ids again, else its new ids could meet its old ones here.
+    Down {
+        node: NodeId,
     },
     /// Recovery: a message read back from the store, ready, with the id, delivery count and
     /// expiry it had. Ids must come in increasing order, after every id the machine has given
@@ -289,9 +349,15 @@ pub enum Command<M> {
     Checkout {
         max: u32,
     },
-    /// basic.get: takes one ready message with no consumer.
+    /// basic.get: takes one ready message with no consumer. The delivery is held by node 0
+    /// (a node on its own): `GetBy` with node 0.
     Get {
         no_ack: bool,
+    },
+    /// basic.get on a channel of `node`: a [`Command::Down`] of that node returns the delivery.
+    GetBy {
+        no_ack: bool,
+        node: NodeId,
     },
     /// Ack.
     Settle {
@@ -347,6 +413,9 @@ impl<M> Command<M> {
     pub fn name(&self) -> &'static str {
         match self {
             Command::Enqueue { .. } => "enqueue",
+            Command::EnqueueFrom { .. } => "enqueue_from",
+            Command::Unregister { .. } => "unregister",
+            Command::Down { .. } => "down",
             Command::Restore { .. } => "restore",
             Command::SkipIds { .. } => "skip_ids",
             Command::RestoreRun { .. } => "restore_run",
@@ -357,6 +426,7 @@ impl<M> Command<M> {
             Command::Credit { .. } => "credit",
             Command::Checkout { .. } => "checkout",
             Command::Get { .. } => "get",
+            Command::GetBy { .. } => "get_by",
             Command::Settle { .. } => "settle",
             Command::Return { .. } => "return",
             Command::Release { .. } => "release",
@@ -435,6 +505,9 @@ pub enum Reply {
     Refused(Refusal),
     /// Tick: the queue has been unused for its `x-expires`; the broker deletes it.
     QueueExpired,
+    /// [`Command::EnqueueFrom`]: the enqueuer sent this sequence before and it was enqueued
+    /// then; nothing changed. The publish is confirmed as the first one was.
+    Duplicate,
 }
 
 /// Why a message left the queue without being acknowledged (names follow RabbitMQ's
@@ -625,8 +698,42 @@ impl<M> Slot<M> {
 
 #[derive(Clone, Debug)]
 struct InFlight<M> {
-    consumer: Option<ConsumerId>,
+    holder: Holder,
     entry: Entry<M>,
+}
+
+/// Who holds a delivery: a consumer, or a basic.get on a channel of a node (as small as the
+/// `Option<ConsumerId>` it replaced: a basic.get's node costs no memory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Holder {
+    Consumer(ConsumerId),
+    Get(NodeId),
+}
+
+impl Holder {
+    fn consumer(self) -> Option<ConsumerId> {
+        match self {
+            Holder::Consumer(c) => Some(c),
+            Holder::Get(_) => None,
+        }
+    }
+
+    fn node(self) -> NodeId {
+        match self {
+            Holder::Consumer(c) => c.node(),
+            Holder::Get(node) => node,
+        }
+    }
+}
+
+/// What the machine remembers of an enqueuer ([`Command::EnqueueFrom`]): two numbers,
+/// however many messages it published.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+struct Enqueuer {
+    /// The highest sequence number decided (enqueued or refused).
+    seq: u64,
+    /// The highest sequence number refused (`reject-publish`), if any was.
+    refused: Option<u64>,
 }
 
 /// The timers of an in-flight message, kept beside `in_flight` for the deliveries that have
@@ -729,6 +836,8 @@ pub struct QueueMachine<M> {
     /// id order per group (counted as ready, in `ready_bytes` too).
     parked: BTreeMap<GroupKey, BTreeMap<u64, Entry<M>>>,
     parked_count: usize,
+    /// Publishers that may resend ([`Command::EnqueueFrom`]), while their channel lives.
+    enqueuers: BTreeMap<EnqueuerId, Enqueuer>,
     /// The last applied command's index and the latest time seen.
     last_index: u64,
     now_ms: u64,
@@ -769,6 +878,7 @@ impl<M> Default for QueueMachine<M> {
             group_locks: BTreeMap::new(),
             parked: BTreeMap::new(),
             parked_count: 0,
+            enqueuers: BTreeMap::new(),
             last_index: 0,
             now_ms: 0,
         }
@@ -791,14 +901,18 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.last_index = self.last_index.max(meta.index);
         self.now_ms = self.now_ms.max(meta.now_ms);
         match command {
-            Command::Enqueue { message, meta } => {
-                if self.rejects(meta.size) {
-                    return Reply::Refused(Refusal::Full);
-                }
-                let msg_id = self.enqueue(message, meta);
-                self.drop_over_limit(effects);
-                Reply::Enqueued { msg_id }
-            }
+            Command::Enqueue { message, meta } => self.enqueue_new(message, meta, effects),
+            Command::EnqueueFrom {
+                enqueuer,
+                seq,
+                message,
+                meta,
+            } => self.enqueue_from(enqueuer, seq, (message, meta), effects),
+            Command::Unregister { enqueuer } => match self.enqueuers.remove(&enqueuer) {
+                Some(_) => Reply::Ok,
+                None => Reply::Stale,
+            },
+            Command::Down { node } => self.down(node, effects),
             Command::Restore {
                 msg_id,
                 message,
@@ -860,19 +974,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
                     count: self.checkout(max, effects),
                 }
             }
-            Command::Get { no_ack } => {
-                self.last_used = self.now_ms;
-                self.expire(effects);
-                let count = match self.pop_deliverable() {
-                    Some(entry) => {
-                        let d = self.hand_out(entry, None, no_ack, (None, None));
-                        effects.push(Effect::Deliver(d));
-                        1
-                    }
-                    None => 0,
-                };
-                Reply::Delivered { count }
-            }
+            Command::Get { no_ack } => self.get(no_ack, 0, effects),
+            Command::GetBy { no_ack, node } => self.get(no_ack, node, effects),
             Command::Settle { receipt } => match self.take_in_flight(receipt) {
                 Some(entry) => {
                     self.group_done(&entry);
@@ -935,6 +1038,96 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 timeout_ms,
             } => self.extend(receipt, timeout_ms),
         }
+    }
+
+    fn enqueue_new(&mut self, message: M, meta: MsgMeta, effects: &mut Vec<Effect<M>>) -> Reply {
+        if self.rejects(meta.size) {
+            return Reply::Refused(Refusal::Full);
+        }
+        let msg_id = self.enqueue(message, meta);
+        self.drop_over_limit(effects);
+        Reply::Enqueued { msg_id }
+    }
+
+    /// An enqueue with a publisher sequence: a resend of a decided one changes nothing (see
+    /// [`Command::EnqueueFrom`]).
+    fn enqueue_from(
+        &mut self,
+        enqueuer: EnqueuerId,
+        seq: u64,
+        (message, meta): (M, MsgMeta),
+        effects: &mut Vec<Effect<M>>,
+    ) -> Reply {
+        if let Some(e) = self.enqueuers.get(&enqueuer).filter(|e| seq <= e.seq) {
+            // Only the highest refusal is known: one at or after `seq` may have been `seq`.
+            return if e.refused.is_some_and(|r| seq <= r) {
+                Reply::Refused(Refusal::Full)
+            } else {
+                Reply::Duplicate
+            };
+        }
+        let reply = self.enqueue_new(message, meta, effects);
+        let e = self.enqueuers.entry(enqueuer).or_default();
+        e.seq = seq;
+        if matches!(reply, Reply::Refused(_)) {
+            e.refused = Some(seq);
+        }
+        reply
+    }
+
+    fn get(&mut self, no_ack: bool, node: NodeId, effects: &mut Vec<Effect<M>>) -> Reply {
+        self.last_used = self.now_ms;
+        self.expire(effects);
+        let count = match self.pop_deliverable() {
+            Some(entry) => {
+                let d = self.hand_out(entry, Err(node), no_ack, (None, None));
+                effects.push(Effect::Deliver(d));
+                1
+            }
+            None => 0,
+        };
+        Reply::Delivered { count }
+    }
+
+    /// `node` is gone: its consumers, their deliveries, its basic.gets and its enqueuers go
+    /// (see [`Command::Down`]).
+    fn down(&mut self, node: NodeId, effects: &mut Vec<Effect<M>>) -> Reply {
+        let gone: Vec<ConsumerId> = self
+            .consumers
+            .iter()
+            .filter(|(_, c)| node_of(c.spec.group.conn) == node)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut reply = Reply::Ok;
+        for id in &gone {
+            reply = self.cancel(*id);
+        }
+        if !gone.is_empty() {
+            self.last_used = self.now_ms;
+        }
+        // By the holder's node, and by the consumers just cancelled too: a consumer's id names
+        // its channel's node, but a caller that broke that rule must not strand a delivery.
+        let held: Vec<Receipt> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| {
+                f.holder.node() == node
+                    || f.holder
+                        .consumer()
+                        .is_some_and(|c| gone.binary_search(&c).is_ok())
+            })
+            .map(|(id, f)| Receipt {
+                msg_id: *id,
+                attempt: f.entry.delivery_count,
+            })
+            .collect();
+        for receipt in held {
+            if let Some(entry) = self.take_in_flight(receipt) {
+                self.back_to_ready(entry, false, effects);
+            }
+        }
+        self.enqueuers.retain(|id, _| id.node() != node);
+        reply
     }
 
     /// A message that was in flight goes back to its place in the ready line, unless it has
@@ -1153,7 +1346,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 break;
             }
             self.ack_deadlines.pop_first();
-            let Some(cid) = self.in_flight.get(&id).and_then(|f| f.consumer) else {
+            let Some(cid) = self.in_flight.get(&id).and_then(|f| f.holder.consumer()) else {
                 continue;
             };
             let Some(c) = self.consumers.get(&cid) else {
@@ -1176,7 +1369,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             let held: Vec<u64> = self
                 .in_flight
                 .iter()
-                .filter(|(_, f)| f.consumer == Some(cid))
+                .filter(|(_, f)| f.holder == Holder::Consumer(cid))
                 .map(|(id, _)| *id)
                 .collect();
             for mid in held {
@@ -1196,7 +1389,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
         };
         // A delivery that had no timer yet: its channel is its consumer's, if it is still here.
         let group = f
-            .consumer
+            .holder
+            .consumer()
             .and_then(|c| self.consumers.get(&c))
             .map(|c| c.spec.group);
         let t = self.timers.entry(receipt.msg_id).or_insert(Timers {
@@ -1720,7 +1914,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.service.push_front(priority, id);
                 break;
             };
-            let d = self.hand_out(entry, Some((id, to)), no_ack, own);
+            let d = self.hand_out(entry, Ok((id, to)), no_ack, own);
             effects.push(Effect::Deliver(d));
             delivered += 1;
             if !no_ack {
@@ -1787,10 +1981,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
         Some(entry)
     }
 
+    /// Delivers `entry` to a consumer (with its channel and tag), or to a basic.get on a node.
     fn hand_out(
         &mut self,
         mut entry: Entry<M>,
-        consumer: Option<(ConsumerId, (CreditGroup, ShortStr))>,
+        to: Result<(ConsumerId, (CreditGroup, ShortStr)), NodeId>,
         no_ack: bool,
         (own_visibility, own_ack_timeout): (Option<u64>, Option<u64>),
     ) -> Deliver<M> {
@@ -1801,9 +1996,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
             msg_id: entry.id,
             attempt: entry.delivery_count,
         };
-        let (consumer, to) = match consumer {
-            Some((id, to)) => (Some(id), Some(to)),
-            None => (None, None),
+        let (holder, consumer, to) = match to {
+            Ok((id, to)) => (Holder::Consumer(id), Some(id), Some(to)),
+            Err(node) => (Holder::Get(node), None, None),
         };
         if no_ack {
             return Deliver {
@@ -1844,8 +2039,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if let Some(g) = entry.meta.group {
             self.group_locks.insert(g, entry.id);
         }
-        self.in_flight
-            .insert(entry.id, InFlight { consumer, entry });
+        self.in_flight.insert(entry.id, InFlight { holder, entry });
         Deliver {
             consumer,
             to,
@@ -1880,7 +2074,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             }
         }
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(f.entry.meta.size);
-        if let Some(id) = f.consumer {
+        if let Some(id) = f.holder.consumer() {
             if let Some(c) = self.consumers.get_mut(&id) {
                 c.held = c.held.saturating_sub(1);
             }
@@ -2215,7 +2409,26 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.in_flight
             .get(&receipt.msg_id)
             .filter(|f| f.entry.delivery_count == receipt.attempt)
-            .map(|f| f.consumer)
+            .map(|f| f.holder.consumer())
+    }
+
+    /// The node holding the current delivery of an in-flight message (its consumer's, or the
+    /// basic.get's).
+    pub fn holder_node(&self, receipt: Receipt) -> Option<NodeId> {
+        self.in_flight
+            .get(&receipt.msg_id)
+            .filter(|f| f.entry.delivery_count == receipt.attempt)
+            .map(|f| f.holder.node())
+    }
+
+    /// An enqueuer's highest decided sequence number, while the machine remembers it.
+    pub fn enqueuer_seq(&self, enqueuer: EnqueuerId) -> Option<u64> {
+        self.enqueuers.get(&enqueuer).map(|e| e.seq)
+    }
+
+    /// Enqueuers remembered (one per live publisher channel that sent [`Command::EnqueueFrom`]).
+    pub fn enqueuer_count(&self) -> usize {
+        self.enqueuers.len()
     }
 
     /// An in-flight message and its delivery count, whatever the attempt.
@@ -2335,7 +2548,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
             (id, t).hash(&mut h);
         }
         for f in self.in_flight.values() {
-            f.consumer.hash(&mut h);
+            // Hashed as the `Option<ConsumerId>` it was, so a state of a single node (gets held
+            // by node 0) keeps its digest.
+            f.holder.consumer().hash(&mut h);
+            if let Holder::Get(node @ 1..) = f.holder {
+                node.hash(&mut h);
+            }
             hash_entry(&f.entry, &mut h);
         }
         self.consumers.len().hash(&mut h);
@@ -2368,6 +2586,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.expiries.len().hash(&mut h);
         for e in &self.expiries {
             e.hash(&mut h);
+        }
+        // Only when there are any, so a state without enqueuers keeps its digest.
+        if !self.enqueuers.is_empty() {
+            self.enqueuers.len().hash(&mut h);
+            for (id, e) in &self.enqueuers {
+                (id, e).hash(&mut h);
+            }
         }
         h.finish()
     }
@@ -3244,5 +3469,229 @@ mod tests {
             vec![a5]
         );
         let _ = a4;
+    }
+
+    /// A consumer id and a channel of `node` (ids and connections node-qualified).
+    fn on(node: NodeId, local: u64, channel: u16) -> (ConsumerId, ConsumerSpec) {
+        let mut s = spec(channel, 0, false);
+        s.group.conn = crate::qualify(node, 5).unwrap();
+        (ConsumerId(crate::qualify(node, local).unwrap()), s)
+    }
+
+    fn consume_on(d: &mut Driver, node: NodeId, local: u64) -> ConsumerId {
+        let (id, spec) = on(node, local, 1);
+        assert_eq!(d.run(Command::Consume { id, spec }), Reply::Ok);
+        id
+    }
+
+    #[test]
+    fn down_cancels_the_nodes_consumers_and_returns_what_its_channels_hold() {
+        let mut d = Driver::new();
+        for s in ["a", "b", "c", "d", "e", "f"] {
+            d.enqueue(s, 1, None);
+        }
+        let n1 = consume_on(&mut d, 1, 1);
+        let n2 = consume_on(&mut d, 2, 1);
+        let early = consume_on(&mut d, 1, 2);
+        // 0 -> n1, 1 -> n2, 2 -> early (then cancelled: its channel still holds 2).
+        d.run(Command::Checkout { max: 3 });
+        let to: Vec<_> = d.delivered().iter().map(|t| (t.0, t.1)).collect();
+        assert_eq!(
+            to,
+            vec![(Some(n1.0), 0), (Some(n2.0), 1), (Some(early.0), 2)]
+        );
+        d.run(Command::Cancel { id: early });
+        d.run(Command::GetBy {
+            no_ack: false,
+            node: 1,
+        });
+        d.run(Command::Get { no_ack: false });
+        assert_eq!(
+            d.delivered().iter().map(|t| t.1).collect::<Vec<_>>(),
+            vec![3, 4]
+        );
+        assert_eq!(d.m.holder_node(receipt(3, 1)), Some(1));
+        assert_eq!(
+            d.m.holder_node(receipt(4, 1)),
+            Some(0),
+            "a plain get: node 0"
+        );
+        assert_eq!(
+            d.run(Command::Down { node: 1 }),
+            Reply::Cancelled { consumers_left: 1 }
+        );
+        assert!(d.effects.is_empty());
+        assert_eq!(d.m.consumer_count(), 1);
+        assert!(d.m.consumer(n1).is_none());
+        // Node 1's three deliveries are back in their places; node 2's and node 0's are not.
+        assert_eq!(d.m.ready_ids(), vec![0, 2, 3, 5]);
+        assert_eq!(d.m.in_flight_count(), 2);
+        assert_eq!(d.m.holder(receipt(1, 1)), Some(Some(n2)));
+        assert_eq!(d.m.holder(receipt(4, 1)), Some(None));
+        // Their old receipts are stale; the next delivery is a redelivery with its count kept.
+        assert_eq!(d.settle(0, 1), Reply::Stale);
+        d.run(Command::Get { no_ack: false });
+        assert_eq!(d.delivered(), vec![(None, 0, 2, true)]);
+        // Nothing is left of node 1: a second Down finds nothing.
+        assert_eq!(d.run(Command::Down { node: 1 }), Reply::Ok);
+        assert_eq!((d.m.consumer_count(), d.m.in_flight_count()), (1, 3));
+    }
+
+    #[test]
+    fn down_returns_as_release_does_no_retry_delay_and_the_delivery_limit_holds() {
+        let mut d = with_policy(Policy {
+            retry: Some(RetryPolicy {
+                min_ms: 100,
+                ..RetryPolicy::default()
+            }),
+            delivery_limit: Some(1),
+            ..Policy::default()
+        });
+        d.enqueue("a", 1, None);
+        d.run(Command::GetBy {
+            no_ack: false,
+            node: 3,
+        });
+        d.effects.clear();
+        assert_eq!(d.run(Command::Down { node: 3 }), Reply::Ok);
+        assert_eq!(d.m.retrying_count(), 0, "no retry delay");
+        assert_eq!(d.m.ready_ids(), vec![0]);
+        assert!(d.effects.is_empty(), "one delivery is within the limit");
+        d.run(Command::GetBy {
+            no_ack: false,
+            node: 3,
+        });
+        assert_eq!(d.delivered(), vec![(None, 0, 2, true)]);
+        d.run(Command::Down { node: 3 });
+        assert_eq!(
+            dead_letters(&mut d),
+            vec![(0, DeadLetterReason::DeliveryLimit)]
+        );
+        assert_eq!(d.m.ready_count() + d.m.in_flight_count(), 0);
+    }
+
+    #[test]
+    fn down_hands_a_single_active_consumer_over() {
+        let mut d = with_policy(Policy {
+            single_active: true,
+            ..Policy::default()
+        });
+        let a = consume_on(&mut d, 1, 1);
+        let b = consume_on(&mut d, 2, 1);
+        for s in ["a", "b"] {
+            d.enqueue(s, 1, None);
+        }
+        assert_eq!(d.m.active_consumer(), Some(a));
+        d.run(Command::Checkout { max: 1 });
+        assert_eq!(d.delivered(), vec![(Some(a.0), 0, 1, false)]);
+        d.run(Command::Down { node: 1 });
+        assert_eq!(d.m.active_consumer(), Some(b));
+        d.run(Command::Checkout { max: 10 });
+        assert_eq!(
+            d.delivered(),
+            vec![(Some(b.0), 0, 2, true), (Some(b.0), 1, 1, false)]
+        );
+    }
+
+    fn from(enqueuer: u64, seq: u64, s: &'static str) -> Command<&'static str> {
+        Command::EnqueueFrom {
+            enqueuer: EnqueuerId(enqueuer),
+            seq,
+            message: s,
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_resent_sequence_is_not_enqueued_twice() {
+        let mut d = Driver::new();
+        let p = crate::qualify(1, 9).unwrap();
+        let q = crate::qualify(2, 9).unwrap();
+        assert_eq!(d.run(from(p, 1, "a")), Reply::Enqueued { msg_id: 0 });
+        assert_eq!(d.run(from(p, 1, "a")), Reply::Duplicate);
+        // Gaps are fine; anything at or below the highest is a resend.
+        assert_eq!(d.run(from(p, 5, "b")), Reply::Enqueued { msg_id: 1 });
+        assert_eq!(d.run(from(p, 3, "x")), Reply::Duplicate);
+        assert_eq!(d.run(from(p, 5, "b")), Reply::Duplicate);
+        // Another enqueuer has its own sequence.
+        assert_eq!(d.run(from(q, 1, "c")), Reply::Enqueued { msg_id: 2 });
+        assert_eq!(d.m.ready_ids(), vec![0, 1, 2]);
+        assert!(d.effects.is_empty());
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), Some(5));
+        // Forgotten when its channel goes, or its node.
+        assert_eq!(
+            d.run(Command::Unregister {
+                enqueuer: EnqueuerId(p)
+            }),
+            Reply::Ok
+        );
+        assert_eq!(
+            d.run(Command::Unregister {
+                enqueuer: EnqueuerId(p)
+            }),
+            Reply::Stale
+        );
+        assert_eq!(d.run(from(p, 1, "d")), Reply::Enqueued { msg_id: 3 });
+        assert_eq!(d.run(Command::Down { node: 2 }), Reply::Ok);
+        assert_eq!(d.m.enqueuer_count(), 1);
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(q)), None);
+        assert_eq!(d.run(Command::Down { node: 1 }), Reply::Ok);
+        assert_eq!(d.m.enqueuer_count(), 0);
+    }
+
+    #[test]
+    fn a_refused_sequence_is_never_taken_for_a_duplicate() {
+        let mut d = with_policy(Policy {
+            max_length: Some(1),
+            overflow: Overflow::RejectPublish,
+            ..Policy::default()
+        });
+        assert_eq!(d.run(from(1, 1, "a")), Reply::Enqueued { msg_id: 0 });
+        assert_eq!(d.run(from(1, 2, "b")), Reply::Refused(Refusal::Full));
+        d.run(Command::Get { no_ack: true });
+        assert_eq!(d.run(from(1, 3, "c")), Reply::Enqueued { msg_id: 1 });
+        // Sent again after a failover: 3 was enqueued; 2 was refused, and 1 cannot be told
+        // from it any more: a nack, never a false confirm.
+        assert_eq!(d.run(from(1, 3, "c")), Reply::Duplicate);
+        assert_eq!(d.run(from(1, 2, "b")), Reply::Refused(Refusal::Full));
+        assert_eq!(d.run(from(1, 1, "a")), Reply::Refused(Refusal::Full));
+        assert_eq!(d.m.next_msg_id(), 2);
+    }
+
+    #[test]
+    fn enqueuers_and_get_holders_are_part_of_the_digest() {
+        let run = |commands: Vec<Command<&'static str>>| {
+            let mut d = Driver::new();
+            for c in commands {
+                d.run(c);
+            }
+            d.m.digest()
+        };
+        let plain = Command::Enqueue {
+            message: "a",
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        };
+        assert_ne!(run(vec![plain.clone()]), run(vec![from(1, 1, "a")]));
+        assert_ne!(run(vec![from(1, 1, "a")]), run(vec![from(1, 2, "a")]));
+        assert_ne!(run(vec![from(1, 1, "a")]), run(vec![from(2, 1, "a")]));
+        let get = |node| Command::GetBy {
+            no_ack: false,
+            node,
+        };
+        assert_ne!(
+            run(vec![plain.clone(), get(0)]),
+            run(vec![plain.clone(), get(1)])
+        );
+        // A get held by node 0 is the same state as a plain get.
+        assert_eq!(
+            run(vec![plain.clone(), get(0)]),
+            run(vec![plain, Command::Get { no_ack: false }])
+        );
     }
 }
