@@ -7,11 +7,17 @@ use proptest::prelude::*;
 use warren_codec::{FieldTable, ShortStr};
 use warren_queue::machine::{
     effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DeadLetterReason,
-    Deliver, Effect, Loaded, Meta, MsgMeta, QueueMachine, Receipt, Reply,
+    Deliver, Effect, EnqueuerId, Loaded, Meta, MsgMeta, Policy, QueueMachine, Receipt, Refusal,
+    Reply,
 };
+use warren_queue::{node_of, qualify, NodeId, Overflow};
 
 /// A consumer slot of the test (a slot re-used after a cancel is a new consumer).
 type Slot = u8;
+/// A publisher slot: one enqueuer at a time (a new one after an unregister or a down).
+type PubSlot = u8;
+/// The nodes of the test: channel `c` is on node `c`, publisher slot `p` on node `p % 3`.
+const NODES: u16 = 3;
 /// The message is its own id plus a size, so the test can check what came back.
 type Msg = (u64, u64);
 
@@ -44,8 +50,33 @@ enum Op {
     Checkout {
         max: u32,
     },
+    /// `node`: a `GetBy` there; `None`: a plain `Get` (node 0).
     Get {
         no_ack: bool,
+        node: Option<NodeId>,
+    },
+    /// A node is gone.
+    Down {
+        node: NodeId,
+    },
+    /// A publish with the enqueuer's next sequence, `gap` past its last one.
+    Publish {
+        slot: PubSlot,
+        gap: u64,
+        size: u64,
+    },
+    /// The enqueuer sends one of its earlier publishes again (a failover).
+    Resend {
+        slot: PubSlot,
+        pick: usize,
+    },
+    /// The enqueuer's channel closes.
+    Unregister {
+        slot: PubSlot,
+    },
+    /// `x-max-length` with `reject-publish` (or no limit): publishes may be refused.
+    Limit {
+        max_length: Option<u64>,
     },
     Settle {
         pick: usize,
@@ -69,11 +100,16 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0u64..100, prop::option::weighted(0.3, 1u64..50), prop::bool::weighted(0.8)).prop_map(|(size, ttl, pageable)| Op::Enqueue { size, ttl, pageable }),
         2 => (0u32..4, 0u64..3).prop_map(|(keep, unwritten)| Op::PageOut { keep, unwritten }),
-        2 => (0u8..4, 0u16..2, any::<bool>(), 0u32..4).prop_map(|(slot, channel, no_ack, prefetch)| Op::Consume { slot, channel, no_ack: no_ack && slot == 3, prefetch }),
+        2 => (0u8..4, 0u16..NODES, any::<bool>(), 0u32..4).prop_map(|(slot, channel, no_ack, prefetch)| Op::Consume { slot, channel, no_ack: no_ack && slot == 3, prefetch }),
         1 => (0u8..4).prop_map(|slot| Op::Cancel { slot }),
-        1 => (0u16..2, prop::bool::weighted(0.3), prop::option::of(0u32..4)).prop_map(|(channel, blocked, limit)| Op::Credit { channel, blocked, limit }),
+        1 => (0u16..NODES, prop::bool::weighted(0.3), prop::option::of(0u32..4)).prop_map(|(channel, blocked, limit)| Op::Credit { channel, blocked, limit }),
         4 => (1u32..6).prop_map(|max| Op::Checkout { max }),
-        1 => any::<bool>().prop_map(|no_ack| Op::Get { no_ack }),
+        1 => (any::<bool>(), prop::option::of(0u16..NODES)).prop_map(|(no_ack, node)| Op::Get { no_ack, node }),
+        1 => (0u16..NODES).prop_map(|node| Op::Down { node }),
+        3 => (0u8..4, prop::option::weighted(0.2, 1u64..3), 0u64..100).prop_map(|(slot, gap, size)| Op::Publish { slot, gap: gap.unwrap_or(0), size }),
+        2 => (0u8..4, any::<usize>()).prop_map(|(slot, pick)| Op::Resend { slot, pick }),
+        1 => (0u8..4).prop_map(|slot| Op::Unregister { slot }),
+        1 => prop::option::of(1u64..6).prop_map(|max_length| Op::Limit { max_length }),
         3 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(pick, stale)| Op::Settle { pick, stale }),
         2 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(pick, stale)| Op::Return { pick, stale }),
         1 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(pick, stale)| Op::Discard { pick, stale }),
@@ -88,6 +124,8 @@ enum State {
     InFlight {
         consumer: Option<ConsumerId>,
         attempt: u32,
+        /// The node holding it: its consumer's, or the basic.get's.
+        node: NodeId,
     },
     Settled,
     Discarded,
@@ -100,6 +138,24 @@ struct ModelConsumer {
     group: CreditGroup,
     no_ack: bool,
     prefetch: u32,
+}
+
+/// What an enqueuer sent: enqueued as a message id, or refused.
+#[derive(Clone, Copy, Debug)]
+enum Sent {
+    Enqueued(u64),
+    Refused,
+}
+
+/// One life of a publisher slot's enqueuer.
+#[derive(Clone, Debug)]
+struct ModelEnqueuer {
+    id: EnqueuerId,
+    /// Every publish sent, by sequence, with its size.
+    sent: BTreeMap<u64, (Sent, u64)>,
+    /// The highest sequence decided, and the highest refused.
+    highest: u64,
+    refused: Option<u64>,
 }
 
 #[derive(Default)]
@@ -116,11 +172,23 @@ struct Model {
     slots: BTreeMap<Slot, ConsumerId>,
     credit: BTreeMap<CreditGroup, Credit>,
     next_consumer: u64,
+    enqueuers: BTreeMap<PubSlot, ModelEnqueuer>,
+    next_enqueuer: u64,
+    /// `x-max-length` with `reject-publish`.
+    max_length: Option<u64>,
     now: u64,
 }
 
+/// Channel `c` is on node `c`.
 fn group(channel: u16) -> CreditGroup {
-    CreditGroup { conn: 7, channel }
+    CreditGroup {
+        conn: qualify(channel, 7).unwrap(),
+        channel,
+    }
+}
+
+fn pub_node(slot: PubSlot) -> NodeId {
+    NodeId::from(slot) % NODES
 }
 
 impl Model {
@@ -136,10 +204,18 @@ impl Model {
         self.state
             .iter()
             .filter_map(|(id, s)| match s {
-                State::InFlight { consumer, attempt } => Some((*id, *consumer, *attempt)),
+                State::InFlight {
+                    consumer, attempt, ..
+                } => Some((*id, *consumer, *attempt)),
                 _ => None,
             })
             .collect()
+    }
+
+    /// Would the queue refuse a publish now?
+    fn full(&self) -> bool {
+        self.max_length
+            .is_some_and(|n| self.ready().len() as u64 >= n)
     }
 
     fn held(&self, c: ConsumerId) -> u32 {
@@ -163,8 +239,9 @@ impl Model {
         (c.prefetch == 0 || self.held(id) < c.prefetch) && credit.limit.is_none_or(|n| n > 0)
     }
 
-    /// Records a delivery, checking it took the head of the queue and was allowed.
-    fn delivered(&mut self, d: &Deliver<Msg>) -> Result<(), TestCaseError> {
+    /// Records a delivery, checking it took the head of the queue and was allowed. `node`: the
+    /// node of a basic.get.
+    fn delivered(&mut self, d: &Deliver<Msg>, node: NodeId) -> Result<(), TestCaseError> {
         let id = d.receipt.msg_id;
         prop_assert_eq!(Some(id), self.ready().first().copied(), "not the head");
         prop_assert_eq!(d.message.0, id);
@@ -195,6 +272,7 @@ impl Model {
             State::InFlight {
                 consumer: d.consumer,
                 attempt: d.receipt.attempt,
+                node: d.consumer.map_or(node, ConsumerId::node),
             }
         };
         self.state.insert(id, next);
@@ -220,10 +298,21 @@ impl Runner {
         self.effects.clear();
         let paging = |m: &QueueMachine<Msg>| m.paging_totals();
         let before = paging(&self.m);
+        // What a Down or an enqueue with a sequence may change beyond its reply.
+        let seq = |m: &QueueMachine<Msg>| match &c {
+            Command::EnqueueFrom { enqueuer, .. } => m.enqueuer_seq(*enqueuer),
+            _ => None,
+        };
+        let probe = |m: &QueueMachine<Msg>| (m.in_flight_count(), m.enqueuer_count(), seq(m));
+        let probed = probe(&self.m);
         let reply = self.m.apply(meta, c.clone(), &mut self.effects);
         let paging_changed = before != paging(&self.m);
         let changed = match (&c, reply) {
             (Command::PageOut { .. } | Command::Load { .. }, _) => paging_changed,
+            (Command::Down { .. } | Command::EnqueueFrom { .. }, _) => {
+                probed != probe(&self.m) || matches!(reply, Reply::Cancelled { .. })
+            }
+            (Command::Unregister { .. }, Reply::Ok) => true,
             (_, Reply::Enqueued { .. } | Reply::Cancelled { .. }) => true,
             (_, Reply::Purged { count } | Reply::Delivered { count }) => count > 0,
             (Command::Consume { .. } | Command::Settle { .. }, Reply::Ok) => true,
@@ -366,6 +455,15 @@ fn check(m: &QueueMachine<Msg>, model: &Model) -> Result<(), TestCaseError> {
             attempt: *attempt,
         };
         prop_assert_eq!(m.holder(r), Some(*who));
+        let Some(State::InFlight { node, .. }) = model.state.get(id) else {
+            unreachable!()
+        };
+        prop_assert_eq!(m.holder_node(r), Some(*node));
+    }
+    // The machine remembers exactly the live enqueuers, each at its highest decided sequence.
+    prop_assert_eq!(m.enqueuer_count(), model.enqueuers.len());
+    for e in model.enqueuers.values() {
+        prop_assert_eq!(m.enqueuer_seq(e.id), Some(e.highest));
     }
     let bytes = |ids: &mut dyn Iterator<Item = u64>| ids.map(|id| model.size[&id]).sum::<u64>();
     prop_assert_eq!(m.ready_bytes(), bytes(&mut ready.iter().copied()));
@@ -448,6 +546,12 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                         },
                     },
                 );
+                if model.full() {
+                    prop_assert_eq!(reply, Reply::Refused(Refusal::Full));
+                    prop_assert_eq!(r.m.next_msg_id(), id);
+                    check(&r.m, &model)?;
+                    continue;
+                }
                 prop_assert_eq!(reply, Reply::Enqueued { msg_id: id });
                 model.state.insert(id, State::Ready);
                 if pageable {
@@ -471,7 +575,8 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     continue;
                 }
                 model.next_consumer += 1;
-                let id = ConsumerId(model.next_consumer);
+                // Minted by the node of its channel.
+                let id = ConsumerId(qualify(channel, model.next_consumer).unwrap());
                 let spec = ConsumerSpec {
                     group: group(channel),
                     tag: ShortStr::from("c"),
@@ -563,7 +668,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     match e {
                         Effect::Deliver(d) => {
                             prop_assert!(d.consumer.is_some());
-                            model.delivered(&d)?;
+                            model.delivered(&d, 0)?;
                         }
                         // Nothing expired goes out: what came back expired meanwhile goes first.
                         other => expired_now(&mut model, &other, now)?,
@@ -577,12 +682,16 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     }
                 }
             }
-            Op::Get { no_ack } => {
+            Op::Get { no_ack, node } => {
+                let get = || match node {
+                    Some(node) => Command::GetBy { no_ack, node },
+                    None => Command::Get { no_ack },
+                };
                 // As the broker does: read on while whole pages expire as they are read.
                 while !r.m.head_loaded() && r.m.load_request(1).is_some() {
                     load(&mut r, &mut model, now, 1, 2)?;
                 }
-                let mut reply = r.apply(now, Command::Get { no_ack });
+                let mut reply = r.apply(now, get());
                 let mut effects = r.effects.clone();
                 loop {
                     while effects
@@ -598,7 +707,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     while !r.m.head_loaded() && r.m.load_request(1).is_some() {
                         load(&mut r, &mut model, now, 1, 2)?;
                     }
-                    reply = r.apply(now, Command::Get { no_ack });
+                    reply = r.apply(now, get());
                     effects = r.effects.clone();
                 }
                 match effects.as_slice() {
@@ -606,7 +715,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                         prop_assert_eq!(reply, Reply::Delivered { count: 1 });
                         prop_assert_eq!(d.consumer, None);
                         prop_assert_eq!(d.settled, no_ack);
-                        model.delivered(d)?;
+                        model.delivered(d, node.unwrap_or(0))?;
                     }
                     [] => {
                         prop_assert_eq!(reply, Reply::Delivered { count: 0 });
@@ -652,6 +761,151 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 } else {
                     prop_assert!(r.effects.is_empty());
                 }
+            }
+            Op::Down { node } => {
+                let gone: Vec<ConsumerId> = model
+                    .consumers
+                    .iter()
+                    .filter(|(_, c)| node_of(c.group.conn) == node)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let reply = r.apply(now, Command::Down { node });
+                for id in &gone {
+                    let c = model.consumers.remove(id);
+                    model.slots.retain(|_, s| s != id);
+                    if let Some(c) = c {
+                        if !model.consumers.values().any(|o| o.group == c.group) {
+                            model.credit.remove(&c.group);
+                        }
+                    }
+                }
+                prop_assert_eq!(
+                    reply,
+                    if gone.is_empty() {
+                        Reply::Ok
+                    } else {
+                        Reply::Cancelled {
+                            consumers_left: model.consumers.len() as u32,
+                        }
+                    }
+                );
+                // Everything its channels held is ready again, in place, count kept (no
+                // delivery limit here, and `reject-publish` drops nothing).
+                prop_assert!(r.effects.is_empty(), "{:?}", r.effects);
+                for s in model.state.values_mut() {
+                    if matches!(s, State::InFlight { node: n, .. } if *n == node) {
+                        *s = State::Ready;
+                    }
+                }
+                model.enqueuers.retain(|slot, _| pub_node(*slot) != node);
+            }
+            Op::Publish { slot, gap, size } => {
+                let id = r.m.next_msg_id();
+                if !model.enqueuers.contains_key(&slot) {
+                    model.next_enqueuer += 1;
+                    let id = qualify(pub_node(slot), model.next_enqueuer).unwrap();
+                    model.enqueuers.insert(
+                        slot,
+                        ModelEnqueuer {
+                            id: EnqueuerId(id),
+                            sent: BTreeMap::new(),
+                            highest: 0,
+                            refused: None,
+                        },
+                    );
+                }
+                let full = model.full();
+                let Some(e) = model.enqueuers.get_mut(&slot) else {
+                    unreachable!()
+                };
+                // The first publish of a life may be sequence 0.
+                let seq = match e.sent.last_key_value() {
+                    Some((last, _)) => last + 1 + gap,
+                    None => gap,
+                };
+                let reply = r.apply(
+                    now,
+                    Command::EnqueueFrom {
+                        enqueuer: e.id,
+                        seq,
+                        message: (id, size),
+                        meta: MsgMeta {
+                            size,
+                            ..MsgMeta::default()
+                        },
+                    },
+                );
+                e.highest = seq;
+                if full {
+                    prop_assert_eq!(reply, Reply::Refused(Refusal::Full));
+                    e.refused = Some(seq);
+                    e.sent.insert(seq, (Sent::Refused, size));
+                } else {
+                    prop_assert_eq!(reply, Reply::Enqueued { msg_id: id });
+                    e.sent.insert(seq, (Sent::Enqueued(id), size));
+                    model.state.insert(id, State::Ready);
+                    model.size.insert(id, size);
+                }
+            }
+            Op::Resend { slot, pick } => {
+                let Some(e) = model.enqueuers.get(&slot) else {
+                    continue;
+                };
+                let Some((&seq, &(sent, size))) = e.sent.iter().nth(pick % e.sent.len()) else {
+                    continue;
+                };
+                let next = r.m.next_msg_id();
+                let message = match sent {
+                    Sent::Enqueued(id) => (id, size),
+                    Sent::Refused => (next, size),
+                };
+                let reply = r.apply(
+                    now,
+                    Command::EnqueueFrom {
+                        enqueuer: e.id,
+                        seq,
+                        message,
+                        meta: MsgMeta {
+                            size,
+                            ..MsgMeta::default()
+                        },
+                    },
+                );
+                // Never enqueued again; confirmed only if it was enqueued the first time.
+                prop_assert_eq!(r.m.next_msg_id(), next, "a resend was enqueued");
+                prop_assert!(r.effects.is_empty());
+                let ambiguous = e.refused.is_some_and(|at| seq <= at);
+                prop_assert_eq!(
+                    reply,
+                    if ambiguous {
+                        Reply::Refused(Refusal::Full)
+                    } else {
+                        Reply::Duplicate
+                    }
+                );
+                if matches!(sent, Sent::Refused) {
+                    prop_assert_ne!(reply, Reply::Duplicate, "a refused publish confirmed");
+                }
+            }
+            Op::Unregister { slot } => match model.enqueuers.remove(&slot) {
+                Some(e) => {
+                    let reply = r.apply(now, Command::Unregister { enqueuer: e.id });
+                    prop_assert_eq!(reply, Reply::Ok);
+                }
+                None => {
+                    let never = EnqueuerId(qualify(pub_node(slot), u64::from(slot) << 40).unwrap());
+                    let reply = r.apply(now, Command::Unregister { enqueuer: never });
+                    prop_assert_eq!(reply, Reply::Stale);
+                }
+            },
+            Op::Limit { max_length } => {
+                let policy = Policy {
+                    max_length,
+                    overflow: Overflow::RejectPublish,
+                    ..Policy::default()
+                };
+                prop_assert_eq!(r.apply(now, Command::Configure(policy)), Reply::Ok);
+                model.max_length = max_length;
             }
             Op::Purge => {
                 let ready = model.ready();
