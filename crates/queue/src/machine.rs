@@ -3538,6 +3538,22 @@ mod tests {
     }
 
     #[test]
+    fn down_strands_no_delivery_of_a_consumer_whose_id_names_another_node() {
+        let mut d = Driver::new();
+        d.enqueue("a", 1, None);
+        // A caller that minted the id on node 0 for a channel on node 1.
+        let (_, spec) = on(1, 1, 1);
+        d.run(Command::Consume {
+            id: ConsumerId(3),
+            spec,
+        });
+        d.run(Command::Checkout { max: 1 });
+        assert_eq!(d.delivered().len(), 1);
+        d.run(Command::Down { node: 1 });
+        assert_eq!((d.m.ready_ids(), d.m.in_flight_count()), (vec![0], 0));
+    }
+
+    #[test]
     fn down_returns_as_release_does_no_retry_delay_and_the_delivery_limit_holds() {
         let mut d = with_policy(Policy {
             retry: Some(RetryPolicy {
