@@ -112,7 +112,7 @@ row() { echo "| $1 | $2 | $3 |" >>"$SUMMARY"; }
 rm -rf "$DATA"
 start first
 if has shallow; then
-  bench shallow -x 1 -y 1 -s 1024 -f --durable -c 1000 -q 200 --max-inflight 2000 -C 1000000 \
+  bench shallow --ack-batched -x 1 -y 1 -s 1024 -f --durable -c 1000 -q 200 --max-inflight 2000 -C 1000000 \
     --queue-pattern shallow
   row shallow "publish + consume, queue kept short (1M messages)" \
     "$(field shallow consume_rate) msg/s consumed"
@@ -131,7 +131,7 @@ if has restart; then
     "recovered in $(recovery_ms restart) ms; RSS $(rss_mb "$PID") MB"
 fi
 if has drain; then
-  bench drain -x 0 -y 1 --predeclare --delete --no-reset-peak -q 200 -C "$MESSAGES" \
+  bench drain --ack-batched -x 0 -y 1 --predeclare --delete --no-reset-peak -q 200 -C "$MESSAGES" \
     --queue-pattern deep
   row drain "consume the backlog with acks (prefetch 200)" \
     "$(field drain consume_rate) msg/s; RSS $(rss_mb "$PID") MB after, peak $(hwm_mb "$PID") MB"
@@ -154,7 +154,7 @@ if has alarm; then
   # A limit below any broker's memory: the alarm is on from the first check.
   start alarm --memory-limit 1
   sleep 2
-  bench alarm -x 1 -y 1 --predeclare --delete -s 1024 -f -q 200 -z 5 --queue-pattern alarm
+  bench alarm --ack-batched -x 1 -y 1 --predeclare --delete -s 1024 -f -q 200 -z 5 --queue-pattern alarm
   row alarm "memory alarm on (--memory-limit 1): a publisher and a consumer of a 100,000-message queue, 5 s" \
     "published $(field alarm published), consumed $(field alarm consumed)"
 fi

@@ -153,7 +153,7 @@ EOF
 lateness() {
   local name="$1"
   # An exchange of its own: the backlog's exchange and binding stay as they are.
-  bench "$name" --delayed-rate "$RATE" --delay-ms "$DELAY" -z "$DURATION" -s "$SIZE" -f --durable \
+  bench "$name" --ack-batched --delayed-rate "$RATE" --delay-ms "$DELAY" -z "$DURATION" -s "$SIZE" -f --durable \
     -c 1000 -q 200 -e "$name" --queue-pattern "$name"
   row "$name" "$2: $RATE msg/s, x-delay $DELAY ms, ${DURATION} s" \
     "$(get "$name" '"p50 %s / p90 %s / p99 %s / p99.9 %s / max %s ms; %d received, %d lost, %d early (%d by under 1 ms), %d duplicates; publish %.0f msg/s; broker cpu %.0f%%, RSS %s MB peak %s MB%s" % (ms(r["lateness"]["p50_us"]), ms(r["lateness"]["p90_us"]), ms(r["lateness"]["p99_us"]), ms(r["lateness"]["p999_us"]), ms(r["lateness"]["max_us"]), r["unique"], r["lost"], r["early"], r["early_sub_ms"], r["duplicates"], r["publish_rate"], r["broker"]["cpu_pct"], mb(r["broker"]["rss_end_kb"]), mb(r["broker"]["rss_peak_kb"]), "".join("; ERROR " + e for e in r["errors"]))')"

@@ -9,7 +9,7 @@
 # Usage: bench/tls.sh [RUNS] [-- warren-bench scenario args, instead of the default]
 #   WARREN=target/release/warren BENCH=target/release/warren-bench bench/tls.sh 3
 # Needs openssl and socat. Default scenario: scenario 1 of compare.sh
-# (-x 1 -y 1 --queues 1 -s 16 -q 200 --rate 5000 -z 20).
+# (--ack-batched -x 1 -y 1 --queues 1 -s 16 -q 200 --rate 5000 -z 20).
 set -euo pipefail
 
 RUNS=${1:-3}
@@ -57,7 +57,7 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 
-SCENARIO=(-x 1 -y 1 --queues 1 -s 16 -q 200 --rate 5000 -z 20)
+SCENARIO=(--ack-batched -x 1 -y 1 --queues 1 -s 16 -q 200 --rate 5000 -z 20)
 # EXTRA replaces the scenario when given.
 [[ ${#EXTRA[@]} -gt 0 ]] && SCENARIO=("${EXTRA[@]}")
 run() {

@@ -75,15 +75,20 @@ pub struct Opts {
     pub multi_ack_every: u32,
 
     /// Consume with no-ack (auto-ack): the broker forgets a message once it is sent.
-    #[arg(long, short = 'a', conflicts_with = "ack_wait")]
+    #[arg(long, short = 'a', conflicts_with_all = ["ack_wait", "ack_batched"])]
     pub auto_ack: bool,
 
-    /// Worker-style consumer, as a pika or Celery worker acks: ack each message on its own and
-    /// wait until the ack has been written to the socket before taking the next delivery (one
-    /// write per ack). Without it acks are queued without waiting, and lapin writes many of them
-    /// at once.
-    #[arg(long)]
+    /// Worker-style consumer (the default), as a pika or Celery worker acks: ack each message
+    /// on its own and wait until the ack has been written to the socket before taking the next
+    /// delivery (one write per ack). Accepted for scripts written when it was not the default.
+    #[arg(long, conflicts_with = "ack_batched")]
     pub ack_wait: bool,
+
+    /// Batched acks, the flattering shape: acks are queued without waiting, so lapin writes
+    /// many of them at once (also implied by --multi-ack-every above 1). Real workers rarely
+    /// consume this way; measure it beside the default, not instead of it.
+    #[arg(long)]
+    pub ack_batched: bool,
 
     /// Consume at most this many messages per second PER CONSUMER (0 = as fast as they arrive):
     /// a slow worker. With an unthrottled producer the queue then grows for the whole run.
@@ -389,6 +394,8 @@ impl Opts {
         if self.ack_wait && self.multi_ack_every > 1 {
             return Err("--ack-wait acks each message on its own: drop --multi-ack-every".into());
         }
+        // The worker shape unless the consumer was asked for another.
+        self.ack_wait = !self.auto_ack && !self.ack_batched && self.multi_ack_every == 1;
         if self.exchange.is_empty() && self.exchange_type != ExchangeType::Direct {
             return Err("--exchange-type needs a named --exchange".into());
         }
@@ -544,6 +551,11 @@ mod tests {
         let o = parse(&["--ack-wait", "--consume-rate", "5000"]).unwrap();
         assert!(o.ack_wait);
         assert_eq!(o.consume_rate, 5000.0);
+        // The worker shape is the default; batched acks only when asked for.
+        assert!(parse(&[]).unwrap().ack_wait);
+        assert!(!parse(&["--ack-batched"]).unwrap().ack_wait);
+        assert!(!parse(&["--multi-ack-every", "10"]).unwrap().ack_wait);
+        assert!(!parse(&["--auto-ack"]).unwrap().ack_wait);
     }
 
     #[test]
@@ -557,6 +569,7 @@ mod tests {
         assert!(parse(&["--consume-rate", "-5"]).is_err());
         assert!(parse(&["--ack-wait", "--auto-ack"]).is_err());
         assert!(parse(&["--ack-wait", "--multi-ack-every", "10"]).is_err());
+        assert!(parse(&["--ack-wait", "--ack-batched"]).is_err());
         assert!(parse(&["--idle-queues", "1", "--idle-connections", "1"]).is_err());
         assert!(parse(&["--delayed-schedule", "1", "--delayed-rate", "10"]).is_err());
         assert!(parse(&["--delayed-schedule", "1", "--idle-queues", "1"]).is_err());
