@@ -127,6 +127,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                         multiplier,
                         jitter_pct,
                     }),
+                    deliver_on_apply: false,
                 }
             },
         )

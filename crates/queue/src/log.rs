@@ -168,7 +168,7 @@ fn put_policy(out: &mut BytesMut, p: &Policy) {
     });
     put_opt_u64(out, p.expires_ms);
     put_opt_u64(out, p.max_priority.map(u64::from));
-    out.put_u8(u8::from(p.single_active));
+    out.put_u8(u8::from(p.single_active) | u8::from(p.deliver_on_apply) << 1);
     put_opt_u64(out, p.delivery_limit);
     put_opt_u64(out, p.visibility_timeout_ms);
     put_opt_u64(out, p.consumer_timeout_ms);
@@ -569,13 +569,14 @@ impl Reader {
             Some(p) => Some(u8::try_from(p).map_err(|_| self.fail("max priority over 255"))?),
             None => None,
         };
+        let flags = self.u8("single active")?;
         Ok(Policy {
             max_length,
             max_length_bytes,
             overflow,
             expires_ms,
             max_priority,
-            single_active: self.u8("single active")? != 0,
+            single_active: flags & 1 != 0,
             delivery_limit: self.opt_u64("delivery limit")?,
             visibility_timeout_ms: self.opt_u64("visibility timeout")?,
             consumer_timeout_ms: self.opt_u64("consumer timeout")?,
@@ -589,6 +590,7 @@ impl Reader {
                 }),
                 t => return Err(self.fail(format!("bad retry tag {t}"))),
             },
+            deliver_on_apply: flags & 2 != 0,
         })
     }
 
@@ -1132,5 +1134,21 @@ mod tests {
             replies,
             vec![Reply::Enqueued { msg_id: 0 }, Reply::Duplicate]
         );
+    }
+
+    #[test]
+    fn a_policy_that_delivers_on_apply_round_trips() {
+        for deliver_on_apply in [false, true] {
+            for single_active in [false, true] {
+                let command = Command::Configure(Policy {
+                    deliver_on_apply,
+                    single_active,
+                    ..Policy::default()
+                });
+                let mut out = BytesMut::new();
+                encode_entry(&command, &mut out).unwrap();
+                assert_eq!(decode_entry(out.freeze()), Ok(command));
+            }
+        }
     }
 }

@@ -103,7 +103,18 @@ pub struct Policy {
     /// `x-delayed-retry-*`: a message given back by its consumer (nack or reject with requeue,
     /// a visibility timeout) is delivered again only after a back-off delay.
     pub retry: Option<RetryPolicy>,
+    /// Deliveries are decided by applying the commands that make them possible (an enqueue
+    /// with a consumer waiting, a settle or a credit that frees room, a consume), as in
+    /// rabbit_fifo, instead of by a separate [`Command::Checkout`]. A replicated queue runs this
+    /// way so that dispatch adds no entries to its log: up to [`AUTO_CHECKOUT_MAX`] deliveries
+    /// come out of one command, and only when more are possible ([`QueueMachine::has_work`])
+    /// does the leader log a `Checkout`.
+    pub deliver_on_apply: bool,
 }
+
+/// Most deliveries one command makes in a queue that delivers on apply: a consume by a
+/// consumer without prefetch on a deep queue must not make one entry's effects unbounded.
+pub const AUTO_CHECKOUT_MAX: u32 = 256;
 
 /// The back-off of delayed retries (RabbitMQ 4.3's `x-delayed-retry-min`/`-max`, LavinMQ's
 /// `x-delayed-retry-multiplier`, and Warren's `x-delayed-retry-jitter`).
@@ -900,7 +911,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
     ) -> Reply {
         self.last_index = self.last_index.max(meta.index);
         self.now_ms = self.now_ms.max(meta.now_ms);
-        match command {
+        // Checkout and basic.get deliver on their own; paging and recovery are this node's.
+        let may_deliver = !command.is_node_local()
+            && !matches!(
+                command,
+                Command::Checkout { .. } | Command::Get { .. } | Command::GetBy { .. }
+            );
+        let reply = match command {
             Command::Enqueue { message, meta } => self.enqueue_new(message, meta, effects),
             Command::EnqueueFrom {
                 enqueuer,
@@ -1037,7 +1054,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 receipt,
                 timeout_ms,
             } => self.extend(receipt, timeout_ms),
+        };
+        if may_deliver && self.policy.deliver_on_apply {
+            // As a Checkout would: nothing expired goes out.
+            self.expire(effects);
+            self.checkout(AUTO_CHECKOUT_MAX, effects);
         }
+        reply
     }
 
     fn enqueue_new(&mut self, message: M, meta: MsgMeta, effects: &mut Vec<Effect<M>>) -> Reply {

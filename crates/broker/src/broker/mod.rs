@@ -209,6 +209,8 @@ fn policy(a: &args::QueueArgs) -> Policy {
                 multiplier: a.retry_multiplier,
                 jitter_pct: a.retry_jitter_pct,
             }),
+        // Classic queues are dispatched by the broker's Checkout passes.
+        deliver_on_apply: false,
     }
 }
 
