@@ -408,18 +408,21 @@ impl MultiRaft {
         }
     }
 
+    /// When the next tick is due, for a driver that sleeps until then.
+    pub fn next_tick_ms(&self) -> Option<u64> {
+        self.next_tick_ms
+    }
+
     /// Advances time. Ticks only awake groups; a group quiet for `hibernate_ticks` goes to sleep.
     pub fn tick(&mut self, now_ms: u64) {
         let next = *self.next_tick_ms.get_or_insert(now_ms);
         if now_ms < next {
             return;
         }
-        let n = ((now_ms - next) / self.cfg.tick_ms.max(1) + 1).min(self.cfg.election_tick as u64);
-        self.next_tick_ms =
-            Some(now_ms - (now_ms - next) % self.cfg.tick_ms.max(1) + self.cfg.tick_ms);
-        for _ in 0..n {
-            self.tick_once();
-        }
+        // One tick per call however late it comes: a node that stalled (a slow fsync) must not
+        // fire a burst of ticks and take its peers, whose messages it has not read yet, for dead.
+        self.next_tick_ms = Some(now_ms + self.cfg.tick_ms.max(1));
+        self.tick_once();
     }
 
     fn tick_once(&mut self) {
@@ -544,13 +547,10 @@ impl MultiRaft {
     /// entry committed. Messages that could go before the write are sent after it here; a driver
     /// that overlaps sending with its fsync calls `ready`, `persist` and `advance` itself.
     pub fn process(&mut self, log: &mut impl LogStore) -> Result<Advanced, Error> {
-        let batch = self.ready();
-        let mut early = batch.messages.clone();
+        let mut batch = self.ready();
+        let mut early = std::mem::take(&mut batch.messages);
         batch.persist(log)?;
-        let mut done = self.advance(ReadyBatch {
-            messages: Vec::new(),
-            ..batch
-        });
+        let mut done = self.advance(batch);
         early.append(&mut done.messages);
         done.messages = merge_batches(early);
         Ok(done)

@@ -146,8 +146,8 @@ impl Sim {
             return;
         }
         n.raft.tick(now);
-        let batch = n.raft.ready();
-        let early = batch.messages.clone();
+        let mut batch = n.raft.ready();
+        let early = std::mem::take(&mut batch.messages);
         batch.persist(&mut n.log).expect("mem log");
         let done = n.raft.advance(batch);
         for c in &done.committed {
