@@ -82,6 +82,7 @@ fn encode(b: &NodeBatch) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + b.msgs.len() * 64);
     out.extend_from_slice(&b.from.to_le_bytes());
     out.extend_from_slice(&b.to.to_le_bytes());
+    out.extend_from_slice(&b.boot.to_le_bytes());
     for env in &b.msgs {
         let m = env.msg.write_to_bytes().expect("encode");
         out.extend_from_slice(&env.group.0.to_le_bytes());
@@ -93,9 +94,9 @@ fn encode(b: &NodeBatch) -> Vec<u8> {
 
 fn decode(b: &[u8]) -> NodeBatch {
     let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-    let (from, to) = (u64_at(0), u64_at(8));
+    let (from, to, boot) = (u64_at(0), u64_at(8), u64_at(16));
     let mut msgs = Vec::new();
-    let mut i = 16;
+    let mut i = 24;
     while i < b.len() {
         let group = GroupId(u64_at(i));
         let len = u32::from_le_bytes(b[i + 8..i + 12].try_into().expect("4 bytes")) as usize;
@@ -103,7 +104,12 @@ fn decode(b: &[u8]) -> NodeBatch {
         msgs.push(Envelope { group, msg });
         i += 12 + len;
     }
-    NodeBatch { from, to, msgs }
+    NodeBatch {
+        from,
+        boot,
+        to,
+        msgs,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -24,6 +24,9 @@ use crate::{GroupId, NodeId};
 #[derive(Debug, Clone)]
 pub struct Config {
     pub node: NodeId,
+    /// This node's incarnation, higher after each restart (peers learn from it that groups this
+    /// node led before have no leader now).
+    pub boot: u64,
     /// Every node of the cluster (each group has all of them as voters, for now).
     pub nodes: Vec<NodeId>,
     pub tick_ms: u64,
@@ -46,6 +49,7 @@ impl Config {
     pub fn new(node: NodeId, nodes: Vec<NodeId>) -> Self {
         Config {
             node,
+            boot: 1,
             nodes,
             tick_ms: 50,
             election_tick: 10,
@@ -90,6 +94,8 @@ pub struct Envelope {
 #[derive(Debug, Clone)]
 pub struct NodeBatch {
     pub from: NodeId,
+    /// The sender's [`Config::boot`].
+    pub boot: u64,
     pub to: NodeId,
     pub msgs: Vec<Envelope>,
 }
@@ -122,6 +128,8 @@ struct Group {
 struct Peer {
     last_heard: u64,
     up: bool,
+    /// The peer's incarnation last heard (0: never heard).
+    boot: u64,
 }
 
 /// The output of [`MultiRaft::ready`]: send `messages` now, persist [`ReadyBatch::persist`],
@@ -199,6 +207,7 @@ impl MultiRaft {
                     Peer {
                         last_heard: 0,
                         up: true,
+                        boot: 0,
                     },
                 )
             })
@@ -356,7 +365,7 @@ impl MultiRaft {
 
     /// Takes a batch from a peer node. Any batch, even empty, shows the peer is alive.
     pub fn step(&mut self, batch: NodeBatch) {
-        self.heard_from(batch.from);
+        self.heard_from(batch.from, batch.boot);
         for env in batch.msgs {
             if env.msg.from != batch.from || env.msg.to != self.cfg.node {
                 tracing::warn!(
@@ -390,17 +399,26 @@ impl MultiRaft {
         }
     }
 
-    fn heard_from(&mut self, node: NodeId) {
+    fn heard_from(&mut self, node: NodeId, boot: u64) {
         let ticks = self.ticks;
         let Some(p) = self.peers.get_mut(&node) else {
             return;
         };
         p.last_heard = ticks;
-        if !p.up {
-            p.up = true;
+        let restarted = p.boot != 0 && p.boot != boot;
+        let came_back = !p.up;
+        p.boot = boot;
+        p.up = true;
+        if restarted {
+            // It restarted faster than it could be seen down: the groups it led lost their leader.
+            tracing::info!(node, boot, "peer node restarted");
+            self.wake_orphans_of(node);
+        } else if came_back {
             tracing::info!(node, "peer node up");
-            // The groups this node leads may have entries the returning peer lacks, and it must
-            // learn of their leaders: wake them so they heartbeat and replicate.
+        }
+        if restarted || came_back {
+            // The groups this node leads may have entries the peer lacks, and it must learn who
+            // leads them: wake them so they heartbeat and replicate.
             let led: Vec<GroupId> = self.leading().collect();
             for id in led {
                 self.wake(id);
@@ -425,9 +443,25 @@ impl MultiRaft {
         self.tick_once();
     }
 
+    /// Wakes the groups whose leader was `node`, so they time out and elect.
+    fn wake_orphans_of(&mut self, node: NodeId) {
+        let orphans: Vec<GroupId> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.raw.raft.leader_id == node)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in orphans {
+            self.wake(id);
+        }
+    }
+
     fn tick_once(&mut self) {
         self.ticks += 1;
-        if self.ticks % self.cfg.node_heartbeat_ticks.max(1) == 0 {
+        if self
+            .ticks
+            .is_multiple_of(self.cfg.node_heartbeat_ticks.max(1))
+        {
             self.heartbeat_due = true;
         }
         let ticks = self.ticks;
@@ -442,15 +476,7 @@ impl MultiRaft {
             .collect();
         for node in down {
             tracing::info!(node, "peer node down");
-            let orphans: Vec<GroupId> = self
-                .groups
-                .iter()
-                .filter(|(_, g)| g.raw.raft.leader_id == node)
-                .map(|(id, _)| *id)
-                .collect();
-            for id in orphans {
-                self.wake(id);
-            }
+            self.wake_orphans_of(node);
         }
         let awake: Vec<GroupId> = self.awake.iter().copied().collect();
         for id in awake {
@@ -509,7 +535,7 @@ impl MultiRaft {
             }
         }
         ReadyBatch {
-            messages: out.into_batches(self.cfg.node),
+            messages: out.into_batches(self.cfg.node, self.cfg.boot),
             readys,
             committed,
             must_sync,
@@ -538,7 +564,7 @@ impl MultiRaft {
             }
         }
         Advanced {
-            messages: out.into_batches(self.cfg.node),
+            messages: out.into_batches(self.cfg.node, self.cfg.boot),
             committed,
         }
     }
@@ -633,10 +659,15 @@ impl Outbox {
         }
     }
 
-    fn into_batches(self, from: NodeId) -> Vec<NodeBatch> {
+    fn into_batches(self, from: NodeId, boot: u64) -> Vec<NodeBatch> {
         self.msgs
             .into_iter()
-            .map(|(to, msgs)| NodeBatch { from, to, msgs })
+            .map(|(to, msgs)| NodeBatch {
+                from,
+                boot,
+                to,
+                msgs,
+            })
             .collect()
     }
 }
@@ -659,31 +690,5 @@ pub fn merge_batches(batches: Vec<NodeBatch>) -> Vec<NodeBatch> {
 impl MultiRaft {
     pub fn hard_state(&self, group: GroupId) -> Option<HardState> {
         Some(self.groups.get(&group)?.raw.store().hard_state().clone())
-    }
-}
-
-impl MultiRaft {
-    #[doc(hidden)]
-    pub fn debug_awake(&self) -> Vec<String> {
-        self.awake
-            .iter()
-            .take(3)
-            .map(|id| {
-                let g = &self.groups[id];
-                let r = &g.raw.raft;
-                format!(
-                    "{id:?} state={:?} lead={} term={} last={} commit={} applied={} persisted={} quiet={} prs={:?}",
-                    r.state,
-                    r.leader_id,
-                    r.term,
-                    r.raft_log.last_index(),
-                    r.raft_log.committed,
-                    r.raft_log.applied,
-                    r.raft_log.persisted,
-                    g.quiet_ticks,
-                    r.prs().iter().map(|(i, p)| (*i, p.matched)).collect::<Vec<_>>()
-                )
-            })
-            .collect()
     }
 }

@@ -39,6 +39,7 @@ pub struct SimNode {
     /// Entries applied here, per group, in the order they were applied.
     pub applied: BTreeMap<GroupId, Vec<Committed>>,
     pub alive: bool,
+    pub boots: u64,
 }
 
 struct InFlight {
@@ -86,6 +87,7 @@ impl Sim {
                     log: MemLog::new(),
                     applied: BTreeMap::new(),
                     alive: true,
+                    boots: 1,
                 },
             );
         }
@@ -290,7 +292,10 @@ impl Sim {
         let Some(n) = self.nodes.get_mut(&id) else {
             return;
         };
-        let mut raft = MultiRaft::new(config(id)).expect("config");
+        let mut cfg = config(id);
+        cfg.boot = n.boots + 1;
+        n.boots += 1;
+        let mut raft = MultiRaft::new(cfg).expect("config");
         for g in groups {
             let durable = n.log.durable.get(&g).cloned().unwrap_or_default();
             raft.recover_group(g, &durable).expect("recover");
