@@ -32,6 +32,7 @@ struct Args {
     size: usize,
     inflight: u64,
     tick_ms: u64,
+    inflight_msgs: usize,
 }
 
 fn parse_args() -> Args {
@@ -43,6 +44,7 @@ fn parse_args() -> Args {
         size: 1024,
         inflight: 256,
         tick_ms: 50,
+        inflight_msgs: 32,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -56,6 +58,7 @@ fn parse_args() -> Args {
             "--size" => a.size = v as usize,
             "--inflight" => a.inflight = v,
             "--tick-ms" => a.tick_ms = v,
+            "--inflight-msgs" => a.inflight_msgs = v as usize,
             other => panic!("unknown option {other}"),
         }
         i += 2;
@@ -126,7 +129,7 @@ fn run_node(
     let mut cfg = Config::new(id, NODES.to_vec());
     cfg.tick_ms = args.tick_ms;
     cfg.node_down_ticks = 6;
-    cfg.max_inflight_msgs = 32;
+    cfg.max_inflight_msgs = args.inflight_msgs;
     let mut raft = MultiRaft::new(cfg).expect("config");
     for g in 0..args.groups {
         raft.add_group(GroupId(g), g % 3 + 1 == id).expect("group");
