@@ -568,19 +568,6 @@ impl MultiRaft {
             committed,
         }
     }
-
-    /// Runs one ready/persist/advance round with `log`, returning every message to send and every
-    /// entry committed. Messages that could go before the write are sent after it here; a driver
-    /// that overlaps sending with its fsync calls `ready`, `persist` and `advance` itself.
-    pub fn process(&mut self, log: &mut impl LogStore) -> Result<Advanced, Error> {
-        let mut batch = self.ready();
-        let mut early = std::mem::take(&mut batch.messages);
-        batch.persist(log)?;
-        let mut done = self.advance(batch);
-        early.append(&mut done.messages);
-        done.messages = merge_batches(early);
-        Ok(done)
-    }
 }
 
 /// Nothing to do: all entries committed and applied; a leader's live followers have everything;
@@ -670,20 +657,6 @@ impl Outbox {
             })
             .collect()
     }
-}
-
-/// Joins batches to the same node into one, keeping their order.
-pub fn merge_batches(batches: Vec<NodeBatch>) -> Vec<NodeBatch> {
-    let mut by_node: BTreeMap<NodeId, NodeBatch> = BTreeMap::new();
-    for b in batches {
-        match by_node.get_mut(&b.to) {
-            Some(acc) => acc.msgs.extend(b.msgs),
-            None => {
-                by_node.insert(b.to, b);
-            }
-        }
-    }
-    by_node.into_values().collect()
 }
 
 /// The hard state a group last handed out, for tests.

@@ -168,3 +168,57 @@ impl Storage for GroupLog {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(index: u64, term: u64) -> Entry {
+        Entry {
+            index,
+            term,
+            ..Default::default()
+        }
+    }
+
+    fn terms(log: &GroupLog) -> Vec<(u64, u64)> {
+        log.entries.iter().map(|e| (e.index, e.term)).collect()
+    }
+
+    #[test]
+    fn append_replaces_a_conflicting_tail_and_refuses_gaps() {
+        let mut log = GroupLog::new(vec![1, 2, 3]);
+        log.append(&[e(1, 1), e(2, 1), e(3, 1)]).expect("append");
+        log.append(&[e(2, 2)])
+            .expect("a new leader's entry replaces 2 and 3");
+        assert_eq!(terms(&log), vec![(1, 1), (2, 2)]);
+        assert!(log.append(&[e(4, 2)]).is_err(), "gap");
+        assert_eq!(Storage::last_index(&log).expect("last"), 2);
+    }
+
+    #[test]
+    fn compaction_keeps_the_term_of_the_last_dropped_entry() {
+        let mut log = GroupLog::new(vec![1, 2, 3]);
+        log.append(&[e(1, 1), e(2, 1), e(3, 2), e(4, 2)])
+            .expect("append");
+        log.compact_to(2);
+        assert_eq!(Storage::first_index(&log).expect("first"), 3);
+        assert_eq!(log.term(2).expect("term of the compacted boundary"), 1);
+        assert!(matches!(
+            log.term(1),
+            Err(raft::Error::Store(StorageError::Compacted))
+        ));
+        assert!(matches!(
+            log.entries(2, 4, None, GetEntriesContext::empty(false)),
+            Err(raft::Error::Store(StorageError::Compacted))
+        ));
+        let got = log
+            .entries(3, 5, None, GetEntriesContext::empty(false))
+            .expect("entries");
+        assert_eq!(got.len(), 2);
+        assert!(
+            log.append(&[e(2, 3)]).is_err(),
+            "below the compacted prefix"
+        );
+    }
+}
