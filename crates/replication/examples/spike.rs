@@ -6,7 +6,8 @@
 //! Phases: create the groups (leaders placed round-robin) and wait until every group has a leader
 //! and every group sleeps; stay idle for `--idle-secs` and measure the process's CPU; then feed the
 //! first `--busy` groups proposals of `--size` bytes, at most `--inflight` uncommitted per group,
-//! for `--secs`, and count what commits. Batches between nodes are encoded (protobuf, as a TCP
+//! for `--secs`, and count what commits. Last, node 1 stops dead and the survivors' time to lead
+//! every group again is measured. Batches between nodes are encoded (protobuf, as a TCP
 //! transport would send them) and passed over channels.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -23,6 +24,8 @@ const PHASE_SETTLE: u8 = 0;
 const PHASE_BUSY: u8 = 1;
 const PHASE_STOP: u8 = 2;
 const PHASE_IDLE: u8 = 3;
+/// Node 1 stops dead; the others must elect leaders for the groups it led.
+const PHASE_FAILOVER: u8 = 4;
 
 struct Args {
     groups: u64,
@@ -148,7 +151,7 @@ fn run_node(
     };
     loop {
         let p = phase.load(Ordering::Acquire);
-        if p == PHASE_STOP {
+        if p == PHASE_STOP || (p == PHASE_FAILOVER && id == 1) {
             break;
         }
         let mut did = false;
@@ -205,9 +208,12 @@ fn run_node(
         if !did {
             // Nothing moved: while settling, count the groups whose leader is known (a walk over
             // all groups, so not in the measured phases); then sleep until the next tick or message.
-            if p == PHASE_SETTLE {
+            if p == PHASE_SETTLE || p == PHASE_FAILOVER {
                 let led = (0..args.groups)
-                    .filter(|g| raft.leader_of(GroupId(*g)).is_some())
+                    .filter(|g| {
+                        raft.leader_of(GroupId(*g))
+                            .is_some_and(|l| p == PHASE_SETTLE || l != 1)
+                    })
                     .count() as u64;
                 shared.led.store(led, Ordering::Relaxed);
             }
@@ -346,6 +352,41 @@ fn main() {
         t1.elapsed().as_secs_f64(),
     );
     let rss_busy = rss_kib();
+    // Failover: let the busy groups drain and sleep, then stop node 1 dead.
+    phase.store(PHASE_IDLE, Ordering::Release);
+    let t = Instant::now();
+    while shared.iter().any(|s| s.awake.load(Ordering::Relaxed) != 0) {
+        std::thread::sleep(Duration::from_millis(10));
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "did not settle after the busy phase"
+        );
+    }
+    for s in &shared {
+        s.led.store(0, Ordering::Relaxed);
+    }
+    let (c3, t3) = (cpu_secs(), Instant::now());
+    phase.store(PHASE_FAILOVER, Ordering::Release);
+    let survivors = &shared[1..];
+    while survivors
+        .iter()
+        .any(|s| s.led.load(Ordering::Relaxed) != args.groups)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(t3.elapsed() < Duration::from_secs(60), "no failover");
+    }
+    let failover_s = t3.elapsed().as_secs_f64();
+    while survivors
+        .iter()
+        .any(|s| s.awake.load(Ordering::Relaxed) != 0)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(
+            t3.elapsed() < Duration::from_secs(60),
+            "no sleep after failover"
+        );
+    }
+    let (failover_asleep_s, failover_cpu) = (t3.elapsed().as_secs_f64(), cpu_secs() - c3);
     phase.store(PHASE_STOP, Ordering::Release);
     for h in handles {
         let _ = h.join();
@@ -355,7 +396,8 @@ fn main() {
         "groups={} busy={} created_s={:.2} elected_s={:.2} settled_s={:.2} settle_cpu_s={:.2} \
          rss_idle_kib={} idle_secs={} idle_cpu_s={:.3} idle_raft_msgs={} idle_node_heartbeats={} \
          idle_awake={} commits_per_s={:.0} busy_cpu_s={:.2} cpu_us_per_commit={:.1} \
-         fsyncs_per_s={:.0} rss_busy_kib={}",
+         fsyncs_per_s={:.0} rss_busy_kib={} failover_s={:.2} failover_asleep_s={:.2} \
+         failover_cpu_s={:.2}",
         args.groups,
         args.busy,
         created,
@@ -373,5 +415,8 @@ fn main() {
         busy_cpu * 1e6 / (k2 - k1).max(1) as f64,
         (s2 - s1) as f64 / dt,
         rss_busy,
+        failover_s,
+        failover_asleep_s,
+        failover_cpu,
     );
 }
