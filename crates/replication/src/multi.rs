@@ -194,6 +194,11 @@ impl MultiRaft {
                 "hibernate_ticks + heartbeat_tick must be below election_tick".into(),
             ));
         }
+        if cfg.node_down_ticks <= cfg.node_heartbeat_ticks {
+            return Err(Error::Config(
+                "node_down_ticks must exceed node_heartbeat_ticks".into(),
+            ));
+        }
         if !cfg.nodes.contains(&cfg.node) || cfg.nodes.contains(&INVALID_ID) {
             return Err(Error::Config("nodes must hold this node and no 0".into()));
         }

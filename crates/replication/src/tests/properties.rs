@@ -220,3 +220,14 @@ fn random_schedules_with_loss_partitions_and_crashes_keep_every_committed_entry(
         random_schedule(seed);
     }
 }
+
+#[test]
+fn a_configuration_that_would_let_followers_time_out_while_asleep_is_refused() {
+    let mut cfg = super::sim::config(1);
+    cfg.hibernate_ticks = 9;
+    assert!(crate::MultiRaft::new(cfg).is_err());
+    let mut cfg = super::sim::config(1);
+    cfg.node_down_ticks = cfg.node_heartbeat_ticks;
+    assert!(crate::MultiRaft::new(cfg).is_err());
+    assert!(crate::MultiRaft::new(super::sim::config(1)).is_ok());
+}
