@@ -575,8 +575,8 @@ impl MultiRaft {
     }
 }
 
-/// Nothing to do: all entries committed and applied; a leader's live followers have everything;
-/// a follower knows a live leader.
+/// Nothing to do: all entries committed and applied; a leader's live followers have every entry
+/// and know it is committed; a follower knows a live leader.
 fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
     let r = &raw.raft;
     let log = &r.raft_log;
@@ -588,8 +588,10 @@ fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
             r.lead_transferee.is_none()
                 && !r.has_pending_conf()
                 && r.prs().iter().all(|(id, pr)| {
+                    // A follower sleeps with everything applied only if it knows the commit index:
+                    // its responses report it, and a lost one keeps the leader heartbeating.
                     *id == r.id
-                        || pr.matched == log.last_index()
+                        || (pr.matched == log.last_index() && pr.committed_index >= log.committed)
                         || !peers.get(id).is_some_and(|p| p.up)
                 })
         }

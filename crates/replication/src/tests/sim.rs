@@ -53,6 +53,8 @@ pub struct Sim {
     pub now_ms: u64,
     pub rng: Rng,
     pub drop_percent: u64,
+    /// Drop only batches that carry Raft messages, never a bare liveness heartbeat.
+    pub spare_heartbeats: bool,
     /// Extra delivery delay, in steps, drawn from `0..=max_delay`.
     pub max_delay: u64,
     /// Nodes cut off from the rest (both directions).
@@ -96,6 +98,7 @@ impl Sim {
             now_ms: 0,
             rng: Rng::new(seed),
             drop_percent: 0,
+            spare_heartbeats: false,
             max_delay: 0,
             isolated: BTreeSet::new(),
             net: Vec::new(),
@@ -190,7 +193,8 @@ impl Sim {
     }
 
     fn send(&mut self, b: NodeBatch) {
-        if self.rng.chance(self.drop_percent) {
+        let spared = self.spare_heartbeats && b.msgs.is_empty();
+        if !spared && self.rng.chance(self.drop_percent) {
             return;
         }
         let delay = 1 + self.rng.below(self.max_delay + 1);
