@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
 use warren_replication::raft::eraftpb::Message;
-use warren_replication::{Config, Envelope, FileLog, GroupId, MultiRaft, NodeBatch, NodeId};
+use warren_replication::{
+    Config, EngineLog, Envelope, FileLog, GroupId, LogError, LogStore, MultiRaft, NodeBatch, NodeId,
+};
 
 const NODES: [NodeId; 3] = [1, 2, 3];
 const PHASE_SETTLE: u8 = 0;
@@ -36,6 +38,8 @@ struct Args {
     inflight: u64,
     tick_ms: u64,
     inflight_msgs: usize,
+    /// The node's log: 0 = the spike's append-only file, 1 = raft-engine.
+    engine: bool,
 }
 
 fn parse_args() -> Args {
@@ -48,6 +52,7 @@ fn parse_args() -> Args {
         inflight: 256,
         tick_ms: 50,
         inflight_msgs: 32,
+        engine: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -62,6 +67,7 @@ fn parse_args() -> Args {
             "--inflight" => a.inflight = v,
             "--tick-ms" => a.tick_ms = v,
             "--inflight-msgs" => a.inflight_msgs = v as usize,
+            "--engine" => a.engine = v != 0,
             other => panic!("unknown option {other}"),
         }
         i += 2;
@@ -137,10 +143,30 @@ fn run_node(
     for g in 0..args.groups {
         raft.add_group(GroupId(g), g % 3 + 1 == id).expect("group");
     }
-    let mut log = FileLog::create(&dir.join(format!("node-{id}.log"))).expect("log file");
+    let mut log = if args.engine {
+        AnyLog::Engine(
+            Box::new(
+                EngineLog::open(&dir.join(format!("node-{id}.engine"))).expect("raft-engine dir"),
+            ),
+            0,
+        )
+    } else {
+        AnyLog::File(Box::new(
+            FileLog::create(&dir.join(format!("node-{id}.log"))).expect("log file"),
+        ))
+    };
     let busy: Vec<GroupId> = (0..args.busy).map(GroupId).collect();
     let mut inflight = vec![0u64; args.busy as usize];
-    let payload = vec![0x5au8; args.size];
+    // Incompressible, as real payloads mostly are (raft-engine compresses large batches).
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ id;
+    let payload: Vec<u8> = (0..args.size)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
     shared.ready.store(true, Ordering::Release);
     let send = |batches: Vec<NodeBatch>| {
         for b in batches {
@@ -196,7 +222,7 @@ fn run_node(
             }
         }
         shared.commits.fetch_add(commits, Ordering::Relaxed);
-        shared.syncs.store(log.syncs, Ordering::Relaxed);
+        shared.syncs.store(log.syncs(), Ordering::Relaxed);
         let st = raft.stats();
         shared.raft_msgs.store(st.raft_msgs_sent, Ordering::Relaxed);
         shared
@@ -419,4 +445,43 @@ fn main() {
         failover_asleep_s,
         failover_cpu,
     );
+}
+
+/// The log a node writes: the spike's file, or raft-engine (with its own count of syncs).
+enum AnyLog {
+    File(Box<FileLog>),
+    Engine(Box<EngineLog>, u64),
+}
+
+impl AnyLog {
+    fn syncs(&self) -> u64 {
+        match self {
+            AnyLog::File(f) => f.syncs,
+            AnyLog::Engine(_, n) => *n,
+        }
+    }
+}
+
+impl LogStore for AnyLog {
+    fn append(
+        &mut self,
+        group: GroupId,
+        entries: &[warren_replication::raft::eraftpb::Entry],
+        hard_state: Option<&warren_replication::raft::eraftpb::HardState>,
+    ) -> Result<(), LogError> {
+        match self {
+            AnyLog::File(f) => f.append(group, entries, hard_state),
+            AnyLog::Engine(e, _) => e.append(group, entries, hard_state),
+        }
+    }
+
+    fn flush(&mut self, must_sync: bool) -> Result<(), LogError> {
+        match self {
+            AnyLog::File(f) => f.flush(must_sync),
+            AnyLog::Engine(e, n) => {
+                *n += u64::from(must_sync);
+                e.flush(must_sync)
+            }
+        }
+    }
 }

@@ -18,6 +18,8 @@ pub enum LogError {
     Io(#[from] std::io::Error),
     #[error("entry of {0} bytes is too large for the log format")]
     TooLarge(usize),
+    #[error("raft-engine: {0}")]
+    Engine(String),
 }
 
 /// Where a node's batch of Raft state goes before it may be acknowledged.
