@@ -1,0 +1,245 @@
+//! The node-wide log on tikv's raft-engine: every group's entries and hard state in one
+//! log-structured store, one write (and one fsync) per batch, segment files recycled once every
+//! group that had entries in them compacted past them.
+//!
+//! raft-engine is what TiKV keeps its thousands of Raft logs in: appends go to a single active
+//! file with a per-group in-memory index, a rewrite of a group's uncommitted tail replaces it, and
+//! [`EngineLog::compact_to`] (after a snapshot) lets whole files go. That is the segment and
+//! compaction design [`crate::FileLog`] lacks, from a maintained crate rather than our own code.
+
+use std::path::Path;
+
+use raft::eraftpb::{Entry, HardState};
+use raft_engine::{Config, Engine, LogBatch, MessageExt, ReadableSize};
+
+use crate::wal::{DurableGroup, LogError, LogStore};
+use crate::GroupId;
+
+/// The key of a group's hard state among its key-value records.
+const HARD_STATE: &[u8] = b"hard_state";
+
+/// Tells raft-engine where an entry's index is.
+#[derive(Clone)]
+struct Entries;
+
+impl MessageExt for Entries {
+    type Entry = Entry;
+
+    fn index(e: &Entry) -> u64 {
+        e.index
+    }
+}
+
+fn engine_error(e: raft_engine::Error) -> LogError {
+    LogError::Engine(e.to_string())
+}
+
+/// A node's log in a raft-engine directory.
+pub struct EngineLog {
+    engine: Engine,
+    batch: LogBatch,
+}
+
+impl std::fmt::Debug for EngineLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineLog").finish_non_exhaustive()
+    }
+}
+
+impl EngineLog {
+    /// Opens the log in `dir` (created if missing), reading back what it holds.
+    pub fn open(dir: &Path) -> Result<Self, LogError> {
+        let cfg = Config {
+            dir: dir.to_string_lossy().into_owned(),
+            // Files are recycled whole: smaller files are freed sooner after a compaction.
+            target_file_size: ReadableSize::mb(64),
+            ..Config::default()
+        };
+        Ok(EngineLog {
+            engine: Engine::open(cfg).map_err(engine_error)?,
+            batch: LogBatch::default(),
+        })
+    }
+
+    /// The groups with entries or a hard state in the log, in id order.
+    pub fn groups(&self) -> Vec<GroupId> {
+        let mut ids: Vec<GroupId> = self.engine.raft_groups().into_iter().map(GroupId).collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// What the log holds for `group`: its entries from the first kept one, and its hard state.
+    pub fn durable(&self, group: GroupId) -> Result<DurableGroup, LogError> {
+        let mut entries = Vec::new();
+        if let (Some(first), Some(last)) = (
+            self.engine.first_index(group.0),
+            self.engine.last_index(group.0),
+        ) {
+            self.engine
+                .fetch_entries_to::<Entries>(group.0, first, last + 1, None, &mut entries)
+                .map_err(engine_error)?;
+        }
+        let hard_state = self
+            .engine
+            .get_message::<HardState>(group.0, HARD_STATE)
+            .map_err(engine_error)?
+            .unwrap_or_default();
+        Ok(DurableGroup {
+            entries,
+            hard_state,
+        })
+    }
+
+    /// Drops `group`'s entries below `index` (its snapshot covers them); files no group needs
+    /// any more are recycled. Returns how many entries went.
+    pub fn compact_to(&mut self, group: GroupId, index: u64) -> Result<u64, LogError> {
+        let dropped = self.engine.compact_to(group.0, index);
+        self.engine.purge_expired_files().map_err(engine_error)?;
+        Ok(dropped)
+    }
+
+    /// Forgets a group entirely (its queue was deleted).
+    pub fn remove_group(&mut self, group: GroupId) -> Result<(), LogError> {
+        let mut batch = LogBatch::default();
+        batch.add_command(group.0, raft_engine::Command::Clean);
+        self.engine.write(&mut batch, true).map_err(engine_error)?;
+        Ok(())
+    }
+}
+
+impl LogStore for EngineLog {
+    fn append(
+        &mut self,
+        group: GroupId,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<(), LogError> {
+        if !entries.is_empty() {
+            // An index at or below the last one replaces the tail from there (a new leader
+            // overwrote uncommitted entries): raft-engine's index does the truncation.
+            self.batch
+                .add_entries::<Entries>(group.0, entries)
+                .map_err(engine_error)?;
+        }
+        if let Some(hs) = hard_state {
+            self.batch
+                .put_message(group.0, HARD_STATE.to_vec(), hs)
+                .map_err(engine_error)?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, must_sync: bool) -> Result<(), LogError> {
+        if self.batch.is_empty() {
+            return Ok(());
+        }
+        self.engine
+            .write(&mut self.batch, must_sync)
+            .map_err(engine_error)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(index: u64, term: u64, data: &[u8]) -> Entry {
+        Entry {
+            index,
+            term,
+            data: data.to_vec().into(),
+            ..Default::default()
+        }
+    }
+
+    fn hard_state(term: u64, vote: u64, commit: u64) -> HardState {
+        HardState {
+            term,
+            vote,
+            commit,
+            ..Default::default()
+        }
+    }
+
+    fn summary(g: &DurableGroup) -> Vec<(u64, u64, Vec<u8>)> {
+        g.entries
+            .iter()
+            .map(|e| (e.index, e.term, e.data.to_vec()))
+            .collect()
+    }
+
+    #[test]
+    fn what_was_flushed_comes_back_after_a_reopen_and_what_was_not_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut log = EngineLog::open(dir.path()).unwrap();
+            for g in 1..=3u64 {
+                let entries: Vec<Entry> =
+                    (1..=4).map(|i| entry(i, 1, &[g as u8, i as u8])).collect();
+                log.append(GroupId(g), &entries, Some(&hard_state(1, g, 3)))
+                    .unwrap();
+            }
+            log.flush(true).unwrap();
+            // Appended, never flushed: a crash before the fsync loses it.
+            log.append(GroupId(1), &[entry(5, 1, b"lost")], None)
+                .unwrap();
+        }
+        let log = EngineLog::open(dir.path()).unwrap();
+        assert_eq!(log.groups(), vec![GroupId(1), GroupId(2), GroupId(3)]);
+        let g1 = log.durable(GroupId(1)).unwrap();
+        assert_eq!(
+            summary(&g1),
+            (1..=4)
+                .map(|i| (i, 1, vec![1, i as u8]))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(g1.hard_state, hard_state(1, 1, 3));
+        assert_eq!(log.durable(GroupId(3)).unwrap().hard_state.vote, 3);
+    }
+
+    #[test]
+    fn a_rewritten_tail_replaces_the_old_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = EngineLog::open(dir.path()).unwrap();
+        let first: Vec<Entry> = (1..=5).map(|i| entry(i, 1, b"old")).collect();
+        log.append(GroupId(7), &first, None).unwrap();
+        log.flush(true).unwrap();
+        // A new leader's entries from index 3 on.
+        log.append(
+            GroupId(7),
+            &[entry(3, 2, b"new"), entry(4, 2, b"new")],
+            None,
+        )
+        .unwrap();
+        log.flush(true).unwrap();
+        drop(log);
+        let log = EngineLog::open(dir.path()).unwrap();
+        let got: Vec<(u64, u64)> = log
+            .durable(GroupId(7))
+            .unwrap()
+            .entries
+            .iter()
+            .map(|e| (e.index, e.term))
+            .collect();
+        assert_eq!(got, vec![(1, 1), (2, 1), (3, 2), (4, 2)]);
+    }
+
+    #[test]
+    fn compaction_drops_the_head_and_a_removed_group_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = EngineLog::open(dir.path()).unwrap();
+        let entries: Vec<Entry> = (1..=100).map(|i| entry(i, 1, b"x")).collect();
+        log.append(GroupId(1), &entries, None).unwrap();
+        log.append(GroupId(2), &entries, None).unwrap();
+        log.flush(true).unwrap();
+        assert_eq!(log.compact_to(GroupId(1), 91).unwrap(), 90);
+        log.remove_group(GroupId(2)).unwrap();
+        drop(log);
+        let log = EngineLog::open(dir.path()).unwrap();
+        let g1 = log.durable(GroupId(1)).unwrap();
+        assert_eq!(g1.entries.first().map(|e| e.index), Some(91));
+        assert_eq!(g1.entries.len(), 10);
+        assert_eq!(log.groups(), vec![GroupId(1)]);
+    }
+}

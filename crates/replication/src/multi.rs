@@ -1,0 +1,674 @@
+//! Many Raft groups on one node, driven in batches.
+//!
+//! The driver loop (one thread per node, or one per core later) is:
+//! `step` what arrived from peers, `propose`, `tick(now_ms)`, then `ready()`: send its messages,
+//! write its entries and hard states through one [`LogStore`] batch with one fsync, then
+//! `advance(batch)`: send what it returns, apply its committed entries. Nothing here reads a clock
+//! or touches a socket or a file.
+//!
+//! Idle groups hibernate: they leave the tick set and send nothing. One liveness heartbeat per peer
+//! node replaces per-group heartbeats for failure detection: when a peer is seen down, the groups it
+//! led wake up and elect.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
+use raft::eraftpb::{Entry, EntryType, HardState, Message, MessageType};
+use raft::{RawNode, StateRole, INVALID_ID};
+
+use crate::storage::GroupLog;
+use crate::wal::{DurableGroup, LogError, LogStore};
+use crate::{GroupId, NodeId};
+
+/// Tuning of a node's groups. Ticks are `tick_ms` of the time passed to [`MultiRaft::tick`].
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub node: NodeId,
+    /// This node's incarnation, higher after each restart (peers learn from it that groups this
+    /// node led before have no leader now).
+    pub boot: u64,
+    /// Every node of the cluster (each group has all of them as voters, for now).
+    pub nodes: Vec<NodeId>,
+    pub tick_ms: u64,
+    pub election_tick: usize,
+    pub heartbeat_tick: usize,
+    /// Ticks of nothing to do after which a group stops being ticked. Must leave a follower short
+    /// of its election timeout: `hibernate_ticks + heartbeat_tick < election_tick`.
+    pub hibernate_ticks: u32,
+    /// A liveness heartbeat goes to each peer node every this many ticks.
+    pub node_heartbeat_ticks: u64,
+    /// A peer not heard from for this many ticks is down.
+    pub node_down_ticks: u64,
+    pub max_inflight_msgs: usize,
+    pub max_size_per_msg: u64,
+    /// Applied entries kept in memory for peers that lag behind (no snapshots yet).
+    pub log_keep: u64,
+}
+
+impl Config {
+    pub fn new(node: NodeId, nodes: Vec<NodeId>) -> Self {
+        Config {
+            node,
+            boot: 1,
+            nodes,
+            tick_ms: 50,
+            election_tick: 10,
+            heartbeat_tick: 2,
+            hibernate_ticks: 4,
+            node_heartbeat_ticks: 1,
+            node_down_ticks: 4,
+            max_inflight_msgs: 32,
+            max_size_per_msg: 1 << 20,
+            log_keep: 1024,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("group {0:?} exists")]
+    GroupExists(GroupId),
+    #[error("no group {0:?}")]
+    NoGroup(GroupId),
+    #[error("not the leader of {group:?} (leader: {leader:?})")]
+    NotLeader {
+        group: GroupId,
+        leader: Option<NodeId>,
+    },
+    #[error("raft: {0}")]
+    Raft(#[from] raft::Error),
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+/// A Raft message of one group.
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    pub group: GroupId,
+    pub msg: Message,
+}
+
+/// Everything one node sends another from one pass. An empty batch is a liveness heartbeat.
+#[derive(Debug, Clone)]
+pub struct NodeBatch {
+    pub from: NodeId,
+    /// The sender's [`Config::boot`].
+    pub boot: u64,
+    pub to: NodeId,
+    pub msgs: Vec<Envelope>,
+}
+
+/// A committed proposal, in log order within its group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Committed {
+    pub group: GroupId,
+    pub index: u64,
+    pub term: u64,
+    pub data: Bytes,
+}
+
+/// Counters for tests and the benchmark.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Stats {
+    pub raft_msgs_sent: u64,
+    pub node_heartbeats_sent: u64,
+    pub group_ticks: u64,
+    pub hibernations: u64,
+    pub wakeups: u64,
+}
+
+struct Group {
+    raw: RawNode<GroupLog>,
+    /// Consecutive ticks with nothing to do.
+    quiet_ticks: u32,
+}
+
+struct Peer {
+    last_heard: u64,
+    up: bool,
+    /// The peer's incarnation last heard (0: never heard).
+    boot: u64,
+}
+
+/// The output of [`MultiRaft::ready`]: send `messages` now, persist [`ReadyBatch::persist`],
+/// then hand the batch back to [`MultiRaft::advance`] before stepping, proposing or ticking again.
+pub struct ReadyBatch {
+    pub messages: Vec<NodeBatch>,
+    readys: Vec<(GroupId, raft::Ready)>,
+    committed: Vec<Committed>,
+    must_sync: bool,
+}
+
+impl ReadyBatch {
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty() && self.readys.is_empty() && self.committed.is_empty()
+    }
+
+    /// Groups with entries or a hard state to persist.
+    pub fn groups_to_persist(&self) -> usize {
+        self.readys.len()
+    }
+
+    /// Writes every ready group's entries and hard state as one batch: one write, and one fsync
+    /// unless only commit indexes moved.
+    pub fn persist(&self, log: &mut impl LogStore) -> Result<(), LogError> {
+        if self.readys.is_empty() {
+            return Ok(());
+        }
+        for (group, rd) in &self.readys {
+            log.append(*group, rd.entries(), rd.hs())?;
+        }
+        log.flush(self.must_sync)
+    }
+}
+
+/// What [`MultiRaft::advance`] returns: messages that had to wait for the write, and entries now
+/// committed and persisted here, to apply in order.
+#[derive(Default)]
+pub struct Advanced {
+    pub messages: Vec<NodeBatch>,
+    pub committed: Vec<Committed>,
+}
+
+pub struct MultiRaft {
+    cfg: Config,
+    logger: slog::Logger,
+    groups: BTreeMap<GroupId, Group>,
+    /// Groups that are ticked. A hibernating group is absent and costs nothing per tick.
+    awake: BTreeSet<GroupId>,
+    /// Groups stepped, proposed to or ticked since the last `ready`.
+    touched: BTreeSet<GroupId>,
+    peers: BTreeMap<NodeId, Peer>,
+    ticks: u64,
+    next_tick_ms: Option<u64>,
+    heartbeat_due: bool,
+    stats: Stats,
+}
+
+impl MultiRaft {
+    pub fn new(cfg: Config) -> Result<Self, Error> {
+        if cfg.hibernate_ticks as usize + cfg.heartbeat_tick >= cfg.election_tick {
+            return Err(Error::Config(
+                "hibernate_ticks + heartbeat_tick must be below election_tick".into(),
+            ));
+        }
+        if cfg.node_down_ticks <= cfg.node_heartbeat_ticks {
+            return Err(Error::Config(
+                "node_down_ticks must exceed node_heartbeat_ticks".into(),
+            ));
+        }
+        if !cfg.nodes.contains(&cfg.node) || cfg.nodes.contains(&INVALID_ID) {
+            return Err(Error::Config("nodes must hold this node and no 0".into()));
+        }
+        let peers = cfg
+            .nodes
+            .iter()
+            .filter(|n| **n != cfg.node)
+            .map(|n| {
+                (
+                    *n,
+                    Peer {
+                        last_heard: 0,
+                        up: true,
+                        boot: 0,
+                    },
+                )
+            })
+            .collect();
+        Ok(MultiRaft {
+            cfg,
+            logger: slog::Logger::root(slog::Discard, slog::o!()),
+            groups: BTreeMap::new(),
+            awake: BTreeSet::new(),
+            touched: BTreeSet::new(),
+            peers,
+            ticks: 0,
+            next_tick_ms: None,
+            heartbeat_due: false,
+            stats: Stats::default(),
+        })
+    }
+
+    pub fn node(&self) -> NodeId {
+        self.cfg.node
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    pub fn group_count(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub fn awake_count(&self) -> usize {
+        self.awake.len()
+    }
+
+    pub fn is_awake(&self, group: GroupId) -> bool {
+        self.awake.contains(&group)
+    }
+
+    pub fn leader_of(&self, group: GroupId) -> Option<NodeId> {
+        let g = self.groups.get(&group)?;
+        let l = g.raw.raft.leader_id;
+        (l != INVALID_ID).then_some(l)
+    }
+
+    pub fn is_leader(&self, group: GroupId) -> bool {
+        self.groups
+            .get(&group)
+            .is_some_and(|g| g.raw.raft.state == StateRole::Leader)
+    }
+
+    /// Groups this node leads.
+    pub fn leading(&self) -> impl Iterator<Item = GroupId> + '_ {
+        self.groups
+            .iter()
+            .filter(|(_, g)| g.raw.raft.state == StateRole::Leader)
+            .map(|(id, _)| *id)
+    }
+
+    pub fn commit_index(&self, group: GroupId) -> Option<u64> {
+        Some(self.groups.get(&group)?.raw.raft.raft_log.committed)
+    }
+
+    /// Whether the peer node is believed up.
+    pub fn peer_up(&self, node: NodeId) -> bool {
+        self.peers.get(&node).is_some_and(|p| p.up)
+    }
+
+    /// Creates a group with every node as a voter. `campaign` makes this node start an election at
+    /// once, so a creator places leaders instead of waiting for timeouts.
+    pub fn add_group(&mut self, id: GroupId, campaign: bool) -> Result<(), Error> {
+        self.insert_group(id, GroupLog::new(self.cfg.nodes.clone()), campaign)
+    }
+
+    /// Recreates a group after a restart from what the node-wide log held for it. Its committed
+    /// entries come out of `advance` again, from the first, for the state machine to replay.
+    pub fn recover_group(&mut self, id: GroupId, durable: &DurableGroup) -> Result<(), Error> {
+        let log = GroupLog::restore(
+            self.cfg.nodes.clone(),
+            durable.entries.clone(),
+            durable.hard_state.clone(),
+        );
+        self.insert_group(id, log, false)
+    }
+
+    fn insert_group(&mut self, id: GroupId, log: GroupLog, campaign: bool) -> Result<(), Error> {
+        if self.groups.contains_key(&id) {
+            return Err(Error::GroupExists(id));
+        }
+        let n = self.cfg.nodes.len() as u64;
+        let pos = self
+            .cfg
+            .nodes
+            .iter()
+            .position(|x| *x == self.cfg.node)
+            .unwrap_or(0) as u64;
+        // raft-rs draws election timeouts from the thread's RNG; a range of one value, different
+        // on each member of a group, keeps runs deterministic and still breaks split votes.
+        let spread = (self.cfg.election_tick as u64 / n.max(1)).max(2);
+        let min = self.cfg.election_tick + (((pos + id.0) % n) * spread) as usize;
+        let rc = raft::Config {
+            id: self.cfg.node,
+            election_tick: self.cfg.election_tick,
+            heartbeat_tick: self.cfg.heartbeat_tick,
+            min_election_tick: min,
+            max_election_tick: min + 1,
+            max_size_per_msg: self.cfg.max_size_per_msg,
+            max_inflight_msgs: self.cfg.max_inflight_msgs,
+            check_quorum: true,
+            pre_vote: true,
+            ..Default::default()
+        };
+        let mut raw = RawNode::new(&rc, log, &self.logger)?;
+        if campaign {
+            raw.campaign()?;
+        }
+        self.groups.insert(
+            id,
+            Group {
+                raw,
+                quiet_ticks: 0,
+            },
+        );
+        self.awake.insert(id);
+        self.touched.insert(id);
+        Ok(())
+    }
+
+    fn wake(&mut self, id: GroupId) {
+        if self.awake.insert(id) {
+            self.stats.wakeups += 1;
+            if let Some(g) = self.groups.get_mut(&id) {
+                g.quiet_ticks = 0;
+            }
+        }
+    }
+
+    /// Proposes `data` to a group this node leads. It wakes the group either way, so a group that
+    /// lost its leader while asleep elects one.
+    pub fn propose(&mut self, group: GroupId, data: Vec<u8>) -> Result<(), Error> {
+        let g = self.groups.get_mut(&group).ok_or(Error::NoGroup(group))?;
+        let (state, leader) = (g.raw.raft.state, g.raw.raft.leader_id);
+        g.quiet_ticks = 0;
+        self.wake(group);
+        self.touched.insert(group);
+        if state != StateRole::Leader {
+            return Err(Error::NotLeader {
+                group,
+                leader: (leader != INVALID_ID).then_some(leader),
+            });
+        }
+        let g = self.groups.get_mut(&group).ok_or(Error::NoGroup(group))?;
+        g.raw.propose(vec![], data)?;
+        Ok(())
+    }
+
+    /// Takes a batch from a peer node. Any batch, even empty, shows the peer is alive.
+    pub fn step(&mut self, batch: NodeBatch) {
+        self.heard_from(batch.from, batch.boot);
+        for env in batch.msgs {
+            if env.msg.from != batch.from || env.msg.to != self.cfg.node {
+                tracing::warn!(
+                    group = env.group.0,
+                    from = batch.from,
+                    "misaddressed raft message"
+                );
+                continue;
+            }
+            let Some(g) = self.groups.get_mut(&env.group) else {
+                tracing::debug!(
+                    group = env.group.0,
+                    from = batch.from,
+                    "message for unknown group"
+                );
+                continue;
+            };
+            if g.raw.raft.state != StateRole::Leader {
+                g.quiet_ticks = 0;
+            }
+            // The answers to a leader's last heartbeats arrive after it fell asleep; they carry
+            // nothing that needs it awake.
+            let keep_asleep = env.msg.get_msg_type() == MessageType::MsgHeartbeatResponse;
+            if let Err(e) = g.raw.step(env.msg) {
+                tracing::debug!(group = env.group.0, error = %e, "raft step");
+            }
+            if !keep_asleep {
+                self.wake(env.group);
+            }
+            self.touched.insert(env.group);
+        }
+    }
+
+    fn heard_from(&mut self, node: NodeId, boot: u64) {
+        let ticks = self.ticks;
+        let Some(p) = self.peers.get_mut(&node) else {
+            return;
+        };
+        p.last_heard = ticks;
+        let restarted = p.boot != 0 && p.boot != boot;
+        let came_back = !p.up;
+        p.boot = boot;
+        p.up = true;
+        if restarted {
+            // It restarted faster than it could be seen down: the groups it led lost their leader.
+            tracing::info!(node, boot, "peer node restarted");
+            self.wake_orphans_of(node);
+        } else if came_back {
+            tracing::info!(node, "peer node up");
+        }
+        if restarted || came_back {
+            // The groups this node leads may have entries the peer lacks, and it must learn who
+            // leads them: wake them so they heartbeat and replicate.
+            let led: Vec<GroupId> = self.leading().collect();
+            for id in led {
+                self.wake(id);
+            }
+        }
+    }
+
+    /// When the next tick is due, for a driver that sleeps until then.
+    pub fn next_tick_ms(&self) -> Option<u64> {
+        self.next_tick_ms
+    }
+
+    /// Advances time. Ticks only awake groups; a group quiet for `hibernate_ticks` goes to sleep.
+    pub fn tick(&mut self, now_ms: u64) {
+        let next = *self.next_tick_ms.get_or_insert(now_ms);
+        if now_ms < next {
+            return;
+        }
+        // One tick per call however late it comes: a node that stalled (a slow fsync) must not
+        // fire a burst of ticks and take its peers, whose messages it has not read yet, for dead.
+        self.next_tick_ms = Some(now_ms + self.cfg.tick_ms.max(1));
+        self.tick_once();
+    }
+
+    /// Wakes the groups whose leader was `node`, so they time out and elect.
+    fn wake_orphans_of(&mut self, node: NodeId) {
+        let orphans: Vec<GroupId> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.raw.raft.leader_id == node)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in orphans {
+            self.wake(id);
+        }
+    }
+
+    fn tick_once(&mut self) {
+        self.ticks += 1;
+        if self
+            .ticks
+            .is_multiple_of(self.cfg.node_heartbeat_ticks.max(1))
+        {
+            self.heartbeat_due = true;
+        }
+        let ticks = self.ticks;
+        let down: Vec<NodeId> = self
+            .peers
+            .iter_mut()
+            .filter(|(_, p)| p.up && ticks.saturating_sub(p.last_heard) > self.cfg.node_down_ticks)
+            .map(|(n, p)| {
+                p.up = false;
+                *n
+            })
+            .collect();
+        for node in down {
+            tracing::info!(node, "peer node down");
+            self.wake_orphans_of(node);
+        }
+        let awake: Vec<GroupId> = self.awake.iter().copied().collect();
+        for id in awake {
+            let Some(g) = self.groups.get_mut(&id) else {
+                self.awake.remove(&id);
+                continue;
+            };
+            g.raw.tick();
+            self.stats.group_ticks += 1;
+            self.touched.insert(id);
+            let quiet = is_quiet(&g.raw, &self.peers);
+            g.quiet_ticks = if quiet { g.quiet_ticks + 1 } else { 0 };
+            if g.quiet_ticks >= self.cfg.hibernate_ticks {
+                self.awake.remove(&id);
+                self.stats.hibernations += 1;
+            }
+        }
+    }
+
+    /// Collects every touched group's ready state into one batch.
+    pub fn ready(&mut self) -> ReadyBatch {
+        let mut out = Outbox::default();
+        let mut readys = Vec::new();
+        let mut committed = Vec::new();
+        let mut must_sync = false;
+        let touched = std::mem::take(&mut self.touched);
+        for id in touched {
+            let Some(g) = self.groups.get_mut(&id) else {
+                continue;
+            };
+            if !g.raw.has_ready() {
+                continue;
+            }
+            let mut rd = g.raw.ready();
+            out.add(id, rd.take_messages(), &mut self.stats);
+            push_committed(&mut committed, id, rd.take_committed_entries());
+            if rd.snapshot().get_metadata().index != 0 {
+                tracing::warn!(group = id.0, "snapshot in ready: not supported yet");
+            }
+            let store = g.raw.mut_store();
+            if let Err(e) = store.append(rd.entries()) {
+                tracing::error!(group = id.0, error = %e, "group log append");
+            }
+            if let Some(hs) = rd.hs() {
+                store.set_hard_state(hs.clone());
+            }
+            must_sync |= rd.must_sync();
+            readys.push((id, rd));
+        }
+        if std::mem::take(&mut self.heartbeat_due) {
+            for node in self.peers.keys() {
+                if !out.msgs.contains_key(node) {
+                    out.msgs.insert(*node, Vec::new());
+                    self.stats.node_heartbeats_sent += 1;
+                }
+            }
+        }
+        ReadyBatch {
+            messages: out.into_batches(self.cfg.node, self.cfg.boot),
+            readys,
+            committed,
+            must_sync,
+        }
+    }
+
+    /// Tells the groups their batch is durable; returns what that releases.
+    pub fn advance(&mut self, batch: ReadyBatch) -> Advanced {
+        let mut out = Outbox::default();
+        let mut committed = batch.committed;
+        for (id, mut rd) in batch.readys {
+            let Some(g) = self.groups.get_mut(&id) else {
+                continue;
+            };
+            out.add(id, rd.take_persisted_messages(), &mut self.stats);
+            let mut light = g.raw.advance(rd);
+            if let Some(commit) = light.commit_index() {
+                g.raw.mut_store().set_commit(commit);
+            }
+            out.add(id, light.take_messages(), &mut self.stats);
+            push_committed(&mut committed, id, light.take_committed_entries());
+            g.raw.advance_apply();
+            compact(g, &self.cfg);
+            if g.raw.has_ready() {
+                self.touched.insert(id);
+            }
+        }
+        Advanced {
+            messages: out.into_batches(self.cfg.node, self.cfg.boot),
+            committed,
+        }
+    }
+}
+
+/// Nothing to do: all entries committed and applied; a leader's live followers have every entry
+/// and know it is committed; a follower knows a live leader.
+fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
+    let r = &raw.raft;
+    let log = &r.raft_log;
+    if log.applied < log.committed || log.last_index() != log.committed {
+        return false;
+    }
+    match r.state {
+        StateRole::Leader => {
+            r.lead_transferee.is_none()
+                && !r.has_pending_conf()
+                && r.prs().iter().all(|(id, pr)| {
+                    // A follower sleeps with everything applied only if it knows the commit index:
+                    // its responses report it, and a lost one keeps the leader heartbeating.
+                    *id == r.id
+                        || (pr.matched == log.last_index() && pr.committed_index >= log.committed)
+                        || !peers.get(id).is_some_and(|p| p.up)
+                })
+        }
+        StateRole::Follower => {
+            r.leader_id != INVALID_ID && peers.get(&r.leader_id).is_some_and(|p| p.up)
+        }
+        _ => false,
+    }
+}
+
+fn push_committed(out: &mut Vec<Committed>, group: GroupId, entries: Vec<Entry>) {
+    out.extend(
+        entries
+            .into_iter()
+            .filter(|e| e.get_entry_type() == EntryType::EntryNormal && !e.data.is_empty())
+            .map(|e| Committed {
+                group,
+                index: e.index,
+                term: e.term,
+                data: e.data,
+            }),
+    );
+}
+
+/// Drops applied entries beyond the keep window, never past what a live follower still needs.
+fn compact(g: &mut Group, cfg: &Config) {
+    let r = &g.raw.raft;
+    let applied = r.raft_log.applied;
+    let store = r.raft_log.store();
+    if (store.len() as u64) < cfg.log_keep.saturating_mul(2) {
+        return;
+    }
+    let mut to = applied.saturating_sub(cfg.log_keep);
+    if r.state == StateRole::Leader {
+        for (id, pr) in r.prs().iter() {
+            if *id != r.id {
+                to = to.min(pr.matched);
+            }
+        }
+    }
+    if to >= g.raw.store().first_index() {
+        g.raw.mut_store().compact_to(to);
+    }
+}
+
+#[derive(Default)]
+struct Outbox {
+    msgs: BTreeMap<NodeId, Vec<Envelope>>,
+}
+
+impl Outbox {
+    fn add(&mut self, group: GroupId, msgs: Vec<Message>, stats: &mut Stats) {
+        for msg in msgs {
+            stats.raft_msgs_sent += 1;
+            self.msgs
+                .entry(msg.to)
+                .or_default()
+                .push(Envelope { group, msg });
+        }
+    }
+
+    fn into_batches(self, from: NodeId, boot: u64) -> Vec<NodeBatch> {
+        self.msgs
+            .into_iter()
+            .map(|(to, msgs)| NodeBatch {
+                from,
+                boot,
+                to,
+                msgs,
+            })
+            .collect()
+    }
+}
+
+/// The hard state a group last handed out, for tests.
+impl MultiRaft {
+    pub fn hard_state(&self, group: GroupId) -> Option<HardState> {
+        Some(self.groups.get(&group)?.raw.store().hard_state().clone())
+    }
+}

@@ -1,0 +1,3 @@
+mod properties;
+mod sim;
+mod wal_file;

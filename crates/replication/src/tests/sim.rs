@@ -1,0 +1,353 @@
+//! A deterministic 3-node cluster in one thread: simulated time, an in-process network that drops,
+//! delays and partitions by a seeded RNG, crashes that lose unflushed writes.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::{Committed, Config, GroupId, LogStore, MemLog, MultiRaft, NodeBatch, NodeId};
+
+pub const TICK_MS: u64 = 10;
+
+/// SplitMix64: a seeded, dependency-free RNG so a failing seed replays exactly.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+pub struct SimNode {
+    pub raft: MultiRaft,
+    pub log: MemLog,
+    /// Entries applied here, per group, in the order they were applied.
+    pub applied: BTreeMap<GroupId, Vec<Committed>>,
+    pub alive: bool,
+    pub boots: u64,
+}
+
+struct InFlight {
+    at: u64,
+    seq: u64,
+    batch: NodeBatch,
+}
+
+pub struct Sim {
+    pub nodes: BTreeMap<NodeId, SimNode>,
+    pub now_ms: u64,
+    pub rng: Rng,
+    pub drop_percent: u64,
+    /// Drop only batches that carry Raft messages, never a bare liveness heartbeat.
+    pub spare_heartbeats: bool,
+    /// Extra delivery delay, in steps, drawn from `0..=max_delay`.
+    pub max_delay: u64,
+    /// Nodes cut off from the rest (both directions).
+    pub isolated: BTreeSet<NodeId>,
+    net: Vec<InFlight>,
+    seq: u64,
+    pub groups: Vec<GroupId>,
+    /// Every (group, index, data) some node reported committed, with the durable logs checked.
+    pub committed_ever: BTreeMap<(GroupId, u64), Committed>,
+}
+
+pub fn config(node: NodeId) -> Config {
+    let mut c = Config::new(node, vec![1, 2, 3]);
+    c.tick_ms = TICK_MS;
+    c.log_keep = 1 << 20;
+    c
+}
+
+impl Sim {
+    /// A cluster of nodes 1..=3 with `groups` groups; group g's first leader is node `g % 3 + 1`.
+    pub fn new(seed: u64, groups: u64) -> Self {
+        let mut nodes = BTreeMap::new();
+        for id in 1..=3 {
+            let mut raft = MultiRaft::new(config(id)).expect("config");
+            for g in 0..groups {
+                raft.add_group(GroupId(g), g % 3 + 1 == id).expect("group");
+            }
+            nodes.insert(
+                id,
+                SimNode {
+                    raft,
+                    log: MemLog::new(),
+                    applied: BTreeMap::new(),
+                    alive: true,
+                    boots: 1,
+                },
+            );
+        }
+        Sim {
+            nodes,
+            now_ms: 0,
+            rng: Rng::new(seed),
+            drop_percent: 0,
+            spare_heartbeats: false,
+            max_delay: 0,
+            isolated: BTreeSet::new(),
+            net: Vec::new(),
+            seq: 0,
+            groups: (0..groups).map(GroupId).collect(),
+            committed_ever: BTreeMap::new(),
+        }
+    }
+
+    fn connected(&self, a: NodeId, b: NodeId) -> bool {
+        self.isolated.contains(&a) == self.isolated.contains(&b)
+    }
+
+    /// One step: deliver due messages, tick every live node once, run one ready round on each.
+    pub fn step(&mut self) {
+        self.now_ms += TICK_MS;
+        let now = self.now_ms;
+        let mut due: Vec<InFlight> = Vec::new();
+        let mut later = Vec::new();
+        for m in self.net.drain(..) {
+            if m.at <= now {
+                due.push(m);
+            } else {
+                later.push(m);
+            }
+        }
+        self.net = later;
+        due.sort_by_key(|m| (m.at, m.seq));
+        for m in due {
+            if !self.connected(m.batch.from, m.batch.to) {
+                continue;
+            }
+            if let Some(n) = self.nodes.get_mut(&m.batch.to) {
+                if n.alive {
+                    n.raft.step(m.batch);
+                }
+            }
+        }
+        let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+        for id in ids {
+            self.run_node(id, now);
+        }
+    }
+
+    fn run_node(&mut self, id: NodeId, now: u64) {
+        let Some(n) = self.nodes.get_mut(&id) else {
+            return;
+        };
+        if !n.alive {
+            return;
+        }
+        n.raft.tick(now);
+        let mut batch = n.raft.ready();
+        let early = std::mem::take(&mut batch.messages);
+        batch.persist(&mut n.log).expect("mem log");
+        let done = n.raft.advance(batch);
+        for c in &done.committed {
+            n.applied.entry(c.group).or_default().push(c.clone());
+        }
+        let committed = done.committed;
+        let mut out = early;
+        out.extend(done.messages);
+        for c in committed {
+            self.check_on_majority(&c);
+            if let Some(prev) = self.committed_ever.get(&(c.group, c.index)) {
+                assert_eq!(prev, &c, "two entries committed at one index");
+            }
+            self.committed_ever.insert((c.group, c.index), c);
+        }
+        for b in out {
+            self.send(b);
+        }
+    }
+
+    /// Raft's promise: an entry handed out as committed is durable on a majority.
+    fn check_on_majority(&self, c: &Committed) {
+        let holders = self
+            .nodes
+            .values()
+            .filter(|n| {
+                n.log.durable.get(&c.group).is_some_and(|g| {
+                    g.entries
+                        .iter()
+                        .any(|e| e.index == c.index && e.term == c.term && e.data == c.data)
+                })
+            })
+            .count();
+        assert!(
+            holders >= 2,
+            "{c:?} committed but durable on {holders} node(s)"
+        );
+    }
+
+    fn send(&mut self, b: NodeBatch) {
+        let spared = self.spare_heartbeats && b.msgs.is_empty();
+        if !spared && self.rng.chance(self.drop_percent) {
+            return;
+        }
+        let delay = 1 + self.rng.below(self.max_delay + 1);
+        self.seq += 1;
+        self.net.push(InFlight {
+            at: self.now_ms + delay * TICK_MS,
+            seq: self.seq,
+            batch: b,
+        });
+    }
+
+    pub fn run(&mut self, steps: u64) {
+        for _ in 0..steps {
+            self.step();
+        }
+    }
+
+    /// Steps until every group has one leader that all live, connected members agree on.
+    pub fn run_until_led(&mut self, max_steps: u64) -> Option<u64> {
+        for i in 0..max_steps {
+            if self.all_led() {
+                return Some(i);
+            }
+            self.step();
+        }
+        self.all_led().then_some(max_steps)
+    }
+
+    pub fn all_led(&self) -> bool {
+        let live: Vec<&SimNode> = self
+            .nodes
+            .values()
+            .filter(|n| n.alive && !self.isolated.contains(&n.raft.node()))
+            .collect();
+        self.groups.iter().all(|g| {
+            let leaders: BTreeSet<Option<NodeId>> =
+                live.iter().map(|n| n.raft.leader_of(*g)).collect();
+            match leaders.iter().next() {
+                Some(Some(l)) if leaders.len() == 1 => live
+                    .iter()
+                    .any(|n| n.raft.node() == *l && n.raft.is_leader(*g)),
+                _ => false,
+            }
+        })
+    }
+
+    pub fn leader(&self, g: GroupId) -> Option<NodeId> {
+        self.nodes
+            .values()
+            .filter(|n| n.alive && !self.isolated.contains(&n.raft.node()))
+            .find(|n| n.raft.is_leader(g))
+            .map(|n| n.raft.node())
+    }
+
+    /// Proposes on the group's leader as a live node sees it; false if it has none.
+    pub fn propose(&mut self, g: GroupId, data: Vec<u8>) -> bool {
+        let Some(l) = self.leader(g) else {
+            return false;
+        };
+        self.propose_on(l, g, data)
+    }
+
+    pub fn propose_on(&mut self, node: NodeId, g: GroupId, data: Vec<u8>) -> bool {
+        self.nodes
+            .get_mut(&node)
+            .is_some_and(|n| n.raft.propose(g, data).is_ok())
+    }
+
+    pub fn awake_total(&self) -> usize {
+        self.nodes
+            .values()
+            .filter(|n| n.alive)
+            .map(|n| n.raft.awake_count())
+            .sum()
+    }
+
+    /// Steps until no live node has an awake group.
+    pub fn run_until_asleep(&mut self, max_steps: u64) -> Option<u64> {
+        for i in 0..max_steps {
+            if self.awake_total() == 0 {
+                return Some(i);
+            }
+            self.step();
+        }
+        (self.awake_total() == 0).then_some(max_steps)
+    }
+
+    /// Stops a node: it runs no more, and what it appended but did not flush is lost.
+    pub fn kill(&mut self, id: NodeId) {
+        if let Some(n) = self.nodes.get_mut(&id) {
+            n.alive = false;
+            n.log.crash();
+        }
+    }
+
+    /// Restarts a killed node from its durable log; its state machine replays from the start.
+    pub fn restart(&mut self, id: NodeId) {
+        let groups = self.groups.clone();
+        let Some(n) = self.nodes.get_mut(&id) else {
+            return;
+        };
+        let mut cfg = config(id);
+        cfg.boot = n.boots + 1;
+        n.boots += 1;
+        let mut raft = MultiRaft::new(cfg).expect("config");
+        for g in groups {
+            let durable = n.log.durable.get(&g).cloned().unwrap_or_default();
+            raft.recover_group(g, &durable).expect("recover");
+        }
+        // The restarted node reads its time from zero again: its clock is its own.
+        n.raft = raft;
+        n.applied.clear();
+        n.alive = true;
+        let _ = n.log.flush(false);
+    }
+
+    pub fn raft_msgs_sent(&self) -> u64 {
+        self.nodes
+            .values()
+            .map(|n| n.raft.stats().raft_msgs_sent)
+            .sum()
+    }
+
+    pub fn node_heartbeats_sent(&self) -> u64 {
+        self.nodes
+            .values()
+            .map(|n| n.raft.stats().node_heartbeats_sent)
+            .sum()
+    }
+
+    pub fn group_ticks(&self) -> u64 {
+        self.nodes
+            .values()
+            .map(|n| n.raft.stats().group_ticks)
+            .sum()
+    }
+
+    /// Every committed entry is applied, in one order, on each given node.
+    pub fn assert_applied_everywhere(&self, nodes: &[NodeId]) {
+        for g in &self.groups {
+            let expected: Vec<&Committed> = self
+                .committed_ever
+                .range((*g, 0)..=(*g, u64::MAX))
+                .map(|(_, c)| c)
+                .collect();
+            for id in nodes {
+                let got: Vec<&Committed> = self.nodes[id]
+                    .applied
+                    .get(g)
+                    .map(|v| v.iter().collect())
+                    .unwrap_or_default();
+                assert_eq!(got, expected, "group {g:?} on node {id}");
+            }
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! The node-wide log: every group's entries and hard states go into one write, made durable with
+//! one fsync per batch (group commit), as Ra's WAL and TiKV's raft-engine do.
+//!
+//! [`FileLog`] is the spike's version: one append-only file, never compacted. A real log needs
+//! segments, per-group indexes and truncation once every group has a snapshot past a segment.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::Path;
+
+use raft::eraftpb::{Entry, EntryType, HardState};
+
+use crate::GroupId;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("log i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("entry of {0} bytes is too large for the log format")]
+    TooLarge(usize),
+    #[error("raft-engine: {0}")]
+    Engine(String),
+}
+
+/// Where a node's batch of Raft state goes before it may be acknowledged.
+pub trait LogStore {
+    /// Adds one group's new entries (possibly replacing an uncommitted tail from `entries[0].index`
+    /// on) and hard state to the current batch.
+    fn append(
+        &mut self,
+        group: GroupId,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<(), LogError>;
+
+    /// Makes the batch durable. `must_sync` is false when only commit indexes moved: the batch is
+    /// written but needs no fsync (Raft can recompute a lost commit index).
+    fn flush(&mut self, must_sync: bool) -> Result<(), LogError>;
+}
+
+/// What a [`MemLog`] holds for one group: the entries made durable, in index order.
+#[derive(Debug, Default, Clone)]
+pub struct DurableGroup {
+    pub entries: Vec<Entry>,
+    pub hard_state: HardState,
+}
+
+/// An in-memory [`LogStore`] for tests: appends become visible in `durable` only at `flush`, so
+/// a simulated crash can drop what was appended but never flushed.
+#[derive(Debug, Default)]
+pub struct MemLog {
+    pending: Vec<(GroupId, Vec<Entry>, Option<HardState>)>,
+    pub durable: std::collections::BTreeMap<GroupId, DurableGroup>,
+    pub flushes: u64,
+    pub syncs: u64,
+}
+
+impl MemLog {
+    pub fn new() -> Self {
+        MemLog::default()
+    }
+
+    /// Drops what was appended since the last flush, as a crash before the fsync would.
+    pub fn crash(&mut self) {
+        self.pending.clear();
+    }
+}
+
+impl LogStore for MemLog {
+    fn append(
+        &mut self,
+        group: GroupId,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<(), LogError> {
+        self.pending
+            .push((group, entries.to_vec(), hard_state.cloned()));
+        Ok(())
+    }
+
+    fn flush(&mut self, must_sync: bool) -> Result<(), LogError> {
+        for (group, entries, hs) in self.pending.drain(..) {
+            let g = self.durable.entry(group).or_default();
+            if let Some(first) = entries.first() {
+                g.entries.retain(|e| e.index < first.index);
+                g.entries.extend(entries);
+            }
+            if let Some(hs) = hs {
+                g.hard_state = hs;
+            }
+        }
+        self.flushes += 1;
+        self.syncs += u64::from(must_sync);
+        Ok(())
+    }
+}
+
+/// Record format, version 1: `[version u8][payload len u32][crc32 of payload u32][payload]`, little
+/// endian. Payload: `[group u64][kind u8]` then for an entry `[index u64][term u64][type u8][data
+/// len u32][data]`, for a hard state `[term u64][vote u64][commit u64]`.
+const VERSION: u8 = 1;
+const KIND_ENTRY: u8 = 1;
+const KIND_HARD_STATE: u8 = 2;
+const HEADER: usize = 9;
+
+/// One append-only file for all groups of a node; one `write` and at most one `fdatasync` per batch.
+pub struct FileLog {
+    file: File,
+    buf: Vec<u8>,
+    pub bytes_written: u64,
+    pub syncs: u64,
+}
+
+impl FileLog {
+    pub fn create(path: &Path) -> Result<Self, LogError> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(FileLog {
+            file,
+            buf: Vec::with_capacity(1 << 20),
+            bytes_written: 0,
+            syncs: 0,
+        })
+    }
+
+    fn record(&mut self, payload_len: usize, fill: impl FnOnce(&mut Vec<u8>)) {
+        let start = self.buf.len();
+        self.buf.push(VERSION);
+        self.buf
+            .extend_from_slice(&(payload_len as u32).to_le_bytes());
+        self.buf.extend_from_slice(&[0; 4]);
+        fill(&mut self.buf);
+        debug_assert_eq!(self.buf.len() - start - HEADER, payload_len);
+        let crc = crc32fast::hash(&self.buf[start + HEADER..]);
+        self.buf[start + 5..start + HEADER].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    /// Reads a log back: each group's entries (a later record for an index replaces the tail from
+    /// there) and last hard state. Stops at the first torn or corrupt record, which is where a
+    /// crash during the last write left the file.
+    pub fn replay(
+        path: &Path,
+    ) -> Result<std::collections::BTreeMap<GroupId, DurableGroup>, LogError> {
+        let mut data = Vec::new();
+        File::open(path)?.read_to_end(&mut data)?;
+        let mut out: std::collections::BTreeMap<GroupId, DurableGroup> = Default::default();
+        let mut rest = &data[..];
+        while let Some((payload, tail)) = split_record(rest) {
+            rest = tail;
+            let Some(rec) = parse_payload(payload) else {
+                break;
+            };
+            match rec {
+                Parsed::Entry(group, e) => {
+                    let g = out.entry(group).or_default();
+                    g.entries.retain(|x| x.index < e.index);
+                    g.entries.push(e);
+                }
+                Parsed::HardState(group, hs) => out.entry(group).or_default().hard_state = hs,
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl LogStore for FileLog {
+    fn append(
+        &mut self,
+        group: GroupId,
+        entries: &[Entry],
+        hard_state: Option<&HardState>,
+    ) -> Result<(), LogError> {
+        for e in entries {
+            let data = &e.data[..];
+            if data.len() > u32::MAX as usize - 64 {
+                return Err(LogError::TooLarge(data.len()));
+            }
+            self.record(8 + 1 + 8 + 8 + 1 + 4 + data.len(), |b| {
+                b.extend_from_slice(&group.0.to_le_bytes());
+                b.push(KIND_ENTRY);
+                b.extend_from_slice(&e.index.to_le_bytes());
+                b.extend_from_slice(&e.term.to_le_bytes());
+                b.push(e.get_entry_type() as u8);
+                b.extend_from_slice(&(data.len() as u32).to_le_bytes());
+                b.extend_from_slice(data);
+            });
+        }
+        if let Some(hs) = hard_state {
+            self.record(8 + 1 + 24, |b| {
+                b.extend_from_slice(&group.0.to_le_bytes());
+                b.push(KIND_HARD_STATE);
+                b.extend_from_slice(&hs.term.to_le_bytes());
+                b.extend_from_slice(&hs.vote.to_le_bytes());
+                b.extend_from_slice(&hs.commit.to_le_bytes());
+            });
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, must_sync: bool) -> Result<(), LogError> {
+        if !self.buf.is_empty() {
+            self.file.write_all(&self.buf)?;
+            self.bytes_written += self.buf.len() as u64;
+            self.buf.clear();
+        }
+        if must_sync {
+            self.file.sync_data()?;
+            self.syncs += 1;
+        }
+        Ok(())
+    }
+}
+
+enum Parsed {
+    Entry(GroupId, Entry),
+    HardState(GroupId, HardState),
+}
+
+fn split_record(b: &[u8]) -> Option<(&[u8], &[u8])> {
+    let header = b.get(..HEADER)?;
+    if header[0] != VERSION {
+        return None;
+    }
+    let len = u32::from_le_bytes(header[1..5].try_into().ok()?) as usize;
+    let crc = u32::from_le_bytes(header[5..9].try_into().ok()?);
+    let payload = b.get(HEADER..HEADER.checked_add(len)?)?;
+    if crc32fast::hash(payload) != crc {
+        return None;
+    }
+    Some((payload, &b[HEADER + len..]))
+}
+
+fn parse_payload(p: &[u8]) -> Option<Parsed> {
+    let mut r = Reader(p);
+    let group = GroupId(r.u64()?);
+    match r.u8()? {
+        KIND_ENTRY => {
+            let mut e = Entry {
+                index: r.u64()?,
+                term: r.u64()?,
+                ..Default::default()
+            };
+            let ty = match r.u8()? {
+                0 => EntryType::EntryNormal,
+                1 => EntryType::EntryConfChange,
+                2 => EntryType::EntryConfChangeV2,
+                _ => return None,
+            };
+            e.set_entry_type(ty);
+            let len = r.u32()? as usize;
+            e.data = bytes::Bytes::copy_from_slice(r.take(len)?);
+            Some(Parsed::Entry(group, e))
+        }
+        KIND_HARD_STATE => {
+            let hs = HardState {
+                term: r.u64()?,
+                vote: r.u64()?,
+                commit: r.u64()?,
+                ..Default::default()
+            };
+            Some(Parsed::HardState(group, hs))
+        }
+        _ => None,
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, tail) = (self.0.get(..n)?, self.0.get(n..)?);
+        self.0 = tail;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+}
