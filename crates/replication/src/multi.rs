@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
-use raft::eraftpb::{Entry, EntryType, HardState, Message, MessageType};
+use raft::eraftpb::{Entry, EntryType, Message, MessageType};
 use raft::{RawNode, StateRole, INVALID_ID};
 
 use crate::storage::GroupLog;
@@ -663,12 +663,5 @@ impl Outbox {
                 msgs,
             })
             .collect()
-    }
-}
-
-/// The hard state a group last handed out, for tests.
-impl MultiRaft {
-    pub fn hard_state(&self, group: GroupId) -> Option<HardState> {
-        Some(self.groups.get(&group)?.raw.store().hard_state().clone())
     }
 }
