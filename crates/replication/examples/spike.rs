@@ -78,6 +78,8 @@ struct Shared {
     led: AtomicU64,
     commits: AtomicU64,
     syncs: AtomicU64,
+    /// Nanoseconds spent writing and fsyncing the log.
+    persist_ns: AtomicU64,
     batches: AtomicU64,
     raft_msgs: AtomicU64,
     node_heartbeats: AtomicU64,
@@ -184,7 +186,11 @@ fn run_node(
         if rd.groups_to_persist() > 0 {
             shared.batches.fetch_add(1, Ordering::Relaxed);
         }
+        let t = Instant::now();
         rd.persist(&mut log).expect("log write");
+        shared
+            .persist_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let done = raft.advance(rd);
         send(done.messages);
         let mut commits = 0;
@@ -343,7 +349,13 @@ fn main() {
     phase.store(PHASE_BUSY, Ordering::Release);
     // A second of warm-up: pipelines fill.
     std::thread::sleep(Duration::from_secs(1));
+    let persist = |s: &[Arc<Shared>]| {
+        s.iter()
+            .map(|x| x.persist_ns.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
     let (c1, k1, s1, t1) = (cpu_secs(), commits(&shared), syncs(&shared), Instant::now());
+    let p1 = persist(&shared);
     std::thread::sleep(Duration::from_secs(args.secs));
     let (busy_cpu, k2, s2, dt) = (
         cpu_secs() - c1,
@@ -352,6 +364,8 @@ fn main() {
         t1.elapsed().as_secs_f64(),
     );
     let rss_busy = rss_kib();
+    // Share of the node threads' wall time spent in the log write and fsync.
+    let persist_share = (persist(&shared) - p1) as f64 / 1e9 / (dt * NODES.len() as f64);
     // Failover: let the busy groups drain and sleep, then stop node 1 dead.
     phase.store(PHASE_IDLE, Ordering::Release);
     let t = Instant::now();
@@ -396,7 +410,7 @@ fn main() {
         "groups={} busy={} created_s={:.2} elected_s={:.2} settled_s={:.2} settle_cpu_s={:.2} \
          rss_idle_kib={} idle_secs={} idle_cpu_s={:.3} idle_raft_msgs={} idle_node_heartbeats={} \
          idle_awake={} commits_per_s={:.0} busy_cpu_s={:.2} cpu_us_per_commit={:.1} \
-         fsyncs_per_s={:.0} rss_busy_kib={} failover_s={:.2} failover_asleep_s={:.2} \
+         fsyncs_per_s={:.0} persist_share={:.2} rss_busy_kib={} failover_s={:.2} failover_asleep_s={:.2} \
          failover_cpu_s={:.2}",
         args.groups,
         args.busy,
@@ -414,6 +428,7 @@ fn main() {
         busy_cpu,
         busy_cpu * 1e6 / (k2 - k1).max(1) as f64,
         (s2 - s1) as f64 / dt,
+        persist_share,
         rss_busy,
         failover_s,
         failover_asleep_s,
