@@ -10,7 +10,8 @@ pub mod wal;
 mod tests;
 
 pub use multi::{
-    Advanced, Committed, Config, Envelope, Error, MultiRaft, NodeBatch, ReadyBatch, Stats,
+    Advanced, Committed, Config, Envelope, Error, MultiRaft, NodeBatch, PersistJob, ReadyBatch,
+    Stats,
 };
 pub use raft;
 pub use wal::{FileLog, LogError, LogStore, MemLog};
