@@ -6,7 +6,7 @@
 //! Phases: create the groups (leaders placed round-robin) and wait until every group has a leader
 //! and every group sleeps; stay idle for `--idle-secs` and measure the process's CPU; then feed the
 //! first `--busy` groups proposals of `--size` bytes, at most `--inflight` uncommitted per group,
-//! for `--secs`, and count what commits. Last, node 1 stops dead and the survivors' time to lead
+//! for `--secs`, and count what commits (`--async 1` writes the log on a thread of its own). Last, node 1 stops dead and the survivors' time to lead
 //! every group again is measured. Batches between nodes are encoded (protobuf, as a TCP
 //! transport would send them) and passed over channels.
 
@@ -17,7 +17,15 @@ use std::time::{Duration, Instant};
 
 use protobuf::Message as _;
 use warren_replication::raft::eraftpb::Message;
-use warren_replication::{Config, Envelope, FileLog, GroupId, MultiRaft, NodeBatch, NodeId};
+use warren_replication::{
+    Config, Envelope, FileLog, GroupId, LogStore, MultiRaft, NodeBatch, NodeId, PersistJob,
+};
+
+/// What a node thread receives: a peer's encoded batch, or a job its log writer made durable.
+enum Input {
+    Net(Vec<u8>),
+    Persisted(PersistJob),
+}
 
 const NODES: [NodeId; 3] = [1, 2, 3];
 const PHASE_SETTLE: u8 = 0;
@@ -36,6 +44,8 @@ struct Args {
     inflight: u64,
     tick_ms: u64,
     inflight_msgs: usize,
+    /// Write the log on its own thread (`submit` / `on_persisted`) instead of in the node's loop.
+    async_log: bool,
 }
 
 fn parse_args() -> Args {
@@ -48,6 +58,7 @@ fn parse_args() -> Args {
         inflight: 256,
         tick_ms: 50,
         inflight_msgs: 32,
+        async_log: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -62,6 +73,7 @@ fn parse_args() -> Args {
             "--inflight" => a.inflight = v,
             "--tick-ms" => a.tick_ms = v,
             "--inflight-msgs" => a.inflight_msgs = v as usize,
+            "--async" => a.async_log = v != 0,
             other => panic!("unknown option {other}"),
         }
         i += 2;
@@ -125,10 +137,11 @@ fn run_node(
     id: NodeId,
     args: &Args,
     dir: &std::path::Path,
-    rx: Receiver<Vec<u8>>,
-    peers: Vec<(NodeId, Sender<Vec<u8>>)>,
+    rx: Receiver<Input>,
+    me: Sender<Input>,
+    peers: Vec<(NodeId, Sender<Input>)>,
     phase: &AtomicU8,
-    shared: &Shared,
+    shared: Arc<Shared>,
     epoch: Instant,
 ) {
     let mut cfg = Config::new(id, NODES.to_vec());
@@ -139,7 +152,12 @@ fn run_node(
     for g in 0..args.groups {
         raft.add_group(GroupId(g), g % 3 + 1 == id).expect("group");
     }
-    let mut log = FileLog::create(&dir.join(format!("node-{id}.log"))).expect("log file");
+    let log = FileLog::create(&dir.join(format!("node-{id}.log"))).expect("log file");
+    let (mut log, writer) = if args.async_log {
+        (None, Some(spawn_writer(log, me, shared.clone())))
+    } else {
+        (Some(log), None)
+    };
     let busy: Vec<GroupId> = (0..args.busy).map(GroupId).collect();
     let mut inflight = vec![0u64; args.busy as usize];
     let payload = vec![0x5au8; args.size];
@@ -147,7 +165,7 @@ fn run_node(
     let send = |batches: Vec<NodeBatch>| {
         for b in batches {
             if let Some((_, tx)) = peers.iter().find(|(n, _)| *n == b.to) {
-                let _ = tx.send(encode(&b));
+                let _ = tx.send(Input::Net(encode(&b)));
             }
         }
     };
@@ -157,8 +175,11 @@ fn run_node(
             break;
         }
         let mut did = false;
-        while let Ok(bytes) = rx.try_recv() {
-            raft.step(decode(&bytes));
+        while let Ok(input) = rx.try_recv() {
+            match input {
+                Input::Net(bytes) => raft.step(decode(&bytes)),
+                Input::Persisted(job) => send(raft.on_persisted(job)),
+            }
             did = true;
         }
         if p == PHASE_BUSY {
@@ -186,15 +207,29 @@ fn run_node(
         if rd.groups_to_persist() > 0 {
             shared.batches.fetch_add(1, Ordering::Relaxed);
         }
-        let t = Instant::now();
-        rd.persist(&mut log).expect("log write");
-        shared
-            .persist_ns
-            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let done = raft.advance(rd);
-        send(done.messages);
+        let committed = match (&writer, log.as_mut()) {
+            (Some(writer), _) => {
+                let (committed, job) = raft.submit(rd);
+                if !job.is_empty() {
+                    let _ = writer.send(job);
+                }
+                committed
+            }
+            (None, Some(log)) => {
+                let t = Instant::now();
+                rd.persist(log).expect("log write");
+                shared
+                    .persist_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                shared.syncs.store(log.syncs, Ordering::Relaxed);
+                let done = raft.advance(rd);
+                send(done.messages);
+                done.committed
+            }
+            (None, None) => unreachable!("a log or a writer"),
+        };
         let mut commits = 0;
-        for c in &done.committed {
+        for c in &committed {
             if c.group.0 < args.busy && raft.is_leader(c.group) {
                 let i = c.group.0 as usize;
                 inflight[i] = inflight[i].saturating_sub(1);
@@ -202,7 +237,6 @@ fn run_node(
             }
         }
         shared.commits.fetch_add(commits, Ordering::Relaxed);
-        shared.syncs.store(log.syncs, Ordering::Relaxed);
         let st = raft.stats();
         shared.raft_msgs.store(st.raft_msgs_sent, Ordering::Relaxed);
         shared
@@ -226,12 +260,43 @@ fn run_node(
             let now = epoch.elapsed().as_millis() as u64;
             let wait = raft.next_tick_ms().unwrap_or(now).saturating_sub(now);
             match rx.recv_timeout(Duration::from_millis(wait.max(1))) {
-                Ok(bytes) => raft.step(decode(&bytes)),
+                Ok(Input::Net(bytes)) => raft.step(decode(&bytes)),
+                Ok(Input::Persisted(job)) => send(raft.on_persisted(job)),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
     }
+}
+
+/// A node's log writer: takes every job queued since its last write, writes them with one fsync,
+/// and hands them back to the node thread in order.
+fn spawn_writer(mut log: FileLog, node: Sender<Input>, shared: Arc<Shared>) -> Sender<PersistJob> {
+    let (tx, rx) = channel::<PersistJob>();
+    std::thread::spawn(move || {
+        while let Ok(job) = rx.recv() {
+            let mut jobs = vec![job];
+            while let Ok(more) = rx.try_recv() {
+                jobs.push(more);
+            }
+            let t = Instant::now();
+            for j in &jobs {
+                j.write(&mut log).expect("log write");
+            }
+            log.flush(jobs.iter().any(|j| j.must_sync()))
+                .expect("log flush");
+            shared
+                .persist_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            shared.syncs.store(log.syncs, Ordering::Relaxed);
+            for j in jobs {
+                if node.send(Input::Persisted(j)).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    tx
 }
 
 fn cpu_secs() -> f64 {
@@ -262,7 +327,7 @@ fn main() {
     let mut txs = Vec::new();
     let mut rxs = Vec::new();
     for _ in NODES {
-        let (tx, rx) = channel::<Vec<u8>>();
+        let (tx, rx) = channel::<Input>();
         txs.push(tx);
         rxs.push(Some(rx));
     }
@@ -272,7 +337,8 @@ fn main() {
     let mut handles = Vec::new();
     for (i, id) in NODES.iter().copied().enumerate() {
         let rx = rxs[i].take().expect("receiver");
-        let peers: Vec<(NodeId, Sender<Vec<u8>>)> = NODES
+        let me = txs[i].clone();
+        let peers: Vec<(NodeId, Sender<Input>)> = NODES
             .iter()
             .enumerate()
             .filter(|(_, n)| **n != id)
@@ -285,7 +351,7 @@ fn main() {
             dir.path().to_path_buf(),
         );
         handles.push(std::thread::spawn(move || {
-            run_node(id, &args, &path, rx, peers, &phase, &shared, epoch)
+            run_node(id, &args, &path, rx, me, peers, &phase, shared, epoch)
         }));
     }
     drop(txs);
