@@ -6,9 +6,10 @@
 //! Phases: create the groups (leaders placed round-robin) and wait until every group has a leader
 //! and every group sleeps; stay idle for `--idle-secs` and measure the process's CPU; then feed the
 //! first `--busy` groups proposals of `--size` bytes, at most `--inflight` uncommitted per group,
-//! for `--secs`, and count what commits (`--async 1` writes the log on a thread of its own). Last, node 1 stops dead and the survivors' time to lead
-//! every group again is measured. Batches between nodes are encoded (protobuf, as a TCP
-//! transport would send them) and passed over channels.
+//! for `--secs`, and count what commits (`--async 1` writes the log on a thread of its own).
+//! Last, node 1 stops dead and the survivors' time to lead every group again is measured. Batches
+//! between nodes are encoded (protobuf, as a TCP transport would send them) and passed over
+//! channels.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};

@@ -74,7 +74,7 @@ fn hibernating_groups_elect_on_the_survivors_when_their_leader_node_dies() {
     let took = sim
         .run_until_led(60)
         .expect("groups led by node 1 elect new leaders");
-    // Detection (node_down_ticks) plus the longest election timeout plus a pre-vote and a vote round.
+    // Detection (node_down_ticks), the longest election timeout, a pre-vote and a vote round.
     assert!(took <= 30, "took {took} ticks");
     for g in 0..300u64 {
         let now = sim.leader(GroupId(g)).expect("a leader");
