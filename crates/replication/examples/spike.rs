@@ -6,9 +6,10 @@
 //! Phases: create the groups (leaders placed round-robin) and wait until every group has a leader
 //! and every group sleeps; stay idle for `--idle-secs` and measure the process's CPU; then feed the
 //! first `--busy` groups proposals of `--size` bytes, at most `--inflight` uncommitted per group,
-//! for `--secs`, and count what commits. Last, node 1 stops dead and the survivors' time to lead
-//! every group again is measured. Batches between nodes are encoded (protobuf, as a TCP
-//! transport would send them) and passed over channels.
+//! for `--secs`, and count what commits (`--async 1` writes the log on a thread of its own).
+//! Last, node 1 stops dead and the survivors' time to lead every group again is measured. Batches
+//! between nodes are encoded (protobuf, as a TCP transport would send them) and passed over
+//! channels.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -18,8 +19,15 @@ use std::time::{Duration, Instant};
 use protobuf::Message as _;
 use warren_replication::raft::eraftpb::Message;
 use warren_replication::{
-    Config, EngineLog, Envelope, FileLog, GroupId, LogError, LogStore, MultiRaft, NodeBatch, NodeId,
+    Config, EngineLog, Envelope, FileLog, GroupId, LogError, LogStore, MultiRaft, NodeBatch,
+    NodeId, PersistJob,
 };
+
+/// What a node thread receives: a peer's encoded batch, or a job its log writer made durable.
+enum Input {
+    Net(Vec<u8>),
+    Persisted(PersistJob),
+}
 
 const NODES: [NodeId; 3] = [1, 2, 3];
 const PHASE_SETTLE: u8 = 0;
@@ -40,6 +48,8 @@ struct Args {
     inflight_msgs: usize,
     /// The node's log: 0 = the spike's append-only file, 1 = raft-engine.
     engine: bool,
+    /// Write the log on its own thread (`submit` / `on_persisted`) instead of in the node's loop.
+    async_log: bool,
 }
 
 fn parse_args() -> Args {
@@ -53,6 +63,7 @@ fn parse_args() -> Args {
         tick_ms: 50,
         inflight_msgs: 32,
         engine: false,
+        async_log: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -68,6 +79,7 @@ fn parse_args() -> Args {
             "--tick-ms" => a.tick_ms = v,
             "--inflight-msgs" => a.inflight_msgs = v as usize,
             "--engine" => a.engine = v != 0,
+            "--async" => a.async_log = v != 0,
             other => panic!("unknown option {other}"),
         }
         i += 2;
@@ -84,6 +96,8 @@ struct Shared {
     led: AtomicU64,
     commits: AtomicU64,
     syncs: AtomicU64,
+    /// Nanoseconds spent writing and fsyncing the log.
+    persist_ns: AtomicU64,
     batches: AtomicU64,
     raft_msgs: AtomicU64,
     node_heartbeats: AtomicU64,
@@ -129,10 +143,11 @@ fn run_node(
     id: NodeId,
     args: &Args,
     dir: &std::path::Path,
-    rx: Receiver<Vec<u8>>,
-    peers: Vec<(NodeId, Sender<Vec<u8>>)>,
+    rx: Receiver<Input>,
+    me: Sender<Input>,
+    peers: Vec<(NodeId, Sender<Input>)>,
     phase: &AtomicU8,
-    shared: &Shared,
+    shared: Arc<Shared>,
     epoch: Instant,
 ) {
     let mut cfg = Config::new(id, NODES.to_vec());
@@ -143,7 +158,7 @@ fn run_node(
     for g in 0..args.groups {
         raft.add_group(GroupId(g), g % 3 + 1 == id).expect("group");
     }
-    let mut log = if args.engine {
+    let log = if args.engine {
         AnyLog::Engine(
             Box::new(
                 EngineLog::open(&dir.join(format!("node-{id}.engine"))).expect("raft-engine dir"),
@@ -154,6 +169,11 @@ fn run_node(
         AnyLog::File(Box::new(
             FileLog::create(&dir.join(format!("node-{id}.log"))).expect("log file"),
         ))
+    };
+    let (mut log, writer) = if args.async_log {
+        (None, Some(spawn_writer(log, me, shared.clone())))
+    } else {
+        (Some(log), None)
     };
     let busy: Vec<GroupId> = (0..args.busy).map(GroupId).collect();
     let mut inflight = vec![0u64; args.busy as usize];
@@ -171,7 +191,7 @@ fn run_node(
     let send = |batches: Vec<NodeBatch>| {
         for b in batches {
             if let Some((_, tx)) = peers.iter().find(|(n, _)| *n == b.to) {
-                let _ = tx.send(encode(&b));
+                let _ = tx.send(Input::Net(encode(&b)));
             }
         }
     };
@@ -181,8 +201,11 @@ fn run_node(
             break;
         }
         let mut did = false;
-        while let Ok(bytes) = rx.try_recv() {
-            raft.step(decode(&bytes));
+        while let Ok(input) = rx.try_recv() {
+            match input {
+                Input::Net(bytes) => raft.step(decode(&bytes)),
+                Input::Persisted(job) => send(raft.on_persisted(job)),
+            }
             did = true;
         }
         if p == PHASE_BUSY {
@@ -210,11 +233,29 @@ fn run_node(
         if rd.groups_to_persist() > 0 {
             shared.batches.fetch_add(1, Ordering::Relaxed);
         }
-        rd.persist(&mut log).expect("log write");
-        let done = raft.advance(rd);
-        send(done.messages);
+        let committed = match (&writer, log.as_mut()) {
+            (Some(writer), _) => {
+                let (committed, job) = raft.submit(rd);
+                if !job.is_empty() {
+                    let _ = writer.send(job);
+                }
+                committed
+            }
+            (None, Some(log)) => {
+                let t = Instant::now();
+                rd.persist(log).expect("log write");
+                shared
+                    .persist_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                shared.syncs.store(log.syncs(), Ordering::Relaxed);
+                let done = raft.advance(rd);
+                send(done.messages);
+                done.committed
+            }
+            (None, None) => unreachable!("a log or a writer"),
+        };
         let mut commits = 0;
-        for c in &done.committed {
+        for c in &committed {
             if c.group.0 < args.busy && raft.is_leader(c.group) {
                 let i = c.group.0 as usize;
                 inflight[i] = inflight[i].saturating_sub(1);
@@ -222,7 +263,6 @@ fn run_node(
             }
         }
         shared.commits.fetch_add(commits, Ordering::Relaxed);
-        shared.syncs.store(log.syncs(), Ordering::Relaxed);
         let st = raft.stats();
         shared.raft_msgs.store(st.raft_msgs_sent, Ordering::Relaxed);
         shared
@@ -246,12 +286,43 @@ fn run_node(
             let now = epoch.elapsed().as_millis() as u64;
             let wait = raft.next_tick_ms().unwrap_or(now).saturating_sub(now);
             match rx.recv_timeout(Duration::from_millis(wait.max(1))) {
-                Ok(bytes) => raft.step(decode(&bytes)),
+                Ok(Input::Net(bytes)) => raft.step(decode(&bytes)),
+                Ok(Input::Persisted(job)) => send(raft.on_persisted(job)),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
     }
+}
+
+/// A node's log writer: takes every job queued since its last write, writes them with one fsync,
+/// and hands them back to the node thread in order.
+fn spawn_writer(mut log: AnyLog, node: Sender<Input>, shared: Arc<Shared>) -> Sender<PersistJob> {
+    let (tx, rx) = channel::<PersistJob>();
+    std::thread::spawn(move || {
+        while let Ok(job) = rx.recv() {
+            let mut jobs = vec![job];
+            while let Ok(more) = rx.try_recv() {
+                jobs.push(more);
+            }
+            let t = Instant::now();
+            for j in &jobs {
+                j.write(&mut log).expect("log write");
+            }
+            log.flush(jobs.iter().any(|j| j.must_sync()))
+                .expect("log flush");
+            shared
+                .persist_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            shared.syncs.store(log.syncs(), Ordering::Relaxed);
+            for j in jobs {
+                if node.send(Input::Persisted(j)).is_err() {
+                    return;
+                }
+            }
+        }
+    });
+    tx
 }
 
 fn cpu_secs() -> f64 {
@@ -282,7 +353,7 @@ fn main() {
     let mut txs = Vec::new();
     let mut rxs = Vec::new();
     for _ in NODES {
-        let (tx, rx) = channel::<Vec<u8>>();
+        let (tx, rx) = channel::<Input>();
         txs.push(tx);
         rxs.push(Some(rx));
     }
@@ -292,7 +363,8 @@ fn main() {
     let mut handles = Vec::new();
     for (i, id) in NODES.iter().copied().enumerate() {
         let rx = rxs[i].take().expect("receiver");
-        let peers: Vec<(NodeId, Sender<Vec<u8>>)> = NODES
+        let me = txs[i].clone();
+        let peers: Vec<(NodeId, Sender<Input>)> = NODES
             .iter()
             .enumerate()
             .filter(|(_, n)| **n != id)
@@ -305,7 +377,7 @@ fn main() {
             dir.path().to_path_buf(),
         );
         handles.push(std::thread::spawn(move || {
-            run_node(id, &args, &path, rx, peers, &phase, &shared, epoch)
+            run_node(id, &args, &path, rx, me, peers, &phase, shared, epoch)
         }));
     }
     drop(txs);
@@ -369,7 +441,13 @@ fn main() {
     phase.store(PHASE_BUSY, Ordering::Release);
     // A second of warm-up: pipelines fill.
     std::thread::sleep(Duration::from_secs(1));
+    let persist = |s: &[Arc<Shared>]| {
+        s.iter()
+            .map(|x| x.persist_ns.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
     let (c1, k1, s1, t1) = (cpu_secs(), commits(&shared), syncs(&shared), Instant::now());
+    let p1 = persist(&shared);
     std::thread::sleep(Duration::from_secs(args.secs));
     let (busy_cpu, k2, s2, dt) = (
         cpu_secs() - c1,
@@ -378,6 +456,8 @@ fn main() {
         t1.elapsed().as_secs_f64(),
     );
     let rss_busy = rss_kib();
+    // Share of the node threads' wall time spent in the log write and fsync.
+    let persist_share = (persist(&shared) - p1) as f64 / 1e9 / (dt * NODES.len() as f64);
     // Failover: let the busy groups drain and sleep, then stop node 1 dead.
     phase.store(PHASE_IDLE, Ordering::Release);
     let t = Instant::now();
@@ -422,7 +502,7 @@ fn main() {
         "groups={} busy={} created_s={:.2} elected_s={:.2} settled_s={:.2} settle_cpu_s={:.2} \
          rss_idle_kib={} idle_secs={} idle_cpu_s={:.3} idle_raft_msgs={} idle_node_heartbeats={} \
          idle_awake={} commits_per_s={:.0} busy_cpu_s={:.2} cpu_us_per_commit={:.1} \
-         fsyncs_per_s={:.0} rss_busy_kib={} failover_s={:.2} failover_asleep_s={:.2} \
+         fsyncs_per_s={:.0} persist_share={:.2} rss_busy_kib={} failover_s={:.2} failover_asleep_s={:.2} \
          failover_cpu_s={:.2}",
         args.groups,
         args.busy,
@@ -440,6 +520,7 @@ fn main() {
         busy_cpu,
         busy_cpu * 1e6 / (k2 - k1).max(1) as f64,
         (s2 - s1) as f64 / dt,
+        persist_share,
         rss_busy,
         failover_s,
         failover_asleep_s,

@@ -12,7 +12,8 @@ mod tests;
 
 pub use engine::EngineLog;
 pub use multi::{
-    Advanced, Committed, Config, Envelope, Error, MultiRaft, NodeBatch, ReadyBatch, Stats,
+    Advanced, Committed, Config, Envelope, Error, MultiRaft, NodeBatch, PersistJob, ReadyBatch,
+    Stats,
 };
 pub use raft;
 pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog};

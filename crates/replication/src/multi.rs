@@ -164,6 +164,34 @@ impl ReadyBatch {
     }
 }
 
+/// A batch of Raft state handed to a log writer by [`MultiRaft::submit`]: write it (several jobs
+/// may share one fsync), then give it back to [`MultiRaft::on_persisted`], in submission order.
+pub struct PersistJob {
+    writes: Vec<(GroupId, Vec<Entry>, Option<HardState>, u64)>,
+    /// Messages that may leave only once the write is durable (votes, append responses).
+    held: Vec<(GroupId, Vec<Message>)>,
+    must_sync: bool,
+}
+
+impl PersistJob {
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    /// Whether the job needs an fsync (false when only commit indexes moved).
+    pub fn must_sync(&self) -> bool {
+        self.must_sync
+    }
+
+    /// Adds the job to the log's current batch, without flushing it.
+    pub fn write(&self, log: &mut impl LogStore) -> Result<(), LogError> {
+        for (group, entries, hs, _) in &self.writes {
+            log.append(*group, entries, hs.as_ref())?;
+        }
+        Ok(())
+    }
+}
+
 /// What [`MultiRaft::advance`] returns: messages that had to wait for the write, and entries now
 /// committed and persisted here, to apply in order.
 #[derive(Default)]
@@ -547,6 +575,50 @@ impl MultiRaft {
         }
     }
 
+    /// The asynchronous alternative to `persist` and `advance`: sends `batch`'s Raft state off to
+    /// be written and lets the groups go on at once (raft-rs's `advance_append_async`). Returns
+    /// the committed entries to apply and the job for the log writer. Send `batch.messages`
+    /// first; a leader's entries count towards a commit only after `on_persisted`.
+    pub fn submit(&mut self, batch: ReadyBatch) -> (Vec<Committed>, PersistJob) {
+        let mut job = PersistJob {
+            writes: Vec::with_capacity(batch.readys.len()),
+            held: Vec::new(),
+            must_sync: batch.must_sync,
+        };
+        for (id, mut rd) in batch.readys {
+            let Some(g) = self.groups.get_mut(&id) else {
+                continue;
+            };
+            let number = rd.number();
+            let entries = rd.take_entries();
+            let hs = rd.hs().cloned();
+            let held = rd.take_persisted_messages();
+            if !held.is_empty() {
+                job.held.push((id, held));
+            }
+            g.raw.advance_append_async(rd);
+            g.raw.advance_apply();
+            job.writes.push((id, entries, hs, number));
+        }
+        (batch.committed, job)
+    }
+
+    /// Tells the groups a submitted job is durable; returns the messages it held back.
+    pub fn on_persisted(&mut self, job: PersistJob) -> Vec<NodeBatch> {
+        for (id, _, _, number) in &job.writes {
+            if let Some(g) = self.groups.get_mut(id) {
+                g.raw.on_persist_ready(*number);
+                compact(g, &self.cfg);
+                self.touched.insert(*id);
+            }
+        }
+        let mut out = Outbox::default();
+        for (id, msgs) in job.held {
+            out.add(id, msgs, &mut self.stats);
+        }
+        out.into_batches(self.cfg.node, self.cfg.boot)
+    }
+
     /// Tells the groups their batch is durable; returns what that releases.
     pub fn advance(&mut self, batch: ReadyBatch) -> Advanced {
         let mut out = Outbox::default();
@@ -663,12 +735,5 @@ impl Outbox {
                 msgs,
             })
             .collect()
-    }
-}
-
-/// The hard state a group last handed out, for tests.
-impl MultiRaft {
-    pub fn hard_state(&self, group: GroupId) -> Option<HardState> {
-        Some(self.groups.get(&group)?.raw.store().hard_state().clone())
     }
 }

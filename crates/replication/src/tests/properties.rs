@@ -74,7 +74,7 @@ fn hibernating_groups_elect_on_the_survivors_when_their_leader_node_dies() {
     let took = sim
         .run_until_led(60)
         .expect("groups led by node 1 elect new leaders");
-    // Detection (node_down_ticks) plus the longest election timeout plus a pre-vote and a vote round.
+    // Detection (node_down_ticks), the longest election timeout, a pre-vote and a vote round.
     assert!(took <= 30, "took {took} ticks");
     for g in 0..300u64 {
         let now = sim.leader(GroupId(g)).expect("a leader");
@@ -174,9 +174,10 @@ fn a_minority_partition_commits_nothing() {
 /// Random proposals under message loss, delays, a partition, and a crash and restart from the
 /// durable log. Checked all along: a committed entry is durable on a majority and no two entries
 /// commit at one index. At the end: every node applied every committed entry in one order.
-fn random_schedule(seed: u64) {
+fn random_schedule(seed: u64, async_log: bool) {
     let groups = 12;
     let mut sim = Sim::new(seed, groups);
+    sim.async_log = async_log;
     let mut rng = Rng::new(seed ^ 0x5eed);
     sim.drop_percent = 5 + rng.below(10);
     sim.max_delay = rng.below(4);
@@ -232,8 +233,43 @@ fn random_schedules_with_loss_partitions_and_crashes_keep_every_committed_entry(
         .and_then(|s| s.parse().ok())
         .unwrap_or(24);
     for seed in 0..seeds {
-        random_schedule(seed);
+        random_schedule(seed, false);
     }
+}
+
+#[test]
+fn random_schedules_with_asynchronous_log_writes_keep_every_committed_entry() {
+    let seeds: u64 = std::env::var("WARREN_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(24);
+    for seed in 0..seeds {
+        random_schedule(seed, true);
+    }
+}
+
+#[test]
+fn with_asynchronous_log_writes_groups_still_fail_over_and_sleep() {
+    let mut sim = Sim::new(4, 60);
+    sim.async_log = true;
+    sim.run_until_led(100).expect("leaders elected");
+    sim.run_until_asleep(100).expect("groups hibernate");
+    let msgs = sim.raft_msgs_sent();
+    sim.run(50);
+    assert_eq!(sim.raft_msgs_sent(), msgs, "idle");
+    for g in 0..60 {
+        assert!(sim.propose(GroupId(g), format!("before {g}").into_bytes()));
+    }
+    sim.run_until_asleep(100)
+        .expect("asleep after the proposals");
+    sim.kill(2);
+    sim.run_until_led(60).expect("new leaders");
+    for g in 0..60 {
+        assert!(sim.propose(GroupId(g), format!("after {g}").into_bytes()));
+    }
+    sim.run_until_asleep(100).expect("asleep again");
+    assert_eq!(sim.committed_ever.len(), 120);
+    sim.assert_applied_everywhere(&[1, 3]);
 }
 
 #[test]

@@ -40,6 +40,8 @@ pub struct SimNode {
     pub applied: BTreeMap<GroupId, Vec<Committed>>,
     pub alive: bool,
     pub boots: u64,
+    /// Jobs submitted to the log but not yet written (asynchronous mode).
+    pub pending: Vec<crate::PersistJob>,
 }
 
 struct InFlight {
@@ -57,6 +59,8 @@ pub struct Sim {
     pub spare_heartbeats: bool,
     /// Extra delivery delay, in steps, drawn from `0..=max_delay`.
     pub max_delay: u64,
+    /// Write the log asynchronously (`submit`/`on_persisted`), one step after `ready`.
+    pub async_log: bool,
     /// Nodes cut off from the rest (both directions).
     pub isolated: BTreeSet<NodeId>,
     net: Vec<InFlight>,
@@ -90,6 +94,7 @@ impl Sim {
                     applied: BTreeMap::new(),
                     alive: true,
                     boots: 1,
+                    pending: Vec::new(),
                 },
             );
         }
@@ -100,6 +105,7 @@ impl Sim {
             drop_percent: 0,
             spare_heartbeats: false,
             max_delay: 0,
+            async_log: false,
             isolated: BTreeSet::new(),
             net: Vec::new(),
             seq: 0,
@@ -150,17 +156,37 @@ impl Sim {
         if !n.alive {
             return;
         }
+        let mut out = Vec::new();
+        // Asynchronous mode: what was submitted last step is written (one flush) only now.
+        if !n.pending.is_empty() {
+            let jobs = std::mem::take(&mut n.pending);
+            let sync = jobs.iter().any(|j| j.must_sync());
+            for j in &jobs {
+                j.write(&mut n.log).expect("mem log");
+            }
+            n.log.flush(sync).expect("mem log");
+            for j in jobs {
+                out.extend(n.raft.on_persisted(j));
+            }
+        }
         n.raft.tick(now);
         let mut batch = n.raft.ready();
-        let early = std::mem::take(&mut batch.messages);
-        batch.persist(&mut n.log).expect("mem log");
-        let done = n.raft.advance(batch);
-        for c in &done.committed {
+        out.append(&mut batch.messages);
+        let committed = if self.async_log {
+            let (committed, job) = n.raft.submit(batch);
+            if !job.is_empty() {
+                n.pending.push(job);
+            }
+            committed
+        } else {
+            batch.persist(&mut n.log).expect("mem log");
+            let done = n.raft.advance(batch);
+            out.extend(done.messages);
+            done.committed
+        };
+        for c in &committed {
             n.applied.entry(c.group).or_default().push(c.clone());
         }
-        let committed = done.committed;
-        let mut out = early;
-        out.extend(done.messages);
         for c in committed {
             self.check_on_majority(&c);
             if let Some(prev) = self.committed_ever.get(&(c.group, c.index)) {
@@ -287,6 +313,7 @@ impl Sim {
         if let Some(n) = self.nodes.get_mut(&id) {
             n.alive = false;
             n.log.crash();
+            n.pending.clear();
         }
     }
 
