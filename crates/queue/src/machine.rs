@@ -1027,6 +1027,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Command::Configure(policy) => {
                 self.policy = policy;
                 self.last_used = self.now_ms;
+                // A policy may lower a limit on a queue that already holds messages.
+                self.drop_over_limit(effects);
                 Reply::Ok
             }
             Command::Touch => {
