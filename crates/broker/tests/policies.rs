@@ -131,6 +131,40 @@ fn a_queue_declared_after_the_policy_takes_its_ttl() {
 }
 
 #[test]
+fn a_lower_ttl_from_a_policy_expires_what_is_queued_already() {
+    let mut b = Broker::new(BrokerConfig::default());
+    let dead = dead_letter_target(&mut b);
+    let mut args = FieldTable::new();
+    args.insert("x-message-ttl", FieldValue::I32(60_000));
+    let q = declare(&mut b, "backlog", args);
+    // Two old messages, one newer.
+    for body in ["old-1", "old-2"] {
+        b.publish(V, "", "backlog", msg(body), 1_000)
+            .expect("publish");
+    }
+    b.publish(V, "", "backlog", msg("new"), 9_000)
+        .expect("publish");
+    b.tick(10_000);
+    assert_eq!(ready(&b, q), 3);
+    let p = policy(
+        "shorter",
+        PolicyKind::User,
+        "^backlog$",
+        &[
+            ("message-ttl", PolicyValue::Int(5_000)),
+            ("dead-letter-exchange", PolicyValue::Str("dlx".into())),
+        ],
+    );
+    b.set_policy(p).expect("set");
+    // The old ones were due at 6000: gone at once, to the dead-letter exchange.
+    assert_eq!((ready(&b, q), ready(&b, dead)), (1, 2));
+    b.tick(13_000);
+    assert_eq!(ready(&b, q), 1);
+    b.tick(14_001);
+    assert_eq!((ready(&b, q), ready(&b, dead)), (0, 3));
+}
+
+#[test]
 fn an_operator_policy_caps_the_queue_argument_and_the_user_policy() {
     let mut b = Broker::new(BrokerConfig::default());
     let mut args = FieldTable::new();

@@ -193,11 +193,23 @@ impl Broker {
                 .map(|s| Box::new(crate::dedup::Dedup::new(s)));
         }
         tracing::debug!(queue = %q.name, vhost = %q.vhost, policy = ?q.policy, operator_policy = ?q.operator_policy, "queue arguments changed by a policy");
+        // A lower TTL reaches what is queued already (RabbitMQ's does not; a policy that
+        // shortens a TTL is meant to shed the backlog it finds).
+        let caps = match (q.args.message_ttl_ms, new.message_ttl_ms) {
+            (old, Some(ttl)) if old.is_none_or(|old| ttl < old) => {
+                Some(q.stats.enqueue_times.expiry_caps(ttl, self.now_ms))
+            }
+            _ => None,
+        };
         q.args = new;
         if before != after {
             self.run(id, Command::Configure(after));
             // A lowered limit drops messages: their store entries go, their dead letters
             // are queued.
+            self.finish_effects(id);
+        }
+        if let Some(caps) = caps {
+            self.run(id, Command::CapExpiry { caps });
             self.finish_effects(id);
         }
     }
