@@ -1220,3 +1220,42 @@ fn policies_survive_a_restart_and_act_on_restored_queues() {
     let id = b.queue_id("/", "limited").expect("queue");
     assert_eq!(b.queue_info(id).map(|i| i.message_count), Some(2));
 }
+
+#[test]
+fn a_ttl_lowered_by_a_policy_still_reaches_stored_messages_after_a_restart() {
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        declare(&mut b, "kept", true);
+        for i in 0..3 {
+            b.publish("/", "", "kept", owned_msg(format!("m{i}"), true), 0)
+                .expect("publish");
+        }
+        flush(&mut b, &s);
+        b.set_policy(PolicyDef {
+            vhost: "/".into(),
+            name: "ttl".into(),
+            kind: PolicyKind::User,
+            pattern: "^kept$".into(),
+            apply_to: ApplyTo::Queues,
+            priority: 0,
+            definition: [("message-ttl".to_owned(), PolicyValue::Int(60_000))]
+                .into_iter()
+                .collect(),
+        })
+        .expect("policy");
+        flush(&mut b, &s);
+        s.close_clean().expect("close");
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    let (mut b, _r, _s) = recovered(s);
+    let id = b.queue_id("/", "kept").expect("queue");
+    // Stored without an expiry: the policy's TTL counts from the restart at the latest.
+    b.cap_restored_expiries(1_000_000);
+    b.tick(1_000_000 + 59_000);
+    assert_eq!(b.queue_info(id).map(|i| i.message_count), Some(3));
+    b.tick(1_000_000 + 60_001);
+    assert_eq!(b.queue_info(id).map(|i| i.message_count), Some(0));
+}

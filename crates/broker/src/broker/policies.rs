@@ -63,6 +63,27 @@ impl Broker {
             .map_err(|e| AmqpError::precondition_failed(e.to_string()))
     }
 
+    /// After recovery: the stored expiry of a message predates any TTL a policy lowered since
+    /// (the queue machine's caps live in memory), so every restored message of a queue with a
+    /// TTL expires by now plus that TTL at the latest (it was enqueued before now: never
+    /// early; a message whose stored expiry is sooner keeps it).
+    pub fn cap_restored_expiries(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        let due: Vec<(QueueId, u64)> = self
+            .queues
+            .values()
+            .filter(|q| q.policy.is_some() || q.operator_policy.is_some())
+            .filter(|q| q.machine.ready_count() + q.machine.in_flight_count() > 0)
+            .filter_map(|q| q.args.message_ttl_ms.map(|ttl| (q.id, ttl)))
+            .collect();
+        for (id, ttl) in due {
+            let caps = vec![(u64::MAX, self.now_ms.saturating_add(ttl))];
+            self.run(id, Command::CapExpiry { caps });
+            self.finish_effects(id);
+        }
+        self.dead_letter_pending();
+    }
+
     /// The user and operator policies of a queue, and the arguments it then acts on (`None`
     /// when no policy applies: its own).
     pub(super) fn queue_policies(
