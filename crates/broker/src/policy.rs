@@ -498,6 +498,11 @@ pub fn effective_arguments(
         };
         out.insert(warren_codec::ShortStr::from_string(arg), merged);
     }
+    // A routing key without a dead-letter exchange is an error in a declaration; from a
+    // policy it is only unused (the rest of the policy still applies).
+    if out.get("x-dead-letter-exchange").is_none() {
+        out.remove("x-dead-letter-routing-key");
+    }
     out
 }
 

@@ -334,3 +334,36 @@ fn a_policy_that_lowers_the_ttl_expires_a_paged_backlog() {
     assert_eq!(b.queue_info(deep).unwrap().message_count, 0);
     assert_eq!(b.queue_info(dead).unwrap().message_count, 40);
 }
+
+#[test]
+fn a_policy_that_sets_a_length_limit_trims_a_paged_backlog() {
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let (mut b, store) = setup();
+    for i in 0..40 {
+        publish(&mut b, i);
+    }
+    store.apply(&mut b);
+    assert!(paged(&b) > 30, "the queue pages");
+    b.set_policy(PolicyDef {
+        vhost: "/".into(),
+        name: "short".into(),
+        kind: PolicyKind::User,
+        pattern: "^deep$".into(),
+        apply_to: ApplyTo::Queues,
+        priority: 0,
+        definition: [("max-length".to_owned(), PolicyValue::Int(5))]
+            .into_iter()
+            .collect(),
+    })
+    .expect("policy");
+    for _ in 0..20 {
+        b.tick(1);
+        drain(&mut b);
+        store.apply(&mut b);
+    }
+    let deep = b.queue_id("/", "deep").unwrap();
+    assert_eq!(b.queue_info(deep).unwrap().message_count, 5);
+    consume(&mut b);
+    let got = drain(&mut b);
+    assert_eq!(got, ["m35", "m36", "m37", "m38", "m39"]);
+}

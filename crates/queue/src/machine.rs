@@ -984,6 +984,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 let reply = self.load(messages, through_id);
                 // What expired on disk goes now, before a checkout could hand it out.
                 self.expire(effects);
+                // A limit lowered while the head was on disk trims what came back.
+                self.drop_over_limit(effects);
                 reply
             }
             Command::Consume { id, spec } => {
@@ -1514,12 +1516,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if self.policy.overflow != Overflow::DropHead || !self.policy.limits_length() {
             return;
         }
-        let over = |m: &Self| {
-            let (count, bytes) = m.limited();
-            m.policy.max_length.is_some_and(|n| count > n)
-                || m.policy.max_length_bytes.is_some_and(|n| bytes > n)
-        };
-        while over(self) {
+        while self.over_limit() {
             // Parked messages count too: when the line has nothing droppable, the oldest of
             // them goes.
             let Some(e) = self.pop_ready().or_else(|| self.pop_parked()) else {
@@ -2311,9 +2308,22 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return None;
         }
         match self.tail.front() {
+            // Over a length limit (lowered by a policy) with the head on disk: due now, to
+            // be read back and trimmed.
+            Some(Slot::Paged(_)) if self.over_limit() => Some(self.now_ms.saturating_sub(1)),
             Some(Slot::Paged(r)) => r.expires_min,
             _ => None,
         }
+    }
+
+    /// Is a `drop-head` queue over its length limit?
+    fn over_limit(&self) -> bool {
+        if self.policy.overflow != Overflow::DropHead {
+            return false;
+        }
+        let (count, bytes) = self.limited();
+        self.policy.max_length.is_some_and(|n| count > n)
+            || self.policy.max_length_bytes.is_some_and(|n| bytes > n)
     }
 
     /// Has the next paged run's earliest expiry passed, with nothing ahead of it in memory?

@@ -215,6 +215,11 @@ fn operator_policy_caps_and_arguments_precede() {
         q.get("x-overflow"),
         Some(&FieldValue::long_str("reject-publish"))
     );
+    // A policy's routing key without a dead-letter exchange is left out, not the policy.
+    let rk = def(&[("dead-letter-routing-key", s("rk")), ("max-length", int(3))]);
+    let args = effective_arguments(&FieldTable::new(), QueueType::Classic, &rk);
+    assert_eq!(args.get("x-dead-letter-routing-key"), None);
+    assert_eq!(args.get("x-max-length"), Some(&FieldValue::I64(3)));
     // Keys a queue type does not take are left out (queue-mode on a quorum queue).
     let lazy = def(&[("queue-mode", s("lazy"))]);
     assert!(effective_arguments(&FieldTable::new(), QueueType::Quorum, &lazy).is_empty());
