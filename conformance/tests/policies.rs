@@ -234,3 +234,30 @@ async fn policies_in_an_imported_definitions_file_act_on_its_queues() {
     let (status, _) = api.call("DELETE", &format!("/policies/%2F/{p}-ttl"), None);
     assert_eq!(status, 204);
 }
+
+#[tokio::test]
+async fn a_policy_with_a_lower_ttl_expires_messages_queued_before_it() {
+    let broker = TestBroker::start();
+    let api = Api::of(&broker);
+    let p = unique("polttl");
+    let q = format!("{p}-q");
+    let conn = broker.connect().await;
+    let ch = confirm_channel(&conn).await;
+    let (dlx, dlq) = dead_letter_queue(&ch, &p, false).await;
+    declare(&ch, &q).await;
+    for body in [b"a", b"b", b"c"] {
+        publish(&ch, &q, body).await;
+    }
+    assert_eq!(ready(&ch, &q).await, 3);
+    let (status, body) = api.call(
+        "PUT",
+        &format!("/policies/%2F/{p}"),
+        Some(json!({"pattern": format!("^{q}$"), "apply-to": "queues",
+                    "definition": {"message-ttl": 1, "dead-letter-exchange": dlx}})),
+    );
+    assert_eq!(status, 201, "{body}");
+    wait_ready(&ch, &dlq, 3).await;
+    assert_eq!(ready(&ch, &q).await, 0);
+    let (status, _) = api.call("DELETE", &format!("/policies/%2F/{p}"), None);
+    assert_eq!(status, 204);
+}

@@ -242,7 +242,7 @@ async fn rabbitmqadmin_manages_the_broker() {
     admin.ok(&["-V", &v, "declare", "queue", &arg("name", &q)]);
     assert_eq!(admin.names(&["-V", &v, "list", "queues"]), vec![q.clone()]);
 
-    // Policies: rabbitmqadmin sends the priority as a JSON string.
+    // Policies (rabbitmqadmin parses the definition and the priority as JSON).
     let pol = format!("{p}-policy");
     admin.ok(&[
         "declare",
