@@ -70,9 +70,13 @@ pub enum PolicyValue {
     Str(String),
     Int(i64),
     Bool(bool),
-    /// Anything else (a float, a list, an object, null), as Erlang's `~p` prints it: never
-    /// valid, kept only to be named in the error.
-    Other(String),
+    /// Anything else (a float, a list, an object, null): valid only for the mirroring keys
+    /// Warren accepts and ignores. Kept as its JSON text (to be shown and exported as given)
+    /// and as Erlang's `~p` prints it (for error texts).
+    Other {
+        json: String,
+        erl: String,
+    },
 }
 
 impl PolicyValue {
@@ -82,7 +86,7 @@ impl PolicyValue {
             PolicyValue::Str(s) => crate::erl::binary(s.as_bytes()),
             PolicyValue::Int(i) => i.to_string(),
             PolicyValue::Bool(b) => b.to_string(),
-            PolicyValue::Other(s) => s.clone(),
+            PolicyValue::Other { erl, .. } => erl.clone(),
         }
     }
 
@@ -91,7 +95,7 @@ impl PolicyValue {
             PolicyValue::Str(s) => FieldValue::long_str(s.as_str()),
             PolicyValue::Int(i) => FieldValue::I64(*i),
             PolicyValue::Bool(b) => FieldValue::Bool(*b),
-            PolicyValue::Other(_) => return None,
+            PolicyValue::Other { .. } => return None,
         })
     }
 

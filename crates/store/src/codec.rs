@@ -564,10 +564,11 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
                         v.put_u8(b'b');
                         v.put_u8(u8::from(*b));
                     }
-                    // Never valid, so never stored: kept as its text.
-                    PolicyValue::Other(s) => {
+                    // A mirroring key's list or object, kept as given.
+                    PolicyValue::Other { json, erl } => {
                         v.put_u8(b'o');
-                        put_text(&mut v, s);
+                        put_text(&mut v, json);
+                        put_text(&mut v, erl);
                     }
                 }
             }
@@ -661,7 +662,10 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                     b's' => PolicyValue::Str(v.text("policy value")?),
                     b'i' => PolicyValue::Int(v.u64("policy value")? as i64),
                     b'b' => PolicyValue::Bool(v.u8("policy value")? != 0),
-                    _ => PolicyValue::Other(v.text("policy value")?),
+                    _ => PolicyValue::Other {
+                        json: v.text("policy value")?,
+                        erl: v.text("policy value")?,
+                    },
                 };
                 definition.insert(key, value);
             }

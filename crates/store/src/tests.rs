@@ -1183,6 +1183,13 @@ fn policies_survive_a_restart_and_act_on_restored_queues() {
             ("max-length", PolicyValue::Int(2)),
             ("dead-letter-exchange", PolicyValue::Str("dlx".into())),
             ("message-deduplication", PolicyValue::Bool(false)),
+            (
+                "ha-params",
+                PolicyValue::Other {
+                    json: r#"["a"]"#.into(),
+                    erl: r#"[<<"a">>]"#.into(),
+                },
+            ),
         ],
     );
     let op = pol(

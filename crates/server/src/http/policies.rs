@@ -55,7 +55,9 @@ fn value_json(v: &PolicyValue) -> Value {
         PolicyValue::Str(s) => s.as_str().into(),
         PolicyValue::Int(i) => (*i).into(),
         PolicyValue::Bool(b) => (*b).into(),
-        PolicyValue::Other(s) => s.as_str().into(),
+        PolicyValue::Other { json, .. } => {
+            serde_json::from_str(json).unwrap_or_else(|_| json.as_str().into())
+        }
     }
 }
 
@@ -105,9 +107,15 @@ fn policy_value(v: &Value) -> PolicyValue {
         Value::Bool(b) => PolicyValue::Bool(*b),
         Value::Number(n) => match n.as_i64() {
             Some(i) => PolicyValue::Int(i),
-            None => PolicyValue::Other(n.to_string()),
+            None => PolicyValue::Other {
+                json: n.to_string(),
+                erl: n.to_string(),
+            },
         },
-        other => PolicyValue::Other(erl(other)),
+        other => PolicyValue::Other {
+            json: other.to_string(),
+            erl: erl(other),
+        },
     }
 }
 
@@ -368,6 +376,18 @@ mod tests {
         .expect("valid");
         assert_eq!((p.priority, p.apply_to.as_str()), (2, "queues"));
         assert_eq!(p.definition.get("max-length"), Some(&PolicyValue::Int(5)));
+        // Mirroring keys are kept as given (RabbitMQ 3.x definitions carry them).
+        let ha = policy_from(
+            "/",
+            "ha",
+            PolicyKind::User,
+            &body(r#"{"pattern":".*","definition":{"ha-mode":"nodes","ha-params":["rabbit@a"]}}"#),
+        )
+        .expect("valid");
+        assert_eq!(
+            definition_json(&ha.definition),
+            json!({"ha-mode": "nodes", "ha-params": ["rabbit@a"]})
+        );
         assert!(reason(r#"{"definition":{}}"#).contains("[{key_missing,pattern}]"));
         assert!(
             reason(r#"{"pattern":".*","definition":{"max-length":"ten"}}"#)
