@@ -5,6 +5,18 @@
 use super::*;
 use crate::policy::{Definition, PolicyDef, PolicyError, PolicyTable};
 
+/// What a queue's user and operator policies set together.
+pub(super) fn definition_of(q: &Queue, policies: &PolicyTable) -> Definition {
+    let get = |kind, name: &Option<String>| {
+        name.as_deref()
+            .and_then(|n| policies.get(&q.vhost, kind, n))
+    };
+    crate::policy::effective_definition(
+        get(PolicyKind::User, &q.policy),
+        get(PolicyKind::Operator, &q.operator_policy),
+    )
+}
+
 impl Broker {
     pub fn policies(&self) -> &PolicyTable {
         &self.policies
@@ -131,17 +143,10 @@ impl Broker {
 
     /// The effective policy definition of a queue (`effective_policy_definition`).
     pub fn queue_policy_definition(&self, queue: QueueId) -> Definition {
-        let Some(q) = self.queues.get(&queue) else {
-            return Definition::new();
-        };
-        let get = |kind, name: &Option<String>| {
-            name.as_deref()
-                .and_then(|n| self.policies.get(&q.vhost, kind, n))
-        };
-        crate::policy::effective_definition(
-            get(PolicyKind::User, &q.policy),
-            get(PolicyKind::Operator, &q.operator_policy),
-        )
+        self.queues
+            .get(&queue)
+            .map(|q| definition_of(q, &self.policies))
+            .unwrap_or_default()
     }
 
     /// Works out every queue's and exchange's policies in a vhost again and applies what

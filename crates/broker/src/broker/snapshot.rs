@@ -105,11 +105,6 @@ pub struct BrokerTotals {
 }
 
 fn queue_snapshot(q: &Queue, policies: &crate::policy::PolicyTable) -> QueueSnapshot {
-    use crate::policy::PolicyKind;
-    let get = |kind, name: &Option<String>| {
-        name.as_deref()
-            .and_then(|n| policies.get(&q.vhost, kind, n))
-    };
     QueueSnapshot {
         id: q.id,
         vhost: q.vhost.clone(),
@@ -131,10 +126,7 @@ fn queue_snapshot(q: &Queue, policies: &crate::policy::PolicyTable) -> QueueSnap
         dedup: q.dedup.as_ref().map(|d| d.stats()),
         policy: q.policy.clone(),
         operator_policy: q.operator_policy.clone(),
-        effective_policy_definition: crate::policy::effective_definition(
-            get(PolicyKind::User, &q.policy),
-            get(PolicyKind::Operator, &q.operator_policy),
-        ),
+        effective_policy_definition: super::policies::definition_of(q, policies),
     }
 }
 

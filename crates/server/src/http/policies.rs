@@ -131,12 +131,12 @@ pub fn policy_from(
     kind: PolicyKind,
     body: &Map<String, Value>,
 ) -> Result<PolicyDef, ApiError> {
-    for key in ["pattern", "definition"] {
-        if !body.contains_key(key) {
-            return Err(ApiError::bad_request(format!("[{{key_missing,{key}}}]")));
-        }
-    }
-    let pattern = match &body["pattern"] {
+    let field = |key: &str| {
+        body.get(key)
+            .ok_or_else(|| ApiError::bad_request(format!("[{{key_missing,{key}}}]")))
+    };
+    let (pattern, definition) = (field("pattern")?, field("definition")?);
+    let pattern = match pattern {
         Value::String(s) => s.clone(),
         other => {
             return Err(invalid(format!(
@@ -162,7 +162,7 @@ pub fn policy_from(
         Some(Value::String(s)) => policy::parse_apply_to(s).map_err(policy_error)?,
         Some(other) => policy::parse_apply_to(&erl(other)).map_err(policy_error)?,
     };
-    let definition: Definition = match &body["definition"] {
+    let definition: Definition = match definition {
         Value::Object(m) => m
             .iter()
             .map(|(k, v)| (k.clone(), policy_value(v)))
