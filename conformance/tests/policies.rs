@@ -238,6 +238,9 @@ async fn policies_in_an_imported_definitions_file_act_on_its_queues() {
 #[tokio::test]
 async fn a_policy_with_a_lower_ttl_expires_messages_queued_before_it() {
     let broker = TestBroker::start();
+    if broker.is_external() {
+        return; // Warren's own: RabbitMQ's lower TTL reaches new messages only
+    }
     let api = Api::of(&broker);
     let p = unique("polttl");
     let q = format!("{p}-q");

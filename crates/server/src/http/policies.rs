@@ -148,6 +148,13 @@ pub fn policy_from(
     let priority = match body.get("priority") {
         None | Some(Value::Null) => 0,
         Some(Value::Number(n)) if n.as_i64().is_some() => n.as_i64().unwrap_or(0),
+        // RabbitMQ takes any number; a whole one written as a float is the same priority.
+        Some(Value::Number(n))
+            if n.as_f64()
+                .is_some_and(|f| f.fract() == 0.0 && f.abs() < 9.0e15) =>
+        {
+            n.as_f64().map_or(0, |f| f as i64)
+        }
         // rabbitmqadmin and the web page send it as a string.
         Some(Value::String(s)) if s.trim().parse::<i64>().is_ok() => s.trim().parse().unwrap_or(0),
         Some(other) => {
@@ -375,6 +382,14 @@ mod tests {
         )
         .expect("valid");
         assert_eq!((p.priority, p.apply_to.as_str()), (2, "queues"));
+        let f = policy_from(
+            "/",
+            "p",
+            PolicyKind::User,
+            &body(r#"{"pattern":".*","definition":{"max-length":5},"priority":3.0}"#),
+        )
+        .expect("a whole float");
+        assert_eq!(f.priority, 3);
         assert_eq!(p.definition.get("max-length"), Some(&PolicyValue::Int(5)));
         // Mirroring keys are kept as given (RabbitMQ 3.x definitions carry them).
         let ha = policy_from(
