@@ -911,6 +911,97 @@ fn ctl_sets_vhost_and_user_limits_as_rabbitmqctl() {
     warren(&b, &["ctl", "delete_vhost", &vhost]).ok();
 }
 
+/// `set_policy`, `clear_policy`, `list_policies` and the operator-policy forms, with
+/// rabbitmqctl's arguments: the policy acts on a queue declared before it.
+#[test]
+fn ctl_sets_policies_as_rabbitmqctl() {
+    let b = TestBroker::start();
+    let q = unique("ctl-pol-q");
+    let name = unique("ctl-pol");
+    warren(&b, &["declare", "queue", &q]).ok();
+    warren(
+        &b,
+        &[
+            "ctl",
+            "set_policy",
+            "-p",
+            "/",
+            "--priority",
+            "3",
+            "--apply-to",
+            "queues",
+            &name,
+            &format!("^{q}$"),
+            r#"{"max-length": 2}"#,
+        ],
+    )
+    .ok();
+    for body in ["a", "b", "c"] {
+        warren(&b, &["publish", "--routing-key", &q, "--body", body]).ok();
+    }
+    assert_eq!(ready_now(&b, &q), 2);
+    let listed = warren(&b, &["ctl", "list_policies", "--format", "json"])
+        .ok()
+        .json();
+    assert_eq!(
+        listed
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["name"] == name.as_str()).cloned()),
+        Some(
+            serde_json::json!({"vhost": "/", "name": name, "pattern": format!("^{q}$"),
+            "apply-to": "queues", "definition": {"max-length": 2}, "priority": 3})
+        )
+    );
+    let table = warren(&b, &["ctl", "list_policies"]).ok().stdout;
+    assert!(
+        table
+            .lines()
+            .any(|l| l.contains(&name) && l.contains("max-length")),
+        "{table}"
+    );
+    let bad = warren(
+        &b,
+        &["ctl", "set_policy", &name, ".*", r#"{"max-length": "x"}"#],
+    );
+    assert_ne!(bad.code, 0);
+    assert!(
+        bad.stderr.contains("is not a valid maximum length"),
+        "{}",
+        bad.stderr
+    );
+    let bad = warren(&b, &["ctl", "set_policy", &name, ".*", "max-length=2"]);
+    assert_eq!(bad.code, 2, "{}", bad.stderr);
+
+    warren(
+        &b,
+        &[
+            "ctl",
+            "set_operator_policy",
+            &name,
+            &format!("^{q}$"),
+            r#"{"max-length": 1}"#,
+        ],
+    )
+    .ok();
+    assert_eq!(ready_now(&b, &q), 1);
+    let ops = warren(&b, &["ctl", "list_operator_policies", "--format", "json"])
+        .ok()
+        .json();
+    assert!(
+        ops.as_array()
+            .is_some_and(|a| a.iter().any(|p| p["name"] == name.as_str())),
+        "{ops}"
+    );
+    warren(&b, &["ctl", "clear_operator_policy", &name]).ok();
+    warren(&b, &["ctl", "clear_policy", &name]).ok();
+    let again = warren(&b, &["ctl", "clear_policy", &name]);
+    assert_ne!(again.code, 0);
+    for body in ["d", "e"] {
+        warren(&b, &["publish", "--routing-key", &q, "--body", body]).ok();
+    }
+    assert_eq!(ready_now(&b, &q), 3);
+}
+
 /// A password typed at a terminal is not echoed: `warren ctl add_user` without a password,
 /// on a pseudo-terminal that is its controlling terminal, turns the echo off before it reads
 /// the line, and the terminal shows the prompt but never the password.

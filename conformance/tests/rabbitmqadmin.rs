@@ -242,6 +242,58 @@ async fn rabbitmqadmin_manages_the_broker() {
     admin.ok(&["-V", &v, "declare", "queue", &arg("name", &q)]);
     assert_eq!(admin.names(&["-V", &v, "list", "queues"]), vec![q.clone()]);
 
+    // Policies (rabbitmqadmin parses the definition and the priority as JSON).
+    let pol = format!("{p}-policy");
+    admin.ok(&[
+        "declare",
+        "policy",
+        &arg("name", &pol),
+        &arg("pattern", &format!("^{q2}$")),
+        r#"definition={"max-length": 1}"#,
+        "priority=7",
+        "apply-to=queues",
+    ]);
+    let policies = admin.json(&["list", "policies"]);
+    let listed = policies
+        .as_array()
+        .and_then(|a| a.iter().find(|o| o["name"] == pol.as_str()).cloned())
+        .unwrap_or_else(|| panic!("{pol} not listed: {policies}"));
+    assert_eq!(listed["priority"], 7, "{listed}");
+    assert_eq!(listed["apply-to"], "queues", "{listed}");
+    assert_eq!(listed["definition"]["max-length"], 1, "{listed}");
+    eventually("the policy to reach the queue", || {
+        let queues = admin.json(&["list", "queues", "name", "policy", "messages_ready"]);
+        let shown = queues
+            .as_array()
+            .and_then(|a| a.iter().find(|o| o["name"] == q2.as_str()).cloned())
+            .unwrap_or_default();
+        (shown["policy"] == pol.as_str())
+            .then_some(())
+            .ok_or(format!("{shown}"))
+    });
+    let (ok, out, err) = admin.run(&[
+        "declare",
+        "policy",
+        &arg("name", &pol),
+        "pattern=.*",
+        r#"definition={"max-length": -1}"#,
+    ]);
+    assert!(
+        !ok && format!("{out}{err}").contains("is not a valid maximum length"),
+        "{out}{err}"
+    );
+    admin.ok(&[
+        "declare",
+        "operator_policy",
+        &arg("name", &pol),
+        &arg("pattern", &format!("^{q2}$")),
+        r#"definition={"max-length": 5}"#,
+    ]);
+    assert!(admin.names(&["list", "operator_policies"]).contains(&pol));
+    admin.ok(&["delete", "operator_policy", &arg("name", &pol)]);
+    admin.ok(&["delete", "policy", &arg("name", &pol)]);
+    assert!(!admin.names(&["list", "policies"]).contains(&pol));
+
     // Every list rabbitmqadmin has, and show overview.
     for what in [
         "connections",

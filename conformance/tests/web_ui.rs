@@ -466,8 +466,24 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
     );
     assert!(dom.contains("data-testid=\"graph-depth\""), "depth graph");
     assert!(dom.contains("data-testid=\"graph-rates\""), "rates graph");
-    // The queue with a consumer: its unacked message and the consumer's row.
+    assert_eq!(testid(&dom, "queue-policy"), "none");
+    // The queue with a consumer: its unacked message and the consumer's row; a policy.
+    let set = warren_conformance::http::request(
+        "PUT",
+        &format!("{http}/api/policies/%2F/ui-policy"),
+        Some(("guest", "guest")),
+        &[],
+        Some(&format!(
+            r#"{{"pattern":"^{WORK}$","definition":{{"max-length-bytes":1000000}}}}"#
+        )),
+    );
+    assert_eq!(set.status, 201, "{}", set.text());
     let dom = view(&chromium, format!("{http}/#/queues/%2F/{WORK}?{login}")).await;
+    assert_eq!(testid(&dom, "queue-policy"), "ui-policy");
+    assert_eq!(
+        testid(&dom, "queue-effective-policy"),
+        "{\"max-length-bytes\":1000000}"
+    );
     assert_eq!(testid(&dom, "queue-ready"), "1");
     assert_eq!(testid(&dom, "queue-unacked"), "1");
     let c = row(&dom, "data-consumer", "ui-worker").expect("the consumer row");

@@ -169,6 +169,13 @@ pub enum StoreOp {
         name: String,
         limits: Limits,
     },
+    /// A user or operator policy, set or replaced.
+    PutPolicy(crate::policy::PolicyDef),
+    DeletePolicy {
+        vhost: String,
+        kind: crate::policy::PolicyKind,
+        name: String,
+    },
 }
 
 /// Reads paged-out messages back (the server gives the broker one over the store). Called

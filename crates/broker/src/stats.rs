@@ -111,6 +111,8 @@ pub(crate) enum Counted {
 #[derive(Clone, Debug)]
 pub struct EnqueueTimes {
     marks: VecDeque<(u64, u64)>,
+    /// The latest enqueue of each mark's messages (those up to the next mark's id).
+    lasts: VecDeque<u64>,
     resolution_ms: u64,
 }
 
@@ -118,6 +120,7 @@ impl Default for EnqueueTimes {
     fn default() -> Self {
         EnqueueTimes {
             marks: VecDeque::new(),
+            lasts: VecDeque::new(),
             resolution_ms: BASE_RESOLUTION_MS,
         }
     }
@@ -141,11 +144,17 @@ impl EnqueueTimes {
             .back()
             .is_some_and(|(_, at)| now_ms < at.saturating_add(self.resolution_ms))
         {
+            if let Some(last) = self.lasts.back_mut() {
+                *last = (*last).max(now_ms);
+            }
             return;
         }
         match oldest() {
             Some(id) => self.forget_below(id),
-            None => self.marks.clear(),
+            None => {
+                self.marks.clear();
+                self.lasts.clear();
+            }
         }
         if self.marks.len() < MAX_MARKS / 4 {
             self.resolution_ms = BASE_RESOLUTION_MS;
@@ -158,16 +167,52 @@ impl EnqueueTimes {
                 i += 1;
                 i % 2 == 1
             });
+            // A kept mark's messages now run to the next kept one: its latest is the later.
+            let lasts: Vec<u64> = self.lasts.iter().copied().collect();
+            self.lasts = lasts
+                .chunks(2)
+                .map(|c| c.iter().copied().max().unwrap_or(0))
+                .collect();
             self.resolution_ms = self.resolution_ms.saturating_mul(2);
         }
         self.marks.push_back((msg_id, now_ms));
+        self.lasts.push_back(now_ms);
     }
 
     /// Forgets the marks that only messages below `oldest_id` (gone) needed.
     fn forget_below(&mut self, oldest_id: u64) {
         while self.marks.len() > 1 && self.marks.get(1).is_some_and(|(id, _)| *id <= oldest_id) {
             self.marks.pop_front();
+            self.lasts.pop_front();
         }
+    }
+
+    /// The expiry caps a queue TTL of `ttl_ms` set now gives the messages already queued
+    /// (`machine::Command::CapExpiry`): each mark's messages expire by their latest enqueue
+    /// plus the TTL (late by up to the resolution, never early); messages older than every
+    /// mark by the first mark's time plus the TTL; with no mark, everything by `now_ms` plus
+    /// the TTL.
+    pub(crate) fn expiry_caps(&self, ttl_ms: u64, now_ms: u64) -> Vec<(u64, u64)> {
+        let Some(&(first_id, first_at)) = self.marks.front() else {
+            return vec![(u64::MAX, now_ms.saturating_add(ttl_ms))];
+        };
+        let older = first_id
+            .checked_sub(1)
+            .map(|id| (id, first_at.saturating_add(ttl_ms)));
+        let up_to = self
+            .marks
+            .iter()
+            .skip(1)
+            .map(|(id, _)| id.saturating_sub(1))
+            .chain(std::iter::once(u64::MAX));
+        older
+            .into_iter()
+            .chain(
+                up_to
+                    .zip(&self.lasts)
+                    .map(|(id, last)| (id, last.saturating_add(ttl_ms))),
+            )
+            .collect()
     }
 
     /// When the message `oldest_id` was enqueued, at the latest. `None` without a mark at or
@@ -267,6 +312,27 @@ mod tests {
         t.enqueued(4, 17_000, || None);
         assert_eq!(t.peek_enqueued_at(4), Some(17_000));
         assert_eq!(t.peek_enqueued_at(3), None);
+    }
+
+    #[test]
+    fn expiry_caps_never_come_before_enqueue_plus_ttl() {
+        let mut t = EnqueueTimes::default();
+        assert_eq!(t.expiry_caps(1_000, 9_000), vec![(u64::MAX, 10_000)]);
+        t.enqueued(0, 0, || Some(0));
+        t.enqueued(1, 500, || Some(0));
+        t.enqueued(2, 5_000, || Some(0));
+        t.enqueued(3, 5_200, || Some(0));
+        // 0 and 1 by 500 + 1000; 2 and 3 by 5200 + 1000.
+        assert_eq!(
+            t.expiry_caps(1_000, 9_000),
+            vec![(1, 1_500), (u64::MAX, 6_200)]
+        );
+        // 0..=2 gone: 3's mark... and what is older than the first mark by its time.
+        t.enqueued(4, 8_000, || Some(3));
+        assert_eq!(
+            t.expiry_caps(1_000, 9_000),
+            vec![(1, 6_000), (3, 6_200), (u64::MAX, 9_000)]
+        );
     }
 
     #[test]

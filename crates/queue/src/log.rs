@@ -110,6 +110,7 @@ const DOWN: u8 = 21;
 const ENQUEUE_FROM: u8 = 22;
 const UNREGISTER: u8 = 23;
 const GET_BY: u8 = 24;
+const CAP_EXPIRY: u8 = 25;
 
 fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -440,6 +441,14 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
             put_policy(out, policy);
         }
         Command::Touch => out.put_u8(TOUCH),
+        Command::CapExpiry { caps } => {
+            out.put_u8(CAP_EXPIRY);
+            out.put_u32(u32::try_from(caps.len()).unwrap_or(u32::MAX));
+            for (up_to, at) in caps {
+                out.put_u64(*up_to);
+                out.put_u64(*at);
+            }
+        }
         Command::Extend {
             receipt,
             timeout_ms,
@@ -645,6 +654,14 @@ impl Reader {
             },
             CONFIGURE => Command::Configure(self.policy()?),
             TOUCH => Command::Touch,
+            CAP_EXPIRY => {
+                let n = self.u32("cap count")?;
+                let mut caps = Vec::new();
+                for _ in 0..n {
+                    caps.push((self.u64("cap id")?, self.u64("cap expiry")?));
+                }
+                Command::CapExpiry { caps }
+            }
             RELEASE => Command::Release {
                 receipt: self.receipt()?,
             },
@@ -908,6 +925,16 @@ mod tests {
         newer[0] = FORMAT_VERSION + 1;
         let err = decode_entry(Bytes::from(newer)).unwrap_err().to_string();
         assert!(err.contains("format version 2"), "{err}");
+    }
+
+    #[test]
+    fn an_expiry_cap_round_trips() {
+        let command = Command::CapExpiry {
+            caps: vec![(7, 1_000), (u64::MAX, 2_000)],
+        };
+        let mut out = BytesMut::new();
+        encode_entry(&command, &mut out).unwrap();
+        assert_eq!(decode_entry(out.freeze()), Ok(command));
     }
 
     #[test]

@@ -403,6 +403,14 @@ pub enum Command<M> {
     },
     /// The queue was redeclared: a use (`x-expires` counts from here).
     Touch,
+    /// A lower queue TTL reaches messages already queued (a policy changed): each ready or
+    /// delivered message with an id up to a cap's `.0` (the first such cap, caps in id order)
+    /// expires no later than its `.1`. Paged messages take their cap when they are read back.
+    /// The caller derives the caps from when the messages came (conservatively: never
+    /// earlier than their enqueue time plus the new TTL). Expires what is due at once.
+    CapExpiry {
+        caps: Vec<(u64, u64)>,
+    },
 }
 
 impl<M> Command<M> {
@@ -447,6 +455,7 @@ impl<M> Command<M> {
             Command::Configure(_) => "configure",
             Command::Extend { .. } => "extend",
             Command::Touch => "touch",
+            Command::CapExpiry { .. } => "cap_expiry",
         }
     }
 }
@@ -628,6 +637,23 @@ struct Run {
     /// The earliest expiry of its messages, if any has one (an upper bound once part of the
     /// run was read: the rest may expire later).
     expires_min: Option<u64>,
+}
+
+/// The expiry cap of message `id`: the first cap (in id order) that reaches it.
+fn cap_of(caps: &[(u64, u64)], id: u64) -> Option<u64> {
+    let i = caps.partition_point(|(up_to, _)| *up_to < id);
+    caps.get(i).map(|c| c.1)
+}
+
+/// Two cap lists as one: at every boundary, the lower of the two caps there.
+fn merge_caps(a: &[(u64, u64)], b: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut bounds: Vec<u64> = a.iter().chain(b).map(|c| c.0).collect();
+    bounds.sort_unstable();
+    bounds.dedup();
+    bounds
+        .into_iter()
+        .filter_map(|up_to| min_opt(cap_of(a, up_to), cap_of(b, up_to)).map(|at| (up_to, at)))
+        .collect()
 }
 
 fn min_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
@@ -849,6 +875,10 @@ pub struct QueueMachine<M> {
     parked_count: usize,
     /// Publishers that may resend ([`Command::EnqueueFrom`]), while their channel lives.
     enqueuers: BTreeMap<EnqueuerId, Enqueuer>,
+    /// Expiry caps ([`Command::CapExpiry`]) still owed to messages on disk, whose stored
+    /// expiry predates them: `(up to id, expires at)` in id order, applied when they are read
+    /// back.
+    expiry_caps: Vec<(u64, u64)>,
     /// The last applied command's index and the latest time seen.
     last_index: u64,
     now_ms: u64,
@@ -890,6 +920,7 @@ impl<M> Default for QueueMachine<M> {
             parked: BTreeMap::new(),
             parked_count: 0,
             enqueuers: BTreeMap::new(),
+            expiry_caps: Vec::new(),
             last_index: 0,
             now_ms: 0,
         }
@@ -970,6 +1001,8 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 let reply = self.load(messages, through_id);
                 // What expired on disk goes now, before a checkout could hand it out.
                 self.expire(effects);
+                // A limit lowered while the head was on disk trims what came back.
+                self.drop_over_limit(effects);
                 reply
             }
             Command::Consume { id, spec } => {
@@ -1044,10 +1077,16 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Command::Configure(policy) => {
                 self.policy = policy;
                 self.last_used = self.now_ms;
+                // A policy may lower a limit on a queue that already holds messages.
+                self.drop_over_limit(effects);
                 Reply::Ok
             }
             Command::Touch => {
                 self.last_used = self.now_ms;
+                Reply::Ok
+            }
+            Command::CapExpiry { caps } => {
+                self.cap_expiry(caps, effects);
                 Reply::Ok
             }
             Command::Extend {
@@ -1500,12 +1539,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
         if self.policy.overflow != Overflow::DropHead || !self.policy.limits_length() {
             return;
         }
-        let over = |m: &Self| {
-            let (count, bytes) = m.limited();
-            m.policy.max_length.is_some_and(|n| count > n)
-                || m.policy.max_length_bytes.is_some_and(|n| bytes > n)
-        };
-        while over(self) {
+        while self.over_limit() {
             // Parked messages count too: when the line has nothing droppable, the oldest of
             // them goes.
             let Some(e) = self.pop_ready().or_else(|| self.pop_parked()) else {
@@ -1749,9 +1783,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         let mut left = run;
         self.loaded_total += messages.len() as u64;
-        for m in messages {
+        for mut m in messages {
             left.count = left.count.saturating_sub(1);
             left.bytes = left.bytes.saturating_sub(m.meta.size);
+            m.meta.expires_at = min_opt(m.meta.expires_at, cap_of(&self.expiry_caps, m.msg_id));
             if let Some(at) = m.meta.expires_at {
                 self.track_expiry(at, m.msg_id, self.policy.max_priority.is_none());
             }
@@ -1785,6 +1820,68 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         self.settle_tail();
         Reply::Ok
+    }
+
+    /// [`Command::CapExpiry`]: every ready and delivered message takes its cap now (the
+    /// expiry index is rebuilt: a policy change is rare), paged runs their first id's (the
+    /// earliest of the run's), and the caps are kept for the paged messages' reads.
+    fn cap_expiry(&mut self, mut caps: Vec<(u64, u64)>, effects: &mut Vec<Effect<M>>) {
+        // Only ids given so far: a later message comes with the TTL in force.
+        let last = self.next_id.saturating_sub(1);
+        caps.sort_unstable();
+        caps.dedup_by_key(|c| c.0);
+        if let Some(i) = caps.iter().position(|c| c.0 >= last) {
+            caps.truncate(i + 1);
+            if let Some(c) = caps.last_mut() {
+                c.0 = last;
+            }
+        }
+        if caps.is_empty() || self.next_id == 0 {
+            return;
+        }
+        let cap = |e: &mut Entry<M>| {
+            e.meta.expires_at = min_opt(e.meta.expires_at, cap_of(&caps, e.id));
+        };
+        self.ready.iter_mut().for_each(cap);
+        self.returned.values_mut().for_each(cap);
+        self.by_priority.values_mut().for_each(cap);
+        self.parked
+            .values_mut()
+            .flat_map(|g| g.values_mut())
+            .for_each(cap);
+        self.retrying.values_mut().for_each(|(_, e)| cap(e));
+        self.in_flight.values_mut().for_each(|f| cap(&mut f.entry));
+        for slot in self.tail.iter_mut() {
+            match slot {
+                Slot::Msg(e) => cap(e),
+                Slot::Paged(r) => r.expires_min = min_opt(r.expires_min, cap_of(&caps, r.first)),
+            }
+        }
+        // What is tracked: the ready line in memory (parked and retrying messages file their
+        // expiry when they rejoin it).
+        self.expiries.clear();
+        self.expiries_in_order.clear();
+        let tracked = self
+            .ready
+            .iter()
+            .chain(self.returned.values())
+            .chain(self.by_priority.values())
+            .chain(self.tail.iter().filter_map(|s| match s {
+                Slot::Msg(e) => Some(e),
+                Slot::Paged(_) => None,
+            }));
+        for e in tracked {
+            if let Some(at) = e.meta.expires_at {
+                self.expiries.insert((at, e.id));
+            }
+        }
+        // Memory messages may page out later (their stored expiry is the old one), so the
+        // caps stay while any message they reach is ready; the oldest ready id bounds them.
+        self.expiry_caps = merge_caps(&self.expiry_caps, &caps);
+        if let Some(oldest) = self.oldest_ready_id() {
+            self.expiry_caps.retain(|c| c.0 >= oldest);
+        }
+        self.expire(effects);
     }
 
     /// Once the tail holds no run, it is just the rest of the line: back into `ready`.
@@ -2234,9 +2331,22 @@ impl<M: Clone + Hash> QueueMachine<M> {
             return None;
         }
         match self.tail.front() {
+            // Over a length limit (lowered by a policy) with the head on disk: due now, to
+            // be read back and trimmed.
+            Some(Slot::Paged(_)) if self.over_limit() => Some(self.now_ms.saturating_sub(1)),
             Some(Slot::Paged(r)) => r.expires_min,
             _ => None,
         }
+    }
+
+    /// Is a `drop-head` queue over its length limit?
+    fn over_limit(&self) -> bool {
+        if self.policy.overflow != Overflow::DropHead {
+            return false;
+        }
+        let (count, bytes) = self.limited();
+        self.policy.max_length.is_some_and(|n| count > n)
+            || self.policy.max_length_bytes.is_some_and(|n| bytes > n)
     }
 
     /// Has the next paged run's earliest expiry passed, with nothing ahead of it in memory?
@@ -2617,6 +2727,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 (id, e).hash(&mut h);
             }
         }
+        if !self.expiry_caps.is_empty() {
+            self.expiry_caps.hash(&mut h);
+        }
         h.finish()
     }
 }
@@ -2908,6 +3021,113 @@ mod tests {
             Reply::Delivered { count: 1 }
         );
         assert_eq!(d.m.ready_count(), 0);
+    }
+
+    #[test]
+    fn a_lower_ttl_caps_queued_delivered_and_paged_messages() {
+        let mut d = Driver::new();
+        // Ids 0..=5 came at time 0 (0, 1 with no expiry, 2 with a late one), 3..=5 at 100.
+        let meta = |expires_at, pageable| MsgMeta {
+            size: 1,
+            expires_at,
+            pageable,
+            ..MsgMeta::default()
+        };
+        for (s, e) in [("a", None), ("b", None), ("c", Some(10_000))] {
+            d.run(Command::Enqueue {
+                message: s,
+                meta: meta(e, false),
+            });
+        }
+        d.now = 100;
+        for s in ["d", "e", "f"] {
+            d.run(Command::Enqueue {
+                message: s,
+                meta: meta(None, true),
+            });
+        }
+        // "a" is out with a basic.get; "e", "f" are paged out.
+        assert_eq!(
+            d.run(Command::Get { no_ack: false }),
+            Reply::Delivered { count: 1 }
+        );
+        assert_eq!(
+            d.run(Command::PageOut {
+                keep: 3,
+                keep_bytes: 100,
+                upto_id: 5
+            }),
+            Reply::Paged { count: 2 }
+        );
+        d.effects.clear();
+        // A TTL of 50: ids up to 2 are due at 50 (now), ids 3..=5 at 150.
+        d.now = 120;
+        d.run(Command::CapExpiry {
+            caps: vec![(2, 50), (u64::MAX, 150)],
+        });
+        let expired: Vec<u64> = d
+            .effects
+            .drain(..)
+            .filter_map(|e| match e {
+                Effect::DeadLetter {
+                    msg_id,
+                    reason: DeadLetterReason::Expired,
+                    ..
+                } => Some(msg_id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            expired,
+            vec![1, 2],
+            "ready messages past the new TTL go at once"
+        );
+        assert_eq!(d.m.next_deadline(), Some(151), "strictly after the cap");
+        // The delivered one expires as it comes back.
+        d.ret(0, 1);
+        d.run(Command::Tick);
+        assert!(
+            d.effects
+                .iter()
+                .any(|e| matches!(e, Effect::DeadLetter { msg_id: 0, .. })),
+            "{:?}",
+            d.effects
+        );
+        d.effects.clear();
+        // The paged ones take their cap when read back, with the expiry stored before it.
+        d.now = 200;
+        d.run(Command::Tick);
+        d.effects.clear();
+        let loaded = |id, s| Loaded {
+            msg_id: id,
+            message: s,
+            meta: meta(None, true),
+            delivery_count: 0,
+        };
+        d.run(Command::Load {
+            messages: vec![loaded(4, "e"), loaded(5, "f")],
+            through_id: 5,
+        });
+        let expired = d
+            .effects
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    Effect::DeadLetter {
+                        reason: DeadLetterReason::Expired,
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(expired, 2, "{:?}", d.effects);
+        assert_eq!(d.m.ready_count(), 0);
+        // A later message is not capped.
+        d.enqueue("g", 1, None);
+        d.now = 10_000;
+        d.run(Command::Tick);
+        assert_eq!(d.m.ready_count(), 1);
     }
 
     #[test]

@@ -267,6 +267,7 @@ impl Node {
         self.recovering = on;
         self.broker.set_recovering(on);
         if !on {
+            self.broker.cap_restored_expiries(now);
             for c in self.conns.values_mut() {
                 c.last_recv = c.last_recv.max(now);
             }

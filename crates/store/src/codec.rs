@@ -7,6 +7,7 @@ use warren_broker::access::{
     HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
 };
 use warren_broker::limits::{LimitScope, Limits};
+use warren_broker::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
 use warren_broker::{
     BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Holder, Message,
     QueueDef, StoreOp,
@@ -24,6 +25,10 @@ pub const PERMISSION: u8 = b'p';
 pub const TOPIC_PERMISSION: u8 = b't';
 /// The limits of a vhost (`LIMITS`, `VHOST`, name) or of a user (`LIMITS`, `USER`, name).
 pub const LIMITS: u8 = b'l';
+/// A policy (`POLICY`, `USER` or `OPERATOR`, vhost, name): pattern, apply-to, priority and
+/// definition.
+pub const POLICY: u8 = b'y';
+const OPERATOR: u8 = b'o';
 
 const DEST_QUEUE: u8 = b'q';
 const DEST_EXCHANGE: u8 = b'e';
@@ -482,6 +487,18 @@ pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
             });
             put_text(&mut k, name);
         }
+        StoreOp::PutPolicy(PolicyDef {
+            vhost, name, kind, ..
+        })
+        | StoreOp::DeletePolicy { vhost, name, kind } => {
+            k.put_u8(POLICY);
+            k.put_u8(match kind {
+                PolicyKind::User => USER,
+                PolicyKind::Operator => OPERATOR,
+            });
+            put_text(&mut k, vhost);
+            put_text(&mut k, name);
+        }
         _ => return None,
     }
     Some(k)
@@ -525,6 +542,35 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
             for (name, value) in all {
                 put_text(&mut v, name);
                 v.put_i64(value);
+            }
+        }
+        StoreOp::PutPolicy(p) => {
+            put_text(&mut v, &p.pattern);
+            put_text(&mut v, p.apply_to.as_str());
+            v.put_i64(p.priority);
+            v.put_u32(u32::try_from(p.definition.len()).unwrap_or(u32::MAX));
+            for (key, value) in &p.definition {
+                put_text(&mut v, key);
+                match value {
+                    PolicyValue::Str(s) => {
+                        v.put_u8(b's');
+                        put_text(&mut v, s);
+                    }
+                    PolicyValue::Int(i) => {
+                        v.put_u8(b'i');
+                        v.put_i64(*i);
+                    }
+                    PolicyValue::Bool(b) => {
+                        v.put_u8(b'b');
+                        v.put_u8(u8::from(*b));
+                    }
+                    // A mirroring key's list or object, kept as given.
+                    PolicyValue::Other { json, erl } => {
+                        v.put_u8(b'o');
+                        put_text(&mut v, json);
+                        put_text(&mut v, erl);
+                    }
+                }
             }
         }
         _ => return None,
@@ -589,6 +635,49 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                 name,
                 limits,
             }
+        }
+        POLICY => {
+            let kind = match k.u8("policy kind")? {
+                USER => PolicyKind::User,
+                OPERATOR => PolicyKind::Operator,
+                other => {
+                    return Err(StoreError::Corrupt(format!(
+                        "policy of an unknown kind {other:#04x}"
+                    )))
+                }
+            };
+            let vhost = k.text("policy vhost")?;
+            let name = k.text("policy name")?;
+            let pattern = v.text("policy pattern")?;
+            let apply = v.text("policy apply-to")?;
+            let apply_to = ApplyTo::parse(&apply).ok_or_else(|| {
+                StoreError::Corrupt(format!("policy '{name}': unknown apply-to '{apply}'"))
+            })?;
+            let priority = v.u64("policy priority")? as i64;
+            let n = v.u32("policy key count")?;
+            let mut definition = Definition::new();
+            for _ in 0..n {
+                let key = v.text("policy key")?;
+                let value = match v.u8("policy value type")? {
+                    b's' => PolicyValue::Str(v.text("policy value")?),
+                    b'i' => PolicyValue::Int(v.u64("policy value")? as i64),
+                    b'b' => PolicyValue::Bool(v.u8("policy value")? != 0),
+                    _ => PolicyValue::Other {
+                        json: v.text("policy value")?,
+                        erl: v.text("policy value")?,
+                    },
+                };
+                definition.insert(key, value);
+            }
+            StoreOp::PutPolicy(PolicyDef {
+                vhost,
+                name,
+                kind,
+                pattern,
+                apply_to,
+                priority,
+                definition,
+            })
         }
         PERMISSION => StoreOp::PutPermission(PermissionDef {
             user: k.text("permission user")?,
@@ -687,7 +776,7 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
                 arguments,
             }))
         }
-        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS) => {
+        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS | POLICY) => {
             decode_access(kind, &mut k, &mut v).map(Def::Access)
         }
         other => Err(StoreError::Corrupt(format!(

@@ -30,10 +30,10 @@ pub use recover::{Recovered, Recovery};
 /// entries; format 3 the `delayed` column family and retry due times beside delivery counts
 /// (`counts` values of 12 bytes); format 4 vhosts, users and permissions in `defs`; format 5
 /// vhost and user limits in `defs`; format 6 the holder of each delayed message (layout 2
-/// of `delayed` values) and a delayed exchange's incarnation after its arguments. Older
-/// directories are still read and marked 6, so that an older Warren, which would misread the
-/// new records, refuses them.
-pub const FORMAT_VERSION: u32 = 6;
+/// of `delayed` values) and a delayed exchange's incarnation after its arguments; format 7
+/// policies in `defs`. Older directories are still read and marked 7, so that an older
+/// Warren, which would misread the new records, refuses them.
+pub const FORMAT_VERSION: u32 = 7;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 
@@ -423,7 +423,7 @@ impl Store {
                             wb.delete_cf(defs, k);
                         }
                     }
-                    StoreOp::PutLimits { .. } => {
+                    StoreOp::PutLimits { .. } | StoreOp::PutPolicy(_) => {
                         if let Some((k, v)) = codec::access_record(op) {
                             wb.put_cf(defs, k, v);
                         }
@@ -431,7 +431,8 @@ impl Store {
                     StoreOp::DeleteVhost { .. }
                     | StoreOp::DeleteUser { .. }
                     | StoreOp::DeletePermission { .. }
-                    | StoreOp::DeleteTopicPermission { .. } => {
+                    | StoreOp::DeleteTopicPermission { .. }
+                    | StoreOp::DeletePolicy { .. } => {
                         if let Some(k) = codec::access_key(op) {
                             wb.delete_cf(defs, k);
                         }

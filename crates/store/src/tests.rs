@@ -1159,3 +1159,110 @@ fn a_damaged_delayed_message_is_quarantined_not_deleted() {
         (CF_DELAYED, &[9u8][..])
     );
 }
+
+#[test]
+fn policies_survive_a_restart_and_act_on_restored_queues() {
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pol = |name: &str, kind, pairs: &[(&str, PolicyValue)]| PolicyDef {
+        vhost: "/".into(),
+        name: name.into(),
+        kind,
+        pattern: "^limited".into(),
+        apply_to: ApplyTo::Queues,
+        priority: -3,
+        definition: pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect(),
+    };
+    let user = pol(
+        "limit",
+        PolicyKind::User,
+        &[
+            ("max-length", PolicyValue::Int(2)),
+            ("dead-letter-exchange", PolicyValue::Str("dlx".into())),
+            ("message-deduplication", PolicyValue::Bool(false)),
+            (
+                "ha-params",
+                PolicyValue::Other {
+                    json: r#"["a"]"#.into(),
+                    erl: r#"[<<"a">>]"#.into(),
+                },
+            ),
+        ],
+    );
+    let op = pol(
+        "cap",
+        PolicyKind::Operator,
+        &[("max-length", PolicyValue::Int(5))],
+    );
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        b.set_policy(user.clone()).expect("policy");
+        b.set_policy(op.clone()).expect("operator policy");
+        b.set_policy(pol(
+            "gone",
+            PolicyKind::User,
+            &[("expires", PolicyValue::Int(9))],
+        ))
+        .expect("policy");
+        assert!(b.clear_policy("/", PolicyKind::User, "gone"));
+        declare(&mut b, "limited", true);
+        flush(&mut b, &s);
+        s.close_clean().expect("close");
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    let (mut b, r, _s) = recovered(s);
+    assert_eq!(r.skipped, 0);
+    let p = b.policies();
+    assert_eq!(p.get("/", PolicyKind::User, "limit"), Some(&user));
+    assert_eq!(p.get("/", PolicyKind::Operator, "cap"), Some(&op));
+    assert!(p.get("/", PolicyKind::User, "gone").is_none());
+    for i in 0..4 {
+        let m = owned_msg(format!("m{i}"), true);
+        b.publish("/", "", "limited", m, 0).expect("publish");
+    }
+    let id = b.queue_id("/", "limited").expect("queue");
+    assert_eq!(b.queue_info(id).map(|i| i.message_count), Some(2));
+}
+
+#[test]
+fn a_ttl_lowered_by_a_policy_still_reaches_stored_messages_after_a_restart() {
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let dir = tempfile::tempdir().expect("tempdir");
+    {
+        let s = Store::open(dir.path()).expect("open");
+        let mut b = broker();
+        declare(&mut b, "kept", true);
+        for i in 0..3 {
+            b.publish("/", "", "kept", owned_msg(format!("m{i}"), true), 0)
+                .expect("publish");
+        }
+        flush(&mut b, &s);
+        b.set_policy(PolicyDef {
+            vhost: "/".into(),
+            name: "ttl".into(),
+            kind: PolicyKind::User,
+            pattern: "^kept$".into(),
+            apply_to: ApplyTo::Queues,
+            priority: 0,
+            definition: [("message-ttl".to_owned(), PolicyValue::Int(60_000))]
+                .into_iter()
+                .collect(),
+        })
+        .expect("policy");
+        flush(&mut b, &s);
+        s.close_clean().expect("close");
+    }
+    let s = Store::open(dir.path()).expect("reopen");
+    let (mut b, _r, _s) = recovered(s);
+    let id = b.queue_id("/", "kept").expect("queue");
+    // Stored without an expiry: the policy's TTL counts from the restart at the latest.
+    b.cap_restored_expiries(1_000_000);
+    b.tick(1_000_000 + 59_000);
+    assert_eq!(b.queue_info(id).map(|i| i.message_count), Some(3));
+    b.tick(1_000_000 + 60_001);
+    assert_eq!(b.queue_info(id).map(|i| i.message_count), Some(0));
+}

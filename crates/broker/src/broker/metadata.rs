@@ -476,7 +476,7 @@ impl Broker {
             self.access
                 .check(u, vhost, Perm::Write, Resource::Exchange(&dlx))?;
         }
-        let parsed = args::validate(&req.arguments, &rs)?;
+        let mut parsed = args::validate(&req.arguments, &rs)?;
         if matches!(parsed.queue_type, QueueType::Quorum | QueueType::Stream) {
             let bad = if req.auto_delete {
                 Some("auto-delete")
@@ -499,6 +499,12 @@ impl Broker {
             return Err(AmqpError::precondition_failed(format!(
                 "invalid arg 'x-queue-type' for {rs}: \"unsupported queue type 'stream'\""
             )));
+        }
+
+        let (policy_name, operator_policy, effective) =
+            self.queue_policies(vhost, &name, parsed.queue_type, &req.arguments);
+        if let Some(eff) = effective {
+            parsed = self.effective_args(&eff, &rs, parsed);
         }
 
         let id = QueueId(self.next_queue);
@@ -540,6 +546,8 @@ impl Broker {
                 .clone()
                 .map(|s| Box::new(crate::dedup::Dedup::new(s))),
             args: parsed,
+            policy: policy_name,
+            operator_policy,
             machine: QueueMachine::new(),
             bindings: Vec::new(),
             dirty: false,
@@ -830,6 +838,12 @@ impl Broker {
                 x.incarnation = incarnation;
                 x.dedup = dedup.map(|s| Box::new(crate::dedup::Dedup::new(s)));
                 self.dedup_exchanges |= x.dedup.is_some();
+                let policy =
+                    self.policies
+                        .matching(vhost, PolicyKind::User, &name, Target::Exchange);
+                x.policy = policy.map(|p| p.name.clone());
+                x.policy_alternate =
+                    crate::policy::alternate_exchange(policy).map(ShortStr::from_string);
                 vh.exchanges.insert(name.clone(), x);
                 return Ok(());
             }

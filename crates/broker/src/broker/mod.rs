@@ -3,6 +3,7 @@
 mod flows;
 mod metadata;
 mod persistence;
+mod policies;
 mod publish;
 mod runtime;
 pub mod snapshot;
@@ -29,6 +30,7 @@ use crate::persist::{
     BindingDef, BindingDest, ExchangeDef, PageSource, Persist, QueueDef, StoreKeys, StoreOp,
     WriteBatch,
 };
+use crate::policy::{PolicyKind, Target};
 use crate::queue::args::{self, QueueType};
 use crate::queue::log::{Record, STATE_DIGEST_EVERY};
 use crate::queue::machine::{
@@ -114,6 +116,7 @@ pub struct Broker {
     /// Users and what each may do where.
     access: crate::access::Access,
     limits: crate::limits::LimitTable,
+    policies: crate::policy::PolicyTable,
     /// Recovery is declaring what the store holds: names a client may not declare
     /// (`amq.gen-...` of server-named queues) and vhost limits are accepted.
     restoring: bool,
@@ -300,6 +303,7 @@ impl Broker {
             restoring: false,
             access: crate::access::Access::default(),
             limits: crate::limits::LimitTable::default(),
+            policies: crate::policy::PolicyTable::default(),
             pager: None,
             spill: false,
             recovering: false,

@@ -81,6 +81,8 @@ pub(super) fn route(
                 if let Ok(ae) = std::str::from_utf8(ae) {
                     dests.push(Dest::Exchange(short(ae)));
                 }
+            } else if let Some(ae) = &x.policy_alternate {
+                dests.push(Dest::Exchange(ae.clone()));
             }
         }
         for d in dests.drain(..) {

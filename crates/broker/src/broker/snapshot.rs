@@ -35,6 +35,10 @@ pub struct QueueSnapshot {
     pub oldest_ready_at: Option<u64>,
     /// The deduplication window (`x-message-deduplication`), if it has one.
     pub dedup: Option<crate::dedup::DedupStats>,
+    /// The user and operator policies that apply, and what they set together.
+    pub policy: Option<String>,
+    pub operator_policy: Option<String>,
+    pub effective_policy_definition: crate::policy::Definition,
 }
 
 #[derive(Clone, Debug)]
@@ -49,6 +53,8 @@ pub struct ExchangeSnapshot {
     pub arguments: FieldTable,
     /// The deduplication window (`x-message-deduplication`), if it has one.
     pub dedup: Option<crate::dedup::DedupStats>,
+    /// The user policy that applies.
+    pub policy: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -98,7 +104,7 @@ pub struct BrokerTotals {
     pub delayed_in_memory: u64,
 }
 
-fn queue_snapshot(q: &Queue) -> QueueSnapshot {
+fn queue_snapshot(q: &Queue, policies: &crate::policy::PolicyTable) -> QueueSnapshot {
     QueueSnapshot {
         id: q.id,
         vhost: q.vhost.clone(),
@@ -118,6 +124,9 @@ fn queue_snapshot(q: &Queue) -> QueueSnapshot {
         counters: q.stats.counters.clone(),
         oldest_ready_at: q.oldest_ready_at(),
         dedup: q.dedup.as_ref().map(|d| d.stats()),
+        policy: q.policy.clone(),
+        operator_policy: q.operator_policy.clone(),
+        effective_policy_definition: super::policies::definition_of(q, policies),
     }
 }
 
@@ -134,14 +143,16 @@ impl Broker {
         self.queues
             .values()
             .filter(|q| vhost.is_none_or(|v| v == q.vhost))
-            .map(|q| queue_snapshot(q))
+            .map(|q| queue_snapshot(q, &self.policies))
             .collect()
     }
 
     /// One queue.
     pub fn queue_snapshot(&self, vhost: &str, name: &str) -> Option<QueueSnapshot> {
         let id = self.queue_id(vhost, name)?;
-        self.queues.get(&id).map(|q| queue_snapshot(q))
+        self.queues
+            .get(&id)
+            .map(|q| queue_snapshot(q, &self.policies))
     }
 
     /// Every exchange (of one vhost when given), the default exchange included (named "").
@@ -160,6 +171,7 @@ impl Broker {
                 internal: false,
                 arguments: FieldTable::new(),
                 dedup: None,
+                policy: None,
             });
             for x in vh.exchanges.values() {
                 out.push(ExchangeSnapshot {
@@ -171,6 +183,7 @@ impl Broker {
                     internal: x.internal,
                     arguments: x.arguments.clone(),
                     dedup: x.dedup.as_ref().map(|d| d.stats()),
+                    policy: x.policy.clone(),
                 });
             }
         }

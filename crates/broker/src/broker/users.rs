@@ -81,7 +81,7 @@ impl Broker {
         }
     }
 
-    fn write_def(&mut self, op: StoreOp) {
+    pub(super) fn write_def(&mut self, op: StoreOp) {
         if self.restoring {
             return;
         }
@@ -147,6 +147,7 @@ impl Broker {
             .collect();
         self.access.vhost_deleted(name);
         self.forget_limits(LimitScope::Vhost, name);
+        self.forget_policies(name);
         for (user, exchange) in gone {
             self.write_def(match exchange {
                 None => StoreOp::DeletePermission {
@@ -285,6 +286,7 @@ impl Broker {
                 self.limit_owner_exists(*scope, name).map_err(refused)?;
                 self.limits.put(*scope, name, limits.clone());
             }
+            StoreOp::PutPolicy(def) => self.restore_policy(def)?,
             _ => {}
         }
         Ok(())

@@ -119,6 +119,10 @@ pub struct Exchange {
     pub auto_delete: bool,
     pub internal: bool,
     pub arguments: FieldTable,
+    /// The user policy that applies to it, if any.
+    pub policy: Option<String>,
+    /// That policy's `alternate-exchange` (its own argument comes first).
+    pub policy_alternate: Option<ShortStr>,
     /// Canonical bindings with this exchange as source: (destination, key) -> the argument
     /// tables of the bindings with that destination and key.
     bindings: HashMap<(Dest, ShortStr), Vec<FieldTable>>,
@@ -153,6 +157,8 @@ impl Exchange {
             auto_delete,
             internal,
             arguments,
+            policy: None,
+            policy_alternate: None,
             bindings: HashMap::new(),
             binding_count: 0,
             index,

@@ -22,8 +22,11 @@ pub struct Queue {
     pub owner: Option<ConnId>,
     /// The arguments as declared (compared on redeclare).
     pub arguments: FieldTable,
-    /// The arguments, validated and parsed.
+    /// The arguments it acts on (its own with its policies'), validated and parsed.
     pub args: QueueArgs,
+    /// The user policy and the operator policy that apply to it, by name.
+    pub policy: Option<String>,
+    pub operator_policy: Option<String>,
     pub machine: QueueMachine<Message>,
     /// Bindings to this queue: (exchange, key, arguments).
     pub bindings: Vec<(ShortStr, ShortStr, FieldTable)>,

@@ -225,6 +225,8 @@ pub enum Ctl {
         #[command(flatten)]
         out: Out,
     },
+    #[command(flatten)]
+    Policies(super::policies::PolicyCmd),
 }
 
 const VHOST_LIMIT_NAMES: &[&str] = &["max-connections", "max-queues"];
@@ -303,6 +305,7 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::SetUserLimits { .. } => "ctl set_user_limits",
         Ctl::ClearUserLimits { .. } => "ctl clear_user_limits",
         Ctl::ListUserLimits { .. } => "ctl list_user_limits",
+        Ctl::Policies(p) => super::policies::name(p),
     }
 }
 
@@ -411,7 +414,7 @@ fn user(api: &Api, name: &str) -> Result<Option<Value>, CliError> {
     }
 }
 
-fn list(
+pub(super) fn list(
     api: &Api,
     path: &str,
     what: &str,
@@ -664,6 +667,7 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
             };
             list(&out.conn.api(), &path, &missing, USER_LIMITS, out.format)?
         }
+        Ctl::Policies(p) => super::policies::main(p)?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -10,6 +10,7 @@ mod ctl;
 mod definitions;
 mod messages;
 mod objects;
+mod policies;
 mod show;
 mod table;
 pub mod transfer;

@@ -4,6 +4,7 @@
 use serde_json::{json, Value};
 use warren_broker::access::{AccessError, PermissionDef, TopicPermissionDef};
 use warren_broker::limits::{LimitScope, Limits};
+use warren_broker::policy::PolicyKind;
 use warren_broker::DeclareQueue;
 use warren_codec::ShortStr;
 use warren_session::manage::API_CONN;
@@ -27,6 +28,21 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
                        "component": VHOST_LIMITS, "name": "limits"})
             })
             .collect()
+    });
+    let (policies, operator_policies): (Vec<Value>, Vec<Value>) = api.node.read(|n, _| {
+        let p = n.broker().policies();
+        let of = |kind| {
+            p.list(kind, vhost)
+                .map(|d| {
+                    let mut v = super::policies::policy_json(d);
+                    if let (Some(m), Some(_)) = (v.as_object_mut(), vhost) {
+                        m.remove("vhost");
+                    }
+                    v
+                })
+                .collect()
+        };
+        (of(PolicyKind::User), of(PolicyKind::Operator))
     });
     let (queues, exchanges, bindings, vhosts, users, perms, topics) = api.node.read(|n, _| {
         let b = n.broker();
@@ -109,11 +125,17 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
         "product_name": "Warren",
         "product_version": version,
         "parameters": limits,
-        "policies": [],
+        "policies": policies,
         "queues": queue_list,
         "exchanges": exchange_list,
         "bindings": binding_list,
     });
+    // Warren's own key (RabbitMQ exports no operator policies; its import ignores the key).
+    if !operator_policies.is_empty() {
+        if let Some(m) = out.as_object_mut() {
+            m.insert("operator_policies".into(), operator_policies.into());
+        }
+    }
     if vhost.is_none() {
         if let Some(m) = out.as_object_mut() {
             m.insert("users".into(), users);
@@ -179,8 +201,8 @@ fn list<'a>(defs: &'a Value, k: &str) -> &'a [Value] {
 }
 
 /// Declares what `defs` holds: vhosts, users, permissions, exchanges, queues, bindings, in
-/// that order (as RabbitMQ does), with user and vhost limits. Objects that exist already
-/// must be equivalent. Policies and parameters other than vhost limits are not imported yet
+/// that order (as RabbitMQ does), with user and vhost limits and policies. Objects that exist
+/// already must be equivalent. Parameters other than vhost limits are not imported yet
 /// (logged).
 pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), ApiError> {
     if !defs.is_object() {
@@ -195,13 +217,26 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
     let (vhost_limits, others): (Vec<&Value>, Vec<&Value>) = list(defs, "parameters")
         .iter()
         .partition(|p| p.get("component").and_then(Value::as_str) == Some(VHOST_LIMITS));
-    if !list(defs, "policies").is_empty() || !others.is_empty() {
+    if !others.is_empty() {
         tracing::warn!(
-            policies = list(defs, "policies").len(),
             parameters = others.len(),
-            "definitions import: policies and parameters other than vhost limits are not imported yet"
+            "definitions import: parameters other than vhost limits are not imported yet"
         );
     }
+    let policies = [
+        ("policies", PolicyKind::User),
+        ("operator_policies", PolicyKind::Operator),
+    ]
+    .into_iter()
+    .flat_map(|(key, kind)| list(defs, key).iter().map(move |p| (kind, p)))
+    .map(|(kind, p)| {
+        let body = p
+            .as_object()
+            .ok_or_else(|| ApiError::bad_request("policy: not a JSON object"))?;
+        let name = text(p, "name", "policy")?;
+        super::policies::policy_from(&vhost_of(p)?, name, kind, body)
+    })
+    .collect::<Result<Vec<_>, ApiError>>()?;
     let vhost_limits = vhost_limits
         .into_iter()
         .map(|p| {
@@ -274,6 +309,13 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
                 )));
             }
             n.broker_mut().put_limits(LimitScope::Vhost, &vhost, limits);
+        }
+        // Before queues and exchanges, as RabbitMQ imports them: each is declared under its
+        // policy from the start.
+        for p in policies {
+            n.broker_mut()
+                .set_policy(p)
+                .map_err(|e| ApiError::bad_request(e.to_string()))?;
         }
         for x in list(defs, "exchanges") {
             let vhost = vhost_of(x)?;

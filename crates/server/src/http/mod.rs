@@ -14,6 +14,7 @@ mod limits;
 mod list;
 mod objects;
 pub mod passwords;
+mod policies;
 pub mod rates;
 mod routes;
 mod ui;

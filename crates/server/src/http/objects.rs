@@ -59,9 +59,9 @@ pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
         "arguments": table(&s.arguments),
         "node": node,
         "state": "running",
-        "policy": null,
-        "operator_policy": null,
-        "effective_policy_definition": {},
+        "policy": s.policy,
+        "operator_policy": s.operator_policy,
+        "effective_policy_definition": super::policies::definition_json(&s.effective_policy_definition),
         "exclusive_consumer_tag": null,
         "consumers": s.consumers,
         "consumer_capacity": if s.consumers > 0 { 1.0 } else { 0.0 },
@@ -201,7 +201,7 @@ pub fn exchange(x: &ExchangeSnapshot) -> Value {
         "internal": x.internal,
         "arguments": table(&x.arguments),
         "user_who_performed_action": "rmq-internal",
-        "policy": null,
+        "policy": x.policy,
         // Warren's own.
         "deduplication": deduplication(x.dedup),
     })
@@ -436,6 +436,9 @@ mod tests {
                 memory_bytes: 512,
                 dropped: 9,
             }),
+            policy: Some("p".into()),
+            operator_policy: None,
+            effective_policy_definition: Default::default(),
         };
         let r = QueueRates {
             publish: 1.5,

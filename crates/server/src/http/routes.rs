@@ -53,10 +53,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/vhosts", get(vhosts))
         .route("/api/vhosts/{vhost}/connections", get(vhost_connections))
         .route("/api/vhosts/{vhost}/channels", get(vhost_channels))
-        .route("/api/policies", get(empty_list))
-        .route("/api/policies/{vhost}", get(empty_list))
-        .route("/api/operator-policies", get(empty_list))
-        .route("/api/operator-policies/{vhost}", get(empty_list))
+        .merge(super::policies::routes())
         .route("/api/parameters", get(empty_list))
         .route("/api/exchanges", get(exchanges_all))
         .route("/api/exchanges/{vhost}", get(exchanges_vhost))
@@ -365,8 +362,7 @@ async fn vhosts(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params)
     ok(query.finish(items, total)?)
 }
 
-/// Policies and parameters: Warren takes queue features from arguments only (none can be set
-/// by policy yet), so the lists are empty.
+/// Runtime parameters: Warren has none besides vhost limits (listed under their own path).
 async fn empty_list(_: LoggedIn) -> Answer {
     ok(json!([]))
 }
