@@ -98,6 +98,9 @@ struct Core {
     backlog_limit: usize,
     /// The number of the last batch handed to the store thread.
     last_sent: u64,
+    /// Queues that long polls (SQS ReceiveMessage) wait on, with how many wait: woken
+    /// after any change to the node that leaves the queue with a ready message.
+    watched: HashMap<warren_broker::QueueId, (Arc<Notify>, usize)>,
 }
 
 /// What the store made of the batches, for the management API to wait on.
@@ -212,7 +215,9 @@ impl Shared {
             let mut core = self.lock();
             let now = core.now();
             let r = f(&mut core, now);
-            (r, core.flush(DISPATCH_PASSES), core.node.next_deadline())
+            let more = core.flush(DISPATCH_PASSES);
+            core.wake_watchers();
+            (r, more, core.node.next_deadline())
         };
         if more {
             self.dispatch.notify_one();
@@ -259,6 +264,23 @@ impl NodeHandle {
         self.recovering()
     }
 
+    /// Watches `queue` for a ready message: [`QueueWatch::notify`] is woken after any change
+    /// that leaves one there (create its `notified()` future before looking at the queue, so
+    /// that a message arriving in between is not missed). Stops watching when dropped.
+    pub fn watch_queue(&self, queue: warren_broker::QueueId) -> QueueWatch {
+        let mut core = self.0.lock();
+        let entry = core
+            .watched
+            .entry(queue)
+            .or_insert_with(|| (Arc::new(Notify::new()), 0));
+        entry.1 += 1;
+        QueueWatch {
+            notify: entry.0.clone(),
+            queue,
+            shared: self.0.clone(),
+        }
+    }
+
     /// Changes the node; what it produced is written out as after a client's frame, and
     /// the call returns once the store has it on disk (as RabbitMQ answers an API change
     /// once its database has it). Refused, without running `f`, while the node recovers; an
@@ -303,6 +325,25 @@ impl NodeHandle {
     }
 }
 
+/// A long poll's watch of one queue (see [`NodeHandle::watch_queue`]).
+pub struct QueueWatch {
+    pub notify: Arc<Notify>,
+    queue: warren_broker::QueueId,
+    shared: Arc<Shared>,
+}
+
+impl Drop for QueueWatch {
+    fn drop(&mut self) {
+        let mut core = self.shared.lock();
+        if let std::collections::hash_map::Entry::Occupied(mut e) = core.watched.entry(self.queue) {
+            e.get_mut().1 -= 1;
+            if e.get().1 == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
 /// Why [`NodeHandle::write`] cannot say its change is on disk, or did not make it.
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -326,6 +367,21 @@ fn wall_clock_ms() -> u64 {
 }
 
 impl Core {
+    /// Wakes the long polls of every watched queue that has a message ready. Publishes,
+    /// returns, timeouts and delays all end in a change made through [`Shared::with_core`],
+    /// so checking here misses none; with nobody watching it costs one `is_empty`.
+    fn wake_watchers(&self) {
+        if self.watched.is_empty() {
+            return;
+        }
+        let broker = self.node.broker();
+        for (queue, (notify, _)) in &self.watched {
+            if broker.machine(*queue).is_some_and(|m| m.ready_count() > 0) {
+                notify.notify_waiters();
+            }
+        }
+    }
+
     fn now(&self) -> u64 {
         let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.epoch_ms.saturating_add(elapsed)
@@ -481,6 +537,7 @@ pub async fn serve(
             epoch_ms: wall_clock_ms(),
             backlog_limit: config.write_backlog_limit,
             last_sent: 0,
+            watched: HashMap::new(),
         }),
         dispatch: Notify::new(),
         timer: Notify::new(),
