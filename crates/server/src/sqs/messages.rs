@@ -21,6 +21,40 @@ use super::{integer, queue_of, required, strings, text, Ctx, Sqs, SqsError};
 /// When SendMessage sent it (ms since the epoch): SQS's `SentTimestamp`.
 const SENT_HEADER: &str = "x-sqs-sent-timestamp";
 
+/// The delayed exchange (`x-delayed-message`, direct) of a vhost through which a message
+/// with its own DelaySeconds reaches a queue that has no delay of its own: each such queue
+/// is bound to it under its name, the first time it is needed.
+pub const DELAY_EXCHANGE: &str = "warren.sqs-delay";
+
+/// Makes sure `queue` is bound to the vhost's [`DELAY_EXCHANGE`].
+fn delay_route(n: &mut warren_session::Node, vhost: &str, queue: &str) -> Result<(), SqsError> {
+    let b = n.broker_mut();
+    if !b.exchange_exists(vhost, DELAY_EXCHANGE) {
+        let mut args = FieldTable::new();
+        args.insert("x-delayed-type", FieldValue::long_str("direct"));
+        b.declare_exchange(
+            vhost,
+            DELAY_EXCHANGE,
+            "x-delayed-message",
+            false,
+            true,
+            false,
+            false,
+            &args,
+        )
+        .map_err(amqp)?;
+    }
+    b.bind_queue(
+        vhost,
+        queue,
+        DELAY_EXCHANGE,
+        queue,
+        &FieldTable::new(),
+        API_CONN,
+    )
+    .map_err(amqp)
+}
+
 /// A random id in UUID form (SQS's MessageId).
 fn new_id() -> String {
     use std::hash::{BuildHasher, Hasher};
@@ -98,16 +132,15 @@ fn publish(
     let mut headers = FieldTable::new();
     attributes::to_headers(&m.attrs, &mut headers);
     headers.insert(SENT_HEADER, FieldValue::I64(now as i64));
-    match m.delay_s {
-        Some(d) if d > 0 && delays => {
-            headers.insert("x-delay", FieldValue::I64(d * 1000));
+    // A queue with a delay of its own holds back a message by its `x-delay` header; to any
+    // other the message goes through the delayed exchange.
+    let mut exchange = "";
+    if let Some(d) = m.delay_s.filter(|d| *d > 0) {
+        headers.insert("x-delay", FieldValue::I64(d * 1000));
+        if !delays {
+            delay_route(n, vhost, name)?;
+            exchange = DELAY_EXCHANGE;
         }
-        Some(d) if d > 0 => {
-            return Err(SqsError::unsupported(
-                "A message's own DelaySeconds needs a queue with a DelaySeconds of its own (any, above 0) on Warren.",
-            ))
-        }
-        _ => {}
     }
     let id = new_id();
     let props = BasicProperties {
@@ -119,7 +152,11 @@ fn publish(
         ..BasicProperties::default()
     };
     let message = Message {
-        exchange: ShortStr::empty(),
+        exchange: ShortStr::from_static(if exchange.is_empty() {
+            ""
+        } else {
+            DELAY_EXCHANGE
+        }),
         routing_key: ShortStr::try_from_str(name).map_err(|_| SqsError::no_queue())?,
         properties: props.encode(),
         body: Bytes::from(m.body.clone().into_bytes()),
@@ -128,9 +165,10 @@ fn publish(
     };
     let routed = n
         .broker_mut()
-        .publish(vhost, "", name, message, now)
+        .publish(vhost, exchange, name, message, now)
         .map_err(amqp)?;
-    if routed.queues == 0 {
+    // A delayed exchange routes when the message is due: nothing is routed now.
+    if routed.queues == 0 && exchange.is_empty() {
         return Err(SqsError::no_queue());
     }
     if routed.rejected {
