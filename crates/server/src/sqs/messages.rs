@@ -16,7 +16,7 @@ use super::queues::{
     amqp, ARG_MAX_SIZE, ARG_VISIBILITY, ARG_WAIT, DEFAULT_VISIBILITY, MAX_MESSAGE_SIZE,
 };
 use super::receipt::Handle;
-use super::{integer, queue_of, required, strings, text, Ctx, Sqs, SqsError};
+use super::{integer, queue_of, required, strings, Ctx, Sqs, SqsError};
 
 /// When SendMessage sent it (ms since the epoch): SQS's `SentTimestamp`.
 const SENT_HEADER: &str = "x-sqs-sent-timestamp";
@@ -213,7 +213,10 @@ pub fn send(
 }
 
 /// Batch entries, checked as SQS does: 1 to 10, each with a distinct valid Id.
-fn entries(input: &Map<String, Value>) -> Result<Vec<(String, &Map<String, Value>)>, SqsError> {
+/// A batch's entries, each with its Id.
+type Entries<'a> = Vec<(String, &'a Map<String, Value>)>;
+
+fn entries(input: &Map<String, Value>) -> Result<Entries<'_>, SqsError> {
     let list = input
         .get("Entries")
         .and_then(Value::as_array)
@@ -404,7 +407,7 @@ pub async fn receive(
     drop(watch);
     let messages: Vec<Value> = got
         .iter()
-        .map(|r| message_json(sqs, ctx, (&vhost, &name), r, now, (&system, &wanted_attrs)))
+        .map(|r| message_json(sqs, (&vhost, &name), r, now, (&system, &wanted_attrs)))
         .collect();
     let mut out = Map::new();
     if !messages.is_empty() {
@@ -415,7 +418,6 @@ pub async fn receive(
 
 fn message_json(
     sqs: &Sqs,
-    _ctx: &Ctx,
     (vhost, name): (&str, &str),
     r: &Received,
     now: u64,
@@ -626,6 +628,5 @@ pub fn change_visibility_batch(
         }
         Ok::<_, SqsError>((ok, bad))
     })??;
-    let _ = text;
     Ok(batch_answer(ok, bad))
 }
