@@ -232,6 +232,49 @@ fn credentials_are_checked_with_aws_error_codes() {
     assert_eq!(late.call("ListQueues", json!({})).status, 200);
 }
 
+/// A configured user other than guest signs with its password, and is held to its vhost
+/// permissions as over AMQP: here write only (send), no configure (create) and no read
+/// (receive).
+#[test]
+fn a_configured_user_signs_with_its_password_and_has_its_permissions() {
+    let dir = std::env::temp_dir().join(unique("warren-sqs-users"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("users.toml");
+    std::fs::write(
+        &file,
+        "[[users]]\nname = \"guest\"\npassword = \"guest\"\nloopback_only = true\ntags = [\"administrator\"]\n\
+         [[users]]\nname = \"writer\"\npassword = \"s3cret\"\n",
+    )
+    .unwrap();
+    let b = TestBroker::start_with(&["--config", file.to_str().unwrap()]);
+    let api = b.http_url().expect("management API on").to_owned();
+    let r = warren_conformance::http::request(
+        "PUT",
+        &format!("{api}/api/permissions/%2F/writer"),
+        Some(("guest", "guest")),
+        &[],
+        Some(r#"{"configure": "^$", "write": ".*", "read": "^$"}"#),
+    );
+    assert!(r.status < 300, "set permissions: {}", r.status);
+    let guest = Client::new(&b);
+    let url = guest.create(&unique("sqs-perm"), json!({}));
+    let mut writer = Client::new(&b);
+    writer.key = "writer".into();
+    writer.secret = "s3cret".into();
+    writer.send(&url, "allowed");
+    let r = writer.call("ReceiveMessage", json!({"QueueUrl": url}));
+    assert_eq!((r.status, r.error()), (403, "AccessDeniedException"));
+    let r = writer.call("CreateQueue", json!({"QueueName": unique("sqs-no")}));
+    assert_eq!((r.status, r.error()), (403, "AccessDeniedException"));
+    writer.secret = "guest".into();
+    assert_eq!(
+        writer.call("ListQueues", json!({})).error(),
+        "SignatureDoesNotMatch"
+    );
+    assert_eq!(guest.receive(&url, json!({})).len(), 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn queues_are_created_listed_found_and_deleted() {
     let b = TestBroker::start();

@@ -26,6 +26,9 @@ pub enum AttrValue {
     Binary(Vec<u8>),
 }
 
+/// Longest attribute name: SQS allows 256 bytes, an AMQP header name (a shortstr) 255.
+pub const MAX_NAME: usize = 255;
+
 /// SQS's limit: 10 attributes per message.
 pub const MAX_ATTRIBUTES: usize = 10;
 
@@ -44,7 +47,7 @@ pub fn parse(v: Option<&Value>) -> Result<Vec<Attribute>, SqsError> {
     let mut out = Vec::with_capacity(m.len());
     for (name, a) in m {
         if name.is_empty()
-            || name.len() > 256
+            || name.len() > MAX_NAME
             || name.starts_with("x-")
             || name.starts_with("AWS.")
             || name.starts_with("Amazon.")
@@ -173,7 +176,7 @@ pub fn to_headers(attrs: &[Attribute], headers: &mut FieldTable) {
             AttrValue::Text(t) => FieldValue::long_str(t),
             AttrValue::Binary(b) => FieldValue::ByteArray(bytes::Bytes::copy_from_slice(b)),
         };
-        // Names are at most 256 bytes: checked in `parse`, and a shortstr holds 255.
+        // Names are at most 255 bytes (checked in `parse`): a shortstr holds them.
         let Ok(key) = ShortStr::try_from_str(&a.name) else {
             continue;
         };
