@@ -707,3 +707,74 @@ async fn amqp_and_sqs_clients_share_a_queue() {
         Some(&AMQPValue::LongString("invoice".into()))
     );
 }
+
+/// CPU seconds the process has used (Linux).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit(')').next().unwrap_or_default();
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// A long poll on a queue whose ready message it cannot take (behind its group's message in
+/// flight) sleeps: it is woken only when the queue gains a message it could take.
+#[tokio::test]
+async fn a_long_poll_that_cannot_take_a_message_does_not_spin() {
+    let b = TestBroker::start();
+    if skipped(&b) {
+        return;
+    }
+    let name = unique("sqs-grp");
+    let conn = b.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        ShortString::from("x-group-header"),
+        AMQPValue::LongString("g".into()),
+    );
+    ch.queue_declare(
+        name.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    for body in [b"first", b"later"] {
+        let mut h = FieldTable::default();
+        h.insert(ShortString::from("g"), AMQPValue::LongString("a".into()));
+        ch.basic_publish(
+            "".into(),
+            name.as_str().into(),
+            BasicPublishOptions::default(),
+            body,
+            BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_headers(h),
+        )
+        .await
+        .unwrap();
+    }
+    let c = Client::new(&b);
+    let url = c.call("GetQueueUrl", json!({"QueueName": name})).ok()["QueueUrl"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let pid = b.pid().expect("a spawned broker");
+    let poll = tokio::task::spawn_blocking(move || {
+        assert_eq!(c.receive(&url, json!({"WaitTimeSeconds": 5})).len(), 1);
+        let before = cpu_seconds(pid);
+        let got = c.receive(&url, json!({"WaitTimeSeconds": 2}));
+        (got.len(), cpu_seconds(pid) - before)
+    });
+    let (got, cpu) = poll.await.unwrap();
+    assert_eq!(got, 0, "the group's next message waits for the first");
+    // A poll woken by its own look spins a core for the whole wait.
+    assert!(
+        cpu < 0.5,
+        "the broker used {cpu:.2} s of CPU during a 2 s poll"
+    );
+}

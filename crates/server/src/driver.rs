@@ -98,9 +98,8 @@ struct Core {
     backlog_limit: usize,
     /// The number of the last batch handed to the store thread.
     last_sent: u64,
-    /// Queues that long polls (SQS ReceiveMessage) wait on, with how many wait: woken
-    /// after any change to the node that leaves the queue with a ready message.
-    watched: HashMap<warren_broker::QueueId, (Arc<Notify>, usize)>,
+    /// Queues that long polls (SQS ReceiveMessage) wait on (see [`Core::wake_watchers`]).
+    watched: HashMap<warren_broker::QueueId, Watched>,
 }
 
 /// What the store made of the batches, for the management API to wait on.
@@ -269,13 +268,15 @@ impl NodeHandle {
     /// that a message arriving in between is not missed). Stops watching when dropped.
     pub fn watch_queue(&self, queue: warren_broker::QueueId) -> QueueWatch {
         let mut core = self.0.lock();
-        let entry = core
-            .watched
-            .entry(queue)
-            .or_insert_with(|| (Arc::new(Notify::new()), 0));
-        entry.1 += 1;
+        let seen = takeable(core.node.broker(), queue);
+        let entry = core.watched.entry(queue).or_insert_with(|| Watched {
+            notify: Arc::new(Notify::new()),
+            waiters: 0,
+            seen,
+        });
+        entry.waiters += 1;
         QueueWatch {
-            notify: entry.0.clone(),
+            notify: entry.notify.clone(),
             queue,
             shared: self.0.clone(),
         }
@@ -325,6 +326,23 @@ impl NodeHandle {
     }
 }
 
+/// A queue long polls wait on.
+struct Watched {
+    notify: Arc<Notify>,
+    /// How many [`QueueWatch`]es hold it.
+    waiters: usize,
+    /// [`takeable`] at the last look.
+    seen: usize,
+}
+
+/// Ready messages a get could take now, near enough: those waiting for a retry's back-off
+/// are left out (a group's messages behind one in flight are not told apart).
+fn takeable(broker: &warren_broker::Broker, queue: warren_broker::QueueId) -> usize {
+    broker
+        .machine(queue)
+        .map_or(0, |m| m.ready_count().saturating_sub(m.retrying_count()))
+}
+
 /// A long poll's watch of one queue (see [`NodeHandle::watch_queue`]).
 pub struct QueueWatch {
     pub notify: Arc<Notify>,
@@ -336,8 +354,8 @@ impl Drop for QueueWatch {
     fn drop(&mut self) {
         let mut core = self.shared.lock();
         if let std::collections::hash_map::Entry::Occupied(mut e) = core.watched.entry(self.queue) {
-            e.get_mut().1 -= 1;
-            if e.get().1 == 0 {
+            e.get_mut().waiters -= 1;
+            if e.get().waiters == 0 {
                 e.remove();
             }
         }
@@ -367,18 +385,23 @@ fn wall_clock_ms() -> u64 {
 }
 
 impl Core {
-    /// Wakes the long polls of every watched queue that has a message ready. Publishes,
-    /// returns, timeouts and delays all end in a change made through [`Shared::with_core`],
-    /// so checking here misses none; with nobody watching it costs one `is_empty`.
-    fn wake_watchers(&self) {
+    /// Wakes the long polls of every watched queue that has more messages a get can take
+    /// than at the last look (publishes, returns, timeouts and delays all end in a change
+    /// made through [`Shared::with_core`], so looking here misses none). Waking on more,
+    /// not on any, keeps a poll that found nothing from being woken by its own look, or
+    /// again and again by messages it cannot take. With nobody watching it costs one
+    /// `is_empty`.
+    fn wake_watchers(&mut self) {
         if self.watched.is_empty() {
             return;
         }
         let broker = self.node.broker();
-        for (queue, (notify, _)) in &self.watched {
-            if broker.machine(*queue).is_some_and(|m| m.ready_count() > 0) {
-                notify.notify_waiters();
+        for (queue, w) in self.watched.iter_mut() {
+            let now = takeable(broker, *queue);
+            if now > w.seen {
+                w.notify.notify_waiters();
             }
+            w.seen = now;
         }
     }
 
