@@ -51,6 +51,8 @@ pub struct TestBroker {
     /// The management API's and metrics' base URLs (`http://127.0.0.1:PORT`).
     http_url: Option<String>,
     metrics_url: Option<String>,
+    /// The SQS API's base URL (`http://127.0.0.1:PORT`).
+    sqs_url: Option<String>,
 }
 
 impl TestBroker {
@@ -81,6 +83,10 @@ impl TestBroker {
                 metrics_url: Some(
                     std::env::var("WARREN_TEST_METRICS_URL")
                         .unwrap_or_else(|_| "http://127.0.0.1:15692".into()),
+                ),
+                sqs_url: Some(
+                    std::env::var("WARREN_TEST_SQS_URL")
+                        .unwrap_or_else(|_| "http://127.0.0.1:9324".into()),
                 ),
             };
         }
@@ -148,6 +154,12 @@ impl TestBroker {
             cmd.arg("--prometheus-port").arg(p.to_string());
             metrics_url = Some(format!("http://127.0.0.1:{p}"));
         }
+        let mut sqs_url = None;
+        if !chosen("--no-sqs") && !chosen("--sqs-port") {
+            let p = free_port();
+            cmd.arg("--sqs-port").arg(p.to_string());
+            sqs_url = Some(format!("http://127.0.0.1:{p}"));
+        }
         cmd.arg("--bind")
             .arg("127.0.0.1")
             .arg("--port")
@@ -197,6 +209,7 @@ impl TestBroker {
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             http_url,
             metrics_url,
+            sqs_url,
         }
     }
 
@@ -321,6 +334,11 @@ impl TestBroker {
 
     /// The Prometheus endpoint's base URL (`WARREN_TEST_METRICS_URL` against an external
     /// broker, by default `http://127.0.0.1:15692`).
+    /// The SQS API's base URL (`None` when the test turned it off or chose its port).
+    pub fn sqs_url(&self) -> Option<&str> {
+        self.sqs_url.as_deref()
+    }
+
     pub fn metrics_url(&self) -> Option<&str> {
         self.metrics_url.as_deref()
     }

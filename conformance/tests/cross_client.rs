@@ -3,9 +3,10 @@
 //! `clients/amqplib_flows.js`; a real Celery application with its worker (`clients/celery_flows.py`); and
 //! asyncio flows with aio-pika (`clients/aiopika_flows.py`), including a robust connection that lives through
 //! broker restarts; and a pool of pika worker processes on Warren's task-queue features
-//! (`clients/worker_pool.py`). A missing interpreter or library fails the test (never a silent skip): `scripts/test`
-//! installs pika, Celery and aio-pika (`clients/requirements.txt`) into `clients/.deps/python` and amqplib into
-//! `clients/node_modules`.
+//! (`clients/worker_pool.py`); and boto3 on Warren's SQS endpoint, with pika on the same queues
+//! (`clients/sqs_flows.py`). A missing interpreter or library fails the test (never a silent skip): `scripts/test`
+//! installs pika, Celery, aio-pika and boto3 (`clients/requirements.txt`) into `clients/.deps/python` and amqplib
+//! into `clients/node_modules`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -358,5 +359,31 @@ fn aiopika_robust_connection_survives_broker_restarts() {
         restarts,
         ["term", "kill"],
         "restarts the script asked for:\n{out}"
+    );
+}
+
+/// boto3, unchanged, on the SQS endpoint (`clients/sqs_flows.py`): create, send with attributes (the
+/// digests checked against AWS's algorithm), a long poll answered at the send, visibility changes and
+/// batches, redrive to a dead-letter queue after maxReceiveCount receives, and a queue shared with pika
+/// (an AMQP publish received by boto3, a boto3 send consumed over AMQP).
+#[test]
+fn boto3_sqs_flows_and_pika_on_the_same_queues() {
+    require_python_modules("boto3, pika");
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        eprintln!("skipped: the SQS API is Warren's, not the external broker's");
+        return;
+    }
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("sqs_flows.py"))
+        .arg(broker.sqs_url().expect("the SQS API on"))
+        .arg(broker.url())
+        .env("PYTHONPATH", python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = run(cmd, Duration::from_secs(120));
+    assert!(
+        ok,
+        "boto3 SQS flows failed against {:?}:\n{out}",
+        broker.sqs_url()
     );
 }

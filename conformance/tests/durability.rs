@@ -200,7 +200,7 @@ async fn a_second_broker_on_the_same_data_directory_is_refused() {
         .to_string();
     let out = std::process::Command::new(warren_conformance::warren_binary())
         .args(["--bind", "127.0.0.1", "--port", &port, "--data-dir", &dir])
-        .args(["--no-management", "--no-prometheus"])
+        .args(["--no-management", "--no-prometheus", "--no-sqs"])
         .output()
         .expect("run warren");
     assert!(!out.status.success());

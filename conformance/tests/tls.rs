@@ -699,7 +699,13 @@ fn warren() -> Command {
 fn start_fails(args: &[&str]) -> String {
     let dir = std::env::temp_dir().join(format!("warren-tls-fail-{}", std::process::id()));
     let out = warren()
-        .args(["--bind", "127.0.0.1", "--no-management", "--no-prometheus"])
+        .args([
+            "--bind",
+            "127.0.0.1",
+            "--no-management",
+            "--no-prometheus",
+            "--no-sqs",
+        ])
         .args(["--port", &free_port().to_string()])
         .arg("--data-dir")
         .arg(&dir)

@@ -126,6 +126,12 @@ pub struct Args {
     /// Turns the Prometheus endpoint off
     #[arg(long, env = "WARREN_NO_PROMETHEUS")]
     pub no_prometheus: bool,
+    /// Port of the SQS API (AWS's JSON protocol), ElasticMQ's [default: 9324]
+    #[arg(long, env = "WARREN_SQS_PORT", value_name = "PORT")]
+    pub sqs_port: Option<u16>,
+    /// Turns the SQS API off
+    #[arg(long, env = "WARREN_NO_SQS")]
+    pub no_sqs: bool,
     /// Turns amqps on: the server's certificate chain, a PEM file (RabbitMQ's
     /// ssl_options.certfile); read again on SIGHUP
     #[arg(long, env = "WARREN_TLS_CERT", value_name = "FILE")]
@@ -201,6 +207,9 @@ pub struct FileConfig {
     pub prometheus_port: Option<u16>,
     /// `false` turns the Prometheus endpoint off.
     pub prometheus: Option<bool>,
+    pub sqs_port: Option<u16>,
+    /// `false` turns the SQS API off.
+    pub sqs: Option<bool>,
     pub log_format: Option<LogFormat>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
@@ -302,6 +311,8 @@ pub struct Config {
     pub management_port: Option<u16>,
     /// The Prometheus endpoint's port (`None`: turned off).
     pub prometheus_port: Option<u16>,
+    /// The SQS API's port (`None`: turned off).
+    pub sqs_port: Option<u16>,
     pub log_format: LogFormat,
     /// amqps (`None`: no certificate given, TLS off).
     pub tls: Option<crate::tls::TlsFiles>,
@@ -471,6 +482,8 @@ impl Config {
                     .or(file.prometheus_port)
                     .unwrap_or(15692)
             }),
+            sqs_port: (!args.no_sqs && file.sqs != Some(false))
+                .then(|| args.sqs_port.or(file.sqs_port).unwrap_or(9324)),
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
             tls,
             tls_port: args.tls_port.or(file.tls_port).unwrap_or(5671),

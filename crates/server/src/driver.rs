@@ -98,6 +98,8 @@ struct Core {
     backlog_limit: usize,
     /// The number of the last batch handed to the store thread.
     last_sent: u64,
+    /// Queues that long polls (SQS ReceiveMessage) wait on (see [`Core::wake_watchers`]).
+    watched: HashMap<warren_broker::QueueId, Watched>,
 }
 
 /// What the store made of the batches, for the management API to wait on.
@@ -212,7 +214,9 @@ impl Shared {
             let mut core = self.lock();
             let now = core.now();
             let r = f(&mut core, now);
-            (r, core.flush(DISPATCH_PASSES), core.node.next_deadline())
+            let more = core.flush(DISPATCH_PASSES);
+            core.wake_watchers();
+            (r, more, core.node.next_deadline())
         };
         if more {
             self.dispatch.notify_one();
@@ -259,6 +263,25 @@ impl NodeHandle {
         self.recovering()
     }
 
+    /// Watches `queue` for a ready message: [`QueueWatch::notify`] is woken after any change
+    /// that leaves one there (create its `notified()` future before looking at the queue, so
+    /// that a message arriving in between is not missed). Stops watching when dropped.
+    pub fn watch_queue(&self, queue: warren_broker::QueueId) -> QueueWatch {
+        let mut core = self.0.lock();
+        let seen = takeable(core.node.broker(), queue);
+        let entry = core.watched.entry(queue).or_insert_with(|| Watched {
+            notify: Arc::new(Notify::new()),
+            waiters: 0,
+            seen,
+        });
+        entry.waiters += 1;
+        QueueWatch {
+            notify: entry.notify.clone(),
+            queue,
+            shared: self.0.clone(),
+        }
+    }
+
     /// Changes the node; what it produced is written out as after a client's frame, and
     /// the call returns once the store has it on disk (as RabbitMQ answers an API change
     /// once its database has it). Refused, without running `f`, while the node recovers; an
@@ -303,6 +326,42 @@ impl NodeHandle {
     }
 }
 
+/// A queue long polls wait on.
+struct Watched {
+    notify: Arc<Notify>,
+    /// How many [`QueueWatch`]es hold it.
+    waiters: usize,
+    /// [`takeable`] at the last look.
+    seen: usize,
+}
+
+/// Ready messages a get could take now, near enough: those waiting for a retry's back-off
+/// are left out (a group's messages behind one in flight are not told apart).
+fn takeable(broker: &warren_broker::Broker, queue: warren_broker::QueueId) -> usize {
+    broker
+        .machine(queue)
+        .map_or(0, |m| m.ready_count().saturating_sub(m.retrying_count()))
+}
+
+/// A long poll's watch of one queue (see [`NodeHandle::watch_queue`]).
+pub struct QueueWatch {
+    pub notify: Arc<Notify>,
+    queue: warren_broker::QueueId,
+    shared: Arc<Shared>,
+}
+
+impl Drop for QueueWatch {
+    fn drop(&mut self) {
+        let mut core = self.shared.lock();
+        if let std::collections::hash_map::Entry::Occupied(mut e) = core.watched.entry(self.queue) {
+            e.get_mut().waiters -= 1;
+            if e.get().waiters == 0 {
+                e.remove();
+            }
+        }
+    }
+}
+
 /// Why [`NodeHandle::write`] cannot say its change is on disk, or did not make it.
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -326,6 +385,26 @@ fn wall_clock_ms() -> u64 {
 }
 
 impl Core {
+    /// Wakes the long polls of every watched queue that has more messages a get can take
+    /// than at the last look (publishes, returns, timeouts and delays all end in a change
+    /// made through [`Shared::with_core`], so looking here misses none). Waking on more,
+    /// not on any, keeps a poll that found nothing from being woken by its own look, or
+    /// again and again by messages it cannot take. With nobody watching it costs one
+    /// `is_empty`.
+    fn wake_watchers(&mut self) {
+        if self.watched.is_empty() {
+            return;
+        }
+        let broker = self.node.broker();
+        for (queue, w) in self.watched.iter_mut() {
+            let now = takeable(broker, *queue);
+            if now > w.seen {
+                w.notify.notify_waiters();
+            }
+            w.seen = now;
+        }
+    }
+
     fn now(&self) -> u64 {
         let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.epoch_ms.saturating_add(elapsed)
@@ -481,6 +560,7 @@ pub async fn serve(
             epoch_ms: wall_clock_ms(),
             backlog_limit: config.write_backlog_limit,
             last_sent: 0,
+            watched: HashMap::new(),
         }),
         dispatch: Notify::new(),
         timer: Notify::new(),

@@ -6,6 +6,7 @@ mod config;
 mod driver;
 mod http;
 mod metrics;
+mod sqs;
 mod storage;
 mod tls;
 
@@ -166,10 +167,14 @@ async fn optional_listener(
         .map_err(|e| std::io::Error::new(e.kind(), format!("{e}; {off} turns it off")))
 }
 
-/// Binds the management API's and metrics' ports.
+/// Binds the management API's, metrics' and SQS API's ports.
 async fn http_listeners(
     config: &Config,
-) -> std::io::Result<(Option<TcpListener>, Option<TcpListener>)> {
+) -> std::io::Result<(
+    Option<TcpListener>,
+    Option<TcpListener>,
+    Option<TcpListener>,
+)> {
     let management = optional_listener(
         config,
         config.management_port,
@@ -182,7 +187,13 @@ async fn http_listeners(
         ("Prometheus", "--prometheus-port", "--no-prometheus"),
     )
     .await?;
-    Ok((management, prometheus))
+    let sqs = optional_listener(
+        config,
+        config.sqs_port,
+        ("the SQS API", "--sqs-port", "--no-sqs"),
+    )
+    .await?;
+    Ok((management, prometheus, sqs))
 }
 
 async fn run(config: Config) -> std::io::Result<()> {
@@ -207,7 +218,7 @@ async fn run(config: Config) -> std::io::Result<()> {
         )),
         None => None,
     };
-    let (management, prometheus) = http_listeners(&config).await?;
+    let (management, prometheus, sqs) = http_listeners(&config).await?;
     tracing::info!(address = %listener.local_addr()?, "warren listening for AMQP 0-9-1 clients");
     if let Some((l, t)) = &tls_listener {
         tracing::info!(
@@ -223,6 +234,9 @@ async fn run(config: Config) -> std::io::Result<()> {
     }
     if let Some(l) = &prometheus {
         tracing::info!(address = %l.local_addr()?, "Prometheus metrics at {}://{}/metrics", scheme(config.prometheus_tls), l.local_addr()?);
+    }
+    if let Some(l) = &sqs {
+        tracing::info!(address = %l.local_addr()?, "SQS API (JSON protocol) at http://{}/", l.local_addr()?);
     }
     if let Some(t) = &tls {
         tokio::spawn(reload_on_sighup(t.clone()));
@@ -305,7 +319,15 @@ async fn run(config: Config) -> std::io::Result<()> {
         ),
         (config.alarms, config.data_dir.clone(), config.api_writes),
         stop_rx,
-        |node| start_http(node, &config, tls.as_ref(), management, prometheus),
+        |node| {
+            if let Some(l) = sqs {
+                tokio::spawn(sqs::serve(
+                    l,
+                    std::sync::Arc::new(sqs::Sqs::new(node.clone())),
+                ));
+            }
+            start_http(node, &config, tls.as_ref(), management, prometheus)
+        },
     )
     .await?;
     // Give writer tasks a moment to put the last close frames on the wire.

@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""SQS flows driven by boto3, unchanged, against Warren's SQS endpoint, and the same queues over AMQP with pika.
+Usage: python3 sqs_flows.py http://127.0.0.1:9324 amqp://guest:guest@127.0.0.1:5672/%2f
+
+Prints one "ok - <flow>" line per flow; exits non-zero with "FAIL: <flow>: <reason>" on the first failure.
+"""
+
+import hashlib
+import json
+import struct
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+try:
+    import boto3
+    import pika
+except ImportError as e:  # pragma: no cover - reported to the Rust test
+    print(f"FAIL: import: {e} (scripts/test installs boto3 and pika into clients/.deps/python)", file=sys.stderr)
+    sys.exit(2)
+
+ENDPOINT = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:9324"
+AMQP_URL = sys.argv[2] if len(sys.argv) > 2 else "amqp://guest:guest@127.0.0.1:5672/%2f"
+
+
+def client():
+    # guest/guest: a Warren user's name and password are an access key id and its secret.
+    return boto3.client(
+        "sqs",
+        endpoint_url=ENDPOINT,
+        region_name="us-east-1",
+        aws_access_key_id="guest",
+        aws_secret_access_key="guest",
+    )
+
+
+def unique(prefix):
+    return f"{prefix}-boto-{uuid.uuid4().hex[:12]}"
+
+
+def md5_of_attributes(attrs):
+    """MD5OfMessageAttributes as AWS's developer guide describes it (boto3 does not check it)."""
+    h = hashlib.md5()
+
+    def field(b):
+        h.update(struct.pack(">I", len(b)))
+        h.update(b)
+
+    for name in sorted(attrs):
+        a = attrs[name]
+        field(name.encode())
+        field(a["DataType"].encode())
+        if "BinaryValue" in a:
+            h.update(b"\x02")
+            field(a["BinaryValue"])
+        else:
+            h.update(b"\x01")
+            field(a["StringValue"].encode())
+    return h.hexdigest()
+
+
+FLOWS = []
+
+
+def flow(f):
+    FLOWS.append(f)
+    return f
+
+
+@flow
+def create_send_receive_delete():
+    sqs = client()
+    url = sqs.create_queue(QueueName=unique("jobs"), Attributes={"VisibilityTimeout": "30"})["QueueUrl"]
+    assert "/000000000000/" in url, url
+    attrs = {
+        "kind": {"DataType": "String", "StringValue": "report"},
+        "tries": {"DataType": "Number", "StringValue": "3"},
+        "blob": {"DataType": "Binary", "BinaryValue": b"\x00\x01\xff"},
+    }
+    sent = sqs.send_message(QueueUrl=url, MessageBody="hello", MessageAttributes=attrs)
+    assert sent["MD5OfMessageBody"] == hashlib.md5(b"hello").hexdigest(), sent
+    assert sent["MD5OfMessageAttributes"] == md5_of_attributes(attrs), sent
+    got = sqs.receive_message(
+        QueueUrl=url, MessageAttributeNames=["All"], MessageSystemAttributeNames=["All"], WaitTimeSeconds=1
+    )["Messages"]
+    assert len(got) == 1, got
+    m = got[0]
+    assert m["Body"] == "hello" and m["MessageId"] == sent["MessageId"], m
+    assert m["MessageAttributes"]["blob"]["BinaryValue"] == b"\x00\x01\xff", m
+    assert m["MD5OfMessageAttributes"] == md5_of_attributes(m["MessageAttributes"]), m
+    assert m["Attributes"]["ApproximateReceiveCount"] == "1", m
+    assert int(m["Attributes"]["SentTimestamp"]) > 0, m
+    counts = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert counts["ApproximateNumberOfMessagesNotVisible"] == "1", counts
+    sqs.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+    counts = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert counts["ApproximateNumberOfMessagesNotVisible"] == "0", counts
+    assert sqs.get_queue_url(QueueName=url.rsplit("/", 1)[1])["QueueUrl"] == url
+    sqs.delete_queue(QueueUrl=url)
+    try:
+        sqs.get_queue_url(QueueName=url.rsplit("/", 1)[1])
+        raise AssertionError("a deleted queue was found")
+    except sqs.exceptions.QueueDoesNotExist:
+        pass
+
+
+@flow
+def long_poll_answers_at_the_send():
+    sqs = client()
+    url = sqs.create_queue(QueueName=unique("poll"))["QueueUrl"]
+
+    sender = client()
+
+    def later():
+        time.sleep(0.3)
+        # From the moment the send starts: the poll may answer before send_message returns.
+        sent_at.append(time.monotonic())
+        sender.send_message(QueueUrl=url, MessageBody="wake")
+
+    sent_at = []
+    t = threading.Thread(target=later)
+    started = time.monotonic()
+    t.start()
+    got = sqs.receive_message(QueueUrl=url, WaitTimeSeconds=5).get("Messages", [])
+    answered = time.monotonic()
+    t.join()
+    assert [m["Body"] for m in got] == ["wake"], got
+    # Within 0.5 s of the send, asserted loosely (a loaded machine): far from the 5 s of the poll.
+    lag = answered - sent_at[0]
+    assert lag < 2.0 and answered - started < 4.0, (lag, answered - started)
+    print(f"# long poll answered {lag * 1000:.0f} ms after the send began", flush=True)
+
+
+@flow
+def visibility_change_and_batches():
+    sqs = client()
+    url = sqs.create_queue(QueueName=unique("vis"))["QueueUrl"]
+    r = sqs.send_message_batch(
+        QueueUrl=url, Entries=[{"Id": str(i), "MessageBody": f"m{i}"} for i in range(3)]
+    )
+    assert len(r["Successful"]) == 3, r
+    got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=1)["Messages"]
+    assert len(got) == 3, got
+    # One visible again at once, the others given more time.
+    sqs.change_message_visibility(QueueUrl=url, ReceiptHandle=got[0]["ReceiptHandle"], VisibilityTimeout=0)
+    again = sqs.receive_message(
+        QueueUrl=url, MaxNumberOfMessages=10, MessageSystemAttributeNames=["ApproximateReceiveCount"]
+    )["Messages"]
+    assert [m["Body"] for m in again] == [got[0]["Body"]], again
+    assert again[0]["Attributes"]["ApproximateReceiveCount"] == "2", again
+    r = sqs.delete_message_batch(
+        QueueUrl=url,
+        Entries=[{"Id": "a", "ReceiptHandle": again[0]["ReceiptHandle"]}]
+        + [{"Id": f"b{i}", "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(got[1:])],
+    )
+    assert len(r["Successful"]) == 3, r
+    counts = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert counts["ApproximateNumberOfMessages"] == "0", counts
+    assert counts["ApproximateNumberOfMessagesNotVisible"] == "0", counts
+
+
+@flow
+def redrive_to_the_dead_letter_queue():
+    sqs = client()
+    dlq = sqs.create_queue(QueueName=unique("dlq"))["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=dlq, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    url = sqs.create_queue(
+        QueueName=unique("src"),
+        Attributes={"RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": "3"})},
+    )["QueueUrl"]
+    sqs.send_message(QueueUrl=url, MessageBody="poison")
+    for n in range(1, 4):
+        got = sqs.receive_message(
+            QueueUrl=url, VisibilityTimeout=0, MessageSystemAttributeNames=["ApproximateReceiveCount"]
+        )["Messages"]
+        assert got[0]["Attributes"]["ApproximateReceiveCount"] == str(n), got
+    assert "Messages" not in sqs.receive_message(QueueUrl=url), "still in the source queue"
+    dead = sqs.receive_message(QueueUrl=dlq, WaitTimeSeconds=1)["Messages"]
+    assert [m["Body"] for m in dead] == ["poison"], dead
+
+
+@flow
+def amqp_publish_received_by_boto3_and_back():
+    sqs = client()
+    name = unique("shared")
+    url = sqs.create_queue(QueueName=name)["QueueUrl"]
+    conn = pika.BlockingConnection(pika.URLParameters(AMQP_URL))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish(
+        "", name, b"from pika", pika.BasicProperties(delivery_mode=2, headers={"kind": "report", "n": 7})
+    )
+    got = sqs.receive_message(QueueUrl=url, MessageAttributeNames=["All"], WaitTimeSeconds=2)["Messages"]
+    assert got[0]["Body"] == "from pika", got
+    assert got[0]["MessageAttributes"]["kind"] == {"DataType": "String", "StringValue": "report"}, got
+    assert got[0]["MessageAttributes"]["n"] == {"DataType": "Number", "StringValue": "7"}, got
+    sqs.delete_message(QueueUrl=url, ReceiptHandle=got[0]["ReceiptHandle"])
+    sqs.send_message(
+        QueueUrl=url, MessageBody="from boto3", MessageAttributes={"kind": {"DataType": "String", "StringValue": "x"}}
+    )
+    method, props, body = None, None, None
+    deadline = time.monotonic() + 10
+    while method is None and time.monotonic() < deadline:
+        method, props, body = ch.basic_get(name, auto_ack=False)
+    assert body == b"from boto3", body
+    assert props.headers["kind"] == b"x" or props.headers["kind"] == "x", props.headers
+    ch.basic_ack(method.delivery_tag)
+    conn.close()
+    counts = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert counts["ApproximateNumberOfMessages"] == "0", counts
+
+
+def main():
+    for f in FLOWS:
+        try:
+            f()
+        except Exception as e:  # noqa: BLE001 - reported to the Rust test
+            traceback.print_exc()
+            print(f"FAIL: {f.__name__}: {e!r}", flush=True)
+            sys.exit(1)
+        print(f"ok - {f.__name__}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

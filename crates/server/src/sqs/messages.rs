@@ -1,0 +1,632 @@
+//! The message actions: send, receive (with long polling), delete, change visibility.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{json, Map, Value};
+use warren_broker::access::{Perm, Resource};
+use warren_broker::{Message, QueueId};
+use warren_codec::properties::BasicProperties;
+use warren_codec::{FieldTable, FieldValue, ShortStr};
+use warren_session::manage::API_CONN;
+
+use super::attributes::{self, Attribute};
+use super::queues::{
+    amqp, ARG_MAX_SIZE, ARG_VISIBILITY, ARG_WAIT, DEFAULT_VISIBILITY, MAX_MESSAGE_SIZE,
+};
+use super::receipt::Handle;
+use super::{integer, queue_of, required, strings, Ctx, Sqs, SqsError};
+
+/// When SendMessage sent it (ms since the epoch): SQS's `SentTimestamp`.
+const SENT_HEADER: &str = "x-sqs-sent-timestamp";
+
+/// The delayed exchange (`x-delayed-message`, direct) of a vhost through which a message
+/// with its own DelaySeconds reaches a queue that has no delay of its own: each such queue
+/// is bound to it under its name, the first time it is needed.
+pub const DELAY_EXCHANGE: &str = "warren.sqs-delay";
+
+/// Makes sure `queue` is bound to the vhost's [`DELAY_EXCHANGE`].
+fn delay_route(n: &mut warren_session::Node, vhost: &str, queue: &str) -> Result<(), SqsError> {
+    let b = n.broker_mut();
+    if !b.exchange_exists(vhost, DELAY_EXCHANGE) {
+        let mut args = FieldTable::new();
+        args.insert("x-delayed-type", FieldValue::long_str("direct"));
+        b.declare_exchange(
+            vhost,
+            DELAY_EXCHANGE,
+            "x-delayed-message",
+            false,
+            true,
+            false,
+            false,
+            &args,
+        )
+        .map_err(amqp)?;
+    }
+    b.bind_queue(
+        vhost,
+        queue,
+        DELAY_EXCHANGE,
+        queue,
+        &FieldTable::new(),
+        API_CONN,
+    )
+    .map_err(amqp)
+}
+
+/// A random id in UUID form (SQS's MessageId).
+fn new_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let word = || {
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    };
+    let (a, b) = (word(), word());
+    format!(
+        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xfff,
+        ((b >> 48) & 0x3fff) | 0x8000,
+        b & 0xffff_ffff_ffff
+    )
+}
+
+/// One message to send, checked.
+struct Outgoing {
+    body: String,
+    attrs: Vec<Attribute>,
+    delay_s: Option<i64>,
+}
+
+fn outgoing(input: &Map<String, Value>) -> Result<Outgoing, SqsError> {
+    let body = required(input, "MessageBody")?.to_owned();
+    if body.is_empty() {
+        return Err(SqsError::missing_parameter("MessageBody"));
+    }
+    // SQS's allowed characters: #x9 | #xA | #xD | #x20 to #xD7FF | #xE000 to #xFFFD | #x10000 to #x10FFFF.
+    if body.chars().any(|c| {
+        (c < ' ' && !matches!(c, '\t' | '\n' | '\r')) || c == '\u{FFFE}' || c == '\u{FFFF}'
+    }) {
+        return Err(SqsError::new(
+            400,
+            "InvalidMessageContents",
+            "InvalidMessageContents",
+            "Invalid characters found.",
+        ));
+    }
+    let attrs = attributes::parse(input.get("MessageAttributes"))?;
+    let delay_s = integer(input, "DelaySeconds", 0..=900)?;
+    Ok(Outgoing {
+        body,
+        attrs,
+        delay_s,
+    })
+}
+
+/// Publishes `m` to the queue through the default exchange, as an AMQP client would.
+fn publish(
+    n: &mut warren_session::Node,
+    now: u64,
+    ctx: &Ctx,
+    (vhost, name): (&str, &str),
+    m: &Outgoing,
+) -> Result<Map<String, Value>, SqsError> {
+    let b = n.broker();
+    let args = b
+        .queue_snapshot(vhost, name)
+        .ok_or_else(SqsError::no_queue)?
+        .arguments;
+    let max = args
+        .get(ARG_MAX_SIZE)
+        .and_then(FieldValue::as_i64)
+        .map_or(MAX_MESSAGE_SIZE as usize, |m| m.max(0) as usize);
+    if m.body.len() + attributes::size(&m.attrs) > max {
+        return Err(SqsError::invalid_parameter(format!(
+            "One or more parameters are invalid. Reason: Message must be shorter than {max} bytes."
+        )));
+    }
+    let delays = args.contains_key("x-delivery-delay");
+    let mut headers = FieldTable::new();
+    attributes::to_headers(&m.attrs, &mut headers);
+    headers.insert(SENT_HEADER, FieldValue::I64(now as i64));
+    // A queue with a delay of its own holds back a message by its `x-delay` header; to any
+    // other the message goes through the delayed exchange.
+    let mut exchange = "";
+    if let Some(d) = m.delay_s.filter(|d| *d > 0) {
+        headers.insert("x-delay", FieldValue::I64(d * 1000));
+        if !delays {
+            delay_route(n, vhost, name)?;
+            exchange = DELAY_EXCHANGE;
+        }
+    }
+    let id = new_id();
+    let props = BasicProperties {
+        delivery_mode: Some(2),
+        timestamp: Some(now / 1000),
+        message_id: Some(ShortStr::from_string(id.clone())),
+        user_id: ShortStr::try_from_str(&ctx.user).ok(),
+        headers: Some(headers),
+        ..BasicProperties::default()
+    };
+    let message = Message {
+        exchange: ShortStr::from_static(if exchange.is_empty() {
+            ""
+        } else {
+            DELAY_EXCHANGE
+        }),
+        routing_key: ShortStr::try_from_str(name).map_err(|_| SqsError::no_queue())?,
+        properties: props.encode(),
+        body: Bytes::from(m.body.clone().into_bytes()),
+        persistent: true,
+        store_key: None,
+    };
+    let routed = n
+        .broker_mut()
+        .publish(vhost, exchange, name, message, now)
+        .map_err(amqp)?;
+    // A delayed exchange routes when the message is due: nothing is routed now.
+    if routed.queues == 0 && exchange.is_empty() {
+        return Err(SqsError::no_queue());
+    }
+    if routed.rejected {
+        return Err(SqsError::new(
+            400,
+            "OverLimit",
+            "OverLimit",
+            "The queue is full (its x-max-length) and refuses new messages.",
+        ));
+    }
+    let mut out = Map::new();
+    out.insert("MessageId".into(), Value::String(id));
+    out.insert(
+        "MD5OfMessageBody".into(),
+        Value::String(attributes::md5_hex(m.body.as_bytes())),
+    );
+    if let Some(md5) = attributes::md5_of_attributes(&m.attrs) {
+        out.insert("MD5OfMessageAttributes".into(), Value::String(md5));
+    }
+    Ok(out)
+}
+
+fn may_send(n: &warren_session::Node, ctx: &Ctx, vhost: &str) -> Result<(), SqsError> {
+    ctx.permit(
+        n.broker().access(),
+        vhost,
+        &[(Perm::Write, Resource::Exchange(""))],
+    )
+}
+
+pub fn send(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let m = outgoing(input)?;
+    sqs.node.write(|n, now| {
+        may_send(n, ctx, &vhost)?;
+        publish(n, now, ctx, (&vhost, &name), &m)
+    })?
+}
+
+/// Batch entries, checked as SQS does: 1 to 10, each with a distinct valid Id.
+/// A batch's entries, each with its Id.
+type Entries<'a> = Vec<(String, &'a Map<String, Value>)>;
+
+fn entries(input: &Map<String, Value>) -> Result<Entries<'_>, SqsError> {
+    let list = input
+        .get("Entries")
+        .and_then(Value::as_array)
+        .ok_or_else(|| SqsError::missing_parameter("Entries"))?;
+    if list.is_empty() {
+        return Err(SqsError::empty_batch());
+    }
+    if list.len() > 10 {
+        return Err(SqsError::too_many_entries(list.len()));
+    }
+    let mut seen = HashSet::new();
+    let mut out = Vec::with_capacity(list.len());
+    for e in list {
+        let e = e
+            .as_object()
+            .ok_or_else(|| SqsError::invalid_parameter("Each entry must be an object."))?;
+        let id = required(e, "Id")?.to_owned();
+        let valid = !id.is_empty()
+            && id.len() <= 80
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !valid {
+            return Err(SqsError::invalid_batch_id(&id));
+        }
+        if !seen.insert(id.clone()) {
+            return Err(SqsError::ids_not_distinct(&id));
+        }
+        out.push((id, e));
+    }
+    Ok(out)
+}
+
+fn failed(id: &str, e: &SqsError) -> Value {
+    json!({"Id": id, "SenderFault": e.sender, "Code": e.code, "Message": e.message})
+}
+
+fn batch_answer(ok: Vec<Value>, bad: Vec<Value>) -> Map<String, Value> {
+    let mut out = Map::new();
+    out.insert("Successful".into(), Value::Array(ok));
+    out.insert("Failed".into(), Value::Array(bad));
+    out
+}
+
+pub fn send_batch(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let list = entries(input)?;
+    let checked: Vec<(String, Result<Outgoing, SqsError>)> =
+        list.into_iter().map(|(id, e)| (id, outgoing(e))).collect();
+    let total: usize = checked
+        .iter()
+        .filter_map(|(_, m)| m.as_ref().ok())
+        .map(|m| m.body.len() + attributes::size(&m.attrs))
+        .sum();
+    if total > MAX_MESSAGE_SIZE as usize {
+        return Err(SqsError::new(
+            400,
+            "BatchRequestTooLong",
+            "AWS.SimpleQueueService.BatchRequestTooLong",
+            format!("Batch requests cannot be longer than {MAX_MESSAGE_SIZE} bytes. You have sent {total} bytes."),
+        ));
+    }
+    let (ok, bad) = sqs.node.write(|n, now| {
+        may_send(n, ctx, &vhost)?;
+        if n.broker().queue_id(&vhost, &name).is_none() {
+            return Err(SqsError::no_queue());
+        }
+        let (mut ok, mut bad) = (Vec::new(), Vec::new());
+        for (id, m) in &checked {
+            match m
+                .as_ref()
+                .map_err(Clone::clone)
+                .and_then(|m| publish(n, now, ctx, (&vhost, &name), m))
+            {
+                Ok(mut r) => {
+                    r.insert("Id".into(), Value::String(id.clone()));
+                    ok.push(Value::Object(r));
+                }
+                Err(e) => bad.push(failed(id, &e)),
+            }
+        }
+        Ok((ok, bad))
+    })??;
+    Ok(batch_answer(ok, bad))
+}
+
+/// One received message, read out under the node's lock.
+struct Received {
+    queue: QueueId,
+    receipt: warren_broker::queue::machine::Receipt,
+    body: Bytes,
+    properties: Bytes,
+}
+
+/// Which system attributes the receive asked for.
+fn wants(names: &[String], attr: &str) -> bool {
+    names.iter().any(|n| n == "All" || n == attr)
+}
+
+pub async fn receive(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let max = integer(input, "MaxNumberOfMessages", 1..=10)?.unwrap_or(1) as u32;
+    let visibility = integer(input, "VisibilityTimeout", 0..=43_200)?;
+    let wait = integer(input, "WaitTimeSeconds", 0..=20)?;
+    let mut system = strings(input, "MessageSystemAttributeNames");
+    system.extend(strings(input, "AttributeNames"));
+    let wanted_attrs = strings(input, "MessageAttributeNames");
+    let (queue, args) = sqs.node.read(|n, _| {
+        ctx.permit(
+            n.broker().access(),
+            &vhost,
+            &[(Perm::Read, Resource::Queue(&name))],
+        )?;
+        n.broker()
+            .queue_snapshot(&vhost, &name)
+            .map(|s| (s.id, s.arguments))
+            .ok_or_else(SqsError::no_queue)
+    })?;
+    let wait_s =
+        wait.unwrap_or_else(|| args.get(ARG_WAIT).and_then(FieldValue::as_i64).unwrap_or(0));
+    // The visibility timeout in force: the call's, the queue's, SQS's default.
+    let visibility_ms = visibility.map(|s| s as u64 * 1000).unwrap_or_else(|| {
+        args.get("x-visibility-timeout")
+            .and_then(FieldValue::as_i64)
+            .map(|ms| ms.max(0) as u64)
+            .or_else(|| args.get(ARG_VISIBILITY).map(|_| 0))
+            .unwrap_or(DEFAULT_VISIBILITY * 1000)
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(wait_s.max(0) as u64);
+    // Watched before the first look, so that a message arriving between a look that found
+    // nothing and the wait wakes it.
+    let watch = (wait_s > 0).then(|| sqs.node.watch_queue(queue));
+    let (got, now) = loop {
+        let notified = watch.as_ref().map(|w| w.notify.notified());
+        tokio::pin!(notified);
+        if let Some(n) = notified.as_mut().as_pin_mut() {
+            n.enable();
+        }
+        let (got, now) = sqs.node.write(|n, now| {
+            ctx.permit(
+                n.broker().access(),
+                &vhost,
+                &[(Perm::Read, Resource::Queue(&name))],
+            )?;
+            let broker = n.broker_mut();
+            let mut got = Vec::new();
+            for _ in 0..max {
+                let Some((d, _)) = broker.get(&vhost, &name, false, API_CONN).map_err(amqp)? else {
+                    break;
+                };
+                got.push(Received {
+                    queue: d.queue,
+                    receipt: d.receipt,
+                    body: d.message.body.clone(),
+                    properties: d.message.properties.clone(),
+                });
+            }
+            for r in &got {
+                if visibility_ms == 0 {
+                    // Visible again at once: the receive still counts.
+                    broker.release(r.queue, r.receipt);
+                } else {
+                    broker.extend(r.queue, r.receipt, visibility_ms);
+                }
+            }
+            Ok::<_, SqsError>((got, now))
+        })??;
+        if !got.is_empty() || tokio::time::Instant::now() >= deadline {
+            break (got, now);
+        }
+        match notified.as_pin_mut() {
+            Some(n) => {
+                // Woken, or out of time: either way one more look (the last one finds what
+                // arrived as the time ran out).
+                let _ = tokio::time::timeout_at(deadline, n).await;
+            }
+            None => break (got, now),
+        }
+    };
+    drop(watch);
+    let messages: Vec<Value> = got
+        .iter()
+        .map(|r| message_json(sqs, (&vhost, &name), r, now, (&system, &wanted_attrs)))
+        .collect();
+    let mut out = Map::new();
+    if !messages.is_empty() {
+        out.insert("Messages".into(), Value::Array(messages));
+    }
+    Ok(out)
+}
+
+fn message_json(
+    sqs: &Sqs,
+    (vhost, name): (&str, &str),
+    r: &Received,
+    now: u64,
+    (system, wanted): (&[String], &[String]),
+) -> Value {
+    let props = BasicProperties::decode_bytes(r.properties.clone()).unwrap_or_default();
+    // SQS bodies are text; a binary AMQP body is given as its lossy UTF-8 reading, and the
+    // digest is of what is given.
+    let body = String::from_utf8_lossy(&r.body).into_owned();
+    let handle = Handle {
+        vhost: vhost.to_owned(),
+        queue: name.to_owned(),
+        receipt: r.receipt,
+    };
+    let mut m = Map::new();
+    m.insert(
+        "MessageId".into(),
+        Value::String(
+            props
+                .message_id
+                .as_ref()
+                .map_or_else(|| format!("warren-{}", r.receipt.msg_id), |s| s.to_string()),
+        ),
+    );
+    m.insert("ReceiptHandle".into(), Value::String(handle.encode()));
+    m.insert(
+        "MD5OfBody".into(),
+        Value::String(attributes::md5_hex(body.as_bytes())),
+    );
+    m.insert("Body".into(), Value::String(body));
+    let headers = props.headers.as_ref();
+    let sent = headers
+        .and_then(|h| h.get(SENT_HEADER))
+        .and_then(FieldValue::as_i64)
+        .map(|t| t.max(0) as u64)
+        .or(props.timestamp.map(|s| s.saturating_mul(1000)));
+    let first = sqs.first_receive((r.queue.0, r.receipt.msg_id), now);
+    let mut sys = Map::new();
+    if wants(system, "ApproximateReceiveCount") {
+        sys.insert(
+            "ApproximateReceiveCount".into(),
+            Value::String(r.receipt.attempt.to_string()),
+        );
+    }
+    if wants(system, "SentTimestamp") {
+        if let Some(t) = sent {
+            sys.insert("SentTimestamp".into(), Value::String(t.to_string()));
+        }
+    }
+    if wants(system, "ApproximateFirstReceiveTimestamp") {
+        sys.insert(
+            "ApproximateFirstReceiveTimestamp".into(),
+            Value::String(first.to_string()),
+        );
+    }
+    if wants(system, "SenderId") {
+        if let Some(u) = &props.user_id {
+            sys.insert("SenderId".into(), Value::String(u.to_string()));
+        }
+    }
+    if !sys.is_empty() {
+        m.insert("Attributes".into(), Value::Object(sys));
+    }
+    let attrs = attributes::from_headers(headers);
+    let shown = attributes::to_json(&attrs, wanted);
+    if !shown.is_empty() {
+        let given: Vec<Attribute> = attrs
+            .into_iter()
+            .filter(|a| shown.contains_key(&a.name))
+            .collect();
+        if let Some(md5) = attributes::md5_of_attributes(&given) {
+            m.insert("MD5OfMessageAttributes".into(), Value::String(md5));
+        }
+        m.insert("MessageAttributes".into(), Value::Object(shown));
+    }
+    Value::Object(m)
+}
+
+/// A receipt handle of the request's queue.
+fn handle_of(raw: &str, vhost: &str, name: &str) -> Result<Handle, SqsError> {
+    Handle::decode(raw)
+        .filter(|h| h.vhost == vhost && h.queue == name)
+        .ok_or_else(|| SqsError::receipt_invalid(raw))
+}
+
+/// Deletes (acks) one message. A stale handle (the message came back and went out again, or
+/// is gone) changes nothing and is not an error, as in SQS.
+fn delete_one(sqs: &Sqs, n: &mut warren_session::Node, queue: QueueId, h: &Handle) {
+    n.broker_mut().settle(queue, h.receipt);
+    sqs.forget_receive((queue.0, h.receipt.msg_id));
+}
+
+fn queue_for_messages(
+    n: &warren_session::Node,
+    ctx: &Ctx,
+    vhost: &str,
+    name: &str,
+) -> Result<QueueId, SqsError> {
+    let id = n
+        .broker()
+        .queue_id(vhost, name)
+        .ok_or_else(SqsError::no_queue)?;
+    ctx.permit(
+        n.broker().access(),
+        vhost,
+        &[(Perm::Read, Resource::Queue(name))],
+    )?;
+    Ok(id)
+}
+
+pub fn delete(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
+    sqs.node.write(|n, _| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        delete_one(sqs, n, id, &h);
+        Ok::<_, SqsError>(())
+    })??;
+    Ok(Map::new())
+}
+
+pub fn delete_batch(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let list = entries(input)?;
+    let (ok, bad) = sqs.node.write(|n, _| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        let (mut ok, mut bad) = (Vec::new(), Vec::new());
+        for (eid, e) in &list {
+            match required(e, "ReceiptHandle").and_then(|r| handle_of(r, &vhost, &name)) {
+                Ok(h) => {
+                    delete_one(sqs, n, id, &h);
+                    ok.push(json!({"Id": eid}));
+                }
+                Err(err) => bad.push(failed(eid, &err)),
+            }
+        }
+        Ok::<_, SqsError>((ok, bad))
+    })??;
+    Ok(batch_answer(ok, bad))
+}
+
+/// A new visibility timeout for one delivery: 0 makes it visible at once.
+fn change_one(
+    n: &mut warren_session::Node,
+    queue: QueueId,
+    h: &Handle,
+    seconds: i64,
+) -> Result<(), SqsError> {
+    let b = n.broker_mut();
+    let done = if seconds == 0 {
+        b.release(queue, h.receipt)
+    } else {
+        b.extend(queue, h.receipt, seconds as u64 * 1000)
+    };
+    if done {
+        Ok(())
+    } else {
+        Err(SqsError::not_inflight())
+    }
+}
+
+pub fn change_visibility(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
+    let seconds = integer(input, "VisibilityTimeout", 0..=43_200)?
+        .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
+    sqs.node.write(|n, _| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        change_one(n, id, &h, seconds)
+    })??;
+    Ok(Map::new())
+}
+
+pub fn change_visibility_batch(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let list = entries(input)?;
+    let (ok, bad) = sqs.node.write(|n, _| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        let (mut ok, mut bad) = (Vec::new(), Vec::new());
+        for (eid, e) in &list {
+            let one = required(e, "ReceiptHandle")
+                .and_then(|r| handle_of(r, &vhost, &name))
+                .and_then(|h| {
+                    let s = integer(e, "VisibilityTimeout", 0..=43_200)?
+                        .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
+                    change_one(n, id, &h, s)
+                });
+            match one {
+                Ok(()) => ok.push(json!({"Id": eid})),
+                Err(err) => bad.push(failed(eid, &err)),
+            }
+        }
+        Ok::<_, SqsError>((ok, bad))
+    })??;
+    Ok(batch_answer(ok, bad))
+}
