@@ -1,7 +1,7 @@
 //! The replication spike of issue 21: a 3-node cluster in one process, one OS thread per node,
 //! many Raft groups per node, one node-wide log file per node with one fsync per batch.
 //!
-//! `cargo run --release -p warren-replication --example spike -- --groups 10000 --busy 10 --secs 10`
+//! `cargo bench -p warren-replication --bench spike -- --groups 10000 --busy 10 --secs 10`
 //!
 //! Phases: create the groups (leaders placed round-robin) and wait until every group has a leader
 //! and every group sleeps; stay idle for `--idle-secs` and measure the process's CPU; then feed the
@@ -65,7 +65,11 @@ fn parse_args() -> Args {
         engine: false,
         async_log: false,
     };
-    let argv: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo bench` adds `--bench` to the arguments.
+    let argv: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
     let mut i = 0;
     while i + 1 < argv.len() {
         let v: u64 = argv[i + 1].parse().expect("a number");
