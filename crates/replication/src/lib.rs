@@ -4,6 +4,7 @@
 
 pub mod engine;
 pub mod multi;
+pub mod queue;
 pub mod storage;
 pub mod wal;
 

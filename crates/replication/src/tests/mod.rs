@@ -1,3 +1,4 @@
 mod properties;
+mod queues;
 mod sim;
 mod wal_file;
