@@ -1,18 +1,22 @@
 //! A replicated queue's state on one member: its queue machine, fed only with committed entries
 //! ("replicate, then apply").
 //!
-//! An entry is the leader's time and one machine command (`[now_ms u64 big-endian]` followed by
-//! [`warren_queue::log::encode_entry`]'s versioned, checksummed command). The time is the
-//! leader's, chosen when it proposed, so every member applies the command at the same moment
-//! and expiries, visibility timeouts and delays fall at the same log position everywhere. The
-//! entry's Raft index is the machine's [`Meta::index`].
+//! An entry is the leader's time, the proposal's origin and one machine command (`[now_ms u64]
+//! [origin node u64][proposal seq u64]`, big-endian, then [`warren_queue::log::encode_entry`]'s
+//! versioned, checksummed command). The time is the leader's, chosen when it proposed, so every
+//! member applies the command at the same moment and expiries, visibility timeouts and delays
+//! fall at the same log position everywhere. The origin lets the node that proposed find its
+//! answer ([`Proposals`]); the other members ignore it. The entry's Raft index is the machine's
+//! [`Meta::index`].
 
 use bytes::{Buf, Bytes, BytesMut};
 use warren_queue::log::{decode_entry, encode_entry, EntryError, LogError as EntryDecodeError};
 use warren_queue::machine::{Command, Effect, Meta, QueueMachine, Reply};
 use warren_queue::Message;
 
-use crate::Committed;
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::{Committed, GroupId, NodeId};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum QueueEntryError {
@@ -24,21 +28,47 @@ pub enum QueueEntryError {
     Decode(#[from] EntryDecodeError),
 }
 
+/// Who proposed an entry: a node and its proposal number there (0: nobody waits for it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Origin {
+    pub node: NodeId,
+    pub seq: u64,
+}
+
+/// What an entry carries besides its command.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntryHead {
+    pub now_ms: u64,
+    pub origin: Origin,
+}
+
+const HEAD_LEN: usize = 24;
+
 /// The bytes a leader proposes for `command` at its time `now_ms`.
-pub fn encode(now_ms: u64, command: &Command<Message>) -> Result<Vec<u8>, QueueEntryError> {
+pub fn encode(
+    now_ms: u64,
+    origin: Origin,
+    command: &Command<Message>,
+) -> Result<Vec<u8>, QueueEntryError> {
     let mut out = BytesMut::with_capacity(64);
     out.extend_from_slice(&now_ms.to_be_bytes());
+    out.extend_from_slice(&origin.node.to_be_bytes());
+    out.extend_from_slice(&origin.seq.to_be_bytes());
     encode_entry(command, &mut out)?;
     Ok(out.to_vec())
 }
 
-/// The leader's time and the command of an entry written by [`encode`].
-pub fn decode(mut data: Bytes) -> Result<(u64, Command<Message>), QueueEntryError> {
-    if data.len() < 8 {
+/// The head and the command of an entry written by [`encode`].
+pub fn decode(mut data: Bytes) -> Result<(EntryHead, Command<Message>), QueueEntryError> {
+    if data.len() < HEAD_LEN {
         return Err(QueueEntryError::Short(data.len()));
     }
     let now_ms = data.get_u64();
-    Ok((now_ms, decode_entry(data)?))
+    let origin = Origin {
+        node: data.get_u64(),
+        seq: data.get_u64(),
+    };
+    Ok((EntryHead { now_ms, origin }, decode_entry(data)?))
 }
 
 /// One member's copy of a replicated queue.
@@ -70,17 +100,126 @@ impl Replica {
         &mut self,
         entry: &Committed,
         effects: &mut Vec<Effect<Message>>,
-    ) -> Result<Option<Reply>, QueueEntryError> {
+    ) -> Result<Option<(Origin, Reply)>, QueueEntryError> {
         if entry.index <= self.applied {
             return Ok(None);
         }
-        let (now_ms, command) = decode(entry.data.clone())?;
+        let (head, command) = decode(entry.data.clone())?;
         let meta = Meta {
             index: entry.index,
-            now_ms,
+            now_ms: head.now_ms,
         };
         self.applied = entry.index;
-        Ok(Some(self.machine.apply(meta, command, effects)))
+        Ok(Some((
+            head.origin,
+            self.machine.apply(meta, command, effects),
+        )))
+    }
+
+    /// Is a timer of the queue due (an expiry, a visibility or consumer timeout, a retry's
+    /// back-off, `x-expires`)? The leader then proposes a `Tick`: time moves the machine only
+    /// through the log.
+    pub fn due(&self, now_ms: u64) -> bool {
+        self.machine.next_deadline().is_some_and(|at| at <= now_ms)
+    }
+}
+
+/// What became of a proposal made on this node.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome<T> {
+    /// Committed and applied: the machine's answer.
+    Applied(T, Reply),
+    /// A later proposal of this node committed in the same group while this one did not: a
+    /// leader change dropped it. The caller resends (an `EnqueueFrom` resend is harmless) or
+    /// nacks; it is never silently taken for done.
+    Lost(T),
+}
+
+/// The proposals this node made and is waiting for, per group, in proposal order.
+#[derive(Debug)]
+pub struct Proposals<T> {
+    node: NodeId,
+    next_seq: u64,
+    waiting: BTreeMap<GroupId, VecDeque<(u64, T)>>,
+}
+
+impl<T> Proposals<T> {
+    pub fn new(node: NodeId) -> Self {
+        Proposals {
+            node,
+            next_seq: 1,
+            waiting: BTreeMap::new(),
+        }
+    }
+
+    /// The origin for the next proposal in `group`, remembered with `token` until its entry
+    /// is applied ([`Proposals::applied`]) or known lost.
+    pub fn next(&mut self, group: GroupId, token: T) -> Origin {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.waiting
+            .entry(group)
+            .or_default()
+            .push_back((seq, token));
+        Origin {
+            node: self.node,
+            seq,
+        }
+    }
+
+    /// Takes back the proposal `origin` names if it was refused at once (this node is not the
+    /// leader any more): nothing waits for it.
+    pub fn withdraw(&mut self, group: GroupId, origin: Origin) -> Option<T> {
+        let line = self.waiting.get_mut(&group)?;
+        let at = line.iter().position(|(seq, _)| *seq == origin.seq)?;
+        let token = line.remove(at).map(|(_, token)| token);
+        if line.is_empty() {
+            self.waiting.remove(&group);
+        }
+        token
+    }
+
+    /// An entry of `group` from `origin` was applied with `reply`: its proposal's outcome, and
+    /// those of this node's earlier proposals in the group that can no longer commit.
+    pub fn applied(
+        &mut self,
+        group: GroupId,
+        origin: Origin,
+        reply: Reply,
+        out: &mut Vec<Outcome<T>>,
+    ) {
+        if origin.node != self.node {
+            return;
+        }
+        let Some(line) = self.waiting.get_mut(&group) else {
+            return;
+        };
+        while let Some((seq, _)) = line.front() {
+            if *seq > origin.seq {
+                // Not this node's any more (it restarted and reuses numbers): nothing waits.
+                return;
+            }
+            let Some((seq, token)) = line.pop_front() else {
+                return;
+            };
+            if seq == origin.seq {
+                out.push(Outcome::Applied(token, reply));
+                break;
+            }
+            out.push(Outcome::Lost(token));
+        }
+        if line.is_empty() {
+            self.waiting.remove(&group);
+        }
+    }
+
+    /// Proposals still waiting in all groups.
+    pub fn len(&self) -> usize {
+        self.waiting.values().map(VecDeque::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
     }
 }
 
@@ -111,9 +250,16 @@ mod tests {
 
     #[test]
     fn an_entry_carries_the_leaders_time_and_is_applied_once_in_order() {
-        let data = encode(1234, &enqueue(b"a")).unwrap();
-        let (now, _) = decode(Bytes::from(data.clone())).unwrap();
-        assert_eq!(now, 1234);
+        let origin = Origin { node: 2, seq: 7 };
+        let data = encode(1234, origin, &enqueue(b"a")).unwrap();
+        let (head, _) = decode(Bytes::from(data.clone())).unwrap();
+        assert_eq!(
+            head,
+            EntryHead {
+                now_ms: 1234,
+                origin
+            }
+        );
         assert_eq!(
             decode(Bytes::from_static(b"short")),
             Err(QueueEntryError::Short(5))
@@ -128,7 +274,7 @@ mod tests {
         let mut effects = Vec::new();
         assert!(matches!(
             r.apply(&committed(3, data.clone()), &mut effects),
-            Ok(Some(Reply::Enqueued { msg_id: 0 }))
+            Ok(Some((o, Reply::Enqueued { msg_id: 0 }))) if o == origin
         ));
         // Handed the same entry again (a restart replays the log): nothing changes.
         assert_eq!(r.apply(&committed(3, data), &mut effects), Ok(None));
@@ -140,6 +286,48 @@ mod tests {
             keep_bytes: 0,
             upto_id: 0,
         };
-        assert!(matches!(encode(1, &page), Err(QueueEntryError::Encode(_))));
+        assert!(matches!(
+            encode(1, Origin::default(), &page),
+            Err(QueueEntryError::Encode(_))
+        ));
+    }
+
+    #[test]
+    fn a_proposal_is_answered_once_and_one_overtaken_by_a_later_commit_is_lost() {
+        let (g, other) = (GroupId(1), GroupId(2));
+        let mut p = Proposals::new(1);
+        let a = p.next(g, "a");
+        let b = p.next(g, "b");
+        let c = p.next(g, "c");
+        let d = p.next(other, "d");
+        let mut out = Vec::new();
+        // Another node's entry is not ours.
+        p.applied(
+            g,
+            Origin {
+                node: 2,
+                seq: a.seq,
+            },
+            Reply::Ok,
+            &mut out,
+        );
+        assert!(out.is_empty());
+        p.applied(g, a, Reply::Ok, &mut out);
+        assert_eq!(out, vec![Outcome::Applied("a", Reply::Ok)]);
+        out.clear();
+        // b was dropped by a leader change; c made it.
+        p.applied(g, c, Reply::Duplicate, &mut out);
+        assert_eq!(
+            out,
+            vec![Outcome::Lost("b"), Outcome::Applied("c", Reply::Duplicate)]
+        );
+        assert_eq!(p.len(), 1, "d waits in its own group");
+        assert_eq!(p.withdraw(other, d), Some("d"));
+        assert!(p.is_empty());
+        // Handed c again (a replay): nothing waits for it any more.
+        out.clear();
+        p.applied(g, c, Reply::Ok, &mut out);
+        assert!(out.is_empty());
+        let _ = b;
     }
 }

@@ -11,7 +11,7 @@ use warren_queue::machine::{
 use warren_queue::{qualify, Message};
 
 use super::sim::Sim;
-use crate::queue::{encode, Replica};
+use crate::queue::{encode, Origin, Outcome, Proposals, Replica};
 use crate::{GroupId, NodeId};
 
 const G: GroupId = GroupId(0);
@@ -42,12 +42,11 @@ fn publish(sim: &mut Sim, publisher: EnqueuerId, seq: u64) -> bool {
             ..MsgMeta::default()
         },
     };
-    let data = encode(sim.now_ms, &command).unwrap();
-    sim.propose(G, data)
+    propose(sim, command)
 }
 
 fn propose(sim: &mut Sim, command: Command<Message>) -> bool {
-    let data = encode(sim.now_ms, &command).unwrap();
+    let data = encode(sim.now_ms, Origin::default(), &command).unwrap();
     sim.propose(G, data)
 }
 
@@ -60,7 +59,7 @@ fn replicas(sim: &Sim, nodes: &[NodeId]) -> Vec<(Replica, Vec<Reply>)> {
             let mut replies = Vec::new();
             let mut effects = Vec::new();
             for c in sim.nodes[n].applied.get(&G).into_iter().flatten() {
-                if let Some(reply) = r.apply(c, &mut effects).unwrap() {
+                if let Some((_, reply)) = r.apply(c, &mut effects).unwrap() {
                     replies.push(reply);
                 }
             }
@@ -131,10 +130,41 @@ fn members_apply_the_same_commands_and_a_new_leader_takes_over_the_queue() {
             node: leader as u16
         }
     ));
-    // The publisher did not hear about 5 before the failover and sends it again, then 6.
-    assert!(publish(&mut sim, publisher, 5));
-    assert!(publish(&mut sim, publisher, 6));
+    // The publisher did not hear about 5 before the failover and sends it again, then 6, through
+    // the new leader's node, which waits for their answers.
+    let mut waiting: Proposals<u64> = Proposals::new(next);
+    for seq in [5, 6] {
+        let origin = waiting.next(G, seq);
+        let command = Command::EnqueueFrom {
+            enqueuer: publisher,
+            seq,
+            message: message(seq),
+            meta: MsgMeta {
+                size: 8,
+                ..MsgMeta::default()
+            },
+        };
+        let data = encode(sim.now_ms, origin, &command).unwrap();
+        assert!(sim.propose_on(next, G, data));
+    }
     sim.run(300);
+    let mut outcomes = Vec::new();
+    let mut mine = Replica::new();
+    let mut effects = Vec::new();
+    for c in &sim.nodes[&next].applied[&G] {
+        if let Some((origin, reply)) = mine.apply(c, &mut effects).unwrap() {
+            waiting.applied(G, origin, reply, &mut outcomes);
+        }
+    }
+    assert!(
+        matches!(outcomes[0], Outcome::Applied(5, Reply::Duplicate)),
+        "{outcomes:?}"
+    );
+    assert!(matches!(
+        outcomes[1],
+        Outcome::Applied(6, Reply::Enqueued { .. })
+    ));
+    assert!(waiting.is_empty());
     let survivors: Vec<NodeId> = [1, 2, 3].into_iter().filter(|n| *n != leader).collect();
     let after = replicas(&sim, &survivors);
     assert_same(&after);
@@ -152,12 +182,38 @@ fn members_apply_the_same_commands_and_a_new_leader_takes_over_the_queue() {
     let mut fresh = QueueMachine::<Message>::default();
     let mut effects = Vec::new();
     for c in &sim.nodes[&survivors[0]].applied[&G] {
-        let (now_ms, command) = crate::queue::decode(c.data.clone()).unwrap();
+        let (head, command) = crate::queue::decode(c.data.clone()).unwrap();
         let meta = Meta {
             index: c.index,
-            now_ms,
+            now_ms: head.now_ms,
         };
         fresh.apply(meta, command, &mut effects);
     }
     assert_eq!(fresh.digest(), m.digest());
+
+    // Time moves the queue only through the log: a message with a TTL expires on every member
+    // at the Tick the leader proposes once its replica says a timer is due.
+    let expiring = Command::Enqueue {
+        message: message(7),
+        meta: MsgMeta {
+            size: 8,
+            expires_at: Some(sim.now_ms + 50),
+            ..MsgMeta::default()
+        },
+    };
+    assert!(propose(&mut sim, expiring));
+    sim.run(100);
+    let leader_replica = &replicas(&sim, &[next])[0].0;
+    assert_eq!(leader_replica.machine().ready_count(), 7);
+    assert!(leader_replica.due(sim.now_ms), "its expiry has passed");
+    assert!(propose(&mut sim, Command::Tick));
+    sim.run(100);
+    let after_tick = replicas(&sim, &survivors);
+    assert_same(&after_tick);
+    assert_eq!(
+        after_tick[0].0.machine().ready_count(),
+        6,
+        "expired on every member"
+    );
+    assert!(!after_tick[0].0.due(sim.now_ms));
 }
