@@ -362,3 +362,72 @@ async fn a_deleted_queue_takes_its_held_copies_with_it() {
     tokio::time::sleep(wait.max(Duration::from_millis(100))).await;
     assert_eq!(ready(&ch, &durable_later).await, 0, "back after a restart");
 }
+
+/// A delayed message that falls due into a full `reject-publish` queue is held back and tried
+/// again (after a second), never dropped, and each refusal is counted in
+/// `warren_delayed_refused_total`.
+#[tokio::test]
+async fn a_release_into_a_full_queue_is_counted_and_tried_again() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    let conn = broker.connect().await;
+    let ch = confirm_channel(&conn).await;
+    let (x, q) = (unique("full-x"), unique("full-q"));
+    ch.exchange_declare(
+        x.as_str().into(),
+        ExchangeKind::Custom("x-delayed-message".into()),
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args(&[("x-delayed-type", text("direct"))]),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args(&[
+            ("x-max-length", AMQPValue::LongInt(1)),
+            ("x-overflow", text("reject-publish")),
+        ]),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        q.as_str().into(),
+        x.as_str().into(),
+        "k".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    assert!(publish_delayed(&ch, &x, b"first", None).await.is_ack());
+    assert!(publish_delayed(&ch, &x, b"later", Some(20)).await.is_ack());
+    let base = broker.metrics_url().expect("metrics on");
+    let refused = |text: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("warren_delayed_refused_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    warren_conformance::http::eventually("a refused release counted", || {
+        let text =
+            warren_conformance::http::request("GET", &format!("{base}/metrics"), None, &[], None)
+                .text();
+        match refused(&text) {
+            Some(n) if n >= 1 => Ok(n),
+            other => Err(format!("warren_delayed_refused_total: {other:?}")),
+        }
+    });
+    // Room again: the held message comes on its next try.
+    let first = get_eventually(&ch, &q, true).await;
+    assert_eq!(first.delivery.data, b"first");
+    let later = get_eventually(&ch, &q, true).await;
+    assert_eq!(later.delivery.data, b"later");
+}

@@ -415,6 +415,12 @@ pub fn render(api: &Api, per_object: bool) -> String {
         delayed,
     );
     t.one(
+        "warren_delayed_refused_total",
+        "counter",
+        "Releases of delayed messages that a full reject-publish queue refused (each is retried later)",
+        counters.delayed_refused,
+    );
+    t.one(
         "rabbitmq_global_messages_confirmed_total",
         "counter",
         "Total number of messages confirmed to publishers",
