@@ -135,3 +135,44 @@ pub fn eventually<T>(what: &str, mut check: impl FnMut() -> Result<T, String>) -
         }
     }
 }
+
+/// The management API of a test broker, as guest: JSON in, status and JSON out.
+pub struct Api {
+    base: String,
+}
+
+impl Api {
+    pub fn of(b: &crate::TestBroker) -> Api {
+        Api {
+            base: format!("{}/api", b.http_url().expect("management API on")),
+        }
+    }
+
+    /// `method` on `/api{path}`; the body that came back as JSON (`Null` when empty or not JSON).
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> (u16, serde_json::Value) {
+        let r = request(
+            method,
+            &format!("{}{path}", self.base),
+            Some(("guest", "guest")),
+            &[],
+            body.map(|b| b.to_string()).as_deref(),
+        );
+        let v = if r.body.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_slice(&r.body).unwrap_or(serde_json::Value::Null)
+        };
+        (r.status, v)
+    }
+
+    /// A PUT that must create or replace (201 or 204).
+    pub fn put(&self, path: &str, body: serde_json::Value) {
+        let (status, v) = self.call("PUT", path, Some(body));
+        assert!(status == 201 || status == 204, "PUT {path}: {status} {v}");
+    }
+}

@@ -26,6 +26,15 @@ fn not_early(sent: Instant, delay: Duration) -> bool {
 
 /// A durable delayed exchange routing as `direct`, and a durable queue bound with key "k".
 async fn delayed_setup(ch: &Channel, prefix: &str) -> (String, String) {
+    delayed_setup_with(ch, prefix, FieldTable::default()).await
+}
+
+/// [`delayed_setup`] with the queue's arguments.
+async fn delayed_setup_with(
+    ch: &Channel,
+    prefix: &str,
+    queue_args: FieldTable,
+) -> (String, String) {
     let (x, q) = (
         unique(&format!("{prefix}-x")),
         unique(&format!("{prefix}-q")),
@@ -47,7 +56,7 @@ async fn delayed_setup(ch: &Channel, prefix: &str) -> (String, String) {
             durable: true,
             ..Default::default()
         },
-        FieldTable::default(),
+        queue_args,
     )
     .await
     .unwrap();
@@ -374,40 +383,15 @@ async fn a_release_into_a_full_queue_is_counted_and_tried_again() {
     }
     let conn = broker.connect().await;
     let ch = confirm_channel(&conn).await;
-    let (x, q) = (unique("full-x"), unique("full-q"));
-    ch.exchange_declare(
-        x.as_str().into(),
-        ExchangeKind::Custom("x-delayed-message".into()),
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args(&[("x-delayed-type", text("direct"))]),
-    )
-    .await
-    .unwrap();
-    ch.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
+    let (x, q) = delayed_setup_with(
+        &ch,
+        "full",
         args(&[
             ("x-max-length", AMQPValue::LongInt(1)),
             ("x-overflow", text("reject-publish")),
         ]),
     )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        q.as_str().into(),
-        x.as_str().into(),
-        "k".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    .await;
     assert!(publish_delayed(&ch, &x, b"first", None).await.is_ack());
     assert!(publish_delayed(&ch, &x, b"later", Some(20)).await.is_ack());
     let base = broker.metrics_url().expect("metrics on");

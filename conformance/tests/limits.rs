@@ -9,44 +9,9 @@ use std::time::{Duration, Instant};
 
 use amq_protocol::protocol::{connection, AMQPClass};
 use serde_json::{json, Value};
-use warren_conformance::http::request;
+use warren_conformance::http::Api;
 use warren_conformance::raw::{m, plain_response, Handshake, QueueFlags, Raw};
 use warren_conformance::{unique, TestBroker};
-
-const GUEST: Option<(&str, &str)> = Some(("guest", "guest"));
-
-struct Api {
-    base: String,
-}
-
-impl Api {
-    fn of(b: &TestBroker) -> Api {
-        Api {
-            base: format!("{}/api", b.http_url().expect("management API on")),
-        }
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let r = request(
-            method,
-            &format!("{}{path}", self.base),
-            GUEST,
-            &[],
-            body.map(|b| b.to_string()).as_deref(),
-        );
-        let v = if r.body.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&r.body).unwrap_or(Value::Null)
-        };
-        (r.status, v)
-    }
-
-    fn put(&self, path: &str, body: Value) {
-        let (status, v) = self.call("PUT", path, Some(body));
-        assert!(status == 201 || status == 204, "PUT {path}: {status} {v}");
-    }
-}
 
 /// Opens a connection as `user` to `vhost` and returns it with the broker's answer to
 /// connection.open (open-ok, or the connection.close that refuses it).

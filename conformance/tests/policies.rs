@@ -7,39 +7,9 @@ use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation};
 use serde_json::{json, Value};
-use warren_conformance::http::request;
+use warren_conformance::http::Api;
 use warren_conformance::queues::{confirm_channel, dead_letter_queue, ready, wait_ready};
 use warren_conformance::{unique, TestBroker};
-
-const GUEST: Option<(&str, &str)> = Some(("guest", "guest"));
-
-struct Api {
-    base: String,
-}
-
-impl Api {
-    fn of(b: &TestBroker) -> Api {
-        Api {
-            base: format!("{}/api", b.http_url().expect("management API on")),
-        }
-    }
-
-    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let r = request(
-            method,
-            &format!("{}{path}", self.base),
-            GUEST,
-            &[],
-            body.map(|b| b.to_string()).as_deref(),
-        );
-        let v = if r.body.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&r.body).unwrap_or(Value::Null)
-        };
-        (r.status, v)
-    }
-}
 
 async fn publish(ch: &Channel, q: &str, body: &[u8]) {
     let confirm = ch

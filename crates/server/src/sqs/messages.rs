@@ -510,22 +510,30 @@ fn delete_one(sqs: &Sqs, n: &mut warren_session::Node, queue: QueueId, h: &Handl
     sqs.forget_receive((queue.0, h.receipt.msg_id));
 }
 
+/// The queue a message action reads from: it exists and the user may read it.
 fn queue_for_messages(
     n: &warren_session::Node,
     ctx: &Ctx,
     vhost: &str,
     name: &str,
 ) -> Result<QueueId, SqsError> {
-    let id = n
-        .broker()
-        .queue_id(vhost, name)
-        .ok_or_else(SqsError::no_queue)?;
-    ctx.permit(
-        n.broker().access(),
-        vhost,
-        &[(Perm::Read, Resource::Queue(name))],
-    )?;
-    Ok(id)
+    super::permitted_queue(n, ctx, vhost, name, Perm::Read)
+}
+
+/// Runs `one` for each entry of a batch action, sorting them into the `Successful` and
+/// `Failed` lists of the answer.
+fn each_entry(
+    list: &Entries<'_>,
+    mut one: impl FnMut(&Map<String, Value>) -> Result<(), SqsError>,
+) -> (Vec<Value>, Vec<Value>) {
+    let (mut ok, mut bad) = (Vec::new(), Vec::new());
+    for (eid, e) in list {
+        match one(e) {
+            Ok(()) => ok.push(json!({"Id": eid})),
+            Err(err) => bad.push(failed(eid, &err)),
+        }
+    }
+    (ok, bad)
 }
 
 pub fn delete(
@@ -552,17 +560,11 @@ pub fn delete_batch(
     let list = entries(input)?;
     let (ok, bad) = sqs.node.write(|n, _| {
         let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        let (mut ok, mut bad) = (Vec::new(), Vec::new());
-        for (eid, e) in &list {
-            match required(e, "ReceiptHandle").and_then(|r| handle_of(r, &vhost, &name)) {
-                Ok(h) => {
-                    delete_one(sqs, n, id, &h);
-                    ok.push(json!({"Id": eid}));
-                }
-                Err(err) => bad.push(failed(eid, &err)),
-            }
-        }
-        Ok::<_, SqsError>((ok, bad))
+        Ok::<_, SqsError>(each_entry(&list, |e| {
+            let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
+            delete_one(sqs, n, id, &h);
+            Ok(())
+        }))
     })??;
     Ok(batch_answer(ok, bad))
 }
@@ -612,21 +614,12 @@ pub fn change_visibility_batch(
     let list = entries(input)?;
     let (ok, bad) = sqs.node.write(|n, _| {
         let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        let (mut ok, mut bad) = (Vec::new(), Vec::new());
-        for (eid, e) in &list {
-            let one = required(e, "ReceiptHandle")
-                .and_then(|r| handle_of(r, &vhost, &name))
-                .and_then(|h| {
-                    let s = integer(e, "VisibilityTimeout", 0..=43_200)?
-                        .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
-                    change_one(n, id, &h, s)
-                });
-            match one {
-                Ok(()) => ok.push(json!({"Id": eid})),
-                Err(err) => bad.push(failed(eid, &err)),
-            }
-        }
-        Ok::<_, SqsError>((ok, bad))
+        Ok::<_, SqsError>(each_entry(&list, |e| {
+            let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
+            let s = integer(e, "VisibilityTimeout", 0..=43_200)?
+                .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
+            change_one(n, id, &h, s)
+        }))
     })??;
     Ok(batch_answer(ok, bad))
 }

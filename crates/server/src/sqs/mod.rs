@@ -275,6 +275,23 @@ async fn serve_one(
     }
 }
 
+/// The queue an action names, once it is known to exist and the user may do `perm` to it
+/// (a missing queue is `QueueDoesNotExist` whatever the user's rights).
+fn permitted_queue(
+    n: &warren_session::Node,
+    ctx: &Ctx,
+    vhost: &str,
+    name: &str,
+    perm: Perm,
+) -> Result<warren_broker::QueueId, SqsError> {
+    let id = n
+        .broker()
+        .queue_id(vhost, name)
+        .ok_or_else(SqsError::no_queue)?;
+    ctx.permit(n.broker().access(), vhost, &[(perm, Resource::Queue(name))])?;
+    Ok(id)
+}
+
 /// Checks the request's SigV4 signature; the user it names is the request's.
 fn authenticate(
     sqs: &Sqs,

@@ -415,14 +415,7 @@ pub fn delete(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     sqs.node.write(|n, _| {
-        if n.broker().queue_id(&vhost, &name).is_none() {
-            return Err(SqsError::no_queue());
-        }
-        ctx.permit(
-            n.broker().access(),
-            &vhost,
-            &[(Perm::Configure, Resource::Queue(&name))],
-        )?;
+        super::permitted_queue(n, ctx, &vhost, &name, Perm::Configure)?;
         n.delete_queue(&vhost, &name, (false, false))
             .map(|_| ())
             .map_err(amqp)
@@ -438,14 +431,7 @@ pub fn purge(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     sqs.node.write(|n, _| {
-        if n.broker().queue_id(&vhost, &name).is_none() {
-            return Err(SqsError::no_queue());
-        }
-        ctx.permit(
-            n.broker().access(),
-            &vhost,
-            &[(Perm::Read, Resource::Queue(&name))],
-        )?;
+        super::permitted_queue(n, ctx, &vhost, &name, Perm::Read)?;
         n.broker_mut()
             .purge_queue(&vhost, &name, API_CONN)
             .map(|_| ())
