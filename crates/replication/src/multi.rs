@@ -299,6 +299,11 @@ impl MultiRaft {
             .map(|(id, _)| *id)
     }
 
+    /// The group's current term, as this member knows it.
+    pub fn term_of(&self, group: GroupId) -> Option<u64> {
+        Some(self.groups.get(&group)?.raw.raft.term)
+    }
+
     pub fn commit_index(&self, group: GroupId) -> Option<u64> {
         Some(self.groups.get(&group)?.raw.raft.raft_log.committed)
     }

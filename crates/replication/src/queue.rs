@@ -221,6 +221,11 @@ impl<T> Proposals<T> {
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty()
     }
+
+    /// Does nothing of this node wait in `group`?
+    pub fn is_empty_in(&self, group: GroupId) -> bool {
+        !self.waiting.contains_key(&group)
+    }
 }
 
 #[cfg(test)]

@@ -2,6 +2,12 @@
 
 use super::*;
 
+/// Commands a replicated queue's members each take from their own definitions, not from the
+/// log: the queue's policy as declared and as policies change it.
+fn declared_here(command: &Command<Message>) -> bool {
+    matches!(command, Command::Configure(_) | Command::CapExpiry { .. })
+}
+
 impl Broker {
     /// Applies one command to a queue's machine: the only way a queue's state changes. The
     /// command gets the queue's next log index and the broker's time; it is recorded when
@@ -19,8 +25,25 @@ impl Broker {
         id: QueueId,
         build: impl FnOnce(&Queue) -> (Command<Message>, T),
     ) -> Option<(Reply, T)> {
-        let q = self.queues.get_mut(&id)?;
+        let q = self.queues.get(&id)?;
         let (command, extra) = build(q);
+        match q
+            .replica
+            .as_ref()
+            .map(|r| (declared_here(&command), r.is_leading()))
+        {
+            // Every member applies what its own declaration and policies say (each node keeps
+            // the definitions until the metadata group replicates them).
+            Some((true, true)) => self.configure_committed(id, &command),
+            Some((true, false)) | None => {}
+            // Only the leader acts, and only once its term's first entry is applied.
+            Some((false, false)) => {
+                let reply = self.forward(id, &command)?;
+                return Some((reply, extra));
+            }
+            Some((false, true)) => self.propose(id, &command),
+        }
+        let q = self.queues.get_mut(&id)?;
         let meta = Meta {
             index: q.machine.last_index() + 1,
             now_ms: self.now_ms,
@@ -106,6 +129,9 @@ impl Broker {
             }
         }
         let priority = args::validate_consume(arguments, &q.rs())?;
+        if q.replica.as_ref().is_some_and(|r| !r.is_leading()) {
+            return Err(not_led_here(q));
+        }
         let id = q.id;
         let consumer = ConsumerId(self.next_consumer);
         self.next_consumer += 1;
@@ -168,19 +194,23 @@ impl Broker {
 
     /// Is there a queue with work for [`Broker::dispatch_one`]?
     pub fn needs_dispatch(&self) -> bool {
-        !self.dirty.is_empty()
+        !self.dirty.is_empty() || self.has_released()
     }
 
     /// Queues waiting for dispatch now (a caller that dispatches each once stops after this
     /// many).
     pub fn dirty_count(&self) -> usize {
-        self.dirty.len()
+        self.dirty.len() + usize::from(self.has_released())
     }
 
     /// Runs one checkout (at most `config.dispatch_batch` deliveries) on the next queue with
     /// work; its deliveries are appended to `out`. A queue with more work stays dirty. False
     /// when no queue has work.
     pub fn dispatch_one(&mut self, out: &mut Vec<Delivery>) -> bool {
+        if self.has_released() {
+            self.take_released(out);
+            return true;
+        }
         let Some(id) = self.dirty.pop_front() else {
             return false;
         };
@@ -196,7 +226,9 @@ impl Broker {
         if self.run(id, Command::Checkout { max }).is_none() {
             return true;
         }
+        let from = out.len();
         self.take_deliveries(id, out);
+        self.hold_deliveries(id, out, from);
         true
     }
 
@@ -301,6 +333,7 @@ impl Broker {
         }
         self.ticking = false;
         self.release_delayed();
+        self.expire_forwards();
     }
 
     /// The time of the commands that follow (milliseconds on the driver's clock; it never goes
@@ -316,10 +349,10 @@ impl Broker {
             return None;
         }
         let queues = self.deadlines.first().map(|&(at, _)| at);
-        match (queues, self.scheduler.deadline()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [queues, self.scheduler.deadline(), self.forward_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// A queue's machine (read-only: tests, diagnostics, digests).
@@ -339,6 +372,16 @@ impl Broker {
         let q = self.queue_by_name(vhost, &queue)?;
         check_access(q, conn)?;
         let id = q.id;
+        if let Some(r) = q.replica.as_ref() {
+            if !r.is_leading() {
+                return Err(not_led_here(q));
+            }
+            if !r.caught_up() {
+                // A message is handed out only once the log has it, and this node's machine
+                // is ahead of it now: a poller asks again (a consumer gets held deliveries).
+                return Ok(None);
+            }
+        }
         if q.machine.ready_count() == 0 {
             // Nothing to take. A queue with `x-expires` still counts the poll as use (RabbitMQ
             // restarts its expiry timer on every basic.get, empty or not); for any other queue
@@ -362,7 +405,18 @@ impl Broker {
                     break;
                 }
             }
-            self.run(id, Command::Get { no_ack });
+            // A replicated queue's get is by this node's channel: a `Down` of the node returns it.
+            let command = match self
+                .cluster_node()
+                .filter(|_| self.replica_group(id).is_some())
+            {
+                Some(node) => Command::GetBy {
+                    no_ack,
+                    node: u16::try_from(node).unwrap_or(u16::MAX),
+                },
+                None => Command::Get { no_ack },
+            };
+            self.run(id, command);
             self.take_deliveries(id, &mut got);
             let paged_head = self
                 .queues
