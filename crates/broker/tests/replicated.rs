@@ -1,8 +1,9 @@
 //! Replicated queues through the broker: three brokers, each with its node's Raft groups
-//! (raft-rs over an in-memory log), on simulated time. A confirm goes out only once the
-//! queue's entry is committed, a consumer sees a message only then, a publish on a node that
-//! does not lead goes to the leader, and after the leader's node dies the new leader gives
-//! back what that node's consumers held.
+//! (raft-rs over an in-memory log), on simulated time. A queue declared on one node reaches
+//! the others through the metadata group; a confirm goes out only once the queue's entry is
+//! committed, a consumer sees a message only then, a publish on a node that does not lead goes
+//! to the leader, and after the leader's node dies the new leader gives back what that node's
+//! consumers held.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -22,6 +23,9 @@ struct Member {
     alive: bool,
     /// The leader each group had at the last look.
     leaders: BTreeMap<u64, Option<u64>>,
+    groups: BTreeSet<u64>,
+    /// Groups the broker gave up.
+    removed: BTreeSet<u64>,
     /// The store batches written (every one is, at once).
     written: u64,
 }
@@ -58,52 +62,75 @@ fn message(n: u32) -> Message {
 
 impl Cluster {
     fn new() -> Self {
+        Self::declared_on(1)
+    }
+
+    /// A cluster whose metadata group node 1 leads, with the queue declared on `node`.
+    fn declared_on(node: u64) -> Self {
         let mut members = BTreeMap::new();
-        let mut group = 0;
-        for node in NODES {
+        for n in NODES {
             let mut broker = Broker::new(BrokerConfig {
                 persistence: true,
                 ..BrokerConfig::default()
             });
-            broker.join_cluster(node, &NODES);
-            let req = DeclareQueue {
-                name: "jobs".into(),
-                passive: false,
-                durable: true,
-                exclusive: false,
-                auto_delete: false,
-                arguments: quorum_args(),
-            };
-            broker
-                .declare_queue("/", req, conn(node, 1))
-                .expect("declare");
-            let id = broker.queue_id("/", "jobs").expect("declared");
-            group = broker.replica_group(id).expect("replicated");
-            let mut cfg = Config::new(node, NODES.to_vec());
+            broker.join_cluster(n, &NODES, 1);
+            let mut cfg = Config::new(n, NODES.to_vec());
             cfg.tick_ms = TICK_MS;
             cfg.log_keep = 1 << 20;
             let mut raft = MultiRaft::new(cfg).expect("raft");
-            raft.add_group(GroupId(group), node == 1).expect("group");
+            raft.add_group(GroupId(0), n == 1).expect("metadata group");
             members.insert(
-                node,
+                n,
                 Member {
                     broker,
                     raft,
                     log: MemLog::new(),
                     alive: true,
                     leaders: BTreeMap::new(),
+                    groups: BTreeSet::from([0]),
+                    removed: BTreeSet::new(),
                     written: 0,
                 },
             );
         }
-        Cluster {
+        let mut c = Cluster {
             members,
             now: 0,
             net: Vec::new(),
             forwards: Vec::new(),
             isolated: BTreeSet::new(),
-            group,
+            group: 0,
+        };
+        let req = DeclareQueue {
+            name: "jobs".into(),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: quorum_args(),
+        };
+        c.broker(node)
+            .declare_queue("/", req, conn(node, 1))
+            .expect("declare");
+        let id = c.members[&node]
+            .broker
+            .queue_id("/", "jobs")
+            .expect("declared");
+        c.group = c.members[&node]
+            .broker
+            .replica_group(id)
+            .expect("replicated");
+        for _ in 0..300 {
+            let everywhere = c
+                .members
+                .values()
+                .all(|m| m.broker.queue_id("/", "jobs").is_some());
+            if everywhere {
+                return c;
+            }
+            c.step();
         }
+        panic!("the declaration did not reach every node");
     }
 
     fn connected(&self, a: u64, b: u64) -> bool {
@@ -126,7 +153,6 @@ impl Cluster {
                 m.broker.forwarded(p.group, &p.data);
             }
         }
-        let group = self.group;
         for (&node, m) in self.members.iter_mut().filter(|(_, m)| m.alive) {
             m.broker.tick(now);
             let mut props = Vec::new();
@@ -148,11 +174,20 @@ impl Cluster {
             let done = m.raft.advance(batch);
             self.net.extend(done.messages);
             m.broker.apply_committed(&done.committed);
-            let leader = m.raft.leader_of(GroupId(group));
-            if m.leaders.get(&group) != Some(&leader) {
-                m.leaders.insert(group, leader);
-                let term = m.raft.term_of(GroupId(group)).unwrap_or(0);
-                m.broker.set_leader(group, leader, term);
+            let (new, removed) = m.broker.take_group_changes();
+            m.removed.extend(removed);
+            for (g, campaign) in new {
+                if m.groups.insert(g) {
+                    m.raft.add_group(GroupId(g), campaign).expect("group");
+                }
+            }
+            for &g in &m.groups {
+                let leader = m.raft.leader_of(GroupId(g));
+                if m.leaders.get(&g) != Some(&leader) {
+                    m.leaders.insert(g, leader);
+                    let term = m.raft.term_of(GroupId(g)).unwrap_or(0);
+                    m.broker.set_leader(g, leader, term);
+                }
             }
             while let Some(w) = m.broker.take_writes() {
                 m.written = w.number;
@@ -393,4 +428,31 @@ fn a_leader_cut_off_from_the_majority_never_confirms_and_nacks_what_it_lost() {
     // The old leader follows the new one and has the same state.
     let d = c.digests(&NODES);
     assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}
+
+#[test]
+fn a_queue_declared_on_any_node_reaches_all_and_a_delete_on_any_node_removes_it_everywhere() {
+    // Node 2 does not lead the metadata group: its declaration goes to node 1's.
+    let mut c = Cluster::declared_on(2);
+    let leader = c.leader();
+    let batch = c.publish(leader, 1);
+    c.run(20);
+    assert!(c.confirmed(leader, batch));
+    let deleted = c
+        .broker(3)
+        .delete_queue("/", "jobs", false, false, conn(3, 1))
+        .expect("delete");
+    assert_eq!(deleted.message_count, 1);
+    for _ in 0..100 {
+        c.step();
+    }
+    for n in NODES {
+        assert_eq!(c.members[&n].broker.queue_id("/", "jobs"), None, "node {n}");
+    }
+    // Every node gave up the queue's group.
+    let groups: Vec<bool> = NODES
+        .iter()
+        .map(|n| c.members[n].removed.contains(&c.group))
+        .collect();
+    assert_eq!(groups, [true, true, true]);
 }

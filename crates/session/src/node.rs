@@ -236,8 +236,8 @@ impl Node {
     }
 
     /// Makes this node `node` of the cluster of `nodes` (see `Broker::join_cluster`).
-    pub fn join_cluster(&mut self, node: u64, nodes: &[u64]) {
-        self.broker.join_cluster(node, nodes);
+    pub fn join_cluster(&mut self, node: u64, nodes: &[u64], boot: u64) {
+        self.broker.join_cluster(node, nodes, boot);
     }
 
     /// The entries for replicated queues' groups made since the last call.

@@ -561,6 +561,9 @@ impl Broker {
         };
         let mut q = q;
         self.attach_replica(&mut q);
+        if q.replica.is_some() && !self.restoring {
+            self.announce_declare(vhost, &q.name, &q.arguments);
+        }
         let out = declared(&q);
         let policy = policy(&q.args);
         let delays = q.args.delivery_delay_ms.is_some();

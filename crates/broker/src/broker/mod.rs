@@ -2,6 +2,7 @@
 
 mod flows;
 mod metadata;
+mod metadata_group;
 mod persistence;
 mod policies;
 mod publish;

@@ -53,14 +53,18 @@ pub(crate) struct Cluster {
     /// Reused effects buffer of committed entries (every member computes them; only the
     /// leader acted on them, ahead of the log).
     scratch: Vec<Effect<Message>>,
+    /// The metadata group's part.
+    pub(super) meta: super::metadata_group::MetaState,
 }
 
 impl Cluster {
-    pub(crate) fn new(node: NodeId, nodes: &[NodeId]) -> Self {
+    pub(crate) fn new(node: NodeId, nodes: &[NodeId], boot: u64) -> Self {
         Cluster {
             node,
             nodes: nodes.to_vec(),
-            proposals: Proposals::new(node),
+            // 2^20 proposals per unit of `boot` (a millisecond) before numbers could meet.
+            proposals: Proposals::starting_at(node, boot.saturating_mul(1 << 20)),
+            meta: super::metadata_group::MetaState::default(),
             forwarding: None,
             forwarded_since: BTreeMap::new(),
             outbox: Vec::new(),
@@ -71,6 +75,18 @@ impl Cluster {
             cancelled: Vec::new(),
             scratch: Vec::new(),
         }
+    }
+
+    pub(super) fn node(&self) -> NodeId {
+        self.node
+    }
+
+    pub(super) fn push(&mut self, p: Proposal) {
+        self.outbox.push(p);
+    }
+
+    pub(super) fn push_cancelled(&mut self, keys: Vec<ConsumerKey>) {
+        self.cancelled.extend(keys);
     }
 
     fn settle(&mut self, outcome: Outcome<Token>) {
@@ -120,9 +136,10 @@ impl Broker {
     /// Makes this broker node `node` of the cluster of `nodes`: queues declared with
     /// `x-queue-type: quorum` from now on are replicated (their commands go to
     /// [`Broker::take_proposals`]). Ids it mints are qualified by the node, so a peer can tell
-    /// whose consumer a delivery went to.
-    pub fn join_cluster(&mut self, node: NodeId, nodes: &[NodeId]) {
-        self.cluster = Some(Box::new(Cluster::new(node, nodes)));
+    /// whose consumer a delivery went to. `boot` grows with every start of the node (the
+    /// time in milliseconds will do): its proposals are numbered from it.
+    pub fn join_cluster(&mut self, node: NodeId, nodes: &[NodeId], boot: u64) {
+        self.cluster = Some(Box::new(Cluster::new(node, nodes, boot)));
         let local = warren_queue::LOCAL_ID_MAX.min(self.next_consumer);
         self.next_consumer = qualified(node, local);
     }
@@ -158,12 +175,20 @@ impl Broker {
         let group = group_of(&q.vhost, &q.name);
         c.groups.insert(group, q.id);
         q.replica = Some(Box::new(ReplicaState::new(group)));
+        // Declared by a client here, this node creates the group and stands for its leader;
+        // declared from the metadata group or the store, it waits to hear from the leader.
+        c.meta.new_groups.push((group, !self.restoring));
     }
 
-    /// A replicated queue left this node's broker.
+    /// A replicated queue left this node's broker: its group goes too, and every node is
+    /// told unless the metadata group told this one.
     pub(super) fn detach_replica(&mut self, q: &Queue) {
         if let (Some(c), Some(r)) = (self.cluster.as_mut(), q.replica.as_ref()) {
             c.groups.remove(&r.group);
+            c.meta.removed_groups.push(r.group);
+            if !self.restoring {
+                self.announce_delete(&q.vhost, &q.name);
+            }
         }
     }
 
@@ -275,6 +300,10 @@ impl Broker {
     /// answer when it applies the entry. Not leading (any more), it is dropped: the sender
     /// nacks it when the term changes or its wait runs out.
     pub fn forwarded(&mut self, group: u64, data: &[u8]) {
+        if group == super::metadata_group::META_GROUP {
+            self.forwarded_meta(data);
+            return;
+        }
         let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
             return;
         };
@@ -339,14 +368,13 @@ impl Broker {
 
     /// A command each member takes from its own definitions reaches the committed copy too.
     pub(super) fn configure_committed(&mut self, id: QueueId, command: &Command<Message>) {
-        let now = self.now_ms;
         let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
             return;
         };
         if let Mode::Leading { committed } = &mut r.mode {
             let meta = Meta {
                 index: committed.last_index(),
-                now_ms: now,
+                now_ms: committed.now_ms(),
             };
             committed.apply(meta, command.clone(), &mut Vec::new());
         }
@@ -398,7 +426,12 @@ impl Broker {
         };
         let mut outcomes = Vec::new();
         let mut started = Vec::new();
+        let mut meta = Vec::new();
         for e in entries {
+            if e.group.0 == super::metadata_group::META_GROUP {
+                meta.push(e);
+                continue;
+            }
             let Some(&id) = c.groups.get(&e.group.0) else {
                 continue;
             };
@@ -464,6 +497,9 @@ impl Broker {
         for id in started {
             self.refile(id);
         }
+        for e in meta {
+            self.apply_meta(e);
+        }
     }
 
     /// The highest store batch whose confirms may go out once the store wrote up to
@@ -494,11 +530,15 @@ impl Broker {
 
     /// The leader of `group` is now `leader` (in `term`), as the driver's Raft reports it.
     /// Elected here, the queue waits for its first entries of the term before it acts: a
-    /// `Down` of every other node (their consumers and what they held go back: consumers are
+    /// `Down` of every node (their consumers and what they held go back: consumers are
     /// served by the leader's node only, so none may be left attached to a queue led
-    /// elsewhere). Deposed here, the machine falls back to the committed state and the local
+    /// elsewhere, and none of this node's from before a restart). Deposed here, the machine falls back to the committed state and the local
     /// consumers are cancelled.
     pub fn set_leader(&mut self, group: u64, leader: Option<NodeId>, term: u64) {
+        if group == super::metadata_group::META_GROUP {
+            self.set_meta_leader(leader);
+            return;
+        }
         let Some(c) = self.cluster.as_ref() else {
             return;
         };
@@ -526,23 +566,21 @@ impl Broker {
             if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
                 r.stepped_down = None;
             }
-            let others: Vec<Command<Message>> = self
+            // This node too: what its channels held before a restart is gone with them, and
+            // it has no consumers of a queue it did not lead.
+            let downs = self
                 .cluster
                 .as_ref()
-                .map(|c| {
-                    c.nodes
-                        .iter()
-                        .filter(|n| **n != node)
-                        .copied()
-                        .collect::<Vec<_>>()
-                })
+                .map(|c| c.nodes.clone())
                 .unwrap_or_default()
                 .into_iter()
                 .map(|n| Command::Down {
                     node: u16::try_from(n).unwrap_or(u16::MAX),
-                })
-                .collect();
-            self.start_term(id, others);
+                });
+            // And a `Touch`: an `x-expires` lease runs from the term's start, at the leader's
+            // time, the same on every member.
+            let marker: Vec<Command<Message>> = downs.chain([Command::Touch]).collect();
+            self.start_term(id, marker);
         }
     }
 

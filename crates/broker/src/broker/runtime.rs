@@ -27,6 +27,9 @@ impl Broker {
     ) -> Option<(Reply, T)> {
         let q = self.queues.get(&id)?;
         let (command, extra) = build(q);
+        // A replicated queue's members each apply their own definitions, at different times:
+        // at the machine's own time, they start no lease (x-expires) that differs between them.
+        let mut now_ms = self.now_ms;
         match q
             .replica
             .as_ref()
@@ -34,8 +37,13 @@ impl Broker {
         {
             // Every member applies what its own declaration and policies say (each node keeps
             // the definitions until the metadata group replicates them).
-            Some((true, true)) => self.configure_committed(id, &command),
-            Some((true, false)) | None => {}
+            Some((true, leading)) => {
+                now_ms = q.machine.now_ms();
+                if leading {
+                    self.configure_committed(id, &command);
+                }
+            }
+            None => {}
             // Only the leader acts, and only once its term's first entry is applied.
             Some((false, false)) => {
                 let reply = self.forward(id, &command)?;
@@ -46,7 +54,7 @@ impl Broker {
         let q = self.queues.get_mut(&id)?;
         let meta = Meta {
             index: q.machine.last_index() + 1,
-            now_ms: self.now_ms,
+            now_ms,
         };
         let logged = self.recording.is_some().then(|| command.clone());
         let counted = match &command {
