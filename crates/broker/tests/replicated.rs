@@ -456,3 +456,33 @@ fn a_queue_declared_on_any_node_reaches_all_and_a_delete_on_any_node_removes_it_
         .collect();
     assert_eq!(groups, [true, true, true]);
 }
+
+#[test]
+fn a_quorum_queue_with_stored_messages_from_before_the_cluster_stays_on_its_node() {
+    use warren_broker::QueueDef;
+    let mut b = Broker::new(BrokerConfig {
+        persistence: true,
+        ..BrokerConfig::default()
+    });
+    b.join_cluster(1, &NODES, 1);
+    let def = QueueDef {
+        vhost: "/".into(),
+        name: "jobs".into(),
+        key: 7,
+        auto_delete: false,
+        arguments: quorum_args(),
+    };
+    let id = b.restore_queue(&def).expect("restore");
+    assert!(
+        b.replica_group(id).is_some(),
+        "a quorum queue on a cluster node"
+    );
+    assert!(b.restore_message(id, 1, message(1), (0, None), None, false));
+    assert_eq!(b.replica_group(id), None, "kept on this node");
+    // It serves as before, here: no leader to wait for.
+    assert!(b.acts_on(id));
+    let (_, removed) = b.take_group_changes();
+    assert_eq!(removed.len(), 1, "its group is given up");
+    let got = b.get("/", "jobs", true, conn(1, 3)).expect("get");
+    assert_eq!(got.map(|(d, _)| d.message.body), Some(Bytes::from("job 1")));
+}

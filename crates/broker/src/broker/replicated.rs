@@ -192,6 +192,24 @@ impl Broker {
         }
     }
 
+    /// A quorum queue whose messages are in this node's store was declared before the node
+    /// joined a cluster: it keeps working as it did, on this node only (a replicated queue
+    /// keeps its messages in its group's log, never in the store). Moving it onto the
+    /// cluster is a `warren move` to a new quorum queue.
+    pub(super) fn keep_local(&mut self, id: QueueId) {
+        let Some(q) = self.queues.get_mut(&id) else {
+            return;
+        };
+        let Some(r) = q.replica.take() else {
+            return;
+        };
+        tracing::warn!(queue = %q.name, vhost = %q.vhost, "quorum queue from before this node joined the cluster: it stays on this node, not replicated");
+        if let Some(c) = self.cluster.as_mut() {
+            c.groups.remove(&r.group);
+            c.meta.removed_groups.push(r.group);
+        }
+    }
+
     /// The entries proposed since the last call, in order, for the groups' leaders (this node:
     /// a driver proposes only where it leads).
     pub fn take_proposals(&mut self, out: &mut Vec<Proposal>) {

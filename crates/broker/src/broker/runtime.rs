@@ -4,6 +4,13 @@ use super::*;
 
 /// Commands a replicated queue's members each take from their own definitions, not from the
 /// log: the queue's policy as declared and as policies change it.
+fn restores(command: &Command<Message>) -> bool {
+    matches!(
+        command,
+        Command::Restore { .. } | Command::RestoreRun { .. } | Command::SkipIds { .. }
+    )
+}
+
 fn declared_here(command: &Command<Message>) -> bool {
     matches!(command, Command::Configure(_) | Command::CapExpiry { .. })
 }
@@ -27,6 +34,12 @@ impl Broker {
     ) -> Option<(Reply, T)> {
         let q = self.queues.get(&id)?;
         let (command, extra) = build(q);
+        if q.replica.is_some() && restores(&command) {
+            // Messages in the store: a quorum queue declared before this node joined a
+            // cluster. It stays this node's (see `Broker::keep_local`).
+            self.keep_local(id);
+        }
+        let q = self.queues.get(&id)?;
         // A replicated queue's members each apply their own definitions, at different times:
         // at the machine's own time, they start no lease (x-expires) that differs between them.
         let mut now_ms = self.now_ms;
