@@ -240,4 +240,46 @@ mod tests {
             })
         ));
     }
+
+    #[tokio::test]
+    async fn a_proof_made_without_the_secret_is_refused_on_either_side() {
+        let s = b"0123456789abcdef";
+        // A dialer that ignores the listener's proof and sends one it made up.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let known = members(&[2, 3]);
+        let (verdict, l) = tokio::join!(
+            async {
+                let mut hello = MAGIC.to_vec();
+                hello.extend_from_slice(&2u64.to_be_bytes());
+                hello.extend_from_slice(&1u64.to_be_bytes());
+                hello.extend_from_slice(&[7; NONCE]);
+                a.write_all(&hello).await.unwrap();
+                let mut answer = [0u8; 8 + 8 + NONCE + PROOF];
+                a.read_exact(&mut answer).await.unwrap();
+                a.write_all(&[0; PROOF]).await.unwrap();
+                let mut v = Vec::new();
+                a.read_to_end(&mut v).await.unwrap();
+                v
+            },
+            async {
+                let r = accept(&mut b, s, 1, &known).await;
+                drop(b);
+                r
+            }
+        );
+        assert!(matches!(l, Err(AuthError::BadProof)), "{l:?}");
+        assert!(verdict.is_empty(), "no ACCEPTED for a made-up proof");
+        // A listener that answers with a made-up proof.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let (d, ()) = tokio::join!(dial(&mut a, s, 2, 1), async move {
+            let mut hello = [0u8; 8 + 16 + NONCE];
+            b.read_exact(&mut hello).await.unwrap();
+            let mut answer = MAGIC.to_vec();
+            answer.extend_from_slice(&1u64.to_be_bytes());
+            answer.extend_from_slice(&[9; NONCE + PROOF]);
+            b.write_all(&answer).await.unwrap();
+            drop(b);
+        });
+        assert!(matches!(d, Err(AuthError::BadProof)), "{d:?}");
+    }
 }

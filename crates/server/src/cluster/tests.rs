@@ -272,6 +272,23 @@ fn a_peer_with_the_wrong_secret_reaches_no_raft_and_the_others_go_on() {
     wait_for("refusals", || {
         c.node(1).stats().refused > 0 && c.node(2).stats().refused > 0
     });
+    // Nor does a stranger that skips the listener's proof and makes one up.
+    let refused = c.node(1).stats().refused;
+    let mut s = TcpStream::connect(c.addrs[0]).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut hello = b"WRNRAFT1".to_vec();
+    for v in [3u64, 1] {
+        hello.extend_from_slice(&v.to_be_bytes());
+    }
+    hello.extend_from_slice(&[7; 32]);
+    s.write_all(&hello).unwrap();
+    let mut answer = [0u8; 80];
+    s.read_exact(&mut answer).unwrap();
+    s.write_all(&[0; 32]).unwrap();
+    assert_closed(s);
+    wait_for("the stranger refused", || {
+        c.node(1).stats().refused > refused
+    });
     let s3 = c.node(3).stats();
     assert_eq!(s3.batches_in, 0, "{s3:?}");
     assert_eq!(s3.connections_in + s3.connections_out, 0, "{s3:?}");
