@@ -358,6 +358,16 @@ fn a_huge_frame_or_garbage_after_the_handshake_drops_the_connection_and_nothing_
     s.write_all(&frame).unwrap();
     assert_closed(s);
     bad(3);
+    // A good batch on the wrong link: it says it comes from the node it is sent to.
+    let mut frame = Vec::new();
+    for v in [victim, 1, victim] {
+        frame.extend_from_slice(&v.to_be_bytes());
+    }
+    let mut s = member_connection(addr, posing, victim);
+    s.write_all(&(frame.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(&frame).unwrap();
+    assert_closed(s);
+    bad(4);
     let want = payloads(0..10);
     for p in &want {
         c.node(leader).propose(G, p.clone());
