@@ -14,7 +14,7 @@ mod tests;
 pub use engine::EngineLog;
 pub use multi::{
     Advanced, Committed, Config, Envelope, Error, MultiRaft, NodeBatch, PersistJob, ReadyBatch,
-    Stats,
+    Refused, Stats,
 };
 pub use raft;
 pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog};

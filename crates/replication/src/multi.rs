@@ -100,6 +100,14 @@ pub struct NodeBatch {
     pub msgs: Vec<Envelope>,
 }
 
+/// A proposal [`MultiRaft::try_propose`] did not take. `data` is the proposal's, or empty if
+/// raft-rs itself dropped it (`error` is then [`Error::Raft`]).
+#[derive(Debug)]
+pub struct Refused {
+    pub error: Error,
+    pub data: Vec<u8>,
+}
+
 /// A committed proposal, in log order within its group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Committed {
@@ -123,6 +131,8 @@ struct Group {
     raw: RawNode<GroupLog>,
     /// Consecutive ticks with nothing to do.
     quiet_ticks: u32,
+    /// The leader last reported in [`ReadyBatch::leaders`] (`INVALID_ID`: none).
+    reported_leader: NodeId,
 }
 
 struct Peer {
@@ -136,6 +146,9 @@ struct Peer {
 /// then hand the batch back to [`MultiRaft::advance`] before stepping, proposing or ticking again.
 pub struct ReadyBatch {
     pub messages: Vec<NodeBatch>,
+    /// Groups whose leader changed since the last `ready` (`None`: no leader known now), for the
+    /// driver to report whichever way it persists the batch.
+    pub leaders: Vec<(GroupId, Option<NodeId>)>,
     readys: Vec<(GroupId, raft::Ready)>,
     committed: Vec<Committed>,
     must_sync: bool,
@@ -143,7 +156,10 @@ pub struct ReadyBatch {
 
 impl ReadyBatch {
     pub fn is_empty(&self) -> bool {
-        self.messages.is_empty() && self.readys.is_empty() && self.committed.is_empty()
+        self.messages.is_empty()
+            && self.leaders.is_empty()
+            && self.readys.is_empty()
+            && self.committed.is_empty()
     }
 
     /// Groups with entries or a hard state to persist.
@@ -366,11 +382,28 @@ impl MultiRaft {
             Group {
                 raw,
                 quiet_ticks: 0,
+                reported_leader: INVALID_ID,
             },
         );
         self.awake.insert(id);
         self.touched.insert(id);
         Ok(())
+    }
+
+    /// Drops a group (its queue was deleted); its durable log is the caller's to remove. Returns
+    /// whether it existed.
+    pub fn remove_group(&mut self, id: GroupId) -> bool {
+        self.awake.remove(&id);
+        self.touched.remove(&id);
+        self.groups.remove(&id).is_some()
+    }
+
+    /// Whether a group has state that the next `ready` hands out: a driver runs another pass at
+    /// once instead of waiting for input or the next tick.
+    pub fn has_ready(&self) -> bool {
+        self.touched
+            .iter()
+            .any(|id| self.groups.get(id).is_some_and(|g| g.raw.has_ready()))
     }
 
     fn wake(&mut self, id: GroupId) {
@@ -385,20 +418,43 @@ impl MultiRaft {
     /// Proposes `data` to a group this node leads. It wakes the group either way, so a group that
     /// lost its leader while asleep elects one.
     pub fn propose(&mut self, group: GroupId, data: Vec<u8>) -> Result<(), Error> {
-        let g = self.groups.get_mut(&group).ok_or(Error::NoGroup(group))?;
+        self.try_propose(group, data).map_err(|r| r.error)
+    }
+
+    /// [`MultiRaft::propose`] that hands a refused proposal's data back, for a driver that
+    /// forwards it to the leader or answers its client.
+    pub fn try_propose(&mut self, group: GroupId, data: Vec<u8>) -> Result<(), Refused> {
+        let Some(g) = self.groups.get_mut(&group) else {
+            return Err(Refused {
+                error: Error::NoGroup(group),
+                data,
+            });
+        };
         let (state, leader) = (g.raw.raft.state, g.raw.raft.leader_id);
+        // raft-rs drops a proposal during a leadership transfer, and the data with it.
+        let transferring = g.raw.raft.lead_transferee.is_some();
         g.quiet_ticks = 0;
         self.wake(group);
         self.touched.insert(group);
-        if state != StateRole::Leader {
-            return Err(Error::NotLeader {
-                group,
-                leader: (leader != INVALID_ID).then_some(leader),
+        if state != StateRole::Leader || transferring {
+            return Err(Refused {
+                error: Error::NotLeader {
+                    group,
+                    leader: (leader != INVALID_ID).then_some(leader),
+                },
+                data,
             });
         }
-        let g = self.groups.get_mut(&group).ok_or(Error::NoGroup(group))?;
-        g.raw.propose(vec![], data)?;
-        Ok(())
+        let Some(g) = self.groups.get_mut(&group) else {
+            return Err(Refused {
+                error: Error::NoGroup(group),
+                data,
+            });
+        };
+        g.raw.propose(vec![], data).map_err(|e| Refused {
+            error: e.into(),
+            data: Vec::new(),
+        })
     }
 
     /// Takes a batch from a peer node. Any batch, even empty, shows the peer is alive.
@@ -540,11 +596,18 @@ impl MultiRaft {
         let mut readys = Vec::new();
         let mut committed = Vec::new();
         let mut must_sync = false;
+        let mut leaders = Vec::new();
         let touched = std::mem::take(&mut self.touched);
         for id in touched {
             let Some(g) = self.groups.get_mut(&id) else {
                 continue;
             };
+            // Only stepping, proposing and ticking move a leader, and each touches the group.
+            let leader = g.raw.raft.leader_id;
+            if leader != g.reported_leader {
+                g.reported_leader = leader;
+                leaders.push((id, (leader != INVALID_ID).then_some(leader)));
+            }
             if !g.raw.has_ready() {
                 continue;
             }
@@ -574,6 +637,7 @@ impl MultiRaft {
         }
         ReadyBatch {
             messages: out.into_batches(self.cfg.node, self.cfg.boot),
+            leaders,
             readys,
             committed,
             must_sync,

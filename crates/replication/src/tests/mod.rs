@@ -1,3 +1,4 @@
+mod driver;
 mod properties;
 mod queues;
 mod sim;

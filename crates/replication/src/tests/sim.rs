@@ -38,6 +38,8 @@ pub struct SimNode {
     pub log: MemLog,
     /// Entries applied here, per group, in the order they were applied.
     pub applied: BTreeMap<GroupId, Vec<Committed>>,
+    /// Each group's leader as `ReadyBatch::leaders` last reported it here.
+    pub reported_leaders: BTreeMap<GroupId, Option<NodeId>>,
     pub alive: bool,
     pub boots: u64,
     /// Jobs submitted to the log but not yet written (asynchronous mode).
@@ -92,6 +94,7 @@ impl Sim {
                     raft,
                     log: MemLog::new(),
                     applied: BTreeMap::new(),
+                    reported_leaders: BTreeMap::new(),
                     alive: true,
                     boots: 1,
                     pending: Vec::new(),
@@ -172,6 +175,7 @@ impl Sim {
         n.raft.tick(now);
         let mut batch = n.raft.ready();
         out.append(&mut batch.messages);
+        n.reported_leaders.extend(batch.leaders.drain(..));
         let committed = if self.async_log {
             let (committed, job) = n.raft.submit(batch);
             if !job.is_empty() {
@@ -334,6 +338,7 @@ impl Sim {
         // The restarted node reads its time from zero again: its clock is its own.
         n.raft = raft;
         n.applied.clear();
+        n.reported_leaders.clear();
         n.alive = true;
         let _ = n.log.flush(false);
     }

@@ -1,0 +1,263 @@
+//! One node's Raft groups, run for real: a thread owning the node's [`MultiRaft`] and its
+//! node-wide [`EngineLog`] (see [`node`]), and an authenticated TCP transport to the other
+//! nodes (see [`transport`]). The broker feeds it through a [`RaftNode`] handle and hears back
+//! through [`RaftEvents`]; nothing here knows what the entries mean.
+
+mod auth;
+mod node;
+mod transport;
+mod wire;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use warren_replication::{Committed, GroupId, NodeId};
+use warren_replication::{Config, EngineLog, LogError, MultiRaft};
+
+use node::{Command, Driver};
+use transport::{Counters, Net};
+
+/// The shortest cluster secret accepted.
+pub const MIN_SECRET_LEN: usize = 16;
+/// How long `shutdown` waits for the transport's tasks once the Raft thread has stopped.
+const NET_SHUTDOWN: Duration = Duration::from_secs(1);
+
+/// One node's place in the cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// This node (never 0): its Raft id in every group.
+    pub node: NodeId,
+    /// Every other node's cluster address.
+    pub peers: BTreeMap<NodeId, SocketAddr>,
+    /// This node's cluster address.
+    pub listen: SocketAddr,
+    /// Shared by every node, at least [`MIN_SECRET_LEN`] bytes (like Erlang's cookie).
+    pub secret: Vec<u8>,
+    /// The node-wide Raft log's directory.
+    pub dir: PathBuf,
+    /// Raft's tick (50 ms by default): elections take 10 to 16 ticks, a silent peer is down
+    /// after 4.
+    pub tick_ms: u64,
+    /// This start's incarnation, higher at every start (e.g. milliseconds since the epoch), so
+    /// peers see a restart at once.
+    pub boot: u64,
+}
+
+/// What the Raft thread tells the broker. Called on the Raft thread, with none of its locks
+/// held; a slow callback slows every group, so hand work off rather than doing it here. In a
+/// pass, `leaders` comes first, then `committed`, then `refused`.
+pub trait RaftEvents: Send + 'static {
+    /// Entries now committed and durable here, in log order within each group. After a
+    /// restart every recovered committed entry comes again, from the first, before new ones.
+    fn committed(&self, entries: Vec<Committed>);
+    /// Groups whose leader changed (`None`: no leader known for now).
+    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>)>);
+    /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
+    /// known) or has no such group. `data` is the proposal's (empty only if raft-rs itself
+    /// dropped it).
+    fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>);
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cluster configuration: {0}")]
+    Config(String),
+    #[error("raft log in {dir}: {source}")]
+    Log { dir: PathBuf, source: LogError },
+    #[error("raft: {0}")]
+    Raft(#[from] warren_replication::Error),
+    #[error("cluster address {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cluster transport runtime: {0}")]
+    Runtime(std::io::Error),
+    #[error("raft thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// Transport counters since start.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterStats {
+    /// Batches from peers handed to the Raft thread.
+    pub batches_in: u64,
+    /// Frames written to peers.
+    pub batches_out: u64,
+    /// Batches from peers dropped because the Raft thread's queue was full.
+    pub dropped_in: u64,
+    /// Batches to peers dropped: the peer's queue was full or its connection down.
+    pub dropped_out: u64,
+    /// Raft messages too large for a frame, never sent.
+    pub skipped_msgs: u64,
+    /// Incoming connections that failed authentication.
+    pub refused: u64,
+    /// Authenticated connections dropped for a bad frame or batch.
+    pub bad_frames: u64,
+    pub connections_in: u64,
+    pub connections_out: u64,
+}
+
+/// A handle on the node's Raft thread; clones share it. Methods only queue work and never
+/// block, except `shutdown`.
+#[derive(Clone)]
+pub struct RaftNode {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    node: NodeId,
+    commands: crossbeam_channel::Sender<Command>,
+    recovered: Vec<GroupId>,
+    counters: Arc<Counters>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    net: Mutex<Option<Net>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last handle went without `shutdown`: stop without waiting (this may be async code).
+        let _ = self.commands.send(Command::Shutdown);
+    }
+}
+
+fn validate(cfg: &ClusterConfig) -> Result<(), ClusterError> {
+    let bad = |m: &str| Err(ClusterError::Config(m.to_string()));
+    if cfg.node == 0 || cfg.peers.contains_key(&0) {
+        return bad("node ids must not be 0");
+    }
+    if cfg.peers.contains_key(&cfg.node) {
+        return bad("peers must not hold this node");
+    }
+    if cfg.secret.len() < MIN_SECRET_LEN {
+        return bad("the cluster secret is too short");
+    }
+    if cfg.tick_ms == 0 {
+        return bad("tick_ms must be above 0");
+    }
+    if cfg.boot == 0 {
+        return bad("boot must be above 0");
+    }
+    Ok(())
+}
+
+impl RaftNode {
+    /// Opens the log, recovers every group it holds (see [`RaftNode::groups`]), binds the
+    /// cluster address and starts the Raft thread and the transport.
+    pub fn start(cfg: ClusterConfig, events: impl RaftEvents) -> Result<RaftNode, ClusterError> {
+        validate(&cfg)?;
+        let mut nodes: Vec<NodeId> = cfg.peers.keys().copied().collect();
+        nodes.push(cfg.node);
+        nodes.sort_unstable();
+        let mut rc = Config::new(cfg.node, nodes);
+        rc.tick_ms = cfg.tick_ms;
+        rc.boot = cfg.boot;
+        let mut raft = MultiRaft::new(rc)?;
+        let log_error = |source| ClusterError::Log {
+            dir: cfg.dir.clone(),
+            source,
+        };
+        let log = EngineLog::open(&cfg.dir).map_err(log_error)?;
+        let recovered = log.groups();
+        for group in &recovered {
+            let durable = log.durable(*group).map_err(log_error)?;
+            raft.recover_group(*group, &durable)?;
+        }
+        let counters = Arc::new(Counters::default());
+        let (in_tx, in_rx) = crossbeam_channel::bounded(transport::INBOUND_QUEUE);
+        let (net, out) = transport::start(&cfg, in_tx, counters.clone())?;
+        let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
+        let driver = Driver {
+            raft,
+            log,
+            events,
+            out,
+            commands: cmd_rx,
+            inbound: in_rx,
+            epoch: Instant::now(),
+            refused: Vec::new(),
+            stopping: false,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("warren-raft-{}", cfg.node))
+            .spawn(move || driver.run())
+            .map_err(ClusterError::Thread)?;
+        tracing::info!(node = cfg.node, listen = %cfg.listen, peers = cfg.peers.len(), recovered = recovered.len(), "cluster node started");
+        Ok(RaftNode {
+            inner: Arc::new(Inner {
+                node: cfg.node,
+                commands: cmd_tx,
+                recovered,
+                counters,
+                thread: Mutex::new(Some(thread)),
+                net: Mutex::new(Some(net)),
+            }),
+        })
+    }
+
+    pub fn node(&self) -> NodeId {
+        self.inner.node
+    }
+
+    /// Creates a group with every node as a voter, unless it exists. `campaign` starts an
+    /// election here at once (the creator places the leader).
+    pub fn add_group(&self, group: GroupId, campaign: bool) {
+        self.send(Command::AddGroup(group, campaign));
+    }
+
+    /// Drops a group and its log (its queue was deleted).
+    pub fn remove_group(&self, group: GroupId) {
+        self.send(Command::RemoveGroup(group));
+    }
+
+    /// Proposes an entry; everything proposed before a pass goes into that pass's one write.
+    /// The queue is not bounded here: the broker bounds what it has in flight (unconfirmed
+    /// publishes). A proposal this node cannot take comes back through
+    /// [`RaftEvents::refused`].
+    pub fn propose(&self, group: GroupId, data: Vec<u8>) {
+        self.send(Command::Propose(group, data));
+    }
+
+    /// The groups recovered from the log at start, in id order.
+    pub fn groups(&self) -> &[GroupId] {
+        &self.inner.recovered
+    }
+
+    pub fn stats(&self) -> ClusterStats {
+        self.inner.counters.snapshot()
+    }
+
+    fn send(&self, c: Command) {
+        if self.inner.commands.send(c).is_err() {
+            tracing::debug!(
+                node = self.inner.node,
+                "raft thread stopped; command ignored"
+            );
+        }
+    }
+
+    /// Stops the Raft thread after its current pass (what it wrote stays written), then the
+    /// transport, closing every connection. Other clones become inert. Blocks for at most a
+    /// pass and [`NET_SHUTDOWN`]: call it outside async code (e.g. in `spawn_blocking`).
+    pub fn shutdown(self) {
+        let _ = self.inner.commands.send(Command::Shutdown);
+        let thread = self.inner.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(t) = thread {
+            if t.join().is_err() {
+                tracing::error!(node = self.inner.node, "raft thread panicked");
+            }
+        }
+        let net = self.inner.net.lock().ok().and_then(|mut n| n.take());
+        if let Some(net) = net {
+            net.shutdown(NET_SHUTDOWN);
+        }
+        tracing::info!(node = self.inner.node, "cluster node stopped");
+    }
+}

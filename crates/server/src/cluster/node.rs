@@ -1,0 +1,173 @@
+//! The Raft thread: owns the node's `MultiRaft` and its `EngineLog` and runs them pass by pass.
+//! A pass steps every batch that arrived, applies every queued command, ticks when a tick is
+//! due, then takes one `ready`: its messages go out at once, its state is written with one
+//! write and (when needed) one fsync, and `advance` releases the messages that waited for it
+//! and the committed entries, which go to [`RaftEvents`] with the pass's leader changes and
+//! refused proposals.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use warren_replication::{EngineLog, Error, GroupId, MultiRaft, NodeBatch, NodeId};
+
+use super::transport::{Outbound, INBOUND_QUEUE};
+use super::RaftEvents;
+
+/// What a [`super::RaftNode`] asks of the Raft thread.
+pub(crate) enum Command {
+    AddGroup(GroupId, bool),
+    RemoveGroup(GroupId),
+    Propose(GroupId, Vec<u8>),
+    Shutdown,
+}
+
+enum Woke {
+    Command(Command),
+    Batch(NodeBatch),
+    Closed,
+    Nothing,
+}
+
+/// Commands taken per pass at most, so one pass (and its fsync) stays bounded.
+const MAX_COMMANDS_PER_PASS: usize = 8192;
+
+pub(crate) struct Driver<E> {
+    pub(crate) raft: MultiRaft,
+    pub(crate) log: EngineLog,
+    pub(crate) events: E,
+    pub(crate) out: Outbound,
+    pub(crate) commands: Receiver<Command>,
+    pub(crate) inbound: Receiver<NodeBatch>,
+    pub(crate) epoch: Instant,
+    pub(crate) refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
+    pub(crate) stopping: bool,
+}
+
+impl<E: RaftEvents> Driver<E> {
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    pub(crate) fn run(mut self) {
+        let node = self.raft.node();
+        tracing::info!(
+            node,
+            groups = self.raft.group_count(),
+            "raft thread started"
+        );
+        while !self.stopping {
+            self.wait();
+            self.take_input();
+            if !self.pass() {
+                break;
+            }
+        }
+        tracing::info!(node, "raft thread stopped");
+    }
+
+    /// Sleeps until input arrives or the next tick is due, unless a pass is due now.
+    fn wait(&mut self) {
+        let now = self.now_ms();
+        let due = self.raft.next_tick_ms().unwrap_or(now);
+        if self.raft.has_ready() || due <= now {
+            return;
+        }
+        let timeout = Duration::from_millis(due - now);
+        let woke = crossbeam_channel::select! {
+            recv(self.commands) -> c => c.map_or(Woke::Closed, Woke::Command),
+            recv(self.inbound) -> b => b.map_or(Woke::Nothing, Woke::Batch),
+            default(timeout) => Woke::Nothing,
+        };
+        match woke {
+            Woke::Command(c) => self.command(c),
+            Woke::Batch(b) => self.raft.step(b),
+            // Every handle is gone: nobody can use this node any more.
+            Woke::Closed => self.stopping = true,
+            Woke::Nothing => {}
+        }
+    }
+
+    fn take_input(&mut self) {
+        for _ in 0..INBOUND_QUEUE {
+            match self.inbound.try_recv() {
+                Ok(b) => self.raft.step(b),
+                Err(_) => break,
+            }
+        }
+        for _ in 0..MAX_COMMANDS_PER_PASS {
+            match self.commands.try_recv() {
+                Ok(c) => self.command(c),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.stopping = true;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, c: Command) {
+        match c {
+            Command::AddGroup(group, campaign) => {
+                if self.raft.commit_index(group).is_some() {
+                    return;
+                }
+                if let Err(e) = self.raft.add_group(group, campaign) {
+                    tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot add raft group");
+                }
+            }
+            Command::RemoveGroup(group) => {
+                if self.raft.remove_group(group) {
+                    if let Err(e) = self.log.remove_group(group) {
+                        tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot remove a raft group's log");
+                    }
+                }
+            }
+            Command::Propose(group, data) => {
+                if let Err(r) = self.raft.try_propose(group, data) {
+                    let leader = match r.error {
+                        Error::NotLeader { leader, .. } => leader,
+                        Error::NoGroup(_) => None,
+                        ref e => {
+                            tracing::warn!(node = self.raft.node(), group = group.0, error = %e, "raft dropped a proposal");
+                            self.raft.leader_of(group)
+                        }
+                    };
+                    self.refused.push((group, r.data, leader));
+                }
+            }
+            Command::Shutdown => self.stopping = true,
+        }
+    }
+
+    /// One tick (if due), ready, write, advance, report. False if the log failed: this node
+    /// can no longer promise anything and stops.
+    fn pass(&mut self) -> bool {
+        let now = self.now_ms();
+        self.raft.tick(now);
+        let mut rd = self.raft.ready();
+        for b in std::mem::take(&mut rd.messages) {
+            self.out.send(b);
+        }
+        let leaders = std::mem::take(&mut rd.leaders);
+        if let Err(e) = rd.persist(&mut self.log) {
+            // An fsync that failed cannot be retried safely: stop, and let peers see us down.
+            tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
+            return false;
+        }
+        let done = self.raft.advance(rd);
+        for b in done.messages {
+            self.out.send(b);
+        }
+        if !leaders.is_empty() {
+            self.events.leaders(leaders);
+        }
+        if !done.committed.is_empty() {
+            self.events.committed(done.committed);
+        }
+        for (group, data, leader) in std::mem::take(&mut self.refused) {
+            self.events.refused(group, data, leader);
+        }
+        true
+    }
+}

@@ -1,0 +1,402 @@
+//! Real nodes in one process: loopback sockets on ephemeral ports, temporary log directories,
+//! 10 ms ticks. Every wait is for a condition, bounded in time.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::*;
+
+const SECRET: &[u8] = b"a cluster secret for the tests";
+const WAIT: Duration = Duration::from_secs(15);
+const G: GroupId = GroupId(1);
+
+#[derive(Default)]
+struct Seen {
+    committed: Vec<Committed>,
+    leaders: BTreeMap<GroupId, Option<NodeId>>,
+    refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
+}
+
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Seen>>);
+
+impl Recorder {
+    fn with<T>(&self, f: impl FnOnce(&Seen) -> T) -> T {
+        f(&self.0.lock().unwrap())
+    }
+    fn data(&self, group: GroupId) -> Vec<Vec<u8>> {
+        self.with(|s| {
+            s.committed
+                .iter()
+                .filter(|c| c.group == group)
+                .map(|c| c.data.to_vec())
+                .collect()
+        })
+    }
+    fn leader(&self, group: GroupId) -> Option<NodeId> {
+        self.with(|s| s.leaders.get(&group).copied().flatten())
+    }
+}
+
+impl RaftEvents for Recorder {
+    fn committed(&self, entries: Vec<Committed>) {
+        self.0.lock().unwrap().committed.extend(entries);
+    }
+    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>)>) {
+        self.0.lock().unwrap().leaders.extend(changes);
+    }
+    fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>) {
+        self.0.lock().unwrap().refused.push((group, data, leader));
+    }
+}
+
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < WAIT, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Free loopback addresses: bound together so they differ, then released for the nodes.
+fn addrs(n: usize) -> Vec<SocketAddr> {
+    let ls: Vec<std::net::TcpListener> = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    ls.iter().map(|l| l.local_addr().unwrap()).collect()
+}
+
+struct Cluster {
+    addrs: Vec<SocketAddr>,
+    dirs: Vec<tempfile::TempDir>,
+    nodes: Vec<Option<RaftNode>>,
+    seen: Vec<Recorder>,
+}
+
+impl Cluster {
+    fn config(&self, i: usize, secret: &[u8], boot: u64) -> ClusterConfig {
+        let node = i as NodeId + 1;
+        ClusterConfig {
+            node,
+            peers: (0..self.addrs.len())
+                .filter(|j| *j != i)
+                .map(|j| (j as NodeId + 1, self.addrs[j]))
+                .collect(),
+            listen: self.addrs[i],
+            secret: secret.to_vec(),
+            dir: self.dirs[i].path().to_path_buf(),
+            tick_ms: 10,
+            boot,
+        }
+    }
+
+    /// Three nodes; `secrets[i]` is node i + 1's.
+    fn start(secrets: [&[u8]; 3]) -> Cluster {
+        let mut c = Cluster {
+            addrs: addrs(3),
+            dirs: (0..3).map(|_| tempfile::tempdir().unwrap()).collect(),
+            nodes: Vec::new(),
+            seen: Vec::new(),
+        };
+        for (i, secret) in secrets.iter().enumerate() {
+            let seen = Recorder::default();
+            let node = RaftNode::start(c.config(i, secret, 1), seen.clone()).unwrap();
+            c.nodes.push(Some(node));
+            c.seen.push(seen);
+        }
+        c
+    }
+
+    fn node(&self, id: NodeId) -> &RaftNode {
+        self.nodes[id as usize - 1].as_ref().unwrap()
+    }
+
+    fn seen(&self, id: NodeId) -> &Recorder {
+        &self.seen[id as usize - 1]
+    }
+
+    /// Once `on` are connected to each other: group `G` on each, node 1 campaigning (added
+    /// last, so its vote requests find the group). Returns the leader all of `on` report; node
+    /// 1 unless its first election lost a race.
+    fn group_led(&self, on: &[NodeId]) -> NodeId {
+        let others = on.len() as u64 - 1;
+        wait_for("the nodes to connect", || {
+            on.iter().all(|id| {
+                let s = self.node(*id).stats();
+                s.connections_out >= others && s.connections_in >= others
+            })
+        });
+        for id in on.iter().rev() {
+            self.node(*id).add_group(G, *id == 1);
+        }
+        let mut leader = None;
+        wait_for("a leader known to all", || {
+            let l = self.seen(on[0]).leader(G);
+            leader = l.filter(|_| on.iter().all(|id| self.seen(*id).leader(G) == l));
+            leader.is_some()
+        });
+        leader.unwrap_or_default()
+    }
+
+    fn stop(&mut self, id: NodeId) {
+        if let Some(n) = self.nodes[id as usize - 1].take() {
+            n.shutdown();
+        }
+    }
+
+    fn restart(&mut self, id: NodeId, boot: u64) {
+        let i = id as usize - 1;
+        let seen = Recorder::default();
+        let node = RaftNode::start(self.config(i, SECRET, boot), seen.clone()).unwrap();
+        self.seen[i] = seen;
+        self.nodes[i] = Some(node);
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for n in self.nodes.iter_mut().filter_map(Option::take) {
+            n.shutdown();
+        }
+    }
+}
+
+fn payloads(range: std::ops::Range<u32>) -> Vec<Vec<u8>> {
+    range.map(|i| format!("message {i}").into_bytes()).collect()
+}
+
+#[test]
+fn a_thousand_proposals_commit_on_every_node_in_order_exactly_once() {
+    let mut c = Cluster::start([SECRET; 3]);
+    let leader = c.group_led(&[1, 2, 3]);
+    let want = payloads(0..1000);
+    for p in &want {
+        c.node(leader).propose(G, p.clone());
+    }
+    for id in 1..=3 {
+        wait_for("every entry everywhere", || {
+            c.seen(id).data(G).len() >= 1000
+        });
+    }
+    for id in 1..=3 {
+        c.stop(id);
+    }
+    for id in 1..=3 {
+        assert_eq!(c.seen(id).data(G), want, "node {id}");
+        let indexes: Vec<u64> = c
+            .seen(id)
+            .with(|s| s.committed.iter().map(|e| e.index).collect());
+        assert!(
+            indexes.windows(2).all(|w| w[0] < w[1]),
+            "node {id}: {indexes:?}"
+        );
+    }
+}
+
+#[test]
+fn the_survivors_elect_and_commit_and_a_restarted_node_recovers_and_catches_up() {
+    let mut c = Cluster::start([SECRET; 3]);
+    let old = c.group_led(&[1, 2, 3]);
+    let before = payloads(0..100);
+    for p in &before {
+        c.node(old).propose(G, p.clone());
+    }
+    for id in 1..=3 {
+        wait_for("the first entries everywhere", || {
+            c.seen(id).data(G).len() == 100
+        });
+    }
+    c.stop(old);
+    let survivors: Vec<NodeId> = (1..=3).filter(|id| *id != old).collect();
+    let mut leader = None;
+    wait_for("a survivor to lead", || {
+        let l = c.seen(survivors[0]).leader(G);
+        leader = l.filter(|l| *l != old && c.seen(survivors[1]).leader(G) == Some(*l));
+        leader.is_some()
+    });
+    let leader = leader.unwrap_or_default();
+    let after = payloads(100..150);
+    for p in &after {
+        c.node(leader).propose(G, p.clone());
+    }
+    let all: Vec<Vec<u8>> = before.iter().chain(&after).cloned().collect();
+    for id in &survivors {
+        wait_for("the new entries on the survivors", || {
+            c.seen(*id).data(G).len() == 150
+        });
+        assert_eq!(c.seen(*id).data(G), all);
+    }
+    // First alone (its own address and its peers' moved away): what it commits can only come
+    // from its log.
+    let lonely = addrs(3);
+    let mut cfg = c.config(old as usize - 1, SECRET, 2);
+    cfg.listen = lonely[0];
+    cfg.peers = [(survivors[0], lonely[1]), (survivors[1], lonely[2])].into();
+    let seen = Recorder::default();
+    let alone = RaftNode::start(cfg, seen.clone()).unwrap();
+    assert_eq!(alone.groups(), &[G]);
+    wait_for("the old leader to recover", || seen.data(G).len() >= 100);
+    alone.shutdown();
+    assert_eq!(seen.data(G), before);
+    // Then among its peers again.
+    c.restart(old, 3);
+    wait_for("the old leader to catch up", || {
+        c.seen(old).data(G).len() >= 150
+    });
+    // Recovered entries first, from the first, then the missed ones; each once.
+    assert_eq!(c.seen(old).data(G), all);
+    wait_for("the old leader to learn the new one", || {
+        c.seen(old).leader(G) == Some(leader)
+    });
+}
+
+#[test]
+fn a_peer_with_the_wrong_secret_reaches_no_raft_and_the_others_go_on() {
+    let c = Cluster::start([SECRET, SECRET, b"not the cluster secret at all"]);
+    c.node(3).add_group(G, false);
+    let leader = c.group_led(&[1, 2]);
+    let want = payloads(0..10);
+    for p in &want {
+        c.node(leader).propose(G, p.clone());
+    }
+    for id in [1, 2] {
+        wait_for("entries on the right peers", || {
+            c.seen(id).data(G).len() == 10
+        });
+        assert_eq!(c.seen(id).data(G), want);
+    }
+    // Both directions were tried and refused by the nodes with the right secret.
+    wait_for("refusals", || {
+        c.node(1).stats().refused > 0 && c.node(2).stats().refused > 0
+    });
+    // Nor does a stranger that skips the listener's proof and makes one up.
+    let refused = c.node(1).stats().refused;
+    let mut s = TcpStream::connect(c.addrs[0]).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut hello = b"WRNRAFT1".to_vec();
+    for v in [3u64, 1] {
+        hello.extend_from_slice(&v.to_be_bytes());
+    }
+    hello.extend_from_slice(&[7; 32]);
+    s.write_all(&hello).unwrap();
+    let mut answer = [0u8; 80];
+    s.read_exact(&mut answer).unwrap();
+    s.write_all(&[0; 32]).unwrap();
+    assert_closed(s);
+    wait_for("the stranger refused", || {
+        c.node(1).stats().refused > refused
+    });
+    let s3 = c.node(3).stats();
+    assert_eq!(s3.batches_in, 0, "{s3:?}");
+    assert_eq!(s3.connections_in + s3.connections_out, 0, "{s3:?}");
+    assert!(c.seen(3).data(G).is_empty());
+    assert_eq!(c.seen(3).leader(G), None);
+}
+
+/// A connection to `addr` that authenticates as node `as_node`, as a member would.
+fn member_connection(addr: SocketAddr, as_node: NodeId, to: NodeId) -> TcpStream {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let std_stream = rt.block_on(async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        auth::dial(&mut s, SECRET, as_node, to).await.unwrap();
+        s.into_std().unwrap()
+    });
+    std_stream.set_nonblocking(false).unwrap();
+    std_stream.set_read_timeout(Some(WAIT)).unwrap();
+    std_stream
+}
+
+/// The node closed the connection (a read sees the end, not the timeout).
+fn assert_closed(mut s: TcpStream) {
+    let mut b = [0u8; 16];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return,
+            Ok(_) => panic!("the node wrote after the handshake"),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
+            Err(e) => panic!("connection still open: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_huge_frame_or_garbage_after_the_handshake_drops_the_connection_and_nothing_else() {
+    let c = Cluster::start([SECRET; 3]);
+    let leader = c.group_led(&[1, 2, 3]);
+    // The test poses as another member on a second connection of its own.
+    let (victim, posing) = (leader, leader % 3 + 1);
+    let addr = c.addrs[victim as usize - 1];
+    let bad = |n: u64| {
+        wait_for("the bad frame counted", || {
+            c.node(victim).stats().bad_frames == n
+        });
+    };
+    // A length far above the maximum.
+    let mut s = member_connection(addr, posing, victim);
+    s.write_all(&[0xff, 0xff, 0xff, 0xf0, 1, 2, 3, 4]).unwrap();
+    assert_closed(s);
+    bad(1);
+    // A frame too short for a batch header.
+    let mut s = member_connection(addr, posing, victim);
+    s.write_all(&[0, 0, 0, 5, 1, 2, 3, 4, 5]).unwrap();
+    assert_closed(s);
+    bad(2);
+    // A well-formed header, then bytes that are no Raft message.
+    let mut frame = Vec::new();
+    for v in [posing, 1, victim, 1] {
+        frame.extend_from_slice(&v.to_be_bytes());
+    }
+    frame.extend_from_slice(&[0, 0, 0, 4, 0xff, 0xff, 0xff, 0xff]);
+    let mut s = member_connection(addr, posing, victim);
+    s.write_all(&(frame.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(&frame).unwrap();
+    assert_closed(s);
+    bad(3);
+    // A good batch on the wrong link: it says it comes from the node it is sent to.
+    let mut frame = Vec::new();
+    for v in [victim, 1, victim] {
+        frame.extend_from_slice(&v.to_be_bytes());
+    }
+    let mut s = member_connection(addr, posing, victim);
+    s.write_all(&(frame.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(&frame).unwrap();
+    assert_closed(s);
+    bad(4);
+    let want = payloads(0..10);
+    for p in &want {
+        c.node(leader).propose(G, p.clone());
+    }
+    for id in 1..=3 {
+        wait_for("entries after the bad frames", || {
+            c.seen(id).data(G).len() == 10
+        });
+        assert_eq!(c.seen(id).data(G), want);
+    }
+}
+
+#[test]
+fn a_proposal_on_a_follower_is_refused_with_the_leader() {
+    let c = Cluster::start([SECRET; 3]);
+    let leader = c.group_led(&[1, 2, 3]);
+    let follower = leader % 3 + 1;
+    c.node(follower).propose(G, b"to the follower".to_vec());
+    c.node(follower)
+        .propose(GroupId(77), b"to no group".to_vec());
+    wait_for("the refusals", || {
+        c.seen(follower).with(|s| s.refused.len()) == 2
+    });
+    assert_eq!(
+        c.seen(follower).with(|s| s.refused.clone()),
+        vec![
+            (G, b"to the follower".to_vec(), Some(leader)),
+            (GroupId(77), b"to no group".to_vec(), None)
+        ]
+    );
+    assert!(c.seen(follower).data(G).is_empty());
+}

@@ -1,0 +1,431 @@
+//! The cluster's TCP transport: one connection per peer and direction, each side sending on the
+//! connection it dialed. Dialers reconnect with a back-off; listeners authenticate ([`auth`])
+//! before they decode anything ([`wire`]) and hand batches to the Raft thread.
+//!
+//! It runs on a small tokio runtime of its own (one worker): heartbeats and votes must not queue
+//! behind client traffic on the broker's runtime (a late heartbeat is a needless election), and
+//! the node starts and stops as one unit whoever calls it, tests included.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::{mpsc, Notify, Semaphore};
+use warren_replication::{NodeBatch, NodeId};
+
+use super::auth::{self, AuthError};
+use super::wire::{self, WireError, MAX_FRAME};
+use super::{ClusterConfig, ClusterError, ClusterStats};
+
+/// Batches waiting for one peer's connection; more are dropped (Raft sends again).
+const PEER_QUEUE: usize = 1024;
+/// Batches from all peers waiting for the Raft thread; more are dropped.
+pub(crate) const INBOUND_QUEUE: usize = 4096;
+const MIN_BACKOFF: Duration = Duration::from_millis(50);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// For a connect and its handshake: a stalled stranger holds no slot longer.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections being authenticated at once; more are closed at once.
+const MAX_HANDSHAKES: usize = 64;
+/// Bytes of queued batches written in one go.
+const WRITE_CHUNK: usize = 1 << 20;
+/// A refused connection from one address is logged at most this often.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    batches_in: AtomicU64,
+    batches_out: AtomicU64,
+    dropped_in: AtomicU64,
+    dropped_out: AtomicU64,
+    skipped_msgs: AtomicU64,
+    refused: AtomicU64,
+    bad_frames: AtomicU64,
+    connections_in: AtomicU64,
+    connections_out: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Counters {
+    pub(crate) fn snapshot(&self) -> ClusterStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        ClusterStats {
+            batches_in: get(&self.batches_in),
+            batches_out: get(&self.batches_out),
+            dropped_in: get(&self.dropped_in),
+            dropped_out: get(&self.dropped_out),
+            skipped_msgs: get(&self.skipped_msgs),
+            refused: get(&self.refused),
+            bad_frames: get(&self.bad_frames),
+            connections_in: get(&self.connections_in),
+            connections_out: get(&self.connections_out),
+        }
+    }
+}
+
+/// What the Raft thread sends through: one bounded queue per peer.
+pub(crate) struct Outbound {
+    links: BTreeMap<NodeId, mpsc::Sender<NodeBatch>>,
+    counters: Arc<Counters>,
+}
+
+impl Outbound {
+    pub(crate) fn send(&self, batch: NodeBatch) {
+        let Some(link) = self.links.get(&batch.to) else {
+            tracing::debug!(to = batch.to, "batch for a node that is not a peer");
+            return;
+        };
+        match link.try_send(batch) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => bump(&self.counters.dropped_out),
+            Err(TrySendError::Closed(_)) => {}
+        }
+    }
+}
+
+/// The transport's runtime; dropping it closes every socket.
+pub(crate) struct Net {
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Net {
+    /// Stops every task and closes every socket, waiting at most `limit`. Must not be called
+    /// from async code.
+    pub(crate) fn shutdown(mut self, limit: Duration) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_timeout(limit);
+        }
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // A handle dropped without `shutdown`, maybe inside async code: do not block.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+struct Shared {
+    me: NodeId,
+    secret: Vec<u8>,
+    peers: BTreeMap<NodeId, SocketAddr>,
+    inbound: crossbeam_channel::Sender<NodeBatch>,
+    counters: Arc<Counters>,
+    /// Woken when a peer connects to us: it is up, so our dialer need not wait out its back-off.
+    redial: BTreeMap<NodeId, Arc<Notify>>,
+    handshakes: Arc<Semaphore>,
+    refusals_logged: Mutex<HashMap<IpAddr, Instant>>,
+}
+
+/// Binds the cluster address and starts the listener and one dialer per peer.
+pub(crate) fn start(
+    cfg: &ClusterConfig,
+    inbound: crossbeam_channel::Sender<NodeBatch>,
+    counters: Arc<Counters>,
+) -> Result<(Net, Outbound), ClusterError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name(format!("warren-cluster-{}", cfg.node))
+        .enable_all()
+        .build()
+        .map_err(ClusterError::Runtime)?;
+    let listen_error = |source| ClusterError::Listen {
+        addr: cfg.listen,
+        source,
+    };
+    // Bound here, not in a task, so a taken address fails `start`.
+    let std_listener = std::net::TcpListener::bind(cfg.listen).map_err(listen_error)?;
+    std_listener.set_nonblocking(true).map_err(listen_error)?;
+    let listener = {
+        let _rt = runtime.enter();
+        TcpListener::from_std(std_listener).map_err(listen_error)?
+    };
+    let redial: BTreeMap<NodeId, Arc<Notify>> = cfg
+        .peers
+        .keys()
+        .map(|id| (*id, Arc::new(Notify::new())))
+        .collect();
+    let shared = Arc::new(Shared {
+        me: cfg.node,
+        secret: cfg.secret.clone(),
+        peers: cfg.peers.clone(),
+        inbound,
+        counters: counters.clone(),
+        redial,
+        handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
+        refusals_logged: Mutex::new(HashMap::new()),
+    });
+    let mut links = BTreeMap::new();
+    for (peer, addr) in &cfg.peers {
+        let (tx, rx) = mpsc::channel(PEER_QUEUE);
+        links.insert(*peer, tx);
+        runtime.spawn(dial_loop(shared.clone(), *peer, *addr, rx));
+    }
+    runtime.spawn(accept_loop(shared, listener));
+    Ok((
+        Net {
+            runtime: Some(runtime),
+        },
+        Outbound { links, counters },
+    ))
+}
+
+/// A dialer's last logged state, so a peer that stays down is logged once, not per attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Link {
+    Starting,
+    Unreachable,
+    Refused,
+}
+
+async fn connect(shared: &Shared, peer: NodeId, addr: SocketAddr) -> Result<TcpStream, DialError> {
+    let mut stream = TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    auth::dial(&mut stream, &shared.secret, shared.me, peer).await?;
+    Ok(stream)
+}
+
+#[derive(Debug, thiserror::Error)]
+enum DialError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Auth(#[from] AuthError),
+    #[error("handshake timed out")]
+    Timeout,
+}
+
+async fn dial_loop(
+    shared: Arc<Shared>,
+    peer: NodeId,
+    addr: SocketAddr,
+    mut rx: mpsc::Receiver<NodeBatch>,
+) {
+    let me = shared.me;
+    let mut backoff = MIN_BACKOFF;
+    let mut link = Link::Starting;
+    let Some(redial) = shared.redial.get(&peer).cloned() else {
+        return;
+    };
+    loop {
+        let attempt = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(&shared, peer, addr))
+            .await
+            .unwrap_or(Err(DialError::Timeout));
+        match attempt {
+            Ok(stream) => {
+                bump(&shared.counters.connections_out);
+                tracing::info!(node = me, peer, %addr, "connected to cluster peer");
+                backoff = MIN_BACKOFF;
+                match send_loop(&shared, stream, &mut rx).await {
+                    Ok(()) => return,
+                    Err(e) => {
+                        tracing::info!(node = me, peer, %addr, error = %e, "connection to cluster peer lost");
+                        link = Link::Unreachable;
+                    }
+                }
+            }
+            Err(e) => {
+                let now = match e {
+                    DialError::Auth(AuthError::Io(_)) | DialError::Io(_) | DialError::Timeout => {
+                        Link::Unreachable
+                    }
+                    DialError::Auth(_) => Link::Refused,
+                };
+                if now != link {
+                    if now == Link::Refused {
+                        tracing::warn!(node = me, peer, %addr, error = %e, "cluster peer refused or failed authentication");
+                    } else {
+                        tracing::warn!(node = me, peer, %addr, error = %e, "cannot reach cluster peer; retrying");
+                    }
+                    link = now;
+                } else {
+                    tracing::debug!(node = me, peer, %addr, error = %e, "cluster peer still down");
+                }
+            }
+        }
+        // Back off, dropping what queues meanwhile: Raft sends it again, and a stale batch
+        // should not fill the new connection.
+        let sleep = tokio::time::sleep(backoff);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                _ = &mut sleep => break,
+                _ = redial.notified() => break,
+                b = rx.recv() => match b {
+                    Some(_) => bump(&shared.counters.dropped_out),
+                    None => return,
+                },
+            }
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// Writes batches until the Raft thread stops (`Ok`) or the connection fails.
+async fn send_loop(
+    shared: &Shared,
+    stream: TcpStream,
+    rx: &mut mpsc::Receiver<NodeBatch>,
+) -> std::io::Result<()> {
+    let (mut read, mut write) = stream.into_split();
+    let mut buf = Vec::new();
+    let mut probe = [0u8; 1];
+    loop {
+        tokio::select! {
+            b = rx.recv() => {
+                let Some(b) = b else { return Ok(()) };
+                buf.clear();
+                encode(shared, &b, &mut buf);
+                while buf.len() < WRITE_CHUNK {
+                    let Ok(b) = rx.try_recv() else { break };
+                    encode(shared, &b, &mut buf);
+                }
+                write.write_all(&buf).await?;
+                if buf.capacity() > 4 * WRITE_CHUNK {
+                    buf = Vec::new();
+                }
+            }
+            // The listener writes nothing after the handshake: any read result ends the link.
+            r = read.read(&mut probe) => {
+                return Err(match r {
+                    Ok(0) => std::io::ErrorKind::UnexpectedEof.into(),
+                    Ok(_) => std::io::Error::other("unexpected bytes from the listener"),
+                    Err(e) => e,
+                });
+            }
+        }
+    }
+}
+
+fn encode(shared: &Shared, b: &NodeBatch, buf: &mut Vec<u8>) {
+    let done = wire::encode_batch(b, MAX_FRAME, buf);
+    shared
+        .counters
+        .batches_out
+        .fetch_add(done.frames as u64, Ordering::Relaxed);
+    if done.skipped > 0 {
+        shared
+            .counters
+            .skipped_msgs
+            .fetch_add(done.skipped as u64, Ordering::Relaxed);
+        tracing::error!(
+            node = shared.me,
+            peer = b.to,
+            skipped = done.skipped,
+            "raft messages too large for a frame were not sent"
+        );
+    }
+}
+
+async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, remote)) => {
+                let Ok(permit) = shared.handshakes.clone().try_acquire_owned() else {
+                    tracing::debug!(node = shared.me, %remote, "too many cluster handshakes at once");
+                    continue;
+                };
+                tokio::spawn(serve(shared.clone(), stream, remote, permit));
+            }
+            Err(e) => {
+                // Out of file descriptors, most likely: wait instead of spinning.
+                tracing::warn!(node = shared.me, error = %e, "cluster accept failed");
+                tokio::time::sleep(MIN_BACKOFF).await;
+            }
+        }
+    }
+}
+
+async fn serve(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    remote: SocketAddr,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let me = shared.me;
+    let _ = stream.set_nodelay(true);
+    let hello = tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        auth::accept(&mut stream, &shared.secret, me, &shared.peers),
+    )
+    .await;
+    drop(permit);
+    let peer = match hello {
+        Ok(Ok(peer)) => peer,
+        Ok(Err(e)) => return refused(&shared, remote, &e),
+        Err(_) => return refused(&shared, remote, &"handshake timed out"),
+    };
+    bump(&shared.counters.connections_in);
+    tracing::info!(node = me, peer, %remote, "cluster peer connected");
+    if let Some(n) = shared.redial.get(&peer) {
+        n.notify_one();
+    }
+    let mut read = BufReader::with_capacity(64 << 10, stream);
+    loop {
+        let frame = match wire::read_frame(&mut read).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => {
+                tracing::info!(node = me, peer, %remote, "cluster peer disconnected");
+                return;
+            }
+            Err(WireError::Io(e)) => {
+                tracing::info!(node = me, peer, %remote, error = %e, "cluster peer disconnected");
+                return;
+            }
+            Err(e) => return bad_frame(&shared, peer, remote, &e),
+        };
+        let batch = match wire::decode_batch(frame) {
+            Ok(b) => b,
+            Err(e) => return bad_frame(&shared, peer, remote, &e),
+        };
+        if batch.from != peer || batch.to != me {
+            let e = format!("batch from {} to {} on this link", batch.from, batch.to);
+            return bad_frame(&shared, peer, remote, &e);
+        }
+        match shared.inbound.try_send(batch) {
+            Ok(()) => bump(&shared.counters.batches_in),
+            Err(crossbeam_channel::TrySendError::Full(_)) => bump(&shared.counters.dropped_in),
+            Err(crossbeam_channel::TrySendError::Disconnected(_)) => return,
+        }
+    }
+}
+
+fn bad_frame(shared: &Shared, peer: NodeId, remote: SocketAddr, e: &dyn std::fmt::Display) {
+    bump(&shared.counters.bad_frames);
+    tracing::warn!(node = shared.me, peer, %remote, error = %e, "bad frame from cluster peer; dropping the connection");
+}
+
+fn refused(shared: &Shared, remote: SocketAddr, e: &dyn std::fmt::Display) {
+    bump(&shared.counters.refused);
+    let now = Instant::now();
+    let first = {
+        let Ok(mut logged) = shared.refusals_logged.lock() else {
+            return;
+        };
+        if logged.len() >= 1024 {
+            logged.clear();
+        }
+        match logged.get(&remote.ip()) {
+            Some(at) if now.duration_since(*at) < REFUSAL_LOG_EVERY => false,
+            _ => {
+                logged.insert(remote.ip(), now);
+                true
+            }
+        }
+    };
+    if first {
+        tracing::warn!(node = shared.me, %remote, error = %e, "cluster connection refused");
+    } else {
+        tracing::debug!(node = shared.me, %remote, error = %e, "cluster connection refused");
+    }
+}
