@@ -486,3 +486,30 @@ fn a_quorum_queue_with_stored_messages_from_before_the_cluster_stays_on_its_node
     let got = b.get("/", "jobs", true, conn(1, 3)).expect("get");
     assert_eq!(got.map(|(d, _)| d.message.body), Some(Bytes::from("job 1")));
 }
+
+#[test]
+fn after_a_failover_only_what_the_dead_leaders_worker_held_counts_as_redelivered() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let batches: Vec<u64> = (0..100).map(|n| c.publish(leader, n)).collect();
+    c.run(30);
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    consume(&mut c, leader, 10).expect("consume");
+    let mut held = Vec::new();
+    for _ in 0..30 {
+        c.step();
+        held.extend(c.deliveries(leader));
+    }
+    assert_eq!(held.len(), 10);
+    c.kill(leader);
+    let next = c.leader();
+    c.run(10);
+    let mut red = 0;
+    let mut n = 0;
+    while let Some((d, _)) = c.broker(next).get("/", "jobs", true, conn(next, 9)).expect("get") {
+        red += d.redelivered as u32;
+        n += 1;
+        c.run(3);
+    }
+    assert_eq!((n, red), (100, 10), "(messages, redelivered)");
+}

@@ -13,7 +13,7 @@ mod tests;
 
 pub use engine::EngineLog;
 pub use multi::{
-    Advanced, Committed, Config, Envelope, Error, MultiRaft, NodeBatch, PersistJob, ReadyBatch,
+    Advanced, Committed, Config, Envelope, Error, Forward, MultiRaft, NodeBatch, PersistJob, ReadyBatch,
     Refused, Stats,
 };
 pub use raft;

@@ -98,6 +98,17 @@ pub struct NodeBatch {
     pub boot: u64,
     pub to: NodeId,
     pub msgs: Vec<Envelope>,
+    /// Proposals for groups the receiver leads, from a node that does not lead them (a
+    /// publish forwarded to its queue's leader). [`MultiRaft::step`] leaves them alone: they
+    /// are the caller's, to propose as its own.
+    pub forwards: Vec<Forward>,
+}
+
+/// A proposal sent to a group's leader by another member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    pub group: GroupId,
+    pub data: Bytes,
 }
 
 /// A proposal [`MultiRaft::try_propose`] did not take. `data` is the proposal's, or empty if
@@ -273,6 +284,11 @@ impl MultiRaft {
             heartbeat_due: false,
             stats: Stats::default(),
         })
+    }
+
+    /// This node's incarnation ([`Config::boot`]).
+    pub fn boot(&self) -> u64 {
+        self.cfg.boot
     }
 
     pub fn node(&self) -> NodeId {
@@ -798,6 +814,7 @@ impl Outbox {
         self.msgs
             .into_iter()
             .map(|(to, msgs)| NodeBatch {
+                forwards: Vec::new(),
                 from,
                 boot,
                 to,

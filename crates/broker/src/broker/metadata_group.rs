@@ -235,6 +235,13 @@ impl Broker {
         }
     }
 
+    /// This node's number, every node's, and who leads the metadata group (`None`: not in a
+    /// cluster).
+    pub fn cluster_view(&self) -> Option<(NodeId, Vec<NodeId>, Option<NodeId>)> {
+        let c = self.cluster.as_ref()?;
+        Some((c.node(), c.nodes().to_vec(), c.meta.leader))
+    }
+
     /// Groups to create (and whether this node stands for leader) and to remove since the last
     /// call: the driver adds them to, and removes them from, its Raft node.
     pub fn take_group_changes(&mut self) -> (Vec<(u64, bool)>, Vec<u64>) {

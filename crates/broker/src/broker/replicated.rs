@@ -81,6 +81,10 @@ impl Cluster {
         self.node
     }
 
+    pub(super) fn nodes(&self) -> &[NodeId] {
+        &self.nodes
+    }
+
     pub(super) fn push(&mut self, p: Proposal) {
         self.outbox.push(p);
     }
@@ -128,8 +132,8 @@ pub fn group_of(vhost: &str, name: &str) -> u64 {
     key.extend_from_slice(&u32::try_from(vhost.len()).unwrap_or(u32::MAX).to_be_bytes());
     key.extend_from_slice(vhost.as_bytes());
     key.extend_from_slice(name.as_bytes());
-    // Group 0 is kept for the cluster's metadata.
-    warren_queue::stable_hash::hash_bytes(&key).max(1)
+    // Group 0 is the cluster's metadata; the top bit marks forwarded proposals on the wire.
+    (warren_queue::stable_hash::hash_bytes(&key) >> 1).max(1)
 }
 
 impl Broker {

@@ -69,7 +69,9 @@ impl Broker {
             index: q.machine.last_index() + 1,
             now_ms,
         };
-        let logged = self.recording.is_some().then(|| command.clone());
+        // A replicated queue's commands are in its group's log, and its machine also moves by
+        // committed entries and falls back when deposed: the debug record would not replay.
+        let logged = (self.recording.is_some() && q.replica.is_none()).then(|| command.clone());
         let counted = match &command {
             Command::Enqueue { .. } => Counted::Enqueue,
             Command::Settle { receipt } => Counted::Settle {

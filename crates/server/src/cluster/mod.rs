@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use warren_replication::{Committed, GroupId, NodeId};
+pub use warren_replication::{Committed, Forward, GroupId, NodeId};
 use warren_replication::{Config, EngineLog, LogError, MultiRaft};
 
 use node::{Command, Driver};
@@ -57,12 +57,16 @@ pub trait RaftEvents: Send + 'static {
     /// Entries now committed and durable here, in log order within each group. After a
     /// restart every recovered committed entry comes again, from the first, before new ones.
     fn committed(&self, entries: Vec<Committed>);
-    /// Groups whose leader changed (`None`: no leader known for now).
-    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>)>);
+    /// Groups whose leader changed (`None`: no leader known for now), with the group's term.
+    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>);
     /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
     /// known) or has no such group. `data` is the proposal's (empty only if raft-rs itself
     /// dropped it).
     fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>);
+    /// Proposals other nodes sent for groups they believe this node leads, with the sender.
+    fn forwarded(&self, entries: Vec<(NodeId, Forward)>) {
+        let _ = entries;
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +187,8 @@ impl RaftNode {
             inbound: in_rx,
             epoch: Instant::now(),
             refused: Vec::new(),
+            to_forward: Default::default(),
+            forwarded: Vec::new(),
             stopping: false,
         };
         let thread = std::thread::Builder::new()
@@ -223,6 +229,12 @@ impl RaftNode {
     /// [`RaftEvents::refused`].
     pub fn propose(&self, group: GroupId, data: Vec<u8>) {
         self.send(Command::Propose(group, data));
+    }
+
+    /// Sends a proposal to `to`, which leads `group` (a publish on a node that does not): it
+    /// reaches that node's [`RaftEvents::forwarded`], or is lost with the connection.
+    pub fn forward(&self, to: NodeId, group: GroupId, data: Vec<u8>) {
+        self.send(Command::Forward(to, group, data));
     }
 
     /// The groups recovered from the log at start, in id order.
