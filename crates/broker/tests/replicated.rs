@@ -506,7 +506,11 @@ fn after_a_failover_only_what_the_dead_leaders_worker_held_counts_as_redelivered
     c.run(10);
     let mut red = 0;
     let mut n = 0;
-    while let Some((d, _)) = c.broker(next).get("/", "jobs", true, conn(next, 9)).expect("get") {
+    while let Some((d, _)) = c
+        .broker(next)
+        .get("/", "jobs", true, conn(next, 9))
+        .expect("get")
+    {
         red += d.redelivered as u32;
         n += 1;
         c.run(3);

@@ -115,8 +115,11 @@ impl<E: RaftEvents> Driver<E> {
     /// the broker (after this pass's committed entries, so it sees the leader changes first).
     fn inbound(&mut self, mut b: NodeBatch) {
         let from = b.from;
-        self.forwarded
-            .extend(std::mem::take(&mut b.forwards).into_iter().map(|f| (from, f)));
+        self.forwarded.extend(
+            std::mem::take(&mut b.forwards)
+                .into_iter()
+                .map(|f| (from, f)),
+        );
         self.raft.step(b);
     }
 
