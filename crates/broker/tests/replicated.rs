@@ -517,3 +517,36 @@ fn after_a_failover_only_what_the_dead_leaders_worker_held_counts_as_redelivered
     }
     assert_eq!((n, red), (100, 10), "(messages, redelivered)");
 }
+
+#[test]
+fn a_publish_forwarded_to_a_leader_that_dies_goes_to_the_next_one_and_is_confirmed() {
+    // Either follower may win the election: one publishes through the new leader, the other
+    // is the new leader and proposes what it had forwarded itself.
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let followers: Vec<u64> = NODES.iter().copied().filter(|n| *n != leader).collect();
+    c.run(5);
+    let batches: Vec<(u64, u64)> = followers
+        .iter()
+        .map(|f| (*f, c.publish(*f, *f as u32)))
+        .collect();
+    // The leader dies before the forwarded publishes reach it.
+    c.step();
+    c.kill(leader);
+    let mut nacked = Vec::new();
+    for _ in 0..300 {
+        c.step();
+        for &(f, _) in &batches {
+            if c.broker(f).take_lost().is_some() {
+                nacked.push(f);
+            }
+        }
+        if batches.iter().all(|(f, b)| c.confirmed(*f, *b)) {
+            break;
+        }
+    }
+    assert!(nacked.is_empty(), "nacked on {nacked:?} instead of sent on");
+    assert!(batches.iter().all(|(f, b)| c.confirmed(*f, *b)));
+    let next = c.leader();
+    assert_eq!(c.counts(next), (2, 0));
+}

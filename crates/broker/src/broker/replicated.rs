@@ -24,6 +24,16 @@ struct Token {
     forwarded: bool,
 }
 
+/// A publish this node forwarded, until it is applied.
+#[derive(Debug)]
+struct Kept {
+    seq: u64,
+    data: Vec<u8>,
+    /// Taken out of the proposals when this node was elected (its own first entries must not
+    /// make it look lost): proposed again, with this token, once the node acts.
+    token: Option<Token>,
+}
+
 /// A publish forwarded to a leader and not applied within this time is nacked (the leader
 /// may have dropped it; if it commits after all, the publisher has a duplicate, never a loss).
 const FORWARD_TIMEOUT_MS: u64 = 10_000;
@@ -40,6 +50,13 @@ pub(crate) struct Cluster {
     forwarding: Option<Origin>,
     /// Forwarded publishes waiting, by group: when the oldest was sent.
     forwarded_since: BTreeMap<u64, u64>,
+    /// Forwarded publishes not applied yet, by group, in order: sent again to the next leader
+    /// when the leader changes (a leader's death must not nack what waited for it).
+    kept: BTreeMap<u64, VecDeque<Kept>>,
+    /// The token a publish this node forwarded, and now proposes itself, keeps.
+    reissue: Option<Token>,
+    /// Publishes forwarded to this node while it was elected and not acting yet, by group.
+    early: BTreeMap<u64, Vec<Vec<u8>>>,
     outbox: Vec<Proposal>,
     groups: HashMap<u64, QueueId>,
     /// Proposals not yet applied, per batch: a batch is confirmable once it has none.
@@ -67,6 +84,9 @@ impl Cluster {
             meta: super::metadata_group::MetaState::default(),
             forwarding: None,
             forwarded_since: BTreeMap::new(),
+            kept: BTreeMap::new(),
+            reissue: None,
+            early: BTreeMap::new(),
             outbox: Vec::new(),
             groups: HashMap::new(),
             waiting: BTreeMap::new(),
@@ -122,6 +142,7 @@ impl Cluster {
         };
         self.proposals.applied(GroupId(group), all, Reply::Ok, out);
         self.forwarded_since.remove(&group);
+        self.kept.remove(&group);
     }
 }
 
@@ -252,16 +273,19 @@ impl Broker {
             }
             return;
         }
-        let batch = open_batch(self.persist.as_mut());
-        let token = Token {
-            batch,
+        let reissued = c.reissue.take();
+        let token = reissued.unwrap_or_else(|| Token {
+            batch: open_batch(self.persist.as_mut()),
             forwarded: false,
-        };
+        });
+        let batch = token.batch;
         let origin = c.proposals.next(GroupId(r.group), token);
         match encode(now, origin, command) {
             Ok(data) => {
                 r.proposed = origin.seq;
-                *c.waiting.entry(batch).or_insert(0) += 1;
+                if reissued.is_none() {
+                    *c.waiting.entry(batch).or_insert(0) += 1;
+                }
                 c.outbox.push(Proposal {
                     group: r.group,
                     data,
@@ -279,8 +303,9 @@ impl Broker {
     }
 
     /// A publish to a replicated queue led by another node goes to that leader; its confirm
-    /// waits until this node applies the entry (every member applies every entry). `None`:
-    /// not a publish, or no leader is known (the publish is nacked).
+    /// waits until this node applies the entry (every member applies every entry). With no
+    /// leader known it waits for one (at most `FORWARD_TIMEOUT_MS`). `None`: not a publish,
+    /// or this node was just elected and does not act yet (the publish is nacked).
     pub(super) fn forward(&mut self, id: QueueId, command: &Command<Message>) -> Option<Reply> {
         if !matches!(
             command,
@@ -291,7 +316,10 @@ impl Broker {
         let now = self.now_ms;
         let c = self.cluster.as_mut()?;
         let r = self.queues.get(&id)?.replica.as_ref()?;
-        let leader = r.leader.filter(|l| *l != c.node)?;
+        if r.leader == Some(c.node) {
+            return None;
+        }
+        let leader = r.leader;
         let batch = open_batch(self.persist.as_mut());
         let token = Token {
             batch,
@@ -302,10 +330,17 @@ impl Broker {
             Ok(data) => {
                 *c.waiting.entry(batch).or_insert(0) += 1;
                 c.forwarded_since.entry(r.group).or_insert(now);
-                c.outbox.push(Proposal {
-                    group: r.group,
+                if let Some(leader) = leader {
+                    c.outbox.push(Proposal {
+                        group: r.group,
+                        data: data.clone(),
+                        to: Some(leader),
+                    });
+                }
+                c.kept.entry(r.group).or_default().push_back(Kept {
+                    seq: origin.seq,
                     data,
-                    to: Some(leader),
+                    token: None,
                 });
                 Some(Reply::Enqueued { msg_id: 0 })
             }
@@ -341,6 +376,18 @@ impl Broker {
             Command::Enqueue { .. } | Command::EnqueueFrom { .. }
         ) {
             tracing::warn!(group, command = command.name(), "forwarded command refused");
+            return;
+        }
+        let starting = self
+            .queues
+            .get(&id)
+            .and_then(|q| q.replica.as_ref())
+            .is_some_and(|r| matches!(r.mode, Mode::Starting { .. }));
+        if starting {
+            // Elected, not acting yet: taken once its term's first entries are applied.
+            if let Some(c) = self.cluster.as_mut() {
+                c.early.entry(group).or_default().push(data.to_vec());
+            }
             return;
         }
         if !self.acts_here(id) {
@@ -492,6 +539,26 @@ impl Broker {
                 r.forwarded_ahead = r.forwarded_ahead.saturating_sub(1);
             }
             if head.origin.node == c.node {
+                if let Some(kept) = c.kept.get_mut(&e.group.0) {
+                    // Those still in the proposals are answered there (this one, or lost
+                    // before it); one taken out at an election waits for its own entry, which
+                    // the old leader may have committed after all.
+                    let seq = head.origin.seq;
+                    kept.retain_mut(|k| match k.token.take() {
+                        None => k.seq > seq,
+                        Some(token) if k.seq == seq => {
+                            outcomes.push(Outcome::Applied(token, reply));
+                            false
+                        }
+                        Some(token) => {
+                            k.token = Some(token);
+                            true
+                        }
+                    });
+                    if kept.is_empty() {
+                        c.kept.remove(&e.group.0);
+                    }
+                }
                 if c.proposals.is_empty_in(e.group) {
                     c.forwarded_since.remove(&e.group.0);
                 }
@@ -518,6 +585,7 @@ impl Broker {
         }
         for id in started {
             self.refile(id);
+            self.reissue_kept(id);
         }
         for e in meta {
             self.apply_meta(e);
@@ -582,6 +650,28 @@ impl Broker {
         if was_here && leader != Some(node) {
             self.step_down(id);
         }
+        if let (Some(l), Some(c)) = (leader, self.cluster.as_mut()) {
+            if l == node {
+                // What it forwarded to the old leader, this node proposes itself once it acts
+                // (the old leader may have committed some: a duplicate, never a loss).
+                for k in c.kept.get_mut(&group).into_iter().flatten() {
+                    let origin = Origin { node, seq: k.seq };
+                    if let Some(t) = c.proposals.withdraw(GroupId(group), origin) {
+                        k.token = Some(t);
+                    }
+                }
+            } else {
+                // Sent again to the new leader, in order: one the old leader committed is applied
+                // here once more (a duplicate, never a loss).
+                for k in c.kept.get(&group).into_iter().flatten() {
+                    c.outbox.push(Proposal {
+                        group,
+                        data: k.data.clone(),
+                        to: Some(l),
+                    });
+                }
+            }
+        }
         if leader == Some(node) && !was_here {
             // Re-elected: what it proposed in its earlier term is answered by the rule of later
             // proposals (one applied after them means they are lost).
@@ -645,6 +735,11 @@ impl Broker {
     }
 
     fn step_down(&mut self, id: QueueId) {
+        let group = self.replica_group(id);
+        if let (Some(c), Some(g)) = (self.cluster.as_mut(), group) {
+            // Their senders send them again to whoever leads now.
+            c.early.remove(&g);
+        }
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
@@ -674,6 +769,49 @@ impl Broker {
             self.deadlines.remove(&(at, id));
         }
         tracing::info!(queue = %q.name, vhost = %q.vhost, "no longer leads its replicated queue");
+    }
+
+    /// The publishes this node forwarded before it was elected, proposed as its own now that
+    /// it acts, each keeping the confirm it had.
+    fn reissue_kept(&mut self, id: QueueId) {
+        let Some(group) = self.replica_group(id) else {
+            return;
+        };
+        let early = self
+            .cluster
+            .as_mut()
+            .and_then(|c| c.early.remove(&group))
+            .unwrap_or_default();
+        for data in early {
+            self.forwarded(group, &data);
+        }
+        let Some(kept) = self.cluster.as_mut().and_then(|c| c.kept.remove(&group)) else {
+            return;
+        };
+        for k in kept {
+            let Some(token) = k.token else {
+                continue;
+            };
+            let command = decode(bytes::Bytes::from(k.data)).map(|(_, c)| c);
+            let Some(c) = self.cluster.as_mut() else {
+                return;
+            };
+            let Ok(command) = command else {
+                c.settle(Outcome::Lost(token));
+                continue;
+            };
+            c.reissue = Some(token);
+            let applied = self.run(id, command).is_some();
+            if let Some(c) = self.cluster.as_mut() {
+                if let Some(token) = c.reissue.take() {
+                    // Not proposed after all: its publisher is told.
+                    c.settle(Outcome::Lost(token));
+                }
+            }
+            if applied {
+                self.finish_effects(id);
+            }
+        }
     }
 
     /// A queue that starts acting files its deadline and looks for work.
