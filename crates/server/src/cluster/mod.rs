@@ -30,7 +30,7 @@ pub const MIN_SECRET_LEN: usize = 16;
 const NET_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// One node's place in the cluster.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClusterConfig {
     /// This node (never 0): its Raft id in every group.
     pub node: NodeId,
@@ -48,6 +48,20 @@ pub struct ClusterConfig {
     /// This start's incarnation, higher at every start (e.g. milliseconds since the epoch), so
     /// peers see a restart at once.
     pub boot: u64,
+}
+
+impl std::fmt::Debug for ClusterConfig {
+    // Without the secret: a configuration may be logged.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterConfig")
+            .field("node", &self.node)
+            .field("peers", &self.peers)
+            .field("listen", &self.listen)
+            .field("dir", &self.dir)
+            .field("tick_ms", &self.tick_ms)
+            .field("boot", &self.boot)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What the Raft thread tells the broker. Called on the Raft thread, with none of its locks
@@ -103,6 +117,8 @@ pub struct ClusterStats {
     pub bad_frames: u64,
     pub connections_in: u64,
     pub connections_out: u64,
+    /// Connections to peers that failed (refused, unreachable, timed out).
+    pub dial_failures: u64,
 }
 
 /// A handle on the node's Raft thread; clones share it. Methods only queue work and never
@@ -172,7 +188,7 @@ impl RaftNode {
         }
         let counters = Arc::new(Counters::default());
         let (in_tx, in_rx) = crossbeam_channel::bounded(transport::INBOUND_QUEUE);
-        let (net, out) = transport::start(&cfg, in_tx, counters.clone())?;
+        let (net, out, inbound_budget) = transport::start(&cfg, in_tx, counters.clone())?;
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let driver = Driver {
             raft,
@@ -181,6 +197,7 @@ impl RaftNode {
             out,
             commands: cmd_rx,
             inbound: in_rx,
+            inbound_budget,
             epoch: Instant::now(),
             refused: Vec::new(),
             stopping: false,

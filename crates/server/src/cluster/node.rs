@@ -5,12 +5,13 @@
 //! and the committed entries, which go to [`RaftEvents`] with the pass's leader changes and
 //! refused proposals.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
-use warren_replication::{EngineLog, Error, GroupId, MultiRaft, NodeBatch, NodeId};
+use warren_replication::{EngineLog, Error, GroupId, MultiRaft, NodeId};
 
-use super::transport::{Outbound, INBOUND_QUEUE};
+use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
 use super::RaftEvents;
 
 /// What a [`super::RaftNode`] asks of the Raft thread.
@@ -23,7 +24,7 @@ pub(crate) enum Command {
 
 enum Woke {
     Command(Command),
-    Batch(NodeBatch),
+    Batch(Queued),
     Closed,
     Nothing,
 }
@@ -37,7 +38,8 @@ pub(crate) struct Driver<E> {
     pub(crate) events: E,
     pub(crate) out: Outbound,
     pub(crate) commands: Receiver<Command>,
-    pub(crate) inbound: Receiver<NodeBatch>,
+    pub(crate) inbound: Receiver<Queued>,
+    pub(crate) inbound_budget: Arc<Budget>,
     pub(crate) epoch: Instant,
     pub(crate) refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
     pub(crate) stopping: bool,
@@ -80,7 +82,7 @@ impl<E: RaftEvents> Driver<E> {
         };
         match woke {
             Woke::Command(c) => self.command(c),
-            Woke::Batch(b) => self.raft.step(b),
+            Woke::Batch(q) => self.step(q),
             // Every handle is gone: nobody can use this node any more.
             Woke::Closed => self.stopping = true,
             Woke::Nothing => {}
@@ -90,7 +92,7 @@ impl<E: RaftEvents> Driver<E> {
     fn take_input(&mut self) {
         for _ in 0..INBOUND_QUEUE {
             match self.inbound.try_recv() {
-                Ok(b) => self.raft.step(b),
+                Ok(q) => self.step(q),
                 Err(_) => break,
             }
         }
@@ -104,6 +106,11 @@ impl<E: RaftEvents> Driver<E> {
                 }
             }
         }
+    }
+
+    fn step(&mut self, q: Queued) {
+        self.inbound_budget.give(q.bytes);
+        self.raft.step(q.batch);
     }
 
     fn command(&mut self, c: Command) {

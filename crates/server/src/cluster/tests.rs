@@ -315,13 +315,11 @@ fn member_connection(addr: SocketAddr, as_node: NodeId, to: NodeId) -> TcpStream
 /// The node closed the connection (a read sees the end, not the timeout).
 fn assert_closed(mut s: TcpStream) {
     let mut b = [0u8; 16];
-    loop {
-        match s.read(&mut b) {
-            Ok(0) => return,
-            Ok(_) => panic!("the node wrote after the handshake"),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
-            Err(e) => panic!("connection still open: {e}"),
-        }
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Ok(_) => panic!("the node wrote after the handshake"),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("connection still open: {e}"),
     }
 }
 
@@ -399,4 +397,29 @@ fn a_proposal_on_a_follower_is_refused_with_the_leader() {
         ]
     );
     assert!(c.seen(follower).data(G).is_empty());
+}
+
+#[test]
+fn a_peer_that_is_down_costs_a_few_dials_not_a_busy_loop() {
+    let a = addrs(2);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ClusterConfig {
+        node: 1,
+        peers: [(2, a[1])].into(),
+        listen: a[0],
+        secret: SECRET.to_vec(),
+        dir: dir.path().to_path_buf(),
+        tick_ms: 10,
+        boot: 1,
+    };
+    let node = RaftNode::start(cfg, Recorder::default()).unwrap();
+    node.add_group(G, true);
+    wait_for("a first failed dial", || node.stats().dial_failures >= 1);
+    std::thread::sleep(Duration::from_millis(400));
+    // Back-off from 50 ms, doubling: about 4 dials in 400 ms; a loop without one makes thousands.
+    let s = node.stats();
+    assert!(s.dial_failures <= 10, "{s:?}");
+    // What Raft sent meanwhile (heartbeats, votes) was dropped and counted.
+    assert!(s.dropped_out > 0, "{s:?}");
+    node.shutdown();
 }
