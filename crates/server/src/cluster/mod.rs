@@ -262,11 +262,15 @@ impl RaftNode {
 
     /// Stops the Raft thread after its current pass (what it wrote stays written), then the
     /// transport, closing every connection. Other clones become inert. Blocks for at most a
-    /// pass and [`NET_SHUTDOWN`]: call it outside async code (e.g. in `spawn_blocking`).
+    /// pass and [`NET_SHUTDOWN`], so from async code call it in `spawn_blocking`.
     pub fn shutdown(self) {
         let _ = self.inner.commands.send(Command::Shutdown);
         let thread = self.inner.thread.lock().ok().and_then(|mut t| t.take());
-        if let Some(t) = thread {
+        // Called from a `RaftEvents` callback, the thread stops once the callback returns.
+        let from_raft_thread = thread
+            .as_ref()
+            .is_some_and(|t| t.thread().id() == std::thread::current().id());
+        if let Some(t) = thread.filter(|_| !from_raft_thread) {
             if t.join().is_err() {
                 tracing::error!(node = self.inner.node, "raft thread panicked");
             }

@@ -423,3 +423,26 @@ fn a_peer_that_is_down_costs_a_few_dials_not_a_busy_loop() {
     assert!(s.dropped_out > 0, "{s:?}");
     node.shutdown();
 }
+
+#[test]
+fn shutdown_from_async_code_closes_the_listener_without_a_panic() {
+    let a = addrs(2);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ClusterConfig {
+        node: 1,
+        peers: [(2, a[1])].into(),
+        listen: a[0],
+        secret: SECRET.to_vec(),
+        dir: dir.path().to_path_buf(),
+        tick_ms: 10,
+        boot: 1,
+    };
+    let node = RaftNode::start(cfg.clone(), Recorder::default()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async move { node.shutdown() });
+    // The address and the log directory are free again at once.
+    let again = RaftNode::start(ClusterConfig { boot: 2, ..cfg }, Recorder::default()).unwrap();
+    again.shutdown();
+}

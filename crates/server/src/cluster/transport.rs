@@ -157,11 +157,22 @@ pub(crate) struct Net {
 }
 
 impl Net {
-    /// Stops every task and closes every socket, waiting at most `limit`. Must not be called
-    /// from async code.
+    /// Stops every task and closes every socket, waiting at most `limit`.
     pub(crate) fn shutdown(mut self, limit: Duration) {
         if let Some(rt) = self.runtime.take() {
-            rt.shutdown_timeout(limit);
+            // tokio refuses to wait for a runtime from inside another one's task: wait on a
+            // thread of our own, whoever the caller is.
+            let waiter = std::thread::Builder::new()
+                .name("warren-cluster-stop".into())
+                .spawn(move || rt.shutdown_timeout(limit));
+            match waiter {
+                Ok(t) => {
+                    let _ = t.join();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot wait for the cluster transport to stop")
+                }
+            }
         }
     }
 }
