@@ -446,3 +446,34 @@ fn shutdown_from_async_code_closes_the_listener_without_a_panic() {
     let again = RaftNode::start(ClusterConfig { boot: 2, ..cfg }, Recorder::default()).unwrap();
     again.shutdown();
 }
+
+#[test]
+fn a_group_added_twice_is_one_group_and_a_removed_one_is_gone_after_a_restart() {
+    let a = addrs(1);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ClusterConfig {
+        node: 1,
+        peers: BTreeMap::new(),
+        listen: a[0],
+        secret: SECRET.to_vec(),
+        dir: dir.path().to_path_buf(),
+        tick_ms: 10,
+        boot: 1,
+    };
+    let seen = Recorder::default();
+    let node = RaftNode::start(cfg.clone(), seen.clone()).unwrap();
+    for g in [G, GroupId(2), G] {
+        node.add_group(g, true);
+    }
+    node.propose(G, b"one".to_vec());
+    node.propose(GroupId(2), b"two".to_vec());
+    wait_for("both entries", || seen.with(|s| s.committed.len()) == 2);
+    node.remove_group(GroupId(2));
+    node.shutdown();
+    assert_eq!(seen.data(G), vec![b"one".to_vec()]);
+    let seen = Recorder::default();
+    let node = RaftNode::start(ClusterConfig { boot: 2, ..cfg }, seen.clone()).unwrap();
+    assert_eq!(node.groups(), &[G]);
+    wait_for("the entry recovered", || seen.data(G).len() == 1);
+    node.shutdown();
+}
