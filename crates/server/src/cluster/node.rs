@@ -115,14 +115,12 @@ impl<E: RaftEvents> Driver<E> {
 
     fn command(&mut self, c: Command) {
         match c {
-            Command::AddGroup(group, campaign) => {
-                if self.raft.commit_index(group).is_some() {
-                    return;
-                }
-                if let Err(e) = self.raft.add_group(group, campaign) {
+            Command::AddGroup(group, campaign) => match self.raft.add_group(group, campaign) {
+                Ok(()) | Err(Error::GroupExists(_)) => {}
+                Err(e) => {
                     tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot add raft group");
                 }
-            }
+            },
             Command::RemoveGroup(group) => {
                 if self.raft.remove_group(group) {
                     if let Err(e) = self.log.remove_group(group) {

@@ -468,12 +468,23 @@ fn a_group_added_twice_is_one_group_and_a_removed_one_is_gone_after_a_restart() 
     node.propose(G, b"one".to_vec());
     node.propose(GroupId(2), b"two".to_vec());
     wait_for("both entries", || seen.with(|s| s.committed.len()) == 2);
+    // Again once it holds an entry: nothing changes.
+    node.add_group(G, true);
+    node.propose(G, b"three".to_vec());
+    wait_for("the third entry", || seen.with(|s| s.committed.len()) == 3);
     node.remove_group(GroupId(2));
     node.shutdown();
-    assert_eq!(seen.data(G), vec![b"one".to_vec()]);
+    let want = vec![b"one".to_vec(), b"three".to_vec()];
+    assert_eq!(seen.data(G), want);
+    assert_eq!(
+        seen.with(|s| s.committed.iter().map(|c| c.index).collect::<Vec<_>>()),
+        vec![2, 2, 3],
+        "each group's first entry follows its leader's empty one"
+    );
     let seen = Recorder::default();
     let node = RaftNode::start(ClusterConfig { boot: 2, ..cfg }, seen.clone()).unwrap();
     assert_eq!(node.groups(), &[G]);
-    wait_for("the entry recovered", || seen.data(G).len() == 1);
+    wait_for("the entries recovered", || seen.data(G).len() == 2);
+    assert_eq!(seen.data(G), want);
     node.shutdown();
 }
