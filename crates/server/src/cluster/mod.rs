@@ -24,6 +24,9 @@ use warren_replication::{Config, EngineLog, LogError, MultiRaft};
 use node::{Command, Driver};
 use transport::{Counters, Net};
 
+/// The largest proposal taken: a larger entry would not fit in a frame, never reach a
+/// follower and stall its group. The margin covers the batch's and the message's other fields.
+pub const MAX_PROPOSAL: usize = wire::MAX_FRAME - (64 << 10);
 /// The shortest cluster secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
 /// How long `shutdown` waits for the transport's tasks once the Raft thread has stopped.
@@ -74,8 +77,8 @@ pub trait RaftEvents: Send + 'static {
     /// Groups whose leader changed (`None`: no leader known for now).
     fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>)>);
     /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
-    /// known) or has no such group. `data` is the proposal's (empty only if raft-rs itself
-    /// dropped it).
+    /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`]. `data` is the
+    /// proposal's (empty only if raft-rs itself dropped it).
     fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>);
 }
 

@@ -12,7 +12,7 @@ use crossbeam_channel::{Receiver, TryRecvError};
 use warren_replication::{EngineLog, Error, GroupId, MultiRaft, NodeId};
 
 use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
-use super::RaftEvents;
+use super::{RaftEvents, MAX_PROPOSAL};
 
 /// What a [`super::RaftNode`] asks of the Raft thread.
 pub(crate) enum Command {
@@ -127,6 +127,15 @@ impl<E: RaftEvents> Driver<E> {
                         tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot remove a raft group's log");
                     }
                 }
+            }
+            Command::Propose(group, data) if data.len() > MAX_PROPOSAL => {
+                tracing::warn!(
+                    node = self.raft.node(),
+                    group = group.0,
+                    bytes = data.len(),
+                    "proposal too large to replicate"
+                );
+                self.refused.push((group, data, None));
             }
             Command::Propose(group, data) => {
                 if let Err(r) = self.raft.try_propose(group, data) {

@@ -448,7 +448,7 @@ fn shutdown_from_async_code_closes_the_listener_without_a_panic() {
 }
 
 #[test]
-fn a_group_added_twice_is_one_group_and_a_removed_one_is_gone_after_a_restart() {
+fn one_node_groups_added_twice_removed_and_a_proposal_too_large() {
     let a = addrs(1);
     let dir = tempfile::tempdir().unwrap();
     let cfg = ClusterConfig {
@@ -473,6 +473,12 @@ fn a_group_added_twice_is_one_group_and_a_removed_one_is_gone_after_a_restart() 
     node.propose(G, b"three".to_vec());
     wait_for("the third entry", || seen.with(|s| s.committed.len()) == 3);
     node.remove_group(GroupId(2));
+    // Too large for a frame: refused, not left to stall the group.
+    node.propose(G, vec![0; MAX_PROPOSAL + 1]);
+    wait_for("the large proposal refused", || {
+        seen.with(|s| s.refused.len()) == 1
+    });
+    assert_eq!(seen.with(|s| s.refused[0].1.len()), MAX_PROPOSAL + 1);
     node.shutdown();
     let want = vec![b"one".to_vec(), b"three".to_vec()];
     assert_eq!(seen.data(G), want);
