@@ -38,13 +38,14 @@ pub mod names;
 pub mod persist;
 pub mod policy;
 pub mod queue;
+pub mod replica;
 mod small;
 pub mod stats;
 
 pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
 };
-pub use broker::{Broker, ConsumerTimeout, QueueInfo};
+pub use broker::{group_of, Broker, ConsumerTimeout, Proposal, QueueInfo};
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;
 pub use persist::{
@@ -54,7 +55,8 @@ pub use persist::{
 pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
 pub use queue::machine;
 pub use queue::machine::{ConsumerId, Credit, CreditGroup, Receipt};
-pub use warren_queue::{ConnId, Message, COMPACT_BELOW};
+pub use warren_queue::{qualify, ConnId, Message, COMPACT_BELOW};
+pub use warren_replication::{Committed, GroupId};
 
 use warren_codec::{FieldTable, ShortStr};
 

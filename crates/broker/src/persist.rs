@@ -240,6 +240,9 @@ pub(crate) struct Persist {
     pub shared: HashMap<u64, u32>,
     /// The key reservations last written.
     pub reserved: StoreKeys,
+    /// Hand the next batch over even with no ops: confirms wait for its number (a replicated
+    /// queue's entries are written by its group's log, not here).
+    pub force: bool,
 }
 
 /// Body keys are reserved on disk this many at a time: one small write per block of publishes.
@@ -263,6 +266,7 @@ impl Persist {
                 next_queue_key: 1,
                 next_body_key: 1,
             },
+            force: false,
         }
     }
 
@@ -321,9 +325,10 @@ impl Persist {
     }
 
     pub fn take(&mut self) -> Option<WriteBatch> {
-        if self.ops.is_empty() {
+        if self.ops.is_empty() && !std::mem::take(&mut self.force) {
             return None;
         }
+        self.force = false;
         let batch = WriteBatch {
             number: self.next_batch,
             ops: std::mem::take(&mut self.ops),

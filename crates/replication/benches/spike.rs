@@ -135,6 +135,7 @@ fn decode(b: &[u8]) -> NodeBatch {
         i += 12 + len;
     }
     NodeBatch {
+        forwards: Vec::new(),
         from,
         boot,
         to,

@@ -13,8 +13,8 @@ mod tests;
 
 pub use engine::EngineLog;
 pub use multi::{
-    Advanced, Committed, Config, Envelope, Error, MultiRaft, NodeBatch, PersistJob, ReadyBatch,
-    Refused, Stats,
+    Advanced, Committed, Config, Envelope, Error, Forward, MultiRaft, NodeBatch, PersistJob,
+    ReadyBatch, Refused, Stats,
 };
 pub use raft;
 pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog};

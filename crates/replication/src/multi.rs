@@ -98,6 +98,17 @@ pub struct NodeBatch {
     pub boot: u64,
     pub to: NodeId,
     pub msgs: Vec<Envelope>,
+    /// Proposals for groups the receiver leads, from a node that does not lead them (a
+    /// publish forwarded to its queue's leader). [`MultiRaft::step`] leaves them alone: they
+    /// are the caller's, to propose as its own.
+    pub forwards: Vec<Forward>,
+}
+
+/// A proposal sent to a group's leader by another member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forward {
+    pub group: GroupId,
+    pub data: Bytes,
 }
 
 /// A proposal [`MultiRaft::try_propose`] did not take. `data` is the proposal's, or empty if
@@ -275,6 +286,11 @@ impl MultiRaft {
         })
     }
 
+    /// This node's incarnation ([`Config::boot`]).
+    pub fn boot(&self) -> u64 {
+        self.cfg.boot
+    }
+
     pub fn node(&self) -> NodeId {
         self.cfg.node
     }
@@ -313,6 +329,11 @@ impl MultiRaft {
             .iter()
             .filter(|(_, g)| g.raw.raft.state == StateRole::Leader)
             .map(|(id, _)| *id)
+    }
+
+    /// The group's current term, as this member knows it.
+    pub fn term_of(&self, group: GroupId) -> Option<u64> {
+        Some(self.groups.get(&group)?.raw.raft.term)
     }
 
     pub fn commit_index(&self, group: GroupId) -> Option<u64> {
@@ -793,6 +814,7 @@ impl Outbox {
         self.msgs
             .into_iter()
             .map(|(to, msgs)| NodeBatch {
+                forwards: Vec::new(),
                 from,
                 boot,
                 to,

@@ -145,9 +145,15 @@ pub struct Proposals<T> {
 
 impl<T> Proposals<T> {
     pub fn new(node: NodeId) -> Self {
+        Self::starting_at(node, 1)
+    }
+
+    /// Numbers from `first` (above every number this node gave before a restart, so that the
+    /// entries it replays are not taken for its new proposals).
+    pub fn starting_at(node: NodeId, first: u64) -> Self {
         Proposals {
             node,
-            next_seq: 1,
+            next_seq: first.max(1),
             waiting: BTreeMap::new(),
         }
     }
@@ -220,6 +226,11 @@ impl<T> Proposals<T> {
 
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty()
+    }
+
+    /// Does nothing of this node wait in `group`?
+    pub fn is_empty_in(&self, group: GroupId) -> bool {
+        !self.waiting.contains_key(&group)
     }
 }
 

@@ -112,6 +112,22 @@ pub struct Args {
     /// [default: 10000]
     #[arg(long, hide = true, value_name = "MS")]
     pub test_api_write_wait_ms: Option<u64>,
+    /// This node's number in a cluster (1 to 65535): with it, queues declared with
+    /// `x-queue-type: quorum` are replicated on every node (docs/operations.md, "Cluster")
+    /// [default: no cluster]
+    #[arg(long, env = "WARREN_CLUSTER_NODE", value_name = "N")]
+    pub cluster_node: Option<u64>,
+    /// Every node of the cluster and its cluster address, this one included, the same on
+    /// every node: `1=10.0.0.1:25672,2=10.0.0.2:25672,3=10.0.0.3:25672`
+    #[arg(long, env = "WARREN_CLUSTER_NODES", value_name = "LIST")]
+    pub cluster_nodes: Option<String>,
+    /// A file holding the secret every node of the cluster shares (at least 16 bytes; like
+    /// Erlang's cookie); only nodes that know it may join
+    #[arg(long, env = "WARREN_CLUSTER_SECRET_FILE", value_name = "FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Tests: Raft's tick in milliseconds [default: 50]
+    #[arg(long, hide = true, value_name = "MS")]
+    pub test_cluster_tick_ms: Option<u64>,
     /// Port of the management HTTP API and web page, as RabbitMQ's management plugin
     /// [default: 15672]
     #[arg(long, env = "WARREN_MANAGEMENT_PORT", value_name = "PORT")]
@@ -204,6 +220,9 @@ pub struct FileConfig {
     pub management_port: Option<u16>,
     /// `false` turns the management API off.
     pub management: Option<bool>,
+    pub cluster_node: Option<u64>,
+    pub cluster_nodes: Option<String>,
+    pub cluster_secret_file: Option<PathBuf>,
     pub prometheus_port: Option<u16>,
     /// `false` turns the Prometheus endpoint off.
     pub prometheus: Option<bool>,
@@ -263,6 +282,106 @@ pub enum ConfigError {
          or WARREN_DATA_DIR"
     )]
     NoDataDir,
+    #[error("{0}")]
+    Cluster(String),
+}
+
+/// This node's place in a cluster, resolved.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    pub node: u64,
+    /// Every node's cluster address, this one's included.
+    pub nodes: std::collections::BTreeMap<u64, std::net::SocketAddr>,
+    pub secret: Vec<u8>,
+    pub tick_ms: u64,
+}
+
+/// The smallest cluster secret accepted, in bytes.
+const MIN_CLUSTER_SECRET: usize = 16;
+
+/// `1=host:port,2=host:port`: every node and its cluster address.
+fn parse_cluster_nodes(
+    list: &str,
+) -> Result<std::collections::BTreeMap<u64, std::net::SocketAddr>, String> {
+    use std::net::ToSocketAddrs;
+    let mut nodes = std::collections::BTreeMap::new();
+    for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (id, addr) = item
+            .split_once('=')
+            .ok_or_else(|| format!("--cluster-nodes: `{item}` is not NODE=HOST:PORT"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .ok()
+            .filter(|n| (1..=u64::from(u16::MAX)).contains(n))
+            .ok_or_else(|| {
+                format!("--cluster-nodes: node `{id}` is not a number from 1 to 65535")
+            })?;
+        let addr = addr
+            .trim()
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or_else(|| format!("--cluster-nodes: `{addr}` (node {id}) is not HOST:PORT"))?;
+        if nodes.insert(id, addr).is_some() {
+            return Err(format!("--cluster-nodes: node {id} is listed twice"));
+        }
+    }
+    Ok(nodes)
+}
+
+fn cluster_settings(
+    node: Option<u64>,
+    nodes: Option<String>,
+    secret_file: Option<PathBuf>,
+    tick_ms: Option<u64>,
+) -> Result<Option<ClusterSettings>, ConfigError> {
+    let err = |m: String| Err(ConfigError::Cluster(m));
+    let Some(node) = node else {
+        if nodes.is_some() || secret_file.is_some() {
+            return err("--cluster-nodes and --cluster-secret-file need --cluster-node N (this node's number)".into());
+        }
+        return Ok(None);
+    };
+    let Some(list) = nodes else {
+        return err(format!(
+            "--cluster-node {node} needs --cluster-nodes, every node's cluster address, e.g. \
+             1=127.0.0.1:25701,2=127.0.0.1:25702,3=127.0.0.1:25703"
+        ));
+    };
+    let nodes = parse_cluster_nodes(&list).map_err(ConfigError::Cluster)?;
+    if !nodes.contains_key(&node) {
+        return err(format!(
+            "--cluster-nodes does not list this node ({node}): add {node}=HOST:PORT, the address peers reach it at"
+        ));
+    }
+    let Some(path) = secret_file else {
+        return err(
+            "a cluster needs a shared secret: write one to a file (e.g. `head -c 32 /dev/urandom | base64 > cluster.secret`), \
+             copy it to every node and give it with --cluster-secret-file FILE"
+                .into(),
+        );
+    };
+    let secret = std::fs::read(&path).map_err(|e| {
+        ConfigError::Cluster(format!(
+            "cannot read the cluster secret {}: {e}",
+            path.display()
+        ))
+    })?;
+    let secret = secret.trim_ascii().to_vec();
+    if secret.len() < MIN_CLUSTER_SECRET {
+        return err(format!(
+            "the cluster secret in {} is {} bytes; it needs at least {MIN_CLUSTER_SECRET}",
+            path.display(),
+            secret.len()
+        ));
+    }
+    Ok(Some(ClusterSettings {
+        node,
+        nodes,
+        secret,
+        tick_ms: tick_ms.unwrap_or(50).max(1),
+    }))
 }
 
 /// `$XDG_DATA_HOME/warren`, else `$HOME/.local/share/warren` (the XDG default).
@@ -320,6 +439,8 @@ pub struct Config {
     /// The management API and the metrics endpoint over HTTPS.
     pub management_tls: bool,
     pub prometheus_tls: bool,
+    /// This node's cluster (`None`: a node on its own).
+    pub cluster: Option<ClusterSettings>,
 }
 
 impl Config {
@@ -441,11 +562,18 @@ impl Config {
                 }
             )));
         }
+        let cluster = cluster_settings(
+            args.cluster_node.or(file.cluster_node),
+            args.cluster_nodes.or(file.cluster_nodes),
+            args.cluster_secret_file.or(file.cluster_secret_file),
+            args.test_cluster_tick_ms,
+        )?;
         let queue_window = args.queue_window.or(file.queue_window).unwrap_or(1024);
         if queue_window == 0 {
             return Err(ConfigError::QueueWindow);
         }
         Ok(Config {
+            cluster,
             data_dir,
             alarms,
             queue_window,

@@ -98,6 +98,10 @@ struct Core {
     backlog_limit: usize,
     /// The number of the last batch handed to the store thread.
     last_sent: u64,
+    /// This node's Raft groups, in a cluster.
+    raft: Option<crate::cluster::RaftNode>,
+    /// Reused buffer of the replicated queues' proposals.
+    proposals: Vec<warren_broker::Proposal>,
     /// Queues that long polls (SQS ReceiveMessage) wait on (see [`Core::wake_watchers`]).
     watched: HashMap<warren_broker::QueueId, Watched>,
 }
@@ -163,6 +167,38 @@ impl Shared {
             node.set_alarms(memory, disk, now);
             if let Some(paging) = paging {
                 node.set_paging(paging);
+            }
+        });
+    }
+}
+
+/// The Raft thread's reports: committed entries applied, leader changes, forwarded publishes.
+struct RaftReports(Arc<Shared>);
+
+impl crate::cluster::RaftEvents for RaftReports {
+    fn committed(&self, entries: Vec<warren_broker::Committed>) {
+        self.0.with_node(|node, now| node.replicated(&entries, now));
+    }
+
+    fn leaders(&self, changes: Vec<(warren_broker::GroupId, Option<u64>, u64)>) {
+        self.0.with_node(|node, now| {
+            for (group, leader, term) in changes {
+                tracing::debug!(group = group.0, ?leader, term, "raft group leader");
+                node.set_leader(group.0, leader, term, now);
+            }
+        });
+    }
+
+    fn refused(&self, group: warren_broker::GroupId, _data: Vec<u8>, leader: Option<u64>) {
+        // The leader change that explains it comes as `leaders`: the queue steps down there
+        // and what it proposed in vain is nacked.
+        tracing::debug!(group = group.0, ?leader, "proposal refused by raft");
+    }
+
+    fn forwarded(&self, entries: Vec<(u64, crate::cluster::Forward)>) {
+        self.0.with_node(|node, now| {
+            for (_, f) in entries {
+                node.forwarded(f.group.0, &f.data, now);
             }
         });
     }
@@ -418,6 +454,7 @@ impl Core {
             // Before any client sees an effect of these commands, they are in the log.
             self.record();
             self.persist();
+            self.replicate();
             for t in std::mem::take(&mut self.transmits) {
                 self.send(t);
             }
@@ -441,6 +478,29 @@ impl Core {
                 tracing::error!("the store thread is gone: stopping the broker");
                 std::process::exit(70);
             }
+        }
+    }
+
+    /// Hands the replicated queues' proposals (and the groups to create or drop) to the Raft
+    /// thread: a group is added before anything is proposed to it.
+    fn replicate(&mut self) {
+        let Some(raft) = self.raft.as_ref() else {
+            return;
+        };
+        let (new, removed) = self.node.broker_mut().take_group_changes();
+        for (group, campaign) in new {
+            raft.add_group(warren_broker::GroupId(group), campaign);
+        }
+        self.node.take_proposals(&mut self.proposals);
+        for p in self.proposals.drain(..) {
+            let group = warren_broker::GroupId(p.group);
+            match p.to {
+                None => raft.propose(group, p.data),
+                Some(leader) => raft.forward(leader, group, p.data),
+            }
+        }
+        for group in removed {
+            raft.remove_group(warren_broker::GroupId(group));
         }
     }
 
@@ -545,6 +605,7 @@ pub async fn serve(
     (store, recovery): (Option<Arc<warren_store::Store>>, Option<PendingRecovery>),
     (alarms, data_dir, writes): (crate::config::AlarmConfig, std::path::PathBuf, ApiWrites),
     mut shutdown: watch::Receiver<bool>,
+    cluster: Option<crate::cluster::ClusterConfig>,
     on_start: impl FnOnce(NodeHandle),
 ) -> std::io::Result<Option<Arc<warren_store::Store>>> {
     let config = node.config().clone();
@@ -561,6 +622,8 @@ pub async fn serve(
             backlog_limit: config.write_backlog_limit,
             last_sent: 0,
             watched: HashMap::new(),
+            raft: None,
+            proposals: Vec::new(),
         }),
         dispatch: Notify::new(),
         timer: Notify::new(),
@@ -614,7 +677,38 @@ pub async fn serve(
     let monitor = tokio::spawn(crate::alarms::monitor(alarms, data_dir, set_alarms));
     let ticker = tokio::spawn(timer(shared.clone()));
     let dispatcher = tokio::spawn(dispatcher(shared.clone()));
-    let next_id = AtomicU64::new(1);
+    let raft = match cluster {
+        Some(cfg) => {
+            let node_id = cfg.node;
+            let first = cfg.peers.keys().chain([&node_id]).min().copied() == Some(node_id);
+            let raft = crate::cluster::RaftNode::start(cfg, RaftReports(shared.clone()))
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let recovered: std::collections::BTreeSet<u64> =
+                raft.groups().iter().map(|g| g.0).collect();
+            // The metadata group exists on every node; the lowest-numbered node stands for its
+            // first leader. Every replicated queue recovered from the store has its group.
+            if !recovered.contains(&0) {
+                raft.add_group(warren_broker::GroupId(0), first);
+            }
+            shared.with_core(|core, _| {
+                for (group, _) in core.node.broker().replica_groups() {
+                    if !recovered.contains(&group) {
+                        raft.add_group(warren_broker::GroupId(group), false);
+                    }
+                }
+                core.raft = Some(raft.clone());
+            });
+            Some((raft, node_id))
+        }
+        None => None,
+    };
+    // Connection ids carry the node's number in a cluster (a replicated queue's members tell
+    // whose consumer a delivery went to).
+    let first_conn = raft
+        .as_ref()
+        .and_then(|(_, n)| warren_broker::qualify(u16::try_from(*n).ok()?, 1))
+        .unwrap_or(1);
+    let next_id = AtomicU64::new(first_conn);
     let handshake_timeout = Duration::from_millis(config.handshake_timeout_ms);
     loop {
         tokio::select! {
@@ -671,6 +765,10 @@ pub async fn serve(
     ticker.abort();
     dispatcher.abort();
     monitor.abort();
+    if let Some((raft, _)) = raft {
+        shared.lock().raft = None;
+        let _ = tokio::task::spawn_blocking(move || raft.shutdown()).await;
+    }
     // The last writes (messages of closed channels coming back) reach the disk before the store
     // is handed back.
     shared.lock().store = None;

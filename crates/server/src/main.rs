@@ -2,8 +2,6 @@
 
 mod alarms;
 mod cli;
-// Replication's node: not wired to the broker yet (issue 21).
-#[allow(dead_code)]
 mod cluster;
 mod config;
 mod driver;
@@ -281,6 +279,30 @@ async fn run(config: Config) -> std::io::Result<()> {
         }
         None => None,
     };
+    // A cluster node replicates the quorum queues it recovers from the store: it joins before.
+    let cluster = config.cluster.as_ref().map(|c| {
+        let boot = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+            .max(1);
+        let nodes: Vec<u64> = c.nodes.keys().copied().collect();
+        broker.join_cluster(c.node, &nodes, boot);
+        let mut peers = c.nodes.clone();
+        let listen = peers.remove(&c.node);
+        cluster::ClusterConfig {
+            node: c.node,
+            peers,
+            // `Config::resolve` checked that the list holds this node.
+            listen: listen.unwrap_or_else(|| std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
+            secret: c.secret.clone(),
+            dir: config.data_dir.join("raft"),
+            tick_ms: c.tick_ms,
+            boot,
+        }
+    });
+    if let Some(c) = &cluster {
+        tracing::info!(node = c.node, listen = %c.listen, peers = c.peers.len(), "cluster node: quorum queues are replicated on every node");
+    }
     let store = warren_store::Store::open(&config.data_dir)
         .map(std::sync::Arc::new)
         .map_err(|e| std::io::Error::other(e.to_string()))?;
@@ -322,6 +344,7 @@ async fn run(config: Config) -> std::io::Result<()> {
         ),
         (config.alarms, config.data_dir.clone(), config.api_writes),
         stop_rx,
+        cluster,
         |node| {
             if let Some(l) = sqs {
                 tokio::spawn(sqs::serve(

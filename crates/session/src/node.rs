@@ -98,6 +98,8 @@ pub struct Node {
     confirm_latency: ConfirmLatency,
     /// Channels with publisher confirms waiting for a store write.
     confirm_waiters: BTreeSet<(ConnId, u16)>,
+    /// The last store batch written.
+    written: u64,
     /// The resource alarm in force ("low on memory", "low on disk"), if any.
     alarm: Option<&'static str>,
     /// Recovery is in progress (`set_recovering`).
@@ -118,6 +120,7 @@ impl Node {
             next_id: 0,
             confirm_latency: ConfirmLatency::default(),
             confirm_waiters: BTreeSet::new(),
+            written: 0,
             alarm: None,
             recovering: false,
         }
@@ -219,9 +222,64 @@ impl Node {
     pub fn writes_done(&mut self, upto: u64, ok: bool, now: u64) {
         if ok {
             self.broker.writes_done(upto);
+            self.written = self.written.max(upto);
         } else {
             self.broker.writes_failed(upto);
         }
+        // A batch holding entries of replicated queues is confirmed once they are committed too.
+        let upto = if ok {
+            self.broker.confirmable(upto)
+        } else {
+            upto
+        };
+        self.release_confirms(upto, ok, now);
+    }
+
+    /// Makes this node `node` of the cluster of `nodes` (see `Broker::join_cluster`).
+    pub fn join_cluster(&mut self, node: u64, nodes: &[u64], boot: u64) {
+        self.broker.join_cluster(node, nodes, boot);
+    }
+
+    /// The entries for replicated queues' groups made since the last call.
+    pub fn take_proposals(&mut self, out: &mut Vec<warren_broker::Proposal>) {
+        self.broker.take_proposals(out);
+    }
+
+    /// A publish another node forwarded to a queue this node leads.
+    pub fn forwarded(&mut self, group: u64, data: &[u8], now: u64) {
+        self.broker.advance_time(now);
+        self.broker.forwarded(group, data);
+    }
+
+    /// Committed entries of replicated queues' groups: applied, and the confirms, nacks and
+    /// deliveries that waited for them released.
+    pub fn replicated(&mut self, entries: &[warren_broker::Committed], now: u64) {
+        self.broker.apply_committed(entries);
+        self.after_replication(now);
+    }
+
+    /// A replicated queue's group has a new leader (see `Broker::set_leader`).
+    pub fn set_leader(&mut self, group: u64, leader: Option<u64>, term: u64, now: u64) {
+        self.broker.advance_time(now);
+        self.broker.set_leader(group, leader, term);
+        self.after_replication(now);
+    }
+
+    fn after_replication(&mut self, now: u64) {
+        if let Some(lost) = self.broker.take_lost() {
+            self.release_confirms(lost, false, now);
+        }
+        let upto = self.broker.confirmable(self.written);
+        self.release_confirms(upto, true, now);
+        let cancelled = self.broker.take_replica_cancelled();
+        if !cancelled.is_empty() {
+            self.consumers_cancelled(cancelled.into_iter());
+        }
+    }
+
+    /// Publisher confirms and commits waiting for batches up to `upto` go out: acks, or nacks
+    /// (`ok` false) after a failed write or a lost replicated entry.
+    fn release_confirms(&mut self, upto: u64, ok: bool, now: u64) {
         let waiters = std::mem::take(&mut self.confirm_waiters);
         for (conn, channel) in waiters {
             let Some(c) = self.conns.get_mut(&conn) else {

@@ -557,7 +557,13 @@ impl Broker {
             load_retry_at: None,
             spill_key: None,
             stats: Box::default(),
+            replica: None,
         };
+        let mut q = q;
+        self.attach_replica(&mut q);
+        if q.replica.is_some() && !self.restoring {
+            self.announce_declare(vhost, &q.name, &q.arguments);
+        }
         let out = declared(&q);
         let policy = policy(&q.args);
         let delays = q.args.delivery_delay_ms.is_some();
@@ -640,6 +646,7 @@ impl Broker {
     /// bindings (and auto-delete exchanges left without bindings), its messages.
     pub(super) fn remove_queue(&mut self, id: QueueId) -> Option<QueueDeleted> {
         let q = self.queues.remove(&id)?;
+        self.detach_replica(&q);
         self.cycles_reported.remove(&id);
         let refusing = refuses(&policy(&q.args));
         if refusing {

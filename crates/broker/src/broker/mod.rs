@@ -2,9 +2,11 @@
 
 mod flows;
 mod metadata;
+mod metadata_group;
 mod persistence;
 mod policies;
 mod publish;
+mod replicated;
 mod runtime;
 pub mod snapshot;
 mod users;
@@ -14,6 +16,8 @@ use flows::*;
 use metadata::*;
 use persistence::*;
 use publish::*;
+use replicated::not_led_here;
+pub use replicated::{group_of, Proposal};
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -168,6 +172,8 @@ pub struct Broker {
     releasing: Option<u32>,
     /// Node-wide message counters (for operators).
     counters: crate::stats::BrokerCounters,
+    /// This node's part in a cluster (replicated queues), once it joined one.
+    cluster: Option<Box<replicated::Cluster>>,
 }
 
 /// A message that left a queue with a dead-letter exchange, with what its `x-death` needs.
@@ -323,6 +329,7 @@ impl Broker {
             last_incarnation: 0,
             releasing: None,
             counters: Default::default(),
+            cluster: None,
         };
         if b.config.persistence {
             b.persist = Some(Persist::new());

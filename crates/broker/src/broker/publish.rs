@@ -402,6 +402,8 @@ impl Broker {
         if self.persist.is_some() && (message.persistent || self.spill) {
             for id in &targets {
                 let kind = match self.queues.get(id) {
+                    // A replicated queue's copy is in its group's log, not in the store.
+                    Some(q) if q.replica.is_some() => Kept::Memory,
                     Some(q) if refuses(q) => Kept::Memory,
                     Some(q) if message.persistent && q.store_key.is_some() => {
                         durable += 1;
@@ -486,9 +488,21 @@ impl Broker {
                 };
                 (command, meta)
             }) else {
+                if self.queues.get(id).is_some_and(|q| q.replica.is_some()) {
+                    // A replicated queue with no leader to take it: the publisher is told
+                    // with a nack (a mandatory publish is not returned: the queue exists).
+                    routed += 1;
+                    rejected += 1;
+                }
                 continue;
             };
             routed += 1;
+            if self.queues.get(id).is_some_and(|q| q.replica.is_some()) {
+                // Its confirm waits for the entry's commit, in the batch being filled.
+                if let Some(p) = self.persist.as_ref() {
+                    batch = batch.max(Some(p.next_batch));
+                }
+            }
             if reply == Reply::Refused(Refusal::Full) {
                 self.refused(*id, kind, &message, releasing);
                 rejected += 1;

@@ -2,6 +2,19 @@
 
 use super::*;
 
+/// Commands a replicated queue's members each take from their own definitions, not from the
+/// log: the queue's policy as declared and as policies change it.
+fn restores(command: &Command<Message>) -> bool {
+    matches!(
+        command,
+        Command::Restore { .. } | Command::RestoreRun { .. } | Command::SkipIds { .. }
+    )
+}
+
+fn declared_here(command: &Command<Message>) -> bool {
+    matches!(command, Command::Configure(_) | Command::CapExpiry { .. })
+}
+
 impl Broker {
     /// Applies one command to a queue's machine: the only way a queue's state changes. The
     /// command gets the queue's next log index and the broker's time; it is recorded when
@@ -19,13 +32,46 @@ impl Broker {
         id: QueueId,
         build: impl FnOnce(&Queue) -> (Command<Message>, T),
     ) -> Option<(Reply, T)> {
-        let q = self.queues.get_mut(&id)?;
+        let q = self.queues.get(&id)?;
         let (command, extra) = build(q);
+        if q.replica.is_some() && restores(&command) {
+            // Messages in the store: a quorum queue declared before this node joined a
+            // cluster. It stays this node's (see `Broker::keep_local`).
+            self.keep_local(id);
+        }
+        let q = self.queues.get(&id)?;
+        // A replicated queue's members each apply their own definitions, at different times:
+        // at the machine's own time, they start no lease (x-expires) that differs between them.
+        let mut now_ms = self.now_ms;
+        match q
+            .replica
+            .as_ref()
+            .map(|r| (declared_here(&command), r.is_leading()))
+        {
+            // Every member applies what its own declaration and policies say (each node keeps
+            // the definitions until the metadata group replicates them).
+            Some((true, leading)) => {
+                now_ms = q.machine.now_ms();
+                if leading {
+                    self.configure_committed(id, &command);
+                }
+            }
+            None => {}
+            // Only the leader acts, and only once its term's first entry is applied.
+            Some((false, false)) => {
+                let reply = self.forward(id, &command)?;
+                return Some((reply, extra));
+            }
+            Some((false, true)) => self.propose(id, &command),
+        }
+        let q = self.queues.get_mut(&id)?;
         let meta = Meta {
             index: q.machine.last_index() + 1,
-            now_ms: self.now_ms,
+            now_ms,
         };
-        let logged = self.recording.is_some().then(|| command.clone());
+        // A replicated queue's commands are in its group's log, and its machine also moves by
+        // committed entries and falls back when deposed: the debug record would not replay.
+        let logged = (self.recording.is_some() && q.replica.is_none()).then(|| command.clone());
         let counted = match &command {
             Command::Enqueue { .. } => Counted::Enqueue,
             Command::Settle { receipt } => Counted::Settle {
@@ -106,6 +152,9 @@ impl Broker {
             }
         }
         let priority = args::validate_consume(arguments, &q.rs())?;
+        if q.replica.as_ref().is_some_and(|r| !r.is_leading()) {
+            return Err(not_led_here(q));
+        }
         let id = q.id;
         let consumer = ConsumerId(self.next_consumer);
         self.next_consumer += 1;
@@ -168,19 +217,23 @@ impl Broker {
 
     /// Is there a queue with work for [`Broker::dispatch_one`]?
     pub fn needs_dispatch(&self) -> bool {
-        !self.dirty.is_empty()
+        !self.dirty.is_empty() || self.has_released()
     }
 
     /// Queues waiting for dispatch now (a caller that dispatches each once stops after this
     /// many).
     pub fn dirty_count(&self) -> usize {
-        self.dirty.len()
+        self.dirty.len() + usize::from(self.has_released())
     }
 
     /// Runs one checkout (at most `config.dispatch_batch` deliveries) on the next queue with
     /// work; its deliveries are appended to `out`. A queue with more work stays dirty. False
     /// when no queue has work.
     pub fn dispatch_one(&mut self, out: &mut Vec<Delivery>) -> bool {
+        if self.has_released() {
+            self.take_released(out);
+            return true;
+        }
         let Some(id) = self.dirty.pop_front() else {
             return false;
         };
@@ -196,7 +249,9 @@ impl Broker {
         if self.run(id, Command::Checkout { max }).is_none() {
             return true;
         }
+        let from = out.len();
         self.take_deliveries(id, out);
+        self.hold_deliveries(id, out, from);
         true
     }
 
@@ -301,6 +356,7 @@ impl Broker {
         }
         self.ticking = false;
         self.release_delayed();
+        self.expire_forwards();
     }
 
     /// The time of the commands that follow (milliseconds on the driver's clock; it never goes
@@ -316,10 +372,10 @@ impl Broker {
             return None;
         }
         let queues = self.deadlines.first().map(|&(at, _)| at);
-        match (queues, self.scheduler.deadline()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [queues, self.scheduler.deadline(), self.forward_deadline()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// A queue's machine (read-only: tests, diagnostics, digests).
@@ -339,6 +395,16 @@ impl Broker {
         let q = self.queue_by_name(vhost, &queue)?;
         check_access(q, conn)?;
         let id = q.id;
+        if let Some(r) = q.replica.as_ref() {
+            if !r.is_leading() {
+                return Err(not_led_here(q));
+            }
+            if !r.caught_up() {
+                // A message is handed out only once the log has it, and this node's machine
+                // is ahead of it now: a poller asks again (a consumer gets held deliveries).
+                return Ok(None);
+            }
+        }
         if q.machine.ready_count() == 0 {
             // Nothing to take. A queue with `x-expires` still counts the poll as use (RabbitMQ
             // restarts its expiry timer on every basic.get, empty or not); for any other queue
@@ -362,7 +428,18 @@ impl Broker {
                     break;
                 }
             }
-            self.run(id, Command::Get { no_ack });
+            // A replicated queue's get is by this node's channel: a `Down` of the node returns it.
+            let command = match self
+                .cluster_node()
+                .filter(|_| self.replica_group(id).is_some())
+            {
+                Some(node) => Command::GetBy {
+                    no_ack,
+                    node: u16::try_from(node).unwrap_or(u16::MAX),
+                },
+                None => Command::Get { no_ack },
+            };
+            self.run(id, command);
             self.take_deliveries(id, &mut got);
             let paged_head = self
                 .queues

@@ -48,6 +48,8 @@ pub struct Queue {
     pub dedup: Option<Box<crate::dedup::Dedup>>,
     /// Counters and enqueue times for operators (not part of the machine's state).
     pub stats: Box<crate::stats::QueueStats>,
+    /// A replicated queue's group and what waits for its log.
+    pub replica: Option<Box<crate::replica::ReplicaState>>,
 }
 
 impl Queue {

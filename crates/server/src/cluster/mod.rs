@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use warren_replication::{Committed, GroupId, NodeId};
+pub use warren_replication::{Committed, Forward, GroupId, NodeId};
 use warren_replication::{Config, EngineLog, LogError, MultiRaft};
 
 use node::{Command, Driver};
@@ -74,12 +74,16 @@ pub trait RaftEvents: Send + 'static {
     /// Entries now committed and durable here, in log order within each group. After a
     /// restart every recovered committed entry comes again, from the first, before new ones.
     fn committed(&self, entries: Vec<Committed>);
-    /// Groups whose leader changed (`None`: no leader known for now).
-    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>)>);
+    /// Groups whose leader changed (`None`: no leader known for now), with the group's term.
+    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>);
     /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
     /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`]. `data` is the
     /// proposal's (empty only if raft-rs itself dropped it).
     fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>);
+    /// Proposals other nodes sent for groups they believe this node leads, with the sender.
+    fn forwarded(&self, entries: Vec<(NodeId, Forward)>) {
+        let _ = entries;
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -203,6 +207,8 @@ impl RaftNode {
             inbound_budget,
             epoch: Instant::now(),
             refused: Vec::new(),
+            to_forward: Default::default(),
+            forwarded: Vec::new(),
             stopping: false,
         };
         let thread = std::thread::Builder::new()
@@ -222,10 +228,6 @@ impl RaftNode {
         })
     }
 
-    pub fn node(&self) -> NodeId {
-        self.inner.node
-    }
-
     /// Creates a group with every node as a voter, unless it exists. `campaign` starts an
     /// election here at once (the creator places the leader).
     pub fn add_group(&self, group: GroupId, campaign: bool) {
@@ -243,6 +245,12 @@ impl RaftNode {
     /// [`RaftEvents::refused`].
     pub fn propose(&self, group: GroupId, data: Vec<u8>) {
         self.send(Command::Propose(group, data));
+    }
+
+    /// Sends a proposal to `to`, which leads `group` (a publish on a node that does not): it
+    /// reaches that node's [`RaftEvents::forwarded`], or is lost with the connection.
+    pub fn forward(&self, to: NodeId, group: GroupId, data: Vec<u8>) {
+        self.send(Command::Forward(to, group, data));
     }
 
     /// The groups recovered from the log at start, in id order.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
-use warren_replication::{EngineLog, Error, GroupId, MultiRaft, NodeId};
+use warren_replication::{EngineLog, Error, Forward, GroupId, MultiRaft, NodeBatch, NodeId};
 
 use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
 use super::{RaftEvents, MAX_PROPOSAL};
@@ -19,6 +19,8 @@ pub(crate) enum Command {
     AddGroup(GroupId, bool),
     RemoveGroup(GroupId),
     Propose(GroupId, Vec<u8>),
+    /// A proposal for the leader `NodeId` of the group: sent with the next pass's batches.
+    Forward(NodeId, GroupId, Vec<u8>),
     Shutdown,
 }
 
@@ -42,6 +44,9 @@ pub(crate) struct Driver<E> {
     pub(crate) inbound_budget: Arc<Budget>,
     pub(crate) epoch: Instant,
     pub(crate) refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
+    /// Proposals to send to other nodes, by destination; and what other nodes sent here.
+    pub(crate) to_forward: std::collections::BTreeMap<NodeId, Vec<Forward>>,
+    pub(crate) forwarded: Vec<(NodeId, Forward)>,
     pub(crate) stopping: bool,
 }
 
@@ -82,7 +87,7 @@ impl<E: RaftEvents> Driver<E> {
         };
         match woke {
             Woke::Command(c) => self.command(c),
-            Woke::Batch(q) => self.step(q),
+            Woke::Batch(q) => self.inbound(q),
             // Every handle is gone: nobody can use this node any more.
             Woke::Closed => self.stopping = true,
             Woke::Nothing => {}
@@ -92,7 +97,7 @@ impl<E: RaftEvents> Driver<E> {
     fn take_input(&mut self) {
         for _ in 0..INBOUND_QUEUE {
             match self.inbound.try_recv() {
-                Ok(q) => self.step(q),
+                Ok(q) => self.inbound(q),
                 Err(_) => break,
             }
         }
@@ -108,9 +113,18 @@ impl<E: RaftEvents> Driver<E> {
         }
     }
 
-    fn step(&mut self, q: Queued) {
+    /// A batch from a peer: its Raft messages are stepped, its forwarded proposals kept for
+    /// the broker (after this pass's committed entries, so it sees the leader changes first).
+    fn inbound(&mut self, q: Queued) {
         self.inbound_budget.give(q.bytes);
-        self.raft.step(q.batch);
+        let mut b = q.batch;
+        let from = b.from;
+        self.forwarded.extend(
+            std::mem::take(&mut b.forwards)
+                .into_iter()
+                .map(|f| (from, f)),
+        );
+        self.raft.step(b);
     }
 
     fn command(&mut self, c: Command) {
@@ -150,6 +164,12 @@ impl<E: RaftEvents> Driver<E> {
                     self.refused.push((group, r.data, leader));
                 }
             }
+            Command::Forward(to, group, data) => {
+                self.to_forward.entry(to).or_default().push(Forward {
+                    group,
+                    data: data.into(),
+                });
+            }
             Command::Shutdown => self.stopping = true,
         }
     }
@@ -173,7 +193,22 @@ impl<E: RaftEvents> Driver<E> {
         for b in done.messages {
             self.out.send(b);
         }
+        let (node, boot) = (self.raft.node(), self.raft.boot());
+        for (to, forwards) in std::mem::take(&mut self.to_forward) {
+            self.out.send(NodeBatch {
+                from: node,
+                boot,
+                to,
+                msgs: Vec::new(),
+                forwards,
+            });
+        }
         if !leaders.is_empty() {
+            let raft = &self.raft;
+            let leaders = leaders
+                .into_iter()
+                .map(|(g, l)| (g, l, raft.term_of(g).unwrap_or(0)))
+                .collect();
             self.events.leaders(leaders);
         }
         if !done.committed.is_empty() {
@@ -181,6 +216,9 @@ impl<E: RaftEvents> Driver<E> {
         }
         for (group, data, leader) in std::mem::take(&mut self.refused) {
             self.events.refused(group, data, leader);
+        }
+        if !self.forwarded.is_empty() {
+            self.events.forwarded(std::mem::take(&mut self.forwarded));
         }
         true
     }

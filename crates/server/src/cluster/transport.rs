@@ -80,11 +80,13 @@ pub(crate) struct Queued {
 /// What a batch weighs in a queue: its entries' data and a little per message (the encoded size
 /// would cost a pass over every message on the Raft thread).
 fn weight(b: &NodeBatch) -> usize {
-    b.msgs
+    let msgs: usize = b
+        .msgs
         .iter()
         .map(|e| 64 + e.msg.entries.iter().map(|x| x.data.len()).sum::<usize>())
-        .sum::<usize>()
-        + 32
+        .sum();
+    let forwards: usize = b.forwards.iter().map(|f| 16 + f.data.len()).sum();
+    32 + msgs + forwards
 }
 
 #[derive(Default)]

@@ -1,6 +1,8 @@
 //! The cluster's wire format. A frame is a `u32` big-endian payload length and the payload; a
 //! payload is one [`NodeBatch`]: `from`, `boot`, `to` (`u64` each), then per envelope its group
 //! (`u64`), the message's length (`u32`) and the raft-rs message (protobuf 2), all big-endian.
+//! A forwarded proposal is an envelope whose group has its top bit set ([`FORWARD_BIT`]; group
+//! numbers stay below it), carrying the proposal's bytes instead of a message.
 //!
 //! Decoding trusts nothing: lengths are checked against what is there, and a frame's declared
 //! length never sizes an allocation (its bytes are read as they come).
@@ -9,12 +11,14 @@ use bytes::{Buf, BufMut, Bytes};
 use protobuf::Message as _;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use warren_replication::raft::eraftpb::Message;
-use warren_replication::{Envelope, GroupId, NodeBatch};
+use warren_replication::{Envelope, Forward, GroupId, NodeBatch};
 
 /// The largest payload a frame may declare; a larger one ends the connection.
 pub const MAX_FRAME: usize = 64 << 20;
 const BATCH_HEADER: usize = 24;
 const ENVELOPE_HEADER: usize = 12;
+/// Marks an envelope as a forwarded proposal.
+pub const FORWARD_BIT: u64 = 1 << 63;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
@@ -66,6 +70,21 @@ pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) ->
             done.skipped += 1;
         }
     }
+    for f in &batch.forwards {
+        let size = f.data.len();
+        if BATCH_HEADER + ENVELOPE_HEADER + size > max_payload || f.group.0 & FORWARD_BIT != 0 {
+            done.skipped += 1;
+            continue;
+        }
+        if out.len() - frame - 4 + ENVELOPE_HEADER + size > max_payload {
+            finish_frame(frame, out);
+            done.frames += 1;
+            frame = start_frame(batch, out);
+        }
+        out.put_u64(f.group.0 | FORWARD_BIT);
+        out.put_u32(size as u32);
+        out.extend_from_slice(&f.data);
+    }
     finish_frame(frame, out);
     done.frames += 1;
     done
@@ -96,20 +115,32 @@ pub fn decode_batch(mut payload: Bytes) -> Result<NodeBatch, WireError> {
     let boot = payload.get_u64();
     let to = payload.get_u64();
     let mut msgs = Vec::new();
+    let mut forwards = Vec::new();
     while payload.has_remaining() {
         need(&payload, ENVELOPE_HEADER)?;
-        let group = GroupId(payload.get_u64());
+        let group = payload.get_u64();
         let len = payload.get_u32() as usize;
         need(&payload, len)?;
         let bytes = payload.split_to(len);
+        if group & FORWARD_BIT != 0 {
+            forwards.push(Forward {
+                group: GroupId(group & !FORWARD_BIT),
+                data: bytes,
+            });
+            continue;
+        }
         let msg = Message::parse_from_carllerche_bytes(&bytes)?;
-        msgs.push(Envelope { group, msg });
+        msgs.push(Envelope {
+            group: GroupId(group),
+            msg,
+        });
     }
     Ok(NodeBatch {
         from,
         boot,
         to,
         msgs,
+        forwards,
     })
 }
 
@@ -163,6 +194,7 @@ mod tests {
             .collect::<Vec<_>>()
             .into();
         NodeBatch {
+            forwards: vec![],
             from: 1,
             boot: 7,
             to: 2,
@@ -210,12 +242,41 @@ mod tests {
     }
 
     #[test]
+    fn forwarded_proposals_travel_beside_the_messages() {
+        let mut b = batch(1, 10);
+        let data = Bytes::from_static(b"a forwarded publish");
+        b.forwards = vec![
+            Forward {
+                group: GroupId(9),
+                data: data.clone(),
+            },
+            Forward {
+                // A group number with the marker bit cannot be told apart: never sent.
+                group: GroupId(FORWARD_BIT | 4),
+                data: data.clone(),
+            },
+        ];
+        let mut out = Vec::new();
+        assert_eq!(encode_batch(&b, MAX_FRAME, &mut out).skipped, 1);
+        let got = decode_batch(frames(&out)[0].clone()).unwrap();
+        assert_eq!(got.msgs.len(), 2);
+        assert_eq!(
+            got.forwards,
+            vec![Forward {
+                group: GroupId(9),
+                data
+            }]
+        );
+    }
+
+    #[test]
     fn an_empty_batch_is_a_header_only_frame() {
         let b = NodeBatch {
             from: 3,
             boot: 1,
             to: 1,
             msgs: vec![],
+            forwards: vec![],
         };
         let mut out = Vec::new();
         encode_batch(&b, MAX_FRAME, &mut out);

@@ -270,7 +270,9 @@ async fn cluster_name(State(api): ApiState, _: LoggedIn) -> Answer {
 }
 
 fn node_json(api: &Api) -> Value {
-    let (alarm, now) = api.node.read(|n, now| (n.alarm(), now));
+    let (alarm, now, cluster) = api
+        .node
+        .read(|n, now| (n.alarm(), now, n.broker().cluster_view()));
     let mem_used = crate::alarms::rss_bytes().unwrap_or(0);
     let mem_limit = crate::alarms::memory_limit(&api.alarms).unwrap_or(0);
     let disk_free = crate::alarms::free_disk(&api.data_dir).unwrap_or(0);
@@ -294,6 +296,12 @@ fn node_json(api: &Api) -> Value {
         "partitions": [],
         "exchange_types": exchange_types(),
         "being_drained": false,
+        // Warren's own: this node's place in its cluster (null on a node of its own).
+        "cluster": cluster.map(|(node, nodes, leader)| json!({
+            "node": node,
+            "nodes": nodes,
+            "metadata_leader": leader,
+        })),
     })
 }
 

@@ -1,0 +1,719 @@
+//! Replicated queues: proposals to their Raft groups, committed entries applied, leader changes.
+//! The why is in `crate::replica`; the driver moves the bytes (see `Proposal`).
+
+use super::*;
+use crate::replica::{Mode, NodeId, ReplicaState};
+use warren_replication::queue::{decode, encode, Origin, Outcome, Proposals};
+use warren_replication::{Committed, GroupId};
+
+/// An entry for a replicated queue's group, from [`Broker::take_proposals`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Proposal {
+    pub group: u64,
+    pub data: Vec<u8>,
+    /// `None`: propose it here (this node leads). `Some(node)`: a publish on a node that does
+    /// not lead, for the leader's [`Broker::forwarded`].
+    pub to: Option<NodeId>,
+}
+
+/// What a proposal's answer releases: the store batch its confirm waits in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Token {
+    batch: u64,
+    /// Sent to the leader: a refusal is learnt only when it is applied here.
+    forwarded: bool,
+}
+
+/// A publish forwarded to a leader and not applied within this time is nacked (the leader
+/// may have dropped it; if it commits after all, the publisher has a duplicate, never a loss).
+const FORWARD_TIMEOUT_MS: u64 = 10_000;
+
+/// The broker's part in a cluster.
+#[derive(Debug)]
+pub(crate) struct Cluster {
+    node: NodeId,
+    /// Every node of the cluster, this one included.
+    nodes: Vec<NodeId>,
+    /// Proposals waiting for their entries, each with the store batch its confirm waits in.
+    proposals: Proposals<Token>,
+    /// The origin of a forwarded entry being applied ahead by this leader.
+    forwarding: Option<Origin>,
+    /// Forwarded publishes waiting, by group: when the oldest was sent.
+    forwarded_since: BTreeMap<u64, u64>,
+    outbox: Vec<Proposal>,
+    groups: HashMap<u64, QueueId>,
+    /// Proposals not yet applied, per batch: a batch is confirmable once it has none.
+    waiting: BTreeMap<u64, u32>,
+    /// The highest batch holding a proposal that will never be applied (its confirms are nacks).
+    lost_upto: u64,
+    /// Deliveries whose entries are applied, for the next dispatch.
+    released: Vec<Delivery>,
+    /// Consumers on this node of queues it stopped leading, for basic.cancel.
+    cancelled: Vec<ConsumerKey>,
+    /// Reused effects buffer of committed entries (every member computes them; only the
+    /// leader acted on them, ahead of the log).
+    scratch: Vec<Effect<Message>>,
+    /// The metadata group's part.
+    pub(super) meta: super::metadata_group::MetaState,
+}
+
+impl Cluster {
+    pub(crate) fn new(node: NodeId, nodes: &[NodeId], boot: u64) -> Self {
+        Cluster {
+            node,
+            nodes: nodes.to_vec(),
+            // 2^20 proposals per unit of `boot` (a millisecond) before numbers could meet.
+            proposals: Proposals::starting_at(node, boot.saturating_mul(1 << 20)),
+            meta: super::metadata_group::MetaState::default(),
+            forwarding: None,
+            forwarded_since: BTreeMap::new(),
+            outbox: Vec::new(),
+            groups: HashMap::new(),
+            waiting: BTreeMap::new(),
+            lost_upto: 0,
+            released: Vec::new(),
+            cancelled: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    pub(super) fn node(&self) -> NodeId {
+        self.node
+    }
+
+    pub(super) fn nodes(&self) -> &[NodeId] {
+        &self.nodes
+    }
+
+    pub(super) fn push(&mut self, p: Proposal) {
+        self.outbox.push(p);
+    }
+
+    pub(super) fn push_cancelled(&mut self, keys: Vec<ConsumerKey>) {
+        self.cancelled.extend(keys);
+    }
+
+    fn settle(&mut self, outcome: Outcome<Token>) {
+        let (lost, token) = match outcome {
+            Outcome::Applied(token, reply) => {
+                // A forwarded publish refused by a full queue: its confirm is a nack (the
+                // leader's own refusals were nacked when it applied them ahead).
+                let refused = matches!(reply, Reply::Refused(_));
+                (token.forwarded && refused, token)
+            }
+            Outcome::Lost(token) => (true, token),
+        };
+        if let Some(n) = self.waiting.get_mut(&token.batch) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.waiting.remove(&token.batch);
+            }
+        }
+        if lost {
+            self.lost_upto = self.lost_upto.max(token.batch);
+        }
+    }
+
+    /// Every proposal of this node still waiting in `group` will never be applied.
+    fn abandon(&mut self, group: u64, out: &mut Vec<Outcome<Token>>) {
+        let all = Origin {
+            node: self.node,
+            seq: u64::MAX,
+        };
+        self.proposals.applied(GroupId(group), all, Reply::Ok, out);
+        self.forwarded_since.remove(&group);
+    }
+}
+
+/// The Raft group of a replicated queue: a number every node computes alike from its vhost and
+/// name (until the metadata group hands them out).
+pub fn group_of(vhost: &str, name: &str) -> u64 {
+    let mut key = Vec::with_capacity(4 + vhost.len() + name.len());
+    key.extend_from_slice(&u32::try_from(vhost.len()).unwrap_or(u32::MAX).to_be_bytes());
+    key.extend_from_slice(vhost.as_bytes());
+    key.extend_from_slice(name.as_bytes());
+    // Group 0 is the cluster's metadata; the top bit marks forwarded proposals on the wire.
+    (warren_queue::stable_hash::hash_bytes(&key) >> 1).max(1)
+}
+
+impl Broker {
+    /// Makes this broker node `node` of the cluster of `nodes`: queues declared with
+    /// `x-queue-type: quorum` from now on are replicated (their commands go to
+    /// [`Broker::take_proposals`]). Ids it mints are qualified by the node, so a peer can tell
+    /// whose consumer a delivery went to. `boot` grows with every start of the node (the
+    /// time in milliseconds will do): its proposals are numbered from it.
+    pub fn join_cluster(&mut self, node: NodeId, nodes: &[NodeId], boot: u64) {
+        self.cluster = Some(Box::new(Cluster::new(node, nodes, boot)));
+        let local = warren_queue::LOCAL_ID_MAX.min(self.next_consumer);
+        self.next_consumer = qualified(node, local);
+    }
+
+    /// This node's number in its cluster, if it is in one.
+    pub fn cluster_node(&self) -> Option<NodeId> {
+        self.cluster.as_ref().map(|c| c.node)
+    }
+
+    /// The Raft group of a replicated queue.
+    pub fn replica_group(&self, queue: QueueId) -> Option<u64> {
+        Some(self.queues.get(&queue)?.replica.as_ref()?.group)
+    }
+
+    /// The groups of every replicated queue, with whether this node leads it.
+    pub fn replica_groups(&self) -> Vec<(u64, QueueId)> {
+        let Some(c) = self.cluster.as_ref() else {
+            return Vec::new();
+        };
+        let mut out: Vec<(u64, QueueId)> = c.groups.iter().map(|(g, q)| (*g, *q)).collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Gives a new queue its group, if it is replicated here.
+    pub(super) fn attach_replica(&mut self, q: &mut Queue) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if q.args.queue_type != QueueType::Quorum {
+            return;
+        }
+        let group = group_of(&q.vhost, &q.name);
+        c.groups.insert(group, q.id);
+        q.replica = Some(Box::new(ReplicaState::new(group)));
+        // Declared by a client here, this node creates the group and stands for its leader;
+        // declared from the metadata group or the store, it waits to hear from the leader.
+        c.meta.new_groups.push((group, !self.restoring));
+    }
+
+    /// A replicated queue left this node's broker: its group goes too, and every node is
+    /// told unless the metadata group told this one.
+    pub(super) fn detach_replica(&mut self, q: &Queue) {
+        if let (Some(c), Some(r)) = (self.cluster.as_mut(), q.replica.as_ref()) {
+            c.groups.remove(&r.group);
+            c.meta.removed_groups.push(r.group);
+            if !self.restoring {
+                self.announce_delete(&q.vhost, &q.name);
+            }
+        }
+    }
+
+    /// A quorum queue whose messages are in this node's store was declared before the node
+    /// joined a cluster: it keeps working as it did, on this node only (a replicated queue
+    /// keeps its messages in its group's log, never in the store). Moving it onto the
+    /// cluster is a `warren move` to a new quorum queue.
+    pub(super) fn keep_local(&mut self, id: QueueId) {
+        let Some(q) = self.queues.get_mut(&id) else {
+            return;
+        };
+        let Some(r) = q.replica.take() else {
+            return;
+        };
+        tracing::warn!(queue = %q.name, vhost = %q.vhost, "quorum queue from before this node joined the cluster: it stays on this node, not replicated");
+        if let Some(c) = self.cluster.as_mut() {
+            c.groups.remove(&r.group);
+            c.meta.removed_groups.push(r.group);
+        }
+    }
+
+    /// The entries proposed since the last call, in order, for the groups' leaders (this node:
+    /// a driver proposes only where it leads).
+    pub fn take_proposals(&mut self, out: &mut Vec<Proposal>) {
+        if let Some(c) = self.cluster.as_mut() {
+            out.append(&mut c.outbox);
+        }
+    }
+
+    /// Proposes `command` to the group of a replicated queue this node leads, as the broker
+    /// applies it. Node-local commands (paging) are this node's alone.
+    pub(super) fn propose(&mut self, id: QueueId, command: &Command<Message>) {
+        if command.is_node_local() {
+            return;
+        }
+        let now = self.now_ms;
+        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get_mut(&id)) else {
+            return;
+        };
+        let Some(r) = q.replica.as_mut() else {
+            return;
+        };
+        if let Some(origin) = c.forwarding {
+            // Another node's publish: its confirm waits there, for this entry's commit.
+            match encode(now, origin, command) {
+                Ok(data) => {
+                    r.forwarded_ahead += 1;
+                    c.outbox.push(Proposal {
+                        group: r.group,
+                        data,
+                        to: None,
+                    });
+                }
+                Err(error) => {
+                    tracing::error!(queue = id.0, %error, "forwarded command not replicated")
+                }
+            }
+            return;
+        }
+        let batch = open_batch(self.persist.as_mut());
+        let token = Token {
+            batch,
+            forwarded: false,
+        };
+        let origin = c.proposals.next(GroupId(r.group), token);
+        match encode(now, origin, command) {
+            Ok(data) => {
+                r.proposed = origin.seq;
+                *c.waiting.entry(batch).or_insert(0) += 1;
+                c.outbox.push(Proposal {
+                    group: r.group,
+                    data,
+                    to: None,
+                });
+            }
+            Err(error) => {
+                // Every command a queue applies is logical here; one that is not cannot
+                // reach the log, and the state would part from the followers'.
+                tracing::error!(queue = id.0, %error, "command not replicated");
+                c.proposals.withdraw(GroupId(r.group), origin);
+                c.lost_upto = c.lost_upto.max(batch);
+            }
+        }
+    }
+
+    /// A publish to a replicated queue led by another node goes to that leader; its confirm
+    /// waits until this node applies the entry (every member applies every entry). `None`:
+    /// not a publish, or no leader is known (the publish is nacked).
+    pub(super) fn forward(&mut self, id: QueueId, command: &Command<Message>) -> Option<Reply> {
+        if !matches!(
+            command,
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
+        ) {
+            return None;
+        }
+        let now = self.now_ms;
+        let c = self.cluster.as_mut()?;
+        let r = self.queues.get(&id)?.replica.as_ref()?;
+        let leader = r.leader.filter(|l| *l != c.node)?;
+        let batch = open_batch(self.persist.as_mut());
+        let token = Token {
+            batch,
+            forwarded: true,
+        };
+        let origin = c.proposals.next(GroupId(r.group), token);
+        match encode(now, origin, command) {
+            Ok(data) => {
+                *c.waiting.entry(batch).or_insert(0) += 1;
+                c.forwarded_since.entry(r.group).or_insert(now);
+                c.outbox.push(Proposal {
+                    group: r.group,
+                    data,
+                    to: Some(leader),
+                });
+                Some(Reply::Enqueued { msg_id: 0 })
+            }
+            Err(error) => {
+                tracing::error!(queue = id.0, %error, "publish not forwarded");
+                c.proposals.withdraw(GroupId(r.group), origin);
+                None
+            }
+        }
+    }
+
+    /// A publish another node forwarded to a queue this node leads: applied ahead and proposed
+    /// as this node's own commands are, with the sender's origin, so that the sender finds its
+    /// answer when it applies the entry. Not leading (any more), it is dropped: the sender
+    /// nacks it when the term changes or its wait runs out.
+    pub fn forwarded(&mut self, group: u64, data: &[u8]) {
+        if group == super::metadata_group::META_GROUP {
+            self.forwarded_meta(data);
+            return;
+        }
+        let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
+            return;
+        };
+        let (head, command) = match decode(bytes::Bytes::copy_from_slice(data)) {
+            Ok(x) => x,
+            Err(error) => {
+                tracing::warn!(group, %error, "unreadable forwarded publish dropped");
+                return;
+            }
+        };
+        if !matches!(
+            command,
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
+        ) {
+            tracing::warn!(group, command = command.name(), "forwarded command refused");
+            return;
+        }
+        if !self.acts_here(id) {
+            return;
+        }
+        if let Some(c) = self.cluster.as_mut() {
+            c.forwarding = Some(head.origin);
+        }
+        let reply = self.run(id, command);
+        if let Some(c) = self.cluster.as_mut() {
+            c.forwarding = None;
+        }
+        if reply.is_some() {
+            // What the enqueue made the queue drop (drop-head) is dead-lettered here.
+            self.finish_effects(id);
+        }
+    }
+
+    /// Forwarded publishes waiting longer than their timeout are nacked.
+    pub(super) fn expire_forwards(&mut self) {
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let late: Vec<u64> = c
+            .forwarded_since
+            .iter()
+            .filter(|(_, at)| now.saturating_sub(**at) >= FORWARD_TIMEOUT_MS)
+            .map(|(g, _)| *g)
+            .collect();
+        let mut outcomes = Vec::new();
+        for g in late {
+            tracing::warn!(group = g, "forwarded publishes not applied in time: nacked");
+            c.abandon(g, &mut outcomes);
+        }
+        for o in outcomes {
+            c.settle(o);
+        }
+    }
+
+    /// When the forwarded publishes' wait runs out (for the driver's timer).
+    pub(super) fn forward_deadline(&self) -> Option<u64> {
+        let c = self.cluster.as_ref()?;
+        let first = c.forwarded_since.values().min()?;
+        Some(first.saturating_add(FORWARD_TIMEOUT_MS))
+    }
+
+    /// A command each member takes from its own definitions reaches the committed copy too.
+    pub(super) fn configure_committed(&mut self, id: QueueId, command: &Command<Message>) {
+        let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
+            return;
+        };
+        if let Mode::Leading { committed } = &mut r.mode {
+            let meta = Meta {
+                index: committed.last_index(),
+                now_ms: committed.now_ms(),
+            };
+            committed.apply(meta, command.clone(), &mut Vec::new());
+        }
+    }
+
+    /// May a command from a client run on this queue here? Any queue that is not replicated;
+    /// a replicated one only where its leader is, with its term started.
+    pub fn acts_on(&self, id: QueueId) -> bool {
+        self.acts_here(id)
+    }
+
+    pub(super) fn acts_here(&self, id: QueueId) -> bool {
+        self.queues
+            .get(&id)
+            .is_none_or(|q| q.replica.as_ref().is_none_or(|r| r.is_leading()))
+    }
+
+    /// A delivery made ahead of the log waits for the entry that made it.
+    pub(super) fn hold_deliveries(&mut self, id: QueueId, out: &mut Vec<Delivery>, from: usize) {
+        let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
+            return;
+        };
+        if r.caught_up() {
+            return;
+        }
+        let seq = r.proposed;
+        r.held.extend(out.drain(from..).map(|d| (seq, d)));
+    }
+
+    /// Deliveries whose entries are applied, into `out`.
+    pub(super) fn take_released(&mut self, out: &mut Vec<Delivery>) {
+        if let Some(c) = self.cluster.as_mut() {
+            out.append(&mut c.released);
+        }
+    }
+
+    pub(super) fn has_released(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| !c.released.is_empty())
+    }
+
+    /// Applies committed entries of replicated queues' groups, in log order per group. A
+    /// queue this node leads moves its committed copy; any other moves its machine. This
+    /// node's own proposals are answered: their confirms and deliveries are released.
+    pub fn apply_committed(&mut self, entries: &[Committed]) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let mut outcomes = Vec::new();
+        let mut started = Vec::new();
+        let mut meta = Vec::new();
+        for e in entries {
+            if e.group.0 == super::metadata_group::META_GROUP {
+                meta.push(e);
+                continue;
+            }
+            let Some(&id) = c.groups.get(&e.group.0) else {
+                continue;
+            };
+            let Some(q) = self.queues.get_mut(&id) else {
+                continue;
+            };
+            let Some(r) = q.replica.as_mut() else {
+                continue;
+            };
+            let (head, command) = match decode(e.data.clone()) {
+                Ok(x) => x,
+                Err(error) => {
+                    // Every member refuses the same bytes: their states stay equal.
+                    tracing::error!(group = e.group.0, index = e.index, %error, "unreadable entry skipped");
+                    continue;
+                }
+            };
+            if r.stepped_down.is_some_and(|t| e.term > t) {
+                // A later leader's entry: what this node proposed while it led and is not in
+                // the log by now never will be.
+                r.stepped_down = None;
+                c.abandon(e.group.0, &mut outcomes);
+                r.applied_own = r.proposed;
+            }
+            let meta = Meta {
+                index: e.index,
+                now_ms: head.now_ms,
+            };
+            c.scratch.clear();
+            let reply = match &mut r.mode {
+                Mode::Leading { committed } => committed.apply(meta, command, &mut c.scratch),
+                _ => q.machine.apply(meta, command, &mut c.scratch),
+            };
+            c.scratch.clear();
+            if head.origin.node != c.node && r.is_leading() {
+                r.forwarded_ahead = r.forwarded_ahead.saturating_sub(1);
+            }
+            if head.origin.node == c.node {
+                if c.proposals.is_empty_in(e.group) {
+                    c.forwarded_since.remove(&e.group.0);
+                }
+                r.applied_own = r.applied_own.max(head.origin.seq);
+                if let Mode::Starting { marker } = r.mode {
+                    if head.origin.seq >= marker {
+                        r.mode = Mode::Leading {
+                            committed: Box::new(q.machine.clone()),
+                        };
+                        started.push(id);
+                    }
+                }
+            }
+            c.proposals
+                .applied(e.group, head.origin, reply, &mut outcomes);
+            while r.held.front().is_some_and(|(seq, _)| *seq <= r.applied_own) {
+                if let Some((_, d)) = r.held.pop_front() {
+                    c.released.push(d);
+                }
+            }
+        }
+        for outcome in outcomes {
+            c.settle(outcome);
+        }
+        for id in started {
+            self.refile(id);
+        }
+        for e in meta {
+            self.apply_meta(e);
+        }
+    }
+
+    /// The highest store batch whose confirms may go out once the store wrote up to
+    /// `written`: the replicated entries proposed up to it must be applied too.
+    pub fn confirmable(&self, written: u64) -> u64 {
+        match self.cluster.as_ref().and_then(|c| c.waiting.keys().next()) {
+            Some(first) => written.min(first.saturating_sub(1)),
+            None => written,
+        }
+    }
+
+    /// The highest batch holding a replicated entry that was lost (a leader change dropped
+    /// it) since the last call: the confirms up to it are nacks.
+    pub fn take_lost(&mut self) -> Option<u64> {
+        let c = self.cluster.as_mut()?;
+        let lost = std::mem::take(&mut c.lost_upto);
+        (lost > 0).then_some(lost)
+    }
+
+    /// Consumers on this node of replicated queues it no longer leads: the session tells them
+    /// with basic.cancel (their client consumes again, from the new leader).
+    pub fn take_replica_cancelled(&mut self) -> Vec<ConsumerKey> {
+        self.cluster
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.cancelled))
+            .unwrap_or_default()
+    }
+
+    /// The leader of `group` is now `leader` (in `term`), as the driver's Raft reports it.
+    /// Elected here, the queue waits for its first entries of the term before it acts: a
+    /// `Down` of every node (their consumers and what they held go back: consumers are
+    /// served by the leader's node only, so none may be left attached to a queue led
+    /// elsewhere, and none of this node's from before a restart). Deposed here, the machine falls back to the committed state and the local
+    /// consumers are cancelled.
+    pub fn set_leader(&mut self, group: u64, leader: Option<NodeId>, term: u64) {
+        if group == super::metadata_group::META_GROUP {
+            self.set_meta_leader(leader);
+            return;
+        }
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
+        let node = c.node;
+        let Some(&id) = c.groups.get(&group) else {
+            return;
+        };
+        let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
+            return;
+        };
+        let previous = r.leader;
+        let was_here = !matches!(r.mode, Mode::Following);
+        if previous == leader && (leader == Some(node)) == was_here {
+            r.term = r.term.max(term);
+            return;
+        }
+        r.leader = leader;
+        r.term = term;
+        if was_here && leader != Some(node) {
+            self.step_down(id);
+        }
+        if leader == Some(node) && !was_here {
+            // Re-elected: what it proposed in its earlier term is answered by the rule of later
+            // proposals (one applied after them means they are lost).
+            if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
+                r.stepped_down = None;
+            }
+            // This node too: what its channels held before a restart is gone with them, and
+            // it has no consumers of a queue it did not lead.
+            let downs = self
+                .cluster
+                .as_ref()
+                .map(|c| c.nodes.clone())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|n| Command::Down {
+                    node: u16::try_from(n).unwrap_or(u16::MAX),
+                });
+            // And a `Touch`: an `x-expires` lease runs from the term's start, at the leader's
+            // time, the same on every member.
+            let marker: Vec<Command<Message>> = downs.chain([Command::Touch]).collect();
+            self.start_term(id, marker);
+        }
+    }
+
+    /// Proposes the first entries of this node's term, outside `run` (the queue does not act
+    /// yet); the queue acts once the last is applied.
+    fn start_term(&mut self, id: QueueId, mut commands: Vec<Command<Message>>) {
+        if commands.is_empty() {
+            commands.push(Command::Tick);
+        }
+        let now = self.now_ms;
+        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get_mut(&id)) else {
+            return;
+        };
+        let Some(r) = q.replica.as_mut() else {
+            return;
+        };
+        let token = Token {
+            batch: 0,
+            forwarded: false,
+        };
+        for command in &commands {
+            let origin = c.proposals.next(GroupId(r.group), token);
+            match encode(now, origin, command) {
+                Ok(data) => {
+                    r.proposed = origin.seq;
+                    r.mode = Mode::Starting { marker: origin.seq };
+                    *c.waiting.entry(0).or_insert(0) += 1;
+                    c.outbox.push(Proposal {
+                        group: r.group,
+                        data,
+                        to: None,
+                    });
+                }
+                Err(error) => {
+                    c.proposals.withdraw(GroupId(r.group), origin);
+                    tracing::error!(queue = id.0, %error, "term marker not encoded");
+                }
+            }
+        }
+    }
+
+    fn step_down(&mut self, id: QueueId) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let node = c.node;
+        let Some(q) = self.queues.get_mut(&id) else {
+            return;
+        };
+        let Some(r) = q.replica.as_mut() else {
+            return;
+        };
+        let mode = std::mem::replace(&mut r.mode, Mode::Following);
+        if let Mode::Leading { committed } = mode {
+            q.machine = *committed;
+        }
+        r.held.clear();
+        r.stepped_down = Some(r.term);
+        for (_, spec, _) in q.machine.consumers() {
+            if warren_queue::node_of(spec.group.conn) == u16::try_from(node).unwrap_or(0) {
+                c.cancelled.push(ConsumerKey {
+                    conn: spec.group.conn,
+                    channel: spec.group.channel,
+                    tag: spec.tag.clone(),
+                });
+            }
+        }
+        if let Some(at) = q.scheduled.take() {
+            self.deadlines.remove(&(at, id));
+        }
+        tracing::info!(queue = %q.name, vhost = %q.vhost, "no longer leads its replicated queue");
+    }
+
+    /// A queue that starts acting files its deadline and looks for work.
+    fn refile(&mut self, id: QueueId) {
+        let Some(q) = self.queues.get_mut(&id) else {
+            return;
+        };
+        if let Some(at) = q.machine.next_deadline() {
+            self.deadlines.insert((at, id));
+            q.scheduled = Some(at);
+        }
+        let low_water = (self.config.page_window / 2).max(1) as usize;
+        mark_dirty(&mut self.dirty, q, low_water, self.now_ms);
+        tracing::info!(queue = %q.name, vhost = %q.vhost, "leads its replicated queue");
+    }
+}
+
+/// A client asked a node that does not lead a replicated queue for something only its leader
+/// does (consume, get): refused as RabbitMQ refuses a queue whose leader is unavailable, with
+/// where to go instead.
+pub(super) fn not_led_here(q: &Queue) -> AmqpError {
+    let at = match q.replica.as_ref().and_then(|r| r.leader) {
+        Some(node) => format!("its leader is node {node}: connect there"),
+        None => "it has no leader now: retry".to_owned(),
+    };
+    AmqpError::resource_error(format!("{} is not led by this node ({at})", q.rs()))
+}
+
+/// The number of the store batch being filled, which a confirm waiting for a replicated entry
+/// waits in: handed to the store even when it holds no write of its own.
+fn open_batch(persist: Option<&mut Persist>) -> u64 {
+    match persist {
+        Some(p) => {
+            p.force = true;
+            p.next_batch
+        }
+        None => 0,
+    }
+}
+
+fn qualified(node: NodeId, local: u64) -> u64 {
+    warren_queue::qualify(u16::try_from(node).unwrap_or(u16::MAX), local).unwrap_or(local)
+}

@@ -1,0 +1,86 @@
+//! What the broker keeps for a replicated queue (`x-queue-type: quorum` on a cluster): its Raft
+//! group, who leads it, and what waits for the group's log.
+//!
+//! The leader's broker applies a command to the queue's machine at once, as for any queue, and
+//! proposes the same command to the group: its replies stay synchronous (consume-ok, a purge's
+//! count, a refused publish) and Raft keeps a leader's proposals in order, so once they commit
+//! every member holds the state the leader computed. What a client could see of an entry that a
+//! failover may still take back waits for the commit: a publish's confirm (its batch is
+//! confirmable only when every proposal made up to it is applied) and a delivery (held until
+//! the entry that made it is applied). Beside the machine that runs ahead, the leader keeps the
+//! committed one; when it stops leading, the machine falls back to that one. Members that do
+//! not lead apply committed entries only, and act on none of their effects: the leader
+//! delivers, dead-letters and times out.
+
+use std::collections::VecDeque;
+
+use warren_queue::machine::QueueMachine;
+
+use crate::{Delivery, Message};
+
+/// A node of the cluster (Raft's peer id, never 0).
+pub type NodeId = u64;
+
+/// A replicated queue's part in this node's broker.
+#[derive(Clone, Debug)]
+pub struct ReplicaState {
+    /// The queue's Raft group.
+    pub group: u64,
+    /// The group's leader as last reported, and the term it leads in.
+    pub leader: Option<NodeId>,
+    pub term: u64,
+    pub mode: Mode,
+    /// Deliveries made ahead of the log, with the proposal they wait for: released once this
+    /// node's proposals up to it are applied.
+    pub held: VecDeque<(u64, Delivery)>,
+    /// The last of this node's proposals in the group, and the last one applied.
+    pub proposed: u64,
+    pub applied_own: u64,
+    /// Publishes other nodes forwarded that this leader applied ahead and that are not
+    /// applied from the log yet.
+    pub forwarded_ahead: u64,
+    /// This node led the group until this term: a proposal it made then that is not applied
+    /// before an entry of a later term never will be.
+    pub stepped_down: Option<u64>,
+}
+
+impl ReplicaState {
+    pub fn new(group: u64) -> Self {
+        ReplicaState {
+            group,
+            leader: None,
+            term: 0,
+            mode: Mode::Following,
+            held: VecDeque::new(),
+            proposed: 0,
+            applied_own: 0,
+            forwarded_ahead: 0,
+            stepped_down: None,
+        }
+    }
+
+    /// Does this node lead the group, with everything before its term applied (may it act)?
+    pub fn is_leading(&self) -> bool {
+        matches!(self.mode, Mode::Leading { .. })
+    }
+
+    /// Is everything this node applied ahead of the log applied from it too?
+    pub fn caught_up(&self) -> bool {
+        self.applied_own >= self.proposed && self.forwarded_ahead == 0
+    }
+}
+
+/// This node's part in the group.
+#[derive(Clone, Debug)]
+pub enum Mode {
+    /// Another node leads, or none does: the machine applies committed entries only.
+    Following,
+    /// This node was elected and waits for its first proposal of the term (`marker`) to be
+    /// applied: every entry before it is then in the machine, which may run ahead from there.
+    Starting { marker: u64 },
+    /// This node leads: the broker's machine runs ahead of the log, `committed` is where the
+    /// log's committed entries have brought it.
+    Leading {
+        committed: Box<QueueMachine<Message>>,
+    },
+}

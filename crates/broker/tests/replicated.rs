@@ -1,0 +1,519 @@
+//! Replicated queues through the broker: three brokers, each with its node's Raft groups
+//! (raft-rs over an in-memory log), on simulated time. A queue declared on one node reaches
+//! the others through the metadata group; a confirm goes out only once the queue's entry is
+//! committed, a consumer sees a message only then, a publish on a node that does not lead goes
+//! to the leader, and after the leader's node dies the new leader gives back what that node's
+//! consumers held.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use bytes::Bytes;
+use warren_broker::machine::CreditGroup;
+use warren_broker::{Broker, BrokerConfig, DeclareQueue, Delivery, Message, Proposal, QueueId};
+use warren_codec::{FieldTable, FieldValue, ReplyCode, ShortStr};
+use warren_replication::{Config, GroupId, MemLog, MultiRaft, NodeBatch};
+
+const TICK_MS: u64 = 10;
+const NODES: [u64; 3] = [1, 2, 3];
+
+struct Member {
+    broker: Broker,
+    raft: MultiRaft,
+    log: MemLog,
+    alive: bool,
+    /// The leader each group had at the last look.
+    leaders: BTreeMap<u64, Option<u64>>,
+    groups: BTreeSet<u64>,
+    /// Groups the broker gave up.
+    removed: BTreeSet<u64>,
+    /// The store batches written (every one is, at once).
+    written: u64,
+}
+
+struct Cluster {
+    members: BTreeMap<u64, Member>,
+    now: u64,
+    net: Vec<NodeBatch>,
+    forwards: Vec<(u64, Proposal)>,
+    isolated: BTreeSet<u64>,
+    group: u64,
+}
+
+fn conn(node: u64, n: u64) -> u64 {
+    warren_queue::qualify(node as u16, n).unwrap()
+}
+
+fn quorum_args() -> FieldTable {
+    let mut a = FieldTable::new();
+    a.insert("x-queue-type", FieldValue::long_str("quorum"));
+    a
+}
+
+fn message(n: u32) -> Message {
+    Message {
+        exchange: ShortStr::from_static(""),
+        routing_key: ShortStr::from_static("jobs"),
+        properties: Bytes::from_static(&[0x10, 0x00, 2]),
+        body: Bytes::from(format!("job {n}")),
+        persistent: true,
+        store_key: None,
+    }
+}
+
+impl Cluster {
+    fn new() -> Self {
+        Self::declared_on(1)
+    }
+
+    /// A cluster whose metadata group node 1 leads, with the queue declared on `node`.
+    fn declared_on(node: u64) -> Self {
+        let mut members = BTreeMap::new();
+        for n in NODES {
+            let mut broker = Broker::new(BrokerConfig {
+                persistence: true,
+                ..BrokerConfig::default()
+            });
+            broker.join_cluster(n, &NODES, 1);
+            let mut cfg = Config::new(n, NODES.to_vec());
+            cfg.tick_ms = TICK_MS;
+            cfg.log_keep = 1 << 20;
+            let mut raft = MultiRaft::new(cfg).expect("raft");
+            raft.add_group(GroupId(0), n == 1).expect("metadata group");
+            members.insert(
+                n,
+                Member {
+                    broker,
+                    raft,
+                    log: MemLog::new(),
+                    alive: true,
+                    leaders: BTreeMap::new(),
+                    groups: BTreeSet::from([0]),
+                    removed: BTreeSet::new(),
+                    written: 0,
+                },
+            );
+        }
+        let mut c = Cluster {
+            members,
+            now: 0,
+            net: Vec::new(),
+            forwards: Vec::new(),
+            isolated: BTreeSet::new(),
+            group: 0,
+        };
+        let req = DeclareQueue {
+            name: "jobs".into(),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: quorum_args(),
+        };
+        c.broker(node)
+            .declare_queue("/", req, conn(node, 1))
+            .expect("declare");
+        let id = c.members[&node]
+            .broker
+            .queue_id("/", "jobs")
+            .expect("declared");
+        c.group = c.members[&node]
+            .broker
+            .replica_group(id)
+            .expect("replicated");
+        for _ in 0..300 {
+            let everywhere = c
+                .members
+                .values()
+                .all(|m| m.broker.queue_id("/", "jobs").is_some());
+            if everywhere {
+                return c;
+            }
+            c.step();
+        }
+        panic!("the declaration did not reach every node");
+    }
+
+    fn connected(&self, a: u64, b: u64) -> bool {
+        self.isolated.contains(&a) == self.isolated.contains(&b)
+    }
+
+    fn step(&mut self) {
+        self.now += TICK_MS;
+        let now = self.now;
+        for b in std::mem::take(&mut self.net) {
+            if !self.connected(b.from, b.to) {
+                continue;
+            }
+            if let Some(m) = self.members.get_mut(&b.to).filter(|m| m.alive) {
+                m.raft.step(b);
+            }
+        }
+        for (to, p) in std::mem::take(&mut self.forwards) {
+            if let Some(m) = self.members.get_mut(&to).filter(|m| m.alive) {
+                m.broker.forwarded(p.group, &p.data);
+            }
+        }
+        for (&node, m) in self.members.iter_mut().filter(|(_, m)| m.alive) {
+            m.broker.tick(now);
+            let mut props = Vec::new();
+            m.broker.take_proposals(&mut props);
+            for p in props {
+                match p.to {
+                    None => {
+                        // Refused when this node no longer leads: the broker learns it from the
+                        // leader change and the proposal's answer never comes.
+                        let _ = m.raft.propose(GroupId(p.group), p.data);
+                    }
+                    Some(to) => self.forwards.push((to, p)),
+                }
+            }
+            m.raft.tick(now);
+            let mut batch = m.raft.ready();
+            self.net.append(&mut batch.messages);
+            batch.persist(&mut m.log).expect("log");
+            let done = m.raft.advance(batch);
+            self.net.extend(done.messages);
+            m.broker.apply_committed(&done.committed);
+            let (new, removed) = m.broker.take_group_changes();
+            m.removed.extend(removed);
+            for (g, campaign) in new {
+                if m.groups.insert(g) {
+                    m.raft.add_group(GroupId(g), campaign).expect("group");
+                }
+            }
+            for &g in &m.groups {
+                let leader = m.raft.leader_of(GroupId(g));
+                if m.leaders.get(&g) != Some(&leader) {
+                    m.leaders.insert(g, leader);
+                    let term = m.raft.term_of(GroupId(g)).unwrap_or(0);
+                    m.broker.set_leader(g, leader, term);
+                }
+            }
+            while let Some(w) = m.broker.take_writes() {
+                m.written = w.number;
+            }
+            m.broker.writes_done(m.written);
+            let _ = node;
+        }
+        // A partition drops what crosses it.
+        let isolated = self.isolated.clone();
+        self.net
+            .retain(|b| isolated.contains(&b.from) == isolated.contains(&b.to));
+    }
+
+    fn run(&mut self, steps: u32) {
+        for _ in 0..steps {
+            self.step();
+        }
+    }
+
+    /// Steps until some live node leads the queue and acts.
+    fn leader(&mut self) -> u64 {
+        for _ in 0..500 {
+            let led: Vec<u64> = self
+                .members
+                .iter()
+                .filter(|(n, m)| {
+                    m.alive
+                        && !self.isolated.contains(n)
+                        && m.raft.is_leader(GroupId(self.group))
+                        && m.broker.acts_on(self.id(**n))
+                })
+                .map(|(n, _)| *n)
+                .collect();
+            if let [one] = led[..] {
+                return one;
+            }
+            self.step();
+        }
+        panic!("no leader");
+    }
+
+    fn id(&self, node: u64) -> QueueId {
+        let b = &self.members[&node].broker;
+        b.queue_id("/", "jobs").expect("queue")
+    }
+
+    fn broker(&mut self, node: u64) -> &mut Broker {
+        &mut self.members.get_mut(&node).expect("member").broker
+    }
+
+    /// Publishes on `node`; the store batch its confirm waits for.
+    fn publish(&mut self, node: u64, n: u32) -> u64 {
+        let now = self.now;
+        let r = self
+            .broker(node)
+            .publish("/", "", "jobs", message(n), now)
+            .expect("publish");
+        assert_eq!(r.queues, 1);
+        assert!(!r.rejected, "publish {n} on node {node} refused");
+        r.batch.expect("a confirm that waits")
+    }
+
+    fn confirmed(&self, node: u64, batch: u64) -> bool {
+        let m = &self.members[&node];
+        m.broker.confirmable(m.written) >= batch
+    }
+
+    fn deliveries(&mut self, node: u64) -> Vec<Delivery> {
+        let mut out = Vec::new();
+        let b = self.broker(node);
+        while b.needs_dispatch() {
+            b.dispatch_one(&mut out);
+        }
+        out
+    }
+
+    fn kill(&mut self, node: u64) {
+        let m = self.members.get_mut(&node).expect("member");
+        m.alive = false;
+        m.log.crash();
+        self.net.retain(|b| b.from != node && b.to != node);
+    }
+
+    fn digests(&self, nodes: &[u64]) -> Vec<u64> {
+        nodes
+            .iter()
+            .map(|n| {
+                let b = &self.members[n].broker;
+                b.machine(self.id(*n)).expect("machine").digest()
+            })
+            .collect()
+    }
+
+    fn counts(&self, node: u64) -> (usize, usize) {
+        let b = &self.members[&node].broker;
+        let m = b.machine(self.id(node)).expect("machine");
+        (m.ready_count(), m.in_flight_count())
+    }
+}
+
+fn consume(c: &mut Cluster, node: u64, prefetch: u32) -> Result<(), warren_codec::AmqpError> {
+    let q = "jobs";
+    c.broker(node)
+        .consume(
+            "/",
+            q,
+            CreditGroup {
+                conn: conn(node, 7),
+                channel: 1,
+            },
+            ShortStr::from_static("worker"),
+            false,
+            false,
+            prefetch,
+            &FieldTable::new(),
+        )
+        .map(|_| ())
+}
+
+#[test]
+fn a_confirm_and_a_delivery_wait_for_the_commit_and_every_member_applies_the_same() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    consume(&mut c, leader, 10).expect("consume on the leader");
+    let batches: Vec<u64> = (0..5).map(|n| c.publish(leader, n)).collect();
+    // Applied ahead on the leader, but neither confirmed nor delivered before the commit.
+    assert!(!c.confirmed(leader, batches[0]));
+    assert!(
+        c.deliveries(leader).is_empty(),
+        "delivered before the commit"
+    );
+    let mut got = Vec::new();
+    for _ in 0..50 {
+        c.step();
+        got.extend(c.deliveries(leader));
+    }
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    let bodies: Vec<Bytes> = got.iter().map(|d| d.message.body.clone()).collect();
+    let want: Vec<Bytes> = (0..5).map(|n| Bytes::from(format!("job {n}"))).collect();
+    assert_eq!(bodies, want, "each once, in order");
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_eq!(c.counts(2), (0, 5));
+    for d in &got {
+        assert!(c.broker(leader).settle(d.queue, d.receipt));
+    }
+    c.run(20);
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 0), "node {n}");
+    }
+    let d = c.digests(&NODES);
+    assert!(
+        d.iter().all(|x| *x == d[0]),
+        "members differ after acks: {d:?}"
+    );
+}
+
+#[test]
+fn a_publish_on_a_follower_goes_to_the_leader_and_is_confirmed_once_applied_there() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    let batch = c.publish(follower, 1);
+    assert!(!c.confirmed(follower, batch));
+    c.run(30);
+    assert!(
+        c.confirmed(follower, batch),
+        "forwarded publish not confirmed"
+    );
+    for n in NODES {
+        assert_eq!(c.counts(n), (1, 0), "node {n}");
+    }
+    // Consuming is the leader's: a follower says where it is.
+    let e = consume(&mut c, follower, 1).expect_err("consume on a follower");
+    assert_eq!(e.code, ReplyCode::ResourceError);
+    assert!(e.text.contains(&format!("node {leader}")), "{}", e.text);
+}
+
+#[test]
+fn the_new_leader_gives_back_what_the_dead_leaders_consumer_held() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    consume(&mut c, leader, 2).expect("consume");
+    let batches: Vec<u64> = (0..4).map(|n| c.publish(leader, n)).collect();
+    let mut held = Vec::new();
+    for _ in 0..30 {
+        c.step();
+        held.extend(c.deliveries(leader));
+    }
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    assert_eq!(held.len(), 2, "the worker holds its prefetch");
+    c.run(10);
+    c.kill(leader);
+    let next = c.leader();
+    assert_ne!(next, leader);
+    // The old leader's worker is gone: its two messages are ready again, nothing is lost.
+    c.run(10);
+    assert_eq!(c.counts(next), (4, 0));
+    consume(&mut c, next, 10).expect("consume on the new leader");
+    let mut got = Vec::new();
+    for _ in 0..30 {
+        c.step();
+        got.extend(c.deliveries(next));
+    }
+    assert_eq!(got.len(), 4);
+    let redelivered: Vec<bool> = got.iter().map(|d| d.redelivered).collect();
+    assert_eq!(redelivered, [true, true, false, false]);
+    let survivors: Vec<u64> = NODES.iter().copied().filter(|n| *n != leader).collect();
+    let d = c.digests(&survivors);
+    assert_eq!(d[0], d[1]);
+    let batch = c.publish(next, 9);
+    c.run(20);
+    assert!(c.confirmed(next, batch), "two of three confirm");
+}
+
+#[test]
+fn a_leader_cut_off_from_the_majority_never_confirms_and_nacks_what_it_lost() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    c.run(10);
+    c.isolated.insert(leader);
+    let batch = c.publish(leader, 1);
+    let mut nacked = false;
+    for _ in 0..200 {
+        c.step();
+        assert!(!c.confirmed(leader, batch), "a minority confirmed");
+        nacked |= c.broker(leader).take_lost().is_some_and(|l| l >= batch);
+    }
+    let others: Vec<u64> = NODES.iter().copied().filter(|n| *n != leader).collect();
+    let next = c.leader();
+    assert!(others.contains(&next));
+    c.isolated.clear();
+    for _ in 0..100 {
+        c.step();
+        nacked |= c.broker(leader).take_lost().is_some_and(|l| l >= batch);
+    }
+    assert!(nacked, "the lost publish was never nacked");
+    // The old leader follows the new one and has the same state.
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}
+
+#[test]
+fn a_queue_declared_on_any_node_reaches_all_and_a_delete_on_any_node_removes_it_everywhere() {
+    // Node 2 does not lead the metadata group: its declaration goes to node 1's.
+    let mut c = Cluster::declared_on(2);
+    let leader = c.leader();
+    let batch = c.publish(leader, 1);
+    c.run(20);
+    assert!(c.confirmed(leader, batch));
+    let deleted = c
+        .broker(3)
+        .delete_queue("/", "jobs", false, false, conn(3, 1))
+        .expect("delete");
+    assert_eq!(deleted.message_count, 1);
+    for _ in 0..100 {
+        c.step();
+    }
+    for n in NODES {
+        assert_eq!(c.members[&n].broker.queue_id("/", "jobs"), None, "node {n}");
+    }
+    // Every node gave up the queue's group.
+    let groups: Vec<bool> = NODES
+        .iter()
+        .map(|n| c.members[n].removed.contains(&c.group))
+        .collect();
+    assert_eq!(groups, [true, true, true]);
+}
+
+#[test]
+fn a_quorum_queue_with_stored_messages_from_before_the_cluster_stays_on_its_node() {
+    use warren_broker::QueueDef;
+    let mut b = Broker::new(BrokerConfig {
+        persistence: true,
+        ..BrokerConfig::default()
+    });
+    b.join_cluster(1, &NODES, 1);
+    let def = QueueDef {
+        vhost: "/".into(),
+        name: "jobs".into(),
+        key: 7,
+        auto_delete: false,
+        arguments: quorum_args(),
+    };
+    let id = b.restore_queue(&def).expect("restore");
+    assert!(
+        b.replica_group(id).is_some(),
+        "a quorum queue on a cluster node"
+    );
+    assert!(b.restore_message(id, 1, message(1), (0, None), None, false));
+    assert_eq!(b.replica_group(id), None, "kept on this node");
+    // It serves as before, here: no leader to wait for.
+    assert!(b.acts_on(id));
+    let (_, removed) = b.take_group_changes();
+    assert_eq!(removed.len(), 1, "its group is given up");
+    let got = b.get("/", "jobs", true, conn(1, 3)).expect("get");
+    assert_eq!(got.map(|(d, _)| d.message.body), Some(Bytes::from("job 1")));
+}
+
+#[test]
+fn after_a_failover_only_what_the_dead_leaders_worker_held_counts_as_redelivered() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let batches: Vec<u64> = (0..100).map(|n| c.publish(leader, n)).collect();
+    c.run(30);
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    consume(&mut c, leader, 10).expect("consume");
+    let mut held = Vec::new();
+    for _ in 0..30 {
+        c.step();
+        held.extend(c.deliveries(leader));
+    }
+    assert_eq!(held.len(), 10);
+    c.kill(leader);
+    let next = c.leader();
+    c.run(10);
+    let mut red = 0;
+    let mut n = 0;
+    while let Some((d, _)) = c
+        .broker(next)
+        .get("/", "jobs", true, conn(next, 9))
+        .expect("get")
+    {
+        red += d.redelivered as u32;
+        n += 1;
+        c.run(3);
+    }
+    assert_eq!((n, red), (100, 10), "(messages, redelivered)");
+}
