@@ -13,6 +13,7 @@
 //! small socket-level client built on `amq-protocol` that can see everything lapin hides (class and method ids
 //! of a close, frame sizes, heartbeats) and can send malformed input.
 
+pub mod cluster;
 pub mod http;
 pub mod queues;
 pub mod raw;
@@ -216,7 +217,16 @@ impl TestBroker {
     /// Stops the spawned broker (SIGKILL if `kill`, else SIGTERM and a wait for its exit),
     /// checks its command log, and starts it again on the same port and data directory.
     pub fn restart(&mut self, kill: bool) {
-        let mut child = self.child.take().expect("restart needs a spawned broker");
+        self.stop(kill);
+        self.start_again();
+    }
+
+    /// Stops the spawned broker: SIGKILL (as a crash) if `kill`, else SIGTERM; waits for its
+    /// exit and checks its command log. [`TestBroker::start_again`] brings it back.
+    pub fn stop(&mut self, kill: bool) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
         if kill {
             let _ = child.kill();
         } else {
@@ -224,6 +234,11 @@ impl TestBroker {
         }
         let _ = child.wait();
         self.check_command_log();
+    }
+
+    /// Starts a stopped broker again, on the same port and data directory.
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "start_again needs a stopped broker");
         let port = self.addr.port();
         let args: Vec<&str> = self.extra_args.iter().map(String::as_str).collect();
         let bin = warren_binary();
@@ -485,7 +500,8 @@ pub fn warren_binary() -> PathBuf {
 
 /// A free loopback port below the kernel's ephemeral range (so outgoing connections never take it), spread by
 /// process id so that concurrent test processes on one machine start in different places.
-fn free_port() -> u16 {
+/// A loopback port free now (each call a different one).
+pub fn free_port() -> u16 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     const LOW: u64 = 20_000;
     const SPAN: u64 = 12_000;

@@ -270,6 +270,11 @@ impl Shared {
 pub struct NodeHandle(Arc<Shared>);
 
 impl NodeHandle {
+    /// This node's cluster transport counters, in a cluster.
+    pub fn cluster_stats(&self) -> Option<crate::cluster::ClusterStats> {
+        self.0.lock().raft.as_ref().map(|r| r.stats())
+    }
+
     /// Reads the node (and its time, ms since the epoch) under the lock; keep `f` short.
     pub fn read<R>(&self, f: impl FnOnce(&Node, u64) -> R) -> R {
         let core = self.0.lock();
@@ -604,8 +609,7 @@ pub async fn serve(
     recorder: Option<Recorder>,
     (store, recovery): (Option<Arc<warren_store::Store>>, Option<PendingRecovery>),
     (alarms, data_dir, writes): (crate::config::AlarmConfig, std::path::PathBuf, ApiWrites),
-    mut shutdown: watch::Receiver<bool>,
-    cluster: Option<crate::cluster::ClusterConfig>,
+    (mut shutdown, cluster): (watch::Receiver<bool>, Option<crate::cluster::ClusterConfig>),
     on_start: impl FnOnce(NodeHandle),
 ) -> std::io::Result<Option<Arc<warren_store::Store>>> {
     let config = node.config().clone();
@@ -698,7 +702,7 @@ pub async fn serve(
                 }
                 core.raft = Some(raft.clone());
             });
-            Some((raft, node_id))
+            Some((raft.node(), raft))
         }
         None => None,
     };
@@ -706,7 +710,7 @@ pub async fn serve(
     // whose consumer a delivery went to).
     let first_conn = raft
         .as_ref()
-        .and_then(|(_, n)| warren_broker::qualify(u16::try_from(*n).ok()?, 1))
+        .and_then(|(n, _)| warren_broker::qualify(u16::try_from(*n).ok()?, 1))
         .unwrap_or(1);
     let next_id = AtomicU64::new(first_conn);
     let handshake_timeout = Duration::from_millis(config.handshake_timeout_ms);
@@ -765,7 +769,7 @@ pub async fn serve(
     ticker.abort();
     dispatcher.abort();
     monitor.abort();
-    if let Some((raft, _)) = raft {
+    if let Some((_, raft)) = raft {
         shared.lock().raft = None;
         let _ = tokio::task::spawn_blocking(move || raft.shutdown()).await;
     }

@@ -343,8 +343,7 @@ async fn run(config: Config) -> std::io::Result<()> {
             }),
         ),
         (config.alarms, config.data_dir.clone(), config.api_writes),
-        stop_rx,
-        cluster,
+        (stop_rx, cluster),
         |node| {
             if let Some(l) = sqs {
                 tokio::spawn(sqs::serve(
@@ -383,10 +382,22 @@ fn start_http(
             .map(|a| a.port())
     };
     let rates = std::sync::Arc::new(http::rates::Rates::default());
+    let cluster_names: std::collections::BTreeMap<u64, String> = config
+        .cluster
+        .iter()
+        .flat_map(|c| c.nodes.iter())
+        .map(|(n, addr)| (*n, http::cluster_node_name(*n, addr)))
+        .collect();
+    let node_name = config
+        .cluster
+        .as_ref()
+        .and_then(|c| cluster_names.get(&c.node).cloned())
+        .unwrap_or_else(|| format!("warren@{}", http::hostname()));
     let api = std::sync::Arc::new(http::Api {
         started_ms: node.read(|_, now| now),
         node,
-        node_name: format!("warren@{}", http::hostname()),
+        node_name,
+        cluster_names,
         amqp_port: config.port,
         http_port: port_of(&management).unwrap_or(0),
         prometheus_port: port_of(&prometheus),

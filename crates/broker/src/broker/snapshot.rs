@@ -39,6 +39,8 @@ pub struct QueueSnapshot {
     pub policy: Option<String>,
     pub operator_policy: Option<String>,
     pub effective_policy_definition: crate::policy::Definition,
+    /// A replicated queue: its group's leader as this node knows it (`None`: none now).
+    pub replica: Option<Option<u64>>,
 }
 
 #[derive(Clone, Debug)]
@@ -127,6 +129,7 @@ fn queue_snapshot(q: &Queue, policies: &crate::policy::PolicyTable) -> QueueSnap
         policy: q.policy.clone(),
         operator_policy: q.operator_policy.clone(),
         effective_policy_definition: super::policies::definition_of(q, policies),
+        replica: q.replica.as_ref().map(|r| r.leader),
     }
 }
 

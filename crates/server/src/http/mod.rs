@@ -51,6 +51,13 @@ pub struct Api {
     pub rates: Arc<rates::Rates>,
     pub data_dir: std::path::PathBuf,
     pub alarms: crate::config::AlarmConfig,
+    /// In a cluster, every node's name by number (this one's is `node_name`).
+    pub cluster_names: std::collections::BTreeMap<u64, String>,
+}
+
+/// A cluster node's name: `warren-N@` its cluster address's host, the same on every node.
+pub fn cluster_node_name(node: u64, addr: &std::net::SocketAddr) -> String {
+    format!("warren-{node}@{}", addr.ip())
 }
 
 /// An error as RabbitMQ's management API sends it: a status and `{"error", "reason"}`.

@@ -92,6 +92,32 @@ pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
     })
 }
 
+/// A replicated queue's leader and members, as RabbitMQ shows a quorum queue's (`node` is
+/// its leader there too).
+pub fn with_members(
+    v: &mut Value,
+    s: &QueueSnapshot,
+    names: &std::collections::BTreeMap<u64, String>,
+) {
+    let (Some(leader), Value::Object(m)) = (s.replica, v) else {
+        return;
+    };
+    let name = |n: u64| {
+        names
+            .get(&n)
+            .cloned()
+            .unwrap_or_else(|| format!("warren-{n}"))
+    };
+    let members: Vec<Value> = names.keys().map(|n| name(*n).into()).collect();
+    m.insert("members".into(), members.clone().into());
+    m.insert("online".into(), members.into());
+    let leader = leader.map(name);
+    if let Some(l) = &leader {
+        m.insert("node".into(), l.clone().into());
+    }
+    m.insert("leader".into(), leader.into());
+}
+
 /// A queue's value of the field `path` (dotted for nested ones), as [`queue`] would render
 /// it, without rendering the rest: the queue list sorts 10,000 queues by it. The fields
 /// tools sort by are read straight from the snapshot; any other is rendered.

@@ -297,11 +297,21 @@ fn node_json(api: &Api) -> Value {
         "exchange_types": exchange_types(),
         "being_drained": false,
         // Warren's own: this node's place in its cluster (null on a node of its own).
-        "cluster": cluster.map(|(node, nodes, leader)| json!({
-            "node": node,
-            "nodes": nodes,
-            "metadata_leader": leader,
-        })),
+        "cluster": cluster.map(|(node, nodes, leader)| {
+            let t = api.node.cluster_stats().unwrap_or_default();
+            json!({
+                "node": node,
+                "nodes": nodes,
+                "metadata_leader": leader,
+                "transport": {
+                    "connections_in": t.connections_in, "connections_out": t.connections_out,
+                    "batches_in": t.batches_in, "batches_out": t.batches_out,
+                    "dropped_in": t.dropped_in, "dropped_out": t.dropped_out,
+                    "skipped_messages": t.skipped_msgs, "refused_peers": t.refused,
+                    "bad_frames": t.bad_frames,
+                },
+            })
+        }),
     })
 }
 
@@ -660,7 +670,11 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
         total,
         |(s, r), field| objects::queue_field(s, r, node, now, field),
         |(s, _)| (s.vhost.clone(), s.name.clone()),
-        |(s, r)| objects::queue(&s, &r, node, now),
+        |(s, r)| {
+            let mut v = objects::queue(&s, &r, node, now);
+            objects::with_members(&mut v, &s, &api.cluster_names);
+            v
+        },
     )?)
 }
 
@@ -701,6 +715,7 @@ async fn one_queue(
     });
     let s = snap.ok_or_else(ApiError::not_found)?;
     let mut v = objects::queue(&s, &api.rates.queue(s.id), &api.node_name, now);
+    objects::with_members(&mut v, &s, &api.cluster_names);
     if q.contains_key("lengths_age") || q.contains_key("msg_rates_age") {
         v = objects::with_history(v, &api.rates.queue_history(s.id));
     }

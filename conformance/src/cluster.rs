@@ -1,0 +1,111 @@
+//! A cluster of spawned brokers on loopback ports, each with its own data directory, for the
+//! replicated-queue tests.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::http::Api;
+use crate::{free_port, TestBroker, WAIT};
+
+pub struct TestCluster {
+    /// Node `n` is `nodes[n - 1]`.
+    pub nodes: Vec<TestBroker>,
+    dir: PathBuf,
+}
+
+impl TestCluster {
+    /// Starts `size` nodes (numbered from 1) that form one cluster, with a short Raft tick, and
+    /// waits until every node sees a leader of the cluster's metadata.
+    pub fn start(size: u64, tick_ms: u64) -> TestCluster {
+        let dir = std::env::temp_dir().join(crate::unique("warren-cluster"));
+        std::fs::create_dir_all(&dir).expect("cluster dir");
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "a test secret of more than sixteen bytes").expect("secret");
+        let list: Vec<String> = (1..=size)
+            .map(|n| format!("{n}=127.0.0.1:{}", free_port()))
+            .collect();
+        let list = list.join(",");
+        let tick = tick_ms.to_string();
+        let nodes = (1..=size)
+            .map(|n| {
+                let data = dir.join(format!("node{n}"));
+                let (node, data) = (n.to_string(), data.display().to_string());
+                TestBroker::start_with(&[
+                    "--data-dir",
+                    &data,
+                    "--cluster-node",
+                    &node,
+                    "--cluster-nodes",
+                    &list,
+                    "--cluster-secret-file",
+                    &secret.display().to_string(),
+                    "--test-cluster-tick-ms",
+                    &tick,
+                    "--no-sqs",
+                ])
+            })
+            .collect();
+        let c = TestCluster { nodes, dir };
+        for n in 1..=size {
+            c.wait_for_metadata_leader(n);
+        }
+        c
+    }
+
+    pub fn node(&self, n: u64) -> &TestBroker {
+        &self.nodes[(n - 1) as usize]
+    }
+
+    pub fn node_mut(&mut self, n: u64) -> &mut TestBroker {
+        &mut self.nodes[(n - 1) as usize]
+    }
+
+    /// Waits until node `n` knows who leads the cluster's metadata.
+    pub fn wait_for_metadata_leader(&self, n: u64) -> u64 {
+        let api = Api::of(self.node(n));
+        let start = Instant::now();
+        loop {
+            let (status, v) = api.call("GET", "/nodes", None);
+            if let Some(l) = v[0]["cluster"]["metadata_leader"].as_u64() {
+                return l;
+            }
+            assert!(
+                start.elapsed() < WAIT,
+                "node {n} sees no metadata leader: {status} {v}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The node that leads `queue` (of vhost `/`), as node `asked` reports it, once it does.
+    pub fn leader_of(&self, queue: &str, asked: u64) -> u64 {
+        let api = Api::of(self.node(asked));
+        let start = Instant::now();
+        loop {
+            let (status, v) = api.call("GET", &format!("/queues/%2f/{queue}"), None);
+            let leader = v["leader"].as_str().and_then(|name| {
+                name.strip_prefix("warren-")?
+                    .split('@')
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            });
+            if let Some(l) = leader {
+                return l;
+            }
+            assert!(
+                start.elapsed() < WAIT,
+                "node {asked} sees no leader of {queue}: {status} {v}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        // The brokers first (their drop kills them), then their data.
+        self.nodes.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,195 @@
+//! Replicated (quorum) queues on a 3-node cluster of spawned brokers: a queue declared on one
+//! node is on every node; publishes on any node are confirmed once a majority has them; when
+//! the leader's node is killed, another node leads within the test's patience and hands out
+//! every confirmed message, and the killed node comes back on its data and catches up.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Confirmation};
+use warren_conformance::cluster::TestCluster;
+use warren_conformance::http::Api;
+use warren_conformance::{amqp_error, unique, WAIT};
+
+fn quorum() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args
+}
+
+async fn channel(c: &TestCluster, n: u64) -> (lapin::Connection, Channel) {
+    let conn = c.node(n).connect().await;
+    let ch = conn.create_channel().await.expect("channel");
+    (conn, ch)
+}
+
+/// Publishes `bodies` with confirms on `ch`: every one must be acked.
+async fn publish_confirmed(ch: &Channel, q: &str, bodies: impl Iterator<Item = String>) {
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let mut pending = Vec::new();
+    for b in bodies {
+        let props = BasicProperties::default().with_delivery_mode(2);
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                q.into(),
+                BasicPublishOptions::default(),
+                b.as_bytes(),
+                props,
+            )
+            .await
+            .expect("publish");
+        pending.push(confirm);
+    }
+    for c in pending {
+        let got = tokio::time::timeout(WAIT, c)
+            .await
+            .expect("a confirm within the wait")
+            .expect("confirm");
+        assert!(matches!(got, Confirmation::Ack(_)), "nacked: {got:?}");
+    }
+}
+
+/// The messages of `q` that a queue's API on node `n` reports, once it reports `want`.
+fn wait_for_messages(c: &TestCluster, n: u64, q: &str, want: u64) {
+    let api = Api::of(c.node(n));
+    let start = Instant::now();
+    loop {
+        let (_, v) = api.call("GET", &format!("/queues/%2f/{q}"), None);
+        if v["messages"].as_u64() == Some(want) {
+            return;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "node {n} reports {} messages in {q}, not {want}",
+            v["messages"]
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() {
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("qq");
+    let (_c2, ch2) = channel(&c, 2).await;
+    ch2.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        quorum(),
+    )
+    .await
+    .expect("declare a quorum queue");
+    let leader = c.leader_of(&q, 2);
+    let follower = leader % 3 + 1;
+    // Consuming is the leader's: a follower refuses and says where the leader is.
+    let (_cf, chf) = channel(&c, follower).await;
+    let refused = chf
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect_err("consume on a follower");
+    let (code, text) = amqp_error(&refused).expect("a channel error");
+    assert_eq!(code, 506, "{text}");
+    assert!(text.contains(&format!("node {leader}")), "{text}");
+
+    // Published on a follower: forwarded to the leader, confirmed once a majority has it.
+    let (_cp, chp) = channel(&c, follower).await;
+    publish_confirmed(&chp, &q, (0..200).map(|i| format!("m{i}"))).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 200);
+    }
+
+    // A worker on the leader holds 20 unacked when its node is killed.
+    let (_cl, chl) = channel(&c, leader).await;
+    chl.basic_qos(20, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut held = chl
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume on the leader");
+    for _ in 0..20 {
+        tokio::time::timeout(WAIT, held.next())
+            .await
+            .expect("a delivery")
+            .expect("stream")
+            .expect("delivery");
+    }
+    let killed = Instant::now();
+    c.node_mut(leader).stop(true);
+    let survivor = follower;
+    let next = loop {
+        let l = c.leader_of(&q, survivor);
+        if l != leader {
+            break l;
+        }
+        assert!(killed.elapsed() < WAIT, "no new leader");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    eprintln!(
+        "new leader {next} seen {} ms after the kill",
+        killed.elapsed().as_millis()
+    );
+
+    // Every confirmed message is there, the 20 that were held marked redelivered.
+    let (_cn, chn) = channel(&c, next).await;
+    let mut consumer = chn
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume on the new leader");
+    let mut seen = BTreeSet::new();
+    let mut redelivered = 0;
+    while seen.len() < 200 {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("every confirmed message")
+            .expect("stream")
+            .expect("delivery");
+        redelivered += u32::from(d.redelivered);
+        seen.insert(String::from_utf8_lossy(&d.data).into_owned());
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    assert_eq!(redelivered, 20, "only what the dead node's worker held");
+    for n in [next, survivor] {
+        wait_for_messages(&c, n, &q, 0);
+    }
+
+    // The killed node comes back on its data: it has the queue and catches up.
+    c.node_mut(leader).start_again();
+    c.wait_for_metadata_leader(leader);
+    wait_for_messages(&c, leader, &q, 0);
+    let (_cb, chb) = channel(&c, leader).await;
+    publish_confirmed(&chb, &q, std::iter::once("after".to_owned())).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 1);
+    }
+}
