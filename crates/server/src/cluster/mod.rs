@@ -228,6 +228,10 @@ impl RaftNode {
         })
     }
 
+    pub fn node(&self) -> NodeId {
+        self.inner.node
+    }
+
     /// Creates a group with every node as a voter, unless it exists. `campaign` starts an
     /// election here at once (the creator places the leader).
     pub fn add_group(&self, group: GroupId, campaign: bool) {
