@@ -24,13 +24,16 @@ use warren_replication::{Config, EngineLog, LogError, MultiRaft};
 use node::{Command, Driver};
 use transport::{Counters, Net};
 
+/// The largest proposal taken: a larger entry would not fit in a frame, never reach a
+/// follower and stall its group. The margin covers the batch's and the message's other fields.
+pub const MAX_PROPOSAL: usize = wire::MAX_FRAME - (64 << 10);
 /// The shortest cluster secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
 /// How long `shutdown` waits for the transport's tasks once the Raft thread has stopped.
 const NET_SHUTDOWN: Duration = Duration::from_secs(1);
 
 /// One node's place in the cluster.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClusterConfig {
     /// This node (never 0): its Raft id in every group.
     pub node: NodeId,
@@ -50,6 +53,20 @@ pub struct ClusterConfig {
     pub boot: u64,
 }
 
+impl std::fmt::Debug for ClusterConfig {
+    // Without the secret: a configuration may be logged.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterConfig")
+            .field("node", &self.node)
+            .field("peers", &self.peers)
+            .field("listen", &self.listen)
+            .field("dir", &self.dir)
+            .field("tick_ms", &self.tick_ms)
+            .field("boot", &self.boot)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What the Raft thread tells the broker. Called on the Raft thread, with none of its locks
 /// held; a slow callback slows every group, so hand work off rather than doing it here. In a
 /// pass, `leaders` comes first, then `committed`, then `refused`.
@@ -60,8 +77,8 @@ pub trait RaftEvents: Send + 'static {
     /// Groups whose leader changed (`None`: no leader known for now), with the group's term.
     fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>);
     /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
-    /// known) or has no such group. `data` is the proposal's (empty only if raft-rs itself
-    /// dropped it).
+    /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`]. `data` is the
+    /// proposal's (empty only if raft-rs itself dropped it).
     fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>);
     /// Proposals other nodes sent for groups they believe this node leads, with the sender.
     fn forwarded(&self, entries: Vec<(NodeId, Forward)>) {
@@ -107,6 +124,8 @@ pub struct ClusterStats {
     pub bad_frames: u64,
     pub connections_in: u64,
     pub connections_out: u64,
+    /// Connections to peers that failed (refused, unreachable, timed out).
+    pub dial_failures: u64,
 }
 
 /// A handle on the node's Raft thread; clones share it. Methods only queue work and never
@@ -176,7 +195,7 @@ impl RaftNode {
         }
         let counters = Arc::new(Counters::default());
         let (in_tx, in_rx) = crossbeam_channel::bounded(transport::INBOUND_QUEUE);
-        let (net, out) = transport::start(&cfg, in_tx, counters.clone())?;
+        let (net, out, inbound_budget) = transport::start(&cfg, in_tx, counters.clone())?;
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let driver = Driver {
             raft,
@@ -185,6 +204,7 @@ impl RaftNode {
             out,
             commands: cmd_rx,
             inbound: in_rx,
+            inbound_budget,
             epoch: Instant::now(),
             refused: Vec::new(),
             to_forward: Default::default(),
@@ -257,11 +277,15 @@ impl RaftNode {
 
     /// Stops the Raft thread after its current pass (what it wrote stays written), then the
     /// transport, closing every connection. Other clones become inert. Blocks for at most a
-    /// pass and [`NET_SHUTDOWN`]: call it outside async code (e.g. in `spawn_blocking`).
+    /// pass and [`NET_SHUTDOWN`], so from async code call it in `spawn_blocking`.
     pub fn shutdown(self) {
         let _ = self.inner.commands.send(Command::Shutdown);
         let thread = self.inner.thread.lock().ok().and_then(|mut t| t.take());
-        if let Some(t) = thread {
+        // Called from a `RaftEvents` callback, the thread stops once the callback returns.
+        let from_raft_thread = thread
+            .as_ref()
+            .is_some_and(|t| t.thread().id() == std::thread::current().id());
+        if let Some(t) = thread.filter(|_| !from_raft_thread) {
             if t.join().is_err() {
                 tracing::error!(node = self.inner.node, "raft thread panicked");
             }

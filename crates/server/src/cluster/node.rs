@@ -5,13 +5,14 @@
 //! and the committed entries, which go to [`RaftEvents`] with the pass's leader changes and
 //! refused proposals.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
 use warren_replication::{EngineLog, Error, Forward, GroupId, MultiRaft, NodeBatch, NodeId};
 
-use super::transport::{Outbound, INBOUND_QUEUE};
-use super::RaftEvents;
+use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
+use super::{RaftEvents, MAX_PROPOSAL};
 
 /// What a [`super::RaftNode`] asks of the Raft thread.
 pub(crate) enum Command {
@@ -25,7 +26,7 @@ pub(crate) enum Command {
 
 enum Woke {
     Command(Command),
-    Batch(NodeBatch),
+    Batch(Queued),
     Closed,
     Nothing,
 }
@@ -39,7 +40,8 @@ pub(crate) struct Driver<E> {
     pub(crate) events: E,
     pub(crate) out: Outbound,
     pub(crate) commands: Receiver<Command>,
-    pub(crate) inbound: Receiver<NodeBatch>,
+    pub(crate) inbound: Receiver<Queued>,
+    pub(crate) inbound_budget: Arc<Budget>,
     pub(crate) epoch: Instant,
     pub(crate) refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
     /// Proposals to send to other nodes, by destination; and what other nodes sent here.
@@ -85,7 +87,7 @@ impl<E: RaftEvents> Driver<E> {
         };
         match woke {
             Woke::Command(c) => self.command(c),
-            Woke::Batch(b) => self.inbound(b),
+            Woke::Batch(q) => self.inbound(q),
             // Every handle is gone: nobody can use this node any more.
             Woke::Closed => self.stopping = true,
             Woke::Nothing => {}
@@ -95,7 +97,7 @@ impl<E: RaftEvents> Driver<E> {
     fn take_input(&mut self) {
         for _ in 0..INBOUND_QUEUE {
             match self.inbound.try_recv() {
-                Ok(b) => self.inbound(b),
+                Ok(q) => self.inbound(q),
                 Err(_) => break,
             }
         }
@@ -113,7 +115,9 @@ impl<E: RaftEvents> Driver<E> {
 
     /// A batch from a peer: its Raft messages are stepped, its forwarded proposals kept for
     /// the broker (after this pass's committed entries, so it sees the leader changes first).
-    fn inbound(&mut self, mut b: NodeBatch) {
+    fn inbound(&mut self, q: Queued) {
+        self.inbound_budget.give(q.bytes);
+        let mut b = q.batch;
         let from = b.from;
         self.forwarded.extend(
             std::mem::take(&mut b.forwards)
@@ -125,20 +129,27 @@ impl<E: RaftEvents> Driver<E> {
 
     fn command(&mut self, c: Command) {
         match c {
-            Command::AddGroup(group, campaign) => {
-                if self.raft.commit_index(group).is_some() {
-                    return;
-                }
-                if let Err(e) = self.raft.add_group(group, campaign) {
+            Command::AddGroup(group, campaign) => match self.raft.add_group(group, campaign) {
+                Ok(()) | Err(Error::GroupExists(_)) => {}
+                Err(e) => {
                     tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot add raft group");
                 }
-            }
+            },
             Command::RemoveGroup(group) => {
                 if self.raft.remove_group(group) {
                     if let Err(e) = self.log.remove_group(group) {
                         tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot remove a raft group's log");
                     }
                 }
+            }
+            Command::Propose(group, data) if data.len() > MAX_PROPOSAL => {
+                tracing::warn!(
+                    node = self.raft.node(),
+                    group = group.0,
+                    bytes = data.len(),
+                    "proposal too large to replicate"
+                );
+                self.refused.push((group, data, None));
             }
             Command::Propose(group, data) => {
                 if let Err(r) = self.raft.try_propose(group, data) {

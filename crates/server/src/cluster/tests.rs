@@ -319,13 +319,11 @@ fn member_connection(addr: SocketAddr, as_node: NodeId, to: NodeId) -> TcpStream
 /// The node closed the connection (a read sees the end, not the timeout).
 fn assert_closed(mut s: TcpStream) {
     let mut b = [0u8; 16];
-    loop {
-        match s.read(&mut b) {
-            Ok(0) => return,
-            Ok(_) => panic!("the node wrote after the handshake"),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return,
-            Err(e) => panic!("connection still open: {e}"),
-        }
+    match s.read(&mut b) {
+        Ok(0) => {}
+        Ok(_) => panic!("the node wrote after the handshake"),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        Err(e) => panic!("connection still open: {e}"),
     }
 }
 
@@ -403,4 +401,100 @@ fn a_proposal_on_a_follower_is_refused_with_the_leader() {
         ]
     );
     assert!(c.seen(follower).data(G).is_empty());
+}
+
+#[test]
+fn a_peer_that_is_down_costs_a_few_dials_not_a_busy_loop() {
+    let a = addrs(2);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ClusterConfig {
+        node: 1,
+        peers: [(2, a[1])].into(),
+        listen: a[0],
+        secret: SECRET.to_vec(),
+        dir: dir.path().to_path_buf(),
+        tick_ms: 10,
+        boot: 1,
+    };
+    let node = RaftNode::start(cfg, Recorder::default()).unwrap();
+    node.add_group(G, true);
+    wait_for("a first failed dial", || node.stats().dial_failures >= 1);
+    std::thread::sleep(Duration::from_millis(400));
+    // Back-off from 50 ms, doubling: about 4 dials in 400 ms; a loop without one makes thousands.
+    let s = node.stats();
+    assert!(s.dial_failures <= 10, "{s:?}");
+    // What Raft sent meanwhile (heartbeats, votes) was dropped and counted.
+    assert!(s.dropped_out > 0, "{s:?}");
+    node.shutdown();
+}
+
+#[test]
+fn shutdown_from_async_code_closes_the_listener_without_a_panic() {
+    let a = addrs(2);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ClusterConfig {
+        node: 1,
+        peers: [(2, a[1])].into(),
+        listen: a[0],
+        secret: SECRET.to_vec(),
+        dir: dir.path().to_path_buf(),
+        tick_ms: 10,
+        boot: 1,
+    };
+    let node = RaftNode::start(cfg.clone(), Recorder::default()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async move { node.shutdown() });
+    // The address and the log directory are free again at once.
+    let again = RaftNode::start(ClusterConfig { boot: 2, ..cfg }, Recorder::default()).unwrap();
+    again.shutdown();
+}
+
+#[test]
+fn one_node_groups_added_twice_removed_and_a_proposal_too_large() {
+    let a = addrs(1);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ClusterConfig {
+        node: 1,
+        peers: BTreeMap::new(),
+        listen: a[0],
+        secret: SECRET.to_vec(),
+        dir: dir.path().to_path_buf(),
+        tick_ms: 10,
+        boot: 1,
+    };
+    let seen = Recorder::default();
+    let node = RaftNode::start(cfg.clone(), seen.clone()).unwrap();
+    for g in [G, GroupId(2), G] {
+        node.add_group(g, true);
+    }
+    node.propose(G, b"one".to_vec());
+    node.propose(GroupId(2), b"two".to_vec());
+    wait_for("both entries", || seen.with(|s| s.committed.len()) == 2);
+    // Again once it holds an entry: nothing changes.
+    node.add_group(G, true);
+    node.propose(G, b"three".to_vec());
+    wait_for("the third entry", || seen.with(|s| s.committed.len()) == 3);
+    node.remove_group(GroupId(2));
+    // Too large for a frame: refused, not left to stall the group.
+    node.propose(G, vec![0; MAX_PROPOSAL + 1]);
+    wait_for("the large proposal refused", || {
+        seen.with(|s| s.refused.len()) == 1
+    });
+    assert_eq!(seen.with(|s| s.refused[0].1.len()), MAX_PROPOSAL + 1);
+    node.shutdown();
+    let want = vec![b"one".to_vec(), b"three".to_vec()];
+    assert_eq!(seen.data(G), want);
+    assert_eq!(
+        seen.with(|s| s.committed.iter().map(|c| c.index).collect::<Vec<_>>()),
+        vec![2, 2, 3],
+        "each group's first entry follows its leader's empty one"
+    );
+    let seen = Recorder::default();
+    let node = RaftNode::start(ClusterConfig { boot: 2, ..cfg }, seen.clone()).unwrap();
+    assert_eq!(node.groups(), &[G]);
+    wait_for("the entries recovered", || seen.data(G).len() == 2);
+    assert_eq!(seen.data(G), want);
+    node.shutdown();
 }

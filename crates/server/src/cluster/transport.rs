@@ -8,7 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,10 +22,13 @@ use super::auth::{self, AuthError};
 use super::wire::{self, WireError, MAX_FRAME};
 use super::{ClusterConfig, ClusterError, ClusterStats};
 
-/// Batches waiting for one peer's connection; more are dropped (Raft sends again).
+/// Batches, and their bytes, waiting for one peer's connection; more are dropped (Raft sends
+/// again).
 const PEER_QUEUE: usize = 1024;
-/// Batches from all peers waiting for the Raft thread; more are dropped.
+const PEER_QUEUE_BYTES: usize = 64 << 20;
+/// Batches, and their bytes, from all peers waiting for the Raft thread; more are dropped.
 pub(crate) const INBOUND_QUEUE: usize = 4096;
+const INBOUND_QUEUE_BYTES: usize = 256 << 20;
 const MIN_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
 /// For a connect and its handshake: a stalled stranger holds no slot longer.
@@ -36,6 +39,55 @@ const MAX_HANDSHAKES: usize = 64;
 const WRITE_CHUNK: usize = 1 << 20;
 /// A refused connection from one address is logged at most this often.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// Bytes a queue may hold, on top of its bound in batches: one batch can be megabytes.
+pub(crate) struct Budget {
+    used: AtomicUsize,
+    max: usize,
+}
+
+impl Budget {
+    fn new(max: usize) -> Arc<Budget> {
+        Arc::new(Budget {
+            used: AtomicUsize::new(0),
+            max,
+        })
+    }
+
+    fn take(&self, n: usize) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                u.checked_add(n).filter(|t| *t <= self.max)
+            })
+            .is_ok()
+    }
+
+    pub(crate) fn give(&self, n: usize) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                Some(u.saturating_sub(n))
+            });
+    }
+}
+
+/// A batch and the bytes it holds of its queue's [`Budget`].
+pub(crate) struct Queued {
+    pub(crate) batch: NodeBatch,
+    pub(crate) bytes: usize,
+}
+
+/// What a batch weighs in a queue: its entries' data and a little per message (the encoded size
+/// would cost a pass over every message on the Raft thread).
+fn weight(b: &NodeBatch) -> usize {
+    let msgs: usize = b
+        .msgs
+        .iter()
+        .map(|e| 64 + e.msg.entries.iter().map(|x| x.data.len()).sum::<usize>())
+        .sum();
+    let forwards: usize = b.forwards.iter().map(|f| 16 + f.data.len()).sum();
+    32 + msgs + forwards
+}
 
 #[derive(Default)]
 pub(crate) struct Counters {
@@ -48,6 +100,7 @@ pub(crate) struct Counters {
     bad_frames: AtomicU64,
     connections_in: AtomicU64,
     connections_out: AtomicU64,
+    dial_failures: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -67,26 +120,35 @@ impl Counters {
             bad_frames: get(&self.bad_frames),
             connections_in: get(&self.connections_in),
             connections_out: get(&self.connections_out),
+            dial_failures: get(&self.dial_failures),
         }
     }
 }
 
 /// What the Raft thread sends through: one bounded queue per peer.
 pub(crate) struct Outbound {
-    links: BTreeMap<NodeId, mpsc::Sender<NodeBatch>>,
+    links: BTreeMap<NodeId, (mpsc::Sender<Queued>, Arc<Budget>)>,
     counters: Arc<Counters>,
 }
 
 impl Outbound {
     pub(crate) fn send(&self, batch: NodeBatch) {
-        let Some(link) = self.links.get(&batch.to) else {
+        let Some((link, budget)) = self.links.get(&batch.to) else {
             tracing::debug!(to = batch.to, "batch for a node that is not a peer");
             return;
         };
-        match link.try_send(batch) {
+        let bytes = weight(&batch);
+        if !budget.take(bytes) {
+            bump(&self.counters.dropped_out);
+            return;
+        }
+        match link.try_send(Queued { batch, bytes }) {
             Ok(()) => {}
-            Err(TrySendError::Full(_)) => bump(&self.counters.dropped_out),
-            Err(TrySendError::Closed(_)) => {}
+            Err(TrySendError::Full(_)) => {
+                budget.give(bytes);
+                bump(&self.counters.dropped_out);
+            }
+            Err(TrySendError::Closed(_)) => budget.give(bytes),
         }
     }
 }
@@ -97,11 +159,22 @@ pub(crate) struct Net {
 }
 
 impl Net {
-    /// Stops every task and closes every socket, waiting at most `limit`. Must not be called
-    /// from async code.
+    /// Stops every task and closes every socket, waiting at most `limit`.
     pub(crate) fn shutdown(mut self, limit: Duration) {
         if let Some(rt) = self.runtime.take() {
-            rt.shutdown_timeout(limit);
+            // tokio refuses to wait for a runtime from inside another one's task: wait on a
+            // thread of our own, whoever the caller is.
+            let waiter = std::thread::Builder::new()
+                .name("warren-cluster-stop".into())
+                .spawn(move || rt.shutdown_timeout(limit));
+            match waiter {
+                Ok(t) => {
+                    let _ = t.join();
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot wait for the cluster transport to stop")
+                }
+            }
         }
     }
 }
@@ -119,7 +192,8 @@ struct Shared {
     me: NodeId,
     secret: Vec<u8>,
     peers: BTreeMap<NodeId, SocketAddr>,
-    inbound: crossbeam_channel::Sender<NodeBatch>,
+    inbound: crossbeam_channel::Sender<Queued>,
+    inbound_budget: Arc<Budget>,
     counters: Arc<Counters>,
     /// Woken when a peer connects to us: it is up, so our dialer need not wait out its back-off.
     redial: BTreeMap<NodeId, Arc<Notify>>,
@@ -128,11 +202,12 @@ struct Shared {
 }
 
 /// Binds the cluster address and starts the listener and one dialer per peer.
+/// The Raft thread gives each batch's bytes back to `inbound_budget` when it takes the batch.
 pub(crate) fn start(
     cfg: &ClusterConfig,
-    inbound: crossbeam_channel::Sender<NodeBatch>,
+    inbound: crossbeam_channel::Sender<Queued>,
     counters: Arc<Counters>,
-) -> Result<(Net, Outbound), ClusterError> {
+) -> Result<(Net, Outbound, Arc<Budget>), ClusterError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name(format!("warren-cluster-{}", cfg.node))
@@ -155,11 +230,13 @@ pub(crate) fn start(
         .keys()
         .map(|id| (*id, Arc::new(Notify::new())))
         .collect();
+    let inbound_budget = Budget::new(INBOUND_QUEUE_BYTES);
     let shared = Arc::new(Shared {
         me: cfg.node,
         secret: cfg.secret.clone(),
         peers: cfg.peers.clone(),
         inbound,
+        inbound_budget: inbound_budget.clone(),
         counters: counters.clone(),
         redial,
         handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
@@ -168,8 +245,9 @@ pub(crate) fn start(
     let mut links = BTreeMap::new();
     for (peer, addr) in &cfg.peers {
         let (tx, rx) = mpsc::channel(PEER_QUEUE);
-        links.insert(*peer, tx);
-        runtime.spawn(dial_loop(shared.clone(), *peer, *addr, rx));
+        let budget = Budget::new(PEER_QUEUE_BYTES);
+        links.insert(*peer, (tx, budget.clone()));
+        runtime.spawn(dial_loop(shared.clone(), *peer, *addr, rx, budget));
     }
     runtime.spawn(accept_loop(shared, listener));
     Ok((
@@ -177,6 +255,7 @@ pub(crate) fn start(
             runtime: Some(runtime),
         },
         Outbound { links, counters },
+        inbound_budget,
     ))
 }
 
@@ -209,7 +288,8 @@ async fn dial_loop(
     shared: Arc<Shared>,
     peer: NodeId,
     addr: SocketAddr,
-    mut rx: mpsc::Receiver<NodeBatch>,
+    mut rx: mpsc::Receiver<Queued>,
+    budget: Arc<Budget>,
 ) {
     let me = shared.me;
     let mut backoff = MIN_BACKOFF;
@@ -226,7 +306,7 @@ async fn dial_loop(
                 bump(&shared.counters.connections_out);
                 tracing::info!(node = me, peer, %addr, "connected to cluster peer");
                 backoff = MIN_BACKOFF;
-                match send_loop(&shared, stream, &mut rx).await {
+                match send_loop(&shared, stream, &mut rx, &budget).await {
                     Ok(()) => return,
                     Err(e) => {
                         tracing::info!(node = me, peer, %addr, error = %e, "connection to cluster peer lost");
@@ -235,6 +315,7 @@ async fn dial_loop(
                 }
             }
             Err(e) => {
+                bump(&shared.counters.dial_failures);
                 let now = match e {
                     DialError::Auth(AuthError::Io(_)) | DialError::Io(_) | DialError::Timeout => {
                         Link::Unreachable
@@ -262,7 +343,10 @@ async fn dial_loop(
                 _ = &mut sleep => break,
                 _ = redial.notified() => break,
                 b = rx.recv() => match b {
-                    Some(_) => bump(&shared.counters.dropped_out),
+                    Some(q) => {
+                        budget.give(q.bytes);
+                        bump(&shared.counters.dropped_out);
+                    }
                     None => return,
                 },
             }
@@ -275,7 +359,8 @@ async fn dial_loop(
 async fn send_loop(
     shared: &Shared,
     stream: TcpStream,
-    rx: &mut mpsc::Receiver<NodeBatch>,
+    rx: &mut mpsc::Receiver<Queued>,
+    budget: &Budget,
 ) -> std::io::Result<()> {
     let (mut read, mut write) = stream.into_split();
     let mut buf = Vec::new();
@@ -283,12 +368,14 @@ async fn send_loop(
     loop {
         tokio::select! {
             b = rx.recv() => {
-                let Some(b) = b else { return Ok(()) };
+                let Some(q) = b else { return Ok(()) };
                 buf.clear();
-                encode(shared, &b, &mut buf);
+                budget.give(q.bytes);
+                encode(shared, &q.batch, &mut buf);
                 while buf.len() < WRITE_CHUNK {
-                    let Ok(b) = rx.try_recv() else { break };
-                    encode(shared, &b, &mut buf);
+                    let Ok(q) = rx.try_recv() else { break };
+                    budget.give(q.bytes);
+                    encode(shared, &q.batch, &mut buf);
                 }
                 write.write_all(&buf).await?;
                 if buf.capacity() > 4 * WRITE_CHUNK {
@@ -384,17 +471,29 @@ async fn serve(
             }
             Err(e) => return bad_frame(&shared, peer, remote, &e),
         };
+        let bytes = frame.len();
+        if !shared.inbound_budget.take(bytes) {
+            bump(&shared.counters.dropped_in);
+            continue;
+        }
         let batch = match wire::decode_batch(frame) {
             Ok(b) => b,
-            Err(e) => return bad_frame(&shared, peer, remote, &e),
+            Err(e) => {
+                shared.inbound_budget.give(bytes);
+                return bad_frame(&shared, peer, remote, &e);
+            }
         };
         if batch.from != peer || batch.to != me {
+            shared.inbound_budget.give(bytes);
             let e = format!("batch from {} to {} on this link", batch.from, batch.to);
             return bad_frame(&shared, peer, remote, &e);
         }
-        match shared.inbound.try_send(batch) {
+        match shared.inbound.try_send(Queued { batch, bytes }) {
             Ok(()) => bump(&shared.counters.batches_in),
-            Err(crossbeam_channel::TrySendError::Full(_)) => bump(&shared.counters.dropped_in),
+            Err(crossbeam_channel::TrySendError::Full(_)) => {
+                shared.inbound_budget.give(bytes);
+                bump(&shared.counters.dropped_in);
+            }
             Err(crossbeam_channel::TrySendError::Disconnected(_)) => return,
         }
     }
@@ -427,5 +526,22 @@ fn refused(shared: &Shared, remote: SocketAddr, e: &dyn std::fmt::Display) {
         tracing::warn!(node = shared.me, %remote, error = %e, "cluster connection refused");
     } else {
         tracing::debug!(node = shared.me, %remote, error = %e, "cluster connection refused");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_budget_refuses_what_would_exceed_it_until_bytes_come_back() {
+        let b = Budget::new(100);
+        assert!(b.take(60));
+        assert!(!b.take(41));
+        assert!(b.take(40));
+        assert!(!b.take(1));
+        b.give(60);
+        assert!(b.take(60));
+        assert!(!b.take(usize::MAX));
     }
 }

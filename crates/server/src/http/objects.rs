@@ -465,6 +465,7 @@ mod tests {
             policy: Some("p".into()),
             operator_policy: None,
             effective_policy_definition: Default::default(),
+            replica: None,
         };
         let r = QueueRates {
             publish: 1.5,
