@@ -45,7 +45,7 @@ pub mod stats;
 pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
 };
-pub use broker::{group_of, Broker, ConsumerTimeout, Proposal, QueueInfo};
+pub use broker::{group_of, Broker, ConsumerTimeout, Proposal, QueueInfo, REPLICATED_MAX_BODY};
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;
 pub use persist::{

@@ -550,3 +550,50 @@ fn a_publish_forwarded_to_a_leader_that_dies_goes_to_the_next_one_and_is_confirm
     let next = c.leader();
     assert_eq!(c.counts(next), (2, 0));
 }
+
+#[test]
+fn a_refused_proposal_nacks_what_waited_and_the_leader_acts_again_from_the_committed_state() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let kept = c.publish(leader, 1);
+    c.run(10);
+    assert!(c.confirmed(leader, kept));
+    // Raft refuses the next proposal (as one too large for the transport).
+    let refused = c.publish(leader, 2);
+    let mut lost = Vec::new();
+    c.broker(leader).take_proposals(&mut lost);
+    assert_eq!(lost.len(), 1);
+    let group = c.group;
+    c.broker(leader).proposal_refused(group, true);
+    assert!(c.broker(leader).take_lost().is_some_and(|l| l >= refused));
+    assert_eq!(c.counts(leader), (1, 0), "back to what the log has");
+    // It leads again once its new term's marker is applied.
+    let again = loop {
+        c.step();
+        if c.members[&leader].broker.acts_on(c.id(leader)) {
+            break c.publish(leader, 3);
+        }
+    };
+    c.run(20);
+    assert!(c.confirmed(leader, again));
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_eq!(c.counts(leader), (2, 0));
+}
+
+#[test]
+fn a_message_too_large_for_the_transport_is_nacked_not_proposed() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let mut m = message(0);
+    m.body = Bytes::from(vec![7u8; warren_broker::REPLICATED_MAX_BODY + 1]);
+    let now = c.now;
+    let r = c
+        .broker(leader)
+        .publish("/", "", "jobs", m, now)
+        .expect("publish");
+    assert!(r.rejected, "a nack");
+    let mut props = Vec::new();
+    c.broker(leader).take_proposals(&mut props);
+    assert!(props.is_empty());
+}

@@ -190,9 +190,13 @@ impl crate::cluster::RaftEvents for RaftReports {
     }
 
     fn refused(&self, group: warren_broker::GroupId, _data: Vec<u8>, leader: Option<u64>) {
-        // The leader change that explains it comes as `leaders`: the queue steps down there
-        // and what it proposed in vain is nacked.
+        // The queue ran ahead with it: it falls back and nacks what waited (a leader change,
+        // reported as `leaders` too, or an entry too large while this node still leads).
         tracing::debug!(group = group.0, ?leader, "proposal refused by raft");
+        self.0.with_node(|node, now| {
+            let here = node.broker().cluster_node();
+            node.proposal_refused(group.0, leader.is_some() && leader == here, now);
+        });
     }
 
     fn forwarded(&self, entries: Vec<(u64, crate::cluster::Forward)>) {

@@ -265,6 +265,13 @@ impl Node {
         self.after_replication(now);
     }
 
+    /// Raft refused a proposal for `group` (see `Broker::proposal_refused`).
+    pub fn proposal_refused(&mut self, group: u64, still_leads: bool, now: u64) {
+        self.broker.advance_time(now);
+        self.broker.proposal_refused(group, still_leads);
+        self.after_replication(now);
+    }
+
     fn after_replication(&mut self, now: u64) {
         if let Some(lost) = self.broker.take_lost() {
             self.release_confirms(lost, false, now);

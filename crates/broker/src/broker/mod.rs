@@ -17,7 +17,7 @@ use metadata::*;
 use persistence::*;
 use publish::*;
 use replicated::not_led_here;
-pub use replicated::{group_of, Proposal};
+pub use replicated::{group_of, Proposal, REPLICATED_MAX_BODY};
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};

@@ -473,6 +473,18 @@ impl Broker {
             let now = self.now_ms;
             // The copy's meta depends on its queue (TTL, priorities): built from the same
             // lookup that applies the command.
+            if self.queues.get(id).is_some_and(|q| q.replica.is_some())
+                && message.body.len() > super::replicated::REPLICATED_MAX_BODY
+            {
+                tracing::warn!(
+                    queue = id.0,
+                    size = message.body.len(),
+                    "message too large for a replicated queue (32 MiB at most): nacked"
+                );
+                routed += 1;
+                rejected += 1;
+                continue;
+            }
             let Some((reply, meta)) = self.run_with(*id, |q| {
                 let meta = MsgMeta {
                     pageable: paging && kind != Kept::Memory && may_page(q),

@@ -24,6 +24,10 @@ struct Token {
     forwarded: bool,
 }
 
+/// The largest message body a replicated queue takes: its entry must fit in one frame of the
+/// cluster's transport (64 MiB), with room to spare. A larger one is nacked.
+pub const REPLICATED_MAX_BODY: usize = 32 << 20;
+
 /// A publish this node forwarded, until it is applied.
 #[derive(Debug)]
 struct Kept {
@@ -811,6 +815,53 @@ impl Broker {
             if applied {
                 self.finish_effects(id);
             }
+        }
+    }
+
+    /// Raft refused a proposal of this node (it no longer leads, or the entry was too large):
+    /// the machine that ran ahead with it falls back to the committed state, what this node
+    /// still waits for in the group is nacked, and, if Raft still has it lead, a new term
+    /// marker brings it back to acting once everything before is applied.
+    pub fn proposal_refused(&mut self, group: u64, still_leads: bool) {
+        let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
+            return;
+        };
+        let here = self
+            .queues
+            .get(&id)
+            .and_then(|q| q.replica.as_ref())
+            .is_some_and(|r| !matches!(r.mode, Mode::Following));
+        if !here {
+            return;
+        }
+        tracing::warn!(
+            group,
+            "a proposal was refused: the queue falls back to its committed state"
+        );
+        self.step_down(id);
+        if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
+            r.stepped_down = None;
+            r.applied_own = r.proposed;
+        }
+        if let Some(c) = self.cluster.as_mut() {
+            let mut outcomes = Vec::new();
+            c.abandon(group, &mut outcomes);
+            for o in outcomes {
+                c.settle(o);
+            }
+        }
+        if still_leads {
+            let node = self.cluster_node();
+            if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
+                // Elected again as far as this queue knows: its next marker decides.
+                r.leader = None;
+            }
+            let term = self
+                .queues
+                .get(&id)
+                .and_then(|q| q.replica.as_ref())
+                .map_or(0, |r| r.term);
+            self.set_leader(group, node, term);
         }
     }
 

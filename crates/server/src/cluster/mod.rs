@@ -77,7 +77,8 @@ pub trait RaftEvents: Send + 'static {
     /// Groups whose leader changed (`None`: no leader known for now), with the group's term.
     fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>);
     /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
-    /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`]. `data` is the
+    /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`] (`leader` is who
+    /// leads, this node included). `data` is the
     /// proposal's (empty only if raft-rs itself dropped it).
     fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>);
     /// Proposals other nodes sent for groups they believe this node leads, with the sender.

@@ -149,7 +149,8 @@ impl<E: RaftEvents> Driver<E> {
                     bytes = data.len(),
                     "proposal too large to replicate"
                 );
-                self.refused.push((group, data, None));
+                let leader = self.raft.leader_of(group);
+                self.refused.push((group, data, leader));
             }
             Command::Propose(group, data) => {
                 if let Err(r) = self.raft.try_propose(group, data) {
