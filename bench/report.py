@@ -525,6 +525,15 @@ def report(results, out_path, chart_path, notes_path=None):
         L.append("")
         L.append(mgmt)
         L.append("")
+    cluster_path, cluster = latest_deep_summary(os.path.dirname(os.path.abspath(__file__)), "cluster.md")
+    if cluster:
+        rel = os.path.relpath(cluster_path, os.path.dirname(os.path.abspath(out_path)) or ".")
+        L.append("## Replicated queues on a 3-node cluster")
+        L.append("")
+        L.append(f"From `bench/failover.py` and `bench/cluster.sh` (kept in [bench/cluster.md]({rel})):")
+        L.append("")
+        L.append(cluster)
+        L.append("")
     L.append(f"## What {b_name} persists in these runs")
     L.append("")
     if meta.get("self_test"):

@@ -554,6 +554,37 @@ impl MultiRaft {
     }
 
     /// Wakes the groups whose leader was `node`, so they time out and elect.
+    /// The transport saw the peer's connection end. On loopback or a LAN that is its process
+    /// gone (a crash, a SIGKILL: the kernel closes its sockets), so it is down now rather than
+    /// after `node_down_ticks`, and each group it led elects at its next ticks: its members stop
+    /// honouring the dead leader's lease (raft-rs refuses votes within it) and the member whose
+    /// election timeout is the shortest campaigns first. A machine that vanishes without closing
+    /// anything is still found by the missing heartbeats. A peer that is in fact alive (a
+    /// connection reset) costs an election at most, and is up again at its next batch.
+    pub fn peer_lost(&mut self, node: NodeId) {
+        let Some(p) = self.peers.get_mut(&node) else {
+            return;
+        };
+        if p.up {
+            tracing::info!(node, "peer node's connection closed: down");
+        }
+        p.up = false;
+        let orphans: Vec<GroupId> = self
+            .groups
+            .iter_mut()
+            .filter(|(_, g)| g.raw.raft.leader_id == node && g.raw.raft.state != StateRole::Leader)
+            .map(|(id, g)| {
+                let r = &mut g.raw.raft;
+                r.election_elapsed = r.election_elapsed.max(r.election_timeout());
+                *id
+            })
+            .collect();
+        for id in orphans {
+            self.wake(id);
+            self.touched.insert(id);
+        }
+    }
+
     fn wake_orphans_of(&mut self, node: NodeId) {
         let orphans: Vec<GroupId> = self
             .groups

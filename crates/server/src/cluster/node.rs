@@ -117,6 +117,10 @@ impl<E: RaftEvents> Driver<E> {
     /// the broker (after this pass's committed entries, so it sees the leader changes first).
     fn inbound(&mut self, q: Queued) {
         self.inbound_budget.give(q.bytes);
+        if q.lost {
+            self.raft.peer_lost(q.batch.from);
+            return;
+        }
         let mut b = q.batch;
         let from = b.from;
         self.forwarded.extend(

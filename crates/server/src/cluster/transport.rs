@@ -75,6 +75,8 @@ impl Budget {
 pub(crate) struct Queued {
     pub(crate) batch: NodeBatch,
     pub(crate) bytes: usize,
+    /// Not a batch: the connection `batch.from` made to this node has ended.
+    pub(crate) lost: bool,
 }
 
 /// What a batch weighs in a queue: its entries' data and a little per message (the encoded size
@@ -142,7 +144,11 @@ impl Outbound {
             bump(&self.counters.dropped_out);
             return;
         }
-        match link.try_send(Queued { batch, bytes }) {
+        match link.try_send(Queued {
+            batch,
+            bytes,
+            lost: false,
+        }) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
                 budget.give(bytes);
@@ -458,16 +464,32 @@ async fn serve(
         n.notify_one();
     }
     let mut read = BufReader::with_capacity(64 << 10, stream);
+    // The peer's own connection ending is the first sign of its death: the Raft thread hears of
+    // it at once (see `MultiRaft::peer_lost`).
+    let lost = |shared: &Shared| {
+        let batch = NodeBatch {
+            from: peer,
+            boot: 0,
+            to: me,
+            msgs: Vec::new(),
+            forwards: Vec::new(),
+        };
+        let _ = shared.inbound.try_send(Queued {
+            batch,
+            bytes: 0,
+            lost: true,
+        });
+    };
     loop {
         let frame = match wire::read_frame(&mut read).await {
             Ok(Some(frame)) => frame,
             Ok(None) => {
                 tracing::info!(node = me, peer, %remote, "cluster peer disconnected");
-                return;
+                return lost(&shared);
             }
             Err(WireError::Io(e)) => {
                 tracing::info!(node = me, peer, %remote, error = %e, "cluster peer disconnected");
-                return;
+                return lost(&shared);
             }
             Err(e) => return bad_frame(&shared, peer, remote, &e),
         };
@@ -488,7 +510,11 @@ async fn serve(
             let e = format!("batch from {} to {} on this link", batch.from, batch.to);
             return bad_frame(&shared, peer, remote, &e);
         }
-        match shared.inbound.try_send(Queued { batch, bytes }) {
+        match shared.inbound.try_send(Queued {
+            batch,
+            bytes,
+            lost: false,
+        }) {
             Ok(()) => bump(&shared.counters.batches_in),
             Err(crossbeam_channel::TrySendError::Full(_)) => {
                 shared.inbound_budget.give(bytes);
