@@ -100,6 +100,29 @@ fn hibernating_groups_elect_on_the_survivors_when_their_leader_node_dies() {
 }
 
 #[test]
+fn groups_elect_at_their_next_ticks_when_the_dead_leaders_connection_is_seen_closing() {
+    let mut sim = settled(1, 300);
+    sim.run_until_asleep(100).expect("asleep");
+    sim.kill(1);
+    for n in [2, 3] {
+        if let Some(node) = sim.nodes.get_mut(&n) {
+            node.raft.peer_lost(1);
+        }
+    }
+    let took = sim.run_until_led(60).expect("new leaders");
+    // A pre-vote and a vote round after the shortest election timeout's last ticks: far less
+    // than detection by missing heartbeats plus a full timeout (18 ticks measured).
+    assert!(took <= 10, "took {took} ticks");
+    for g in 0..300 {
+        assert!(sim.propose(GroupId(g), format!("after {g}").into_bytes()));
+    }
+    sim.run_until_asleep(100)
+        .expect("asleep after the proposals");
+    assert_eq!(sim.committed_ever.len(), 300);
+    sim.assert_applied_everywhere(&[2, 3]);
+}
+
+#[test]
 fn a_leader_node_that_restarts_before_it_is_seen_down_loses_nothing() {
     let mut sim = settled(3, 30);
     for g in 0..30 {
