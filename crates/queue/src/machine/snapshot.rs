@@ -88,6 +88,46 @@ impl QueueMachine<Message> {
     /// layout). Refused for a machine with paged runs ([`SnapshotError::Paged`]); `out` is left
     /// as it was then.
     pub fn snapshot(&self, out: &mut BytesMut) -> Result<(), SnapshotError> {
+        // Every field by name, none with `..`: a field added to the machine does not compile
+        // until it is written below (or said to be derived) and read back in `machine`.
+        let QueueMachine {
+            next_id: _,
+            ready: _,
+            tail: _,
+            tail_count: _, // derived: the tail holds messages only
+            tail_runs: _,  // derived: none
+            paged_below: _,
+            paged_out_total: _,
+            loaded_total: _,
+            returned: _,
+            by_priority: _,
+            in_flight: _,
+            consumers: _,
+            service: _,
+            policy: _,
+            active: _,
+            last_used: _,
+            credit: _,
+            exclusive_consumer: _,
+            has_had_consumers: _,
+            visibility: _,
+            ack_deadlines: _,
+            timers: _,
+            retrying: _,
+            retry_due: _,
+            retrying_bytes: _,
+            expiries: _,
+            expiries_in_order: _,
+            ready_bytes: _,
+            in_flight_bytes: _,
+            group_locks: _,
+            parked: _,
+            parked_count: _, // derived: the parked lines' lengths
+            enqueuers: _,
+            expiry_caps: _,
+            last_index: _,
+            now_ms: _,
+        } = self;
         let runs = self.runs().count();
         if runs > 0 {
             return Err(SnapshotError::Paged { runs });
@@ -390,54 +430,51 @@ impl SnapReader {
     }
 
     fn machine(&mut self) -> Result<QueueMachine<Message>, SnapshotError> {
-        let mut m = QueueMachine::<Message>::default();
-        m.last_index = self.u64("last index")?;
-        m.now_ms = self.u64("time")?;
-        m.next_id = self.u64("next id")?;
-        m.last_used = self.u64("last used")?;
-        m.ready_bytes = self.u64("ready bytes")?;
-        m.in_flight_bytes = self.u64("in-flight bytes")?;
-        m.retrying_bytes = self.u64("retrying bytes")?;
-        m.paged_below = self.u64("paged below")?;
-        m.paged_out_total = self.u64("paged out")?;
-        m.loaded_total = self.u64("loaded")?;
-        m.policy = self.0.policy()?;
-        m.active = self.opt_consumer("active consumer")?;
-        m.exclusive_consumer = self.opt_consumer("exclusive consumer")?;
-        m.has_had_consumers = self.flag("had consumers")?;
+        let last_index = self.u64("last index")?;
+        let now_ms = self.u64("time")?;
+        let next_id = self.u64("next id")?;
+        let last_used = self.u64("last used")?;
+        let ready_bytes = self.u64("ready bytes")?;
+        let in_flight_bytes = self.u64("in-flight bytes")?;
+        let retrying_bytes = self.u64("retrying bytes")?;
+        let paged_below = self.u64("paged below")?;
+        let paged_out_total = self.u64("paged out")?;
+        let loaded_total = self.u64("loaded")?;
+        let policy = self.0.policy()?;
+        let active = self.opt_consumer("active consumer")?;
+        let exclusive_consumer = self.opt_consumer("exclusive consumer")?;
+        let has_had_consumers = self.flag("had consumers")?;
 
-        m.ready = self.entries("ready")?;
+        let ready = self.entries("ready")?;
         let tail = self.entries("tail")?;
-        m.tail_count = tail.len() as u64;
-        m.tail = tail.into_iter().map(Slot::Msg).collect();
-        m.returned = self.entry_map("returned")?;
+        let returned = self.entry_map("returned")?;
         let n = self.count(1 + MIN_ENTRY_BYTES, "by priority")?;
-        m.by_priority = self.map(n, "by priority", |r| {
+        let by_priority = self.map(n, "by priority", |r| {
             let level = r.0.u8("priority level")?;
             let e = r.entry()?;
             Ok(((level, e.id), e))
         })?;
         let n = self.count(8 + MIN_ENTRY_BYTES, "retrying")?;
-        m.retrying = self.map(n, "retrying", |r| {
+        let retrying = self.map(n, "retrying", |r| {
             let at = r.u64("retry due")?;
             let e = r.entry()?;
             Ok((e.id, (at, e)))
         })?;
-        m.retry_due = self.pair_set("retry due")?;
+        let retry_due = self.pair_set("retry due")?;
         let n = self.count(12, "parked groups")?;
-        m.parked = self.map(n, "parked groups", |r| {
-            let g = r.group_key("parked group")?;
-            let line = r.entry_map("parked")?;
-            Ok((g, line))
-        })?;
-        m.parked_count = m.parked.values().map(BTreeMap::len).sum();
+        let parked: BTreeMap<GroupKey, BTreeMap<u64, Entry<Message>>> =
+            self.map(n, "parked groups", |r| {
+                let g = r.group_key("parked group")?;
+                let line = r.entry_map("parked")?;
+                Ok((g, line))
+            })?;
         let n = self.count(16, "group locks")?;
-        m.group_locks = self.map(n, "group locks", |r| {
+        let group_locks = self.map(n, "group locks", |r| {
             Ok((r.group_key("locked group")?, r.u64("lock holder")?))
         })?;
 
         let n = self.count(3 + MIN_ENTRY_BYTES, "in flight")?;
-        m.in_flight = self.map(n, "in flight", |r| {
+        let in_flight = self.map(n, "in flight", |r| {
             let holder = match r.0.u8("holder")? {
                 0 => Holder::Consumer(ConsumerId(r.u64("holder")?)),
                 1 => Holder::Get(r.0.u16("holder")?),
@@ -447,7 +484,7 @@ impl SnapReader {
             Ok((entry.id, InFlight { holder, entry }))
         })?;
         let n = self.count(11, "timers")?;
-        m.timers = self.map(n, "timers", |r| {
+        let timers = self.map(n, "timers", |r| {
             let id = r.u64("timer")?;
             let group = match r.flag("timer group")? {
                 true => Some(r.0.group()?),
@@ -464,12 +501,12 @@ impl SnapReader {
                 },
             ))
         })?;
-        m.visibility = self.pair_set("visibility deadlines")?;
-        m.ack_deadlines = self.pair_set("ack deadlines")?;
+        let visibility = self.pair_set("visibility deadlines")?;
+        let ack_deadlines = self.pair_set("ack deadlines")?;
 
         // A spec is at least its group, tag length, flags, prefetch, priority and table length.
         let n = self.count(8 + 10 + 1 + 1 + 4 + 8 + 4 + 4 + 1 + 2, "consumers")?;
-        m.consumers = self.map(n, "consumers", |r| {
+        let consumers = self.map(n, "consumers", |r| {
             let id = ConsumerId(r.u64("consumer")?);
             let spec = r.0.consumer_spec()?;
             let held = r.0.u32("held")?;
@@ -498,26 +535,63 @@ impl SnapReader {
             }
             levels.push((priority, line));
         }
-        m.service = Service { levels };
         let n = self.count(10 + 1 + 1, "credit")?;
-        m.credit = self.map(n, "credit", |r| {
+        let credit = self.map(n, "credit", |r| {
             let g: CreditGroup = r.0.group()?;
             let blocked = r.flag("credit blocked")?;
             let limit = r.opt_u32("credit limit")?;
             Ok((g, Credit { blocked, limit }))
         })?;
 
-        m.expiries = self.pair_set("expiries")?;
-        m.expiries_in_order = self.pair_list("expiries in order")?.into();
+        let expiries = self.pair_set("expiries")?;
+        let expiries_in_order = self.pair_list("expiries in order")?.into();
         let n = self.count(17, "enqueuers")?;
-        m.enqueuers = self.map(n, "enqueuers", |r| {
+        let enqueuers = self.map(n, "enqueuers", |r| {
             let id = EnqueuerId(r.u64("enqueuer")?);
             let seq = r.u64("enqueuer sequence")?;
             let refused = r.0.opt_u64("enqueuer refused")?;
             Ok((id, Enqueuer { seq, refused }))
         })?;
-        m.expiry_caps = self.pair_list("expiry caps")?;
-        Ok(m)
+        let expiry_caps = self.pair_list("expiry caps")?;
+        // No `..Default::default()`: every field is read or derived here.
+        Ok(QueueMachine {
+            next_id,
+            tail_count: tail.len() as u64,
+            tail_runs: 0,
+            tail: tail.into_iter().map(Slot::Msg).collect(),
+            ready,
+            paged_below,
+            paged_out_total,
+            loaded_total,
+            returned,
+            by_priority,
+            in_flight,
+            consumers,
+            service: Service { levels },
+            policy,
+            active,
+            last_used,
+            credit,
+            exclusive_consumer,
+            has_had_consumers,
+            visibility,
+            ack_deadlines,
+            timers,
+            retrying,
+            retry_due,
+            retrying_bytes,
+            expiries,
+            expiries_in_order,
+            ready_bytes,
+            in_flight_bytes,
+            group_locks,
+            parked_count: parked.values().map(BTreeMap::len).sum(),
+            parked,
+            enqueuers,
+            expiry_caps,
+            last_index,
+            now_ms,
+        })
     }
 }
 
