@@ -421,6 +421,14 @@ fn snapshot(m: &QueueMachine<Message>) -> Result<Bytes, TestCaseError> {
     Ok(out.freeze())
 }
 
+/// Every state on the way round-trips too (cheap on these small machines).
+fn round_trips(m: &QueueMachine<Message>) -> Result<(), TestCaseError> {
+    let back = QueueMachine::restore_snapshot(snapshot(m)?)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    prop_assert_eq!(back.digest(), m.digest());
+    Ok(())
+}
+
 fn step(
     m: &mut QueueMachine<Message>,
     meta: Meta,
@@ -461,6 +469,7 @@ proptest! {
             let Some((meta, c)) = d.command(op, &a) else { continue };
             step(&mut a, meta, c, &mut effects);
             d.saw(&effects);
+            round_trips(&a)?;
         }
         let bytes = snapshot(&a)?;
         let mut b = QueueMachine::restore_snapshot(bytes.clone())

@@ -86,7 +86,21 @@ fn put_opt_consumer(out: &mut BytesMut, c: Option<ConsumerId>) {
 impl QueueMachine<Message> {
     /// Appends the machine's whole state to `out` (see the module's documentation for the
     /// layout). Refused for a machine with paged runs ([`SnapshotError::Paged`]); `out` is left
-    /// as it was then.
+    /// as it was then. A Raft snapshot's data is the frozen buffer, and the machine comes back
+    /// from it with [`Self::restore_snapshot`]:
+    ///
+    /// ```
+    /// use bytes::BytesMut;
+    /// use warren_queue::machine::{QueueMachine, SnapshotError};
+    /// use warren_queue::Message;
+    ///
+    /// let m = QueueMachine::<Message>::new();
+    /// let mut out = BytesMut::new();
+    /// m.snapshot(&mut out)?;
+    /// let back = QueueMachine::restore_snapshot(out.freeze())?;
+    /// assert_eq!(back.digest(), m.digest());
+    /// # Ok::<(), SnapshotError>(())
+    /// ```
     pub fn snapshot(&self, out: &mut BytesMut) -> Result<(), SnapshotError> {
         // Every field by name, none with `..`: a field added to the machine does not compile
         // until it is written below (or said to be derived) and read back in `machine`.
