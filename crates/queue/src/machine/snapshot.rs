@@ -8,9 +8,12 @@
 //! machine's own order, so the same machine always gives the same bytes and a restored one
 //! snapshots to the bytes it came from.
 //!
-//! Reading trusts nothing: every length and count is checked against the bytes left before
-//! anything is allocated from it, keys must come strictly in order (a duplicate would lose an
-//! entry and break the counters), and bytes left after the state are an error.
+//! Reading never panics and never allocates more than the input can justify: every length and
+//! count is checked against the bytes left before anything is allocated from it, keys must come
+//! strictly in order (a duplicate would lose an entry and break the counters), and bytes left
+//! after the state are an error. It does not check the state against itself (counters against
+//! contents, ids against the next id): a snapshot comes from a member of the queue's group, and
+//! its checksum stands against damage, not against a hostile peer, as with the log's entries.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -44,6 +47,9 @@ pub enum SnapshotError {
         "{runs} paged runs are on this node's disk only: a machine that pages has no snapshot"
     )]
     Paged { runs: usize },
+    /// More items than a count of the format holds (2^32: far beyond any queue in memory).
+    #[error("{items} items are more than a snapshot holds")]
+    TooLarge { items: usize },
     #[error("snapshot format version {found}, this build reads version {SNAPSHOT_VERSION}")]
     UnknownVersion { found: u8 },
     #[error("snapshot checksum mismatch")]
@@ -60,6 +66,7 @@ impl From<LogError> for SnapshotError {
 }
 
 fn put_len(out: &mut BytesMut, n: usize) {
+    // `snapshot` refused a machine with a collection this large: never cut.
     out.put_u32(u32::try_from(n).unwrap_or(u32::MAX));
 }
 
@@ -154,6 +161,16 @@ impl QueueMachine<Message> {
             })
             .sum();
         let entries = self.ready_count() + self.in_flight.len();
+        // Every collection holds at most this many (timers and deadlines are per message).
+        let items = entries
+            .saturating_add(self.consumers.len())
+            .saturating_add(self.service.levels.len())
+            .saturating_add(self.credit.len())
+            .saturating_add(self.enqueuers.len())
+            .saturating_add(self.expiry_caps.len());
+        if u32::try_from(items).is_err() {
+            return Err(SnapshotError::TooLarge { items });
+        }
         out.reserve(payload.saturating_add(entries.saturating_mul(MIN_ENTRY_BYTES + 16)));
 
         let start = out.len();
