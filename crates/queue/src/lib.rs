@@ -3,7 +3,8 @@
 //! A queue is a pure function of the commands it is given ([`machine::QueueMachine::apply`],
 //! modelled on RabbitMQ's `rabbit_fifo`): no I/O, no clock reads, time arrives in
 //! [`machine::Meta`]. The broker drives it on a single node today; a replicated queue applies
-//! the same commands from a committed Raft log on every member. This crate depends on the
+//! the same commands from a committed Raft log on every member, and a member far behind starts
+//! from a snapshot of the state ([`machine::QueueMachine::snapshot`]). This crate depends on the
 //! codec alone, so the broker and the replication layer can both sit on top of it.
 
 pub mod log;

@@ -112,17 +112,17 @@ const UNREGISTER: u8 = 23;
 const GET_BY: u8 = 24;
 const CAP_EXPIRY: u8 = 25;
 
-fn put_short(out: &mut BytesMut, s: &ShortStr) {
+pub(crate) fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
     out.put_slice(s.as_bytes());
 }
 
-fn put_long(out: &mut BytesMut, b: &[u8]) {
+pub(crate) fn put_long(out: &mut BytesMut, b: &[u8]) {
     out.put_u32(u32::try_from(b.len()).unwrap_or(u32::MAX));
     out.put_slice(b);
 }
 
-fn put_opt_u64(out: &mut BytesMut, v: Option<u64>) {
+pub(crate) fn put_opt_u64(out: &mut BytesMut, v: Option<u64>) {
     match v {
         Some(v) => {
             out.put_u8(1);
@@ -132,17 +132,17 @@ fn put_opt_u64(out: &mut BytesMut, v: Option<u64>) {
     }
 }
 
-fn put_receipt(out: &mut BytesMut, r: Receipt) {
+pub(crate) fn put_receipt(out: &mut BytesMut, r: Receipt) {
     out.put_u64(r.msg_id);
     out.put_u32(r.attempt);
 }
 
-fn put_group(out: &mut BytesMut, g: CreditGroup) {
+pub(crate) fn put_group(out: &mut BytesMut, g: CreditGroup) {
     out.put_u64(g.conn);
     out.put_u16(g.channel);
 }
 
-fn put_message(out: &mut BytesMut, message: &Message) {
+pub(crate) fn put_message(out: &mut BytesMut, message: &Message) {
     put_short(out, &message.exchange);
     put_short(out, &message.routing_key);
     put_long(out, &message.properties);
@@ -151,7 +151,7 @@ fn put_message(out: &mut BytesMut, message: &Message) {
     put_opt_u64(out, message.store_key);
 }
 
-fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
+pub(crate) fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
     out.put_u64(meta.size);
     put_opt_u64(out, meta.expires_at);
     out.put_u8(u8::from(meta.pageable) | u8::from(meta.spilled) << 1);
@@ -159,7 +159,7 @@ fn put_msg_meta(out: &mut BytesMut, meta: &MsgMeta) {
     put_opt_u64(out, meta.group.map(std::num::NonZeroU64::get));
 }
 
-fn put_policy(out: &mut BytesMut, p: &Policy) {
+pub(crate) fn put_policy(out: &mut BytesMut, p: &Policy) {
     put_opt_u64(out, p.max_length);
     put_opt_u64(out, p.max_length_bytes);
     out.put_u8(match p.overflow {
@@ -183,6 +183,15 @@ fn put_policy(out: &mut BytesMut, p: &Policy) {
         }
         None => out.put_u8(0),
     }
+}
+
+pub(crate) fn put_consumer_spec(out: &mut BytesMut, spec: &ConsumerSpec) {
+    put_group(out, spec.group);
+    put_short(out, &spec.tag);
+    out.put_u8(u8::from(spec.no_ack) | u8::from(spec.exclusive) << 1);
+    out.put_u32(spec.prefetch);
+    out.put_i64(spec.priority);
+    spec.arguments.encode(out);
 }
 
 /// Appends one record to `out`.
@@ -388,12 +397,7 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
         Command::Consume { id, spec } => {
             out.put_u8(CONSUME);
             out.put_u64(id.0);
-            put_group(out, spec.group);
-            put_short(out, &spec.tag);
-            out.put_u8(u8::from(spec.no_ack) | u8::from(spec.exclusive) << 1);
-            out.put_u32(spec.prefetch);
-            out.put_i64(spec.priority);
-            spec.arguments.encode(out);
+            put_consumer_spec(out, spec);
         }
         Command::Cancel { id } => {
             out.put_u8(CANCEL);
@@ -461,47 +465,57 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
 }
 
 /// Reads a record body; every length is checked against what is left.
-struct Reader {
-    buf: Bytes,
+pub(crate) struct Reader {
+    pub(crate) buf: Bytes,
     record: u64,
 }
 
 impl Reader {
-    fn fail(&self, what: impl Into<String>) -> LogError {
+    /// A reader of one body (a snapshot's: no record number).
+    pub(crate) fn new(buf: Bytes) -> Self {
+        Reader { buf, record: 0 }
+    }
+
+    pub(crate) fn fail(&self, what: impl Into<String>) -> LogError {
         LogError::Malformed {
             record: self.record,
             what: what.into(),
         }
     }
 
-    fn need(&self, n: usize, what: &str) -> Result<(), LogError> {
+    pub(crate) fn need(&self, n: usize, what: &str) -> Result<(), LogError> {
         if self.buf.remaining() < n {
             return Err(self.fail(format!("{what} cut short")));
         }
         Ok(())
     }
 
-    fn u8(&mut self, what: &str) -> Result<u8, LogError> {
+    pub(crate) fn u8(&mut self, what: &str) -> Result<u8, LogError> {
         self.need(1, what)?;
         Ok(self.buf.get_u8())
     }
 
-    fn u16(&mut self, what: &str) -> Result<u16, LogError> {
+    pub(crate) fn u16(&mut self, what: &str) -> Result<u16, LogError> {
         self.need(2, what)?;
         Ok(self.buf.get_u16())
     }
 
-    fn u32(&mut self, what: &str) -> Result<u32, LogError> {
+    pub(crate) fn u32(&mut self, what: &str) -> Result<u32, LogError> {
         self.need(4, what)?;
         Ok(self.buf.get_u32())
     }
 
-    fn u64(&mut self, what: &str) -> Result<u64, LogError> {
+    pub(crate) fn u64(&mut self, what: &str) -> Result<u64, LogError> {
         self.need(8, what)?;
         Ok(self.buf.get_u64())
     }
 
-    fn opt_u64(&mut self, what: &str) -> Result<Option<u64>, LogError> {
+    pub(crate) fn i64(&mut self, what: &str) -> Result<i64, LogError> {
+        self.need(8, what)?;
+        Ok(self.buf.get_i64())
+    }
+
+    pub(crate) fn opt_u64(&mut self, what: &str) -> Result<Option<u64>, LogError> {
         match self.u8(what)? {
             0 => Ok(None),
             1 => Ok(Some(self.u64(what)?)),
@@ -509,37 +523,37 @@ impl Reader {
         }
     }
 
-    fn bytes(&mut self, n: usize, what: &str) -> Result<Bytes, LogError> {
+    pub(crate) fn bytes(&mut self, n: usize, what: &str) -> Result<Bytes, LogError> {
         self.need(n, what)?;
         Ok(self.buf.split_to(n))
     }
 
-    fn short(&mut self, what: &str) -> Result<ShortStr, LogError> {
+    pub(crate) fn short(&mut self, what: &str) -> Result<ShortStr, LogError> {
         let n = usize::from(self.u8(what)?);
         let b = self.bytes(n, what)?;
         ShortStr::try_from_bytes(b).map_err(|e| self.fail(format!("{what}: {e}")))
     }
 
-    fn long(&mut self, what: &str) -> Result<Bytes, LogError> {
+    pub(crate) fn long(&mut self, what: &str) -> Result<Bytes, LogError> {
         let n = self.u32(what)? as usize;
         self.bytes(n, what)
     }
 
-    fn receipt(&mut self) -> Result<Receipt, LogError> {
+    pub(crate) fn receipt(&mut self) -> Result<Receipt, LogError> {
         Ok(Receipt {
             msg_id: self.u64("receipt")?,
             attempt: self.u32("receipt")?,
         })
     }
 
-    fn group(&mut self) -> Result<CreditGroup, LogError> {
+    pub(crate) fn group(&mut self) -> Result<CreditGroup, LogError> {
         Ok(CreditGroup {
             conn: self.u64("group")?,
             channel: self.u16("group")?,
         })
     }
 
-    fn message(&mut self) -> Result<Message, LogError> {
+    pub(crate) fn message(&mut self) -> Result<Message, LogError> {
         Ok(Message {
             exchange: self.short("exchange")?,
             routing_key: self.short("routing key")?,
@@ -550,7 +564,7 @@ impl Reader {
         })
     }
 
-    fn msg_meta(&mut self) -> Result<MsgMeta, LogError> {
+    pub(crate) fn msg_meta(&mut self) -> Result<MsgMeta, LogError> {
         let size = self.u64("size")?;
         let expires_at = self.opt_u64("expiry")?;
         let flags = self.u8("paging flags")?;
@@ -564,7 +578,7 @@ impl Reader {
         })
     }
 
-    fn policy(&mut self) -> Result<Policy, LogError> {
+    pub(crate) fn policy(&mut self) -> Result<Policy, LogError> {
         let max_length = self.opt_u64("max length")?;
         let max_length_bytes = self.opt_u64("max length bytes")?;
         let overflow = match self.u8("overflow")? {
@@ -600,6 +614,24 @@ impl Reader {
                 t => return Err(self.fail(format!("bad retry tag {t}"))),
             },
             deliver_on_apply: flags & 2 != 0,
+        })
+    }
+
+    pub(crate) fn consumer_spec(&mut self) -> Result<ConsumerSpec, LogError> {
+        let group = self.group()?;
+        let tag = self.short("tag")?;
+        let flags = self.u8("flags")?;
+        let prefetch = self.u32("prefetch")?;
+        let priority = self.i64("priority")?;
+        let arguments = FieldTable::decode(&mut self.buf).map_err(|e| self.fail(e.to_string()))?;
+        Ok(ConsumerSpec {
+            group,
+            tag,
+            no_ack: flags & 1 != 0,
+            prefetch,
+            exclusive: flags & 2 != 0,
+            priority,
+            arguments,
         })
     }
 
@@ -692,29 +724,10 @@ impl Reader {
                     through_id,
                 }
             }
-            CONSUME => {
-                let id = ConsumerId(self.u64("consumer")?);
-                let group = self.group()?;
-                let tag = self.short("tag")?;
-                let flags = self.u8("flags")?;
-                let prefetch = self.u32("prefetch")?;
-                self.need(8, "priority")?;
-                let priority = self.buf.get_i64();
-                let arguments =
-                    FieldTable::decode(&mut self.buf).map_err(|e| self.fail(e.to_string()))?;
-                Command::Consume {
-                    id,
-                    spec: ConsumerSpec {
-                        group,
-                        tag,
-                        no_ack: flags & 1 != 0,
-                        prefetch,
-                        exclusive: flags & 2 != 0,
-                        priority,
-                        arguments,
-                    },
-                }
-            }
+            CONSUME => Command::Consume {
+                id: ConsumerId(self.u64("consumer")?),
+                spec: self.consumer_spec()?,
+            },
             CANCEL => Command::Cancel {
                 id: ConsumerId(self.u64("consumer")?),
             },

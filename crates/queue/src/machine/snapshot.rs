@@ -1,0 +1,916 @@
+//! A queue machine's whole state as bytes and back: what a Raft snapshot carries, so that a
+//! replicated queue's log can be compacted and a follower far behind catches up from it.
+//!
+//! Layout: the format version ([`SNAPSHOT_VERSION`], one byte), a CRC-32 (big-endian) of
+//! everything after it, then the state field by field, in the order [`QueueMachine::snapshot`]
+//! writes it. Messages, message metadata, policies and consumer specs use the command log's
+//! encodings (`log.rs`). Every collection is a `u32` count followed by its items in the
+//! machine's own order, so the same machine always gives the same bytes and a restored one
+//! snapshots to the bytes it came from.
+//!
+//! Reading never panics and never allocates more than the input can justify: every length and
+//! count is checked against the bytes left before anything is allocated from it, keys must come
+//! strictly in order (a duplicate would lose an entry and break the counters), and bytes left
+//! after the state are an error. It does not check the state against itself (counters against
+//! contents, ids against the next id): a snapshot comes from a member of the queue's group, and
+//! its checksum stands against damage, not against a hostile peer, as with the log's entries.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use super::{
+    Consumer, ConsumerId, Credit, CreditGroup, Enqueuer, EnqueuerId, Entry, GroupKey, Holder,
+    InFlight, QueueMachine, Service, Slot, Timers,
+};
+use crate::log::{
+    put_consumer_spec, put_group, put_message, put_msg_meta, put_opt_u64, put_policy, LogError,
+    Reader,
+};
+use crate::Message;
+
+/// The version of the snapshot encoding. 1: the first.
+pub const SNAPSHOT_VERSION: u8 = 1;
+
+/// The fewest bytes an encoded entry takes (id, the message's four lengths and two flags, the
+/// meta's size, three options and two bytes, the delivery count and flags): what a count is
+/// checked against before anything is allocated for it.
+const MIN_ENTRY_BYTES: usize = 8 + (1 + 1 + 4 + 4 + 1 + 1) + (8 + 1 + 1 + 1 + 1) + 4 + 1;
+
+/// Why a machine could not be written as a snapshot, or bytes not read back as one.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SnapshotError {
+    /// Part of the ready line is paged out to this node's disk (a classic queue with a store):
+    /// those messages are not in memory and would mean nothing on another node. A replicated
+    /// queue never pages.
+    #[error(
+        "{runs} paged runs are on this node's disk only: a machine that pages has no snapshot"
+    )]
+    Paged { runs: usize },
+    /// More items than a count of the format holds (2^32: far beyond any queue in memory).
+    #[error("{items} items are more than a snapshot holds")]
+    TooLarge { items: usize },
+    #[error("snapshot format version {found}, this build reads version {SNAPSHOT_VERSION}")]
+    UnknownVersion { found: u8 },
+    #[error("snapshot checksum mismatch")]
+    Checksum,
+    #[error("snapshot malformed: {0}")]
+    Malformed(String),
+}
+
+impl From<LogError> for SnapshotError {
+    fn from(e: LogError) -> Self {
+        let LogError::Malformed { what, .. } = e;
+        SnapshotError::Malformed(what)
+    }
+}
+
+fn put_len(out: &mut BytesMut, n: usize) {
+    // `snapshot` refused a machine with a collection this large: never cut.
+    out.put_u32(u32::try_from(n).unwrap_or(u32::MAX));
+}
+
+fn put_entry(out: &mut BytesMut, e: &Entry<Message>) {
+    out.put_u64(e.id);
+    put_message(out, &e.msg);
+    put_msg_meta(out, &e.meta);
+    out.put_u32(e.delivery_count);
+    out.put_u8(u8::from(e.maybe_delivered) | u8::from(e.timed_out) << 1);
+}
+
+fn put_pairs<'a>(out: &mut BytesMut, n: usize, pairs: impl Iterator<Item = &'a (u64, u64)>) {
+    put_len(out, n);
+    for (a, b) in pairs {
+        out.put_u64(*a);
+        out.put_u64(*b);
+    }
+}
+
+fn put_opt_consumer(out: &mut BytesMut, c: Option<ConsumerId>) {
+    put_opt_u64(out, c.map(|c| c.0));
+}
+
+impl QueueMachine<Message> {
+    /// Appends the machine's whole state to `out` (see the module's documentation for the
+    /// layout). Refused for a machine with paged runs ([`SnapshotError::Paged`]); `out` is left
+    /// as it was then. A Raft snapshot's data is the frozen buffer, and the machine comes back
+    /// from it with [`Self::restore_snapshot`]:
+    ///
+    /// ```
+    /// use bytes::BytesMut;
+    /// use warren_queue::machine::{QueueMachine, SnapshotError};
+    /// use warren_queue::Message;
+    ///
+    /// let m = QueueMachine::<Message>::new();
+    /// let mut out = BytesMut::new();
+    /// m.snapshot(&mut out)?;
+    /// let back = QueueMachine::restore_snapshot(out.freeze())?;
+    /// assert_eq!(back.digest(), m.digest());
+    /// # Ok::<(), SnapshotError>(())
+    /// ```
+    pub fn snapshot(&self, out: &mut BytesMut) -> Result<(), SnapshotError> {
+        // Every field by name, none with `..`: a field added to the machine does not compile
+        // until it is written below (or said to be derived) and read back in `machine`.
+        let QueueMachine {
+            next_id: _,
+            ready: _,
+            tail: _,
+            tail_count: _, // derived: the tail holds messages only
+            tail_runs: _,  // derived: none
+            paged_below: _,
+            paged_out_total: _,
+            loaded_total: _,
+            returned: _,
+            by_priority: _,
+            in_flight: _,
+            consumers: _,
+            service: _,
+            policy: _,
+            active: _,
+            last_used: _,
+            credit: _,
+            exclusive_consumer: _,
+            has_had_consumers: _,
+            visibility: _,
+            ack_deadlines: _,
+            timers: _,
+            retrying: _,
+            retry_due: _,
+            retrying_bytes: _,
+            expiries: _,
+            expiries_in_order: _,
+            ready_bytes: _,
+            in_flight_bytes: _,
+            group_locks: _,
+            parked: _,
+            parked_count: _, // derived: the parked lines' lengths
+            enqueuers: _,
+            expiry_caps: _,
+            last_index: _,
+            now_ms: _,
+        } = self;
+        let runs = self.runs().count();
+        if runs > 0 {
+            return Err(SnapshotError::Paged { runs });
+        }
+        // One growth of `out` instead of a doubling series over a deep queue's bodies.
+        let payload: usize = self
+            .messages()
+            .map(|(_, m, _)| {
+                m.exchange.len() + m.routing_key.len() + m.properties.len() + m.body.len()
+            })
+            .sum();
+        let entries = self.ready_count() + self.in_flight.len();
+        // Every collection holds at most this many (timers and deadlines are per message).
+        let items = entries
+            .saturating_add(self.consumers.len())
+            .saturating_add(self.service.levels.len())
+            .saturating_add(self.credit.len())
+            .saturating_add(self.enqueuers.len())
+            .saturating_add(self.expiry_caps.len());
+        if u32::try_from(items).is_err() {
+            return Err(SnapshotError::TooLarge { items });
+        }
+        out.reserve(payload.saturating_add(entries.saturating_mul(MIN_ENTRY_BYTES + 16)));
+
+        let start = out.len();
+        out.put_u8(SNAPSHOT_VERSION);
+        out.put_u32(0);
+        for n in [
+            self.last_index,
+            self.now_ms,
+            self.next_id,
+            self.last_used,
+            self.ready_bytes,
+            self.in_flight_bytes,
+            self.retrying_bytes,
+            self.paged_below,
+            self.paged_out_total,
+            self.loaded_total,
+        ] {
+            out.put_u64(n);
+        }
+        put_policy(out, &self.policy);
+        put_opt_consumer(out, self.active);
+        put_opt_consumer(out, self.exclusive_consumer);
+        out.put_u8(u8::from(self.has_had_consumers));
+
+        put_len(out, self.ready.len());
+        for e in &self.ready {
+            put_entry(out, e);
+        }
+        // Messages only: runs were refused above.
+        put_len(out, self.tail.len());
+        for s in &self.tail {
+            if let Slot::Msg(e) = s {
+                put_entry(out, e);
+            }
+        }
+        put_len(out, self.returned.len());
+        for e in self.returned.values() {
+            put_entry(out, e);
+        }
+        put_len(out, self.by_priority.len());
+        for ((level, _), e) in &self.by_priority {
+            out.put_u8(*level);
+            put_entry(out, e);
+        }
+        put_len(out, self.retrying.len());
+        for (at, e) in self.retrying.values() {
+            out.put_u64(*at);
+            put_entry(out, e);
+        }
+        put_pairs(out, self.retry_due.len(), self.retry_due.iter());
+        put_len(out, self.parked.len());
+        for (g, line) in &self.parked {
+            out.put_u64(g.get());
+            put_len(out, line.len());
+            for e in line.values() {
+                put_entry(out, e);
+            }
+        }
+        put_len(out, self.group_locks.len());
+        for (g, id) in &self.group_locks {
+            out.put_u64(g.get());
+            out.put_u64(*id);
+        }
+
+        put_len(out, self.in_flight.len());
+        for f in self.in_flight.values() {
+            match f.holder {
+                Holder::Consumer(c) => {
+                    out.put_u8(0);
+                    out.put_u64(c.0);
+                }
+                Holder::Get(node) => {
+                    out.put_u8(1);
+                    out.put_u16(node);
+                }
+            }
+            put_entry(out, &f.entry);
+        }
+        put_len(out, self.timers.len());
+        for (id, t) in &self.timers {
+            out.put_u64(*id);
+            match t.group {
+                Some(g) => {
+                    out.put_u8(1);
+                    put_group(out, g);
+                }
+                None => out.put_u8(0),
+            }
+            put_opt_u64(out, t.deadline);
+            put_opt_u64(out, t.ack_deadline);
+        }
+        put_pairs(out, self.visibility.len(), self.visibility.iter());
+        put_pairs(out, self.ack_deadlines.len(), self.ack_deadlines.iter());
+
+        put_len(out, self.consumers.len());
+        for (id, c) in &self.consumers {
+            out.put_u64(id.0);
+            put_consumer_spec(out, &c.spec);
+            out.put_u32(c.held);
+            out.put_u8(u8::from(c.in_service));
+            put_opt_u64(out, c.visibility_ms);
+            put_opt_u64(out, c.ack_timeout_ms);
+        }
+        put_len(out, self.service.levels.len());
+        for (priority, line) in &self.service.levels {
+            out.put_i64(*priority);
+            put_len(out, line.len());
+            for id in line {
+                out.put_u64(id.0);
+            }
+        }
+        put_len(out, self.credit.len());
+        for (g, c) in &self.credit {
+            put_group(out, *g);
+            out.put_u8(u8::from(c.blocked));
+            put_opt_u64(out, c.limit.map(u64::from));
+        }
+
+        put_pairs(out, self.expiries.len(), self.expiries.iter());
+        put_pairs(
+            out,
+            self.expiries_in_order.len(),
+            self.expiries_in_order.iter(),
+        );
+        put_len(out, self.enqueuers.len());
+        for (id, e) in &self.enqueuers {
+            out.put_u64(id.0);
+            out.put_u64(e.seq);
+            put_opt_u64(out, e.refused);
+        }
+        put_pairs(out, self.expiry_caps.len(), self.expiry_caps.iter());
+
+        let crc = crc32fast::hash(&out[start + 5..]);
+        out[start + 1..start + 5].copy_from_slice(&crc.to_be_bytes());
+        Ok(())
+    }
+
+    /// The machine a [`Self::snapshot`] wrote. Message strings, properties and bodies are
+    /// slices of `bytes` (no copies): the buffer lives as long as any of them.
+    pub fn restore_snapshot(bytes: Bytes) -> Result<QueueMachine<Message>, SnapshotError> {
+        let found = *bytes.first().ok_or(SnapshotError::Malformed(
+            "empty: no format version".to_owned(),
+        ))?;
+        if found != SNAPSHOT_VERSION {
+            return Err(SnapshotError::UnknownVersion { found });
+        }
+        let (Some(head), Some(body)) = (bytes.get(1..5), bytes.get(5..)) else {
+            return Err(SnapshotError::Malformed("checksum cut short".to_owned()));
+        };
+        let crc = <[u8; 4]>::try_from(head)
+            .map(u32::from_be_bytes)
+            .map_err(|_| SnapshotError::Malformed("checksum cut short".to_owned()))?;
+        if crc32fast::hash(body) != crc {
+            return Err(SnapshotError::Checksum);
+        }
+        let mut r = SnapReader(Reader::new(bytes.slice(5..)));
+        let m = r.machine()?;
+        if r.0.buf.has_remaining() {
+            return Err(r.fail(format!("{} bytes after the state", r.0.buf.remaining())));
+        }
+        Ok(m)
+    }
+}
+
+/// The command log's reader, with what only a snapshot holds.
+struct SnapReader(Reader);
+
+impl SnapReader {
+    fn fail(&self, what: impl Into<String>) -> SnapshotError {
+        SnapshotError::Malformed(what.into())
+    }
+
+    /// A count of items that take at least `min` bytes each: more than the bytes left can
+    /// hold is an error, so what it sizes is bounded by the input.
+    fn count(&mut self, min: usize, what: &str) -> Result<usize, SnapshotError> {
+        let n = self.0.u32(what)? as usize;
+        if n.saturating_mul(min) > self.0.buf.remaining() {
+            return Err(self.fail(format!("{what}: {n} do not fit the bytes left")));
+        }
+        Ok(n)
+    }
+
+    fn u64(&mut self, what: &str) -> Result<u64, SnapshotError> {
+        Ok(self.0.u64(what)?)
+    }
+
+    fn flag(&mut self, what: &str) -> Result<bool, SnapshotError> {
+        match self.0.u8(what)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            t => Err(self.fail(format!("{what}: bad flag {t}"))),
+        }
+    }
+
+    fn opt_consumer(&mut self, what: &str) -> Result<Option<ConsumerId>, SnapshotError> {
+        Ok(self.0.opt_u64(what)?.map(ConsumerId))
+    }
+
+    fn opt_u32(&mut self, what: &str) -> Result<Option<u32>, SnapshotError> {
+        match self.0.opt_u64(what)? {
+            Some(n) => u32::try_from(n)
+                .map(Some)
+                .map_err(|_| self.fail(format!("{what}: {n} over u32"))),
+            None => Ok(None),
+        }
+    }
+
+    fn group_key(&mut self, what: &str) -> Result<GroupKey, SnapshotError> {
+        let g = self.u64(what)?;
+        GroupKey::new(g).ok_or_else(|| self.fail(format!("{what}: zero")))
+    }
+
+    fn entry(&mut self) -> Result<Entry<Message>, SnapshotError> {
+        let id = self.u64("message id")?;
+        let msg = self.0.message()?;
+        let meta = self.0.msg_meta()?;
+        let delivery_count = self.0.u32("delivery count")?;
+        let flags = self.0.u8("entry flags")?;
+        if flags > 3 {
+            return Err(self.fail(format!("entry flags {flags:#x}")));
+        }
+        Ok(Entry {
+            id,
+            msg,
+            meta,
+            delivery_count,
+            maybe_delivered: flags & 1 != 0,
+            timed_out: flags & 2 != 0,
+        })
+    }
+
+    fn entries(&mut self, what: &str) -> Result<VecDeque<Entry<Message>>, SnapshotError> {
+        let n = self.count(MIN_ENTRY_BYTES, what)?;
+        let mut out = VecDeque::with_capacity(n);
+        for _ in 0..n {
+            out.push_back(self.entry()?);
+        }
+        Ok(out)
+    }
+
+    /// `n` items read by `item`, whose keys must rise strictly: the map they make.
+    fn map<K: Ord + Copy, V>(
+        &mut self,
+        n: usize,
+        what: &str,
+        mut item: impl FnMut(&mut Self) -> Result<(K, V), SnapshotError>,
+    ) -> Result<BTreeMap<K, V>, SnapshotError> {
+        let mut items: Vec<(K, V)> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (k, v) = item(self)?;
+            if items.last().is_some_and(|(last, _)| *last >= k) {
+                return Err(self.fail(format!("{what}: keys out of order")));
+            }
+            items.push((k, v));
+        }
+        // Sorted already: the map is built in one pass.
+        Ok(items.into_iter().collect())
+    }
+
+    fn entry_map(&mut self, what: &str) -> Result<BTreeMap<u64, Entry<Message>>, SnapshotError> {
+        let n = self.count(MIN_ENTRY_BYTES, what)?;
+        self.map(n, what, |r| {
+            let e = r.entry()?;
+            Ok((e.id, e))
+        })
+    }
+
+    fn pair_list(&mut self, what: &str) -> Result<Vec<(u64, u64)>, SnapshotError> {
+        let n = self.count(16, what)?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push((self.u64(what)?, self.u64(what)?));
+        }
+        Ok(out)
+    }
+
+    fn pair_set(&mut self, what: &str) -> Result<BTreeSet<(u64, u64)>, SnapshotError> {
+        let pairs = self.pair_list(what)?;
+        let mut last = None;
+        for p in &pairs {
+            if last.is_some_and(|l| l >= p) {
+                return Err(self.fail(format!("{what}: out of order")));
+            }
+            last = Some(p);
+        }
+        // Sorted already: the set is built in one pass.
+        Ok(pairs.into_iter().collect())
+    }
+
+    fn machine(&mut self) -> Result<QueueMachine<Message>, SnapshotError> {
+        let last_index = self.u64("last index")?;
+        let now_ms = self.u64("time")?;
+        let next_id = self.u64("next id")?;
+        let last_used = self.u64("last used")?;
+        let ready_bytes = self.u64("ready bytes")?;
+        let in_flight_bytes = self.u64("in-flight bytes")?;
+        let retrying_bytes = self.u64("retrying bytes")?;
+        let paged_below = self.u64("paged below")?;
+        let paged_out_total = self.u64("paged out")?;
+        let loaded_total = self.u64("loaded")?;
+        let policy = self.0.policy()?;
+        let active = self.opt_consumer("active consumer")?;
+        let exclusive_consumer = self.opt_consumer("exclusive consumer")?;
+        let has_had_consumers = self.flag("had consumers")?;
+
+        let ready = self.entries("ready")?;
+        let tail = self.entries("tail")?;
+        let returned = self.entry_map("returned")?;
+        let n = self.count(1 + MIN_ENTRY_BYTES, "by priority")?;
+        let by_priority = self.map(n, "by priority", |r| {
+            let level = r.0.u8("priority level")?;
+            let e = r.entry()?;
+            Ok(((level, e.id), e))
+        })?;
+        let n = self.count(8 + MIN_ENTRY_BYTES, "retrying")?;
+        let retrying = self.map(n, "retrying", |r| {
+            let at = r.u64("retry due")?;
+            let e = r.entry()?;
+            Ok((e.id, (at, e)))
+        })?;
+        let retry_due = self.pair_set("retry due")?;
+        let n = self.count(12, "parked groups")?;
+        let parked: BTreeMap<GroupKey, BTreeMap<u64, Entry<Message>>> =
+            self.map(n, "parked groups", |r| {
+                let g = r.group_key("parked group")?;
+                let line = r.entry_map("parked")?;
+                Ok((g, line))
+            })?;
+        let n = self.count(16, "group locks")?;
+        let group_locks = self.map(n, "group locks", |r| {
+            Ok((r.group_key("locked group")?, r.u64("lock holder")?))
+        })?;
+
+        let n = self.count(3 + MIN_ENTRY_BYTES, "in flight")?;
+        let in_flight = self.map(n, "in flight", |r| {
+            let holder = match r.0.u8("holder")? {
+                0 => Holder::Consumer(ConsumerId(r.u64("holder")?)),
+                1 => Holder::Get(r.0.u16("holder")?),
+                t => return Err(r.fail(format!("holder: bad tag {t}"))),
+            };
+            let entry = r.entry()?;
+            Ok((entry.id, InFlight { holder, entry }))
+        })?;
+        let n = self.count(11, "timers")?;
+        let timers = self.map(n, "timers", |r| {
+            let id = r.u64("timer")?;
+            let group = match r.flag("timer group")? {
+                true => Some(r.0.group()?),
+                false => None,
+            };
+            let deadline = r.0.opt_u64("visibility deadline")?;
+            let ack_deadline = r.0.opt_u64("ack deadline")?;
+            Ok((
+                id,
+                Timers {
+                    group,
+                    deadline,
+                    ack_deadline,
+                },
+            ))
+        })?;
+        let visibility = self.pair_set("visibility deadlines")?;
+        let ack_deadlines = self.pair_set("ack deadlines")?;
+
+        // A spec is at least its group, tag length, flags, prefetch, priority and table length.
+        let n = self.count(8 + 10 + 1 + 1 + 4 + 8 + 4 + 4 + 1 + 2, "consumers")?;
+        let consumers = self.map(n, "consumers", |r| {
+            let id = ConsumerId(r.u64("consumer")?);
+            let spec = r.0.consumer_spec()?;
+            let held = r.0.u32("held")?;
+            let in_service = r.flag("in service")?;
+            let visibility_ms = r.0.opt_u64("consumer visibility timeout")?;
+            let ack_timeout_ms = r.0.opt_u64("consumer timeout")?;
+            Ok((
+                id,
+                Consumer {
+                    spec,
+                    held,
+                    in_service,
+                    visibility_ms,
+                    ack_timeout_ms,
+                },
+            ))
+        })?;
+        let n = self.count(12, "service levels")?;
+        let mut levels = Vec::with_capacity(n);
+        for _ in 0..n {
+            let priority = self.0.i64("service priority")?;
+            let k = self.count(8, "service line")?;
+            let mut line = VecDeque::with_capacity(k);
+            for _ in 0..k {
+                line.push_back(ConsumerId(self.u64("service line")?));
+            }
+            levels.push((priority, line));
+        }
+        let n = self.count(10 + 1 + 1, "credit")?;
+        let credit = self.map(n, "credit", |r| {
+            let g: CreditGroup = r.0.group()?;
+            let blocked = r.flag("credit blocked")?;
+            let limit = r.opt_u32("credit limit")?;
+            Ok((g, Credit { blocked, limit }))
+        })?;
+
+        let expiries = self.pair_set("expiries")?;
+        let expiries_in_order = self.pair_list("expiries in order")?.into();
+        let n = self.count(17, "enqueuers")?;
+        let enqueuers = self.map(n, "enqueuers", |r| {
+            let id = EnqueuerId(r.u64("enqueuer")?);
+            let seq = r.u64("enqueuer sequence")?;
+            let refused = r.0.opt_u64("enqueuer refused")?;
+            Ok((id, Enqueuer { seq, refused }))
+        })?;
+        let expiry_caps = self.pair_list("expiry caps")?;
+        // No `..Default::default()`: every field is read or derived here.
+        Ok(QueueMachine {
+            next_id,
+            tail_count: tail.len() as u64,
+            tail_runs: 0,
+            tail: tail.into_iter().map(Slot::Msg).collect(),
+            ready,
+            paged_below,
+            paged_out_total,
+            loaded_total,
+            returned,
+            by_priority,
+            in_flight,
+            consumers,
+            service: Service { levels },
+            policy,
+            active,
+            last_used,
+            credit,
+            exclusive_consumer,
+            has_had_consumers,
+            visibility,
+            ack_deadlines,
+            timers,
+            retrying,
+            retry_due,
+            retrying_bytes,
+            expiries,
+            expiries_in_order,
+            ready_bytes,
+            in_flight_bytes,
+            group_locks,
+            parked_count: parked.values().map(BTreeMap::len).sum(),
+            parked,
+            enqueuers,
+            expiry_caps,
+            last_index,
+            now_ms,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use warren_codec::{FieldTable, FieldValue, ShortStr};
+
+    use super::*;
+    use crate::machine::{Command, ConsumerSpec, Meta, MsgMeta, Policy, Receipt, RetryPolicy};
+
+    fn message(body: &'static [u8]) -> Message {
+        Message {
+            exchange: ShortStr::from_static("x"),
+            routing_key: ShortStr::from_static("rk"),
+            properties: Bytes::from_static(&[0x10, 0, 2]),
+            body: Bytes::from_static(body),
+            persistent: true,
+            store_key: Some(9),
+        }
+    }
+
+    struct Run {
+        m: QueueMachine<Message>,
+        now: u64,
+    }
+
+    impl Run {
+        fn apply(&mut self, c: Command<Message>) {
+            let meta = Meta {
+                index: self.m.last_index() + 1,
+                now_ms: self.now,
+            };
+            self.m.apply(meta, c, &mut Vec::new());
+        }
+
+        fn enqueue(&mut self, body: &'static [u8], meta: MsgMeta) {
+            self.apply(Command::Enqueue {
+                message: message(body),
+                meta: MsgMeta {
+                    size: body.len() as u64,
+                    ..meta
+                },
+            });
+        }
+    }
+
+    fn spec(channel: u16, prefetch: u32) -> ConsumerSpec {
+        let mut arguments = FieldTable::new();
+        arguments.insert("x-visibility-timeout", FieldValue::I64(40));
+        ConsumerSpec {
+            group: CreditGroup { conn: 3, channel },
+            tag: ShortStr::from_static("ctag"),
+            no_ack: false,
+            prefetch,
+            exclusive: false,
+            priority: 2,
+            arguments,
+        }
+    }
+
+    /// A machine with something in most of its places: deliveries with timers, a retry, a
+    /// parked group message, a returned one, credit, an enqueuer, expiries and caps.
+    fn busy() -> QueueMachine<Message> {
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 100,
+        };
+        r.apply(Command::Configure(Policy {
+            delivery_limit: Some(5),
+            consumer_timeout_ms: Some(500),
+            retry: Some(RetryPolicy {
+                min_ms: 30,
+                max_ms: Some(90),
+                multiplier: Some(2),
+                jitter_pct: 10,
+            }),
+            ..Policy::default()
+        }));
+        let g = GroupKey::new(77);
+        for (body, group) in [(&b"a"[..], g), (b"b", g), (b"c", None), (b"d", None)] {
+            r.enqueue(
+                body,
+                MsgMeta {
+                    group,
+                    expires_at: Some(10_000),
+                    ..MsgMeta::default()
+                },
+            );
+        }
+        r.apply(Command::EnqueueFrom {
+            enqueuer: EnqueuerId(crate::qualify(2, 5).unwrap_or(0)),
+            seq: 4,
+            message: message(b"e"),
+            meta: MsgMeta::default(),
+        });
+        r.apply(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 2),
+        });
+        r.apply(Command::Credit {
+            group: CreditGroup {
+                conn: 3,
+                channel: 1,
+            },
+            credit: Credit {
+                blocked: false,
+                limit: Some(7),
+            },
+        });
+        r.apply(Command::Checkout { max: 10 });
+        r.apply(Command::GetBy {
+            no_ack: false,
+            node: 2,
+        });
+        r.now = 120;
+        r.apply(Command::Return {
+            receipt: Receipt {
+                msg_id: 2,
+                attempt: 1,
+            },
+        });
+        r.apply(Command::CapExpiry {
+            caps: vec![(100, 9_000)],
+        });
+        r.m
+    }
+
+    fn snapshot_of(m: &QueueMachine<Message>) -> Bytes {
+        let mut out = BytesMut::new();
+        m.snapshot(&mut out)
+            .map(|()| out.freeze())
+            .unwrap_or_default()
+    }
+
+    /// Writes a new checksum over a changed body, so that the reader's other checks are met.
+    fn reseal(mut bytes: Vec<u8>) -> Bytes {
+        let crc = crc32fast::hash(bytes.get(5..).unwrap_or_default());
+        if let Some(head) = bytes.get_mut(1..5) {
+            head.copy_from_slice(&crc.to_be_bytes());
+        }
+        Bytes::from(bytes)
+    }
+
+    #[test]
+    fn a_busy_machine_round_trips_to_the_same_digest_and_bytes() {
+        let m = busy();
+        assert!(m.in_flight_count() > 0 && m.retrying_count() > 0 && m.enqueuer_count() > 0);
+        let bytes = snapshot_of(&m);
+        let back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
+        assert_eq!(back.digest(), m.digest());
+        assert_eq!(snapshot_of(&back), bytes);
+    }
+
+    #[test]
+    fn bodies_are_slices_of_the_snapshot() {
+        let bytes = snapshot_of(&busy());
+        let back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
+        let whole = bytes.as_ptr() as usize..bytes.as_ptr() as usize + bytes.len();
+        for (_, msg, _) in back.messages() {
+            assert!(
+                whole.contains(&(msg.body.as_ptr() as usize)),
+                "a copied body"
+            );
+        }
+    }
+
+    #[test]
+    fn a_snapshot_cut_short_anywhere_is_an_error() {
+        let bytes = snapshot_of(&busy());
+        for len in 0..bytes.len() {
+            let cut = bytes.slice(..len);
+            assert!(
+                QueueMachine::restore_snapshot(cut).is_err(),
+                "{len} of {} bytes accepted",
+                bytes.len()
+            );
+            // With its checksum right, the reader itself finds the end.
+            if len >= 5 {
+                assert!(
+                    QueueMachine::restore_snapshot(reseal(bytes.slice(..len).to_vec())).is_err(),
+                    "{len} bytes resealed accepted"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_flipped_byte_is_a_checksum_error_and_an_unknown_version_is_refused() {
+        let bytes = snapshot_of(&busy());
+        for i in 1..bytes.len() {
+            let mut bad = bytes.to_vec();
+            bad[i] ^= 0x40;
+            assert_eq!(
+                QueueMachine::restore_snapshot(Bytes::from(bad)).err(),
+                Some(SnapshotError::Checksum),
+                "byte {i}"
+            );
+        }
+        let mut newer = bytes.to_vec();
+        newer[0] = SNAPSHOT_VERSION + 1;
+        let err = QueueMachine::restore_snapshot(Bytes::from(newer)).unwrap_err();
+        assert_eq!(err, SnapshotError::UnknownVersion { found: 2 });
+        assert!(err.to_string().contains("version 2"), "{err}");
+    }
+
+    #[test]
+    fn a_resealed_damaged_byte_never_panics() {
+        // What only the checksum stood against: any change must be an error or a machine.
+        let bytes = snapshot_of(&busy());
+        for i in 5..bytes.len() {
+            for flip in [0x01, 0x80, 0xff] {
+                let mut bad = bytes.to_vec();
+                bad[i] ^= flip;
+                let _ = QueueMachine::restore_snapshot(reseal(bad));
+            }
+        }
+    }
+
+    #[test]
+    fn a_count_larger_than_the_bytes_left_is_refused_before_allocating() {
+        let mut m = QueueMachine::<Message>::new();
+        m.apply(
+            Meta::default(),
+            Command::Enqueue {
+                message: message(b"a"),
+                meta: MsgMeta::default(),
+            },
+            &mut Vec::new(),
+        );
+        let bytes = snapshot_of(&m).to_vec();
+        // The ready count follows the fixed fields, the plain policy and three flags.
+        let mut policy = BytesMut::new();
+        put_policy(&mut policy, &Policy::default());
+        let at = 5 + 10 * 8 + policy.len() + 3;
+        assert_eq!(bytes.get(at..at + 4), Some(&[0, 0, 0, 1][..]));
+        let mut huge = bytes.clone();
+        huge[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
+        let err = QueueMachine::restore_snapshot(reseal(huge)).unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
+    }
+
+    #[test]
+    fn a_machine_with_paged_runs_is_refused_and_one_whose_tail_is_in_memory_is_not() {
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 0,
+        };
+        for _ in 0..4 {
+            r.enqueue(b"p", MsgMeta::default());
+        }
+        // Nothing is pageable: the line splits, the tail stays in memory.
+        r.apply(Command::PageOut {
+            keep: 1,
+            keep_bytes: u64::MAX,
+            upto_id: 10,
+        });
+        assert!(r.m.has_tail() && r.m.paged_count() == 0);
+        r.enqueue(
+            b"q",
+            MsgMeta {
+                pageable: true,
+                ..MsgMeta::default()
+            },
+        );
+        let bytes = snapshot_of(&r.m);
+        let back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
+        assert_eq!(back.digest(), r.m.digest());
+        assert_eq!(snapshot_of(&back), bytes);
+
+        r.apply(Command::PageOut {
+            keep: 1,
+            keep_bytes: u64::MAX,
+            upto_id: 10,
+        });
+        assert_eq!(r.m.paged_count(), 1);
+        let mut out = BytesMut::from(&b"kept"[..]);
+        assert_eq!(
+            r.m.snapshot(&mut out),
+            Err(SnapshotError::Paged { runs: 1 })
+        );
+        assert_eq!(&out[..], b"kept", "nothing written");
+    }
+
+    #[test]
+    fn bytes_after_the_state_are_refused() {
+        let mut bytes = snapshot_of(&busy()).to_vec();
+        bytes.push(0);
+        let err = QueueMachine::restore_snapshot(reseal(bytes)).unwrap_err();
+        assert!(err.to_string().contains("after the state"), "{err}");
+    }
+}
