@@ -32,6 +32,16 @@ async fn channel(c: &TestCluster, n: u64) -> (lapin::Connection, Channel) {
     (conn, ch)
 }
 
+async fn consume(ch: &Channel, q: &str) -> lapin::Result<lapin::Consumer> {
+    ch.basic_consume(
+        q.into(),
+        "".into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+}
+
 /// Publishes `bodies` with confirms on `ch`: every one must be acked.
 async fn publish_confirmed(ch: &Channel, q: &str, bodies: impl Iterator<Item = String>) {
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -98,15 +108,7 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
     let follower = leader % 3 + 1;
     // Consuming is the leader's: a follower refuses and says where the leader is.
     let (_cf, chf) = channel(&c, follower).await;
-    let refused = chf
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect_err("consume on a follower");
+    let refused = consume(&chf, &q).await.expect_err("consume on a follower");
     let (code, text) = amqp_error(&refused).expect("a channel error");
     assert_eq!(code, 506, "{text}");
     assert!(text.contains(&format!("node {leader}")), "{text}");
@@ -123,15 +125,7 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
     chl.basic_qos(20, BasicQosOptions::default())
         .await
         .expect("qos");
-    let mut held = chl
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("consume on the leader");
+    let mut held = consume(&chl, &q).await.expect("consume on the leader");
     for _ in 0..20 {
         tokio::time::timeout(WAIT, held.next())
             .await
@@ -157,15 +151,7 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
 
     // Every confirmed message is there, the 20 that were held marked redelivered.
     let (_cn, chn) = channel(&c, next).await;
-    let mut consumer = chn
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("consume on the new leader");
+    let mut consumer = consume(&chn, &q).await.expect("consume on the new leader");
     let mut seen = BTreeSet::new();
     let mut redelivered = 0;
     while seen.len() < 200 {

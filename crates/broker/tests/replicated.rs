@@ -597,3 +597,74 @@ fn a_message_too_large_for_the_transport_is_nacked_not_proposed() {
     c.broker(leader).take_proposals(&mut props);
     assert!(props.is_empty());
 }
+
+#[test]
+fn deleting_a_queue_with_entries_in_flight_does_not_hold_back_later_confirms() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let lost = c.publish(leader, 1);
+    // Deleted before its entry commits: the publish is nacked...
+    let deleted = c
+        .broker(leader)
+        .delete_queue("/", "jobs", false, false, conn(leader, 1))
+        .expect("delete");
+    assert_eq!(deleted.message_count, 1);
+    assert!(c.broker(leader).take_lost().is_some_and(|l| l >= lost));
+    // ...and confirms of later batches go out as before.
+    let b = c.broker(leader);
+    let req = DeclareQueue {
+        name: "jobs2".into(),
+        passive: false,
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments: quorum_args(),
+    };
+    b.declare_queue("/", req, conn(leader, 1)).expect("declare");
+    let mut led = false;
+    for _ in 0..300 {
+        c.step();
+        led = NODES.iter().any(|n| {
+            let b = &c.members[n].broker;
+            b.queue_id("/", "jobs2").is_some_and(|id| b.acts_on(id))
+        });
+        if led {
+            break;
+        }
+    }
+    assert!(led, "jobs2 has a leader");
+    let mut m = message(2);
+    m.routing_key = ShortStr::from_static("jobs2");
+    let now = c.now;
+    let confirmed = c
+        .broker(leader)
+        .publish("/", "", "jobs2", m, now)
+        .expect("publish")
+        .batch;
+    let batch = confirmed.expect("a confirm that waits");
+    c.run(30);
+    assert!(c.confirmed(leader, batch), "a later confirm held back");
+}
+
+#[test]
+fn a_confirm_that_cannot_be_given_is_a_nack_after_its_timeout() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    c.isolated.insert(leader);
+    let batch = c.publish(leader, 1);
+    // Cut off for good: nothing of a later term ever reaches it, only the timeout answers.
+    let mut nacked_at = None;
+    for step in 0..3_500u32 {
+        c.step();
+        // The session takes the nacks before it looks at what is confirmable.
+        if nacked_at.is_none() && c.broker(leader).take_lost().is_some_and(|l| l >= batch) {
+            nacked_at = Some(step);
+        }
+        assert!(!c.confirmed(leader, batch) || nacked_at.is_some());
+    }
+    let at = nacked_at.expect("nacked");
+    assert!(
+        (2_900..3_100).contains(&at),
+        "nacked after {at} steps of 10 ms"
+    );
+}

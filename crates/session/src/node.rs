@@ -226,7 +226,11 @@ impl Node {
         } else {
             self.broker.writes_failed(upto);
         }
-        // A batch holding entries of replicated queues is confirmed once they are committed too.
+        // A batch holding entries of replicated queues is confirmed once they are committed too;
+        // one whose entries are lost is nacked first.
+        if let Some(lost) = self.broker.take_lost() {
+            self.release_confirms(lost, false, now);
+        }
         let upto = if ok {
             self.broker.confirmable(upto)
         } else {
@@ -951,6 +955,10 @@ impl Node {
     /// Only the connections whose deadline has come are looked at.
     pub fn tick(&mut self, now: u64) {
         self.broker.tick(now);
+        if self.broker.cluster_node().is_some() {
+            // A replicated entry's wait may have run out: its confirms are nacks, now.
+            self.after_replication(now);
+        }
         // Deliveries whose visibility timeout passed no longer count against their channel's
         // prefetch: the channel's queues hear of its new credit.
         for (queue, group, receipt) in self.broker.take_timed_out() {

@@ -38,6 +38,10 @@ struct Kept {
     token: Option<Token>,
 }
 
+/// A batch whose replicated entries are not all applied within this time is nacked: a group
+/// that lost its majority for good must not hold back every later confirm of the node.
+const CONFIRM_TIMEOUT_MS: u64 = 30_000;
+
 /// A publish forwarded to a leader and not applied within this time is nacked (the leader
 /// may have dropped it; if it commits after all, the publisher has a duplicate, never a loss).
 const FORWARD_TIMEOUT_MS: u64 = 10_000;
@@ -65,6 +69,9 @@ pub(crate) struct Cluster {
     groups: HashMap<u64, QueueId>,
     /// Proposals not yet applied, per batch: a batch is confirmable once it has none.
     waiting: BTreeMap<u64, u32>,
+    /// When each waiting batch got its first proposal (a batch never confirmable within
+    /// `CONFIRM_TIMEOUT_MS` is nacked: no other publisher waits behind it for ever).
+    waiting_since: BTreeMap<u64, u64>,
     /// The highest batch holding a proposal that will never be applied (its confirms are nacks).
     lost_upto: u64,
     /// Deliveries whose entries are applied, for the next dispatch.
@@ -94,6 +101,7 @@ impl Cluster {
             outbox: Vec::new(),
             groups: HashMap::new(),
             waiting: BTreeMap::new(),
+            waiting_since: BTreeMap::new(),
             lost_upto: 0,
             released: Vec::new(),
             cancelled: Vec::new(),
@@ -131,11 +139,18 @@ impl Cluster {
             *n = n.saturating_sub(1);
             if *n == 0 {
                 self.waiting.remove(&token.batch);
+                self.waiting_since.remove(&token.batch);
             }
         }
         if lost {
             self.lost_upto = self.lost_upto.max(token.batch);
         }
+    }
+
+    /// One more proposal the confirms of `batch` wait for.
+    fn wait_on(&mut self, batch: u64, now: u64) {
+        *self.waiting.entry(batch).or_insert(0) += 1;
+        self.waiting_since.entry(batch).or_insert(now);
     }
 
     /// Every proposal of this node still waiting in `group` will never be applied.
@@ -215,6 +230,14 @@ impl Broker {
         if let (Some(c), Some(r)) = (self.cluster.as_mut(), q.replica.as_ref()) {
             c.groups.remove(&r.group);
             c.meta.removed_groups.push(r.group);
+            // Its group is gone: what this node still waits for there will never be applied,
+            // and must not hold back the confirms of every later batch.
+            let mut outcomes = Vec::new();
+            c.abandon(r.group, &mut outcomes);
+            c.early.remove(&r.group);
+            for o in outcomes {
+                c.settle(o);
+            }
             if !self.restoring {
                 self.announce_delete(&q.vhost, &q.name);
             }
@@ -288,7 +311,7 @@ impl Broker {
             Ok(data) => {
                 r.proposed = origin.seq;
                 if reissued.is_none() {
-                    *c.waiting.entry(batch).or_insert(0) += 1;
+                    c.wait_on(batch, now);
                 }
                 c.outbox.push(Proposal {
                     group: r.group,
@@ -332,7 +355,7 @@ impl Broker {
         let origin = c.proposals.next(GroupId(r.group), token);
         match encode(now, origin, command) {
             Ok(data) => {
-                *c.waiting.entry(batch).or_insert(0) += 1;
+                c.wait_on(batch, now);
                 c.forwarded_since.entry(r.group).or_insert(now);
                 if let Some(leader) = leader {
                     c.outbox.push(Proposal {
@@ -430,13 +453,35 @@ impl Broker {
         for o in outcomes {
             c.settle(o);
         }
+        while let Some((&batch, &since)) = c.waiting_since.first_key_value() {
+            if now.saturating_sub(since) < CONFIRM_TIMEOUT_MS {
+                break;
+            }
+            // Their entries may still commit (the publisher gets a duplicate if it resends).
+            tracing::warn!(
+                batch,
+                "replicated entries not applied in time: their confirms are nacks"
+            );
+            c.waiting_since.remove(&batch);
+            c.waiting.remove(&batch);
+            c.lost_upto = c.lost_upto.max(batch);
+        }
     }
 
     /// When the forwarded publishes' wait runs out (for the driver's timer).
     pub(super) fn forward_deadline(&self) -> Option<u64> {
         let c = self.cluster.as_ref()?;
-        let first = c.forwarded_since.values().min()?;
-        Some(first.saturating_add(FORWARD_TIMEOUT_MS))
+        let forwards = c
+            .forwarded_since
+            .values()
+            .min()
+            .map(|t| t.saturating_add(FORWARD_TIMEOUT_MS));
+        let confirms = c
+            .waiting_since
+            .values()
+            .next()
+            .map(|t| t.saturating_add(CONFIRM_TIMEOUT_MS));
+        forwards.into_iter().chain(confirms).min()
     }
 
     /// A command each member takes from its own definitions reaches the committed copy too.
@@ -722,8 +767,8 @@ impl Broker {
             match encode(now, origin, command) {
                 Ok(data) => {
                     r.proposed = origin.seq;
+                    // No confirm waits for a term's first entries.
                     r.mode = Mode::Starting { marker: origin.seq };
-                    *c.waiting.entry(0).or_insert(0) += 1;
                     c.outbox.push(Proposal {
                         group: r.group,
                         data,
