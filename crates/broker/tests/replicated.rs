@@ -264,6 +264,17 @@ impl Cluster {
         out
     }
 
+    /// Freezes a node as SIGSTOP does: it runs no steps and what is sent to it is lost (a
+    /// stopped process's buffers would deliver it late: Raft copes with either), but it keeps
+    /// every byte of its state. `resume` lets it run again.
+    fn pause(&mut self, node: u64) {
+        self.members.get_mut(&node).expect("member").alive = false;
+    }
+
+    fn resume(&mut self, node: u64) {
+        self.members.get_mut(&node).expect("member").alive = true;
+    }
+
     fn kill(&mut self, node: u64) {
         let m = self.members.get_mut(&node).expect("member");
         m.alive = false;
@@ -667,4 +678,37 @@ fn a_confirm_that_cannot_be_given_is_a_nack_after_its_timeout() {
         (2_900..3_100).contains(&at),
         "nacked after {at} steps of 10 ms"
     );
+}
+
+#[test]
+fn a_leader_paused_while_it_applied_ahead_nacks_what_its_successor_never_had() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    c.run(5);
+    // Applied ahead, its proposal not yet handed to Raft, when the node freezes.
+    let batch = c.publish(leader, 1);
+    c.pause(leader);
+    let others: Vec<u64> = NODES.iter().copied().filter(|n| *n != leader).collect();
+    let next = c.leader();
+    assert!(others.contains(&next));
+    c.run(20);
+    // Back, it learns of the new term straight from the new leader.
+    c.resume(leader);
+    let mut nacked = false;
+    for _ in 0..200 {
+        c.step();
+        nacked |= c.broker(leader).take_lost().is_some_and(|l| l >= batch);
+        assert!(
+            nacked || !c.confirmed(leader, batch),
+            "confirmed, yet no member has it"
+        );
+        if nacked {
+            break;
+        }
+    }
+    assert!(nacked, "the lost publish was not nacked within 2 s");
+    assert_eq!(c.counts(next), (0, 0));
+    c.run(20);
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
 }

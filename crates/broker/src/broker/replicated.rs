@@ -695,9 +695,15 @@ impl Broker {
             return;
         }
         r.leader = leader;
+        // The term this node proposed in: what it leaves waiting is lost once an entry of a
+        // later one is applied (`step_down` reads it before it moves on).
+        let led_in = r.term;
         r.term = term;
         if was_here && leader != Some(node) {
             self.step_down(id);
+            if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
+                r.stepped_down = Some(led_in);
+            }
         }
         if let (Some(l), Some(c)) = (leader, self.cluster.as_mut()) {
             if l == node {
