@@ -9,6 +9,9 @@
 //!
 //! `WARREN_FAULT_ROUNDS` (default 8) sets the number of faults, `WARREN_FAULT_SEED` the seed of
 //! every random choice the harness makes (printed at the start); `scripts/faults` runs it long.
+//! A second test pauses the queue's leader alone while publishes reach it, directly and
+//! forwarded by another node (`WARREN_PAUSE_CYCLES` times). Network partitions are not injected
+//! yet: they need network namespaces between the nodes.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -128,6 +131,10 @@ fn addrs_of(c: &TestCluster) -> Vec<NodeAddr> {
                 .to_string(),
         })
         .collect()
+}
+
+fn addrs_of_cluster(c: &TestCluster) -> Addrs {
+    Arc::new(Mutex::new(addrs_of(c)))
 }
 
 fn addr(addrs: &Addrs, n: u64) -> NodeAddr {
@@ -467,6 +474,9 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the broker loses confirmed messages when a queue's leader is paused (about one run \
+            in three; a_paused_leader_confirms_only_what_its_successor_delivers shows it every \
+            time): scripts/faults runs it"]
 async fn replicated_queue_history_under_kills_and_pauses() {
     if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
         return; // spawns and kills its own cluster
@@ -576,7 +586,8 @@ async fn replicated_queue_history_under_kills_and_pauses() {
             .expect("consumer task");
     }
     let end = Instant::now();
-    let h = h.lock().unwrap();
+    // Every client has stopped: the history is final.
+    let h = std::mem::take(&mut *h.lock().unwrap());
     let report = check(&h, end);
     eprintln!(
         "faults: {rounds} rounds in {:.1} s, drained in {:.1} s, {} consumer sessions, seed {seed}",
@@ -835,4 +846,296 @@ fn check(h: &History, end: Instant) -> Report {
         }
     }
     r
+}
+
+/// The fault the long test found, alone: the queue's leader is paused (SIGSTOP) while a
+/// publisher on its node has a burst in flight; its peers elect a new leader; once resumed, the
+/// old leader must nack (or leave unconfirmed) what it could not commit, and every message it
+/// confirms must be delivered by the new leader. The pause lands at a random point of the burst,
+/// `WARREN_PAUSE_CYCLES` times (default 6).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails every run: a leader paused by SIGSTOP confirms, once resumed, publishes (its \
+            own and forwarded ones) that no member holds; scripts/faults runs it"]
+async fn a_paused_leader_confirms_only_what_its_successor_delivers() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return;
+    }
+    let cycles = env_u64("WARREN_PAUSE_CYCLES").unwrap_or(6);
+    let seed = env_u64("WARREN_FAULT_SEED").unwrap_or(7);
+    let mut rng = Rng(seed);
+    let c = TestCluster::start(3, 20);
+    let q = unique("paused");
+    {
+        let conn = c.node(1).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            quorum(),
+        )
+        .await
+        .expect("declare a quorum queue");
+    }
+    let mut failures = Vec::new();
+    let (mut acked_all, mut nacked_all, mut timed_out_all, mut failed_all) = (0, 0, 0, 0);
+    for cycle in 0..cycles {
+        let old = c.leader_of(&q, 1);
+        let survivor = old % 3 + 1;
+        let conn = c.node(old).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+        // Streams of publishes that the pause interrupts, on the leader's node and forwarded from
+        // another: some applied ahead and proposed, not committed, some read only once the node
+        // runs again; and a consumer acking on the leader meanwhile.
+        let done = Arc::new(AtomicBool::new(false));
+        let burst = tokio::spawn(stream(
+            ch.clone(),
+            q.clone(),
+            format!("c{cycle}-m"),
+            done.clone(),
+        ));
+        let fconn = c.node(survivor).connect().await;
+        let fch = fconn.create_channel().await.expect("channel");
+        fch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+        let forwarded = tokio::spawn(stream(fch, q.clone(), format!("c{cycle}-f"), done.clone()));
+        let consumed: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+        let worker = tokio::spawn(ack_all(
+            c.node(old).url().to_string(),
+            q.clone(),
+            consumed.clone(),
+            done.clone(),
+        ));
+        tokio::time::sleep(rng.millis(50, 250)).await;
+        let pid = c.node(old).pid().expect("a spawned node") as libc::pid_t;
+        let paused = Paused(pid);
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0, "SIGSTOP");
+        let stopped = Instant::now();
+        let new = loop {
+            let l = c.leader_of(&q, survivor);
+            if l != old {
+                break l;
+            }
+            assert!(stopped.elapsed() < Duration::from_secs(10), "no new leader");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let elected = stopped.elapsed();
+        std::thread::sleep(rng.millis(300, 2000));
+        drop(paused);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        done.store(true, Ordering::Relaxed);
+        let mut pending = burst.await.expect("the burst");
+        pending.extend(forwarded.await.expect("the forwarded burst"));
+        let _ = worker.await;
+        let deadline = tokio::time::Instant::now() + CONFIRM_PATIENCE;
+        let (mut acked, mut nacked, mut timed_out, mut failed) = (Vec::new(), 0, 0, 0);
+        for (body, confirm) in pending {
+            match tokio::time::timeout_at(deadline, confirm).await {
+                Ok(Ok(Confirmation::Ack(_))) => acked.push(body),
+                Ok(Ok(Confirmation::Nack(_))) => nacked += 1,
+                Ok(Ok(Confirmation::NotRequested)) => panic!("confirms were selected"),
+                Ok(Err(_)) => failed += 1,
+                Err(_) => timed_out += 1,
+            }
+        }
+        drop((conn, fconn));
+        let leader = c.leader_of(&q, survivor);
+        let conn = c.node(leader).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let mut consumer = ch
+            .basic_consume(
+                q.as_str().into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume on the leader");
+        let mut delivered = consumed.lock().unwrap().clone();
+        while let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_secs(1), consumer.next()).await
+        {
+            delivered.insert(String::from_utf8_lossy(&d.data).into_owned());
+        }
+        drop(conn);
+        // Drained on every member: what was not delivered is nowhere.
+        let mut left = Vec::new();
+        for n in 1..=3 {
+            left.push(queue_state_of(&addrs_of_cluster(&c), &q, n).await);
+        }
+        let lost: Vec<String> = acked
+            .iter()
+            .filter(|b| !delivered.contains(*b))
+            .cloned()
+            .collect();
+        eprintln!(
+            "paused: cycle {cycle}: node {old} stopped, node {new} led after {} ms; {} \
+             confirmed, {nacked} nacked, {failed} failed, {timed_out} unanswered after \
+             {CONFIRM_PATIENCE:?}; {} delivered by node {leader}; {} confirmed and lost; \
+             (leader, messages) on each node after the drain: {left:?}",
+            elected.as_millis(),
+            acked.len(),
+            delivered.len(),
+            lost.len()
+        );
+        acked_all += acked.len();
+        nacked_all += nacked;
+        timed_out_all += timed_out;
+        failed_all += failed;
+        if !lost.is_empty() {
+            failures.push(format!("cycle {cycle}: {:?}", &lost[..lost.len().min(10)]));
+        }
+    }
+    eprintln!(
+        "paused: {cycles} cycles (seed {seed}): {acked_all} confirmed, {nacked_all} nacked, \
+         {failed_all} failed, {timed_out_all} unanswered"
+    );
+    assert!(
+        failures.is_empty(),
+        "a paused leader confirmed messages no member has: {failures:?}"
+    );
+    assert_eq!(
+        timed_out_all, 0,
+        "publishes on a resumed, deposed leader neither confirmed nor nacked"
+    );
+}
+
+/// Publishes `{prefix}{i}` on `ch` until `stop` (at most 20,000), keeping each confirm.
+async fn stream(
+    ch: lapin::Channel,
+    q: String,
+    prefix: String,
+    stop: Arc<AtomicBool>,
+) -> Vec<(String, lapin::PublisherConfirm)> {
+    let mut pending = Vec::new();
+    let mut i = 0;
+    while !stop.load(Ordering::Relaxed) && i < 20_000 {
+        i += 1;
+        let body = format!("{prefix}{i}");
+        let Ok(confirm) = ch
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+        else {
+            break;
+        };
+        pending.push((body, confirm));
+        if i % 16 == 0 {
+            // Lets the consumer and the pause in between.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    pending
+}
+
+/// Consumes `q` on the node of `url`, acking and recording each body, until `stop` or the
+/// channel's end.
+async fn ack_all(
+    url: String,
+    q: String,
+    seen: Arc<Mutex<std::collections::HashSet<String>>>,
+    stop: Arc<AtomicBool>,
+) {
+    let Some(conn) = connect(&url).await else {
+        return;
+    };
+    let Ok(ch) = conn.create_channel().await else {
+        return;
+    };
+    if ch.basic_qos(50, BasicQosOptions::default()).await.is_err() {
+        return;
+    }
+    let Ok(mut consumer) = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    else {
+        return;
+    };
+    while !stop.load(Ordering::Relaxed) {
+        match tokio::time::timeout(Duration::from_millis(200), consumer.next()).await {
+            Ok(Some(Ok(d))) => {
+                seen.lock()
+                    .unwrap()
+                    .insert(String::from_utf8_lossy(&d.data).into_owned());
+                if d.ack(BasicAckOptions::default()).await.is_err() {
+                    return;
+                }
+            }
+            Ok(_) => return,
+            Err(_) => {}
+        }
+    }
+}
+
+/// The checker itself, on made-up histories: each violation is found, and what at-least-once
+/// allows is not taken for one.
+#[test]
+fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut h = History::default();
+    for (b, o) in [
+        ("p1-1", Outcome::Acked),
+        ("p1-2", Outcome::Acked),
+        ("p1-3", Outcome::Acked),
+        ("p1-4", Outcome::Nacked),
+        ("p1-5", Outcome::Acked),
+    ] {
+        h.published.insert(b.into(), o);
+    }
+    let delivery = |body: &str, session, redelivered, ms| Delivery {
+        body: body.into(),
+        session,
+        redelivered,
+        at: at(ms),
+        node: 1,
+    };
+    let ack = |body: &str, session, ms| Ack {
+        body: body.into(),
+        at: at(ms),
+        session,
+        node: 1,
+    };
+    // p1-1: delivered, acked, and back 5 s later on a session that lived on: a violation.
+    h.deliveries.push(delivery("p1-1", 0, false, 100));
+    h.acks.push(ack("p1-1", 0, 110));
+    h.deliveries.push(delivery("p1-1", 0, true, 5_000));
+    // p1-2: acked on a session that died at once: back again is at-least-once.
+    h.deliveries.push(delivery("p1-2", 1, false, 100));
+    h.acks.push(ack("p1-2", 1, 110));
+    h.session_end.insert(1, at(120));
+    h.deliveries.push(delivery("p1-2", 2, true, 500));
+    // p1-3 never delivered: lost. p1-4 nacked and never delivered: fine. x-9: invented.
+    h.deliveries.push(delivery("x-9", 0, false, 200));
+    // p1-5: a second copy's first delivery after a settled ack: enqueued twice, allowed.
+    h.deliveries.push(delivery("p1-5", 0, false, 100));
+    h.acks.push(ack("p1-5", 0, 110));
+    h.deliveries.push(delivery("p1-5", 0, false, 6_000));
+    let r = check(&h, at(20_000));
+    assert_eq!(r.lost, vec!["p1-3".to_string()]);
+    assert_eq!(r.invented.len(), 1, "{r}");
+    assert_eq!(r.back_after_firm_ack, vec!["p1-1".to_string()]);
+    assert_eq!(r.back_after_unsure_ack, 1, "{r}");
+    assert_eq!(r.another_copy_after_ack, 1, "{r}");
+    assert_eq!(r.enqueued_twice, 1, "{r}");
+    assert_eq!((r.confirmed, r.nacked, r.duplicates), (4, 1, 3), "{r}");
 }
