@@ -39,6 +39,8 @@ const CONFIRM_PATIENCE: Duration = Duration::from_secs(20);
 /// How long an acking consumer's session must outlive its ack (and its node stay unpaused) for
 /// the ack to count as applied: the ack is then in a committed entry or the broker lost it.
 const ACK_SETTLE: Duration = Duration::from_secs(2);
+/// How long a node back from a fault may take to see a metadata leader.
+const REJOIN_PATIENCE: Duration = Duration::from_secs(120);
 /// How long the final drain may take before the test gives up.
 const DRAIN_PATIENCE: Duration = Duration::from_secs(60);
 
@@ -464,9 +466,34 @@ fn inject(
             drop(paused);
         }
         h.lock().unwrap().faults.push((node, began, Instant::now()));
-        c.wait_for_metadata_leader(node);
+        wait_for_rejoin(&c, node, round);
     }
     c
+}
+
+/// Waits until node `n` sees a metadata leader again. A restarted node reads its whole Raft log
+/// back (no snapshots yet), which takes longer as a long run goes on, so the wait is generous
+/// and a slow rejoin is printed.
+fn wait_for_rejoin(c: &TestCluster, n: u64, round: u64) {
+    let api = warren_conformance::http::Api::of(c.node(n));
+    let start = Instant::now();
+    loop {
+        let (_, v) = api.call("GET", "/nodes", None);
+        if v[0]["cluster"]["metadata_leader"].as_u64().is_some() {
+            break;
+        }
+        assert!(
+            start.elapsed() < REJOIN_PATIENCE,
+            "round {round}: node {n} sees no metadata leader after {REJOIN_PATIENCE:?}: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if start.elapsed() > Duration::from_secs(2) {
+        eprintln!(
+            "faults: round {round}: node {n} saw a metadata leader after {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// `WARREN_FAULT_SEED`, else one from the clock (the tests print it).
