@@ -1,0 +1,1194 @@
+//! A Jepsen-style fault test of replicated (quorum) queues on a spawned 3-node cluster.
+//!
+//! Publishers with confirms (each on a random node, each body unique) and consumers with manual
+//! acks (each following the queue's leader) run while one fault at a time hits a node: a SIGKILL
+//! and a restart on its data, or a SIGSTOP and SIGCONT (a pause: its peers elect around it). Every
+//! publish, confirm, delivery and ack is recorded; once every node is back, the consumers drain
+//! the queue and the history is checked: every confirmed message delivered, nothing delivered that
+//! was never published, no message delivered again after an ack the broker must have applied.
+//!
+//! `WARREN_FAULT_ROUNDS` (default 8) sets the number of faults, `WARREN_FAULT_SEED` the seed of
+//! every random choice the harness makes (printed at the start); `scripts/faults` runs it long.
+//! A second test pauses the queue's leader alone while publishes reach it, directly and
+//! forwarded by another node (`WARREN_PAUSE_CYCLES` times). Network partitions are not injected
+//! yet: they need network namespaces between the nodes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use warren_conformance::cluster::TestCluster;
+use warren_conformance::{amqp_error, unique};
+
+const PUBLISHERS: u64 = 3;
+const CONSUMERS: u64 = 2;
+/// Publishes in flight per publisher before it waits for their confirms.
+const WINDOW: usize = 16;
+/// How long a publisher waits for a window's confirms. The broker nacks a forward it could not
+/// apply within 10 s, so a confirm missing after this long is a hang, not a slow failover.
+const CONFIRM_PATIENCE: Duration = Duration::from_secs(20);
+/// How long an acking consumer's session must outlive its ack (and its node stay unpaused) for
+/// the ack to count as applied: the ack is then in a committed entry or the broker lost it.
+const ACK_SETTLE: Duration = Duration::from_secs(2);
+/// How long a node back from a fault may take to see a metadata leader.
+const REJOIN_PATIENCE: Duration = Duration::from_secs(120);
+/// How long the final drain may take before the test gives up.
+const DRAIN_PATIENCE: Duration = Duration::from_secs(60);
+
+/// splitmix64: a seeded source for every random choice of the harness.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+
+    fn millis(&mut self, low: u64, high: u64) -> Duration {
+        Duration::from_millis(low + self.below(high - low + 1))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Sent; no answer yet.
+    Pending,
+    Acked,
+    Nacked,
+    /// The connection or channel died before the confirm: it may or may not be in the queue.
+    Unknown,
+    /// No confirm within [`CONFIRM_PATIENCE`] on a live connection.
+    TimedOut,
+}
+
+struct Delivery {
+    body: String,
+    session: u64,
+    redelivered: bool,
+    at: Instant,
+    node: u64,
+}
+
+struct Ack {
+    body: String,
+    at: Instant,
+    session: u64,
+    node: u64,
+}
+
+/// What the clients saw, in the order they saw it.
+#[derive(Default)]
+struct History {
+    published: HashMap<String, Outcome>,
+    /// Where each body was published, when it was sent and when its outcome came.
+    sent: HashMap<String, (u64, Instant, Option<Instant>)>,
+    deliveries: Vec<Delivery>,
+    acks: Vec<Ack>,
+    /// When each consumer session (one channel's consume) ended: its stream closed, failed or
+    /// was cancelled. Absent while the session lives.
+    session_end: HashMap<u64, Instant>,
+    session_start: HashMap<u64, Instant>,
+    session_node: HashMap<u64, u64>,
+    /// Every pause or kill: the node and when it started and ended.
+    faults: Vec<(u64, Instant, Instant)>,
+}
+
+type Shared = Arc<Mutex<History>>;
+
+/// What the clients need to reach node `n` (`nodes[n - 1]`); a restarted node gets a new
+/// management port, so the fault thread updates it.
+#[derive(Clone)]
+struct NodeAddr {
+    amqp: String,
+    http: String,
+}
+
+type Addrs = Arc<Mutex<Vec<NodeAddr>>>;
+
+fn addrs_of(c: &TestCluster) -> Vec<NodeAddr> {
+    c.nodes
+        .iter()
+        .map(|b| NodeAddr {
+            amqp: b.url().to_string(),
+            http: b
+                .http_url()
+                .expect("the management API is on")
+                .trim_start_matches("http://")
+                .to_string(),
+        })
+        .collect()
+}
+
+fn addrs_of_cluster(c: &TestCluster) -> Addrs {
+    Arc::new(Mutex::new(addrs_of(c)))
+}
+
+fn addr(addrs: &Addrs, n: u64) -> NodeAddr {
+    addrs.lock().unwrap()[(n - 1) as usize].clone()
+}
+
+fn quorum() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args
+}
+
+/// GET `path` of a node's management API as guest, or `None` if the node does not answer
+/// within a second (killed, paused, restarting).
+async fn api_get(host: &str, path: &str) -> Option<serde_json::Value> {
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(host).await.ok()?;
+        let req = format!(
+            "GET /api{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\
+             Authorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\n\r\n"
+        );
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).await.ok()?;
+        Some(raw)
+    };
+    let raw = tokio::time::timeout(Duration::from_secs(1), exchange)
+        .await
+        .ok()??;
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&raw[..end]).to_lowercase();
+    if !head.starts_with("http/1.1 200") {
+        return None;
+    }
+    let mut body = raw[end + 4..].to_vec();
+    if head.contains("transfer-encoding: chunked") {
+        body = dechunk(&body)?;
+    }
+    serde_json::from_slice(&body).ok()
+}
+
+fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = data.windows(2).position(|w| w == b"\r\n")?;
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&data[..eol]).ok()?.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(data.get(eol + 2..eol + 2 + size)?);
+        data = data.get(eol + 4 + size..)?;
+    }
+}
+
+/// The queue's leader and message count as node `n` reports them.
+async fn queue_state_of(addrs: &Addrs, q: &str, n: u64) -> Option<(u64, u64)> {
+    let v = api_get(&addr(addrs, n).http, &format!("/queues/%2f/{q}")).await?;
+    let leader = v["leader"].as_str().and_then(|name| {
+        name.strip_prefix("warren-")?
+            .split('@')
+            .next()?
+            .parse::<u64>()
+            .ok()
+    });
+    Some((leader?, v["messages"].as_u64()?))
+}
+
+/// The queue's leader and its message count (ready and unacked), as the first node to answer
+/// (starting from `first`) reports them.
+async fn queue_state(addrs: &Addrs, q: &str, first: u64) -> Option<(u64, u64)> {
+    for i in 0..3 {
+        let n = (first - 1 + i) % 3 + 1;
+        if let Some(s) = queue_state_of(addrs, q, n).await {
+            return Some(s);
+        }
+    }
+    None
+}
+
+async fn connect(url: &str) -> Option<Connection> {
+    tokio::time::timeout(
+        Duration::from_secs(2),
+        Connection::connect(url, ConnectionProperties::default()),
+    )
+    .await
+    .ok()?
+    .ok()
+}
+
+/// Publishes `p{id}-{seq}` in windows of [`WINDOW`], each window on a channel of a random node,
+/// reconnecting elsewhere when a connection fails, until `stop`.
+async fn publisher(id: u64, seed: u64, q: String, addrs: Addrs, h: Shared, stop: Arc<AtomicBool>) {
+    let mut rng = Rng(seed);
+    let mut seq = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let node = rng.below(3) + 1;
+        let Some(conn) = connect(&addr(&addrs, node).amqp).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(ch) = conn.create_channel().await else {
+            continue;
+        };
+        if ch
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        // A few windows per connection, so the publishers move between nodes.
+        for _ in 0..rng.below(20) + 1 {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let mut pending = Vec::new();
+            let mut broken = false;
+            for _ in 0..WINDOW {
+                seq += 1;
+                let body = format!("p{id}-{seq}");
+                {
+                    let mut h = h.lock().unwrap();
+                    h.published.insert(body.clone(), Outcome::Pending);
+                    h.sent.insert(body.clone(), (node, Instant::now(), None));
+                }
+                let sent = ch
+                    .basic_publish(
+                        "".into(),
+                        q.as_str().into(),
+                        BasicPublishOptions::default(),
+                        body.as_bytes(),
+                        BasicProperties::default().with_delivery_mode(2),
+                    )
+                    .await;
+                match sent {
+                    Ok(confirm) => pending.push((body, confirm)),
+                    Err(_) => {
+                        // It may have left before the failure: it may be in the queue.
+                        h.lock().unwrap().published.insert(body, Outcome::Unknown);
+                        broken = true;
+                        break;
+                    }
+                }
+            }
+            let deadline = tokio::time::Instant::now() + CONFIRM_PATIENCE;
+            for (body, confirm) in pending {
+                let outcome = match tokio::time::timeout_at(deadline, confirm).await {
+                    Ok(Ok(Confirmation::Ack(_))) => Outcome::Acked,
+                    Ok(Ok(Confirmation::Nack(_))) => Outcome::Nacked,
+                    Ok(Ok(Confirmation::NotRequested)) => panic!("confirms were selected"),
+                    Ok(Err(_)) => {
+                        broken = true;
+                        Outcome::Unknown
+                    }
+                    Err(_) => {
+                        broken = true;
+                        Outcome::TimedOut
+                    }
+                };
+                let mut h = h.lock().unwrap();
+                if let Some(s) = h.sent.get_mut(&body) {
+                    s.2 = Some(Instant::now());
+                }
+                h.published.insert(body, outcome);
+            }
+            if broken {
+                break;
+            }
+        }
+        // Not awaited: a close to a paused node would wait for it.
+        drop(conn);
+    }
+}
+
+/// Consumes on the queue's leader with manual acks, recording every delivery and ack; on a
+/// refusal (506), a cancel, a dead channel or a quiet spell on a node that no longer leads, it
+/// looks the leader up again. Runs until `stop`.
+async fn consumer(
+    id: u64,
+    q: String,
+    addrs: Addrs,
+    h: Shared,
+    stop: Arc<AtomicBool>,
+    sessions: Arc<AtomicU64>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        let Some((leader, _)) = queue_state(&addrs, &q, id % 3 + 1).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Some(conn) = connect(&addr(&addrs, leader).amqp).await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(ch) = conn.create_channel().await else {
+            continue;
+        };
+        if ch.basic_qos(20, BasicQosOptions::default()).await.is_err() {
+            continue;
+        }
+        let consumed = ch
+            .basic_consume(
+                q.as_str().into(),
+                format!("c{id}").as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await;
+        let mut stream = match consumed {
+            Ok(s) => s,
+            Err(e) => {
+                // 506: not the leader (any more); anything else: the node is going away.
+                if !matches!(amqp_error(&e), Some((506, _))) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                continue;
+            }
+        };
+        let session = sessions.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut h = h.lock().unwrap();
+            h.session_start.insert(session, Instant::now());
+            h.session_node.insert(session, leader);
+        }
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            let next = tokio::time::timeout(Duration::from_secs(1), stream.next()).await;
+            let d = match next {
+                Ok(Some(Ok(d))) => d,
+                // Cancelled, or the channel or connection died.
+                Ok(Some(Err(_))) | Ok(None) => {
+                    h.lock()
+                        .unwrap()
+                        .session_end
+                        .insert(session, Instant::now());
+                    break;
+                }
+                Err(_) => {
+                    // Quiet: stay only while this node still leads.
+                    match queue_state(&addrs, &q, leader).await {
+                        Some((l, _)) if l == leader => continue,
+                        _ => {
+                            h.lock()
+                                .unwrap()
+                                .session_end
+                                .insert(session, Instant::now());
+                            break;
+                        }
+                    }
+                }
+            };
+            let body = String::from_utf8_lossy(&d.data).into_owned();
+            h.lock().unwrap().deliveries.push(Delivery {
+                body: body.clone(),
+                session,
+                redelivered: d.redelivered,
+                at: Instant::now(),
+                node: leader,
+            });
+            if d.ack(BasicAckOptions::default()).await.is_err() {
+                h.lock()
+                    .unwrap()
+                    .session_end
+                    .insert(session, Instant::now());
+                break;
+            }
+            h.lock().unwrap().acks.push(Ack {
+                body,
+                at: Instant::now(),
+                session,
+                node: leader,
+            });
+        }
+        drop(conn);
+    }
+}
+
+/// Resumes a paused process even when the test panics while it is stopped.
+struct Paused(libc::pid_t);
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+/// Runs `rounds` faults, one at a time with a pause between, on the fault thread (the cluster's
+/// calls block). Returns the cluster once every node is back and sees a metadata leader.
+fn inject(
+    mut c: TestCluster,
+    rounds: u64,
+    seed: u64,
+    q: &str,
+    addrs: &Addrs,
+    h: &Shared,
+) -> TestCluster {
+    let mut rng = Rng(seed);
+    for round in 1..=rounds {
+        std::thread::sleep(rng.millis(1000, 2500));
+        // Half the faults hit the queue's leader, the rest a random node.
+        let node = if rng.below(2) == 0 {
+            c.leader_of(q, rng.below(3) + 1)
+        } else {
+            rng.below(3) + 1
+        };
+        let began = Instant::now();
+        if rng.below(2) == 0 {
+            let down = rng.millis(300, 1500);
+            eprintln!("faults: round {round}: SIGKILL node {node}, restart after {down:?}");
+            c.node_mut(node).stop(true);
+            std::thread::sleep(down);
+            c.node_mut(node).start_again();
+            *addrs.lock().unwrap() = addrs_of(&c);
+        } else {
+            let pause = rng.millis(500, 2500);
+            eprintln!("faults: round {round}: SIGSTOP node {node} for {pause:?}");
+            let pid = c.node(node).pid().expect("a spawned node") as libc::pid_t;
+            let paused = Paused(pid);
+            assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0, "SIGSTOP");
+            std::thread::sleep(pause);
+            drop(paused);
+        }
+        h.lock().unwrap().faults.push((node, began, Instant::now()));
+        wait_for_rejoin(&c, node, round);
+    }
+    c
+}
+
+/// Waits until node `n` sees a metadata leader again. A restarted node reads its whole Raft log
+/// back (no snapshots yet), which takes longer as a long run goes on, so the wait is generous
+/// and a slow rejoin is printed.
+fn wait_for_rejoin(c: &TestCluster, n: u64, round: u64) {
+    let api = warren_conformance::http::Api::of(c.node(n));
+    let start = Instant::now();
+    loop {
+        let (_, v) = api.call("GET", "/nodes", None);
+        if v[0]["cluster"]["metadata_leader"].as_u64().is_some() {
+            break;
+        }
+        assert!(
+            start.elapsed() < REJOIN_PATIENCE,
+            "round {round}: node {n} sees no metadata leader after {REJOIN_PATIENCE:?}: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if start.elapsed() > Duration::from_secs(2) {
+        eprintln!(
+            "faults: round {round}: node {n} saw a metadata leader after {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// `WARREN_FAULT_SEED`, else one from the clock (the tests print it).
+fn seed() -> u64 {
+    env_u64("WARREN_FAULT_SEED").unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    })
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the broker loses confirmed messages when a queue's leader is paused (2 runs of 11; \
+            a_paused_leader_confirms_only_what_its_successor_delivers shows it more often): \
+            scripts/faults runs it"]
+async fn replicated_queue_history_under_kills_and_pauses() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return; // spawns and kills its own cluster
+    }
+    let rounds = env_u64("WARREN_FAULT_ROUNDS").unwrap_or(8);
+    let seed = seed();
+    eprintln!(
+        "faults: {rounds} rounds, seed {seed} (WARREN_FAULT_SEED={seed} repeats the choices)"
+    );
+    let mut rng = Rng(seed);
+    let c = TestCluster::start(3, 20);
+    let q = unique("faults");
+    {
+        let conn = c.node(1).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            quorum(),
+        )
+        .await
+        .expect("declare a quorum queue");
+    }
+    c.leader_of(&q, 1);
+    let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
+    let h: Shared = Arc::default();
+    let stop_pub = Arc::new(AtomicBool::new(false));
+    let stop_con = Arc::new(AtomicBool::new(false));
+    let sessions = Arc::new(AtomicU64::new(0));
+    let publishers: Vec<_> = (1..=PUBLISHERS)
+        .map(|id| {
+            tokio::spawn(publisher(
+                id,
+                rng.next(),
+                q.clone(),
+                addrs.clone(),
+                h.clone(),
+                stop_pub.clone(),
+            ))
+        })
+        .collect();
+    let consumers: Vec<_> = (1..=CONSUMERS)
+        .map(|id| {
+            tokio::spawn(consumer(
+                id,
+                q.clone(),
+                addrs.clone(),
+                h.clone(),
+                stop_con.clone(),
+                sessions.clone(),
+            ))
+        })
+        .collect();
+
+    let started = Instant::now();
+    let fault_seed = rng.next();
+    let (fq, fa, fh) = (q.clone(), addrs.clone(), h.clone());
+    let c = tokio::task::spawn_blocking(move || inject(c, rounds, fault_seed, &fq, &fa, &fh))
+        .await
+        .expect("the fault thread");
+    let faults_took = started.elapsed();
+
+    // Healed: the publishers stop, the consumers drain what is left.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_pub.store(true, Ordering::Relaxed);
+    for p in publishers {
+        tokio::time::timeout(CONFIRM_PATIENCE + Duration::from_secs(5), p)
+            .await
+            .expect("a publisher to stop")
+            .expect("publisher task");
+    }
+    let drain_start = Instant::now();
+    let mut last_count = usize::MAX;
+    let mut quiet_since = Instant::now();
+    loop {
+        let count = h.lock().unwrap().deliveries.len();
+        if count != last_count {
+            last_count = count;
+            quiet_since = Instant::now();
+        }
+        let mut empty = true;
+        for n in 1..=3 {
+            empty &= matches!(queue_state_of(&addrs, &q, n).await, Some((_, 0)));
+        }
+        if empty && quiet_since.elapsed() > Duration::from_secs(1) {
+            break;
+        }
+        assert!(
+            drain_start.elapsed() < DRAIN_PATIENCE,
+            "the queue did not drain within {DRAIN_PATIENCE:?} (seed {seed}): {:?}",
+            queue_state(&addrs, &q, 1).await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop_con.store(true, Ordering::Relaxed);
+    for t in consumers {
+        tokio::time::timeout(Duration::from_secs(10), t)
+            .await
+            .expect("a consumer to stop")
+            .expect("consumer task");
+    }
+    let end = Instant::now();
+    // Every client has stopped: the history is final.
+    let h = std::mem::take(&mut *h.lock().unwrap());
+    let report = check(&h, end);
+    eprintln!(
+        "faults: {rounds} rounds in {:.1} s, drained in {:.1} s, {} consumer sessions, seed {seed}",
+        faults_took.as_secs_f64(),
+        drain_start.elapsed().as_secs_f64(),
+        sessions.load(Ordering::Relaxed),
+    );
+    eprintln!("faults: {report}");
+    let mut ids: Vec<_> = h.session_start.keys().copied().collect();
+    ids.sort();
+    let t0 = h.faults.first().map_or(started, |f| f.1);
+    let ms = |t: &Instant| t.saturating_duration_since(t0).as_millis();
+    for s in ids {
+        eprintln!(
+            "faults: session {s} on node {:?}: {:?} to {:?} ms",
+            h.session_node.get(&s),
+            h.session_start.get(&s).map(ms),
+            h.session_end.get(&s).map(ms)
+        );
+    }
+    for b in report.lost.iter().take(5) {
+        let (node, sent, answered) = h.sent[b];
+        eprintln!(
+            "faults: lost {b}: published on node {node} at {} ms, confirmed at {:?} ms",
+            ms(&sent),
+            answered.as_ref().map(ms)
+        );
+    }
+    for n in 1..=3 {
+        let v = api_get(&addr(&addrs, n).http, &format!("/queues/%2f/{q}")).await;
+        eprintln!("faults: node {n} reports the queue as {v:?}");
+    }
+    // Failing with the cluster up prints every node's output.
+    report.assert_ok(seed);
+    drop(c);
+}
+
+#[derive(Debug, Default)]
+struct Report {
+    published: usize,
+    confirmed: usize,
+    nacked: usize,
+    unknown: usize,
+    timed_out: usize,
+    delivered: usize,
+    distinct: usize,
+    duplicates: usize,
+    redelivered_flag: usize,
+    delivered_unconfirmed: usize,
+    acks: usize,
+    firm_acks: usize,
+    back_after_firm_ack: Vec<String>,
+    back_after_unsure_ack: usize,
+    /// Bodies with a first delivery (not flagged redelivered) after another delivery.
+    enqueued_twice: usize,
+    /// A settled ack followed by another copy's first delivery.
+    another_copy_after_ack: usize,
+    /// A settled ack followed by a redelivery of a body enqueued twice, or whose first
+    /// delivery the history missed (in flight when a node died), or one close to a fault.
+    ambiguous_after_ack: usize,
+    lost: Vec<String>,
+    invented: Vec<String>,
+    /// The story of the first violations, for the failure message.
+    examples: Vec<String>,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(
+            f,
+            "published {}, confirmed {}, nacked {}, unknown {}, confirm timeouts {}, \
+             delivered {} ({} distinct, {} duplicates, {} flagged redelivered, {} of them not \
+             confirmed, {} enqueued twice), acks {} ({} settled), back after a settled ack {} \
+             (another copy after it {}, ambiguous {}), back after an unsettled ack {}, lost {}, \
+             invented {}",
+            self.published,
+            self.confirmed,
+            self.nacked,
+            self.unknown,
+            self.timed_out,
+            self.delivered,
+            self.distinct,
+            self.duplicates,
+            self.redelivered_flag,
+            self.delivered_unconfirmed,
+            self.enqueued_twice,
+            self.acks,
+            self.firm_acks,
+            self.back_after_firm_ack.len(),
+            self.another_copy_after_ack,
+            self.ambiguous_after_ack,
+            self.back_after_unsure_ack,
+            self.lost.len(),
+            self.invented.len(),
+        )
+    }
+}
+
+impl Report {
+    fn assert_ok(&self, seed: u64) {
+        let some = |v: &[String]| v.iter().take(20).cloned().collect::<Vec<_>>();
+        assert!(
+            self.confirmed > 100,
+            "too few confirms to mean anything: {self}"
+        );
+        assert!(
+            self.invented.is_empty(),
+            "delivered but never published (seed {seed}): {:?}",
+            some(&self.invented)
+        );
+        assert!(
+            self.lost.is_empty(),
+            "confirmed but never delivered (seed {seed}): {:?}",
+            some(&self.lost)
+        );
+        assert!(
+            self.back_after_firm_ack.is_empty(),
+            "delivered again after a settled ack (seed {seed}): {:?}\n{}",
+            some(&self.back_after_firm_ack),
+            self.examples.join("\n")
+        );
+        assert_eq!(
+            self.timed_out, 0,
+            "confirms that never came on a live connection (seed {seed})"
+        );
+    }
+}
+
+/// One ack's message's history, times in ms since the first fault's start minus its own.
+fn explain(h: &History, a: &Ack) -> String {
+    let t0 = h.faults.first().map_or(a.at, |f| f.1.min(a.at));
+    let ms = |t: Instant| t.saturating_duration_since(t0).as_millis();
+    let mut s = format!(
+        "{}: acked at {} ms on node {} (session {}, {:?} to {:?});",
+        a.body,
+        ms(a.at),
+        a.node,
+        a.session,
+        h.session_start.get(&a.session).map(|t| ms(*t)),
+        h.session_end.get(&a.session).map(|t| ms(*t))
+    );
+    for d in h.deliveries.iter().filter(|d| d.body == a.body) {
+        s.push_str(&format!(
+            " delivered at {} ms by node {} in session {} (redelivered {});",
+            ms(d.at),
+            d.node,
+            d.session,
+            d.redelivered
+        ));
+    }
+    for b in h.acks.iter().filter(|b| b.body == a.body) {
+        s.push_str(&format!(
+            " acked at {} ms in session {};",
+            ms(b.at),
+            b.session
+        ));
+    }
+    let faults: Vec<String> = h
+        .faults
+        .iter()
+        .map(|(n, from, to)| format!("node {n} {}-{} ms", ms(*from), ms(*to)))
+        .collect();
+    s.push_str(&format!(" faults: {}", faults.join(", ")));
+    s
+}
+
+/// Whether a delivery flagged redelivered after `acked` came within [`ACK_SETTLE`] of a fault:
+/// then it may be another copy's (enqueued twice) whose first delivery the faulted node made
+/// and no client recorded, so it is not counted as an ack the broker lost.
+fn later_redelivery_near_fault(h: &History, ts: &[(Instant, bool)], acked: Instant) -> bool {
+    ts.iter().filter(|(t, re)| *re && *t > acked).any(|(t, _)| {
+        h.faults
+            .iter()
+            .any(|(_, from, to)| *from <= *t + ACK_SETTLE && *to + ACK_SETTLE >= *t)
+    })
+}
+
+/// Checks the history once the queue is drained (`end`).
+fn check(h: &History, end: Instant) -> Report {
+    let mut r = Report {
+        published: h.published.len(),
+        delivered: h.deliveries.len(),
+        acks: h.acks.len(),
+        ..Report::default()
+    };
+    for outcome in h.published.values() {
+        match outcome {
+            Outcome::Acked => r.confirmed += 1,
+            Outcome::Nacked => r.nacked += 1,
+            Outcome::Unknown | Outcome::Pending => r.unknown += 1,
+            Outcome::TimedOut => r.timed_out += 1,
+        }
+    }
+    // Each body's deliveries: when, and whether flagged redelivered.
+    let mut times: HashMap<&str, Vec<(Instant, bool)>> = HashMap::new();
+    for d in &h.deliveries {
+        times
+            .entry(d.body.as_str())
+            .or_default()
+            .push((d.at, d.redelivered));
+        r.redelivered_flag += usize::from(d.redelivered);
+        match h.published.get(&d.body) {
+            None => r
+                .invented
+                .push(format!("{} (from node {})", d.body, d.node)),
+            Some(Outcome::Acked) => {}
+            Some(_) => r.delivered_unconfirmed += 1,
+        }
+    }
+    r.distinct = times.len();
+    r.duplicates = r.delivered - r.distinct;
+    // A copy's first delivery is not flagged redelivered: such a delivery after another one of
+    // the same body means the broker enqueued it twice (a forward sent again to a new leader after the old one had
+    // committed it), which at-least-once allows.
+    let single = |ts: &[(Instant, bool)]| {
+        ts.iter().filter(|(_, re)| !re).count() == 1 && ts.first().is_some_and(|(_, re)| !re)
+    };
+    r.enqueued_twice = times
+        .values()
+        .filter(|ts| ts.iter().skip(1).any(|(_, re)| !re))
+        .count();
+    let mut lost: Vec<String> = h
+        .published
+        .iter()
+        .filter(|(b, o)| **o == Outcome::Acked && !times.contains_key(b.as_str()))
+        .map(|(b, _)| b.clone())
+        .collect();
+    lost.sort();
+    r.lost = lost;
+    // An ack is settled when its session lived on for ACK_SETTLE after it and its node was
+    // neither paused nor killed meanwhile: the broker then had the time to commit it. A later
+    // delivery flagged redelivered of a message enqueued once is then the broker's fault, not
+    // at-least-once; a later first delivery is another copy's.
+    for a in &h.acks {
+        let settled_by = a.at + ACK_SETTLE;
+        let session_lived = h
+            .session_end
+            .get(&a.session)
+            .is_none_or(|e| *e > settled_by)
+            && settled_by <= end;
+        let node_hit = h
+            .faults
+            .iter()
+            .any(|(n, from, to)| *n == a.node && *from <= settled_by && *to >= a.at);
+        let settled = session_lived && !node_hit;
+        r.firm_acks += usize::from(settled);
+        let ts = times.get(a.body.as_str()).map_or(&[][..], Vec::as_slice);
+        let later: Vec<bool> = ts
+            .iter()
+            .filter(|(t, _)| *t > a.at)
+            .map(|(_, re)| *re)
+            .collect();
+        if later.is_empty() {
+            continue;
+        }
+        if !settled {
+            r.back_after_unsure_ack += 1;
+        } else if !later.iter().any(|re| *re) {
+            r.another_copy_after_ack += 1;
+        } else if single(ts) && !later_redelivery_near_fault(h, ts, a.at) {
+            if r.back_after_firm_ack.len() < 5 {
+                r.examples.push(explain(h, a));
+            }
+            r.back_after_firm_ack.push(a.body.clone());
+        } else {
+            r.ambiguous_after_ack += 1;
+        }
+    }
+    r
+}
+
+/// The fault the long test found, alone: the queue's leader is paused (SIGSTOP) while a
+/// publisher on its node has a burst in flight; its peers elect a new leader; once resumed, the
+/// old leader must nack (or leave unconfirmed) what it could not commit, and every message it
+/// confirms must be delivered by the new leader. The pause lands at a random point of the burst,
+/// `WARREN_PAUSE_CYCLES` times (default 10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fails in about half the runs (7 of 68 pauses lost confirmed messages): a leader \
+            paused by SIGSTOP confirms, once resumed, publishes (its own and forwarded ones) that \
+            no member holds; scripts/faults runs it"]
+async fn a_paused_leader_confirms_only_what_its_successor_delivers() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return;
+    }
+    let cycles = env_u64("WARREN_PAUSE_CYCLES").unwrap_or(10);
+    let seed = seed();
+    eprintln!("paused: {cycles} cycles, seed {seed}");
+    let mut rng = Rng(seed);
+    let c = TestCluster::start(3, 20);
+    let q = unique("paused");
+    {
+        let conn = c.node(1).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.queue_declare(
+            q.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            quorum(),
+        )
+        .await
+        .expect("declare a quorum queue");
+    }
+    let mut failures = Vec::new();
+    let (mut acked_all, mut nacked_all, mut timed_out_all, mut failed_all) = (0, 0, 0, 0);
+    for cycle in 0..cycles {
+        let old = c.leader_of(&q, 1);
+        let survivor = old % 3 + 1;
+        let conn = c.node(old).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+        // Streams of publishes that the pause interrupts, on the leader's node and forwarded from
+        // another: some applied ahead and proposed, not committed, some read only once the node
+        // runs again; and a consumer acking on the leader meanwhile.
+        let done = Arc::new(AtomicBool::new(false));
+        let burst = tokio::spawn(stream(
+            ch.clone(),
+            q.clone(),
+            format!("c{cycle}-m"),
+            done.clone(),
+        ));
+        let fconn = c.node(survivor).connect().await;
+        let fch = fconn.create_channel().await.expect("channel");
+        fch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+        let forwarded = tokio::spawn(stream(fch, q.clone(), format!("c{cycle}-f"), done.clone()));
+        let consumed: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+        let worker = tokio::spawn(ack_all(
+            c.node(old).url().to_string(),
+            q.clone(),
+            consumed.clone(),
+            done.clone(),
+        ));
+        tokio::time::sleep(rng.millis(50, 250)).await;
+        let pid = c.node(old).pid().expect("a spawned node") as libc::pid_t;
+        let paused = Paused(pid);
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0, "SIGSTOP");
+        let stopped = Instant::now();
+        let new = loop {
+            let l = c.leader_of(&q, survivor);
+            if l != old {
+                break l;
+            }
+            assert!(stopped.elapsed() < Duration::from_secs(10), "no new leader");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let elected = stopped.elapsed();
+        std::thread::sleep(rng.millis(300, 2000));
+        drop(paused);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        done.store(true, Ordering::Relaxed);
+        let mut pending = burst.await.expect("the burst");
+        pending.extend(forwarded.await.expect("the forwarded burst"));
+        let _ = worker.await;
+        let deadline = tokio::time::Instant::now() + CONFIRM_PATIENCE;
+        let (mut acked, mut nacked, mut timed_out, mut failed) = (Vec::new(), 0, 0, 0);
+        for (body, confirm) in pending {
+            match tokio::time::timeout_at(deadline, confirm).await {
+                Ok(Ok(Confirmation::Ack(_))) => acked.push(body),
+                Ok(Ok(Confirmation::Nack(_))) => nacked += 1,
+                Ok(Ok(Confirmation::NotRequested)) => panic!("confirms were selected"),
+                Ok(Err(_)) => failed += 1,
+                Err(_) => timed_out += 1,
+            }
+        }
+        drop((conn, fconn));
+        let leader = c.leader_of(&q, survivor);
+        let conn = c.node(leader).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let mut consumer = ch
+            .basic_consume(
+                q.as_str().into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume on the leader");
+        let mut delivered = consumed.lock().unwrap().clone();
+        while let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_secs(1), consumer.next()).await
+        {
+            delivered.insert(String::from_utf8_lossy(&d.data).into_owned());
+        }
+        drop(conn);
+        // Drained on every member: what was not delivered is nowhere.
+        let mut left = Vec::new();
+        for n in 1..=3 {
+            left.push(queue_state_of(&addrs_of_cluster(&c), &q, n).await);
+        }
+        let lost: Vec<String> = acked
+            .iter()
+            .filter(|b| !delivered.contains(*b))
+            .cloned()
+            .collect();
+        eprintln!(
+            "paused: cycle {cycle}: node {old} stopped, node {new} led after {} ms; {} \
+             confirmed, {nacked} nacked, {failed} failed, {timed_out} unanswered after \
+             {CONFIRM_PATIENCE:?}; {} delivered by node {leader}; {} confirmed and lost; \
+             (leader, messages) on each node after the drain: {left:?}",
+            elected.as_millis(),
+            acked.len(),
+            delivered.len(),
+            lost.len()
+        );
+        acked_all += acked.len();
+        nacked_all += nacked;
+        timed_out_all += timed_out;
+        failed_all += failed;
+        if !lost.is_empty() {
+            failures.push(format!("cycle {cycle}: {:?}", &lost[..lost.len().min(10)]));
+        }
+    }
+    eprintln!(
+        "paused: {cycles} cycles (seed {seed}): {acked_all} confirmed, {nacked_all} nacked, \
+         {failed_all} failed, {timed_out_all} unanswered"
+    );
+    assert!(
+        failures.is_empty(),
+        "a paused leader confirmed messages no member has: {failures:?}"
+    );
+    assert_eq!(
+        timed_out_all, 0,
+        "publishes on a resumed, deposed leader neither confirmed nor nacked"
+    );
+}
+
+/// Publishes `{prefix}{i}` on `ch` until `stop` (at most 20,000), keeping each confirm.
+async fn stream(
+    ch: lapin::Channel,
+    q: String,
+    prefix: String,
+    stop: Arc<AtomicBool>,
+) -> Vec<(String, lapin::PublisherConfirm)> {
+    let mut pending = Vec::new();
+    let mut i = 0;
+    while !stop.load(Ordering::Relaxed) && i < 20_000 {
+        i += 1;
+        let body = format!("{prefix}{i}");
+        let Ok(confirm) = ch
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+        else {
+            break;
+        };
+        pending.push((body, confirm));
+        if i % 16 == 0 {
+            // Lets the consumer and the pause in between.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    pending
+}
+
+/// Consumes `q` on the node of `url`, acking and recording each body, until `stop` or the
+/// channel's end.
+async fn ack_all(
+    url: String,
+    q: String,
+    seen: Arc<Mutex<std::collections::HashSet<String>>>,
+    stop: Arc<AtomicBool>,
+) {
+    let Some(conn) = connect(&url).await else {
+        return;
+    };
+    let Ok(ch) = conn.create_channel().await else {
+        return;
+    };
+    if ch.basic_qos(50, BasicQosOptions::default()).await.is_err() {
+        return;
+    }
+    let Ok(mut consumer) = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    else {
+        return;
+    };
+    while !stop.load(Ordering::Relaxed) {
+        match tokio::time::timeout(Duration::from_millis(200), consumer.next()).await {
+            Ok(Some(Ok(d))) => {
+                seen.lock()
+                    .unwrap()
+                    .insert(String::from_utf8_lossy(&d.data).into_owned());
+                if d.ack(BasicAckOptions::default()).await.is_err() {
+                    return;
+                }
+            }
+            Ok(_) => return,
+            Err(_) => {}
+        }
+    }
+}
+
+/// The checker itself, on made-up histories: each violation is found, and what at-least-once
+/// allows is not taken for one.
+#[test]
+fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut h = History::default();
+    for (b, o) in [
+        ("p1-1", Outcome::Acked),
+        ("p1-2", Outcome::Acked),
+        ("p1-3", Outcome::Acked),
+        ("p1-4", Outcome::Nacked),
+        ("p1-5", Outcome::Acked),
+    ] {
+        h.published.insert(b.into(), o);
+    }
+    let delivery = |body: &str, session, redelivered, ms| Delivery {
+        body: body.into(),
+        session,
+        redelivered,
+        at: at(ms),
+        node: 1,
+    };
+    let ack = |body: &str, session, ms| Ack {
+        body: body.into(),
+        at: at(ms),
+        session,
+        node: 1,
+    };
+    // p1-1: delivered, acked, and back 5 s later on a session that lived on: a violation.
+    h.deliveries.push(delivery("p1-1", 0, false, 100));
+    h.acks.push(ack("p1-1", 0, 110));
+    h.deliveries.push(delivery("p1-1", 0, true, 5_000));
+    // p1-2: acked on a session that died at once: back again is at-least-once.
+    h.deliveries.push(delivery("p1-2", 1, false, 100));
+    h.acks.push(ack("p1-2", 1, 110));
+    h.session_end.insert(1, at(120));
+    h.deliveries.push(delivery("p1-2", 2, true, 500));
+    // p1-3 never delivered: lost. p1-4 nacked and never delivered: fine. x-9: invented.
+    h.deliveries.push(delivery("x-9", 0, false, 200));
+    // p1-5: a second copy's first delivery after a settled ack: enqueued twice, allowed.
+    h.deliveries.push(delivery("p1-5", 0, false, 100));
+    h.acks.push(ack("p1-5", 0, 110));
+    h.deliveries.push(delivery("p1-5", 0, false, 6_000));
+    // p1-6: acked, then flagged redelivered while node 2 was paused: maybe a copy whose first
+    // delivery was lost with node 2's clients, so ambiguous.
+    h.published.insert("p1-6".into(), Outcome::Acked);
+    h.faults.push((2, at(9_000), at(9_500)));
+    h.deliveries.push(delivery("p1-6", 0, false, 100));
+    h.acks.push(ack("p1-6", 0, 110));
+    h.deliveries.push(delivery("p1-6", 0, true, 9_200));
+    let r = check(&h, at(20_000));
+    assert_eq!(r.lost, vec!["p1-3".to_string()]);
+    assert_eq!(r.invented.len(), 1, "{r}");
+    assert_eq!(r.back_after_firm_ack, vec!["p1-1".to_string()]);
+    assert_eq!(r.back_after_unsure_ack, 1, "{r}");
+    assert_eq!(r.another_copy_after_ack, 1, "{r}");
+    assert_eq!(r.enqueued_twice, 1, "{r}");
+    assert_eq!(r.ambiguous_after_ack, 1, "{r}");
+    assert_eq!((r.confirmed, r.nacked, r.duplicates), (5, 1, 4), "{r}");
+}
