@@ -510,9 +510,6 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the broker loses confirmed messages when a queue's leader is paused (2 runs of 11; \
-            a_paused_leader_confirms_only_what_its_successor_delivers shows it more often): \
-            scripts/faults runs it"]
 async fn replicated_queue_history_under_kills_and_pauses() {
     if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
         return; // spawns and kills its own cluster
@@ -611,11 +608,16 @@ async fn replicated_queue_history_under_kills_and_pauses() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     stop_con.store(true, Ordering::Relaxed);
-    for t in consumers {
-        tokio::time::timeout(Duration::from_secs(10), t)
-            .await
-            .expect("a consumer to stop")
-            .expect("consumer task");
+    for mut t in consumers {
+        match tokio::time::timeout(Duration::from_secs(10), &mut t).await {
+            Ok(r) => r.expect("consumer task"),
+            Err(_) => {
+                // Stuck in a call to a node (the history it recorded is complete up to here):
+                // the check goes on without it, and says so.
+                eprintln!("faults: a consumer did not stop within 10 s: aborted");
+                t.abort();
+            }
+        }
     }
     let end = Instant::now();
     // Every client has stopped: the history is final.
@@ -897,9 +899,6 @@ fn check(h: &History, end: Instant) -> Report {
 /// confirms must be delivered by the new leader. The pause lands at a random point of the burst,
 /// `WARREN_PAUSE_CYCLES` times (default 10).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails in about half the runs (7 of 68 pauses lost confirmed messages): a leader \
-            paused by SIGSTOP confirms, once resumed, publishes (its own and forwarded ones) that \
-            no member holds; scripts/faults runs it"]
 async fn a_paused_leader_confirms_only_what_its_successor_delivers() {
     if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
         return;
