@@ -42,6 +42,28 @@ async fn consume(ch: &Channel, q: &str) -> lapin::Result<lapin::Consumer> {
     .await
 }
 
+/// Consumes on `q`'s leader, as `asked` names it: a leader just elected refuses (506) until
+/// its term's first entries are applied, a few milliseconds; a client retries, as this does.
+async fn consume_on_leader(
+    c: &TestCluster,
+    q: &str,
+    asked: u64,
+) -> (u64, lapin::Connection, lapin::Consumer) {
+    let start = Instant::now();
+    loop {
+        let leader = c.leader_of(q, asked);
+        let (conn, ch) = channel(c, leader).await;
+        match consume(&ch, q).await {
+            Ok(consumer) => return (leader, conn, consumer),
+            Err(e) => {
+                let (code, text) = amqp_error(&e).unwrap_or((0, e.to_string()));
+                assert!(code == 506 && start.elapsed() < WAIT, "{code} {text}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
 /// Publishes `bodies` with confirms on `ch`: every one must be acked.
 async fn publish_confirmed(ch: &Channel, q: &str, bodies: impl Iterator<Item = String>) {
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -150,8 +172,7 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
     );
 
     // Every confirmed message is there, the 20 that were held marked redelivered.
-    let (_cn, chn) = channel(&c, next).await;
-    let mut consumer = consume(&chn, &q).await.expect("consume on the new leader");
+    let (next, _cn, mut consumer) = consume_on_leader(&c, &q, survivor).await;
     let mut seen = BTreeSet::new();
     let mut redelivered = 0;
     while seen.len() < 200 {
@@ -177,5 +198,47 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
     publish_confirmed(&chb, &q, std::iter::once("after".to_owned())).await;
     for n in 1..=3 {
         wait_for_messages(&c, n, &q, 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_down_while_thousands_of_entries_commit_catches_up_and_keeps_the_majority() {
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("qq-behind");
+    let (_c1, ch1) = channel(&c, 1).await;
+    ch1.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        quorum(),
+    )
+    .await
+    .expect("declare a quorum queue");
+    let leader = c.leader_of(&q, 1);
+    let behind = leader % 3 + 1;
+    let other = 6 - leader - behind;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 0);
+    }
+    // Far more entries than a group keeps in memory (2 x 1,024) commit while it is down: the
+    // other follower lets them go from memory, the leader keeps them for the one behind.
+    c.node_mut(behind).stop(true);
+    let (_cl, chl) = channel(&c, leader).await;
+    publish_confirmed(&chl, &q, (0..5000).map(|i| format!("m{i}"))).await;
+    wait_for_messages(&c, other, &q, 5000);
+    // The leader dies; the one that was behind comes back: the majority is the other follower,
+    // which must send it what left its memory, from its disk.
+    c.node_mut(leader).stop(true);
+    c.node_mut(behind).start_again();
+    c.wait_for_metadata_leader(behind);
+    wait_for_messages(&c, behind, &q, 5000);
+    let (next, _cn, _consumer) = consume_on_leader(&c, &q, behind).await;
+    assert_ne!(next, leader);
+    let (_cp, chp) = channel(&c, next).await;
+    publish_confirmed(&chp, &q, std::iter::once("after".to_owned())).await;
+    for n in [behind, other] {
+        wait_for_messages(&c, n, &q, 5001);
     }
 }

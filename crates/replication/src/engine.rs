@@ -36,8 +36,36 @@ fn engine_error(e: raft_engine::Error) -> LogError {
 
 /// A node's log in a raft-engine directory.
 pub struct EngineLog {
-    engine: Engine,
+    engine: std::sync::Arc<Engine>,
     batch: LogBatch,
+}
+
+/// Reads of the durable log for entries that left a group's memory ([`crate::storage::ColdLog`]).
+struct ColdEngine(std::sync::Arc<Engine>);
+
+impl std::fmt::Debug for ColdEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ColdEngine")
+    }
+}
+
+impl crate::storage::ColdLog for ColdEngine {
+    fn first_index(&self, group: u64) -> Option<u64> {
+        self.0.first_index(group)
+    }
+
+    fn entries(
+        &self,
+        group: u64,
+        low: u64,
+        high: u64,
+    ) -> Result<Vec<raft::eraftpb::Entry>, String> {
+        let mut out = Vec::new();
+        self.0
+            .fetch_entries_to::<Entries>(group, low, high, None, &mut out)
+            .map_err(|e| e.to_string())?;
+        Ok(out)
+    }
 }
 
 impl std::fmt::Debug for EngineLog {
@@ -56,9 +84,15 @@ impl EngineLog {
             ..Config::default()
         };
         Ok(EngineLog {
-            engine: Engine::open(cfg).map_err(engine_error)?,
+            engine: std::sync::Arc::new(Engine::open(cfg).map_err(engine_error)?),
             batch: LogBatch::default(),
         })
+    }
+
+    /// A handle that reads entries back for the groups' in-memory logs
+    /// (`MultiRaft::set_cold_log`), so that a follower far behind catches up from disk.
+    pub fn cold(&self) -> std::sync::Arc<dyn crate::storage::ColdLog> {
+        std::sync::Arc::new(ColdEngine(self.engine.clone()))
     }
 
     /// The groups with entries or a hard state in the log, in id order.

@@ -240,9 +240,17 @@ pub struct MultiRaft {
     next_tick_ms: Option<u64>,
     heartbeat_due: bool,
     stats: Stats,
+    /// The durable log, where groups read back entries that left their memory.
+    cold: Option<std::sync::Arc<dyn crate::storage::ColdLog>>,
 }
 
 impl MultiRaft {
+    /// Groups created from now on read entries that left their memory from `cold` (the
+    /// node-wide durable log): call it before adding or recovering groups.
+    pub fn set_cold_log(&mut self, cold: std::sync::Arc<dyn crate::storage::ColdLog>) {
+        self.cold = Some(cold);
+    }
+
     pub fn new(cfg: Config) -> Result<Self, Error> {
         if cfg.hibernate_ticks as usize + cfg.heartbeat_tick >= cfg.election_tick {
             return Err(Error::Config(
@@ -283,6 +291,7 @@ impl MultiRaft {
             next_tick_ms: None,
             heartbeat_due: false,
             stats: Stats::default(),
+            cold: None,
         })
     }
 
@@ -348,7 +357,11 @@ impl MultiRaft {
     /// Creates a group with every node as a voter. `campaign` makes this node start an election at
     /// once, so a creator places leaders instead of waiting for timeouts.
     pub fn add_group(&mut self, id: GroupId, campaign: bool) -> Result<(), Error> {
-        self.insert_group(id, GroupLog::new(self.cfg.nodes.clone()), campaign)
+        let mut log = GroupLog::new(self.cfg.nodes.clone());
+        if let Some(cold) = &self.cold {
+            log.set_cold(id.0, cold.clone());
+        }
+        self.insert_group(id, log, campaign)
     }
 
     /// Recreates a group after a restart from what the node-wide log held for it. Its committed
@@ -359,6 +372,10 @@ impl MultiRaft {
             durable.entries.clone(),
             durable.hard_state.clone(),
         );
+        let mut log = log;
+        if let Some(cold) = &self.cold {
+            log.set_cold(id.0, cold.clone());
+        }
         self.insert_group(id, log, false)
     }
 

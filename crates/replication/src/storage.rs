@@ -7,9 +7,20 @@
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 
+/// Where a group's entries that left memory can still be read: the node-wide durable log
+/// (until snapshots let it compact, it holds every entry).
+pub trait ColdLog: Send + Sync + std::fmt::Debug {
+    /// The group's first durable index, if it has entries.
+    fn first_index(&self, group: u64) -> Option<u64>;
+    /// Entries `low..high` of the group (all of them, or an error).
+    fn entries(&self, group: u64, low: u64, high: u64) -> Result<Vec<Entry>, String>;
+}
+
 /// The entries of one group since its last compaction, with its hard and conf state.
 #[derive(Debug, Default)]
 pub struct GroupLog {
+    /// The durable log, for entries compacted out of memory, and this group's number there.
+    cold: Option<(u64, std::sync::Arc<dyn ColdLog>)>,
     hard_state: HardState,
     conf_state: ConfState,
     /// Index and term of the last entry dropped by compaction (0, 0 for a new log).
@@ -49,10 +60,40 @@ impl GroupLog {
         self.hard_state.commit = commit;
     }
 
+    /// The first entry held in memory (or that would be).
     pub fn first_index(&self) -> u64 {
         self.entries
             .front()
             .map_or(self.compacted_index + 1, |e| e.index)
+    }
+
+    /// Reads entries that left memory from the durable log from now on.
+    pub fn set_cold(&mut self, group: u64, cold: std::sync::Arc<dyn ColdLog>) {
+        self.cold = Some((group, cold));
+    }
+
+    /// The first entry raft-rs may ask for: with a durable log behind, its first.
+    fn first_available(&self) -> u64 {
+        let memory = self.first_index();
+        match &self.cold {
+            Some((g, cold)) if self.compacted_index > 0 => {
+                cold.first_index(*g).map_or(memory, |c| c.min(memory))
+            }
+            _ => memory,
+        }
+    }
+
+    fn cold_entries(&self, low: u64, high: u64) -> raft::Result<Vec<Entry>> {
+        let Some((g, cold)) = &self.cold else {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        };
+        let got = cold
+            .entries(*g, low, high)
+            .map_err(|e| raft::Error::Store(StorageError::Other(e.into())))?;
+        if got.len() as u64 != high - low || got.first().is_some_and(|e| e.index != low) {
+            return Err(raft::Error::Store(StorageError::Compacted));
+        }
+        Ok(got)
     }
 
     pub fn last_index(&self) -> u64 {
@@ -122,18 +163,28 @@ impl Storage for GroupLog {
         max_size: impl Into<Option<u64>>,
         _context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
-        if low < self.first_index() {
+        if low < self.first_available() {
             return Err(raft::Error::Store(StorageError::Compacted));
         }
         if high > self.last_index() + 1 || low > high {
             return Err(raft::Error::Store(StorageError::Unavailable));
         }
         let offset = self.first_index();
-        let mut ents: Vec<Entry> = self
-            .entries
-            .range((low - offset) as usize..(high - offset) as usize)
-            .cloned()
-            .collect();
+        // What left memory is read back from the durable log: a peer far behind (down a while,
+        // or restarted) catches up without a snapshot.
+        let mut ents = if low < offset {
+            self.cold_entries(low, high.min(offset))?
+        } else {
+            Vec::new()
+        };
+        let from = low.max(offset);
+        if from < high {
+            ents.extend(
+                self.entries
+                    .range((from - offset) as usize..(high - offset) as usize)
+                    .cloned(),
+            );
+        }
         raft::util::limit_size(&mut ents, max_size.into());
         Ok(ents)
     }
@@ -143,7 +194,19 @@ impl Storage for GroupLog {
             return Ok(self.compacted_term);
         }
         if idx < self.compacted_index {
-            return Err(raft::Error::Store(StorageError::Compacted));
+            let first = self.first_available();
+            if idx == 0 && first == 1 {
+                // Before the first entry of a log that still holds its whole history.
+                return Ok(0);
+            }
+            if idx < first {
+                return Err(raft::Error::Store(StorageError::Compacted));
+            }
+            let got = self.cold_entries(idx, idx + 1)?;
+            return got
+                .first()
+                .map(|e| e.term)
+                .ok_or(raft::Error::Store(StorageError::Compacted));
         }
         let offset = self.first_index();
         self.entries
@@ -153,7 +216,7 @@ impl Storage for GroupLog {
     }
 
     fn first_index(&self) -> raft::Result<u64> {
-        Ok(GroupLog::first_index(self))
+        Ok(self.first_available())
     }
 
     fn last_index(&self) -> raft::Result<u64> {
@@ -194,6 +257,46 @@ mod tests {
         assert_eq!(terms(&log), vec![(1, 1), (2, 2)]);
         assert!(log.append(&[e(4, 2)]).is_err(), "gap");
         assert_eq!(Storage::last_index(&log).expect("last"), 2);
+    }
+
+    /// A durable log holding entries 1..=n of group 7.
+    #[derive(Debug)]
+    struct Disk(Vec<Entry>);
+
+    impl ColdLog for Disk {
+        fn first_index(&self, _group: u64) -> Option<u64> {
+            self.0.first().map(|e| e.index)
+        }
+        fn entries(&self, _group: u64, low: u64, high: u64) -> Result<Vec<Entry>, String> {
+            Ok(self
+                .0
+                .iter()
+                .filter(|e| e.index >= low && e.index < high)
+                .cloned()
+                .collect())
+        }
+    }
+
+    #[test]
+    fn entries_that_left_memory_are_read_back_from_the_durable_log() {
+        let all = vec![e(1, 1), e(2, 1), e(3, 2), e(4, 2), e(5, 3)];
+        let mut log = GroupLog::new(vec![1, 2, 3]);
+        log.append(&all).expect("append");
+        log.set_cold(7, std::sync::Arc::new(Disk(all.clone())));
+        log.compact_to(3);
+        assert_eq!(log.len(), 2, "two left in memory");
+        assert_eq!(Storage::first_index(&log).expect("first"), 1);
+        let got = log
+            .entries(1, 6, None, GetEntriesContext::empty(false))
+            .expect("entries from disk and memory");
+        assert_eq!(got, all);
+        assert_eq!(log.term(2).expect("a term on disk"), 1);
+        assert_eq!(log.term(0).expect("before the first"), 0);
+        // A durable log missing what it should hold is an error, never a wrong answer.
+        log.set_cold(7, std::sync::Arc::new(Disk(all[2..].to_vec())));
+        assert!(log
+            .entries(1, 3, None, GetEntriesContext::empty(false))
+            .is_err());
     }
 
     #[test]

@@ -189,6 +189,8 @@ impl RaftNode {
             source,
         };
         let log = EngineLog::open(&cfg.dir).map_err(log_error)?;
+        // A follower far behind is sent what left the leader's memory, read back from disk.
+        raft.set_cold_log(log.cold());
         let recovered = log.groups();
         for group in &recovered {
             let durable = log.durable(*group).map_err(log_error)?;
