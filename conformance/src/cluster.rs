@@ -60,6 +60,24 @@ impl TestCluster {
         &mut self.nodes[(n - 1) as usize]
     }
 
+    /// Declares a durable quorum queue on node `n` (the cluster replicates it on every node).
+    pub async fn declare_quorum_queue(&self, n: u64, name: &str) {
+        let conn = self.node(n).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let mut args = lapin::types::FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            lapin::types::AMQPValue::LongString("quorum".into()),
+        );
+        let durable = lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        ch.queue_declare(name.into(), durable, args)
+            .await
+            .expect("declare a quorum queue");
+    }
+
     /// Waits until node `n` knows who leads the cluster's metadata.
     pub fn wait_for_metadata_leader(&self, n: u64) -> u64 {
         let api = Api::of(self.node(n));

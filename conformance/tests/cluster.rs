@@ -9,22 +9,13 @@ use std::time::{Duration, Instant};
 use futures_lite::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    ConfirmSelectOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation};
 use warren_conformance::cluster::TestCluster;
 use warren_conformance::http::Api;
 use warren_conformance::{amqp_error, unique, WAIT};
-
-fn quorum() -> FieldTable {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    args
-}
 
 async fn channel(c: &TestCluster, n: u64) -> (lapin::Connection, Channel) {
     let conn = c.node(n).connect().await;
@@ -115,17 +106,7 @@ fn wait_for_messages(c: &TestCluster, n: u64, q: &str, want: u64) {
 async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() {
     let mut c = TestCluster::start(3, 20);
     let q = unique("qq");
-    let (_c2, ch2) = channel(&c, 2).await;
-    ch2.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        quorum(),
-    )
-    .await
-    .expect("declare a quorum queue");
+    c.declare_quorum_queue(2, &q).await;
     let leader = c.leader_of(&q, 2);
     let follower = leader % 3 + 1;
     // Consuming is the leader's: a follower refuses and says where the leader is.
@@ -205,17 +186,7 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
 async fn a_node_down_while_thousands_of_entries_commit_catches_up_and_keeps_the_majority() {
     let mut c = TestCluster::start(3, 20);
     let q = unique("qq-behind");
-    let (_c1, ch1) = channel(&c, 1).await;
-    ch1.queue_declare(
-        q.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        quorum(),
-    )
-    .await
-    .expect("declare a quorum queue");
+    c.declare_quorum_queue(1, &q).await;
     let leader = c.leader_of(&q, 1);
     let behind = leader % 3 + 1;
     let other = 6 - leader - behind;

@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 use futures_lite::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
+    ConfirmSelectOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use warren_conformance::cluster::TestCluster;
@@ -141,15 +141,6 @@ fn addrs_of_cluster(c: &TestCluster) -> Addrs {
 
 fn addr(addrs: &Addrs, n: u64) -> NodeAddr {
     addrs.lock().unwrap()[(n - 1) as usize].clone()
-}
-
-fn quorum() -> FieldTable {
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    args
 }
 
 /// GET `path` of a node's management API as guest, or `None` if the node does not answer
@@ -522,20 +513,7 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     let mut rng = Rng(seed);
     let c = TestCluster::start(3, 20);
     let q = unique("faults");
-    {
-        let conn = c.node(1).connect().await;
-        let ch = conn.create_channel().await.expect("channel");
-        ch.queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            quorum(),
-        )
-        .await
-        .expect("declare a quorum queue");
-    }
+    c.declare_quorum_queue(1, &q).await;
     c.leader_of(&q, 1);
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
     let h: Shared = Arc::default();
@@ -909,20 +887,7 @@ async fn a_paused_leader_confirms_only_what_its_successor_delivers() {
     let mut rng = Rng(seed);
     let c = TestCluster::start(3, 20);
     let q = unique("paused");
-    {
-        let conn = c.node(1).connect().await;
-        let ch = conn.create_channel().await.expect("channel");
-        ch.queue_declare(
-            q.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            quorum(),
-        )
-        .await
-        .expect("declare a quorum queue");
-    }
+    c.declare_quorum_queue(1, &q).await;
     let mut failures = Vec::new();
     let (mut acked_all, mut nacked_all, mut timed_out_all, mut failed_all) = (0, 0, 0, 0);
     for cycle in 0..cycles {
