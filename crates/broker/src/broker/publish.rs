@@ -473,8 +473,8 @@ impl Broker {
             let now = self.now_ms;
             // The copy's meta depends on its queue (TTL, priorities): built from the same
             // lookup that applies the command.
-            if self.queues.get(id).is_some_and(|q| q.replica.is_some())
-                && message.body.len() > super::replicated::REPLICATED_MAX_BODY
+            if message.body.len() > super::replicated::REPLICATED_MAX_BODY
+                && self.queues.get(id).is_some_and(|q| q.replica.is_some())
             {
                 tracing::warn!(
                     queue = id.0,
@@ -509,7 +509,8 @@ impl Broker {
                 continue;
             };
             routed += 1;
-            if self.queues.get(id).is_some_and(|q| q.replica.is_some()) {
+            // (A node on its own looks nothing up here.)
+            if self.cluster.is_some() && self.queues.get(id).is_some_and(|q| q.replica.is_some()) {
                 // Its confirm waits for the entry's commit, in the batch being filled.
                 if let Some(p) = self.persist.as_ref() {
                     batch = batch.max(Some(p.next_batch));
