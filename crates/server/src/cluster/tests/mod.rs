@@ -403,19 +403,28 @@ fn a_proposal_on_a_follower_is_refused_with_the_leader() {
     assert!(c.seen(follower).data(G).is_empty());
 }
 
+/// Node 1's configuration with these peers (tests of a node alone, or with a peer that is down).
+fn node_one(
+    peers: BTreeMap<NodeId, SocketAddr>,
+    listen: SocketAddr,
+    dir: &std::path::Path,
+) -> ClusterConfig {
+    ClusterConfig {
+        node: 1,
+        peers,
+        listen,
+        secret: SECRET.to_vec(),
+        dir: dir.to_path_buf(),
+        tick_ms: 10,
+        boot: 1,
+    }
+}
+
 #[test]
 fn a_peer_that_is_down_costs_a_few_dials_not_a_busy_loop() {
     let a = addrs(2);
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ClusterConfig {
-        node: 1,
-        peers: [(2, a[1])].into(),
-        listen: a[0],
-        secret: SECRET.to_vec(),
-        dir: dir.path().to_path_buf(),
-        tick_ms: 10,
-        boot: 1,
-    };
+    let cfg = node_one([(2, a[1])].into(), a[0], dir.path());
     let node = RaftNode::start(cfg, Recorder::default()).unwrap();
     node.add_group(G, true);
     wait_for("a first failed dial", || node.stats().dial_failures >= 1);
@@ -432,15 +441,7 @@ fn a_peer_that_is_down_costs_a_few_dials_not_a_busy_loop() {
 fn shutdown_from_async_code_closes_the_listener_without_a_panic() {
     let a = addrs(2);
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ClusterConfig {
-        node: 1,
-        peers: [(2, a[1])].into(),
-        listen: a[0],
-        secret: SECRET.to_vec(),
-        dir: dir.path().to_path_buf(),
-        tick_ms: 10,
-        boot: 1,
-    };
+    let cfg = node_one([(2, a[1])].into(), a[0], dir.path());
     let node = RaftNode::start(cfg.clone(), Recorder::default()).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -455,15 +456,7 @@ fn shutdown_from_async_code_closes_the_listener_without_a_panic() {
 fn one_node_groups_added_twice_removed_and_a_proposal_too_large() {
     let a = addrs(1);
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ClusterConfig {
-        node: 1,
-        peers: BTreeMap::new(),
-        listen: a[0],
-        secret: SECRET.to_vec(),
-        dir: dir.path().to_path_buf(),
-        tick_ms: 10,
-        boot: 1,
-    };
+    let cfg = node_one(BTreeMap::new(), a[0], dir.path());
     let seen = Recorder::default();
     let node = RaftNode::start(cfg.clone(), seen.clone()).unwrap();
     for g in [G, GroupId(2), G] {
