@@ -570,4 +570,33 @@ impl LogStore for AnyLog {
             }
         }
     }
+
+    fn save_snapshot(
+        &mut self,
+        group: GroupId,
+        snap: &warren_replication::StoredSnapshot,
+    ) -> Result<(), LogError> {
+        match self {
+            AnyLog::File(f) => f.save_snapshot(group, snap),
+            AnyLog::Engine(e, _) => e.save_snapshot(group, snap),
+        }
+    }
+
+    fn clear_entries(
+        &mut self,
+        group: GroupId,
+        hard_state: &warren_replication::raft::eraftpb::HardState,
+    ) -> Result<(), LogError> {
+        match self {
+            AnyLog::File(f) => f.clear_entries(group, hard_state),
+            AnyLog::Engine(e, _) => e.clear_entries(group, hard_state),
+        }
+    }
+
+    fn compact_to(&mut self, group: GroupId, index: u64) -> Result<(), LogError> {
+        match self {
+            AnyLog::File(f) => f.compact_to(group, index),
+            AnyLog::Engine(e, _) => e.compact_to(group, index),
+        }
+    }
 }

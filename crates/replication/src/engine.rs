@@ -12,6 +12,7 @@ use std::path::Path;
 use raft::eraftpb::{Entry, HardState};
 use raft_engine::{Config, Engine, LogBatch, MessageExt, ReadableSize};
 
+use crate::snapshots::{SnapshotFiles, StoredSnapshot};
 use crate::wal::{DurableGroup, LogError, LogStore};
 use crate::GroupId;
 
@@ -38,6 +39,9 @@ fn engine_error(e: raft_engine::Error) -> LogError {
 pub struct EngineLog {
     engine: std::sync::Arc<Engine>,
     batch: LogBatch,
+    /// The groups' snapshots, in `snapshots/` inside the log's directory (raft-engine reads
+    /// only its own file names there).
+    snapshots: SnapshotFiles,
 }
 
 /// Reads of the durable log for entries that left a group's memory ([`crate::storage::ColdLog`]).
@@ -83,10 +87,18 @@ impl EngineLog {
             target_file_size: ReadableSize::mb(64),
             ..Config::default()
         };
+        let engine = std::sync::Arc::new(Engine::open(cfg).map_err(engine_error)?);
         Ok(EngineLog {
-            engine: std::sync::Arc::new(Engine::open(cfg).map_err(engine_error)?),
+            engine,
             batch: LogBatch::default(),
+            snapshots: SnapshotFiles::open(&dir.join("snapshots"))?,
         })
+    }
+
+    /// A handle that reads the groups' snapshots back, for a leader sending one to a follower
+    /// (`MultiRaft::set_snapshot_source`).
+    pub fn snapshots(&self) -> std::sync::Arc<dyn crate::snapshots::SnapshotSource> {
+        std::sync::Arc::new(self.snapshots.clone())
     }
 
     /// A handle that reads entries back for the groups' in-memory logs
@@ -121,15 +133,8 @@ impl EngineLog {
         Ok(DurableGroup {
             entries,
             hard_state,
+            snapshot: self.snapshots.read(group)?,
         })
-    }
-
-    /// Drops `group`'s entries below `index` (its snapshot covers them); files no group needs
-    /// any more are recycled. Returns how many entries went.
-    pub fn compact_to(&mut self, group: GroupId, index: u64) -> Result<u64, LogError> {
-        let dropped = self.engine.compact_to(group.0, index);
-        self.engine.purge_expired_files().map_err(engine_error)?;
-        Ok(dropped)
     }
 
     /// Forgets a group entirely (its queue was deleted).
@@ -137,7 +142,7 @@ impl EngineLog {
         let mut batch = LogBatch::default();
         batch.add_command(group.0, raft_engine::Command::Clean);
         self.engine.write(&mut batch, true).map_err(engine_error)?;
-        Ok(())
+        self.snapshots.remove(group)
     }
 }
 
@@ -170,6 +175,26 @@ impl LogStore for EngineLog {
         self.engine
             .write(&mut self.batch, must_sync)
             .map_err(engine_error)?;
+        Ok(())
+    }
+
+    fn save_snapshot(&mut self, group: GroupId, snap: &StoredSnapshot) -> Result<(), LogError> {
+        self.snapshots.save(group, snap)
+    }
+
+    fn clear_entries(&mut self, group: GroupId, hard_state: &HardState) -> Result<(), LogError> {
+        // raft-engine applies a batch's items in order: the group's entries and state go, then
+        // the hard state comes back, and entries appended after start the new log.
+        self.batch.add_command(group.0, raft_engine::Command::Clean);
+        self.batch
+            .put_message(group.0, HARD_STATE.to_vec(), hard_state)
+            .map_err(engine_error)
+    }
+
+    /// Files no group needs any more are recycled.
+    fn compact_to(&mut self, group: GroupId, index: u64) -> Result<(), LogError> {
+        self.engine.compact_to(group.0, index);
+        self.engine.purge_expired_files().map_err(engine_error)?;
         Ok(())
     }
 }
@@ -267,7 +292,7 @@ mod tests {
         log.append(GroupId(1), &entries, None).unwrap();
         log.append(GroupId(2), &entries, None).unwrap();
         log.flush(true).unwrap();
-        assert_eq!(log.compact_to(GroupId(1), 91).unwrap(), 90);
+        log.compact_to(GroupId(1), 91).unwrap();
         log.remove_group(GroupId(2)).unwrap();
         drop(log);
         let log = EngineLog::open(dir.path()).unwrap();
@@ -275,5 +300,36 @@ mod tests {
         assert_eq!(g1.entries.first().map(|e| e.index), Some(91));
         assert_eq!(g1.entries.len(), 10);
         assert_eq!(log.groups(), vec![GroupId(1)]);
+    }
+
+    #[test]
+    fn an_installed_snapshot_replaces_the_whole_log_and_comes_back_after_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let mut log = EngineLog::open(dir.path()).unwrap();
+            let old: Vec<Entry> = (1..=20).map(|i| entry(i, 1, b"stale")).collect();
+            log.append(GroupId(4), &old, Some(&hard_state(1, 2, 10)))
+                .unwrap();
+            log.flush(true).unwrap();
+            let snap = StoredSnapshot {
+                meta: crate::SnapshotMeta { index: 50, term: 3 },
+                data: bytes::Bytes::from_static(b"state at 50"),
+            };
+            log.save_snapshot(GroupId(4), &snap).unwrap();
+            log.clear_entries(GroupId(4), &hard_state(3, 0, 50))
+                .unwrap();
+            log.append(GroupId(4), &[entry(51, 3, b"new")], None)
+                .unwrap();
+            log.flush(true).unwrap();
+        }
+        let log = EngineLog::open(dir.path()).unwrap();
+        let g = log.durable(GroupId(4)).unwrap();
+        let got: Vec<(u64, u64)> = g.entries.iter().map(|e| (e.index, e.term)).collect();
+        assert_eq!(got, vec![(51, 3)]);
+        assert_eq!(g.hard_state, hard_state(3, 0, 50));
+        let snap = g.snapshot.expect("the snapshot");
+        assert_eq!((snap.meta.index, snap.meta.term), (50, 3));
+        assert_eq!(&snap.data[..], b"state at 50");
+        assert_eq!(log.groups(), vec![GroupId(4)]);
     }
 }

@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod multi;
 pub mod queue;
+pub mod snapshots;
 pub mod storage;
 pub mod wal;
 
@@ -17,6 +18,7 @@ pub use multi::{
     ReadyBatch, Refused, Stats,
 };
 pub use raft;
+pub use snapshots::{MemSnapshots, SnapshotFiles, SnapshotMeta, SnapshotSource, StoredSnapshot};
 pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog};
 
 /// A node of the cluster; also its Raft peer id in every group (never 0).

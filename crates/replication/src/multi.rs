@@ -16,6 +16,7 @@ use bytes::Bytes;
 use raft::eraftpb::{Entry, EntryType, HardState, Message, MessageType};
 use raft::{RawNode, StateRole, INVALID_ID};
 
+use crate::snapshots::{SnapshotMeta, SnapshotSource, StoredSnapshot};
 use crate::storage::GroupLog;
 use crate::wal::{DurableGroup, LogError, LogStore};
 use crate::{GroupId, NodeId};
@@ -41,8 +42,13 @@ pub struct Config {
     pub node_down_ticks: u64,
     pub max_inflight_msgs: usize,
     pub max_size_per_msg: u64,
-    /// Applied entries kept in memory for peers that lag behind (no snapshots yet).
+    /// Applied entries kept in memory for peers that lag behind (older ones are read back
+    /// from the durable log).
     pub log_keep: u64,
+    /// Entries the durable log keeps behind a snapshot for a follower that lags (a leader
+    /// keeps what its followers still lack, up to this many): one further behind is sent the
+    /// snapshot.
+    pub snapshot_keep: u64,
 }
 
 impl Config {
@@ -60,6 +66,7 @@ impl Config {
             max_inflight_msgs: 32,
             max_size_per_msg: 1 << 20,
             log_keep: 1024,
+            snapshot_keep: 4096,
         }
     }
 }
@@ -162,6 +169,8 @@ pub struct ReadyBatch {
     pub leaders: Vec<(GroupId, Option<NodeId>)>,
     readys: Vec<(GroupId, raft::Ready)>,
     committed: Vec<Committed>,
+    /// Snapshots from leaders, with the hard state the group's log restarts from.
+    snapshots: Vec<(GroupId, StoredSnapshot, HardState)>,
     must_sync: bool,
 }
 
@@ -171,6 +180,12 @@ impl ReadyBatch {
             && self.leaders.is_empty()
             && self.readys.is_empty()
             && self.committed.is_empty()
+    }
+
+    /// Snapshots from leaders in this batch: each replaces its group's state machine (the
+    /// driver hands them over before any committed entry that follows).
+    pub fn installed(&self) -> impl Iterator<Item = (GroupId, &StoredSnapshot)> {
+        self.snapshots.iter().map(|(g, s, _)| (*g, s))
     }
 
     /// Groups with entries or a hard state to persist.
@@ -184,11 +199,25 @@ impl ReadyBatch {
         if self.readys.is_empty() {
             return Ok(());
         }
+        write_snapshots(&self.snapshots, log)?;
         for (group, rd) in &self.readys {
             log.append(*group, rd.entries(), rd.hs())?;
         }
         log.flush(self.must_sync)
     }
+}
+
+/// A leader's snapshot is saved (durable at once) and the group's old log dropped in the
+/// batch, before the batch's own entries, which follow the snapshot.
+fn write_snapshots(
+    snapshots: &[(GroupId, StoredSnapshot, HardState)],
+    log: &mut impl LogStore,
+) -> Result<(), LogError> {
+    for (group, snap, hs) in snapshots {
+        log.save_snapshot(*group, snap)?;
+        log.clear_entries(*group, hs)?;
+    }
+    Ok(())
 }
 
 /// A batch of Raft state handed to a log writer by [`MultiRaft::submit`]: write it (several jobs
@@ -197,10 +226,17 @@ pub struct PersistJob {
     writes: Vec<(GroupId, Vec<Entry>, Option<HardState>, u64)>,
     /// Messages that may leave only once the write is durable (votes, append responses).
     held: Vec<(GroupId, Vec<Message>)>,
+    snapshots: Vec<(GroupId, StoredSnapshot, HardState)>,
     must_sync: bool,
 }
 
 impl PersistJob {
+    /// Snapshots from leaders in this job: each replaces its group's state machine before the
+    /// committed entries that follow it.
+    pub fn installed(&self) -> impl Iterator<Item = (GroupId, &StoredSnapshot)> {
+        self.snapshots.iter().map(|(g, s, _)| (*g, s))
+    }
+
     pub fn is_empty(&self) -> bool {
         self.writes.is_empty()
     }
@@ -212,6 +248,7 @@ impl PersistJob {
 
     /// Adds the job to the log's current batch, without flushing it.
     pub fn write(&self, log: &mut impl LogStore) -> Result<(), LogError> {
+        write_snapshots(&self.snapshots, log)?;
         for (group, entries, hs, _) in &self.writes {
             log.append(*group, entries, hs.as_ref())?;
         }
@@ -219,11 +256,13 @@ impl PersistJob {
     }
 }
 
-/// What [`MultiRaft::advance`] returns: messages that had to wait for the write, and entries now
-/// committed and persisted here, to apply in order.
+/// What [`MultiRaft::advance`] returns: messages that had to wait for the write, snapshots from
+/// leaders, and entries now committed and persisted here. Install the snapshots first, then
+/// apply the entries in order.
 #[derive(Default)]
 pub struct Advanced {
     pub messages: Vec<NodeBatch>,
+    pub snapshots: Vec<(GroupId, StoredSnapshot)>,
     pub committed: Vec<Committed>,
 }
 
@@ -242,9 +281,19 @@ pub struct MultiRaft {
     stats: Stats,
     /// The durable log, where groups read back entries that left their memory.
     cold: Option<std::sync::Arc<dyn crate::storage::ColdLog>>,
+    /// Where groups read their snapshots back.
+    snapshots: Option<std::sync::Arc<dyn SnapshotSource>>,
+    /// Snapshots sent since the last `ready`, to report to their groups.
+    snapshot_reports: Vec<(GroupId, NodeId)>,
 }
 
 impl MultiRaft {
+    /// Groups created from now on read their snapshots from `source` when a follower needs
+    /// one: call it before adding or recovering groups.
+    pub fn set_snapshot_source(&mut self, source: std::sync::Arc<dyn SnapshotSource>) {
+        self.snapshots = Some(source);
+    }
+
     /// Groups created from now on read entries that left their memory from `cold` (the
     /// node-wide durable log): call it before adding or recovering groups.
     pub fn set_cold_log(&mut self, cold: std::sync::Arc<dyn crate::storage::ColdLog>) {
@@ -292,6 +341,8 @@ impl MultiRaft {
             heartbeat_due: false,
             stats: Stats::default(),
             cold: None,
+            snapshots: None,
+            snapshot_reports: Vec::new(),
         })
     }
 
@@ -357,29 +408,39 @@ impl MultiRaft {
     /// Creates a group with every node as a voter. `campaign` makes this node start an election at
     /// once, so a creator places leaders instead of waiting for timeouts.
     pub fn add_group(&mut self, id: GroupId, campaign: bool) -> Result<(), Error> {
-        let mut log = GroupLog::new(self.cfg.nodes.clone());
-        if let Some(cold) = &self.cold {
-            log.set_cold(id.0, cold.clone());
-        }
-        self.insert_group(id, log, campaign)
+        let log = GroupLog::new(self.cfg.nodes.clone());
+        self.insert_group(id, log, campaign, 0)
     }
 
     /// Recreates a group after a restart from what the node-wide log held for it. Its committed
-    /// entries come out of `advance` again, from the first, for the state machine to replay.
+    /// entries after its snapshot come out of `advance` again, for the state machine to replay
+    /// on top of the snapshot (which the caller hands it first).
     pub fn recover_group(&mut self, id: GroupId, durable: &DurableGroup) -> Result<(), Error> {
+        let mut durable = durable.clone();
+        durable.fit_to_snapshot();
+        let meta = durable.snapshot.as_ref().map(|s| s.meta);
         let log = GroupLog::restore(
             self.cfg.nodes.clone(),
-            durable.entries.clone(),
-            durable.hard_state.clone(),
+            durable.entries,
+            durable.hard_state,
+            meta,
         );
-        let mut log = log;
+        self.insert_group(id, log, false, meta.map_or(0, |m| m.index))
+    }
+
+    fn insert_group(
+        &mut self,
+        id: GroupId,
+        mut log: GroupLog,
+        campaign: bool,
+        applied: u64,
+    ) -> Result<(), Error> {
         if let Some(cold) = &self.cold {
             log.set_cold(id.0, cold.clone());
         }
-        self.insert_group(id, log, false)
-    }
-
-    fn insert_group(&mut self, id: GroupId, log: GroupLog, campaign: bool) -> Result<(), Error> {
+        if let Some(source) = &self.snapshots {
+            log.set_snapshot_source(id.0, source.clone());
+        }
         if self.groups.contains_key(&id) {
             return Err(Error::GroupExists(id));
         }
@@ -404,6 +465,7 @@ impl MultiRaft {
             max_inflight_msgs: self.cfg.max_inflight_msgs,
             check_quorum: true,
             pre_vote: true,
+            applied,
             ..Default::default()
         };
         let mut raw = RawNode::new(&rc, log, &self.logger)?;
@@ -421,6 +483,67 @@ impl MultiRaft {
         self.awake.insert(id);
         self.touched.insert(id);
         Ok(())
+    }
+
+    #[cfg(test)]
+    pub(crate) fn debug_group(&self, group: GroupId) -> String {
+        let Some(g) = self.groups.get(&group) else {
+            return "none".into();
+        };
+        let r = &g.raw.raft;
+        let st = g.raw.store();
+        format!(
+            "state {:?} term {} leader {} applied {} committed {} persisted {} last {} first {:?} floor {} snap {:?} prs {:?} awake {} pending_snap {:?}",
+            r.state,
+            r.term,
+            r.leader_id,
+            r.raft_log.applied,
+            r.raft_log.committed,
+            r.raft_log.persisted,
+            r.raft_log.last_index(),
+            raft::Storage::first_index(st),
+            st.floor(),
+            st.snapshot_meta(),
+            r.prs().iter().map(|(id, p)| (*id, p.matched, p.next_idx, format!("{:?}", p.state))).collect::<Vec<_>>(),
+            self.awake.contains(&group),
+            r.raft_log.unstable_snapshot().as_ref().map(|s| s.get_metadata().index),
+        )
+    }
+
+    /// The index of the group's latest durable snapshot (0: none), if the group exists.
+    pub fn snapshot_index(&self, group: GroupId) -> Option<u64> {
+        let g = self.groups.get(&group)?;
+        Some(g.raw.store().snapshot_meta().map_or(0, |m| m.index))
+    }
+
+    /// The state machine's snapshot of `group` at `meta` is durable: a follower that lacks its
+    /// entries is sent it from now on. Returns the index below which the durable log may drop
+    /// the group's entries (`LogStore::compact_to`): past the snapshot, less what a leader's
+    /// followers still lack (at most [`Config::snapshot_keep`] entries of it). `None`: nothing
+    /// to drop, or a snapshot this node cannot have (beyond what it applied).
+    pub fn snapshot_saved(&mut self, group: GroupId, meta: SnapshotMeta) -> Option<u64> {
+        let keep = self.cfg.snapshot_keep;
+        let g = self.groups.get_mut(&group)?;
+        let r = &g.raw.raft;
+        if meta.index > r.raft_log.applied || meta.index == 0 {
+            return None;
+        }
+        let mut bound = meta.index + 1;
+        if r.state == StateRole::Leader {
+            for (id, pr) in r.prs().iter() {
+                if *id != r.id {
+                    bound = bound.min(pr.matched + 1);
+                }
+            }
+        }
+        bound = bound.max((meta.index + 1).saturating_sub(keep));
+        let store = g.raw.mut_store();
+        store.snapshot_saved(meta);
+        if bound <= store.floor() {
+            return None;
+        }
+        store.set_floor(bound);
+        Some(bound)
     }
 
     /// Drops a group (its queue was deleted); its durable log is the caller's to remove. Returns
@@ -654,11 +777,26 @@ impl MultiRaft {
         }
     }
 
+    /// The batches for the peers; a snapshot among them counts as delivered (raft-rs waits for
+    /// word of it before it sends the follower anything else). One that is lost is sent again:
+    /// the follower refuses the appends that follow it, and the leader goes back to the snapshot.
+    fn send_out(&mut self, mut out: Outbox) -> Vec<NodeBatch> {
+        self.snapshot_reports.append(&mut out.snapshots);
+        out.into_batches(self.cfg.node, self.cfg.boot)
+    }
+
     /// Collects every touched group's ready state into one batch.
     pub fn ready(&mut self) -> ReadyBatch {
+        for (id, to) in std::mem::take(&mut self.snapshot_reports) {
+            if let Some(g) = self.groups.get_mut(&id) {
+                g.raw.report_snapshot(to, raft::SnapshotStatus::Finish);
+                self.touched.insert(id);
+            }
+        }
         let mut out = Outbox::default();
         let mut readys = Vec::new();
         let mut committed = Vec::new();
+        let mut snapshots = Vec::new();
         let mut must_sync = false;
         let mut leaders = Vec::new();
         let touched = std::mem::take(&mut self.touched);
@@ -678,15 +816,32 @@ impl MultiRaft {
             let mut rd = g.raw.ready();
             out.add(id, rd.take_messages(), &mut self.stats);
             push_committed(&mut committed, id, rd.take_committed_entries());
-            if rd.snapshot().get_metadata().index != 0 {
-                tracing::warn!(group = id.0, "snapshot in ready: not supported yet");
-            }
             let store = g.raw.mut_store();
+            let snap = rd.snapshot();
+            let installed = (!snap.is_empty()).then(|| StoredSnapshot {
+                meta: SnapshotMeta {
+                    index: snap.get_metadata().index,
+                    term: snap.get_metadata().term,
+                },
+                data: snap.data.clone(),
+            });
+            if let Some(s) = &installed {
+                tracing::info!(
+                    group = id.0,
+                    index = s.meta.index,
+                    bytes = s.data.len(),
+                    "snapshot from the leader"
+                );
+                store.apply_snapshot(s.meta);
+            }
             if let Err(e) = store.append(rd.entries()) {
                 tracing::error!(group = id.0, error = %e, "group log append");
             }
             if let Some(hs) = rd.hs() {
                 store.set_hard_state(hs.clone());
+            }
+            if let Some(s) = installed {
+                snapshots.push((id, s, store.hard_state().clone()));
             }
             must_sync |= rd.must_sync();
             readys.push((id, rd));
@@ -700,10 +855,11 @@ impl MultiRaft {
             }
         }
         ReadyBatch {
-            messages: out.into_batches(self.cfg.node, self.cfg.boot),
+            messages: self.send_out(out),
             leaders,
             readys,
             committed,
+            snapshots,
             must_sync,
         }
     }
@@ -716,6 +872,7 @@ impl MultiRaft {
         let mut job = PersistJob {
             writes: Vec::with_capacity(batch.readys.len()),
             held: Vec::new(),
+            snapshots: batch.snapshots,
             must_sync: batch.must_sync,
         };
         for (id, mut rd) in batch.readys {
@@ -729,8 +886,12 @@ impl MultiRaft {
             if !held.is_empty() {
                 job.held.push((id, held));
             }
+            let snapshot = !rd.snapshot().is_empty();
             g.raw.advance_append_async(rd);
-            g.raw.advance_apply();
+            if !snapshot {
+                // A snapshot counts as applied only once it is written (`on_persisted`).
+                g.raw.advance_apply();
+            }
             job.writes.push((id, entries, hs, number));
         }
         (batch.committed, job)
@@ -741,6 +902,9 @@ impl MultiRaft {
         for (id, _, _, number) in &job.writes {
             if let Some(g) = self.groups.get_mut(id) {
                 g.raw.on_persist_ready(*number);
+                if let Some((_, snap, _)) = job.snapshots.iter().find(|(g, _, _)| g == id) {
+                    g.raw.advance_apply_to(snap.meta.index);
+                }
                 compact(g, &self.cfg);
                 self.touched.insert(*id);
             }
@@ -749,7 +913,7 @@ impl MultiRaft {
         for (id, msgs) in job.held {
             out.add(id, msgs, &mut self.stats);
         }
-        out.into_batches(self.cfg.node, self.cfg.boot)
+        self.send_out(out)
     }
 
     /// Tells the groups their batch is durable; returns what that releases.
@@ -774,7 +938,12 @@ impl MultiRaft {
             }
         }
         Advanced {
-            messages: out.into_batches(self.cfg.node, self.cfg.boot),
+            messages: self.send_out(out),
+            snapshots: batch
+                .snapshots
+                .into_iter()
+                .map(|(g, s, _)| (g, s))
+                .collect(),
             committed,
         }
     }
@@ -845,12 +1014,17 @@ fn compact(g: &mut Group, cfg: &Config) {
 #[derive(Default)]
 struct Outbox {
     msgs: BTreeMap<NodeId, Vec<Envelope>>,
+    /// Snapshots sent, by group and peer.
+    snapshots: Vec<(GroupId, NodeId)>,
 }
 
 impl Outbox {
     fn add(&mut self, group: GroupId, msgs: Vec<Message>, stats: &mut Stats) {
         for msg in msgs {
             stats.raft_msgs_sent += 1;
+            if msg.get_msg_type() == MessageType::MsgSnapshot {
+                self.snapshots.push((group, msg.to));
+            }
             self.msgs
                 .entry(msg.to)
                 .or_default()

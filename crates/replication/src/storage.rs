@@ -4,8 +4,10 @@
 //! copy of what the node-wide log holds for one group: the durable copy is written by a
 //! [`crate::LogStore`] once per batch for all groups. No locks: the group's `RawNode` owns it.
 
-use raft::eraftpb::{ConfState, Entry, HardState, Snapshot};
+use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
+
+use crate::snapshots::{SnapshotMeta, SnapshotSource};
 
 /// Where a group's entries that left memory can still be read: the node-wide durable log
 /// (until snapshots let it compact, it holds every entry).
@@ -23,10 +25,16 @@ pub struct GroupLog {
     cold: Option<(u64, std::sync::Arc<dyn ColdLog>)>,
     hard_state: HardState,
     conf_state: ConfState,
-    /// Index and term of the last entry dropped by compaction (0, 0 for a new log).
+    /// Index and term of the last entry dropped from memory (0, 0 for a new log; the term is
+    /// unknown for a log recovered from a compacted one).
     compacted_index: u64,
-    compacted_term: u64,
+    compacted_term: Option<u64>,
     entries: std::collections::VecDeque<Entry>,
+    /// The group's latest durable snapshot, and where its data is read when a follower needs it.
+    snapshot: Option<SnapshotMeta>,
+    source: Option<(u64, std::sync::Arc<dyn SnapshotSource>)>,
+    /// No entry below it can be read any more (the durable log dropped them).
+    floor: u64,
 }
 
 impl GroupLog {
@@ -34,17 +42,88 @@ impl GroupLog {
     pub fn new(voters: Vec<u64>) -> Self {
         GroupLog {
             conf_state: ConfState::from((voters, vec![])),
+            compacted_term: Some(0),
             ..GroupLog::default()
         }
     }
 
-    /// A log rebuilt from what the node-wide log held for the group after a restart.
-    pub fn restore(voters: Vec<u64>, entries: Vec<Entry>, hard_state: HardState) -> Self {
+    /// A log rebuilt from what the node-wide log held for the group after a restart: its
+    /// entries (from the first kept, fitted to the snapshot: [`crate::DurableGroup::fit_to_snapshot`]),
+    /// hard state and latest snapshot.
+    pub fn restore(
+        voters: Vec<u64>,
+        entries: Vec<Entry>,
+        mut hard_state: HardState,
+        snapshot: Option<SnapshotMeta>,
+    ) -> Self {
+        let entries: std::collections::VecDeque<Entry> = entries.into();
+        if let Some(s) = snapshot {
+            // The snapshot covers committed entries only, whatever commit index was last written.
+            hard_state.commit = hard_state.commit.max(s.index);
+        }
+        let first = entries
+            .front()
+            .map(|e| e.index)
+            .or(snapshot.map(|s| s.index + 1))
+            .unwrap_or(1);
+        let compacted_index = first.saturating_sub(1);
+        let compacted_term = match snapshot {
+            Some(s) if s.index == compacted_index => Some(s.term),
+            _ if compacted_index == 0 => Some(0),
+            _ => None,
+        };
         GroupLog {
             hard_state,
             conf_state: ConfState::from((voters, vec![])),
-            entries: entries.into(),
+            entries,
+            compacted_index,
+            compacted_term,
+            snapshot,
+            floor: first,
             ..GroupLog::default()
+        }
+    }
+
+    /// Reads the group's snapshots back from `source` when a follower needs one.
+    pub fn set_snapshot_source(&mut self, group: u64, source: std::sync::Arc<dyn SnapshotSource>) {
+        self.source = Some((group, source));
+    }
+
+    /// The group's latest durable snapshot.
+    pub fn snapshot_meta(&self) -> Option<SnapshotMeta> {
+        self.snapshot
+    }
+
+    /// This node saved a snapshot of its own state machine at `meta`: the entries it covers
+    /// may be dropped from now on ([`GroupLog::set_floor`]), and a follower that needs them is
+    /// sent it instead.
+    pub fn snapshot_saved(&mut self, meta: SnapshotMeta) {
+        if self.snapshot.is_none_or(|s| s.index < meta.index) {
+            self.snapshot = Some(meta);
+        }
+    }
+
+    /// A snapshot from the leader replaces the whole log: every entry goes.
+    pub fn apply_snapshot(&mut self, meta: SnapshotMeta) {
+        self.entries.clear();
+        self.compacted_index = meta.index;
+        self.compacted_term = Some(meta.term);
+        self.floor = meta.index + 1;
+        self.snapshot = Some(meta);
+        self.hard_state.commit = self.hard_state.commit.max(meta.index);
+        self.hard_state.term = self.hard_state.term.max(meta.term);
+    }
+
+    /// The first entry that can still be read.
+    pub fn floor(&self) -> u64 {
+        self.floor
+    }
+
+    /// The durable log dropped the entries below `index`: they cannot be read any more.
+    pub fn set_floor(&mut self, index: u64) {
+        self.floor = self.floor.max(index);
+        if index > 0 {
+            self.compact_to(index - 1);
         }
     }
 
@@ -75,12 +154,13 @@ impl GroupLog {
     /// The first entry raft-rs may ask for: with a durable log behind, its first.
     fn first_available(&self) -> u64 {
         let memory = self.first_index();
-        match &self.cold {
+        let reach = match &self.cold {
             Some((g, cold)) if self.compacted_index > 0 => {
                 cold.first_index(*g).map_or(memory, |c| c.min(memory))
             }
             _ => memory,
-        }
+        };
+        reach.max(self.floor).min(memory)
     }
 
     fn cold_entries(&self, low: u64, high: u64) -> raft::Result<Vec<Entry>> {
@@ -97,9 +177,13 @@ impl GroupLog {
     }
 
     pub fn last_index(&self) -> u64 {
-        self.entries
-            .back()
-            .map_or(self.compacted_index, |e| e.index)
+        self.entries.back().map_or_else(
+            || {
+                self.compacted_index
+                    .max(self.snapshot.map_or(0, |s| s.index))
+            },
+            |e| e.index,
+        )
     }
 
     /// Number of entries held in memory.
@@ -142,7 +226,7 @@ impl GroupLog {
                 break;
             }
             self.compacted_index = e.index;
-            self.compacted_term = e.term;
+            self.compacted_term = Some(e.term);
             self.entries.pop_front();
         }
     }
@@ -190,8 +274,13 @@ impl Storage for GroupLog {
     }
 
     fn term(&self, idx: u64) -> raft::Result<u64> {
+        if let Some(s) = self.snapshot.filter(|s| s.index == idx) {
+            return Ok(s.term);
+        }
         if idx == self.compacted_index {
-            return Ok(self.compacted_term);
+            return self
+                .compacted_term
+                .ok_or(raft::Error::Store(StorageError::Compacted));
         }
         if idx < self.compacted_index {
             let first = self.first_available();
@@ -223,12 +312,32 @@ impl Storage for GroupLog {
         Ok(GroupLog::last_index(self))
     }
 
-    fn snapshot(&self, _request_index: u64, _to: u64) -> raft::Result<Snapshot> {
-        // Snapshots come with the queue machine's state; until then a peer that fell behind the
-        // compacted prefix waits (raft-rs retries), and compaction keeps a window for lagging peers.
-        Err(raft::Error::Store(
-            StorageError::SnapshotTemporarilyUnavailable,
-        ))
+    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+        // Read back from disk: only the metadata stays in memory. raft-rs asks again later
+        // for one that is not there yet.
+        let unavailable = raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable);
+        let (Some(meta), Some((group, source))) = (self.snapshot, &self.source) else {
+            return Err(unavailable);
+        };
+        let stored = match source.load(*group) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Err(unavailable),
+            Err(e) => return Err(raft::Error::Store(StorageError::Other(e.into()))),
+        };
+        if stored.meta.index < request_index.max(meta.index) {
+            return Err(unavailable);
+        }
+        let mut snap = Snapshot {
+            data: stored.data,
+            ..Default::default()
+        };
+        snap.set_metadata(SnapshotMetadata {
+            conf_state: Some(self.conf_state.clone()).into(),
+            index: stored.meta.index,
+            term: stored.meta.term,
+            ..Default::default()
+        });
+        Ok(snap)
     }
 }
 

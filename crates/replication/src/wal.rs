@@ -10,6 +10,7 @@ use std::path::Path;
 
 use raft::eraftpb::{Entry, EntryType, HardState};
 
+use crate::snapshots::StoredSnapshot;
 use crate::GroupId;
 
 #[derive(Debug, thiserror::Error)]
@@ -20,6 +21,10 @@ pub enum LogError {
     TooLarge(usize),
     #[error("raft-engine: {0}")]
     Engine(String),
+    #[error("{0}")]
+    Corrupt(String),
+    #[error("{0} is not supported by this log")]
+    Unsupported(&'static str),
 }
 
 /// Where a node's batch of Raft state goes before it may be acknowledged.
@@ -36,21 +41,68 @@ pub trait LogStore {
     /// Makes the batch durable. `must_sync` is false when only commit indexes moved: the batch is
     /// written but needs no fsync (Raft can recompute a lost commit index).
     fn flush(&mut self, must_sync: bool) -> Result<(), LogError>;
+
+    /// Makes `snap` the group's snapshot, durable when this returns (before the batch's flush:
+    /// what the batch drops relies on it).
+    fn save_snapshot(&mut self, group: GroupId, snap: &StoredSnapshot) -> Result<(), LogError>;
+
+    /// Adds to the batch: every entry of the group goes, its hard state becomes `hard_state`
+    /// (a follower installed its leader's snapshot, which replaces its whole log).
+    fn clear_entries(&mut self, group: GroupId, hard_state: &HardState) -> Result<(), LogError>;
+
+    /// Drops the group's entries below `index`, which a snapshot covers.
+    fn compact_to(&mut self, group: GroupId, index: u64) -> Result<(), LogError>;
 }
 
-/// What a [`MemLog`] holds for one group: the entries made durable, in index order.
+/// What the log holds for one group: the entries made durable, in index order, its hard state
+/// and its latest snapshot (the entries before it may be gone).
 #[derive(Debug, Default, Clone)]
 pub struct DurableGroup {
     pub entries: Vec<Entry>,
     pub hard_state: HardState,
+    pub snapshot: Option<StoredSnapshot>,
+}
+
+impl DurableGroup {
+    /// Leaves out entries that cannot follow the snapshot: a log that stops short of it or has
+    /// a gap after it, or one that diverged from it (a crash between saving a leader's snapshot
+    /// and dropping the old log). Returns whether any went: the durable log must then drop
+    /// them too before anything is appended.
+    pub fn fit_to_snapshot(&mut self) -> bool {
+        let Some(s) = self.snapshot.as_ref().map(|s| s.meta) else {
+            return false;
+        };
+        let Some(first) = self.entries.first().map(|e| e.index) else {
+            return false;
+        };
+        let at_snapshot = self
+            .entries
+            .iter()
+            .find(|e| e.index == s.index)
+            .map(|e| e.term);
+        if first == s.index + 1 || at_snapshot == Some(s.term) {
+            return false;
+        }
+        self.entries.clear();
+        true
+    }
+}
+
+/// What [`MemLog`] holds until its next flush.
+#[derive(Debug)]
+enum Pending {
+    Append(GroupId, Vec<Entry>, Option<HardState>),
+    Clear(GroupId, HardState),
 }
 
 /// An in-memory [`LogStore`] for tests: appends become visible in `durable` only at `flush`, so
 /// a simulated crash can drop what was appended but never flushed.
 #[derive(Debug, Default)]
 pub struct MemLog {
-    pending: Vec<(GroupId, Vec<Entry>, Option<HardState>)>,
+    pending: Vec<Pending>,
     pub durable: std::collections::BTreeMap<GroupId, DurableGroup>,
+    /// Saved snapshots, shared with the groups that read them back ([`MemLog::snapshots`]).
+    snapshots: crate::snapshots::MemSnapshots,
     pub flushes: u64,
     pub syncs: u64,
 }
@@ -64,6 +116,18 @@ impl MemLog {
     pub fn crash(&mut self) {
         self.pending.clear();
     }
+
+    /// Where the groups read this log's snapshots back (`MultiRaft::set_snapshot_source`).
+    pub fn snapshots(&self) -> std::sync::Arc<dyn crate::snapshots::SnapshotSource> {
+        std::sync::Arc::new(self.snapshots.clone())
+    }
+
+    /// What a restart reads back for `group`.
+    pub fn recovered(&self, group: GroupId) -> DurableGroup {
+        let mut g = self.durable.get(&group).cloned().unwrap_or_default();
+        g.snapshot = self.snapshots.get(group);
+        g
+    }
 }
 
 impl LogStore for MemLog {
@@ -73,24 +137,53 @@ impl LogStore for MemLog {
         entries: &[Entry],
         hard_state: Option<&HardState>,
     ) -> Result<(), LogError> {
-        self.pending
-            .push((group, entries.to_vec(), hard_state.cloned()));
+        self.pending.push(Pending::Append(
+            group,
+            entries.to_vec(),
+            hard_state.cloned(),
+        ));
         Ok(())
     }
 
     fn flush(&mut self, must_sync: bool) -> Result<(), LogError> {
-        for (group, entries, hs) in self.pending.drain(..) {
-            let g = self.durable.entry(group).or_default();
-            if let Some(first) = entries.first() {
-                g.entries.retain(|e| e.index < first.index);
-                g.entries.extend(entries);
-            }
-            if let Some(hs) = hs {
-                g.hard_state = hs;
+        for p in self.pending.drain(..) {
+            match p {
+                Pending::Append(group, entries, hs) => {
+                    let g = self.durable.entry(group).or_default();
+                    if let Some(first) = entries.first() {
+                        g.entries.retain(|e| e.index < first.index);
+                        g.entries.extend(entries);
+                    }
+                    if let Some(hs) = hs {
+                        g.hard_state = hs;
+                    }
+                }
+                Pending::Clear(group, hs) => {
+                    let g = self.durable.entry(group).or_default();
+                    g.entries.clear();
+                    g.hard_state = hs;
+                }
             }
         }
         self.flushes += 1;
         self.syncs += u64::from(must_sync);
+        Ok(())
+    }
+
+    fn save_snapshot(&mut self, group: GroupId, snap: &StoredSnapshot) -> Result<(), LogError> {
+        self.snapshots.save(group, snap);
+        Ok(())
+    }
+
+    fn clear_entries(&mut self, group: GroupId, hard_state: &HardState) -> Result<(), LogError> {
+        self.pending.push(Pending::Clear(group, hard_state.clone()));
+        Ok(())
+    }
+
+    fn compact_to(&mut self, group: GroupId, index: u64) -> Result<(), LogError> {
+        if let Some(g) = self.durable.get_mut(&group) {
+            g.entries.retain(|e| e.index >= index);
+        }
         Ok(())
     }
 }
@@ -207,6 +300,19 @@ impl LogStore for FileLog {
             self.syncs += 1;
         }
         Ok(())
+    }
+
+    // The spike's log has no segments to drop: it measures appends only.
+    fn save_snapshot(&mut self, _group: GroupId, _snap: &StoredSnapshot) -> Result<(), LogError> {
+        Err(LogError::Unsupported("a snapshot"))
+    }
+
+    fn clear_entries(&mut self, _group: GroupId, _hs: &HardState) -> Result<(), LogError> {
+        Err(LogError::Unsupported("installing a snapshot"))
+    }
+
+    fn compact_to(&mut self, _group: GroupId, _index: u64) -> Result<(), LogError> {
+        Err(LogError::Unsupported("compaction"))
     }
 }
 

@@ -2,4 +2,5 @@ mod driver;
 mod properties;
 mod queues;
 mod sim;
+mod snapshots;
 mod wal_file;

@@ -3,7 +3,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::{Committed, Config, GroupId, LogStore, MemLog, MultiRaft, NodeBatch, NodeId};
+use bytes::{Buf, BufMut, Bytes};
+
+use crate::{
+    Committed, Config, GroupId, LogStore, MemLog, MultiRaft, NodeBatch, NodeId, SnapshotMeta,
+    StoredSnapshot,
+};
 
 pub const TICK_MS: u64 = 10;
 
@@ -70,12 +75,43 @@ pub struct Sim {
     pub groups: Vec<GroupId>,
     /// Every (group, index, data) some node reported committed, with the durable logs checked.
     pub committed_ever: BTreeMap<(GroupId, u64), Committed>,
+    /// Each node snapshots a group's state (the entries it applied) once this many entries
+    /// were applied since its last snapshot; `None`: never.
+    pub snapshot_every: Option<u64>,
+}
+
+/// The sim's state machine, a group's applied entries, as snapshot bytes.
+fn encode_applied(applied: &[Committed]) -> Bytes {
+    let mut out = Vec::new();
+    for c in applied {
+        out.put_u64(c.index);
+        out.put_u64(c.term);
+        out.put_u32(c.data.len() as u32);
+        out.put_slice(&c.data);
+    }
+    out.into()
+}
+
+fn decode_applied(group: GroupId, mut b: Bytes) -> Vec<Committed> {
+    let mut out = Vec::new();
+    while b.has_remaining() {
+        let (index, term, len) = (b.get_u64(), b.get_u64(), b.get_u32() as usize);
+        out.push(Committed {
+            group,
+            index,
+            term,
+            data: b.split_to(len),
+        });
+    }
+    out
 }
 
 pub fn config(node: NodeId) -> Config {
     let mut c = Config::new(node, vec![1, 2, 3]);
     c.tick_ms = TICK_MS;
     c.log_keep = 1 << 20;
+    // Taken only when a test snapshots (`Sim::snapshot_every`).
+    c.snapshot_keep = 4;
     c
 }
 
@@ -84,7 +120,9 @@ impl Sim {
     pub fn new(seed: u64, groups: u64) -> Self {
         let mut nodes = BTreeMap::new();
         for id in 1..=3 {
+            let log = MemLog::new();
             let mut raft = MultiRaft::new(config(id)).expect("config");
+            raft.set_snapshot_source(log.snapshots());
             for g in 0..groups {
                 raft.add_group(GroupId(g), g % 3 + 1 == id).expect("group");
             }
@@ -92,7 +130,7 @@ impl Sim {
                 id,
                 SimNode {
                     raft,
-                    log: MemLog::new(),
+                    log,
                     applied: BTreeMap::new(),
                     reported_leaders: BTreeMap::new(),
                     alive: true,
@@ -114,6 +152,7 @@ impl Sim {
             seq: 0,
             groups: (0..groups).map(GroupId).collect(),
             committed_ever: BTreeMap::new(),
+            snapshot_every: None,
         }
     }
 
@@ -166,6 +205,9 @@ impl Sim {
             let sync = jobs.iter().any(|j| j.must_sync());
             for j in &jobs {
                 j.write(&mut n.log).expect("mem log");
+                for (g, snap) in j.installed() {
+                    n.applied.insert(g, decode_applied(g, snap.data.clone()));
+                }
             }
             n.log.flush(sync).expect("mem log");
             for j in jobs {
@@ -186,10 +228,35 @@ impl Sim {
             batch.persist(&mut n.log).expect("mem log");
             let done = n.raft.advance(batch);
             out.extend(done.messages);
+            for (g, snap) in done.snapshots {
+                n.applied.insert(g, decode_applied(g, snap.data));
+            }
             done.committed
         };
         for c in &committed {
             n.applied.entry(c.group).or_default().push(c.clone());
+        }
+        if let Some(every) = self.snapshot_every {
+            for (g, applied) in &n.applied {
+                let Some(last) = applied.last() else {
+                    continue;
+                };
+                let taken = n.raft.snapshot_index(*g).unwrap_or(u64::MAX);
+                if last.index < taken.saturating_add(every) {
+                    continue;
+                }
+                let snap = StoredSnapshot {
+                    meta: SnapshotMeta {
+                        index: last.index,
+                        term: last.term,
+                    },
+                    data: encode_applied(applied),
+                };
+                n.log.save_snapshot(*g, &snap).expect("mem log");
+                if let Some(bound) = n.raft.snapshot_saved(*g, snap.meta) {
+                    n.log.compact_to(*g, bound).expect("mem log");
+                }
+            }
         }
         for c in committed {
             self.check_on_majority(&c);
@@ -209,11 +276,12 @@ impl Sim {
             .nodes
             .values()
             .filter(|n| {
-                n.log.durable.get(&c.group).is_some_and(|g| {
-                    g.entries
+                // In its log, or covered by its snapshot (the log before it may be gone).
+                let g = n.log.recovered(c.group);
+                g.snapshot.is_some_and(|s| s.meta.index >= c.index)
+                    || g.entries
                         .iter()
                         .any(|e| e.index == c.index && e.term == c.term && e.data == c.data)
-                })
             })
             .count();
         assert!(
@@ -331,13 +399,24 @@ impl Sim {
         cfg.boot = n.boots + 1;
         n.boots += 1;
         let mut raft = MultiRaft::new(cfg).expect("config");
+        raft.set_snapshot_source(n.log.snapshots());
+        n.applied.clear();
         for g in groups {
-            let durable = n.log.durable.get(&g).cloned().unwrap_or_default();
+            let mut durable = n.log.recovered(g);
+            if durable.fit_to_snapshot() {
+                n.log
+                    .clear_entries(g, &durable.hard_state)
+                    .expect("mem log");
+                n.log.flush(true).expect("mem log");
+            }
             raft.recover_group(g, &durable).expect("recover");
+            // The state machine starts from the snapshot; the entries after it replay.
+            if let Some(s) = durable.snapshot {
+                n.applied.insert(g, decode_applied(g, s.data));
+            }
         }
         // The restarted node reads its time from zero again: its clock is its own.
         n.raft = raft;
-        n.applied.clear();
         n.reported_leaders.clear();
         n.alive = true;
         let _ = n.log.flush(false);

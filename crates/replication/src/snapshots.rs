@@ -1,0 +1,278 @@
+//! A group's snapshot: its state machine's state once every entry up to an index is applied,
+//! so that the log before it can go and a follower too far behind is sent the state instead.
+//!
+//! The state machine (the broker's queue) makes the bytes; this crate only keeps them: one file
+//! per group ([`SnapshotFiles`], beside the node's log), written whole, fsynced and renamed into
+//! place, so a crash leaves the old snapshot or the new one, never half of one. Only the
+//! metadata stays in memory; a leader reads the data back when a follower needs it
+//! ([`SnapshotSource`]).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+
+use crate::wal::LogError;
+use crate::GroupId;
+
+/// Where a snapshot stands in its group's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SnapshotMeta {
+    /// The last entry the state covers, and that entry's term.
+    pub index: u64,
+    pub term: u64,
+}
+
+/// A snapshot with its state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredSnapshot {
+    pub meta: SnapshotMeta,
+    pub data: Bytes,
+}
+
+/// Where a group's snapshot is read back when a follower needs it.
+pub trait SnapshotSource: Send + Sync + std::fmt::Debug {
+    /// The group's latest durable snapshot, if it has one.
+    fn load(&self, group: u64) -> Result<Option<StoredSnapshot>, String>;
+}
+
+/// `WSNP`, then the format version.
+const MAGIC: &[u8; 4] = b"WSNP";
+const VERSION: u8 = 1;
+/// Magic, version, group, index, term, data length, CRC-32 of everything before it and the data.
+const HEADER: usize = 4 + 1 + 8 + 8 + 8 + 8 + 4;
+
+/// Snapshots in a directory: `<group as 16 hex digits>.snap`.
+#[derive(Debug, Clone)]
+pub struct SnapshotFiles {
+    dir: PathBuf,
+}
+
+impl SnapshotFiles {
+    /// Snapshots in `dir`, created if missing. Files of an interrupted write are removed.
+    pub fn open(dir: &Path) -> Result<Self, LogError> {
+        std::fs::create_dir_all(dir)?;
+        for entry in std::fs::read_dir(dir)? {
+            let path = entry?.path();
+            if path.extension().is_some_and(|e| e == "tmp") {
+                std::fs::remove_file(&path)?;
+            }
+        }
+        Ok(SnapshotFiles {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    fn path(&self, group: GroupId) -> PathBuf {
+        self.dir.join(format!("{:016x}.snap", group.0))
+    }
+
+    /// Makes `snap` the group's snapshot: durable when this returns, the old one replaced
+    /// atomically.
+    pub fn save(&self, group: GroupId, snap: &StoredSnapshot) -> Result<(), LogError> {
+        let mut header = Vec::with_capacity(HEADER);
+        header.extend_from_slice(MAGIC);
+        header.push(VERSION);
+        header.extend_from_slice(&group.0.to_be_bytes());
+        header.extend_from_slice(&snap.meta.index.to_be_bytes());
+        header.extend_from_slice(&snap.meta.term.to_be_bytes());
+        header.extend_from_slice(&(snap.data.len() as u64).to_be_bytes());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&header);
+        crc.update(&snap.data);
+        header.extend_from_slice(&crc.finalize().to_be_bytes());
+        let path = self.path(group);
+        let tmp = path.with_extension("tmp");
+        {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&header)?;
+            f.write_all(&snap.data)?;
+            f.sync_all()?;
+        }
+        std::fs::rename(&tmp, &path)?;
+        // The rename itself must survive a crash.
+        std::fs::File::open(&self.dir)?.sync_all()?;
+        Ok(())
+    }
+
+    /// The group's snapshot, if it has one. A file that does not check out is an error: the
+    /// log before it may be gone, so it cannot be ignored.
+    pub fn read(&self, group: GroupId) -> Result<Option<StoredSnapshot>, LogError> {
+        let bytes = match std::fs::read(self.path(group)) {
+            Ok(b) => Bytes::from(b),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        decode(group, bytes).map(Some)
+    }
+
+    /// Forgets the group's snapshot (its queue was deleted).
+    pub fn remove(&self, group: GroupId) -> Result<(), LogError> {
+        match std::fs::remove_file(self.path(group)) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl SnapshotSource for SnapshotFiles {
+    fn load(&self, group: u64) -> Result<Option<StoredSnapshot>, String> {
+        self.read(GroupId(group)).map_err(|e| e.to_string())
+    }
+}
+
+fn corrupt(group: GroupId, why: &str) -> LogError {
+    LogError::Corrupt(format!("snapshot of group {}: {why}", group.0))
+}
+
+fn decode(group: GroupId, bytes: Bytes) -> Result<StoredSnapshot, LogError> {
+    let header = bytes
+        .get(..HEADER)
+        .ok_or_else(|| corrupt(group, "shorter than its header"))?;
+    if &header[..4] != MAGIC {
+        return Err(corrupt(group, "not a snapshot file"));
+    }
+    if header[4] != VERSION {
+        return Err(corrupt(group, &format!("unknown version {}", header[4])));
+    }
+    let word = |at: usize| {
+        header
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_be_bytes)
+            .unwrap_or(0)
+    };
+    let (owner, index, term, len) = (word(5), word(13), word(21), word(29));
+    if owner != group.0 {
+        return Err(corrupt(group, &format!("holds group {owner}")));
+    }
+    let expected = header
+        .get(37..41)
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_be_bytes)
+        .unwrap_or(0);
+    let data = bytes.slice(HEADER..);
+    if data.len() as u64 != len {
+        return Err(corrupt(group, "length does not match"));
+    }
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&header[..37]);
+    crc.update(&data);
+    if crc.finalize() != expected {
+        return Err(corrupt(group, "checksum does not match"));
+    }
+    Ok(StoredSnapshot {
+        meta: SnapshotMeta { index, term },
+        data,
+    })
+}
+
+/// Snapshots kept in memory, for tests: shared by the log that saves them and the groups that
+/// read them back.
+#[derive(Debug, Default, Clone)]
+pub struct MemSnapshots(
+    std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<u64, StoredSnapshot>>>,
+);
+
+impl MemSnapshots {
+    pub fn save(&self, group: GroupId, snap: &StoredSnapshot) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(group.0, snap.clone());
+    }
+
+    pub fn get(&self, group: GroupId) -> Option<StoredSnapshot> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&group.0)
+            .cloned()
+    }
+
+    pub fn remove(&self, group: GroupId) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&group.0);
+    }
+}
+
+impl SnapshotSource for MemSnapshots {
+    fn load(&self, group: u64) -> Result<Option<StoredSnapshot>, String> {
+        Ok(self.get(GroupId(group)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(index: u64, data: &'static [u8]) -> StoredSnapshot {
+        StoredSnapshot {
+            meta: SnapshotMeta { index, term: 3 },
+            data: Bytes::from_static(data),
+        }
+    }
+
+    #[test]
+    fn a_saved_snapshot_reads_back_and_a_newer_one_replaces_it() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("open");
+        assert_eq!(files.read(GroupId(7)).expect("read"), None);
+        files
+            .save(GroupId(7), &snap(10, b"state at 10"))
+            .expect("save");
+        files
+            .save(GroupId(7), &snap(20, b"state at 20"))
+            .expect("save");
+        files.save(GroupId(8), &snap(5, b"other")).expect("save");
+        let files = SnapshotFiles::open(dir.path()).expect("reopen");
+        assert_eq!(
+            files.read(GroupId(7)).expect("read"),
+            Some(snap(20, b"state at 20"))
+        );
+        files.remove(GroupId(7)).expect("remove");
+        assert_eq!(files.read(GroupId(7)).expect("read"), None);
+        assert_eq!(files.load(8).expect("load").map(|s| s.meta.index), Some(5));
+    }
+
+    #[test]
+    fn a_damaged_file_is_an_error_never_a_wrong_state() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("open");
+        files.save(GroupId(1), &snap(10, b"state")).expect("save");
+        let path = files.path(GroupId(1));
+        let good = std::fs::read(&path).expect("read");
+        for cut in 0..good.len() {
+            std::fs::write(&path, &good[..cut]).expect("write");
+            assert!(files.read(GroupId(1)).is_err(), "cut at {cut}");
+        }
+        for at in 0..good.len() {
+            let mut bad = good.clone();
+            bad[at] ^= 0x40;
+            std::fs::write(&path, &bad).expect("write");
+            assert!(files.read(GroupId(1)).is_err(), "flipped byte {at}");
+        }
+        // Another group's file under this group's name.
+        files.save(GroupId(2), &snap(10, b"state")).expect("save");
+        std::fs::copy(files.path(GroupId(2)), &path).expect("copy");
+        assert!(files.read(GroupId(1)).is_err());
+    }
+
+    #[test]
+    fn an_interrupted_write_leaves_the_old_snapshot() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("open");
+        files.save(GroupId(1), &snap(10, b"old")).expect("save");
+        std::fs::write(files.path(GroupId(1)).with_extension("tmp"), b"WSNP half").expect("tmp");
+        let files = SnapshotFiles::open(dir.path()).expect("reopen");
+        assert_eq!(
+            files.read(GroupId(1)).expect("read"),
+            Some(snap(10, b"old"))
+        );
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
+        assert_eq!(left.len(), 1, "the torn file is gone");
+    }
+}

@@ -1,0 +1,81 @@
+//! Snapshots through the groups: a follower cut off while its leader's log is compacted past
+//! it is sent the leader's snapshot, and a node restarted from a snapshot replays only the
+//! entries after it.
+
+use super::sim::Sim;
+use crate::GroupId;
+
+const G: GroupId = GroupId(0);
+
+fn propose_many(sim: &mut Sim, from: u32, n: u32) {
+    for i in from..from + n {
+        assert!(
+            sim.propose(G, format!("entry {i}").into_bytes()),
+            "entry {i}"
+        );
+        sim.step();
+    }
+    sim.run(20);
+}
+
+#[test]
+fn a_follower_behind_the_compacted_log_gets_the_snapshot_and_a_restart_replays_the_tail() {
+    let mut sim = Sim::new(11, 1);
+    sim.snapshot_every = Some(10);
+    sim.run_until_led(200).expect("a leader");
+    let leader = sim.leader(G).expect("leader");
+    let behind = leader % 3 + 1;
+    sim.isolated.insert(behind);
+    propose_many(&mut sim, 0, 100);
+    let log = sim.nodes[&leader].log.recovered(G);
+    let snap = log.snapshot.as_ref().expect("the leader snapshotted");
+    assert!(snap.meta.index >= 90, "snapshot at {}", snap.meta.index);
+    let first = log.entries.first().map_or(u64::MAX, |e| e.index);
+    assert!(
+        first > 50,
+        "the leader's log was compacted: first entry {first}"
+    );
+    assert_eq!(sim.nodes[&behind].log.recovered(G).snapshot, None);
+
+    sim.isolated.clear();
+    sim.run(100);
+    let caught = sim.nodes[&behind].log.recovered(G);
+    assert!(
+        caught.snapshot.is_some_and(|s| s.meta.index >= 90),
+        "the follower installed the leader's snapshot"
+    );
+    sim.assert_applied_everywhere(&[1, 2, 3]);
+
+    // A restart starts from the snapshot: only the entries after it come out again.
+    propose_many(&mut sim, 100, 5);
+    sim.kill(behind);
+    sim.restart(behind);
+    let restarted = sim.nodes[&behind].applied[&G].len();
+    assert!(
+        restarted >= 90,
+        "the snapshot's entries are back at once: {restarted}"
+    );
+    sim.run_until_led(200).expect("a leader");
+    propose_many(&mut sim, 105, 5);
+    sim.assert_applied_everywhere(&[1, 2, 3]);
+    assert_eq!(sim.committed_ever.len(), 110);
+}
+
+#[test]
+fn the_leader_keeps_what_a_live_follower_still_lacks_up_to_its_limit() {
+    let mut sim = Sim::new(12, 1);
+    sim.snapshot_every = Some(5);
+    sim.run_until_led(200).expect("a leader");
+    propose_many(&mut sim, 0, 30);
+    // Everyone keeps up: every log is compacted right behind its snapshot.
+    for n in [1, 2, 3] {
+        let log = sim.nodes[&n].log.recovered(G);
+        let snap = log.snapshot.expect("snapshot").meta.index;
+        let first = log.entries.first().map_or(snap + 1, |e| e.index);
+        assert!(
+            first + 4 >= snap,
+            "node {n}: first {first}, snapshot {snap}"
+        );
+    }
+    sim.assert_applied_everywhere(&[1, 2, 3]);
+}
