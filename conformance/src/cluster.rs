@@ -17,6 +17,11 @@ impl TestCluster {
     /// Starts `size` nodes (numbered from 1) that form one cluster, with a short Raft tick, and
     /// waits until every node sees a leader of the cluster's metadata.
     pub fn start(size: u64, tick_ms: u64) -> TestCluster {
+        Self::start_with(size, tick_ms, &[])
+    }
+
+    /// [`TestCluster::start`] with more arguments for every node.
+    pub fn start_with(size: u64, tick_ms: u64, extra: &[&str]) -> TestCluster {
         let dir = std::env::temp_dir().join(crate::unique("warren-cluster"));
         std::fs::create_dir_all(&dir).expect("cluster dir");
         let secret = dir.join("secret");
@@ -30,7 +35,8 @@ impl TestCluster {
             .map(|n| {
                 let data = dir.join(format!("node{n}"));
                 let (node, data) = (n.to_string(), data.display().to_string());
-                TestBroker::start_with(&[
+                let secret = secret.display().to_string();
+                let mut args = vec![
                     "--data-dir",
                     &data,
                     "--cluster-node",
@@ -38,11 +44,13 @@ impl TestCluster {
                     "--cluster-nodes",
                     &list,
                     "--cluster-secret-file",
-                    &secret.display().to_string(),
+                    &secret,
                     "--test-cluster-tick-ms",
                     &tick,
                     "--no-sqs",
-                ])
+                ];
+                args.extend_from_slice(extra);
+                TestBroker::start_with(&args)
             })
             .collect();
         let c = TestCluster { nodes, dir };
@@ -50,6 +58,11 @@ impl TestCluster {
             c.wait_for_metadata_leader(n);
         }
         c
+    }
+
+    /// Node `n`'s data directory.
+    pub fn data_dir(&self, n: u64) -> PathBuf {
+        self.dir.join(format!("node{n}"))
     }
 
     pub fn node(&self, n: u64) -> &TestBroker {

@@ -213,3 +213,66 @@ async fn a_node_down_while_thousands_of_entries_commit_catches_up_and_keeps_the_
         wait_for_messages(&c, n, &q, 5001);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_killed_whole_comes_back_from_its_snapshots_with_every_unacked_message() {
+    // A snapshot every 50 entries: the log before it goes, a restart reads the snapshot and
+    // replays only the entries after it.
+    let mut c = TestCluster::start_with(3, 20, &["--test-snapshot-entries", "50"]);
+    let q = unique("qq-snap");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let (_cl, chl) = channel(&c, leader).await;
+    publish_confirmed(&chl, &q, (0..400).map(|i| format!("m{i:03}"))).await;
+    // A worker acks the first 150, one at a time.
+    chl.basic_qos(10, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut consumer = consume(&chl, &q).await.expect("consume on the leader");
+    for i in 0..150 {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("a delivery")
+            .expect("stream")
+            .expect("delivery");
+        assert_eq!(d.data, format!("m{i:03}").into_bytes());
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    drop(consumer);
+    chl.close(200, "done".into()).await.expect("close");
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 250);
+        let snapshots = c.data_dir(n).join("raft").join("snapshots");
+        let files = std::fs::read_dir(&snapshots)
+            .map(|d| d.count())
+            .unwrap_or(0);
+        assert!(
+            files >= 1,
+            "node {n} keeps a snapshot in {}",
+            snapshots.display()
+        );
+    }
+    for n in 1..=3 {
+        c.node_mut(n).stop(true);
+    }
+    for n in 1..=3 {
+        c.node_mut(n).start_again();
+    }
+    for n in 1..=3 {
+        c.wait_for_metadata_leader(n);
+        wait_for_messages(&c, n, &q, 250);
+    }
+    let (_next, _cn, mut consumer) = consume_on_leader(&c, &q, 1).await;
+    let mut seen = BTreeSet::new();
+    while seen.len() < 250 {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("every unacked message")
+            .expect("stream")
+            .expect("delivery");
+        seen.insert(String::from_utf8_lossy(&d.data).into_owned());
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    let want: BTreeSet<String> = (150..400).map(|i| format!("m{i:03}")).collect();
+    assert_eq!(seen, want);
+}

@@ -500,6 +500,9 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
 }
 
+/// Each node snapshots a queue every this many entries (4,096 by default).
+const SNAPSHOTS: &[&str] = &["--test-snapshot-entries", "256"];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicated_queue_history_under_kills_and_pauses() {
     if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
@@ -511,7 +514,8 @@ async fn replicated_queue_history_under_kills_and_pauses() {
         "faults: {rounds} rounds, seed {seed} (WARREN_FAULT_SEED={seed} repeats the choices)"
     );
     let mut rng = Rng(seed);
-    let c = TestCluster::start(3, 20);
+    // Snapshots every few hundred entries: restarted and lagging nodes come back through them.
+    let c = TestCluster::start_with(3, 20, SNAPSHOTS);
     let q = unique("faults");
     c.declare_quorum_queue(1, &q).await;
     c.leader_of(&q, 1);
@@ -885,7 +889,7 @@ async fn a_paused_leader_confirms_only_what_its_successor_delivers() {
     let seed = seed();
     eprintln!("paused: {cycles} cycles, seed {seed}");
     let mut rng = Rng(seed);
-    let c = TestCluster::start(3, 20);
+    let c = TestCluster::start_with(3, 20, SNAPSHOTS);
     let q = unique("paused");
     c.declare_quorum_queue(1, &q).await;
     let mut failures = Vec::new();

@@ -45,7 +45,10 @@ pub mod stats;
 pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
 };
-pub use broker::{group_of, Broker, ConsumerTimeout, Proposal, QueueInfo, REPLICATED_MAX_BODY};
+pub use broker::{
+    group_of, Broker, ConsumerTimeout, Proposal, QueueInfo, ReplicaSnapshot, REPLICATED_MAX_BODY,
+    SNAPSHOT_ENTRIES,
+};
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;
 pub use persist::{

@@ -42,6 +42,15 @@ pub struct ReplicaState {
     /// This node led the group until this term: a proposal it made then that is not applied
     /// before an entry of a later term never will be.
     pub stepped_down: Option<u64>,
+    /// The last log entry applied to the committed machine, and its term.
+    pub applied_index: u64,
+    pub applied_term: u64,
+    /// Since the last snapshot (taken or installed): entries and their bytes applied; and how
+    /// large it was. A snapshot is taken once the log since holds as much as the last one, so
+    /// its cost stays in proportion to the log it lets go.
+    pub since_snapshot: u64,
+    pub since_snapshot_bytes: u64,
+    pub snapshot_bytes: u64,
 }
 
 impl ReplicaState {
@@ -56,6 +65,11 @@ impl ReplicaState {
             applied_own: 0,
             forwarded_ahead: 0,
             stepped_down: None,
+            applied_index: 0,
+            applied_term: 0,
+            since_snapshot: 0,
+            since_snapshot_bytes: 0,
+            snapshot_bytes: 0,
         }
     }
 

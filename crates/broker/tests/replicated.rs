@@ -11,7 +11,9 @@ use bytes::Bytes;
 use warren_broker::machine::CreditGroup;
 use warren_broker::{Broker, BrokerConfig, DeclareQueue, Delivery, Message, Proposal, QueueId};
 use warren_codec::{FieldTable, FieldValue, ReplyCode, ShortStr};
-use warren_replication::{Config, GroupId, MemLog, MultiRaft, NodeBatch};
+use warren_replication::{
+    Config, GroupId, LogStore, MemLog, MultiRaft, NodeBatch, SnapshotMeta, StoredSnapshot,
+};
 
 const TICK_MS: u64 = 10;
 const NODES: [u64; 3] = [1, 2, 3];
@@ -28,6 +30,8 @@ struct Member {
     removed: BTreeSet<u64>,
     /// The store batches written (every one is, at once).
     written: u64,
+    /// Times this node started.
+    boots: u64,
 }
 
 struct Cluster {
@@ -65,31 +69,59 @@ impl Cluster {
         Self::declared_on(1)
     }
 
+    /// A broker of node `n`, started for the `boot`-th time.
+    fn broker_of(n: u64, boot: u64, snapshot_every: Option<u64>) -> Broker {
+        let mut broker = Broker::new(BrokerConfig {
+            persistence: true,
+            ..BrokerConfig::default()
+        });
+        broker.join_cluster(n, &NODES, boot);
+        if let Some(every) = snapshot_every {
+            broker.set_snapshot_policy(every, usize::MAX);
+        }
+        broker
+    }
+
+    fn raft_of(n: u64, boot: u64, log: &MemLog) -> MultiRaft {
+        let mut cfg = Config::new(n, NODES.to_vec());
+        cfg.tick_ms = TICK_MS;
+        cfg.log_keep = 1 << 20;
+        cfg.snapshot_keep = 4;
+        cfg.boot = boot;
+        let mut raft = MultiRaft::new(cfg).expect("raft");
+        raft.set_snapshot_source(log.snapshots());
+        raft
+    }
+
     /// A cluster whose metadata group node 1 leads, with the queue declared on `node`.
     fn declared_on(node: u64) -> Self {
+        Self::start(node, None)
+    }
+
+    /// A cluster whose members snapshot the queue every `every` entries.
+    fn snapshotting(every: u64) -> Self {
+        Self::start(1, Some(every))
+    }
+
+    fn start(node: u64, snapshot_every: Option<u64>) -> Self {
         let mut members = BTreeMap::new();
         for n in NODES {
-            let mut broker = Broker::new(BrokerConfig {
-                persistence: true,
-                ..BrokerConfig::default()
-            });
-            broker.join_cluster(n, &NODES, 1);
-            let mut cfg = Config::new(n, NODES.to_vec());
-            cfg.tick_ms = TICK_MS;
-            cfg.log_keep = 1 << 20;
-            let mut raft = MultiRaft::new(cfg).expect("raft");
+            let broker = Self::broker_of(n, 1, snapshot_every);
+            let log = MemLog::new();
+            let mut raft = Self::raft_of(n, 1, &log);
             raft.add_group(GroupId(0), n == 1).expect("metadata group");
             members.insert(
                 n,
                 Member {
                     broker,
                     raft,
-                    log: MemLog::new(),
+                    log,
                     alive: true,
                     leaders: BTreeMap::new(),
                     groups: BTreeSet::from([0]),
                     removed: BTreeSet::new(),
                     written: 0,
+                    boots: 1,
                 },
             );
         }
@@ -173,7 +205,28 @@ impl Cluster {
             batch.persist(&mut m.log).expect("log");
             let done = m.raft.advance(batch);
             self.net.extend(done.messages);
+            for (g, snap) in done.snapshots {
+                m.broker
+                    .install_snapshot(g.0, snap.meta.index, snap.meta.term, snap.data);
+            }
             m.broker.apply_committed(&done.committed);
+            let mut snaps = Vec::new();
+            m.broker.take_snapshots(&mut snaps);
+            for s in snaps {
+                let g = GroupId(s.group);
+                if m.raft.snapshot_index(g).is_none_or(|i| i >= s.index) {
+                    continue;
+                }
+                let meta = SnapshotMeta {
+                    index: s.index,
+                    term: s.term,
+                };
+                let stored = StoredSnapshot { meta, data: s.data };
+                m.log.save_snapshot(g, &stored).expect("log");
+                if let Some(bound) = m.raft.snapshot_saved(g, meta) {
+                    m.log.compact_to(g, bound).expect("log");
+                }
+            }
             let (new, removed) = m.broker.take_group_changes();
             m.removed.extend(removed);
             for (g, campaign) in new {
@@ -280,6 +333,52 @@ impl Cluster {
         m.alive = false;
         m.log.crash();
         self.net.retain(|b| b.from != node && b.to != node);
+    }
+
+    /// Starts a killed node again on what its log holds: a new broker (the queue's definition
+    /// comes from its store), its groups recovered, each from its snapshot and the entries
+    /// after it.
+    fn restart(&mut self, node: u64, snapshot_every: Option<u64>) {
+        let m = self.members.get_mut(&node).expect("member");
+        m.boots += 1;
+        let mut broker = Self::broker_of(node, m.boots, snapshot_every);
+        broker
+            .restore_queue(&warren_broker::QueueDef {
+                vhost: "/".into(),
+                name: "jobs".into(),
+                key: 1,
+                auto_delete: false,
+                arguments: quorum_args(),
+            })
+            .expect("the queue from the store");
+        let _ = broker.take_group_changes();
+        let mut raft = Self::raft_of(node, m.boots, &m.log);
+        for &g in &m.groups {
+            let mut durable = m.log.recovered(GroupId(g));
+            if durable.fit_to_snapshot() {
+                m.log
+                    .clear_entries(GroupId(g), &durable.hard_state)
+                    .expect("log");
+                m.log.flush(true).expect("log");
+            }
+            raft.recover_group(GroupId(g), &durable).expect("recover");
+            if let Some(s) = durable.snapshot {
+                broker.install_snapshot(g, s.meta.index, s.meta.term, s.data);
+            }
+        }
+        m.broker = broker;
+        m.raft = raft;
+        m.leaders.clear();
+        m.written = 0;
+        m.alive = true;
+    }
+
+    /// The index of the snapshot `node` holds of the queue's group (0: none).
+    fn snapshot_at(&self, node: u64) -> u64 {
+        let log = &self.members[&node].log;
+        log.recovered(GroupId(self.group))
+            .snapshot
+            .map_or(0, |s| s.meta.index)
     }
 
     fn digests(&self, nodes: &[u64]) -> Vec<u64> {
@@ -711,4 +810,89 @@ fn a_leader_paused_while_it_applied_ahead_nacks_what_its_successor_never_had() {
     c.run(20);
     let d = c.digests(&NODES);
     assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}
+
+#[test]
+fn a_follower_behind_the_compacted_log_gets_the_leaders_snapshot_and_the_same_state() {
+    let mut c = Cluster::snapshotting(8);
+    let leader = c.leader();
+    let behind = leader % 3 + 1;
+    consume(&mut c, leader, 5).expect("consume");
+    c.run(5);
+    c.isolated.insert(behind);
+    let mut held = Vec::new();
+    let mut acked = 0;
+    for n in 0..40 {
+        c.publish(leader, n);
+        c.step();
+        held.extend(c.deliveries(leader));
+        // The worker acks all but the last two it holds.
+        while held.len() > 2 {
+            let d = held.remove(0);
+            assert!(c.broker(leader).settle(d.queue, d.receipt));
+            acked += 1;
+        }
+    }
+    assert!(acked > 20, "the worker acked {acked}");
+    c.run(20);
+    held.extend(c.deliveries(leader));
+    let at = c.snapshot_at(leader);
+    assert!(at > 40, "the leader snapshotted (at {at})");
+    assert_eq!(c.snapshot_at(behind), 0);
+    c.isolated.clear();
+    c.run(60);
+    assert!(
+        c.snapshot_at(behind) >= at,
+        "the follower installed the leader's snapshot"
+    );
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    // What follows is applied on top of it alike.
+    c.publish(leader, 100);
+    c.run(20);
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ after: {d:?}");
+    let (ready, in_flight) = c.counts(behind);
+    assert_eq!(ready + in_flight, 41 - acked);
+    assert!(
+        in_flight > 0,
+        "what the worker holds is in the snapshot too"
+    );
+}
+
+#[test]
+fn a_node_restarted_from_its_snapshot_has_the_same_state_and_can_take_over() {
+    let every = Some(8);
+    let mut c = Cluster::snapshotting(8);
+    let leader = c.leader();
+    for n in 0..50 {
+        c.publish(leader, n);
+        c.step();
+    }
+    c.run(20);
+    let restarted = leader % 3 + 1;
+    assert!(c.snapshot_at(restarted) > 0, "node {restarted} snapshotted");
+    c.kill(restarted);
+    c.run(5);
+    c.restart(restarted, every);
+    // Straight from its snapshot, before any entry after it.
+    let (ready, _) = c.counts(restarted);
+    assert!(ready >= 40, "{ready} messages back from the snapshot");
+    c.run(40);
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    // The leader goes: the restarted node is half of the new majority and has everything.
+    c.kill(leader);
+    let next = c.leader();
+    assert_ne!(next, leader);
+    assert_eq!(c.counts(next), (50, 0));
+    consume(&mut c, next, 100).expect("consume");
+    let mut got = Vec::new();
+    for _ in 0..40 {
+        c.step();
+        got.extend(c.deliveries(next));
+    }
+    let bodies: Vec<Bytes> = got.iter().map(|d| d.message.body.clone()).collect();
+    let want: Vec<Bytes> = (0..50).map(|n| Bytes::from(format!("job {n}"))).collect();
+    assert_eq!(bodies, want, "every message, once, in order");
 }

@@ -128,6 +128,10 @@ pub struct Args {
     /// Tests: Raft's tick in milliseconds [default: 50]
     #[arg(long, hide = true, value_name = "MS")]
     pub test_cluster_tick_ms: Option<u64>,
+    /// Tests: entries between two snapshots of a replicated queue, and kept behind one for a
+    /// lagging follower [default: 4096]
+    #[arg(long, hide = true, value_name = "N")]
+    pub test_snapshot_entries: Option<u64>,
     /// Port of the management HTTP API and web page, as RabbitMQ's management plugin
     /// [default: 15672]
     #[arg(long, env = "WARREN_MANAGEMENT_PORT", value_name = "PORT")]
@@ -294,6 +298,8 @@ pub struct ClusterSettings {
     pub nodes: std::collections::BTreeMap<u64, std::net::SocketAddr>,
     pub secret: Vec<u8>,
     pub tick_ms: u64,
+    /// Entries between two snapshots of a replicated queue, and kept behind one.
+    pub snapshot_entries: u64,
 }
 
 /// The smallest cluster secret accepted, in bytes.
@@ -334,7 +340,7 @@ fn cluster_settings(
     node: Option<u64>,
     nodes: Option<String>,
     secret_file: Option<PathBuf>,
-    tick_ms: Option<u64>,
+    (tick_ms, snapshot_entries): (Option<u64>, Option<u64>),
 ) -> Result<Option<ClusterSettings>, ConfigError> {
     let err = |m: String| Err(ConfigError::Cluster(m));
     let Some(node) = node else {
@@ -381,6 +387,9 @@ fn cluster_settings(
         nodes,
         secret,
         tick_ms: tick_ms.unwrap_or(50).max(1),
+        snapshot_entries: snapshot_entries
+            .unwrap_or(warren_broker::SNAPSHOT_ENTRIES)
+            .max(1),
     }))
 }
 
@@ -566,7 +575,7 @@ impl Config {
             args.cluster_node.or(file.cluster_node),
             args.cluster_nodes.or(file.cluster_nodes),
             args.cluster_secret_file.or(file.cluster_secret_file),
-            args.test_cluster_tick_ms,
+            (args.test_cluster_tick_ms, args.test_snapshot_entries),
         )?;
         let queue_window = args.queue_window.or(file.queue_window).unwrap_or(1024);
         if queue_window == 0 {

@@ -102,6 +102,8 @@ struct Core {
     raft: Option<crate::cluster::RaftNode>,
     /// Reused buffer of the replicated queues' proposals.
     proposals: Vec<warren_broker::Proposal>,
+    /// Reused buffer of the replicated queues' snapshots.
+    snapshots: Vec<warren_broker::ReplicaSnapshot>,
     /// Queues that long polls (SQS ReceiveMessage) wait on (see [`Core::wake_watchers`]).
     watched: HashMap<warren_broker::QueueId, Watched>,
 }
@@ -176,6 +178,14 @@ impl Shared {
 struct RaftReports(Arc<Shared>);
 
 impl crate::cluster::RaftEvents for RaftReports {
+    fn snapshots(&self, snapshots: Vec<(warren_broker::GroupId, crate::cluster::StoredSnapshot)>) {
+        self.0.with_node(|node, now| {
+            for (group, s) in snapshots {
+                node.install_snapshot(group.0, s.meta.index, s.meta.term, s.data, now);
+            }
+        });
+    }
+
     fn committed(&self, entries: Vec<warren_broker::Committed>) {
         self.0.with_node(|node, now| node.replicated(&entries, now));
     }
@@ -511,6 +521,14 @@ impl Core {
         for group in removed {
             raft.remove_group(warren_broker::GroupId(group));
         }
+        self.node.take_snapshots(&mut self.snapshots);
+        for s in self.snapshots.drain(..) {
+            let meta = crate::cluster::SnapshotMeta {
+                index: s.index,
+                term: s.term,
+            };
+            raft.snapshot(warren_broker::GroupId(s.group), meta, s.data);
+        }
     }
 
     /// Appends the commands applied since the last call to the command log, if one is kept.
@@ -632,6 +650,7 @@ pub async fn serve(
             watched: HashMap::new(),
             raft: None,
             proposals: Vec::new(),
+            snapshots: Vec::new(),
         }),
         dispatch: Notify::new(),
         timer: Notify::new(),

@@ -287,6 +287,9 @@ async fn run(config: Config) -> std::io::Result<()> {
             .max(1);
         let nodes: Vec<u64> = c.nodes.keys().copied().collect();
         broker.join_cluster(c.node, &nodes, boot);
+        // A snapshot larger than one frame of the cluster's transport could never reach a
+        // follower.
+        broker.set_snapshot_policy(c.snapshot_entries, cluster::MAX_PROPOSAL);
         let mut peers = c.nodes.clone();
         let listen = peers.remove(&c.node);
         cluster::ClusterConfig {
@@ -298,6 +301,7 @@ async fn run(config: Config) -> std::io::Result<()> {
             dir: config.data_dir.join("raft"),
             tick_ms: c.tick_ms,
             boot,
+            snapshot_keep: c.snapshot_entries,
         }
     });
     if let Some(c) = &cluster {

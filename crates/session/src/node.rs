@@ -262,6 +262,25 @@ impl Node {
         self.after_replication(now);
     }
 
+    /// Snapshots of replicated queues taken since the last call, for the driver to write.
+    pub fn take_snapshots(&mut self, out: &mut Vec<warren_broker::ReplicaSnapshot>) {
+        self.broker.take_snapshots(out);
+    }
+
+    /// A replicated queue's snapshot replaces its state (see `Broker::install_snapshot`).
+    pub fn install_snapshot(
+        &mut self,
+        group: u64,
+        index: u64,
+        term: u64,
+        data: bytes::Bytes,
+        now: u64,
+    ) {
+        self.broker.advance_time(now);
+        self.broker.install_snapshot(group, index, term, data);
+        self.after_replication(now);
+    }
+
     /// A replicated queue's group has a new leader (see `Broker::set_leader`).
     pub fn set_leader(&mut self, group: u64, leader: Option<u64>, term: u64, now: u64) {
         self.broker.advance_time(now);

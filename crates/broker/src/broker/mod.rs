@@ -17,7 +17,7 @@ use metadata::*;
 use persistence::*;
 use publish::*;
 use replicated::not_led_here;
-pub use replicated::{group_of, Proposal, REPLICATED_MAX_BODY};
+pub use replicated::{group_of, Proposal, ReplicaSnapshot, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES};
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};

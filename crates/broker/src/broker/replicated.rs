@@ -46,6 +46,19 @@ const CONFIRM_TIMEOUT_MS: u64 = 30_000;
 /// may have dropped it; if it commits after all, the publisher has a duplicate, never a loss).
 const FORWARD_TIMEOUT_MS: u64 = 10_000;
 
+/// A replicated queue's committed state at an index of its group's log, from
+/// [`Broker::take_snapshots`]: once the driver has it on disk, the log before it may go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaSnapshot {
+    pub group: u64,
+    pub index: u64,
+    pub term: u64,
+    pub data: bytes::Bytes,
+}
+
+/// Entries applied between two snapshots of a queue, at least.
+pub const SNAPSHOT_ENTRIES: u64 = 4096;
+
 /// The broker's part in a cluster.
 #[derive(Debug)]
 pub(crate) struct Cluster {
@@ -83,6 +96,11 @@ pub(crate) struct Cluster {
     scratch: Vec<Effect<Message>>,
     /// The metadata group's part.
     pub(super) meta: super::metadata_group::MetaState,
+    /// Snapshots taken, for the driver.
+    snapshots: Vec<ReplicaSnapshot>,
+    /// Entries between snapshots, and the largest snapshot that can be sent to a follower.
+    snapshot_entries: u64,
+    snapshot_max: usize,
 }
 
 impl Cluster {
@@ -106,6 +124,9 @@ impl Cluster {
             released: Vec::new(),
             cancelled: Vec::new(),
             scratch: Vec::new(),
+            snapshots: Vec::new(),
+            snapshot_entries: SNAPSHOT_ENTRIES,
+            snapshot_max: usize::MAX,
         }
     }
 
@@ -186,6 +207,128 @@ impl Broker {
         self.cluster = Some(Box::new(Cluster::new(node, nodes, boot)));
         let local = warren_queue::LOCAL_ID_MAX.min(self.next_consumer);
         self.next_consumer = qualified(node, local);
+    }
+
+    /// A replicated queue's committed state is snapshotted once `entries` entries were applied
+    /// since the last one (and the log since holds as many bytes as that one did); a snapshot
+    /// larger than `max_bytes` (what the cluster's transport can carry to a follower) is not
+    /// kept, and the log goes on growing until the queue is smaller.
+    pub fn set_snapshot_policy(&mut self, entries: u64, max_bytes: usize) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.snapshot_entries = entries.max(1);
+            c.snapshot_max = max_bytes;
+        }
+    }
+
+    /// The snapshots taken since the last call.
+    pub fn take_snapshots(&mut self, out: &mut Vec<ReplicaSnapshot>) {
+        if let Some(c) = self.cluster.as_mut() {
+            out.append(&mut c.snapshots);
+        }
+    }
+
+    /// A snapshot of a replicated queue's group at `index` replaces its machine: sent by the
+    /// leader to a follower too far behind, or read back at a restart before the entries after
+    /// it. What this node waited for in the group is nacked (it may be in the snapshot: a
+    /// duplicate at worst, never a loss).
+    pub fn install_snapshot(&mut self, group: u64, index: u64, term: u64, data: bytes::Bytes) {
+        let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
+            tracing::warn!(
+                group,
+                index,
+                "snapshot of a group with no queue here: ignored"
+            );
+            return;
+        };
+        let applied = self
+            .queues
+            .get(&id)
+            .and_then(|q| q.replica.as_ref())
+            .map_or(u64::MAX, |r| r.applied_index);
+        if index <= applied {
+            return;
+        }
+        let len = data.len() as u64;
+        let machine = match QueueMachine::<Message>::restore_snapshot(data) {
+            Ok(m) => m,
+            Err(error) => {
+                // Checksummed on disk and on the wire: this is a bug or a different version.
+                tracing::error!(group, index, %error, "unreadable snapshot: the queue keeps its state");
+                return;
+            }
+        };
+        let leading = self
+            .queues
+            .get(&id)
+            .and_then(|q| q.replica.as_ref())
+            .is_some_and(|r| !matches!(r.mode, Mode::Following));
+        if leading {
+            self.step_down(id);
+        }
+        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get_mut(&id)) else {
+            return;
+        };
+        let Some(r) = q.replica.as_mut() else {
+            return;
+        };
+        q.machine = machine;
+        r.mode = Mode::Following;
+        r.held.clear();
+        r.applied_index = index;
+        r.applied_term = term;
+        r.since_snapshot = 0;
+        r.since_snapshot_bytes = 0;
+        r.snapshot_bytes = len;
+        r.applied_own = r.proposed;
+        r.stepped_down = None;
+        r.forwarded_ahead = 0;
+        let mut outcomes = Vec::new();
+        c.abandon(group, &mut outcomes);
+        for o in outcomes {
+            c.settle(o);
+        }
+        tracing::info!(queue = %q.name, vhost = %q.vhost, index, bytes = len, "replicated queue restored from a snapshot");
+    }
+
+    /// Snapshots the committed state of the queues in `ids` that applied enough since their
+    /// last one.
+    fn take_due_snapshots(&mut self, ids: &[QueueId]) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        for id in ids {
+            let Some(q) = self.queues.get_mut(id) else {
+                continue;
+            };
+            let Some(r) = q.replica.as_mut() else {
+                continue;
+            };
+            if r.since_snapshot < c.snapshot_entries || r.since_snapshot_bytes < r.snapshot_bytes {
+                continue;
+            }
+            let machine = match &r.mode {
+                Mode::Leading { committed } => committed,
+                _ => &q.machine,
+            };
+            let mut buf = bytes::BytesMut::new();
+            r.since_snapshot = 0;
+            r.since_snapshot_bytes = 0;
+            if let Err(error) = machine.snapshot(&mut buf) {
+                tracing::error!(queue = %q.name, %error, "no snapshot of a replicated queue");
+                continue;
+            }
+            r.snapshot_bytes = buf.len() as u64;
+            if buf.len() > c.snapshot_max {
+                tracing::warn!(queue = %q.name, vhost = %q.vhost, bytes = buf.len(), "replicated queue too large to snapshot: its log is kept until it is smaller");
+                continue;
+            }
+            c.snapshots.push(ReplicaSnapshot {
+                group: r.group,
+                index: r.applied_index,
+                term: r.applied_term,
+                data: buf.freeze(),
+            });
+        }
     }
 
     /// This node's number in its cluster, if it is in one.
@@ -545,6 +688,7 @@ impl Broker {
         let mut outcomes = Vec::new();
         let mut started = Vec::new();
         let mut meta = Vec::new();
+        let mut touched: Vec<QueueId> = Vec::new();
         for e in entries {
             if e.group.0 == super::metadata_group::META_GROUP {
                 meta.push(e);
@@ -559,6 +703,17 @@ impl Broker {
             let Some(r) = q.replica.as_mut() else {
                 continue;
             };
+            if e.index <= r.applied_index {
+                // Covered by the snapshot the machine was restored from.
+                continue;
+            }
+            r.applied_index = e.index;
+            r.applied_term = e.term;
+            r.since_snapshot += 1;
+            r.since_snapshot_bytes += e.data.len() as u64;
+            if touched.last() != Some(&id) {
+                touched.push(id);
+            }
             let (head, command) = match decode(e.data.clone()) {
                 Ok(x) => x,
                 Err(error) => {
@@ -636,6 +791,9 @@ impl Broker {
             self.refile(id);
             self.reissue_kept(id);
         }
+        touched.sort_unstable();
+        touched.dedup();
+        self.take_due_snapshots(&touched);
         for e in meta {
             self.apply_meta(e);
         }

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use warren_replication::{Committed, Forward, GroupId, NodeId};
-use warren_replication::{Config, EngineLog, LogError, MultiRaft};
+pub use warren_replication::{Committed, Forward, GroupId, NodeId, SnapshotMeta, StoredSnapshot};
+use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
 use node::{Command, Driver};
 use transport::{Counters, Net};
@@ -51,6 +51,9 @@ pub struct ClusterConfig {
     /// This start's incarnation, higher at every start (e.g. milliseconds since the epoch), so
     /// peers see a restart at once.
     pub boot: u64,
+    /// Entries the log keeps behind a group's snapshot for a follower that lags (4096 by
+    /// default); one further behind is sent the snapshot.
+    pub snapshot_keep: u64,
 }
 
 impl std::fmt::Debug for ClusterConfig {
@@ -63,16 +66,22 @@ impl std::fmt::Debug for ClusterConfig {
             .field("dir", &self.dir)
             .field("tick_ms", &self.tick_ms)
             .field("boot", &self.boot)
+            .field("snapshot_keep", &self.snapshot_keep)
             .finish_non_exhaustive()
     }
 }
 
 /// What the Raft thread tells the broker. Called on the Raft thread, with none of its locks
 /// held; a slow callback slows every group, so hand work off rather than doing it here. In a
-/// pass, `leaders` comes first, then `committed`, then `refused`.
+/// pass, `leaders` comes first, then `snapshots`, then `committed`, then `refused`.
 pub trait RaftEvents: Send + 'static {
+    /// Snapshots that replace their groups' state machines: a leader's, installed here in place
+    /// of the log this node lacked, or, after a restart, each group's latest one, before the
+    /// entries after it.
+    fn snapshots(&self, snapshots: Vec<(GroupId, StoredSnapshot)>);
     /// Entries now committed and durable here, in log order within each group. After a
-    /// restart every recovered committed entry comes again, from the first, before new ones.
+    /// restart every recovered committed entry after the group's snapshot comes again, before
+    /// new ones.
     fn committed(&self, entries: Vec<Committed>);
     /// Groups whose leader changed (`None`: no leader known for now), with the group's term.
     fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>);
@@ -183,18 +192,36 @@ impl RaftNode {
         let mut rc = Config::new(cfg.node, nodes);
         rc.tick_ms = cfg.tick_ms;
         rc.boot = cfg.boot;
+        rc.snapshot_keep = cfg.snapshot_keep;
         let mut raft = MultiRaft::new(rc)?;
         let log_error = |source| ClusterError::Log {
             dir: cfg.dir.clone(),
             source,
         };
-        let log = EngineLog::open(&cfg.dir).map_err(log_error)?;
-        // A follower far behind is sent what left the leader's memory, read back from disk.
+        let mut log = EngineLog::open(&cfg.dir).map_err(log_error)?;
+        // A follower far behind is sent what left the leader's memory, read back from disk, or
+        // the group's snapshot.
         raft.set_cold_log(log.cold());
+        raft.set_snapshot_source(log.snapshots());
         let recovered = log.groups();
+        let mut snapshots = Vec::new();
         for group in &recovered {
-            let durable = log.durable(*group).map_err(log_error)?;
+            let mut durable = log.durable(*group).map_err(log_error)?;
+            if durable.fit_to_snapshot() {
+                // A crash after a leader's snapshot was saved, before the old log was dropped.
+                tracing::warn!(
+                    node = cfg.node,
+                    group = group.0,
+                    "log entries that do not follow the group's snapshot dropped"
+                );
+                log.clear_entries(*group, &durable.hard_state)
+                    .and_then(|()| log.flush(true))
+                    .map_err(log_error)?;
+            }
             raft.recover_group(*group, &durable)?;
+            if let Some(s) = durable.snapshot {
+                snapshots.push((*group, s));
+            }
         }
         let counters = Arc::new(Counters::default());
         let (in_tx, in_rx) = crossbeam_channel::bounded(transport::INBOUND_QUEUE);
@@ -212,6 +239,7 @@ impl RaftNode {
             refused: Vec::new(),
             to_forward: Default::default(),
             forwarded: Vec::new(),
+            snapshots,
             stopping: false,
         };
         let thread = std::thread::Builder::new()
@@ -258,6 +286,12 @@ impl RaftNode {
     /// reaches that node's [`RaftEvents::forwarded`], or is lost with the connection.
     pub fn forward(&self, to: NodeId, group: GroupId, data: Vec<u8>) {
         self.send(Command::Forward(to, group, data));
+    }
+
+    /// The state machine's snapshot of `group`, which holds every entry up to `meta.index`:
+    /// once written, the log before it may go. An older one than the group has is ignored.
+    pub fn snapshot(&self, group: GroupId, meta: SnapshotMeta, data: bytes::Bytes) {
+        self.send(Command::Snapshot(group, StoredSnapshot { meta, data }));
     }
 
     /// The groups recovered from the log at start, in id order.

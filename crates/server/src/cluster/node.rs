@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
-use warren_replication::{EngineLog, Error, Forward, GroupId, MultiRaft, NodeBatch, NodeId};
+use warren_replication::{
+    EngineLog, Error, Forward, GroupId, LogStore, MultiRaft, NodeBatch, NodeId, StoredSnapshot,
+};
 
 use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
 use super::{RaftEvents, MAX_PROPOSAL};
@@ -21,6 +23,8 @@ pub(crate) enum Command {
     Propose(GroupId, Vec<u8>),
     /// A proposal for the leader `NodeId` of the group: sent with the next pass's batches.
     Forward(NodeId, GroupId, Vec<u8>),
+    /// The state machine's snapshot of a group: written, then the log before it compacted.
+    Snapshot(GroupId, StoredSnapshot),
     Shutdown,
 }
 
@@ -47,6 +51,8 @@ pub(crate) struct Driver<E> {
     /// Proposals to send to other nodes, by destination; and what other nodes sent here.
     pub(crate) to_forward: std::collections::BTreeMap<NodeId, Vec<Forward>>,
     pub(crate) forwarded: Vec<(NodeId, Forward)>,
+    /// Snapshots for the broker at the next pass: the recovered ones at first.
+    pub(crate) snapshots: Vec<(GroupId, StoredSnapshot)>,
     pub(crate) stopping: bool,
 }
 
@@ -175,8 +181,40 @@ impl<E: RaftEvents> Driver<E> {
                     data: data.into(),
                 });
             }
+            Command::Snapshot(group, snap) => self.save_snapshot(group, snap),
             Command::Shutdown => self.stopping = true,
         }
+    }
+
+    /// Writes the broker's snapshot of a group and lets the log before it go. A snapshot that
+    /// cannot be written is no loss: the log it would have replaced stays.
+    fn save_snapshot(&mut self, group: GroupId, snap: StoredSnapshot) {
+        let node = self.raft.node();
+        match self.raft.snapshot_index(group) {
+            Some(have) if have < snap.meta.index => {}
+            // The group is gone, or a leader's newer snapshot was installed meanwhile.
+            _ => return,
+        }
+        let started = Instant::now();
+        if let Err(e) = self.log.save_snapshot(group, &snap) {
+            tracing::error!(node, group = group.0, error = %e, "cannot write a snapshot; the group keeps its log");
+            return;
+        }
+        let Some(bound) = self.raft.snapshot_saved(group, snap.meta) else {
+            return;
+        };
+        if let Err(e) = self.log.compact_to(group, bound) {
+            tracing::error!(node, group = group.0, error = %e, "cannot compact a group's log");
+        }
+        tracing::debug!(
+            node,
+            group = group.0,
+            index = snap.meta.index,
+            bytes = snap.data.len(),
+            compacted_below = bound,
+            ms = started.elapsed().as_millis() as u64,
+            "snapshot written"
+        );
     }
 
     /// One tick (if due), ready, write, advance, report. False if the log failed: this node
@@ -194,8 +232,8 @@ impl<E: RaftEvents> Driver<E> {
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
             return false;
         }
-        let done = self.raft.advance(rd);
-        for b in done.messages {
+        let mut done = self.raft.advance(rd);
+        for b in std::mem::take(&mut done.messages) {
             self.out.send(b);
         }
         let (node, boot) = (self.raft.node(), self.raft.boot());
@@ -215,6 +253,10 @@ impl<E: RaftEvents> Driver<E> {
                 .map(|(g, l)| (g, l, raft.term_of(g).unwrap_or(0)))
                 .collect();
             self.events.leaders(leaders);
+        }
+        self.snapshots.append(&mut done.snapshots);
+        if !self.snapshots.is_empty() {
+            self.events.snapshots(std::mem::take(&mut self.snapshots));
         }
         if !done.committed.is_empty() {
             self.events.committed(done.committed);

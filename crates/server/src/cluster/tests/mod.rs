@@ -18,6 +18,7 @@ struct Seen {
     committed: Vec<Committed>,
     leaders: BTreeMap<GroupId, Option<NodeId>>,
     refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
+    snapshots: Vec<(GroupId, StoredSnapshot)>,
 }
 
 #[derive(Clone, Default)]
@@ -39,9 +40,36 @@ impl Recorder {
     fn leader(&self, group: GroupId) -> Option<NodeId> {
         self.with(|s| s.leaders.get(&group).copied().flatten())
     }
+    /// The snapshots handed over, by index, with their data.
+    fn snapshots(&self, group: GroupId) -> Vec<(u64, Vec<u8>)> {
+        self.with(|s| {
+            s.snapshots
+                .iter()
+                .filter(|(g, _)| *g == group)
+                .map(|(_, s)| (s.meta.index, s.data.to_vec()))
+                .collect()
+        })
+    }
+    /// The last entry committed in `group`, as a snapshot of everything up to it would be.
+    fn last_meta(&self, group: GroupId) -> SnapshotMeta {
+        self.with(|s| {
+            s.committed
+                .iter()
+                .rev()
+                .find(|c| c.group == group)
+                .map(|c| SnapshotMeta {
+                    index: c.index,
+                    term: c.term,
+                })
+                .unwrap_or_default()
+        })
+    }
 }
 
 impl RaftEvents for Recorder {
+    fn snapshots(&self, snapshots: Vec<(GroupId, StoredSnapshot)>) {
+        self.0.lock().unwrap().snapshots.extend(snapshots);
+    }
     fn committed(&self, entries: Vec<Committed>) {
         self.0.lock().unwrap().committed.extend(entries);
     }
@@ -94,6 +122,8 @@ impl Cluster {
             dir: self.dirs[i].path().to_path_buf(),
             tick_ms: 10,
             boot,
+            // Small, so that a follower down for a few dozen entries needs a snapshot.
+            snapshot_keep: 8,
         }
     }
 
@@ -258,6 +288,59 @@ fn the_survivors_elect_and_commit_and_a_restarted_node_recovers_and_catches_up()
 }
 
 #[test]
+fn a_follower_back_after_the_log_was_compacted_gets_a_snapshot_and_restarts_from_it() {
+    let mut c = Cluster::start([SECRET; 3]);
+    let leader = c.group_led(&[1, 2, 3]);
+    let down = leader % 3 + 1;
+    let up: Vec<NodeId> = (1..=3).filter(|id| *id != down).collect();
+    c.stop(down);
+    for p in payloads(0..100) {
+        c.node(leader).propose(G, p);
+    }
+    for id in &up {
+        wait_for("the entries on the two up", || {
+            c.seen(*id).data(G).len() == 100
+        });
+    }
+    // Each up node's state machine snapshots what it applied: the log before it goes.
+    let meta = c.seen(leader).last_meta(G);
+    for id in &up {
+        assert_eq!(c.seen(*id).last_meta(G), meta);
+        c.node(*id)
+            .snapshot(G, meta, bytes::Bytes::from_static(b"the state at 100"));
+    }
+    let after = payloads(100..105);
+    for p in &after {
+        c.node(leader).propose(G, p.clone());
+    }
+    for id in &up {
+        wait_for("the later entries", || c.seen(*id).data(G).len() == 105);
+    }
+    c.restart(down, 2);
+    wait_for("the snapshot and the entries after it", || {
+        c.seen(down).data(G).len() >= 5
+    });
+    assert_eq!(
+        c.seen(down).snapshots(G),
+        vec![(meta.index, b"the state at 100".to_vec())],
+        "sent the snapshot: the entries it covers are gone from the leader's log"
+    );
+    assert_eq!(
+        c.seen(down).data(G),
+        after,
+        "only what follows the snapshot"
+    );
+    // A restart starts from the snapshot it installed, then replays the entries after it.
+    c.stop(down);
+    c.restart(down, 3);
+    wait_for("the entries after the snapshot again", || {
+        c.seen(down).data(G).len() >= 5
+    });
+    assert_eq!(c.seen(down).snapshots(G)[0].0, meta.index);
+    assert_eq!(c.seen(down).data(G), after);
+}
+
+#[test]
 fn a_peer_with_the_wrong_secret_reaches_no_raft_and_the_others_go_on() {
     let c = Cluster::start([SECRET, SECRET, b"not the cluster secret at all"]);
     c.node(3).add_group(G, false);
@@ -417,6 +500,7 @@ fn node_one(
         dir: dir.to_path_buf(),
         tick_ms: 10,
         boot: 1,
+        snapshot_keep: 4096,
     }
 }
 
