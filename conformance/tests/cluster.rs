@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
@@ -109,9 +109,12 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
     c.declare_quorum_queue(2, &q).await;
     let leader = c.leader_of(&q, 2);
     let follower = leader % 3 + 1;
-    // Consuming is the leader's: a follower refuses and says where the leader is.
+    // basic.get is the leader's: a follower refuses and says where the leader is.
     let (_cf, chf) = channel(&c, follower).await;
-    let refused = consume(&chf, &q).await.expect_err("consume on a follower");
+    let refused = chf
+        .basic_get(q.as_str().into(), BasicGetOptions::default())
+        .await
+        .expect_err("get on a follower");
     let (code, text) = amqp_error(&refused).expect("a channel error");
     assert_eq!(code, 506, "{text}");
     assert!(text.contains(&format!("node {leader}")), "{text}");
@@ -275,4 +278,56 @@ async fn a_cluster_killed_whole_comes_back_from_its_snapshots_with_every_unacked
     }
     let want: BTreeSet<String> = (150..400).map(|i| format!("m{i:03}")).collect();
     assert_eq!(seen, want);
+}
+
+/// Takes `n` deliveries from `consumer`, acking each; their bodies in order.
+async fn take_acked(consumer: &mut lapin::Consumer, n: usize) -> Vec<String> {
+    let mut got = Vec::with_capacity(n);
+    while got.len() < n {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("a delivery within the wait")
+            .expect("the consumer is not cancelled")
+            .expect("delivery");
+        got.push(String::from_utf8_lossy(&d.data).into_owned());
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_on_a_follower_gets_every_message_and_carries_on_when_the_leader_dies() {
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("qq-follower");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let follower = leader % 3 + 1;
+    let other = 6 - leader - follower;
+    // A worker on a node that does not lead the queue, as behind a load balancer.
+    let (_cw, chw) = channel(&c, follower).await;
+    chw.basic_qos(50, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut worker = consume(&chw, &q).await.expect("consume on a follower");
+    let (_cp, chp) = channel(&c, other).await;
+    publish_confirmed(&chp, &q, (0..200).map(|i| format!("m{i:03}"))).await;
+    let want: Vec<String> = (0..200).map(|i| format!("m{i:03}")).collect();
+    assert_eq!(
+        take_acked(&mut worker, 200).await,
+        want,
+        "each once, in order"
+    );
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 0);
+    }
+    // The leader's node dies: the worker's consumer is not cancelled, and what is published
+    // next reaches it through the new leader.
+    c.node_mut(leader).stop(true);
+    let (_cp2, chp2) = channel(&c, other).await;
+    publish_confirmed(&chp2, &q, (200..300).map(|i| format!("m{i:03}"))).await;
+    let want: Vec<String> = (200..300).map(|i| format!("m{i:03}")).collect();
+    assert_eq!(take_acked(&mut worker, 100).await, want);
+    for n in [follower, other] {
+        wait_for_messages(&c, n, &q, 0);
+    }
 }

@@ -1,7 +1,7 @@
 //! A Jepsen-style fault test of replicated (quorum) queues on a spawned 3-node cluster.
 //!
 //! Publishers with confirms (each on a random node, each body unique) and consumers with manual
-//! acks (each following the queue's leader) run while one fault at a time hits a node: a SIGKILL
+//! acks (one following the queue's leader, the other on any node) run while one fault at a time hits a node: a SIGKILL
 //! and a restart on its data, or a SIGSTOP and SIGCONT (a pause: its peers elect around it). Every
 //! publish, confirm, delivery and ack is recorded; once every node is back, the consumers drain
 //! the queue and the history is checked: every confirmed message delivered, nothing delivered that
@@ -322,7 +322,15 @@ async fn consumer(
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let Some(conn) = connect(&addr(&addrs, leader).amqp).await else {
+        // The first consumer follows the leader; the others take any node, another at each
+        // session, as clients behind a load balancer do (a follower serves them through the
+        // log).
+        let node = if id == 1 {
+            leader
+        } else {
+            (id + sessions.load(Ordering::Relaxed)) % 3 + 1
+        };
+        let Some(conn) = connect(&addr(&addrs, node).amqp).await else {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
@@ -354,7 +362,7 @@ async fn consumer(
         {
             let mut h = h.lock().unwrap();
             h.session_start.insert(session, Instant::now());
-            h.session_node.insert(session, leader);
+            h.session_node.insert(session, node);
         }
         loop {
             if stop.load(Ordering::Relaxed) {
@@ -372,9 +380,10 @@ async fn consumer(
                     break;
                 }
                 Err(_) => {
-                    // Quiet: stay only while this node still leads.
-                    match queue_state(&addrs, &q, leader).await {
-                        Some((l, _)) if l == leader => continue,
+                    // Quiet: the leader's consumer stays only while its node still leads, the
+                    // others while their node answers.
+                    match queue_state(&addrs, &q, node).await {
+                        Some((l, _)) if l == leader || id != 1 => continue,
                         _ => {
                             h.lock()
                                 .unwrap()
@@ -391,7 +400,7 @@ async fn consumer(
                 session,
                 redelivered: d.redelivered,
                 at: Instant::now(),
-                node: leader,
+                node,
             });
             if d.ack(BasicAckOptions::default()).await.is_err() {
                 h.lock()
@@ -404,7 +413,7 @@ async fn consumer(
                 body,
                 at: Instant::now(),
                 session,
-                node: leader,
+                node,
             });
         }
         drop(conn);

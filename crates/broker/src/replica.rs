@@ -51,6 +51,11 @@ pub struct ReplicaState {
     pub since_snapshot: u64,
     pub since_snapshot_bytes: u64,
     pub snapshot_bytes: u64,
+    /// This node told the group, since it started, that its channels from before are gone
+    /// (a `Down` of itself, before anything else of it).
+    pub downed_self: bool,
+    /// The last leader reported, kept when the group has none for a while.
+    pub last_leader: Option<NodeId>,
 }
 
 impl ReplicaState {
@@ -70,6 +75,8 @@ impl ReplicaState {
             since_snapshot: 0,
             since_snapshot_bytes: 0,
             snapshot_bytes: 0,
+            downed_self: false,
+            last_leader: None,
         }
     }
 

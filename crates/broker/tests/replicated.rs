@@ -32,6 +32,9 @@ struct Member {
     written: u64,
     /// Times this node started.
     boots: u64,
+    /// Deliveries its broker handed out, for the test to take (every step dispatches, as
+    /// the server's dispatcher does).
+    inbox: Vec<Delivery>,
 }
 
 struct Cluster {
@@ -122,6 +125,7 @@ impl Cluster {
                     removed: BTreeSet::new(),
                     written: 0,
                     boots: 1,
+                    inbox: Vec::new(),
                 },
             );
         }
@@ -202,6 +206,9 @@ impl Cluster {
             m.raft.tick(now);
             let mut batch = m.raft.ready();
             self.net.append(&mut batch.messages);
+            for (peer, up) in std::mem::take(&mut batch.peers) {
+                m.broker.set_peer_up(peer, up);
+            }
             batch.persist(&mut m.log).expect("log");
             let done = m.raft.advance(batch);
             self.net.extend(done.messages);
@@ -246,6 +253,9 @@ impl Cluster {
                 m.written = w.number;
             }
             m.broker.writes_done(m.written);
+            while m.broker.needs_dispatch() {
+                m.broker.dispatch_one(&mut m.inbox);
+            }
             let _ = node;
         }
         // A partition drops what crosses it.
@@ -309,12 +319,11 @@ impl Cluster {
     }
 
     fn deliveries(&mut self, node: u64) -> Vec<Delivery> {
-        let mut out = Vec::new();
-        let b = self.broker(node);
-        while b.needs_dispatch() {
-            b.dispatch_one(&mut out);
+        let m = self.members.get_mut(&node).expect("member");
+        while m.broker.needs_dispatch() {
+            m.broker.dispatch_one(&mut m.inbox);
         }
-        out
+        std::mem::take(&mut m.inbox)
     }
 
     /// Freezes a node as SIGSTOP does: it runs no steps and what is sent to it is lost (a
@@ -370,6 +379,7 @@ impl Cluster {
         m.raft = raft;
         m.leaders.clear();
         m.written = 0;
+        m.inbox.clear();
         m.alive = true;
     }
 
@@ -470,10 +480,170 @@ fn a_publish_on_a_follower_goes_to_the_leader_and_is_confirmed_once_applied_ther
     for n in NODES {
         assert_eq!(c.counts(n), (1, 0), "node {n}");
     }
-    // Consuming is the leader's: a follower says where it is.
-    let e = consume(&mut c, follower, 1).expect_err("consume on a follower");
+    // basic.get is the leader's: a follower says where it is.
+    let e = c
+        .broker(follower)
+        .get("/", "jobs", false, conn(follower, 7))
+        .expect_err("get on a follower");
     assert_eq!(e.code, ReplyCode::ResourceError);
     assert!(e.text.contains(&format!("node {leader}")), "{}", e.text);
+}
+
+/// Steps until `node` has `n` deliveries (at most `steps` steps).
+fn take_deliveries(c: &mut Cluster, node: u64, n: usize, steps: u32) -> Vec<Delivery> {
+    let mut got = Vec::new();
+    for _ in 0..steps {
+        got.extend(c.deliveries(node));
+        if got.len() >= n {
+            break;
+        }
+        c.step();
+    }
+    got
+}
+
+#[test]
+fn a_consumer_on_a_follower_gets_what_the_leader_hands_it_once_applied_and_its_acks_count() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 10).expect("consume on a follower");
+    c.run(10);
+    c.publish(leader, 0);
+    c.publish(follower, 1);
+    let got = take_deliveries(&mut c, follower, 2, 50);
+    let bodies: Vec<Bytes> = got.iter().map(|d| d.message.body.clone()).collect();
+    assert_eq!(bodies, [Bytes::from("job 0"), Bytes::from("job 1")]);
+    assert!(
+        c.deliveries(leader).is_empty(),
+        "the leader's session saw none"
+    );
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 2), "node {n}");
+    }
+    for d in &got {
+        assert!(
+            c.broker(follower).settle(d.queue, d.receipt),
+            "ack on the follower"
+        );
+    }
+    c.run(20);
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 0), "node {n}");
+    }
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}
+
+#[test]
+fn a_consumer_on_a_follower_keeps_what_it_holds_when_the_leader_dies() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 2).expect("consume on a follower");
+    c.run(10);
+    for n in 0..4 {
+        c.publish(leader, n);
+    }
+    let held = take_deliveries(&mut c, follower, 2, 50);
+    assert_eq!(held.len(), 2);
+    c.run(10);
+    c.kill(leader);
+    let next = c.leader();
+    c.run(20);
+    assert!(
+        c.broker(follower).take_replica_cancelled().is_empty(),
+        "the follower's consumer carries on"
+    );
+    // What it held is still its own: acked now, it is gone; the other two come to it next.
+    for d in &held {
+        assert!(c.broker(follower).settle(d.queue, d.receipt));
+    }
+    let rest = take_deliveries(&mut c, follower, 2, 100);
+    let bodies: Vec<Bytes> = rest.iter().map(|d| d.message.body.clone()).collect();
+    assert_eq!(bodies, [Bytes::from("job 2"), Bytes::from("job 3")]);
+    assert!(held.iter().chain(&rest).all(|d| !d.redelivered));
+    for d in &rest {
+        assert!(c.broker(follower).settle(d.queue, d.receipt));
+    }
+    c.run(20);
+    let survivors: Vec<u64> = NODES.iter().copied().filter(|n| *n != leader).collect();
+    for n in &survivors {
+        assert_eq!(c.counts(*n), (0, 0), "node {n} (leader now: {next})");
+    }
+    let d = c.digests(&survivors);
+    assert_eq!(d[0], d[1]);
+}
+
+#[test]
+fn a_follower_cut_off_for_long_loses_its_consumer_and_what_it_held_goes_to_another() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 2).expect("consume on a follower");
+    c.run(10);
+    c.publish(leader, 0);
+    c.publish(leader, 1);
+    let held = take_deliveries(&mut c, follower, 2, 50);
+    assert_eq!(held.len(), 2);
+    c.run(10);
+    c.isolated.insert(follower);
+    // Less than NODE_DOWN_MS: nothing happens to its consumer.
+    c.run(200);
+    assert_eq!(c.counts(leader), (0, 2));
+    c.run((warren_broker::NODE_DOWN_MS / TICK_MS) as u32);
+    assert_eq!(c.counts(leader), (2, 0), "what it held is ready again");
+    consume(&mut c, leader, 10).expect("consume on the leader");
+    let again = take_deliveries(&mut c, leader, 2, 50);
+    assert_eq!(again.len(), 2);
+    assert!(again.iter().all(|d| d.redelivered));
+    c.isolated.clear();
+    c.run(50);
+    let cancelled = c.broker(follower).take_replica_cancelled();
+    assert_eq!(
+        cancelled.len(),
+        1,
+        "the follower tells its client: {cancelled:?}"
+    );
+    // Its late acks change nothing.
+    for d in &held {
+        c.broker(follower).settle(d.queue, d.receipt);
+    }
+    c.run(20);
+    assert_eq!(c.counts(leader), (0, 2));
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}
+
+#[test]
+fn a_follower_restarted_at_once_gives_back_what_its_old_consumers_held() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 2).expect("consume on a follower");
+    c.run(10);
+    c.publish(leader, 0);
+    c.publish(leader, 1);
+    assert_eq!(take_deliveries(&mut c, follower, 2, 50).len(), 2);
+    c.run(10);
+    assert_eq!(c.counts(leader), (0, 2), "held by the follower's consumer");
+    c.kill(follower);
+    c.restart(follower, None);
+    c.run(30);
+    // What the restart replayed of the log is not handed out again.
+    assert!(c.deliveries(follower).is_empty());
+    // Its first word to the leader was a Down of itself: what its old channels held is back.
+    assert_eq!(c.counts(leader), (2, 0));
+    consume(&mut c, follower, 10).expect("consume again on the restarted follower");
+    let again = take_deliveries(&mut c, follower, 2, 50);
+    assert_eq!(again.len(), 2);
+    let flags: Vec<(bool, u32, Bytes)> = again
+        .iter()
+        .map(|d| (d.redelivered, d.receipt.attempt, d.message.body.clone()))
+        .collect();
+    assert!(again.iter().all(|d| d.redelivered), "{flags:?}");
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
 }
 
 #[test]
@@ -695,6 +865,8 @@ fn a_refused_proposal_nacks_what_waited_and_the_leader_acts_again_from_the_commi
 fn a_message_too_large_for_the_transport_is_nacked_not_proposed() {
     let mut c = Cluster::new();
     let leader = c.leader();
+    // What the followers sent it while it started (their `Down`s) is proposed by now.
+    c.run(5);
     let mut m = message(0);
     m.body = Bytes::from(vec![7u8; warren_broker::REPLICATED_MAX_BODY + 1]);
     let now = c.now;
@@ -895,4 +1067,53 @@ fn a_node_restarted_from_its_snapshot_has_the_same_state_and_can_take_over() {
     let bodies: Vec<Bytes> = got.iter().map(|d| d.message.body.clone()).collect();
     let want: Vec<Bytes> = (0..50).map(|n| Bytes::from(format!("job {n}"))).collect();
     assert_eq!(bodies, want, "every message, once, in order");
+}
+
+#[test]
+fn what_the_log_gives_a_follower_consumer_after_it_was_cancelled_reaches_its_session_to_go_back() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    let (queue, consumer) = {
+        let b = c.broker(follower);
+        b.consume(
+            "/",
+            "jobs",
+            CreditGroup {
+                conn: conn(follower, 7),
+                channel: 1,
+            },
+            ShortStr::from_static("worker"),
+            false,
+            false,
+            10,
+            &FieldTable::new(),
+        )
+        .expect("consume on a follower")
+    };
+    c.run(10);
+    c.publish(leader, 0);
+    c.publish(leader, 1);
+    // The leader hands them to the follower's consumer ahead of the log; the follower's client
+    // goes before its node applies that.
+    let mut cancelled = false;
+    for _ in 0..50 {
+        c.step();
+        if c.counts(leader) == (0, 2) {
+            assert!(c.members[&follower].inbox.is_empty(), "applied too soon");
+            assert!(c.broker(follower).cancel(queue, consumer));
+            cancelled = true;
+            break;
+        }
+    }
+    assert!(cancelled, "the leader never handed them out");
+    let late = take_deliveries(&mut c, follower, 2, 50);
+    assert_eq!(late.len(), 2, "the session gets them, to hand back");
+    for d in &late {
+        assert!(c.broker(follower).release(d.queue, d.receipt));
+    }
+    c.run(20);
+    for n in NODES {
+        assert_eq!(c.counts(n), (2, 0), "node {n}: back in the queue");
+    }
 }

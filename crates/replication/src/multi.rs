@@ -167,6 +167,9 @@ pub struct ReadyBatch {
     /// Groups whose leader changed since the last `ready` (`None`: no leader known now), for the
     /// driver to report whichever way it persists the batch.
     pub leaders: Vec<(GroupId, Option<NodeId>)>,
+    /// Peer nodes seen going down (`false`) or coming back (`true`) since the last `ready`, in
+    /// order.
+    pub peers: Vec<(NodeId, bool)>,
     readys: Vec<(GroupId, raft::Ready)>,
     committed: Vec<Committed>,
     /// Snapshots from leaders, with the hard state the group's log restarts from.
@@ -178,6 +181,7 @@ impl ReadyBatch {
     pub fn is_empty(&self) -> bool {
         self.messages.is_empty()
             && self.leaders.is_empty()
+            && self.peers.is_empty()
             && self.readys.is_empty()
             && self.committed.is_empty()
     }
@@ -285,6 +289,8 @@ pub struct MultiRaft {
     snapshots: Option<std::sync::Arc<dyn SnapshotSource>>,
     /// Snapshots sent since the last `ready`, to report to their groups.
     snapshot_reports: Vec<(GroupId, NodeId)>,
+    /// Peers seen down or up since the last `ready`.
+    peer_changes: Vec<(NodeId, bool)>,
 }
 
 impl MultiRaft {
@@ -343,6 +349,7 @@ impl MultiRaft {
             cold: None,
             snapshots: None,
             snapshot_reports: Vec::new(),
+            peer_changes: Vec::new(),
         })
     }
 
@@ -666,6 +673,9 @@ impl MultiRaft {
         } else if came_back {
             tracing::info!(node, "peer node up");
         }
+        if came_back {
+            self.peer_changes.push((node, true));
+        }
         if restarted || came_back {
             // The groups this node leads may have entries the peer lacks, and it must learn who
             // leads them: wake them so they heartbeat and replicate.
@@ -707,6 +717,7 @@ impl MultiRaft {
         };
         if p.up {
             tracing::info!(node, "peer node's connection closed: down");
+            self.peer_changes.push((node, false));
         }
         p.up = false;
         let orphans: Vec<GroupId> = self
@@ -757,6 +768,7 @@ impl MultiRaft {
             .collect();
         for node in down {
             tracing::info!(node, "peer node down");
+            self.peer_changes.push((node, false));
             self.wake_orphans_of(node);
         }
         let awake: Vec<GroupId> = self.awake.iter().copied().collect();
@@ -857,6 +869,7 @@ impl MultiRaft {
         ReadyBatch {
             messages: self.send_out(out),
             leaders,
+            peers: std::mem::take(&mut self.peer_changes),
             readys,
             committed,
             snapshots,

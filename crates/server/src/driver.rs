@@ -190,6 +190,14 @@ impl crate::cluster::RaftEvents for RaftReports {
         self.0.with_node(|node, now| node.replicated(&entries, now));
     }
 
+    fn peers(&self, changes: Vec<(u64, bool)>) {
+        self.0.with_node(|node, now| {
+            for (peer, up) in changes {
+                node.set_peer_up(peer, up, now);
+            }
+        });
+    }
+
     fn leaders(&self, changes: Vec<(warren_broker::GroupId, Option<u64>, u64)>) {
         self.0.with_node(|node, now| {
             for (group, leader, term) in changes {

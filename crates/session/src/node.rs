@@ -281,6 +281,13 @@ impl Node {
         self.after_replication(now);
     }
 
+    /// A peer node went down or came back, as Raft sees it (see `Broker::set_peer_up`).
+    pub fn set_peer_up(&mut self, peer: u64, up: bool, now: u64) {
+        self.broker.advance_time(now);
+        self.broker.set_peer_up(peer, up);
+        self.after_replication(now);
+    }
+
     /// A replicated queue's group has a new leader (see `Broker::set_leader`).
     pub fn set_leader(&mut self, group: u64, leader: Option<u64>, term: u64, now: u64) {
         self.broker.advance_time(now);

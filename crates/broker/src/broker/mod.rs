@@ -17,7 +17,9 @@ use metadata::*;
 use persistence::*;
 use publish::*;
 use replicated::not_led_here;
-pub use replicated::{group_of, Proposal, ReplicaSnapshot, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES};
+pub use replicated::{
+    group_of, Proposal, ReplicaSnapshot, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+};
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};

@@ -42,6 +42,11 @@ struct Kept {
 /// that lost its majority for good must not hold back every later confirm of the node.
 const CONFIRM_TIMEOUT_MS: u64 = 30_000;
 
+/// A peer node unheard of for this long has lost its connections as far as its queues are
+/// concerned: the queues this node leads bring it `Down` (its consumers go, what they held is
+/// delivered again). Shorter outages cost nothing: its consumers carry on.
+pub const NODE_DOWN_MS: u64 = 5_000;
+
 /// A publish forwarded to a leader and not applied within this time is nacked (the leader
 /// may have dropped it; if it commits after all, the publisher has a duplicate, never a loss).
 const FORWARD_TIMEOUT_MS: u64 = 10_000;
@@ -101,6 +106,20 @@ pub(crate) struct Cluster {
     /// Entries between snapshots, and the largest snapshot that can be sent to a follower.
     snapshot_entries: u64,
     snapshot_max: usize,
+    /// Consumers of this node's channels on replicated queues (since it started): their queue,
+    /// their key, and whether their group applied their `Consume` (a `Down` of this node
+    /// applied after that means the leader took them away).
+    local_consumers: HashMap<ConsumerId, (QueueId, ConsumerKey, bool)>,
+    /// This node's consumers cancelled here whose `Cancel` the log has not applied yet: what
+    /// the log still gives them goes to the session, which hands it back (the channel that
+    /// would have released it has forgotten it).
+    retired: HashMap<ConsumerId, QueueId>,
+    /// Peers seen down, since when; and those already brought `Down` in the queues led here.
+    down_since: BTreeMap<NodeId, u64>,
+    downed: BTreeSet<NodeId>,
+    /// The first proposal number of this start: an entry of this node's with a lower one is
+    /// from an earlier start (replayed from the log), and speaks of channels that are gone.
+    boot_seq: u64,
 }
 
 impl Cluster {
@@ -127,6 +146,11 @@ impl Cluster {
             snapshots: Vec::new(),
             snapshot_entries: SNAPSHOT_ENTRIES,
             snapshot_max: usize::MAX,
+            local_consumers: HashMap::new(),
+            retired: HashMap::new(),
+            down_since: BTreeMap::new(),
+            downed: BTreeSet::new(),
+            boot_seq: boot.saturating_mul(1 << 20),
         }
     }
 
@@ -331,6 +355,93 @@ impl Broker {
         }
     }
 
+    /// A consumer of this node's on a replicated queue, from now until it is cancelled.
+    pub(super) fn track_consumer(&mut self, queue: QueueId, id: ConsumerId, key: ConsumerKey) {
+        let replicated = self.queues.get(&queue).is_some_and(|q| q.replica.is_some());
+        if let (true, Some(c)) = (replicated, self.cluster.as_mut()) {
+            c.local_consumers.insert(id, (queue, key, false));
+        }
+    }
+
+    pub(super) fn untrack_consumer(&mut self, id: ConsumerId) {
+        if let Some(c) = self.cluster.as_mut() {
+            if let Some((queue, _, _)) = c.local_consumers.remove(&id) {
+                c.retired.insert(id, queue);
+            }
+        }
+    }
+
+    /// Deliveries a leader made for consumers on other nodes stay out of its session: each
+    /// node hands its own consumers theirs when it applies the entry that made them.
+    pub(super) fn keep_local_deliveries(&self, id: QueueId, out: &mut Vec<Delivery>, from: usize) {
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
+        if self.queues.get(&id).is_none_or(|q| q.replica.is_none()) {
+            return;
+        }
+        let node = c.node;
+        if out[from..].iter().all(|d| delivers_here(d, node)) {
+            return;
+        }
+        let mine: Vec<Delivery> = out
+            .drain(from..)
+            .filter(|d| delivers_here(d, node))
+            .collect();
+        out.extend(mine);
+    }
+
+    /// The driver's Raft saw a peer node go down or come back. One down for
+    /// [`NODE_DOWN_MS`] is brought `Down` in every queue led here (at the next tick).
+    pub fn set_peer_up(&mut self, node: NodeId, up: bool) {
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if up {
+            c.down_since.remove(&node);
+            c.downed.remove(&node);
+        } else {
+            c.down_since.entry(node).or_insert(now);
+        }
+    }
+
+    /// Brings the peers down long enough `Down` in the queues this node leads and acts on.
+    fn down_lost_peers(&mut self) {
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let due: Vec<NodeId> = c
+            .down_since
+            .iter()
+            .filter(|(n, at)| !c.downed.contains(n) && now.saturating_sub(**at) >= NODE_DOWN_MS)
+            .map(|(n, _)| *n)
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        c.downed.extend(due.iter().copied());
+        let mut led: Vec<QueueId> = c.groups.values().copied().collect();
+        led.retain(|id| self.acts_here(*id));
+        led.sort_unstable();
+        for node in due {
+            tracing::warn!(
+                node,
+                queues = led.len(),
+                "peer node down for good: its consumers go, what they held is delivered again"
+            );
+            for id in &led {
+                let down = Command::Down {
+                    node: u16::try_from(node).unwrap_or(u16::MAX),
+                };
+                if self.run(*id, down).is_some() {
+                    self.finish_effects(*id);
+                }
+            }
+        }
+    }
+
     /// This node's number in its cluster, if it is in one.
     pub fn cluster_node(&self) -> Option<NodeId> {
         self.cluster.as_ref().map(|c| c.node)
@@ -472,25 +583,72 @@ impl Broker {
         }
     }
 
-    /// A publish to a replicated queue led by another node goes to that leader; its confirm
-    /// waits until this node applies the entry (every member applies every entry). With no
-    /// leader known it waits for one (at most `FORWARD_TIMEOUT_MS`). `None`: not a publish,
-    /// or this node was just elected and does not act yet (the publish is nacked).
+    /// A client's command on a replicated queue led by another node goes to that leader: a
+    /// publish (its confirm waits until this node applies the entry: every member applies every
+    /// entry), or what a consumer on this node does (consume, cancel, ack, reject, credit,
+    /// visibility). With no leader known it waits for one (at most `FORWARD_TIMEOUT_MS`). The
+    /// reply is the one the leader gives unless the log says otherwise (a consumer refused
+    /// there is cancelled here when its entry is applied). `None`: another command, or this
+    /// node was just elected and does not act yet (a publish is nacked).
     pub(super) fn forward(&mut self, id: QueueId, command: &Command<Message>) -> Option<Reply> {
-        if !matches!(
-            command,
-            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
-        ) {
-            return None;
-        }
-        let now = self.now_ms;
-        let c = self.cluster.as_mut()?;
+        let (reply, confirm) = match command {
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. } => {
+                (Reply::Enqueued { msg_id: 0 }, true)
+            }
+            Command::Cancel { .. } => (Reply::Cancelled { consumers_left: 1 }, false),
+            Command::Consume { .. }
+            | Command::Credit { .. }
+            | Command::Settle { .. }
+            | Command::Return { .. }
+            | Command::Release { .. }
+            | Command::Discard { .. }
+            | Command::Extend { .. } => (Reply::Ok, false),
+            _ => return None,
+        };
+        let c = self.cluster.as_ref()?;
         let r = self.queues.get(&id)?.replica.as_ref()?;
         if r.leader == Some(c.node) {
             return None;
         }
+        self.down_self_once(id);
+        self.forward_one(id, command, confirm).then_some(reply)
+    }
+
+    /// What this node's channels held before it started is gone: the first thing it sends a
+    /// group's leader after a start is a `Down` of itself, so that it comes before anything
+    /// new of this node in the log (its ids start over with each start).
+    fn down_self_once(&mut self, id: QueueId) {
+        let Some(node) = self.cluster.as_ref().map(|c| c.node) else {
+            return;
+        };
+        let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
+            return;
+        };
+        if std::mem::replace(&mut r.downed_self, true) {
+            return;
+        }
+        let down = Command::Down {
+            node: u16::try_from(node).unwrap_or(u16::MAX),
+        };
+        self.forward_one(id, &down, false);
+    }
+
+    /// Sends one command to the queue's leader and keeps it until it is applied here (sent
+    /// again to each new leader). A `confirm` waits in the store batch being filled.
+    fn forward_one(&mut self, id: QueueId, command: &Command<Message>, confirm: bool) -> bool {
+        let now = self.now_ms;
+        let batch = if confirm {
+            open_batch(self.persist.as_mut())
+        } else {
+            0
+        };
+        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get(&id)) else {
+            return false;
+        };
+        let Some(r) = q.replica.as_ref() else {
+            return false;
+        };
         let leader = r.leader;
-        let batch = open_batch(self.persist.as_mut());
         let token = Token {
             batch,
             forwarded: true,
@@ -498,7 +656,9 @@ impl Broker {
         let origin = c.proposals.next(GroupId(r.group), token);
         match encode(now, origin, command) {
             Ok(data) => {
-                c.wait_on(batch, now);
+                if confirm {
+                    c.wait_on(batch, now);
+                }
                 c.forwarded_since.entry(r.group).or_insert(now);
                 if let Some(leader) = leader {
                     c.outbox.push(Proposal {
@@ -512,12 +672,12 @@ impl Broker {
                     data,
                     token: None,
                 });
-                Some(Reply::Enqueued { msg_id: 0 })
+                true
             }
             Err(error) => {
-                tracing::error!(queue = id.0, %error, "publish not forwarded");
+                tracing::error!(queue = id.0, %error, command = command.name(), "command not forwarded");
                 c.proposals.withdraw(GroupId(r.group), origin);
-                None
+                false
             }
         }
     }
@@ -541,13 +701,26 @@ impl Broker {
                 return;
             }
         };
-        if !matches!(
-            command,
-            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
-        ) {
+        let accepted = match &command {
+            Command::Enqueue { .. }
+            | Command::EnqueueFrom { .. }
+            | Command::Consume { .. }
+            | Command::Cancel { .. }
+            | Command::Credit { .. }
+            | Command::Settle { .. }
+            | Command::Return { .. }
+            | Command::Release { .. }
+            | Command::Discard { .. }
+            | Command::Extend { .. } => true,
+            // A node may bring only itself down this way.
+            Command::Down { node } => u64::from(*node) == head.origin.node,
+            _ => false,
+        };
+        if !accepted {
             tracing::warn!(group, command = command.name(), "forwarded command refused");
             return;
         }
+        let cancel = matches!(command, Command::Cancel { .. });
         let starting = self
             .queues
             .get(&id)
@@ -571,13 +744,25 @@ impl Broker {
             c.forwarding = None;
         }
         if reply.is_some() {
-            // What the enqueue made the queue drop (drop-head) is dead-lettered here.
+            // What the enqueue made the queue drop (drop-head) is dead-lettered here, what a
+            // reject or a Down sends past its delivery limit too.
             self.finish_effects(id);
+        }
+        let last_gone = matches!(reply, Some(Reply::Cancelled { consumers_left: 0 }));
+        let auto_delete = self
+            .queues
+            .get(&id)
+            .is_some_and(|q| q.auto_delete && q.machine.has_had_consumers());
+        if cancel && last_gone && auto_delete {
+            // The last consumer, on another node, went: the queue goes, as on a classic one.
+            self.remove_queue(id);
         }
     }
 
-    /// Forwarded publishes waiting longer than their timeout are nacked.
+    /// Forwarded publishes waiting longer than their timeout are nacked; peers down long
+    /// enough are brought `Down`.
     pub(super) fn expire_forwards(&mut self) {
+        self.down_lost_peers();
         let now = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return;
@@ -624,7 +809,13 @@ impl Broker {
             .values()
             .next()
             .map(|t| t.saturating_add(CONFIRM_TIMEOUT_MS));
-        forwards.into_iter().chain(confirms).min()
+        let downs = c
+            .down_since
+            .iter()
+            .filter(|(n, _)| !c.downed.contains(n))
+            .map(|(_, t)| t.saturating_add(NODE_DOWN_MS))
+            .min();
+        forwards.into_iter().chain(confirms).chain(downs).min()
     }
 
     /// A command each member takes from its own definitions reaches the committed copy too.
@@ -733,12 +924,106 @@ impl Broker {
                 index: e.index,
                 now_ms: head.now_ms,
             };
+            // Of this node, since it started (what a restart replays is of channels gone).
+            let own = head.origin.node == c.node && head.origin.seq >= c.boot_seq;
+            let consumed = match &command {
+                Command::Consume { id, .. } if own => Some(*id),
+                _ => None,
+            };
+            match &command {
+                Command::Cancel { id } if own => {
+                    c.retired.remove(id);
+                }
+                Command::Down { node } if u64::from(*node) == c.node => {
+                    c.retired.retain(|_, queue| *queue != id);
+                }
+                _ => {}
+            }
+            // A Down of this node that its own start did not send (the leader lost it): its
+            // consumers whose Consume the log had are gone, and are told.
+            let node16 = u16::try_from(c.node).unwrap_or(u16::MAX);
+            let cut_off: Vec<ConsumerId> = match &command {
+                Command::Down { node } if *node == node16 && !r.is_leading() => c
+                    .local_consumers
+                    .iter()
+                    .filter(|(_, (queue, _, applied))| *queue == id && *applied)
+                    .map(|(cid, _)| *cid)
+                    .collect(),
+                _ => Vec::new(),
+            };
             c.scratch.clear();
             let reply = match &mut r.mode {
                 Mode::Leading { committed } => committed.apply(meta, command, &mut c.scratch),
                 _ => q.machine.apply(meta, command, &mut c.scratch),
             };
+            if !r.is_leading() {
+                // A leader acted on these ahead; every other member hands this node's consumers
+                // what the entry gave them.
+                let counts = q.args.queue_type == QueueType::Quorum || q.args.is_task_queue();
+                let (live, retired) = (&c.local_consumers, &c.retired);
+                let ours = |cid: &ConsumerId| live.get(cid).is_some_and(|l| l.2);
+                let ours_or_retired = |cid: &ConsumerId| ours(cid) || retired.contains_key(cid);
+                let our_channel = |g: &CreditGroup| {
+                    live.values().any(|(_, k, applied)| {
+                        *applied && k.conn == g.conn && k.channel == g.channel
+                    })
+                };
+                let mut gone = Vec::new();
+                for effect in c.scratch.drain(..) {
+                    match effect {
+                        Effect::Deliver(d) if d.consumer.as_ref().is_some_and(ours_or_retired) => {
+                            c.released
+                                .push(super::runtime::delivery_with(id, &q.name, counts, d));
+                        }
+                        Effect::TimedOut {
+                            msg_id,
+                            attempt,
+                            group: Some(group),
+                            ..
+                        } if our_channel(&group) => {
+                            self.timed_out
+                                .push((id, group, Receipt { msg_id, attempt }));
+                        }
+                        Effect::ConsumerTimedOut {
+                            consumer,
+                            group,
+                            tag,
+                            timeout_ms,
+                        } if ours(&consumer) => {
+                            gone.push(consumer);
+                            self.consumer_timeouts.push(ConsumerTimeout {
+                                queue: id,
+                                consumer,
+                                group,
+                                tag,
+                                timeout_ms,
+                            });
+                        }
+                        _ => {}
+                    }
+                }
+                for cid in gone {
+                    c.local_consumers.remove(&cid);
+                }
+            }
             c.scratch.clear();
+            if let Some(cid) = consumed {
+                if reply == Reply::Ok {
+                    if let Some(l) = c.local_consumers.get_mut(&cid) {
+                        l.2 = true;
+                    }
+                } else if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                    // The leader refused it (another node's exclusive consumer came first).
+                    c.cancelled.push(key);
+                }
+            }
+            for cid in cut_off {
+                if q.machine.consumers().all(|(other, _, _)| other != cid) {
+                    if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                        c.cancelled.push(key);
+                    }
+                }
+            }
             if head.origin.node != c.node && r.is_leading() {
                 r.forwarded_ahead = r.forwarded_ahead.saturating_sub(1);
             }
@@ -888,24 +1173,37 @@ impl Broker {
         if leader == Some(node) && !was_here {
             // Re-elected: what it proposed in its earlier term is answered by the rule of later
             // proposals (one applied after them means they are lost).
+            let mut gone: BTreeSet<NodeId> = BTreeSet::new();
             if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
                 r.stepped_down = None;
+                // The previous leader's consumers go (it fell back to what was committed, and
+                // what it took ahead of the log is lost), and so does what this node's own
+                // channels held before it started.
+                gone.extend(previous.or(r.last_leader).filter(|l| *l != node));
+                if !std::mem::replace(&mut r.downed_self, true) {
+                    gone.insert(node);
+                }
             }
-            // This node too: what its channels held before a restart is gone with them, and
-            // it has no consumers of a queue it did not lead.
-            let downs = self
-                .cluster
-                .as_ref()
-                .map(|c| c.nodes.clone())
-                .unwrap_or_default()
-                .into_iter()
-                .map(|n| Command::Down {
-                    node: u16::try_from(n).unwrap_or(u16::MAX),
-                });
+            // And the nodes down for good: their connections are gone. Other members'
+            // consumers carry on under this leader.
+            if let Some(c) = self.cluster.as_ref() {
+                gone.extend(c.downed.iter().copied());
+            }
+            let downs = gone.into_iter().map(|n| Command::Down {
+                node: u16::try_from(n).unwrap_or(u16::MAX),
+            });
             // And a `Touch`: an `x-expires` lease runs from the term's start, at the leader's
             // time, the same on every member.
             let marker: Vec<Command<Message>> = downs.chain([Command::Touch]).collect();
             self.start_term(id, marker);
+        } else if leader.is_some_and(|l| l != node) {
+            // Its first word to a leader since it started, if nothing was sent before.
+            self.down_self_once(id);
+        }
+        if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
+            if leader.is_some() {
+                r.last_leader = leader;
+            }
         }
     }
 
@@ -969,13 +1267,30 @@ impl Broker {
         }
         r.held.clear();
         r.stepped_down = Some(r.term);
-        for (_, spec, _) in q.machine.consumers() {
+        // Its consumers are told now: what it took for them ahead of the log is lost, and the
+        // next leader brings this node `Down`.
+        for (cid, spec, _) in q.machine.consumers() {
             if warren_queue::node_of(spec.group.conn) == u16::try_from(node).unwrap_or(0) {
+                c.local_consumers.remove(&cid);
                 c.cancelled.push(ConsumerKey {
                     conn: spec.group.conn,
                     channel: spec.group.channel,
                     tag: spec.tag.clone(),
                 });
+            }
+        }
+        // Those the log never had are gone as well.
+        let ahead: Vec<ConsumerId> = c
+            .local_consumers
+            .iter()
+            .filter(|(cid, (queue, _, _))| {
+                *queue == id && q.machine.consumers().all(|(other, _, _)| other != **cid)
+            })
+            .map(|(cid, _)| *cid)
+            .collect();
+        for cid in ahead {
+            if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                c.cancelled.push(key);
             }
         }
         if let Some(at) = q.scheduled.take() {
@@ -1110,6 +1425,13 @@ fn open_batch(persist: Option<&mut Persist>) -> u64 {
         }
         None => 0,
     }
+}
+
+/// A delivery for a consumer of this node's channels, or a basic.get's.
+fn delivers_here(d: &Delivery, node: NodeId) -> bool {
+    d.consumer
+        .as_ref()
+        .is_none_or(|(_, group, _)| u64::from(warren_queue::node_of(group.conn)) == node)
 }
 
 fn qualified(node: NodeId, local: u64) -> u64 {

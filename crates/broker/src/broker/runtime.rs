@@ -59,6 +59,8 @@ impl Broker {
             None => {}
             // Only the leader acts, and only once its term's first entry is applied.
             Some((false, false)) => {
+                // Nothing applied here: no effects either, whatever an earlier command left.
+                self.effects.clear();
                 let reply = self.forward(id, &command)?;
                 return Some((reply, extra));
             }
@@ -152,8 +154,21 @@ impl Broker {
             }
         }
         let priority = args::validate_consume(arguments, &q.rs())?;
-        if q.replica.as_ref().is_some_and(|r| !r.is_leading()) {
-            return Err(not_led_here(q));
+        if let Some(r) = q.replica.as_ref().filter(|r| !r.is_leading()) {
+            // A member that follows takes the consumer and sends it to the leader; one just
+            // elected acts in a few milliseconds: the client tries again.
+            if matches!(r.mode, crate::replica::Mode::Starting { .. }) {
+                return Err(not_led_here(q));
+            }
+            // The leader decides; what this member's committed state already says is refused
+            // here (two nodes racing for exclusive use are sorted out by the log: the loser is
+            // cancelled when the entry is applied).
+            let taken = q.machine.consumers().any(|(_, s, _)| s.exclusive);
+            if taken || (exclusive && q.machine.consumer_count() > 0) {
+                return Err(AmqpError::access_refused(format!(
+                    "queue '{queue}' in vhost '{vhost}' in exclusive use"
+                )));
+            }
         }
         let id = q.id;
         let consumer = ConsumerId(self.next_consumer);
@@ -167,8 +182,16 @@ impl Broker {
             priority,
             arguments: arguments.detached(),
         };
+        let key = ConsumerKey {
+            conn: spec.group.conn,
+            channel: spec.group.channel,
+            tag: spec.tag.clone(),
+        };
         match self.run(id, Command::Consume { id: consumer, spec }) {
-            Some(Reply::Ok) => Ok((id, consumer)),
+            Some(Reply::Ok) => {
+                self.track_consumer(id, consumer, key);
+                Ok((id, consumer))
+            }
             Some(Reply::Refused(Refusal::ExclusiveInUse)) => Err(AmqpError::access_refused(
                 format!("queue '{queue}' in vhost '{vhost}' in exclusive use"),
             )),
@@ -180,6 +203,7 @@ impl Broker {
     /// until they are acked or the channel closes). An auto-delete queue is deleted when its
     /// last consumer goes. Returns false if the consumer or queue is unknown.
     pub fn cancel(&mut self, queue: QueueId, consumer: ConsumerId) -> bool {
+        self.untrack_consumer(consumer);
         let Some(Reply::Cancelled { consumers_left }) =
             self.run(queue, Command::Cancel { id: consumer })
         else {
@@ -251,6 +275,7 @@ impl Broker {
         }
         let from = out.len();
         self.take_deliveries(id, out);
+        self.keep_local_deliveries(id, out, from);
         self.hold_deliveries(id, out, from);
         true
     }
@@ -273,30 +298,7 @@ impl Broker {
                             p.forget(queue, d.receipt.msg_id, body, d.receipt.attempt > 1);
                         }
                     }
-                    let mut message = d.message;
-                    // A quorum queue tells a consumer how many times the message went out
-                    // before (RabbitMQ: on every redelivery, and on every basic.get).
-                    let counts = q.args.queue_type == QueueType::Quorum || q.args.is_task_queue();
-                    if counts && (d.receipt.attempt > 1 || d.consumer.is_none()) {
-                        let before = d.receipt.attempt.saturating_sub(1);
-                        if let Ok(p) = dead_letter::with_delivery_count(&message.properties, before)
-                        {
-                            message.properties = p;
-                        }
-                    }
-                    out.push(Delivery {
-                        queue: id,
-                        queue_name: q.name.clone(),
-                        receipt: d.receipt,
-                        message,
-                        redelivered: d.redelivered,
-                        settled: d.settled,
-                        consumer: d
-                            .consumer
-                            .zip(d.to)
-                            .map(|(id, (group, tag))| (id, group, tag)),
-                        timed: d.timed,
-                    })
+                    out.push(delivery_of(q, d));
                 }
                 other => rest.push(other),
             }
@@ -585,5 +587,42 @@ impl Broker {
         let ok = self.run(queue, Command::Discard { receipt }) == Some(Reply::Ok);
         self.finish_effects(queue);
         ok
+    }
+}
+
+/// A machine's delivery as the session takes it.
+pub(super) fn delivery_of(q: &Queue, d: warren_queue::machine::Deliver<Message>) -> Delivery {
+    let counts = q.args.queue_type == QueueType::Quorum || q.args.is_task_queue();
+    delivery_with(q.id, &q.name, counts, d)
+}
+
+/// [`delivery_of`] from the queue's parts. `counts`: the queue tells a consumer how many times
+/// the message went out before (a quorum queue, as RabbitMQ's on every redelivery and every
+/// basic.get, or a task queue).
+pub(super) fn delivery_with(
+    queue: QueueId,
+    name: &ShortStr,
+    counts: bool,
+    d: warren_queue::machine::Deliver<Message>,
+) -> Delivery {
+    let mut message = d.message;
+    if counts && (d.receipt.attempt > 1 || d.consumer.is_none()) {
+        let before = d.receipt.attempt.saturating_sub(1);
+        if let Ok(p) = dead_letter::with_delivery_count(&message.properties, before) {
+            message.properties = p;
+        }
+    }
+    Delivery {
+        queue,
+        queue_name: name.clone(),
+        receipt: d.receipt,
+        message,
+        redelivered: d.redelivered,
+        settled: d.settled,
+        consumer: d
+            .consumer
+            .zip(d.to)
+            .map(|(id, (group, tag))| (id, group, tag)),
+        timed: d.timed,
     }
 }

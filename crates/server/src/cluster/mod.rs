@@ -73,7 +73,7 @@ impl std::fmt::Debug for ClusterConfig {
 
 /// What the Raft thread tells the broker. Called on the Raft thread, with none of its locks
 /// held; a slow callback slows every group, so hand work off rather than doing it here. In a
-/// pass, `leaders` comes first, then `snapshots`, then `committed`, then `refused`.
+/// pass, `peers` comes first, then `leaders`, `snapshots`, `committed` and `refused`.
 pub trait RaftEvents: Send + 'static {
     /// Snapshots that replace their groups' state machines: a leader's, installed here in place
     /// of the log this node lacked, or, after a restart, each group's latest one, before the
@@ -85,6 +85,9 @@ pub trait RaftEvents: Send + 'static {
     fn committed(&self, entries: Vec<Committed>);
     /// Groups whose leader changed (`None`: no leader known for now), with the group's term.
     fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>);
+    /// Peer nodes seen going down (`false`: its connection closed, or its heartbeats stopped)
+    /// or coming back (`true`), in order. Comes first in a pass.
+    fn peers(&self, changes: Vec<(NodeId, bool)>);
     /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
     /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`] (`leader` is who
     /// leads, this node included). `data` is the

@@ -227,6 +227,7 @@ impl<E: RaftEvents> Driver<E> {
             self.out.send(b);
         }
         let leaders = std::mem::take(&mut rd.leaders);
+        let peers = std::mem::take(&mut rd.peers);
         if let Err(e) = rd.persist(&mut self.log) {
             // An fsync that failed cannot be retried safely: stop, and let peers see us down.
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
@@ -245,6 +246,9 @@ impl<E: RaftEvents> Driver<E> {
                 msgs: Vec::new(),
                 forwards,
             });
+        }
+        if !peers.is_empty() {
+            self.events.peers(peers);
         }
         if !leaders.is_empty() {
             let raft = &self.raft;

@@ -19,6 +19,7 @@ struct Seen {
     leaders: BTreeMap<GroupId, Option<NodeId>>,
     refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
     snapshots: Vec<(GroupId, StoredSnapshot)>,
+    peers: Vec<(NodeId, bool)>,
 }
 
 #[derive(Clone, Default)]
@@ -67,6 +68,9 @@ impl Recorder {
 }
 
 impl RaftEvents for Recorder {
+    fn peers(&self, changes: Vec<(NodeId, bool)>) {
+        self.0.lock().unwrap().peers.extend(changes);
+    }
     fn snapshots(&self, snapshots: Vec<(GroupId, StoredSnapshot)>) {
         self.0.lock().unwrap().snapshots.extend(snapshots);
     }
