@@ -591,6 +591,19 @@ async fn replicated_queue_history_under_kills_and_pauses() {
         if empty && quiet_since.elapsed() > Duration::from_secs(1) {
             break;
         }
+        if drain_start.elapsed() >= DRAIN_PATIENCE {
+            // What each node says of the queue and its consumers, for the diagnosis.
+            for n in 1..=3 {
+                let host = addr(&addrs, n).http;
+                let queue = api_get(&host, &format!("/queues/%2f/{q}")).await;
+                let consumers = api_get(&host, "/consumers").await;
+                eprintln!(
+                    "faults: node {n}: queue {} consumers {}",
+                    queue.map(|v| v.to_string()).unwrap_or_default(),
+                    consumers.map(|v| v.to_string()).unwrap_or_default()
+                );
+            }
+        }
         assert!(
             drain_start.elapsed() < DRAIN_PATIENCE,
             "the queue did not drain within {DRAIN_PATIENCE:?} (seed {seed}): {:?}",

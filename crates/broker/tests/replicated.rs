@@ -1117,3 +1117,36 @@ fn what_the_log_gives_a_follower_consumer_after_it_was_cancelled_reaches_its_ses
         assert_eq!(c.counts(n), (2, 0), "node {n}: back in the queue");
     }
 }
+
+#[test]
+fn a_follower_forwarding_without_pause_for_longer_than_the_forward_timeout_loses_nothing() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 1).expect("consume on a follower");
+    c.run(10);
+    // Publishes and acks from the follower, every step, for 12 s of simulated time: its
+    // forwards are never all applied at once, yet each is within a few steps.
+    let steps = (12_000 / TICK_MS) as u32;
+    let mut acked = 0;
+    let mut last = 0;
+    for n in 0..steps {
+        last = c.publish(follower, n);
+        c.step();
+        for d in c.deliveries(follower) {
+            assert!(c.broker(follower).settle(d.queue, d.receipt));
+            acked += 1;
+        }
+        assert_eq!(
+            c.broker(follower).take_lost(),
+            None,
+            "a nack at step {n}: the follower gave up on forwards that were applied"
+        );
+    }
+    c.run(30);
+    assert!(c.confirmed(follower, last));
+    // One at a time (prefetch 1), a round trip through the leader each.
+    assert!(acked >= 100, "acked {acked}");
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}

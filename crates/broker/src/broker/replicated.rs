@@ -36,6 +36,8 @@ struct Kept {
     /// Taken out of the proposals when this node was elected (its own first entries must not
     /// make it look lost): proposed again, with this token, once the node acts.
     token: Option<Token>,
+    /// When it was first sent.
+    at: u64,
 }
 
 /// A batch whose replicated entries are not all applied within this time is nacked: a group
@@ -74,8 +76,6 @@ pub(crate) struct Cluster {
     proposals: Proposals<Token>,
     /// The origin of a forwarded entry being applied ahead by this leader.
     forwarding: Option<Origin>,
-    /// Forwarded publishes waiting, by group: when the oldest was sent.
-    forwarded_since: BTreeMap<u64, u64>,
     /// Forwarded publishes not applied yet, by group, in order: sent again to the next leader
     /// when the leader changes (a leader's death must not nack what waited for it).
     kept: BTreeMap<u64, VecDeque<Kept>>,
@@ -131,7 +131,6 @@ impl Cluster {
             proposals: Proposals::starting_at(node, boot.saturating_mul(1 << 20)),
             meta: super::metadata_group::MetaState::default(),
             forwarding: None,
-            forwarded_since: BTreeMap::new(),
             kept: BTreeMap::new(),
             reissue: None,
             early: BTreeMap::new(),
@@ -205,7 +204,6 @@ impl Cluster {
             seq: u64::MAX,
         };
         self.proposals.applied(GroupId(group), all, Reply::Ok, out);
-        self.forwarded_since.remove(&group);
         self.kept.remove(&group);
     }
 }
@@ -659,7 +657,6 @@ impl Broker {
                 if confirm {
                     c.wait_on(batch, now);
                 }
-                c.forwarded_since.entry(r.group).or_insert(now);
                 if let Some(leader) = leader {
                     c.outbox.push(Proposal {
                         group: r.group,
@@ -671,6 +668,7 @@ impl Broker {
                     seq: origin.seq,
                     data,
                     token: None,
+                    at: now,
                 });
                 true
             }
@@ -767,10 +765,15 @@ impl Broker {
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
+        // The oldest forward of each group waiting for its entry (a stream of later ones must
+        // not make it look late, nor hide one that is).
         let late: Vec<u64> = c
-            .forwarded_since
+            .kept
             .iter()
-            .filter(|(_, at)| now.saturating_sub(**at) >= FORWARD_TIMEOUT_MS)
+            .filter(|(_, k)| {
+                k.front()
+                    .is_some_and(|f| now.saturating_sub(f.at) >= FORWARD_TIMEOUT_MS)
+            })
             .map(|(g, _)| *g)
             .collect();
         let mut outcomes = Vec::new();
@@ -800,8 +803,10 @@ impl Broker {
     pub(super) fn forward_deadline(&self) -> Option<u64> {
         let c = self.cluster.as_ref()?;
         let forwards = c
-            .forwarded_since
+            .kept
             .values()
+            .filter_map(|k| k.front())
+            .map(|f| f.at)
             .min()
             .map(|t| t.saturating_add(FORWARD_TIMEOUT_MS));
         let confirms = c
@@ -1048,9 +1053,6 @@ impl Broker {
                         c.kept.remove(&e.group.0);
                     }
                 }
-                if c.proposals.is_empty_in(e.group) {
-                    c.forwarded_since.remove(&e.group.0);
-                }
                 r.applied_own = r.applied_own.max(head.origin.seq);
                 if let Mode::Starting { marker } = r.mode {
                     if head.origin.seq >= marker {
@@ -1271,7 +1273,11 @@ impl Broker {
         // next leader brings this node `Down`.
         for (cid, spec, _) in q.machine.consumers() {
             if warren_queue::node_of(spec.group.conn) == u16::try_from(node).unwrap_or(0) {
-                c.local_consumers.remove(&cid);
+                // What the log still gives it (entries of this term committed after this)
+                // goes to the session, which hands it back.
+                if c.local_consumers.remove(&cid).is_some() {
+                    c.retired.insert(cid, id);
+                }
                 c.cancelled.push(ConsumerKey {
                     conn: spec.group.conn,
                     channel: spec.group.channel,
