@@ -565,10 +565,7 @@ impl Broker {
             self.announce_declare(vhost, &q.name, &q.arguments);
         }
         let out = declared(&q);
-        let mut policy = policy(&q.args);
-        // A replicated queue hands out messages as its commands make room (rabbit_fifo's
-        // way): no Checkout entries in its log.
-        policy.deliver_on_apply = q.replica.is_some();
+        let policy = policy(&q.args);
         let delays = q.args.delivery_delay_ms.is_some();
         let dedups = q.dedup.is_some();
         if let Some(vh) = self.vhosts.get_mut(vhost) {

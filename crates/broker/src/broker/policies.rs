@@ -193,9 +193,7 @@ impl Broker {
         if q.args == new {
             return;
         }
-        let (mut before, mut after) = (policy(&q.args), policy(&new));
-        before.deliver_on_apply = q.replica.is_some();
-        after.deliver_on_apply = q.replica.is_some();
+        let (before, after) = (policy(&q.args), policy(&new));
         match (refuses(&before), refuses(&after)) {
             (false, true) => self.refusing_queues += 1,
             (true, false) => self.refusing_queues = self.refusing_queues.saturating_sub(1),

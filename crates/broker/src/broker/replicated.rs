@@ -110,9 +110,6 @@ pub(crate) struct Cluster {
     /// their key, and whether their group applied their `Consume` (a `Down` of this node
     /// applied after that means the leader took them away).
     local_consumers: HashMap<ConsumerId, (QueueId, ConsumerKey, bool)>,
-    /// Deliveries to this node's consumers made by applying another node's forwarded command
-    /// ahead: they wait for an entry of this node's proposed after it.
-    unmarked: Vec<(QueueId, Vec<Delivery>)>,
     /// This node's consumers cancelled here whose `Cancel` the log has not applied yet: what
     /// the log still gives them goes to the session, which hands it back (the channel that
     /// would have released it has forgotten it).
@@ -150,7 +147,6 @@ impl Cluster {
             snapshot_max: usize::MAX,
             local_consumers: HashMap::new(),
             retired: HashMap::new(),
-            unmarked: Vec::new(),
             down_since: BTreeMap::new(),
             downed: BTreeSet::new(),
             boot_seq: boot.saturating_mul(1 << 20),
@@ -373,47 +369,6 @@ impl Broker {
         }
     }
 
-    /// The consumer deliveries in `self.effects` of a command the leader of a replicated queue
-    /// applied ahead (it delivers on apply): this node's own wait for the command's entry,
-    /// the others' are made again by their nodes when they apply it.
-    pub(super) fn hold_applied(&mut self, id: QueueId) {
-        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get_mut(&id)) else {
-            return;
-        };
-        let counts = q.args.queue_type == QueueType::Quorum || q.args.is_task_queue();
-        let node = c.node;
-        let mut mine = Vec::new();
-        let mut rest = Vec::with_capacity(self.effects.len());
-        for e in self.effects.drain(..) {
-            match e {
-                Effect::Deliver(d) if d.consumer.is_some() => {
-                    let d = super::runtime::delivery_with(id, &q.name, counts, d);
-                    if delivers_here(&d, node) {
-                        mine.push(d);
-                    }
-                }
-                other => rest.push(other),
-            }
-        }
-        self.effects = rest;
-        if mine.is_empty() {
-            return;
-        }
-        if c.forwarding.is_some() {
-            c.unmarked.push((id, mine));
-            return;
-        }
-        let Some(r) = q.replica.as_mut() else {
-            return;
-        };
-        if r.caught_up() {
-            c.released.append(&mut mine);
-        } else {
-            let seq = r.proposed;
-            r.held.extend(mine.into_iter().map(|d| (seq, d)));
-        }
-    }
-
     /// Deliveries a leader made for consumers on other nodes stay out of its session: each
     /// node hands its own consumers theirs when it applies the entry that made them.
     pub(super) fn keep_local_deliveries(&self, id: QueueId, out: &mut Vec<Delivery>, from: usize) {
@@ -553,13 +508,10 @@ impl Broker {
             return;
         };
         tracing::warn!(queue = %q.name, vhost = %q.vhost, "quorum queue from before this node joined the cluster: it stays on this node, not replicated");
-        // Dispatched by Checkouts again, as any queue of this node's alone.
-        let policy = super::policy(&q.args);
         if let Some(c) = self.cluster.as_mut() {
             c.groups.remove(&r.group);
             c.meta.removed_groups.push(r.group);
         }
-        self.run(id, Command::Configure(policy));
     }
 
     /// The entries proposed since the last call, in order, for the groups' leaders (this node:
@@ -786,30 +738,13 @@ impl Broker {
             c.forwarding = Some(head.origin);
         }
         let reply = self.run(id, command);
-        let unmarked = match self.cluster.as_mut() {
-            Some(c) => {
-                c.forwarding = None;
-                std::mem::take(&mut c.unmarked)
-            }
-            None => Vec::new(),
-        };
+        if let Some(c) = self.cluster.as_mut() {
+            c.forwarding = None;
+        }
         if reply.is_some() {
             // What the enqueue made the queue drop (drop-head) is dead-lettered here, what a
             // reject or a Down sends past its delivery limit too.
             self.finish_effects(id);
-        }
-        if !unmarked.is_empty() {
-            // What the other node's command gave this node's consumers is theirs once an
-            // entry of this node's after it is applied: a Tick, proposed now (this node
-            // cannot tell when another node's entry is applied).
-            self.run(id, Command::Tick);
-            self.finish_effects(id);
-            if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
-                let seq = r.proposed;
-                for (_, ds) in unmarked {
-                    r.held.extend(ds.into_iter().map(|d| (seq, d)));
-                }
-            }
         }
         let last_gone = matches!(reply, Some(Reply::Cancelled { consumers_left: 0 }));
         let auto_delete = self
@@ -1026,18 +961,6 @@ impl Broker {
                 Mode::Leading { committed } => committed.apply(meta, command, &mut c.scratch),
                 _ => q.machine.apply(meta, command, &mut c.scratch),
             };
-            if let Some(cid) = consumed {
-                // Before its effects: a queue that delivers on apply hands the new consumer
-                // messages in the entry that registers it.
-                if reply == Reply::Ok {
-                    if let Some(l) = c.local_consumers.get_mut(&cid) {
-                        l.2 = true;
-                    }
-                } else if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
-                    // The leader refused it (another node's exclusive consumer came first).
-                    c.cancelled.push(key);
-                }
-            }
             if !r.is_leading() {
                 // A leader acted on these ahead; every other member hands this node's consumers
                 // what the entry gave them.
@@ -1089,6 +1012,16 @@ impl Broker {
                 }
             }
             c.scratch.clear();
+            if let Some(cid) = consumed {
+                if reply == Reply::Ok {
+                    if let Some(l) = c.local_consumers.get_mut(&cid) {
+                        l.2 = true;
+                    }
+                } else if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                    // The leader refused it (another node's exclusive consumer came first).
+                    c.cancelled.push(key);
+                }
+            }
             for cid in cut_off {
                 if q.machine.consumers().all(|(other, _, _)| other != cid) {
                     if let Some((_, key, _)) = c.local_consumers.remove(&cid) {

@@ -126,15 +126,6 @@ impl Broker {
         }
         let low_water = (self.config.page_window / 2).max(1) as usize;
         mark_dirty(&mut self.dirty, q, low_water, self.now_ms);
-        let delivered = q.replica.is_some()
-            && self
-                .effects
-                .iter()
-                .any(|e| matches!(e, Effect::Deliver(d) if d.consumer.is_some()));
-        if delivered {
-            // A replicated queue delivers on apply: whichever command made room.
-            self.hold_applied(id);
-        }
         Some((reply, extra))
     }
 
@@ -279,14 +270,6 @@ impl Broker {
             self.fill(id, low_water, self.config.page_window);
         }
         let max = u32::try_from(self.config.dispatch_batch.max(1)).unwrap_or(u32::MAX);
-        let idle = self
-            .queues
-            .get(&id)
-            .is_some_and(|q| q.replica.is_some() && !q.machine.has_work());
-        if idle {
-            // It delivers on apply: a Checkout in its log only when one would hand out more.
-            return true;
-        }
         if self.run(id, Command::Checkout { max }).is_none() {
             return true;
         }
