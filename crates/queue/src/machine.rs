@@ -108,10 +108,11 @@ pub struct Policy {
     pub retry: Option<RetryPolicy>,
     /// Deliveries are decided by applying the commands that make them possible (an enqueue
     /// with a consumer waiting, a settle or a credit that frees room, a consume), as in
-    /// rabbit_fifo, instead of by a separate [`Command::Checkout`]. A replicated queue runs this
-    /// way so that dispatch adds no entries to its log: up to [`AUTO_CHECKOUT_MAX`] deliveries
-    /// come out of one command, and only when more are possible ([`QueueMachine::has_work`])
-    /// does the leader log a `Checkout`.
+    /// rabbit_fifo, instead of by a separate [`Command::Checkout`]: up to [`AUTO_CHECKOUT_MAX`]
+    /// deliveries come out of one command, and only when more are possible
+    /// ([`QueueMachine::has_work`]) is a `Checkout` needed. Built for replicated queues, which
+    /// measured it slower than batched `Checkout` entries (every member pays a checkout per
+    /// entry: bench/cluster.md) and do not use it.
     pub deliver_on_apply: bool,
 }
 
