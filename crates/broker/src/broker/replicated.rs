@@ -36,8 +36,11 @@ struct Kept {
     /// Taken out of the proposals when this node was elected (its own first entries must not
     /// make it look lost): proposed again, with this token, once the node acts.
     token: Option<Token>,
-    /// When it was first sent.
+    /// When it was first sent, and last sent.
+    first: u64,
     at: u64,
+    /// A publish, whose confirm waits for it (a consumer's command waits for nothing).
+    confirm: bool,
 }
 
 /// A batch whose replicated entries are not all applied within this time is nacked: a group
@@ -52,6 +55,11 @@ pub const NODE_DOWN_MS: u64 = 5_000;
 /// A publish forwarded to a leader and not applied within this time is nacked (the leader
 /// may have dropped it; if it commits after all, the publisher has a duplicate, never a loss).
 const FORWARD_TIMEOUT_MS: u64 = 10_000;
+
+/// What a consumer on this node did (an ack, a cancel) and its leader has not applied after
+/// this long is sent to it again: the first may have been lost with a connection (applied
+/// twice, it changes nothing).
+const FORWARD_RESEND_MS: u64 = 2_000;
 
 /// A replicated queue's committed state at an index of its group's log, from
 /// [`Broker::take_snapshots`]: once the driver has it on disk, the log before it may go.
@@ -197,14 +205,22 @@ impl Cluster {
         self.waiting_since.entry(batch).or_insert(now);
     }
 
-    /// Every proposal of this node still waiting in `group` will never be applied.
+    /// Every proposal of this node still waiting in `group` will never be applied: their
+    /// confirms are nacks. What this node's consumers did (acks, cancels, its own `Down`) is
+    /// still sent to each leader until the log has it: given up, it would leave messages in
+    /// flight for ever (and applied twice it changes nothing: a receipt is used once).
     fn abandon(&mut self, group: u64, out: &mut Vec<Outcome<Token>>) {
         let all = Origin {
             node: self.node,
             seq: u64::MAX,
         };
         self.proposals.applied(GroupId(group), all, Reply::Ok, out);
-        self.kept.remove(&group);
+        if let Some(kept) = self.kept.get_mut(&group) {
+            kept.retain(|k| !k.confirm);
+            if kept.is_empty() {
+                self.kept.remove(&group);
+            }
+        }
     }
 }
 
@@ -309,6 +325,27 @@ impl Broker {
         for o in outcomes {
             c.settle(o);
         }
+        // This node's consumers as the snapshot has them: in it, they are live; applied before
+        // and gone from it, they were cut off (told); a retired one it no longer has is done.
+        let in_machine: BTreeSet<ConsumerId> = q.machine.consumers().map(|(c, _, _)| c).collect();
+        let mut gone = Vec::new();
+        for (cid, (queue, _, applied)) in c.local_consumers.iter_mut() {
+            if *queue != id {
+                continue;
+            }
+            if in_machine.contains(cid) {
+                *applied = true;
+            } else if *applied {
+                gone.push(*cid);
+            }
+        }
+        for cid in gone {
+            if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                c.cancelled.push(key);
+            }
+        }
+        c.retired
+            .retain(|cid, queue| *queue != id || in_machine.contains(cid));
         tracing::info!(queue = %q.name, vhost = %q.vhost, index, bytes = len, "replicated queue restored from a snapshot");
     }
 
@@ -668,7 +705,9 @@ impl Broker {
                     seq: origin.seq,
                     data,
                     token: None,
+                    first: now,
                     at: now,
+                    confirm,
                 });
                 true
             }
@@ -771,8 +810,9 @@ impl Broker {
             .kept
             .iter()
             .filter(|(_, k)| {
-                k.front()
-                    .is_some_and(|f| now.saturating_sub(f.at) >= FORWARD_TIMEOUT_MS)
+                k.iter()
+                    .find(|f| f.confirm)
+                    .is_some_and(|f| now.saturating_sub(f.first) >= FORWARD_TIMEOUT_MS)
             })
             .map(|(g, _)| *g)
             .collect();
@@ -783,6 +823,36 @@ impl Broker {
         }
         for o in outcomes {
             c.settle(o);
+        }
+        // Consumers' commands still waiting go to the leader again.
+        for (group, kept) in c.kept.iter_mut() {
+            if kept
+                .front()
+                .is_none_or(|f| now.saturating_sub(f.at) < FORWARD_RESEND_MS)
+            {
+                continue;
+            }
+            let leader = c
+                .groups
+                .get(group)
+                .and_then(|id| self.queues.get(id))
+                .and_then(|q| q.replica.as_ref())
+                .and_then(|r| r.leader)
+                .filter(|l| *l != c.node);
+            // With no leader known they wait for one (a leader change sends them all).
+            for k in kept.iter_mut().filter(|k| !k.confirm) {
+                k.at = now;
+                if let Some(leader) = leader {
+                    c.outbox.push(Proposal {
+                        group: *group,
+                        data: k.data.clone(),
+                        to: Some(leader),
+                    });
+                }
+            }
+            if let Some(f) = kept.front_mut() {
+                f.at = now;
+            }
         }
         while let Some((&batch, &since)) = c.waiting_since.first_key_value() {
             if now.saturating_sub(since) < CONFIRM_TIMEOUT_MS {
@@ -806,9 +876,15 @@ impl Broker {
             .kept
             .values()
             .filter_map(|k| k.front())
-            .map(|f| f.at)
-            .min()
-            .map(|t| t.saturating_add(FORWARD_TIMEOUT_MS));
+            .map(|f| {
+                let resend = f.at.saturating_add(FORWARD_RESEND_MS);
+                if f.confirm {
+                    resend.min(f.first.saturating_add(FORWARD_TIMEOUT_MS))
+                } else {
+                    resend
+                }
+            })
+            .min();
         let confirms = c
             .waiting_since
             .values()
@@ -885,6 +961,7 @@ impl Broker {
         let mut started = Vec::new();
         let mut meta = Vec::new();
         let mut touched: Vec<QueueId> = Vec::new();
+        let mut ghosts: Vec<(QueueId, ConsumerId)> = Vec::new();
         for e in entries {
             if e.group.0 == super::metadata_group::META_GROUP {
                 meta.push(e);
@@ -1013,13 +1090,22 @@ impl Broker {
             }
             c.scratch.clear();
             if let Some(cid) = consumed {
-                if reply == Reply::Ok {
-                    if let Some(l) = c.local_consumers.get_mut(&cid) {
-                        l.2 = true;
+                // What the machine holds decides, whatever this entry's reply: a forward sent
+                // again to a new leader may be applied twice (the second refused as a
+                // duplicate).
+                let present = q.machine.consumers().any(|(other, _, _)| other == cid);
+                match (present, c.local_consumers.get_mut(&cid)) {
+                    (true, Some(l)) => l.2 = true,
+                    // Cancelled here meanwhile, and in the machine again (a duplicate): it must
+                    // go, and what it is given goes back.
+                    (true, None) => ghosts.push((id, cid)),
+                    (false, Some(_)) => {
+                        // The leader refused it (another node's exclusive consumer came first).
+                        if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                            c.cancelled.push(key);
+                        }
                     }
-                } else if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
-                    // The leader refused it (another node's exclusive consumer came first).
-                    c.cancelled.push(key);
+                    (false, None) => {}
                 }
             }
             for cid in cut_off {
@@ -1077,6 +1163,12 @@ impl Broker {
         for id in started {
             self.refile(id);
             self.reissue_kept(id);
+        }
+        for (id, cid) in ghosts {
+            if let Some(c) = self.cluster.as_mut() {
+                c.retired.insert(cid, id);
+            }
+            self.run(id, Command::Cancel { id: cid });
         }
         touched.sort_unstable();
         touched.dedup();
@@ -1267,6 +1359,10 @@ impl Broker {
         if let Mode::Leading { committed } = mode {
             q.machine = *committed;
         }
+        // What it held for its consumers is dropped: the entries that gave it to them may
+        // still commit, so this node brings itself `Down` again before anything else of it
+        // (its next term's marker, or its first forward), and those messages come back.
+        r.downed_self = false;
         r.held.clear();
         r.stepped_down = Some(r.term);
         // Its consumers are told now: what it took for them ahead of the log is lost, and the
