@@ -1150,3 +1150,70 @@ fn a_follower_forwarding_without_pause_for_longer_than_the_forward_timeout_loses
     let d = c.digests(&NODES);
     assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
 }
+
+#[test]
+fn an_ack_forwarded_by_a_follower_and_lost_on_the_way_is_sent_again() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 1).expect("consume on a follower");
+    c.run(10);
+    c.publish(leader, 0);
+    let held = take_deliveries(&mut c, follower, 1, 50);
+    assert_eq!(held.len(), 1);
+    assert!(c.broker(follower).settle(held[0].queue, held[0].receipt));
+    // The ack leaves the follower at its next step, and the connection drops it.
+    c.step();
+    assert!(!c.forwards.is_empty(), "the ack is on its way");
+    c.forwards.clear();
+    c.run(50);
+    assert_eq!(c.counts(leader), (0, 1), "the leader never got it");
+    // The same leader all along: the follower sends it again on its own.
+    c.run(250);
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 0), "node {n}: the ack is applied");
+    }
+    let d = c.digests(&NODES);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}
+
+#[test]
+fn a_consume_applied_twice_after_a_leader_change_keeps_the_consumer_live() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    let other = 6 - leader - follower;
+    // The follower's first word to the leader (a Down of itself) is applied everywhere.
+    c.run(30);
+    consume(&mut c, follower, 10).expect("consume on a follower");
+    // The forward reaches the leader; the follower is cut off before it learns the commit.
+    c.step();
+    c.step();
+    c.isolated.insert(follower);
+    c.run(10);
+    let id = c.id(other);
+    let held_there = c.members[&other].broker.machine(id).expect("machine");
+    assert_eq!(
+        held_there.consumer_count(),
+        1,
+        "committed with the other member"
+    );
+    // The leader dies as the follower comes back: only the other member's log has the
+    // Consume, so it leads, and the follower sends it its kept Consume: the log has it twice.
+    c.kill(leader);
+    c.isolated.clear();
+    assert_eq!(c.leader(), other);
+    c.run(60);
+    c.publish(other, 0);
+    c.publish(other, 1);
+    let got = take_deliveries(&mut c, follower, 2, 60);
+    assert_eq!(got.len(), 2, "the consumer is live");
+    assert!(c.broker(follower).take_replica_cancelled().is_empty());
+    for d in &got {
+        assert!(c.broker(follower).settle(d.queue, d.receipt));
+    }
+    c.run(20);
+    for n in [follower, other] {
+        assert_eq!(c.counts(n), (0, 0), "node {n}");
+    }
+}
