@@ -408,6 +408,29 @@ impl Cluster {
     }
 }
 
+/// Acks each of `ds` on `node`: every receipt is current.
+fn ack_all(c: &mut Cluster, node: u64, ds: &[Delivery]) {
+    for d in ds {
+        assert!(
+            c.broker(node).settle(d.queue, d.receipt),
+            "ack on node {node}"
+        );
+    }
+}
+
+/// Every one of `nodes` has the same queue state.
+fn assert_same_state(c: &Cluster, nodes: &[u64]) {
+    let d = c.digests(nodes);
+    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+}
+
+/// Every one of `nodes` counts `want` (ready, in flight).
+fn assert_counts(c: &Cluster, nodes: &[u64], want: (usize, usize)) {
+    for n in nodes {
+        assert_eq!(c.counts(*n), want, "node {n}");
+    }
+}
+
 fn consume(c: &mut Cluster, node: u64, prefetch: u32) -> Result<(), warren_codec::AmqpError> {
     let q = "jobs";
     c.broker(node)
@@ -448,16 +471,11 @@ fn a_confirm_and_a_delivery_wait_for_the_commit_and_every_member_applies_the_sam
     let bodies: Vec<Bytes> = got.iter().map(|d| d.message.body.clone()).collect();
     let want: Vec<Bytes> = (0..5).map(|n| Bytes::from(format!("job {n}"))).collect();
     assert_eq!(bodies, want, "each once, in order");
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
     assert_eq!(c.counts(2), (0, 5));
-    for d in &got {
-        assert!(c.broker(leader).settle(d.queue, d.receipt));
-    }
+    ack_all(&mut c, leader, &got);
     c.run(20);
-    for n in NODES {
-        assert_eq!(c.counts(n), (0, 0), "node {n}");
-    }
+    assert_counts(&c, &NODES, (0, 0));
     let d = c.digests(&NODES);
     assert!(
         d.iter().all(|x| *x == d[0]),
@@ -528,11 +546,8 @@ fn a_consumer_on_a_follower_gets_what_the_leader_hands_it_once_applied_and_its_a
         );
     }
     c.run(20);
-    for n in NODES {
-        assert_eq!(c.counts(n), (0, 0), "node {n}");
-    }
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_counts(&c, &NODES, (0, 0));
+    assert_same_state(&c, &NODES);
 }
 
 #[test]
@@ -556,16 +571,12 @@ fn a_consumer_on_a_follower_keeps_what_it_holds_when_the_leader_dies() {
         "the follower's consumer carries on"
     );
     // What it held is still its own: acked now, it is gone; the other two come to it next.
-    for d in &held {
-        assert!(c.broker(follower).settle(d.queue, d.receipt));
-    }
+    ack_all(&mut c, follower, &held);
     let rest = take_deliveries(&mut c, follower, 2, 100);
     let bodies: Vec<Bytes> = rest.iter().map(|d| d.message.body.clone()).collect();
     assert_eq!(bodies, [Bytes::from("job 2"), Bytes::from("job 3")]);
     assert!(held.iter().chain(&rest).all(|d| !d.redelivered));
-    for d in &rest {
-        assert!(c.broker(follower).settle(d.queue, d.receipt));
-    }
+    ack_all(&mut c, follower, &rest);
     c.run(20);
     let survivors: Vec<u64> = NODES.iter().copied().filter(|n| *n != leader).collect();
     for n in &survivors {
@@ -611,8 +622,7 @@ fn a_follower_cut_off_for_long_loses_its_consumer_and_what_it_held_goes_to_anoth
     }
     c.run(20);
     assert_eq!(c.counts(leader), (0, 2));
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
 }
 
 #[test]
@@ -642,8 +652,7 @@ fn a_follower_restarted_at_once_gives_back_what_its_old_consumers_held() {
         .map(|d| (d.redelivered, d.receipt.attempt, d.message.body.clone()))
         .collect();
     assert!(again.iter().all(|d| d.redelivered), "{flags:?}");
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
 }
 
 #[test]
@@ -706,8 +715,7 @@ fn a_leader_cut_off_from_the_majority_never_confirms_and_nacks_what_it_lost() {
     }
     assert!(nacked, "the lost publish was never nacked");
     // The old leader follows the new one and has the same state.
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
 }
 
 #[test]
@@ -856,8 +864,7 @@ fn a_refused_proposal_nacks_what_waited_and_the_leader_acts_again_from_the_commi
     };
     c.run(20);
     assert!(c.confirmed(leader, again));
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
     assert_eq!(c.counts(leader), (2, 0));
 }
 
@@ -980,8 +987,7 @@ fn a_leader_paused_while_it_applied_ahead_nacks_what_its_successor_never_had() {
     assert!(nacked, "the lost publish was not nacked within 2 s");
     assert_eq!(c.counts(next), (0, 0));
     c.run(20);
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
 }
 
 #[test]
@@ -1017,8 +1023,7 @@ fn a_follower_behind_the_compacted_log_gets_the_leaders_snapshot_and_the_same_st
         c.snapshot_at(behind) >= at,
         "the follower installed the leader's snapshot"
     );
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
     // What follows is applied on top of it alike.
     c.publish(leader, 100);
     c.run(20);
@@ -1051,8 +1056,7 @@ fn a_node_restarted_from_its_snapshot_has_the_same_state_and_can_take_over() {
     let (ready, _) = c.counts(restarted);
     assert!(ready >= 40, "{ready} messages back from the snapshot");
     c.run(40);
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
     // The leader goes: the restarted node is half of the new majority and has everything.
     c.kill(leader);
     let next = c.leader();
@@ -1147,8 +1151,7 @@ fn a_follower_forwarding_without_pause_for_longer_than_the_forward_timeout_loses
     assert!(c.confirmed(follower, last));
     // One at a time (prefetch 1), a round trip through the leader each.
     assert!(acked >= 100, "acked {acked}");
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
 }
 
 #[test]
@@ -1173,8 +1176,7 @@ fn an_ack_forwarded_by_a_follower_and_lost_on_the_way_is_sent_again() {
     for n in NODES {
         assert_eq!(c.counts(n), (0, 0), "node {n}: the ack is applied");
     }
-    let d = c.digests(&NODES);
-    assert!(d.iter().all(|x| *x == d[0]), "members differ: {d:?}");
+    assert_same_state(&c, &NODES);
 }
 
 #[test]
@@ -1209,9 +1211,7 @@ fn a_consume_applied_twice_after_a_leader_change_keeps_the_consumer_live() {
     let got = take_deliveries(&mut c, follower, 2, 60);
     assert_eq!(got.len(), 2, "the consumer is live");
     assert!(c.broker(follower).take_replica_cancelled().is_empty());
-    for d in &got {
-        assert!(c.broker(follower).settle(d.queue, d.receipt));
-    }
+    ack_all(&mut c, follower, &got);
     c.run(20);
     for n in [follower, other] {
         assert_eq!(c.counts(n), (0, 0), "node {n}");
