@@ -408,6 +408,17 @@ impl Cluster {
     }
 }
 
+/// A cluster whose queue has a consumer (`prefetch`) on a node that does not lead it, its
+/// Consume applied: the cluster, the leader and that node.
+fn follower_consuming(prefetch: u32) -> (Cluster, u64, u64) {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, prefetch).expect("consume on a follower");
+    c.run(10);
+    (c, leader, follower)
+}
+
 /// Acks each of `ds` on `node`: every receipt is current.
 fn ack_all(c: &mut Cluster, node: u64, ds: &[Delivery]) {
     for d in ds {
@@ -522,11 +533,7 @@ fn take_deliveries(c: &mut Cluster, node: u64, n: usize, steps: u32) -> Vec<Deli
 
 #[test]
 fn a_consumer_on_a_follower_gets_what_the_leader_hands_it_once_applied_and_its_acks_count() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 10).expect("consume on a follower");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming(10);
     c.publish(leader, 0);
     c.publish(follower, 1);
     let got = take_deliveries(&mut c, follower, 2, 50);
@@ -552,11 +559,7 @@ fn a_consumer_on_a_follower_gets_what_the_leader_hands_it_once_applied_and_its_a
 
 #[test]
 fn a_consumer_on_a_follower_keeps_what_it_holds_when_the_leader_dies() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 2).expect("consume on a follower");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming(2);
     for n in 0..4 {
         c.publish(leader, n);
     }
@@ -588,11 +591,7 @@ fn a_consumer_on_a_follower_keeps_what_it_holds_when_the_leader_dies() {
 
 #[test]
 fn a_follower_cut_off_for_long_loses_its_consumer_and_what_it_held_goes_to_another() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 2).expect("consume on a follower");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming(2);
     c.publish(leader, 0);
     c.publish(leader, 1);
     let held = take_deliveries(&mut c, follower, 2, 50);
@@ -627,11 +626,7 @@ fn a_follower_cut_off_for_long_loses_its_consumer_and_what_it_held_goes_to_anoth
 
 #[test]
 fn a_follower_restarted_at_once_gives_back_what_its_old_consumers_held() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 2).expect("consume on a follower");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming(2);
     c.publish(leader, 0);
     c.publish(leader, 1);
     assert_eq!(take_deliveries(&mut c, follower, 2, 50).len(), 2);
@@ -1124,11 +1119,7 @@ fn what_the_log_gives_a_follower_consumer_after_it_was_cancelled_reaches_its_ses
 
 #[test]
 fn a_follower_forwarding_without_pause_for_longer_than_the_forward_timeout_loses_nothing() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 1).expect("consume on a follower");
-    c.run(10);
+    let (mut c, _, follower) = follower_consuming(1);
     // Publishes and acks from the follower, every step, for 12 s of simulated time: its
     // forwards are never all applied at once, yet each is within a few steps.
     let steps = (12_000 / TICK_MS) as u32;
@@ -1156,11 +1147,7 @@ fn a_follower_forwarding_without_pause_for_longer_than_the_forward_timeout_loses
 
 #[test]
 fn an_ack_forwarded_by_a_follower_and_lost_on_the_way_is_sent_again() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 1).expect("consume on a follower");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming(1);
     c.publish(leader, 0);
     let held = take_deliveries(&mut c, follower, 1, 50);
     assert_eq!(held.len(), 1);
