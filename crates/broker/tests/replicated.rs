@@ -1204,3 +1204,38 @@ fn a_consume_applied_twice_after_a_leader_change_keeps_the_consumer_live() {
         assert_eq!(c.counts(n), (0, 0), "node {n}");
     }
 }
+
+#[test]
+fn a_follower_consumer_skipped_over_by_a_snapshot_is_cancelled_and_what_it_held_comes_back() {
+    let mut c = Cluster::snapshotting(8);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 10).expect("consume on a follower");
+    c.run(10);
+    c.publish(leader, 0);
+    c.publish(leader, 1);
+    assert_eq!(take_deliveries(&mut c, follower, 2, 50).len(), 2);
+    // Cut off, the follower misses the entries that give its consumer eight more, and the
+    // leader's log moves past it.
+    c.isolated.insert(follower);
+    for n in 2..42 {
+        c.publish(leader, n);
+        c.step();
+    }
+    c.run(20);
+    assert_eq!(c.counts(leader), (32, 10));
+    c.isolated.clear();
+    c.run(80);
+    assert!(
+        c.snapshot_at(follower) > 0,
+        "the follower installed a snapshot"
+    );
+    assert_eq!(
+        c.broker(follower).take_replica_cancelled().len(),
+        1,
+        "its consumer is told"
+    );
+    // What its session never saw is not stranded: everything is ready again.
+    assert_counts(&c, &NODES, (42, 0));
+    assert_same_state(&c, &NODES);
+}

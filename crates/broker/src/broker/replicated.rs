@@ -325,28 +325,30 @@ impl Broker {
         for o in outcomes {
             c.settle(o);
         }
-        // This node's consumers as the snapshot has them: in it, they are live; applied before
-        // and gone from it, they were cut off (told); a retired one it no longer has is done.
-        let in_machine: BTreeSet<ConsumerId> = q.machine.consumers().map(|(c, _, _)| c).collect();
-        let mut gone = Vec::new();
-        for (cid, (queue, _, applied)) in c.local_consumers.iter_mut() {
-            if *queue != id {
-                continue;
-            }
-            if in_machine.contains(cid) {
-                *applied = true;
-            } else if *applied {
-                gone.push(*cid);
-            }
-        }
-        for cid in gone {
+        // The entries the snapshot skips may have given this node's consumers messages their
+        // sessions never saw, and only a Down of this node gets those back: its consumers are
+        // cancelled (told; what the log still gives them goes back) and it brings itself Down
+        // before anything else of it. A follower gets a snapshot only when far behind.
+        let mine: Vec<ConsumerId> = c
+            .local_consumers
+            .iter()
+            .filter(|(_, (queue, _, _))| *queue == id)
+            .map(|(cid, _)| *cid)
+            .collect();
+        let cut_off = !mine.is_empty();
+        for cid in mine {
             if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                c.retired.insert(cid, id);
                 c.cancelled.push(key);
             }
         }
-        c.retired
-            .retain(|cid, queue| *queue != id || in_machine.contains(cid));
+        if cut_off {
+            r.downed_self = false;
+        }
         tracing::info!(queue = %q.name, vhost = %q.vhost, index, bytes = len, "replicated queue restored from a snapshot");
+        if cut_off {
+            self.down_self_once(id);
+        }
     }
 
     /// Snapshots the committed state of the queues in `ids` that applied enough since their
