@@ -114,13 +114,7 @@ impl TestCluster {
         let start = Instant::now();
         loop {
             let (status, v) = api.call("GET", &format!("/queues/%2f/{queue}"), None);
-            let leader = v["leader"].as_str().and_then(|name| {
-                name.strip_prefix("warren-")?
-                    .split('@')
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            });
+            let leader = v["leader"].as_str().and_then(node_number);
             if let Some(l) = leader {
                 return l;
             }
@@ -139,4 +133,13 @@ impl Drop for TestCluster {
         self.nodes.clear();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The number of a Warren node from its name (`warren-2@127.0.0.1`: 2).
+pub fn node_number(name: &str) -> Option<u64> {
+    name.strip_prefix("warren-")?
+        .split('@')
+        .next()?
+        .parse()
+        .ok()
 }

@@ -26,7 +26,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use warren_conformance::cluster::TestCluster;
+use warren_conformance::cluster::{node_number, TestCluster};
 use warren_conformance::{amqp_error, unique};
 
 const PUBLISHERS: u64 = 3;
@@ -189,13 +189,7 @@ fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
 /// The queue's leader and message count as node `n` reports them.
 async fn queue_state_of(addrs: &Addrs, q: &str, n: u64) -> Option<(u64, u64)> {
     let v = api_get(&addr(addrs, n).http, &format!("/queues/%2f/{q}")).await?;
-    let leader = v["leader"].as_str().and_then(|name| {
-        name.strip_prefix("warren-")?
-            .split('@')
-            .next()?
-            .parse::<u64>()
-            .ok()
-    });
+    let leader = v["leader"].as_str().and_then(node_number);
     Some((leader?, v["messages"].as_u64()?))
 }
 

@@ -1043,7 +1043,7 @@ impl Broker {
             if !r.is_leading() {
                 // A leader acted on these ahead; every other member hands this node's consumers
                 // what the entry gave them.
-                let counts = q.args.queue_type == QueueType::Quorum || q.args.is_task_queue();
+                let counts = q.args.counts_deliveries();
                 let (live, retired) = (&c.local_consumers, &c.retired);
                 let ours = |cid: &ConsumerId| live.get(cid).is_some_and(|l| l.2);
                 let ours_or_retired = |cid: &ConsumerId| ours(cid) || retired.contains_key(cid);

@@ -592,13 +592,11 @@ impl Broker {
 
 /// A machine's delivery as the session takes it.
 pub(super) fn delivery_of(q: &Queue, d: warren_queue::machine::Deliver<Message>) -> Delivery {
-    let counts = q.args.queue_type == QueueType::Quorum || q.args.is_task_queue();
+    let counts = q.args.counts_deliveries();
     delivery_with(q.id, &q.name, counts, d)
 }
 
-/// [`delivery_of`] from the queue's parts. `counts`: the queue tells a consumer how many times
-/// the message went out before (a quorum queue, as RabbitMQ's on every redelivery and every
-/// basic.get, or a task queue).
+/// [`delivery_of`] from the queue's parts. `counts`: `QueueArgs::counts_deliveries`.
 pub(super) fn delivery_with(
     queue: QueueId,
     name: &ShortStr,

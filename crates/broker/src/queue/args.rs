@@ -236,6 +236,12 @@ impl QueueArgs {
         self.visibility_timeout_ms.is_some() || self.delivery_limit.is_some() || self.retries()
     }
 
+    /// Does a redelivery (and every basic.get) tell the consumer how many deliveries came
+    /// before (`x-delivery-count`)? A quorum queue's do, as RabbitMQ's, and a task queue's.
+    pub fn counts_deliveries(&self) -> bool {
+        self.queue_type == QueueType::Quorum || self.is_task_queue()
+    }
+
     /// The delivery limit that applies: the argument, or for a quorum queue without one,
     /// RabbitMQ 4's default of 20 (a negative argument: none).
     pub fn effective_delivery_limit(&self) -> Option<u64> {
