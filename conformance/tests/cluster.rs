@@ -331,3 +331,96 @@ async fn a_consumer_on_a_follower_gets_every_message_and_carries_on_when_the_lea
         wait_for_messages(&c, n, &q, 0);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn definitions_made_on_one_node_are_on_every_node_and_a_deleted_user_is_closed_everywhere() {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    let c = TestCluster::start(3, 20);
+    let q = unique("qq");
+    let x = unique("orders");
+    c.declare_quorum_queue(1, &q).await;
+    let (_conn, ch) = channel(&c, 1).await;
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.exchange_declare(
+        x.as_str().into(),
+        lapin::ExchangeKind::Topic,
+        durable,
+        FieldTable::default(),
+    )
+    .await
+    .expect("exchange.declare");
+    ch.queue_bind(
+        q.as_str().into(),
+        x.as_str().into(),
+        "eu.#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("queue.bind");
+    let api = Api::of(c.node(1));
+    api.put(
+        "/users/alice",
+        serde_json::json!({"password": "wonderland", "tags": ""}),
+    );
+    api.put(
+        "/permissions/%2f/alice",
+        serde_json::json!({"configure": "", "write": ".*", "read": ".*"}),
+    );
+
+    // Alice logs in on node 3 and publishes through the exchange: its binding routes there.
+    let url = c.node(3).url_with_credentials("alice", "wonderland");
+    let start = Instant::now();
+    let conn = loop {
+        match lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await {
+            Ok(conn) => break conn,
+            Err(e) => assert!(start.elapsed() < WAIT, "alice cannot log in on node 3: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let ch3 = conn.create_channel().await.expect("channel");
+    ch3.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let confirm = ch3
+        .basic_publish(
+            x.as_str().into(),
+            "eu.paris".into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            b"bonjour",
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .expect("publish");
+    let got = tokio::time::timeout(WAIT, confirm)
+        .await
+        .expect("a confirm within the wait")
+        .expect("confirm");
+    assert!(
+        matches!(got, Confirmation::Ack(None)),
+        "routed and confirmed: {got:?}"
+    );
+    wait_for_messages(&c, 2, &q, 1);
+    let (_, v) = Api::of(c.node(2)).call("GET", &format!("/exchanges/%2f/{x}"), None);
+    assert_eq!(v["type"], "topic", "node 2 has the exchange: {v}");
+
+    // Deleted on node 2, alice is gone everywhere and her connection on node 3 is closed.
+    let (status, _) = Api::of(c.node(2)).call("DELETE", "/users/alice", None);
+    assert_eq!(status, 204);
+    let start = Instant::now();
+    while conn.status().connected() {
+        assert!(
+            start.elapsed() < WAIT,
+            "alice's connection on node 3 is still open"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, _) = Api::of(c.node(3)).call("GET", "/users/alice", None);
+    assert_eq!(status, 404);
+}

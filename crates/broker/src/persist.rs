@@ -176,6 +176,13 @@ pub enum StoreOp {
         kind: crate::policy::PolicyKind,
         name: String,
     },
+    /// A cluster node's place in the metadata group's log: the definitions in the store hold
+    /// the changes of every entry up to `index`; `seen` is the highest entry number applied
+    /// per node (a copy of an entry sent twice is applied once).
+    PutMetaApplied {
+        index: u64,
+        seen: Vec<(u64, u64)>,
+    },
 }
 
 /// Reads paged-out messages back (the server gives the broker one over the store). Called

@@ -1239,3 +1239,214 @@ fn a_follower_consumer_skipped_over_by_a_snapshot_is_cancelled_and_what_it_held_
     assert_counts(&c, &NODES, (42, 0));
     assert_same_state(&c, &NODES);
 }
+
+fn declare_exchange(c: &mut Cluster, node: u64, name: &str, kind: &str, durable: bool) {
+    c.broker(node)
+        .declare_exchange(
+            "/",
+            name,
+            kind,
+            false,
+            durable,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("exchange.declare");
+}
+
+/// Steps until `check` holds on every node (at most `steps` steps).
+fn until_everywhere(c: &mut Cluster, steps: u32, check: impl Fn(&Broker) -> bool) -> bool {
+    for _ in 0..steps {
+        if NODES.iter().all(|n| check(&c.members[n].broker)) {
+            return true;
+        }
+        c.step();
+    }
+    false
+}
+
+fn user(name: &str, tag: &str) -> warren_broker::access::UserDef {
+    warren_broker::access::UserDef {
+        name: name.into(),
+        hash: Some(warren_broker::access::PasswordHash::new(
+            "secret",
+            [1, 2, 3, 4],
+            warren_broker::access::HashAlgorithm::Sha256,
+        )),
+        tags: vec![tag.into()],
+    }
+}
+
+#[test]
+fn definitions_made_on_any_node_reach_every_node_and_route_there() {
+    use warren_broker::access::{Perm, PermissionDef, Resource};
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let mut c = Cluster::new();
+    // Node 2 does not lead the metadata group: its changes go to node 1's.
+    declare_exchange(&mut c, 2, "orders", "topic", true);
+    declare_exchange(&mut c, 2, "audit", "fanout", true);
+    declare_exchange(&mut c, 2, "scratch", "direct", false);
+    let none = FieldTable::new();
+    let b = c.broker(2);
+    b.bind_queue("/", "jobs", "orders", "eu.#", &none, conn(2, 1))
+        .expect("queue.bind");
+    b.bind_exchange("/", "audit", "orders", "#", &none)
+        .expect("exchange.bind");
+    assert!(b.declare_vhost("billing"));
+    b.put_user(user("alice", "monitoring"));
+    b.set_permission(PermissionDef {
+        user: "alice".into(),
+        vhost: "billing".into(),
+        configure: "".into(),
+        write: "".into(),
+        read: "^invoices$".into(),
+    })
+    .expect("permission");
+    let mut definition = warren_broker::policy::Definition::new();
+    definition.insert("delivery-limit".into(), PolicyValue::Int(3));
+    b.set_policy(PolicyDef {
+        vhost: "/".into(),
+        name: "retries".into(),
+        kind: PolicyKind::User,
+        pattern: "^jobs$".into(),
+        apply_to: ApplyTo::QuorumQueues,
+        priority: 0,
+        definition,
+    })
+    .expect("policy");
+    let everywhere = until_everywhere(&mut c, 100, |b| {
+        b.exchange_exists("/", "orders")
+            && b.exchange_exists("/", "audit")
+            && b.vhost_exists("billing")
+            && b.access()
+                .check("alice", "billing", Perm::Read, Resource::Queue("invoices"))
+                .is_ok()
+            && b.policies().get("/", PolicyKind::User, "retries").is_some()
+    });
+    assert!(everywhere, "every definition reached every node");
+    c.run(30);
+    // The policy reached the queue's machine through its log, at one index on every member.
+    assert_same_state(&c, &NODES);
+    for n in [1, 3] {
+        let b = &c.members[&n].broker;
+        assert!(
+            !b.exchange_exists("/", "scratch"),
+            "a transient exchange stays on its node"
+        );
+        let id = b.queue_id("/", "jobs").expect("queue");
+        assert_eq!(
+            b.queue_policy_definition(id).get("delivery-limit"),
+            Some(&PolicyValue::Int(3)),
+            "node {n}"
+        );
+    }
+    // A publish through the exchange on a third node routes by the binding made on node 2.
+    c.leader();
+    let now = c.now;
+    let r = c
+        .broker(3)
+        .publish("/", "orders", "eu.paris", message(1), now)
+        .expect("publish");
+    assert_eq!(r.queues, 1, "routed to the replicated queue");
+    let batch = r.batch.expect("a confirm that waits");
+    c.run(30);
+    assert!(c.confirmed(3, batch));
+    assert_same_state(&c, &NODES);
+    // Deleting the exchange on node 3 takes it and its bindings away on every node.
+    c.broker(3)
+        .delete_exchange("/", "orders", false)
+        .expect("exchange.delete");
+    assert!(until_everywhere(&mut c, 100, |b| !b.exchange_exists("/", "orders")));
+    for n in NODES {
+        let now = c.now;
+        let r = c.broker(n).publish("/", "audit", "", message(2), now);
+        assert_eq!(
+            r.expect("publish").queues,
+            0,
+            "node {n}: no binding is left"
+        );
+    }
+}
+
+#[test]
+fn a_user_deleted_on_one_node_closes_its_connections_on_the_others() {
+    let mut c = Cluster::new();
+    c.broker(3).put_user(user("bob", "management"));
+    assert!(until_everywhere(&mut c, 100, |b| b
+        .access()
+        .user("bob")
+        .is_some()));
+    assert!(c.broker(3).delete_user("bob"));
+    assert!(until_everywhere(&mut c, 100, |b| b
+        .access()
+        .user("bob")
+        .is_none()));
+    for n in [1, 2] {
+        assert_eq!(
+            c.broker(n).take_meta_closed(),
+            vec![warren_broker::MetaClosed::User("bob".into())],
+            "node {n}"
+        );
+    }
+    // Its own session closed them when the user was deleted there.
+    assert!(c.broker(3).take_meta_closed().is_empty());
+}
+
+#[test]
+fn two_nodes_changing_one_object_at_once_end_up_with_the_same_one() {
+    let mut c = Cluster::new();
+    for round in 0..4 {
+        // Both change it before either hears of the other's change.
+        c.broker(2).put_user(user("carol", &format!("two-{round}")));
+        c.broker(3)
+            .put_user(user("carol", &format!("three-{round}")));
+        c.run(60);
+        let tags: Vec<Vec<String>> = NODES
+            .iter()
+            .map(|n| {
+                let u = c.members[n].broker.access().user("carol");
+                u.expect("user").tags.clone()
+            })
+            .collect();
+        assert!(
+            tags.iter().all(|t| *t == tags[0]),
+            "round {round}: every node keeps the change the log applied last: {tags:?}"
+        );
+    }
+}
+
+#[test]
+fn a_metadata_entry_lost_on_its_way_is_sent_again_and_a_copy_is_applied_once() {
+    let mut c = Cluster::new();
+    declare_exchange(&mut c, 2, "lost", "direct", true);
+    c.step();
+    assert!(
+        !c.forwards.is_empty(),
+        "node 2 sent its entry to the leader"
+    );
+    c.forwards.clear();
+    c.run(20);
+    assert!(!c.members[&1].broker.exchange_exists("/", "lost"));
+    // Sent again once its wait runs out.
+    assert!(until_everywhere(&mut c, 400, |b| b.exchange_exists("/", "lost")));
+
+    declare_exchange(&mut c, 2, "twice", "direct", true);
+    c.step();
+    let copies = c.forwards.clone();
+    assert!(!copies.is_empty());
+    assert!(until_everywhere(&mut c, 100, |b| b.exchange_exists("/", "twice")));
+    c.broker(2)
+        .delete_exchange("/", "twice", false)
+        .expect("exchange.delete");
+    assert!(until_everywhere(&mut c, 100, |b| !b.exchange_exists("/", "twice")));
+    // A copy of the declaration that reaches the log after the deletion changes nothing.
+    c.forwards.extend(copies);
+    c.run(40);
+    for n in NODES {
+        assert!(
+            !c.members[&n].broker.exchange_exists("/", "twice"),
+            "node {n}"
+        );
+    }
+}

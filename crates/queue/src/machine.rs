@@ -2530,6 +2530,11 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.next_id
     }
 
+    /// What the queue's definitions asked of it, as last configured.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
     /// The index of the last command applied.
     pub fn last_index(&self) -> u64 {
         self.last_index

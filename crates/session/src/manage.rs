@@ -180,7 +180,22 @@ impl Node {
     /// the store held no users (a new node). `salt` gives each new password hash its salt.
     pub fn apply_config_users(&mut self, fresh: bool, salt: &mut dyn FnMut() -> [u8; 4]) {
         let config = self.config().clone();
-        apply_config_users(self.broker_mut(), &config, fresh, salt);
+        // Each node's own file: a cluster's users are changed through the management API.
+        self.broker_mut()
+            .local_only(|b| apply_config_users(b, &config, fresh, salt));
+    }
+
+    /// Another node of the cluster deleted a user or a vhost (this node's broker applied it):
+    /// their connections here are closed as that node closed its own.
+    pub(crate) fn closed_elsewhere(&mut self, closed: warren_broker::MetaClosed, now: u64) {
+        match closed {
+            warren_broker::MetaClosed::User(name) => {
+                self.close_where(|u, _| u != name, &format!("user '{name}' is deleted"), now)
+            }
+            warren_broker::MetaClosed::Vhost(name) => {
+                self.close_where(|_, v| v != name, &format!("vhost '{name}' is deleted"), now)
+            }
+        }
     }
 }
 

@@ -259,6 +259,9 @@ impl Node {
     /// deliveries that waited for them released.
     pub fn replicated(&mut self, entries: &[warren_broker::Committed], now: u64) {
         self.broker.apply_committed(entries);
+        for closed in self.broker.take_meta_closed() {
+            self.closed_elsewhere(closed, now);
+        }
         self.after_replication(now);
     }
 

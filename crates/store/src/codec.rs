@@ -28,6 +28,9 @@ pub const LIMITS: u8 = b'l';
 /// A policy (`POLICY`, `USER` or `OPERATOR`, vhost, name): pattern, apply-to, priority and
 /// definition.
 pub const POLICY: u8 = b'y';
+/// A cluster node's place in the metadata group's log (one record): the index applied, then
+/// the highest entry number applied per node.
+pub const META_APPLIED: u8 = b'm';
 const OPERATOR: u8 = b'o';
 
 const DEST_QUEUE: u8 = b'q';
@@ -499,6 +502,7 @@ pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
             put_text(&mut k, vhost);
             put_text(&mut k, name);
         }
+        StoreOp::PutMetaApplied { .. } => k.put_u8(META_APPLIED),
         _ => return None,
     }
     Some(k)
@@ -535,6 +539,14 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
         StoreOp::PutTopicPermission(t) => {
             put_text(&mut v, &t.write);
             put_text(&mut v, &t.read);
+        }
+        StoreOp::PutMetaApplied { index, seen } => {
+            v.put_u64(*index);
+            v.put_u32(u32::try_from(seen.len()).unwrap_or(u32::MAX));
+            for (node, seq) in seen {
+                v.put_u64(*node);
+                v.put_u64(*seq);
+            }
         }
         StoreOp::PutLimits { limits, .. } => {
             let all: Vec<(&str, i64)> = limits.iter().collect();
@@ -589,6 +601,14 @@ impl Reader {
 /// A stored vhost, user or permission, as the op that wrote it.
 fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, StoreError> {
     let op = match kind {
+        META_APPLIED => {
+            let index = v.u64("metadata index")?;
+            let n = v.u32("metadata node count")?;
+            let seen = (0..n)
+                .map(|_| Ok((v.u64("metadata node")?, v.u64("metadata entry number")?)))
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            StoreOp::PutMetaApplied { index, seen }
+        }
         VHOST => StoreOp::PutVhost {
             name: k.text("vhost name")?,
         },
@@ -776,7 +796,7 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
                 arguments,
             }))
         }
-        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS | POLICY) => {
+        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS | POLICY | META_APPLIED) => {
             decode_access(kind, &mut k, &mut v).map(Def::Access)
         }
         other => Err(StoreError::Corrupt(format!(

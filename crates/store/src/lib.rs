@@ -423,7 +423,9 @@ impl Store {
                             wb.delete_cf(defs, k);
                         }
                     }
-                    StoreOp::PutLimits { .. } | StoreOp::PutPolicy(_) => {
+                    StoreOp::PutLimits { .. }
+                    | StoreOp::PutPolicy(_)
+                    | StoreOp::PutMetaApplied { .. } => {
                         if let Some((k, v)) = codec::access_record(op) {
                             wb.put_cf(defs, k, v);
                         }

@@ -1266,3 +1266,33 @@ fn a_ttl_lowered_by_a_policy_still_reaches_stored_messages_after_a_restart() {
     b.tick(1_000_000 + 60_001);
     assert_eq!(b.queue_info(id).map(|i| i.message_count), Some(0));
 }
+
+#[test]
+fn a_cluster_nodes_place_in_the_metadata_log_is_one_record_that_reads_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = Store::open(dir.path()).expect("open");
+    let place = |index| StoreOp::PutMetaApplied {
+        index,
+        seen: vec![(1, 7), (3, 1 << 60)],
+    };
+    for index in [41, 42] {
+        let batch = WriteBatch {
+            number: index,
+            ops: vec![place(index)],
+            sync: true,
+        };
+        s.write(&[batch]).expect("write");
+    }
+    let defs = s.cf(CF_DEFS).expect("cf");
+    let records: Vec<StoreOp> =
+        s.db.iterator_cf(defs, rocksdb::IteratorMode::Start)
+            .map(|item| {
+                let (k, v) = item.expect("read");
+                match codec::decode_def(&k, &v).expect("readable") {
+                    codec::Def::Access(op) => op,
+                    _ => panic!("not an access record"),
+                }
+            })
+            .collect();
+    assert_eq!(records, vec![place(42)]);
+}

@@ -1,5 +1,6 @@
 //! Metadata: virtual hosts, queue and exchange declarations and deletions, bindings.
 
+use super::metadata_ops::MetaOp;
 use super::*;
 
 /// An exchange.declare `type` (and, for `x-delayed-message`, its `x-delayed-type` argument):
@@ -134,6 +135,23 @@ pub(super) fn binding_def(
 }
 
 /// Writes a binding change if the binding is durable.
+/// A binding as the metadata group carries it.
+pub(super) fn cluster_binding(
+    vhost: &str,
+    source: &str,
+    dest: BindingDest,
+    key: &str,
+    arguments: &FieldTable,
+) -> super::metadata_ops::Binding {
+    super::metadata_ops::Binding {
+        vhost: vhost.to_owned(),
+        source: source.to_owned(),
+        dest,
+        key: key.to_owned(),
+        arguments: arguments.detached(),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn persist_binding(
     persist: Option<&mut Persist>,
@@ -852,6 +870,16 @@ impl Broker {
                 x.policy_alternate =
                     crate::policy::alternate_exchange(policy).map(ShortStr::from_string);
                 vh.exchanges.insert(name.clone(), x);
+                if durable {
+                    self.announce(MetaOp::DeclareExchange {
+                        vhost: vhost.to_owned(),
+                        name: name.to_string(),
+                        kind: type_name(kind, delayed).to_owned(),
+                        auto_delete,
+                        internal,
+                        arguments: arguments.detached(),
+                    });
+                }
                 return Ok(());
             }
         };
@@ -896,6 +924,7 @@ impl Broker {
                 rs("exchange", &name, vhost)
             )));
         }
+        let durable = x.durable;
         remove_exchange(
             vhost,
             vh,
@@ -904,6 +933,12 @@ impl Broker {
             &mut self.scheduler,
             &name,
         );
+        if durable {
+            self.announce(MetaOp::DeleteExchange {
+                vhost: vhost.to_owned(),
+                name: name.to_string(),
+            });
+        }
         Ok(())
     }
 
@@ -948,6 +983,16 @@ impl Broker {
                     StoreOp::PutBinding(binding_def(vhost, &x.name, d, &key, &arguments)),
                     true,
                 );
+            }
+            if x.durable && q.replica.is_some() {
+                let b = cluster_binding(
+                    vhost,
+                    &x.name,
+                    BindingDest::Queue(q.name.clone()),
+                    &key,
+                    &arguments,
+                );
+                self.announce_binding(true, b);
             }
         }
         Ok(())
@@ -994,6 +1039,15 @@ impl Broker {
                 false,
             );
         }
+        let told = (x.durable && q.replica.is_some()).then(|| {
+            cluster_binding(
+                vhost,
+                &x.name,
+                BindingDest::Queue(q.name.clone()),
+                &key,
+                arguments,
+            )
+        });
         maybe_auto_delete(
             vhost,
             vh,
@@ -1002,6 +1056,9 @@ impl Broker {
             &mut self.scheduler,
             &exchange,
         );
+        if let Some(b) = told {
+            self.announce_binding(false, b);
+        }
         Ok(())
     }
 
@@ -1028,6 +1085,7 @@ impl Broker {
             headers::validate(arguments)?;
         }
         let (src_name, dst_name) = (src.name.clone(), dst.name.clone());
+        let durable = src.durable && dst.durable;
         let key = short(routing_key);
         let arguments = &arguments.detached();
         let added = vh.exchanges.get_mut(&src_name).is_some_and(|src| {
@@ -1050,7 +1108,18 @@ impl Broker {
                 true,
             );
             if let Some(dst) = vh.exchanges.get_mut(&dst_name) {
-                dst.incoming.push((src_name, key, arguments.clone()));
+                dst.incoming
+                    .push((src_name.clone(), key.clone(), arguments.clone()));
+            }
+            if durable {
+                let b = cluster_binding(
+                    vhost,
+                    &src_name,
+                    BindingDest::Exchange(dst_name),
+                    &key,
+                    arguments,
+                );
+                self.announce_binding(true, b);
             }
         }
         Ok(())
@@ -1072,6 +1141,8 @@ impl Broker {
         let Some(dst_name) = vh.exchanges.get(&*destination).map(|x| x.name.clone()) else {
             return Ok(());
         };
+        let durable = vh.exchanges.get(&*destination).is_some_and(|x| x.durable)
+            && vh.exchanges.get(&*source).is_some_and(|x| x.durable);
         let key = short(routing_key);
         let removed = vh
             .exchanges
@@ -1100,6 +1171,16 @@ impl Broker {
                 &mut self.scheduler,
                 &source,
             );
+            if durable {
+                let b = cluster_binding(
+                    vhost,
+                    &source,
+                    BindingDest::Exchange(dst_name),
+                    &key,
+                    arguments,
+                );
+                self.announce_binding(false, b);
+            }
         }
         Ok(())
     }

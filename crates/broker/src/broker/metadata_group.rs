@@ -1,19 +1,25 @@
-//! The cluster's metadata group (group 0): where a replicated queue's declaration and deletion
-//! reach every node.
+//! The cluster's metadata group (group 0): where the definitions reach every node. Vhosts,
+//! users, permissions, limits, policies, durable exchanges, their bindings to replicated
+//! queues and to each other, and replicated queues themselves are the cluster's, as RabbitMQ
+//! keeps them in its metadata store; classic queues, their bindings and transient exchanges
+//! stay on their node.
 //!
-//! The node a client declares a replicated queue on declares it at once (the client gets its
-//! declare-ok) and proposes the declaration to the metadata group; every other node declares the
-//! queue when the entry commits, and the queue's own group is created on each. A node that was
-//! down replays the group's log when it comes back, so it learns what was declared and deleted
-//! meanwhile. An entry is `[now u64][origin node u64][origin seq u64]` and an AMQP field table
-//! naming the operation, so that later versions can add operations and fields.
+//! The node a client (or the management API) changes a definition on applies it at once (the
+//! client gets its answer) and sends the change to the group's leader; every node applies the
+//! committed entries in log order, so all converge on the log's order even when two nodes
+//! change one object at once. A node keeps one entry in flight at a time (what is changed
+//! meanwhile waits for the next entry) and sends it again until it is applied: entries are
+//! numbered per node, and a copy is applied once. The index applied is written to the store
+//! with what the entries changed, so a restart applies only the entries after it.
 //!
-//! Exchanges, bindings, users and policies are still each node's own; this group is where they
-//! will go.
+//! Entries this node made in this start are applied again only for the objects whose latest
+//! change they carry (another node's change may have come between), so that a later change
+//! made here is not undone for a moment.
 
+use super::metadata_ops::{decode_entry, encode_entry, Binding, MetaOp};
 use super::*;
+use crate::persist::BindingDest;
 use crate::replica::NodeId;
-use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::replicated::Proposal;
 use warren_replication::Committed;
@@ -21,18 +27,28 @@ use warren_replication::Committed;
 /// The metadata group's number (a queue's group is never 0: see `group_of`).
 pub const META_GROUP: u64 = 0;
 
-/// What the metadata group's entries do.
-#[derive(Clone, Debug, PartialEq)]
-enum MetaOp {
-    DeclareQueue {
-        vhost: String,
-        name: ShortStr,
-        arguments: FieldTable,
-    },
-    DeleteQueue {
-        vhost: String,
-        name: ShortStr,
-    },
+/// An entry not applied after this long is sent again: its leader may have dropped it.
+const META_RESEND_MS: u64 = 2_000;
+
+/// At most this many operations in one entry (a definitions import makes thousands).
+const OPS_PER_ENTRY: usize = 256;
+
+/// A user or vhost another node deleted: the session closes its connections here.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MetaClosed {
+    User(String),
+    Vhost(String),
+}
+
+/// The entry this node sent and the log has not applied yet.
+#[derive(Debug)]
+struct InFlight {
+    seq: u64,
+    data: Vec<u8>,
+    /// When it was last sent (`None`: no leader known yet).
+    sent: Option<u64>,
+    /// Each operation's number and object.
+    ops: Vec<(u64, String)>,
 }
 
 /// The broker's part in the metadata group.
@@ -40,70 +56,99 @@ enum MetaOp {
 pub(crate) struct MetaState {
     /// Who leads the metadata group.
     leader: Option<NodeId>,
-    /// Entries made while no leader was known, sent once one is.
-    pending: Vec<Vec<u8>>,
+    in_flight: Option<InFlight>,
+    /// Changes made here since, numbered, for the next entry.
+    queued: VecDeque<(u64, MetaOp)>,
+    next_op: u64,
+    /// The number of this node's last entry.
     next_seq: u64,
+    /// The first entry number of this start: an entry of this node's below it is from an
+    /// earlier start.
+    boot_seq: u64,
+    /// The highest entry number applied, per node.
+    seen: BTreeMap<NodeId, u64>,
+    /// The log index applied (and written to the store with what it changed).
+    applied: u64,
+    /// The number of the latest change made here to each object whose entry is not applied.
+    latest: HashMap<String, u64>,
+    closed: Vec<MetaClosed>,
     /// Groups to create (with whether this node stands for their leader) and to remove, for
     /// the driver.
     pub(super) new_groups: Vec<(u64, bool)>,
     pub(super) removed_groups: Vec<u64>,
 }
 
-const HEAD: usize = 24;
-
-fn encode_op(now_ms: u64, node: NodeId, seq: u64, op: &MetaOp) -> Vec<u8> {
-    let mut t = FieldTable::new();
-    match op {
-        MetaOp::DeclareQueue {
-            vhost,
-            name,
-            arguments,
-        } => {
-            t.insert("op", FieldValue::long_str("declare_queue"));
-            t.insert("vhost", FieldValue::long_str(vhost));
-            t.insert("name", FieldValue::long_str(name.as_str()));
-            t.insert("arguments", FieldValue::Table(arguments.detached()));
-        }
-        MetaOp::DeleteQueue { vhost, name } => {
-            t.insert("op", FieldValue::long_str("delete_queue"));
-            t.insert("vhost", FieldValue::long_str(vhost));
-            t.insert("name", FieldValue::long_str(name.as_str()));
+impl MetaState {
+    pub(super) fn starting_at(boot_seq: u64) -> Self {
+        MetaState {
+            next_seq: boot_seq,
+            boot_seq,
+            ..MetaState::default()
         }
     }
-    let mut out = BytesMut::with_capacity(64);
-    out.put_u64(now_ms);
-    out.put_u64(node);
-    out.put_u64(seq);
-    t.encode(&mut out);
-    out.to_vec()
-}
 
-fn decode_op(data: &Bytes) -> Option<(NodeId, MetaOp)> {
-    let mut b = data.clone();
-    if b.len() < HEAD {
-        return None;
+    /// The entry to send now, if any: the one in flight (made from what is queued when there
+    /// is none), once a leader is known.
+    fn send(&mut self, node: NodeId, now: u64, again: bool) -> Option<Proposal> {
+        if self.in_flight.is_none() && !self.queued.is_empty() {
+            let n = self.queued.len().min(OPS_PER_ENTRY);
+            let (numbers, ops): (Vec<(u64, String)>, Vec<MetaOp>) = self
+                .queued
+                .drain(..n)
+                .map(|(number, op)| ((number, op.object()), op))
+                .unzip();
+            self.next_seq += 1;
+            self.in_flight = Some(InFlight {
+                seq: self.next_seq,
+                data: encode_entry(now, node, self.next_seq, &ops),
+                sent: None,
+                ops: numbers,
+            });
+        }
+        let leader = self.leader?;
+        let f = self.in_flight.as_mut()?;
+        if f.sent.is_some() && !again {
+            return None;
+        }
+        f.sent = Some(now);
+        Some(Proposal {
+            group: META_GROUP,
+            data: f.data.clone(),
+            to: (leader != node).then_some(leader),
+        })
     }
-    let _now = b.get_u64();
-    let node = b.get_u64();
-    let _seq = b.get_u64();
-    let t = FieldTable::decode(&mut b).ok()?;
-    let text = |k: &str| t.get(k).and_then(|v| v.as_str()).map(str::to_owned);
-    let vhost = text("vhost")?;
-    let name = ShortStr::from_string(text("name")?);
-    let op = match text("op")?.as_str() {
-        "declare_queue" => MetaOp::DeclareQueue {
-            vhost,
-            name,
-            arguments: t.get("arguments")?.as_table()?.clone(),
-        },
-        "delete_queue" => MetaOp::DeleteQueue { vhost, name },
-        _ => return None,
-    };
-    Some((node, op))
 }
 
 impl Broker {
-    /// A replicated queue was declared by a client here: every node is told.
+    /// Runs `f` with what it changes kept to this node (its own configuration file's users,
+    /// say), not sent to the cluster.
+    pub fn local_only<T>(&mut self, f: impl FnOnce(&mut Broker) -> T) -> T {
+        let was = std::mem::replace(&mut self.meta_quiet, true);
+        let out = f(self);
+        self.meta_quiet = was;
+        out
+    }
+
+    /// A definition changed by a client here: every node is told.
+    pub(super) fn announce(&mut self, op: MetaOp) {
+        if self.restoring || self.meta_quiet {
+            return;
+        }
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let node = c.node();
+        let m = &mut c.meta;
+        m.next_op += 1;
+        m.latest.insert(op.object(), m.next_op);
+        m.queued.push_back((m.next_op, op));
+        if let Some(p) = m.send(node, now, false) {
+            c.push(p);
+        }
+    }
+
+    /// A replicated queue was declared by a client here.
     pub(super) fn announce_declare(
         &mut self,
         vhost: &str,
@@ -125,41 +170,53 @@ impl Broker {
         });
     }
 
-    fn announce(&mut self, op: MetaOp) {
+    /// A binding made or removed here: the cluster's if both ends are.
+    pub(super) fn announce_binding(&mut self, added: bool, binding: Binding) {
+        self.announce(if added {
+            MetaOp::Bind(binding)
+        } else {
+            MetaOp::Unbind(binding)
+        });
+    }
+
+    /// The metadata group's leader changed: the entry in flight goes to it.
+    pub(super) fn set_meta_leader(&mut self, leader: Option<NodeId>) {
         let now = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
+        c.meta.leader = leader;
         let node = c.node();
-        c.meta.next_seq += 1;
-        let data = encode_op(now, node, c.meta.next_seq, &op);
-        match c.meta.leader {
-            Some(leader) => c.push(Proposal {
-                group: META_GROUP,
-                data,
-                to: (leader != node).then_some(leader),
-            }),
-            None => c.meta.pending.push(data),
+        if let Some(p) = c.meta.send(node, now, true) {
+            c.push(p);
         }
     }
 
-    /// The metadata group's leader changed: what waited for one goes to it.
-    pub(super) fn set_meta_leader(&mut self, leader: Option<NodeId>) {
+    /// The entry in flight is sent again if the log has not applied it for long (its leader
+    /// may have dropped it, or the connection to it).
+    pub(super) fn resend_meta(&mut self) {
+        let now = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
-        c.meta.leader = leader;
-        let Some(leader) = leader else {
-            return;
-        };
-        let node = c.node();
-        for data in std::mem::take(&mut c.meta.pending) {
-            c.push(Proposal {
-                group: META_GROUP,
-                data,
-                to: (leader != node).then_some(leader),
-            });
+        let late = c
+            .meta
+            .in_flight
+            .as_ref()
+            .and_then(|f| f.sent)
+            .is_some_and(|at| now.saturating_sub(at) >= META_RESEND_MS);
+        if late {
+            let node = c.node();
+            if let Some(p) = c.meta.send(node, now, true) {
+                c.push(p);
+            }
         }
+    }
+
+    /// When the entry in flight is due to be sent again (for the driver's timer).
+    pub(super) fn meta_deadline(&self) -> Option<u64> {
+        let f = self.cluster.as_ref()?.meta.in_flight.as_ref()?;
+        f.sent.map(|at| at.saturating_add(META_RESEND_MS))
     }
 
     /// A metadata entry another node sent this node, which it leads the group for.
@@ -168,9 +225,8 @@ impl Broker {
             return;
         };
         if c.meta.leader != Some(c.node()) {
-            // The sender hears of the new leader and its entry is lost: a declaration not
-            // announced reaches the other nodes when a client declares the queue there.
-            tracing::info!("metadata entry for a group this node no longer leads: dropped");
+            // The sender hears of the new leader and sends it again.
+            tracing::debug!("metadata entry for a group this node no longer leads: dropped");
             return;
         }
         c.push(Proposal {
@@ -180,30 +236,113 @@ impl Broker {
         });
     }
 
-    /// A committed metadata entry: applied here unless this node made it (it did already).
-    pub(super) fn apply_meta(&mut self, e: &Committed) {
-        let Some((origin, op)) = decode_op(&e.data) else {
+    /// Committed metadata entries, in log order. The index reached is written to the store
+    /// in the same batch as what they changed.
+    pub(super) fn apply_meta(&mut self, entries: &[&Committed]) {
+        let before = self.cluster.as_ref().map_or(0, |c| c.meta.applied);
+        for e in entries {
+            self.apply_meta_entry(e);
+        }
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
+        if c.meta.applied > before {
+            let op = StoreOp::PutMetaApplied {
+                index: c.meta.applied,
+                seen: c.meta.seen.iter().map(|(n, s)| (*n, *s)).collect(),
+            };
+            if let Some(p) = self.persist.as_mut() {
+                p.push(op, true);
+            }
+        }
+    }
+
+    fn apply_meta_entry(&mut self, e: &Committed) {
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if e.index <= c.meta.applied {
+            // Its changes were written to the store before the restart.
+            return;
+        }
+        c.meta.applied = e.index;
+        let Some(entry) = decode_entry(&e.data) else {
             tracing::error!(index = e.index, "unreadable metadata entry skipped");
             return;
         };
-        if self.cluster_node() == Some(origin) {
+        let node = c.node();
+        let mine = entry.origin == node;
+        if !entry.numbered {
+            // The first format: its origin applied it when it was made.
+            if !mine {
+                for op in entry.ops {
+                    self.apply_meta_op(op);
+                }
+            }
             return;
         }
-        match op {
+        let seen = c.meta.seen.entry(entry.origin).or_insert(0);
+        if entry.seq <= *seen {
+            return;
+        }
+        *seen = entry.seq;
+        if !mine || entry.seq < c.meta.boot_seq {
+            for op in entry.ops {
+                self.apply_meta_op(op);
+            }
+            return;
+        }
+        let numbers = match c.meta.in_flight.take() {
+            Some(f) if f.seq == entry.seq => f.ops,
+            other => {
+                // Entries go one at a time: this is the one in flight, or a bug.
+                tracing::error!(
+                    seq = entry.seq,
+                    "metadata entry of this node applied out of turn"
+                );
+                c.meta.in_flight = other;
+                return;
+            }
+        };
+        if let Some(p) = c.meta.send(node, now, false) {
+            c.push(p);
+        }
+        let mut redo = Vec::new();
+        for (op, (number, object)) in entry.ops.into_iter().zip(numbers) {
+            if c.meta.latest.get(&object) == Some(&number) {
+                c.meta.latest.remove(&object);
+                redo.push(op);
+            }
+        }
+        for op in redo {
+            self.apply_meta_op(op);
+        }
+    }
+
+    /// Applies one operation as the node that made it did, without telling the cluster.
+    fn apply_meta_op(&mut self, op: MetaOp) {
+        let was = std::mem::replace(&mut self.meta_quiet, true);
+        let failed = self.apply_meta_op_quietly(&op);
+        self.meta_quiet = was;
+        if let Some(error) = failed {
+            tracing::warn!(?op, %error, "metadata operation not applied on this node");
+        }
+    }
+
+    fn apply_meta_op_quietly(&mut self, op: &MetaOp) -> Option<String> {
+        let err = |e: AmqpError| Some(e.to_string());
+        match op.clone() {
             MetaOp::DeclareQueue {
                 vhost,
                 name,
                 arguments,
             } => {
                 if self.queue_id(&vhost, &name).is_some() {
-                    return;
-                }
-                if !self.vhosts.contains_key(&vhost) {
-                    tracing::warn!(%vhost, queue = %name, "replicated queue of a vhost this node lacks: not declared here");
-                    return;
+                    return None;
                 }
                 let req = DeclareQueue {
-                    name: name.clone(),
+                    name,
                     passive: false,
                     durable: true,
                     exclusive: false,
@@ -214,25 +353,133 @@ impl Broker {
                 self.restoring = true;
                 let declared = self.declare_queue(&vhost, req, 0);
                 self.restoring = false;
-                if let Err(error) = declared {
-                    tracing::warn!(%vhost, queue = %name, %error, "replicated queue not declared here");
-                }
+                declared.err().and_then(err)
             }
             MetaOp::DeleteQueue { vhost, name } => {
-                let Some(id) = self.queue_id(&vhost, &name) else {
-                    return;
-                };
-                if self.replica_group(id).is_none() {
-                    return;
-                }
+                let id = self.queue_id(&vhost, &name)?;
+                self.replica_group(id)?;
                 self.restoring = true;
                 let deleted = self.remove_queue(id);
                 self.restoring = false;
                 if let (Some(deleted), Some(c)) = (deleted, self.cluster.as_mut()) {
                     c.push_cancelled(deleted.cancelled);
                 }
+                None
+            }
+            MetaOp::DeclareExchange {
+                vhost,
+                name,
+                kind,
+                auto_delete,
+                internal,
+                arguments,
+            } => self
+                .declare_exchange(
+                    &vhost,
+                    &name,
+                    &kind,
+                    false,
+                    true,
+                    auto_delete,
+                    internal,
+                    &arguments,
+                )
+                .err()
+                .and_then(err),
+            MetaOp::DeleteExchange { vhost, name } => self
+                .delete_exchange(&vhost, &name, false)
+                .err()
+                .and_then(err),
+            MetaOp::Bind(b) | MetaOp::Unbind(b) => {
+                let bind = matches!(op, MetaOp::Bind(_));
+                let r = match (&b.dest, bind) {
+                    (BindingDest::Queue(q), true) => {
+                        self.bind_queue(&b.vhost, q, &b.source, &b.key, &b.arguments, 0)
+                    }
+                    (BindingDest::Queue(q), false) => {
+                        self.unbind_queue(&b.vhost, q, &b.source, &b.key, &b.arguments, 0)
+                    }
+                    (BindingDest::Exchange(x), true) => {
+                        self.bind_exchange(&b.vhost, x, &b.source, &b.key, &b.arguments)
+                    }
+                    (BindingDest::Exchange(x), false) => {
+                        self.unbind_exchange(&b.vhost, x, &b.source, &b.key, &b.arguments)
+                    }
+                };
+                r.err().and_then(err)
+            }
+            MetaOp::PutVhost(name) => {
+                self.declare_vhost(&name);
+                None
+            }
+            MetaOp::DeleteVhost(name) => {
+                if self.delete_vhost(&name) {
+                    if let Some(c) = self.cluster.as_mut() {
+                        c.meta.closed.push(MetaClosed::Vhost(name));
+                    }
+                }
+                None
+            }
+            MetaOp::PutUser(u) => {
+                self.put_user(u);
+                None
+            }
+            MetaOp::DeleteUser(name) => {
+                if self.delete_user(&name) {
+                    if let Some(c) = self.cluster.as_mut() {
+                        c.meta.closed.push(MetaClosed::User(name));
+                    }
+                }
+                None
+            }
+            MetaOp::PutPermission(p) => self.set_permission(p).err().map(|e| e.to_string()),
+            MetaOp::DeletePermission { user, vhost } => {
+                self.clear_permission(&user, &vhost);
+                None
+            }
+            MetaOp::PutTopicPermission(t) => {
+                self.set_topic_permission(t).err().map(|e| e.to_string())
+            }
+            MetaOp::ClearTopicPermission {
+                user,
+                vhost,
+                exchange,
+            } => {
+                self.clear_topic_permission(&user, &vhost, exchange.as_deref());
+                None
+            }
+            MetaOp::PutLimits {
+                scope,
+                name,
+                limits,
+            } => {
+                self.put_limits(scope, &name, limits);
+                None
+            }
+            MetaOp::PutPolicy(def) => self.set_policy(def).err().map(|e| e.to_string()),
+            MetaOp::DeletePolicy { vhost, kind, name } => {
+                self.clear_policy(&vhost, kind, &name);
+                None
             }
         }
+    }
+
+    /// Recovery: the metadata log's index this node's store holds the changes of, and the
+    /// highest entry number applied per node.
+    pub(super) fn restore_meta_applied(&mut self, index: u64, seen: &[(u64, u64)]) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta.applied = index;
+            c.meta.seen = seen.iter().copied().collect();
+        }
+    }
+
+    /// Users and vhosts other nodes deleted since the last call: their connections here are
+    /// closed by the session.
+    pub fn take_meta_closed(&mut self) -> Vec<MetaClosed> {
+        self.cluster
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.meta.closed))
+            .unwrap_or_default()
     }
 
     /// This node's number, every node's, and who leads the metadata group (`None`: not in a
@@ -258,19 +505,100 @@ impl Broker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::BrokerConfig;
+    use warren_replication::GroupId;
+
+    fn node_two() -> Broker {
+        let mut b = Broker::new(BrokerConfig {
+            persistence: true,
+            ..BrokerConfig::default()
+        });
+        b.join_cluster(2, &[1, 2, 3], 7);
+        b
+    }
+
+    fn entry(index: u64, seq: u64, op: MetaOp) -> Committed {
+        Committed {
+            group: GroupId(META_GROUP),
+            index,
+            term: 1,
+            data: bytes::Bytes::from(encode_entry(0, 1, seq, &[op])),
+        }
+    }
+
+    fn exchange(name: &str) -> MetaOp {
+        MetaOp::DeclareExchange {
+            vhost: "/".into(),
+            name: name.into(),
+            kind: "direct".into(),
+            auto_delete: false,
+            internal: false,
+            arguments: FieldTable::new(),
+        }
+    }
+
+    fn written(b: &mut Broker) -> Vec<StoreOp> {
+        let mut ops = Vec::new();
+        while let Some(w) = b.take_writes() {
+            ops.extend(w.ops);
+        }
+        ops
+    }
 
     #[test]
-    fn a_metadata_entry_reads_back_and_garbage_is_refused() {
-        let mut arguments = FieldTable::new();
-        arguments.insert("x-queue-type", FieldValue::long_str("quorum"));
-        let op = MetaOp::DeclareQueue {
-            vhost: "/".into(),
-            name: ShortStr::from_static("jobs"),
-            arguments,
+    fn a_restart_applies_only_the_entries_after_those_its_store_holds() {
+        let log = [
+            entry(1, 10, exchange("a")),
+            entry(
+                2,
+                11,
+                MetaOp::DeleteExchange {
+                    vhost: "/".into(),
+                    name: "a".into(),
+                },
+            ),
+            entry(3, 12, exchange("b")),
+        ];
+        let mut b = node_two();
+        b.apply_committed(&log);
+        assert!(!b.exchange_exists("/", "a"));
+        assert!(b.exchange_exists("/", "b"));
+        let ops = written(&mut b);
+        let place = StoreOp::PutMetaApplied {
+            index: 3,
+            seen: vec![(1, 12)],
         };
-        let data = Bytes::from(encode_op(5, 2, 9, &op));
-        assert_eq!(decode_op(&data), Some((2, op)));
-        assert_eq!(decode_op(&data.slice(..HEAD - 1)), None);
-        assert_eq!(decode_op(&data.slice(..HEAD + 3)), None);
+        assert_eq!(
+            ops.last(),
+            Some(&place),
+            "written with what the entries changed"
+        );
+
+        // Started again on its store: the exchange it holds and its place in the log. Raft
+        // gives it every committed entry again: the old ones change nothing, a copy of the
+        // last one neither, the next one is applied.
+        let mut b = node_two();
+        b.restore_access(&place).expect("restored");
+        b.declare_exchange(
+            "/",
+            "b",
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("from the store");
+        let _ = written(&mut b);
+        b.apply_committed(&log);
+        assert!(written(&mut b).is_empty(), "nothing applied twice");
+        b.apply_committed(&[entry(4, 12, exchange("copy")), entry(5, 13, exchange("c"))]);
+        assert!(!b.exchange_exists("/", "copy"));
+        assert!(b.exchange_exists("/", "c"));
+        assert!(written(&mut b).contains(&StoreOp::PutMetaApplied {
+            index: 5,
+            seen: vec![(1, 13)],
+        }));
     }
 }

@@ -3,6 +3,7 @@
 mod flows;
 mod metadata;
 mod metadata_group;
+mod metadata_ops;
 mod persistence;
 mod policies;
 mod publish;
@@ -14,6 +15,7 @@ mod users;
 // The free helpers of each part, for the others.
 use flows::*;
 use metadata::*;
+pub use metadata_group::MetaClosed;
 use persistence::*;
 use publish::*;
 use replicated::not_led_here;
@@ -126,6 +128,8 @@ pub struct Broker {
     /// Recovery is declaring what the store holds: names a client may not declare
     /// (`amq.gen-...` of server-named queues) and vhost limits are accepted.
     restoring: bool,
+    /// A change applied from the metadata group (or kept to this node): not announced.
+    meta_quiet: bool,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
     /// Memory is short: messages the store does not keep go to its scratch area when they
@@ -309,6 +313,7 @@ impl Broker {
             recording: None,
             persist: None,
             restoring: false,
+            meta_quiet: false,
             access: crate::access::Access::default(),
             limits: crate::limits::LimitTable::default(),
             policies: crate::policy::PolicyTable::default(),

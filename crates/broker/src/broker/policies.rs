@@ -31,7 +31,8 @@ impl Broker {
         self.policies.put(def.clone())?;
         let vhost = def.vhost.clone();
         tracing::info!(vhost = %vhost, policy = %def.name, kind = ?def.kind, "policy set");
-        self.write_def(StoreOp::PutPolicy(def));
+        self.write_def(StoreOp::PutPolicy(def.clone()));
+        self.announce(super::metadata_ops::MetaOp::PutPolicy(def));
         self.apply_policies(&vhost);
         Ok(())
     }
@@ -43,6 +44,11 @@ impl Broker {
         }
         tracing::info!(vhost, policy = name, ?kind, "policy cleared");
         self.write_def(StoreOp::DeletePolicy {
+            vhost: vhost.to_owned(),
+            kind,
+            name: name.to_owned(),
+        });
+        self.announce(super::metadata_ops::MetaOp::DeletePolicy {
             vhost: vhost.to_owned(),
             kind,
             name: name.to_owned(),

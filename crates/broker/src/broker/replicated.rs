@@ -137,7 +137,7 @@ impl Cluster {
             nodes: nodes.to_vec(),
             // 2^20 proposals per unit of `boot` (a millisecond) before numbers could meet.
             proposals: Proposals::starting_at(node, boot.saturating_mul(1 << 20)),
-            meta: super::metadata_group::MetaState::default(),
+            meta: super::metadata_group::MetaState::starting_at(boot.saturating_mul(1 << 20)),
             forwarding: None,
             kept: BTreeMap::new(),
             reissue: None,
@@ -802,6 +802,7 @@ impl Broker {
     /// enough are brought `Down`.
     pub(super) fn expire_forwards(&mut self) {
         self.down_lost_peers();
+        self.resend_meta();
         let now = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return;
@@ -898,7 +899,25 @@ impl Broker {
             .filter(|(n, _)| !c.downed.contains(n))
             .map(|(_, t)| t.saturating_add(NODE_DOWN_MS))
             .min();
-        forwards.into_iter().chain(confirms).chain(downs).min()
+        forwards
+            .into_iter()
+            .chain(confirms)
+            .chain(downs)
+            .chain(self.meta_deadline())
+            .min()
+    }
+
+    /// A leader that starts acting on a queue makes its log say what the queue's definitions
+    /// (arguments and policies, the cluster's) ask of it: a policy set while no member led,
+    /// or learnt after the previous leader's death, reaches the machine.
+    fn configure_if_changed(&mut self, id: QueueId) {
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        let want = super::policy(&q.args);
+        if q.machine.policy() != want {
+            self.run(id, Command::Configure(want));
+        }
     }
 
     /// A command each member takes from its own definitions reaches the committed copy too.
@@ -1165,6 +1184,7 @@ impl Broker {
         for id in started {
             self.refile(id);
             self.reissue_kept(id);
+            self.configure_if_changed(id);
         }
         for (id, cid) in ghosts {
             if let Some(c) = self.cluster.as_mut() {
@@ -1175,9 +1195,7 @@ impl Broker {
         touched.sort_unstable();
         touched.dedup();
         self.take_due_snapshots(&touched);
-        for e in meta {
-            self.apply_meta(e);
-        }
+        self.apply_meta(&meta);
     }
 
     /// The highest store batch whose confirms may go out once the store wrote up to

@@ -48,8 +48,18 @@ impl Broker {
             .as_ref()
             .map(|r| (declared_here(&command), r.is_leading()))
         {
-            // Every member applies what its own declaration and policies say (each node keeps
-            // the definitions until the metadata group replicates them).
+            // The definitions are the cluster's: the leader puts what they ask of the queue in
+            // its log, and every member applies it there, at one index (a member applying
+            // its own copy when it learnt of a policy would differ from the others). A leader
+            // that starts acting proposes what its definitions ask if the log says otherwise.
+            Some((true, leading)) if matches!(command, Command::Configure(_)) => {
+                if !leading {
+                    self.effects.clear();
+                    return Some((Reply::Ok, extra));
+                }
+                self.propose(id, &command);
+            }
+            // Every member applies the caps of its own recovery.
             Some((true, leading)) => {
                 now_ms = q.machine.now_ms();
                 if leading {

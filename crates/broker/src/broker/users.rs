@@ -3,6 +3,7 @@
 
 use warren_codec::AmqpError;
 
+use super::metadata_ops::MetaOp;
 use super::Broker;
 use crate::access::{Access, AccessError, PermissionDef, TopicPermissionDef, UserDef};
 use crate::limits::{LimitScope, LimitTable, Limits};
@@ -55,6 +56,11 @@ impl Broker {
             name: name.to_owned(),
             limits: limits.clone(),
         });
+        self.announce(MetaOp::PutLimits {
+            scope,
+            name: name.to_owned(),
+            limits: limits.clone(),
+        });
         self.limits.put(scope, name, limits);
     }
 
@@ -98,6 +104,7 @@ impl Broker {
         self.write_def(StoreOp::PutVhost {
             name: name.to_owned(),
         });
+        self.announce(MetaOp::PutVhost(name.to_owned()));
         true
     }
 
@@ -164,12 +171,14 @@ impl Broker {
         self.write_def(StoreOp::DeleteVhost {
             name: name.to_owned(),
         });
+        self.announce(MetaOp::DeleteVhost(name.to_owned()));
         true
     }
 
     /// Creates or replaces a user.
     pub fn put_user(&mut self, user: UserDef) {
         self.write_def(StoreOp::PutUser(user.clone()));
+        self.announce(MetaOp::PutUser(user.clone()));
         self.access.put_user(user);
     }
 
@@ -205,6 +214,7 @@ impl Broker {
         self.write_def(StoreOp::DeleteUser {
             name: name.to_owned(),
         });
+        self.announce(MetaOp::DeleteUser(name.to_owned()));
         true
     }
 
@@ -213,7 +223,8 @@ impl Broker {
             return Err(AccessError::NoVhost(def.vhost));
         }
         self.access.set_permission(def.clone())?;
-        self.write_def(StoreOp::PutPermission(def));
+        self.write_def(StoreOp::PutPermission(def.clone()));
+        self.announce(MetaOp::PutPermission(def));
         Ok(())
     }
 
@@ -221,6 +232,10 @@ impl Broker {
         let found = self.access.clear_permission(user, vhost);
         if found {
             self.write_def(StoreOp::DeletePermission {
+                user: user.to_owned(),
+                vhost: vhost.to_owned(),
+            });
+            self.announce(MetaOp::DeletePermission {
                 user: user.to_owned(),
                 vhost: vhost.to_owned(),
             });
@@ -233,7 +248,8 @@ impl Broker {
             return Err(AccessError::NoVhost(def.vhost));
         }
         self.access.set_topic_permission(def.clone())?;
-        self.write_def(StoreOp::PutTopicPermission(def));
+        self.write_def(StoreOp::PutTopicPermission(def.clone()));
+        self.announce(MetaOp::PutTopicPermission(def));
         Ok(())
     }
 
@@ -247,6 +263,13 @@ impl Broker {
             .map(|t| t.exchange.clone())
             .collect();
         self.access.clear_topic_permission(user, vhost, exchange);
+        if !gone.is_empty() {
+            self.announce(MetaOp::ClearTopicPermission {
+                user: user.to_owned(),
+                vhost: vhost.to_owned(),
+                exchange: exchange.map(str::to_owned),
+            });
+        }
         for exchange in gone {
             self.write_def(StoreOp::DeleteTopicPermission {
                 user: user.to_owned(),
@@ -287,6 +310,7 @@ impl Broker {
                 self.limits.put(*scope, name, limits.clone());
             }
             StoreOp::PutPolicy(def) => self.restore_policy(def)?,
+            StoreOp::PutMetaApplied { index, seen } => self.restore_meta_applied(*index, seen),
             _ => {}
         }
         Ok(())

@@ -1,0 +1,742 @@
+//! What the metadata group's entries say: the operations on vhosts, users, permissions,
+//! limits, policies, exchanges, bindings and replicated queues that every node applies, and
+//! their encoding.
+//!
+//! An entry is `[now u64][origin node u64][origin seq u64]` and an AMQP field table. The
+//! first format's table names one operation (`op`, and its fields); the second's has `v` = 2
+//! and `ops`, an array of such tables, applied in order. Names of fields are spelled out, so
+//! that later versions can add operations and fields; an entry this version cannot read is
+//! skipped with an error in the log.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use warren_codec::{FieldTable, FieldValue, ShortStr};
+
+use crate::access::{HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef};
+use crate::limits::{LimitScope, Limits};
+use crate::persist::BindingDest;
+use crate::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
+use crate::replica::NodeId;
+
+/// The length of an entry's fixed head.
+pub(super) const HEAD: usize = 24;
+
+/// The format of entries that carry a list of operations and are applied once each.
+const FORMAT_LIST: i64 = 2;
+
+/// One change to the cluster's definitions.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum MetaOp {
+    DeclareQueue {
+        vhost: String,
+        name: ShortStr,
+        arguments: FieldTable,
+    },
+    DeleteQueue {
+        vhost: String,
+        name: ShortStr,
+    },
+    DeclareExchange {
+        vhost: String,
+        name: String,
+        /// The type as exchange.declare names it (`x-delayed-message` for a delayed one).
+        kind: String,
+        auto_delete: bool,
+        internal: bool,
+        arguments: FieldTable,
+    },
+    DeleteExchange {
+        vhost: String,
+        name: String,
+    },
+    Bind(Binding),
+    Unbind(Binding),
+    PutVhost(String),
+    DeleteVhost(String),
+    PutUser(UserDef),
+    DeleteUser(String),
+    PutPermission(PermissionDef),
+    DeletePermission {
+        user: String,
+        vhost: String,
+    },
+    PutTopicPermission(TopicPermissionDef),
+    /// One exchange's topic permission of a user in a vhost, or all of them.
+    ClearTopicPermission {
+        user: String,
+        vhost: String,
+        exchange: Option<String>,
+    },
+    PutLimits {
+        scope: LimitScope,
+        name: String,
+        limits: Limits,
+    },
+    PutPolicy(PolicyDef),
+    DeletePolicy {
+        vhost: String,
+        kind: PolicyKind,
+        name: String,
+    },
+}
+
+/// A binding of a durable exchange to a replicated queue or to another durable exchange.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Binding {
+    pub vhost: String,
+    pub source: String,
+    pub dest: BindingDest,
+    pub key: String,
+    pub arguments: FieldTable,
+}
+
+/// A decoded entry.
+#[derive(Debug, PartialEq)]
+pub(super) struct Entry {
+    pub origin: NodeId,
+    pub seq: u64,
+    /// Of the second format: numbered so that a copy is applied once.
+    pub numbered: bool,
+    pub ops: Vec<MetaOp>,
+}
+
+impl MetaOp {
+    /// What the operation changes, as a key: two operations on one object share it.
+    pub(super) fn object(&self) -> String {
+        match self {
+            MetaOp::DeclareQueue { vhost, name, .. } | MetaOp::DeleteQueue { vhost, name } => {
+                format!("q\0{vhost}\0{name}")
+            }
+            MetaOp::DeclareExchange { vhost, name, .. }
+            | MetaOp::DeleteExchange { vhost, name } => {
+                format!("x\0{vhost}\0{name}")
+            }
+            MetaOp::Bind(b) | MetaOp::Unbind(b) => {
+                let (kind, dest) = match &b.dest {
+                    BindingDest::Queue(q) => ('q', q.as_str()),
+                    BindingDest::Exchange(x) => ('e', x.as_str()),
+                };
+                let args = b.arguments.to_bytes();
+                format!(
+                    "b\0{}\0{}\0{kind}{dest}\0{}\0{}",
+                    b.vhost,
+                    b.source,
+                    b.key,
+                    String::from_utf8_lossy(&args)
+                )
+            }
+            MetaOp::PutVhost(name) | MetaOp::DeleteVhost(name) => format!("v\0{name}"),
+            MetaOp::PutUser(UserDef { name, .. }) | MetaOp::DeleteUser(name) => {
+                format!("u\0{name}")
+            }
+            MetaOp::PutPermission(PermissionDef { user, vhost, .. })
+            | MetaOp::DeletePermission { user, vhost } => format!("p\0{user}\0{vhost}"),
+            MetaOp::PutTopicPermission(t) => {
+                format!("t\0{}\0{}\0{}", t.user, t.vhost, t.exchange)
+            }
+            MetaOp::ClearTopicPermission {
+                user,
+                vhost,
+                exchange,
+            } => format!(
+                "t\0{user}\0{vhost}\0{}",
+                exchange.as_deref().unwrap_or("\0*")
+            ),
+            MetaOp::PutLimits { scope, name, .. } => format!("l\0{}\0{name}", scope_name(*scope)),
+            MetaOp::PutPolicy(PolicyDef {
+                vhost, kind, name, ..
+            })
+            | MetaOp::DeletePolicy { vhost, kind, name } => {
+                format!("y\0{}\0{vhost}\0{name}", kind_name(*kind))
+            }
+        }
+    }
+}
+
+fn scope_name(s: LimitScope) -> &'static str {
+    match s {
+        LimitScope::Vhost => "vhost",
+        LimitScope::User => "user",
+    }
+}
+
+fn kind_name(k: PolicyKind) -> &'static str {
+    match k {
+        PolicyKind::User => "user",
+        PolicyKind::Operator => "operator",
+    }
+}
+
+fn text(t: &mut FieldTable, k: &'static str, v: &str) {
+    t.insert(k, FieldValue::long_str(v));
+}
+
+fn flag(t: &mut FieldTable, k: &'static str, v: bool) {
+    t.insert(k, FieldValue::Bool(v));
+}
+
+fn binding_table(t: &mut FieldTable, b: &Binding) {
+    text(t, "vhost", &b.vhost);
+    text(t, "source", &b.source);
+    let (kind, dest) = match &b.dest {
+        BindingDest::Queue(q) => ("queue", q.as_str()),
+        BindingDest::Exchange(x) => ("exchange", x.as_str()),
+    };
+    text(t, "destination_type", kind);
+    text(t, "destination", dest);
+    text(t, "routing_key", &b.key);
+    t.insert("arguments", FieldValue::Table(b.arguments.detached()));
+}
+
+fn op_table(op: &MetaOp) -> FieldTable {
+    let mut t = FieldTable::new();
+    let name = match op {
+        MetaOp::DeclareQueue {
+            vhost,
+            name,
+            arguments,
+        } => {
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "name", name.as_str());
+            t.insert("arguments", FieldValue::Table(arguments.detached()));
+            "declare_queue"
+        }
+        MetaOp::DeleteQueue { vhost, name } => {
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "name", name.as_str());
+            "delete_queue"
+        }
+        MetaOp::DeclareExchange {
+            vhost,
+            name,
+            kind,
+            auto_delete,
+            internal,
+            arguments,
+        } => {
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "name", name);
+            text(&mut t, "type", kind);
+            flag(&mut t, "auto_delete", *auto_delete);
+            flag(&mut t, "internal", *internal);
+            t.insert("arguments", FieldValue::Table(arguments.detached()));
+            "declare_exchange"
+        }
+        MetaOp::DeleteExchange { vhost, name } => {
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "name", name);
+            "delete_exchange"
+        }
+        MetaOp::Bind(b) => {
+            binding_table(&mut t, b);
+            "bind"
+        }
+        MetaOp::Unbind(b) => {
+            binding_table(&mut t, b);
+            "unbind"
+        }
+        MetaOp::PutVhost(name) => {
+            text(&mut t, "name", name);
+            "put_vhost"
+        }
+        MetaOp::DeleteVhost(name) => {
+            text(&mut t, "name", name);
+            "delete_vhost"
+        }
+        MetaOp::PutUser(u) => {
+            text(&mut t, "name", &u.name);
+            if let Some(h) = &u.hash {
+                let algorithm = match h.algorithm {
+                    HashAlgorithm::Sha256 => "sha256",
+                    HashAlgorithm::Sha512 => "sha512",
+                };
+                text(&mut t, "hashing_algorithm", algorithm);
+                t.insert(
+                    "password_hash",
+                    FieldValue::ByteArray(Bytes::copy_from_slice(&h.bytes)),
+                );
+            }
+            let tags = u.tags.iter().map(FieldValue::long_str).collect();
+            t.insert("tags", FieldValue::Array(tags));
+            "put_user"
+        }
+        MetaOp::DeleteUser(name) => {
+            text(&mut t, "name", name);
+            "delete_user"
+        }
+        MetaOp::PutPermission(p) => {
+            text(&mut t, "user", &p.user);
+            text(&mut t, "vhost", &p.vhost);
+            text(&mut t, "configure", &p.configure);
+            text(&mut t, "write", &p.write);
+            text(&mut t, "read", &p.read);
+            "put_permission"
+        }
+        MetaOp::DeletePermission { user, vhost } => {
+            text(&mut t, "user", user);
+            text(&mut t, "vhost", vhost);
+            "delete_permission"
+        }
+        MetaOp::PutTopicPermission(p) => {
+            text(&mut t, "user", &p.user);
+            text(&mut t, "vhost", &p.vhost);
+            text(&mut t, "exchange", &p.exchange);
+            text(&mut t, "write", &p.write);
+            text(&mut t, "read", &p.read);
+            "put_topic_permission"
+        }
+        MetaOp::ClearTopicPermission {
+            user,
+            vhost,
+            exchange,
+        } => {
+            text(&mut t, "user", user);
+            text(&mut t, "vhost", vhost);
+            if let Some(x) = exchange {
+                text(&mut t, "exchange", x);
+            }
+            "clear_topic_permission"
+        }
+        MetaOp::PutLimits {
+            scope,
+            name,
+            limits,
+        } => {
+            text(&mut t, "scope", scope_name(*scope));
+            text(&mut t, "name", name);
+            let mut l = FieldTable::new();
+            for (k, v) in limits.iter() {
+                // Limit names are RabbitMQ's, all short.
+                l.insert(ShortStr::from_string(k.to_owned()), FieldValue::I64(v));
+            }
+            t.insert("limits", FieldValue::Table(l));
+            "put_limits"
+        }
+        MetaOp::PutPolicy(p) => {
+            text(&mut t, "vhost", &p.vhost);
+            text(&mut t, "name", &p.name);
+            text(&mut t, "kind", kind_name(p.kind));
+            text(&mut t, "pattern", &p.pattern);
+            text(&mut t, "apply_to", p.apply_to.as_str());
+            t.insert("priority", FieldValue::I64(p.priority));
+            let mut d = FieldTable::new();
+            for (k, v) in &p.definition {
+                let v = match v {
+                    PolicyValue::Str(s) => FieldValue::long_str(s),
+                    PolicyValue::Int(i) => FieldValue::I64(*i),
+                    PolicyValue::Bool(b) => FieldValue::Bool(*b),
+                    PolicyValue::Other { json, erl } => {
+                        let mut o = FieldTable::new();
+                        text(&mut o, "json", json);
+                        text(&mut o, "erl", erl);
+                        FieldValue::Table(o)
+                    }
+                };
+                // Policy keys are RabbitMQ's, all short.
+                d.insert(ShortStr::from_string(k.clone()), v);
+            }
+            t.insert("definition", FieldValue::Table(d));
+            "put_policy"
+        }
+        MetaOp::DeletePolicy { vhost, kind, name } => {
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "kind", kind_name(*kind));
+            text(&mut t, "name", name);
+            "delete_policy"
+        }
+    };
+    t.insert("op", FieldValue::long_str(name));
+    t
+}
+
+/// Reads a table's fields; `None` for a missing or mistyped one.
+struct Fields<'a>(&'a FieldTable);
+
+impl Fields<'_> {
+    fn text(&self, k: &str) -> Option<String> {
+        self.0.get(k)?.as_str().map(str::to_owned)
+    }
+    fn flag(&self, k: &str) -> Option<bool> {
+        self.0.get(k)?.as_bool()
+    }
+    fn table(&self, k: &str) -> Option<FieldTable> {
+        self.0.get(k)?.as_table().cloned()
+    }
+    fn binding(&self) -> Option<Binding> {
+        let dest = ShortStr::from_string(self.text("destination")?);
+        Some(Binding {
+            vhost: self.text("vhost")?,
+            source: self.text("source")?,
+            dest: match self.text("destination_type")?.as_str() {
+                "queue" => BindingDest::Queue(dest),
+                "exchange" => BindingDest::Exchange(dest),
+                _ => return None,
+            },
+            key: self.text("routing_key")?,
+            arguments: self.table("arguments")?,
+        })
+    }
+    fn scope(&self) -> Option<LimitScope> {
+        match self.text("scope")?.as_str() {
+            "vhost" => Some(LimitScope::Vhost),
+            "user" => Some(LimitScope::User),
+            _ => None,
+        }
+    }
+    fn kind(&self) -> Option<PolicyKind> {
+        match self.text("kind")?.as_str() {
+            "user" => Some(PolicyKind::User),
+            "operator" => Some(PolicyKind::Operator),
+            _ => None,
+        }
+    }
+}
+
+fn op_from(t: &FieldTable) -> Option<MetaOp> {
+    let f = Fields(t);
+    Some(match f.text("op")?.as_str() {
+        "declare_queue" => MetaOp::DeclareQueue {
+            vhost: f.text("vhost")?,
+            name: ShortStr::from_string(f.text("name")?),
+            arguments: f.table("arguments")?,
+        },
+        "delete_queue" => MetaOp::DeleteQueue {
+            vhost: f.text("vhost")?,
+            name: ShortStr::from_string(f.text("name")?),
+        },
+        "declare_exchange" => MetaOp::DeclareExchange {
+            vhost: f.text("vhost")?,
+            name: f.text("name")?,
+            kind: f.text("type")?,
+            auto_delete: f.flag("auto_delete")?,
+            internal: f.flag("internal")?,
+            arguments: f.table("arguments")?,
+        },
+        "delete_exchange" => MetaOp::DeleteExchange {
+            vhost: f.text("vhost")?,
+            name: f.text("name")?,
+        },
+        "bind" => MetaOp::Bind(f.binding()?),
+        "unbind" => MetaOp::Unbind(f.binding()?),
+        "put_vhost" => MetaOp::PutVhost(f.text("name")?),
+        "delete_vhost" => MetaOp::DeleteVhost(f.text("name")?),
+        "put_user" => {
+            let hash = match t.get("password_hash") {
+                None => None,
+                Some(v) => {
+                    let algorithm = match f.text("hashing_algorithm")?.as_str() {
+                        "sha256" => HashAlgorithm::Sha256,
+                        "sha512" => HashAlgorithm::Sha512,
+                        _ => return None,
+                    };
+                    Some(PasswordHash::from_bytes(v.as_bytes()?.to_vec(), algorithm)?)
+                }
+            };
+            let tags = t
+                .get("tags")?
+                .as_array()?
+                .iter()
+                .map(|v| v.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()?;
+            MetaOp::PutUser(UserDef {
+                name: f.text("name")?,
+                hash,
+                tags,
+            })
+        }
+        "delete_user" => MetaOp::DeleteUser(f.text("name")?),
+        "put_permission" => MetaOp::PutPermission(PermissionDef {
+            user: f.text("user")?,
+            vhost: f.text("vhost")?,
+            configure: f.text("configure")?,
+            write: f.text("write")?,
+            read: f.text("read")?,
+        }),
+        "delete_permission" => MetaOp::DeletePermission {
+            user: f.text("user")?,
+            vhost: f.text("vhost")?,
+        },
+        "put_topic_permission" => MetaOp::PutTopicPermission(TopicPermissionDef {
+            user: f.text("user")?,
+            vhost: f.text("vhost")?,
+            exchange: f.text("exchange")?,
+            write: f.text("write")?,
+            read: f.text("read")?,
+        }),
+        "clear_topic_permission" => MetaOp::ClearTopicPermission {
+            user: f.text("user")?,
+            vhost: f.text("vhost")?,
+            exchange: f.text("exchange"),
+        },
+        "put_limits" => {
+            let mut limits = Limits::default();
+            for (k, v) in f.table("limits")?.iter() {
+                limits.set(k.as_str(), v.as_i64()?);
+            }
+            MetaOp::PutLimits {
+                scope: f.scope()?,
+                name: f.text("name")?,
+                limits,
+            }
+        }
+        "put_policy" => {
+            let mut definition = Definition::new();
+            for (k, v) in f.table("definition")?.iter() {
+                let value = match v {
+                    FieldValue::LongStr(_) => PolicyValue::Str(v.as_str()?.to_owned()),
+                    FieldValue::I64(i) => PolicyValue::Int(*i),
+                    FieldValue::Bool(b) => PolicyValue::Bool(*b),
+                    FieldValue::Table(o) => PolicyValue::Other {
+                        json: Fields(o).text("json")?,
+                        erl: Fields(o).text("erl")?,
+                    },
+                    _ => return None,
+                };
+                definition.insert(k.as_str().to_owned(), value);
+            }
+            MetaOp::PutPolicy(PolicyDef {
+                vhost: f.text("vhost")?,
+                name: f.text("name")?,
+                kind: f.kind()?,
+                pattern: f.text("pattern")?,
+                apply_to: ApplyTo::parse(&f.text("apply_to")?)?,
+                priority: t.get("priority")?.as_i64()?,
+                definition,
+            })
+        }
+        "delete_policy" => MetaOp::DeletePolicy {
+            vhost: f.text("vhost")?,
+            kind: f.kind()?,
+            name: f.text("name")?,
+        },
+        _ => return None,
+    })
+}
+
+/// An entry of the second format: `ops`, applied in order, once.
+pub(super) fn encode_entry(now_ms: u64, node: NodeId, seq: u64, ops: &[MetaOp]) -> Vec<u8> {
+    let mut t = FieldTable::new();
+    t.insert("v", FieldValue::I64(FORMAT_LIST));
+    let list = ops
+        .iter()
+        .map(|op| FieldValue::Table(op_table(op)))
+        .collect();
+    t.insert("ops", FieldValue::Array(list));
+    let mut out = BytesMut::with_capacity(128);
+    out.put_u64(now_ms);
+    out.put_u64(node);
+    out.put_u64(seq);
+    t.encode(&mut out);
+    out.to_vec()
+}
+
+/// An entry of either format; `None` if it cannot be read (or names an operation this
+/// version does not know).
+pub(super) fn decode_entry(data: &Bytes) -> Option<Entry> {
+    let mut b = data.clone();
+    if b.len() < HEAD {
+        return None;
+    }
+    let _now = b.get_u64();
+    let origin = b.get_u64();
+    let seq = b.get_u64();
+    let t = FieldTable::decode(&mut b).ok()?;
+    let numbered = t.get("v").and_then(FieldValue::as_i64) == Some(FORMAT_LIST);
+    let ops = if numbered {
+        t.get("ops")?
+            .as_array()?
+            .iter()
+            .map(|v| v.as_table().and_then(op_from))
+            .collect::<Option<Vec<_>>>()?
+    } else {
+        vec![op_from(&t)?]
+    };
+    Some(Entry {
+        origin,
+        seq,
+        numbered,
+        ops,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn every_op() -> Vec<MetaOp> {
+        let mut arguments = FieldTable::new();
+        arguments.insert("x-queue-type", FieldValue::long_str("quorum"));
+        let mut limits = Limits::default();
+        limits.set("max-queues", 10);
+        limits.set("max-connections", -1);
+        let mut definition = Definition::new();
+        definition.insert("max-length".into(), PolicyValue::Int(5));
+        definition.insert("overflow".into(), PolicyValue::Str("reject-publish".into()));
+        definition.insert("x".into(), PolicyValue::Bool(true));
+        definition.insert(
+            "ha-params".into(),
+            PolicyValue::Other {
+                json: "[1,2]".into(),
+                erl: "[1,2]".into(),
+            },
+        );
+        let binding = Binding {
+            vhost: "/".into(),
+            source: "orders".into(),
+            dest: BindingDest::Queue(ShortStr::from_static("jobs")),
+            key: "eu.#".into(),
+            arguments: arguments.clone(),
+        };
+        vec![
+            MetaOp::DeclareQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("jobs"),
+                arguments: arguments.clone(),
+            },
+            MetaOp::DeleteQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("jobs"),
+            },
+            MetaOp::DeclareExchange {
+                vhost: "/".into(),
+                name: "orders".into(),
+                kind: "topic".into(),
+                auto_delete: false,
+                internal: true,
+                arguments: FieldTable::new(),
+            },
+            MetaOp::DeleteExchange {
+                vhost: "/".into(),
+                name: "orders".into(),
+            },
+            MetaOp::Bind(binding.clone()),
+            MetaOp::Unbind(Binding {
+                dest: BindingDest::Exchange(ShortStr::from_static("audit")),
+                ..binding
+            }),
+            MetaOp::PutVhost("v".into()),
+            MetaOp::DeleteVhost("v".into()),
+            MetaOp::PutUser(UserDef {
+                name: "u".into(),
+                hash: Some(PasswordHash::new("p", [1, 2, 3, 4], HashAlgorithm::Sha512)),
+                tags: vec!["administrator".into()],
+            }),
+            MetaOp::PutUser(UserDef {
+                name: "cert".into(),
+                hash: None,
+                tags: vec![],
+            }),
+            MetaOp::DeleteUser("u".into()),
+            MetaOp::PutPermission(PermissionDef {
+                user: "u".into(),
+                vhost: "v".into(),
+                configure: ".*".into(),
+                write: "".into(),
+                read: "^a".into(),
+            }),
+            MetaOp::DeletePermission {
+                user: "u".into(),
+                vhost: "v".into(),
+            },
+            MetaOp::PutTopicPermission(TopicPermissionDef {
+                user: "u".into(),
+                vhost: "v".into(),
+                exchange: "amq.topic".into(),
+                write: "a".into(),
+                read: "b".into(),
+            }),
+            MetaOp::ClearTopicPermission {
+                user: "u".into(),
+                vhost: "v".into(),
+                exchange: None,
+            },
+            MetaOp::ClearTopicPermission {
+                user: "u".into(),
+                vhost: "v".into(),
+                exchange: Some("amq.topic".into()),
+            },
+            MetaOp::PutLimits {
+                scope: LimitScope::User,
+                name: "u".into(),
+                limits,
+            },
+            MetaOp::PutPolicy(PolicyDef {
+                vhost: "/".into(),
+                name: "p".into(),
+                kind: PolicyKind::Operator,
+                pattern: "^jobs$".into(),
+                apply_to: ApplyTo::QuorumQueues,
+                priority: -3,
+                definition,
+            }),
+            MetaOp::DeletePolicy {
+                vhost: "/".into(),
+                kind: PolicyKind::User,
+                name: "p".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_operation_reads_back_as_written() {
+        let ops = every_op();
+        let data = Bytes::from(encode_entry(5, 2, 9, &ops));
+        let entry = decode_entry(&data).expect("entry");
+        assert_eq!(
+            entry,
+            Entry {
+                origin: 2,
+                seq: 9,
+                numbered: true,
+                ops
+            }
+        );
+    }
+
+    #[test]
+    fn a_first_format_entry_is_one_unnumbered_operation() {
+        // As the first version wrote a queue's declaration.
+        let mut t = FieldTable::new();
+        t.insert("op", FieldValue::long_str("delete_queue"));
+        t.insert("vhost", FieldValue::long_str("/"));
+        t.insert("name", FieldValue::long_str("jobs"));
+        let mut out = BytesMut::new();
+        out.put_u64(1);
+        out.put_u64(3);
+        out.put_u64(1);
+        t.encode(&mut out);
+        let entry = decode_entry(&out.freeze()).expect("entry");
+        assert!(!entry.numbered);
+        assert_eq!(entry.origin, 3);
+        assert_eq!(
+            entry.ops,
+            vec![MetaOp::DeleteQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("jobs")
+            }]
+        );
+    }
+
+    #[test]
+    fn garbage_and_unknown_operations_are_refused() {
+        let data = Bytes::from(encode_entry(5, 2, 9, &every_op()));
+        assert_eq!(decode_entry(&data.slice(..HEAD - 1)), None);
+        assert_eq!(decode_entry(&data.slice(..HEAD + 3)), None);
+        let mut t = FieldTable::new();
+        t.insert("op", FieldValue::long_str("rename_universe"));
+        let mut out = BytesMut::new();
+        out.put_bytes(0, HEAD);
+        t.encode(&mut out);
+        assert_eq!(decode_entry(&out.freeze()), None);
+    }
+
+    #[test]
+    fn operations_on_one_object_share_its_key_and_others_do_not() {
+        let ops = every_op();
+        assert_eq!(ops[0].object(), ops[1].object());
+        assert_eq!(ops[2].object(), ops[3].object());
+        assert_ne!(ops[4].object(), ops[5].object());
+        assert_eq!(ops[8].object(), ops[10].object());
+        assert_ne!(ops[14].object(), ops[15].object());
+        assert_ne!(ops[0].object(), ops[2].object());
+    }
+}
