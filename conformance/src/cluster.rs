@@ -5,12 +5,15 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::http::Api;
+use crate::partition::Links;
 use crate::{free_port, TestBroker, WAIT};
 
 pub struct TestCluster {
     /// Node `n` is `nodes[n - 1]`.
     pub nodes: Vec<TestBroker>,
     dir: PathBuf,
+    /// The proxies of the cluster's links, when the test partitions it.
+    links: Option<Links>,
 }
 
 impl TestCluster {
@@ -22,17 +25,38 @@ impl TestCluster {
 
     /// [`TestCluster::start`] with more arguments for every node.
     pub fn start_with(size: u64, tick_ms: u64, extra: &[&str]) -> TestCluster {
+        Self::start_on(size, tick_ms, extra, false)
+    }
+
+    /// [`TestCluster::start_with`], each cluster link through a proxy of its own, so that
+    /// [`TestCluster::cut`] can partition the nodes.
+    pub fn start_partitionable(size: u64, tick_ms: u64, extra: &[&str]) -> TestCluster {
+        Self::start_on(size, tick_ms, extra, true)
+    }
+
+    fn start_on(size: u64, tick_ms: u64, extra: &[&str], proxied: bool) -> TestCluster {
         let dir = std::env::temp_dir().join(crate::unique("warren-cluster"));
         std::fs::create_dir_all(&dir).expect("cluster dir");
         let secret = dir.join("secret");
         std::fs::write(&secret, "a test secret of more than sixteen bytes").expect("secret");
-        let list: Vec<String> = (1..=size)
-            .map(|n| format!("{n}=127.0.0.1:{}", free_port()))
+        let real: Vec<(u64, std::net::SocketAddr)> = (1..=size)
+            .map(|n| (n, std::net::SocketAddr::from(([127, 0, 0, 1], free_port()))))
             .collect();
-        let list = list.join(",");
+        let text = |view: &[(u64, std::net::SocketAddr)]| {
+            let list: Vec<String> = view.iter().map(|(n, a)| format!("{n}={a}")).collect();
+            list.join(",")
+        };
+        // Every node's list: its own address, and how it reaches each peer.
+        let (links, lists): (Option<Links>, Vec<String>) = if proxied {
+            let (links, views) = Links::start(&real);
+            (Some(links), views.iter().map(|(_, v)| text(v)).collect())
+        } else {
+            (None, (1..=size).map(|_| text(&real)).collect())
+        };
         let tick = tick_ms.to_string();
         let nodes = (1..=size)
             .map(|n| {
+                let list = &lists[(n - 1) as usize];
                 let data = dir.join(format!("node{n}"));
                 let (node, data) = (n.to_string(), data.display().to_string());
                 let secret = secret.display().to_string();
@@ -42,7 +66,7 @@ impl TestCluster {
                     "--cluster-node",
                     &node,
                     "--cluster-nodes",
-                    &list,
+                    list,
                     "--cluster-secret-file",
                     &secret,
                     "--test-cluster-tick-ms",
@@ -53,11 +77,25 @@ impl TestCluster {
                 TestBroker::start_with(&args)
             })
             .collect();
-        let c = TestCluster { nodes, dir };
+        let c = TestCluster { nodes, dir, links };
         for n in 1..=size {
             c.wait_for_metadata_leader(n);
         }
         c
+    }
+
+    /// Cuts node `n` off from the other nodes (it keeps running and serving its clients).
+    /// Panics if the cluster was not started with [`TestCluster::start_partitionable`].
+    pub fn cut(&self, n: u64) {
+        self.links.as_ref().expect("a partitionable cluster").cut(n);
+    }
+
+    /// Heals node `n`'s links.
+    pub fn heal(&self, n: u64) {
+        self.links
+            .as_ref()
+            .expect("a partitionable cluster")
+            .heal(n);
     }
 
     /// Node `n`'s data directory.

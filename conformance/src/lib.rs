@@ -15,6 +15,7 @@
 
 pub mod cluster;
 pub mod http;
+pub mod partition;
 pub mod queues;
 pub mod raw;
 

@@ -424,3 +424,58 @@ async fn definitions_made_on_one_node_are_on_every_node_and_a_deleted_user_is_cl
     let (status, _) = Api::of(c.node(3)).call("GET", "/users/alice", None);
     assert_eq!(status, 404);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_the_others_confirms_nothing_while_they_go_on() {
+    let c = TestCluster::start_partitionable(3, 20, &[]);
+    let q = unique("qq");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let (_conn, ch) = channel(&c, leader).await;
+    publish_confirmed(&ch, &q, std::iter::once("before".to_owned())).await;
+
+    // Cut off, the leader still takes publishes from its clients: none may be confirmed.
+    c.cut(leader);
+    let mut waiting = Vec::new();
+    for i in 0..20 {
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                format!("minority {i}").as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .expect("publish");
+        waiting.push(tokio::spawn(confirm));
+    }
+    // The two others elect a leader and confirm what their clients publish.
+    let other = leader % 3 + 1;
+    let start = Instant::now();
+    while c.leader_of(&q, other) == leader {
+        assert!(start.elapsed() < WAIT, "the majority elects no new leader");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_conn2, ch2) = channel(&c, other).await;
+    publish_confirmed(&ch2, &q, (0..20).map(|i| format!("majority {i}"))).await;
+    assert!(
+        waiting.iter().all(|t| !t.is_finished()),
+        "the cut-off leader answered a publish"
+    );
+
+    // Healed, it learns of the new term: what it took is nacked (the publisher may resend).
+    c.heal(leader);
+    for t in waiting {
+        let got = tokio::time::timeout(WAIT, t)
+            .await
+            .expect("an answer once healed")
+            .expect("task")
+            .expect("confirm");
+        assert!(
+            matches!(got, Confirmation::Nack(_)),
+            "confirmed by a minority: {got:?}"
+        );
+    }
+    wait_for_messages(&c, leader, &q, 21);
+}

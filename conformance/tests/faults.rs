@@ -2,7 +2,9 @@
 //!
 //! Publishers with confirms (each on a random node, each body unique) and consumers with manual
 //! acks (one following the queue's leader, the other on any node) run while one fault at a time hits a node: a SIGKILL
-//! and a restart on its data, or a SIGSTOP and SIGCONT (a pause: its peers elect around it). Every
+//! and a restart on its data, a SIGSTOP and SIGCONT (a pause: its peers elect around it), or a
+//! network partition that cuts it off from the other nodes while it runs and its clients go on (each
+//! cluster link goes through a proxy of the harness: `warren_conformance::partition`). Every
 //! publish, confirm, delivery and ack is recorded; once every node is back, the consumers drain
 //! the queue and the history is checked: every confirmed message delivered, nothing delivered that
 //! was never published, no message delivered again after an ack the broker must have applied.
@@ -10,8 +12,7 @@
 //! `WARREN_FAULT_ROUNDS` (default 8) sets the number of faults, `WARREN_FAULT_SEED` the seed of
 //! every random choice the harness makes (printed at the start); `scripts/faults` runs it long.
 //! A second test pauses the queue's leader alone while publishes reach it, directly and
-//! forwarded by another node (`WARREN_PAUSE_CYCLES` times). Network partitions are not injected
-//! yet: they need network namespaces between the nodes.
+//! forwarded by another node (`WARREN_PAUSE_CYCLES` times).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -443,7 +444,16 @@ fn inject(
             rng.below(3) + 1
         };
         let began = Instant::now();
-        if rng.below(2) == 0 {
+        let fault = rng.below(3);
+        if fault == 2 {
+            // Cut off while it runs and its clients go on: long enough, at times, for the
+            // others to bring it Down (5 s) and take its consumers' messages back.
+            let cut = rng.millis(500, 7000);
+            eprintln!("faults: round {round}: partition node {node} for {cut:?}");
+            c.cut(node);
+            std::thread::sleep(cut);
+            c.heal(node);
+        } else if fault == 0 {
             let down = rng.millis(300, 1500);
             eprintln!("faults: round {round}: SIGKILL node {node}, restart after {down:?}");
             c.node_mut(node).stop(true);
@@ -518,7 +528,8 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     );
     let mut rng = Rng(seed);
     // Snapshots every few hundred entries: restarted and lagging nodes come back through them.
-    let c = TestCluster::start_with(3, 20, SNAPSHOTS);
+    // Each cluster link goes through a proxy, so that a node can be cut off.
+    let c = TestCluster::start_partitionable(3, 20, SNAPSHOTS);
     let q = unique("faults");
     c.declare_quorum_queue(1, &q).await;
     c.leader_of(&q, 1);

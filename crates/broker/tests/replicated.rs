@@ -9,7 +9,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
 use warren_broker::machine::CreditGroup;
-use warren_broker::{Broker, BrokerConfig, DeclareQueue, Delivery, Message, Proposal, QueueId};
+use warren_broker::{
+    Broker, BrokerConfig, DeclareQueue, Delivery, GroupChange, Message, Proposal, QueueId,
+};
 use warren_codec::{FieldTable, FieldValue, ReplyCode, ShortStr};
 use warren_replication::{
     Config, GroupId, LogStore, MemLog, MultiRaft, NodeBatch, SnapshotMeta, StoredSnapshot,
@@ -234,11 +236,16 @@ impl Cluster {
                     m.log.compact_to(g, bound).expect("log");
                 }
             }
-            let (new, removed) = m.broker.take_group_changes();
-            m.removed.extend(removed);
-            for (g, campaign) in new {
-                if m.groups.insert(g) {
-                    m.raft.add_group(GroupId(g), campaign).expect("group");
+            for change in m.broker.take_group_changes() {
+                match change {
+                    GroupChange::Add { group, campaign } => {
+                        if m.groups.insert(group) {
+                            m.raft.add_group(GroupId(group), campaign).expect("group");
+                        }
+                    }
+                    GroupChange::Remove { group } => {
+                        m.removed.insert(group);
+                    }
                 }
             }
             for &g in &m.groups {
@@ -764,8 +771,12 @@ fn a_quorum_queue_with_stored_messages_from_before_the_cluster_stays_on_its_node
     assert_eq!(b.replica_group(id), None, "kept on this node");
     // It serves as before, here: no leader to wait for.
     assert!(b.acts_on(id));
-    let (_, removed) = b.take_group_changes();
-    assert_eq!(removed.len(), 1, "its group is given up");
+    let removed = b
+        .take_group_changes()
+        .into_iter()
+        .filter(|c| matches!(c, GroupChange::Remove { .. }))
+        .count();
+    assert_eq!(removed, 1, "its group is given up");
     let got = b.get("/", "jobs", true, conn(1, 3)).expect("get");
     assert_eq!(got.map(|(d, _)| d.message.body), Some(Bytes::from("job 1")));
 }
@@ -1449,4 +1460,27 @@ fn a_metadata_entry_lost_on_its_way_is_sent_again_and_a_copy_is_applied_once() {
             "node {n}"
         );
     }
+}
+
+#[test]
+fn an_exchange_declared_differently_on_two_nodes_at_once_ends_the_same_everywhere() {
+    let mut c = Cluster::new();
+    declare_exchange(&mut c, 2, "orders", "direct", true);
+    declare_exchange(&mut c, 3, "orders", "topic", true);
+    c.run(60);
+    let kinds: Vec<Option<String>> = NODES
+        .iter()
+        .map(|n| {
+            let b = &c.members[n].broker;
+            b.exchange_snapshots(Some("/"))
+                .into_iter()
+                .find(|x| x.name.as_str() == "orders")
+                .map(|x| x.kind.to_string())
+        })
+        .collect();
+    assert!(kinds[0].is_some(), "{kinds:?}");
+    assert!(
+        kinds.iter().all(|k| *k == kinds[0]),
+        "every node has one type: {kinds:?}"
+    );
 }

@@ -1079,8 +1079,12 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 }
             }
             Command::Configure(policy) => {
+                // A new policy restarts the x-expires lease (it may have set one); the same
+                // one again (a replicated queue's leader puts it in the log at each term) not.
+                if self.policy != policy {
+                    self.last_used = self.now_ms;
+                }
                 self.policy = policy;
-                self.last_used = self.now_ms;
                 // A policy may lower a limit on a queue that already holds messages.
                 self.drop_over_limit(effects);
                 Reply::Ok

@@ -509,14 +509,21 @@ impl Core {
     }
 
     /// Hands the replicated queues' proposals (and the groups to create or drop) to the Raft
-    /// thread: a group is added before anything is proposed to it.
+    /// thread: groups change first, in the broker's order, so a group is there before anything
+    /// is proposed to it (a removed group's proposals were dropped by the broker).
     fn replicate(&mut self) {
         let Some(raft) = self.raft.as_ref() else {
             return;
         };
-        let (new, removed) = self.node.broker_mut().take_group_changes();
-        for (group, campaign) in new {
-            raft.add_group(warren_broker::GroupId(group), campaign);
+        for change in self.node.broker_mut().take_group_changes() {
+            match change {
+                warren_broker::GroupChange::Add { group, campaign } => {
+                    raft.add_group(warren_broker::GroupId(group), campaign)
+                }
+                warren_broker::GroupChange::Remove { group } => {
+                    raft.remove_group(warren_broker::GroupId(group))
+                }
+            }
         }
         self.node.take_proposals(&mut self.proposals);
         for p in self.proposals.drain(..) {
@@ -525,9 +532,6 @@ impl Core {
                 None => raft.propose(group, p.data),
                 Some(leader) => raft.forward(leader, group, p.data),
             }
-        }
-        for group in removed {
-            raft.remove_group(warren_broker::GroupId(group));
         }
         self.node.take_snapshots(&mut self.snapshots);
         for s in self.snapshots.drain(..) {

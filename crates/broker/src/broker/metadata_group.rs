@@ -16,10 +16,11 @@
 //! change they carry (another node's change may have come between), so that a later change
 //! made here is not undone for a moment.
 
-use super::metadata_ops::{decode_entry, encode_entry, Binding, MetaOp};
+use super::metadata_ops::{decode_entry, decode_head, encode_entry, readable, Binding, MetaOp};
 use super::*;
 use crate::persist::BindingDest;
 use crate::replica::NodeId;
+use warren_codec::ReplyCode;
 
 use super::replicated::Proposal;
 use warren_replication::Committed;
@@ -48,7 +49,9 @@ struct InFlight {
     /// When it was last sent (`None`: no leader known yet).
     sent: Option<u64>,
     /// Each operation's number and object.
-    ops: Vec<(u64, String)>,
+    numbers: Vec<(u64, String)>,
+    /// The operations, to number the entry again (see `renumber`).
+    ops: Vec<MetaOp>,
 }
 
 /// The broker's part in the metadata group.
@@ -72,10 +75,22 @@ pub(crate) struct MetaState {
     /// The number of the latest change made here to each object whose entry is not applied.
     latest: HashMap<String, u64>,
     closed: Vec<MetaClosed>,
-    /// Groups to create (with whether this node stands for their leader) and to remove, for
-    /// the driver.
-    pub(super) new_groups: Vec<(u64, bool)>,
-    pub(super) removed_groups: Vec<u64>,
+    /// Groups to create and to remove, in order, for the driver.
+    pub(super) group_changes: Vec<GroupChange>,
+}
+
+/// A Raft group this node's broker needs, or no longer needs (a queue deleted and declared
+/// again between two passes of the driver needs its group removed, then made anew).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupChange {
+    /// Create it; `campaign`: this node stands for its leader (a client declared it here).
+    Add {
+        group: u64,
+        campaign: bool,
+    },
+    Remove {
+        group: u64,
+    },
 }
 
 impl MetaState {
@@ -102,7 +117,8 @@ impl MetaState {
                 seq: self.next_seq,
                 data: encode_entry(now, node, self.next_seq, &ops),
                 sent: None,
-                ops: numbers,
+                numbers,
+                ops,
             });
         }
         let leader = self.leader?;
@@ -119,6 +135,22 @@ impl MetaState {
     }
 }
 
+impl MetaState {
+    /// The entry in flight was numbered at or below what the log already applied of this node
+    /// (the clock went back across a restart: numbers start from the start time): it gets the
+    /// next number and goes again, else it would be taken for a copy for ever.
+    fn renumber(&mut self, node: NodeId, now: u64) -> Option<Proposal> {
+        let seen = self.seen.get(&node).copied().unwrap_or(0);
+        self.next_seq = self.next_seq.max(seen) + 1;
+        self.boot_seq = self.boot_seq.min(self.next_seq);
+        let f = self.in_flight.as_mut()?;
+        f.seq = self.next_seq;
+        f.data = encode_entry(now, node, f.seq, &f.ops);
+        f.sent = None;
+        self.send(node, now, true)
+    }
+}
+
 impl Broker {
     /// Runs `f` with what it changes kept to this node (its own configuration file's users,
     /// say), not sent to the cluster.
@@ -131,7 +163,14 @@ impl Broker {
 
     /// A definition changed by a client here: every node is told.
     pub(super) fn announce(&mut self, op: MetaOp) {
-        if self.restoring || self.meta_quiet {
+        if self.restoring || self.meta_quiet || self.cluster.is_none() {
+            return;
+        }
+        if !readable(&op) {
+            tracing::error!(
+                ?op,
+                "a definition the cluster could not read back: kept on this node only"
+            );
             return;
         }
         let now = self.now_ms;
@@ -215,8 +254,13 @@ impl Broker {
 
     /// When the entry in flight is due to be sent again (for the driver's timer).
     pub(super) fn meta_deadline(&self) -> Option<u64> {
-        let f = self.cluster.as_ref()?.meta.in_flight.as_ref()?;
-        f.sent.map(|at| at.saturating_add(META_RESEND_MS))
+        let m = &self.cluster.as_ref()?.meta;
+        // With no leader there is nowhere to send it: the next leader gets it at once.
+        m.leader?;
+        m.in_flight
+            .as_ref()?
+            .sent
+            .map(|at| at.saturating_add(META_RESEND_MS))
     }
 
     /// A metadata entry another node sent this node, which it leads the group for.
@@ -267,11 +311,20 @@ impl Broker {
             return;
         }
         c.meta.applied = e.index;
+        let node = c.node();
         let Some(entry) = decode_entry(&e.data) else {
             tracing::error!(index = e.index, "unreadable metadata entry skipped");
+            // This node's own (it checks what it sends, so a bug): the next one goes.
+            let (origin, seq) = decode_head(&e.data).unwrap_or((0, 0));
+            let m = &mut c.meta;
+            if origin == node && m.in_flight.as_ref().is_some_and(|f| f.seq == seq) {
+                m.in_flight = None;
+                if let Some(p) = m.send(node, now, false) {
+                    c.push(p);
+                }
+            }
             return;
         };
-        let node = c.node();
         let mine = entry.origin == node;
         if !entry.numbered {
             // The first format: its origin applied it when it was made.
@@ -284,6 +337,16 @@ impl Broker {
         }
         let seen = c.meta.seen.entry(entry.origin).or_insert(0);
         if entry.seq <= *seen {
+            let stuck = mine
+                && c.meta
+                    .in_flight
+                    .as_ref()
+                    .is_some_and(|f| f.seq == entry.seq);
+            if stuck {
+                if let Some(p) = c.meta.renumber(node, now) {
+                    c.push(p);
+                }
+            }
             return;
         }
         *seen = entry.seq;
@@ -294,7 +357,7 @@ impl Broker {
             return;
         }
         let numbers = match c.meta.in_flight.take() {
-            Some(f) if f.seq == entry.seq => f.ops,
+            Some(f) if f.seq == entry.seq => f.numbers,
             other => {
                 // Entries go one at a time: this is the one in flight, or a bug.
                 tracing::error!(
@@ -373,19 +436,31 @@ impl Broker {
                 auto_delete,
                 internal,
                 arguments,
-            } => self
-                .declare_exchange(
-                    &vhost,
-                    &name,
-                    &kind,
-                    false,
-                    true,
-                    auto_delete,
-                    internal,
-                    &arguments,
-                )
-                .err()
-                .and_then(err),
+            } => {
+                let declare = |b: &mut Broker| {
+                    b.declare_exchange(
+                        &vhost,
+                        &name,
+                        &kind,
+                        false,
+                        true,
+                        auto_delete,
+                        internal,
+                        &arguments,
+                    )
+                };
+                match declare(self) {
+                    Ok(()) => None,
+                    // Declared differently on two nodes at once: every node ends with the one
+                    // the log put last, as for any other change (its bindings go with it).
+                    Err(e) if e.code == ReplyCode::PreconditionFailed => {
+                        tracing::warn!(%vhost, exchange = %name, "exchange declared differently on two nodes at once: the later one replaces it");
+                        let _ = self.delete_exchange(&vhost, &name, false);
+                        declare(self).err().and_then(err)
+                    }
+                    Err(e) => err(e),
+                }
+            }
             MetaOp::DeleteExchange { vhost, name } => self
                 .delete_exchange(&vhost, &name, false)
                 .err()
@@ -489,16 +564,13 @@ impl Broker {
         Some((c.node(), c.nodes().to_vec(), c.meta.leader))
     }
 
-    /// Groups to create (and whether this node stands for leader) and to remove since the last
-    /// call: the driver adds them to, and removes them from, its Raft node.
-    pub fn take_group_changes(&mut self) -> (Vec<(u64, bool)>, Vec<u64>) {
-        match self.cluster.as_mut() {
-            Some(c) => (
-                std::mem::take(&mut c.meta.new_groups),
-                std::mem::take(&mut c.meta.removed_groups),
-            ),
-            None => (Vec::new(), Vec::new()),
-        }
+    /// The groups to create and remove since the last call, in the order they must be: the
+    /// driver adds them to, and removes them from, its Raft node.
+    pub fn take_group_changes(&mut self) -> Vec<GroupChange> {
+        self.cluster
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.meta.group_changes))
+            .unwrap_or_default()
     }
 }
 
@@ -600,5 +672,131 @@ mod tests {
             index: 5,
             seen: vec![(1, 13)],
         }));
+    }
+
+    /// What node 2 proposes or sends to the metadata group's leader (node 1).
+    fn sent(b: &mut Broker) -> Vec<bytes::Bytes> {
+        let mut out = Vec::new();
+        b.take_proposals(&mut out);
+        out.into_iter()
+            .filter(|p| p.group == META_GROUP)
+            .map(|p| bytes::Bytes::from(p.data))
+            .collect()
+    }
+
+    fn own(index: u64, data: bytes::Bytes) -> Committed {
+        Committed {
+            group: GroupId(META_GROUP),
+            index,
+            term: 1,
+            data,
+        }
+    }
+
+    #[test]
+    fn an_entry_numbered_below_what_the_log_has_of_this_node_is_numbered_again() {
+        // A start with the clock behind the previous one: the log already applied entries of
+        // this node numbered above the new start's.
+        let mut b = node_two();
+        b.restore_access(&StoreOp::PutMetaApplied {
+            index: 3,
+            seen: vec![(2, 40 << 20)],
+        })
+        .expect("restored");
+        b.set_meta_leader(Some(1));
+        b.declare_exchange(
+            "/",
+            "x",
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("declare");
+        let first = sent(&mut b);
+        assert_eq!(first.len(), 1);
+        b.apply_committed(&[own(4, first[0].clone())]);
+        let again = sent(&mut b);
+        assert_eq!(again.len(), 1, "sent again at once, numbered anew");
+        let (_, seq) = decode_head(&again[0]).expect("head");
+        assert!(seq > 40 << 20);
+        b.apply_committed(&[own(5, again[0].clone())]);
+        assert!(sent(&mut b).is_empty());
+        assert_eq!(
+            b.cluster.as_ref().map(|c| c.meta.seen.get(&2).copied()),
+            Some(Some(seq))
+        );
+        // Nothing waits: the next change goes at once.
+        b.declare_exchange(
+            "/",
+            "y",
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("declare");
+        assert_eq!(sent(&mut b).len(), 1);
+    }
+
+    #[test]
+    fn an_unreadable_entry_of_this_node_does_not_hold_back_the_next_ones() {
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        b.declare_exchange(
+            "/",
+            "x",
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("declare");
+        b.declare_exchange(
+            "/",
+            "y",
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("declare");
+        let first = sent(&mut b);
+        assert_eq!(first.len(), 1, "one entry in flight");
+        let mut damaged = first[0].slice(..super::super::metadata_ops::HEAD).to_vec();
+        damaged.extend_from_slice(b"garbage");
+        b.apply_committed(&[own(1, bytes::Bytes::from(damaged))]);
+        assert_eq!(sent(&mut b).len(), 1, "the next entry goes");
+    }
+
+    #[test]
+    fn with_no_leader_known_nothing_is_due() {
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        b.declare_exchange(
+            "/",
+            "x",
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("declare");
+        assert_eq!(sent(&mut b).len(), 1);
+        assert_eq!(b.meta_deadline(), Some(META_RESEND_MS));
+        b.set_meta_leader(None);
+        assert_eq!(b.meta_deadline(), None, "no timer to spin on");
+        b.set_meta_leader(Some(3));
+        assert_eq!(sent(&mut b).len(), 1, "the new leader gets it");
     }
 }

@@ -529,16 +529,25 @@ pub(super) fn encode_entry(now_ms: u64, node: NodeId, seq: u64, ops: &[MetaOp]) 
     out.to_vec()
 }
 
+/// The node an entry comes from and its number there, even when the rest cannot be read.
+pub(super) fn decode_head(data: &Bytes) -> Option<(NodeId, u64)> {
+    let mut b = data.get(..HEAD)?;
+    let _now = b.get_u64();
+    Some((b.get_u64(), b.get_u64()))
+}
+
+/// Whether this version reads back what it writes of `op` (a table nested deeper than the
+/// decoder allows would not be: such an entry could never be applied anywhere).
+pub(super) fn readable(op: &MetaOp) -> bool {
+    let data = Bytes::from(encode_entry(0, 0, 0, std::slice::from_ref(op)));
+    decode_entry(&data).is_some_and(|e| e.ops.first() == Some(op))
+}
+
 /// An entry of either format; `None` if it cannot be read (or names an operation this
 /// version does not know).
 pub(super) fn decode_entry(data: &Bytes) -> Option<Entry> {
-    let mut b = data.clone();
-    if b.len() < HEAD {
-        return None;
-    }
-    let _now = b.get_u64();
-    let origin = b.get_u64();
-    let seq = b.get_u64();
+    let (origin, seq) = decode_head(data)?;
+    let mut b = data.slice(HEAD..);
     let t = FieldTable::decode(&mut b).ok()?;
     let numbered = t.get("v").and_then(FieldValue::as_i64) == Some(FORMAT_LIST);
     let ops = if numbered {

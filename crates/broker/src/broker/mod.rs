@@ -15,7 +15,7 @@ mod users;
 // The free helpers of each part, for the others.
 use flows::*;
 use metadata::*;
-pub use metadata_group::MetaClosed;
+pub use metadata_group::{GroupChange, MetaClosed};
 use persistence::*;
 use publish::*;
 use replicated::not_led_here;

@@ -512,7 +512,12 @@ impl Broker {
         q.replica = Some(Box::new(ReplicaState::new(group)));
         // Declared by a client here, this node creates the group and stands for its leader;
         // declared from the metadata group or the store, it waits to hear from the leader.
-        c.meta.new_groups.push((group, !self.restoring));
+        c.meta
+            .group_changes
+            .push(super::metadata_group::GroupChange::Add {
+                group,
+                campaign: !self.restoring,
+            });
     }
 
     /// A replicated queue left this node's broker: its group goes too, and every node is
@@ -520,7 +525,12 @@ impl Broker {
     pub(super) fn detach_replica(&mut self, q: &Queue) {
         if let (Some(c), Some(r)) = (self.cluster.as_mut(), q.replica.as_ref()) {
             c.groups.remove(&r.group);
-            c.meta.removed_groups.push(r.group);
+            c.meta
+                .group_changes
+                .push(super::metadata_group::GroupChange::Remove { group: r.group });
+            // What it had for its group's leader goes nowhere (a queue declared again with its
+            // name gets a new group of the same number).
+            c.outbox.retain(|p| p.group != r.group);
             // Its group is gone: what this node still waits for there will never be applied,
             // and must not hold back the confirms of every later batch.
             let mut outcomes = Vec::new();
@@ -549,7 +559,9 @@ impl Broker {
         tracing::warn!(queue = %q.name, vhost = %q.vhost, "quorum queue from before this node joined the cluster: it stays on this node, not replicated");
         if let Some(c) = self.cluster.as_mut() {
             c.groups.remove(&r.group);
-            c.meta.removed_groups.push(r.group);
+            c.meta
+                .group_changes
+                .push(super::metadata_group::GroupChange::Remove { group: r.group });
         }
     }
 
@@ -907,17 +919,19 @@ impl Broker {
             .min()
     }
 
-    /// A leader that starts acting on a queue makes its log say what the queue's definitions
-    /// (arguments and policies, the cluster's) ask of it: a policy set while no member led,
-    /// or learnt after the previous leader's death, reaches the machine.
-    fn configure_if_changed(&mut self, id: QueueId) {
+    /// A leader that starts acting on a queue puts in its log what the queue's definitions
+    /// (arguments and policies, the cluster's) ask of it, before anything else it proposes: a
+    /// policy set while no member led, or learnt after the previous leader's death, reaches
+    /// the machine, and so do logs written before Configure went through the log (each member
+    /// applied its own then: a member replaying one has none).
+    fn configure_for_term(&mut self, id: QueueId) {
         let Some(q) = self.queues.get(&id) else {
             return;
         };
         let want = super::policy(&q.args);
-        if q.machine.policy() != want {
-            self.run(id, Command::Configure(want));
-        }
+        self.run(id, Command::Configure(want));
+        // A lower limit drops messages: their dead letters go out.
+        self.finish_effects(id);
     }
 
     /// A command each member takes from its own definitions reaches the committed copy too.
@@ -1183,8 +1197,8 @@ impl Broker {
         }
         for id in started {
             self.refile(id);
+            self.configure_for_term(id);
             self.reissue_kept(id);
-            self.configure_if_changed(id);
         }
         for (id, cid) in ghosts {
             if let Some(c) = self.cluster.as_mut() {
