@@ -609,6 +609,21 @@ mod tests {
         }
     }
 
+    /// A durable direct exchange, declared by a client of this node.
+    fn declare(b: &mut Broker, name: &str) {
+        b.declare_exchange(
+            "/",
+            name,
+            "direct",
+            false,
+            true,
+            false,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("declare");
+    }
+
     fn written(b: &mut Broker) -> Vec<StoreOp> {
         let mut ops = Vec::new();
         while let Some(w) = b.take_writes() {
@@ -651,17 +666,7 @@ mod tests {
         // last one neither, the next one is applied.
         let mut b = node_two();
         b.restore_access(&place).expect("restored");
-        b.declare_exchange(
-            "/",
-            "b",
-            "direct",
-            false,
-            true,
-            false,
-            false,
-            &FieldTable::new(),
-        )
-        .expect("from the store");
+        declare(&mut b, "b");
         let _ = written(&mut b);
         b.apply_committed(&log);
         assert!(written(&mut b).is_empty(), "nothing applied twice");
@@ -704,17 +709,7 @@ mod tests {
         })
         .expect("restored");
         b.set_meta_leader(Some(1));
-        b.declare_exchange(
-            "/",
-            "x",
-            "direct",
-            false,
-            true,
-            false,
-            false,
-            &FieldTable::new(),
-        )
-        .expect("declare");
+        declare(&mut b, "x");
         let first = sent(&mut b);
         assert_eq!(first.len(), 1);
         b.apply_committed(&[own(4, first[0].clone())]);
@@ -729,17 +724,7 @@ mod tests {
             Some(Some(seq))
         );
         // Nothing waits: the next change goes at once.
-        b.declare_exchange(
-            "/",
-            "y",
-            "direct",
-            false,
-            true,
-            false,
-            false,
-            &FieldTable::new(),
-        )
-        .expect("declare");
+        declare(&mut b, "y");
         assert_eq!(sent(&mut b).len(), 1);
     }
 
@@ -747,28 +732,8 @@ mod tests {
     fn an_unreadable_entry_of_this_node_does_not_hold_back_the_next_ones() {
         let mut b = node_two();
         b.set_meta_leader(Some(1));
-        b.declare_exchange(
-            "/",
-            "x",
-            "direct",
-            false,
-            true,
-            false,
-            false,
-            &FieldTable::new(),
-        )
-        .expect("declare");
-        b.declare_exchange(
-            "/",
-            "y",
-            "direct",
-            false,
-            true,
-            false,
-            false,
-            &FieldTable::new(),
-        )
-        .expect("declare");
+        declare(&mut b, "x");
+        declare(&mut b, "y");
         let first = sent(&mut b);
         assert_eq!(first.len(), 1, "one entry in flight");
         let mut damaged = first[0].slice(..super::super::metadata_ops::HEAD).to_vec();
@@ -781,17 +746,7 @@ mod tests {
     fn with_no_leader_known_nothing_is_due() {
         let mut b = node_two();
         b.set_meta_leader(Some(1));
-        b.declare_exchange(
-            "/",
-            "x",
-            "direct",
-            false,
-            true,
-            false,
-            false,
-            &FieldTable::new(),
-        )
-        .expect("declare");
+        declare(&mut b, "x");
         assert_eq!(sent(&mut b).len(), 1);
         assert_eq!(b.meta_deadline(), Some(META_RESEND_MS));
         b.set_meta_leader(None);
