@@ -177,11 +177,21 @@ pub enum StoreOp {
         name: String,
     },
     /// A cluster node's place in the metadata group's log: the definitions in the store hold
-    /// the changes of every entry up to `index`; `seen` is the highest entry number applied
-    /// per node (a copy of an entry sent twice is applied once).
+    /// the changes of every entry up to `index`; `seen` is the highest change number applied
+    /// per node (a copy of a change sent twice is applied once).
     PutMetaApplied {
         index: u64,
         seen: Vec<(u64, u64)>,
+    },
+    /// A definition change a cluster node made, until the metadata group's log has applied
+    /// it (`data`: the change as an entry of its own): sent again after a restart.
+    PutMetaPending {
+        number: u64,
+        data: Vec<u8>,
+    },
+    /// The metadata group's log applied the change: it is no longer sent again.
+    DeleteMetaPending {
+        number: u64,
     },
 }
 

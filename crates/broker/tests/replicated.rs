@@ -1431,6 +1431,8 @@ fn two_nodes_changing_one_object_at_once_end_up_with_the_same_one() {
 fn a_metadata_entry_lost_on_its_way_is_sent_again_and_a_copy_is_applied_once() {
     let mut c = Cluster::new();
     declare_exchange(&mut c, 2, "lost", "direct", true);
+    // One step writes the change to the node's store, the next sends it.
+    c.step();
     c.step();
     assert!(
         !c.forwards.is_empty(),
@@ -1443,6 +1445,7 @@ fn a_metadata_entry_lost_on_its_way_is_sent_again_and_a_copy_is_applied_once() {
     assert!(until_everywhere(&mut c, 400, |b| b.exchange_exists("/", "lost")));
 
     declare_exchange(&mut c, 2, "twice", "direct", true);
+    c.step();
     c.step();
     let copies = c.forwards.clone();
     assert!(!copies.is_empty());

@@ -29,8 +29,11 @@ pub const LIMITS: u8 = b'l';
 /// definition.
 pub const POLICY: u8 = b'y';
 /// A cluster node's place in the metadata group's log (one record): the index applied, then
-/// the highest entry number applied per node.
+/// the highest change number applied per node.
 pub const META_APPLIED: u8 = b'm';
+/// A definition change a cluster node made that the metadata group's log has not applied yet
+/// (`META_PENDING`, its number): the change, as a metadata entry of its own.
+pub const META_PENDING: u8 = b'n';
 const OPERATOR: u8 = b'o';
 
 const DEST_QUEUE: u8 = b'q';
@@ -503,6 +506,10 @@ pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
             put_text(&mut k, name);
         }
         StoreOp::PutMetaApplied { .. } => k.put_u8(META_APPLIED),
+        StoreOp::PutMetaPending { number, .. } | StoreOp::DeleteMetaPending { number } => {
+            k.put_u8(META_PENDING);
+            k.put_u64(*number);
+        }
         _ => return None,
     }
     Some(k)
@@ -539,6 +546,10 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
         StoreOp::PutTopicPermission(t) => {
             put_text(&mut v, &t.write);
             put_text(&mut v, &t.read);
+        }
+        StoreOp::PutMetaPending { data, .. } => {
+            v.put_u32(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            v.put_slice(data);
         }
         StoreOp::PutMetaApplied { index, seen } => {
             v.put_u64(*index);
@@ -601,6 +612,12 @@ impl Reader {
 /// A stored vhost, user or permission, as the op that wrote it.
 fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, StoreError> {
     let op = match kind {
+        META_PENDING => {
+            let number = k.u64("pending change number")?;
+            let n = v.u32("pending change length")? as usize;
+            let data = v.bytes(n, "pending change")?.to_vec();
+            StoreOp::PutMetaPending { number, data }
+        }
         META_APPLIED => {
             let index = v.u64("metadata index")?;
             let n = v.u32("metadata node count")?;
@@ -796,9 +813,8 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
                 arguments,
             }))
         }
-        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS | POLICY | META_APPLIED) => {
-            decode_access(kind, &mut k, &mut v).map(Def::Access)
-        }
+        kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS | POLICY | META_APPLIED
+        | META_PENDING) => decode_access(kind, &mut k, &mut v).map(Def::Access),
         other => Err(StoreError::Corrupt(format!(
             "unknown definition kind {other:#04x}"
         ))),

@@ -425,7 +425,8 @@ impl Store {
                     }
                     StoreOp::PutLimits { .. }
                     | StoreOp::PutPolicy(_)
-                    | StoreOp::PutMetaApplied { .. } => {
+                    | StoreOp::PutMetaApplied { .. }
+                    | StoreOp::PutMetaPending { .. } => {
                         if let Some((k, v)) = codec::access_record(op) {
                             wb.put_cf(defs, k, v);
                         }
@@ -434,7 +435,8 @@ impl Store {
                     | StoreOp::DeleteUser { .. }
                     | StoreOp::DeletePermission { .. }
                     | StoreOp::DeleteTopicPermission { .. }
-                    | StoreOp::DeletePolicy { .. } => {
+                    | StoreOp::DeletePolicy { .. }
+                    | StoreOp::DeleteMetaPending { .. } => {
                         if let Some(k) = codec::access_key(op) {
                             wb.delete_cf(defs, k);
                         }

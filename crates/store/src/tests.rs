@@ -1268,21 +1268,32 @@ fn a_ttl_lowered_by_a_policy_still_reaches_stored_messages_after_a_restart() {
 }
 
 #[test]
-fn a_cluster_nodes_place_in_the_metadata_log_is_one_record_that_reads_back() {
+fn a_cluster_nodes_place_in_the_metadata_log_and_its_pending_changes_read_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let s = Store::open(dir.path()).expect("open");
     let place = |index| StoreOp::PutMetaApplied {
         index,
         seen: vec![(1, 7), (3, 1 << 60)],
     };
-    for index in [41, 42] {
+    let pending = |number| StoreOp::PutMetaPending {
+        number,
+        data: vec![number as u8; 30],
+    };
+    // Pending changes read back in number order (0xff before 0x100): they are sent again so.
+    for (index, number) in [(41, 0x100), (42, 0xff)] {
         let batch = WriteBatch {
             number: index,
-            ops: vec![place(index)],
+            ops: vec![place(index), pending(number), pending(141)],
             sync: true,
         };
         s.write(&[batch]).expect("write");
     }
+    let applied = WriteBatch {
+        number: 43,
+        ops: vec![StoreOp::DeleteMetaPending { number: 141 }],
+        sync: false,
+    };
+    s.write(&[applied]).expect("write");
     let defs = s.cf(CF_DEFS).expect("cf");
     let records: Vec<StoreOp> =
         s.db.iterator_cf(defs, rocksdb::IteratorMode::Start)
@@ -1294,5 +1305,5 @@ fn a_cluster_nodes_place_in_the_metadata_log_is_one_record_that_reads_back() {
                 }
             })
             .collect();
-    assert_eq!(records, vec![place(42)]);
+    assert_eq!(records, vec![place(42), pending(0xff), pending(0x100)]);
 }

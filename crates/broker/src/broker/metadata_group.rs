@@ -8,13 +8,14 @@
 //! client gets its answer) and sends the change to the group's leader; every node applies the
 //! committed entries in log order, so all converge on the log's order even when two nodes
 //! change one object at once. A node keeps one entry in flight at a time (what is changed
-//! meanwhile waits for the next entry) and sends it again until it is applied: entries are
+//! meanwhile waits for the next entry) and sends it again until it is applied: changes are
 //! numbered per node, and a copy is applied once. The index applied is written to the store
 //! with what the entries changed, so a restart applies only the entries after it.
 //!
-//! Entries this node made in this start are applied again only for the objects whose latest
-//! change they carry (another node's change may have come between), so that a later change
-//! made here is not undone for a moment.
+//! A node's own changes are applied again only for the objects whose latest change they carry
+//! (another node's change may have come between), so that a later change made here is not
+//! undone for a moment. Each change stays in the store until the log has applied it, so a
+//! node killed in between sends it again when it starts.
 
 use super::metadata_ops::{decode_entry, decode_head, encode_entry, readable, Binding, MetaOp};
 use super::*;
@@ -44,14 +45,25 @@ pub enum MetaClosed {
 /// The entry this node sent and the log has not applied yet.
 #[derive(Debug)]
 struct InFlight {
+    /// Its first operation's number (the entry's in its head), and its last one's: it is
+    /// applied once the log has applied that one.
     seq: u64,
+    last: u64,
     data: Vec<u8>,
     /// When it was last sent (`None`: no leader known yet).
     sent: Option<u64>,
-    /// Each operation's number and object.
-    numbers: Vec<(u64, String)>,
-    /// The operations, to number the entry again (see `renumber`).
-    ops: Vec<MetaOp>,
+    /// Its operations' numbers: the store's records of them go if it is given up.
+    numbers: Vec<u64>,
+}
+
+/// A change made here that the log has not applied yet.
+#[derive(Debug)]
+struct Waiting {
+    number: u64,
+    op: MetaOp,
+    /// The store batch that keeps it: it goes to the cluster once that batch is written, so
+    /// that every number the log may hold of this node is in its store after a crash.
+    batch: u64,
 }
 
 /// The broker's part in the metadata group.
@@ -60,15 +72,15 @@ pub(crate) struct MetaState {
     /// Who leads the metadata group.
     leader: Option<NodeId>,
     in_flight: Option<InFlight>,
-    /// Changes made here since, numbered, for the next entry.
-    queued: VecDeque<(u64, MetaOp)>,
+    /// Changes made here since, numbered, for the next entry (and, after a restart, those
+    /// of the previous start the log had not applied: the store kept them).
+    queued: VecDeque<Waiting>,
+    /// The store batches written (see `Broker::writes_done`).
+    written: u64,
+    /// The number of this node's last change: numbers grow across restarts (from the start
+    /// time, and past any the store or the log has of this node).
     next_op: u64,
-    /// The number of this node's last entry.
-    next_seq: u64,
-    /// The first entry number of this start: an entry of this node's below it is from an
-    /// earlier start.
-    boot_seq: u64,
-    /// The highest entry number applied, per node.
+    /// The highest change number applied, per node: a copy is applied once.
     seen: BTreeMap<NodeId, u64>,
     /// The log index applied (and written to the store with what it changed).
     applied: u64,
@@ -94,10 +106,9 @@ pub enum GroupChange {
 }
 
 impl MetaState {
-    pub(super) fn starting_at(boot_seq: u64) -> Self {
+    pub(super) fn starting_at(first_op: u64) -> Self {
         MetaState {
-            next_seq: boot_seq,
-            boot_seq,
+            next_op: first_op,
             ..MetaState::default()
         }
     }
@@ -105,20 +116,24 @@ impl MetaState {
     /// The entry to send now, if any: the one in flight (made from what is queued when there
     /// is none), once a leader is known.
     fn send(&mut self, node: NodeId, now: u64, again: bool) -> Option<Proposal> {
-        if self.in_flight.is_none() && !self.queued.is_empty() {
-            let n = self.queued.len().min(OPS_PER_ENTRY);
-            let (numbers, ops): (Vec<(u64, String)>, Vec<MetaOp>) = self
+        let stored = self
+            .queued
+            .iter()
+            .take(OPS_PER_ENTRY)
+            .take_while(|w| w.batch <= self.written)
+            .count();
+        if self.in_flight.is_none() && stored > 0 {
+            let ops: Vec<(u64, MetaOp)> = self
                 .queued
-                .drain(..n)
-                .map(|(number, op)| ((number, op.object()), op))
-                .unzip();
-            self.next_seq += 1;
+                .drain(..stored)
+                .map(|w| (w.number, w.op))
+                .collect();
             self.in_flight = Some(InFlight {
-                seq: self.next_seq,
-                data: encode_entry(now, node, self.next_seq, &ops),
+                seq: ops.first().map_or(0, |(n, _)| *n),
+                last: ops.last().map_or(0, |(n, _)| *n),
+                data: encode_entry(now, node, &ops),
                 sent: None,
-                numbers,
-                ops,
+                numbers: ops.iter().map(|(n, _)| *n).collect(),
             });
         }
         let leader = self.leader?;
@@ -132,22 +147,6 @@ impl MetaState {
             data: f.data.clone(),
             to: (leader != node).then_some(leader),
         })
-    }
-}
-
-impl MetaState {
-    /// The entry in flight was numbered at or below what the log already applied of this node
-    /// (the clock went back across a restart: numbers start from the start time): it gets the
-    /// next number and goes again, else it would be taken for a copy for ever.
-    fn renumber(&mut self, node: NodeId, now: u64) -> Option<Proposal> {
-        let seen = self.seen.get(&node).copied().unwrap_or(0);
-        self.next_seq = self.next_seq.max(seen) + 1;
-        self.boot_seq = self.boot_seq.min(self.next_seq);
-        let f = self.in_flight.as_mut()?;
-        f.seq = self.next_seq;
-        f.data = encode_entry(now, node, f.seq, &f.ops);
-        f.sent = None;
-        self.send(node, now, true)
     }
 }
 
@@ -174,15 +173,40 @@ impl Broker {
             return;
         }
         let now = self.now_ms;
+        // The batch the change goes into (`None`: no store, nothing to wait for).
+        let batch = self.persist.as_ref().map_or(0, |p| p.next_batch);
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
         let node = c.node();
         let m = &mut c.meta;
         m.next_op += 1;
-        m.latest.insert(op.object(), m.next_op);
-        m.queued.push_back((m.next_op, op));
+        let number = m.next_op;
+        // Kept in the store with the change itself, until the log has applied it: after a
+        // crash the node sends it again (else its store would hold what the cluster lacks).
+        let pending = StoreOp::PutMetaPending {
+            number,
+            data: encode_entry(now, node, &[(number, op.clone())]),
+        };
+        m.latest.insert(op.object(), number);
+        m.queued.push_back(Waiting { number, op, batch });
         if let Some(p) = m.send(node, now, false) {
+            c.push(p);
+        }
+        if let Some(p) = self.persist.as_mut() {
+            p.push(pending, true);
+        }
+    }
+
+    /// The store wrote its batches up to `upto`: the changes they keep may go to the cluster.
+    pub(super) fn meta_written(&mut self, upto: u64) {
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        c.meta.written = c.meta.written.max(upto);
+        let node = c.node();
+        if let Some(p) = c.meta.send(node, now, false) {
             c.push(p);
         }
     }
@@ -318,9 +342,14 @@ impl Broker {
             let (origin, seq) = decode_head(&e.data).unwrap_or((0, 0));
             let m = &mut c.meta;
             if origin == node && m.in_flight.as_ref().is_some_and(|f| f.seq == seq) {
-                m.in_flight = None;
+                let numbers = m.in_flight.take().map_or(Vec::new(), |f| f.numbers);
                 if let Some(p) = m.send(node, now, false) {
                     c.push(p);
+                }
+                if let Some(p) = self.persist.as_mut() {
+                    for number in numbers {
+                        p.push(StoreOp::DeleteMetaPending { number }, false);
+                    }
                 }
             }
             return;
@@ -329,56 +358,56 @@ impl Broker {
         if !entry.numbered {
             // The first format: its origin applied it when it was made.
             if !mine {
-                for op in entry.ops {
+                for (_, op) in entry.ops {
                     self.apply_meta_op(op);
                 }
             }
             return;
         }
-        let seen = c.meta.seen.entry(entry.origin).or_insert(0);
-        if entry.seq <= *seen {
-            let stuck = mine
-                && c.meta
-                    .in_flight
-                    .as_ref()
-                    .is_some_and(|f| f.seq == entry.seq);
-            if stuck {
-                if let Some(p) = c.meta.renumber(node, now) {
+        let m = &mut c.meta;
+        let seen = m.seen.entry(entry.origin).or_insert(0);
+        let mut apply = Vec::new();
+        let mut done = Vec::new();
+        for (number, op) in entry.ops {
+            if mine {
+                // Applied by the log: the store no longer keeps it for a resend.
+                done.push(StoreOp::DeleteMetaPending { number });
+            }
+            if number <= *seen {
+                continue; // a copy
+            }
+            *seen = number;
+            if mine {
+                // Applied here when it was made: again only while it is the latest change
+                // to its object (another node's change to it may have come between).
+                let object = op.object();
+                if m.latest.get(&object) != Some(&number) {
+                    continue;
+                }
+                m.latest.remove(&object);
+            }
+            apply.push(op);
+        }
+        let seen = *seen;
+        if mine {
+            // A change restored after a restart may be applied by its first copy before it
+            // is sent again.
+            while m.queued.front().is_some_and(|w| w.number <= seen) {
+                m.queued.pop_front();
+            }
+            if m.in_flight.as_ref().is_some_and(|f| f.last <= seen) {
+                m.in_flight = None;
+                if let Some(p) = m.send(node, now, false) {
                     c.push(p);
                 }
             }
-            return;
         }
-        *seen = entry.seq;
-        if !mine || entry.seq < c.meta.boot_seq {
-            for op in entry.ops {
-                self.apply_meta_op(op);
-            }
-            return;
-        }
-        let numbers = match c.meta.in_flight.take() {
-            Some(f) if f.seq == entry.seq => f.numbers,
-            other => {
-                // Entries go one at a time: this is the one in flight, or a bug.
-                tracing::error!(
-                    seq = entry.seq,
-                    "metadata entry of this node applied out of turn"
-                );
-                c.meta.in_flight = other;
-                return;
-            }
-        };
-        if let Some(p) = c.meta.send(node, now, false) {
-            c.push(p);
-        }
-        let mut redo = Vec::new();
-        for (op, (number, object)) in entry.ops.into_iter().zip(numbers) {
-            if c.meta.latest.get(&object) == Some(&number) {
-                c.meta.latest.remove(&object);
-                redo.push(op);
+        if let Some(p) = self.persist.as_mut() {
+            for op in done {
+                p.push(op, false);
             }
         }
-        for op in redo {
+        for op in apply {
             self.apply_meta_op(op);
         }
     }
@@ -540,12 +569,48 @@ impl Broker {
     }
 
     /// Recovery: the metadata log's index this node's store holds the changes of, and the
-    /// highest entry number applied per node.
+    /// highest change number applied per node.
     pub(super) fn restore_meta_applied(&mut self, index: u64, seen: &[(u64, u64)]) {
         if let Some(c) = self.cluster.as_mut() {
-            c.meta.applied = index;
-            c.meta.seen = seen.iter().copied().collect();
+            let node = c.node();
+            let m = &mut c.meta;
+            m.applied = index;
+            m.seen = seen.iter().copied().collect();
+            // Numbered past what the log has of this node, even if the clock went back.
+            m.next_op = m.next_op.max(m.seen.get(&node).copied().unwrap_or(0));
         }
+    }
+
+    /// Recovery: a change this node made that the log had not applied when it stopped: it
+    /// goes to the cluster again (in number order, before any new one). The store already
+    /// holds what it changed here.
+    pub(super) fn restore_meta_pending(&mut self, number: u64, data: &[u8]) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let op = decode_entry(&bytes::Bytes::copy_from_slice(data))
+            .and_then(|e| e.ops.into_iter().next());
+        let Some((_, op)) = op else {
+            tracing::error!(
+                number,
+                "unreadable pending definition change: not sent again"
+            );
+            return;
+        };
+        let m = &mut c.meta;
+        m.next_op = m.next_op.max(number);
+        let latest = m.latest.entry(op.object()).or_insert(number);
+        *latest = (*latest).max(number);
+        // Already in the store: it may go at once.
+        let at = m.queued.partition_point(|w| w.number < number);
+        m.queued.insert(
+            at,
+            Waiting {
+                number,
+                op,
+                batch: 0,
+            },
+        );
     }
 
     /// Users and vhosts other nodes deleted since the last call: their connections here are
@@ -594,7 +659,7 @@ mod tests {
             group: GroupId(META_GROUP),
             index,
             term: 1,
-            data: bytes::Bytes::from(encode_entry(0, 1, seq, &[op])),
+            data: bytes::Bytes::from(encode_entry(0, 1, &[(seq, op)])),
         }
     }
 
@@ -624,10 +689,12 @@ mod tests {
         .expect("declare");
     }
 
+    /// What the broker wrote since, reported written (as the store thread does).
     fn written(b: &mut Broker) -> Vec<StoreOp> {
         let mut ops = Vec::new();
         while let Some(w) = b.take_writes() {
             ops.extend(w.ops);
+            b.writes_done(w.number);
         }
         ops
     }
@@ -679,8 +746,10 @@ mod tests {
         }));
     }
 
-    /// What node 2 proposes or sends to the metadata group's leader (node 1).
+    /// What node 2 proposes or sends to the metadata group's leader (node 1), once its store
+    /// wrote what it had.
     fn sent(b: &mut Broker) -> Vec<bytes::Bytes> {
+        let _ = written(b);
         let mut out = Vec::new();
         b.take_proposals(&mut out);
         out.into_iter()
@@ -699,33 +768,90 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_numbered_below_what_the_log_has_of_this_node_is_numbered_again() {
-        // A start with the clock behind the previous one: the log already applied entries of
-        // this node numbered above the new start's.
+    fn a_change_goes_to_the_cluster_once_the_store_has_it() {
         let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        declare(&mut b, "x");
+        let mut out = Vec::new();
+        b.take_proposals(&mut out);
+        assert!(out.is_empty(), "not before the store wrote it");
+        let batch = b.take_writes().expect("a batch");
+        assert!(batch
+            .ops
+            .iter()
+            .any(|op| matches!(op, StoreOp::PutMetaPending { .. })));
+        b.take_proposals(&mut out);
+        assert!(out.is_empty(), "handed to the store is not written");
+        b.writes_done(batch.number);
+        assert_eq!(sent(&mut b).len(), 1, "sent once written");
+    }
+
+    #[test]
+    fn numbers_go_on_past_what_the_store_has_of_this_node_even_if_the_clock_went_back() {
+        let mut b = node_two();
+        let high = 40 << 20;
         b.restore_access(&StoreOp::PutMetaApplied {
             index: 3,
-            seen: vec![(2, 40 << 20)],
+            seen: vec![(2, high)],
         })
         .expect("restored");
         b.set_meta_leader(Some(1));
         declare(&mut b, "x");
+        let out = sent(&mut b);
+        assert_eq!(out.len(), 1);
+        let (_, seq) = decode_head(&out[0]).expect("head");
+        assert!(seq > high, "{seq} after {high}");
+    }
+
+    #[test]
+    fn a_change_the_log_had_not_applied_before_a_crash_is_sent_again_after_it() {
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        declare(&mut b, "x");
+        let ops = written(&mut b);
         let first = sent(&mut b);
         assert_eq!(first.len(), 1);
-        b.apply_committed(&[own(4, first[0].clone())]);
+        let pending: Vec<StoreOp> = ops
+            .into_iter()
+            .filter(|op| matches!(op, StoreOp::PutMetaPending { .. }))
+            .collect();
+        assert_eq!(pending.len(), 1, "kept with the declaration");
+
+        // The node dies before the log applies it; started again on its store (the clock
+        // behind: its start time is below the change's number), it sends the change again
+        // and numbers new ones after it.
+        let mut b = Broker::new(BrokerConfig {
+            persistence: true,
+            ..BrokerConfig::default()
+        });
+        b.join_cluster(2, &[1, 2, 3], 1);
+        b.restore_access(&pending[0]).expect("restored");
+        b.set_meta_leader(Some(1));
         let again = sent(&mut b);
-        assert_eq!(again.len(), 1, "sent again at once, numbered anew");
-        let (_, seq) = decode_head(&again[0]).expect("head");
-        assert!(seq > 40 << 20);
-        b.apply_committed(&[own(5, again[0].clone())]);
-        assert!(sent(&mut b).is_empty());
+        assert_eq!(again.len(), 1, "sent again");
+        let resent = decode_entry(&again[0]).expect("entry");
+        let StoreOp::PutMetaPending { number, .. } = pending[0] else {
+            unreachable!()
+        };
+        assert_eq!(
+            resent.seq, number,
+            "with its number: a copy is applied once"
+        );
+        declare(&mut b, "y");
+        // Applied (with the copy that was in the log after all): the store lets it go, and
+        // the next change goes.
+        let _ = written(&mut b);
+        b.apply_committed(&[own(1, first[0].clone()), own(2, again[0].clone())]);
+        let ops = written(&mut b);
+        assert!(ops.contains(&StoreOp::DeleteMetaPending { number }));
+        let next = sent(&mut b);
+        assert_eq!(next.len(), 1);
+        let next = decode_entry(&next[0]).expect("entry");
+        assert!(next.seq > number, "numbered after the restored change");
         assert_eq!(
             b.cluster.as_ref().map(|c| c.meta.seen.get(&2).copied()),
-            Some(Some(seq))
+            Some(Some(number))
         );
-        // Nothing waits: the next change goes at once.
-        declare(&mut b, "y");
-        assert_eq!(sent(&mut b).len(), 1);
     }
 
     #[test]
@@ -733,9 +859,10 @@ mod tests {
         let mut b = node_two();
         b.set_meta_leader(Some(1));
         declare(&mut b, "x");
-        declare(&mut b, "y");
         let first = sent(&mut b);
-        assert_eq!(first.len(), 1, "one entry in flight");
+        declare(&mut b, "y");
+        assert!(sent(&mut b).is_empty(), "one entry in flight");
+        assert_eq!(first.len(), 1);
         let mut damaged = first[0].slice(..super::super::metadata_ops::HEAD).to_vec();
         damaged.extend_from_slice(b"garbage");
         b.apply_committed(&[own(1, bytes::Bytes::from(damaged))]);

@@ -2,9 +2,11 @@
 //! limits, policies, exchanges, bindings and replicated queues that every node applies, and
 //! their encoding.
 //!
-//! An entry is `[now u64][origin node u64][origin seq u64]` and an AMQP field table. The
-//! first format's table names one operation (`op`, and its fields); the second's has `v` = 2
-//! and `ops`, an array of such tables, applied in order. Names of fields are spelled out, so
+//! An entry is `[now u64][origin node u64][number u64]` and an AMQP field table. The first
+//! format's table names one operation (`op`, and its fields); the second's has `v` = 2 and
+//! `ops`, an array of such tables, applied in order, each with its `number` on its node (the
+//! head's number is the first one's): a node numbers its changes in order, across restarts,
+//! and every node applies each change of a node once. Names of fields are spelled out, so
 //! that later versions can add operations and fields; an entry this version cannot read is
 //! skipped with an error in the log.
 
@@ -93,10 +95,12 @@ pub(crate) struct Binding {
 #[derive(Debug, PartialEq)]
 pub(super) struct Entry {
     pub origin: NodeId,
+    /// The number of its first operation.
     pub seq: u64,
-    /// Of the second format: numbered so that a copy is applied once.
+    /// Of the second format: its operations are numbered, so that a copy is applied once.
     pub numbered: bool,
-    pub ops: Vec<MetaOp>,
+    /// Each operation with its number on its node (0 in the first format).
+    pub ops: Vec<(u64, MetaOp)>,
 }
 
 impl MetaOp {
@@ -512,19 +516,23 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
     })
 }
 
-/// An entry of the second format: `ops`, applied in order, once.
-pub(super) fn encode_entry(now_ms: u64, node: NodeId, seq: u64, ops: &[MetaOp]) -> Vec<u8> {
+/// An entry of the second format: `ops` (numbered), applied in order, once.
+pub(super) fn encode_entry(now_ms: u64, node: NodeId, ops: &[(u64, MetaOp)]) -> Vec<u8> {
     let mut t = FieldTable::new();
     t.insert("v", FieldValue::I64(FORMAT_LIST));
     let list = ops
         .iter()
-        .map(|op| FieldValue::Table(op_table(op)))
+        .map(|(number, op)| {
+            let mut t = op_table(op);
+            t.insert("number", FieldValue::U64(*number));
+            FieldValue::Table(t)
+        })
         .collect();
     t.insert("ops", FieldValue::Array(list));
     let mut out = BytesMut::with_capacity(128);
     out.put_u64(now_ms);
     out.put_u64(node);
-    out.put_u64(seq);
+    out.put_u64(ops.first().map_or(0, |(n, _)| *n));
     t.encode(&mut out);
     out.to_vec()
 }
@@ -539,8 +547,8 @@ pub(super) fn decode_head(data: &Bytes) -> Option<(NodeId, u64)> {
 /// Whether this version reads back what it writes of `op` (a table nested deeper than the
 /// decoder allows would not be: such an entry could never be applied anywhere).
 pub(super) fn readable(op: &MetaOp) -> bool {
-    let data = Bytes::from(encode_entry(0, 0, 0, std::slice::from_ref(op)));
-    decode_entry(&data).is_some_and(|e| e.ops.first() == Some(op))
+    let data = Bytes::from(encode_entry(0, 0, &[(1, op.clone())]));
+    decode_entry(&data).is_some_and(|e| e.ops.first().is_some_and(|(_, o)| o == op))
 }
 
 /// An entry of either format; `None` if it cannot be read (or names an operation this
@@ -554,10 +562,13 @@ pub(super) fn decode_entry(data: &Bytes) -> Option<Entry> {
         t.get("ops")?
             .as_array()?
             .iter()
-            .map(|v| v.as_table().and_then(op_from))
+            .map(|v| {
+                let t = v.as_table()?;
+                Some((t.get("number")?.as_u64()?, op_from(t)?))
+            })
             .collect::<Option<Vec<_>>>()?
     } else {
-        vec![op_from(&t)?]
+        vec![(0, op_from(&t)?)]
     };
     Some(Entry {
         origin,
@@ -687,8 +698,8 @@ mod tests {
 
     #[test]
     fn every_operation_reads_back_as_written() {
-        let ops = every_op();
-        let data = Bytes::from(encode_entry(5, 2, 9, &ops));
+        let ops: Vec<(u64, MetaOp)> = (9..).zip(every_op()).collect();
+        let data = Bytes::from(encode_entry(5, 2, &ops));
         let entry = decode_entry(&data).expect("entry");
         assert_eq!(
             entry,
@@ -718,16 +729,20 @@ mod tests {
         assert_eq!(entry.origin, 3);
         assert_eq!(
             entry.ops,
-            vec![MetaOp::DeleteQueue {
-                vhost: "/".into(),
-                name: ShortStr::from_static("jobs")
-            }]
+            vec![(
+                0,
+                MetaOp::DeleteQueue {
+                    vhost: "/".into(),
+                    name: ShortStr::from_static("jobs")
+                }
+            )]
         );
     }
 
     #[test]
     fn garbage_and_unknown_operations_are_refused() {
-        let data = Bytes::from(encode_entry(5, 2, 9, &every_op()));
+        let ops: Vec<(u64, MetaOp)> = (1..).zip(every_op()).collect();
+        let data = Bytes::from(encode_entry(5, 2, &ops));
         assert_eq!(decode_entry(&data.slice(..HEAD - 1)), None);
         assert_eq!(decode_entry(&data.slice(..HEAD + 3)), None);
         let mut t = FieldTable::new();

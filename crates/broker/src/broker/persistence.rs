@@ -67,6 +67,7 @@ impl Broker {
     pub fn writes_done(&mut self, upto: u64) {
         self.disk.written = self.disk.written.max(upto);
         self.scheduler.written(upto);
+        self.meta_written(upto);
         let mut due: BTreeMap<QueueId, u64> = BTreeMap::new();
         while let Some(&(batch, queue, msg_id)) = self.page_pending.front() {
             if batch > upto {

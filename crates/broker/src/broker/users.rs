@@ -311,6 +311,7 @@ impl Broker {
             }
             StoreOp::PutPolicy(def) => self.restore_policy(def)?,
             StoreOp::PutMetaApplied { index, seen } => self.restore_meta_applied(*index, seen),
+            StoreOp::PutMetaPending { number, data } => self.restore_meta_pending(*number, data),
             _ => {}
         }
         Ok(())
