@@ -14,7 +14,7 @@
 //! A second test pauses the queue's leader alone while publishes reach it, directly and
 //! forwarded by another node (`WARREN_PAUSE_CYCLES` times).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -597,6 +597,58 @@ async fn replicated_queue_history_under_kills_and_pauses() {
             break;
         }
         if drain_start.elapsed() >= DRAIN_PATIENCE {
+            // What the clients saw of each live session (a message the broker counts as
+            // delivered to it: did it arrive, was its ack sent?), for the diagnosis.
+            {
+                let h = h.lock().unwrap();
+                let acked: HashSet<(&str, u64)> = h
+                    .acks
+                    .iter()
+                    .map(|a| (a.body.as_str(), a.session))
+                    .collect();
+                let delivered: HashSet<&str> =
+                    h.deliveries.iter().map(|d| d.body.as_str()).collect();
+                let never: Vec<&str> = h
+                    .published
+                    .iter()
+                    .filter(|(b, o)| **o == Outcome::Acked && !delivered.contains(b.as_str()))
+                    .map(|(b, _)| b.as_str())
+                    .take(10)
+                    .collect();
+                let settled: HashSet<&str> = h.acks.iter().map(|a| a.body.as_str()).collect();
+                let unsettled: Vec<(&str, u64)> = h
+                    .deliveries
+                    .iter()
+                    .filter(|d| !settled.contains(d.body.as_str()))
+                    .map(|d| (d.body.as_str(), d.session))
+                    .take(10)
+                    .collect();
+                eprintln!(
+                    "faults: confirmed, never delivered (first 10): {never:?}; delivered, never acked (first 10): {unsettled:?}"
+                );
+                for (session, start) in &h.session_start {
+                    if h.session_end.contains_key(session) {
+                        continue;
+                    }
+                    let got: Vec<&Delivery> = h
+                        .deliveries
+                        .iter()
+                        .filter(|d| d.session == *session)
+                        .collect();
+                    let open: Vec<&str> = got
+                        .iter()
+                        .filter(|d| !acked.contains(&(d.body.as_str(), *session)))
+                        .map(|d| d.body.as_str())
+                        .collect();
+                    eprintln!(
+                        "faults: session {session} on node {:?}, started {:?} ago: {} deliveries, the last {:?} ago; not acked: {open:?}",
+                        h.session_node.get(session),
+                        start.elapsed(),
+                        got.len(),
+                        got.last().map(|d| d.at.elapsed()),
+                    );
+                }
+            }
             // What each node says of the queue and its consumers, for the diagnosis.
             for n in 1..=3 {
                 let host = addr(&addrs, n).http;

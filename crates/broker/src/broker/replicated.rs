@@ -91,6 +91,10 @@ pub(crate) struct Cluster {
     reissue: Option<Token>,
     /// Publishes forwarded to this node while it was elected and not acting yet, by group.
     early: BTreeMap<u64, Vec<Vec<u8>>>,
+    /// What this node's own consumers did (acks, rejects, cancels, credit) while it was
+    /// elected and not acting yet, by group: run once it acts. Dropped, an ack would leave
+    /// its message checked out to a live consumer for ever.
+    deferred: BTreeMap<u64, Vec<Command<Message>>>,
     outbox: Vec<Proposal>,
     groups: HashMap<u64, QueueId>,
     /// Proposals not yet applied, per batch: a batch is confirmable once it has none.
@@ -142,6 +146,7 @@ impl Cluster {
             kept: BTreeMap::new(),
             reissue: None,
             early: BTreeMap::new(),
+            deferred: BTreeMap::new(),
             outbox: Vec::new(),
             groups: HashMap::new(),
             waiting: BTreeMap::new(),
@@ -536,6 +541,7 @@ impl Broker {
             let mut outcomes = Vec::new();
             c.abandon(r.group, &mut outcomes);
             c.early.remove(&r.group);
+            c.deferred.remove(&r.group);
             for o in outcomes {
                 c.settle(o);
             }
@@ -654,10 +660,16 @@ impl Broker {
             | Command::Extend { .. } => (Reply::Ok, false),
             _ => return None,
         };
-        let c = self.cluster.as_ref()?;
+        let c = self.cluster.as_mut()?;
         let r = self.queues.get(&id)?.replica.as_ref()?;
         if r.leader == Some(c.node) {
-            return None;
+            if confirm || matches!(command, Command::Consume { .. }) {
+                // The publisher resends; the consumer asks again (506).
+                return None;
+            }
+            // Elected, not acting yet: its first entries are not applied.
+            c.deferred.entry(r.group).or_default().push(command.clone());
+            return Some(reply);
         }
         self.down_self_once(id);
         self.forward_one(id, command, confirm).then_some(reply)
@@ -1240,10 +1252,11 @@ impl Broker {
 
     /// The leader of `group` is now `leader` (in `term`), as the driver's Raft reports it.
     /// Elected here, the queue waits for its first entries of the term before it acts: a
-    /// `Down` of every node (their consumers and what they held go back: consumers are
-    /// served by the leader's node only, so none may be left attached to a queue led
-    /// elsewhere, and none of this node's from before a restart). Deposed here, the machine falls back to the committed state and the local
-    /// consumers are cancelled.
+    /// `Down` of the previous leader (what it took ahead of the log is lost), of this node if
+    /// its start has not brought itself down yet, and of the nodes down for good; the other
+    /// members' consumers carry on. Meanwhile its own consumers' acks and cancels wait
+    /// (`deferred`). Deposed here, the machine falls back to the committed state and the
+    /// local consumers are cancelled.
     pub fn set_leader(&mut self, group: u64, leader: Option<NodeId>, term: u64) {
         if group == super::metadata_group::META_GROUP {
             self.set_meta_leader(leader);
@@ -1378,6 +1391,8 @@ impl Broker {
         if let (Some(c), Some(g)) = (self.cluster.as_mut(), group) {
             // Their senders send them again to whoever leads now.
             c.early.remove(&g);
+            // The `Down` of this node that comes next gives back what its consumers held.
+            c.deferred.remove(&g);
         }
         let Some(c) = self.cluster.as_mut() else {
             return;
@@ -1449,11 +1464,31 @@ impl Broker {
         for data in early {
             self.forwarded(group, &data);
         }
+        let deferred = self
+            .cluster
+            .as_mut()
+            .and_then(|c| c.deferred.remove(&group))
+            .unwrap_or_default();
+        for command in deferred {
+            if self.run(id, command).is_some() {
+                self.finish_effects(id);
+            }
+        }
         let Some(kept) = self.cluster.as_mut().and_then(|c| c.kept.remove(&group)) else {
             return;
         };
         for k in kept {
             let Some(token) = k.token else {
+                if !k.confirm {
+                    // A consumer's command forwarded to the old leader whose proposal was
+                    // given up: not applied here, so not committed; run now (twice would
+                    // change nothing).
+                    if let Ok((_, command)) = decode(bytes::Bytes::from(k.data)) {
+                        if self.run(id, command).is_some() {
+                            self.finish_effects(id);
+                        }
+                    }
+                }
                 continue;
             };
             let command = decode(bytes::Bytes::from(k.data)).map(|(_, c)| c);
