@@ -12,7 +12,7 @@ use lapin::options::{
     ConfirmSelectOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Confirmation};
+use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
 use warren_conformance::cluster::TestCluster;
 use warren_conformance::http::Api;
 use warren_conformance::{amqp_error, unique, WAIT};
@@ -55,6 +55,19 @@ async fn consume_on_leader(
     }
 }
 
+/// Publishes `body` as a persistent message to `q` through the default exchange.
+async fn publish_persistent(ch: &Channel, q: &str, body: &str) -> PublisherConfirm {
+    ch.basic_publish(
+        "".into(),
+        q.into(),
+        BasicPublishOptions::default(),
+        body.as_bytes(),
+        BasicProperties::default().with_delivery_mode(2),
+    )
+    .await
+    .expect("publish")
+}
+
 /// Publishes `bodies` with confirms on `ch`: every one must be acked.
 async fn publish_confirmed(ch: &Channel, q: &str, bodies: impl Iterator<Item = String>) {
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -62,18 +75,7 @@ async fn publish_confirmed(ch: &Channel, q: &str, bodies: impl Iterator<Item = S
         .expect("confirm.select");
     let mut pending = Vec::new();
     for b in bodies {
-        let props = BasicProperties::default().with_delivery_mode(2);
-        let confirm = ch
-            .basic_publish(
-                "".into(),
-                q.into(),
-                BasicPublishOptions::default(),
-                b.as_bytes(),
-                props,
-            )
-            .await
-            .expect("publish");
-        pending.push(confirm);
+        pending.push(publish_persistent(ch, q, &b).await);
     }
     for c in pending {
         let got = tokio::time::timeout(WAIT, c)
@@ -98,16 +100,7 @@ async fn publish_until_confirmed(
     let mut nacks = 0;
     for b in bodies {
         loop {
-            let confirm = ch
-                .basic_publish(
-                    "".into(),
-                    q.into(),
-                    BasicPublishOptions::default(),
-                    b.as_bytes(),
-                    BasicProperties::default().with_delivery_mode(2),
-                )
-                .await
-                .expect("publish");
+            let confirm = publish_persistent(ch, q, &b).await;
             let got = tokio::time::timeout(WAIT, confirm)
                 .await
                 .expect("a confirm within the wait")

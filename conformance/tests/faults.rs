@@ -37,6 +37,9 @@ const WINDOW: usize = 16;
 /// How long a publisher waits for a window's confirms. The broker nacks a forward it could not
 /// apply within 10 s, so a confirm missing after this long is a hang, not a slow failover.
 const CONFIRM_PATIENCE: Duration = Duration::from_secs(20);
+/// How long a consumer waits for the client library to take its ack (lapin's ack future did not
+/// complete in one run when the node was SIGKILLed under it).
+const ACK_PATIENCE: Duration = Duration::from_secs(5);
 /// How long an acking consumer's session must outlive its ack (and its node stay unpaused) for
 /// the ack to count as applied: the ack is then in a committed entry or the broker lost it.
 const ACK_SETTLE: Duration = Duration::from_secs(2);
@@ -397,7 +400,13 @@ async fn consumer(
                 at: Instant::now(),
                 node,
             });
-            if d.ack(BasicAckOptions::default()).await.is_err() {
+            // Bounded: the client's ack can wait for ever on a connection whose node was killed
+            // at that moment (the message stays unacked, and comes back once this session ends).
+            let acked = tokio::time::timeout(ACK_PATIENCE, d.ack(BasicAckOptions::default())).await;
+            if !matches!(acked, Ok(Ok(_))) {
+                if acked.is_err() {
+                    eprintln!("faults: an ack on node {node} did not complete within {ACK_PATIENCE:?}: the session ends");
+                }
                 h.lock()
                     .unwrap()
                     .session_end
@@ -1168,7 +1177,9 @@ async fn ack_all(
                 seen.lock()
                     .unwrap()
                     .insert(String::from_utf8_lossy(&d.data).into_owned());
-                if d.ack(BasicAckOptions::default()).await.is_err() {
+                let acked =
+                    tokio::time::timeout(ACK_PATIENCE, d.ack(BasicAckOptions::default())).await;
+                if !matches!(acked, Ok(Ok(_))) {
                     return;
                 }
             }
