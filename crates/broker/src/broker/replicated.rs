@@ -1470,9 +1470,7 @@ impl Broker {
             .and_then(|c| c.deferred.remove(&group))
             .unwrap_or_default();
         for command in deferred {
-            if self.run(id, command).is_some() {
-                self.finish_effects(id);
-            }
+            self.run_as_leader(id, command);
         }
         let Some(kept) = self.cluster.as_mut().and_then(|c| c.kept.remove(&group)) else {
             return;
@@ -1484,9 +1482,7 @@ impl Broker {
                     // given up: not applied here, so not committed; run now (twice would
                     // change nothing).
                     if let Ok((_, command)) = decode(bytes::Bytes::from(k.data)) {
-                        if self.run(id, command).is_some() {
-                            self.finish_effects(id);
-                        }
+                        self.run_as_leader(id, command);
                     }
                 }
                 continue;
@@ -1510,6 +1506,14 @@ impl Broker {
             if applied {
                 self.finish_effects(id);
             }
+        }
+    }
+
+    /// Runs a consumer's command that waited for this node to act, and sends out what it
+    /// dead-letters.
+    fn run_as_leader(&mut self, id: QueueId, command: Command<Message>) {
+        if self.run(id, command).is_some() {
+            self.finish_effects(id);
         }
     }
 
