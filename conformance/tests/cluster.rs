@@ -149,15 +149,47 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
     c.declare_quorum_queue(2, &q).await;
     let leader = c.leader_of(&q, 2);
     let follower = leader % 3 + 1;
-    // basic.get is the leader's: a follower refuses and says where the leader is.
+    // basic.get on a follower is served by the leader, with what the log gives it.
     let (_cf, chf) = channel(&c, follower).await;
-    let refused = chf
-        .basic_get(q.as_str().into(), BasicGetOptions::default())
-        .await
-        .expect_err("get on a follower");
-    let (code, text) = amqp_error(&refused).expect("a channel error");
-    assert_eq!(code, 506, "{text}");
-    assert!(text.contains(&format!("node {leader}")), "{text}");
+    publish_confirmed(&chf, &q, (0..3).map(|i| format!("g{i}"))).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 3);
+    }
+    let get = |ch: Channel, no_ack: bool| {
+        let q = q.clone();
+        async move {
+            tokio::time::timeout(
+                WAIT,
+                ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack }),
+            )
+            .await
+            .expect("a get's answer within the wait")
+            .expect("basic.get on a follower")
+        }
+    };
+    let first = get(chf.clone(), false).await.expect("a message");
+    assert_eq!((&first.data[..], first.message_count), (&b"g0"[..], 2));
+    first.ack(BasicAckOptions::default()).await.expect("ack");
+    let second = get(chf.clone(), true).await.expect("a message");
+    assert_eq!(&second.data[..], b"g1");
+    // Taken and not acked when its channel closes: it comes back, redelivered.
+    let (_cg, chg) = channel(&c, follower).await;
+    let third = get(chg.clone(), false).await.expect("a message");
+    assert_eq!((&third.data[..], third.redelivered), (&b"g2"[..], false));
+    chg.close(200, "bye".into()).await.expect("close");
+    let again = loop {
+        if let Some(m) = get(chf.clone(), false).await {
+            break m;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!((&again.data[..], again.redelivered), (&b"g2"[..], true));
+    again.ack(BasicAckOptions::default()).await.expect("ack");
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 0);
+    }
+    let none = get(chf.clone(), false).await;
+    assert!(none.is_none(), "an empty queue gives get-empty");
 
     // Published on a follower: forwarded to the leader, confirmed once a majority has it.
     let (_cp, chp) = channel(&c, follower).await;

@@ -229,6 +229,34 @@ fn pika_core_flows() {
     assert!(ok, "pika flows failed against {}:\n{out}", broker.url());
 }
 
+/// pika on a quorum queue of a 3-node cluster, connected to a node that does not lead it
+/// (`clients/pika_cluster_flows.py`): publishes with confirms there and on the leader, basic.get with
+/// and without ack (served by the leader), a get given back by a closed channel, a consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pika_on_a_follower_of_a_quorum_queue() {
+    if std::env::var_os("WARREN_TEST_URL").is_some() {
+        eprintln!("skipped: needs a Warren cluster of its own");
+        return;
+    }
+    require_pika();
+    let c = warren_conformance::cluster::TestCluster::start(3, 20);
+    let q = warren_conformance::unique("pika-qq");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let follower = leader % 3 + 1;
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("pika_cluster_flows.py"))
+        .arg(c.node(follower).url())
+        .arg(c.node(leader).url())
+        .arg(&q)
+        .env("PYTHONPATH", python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = tokio::task::spawn_blocking(move || run(cmd, Duration::from_secs(60)))
+        .await
+        .expect("the pika run");
+    assert!(ok, "pika on a follower failed:\n{out}");
+}
+
 /// The worker pool of Warren's task queues, end to end (`clients/worker_pool.py`): 4 pika worker processes
 /// (prefetch 3, each its own connection) on a queue with `x-visibility-timeout`, `x-delivery-limit` and a
 /// dead-letter exchange, `x-delayed-retry-min` and `x-group-header`, given a few hundred persistent jobs. Some

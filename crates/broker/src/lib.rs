@@ -46,8 +46,8 @@ pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
 };
 pub use broker::{
-    group_of, Broker, ConsumerTimeout, GroupChange, MetaClosed, Proposal, QueueInfo,
-    ReplicaSnapshot, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+    group_of, Broker, ConsumerTimeout, GetAnswer, Got, GroupChange, MetaClosed, Proposal,
+    QueueInfo, ReplicaSnapshot, GET_WAIT_MS, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;

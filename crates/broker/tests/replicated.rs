@@ -10,7 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use warren_broker::machine::CreditGroup;
 use warren_broker::{
-    Broker, BrokerConfig, DeclareQueue, Delivery, GroupChange, Message, Proposal, QueueId,
+    Broker, BrokerConfig, DeclareQueue, Delivery, GetAnswer, Got, GroupChange, Message, Proposal,
+    QueueId, GET_WAIT_MS,
 };
 use warren_codec::{FieldTable, FieldValue, ReplyCode, ShortStr};
 use warren_replication::{
@@ -46,6 +47,8 @@ struct Cluster {
     forwards: Vec<(u64, Proposal)>,
     isolated: BTreeSet<u64>,
     group: u64,
+    /// Forwards between nodes are held back (delivered once this is false again).
+    hold_forwards: bool,
 }
 
 fn conn(node: u64, n: u64) -> u64 {
@@ -138,6 +141,7 @@ impl Cluster {
             forwards: Vec::new(),
             isolated: BTreeSet::new(),
             group: 0,
+            hold_forwards: false,
         };
         let req = DeclareQueue {
             name: "jobs".into(),
@@ -186,7 +190,12 @@ impl Cluster {
                 m.raft.step(b);
             }
         }
-        for (to, p) in std::mem::take(&mut self.forwards) {
+        let forwards = if self.hold_forwards {
+            Vec::new()
+        } else {
+            std::mem::take(&mut self.forwards)
+        };
+        for (to, p) in forwards {
             if let Some(m) = self.members.get_mut(&to).filter(|m| m.alive) {
                 m.broker.forwarded(p.group, &p.data);
             }
@@ -516,13 +525,132 @@ fn a_publish_on_a_follower_goes_to_the_leader_and_is_confirmed_once_applied_ther
     for n in NODES {
         assert_eq!(c.counts(n), (1, 0), "node {n}");
     }
-    // basic.get is the leader's: a follower says where it is.
+    // The HTTP API's get cannot wait for another node: a follower says where the leader is.
     let e = c
         .broker(follower)
         .get("/", "jobs", false, conn(follower, 7))
         .expect_err("get on a follower");
     assert_eq!(e.code, ReplyCode::ResourceError);
     assert!(e.text.contains(&format!("node {leader}")), "{}", e.text);
+}
+
+/// A channel's basic.get on `node`: its ticket (the queue is led elsewhere).
+fn get_waiting(c: &mut Cluster, node: u64) -> u64 {
+    match c
+        .broker(node)
+        .basic_get("/", "jobs", false, conn(node, 7), 1)
+    {
+        Ok(Got::Waiting(ticket)) => ticket,
+        other => panic!("a get on node {node} did not wait for the leader: {other:?}"),
+    }
+}
+
+/// Steps until `node` has an answer to a forwarded get (at most `steps` steps).
+fn get_answer(c: &mut Cluster, node: u64, steps: u32) -> GetAnswer {
+    for _ in 0..steps {
+        let mut answers = Vec::new();
+        c.broker(node).take_get_answers(&mut answers);
+        if let Some(a) = answers.pop() {
+            assert!(answers.is_empty(), "one get, one answer");
+            return a;
+        }
+        c.step();
+    }
+    panic!("no answer to the get on node {node}");
+}
+
+#[test]
+fn a_basic_get_on_a_follower_is_answered_from_the_log_and_its_ack_counts_everywhere() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    let batch = c.publish(leader, 0);
+    c.publish(leader, 1);
+    c.run(30);
+    assert!(c.confirmed(leader, batch));
+    let ticket = get_waiting(&mut c, follower);
+    let a = get_answer(&mut c, follower, 50);
+    assert_eq!(
+        (a.conn, a.channel, a.ticket),
+        (conn(follower, 7), 1, ticket)
+    );
+    let (d, remaining) = a.got.expect("a message");
+    assert_eq!(d.message.body, Bytes::from("job 0"));
+    assert_eq!(remaining, 1);
+    assert!(
+        !d.settled,
+        "taken with an ack to come, whatever the client asked"
+    );
+    c.run(10);
+    assert_counts(&c, &NODES, (1, 1));
+    assert!(c.broker(follower).settle(d.queue, d.receipt), "ack");
+    c.run(20);
+    assert_counts(&c, &NODES, (1, 0));
+    assert_same_state(&c, &NODES);
+    // The second, then an empty queue: get-empty at once, with no entry for the poll.
+    get_waiting(&mut c, follower);
+    let (d, remaining) = get_answer(&mut c, follower, 50).got.expect("the second");
+    assert_eq!((d.message.body, remaining), (Bytes::from("job 1"), 0));
+    c.run(10);
+    match c
+        .broker(follower)
+        .basic_get("/", "jobs", false, conn(follower, 7), 1)
+    {
+        Ok(Got::Now(None)) => {}
+        other => panic!("an empty queue's get waited: {other:?}"),
+    }
+    let mut props = Vec::new();
+    c.broker(follower).take_proposals(&mut props);
+    assert!(props.is_empty(), "an empty poll sent {props:?}");
+}
+
+#[test]
+fn a_get_answered_empty_after_its_wait_gives_its_message_back_when_it_commits_late() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    c.publish(leader, 0);
+    c.run(30);
+    c.hold_forwards = true;
+    get_waiting(&mut c, follower);
+    let a = get_answer(&mut c, follower, (GET_WAIT_MS / TICK_MS) as u32 + 50);
+    assert!(a.got.is_none(), "answered empty when the wait ran out");
+    assert!(c.now >= GET_WAIT_MS, "not before its wait ran out");
+    // The get reaches the leader after all: the message it took comes back.
+    c.hold_forwards = false;
+    c.run(50);
+    assert_counts(&c, &NODES, (1, 0));
+    assert_same_state(&c, &NODES);
+    let mut answers = Vec::new();
+    c.broker(follower).take_get_answers(&mut answers);
+    assert!(answers.is_empty(), "answered twice: {answers:?}");
+}
+
+#[test]
+fn a_get_waiting_on_a_leader_that_dies_is_answered_empty_and_loses_nothing() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    c.publish(leader, 0);
+    c.run(30);
+    c.hold_forwards = true;
+    get_waiting(&mut c, follower);
+    c.step();
+    c.kill(leader);
+    c.hold_forwards = false;
+    let a = get_answer(&mut c, follower, 300);
+    assert!(a.got.is_none(), "answered empty at the leader change");
+    let next = c.leader();
+    assert_ne!(next, leader);
+    c.run(20);
+    let alive: Vec<u64> = NODES.into_iter().filter(|n| *n != leader).collect();
+    assert_counts(&c, &alive, (1, 0));
+    // Asked again, it is served by the new leader.
+    if next != follower {
+        get_waiting(&mut c, follower);
+        let (d, _) = get_answer(&mut c, follower, 50).got.expect("served");
+        assert_eq!(d.message.body, Bytes::from("job 0"));
+    }
 }
 
 /// Steps until `node` has `n` deliveries (at most `steps` steps).

@@ -1205,6 +1205,14 @@ async fn read_protocol_header<R: AsyncRead + Unpin>(rd: &mut R) -> std::io::Resu
     }
 }
 
+/// Why a reader holds frames it has decoded.
+enum Hold {
+    /// Recovery is not over.
+    Recovery,
+    /// A basic.get of the connection waits for another node's answer.
+    Answer,
+}
+
 async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
     mut rd: R,
     conn: ConnId,
@@ -1275,22 +1283,35 @@ async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
             // While the store is still bringing queues back, an open connection's frames wait
             // (its handshake does not): no client reaches a queue before recovery is over.
             let gated = !*recovered.borrow();
-            shared.with_node(|node, now| {
+            // Seen from here: an answer that comes while this task waits below wakes it.
+            paused.borrow_and_update();
+            let wait = shared.with_node(|node, now| {
                 while let Some(frame) = frames.pop_front() {
                     if gated && node.is_open(conn) {
                         frames.push_front(frame);
-                        return;
+                        return Some(Hold::Recovery);
+                    }
+                    if node.holds(conn) {
+                        // A basic.get waits for another node: what follows waits for its answer.
+                        frames.push_front(frame);
+                        return Some(Hold::Answer);
                     }
                     node.handle_frame(conn, frame, now);
                 }
-                if let Some(error) = &failure {
-                    node.decode_error(conn, error, now);
+                if failure.is_some() && node.holds(conn) {
+                    return Some(Hold::Answer);
                 }
+                if let Some(error) = failure.take() {
+                    node.decode_error(conn, &error, now);
+                }
+                None
             });
-            if frames.is_empty() {
-                break;
-            }
-            if recovered.wait_for(|done| *done).await.is_err() {
+            let gone = match wait {
+                None => break,
+                Some(Hold::Recovery) => recovered.wait_for(|done| *done).await.is_err(),
+                Some(Hold::Answer) => paused.changed().await.is_err(),
+            };
+            if gone {
                 return;
             }
         }

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use bytes::{Bytes, BytesMut};
 use warren_broker::queue::args::QueueType;
 use warren_broker::{
-    Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Delivery, Message,
-    QueueId, Receipt,
+    Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Delivery, Got,
+    Message, QueueId, Receipt,
 };
 use warren_codec::{
     encode_ack, encode_get_ok, encode_nack, encode_return, properties, AmqpError, BasicPublish,
@@ -230,6 +230,9 @@ enum TxOp {
 
 pub(crate) struct Channel {
     pub id: u16,
+    /// A basic.get sent to the queue's leader on another node: its ticket, and whether the
+    /// client asked for no-ack.
+    pub get_waiting: Option<(u64, bool)>,
     /// The server sent channel.close and waits for close-ok: everything else on the channel is dropped.
     pub closing: bool,
     /// While closing: the client's own channel.close crossed ours (and was answered).
@@ -286,6 +289,7 @@ impl Channel {
     pub fn new(id: u16) -> Self {
         Channel {
             id,
+            get_waiting: None,
             closing: false,
             peer_closed: false,
             content: Content::Idle,
@@ -738,6 +742,65 @@ impl Channel {
     /// basic.get took a message whose content header this connection cannot take: it goes back
     /// to its queue (to its tail if the get was no-ack, which made the queue forget it) and
     /// the channel is closed with the error returned.
+    /// get-ok with the message, or get-empty. `no_ack` and a delivery the queue did not settle
+    /// (a forwarded get's): settled now that it is sent.
+    fn send_get(
+        &mut self,
+        got: Option<(Delivery, u32)>,
+        no_ack: bool,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), AmqpError> {
+        let ch = self.id;
+        let Some((d, remaining)) = got else {
+            send(ctx.out, ch, BasicGetEmpty::default());
+            return Ok(());
+        };
+        let smaller = match fit::fit(&d.message.properties, ctx.frame_max) {
+            Fit::AsIs => None,
+            Fit::Without(properties) => Some(properties),
+            Fit::TooLarge(len) => return Err(self.refuse_get(d, len, ctx)),
+        };
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        if !no_ack {
+            self.unacked.insert(
+                tag,
+                Unacked {
+                    queue: d.queue,
+                    receipt: d.receipt,
+                    counted: false,
+                    timed_out: false,
+                },
+            );
+        }
+        encode_get_ok(
+            ctx.out,
+            ch,
+            tag,
+            d.redelivered,
+            &d.message.exchange,
+            &d.message.routing_key,
+            remaining,
+            smaller.as_ref().unwrap_or(&d.message.properties),
+            &d.message.body,
+            ctx.frame_max,
+        );
+        if no_ack && !d.settled && !ctx.broker.settle(d.queue, d.receipt) {
+            tracing::warn!(conn = ctx.conn, channel = ch, queue = %d.queue_name, "a no-ack basic.get's message could not be settled: it may be delivered again");
+        }
+        Ok(())
+    }
+
+    /// The answer to the basic.get this channel sent to another node (`get_waiting`).
+    pub(crate) fn answer_get(
+        &mut self,
+        got: Option<(Delivery, u32)>,
+        ctx: &mut Ctx<'_>,
+    ) -> Result<(), AmqpError> {
+        let no_ack = self.get_waiting.take().is_some_and(|(_, no_ack)| no_ack);
+        self.send_get(got, no_ack, ctx)
+    }
+
     fn refuse_get(&mut self, d: Delivery, len: usize, ctx: &mut Ctx<'_>) -> AmqpError {
         tracing::warn!(conn = ctx.conn, channel = self.id, queue = %d.queue_name, vhost = %ctx.vhost, header_len = len, frame_max = ctx.frame_max, "basic.get: the message's content header is larger than frame_max: not sent, the channel is closed");
         let text = fit::too_large_text(&d.queue_name, ctx.vhost, len, ctx.frame_max);
@@ -985,46 +1048,15 @@ impl Channel {
                     .map_err(fail)?;
                 match ctx
                     .broker
-                    .get(ctx.vhost, &queue, g.no_ack, ctx.conn)
+                    .basic_get(ctx.vhost, &queue, g.no_ack, ctx.conn, ch)
                     .map_err(fail)?
                 {
-                    Some((d, remaining)) => {
-                        let smaller = match fit::fit(&d.message.properties, ctx.frame_max) {
-                            Fit::AsIs => None,
-                            Fit::Without(properties) => Some(properties),
-                            Fit::TooLarge(len) => {
-                                return Err(fail(self.refuse_get(d, len, ctx)));
-                            }
-                        };
-                        let tag = self.next_tag;
-                        self.next_tag += 1;
-                        if !g.no_ack {
-                            self.unacked.insert(
-                                tag,
-                                Unacked {
-                                    queue: d.queue,
-                                    receipt: d.receipt,
-                                    counted: false,
-                                    timed_out: false,
-                                },
-                            );
-                        }
-                        encode_get_ok(
-                            ctx.out,
-                            ch,
-                            tag,
-                            d.redelivered,
-                            &d.message.exchange,
-                            &d.message.routing_key,
-                            remaining,
-                            smaller.as_ref().unwrap_or(&d.message.properties),
-                            &d.message.body,
-                            ctx.frame_max,
-                        );
+                    Got::Now(got) => self.send_get(got, g.no_ack, ctx).map_err(fail),
+                    Got::Waiting(ticket) => {
+                        self.get_waiting = Some((ticket, g.no_ack));
+                        Ok(())
                     }
-                    None => send(ctx.out, ch, BasicGetEmpty::default()),
                 }
-                Ok(())
             }
             Method::BasicRecover(r) => {
                 self.recover(r.requeue, ctx).map_err(fail)?;

@@ -99,6 +99,9 @@ pub(crate) struct Connection {
     pub paused: bool,
     /// `paused` changed and the driver has not been told.
     pub pause_changed: bool,
+    /// A channel waits for a basic.get's answer from another node: nothing more is read
+    /// from the socket until it comes (the driver is told as for `paused`).
+    pub holding: bool,
 }
 
 /// What a connection-level step asks the node to do next.
@@ -144,6 +147,7 @@ impl Connection {
             published: false,
             paused: false,
             pause_changed: false,
+            holding: false,
         }
     }
 

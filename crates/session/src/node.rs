@@ -23,6 +23,7 @@ use crate::out::send;
 
 /// tx.commit's class and method ids, for a commit that fails after its frame was handled.
 const TX_COMMIT: (u16, u16) = (90, 20);
+const BASIC_GET: (u16, u16) = (60, 70);
 
 /// A delivery whose content header its consumer's connection cannot take (see [`fit`]).
 struct Oversized {
@@ -314,6 +315,90 @@ impl Node {
         let cancelled = self.broker.take_replica_cancelled();
         if !cancelled.is_empty() {
             self.consumers_cancelled(cancelled.into_iter());
+        }
+        if self.broker.has_get_answers() {
+            self.answer_gets(now);
+        }
+    }
+
+    /// Is this connection waiting for a basic.get's answer from another node? The driver
+    /// then feeds it no more frames until it is told to read again.
+    pub fn holds(&self, conn: ConnId) -> bool {
+        self.conns.get(&conn).is_some_and(|c| c.holding)
+    }
+
+    /// The answers of basic.gets sent to other nodes, to the channels that wait for them. One
+    /// nobody waits for any more (the channel or its connection went) gives its message back.
+    fn answer_gets(&mut self, now: u64) {
+        let mut answers = Vec::new();
+        self.broker.take_get_answers(&mut answers);
+        for a in answers {
+            let waits = |c: &Connection| {
+                c.is_open()
+                    && c.channels.get(&a.channel).is_some_and(|ch| {
+                        !ch.closing && ch.get_waiting.is_some_and(|(t, _)| t == a.ticket)
+                    })
+            };
+            let Some(c) = self.conns.get_mut(&a.conn).filter(|c| waits(c)) else {
+                if let Some((d, _)) = a.got {
+                    self.broker.release(d.queue, d.receipt);
+                }
+                if let Some(c) = self.conns.get_mut(&a.conn) {
+                    // Its channel went meanwhile (closed by the broker): read it again.
+                    let still = c
+                        .channels
+                        .values()
+                        .any(|ch| !ch.closing && ch.get_waiting.is_some());
+                    if c.holding != still {
+                        c.holding = still;
+                        c.pause_changed = true;
+                        self.mark(a.conn);
+                    }
+                }
+                continue;
+            };
+            let Connection {
+                channels,
+                out,
+                vhost,
+                user,
+                frame_max,
+                write_blocked,
+                out_blocked,
+                holding,
+                pause_changed,
+                dirty,
+                ..
+            } = c;
+            let Some(ch) = channels.get_mut(&a.channel) else {
+                continue;
+            };
+            let mut ctx = Ctx {
+                broker: &mut self.broker,
+                conn: a.conn,
+                vhost,
+                user,
+                out,
+                frame_max: *frame_max,
+                now,
+                config: &self.config,
+                cancelled: &mut self.cancelled,
+                next_id: &mut self.next_id,
+                confirm_latency: &mut self.confirm_latency,
+                direct_replies: &mut self.direct_replies,
+                conn_blocked: *write_blocked || *out_blocked,
+            };
+            if let Err(error) = ch.answer_get(a.got, &mut ctx) {
+                close_channel(&mut self.broker, out, ch, &error, BASIC_GET);
+            }
+            *holding = channels
+                .values()
+                .any(|ch| !ch.closing && ch.get_waiting.is_some());
+            *pause_changed = true;
+            if !*dirty {
+                *dirty = true;
+                self.dirty.push(a.conn);
+            }
         }
     }
 
@@ -722,6 +807,8 @@ impl Node {
             channel_max,
             write_blocked,
             out_blocked,
+            holding,
+            pause_changed,
             ..
         } = c;
         let conn_blocked = *write_blocked || *out_blocked;
@@ -831,6 +918,10 @@ impl Node {
             conn_blocked,
         };
         let result = ch.on_frame(frame, &mut ctx);
+        if ch.get_waiting.is_some() && !*holding {
+            *holding = true;
+            *pause_changed = true;
+        }
         *confirms_pending = true;
         if ch.confirms_waiting() {
             self.confirm_waiters.insert((conn, id));
@@ -1041,7 +1132,7 @@ impl Node {
                 }
                 State::Open if c.heartbeat_ms > 0 => {
                     // A connection blocked by an alarm is not read: its silence is ours.
-                    let heard = c.paused || self.recovering;
+                    let heard = c.paused || c.holding || self.recovering;
                     if heard {
                         // Counted as heard now, so its deadline moves on: left in the past, it
                         // would bring the timer straight back for as long as the alarm lasts.
@@ -1260,7 +1351,7 @@ impl Node {
                     ch.flush_confirms(out);
                 }
             }
-            let pause = std::mem::take(&mut c.pause_changed).then_some(c.paused);
+            let pause = std::mem::take(&mut c.pause_changed).then_some(c.paused || c.holding);
             if c.out.is_empty() && !c.close_socket && !c.frame_max_changed && pause.is_none() {
                 continue;
             }

@@ -7,6 +7,7 @@ mod metadata_ops;
 mod persistence;
 mod policies;
 mod publish;
+mod remote_get;
 mod replicated;
 mod runtime;
 pub mod snapshot;
@@ -18,6 +19,7 @@ use metadata::*;
 pub use metadata_group::{GroupChange, MetaClosed};
 use persistence::*;
 use publish::*;
+pub use remote_get::{GetAnswer, Got, GET_WAIT_MS};
 use replicated::not_led_here;
 pub use replicated::{
     group_of, Proposal, ReplicaSnapshot, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,

@@ -113,6 +113,8 @@ pub(crate) struct Cluster {
     scratch: Vec<Effect<Message>>,
     /// The metadata group's part.
     pub(super) meta: super::metadata_group::MetaState,
+    /// basic.gets sent to other nodes' queues, waiting for their entries.
+    pub(super) gets: super::remote_get::RemoteGets,
     /// Snapshots taken, for the driver.
     snapshots: Vec<ReplicaSnapshot>,
     /// Entries between snapshots, and the largest snapshot that can be sent to a follower.
@@ -142,6 +144,7 @@ impl Cluster {
             // 2^20 proposals per unit of `boot` (a millisecond) before numbers could meet.
             proposals: Proposals::starting_at(node, boot.saturating_mul(1 << 20)),
             meta: super::metadata_group::MetaState::starting_at(boot.saturating_mul(1 << 20)),
+            gets: Default::default(),
             forwarding: None,
             kept: BTreeMap::new(),
             reissue: None,
@@ -678,7 +681,7 @@ impl Broker {
     /// What this node's channels held before it started is gone: the first thing it sends a
     /// group's leader after a start is a `Down` of itself, so that it comes before anything
     /// new of this node in the log (its ids start over with each start).
-    fn down_self_once(&mut self, id: QueueId) {
+    pub(super) fn down_self_once(&mut self, id: QueueId) {
         let Some(node) = self.cluster.as_ref().map(|c| c.node) else {
             return;
         };
@@ -745,6 +748,40 @@ impl Broker {
         }
     }
 
+    /// Sends one command to `leader` and keeps nothing: what waits for its entry gives up on
+    /// its own (a forwarded get). Its group and proposal number.
+    pub(super) fn forward_once(
+        &mut self,
+        id: QueueId,
+        leader: NodeId,
+        command: &Command<Message>,
+    ) -> Option<(u64, u64)> {
+        self.down_self_once(id);
+        let now = self.now_ms;
+        let c = self.cluster.as_mut()?;
+        let group = self.queues.get(&id)?.replica.as_ref()?.group;
+        let token = Token {
+            batch: 0,
+            forwarded: true,
+        };
+        let origin = c.proposals.next(GroupId(group), token);
+        match encode(now, origin, command) {
+            Ok(data) => {
+                c.outbox.push(Proposal {
+                    group,
+                    data,
+                    to: Some(leader),
+                });
+                Some((group, origin.seq))
+            }
+            Err(error) => {
+                tracing::error!(queue = id.0, %error, command = command.name(), "command not forwarded");
+                c.proposals.withdraw(GroupId(group), origin);
+                None
+            }
+        }
+    }
+
     /// A publish another node forwarded to a queue this node leads: applied ahead and proposed
     /// as this node's own commands are, with the sender's origin, so that the sender finds its
     /// answer when it applies the entry. Not leading (any more), it is dropped: the sender
@@ -775,8 +812,10 @@ impl Broker {
             | Command::Release { .. }
             | Command::Discard { .. }
             | Command::Extend { .. } => true,
-            // A node may bring only itself down this way.
-            Command::Down { node } => u64::from(*node) == head.origin.node,
+            // A node may bring only itself down this way, and get only for itself.
+            Command::Down { node } | Command::GetBy { node, .. } => {
+                u64::from(*node) == head.origin.node
+            }
             _ => false,
         };
         if !accepted {
@@ -784,6 +823,7 @@ impl Broker {
             return;
         }
         let cancel = matches!(command, Command::Cancel { .. });
+        let get = matches!(command, Command::GetBy { .. });
         let starting = self
             .queues
             .get(&id)
@@ -806,6 +846,10 @@ impl Broker {
         if let Some(c) = self.cluster.as_mut() {
             c.forwarding = None;
         }
+        if get {
+            // The asking node hands the message out when it applies the entry.
+            self.effects.retain(|e| !matches!(e, Effect::Deliver(_)));
+        }
         if reply.is_some() {
             // What the enqueue made the queue drop (drop-head) is dead-lettered here, what a
             // reject or a Down sends past its delivery limit too.
@@ -827,6 +871,7 @@ impl Broker {
     pub(super) fn expire_forwards(&mut self) {
         self.down_lost_peers();
         self.resend_meta();
+        self.expire_gets();
         let now = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return;
@@ -928,6 +973,7 @@ impl Broker {
             .chain(confirms)
             .chain(downs)
             .chain(self.meta_deadline())
+            .chain(self.get_deadline())
             .min()
     }
 
@@ -1009,6 +1055,7 @@ impl Broker {
         let mut meta = Vec::new();
         let mut touched: Vec<QueueId> = Vec::new();
         let mut ghosts: Vec<(QueueId, ConsumerId)> = Vec::new();
+        let mut gets: Vec<super::remote_get::AppliedGet> = Vec::new();
         for e in entries {
             if e.group.0 == super::metadata_group::META_GROUP {
                 meta.push(e);
@@ -1059,6 +1106,10 @@ impl Broker {
                 Command::Consume { id, .. } if own => Some(*id),
                 _ => None,
             };
+            // A get this node forwarded: its answer is this entry's.
+            let own_get = own
+                && matches!(&command, Command::GetBy { node, .. } if u64::from(*node) == c.node);
+            let mut got = None;
             match &command {
                 Command::Cancel { id } if own => {
                     c.retired.remove(id);
@@ -1104,6 +1155,9 @@ impl Broker {
                             c.released
                                 .push(super::runtime::delivery_with(id, &q.name, counts, d));
                         }
+                        Effect::Deliver(d) if own_get && d.consumer.is_none() => {
+                            got = Some(super::runtime::delivery_with(id, &q.name, counts, d));
+                        }
                         Effect::TimedOut {
                             msg_id,
                             attempt,
@@ -1136,6 +1190,15 @@ impl Broker {
                 }
             }
             c.scratch.clear();
+            if own_get && !r.is_leading() {
+                let remaining = u32::try_from(q.machine.ready_count()).unwrap_or(u32::MAX);
+                gets.push(super::remote_get::AppliedGet {
+                    queue: id,
+                    group: e.group.0,
+                    seq: head.origin.seq,
+                    got: got.map(|d| (d, remaining)),
+                });
+            }
             if let Some(cid) = consumed {
                 // What the machine holds decides, whatever this entry's reply: a forward sent
                 // again to a new leader may be applied twice (the second refused as a
@@ -1218,6 +1281,7 @@ impl Broker {
             }
             self.run(id, Command::Cancel { id: cid });
         }
+        self.gets_applied(gets);
         touched.sort_unstable();
         touched.dedup();
         self.take_due_snapshots(&touched);
@@ -1279,6 +1343,12 @@ impl Broker {
             return;
         }
         r.leader = leader;
+        if previous != leader {
+            self.gets_leader_changed(group);
+        }
+        let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
+            return;
+        };
         // The term this node proposed in: what it leaves waiting is lost once an entry of a
         // later one is applied (`step_down` reads it before it moves on).
         let led_in = r.term;

@@ -1,0 +1,238 @@
+//! basic.get on a replicated queue another node leads: the get goes to the leader as a
+//! `GetBy` of this node, and its answer is the entry's, when this node applies it. The
+//! channel waits meanwhile (its connection is not read), as a RabbitMQ channel waits for a
+//! quorum queue's leader.
+//!
+//! The leader always takes the message with an ack to come, even for a no-ack get: the node
+//! that asked settles it once the client has it. An answer nobody waits for any more (the
+//! wait ran out, the leader changed, the channel closed) gives the message back, so a get
+//! that is lost on its way costs a redelivery, never a message.
+
+use super::*;
+use crate::replica::{Mode, NodeId};
+
+/// A get forwarded to a leader and not answered within this long is answered empty (a
+/// poller asks again); its entry, if it commits later, gives the message back.
+pub const GET_WAIT_MS: u64 = 5_000;
+
+/// What a basic.get gets now, or the ticket of the answer to come.
+// Returned by value once per basic.get, as `Broker::get`'s answer is: boxing saves nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Got {
+    /// The message and how many stay ready, or nothing (get-empty).
+    Now(Option<(Delivery, u32)>),
+    /// Sent to the queue's leader: the answer comes from [`Broker::take_get_answers`] with
+    /// this ticket.
+    Waiting(u64),
+}
+
+/// The answer to a forwarded basic.get, for the channel that waits with `ticket`.
+#[derive(Debug)]
+pub struct GetAnswer {
+    pub conn: ConnId,
+    pub channel: u16,
+    pub ticket: u64,
+    /// The message (not settled: the channel settles a no-ack get once it is sent) and how
+    /// many stay ready; `None`: get-empty.
+    pub got: Option<(Delivery, u32)>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    conn: ConnId,
+    channel: u16,
+    ticket: u64,
+    since: u64,
+}
+
+/// The forwarded gets of this node, by group and proposal number.
+#[derive(Debug, Default)]
+pub(super) struct RemoteGets {
+    waiting: BTreeMap<(u64, u64), Waiter>,
+    answers: Vec<GetAnswer>,
+    next_ticket: u64,
+}
+
+/// A get of this node's applied from the log: the queue, its group, the proposal number, and
+/// the delivery with how many stay ready.
+pub(super) struct AppliedGet {
+    pub queue: QueueId,
+    pub group: u64,
+    pub seq: u64,
+    pub got: Option<(Delivery, u32)>,
+}
+
+impl RemoteGets {
+    /// Every get waiting on `group` is answered empty (its leader changed).
+    fn give_up_group(&mut self, group: u64) {
+        let keys: Vec<(u64, u64)> = self
+            .waiting
+            .range((group, 0)..=(group, u64::MAX))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in keys {
+            self.give_up(k);
+        }
+    }
+
+    fn give_up(&mut self, key: (u64, u64)) {
+        if let Some(w) = self.waiting.remove(&key) {
+            self.answers.push(GetAnswer {
+                conn: w.conn,
+                channel: w.channel,
+                ticket: w.ticket,
+                got: None,
+            });
+        }
+    }
+}
+
+impl Broker {
+    /// basic.get from a channel (`channel` of `conn`): as [`Broker::get`], except that a
+    /// replicated queue led by another node is asked of its leader ([`Got::Waiting`]).
+    pub fn basic_get(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        no_ack: bool,
+        conn: ConnId,
+        channel: u16,
+    ) -> Result<Got, AmqpError> {
+        let name = strip_cr_lf(queue);
+        let q = self.queue_by_name(vhost, &name)?;
+        check_access(q, conn)?;
+        let id = q.id;
+        let node = self.cluster_node();
+        // `Some(None)`: nothing can be handed out now (an election is on, or this node was
+        // just elected and does not act yet): get-empty, and a poller asks again.
+        // Nothing ready here either: empty, without an entry per poll (what the leader has and
+        // this node has not applied yet is a few milliseconds old). A poll of a queue with
+        // `x-expires` is a use, which only the log can record.
+        let idle = q.machine.ready_count() == 0 && q.args.expires_ms.is_none();
+        let elsewhere = q.replica.as_ref().and_then(|r| match r.mode {
+            Mode::Following if idle => Some(None),
+            Mode::Following => Some(r.leader.filter(|l| Some(*l) != node)),
+            Mode::Starting { .. } => Some(None),
+            Mode::Leading { .. } => None,
+        });
+        match elsewhere {
+            None => self.get(vhost, queue, no_ack, conn).map(Got::Now),
+            Some(None) => Ok(Got::Now(None)),
+            Some(Some(leader)) => Ok(match self.forward_get(id, leader, conn, channel) {
+                Some(ticket) => Got::Waiting(ticket),
+                None => Got::Now(None),
+            }),
+        }
+    }
+
+    fn forward_get(
+        &mut self,
+        id: QueueId,
+        leader: NodeId,
+        conn: ConnId,
+        channel: u16,
+    ) -> Option<u64> {
+        let node = u16::try_from(self.cluster_node()?).unwrap_or(u16::MAX);
+        // Taken with an ack to come, whatever the client asked: see the module's comment.
+        let command = Command::GetBy {
+            no_ack: false,
+            node,
+        };
+        let (group, seq) = self.forward_once(id, leader, &command)?;
+        let now = self.now_ms;
+        let gets = &mut self.cluster.as_mut()?.gets;
+        gets.next_ticket += 1;
+        let ticket = gets.next_ticket;
+        gets.waiting.insert(
+            (group, seq),
+            Waiter {
+                conn,
+                channel,
+                ticket,
+                since: now,
+            },
+        );
+        Some(ticket)
+    }
+
+    /// Answers to forwarded gets, into `out`.
+    pub fn take_get_answers(&mut self, out: &mut Vec<GetAnswer>) {
+        if let Some(c) = self.cluster.as_mut() {
+            out.append(&mut c.gets.answers);
+        }
+    }
+
+    /// This node's gets the log applied: each answers its waiter, or gives its message back.
+    pub(super) fn gets_applied(&mut self, applied: Vec<AppliedGet>) {
+        for a in applied {
+            let waiter = self
+                .cluster
+                .as_mut()
+                .and_then(|c| c.gets.waiting.remove(&(a.group, a.seq)));
+            match (waiter, a.got) {
+                (Some(w), got) => {
+                    if let Some(c) = self.cluster.as_mut() {
+                        c.gets.answers.push(GetAnswer {
+                            conn: w.conn,
+                            channel: w.channel,
+                            ticket: w.ticket,
+                            got,
+                        });
+                    }
+                }
+                (None, Some((d, _))) => {
+                    // Asked again, or answered empty meanwhile: the message goes back.
+                    self.release(a.queue, d.receipt);
+                }
+                (None, None) => {}
+            }
+        }
+    }
+
+    /// The leader of `group` changed: what was asked of the old one is answered empty.
+    pub(super) fn gets_leader_changed(&mut self, group: u64) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.gets.give_up_group(group);
+        }
+    }
+
+    /// Gets waiting longer than [`GET_WAIT_MS`] are answered empty.
+    pub(super) fn expire_gets(&mut self) {
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let late: Vec<(u64, u64)> = c
+            .gets
+            .waiting
+            .iter()
+            .filter(|(_, w)| now.saturating_sub(w.since) >= GET_WAIT_MS)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in late {
+            tracing::debug!(
+                group = k.0,
+                "a forwarded basic.get was not answered in time: get-empty"
+            );
+            c.gets.give_up(k);
+        }
+    }
+
+    /// When the oldest waiting get runs out.
+    pub(super) fn get_deadline(&self) -> Option<u64> {
+        let c = self.cluster.as_ref()?;
+        c.gets
+            .waiting
+            .values()
+            .map(|w| w.since.saturating_add(GET_WAIT_MS))
+            .min()
+    }
+
+    /// Is a get of this node waiting for an answer?
+    pub fn has_get_answers(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| !c.gets.answers.is_empty())
+    }
+}
