@@ -212,6 +212,67 @@ def amqp_publish_received_by_boto3_and_back():
     assert counts["ApproximateNumberOfMessages"] == "0", counts
 
 
+@flow
+def fifo_queue_orders_groups_and_drops_duplicates():
+    sqs = client()
+    try:
+        sqs.create_queue(QueueName=unique("nosuffix"), Attributes={"FifoQueue": "true"})
+        raise AssertionError("a FIFO queue without .fifo was created")
+    except sqs.exceptions.ClientError as e:
+        assert e.response["Error"]["Code"] == "InvalidParameterValue", e.response
+    name = unique("orders") + ".fifo"
+    url = sqs.create_queue(QueueName=name, Attributes={"FifoQueue": "true", "ContentBasedDeduplication": "true"})[
+        "QueueUrl"
+    ]
+    attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert attrs["FifoQueue"] == "true" and attrs["ContentBasedDeduplication"] == "true", attrs
+    try:
+        sqs.send_message(QueueUrl=url, MessageBody="no group")
+        raise AssertionError("a FIFO message without MessageGroupId was taken")
+    except sqs.exceptions.ClientError as e:
+        assert e.response["Error"]["Code"] == "MissingParameter", e.response
+    seqs = []
+    for i in range(3):
+        for g in ("a", "b"):
+            r = sqs.send_message(QueueUrl=url, MessageBody=f"{g}{i}", MessageGroupId=g)
+            seqs.append(int(r["SequenceNumber"]))
+    assert seqs == sorted(seqs) and len(set(seqs)) == 6, seqs
+    # The same body again within five minutes: accepted, not delivered (content-based deduplication).
+    sqs.send_message(QueueUrl=url, MessageBody="a0", MessageGroupId="a")
+    explicit = sqs.send_message_batch(
+        QueueUrl=url,
+        Entries=[
+            {"Id": "1", "MessageBody": "c0", "MessageGroupId": "c", "MessageDeduplicationId": "same"},
+            {"Id": "2", "MessageBody": "c1", "MessageGroupId": "c", "MessageDeduplicationId": "same"},
+        ],
+    )
+    assert len(explicit["Successful"]) == 2 and not explicit["Failed"], explicit
+    done = {"a": [], "b": [], "c": []}
+    deadline = time.monotonic() + 10
+    while sum(map(len, done.values())) < 7:
+        assert time.monotonic() < deadline, done
+        got = sqs.receive_message(
+            QueueUrl=url, MaxNumberOfMessages=10, MessageSystemAttributeNames=["All"], WaitTimeSeconds=1
+        ).get("Messages", [])
+        groups = [m["Attributes"]["MessageGroupId"] for m in got]
+        # Never two of one group in flight at once: the next waits for the delete.
+        assert len(groups) == len(set(groups)), groups
+        for m in got:
+            g = m["Attributes"]["MessageGroupId"]
+            assert m["Attributes"]["SequenceNumber"].isdigit(), m
+            assert m["Attributes"]["MessageDeduplicationId"], m
+            done[g].append(m["Body"])
+            sqs.delete_message(QueueUrl=url, ReceiptHandle=m["ReceiptHandle"])
+    assert done == {"a": ["a0", "a1", "a2"], "b": ["b0", "b1", "b2"], "c": ["c0"]}, done
+    assert "Messages" not in sqs.receive_message(QueueUrl=url, WaitTimeSeconds=1), "a duplicate was delivered"
+    try:
+        sqs.send_message(QueueUrl=url, MessageBody="late", MessageGroupId="a", DelaySeconds=5)
+        raise AssertionError("a per-message delay on a FIFO queue was taken")
+    except sqs.exceptions.ClientError as e:
+        assert e.response["Error"]["Code"] == "InvalidParameterValue", e.response
+    sqs.delete_queue(QueueUrl=url)
+
+
 def main():
     for f in FLOWS:
         try:

@@ -392,8 +392,9 @@ fn aiopika_robust_connection_survives_broker_restarts() {
 
 /// boto3, unchanged, on the SQS endpoint (`clients/sqs_flows.py`): create, send with attributes (the
 /// digests checked against AWS's algorithm), a long poll answered at the send, visibility changes and
-/// batches, redrive to a dead-letter queue after maxReceiveCount receives, and a queue shared with pika
-/// (an AMQP publish received by boto3, a boto3 send consumed over AMQP).
+/// batches, redrive to a dead-letter queue after maxReceiveCount receives, a queue shared with pika
+/// (an AMQP publish received by boto3, a boto3 send consumed over AMQP), and a FIFO queue (groups in
+/// order and one at a time, content-based and explicit deduplication, SQS's refusals).
 #[test]
 fn boto3_sqs_flows_and_pika_on_the_same_queues() {
     require_python_modules("boto3, pika");
@@ -414,4 +415,5 @@ fn boto3_sqs_flows_and_pika_on_the_same_queues() {
         "boto3 SQS flows failed against {:?}:\n{out}",
         broker.sqs_url()
     );
+    eprintln!("{out}");
 }

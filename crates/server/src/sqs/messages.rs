@@ -13,13 +13,44 @@ use warren_session::manage::API_CONN;
 
 use super::attributes::{self, Attribute};
 use super::queues::{
-    amqp, ARG_MAX_SIZE, ARG_VISIBILITY, ARG_WAIT, DEFAULT_VISIBILITY, MAX_MESSAGE_SIZE,
+    amqp, is_fifo, ARG_CONTENT_DEDUP, ARG_DEDUP_SCOPE, ARG_MAX_SIZE, ARG_VISIBILITY, ARG_WAIT,
+    DEDUP_ID_HEADER, DEDUP_KEY_HEADER, DEFAULT_VISIBILITY, GROUP_HEADER, MAX_MESSAGE_SIZE,
 };
 use super::receipt::Handle;
 use super::{integer, queue_of, required, strings, Ctx, Sqs, SqsError};
 
 /// When SendMessage sent it (ms since the epoch): SQS's `SentTimestamp`.
 const SENT_HEADER: &str = "x-sqs-sent-timestamp";
+
+/// A FIFO message's `SequenceNumber`.
+const SEQUENCE_HEADER: &str = "x-sqs-sequence-number";
+
+/// The last sequence number given: each is above the one before and, from a later start,
+/// above every one of an earlier start (they begin at the time in milliseconds times 10^6).
+static SEQUENCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The next FIFO sequence number, as SQS writes them (a string of digits, growing).
+fn next_sequence(now_ms: u64) -> String {
+    use std::sync::atomic::Ordering;
+    SEQUENCE.fetch_max(now_ms.saturating_mul(1_000_000), Ordering::AcqRel);
+    let mine = SEQUENCE.fetch_add(1, Ordering::AcqRel).saturating_add(1);
+    format!("{mine:020}")
+}
+
+/// SQS's rule for a `MessageGroupId` and a `MessageDeduplicationId`: 1 to 128 characters,
+/// letters, digits and ASCII punctuation.
+fn fifo_id(input: &Map<String, Value>, name: &str) -> Result<Option<String>, SqsError> {
+    let Some(v) = super::text(input, name)? else {
+        return Ok(None);
+    };
+    let ok = (1..=128).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic());
+    if !ok {
+        return Err(SqsError::invalid_parameter(format!(
+            "Value {v} for parameter {name} is invalid. Reason: {name} can only include alphanumeric and punctuation characters. 1 to 128 in length."
+        )));
+    }
+    Ok(Some(v.to_owned()))
+}
 
 /// The delayed exchange (`x-delayed-message`, direct) of a vhost through which a message
 /// with its own DelaySeconds reaches a queue that has no delay of its own: each such queue
@@ -79,6 +110,8 @@ struct Outgoing {
     body: String,
     attrs: Vec<Attribute>,
     delay_s: Option<i64>,
+    group: Option<String>,
+    dedup: Option<String>,
 }
 
 fn outgoing(input: &Map<String, Value>) -> Result<Outgoing, SqsError> {
@@ -103,6 +136,8 @@ fn outgoing(input: &Map<String, Value>) -> Result<Outgoing, SqsError> {
         body,
         attrs,
         delay_s,
+        group: fifo_id(input, "MessageGroupId")?,
+        dedup: fifo_id(input, "MessageDeduplicationId")?,
     })
 }
 
@@ -132,6 +167,16 @@ fn publish(
     let mut headers = FieldTable::new();
     attributes::to_headers(&m.attrs, &mut headers);
     headers.insert(SENT_HEADER, FieldValue::I64(now as i64));
+    let sequence = if is_fifo(&args) {
+        Some(fifo_headers(&args, m, now, &mut headers)?)
+    } else {
+        if m.dedup.is_some() {
+            return Err(not_for_this_queue("MessageDeduplicationId"));
+        }
+        // A standard queue takes a MessageGroupId and keeps no order by it (as SQS's fair
+        // queues do).
+        None
+    };
     // A queue with a delay of its own holds back a message by its `x-delay` header; to any
     // other the message goes through the delayed exchange.
     let mut exchange = "";
@@ -188,7 +233,69 @@ fn publish(
     if let Some(md5) = attributes::md5_of_attributes(&m.attrs) {
         out.insert("MD5OfMessageAttributes".into(), Value::String(md5));
     }
+    if let Some(sequence) = sequence {
+        out.insert("SequenceNumber".into(), Value::String(sequence));
+    }
     Ok(out)
+}
+
+fn not_for_this_queue(name: &str) -> SqsError {
+    SqsError::invalid_parameter(format!(
+        "The request include parameter {name} that is not valid for this queue type."
+    ))
+}
+
+/// A FIFO message's group, deduplication and sequence headers; its sequence number.
+fn fifo_headers(
+    args: &FieldTable,
+    m: &Outgoing,
+    now: u64,
+    headers: &mut FieldTable,
+) -> Result<String, SqsError> {
+    let Some(group) = &m.group else {
+        return Err(SqsError::missing_parameter("MessageGroupId"));
+    };
+    if let Some(d) = m.delay_s {
+        // A FIFO queue delays every message or none (its DelaySeconds attribute).
+        return Err(SqsError::invalid_parameter(format!(
+            "Value {d} for parameter DelaySeconds is invalid. Reason: The request include parameter that is not valid for this queue type."
+        )));
+    }
+    let content = args.get(ARG_CONTENT_DEDUP).and_then(FieldValue::as_bool) == Some(true);
+    let dedup = match (&m.dedup, content) {
+        (Some(d), _) => d.clone(),
+        (None, true) => {
+            use sha2::Digest;
+            hex(&sha2::Sha256::digest(m.body.as_bytes()))
+        }
+        (None, false) => {
+            return Err(SqsError::invalid_parameter(
+                "The queue should either have ContentBasedDeduplication enabled or MessageDeduplicationId provided explicitly",
+            ))
+        }
+    };
+    let per_group = args.get(ARG_DEDUP_SCOPE).and_then(FieldValue::as_str) == Some("messageGroup");
+    let key = if per_group {
+        // A group's name cannot hold a space (1 to 128 visible characters): no two
+        // (group, id) pairs make one key.
+        format!("{group} {dedup}")
+    } else {
+        dedup.clone()
+    };
+    let sequence = next_sequence(now);
+    headers.insert(GROUP_HEADER, FieldValue::long_str(group));
+    headers.insert(DEDUP_KEY_HEADER, FieldValue::long_str(&key));
+    headers.insert(DEDUP_ID_HEADER, FieldValue::long_str(&dedup));
+    headers.insert(SEQUENCE_HEADER, FieldValue::long_str(&sequence));
+    Ok(sequence)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
 }
 
 fn may_send(n: &warren_session::Node, ctx: &Ctx, vhost: &str) -> Result<(), SqsError> {
@@ -478,6 +585,18 @@ fn message_json(
             sys.insert("SenderId".into(), Value::String(u.to_string()));
         }
     }
+    for (attr, header) in [
+        ("MessageGroupId", GROUP_HEADER),
+        ("MessageDeduplicationId", DEDUP_ID_HEADER),
+        ("SequenceNumber", SEQUENCE_HEADER),
+    ] {
+        let value = headers
+            .and_then(|h| h.get(header))
+            .and_then(FieldValue::as_str);
+        if let (true, Some(v)) = (wants(system, attr), value) {
+            sys.insert(attr.into(), Value::String(v.to_owned()));
+        }
+    }
     if !sys.is_empty() {
         m.insert("Attributes".into(), Value::Object(sys));
     }
@@ -622,4 +741,93 @@ pub fn change_visibility_batch(
         }))
     })??;
     Ok(batch_answer(ok, bad))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fifo_args(content: bool, per_group: bool) -> FieldTable {
+        let mut t = FieldTable::new();
+        t.insert("x-group-header", FieldValue::long_str(GROUP_HEADER));
+        if content {
+            t.insert(ARG_CONTENT_DEDUP, FieldValue::Bool(true));
+        }
+        if per_group {
+            t.insert(ARG_DEDUP_SCOPE, FieldValue::long_str("messageGroup"));
+        }
+        t
+    }
+
+    fn message(group: Option<&str>, dedup: Option<&str>, delay_s: Option<i64>) -> Outgoing {
+        Outgoing {
+            body: "hello".into(),
+            attrs: Vec::new(),
+            delay_s,
+            group: group.map(str::to_owned),
+            dedup: dedup.map(str::to_owned),
+        }
+    }
+
+    fn header(h: &FieldTable, k: &str) -> String {
+        h.get(k)
+            .and_then(FieldValue::as_str)
+            .map(str::to_owned)
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn sequence_numbers_grow_even_when_the_clock_goes_back() {
+        let a = next_sequence(2_000);
+        let b = next_sequence(1_000);
+        let c = next_sequence(3_000);
+        assert!(a < b && b < c, "{a} {b} {c}");
+        assert_eq!(a.len(), 20);
+    }
+
+    #[test]
+    fn a_fifo_message_is_keyed_as_its_queue_deduplicates() {
+        let mut h = FieldTable::new();
+        fifo_headers(
+            &fifo_args(true, false),
+            &message(Some("g"), None, None),
+            1,
+            &mut h,
+        )
+        .expect("content-based");
+        // SHA-256 of "hello".
+        let sha = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824";
+        assert_eq!(header(&h, DEDUP_KEY_HEADER), sha);
+        assert_eq!(header(&h, DEDUP_ID_HEADER), sha);
+        assert_eq!(header(&h, GROUP_HEADER), "g");
+        let mut h = FieldTable::new();
+        let m = message(Some("g"), Some("id-1"), None);
+        fifo_headers(&fifo_args(false, true), &m, 1, &mut h).expect("explicit");
+        assert_eq!(
+            header(&h, DEDUP_KEY_HEADER),
+            "g id-1",
+            "scoped to its group"
+        );
+        assert_eq!(header(&h, DEDUP_ID_HEADER), "id-1");
+        let refused = |args: &FieldTable, m: &Outgoing| {
+            fifo_headers(args, m, 1, &mut FieldTable::new())
+                .err()
+                .map(|e| e.code)
+        };
+        let none = fifo_args(false, false);
+        assert_eq!(
+            refused(&none, &message(None, Some("x"), None)),
+            Some("MissingParameter")
+        );
+        assert_eq!(
+            refused(&none, &message(Some("g"), None, None)),
+            Some("InvalidParameterValue"),
+            "no deduplication id and no content-based deduplication"
+        );
+        assert_eq!(
+            refused(&none, &message(Some("g"), Some("x"), Some(5))),
+            Some("InvalidParameterValue"),
+            "a per-message delay"
+        );
+    }
 }

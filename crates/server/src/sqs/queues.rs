@@ -20,14 +20,48 @@ pub const ARG_MAX_SIZE: &str = "x-sqs-maximum-message-size";
 /// A visibility timeout of 0 (`x-visibility-timeout` must be positive).
 pub const ARG_VISIBILITY: &str = "x-sqs-visibility-timeout";
 
+/// A FIFO queue is a queue with message groups (`x-group-header`) on this header, which
+/// holds a message's `MessageGroupId`, and deduplication (`x-message-deduplication`) on
+/// [`DEDUP_KEY_HEADER`] over SQS's five minutes.
+pub const GROUP_HEADER: &str = "x-sqs-message-group-id";
+/// What a FIFO queue deduplicates on: the deduplication id, prefixed by the group when the
+/// queue's `DeduplicationScope` is `messageGroup`.
+pub const DEDUP_KEY_HEADER: &str = "x-sqs-deduplication-key";
+/// A FIFO message's `MessageDeduplicationId`, as given or computed from its body.
+pub const DEDUP_ID_HEADER: &str = "x-sqs-message-deduplication-id";
+pub const ARG_CONTENT_DEDUP: &str = "x-sqs-content-based-deduplication";
+pub const ARG_DEDUP_SCOPE: &str = "x-sqs-deduplication-scope";
+pub const ARG_THROUGHPUT: &str = "x-sqs-fifo-throughput-limit";
+/// SQS's deduplication interval.
+const DEDUP_WINDOW_MS: i64 = 300_000;
+/// Keys a FIFO queue remembers (Warren's largest `x-cache-size`): SQS has no such limit, and
+/// keys only cost memory once used.
+const DEDUP_KEYS: i64 = 1_000_000;
+
+/// Is this queue (by its arguments) one of SQS's FIFO queues?
+pub fn is_fifo(args: &FieldTable) -> bool {
+    args.get("x-group-header").and_then(FieldValue::as_str) == Some(GROUP_HEADER)
+}
+
 /// The attributes SQS lets CreateQueue set.
-const SETTABLE: [&str; 6] = [
+const SETTABLE: [&str; 10] = [
     "VisibilityTimeout",
     "MessageRetentionPeriod",
     "DelaySeconds",
     "ReceiveMessageWaitTimeSeconds",
     "MaximumMessageSize",
     "RedrivePolicy",
+    "FifoQueue",
+    "ContentBasedDeduplication",
+    "DeduplicationScope",
+    "FifoThroughputLimit",
+];
+
+/// The attributes only a FIFO queue has.
+const FIFO_ONLY: [&str; 3] = [
+    "ContentBasedDeduplication",
+    "DeduplicationScope",
+    "FifoThroughputLimit",
 ];
 
 /// Accepted and without effect: encryption and access policies are AWS's.
@@ -39,25 +73,51 @@ const IGNORED: [&str; 5] = [
     "RedriveAllowPolicy",
 ];
 
-/// A queue name as SQS allows it: 1 to 80 letters, digits, `-` and `_`.
-fn check_name(name: &str) -> Result<(), SqsError> {
-    if name.ends_with(".fifo") {
-        return Err(SqsError::unsupported(
-            "FIFO queues (.fifo) are not supported by Warren's SQS endpoint yet.",
-        ));
-    }
-    let ok = !name.is_empty()
-        && name.len() <= 80
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if ok {
-        Ok(())
+/// A queue name as SQS allows it: 1 to 80 letters, digits, `-` and `_`, and for a FIFO
+/// queue (`FifoQueue` true) the `.fifo` suffix, counted in the 80.
+fn check_name(name: &str, fifo: bool) -> Result<(), SqsError> {
+    let base = if fifo {
+        name.strip_suffix(".fifo")
     } else {
-        Err(SqsError::invalid_parameter(
+        Some(name)
+    };
+    let ok = base.is_some_and(|b| {
+        !b.is_empty()
+            && name.len() <= 80
+            && b.bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
+    });
+    match (ok, fifo) {
+        (true, _) => Ok(()),
+        (false, true) => Err(SqsError::invalid_parameter(
+            "The name of a FIFO queue can only include alphanumeric characters, hyphens, or underscores, must end with .fifo suffix and be 1 to 80 in length.",
+        )),
+        (false, false) => Err(SqsError::invalid_parameter(
             "Can only include alphanumeric characters, hyphens, or underscores. 1 to 80 in length",
-        ))
+        )),
     }
+}
+
+/// Does CreateQueue ask for a FIFO queue (`FifoQueue` true)?
+fn fifo_asked(attrs: &[(String, String)]) -> Result<bool, SqsError> {
+    match attrs
+        .iter()
+        .find(|(k, _)| k == "FifoQueue")
+        .map(|(_, v)| v.as_str())
+    {
+        None | Some("false") => Ok(false),
+        Some("true") => Ok(true),
+        Some(v) => Err(SqsError::invalid_attribute_value(format!(
+            "Invalid value for the parameter FifoQueue: {v}."
+        ))),
+    }
+}
+
+/// The value of one of the FIFO attributes that take a word.
+fn one_of<'a>(name: &str, v: &'a str, allowed: &[&str]) -> Result<&'a str, SqsError> {
+    allowed.contains(&v).then_some(v).ok_or_else(|| {
+        SqsError::invalid_attribute_value(format!("Invalid value for the parameter {name}."))
+    })
 }
 
 /// The attributes map of a request (`{"Name": "value"}`).
@@ -124,20 +184,42 @@ fn redrive(v: &str, vhost: &str) -> Result<(String, u64), SqsError> {
 /// The queue arguments of CreateQueue's attributes (SQS's defaults for those not given).
 fn arguments(attrs: &[(String, String)], vhost: &str) -> Result<FieldTable, SqsError> {
     let get = |k: &str| attrs.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    let fifo = fifo_asked(attrs)?;
     for (k, v) in attrs {
-        if k == "FifoQueue" || k == "ContentBasedDeduplication" {
-            if v == "false" {
-                continue;
-            }
-            return Err(SqsError::unsupported(
-                "FIFO queues are not supported by Warren's SQS endpoint yet.",
-            ));
-        }
-        if !SETTABLE.contains(&k.as_str()) && !IGNORED.contains(&k.as_str()) {
+        let known = SETTABLE.contains(&k.as_str()) || IGNORED.contains(&k.as_str());
+        // Saying that a standard queue does not deduplicate is allowed (it was before FIFO
+        // queues were built).
+        let fifo_only =
+            FIFO_ONLY.contains(&k.as_str()) && !(k == "ContentBasedDeduplication" && v == "false");
+        if !known || (!fifo && fifo_only) {
             return Err(SqsError::invalid_attribute_name(k));
         }
     }
     let mut t = FieldTable::new();
+    if fifo {
+        t.insert("x-group-header", FieldValue::long_str(GROUP_HEADER));
+        t.insert("x-message-deduplication", FieldValue::Bool(true));
+        t.insert(
+            "x-deduplication-header",
+            FieldValue::long_str(DEDUP_KEY_HEADER),
+        );
+        t.insert("x-cache-ttl", FieldValue::I64(DEDUP_WINDOW_MS));
+        t.insert("x-cache-size", FieldValue::I64(DEDUP_KEYS));
+        let content = get("ContentBasedDeduplication")
+            .map(|v| one_of("ContentBasedDeduplication", v, &["true", "false"]))
+            .transpose()?;
+        if content == Some("true") {
+            t.insert(ARG_CONTENT_DEDUP, FieldValue::Bool(true));
+        }
+        if let Some(v) = get("DeduplicationScope") {
+            let v = one_of("DeduplicationScope", v, &["queue", "messageGroup"])?;
+            t.insert(ARG_DEDUP_SCOPE, FieldValue::long_str(v));
+        }
+        if let Some(v) = get("FifoThroughputLimit") {
+            let v = one_of("FifoThroughputLimit", v, &["perQueue", "perMessageGroupId"])?;
+            t.insert(ARG_THROUGHPUT, FieldValue::long_str(v));
+        }
+    }
     let ms = |s: u64| FieldValue::I64(i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX));
     let visibility = get("VisibilityTimeout")
         .map(|v| seconds("VisibilityTimeout", v, 0..=43_200))
@@ -218,6 +300,21 @@ fn configured(args: &FieldTable, ctx: &Ctx, vhost: &str) -> Vec<(&'static str, S
         ),
         ("SqsManagedSseEnabled", "false".to_owned()),
     ];
+    if is_fifo(args) {
+        let word = |k: &str, default: &str| {
+            args.get(k)
+                .and_then(FieldValue::as_str)
+                .unwrap_or(default)
+                .to_owned()
+        };
+        let content = args.get(ARG_CONTENT_DEDUP).and_then(FieldValue::as_bool) == Some(true);
+        out.extend([
+            ("FifoQueue", "true".to_owned()),
+            ("ContentBasedDeduplication", content.to_string()),
+            ("DeduplicationScope", word(ARG_DEDUP_SCOPE, "queue")),
+            ("FifoThroughputLimit", word(ARG_THROUGHPUT, "perQueue")),
+        ]);
+    }
     let dlx = args
         .get("x-dead-letter-exchange")
         .and_then(FieldValue::as_str);
@@ -237,8 +334,11 @@ fn configured(args: &FieldTable, ctx: &Ctx, vhost: &str) -> Vec<(&'static str, S
 /// The queue's current value of a settable attribute, as CreateQueue compares it.
 fn same_value(name: &str, given: &str, current: &[(&'static str, String)]) -> bool {
     let Some((_, now)) = current.iter().find(|(k, _)| *k == name) else {
-        // An ignored attribute, or a redrive policy the queue does not have.
-        return !SETTABLE.contains(&name) || given.is_empty();
+        // An ignored attribute, or a redrive policy the queue does not have, or a standard
+        // queue said not to be FIFO.
+        return !SETTABLE.contains(&name)
+            || given.is_empty()
+            || (matches!(name, "FifoQueue" | "ContentBasedDeduplication") && given == "false");
     };
     if name == "RedrivePolicy" {
         let parse = |s: &str| -> Option<(String, u64)> {
@@ -274,8 +374,8 @@ pub fn create(
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let name = required(input, "QueueName")?.to_owned();
-    check_name(&name)?;
     let attrs = attribute_map(input)?;
+    check_name(&name, fifo_asked(&attrs)?)?;
     let vhost = ctx.vhost.clone();
     let args = arguments(&attrs, &vhost)?;
     sqs.node.write(|n, _| {
@@ -293,10 +393,15 @@ pub fn create(
             return Ok(());
         }
         if let Some(dlq) = args.get("x-dead-letter-routing-key").and_then(FieldValue::as_str) {
-            if n.broker().queue_id(&vhost, dlq).is_none() {
+            let Some(target) = n.broker().queue_snapshot(&vhost, dlq) else {
                 return Err(SqsError::invalid_parameter(format!(
                     "Value for parameter RedrivePolicy is invalid. Reason: Dead letter target does not exist: {dlq}."
                 )));
+            };
+            if is_fifo(&target.arguments) != is_fifo(&args) {
+                return Err(SqsError::invalid_parameter(
+                    "Value for parameter RedrivePolicy is invalid. Reason: Dead-letter queue must be same type of queue as the source.",
+                ));
             }
         }
         let req = DeclareQueue {
@@ -577,7 +682,10 @@ mod tests {
         let one = |k: &str, v: &str| arguments(&[(k.to_string(), v.to_string())], "/");
         assert!(one("VisibilityTimeout", "43201").is_err());
         assert!(one("Nonsense", "1").is_err());
-        assert!(one("FifoQueue", "true").is_err());
+        assert!(
+            one("ContentBasedDeduplication", "true").is_err(),
+            "a FIFO attribute on a standard queue"
+        );
         assert!(one("RedrivePolicy", "{}").is_err());
         // A dead-letter queue of another vhost.
         assert!(one(
@@ -585,8 +693,47 @@ mod tests {
             r#"{"deadLetterTargetArn":"arn:aws:sqs:r:other:dlq","maxReceiveCount":1}"#
         )
         .is_err());
-        assert!(check_name("jobs-1_a").is_ok());
-        assert!(check_name("jobs.fifo").is_err());
-        assert!(check_name("a b").is_err());
+        assert!(check_name("jobs-1_a", false).is_ok());
+        assert!(
+            check_name("jobs.fifo", false).is_err(),
+            "a standard queue named .fifo"
+        );
+        assert!(
+            check_name("jobs", true).is_err(),
+            "a FIFO queue without the suffix"
+        );
+        assert!(check_name("jobs.fifo", true).is_ok());
+        assert!(check_name(".fifo", true).is_err());
+        assert!(check_name("a b", false).is_err());
+    }
+
+    #[test]
+    fn a_fifo_queue_has_groups_and_a_five_minute_deduplication() {
+        let attrs = vec![
+            ("FifoQueue".to_string(), "true".to_string()),
+            ("ContentBasedDeduplication".to_string(), "true".to_string()),
+            ("DeduplicationScope".to_string(), "messageGroup".to_string()),
+        ];
+        let args = arguments(&attrs, "/").expect("valid");
+        assert!(is_fifo(&args));
+        assert_eq!(int_arg(&args, "x-cache-ttl"), Some(300_000));
+        assert_eq!(
+            args.get("x-message-deduplication"),
+            Some(&FieldValue::Bool(true))
+        );
+        let back = configured(&args, &ctx(), "/");
+        for (k, v) in &attrs {
+            assert!(same_value(k, v, &back), "{k}");
+        }
+        assert!(same_value("FifoThroughputLimit", "perQueue", &back));
+        assert!(!same_value("ContentBasedDeduplication", "false", &back));
+        let standard = configured(&arguments(&[], "/").expect("valid"), &ctx(), "/");
+        assert!(same_value("FifoQueue", "false", &standard));
+        assert!(!same_value("FifoQueue", "true", &standard));
+        let bad = vec![
+            ("FifoQueue".to_string(), "true".to_string()),
+            ("DeduplicationScope".to_string(), "everything".to_string()),
+        ];
+        assert!(arguments(&bad, "/").is_err());
     }
 }
