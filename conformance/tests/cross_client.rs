@@ -229,6 +229,40 @@ fn pika_core_flows() {
     assert!(ok, "pika flows failed against {}:\n{out}", broker.url());
 }
 
+/// PYTHONPATH with the SDK from before SQS's JSON protocol (botocore 1.31,
+/// `clients/requirements-legacy.txt`), which `scripts/test` installs into `clients/.deps/python-legacy`.
+fn legacy_python_path() -> String {
+    clients_dir()
+        .join(".deps")
+        .join("python-legacy")
+        .display()
+        .to_string()
+}
+
+/// botocore 1.31, unchanged, on the SQS endpoint over the query protocol (`clients/sqs_query_flows.py`):
+/// queues and their attributes, messages with every attribute type (botocore checks the digests),
+/// batches with a failed entry, visibility, purge, the query protocol's error codes, a FIFO queue.
+#[test]
+fn botocore_over_the_sqs_query_protocol() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        eprintln!("skipped: the SQS API is Warren's, not the external broker's");
+        return;
+    }
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("sqs_query_flows.py"))
+        .arg(broker.sqs_url().expect("the SQS API on"))
+        .env("PYTHONPATH", legacy_python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = run(cmd, Duration::from_secs(120));
+    assert!(
+        ok,
+        "the query-protocol flows failed against {:?} (is botocore 1.31 in clients/.deps/python-legacy? scripts/test installs it):\n{out}",
+        broker.sqs_url()
+    );
+    eprintln!("{out}");
+}
+
 /// pika on a quorum queue of a 3-node cluster, connected to a node that does not lead it
 /// (`clients/pika_cluster_flows.py`): publishes with confirms there and on the leader, basic.get with
 /// and without ack (served by the leader), a get given back by a closed channel, a consumer.

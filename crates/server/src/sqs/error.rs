@@ -100,14 +100,6 @@ impl SqsError {
     pub fn unavailable(m: impl Into<String>) -> Self {
         Self::new(503, "ServiceUnavailable", "ServiceUnavailable", m)
     }
-    pub fn unsupported(m: impl Into<String>) -> Self {
-        Self::new(
-            400,
-            "UnsupportedOperation",
-            "AWS.SimpleQueueService.UnsupportedOperation",
-            m,
-        )
-    }
     pub fn empty_batch() -> Self {
         Self::new(
             400,

@@ -87,7 +87,7 @@ fn delay_route(n: &mut warren_session::Node, vhost: &str, queue: &str) -> Result
 }
 
 /// A random id in UUID form (SQS's MessageId).
-fn new_id() -> String {
+pub(super) fn new_id() -> String {
     use std::hash::{BuildHasher, Hasher};
     let word = || {
         std::collections::hash_map::RandomState::new()

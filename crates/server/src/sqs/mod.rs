@@ -1,5 +1,6 @@
-//! The SQS API (AWS's JSON 1.0 protocol: `POST` with `X-Amz-Target: AmazonSQS.<Action>`)
-//! on Warren's own queues, on `--sqs-port` (9324, ElasticMQ's).
+//! The SQS API (AWS's JSON 1.0 protocol: `POST` with `X-Amz-Target: AmazonSQS.<Action>`,
+//! and the older query protocol: `query.rs`) on Warren's own queues, on `--sqs-port` (9324,
+//! ElasticMQ's).
 //!
 //! - **Credentials.** Signature Version 4 is checked; the access key id is a Warren user's
 //!   name and the secret its password. The server must know the password itself to check
@@ -20,6 +21,7 @@
 mod attributes;
 mod error;
 mod messages;
+mod query;
 mod queues;
 mod receipt;
 mod sigv4;
@@ -193,6 +195,22 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
+    let json = header("x-amz-target").is_some();
+    if !json && query::is_query(header("content-type"), uri.query()) {
+        let id = messages::new_id();
+        let (action, result) = serve_query(&sqs, peer, &method, &uri, &headers, &body).await;
+        let (status, xml) = match result {
+            Ok(v) => (axum::http::StatusCode::OK, query::output(&action, &v, &id)),
+            Err(e) => (e.status, query::error(&e, &id)),
+        };
+        let mut r = (status, xml).into_response();
+        r.headers_mut().insert(
+            "content-type",
+            axum::http::HeaderValue::from_static("text/xml"),
+        );
+        return r;
+    }
     match serve_one(&sqs, peer, &method, &uri, &headers, &body).await {
         Ok(v) => {
             let mut r = Value::Object(v).to_string().into_response();
@@ -206,6 +224,44 @@ async fn handle(
     }
 }
 
+/// A query-protocol request: its action (for the answer's element names) and answer.
+async fn serve_query(
+    sqs: &Sqs,
+    peer: SocketAddr,
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> (String, Result<Map<String, Value>, SqsError>) {
+    // The parameters are in the body of a POST, in the query string of a GET.
+    let form: &[u8] = if method == Method::GET {
+        uri.query().unwrap_or_default().as_bytes()
+    } else {
+        body
+    };
+    // A request sent to a queue's URL names its queue so.
+    let host = headers
+        .get("host")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("localhost");
+    let segments = uri.path().split('/').filter(|s| !s.is_empty()).count();
+    let queue_url = (segments >= 2).then(|| format!("http://{host}{}", uri.path()));
+    let (action, input) = match query::input(form, queue_url) {
+        Ok(x) => x,
+        Err(e) => return (String::new(), Err(e)),
+    };
+    let answer = async {
+        let ctx = authenticate(sqs, peer, method, uri, headers, body)?;
+        if let Some(left) = sqs.node.recovering_after(crate::http::RECOVERY_HOLD).await {
+            return Err(SqsError::unavailable(crate::http::recovering_reason(left)));
+        }
+        tracing::debug!(action = %action, user = %ctx.user, "SQS request (query protocol)");
+        dispatch(sqs, &ctx, &action, &input).await
+    }
+    .await;
+    (action, answer)
+}
+
 async fn serve_one(
     sqs: &Sqs,
     peer: SocketAddr,
@@ -216,18 +272,11 @@ async fn serve_one(
 ) -> Result<Map<String, Value>, SqsError> {
     let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
     let Some(action) = header("x-amz-target").and_then(|t| t.strip_prefix("AmazonSQS.")) else {
-        if header("content-type")
-            .is_some_and(|c| c.starts_with("application/x-www-form-urlencoded"))
-        {
-            return Err(SqsError::unsupported(
-                "Warren's SQS endpoint speaks the JSON protocol (X-Amz-Target); the query protocol is not supported yet.",
-            ));
-        }
         return Err(SqsError::new(
             400,
             "InvalidAction",
             "InvalidAction",
-            "The request has no X-Amz-Target: AmazonSQS.<Action> header.",
+            "The request has no X-Amz-Target: AmazonSQS.<Action> header, nor a query-protocol Action.",
         ));
     };
     let action = action.to_owned();
@@ -251,21 +300,31 @@ async fn serve_one(
         }
     };
     tracing::debug!(action = %action, user = %ctx.user, "SQS request");
-    match action.as_str() {
-        "CreateQueue" => queues::create(sqs, &ctx, &input),
-        "GetQueueUrl" => queues::get_url(sqs, &ctx, &input),
-        "ListQueues" => queues::list(sqs, &ctx, &input),
-        "DeleteQueue" => queues::delete(sqs, &ctx, &input),
-        "PurgeQueue" => queues::purge(sqs, &ctx, &input),
-        "GetQueueAttributes" => queues::get_attributes(sqs, &ctx, &input),
-        "SetQueueAttributes" => queues::set_attributes(sqs, &ctx, &input),
-        "SendMessage" => messages::send(sqs, &ctx, &input),
-        "SendMessageBatch" => messages::send_batch(sqs, &ctx, &input),
-        "ReceiveMessage" => messages::receive(sqs, &ctx, &input).await,
-        "DeleteMessage" => messages::delete(sqs, &ctx, &input),
-        "DeleteMessageBatch" => messages::delete_batch(sqs, &ctx, &input),
-        "ChangeMessageVisibility" => messages::change_visibility(sqs, &ctx, &input),
-        "ChangeMessageVisibilityBatch" => messages::change_visibility_batch(sqs, &ctx, &input),
+    dispatch(sqs, &ctx, &action, &input).await
+}
+
+/// Runs one action on its input (as the JSON protocol has it, whichever protocol it came in).
+async fn dispatch(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    action: &str,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    match action {
+        "CreateQueue" => queues::create(sqs, ctx, input),
+        "GetQueueUrl" => queues::get_url(sqs, ctx, input),
+        "ListQueues" => queues::list(sqs, ctx, input),
+        "DeleteQueue" => queues::delete(sqs, ctx, input),
+        "PurgeQueue" => queues::purge(sqs, ctx, input),
+        "GetQueueAttributes" => queues::get_attributes(sqs, ctx, input),
+        "SetQueueAttributes" => queues::set_attributes(sqs, ctx, input),
+        "SendMessage" => messages::send(sqs, ctx, input),
+        "SendMessageBatch" => messages::send_batch(sqs, ctx, input),
+        "ReceiveMessage" => messages::receive(sqs, ctx, input).await,
+        "DeleteMessage" => messages::delete(sqs, ctx, input),
+        "DeleteMessageBatch" => messages::delete_batch(sqs, ctx, input),
+        "ChangeMessageVisibility" => messages::change_visibility(sqs, ctx, input),
+        "ChangeMessageVisibilityBatch" => messages::change_visibility_batch(sqs, ctx, input),
         other => Err(SqsError::new(
             400,
             "InvalidAction",
