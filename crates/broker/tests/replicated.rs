@@ -11,7 +11,7 @@ use bytes::Bytes;
 use warren_broker::machine::CreditGroup;
 use warren_broker::{
     Broker, BrokerConfig, DeclareQueue, Delivery, GetAnswer, Got, GroupChange, Message, Proposal,
-    QueueId, GET_WAIT_MS,
+    QueueId, GET_WAIT_MS, NODE_DOWN_MS,
 };
 use warren_codec::{FieldTable, FieldValue, ReplyCode, ShortStr};
 use warren_replication::{
@@ -627,6 +627,47 @@ fn a_get_answered_empty_after_its_wait_gives_its_message_back_when_it_commits_la
 }
 
 #[test]
+fn a_get_whose_entry_a_snapshot_skips_gives_its_message_back() {
+    let mut c = Cluster::snapshotting(8);
+    let leader = c.leader();
+    let behind = leader % 3 + 1;
+    c.publish(leader, 0);
+    c.run(30);
+    // The get reaches the leader, and the follower is cut off (for less than NODE_DOWN_MS:
+    // the leader does not bring it Down) before it applies the entry.
+    get_waiting(&mut c, behind);
+    c.step();
+    c.isolated.insert(behind);
+    c.run(5);
+    let others: Vec<u64> = NODES.into_iter().filter(|n| *n != behind).collect();
+    assert_counts(&c, &others, (0, 1));
+    for n in 1..=40 {
+        c.publish(leader, n);
+        c.step();
+    }
+    c.run(20);
+    assert!(c.snapshot_at(leader) > 40, "the leader snapshotted");
+    c.isolated.clear();
+    let a = get_answer(&mut c, behind, 100);
+    assert!(
+        a.got.is_none(),
+        "answered empty: the snapshot skipped its entry"
+    );
+    assert!(
+        c.snapshot_at(behind) > 0,
+        "the follower installed the snapshot"
+    );
+    assert!(
+        c.now < NODE_DOWN_MS,
+        "before the leader would bring it Down itself"
+    );
+    c.run(20);
+    // Its own Down gave back what the skipped entry took for it.
+    assert_counts(&c, &NODES, (41, 0));
+    assert_same_state(&c, &NODES);
+}
+
+#[test]
 fn a_get_waiting_on_a_leader_that_dies_is_answered_empty_and_loses_nothing() {
     let mut c = Cluster::new();
     let leader = c.leader();
@@ -634,12 +675,17 @@ fn a_get_waiting_on_a_leader_that_dies_is_answered_empty_and_loses_nothing() {
     c.publish(leader, 0);
     c.run(30);
     c.hold_forwards = true;
+    let asked = c.now;
     get_waiting(&mut c, follower);
     c.step();
     c.kill(leader);
     c.hold_forwards = false;
-    let a = get_answer(&mut c, follower, 300);
-    assert!(a.got.is_none(), "answered empty at the leader change");
+    let a = get_answer(&mut c, follower, 600);
+    assert!(a.got.is_none(), "answered empty");
+    assert!(
+        c.now - asked < GET_WAIT_MS,
+        "answered once the next leader's entries are applied, not when the wait ran out"
+    );
     let next = c.leader();
     assert_ne!(next, leader);
     c.run(20);

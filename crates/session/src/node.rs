@@ -985,6 +985,11 @@ impl Node {
             return;
         }
         c.released = true;
+        if c.holding {
+            // Its channels are gone: what the client sends now (its close-ok) is read.
+            c.holding = false;
+            c.pause_changed = true;
+        }
         for (_, mut ch) in std::mem::take(&mut c.channels) {
             ch.release_all(&mut self.broker);
         }

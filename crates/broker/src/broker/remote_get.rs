@@ -5,8 +5,14 @@
 //!
 //! The leader always takes the message with an ack to come, even for a no-ack get: the node
 //! that asked settles it once the client has it. An answer nobody waits for any more (the
-//! wait ran out, the leader changed, the channel closed) gives the message back, so a get
-//! that is lost on its way costs a redelivery, never a message.
+//! wait ran out, the channel closed) gives the message back, so a get that is lost on its way
+//! costs a redelivery, never a message.
+//!
+//! A get is known lost, and answered empty at once, when an entry of a later term, or a later
+//! entry of this node's, is applied without it: Raft applies an entry before any of a later
+//! term, and this node's forwards in the order it sent them. A snapshot that skips a get's
+//! entry (or the entry of one whose wait ran out) brings this node `Down`: the message the
+//! skipped entry took comes back.
 
 use super::*;
 use crate::replica::{Mode, NodeId};
@@ -44,12 +50,17 @@ struct Waiter {
     channel: u16,
     ticket: u64,
     since: u64,
+    /// The term of the leader it was sent to, as this node knew it.
+    term: u64,
 }
 
 /// The forwarded gets of this node, by group and proposal number.
 #[derive(Debug, Default)]
 pub(super) struct RemoteGets {
     waiting: BTreeMap<(u64, u64), Waiter>,
+    /// Gets answered empty when their wait ran out, whose entries may still be applied (with
+    /// the term they were sent in): a snapshot that skips one must bring this node `Down`.
+    given_up: BTreeMap<(u64, u64), u64>,
     answers: Vec<GetAnswer>,
     next_ticket: u64,
 }
@@ -64,27 +75,66 @@ pub(super) struct AppliedGet {
 }
 
 impl RemoteGets {
-    /// Every get waiting on `group` is answered empty (its leader changed).
-    fn give_up_group(&mut self, group: u64) {
-        let keys: Vec<(u64, u64)> = self
+    /// Answers the get empty (its entry may still come: `given_up` keeps it).
+    fn give_up(&mut self, key: (u64, u64)) {
+        if let Some(w) = self.waiting.remove(&key) {
+            self.given_up.insert(key, w.term);
+            self.answer_empty(w);
+        }
+    }
+
+    fn answer_empty(&mut self, w: Waiter) {
+        self.answers.push(GetAnswer {
+            conn: w.conn,
+            channel: w.channel,
+            ticket: w.ticket,
+            got: None,
+        });
+    }
+
+    /// An entry of `group` in `term` was applied (`own_seq`: this node's proposal number, if
+    /// it was this node's): every get of the group whose entry can no longer come is
+    /// answered empty and forgotten.
+    pub(super) fn applied(&mut self, group: u64, term: u64, own_seq: Option<u64>) {
+        // The entry being applied is not lost, whatever its term (this node's view of the
+        // leader's term when it sent it may have been behind).
+        let lost = |(g, seq): &(u64, u64), sent_term: u64| {
+            *g == group
+                && own_seq != Some(*seq)
+                && (term > sent_term || own_seq.is_some_and(|own| own > *seq))
+        };
+        let gone: Vec<(u64, u64)> = self
+            .waiting
+            .range((group, 0)..=(group, u64::MAX))
+            .filter(|(k, w)| lost(k, w.term))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in gone {
+            if let Some(w) = self.waiting.remove(&k) {
+                self.answer_empty(w);
+            }
+        }
+        self.given_up.retain(|k, sent_term| !lost(k, *sent_term));
+    }
+
+    /// A snapshot of `group` was installed: the gets it may have skipped are answered empty
+    /// and forgotten. True if there were any (their messages may be held by this node now).
+    pub(super) fn skipped(&mut self, group: u64) -> bool {
+        let waiting: Vec<(u64, u64)> = self
             .waiting
             .range((group, 0)..=(group, u64::MAX))
             .map(|(k, _)| *k)
             .collect();
-        for k in keys {
-            self.give_up(k);
+        let mut any = !waiting.is_empty();
+        for k in waiting {
+            if let Some(w) = self.waiting.remove(&k) {
+                self.answer_empty(w);
+            }
         }
-    }
-
-    fn give_up(&mut self, key: (u64, u64)) {
-        if let Some(w) = self.waiting.remove(&key) {
-            self.answers.push(GetAnswer {
-                conn: w.conn,
-                channel: w.channel,
-                ticket: w.ticket,
-                got: None,
-            });
-        }
+        let before = self.given_up.len();
+        self.given_up.retain(|(g, _), _| *g != group);
+        any |= self.given_up.len() != before;
+        any
     }
 }
 
@@ -139,6 +189,11 @@ impl Broker {
             no_ack: false,
             node,
         };
+        let term = self
+            .queues
+            .get(&id)
+            .and_then(|q| q.replica.as_ref())
+            .map_or(0, |r| r.term);
         let (group, seq) = self.forward_once(id, leader, &command)?;
         let now = self.now_ms;
         let gets = &mut self.cluster.as_mut()?.gets;
@@ -151,6 +206,7 @@ impl Broker {
                 channel,
                 ticket,
                 since: now,
+                term,
             },
         );
         Some(ticket)
@@ -166,10 +222,10 @@ impl Broker {
     /// This node's gets the log applied: each answers its waiter, or gives its message back.
     pub(super) fn gets_applied(&mut self, applied: Vec<AppliedGet>) {
         for a in applied {
-            let waiter = self
-                .cluster
-                .as_mut()
-                .and_then(|c| c.gets.waiting.remove(&(a.group, a.seq)));
+            let waiter = self.cluster.as_mut().and_then(|c| {
+                c.gets.given_up.remove(&(a.group, a.seq));
+                c.gets.waiting.remove(&(a.group, a.seq))
+            });
             match (waiter, a.got) {
                 (Some(w), got) => {
                     if let Some(c) = self.cluster.as_mut() {
@@ -187,13 +243,6 @@ impl Broker {
                 }
                 (None, None) => {}
             }
-        }
-    }
-
-    /// The leader of `group` changed: what was asked of the old one is answered empty.
-    pub(super) fn gets_leader_changed(&mut self, group: u64) {
-        if let Some(c) = self.cluster.as_mut() {
-            c.gets.give_up_group(group);
         }
     }
 

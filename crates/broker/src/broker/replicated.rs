@@ -343,7 +343,8 @@ impl Broker {
             .filter(|(_, (queue, _, _))| *queue == id)
             .map(|(cid, _)| *cid)
             .collect();
-        let cut_off = !mine.is_empty();
+        // A basic.get the snapshot skipped took a message for this node too.
+        let cut_off = c.gets.skipped(group) | !mine.is_empty();
         for cid in mine {
             if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
                 c.retired.insert(cid, id);
@@ -1190,6 +1191,9 @@ impl Broker {
                 }
             }
             c.scratch.clear();
+            // A get of this node's that this entry shows can no longer come is answered.
+            let own_seq = (head.origin.node == c.node).then_some(head.origin.seq);
+            c.gets.applied(e.group.0, e.term, own_seq);
             if own_get && !r.is_leading() {
                 let remaining = u32::try_from(q.machine.ready_count()).unwrap_or(u32::MAX);
                 gets.push(super::remote_get::AppliedGet {
@@ -1343,12 +1347,6 @@ impl Broker {
             return;
         }
         r.leader = leader;
-        if previous != leader {
-            self.gets_leader_changed(group);
-        }
-        let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
-            return;
-        };
         // The term this node proposed in: what it leaves waiting is lost once an entry of a
         // later one is applied (`step_down` reads it before it moves on).
         let led_in = r.term;
