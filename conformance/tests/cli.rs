@@ -819,6 +819,45 @@ fn ctl_manages_users_vhosts_and_permissions_under_rabbitmqctl_names() {
 
 /// `set_vhost_limits`, `set_user_limits` and their clear/list companions, under rabbitmqctl's
 /// names and JSON arguments.
+/// SQS access keys: made for a user (id and secret printed once), listed without the
+/// secret, deleted; a missing user or key says what to run.
+#[test]
+fn ctl_manages_sqs_access_keys() {
+    let b = TestBroker::start();
+    let user = unique("ctl-keys");
+    warren_in(&b, &["ctl", "add_user", &user], "pw\n").ok();
+    let made = warren(&b, &["ctl", "add_access_key", &user]).ok().stdout;
+    let field = |label: &str| {
+        made.lines()
+            .find_map(|l| l.strip_prefix(label))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_else(|| panic!("no {label} in {made}"))
+    };
+    let id = field("access key id:");
+    let secret = field("secret access key:");
+    assert!(id.starts_with("WKIA") && secret.len() == 40, "{made}");
+    let listed = warren(&b, &["ctl", "list_access_keys", &user, "--format", "json"])
+        .ok()
+        .json();
+    assert_eq!(listed[0]["access_key_id"], id.as_str(), "{listed}");
+    assert!(!listed.to_string().contains(&secret), "never the secret");
+    let all = warren(&b, &["ctl", "list_access_keys"]).ok().stdout;
+    assert!(all.contains(&id) && all.contains(&user), "{all}");
+    warren(&b, &["ctl", "delete_access_key", &user, &id]).ok();
+    let again = warren(&b, &["ctl", "delete_access_key", &user, &id]);
+    assert!(
+        again.code != 0 && again.stderr.contains("list_access_keys"),
+        "{}",
+        again.stderr
+    );
+    let nobody = warren(&b, &["ctl", "add_access_key", "no-such-user"]);
+    assert!(
+        nobody.code != 0 && nobody.stderr.contains("list_users"),
+        "{}",
+        nobody.stderr
+    );
+}
+
 #[test]
 fn ctl_sets_vhost_and_user_limits_as_rabbitmqctl() {
     let b = TestBroker::start();

@@ -290,6 +290,97 @@ fn a_configured_user_signs_with_its_password_and_has_its_permissions() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A user made through the management API (whose password Warren keeps only as a hash)
+/// signs with an access key: made by the API, listed without its secret, held to the user's
+/// permissions, refused once deleted, and gone with its user. The key survives a restart.
+#[test]
+fn a_user_made_through_the_api_signs_with_an_access_key() {
+    let mut b = TestBroker::start();
+    if skipped(&b) {
+        return;
+    }
+    let api = warren_conformance::http::Api::of(&b);
+    api.put(
+        "/users/worker",
+        json!({"password": "pw-worker", "tags": ""}),
+    );
+    api.put(
+        "/permissions/%2F/worker",
+        json!({"configure": "^$", "write": ".*", "read": ".*"}),
+    );
+    let mut by_password = Client::new(&b);
+    by_password.key = "worker".into();
+    by_password.secret = "pw-worker".into();
+    let r = by_password.call("ListQueues", json!({}));
+    assert_eq!(
+        (r.status, r.error()),
+        (403, "InvalidClientTokenId"),
+        "the server knows only the password's hash"
+    );
+    let (status, made) = api.call("POST", "/users/worker/access-keys", None);
+    assert_eq!(status, 201, "{made}");
+    let id = made["access_key_id"].as_str().expect("an id").to_owned();
+    let secret = made["secret_access_key"]
+        .as_str()
+        .expect("a secret")
+        .to_owned();
+    assert!(id.starts_with("WKIA") && id.len() == 20, "{id}");
+    assert_eq!(secret.len(), 40);
+    let (_, listed) = api.call("GET", "/users/worker/access-keys", None);
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    assert_eq!(listed[0]["access_key_id"], id.as_str());
+    assert!(
+        !listed.to_string().contains(&secret),
+        "a list never shows the secret"
+    );
+    let (status, _) = api.call("POST", "/users/nobody/access-keys", None);
+    assert_eq!(status, 404);
+
+    let guest = Client::new(&b);
+    let url = guest.create(&unique("sqs-key"), json!({}));
+    let mut worker = Client::new(&b);
+    worker.key = id.clone();
+    worker.secret = secret.clone();
+    worker.send(&url, "from the worker's key");
+    assert_eq!(worker.receive(&url, json!({})).len(), 1);
+    let r = worker.call("CreateQueue", json!({"QueueName": unique("sqs-no")}));
+    assert_eq!(
+        (r.status, r.error()),
+        (403, "AccessDeniedException"),
+        "the key acts as its user, with the user's permissions"
+    );
+
+    // The key was on disk before the API answered: it still works after a kill -9.
+    b.restart(true);
+    let api = warren_conformance::http::Api::of(&b);
+    let mut worker = Client::new(&b);
+    worker.key = id.clone();
+    worker.secret = secret.clone();
+    assert_eq!(
+        worker.call("ListQueues", json!({})).status,
+        200,
+        "after a restart"
+    );
+
+    let (status, _) = api.call("DELETE", &format!("/users/guest/access-keys/{id}"), None);
+    assert_eq!(status, 404, "only its own user's path deletes it");
+    let (status, _) = api.call("DELETE", &format!("/users/worker/access-keys/{id}"), None);
+    assert_eq!(status, 204);
+    let r = worker.call("ListQueues", json!({}));
+    assert_eq!((r.status, r.error()), (403, "InvalidClientTokenId"));
+
+    // A user's keys go with the user.
+    let (_, second) = api.call("POST", "/users/worker/access-keys", None);
+    let second = second["access_key_id"].as_str().expect("an id").to_owned();
+    let (status, _) = api.call("DELETE", "/users/worker", None);
+    assert_eq!(status, 204);
+    let (_, all) = api.call("GET", "/access-keys", None);
+    assert!(
+        !all.to_string().contains(&second),
+        "a deleted user's keys are gone: {all}"
+    );
+}
+
 #[test]
 fn queues_are_created_listed_found_and_deleted() {
     let b = TestBroker::start();

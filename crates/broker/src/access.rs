@@ -106,6 +106,29 @@ pub struct UserDef {
     pub tags: Vec<String>,
 }
 
+/// An access key of a user for the SQS API (SigV4): its id, and the secret both sides sign
+/// with. The secret is kept as given, since checking a signature needs it (unlike a password,
+/// which is kept as a hash).
+#[derive(Clone, PartialEq, Eq)]
+pub struct AccessKeyDef {
+    pub id: String,
+    pub secret: String,
+    pub user: String,
+    /// When it was made, ms since the epoch.
+    pub created_ms: u64,
+}
+
+impl std::fmt::Debug for AccessKeyDef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the secret: these reach logs.
+        f.debug_struct("AccessKeyDef")
+            .field("id", &self.id)
+            .field("user", &self.user)
+            .field("created_ms", &self.created_ms)
+            .finish_non_exhaustive()
+    }
+}
+
 /// What a user may do in a vhost: three regular expressions over resource names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PermissionDef {
@@ -230,6 +253,8 @@ pub struct Access {
     users: BTreeMap<String, UserDef>,
     permissions: BTreeMap<(String, String), Compiled>,
     topics: BTreeMap<(String, String, String), CompiledTopic>,
+    /// SQS access keys by id.
+    keys: BTreeMap<String, AccessKeyDef>,
     /// Moves on every change, so that what a channel remembers of an earlier check can be
     /// known to be stale.
     generation: u64,
@@ -264,12 +289,39 @@ impl Access {
         self.users.insert(user.name.clone(), user);
     }
 
-    /// Removes the user and every permission they had. False if there was no such user.
+    /// Removes the user and every permission and access key they had. False if there was no
+    /// such user.
     pub fn delete_user(&mut self, name: &str) -> bool {
         self.generation += 1;
         self.permissions.retain(|(u, _), _| u != name);
         self.topics.retain(|(u, _, _), _| u != name);
+        self.keys.retain(|_, k| k.user != name);
         self.users.remove(name).is_some()
+    }
+
+    pub fn access_key(&self, id: &str) -> Option<&AccessKeyDef> {
+        self.keys.get(id)
+    }
+
+    /// Every access key, by id.
+    pub fn access_keys(&self) -> impl Iterator<Item = &AccessKeyDef> {
+        self.keys.values()
+    }
+
+    /// Adds (or replaces) an access key of an existing user.
+    pub fn put_access_key(&mut self, key: AccessKeyDef) -> Result<(), AccessError> {
+        if !self.users.contains_key(&key.user) {
+            return Err(AccessError::NoUser(key.user));
+        }
+        self.generation += 1;
+        self.keys.insert(key.id.clone(), key);
+        Ok(())
+    }
+
+    /// False if there was no such key.
+    pub fn delete_access_key(&mut self, id: &str) -> bool {
+        self.generation += 1;
+        self.keys.remove(id).is_some()
     }
 
     pub fn permission(&self, user: &str, vhost: &str) -> Option<&PermissionDef> {

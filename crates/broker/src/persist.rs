@@ -193,6 +193,11 @@ pub enum StoreOp {
     DeleteMetaPending {
         number: u64,
     },
+    /// An SQS access key of a user, made or replaced.
+    PutAccessKey(crate::access::AccessKeyDef),
+    DeleteAccessKey {
+        id: String,
+    },
 }
 
 /// Reads paged-out messages back (the server gives the broker one over the store). Called

@@ -1536,6 +1536,13 @@ fn definitions_made_on_any_node_reach_every_node_and_route_there() {
         read: "^invoices$".into(),
     })
     .expect("permission");
+    b.put_access_key(warren_broker::access::AccessKeyDef {
+        id: "WKIAALICE".into(),
+        secret: "alice's secret".into(),
+        user: "alice".into(),
+        created_ms: 1,
+    })
+    .expect("access key");
     let mut definition = warren_broker::policy::Definition::new();
     definition.insert("delivery-limit".into(), PolicyValue::Int(3));
     b.set_policy(PolicyDef {
@@ -1556,6 +1563,9 @@ fn definitions_made_on_any_node_reach_every_node_and_route_there() {
                 .check("alice", "billing", Perm::Read, Resource::Queue("invoices"))
                 .is_ok()
             && b.policies().get("/", PolicyKind::User, "retries").is_some()
+            && b.access()
+                .access_key("WKIAALICE")
+                .is_some_and(|k| k.user == "alice" && k.secret == "alice's secret")
     });
     assert!(everywhere, "every definition reached every node");
     c.run(30);

@@ -176,6 +176,12 @@ impl Node {
         access.user(name)
     }
 
+    /// May `name` act from `peer` without a password (it signs with an access key): the user
+    /// exists, and a loopback-only user comes from this machine.
+    pub fn may_act_as(&self, name: &str, peer: Option<IpAddr>) -> bool {
+        auth::authenticate_external(self.broker().access(), self.config(), name, peer).is_ok()
+    }
+
     /// Brings the configured users into the broker (see [`SessionConfig::users`]); `fresh`:
     /// the store held no users (a new node). `salt` gives each new password hash its salt.
     pub fn apply_config_users(&mut self, fresh: bool, salt: &mut dyn FnMut() -> [u8; 4]) {

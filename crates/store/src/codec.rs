@@ -4,7 +4,7 @@
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use warren_broker::access::{
-    HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
+    AccessKeyDef, HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
 };
 use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
@@ -34,6 +34,8 @@ pub const META_APPLIED: u8 = b'm';
 /// A definition change a cluster node made that the metadata group's log has not applied yet
 /// (`META_PENDING`, its number): the change, as a metadata entry of its own.
 pub const META_PENDING: u8 = b'n';
+/// An SQS access key: its id; the user, the secret and when it was made.
+pub const ACCESS_KEY: u8 = b'k';
 const OPERATOR: u8 = b'o';
 
 const DEST_QUEUE: u8 = b'q';
@@ -510,6 +512,10 @@ pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
             k.put_u8(META_PENDING);
             k.put_u64(*number);
         }
+        StoreOp::PutAccessKey(AccessKeyDef { id, .. }) | StoreOp::DeleteAccessKey { id } => {
+            k.put_u8(ACCESS_KEY);
+            put_text(&mut k, id);
+        }
         _ => return None,
     }
     Some(k)
@@ -550,6 +556,11 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
         StoreOp::PutMetaPending { data, .. } => {
             v.put_u32(u32::try_from(data.len()).unwrap_or(u32::MAX));
             v.put_slice(data);
+        }
+        StoreOp::PutAccessKey(key) => {
+            put_text(&mut v, &key.user);
+            put_text(&mut v, &key.secret);
+            v.put_u64(key.created_ms);
         }
         StoreOp::PutMetaApplied { index, seen } => {
             v.put_u64(*index);
@@ -612,6 +623,12 @@ impl Reader {
 /// A stored vhost, user or permission, as the op that wrote it.
 fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, StoreError> {
     let op = match kind {
+        ACCESS_KEY => StoreOp::PutAccessKey(AccessKeyDef {
+            id: k.text("access key id")?,
+            user: v.text("access key user")?,
+            secret: v.text("access key secret")?,
+            created_ms: v.u64("access key time")?,
+        }),
         META_PENDING => {
             let number = k.u64("pending change number")?;
             let n = v.u32("pending change length")? as usize;
@@ -814,7 +831,7 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             }))
         }
         kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS | POLICY | META_APPLIED
-        | META_PENDING) => decode_access(kind, &mut k, &mut v).map(Def::Access),
+        | META_PENDING | ACCESS_KEY) => decode_access(kind, &mut k, &mut v).map(Def::Access),
         other => Err(StoreError::Corrupt(format!(
             "unknown definition kind {other:#04x}"
         ))),

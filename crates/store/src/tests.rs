@@ -294,7 +294,14 @@ fn definitions_survive_with_their_arguments() {
 #[test]
 fn vhosts_users_and_permissions_survive_and_deletions_too() {
     use warren_broker::access::{
-        HashAlgorithm, PasswordHash, Perm, PermissionDef, Resource, TopicPermissionDef, UserDef,
+        AccessKeyDef, HashAlgorithm, PasswordHash, Perm, PermissionDef, Resource,
+        TopicPermissionDef, UserDef,
+    };
+    let key = |id: &str, user: &str| AccessKeyDef {
+        id: id.into(),
+        secret: format!("secret of {id}"),
+        user: user.into(),
+        created_ms: 1_764_000_000_123,
     };
     let dir = tempfile::tempdir().expect("tempdir");
     let user = |name: &str, tags: &[&str]| UserDef {
@@ -354,6 +361,11 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
             .expect("limit");
         b.clear_limit(LimitScope::Vhost, "/", "max-queues")
             .expect("clear");
+        b.put_access_key(key("WKIAKEPT", "app")).expect("key");
+        b.put_access_key(key("WKIADELETED", "app")).expect("key");
+        b.put_access_key(key("WKIAOFOLD", "old")).expect("key");
+        assert!(b.put_access_key(key("WKIANOBODY", "nobody")).is_err());
+        assert!(b.delete_access_key("WKIADELETED"));
         b.delete_user("old");
         b.delete_vhost("gone");
         flush(&mut b, &s);
@@ -405,6 +417,12 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
         .check_topic("app", "staging", "amq.topic", Perm::Write, "bob.x")
         .is_err());
     assert_eq!(a.permissions().count(), 1);
+    let keys: Vec<&AccessKeyDef> = a.access_keys().collect();
+    assert_eq!(
+        keys,
+        [&key("WKIAKEPT", "app")],
+        "deleted keys and a deleted user's stay gone"
+    );
 }
 
 #[test]

@@ -565,6 +565,11 @@ impl Broker {
                 self.clear_policy(&vhost, kind, &name);
                 None
             }
+            MetaOp::PutAccessKey(key) => self.put_access_key(key).err().map(|e| e.to_string()),
+            MetaOp::DeleteAccessKey(id) => {
+                self.delete_access_key(&id);
+                None
+            }
         }
     }
 

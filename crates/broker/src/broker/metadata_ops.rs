@@ -13,7 +13,9 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use warren_codec::{FieldTable, FieldValue, ShortStr};
 
-use crate::access::{HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef};
+use crate::access::{
+    AccessKeyDef, HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
+};
 use crate::limits::{LimitScope, Limits};
 use crate::persist::BindingDest;
 use crate::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
@@ -79,6 +81,8 @@ pub(crate) enum MetaOp {
         kind: PolicyKind,
         name: String,
     },
+    PutAccessKey(AccessKeyDef),
+    DeleteAccessKey(String),
 }
 
 /// A binding of a durable exchange to a replicated queue or to another durable exchange.
@@ -151,6 +155,9 @@ impl MetaOp {
             })
             | MetaOp::DeletePolicy { vhost, kind, name } => {
                 format!("y\0{}\0{vhost}\0{name}", kind_name(*kind))
+            }
+            MetaOp::PutAccessKey(AccessKeyDef { id, .. }) | MetaOp::DeleteAccessKey(id) => {
+                format!("k\0{id}")
             }
         }
     }
@@ -347,6 +354,20 @@ fn op_table(op: &MetaOp) -> FieldTable {
             text(&mut t, "name", name);
             "delete_policy"
         }
+        MetaOp::PutAccessKey(k) => {
+            text(&mut t, "id", &k.id);
+            text(&mut t, "user", &k.user);
+            text(&mut t, "secret", &k.secret);
+            t.insert(
+                "created",
+                FieldValue::I64(i64::try_from(k.created_ms).unwrap_or(i64::MAX)),
+            );
+            "put_access_key"
+        }
+        MetaOp::DeleteAccessKey(id) => {
+            text(&mut t, "id", id);
+            "delete_access_key"
+        }
     };
     t.insert("op", FieldValue::long_str(name));
     t
@@ -512,6 +533,13 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             kind: f.kind()?,
             name: f.text("name")?,
         },
+        "put_access_key" => MetaOp::PutAccessKey(AccessKeyDef {
+            id: f.text("id")?,
+            user: f.text("user")?,
+            secret: f.text("secret")?,
+            created_ms: u64::try_from(t.get("created")?.as_i64()?).ok()?,
+        }),
+        "delete_access_key" => MetaOp::DeleteAccessKey(f.text("id")?),
         _ => return None,
     })
 }
@@ -693,6 +721,13 @@ mod tests {
                 kind: PolicyKind::User,
                 name: "p".into(),
             },
+            MetaOp::PutAccessKey(AccessKeyDef {
+                id: "WKIAEXAMPLE".into(),
+                user: "u".into(),
+                secret: "s3cret/with+signs".into(),
+                created_ms: 1_764_000_000_000,
+            }),
+            MetaOp::DeleteAccessKey("WKIAEXAMPLE".into()),
         ]
     }
 

@@ -5,7 +5,9 @@ use warren_codec::AmqpError;
 
 use super::metadata_ops::MetaOp;
 use super::Broker;
-use crate::access::{Access, AccessError, PermissionDef, TopicPermissionDef, UserDef};
+use crate::access::{
+    Access, AccessError, AccessKeyDef, PermissionDef, TopicPermissionDef, UserDef,
+};
 use crate::limits::{LimitScope, LimitTable, Limits};
 use crate::persist::StoreOp;
 
@@ -203,6 +205,12 @@ impl Broker {
                         exchange: t.exchange.clone(),
                     }),
             )
+            .chain(
+                self.access
+                    .access_keys()
+                    .filter(|k| k.user == name)
+                    .map(|k| StoreOp::DeleteAccessKey { id: k.id.clone() }),
+            )
             .collect();
         if !self.access.delete_user(name) {
             return false;
@@ -215,6 +223,24 @@ impl Broker {
             name: name.to_owned(),
         });
         self.announce(MetaOp::DeleteUser(name.to_owned()));
+        true
+    }
+
+    /// Adds an SQS access key to an existing user (the caller makes the id and secret).
+    pub fn put_access_key(&mut self, key: AccessKeyDef) -> Result<(), AccessError> {
+        self.access.put_access_key(key.clone())?;
+        self.write_def(StoreOp::PutAccessKey(key.clone()));
+        self.announce(MetaOp::PutAccessKey(key));
+        Ok(())
+    }
+
+    /// False if there was no such key.
+    pub fn delete_access_key(&mut self, id: &str) -> bool {
+        if !self.access.delete_access_key(id) {
+            return false;
+        }
+        self.write_def(StoreOp::DeleteAccessKey { id: id.to_owned() });
+        self.announce(MetaOp::DeleteAccessKey(id.to_owned()));
         true
     }
 
@@ -312,6 +338,9 @@ impl Broker {
             StoreOp::PutPolicy(def) => self.restore_policy(def)?,
             StoreOp::PutMetaApplied { index, seen } => self.restore_meta_applied(*index, seen),
             StoreOp::PutMetaPending { number, data } => self.restore_meta_pending(*number, data),
+            StoreOp::PutAccessKey(key) => {
+                self.access.put_access_key(key.clone()).map_err(refused)?
+            }
             _ => {}
         }
         Ok(())

@@ -64,6 +64,33 @@ pub enum Ctl {
         #[command(flatten)]
         out: Out,
     },
+    /// Makes an access key for the SQS API for a user: prints its id and secret (the secret
+    /// is shown this once; Warren keeps it to check signatures)
+    #[command(name = "add_access_key", alias = "add-access-key")]
+    AddAccessKey {
+        /// The user the key signs as
+        username: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Deletes a user's SQS access key: requests signed with it are refused from now on
+    #[command(name = "delete_access_key", alias = "delete-access-key")]
+    DeleteAccessKey {
+        /// The user
+        username: String,
+        /// The key's id (see list_access_keys)
+        key_id: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Lists SQS access keys (ids, never secrets): a user's, or everyone's
+    #[command(name = "list_access_keys", alias = "list-access-keys")]
+    ListAccessKeys {
+        /// Only this user's keys
+        username: Option<String>,
+        #[command(flatten)]
+        out: Out,
+    },
     /// Adds a virtual host (its maker gets every permission in it, as through RabbitMQ's API)
     #[command(name = "add_vhost", alias = "add-vhost")]
     AddVhost {
@@ -253,6 +280,11 @@ pub struct Out {
 }
 
 const USERS: &[Column] = &[col("user", "name"), col("tags", "tags")];
+const ACCESS_KEYS: &[Column] = &[
+    col("access_key_id", "access_key_id"),
+    col("user", "user"),
+    col("created", "created"),
+];
 const VHOST_LIMITS: &[Column] = &[col("vhost", "vhost"), col("limits", "value")];
 const USER_LIMITS: &[Column] = &[col("user", "user"), col("limits", "value")];
 const VHOSTS: &[Column] = &[col("name", "name")];
@@ -288,6 +320,9 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::ChangePassword { .. } => "ctl change_password",
         Ctl::SetUserTags { .. } => "ctl set_user_tags",
         Ctl::ListUsers { .. } => "ctl list_users",
+        Ctl::AddAccessKey { .. } => "ctl add_access_key",
+        Ctl::DeleteAccessKey { .. } => "ctl delete_access_key",
+        Ctl::ListAccessKeys { .. } => "ctl list_access_keys",
         Ctl::AddVhost { .. } => "ctl add_vhost",
         Ctl::DeleteVhost { .. } => "ctl delete_vhost",
         Ctl::ListVhosts { .. } => "ctl list_vhosts",
@@ -498,6 +533,44 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
             println!("set the tags of user '{username}' to [{}]", tags.join(","));
         }
         Ctl::ListUsers { out } => list(&out.conn.api(), "/users", "users", USERS, out.format)?,
+        Ctl::AddAccessKey { username, conn } => {
+            let path = format!("/users/{}/access-keys", enc(username));
+            let r = conn
+                .api()
+                .call("POST", &path, None, &[], &no_user(username))?;
+            let field = |k: &str| {
+                r.body
+                    .get(k)
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            println!("added an access key for user '{username}' (the secret is not shown again):");
+            println!("access key id:     {}", field("access_key_id"));
+            println!("secret access key: {}", field("secret_access_key"));
+        }
+        Ctl::DeleteAccessKey {
+            username,
+            key_id,
+            conn,
+        } => {
+            let path = format!("/users/{}/access-keys/{}", enc(username), enc(key_id));
+            let none = format!(
+                "user '{username}' has no access key '{key_id}' (see `warren ctl list_access_keys {username}`)"
+            );
+            conn.api().call("DELETE", &path, None, &[], &none)?;
+            println!("deleted access key '{key_id}' of user '{username}'");
+        }
+        Ctl::ListAccessKeys { username, out } => {
+            let path = match username {
+                Some(u) => format!("/users/{}/access-keys", enc(u)),
+                None => "/access-keys".to_owned(),
+            };
+            let what = username
+                .as_deref()
+                .map_or_else(|| "access keys".to_owned(), no_user);
+            list(&out.conn.api(), &path, &what, ACCESS_KEYS, out.format)?
+        }
         Ctl::AddVhost { vhost, conn } => {
             let path = format!("/vhosts/{}", enc(vhost));
             let r = conn.api().call("PUT", &path, None, &[], &no_vhost(vhost))?;

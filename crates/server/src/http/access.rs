@@ -11,7 +11,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use warren_broker::access::{
-    AccessError, HashAlgorithm, PermissionDef, TopicPermissionDef, UserDef,
+    AccessError, AccessKeyDef, HashAlgorithm, PermissionDef, TopicPermissionDef, UserDef,
 };
 use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::Broker;
@@ -38,6 +38,15 @@ pub fn routes() -> Router<Arc<Api>> {
             get(one_user).put(put_user).delete(delete_user),
         )
         .route("/api/users/{user}/permissions", get(user_permissions))
+        .route(
+            "/api/users/{user}/access-keys",
+            get(user_access_keys).post(add_access_key),
+        )
+        .route(
+            "/api/users/{user}/access-keys/{id}",
+            axum::routing::delete(delete_access_key),
+        )
+        .route("/api/access-keys", get(access_keys))
         .route(
             "/api/users/{user}/topic-permissions",
             get(user_topic_permissions),
@@ -245,6 +254,99 @@ async fn put_user(State(api): ApiState, _: Admin, Path(user): Path<String>, body
 
 async fn delete_user(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
     found(api.node.write(|n, now| n.delete_user(&user, now))?)
+}
+
+// ------------------------------------------------------------------ SQS access keys
+
+/// A key as listed: never its secret, which is shown once, when it is made.
+fn access_key_json(k: &AccessKeyDef) -> Value {
+    json!({"access_key_id": k.id, "user": k.user, "created": k.created_ms})
+}
+
+/// Random characters from `alphabet` (its length divides 256, so each is equally likely).
+fn random_text(alphabet: &[u8], n: usize) -> Result<String, ApiError> {
+    let mut bytes = vec![0u8; n];
+    getrandom::getrandom(&mut bytes)
+        .map_err(|e| ApiError::internal(format!("no randomness for an access key: {e}")))?;
+    Ok(bytes
+        .iter()
+        .map(|b| char::from(alphabet[usize::from(*b) % alphabet.len()]))
+        .collect())
+}
+
+/// A new key: an id of 20 capitals and digits (`WKIA` then 16 of base32's alphabet, in the
+/// shape of AWS's key ids) and a secret of 40 base64 characters, as AWS's are.
+fn new_access_key(user: &str, now_ms: u64) -> Result<AccessKeyDef, ApiError> {
+    const ID: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567";
+    const SECRET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    Ok(AccessKeyDef {
+        id: format!("WKIA{}", random_text(ID, 16)?),
+        secret: random_text(SECRET, 40)?,
+        user: user.to_owned(),
+        created_ms: now_ms,
+    })
+}
+
+async fn user_access_keys(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
+    let keys = api.node.read(|n, _| {
+        let access = n.broker().access();
+        access.user(&user).map(|_| {
+            access
+                .access_keys()
+                .filter(|k| k.user == user)
+                .map(access_key_json)
+                .collect::<Vec<_>>()
+        })
+    });
+    ok(Value::Array(keys.ok_or_else(ApiError::not_found)?))
+}
+
+async fn access_keys(State(api): ApiState, _: Admin) -> Answer {
+    ok(api.node.read(|n, _| {
+        n.broker()
+            .access()
+            .access_keys()
+            .map(access_key_json)
+            .collect()
+    }))
+}
+
+/// Makes a key for the user: 201 with its id and secret (the only time the secret is shown).
+async fn add_access_key(State(api): ApiState, _: Admin, Path(user): Path<String>) -> Answer {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let key = new_access_key(&user, now)?;
+    api.node
+        .write(|n, _| n.broker_mut().put_access_key(key.clone()))?
+        .map_err(|_| ApiError::not_found())?;
+    tracing::info!(user = %user, key = %key.id, "SQS access key made");
+    let body = json!({
+        "access_key_id": key.id,
+        "secret_access_key": key.secret,
+        "user": key.user,
+        "created": key.created_ms,
+    });
+    Ok((axum::http::StatusCode::CREATED, Json(body)).into_response())
+}
+
+async fn delete_access_key(
+    State(api): ApiState,
+    _: Admin,
+    Path((user, id)): Path<(String, String)>,
+) -> Answer {
+    let deleted = api.node.write(|n, _| {
+        let theirs = n
+            .broker()
+            .access()
+            .access_key(&id)
+            .is_some_and(|k| k.user == user);
+        theirs && n.broker_mut().delete_access_key(&id)
+    })?;
+    if deleted {
+        tracing::info!(user = %user, key = %id, "SQS access key deleted");
+    }
+    found(deleted)
 }
 
 // ------------------------------------------------------------------ permissions

@@ -113,6 +113,17 @@ impl ApiError {
         }
     }
 
+    /// The server could not do it (RabbitMQ: 500 `internal_server_error`).
+    pub fn internal(reason: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            error: "internal_server_error",
+            reason: reason.into(),
+            reason_json: None,
+            retry_after: None,
+        }
+    }
+
     /// A login that failed (RabbitMQ spells this one `not_authorized`).
     fn login_failed() -> Self {
         ApiError {

@@ -2,11 +2,12 @@
 //! and the older query protocol: `query.rs`) on Warren's own queues, on `--sqs-port` (9324,
 //! ElasticMQ's).
 //!
-//! - **Credentials.** Signature Version 4 is checked; the access key id is a Warren user's
-//!   name and the secret its password. The server must know the password itself to check
-//!   an HMAC, and Warren stores only password hashes: the users whose password it knows are
-//!   those of the configuration (the built-in `guest`, and `[[users]]` of the file), as long
-//!   as the stored hash still matches. Loopback-only users (guest) from loopback only.
+//! - **Credentials.** Signature Version 4 is checked against a user's access key (made with
+//!   `warren ctl add_access_key`, kept with its secret in the store), or a user's name with
+//!   its password as the secret. The server must know the password itself to check an HMAC,
+//!   and Warren stores only password hashes: the users whose password it knows are those of
+//!   the configuration (the built-in `guest`, and `[[users]]` of the file), as long as the
+//!   stored hash still matches. Loopback-only users (guest) from loopback only, with a key too.
 //! - **Queue URLs** are `http://<host>:<port>/<account>/<queue>` where the account segment
 //!   is the vhost: `000000000000` for the default vhost `/`, any other vhost percent-encoded.
 //!   Actions that name no queue (CreateQueue, ListQueues) act on the vhost of the endpoint's
@@ -398,20 +399,23 @@ fn authenticate(
         ),
         other => incomplete(other),
     })?;
-    // The password of a user the node knows it for, if it still opens the user's account
-    // from this peer (the stored hash, loopback-only users).
-    let secret = sqs.node.read(|n, _| {
+    // An access key of a user (`warren ctl add_access_key`), or a user's name with the
+    // password the node knows for it, if it still opens the user's account from this peer
+    // (the stored hash, loopback-only users).
+    let found = sqs.node.read(|n, _| {
+        if let Some(k) = n.broker().access().access_key(&auth.access_key) {
+            return n
+                .may_act_as(&k.user, Some(peer.ip()))
+                .then(|| (k.secret.clone(), k.user.clone()));
+        }
         n.config()
             .users
             .iter()
             .find(|u| u.name == auth.access_key)
-            .map(|u| u.password.clone())
-            .filter(|pw| {
-                n.check_login(&auth.access_key, pw, Some(peer.ip()))
-                    .is_some()
-            })
+            .map(|u| (u.password.clone(), u.name.clone()))
+            .filter(|(pw, name)| n.check_login(name, pw, Some(peer.ip())).is_some())
     });
-    let Some(secret) = secret else {
+    let Some((secret, user)) = found else {
         tracing::info!(key = %auth.access_key, peer = %peer, "SQS request with an unknown access key");
         return Err(SqsError::new(
             403,
@@ -444,7 +448,7 @@ fn authenticate(
         .find(|s| !s.is_empty())
         .map_or_else(|| "/".to_owned(), vhost_of);
     Ok(Ctx {
-        user: auth.access_key,
+        user,
         region: auth.region,
         base: format!("http://{host}"),
         vhost,
