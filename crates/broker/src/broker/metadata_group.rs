@@ -875,6 +875,47 @@ mod tests {
     }
 
     #[test]
+    fn a_key_of_a_user_deleted_and_made_again_before_the_log_applied_them_stays_deleted() {
+        use crate::access::{AccessKeyDef, UserDef};
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        let alice = UserDef {
+            name: "alice".into(),
+            hash: None,
+            tags: vec![],
+        };
+        b.put_user(alice.clone());
+        b.put_access_key(AccessKeyDef {
+            id: "WKIAK".into(),
+            secret: "s".into(),
+            user: "alice".into(),
+            created_ms: 0,
+        })
+        .expect("key");
+        b.delete_user("alice");
+        b.put_user(alice);
+        assert!(b.access().access_key("WKIAK").is_none());
+        // The log applies this node's changes in the order they were made.
+        let mut index = 0;
+        for _ in 0..20 {
+            let out = sent(&mut b);
+            if out.is_empty() {
+                break;
+            }
+            for data in out {
+                index += 1;
+                b.apply_committed(&[own(index, data)]);
+            }
+        }
+        assert!(index > 0, "the changes went to the log");
+        assert!(b.access().user("alice").is_some());
+        assert!(
+            b.access().access_key("WKIAK").is_none(),
+            "the deleted user's key is not applied again to the new one"
+        );
+    }
+
+    #[test]
     fn with_no_leader_known_nothing_is_due() {
         let mut b = node_two();
         b.set_meta_leader(Some(1));

@@ -217,7 +217,30 @@ impl Broker {
         }
         self.forget_limits(LimitScope::User, name);
         for op in gone {
+            // Told to the cluster one by one before the user's own delete: a change to one of
+            // them made here earlier, not yet applied by the log, is then not the latest
+            // change to it, and is not applied again to a user of the same name made after.
+            let told = match &op {
+                StoreOp::DeleteAccessKey { id } => Some(MetaOp::DeleteAccessKey(id.clone())),
+                StoreOp::DeletePermission { user, vhost } => Some(MetaOp::DeletePermission {
+                    user: user.clone(),
+                    vhost: vhost.clone(),
+                }),
+                StoreOp::DeleteTopicPermission {
+                    user,
+                    vhost,
+                    exchange,
+                } => Some(MetaOp::ClearTopicPermission {
+                    user: user.clone(),
+                    vhost: vhost.clone(),
+                    exchange: Some(exchange.clone()),
+                }),
+                _ => None,
+            };
             self.write_def(op);
+            if let Some(told) = told {
+                self.announce(told);
+            }
         }
         self.write_def(StoreOp::DeleteUser {
             name: name.to_owned(),

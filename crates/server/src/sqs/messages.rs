@@ -255,7 +255,7 @@ fn fifo_headers(
     let Some(group) = &m.group else {
         return Err(SqsError::missing_parameter("MessageGroupId"));
     };
-    if let Some(d) = m.delay_s {
+    if let Some(d) = m.delay_s.filter(|d| *d > 0) {
         // A FIFO queue delays every message or none (its DelaySeconds attribute).
         return Err(SqsError::invalid_parameter(format!(
             "Value {d} for parameter DelaySeconds is invalid. Reason: The request include parameter that is not valid for this queue type."

@@ -247,12 +247,16 @@ async fn serve_query(
         .unwrap_or("localhost");
     let segments = uri.path().split('/').filter(|s| !s.is_empty()).count();
     let queue_url = (segments >= 2).then(|| format!("http://{host}{}", uri.path()));
+    // The signature first: an unsigned request is not parsed beyond its bytes.
+    let ctx = match authenticate(sqs, peer, method, uri, headers, body) {
+        Ok(ctx) => ctx,
+        Err(e) => return (String::new(), Err(e)),
+    };
     let (action, input) = match query::input(form, queue_url) {
         Ok(x) => x,
         Err(e) => return (String::new(), Err(e)),
     };
     let answer = async {
-        let ctx = authenticate(sqs, peer, method, uri, headers, body)?;
         if let Some(left) = sqs.node.recovering_after(crate::http::RECOVERY_HOLD).await {
             return Err(SqsError::unavailable(crate::http::recovering_reason(left)));
         }

@@ -17,6 +17,16 @@ use super::SqsError;
 /// The namespace of SQS's XML.
 const XMLNS: &str = "http://queue.amazonaws.com/doc/2012-11-05/";
 
+/// The most parameters a request may have (a batch of 10 messages with 10 attributes each,
+/// three fields an attribute, is about 350), and the most dots in a parameter's name (the
+/// deepest SQS has: `SendMessageBatchRequestEntry.N.MessageAttribute.M.Value.StringValue`).
+/// Past them a request is refused before anything is built from it.
+const MAX_PARAMETERS: usize = 2_000;
+const MAX_DEPTH: usize = 6;
+/// The largest list number taken (SQS's lists are at most 10 long; attribute names fewer
+/// than 100).
+const MAX_INDEX: u64 = 1_000;
+
 /// A flattened parameter's tree: a value, or members by name (list items by their number).
 #[derive(Debug)]
 enum Node {
@@ -39,6 +49,11 @@ pub fn input(
 ) -> Result<(String, Map<String, Value>), SqsError> {
     let mut root: BTreeMap<String, Node> = BTreeMap::new();
     let mut action = None;
+    if form_urlencoded::parse(form).count() > MAX_PARAMETERS {
+        return Err(SqsError::invalid_parameter(format!(
+            "A request has at most {MAX_PARAMETERS} parameters."
+        )));
+    }
     for (k, v) in form_urlencoded::parse(form) {
         match k.as_ref() {
             "Action" => action = Some(v.into_owned()),
@@ -57,10 +72,32 @@ pub fn input(
 }
 
 fn insert(root: &mut BTreeMap<String, Node>, key: &str, value: String) -> Result<(), SqsError> {
+    let bad = |why: &str| {
+        // The name is not echoed: it may hold anything.
+        SqsError::invalid_parameter(format!("A parameter's name is not one SQS takes ({why})."))
+    };
+    if key.split('.').count() > MAX_DEPTH {
+        return Err(bad("too many parts"));
+    }
+    for part in key.split('.') {
+        if part.is_empty() {
+            return Err(bad("an empty part"));
+        }
+        let number = |p: &str| {
+            p.parse::<u64>()
+                .is_ok_and(|n| (1..=MAX_INDEX).contains(&n) && n.to_string() == p)
+        };
+        if part.bytes().all(|b| b.is_ascii_digit()) && !number(part) {
+            return Err(bad("a list number out of range"));
+        }
+    }
     let mut parts = key.split('.').peekable();
     let mut at = root;
     while let Some(part) = parts.next() {
         if parts.peek().is_none() {
+            if matches!(at.get(part), Some(Node::Members(_))) {
+                return Err(bad("given both as a value and as a list"));
+            }
             at.insert(part.to_owned(), Node::Leaf(value));
             return Ok(());
         }
@@ -69,11 +106,7 @@ fn insert(root: &mut BTreeMap<String, Node>, key: &str, value: String) -> Result
             .or_insert_with(|| Node::Members(BTreeMap::new()));
         at = match node {
             Node::Members(m) => m,
-            Node::Leaf(_) => {
-                return Err(SqsError::invalid_parameter(format!(
-                    "The parameter {key} is given both as a value and as a list."
-                )))
-            }
+            Node::Leaf(_) => return Err(bad("given both as a value and as a list")),
         };
     }
     Ok(())
@@ -167,8 +200,50 @@ fn convert(members: BTreeMap<String, Node>) -> Map<String, Value> {
     out
 }
 
+/// Is `c` a character XML 1.0 can carry (even as a reference)?
+fn xml_char(c: char) -> bool {
+    !((c < ' ' && !matches!(c, '\t' | '\n' | '\r')) || c == '\u{FFFE}' || c == '\u{FFFF}')
+}
+
+/// A received body XML cannot carry (an AMQP publisher's control characters) is given with
+/// the replacement character there, and its digest is of what is given: a parser would refuse
+/// the whole answer otherwise.
+fn xml_bodies(answer: &Map<String, Value>) -> Option<Map<String, Value>> {
+    let messages = answer.get("Messages")?.as_array()?;
+    let bad = |m: &Value| {
+        m.get("Body")
+            .and_then(Value::as_str)
+            .is_some_and(|b| !b.chars().all(xml_char))
+    };
+    if !messages.iter().any(bad) {
+        return None;
+    }
+    let mut fixed = answer.clone();
+    if let Some(Value::Array(list)) = fixed.get_mut("Messages") {
+        for m in list.iter_mut() {
+            let Some(Value::String(body)) = m.get("Body") else {
+                continue;
+            };
+            let clean: String = body
+                .chars()
+                .map(|c| if xml_char(c) { c } else { '\u{FFFD}' })
+                .collect();
+            if let Value::Object(o) = m {
+                o.insert(
+                    "MD5OfBody".into(),
+                    Value::String(super::attributes::md5_hex(clean.as_bytes())),
+                );
+                o.insert("Body".into(), Value::String(clean));
+            }
+        }
+    }
+    Some(fixed)
+}
+
 /// The XML answer to `action` from the JSON protocol's answer.
 pub fn output(action: &str, answer: &Map<String, Value>, request_id: &str) -> String {
+    let fixed = xml_bodies(answer);
+    let answer = fixed.as_ref().unwrap_or(answer);
     let mut x = String::with_capacity(256);
     x.push_str(&format!(
         "<?xml version=\"1.0\"?><{action}Response xmlns=\"{XMLNS}\">"
@@ -300,6 +375,7 @@ fn escape(x: &mut String, s: &str) {
             '"' => x.push_str("&quot;"),
             '\'' => x.push_str("&apos;"),
             '\r' => x.push_str("&#xD;"),
+            c if !xml_char(c) => x.push('\u{FFFD}'),
             c => x.push(c),
         }
     }
@@ -368,6 +444,31 @@ mod tests {
             input(b"Action=X&A=1&A.1=2", None).is_err(),
             "a value and a list"
         );
+        assert!(
+            input(b"Action=X&A.1=2&A=1", None).is_err(),
+            "a list and a value"
+        );
+    }
+
+    #[test]
+    fn hostile_forms_are_refused_before_anything_is_built() {
+        let deep = format!("Action=X&{}=1", vec!["a"; 100_000].join("."));
+        assert!(input(deep.as_bytes(), None).is_err(), "a deep name");
+        assert!(
+            input(b"Action=X&a.b.c.d.e.f=1", None).is_ok(),
+            "SQS's deepest"
+        );
+        assert!(input(b"Action=X&a.b.c.d.e.f.g=1", None).is_err());
+        let many: String = (0..3_000).map(|i| format!("&P{i}=1")).collect();
+        assert!(input(format!("Action=X{many}").as_bytes(), None).is_err());
+        for bad in [
+            "Action=X&E.0.Id=a",
+            "Action=X&E.01.Id=a",
+            "Action=X&E.1001.Id=a",
+            "Action=X&E..Id=a",
+        ] {
+            assert!(input(bad.as_bytes(), None).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -408,6 +509,17 @@ mod tests {
         let x = output("SendMessageBatch", &batch, "r-4");
         assert!(x.contains("<BatchResultErrorEntry><Code>X</Code><Id>b</Id><Message>no</Message><SenderFault>true</SenderFault></BatchResultErrorEntry>"), "{x}");
         assert!(x.contains("<SendMessageBatchResultEntry><Id>a</Id><MessageId>m</MessageId></SendMessageBatchResultEntry>"), "{x}");
+        // A control character an AMQP publisher put in a body: replaced, digest of the result.
+        let raw = serde_json::json!({"Messages": [{"Body": "a\u{1}b", "MD5OfBody": "x"}]});
+        let Value::Object(raw) = raw else {
+            unreachable!()
+        };
+        let x = output("ReceiveMessage", &raw, "r-6");
+        let md5 = super::super::attributes::md5_hex("a\u{FFFD}b".as_bytes());
+        assert!(
+            x.contains("<Body>a\u{FFFD}b</Body>") && x.contains(&md5),
+            "{x}"
+        );
         let e = error(&SqsError::no_queue(), "r-5");
         assert!(
             e.contains(
