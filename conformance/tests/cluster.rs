@@ -211,9 +211,34 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
             .expect("stream")
             .expect("delivery");
     }
+    let quorum_critical = |c: &TestCluster, n: u64| {
+        Api::of(c.node(n)).call("GET", "/health/checks/node-is-quorum-critical", None)
+    };
+    let (status, v) = quorum_critical(&c, follower);
+    assert_eq!(
+        (status, &v["status"]),
+        (200, &serde_json::json!("ok")),
+        "{v}"
+    );
     let killed = Instant::now();
     c.node_mut(leader).stop(true);
     let survivor = follower;
+    // With one of three down, stopping a survivor would leave its queues without a majority:
+    // a rolling restart waits.
+    let (status, v) = loop {
+        let (status, v) = quorum_critical(&c, survivor);
+        if status == 503 || killed.elapsed() > WAIT {
+            break (status, v);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status, 503, "{v}");
+    assert!(
+        v["queues"].as_array().is_some_and(|qs| qs
+            .iter()
+            .any(|x| x["name"] == q.as_str() && x["type"] == "quorum")),
+        "{v}"
+    );
     let next = loop {
         let l = c.leader_of(&q, survivor);
         if l != leader {
@@ -250,6 +275,14 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
     c.node_mut(leader).start_again();
     c.wait_for_metadata_leader(leader);
     wait_for_messages(&c, leader, &q, 0);
+    let back = Instant::now();
+    while quorum_critical(&c, survivor).0 != 200 {
+        assert!(
+            back.elapsed() < WAIT,
+            "still quorum-critical with every node back"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let (_cb, chb) = channel(&c, leader).await;
     publish_confirmed(&chb, &q, std::iter::once("after".to_owned())).await;
     for n in 1..=3 {

@@ -713,6 +713,44 @@ fn take_deliveries(c: &mut Cluster, node: u64, n: usize, steps: u32) -> Vec<Deli
 }
 
 #[test]
+fn a_node_is_quorum_critical_while_a_peer_is_down_and_not_once_it_is_back() {
+    let mut c = Cluster::new();
+    let critical = |c: &Cluster, n: u64| {
+        c.members[&n]
+            .broker
+            .quorum_critical()
+            .expect("in a cluster")
+    };
+    c.run(50);
+    for n in NODES {
+        assert_eq!(
+            critical(&c, n),
+            (vec![], false),
+            "node {n}: every peer is up"
+        );
+    }
+    c.isolated.insert(3);
+    c.run(300);
+    let jobs = vec![("/".to_owned(), ShortStr::from_static("jobs"))];
+    for n in [1, 2] {
+        assert_eq!(
+            critical(&c, n),
+            (jobs.clone(), true),
+            "node {n}: stopping it would leave one of three"
+        );
+    }
+    c.isolated.clear();
+    c.run(300);
+    for n in NODES {
+        assert_eq!(critical(&c, n), (vec![], false), "node {n}: all back");
+    }
+    let mut alone = Broker::new(BrokerConfig::default());
+    assert_eq!(alone.quorum_critical(), None, "not in a cluster");
+    alone.join_cluster(1, &[1], 1);
+    assert_eq!(alone.quorum_critical(), None, "a cluster of one");
+}
+
+#[test]
 fn a_consumer_on_a_follower_gets_what_the_leader_hands_it_once_applied_and_its_acks_count() {
     let (mut c, leader, follower) = follower_consuming(10);
     c.publish(leader, 0);

@@ -452,6 +452,38 @@ impl Broker {
         }
     }
 
+    /// What would lose its majority if this node stopped now (RabbitMQ's
+    /// `list_with_minimum_quorum`): every replicated queue, and the metadata group, once the
+    /// members running (this node and the peers not seen down: as the driver's Raft, which
+    /// takes a peer for up until it misses its heartbeats or its connection closes) are no
+    /// more than a majority. Every
+    /// node is a member of every group, so either all are or none is. The queues as (vhost,
+    /// name), in order; `None` outside a cluster (or in a cluster of one).
+    pub fn quorum_critical(&self) -> Option<(Vec<(String, ShortStr)>, bool)> {
+        let c = self.cluster.as_ref()?;
+        let members = c.nodes.len();
+        if members <= 1 {
+            return None;
+        }
+        let running = 1 + c
+            .nodes
+            .iter()
+            .filter(|n| **n != c.node && !c.down_since.contains_key(n))
+            .count();
+        if running > members / 2 + 1 {
+            return Some((Vec::new(), false));
+        }
+        let mut queues: Vec<(String, ShortStr)> = c
+            .groups
+            .values()
+            .filter_map(|id| self.queues.get(id))
+            .filter(|q| q.replica.is_some())
+            .map(|q| (q.vhost.clone(), q.name.clone()))
+            .collect();
+        queues.sort();
+        Some((queues, true))
+    }
+
     /// Brings the peers down long enough `Down` in the queues this node leads and acts on.
     fn down_lost_peers(&mut self) {
         let now = self.now_ms;

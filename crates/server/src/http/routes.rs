@@ -118,7 +118,10 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/health/checks/alarms", get(health_alarms))
         .route("/api/health/checks/local-alarms", get(health_alarms))
         .route("/api/health/checks/virtual-hosts", get(health_ok))
-        .route("/api/health/checks/node-is-quorum-critical", get(health_ok))
+        .route(
+            "/api/health/checks/node-is-quorum-critical",
+            get(health_quorum_critical),
+        )
         .route(
             "/api/health/checks/node-is-mirror-sync-critical",
             get(health_ok),
@@ -1491,6 +1494,40 @@ async fn health_alarms(State(api): ApiState, _: LoggedIn) -> Answer {
             )
         }
     }
+}
+
+/// RabbitMQ's answer: 503 while stopping this node would leave replicated queues without a
+/// majority (a rolling restart waits for it), with each queue; the metadata group too.
+async fn health_quorum_critical(State(api): ApiState, _: LoggedIn) -> Answer {
+    let Some((queues, metadata)) = api.node.read(|n, _| n.broker().quorum_critical()) else {
+        return ok(json!({"status": "ok", "reason": "single node cluster"}));
+    };
+    if !metadata && queues.is_empty() {
+        return ok(json!({"status": "ok"}));
+    }
+    let mut list: Vec<Value> = queues
+        .iter()
+        .map(|(vhost, name)| {
+            json!({
+                "readable_name": format!("queue '{name}' in vhost '{vhost}'"),
+                "name": name.as_str(),
+                "virtual_host": vhost,
+                "type": "quorum",
+            })
+        })
+        .collect();
+    if metadata {
+        list.push(json!({
+            "readable_name": "warren_metadata",
+            "name": "warren_metadata",
+            "virtual_host": "-",
+            "type": "process",
+        }));
+    }
+    health_failed(
+        "There are quorum queues that would lose their quorum if the target node is shut down",
+        json!({ "queues": list }),
+    )
 }
 
 async fn health_ok(_: LoggedIn) -> Answer {
