@@ -750,6 +750,65 @@ fn startup_errors_name_the_flag_to_fix() {
     assert!(e.contains("--tls-port"), "{e}");
 }
 
+/// RabbitMQ's certificate-expiration check reads the listeners' certificate files: fine for a
+/// day (the test certificates run to the year 4096), expiring within 3,000 years (503 with the
+/// amqp/ssl listener and the date), a unit it does not know refused (400).
+#[test]
+fn the_certificate_expiration_check_reads_the_certificates() {
+    let pki = Pki::new("expiry");
+    let (broker, port) = pki.broker(&["--tls-ca", &pki.arg("ca.pem")]);
+    if broker.is_external() {
+        return;
+    }
+    let api = broker.http_url().expect("management API on").to_string();
+    let check = |path: &str| {
+        let r = warren_conformance::http::request(
+            "GET",
+            &format!("{api}/api/health/checks/certificate-expiration/{path}"),
+            Some(("guest", "guest")),
+            &[],
+            None,
+        );
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_default();
+        (r.status, v)
+    };
+    let (status, v) = check("1/days");
+    assert_eq!(
+        (status, &v["status"]),
+        (200, &serde_json::json!("ok")),
+        "{v}"
+    );
+    let (status, v) = check("3000/years");
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["reason"], "Certificates expiring");
+    let l = &v["expired"][0];
+    assert_eq!(
+        (&l["protocol"], &l["port"]),
+        (&serde_json::json!("amqp/ssl"), &serde_json::json!(port)),
+        "{v}"
+    );
+    assert!(
+        l["certfile_expires_on"][0]
+            .as_str()
+            .is_some_and(|d| d.starts_with("4096-01-01")),
+        "{v}"
+    );
+    assert!(
+        l["cacertfile"]
+            .as_str()
+            .is_some_and(|f| f.ends_with("ca.pem")),
+        "{v}"
+    );
+    let (status, v) = check("1/fortnights");
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("Supported units")),
+        "{v}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // HTTPS
 

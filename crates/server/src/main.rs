@@ -407,6 +407,7 @@ fn start_http(
         prometheus_port: port_of(&prometheus),
         amqps_port: tls.map(|_| config.tls_port),
         http_tls: (config.management_tls, config.prometheus_tls),
+        tls_files: config.tls.as_ref().map(|t| (t.cert.clone(), t.ca.clone())),
         rates: rates.clone(),
         data_dir: config.data_dir.clone(),
         alarms: config.alarms,

@@ -6,6 +6,7 @@
 //! 10,000 queues holds the node only for the copy.
 
 mod access;
+mod certificates;
 mod definitions;
 mod gate;
 pub use gate::HOLD as RECOVERY_HOLD;
@@ -46,6 +47,8 @@ pub struct Api {
     pub amqps_port: Option<u16>,
     /// The management API and the metrics endpoint speak HTTPS (`https` in `listeners`).
     pub http_tls: (bool, bool),
+    /// The TLS listeners' certificate file and CA file (certificate-expiration check).
+    pub tls_files: Option<(std::path::PathBuf, Option<std::path::PathBuf>)>,
     /// Node time (ms since the epoch) when the broker started.
     pub started_ms: u64,
     pub rates: Arc<rates::Rates>,

@@ -128,7 +128,7 @@ pub fn router(api: Arc<Api>) -> Router {
         )
         .route(
             "/api/health/checks/certificate-expiration/{within}/{unit}",
-            get(health_ok_2),
+            get(health_certificates),
         )
         .route("/api/health/checks/port-listener/{port}", get(health_port))
         .route(
@@ -1534,8 +1534,47 @@ async fn health_ok(_: LoggedIn) -> Answer {
     ok(json!({"status": "ok"}))
 }
 
-async fn health_ok_2(_: LoggedIn, Path(_): Path<(String, String)>) -> Answer {
-    ok(json!({"status": "ok"}))
+/// RabbitMQ's certificate check: 503 while a TLS listener's certificate (or CA) file holds a
+/// certificate that expires within the period, or cannot be read.
+async fn health_certificates(
+    State(api): ApiState,
+    _: LoggedIn,
+    Path((within, unit)): Path<(String, String)>,
+) -> Answer {
+    let period = super::certificates::period(&within, &unit)?;
+    let Some((cert, ca)) = &api.tls_files else {
+        return ok(json!({"status": "ok"}));
+    };
+    let now = api.node.read(|_, now| now) / 1000;
+    let now = i64::try_from(now).unwrap_or(i64::MAX);
+    let deadline = now.saturating_add(i64::try_from(period).unwrap_or(i64::MAX));
+    let mut listeners: Vec<(&str, u16)> = api
+        .amqps_port
+        .map(|p| ("amqp/ssl", p))
+        .into_iter()
+        .collect();
+    if api.http_tls.0 {
+        listeners.push(("https", api.http_port));
+    }
+    if let (true, Some(p)) = (api.http_tls.1, api.prometheus_port) {
+        listeners.push(("https", p));
+    }
+    let expired: Vec<Value> = listeners
+        .into_iter()
+        .filter_map(|l| {
+            super::certificates::listener_entry(
+                &api.node_name,
+                l,
+                cert,
+                ca.as_deref(),
+                (now, deadline),
+            )
+        })
+        .collect();
+    if expired.is_empty() {
+        return ok(json!({"status": "ok"}));
+    }
+    health_failed("Certificates expiring", json!({ "expired": expired }))
 }
 
 fn listening_ports(api: &Api) -> Vec<u16> {
