@@ -233,6 +233,14 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(status, 503, "{v}");
+    // The nodes as RabbitMQ lists them: every member, the killed one not running.
+    let (_, nodes) = Api::of(c.node(survivor)).call("GET", "/nodes", None);
+    let running: Vec<bool> = nodes
+        .as_array()
+        .map(|a| a.iter().map(|n| n["running"] == true).collect())
+        .unwrap_or_default();
+    assert_eq!(running.len(), 3, "{nodes}");
+    assert_eq!(running.iter().filter(|r| !**r).count(), 1, "{nodes}");
     assert!(
         v["queues"].as_array().is_some_and(|qs| qs
             .iter()

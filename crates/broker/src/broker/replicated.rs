@@ -452,6 +452,19 @@ impl Broker {
         }
     }
 
+    /// The other nodes of the cluster, each with whether it runs as far as this node knows (its
+    /// Raft heard from it lately and its connection is open). Empty outside a cluster.
+    pub fn peers_running(&self) -> Vec<(NodeId, bool)> {
+        let Some(c) = self.cluster.as_ref() else {
+            return Vec::new();
+        };
+        c.nodes
+            .iter()
+            .filter(|n| **n != c.node)
+            .map(|n| (*n, !c.down_since.contains_key(n)))
+            .collect()
+    }
+
     /// What would lose its majority if this node stopped now (RabbitMQ's
     /// `list_with_minimum_quorum`): every replicated queue, and the metadata group, once the
     /// members running (this node and the peers not seen down: as the driver's Raft, which

@@ -318,9 +318,39 @@ fn node_json(api: &Api) -> Value {
     })
 }
 
+/// Another node of the cluster, as far as this node knows it: whether it runs (its figures
+/// are its own API's).
+fn peer_json(api: &Api, node: u64, running: bool) -> Value {
+    let name = api
+        .cluster_names
+        .get(&node)
+        .cloned()
+        .unwrap_or_else(|| format!("warren-{node}"));
+    json!({
+        "name": name,
+        "type": "disc",
+        "running": running,
+        "being_drained": false,
+        "partitions": [],
+        "cluster": {"node": node},
+    })
+}
+
+fn peers_json(api: &Api) -> Vec<Value> {
+    api.node
+        .read(|n, _| n.broker().peers_running())
+        .into_iter()
+        .map(|(node, running)| peer_json(api, node, running))
+        .collect()
+}
+
+/// Every node of the cluster, this one first (RabbitMQ lists every member, `running` false
+/// for one that is down).
 async fn nodes(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
     login(&api, &headers, peer)?.require(Level::Monitoring)?;
-    ok(json!([node_json(&api)]))
+    let mut all = vec![node_json(&api)];
+    all.extend(peers_json(&api));
+    ok(Value::Array(all))
 }
 
 async fn one_node(
@@ -330,10 +360,13 @@ async fn one_node(
     Path(node): Path<String>,
 ) -> Answer {
     login(&api, &headers, peer)?.require(Level::Monitoring)?;
-    if node != api.node_name {
-        return Err(ApiError::not_found());
+    if node == api.node_name {
+        return ok(node_json(&api));
     }
-    ok(node_json(&api))
+    peers_json(&api)
+        .into_iter()
+        .find(|p| p["name"] == node.as_str())
+        .map_or_else(|| Err(ApiError::not_found()), ok)
 }
 
 async fn extensions(_: LoggedIn) -> Answer {
@@ -345,6 +378,23 @@ async fn whoami(LoggedIn(who): LoggedIn) -> Answer {
 }
 
 // ------------------------------------------------------------------ vhosts, users
+
+/// Each node's state of a vhost, as RabbitMQ gives it (`nodedown` for a node that is down).
+fn cluster_state(api: &Api) -> Value {
+    let mut m = serde_json::Map::new();
+    m.insert(api.node_name.clone(), json!("running"));
+    for p in peers_json(api) {
+        let state = if p["running"] == true {
+            "running"
+        } else {
+            "nodedown"
+        };
+        if let Some(name) = p["name"].as_str() {
+            m.insert(name.to_owned(), json!(state));
+        }
+    }
+    Value::Object(m)
+}
 
 pub(super) fn vhost_json(api: &Api, name: &str) -> Value {
     let (ready, unacked) = api.node.read(|n, _| {
@@ -358,7 +408,7 @@ pub(super) fn vhost_json(api: &Api, name: &str) -> Value {
         "tags": [], "metadata": {"description": "", "tags": []},
         "default_queue_type": "classic", "tracing": false,
         "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
-        "cluster_state": { api.node_name.clone(): "running" },
+        "cluster_state": cluster_state(api),
     })
 }
 
