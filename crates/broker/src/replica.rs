@@ -28,6 +28,9 @@ pub struct ReplicaState {
     pub group: u64,
     /// The group's leader as last reported, and the term it leads in.
     pub leader: Option<NodeId>,
+    /// The node chosen to stand for the first leader, until one is known (placement counts
+    /// it, so that queues declared in a burst spread too).
+    pub chosen: Option<NodeId>,
     pub term: u64,
     pub mode: Mode,
     /// Deliveries made ahead of the log, with the proposal they wait for: released once this
@@ -63,6 +66,7 @@ impl ReplicaState {
         ReplicaState {
             group,
             leader: None,
+            chosen: None,
             term: 0,
             mode: Mode::Following,
             held: VecDeque::new(),

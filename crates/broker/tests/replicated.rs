@@ -713,6 +713,48 @@ fn take_deliveries(c: &mut Cluster, node: u64, n: usize, steps: u32) -> Vec<Deli
 }
 
 #[test]
+fn balanced_queues_get_their_first_leaders_spread_over_the_nodes() {
+    let mut c = Cluster::new();
+    c.leader();
+    let mut args = quorum_args();
+    args.insert("x-queue-leader-locator", FieldValue::long_str("balanced"));
+    let names: Vec<String> = (0..6).map(|i| format!("balanced-{i}")).collect();
+    for name in &names {
+        let req = DeclareQueue {
+            name: ShortStr::from_string(name.clone()),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: args.clone(),
+        };
+        // Declared at once, one after another, before any of their leaders is known.
+        c.broker(1)
+            .declare_queue("/", req, conn(1, 1))
+            .expect("declare");
+    }
+    c.run(300);
+    let mut led: BTreeMap<u64, usize> = BTreeMap::new();
+    for name in &names {
+        let b = &c.members[&1].broker;
+        let group = b
+            .replica_group(b.queue_id("/", name).expect("queue"))
+            .expect("replicated");
+        let leaders: Vec<u64> = NODES
+            .into_iter()
+            .filter(|n| c.members[n].raft.is_leader(GroupId(group)))
+            .collect();
+        assert_eq!(leaders.len(), 1, "{name}: {leaders:?}");
+        *led.entry(leaders[0]).or_default() += 1;
+    }
+    assert_eq!(
+        led,
+        BTreeMap::from([(1, 2), (2, 2), (3, 2)]),
+        "two of the six on each node"
+    );
+}
+
+#[test]
 fn a_node_is_quorum_critical_while_a_peer_is_down_and_not_once_it_is_back() {
     let mut c = Cluster::new();
     let critical = |c: &Cluster, n: u64| {

@@ -578,9 +578,9 @@ impl Broker {
             replica: None,
         };
         let mut q = q;
-        self.attach_replica(&mut q);
+        let leader = self.attach_replica(&mut q);
         if q.replica.is_some() && !self.restoring {
-            self.announce_declare(vhost, &q.name, &q.arguments);
+            self.announce_declare(vhost, &q.name, &q.arguments, leader);
         }
         let out = declared(&q);
         let policy = policy(&q.args);

@@ -217,11 +217,13 @@ impl Broker {
         vhost: &str,
         name: &ShortStr,
         arguments: &FieldTable,
+        leader: Option<NodeId>,
     ) {
         self.announce(MetaOp::DeclareQueue {
             vhost: vhost.to_owned(),
             name: name.clone(),
             arguments: arguments.detached(),
+            leader,
         });
     }
 
@@ -429,10 +431,13 @@ impl Broker {
                 vhost,
                 name,
                 arguments,
+                leader,
             } => {
                 if self.queue_id(&vhost, &name).is_some() {
                     return None;
                 }
+                // The node chosen for its first leader stands (`attach_replica`).
+                self.leader_hint = leader;
                 let req = DeclareQueue {
                     name,
                     passive: false,
@@ -445,6 +450,7 @@ impl Broker {
                 self.restoring = true;
                 let declared = self.declare_queue(&vhost, req, 0);
                 self.restoring = false;
+                self.leader_hint = None;
                 declared.err().and_then(err)
             }
             MetaOp::DeleteQueue { vhost, name } => {

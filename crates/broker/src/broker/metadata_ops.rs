@@ -34,6 +34,9 @@ pub(crate) enum MetaOp {
         vhost: String,
         name: ShortStr,
         arguments: FieldTable,
+        /// The node that stands for the queue's first leader (`x-queue-leader-locator`);
+        /// `None` in entries of earlier versions (their declaring node stood).
+        leader: Option<u64>,
     },
     DeleteQueue {
         vhost: String,
@@ -205,10 +208,17 @@ fn op_table(op: &MetaOp) -> FieldTable {
             vhost,
             name,
             arguments,
+            leader,
         } => {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
             t.insert("arguments", FieldValue::Table(arguments.detached()));
+            if let Some(l) = leader {
+                t.insert(
+                    "leader",
+                    FieldValue::I64(i64::try_from(*l).unwrap_or(i64::MAX)),
+                );
+            }
             "declare_queue"
         }
         MetaOp::DeleteQueue { vhost, name } => {
@@ -423,6 +433,10 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             vhost: f.text("vhost")?,
             name: ShortStr::from_string(f.text("name")?),
             arguments: f.table("arguments")?,
+            leader: match t.get("leader") {
+                None => None,
+                Some(v) => Some(u64::try_from(v.as_i64()?).ok()?),
+            },
         },
         "delete_queue" => MetaOp::DeleteQueue {
             vhost: f.text("vhost")?,
@@ -639,6 +653,13 @@ mod tests {
                 vhost: "/".into(),
                 name: ShortStr::from_static("jobs"),
                 arguments: arguments.clone(),
+                leader: Some(3),
+            },
+            MetaOp::DeclareQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("older"),
+                arguments: arguments.clone(),
+                leader: None,
             },
             MetaOp::DeleteQueue {
                 vhost: "/".into(),

@@ -132,6 +132,8 @@ pub struct Broker {
     restoring: bool,
     /// A change applied from the metadata group (or kept to this node): not announced.
     meta_quiet: bool,
+    /// The node the metadata entry being applied chose for a new queue's first leader.
+    leader_hint: Option<u64>,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
     /// Memory is short: messages the store does not keep go to its scratch area when they
@@ -316,6 +318,7 @@ impl Broker {
             persist: None,
             restoring: false,
             meta_quiet: false,
+            leader_hint: None,
             access: crate::access::Access::default(),
             limits: crate::limits::LimitTable::default(),
             policies: crate::policy::PolicyTable::default(),

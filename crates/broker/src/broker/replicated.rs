@@ -553,25 +553,62 @@ impl Broker {
         out
     }
 
-    /// Gives a new queue its group, if it is replicated here.
-    pub(super) fn attach_replica(&mut self, q: &mut Queue) {
-        let Some(c) = self.cluster.as_mut() else {
-            return;
-        };
-        if q.args.queue_type != QueueType::Quorum {
-            return;
+    /// Gives a new queue its group, if it is replicated here; the node chosen to stand for its
+    /// first leader. Declared by a client here, that is this node (`client-local`, RabbitMQ's
+    /// default), or with `x-queue-leader-locator` `balanced` the running node that leads the
+    /// fewest queues; declared from the metadata group, the node its entry names; from the
+    /// store (a restart), none: the group waits to hear from its leader.
+    pub(super) fn attach_replica(&mut self, q: &mut Queue) -> Option<NodeId> {
+        if self.cluster.is_none() || q.args.queue_type != QueueType::Quorum {
+            return None;
         }
+        let chosen = match (self.restoring, q.args.balanced_leader) {
+            (true, _) => self.leader_hint.take(),
+            (false, true) => self.least_leading_node(),
+            (false, false) => self.cluster_node(),
+        };
+        let c = self.cluster.as_mut()?;
         let group = group_of(&q.vhost, &q.name);
         c.groups.insert(group, q.id);
-        q.replica = Some(Box::new(ReplicaState::new(group)));
-        // Declared by a client here, this node creates the group and stands for its leader;
-        // declared from the metadata group or the store, it waits to hear from the leader.
+        let mut r = ReplicaState::new(group);
+        r.chosen = chosen;
+        q.replica = Some(Box::new(r));
         c.meta
             .group_changes
             .push(super::metadata_group::GroupChange::Add {
                 group,
-                campaign: !self.restoring,
+                campaign: chosen == Some(c.node),
             });
+        chosen
+    }
+
+    /// The running node (this one, or a peer not seen down) that leads the fewest replicated
+    /// queues as this node knows their leaders; this node among equals, then the lowest.
+    fn least_leading_node(&self) -> Option<NodeId> {
+        let c = self.cluster.as_ref()?;
+        let mut led: BTreeMap<NodeId, usize> = c
+            .nodes
+            .iter()
+            .filter(|n| **n == c.node || !c.down_since.contains_key(n))
+            .map(|n| (*n, 0))
+            .collect();
+        for id in c.groups.values() {
+            let leader = self
+                .queues
+                .get(id)
+                .and_then(|q| q.replica.as_ref())
+                .and_then(|r| r.leader.or(r.chosen));
+            if let Some(count) = leader.and_then(|l| led.get_mut(&l)) {
+                *count += 1;
+            }
+        }
+        let fewest = led.values().copied().min()?;
+        if led.get(&c.node) == Some(&fewest) {
+            return Some(c.node);
+        }
+        led.into_iter()
+            .find(|(_, n)| *n == fewest)
+            .map(|(node, _)| node)
     }
 
     /// A replicated queue left this node's broker: its group goes too, and every node is

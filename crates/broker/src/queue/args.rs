@@ -196,6 +196,9 @@ pub struct QueueArgs {
     pub single_active_consumer: bool,
     /// `x-queue-type`.
     pub queue_type: QueueType,
+    /// `x-queue-leader-locator` other than `client-local`: a new replicated queue's first
+    /// leader is the running node leading the fewest.
+    pub balanced_leader: bool,
     /// `x-max-age` for streams, in ms.
     pub max_age_ms: Option<u64>,
     /// `x-delivery-limit` (quorum queues; not validated by RabbitMQ 3.10: taken when it is
@@ -453,11 +456,14 @@ fn check_key(key: &str, v: &FieldValue, args: &FieldTable, out: &mut QueueArgs) 
             out.max_age_ms = Some(parse_max_age(s).ok_or(Bad::Atom("invalid_max_age"))?);
         }
         "x-queue-leader-locator" => {
+            // RabbitMQ 3.10's values, and `balanced`, the name later versions give both
+            // `random` and `least-leaders`.
             check_one_of(
                 v,
-                &["client-local", "random", "least-leaders"],
+                &["client-local", "random", "least-leaders", "balanced"],
                 "invalid_queue_locator_arg",
             )?;
+            out.balanced_leader = v.as_str() != Some("client-local");
         }
         _ => {}
     }
