@@ -655,12 +655,6 @@ mod tests {
                 arguments: arguments.clone(),
                 leader: Some(3),
             },
-            MetaOp::DeclareQueue {
-                vhost: "/".into(),
-                name: ShortStr::from_static("older"),
-                arguments: arguments.clone(),
-                leader: None,
-            },
             MetaOp::DeleteQueue {
                 vhost: "/".into(),
                 name: ShortStr::from_static("jobs"),
@@ -749,6 +743,12 @@ mod tests {
                 created_ms: 1_764_000_000_000,
             }),
             MetaOp::DeleteAccessKey("WKIAEXAMPLE".into()),
+            MetaOp::DeclareQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("older"),
+                arguments: FieldTable::new(),
+                leader: None,
+            },
         ]
     }
 
