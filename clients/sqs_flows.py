@@ -170,6 +170,8 @@ def redrive_to_the_dead_letter_queue():
         QueueName=unique("src"),
         Attributes={"RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": "3"})},
     )["QueueUrl"]
+    assert sqs.list_dead_letter_source_queues(QueueUrl=dlq)["queueUrls"] == [url]
+    assert sqs.list_dead_letter_source_queues(QueueUrl=url)["queueUrls"] == []
     sqs.send_message(QueueUrl=url, MessageBody="poison")
     for n in range(1, 4):
         got = sqs.receive_message(

@@ -136,6 +136,20 @@ def errors_have_the_query_protocols_codes():
 
 
 @flow
+def dead_letter_sources():
+    sqs = client()
+    dlq = sqs.create_queue(QueueName=unique("dlq"))["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=dlq, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    policy = '{"deadLetterTargetArn": "%s", "maxReceiveCount": "2"}' % arn
+    sources = sorted(
+        sqs.create_queue(QueueName=unique(f"src{i}"), Attributes={"RedrivePolicy": policy})["QueueUrl"] for i in range(2)
+    )
+    assert sorted(sqs.list_dead_letter_source_queues(QueueUrl=dlq)["queueUrls"]) == sources
+    for u in sources + [dlq]:
+        sqs.delete_queue(QueueUrl=u)
+
+
+@flow
 def fifo_queue():
     sqs = client()
     url = sqs.create_queue(QueueName=unique("orders") + ".fifo", Attributes={"FifoQueue": "true"})["QueueUrl"]

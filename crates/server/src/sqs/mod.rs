@@ -330,6 +330,7 @@ async fn dispatch(
         "DeleteMessageBatch" => messages::delete_batch(sqs, ctx, input),
         "ChangeMessageVisibility" => messages::change_visibility(sqs, ctx, input),
         "ChangeMessageVisibilityBatch" => messages::change_visibility_batch(sqs, ctx, input),
+        "ListDeadLetterSourceQueues" => queues::dead_letter_sources(sqs, ctx, input),
         other => Err(SqsError::new(
             400,
             "InvalidAction",

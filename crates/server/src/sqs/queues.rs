@@ -460,15 +460,7 @@ pub fn list(
         .unwrap_or_default()
         .to_owned();
     let max = integer(input, "MaxResults", 1..=1000)?;
-    let after = match text(input, "NextToken")? {
-        Some(t) => Some(
-            base64::Engine::decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, t)
-                .ok()
-                .and_then(|b| String::from_utf8(b).ok())
-                .ok_or_else(|| SqsError::invalid_parameter("Invalid NextToken value."))?,
-        ),
-        None => None,
-    };
+    let after = next_token(input)?;
     let vhost = ctx.vhost.clone();
     let mut names: Vec<String> = sqs.node.read(|n, _| {
         ctx.permit(n.broker().access(), &vhost, &[])?;
@@ -501,16 +493,81 @@ pub fn list(
     }
     if more && max.is_some() {
         if let Some(last) = names.last() {
-            out.insert(
-                "NextToken".into(),
-                Value::String(base64::Engine::encode(
-                    &base64::engine::general_purpose::URL_SAFE_NO_PAD,
-                    last,
-                )),
-            );
+            out.insert("NextToken".into(), Value::String(token_of(last)));
         }
     }
     Ok(out)
+}
+
+/// ListDeadLetterSourceQueues: the queues of the vhost whose redrive policy names this one
+/// (dead-lettering through the default exchange to it, as a RedrivePolicy is kept), in name
+/// order, `MaxResults` at a time.
+pub fn dead_letter_sources(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let max = integer(input, "MaxResults", 1..=1000)?;
+    let after = next_token(input)?;
+    let mut sources: Vec<String> = sqs.node.read(|n, _| {
+        ctx.permit(n.broker().access(), &vhost, &[])?;
+        n.broker()
+            .queue_id(&vhost, &name)
+            .ok_or_else(SqsError::no_queue)?;
+        Ok::<_, SqsError>(
+            n.broker()
+                .queue_snapshots(Some(&vhost))
+                .into_iter()
+                .filter(|q| {
+                    let arg = |k: &str| q.arguments.get(k).and_then(FieldValue::as_str);
+                    arg("x-dead-letter-exchange") == Some("")
+                        && arg("x-dead-letter-routing-key") == Some(name.as_str())
+                        && q.name.as_str() != name
+                })
+                .map(|q| q.name.to_string())
+                .collect(),
+        )
+    })?;
+    sources.sort();
+    if let Some(a) = &after {
+        sources.retain(|q| q > a);
+    }
+    let limit = max.map_or(1000, |m| m as usize);
+    let more = sources.len() > limit;
+    sources.truncate(limit);
+    let mut out = Map::new();
+    out.insert(
+        "queueUrls".into(),
+        sources
+            .iter()
+            .map(|q| Value::String(ctx.queue_url(&vhost, q)))
+            .collect(),
+    );
+    if more && max.is_some() {
+        if let Some(last) = sources.last() {
+            out.insert("NextToken".into(), Value::String(token_of(last)));
+        }
+    }
+    Ok(out)
+}
+
+/// A list's NextToken: the last name given, encoded.
+fn token_of(last: &str) -> String {
+    base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, last)
+}
+
+/// The name a NextToken stands for.
+fn next_token(input: &Map<String, Value>) -> Result<Option<String>, SqsError> {
+    match text(input, "NextToken")? {
+        Some(t) => Ok(Some(
+            base64::Engine::decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, t)
+                .ok()
+                .and_then(|b| String::from_utf8(b).ok())
+                .ok_or_else(|| SqsError::invalid_parameter("Invalid NextToken value."))?,
+        )),
+        None => Ok(None),
+    }
 }
 
 pub fn delete(
