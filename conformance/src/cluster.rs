@@ -17,6 +17,9 @@ pub struct TestCluster {
 }
 
 impl TestCluster {
+    /// Give this among the extra arguments for nodes with the SQS endpoint on (it is off).
+    pub const WITH_SQS: &'static str = "(with the SQS endpoint)";
+
     /// Starts `size` nodes (numbered from 1) that form one cluster, with a short Raft tick, and
     /// waits until every node sees a leader of the cluster's metadata.
     pub fn start(size: u64, tick_ms: u64) -> TestCluster {
@@ -71,9 +74,13 @@ impl TestCluster {
                     &secret,
                     "--test-cluster-tick-ms",
                     &tick,
-                    "--no-sqs",
                 ];
-                args.extend_from_slice(extra);
+                // The SQS endpoint only where a test asks for it (`WITH_SQS`): each node would
+                // take one more port.
+                if !extra.contains(&Self::WITH_SQS) {
+                    args.push("--no-sqs");
+                }
+                args.extend(extra.iter().copied().filter(|a| *a != Self::WITH_SQS));
                 TestBroker::start_with(&args)
             })
             .collect();

@@ -381,6 +381,42 @@ fn a_user_made_through_the_api_signs_with_an_access_key() {
     );
 }
 
+/// On a cluster, SendMessage to a quorum queue answers once a majority has the message, as an
+/// AMQP confirm does: on a leader cut off from the others it is refused (500, after the API's
+/// wait), never answered 200 from the leader's disk alone.
+#[test]
+fn an_sqs_send_to_a_quorum_queue_is_answered_once_a_majority_has_it() {
+    use warren_conformance::cluster::TestCluster;
+    let c = TestCluster::start_partitionable(
+        3,
+        20,
+        &["--test-api-write-wait-ms", "1500", TestCluster::WITH_SQS],
+    );
+    if skipped(c.node(1)) {
+        return;
+    }
+    let q = unique("sqs-qq");
+    tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(c.declare_quorum_queue(1, &q));
+    let leader = c.leader_of(&q, 1);
+    let sqs = Client::new(c.node(leader));
+    let url = format!("http://{}/000000000000/{q}", sqs.host);
+    sqs.send(&url, "with a majority");
+    c.cut(leader);
+    let r = sqs.call(
+        "SendMessage",
+        json!({"QueueUrl": url, "MessageBody": "alone"}),
+    );
+    assert_ne!(
+        r.status,
+        200,
+        "answered without a majority: {:?}",
+        r.error()
+    );
+    c.heal(leader);
+}
+
 #[test]
 fn queues_are_created_listed_found_and_deleted() {
     let b = TestBroker::start();

@@ -98,6 +98,8 @@ struct Core {
     backlog_limit: usize,
     /// The number of the last batch handed to the store thread.
     last_sent: u64,
+    /// The node's confirm marks as last told to [`Shared::written`]'s waiters.
+    marks: (u64, u64),
     /// This node's Raft groups, in a cluster.
     raft: Option<crate::cluster::RaftNode>,
     /// Reused buffer of the replicated queues' proposals.
@@ -231,16 +233,9 @@ struct StoreReports(Arc<Shared>);
 
 impl crate::storage::StoreEvents for StoreReports {
     fn written(&self, last: u64, ok: bool) {
+        // What the node then confirms (or refuses) reaches the waiters in `with_core`.
         self.0
             .with_node(|node, now| node.writes_done(last, ok, now));
-        let w = &self.0.written;
-        let mut state = w.state.lock().unwrap_or_else(|p| p.into_inner());
-        if ok {
-            state.upto = state.upto.max(last);
-        } else {
-            state.failed = state.failed.max(last);
-        }
-        w.changed.notify_all();
     }
 
     fn failing(&self, on: bool) {
@@ -274,6 +269,16 @@ impl Shared {
             let r = f(&mut core, now);
             let more = core.flush(DISPATCH_PASSES);
             core.wake_watchers();
+            let marks = core.node.confirm_marks();
+            if marks != core.marks {
+                // A batch is confirmed (or refused) once the node says so: on disk, and, with
+                // replicated queues in it, once a majority has their entries.
+                core.marks = marks;
+                let mut state = self.written.state.lock().unwrap_or_else(|p| p.into_inner());
+                state.upto = state.upto.max(marks.0);
+                state.failed = state.failed.max(marks.1);
+                self.written.changed.notify_all();
+            }
             (r, more, core.node.next_deadline())
         };
         if more {
@@ -659,6 +664,7 @@ pub async fn serve(
             epoch_ms: wall_clock_ms(),
             backlog_limit: config.write_backlog_limit,
             last_sent: 0,
+            marks: (0, 0),
             watched: HashMap::new(),
             raft: None,
             proposals: Vec::new(),

@@ -105,6 +105,10 @@ pub struct Node {
     alarm: Option<&'static str>,
     /// Recovery is in progress (`set_recovering`).
     recovering: bool,
+    /// The highest store batch whose confirms went out as acks (on disk, and a majority has
+    /// its replicated entries), and the highest whose went out as nacks.
+    confirmed: u64,
+    nacked: u64,
 }
 
 impl Node {
@@ -124,6 +128,8 @@ impl Node {
             written: 0,
             alarm: None,
             recovering: false,
+            confirmed: 0,
+            nacked: 0,
         }
     }
 
@@ -404,7 +410,18 @@ impl Node {
 
     /// Publisher confirms and commits waiting for batches up to `upto` go out: acks, or nacks
     /// (`ok` false) after a failed write or a lost replicated entry.
+    /// The highest batch confirmed and the highest refused (see [`Node::writes_done`]): what
+    /// a change that waits for its batch (the management API's, SQS's) may answer.
+    pub fn confirm_marks(&self) -> (u64, u64) {
+        (self.confirmed, self.nacked)
+    }
+
     fn release_confirms(&mut self, upto: u64, ok: bool, now: u64) {
+        if ok {
+            self.confirmed = self.confirmed.max(upto);
+        } else {
+            self.nacked = self.nacked.max(upto);
+        }
         let waiters = std::mem::take(&mut self.confirm_waiters);
         for (conn, channel) in waiters {
             let Some(c) = self.conns.get_mut(&conn) else {
