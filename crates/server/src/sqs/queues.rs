@@ -459,10 +459,8 @@ pub fn list(
     let prefix = text(input, "QueueNamePrefix")?
         .unwrap_or_default()
         .to_owned();
-    let max = integer(input, "MaxResults", 1..=1000)?;
-    let after = next_token(input)?;
     let vhost = ctx.vhost.clone();
-    let mut names: Vec<String> = sqs.node.read(|n, _| {
+    let names: Vec<String> = sqs.node.read(|n, _| {
         ctx.permit(n.broker().access(), &vhost, &[])?;
         Ok::<_, SqsError>(
             n.broker()
@@ -473,24 +471,45 @@ pub fn list(
                 .collect(),
         )
     })?;
+    let mut out = url_page(ctx, &vhost, names, input, "QueueUrls")?;
+    if out
+        .get("QueueUrls")
+        .and_then(Value::as_array)
+        .is_some_and(Vec::is_empty)
+    {
+        // SQS leaves an empty list out of ListQueues' answer.
+        out.remove("QueueUrls");
+    }
+    Ok(out)
+}
+
+/// One page of queue `names` as URLs under `key`, in name order: those after the request's
+/// `NextToken`, at most its `MaxResults` (the first 1,000 without it, as SQS answers), with
+/// the `NextToken` of the next page when `MaxResults` was given and more are left.
+fn url_page(
+    ctx: &Ctx,
+    vhost: &str,
+    mut names: Vec<String>,
+    input: &Map<String, Value>,
+    key: &str,
+) -> Result<Map<String, Value>, SqsError> {
+    let max = integer(input, "MaxResults", 1..=1000)?;
+    let after = next_token(input)?;
     names.sort();
     if let Some(a) = &after {
         names.retain(|q| q > a);
     }
-    // Without MaxResults, SQS answers the first 1,000.
     let limit = max.map_or(1000, |m| m as usize);
     let more = names.len() > limit;
     names.truncate(limit);
     let mut out = Map::new();
-    if !names.is_empty() {
-        out.insert(
-            "QueueUrls".into(),
-            names
-                .iter()
-                .map(|q| Value::String(ctx.queue_url(&vhost, q)))
-                .collect(),
-        );
-    }
+    out.insert(
+        key.into(),
+        names
+            .iter()
+            .map(|q| Value::String(ctx.queue_url(vhost, q)))
+            .collect(),
+    );
     if more && max.is_some() {
         if let Some(last) = names.last() {
             out.insert("NextToken".into(), Value::String(token_of(last)));
@@ -508,9 +527,7 @@ pub fn dead_letter_sources(
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
-    let max = integer(input, "MaxResults", 1..=1000)?;
-    let after = next_token(input)?;
-    let mut sources: Vec<String> = sqs.node.read(|n, _| {
+    let sources: Vec<String> = sqs.node.read(|n, _| {
         ctx.permit(n.broker().access(), &vhost, &[])?;
         n.broker()
             .queue_id(&vhost, &name)
@@ -529,27 +546,7 @@ pub fn dead_letter_sources(
                 .collect(),
         )
     })?;
-    sources.sort();
-    if let Some(a) = &after {
-        sources.retain(|q| q > a);
-    }
-    let limit = max.map_or(1000, |m| m as usize);
-    let more = sources.len() > limit;
-    sources.truncate(limit);
-    let mut out = Map::new();
-    out.insert(
-        "queueUrls".into(),
-        sources
-            .iter()
-            .map(|q| Value::String(ctx.queue_url(&vhost, q)))
-            .collect(),
-    );
-    if more && max.is_some() {
-        if let Some(last) = sources.last() {
-            out.insert("NextToken".into(), Value::String(token_of(last)));
-        }
-    }
-    Ok(out)
+    url_page(ctx, &vhost, sources, input, "queueUrls")
 }
 
 /// A list's NextToken: the last name given, encoded.
