@@ -1478,11 +1478,23 @@ impl Channel {
         // A stale receipt (the queue is gone, or the delivery timed out and went to another
         // worker) changes nothing: the client's ack is still valid. A late ack of a timed-out
         // delivery still settles the message if nobody else has taken it since.
-        let _current = match how {
+        let current = match how {
             Settle::Ack => ctx.broker.settle(u.queue, u.receipt),
             Settle::Requeue => ctx.broker.requeue(u.queue, u.receipt),
             Settle::Discard => ctx.broker.discard(u.queue, u.receipt),
         };
+        if !current && !u.timed_out {
+            // Not a timed-out delivery: the queue went, or the broker could not take it. Quiet
+            // by default; a trail when a message seems stuck with its consumer.
+            tracing::debug!(
+                conn = ctx.conn,
+                channel = self.id,
+                queue = u.queue.0,
+                msg_id = u.receipt.msg_id,
+                attempt = u.receipt.attempt,
+                "a settle the queue did not take"
+            );
+        }
         if u.counted && !u.timed_out {
             self.channel_unacked = self.channel_unacked.saturating_sub(1);
         }
