@@ -110,7 +110,8 @@ struct Core {
     watched: HashMap<warren_broker::QueueId, Watched>,
 }
 
-/// What the store made of the batches, for the management API to wait on.
+/// What became of the batches, for the management API and SQS to wait on (the node's
+/// confirm marks: see `Node::confirm_marks`).
 #[derive(Default)]
 struct Written {
     state: Mutex<WriteState>,
@@ -119,10 +120,10 @@ struct Written {
 
 #[derive(Default, Clone, Copy)]
 struct WriteState {
-    /// The last batch on disk.
+    /// The last batch confirmed: on disk and, where it holds replicated entries, committed.
     upto: u64,
-    /// The last batch of a group whose write failed (it may be retried; nobody was told
-    /// it is on disk).
+    /// The last batch refused: a write that failed (it may be retried; nobody was told it is
+    /// on disk) or replicated entries that were lost.
     failed: u64,
 }
 

@@ -278,7 +278,7 @@ impl Broker {
             .min()
     }
 
-    /// Is a get of this node waiting for an answer?
+    /// Are answers of forwarded gets waiting to be taken ([`Broker::take_get_answers`])?
     pub fn has_get_answers(&self) -> bool {
         self.cluster
             .as_ref()
