@@ -35,6 +35,7 @@ mod erl;
 pub mod exchange;
 pub mod limits;
 pub mod names;
+pub mod parameters;
 pub mod persist;
 pub mod policy;
 pub mod queue;

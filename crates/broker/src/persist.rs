@@ -198,6 +198,13 @@ pub enum StoreOp {
     DeleteAccessKey {
         id: String,
     },
+    /// A runtime parameter (a dynamic shovel), set or replaced.
+    PutParameter(crate::parameters::ParameterDef),
+    DeleteParameter {
+        component: String,
+        vhost: String,
+        name: String,
+    },
 }
 
 /// Reads paged-out messages back (the server gives the broker one over the store). Called

@@ -1623,6 +1623,13 @@ fn definitions_made_on_any_node_reach_every_node_and_route_there() {
         created_ms: 1,
     })
     .expect("access key");
+    b.set_parameter(warren_broker::parameters::ParameterDef {
+        component: "shovel".into(),
+        vhost: "billing".into(),
+        name: "to-archive".into(),
+        value: r#"{"src-uri":"amqp://","src-queue":"invoices"}"#.into(),
+    })
+    .expect("parameter");
     let mut definition = warren_broker::policy::Definition::new();
     definition.insert("delivery-limit".into(), PolicyValue::Int(3));
     b.set_policy(PolicyDef {
@@ -1646,6 +1653,9 @@ fn definitions_made_on_any_node_reach_every_node_and_route_there() {
             && b.access()
                 .access_key("WKIAALICE")
                 .is_some_and(|k| k.user == "alice" && k.secret == "alice's secret")
+            && b.parameters()
+                .get("shovel", "billing", "to-archive")
+                .is_some_and(|p| p.value.contains("invoices"))
     });
     assert!(everywhere, "every definition reached every node");
     c.run(30);

@@ -93,6 +93,38 @@ pub fn authenticate(
     Ok(())
 }
 
+/// The name a connection of the node to itself logs in with to act with every permission
+/// (RabbitMQ's direct connection without a user). It can only be used with the node's internal
+/// secret; a user of that name in the user table gains nothing from it.
+pub const INTERNAL_USER: &str = "warren-internal";
+
+/// A login of the node to itself: the password is the node's internal secret (made at start,
+/// never stored or sent anywhere but the node's own loopback connections). `Some(true)`: as
+/// [`INTERNAL_USER`], with every permission; `Some(false)`: as an existing user, with that
+/// user's permissions; `None`: not an internal login (checked as any other).
+pub fn authenticate_internal(
+    access: &Access,
+    config: &SessionConfig,
+    creds: &Credentials,
+) -> Option<bool> {
+    let secret = config
+        .internal_secret
+        .as_deref()
+        .filter(|s| !s.is_empty())?;
+    if !same_secret(secret.as_bytes(), creds.password.as_bytes()) {
+        return None;
+    }
+    if creds.user == INTERNAL_USER {
+        return Some(true);
+    }
+    access.user(&creds.user).map(|_| false)
+}
+
+/// Compares in time that does not depend on where the first difference is.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// EXTERNAL: the user named by the client certificate (the driver verified it and extracted the
 /// name) must exist; there is no password. The loopback-only rule still applies, as in RabbitMQ.
 pub fn authenticate_external(
@@ -128,6 +160,41 @@ mod tests {
         let mut b = warren_broker::Broker::new(Default::default());
         crate::manage::apply_config_users(&mut b, &config, true, &mut || [1, 2, 3, 4]);
         (b.access().clone(), config)
+    }
+
+    #[test]
+    fn the_internal_secret_logs_in_as_the_internal_user_or_an_existing_one() {
+        let (a, mut cfg) = guest();
+        let creds = |user: &str, password: &str| Credentials {
+            user: user.into(),
+            password: password.into(),
+        };
+        assert_eq!(
+            authenticate_internal(&a, &cfg, &creds(INTERNAL_USER, "")),
+            None,
+            "no secret configured: no internal login"
+        );
+        cfg.internal_secret = Some("s3cret".into());
+        assert_eq!(
+            authenticate_internal(&a, &cfg, &creds(INTERNAL_USER, "s3cret")),
+            Some(true)
+        );
+        assert_eq!(
+            authenticate_internal(&a, &cfg, &creds("guest", "s3cret")),
+            Some(false)
+        );
+        assert_eq!(
+            authenticate_internal(&a, &cfg, &creds("nobody", "s3cret")),
+            None
+        );
+        assert_eq!(
+            authenticate_internal(&a, &cfg, &creds(INTERNAL_USER, "s3cre")),
+            None
+        );
+        assert_eq!(
+            authenticate_internal(&a, &cfg, &creds(INTERNAL_USER, "guest")),
+            None
+        );
     }
 
     #[test]

@@ -47,6 +47,9 @@ pub struct SessionConfig {
     pub product: String,
     pub version: String,
     pub cluster_name: String,
+    /// The secret the node's connections to itself log in with (a shovel's end on this
+    /// node): random per start, never stored. `None`: no such login.
+    pub internal_secret: Option<String>,
 }
 
 impl SessionConfig {
@@ -89,6 +92,7 @@ impl Default for SessionConfig {
             product: "RabbitMQ".into(),
             version: "3.10.8".into(),
             cluster_name: "warren".into(),
+            internal_secret: None,
         }
     }
 }

@@ -63,6 +63,9 @@ pub(crate) struct Connection {
     pub opened_at: u64,
     pub vhost: String,
     pub user: String,
+    /// Logged in as the node's own internal user (a shovel's end on this node): every
+    /// permission is granted, as to RabbitMQ's direct connections without a user.
+    pub trusted: bool,
     pub channel_max: u16,
     pub frame_max: u32,
     pub heartbeat_ms: u64,
@@ -126,6 +129,7 @@ impl Connection {
             opened_at: now,
             vhost: String::new(),
             user: String::new(),
+            trusted: false,
             channel_max: config.channel_max,
             frame_max: config.frame_max,
             heartbeat_ms: 0,
@@ -290,6 +294,14 @@ impl Connection {
                     Err(_) => return login_refused(&ok.mechanism),
                 };
                 let peer = self.peer.map(|p| p.ip());
+                if let Some(trusted) = auth::authenticate_internal(broker.access(), config, &creds)
+                {
+                    tracing::debug!(conn = self.id, user = %creds.user, "internal login");
+                    self.trusted = trusted;
+                    self.user = creds.user;
+                    self.send_tune(config);
+                    return Next::Nothing;
+                }
                 if auth::authenticate(broker.access(), config, &creds, peer).is_err() {
                     tracing::info!(conn = self.id, user = %creds.user, "login refused");
                     return login_refused(&ok.mechanism);
@@ -339,7 +351,7 @@ impl Connection {
                         o.virtual_host.as_str()
                     )));
                 }
-                if !broker.access().may_open(&self.user, &o.virtual_host) {
+                if !self.trusted && !broker.access().may_open(&self.user, &o.virtual_host) {
                     tracing::info!(conn = self.id, user = %self.user, vhost = %o.virtual_host.as_str(), "vhost access refused");
                     return fail(AmqpError::not_allowed(format!(
                         "access to vhost '{}' refused for user '{}'",

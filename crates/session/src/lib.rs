@@ -13,6 +13,7 @@ pub mod manage;
 mod node;
 mod out;
 
+pub use auth::INTERNAL_USER;
 pub use config::{SessionConfig, User};
 pub use node::{Node, Transmit};
 

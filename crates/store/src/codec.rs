@@ -7,6 +7,7 @@ use warren_broker::access::{
     AccessKeyDef, HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
 };
 use warren_broker::limits::{LimitScope, Limits};
+use warren_broker::parameters::ParameterDef;
 use warren_broker::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
 use warren_broker::{
     BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Holder, Message,
@@ -36,6 +37,8 @@ pub const META_APPLIED: u8 = b'm';
 pub const META_PENDING: u8 = b'n';
 /// An SQS access key: its id; the user, the secret and when it was made.
 pub const ACCESS_KEY: u8 = b'k';
+/// A runtime parameter (component, vhost, name): its JSON value.
+pub const PARAMETER: u8 = b'r';
 const OPERATOR: u8 = b'o';
 
 const DEST_QUEUE: u8 = b'q';
@@ -516,6 +519,22 @@ pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
             k.put_u8(ACCESS_KEY);
             put_text(&mut k, id);
         }
+        StoreOp::PutParameter(ParameterDef {
+            component,
+            vhost,
+            name,
+            ..
+        })
+        | StoreOp::DeleteParameter {
+            component,
+            vhost,
+            name,
+        } => {
+            k.put_u8(PARAMETER);
+            put_text(&mut k, component);
+            put_text(&mut k, vhost);
+            put_text(&mut k, name);
+        }
         _ => return None,
     }
     Some(k)
@@ -557,6 +576,7 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
             v.put_u32(u32::try_from(data.len()).unwrap_or(u32::MAX));
             v.put_slice(data);
         }
+        StoreOp::PutParameter(p) => put_text(&mut v, &p.value),
         StoreOp::PutAccessKey(key) => {
             put_text(&mut v, &key.user);
             put_text(&mut v, &key.secret);
@@ -623,6 +643,12 @@ impl Reader {
 /// A stored vhost, user or permission, as the op that wrote it.
 fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, StoreError> {
     let op = match kind {
+        PARAMETER => StoreOp::PutParameter(ParameterDef {
+            component: k.text("parameter component")?,
+            vhost: k.text("parameter vhost")?,
+            name: k.text("parameter name")?,
+            value: v.text("parameter value")?,
+        }),
         ACCESS_KEY => StoreOp::PutAccessKey(AccessKeyDef {
             id: k.text("access key id")?,
             user: v.text("access key user")?,
@@ -831,7 +857,9 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             }))
         }
         kind @ (VHOST | USER | PERMISSION | TOPIC_PERMISSION | LIMITS | POLICY | META_APPLIED
-        | META_PENDING | ACCESS_KEY) => decode_access(kind, &mut k, &mut v).map(Def::Access),
+        | META_PENDING | ACCESS_KEY | PARAMETER) => {
+            decode_access(kind, &mut k, &mut v).map(Def::Access)
+        }
         other => Err(StoreError::Corrupt(format!(
             "unknown definition kind {other:#04x}"
         ))),

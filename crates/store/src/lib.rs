@@ -31,10 +31,10 @@ pub use recover::{Recovered, Recovery};
 /// (`counts` values of 12 bytes); format 4 vhosts, users and permissions in `defs`; format 5
 /// vhost and user limits in `defs`; format 6 the holder of each delayed message (layout 2
 /// of `delayed` values) and a delayed exchange's incarnation after its arguments; format 7
-/// policies in `defs`; format 8 SQS access keys (`k`) in `defs`. Older directories are still
-/// read and marked 8, so that an older Warren, which would misread the new records, refuses
-/// them.
-pub const FORMAT_VERSION: u32 = 8;
+/// policies in `defs`; format 8 SQS access keys (`k`) in `defs`; format 9 runtime parameters
+/// (`r`: dynamic shovels) in `defs`. Older directories are still read and marked 9, so that an
+/// older Warren, which would misread the new records, refuses them.
+pub const FORMAT_VERSION: u32 = 9;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 
@@ -428,7 +428,8 @@ impl Store {
                     | StoreOp::PutPolicy(_)
                     | StoreOp::PutMetaApplied { .. }
                     | StoreOp::PutMetaPending { .. }
-                    | StoreOp::PutAccessKey(_) => {
+                    | StoreOp::PutAccessKey(_)
+                    | StoreOp::PutParameter(_) => {
                         if let Some((k, v)) = codec::access_record(op) {
                             wb.put_cf(defs, k, v);
                         }
@@ -439,7 +440,8 @@ impl Store {
                     | StoreOp::DeleteTopicPermission { .. }
                     | StoreOp::DeletePolicy { .. }
                     | StoreOp::DeleteMetaPending { .. }
-                    | StoreOp::DeleteAccessKey { .. } => {
+                    | StoreOp::DeleteAccessKey { .. }
+                    | StoreOp::DeleteParameter { .. } => {
                         if let Some(k) = codec::access_key(op) {
                             wb.delete_cf(defs, k);
                         }

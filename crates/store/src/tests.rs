@@ -366,6 +366,21 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
         b.put_access_key(key("WKIAOFOLD", "old")).expect("key");
         assert!(b.put_access_key(key("WKIANOBODY", "nobody")).is_err());
         assert!(b.delete_access_key("WKIADELETED"));
+        let param =
+            |vhost: &str, name: &str, value: &str| warren_broker::parameters::ParameterDef {
+                component: "shovel".into(),
+                vhost: vhost.into(),
+                name: name.into(),
+                value: value.into(),
+            };
+        b.set_parameter(param("staging", "kept", r#"{"src-uri":"amqp://"}"#))
+            .expect("parameter");
+        b.set_parameter(param("staging", "cleared", "{}"))
+            .expect("parameter");
+        b.set_parameter(param("gone", "of a gone vhost", "{}"))
+            .expect("parameter");
+        assert!(b.set_parameter(param("nowhere", "p", "{}")).is_err());
+        assert!(b.clear_parameter("shovel", "staging", "cleared"));
         b.delete_user("old");
         b.delete_vhost("gone");
         flush(&mut b, &s);
@@ -422,6 +437,12 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
         keys,
         [&key("WKIAKEPT", "app")],
         "deleted keys and a deleted user's stay gone"
+    );
+    let params: Vec<(&str, &str)> = a_params(&b);
+    assert_eq!(
+        params,
+        [("kept", r#"{"src-uri":"amqp://"}"#)],
+        "a cleared parameter and a deleted vhost's stay gone"
     );
 }
 
@@ -1324,4 +1345,11 @@ fn a_cluster_nodes_place_in_the_metadata_log_and_its_pending_changes_read_back()
             })
             .collect();
     assert_eq!(records, vec![place(42), pending(0xff), pending(0x100)]);
+}
+
+fn a_params(b: &warren_broker::Broker) -> Vec<(&str, &str)> {
+    b.parameters()
+        .list(Some("shovel"), None)
+        .map(|p| (p.name.as_str(), p.value.as_str()))
+        .collect()
 }

@@ -572,6 +572,15 @@ impl Broker {
                 None
             }
             MetaOp::PutAccessKey(key) => self.put_access_key(key).err().map(|e| e.to_string()),
+            MetaOp::PutParameter(def) => self.set_parameter(def).err().map(|e| e.to_string()),
+            MetaOp::DeleteParameter {
+                component,
+                vhost,
+                name,
+            } => {
+                self.clear_parameter(&component, &vhost, &name);
+                None
+            }
             MetaOp::DeleteAccessKey(id) => {
                 self.delete_access_key(&id);
                 None

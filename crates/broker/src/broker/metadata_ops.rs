@@ -17,6 +17,7 @@ use crate::access::{
     AccessKeyDef, HashAlgorithm, PasswordHash, PermissionDef, TopicPermissionDef, UserDef,
 };
 use crate::limits::{LimitScope, Limits};
+use crate::parameters::ParameterDef;
 use crate::persist::BindingDest;
 use crate::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
 use crate::replica::NodeId;
@@ -86,6 +87,12 @@ pub(crate) enum MetaOp {
     },
     PutAccessKey(AccessKeyDef),
     DeleteAccessKey(String),
+    PutParameter(ParameterDef),
+    DeleteParameter {
+        component: String,
+        vhost: String,
+        name: String,
+    },
 }
 
 /// A binding of a durable exchange to a replicated queue or to another durable exchange.
@@ -162,6 +169,17 @@ impl MetaOp {
             MetaOp::PutAccessKey(AccessKeyDef { id, .. }) | MetaOp::DeleteAccessKey(id) => {
                 format!("k\0{id}")
             }
+            MetaOp::PutParameter(ParameterDef {
+                component,
+                vhost,
+                name,
+                ..
+            })
+            | MetaOp::DeleteParameter {
+                component,
+                vhost,
+                name,
+            } => format!("r\0{component}\0{vhost}\0{name}"),
         }
     }
 }
@@ -378,6 +396,23 @@ fn op_table(op: &MetaOp) -> FieldTable {
             text(&mut t, "id", id);
             "delete_access_key"
         }
+        MetaOp::PutParameter(p) => {
+            text(&mut t, "component", &p.component);
+            text(&mut t, "vhost", &p.vhost);
+            text(&mut t, "name", &p.name);
+            text(&mut t, "value", &p.value);
+            "put_parameter"
+        }
+        MetaOp::DeleteParameter {
+            component,
+            vhost,
+            name,
+        } => {
+            text(&mut t, "component", component);
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "name", name);
+            "delete_parameter"
+        }
     };
     t.insert("op", FieldValue::long_str(name));
     t
@@ -554,6 +589,17 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             created_ms: u64::try_from(t.get("created")?.as_i64()?).ok()?,
         }),
         "delete_access_key" => MetaOp::DeleteAccessKey(f.text("id")?),
+        "put_parameter" => MetaOp::PutParameter(ParameterDef {
+            component: f.text("component")?,
+            vhost: f.text("vhost")?,
+            name: f.text("name")?,
+            value: f.text("value")?,
+        }),
+        "delete_parameter" => MetaOp::DeleteParameter {
+            component: f.text("component")?,
+            vhost: f.text("vhost")?,
+            name: f.text("name")?,
+        },
         _ => return None,
     })
 }
@@ -743,6 +789,17 @@ mod tests {
                 created_ms: 1_764_000_000_000,
             }),
             MetaOp::DeleteAccessKey("WKIAEXAMPLE".into()),
+            MetaOp::PutParameter(ParameterDef {
+                component: "shovel".into(),
+                vhost: "/".into(),
+                name: "move".into(),
+                value: r#"{"src-uri":"amqp://","src-queue":"a"}"#.into(),
+            }),
+            MetaOp::DeleteParameter {
+                component: "shovel".into(),
+                vhost: "/".into(),
+                name: "move".into(),
+            },
             MetaOp::DeclareQueue {
                 vhost: "/".into(),
                 name: ShortStr::from_static("older"),

@@ -4,6 +4,7 @@ mod flows;
 mod metadata;
 mod metadata_group;
 mod metadata_ops;
+mod parameters;
 mod persistence;
 mod policies;
 mod publish;
@@ -127,6 +128,8 @@ pub struct Broker {
     access: crate::access::Access,
     limits: crate::limits::LimitTable,
     policies: crate::policy::PolicyTable,
+    /// Runtime parameters (dynamic shovels).
+    parameters: crate::parameters::Parameters,
     /// Recovery is declaring what the store holds: names a client may not declare
     /// (`amq.gen-...` of server-named queues) and vhost limits are accepted.
     restoring: bool,
@@ -322,6 +325,7 @@ impl Broker {
             access: crate::access::Access::default(),
             limits: crate::limits::LimitTable::default(),
             policies: crate::policy::PolicyTable::default(),
+            parameters: crate::parameters::Parameters::default(),
             pager: None,
             spill: false,
             recovering: false,

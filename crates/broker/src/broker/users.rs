@@ -157,6 +157,7 @@ impl Broker {
         self.access.vhost_deleted(name);
         self.forget_limits(LimitScope::Vhost, name);
         self.forget_policies(name);
+        self.forget_parameters(name);
         for (user, exchange) in gone {
             self.write_def(match exchange {
                 None => StoreOp::DeletePermission {
@@ -359,6 +360,7 @@ impl Broker {
                 self.limits.put(*scope, name, limits.clone());
             }
             StoreOp::PutPolicy(def) => self.restore_policy(def)?,
+            StoreOp::PutParameter(def) => self.restore_parameter(def)?,
             StoreOp::PutMetaApplied { index, seen } => self.restore_meta_applied(*index, seen),
             StoreOp::PutMetaPending { number, data } => self.restore_meta_pending(*number, data),
             StoreOp::PutAccessKey(key) => {
