@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod http;
 pub mod partition;
 pub mod queues;
+pub mod rabbitmq;
 pub mod raw;
 
 use std::io::Read;

@@ -13,6 +13,10 @@ pub enum Command {
     /// Moves messages from a queue (a dead-letter queue) back to where they came from, or to
     /// another queue, at a chosen rate, without losing any (see docs/task-queues.md)
     Redrive(crate::cli::transfer::RedriveArgs),
+    /// Moves a running broker (RabbitMQ, or another Warren) into this one: its definitions,
+    /// then every queue's messages with confirmed hand-over, until the source stays empty
+    /// (docs/operations.md, "Migrating from RabbitMQ")
+    Migrate(crate::cli::migrate::MigrateArgs),
     /// The commands over the management HTTP API (docs/operations.md, "CLI"), and move.
     #[command(flatten)]
     Cli(crate::cli::Command),

@@ -7,6 +7,7 @@ mod config;
 mod driver;
 mod http;
 mod metrics;
+mod shovel;
 mod sqs;
 mod storage;
 mod tls;
@@ -27,6 +28,7 @@ fn main() -> ExitCode {
     let args = Args::parse();
     match args.command {
         Some(config::Command::Redrive(r)) => return cli::transfer::main_redrive(r),
+        Some(config::Command::Migrate(m)) => return cli::migrate::main_migrate(m),
         Some(config::Command::Cli(c)) => return cli::main(c),
         None => {}
     }
@@ -324,7 +326,15 @@ async fn run(config: Config) -> std::io::Result<()> {
         ms = started.elapsed().as_millis() as u64,
         "definitions recovered; restoring the queues' messages"
     );
-    let mut node = Node::new(config.session.clone(), broker);
+    // The node's shovels reach its own listener as its internal user, with a secret made now.
+    let mut session = config.session.clone();
+    let secret = internal_secret()?;
+    session.internal_secret = Some(secret.clone());
+    let local = shovel::Local {
+        addr: own_address(listener.local_addr()?),
+        secret,
+    };
+    let mut node = Node::new(session, broker);
     // Users come after the stored ones: a user deleted through the API stays deleted, and
     // the built-in guest is made on a new node only.
     let fresh = node.broker().access().is_empty();
@@ -349,13 +359,15 @@ async fn run(config: Config) -> std::io::Result<()> {
         (config.alarms, config.data_dir.clone(), config.api_writes),
         (stop_rx, cluster),
         |node| {
+            let shovels = shovel::Shovels::new(node_name(&config));
+            tokio::spawn(shovel::supervise(node.clone(), shovels.clone(), local));
             if let Some(l) = sqs {
                 tokio::spawn(sqs::serve(
                     l,
                     std::sync::Arc::new(sqs::Sqs::new(node.clone())),
                 ));
             }
-            start_http(node, &config, tls.as_ref(), management, prometheus)
+            start_http(node, shovels, &config, tls.as_ref(), management, prometheus)
         },
     )
     .await?;
@@ -369,9 +381,43 @@ async fn run(config: Config) -> std::io::Result<()> {
     Ok(())
 }
 
+/// 64 random bytes, hex: what the node's connections to itself log in with.
+fn internal_secret() -> std::io::Result<String> {
+    let mut bytes = [0u8; 32];
+    getrandom::getrandom(&mut bytes).map_err(|e| {
+        std::io::Error::other(format!("no randomness for the internal secret: {e}"))
+    })?;
+    Ok(hex::encode(bytes))
+}
+
+/// Where this node's own AMQP listener is reached from inside the node (a listener on every
+/// interface is reached on loopback).
+fn own_address(listening: std::net::SocketAddr) -> std::net::SocketAddr {
+    let ip = match listening.ip() {
+        std::net::IpAddr::V4(v4) if v4.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(v6) if v6.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        ip => ip,
+    };
+    std::net::SocketAddr::new(ip, listening.port())
+}
+
+/// The node's name in the API: `warren@<hostname>`, or its cluster name.
+fn node_name(config: &Config) -> String {
+    config
+        .cluster
+        .as_ref()
+        .and_then(|c| {
+            c.nodes
+                .get(&c.node)
+                .map(|addr| http::cluster_node_name(c.node, addr))
+        })
+        .unwrap_or_else(|| format!("warren@{}", http::hostname()))
+}
+
 /// Starts the management API, the metrics endpoint and the rate sampler behind them.
 fn start_http(
     node: driver::NodeHandle,
+    shovels: shovel::Shovels,
     config: &Config,
     tls: Option<&tls::Tls>,
     management: Option<TcpListener>,
@@ -392,11 +438,7 @@ fn start_http(
         .flat_map(|c| c.nodes.iter())
         .map(|(n, addr)| (*n, http::cluster_node_name(*n, addr)))
         .collect();
-    let node_name = config
-        .cluster
-        .as_ref()
-        .and_then(|c| cluster_names.get(&c.node).cloned())
-        .unwrap_or_else(|| format!("warren@{}", http::hostname()));
+    let node_name = node_name(config);
     let api = std::sync::Arc::new(http::Api {
         started_ms: node.read(|_, now| now),
         node,
@@ -411,6 +453,7 @@ fn start_http(
         rates: rates.clone(),
         data_dir: config.data_dir.clone(),
         alarms: config.alarms,
+        shovels,
     });
     tokio::spawn(http::rates::run(rates, api.node.clone()));
     // Config::resolve refuses --management-tls / --prometheus-tls without a certificate.

@@ -254,6 +254,8 @@ pub enum Ctl {
     },
     #[command(flatten)]
     Policies(super::policies::PolicyCmd),
+    #[command(flatten)]
+    Parameters(super::parameters::ParameterCmd),
 }
 
 const VHOST_LIMIT_NAMES: &[&str] = &["max-connections", "max-queues"];
@@ -341,6 +343,7 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::ClearUserLimits { .. } => "ctl clear_user_limits",
         Ctl::ListUserLimits { .. } => "ctl list_user_limits",
         Ctl::Policies(p) => super::policies::name(p),
+        Ctl::Parameters(p) => super::parameters::name(p),
     }
 }
 
@@ -741,6 +744,7 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
             list(&out.conn.api(), &path, &missing, USER_LIMITS, out.format)?
         }
         Ctl::Policies(p) => super::policies::main(p)?,
+        Ctl::Parameters(p) => super::parameters::main(p)?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -61,8 +61,9 @@ pub fn expiring(path: &Path, now: i64, deadline: i64) -> Result<Vec<String>, Str
     Ok(out)
 }
 
-/// `2027-03-01 9:05:00`, as RabbitMQ writes an expiry (UTC).
-fn date(unix: i64) -> String {
+/// `2027-03-01 9:05:00`, as RabbitMQ writes a time (UTC): a certificate's expiry, a
+/// shovel's last change.
+pub fn date(unix: i64) -> String {
     let days = unix.div_euclid(86_400);
     let secs = unix.rem_euclid(86_400);
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).

@@ -29,6 +29,23 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
             })
             .collect()
     });
+    // Runtime parameters (shovels) after the limits, as RabbitMQ lists them together.
+    let limits: Vec<Value> = limits
+        .into_iter()
+        .chain(api.node.read(|n, _| {
+            n.broker()
+                .parameters()
+                .list(None, vhost)
+                .map(|p| {
+                    let mut v = super::parameters::parameter_json(p);
+                    if let (Some(m), Some(_)) = (v.as_object_mut(), vhost) {
+                        m.remove("vhost");
+                    }
+                    v
+                })
+                .collect::<Vec<_>>()
+        }))
+        .collect();
     let (policies, operator_policies): (Vec<Value>, Vec<Value>) = api.node.read(|n, _| {
         let p = n.broker().policies();
         let of = |kind| {
@@ -201,9 +218,9 @@ fn list<'a>(defs: &'a Value, k: &str) -> &'a [Value] {
 }
 
 /// Declares what `defs` holds: vhosts, users, permissions, exchanges, queues, bindings, in
-/// that order (as RabbitMQ does), with user and vhost limits and policies. Objects that exist
-/// already must be equivalent. Parameters other than vhost limits are not imported yet
-/// (logged).
+/// that order (as RabbitMQ does), with user and vhost limits, policies and shovels. Objects
+/// that exist already must be equivalent. Runtime parameters of other components (federation)
+/// are not imported (logged).
 pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), ApiError> {
     if !defs.is_object() {
         return Err(ApiError::bad_request("definitions must be a JSON object"));
@@ -214,15 +231,39 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
             None => Ok(text(v, "vhost", "definition")?.to_owned()),
         }
     };
+    let component = |p: &Value| {
+        p.get("component")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
     let (vhost_limits, others): (Vec<&Value>, Vec<&Value>) = list(defs, "parameters")
         .iter()
-        .partition(|p| p.get("component").and_then(Value::as_str) == Some(VHOST_LIMITS));
+        .partition(|p| component(p).as_deref() == Some(VHOST_LIMITS));
+    let (shovels, others): (Vec<&Value>, Vec<&Value>) = others
+        .into_iter()
+        .partition(|p| component(p).as_deref() == Some(crate::shovel::COMPONENT));
     if !others.is_empty() {
+        let components: std::collections::BTreeSet<String> =
+            others.iter().filter_map(|p| component(p)).collect();
         tracing::warn!(
             parameters = others.len(),
-            "definitions import: parameters other than vhost limits are not imported yet"
+            ?components,
+            "definitions import: runtime parameters of components Warren does not have (federation?) are not imported"
         );
     }
+    let shovels = shovels
+        .into_iter()
+        .map(|p| {
+            let name = text(p, "name", "parameter")?;
+            let value = p.get("value").unwrap_or(&Value::Null);
+            Ok(warren_broker::parameters::ParameterDef {
+                component: crate::shovel::COMPONENT.to_owned(),
+                vhost: vhost_of(p)?,
+                name: name.to_owned(),
+                value: super::parameters::checked_value(crate::shovel::COMPONENT, name, value)?,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
     let policies = [
         ("policies", PolicyKind::User),
         ("operator_policies", PolicyKind::Operator),
@@ -369,6 +410,14 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
                     )))
                 }
             }
+        }
+        // Last, as RabbitMQ imports parameters after the topology: a shovel finds its
+        // queues declared with their arguments.
+        for p in shovels {
+            let vhost = p.vhost.clone();
+            n.broker_mut().set_parameter(p).map_err(|_| {
+                ApiError::bad_request(format!("shovel: vhost '{vhost}' does not exist"))
+            })?;
         }
         Ok(())
     })?

@@ -6,7 +6,7 @@
 //! 10,000 queues holds the node only for the copy.
 
 mod access;
-mod certificates;
+pub mod certificates;
 mod definitions;
 mod gate;
 pub use gate::HOLD as RECOVERY_HOLD;
@@ -14,6 +14,7 @@ mod json;
 mod limits;
 mod list;
 mod objects;
+mod parameters;
 pub mod passwords;
 mod policies;
 pub mod rates;
@@ -56,6 +57,8 @@ pub struct Api {
     pub alarms: crate::config::AlarmConfig,
     /// In a cluster, every node's name by number (this one's is `node_name`).
     pub cluster_names: std::collections::BTreeMap<u64, String>,
+    /// The shovels this node runs (`/api/shovels`).
+    pub shovels: crate::shovel::Shovels,
 }
 
 /// A cluster node's name: `warren-N@` its cluster address's host, the same on every node.

@@ -54,7 +54,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/vhosts/{vhost}/connections", get(vhost_connections))
         .route("/api/vhosts/{vhost}/channels", get(vhost_channels))
         .merge(super::policies::routes())
-        .route("/api/parameters", get(empty_list))
+        .merge(super::parameters::routes())
         .route("/api/exchanges", get(exchanges_all))
         .route("/api/exchanges/{vhost}", get(exchanges_vhost))
         .route(
@@ -431,11 +431,6 @@ async fn vhosts(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params)
         .map(|n| vhost_json(&api, n))
         .collect();
     ok(query.finish(items, total)?)
-}
-
-/// Runtime parameters: Warren has none besides vhost limits (listed under their own path).
-async fn empty_list(_: LoggedIn) -> Answer {
-    ok(json!([]))
 }
 
 // ------------------------------------------------------------------ exchanges

@@ -1,0 +1,290 @@
+//! `warren migrate` from a real RabbitMQ 3.10 (Debian's, started by the test): definitions
+//! with users, policies and a shovel, and messages across queues and vhosts while a producer
+//! keeps publishing to the source; the migration is killed with SIGKILL once and run again.
+//! Every message arrives at least once, and Warren's queues act as the source's policies say.
+
+use std::collections::BTreeSet;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt;
+use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel};
+use serde_json::json;
+use warren_conformance::http::{eventually, Api};
+use warren_conformance::queues::confirm_channel;
+use warren_conformance::rabbitmq::RabbitMq;
+use warren_conformance::{connect_url, warren_binary, within_for, TestBroker};
+
+/// Messages put in each queue before the migration starts.
+fn per_queue() -> u32 {
+    std::env::var("WARREN_MIGRATE_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50_000)
+}
+
+/// (vhost, queue) pairs filled at the source.
+const QUEUES: &[(&str, &str)] = &[
+    ("/", "jobs.email"),
+    ("/", "jobs.reports"),
+    ("/", "events"),
+    ("billing", "invoices"),
+];
+
+async fn publish(ch: &Channel, q: &str, ids: std::ops::Range<u32>) {
+    let mut pending = Vec::new();
+    for i in ids {
+        pending.push(
+            ch.basic_publish(
+                "".into(),
+                q.into(),
+                BasicPublishOptions::default(),
+                format!("{q}:{i}").as_bytes(),
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(format!("{q}-{i}").into()),
+            )
+            .await
+            .expect("publish"),
+        );
+        if pending.len() >= 2000 {
+            for c in pending.drain(..) {
+                assert!(c.await.expect("confirm").is_ack());
+            }
+        }
+    }
+    for c in pending {
+        assert!(c.await.expect("confirm").is_ack());
+    }
+}
+
+fn vhost_path(v: &str) -> &str {
+    if v == "/" {
+        "%2F"
+    } else {
+        v
+    }
+}
+
+fn migrate_command(rabbit: &RabbitMq, warren: &TestBroker) -> Command {
+    let warren_amqp = warren
+        .url()
+        .rsplit_once('/')
+        .map_or(warren.url(), |(base, _)| base)
+        .to_owned();
+    let mut cmd = Command::new(warren_binary());
+    cmd.arg("migrate")
+        .arg("--from-api")
+        .arg(format!("http://guest:guest@127.0.0.1:{}", rabbit.http_port))
+        .arg("--from-amqp")
+        .arg(format!("amqp://guest:guest@127.0.0.1:{}", rabbit.amqp_port))
+        .arg("--url")
+        .arg(warren_amqp)
+        .arg("--api")
+        .arg(warren.http_url().expect("management API"))
+        .args(["--quiet", "2"])
+        .stdout(Stdio::piped())
+        .stderr(if std::env::var_os("WARREN_MIGRATE_PROGRESS").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        });
+    cmd
+}
+
+/// Waits for a migration to exit, killing it (and failing the test) past `limit`.
+fn finish(mut child: std::process::Child, limit: Duration) -> std::process::Output {
+    let deadline = Instant::now() + limit;
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("warren migrate did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.wait_with_output().expect("migrate output")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migration() {
+    let Some(rabbit) = RabbitMq::start() else {
+        return;
+    };
+    let n = per_queue();
+    // Definitions at the source: a vhost, a user, a policy, a dead-letter exchange, a shovel.
+    for (method, path, body) in [
+        ("PUT", "/vhosts/billing".to_owned(), json!({})),
+        (
+            "PUT",
+            "/users/app".to_owned(),
+            json!({"password": "app-secret", "tags": ""}),
+        ),
+        (
+            "PUT",
+            "/permissions/%2F/app".to_owned(),
+            json!({"configure": ".*", "write": ".*", "read": ".*"}),
+        ),
+        (
+            "PUT",
+            "/permissions/billing/guest".to_owned(),
+            json!({"configure": ".*", "write": ".*", "read": ".*"}),
+        ),
+        (
+            "PUT",
+            "/exchanges/%2F/jobs.dlx".to_owned(),
+            json!({"type": "fanout", "durable": true}),
+        ),
+        (
+            "PUT",
+            "/policies/%2F/jobs".to_owned(),
+            json!({"pattern": "^jobs\\.", "apply-to": "queues", "priority": 1,
+                   "definition": {"dead-letter-exchange": "jobs.dlx", "max-length": 1_000_000}}),
+        ),
+        (
+            "PUT",
+            "/queues/%2F/jobs.dead".to_owned(),
+            json!({"durable": true}),
+        ),
+        (
+            "POST",
+            "/bindings/%2F/e/jobs.dlx/q/jobs.dead".to_owned(),
+            json!({"routing_key": ""}),
+        ),
+        (
+            "PUT",
+            "/parameters/shovel/%2F/outbox".to_owned(),
+            json!({"value": {"src-uri": "amqp://", "src-queue": "outbox",
+                             "dest-uri": "amqp://", "dest-queue": "outbox.sent"}}),
+        ),
+    ] {
+        let (code, body) = rabbit.api(method, &path, Some(body));
+        assert!((200..300).contains(&code), "{method} {path}: {code} {body}");
+    }
+    for (vhost, q) in QUEUES {
+        let args = if *q == "jobs.reports" {
+            json!({"x-queue-type": "quorum"})
+        } else {
+            json!({})
+        };
+        let (code, body) = rabbit.api(
+            "PUT",
+            &format!("/queues/{}/{q}", vhost_path(vhost)),
+            Some(json!({"durable": true, "arguments": args})),
+        );
+        assert!((200..300).contains(&code), "declare {q}: {code} {body}");
+    }
+    let filled = Instant::now();
+    for (vhost, q) in QUEUES {
+        let conn = connect_url(&format!(
+            "amqp://guest:guest@127.0.0.1:{}/{}",
+            rabbit.amqp_port,
+            vhost_path(vhost)
+        ))
+        .await;
+        let ch = confirm_channel(&conn).await;
+        within_for(
+            Duration::from_secs(120),
+            "filling the source",
+            publish(&ch, q, 0..n),
+        )
+        .await;
+    }
+    eprintln!(
+        "source filled: {} messages in {:.1} s",
+        n as usize * QUEUES.len(),
+        filled.elapsed().as_secs_f64()
+    );
+
+    let warren = TestBroker::start();
+    let warren_api = Api::of(&warren);
+    // The first run is killed once some of the messages are across.
+    let mut first = migrate_command(&rabbit, &warren)
+        .spawn()
+        .expect("spawn migrate");
+    eventually("part of the messages to reach Warren", || {
+        let (_, q) = warren_api.call("GET", "/queues/%2F/jobs.email", None);
+        match q["messages"].as_u64() {
+            Some(m) if m >= u64::from(n / 4) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    first.kill().expect("SIGKILL the migration");
+    let _ = first.wait();
+
+    // A producer that keeps publishing to the source while the second run moves.
+    let producer = {
+        let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", rabbit.amqp_port);
+        tokio::spawn(async move {
+            let conn = connect_url(&url).await;
+            let ch = confirm_channel(&conn).await;
+            for batch in 0..10u32 {
+                publish(&ch, "jobs.email", n + batch * 200..n + (batch + 1) * 200).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let second = migrate_command(&rabbit, &warren)
+        .spawn()
+        .expect("spawn migrate");
+    let out = tokio::task::spawn_blocking(move || finish(second, Duration::from_secs(300)))
+        .await
+        .expect("join");
+    producer.await.expect("producer");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "migrate failed: {stdout}");
+    eprintln!(
+        "second run: {:.1} s; {}",
+        started.elapsed().as_secs_f64(),
+        stdout.lines().last().unwrap_or("")
+    );
+    // The producer finished within the run's first seconds, long before the backlog was
+    // moved: the run ends only once the source stayed empty, so its messages are across too.
+    // Every message is in Warren at least once.
+    for (vhost, q) in QUEUES {
+        let conn = connect_url(&warren.url_with_vhost(vhost_path(vhost))).await;
+        let ch = conn.create_channel().await.expect("channel");
+        let expected = if *q == "jobs.email" { n + 2000 } else { n };
+        let mut consumer = ch
+            .basic_consume(
+                (*q).into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let mut seen = BTreeSet::new();
+        within_for(Duration::from_secs(120), "reading Warren's queue", async {
+            while seen.len() < expected as usize {
+                let d = consumer.next().await.expect("delivery").expect("delivery");
+                seen.insert(String::from_utf8_lossy(&d.data).into_owned());
+            }
+        })
+        .await;
+        let missing: Vec<u32> = (0..expected)
+            .filter(|i| !seen.contains(&format!("{q}:{i}")))
+            .collect();
+        assert!(missing.is_empty(), "{q}: lost {} messages", missing.len());
+    }
+    // The definitions came across: the policy acts on the queues it names, the user logs in
+    // with the password RabbitMQ had, the shovel runs on Warren.
+    let (_, q) = warren_api.call("GET", "/queues/%2F/jobs.email", None);
+    assert_eq!(q["policy"], "jobs", "{q}");
+    assert_eq!(
+        q["effective_policy_definition"]["dead-letter-exchange"],
+        "jobs.dlx"
+    );
+    let (_, q) = warren_api.call("GET", "/queues/%2F/jobs.reports", None);
+    assert_eq!(q["type"], "quorum");
+    let app = connect_url(&warren.url_with_credentials("app", "app-secret")).await;
+    let ch = app.create_channel().await.expect("app's channel");
+    let (code, _) = warren_api.call("GET", "/parameters/shovel/%2F/outbox", None);
+    assert_eq!(code, 200);
+    drop(ch);
+}

@@ -1,0 +1,559 @@
+//! `warren migrate`: a whole running broker (RabbitMQ, or another Warren) into Warren, or back.
+//!
+//! 1. It reads the source's definitions (users with their password hashes, vhosts,
+//!    permissions, limits, policies, exchanges, queues, bindings, shovels), leaves out what
+//!    Warren cannot carry (saying so) and imports the rest through the destination's API.
+//! 2. It moves each queue's messages with a shovel session per queue (`on-confirm`: a message
+//!    is acked at the source only once the destination confirmed its copy), showing progress
+//!    per queue and in total, with rate and time left.
+//! 3. It keeps moving while producers still publish to the source, until every source queue
+//!    has been empty for `--quiet` seconds; producers can then switch, and consumers after.
+//!
+//! Interrupted (Ctrl-C, a kill, a lost connection), it loses nothing: what was in flight goes
+//! back to its source queue. Run again, it carries on; at most the messages in flight when it
+//! stopped (`--prefetch` per queue) arrive twice.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use serde_json::{Map, Value};
+use tokio::sync::watch;
+
+use super::api::{enc, Api};
+use super::{CliError, Conn};
+use crate::shovel::definition::{AckMode, DeleteAfter, Destination, ShovelDef, Source};
+use crate::shovel::{self, worker::Worker, Shovels, State};
+
+/// Moves a whole broker into this one: definitions, then every queue's messages.
+#[derive(Args, Debug, Clone)]
+pub struct MigrateArgs {
+    /// The source's management API, with its credentials: http://user:pass@rabbit:15672
+    #[arg(long)]
+    pub from_api: String,
+    /// The source's AMQP address, with its credentials: amqp://user:pass@rabbit:5672 (each
+    /// queue's vhost is added)
+    #[arg(long)]
+    pub from_amqp: String,
+    /// Only this vhost [default: all]
+    #[arg(long)]
+    pub vhost: Option<String>,
+    /// Only the queues whose names match this regular expression [default: all]
+    #[arg(long)]
+    pub queues: Option<String>,
+    /// The destination's AMQP address (each queue's vhost is added)
+    #[arg(
+        long,
+        env = "WARREN_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672"
+    )]
+    pub url: String,
+    /// The destination's management API (for the definitions)
+    #[command(flatten)]
+    pub to: Conn,
+    /// Done once every source queue has been empty this many seconds
+    #[arg(long, default_value_t = 10.0)]
+    pub quiet: f64,
+    /// Messages in flight per queue (what a rerun may move twice)
+    #[arg(long, default_value_t = 500)]
+    pub prefetch: u16,
+    /// Move messages only (the definitions are there already)
+    #[arg(long)]
+    pub skip_definitions: bool,
+    /// Carry the definitions only, no messages
+    #[arg(long, conflicts_with = "skip_definitions")]
+    pub definitions_only: bool,
+}
+
+/// `warren migrate`: exit 0 once everything was carried and the source stayed empty.
+pub fn main_migrate(a: MigrateArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("warren migrate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(migrate(&a)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("warren migrate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `http://user:pass@host:15672` as an API client (the credentials out of the URL).
+fn api_of(url: &str) -> Result<Api, CliError> {
+    let usage = || {
+        CliError::Usage(format!(
+            "--from-api must be http://user:password@host:port, not {url}"
+        ))
+    };
+    let (scheme, rest) = url.split_once("://").ok_or_else(usage)?;
+    let (info, host) = rest.rsplit_once('@').ok_or_else(usage)?;
+    let (user, password) = info.split_once(':').unwrap_or((info, ""));
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8()
+            .map(|c| c.into_owned())
+            .map_err(|_| usage())
+    };
+    Ok(Api::new(
+        &format!("{scheme}://{host}"),
+        &decode(user)?,
+        &decode(password)?,
+    ))
+}
+
+/// An AMQP URI with its path set to `vhost`.
+fn with_vhost(uri: &str, vhost: &str) -> Result<String, CliError> {
+    let (scheme, rest) = uri.split_once("://").ok_or_else(|| {
+        CliError::Usage(format!(
+            "{uri} is not an AMQP URI (amqp://user:pass@host:port)"
+        ))
+    })?;
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    if crate::shovel::uri::is_local(uri) || authority.rsplit('@').next().unwrap_or("").is_empty() {
+        return Err(CliError::Usage(format!(
+            "{uri} names no host: pass amqp://user:pass@host:port"
+        )));
+    }
+    let query = tail.find('?').map_or("", |i| &tail[i..]);
+    Ok(format!("{scheme}://{authority}/{}{query}", enc(vhost)))
+}
+
+/// The definitions to carry, and what was left out (one line each).
+pub fn select(
+    defs: &Value,
+    vhost: Option<&str>,
+    queues: Option<&regex_lite::Regex>,
+) -> (Value, Vec<String>) {
+    let mut left_out = Vec::new();
+    let list = |k: &str| {
+        defs.get(k)
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let in_vhost = |v: &Value| vhost.is_none_or(|only| v["vhost"].as_str() == Some(only));
+    let mut out = Map::new();
+    for key in [
+        "rabbit_version",
+        "rabbitmq_version",
+        "product_name",
+        "product_version",
+    ] {
+        if let Some(v) = defs.get(key) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+    out.insert("users".into(), list("users").into());
+    out.insert(
+        "vhosts".into(),
+        list("vhosts")
+            .into_iter()
+            .filter(|v| vhost.is_none_or(|only| v["name"].as_str() == Some(only)))
+            .collect::<Vec<_>>()
+            .into(),
+    );
+    for key in ["permissions", "topic_permissions", "policies", "exchanges"] {
+        out.insert(
+            key.into(),
+            list(key)
+                .into_iter()
+                .filter(|v| in_vhost(v))
+                .collect::<Vec<_>>()
+                .into(),
+        );
+    }
+    let mut kept_queues = Vec::new();
+    for q in list("queues").into_iter().filter(|v| in_vhost(v)) {
+        let name = q["name"].as_str().unwrap_or("");
+        if queues.is_some_and(|p| !p.is_match(name)) {
+            continue;
+        }
+        if q["arguments"]["x-queue-type"].as_str() == Some("stream") {
+            left_out.push(format!(
+                "stream '{name}' in vhost '{}': Warren has no streams",
+                q["vhost"].as_str().unwrap_or("")
+            ));
+            continue;
+        }
+        kept_queues.push(q);
+    }
+    let kept = |vhost: &str, name: &str| {
+        kept_queues
+            .iter()
+            .any(|q| q["vhost"].as_str() == Some(vhost) && q["name"].as_str() == Some(name))
+    };
+    let bindings: Vec<Value> = list("bindings")
+        .into_iter()
+        .filter(|b| in_vhost(b))
+        .filter(|b| {
+            b["destination_type"] != "queue"
+                || kept(
+                    b["vhost"].as_str().unwrap_or(""),
+                    b["destination"].as_str().unwrap_or(""),
+                )
+        })
+        .collect();
+    let mut parameters = Vec::new();
+    for p in list("parameters").into_iter().filter(|v| in_vhost(v)) {
+        let component = p["component"].as_str().unwrap_or("");
+        let name = p["name"].as_str().unwrap_or("");
+        match component {
+            "vhost-limits" => parameters.push(p),
+            shovel::COMPONENT => match shovel::definition::parse(name, &p["value"]) {
+                Ok(_) => parameters.push(p),
+                Err(e) => left_out.push(format!("shovel '{name}': {}", e.join("; "))),
+            },
+            other => left_out.push(format!(
+                "{other} parameter '{name}': Warren has no {other} (federation)"
+            )),
+        }
+    }
+    out.insert("queues".into(), kept_queues.into());
+    out.insert("bindings".into(), bindings.into());
+    out.insert("parameters".into(), parameters.into());
+    (Value::Object(out), left_out)
+}
+
+/// One queue being moved.
+struct Moving {
+    vhost: String,
+    name: String,
+    counters: std::sync::Arc<shovel::Counters>,
+    /// Ready and unacked at the source, at the last look.
+    left: u64,
+}
+
+async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
+    let source = api_of(&a.from_api)?;
+    let pattern = match &a.queues {
+        Some(p) => Some(regex_lite::Regex::new(p).map_err(|e| {
+            CliError::Usage(format!("--queues {p} is not a regular expression: {e}"))
+        })?),
+        None => None,
+    };
+    let defs = tokio::task::block_in_place(|| source.get("/definitions", "definitions"))?;
+    let (defs, left_out) = select(&defs, a.vhost.as_deref(), pattern.as_ref());
+    for line in &left_out {
+        println!("not carried: {line}");
+    }
+    let count = |k: &str| defs[k].as_array().map_or(0, Vec::len);
+    if !a.skip_definitions {
+        let dest = a.to.api();
+        tokio::task::block_in_place(|| {
+            dest.call("POST", "/definitions", Some(&defs), &[], "the definitions")
+        })?;
+        println!(
+            "definitions imported: {} user(s), {} vhost(s), {} permission(s), {} policy(ies), \
+             {} exchange(s), {} queue(s), {} binding(s), {} parameter(s)",
+            count("users"),
+            count("vhosts"),
+            count("permissions"),
+            count("policies"),
+            count("exchanges"),
+            count("queues"),
+            count("bindings"),
+            count("parameters"),
+        );
+    }
+    if a.definitions_only {
+        return Ok(());
+    }
+    let queues: Vec<(String, String)> = defs["queues"]
+        .as_array()
+        .map(|l| {
+            l.iter()
+                .map(|q| {
+                    (
+                        q["vhost"].as_str().unwrap_or("/").to_owned(),
+                        q["name"].as_str().unwrap_or("").to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if queues.is_empty() {
+        println!("no queues to move");
+        return Ok(());
+    }
+    let quiet = Duration::from_secs_f64(a.quiet.max(0.0));
+    let started = Instant::now();
+    let mut depths = Depths::new(&a.from_amqp);
+    let mut moved_before = 0u64;
+    loop {
+        let (moving, outcome) = move_round(a, &queues, &mut depths, quiet, moved_before).await?;
+        moved_before += moving.iter().map(|m| m.counters.forwarded()).sum::<u64>();
+        outcome?;
+        // What was in flight as the sessions closed went back to the source, and a producer
+        // may have published in the last moment: only an empty source ends the migration.
+        let mut left = 0;
+        for (vhost, name) in &queues {
+            left += depths.ready(vhost, name).await.unwrap_or(1);
+        }
+        if left == 0 {
+            let secs = started.elapsed().as_secs_f64();
+            println!(
+                "moved {moved_before} message(s) from {} queue(s) in {secs:.1} s ({:.0} msg/s); \
+                 the source queues stayed empty for {:.0} s: switch producers to Warren, then \
+                 consumers",
+                queues.len(),
+                moved_before as f64 / secs.max(1e-3),
+                quiet.as_secs_f64()
+            );
+            return Ok(());
+        }
+        eprintln!("{left} message(s) reached the source as the sessions stopped: moving them too");
+    }
+}
+
+/// One round: a shovel session per queue until every source queue has been empty and no
+/// message moved for `quiet`; the sessions are stopped (and their connections closed) before
+/// it returns.
+async fn move_round(
+    a: &MigrateArgs,
+    queues: &[(String, String)],
+    depths: &mut Depths,
+    quiet: Duration,
+    moved_before: u64,
+) -> Result<(Vec<Moving>, Result<(), CliError>), CliError> {
+    let shovels = Shovels::new("warren migrate".into());
+    let (stop, stopped) = watch::channel(false);
+    let mut moving = Vec::new();
+    let mut tasks = Vec::new();
+    for (vhost, name) in queues {
+        let def = ShovelDef {
+            src_uris: vec![with_vhost(&a.from_amqp, vhost)?],
+            src: Source::Queue {
+                name: name.clone(),
+                args: Map::new(),
+            },
+            dest_uris: vec![with_vhost(&a.url, vhost)?],
+            dest: Destination::Queue {
+                name: name.clone(),
+                args: Map::new(),
+            },
+            ack_mode: AckMode::OnConfirm,
+            delete_after: DeleteAfter::Never,
+            prefetch: a.prefetch,
+            reconnect_delay: Duration::from_secs(1),
+            add_forward_headers: false,
+            add_timestamp_header: false,
+            publish_properties: Map::new(),
+        };
+        let counters = shovels.track(vhost, name, def.clone());
+        let worker = Worker {
+            vhost: vhost.clone(),
+            name: name.clone(),
+            def,
+            local: shovel::Local {
+                addr: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                secret: String::new(),
+            },
+            shovels: shovels.clone(),
+            cluster_name: "warren migrate".into(),
+            counters: counters.clone(),
+        };
+        tasks.push(tokio::spawn(worker.run(stopped.clone())));
+        moving.push(Moving {
+            vhost: vhost.clone(),
+            name: name.clone(),
+            counters,
+            left: u64::MAX,
+        });
+    }
+    let mut quiet_since: Option<Instant> = None;
+    let mut last = (Instant::now(), 0u64);
+    let outcome = loop {
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::signal::ctrl_c() => break Err(CliError::Failed(
+                "interrupted: what was in flight went back to the source; run the same command \
+                 again to carry on".into())),
+        }
+        // Exact counts (a passive declare), not the API's statistics, which lag by seconds.
+        let mut known = true;
+        for m in &mut moving {
+            match depths.ready(&m.vhost, &m.name).await {
+                Some(n) => m.left = n,
+                None => known = false,
+            }
+        }
+        let moved: u64 = moving.iter().map(|m| m.counters.forwarded()).sum();
+        let left: u64 = moving.iter().map(|m| m.left.min(u64::MAX / 1024)).sum();
+        let rate = (moved - last.1) as f64 / last.0.elapsed().as_secs_f64().max(1e-3);
+        let still = moved == last.1;
+        last = (Instant::now(), moved);
+        show(&moving, &shovels, moved_before + moved, left, rate);
+        if known && left == 0 && still {
+            let since = *quiet_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= quiet {
+                break Ok(());
+            }
+        } else {
+            quiet_since = None;
+        }
+    };
+    let _ = stop.send(true);
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+    }
+    Ok((moving, outcome))
+}
+
+/// Ready counts at the source, read over AMQP with a passive declare (one connection per
+/// vhost, opened again after a failure).
+struct Depths {
+    base: String,
+    open: BTreeMap<String, (lapin::Connection, lapin::Channel)>,
+}
+
+impl Depths {
+    fn new(base: &str) -> Depths {
+        Depths {
+            base: base.to_owned(),
+            open: BTreeMap::new(),
+        }
+    }
+
+    /// `None` when the source cannot be asked now (or the queue is gone).
+    async fn ready(&mut self, vhost: &str, queue: &str) -> Option<u64> {
+        if !self.open.contains_key(vhost) {
+            let url = with_vhost(&self.base, vhost).ok()?;
+            let conn = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
+                .await
+                .ok()?;
+            let ch = conn.create_channel().await.ok()?;
+            self.open.insert(vhost.to_owned(), (conn, ch));
+        }
+        let (_, ch) = self.open.get(vhost)?;
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        match ch
+            .queue_declare(queue.into(), passive, lapin::types::FieldTable::default())
+            .await
+        {
+            Ok(q) => Some(u64::from(q.message_count())),
+            Err(_) => {
+                // A refused declare closes the channel: start again next time.
+                self.open.remove(vhost);
+                None
+            }
+        }
+    }
+}
+
+/// A progress line (and the busiest queues) on stderr.
+fn show(moving: &[Moving], shovels: &Shovels, moved: u64, left: u64, rate: f64) {
+    let eta = if left == 0 {
+        "empty".to_owned()
+    } else if rate >= 1.0 {
+        format!("{:.0} s left", left as f64 / rate)
+    } else {
+        "waiting".to_owned()
+    };
+    let mut err = std::io::stderr();
+    let _ = writeln!(
+        err,
+        "moved {moved}, {left} left at the source ({rate:.0} msg/s, {eta})"
+    );
+    let mut busiest: Vec<&Moving> = moving.iter().filter(|m| m.left > 0).collect();
+    busiest.sort_by_key(|m| std::cmp::Reverse(m.left));
+    for m in busiest.iter().take(5) {
+        let state = match shovels.state_of(&m.vhost, &m.name) {
+            Some((State::Running, _)) => String::new(),
+            Some((_, Some(reason))) => format!(" (reconnecting: {reason})"),
+            _ => " (starting)".to_owned(),
+        };
+        let _ = writeln!(
+            err,
+            "  {} in vhost '{}': moved {}, {} left{state}",
+            m.name,
+            m.vhost,
+            m.counters.forwarded(),
+            m.left
+        );
+    }
+    let _ = err.flush();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn what_warren_cannot_carry_is_left_out_and_said() {
+        let defs = json!({
+            "users": [{"name": "app"}],
+            "vhosts": [{"name": "/"}, {"name": "other"}],
+            "permissions": [{"user": "app", "vhost": "/"}, {"user": "app", "vhost": "other"}],
+            "queues": [
+                {"name": "jobs", "vhost": "/", "arguments": {}},
+                {"name": "events", "vhost": "/", "arguments": {"x-queue-type": "stream"}},
+                {"name": "skipped", "vhost": "/", "arguments": {}},
+                {"name": "jobs", "vhost": "other", "arguments": {}}
+            ],
+            "bindings": [
+                {"vhost": "/", "source": "x", "destination": "jobs", "destination_type": "queue"},
+                {"vhost": "/", "source": "x", "destination": "skipped", "destination_type": "queue"},
+                {"vhost": "/", "source": "x", "destination": "y", "destination_type": "exchange"}
+            ],
+            "parameters": [
+                {"vhost": "/", "component": "federation-upstream", "name": "up", "value": {}},
+                {"vhost": "/", "component": "shovel", "name": "tls", "value":
+                    {"src-uri": "amqps://h", "src-queue": "a", "dest-uri": "amqp://"}},
+                {"vhost": "/", "component": "shovel", "name": "ok", "value":
+                    {"src-uri": "amqp://", "src-queue": "a", "dest-uri": "amqp://h"}},
+                {"vhost": "/", "component": "vhost-limits", "name": "limits", "value": {"max-queues": 5}}
+            ]
+        });
+        let pattern = regex_lite::Regex::new("^(jobs|events)$").expect("regex");
+        let (out, left_out) = select(&defs, Some("/"), Some(&pattern));
+        let names = |k: &str| -> Vec<String> {
+            out[k]
+                .as_array()
+                .expect("list")
+                .iter()
+                .map(|v| v["name"].as_str().unwrap_or("").to_owned())
+                .collect()
+        };
+        assert_eq!(names("queues"), ["jobs"]);
+        assert_eq!(names("vhosts"), ["/"]);
+        assert_eq!(names("parameters"), ["ok", "limits"]);
+        assert_eq!(out["bindings"].as_array().map(Vec::len), Some(2));
+        assert_eq!(out["permissions"].as_array().map(Vec::len), Some(1));
+        assert_eq!(left_out.len(), 3, "{left_out:?}");
+        assert!(left_out[0].contains("stream 'events'"));
+    }
+
+    #[test]
+    fn uris_get_each_queues_vhost() {
+        assert_eq!(
+            with_vhost("amqp://u:p@rabbit:5672", "/").expect("uri"),
+            "amqp://u:p@rabbit:5672/%2F"
+        );
+        assert_eq!(
+            with_vhost("amqp://u:p@rabbit:5672/old?heartbeat=5", "billing").expect("uri"),
+            "amqp://u:p@rabbit:5672/billing?heartbeat=5"
+        );
+        assert!(with_vhost("amqp://", "/").is_err());
+        assert!(
+            api_of("http://rabbit:15672").is_err(),
+            "credentials are needed"
+        );
+        assert!(api_of("http://admin:s%40cret@rabbit:15672").is_ok());
+    }
+}

@@ -1,0 +1,268 @@
+//! Runtime parameters and shovels over the management API, with RabbitMQ's paths, bodies and
+//! answers: `/api/parameters[/{component}[/{vhost}[/{name}]]]` (administrators and
+//! policymakers; the only component is `shovel`), and the shovel plugin's
+//! `/api/shovels[/{vhost}]`, `/api/shovels/vhost/{vhost}/{name}[/restart]`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use warren_broker::parameters::ParameterDef;
+
+use super::{Api, ApiError, Level, LoggedIn, Login};
+use crate::shovel::{self, COMPONENT};
+
+type ApiState = State<Arc<Api>>;
+type Answer = Result<Response, ApiError>;
+
+pub fn routes() -> Router<Arc<Api>> {
+    Router::new()
+        .route("/api/parameters", get(list_all))
+        .route("/api/parameters/{component}", get(list_component))
+        .route("/api/parameters/{component}/{vhost}", get(list_vhost))
+        .route(
+            "/api/parameters/{component}/{vhost}/{name}",
+            get(get_one).put(put_one).delete(delete_one),
+        )
+        .route("/api/shovels", get(shovels_all))
+        .route("/api/shovels/{vhost}", get(shovels_vhost))
+        .route("/api/shovels/vhost/{vhost}/{name}", get(shovel_one))
+        .route(
+            "/api/shovels/vhost/{vhost}/{name}/restart",
+            delete(restart_shovel),
+        )
+}
+
+/// `rabbit_mgmt_util:is_authorized_policies/2`: administrators and policymakers.
+fn allowed(who: &Login) -> Result<(), ApiError> {
+    if who.level == Level::Administrator || who.tags.iter().any(|t| t == "policymaker") {
+        Ok(())
+    } else {
+        Err(ApiError::not_allowed(
+            "User not authorised to access object",
+        ))
+    }
+}
+
+/// A parameter as RabbitMQ lists it (its value as the JSON it was set with).
+pub fn parameter_json(p: &ParameterDef) -> Value {
+    json!({
+        "value": serde_json::from_str::<Value>(&p.value).unwrap_or_else(|_| p.value.as_str().into()),
+        "vhost": p.vhost,
+        "component": p.component,
+        "name": p.name,
+    })
+}
+
+/// RabbitMQ's answer to a value its component refuses.
+fn validation_failed(lines: &[String]) -> ApiError {
+    ApiError::bad_request(format!("Validation failed\n\n{}\n", lines.join("\n")))
+}
+
+/// Checks a value for `component`, as it will be stored (its JSON text).
+pub fn checked_value(component: &str, name: &str, value: &Value) -> Result<String, ApiError> {
+    if component != COMPONENT {
+        return Err(validation_failed(&[format!(
+            "component {component} not found"
+        )]));
+    }
+    shovel::definition::parse(name, value).map_err(|e| validation_failed(&e))?;
+    Ok(value.to_string())
+}
+
+fn listing(api: &Api, who: &Login, component: Option<&str>, vhost: Option<&str>) -> Value {
+    api.node.read(|n, _| {
+        let b = n.broker();
+        b.parameters()
+            .list(component, vhost)
+            .filter(|p| who.sees_vhost(b.access(), &p.vhost))
+            .map(parameter_json)
+            .collect()
+    })
+}
+
+async fn list_all(State(api): ApiState, LoggedIn(who): LoggedIn) -> Answer {
+    allowed(&who)?;
+    Ok(Json(listing(&api, &who, None, None)).into_response())
+}
+
+async fn list_component(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path(component): Path<String>,
+) -> Answer {
+    allowed(&who)?;
+    Ok(Json(listing(&api, &who, Some(&component), None)).into_response())
+}
+
+async fn list_vhost(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path((component, vhost)): Path<(String, String)>,
+) -> Answer {
+    allowed(&who)?;
+    if !api.node.read(|n, _| n.broker().vhost_exists(&vhost)) {
+        return Err(ApiError::not_found());
+    }
+    Ok(Json(listing(&api, &who, Some(&component), Some(&vhost))).into_response())
+}
+
+async fn get_one(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path((component, vhost, name)): Path<(String, String, String)>,
+) -> Answer {
+    allowed(&who)?;
+    api.node
+        .read(|n, _| {
+            let b = n.broker();
+            b.parameters()
+                .get(&component, &vhost, &name)
+                .filter(|p| who.sees_vhost(b.access(), &p.vhost))
+                .map(parameter_json)
+        })
+        .map(|p| Json(p).into_response())
+        .ok_or_else(ApiError::not_found)
+}
+
+/// 201 for a new parameter, 204 for a replaced one.
+async fn put_one(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path((component, vhost, name)): Path<(String, String, String)>,
+    body: Bytes,
+) -> Answer {
+    allowed(&who)?;
+    if !api.node.read(|n, _| n.broker().vhost_exists(&vhost)) {
+        return Err(ApiError::vhost_not_found());
+    }
+    let body = match serde_json::from_slice::<Value>(&body) {
+        Ok(Value::Object(m)) => m,
+        _ => return Err(ApiError::bad_request("body must be a JSON object")),
+    };
+    let Some(value) = body.get("value") else {
+        return Err(ApiError::bad_request("[{key_missing,value}]"));
+    };
+    let value = checked_value(&component, &name, value)?;
+    let def = ParameterDef {
+        component,
+        vhost,
+        name,
+        value,
+    };
+    let existed = api.node.write(|n, _| {
+        let b = n.broker_mut();
+        let existed = b
+            .parameters()
+            .get(&def.component, &def.vhost, &def.name)
+            .is_some();
+        b.set_parameter(def).map(|()| existed)
+    })?;
+    match existed {
+        Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
+        Ok(false) => Ok(StatusCode::CREATED.into_response()),
+        Err(_) => Err(ApiError::vhost_not_found()),
+    }
+}
+
+async fn delete_one(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path((component, vhost, name)): Path<(String, String, String)>,
+) -> Answer {
+    allowed(&who)?;
+    if api
+        .node
+        .write(|n, _| n.broker_mut().clear_parameter(&component, &vhost, &name))?
+    {
+        Ok(StatusCode::NO_CONTENT.into_response())
+    } else {
+        Err(ApiError::not_found())
+    }
+}
+
+/// The shovels a user may see: those of the vhosts they may open.
+fn shovel_listing(api: &Api, who: &Login, vhost: Option<&str>) -> Vec<Value> {
+    let mut list = api.shovels.list(vhost);
+    list.retain(|s| {
+        let v = s["vhost"].as_str().unwrap_or("");
+        api.node.read(|n, _| who.sees_vhost(n.broker().access(), v))
+    });
+    list
+}
+
+async fn shovels_all(State(api): ApiState, LoggedIn(who): LoggedIn) -> Answer {
+    Ok(Json(shovel_listing(&api, &who, None)).into_response())
+}
+
+async fn shovels_vhost(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path(vhost): Path<String>,
+) -> Answer {
+    if !api.node.read(|n, _| n.broker().vhost_exists(&vhost)) {
+        return Err(ApiError::not_found());
+    }
+    Ok(Json(shovel_listing(&api, &who, Some(&vhost))).into_response())
+}
+
+/// One shovel's status (RabbitMQ 3.10 answered with its vhost's whole list here; newer ones,
+/// and Warren, with the one object).
+async fn shovel_one(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Answer {
+    shovel_listing(&api, &who, Some(&vhost))
+        .into_iter()
+        .find(|s| s["name"].as_str() == Some(name.as_str()))
+        .map(|s| Json(s).into_response())
+        .ok_or_else(ApiError::not_found)
+}
+
+async fn restart_shovel(
+    State(api): ApiState,
+    LoggedIn(who): LoggedIn,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Answer {
+    allowed(&who)?;
+    if !api
+        .node
+        .read(|n, _| who.sees_vhost(n.broker().access(), &vhost))
+    {
+        return Err(ApiError::not_found());
+    }
+    if api.shovels.restart(&vhost, &name) {
+        Ok(StatusCode::NO_CONTENT.into_response())
+    } else {
+        Err(ApiError::not_found())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_checked_by_their_component() {
+        let e = checked_value("federation-upstream", "u", &json!({})).unwrap_err();
+        assert!(format!("{e:?}").contains("component federation-upstream not found"));
+        let e = checked_value("shovel", "s", &json!({"src-uri": "amqp://"})).unwrap_err();
+        assert!(format!("{e:?}").contains(r#"Validation failed\n\nMust specify 'src-exchange' or 'src-queue'\nKey \"dest-uri\" not found in s\n"#));
+        let v = checked_value(
+            "shovel",
+            "s",
+            &json!({"src-uri": "amqp://", "src-queue": "a", "dest-uri": "amqp://"}),
+        )
+        .expect("valid");
+        assert_eq!(
+            v, r#"{"dest-uri":"amqp://","src-queue":"a","src-uri":"amqp://"}"#,
+            "kept as JSON with its keys in order, as RabbitMQ lists them"
+        );
+    }
+}

@@ -1,0 +1,203 @@
+//! A shovel's AMQP URIs (RabbitMQ's URI specification). A URI with an empty host
+//! (`amqp://`, `amqp:///vhost`) means this node, as RabbitMQ's direct connection does: the
+//! shovel connects to the node's own listener with the node's internal secret, as the internal
+//! user with every permission (or as the user the URI names, with that user's permissions).
+
+use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
+use percent_encoding::percent_decode_str;
+use warren_session::INTERNAL_USER;
+
+/// How a shovel reaches this node's own listener.
+#[derive(Clone, Debug)]
+pub struct Local {
+    pub addr: std::net::SocketAddr,
+    pub secret: String,
+}
+
+/// The parts of a URI before its path: `(scheme, authority, path and query)`.
+fn split(uri: &str) -> Result<(&str, &str, &str), String> {
+    let Some((scheme, rest)) = uri.split_once("://") else {
+        return Err(format!(
+            "{{{{unable_to_parse_uri,no_scheme}},{}}}",
+            quoted(uri)
+        ));
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    Ok((scheme, &rest[..end], &rest[end..]))
+}
+
+fn quoted(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
+
+/// The host of an authority (`user:pass@host:port`), brackets of an IPv6 address kept.
+fn host_of(authority: &str) -> &str {
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if host_port.starts_with('[') {
+        return host_port.find(']').map_or(host_port, |i| &host_port[..=i]);
+    }
+    host_port.split(':').next().unwrap_or("")
+}
+
+/// Is the URI this node (an empty host)?
+pub fn is_local(uri: &str) -> bool {
+    split(uri).is_ok_and(|(_, authority, _)| host_of(authority).is_empty())
+}
+
+/// Checks a URI as the API takes it; the error is the text after "not a valid URI: ".
+pub fn check(uri: &str) -> Result<(), String> {
+    let (scheme, authority, _) = split(uri)?;
+    match scheme {
+        "amqp" => {}
+        "amqps" => {
+            return Err(
+                "amqps is not supported by Warren's shovels yet: use amqp:// (or a TLS tunnel)"
+                    .into(),
+            )
+        }
+        other => {
+            return Err(format!(
+                "{{{{unexpected_uri_scheme,{}}},{}}}",
+                quoted(other),
+                quoted(uri)
+            ))
+        }
+    }
+    if host_of(authority).is_empty() {
+        return local_parts(uri, "/").map(|_| ());
+    }
+    uri.parse::<AMQPUri>()
+        .map(|_| ())
+        .map_err(|e| format!("{{{{unable_to_parse_uri,{}}},{}}}", quoted(&e), quoted(uri)))
+}
+
+/// A local URI's user (if it names one) and vhost (`default_vhost` if it names none).
+fn local_parts(uri: &str, default_vhost: &str) -> Result<(Option<String>, String), String> {
+    let (_, authority, path) = split(uri)?;
+    let decode = |s: &str| {
+        percent_decode_str(s)
+            .decode_utf8()
+            .map(|c| c.into_owned())
+            .map_err(|_| {
+                format!(
+                    "{{{{unable_to_parse_uri,bad_percent_encoding}},{}}}",
+                    quoted(uri)
+                )
+            })
+    };
+    let user = match authority.rsplit_once('@') {
+        Some((info, _)) => {
+            let name = info.split(':').next().unwrap_or("");
+            (!name.is_empty()).then(|| decode(name)).transpose()?
+        }
+        None => None,
+    };
+    let path = path.split(['?', '#']).next().unwrap_or("");
+    let vhost = match path.strip_prefix('/') {
+        None => default_vhost.to_owned(),
+        Some(v) => decode(v)?,
+    };
+    Ok((user, vhost))
+}
+
+/// What lapin connects to for `uri` (which passed [`check`]): a remote broker as written, or
+/// this node's listener with the internal secret.
+pub fn target(uri: &str, local: &Local, default_vhost: &str) -> Result<AMQPUri, String> {
+    if !is_local(uri) {
+        return uri.parse::<AMQPUri>();
+    }
+    let (user, vhost) = local_parts(uri, default_vhost)?;
+    Ok(AMQPUri {
+        scheme: AMQPScheme::AMQP,
+        authority: AMQPAuthority {
+            userinfo: AMQPUserInfo {
+                username: user.unwrap_or_else(|| INTERNAL_USER.to_owned()),
+                password: local.secret.clone(),
+            },
+            host: local.addr.ip().to_string(),
+            port: local.addr.port(),
+        },
+        vhost,
+        query: AMQPQueryString::default(),
+    })
+}
+
+/// A URI as the status shows it: without its password.
+pub fn redacted(uri: &str) -> String {
+    let Ok((scheme, authority, rest)) = split(uri) else {
+        return uri.to_owned();
+    };
+    match authority.rsplit_once('@') {
+        Some((info, host)) => {
+            let user = info.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}@{host}{rest}")
+        }
+        None => uri.to_owned(),
+    }
+}
+
+/// A URI with no user or password at all (RabbitMQ's `amqp_uri:remove_credentials`, for the
+/// `x-shovelled` header that travels with every message).
+pub fn without_credentials(uri: &str) -> String {
+    let Ok((scheme, authority, rest)) = split(uri) else {
+        return uri.to_owned();
+    };
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    format!("{scheme}://{host}{rest}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn local() -> Local {
+        Local {
+            addr: "127.0.0.1:5679".parse().expect("addr"),
+            secret: "s".into(),
+        }
+    }
+
+    #[test]
+    fn an_empty_host_is_this_node() {
+        assert!(is_local("amqp://"));
+        assert!(is_local("amqp:///staging"));
+        assert!(is_local("amqp://alice@/staging"));
+        assert!(!is_local("amqp://localhost"));
+        assert!(!is_local("amqp://u:p@[::1]:5672/%2f"));
+        let t = target("amqp://", &local(), "billing").expect("local");
+        assert_eq!(t.authority.userinfo.username, INTERNAL_USER);
+        assert_eq!(t.authority.userinfo.password, "s");
+        assert_eq!(
+            (t.authority.host.as_str(), t.authority.port),
+            ("127.0.0.1", 5679)
+        );
+        assert_eq!(t.vhost, "billing", "no path: the shovel's own vhost");
+        let t = target("amqp://alice@/%2f", &local(), "billing").expect("local");
+        assert_eq!(
+            (t.authority.userinfo.username.as_str(), t.vhost.as_str()),
+            ("alice", "/")
+        );
+        let r = target("amqp://u:p@rabbit.example:5673/v%2f1", &local(), "/").expect("remote");
+        assert_eq!(r.authority.host, "rabbit.example");
+        assert_eq!((r.authority.port, r.vhost.as_str()), (5673, "v/1"));
+    }
+
+    #[test]
+    fn bad_uris_are_named() {
+        assert!(check("amqp://").is_ok());
+        assert!(check("amqp://guest:guest@localhost:5673/%2f?heartbeat=10").is_ok());
+        assert_eq!(
+            check("foo://x").unwrap_err(),
+            "{{unexpected_uri_scheme,\"foo\"},\"foo://x\"}"
+        );
+        assert!(check("amqp://h:notaport").is_err());
+        assert!(check("amqps://h").unwrap_err().contains("not supported"));
+        assert!(check("no scheme").is_err());
+        assert_eq!(
+            redacted("amqp://u:secret@h:1/v"),
+            "amqp://u@h:1/v",
+            "passwords stay out of the status"
+        );
+        assert_eq!(without_credentials("amqp://u:secret@h:1/v"), "amqp://h:1/v");
+    }
+}
