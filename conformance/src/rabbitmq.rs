@@ -146,9 +146,22 @@ impl RabbitMq {
 
 impl Drop for RabbitMq {
     fn drop(&mut self) {
-        // The node is the script's child (through su): the whole group goes.
+        // The script starts the node through `su`, in a session of its own: the processes to
+        // kill are found by the data directory in their environment.
         let pgid = self.child.id() as libc::pid_t;
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        let marker = self.dir.to_string_lossy().into_owned();
+        if let Ok(procs) = std::fs::read_dir("/proc") {
+            for p in procs.flatten() {
+                let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                let env = std::fs::read(p.path().join("environ")).unwrap_or_default();
+                if String::from_utf8_lossy(&env).contains(&marker) {
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
