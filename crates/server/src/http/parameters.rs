@@ -148,6 +148,31 @@ async fn put_one(
     let Some(value) = body.get("value") else {
         return Err(ApiError::bad_request("[{key_missing,value}]"));
     };
+    let may_open = |v: &str| api.node.read(|n, _| who.sees_vhost(n.broker().access(), v));
+    if !may_open(&vhost) {
+        return Err(ApiError::not_allowed(
+            "User not authorised to access object",
+        ));
+    }
+    // A shovel's end on this node without a user runs with every permission: as RabbitMQ
+    // checks it, only in vhosts the user setting it may open.
+    for key in ["src-uri", "dest-uri"] {
+        let uris: Vec<&str> = match value.get(key) {
+            Some(Value::String(u)) => vec![u.as_str()],
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+            _ => Vec::new(),
+        };
+        for u in uris {
+            if let Some(v) = shovel::uri::trusted_vhost(u, &vhost) {
+                if !may_open(&v) {
+                    return Err(ApiError::bad_request(format!(
+                        "Validation failed\n\nUser \"{}\" does not have permissions to access virtual host \"{v}\"\n",
+                        who.name
+                    )));
+                }
+            }
+        }
+    }
     let value = checked_value(&component, &name, value)?;
     let def = ParameterDef {
         component,
@@ -176,6 +201,12 @@ async fn delete_one(
     Path((component, vhost, name)): Path<(String, String, String)>,
 ) -> Answer {
     allowed(&who)?;
+    if !api
+        .node
+        .read(|n, _| who.sees_vhost(n.broker().access(), &vhost))
+    {
+        return Err(ApiError::not_found());
+    }
     if api
         .node
         .write(|n, _| n.broker_mut().clear_parameter(&component, &vhost, &name))?

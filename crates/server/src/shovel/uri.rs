@@ -100,6 +100,28 @@ fn local_parts(uri: &str, default_vhost: &str) -> Result<(Option<String>, String
     Ok((user, vhost))
 }
 
+/// The password a local URI gives (`amqp://user:pass@/vhost`), percent-decoded.
+fn local_password(uri: &str) -> String {
+    let Ok((_, authority, _)) = split(uri) else {
+        return String::new();
+    };
+    let info = authority.rsplit_once('@').map_or("", |(i, _)| i);
+    let pass = info.split_once(':').map_or("", |(_, p)| p);
+    percent_decode_str(pass).decode_utf8_lossy().into_owned()
+}
+
+/// The vhost a local URI runs in, with every permission when it names no user: `None` for
+/// a remote URI or one that names a user.
+pub fn trusted_vhost(uri: &str, default_vhost: &str) -> Option<String> {
+    if !is_local(uri) {
+        return None;
+    }
+    match local_parts(uri, default_vhost) {
+        Ok((None, vhost)) => Some(vhost),
+        _ => None,
+    }
+}
+
 /// What lapin connects to for `uri` (which passed [`check`]): a remote broker as written, or
 /// this node's listener with the internal secret.
 pub fn target(uri: &str, local: &Local, default_vhost: &str) -> Result<AMQPUri, String> {
@@ -107,13 +129,15 @@ pub fn target(uri: &str, local: &Local, default_vhost: &str) -> Result<AMQPUri, 
         return uri.parse::<AMQPUri>();
     }
     let (user, vhost) = local_parts(uri, default_vhost)?;
+    // A URI that names a user logs in as that user, with the password it gives.
+    let (username, password) = match user {
+        Some(u) => (u, local_password(uri)),
+        None => (INTERNAL_USER.to_owned(), local.secret.clone()),
+    };
     Ok(AMQPUri {
         scheme: AMQPScheme::AMQP,
         authority: AMQPAuthority {
-            userinfo: AMQPUserInfo {
-                username: user.unwrap_or_else(|| INTERNAL_USER.to_owned()),
-                password: local.secret.clone(),
-            },
+            userinfo: AMQPUserInfo { username, password },
             host: local.addr.ip().to_string(),
             port: local.addr.port(),
         },
@@ -172,6 +196,14 @@ mod tests {
             ("127.0.0.1", 5679)
         );
         assert_eq!(t.vhost, "billing", "no path: the shovel's own vhost");
+        assert_eq!(trusted_vhost("amqp:///v", "/").as_deref(), Some("v"));
+        assert_eq!(trusted_vhost("amqp://alice:pw@/v", "/"), None);
+        assert_eq!(trusted_vhost("amqp://h/v", "/"), None);
+        let named = target("amqp://alice:pw@/v", &local(), "/").expect("local");
+        assert_eq!(
+            named.authority.userinfo.password, "pw",
+            "a named user gets no secret"
+        );
         let t = target("amqp://alice@/%2f", &local(), "billing").expect("local");
         assert_eq!(
             (t.authority.userinfo.username.as_str(), t.vhost.as_str()),
