@@ -16,7 +16,7 @@ mod list;
 mod objects;
 mod parameters;
 pub mod passwords;
-mod policies;
+pub(crate) mod policies;
 pub mod rates;
 mod routes;
 mod ui;

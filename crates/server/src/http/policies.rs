@@ -82,7 +82,7 @@ pub fn policy_json(p: &PolicyDef) -> Value {
 }
 
 /// A JSON term as Erlang's `~p` prints what RabbitMQ decoded it to.
-fn erl(v: &Value) -> String {
+pub(crate) fn erl(v: &Value) -> String {
     match v {
         Value::String(s) => format!("<<{}>>", quoted(s)),
         Value::Array(a) => format!("[{}]", a.iter().map(erl).collect::<Vec<_>>().join(",")),

@@ -101,22 +101,8 @@ const KNOWN: &[&str] = &[
     "reconnect-delay",
 ];
 
-/// A JSON term as RabbitMQ's validation texts print it (Erlang's `~p`).
-pub fn erl(v: &Value) -> String {
-    match v {
-        Value::String(s) => format!("<<{}>>", quoted(s)),
-        Value::Array(a) => format!("[{}]", a.iter().map(erl).collect::<Vec<_>>().join(",")),
-        Value::Object(m) => format!(
-            "#{{{}}}",
-            m.iter()
-                .map(|(k, v)| format!("<<{}>> => {}", quoted(k), erl(v)))
-                .collect::<Vec<_>>()
-                .join(",")
-        ),
-        Value::Null => "null".into(),
-        other => other.to_string(),
-    }
-}
+/// A JSON term as RabbitMQ's validation texts print it (Erlang's `~p`), as for policies.
+pub(crate) use crate::http::policies::erl;
 
 fn quoted(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_default()
