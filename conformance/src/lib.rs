@@ -387,9 +387,26 @@ impl TestBroker {
         String::from_utf8_lossy(&self.output.lock().unwrap()).into_owned()
     }
 
-    /// Opens a lapin connection as guest/guest.
+    /// Opens a lapin connection as guest/guest. A failure shows what the broker printed.
     pub async fn connect(&self) -> Connection {
-        connect_url(&self.url).await
+        let url = &self.url;
+        match tokio::time::timeout(
+            WAIT,
+            Connection::connect(url, ConnectionProperties::default()),
+        )
+        .await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => panic!(
+                "connect to {url} failed: {e:?}; the broker (running: {}) printed:\n{}",
+                self.child.is_none() || self.pid().is_some_and(alive),
+                self.output()
+            ),
+            Err(_) => panic!(
+                "connect to {url} timed out; the broker printed:\n{}",
+                self.output()
+            ),
+        }
     }
 
     /// Opens a raw-socket connection, completes the handshake, negotiates no heartbeats.
@@ -515,6 +532,18 @@ pub fn free_port() -> u16 {
             return port;
         }
     }
+}
+
+/// Whether a process of this id runs (and is not a zombie).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit(')')
+                .next()
+                .map(|r| !r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
 }
 
 /// A name no other test (nor another run against a shared broker) uses: `<prefix>-<pid>-<n>-<nanos>`.

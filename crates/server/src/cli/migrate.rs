@@ -292,9 +292,19 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
     let mut depths = Depths::new(&a.from_amqp);
     let mut moved_before = 0u64;
     loop {
-        let (moving, outcome) = move_round(a, &queues, &mut depths, quiet, moved_before).await?;
-        moved_before += moving.iter().map(|m| m.counters.forwarded()).sum::<u64>();
-        outcome?;
+        let round = move_round(a, &queues, &mut depths, quiet, moved_before).await?;
+        moved_before += round
+            .moving
+            .iter()
+            .map(|m| m.counters.forwarded())
+            .sum::<u64>();
+        round.outcome?;
+        if !round.clean {
+            // A connection that did not close may still hold unacked messages, which the
+            // source counts as neither ready nor gone until it notices: another round.
+            eprintln!("a session did not close cleanly: moving again what it held");
+            continue;
+        }
         // What was in flight as the sessions closed went back to the source, and a producer
         // may have published in the last moment: only an empty source ends the migration.
         let mut left = 0;
@@ -326,7 +336,7 @@ async fn move_round(
     depths: &mut Depths,
     quiet: Duration,
     moved_before: u64,
-) -> Result<(Vec<Moving>, Result<(), CliError>), CliError> {
+) -> Result<Round, CliError> {
     let shovels = Shovels::new("warren migrate".into());
     let (stop, stopped) = watch::channel(false);
     let mut moving = Vec::new();
@@ -404,11 +414,23 @@ async fn move_round(
             quiet_since = None;
         }
     };
-    let _ = stop.send(true);
+    let mut clean = true;
     for t in tasks {
-        let _ = tokio::time::timeout(Duration::from_secs(5), t).await;
+        clean &= shovel::stop_worker(&stop, t).await;
     }
-    Ok((moving, outcome))
+    Ok(Round {
+        moving,
+        outcome,
+        clean,
+    })
+}
+
+/// What a round of [`move_round`] did.
+struct Round {
+    moving: Vec<Moving>,
+    outcome: Result<(), CliError>,
+    /// Every session closed its connections: nothing it held is still unacked at the source.
+    clean: bool,
 }
 
 /// Ready counts at the source, read over AMQP with a passive declare (one connection per

@@ -269,7 +269,30 @@ struct Running {
     /// The parameter's value it runs.
     value: String,
     stop: watch::Sender<bool>,
-    task: JoinHandle<bool>,
+    task: JoinHandle<worker::Ended>,
+}
+
+/// How long a stopped worker may take to close its connections (each close waits up to 2 s)
+/// before it is aborted.
+const STOP_WITHIN: Duration = Duration::from_secs(5);
+
+/// Stops a worker: asks it to close its connections (which gives back what was in flight),
+/// and aborts it if it does not end in time, so no stopped shovel keeps moving messages.
+/// Whether it closed its connections cleanly.
+pub(crate) async fn stop_worker(
+    stop: &watch::Sender<bool>,
+    task: JoinHandle<worker::Ended>,
+) -> bool {
+    let _ = stop.send(true);
+    let abort = task.abort_handle();
+    match tokio::time::timeout(STOP_WITHIN, task).await {
+        Ok(Ok(ended)) => ended.closed,
+        Ok(Err(_)) => false,
+        Err(_) => {
+            abort.abort();
+            false
+        }
+    }
 }
 
 /// What the supervisor reads of the node at each look.
@@ -284,11 +307,21 @@ fn look(node: &NodeHandle) -> Look {
     node.read(|n, _| {
         let b = n.broker();
         let runs = match b.cluster_node() {
-            None => true,
-            Some(me) => b
-                .peers_running()
-                .iter()
-                .all(|(peer, running)| !running || *peer > me),
+            // On its own, a node in maintenance mode takes no client, its shovels included.
+            None => !b.is_draining(),
+            Some(me) => {
+                let peers = b.peers_running();
+                let up = 1 + peers.iter().filter(|(_, running)| *running).count();
+                // On the minority side of a partition a node sees the others down: it must
+                // not start a second copy of every shovel.
+                let majority = up * 2 > peers.len() + 1;
+                // A node in maintenance mode runs none; the next one takes them.
+                majority
+                    && !b.is_draining()
+                    && peers
+                        .iter()
+                        .all(|(peer, running)| !running || *peer > me || b.node_draining(*peer))
+            }
         };
         Look {
             generation: b.parameters().generation(),
@@ -312,26 +345,22 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
             .filter(|(_, r)| r.task.is_finished())
             .map(|(k, _)| k.clone())
             .collect();
+        // Anything that ended is looked at again: a panicked worker starts again.
         let mut finished_any = false;
         for key in done {
             let Some(r) = running.remove(&key) else {
                 continue;
             };
+            finished_any = true;
             shovels.with(|s| s.remove(&key));
-            if matches!(r.task.await, Ok(true)) {
-                finished_any = true;
-                tracing::info!(vhost = %key.0, shovel = %key.1, "shovel done (src-delete-after): deleting it");
-                let (vhost, name) = key;
-                let node = node.clone();
-                // The write waits for the store: off the supervisor's loop.
-                let cleared = tokio::task::spawn_blocking(move || {
-                    node.write(|n, _| n.broker_mut().clear_parameter(COMPONENT, &vhost, &name))
-                })
-                .await;
-                if !matches!(cleared, Ok(Ok(_))) {
-                    tracing::warn!(
-                        "a finished shovel's parameter could not be cleared; it will run again"
-                    );
+            match r.task.await {
+                Ok(ended) if ended.done => {
+                    tracing::info!(vhost = %key.0, shovel = %key.1, "shovel done (src-delete-after): deleting it");
+                    clear_finished(&node, key, r.value).await;
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::error!(vhost = %key.0, shovel = %key.1, error = %e, "shovel worker failed; starting it again");
                 }
             }
         }
@@ -359,12 +388,15 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
             .collect();
         for key in gone {
             if let Some(r) = running.remove(&key) {
-                let _ = r.stop.send(true);
-                // Its connections close (and give back what was in flight) before it ends.
-                let _ = tokio::time::timeout(Duration::from_secs(5), r.task).await;
+                if !stop_worker(&r.stop, r.task).await {
+                    tracing::warn!(vhost = %key.0, shovel = %key.1, "a stopped shovel did not close its connections in time: aborted");
+                }
             }
             shovels.with(|s| s.remove(&key));
         }
+        // Nothing reported for a shovel that is no longer defined here (one that could not
+        // run, say, and was deleted since).
+        shovels.with(|s| s.retain(|k, _| wanted.contains_key(k)));
         for (key, value) in wanted {
             if running.contains_key(&key) {
                 continue;
@@ -402,5 +434,27 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
             let task = tokio::spawn(worker.run(stopped));
             running.insert(key, Running { value, stop, task });
         }
+    }
+}
+
+/// Deletes the parameter of a shovel whose `src-delete-after` work is done, unless it was
+/// changed meanwhile (then the new definition runs).
+async fn clear_finished(node: &NodeHandle, key: (String, String), value: String) {
+    let (vhost, name) = key;
+    let node = node.clone();
+    // The write waits for the store: off the supervisor's loop.
+    let cleared = tokio::task::spawn_blocking(move || {
+        node.write(|n, _| {
+            let b = n.broker_mut();
+            let same = b
+                .parameters()
+                .get(COMPONENT, &vhost, &name)
+                .is_some_and(|p| p.value == value);
+            same && b.clear_parameter(COMPONENT, &vhost, &name)
+        })
+    })
+    .await;
+    if !matches!(cleared, Ok(Ok(_))) {
+        tracing::warn!("a finished shovel's parameter could not be cleared; it will run again");
     }
 }

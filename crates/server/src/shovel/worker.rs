@@ -50,6 +50,16 @@ struct Progress {
     attempt: usize,
 }
 
+/// How a worker ended.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ended {
+    /// Its `src-delete-after` work is done (it was not stopped).
+    pub done: bool,
+    /// Its connections closed cleanly: what was in flight is back in the source now, not
+    /// once a broker notices the connection is gone.
+    pub closed: bool,
+}
+
 pub(crate) struct Worker {
     pub vhost: String,
     pub name: String,
@@ -63,8 +73,8 @@ pub(crate) struct Worker {
 }
 
 impl Worker {
-    /// Runs until its work is done (`src-delete-after`: true) or `stop` says so (false).
-    pub(crate) async fn run(self, mut stop: watch::Receiver<bool>) -> bool {
+    /// Runs until its work is done (`src-delete-after`) or `stop` says so.
+    pub(crate) async fn run(self, mut stop: watch::Receiver<bool>) -> Ended {
         let mut progress = Progress {
             remaining: match self.def.delete_after {
                 DeleteAfter::Count(n) => Some(n),
@@ -81,17 +91,24 @@ impl Worker {
                 r = self.session(&mut conns, &mut progress) => Some(r),
                 _ = stop.changed() => None,
             };
+            let mut closed = true;
             for c in conns {
                 // Unacked deliveries go back to the source queue as the connection closes.
-                let _ = tokio::time::timeout(
+                let r = tokio::time::timeout(
                     Duration::from_secs(2),
                     c.close(200, "shovel stopped".into()),
                 )
                 .await;
+                closed &= matches!(r, Ok(Ok(())));
             }
             match outcome {
-                None => return false,
-                Some(Ok(())) => return true,
+                None => {
+                    return Ended {
+                        done: false,
+                        closed,
+                    }
+                }
+                Some(Ok(())) => return Ended { done: true, closed },
                 Some(Err(e)) => {
                     tracing::warn!(vhost = %self.vhost, shovel = %self.name, error = %e, "shovel interrupted; reconnecting after its reconnect-delay");
                     self.shovels.set_state(
@@ -107,7 +124,7 @@ impl Worker {
             let pause = self.def.reconnect_delay.max(Duration::from_millis(100));
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
-                _ = stop.changed() => return false,
+                _ = stop.changed() => return Ended { done: false, closed: true },
             }
         }
     }
@@ -195,10 +212,16 @@ impl Worker {
         if def.ack_mode == AckMode::OnConfirm {
             dest.confirm_select(ConfirmSelectOptions::default()).await?;
         }
-        let mut prefetch = def.prefetch;
+        // 0 is no limit in AMQP: in flight, every message would wait here for its confirm.
+        // A bounded window instead (the largest AMQP allows).
+        let mut prefetch = if def.prefetch == 0 {
+            u16::MAX
+        } else {
+            def.prefetch
+        };
         if let Some(r) = progress.remaining {
-            // Never more in flight than are left to move (0 is no limit in AMQP).
-            prefetch = u16::try_from(r).unwrap_or(u16::MAX).min(prefetch.max(1));
+            // Never more in flight than are left to move.
+            prefetch = u16::try_from(r).unwrap_or(u16::MAX).min(prefetch).max(1);
         }
         src.basic_qos(prefetch, BasicQosOptions::default()).await?;
         let mut consumer = src
