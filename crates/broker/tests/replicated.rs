@@ -220,6 +220,9 @@ impl Cluster {
             for (peer, up) in std::mem::take(&mut batch.peers) {
                 m.broker.set_peer_up(peer, up);
             }
+            for (peer, on) in std::mem::take(&mut batch.draining) {
+                m.broker.set_peer_draining(peer, on);
+            }
             batch.persist(&mut m.log).expect("log");
             let done = m.raft.advance(batch);
             self.net.extend(done.messages);
@@ -255,6 +258,7 @@ impl Cluster {
                     GroupChange::Remove { group } => {
                         m.removed.insert(group);
                     }
+                    GroupChange::Drain { on } => m.raft.set_draining(on),
                 }
             }
             for &g in &m.groups {
@@ -751,6 +755,95 @@ fn balanced_queues_get_their_first_leaders_spread_over_the_nodes() {
         led,
         BTreeMap::from([(1, 2), (2, 2), (3, 2)]),
         "two of the six on each node"
+    );
+}
+
+/// The queues led by each node (as its Raft says), for the named queues.
+fn leaders_of(c: &Cluster, names: &[String]) -> Vec<u64> {
+    let b = &c.members[&1].broker;
+    names
+        .iter()
+        .map(|name| {
+            let group = b
+                .replica_group(b.queue_id("/", name).expect("queue"))
+                .expect("replicated");
+            NODES
+                .into_iter()
+                .find(|n| c.members[n].raft.is_leader(GroupId(group)))
+                .unwrap_or(0)
+        })
+        .collect()
+}
+
+fn declare_on(c: &mut Cluster, node: u64, name: &str, balanced: bool) {
+    let mut args = quorum_args();
+    if balanced {
+        args.insert("x-queue-leader-locator", FieldValue::long_str("balanced"));
+    }
+    let req = DeclareQueue {
+        name: ShortStr::from_string(name.to_owned()),
+        passive: false,
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments: args,
+    };
+    c.broker(node)
+        .declare_queue("/", req, conn(node, 1))
+        .expect("declare");
+}
+
+#[test]
+fn a_draining_node_gives_its_queues_away_and_is_given_no_new_leader() {
+    let mut c = Cluster::new();
+    assert_eq!(c.leader(), 1, "declared on node 1");
+    let before = c.publish(1, 20);
+    c.run(50);
+    assert!(c.confirmed(1, before));
+    c.broker(1).set_draining(true);
+    c.run(100);
+    let now = c.leader();
+    assert_ne!(now, 1, "the queue is led elsewhere");
+    for n in [2, 3] {
+        assert!(c.broker(n).node_draining(1), "node {n} knows node 1 drains");
+    }
+    // Node 1's copy is kept and counts: a publish commits with node 3 down.
+    c.kill(if now == 2 { 3 } else { 2 });
+    let batch = c.publish(now, 10);
+    c.run(100);
+    assert!(
+        c.confirmed(now, batch),
+        "confirmed with the drained node's copy"
+    );
+    assert_eq!(c.leader(), now, "the drained node never stands");
+    c.restart(if now == 2 { 3 } else { 2 }, None);
+    c.run(100);
+    // New queues: balanced ones, and one a client declares on the drained node itself.
+    let names: Vec<String> = (0..4).map(|i| format!("placed-{i}")).collect();
+    for name in &names {
+        declare_on(&mut c, 2, name, true);
+    }
+    declare_on(&mut c, 1, "declared-on-the-drained-node", false);
+    c.run(300);
+    let mut all = names.clone();
+    all.push("declared-on-the-drained-node".into());
+    let leaders = leaders_of(&c, &all);
+    assert!(
+        leaders.iter().all(|l| *l == 2 || *l == 3),
+        "leaders {leaders:?}"
+    );
+    // Revived, it is a placement target again.
+    c.broker(1).set_draining(false);
+    c.run(50);
+    assert!(!c.broker(2).node_draining(1));
+    let names: Vec<String> = (0..6).map(|i| format!("after-{i}")).collect();
+    for name in &names {
+        declare_on(&mut c, 2, name, true);
+    }
+    c.run(300);
+    assert!(
+        leaders_of(&c, &names).contains(&1),
+        "a revived node leads again"
     );
 }
 

@@ -139,6 +139,7 @@ fn decode(b: &[u8]) -> NodeBatch {
         from,
         boot,
         to,
+        draining: false,
         msgs,
     }
 }

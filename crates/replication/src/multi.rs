@@ -104,6 +104,9 @@ pub struct NodeBatch {
     /// The sender's [`Config::boot`].
     pub boot: u64,
     pub to: NodeId,
+    /// The sender is in maintenance mode ([`MultiRaft::set_draining`]): peers hand it no
+    /// leadership and place nothing on it.
+    pub draining: bool,
     pub msgs: Vec<Envelope>,
     /// Proposals for groups the receiver leads, from a node that does not lead them (a
     /// publish forwarded to its queue's leader). [`MultiRaft::step`] leaves them alone: they
@@ -158,6 +161,8 @@ struct Peer {
     up: bool,
     /// The peer's incarnation last heard (0: never heard).
     boot: u64,
+    /// It said it is in maintenance mode, in its last batch.
+    draining: bool,
 }
 
 /// The output of [`MultiRaft::ready`]: send `messages` now, persist [`ReadyBatch::persist`],
@@ -170,6 +175,8 @@ pub struct ReadyBatch {
     /// Peer nodes seen going down (`false`) or coming back (`true`) since the last `ready`, in
     /// order.
     pub peers: Vec<(NodeId, bool)>,
+    /// Peer nodes that went into maintenance mode (`true`) or came out of it, in order.
+    pub draining: Vec<(NodeId, bool)>,
     readys: Vec<(GroupId, raft::Ready)>,
     committed: Vec<Committed>,
     /// Snapshots from leaders, with the hard state the group's log restarts from.
@@ -291,6 +298,10 @@ pub struct MultiRaft {
     snapshot_reports: Vec<(GroupId, NodeId)>,
     /// Peers seen down or up since the last `ready`.
     peer_changes: Vec<(NodeId, bool)>,
+    /// Peers seen entering or leaving maintenance mode since the last `ready`.
+    drain_changes: Vec<(NodeId, bool)>,
+    /// This node is in maintenance mode: it hands every leadership away and stands for none.
+    draining: bool,
 }
 
 impl MultiRaft {
@@ -331,6 +342,7 @@ impl MultiRaft {
                         last_heard: 0,
                         up: true,
                         boot: 0,
+                        draining: false,
                     },
                 )
             })
@@ -350,6 +362,8 @@ impl MultiRaft {
             snapshots: None,
             snapshot_reports: Vec::new(),
             peer_changes: Vec::new(),
+            drain_changes: Vec::new(),
+            draining: false,
         })
     }
 
@@ -410,6 +424,36 @@ impl MultiRaft {
     /// Whether the peer node is believed up.
     pub fn peer_up(&self, node: NodeId) -> bool {
         self.peers.get(&node).is_some_and(|p| p.up)
+    }
+
+    /// Maintenance mode (RabbitMQ's `drain`), or back out of it (`revive`). A draining node
+    /// transfers the leadership of every group it leads to an up peer that is not draining
+    /// (the most caught-up one), tick after tick until it leads none, and never stands for
+    /// election itself: its members keep their logs and keep voting, so a group stays
+    /// available with this node as one of its majority, but only other nodes lead. Peers
+    /// learn of it from every batch this node sends.
+    pub fn set_draining(&mut self, on: bool) {
+        if self.draining == on {
+            return;
+        }
+        tracing::info!(node = self.cfg.node, draining = on, "maintenance mode");
+        self.draining = on;
+        // Leaders wake to hand over; every peer hears of it at the next heartbeat.
+        let led: Vec<GroupId> = self.leading().collect();
+        for id in led {
+            self.wake(id);
+        }
+        self.heartbeat_due = true;
+    }
+
+    /// This node is in maintenance mode.
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    /// The peer said it is in maintenance mode.
+    pub fn peer_draining(&self, node: NodeId) -> bool {
+        self.peers.get(&node).is_some_and(|p| p.draining)
     }
 
     /// Creates a group with every node as a voter. `campaign` makes this node start an election at
@@ -623,6 +667,12 @@ impl MultiRaft {
     /// Takes a batch from a peer node. Any batch, even empty, shows the peer is alive.
     pub fn step(&mut self, batch: NodeBatch) {
         self.heard_from(batch.from, batch.boot);
+        if let Some(p) = self.peers.get_mut(&batch.from) {
+            if p.draining != batch.draining {
+                p.draining = batch.draining;
+                self.drain_changes.push((batch.from, batch.draining));
+            }
+        }
         for env in batch.msgs {
             if env.msg.from != batch.from || env.msg.to != self.cfg.node {
                 tracing::warn!(
@@ -771,13 +821,35 @@ impl MultiRaft {
             self.peer_changes.push((node, false));
             self.wake_orphans_of(node);
         }
+        if self.draining {
+            // Groups still led here wake, to hand their leadership over.
+            let led: Vec<GroupId> = self.leading().collect();
+            for id in led {
+                self.wake(id);
+            }
+        }
         let awake: Vec<GroupId> = self.awake.iter().copied().collect();
         for id in awake {
             let Some(g) = self.groups.get_mut(&id) else {
                 self.awake.remove(&id);
                 continue;
             };
-            g.raw.tick();
+            if self.draining {
+                if g.raw.raft.state == StateRole::Leader {
+                    hand_over(&mut g.raw, &self.peers);
+                    g.raw.tick();
+                } else {
+                    // A follower's tick only counts towards its election: count, up to the
+                    // timeout (past it, this member's lease is over and it grants votes to
+                    // others), but never campaign.
+                    let r = &mut g.raw.raft;
+                    if r.election_elapsed < r.election_timeout() {
+                        r.election_elapsed += 1;
+                    }
+                }
+            } else {
+                g.raw.tick();
+            }
             self.stats.group_ticks += 1;
             self.touched.insert(id);
             let quiet = is_quiet(&g.raw, &self.peers);
@@ -794,7 +866,7 @@ impl MultiRaft {
     /// the follower refuses the appends that follow it, and the leader goes back to the snapshot.
     fn send_out(&mut self, mut out: Outbox) -> Vec<NodeBatch> {
         self.snapshot_reports.append(&mut out.snapshots);
-        out.into_batches(self.cfg.node, self.cfg.boot)
+        out.into_batches(self.cfg.node, self.cfg.boot, self.draining)
     }
 
     /// Collects every touched group's ready state into one batch.
@@ -870,6 +942,7 @@ impl MultiRaft {
             messages: self.send_out(out),
             leaders,
             peers: std::mem::take(&mut self.peer_changes),
+            draining: std::mem::take(&mut self.drain_changes),
             readys,
             committed,
             snapshots,
@@ -964,6 +1037,27 @@ impl MultiRaft {
 
 /// Nothing to do: all entries committed and applied; a leader's live followers have every entry
 /// and know it is committed; a follower knows a live leader.
+/// Starts a leader's transfer to the most caught-up peer that is up and not draining (none
+/// such: it stays, as RabbitMQ skips the transfer without a candidate). raft-rs sends the
+/// peer a `TimeoutNow` once it has the whole log, and gives up after an election timeout;
+/// the next tick starts again.
+fn hand_over(raw: &mut RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) {
+    let r = &raw.raft;
+    if r.lead_transferee.is_some() {
+        return;
+    }
+    let target = r
+        .prs()
+        .iter()
+        .filter(|(id, _)| **id != r.id)
+        .filter(|(id, _)| peers.get(id).is_some_and(|p| p.up && !p.draining))
+        .max_by_key(|(id, pr)| (pr.matched, std::cmp::Reverse(**id)))
+        .map(|(id, _)| *id);
+    if let Some(to) = target {
+        raw.transfer_leader(to);
+    }
+}
+
 fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
     let r = &raw.raft;
     let log = &r.raft_log;
@@ -1045,7 +1139,7 @@ impl Outbox {
         }
     }
 
-    fn into_batches(self, from: NodeId, boot: u64) -> Vec<NodeBatch> {
+    fn into_batches(self, from: NodeId, boot: u64, draining: bool) -> Vec<NodeBatch> {
         self.msgs
             .into_iter()
             .map(|(to, msgs)| NodeBatch {
@@ -1053,6 +1147,7 @@ impl Outbox {
                 from,
                 boot,
                 to,
+                draining,
                 msgs,
             })
             .collect()

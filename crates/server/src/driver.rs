@@ -145,6 +145,8 @@ struct Shared {
     recovery_left: AtomicUsize,
     /// Turns true just after `recovered`, for waiting on it.
     recovered_rx: watch::Receiver<bool>,
+    /// Maintenance mode: new client connections are turned away at once.
+    draining: AtomicBool,
     alarms: Mutex<Alarms>,
 }
 
@@ -191,6 +193,15 @@ impl crate::cluster::RaftEvents for RaftReports {
 
     fn committed(&self, entries: Vec<warren_broker::Committed>) {
         self.0.with_node(|node, now| node.replicated(&entries, now));
+    }
+
+    fn draining(&self, changes: Vec<(u64, bool)>) {
+        self.0.with_node(|node, _| {
+            for (peer, on) in changes {
+                tracing::info!(peer, draining = on, "peer node maintenance mode");
+                node.broker_mut().set_peer_draining(peer, on);
+            }
+        });
     }
 
     fn peers(&self, changes: Vec<(u64, bool)>) {
@@ -301,6 +312,20 @@ impl NodeHandle {
     /// This node's cluster transport counters, in a cluster.
     pub fn cluster_stats(&self) -> Option<crate::cluster::ClusterStats> {
         self.0.lock().raft.as_ref().map(|r| r.stats())
+    }
+
+    /// Maintenance mode on or off (`warren ctl drain` / `revive`): new AMQP connections are
+    /// turned away from now on (or taken again), every open one is closed with RabbitMQ's
+    /// text, and in a cluster this node hands its leaderships away. The number of
+    /// connections closed.
+    pub fn set_draining(&self, on: bool) -> Result<usize, WriteError> {
+        self.0.draining.store(on, Ordering::Release);
+        self.write(|n, now| n.set_draining(on, now))
+    }
+
+    /// This node is in maintenance mode.
+    pub fn is_draining(&self) -> bool {
+        self.0.draining.load(Ordering::Acquire)
     }
 
     /// Reads the node (and its time, ms since the epoch) under the lock; keep `f` short.
@@ -529,6 +554,7 @@ impl Core {
                 warren_broker::GroupChange::Remove { group } => {
                     raft.remove_group(warren_broker::GroupId(group))
                 }
+                warren_broker::GroupChange::Drain { on } => raft.set_draining(on),
             }
         }
         self.node.take_proposals(&mut self.proposals);
@@ -680,6 +706,7 @@ pub async fn serve(
         recovery_left: AtomicUsize::new(recovery.as_ref().map_or(0, |r| r.recovery.queues_left())),
         recovered_rx: recovered_rx.clone(),
         alarms: Mutex::new(Alarms::default()),
+        draining: AtomicBool::new(false),
     });
     on_start(NodeHandle(shared.clone()));
     let cancel_recovery = Arc::new(AtomicBool::new(false));
@@ -768,6 +795,11 @@ pub async fn serve(
                         continue;
                     }
                 };
+                if shared.draining.load(Ordering::Acquire) {
+                    // Maintenance mode: as RabbitMQ's suspended listeners, no new client.
+                    drop(stream);
+                    continue;
+                }
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
                 let shared = shared.clone();
                 let frame_max = config.frame_max;
@@ -785,6 +817,10 @@ pub async fn serve(
                         continue;
                     }
                 };
+                if shared.draining.load(Ordering::Acquire) {
+                    drop(stream);
+                    continue;
+                }
                 let Some((_, tls)) = &tls_listener else { continue };
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
                 let shared = shared.clone();

@@ -120,6 +120,24 @@ impl Node {
         true
     }
 
+    /// Maintenance mode on or off ([`warren_broker::Broker::set_draining`]). Going in, every
+    /// client connection is closed with 320 CONNECTION_FORCED "Node was put into maintenance
+    /// mode", RabbitMQ's text, so that clients reconnect to another node; the number closed.
+    pub fn set_draining(&mut self, on: bool, now: u64) -> usize {
+        self.broker_mut().set_draining(on);
+        if !on {
+            return 0;
+        }
+        let ids: Vec<ConnId> = self.conns.keys().copied().collect();
+        let mut closed = 0;
+        for conn in ids {
+            if self.force_close(conn, "Node was put into maintenance mode".to_owned(), now) {
+                closed += 1;
+            }
+        }
+        closed
+    }
+
     fn close_where(&mut self, keep: impl Fn(&str, &str) -> bool, text: &str, now: u64) {
         let doomed: Vec<ConnId> = self
             .conns

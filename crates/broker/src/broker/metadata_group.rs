@@ -103,6 +103,10 @@ pub enum GroupChange {
     Remove {
         group: u64,
     },
+    /// Maintenance mode on or off ([`crate::Broker::set_draining`]).
+    Drain {
+        on: bool,
+    },
 }
 
 impl MetaState {

@@ -139,6 +139,8 @@ pub struct Broker {
     leader_hint: Option<u64>,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
+    /// Maintenance mode ([`Broker::set_draining`]).
+    draining: bool,
     /// Memory is short: messages the store does not keep go to its scratch area when they
     /// reach a deep queue, so that they can leave memory too.
     spill: bool,
@@ -327,6 +329,7 @@ impl Broker {
             policies: crate::policy::PolicyTable::default(),
             parameters: crate::parameters::Parameters::default(),
             pager: None,
+            draining: false,
             spill: false,
             recovering: false,
             page_pending: VecDeque::new(),

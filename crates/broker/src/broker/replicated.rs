@@ -131,6 +131,8 @@ pub(crate) struct Cluster {
     /// Peers seen down, since when; and those already brought `Down` in the queues led here.
     down_since: BTreeMap<NodeId, u64>,
     downed: BTreeSet<NodeId>,
+    /// Peers in maintenance mode, as their Raft batches say: no new leader is placed there.
+    draining_peers: BTreeSet<NodeId>,
     /// The first proposal number of this start: an entry of this node's with a lower one is
     /// from an earlier start (replayed from the log), and speaks of channels that are gone.
     boot_seq: u64,
@@ -165,6 +167,7 @@ impl Cluster {
             retired: HashMap::new(),
             down_since: BTreeMap::new(),
             downed: BTreeSet::new(),
+            draining_peers: BTreeSet::new(),
             boot_seq: boot.saturating_mul(1 << 20),
         }
     }
@@ -452,6 +455,48 @@ impl Broker {
         }
     }
 
+    /// Maintenance mode (`warren ctl drain`, RabbitMQ's `rabbitmq-upgrade drain`) on or off
+    /// for this node. In a cluster its Raft hands every leadership it holds to other nodes
+    /// and stands for none; new queues' leaders go elsewhere. (The session closes its client
+    /// connections; the server stops taking new ones.)
+    pub fn set_draining(&mut self, on: bool) {
+        if self.draining == on {
+            return;
+        }
+        self.draining = on;
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta
+                .group_changes
+                .push(super::metadata_group::GroupChange::Drain { on });
+        }
+    }
+
+    /// This node is in maintenance mode.
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    /// A peer's Raft said it went into maintenance mode, or came out of it.
+    pub fn set_peer_draining(&mut self, node: NodeId, on: bool) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if on {
+            c.draining_peers.insert(node);
+        } else {
+            c.draining_peers.remove(&node);
+        }
+    }
+
+    /// Whether a node of the cluster (this one included) is in maintenance mode.
+    pub fn node_draining(&self, node: NodeId) -> bool {
+        match self.cluster.as_ref() {
+            Some(c) if c.node == node => self.draining,
+            Some(c) => c.draining_peers.contains(&node),
+            None => self.draining,
+        }
+    }
+
     /// The other nodes of the cluster, each with whether it runs as far as this node knows (its
     /// Raft heard from it lately and its connection is open). Empty outside a cluster.
     pub fn peers_running(&self) -> Vec<(NodeId, bool)> {
@@ -564,7 +609,9 @@ impl Broker {
         }
         let chosen = match (self.restoring, q.args.balanced_leader) {
             (true, _) => self.leader_hint.take(),
+            // A node in maintenance mode places no leader on itself (RabbitMQ's drain).
             (false, true) => self.least_leading_node(),
+            (false, false) if self.draining => self.least_leading_node(),
             (false, false) => self.cluster_node(),
         };
         let c = self.cluster.as_mut()?;
@@ -590,6 +637,13 @@ impl Broker {
             .nodes
             .iter()
             .filter(|n| **n == c.node || !c.down_since.contains_key(n))
+            .filter(|n| {
+                if **n == c.node {
+                    !self.draining
+                } else {
+                    !c.draining_peers.contains(n)
+                }
+            })
             .map(|n| (*n, 0))
             .collect();
         for id in c.groups.values() {

@@ -1,3 +1,4 @@
+mod drain;
 mod driver;
 mod properties;
 mod queues;

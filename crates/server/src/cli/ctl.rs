@@ -256,6 +256,8 @@ pub enum Ctl {
     Policies(super::policies::PolicyCmd),
     #[command(flatten)]
     Parameters(super::parameters::ParameterCmd),
+    #[command(flatten)]
+    Maintenance(super::maintenance::MaintenanceCmd),
 }
 
 const VHOST_LIMIT_NAMES: &[&str] = &["max-connections", "max-queues"];
@@ -344,6 +346,7 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::ListUserLimits { .. } => "ctl list_user_limits",
         Ctl::Policies(p) => super::policies::name(p),
         Ctl::Parameters(p) => super::parameters::name(p),
+        Ctl::Maintenance(m) => super::maintenance::name(m),
     }
 }
 
@@ -745,6 +748,7 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
         }
         Ctl::Policies(p) => super::policies::main(p)?,
         Ctl::Parameters(p) => super::parameters::main(p)?,
+        Ctl::Maintenance(m) => super::maintenance::main(m)?,
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -8,6 +8,7 @@
 mod api;
 mod ctl;
 mod definitions;
+mod maintenance;
 mod messages;
 pub mod migrate;
 mod objects;

@@ -88,6 +88,10 @@ pub trait RaftEvents: Send + 'static {
     /// Peer nodes seen going down (`false`: its connection closed, or its heartbeats stopped)
     /// or coming back (`true`), in order. Comes first in a pass.
     fn peers(&self, changes: Vec<(NodeId, bool)>);
+    /// Peer nodes that went into maintenance mode (`true`) or came out of it, in order.
+    fn draining(&self, changes: Vec<(NodeId, bool)>) {
+        let _ = changes;
+    }
     /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
     /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`] (`leader` is who
     /// leads, this node included). `data` is the
@@ -268,6 +272,11 @@ impl RaftNode {
 
     /// Creates a group with every node as a voter, unless it exists. `campaign` starts an
     /// election here at once (the creator places the leader).
+    /// Maintenance mode on or off: this node hands its leaderships away and stands for none.
+    pub fn set_draining(&self, on: bool) {
+        self.send(Command::Drain(on));
+    }
+
     pub fn add_group(&self, group: GroupId, campaign: bool) {
         self.send(Command::AddGroup(group, campaign));
     }

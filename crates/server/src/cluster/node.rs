@@ -25,6 +25,8 @@ pub(crate) enum Command {
     Forward(NodeId, GroupId, Vec<u8>),
     /// The state machine's snapshot of a group: written, then the log before it compacted.
     Snapshot(GroupId, StoredSnapshot),
+    /// Maintenance mode on or off ([`MultiRaft::set_draining`]).
+    Drain(bool),
     Shutdown,
 }
 
@@ -182,6 +184,7 @@ impl<E: RaftEvents> Driver<E> {
                 });
             }
             Command::Snapshot(group, snap) => self.save_snapshot(group, snap),
+            Command::Drain(on) => self.raft.set_draining(on),
             Command::Shutdown => self.stopping = true,
         }
     }
@@ -228,6 +231,7 @@ impl<E: RaftEvents> Driver<E> {
         }
         let leaders = std::mem::take(&mut rd.leaders);
         let peers = std::mem::take(&mut rd.peers);
+        let draining = std::mem::take(&mut rd.draining);
         if let Err(e) = rd.persist(&mut self.log) {
             // An fsync that failed cannot be retried safely: stop, and let peers see us down.
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
@@ -243,12 +247,16 @@ impl<E: RaftEvents> Driver<E> {
                 from: node,
                 boot,
                 to,
+                draining: self.raft.is_draining(),
                 msgs: Vec::new(),
                 forwards,
             });
         }
         if !peers.is_empty() {
             self.events.peers(peers);
+        }
+        if !draining.is_empty() {
+            self.events.draining(draining);
         }
         if !leaders.is_empty() {
             let raft = &self.raft;

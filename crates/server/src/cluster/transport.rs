@@ -471,6 +471,7 @@ async fn serve(
             from: peer,
             boot: 0,
             to: me,
+            draining: false,
             msgs: Vec::new(),
             forwards: Vec::new(),
         };

@@ -2,7 +2,9 @@
 //! payload is one [`NodeBatch`]: `from`, `boot`, `to` (`u64` each), then per envelope its group
 //! (`u64`), the message's length (`u32`) and the raft-rs message (protobuf 2), all big-endian.
 //! A forwarded proposal is an envelope whose group has its top bit set ([`FORWARD_BIT`]; group
-//! numbers stay below it), carrying the proposal's bytes instead of a message.
+//! numbers stay below it), carrying the proposal's bytes instead of a message. A sender in
+//! maintenance mode starts each frame with an empty envelope of group [`DRAINING`] (a node
+//! that does not know it takes it for a forward to a group that does not exist, and drops it).
 //!
 //! Decoding trusts nothing: lengths are checked against what is there, and a frame's declared
 //! length never sizes an allocation (its bytes are read as they come).
@@ -19,6 +21,8 @@ const BATCH_HEADER: usize = 24;
 const ENVELOPE_HEADER: usize = 12;
 /// Marks an envelope as a forwarded proposal.
 pub const FORWARD_BIT: u64 = 1 << 63;
+/// The envelope that says the sender is draining ([`NodeBatch::draining`]).
+pub const DRAINING: u64 = u64::MAX;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
@@ -44,10 +48,11 @@ pub struct Encoded {
 /// does not fit is split; every frame carries the header, so an empty batch is one small frame).
 pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) -> Encoded {
     let mut done = Encoded::default();
+    let header = BATCH_HEADER + if batch.draining { ENVELOPE_HEADER } else { 0 };
     let mut frame = start_frame(batch, out);
     for env in &batch.msgs {
         let size = env.msg.compute_size() as usize;
-        if BATCH_HEADER + ENVELOPE_HEADER + size > max_payload {
+        if header + ENVELOPE_HEADER + size > max_payload {
             done.skipped += 1;
             continue;
         }
@@ -72,7 +77,7 @@ pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) ->
     }
     for f in &batch.forwards {
         let size = f.data.len();
-        if BATCH_HEADER + ENVELOPE_HEADER + size > max_payload || f.group.0 & FORWARD_BIT != 0 {
+        if header + ENVELOPE_HEADER + size > max_payload || f.group.0 & FORWARD_BIT != 0 {
             done.skipped += 1;
             continue;
         }
@@ -97,6 +102,10 @@ fn start_frame(batch: &NodeBatch, out: &mut Vec<u8>) -> usize {
     out.put_u64(batch.from);
     out.put_u64(batch.boot);
     out.put_u64(batch.to);
+    if batch.draining {
+        out.put_u64(DRAINING);
+        out.put_u32(0);
+    }
     at
 }
 
@@ -116,12 +125,17 @@ pub fn decode_batch(mut payload: Bytes) -> Result<NodeBatch, WireError> {
     let to = payload.get_u64();
     let mut msgs = Vec::new();
     let mut forwards = Vec::new();
+    let mut draining = false;
     while payload.has_remaining() {
         need(&payload, ENVELOPE_HEADER)?;
         let group = payload.get_u64();
         let len = payload.get_u32() as usize;
         need(&payload, len)?;
         let bytes = payload.split_to(len);
+        if group == DRAINING {
+            draining = true;
+            continue;
+        }
         if group & FORWARD_BIT != 0 {
             forwards.push(Forward {
                 group: GroupId(group & !FORWARD_BIT),
@@ -139,6 +153,7 @@ pub fn decode_batch(mut payload: Bytes) -> Result<NodeBatch, WireError> {
         from,
         boot,
         to,
+        draining,
         msgs,
         forwards,
     })
@@ -198,6 +213,7 @@ mod tests {
             from: 1,
             boot: 7,
             to: 2,
+            draining: false,
             msgs: vec![
                 Envelope {
                     group: GroupId(9),
@@ -270,11 +286,37 @@ mod tests {
     }
 
     #[test]
+    fn every_frame_of_a_draining_node_says_so() {
+        let mut b = batch(4, 1000);
+        b.draining = true;
+        let mut out = Vec::new();
+        // Small frames: each message in a frame of its own.
+        let done = encode_batch(&b, 6000, &mut out);
+        assert_eq!(done.skipped, 0);
+        let f = frames(&out);
+        assert_eq!(f.len(), done.frames);
+        assert!(f.len() >= 2);
+        let mut msgs = 0;
+        for frame in f {
+            assert!(frame.len() <= 6000);
+            let got = decode_batch(frame).unwrap();
+            assert!(got.draining);
+            msgs += got.msgs.len();
+        }
+        assert_eq!(msgs, 2);
+        b.draining = false;
+        let mut out = Vec::new();
+        encode_batch(&b, MAX_FRAME, &mut out);
+        assert!(!decode_batch(frames(&out)[0].clone()).unwrap().draining);
+    }
+
+    #[test]
     fn an_empty_batch_is_a_header_only_frame() {
         let b = NodeBatch {
             from: 3,
             boot: 1,
             to: 1,
+            draining: false,
             msgs: vec![],
             forwards: vec![],
         };

@@ -46,6 +46,8 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/cluster-name", get(cluster_name))
         .route("/api/nodes", get(nodes))
         .route("/api/nodes/{node}", get(one_node))
+        .route("/api/nodes/{node}/drain", post(drain))
+        .route("/api/nodes/{node}/revive", post(revive))
         .route("/api/extensions", get(extensions))
         .merge(super::access::routes())
         .merge(super::limits::routes())
@@ -298,7 +300,7 @@ fn node_json(api: &Api) -> Value {
         "rates_mode": "basic",
         "partitions": [],
         "exchange_types": exchange_types(),
-        "being_drained": false,
+        "being_drained": api.node.is_draining(),
         // Warren's own: this node's place in its cluster (null on a node of its own).
         "cluster": cluster.map(|(node, nodes, leader)| {
             let t = api.node.cluster_stats().unwrap_or_default();
@@ -306,6 +308,7 @@ fn node_json(api: &Api) -> Value {
                 "node": node,
                 "nodes": nodes,
                 "metadata_leader": leader,
+                "queues_led": queues_led_here(api),
                 "transport": {
                     "connections_in": t.connections_in, "connections_out": t.connections_out,
                     "batches_in": t.batches_in, "batches_out": t.batches_out,
@@ -326,11 +329,12 @@ fn peer_json(api: &Api, node: u64, running: bool) -> Value {
         .get(&node)
         .cloned()
         .unwrap_or_else(|| format!("warren-{node}"));
+    let drained = api.node.read(|n, _| n.broker().node_draining(node));
     json!({
         "name": name,
         "type": "disc",
         "running": running,
-        "being_drained": false,
+        "being_drained": drained,
         "partitions": [],
         "cluster": {"node": node},
     })
@@ -367,6 +371,59 @@ async fn one_node(
         .into_iter()
         .find(|p| p["name"] == node.as_str())
         .map_or_else(|| Err(ApiError::not_found()), ok)
+}
+
+/// `POST /api/nodes/{node}/drain` (`warren ctl drain`, RabbitMQ's `rabbitmq-upgrade drain`):
+/// maintenance mode for the node that answers. It takes no new client connection, closes
+/// those it has (320, "Node was put into maintenance mode"), and in a cluster hands every
+/// queue leadership to the other nodes; it keeps running, its members keep their copies.
+async fn drain(State(api): ApiState, Admin(who): Admin, Path(node): Path<String>) -> Answer {
+    maintenance(&api, &who.name, &node, true)
+}
+
+/// `POST /api/nodes/{node}/revive` (RabbitMQ's `rabbitmq-upgrade revive`): out of
+/// maintenance mode, taking clients again.
+async fn revive(State(api): ApiState, Admin(who): Admin, Path(node): Path<String>) -> Answer {
+    maintenance(&api, &who.name, &node, false)
+}
+
+/// The replicated queues this node leads (and acts for) now.
+fn queues_led_here(api: &Api) -> usize {
+    api.node.read(|n, _| {
+        let b = n.broker();
+        b.replica_groups()
+            .into_iter()
+            .filter(|(_, q)| b.acts_on(*q))
+            .count()
+    })
+}
+
+fn maintenance(api: &Api, by: &str, node: &str, on: bool) -> Answer {
+    if node != api.node_name {
+        let peer = api.cluster_names.values().any(|n| n == node);
+        if !peer {
+            return Err(ApiError::not_found());
+        }
+        // A node goes into maintenance by its own API, as rabbitmq-upgrade acts on its -n node.
+        return Err(ApiError::bad_request(format!(
+            "{node} is another node of the cluster: ask its own management API (this is {})",
+            api.node_name
+        )));
+    }
+    let closed = api.node.set_draining(on)?;
+    tracing::warn!(
+        by,
+        draining = on,
+        connections_closed = closed,
+        "maintenance mode"
+    );
+    let leading = queues_led_here(api);
+    ok(json!({
+        "node": api.node_name,
+        "being_drained": on,
+        "connections_closed": closed,
+        "queues_led_here": leading,
+    }))
 }
 
 async fn extensions(_: LoggedIn) -> Answer {

@@ -1,0 +1,213 @@
+//! Maintenance mode on a 3-node cluster (`warren ctl drain` / `revive`, RabbitMQ's
+//! `rabbitmq-upgrade drain` / `revive`): the drained node closes its clients with RabbitMQ's
+//! text and takes no new one, hands every queue it leads to the other nodes with nothing
+//! lost, gets no new leader, and serves again once revived.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Confirmation};
+use serde_json::Value;
+use warren_conformance::cluster::{node_number, TestCluster};
+use warren_conformance::http::Api;
+use warren_conformance::{unique, warren_binary, WAIT};
+
+const MESSAGES: u64 = 200;
+
+fn node_name(c: &TestCluster, n: u64) -> String {
+    let (_, v) = Api::of(c.node(n)).call("GET", "/overview", None);
+    v["node"].as_str().expect("a node name").to_owned()
+}
+
+/// Node `asked`'s view of node `n` (`/api/nodes/{name}`).
+fn node_seen(c: &TestCluster, asked: u64, name: &str) -> Value {
+    Api::of(c.node(asked))
+        .call("GET", &format!("/nodes/{name}"), None)
+        .1
+}
+
+fn eventually(what: &str, mut f: impl FnMut() -> Result<(), String>) {
+    let start = Instant::now();
+    loop {
+        match f() {
+            Ok(()) => return,
+            Err(e) if start.elapsed() > WAIT => panic!("{what}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+async fn declare(ch: &lapin::Channel, name: &str, balanced: bool) {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    if balanced {
+        args.insert(
+            "x-queue-leader-locator".into(),
+            AMQPValue::LongString("balanced".into()),
+        );
+    }
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(name.into(), durable, args)
+        .await
+        .expect("declare a quorum queue");
+}
+
+fn ctl(c: &TestCluster, n: u64, verb: &str) -> std::process::Output {
+    let api = c.node(n).http_url().expect("the management API").to_owned();
+    let mut cmd = Command::new(warren_binary());
+    cmd.args(["ctl", verb, "--api", &api]);
+    if verb == "drain" {
+        cmd.args(["--wait", "20"]);
+    }
+    cmd.output().expect("run warren ctl")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_again_revived() {
+    let c = TestCluster::start(3, 20);
+    let queues: Vec<String> = (0..3).map(|i| unique(&format!("drain{i}"))).collect();
+    let conn = c.node(1).connect().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    for q in &queues {
+        declare(&ch, q, false).await;
+        let mut confirms = Vec::new();
+        for i in 0..MESSAGES {
+            let body = format!("{q} {i}");
+            let props = BasicProperties::default().with_delivery_mode(2);
+            let p = ch
+                .basic_publish(
+                    "".into(),
+                    q.as_str().into(),
+                    BasicPublishOptions::default(),
+                    body.as_bytes(),
+                    props,
+                )
+                .await
+                .expect("publish");
+            confirms.push(p);
+        }
+        for p in confirms {
+            let got = tokio::time::timeout(WAIT, p)
+                .await
+                .expect("a confirm")
+                .expect("confirm");
+            assert!(matches!(got, Confirmation::Ack(_)), "{got:?}");
+        }
+    }
+    // The node drained leads a queue (declared on node 1, led there unless an election
+    // raced the declaring node's campaign).
+    let d = c.leader_of(&queues[0], 1);
+    let (o1, o2) = (d % 3 + 1, (d + 1) % 3 + 1);
+    let mut client = c.node(d).raw().await;
+    let drained = node_name(&c, d);
+    assert_eq!(node_seen(&c, o1, &drained)["being_drained"], false);
+
+    // Drained by the CLI against its API: it returns once the node leads nothing.
+    let out = ctl(&c, d, "drain");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "drain: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("leads no queue"), "{said}");
+    client
+        .expect_connection_close(
+            320,
+            "CONNECTION_FORCED - Node was put into maintenance mode",
+            0,
+            0,
+        )
+        .await;
+    // No new client: the connection ends before any handshake.
+    let refused = tokio::time::timeout(
+        WAIT,
+        lapin::Connection::connect(c.node(d).url(), lapin::ConnectionProperties::default()),
+    )
+    .await
+    .expect("an answer");
+    assert!(refused.is_err(), "a drained node took a client");
+    for q in &queues {
+        let leader = c.leader_of(q, o1);
+        assert_ne!(leader, d, "{q} still led by the drained node");
+    }
+    let seen = node_seen(&c, d, &drained);
+    assert_eq!(seen["being_drained"], true);
+    assert_eq!(seen["cluster"]["queues_led"], 0);
+    eventually("another node sees it drained", || {
+        match node_seen(&c, o1, &drained)["being_drained"].as_bool() {
+            Some(true) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+
+    // Everything confirmed is there, on the new leaders; new queues are led elsewhere.
+    let conn2 = c.node(o1).connect().await;
+    let ch2 = conn2.create_channel().await.expect("channel");
+    for q in &queues {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let mut count = 0;
+        eventually("the queue's count on its new leader", || {
+            let api = Api::of(c.node(o1));
+            let (_, v) = api.call("GET", &format!("/queues/%2f/{q}"), None);
+            count = v["messages"].as_u64().unwrap_or(0);
+            if count == MESSAGES {
+                Ok(())
+            } else {
+                Err(format!("{count} of {MESSAGES}"))
+            }
+        });
+        let ok = ch2
+            .queue_declare(q.as_str().into(), passive, FieldTable::default())
+            .await
+            .expect("passive declare");
+        assert_eq!(u64::from(ok.message_count()), MESSAGES, "{q}");
+    }
+    for i in 0..4 {
+        let q = unique(&format!("placed{i}"));
+        declare(&ch2, &q, true).await;
+        let leader = c.leader_of(&q, o2);
+        assert_ne!(leader, d, "a new leader placed on the drained node");
+    }
+
+    // Revived: the node takes clients again and says so to the others.
+    let out = ctl(&c, d, "revive");
+    assert!(
+        out.status.success(),
+        "revive: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let back = c.node(d).connect().await;
+    let ch1 = back
+        .create_channel()
+        .await
+        .expect("a channel on the revived node");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    ch1.queue_declare(queues[0].as_str().into(), passive, FieldTable::default())
+        .await
+        .expect("the revived node serves");
+    eventually("another node sees it revived", || {
+        match node_seen(&c, o2, &drained)["being_drained"].as_bool() {
+            Some(false) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    });
+    assert_eq!(node_number(&drained), Some(d));
+}
