@@ -241,6 +241,10 @@ async fn a_replicated_queue_survives_its_leaders_kill_and_the_node_catches_up() 
         .unwrap_or_default();
     assert_eq!(running.len(), 3, "{nodes}");
     assert_eq!(running.iter().filter(|r| !**r).count(), 1, "{nodes}");
+    // The queue's members are all three; those online, the two that run.
+    let (_, qv) = Api::of(c.node(survivor)).call("GET", &format!("/queues/%2f/{q}"), None);
+    let count = |k: &str| qv[k].as_array().map_or(0, Vec::len);
+    assert_eq!((count("members"), count("online")), (3, 2), "{qv}");
     assert!(
         v["queues"].as_array().is_some_and(|qs| qs
             .iter()

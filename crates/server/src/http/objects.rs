@@ -93,11 +93,12 @@ pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
 }
 
 /// A replicated queue's leader and members, as RabbitMQ shows a quorum queue's (`node` is
-/// its leader there too).
+/// its leader there too); `online` leaves out the members on nodes in `down`.
 pub fn with_members(
     v: &mut Value,
     s: &QueueSnapshot,
     names: &std::collections::BTreeMap<u64, String>,
+    down: &std::collections::BTreeSet<u64>,
 ) {
     let (Some(leader), Value::Object(m)) = (s.replica, v) else {
         return;
@@ -109,8 +110,13 @@ pub fn with_members(
             .unwrap_or_else(|| format!("warren-{n}"))
     };
     let members: Vec<Value> = names.keys().map(|n| name(*n).into()).collect();
-    m.insert("members".into(), members.clone().into());
-    m.insert("online".into(), members.into());
+    let online: Vec<Value> = names
+        .keys()
+        .filter(|n| !down.contains(n))
+        .map(|n| name(*n).into())
+        .collect();
+    m.insert("members".into(), members.into());
+    m.insert("online".into(), online.into());
     let leader = leader.map(name);
     if let Some(l) = &leader {
         m.insert("node".into(), l.clone().into());

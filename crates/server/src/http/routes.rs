@@ -770,6 +770,7 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
     let kept: Vec<_> = snaps.into_iter().filter(|s| matcher(&s.name)).collect();
     let rates = api.rates.queues(kept.iter().map(|s| s.id));
     let node = api.node_name.as_str();
+    let down = nodes_down(api);
     ok(query.finish_with(
         kept.into_iter().zip(rates).collect(),
         total,
@@ -777,10 +778,22 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
         |(s, _)| (s.vhost.clone(), s.name.clone()),
         |(s, r)| {
             let mut v = objects::queue(&s, &r, node, now);
-            objects::with_members(&mut v, &s, &api.cluster_names);
+            objects::with_members(&mut v, &s, &api.cluster_names, &down);
             v
         },
     )?)
+}
+
+/// The cluster's nodes this node sees down.
+fn nodes_down(api: &Api) -> std::collections::BTreeSet<u64> {
+    api.node.read(|n, _| {
+        n.broker()
+            .peers_running()
+            .into_iter()
+            .filter(|(_, running)| !running)
+            .map(|(node, _)| node)
+            .collect()
+    })
 }
 
 async fn queues_all(State(api): ApiState, LoggedIn(who): LoggedIn, Query(q): Params) -> Answer {
@@ -820,7 +833,7 @@ async fn one_queue(
     });
     let s = snap.ok_or_else(ApiError::not_found)?;
     let mut v = objects::queue(&s, &api.rates.queue(s.id), &api.node_name, now);
-    objects::with_members(&mut v, &s, &api.cluster_names);
+    objects::with_members(&mut v, &s, &api.cluster_names, &nodes_down(&api));
     if q.contains_key("lengths_age") || q.contains_key("msg_rates_age") {
         v = objects::with_history(v, &api.rates.queue_history(s.id));
     }
