@@ -238,6 +238,12 @@ const KEYS: &[Key] = &[
     classic(key("ha-promote-on-shutdown", Check::Any, "")),
     classic(key("ha-promote-on-failure", Check::Any, "")),
     classic(key("queue-master-locator", Check::Any, "")),
+    // A new quorum queue's first leader (3.10's values), read when it is declared.
+    key(
+        "queue-leader-locator",
+        Check::OneOf(&["client-local", "balanced"]),
+        "queue leader locator value",
+    ),
     Key {
         check: Check::IntAtLeast(1),
         operator: false,

@@ -758,6 +758,43 @@ fn balanced_queues_get_their_first_leaders_spread_over_the_nodes() {
     );
 }
 
+#[test]
+fn a_policy_can_spread_new_quorum_queues_leaders() {
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let mut c = Cluster::new();
+    c.leader();
+    let mut definition = warren_broker::policy::Definition::new();
+    definition.insert(
+        "queue-leader-locator".into(),
+        PolicyValue::Str("balanced".into()),
+    );
+    c.broker(1)
+        .set_policy(PolicyDef {
+            vhost: "/".into(),
+            name: "spread".into(),
+            kind: PolicyKind::User,
+            pattern: "^spread-".into(),
+            apply_to: ApplyTo::QuorumQueues,
+            priority: 0,
+            definition,
+        })
+        .expect("policy");
+    let names: Vec<String> = (0..6).map(|i| format!("spread-{i}")).collect();
+    for name in &names {
+        declare_on(&mut c, 1, name, false);
+    }
+    c.run(300);
+    let mut led: BTreeMap<u64, usize> = BTreeMap::new();
+    for l in leaders_of(&c, &names) {
+        *led.entry(l).or_default() += 1;
+    }
+    // With `jobs` led by node 1 already: seven queues, two or three a node (client-local,
+    // the default, would have put all six on node 1).
+    *led.entry(1).or_default() += 1;
+    assert_eq!(led.len(), 3, "{led:?}");
+    assert!(led.values().all(|n| (2..=3).contains(n)), "{led:?}");
+}
+
 /// The queues led by each node (as its Raft says), for the named queues.
 fn leaders_of(c: &Cluster, names: &[String]) -> Vec<u64> {
     let b = &c.members[&1].broker;

@@ -62,6 +62,10 @@ fn validation_texts() {
         "<<\"eager\">> is not a valid queue-mode value"
     );
     assert_eq!(
+        invalid(User, def(&[("queue-leader-locator", s("nearest"))])),
+        "<<\"nearest\">> is not a valid queue leader locator value"
+    );
+    assert_eq!(
         invalid(User, def(&[("max-lenght", int(10))])),
         "[{<<\"max-lenght\">>,10}] are not recognised policy settings"
     );
