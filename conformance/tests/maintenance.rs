@@ -64,7 +64,7 @@ fn ctl(c: &TestCluster, n: u64, verb: &str) -> std::process::Output {
     let api = c.node(n).http_url().expect("the management API").to_owned();
     let mut cmd = Command::new(warren_binary());
     cmd.args(["ctl", verb, "--api", &api]);
-    if verb == "drain" {
+    if verb != "revive" {
         cmd.args(["--wait", "20"]);
     }
     cmd.output().expect("run warren ctl")
@@ -210,4 +210,17 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
         }
     });
     assert_eq!(node_number(&drained), Some(d));
+
+    // Every leader is on the other two: a rebalance, asked on another node, evens them out.
+    let out = ctl(&c, o1, "rebalance");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "rebalance: {said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("leaders are even"), "{said}");
+    let (_, v) = Api::of(c.node(d)).call("GET", &format!("/nodes/{drained}"), None);
+    let led = v["cluster"]["queues_led"].as_u64().unwrap_or(0);
+    assert!(led >= 2, "the revived node leads {led} of 7 after the rebalance: {said}");
 }

@@ -259,6 +259,9 @@ impl Cluster {
                         m.removed.insert(group);
                     }
                     GroupChange::Drain { on } => m.raft.set_draining(on),
+                    GroupChange::Transfer { group, to } => {
+                        m.raft.transfer_leader(GroupId(group), to);
+                    }
                 }
             }
             for &g in &m.groups {
@@ -793,6 +796,39 @@ fn a_policy_can_spread_new_quorum_queues_leaders() {
     *led.entry(1).or_default() += 1;
     assert_eq!(led.len(), 3, "{led:?}");
     assert!(led.values().all(|n| (2..=3).contains(n)), "{led:?}");
+}
+
+#[test]
+fn a_rebalance_evens_out_the_leaders_of_queues_declared_on_one_node() {
+    let mut c = Cluster::new();
+    c.leader();
+    let mut names: Vec<String> = (0..8).map(|i| format!("skewed-{i}")).collect();
+    for name in &names {
+        declare_on(&mut c, 1, name, false);
+    }
+    c.run(300);
+    names.push("jobs".into());
+    let count = |c: &Cluster, names: &[String]| {
+        let mut led: BTreeMap<u64, usize> = NODES.into_iter().map(|n| (n, 0)).collect();
+        for l in leaders_of(c, names) {
+            *led.entry(l).or_default() += 1;
+        }
+        led
+    };
+    let skewed = count(&c, &names);
+    assert!(skewed[&1] >= 6, "client-local: most on node 1 ({skewed:?})");
+    let before = c.publish(1, 5);
+    // Asked on another node: the request goes through the metadata log to node 1.
+    assert!(c.broker(3).rebalance());
+    c.run(300);
+    let led = count(&c, &names);
+    assert_eq!(led, BTreeMap::from([(1, 3), (2, 3), (3, 3)]), "{led:?}");
+    // Nothing lost on the way: what was confirmed is still there.
+    let leader = c.leader();
+    assert!(c.confirmed(1, before) || c.confirmed(leader, before));
+    let again = c.publish(leader, 6);
+    c.run(100);
+    assert!(c.confirmed(leader, again));
 }
 
 /// The queues led by each node (as its Raft says), for the named queues.

@@ -177,6 +177,9 @@ pub struct ReadyBatch {
     pub peers: Vec<(NodeId, bool)>,
     /// Peer nodes that went into maintenance mode (`true`) or came out of it, in order.
     pub draining: Vec<(NodeId, bool)>,
+    /// Proposals held during a leadership transfer that ended with another leader: refused
+    /// now, with the group's leader (as [`MultiRaft::try_propose`] refuses), in order.
+    pub refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
     readys: Vec<(GroupId, raft::Ready)>,
     committed: Vec<Committed>,
     /// Snapshots from leaders, with the hard state the group's log restarts from.
@@ -302,6 +305,9 @@ pub struct MultiRaft {
     drain_changes: Vec<(NodeId, bool)>,
     /// This node is in maintenance mode: it hands every leadership away and stands for none.
     draining: bool,
+    /// Proposals to groups this node leads while it transfers their leadership (raft-rs would
+    /// drop them): proposed once the transfer is given up, refused once another node leads.
+    held: BTreeMap<GroupId, Vec<Vec<u8>>>,
 }
 
 impl MultiRaft {
@@ -364,6 +370,7 @@ impl MultiRaft {
             peer_changes: Vec::new(),
             drain_changes: Vec::new(),
             draining: false,
+            held: BTreeMap::new(),
         })
     }
 
@@ -444,6 +451,26 @@ impl MultiRaft {
             self.wake(id);
         }
         self.heartbeat_due = true;
+    }
+
+    /// Hands the leadership of `group` to `to` (rebalancing), if this node leads it and `to`
+    /// is an up peer not in maintenance mode; false otherwise. raft-rs makes `to` campaign
+    /// once it has the whole log, and gives up after an election timeout.
+    pub fn transfer_leader(&mut self, group: GroupId, to: NodeId) -> bool {
+        let Some(g) = self.groups.get_mut(&group) else {
+            return false;
+        };
+        let r = &g.raw.raft;
+        if r.state != StateRole::Leader
+            || r.lead_transferee.is_some()
+            || caught_up_peer(&g.raw, &self.peers, Some(to)).is_none()
+        {
+            return false;
+        }
+        g.raw.transfer_leader(to);
+        self.wake(group);
+        self.touched.insert(group);
+        true
     }
 
     /// This node is in maintenance mode.
@@ -638,12 +665,17 @@ impl MultiRaft {
             });
         };
         let (state, leader) = (g.raw.raft.state, g.raw.raft.leader_id);
-        // raft-rs drops a proposal during a leadership transfer, and the data with it.
+        // raft-rs drops a proposal during a leadership transfer, and the data with it: held
+        // until the transfer ends either way (a round trip or two).
         let transferring = g.raw.raft.lead_transferee.is_some();
         g.quiet_ticks = 0;
         self.wake(group);
         self.touched.insert(group);
-        if state != StateRole::Leader || transferring {
+        if state == StateRole::Leader && (transferring || self.held.contains_key(&group)) {
+            self.held.entry(group).or_default().push(data);
+            return Ok(());
+        }
+        if state != StateRole::Leader {
             return Err(Refused {
                 error: Error::NotLeader {
                     group,
@@ -821,7 +853,10 @@ impl MultiRaft {
             self.peer_changes.push((node, false));
             self.wake_orphans_of(node);
         }
-        if self.draining {
+        // Maintenance mode holds while another node can lead: with every other node down or
+        // draining too, this one leads again rather than leave its groups without a leader.
+        let draining = self.draining && self.peers.values().any(|p| p.up && !p.draining);
+        if draining {
             // Groups still led here wake, to hand their leadership over.
             let led: Vec<GroupId> = self.leading().collect();
             for id in led {
@@ -834,11 +869,20 @@ impl MultiRaft {
                 self.awake.remove(&id);
                 continue;
             };
-            if self.draining {
+            if draining {
                 if g.raw.raft.state == StateRole::Leader {
                     hand_over(&mut g.raw, &self.peers);
                     g.raw.tick();
                 } else {
+                    if matches!(
+                        g.raw.raft.state,
+                        StateRole::Candidate | StateRole::PreCandidate
+                    ) {
+                        // A campaign it was asked for (a transfer from a leader that did not
+                        // know it drains) that did not win: it stands no more.
+                        let term = g.raw.raft.term;
+                        g.raw.raft.become_follower(term, INVALID_ID);
+                    }
                     // A follower's tick only counts towards its election: count, up to the
                     // timeout (past it, this member's lease is over and it grants votes to
                     // others), but never campaign.
@@ -869,8 +913,44 @@ impl MultiRaft {
         out.into_batches(self.cfg.node, self.cfg.boot, self.draining)
     }
 
+    /// Proposes what was held for a transfer that is over, or refuses it if another node
+    /// leads now.
+    fn release_held(&mut self) -> Vec<(GroupId, Vec<u8>, Option<NodeId>)> {
+        let mut refused = Vec::new();
+        let groups: Vec<GroupId> = self.held.keys().copied().collect();
+        for id in groups {
+            let Some(g) = self.groups.get_mut(&id) else {
+                if let Some(list) = self.held.remove(&id) {
+                    refused.extend(list.into_iter().map(|d| (id, d, None)));
+                }
+                continue;
+            };
+            let r = &g.raw.raft;
+            if r.state == StateRole::Leader && r.lead_transferee.is_some() {
+                continue;
+            }
+            let Some(list) = self.held.remove(&id) else {
+                continue;
+            };
+            if r.state == StateRole::Leader {
+                for data in list {
+                    if let Err(e) = g.raw.propose(vec![], data.clone()) {
+                        tracing::warn!(group = id.0, error = %e, "a held proposal was refused");
+                        refused.push((id, data, None));
+                    }
+                }
+            } else {
+                let leader = (r.leader_id != INVALID_ID).then_some(r.leader_id);
+                refused.extend(list.into_iter().map(|d| (id, d, leader)));
+            }
+            self.touched.insert(id);
+        }
+        refused
+    }
+
     /// Collects every touched group's ready state into one batch.
     pub fn ready(&mut self) -> ReadyBatch {
+        let refused = self.release_held();
         for (id, to) in std::mem::take(&mut self.snapshot_reports) {
             if let Some(g) = self.groups.get_mut(&id) {
                 g.raw.report_snapshot(to, raft::SnapshotStatus::Finish);
@@ -943,6 +1023,7 @@ impl MultiRaft {
             leaders,
             peers: std::mem::take(&mut self.peer_changes),
             draining: std::mem::take(&mut self.drain_changes),
+            refused,
             readys,
             committed,
             snapshots,
@@ -1035,29 +1116,39 @@ impl MultiRaft {
     }
 }
 
-/// Nothing to do: all entries committed and applied; a leader's live followers have every entry
-/// and know it is committed; a follower knows a live leader.
-/// Starts a leader's transfer to the most caught-up peer that is up and not draining (none
-/// such: it stays, as RabbitMQ skips the transfer without a candidate). raft-rs sends the
-/// peer a `TimeoutNow` once it has the whole log, and gives up after an election timeout;
-/// the next tick starts again.
+/// Starts a leader's transfer to a peer that is up, not draining and has the whole log (none
+/// such: it stays and tries again at the next tick, as the log reaches them; RabbitMQ skips
+/// the transfer without a candidate). A caught-up target campaigns at once, so the transfer,
+/// and the proposals held meanwhile, last one round trip.
 fn hand_over(raw: &mut RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) {
-    let r = &raw.raft;
-    if r.lead_transferee.is_some() {
+    if raw.raft.lead_transferee.is_some() {
         return;
     }
-    let target = r
-        .prs()
-        .iter()
-        .filter(|(id, _)| **id != r.id)
-        .filter(|(id, _)| peers.get(id).is_some_and(|p| p.up && !p.draining))
-        .max_by_key(|(id, pr)| (pr.matched, std::cmp::Reverse(**id)))
-        .map(|(id, _)| *id);
-    if let Some(to) = target {
+    if let Some(to) = caught_up_peer(raw, peers, None) {
         raw.transfer_leader(to);
     }
 }
 
+/// A peer (`only` that one, if given) that is up, not draining and has the leader's whole
+/// log; the lowest-numbered among them.
+fn caught_up_peer(
+    raw: &RawNode<GroupLog>,
+    peers: &BTreeMap<NodeId, Peer>,
+    only: Option<NodeId>,
+) -> Option<NodeId> {
+    let r = &raw.raft;
+    let last = r.raft_log.last_index();
+    r.prs()
+        .iter()
+        .filter(|(id, pr)| **id != r.id && pr.matched == last)
+        .filter(|(id, _)| only.is_none_or(|o| o == **id))
+        .filter(|(id, _)| peers.get(id).is_some_and(|p| p.up && !p.draining))
+        .map(|(id, _)| *id)
+        .min()
+}
+
+/// Nothing to do: all entries committed and applied; a leader's live followers have every entry
+/// and know it is committed; a follower knows a live leader.
 fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
     let r = &raw.raft;
     let log = &r.raft_log;

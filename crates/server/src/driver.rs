@@ -318,9 +318,14 @@ impl NodeHandle {
     /// turned away from now on (or taken again), every open one is closed with RabbitMQ's
     /// text, and in a cluster this node hands its leaderships away. The number of
     /// connections closed.
-    pub fn set_draining(&self, on: bool) -> Result<usize, WriteError> {
-        self.0.draining.store(on, Ordering::Release);
-        self.write(|n, now| n.set_draining(on, now))
+    pub fn set_draining(&self, on: bool) -> usize {
+        // Nothing to store (maintenance mode ends with the process), so no wait for the
+        // store and no refusal while recovering; the flag changes under the node's lock.
+        let shared = &self.0;
+        shared.with_node(|n, now| {
+            shared.draining.store(on, Ordering::Release);
+            n.set_draining(on, now)
+        })
     }
 
     /// This node is in maintenance mode.
@@ -555,6 +560,9 @@ impl Core {
                     raft.remove_group(warren_broker::GroupId(group))
                 }
                 warren_broker::GroupChange::Drain { on } => raft.set_draining(on),
+                warren_broker::GroupChange::Transfer { group, to } => {
+                    raft.transfer_leader(warren_broker::GroupId(group), to)
+                }
             }
         }
         self.node.take_proposals(&mut self.proposals);
@@ -1195,7 +1203,12 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
         WriteSide::Tcp(socket) => Some(socket.clone()),
         WriteSide::Tls(_) => None,
     };
-    shared.with_core(|core, now| {
+    // Checked under the node's lock, as a drain sets it: either the drain closes this
+    // connection, or the connection sees the drain.
+    let taken = shared.with_core(|core, now| {
+        if shared.draining.load(Ordering::Acquire) {
+            return false;
+        }
         core.writers.insert(
             conn,
             Writer {
@@ -1214,7 +1227,11 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
         if let Some(local) = local {
             core.node.set_local_addr(conn, local);
         }
+        true
     });
+    if !taken {
+        return;
+    }
     let draining = Arc::new(AtomicBool::new(false));
     let reader = tokio::spawn(read_loop(
         rd,

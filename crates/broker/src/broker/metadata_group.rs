@@ -107,6 +107,12 @@ pub enum GroupChange {
     Drain {
         on: bool,
     },
+    /// Hand the leadership of `group` to node `to`, if this node still leads it
+    /// ([`crate::Broker::rebalance`]).
+    Transfer {
+        group: u64,
+        to: u64,
+    },
 }
 
 impl MetaState {
@@ -587,6 +593,10 @@ impl Broker {
             }
             MetaOp::DeleteAccessKey(id) => {
                 self.delete_access_key(&id);
+                None
+            }
+            MetaOp::Rebalance => {
+                self.shed_leaders();
                 None
             }
         }

@@ -93,6 +93,9 @@ pub(crate) enum MetaOp {
         vhost: String,
         name: String,
     },
+    /// Every node hands the quorum queue leaderships it holds above an even share to the
+    /// nodes below it (`warren ctl rebalance`).
+    Rebalance,
 }
 
 /// A binding of a durable exchange to a replicated queue or to another durable exchange.
@@ -180,6 +183,7 @@ impl MetaOp {
                 vhost,
                 name,
             } => format!("r\0{component}\0{vhost}\0{name}"),
+            MetaOp::Rebalance => "b\0".to_owned(),
         }
     }
 }
@@ -396,6 +400,7 @@ fn op_table(op: &MetaOp) -> FieldTable {
             text(&mut t, "id", id);
             "delete_access_key"
         }
+        MetaOp::Rebalance => "rebalance",
         MetaOp::PutParameter(p) => {
             text(&mut t, "component", &p.component);
             text(&mut t, "vhost", &p.vhost);
@@ -589,6 +594,7 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             created_ms: u64::try_from(t.get("created")?.as_i64()?).ok()?,
         }),
         "delete_access_key" => MetaOp::DeleteAccessKey(f.text("id")?),
+        "rebalance" => MetaOp::Rebalance,
         "put_parameter" => MetaOp::PutParameter(ParameterDef {
             component: f.text("component")?,
             vhost: f.text("vhost")?,
@@ -789,6 +795,7 @@ mod tests {
                 created_ms: 1_764_000_000_000,
             }),
             MetaOp::DeleteAccessKey("WKIAEXAMPLE".into()),
+            MetaOp::Rebalance,
             MetaOp::PutParameter(ParameterDef {
                 component: "shovel".into(),
                 vhost: "/".into(),

@@ -476,6 +476,100 @@ impl Broker {
         self.draining
     }
 
+    /// Asks every node of the cluster to even out the quorum queue leaderships (RabbitMQ's
+    /// `rabbitmq-queues rebalance quorum`): once the metadata log carries the request, each
+    /// node hands those it holds above an even share (among the running nodes not in
+    /// maintenance mode) to the nodes below it. Each node acts on its own view, so a round
+    /// may leave a node one or two off; the CLI asks again until it is even. False outside a
+    /// cluster.
+    pub fn rebalance(&mut self) -> bool {
+        if self.cluster.is_none() {
+            return false;
+        }
+        self.announce(super::metadata_ops::MetaOp::Rebalance);
+        true
+    }
+
+    /// This node's part of a rebalance: the transfers of what it leads above its share.
+    pub(super) fn shed_leaders(&mut self) {
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
+        let me = c.node;
+        let eligible: Vec<NodeId> = c
+            .nodes
+            .iter()
+            .copied()
+            .filter(|n| {
+                if *n == me {
+                    !self.draining
+                } else {
+                    !c.down_since.contains_key(n) && !c.draining_peers.contains(n)
+                }
+            })
+            .collect();
+        if self.draining || eligible.len() < 2 {
+            return;
+        }
+        let mut led: BTreeMap<NodeId, usize> = eligible.iter().map(|n| (*n, 0)).collect();
+        let mut mine: Vec<u64> = Vec::new();
+        for (group, id) in &c.groups {
+            let Some(r) = self.queues.get(id).and_then(|q| q.replica.as_ref()) else {
+                continue;
+            };
+            let Some(leader) = r.leader else { continue };
+            if let Some(count) = led.get_mut(&leader) {
+                *count += 1;
+            }
+            if leader == me {
+                mine.push(*group);
+            }
+        }
+        // Above the even share rounded down, and only to a node at least two below: the
+        // rounding's leftover stays where it is rather than going round.
+        let total: usize = led.values().sum();
+        let share = total / eligible.len();
+        mine.sort_unstable();
+        let mut transfers = Vec::new();
+        while led.get(&me).copied().unwrap_or(0) > share {
+            let Some(group) = mine.pop() else { break };
+            let Some((&to, _)) = led
+                .iter()
+                .filter(|(n, _)| **n != me)
+                .min_by_key(|(n, count)| (**count, **n))
+            else {
+                break;
+            };
+            if led.get(&to).copied().unwrap_or(0) + 1 >= led.get(&me).copied().unwrap_or(0) {
+                break;
+            }
+            *led.entry(to).or_default() += 1;
+            *led.entry(me).or_default() -= 1;
+            transfers.push(super::metadata_group::GroupChange::Transfer { group, to });
+        }
+        tracing::info!(
+            queues = transfers.len(),
+            share,
+            "rebalance: handing leaderships over"
+        );
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta.group_changes.extend(transfers);
+        }
+    }
+
+    /// The replicated queues whose Raft leader is this node, as its Raft last said (whether
+    /// or not the queue acts here yet).
+    pub fn queues_led_here(&self) -> usize {
+        let Some(c) = self.cluster.as_ref() else {
+            return 0;
+        };
+        c.groups
+            .values()
+            .filter_map(|id| self.queues.get(id)?.replica.as_ref())
+            .filter(|r| r.leader == Some(c.node))
+            .count()
+    }
+
     /// A peer's Raft said it went into maintenance mode, or came out of it.
     pub fn set_peer_draining(&mut self, node: NodeId, on: bool) {
         let Some(c) = self.cluster.as_mut() else {

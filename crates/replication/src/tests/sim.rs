@@ -49,6 +49,8 @@ pub struct SimNode {
     pub boots: u64,
     /// Jobs submitted to the log but not yet written (asynchronous mode).
     pub pending: Vec<crate::PersistJob>,
+    /// Proposals held during a leadership transfer and then refused (`ReadyBatch::refused`).
+    pub refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
 }
 
 struct InFlight {
@@ -136,6 +138,7 @@ impl Sim {
                     alive: true,
                     boots: 1,
                     pending: Vec::new(),
+                    refused: Vec::new(),
                 },
             );
         }
@@ -218,6 +221,7 @@ impl Sim {
         let mut batch = n.raft.ready();
         out.append(&mut batch.messages);
         n.reported_leaders.extend(batch.leaders.drain(..));
+        n.refused.append(&mut batch.refused);
         let committed = if self.async_log {
             let (committed, job) = n.raft.submit(batch);
             if !job.is_empty() {

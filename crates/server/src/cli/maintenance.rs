@@ -1,7 +1,9 @@
 //! `warren ctl drain` and `warren ctl revive`: RabbitMQ's `rabbitmq-upgrade drain` and
 //! `revive`, for the node whose management API `--api` names (drain acts on the node that
-//! answers, as rabbitmq-upgrade acts on its `-n` node).
+//! answers, as rabbitmq-upgrade acts on its `-n` node); and `warren ctl rebalance`,
+//! RabbitMQ's `rabbitmq-queues rebalance quorum`, for the whole cluster.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -26,13 +28,35 @@ pub enum MaintenanceCmd {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Evens out the quorum queues' leaders over the running nodes (not those in maintenance
+    /// mode), showing each round's leaders per node; safe to interrupt
+    Rebalance {
+        /// How long to keep going, in seconds
+        #[arg(long, default_value_t = 60.0)]
+        wait: f64,
+        #[command(flatten)]
+        conn: Conn,
+    },
 }
 
 pub fn name(c: &MaintenanceCmd) -> &'static str {
     match c {
         MaintenanceCmd::Drain { .. } => "ctl drain",
         MaintenanceCmd::Revive { .. } => "ctl revive",
+        MaintenanceCmd::Rebalance { .. } => "ctl rebalance",
     }
+}
+
+/// `seconds` as a duration: negative is none, too large (or infinite) is for ever.
+pub(super) fn seconds(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
+}
+
+/// `now + d`, or a day from now (as good as never for a wait) when that would overflow.
+fn deadline(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400))
 }
 
 /// The name of the node that answers at `api`.
@@ -44,40 +68,26 @@ fn node_name(api: &Api) -> Result<String, CliError> {
         .ok_or_else(|| CliError::Failed("the API's overview names no node".into()))
 }
 
-/// Replicated queues the node still leads (0 outside a cluster).
-fn still_leading(node: &Value) -> u64 {
-    node["cluster"]["queues_led"].as_u64().unwrap_or(0)
+/// What the node still leads: replicated queues, and whether the metadata group (`None` when
+/// the answer is not the node's own, as from another node behind a load balancer).
+fn still_leading(node: &Value, name: &str) -> Option<(u64, bool)> {
+    if node["name"] != name {
+        return None;
+    }
+    let cluster = &node["cluster"];
+    if cluster.is_null() {
+        // A node on its own has nothing to hand over.
+        return Some((0, false));
+    }
+    let queues = cluster["queues_led"].as_u64()?;
+    let metadata = cluster["metadata_leader"].as_u64() == cluster["node"].as_u64();
+    Some((queues, metadata))
 }
 
 pub fn main(c: &MaintenanceCmd) -> Result<(), CliError> {
     match c {
-        MaintenanceCmd::Drain { wait, conn } => {
-            let api = conn.api();
-            let node = node_name(&api)?;
-            let path = format!("/nodes/{}", enc(&node));
-            let r = api.call("POST", &format!("{path}/drain"), None, &[], "the node")?;
-            println!(
-                "{node} is in maintenance mode: it takes no new client connection; {} \
-                 connection(s) closed",
-                r.body["connections_closed"].as_u64().unwrap_or(0)
-            );
-            let deadline = Instant::now() + Duration::from_secs_f64(wait.max(0.0));
-            loop {
-                let left = still_leading(&api.get(&path, "the node")?);
-                if left == 0 {
-                    println!("{node} leads no queue: it can be stopped");
-                    return Ok(());
-                }
-                if Instant::now() >= deadline {
-                    return Err(CliError::Failed(format!(
-                        "{node} still leads {left} queue(s) after {wait} s: no other node can \
-                         take them (are the other nodes running? see /api/nodes); \
-                         it stays in maintenance mode"
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
+        MaintenanceCmd::Drain { wait, conn } => drain(&conn.api(), *wait),
+        MaintenanceCmd::Rebalance { wait, conn } => rebalance(&conn.api(), *wait),
         MaintenanceCmd::Revive { conn } => {
             let api = conn.api();
             let node = node_name(&api)?;
@@ -87,4 +97,125 @@ pub fn main(c: &MaintenanceCmd) -> Result<(), CliError> {
             Ok(())
         }
     }
+}
+
+fn drain(api: &Api, wait: f64) -> Result<(), CliError> {
+    let node = node_name(api)?;
+    let path = format!("/nodes/{}", enc(&node));
+    let r = api.call("POST", &format!("{path}/drain"), None, &[], "the node")?;
+    println!(
+        "{node} is in maintenance mode: it takes no new client connection; {} connection(s) \
+         closed",
+        r.body["connections_closed"].as_u64().unwrap_or(0)
+    );
+    let until = deadline(seconds(wait));
+    loop {
+        let seen = api.get(&path, "the node")?;
+        let Some((queues, metadata)) = still_leading(&seen, &node) else {
+            return Err(CliError::Failed(format!(
+                "the API answered for another node than {node} (a load balancer?): point --api \
+                 at {node}'s own management API"
+            )));
+        };
+        if queues == 0 && !metadata {
+            println!("{node} leads no queue: it can be stopped");
+            return Ok(());
+        }
+        if Instant::now() >= until {
+            return Err(CliError::Failed(format!(
+                "{node} still leads {queues} queue(s){} after {wait} s: no other node can take \
+                 them (are the other nodes running? see /api/nodes); it stays in maintenance \
+                 mode",
+                if metadata { " and the metadata" } else { "" }
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The quorum queues' leaders per node as the API shows them (every running node not in
+/// maintenance mode, with 0 for one that leads none); queues without a leader under `""`.
+fn leaders(api: &Api) -> Result<BTreeMap<String, usize>, CliError> {
+    let mut led = BTreeMap::new();
+    let nodes = api.get("/nodes", "the cluster's nodes")?;
+    for n in nodes.as_array().into_iter().flatten() {
+        if n["running"] == true && n["being_drained"] != true {
+            if let Some(name) = n["name"].as_str() {
+                led.insert(name.to_owned(), 0);
+            }
+        }
+    }
+    let queues = api.get("/queues?columns=name,type,leader", "the queues")?;
+    for q in queues.as_array().into_iter().flatten() {
+        if q["type"] != "quorum" {
+            continue;
+        }
+        let leader = q["leader"].as_str().unwrap_or("").to_owned();
+        *led.entry(leader).or_default() += 1;
+    }
+    Ok(led)
+}
+
+/// How far apart the most and the fewest leaderships of a node are.
+fn spread(led: &BTreeMap<String, usize>) -> usize {
+    let counts: Vec<usize> = led
+        .iter()
+        .filter(|(n, _)| !n.is_empty())
+        .map(|(_, c)| *c)
+        .collect();
+    let most = counts.iter().copied().max().unwrap_or(0);
+    let fewest = counts.iter().copied().min().unwrap_or(0);
+    most - fewest
+}
+
+fn show(round: usize, led: &BTreeMap<String, usize>) {
+    let list: Vec<String> = led
+        .iter()
+        .map(|(n, c)| {
+            if n.is_empty() {
+                format!("no leader {c}")
+            } else {
+                format!("{n} {c}")
+            }
+        })
+        .collect();
+    println!("round {round}: quorum queue leaders: {}", list.join(", "));
+}
+
+/// Asks for rebalance rounds until the leaders are even (one apart at most), nothing moves
+/// any more, or `wait` seconds have passed.
+fn rebalance(api: &Api, wait: f64) -> Result<(), CliError> {
+    let until = deadline(seconds(wait));
+    let mut led = leaders(api)?;
+    show(0, &led);
+    let mut round = 0;
+    let mut still = 0;
+    while spread(&led) > 1 {
+        if Instant::now() >= until {
+            return Err(CliError::Failed(format!(
+                "the leaders are still uneven after {wait} s; run it again, or see the nodes' \
+                 logs (a node that is down or in maintenance mode takes none)"
+            )));
+        }
+        round += 1;
+        api.call("POST", "/rebalance/queues", None, &[], "rebalancing")?;
+        // A transfer takes a few Raft rounds; the API's view of the leaders follows.
+        let settle = Instant::now() + Duration::from_secs(2);
+        let before = led.clone();
+        while Instant::now() < settle {
+            std::thread::sleep(Duration::from_millis(200));
+            led = leaders(api)?;
+            if spread(&led) <= 1 {
+                break;
+            }
+        }
+        show(round, &led);
+        still = if led == before { still + 1 } else { 0 };
+        if still >= 3 {
+            println!("nothing moved in the last rounds: leaving it as it is");
+            return Ok(());
+        }
+    }
+    println!("quorum queue leaders are even");
+    Ok(())
 }

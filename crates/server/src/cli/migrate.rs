@@ -287,7 +287,7 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
         println!("no queues to move");
         return Ok(());
     }
-    let quiet = Duration::from_secs_f64(a.quiet.max(0.0));
+    let quiet = super::maintenance::seconds(a.quiet);
     let started = Instant::now();
     let mut depths = Depths::new(&a.from_amqp);
     let mut moved_before = 0u64;

@@ -270,13 +270,18 @@ impl RaftNode {
         self.inner.node
     }
 
-    /// Creates a group with every node as a voter, unless it exists. `campaign` starts an
-    /// election here at once (the creator places the leader).
     /// Maintenance mode on or off: this node hands its leaderships away and stands for none.
     pub fn set_draining(&self, on: bool) {
         self.send(Command::Drain(on));
     }
 
+    /// Hands a group's leadership to another node, if this one leads it.
+    pub fn transfer_leader(&self, group: GroupId, to: NodeId) {
+        self.send(Command::Transfer(group, to));
+    }
+
+    /// Creates a group with every node as a voter, unless it exists. `campaign` starts an
+    /// election here at once (the creator places the leader).
     pub fn add_group(&self, group: GroupId, campaign: bool) {
         self.send(Command::AddGroup(group, campaign));
     }

@@ -27,6 +27,8 @@ pub(crate) enum Command {
     Snapshot(GroupId, StoredSnapshot),
     /// Maintenance mode on or off ([`MultiRaft::set_draining`]).
     Drain(bool),
+    /// Hand a group's leadership to a node ([`MultiRaft::transfer_leader`]).
+    Transfer(GroupId, NodeId),
     Shutdown,
 }
 
@@ -185,6 +187,11 @@ impl<E: RaftEvents> Driver<E> {
             }
             Command::Snapshot(group, snap) => self.save_snapshot(group, snap),
             Command::Drain(on) => self.raft.set_draining(on),
+            Command::Transfer(group, to) => {
+                if !self.raft.transfer_leader(group, to) {
+                    tracing::debug!(group = group.0, to, "leadership transfer not started");
+                }
+            }
             Command::Shutdown => self.stopping = true,
         }
     }
@@ -226,6 +233,7 @@ impl<E: RaftEvents> Driver<E> {
         let now = self.now_ms();
         self.raft.tick(now);
         let mut rd = self.raft.ready();
+        self.refused.append(&mut rd.refused);
         for b in std::mem::take(&mut rd.messages) {
             self.out.send(b);
         }

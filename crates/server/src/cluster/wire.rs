@@ -77,7 +77,11 @@ pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) ->
     }
     for f in &batch.forwards {
         let size = f.data.len();
-        if header + ENVELOPE_HEADER + size > max_payload || f.group.0 & FORWARD_BIT != 0 {
+        // The one group number whose marked form is the DRAINING marker cannot travel either.
+        if header + ENVELOPE_HEADER + size > max_payload
+            || f.group.0 & FORWARD_BIT != 0
+            || f.group.0 | FORWARD_BIT == DRAINING
+        {
             done.skipped += 1;
             continue;
         }

@@ -48,6 +48,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/nodes/{node}", get(one_node))
         .route("/api/nodes/{node}/drain", post(drain))
         .route("/api/nodes/{node}/revive", post(revive))
+        .route("/api/rebalance/queues", post(rebalance))
         .route("/api/extensions", get(extensions))
         .merge(super::access::routes())
         .merge(super::limits::routes())
@@ -387,15 +388,23 @@ async fn revive(State(api): ApiState, Admin(who): Admin, Path(node): Path<String
     maintenance(&api, &who.name, &node, false)
 }
 
-/// The replicated queues this node leads (and acts for) now.
+/// `POST /api/rebalance/queues` (as RabbitMQ's): the cluster evens out its quorum queues'
+/// leaders (see `Broker::rebalance`); answered once the request is on its way, 204. The
+/// transfers take a few Raft rounds: `warren ctl rebalance` waits and asks again.
+async fn rebalance(State(api): ApiState, Admin(who): Admin) -> Answer {
+    let asked = api.node.write(|n, _| n.broker_mut().rebalance())?;
+    if !asked {
+        return Err(ApiError::bad_request(
+            "this node is not in a cluster: there is nothing to rebalance",
+        ));
+    }
+    tracing::info!(by = %who.name, "rebalance of quorum queue leaders requested");
+    no_content()
+}
+
+/// The replicated queues this node's Raft leads now.
 fn queues_led_here(api: &Api) -> usize {
-    api.node.read(|n, _| {
-        let b = n.broker();
-        b.replica_groups()
-            .into_iter()
-            .filter(|(_, q)| b.acts_on(*q))
-            .count()
-    })
+    api.node.read(|n, _| n.broker().queues_led_here())
 }
 
 fn maintenance(api: &Api, by: &str, node: &str, on: bool) -> Answer {
@@ -410,7 +419,7 @@ fn maintenance(api: &Api, by: &str, node: &str, on: bool) -> Answer {
             api.node_name
         )));
     }
-    let closed = api.node.set_draining(on)?;
+    let closed = api.node.set_draining(on);
     tracing::warn!(
         by,
         draining = on,

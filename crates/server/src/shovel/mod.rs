@@ -272,6 +272,9 @@ struct Running {
     task: JoinHandle<worker::Ended>,
 }
 
+/// How long a worker that failed waits before it starts again.
+const RESTART_AFTER_FAILURE: Duration = Duration::from_secs(5);
+
 /// How long a stopped worker may take to close its connections (each close waits up to 2 s)
 /// before it is aborted.
 const STOP_WITHIN: Duration = Duration::from_secs(5);
@@ -335,6 +338,8 @@ fn look(node: &NodeHandle) -> Look {
 pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
     let mut running: HashMap<(String, String), Running> = HashMap::new();
     let mut seen: Option<(u64, bool)> = None;
+    // Workers that failed (a panic), and when they may start again.
+    let mut failed: HashMap<(String, String), tokio::time::Instant> = HashMap::new();
     let mut tick = tokio::time::interval(LOOK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -360,13 +365,29 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
                 }
                 Ok(_) => {}
                 Err(e) => {
-                    tracing::error!(vhost = %key.0, shovel = %key.1, error = %e, "shovel worker failed; starting it again");
+                    tracing::error!(vhost = %key.0, shovel = %key.1, error = %e, "shovel worker failed; starting it again in a while");
+                    let status = Status {
+                        state: State::Terminated,
+                        since: now_secs(),
+                        reason: Some(format!("its worker failed ({e}); it starts again")),
+                        uris: None,
+                        def: None,
+                        counters: Arc::new(Counters::default()),
+                    };
+                    shovels.with(|s| s.insert(key.clone(), status));
+                    failed.insert(key, tokio::time::Instant::now() + RESTART_AFTER_FAILURE);
                 }
             }
         }
         let restarts = shovels.take_restarts();
         let l = look(&node);
-        if seen == Some((l.generation, l.runs)) && restarts.is_empty() && !finished_any {
+        let now = tokio::time::Instant::now();
+        failed.retain(|_, at| *at > now);
+        if seen == Some((l.generation, l.runs))
+            && restarts.is_empty()
+            && !finished_any
+            && failed.is_empty()
+        {
             continue;
         }
         seen = Some((l.generation, l.runs));
@@ -386,11 +407,17 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
             .filter(|(k, r)| wanted.get(*k) != Some(&r.value) || restarts.contains(*k))
             .map(|(k, _)| k.clone())
             .collect();
-        for key in gone {
-            if let Some(r) = running.remove(&key) {
-                if !stop_worker(&r.stop, r.task).await {
-                    tracing::warn!(vhost = %key.0, shovel = %key.1, "a stopped shovel did not close its connections in time: aborted");
-                }
+        // Every one told first, so that none moves messages while another closes.
+        let stopping: Vec<((String, String), Running)> = gone
+            .into_iter()
+            .filter_map(|key| running.remove(&key).map(|r| (key, r)))
+            .collect();
+        for (_, r) in &stopping {
+            let _ = r.stop.send(true);
+        }
+        for (key, r) in stopping {
+            if !stop_worker(&r.stop, r.task).await {
+                tracing::warn!(vhost = %key.0, shovel = %key.1, "a stopped shovel did not close its connections in time: aborted");
             }
             shovels.with(|s| s.remove(&key));
         }
@@ -398,7 +425,7 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
         // run, say, and was deleted since).
         shovels.with(|s| s.retain(|k, _| wanted.contains_key(k)));
         for (key, value) in wanted {
-            if running.contains_key(&key) {
+            if running.contains_key(&key) || failed.contains_key(&key) {
                 continue;
             }
             let def = serde_json::from_str::<Value>(&value)
