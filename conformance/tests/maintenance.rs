@@ -222,5 +222,8 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
     assert!(said.contains("leaders are even"), "{said}");
     let (_, v) = Api::of(c.node(d)).call("GET", &format!("/nodes/{drained}"), None);
     let led = v["cluster"]["queues_led"].as_u64().unwrap_or(0);
-    assert!(led >= 2, "the revived node leads {led} of 7 after the rebalance: {said}");
+    assert!(
+        led >= 2,
+        "the revived node leads {led} of 7 after the rebalance: {said}"
+    );
 }

@@ -671,7 +671,9 @@ impl MultiRaft {
         g.quiet_ticks = 0;
         self.wake(group);
         self.touched.insert(group);
-        if state == StateRole::Leader && (transferring || self.held.contains_key(&group)) {
+        if state == StateRole::Leader
+            && (transferring || (!self.held.is_empty() && self.held.contains_key(&group)))
+        {
             self.held.entry(group).or_default().push(data);
             return Ok(());
         }

@@ -91,7 +91,10 @@ fn proposals_made_during_a_transfer_are_held_then_committed_or_handed_back() {
     let mut held = 0;
     for g in &led {
         let n = sim.nodes.get_mut(&1).expect("node 1");
-        if n.raft.propose(GroupId(*g), format!("during {g}").into_bytes()).is_ok() {
+        if n.raft
+            .propose(GroupId(*g), format!("during {g}").into_bytes())
+            .is_ok()
+        {
             held += 1;
         }
     }
@@ -107,7 +110,11 @@ fn proposals_made_during_a_transfer_are_held_then_committed_or_handed_back() {
     assert_eq!(committed + refused.len(), led.len(), "{refused:?}");
     for (g, data, leader) in refused {
         assert!(data.starts_with(b"during"));
-        assert_ne!(leader, Some(1), "group {g:?} handed back with its new leader");
+        assert_ne!(
+            leader,
+            Some(1),
+            "group {g:?} handed back with its new leader"
+        );
     }
     assert_eq!(led_by(&sim, 1), 0);
 }
