@@ -473,6 +473,12 @@ impl MultiRaft {
         true
     }
 
+    /// Maintenance mode holds while another node can lead: with every other node down or
+    /// draining too, this one leads again rather than leave its groups without a leader.
+    fn draining_in_effect(&self) -> bool {
+        self.draining && self.peers.values().any(|p| p.up && !p.draining)
+    }
+
     /// This node is in maintenance mode.
     pub fn is_draining(&self) -> bool {
         self.draining
@@ -629,6 +635,9 @@ impl MultiRaft {
     pub fn remove_group(&mut self, id: GroupId) -> bool {
         self.awake.remove(&id);
         self.touched.remove(&id);
+        // What it held goes with it (its queue is gone; a group made again under the same
+        // number is another queue).
+        self.held.remove(&id);
         self.groups.remove(&id).is_some()
     }
 
@@ -671,9 +680,8 @@ impl MultiRaft {
         g.quiet_ticks = 0;
         self.wake(group);
         self.touched.insert(group);
-        if state == StateRole::Leader
-            && (transferring || (!self.held.is_empty() && self.held.contains_key(&group)))
-        {
+        // Behind what is held, whatever this node is now: answers keep their order.
+        if (state == StateRole::Leader && transferring) || self.held.contains_key(&group) {
             self.held.entry(group).or_default().push(data);
             return Ok(());
         }
@@ -707,6 +715,7 @@ impl MultiRaft {
                 self.drain_changes.push((batch.from, batch.draining));
             }
         }
+        let draining = self.draining_in_effect();
         for env in batch.msgs {
             if env.msg.from != batch.from || env.msg.to != self.cfg.node {
                 tracing::warn!(
@@ -714,6 +723,11 @@ impl MultiRaft {
                     from = batch.from,
                     "misaddressed raft message"
                 );
+                continue;
+            }
+            if draining && env.msg.get_msg_type() == MessageType::MsgTimeoutNow {
+                // A transfer to this node from a leader that had not heard it drains: the
+                // leader gives it up after its election timeout and tries another.
                 continue;
             }
             let Some(g) = self.groups.get_mut(&env.group) else {
@@ -855,9 +869,7 @@ impl MultiRaft {
             self.peer_changes.push((node, false));
             self.wake_orphans_of(node);
         }
-        // Maintenance mode holds while another node can lead: with every other node down or
-        // draining too, this one leads again rather than leave its groups without a leader.
-        let draining = self.draining && self.peers.values().any(|p| p.up && !p.draining);
+        let draining = self.draining_in_effect();
         if draining {
             // Groups still led here wake, to hand their leadership over.
             let led: Vec<GroupId> = self.leading().collect();
@@ -876,15 +888,6 @@ impl MultiRaft {
                     hand_over(&mut g.raw, &self.peers);
                     g.raw.tick();
                 } else {
-                    if matches!(
-                        g.raw.raft.state,
-                        StateRole::Candidate | StateRole::PreCandidate
-                    ) {
-                        // A campaign it was asked for (a transfer from a leader that did not
-                        // know it drains) that did not win: it stands no more.
-                        let term = g.raw.raft.term;
-                        g.raw.raft.become_follower(term, INVALID_ID);
-                    }
                     // A follower's tick only counts towards its election: count, up to the
                     // timeout (past it, this member's lease is over and it grants votes to
                     // others), but never campaign.
@@ -935,10 +938,12 @@ impl MultiRaft {
                 continue;
             };
             if r.state == StateRole::Leader {
+                let me = r.id;
                 for data in list {
                     if let Err(e) = g.raw.propose(vec![], data.clone()) {
                         tracing::warn!(group = id.0, error = %e, "a held proposal was refused");
-                        refused.push((id, data, None));
+                        // Refused by the leader it still is (as `try_propose` says it).
+                        refused.push((id, data, Some(me)));
                     }
                 }
             } else {
@@ -1131,22 +1136,23 @@ fn hand_over(raw: &mut RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) {
     }
 }
 
-/// A peer (`only` that one, if given) that is up, not draining and has the leader's whole
-/// log; the lowest-numbered among them.
+/// A peer (`only` that one, if given) that is up, not draining and replicating (not waiting
+/// for a snapshot or probing), the most caught-up one. raft-rs sends it the rest of the log
+/// and then `TimeoutNow`; proposals are held meanwhile, so the log stops growing and the
+/// catch-up is short.
 fn caught_up_peer(
     raw: &RawNode<GroupLog>,
     peers: &BTreeMap<NodeId, Peer>,
     only: Option<NodeId>,
 ) -> Option<NodeId> {
     let r = &raw.raft;
-    let last = r.raft_log.last_index();
     r.prs()
         .iter()
-        .filter(|(id, pr)| **id != r.id && pr.matched == last)
+        .filter(|(id, pr)| **id != r.id && pr.state == raft::ProgressState::Replicate)
         .filter(|(id, _)| only.is_none_or(|o| o == **id))
         .filter(|(id, _)| peers.get(id).is_some_and(|p| p.up && !p.draining))
+        .max_by_key(|(id, pr)| (pr.matched, std::cmp::Reverse(**id)))
         .map(|(id, _)| *id)
-        .min()
 }
 
 /// Nothing to do: all entries committed and applied; a leader's live followers have every entry

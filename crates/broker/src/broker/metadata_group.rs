@@ -126,12 +126,22 @@ impl MetaState {
     /// The entry to send now, if any: the one in flight (made from what is queued when there
     /// is none), once a leader is known.
     fn send(&mut self, node: NodeId, now: u64, again: bool) -> Option<Proposal> {
-        let stored = self
+        let mut stored = self
             .queued
             .iter()
             .take(OPS_PER_ENTRY)
             .take_while(|w| w.batch <= self.written)
             .count();
+        // An op a node of an older version cannot read (it skips the whole entry) travels in
+        // an entry of its own, so that it takes nothing else with it.
+        if let Some(i) = self
+            .queued
+            .iter()
+            .take(stored)
+            .position(|w| matches!(w.op, MetaOp::Rebalance))
+        {
+            stored = stored.min(i.max(1));
+        }
         if self.in_flight.is_none() && stored > 0 {
             let ops: Vec<(u64, MetaOp)> = self
                 .queued

@@ -133,15 +133,16 @@ fn drain(api: &Api, wait: f64) -> Result<(), CliError> {
     }
 }
 
-/// The quorum queues' leaders per node as the API shows them (every running node not in
-/// maintenance mode, with 0 for one that leads none); queues without a leader under `""`.
-fn leaders(api: &Api) -> Result<BTreeMap<String, usize>, CliError> {
+/// The quorum queues' leaders per node as the API shows them: every running node not in
+/// maintenance mode, with 0 for one that leads none; the others (a drained node, no leader
+/// known: `""`) too, but [`spread`] leaves them out (`Some` marks the nodes that take part).
+fn leaders(api: &Api) -> Result<BTreeMap<String, (usize, bool)>, CliError> {
     let mut led = BTreeMap::new();
     let nodes = api.get("/nodes", "the cluster's nodes")?;
     for n in nodes.as_array().into_iter().flatten() {
         if n["running"] == true && n["being_drained"] != true {
             if let Some(name) = n["name"].as_str() {
-                led.insert(name.to_owned(), 0);
+                led.insert(name.to_owned(), (0, true));
             }
         }
     }
@@ -151,32 +152,30 @@ fn leaders(api: &Api) -> Result<BTreeMap<String, usize>, CliError> {
             continue;
         }
         let leader = q["leader"].as_str().unwrap_or("").to_owned();
-        *led.entry(leader).or_default() += 1;
+        led.entry(leader).or_insert((0, false)).0 += 1;
     }
     Ok(led)
 }
 
 /// How far apart the most and the fewest leaderships of a node are.
-fn spread(led: &BTreeMap<String, usize>) -> usize {
+fn spread(led: &BTreeMap<String, (usize, bool)>) -> usize {
     let counts: Vec<usize> = led
-        .iter()
-        .filter(|(n, _)| !n.is_empty())
-        .map(|(_, c)| *c)
+        .values()
+        .filter(|(_, takes_part)| *takes_part)
+        .map(|(c, _)| *c)
         .collect();
     let most = counts.iter().copied().max().unwrap_or(0);
     let fewest = counts.iter().copied().min().unwrap_or(0);
     most - fewest
 }
 
-fn show(round: usize, led: &BTreeMap<String, usize>) {
+fn show(round: usize, led: &BTreeMap<String, (usize, bool)>) {
     let list: Vec<String> = led
         .iter()
-        .map(|(n, c)| {
-            if n.is_empty() {
-                format!("no leader {c}")
-            } else {
-                format!("{n} {c}")
-            }
+        .map(|(n, (c, takes_part))| match (n.is_empty(), takes_part) {
+            (true, _) => format!("no leader {c}"),
+            (false, true) => format!("{n} {c}"),
+            (false, false) => format!("{n} {c} (down or in maintenance mode)"),
         })
         .collect();
     println!("round {round}: quorum queue leaders: {}", list.join(", "));
@@ -212,8 +211,11 @@ fn rebalance(api: &Api, wait: f64) -> Result<(), CliError> {
         show(round, &led);
         still = if led == before { still + 1 } else { 0 };
         if still >= 3 {
-            println!("nothing moved in the last rounds: leaving it as it is");
-            return Ok(());
+            return Err(CliError::Failed(
+                "nothing moved in the last three rounds and the leaders are still uneven (a \
+                 member catching up takes no leadership); run it again later"
+                    .into(),
+            ));
         }
     }
     println!("quorum queue leaders are even");
