@@ -723,22 +723,10 @@ fn take_deliveries(c: &mut Cluster, node: u64, n: usize, steps: u32) -> Vec<Deli
 fn balanced_queues_get_their_first_leaders_spread_over_the_nodes() {
     let mut c = Cluster::new();
     c.leader();
-    let mut args = quorum_args();
-    args.insert("x-queue-leader-locator", FieldValue::long_str("balanced"));
     let names: Vec<String> = (0..6).map(|i| format!("balanced-{i}")).collect();
     for name in &names {
-        let req = DeclareQueue {
-            name: ShortStr::from_string(name.clone()),
-            passive: false,
-            durable: true,
-            exclusive: false,
-            auto_delete: false,
-            arguments: args.clone(),
-        };
         // Declared at once, one after another, before any of their leaders is known.
-        c.broker(1)
-            .declare_queue("/", req, conn(1, 1))
-            .expect("declare");
+        declare_on(&mut c, 1, name, true);
     }
     c.run(300);
     let mut led: BTreeMap<u64, usize> = BTreeMap::new();
