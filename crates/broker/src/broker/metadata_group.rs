@@ -831,6 +831,33 @@ mod tests {
     }
 
     #[test]
+    fn a_rebalance_travels_in_an_entry_of_its_own() {
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        declare(&mut b, "a");
+        assert!(b.rebalance());
+        declare(&mut b, "b");
+        let mut kinds = Vec::new();
+        for index in 1..=3 {
+            let out = sent(&mut b);
+            assert_eq!(out.len(), 1, "entry {index}");
+            let entry = decode_entry(&out[0]).expect("entry");
+            kinds.push(
+                entry
+                    .ops
+                    .iter()
+                    .map(|(_, op)| matches!(op, MetaOp::Rebalance))
+                    .collect::<Vec<_>>(),
+            );
+            // Applied by the log: the next entry goes.
+            b.apply_committed(&[own(index, out[0].clone())]);
+        }
+        // An older node that cannot read the rebalance skips it and nothing else.
+        assert_eq!(kinds, vec![vec![false], vec![true], vec![false]]);
+        assert!(b.exchange_exists("/", "a") && b.exchange_exists("/", "b"));
+    }
+
+    #[test]
     fn numbers_go_on_past_what_the_store_has_of_this_node_even_if_the_clock_went_back() {
         let mut b = node_two();
         let high = 40 << 20;
