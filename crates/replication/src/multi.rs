@@ -463,7 +463,7 @@ impl MultiRaft {
         let r = &g.raw.raft;
         if r.state != StateRole::Leader
             || r.lead_transferee.is_some()
-            || caught_up_peer(&g.raw, &self.peers, Some(to)).is_none()
+            || transfer_target(&g.raw, &self.peers, Some(to)).is_none()
         {
             return false;
         }
@@ -1123,15 +1123,13 @@ impl MultiRaft {
     }
 }
 
-/// Starts a leader's transfer to a peer that is up, not draining and has the whole log (none
-/// such: it stays and tries again at the next tick, as the log reaches them; RabbitMQ skips
-/// the transfer without a candidate). A caught-up target campaigns at once, so the transfer,
-/// and the proposals held meanwhile, last one round trip.
+/// Starts a leader's transfer to a [`transfer_target`] (none such: it stays and tries again at
+/// the next tick; RabbitMQ skips the transfer without a candidate).
 fn hand_over(raw: &mut RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) {
     if raw.raft.lead_transferee.is_some() {
         return;
     }
-    if let Some(to) = caught_up_peer(raw, peers, None) {
+    if let Some(to) = transfer_target(raw, peers, None) {
         raw.transfer_leader(to);
     }
 }
@@ -1140,7 +1138,7 @@ fn hand_over(raw: &mut RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) {
 /// for a snapshot or probing), the most caught-up one. raft-rs sends it the rest of the log
 /// and then `TimeoutNow`; proposals are held meanwhile, so the log stops growing and the
 /// catch-up is short.
-fn caught_up_peer(
+fn transfer_target(
     raw: &RawNode<GroupLog>,
     peers: &BTreeMap<NodeId, Peer>,
     only: Option<NodeId>,

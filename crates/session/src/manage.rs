@@ -128,10 +128,16 @@ impl Node {
         if !on {
             return 0;
         }
+        self.close_all("Node was put into maintenance mode", now)
+    }
+
+    /// Every connection closed with 320 CONNECTION_FORCED and this text (one not open yet is
+    /// dropped); how many there were.
+    pub(crate) fn close_all(&mut self, text: &str, now: u64) -> usize {
         let ids: Vec<ConnId> = self.conns.keys().copied().collect();
         let mut closed = 0;
         for conn in ids {
-            if self.force_close(conn, "Node was put into maintenance mode".to_owned(), now) {
+            if self.force_close(conn, text.to_owned(), now) {
                 closed += 1;
             }
         }

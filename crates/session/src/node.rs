@@ -1194,23 +1194,10 @@ impl Node {
 
     /// The broker is shutting down: every open connection gets connection.close 320.
     pub fn shutdown(&mut self, now: u64) {
-        let ids: Vec<ConnId> = self.conns.keys().copied().collect();
-        for id in ids {
-            let fault = Fault::new(
-                AmqpError::new(
-                    warren_codec::ReplyCode::ConnectionForced,
-                    "broker forced connection closure with reason 'shutdown'".to_string(),
-                ),
-                0,
-                0,
-            );
-            let open = self.conns.get(&id).is_some_and(|c| c.state == State::Open);
-            if open {
-                self.fail_connection(id, fault, now);
-            } else {
-                self.drop_connection(id);
-            }
-        }
+        self.close_all(
+            "broker forced connection closure with reason 'shutdown'",
+            now,
+        );
     }
 
     fn mark(&mut self, conn: ConnId) {

@@ -431,7 +431,7 @@ fn maintenance(api: &Api, by: &str, node: &str, on: bool) -> Answer {
         "node": api.node_name,
         "being_drained": on,
         "connections_closed": closed,
-        "queues_led_here": leading,
+        "queues_led": leading,
     }))
 }
 
