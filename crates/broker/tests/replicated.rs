@@ -49,6 +49,8 @@ struct Cluster {
     group: u64,
     /// Forwards between nodes are held back (delivered once this is false again).
     hold_forwards: bool,
+    /// Proposals Raft handed back to their brokers.
+    refusals: u32,
 }
 
 fn conn(node: u64, n: u64) -> u64 {
@@ -142,6 +144,7 @@ impl Cluster {
             isolated: BTreeSet::new(),
             group: 0,
             hold_forwards: false,
+            refusals: 0,
         };
         let req = DeclareQueue {
             name: "jobs".into(),
@@ -204,18 +207,26 @@ impl Cluster {
             m.broker.tick(now);
             let mut props = Vec::new();
             m.broker.take_proposals(&mut props);
+            // What Raft hands back, told after the leader changes, as the server's driver does.
+            let mut refused = Vec::new();
             for p in props {
                 match p.to {
                     None => {
-                        // Refused when this node no longer leads: the broker learns it from the
-                        // leader change and the proposal's answer never comes.
-                        let _ = m.raft.propose(GroupId(p.group), p.data);
+                        if let Err(r) = m.raft.try_propose(GroupId(p.group), p.data) {
+                            let leader = m.raft.leader_of(GroupId(p.group));
+                            refused.push((p.group, r.data, leader));
+                        }
                     }
                     Some(to) => self.forwards.push((to, p)),
                 }
             }
             m.raft.tick(now);
             let mut batch = m.raft.ready();
+            refused.extend(
+                std::mem::take(&mut batch.refused)
+                    .into_iter()
+                    .map(|(g, data, leader)| (g.0, data, leader)),
+            );
             self.net.append(&mut batch.messages);
             for (peer, up) in std::mem::take(&mut batch.peers) {
                 m.broker.set_peer_up(peer, up);
@@ -271,6 +282,10 @@ impl Cluster {
                     let term = m.raft.term_of(GroupId(g)).unwrap_or(0);
                     m.broker.set_leader(g, leader, term);
                 }
+            }
+            self.refusals += u32::try_from(refused.len()).unwrap_or(u32::MAX);
+            for (group, data, leader) in refused {
+                m.broker.proposal_refused(group, &data, leader);
             }
             while let Some(w) = m.broker.take_writes() {
                 m.written = w.number;
@@ -909,6 +924,43 @@ fn a_draining_node_gives_its_queues_away_and_is_given_no_new_leader() {
 }
 
 #[test]
+fn publishes_made_while_the_leader_hands_its_queue_over_are_confirmed_not_nacked() {
+    let mut c = Cluster::new();
+    assert_eq!(c.leader(), 1, "declared on node 1");
+    c.run(20);
+    c.broker(1).set_draining(true);
+    // A publish every step on the draining leader: some are proposed before the transfer,
+    // some held by Raft through it (handed back once node 1 follows), the rest forwarded.
+    let mut batches = Vec::new();
+    for n in 0..40 {
+        batches.push(c.publish(1, n));
+        c.step();
+        let nacked = c.broker(1).take_lost();
+        assert!(
+            nacked.is_none(),
+            "publish nacked during the transfer: {nacked:?}"
+        );
+    }
+    assert!(c.refusals > 0, "no proposal was held through the transfer");
+    let now = c.leader();
+    assert_ne!(now, 1);
+    let last = *batches.last().expect("published");
+    for _ in 0..200 {
+        if c.confirmed(1, last) {
+            break;
+        }
+        c.step();
+        assert!(c.broker(1).take_lost().is_none(), "a publish was nacked");
+    }
+    assert!(c.confirmed(1, last), "every publish confirmed");
+    // At least once each (a duplicate is allowed where the old term committed one after all).
+    let (ready, _) = c.counts(now);
+    assert!(ready >= 40, "{ready} messages queued of 40");
+    c.run(20);
+    assert_same_state(&c, &NODES);
+}
+
+#[test]
 fn a_node_is_quorum_critical_while_a_peer_is_down_and_not_once_it_is_back() {
     let mut c = Cluster::new();
     let critical = |c: &Cluster, n: u64| {
@@ -1314,7 +1366,9 @@ fn a_refused_proposal_nacks_what_waited_and_the_leader_acts_again_from_the_commi
     c.broker(leader).take_proposals(&mut lost);
     assert_eq!(lost.len(), 1);
     let group = c.group;
-    c.broker(leader).proposal_refused(group, true);
+    let data = lost.pop().expect("one").data;
+    c.broker(leader)
+        .proposal_refused(group, &data, Some(leader));
     assert!(c.broker(leader).take_lost().is_some_and(|l| l >= refused));
     assert_eq!(c.counts(leader), (1, 0), "back to what the log has");
     // It leads again once its new term's marker is applied.

@@ -219,6 +219,41 @@ impl<T> Proposals<T> {
         }
     }
 
+    /// The token of proposal `seq` in `group`, while it waits.
+    pub fn waiting_mut(&mut self, group: GroupId, seq: u64) -> Option<&mut T> {
+        self.waiting
+            .get_mut(&group)?
+            .iter_mut()
+            .find(|(s, _)| *s == seq)
+            .map(|(_, token)| token)
+    }
+
+    /// Gives up the proposals of `group` whose tokens `lost` picks (their entries can no
+    /// longer commit), in order; the others keep waiting for their entries.
+    pub fn lose_where(
+        &mut self,
+        group: GroupId,
+        mut lost: impl FnMut(&T) -> bool,
+        out: &mut Vec<Outcome<T>>,
+    ) {
+        let Some(line) = self.waiting.get_mut(&group) else {
+            return;
+        };
+        let mut kept = VecDeque::with_capacity(line.len());
+        for (seq, token) in line.drain(..) {
+            if lost(&token) {
+                out.push(Outcome::Lost(token));
+            } else {
+                kept.push_back((seq, token));
+            }
+        }
+        if kept.is_empty() {
+            self.waiting.remove(&group);
+        } else {
+            *line = kept;
+        }
+    }
+
     /// Proposals still waiting in all groups.
     pub fn len(&self) -> usize {
         self.waiting.values().map(VecDeque::len).sum()
@@ -339,6 +374,38 @@ mod tests {
         out.clear();
         p.applied(g, c, Reply::Ok, &mut out);
         assert!(out.is_empty());
+        let _ = b;
+    }
+
+    #[test]
+    fn giving_up_some_proposals_keeps_the_others_waiting_in_order() {
+        let g = GroupId(1);
+        let mut p = Proposals::new(1);
+        let _a = p.next(g, ("a", false));
+        let b = p.next(g, ("b", true));
+        let _c = p.next(g, ("c", false));
+        let d = p.next(g, ("d", true));
+        if let Some(t) = p.waiting_mut(g, d.seq) {
+            t.0 = "d2";
+        }
+        assert!(p.waiting_mut(GroupId(2), d.seq).is_none());
+        let mut out = Vec::new();
+        p.lose_where(g, |t| !t.1, &mut out);
+        assert_eq!(
+            out,
+            vec![Outcome::Lost(("a", false)), Outcome::Lost(("c", false))]
+        );
+        out.clear();
+        p.applied(g, d, Reply::Ok, &mut out);
+        assert_eq!(
+            out,
+            vec![
+                Outcome::Lost(("b", true)),
+                Outcome::Applied(("d2", true), Reply::Ok)
+            ]
+        );
+        p.lose_where(g, |_| true, &mut out);
+        assert!(p.is_empty());
         let _ = b;
     }
 }

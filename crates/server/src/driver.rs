@@ -221,14 +221,13 @@ impl crate::cluster::RaftEvents for RaftReports {
         });
     }
 
-    fn refused(&self, group: warren_broker::GroupId, _data: Vec<u8>, leader: Option<u64>) {
-        // The queue ran ahead with it: it falls back and nacks what waited (a leader change,
-        // reported as `leaders` too, or an entry too large while this node still leads).
+    fn refused(&self, group: warren_broker::GroupId, data: Vec<u8>, leader: Option<u64>) {
+        // Held through a leadership transfer, a publish goes on to the new leader; otherwise
+        // the queue ran ahead with it and falls back, nacking what waited (a leader change,
+        // reported as `leaders` first, or an entry too large while this node still leads).
         tracing::debug!(group = group.0, ?leader, "proposal refused by raft");
-        self.0.with_node(|node, now| {
-            let here = node.broker().cluster_node();
-            node.proposal_refused(group.0, leader.is_some() && leader == here, now);
-        });
+        self.0
+            .with_node(|node, now| node.proposal_refused(group.0, &data, leader, now));
     }
 
     fn forwarded(&self, entries: Vec<(u64, crate::cluster::Forward)>) {

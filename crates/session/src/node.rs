@@ -306,9 +306,9 @@ impl Node {
     }
 
     /// Raft refused a proposal for `group` (see `Broker::proposal_refused`).
-    pub fn proposal_refused(&mut self, group: u64, still_leads: bool, now: u64) {
+    pub fn proposal_refused(&mut self, group: u64, data: &[u8], leader: Option<u64>, now: u64) {
         self.broker.advance_time(now);
-        self.broker.proposal_refused(group, still_leads);
+        self.broker.proposal_refused(group, data, leader);
         self.after_replication(now);
     }
 

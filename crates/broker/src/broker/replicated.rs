@@ -227,11 +227,27 @@ impl Cluster {
         };
         self.proposals.applied(GroupId(group), all, Reply::Ok, out);
         if let Some(kept) = self.kept.get_mut(&group) {
-            kept.retain(|k| !k.confirm);
+            kept.retain_mut(|k| {
+                if k.confirm {
+                    // Taken out of the proposals at an election: answered here.
+                    if let Some(token) = k.token.take() {
+                        out.push(Outcome::Lost(token));
+                    }
+                }
+                !k.confirm
+            });
             if kept.is_empty() {
                 self.kept.remove(&group);
             }
         }
+    }
+
+    /// This node led `group` and a later leader's entry is applied: what it proposed as
+    /// leader and is not in the log by now never will be. What it forwarded since (to the
+    /// new leader, in the log after that entry) still waits for its own entry.
+    fn abandon_led(&mut self, group: u64, out: &mut Vec<Outcome<Token>>) {
+        self.proposals
+            .lose_where(GroupId(group), |t| !t.forwarded, out);
     }
 }
 
@@ -843,7 +859,11 @@ impl Broker {
             }
             return;
         }
-        let reissued = c.reissue.take();
+        // A forward proposed by this node now that it leads is its own proposal from here on.
+        let reissued = c.reissue.take().map(|t| Token {
+            forwarded: false,
+            ..t
+        });
         let token = reissued.unwrap_or_else(|| Token {
             batch: open_batch(self.persist.as_mut()),
             forwarded: false,
@@ -931,16 +951,34 @@ impl Broker {
     /// Sends one command to the queue's leader and keeps it until it is applied here (sent
     /// again to each new leader). A `confirm` waits in the store batch being filled.
     fn forward_one(&mut self, id: QueueId, command: &Command<Message>, confirm: bool) -> bool {
+        self.forward_keeping(id, command, confirm, None)
+    }
+
+    /// [`Broker::forward_one`], for a publish whose confirm already waits with `waiting`
+    /// (one this node proposed as leader that Raft handed back).
+    fn forward_keeping(
+        &mut self,
+        id: QueueId,
+        command: &Command<Message>,
+        confirm: bool,
+        waiting: Option<Token>,
+    ) -> bool {
         let now = self.now_ms;
-        let batch = if confirm {
-            open_batch(self.persist.as_mut())
-        } else {
-            0
+        let batch = match waiting {
+            Some(t) => t.batch,
+            None if confirm => open_batch(self.persist.as_mut()),
+            None => 0,
         };
         let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get(&id)) else {
+            if let (Some(c), Some(t)) = (self.cluster.as_mut(), waiting) {
+                c.settle(Outcome::Lost(t));
+            }
             return false;
         };
         let Some(r) = q.replica.as_ref() else {
+            if let Some(t) = waiting {
+                c.settle(Outcome::Lost(t));
+            }
             return false;
         };
         let leader = r.leader;
@@ -951,7 +989,7 @@ impl Broker {
         let origin = c.proposals.next(GroupId(r.group), token);
         match encode(now, origin, command) {
             Ok(data) => {
-                if confirm {
+                if confirm && waiting.is_none() {
                     c.wait_on(batch, now);
                 }
                 if let Some(leader) = leader {
@@ -973,7 +1011,10 @@ impl Broker {
             }
             Err(error) => {
                 tracing::error!(queue = id.0, %error, command = command.name(), "command not forwarded");
-                c.proposals.withdraw(GroupId(r.group), origin);
+                let token = c.proposals.withdraw(GroupId(r.group), origin);
+                if let (Some(token), Some(_)) = (token, waiting) {
+                    c.settle(Outcome::Lost(token));
+                }
                 false
             }
         }
@@ -1324,7 +1365,7 @@ impl Broker {
                 // A later leader's entry: what this node proposed while it led and is not in
                 // the log by now never will be.
                 r.stepped_down = None;
-                c.abandon(e.group.0, &mut outcomes);
+                c.abandon_led(e.group.0, &mut outcomes);
                 r.applied_own = r.proposed;
             }
             let meta = Meta {
@@ -1815,11 +1856,14 @@ impl Broker {
         }
     }
 
-    /// Raft refused a proposal of this node (it no longer leads, or the entry was too large):
+    /// Raft refused proposal `data` of this node, with `leader` leading the group as far as it
+    /// knows. Once this node has stepped down (a leadership transfer hands back what it held
+    /// meanwhile), a publish goes on to the new leader as a forward, keeping its confirm.
+    /// While the queue still acts here (Raft lost the lead first, or the entry was too large),
     /// the machine that ran ahead with it falls back to the committed state, what this node
     /// still waits for in the group is nacked, and, if Raft still has it lead, a new term
     /// marker brings it back to acting once everything before is applied.
-    pub fn proposal_refused(&mut self, group: u64, still_leads: bool) {
+    pub fn proposal_refused(&mut self, group: u64, data: &[u8], leader: Option<NodeId>) {
         let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
             return;
         };
@@ -1829,8 +1873,10 @@ impl Broker {
             .and_then(|q| q.replica.as_ref())
             .is_some_and(|r| !matches!(r.mode, Mode::Following));
         if !here {
+            self.forward_refused(id, group, data);
             return;
         }
+        let still_leads = leader.is_some() && leader == self.cluster_node();
         tracing::warn!(
             group,
             "a proposal was refused: the queue falls back to its committed state"
@@ -1860,6 +1906,41 @@ impl Broker {
                 .map_or(0, |r| r.term);
             self.set_leader(group, node, term);
         }
+    }
+
+    /// A publish this node proposed as leader and Raft handed back after it stepped down: sent
+    /// to whoever leads now with a new number (after this node's `Down` of itself, which
+    /// its step-down sent first), its confirm still waiting. If the old term committed it
+    /// after all, the publisher has a duplicate, never a loss. Anything else is dropped: its
+    /// consumer is gone, and the new leader's `Down` of this node gives back what it held.
+    fn forward_refused(&mut self, id: QueueId, group: u64, data: &[u8]) {
+        let Ok((head, command)) = decode(bytes::Bytes::copy_from_slice(data)) else {
+            return;
+        };
+        if !matches!(
+            command,
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
+        ) {
+            return;
+        }
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if head.origin.node != c.node {
+            // Another node's forward this node proposed for it: its sender keeps it and
+            // sends it to the new leader itself.
+            return;
+        }
+        // Answered already (lost at a later leader's entry): nothing waits any more.
+        let Some(token) = c.proposals.withdraw(GroupId(group), head.origin) else {
+            return;
+        };
+        self.down_self_once(id);
+        tracing::debug!(
+            group,
+            "a publish held through a leadership transfer goes to the new leader"
+        );
+        self.forward_keeping(id, &command, true, Some(token));
     }
 
     /// A queue that starts acting files its deadline and looks for work.
