@@ -184,6 +184,47 @@ def redrive_to_the_dead_letter_queue():
 
 
 @flow
+def redrive_policy_and_tags_set_on_a_queue_in_use():
+    """The common set-up order: the queue first, its DLQ and redrive policy after, with messages already in it."""
+    sqs = client()
+    url = sqs.create_queue(QueueName=unique("late-redrive"), tags={"team": "billing"})["QueueUrl"]
+    sqs.send_message(QueueUrl=url, MessageBody="already queued")
+    dlq = sqs.create_queue(QueueName=unique("late-dlq"))["QueueUrl"]
+    arn = sqs.get_queue_attributes(QueueUrl=dlq, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    sqs.set_queue_attributes(
+        QueueUrl=url,
+        Attributes={
+            "RedrivePolicy": json.dumps({"deadLetterTargetArn": arn, "maxReceiveCount": "2"}),
+            "VisibilityTimeout": "0",
+            "ReceiveMessageWaitTimeSeconds": "1",
+        },
+    )
+    got = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert got["VisibilityTimeout"] == "0", got
+    assert got["ReceiveMessageWaitTimeSeconds"] == "1", got
+    assert json.loads(got["RedrivePolicy"])["maxReceiveCount"] == 2, got
+    assert sqs.list_dead_letter_source_queues(QueueUrl=dlq)["queueUrls"] == [url]
+    for _ in range(2):
+        assert len(sqs.receive_message(QueueUrl=url)["Messages"]) == 1
+    assert "Messages" not in sqs.receive_message(QueueUrl=url), "still in the source queue"
+    dead = sqs.receive_message(QueueUrl=dlq, WaitTimeSeconds=2)["Messages"]
+    assert [m["Body"] for m in dead] == ["already queued"], dead
+    try:
+        sqs.set_queue_attributes(QueueUrl=url, Attributes={"MessageRetentionPeriod": "30"})
+        raise AssertionError("a retention period under 60 s was taken")
+    except sqs.exceptions.ClientError as e:
+        assert e.response["Error"]["Code"] == "InvalidAttributeValue", e.response
+    sqs.tag_queue(QueueUrl=url, Tags={"env": "staging", "team": "payments"})
+    assert sqs.list_queue_tags(QueueUrl=url)["Tags"] == {"team": "payments", "env": "staging"}
+    sqs.untag_queue(QueueUrl=url, TagKeys=["team"])
+    assert sqs.list_queue_tags(QueueUrl=url)["Tags"] == {"env": "staging"}
+    sqs.untag_queue(QueueUrl=url, TagKeys=["env"])
+    assert "Tags" not in sqs.list_queue_tags(QueueUrl=url)
+    sqs.delete_queue(QueueUrl=url)
+    sqs.delete_queue(QueueUrl=dlq)
+
+
+@flow
 def amqp_publish_received_by_boto3_and_back():
     sqs = client()
     name = unique("shared")

@@ -58,6 +58,13 @@ def queues_and_their_attributes():
     attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
     assert attrs["VisibilityTimeout"] == "45" and attrs["ApproximateNumberOfMessages"] == "0", attrs
     assert attrs["QueueArn"].endswith(":" + name), attrs
+    sqs.set_queue_attributes(QueueUrl=url, Attributes={"VisibilityTimeout": "5", "DelaySeconds": "2"})
+    attrs = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["All"])["Attributes"]
+    assert attrs["VisibilityTimeout"] == "5" and attrs["DelaySeconds"] == "2", attrs
+    sqs.tag_queue(QueueUrl=url, Tags={"team": "billing", "env": "staging"})
+    assert sqs.list_queue_tags(QueueUrl=url)["Tags"] == {"team": "billing", "env": "staging"}
+    sqs.untag_queue(QueueUrl=url, TagKeys=["env"])
+    assert sqs.list_queue_tags(QueueUrl=url)["Tags"] == {"team": "billing"}
     sqs.delete_queue(QueueUrl=url)
     try:
         sqs.get_queue_url(QueueName=name)

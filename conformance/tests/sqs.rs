@@ -905,3 +905,125 @@ async fn a_long_poll_that_cannot_take_a_message_does_not_spin() {
         "the broker used {cpu:.2} s of CPU during a 2 s poll"
     );
 }
+
+#[test]
+fn set_queue_attributes_and_tags_change_a_live_queue_and_survive_a_restart() {
+    let mut b = TestBroker::start();
+    if skipped(&b) {
+        return;
+    }
+    let c = Client::new(&b);
+    let name = unique("sqs-live");
+    let url = c.create(&name, json!({}));
+    let attrs = |c: &Client, url: &str| -> Value {
+        c.call(
+            "GetQueueAttributes",
+            json!({"QueueUrl": url, "AttributeNames": ["All"]}),
+        )
+        .ok()["Attributes"]
+            .clone()
+    };
+    c.send(&url, "queued before");
+    // A redrive policy set on a queue that holds a message: the message's receives count.
+    let dlq = c.create(&unique("sqs-live-dlq"), json!({}));
+    let dlq_arn = attrs(&c, &dlq)["QueueArn"].as_str().unwrap().to_owned();
+    let redrive = json!({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": 1}).to_string();
+    c.call(
+        "SetQueueAttributes",
+        json!({"QueueUrl": url, "Attributes": {"VisibilityTimeout": "0", "RedrivePolicy": redrive}}),
+    )
+    .ok();
+    let now = attrs(&c, &url);
+    assert_eq!(now["VisibilityTimeout"], "0");
+    assert_eq!(now["MessageRetentionPeriod"], "345600", "untouched");
+    let got = c.receive(&url, json!({}));
+    assert_eq!(got.len(), 1, "the queued message stays");
+    // Received once with a visibility of 0: the next receive moves it to the DLQ.
+    assert!(c.receive(&url, json!({})).is_empty());
+    let dead = c.receive(&dlq, json!({"WaitTimeSeconds": 2}));
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0]["Body"], "queued before");
+    // Removing the redrive policy; refusals leave the queue as it was.
+    c.call(
+        "SetQueueAttributes",
+        json!({"QueueUrl": url, "Attributes": {"RedrivePolicy": "", "DelaySeconds": "1"}}),
+    )
+    .ok();
+    assert!(attrs(&c, &url).get("RedrivePolicy").is_none());
+    for (attrs_given, code) in [
+        (
+            json!({"VisibilityTimeout": "43201"}),
+            "InvalidAttributeValue",
+        ),
+        (json!({"FifoQueue": "true"}), "InvalidAttributeValue"),
+        (
+            json!({"ContentBasedDeduplication": "true"}),
+            "InvalidAttributeName",
+        ),
+        (json!({"Colour": "blue"}), "InvalidAttributeName"),
+        (
+            json!({"RedrivePolicy": json!({"deadLetterTargetArn":
+                "arn:aws:sqs:us-east-1:000000000000:no-such-queue", "maxReceiveCount": 2}).to_string()}),
+            "InvalidParameterValueException",
+        ),
+    ] {
+        let r = c.call(
+            "SetQueueAttributes",
+            json!({"QueueUrl": url, "Attributes": attrs_given}),
+        );
+        assert_eq!((r.status, r.error()), (400, code), "{attrs_given}");
+    }
+    assert_eq!(attrs(&c, &url)["VisibilityTimeout"], "0");
+
+    // Tags: at creation, added, changed, removed.
+    let tagged_name = unique("sqs-tags");
+    let tagged = c
+        .call(
+            "CreateQueue",
+            json!({"QueueName": tagged_name, "tags": {"team": "billing"}}),
+        )
+        .ok()["QueueUrl"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let tags = |c: &Client, url: &str| c.call("ListQueueTags", json!({"QueueUrl": url})).ok();
+    assert_eq!(tags(&c, &tagged)["Tags"], json!({"team": "billing"}));
+    c.call(
+        "TagQueue",
+        json!({"QueueUrl": tagged, "Tags": {"team": "payments", "env": "staging"}}),
+    )
+    .ok();
+    assert_eq!(
+        tags(&c, &tagged)["Tags"],
+        json!({"team": "payments", "env": "staging"})
+    );
+    c.call(
+        "UntagQueue",
+        json!({"QueueUrl": tagged, "TagKeys": ["env", "absent"]}),
+    )
+    .ok();
+    assert_eq!(tags(&c, &tagged)["Tags"], json!({"team": "payments"}));
+    let many: serde_json::Map<String, Value> =
+        (0..51).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let r = c.call("TagQueue", json!({"QueueUrl": tagged, "Tags": many}));
+    assert_eq!(
+        (r.status, r.error()),
+        (400, "InvalidParameterValueException")
+    );
+
+    b.restart(true);
+    let c = Client::new(&b);
+    let url_of = |c: &Client, name: &str| {
+        c.call("GetQueueUrl", json!({"QueueName": name})).ok()["QueueUrl"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (url, tagged) = (url_of(&c, &name), url_of(&c, &tagged_name));
+    let after = attrs(&c, &url);
+    assert_eq!(after["VisibilityTimeout"], "0", "kept across the restart");
+    assert_eq!(after["DelaySeconds"], "1");
+    assert_eq!(tags(&c, &tagged)["Tags"], json!({"team": "payments"}));
+    let untagged = c.call("ListQueueTags", json!({"QueueUrl": url})).ok();
+    assert!(untagged.get("Tags").is_none(), "{untagged}");
+}

@@ -1800,6 +1800,32 @@ fn user(name: &str, tag: &str) -> warren_broker::access::UserDef {
 }
 
 #[test]
+fn a_quorum_queues_arguments_changed_on_any_node_change_on_every_member() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    for n in 0..4 {
+        c.publish(leader, n);
+    }
+    c.run(20);
+    assert_counts(&c, &NODES, (4, 0));
+    // Node 3 neither leads the queue nor the metadata group: the change goes through the
+    // metadata log, and the queue's new limit through the queue's own log.
+    let mut args = quorum_args();
+    args.insert("x-max-length", FieldValue::I64(2));
+    c.broker(3)
+        .set_queue_arguments("/", "jobs", args.clone(), None)
+        .expect("changed");
+    let everywhere = until_everywhere(&mut c, 100, |b| {
+        b.queue_snapshot("/", "jobs")
+            .is_some_and(|q| q.arguments == args)
+    });
+    assert!(everywhere, "the new arguments reached every node");
+    c.run(30);
+    assert_same_state(&c, &NODES);
+    assert_counts(&c, &NODES, (2, 0));
+}
+
+#[test]
 fn definitions_made_on_any_node_reach_every_node_and_route_there() {
     use warren_broker::access::{Perm, PermissionDef, Resource};
     use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};

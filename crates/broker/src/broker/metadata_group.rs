@@ -132,13 +132,11 @@ impl MetaState {
             .take(OPS_PER_ENTRY)
             .take_while(|w| w.batch <= self.written)
             .count();
-        // An op a node of an older version cannot read (it skips the whole entry) travels in
-        // an entry of its own, so that it takes nothing else with it.
         if let Some(i) = self
             .queued
             .iter()
             .take(stored)
-            .position(|w| matches!(w.op, MetaOp::Rebalance))
+            .position(|w| w.op.travels_alone())
         {
             stored = stored.min(i.max(1));
         }
@@ -484,6 +482,14 @@ impl Broker {
                 }
                 None
             }
+            MetaOp::SetQueueArguments {
+                vhost,
+                name,
+                arguments,
+            } => self
+                .set_queue_arguments(&vhost, &name, arguments, None)
+                .err()
+                .and_then(err),
             MetaOp::DeclareExchange {
                 vhost,
                 name,

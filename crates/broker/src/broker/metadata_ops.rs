@@ -43,6 +43,13 @@ pub(crate) enum MetaOp {
         vhost: String,
         name: ShortStr,
     },
+    /// A replicated queue's arguments replaced (SQS's SetQueueAttributes and tags). Unknown
+    /// to nodes of earlier versions: it travels in an entry of its own.
+    SetQueueArguments {
+        vhost: String,
+        name: ShortStr,
+        arguments: FieldTable,
+    },
     DeclareExchange {
         vhost: String,
         name: String,
@@ -121,12 +128,18 @@ pub(super) struct Entry {
 }
 
 impl MetaOp {
+    /// An operation nodes of an older version cannot read (they skip the whole entry that
+    /// holds it): it travels in an entry of its own, so that it takes nothing else with it.
+    pub(super) fn travels_alone(&self) -> bool {
+        matches!(self, MetaOp::Rebalance | MetaOp::SetQueueArguments { .. })
+    }
+
     /// What the operation changes, as a key: two operations on one object share it.
     pub(super) fn object(&self) -> String {
         match self {
-            MetaOp::DeclareQueue { vhost, name, .. } | MetaOp::DeleteQueue { vhost, name } => {
-                format!("q\0{vhost}\0{name}")
-            }
+            MetaOp::DeclareQueue { vhost, name, .. }
+            | MetaOp::DeleteQueue { vhost, name }
+            | MetaOp::SetQueueArguments { vhost, name, .. } => format!("q\0{vhost}\0{name}"),
             MetaOp::DeclareExchange { vhost, name, .. }
             | MetaOp::DeleteExchange { vhost, name } => {
                 format!("x\0{vhost}\0{name}")
@@ -247,6 +260,16 @@ fn op_table(op: &MetaOp) -> FieldTable {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
             "delete_queue"
+        }
+        MetaOp::SetQueueArguments {
+            vhost,
+            name,
+            arguments,
+        } => {
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "name", name.as_str());
+            t.insert("arguments", FieldValue::Table(arguments.detached()));
+            "set_queue_arguments"
         }
         MetaOp::DeclareExchange {
             vhost,
@@ -482,6 +505,11 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             vhost: f.text("vhost")?,
             name: ShortStr::from_string(f.text("name")?),
         },
+        "set_queue_arguments" => MetaOp::SetQueueArguments {
+            vhost: f.text("vhost")?,
+            name: ShortStr::from_string(f.text("name")?),
+            arguments: f.table("arguments")?,
+        },
         "declare_exchange" => MetaOp::DeclareExchange {
             vhost: f.text("vhost")?,
             name: f.text("name")?,
@@ -711,6 +739,11 @@ mod tests {
                 vhost: "/".into(),
                 name: ShortStr::from_static("jobs"),
             },
+            MetaOp::SetQueueArguments {
+                vhost: "/".into(),
+                name: ShortStr::from_static("jobs"),
+                arguments: arguments.clone(),
+            },
             MetaOp::DeclareExchange {
                 vhost: "/".into(),
                 name: "orders".into(),
@@ -876,11 +909,24 @@ mod tests {
     #[test]
     fn operations_on_one_object_share_its_key_and_others_do_not() {
         let ops = every_op();
+        // A queue's declaration, deletion and change of arguments.
         assert_eq!(ops[0].object(), ops[1].object());
-        assert_eq!(ops[2].object(), ops[3].object());
-        assert_ne!(ops[4].object(), ops[5].object());
-        assert_eq!(ops[8].object(), ops[10].object());
-        assert_ne!(ops[14].object(), ops[15].object());
-        assert_ne!(ops[0].object(), ops[2].object());
+        assert_eq!(ops[0].object(), ops[2].object());
+        assert_eq!(ops[3].object(), ops[4].object());
+        assert_ne!(ops[5].object(), ops[6].object());
+        assert_eq!(ops[9].object(), ops[11].object());
+        assert_ne!(ops[15].object(), ops[16].object());
+        assert_ne!(ops[0].object(), ops[3].object());
+    }
+
+    #[test]
+    fn only_what_older_versions_cannot_read_travels_alone() {
+        let alone: Vec<bool> = every_op().iter().map(MetaOp::travels_alone).collect();
+        let want: Vec<bool> = every_op()
+            .iter()
+            .map(|op| matches!(op, MetaOp::SetQueueArguments { .. } | MetaOp::Rebalance))
+            .collect();
+        assert_eq!(alone, want);
+        assert_eq!(alone.iter().filter(|a| **a).count(), 2);
     }
 }

@@ -8,6 +8,7 @@ mod parameters;
 mod persistence;
 mod policies;
 mod publish;
+mod queue_arguments;
 mod remote_get;
 mod replicated;
 mod runtime;

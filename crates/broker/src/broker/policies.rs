@@ -177,7 +177,7 @@ impl Broker {
         self.dead_letter_pending();
     }
 
-    fn reapply_queue(&mut self, id: QueueId) {
+    pub(super) fn reapply_queue(&mut self, id: QueueId) {
         let Some(q) = self.queues.get(&id) else {
             return;
         };

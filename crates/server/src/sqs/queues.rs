@@ -205,65 +205,101 @@ fn arguments(attrs: &[(String, String)], vhost: &str) -> Result<FieldTable, SqsE
         );
         t.insert("x-cache-ttl", FieldValue::I64(DEDUP_WINDOW_MS));
         t.insert("x-cache-size", FieldValue::I64(DEDUP_KEYS));
-        let content = get("ContentBasedDeduplication")
-            .map(|v| one_of("ContentBasedDeduplication", v, &["true", "false"]))
-            .transpose()?;
-        if content == Some("true") {
-            t.insert(ARG_CONTENT_DEDUP, FieldValue::Bool(true));
-        }
-        if let Some(v) = get("DeduplicationScope") {
-            let v = one_of("DeduplicationScope", v, &["queue", "messageGroup"])?;
-            t.insert(ARG_DEDUP_SCOPE, FieldValue::long_str(v));
-        }
-        if let Some(v) = get("FifoThroughputLimit") {
-            let v = one_of("FifoThroughputLimit", v, &["perQueue", "perMessageGroupId"])?;
-            t.insert(ARG_THROUGHPUT, FieldValue::long_str(v));
-        }
     }
-    let ms = |s: u64| FieldValue::I64(i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX));
-    let visibility = get("VisibilityTimeout")
-        .map(|v| seconds("VisibilityTimeout", v, 0..=43_200))
-        .transpose()?
-        .unwrap_or(DEFAULT_VISIBILITY);
-    if visibility > 0 {
-        t.insert("x-visibility-timeout", ms(visibility));
-    } else {
-        t.insert(ARG_VISIBILITY, FieldValue::I64(0));
-    }
-    let retention = get("MessageRetentionPeriod")
-        .map(|v| seconds("MessageRetentionPeriod", v, 60..=1_209_600))
-        .transpose()?
-        .unwrap_or(DEFAULT_RETENTION);
-    t.insert("x-message-ttl", ms(retention));
-    if let Some(v) = get("DelaySeconds") {
-        let d = seconds("DelaySeconds", v, 0..=900)?;
-        if d > 0 {
-            t.insert("x-delivery-delay", ms(d));
-        }
-    }
-    if let Some(v) = get("ReceiveMessageWaitTimeSeconds") {
-        let w = seconds("ReceiveMessageWaitTimeSeconds", v, 0..=20)?;
-        if w > 0 {
-            t.insert(ARG_WAIT, FieldValue::I64(w as i64));
-        }
-    }
-    if let Some(v) = get("MaximumMessageSize") {
-        let m = seconds("MaximumMessageSize", v, 1024..=MAX_MESSAGE_SIZE)?;
-        if m != MAX_MESSAGE_SIZE {
-            t.insert(ARG_MAX_SIZE, FieldValue::I64(m as i64));
-        }
-    }
-    if let Some(v) = get("RedrivePolicy") {
-        if !v.is_empty() {
-            let (dlq, count) = redrive(v, vhost)?;
-            t.insert("x-dead-letter-exchange", FieldValue::long_str(""));
-            t.insert("x-dead-letter-routing-key", FieldValue::long_str(&dlq));
-            // SQS moves a message after maxReceiveCount receives; Warren's limit counts
-            // the deliveries a message may have before the one that is not returned.
-            t.insert("x-delivery-limit", FieldValue::I64(count as i64 - 1));
-        }
+    let visibility = DEFAULT_VISIBILITY.to_string();
+    let retention = DEFAULT_RETENTION.to_string();
+    for name in SETTABLE {
+        let value = match (get(name), name) {
+            (Some(v), _) => v,
+            (None, "VisibilityTimeout") => &visibility,
+            (None, "MessageRetentionPeriod") => &retention,
+            (None, _) => continue,
+        };
+        put_attribute(&mut t, name, value, vhost)?;
     }
     Ok(t)
+}
+
+/// Sets in `t` the arguments that hold settable attribute `name` as `v` says (an argument
+/// whose value is SQS's default is left out). `FifoQueue` is the caller's: it is fixed when
+/// the queue is made.
+fn put_attribute(t: &mut FieldTable, name: &str, v: &str, vhost: &str) -> Result<(), SqsError> {
+    let ms = |s: u64| FieldValue::I64(i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX));
+    let count = |n: u64| FieldValue::I64(i64::try_from(n).unwrap_or(i64::MAX));
+    match name {
+        "VisibilityTimeout" => {
+            let visibility = seconds(name, v, 0..=43_200)?;
+            t.remove("x-visibility-timeout");
+            t.remove(ARG_VISIBILITY);
+            if visibility > 0 {
+                t.insert("x-visibility-timeout", ms(visibility));
+            } else {
+                t.insert(ARG_VISIBILITY, FieldValue::I64(0));
+            }
+        }
+        "MessageRetentionPeriod" => {
+            t.insert("x-message-ttl", ms(seconds(name, v, 60..=1_209_600)?));
+        }
+        "DelaySeconds" => {
+            let d = seconds(name, v, 0..=900)?;
+            t.remove("x-delivery-delay");
+            if d > 0 {
+                t.insert("x-delivery-delay", ms(d));
+            }
+        }
+        "ReceiveMessageWaitTimeSeconds" => {
+            let w = seconds(name, v, 0..=20)?;
+            t.remove(ARG_WAIT);
+            if w > 0 {
+                t.insert(ARG_WAIT, count(w));
+            }
+        }
+        "MaximumMessageSize" => {
+            let m = seconds(name, v, 1024..=MAX_MESSAGE_SIZE)?;
+            t.remove(ARG_MAX_SIZE);
+            if m != MAX_MESSAGE_SIZE {
+                t.insert(ARG_MAX_SIZE, count(m));
+            }
+        }
+        "RedrivePolicy" => {
+            let policy = if v.is_empty() {
+                None
+            } else {
+                Some(redrive(v, vhost)?)
+            };
+            for k in [
+                "x-dead-letter-exchange",
+                "x-dead-letter-routing-key",
+                "x-delivery-limit",
+            ] {
+                t.remove(k);
+            }
+            if let Some((dlq, count)) = policy {
+                t.insert("x-dead-letter-exchange", FieldValue::long_str(""));
+                t.insert("x-dead-letter-routing-key", FieldValue::long_str(&dlq));
+                // SQS moves a message after maxReceiveCount receives; Warren's limit counts
+                // the deliveries a message may have before the one that is not returned.
+                t.insert("x-delivery-limit", FieldValue::I64(count as i64 - 1));
+            }
+        }
+        "ContentBasedDeduplication" => {
+            let on = one_of(name, v, &["true", "false"])? == "true";
+            t.remove(ARG_CONTENT_DEDUP);
+            if on {
+                t.insert(ARG_CONTENT_DEDUP, FieldValue::Bool(true));
+            }
+        }
+        "DeduplicationScope" => {
+            let v = one_of(name, v, &["queue", "messageGroup"])?;
+            t.insert(ARG_DEDUP_SCOPE, FieldValue::long_str(v));
+        }
+        "FifoThroughputLimit" => {
+            let v = one_of(name, v, &["perQueue", "perMessageGroupId"])?;
+            t.insert(ARG_THROUGHPUT, FieldValue::long_str(v));
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn int_arg(args: &FieldTable, k: &str) -> Option<i64> {
@@ -357,6 +393,38 @@ fn same_value(name: &str, given: &str, current: &[(&'static str, String)]) -> bo
     given.trim() == now
 }
 
+/// A redrive policy's dead-letter queue must exist and be of the source's kind (FIFO or not).
+fn check_redrive_target(
+    n: &warren_session::Node,
+    vhost: &str,
+    args: &FieldTable,
+) -> Result<(), SqsError> {
+    if args
+        .get("x-dead-letter-exchange")
+        .and_then(FieldValue::as_str)
+        != Some("")
+    {
+        return Ok(());
+    }
+    let Some(dlq) = args
+        .get("x-dead-letter-routing-key")
+        .and_then(FieldValue::as_str)
+    else {
+        return Ok(());
+    };
+    let Some(target) = n.broker().queue_snapshot(vhost, dlq) else {
+        return Err(SqsError::invalid_parameter(format!(
+            "Value for parameter RedrivePolicy is invalid. Reason: Dead letter target does not exist: {dlq}."
+        )));
+    };
+    if is_fifo(&target.arguments) != is_fifo(args) {
+        return Err(SqsError::invalid_parameter(
+            "Value for parameter RedrivePolicy is invalid. Reason: Dead-letter queue must be same type of queue as the source.",
+        ));
+    }
+    Ok(())
+}
+
 pub fn amqp(e: AmqpError) -> SqsError {
     match e.code {
         ReplyCode::NotFound => SqsError::no_queue(),
@@ -377,9 +445,17 @@ pub fn create(
     let attrs = attribute_map(input)?;
     check_name(&name, fifo_asked(&attrs)?)?;
     let vhost = ctx.vhost.clone();
-    let args = arguments(&attrs, &vhost)?;
+    let mut args = arguments(&attrs, &vhost)?;
+    let tags = tags_given(input, "tags")?;
+    if !tags.is_empty() {
+        put_tags(&mut args, &tags, &[])?;
+    }
     sqs.node.write(|n, _| {
-        ctx.permit(n.broker().access(), &vhost, &[(Perm::Configure, Resource::Queue(&name))])?;
+        ctx.permit(
+            n.broker().access(),
+            &vhost,
+            &[(Perm::Configure, Resource::Queue(&name))],
+        )?;
         if let Some(s) = n.broker().queue_snapshot(&vhost, &name) {
             let current = configured(&s.arguments, ctx, &vhost);
             let differ: Vec<&str> = attrs
@@ -392,20 +468,10 @@ pub fn create(
             }
             return Ok(());
         }
-        if let Some(dlq) = args.get("x-dead-letter-routing-key").and_then(FieldValue::as_str) {
-            let Some(target) = n.broker().queue_snapshot(&vhost, dlq) else {
-                return Err(SqsError::invalid_parameter(format!(
-                    "Value for parameter RedrivePolicy is invalid. Reason: Dead letter target does not exist: {dlq}."
-                )));
-            };
-            if is_fifo(&target.arguments) != is_fifo(&args) {
-                return Err(SqsError::invalid_parameter(
-                    "Value for parameter RedrivePolicy is invalid. Reason: Dead-letter queue must be same type of queue as the source.",
-                ));
-            }
-        }
+        check_redrive_target(n, &vhost, &args)?;
         let req = DeclareQueue {
-            name: ShortStr::try_from_str(&name).map_err(|_| SqsError::invalid_parameter("queue name too long"))?,
+            name: ShortStr::try_from_str(&name)
+                .map_err(|_| SqsError::invalid_parameter("queue name too long"))?,
             passive: false,
             durable: true,
             exclusive: false,
@@ -662,9 +728,10 @@ pub fn get_attributes(
     Ok(out)
 }
 
-/// SetQueueAttributes: Warren changes a queue's arguments only by declaring it again, which
-/// SQS clients cannot do; this round it accepts the values the queue already has (and the
-/// ignored ones), and refuses a change with a message that says so.
+/// SetQueueAttributes: the queue's arguments change in place (its messages and consumers
+/// stay), and it acts on them from then on as a policy change would make it: a lower
+/// retention period expires what is due now, a new redrive policy counts the receives its
+/// messages already had. Arguments that SQS has no attribute for are kept.
 pub fn set_attributes(
     sqs: &Sqs,
     ctx: &Ctx,
@@ -672,28 +739,200 @@ pub fn set_attributes(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let attrs = attribute_map(input)?;
-    let snap = sqs.node.read(|n, _| {
-        ctx.permit(
-            n.broker().access(),
-            &vhost,
-            &[(Perm::Configure, Resource::Queue(&name))],
-        )?;
-        n.broker()
-            .queue_snapshot(&vhost, &name)
-            .ok_or_else(SqsError::no_queue)
-    })?;
-    let current = configured(&snap.arguments, ctx, &vhost);
-    for (k, v) in &attrs {
-        if !SETTABLE.contains(&k.as_str()) && !IGNORED.contains(&k.as_str()) {
-            return Err(SqsError::invalid_attribute_name(k));
+    change_arguments(sqs, ctx, &vhost, &name, |args| {
+        let fifo = is_fifo(args);
+        for (k, v) in &attrs {
+            let k = k.as_str();
+            if k == "FifoQueue" {
+                if (v == "true") != fifo {
+                    return Err(SqsError::invalid_attribute_value(
+                        "FifoQueue cannot be changed once a queue is created.",
+                    ));
+                }
+                continue;
+            }
+            let fifo_only =
+                FIFO_ONLY.contains(&k) && !(k == "ContentBasedDeduplication" && v == "false");
+            if !(SETTABLE.contains(&k) || IGNORED.contains(&k)) || (!fifo && fifo_only) {
+                return Err(SqsError::invalid_attribute_name(k));
+            }
         }
-        if !same_value(k, v, &current) {
-            return Err(SqsError::invalid_attribute_value(format!(
-                "Warren cannot change {k} of an existing queue yet: delete and create the queue with the new value."
-            )));
+        for (k, v) in &attrs {
+            put_attribute(args, k, v, &vhost)?;
+        }
+        Ok(())
+    })
+}
+
+/// Changes the arguments of `vhost`'s queue `name` with `change` (which refuses what it
+/// cannot make), as the request's user, once the store has the change.
+fn change_arguments(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    vhost: &str,
+    name: &str,
+    change: impl FnOnce(&mut FieldTable) -> Result<(), SqsError>,
+) -> Result<Map<String, Value>, SqsError> {
+    sqs.node.write(|n, _| {
+        super::permitted_queue(n, ctx, vhost, name, Perm::Configure)?;
+        let snap = n
+            .broker()
+            .queue_snapshot(vhost, name)
+            .ok_or_else(SqsError::no_queue)?;
+        let mut args = snap.arguments.detached();
+        change(&mut args)?;
+        check_redrive_target(n, vhost, &args)?;
+        n.broker_mut()
+            .set_queue_arguments(vhost, name, args, Some(&ctx.user))
+            .map_err(amqp)
+    })??;
+    tracing::info!(vhost, queue = name, user = %ctx.user, "SQS queue attributes changed");
+    Ok(Map::new())
+}
+
+/// The argument that keeps a queue's SQS tags: a table of key -> value.
+pub const ARG_TAGS: &str = "x-sqs-tags";
+
+/// SQS's quotas on tags: keys of 1 to 128 characters (and, for Warren, at most 255 bytes:
+/// a field-table key), values of at most 256, 50 tags a queue.
+const MAX_TAGS: usize = 50;
+const MAX_TAG_KEY: usize = 128;
+const MAX_TAG_VALUE: usize = 256;
+
+/// The tags a request gives under `key` (a map of key -> value), checked.
+fn tags_given(input: &Map<String, Value>, key: &str) -> Result<Vec<(String, String)>, SqsError> {
+    let Some(v) = input.get(key) else {
+        return Ok(Vec::new());
+    };
+    let m = v
+        .as_object()
+        .ok_or_else(|| SqsError::invalid_parameter("Tags must be a map of keys to values."))?;
+    m.iter()
+        .map(|(k, v)| {
+            let v = v.as_str().ok_or_else(|| {
+                SqsError::invalid_parameter(format!("The value of tag {k} must be a string."))
+            })?;
+            let chars = k.chars().count();
+            if chars == 0 || chars > MAX_TAG_KEY || k.len() > 255 {
+                return Err(SqsError::invalid_parameter(format!(
+                    "Tag key must be between 1 and {MAX_TAG_KEY} characters: {k}"
+                )));
+            }
+            if k.starts_with("aws:") {
+                return Err(SqsError::invalid_parameter(format!(
+                    "Tag keys starting with aws: are reserved: {k}"
+                )));
+            }
+            if v.chars().count() > MAX_TAG_VALUE {
+                return Err(SqsError::invalid_parameter(format!(
+                    "Tag value must be at most {MAX_TAG_VALUE} characters (tag {k})."
+                )));
+            }
+            Ok((k.clone(), v.to_owned()))
+        })
+        .collect()
+}
+
+/// A queue's tags, from its arguments.
+fn tags_of(args: &FieldTable) -> Map<String, Value> {
+    args.get(ARG_TAGS)
+        .and_then(FieldValue::as_table)
+        .map(|t| {
+            t.iter()
+                .filter_map(|(k, v)| Some((k.to_string(), Value::String(v.as_str()?.to_owned()))))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Adds `add` to the tags kept in `args` (a key given again takes the new value) and takes
+/// `remove` away; at most [`MAX_TAGS`] may be left.
+fn put_tags(
+    args: &mut FieldTable,
+    add: &[(String, String)],
+    remove: &[String],
+) -> Result<(), SqsError> {
+    let mut tags: Vec<(String, String)> = tags_of(args)
+        .into_iter()
+        .filter_map(|(k, v)| Some((k, v.as_str()?.to_owned())))
+        .filter(|(k, _)| !remove.contains(k))
+        .collect();
+    for (k, v) in add {
+        match tags.iter_mut().find(|(t, _)| t == k) {
+            Some(t) => t.1.clone_from(v),
+            None => tags.push((k.clone(), v.clone())),
         }
     }
-    Ok(Map::new())
+    if tags.len() > MAX_TAGS {
+        return Err(SqsError::invalid_parameter(format!(
+            "Too many tags: a queue has at most {MAX_TAGS}."
+        )));
+    }
+    args.remove(ARG_TAGS);
+    if !tags.is_empty() {
+        let mut t = FieldTable::new();
+        for (k, v) in tags {
+            t.insert(
+                ShortStr::try_from_str(&k)
+                    .map_err(|_| SqsError::invalid_parameter("Tag key too long."))?,
+                FieldValue::long_str(v),
+            );
+        }
+        args.insert(ARG_TAGS, FieldValue::Table(t));
+    }
+    Ok(())
+}
+
+/// TagQueue: adds tags to a queue, or changes their values.
+pub fn tag(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    // The JSON protocol says `Tags`; the query protocol's `Tag.N.Key` arrives as `tags`.
+    let mut add = tags_given(input, "Tags")?;
+    add.extend(tags_given(input, "tags")?);
+    if add.is_empty() {
+        return Err(SqsError::missing_parameter("Tags"));
+    }
+    change_arguments(sqs, ctx, &vhost, &name, |args| put_tags(args, &add, &[]))
+}
+
+/// UntagQueue: removes tags by key (a key the queue does not have is no error).
+pub fn untag(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let keys = strings(input, "TagKeys");
+    if keys.is_empty() {
+        return Err(SqsError::missing_parameter("TagKeys"));
+    }
+    change_arguments(sqs, ctx, &vhost, &name, |args| put_tags(args, &[], &keys))
+}
+
+/// ListQueueTags: the queue's tags (`Tags` left out when it has none, as SQS answers).
+pub fn list_tags(
+    sqs: &Sqs,
+    ctx: &Ctx,
+    input: &Map<String, Value>,
+) -> Result<Map<String, Value>, SqsError> {
+    let (vhost, name) = queue_of(input)?;
+    let args = sqs.node.read(|n, _| {
+        super::permitted_queue(n, ctx, &vhost, &name, Perm::Read)?;
+        n.broker()
+            .queue_snapshot(&vhost, &name)
+            .map(|s| s.arguments)
+            .ok_or_else(SqsError::no_queue)
+    })?;
+    let tags = tags_of(&args);
+    let mut out = Map::new();
+    if !tags.is_empty() {
+        out.insert("Tags".into(), Value::Object(tags));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
