@@ -2,13 +2,17 @@
 //! with users, policies and a shovel, and messages across queues and vhosts while a producer
 //! keeps publishing to the source; the migration is killed with SIGKILL once and run again.
 //! Every message arrives at least once, and Warren's queues act as the source's policies say.
+//! A consumer left on the source holding unacked messages keeps the migration going until it
+//! leaves (its messages come back to the source then, and must cross too).
 
 use std::collections::BTreeSet;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
-use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
 use serde_json::json;
@@ -24,6 +28,9 @@ fn per_queue() -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(50_000)
 }
+
+/// Messages an application consumer on the source holds unacked during the second run.
+const HELD: u16 = 50;
 
 /// (vhost, queue) pairs filled at the source.
 const QUEUES: &[(&str, &str)] = &[
@@ -225,11 +232,74 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
             }
         })
     };
+    // An application consumer still on the source, holding messages unacked.
+    let source_url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", rabbit.amqp_port);
+    let holder = connect_url(&source_url).await;
+    let holding = holder.create_channel().await.expect("channel");
+    holding
+        .basic_qos(HELD, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut held = holding
+        .basic_consume(
+            "jobs.email".into(),
+            "holder".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
+    within_for(Duration::from_secs(30), "the holder's deliveries", async {
+        for _ in 0..HELD {
+            held.next().await.expect("delivery").expect("delivery");
+        }
+    })
+    .await;
     let started = Instant::now();
-    let second = migrate_command(&rabbit, &warren)
+    let mut second = migrate_command(&rabbit, &warren)
         .spawn()
         .expect("spawn migrate");
-    let out = tokio::task::spawn_blocking(move || finish(second, Duration::from_secs(300)))
+    // The holder leaves once the source queue has been empty for a while (past RabbitMQ's
+    // statistics interval twice, and the migration's quiet time), or once the migration ended
+    // without it: its messages then go back to the source queue, and a migration that ended
+    // has left them behind.
+    let asking = connect_url(&source_url).await;
+    let ask = asking.create_channel().await.expect("channel");
+    let mut empty_since: Option<Instant> = None;
+    let exited_with_holder = loop {
+        if second.try_wait().expect("wait").is_some() {
+            break true;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "the migration did not drain the source"
+        );
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let ready = ask
+            .queue_declare("jobs.email".into(), passive, FieldTable::default())
+            .await
+            .expect("passive declare")
+            .message_count();
+        if ready > 0 {
+            empty_since = None;
+        } else if empty_since.get_or_insert_with(Instant::now).elapsed() >= Duration::from_secs(14)
+        {
+            break false;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    holder
+        .close(200, "moving to Warren".into())
+        .await
+        .expect("close");
+    assert!(
+        !exited_with_holder,
+        "warren migrate ended while a consumer on the source held {HELD} unacked messages"
+    );
+    let out = tokio::task::spawn_blocking(move || finish(second, Duration::from_secs(120)))
         .await
         .expect("join");
     producer.await.expect("producer");

@@ -307,9 +307,29 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
         }
         // What was in flight as the sessions closed went back to the source, and a producer
         // may have published in the last moment: only an empty source ends the migration.
+        // A consumer still attached there (the migration's own are closed by now) may hold
+        // unacked messages, which come back to the source queue when it leaves: while any
+        // does, the migration goes on (see `held_at_source`).
         let mut left = 0;
+        let mut attached = Vec::new();
         for (vhost, name) in &queues {
-            left += depths.ready(vhost, name).await.unwrap_or(1);
+            let (ready, consumers) = depths.depth(vhost, name).await.unwrap_or((1, 0));
+            left += ready;
+            if consumers > 0 {
+                attached.push((vhost.as_str(), name.as_str()));
+            }
+        }
+        if left == 0 && !attached.is_empty() {
+            let held = held_at_source(&source, &mut depths, &attached).await;
+            if !held.is_empty() {
+                eprintln!(
+                    "the source queues are empty, but consumers still attached there hold \
+                     messages unacked, which go back to the source when they leave ({}): switch \
+                     them to Warren (runbook step 4); the migration carries on until none is held",
+                    held.join(", ")
+                );
+                continue;
+            }
         }
         if left == 0 {
             let secs = started.elapsed().as_secs_f64();
@@ -325,6 +345,58 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
         }
         eprintln!("{left} message(s) reached the source as the sessions stopped: moving them too");
     }
+}
+
+/// RabbitMQ publishes a queue's statistics every 5 seconds: a reading at least this much
+/// later includes what consumers took before the first one.
+const STATS_INTERVAL: Duration = Duration::from_secs(6);
+
+/// The `attached` queues (vhost, name) whose consumers hold messages unacked, each described.
+/// Only the management API's statistics tell what other clients hold, and they run behind: a
+/// queue that reads 0 is read again once they have caught up with the first reading (a
+/// message taken since then is one a producer still sent to the source after it emptied).
+/// A queue that still reads ready messages, or cannot be read, counts as held.
+async fn held_at_source(
+    source: &Api,
+    depths: &mut Depths,
+    attached: &[(&str, &str)],
+) -> Vec<String> {
+    let unacked = |vhost: &str, name: &str| {
+        let path = format!("/queues/{}/{}", enc(vhost), enc(name));
+        tokio::task::block_in_place(|| source.get(&path, "a source queue"))
+            .ok()
+            .and_then(|q| q["messages_unacknowledged"].as_u64())
+    };
+    let mut held = Vec::new();
+    let mut again = Vec::new();
+    for &(vhost, name) in attached {
+        match unacked(vhost, name) {
+            Some(0) => again.push((vhost, name)),
+            n => held.push(format!(
+                "{name} in vhost '{vhost}': {} unacked",
+                n.map_or("?".into(), |n| n.to_string())
+            )),
+        }
+    }
+    if !held.is_empty() || again.is_empty() {
+        return held;
+    }
+    tokio::time::sleep(STATS_INTERVAL).await;
+    for (vhost, name) in again {
+        let (ready, consumers) = depths.depth(vhost, name).await.unwrap_or((1, 1));
+        let n = if consumers == 0 {
+            Some(0)
+        } else {
+            unacked(vhost, name)
+        };
+        if ready > 0 || n != Some(0) {
+            held.push(format!(
+                "{name} in vhost '{vhost}': {} unacked, {ready} ready",
+                n.map_or("?".into(), |n| n.to_string())
+            ));
+        }
+    }
+    held
 }
 
 /// One round: a shovel session per queue until every source queue has been empty and no
@@ -394,8 +466,8 @@ async fn move_round(
         // Exact counts (a passive declare), not the API's statistics, which lag by seconds.
         let mut known = true;
         for m in &mut moving {
-            match depths.ready(&m.vhost, &m.name).await {
-                Some(n) => m.left = n,
+            match depths.depth(&m.vhost, &m.name).await {
+                Some((n, _)) => m.left = n,
                 None => known = false,
             }
         }
@@ -433,7 +505,7 @@ struct Round {
     clean: bool,
 }
 
-/// Ready counts at the source, read over AMQP with a passive declare (one connection per
+/// Ready and consumer counts at the source, read over AMQP with a passive declare (one connection per
 /// vhost, opened again after a failure).
 struct Depths {
     base: String,
@@ -448,8 +520,9 @@ impl Depths {
         }
     }
 
-    /// `None` when the source cannot be asked now (or the queue is gone).
-    async fn ready(&mut self, vhost: &str, queue: &str) -> Option<u64> {
+    /// The queue's ready messages and consumers; `None` when the source cannot be asked now
+    /// (or the queue is gone).
+    async fn depth(&mut self, vhost: &str, queue: &str) -> Option<(u64, u32)> {
         if !self.open.contains_key(vhost) {
             let url = with_vhost(&self.base, vhost).ok()?;
             let conn = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
@@ -467,7 +540,7 @@ impl Depths {
             .queue_declare(queue.into(), passive, lapin::types::FieldTable::default())
             .await
         {
-            Ok(q) => Some(u64::from(q.message_count())),
+            Ok(q) => Some((u64::from(q.message_count()), q.consumer_count())),
             Err(_) => {
                 // A refused declare closes the channel: start again next time.
                 self.open.remove(vhost);
