@@ -225,6 +225,41 @@ def redrive_policy_and_tags_set_on_a_queue_in_use():
 
 
 @flow
+def dead_letter_queue_redriven_by_a_message_move_task():
+    sqs = client()
+    dlq = sqs.create_queue(QueueName=unique("move-dlq"))["QueueUrl"]
+    dlq_arn = sqs.get_queue_attributes(QueueUrl=dlq, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    url = sqs.create_queue(
+        QueueName=unique("move-src"),
+        Attributes={
+            "RedrivePolicy": json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": "1"}),
+            "VisibilityTimeout": "0",
+        },
+    )["QueueUrl"]
+    for i in range(3):
+        sqs.send_message(QueueUrl=url, MessageBody=f"job-{i}")
+    for _ in range(10):
+        if "Messages" not in sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10):
+            break
+    handle = sqs.start_message_move_task(SourceArn=dlq_arn)["TaskHandle"]
+    for _ in range(200):
+        task = sqs.list_message_move_tasks(SourceArn=dlq_arn)["Results"][0]
+        if task["Status"] not in ("RUNNING", "CANCELLING"):
+            break
+        time.sleep(0.025)
+    assert task["Status"] == "COMPLETED" and task["ApproximateNumberOfMessagesMoved"] == 3, task
+    try:
+        sqs.cancel_message_move_task(TaskHandle=handle)
+        raise AssertionError("a finished task was cancelled")
+    except sqs.exceptions.ClientError as e:
+        assert e.response["Error"]["Code"] == "AWS.SimpleQueueService.UnsupportedOperation", e.response
+    got = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, VisibilityTimeout=30)["Messages"]
+    assert sorted(m["Body"] for m in got) == ["job-0", "job-1", "job-2"], got
+    sqs.delete_queue(QueueUrl=url)
+    sqs.delete_queue(QueueUrl=dlq)
+
+
+@flow
 def amqp_publish_received_by_boto3_and_back():
     sqs = client()
     name = unique("shared")

@@ -8,6 +8,7 @@ Prints one "ok - <flow>" line per flow; exits non-zero with "FAIL: <flow>: <reas
 
 import hashlib
 import sys
+import time
 import traceback
 import uuid
 
@@ -152,6 +153,15 @@ def dead_letter_sources():
         sqs.create_queue(QueueName=unique(f"src{i}"), Attributes={"RedrivePolicy": policy})["QueueUrl"] for i in range(2)
     )
     assert sorted(sqs.list_dead_letter_source_queues(QueueUrl=dlq)["queueUrls"]) == sources
+    # A move task over the query protocol (an empty DLQ: it completes at once).
+    handle = sqs.start_message_move_task(SourceArn=arn, DestinationArn=arn.rsplit(":", 1)[0] + ":" + sources[0].rsplit("/", 1)[1])["TaskHandle"]
+    assert handle, handle
+    for _ in range(200):
+        tasks = sqs.list_message_move_tasks(SourceArn=arn, MaxResults=10)["Results"]
+        if tasks[0]["Status"] != "RUNNING":
+            break
+        time.sleep(0.025)
+    assert tasks[0]["Status"] == "COMPLETED" and tasks[0]["ApproximateNumberOfMessagesMoved"] == 0, tasks
     for u in sources + [dlq]:
         sqs.delete_queue(QueueUrl=u)
 

@@ -3,6 +3,7 @@
 //! receive with long polling, visibility, delete, redrive to a dead-letter queue, durability
 //! across a restart, and the same queues seen over AMQP (lapin).
 
+use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -1026,4 +1027,195 @@ fn set_queue_attributes_and_tags_change_a_live_queue_and_survive_a_restart() {
     assert_eq!(tags(&c, &tagged)["Tags"], json!({"team": "payments"}));
     let untagged = c.call("ListQueueTags", json!({"QueueUrl": url})).ok();
     assert!(untagged.get("Tags").is_none(), "{untagged}");
+}
+
+#[test]
+fn message_move_tasks_redrive_a_dead_letter_queue_and_lose_nothing() {
+    let b = TestBroker::start();
+    if skipped(&b) {
+        return;
+    }
+    let c = Client::new(&b);
+    let arn_of = |c: &Client, url: &str| -> String {
+        c.call(
+            "GetQueueAttributes",
+            json!({"QueueUrl": url, "AttributeNames": ["QueueArn"]}),
+        )
+        .ok()["Attributes"]["QueueArn"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let dlq = c.create(&unique("sqs-move-dlq"), json!({}));
+    let dlq_arn = arn_of(&c, &dlq);
+    let redrive = json!({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": 1}).to_string();
+    let a = c.create(
+        &unique("sqs-move-a"),
+        json!({"RedrivePolicy": redrive, "VisibilityTimeout": "0"}),
+    );
+    let b_url = c.create(
+        &unique("sqs-move-b"),
+        json!({"RedrivePolicy": redrive, "VisibilityTimeout": "0"}),
+    );
+    for i in 0..3 {
+        c.send(&a, &format!("a-{i}"));
+    }
+    for i in 0..2 {
+        c.send(&b_url, &format!("b-{i}"));
+    }
+    // Received once each (visible again at once), then dead-lettered on the next receive.
+    let drained = |c: &Client, url: &str| {
+        for _ in 0..20 {
+            if c.receive(url, json!({"MaxNumberOfMessages": 10}))
+                .is_empty()
+            {
+                return;
+            }
+        }
+        panic!("{url} did not drain");
+    };
+    drained(&c, &a);
+    drained(&c, &b_url);
+    assert_eq!(c.count(&dlq, "ApproximateNumberOfMessages"), 5);
+
+    let r = c.call("StartMessageMoveTask", json!({"SourceArn": arn_of(&c, &a)}));
+    assert_eq!((r.status, r.error()), (400, "UnsupportedOperation"));
+    let r = c.call(
+        "StartMessageMoveTask",
+        json!({"SourceArn": dlq_arn, "MaxNumberOfMessagesPerSecond": 501}),
+    );
+    assert_eq!(
+        (r.status, r.error()),
+        (400, "InvalidParameterValueException")
+    );
+    let r = c.call(
+        "StartMessageMoveTask",
+        json!({"SourceArn": "arn:aws:sqs:us-east-1:000000000000:no-such-queue"}),
+    );
+    assert_eq!((r.status, r.error()), (400, "ResourceNotFoundException"));
+
+    let latest = |c: &Client| -> Value {
+        c.call("ListMessageMoveTasks", json!({"SourceArn": dlq_arn}))
+            .ok()["Results"][0]
+            .clone()
+    };
+    let finished = |c: &Client| -> Value {
+        for _ in 0..200 {
+            let t = latest(c);
+            if !matches!(t["Status"].as_str(), Some("RUNNING" | "CANCELLING")) {
+                return t;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("the task did not end: {}", latest(c));
+    };
+    // Back to where each came from.
+    let handle = c
+        .call("StartMessageMoveTask", json!({"SourceArn": dlq_arn}))
+        .ok()["TaskHandle"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = finished(&c);
+    assert_eq!(done["Status"], "COMPLETED", "{done}");
+    assert_eq!(done["ApproximateNumberOfMessagesMoved"], 5);
+    assert_eq!(done["ApproximateNumberOfMessagesToMove"], 5);
+    assert!(
+        done.get("TaskHandle").is_none(),
+        "only a running task shows its handle"
+    );
+    let bodies = |c: &Client, url: &str| -> BTreeSet<String> {
+        let mut got = BTreeSet::new();
+        for _ in 0..5 {
+            for m in c.receive(
+                url,
+                json!({"MaxNumberOfMessages": 10, "VisibilityTimeout": 30}),
+            ) {
+                got.insert(m["Body"].as_str().unwrap().to_owned());
+                c.call(
+                    "DeleteMessage",
+                    json!({"QueueUrl": url, "ReceiptHandle": m["ReceiptHandle"]}),
+                )
+                .ok();
+            }
+        }
+        got
+    };
+    assert_eq!(
+        bodies(&c, &a),
+        ["a-0", "a-1", "a-2"].map(String::from).into()
+    );
+    assert_eq!(bodies(&c, &b_url), ["b-0", "b-1"].map(String::from).into());
+    let r = c.call("CancelMessageMoveTask", json!({"TaskHandle": handle}));
+    assert_eq!((r.status, r.error()), (400, "UnsupportedOperation"));
+
+    // A message sent to the DLQ itself has no queue to go back to: the task fails and the
+    // message stays; with a destination it moves.
+    c.send(&dlq, "stray");
+    c.call("StartMessageMoveTask", json!({"SourceArn": dlq_arn}))
+        .ok();
+    let failed = finished(&c);
+    assert_eq!(failed["Status"], "FAILED", "{failed}");
+    assert!(failed["FailureReason"]
+        .as_str()
+        .is_some_and(|r| !r.is_empty()));
+    assert_eq!(c.count(&dlq, "ApproximateNumberOfMessages"), 1);
+    let b_arn = arn_of(&c, &b_url);
+    c.call(
+        "StartMessageMoveTask",
+        json!({"SourceArn": dlq_arn, "DestinationArn": b_arn}),
+    )
+    .ok();
+    let moved = finished(&c);
+    assert_eq!(moved["Status"], "COMPLETED", "{moved}");
+    assert_eq!(moved["DestinationArn"], b_arn.as_str());
+    assert_eq!(bodies(&c, &b_url), ["stray"].map(String::from).into());
+
+    // A slow task cancelled: what it moved is moved, the rest stays in the DLQ.
+    for i in 0..40 {
+        c.send(&dlq, &format!("slow-{i}"));
+    }
+    let handle = c
+        .call(
+            "StartMessageMoveTask",
+            json!({"SourceArn": dlq_arn, "DestinationArn": b_arn, "MaxNumberOfMessagesPerSecond": 20}),
+        )
+        .ok()["TaskHandle"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let r = c.call("StartMessageMoveTask", json!({"SourceArn": dlq_arn}));
+    assert_eq!(
+        (r.status, r.error()),
+        (400, "UnsupportedOperation"),
+        "one task at a time"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    c.call("CancelMessageMoveTask", json!({"TaskHandle": handle}))
+        .ok();
+    let cancelled = finished(&c);
+    assert_eq!(cancelled["Status"], "CANCELLED", "{cancelled}");
+    let n = cancelled["ApproximateNumberOfMessagesMoved"]
+        .as_u64()
+        .unwrap();
+    assert!(n < 40, "{n} moved before the cancel");
+    let listed = c
+        .call(
+            "ListMessageMoveTasks",
+            json!({"SourceArn": dlq_arn, "MaxResults": 10}),
+        )
+        .ok();
+    assert_eq!(listed["Results"].as_array().map(Vec::len), Some(4));
+    let in_b = bodies(&c, &b_url);
+    let mut in_dlq = BTreeSet::new();
+    for _ in 0..10 {
+        in_dlq.extend(bodies(&c, &dlq));
+    }
+    assert_eq!(in_b.len() + in_dlq.len(), 40, "nothing lost by the cancel");
+    assert!(in_b.is_disjoint(&in_dlq));
+    let r = c.call(
+        "CancelMessageMoveTask",
+        json!({"TaskHandle": "no-such-task"}),
+    );
+    assert_eq!((r.status, r.error()), (400, "ResourceNotFoundException"));
 }

@@ -360,13 +360,13 @@ async fn run(config: Config) -> std::io::Result<()> {
         (stop_rx, cluster),
         |node| {
             let shovels = shovel::Shovels::new(node_name(&config));
-            tokio::spawn(shovel::supervise(node.clone(), shovels.clone(), local));
             if let Some(l) = sqs {
                 tokio::spawn(sqs::serve(
                     l,
-                    std::sync::Arc::new(sqs::Sqs::new(node.clone())),
+                    std::sync::Arc::new(sqs::Sqs::new(node.clone(), Some(local.clone()))),
                 ));
             }
+            tokio::spawn(shovel::supervise(node.clone(), shovels.clone(), local));
             start_http(node, shovels, &config, tls.as_ref(), management, prometheus)
         },
     )

@@ -72,7 +72,7 @@ pub struct Pace {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum TransferError {
+pub(crate) enum TransferError {
     #[error(
         "cannot connect to {url}: {source} (is the broker running? pass --url amqp://user:pass@host:port/vhost)"
     )]
@@ -251,22 +251,47 @@ async fn transfer(from: &str, to: Option<&str>, pace: &Pace) -> Result<u64, Tran
             url: pace.url.clone(),
             source,
         })?;
+    let mut progress: Option<Progress> = None;
+    let mut report = |moved: u64, total: u64, done: bool| {
+        progress
+            .get_or_insert_with(|| Progress::new(total))
+            .show(moved, done);
+    };
+    let moved = move_messages(&conn, from, to, (pace.rate, pace.limit), &mut report, None).await;
+    // Closing returns whatever was taken and not moved to the source at once.
+    let _ = conn.close(200, "move done".into()).await;
+    moved
+}
+
+/// The move itself, on `conn`: at most `limit` of the messages in `from` at the start, at
+/// most `rate` a second, each to `to` or its dead-letter origin. `report(moved, total, done)`
+/// hears of the progress (first with 0 moved); a `stop` that turns true ends the move after
+/// the batch in hand. Returns how many were moved; what was taken and not moved goes back to
+/// `from` when the caller closes `conn`.
+pub(crate) async fn move_messages(
+    conn: &Connection,
+    from: &str,
+    to: Option<&str>,
+    (rate, limit): (Option<u32>, Option<u64>),
+    report: &mut (dyn FnMut(u64, u64, bool) + Send),
+    stop: Option<tokio::sync::watch::Receiver<bool>>,
+) -> Result<u64, TransferError> {
     // One channel for the checks (a failed passive declare closes it), one for the move.
     let check = conn.create_channel().await?;
     let present = u64::from(message_count(&check, from).await?);
     if let Some(to) = to {
         message_count(&check, to).await?;
     }
-    let total = pace.limit.map_or(present, |l| l.min(present));
+    let total = limit.map_or(present, |l| l.min(present));
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     // Batches small enough that a rate limit is kept smoothly.
-    let batch = pace.rate.map_or(100, |r| (r / 10).clamp(1, 100)) as u64;
+    let batch = rate.map_or(100, |r| (r / 10).clamp(1, 100)) as u64;
     let start = Instant::now();
-    let mut progress = Progress::new(total);
+    report(0, total, false);
     let mut moved = 0u64;
     let result = async {
-        while moved < total {
+        while moved < total && !stop.as_ref().is_some_and(|s| *s.borrow()) {
             let mut taken = Vec::new();
             while (taken.len() as u64) < batch.min(total - moved) {
                 match ch
@@ -321,8 +346,8 @@ async fn transfer(from: &str, to: Option<&str>, pace: &Pace) -> Result<u64, Tran
             if let Some(e) = stop {
                 return Err(e);
             }
-            progress.show(moved, false);
-            if let Some(rate) = pace.rate.filter(|r| *r > 0) {
+            report(moved, total, false);
+            if let Some(rate) = rate.filter(|r| *r > 0) {
                 let due = Duration::from_secs_f64(moved as f64 / f64::from(rate));
                 let elapsed = start.elapsed();
                 if due > elapsed {
@@ -333,9 +358,7 @@ async fn transfer(from: &str, to: Option<&str>, pace: &Pace) -> Result<u64, Tran
         Ok(())
     }
     .await;
-    progress.show(moved, true);
-    // Closing returns whatever was taken and not moved to the source at once.
-    let _ = conn.close(200, "move done".into()).await;
+    report(moved, total, true);
     result.map(|()| moved)
 }
 

@@ -22,6 +22,7 @@
 mod attributes;
 mod error;
 mod messages;
+mod moves;
 mod query;
 mod queues;
 mod receipt;
@@ -50,6 +51,8 @@ const MAX_REQUEST: usize = 4 * 1024 * 1024;
 
 pub struct Sqs {
     pub node: NodeHandle,
+    /// Message move tasks (dead-letter queue redrives) running or run on this node.
+    moves: moves::MoveTasks,
     /// When each message in flight through SQS was first received (SQS's
     /// `ApproximateFirstReceiveTimestamp`); in memory only, bounded.
     first_receive: Mutex<std::collections::HashMap<(u64, u64), u64>>,
@@ -60,9 +63,11 @@ pub struct Sqs {
 const FIRST_RECEIVE_MAX: usize = 100_000;
 
 impl Sqs {
-    pub fn new(node: NodeHandle) -> Self {
+    /// `local`: how tasks reach this node's own AMQP listener (none: no message move tasks).
+    pub fn new(node: NodeHandle, local: Option<crate::shovel::Local>) -> Self {
         Sqs {
             node,
+            moves: moves::MoveTasks::new(local),
             first_receive: Mutex::new(std::collections::HashMap::new()),
         }
     }
@@ -334,6 +339,9 @@ async fn dispatch(
         "ChangeMessageVisibility" => messages::change_visibility(sqs, ctx, input),
         "ChangeMessageVisibilityBatch" => messages::change_visibility_batch(sqs, ctx, input),
         "ListDeadLetterSourceQueues" => queues::dead_letter_sources(sqs, ctx, input),
+        "StartMessageMoveTask" => moves::start(sqs, ctx, input),
+        "CancelMessageMoveTask" => moves::cancel(sqs, ctx, input),
+        "ListMessageMoveTasks" => moves::list(sqs, ctx, input),
         other => Err(SqsError::new(
             400,
             "InvalidAction",

@@ -270,6 +270,7 @@ fn action_has_result(action: &str) -> bool {
             | "GetQueueAttributes"
             | "ListQueueTags"
             | "ListDeadLetterSourceQueues"
+            | "ListMessageMoveTasks"
     )
 }
 
@@ -343,6 +344,7 @@ fn item_name<'a>(action: &str, key: &'a str) -> &'a str {
         ("SendMessageBatch", "Successful") => "SendMessageBatchResultEntry",
         ("DeleteMessageBatch", "Successful") => "DeleteMessageBatchResultEntry",
         ("ChangeMessageVisibilityBatch", "Successful") => "ChangeMessageVisibilityBatchResultEntry",
+        ("ListMessageMoveTasks", "Results") => "ListMessageMoveTasksResultEntry",
         (_, other) => other.strip_suffix('s').unwrap_or(other),
     }
 }
