@@ -4,9 +4,10 @@
 //! asyncio flows with aio-pika (`clients/aiopika_flows.py`), including a robust connection that lives through
 //! broker restarts; and a pool of pika worker processes on Warren's task-queue features
 //! (`clients/worker_pool.py`); and boto3 on Warren's SQS endpoint, with pika on the same queues
-//! (`clients/sqs_flows.py`). A missing interpreter or library fails the test (never a silent skip): `scripts/test`
-//! installs pika, Celery, aio-pika and boto3 (`clients/requirements.txt`) into `clients/.deps/python` and amqplib
-//! into `clients/node_modules`.
+//! (`clients/sqs_flows.py`); and Celery on its SQS transport (`clients/celery_sqs_flows.py`). A missing
+//! interpreter or library fails the test (never a silent skip): `scripts/test` installs pika, Celery, aio-pika,
+//! boto3 and pycurl (`clients/requirements.txt`) into `clients/.deps/python` and amqplib into
+//! `clients/node_modules`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
@@ -447,6 +448,32 @@ fn boto3_sqs_flows_and_pika_on_the_same_queues() {
     assert!(
         ok,
         "boto3 SQS flows failed against {:?}:\n{out}",
+        broker.sqs_url()
+    );
+    eprintln!("{out}");
+}
+
+/// Celery on its SQS transport (kombu's `sqs://`, boto3 and pycurl), unchanged, on the SQS endpoint
+/// (`clients/celery_sqs_flows.py`): tasks and results, a worker killed mid-task whose task runs again after
+/// its visibility timeout, and a poison task moved to the dead-letter queue by its redrive policy, then sent
+/// back by a message move task once fixed.
+#[test]
+fn celery_on_the_sqs_transport_with_crashes_and_a_redrive() {
+    require_python_modules("celery, kombu, boto3, pycurl, sqlalchemy");
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        eprintln!("skipped: the SQS API is Warren's, not the external broker's");
+        return;
+    }
+    let mut cmd = Command::new(python());
+    cmd.arg(clients_dir().join("celery_sqs_flows.py"))
+        .arg(broker.sqs_url().expect("the SQS API on"))
+        .env("PYTHONPATH", python_path())
+        .env("PYTHONUNBUFFERED", "1");
+    let (ok, out) = run(cmd, Duration::from_secs(180));
+    assert!(
+        ok,
+        "Celery SQS flows failed against {:?}:\n{out}",
         broker.sqs_url()
     );
     eprintln!("{out}");
