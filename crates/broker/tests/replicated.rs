@@ -237,6 +237,20 @@ impl Cluster {
             batch.persist(&mut m.log).expect("log");
             let done = m.raft.advance(batch);
             self.net.extend(done.messages);
+            // As the server's driver reports a pass: leader changes with what Raft handed back,
+            // then snapshots and committed entries.
+            for &g in &m.groups {
+                let leader = m.raft.leader_of(GroupId(g));
+                if m.leaders.get(&g) != Some(&leader) {
+                    m.leaders.insert(g, leader);
+                    let term = m.raft.term_of(GroupId(g)).unwrap_or(0);
+                    m.broker.set_leader(g, leader, term);
+                }
+            }
+            self.refusals += u32::try_from(refused.len()).unwrap_or(u32::MAX);
+            for (group, data, leader) in refused {
+                m.broker.proposal_refused(group, &data, leader);
+            }
             for (g, snap) in done.snapshots {
                 m.broker
                     .install_snapshot(g.0, snap.meta.index, snap.meta.term, snap.data);
@@ -274,18 +288,6 @@ impl Cluster {
                         m.raft.transfer_leader(GroupId(group), to);
                     }
                 }
-            }
-            for &g in &m.groups {
-                let leader = m.raft.leader_of(GroupId(g));
-                if m.leaders.get(&g) != Some(&leader) {
-                    m.leaders.insert(g, leader);
-                    let term = m.raft.term_of(GroupId(g)).unwrap_or(0);
-                    m.broker.set_leader(g, leader, term);
-                }
-            }
-            self.refusals += u32::try_from(refused.len()).unwrap_or(u32::MAX);
-            for (group, data, leader) in refused {
-                m.broker.proposal_refused(group, &data, leader);
             }
             while let Some(w) = m.broker.take_writes() {
                 m.written = w.number;
@@ -1823,6 +1825,94 @@ fn a_quorum_queues_arguments_changed_on_any_node_change_on_every_member() {
     c.run(30);
     assert_same_state(&c, &NODES);
     assert_counts(&c, &NODES, (2, 0));
+}
+
+#[test]
+fn a_queue_changed_on_one_node_while_another_declares_it_anew_ends_the_same_everywhere() {
+    let mut c = Cluster::new();
+    c.run(20);
+    let with_limit = |n: i64| {
+        let mut a = quorum_args();
+        a.insert("x-max-length", FieldValue::I64(n));
+        a
+    };
+    // Node 3 changes the queue's arguments while node 2 is cut off: the change is in the log
+    // before anything node 2 does next, which it learns only after it deleted the queue and
+    // declared it again with other arguments (its new queue gets node 3's change first).
+    c.isolated.insert(2);
+    c.broker(3)
+        .set_queue_arguments("/", "jobs", with_limit(5), None)
+        .expect("changed");
+    assert!(
+        until_everywhere(&mut c, 100, |b| b.queue_snapshot("/", "jobs").is_none_or(
+            |q| q.arguments == with_limit(5) || q.arguments == quorum_args()
+        )),
+        "settled"
+    );
+    c.run(40);
+    assert_eq!(
+        c.members[&1]
+            .broker
+            .queue_snapshot("/", "jobs")
+            .map(|q| q.arguments),
+        Some(with_limit(5))
+    );
+    c.broker(2)
+        .delete_queue("/", "jobs", false, false, conn(2, 1))
+        .expect("deleted");
+    let again = DeclareQueue {
+        name: "jobs".into(),
+        passive: false,
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments: with_limit(7),
+    };
+    c.broker(2)
+        .declare_queue("/", again, conn(2, 1))
+        .expect("declared");
+    c.isolated.clear();
+    c.run(200);
+    let seen: Vec<Option<FieldTable>> = NODES
+        .iter()
+        .map(|n| {
+            c.members[n]
+                .broker
+                .queue_snapshot("/", "jobs")
+                .map(|q| q.arguments)
+        })
+        .collect();
+    assert!(seen[0].is_some(), "{seen:?}");
+    assert!(
+        seen.iter().all(|a| *a == seen[0]),
+        "every node ends with the change the log applied last: {seen:?}"
+    );
+}
+
+#[test]
+fn a_lower_ttl_on_a_quorum_queue_leaves_its_members_alike() {
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    for n in 0..3 {
+        c.publish(leader, n);
+    }
+    c.run(20);
+    let mut definition = warren_broker::policy::Definition::new();
+    definition.insert("message-ttl".into(), PolicyValue::Int(1));
+    c.broker(2)
+        .set_policy(PolicyDef {
+            vhost: "/".into(),
+            name: "short".into(),
+            kind: PolicyKind::User,
+            pattern: "^jobs$".into(),
+            apply_to: ApplyTo::QuorumQueues,
+            priority: 0,
+            definition,
+        })
+        .expect("policy");
+    c.run(60);
+    assert_same_state(&c, &NODES);
 }
 
 #[test]

@@ -212,22 +212,24 @@ impl crate::cluster::RaftEvents for RaftReports {
         });
     }
 
-    fn leaders(&self, changes: Vec<(warren_broker::GroupId, Option<u64>, u64)>) {
+    fn leaders(
+        &self,
+        changes: Vec<(warren_broker::GroupId, Option<u64>, u64)>,
+        refused: Vec<crate::cluster::Refused>,
+    ) {
         self.0.with_node(|node, now| {
             for (group, leader, term) in changes {
                 tracing::debug!(group = group.0, ?leader, term, "raft group leader");
                 node.set_leader(group.0, leader, term, now);
             }
+            // Held through a leadership transfer, a publish goes on to the new leader; otherwise
+            // the queue ran ahead with it and falls back, nacking what waited (a leader change,
+            // told just above, or an entry too large while this node still leads).
+            for (group, data, leader) in refused {
+                tracing::debug!(group = group.0, ?leader, "proposal refused by raft");
+                node.proposal_refused(group.0, &data, leader, now);
+            }
         });
-    }
-
-    fn refused(&self, group: warren_broker::GroupId, data: Vec<u8>, leader: Option<u64>) {
-        // Held through a leadership transfer, a publish goes on to the new leader; otherwise
-        // the queue ran ahead with it and falls back, nacking what waited (a leader change,
-        // reported as `leaders` first, or an entry too large while this node still leads).
-        tracing::debug!(group = group.0, ?leader, "proposal refused by raft");
-        self.0
-            .with_node(|node, now| node.proposal_refused(group.0, &data, leader, now));
     }
 
     fn forwarded(&self, entries: Vec<(u64, crate::cluster::Forward)>) {

@@ -451,7 +451,19 @@ impl Broker {
                 arguments,
                 leader,
             } => {
-                if self.queue_id(&vhost, &name).is_some() {
+                if let Some(id) = self.queue_id(&vhost, &name) {
+                    // Declared differently on two nodes at once (or deleted and declared again
+                    // on one while another changed it): the later in the log wins everywhere.
+                    let differs = self
+                        .queues
+                        .get(&id)
+                        .is_some_and(|q| q.arguments != arguments);
+                    if differs && self.replica_group(id).is_some() {
+                        return self
+                            .set_queue_arguments(&vhost, &name, arguments, None)
+                            .err()
+                            .and_then(err);
+                    }
                     return None;
                 }
                 // The node chosen for its first leader stands (`attach_replica`).
@@ -485,11 +497,14 @@ impl Broker {
             MetaOp::SetQueueArguments {
                 vhost,
                 name,
-                arguments,
-            } => self
-                .set_queue_arguments(&vhost, &name, arguments, None)
-                .err()
-                .and_then(err),
+                changes,
+            } => {
+                // A queue of that name kept on this node alone is not the cluster's.
+                self.replica_group(self.queue_id(&vhost, &name)?)?;
+                self.change_queue_arguments(&vhost, &name, &changes, None)
+                    .err()
+                    .and_then(err)
+            }
             MetaOp::DeclareExchange {
                 vhost,
                 name,

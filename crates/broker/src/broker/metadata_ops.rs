@@ -48,7 +48,7 @@ pub(crate) enum MetaOp {
     SetQueueArguments {
         vhost: String,
         name: ShortStr,
-        arguments: FieldTable,
+        changes: Vec<super::queue_arguments::ArgumentChange>,
     },
     DeclareExchange {
         vhost: String,
@@ -264,11 +264,25 @@ fn op_table(op: &MetaOp) -> FieldTable {
         MetaOp::SetQueueArguments {
             vhost,
             name,
-            arguments,
+            changes,
         } => {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
-            t.insert("arguments", FieldValue::Table(arguments.detached()));
+            let list = changes
+                .iter()
+                .map(|c| {
+                    let mut e = FieldTable::new();
+                    text(&mut e, "key", &c.key);
+                    if let Some(entry) = &c.entry {
+                        text(&mut e, "entry", entry);
+                    }
+                    if let Some(v) = &c.value {
+                        e.insert("value", v.detached());
+                    }
+                    FieldValue::Table(e)
+                })
+                .collect();
+            t.insert("changes", FieldValue::Array(list));
             "set_queue_arguments"
         }
         MetaOp::DeclareExchange {
@@ -508,7 +522,23 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
         "set_queue_arguments" => MetaOp::SetQueueArguments {
             vhost: f.text("vhost")?,
             name: ShortStr::from_string(f.text("name")?),
-            arguments: f.table("arguments")?,
+            changes: t
+                .get("changes")?
+                .as_array()?
+                .iter()
+                .map(|c| {
+                    let c = c.as_table()?;
+                    let f = Fields(c);
+                    Some(super::queue_arguments::ArgumentChange {
+                        key: f.text("key")?,
+                        entry: match c.get("entry") {
+                            None => None,
+                            Some(_) => Some(f.text("entry")?),
+                        },
+                        value: c.get("value").map(FieldValue::detached),
+                    })
+                })
+                .collect::<Option<Vec<_>>>()?,
         },
         "declare_exchange" => MetaOp::DeclareExchange {
             vhost: f.text("vhost")?,
@@ -742,7 +772,23 @@ mod tests {
             MetaOp::SetQueueArguments {
                 vhost: "/".into(),
                 name: ShortStr::from_static("jobs"),
-                arguments: arguments.clone(),
+                changes: vec![
+                    super::super::queue_arguments::ArgumentChange {
+                        key: "x-message-ttl".into(),
+                        entry: None,
+                        value: Some(FieldValue::I64(5_000)),
+                    },
+                    super::super::queue_arguments::ArgumentChange {
+                        key: "x-sqs-tags".into(),
+                        entry: Some("team".into()),
+                        value: None,
+                    },
+                    super::super::queue_arguments::ArgumentChange {
+                        key: "x-dead-letter-exchange".into(),
+                        entry: None,
+                        value: None,
+                    },
+                ],
             },
             MetaOp::DeclareExchange {
                 vhost: "/".into(),

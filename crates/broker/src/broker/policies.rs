@@ -226,8 +226,12 @@ impl Broker {
         }
         tracing::debug!(queue = %q.name, vhost = %q.vhost, policy = ?q.policy, operator_policy = ?q.operator_policy, "queue arguments changed by a policy");
         // A lower TTL reaches what is queued already (RabbitMQ's does not; a policy that
-        // shortens a TTL is meant to shed the backlog it finds).
+        // shortens a TTL is meant to shed the backlog it finds). Not on a replicated queue:
+        // the caps come from this node's own record of enqueue times, and each member would
+        // apply its own, outside the log (there, as in RabbitMQ, the new TTL applies to the
+        // messages that come after the change).
         let caps = match (q.args.message_ttl_ms, new.message_ttl_ms) {
+            _ if q.replica.is_some() => None,
             (old, Some(ttl)) if old.is_none_or(|old| ttl < old) => {
                 Some(q.stats.enqueue_times.expiry_caps(ttl, self.now_ms))
             }

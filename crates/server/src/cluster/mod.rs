@@ -73,7 +73,12 @@ impl std::fmt::Debug for ClusterConfig {
 
 /// What the Raft thread tells the broker. Called on the Raft thread, with none of its locks
 /// held; a slow callback slows every group, so hand work off rather than doing it here. In a
-/// pass, `peers` comes first, then `leaders`, `snapshots`, `committed` and `refused`.
+/// pass, `peers` comes first, then `leaders` (with the refused proposals), `snapshots` and
+/// `committed`.
+/// A proposal handed back: its group, its data, and the group's leader as far as this node
+/// knows.
+pub type Refused = (GroupId, Vec<u8>, Option<NodeId>);
+
 pub trait RaftEvents: Send + 'static {
     /// Snapshots that replace their groups' state machines: a leader's, installed here in place
     /// of the log this node lacked, or, after a restart, each group's latest one, before the
@@ -83,8 +88,16 @@ pub trait RaftEvents: Send + 'static {
     /// restart every recovered committed entry after the group's snapshot comes again, before
     /// new ones.
     fn committed(&self, entries: Vec<Committed>);
-    /// Groups whose leader changed (`None`: no leader known for now), with the group's term.
-    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>);
+    /// Groups whose leader changed (`None`: no leader known for now), with the group's term;
+    /// then the proposals this node could not take in the pass, each with its group, its data
+    /// (empty only if raft-rs itself dropped it) and who leads the group if known: it does not
+    /// lead the group (proposals held through a leadership transfer come back so once it
+    /// follows), has no such group, or the proposal is above [`MAX_PROPOSAL`] (`leader` is who
+    /// leads, this node included). One report, so that nothing this node's clients do comes
+    /// between a step-down and the proposals it hands back, and both come before the pass's
+    /// committed entries (a new leader's first entry gives up what this node proposed as
+    /// leader and did not hand on).
+    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>, refused: Vec<Refused>);
     /// Peer nodes seen going down (`false`: its connection closed, or its heartbeats stopped)
     /// or coming back (`true`), in order. Comes first in a pass.
     fn peers(&self, changes: Vec<(NodeId, bool)>);
@@ -92,11 +105,6 @@ pub trait RaftEvents: Send + 'static {
     fn draining(&self, changes: Vec<(NodeId, bool)>) {
         let _ = changes;
     }
-    /// A proposal this node could not take: it does not lead `group` (`leader` is who does, if
-    /// known), has no such group, or the proposal is above [`MAX_PROPOSAL`] (`leader` is who
-    /// leads, this node included). `data` is the
-    /// proposal's (empty only if raft-rs itself dropped it).
-    fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>);
     /// Proposals other nodes sent for groups they believe this node leads, with the sender.
     fn forwarded(&self, entries: Vec<(NodeId, Forward)>) {
         let _ = entries;

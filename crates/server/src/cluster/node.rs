@@ -266,13 +266,14 @@ impl<E: RaftEvents> Driver<E> {
         if !draining.is_empty() {
             self.events.draining(draining);
         }
-        if !leaders.is_empty() {
+        let refused = std::mem::take(&mut self.refused);
+        if !leaders.is_empty() || !refused.is_empty() {
             let raft = &self.raft;
             let leaders = leaders
                 .into_iter()
                 .map(|(g, l)| (g, l, raft.term_of(g).unwrap_or(0)))
                 .collect();
-            self.events.leaders(leaders);
+            self.events.leaders(leaders, refused);
         }
         self.snapshots.append(&mut done.snapshots);
         if !self.snapshots.is_empty() {
@@ -280,9 +281,6 @@ impl<E: RaftEvents> Driver<E> {
         }
         if !done.committed.is_empty() {
             self.events.committed(done.committed);
-        }
-        for (group, data, leader) in std::mem::take(&mut self.refused) {
-            self.events.refused(group, data, leader);
         }
         if !self.forwarded.is_empty() {
             self.events.forwarded(std::mem::take(&mut self.forwarded));

@@ -27,6 +27,9 @@ const MAX_RATE: i64 = 500;
 /// Tasks kept per source queue (ListMessageMoveTasks shows the latest 10).
 const KEPT_PER_SOURCE: usize = 10;
 
+/// Tasks kept on a node in all (of queues deleted since, too), running ones included.
+const KEPT: usize = 1_000;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Status {
     Running,
@@ -68,8 +71,24 @@ impl Task {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    fn set(&self, status: Status, reason: Option<String>) {
-        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = (status, reason);
+    /// Running becomes cancelling; false if the task is not running (any more).
+    fn cancel(&self) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.0 != Status::Running {
+            return false;
+        }
+        state.0 = Status::Cancelling;
+        true
+    }
+
+    /// The task's end: cancelled if a cancel came first, else as `outcome` says.
+    fn end(&self, outcome: Result<(), String>) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        *state = match outcome {
+            Ok(()) if state.0 == Status::Cancelling => (Status::Cancelled, None),
+            Ok(()) => (Status::Completed, None),
+            Err(reason) => (Status::Failed, Some(reason)),
+        };
     }
 
     fn entry(&self) -> Map<String, Value> {
@@ -262,6 +281,23 @@ pub fn start(
             tasks.remove(oldest);
             same.iter_mut().for_each(|i| *i -= 1);
         }
+        // And at most so many in all: the oldest finished ones go first.
+        while tasks.len() >= KEPT {
+            let Some(i) = tasks
+                .iter()
+                .position(|t| !matches!(t.status().0, Status::Running | Status::Cancelling))
+            else {
+                return Err(SqsError::new(
+                    400,
+                    "RequestThrottled",
+                    "RequestThrottled",
+                    format!(
+                        "{KEPT} message move tasks are running on this node: wait for one to end."
+                    ),
+                ));
+            };
+            tasks.remove(i);
+        }
         tasks.push(task.clone());
         task
     };
@@ -303,15 +339,10 @@ async fn run(task: Arc<Task>, local: Local, stopped: watch::Receiver<bool>) {
         result.map_err(|e| failure_reason(&e, &task.source))
     }
     .await;
-    let cancelling = task.status().0 == Status::Cancelling;
-    match outcome {
-        Ok(_) if cancelling => task.set(Status::Cancelled, None),
-        Ok(_) => task.set(Status::Completed, None),
-        Err(reason) => {
-            tracing::warn!(vhost = %task.vhost, source = %task.source, %reason, "SQS message move task failed");
-            task.set(Status::Failed, Some(reason));
-        }
+    if let Err(reason) = &outcome {
+        tracing::warn!(vhost = %task.vhost, source = %task.source, %reason, "SQS message move task failed");
     }
+    task.end(outcome.map(|_| ()));
 }
 
 /// A failed task's `FailureReason`, in SQS's terms rather than the CLI's.
@@ -353,10 +384,9 @@ pub fn cancel(
             &[(Perm::Read, Resource::Queue(task.source.as_str()))],
         )
     })?;
-    if task.status().0 != Status::Running {
+    if !task.cancel() {
         return Err(unsupported("Only active tasks can be cancelled."));
     }
-    task.set(Status::Cancelling, None);
     let _ = task.stop.send(true);
     tracing::info!(vhost = %task.vhost, source = %task.source, user = %ctx.user, "SQS message move task cancelled");
     let mut out = Map::new();
@@ -447,7 +477,15 @@ mod tests {
         assert_eq!(e["Status"], "RUNNING");
         assert_eq!(e["MaxNumberOfMessagesPerSecond"], 5);
         assert!(e.get("DestinationArn").is_none());
-        task.set(Status::Failed, Some("why".into()));
+        assert!(task.cancel(), "a running task is cancelled");
+        assert!(!task.cancel(), "once");
+        task.end(Ok(()));
+        assert_eq!(
+            task.status().0,
+            Status::Cancelled,
+            "a cancel that came first wins"
+        );
+        task.end(Err("why".into()));
         let e = task.entry();
         assert!(e.get("TaskHandle").is_none());
         assert_eq!(

@@ -77,15 +77,11 @@ impl RaftEvents for Recorder {
     fn committed(&self, entries: Vec<Committed>) {
         self.0.lock().unwrap().committed.extend(entries);
     }
-    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>) {
-        self.0
-            .lock()
-            .unwrap()
-            .leaders
+    fn leaders(&self, changes: Vec<(GroupId, Option<NodeId>, u64)>, refused: Vec<Refused>) {
+        let mut seen = self.0.lock().unwrap();
+        seen.leaders
             .extend(changes.into_iter().map(|(g, l, _)| (g, l)));
-    }
-    fn refused(&self, group: GroupId, data: Vec<u8>, leader: Option<NodeId>) {
-        self.0.lock().unwrap().refused.push((group, data, leader));
+        seen.refused.extend(refused);
     }
 }
 
