@@ -534,6 +534,15 @@ def report(results, out_path, chart_path, notes_path=None):
         L.append("")
         L.append(cluster)
         L.append("")
+    sqs_path, sqs = latest_deep_summary(os.path.dirname(os.path.abspath(__file__)), "sqs.md")
+    if sqs:
+        rel = os.path.relpath(sqs_path, os.path.dirname(os.path.abspath(out_path)) or ".")
+        L.append(f"## The SQS API ({b_name} alone, beside ElasticMQ's published figures)")
+        L.append("")
+        L.append(f"From `bench/sqs.sh` (kept in [bench/sqs.md]({rel})):")
+        L.append("")
+        L.append(sqs)
+        L.append("")
     L.append(f"## What {b_name} persists in these runs")
     L.append("")
     if meta.get("self_test"):
