@@ -15,7 +15,6 @@ use lapin::{Connection, ConnectionProperties};
 use serde_json::{Map, Value};
 use tokio::sync::watch;
 use warren_broker::access::{Perm, Resource};
-use warren_codec::FieldValue;
 
 use super::{integer, required, text, Ctx, Sqs, SqsError};
 use crate::cli::transfer::{move_messages, TransferError};
@@ -174,16 +173,6 @@ fn queue_of_arn(arn: &str, key: &str) -> Result<(String, String), SqsError> {
     }
 }
 
-/// Does some queue of `vhost` dead-letter to `dlq` (a redrive policy, or those arguments)?
-fn is_dead_letter_queue(n: &warren_session::Node, vhost: &str, dlq: &str) -> bool {
-    n.broker().queue_snapshots(Some(vhost)).iter().any(|q| {
-        let arg = |k: &str| q.arguments.get(k).and_then(FieldValue::as_str);
-        arg("x-dead-letter-exchange") == Some("")
-            && arg("x-dead-letter-routing-key") == Some(dlq)
-            && q.name.as_str() != dlq
-    })
-}
-
 /// StartMessageMoveTask.
 pub fn start(
     sqs: &Sqs,
@@ -225,7 +214,7 @@ pub fn start(
                 not_found("The resource that you specified for the DestinationArn parameter doesn't exist.")
             })?;
         }
-        if !is_dead_letter_queue(n, &vhost, &source) {
+        if super::queues::dead_letter_sources_of(n, &vhost, &source).is_empty() {
             return Err(unsupported(
                 "Source queue must be configured as a Dead Letter Queue.",
             ));

@@ -598,21 +598,25 @@ pub fn dead_letter_sources(
         n.broker()
             .queue_id(&vhost, &name)
             .ok_or_else(SqsError::no_queue)?;
-        Ok::<_, SqsError>(
-            n.broker()
-                .queue_snapshots(Some(&vhost))
-                .into_iter()
-                .filter(|q| {
-                    let arg = |k: &str| q.arguments.get(k).and_then(FieldValue::as_str);
-                    arg("x-dead-letter-exchange") == Some("")
-                        && arg("x-dead-letter-routing-key") == Some(name.as_str())
-                        && q.name.as_str() != name
-                })
-                .map(|q| q.name.to_string())
-                .collect(),
-        )
+        Ok::<_, SqsError>(dead_letter_sources_of(n, &vhost, &name))
     })?;
     url_page(ctx, &vhost, sources, input, "queueUrls")
+}
+
+/// The queues of `vhost` that dead-letter to `dlq` through the default exchange (a
+/// `RedrivePolicy`, or those AMQP arguments).
+pub fn dead_letter_sources_of(n: &warren_session::Node, vhost: &str, dlq: &str) -> Vec<String> {
+    n.broker()
+        .queue_snapshots(Some(vhost))
+        .into_iter()
+        .filter(|q| {
+            let arg = |k: &str| q.arguments.get(k).and_then(FieldValue::as_str);
+            arg("x-dead-letter-exchange") == Some("")
+                && arg("x-dead-letter-routing-key") == Some(dlq)
+                && q.name.as_str() != dlq
+        })
+        .map(|q| q.name.to_string())
+        .collect()
 }
 
 /// A list's NextToken: the last name given, encoded.
