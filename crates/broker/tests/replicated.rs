@@ -1915,6 +1915,41 @@ fn a_lower_ttl_on_a_quorum_queue_leaves_its_members_alike() {
     assert_same_state(&c, &NODES);
 }
 
+/// A node's recovery caps restored messages by a policy's TTL (its stored expiries predate the
+/// policy). A replicated queue's messages come from its log, where each carries the expiry it
+/// was enqueued with: capping them on one node alone would leave its members apart.
+#[test]
+fn recovery_caps_leave_a_quorum_queues_members_alike() {
+    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    for n in 0..3 {
+        c.publish(leader, n);
+    }
+    c.run(20);
+    let mut definition = warren_broker::policy::Definition::new();
+    definition.insert("message-ttl".into(), PolicyValue::Int(600_000));
+    c.broker(1)
+        .set_policy(PolicyDef {
+            vhost: "/".into(),
+            name: "ttl".into(),
+            kind: PolicyKind::User,
+            pattern: "^jobs$".into(),
+            apply_to: ApplyTo::QuorumQueues,
+            priority: 0,
+            definition,
+        })
+        .expect("policy");
+    c.run(60);
+    assert_same_state(&c, &NODES);
+    let follower = leader % 3 + 1;
+    let now = c.now;
+    c.broker(follower).cap_restored_expiries(now);
+    c.run(20);
+    assert_counts(&c, &NODES, (3, 0));
+    assert_same_state(&c, &NODES);
+}
+
 #[test]
 fn definitions_made_on_any_node_reach_every_node_and_route_there() {
     use warren_broker::access::{Perm, PermissionDef, Resource};

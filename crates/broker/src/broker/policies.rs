@@ -84,12 +84,15 @@ impl Broker {
     /// After recovery: the stored expiry of a message predates any TTL a policy lowered since
     /// (the queue machine's caps live in memory), so every restored message of a queue with a
     /// TTL expires by now plus that TTL at the latest (it was enqueued before now: never
-    /// early; a message whose stored expiry is sooner keeps it).
+    /// early; a message whose stored expiry is sooner keeps it). Not on a replicated queue:
+    /// its messages come back from its log with the expiries they were enqueued with, and a
+    /// cap applied by one member alone, outside the log, would set it apart from the others.
     pub fn cap_restored_expiries(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
         let due: Vec<(QueueId, u64)> = self
             .queues
             .values()
+            .filter(|q| q.replica.is_none())
             .filter(|q| q.policy.is_some() || q.operator_policy.is_some())
             .filter(|q| q.machine.ready_count() + q.machine.in_flight_count() > 0)
             .filter_map(|q| q.args.message_ttl_ms.map(|ttl| (q.id, ttl)))
