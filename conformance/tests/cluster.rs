@@ -543,6 +543,82 @@ async fn definitions_made_on_one_node_are_on_every_node_and_a_deleted_user_is_cl
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_down_while_the_definitions_log_is_compacted_comes_back_with_the_clusters_definitions(
+) {
+    // A snapshot every 20 entries, and a leader keeps at most 20 entries for a follower that
+    // lags: the node that was down is sent the metadata group's snapshot, not its log.
+    let mut c = TestCluster::start_with(3, 20, &["--test-snapshot-entries", "20"]);
+    let old = unique("old");
+    Api::of(c.node(1)).put(
+        &format!("/exchanges/%2f/{old}"),
+        serde_json::json!({"type": "fanout", "durable": true}),
+    );
+    Api::of(c.node(1)).put(
+        "/users/dora",
+        serde_json::json!({"password": "explorer", "tags": ""}),
+    );
+    let everywhere = |c: &TestCluster, path: &str, want: u16| {
+        let start = Instant::now();
+        for n in 1..=3 {
+            loop {
+                let (status, _) = Api::of(c.node(n)).call("GET", path, None);
+                if status == want {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < WAIT,
+                    "GET {path} on node {n}: {status}, not {want}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    everywhere(&c, "/users/dora", 200);
+    let away = 3;
+    c.node_mut(away).stop(true);
+    // Changes on both running nodes, one at a time: far more entries than the leader keeps.
+    let made: Vec<String> = (0..120).map(|i| unique(&format!("new{i}"))).collect();
+    for (i, x) in made.iter().enumerate() {
+        let n = 1 + (i as u64 % 2);
+        Api::of(c.node(n)).put(
+            &format!("/exchanges/%2f/{x}"),
+            serde_json::json!({"type": "direct", "durable": true}),
+        );
+    }
+    assert_eq!(
+        Api::of(c.node(2))
+            .call("DELETE", &format!("/exchanges/%2f/{old}"), None)
+            .0,
+        204
+    );
+    assert_eq!(
+        Api::of(c.node(1)).call("DELETE", "/users/dora", None).0,
+        204
+    );
+    for x in &made {
+        everywhere_but(&c, away, &format!("/exchanges/%2f/{x}"));
+    }
+    c.node_mut(away).start_again();
+    c.wait_for_metadata_leader(away);
+    for x in &made {
+        everywhere(&c, &format!("/exchanges/%2f/{x}"), 200);
+    }
+    everywhere(&c, &format!("/exchanges/%2f/{old}"), 404);
+    everywhere(&c, "/users/dora", 404);
+}
+
+/// Waits until every running node but `away` answers 200 for `path`.
+fn everywhere_but(c: &TestCluster, away: u64, path: &str) {
+    let start = Instant::now();
+    for n in (1..=3).filter(|n| *n != away) {
+        while Api::of(c.node(n)).call("GET", path, None).0 != 200 {
+            assert!(start.elapsed() < WAIT, "GET {path} on node {n}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_cut_off_from_the_others_confirms_nothing_while_they_go_on() {
     let c = TestCluster::start_partitionable(3, 20, &[]);
     let q = unique("qq");

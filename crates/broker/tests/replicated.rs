@@ -1950,6 +1950,104 @@ fn recovery_caps_leave_a_quorum_queues_members_alike() {
     assert_same_state(&c, &NODES);
 }
 
+fn meta_log_first(c: &Cluster, node: u64) -> u64 {
+    let log = c.members[&node].log.recovered(GroupId(0));
+    log.entries.first().map_or(u64::MAX, |e| e.index)
+}
+
+fn meta_log_last(c: &Cluster, node: u64) -> u64 {
+    let log = c.members[&node].log.recovered(GroupId(0));
+    log.entries.last().map_or(0, |e| e.index)
+}
+
+/// The metadata group's log is compacted behind its snapshots; a node away while the log
+/// moved on further than the leader keeps is brought up to date by a snapshot: what was made
+/// meanwhile appears, what was deleted meanwhile goes, and its own change that the log has
+/// not applied yet stays.
+#[test]
+fn a_node_the_metadata_log_left_behind_catches_up_from_a_snapshot() {
+    let mut c = Cluster::snapshotting(2);
+    declare_exchange(&mut c, 1, "old", "fanout", true);
+    c.broker(1).put_user(user("bob", "monitoring"));
+    assert!(until_everywhere(&mut c, 100, |b| b
+        .exchange_exists("/", "old")
+        && b.access().user("bob").is_some()));
+    c.run(20);
+    let behind = meta_log_last(&c, 3);
+    c.isolated.insert(3);
+    assert!(c.broker(1).delete_exchange("/", "old", false).is_ok());
+    assert!(c.broker(1).delete_user("bob"));
+    for n in 0..12 {
+        declare_exchange(&mut c, 1, &format!("new{n}"), "direct", true);
+        c.run(10);
+    }
+    c.run(40);
+    assert!(
+        meta_log_first(&c, 1) > behind + 1,
+        "the leader's log still holds what node 3 lacks ({} > {behind})",
+        meta_log_first(&c, 1)
+    );
+    // Node 3's own change, which the log has not applied when the snapshot comes.
+    c.hold_forwards = true;
+    declare_exchange(&mut c, 3, "mine", "topic", true);
+    c.isolated.clear();
+    c.run(60);
+    let installed = c.members[&3]
+        .log
+        .recovered(GroupId(0))
+        .snapshot
+        .map_or(0, |s| s.meta.index);
+    assert!(
+        installed > behind,
+        "node 3 took no snapshot from the leader"
+    );
+    let b3 = &c.members[&3].broker;
+    assert!(!b3.exchange_exists("/", "old"), "deleted while away");
+    assert!(b3.access().user("bob").is_none(), "deleted while away");
+    assert!((0..12).all(|n| b3.exchange_exists("/", &format!("new{n}"))));
+    assert!(
+        b3.exchange_exists("/", "mine"),
+        "its own pending change kept"
+    );
+    c.hold_forwards = false;
+    assert!(until_everywhere(&mut c, 200, |b| b.exchange_exists("/", "mine")));
+    c.run(40);
+    let defs: Vec<Vec<String>> = NODES
+        .iter()
+        .map(|n| c.members[n].broker.cluster_definitions_text())
+        .collect();
+    assert_eq!(defs[0], defs[1]);
+    assert_eq!(defs[0], defs[2]);
+}
+
+/// A node restarted on a metadata log compacted behind a snapshot (and a store that holds
+/// nothing of it, the worst case) gets its definitions back from the snapshot.
+#[test]
+fn a_restart_on_a_compacted_metadata_log_brings_the_definitions_back() {
+    let mut c = Cluster::snapshotting(2);
+    for n in 0..8 {
+        declare_exchange(&mut c, 1, &format!("x{n}"), "topic", true);
+        c.run(10);
+    }
+    c.broker(1).put_user(user("carol", "management"));
+    assert!(until_everywhere(&mut c, 100, |b| b
+        .access()
+        .user("carol")
+        .is_some()));
+    c.run(40);
+    assert!(meta_log_first(&c, 2) > 1, "node 2's log was not compacted");
+    c.kill(2);
+    c.restart(2, Some(2));
+    c.run(60);
+    let b2 = &c.members[&2].broker;
+    assert!((0..8).all(|n| b2.exchange_exists("/", &format!("x{n}"))));
+    assert!(b2.access().user("carol").is_some());
+    assert_eq!(
+        c.members[&2].broker.cluster_definitions_text(),
+        c.members[&1].broker.cluster_definitions_text()
+    );
+}
+
 #[test]
 fn definitions_made_on_any_node_reach_every_node_and_route_there() {
     use warren_broker::access::{Perm, PermissionDef, Resource};

@@ -212,6 +212,8 @@ impl Node {
         let config = self.config().clone();
         // Each node's own file: a cluster's users are changed through the management API.
         self.broker_mut()
+            .keep_users_local(config.users.iter().map(|u| u.name.clone()));
+        self.broker_mut()
             .local_only(|b| apply_config_users(b, &config, fresh, salt));
     }
 

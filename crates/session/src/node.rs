@@ -288,6 +288,10 @@ impl Node {
     ) {
         self.broker.advance_time(now);
         self.broker.install_snapshot(group, index, term, data);
+        // A metadata snapshot may delete users and vhosts, as the log's entries do.
+        for closed in self.broker.take_meta_closed() {
+            self.closed_elsewhere(closed, now);
+        }
         self.after_replication(now);
     }
 

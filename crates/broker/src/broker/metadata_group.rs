@@ -58,8 +58,8 @@ struct InFlight {
 
 /// A change made here that the log has not applied yet.
 #[derive(Debug)]
-struct Waiting {
-    number: u64,
+pub(super) struct Waiting {
+    pub(super) number: u64,
     op: MetaOp,
     /// The store batch that keeps it: it goes to the cluster once that batch is written, so
     /// that every number the log may hold of this node is in its store after a crash.
@@ -70,23 +70,29 @@ struct Waiting {
 #[derive(Debug, Default)]
 pub(crate) struct MetaState {
     /// Who leads the metadata group.
-    leader: Option<NodeId>,
+    pub(super) leader: Option<NodeId>,
     in_flight: Option<InFlight>,
     /// Changes made here since, numbered, for the next entry (and, after a restart, those
     /// of the previous start the log had not applied: the store kept them).
-    queued: VecDeque<Waiting>,
+    pub(super) queued: VecDeque<Waiting>,
     /// The store batches written (see `Broker::writes_done`).
-    written: u64,
+    pub(super) written: u64,
     /// The number of this node's last change: numbers grow across restarts (from the start
     /// time, and past any the store or the log has of this node).
-    next_op: u64,
+    pub(super) next_op: u64,
     /// The highest change number applied, per node: a copy is applied once.
-    seen: BTreeMap<NodeId, u64>,
+    pub(super) seen: BTreeMap<NodeId, u64>,
     /// The log index applied (and written to the store with what it changed).
-    applied: u64,
+    pub(super) applied: u64,
+    /// The term of the entry at `applied` (0: none applied since this start).
+    pub(super) applied_term: u64,
+    /// Entries applied since the last snapshot taken or installed.
+    pub(super) since_snapshot: u64,
+    /// The users of this node's configuration file (see `Broker::keep_users_local`).
+    pub(super) local_users: BTreeSet<String>,
     /// The number of the latest change made here to each object whose entry is not applied.
-    latest: HashMap<String, u64>,
-    closed: Vec<MetaClosed>,
+    pub(super) latest: HashMap<String, u64>,
+    pub(super) closed: Vec<MetaClosed>,
     /// Groups to create and to remove, in order, for the driver.
     pub(super) group_changes: Vec<GroupChange>,
 }
@@ -116,6 +122,20 @@ pub enum GroupChange {
 }
 
 impl MetaState {
+    /// An entry of this node's is in flight.
+    pub(super) fn in_flight_pending(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// The entry in flight, if its last change is at or below `number` (applied): its
+    /// changes' numbers.
+    pub(super) fn take_in_flight_upto(&mut self, number: u64) -> Option<Vec<u64>> {
+        if self.in_flight.as_ref()?.last > number {
+            return None;
+        }
+        self.in_flight.take().map(|f| f.numbers)
+    }
+
     pub(super) fn starting_at(first_op: u64) -> Self {
         MetaState {
             next_op: first_op,
@@ -125,7 +145,7 @@ impl MetaState {
 
     /// The entry to send now, if any: the one in flight (made from what is queued when there
     /// is none), once a leader is known.
-    fn send(&mut self, node: NodeId, now: u64, again: bool) -> Option<Proposal> {
+    pub(super) fn send(&mut self, node: NodeId, now: u64, again: bool) -> Option<Proposal> {
         let mut stored = self
             .queued
             .iter()
@@ -343,6 +363,7 @@ impl Broker {
                 p.push(op, true);
             }
         }
+        self.take_meta_snapshot();
     }
 
     fn apply_meta_entry(&mut self, e: &Committed) {
@@ -355,6 +376,8 @@ impl Broker {
             return;
         }
         c.meta.applied = e.index;
+        c.meta.applied_term = e.term;
+        c.meta.since_snapshot += 1;
         let node = c.node();
         let Some(entry) = decode_entry(&e.data) else {
             tracing::error!(index = e.index, "unreadable metadata entry skipped");
@@ -433,7 +456,7 @@ impl Broker {
     }
 
     /// Applies one operation as the node that made it did, without telling the cluster.
-    fn apply_meta_op(&mut self, op: MetaOp) {
+    pub(super) fn apply_meta_op(&mut self, op: MetaOp) {
         let was = std::mem::replace(&mut self.meta_quiet, true);
         let failed = self.apply_meta_op_quietly(&op);
         self.meta_quiet = was;

@@ -4,6 +4,7 @@ mod flows;
 mod metadata;
 mod metadata_group;
 mod metadata_ops;
+mod metadata_snapshot;
 mod parameters;
 mod persistence;
 mod policies;

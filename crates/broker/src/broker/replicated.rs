@@ -116,10 +116,10 @@ pub(crate) struct Cluster {
     /// basic.gets sent to other nodes' queues, waiting for their entries.
     pub(super) gets: super::remote_get::RemoteGets,
     /// Snapshots taken, for the driver.
-    snapshots: Vec<ReplicaSnapshot>,
+    pub(super) snapshots: Vec<ReplicaSnapshot>,
     /// Entries between snapshots, and the largest snapshot that can be sent to a follower.
-    snapshot_entries: u64,
-    snapshot_max: usize,
+    pub(super) snapshot_entries: u64,
+    pub(super) snapshot_max: usize,
     /// Consumers of this node's channels on replicated queues (since it started): their queue,
     /// their key, and whether their group applied their `Consume` (a `Down` of this node
     /// applied after that means the leader took them away).
@@ -297,6 +297,10 @@ impl Broker {
     /// it. What this node waited for in the group is nacked (it may be in the snapshot: a
     /// duplicate at worst, never a loss).
     pub fn install_snapshot(&mut self, group: u64, index: u64, term: u64, data: bytes::Bytes) {
+        if group == super::metadata_group::META_GROUP {
+            self.install_meta_snapshot(index, term, &data);
+            return;
+        }
         let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
             tracing::warn!(
                 group,

@@ -1,0 +1,364 @@
+//! Snapshots of the metadata group, so that its log does not hold every definition change
+//! since the cluster began.
+//!
+//! A snapshot is the cluster's definitions written as the operations that make them (the same
+//! operations entries carry) with the change numbers applied per node. A node takes one of
+//! its committed state every so many entries, when no change of its own is waiting for the
+//! log: only then is what it holds exactly what the log says. Raft then drops the log before
+//! it, and sends it to a follower too far behind (or a node whose store is behind its log
+//! after a crash reads it back at its start).
+//!
+//! Installing a snapshot is a difference, not a replacement: what this node holds and the
+//! snapshot lacks is deleted, what the snapshot holds differently is applied, each through
+//! the same functions the log's entries use, so the store and the session learn of it as of
+//! any other change. Two kinds of object are left as they are: those this node changed and
+//! the log has not applied yet (its own entry, still to come, is later in the log), and the
+//! users of this node's configuration file with their permissions, which are each node's own.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::metadata_ops::{decode_snapshot, encode_snapshot, Binding, MetaOp, MetaSnapshot};
+use super::*;
+use crate::access::{PermissionDef, TopicPermissionDef, UserDef};
+use crate::limits::{LimitScope, Limits};
+use crate::parameters::ParameterDef;
+use crate::persist::BindingDest;
+use crate::policy::PolicyDef;
+
+use super::metadata_group::META_GROUP;
+use super::replicated::ReplicaSnapshot;
+
+/// The order operations are applied in (a vhost before what lives in it, an exchange and a
+/// queue before their bindings); deletions go the other way.
+fn rank(op: &MetaOp) -> u8 {
+    match op {
+        MetaOp::PutVhost(_) | MetaOp::DeleteVhost(_) => 0,
+        MetaOp::PutUser(_) | MetaOp::DeleteUser(_) => 1,
+        MetaOp::PutLimits { .. } => 2,
+        MetaOp::PutPermission(_) | MetaOp::DeletePermission { .. } => 3,
+        MetaOp::PutTopicPermission(_) | MetaOp::ClearTopicPermission { .. } => 4,
+        MetaOp::PutPolicy(_) | MetaOp::DeletePolicy { .. } => 5,
+        MetaOp::PutParameter(_) | MetaOp::DeleteParameter { .. } => 6,
+        MetaOp::PutAccessKey(_) | MetaOp::DeleteAccessKey(_) => 7,
+        MetaOp::DeclareExchange { .. } | MetaOp::DeleteExchange { .. } => 8,
+        MetaOp::DeclareQueue { .. }
+        | MetaOp::DeleteQueue { .. }
+        | MetaOp::SetQueueArguments { .. } => 9,
+        MetaOp::Bind(_) | MetaOp::Unbind(_) => 10,
+        MetaOp::Rebalance => 11,
+    }
+}
+
+/// The operation that removes what `op` makes.
+fn undo(op: &MetaOp) -> Option<MetaOp> {
+    Some(match op {
+        MetaOp::DeclareQueue { vhost, name, .. } => MetaOp::DeleteQueue {
+            vhost: vhost.clone(),
+            name: name.clone(),
+        },
+        MetaOp::DeclareExchange { vhost, name, .. } => MetaOp::DeleteExchange {
+            vhost: vhost.clone(),
+            name: name.clone(),
+        },
+        MetaOp::Bind(b) => MetaOp::Unbind(b.clone()),
+        MetaOp::PutVhost(name) => MetaOp::DeleteVhost(name.clone()),
+        MetaOp::PutUser(u) => MetaOp::DeleteUser(u.name.clone()),
+        MetaOp::PutPermission(p) => MetaOp::DeletePermission {
+            user: p.user.clone(),
+            vhost: p.vhost.clone(),
+        },
+        MetaOp::PutTopicPermission(t) => MetaOp::ClearTopicPermission {
+            user: t.user.clone(),
+            vhost: t.vhost.clone(),
+            exchange: Some(t.exchange.clone()),
+        },
+        MetaOp::PutLimits { scope, name, .. } => MetaOp::PutLimits {
+            scope: *scope,
+            name: name.clone(),
+            limits: Limits::default(),
+        },
+        MetaOp::PutPolicy(p) => MetaOp::DeletePolicy {
+            vhost: p.vhost.clone(),
+            kind: p.kind,
+            name: p.name.clone(),
+        },
+        MetaOp::PutAccessKey(k) => MetaOp::DeleteAccessKey(k.id.clone()),
+        MetaOp::PutParameter(p) => MetaOp::DeleteParameter {
+            component: p.component.clone(),
+            vhost: p.vhost.clone(),
+            name: p.name.clone(),
+        },
+        _ => return None,
+    })
+}
+
+/// The user a user or permission operation is about.
+fn user_of(op: &MetaOp) -> Option<&str> {
+    match op {
+        MetaOp::PutUser(UserDef { name, .. }) => Some(name),
+        MetaOp::PutPermission(PermissionDef { user, .. })
+        | MetaOp::PutTopicPermission(TopicPermissionDef { user, .. }) => Some(user),
+        _ => None,
+    }
+}
+
+/// Operations keyed by (rank, object): in the order they apply.
+type Definitions = BTreeMap<(u8, String), MetaOp>;
+
+fn keyed(ops: impl IntoIterator<Item = MetaOp>) -> Definitions {
+    ops.into_iter()
+        .map(|op| ((rank(&op), op.object()), op))
+        .collect()
+}
+
+impl Broker {
+    /// The users named in this node's configuration file: they and their permissions are this
+    /// node's own, neither carried by the metadata group's snapshots nor changed by them.
+    pub fn keep_users_local(&mut self, names: impl IntoIterator<Item = String>) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta.local_users.extend(names);
+        }
+    }
+
+    /// The cluster's definitions as this node holds them, as the operations that make them:
+    /// vhosts, users, limits, permissions, policies, parameters, access keys, durable
+    /// exchanges (not the built-in ones), replicated queues, and the bindings between them.
+    /// Classic queues, transient exchanges and their bindings are this node's own.
+    pub(super) fn cluster_definitions(&self) -> Vec<MetaOp> {
+        let mut ops = Vec::new();
+        ops.extend(self.vhosts.keys().cloned().map(MetaOp::PutVhost));
+        ops.extend(self.access.users().cloned().map(MetaOp::PutUser));
+        for scope in [LimitScope::Vhost, LimitScope::User] {
+            ops.extend(
+                self.limits
+                    .all(scope)
+                    .map(|(name, limits)| MetaOp::PutLimits {
+                        scope,
+                        name: name.to_owned(),
+                        limits: limits.clone(),
+                    }),
+            );
+        }
+        ops.extend(
+            self.access
+                .permissions()
+                .cloned()
+                .map(MetaOp::PutPermission),
+        );
+        ops.extend(
+            self.access
+                .topic_permissions()
+                .cloned()
+                .map(MetaOp::PutTopicPermission),
+        );
+        for kind in [PolicyKind::User, PolicyKind::Operator] {
+            ops.extend(
+                self.policies
+                    .list(kind, None)
+                    .cloned()
+                    .map(|p: PolicyDef| MetaOp::PutPolicy(p)),
+            );
+        }
+        ops.extend(
+            self.parameters
+                .list(None, None)
+                .cloned()
+                .map(|p: ParameterDef| MetaOp::PutParameter(p)),
+        );
+        ops.extend(self.access.access_keys().cloned().map(MetaOp::PutAccessKey));
+        for (vhost, vh) in &self.vhosts {
+            for x in vh.exchanges.values().filter(|x| x.durable) {
+                let builtin = SYSTEM_EXCHANGES.iter().any(|(n, _, _)| *n == &*x.name);
+                if !builtin {
+                    ops.push(MetaOp::DeclareExchange {
+                        vhost: vhost.clone(),
+                        name: x.name.to_string(),
+                        kind: type_name(x.kind, x.delayed).to_owned(),
+                        auto_delete: x.auto_delete,
+                        internal: x.internal,
+                        arguments: x.arguments.clone(),
+                    });
+                }
+                for (dest, key, arguments) in x.bindings() {
+                    let dest = match dest {
+                        Dest::Queue(id) => match self.queues.get(id) {
+                            Some(q) if q.replica.is_some() => BindingDest::Queue(q.name.clone()),
+                            _ => continue,
+                        },
+                        Dest::Exchange(name) => match vh.exchanges.get(name) {
+                            Some(d) if d.durable => BindingDest::Exchange(name.clone()),
+                            _ => continue,
+                        },
+                    };
+                    ops.push(MetaOp::Bind(Binding {
+                        vhost: vhost.clone(),
+                        source: x.name.to_string(),
+                        dest,
+                        key: key.to_string(),
+                        arguments: arguments.clone(),
+                    }));
+                }
+            }
+        }
+        ops.extend(
+            self.queues
+                .values()
+                .filter(|q| q.replica.is_some())
+                .map(|q| MetaOp::DeclareQueue {
+                    vhost: q.vhost.clone(),
+                    name: q.name.clone(),
+                    arguments: q.arguments.clone(),
+                    leader: None,
+                }),
+        );
+        ops
+    }
+
+    /// The cluster's definitions as this node holds them, one line each in a fixed order:
+    /// for tests that compare the nodes of a cluster.
+    #[doc(hidden)]
+    pub fn cluster_definitions_text(&self) -> Vec<String> {
+        let local = self
+            .cluster
+            .as_ref()
+            .map(|c| c.meta.local_users.clone())
+            .unwrap_or_default();
+        keyed(self.cluster_definitions())
+            .into_values()
+            .filter(|op| user_of(op).is_none_or(|u| !local.contains(u)))
+            .map(|op| format!("{op:?}"))
+            .collect()
+    }
+
+    /// After applying committed metadata entries: a snapshot of the definitions, if enough
+    /// entries were applied since the last one and nothing of this node's waits for the log.
+    pub(super) fn take_meta_snapshot(&mut self) {
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
+        let m = &c.meta;
+        let due = m.since_snapshot >= c.snapshot_entries && m.applied_term > 0;
+        let quiet = m.latest.is_empty() && m.queued.is_empty() && !m.in_flight_pending();
+        if !due || !quiet {
+            return;
+        }
+        let local = &m.local_users;
+        let ops = keyed(self.cluster_definitions())
+            .into_values()
+            .filter(|op| user_of(op).is_none_or(|u| !local.contains(u)))
+            .collect();
+        let snap = MetaSnapshot {
+            seen: m.seen.iter().map(|(n, s)| (*n, *s)).collect(),
+            ops,
+        };
+        let data = encode_snapshot(&snap);
+        let (index, term, max) = (m.applied, m.applied_term, c.snapshot_max);
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        c.meta.since_snapshot = 0;
+        if data.len() > max {
+            tracing::warn!(
+                index,
+                bytes = data.len(),
+                "metadata snapshot larger than the cluster can carry: the log is kept"
+            );
+            return;
+        }
+        tracing::debug!(index, bytes = data.len(), "metadata snapshot taken");
+        c.snapshots.push(ReplicaSnapshot {
+            group: META_GROUP,
+            index,
+            term,
+            data,
+        });
+    }
+
+    /// A snapshot of the metadata group at `index`: from the leader, for a node too far
+    /// behind, or read back at a start when the store holds less than the snapshot.
+    pub(super) fn install_meta_snapshot(&mut self, index: u64, term: u64, data: &bytes::Bytes) {
+        let now = self.now_ms;
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if index <= c.meta.applied {
+            // This node's store already holds as much.
+            return;
+        }
+        let Some(snap) = decode_snapshot(data) else {
+            // Checksummed on disk and on the wire: a bug or a later version.
+            tracing::error!(
+                index,
+                "unreadable metadata snapshot: the definitions stay as they are"
+            );
+            return;
+        };
+        let node = c.node();
+        let m = &mut c.meta;
+        let own = snap
+            .seen
+            .iter()
+            .find(|(n, _)| *n == node)
+            .map_or(0, |(_, s)| *s);
+        // This node's changes the snapshot holds are applied: their records go, and so does
+        // their entry in flight.
+        let mut done = Vec::new();
+        while m.queued.front().is_some_and(|w| w.number <= own) {
+            done.extend(m.queued.pop_front().map(|w| w.number));
+        }
+        if let Some(numbers) = m.take_in_flight_upto(own) {
+            done.extend(numbers);
+        }
+        m.latest.retain(|_, n| *n > own);
+        m.seen = snap.seen.into_iter().collect();
+        m.next_op = m.next_op.max(own);
+        m.applied = index;
+        m.applied_term = term;
+        m.since_snapshot = 0;
+        let pending: BTreeSet<String> = m.latest.keys().cloned().collect();
+        let local = m.local_users.clone();
+        if let Some(p) = m.send(node, now, false) {
+            c.push(p);
+        }
+        if let Some(p) = self.persist.as_mut() {
+            for number in done {
+                p.push(StoreOp::DeleteMetaPending { number }, false);
+            }
+        }
+        let ours = |op: &MetaOp| {
+            !pending.contains(&op.object()) && user_of(op).is_none_or(|u| !local.contains(u))
+        };
+        let here = keyed(self.cluster_definitions());
+        let there = keyed(snap.ops);
+        let gone: Vec<MetaOp> = here
+            .iter()
+            .rev()
+            .filter(|(k, op)| !there.contains_key(*k) && ours(op))
+            .filter_map(|(_, op)| undo(op))
+            .collect();
+        let changed: Vec<MetaOp> = there
+            .into_iter()
+            .filter(|(k, op)| ours(op) && here.get(k) != Some(op))
+            .map(|(_, op)| op)
+            .collect();
+        tracing::info!(
+            index,
+            deleted = gone.len(),
+            changed = changed.len(),
+            "metadata snapshot installed"
+        );
+        for op in gone.into_iter().chain(changed) {
+            self.apply_meta_op(op);
+        }
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
+        let op = StoreOp::PutMetaApplied {
+            index,
+            seen: c.meta.seen.iter().map(|(n, s)| (*n, *s)).collect(),
+        };
+        if let Some(p) = self.persist.as_mut() {
+            p.push(op, true);
+        }
+    }
+}
