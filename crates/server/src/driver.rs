@@ -116,6 +116,8 @@ struct Core {
 struct Written {
     state: Mutex<WriteState>,
     changed: Condvar,
+    /// The same news for tasks (`NodeHandle::write_async`), which must not block their worker.
+    tasks: Notify,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -291,6 +293,7 @@ impl Shared {
                 state.upto = state.upto.max(marks.0);
                 state.failed = state.failed.max(marks.1);
                 self.written.changed.notify_all();
+                self.written.tasks.notify_waiters();
             }
             (r, more, core.node.next_deadline())
         };
@@ -379,6 +382,49 @@ impl NodeHandle {
             notify: entry.notify.clone(),
             queue,
             shared: self.0.clone(),
+        }
+    }
+
+    /// As [`NodeHandle::write`], for a task: it waits for the store without blocking its
+    /// worker thread (`write` hands the worker's other tasks to another thread while it
+    /// waits, a thread switch per call).
+    pub async fn write_async<R>(
+        &self,
+        f: impl FnOnce(&mut Node, u64) -> R,
+    ) -> Result<R, WriteError> {
+        let shared = &self.0;
+        let (r, sent) = shared
+            .with_node(|node, now| {
+                if shared.recovered.load(Ordering::Acquire) {
+                    Ok(f(node, now))
+                } else {
+                    Err(WriteError::Recovering)
+                }
+            })
+            .map(|r| (r, shared.lock().last_sent))?;
+        let deadline = tokio::time::Instant::now() + shared.write_wait;
+        loop {
+            let news = shared.written.tasks.notified();
+            tokio::pin!(news);
+            // Registered before the look: a mark set after it wakes this wait.
+            news.as_mut().enable();
+            let state = *shared
+                .written
+                .state
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if state.upto >= sent {
+                return Ok(r);
+            }
+            let error = if state.failed >= sent {
+                WriteError::Failed
+            } else if tokio::time::timeout_at(deadline, news).await.is_ok() {
+                continue;
+            } else {
+                WriteError::TimedOut(shared.write_wait)
+            };
+            tracing::warn!(batch = sent, error = %error, "an API change is not on disk: refusing to confirm it");
+            return Err(error);
         }
     }
 

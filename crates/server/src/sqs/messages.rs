@@ -306,17 +306,19 @@ fn may_send(n: &warren_session::Node, ctx: &Ctx, vhost: &str) -> Result<(), SqsE
     )
 }
 
-pub fn send(
+pub async fn send(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let m = outgoing(input)?;
-    sqs.node.write(|n, now| {
-        may_send(n, ctx, &vhost)?;
-        publish(n, now, ctx, (&vhost, &name), &m)
-    })?
+    sqs.node
+        .write_async(|n, now| {
+            may_send(n, ctx, &vhost)?;
+            publish(n, now, ctx, (&vhost, &name), &m)
+        })
+        .await?
 }
 
 /// Batch entries, checked as SQS does: 1 to 10, each with a distinct valid Id.
@@ -368,7 +370,7 @@ fn batch_answer(ok: Vec<Value>, bad: Vec<Value>) -> Map<String, Value> {
     out
 }
 
-pub fn send_batch(
+pub async fn send_batch(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
@@ -390,27 +392,30 @@ pub fn send_batch(
             format!("Batch requests cannot be longer than {MAX_MESSAGE_SIZE} bytes. You have sent {total} bytes."),
         ));
     }
-    let (ok, bad) = sqs.node.write(|n, now| {
-        may_send(n, ctx, &vhost)?;
-        if n.broker().queue_id(&vhost, &name).is_none() {
-            return Err(SqsError::no_queue());
-        }
-        let (mut ok, mut bad) = (Vec::new(), Vec::new());
-        for (id, m) in &checked {
-            match m
-                .as_ref()
-                .map_err(Clone::clone)
-                .and_then(|m| publish(n, now, ctx, (&vhost, &name), m))
-            {
-                Ok(mut r) => {
-                    r.insert("Id".into(), Value::String(id.clone()));
-                    ok.push(Value::Object(r));
-                }
-                Err(e) => bad.push(failed(id, &e)),
+    let (ok, bad) = sqs
+        .node
+        .write_async(|n, now| {
+            may_send(n, ctx, &vhost)?;
+            if n.broker().queue_id(&vhost, &name).is_none() {
+                return Err(SqsError::no_queue());
             }
-        }
-        Ok((ok, bad))
-    })??;
+            let (mut ok, mut bad) = (Vec::new(), Vec::new());
+            for (id, m) in &checked {
+                match m
+                    .as_ref()
+                    .map_err(Clone::clone)
+                    .and_then(|m| publish(n, now, ctx, (&vhost, &name), m))
+                {
+                    Ok(mut r) => {
+                        r.insert("Id".into(), Value::String(id.clone()));
+                        ok.push(Value::Object(r));
+                    }
+                    Err(e) => bad.push(failed(id, &e)),
+                }
+            }
+            Ok((ok, bad))
+        })
+        .await??;
     Ok(batch_answer(ok, bad))
 }
 
@@ -470,35 +475,39 @@ pub async fn receive(
         if let Some(n) = notified.as_mut().as_pin_mut() {
             n.enable();
         }
-        let (got, now) = sqs.node.write(|n, now| {
-            ctx.permit(
-                n.broker().access(),
-                &vhost,
-                &[(Perm::Read, Resource::Queue(&name))],
-            )?;
-            let broker = n.broker_mut();
-            let mut got = Vec::new();
-            for _ in 0..max {
-                let Some((d, _)) = broker.get(&vhost, &name, false, API_CONN).map_err(amqp)? else {
-                    break;
-                };
-                got.push(Received {
-                    queue: d.queue,
-                    receipt: d.receipt,
-                    body: d.message.body.clone(),
-                    properties: d.message.properties.clone(),
-                });
-            }
-            for r in &got {
-                if visibility_ms == 0 {
-                    // Visible again at once: the receive still counts.
-                    broker.release(r.queue, r.receipt);
-                } else {
-                    broker.extend(r.queue, r.receipt, visibility_ms);
+        let (got, now) = sqs
+            .node
+            .write_async(|n, now| {
+                ctx.permit(
+                    n.broker().access(),
+                    &vhost,
+                    &[(Perm::Read, Resource::Queue(&name))],
+                )?;
+                let broker = n.broker_mut();
+                let mut got = Vec::new();
+                for _ in 0..max {
+                    let Some((d, _)) = broker.get(&vhost, &name, false, API_CONN).map_err(amqp)?
+                    else {
+                        break;
+                    };
+                    got.push(Received {
+                        queue: d.queue,
+                        receipt: d.receipt,
+                        body: d.message.body.clone(),
+                        properties: d.message.properties.clone(),
+                    });
                 }
-            }
-            Ok::<_, SqsError>((got, now))
-        })??;
+                for r in &got {
+                    if visibility_ms == 0 {
+                        // Visible again at once: the receive still counts.
+                        broker.release(r.queue, r.receipt);
+                    } else {
+                        broker.extend(r.queue, r.receipt, visibility_ms);
+                    }
+                }
+                Ok::<_, SqsError>((got, now))
+            })
+            .await??;
         if !got.is_empty() || tokio::time::Instant::now() >= deadline {
             break (got, now);
         }
@@ -655,36 +664,41 @@ fn each_entry(
     (ok, bad)
 }
 
-pub fn delete(
+pub async fn delete(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
-    sqs.node.write(|n, _| {
-        let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        delete_one(sqs, n, id, &h);
-        Ok::<_, SqsError>(())
-    })??;
+    sqs.node
+        .write_async(|n, _| {
+            let id = queue_for_messages(n, ctx, &vhost, &name)?;
+            delete_one(sqs, n, id, &h);
+            Ok::<_, SqsError>(())
+        })
+        .await??;
     Ok(Map::new())
 }
 
-pub fn delete_batch(
+pub async fn delete_batch(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let list = entries(input)?;
-    let (ok, bad) = sqs.node.write(|n, _| {
-        let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        Ok::<_, SqsError>(each_entry(&list, |e| {
-            let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
-            delete_one(sqs, n, id, &h);
-            Ok(())
-        }))
-    })??;
+    let (ok, bad) = sqs
+        .node
+        .write_async(|n, _| {
+            let id = queue_for_messages(n, ctx, &vhost, &name)?;
+            Ok::<_, SqsError>(each_entry(&list, |e| {
+                let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
+                delete_one(sqs, n, id, &h);
+                Ok(())
+            }))
+        })
+        .await??;
     Ok(batch_answer(ok, bad))
 }
 
@@ -708,7 +722,7 @@ fn change_one(
     }
 }
 
-pub fn change_visibility(
+pub async fn change_visibility(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
@@ -717,29 +731,34 @@ pub fn change_visibility(
     let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
     let seconds = integer(input, "VisibilityTimeout", 0..=43_200)?
         .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
-    sqs.node.write(|n, _| {
-        let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        change_one(n, id, &h, seconds)
-    })??;
+    sqs.node
+        .write_async(|n, _| {
+            let id = queue_for_messages(n, ctx, &vhost, &name)?;
+            change_one(n, id, &h, seconds)
+        })
+        .await??;
     Ok(Map::new())
 }
 
-pub fn change_visibility_batch(
+pub async fn change_visibility_batch(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let list = entries(input)?;
-    let (ok, bad) = sqs.node.write(|n, _| {
-        let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        Ok::<_, SqsError>(each_entry(&list, |e| {
-            let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
-            let s = integer(e, "VisibilityTimeout", 0..=43_200)?
-                .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
-            change_one(n, id, &h, s)
-        }))
-    })??;
+    let (ok, bad) = sqs
+        .node
+        .write_async(|n, _| {
+            let id = queue_for_messages(n, ctx, &vhost, &name)?;
+            Ok::<_, SqsError>(each_entry(&list, |e| {
+                let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
+                let s = integer(e, "VisibilityTimeout", 0..=43_200)?
+                    .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
+                change_one(n, id, &h, s)
+            }))
+        })
+        .await??;
     Ok(batch_answer(ok, bad))
 }
 

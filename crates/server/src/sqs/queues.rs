@@ -436,7 +436,7 @@ pub fn amqp(e: AmqpError) -> SqsError {
     }
 }
 
-pub fn create(
+pub async fn create(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
@@ -450,39 +450,41 @@ pub fn create(
     if !tags.is_empty() {
         put_tags(&mut args, &tags, &[])?;
     }
-    sqs.node.write(|n, _| {
-        ctx.permit(
-            n.broker().access(),
-            &vhost,
-            &[(Perm::Configure, Resource::Queue(&name))],
-        )?;
-        if let Some(s) = n.broker().queue_snapshot(&vhost, &name) {
-            let current = configured(&s.arguments, ctx, &vhost);
-            let differ: Vec<&str> = attrs
-                .iter()
-                .filter(|(k, v)| !same_value(k, v, &current))
-                .map(|(k, _)| k.as_str())
-                .collect();
-            if !differ.is_empty() {
-                return Err(SqsError::queue_exists(&differ.join(", ")));
+    sqs.node
+        .write_async(|n, _| {
+            ctx.permit(
+                n.broker().access(),
+                &vhost,
+                &[(Perm::Configure, Resource::Queue(&name))],
+            )?;
+            if let Some(s) = n.broker().queue_snapshot(&vhost, &name) {
+                let current = configured(&s.arguments, ctx, &vhost);
+                let differ: Vec<&str> = attrs
+                    .iter()
+                    .filter(|(k, v)| !same_value(k, v, &current))
+                    .map(|(k, _)| k.as_str())
+                    .collect();
+                if !differ.is_empty() {
+                    return Err(SqsError::queue_exists(&differ.join(", ")));
+                }
+                return Ok(());
             }
-            return Ok(());
-        }
-        check_redrive_target(n, &vhost, &args)?;
-        let req = DeclareQueue {
-            name: ShortStr::try_from_str(&name)
-                .map_err(|_| SqsError::invalid_parameter("queue name too long"))?,
-            passive: false,
-            durable: true,
-            exclusive: false,
-            auto_delete: false,
-            arguments: args.clone(),
-        };
-        n.broker_mut()
-            .declare_queue_as(&vhost, req, API_CONN, Some(&ctx.user))
-            .map(|_| ())
-            .map_err(amqp)
-    })??;
+            check_redrive_target(n, &vhost, &args)?;
+            let req = DeclareQueue {
+                name: ShortStr::try_from_str(&name)
+                    .map_err(|_| SqsError::invalid_parameter("queue name too long"))?,
+                passive: false,
+                durable: true,
+                exclusive: false,
+                auto_delete: false,
+                arguments: args.clone(),
+            };
+            n.broker_mut()
+                .declare_queue_as(&vhost, req, API_CONN, Some(&ctx.user))
+                .map(|_| ())
+                .map_err(amqp)
+        })
+        .await??;
     tracing::info!(vhost = %vhost, queue = %name, user = %ctx.user, "SQS CreateQueue");
     let mut out = Map::new();
     out.insert(
@@ -637,35 +639,39 @@ fn next_token(input: &Map<String, Value>) -> Result<Option<String>, SqsError> {
     }
 }
 
-pub fn delete(
+pub async fn delete(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
-    sqs.node.write(|n, _| {
-        super::permitted_queue(n, ctx, &vhost, &name, Perm::Configure)?;
-        n.delete_queue(&vhost, &name, (false, false))
-            .map(|_| ())
-            .map_err(amqp)
-    })??;
+    sqs.node
+        .write_async(|n, _| {
+            super::permitted_queue(n, ctx, &vhost, &name, Perm::Configure)?;
+            n.delete_queue(&vhost, &name, (false, false))
+                .map(|_| ())
+                .map_err(amqp)
+        })
+        .await??;
     tracing::info!(vhost = %vhost, queue = %name, user = %ctx.user, "SQS DeleteQueue");
     Ok(Map::new())
 }
 
-pub fn purge(
+pub async fn purge(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
-    sqs.node.write(|n, _| {
-        super::permitted_queue(n, ctx, &vhost, &name, Perm::Read)?;
-        n.broker_mut()
-            .purge_queue(&vhost, &name, API_CONN)
-            .map(|_| ())
-            .map_err(amqp)
-    })??;
+    sqs.node
+        .write_async(|n, _| {
+            super::permitted_queue(n, ctx, &vhost, &name, Perm::Read)?;
+            n.broker_mut()
+                .purge_queue(&vhost, &name, API_CONN)
+                .map(|_| ())
+                .map_err(amqp)
+        })
+        .await??;
     Ok(Map::new())
 }
 
@@ -736,7 +742,7 @@ pub fn get_attributes(
 /// stay), and it acts on them from then on as a policy change would make it: a lower
 /// retention period expires what is due now, a new redrive policy counts the receives its
 /// messages already had. Arguments that SQS has no attribute for are kept.
-pub fn set_attributes(
+pub async fn set_attributes(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
@@ -766,30 +772,33 @@ pub fn set_attributes(
         }
         Ok(())
     })
+    .await
 }
 
 /// Changes the arguments of `vhost`'s queue `name` with `change` (which refuses what it
 /// cannot make), as the request's user, once the store has the change.
-fn change_arguments(
+async fn change_arguments(
     sqs: &Sqs,
     ctx: &Ctx,
     vhost: &str,
     name: &str,
     change: impl FnOnce(&mut FieldTable) -> Result<(), SqsError>,
 ) -> Result<Map<String, Value>, SqsError> {
-    sqs.node.write(|n, _| {
-        super::permitted_queue(n, ctx, vhost, name, Perm::Configure)?;
-        let snap = n
-            .broker()
-            .queue_snapshot(vhost, name)
-            .ok_or_else(SqsError::no_queue)?;
-        let mut args = snap.arguments.detached();
-        change(&mut args)?;
-        check_redrive_target(n, vhost, &args)?;
-        n.broker_mut()
-            .set_queue_arguments(vhost, name, args, Some(&ctx.user))
-            .map_err(amqp)
-    })??;
+    sqs.node
+        .write_async(|n, _| {
+            super::permitted_queue(n, ctx, vhost, name, Perm::Configure)?;
+            let snap = n
+                .broker()
+                .queue_snapshot(vhost, name)
+                .ok_or_else(SqsError::no_queue)?;
+            let mut args = snap.arguments.detached();
+            change(&mut args)?;
+            check_redrive_target(n, vhost, &args)?;
+            n.broker_mut()
+                .set_queue_arguments(vhost, name, args, Some(&ctx.user))
+                .map_err(amqp)
+        })
+        .await??;
     tracing::info!(vhost, queue = name, user = %ctx.user, "SQS queue attributes changed");
     Ok(Map::new())
 }
@@ -888,7 +897,7 @@ fn put_tags(
 }
 
 /// TagQueue: adds tags to a queue, or changes their values.
-pub fn tag(
+pub async fn tag(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
@@ -900,11 +909,11 @@ pub fn tag(
     if add.is_empty() {
         return Err(SqsError::missing_parameter("Tags"));
     }
-    change_arguments(sqs, ctx, &vhost, &name, |args| put_tags(args, &add, &[]))
+    change_arguments(sqs, ctx, &vhost, &name, |args| put_tags(args, &add, &[])).await
 }
 
 /// UntagQueue: removes tags by key (a key the queue does not have is no error).
-pub fn untag(
+pub async fn untag(
     sqs: &Sqs,
     ctx: &Ctx,
     input: &Map<String, Value>,
@@ -914,7 +923,7 @@ pub fn untag(
     if keys.is_empty() {
         return Err(SqsError::missing_parameter("TagKeys"));
     }
-    change_arguments(sqs, ctx, &vhost, &name, |args| put_tags(args, &[], &keys))
+    change_arguments(sqs, ctx, &vhost, &name, |args| put_tags(args, &[], &keys)).await
 }
 
 /// ListQueueTags: the queue's tags (`Tags` left out when it has none, as SQS answers).
