@@ -95,9 +95,17 @@ fn amz_date(unix: u64) -> String {
 
 impl Client {
     fn new(o: &Opts) -> Client {
+        // Timeouts per step, none on the name lookup: with a global timeout ureq resolves
+        // every request's host on a thread of its own (a thread per request), which cost
+        // this load generator more CPU than the broker it measures.
+        let wait = Some(Duration::from_secs(40));
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(40)))
+            .timeout_connect(Some(Duration::from_secs(5)))
+            .timeout_send_request(wait)
+            .timeout_send_body(wait)
+            .timeout_recv_response(wait)
+            .timeout_recv_body(wait)
             .proxy(None)
             .build();
         Client {

@@ -385,6 +385,20 @@ impl NodeHandle {
         }
     }
 
+    /// Changes the node as [`NodeHandle::write`] does, without waiting for the store: for
+    /// changes a crash may undo without breaking a promise, as an AMQP ack (an acked message
+    /// may come back after a crash: at least once). Their writes go in the next batch.
+    pub fn change<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
+        let shared = &self.0;
+        shared.with_node(|node, now| {
+            if shared.recovered.load(Ordering::Acquire) {
+                Ok(f(node, now))
+            } else {
+                Err(WriteError::Recovering)
+            }
+        })
+    }
+
     /// As [`NodeHandle::write`], for a task: it waits for the store without blocking its
     /// worker thread (`write` hands the worker's other tasks to another thread while it
     /// waits, a thread switch per call).
@@ -393,15 +407,8 @@ impl NodeHandle {
         f: impl FnOnce(&mut Node, u64) -> R,
     ) -> Result<R, WriteError> {
         let shared = &self.0;
-        let (r, sent) = shared
-            .with_node(|node, now| {
-                if shared.recovered.load(Ordering::Acquire) {
-                    Ok(f(node, now))
-                } else {
-                    Err(WriteError::Recovering)
-                }
-            })
-            .map(|r| (r, shared.lock().last_sent))?;
+        let r = self.change(f)?;
+        let sent = shared.lock().last_sent;
         let deadline = tokio::time::Instant::now() + shared.write_wait;
         loop {
             let news = shared.written.tasks.notified();

@@ -671,14 +671,29 @@ pub async fn delete(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
-    sqs.node
-        .write_async(|n, _| {
-            let id = queue_for_messages(n, ctx, &vhost, &name)?;
-            delete_one(sqs, n, id, &h);
-            Ok::<_, SqsError>(())
-        })
-        .await??;
+    settle(sqs, &name, |n| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        delete_one(sqs, n, id, &h);
+        Ok(())
+    })
+    .await?;
     Ok(Map::new())
+}
+
+/// A delete or a visibility change, applied at once. On a standard queue it is answered
+/// without waiting for its write, as an AMQP ack is never confirmed: a crash just after may
+/// bring the message back, which SQS's at-least-once delivery allows. A FIFO queue promises
+/// no duplicates: there the answer waits for the disk.
+async fn settle<R>(
+    sqs: &Sqs,
+    name: &str,
+    f: impl FnOnce(&mut warren_session::Node) -> Result<R, SqsError>,
+) -> Result<R, SqsError> {
+    if name.ends_with(".fifo") {
+        sqs.node.write_async(|n, _| f(n)).await?
+    } else {
+        sqs.node.change(|n, _| f(n))?
+    }
 }
 
 pub async fn delete_batch(
@@ -688,17 +703,15 @@ pub async fn delete_batch(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let list = entries(input)?;
-    let (ok, bad) = sqs
-        .node
-        .write_async(|n, _| {
-            let id = queue_for_messages(n, ctx, &vhost, &name)?;
-            Ok::<_, SqsError>(each_entry(&list, |e| {
-                let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
-                delete_one(sqs, n, id, &h);
-                Ok(())
-            }))
-        })
-        .await??;
+    let (ok, bad) = settle(sqs, &name, |n| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        Ok(each_entry(&list, |e| {
+            let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
+            delete_one(sqs, n, id, &h);
+            Ok(())
+        }))
+    })
+    .await?;
     Ok(batch_answer(ok, bad))
 }
 
@@ -731,12 +744,11 @@ pub async fn change_visibility(
     let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
     let seconds = integer(input, "VisibilityTimeout", 0..=43_200)?
         .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
-    sqs.node
-        .write_async(|n, _| {
-            let id = queue_for_messages(n, ctx, &vhost, &name)?;
-            change_one(n, id, &h, seconds)
-        })
-        .await??;
+    settle(sqs, &name, |n| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        change_one(n, id, &h, seconds)
+    })
+    .await?;
     Ok(Map::new())
 }
 
@@ -747,18 +759,16 @@ pub async fn change_visibility_batch(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let list = entries(input)?;
-    let (ok, bad) = sqs
-        .node
-        .write_async(|n, _| {
-            let id = queue_for_messages(n, ctx, &vhost, &name)?;
-            Ok::<_, SqsError>(each_entry(&list, |e| {
-                let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
-                let s = integer(e, "VisibilityTimeout", 0..=43_200)?
-                    .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
-                change_one(n, id, &h, s)
-            }))
-        })
-        .await??;
+    let (ok, bad) = settle(sqs, &name, |n| {
+        let id = queue_for_messages(n, ctx, &vhost, &name)?;
+        Ok(each_entry(&list, |e| {
+            let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
+            let s = integer(e, "VisibilityTimeout", 0..=43_200)?
+                .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
+            change_one(n, id, &h, s)
+        }))
+    })
+    .await?;
     Ok(batch_answer(ok, bad))
 }
 
