@@ -360,6 +360,42 @@ async fn the_limits_api_answers_as_rabbitmq() {
 /// `connection_max`, refused at connection.open rather than left waiting in the listen
 /// backlog), `--consumer-max-per-channel` (RabbitMQ's `consumer_max_per_channel`) and
 /// `--consumer-max-per-queue` (Warren's own).
+/// RabbitMQ keeps a vhost's limits as the runtime parameter `vhost-limits`/`limits`: the
+/// parameters API lists them, and setting or deleting that parameter replaces or clears every
+/// limit of the vhost (measured on RabbitMQ 3.10.8).
+#[tokio::test]
+async fn vhost_limits_are_runtime_parameters_too() {
+    let b = TestBroker::start();
+    let api = Api::of(&b);
+    let vhost = unique("limparam");
+    api.put(&format!("/vhosts/{vhost}"), json!({}));
+    api.put(
+        &format!("/vhost-limits/{vhost}/max-queues"),
+        json!({"value": 10}),
+    );
+    let entry = json!({"component": "vhost-limits", "name": "limits",
+                       "value": {"max-queues": 10}, "vhost": vhost});
+    let (status, all) = api.call("GET", "/parameters", None);
+    assert_eq!(status, 200);
+    assert!(all.as_array().is_some_and(|a| a.contains(&entry)), "{all}");
+    let (_, listed) = api.call("GET", &format!("/parameters/vhost-limits/{vhost}"), None);
+    assert_eq!(listed, json!([entry]));
+    let one = format!("/parameters/vhost-limits/{vhost}/limits");
+    assert_eq!(api.call("GET", &one, None), (200, entry));
+    let (status, _) = api.call("PUT", &one, Some(json!({"value": {"max-connections": 5}})));
+    assert_eq!(status, 204);
+    let (_, limits) = api.call("GET", &format!("/vhost-limits/{vhost}"), None);
+    assert_eq!(
+        limits,
+        json!([{"vhost": vhost, "value": {"max-connections": 5}}])
+    );
+    assert_eq!(api.call("DELETE", &one, None).0, 204);
+    let (_, limits) = api.call("GET", &format!("/vhost-limits/{vhost}"), None);
+    assert_eq!(limits, json!([]));
+    assert_eq!(api.call("GET", &one, None).0, 404);
+    api.call("DELETE", &format!("/vhosts/{vhost}"), None);
+}
+
 #[tokio::test]
 async fn node_limits_from_the_command_line() {
     let b = TestBroker::start_with(&[

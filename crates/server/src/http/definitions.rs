@@ -23,10 +23,7 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
             .limits()
             .all(LimitScope::Vhost)
             .filter(|(v, _)| vhost.is_none_or(|only| only == *v))
-            .map(|(v, l)| {
-                json!({"value": super::limits::limits_json(l), "vhost": v,
-                       "component": VHOST_LIMITS, "name": "limits"})
-            })
+            .map(|(v, l)| super::parameters::vhost_limits_json(v, l))
             .collect()
     });
     // Runtime parameters (shovels) after the limits, as RabbitMQ lists them together.
@@ -180,8 +177,7 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
     out
 }
 
-/// The component RabbitMQ stores vhost limits under, as a runtime parameter named `limits`.
-const VHOST_LIMITS: &str = "vhost-limits";
+use super::parameters::VHOST_LIMITS;
 
 /// Limits from a definitions object (`{"max-queues": 10}`; RabbitMQ writes `[]` for none).
 fn limits_from(v: Option<&Value>, scope: LimitScope) -> Result<Limits, ApiError> {

@@ -94,6 +94,12 @@ fn limit_value(scope: LimitScope, name: &str, body: &Bytes) -> Result<i64, ApiEr
     let value = body
         .get("value")
         .ok_or_else(|| ApiError::bad_request("[{key_missing,value}]"))?;
+    checked_limit(scope, name, value)
+}
+
+/// One limit's value, checked as RabbitMQ checks it (texts as RabbitMQ 3.10 words them per
+/// scope; their angle brackets are not escaped, as RabbitMQ leaves them here).
+pub fn checked_limit(scope: LimitScope, name: &str, value: &Value) -> Result<i64, ApiError> {
     let (prefix, suffix, noun) = match scope {
         LimitScope::Vhost => ("Validation failed\n\n", "\n", "limits"),
         LimitScope::User => ("", "", "user-limits"),

@@ -89,6 +89,13 @@ impl ApiError {
         }
     }
 
+    /// A 400 for a policy or a runtime parameter that does not validate: RabbitMQ escapes the
+    /// angle brackets of its Erlang terms there (`&lt;&lt;"x"&gt;&gt;`), and only there (a
+    /// vhost limit's texts keep them).
+    pub fn validation(reason: &str) -> Self {
+        Self::bad_request(reason.replace('<', "&lt;").replace('>', "&gt;"))
+    }
+
     pub fn pagination(reason: String) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,

@@ -1,6 +1,7 @@
 //! Runtime parameters and shovels over the management API, with RabbitMQ's paths, bodies and
 //! answers: `/api/parameters[/{component}[/{vhost}[/{name}]]]` (administrators and
-//! policymakers; the only component is `shovel`), and the shovel plugin's
+//! policymakers; the components are `shovel` and `vhost-limits`, which RabbitMQ lists here
+//! as well as under `/api/vhost-limits`), and the shovel plugin's
 //! `/api/shovels[/{vhost}]`, `/api/shovels/vhost/{vhost}/{name}[/restart]`.
 
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get};
 use axum::{Json, Router};
 use serde_json::{json, Value};
+use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::parameters::ParameterDef;
 
 use super::{Api, ApiError, Level, LoggedIn, Login};
@@ -61,7 +63,7 @@ pub fn parameter_json(p: &ParameterDef) -> Value {
 
 /// RabbitMQ's answer to a value its component refuses.
 fn validation_failed(lines: &[String]) -> ApiError {
-    ApiError::bad_request(format!("Validation failed\n\n{}\n", lines.join("\n")))
+    ApiError::validation(&format!("Validation failed\n\n{}\n", lines.join("\n")))
 }
 
 /// Checks a value for `component`, as it will be stored (its JSON text).
@@ -75,15 +77,90 @@ pub fn checked_value(component: &str, name: &str, value: &Value) -> Result<Strin
     Ok(value.to_string())
 }
 
+/// A vhost's limits are RabbitMQ's runtime parameter `vhost-limits`, named `limits`, whose
+/// value is every limit of the vhost.
+pub(super) const VHOST_LIMITS: &str = "vhost-limits";
+const LIMITS: &str = "limits";
+
+pub(super) fn vhost_limits_json(vhost: &str, limits: &Limits) -> Value {
+    json!({
+        "value": super::limits::limits_json(limits),
+        "vhost": vhost,
+        "component": VHOST_LIMITS,
+        "name": LIMITS,
+    })
+}
+
 fn listing(api: &Api, who: &Login, component: Option<&str>, vhost: Option<&str>) -> Value {
     api.node.read(|n, _| {
         let b = n.broker();
-        b.parameters()
-            .list(component, vhost)
-            .filter(|p| who.sees_vhost(b.access(), &p.vhost))
-            .map(parameter_json)
-            .collect()
+        // The limits first, as RabbitMQ lists them.
+        let mut out: Vec<Value> = Vec::new();
+        if component.is_none_or(|c| c == VHOST_LIMITS) {
+            out.extend(
+                b.limits()
+                    .all(LimitScope::Vhost)
+                    .filter(|(v, _)| vhost.is_none_or(|x| x == *v))
+                    .filter(|(v, _)| who.sees_vhost(b.access(), v))
+                    .map(|(v, limits)| vhost_limits_json(v, limits)),
+            );
+        }
+        out.extend(
+            b.parameters()
+                .list(component, vhost)
+                .filter(|p| who.sees_vhost(b.access(), &p.vhost))
+                .map(parameter_json),
+        );
+        Value::Array(out)
     })
+}
+
+/// A vhost's limits, as a parameter (`None`: it has none, or the user may not see them).
+fn vhost_limits(api: &Api, who: &Login, vhost: &str) -> Option<Value> {
+    api.node.read(|n, _| {
+        let b = n.broker();
+        if !who.sees_vhost(b.access(), vhost) {
+            return None;
+        }
+        b.limits()
+            .of(LimitScope::Vhost, vhost)
+            .map(|l| vhost_limits_json(vhost, l))
+    })
+}
+
+/// `PUT /api/parameters/vhost-limits/{vhost}/limits`: the value replaces every limit of the
+/// vhost. Setting limits needs the administrator tag, as `/api/vhost-limits` does (RabbitMQ
+/// lets a policymaker do it through this path).
+fn put_vhost_limits(api: &Api, who: &Login, vhost: &str, name: &str, value: &Value) -> Answer {
+    if who.level != Level::Administrator {
+        return Err(ApiError::not_allowed(
+            "User not authorised to access object",
+        ));
+    }
+    if name != LIMITS {
+        return Err(ApiError::not_found());
+    }
+    let Some(map) = value.as_object() else {
+        return Err(ApiError::bad_request(format!(
+            "Validation failed\n\n{value} is not a JSON object of limits\n"
+        )));
+    };
+    let mut limits = Limits::default();
+    for (k, v) in map {
+        limits.set(k, super::limits::checked_limit(LimitScope::Vhost, k, v)?);
+    }
+    let existed = api.node.write(|n, _| {
+        let b = n.broker_mut();
+        let existed = b.limits().of(LimitScope::Vhost, vhost).is_some();
+        b.put_limits(LimitScope::Vhost, vhost, limits);
+        existed
+    })?;
+    Ok(if existed {
+        StatusCode::NO_CONTENT
+    } else {
+        StatusCode::CREATED
+    }
+    .into_response())
 }
 
 async fn list_all(State(api): ApiState, LoggedIn(who): LoggedIn) -> Answer {
@@ -118,6 +195,12 @@ async fn get_one(
     Path((component, vhost, name)): Path<(String, String, String)>,
 ) -> Answer {
     allowed(&who)?;
+    if component == VHOST_LIMITS {
+        return vhost_limits(&api, &who, &vhost)
+            .filter(|_| name == LIMITS)
+            .map(|p| Json(p).into_response())
+            .ok_or_else(ApiError::not_found);
+    }
     api.node
         .read(|n, _| {
             let b = n.broker();
@@ -153,6 +236,9 @@ async fn put_one(
         return Err(ApiError::not_allowed(
             "User not authorised to access object",
         ));
+    }
+    if component == VHOST_LIMITS {
+        return put_vhost_limits(&api, &who, &vhost, &name, value);
     }
     // A shovel's end on this node without a user runs with every permission: as RabbitMQ
     // checks it, only in vhosts the user setting it may open.
@@ -206,6 +292,27 @@ async fn delete_one(
         .read(|n, _| who.sees_vhost(n.broker().access(), &vhost))
     {
         return Err(ApiError::not_found());
+    }
+    if component == VHOST_LIMITS {
+        if who.level != Level::Administrator {
+            return Err(ApiError::not_allowed(
+                "User not authorised to access object",
+            ));
+        }
+        let cleared = name == LIMITS
+            && api.node.write(|n, _| {
+                let b = n.broker_mut();
+                let had = b.limits().of(LimitScope::Vhost, &vhost).is_some();
+                if had {
+                    b.put_limits(LimitScope::Vhost, &vhost, Limits::default());
+                }
+                had
+            })?;
+        return if cleared {
+            Ok(StatusCode::NO_CONTENT.into_response())
+        } else {
+            Err(ApiError::not_found())
+        };
     }
     if api
         .node
@@ -283,6 +390,18 @@ mod tests {
     fn values_are_checked_by_their_component() {
         let e = checked_value("federation-upstream", "u", &json!({})).unwrap_err();
         assert!(format!("{e:?}").contains("component federation-upstream not found"));
+        // RabbitMQ escapes the angle brackets of a parameter's validation text.
+        let e = checked_value(
+            "shovel",
+            "s",
+            &json!({"src-uri": "amqp://", "src-queue": "q", "dest-uri": "amqp://",
+                    "dest-queue": "d", "ack-mode": "sometimes"}),
+        )
+        .unwrap_err();
+        assert!(
+            format!("{e:?}").contains(r#"actually was &lt;&lt;\"sometimes\"&gt;&gt;"#),
+            "{e:?}"
+        );
         let e = checked_value("shovel", "s", &json!({"src-uri": "amqp://"})).unwrap_err();
         assert!(format!("{e:?}").contains(r#"Validation failed\n\nMust specify 'src-exchange' or 'src-queue'\nKey \"dest-uri\" not found in s\n"#));
         let v = checked_value(

@@ -120,7 +120,7 @@ fn policy_value(v: &Value) -> PolicyValue {
 }
 
 fn invalid(reason: String) -> ApiError {
-    ApiError::bad_request(PolicyError::Invalid(reason).to_string())
+    ApiError::validation(&PolicyError::Invalid(reason).to_string())
 }
 
 /// A policy from a PUT body or a definitions entry (`pattern` and `definition` required,
@@ -197,7 +197,7 @@ pub fn policy_from(
 fn policy_error(e: PolicyError) -> ApiError {
     match e {
         PolicyError::NoVhost(_) => ApiError::vhost_not_found(),
-        PolicyError::Invalid(_) => ApiError::bad_request(e.to_string()),
+        PolicyError::Invalid(_) => ApiError::validation(&e.to_string()),
     }
 }
 
@@ -405,18 +405,19 @@ mod tests {
         );
         assert!(reason(r#"{"definition":{}}"#).contains("[{key_missing,pattern}]"));
         assert!(
-            reason(r#"{"pattern":".*","definition":{"max-length":"ten"}}"#)
-                .contains(r#"Validation failed\n\n<<\"ten\">> is not a valid maximum length\n"#)
+            reason(r#"{"pattern":".*","definition":{"max-length":"ten"}}"#).contains(
+                r#"Validation failed\n\n&lt;&lt;\"ten\"&gt;&gt; is not a valid maximum length\n"#
+            )
         );
         assert!(
             reason(r#"{"pattern":".*","definition":{"message-ttl":1.5}}"#)
                 .contains(r#"1.5 is not a valid message TTL"#)
         );
         assert!(reason(r#"{"pattern":".*","definition":{"foo":[1]}}"#)
-            .contains(r#"[{<<\"foo\">>,[1]}] are not recognised policy settings"#));
+            .contains(r#"[{&lt;&lt;\"foo\"&gt;&gt;,[1]}] are not recognised policy settings"#));
         assert!(
             reason(r#"{"pattern":".*","definition":{"max-length":1},"priority":"x"}"#)
-                .contains(r#"priority should be a number, actually was <<\"x\">>"#)
+                .contains(r#"priority should be a number, actually was &lt;&lt;\"x\"&gt;&gt;"#)
         );
         assert!(
             reason(r#"{"pattern":".*","definition":{"max-length":1},"apply-to":"bindings"}"#)
