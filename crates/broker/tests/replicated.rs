@@ -1889,8 +1889,9 @@ fn a_queue_changed_on_one_node_while_another_declares_it_anew_ends_the_same_ever
     );
 }
 
-#[test]
-fn a_lower_ttl_on_a_quorum_queue_leaves_its_members_alike() {
+/// A cluster whose queue holds three messages published before `node` set a TTL policy of
+/// `ttl_ms` on it (applied everywhere); the node that leads the queue.
+fn queued_then_ttl_policy(node: u64, ttl_ms: i64) -> (Cluster, u64) {
     use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
     let mut c = Cluster::new();
     let leader = c.leader();
@@ -1899,37 +1900,8 @@ fn a_lower_ttl_on_a_quorum_queue_leaves_its_members_alike() {
     }
     c.run(20);
     let mut definition = warren_broker::policy::Definition::new();
-    definition.insert("message-ttl".into(), PolicyValue::Int(1));
-    c.broker(2)
-        .set_policy(PolicyDef {
-            vhost: "/".into(),
-            name: "short".into(),
-            kind: PolicyKind::User,
-            pattern: "^jobs$".into(),
-            apply_to: ApplyTo::QuorumQueues,
-            priority: 0,
-            definition,
-        })
-        .expect("policy");
-    c.run(60);
-    assert_same_state(&c, &NODES);
-}
-
-/// A node's recovery caps restored messages by a policy's TTL (its stored expiries predate the
-/// policy). A replicated queue's messages come from its log, where each carries the expiry it
-/// was enqueued with: capping them on one node alone would leave its members apart.
-#[test]
-fn recovery_caps_leave_a_quorum_queues_members_alike() {
-    use warren_broker::policy::{ApplyTo, PolicyDef, PolicyKind, PolicyValue};
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    for n in 0..3 {
-        c.publish(leader, n);
-    }
-    c.run(20);
-    let mut definition = warren_broker::policy::Definition::new();
-    definition.insert("message-ttl".into(), PolicyValue::Int(600_000));
-    c.broker(1)
+    definition.insert("message-ttl".into(), PolicyValue::Int(ttl_ms));
+    c.broker(node)
         .set_policy(PolicyDef {
             vhost: "/".into(),
             name: "ttl".into(),
@@ -1941,6 +1913,21 @@ fn recovery_caps_leave_a_quorum_queues_members_alike() {
         })
         .expect("policy");
     c.run(60);
+    (c, leader)
+}
+
+#[test]
+fn a_lower_ttl_on_a_quorum_queue_leaves_its_members_alike() {
+    let (c, _) = queued_then_ttl_policy(2, 1);
+    assert_same_state(&c, &NODES);
+}
+
+/// A node's recovery caps restored messages by a policy's TTL (its stored expiries predate the
+/// policy). A replicated queue's messages come from its log, where each carries the expiry it
+/// was enqueued with: capping them on one node alone would leave its members apart.
+#[test]
+fn recovery_caps_leave_a_quorum_queues_members_alike() {
+    let (mut c, leader) = queued_then_ttl_policy(1, 600_000);
     assert_same_state(&c, &NODES);
     let follower = leader % 3 + 1;
     let now = c.now;
