@@ -2007,6 +2007,113 @@ fn a_node_the_metadata_log_left_behind_catches_up_from_a_snapshot() {
     assert_eq!(defs[0], defs[2]);
 }
 
+/// Isolates node 3, runs `away` (changes made meanwhile, on nodes 1 and 2), makes enough
+/// metadata entries that the leader's log no longer holds what node 3 lacks, brings node 3
+/// back and checks that it took a snapshot and ends with every other node's definitions.
+fn catch_up_by_snapshot(c: &mut Cluster, away: impl FnOnce(&mut Cluster)) {
+    c.run(20);
+    let behind = meta_log_last(c, 3);
+    c.isolated.insert(3);
+    away(c);
+    for n in 0..12 {
+        declare_exchange(c, 1, &format!("filler{n}"), "direct", true);
+        c.run(10);
+    }
+    c.run(40);
+    assert!(meta_log_first(c, 1) > behind + 1, "not compacted");
+    c.isolated.clear();
+    c.run(80);
+    let installed = c.members[&3]
+        .log
+        .recovered(GroupId(0))
+        .snapshot
+        .map_or(0, |s| s.meta.index);
+    assert!(installed > behind, "node 3 took no snapshot");
+    let defs: Vec<Vec<String>> = NODES
+        .iter()
+        .map(|n| c.members[n].broker.cluster_definitions_text())
+        .collect();
+    assert_eq!(defs[2], defs[0], "node 3 differs from node 1");
+    assert_eq!(defs[1], defs[0], "node 2 differs from node 1");
+}
+
+fn bind(c: &mut Cluster, node: u64, exchange: &str, key: &str) {
+    c.broker(node)
+        .bind_queue(
+            "/",
+            "jobs",
+            exchange,
+            key,
+            &FieldTable::new(),
+            conn(node, 1),
+        )
+        .expect("queue.bind");
+}
+
+/// Differences that make others: an exchange declared again with another type loses its
+/// bindings (they are made again), an auto-delete exchange whose binding moved is deleted by
+/// the unbinding (and declared again).
+#[test]
+fn a_snapshot_install_applies_what_its_own_changes_uncover() {
+    let mut c = Cluster::snapshotting(2);
+    declare_exchange(&mut c, 1, "orders", "direct", true);
+    bind(&mut c, 1, "orders", "eu");
+    c.broker(1)
+        .declare_exchange(
+            "/",
+            "auto",
+            "topic",
+            false,
+            true,
+            true,
+            false,
+            &FieldTable::new(),
+        )
+        .expect("exchange.declare");
+    bind(&mut c, 1, "auto", "a.#");
+    assert!(until_everywhere(&mut c, 100, |b| b.exchange_exists("/", "auto")));
+    catch_up_by_snapshot(&mut c, |c| {
+        assert!(c.broker(1).delete_exchange("/", "orders", false).is_ok());
+        c.run(10);
+        declare_exchange(c, 1, "orders", "topic", true);
+        bind(c, 1, "orders", "eu.#");
+        c.run(10);
+        bind(c, 1, "auto", "b.#");
+        c.broker(1)
+            .unbind_queue("/", "jobs", "auto", "a.#", &FieldTable::new(), conn(1, 1))
+            .expect("queue.unbind");
+        c.run(10);
+    });
+    assert!(c.members[&3].broker.exchange_exists("/", "auto"));
+}
+
+/// A user of node 1's configuration file, made cluster-wide through node 2, is left out of
+/// node 1's snapshots: a node that installs one keeps the user.
+#[test]
+fn a_snapshot_does_not_delete_the_users_its_taker_keeps_local() {
+    let mut c = Cluster::snapshotting(2);
+    c.broker(1).keep_users_local(["admin".to_owned()]);
+    c.broker(2).put_user(user("admin", "administrator"));
+    assert!(until_everywhere(&mut c, 100, |b| b
+        .access()
+        .user("admin")
+        .is_some()));
+    c.run(20);
+    let behind = meta_log_last(&c, 3);
+    c.isolated.insert(3);
+    for n in 0..12 {
+        declare_exchange(&mut c, 1, &format!("filler{n}"), "direct", true);
+        c.run(10);
+    }
+    c.run(40);
+    assert!(meta_log_first(&c, 1) > behind + 1, "not compacted");
+    c.isolated.clear();
+    c.run(80);
+    let b3 = &c.members[&3].broker;
+    assert!(b3.exchange_exists("/", "filler11"), "node 3 caught up");
+    assert!(b3.access().user("admin").is_some(), "node 3 lost the user");
+}
+
 /// A node restarted on a metadata log compacted behind a snapshot (and a store that holds
 /// nothing of it, the worst case) gets its definitions back from the snapshot.
 #[test]

@@ -739,6 +739,9 @@ const SNAPSHOT_FORMAT: u8 = 1;
 pub(super) struct MetaSnapshot {
     pub seen: Vec<(NodeId, u64)>,
     pub ops: Vec<MetaOp>,
+    /// The users of the taking node's configuration file: left out of `ops`, so a node that
+    /// installs the snapshot cannot tell whether they exist and leaves its own as they are.
+    pub local_users: Vec<String>,
 }
 
 /// A snapshot: `[format u8][CRC-32 of the rest, u32]` and a field table with `seen` (an array of
@@ -762,6 +765,8 @@ pub(super) fn encode_snapshot(snap: &MetaSnapshot) -> Bytes {
         .map(|op| FieldValue::Table(op_table(op)))
         .collect();
     t.insert("ops", FieldValue::Array(ops));
+    let local = snap.local_users.iter().map(FieldValue::long_str).collect();
+    t.insert("local_users", FieldValue::Array(local));
     let mut out = BytesMut::with_capacity(64 + 128 * snap.ops.len());
     out.put_u8(SNAPSHOT_FORMAT);
     out.put_u32(0);
@@ -798,7 +803,17 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         .iter()
         .map(|v| op_from(v.as_table()?))
         .collect::<Option<Vec<_>>>()?;
-    Some(MetaSnapshot { seen, ops })
+    let local_users = t
+        .get("local_users")?
+        .as_array()?
+        .iter()
+        .map(|v| v.as_str().map(str::to_owned))
+        .collect::<Option<Vec<_>>>()?;
+    Some(MetaSnapshot {
+        seen,
+        ops,
+        local_users,
+    })
 }
 
 #[cfg(test)]
@@ -810,6 +825,7 @@ mod tests {
         let snap = MetaSnapshot {
             seen: vec![(1, 7), (3, 1 << 40)],
             ops: every_op(),
+            local_users: vec!["admin".into()],
         };
         let data = encode_snapshot(&snap);
         assert_eq!(decode_snapshot(&data), Some(snap));

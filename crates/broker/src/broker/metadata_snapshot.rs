@@ -17,7 +17,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::metadata_ops::{decode_snapshot, encode_snapshot, Binding, MetaOp, MetaSnapshot};
+use super::metadata_ops::{
+    decode_snapshot, encode_snapshot, readable, Binding, MetaOp, MetaSnapshot,
+};
 use super::*;
 use crate::access::{PermissionDef, TopicPermissionDef, UserDef};
 use crate::limits::{LimitScope, Limits};
@@ -92,15 +94,20 @@ fn undo(op: &MetaOp) -> Option<MetaOp> {
     })
 }
 
-/// The user a user or permission operation is about.
+/// The user a user, permission or access key operation is about.
 fn user_of(op: &MetaOp) -> Option<&str> {
     match op {
         MetaOp::PutUser(UserDef { name, .. }) => Some(name),
         MetaOp::PutPermission(PermissionDef { user, .. })
-        | MetaOp::PutTopicPermission(TopicPermissionDef { user, .. }) => Some(user),
+        | MetaOp::PutTopicPermission(TopicPermissionDef { user, .. })
+        | MetaOp::PutAccessKey(crate::access::AccessKeyDef { user, .. }) => Some(user),
         _ => None,
     }
 }
+
+/// Passes of an install before what still differs is given up on (each pass applies what
+/// the one before uncovered; a definition that cannot apply here would differ for ever).
+const INSTALL_PASSES: usize = 4;
 
 /// Operations keyed by (rank, object): in the order they apply.
 type Definitions = BTreeMap<(u8, String), MetaOp>;
@@ -243,20 +250,33 @@ impl Broker {
             return;
         }
         let local = &m.local_users;
+        // A definition the log could not carry (`readable`: a table nested too deep) stayed
+        // on this node when it was made: it stays out of the snapshot too.
         let ops = keyed(self.cluster_definitions())
             .into_values()
             .filter(|op| user_of(op).is_none_or(|u| !local.contains(u)))
+            .filter(readable)
             .collect();
         let snap = MetaSnapshot {
             seen: m.seen.iter().map(|(n, s)| (*n, *s)).collect(),
             ops,
+            local_users: local.iter().cloned().collect(),
         };
         let data = encode_snapshot(&snap);
         let (index, term, max) = (m.applied, m.applied_term, c.snapshot_max);
+        // A snapshot another node could not read would leave it without the log it replaces.
+        let reads_back = decode_snapshot(&data).is_some_and(|back| back == snap);
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
         c.meta.since_snapshot = 0;
+        if !reads_back {
+            tracing::error!(
+                index,
+                "a metadata snapshot that does not read back: not taken, the log is kept"
+            );
+            return;
+        }
         if data.len() > max {
             tracing::warn!(
                 index,
@@ -316,7 +336,10 @@ impl Broker {
         m.applied_term = term;
         m.since_snapshot = 0;
         let pending: BTreeSet<String> = m.latest.keys().cloned().collect();
-        let local = m.local_users.clone();
+        // This node's configuration users, and the taker's (which its snapshot leaves out:
+        // whether they exist in the cluster, it cannot say).
+        let mut local = m.local_users.clone();
+        local.extend(snap.local_users.iter().cloned());
         if let Some(p) = m.send(node, now, false) {
             c.push(p);
         }
@@ -328,28 +351,42 @@ impl Broker {
         let ours = |op: &MetaOp| {
             !pending.contains(&op.object()) && user_of(op).is_none_or(|u| !local.contains(u))
         };
-        let here = keyed(self.cluster_definitions());
         let there = keyed(snap.ops);
-        let gone: Vec<MetaOp> = here
-            .iter()
-            .rev()
-            .filter(|(k, op)| !there.contains_key(*k) && ours(op))
-            .filter_map(|(_, op)| undo(op))
-            .collect();
-        let changed: Vec<MetaOp> = there
-            .into_iter()
-            .filter(|(k, op)| ours(op) && here.get(k) != Some(op))
-            .map(|(_, op)| op)
-            .collect();
-        tracing::info!(
-            index,
-            deleted = gone.len(),
-            changed = changed.len(),
-            "metadata snapshot installed"
-        );
-        for op in gone.into_iter().chain(changed) {
-            self.apply_meta_op(op);
+        // Applying one difference can make another: an unbinding auto-deletes its exchange,
+        // an exchange declared with another type loses its bindings. So again, with what the
+        // node then holds, until nothing differs (a few passes at most).
+        let (mut deleted, mut changed) = (0, 0);
+        for pass in 0.. {
+            let here = keyed(self.cluster_definitions());
+            let gone: Vec<MetaOp> = here
+                .iter()
+                .rev()
+                .filter(|(k, op)| !there.contains_key(*k) && ours(op))
+                .filter_map(|(_, op)| undo(op))
+                .collect();
+            let differ: Vec<MetaOp> = there
+                .iter()
+                .filter(|(k, op)| ours(op) && here.get(*k) != Some(*op))
+                .map(|(_, op)| op.clone())
+                .collect();
+            if gone.is_empty() && differ.is_empty() {
+                break;
+            }
+            if pass == INSTALL_PASSES {
+                tracing::error!(
+                    index,
+                    left = gone.len() + differ.len(),
+                    "metadata snapshot: definitions that do not apply here stay different"
+                );
+                break;
+            }
+            deleted += gone.len();
+            changed += differ.len();
+            for op in gone.into_iter().chain(differ) {
+                self.apply_meta_op(op);
+            }
         }
+        tracing::info!(index, deleted, changed, "metadata snapshot installed");
         let Some(c) = self.cluster.as_ref() else {
             return;
         };
