@@ -129,6 +129,19 @@ struct WriteState {
     failed: u64,
 }
 
+impl WriteState {
+    /// What became of batch `sent`: on disk (`true`), refused (`false`), not known yet.
+    fn outcome(self, sent: u64) -> Option<bool> {
+        if self.upto >= sent {
+            Some(true)
+        } else if self.failed >= sent {
+            Some(false)
+        } else {
+            None
+        }
+    }
+}
+
 struct Shared {
     core: Mutex<Core>,
     /// Woken when a flush leaves deliveries pending.
@@ -391,6 +404,7 @@ impl NodeHandle {
     pub fn change<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
         let shared = &self.0;
         shared.with_node(|node, now| {
+            // Under the lock that recovery's last step holds: no change slips in before it.
             if shared.recovered.load(Ordering::Acquire) {
                 Ok(f(node, now))
             } else {
@@ -406,8 +420,15 @@ impl NodeHandle {
         &self,
         f: impl FnOnce(&mut Node, u64) -> R,
     ) -> Result<R, WriteError> {
-        let shared = &self.0;
         let r = self.change(f)?;
+        self.on_disk().await?;
+        Ok(r)
+    }
+
+    /// Waits, as a task, until what the node has sent to the store so far is on disk (and
+    /// committed, for replicated entries); an error if it was refused or the wait ran out.
+    pub async fn on_disk(&self) -> Result<(), WriteError> {
+        let shared = &self.0;
         let sent = shared.lock().last_sent;
         let deadline = tokio::time::Instant::now() + shared.write_wait;
         loop {
@@ -420,18 +441,14 @@ impl NodeHandle {
                 .state
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            if state.upto >= sent {
-                return Ok(r);
+            match state.outcome(sent) {
+                Some(true) => return Ok(()),
+                Some(false) => return Err(self.refused(sent, true)),
+                None => {}
             }
-            let error = if state.failed >= sent {
-                WriteError::Failed
-            } else if tokio::time::timeout_at(deadline, news).await.is_ok() {
-                continue;
-            } else {
-                WriteError::TimedOut(shared.write_wait)
-            };
-            tracing::warn!(batch = sent, error = %error, "an API change is not on disk: refusing to confirm it");
-            return Err(error);
+            if tokio::time::timeout_at(deadline, news).await.is_err() {
+                return Err(self.refused(sent, false));
+            }
         }
     }
 
@@ -441,15 +458,8 @@ impl NodeHandle {
     /// error if the store's write fails or does not end within the wait: the change is made
     /// in memory, but nobody may be told it is durable.
     pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
+        let r = self.change(f)?;
         let shared = &self.0;
-        let r = shared.with_node(|node, now| {
-            // Under the lock that recovery's last step holds: no change slips in before it.
-            if shared.recovered.load(Ordering::Acquire) {
-                Ok(f(node, now))
-            } else {
-                Err(WriteError::Recovering)
-            }
-        })?;
         let sent = shared.lock().last_sent;
         let w = &shared.written;
         let state = w.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -460,22 +470,26 @@ impl NodeHandle {
         let outcome = tokio::task::block_in_place(|| {
             let (state, _) = w
                 .changed
-                .wait_timeout_while(state, shared.write_wait, |s| {
-                    s.upto < sent && s.failed < sent
-                })
+                .wait_timeout_while(state, shared.write_wait, |s| s.outcome(sent).is_none())
                 .unwrap_or_else(|p| p.into_inner());
             *state
         });
-        if outcome.upto >= sent {
-            return Ok(r);
+        match outcome.outcome(sent) {
+            Some(true) => Ok(r),
+            Some(false) => Err(self.refused(sent, true)),
+            None => Err(self.refused(sent, false)),
         }
-        let error = if outcome.failed >= sent {
+    }
+
+    /// The error for a change whose batch was refused (`failed`) or not written in time.
+    fn refused(&self, sent: u64, failed: bool) -> WriteError {
+        let error = if failed {
             WriteError::Failed
         } else {
-            WriteError::TimedOut(shared.write_wait)
+            WriteError::TimedOut(self.0.write_wait)
         };
         tracing::warn!(batch = sent, error = %error, "an API change is not on disk: refusing to confirm it");
-        Err(error)
+        error
     }
 }
 

@@ -671,29 +671,35 @@ pub async fn delete(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
-    settle(sqs, &name, |n| {
+    settle(sqs, |n| {
         let id = queue_for_messages(n, ctx, &vhost, &name)?;
         delete_one(sqs, n, id, &h);
-        Ok(())
+        Ok((id, ()))
     })
     .await?;
     Ok(Map::new())
 }
 
-/// A delete or a visibility change, applied at once. On a standard queue it is answered
-/// without waiting for its write, as an AMQP ack is never confirmed: a crash just after may
-/// bring the message back, which SQS's at-least-once delivery allows. A FIFO queue promises
-/// no duplicates: there the answer waits for the disk.
+/// A delete or a visibility change on the queue `f` finds (and returns first), applied at
+/// once. On a standard queue it is answered without waiting for its write, as an AMQP ack is
+/// never confirmed: a crash just after may bring the message back, which SQS's at-least-once
+/// delivery allows. A FIFO queue promises no duplicates: there the answer waits for the disk.
 async fn settle<R>(
     sqs: &Sqs,
-    name: &str,
-    f: impl FnOnce(&mut warren_session::Node) -> Result<R, SqsError>,
+    f: impl FnOnce(&mut warren_session::Node) -> Result<(QueueId, R), SqsError>,
 ) -> Result<R, SqsError> {
-    if name.ends_with(".fifo") {
-        sqs.node.write_async(|n, _| f(n)).await?
-    } else {
-        sqs.node.change(|n, _| f(n))?
+    let (fifo, r) = sqs.node.change(|n, _| {
+        let (queue, r) = f(n)?;
+        let fifo = n
+            .broker()
+            .queue_args(queue)
+            .is_some_and(|a| a.group_header.as_deref() == Some(GROUP_HEADER));
+        Ok::<_, SqsError>((fifo, r))
+    })??;
+    if fifo {
+        sqs.node.on_disk().await?;
     }
+    Ok(r)
 }
 
 pub async fn delete_batch(
@@ -703,13 +709,14 @@ pub async fn delete_batch(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let list = entries(input)?;
-    let (ok, bad) = settle(sqs, &name, |n| {
+    let (ok, bad) = settle(sqs, |n| {
         let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        Ok(each_entry(&list, |e| {
+        let answer = each_entry(&list, |e| {
             let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
             delete_one(sqs, n, id, &h);
             Ok(())
-        }))
+        });
+        Ok((id, answer))
     })
     .await?;
     Ok(batch_answer(ok, bad))
@@ -744,9 +751,9 @@ pub async fn change_visibility(
     let h = handle_of(required(input, "ReceiptHandle")?, &vhost, &name)?;
     let seconds = integer(input, "VisibilityTimeout", 0..=43_200)?
         .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
-    settle(sqs, &name, |n| {
+    settle(sqs, |n| {
         let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        change_one(n, id, &h, seconds)
+        change_one(n, id, &h, seconds).map(|()| (id, ()))
     })
     .await?;
     Ok(Map::new())
@@ -759,14 +766,15 @@ pub async fn change_visibility_batch(
 ) -> Result<Map<String, Value>, SqsError> {
     let (vhost, name) = queue_of(input)?;
     let list = entries(input)?;
-    let (ok, bad) = settle(sqs, &name, |n| {
+    let (ok, bad) = settle(sqs, |n| {
         let id = queue_for_messages(n, ctx, &vhost, &name)?;
-        Ok(each_entry(&list, |e| {
+        let answer = each_entry(&list, |e| {
             let h = handle_of(required(e, "ReceiptHandle")?, &vhost, &name)?;
             let s = integer(e, "VisibilityTimeout", 0..=43_200)?
                 .ok_or_else(|| SqsError::missing_parameter("VisibilityTimeout"))?;
             change_one(n, id, &h, s)
-        }))
+        });
+        Ok((id, answer))
     })
     .await?;
     Ok(batch_answer(ok, bad))
