@@ -403,7 +403,20 @@ fn an_sqs_send_to_a_quorum_queue_is_answered_once_a_majority_has_it() {
     let leader = c.leader_of(&q, 1);
     let sqs = Client::new(c.node(leader));
     let url = format!("http://{}/000000000000/{q}", sqs.host);
-    sqs.send(&url, "with a majority");
+    // A leader just elected refuses until its term's first entry applies (503, which SDKs
+    // retry): retried as they would.
+    let start = Instant::now();
+    loop {
+        let r = sqs.call(
+            "SendMessage",
+            json!({"QueueUrl": url, "MessageBody": "with a majority"}),
+        );
+        if r.status != 503 || start.elapsed() > Duration::from_secs(10) {
+            r.ok();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     c.cut(leader);
     let r = sqs.call(
         "SendMessage",

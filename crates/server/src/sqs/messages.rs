@@ -217,12 +217,28 @@ fn publish(
         return Err(SqsError::no_queue());
     }
     if routed.rejected {
-        return Err(SqsError::new(
-            400,
-            "OverLimit",
-            "OverLimit",
-            "The queue is full (its x-max-length) and refuses new messages.",
-        ));
+        // Refused by a length limit, or by a quorum queue with no leader that acts yet (one
+        // is being elected): that one is worth a retry, which SDKs make on a 503.
+        let limited = n
+            .broker()
+            .queue_id(vhost, name)
+            .and_then(|id| n.broker().queue_args(id))
+            .is_some_and(|a| a.overflow != warren_broker::Overflow::DropHead);
+        return Err(if limited {
+            SqsError::new(
+                400,
+                "OverLimit",
+                "OverLimit",
+                "The queue is full (its x-max-length) and refuses new messages.",
+            )
+        } else {
+            SqsError::new(
+                503,
+                "ServiceUnavailable",
+                "AWS.SimpleQueueService.ServiceUnavailable",
+                "The queue has no leader to take the message now (one is being elected); retry.",
+            )
+        });
     }
     let mut out = Map::new();
     out.insert("MessageId".into(), Value::String(id));
