@@ -1,8 +1,9 @@
-//! Queue side paths on simulated time: what counts as use for `x-expires`, and what a full
-//! `reject-publish` queue answers when a publish's own dead letters fill it.
+//! Queue side paths on simulated time: what counts as use for `x-expires`, what a full
+//! `reject-publish` queue answers when a publish's own dead letters fill it, and a TTL of 0
+//! against the dispatch that follows a publish.
 
 use bytes::Bytes;
-use warren_broker::{Broker, BrokerConfig, DeclareQueue, Message};
+use warren_broker::{Broker, BrokerConfig, CreditGroup, DeclareQueue, Delivery, Message};
 use warren_codec::{FieldTable, FieldValue, ShortStr};
 
 const V: &str = "/";
@@ -145,4 +146,64 @@ fn a_refused_copy_is_a_nack_and_reject_publish_dlx_dead_letters_it() {
     assert_eq!(drain(&mut b, "plain"), vec!["second"]);
     assert_eq!(drain(&mut b, "c"), vec!["first"]);
     assert_eq!(drain(&mut b, "c-dlq"), vec!["second"]);
+}
+
+/// Dispatches until no queue has work, as the server does after a publish.
+fn dispatch(b: &mut Broker) -> Vec<Delivery> {
+    let mut out = Vec::new();
+    while b.needs_dispatch() {
+        assert!(b.dispatch_one(&mut out), "needs_dispatch but no work");
+    }
+    out
+}
+
+/// RabbitMQ: a message with a TTL of 0 reaches a consumer that waits as it arrives, and is
+/// dead-lettered at once when none does. The server's dispatch runs after the publish, on a
+/// clock that may have moved on (a busy node, a tick in between): the message must still go
+/// to the consumer that waited for it.
+#[test]
+fn a_ttl_of_zero_reaches_a_waiting_consumer_when_the_dispatch_comes_later() {
+    let mut b = Broker::new(BrokerConfig::default());
+    declare(&mut b, "dead", &[]);
+    declare(
+        &mut b,
+        "zero",
+        &[
+            ("x-message-ttl", FieldValue::I32(0)),
+            ("x-dead-letter-exchange", long("")),
+            ("x-dead-letter-routing-key", long("dead")),
+        ],
+    );
+    b.publish(V, "", "zero", msg("nobody"), 1_000)
+        .expect("publish");
+    assert!(dispatch(&mut b).is_empty());
+    b.tick(1_001);
+    assert_eq!(drain(&mut b, "dead"), vec!["nobody"]);
+
+    let group = CreditGroup {
+        conn: 1,
+        channel: 1,
+    };
+    b.consume(
+        V,
+        "zero",
+        group,
+        "c".into(),
+        true,
+        false,
+        0,
+        &FieldTable::new(),
+    )
+    .expect("consume");
+    assert!(dispatch(&mut b).is_empty());
+    b.publish(V, "", "zero", msg("waited-for"), 2_000)
+        .expect("publish");
+    b.advance_time(2_003);
+    b.tick(2_003);
+    let got = dispatch(&mut b);
+    let bodies: Vec<&[u8]> = got.iter().map(|d| &d.message.body[..]).collect();
+    assert_eq!(bodies, vec![&b"waited-for"[..]]);
+    b.tick(2_010);
+    assert!(drain(&mut b, "dead").is_empty());
+    assert!(drain(&mut b, "zero").is_empty());
 }

@@ -883,6 +883,13 @@ pub struct QueueMachine<M> {
     /// expiry predates them: `(up to id, expires at)` in id order, applied when they are read
     /// back.
     expiry_caps: Vec<(u64, u64)>,
+    /// A message due at once (a TTL of 0) arrived at this time with a consumer waiting: until
+    /// the checkout that follows, ready messages expire as at this time. RabbitMQ hands such a
+    /// message over as it arrives; here deliveries come from the checkout the broker runs at
+    /// its next dispatch, at a later time, when the message would have expired. What is ahead
+    /// of it is judged alike: a consumer waiting then would have taken that first. Part of the
+    /// state, so every member of a replicated queue, and a replay, judge that checkout alike.
+    handoff: Option<u64>,
     /// The last applied command's index and the latest time seen.
     last_index: u64,
     now_ms: u64,
@@ -925,6 +932,7 @@ impl<M> Default for QueueMachine<M> {
             parked_count: 0,
             enqueuers: BTreeMap::new(),
             expiry_caps: Vec::new(),
+            handoff: None,
             last_index: 0,
             now_ms: 0,
         }
@@ -1024,9 +1032,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
             Command::Checkout { max } => {
                 // Nothing expired goes out, whether or not its tick has come yet.
                 self.expire(effects);
-                Reply::Delivered {
-                    count: self.checkout(max, effects),
-                }
+                let count = self.checkout(max, effects);
+                self.end_handoff(effects);
+                Reply::Delivered { count }
             }
             Command::Get { no_ack } => self.get(no_ack, 0, effects),
             Command::GetBy { no_ack, node } => self.get(no_ack, node, effects),
@@ -1106,6 +1114,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
             // As a Checkout would: nothing expired goes out.
             self.expire(effects);
             self.checkout(AUTO_CHECKOUT_MAX, effects);
+            self.end_handoff(effects);
+        }
+        if self.handoff.is_some() && !self.has_work() {
+            // No checkout is coming for it (the consumer left or ran out of credit): expiry
+            // goes by the clock again, and the next tick drops what the handoff kept. Not here:
+            // the callers of most commands expect no dead letters from them.
+            self.handoff = None;
         }
         reply
     }
@@ -1116,7 +1131,25 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         let msg_id = self.enqueue(message, meta);
         self.drop_over_limit(effects);
+        // Any later checkout would find it expired: the one owed to the waiting consumer judges
+        // expiry at this time.
+        if meta.expires_at.is_some_and(|at| at <= self.now_ms) && self.has_work() {
+            self.handoff.get_or_insert(self.now_ms);
+        }
         Reply::Enqueued { msg_id }
+    }
+
+    /// After a checkout: what the handoff kept and no consumer took expires by the clock.
+    fn end_handoff(&mut self, effects: &mut Vec<Effect<M>>) {
+        if self.handoff.take().is_some() {
+            self.expire(effects);
+        }
+    }
+
+    /// The time ready messages expire by: the handoff's while a checkout is owed to a message
+    /// due at once (see `handoff`), else now.
+    fn expiry_now(&self) -> u64 {
+        self.handoff.unwrap_or(self.now_ms)
     }
 
     /// An enqueue with a publisher sequence: a resend of a decided one changes nothing (see
@@ -2253,9 +2286,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
     /// (RabbitMQ's rule: a delivered message belongs to its consumer); one that comes back
     /// expires then.
     fn expire(&mut self, effects: &mut Vec<Effect<M>>) {
+        let now = self.expiry_now();
         // The in-order deque first: its messages are in `ready`, nearly always at its head.
         while let Some(&(at, id)) = self.expiries_in_order.front() {
-            if !expired(at, self.now_ms) {
+            if !expired(at, now) {
                 break;
             }
             self.expiries_in_order.pop_front();
@@ -2275,7 +2309,7 @@ impl<M: Clone + Hash> QueueMachine<M> {
             }
         }
         while let Some(&(at, id)) = self.expiries.first() {
-            if !expired(at, self.now_ms) {
+            if !expired(at, now) {
                 break;
             }
             self.expiries.pop_first();
@@ -2742,6 +2776,9 @@ impl<M: Clone + Hash> QueueMachine<M> {
         }
         if !self.expiry_caps.is_empty() {
             self.expiry_caps.hash(&mut h);
+        }
+        if self.handoff.is_some() {
+            self.handoff.hash(&mut h);
         }
         h.finish()
     }
@@ -3271,6 +3308,49 @@ mod tests {
         d.now = 10;
         d.run(Command::Tick);
         assert_eq!(d.m.now_ms(), 200);
+    }
+
+    /// RabbitMQ's rule for a TTL of 0: delivered if a consumer waits as the message arrives,
+    /// expired at once otherwise. The broker's checkout follows the enqueue at a later time
+    /// (the next dispatch), by which the message's time has passed.
+    #[test]
+    fn a_ttl_of_zero_reaches_a_consumer_waiting_as_it_arrives() {
+        let mut d = Driver::new();
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 0, true),
+        });
+        d.now = 10;
+        d.enqueue("a", 1, Some(10));
+        d.now = 11;
+        d.run(Command::Tick);
+        d.run(Command::Checkout { max: 10 });
+        assert!(dead_letters(&mut d).is_empty());
+        assert_eq!(d.delivered(), vec![(Some(1), 0, 1, false)]);
+        assert_eq!((d.m.ready_count(), d.m.next_deadline()), (0, None));
+
+        // Nobody waits: it expires at once, however soon a consumer comes.
+        d.run(Command::Cancel { id: ConsumerId(1) });
+        d.enqueue("b", 1, Some(11));
+        assert_eq!(d.m.next_deadline(), Some(12));
+        d.run(Command::Consume {
+            id: ConsumerId(2),
+            spec: spec(1, 1, false),
+        });
+        d.now = 12;
+        d.run(Command::Checkout { max: 10 });
+        assert_eq!(dead_letters(&mut d), vec![(1, DeadLetterReason::Expired)]);
+        assert!(d.delivered().is_empty());
+
+        // One waits, without room for two: the first is delivered, the second expires.
+        d.enqueue("c", 1, Some(12));
+        d.enqueue("d", 1, Some(12));
+        d.now = 13;
+        d.run(Command::Tick);
+        d.run(Command::Checkout { max: 10 });
+        assert_eq!(dead_letters(&mut d), vec![(3, DeadLetterReason::Expired)]);
+        assert_eq!(d.delivered(), vec![(Some(2), 2, 1, false)]);
+        assert_eq!(d.m.ready_count(), 0);
     }
 
     #[test]

@@ -43,7 +43,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => proptest::option::of(1u64..50).prop_map(|ttl| Op::Enqueue { ttl }),
+        4 => proptest::option::of(0u64..50).prop_map(|ttl| Op::Enqueue { ttl }),
         1 => (0u8..4, 0u32..4).prop_map(|(consumer, prefetch)| Op::Consume { consumer, prefetch }),
         1 => (0u8..4).prop_map(|consumer| Op::Cancel { consumer }),
         3 => (0usize..8).prop_map(|nth| Op::Settle { nth }),

@@ -94,11 +94,17 @@ enum Op {
     Tick {
         advance: u64,
     },
+    /// A message with a TTL of 0, then the broker's next dispatch `advance` ms later: a tick
+    /// (the server may run one first) and a checkout.
+    Ttl0 {
+        size: u64,
+        advance: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u64..100, prop::option::weighted(0.3, 1u64..50), prop::bool::weighted(0.8)).prop_map(|(size, ttl, pageable)| Op::Enqueue { size, ttl, pageable }),
+        6 => (0u64..100, prop::option::weighted(0.3, prop_oneof![1 => Just(0u64), 4 => 1u64..50]), prop::bool::weighted(0.8)).prop_map(|(size, ttl, pageable)| Op::Enqueue { size, ttl, pageable }),
         2 => (0u32..4, 0u64..3).prop_map(|(keep, unwritten)| Op::PageOut { keep, unwritten }),
         2 => (0u8..4, 0u16..NODES, any::<bool>(), 0u32..4).prop_map(|(slot, channel, no_ack, prefetch)| Op::Consume { slot, channel, no_ack: no_ack && slot == 3, prefetch }),
         1 => (0u8..4).prop_map(|slot| Op::Cancel { slot }),
@@ -115,6 +121,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), prop::bool::weighted(0.15)).prop_map(|(pick, stale)| Op::Discard { pick, stale }),
         1 => Just(Op::Purge),
         1 => (0u64..30).prop_map(|advance| Op::Tick { advance }),
+        2 => (0u64..100, 1u64..5).prop_map(|(size, advance)| Op::Ttl0 { size, advance }),
     ]
 }
 
@@ -287,9 +294,28 @@ struct Runner {
     log: Vec<(Meta, Command<Msg>, u64)>,
     /// Whether each command changed the queue (beyond its index and time).
     changed: Vec<bool>,
+    /// The time the machine's expiry should go by until the next checkout (its `handoff`): set
+    /// by a message due at once enqueued with work for a checkout, ended by that checkout or
+    /// when the work goes.
+    handoff: Option<u64>,
 }
 
 impl Runner {
+    fn new() -> Self {
+        Runner {
+            m: QueueMachine::new(),
+            effects: Vec::new(),
+            log: Vec::new(),
+            changed: Vec::new(),
+            handoff: None,
+        }
+    }
+
+    /// What a tick or a checkout expires by.
+    fn expiry_now(&self, now: u64) -> u64 {
+        self.handoff.unwrap_or(now)
+    }
+
     fn apply(&mut self, now: u64, c: Command<Msg>) -> Reply {
         let meta = Meta {
             index: self.log.len() as u64 + 1,
@@ -306,6 +332,18 @@ impl Runner {
         let probe = |m: &QueueMachine<Msg>| (m.in_flight_count(), m.enqueuer_count(), seq(m));
         let probed = probe(&self.m);
         let reply = self.m.apply(meta, c.clone(), &mut self.effects);
+        let due = match &c {
+            Command::Enqueue { meta, .. } | Command::EnqueueFrom { meta, .. } => {
+                meta.expires_at.is_some_and(|at| at <= now)
+            }
+            _ => false,
+        };
+        if due && matches!(reply, Reply::Enqueued { .. }) && self.m.has_work() {
+            self.handoff.get_or_insert(now);
+        }
+        if matches!(c, Command::Checkout { .. }) || !self.m.has_work() {
+            self.handoff = None;
+        }
         let paging_changed = before != paging(&self.m);
         let changed = match (&c, reply) {
             (Command::PageOut { .. } | Command::Load { .. }, _) => paging_changed,
@@ -513,13 +551,125 @@ fn pick_receipt(model: &Model, pick: usize, stale: bool, next_id: u64) -> Receip
     }
 }
 
-fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
-    let mut r = Runner {
-        m: QueueMachine::new(),
-        effects: Vec::new(),
-        log: Vec::new(),
-        changed: Vec::new(),
+/// Enqueues a message of `size` expiring `ttl` ms from now; its id, unless the queue refused it.
+fn enqueue(
+    r: &mut Runner,
+    model: &mut Model,
+    size: u64,
+    ttl: Option<u64>,
+    pageable: bool,
+) -> Result<Option<u64>, TestCaseError> {
+    let now = model.now;
+    let id = r.m.next_msg_id();
+    let expires_at = ttl.map(|t| now + t);
+    let reply = r.apply(
+        now,
+        Command::Enqueue {
+            message: (id, size),
+            meta: MsgMeta {
+                size,
+                expires_at,
+                pageable,
+                // Two kinds of storage: runs must never mix them.
+                spilled: pageable && size.is_multiple_of(2),
+                priority: 0,
+                group: None,
+            },
+        },
+    );
+    if model.full() {
+        prop_assert_eq!(reply, Reply::Refused(Refusal::Full));
+        prop_assert_eq!(r.m.next_msg_id(), id);
+        return Ok(None);
+    }
+    prop_assert_eq!(reply, Reply::Enqueued { msg_id: id });
+    prop_assert!(r.effects.is_empty(), "{:?}", r.effects);
+    model.state.insert(id, State::Ready);
+    if pageable {
+        model.stored.insert(id);
+    }
+    if pageable && size.is_multiple_of(2) {
+        model.spilled.insert(id);
+    }
+    model.size.insert(id, size);
+    if let Some(at) = expires_at {
+        model.expires.insert(id, at);
+    }
+    Ok(Some(id))
+}
+
+fn checkout(r: &mut Runner, model: &mut Model, max: u32) -> Result<(), TestCaseError> {
+    let now = model.now;
+    if r.m.wants_load(2) {
+        load(r, model, now, 2, 3)?;
+    }
+    let reply = r.apply(now, Command::Checkout { max });
+    let Reply::Delivered { count } = reply else {
+        return Err(TestCaseError::fail(format!("checkout gave {reply:?}")));
     };
+    prop_assert!(count <= max);
+    let delivered = r
+        .effects
+        .iter()
+        .filter(|e| matches!(e, Effect::Deliver(_)))
+        .count();
+    prop_assert_eq!(count as usize, delivered);
+    for e in r.effects.clone() {
+        match e {
+            Effect::Deliver(d) => {
+                prop_assert!(d.consumer.is_some());
+                model.delivered(&d, 0)?;
+            }
+            // Nothing expired goes out: what came back expired meanwhile goes first (and
+            // what a handoff kept for a consumer that did not take it, after).
+            other => expired_now(model, &other, now)?,
+        }
+    }
+    // It stops only when out of messages (in memory), out of budget or out of credit.
+    if count < max && r.m.head_loaded() {
+        for id in model.consumers.keys() {
+            prop_assert!(!model.may_take(*id), "{:?} left with credit", id);
+        }
+    }
+    Ok(())
+}
+
+fn tick(r: &mut Runner, model: &mut Model, advance: u64) -> Result<(), TestCaseError> {
+    model.now += advance;
+    let now = model.now;
+    // Paged messages expire once read back, not on disk.
+    let ready = model.ready();
+    let on_disk = paged(&r.m, &ready);
+    // A checkout owed to a message due at once still judges expiry at that message's time.
+    let by = r.expiry_now(now);
+    r.apply(now, Command::Tick);
+    let due: BTreeSet<u64> = ready
+        .difference(&on_disk)
+        .copied()
+        .filter(|id| model.expires.get(id).is_some_and(|at| *at < by))
+        .collect();
+    let expired: BTreeSet<u64> = r
+        .effects
+        .iter()
+        .map(|e| match e {
+            Effect::DeadLetter {
+                msg_id,
+                reason: DeadLetterReason::Expired,
+                ..
+            } => Ok(*msg_id),
+            other => Err(TestCaseError::fail(format!("{other:?}"))),
+        })
+        .collect::<Result<_, _>>()?;
+    prop_assert_eq!(&expired, &due);
+    for id in due {
+        model.state.insert(id, State::Expired);
+        model.stored.remove(&id);
+    }
+    Ok(())
+}
+
+fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
+    let mut r = Runner::new();
     let mut model = Model::default();
     for op in ops {
         let now = model.now;
@@ -529,41 +679,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 ttl,
                 pageable,
             } => {
-                let id = r.m.next_msg_id();
-                let expires_at = ttl.map(|t| now + t);
-                let reply = r.apply(
-                    now,
-                    Command::Enqueue {
-                        message: (id, size),
-                        meta: MsgMeta {
-                            size,
-                            expires_at,
-                            pageable,
-                            // Two kinds of storage: runs must never mix them.
-                            spilled: pageable && size % 2 == 0,
-                            priority: 0,
-                            group: None,
-                        },
-                    },
-                );
-                if model.full() {
-                    prop_assert_eq!(reply, Reply::Refused(Refusal::Full));
-                    prop_assert_eq!(r.m.next_msg_id(), id);
-                    check(&r.m, &model)?;
-                    continue;
-                }
-                prop_assert_eq!(reply, Reply::Enqueued { msg_id: id });
-                model.state.insert(id, State::Ready);
-                if pageable {
-                    model.stored.insert(id);
-                }
-                if pageable && size % 2 == 0 {
-                    model.spilled.insert(id);
-                }
-                model.size.insert(id, size);
-                if let Some(at) = expires_at {
-                    model.expires.insert(id, at);
-                }
+                enqueue(&mut r, &mut model, size, ttl, pageable)?;
             }
             Op::Consume {
                 slot,
@@ -649,39 +765,7 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     },
                 );
             }
-            Op::Checkout { max } => {
-                if r.m.wants_load(2) {
-                    load(&mut r, &mut model, now, 2, 3)?;
-                }
-                let reply = r.apply(now, Command::Checkout { max });
-                let Reply::Delivered { count } = reply else {
-                    return Err(TestCaseError::fail(format!("checkout gave {reply:?}")));
-                };
-                prop_assert!(count <= max);
-                let delivered = r
-                    .effects
-                    .iter()
-                    .filter(|e| matches!(e, Effect::Deliver(_)))
-                    .count();
-                prop_assert_eq!(count as usize, delivered);
-                for e in r.effects.clone() {
-                    match e {
-                        Effect::Deliver(d) => {
-                            prop_assert!(d.consumer.is_some());
-                            model.delivered(&d, 0)?;
-                        }
-                        // Nothing expired goes out: what came back expired meanwhile goes first.
-                        other => expired_now(&mut model, &other, now)?,
-                    }
-                }
-                // It stops only when out of messages (in memory), out of budget or out of
-                // credit.
-                if count < max && r.m.head_loaded() {
-                    for id in model.consumers.keys() {
-                        prop_assert!(!model.may_take(*id), "{:?} left with credit", id);
-                    }
-                }
-            }
+            Op::Checkout { max } => checkout(&mut r, &mut model, max)?,
             Op::Get { no_ack, node } => {
                 let get = || match node {
                     Some(node) => Command::GetBy { no_ack, node },
@@ -920,34 +1004,28 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     model.stored.remove(&id);
                 }
             }
-            Op::Tick { advance } => {
-                model.now += advance;
-                let now = model.now;
-                // Paged messages expire once read back, not on disk.
-                let ready = model.ready();
-                let on_disk = paged(&r.m, &ready);
-                r.apply(now, Command::Tick);
-                let due: BTreeSet<u64> = ready
-                    .difference(&on_disk)
-                    .copied()
-                    .filter(|id| model.expires.get(id).is_some_and(|at| *at < now))
-                    .collect();
-                let expired: BTreeSet<u64> = r
-                    .effects
-                    .iter()
-                    .map(|e| match e {
-                        Effect::DeadLetter {
-                            msg_id,
-                            reason: DeadLetterReason::Expired,
-                            ..
-                        } => Ok(*msg_id),
-                        other => Err(TestCaseError::fail(format!("{other:?}"))),
-                    })
-                    .collect::<Result<_, _>>()?;
-                prop_assert_eq!(&expired, &due);
-                for id in due {
-                    model.state.insert(id, State::Expired);
-                    model.stored.remove(&id);
+            Op::Tick { advance } => tick(&mut r, &mut model, advance)?,
+            Op::Ttl0 { size, advance } => {
+                // RabbitMQ's rule, whenever the checkout comes: with nothing ahead of it, the
+                // message reaches a consumer that may take one as it arrives, and expires if
+                // there is none.
+                let ahead = !model.ready().is_empty();
+                let waiting = model.consumers.keys().any(|c| model.may_take(*c));
+                if let Some(id) = enqueue(&mut r, &mut model, size, Some(0), false)? {
+                    tick(&mut r, &mut model, advance)?;
+                    checkout(&mut r, &mut model, 5)?;
+                    let state = model.state[&id];
+                    if !ahead && waiting {
+                        prop_assert!(
+                            matches!(state, State::Settled | State::InFlight { .. }),
+                            "{} not delivered: {:?}",
+                            id,
+                            state
+                        );
+                    }
+                    if !waiting {
+                        prop_assert_eq!(state, State::Expired, "{} with nobody waiting", id);
+                    }
                 }
             }
         }
@@ -1024,7 +1102,7 @@ proptest! {
     fn single_consumer_gets_id_order(
         batches in proptest::collection::vec((0usize..5, 0u32..5, any::<bool>()), 1..40)
     ) {
-        let mut r = Runner { m: QueueMachine::new(), effects: Vec::new(), log: Vec::new(), changed: Vec::new() };
+        let mut r = Runner::new();
         let spec = ConsumerSpec {
             group: group(1),
             tag: ShortStr::from("c"),
@@ -1068,7 +1146,7 @@ proptest! {
     /// Requeued messages come back before every later one, in id order among themselves.
     #[test]
     fn requeued_come_back_first(n in 1u64..30, back in proptest::collection::btree_set(0u64..30, 0..10)) {
-        let mut r = Runner { m: QueueMachine::new(), effects: Vec::new(), log: Vec::new(), changed: Vec::new() };
+        let mut r = Runner::new();
         for id in 0..n {
             r.apply(0, Command::Enqueue { message: (id, 1), meta: MsgMeta::default() });
         }

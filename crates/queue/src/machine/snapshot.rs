@@ -29,8 +29,9 @@ use crate::log::{
 };
 use crate::Message;
 
-/// The version of the snapshot encoding. 1: the first.
-pub const SNAPSHOT_VERSION: u8 = 1;
+/// The version of the snapshot encoding. 1: the first. 2: the machine's handoff time after
+/// the expiry caps (a version 1 snapshot, which has none, is still read).
+pub const SNAPSHOT_VERSION: u8 = 2;
 
 /// The fewest bytes an encoded entry takes (id, the message's four lengths and two flags, the
 /// meta's size, three options and two bytes, the delivery count and flags): what a count is
@@ -50,7 +51,7 @@ pub enum SnapshotError {
     /// More items than a count of the format holds (2^32: far beyond any queue in memory).
     #[error("{items} items are more than a snapshot holds")]
     TooLarge { items: usize },
-    #[error("snapshot format version {found}, this build reads version {SNAPSHOT_VERSION}")]
+    #[error("snapshot format version {found}, this build reads versions 1 to {SNAPSHOT_VERSION}")]
     UnknownVersion { found: u8 },
     #[error("snapshot checksum mismatch")]
     Checksum,
@@ -146,6 +147,7 @@ impl QueueMachine<Message> {
             parked_count: _, // derived: the parked lines' lengths
             enqueuers: _,
             expiry_caps: _,
+            handoff: _,
             last_index: _,
             now_ms: _,
         } = self;
@@ -174,7 +176,14 @@ impl QueueMachine<Message> {
         out.reserve(payload.saturating_add(entries.saturating_mul(MIN_ENTRY_BYTES + 16)));
 
         let start = out.len();
-        out.put_u8(SNAPSHOT_VERSION);
+        // Version 1 while there is no handoff (nearly always): a member of an earlier version,
+        // during a rolling upgrade, still reads what a leader of this one sends it.
+        let version = if self.handoff.is_some() {
+            SNAPSHOT_VERSION
+        } else {
+            1
+        };
+        out.put_u8(version);
         out.put_u32(0);
         for n in [
             self.last_index,
@@ -302,6 +311,9 @@ impl QueueMachine<Message> {
             put_opt_u64(out, e.refused);
         }
         put_pairs(out, self.expiry_caps.len(), self.expiry_caps.iter());
+        if self.handoff.is_some() {
+            put_opt_u64(out, self.handoff);
+        }
 
         let crc = crc32fast::hash(&out[start + 5..]);
         out[start + 1..start + 5].copy_from_slice(&crc.to_be_bytes());
@@ -314,7 +326,7 @@ impl QueueMachine<Message> {
         let found = *bytes.first().ok_or(SnapshotError::Malformed(
             "empty: no format version".to_owned(),
         ))?;
-        if found != SNAPSHOT_VERSION {
+        if !(1..=SNAPSHOT_VERSION).contains(&found) {
             return Err(SnapshotError::UnknownVersion { found });
         }
         let (Some(head), Some(body)) = (bytes.get(1..5), bytes.get(5..)) else {
@@ -327,7 +339,7 @@ impl QueueMachine<Message> {
             return Err(SnapshotError::Checksum);
         }
         let mut r = SnapReader(Reader::new(bytes.slice(5..)));
-        let m = r.machine()?;
+        let m = r.machine(found)?;
         if r.0.buf.has_remaining() {
             return Err(r.fail(format!("{} bytes after the state", r.0.buf.remaining())));
         }
@@ -460,7 +472,7 @@ impl SnapReader {
         Ok(pairs.into_iter().collect())
     }
 
-    fn machine(&mut self) -> Result<QueueMachine<Message>, SnapshotError> {
+    fn machine(&mut self, version: u8) -> Result<QueueMachine<Message>, SnapshotError> {
         let last_index = self.u64("last index")?;
         let now_ms = self.u64("time")?;
         let next_id = self.u64("next id")?;
@@ -584,6 +596,10 @@ impl SnapReader {
             Ok((id, Enqueuer { seq, refused }))
         })?;
         let expiry_caps = self.pair_list("expiry caps")?;
+        let handoff = match version {
+            1 => None,
+            _ => self.0.opt_u64("handoff")?,
+        };
         // No `..Default::default()`: every field is read or derived here.
         Ok(QueueMachine {
             next_id,
@@ -620,6 +636,7 @@ impl SnapReader {
             parked,
             enqueuers,
             expiry_caps,
+            handoff,
             last_index,
             now_ms,
         })
@@ -766,6 +783,53 @@ mod tests {
         Bytes::from(bytes)
     }
 
+    /// Taken between a TTL-0 enqueue with a consumer waiting and the checkout that follows:
+    /// the restored machine hands the message out at that checkout too.
+    #[test]
+    fn a_pending_handoff_round_trips() {
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 100,
+        };
+        r.apply(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 2),
+        });
+        r.enqueue(
+            b"now or never",
+            MsgMeta {
+                expires_at: Some(100),
+                ..MsgMeta::default()
+            },
+        );
+        let bytes = snapshot_of(&r.m);
+        let mut back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
+        assert_eq!(back.digest(), r.m.digest());
+        assert_eq!(snapshot_of(&back), bytes);
+        let mut effects = Vec::new();
+        let meta = Meta {
+            index: back.last_index() + 1,
+            now_ms: 105,
+        };
+        back.apply(meta, Command::Checkout { max: 10 }, &mut effects);
+        assert!(
+            matches!(effects.as_slice(), [crate::machine::Effect::Deliver(d)] if d.receipt.msg_id == 0),
+            "{effects:?}"
+        );
+    }
+
+    /// Without a handoff (nearly always) a snapshot is written in version 1, which members of
+    /// earlier builds read during a rolling upgrade, and reads back as no handoff.
+    #[test]
+    fn a_machine_without_a_handoff_snapshots_as_version_1() {
+        let m = busy();
+        let bytes = snapshot_of(&m);
+        assert_eq!(bytes.first(), Some(&1));
+        let back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
+        assert_eq!(back.digest(), m.digest());
+        assert_eq!(snapshot_of(&back), bytes);
+    }
+
     #[test]
     fn a_busy_machine_round_trips_to_the_same_digest_and_bytes() {
         let m = busy();
@@ -824,8 +888,14 @@ mod tests {
         let mut newer = bytes.to_vec();
         newer[0] = SNAPSHOT_VERSION + 1;
         let err = QueueMachine::restore_snapshot(Bytes::from(newer)).unwrap_err();
-        assert_eq!(err, SnapshotError::UnknownVersion { found: 2 });
-        assert!(err.to_string().contains("version 2"), "{err}");
+        assert_eq!(err, SnapshotError::UnknownVersion { found: 3 });
+        assert!(err.to_string().contains("version 3"), "{err}");
+        let mut none = bytes.to_vec();
+        none[0] = 0;
+        assert_eq!(
+            QueueMachine::restore_snapshot(Bytes::from(none)).err(),
+            Some(SnapshotError::UnknownVersion { found: 0 })
+        );
     }
 
     #[test]
