@@ -731,3 +731,70 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
     let more = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await;
     assert!(more.is_err(), "nothing of the old queue: {more:?}");
 }
+
+/// The value of the series `name{labels}` in a Prometheus text answer.
+fn sample(text: &str, name: &str, labels: &str) -> Option<u64> {
+    let head = format!("{name}{{{labels}}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(head.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Each node's `/metrics/per-object` has a quorum queue's Raft figures under RabbitMQ's names
+/// (its member's term, commit and applied index), which node leads it, and, on the leader, how
+/// far each follower lags; `/metrics` sums them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_queues_raft_figures_are_in_every_nodes_metrics() {
+    use warren_conformance::http::request;
+    let c = TestCluster::start(3, 20);
+    let q = unique("figures");
+    c.declare_quorum_queue(1, &q).await;
+    {
+        let (_conn, ch) = channel(&c, 1).await;
+        publish_confirmed(&ch, &q, (0..10).map(|i| format!("m{i}"))).await;
+    }
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 10);
+    }
+    let leader = c.leader_of(&q, 1);
+    let labels = format!("vhost=\"/\",queue=\"{q}\"");
+    let start = Instant::now();
+    for n in 1..=3 {
+        let url = c.node(n).metrics_url().expect("metrics on");
+        loop {
+            let text = request("GET", &format!("{url}/metrics/per-object"), None, &[], None).text();
+            let value = |name: &str| sample(&text, name, &labels);
+            let term = value("rabbitmq_raft_term_total");
+            let commit = value("rabbitmq_raft_log_commit_index");
+            let applied = value("rabbitmq_raft_log_last_applied_index");
+            let leads = value("warren_raft_leader");
+            // Ten enqueues at least, committed and applied on every member.
+            let done = term.is_some_and(|t| t >= 1)
+                && commit.is_some_and(|i| i >= 10)
+                && applied.is_some_and(|i| i >= 10)
+                && leads == Some(u64::from(n == leader));
+            if done {
+                let lags = text
+                    .lines()
+                    .filter(|l| {
+                        l.starts_with("warren_raft_follower_lag_entries{") && l.contains(&labels)
+                    })
+                    .count();
+                assert_eq!(lags, if n == leader { 2 } else { 0 }, "node {n}:\n{text}");
+                break;
+            }
+            assert!(
+                start.elapsed() < WAIT,
+                "node {n}: term {term:?} commit {commit:?} applied {applied:?} leads {leads:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let url = c.node(leader).metrics_url().expect("metrics on");
+    let text = request("GET", &format!("{url}/metrics"), None, &[], None).text();
+    let led = text
+        .lines()
+        .find_map(|l| l.strip_prefix("warren_raft_leader "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert!(led.is_some_and(|n| n >= 1), "{text}");
+}

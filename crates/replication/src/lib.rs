@@ -14,8 +14,8 @@ mod tests;
 
 pub use engine::EngineLog;
 pub use multi::{
-    Advanced, Committed, Config, Envelope, Error, Forward, MultiRaft, NodeBatch, PersistJob,
-    ReadyBatch, Refused, Stats,
+    Advanced, Committed, Config, Envelope, Error, Forward, GroupStatus, MultiRaft, NodeBatch,
+    PersistJob, ReadyBatch, Refused, Stats,
 };
 pub use raft;
 pub use snapshots::{MemSnapshots, SnapshotFiles, SnapshotMeta, SnapshotSource, StoredSnapshot};

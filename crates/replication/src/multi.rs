@@ -154,6 +154,27 @@ struct Group {
     quiet_ticks: u32,
     /// The leader last reported in [`ReadyBatch::leaders`] (`INVALID_ID`: none).
     reported_leader: NodeId,
+    /// Leaders seen since the group was made here (each new one counts).
+    leader_changes: u64,
+}
+
+/// One group as this member sees it, for metrics and the management API.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupStatus {
+    pub group: GroupId,
+    pub term: u64,
+    pub commit: u64,
+    pub applied: u64,
+    /// The last index in this member's log (written or about to be, in this pass).
+    pub last_index: u64,
+    /// The latest durable snapshot's index (0: none).
+    pub snapshot_index: u64,
+    pub leader: Option<NodeId>,
+    pub leading: bool,
+    /// Leaders seen since the group was made on this node.
+    pub leader_changes: u64,
+    /// While this member leads: each follower and the last index it is known to hold.
+    pub followers: Vec<(NodeId, u64)>,
 }
 
 struct Peer {
@@ -570,6 +591,7 @@ impl MultiRaft {
                 raw,
                 quiet_ticks: 0,
                 reported_leader: INVALID_ID,
+                leader_changes: 0,
             },
         );
         self.awake.insert(id);
@@ -600,6 +622,42 @@ impl MultiRaft {
             self.awake.contains(&group),
             r.raft_log.unstable_snapshot().as_ref().map(|s| s.get_metadata().index),
         )
+    }
+
+    /// Every group as this member sees it, in group order.
+    pub fn status(&self) -> Vec<GroupStatus> {
+        let mut out: Vec<GroupStatus> = self
+            .groups
+            .iter()
+            .map(|(id, g)| {
+                let r = &g.raw.raft;
+                let leading = r.state == StateRole::Leader;
+                let mut followers: Vec<(NodeId, u64)> = if leading {
+                    r.prs()
+                        .iter()
+                        .filter(|(n, _)| **n != self.cfg.node)
+                        .map(|(n, p)| (*n, p.matched))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                followers.sort_unstable();
+                GroupStatus {
+                    group: *id,
+                    term: r.term,
+                    commit: r.raft_log.committed,
+                    applied: r.raft_log.applied,
+                    last_index: r.raft_log.last_index(),
+                    snapshot_index: g.raw.store().snapshot_meta().map_or(0, |m| m.index),
+                    leader: (r.leader_id != INVALID_ID).then_some(r.leader_id),
+                    leading,
+                    leader_changes: g.leader_changes,
+                    followers,
+                }
+            })
+            .collect();
+        out.sort_unstable_by_key(|s| s.group);
+        out
     }
 
     /// The index of the group's latest durable snapshot (0: none), if the group exists.
@@ -987,6 +1045,9 @@ impl MultiRaft {
             let leader = g.raw.raft.leader_id;
             if leader != g.reported_leader {
                 g.reported_leader = leader;
+                if leader != INVALID_ID {
+                    g.leader_changes += 1;
+                }
                 leaders.push((id, (leader != INVALID_ID).then_some(leader)));
             }
             if !g.raw.has_ready() {

@@ -327,6 +327,11 @@ pub struct NodeHandle(Arc<Shared>);
 
 impl NodeHandle {
     /// This node's cluster transport counters, in a cluster.
+    /// This node's handle on its Raft thread, in a cluster.
+    pub fn raft(&self) -> Option<crate::cluster::RaftNode> {
+        self.0.lock().raft.clone()
+    }
+
     pub fn cluster_stats(&self) -> Option<crate::cluster::ClusterStats> {
         self.0.lock().raft.as_ref().map(|r| r.stats())
     }

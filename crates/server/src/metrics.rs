@@ -18,9 +18,13 @@ use axum::routing::get;
 use axum::Router;
 use warren_broker::stats::{QueueCounters, DEAD_LETTER_REASONS, DELIVERY_BUCKETS};
 use warren_broker::QueueSnapshot;
+use warren_replication::GroupStatus;
 use warren_session::latency::CONFIRM_BOUNDS_MS;
 
 use crate::http::Api;
+
+/// How long a scrape waits for the Raft thread's figures before it leaves them out.
+const RAFT_STATUS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Bounds (seconds) of the store's write-and-sync latency histogram.
 const SYNC_BOUNDS: [f64; 10] = [
@@ -208,8 +212,8 @@ fn delivery_histogram(t: &mut Text, labels: &str, c: &QueueCounters) {
 }
 
 /// Builds the exposition text; `per_object`: a series per queue rather than totals.
-pub fn render(api: &Api, per_object: bool) -> String {
-    let (now, queues, counters, totals, conns, alarm, delayed, confirms) =
+pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> String {
+    let (now, queues, counters, totals, conns, alarm, delayed, confirms, groups) =
         api.node.read(|n, now| {
             let b = n.broker();
             let conns = n.connection_snapshots();
@@ -222,6 +226,7 @@ pub fn render(api: &Api, per_object: bool) -> String {
                 n.alarm(),
                 b.delayed_counts().0,
                 n.confirm_latency().clone(),
+                b.replica_groups(),
             )
         });
     let mut t = Text(String::with_capacity(4096 + queues.len() * 1200));
@@ -529,7 +534,134 @@ pub fn render(api: &Api, per_object: bool) -> String {
         );
         delivery_histogram(&mut t, "", &sum);
     }
+    if let Some(raft) = raft {
+        let members: Vec<(String, &GroupStatus)> = raft
+            .iter()
+            .filter_map(|s| {
+                let (_, id) = groups.iter().find(|(g, _)| *g == s.group.0)?;
+                let q = queues.iter().find(|q| q.id == *id)?;
+                Some((
+                    format!(
+                        "vhost=\"{}\",queue=\"{}\"",
+                        escape(&q.vhost),
+                        escape(&q.name)
+                    ),
+                    s,
+                ))
+            })
+            .collect();
+        raft_families(&mut t, per_object, &members, &api.cluster_names);
+    }
     t.0
+}
+
+/// RabbitMQ's names for a quorum queue's Raft log (3.10's, which its dashboards query), and
+/// Warren's own for what RabbitMQ does not report: leadership and how far followers lag.
+/// `/metrics` sums them over this node's queue members (the lag: the largest), as RabbitMQ's
+/// aggregated endpoint does; `/metrics/per-object` has one series per queue member here.
+const RAFT_FAMILIES: [(&str, &str, &str); 7] = [
+    (
+        "rabbitmq_raft_term_total",
+        "counter",
+        "Current Raft term number",
+    ),
+    (
+        "rabbitmq_raft_log_snapshot_index",
+        "gauge",
+        "Raft log snapshot index",
+    ),
+    (
+        "rabbitmq_raft_log_last_applied_index",
+        "gauge",
+        "Raft log last applied index",
+    ),
+    (
+        "rabbitmq_raft_log_commit_index",
+        "gauge",
+        "Raft log commit index",
+    ),
+    (
+        "rabbitmq_raft_log_last_written_index",
+        "gauge",
+        "Raft log last written index",
+    ),
+    (
+        "warren_raft_leader",
+        "gauge",
+        "Queue members this node leads (per object: 1 if it leads the queue)",
+    ),
+    (
+        "warren_raft_leader_changes_total",
+        "counter",
+        "Leaders a queue's group has had since its member on this node was made",
+    ),
+];
+
+fn raft_values(s: &GroupStatus) -> [u64; 7] {
+    [
+        s.term,
+        s.snapshot_index,
+        s.applied,
+        s.commit,
+        s.last_index,
+        u64::from(s.leading),
+        s.leader_changes,
+    ]
+}
+
+/// Entries a follower lacks of what its leader holds.
+fn lag(s: &GroupStatus, matched: u64) -> u64 {
+    s.last_index.saturating_sub(matched)
+}
+
+fn raft_families(
+    t: &mut Text,
+    per_object: bool,
+    members: &[(String, &GroupStatus)],
+    names: &std::collections::BTreeMap<u64, String>,
+) {
+    let lag_help =
+        "Entries of a queue's log that a follower lacks, as its leader on this node knows";
+    if per_object {
+        for (i, (name, kind, help)) in RAFT_FAMILIES.iter().enumerate() {
+            t.family(name, kind, help);
+            for (labels, s) in members {
+                t.sample(name, labels, raft_values(s).get(i).copied().unwrap_or(0));
+            }
+        }
+        t.family("warren_raft_follower_lag_entries", "gauge", lag_help);
+        for (labels, s) in members {
+            for (node, matched) in &s.followers {
+                let follower = names.get(node).cloned().unwrap_or_else(|| node.to_string());
+                t.sample(
+                    "warren_raft_follower_lag_entries",
+                    &format!("{labels},follower=\"{}\"", escape(&follower)),
+                    lag(s, *matched),
+                );
+            }
+        }
+    } else {
+        let mut sums = [0u64; 7];
+        for (_, s) in members {
+            for (sum, v) in sums.iter_mut().zip(raft_values(s)) {
+                *sum += v;
+            }
+        }
+        for ((name, kind, help), v) in RAFT_FAMILIES.iter().zip(sums) {
+            t.one(name, kind, help, v);
+        }
+        let worst = members
+            .iter()
+            .flat_map(|(_, s)| s.followers.iter().map(|(_, m)| lag(s, *m)))
+            .max()
+            .unwrap_or(0);
+        t.one(
+            "warren_raft_follower_lag_entries",
+            "gauge",
+            "Entries the furthest-behind follower of a queue this node leads lacks",
+            worst,
+        );
+    }
 }
 
 async fn metrics(State(api): State<Arc<Api>>) -> impl IntoResponse {
@@ -551,12 +683,17 @@ async fn metrics_text(api: &Api, per_object: bool) -> axum::response::Response {
         )
             .into_response();
     }
+    // The Raft thread answers between two passes; a scrape does not wait long for it.
+    let raft = match api.node.raft() {
+        Some(r) => r.group_status(RAFT_STATUS_WAIT).await,
+        None => None,
+    };
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        render(api, per_object),
+        render(api, per_object, raft.as_deref()),
     )
         .into_response()
 }

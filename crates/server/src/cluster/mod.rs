@@ -328,6 +328,17 @@ impl RaftNode {
         self.inner.counters.snapshot()
     }
 
+    /// Every Raft group as this node sees it, from the Raft thread's next pass; `None` if it
+    /// does not answer within `wait` (stopped, or a pass that takes longer).
+    pub async fn group_status(
+        &self,
+        wait: std::time::Duration,
+    ) -> Option<Vec<warren_replication::GroupStatus>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::Status(tx));
+        tokio::time::timeout(wait, rx).await.ok()?.ok()
+    }
+
     fn send(&self, c: Command) {
         if self.inner.commands.send(c).is_err() {
             tracing::debug!(

@@ -29,6 +29,8 @@ pub(crate) enum Command {
     Drain(bool),
     /// Hand a group's leadership to a node ([`MultiRaft::transfer_leader`]).
     Transfer(GroupId, NodeId),
+    /// Every group's state, for metrics ([`MultiRaft::status`]).
+    Status(tokio::sync::oneshot::Sender<Vec<warren_replication::GroupStatus>>),
     Shutdown,
 }
 
@@ -143,6 +145,10 @@ impl<E: RaftEvents> Driver<E> {
 
     fn command(&mut self, c: Command) {
         match c {
+            Command::Status(reply) => {
+                // The asker may have given up waiting: nothing to do then.
+                let _ = reply.send(self.raft.status());
+            }
             Command::AddGroup(group, campaign) => match self.raft.add_group(group, campaign) {
                 Ok(()) | Err(Error::GroupExists(_)) => {}
                 Err(e) => {
