@@ -60,9 +60,6 @@ pub struct QueueDef {
     pub key: u64,
     pub auto_delete: bool,
     pub arguments: FieldTable,
-    /// A replicated queue's incarnation (see `group_of`); 0 for other queues and for those
-    /// stored by versions without one.
-    pub replica_incarnation: u64,
 }
 
 /// One change to durable state.

@@ -26,13 +26,6 @@ pub type NodeId = u64;
 pub struct ReplicaState {
     /// The queue's Raft group.
     pub group: u64,
-    /// Which declaration of the queue's name this is (see `group_of`): 0 for queues declared
-    /// by versions that had none.
-    pub incarnation: u64,
-    /// The metadata log has applied a declaration of this incarnation (or this node made the
-    /// queue from one): until then, a declaration of the name by another node that the log
-    /// applies first is the queue the cluster keeps.
-    pub settled: bool,
     /// The group's leader as last reported, and the term it leads in.
     pub leader: Option<NodeId>,
     /// The node chosen to stand for the first leader, until one is known (placement counts
@@ -69,11 +62,9 @@ pub struct ReplicaState {
 }
 
 impl ReplicaState {
-    pub fn new(group: u64, incarnation: u64, settled: bool) -> Self {
+    pub fn new(group: u64) -> Self {
         ReplicaState {
             group,
-            incarnation,
-            settled,
             leader: None,
             chosen: None,
             term: 0,

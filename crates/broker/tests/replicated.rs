@@ -390,12 +390,6 @@ impl Cluster {
     fn restart(&mut self, node: u64, snapshot_every: Option<u64>) {
         let m = self.members.get_mut(&node).expect("member");
         m.boots += 1;
-        // The store keeps the incarnation the queue had.
-        let replica_incarnation = m
-            .broker
-            .queue_id("/", "jobs")
-            .and_then(|id| m.broker.replica_incarnation(id))
-            .expect("the queue's incarnation");
         let mut broker = Self::broker_of(node, m.boots, snapshot_every);
         broker
             .restore_queue(&warren_broker::QueueDef {
@@ -404,7 +398,6 @@ impl Cluster {
                 key: 1,
                 auto_delete: false,
                 arguments: quorum_args(),
-                replica_incarnation,
             })
             .expect("the queue from the store");
         let _ = broker.take_group_changes();
@@ -1278,7 +1271,6 @@ fn a_quorum_queue_with_stored_messages_from_before_the_cluster_stays_on_its_node
         key: 7,
         auto_delete: false,
         arguments: quorum_args(),
-        replica_incarnation: 0,
     };
     let id = b.restore_queue(&def).expect("restore");
     assert!(
@@ -2367,115 +2359,4 @@ fn an_exchange_declared_differently_on_two_nodes_at_once_ends_the_same_everywher
         kinds.iter().all(|k| *k == kinds[0]),
         "every node has one type: {kinds:?}"
     );
-}
-
-/// A quorum queue deleted and declared again under its name while node 3 was away is another
-/// Raft group: node 3's old group, with its messages, its term and its longer log, can take no
-/// part in the new group's elections, and it goes once node 3 learns of the deletion, from
-/// the metadata log or from a snapshot of it. What the new queue confirmed is kept everywhere.
-#[test]
-fn a_queue_declared_again_while_a_node_was_away_is_a_new_group_there_too() {
-    for compacted in [false, true] {
-        let mut c = if compacted {
-            Cluster::snapshotting(2)
-        } else {
-            Cluster::new()
-        };
-        let leader = c.leader();
-        let old = c.group;
-        let batches: Vec<u64> = (0..3).map(|n| c.publish(leader, n)).collect();
-        c.run(20);
-        assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
-        let behind = meta_log_last(&c, 3);
-        c.isolated.insert(3);
-        c.broker(1)
-            .delete_queue("/", "jobs", false, false, conn(1, 1))
-            .expect("delete");
-        c.run(20);
-        declare_on(&mut c, 1, "jobs", false);
-        c.run(20);
-        let new = c.members[&1]
-            .broker
-            .replica_group(c.id(1))
-            .expect("replicated");
-        assert_ne!(new, old, "a new group for the new queue");
-        c.group = new;
-        let leader = c.leader();
-        let batches: Vec<u64> = (10..12).map(|n| c.publish(leader, n)).collect();
-        c.run(40);
-        assert!(
-            batches.iter().all(|b| c.confirmed(leader, *b)),
-            "confirmed by nodes 1 and 2"
-        );
-        if compacted {
-            for n in 0..12 {
-                declare_exchange(&mut c, 1, &format!("filler{n}"), "direct", true);
-                c.run(10);
-            }
-            c.run(40);
-            assert!(meta_log_first(&c, 1) > behind + 1, "not compacted");
-        }
-        c.isolated.clear();
-        c.run(150);
-        let m3 = &c.members[&3];
-        assert_eq!(
-            m3.broker.replica_group(c.id(3)),
-            Some(new),
-            "node 3 holds the new queue (compacted log: {compacted})"
-        );
-        assert!(m3.removed.contains(&old), "old group given up");
-        assert!(
-            m3.raft.term_of(GroupId(new)).is_some(),
-            "a member of the new"
-        );
-        c.leader();
-        c.run(40);
-        assert_counts(&c, &NODES, (2, 0));
-        let defs: Vec<Vec<String>> = NODES
-            .iter()
-            .map(|n| c.members[n].broker.cluster_definitions_text())
-            .collect();
-        assert_eq!(defs[2], defs[0], "node 3 differs from node 1");
-    }
-}
-
-/// Two nodes declare the same quorum queue at once, each before it has heard of the other's:
-/// the declaration the metadata log applies first is the queue on every node, the other
-/// node's own goes (nothing in it could be confirmed: no other node made its group).
-#[test]
-fn a_queue_declared_on_two_nodes_at_once_is_one_group_everywhere() {
-    let mut c = Cluster::new();
-    c.leader();
-    c.run(20);
-    c.hold_forwards = true;
-    declare_on(&mut c, 2, "twice", false);
-    declare_on(&mut c, 3, "twice", false);
-    let groups = |c: &Cluster| -> Vec<Option<u64>> {
-        NODES
-            .iter()
-            .map(|n| {
-                let b = &c.members[n].broker;
-                b.queue_id("/", "twice").and_then(|id| b.replica_group(id))
-            })
-            .collect()
-    };
-    let before = groups(&c);
-    assert_ne!(before[1], before[2], "each node drew its own incarnation");
-    c.hold_forwards = false;
-    c.run(150);
-    let after = groups(&c);
-    assert!(after[0].is_some(), "declared on node 1 too");
-    assert!(after.iter().all(|g| *g == after[0]), "{after:?}");
-    let g = GroupId(after[0].expect("group"));
-    let leaders = NODES
-        .iter()
-        .filter(|n| c.members[n].raft.is_leader(g))
-        .count();
-    assert_eq!(leaders, 1, "the group elects a leader");
-    let defs: Vec<Vec<String>> = NODES
-        .iter()
-        .map(|n| c.members[n].broker.cluster_definitions_text())
-        .collect();
-    assert_eq!(defs[1], defs[0]);
-    assert_eq!(defs[2], defs[0]);
 }

@@ -267,10 +267,6 @@ pub fn queue_value(q: &QueueDef) -> BytesMut {
     v.put_u64(q.key);
     v.put_u8(if q.auto_delete { FLAG_AUTO_DELETE } else { 0 });
     q.arguments.encode(&mut v);
-    // After the arguments, so that declarations stored without it still read.
-    if q.replica_incarnation != 0 {
-        v.put_u64(q.replica_incarnation);
-    }
     v
 }
 
@@ -829,18 +825,12 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             let key = v.u64("queue store key")?;
             let flags = v.u8("queue flags")?;
             let arguments = v.table("queue arguments")?;
-            let replica_incarnation = if v.done("queue").is_ok() {
-                0
-            } else {
-                v.u64("replicated queue incarnation")?
-            };
             Ok(Def::Queue(QueueDef {
                 vhost,
                 name,
                 key,
                 auto_delete: flags & FLAG_AUTO_DELETE != 0,
                 arguments,
-                replica_incarnation,
             }))
         }
         BINDING => {
@@ -1066,22 +1056,10 @@ mod tests {
             key: 42,
             auto_delete: false,
             arguments: args(),
-            replica_incarnation: 0,
         };
         match decode_def(&queue_key(&q.vhost, &q.name), &queue_value(&q)) {
             Ok(Def::Queue(back)) => assert_eq!(back, q),
             _ => panic!("queue did not round-trip"),
-        }
-        let replicated = QueueDef {
-            replica_incarnation: u64::MAX - 1,
-            ..q
-        };
-        match decode_def(
-            &queue_key(&replicated.vhost, &replicated.name),
-            &queue_value(&replicated),
-        ) {
-            Ok(Def::Queue(back)) => assert_eq!(back, replicated),
-            _ => panic!("replicated queue did not round-trip"),
         }
         let b = BindingDef {
             vhost: "/".into(),

@@ -534,18 +534,6 @@ impl Broker {
         } else {
             self.incarnation()
         };
-        // A replicated queue's incarnation: the one its metadata entry or the store carries
-        // (0 where a version without them wrote it), or a new one for a client's declaration.
-        let replica_incarnation =
-            if self.cluster.is_some() && parsed.queue_type == QueueType::Quorum {
-                match self.incarnation_hint.take() {
-                    Some(i) => i,
-                    None if self.restoring => 0,
-                    None => self.fresh_replica_incarnation(),
-                }
-            } else {
-                0
-            };
         let store_key = match self.persist.as_mut() {
             Some(p) if durable => {
                 let key = p.queue_key();
@@ -556,7 +544,6 @@ impl Broker {
                         key,
                         auto_delete: req.auto_delete,
                         arguments: req.arguments.detached(),
-                        replica_incarnation,
                     }),
                     true,
                 );
@@ -591,9 +578,9 @@ impl Broker {
             replica: None,
         };
         let mut q = q;
-        let leader = self.attach_replica(&mut q, replica_incarnation);
+        let leader = self.attach_replica(&mut q);
         if q.replica.is_some() && !self.restoring {
-            self.announce_declare(vhost, &q.name, &q.arguments, (leader, replica_incarnation));
+            self.announce_declare(vhost, &q.name, &q.arguments, leader);
         }
         let out = declared(&q);
         let policy = policy(&q.args);

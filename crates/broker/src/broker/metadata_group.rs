@@ -122,14 +122,6 @@ pub enum GroupChange {
 }
 
 impl MetaState {
-    /// Is a declaration of this queue's incarnation among the changes waiting to be sent?
-    pub(super) fn declares(&self, vhost: &str, name: &str, incarnation: u64) -> bool {
-        self.queued.iter().any(|w| {
-            matches!(&w.op, MetaOp::DeclareQueue { vhost: v, name: n, incarnation: i, .. }
-                if v == vhost && n.as_str() == name && *i == incarnation)
-        })
-    }
-
     /// An entry of this node's is in flight.
     pub(super) fn in_flight_pending(&self) -> bool {
         self.in_flight.is_some()
@@ -263,14 +255,13 @@ impl Broker {
         vhost: &str,
         name: &ShortStr,
         arguments: &FieldTable,
-        (leader, incarnation): (Option<NodeId>, u64),
+        leader: Option<NodeId>,
     ) {
         self.announce(MetaOp::DeclareQueue {
             vhost: vhost.to_owned(),
             name: name.clone(),
             arguments: arguments.detached(),
             leader,
-            incarnation,
         });
     }
 
@@ -464,36 +455,6 @@ impl Broker {
         }
     }
 
-    /// The log applies a declaration of incarnation `incarnation` of queue `id`'s name: true if
-    /// the queue stays as it is. A queue the log already made its own is the cluster's (a
-    /// later declaration of the name changes nothing but its arguments); one only a client of
-    /// this node has declared so far was declared at the same time on another node, whose
-    /// declaration the log put first: this node's goes, with its consumers, and the log's is
-    /// made. No other node ever made this node's group, so nothing in it was confirmed.
-    fn settle_declaration(&mut self, id: QueueId, incarnation: u64) -> bool {
-        let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) else {
-            return true;
-        };
-        if r.incarnation == incarnation {
-            r.settled = true;
-            return true;
-        }
-        if r.settled {
-            return true;
-        }
-        tracing::info!(
-            queue = id.0,
-            "quorum queue declared on two nodes at once: the declaration the log applied first stands"
-        );
-        self.restoring = true;
-        let deleted = self.remove_queue(id);
-        self.restoring = false;
-        if let (Some(deleted), Some(c)) = (deleted, self.cluster.as_mut()) {
-            c.push_cancelled(deleted.cancelled);
-        }
-        false
-    }
-
     /// Applies one operation as the node that made it did, without telling the cluster.
     pub(super) fn apply_meta_op(&mut self, op: MetaOp) {
         let was = std::mem::replace(&mut self.meta_quiet, true);
@@ -512,29 +473,24 @@ impl Broker {
                 name,
                 arguments,
                 leader,
-                incarnation,
             } => {
                 if let Some(id) = self.queue_id(&vhost, &name) {
-                    if self.settle_declaration(id, incarnation) {
-                        // Declared differently on two nodes at once (or deleted and declared
-                        // again on one while another changed it): the later in the log wins
-                        // everywhere.
-                        let differs = self
-                            .queues
-                            .get(&id)
-                            .is_some_and(|q| q.arguments != arguments);
-                        if differs && self.replica_group(id).is_some() {
-                            return self
-                                .set_queue_arguments(&vhost, &name, arguments, None)
-                                .err()
-                                .and_then(err);
-                        }
-                        return None;
+                    // Declared differently on two nodes at once (or deleted and declared again
+                    // on one while another changed it): the later in the log wins everywhere.
+                    let differs = self
+                        .queues
+                        .get(&id)
+                        .is_some_and(|q| q.arguments != arguments);
+                    if differs && self.replica_group(id).is_some() {
+                        return self
+                            .set_queue_arguments(&vhost, &name, arguments, None)
+                            .err()
+                            .and_then(err);
                     }
+                    return None;
                 }
                 // The node chosen for its first leader stands (`attach_replica`).
                 self.leader_hint = leader;
-                self.incarnation_hint = Some(incarnation);
                 let req = DeclareQueue {
                     name,
                     passive: false,
@@ -548,7 +504,6 @@ impl Broker {
                 let declared = self.declare_queue(&vhost, req, 0);
                 self.restoring = false;
                 self.leader_hint = None;
-                self.incarnation_hint = None;
                 declared.err().and_then(err)
             }
             MetaOp::DeleteQueue { vhost, name } => {

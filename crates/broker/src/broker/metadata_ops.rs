@@ -38,9 +38,6 @@ pub(crate) enum MetaOp {
         /// The node that stands for the queue's first leader (`x-queue-leader-locator`);
         /// `None` in entries of earlier versions (their declaring node stood).
         leader: Option<u64>,
-        /// Which declaration of the name this is (see `group_of`); 0 in entries of earlier
-        /// versions.
-        incarnation: u64,
     },
     DeleteQueue {
         vhost: String,
@@ -247,7 +244,6 @@ fn op_table(op: &MetaOp) -> FieldTable {
             name,
             arguments,
             leader,
-            incarnation,
         } => {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
@@ -257,10 +253,6 @@ fn op_table(op: &MetaOp) -> FieldTable {
                     "leader",
                     FieldValue::I64(i64::try_from(*l).unwrap_or(i64::MAX)),
                 );
-            }
-            if *incarnation != 0 {
-                // All 64 bits, as the table's signed integer: read back with the same cast.
-                t.insert("incarnation", FieldValue::I64(*incarnation as i64));
             }
             "declare_queue"
         }
@@ -521,10 +513,6 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             leader: match t.get("leader") {
                 None => None,
                 Some(v) => Some(u64::try_from(v.as_i64()?).ok()?),
-            },
-            incarnation: match t.get("incarnation") {
-                None => 0,
-                Some(v) => v.as_i64()? as u64,
             },
         },
         "delete_queue" => MetaOp::DeleteQueue {
@@ -878,8 +866,6 @@ mod tests {
                 name: ShortStr::from_static("jobs"),
                 arguments: arguments.clone(),
                 leader: Some(3),
-                // Above i64::MAX: the table carries it as a negative number.
-                incarnation: u64::MAX - 5,
             },
             MetaOp::DeleteQueue {
                 vhost: "/".into(),
@@ -1007,7 +993,6 @@ mod tests {
                 name: ShortStr::from_static("older"),
                 arguments: FieldTable::new(),
                 leader: None,
-                incarnation: 0,
             },
         ]
     }

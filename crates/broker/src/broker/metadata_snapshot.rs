@@ -94,27 +94,6 @@ fn undo(op: &MetaOp) -> Option<MetaOp> {
     })
 }
 
-/// What goes before `there` when this node holds `here` of the same object: a quorum queue of
-/// another incarnation than the snapshot's was deleted (and its name declared again) while
-/// this node was away. Its group, log and messages go; the snapshot's queue starts anew.
-fn replaced(here: Option<&MetaOp>, there: &MetaOp) -> Option<MetaOp> {
-    match (here?, there) {
-        (
-            MetaOp::DeclareQueue { incarnation: a, .. },
-            MetaOp::DeclareQueue {
-                vhost,
-                name,
-                incarnation: b,
-                ..
-            },
-        ) if a != b => Some(MetaOp::DeleteQueue {
-            vhost: vhost.clone(),
-            name: name.clone(),
-        }),
-        _ => None,
-    }
-}
-
 /// The user a user, permission or access key operation is about.
 fn user_of(op: &MetaOp) -> Option<&str> {
     match op {
@@ -231,13 +210,12 @@ impl Broker {
         ops.extend(
             self.queues
                 .values()
-                .filter_map(|q| Some((q, q.replica.as_ref()?)))
-                .map(|(q, r)| MetaOp::DeclareQueue {
+                .filter(|q| q.replica.is_some())
+                .map(|q| MetaOp::DeclareQueue {
                     vhost: q.vhost.clone(),
                     name: q.name.clone(),
                     arguments: q.arguments.clone(),
                     leader: None,
-                    incarnation: r.incarnation,
                 }),
         );
         ops
@@ -389,7 +367,7 @@ impl Broker {
             let differ: Vec<MetaOp> = there
                 .iter()
                 .filter(|(k, op)| ours(op) && here.get(*k) != Some(*op))
-                .flat_map(|(k, op)| replaced(here.get(k), op).into_iter().chain([op.clone()]))
+                .map(|(_, op)| op.clone())
                 .collect();
             if gone.is_empty() && differ.is_empty() {
                 break;

@@ -139,9 +139,6 @@ pub struct Broker {
     meta_quiet: bool,
     /// The node the metadata entry being applied chose for a new queue's first leader.
     leader_hint: Option<u64>,
-    /// The incarnation the metadata entry or the stored record being applied gives a new
-    /// replicated queue.
-    incarnation_hint: Option<u64>,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
     /// Maintenance mode ([`Broker::set_draining`]).
@@ -329,7 +326,6 @@ impl Broker {
             restoring: false,
             meta_quiet: false,
             leader_hint: None,
-            incarnation_hint: None,
             access: crate::access::Access::default(),
             limits: crate::limits::LimitTable::default(),
             policies: crate::policy::PolicyTable::default(),

@@ -254,7 +254,6 @@ impl Broker {
     pub fn restore_queue(&mut self, def: &QueueDef) -> Result<QueueId, AmqpError> {
         let arguments = restorable(&def.arguments, "queue", &def.name, &def.vhost)
             .unwrap_or_else(|| def.arguments.clone());
-        self.incarnation_hint = Some(def.replica_incarnation);
         let declared = self.restoring(|b| {
             b.declare_queue(
                 &def.vhost,
@@ -268,9 +267,7 @@ impl Broker {
                 },
                 0,
             )
-        });
-        self.incarnation_hint = None;
-        let declared = declared?;
+        })?;
         if let Some(q) = self.queues.get_mut(&declared.queue) {
             q.store_key = Some(def.key);
         }

@@ -193,7 +193,6 @@ impl Broker {
                     key,
                     auto_delete: q.auto_delete,
                     arguments: q.arguments.detached(),
-                    replica_incarnation: q.replica.as_ref().map_or(0, |r| r.incarnation),
                 }),
                 true,
             );

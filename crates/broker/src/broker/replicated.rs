@@ -136,9 +136,6 @@ pub(crate) struct Cluster {
     /// The first proposal number of this start: an entry of this node's with a lower one is
     /// from an earlier start (replayed from the log), and speaks of channels that are gone.
     boot_seq: u64,
-    /// Counts the replicated queues declared here since the start (numbered from `boot` as
-    /// proposals are), for their incarnations.
-    declared: u64,
 }
 
 impl Cluster {
@@ -172,7 +169,6 @@ impl Cluster {
             downed: BTreeSet::new(),
             draining_peers: BTreeSet::new(),
             boot_seq: boot.saturating_mul(1 << 20),
-            declared: boot.saturating_mul(1 << 20),
         }
     }
 
@@ -255,19 +251,13 @@ impl Cluster {
     }
 }
 
-/// The Raft group of a replicated queue: a number every node computes alike from its vhost, its
-/// name and its incarnation (the number its declaring node drew, carried by the metadata
-/// entry). A queue deleted and declared again under its name is another group, so a node that
-/// missed both and still holds the old group's log can never take part in the new one's
-/// elections. Incarnation 0 (queues of versions without one) keeps the name's number.
-pub fn group_of(vhost: &str, name: &str, incarnation: u64) -> u64 {
-    let mut key = Vec::with_capacity(12 + vhost.len() + name.len());
+/// The Raft group of a replicated queue: a number every node computes alike from its vhost and
+/// name (until the metadata group hands them out).
+pub fn group_of(vhost: &str, name: &str) -> u64 {
+    let mut key = Vec::with_capacity(4 + vhost.len() + name.len());
     key.extend_from_slice(&u32::try_from(vhost.len()).unwrap_or(u32::MAX).to_be_bytes());
     key.extend_from_slice(vhost.as_bytes());
     key.extend_from_slice(name.as_bytes());
-    if incarnation != 0 {
-        key.extend_from_slice(&incarnation.to_be_bytes());
-    }
     // Group 0 is the cluster's metadata; the top bit marks forwarded proposals on the wire.
     (warren_queue::stable_hash::hash_bytes(&key) >> 1).max(1)
 }
@@ -712,11 +702,6 @@ impl Broker {
         Some(self.queues.get(&queue)?.replica.as_ref()?.group)
     }
 
-    /// A replicated queue's incarnation (see [`group_of`]).
-    pub fn replica_incarnation(&self, queue: QueueId) -> Option<u64> {
-        Some(self.queues.get(&queue)?.replica.as_ref()?.incarnation)
-    }
-
     /// The groups of every replicated queue, with whether this node leads it.
     pub fn replica_groups(&self) -> Vec<(u64, QueueId)> {
         let Some(c) = self.cluster.as_ref() else {
@@ -732,13 +717,10 @@ impl Broker {
     /// default), or with `x-queue-leader-locator` `balanced` the running node that leads the
     /// fewest queues; declared from the metadata group, the node its entry names; from the
     /// store (a restart), none: the group waits to hear from its leader.
-    pub(super) fn attach_replica(&mut self, q: &mut Queue, incarnation: u64) -> Option<NodeId> {
+    pub(super) fn attach_replica(&mut self, q: &mut Queue) -> Option<NodeId> {
         if self.cluster.is_none() || q.args.queue_type != QueueType::Quorum {
             return None;
         }
-        // Made by a client here, the queue waits for the log to say it is the cluster's; so
-        // does one restored whose declaration was still to be sent when the node stopped.
-        let settled = self.restoring && !self.declaration_pending(&q.vhost, &q.name, incarnation);
         let chosen = match (self.restoring, q.args.balanced_leader) {
             (true, _) => self.leader_hint.take(),
             // A node in maintenance mode places no leader on itself (RabbitMQ's drain).
@@ -747,9 +729,9 @@ impl Broker {
             (false, false) => self.cluster_node(),
         };
         let c = self.cluster.as_mut()?;
-        let group = group_of(&q.vhost, &q.name, incarnation);
+        let group = group_of(&q.vhost, &q.name);
         c.groups.insert(group, q.id);
-        let mut r = ReplicaState::new(group, incarnation, settled);
+        let mut r = ReplicaState::new(group);
         r.chosen = chosen;
         q.replica = Some(Box::new(r));
         c.meta
@@ -759,28 +741,6 @@ impl Broker {
                 campaign: chosen == Some(c.node),
             });
         chosen
-    }
-
-    /// A new incarnation for a replicated queue a client declares here: from this node's id and
-    /// a count that grows across its starts, so no two declarations in the cluster draw the
-    /// same one (0 is kept for queues of earlier versions).
-    pub(super) fn fresh_replica_incarnation(&mut self) -> u64 {
-        let Some(c) = self.cluster.as_mut() else {
-            return 0;
-        };
-        c.declared += 1;
-        let mut key = [0u8; 16];
-        key[..8].copy_from_slice(&c.node.to_be_bytes());
-        key[8..].copy_from_slice(&c.declared.to_be_bytes());
-        warren_queue::stable_hash::hash_bytes(&key).max(1)
-    }
-
-    /// Does a declaration of this incarnation, made here, still wait to be sent to the
-    /// metadata group (restored from the store after a restart)?
-    fn declaration_pending(&self, vhost: &str, name: &str, incarnation: u64) -> bool {
-        self.cluster
-            .as_ref()
-            .is_some_and(|c| c.meta.declares(vhost, name, incarnation))
     }
 
     /// The running node (this one, or a peer not seen down) that leads the fewest replicated
@@ -827,7 +787,8 @@ impl Broker {
             c.meta
                 .group_changes
                 .push(super::metadata_group::GroupChange::Remove { group: r.group });
-            // What it had for its group's leader goes nowhere.
+            // What it had for its group's leader goes nowhere (a queue declared again with its
+            // name gets a new group of the same number).
             c.outbox.retain(|p| p.group != r.group);
             // Its group is gone: what this node still waits for there will never be applied,
             // and must not hold back the confirms of every later batch.
