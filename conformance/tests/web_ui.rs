@@ -524,4 +524,27 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
     drop(held);
     let _ = worker.close(200, "done".into()).await;
     let _ = conn.close(200, "done".into()).await;
+
+    // Nodes: this node alone, running; "drained" while it is in maintenance mode.
+    let dom = view(&chromium, format!("{http}/#/nodes?{login}")).await;
+    let nodes = all_values(&dom, "data-node");
+    assert_eq!(nodes.len(), 1, "one node listed:\n{dom}");
+    let name = nodes[0].clone();
+    let r = row(&dom, "data-node", &name).unwrap();
+    assert_eq!(cell(r, "name"), format!("{name} (this node)"));
+    assert_eq!(cell(r, "state"), "running");
+    assert_eq!(cell(r, "maintenance"), "–");
+    assert!(testid(&dom, "nodes-note").contains("of its own"), "{dom}");
+    let maintenance = |on: bool| {
+        let verb = if on { "drain" } else { "revive" };
+        let url = format!("{http}/api/nodes/{name}/{verb}");
+        let r =
+            warren_conformance::http::request("POST", &url, Some(("guest", "guest")), &[], None);
+        assert_eq!(r.status, 200, "{verb}: {}", r.text());
+    };
+    maintenance(true);
+    let dom = view(&chromium, format!("{http}/#/nodes?{login}")).await;
+    let r = row(&dom, "data-node", &name).unwrap();
+    assert_eq!(cell(r, "maintenance"), "drained");
+    maintenance(false);
 }
