@@ -1095,6 +1095,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
                 self.policy = policy;
                 // A policy may lower a limit on a queue that already holds messages.
                 self.drop_over_limit(effects);
+                // A replicated queue's new leader puts its Configure first in its term: a
+                // handoff from before the failover, whose checkout never came, ends here rather
+                // than at the new leader's first checkout, however late that is.
+                self.end_handoff(effects);
                 Reply::Ok
             }
             Command::Touch => {
@@ -2350,12 +2354,23 @@ impl<M: Clone + Hash> QueueMachine<M> {
 
     // ------------------------------------------------------------ queries (no change)
 
+    /// The time expiry goes by until the checkout owed to a TTL-0 message (see `handoff`).
+    pub fn handoff(&self) -> Option<u64> {
+        self.handoff
+    }
+
     /// The earliest time at which a [`Command::Tick`] has work to do.
     pub fn next_deadline(&self) -> Option<u64> {
-        let first = min_opt(
-            self.expiries.first().map(|&(at, _)| at),
-            self.expiries_in_order.front().map(|&(at, _)| at),
-        );
+        // While a handoff is pending, a tick expires nothing the checkout owed will not: its
+        // expiries are that checkout's.
+        let first = if self.handoff.is_some() {
+            None
+        } else {
+            min_opt(
+                self.expiries.first().map(|&(at, _)| at),
+                self.expiries_in_order.front().map(|&(at, _)| at),
+            )
+        };
         let first = min_opt(first, self.visibility.first().map(|&(at, _)| at));
         let first = min_opt(first, self.ack_deadlines.first().map(|&(at, _)| at));
         let message = first.map(|at| at.saturating_add(1));
@@ -3350,6 +3365,27 @@ mod tests {
         d.run(Command::Checkout { max: 10 });
         assert_eq!(dead_letters(&mut d), vec![(3, DeadLetterReason::Expired)]);
         assert_eq!(d.delivered(), vec![(Some(2), 2, 1, false)]);
+        assert_eq!(d.m.ready_count(), 0);
+    }
+
+    /// A replicated queue's new leader puts a Configure first in its term: a handoff whose
+    /// checkout never came (the old leader died first) ends there, and what it kept expires.
+    #[test]
+    fn a_configure_ends_a_pending_handoff() {
+        let mut d = Driver::new();
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 0, true),
+        });
+        d.now = 10;
+        d.enqueue("a", 1, Some(10));
+        assert_eq!(d.m.handoff(), Some(10));
+        assert_eq!(d.m.next_deadline(), None, "the owed checkout expires it");
+        d.now = 500;
+        let policy = d.m.policy();
+        d.run(Command::Configure(policy));
+        assert_eq!(d.m.handoff(), None);
+        assert_eq!(dead_letters(&mut d), vec![(0, DeadLetterReason::Expired)]);
         assert_eq!(d.m.ready_count(), 0);
     }
 

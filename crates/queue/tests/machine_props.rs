@@ -341,7 +341,7 @@ impl Runner {
         if due && matches!(reply, Reply::Enqueued { .. }) && self.m.has_work() {
             self.handoff.get_or_insert(now);
         }
-        if matches!(c, Command::Checkout { .. }) || !self.m.has_work() {
+        if matches!(c, Command::Checkout { .. } | Command::Configure(_)) || !self.m.has_work() {
             self.handoff = None;
         }
         let paging_changed = before != paging(&self.m);
@@ -523,7 +523,12 @@ fn check(m: &QueueMachine<Msg>, model: &Model) -> Result<(), TestCaseError> {
             .min()
             .map(|at| at + 1)
     };
-    let memory = earliest(&mut in_memory.iter());
+    // While a handoff is pending the checkout owed expires what is due: no deadline for it.
+    let memory = if m.handoff().is_some() {
+        None
+    } else {
+        earliest(&mut in_memory.iter())
+    };
     if on_disk.is_empty() {
         prop_assert_eq!(m.next_deadline(), memory);
     } else if let Some(at) = memory {
@@ -990,6 +995,10 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 };
                 prop_assert_eq!(r.apply(now, Command::Configure(policy)), Reply::Ok);
                 model.max_length = max_length;
+                // A Configure ends a pending handoff: what it kept expires by the clock.
+                for e in r.effects.clone() {
+                    expired_now(&mut model, &e, now)?;
+                }
             }
             Op::Purge => {
                 let ready = model.ready();

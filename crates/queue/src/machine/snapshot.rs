@@ -1,9 +1,9 @@
 //! A queue machine's whole state as bytes and back: what a Raft snapshot carries, so that a
 //! replicated queue's log can be compacted and a follower far behind catches up from it.
 //!
-//! Layout: the format version ([`SNAPSHOT_VERSION`], one byte), a CRC-32 (big-endian) of
-//! everything after it, then the state field by field, in the order [`QueueMachine::snapshot`]
-//! writes it. Messages, message metadata, policies and consumer specs use the command log's
+//! Layout: the format version ([`SNAPSHOT_VERSION`], one byte: 2 while a TTL-0 handoff is
+//! pending, whose time then ends the state; 1 otherwise), a CRC-32 (big-endian) of everything
+//! after it, then the state field by field, in the order [`QueueMachine::snapshot`] writes it. Messages, message metadata, policies and consumer specs use the command log's
 //! encodings (`log.rs`). Every collection is a `u32` count followed by its items in the
 //! machine's own order, so the same machine always gives the same bytes and a restored one
 //! snapshots to the bytes it came from.
@@ -598,7 +598,12 @@ impl SnapReader {
         let expiry_caps = self.pair_list("expiry caps")?;
         let handoff = match version {
             1 => None,
-            _ => self.0.opt_u64("handoff")?,
+            // Written only with a handoff: one without would not snapshot back to its bytes.
+            _ => Some(
+                self.0
+                    .opt_u64("handoff")?
+                    .ok_or_else(|| self.fail("a version 2 snapshot without its handoff"))?,
+            ),
         };
         // No `..Default::default()`: every field is read or derived here.
         Ok(QueueMachine {
