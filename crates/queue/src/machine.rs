@@ -3325,11 +3325,8 @@ mod tests {
         assert_eq!(d.m.now_ms(), 200);
     }
 
-    /// RabbitMQ's rule for a TTL of 0: delivered if a consumer waits as the message arrives,
-    /// expired at once otherwise. The broker's checkout follows the enqueue at a later time
-    /// (the next dispatch), by which the message's time has passed.
-    #[test]
-    fn a_ttl_of_zero_reaches_a_consumer_waiting_as_it_arrives() {
+    /// Consumer 1 (no-ack, no prefetch limit) waits; message 0 arrives at 10, due at once.
+    fn ttl_zero_with_a_consumer_waiting() -> Driver {
         let mut d = Driver::new();
         d.run(Command::Consume {
             id: ConsumerId(1),
@@ -3337,6 +3334,15 @@ mod tests {
         });
         d.now = 10;
         d.enqueue("a", 1, Some(10));
+        d
+    }
+
+    /// RabbitMQ's rule for a TTL of 0: delivered if a consumer waits as the message arrives,
+    /// expired at once otherwise. The broker's checkout follows the enqueue at a later time
+    /// (the next dispatch), by which the message's time has passed.
+    #[test]
+    fn a_ttl_of_zero_reaches_a_consumer_waiting_as_it_arrives() {
+        let mut d = ttl_zero_with_a_consumer_waiting();
         d.now = 11;
         d.run(Command::Tick);
         d.run(Command::Checkout { max: 10 });
@@ -3372,13 +3378,7 @@ mod tests {
     /// checkout never came (the old leader died first) ends there, and what it kept expires.
     #[test]
     fn a_configure_ends_a_pending_handoff() {
-        let mut d = Driver::new();
-        d.run(Command::Consume {
-            id: ConsumerId(1),
-            spec: spec(1, 0, true),
-        });
-        d.now = 10;
-        d.enqueue("a", 1, Some(10));
+        let mut d = ttl_zero_with_a_consumer_waiting();
         assert_eq!(d.m.handoff(), Some(10));
         assert_eq!(d.m.next_deadline(), None, "the owed checkout expires it");
         d.now = 500;
