@@ -37,6 +37,9 @@ WARREN_METRICS_PORT=15691
 SCRAPE=1
 WARREN_BIN=""
 WARREN_ARGS=""
+# CPU lists (taskset -c) for both brokers and for the load generator; empty: not pinned.
+BROKER_CPUS=""
+BENCH_CPUS=""
 WARREN_PID=""
 RABBIT_URL="amqp://guest:guest@127.0.0.1:5672/%2f"
 WARREN_STORAGE="RocksDB (a fresh --data-dir per start): persistent messages on durable queues are fsynced before their confirm, one synced write per group of publishes"
@@ -68,6 +71,10 @@ Options:
                          during the timed runs (by default each is read once a second, as a
                          dashboard and Prometheus would: /api/overview, the first page of
                          /api/queues, /metrics)
+  --broker-cpus LIST     pin both brokers to these CPUs (taskset -c LIST; RabbitMQ's beam.smp with
+                         every thread), so that they do not share a core with the load generator
+  --bench-cpus LIST      pin the load generator (warren-bench) to these CPUs, e.g.
+                         --broker-cpus 0 --bench-cpus 1 on a 2-core machine
   --warren-args "..."    extra arguments for Warren
   --warren-pid PID       use an already running Warren on --warren-port instead of starting one
   --rabbit-url URL       RabbitMQ URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
@@ -103,6 +110,8 @@ while [ $# -gt 0 ]; do
     --warren-port) WARREN_PORT="$2"; shift ;;
     --warren-bin) WARREN_BIN="$2"; shift ;;
     --warren-args) WARREN_ARGS="$2"; shift ;;
+    --broker-cpus) BROKER_CPUS="$2"; shift ;;
+    --bench-cpus) BENCH_CPUS="$2"; shift ;;
     --warren-pid) WARREN_PID="$2"; shift ;;
     --rabbit-url) RABBIT_URL="$2"; shift ;;
     --warren-storage) WARREN_STORAGE="$2"; shift ;;
@@ -135,6 +144,16 @@ start_rabbit() {
   sleep 2
   rabbitmqctl -q await_startup >/dev/null 2>&1 || { sleep 5; rabbitmqctl -q await_startup; }
 }
+# taskset in front of a command when CPUs are given (an empty prefix otherwise).
+pinned() {
+  if [ -n "$1" ]; then echo "taskset -c $1"; fi
+}
+# Every thread of RabbitMQ's VM onto --broker-cpus (its schedulers are threads of beam.smp).
+pin_rabbit() {
+  [ -n "$BROKER_CPUS" ] || return 0
+  command -v taskset >/dev/null || { echo "--broker-cpus needs taskset (apt-get install util-linux)" >&2; exit 1; }
+  $SUDO taskset -a -p -c "$BROKER_CPUS" "$RABBIT_PID" >/dev/null
+}
 rabbit_pid() {
   local pid
   pid="$(rabbitmqctl -q eval 'list_to_integer(os:getpid()).' 2>/dev/null | tr -dc 0-9)"
@@ -151,6 +170,7 @@ if ! rabbitmqctl -q status >/dev/null 2>&1; then
 fi
 rabbitmqctl -q await_startup >/dev/null 2>&1 || { sleep 5; rabbitmqctl -q await_startup; }
 RABBIT_PID="$(rabbit_pid)"
+pin_rabbit
 # Restarting RabbitMQ before the idle scenarios is only done when this script started it (or
 # when asked): on a shared machine someone else may be using it.
 [ "$RESTART_RABBIT" = auto ] && RESTART_RABBIT="$RABBIT_OURS"
@@ -221,6 +241,10 @@ cleanup() {
     wait "$STARTED_WARREN" 2>/dev/null || true
   fi
   rm -rf "$RESULTS/warren-data"
+  # A RabbitMQ that keeps running gets every CPU back.
+  if [ -n "$BROKER_CPUS" ] && [ -n "${RABBIT_PID:-}" ] && [ -d "/proc/$RABBIT_PID" ]; then
+    $SUDO taskset -a -p -c "0-$(($(nproc) - 1))" "$RABBIT_PID" >/dev/null 2>&1 || true
+  fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -233,7 +257,7 @@ start_warren() {
   # Every start begins empty, as a restarted RabbitMQ has no queues of earlier scenarios either.
   rm -rf "$RESULTS/warren-data"
   # shellcheck disable=SC2086
-  "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" --data-dir "$RESULTS/warren-data" \
+  $(pinned "$BROKER_CPUS") "$WARREN_BIN" --bind 127.0.0.1 --port "$WARREN_PORT" --data-dir "$RESULTS/warren-data" \
     --management-port "$WARREN_HTTP_PORT" --prometheus-port "$WARREN_METRICS_PORT" $WARREN_ARGS \
     >>"$RESULTS/warren.log" 2>&1 &
   STARTED_WARREN=$!
@@ -258,6 +282,7 @@ restart_rabbit() {
   rabbitmqctl -q stop >/dev/null 2>&1 || true
   start_rabbit
   RABBIT_PID="$(rabbit_pid)"
+  pin_rabbit
   A_PID="$RABBIT_PID"
   [ "$SELF_TEST" = 1 ] && B_PID="$RABBIT_PID"
   return 0
@@ -392,7 +417,7 @@ run_one() {
     scraper=$!
   fi
   # shellcheck disable=SC2086
-  if ! "$BENCH" --url "$url" --broker-pid "$pid" --json --label "$scen/$side/$pair" \
+  if ! $(pinned "$BENCH_CPUS") "$BENCH" --url "$url" --broker-pid "$pid" --json --label "$scen/$side/$pair" \
       --queue-pattern "$tag-%d" $args >"$out" 2>"$RESULTS/$scen-$side-$pair.log"; then
     log "  $scen on $name failed (see $RESULTS/$scen-$side-$pair.log)"
     tail -3 "$RESULTS/$scen-$side-$pair.log" >&2 || true
@@ -452,6 +477,7 @@ meta = {
     "git_rev": "$GIT_REV",
     "warren_storage": """$WARREN_STORAGE""",
     "warren_args": "$WARREN_ARGS", "warren_port": $WARREN_PORT,
+    "broker_cpus": "$BROKER_CPUS", "bench_cpus": "$BENCH_CPUS",
     "fresh_for_idle": {"A": $RESTART_RABBIT == 1,
                        "B": ($RESTART_RABBIT == 1) if $SELF_TEST else ("$WARREN_PID" == "")},
     "notes": [n for n in ["""$IDLE_CONNECTIONS_NOTE""", """$(scrape_note)""",

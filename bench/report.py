@@ -455,7 +455,13 @@ def report(results, out_path, chart_path, notes_path=None):
     L.append("")
     L.append("| | |")
     L.append("|---|---|")
-    L.append(f"| CPU | {mach.get('cpu', '?')}, {mach.get('nproc', '?')} cores (shared by both brokers and the load generator) |")
+    broker_cpus, bench_cpus = meta.get("broker_cpus") or "", meta.get("bench_cpus") or ""
+    if broker_cpus or bench_cpus:
+        placement = (f"brokers on CPU {broker_cpus or 'any'}, load generator on CPU {bench_cpus or 'any'} "
+                     "(taskset)")
+    else:
+        placement = "shared by both brokers and the load generator"
+    L.append(f"| CPU | {mach.get('cpu', '?')}, {mach.get('nproc', '?')} cores ({placement}) |")
     L.append(f"| Memory | {mach.get('memory_gib', '?')} GiB |")
     L.append(f"| Kernel / OS | {mach.get('kernel', '?')} / {mach.get('os', '?')} |")
     L.append(f"| {a_name} | {meta.get('a_version', '?')} (Debian package, default configuration, classic queues) |")
@@ -469,8 +475,10 @@ def report(results, out_path, chart_path, notes_path=None):
     L.append(
         f"The last column is how many times better {b_name} is (above 1: {b_name} is better, whichever "
         "direction is better for the metric); *target* is the goal set in issue 3. Broker CPU per message "
-        "at a fixed rate is the headline: both brokers share 2 cores with the load generator, so raw msg/s "
-        "is partly the client's limit, while CPU per message is the broker's own cost."
+        "at a fixed rate is the headline: "
+        + ("the brokers and the load generator were pinned to the CPUs the table above names"
+           if (broker_cpus or bench_cpus) else "both brokers share 2 cores with the load generator")
+        + ", so raw msg/s is partly the client's limit, while CPU per message is the broker's own cost."
     )
     L.append("")
     L.append(f"| Scenario | Metric | {a_name} | {b_name} | {b_name} advantage |")
