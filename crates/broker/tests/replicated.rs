@@ -1964,11 +1964,7 @@ fn a_node_the_metadata_log_left_behind_catches_up_from_a_snapshot() {
     c.isolated.insert(3);
     assert!(c.broker(1).delete_exchange("/", "old", false).is_ok());
     assert!(c.broker(1).delete_user("bob"));
-    for n in 0..12 {
-        declare_exchange(&mut c, 1, &format!("new{n}"), "direct", true);
-        c.run(10);
-    }
-    c.run(40);
+    fill_meta_log(&mut c, "new");
     assert!(
         meta_log_first(&c, 1) > behind + 1,
         "the leader's log still holds what node 3 lacks ({} > {behind})",
@@ -1979,13 +1975,8 @@ fn a_node_the_metadata_log_left_behind_catches_up_from_a_snapshot() {
     declare_exchange(&mut c, 3, "mine", "topic", true);
     c.isolated.clear();
     c.run(60);
-    let installed = c.members[&3]
-        .log
-        .recovered(GroupId(0))
-        .snapshot
-        .map_or(0, |s| s.meta.index);
     assert!(
-        installed > behind,
+        meta_snapshot_installed(&c, 3) > behind,
         "node 3 took no snapshot from the leader"
     );
     let b3 = &c.members[&3].broker;
@@ -1999,12 +1990,36 @@ fn a_node_the_metadata_log_left_behind_catches_up_from_a_snapshot() {
     c.hold_forwards = false;
     assert!(until_everywhere(&mut c, 200, |b| b.exchange_exists("/", "mine")));
     c.run(40);
-    let defs: Vec<Vec<String>> = NODES
-        .iter()
-        .map(|n| c.members[n].broker.cluster_definitions_text())
-        .collect();
+    let defs = definitions(&c);
     assert_eq!(defs[0], defs[1]);
     assert_eq!(defs[0], defs[2]);
+}
+
+/// Declares a dozen exchanges on node 1, one at a time: more metadata entries than a
+/// snapshotting cluster's leader keeps for a node that lags.
+fn fill_meta_log(c: &mut Cluster, prefix: &str) {
+    for n in 0..12 {
+        declare_exchange(c, 1, &format!("{prefix}{n}"), "direct", true);
+        c.run(10);
+    }
+    c.run(40);
+}
+
+/// The index of the metadata snapshot node `node` holds (0: none).
+fn meta_snapshot_installed(c: &Cluster, node: u64) -> u64 {
+    c.members[&node]
+        .log
+        .recovered(GroupId(0))
+        .snapshot
+        .map_or(0, |s| s.meta.index)
+}
+
+/// Each node's definitions, as text, in node order.
+fn definitions(c: &Cluster) -> Vec<Vec<String>> {
+    NODES
+        .iter()
+        .map(|n| c.members[n].broker.cluster_definitions_text())
+        .collect()
 }
 
 /// Isolates node 3, runs `away` (changes made meanwhile, on nodes 1 and 2), makes enough
@@ -2015,24 +2030,15 @@ fn catch_up_by_snapshot(c: &mut Cluster, away: impl FnOnce(&mut Cluster)) {
     let behind = meta_log_last(c, 3);
     c.isolated.insert(3);
     away(c);
-    for n in 0..12 {
-        declare_exchange(c, 1, &format!("filler{n}"), "direct", true);
-        c.run(10);
-    }
-    c.run(40);
+    fill_meta_log(c, "filler");
     assert!(meta_log_first(c, 1) > behind + 1, "not compacted");
     c.isolated.clear();
     c.run(80);
-    let installed = c.members[&3]
-        .log
-        .recovered(GroupId(0))
-        .snapshot
-        .map_or(0, |s| s.meta.index);
-    assert!(installed > behind, "node 3 took no snapshot");
-    let defs: Vec<Vec<String>> = NODES
-        .iter()
-        .map(|n| c.members[n].broker.cluster_definitions_text())
-        .collect();
+    assert!(
+        meta_snapshot_installed(c, 3) > behind,
+        "node 3 took no snapshot"
+    );
+    let defs = definitions(c);
     assert_eq!(defs[2], defs[0], "node 3 differs from node 1");
     assert_eq!(defs[1], defs[0], "node 2 differs from node 1");
 }

@@ -535,11 +535,15 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
         delivery_histogram(&mut t, "", &sum);
     }
     if let Some(raft) = raft {
+        // Thousands of queues: look each group up, never scan for it.
+        let by_id: std::collections::HashMap<_, &QueueSnapshot> =
+            queues.iter().map(|q| (q.id, q)).collect();
         let members: Vec<(String, &GroupStatus)> = raft
             .iter()
             .filter_map(|s| {
-                let (_, id) = groups.iter().find(|(g, _)| *g == s.group.0)?;
-                let q = queues.iter().find(|q| q.id == *id)?;
+                // `replica_groups` is in group order.
+                let at = groups.binary_search_by_key(&s.group.0, |(g, _)| *g).ok()?;
+                let q = by_id.get(&groups.get(at)?.1)?;
                 Some((
                     format!(
                         "vhost=\"{}\",queue=\"{}\"",
