@@ -741,3 +741,60 @@ async fn a_quorum_queues_raft_figures_are_in_every_nodes_metrics() {
         .and_then(|v| v.trim().parse::<u64>().ok());
     assert!(led.is_some_and(|n| n >= 1), "{text}");
 }
+
+/// A quorum queue deleted and declared again while a node is down is the new queue on that
+/// node once it is back, even when the definitions log it missed was compacted: the node drops
+/// the old queue (its messages, its group) and joins the new one's group. With the node that
+/// did both then killed, the returning node and the third one are the new queue's majority and
+/// hand out what it confirmed, and nothing of the old queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_there() {
+    let mut c = TestCluster::start_with(3, 20, &["--test-snapshot-entries", "20"]);
+    let q = unique("again");
+    c.declare_quorum_queue(1, &q).await;
+    {
+        let (_conn, ch) = channel(&c, 1).await;
+        publish_confirmed(&ch, &q, (0..5).map(|i| format!("old{i}"))).await;
+    }
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 5);
+    }
+    let away = 3;
+    c.node_mut(away).stop(true);
+    {
+        let (_conn, ch) = channel(&c, 1).await;
+        ch.queue_delete(q.as_str().into(), Default::default())
+            .await
+            .expect("queue.delete");
+    }
+    c.declare_quorum_queue(1, &q).await;
+    {
+        let (_conn, ch) = channel(&c, 1).await;
+        publish_until_confirmed(&ch, &q, (0..3).map(|i| format!("new{i}"))).await;
+    }
+    // Enough definition changes that the leader's log no longer holds the deletion.
+    let made: Vec<String> = (0..60).map(|i| unique(&format!("x{i}"))).collect();
+    for x in &made {
+        Api::of(c.node(1)).put(
+            &format!("/exchanges/%2f/{x}"),
+            serde_json::json!({"type": "direct", "durable": true}),
+        );
+    }
+    for x in &made {
+        everywhere_but(&c, away, &format!("/exchanges/%2f/{x}"));
+    }
+    c.node_mut(away).start_again();
+    c.wait_for_metadata_leader(away);
+    wait_for_messages(&c, away, &q, 3);
+    c.node_mut(1).stop(true);
+    let killed = Instant::now();
+    while c.leader_of(&q, away) == 1 {
+        assert!(killed.elapsed() < WAIT, "no leader after node 1");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_leader, _conn, mut consumer) = consume_on_leader(&c, &q, away).await;
+    let got = take_acked(&mut consumer, 3).await;
+    assert_eq!(got, ["new0", "new1", "new2"]);
+    let more = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await;
+    assert!(more.is_err(), "nothing of the old queue: {more:?}");
+}

@@ -47,8 +47,9 @@ pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
 };
 pub use broker::{
-    group_of, Broker, ConsumerTimeout, GetAnswer, Got, GroupChange, MetaClosed, Proposal,
-    QueueInfo, ReplicaSnapshot, GET_WAIT_MS, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+    group_of, Broker, ConsumerTimeout, DeclareAnswer, GetAnswer, Got, GroupChange, MetaClosed,
+    Proposal, QueueInfo, ReplicaSnapshot, DECLARE_WAIT_MS, GET_WAIT_MS, NODE_DOWN_MS,
+    REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;
@@ -162,6 +163,15 @@ pub struct QueueDeclared {
     /// Ready messages (not in flight).
     pub message_count: u32,
     pub consumer_count: u32,
+}
+
+/// The answer to queue.declare, or, for a quorum queue in a cluster, the ticket of the
+/// answer to come once the metadata log made the queue
+/// ([`Broker::take_declare_answers`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Declared {
+    Now(QueueDeclared),
+    Waiting(u64),
 }
 
 /// The answer to queue.delete.

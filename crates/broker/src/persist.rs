@@ -60,6 +60,9 @@ pub struct QueueDef {
     pub key: u64,
     pub auto_delete: bool,
     pub arguments: FieldTable,
+    /// A replicated queue's Raft group when the metadata log numbered it (a queue declared
+    /// again after a deletion is another group); `None`: the number its name gives.
+    pub group: Option<u64>,
 }
 
 /// One change to durable state.
@@ -182,6 +185,8 @@ pub enum StoreOp {
     PutMetaApplied {
         index: u64,
         seen: Vec<(u64, u64)>,
+        /// The feature level each node announced in the log (see `FEATURE_LEVEL`).
+        levels: Vec<(u64, u64)>,
     },
     /// A definition change a cluster node made, until the metadata group's log has applied
     /// it (`data`: the change as an entry of its own): sent again after a restart.

@@ -10,8 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use bytes::Bytes;
 use warren_broker::machine::CreditGroup;
 use warren_broker::{
-    Broker, BrokerConfig, DeclareQueue, Delivery, GetAnswer, Got, GroupChange, Message, Proposal,
-    QueueId, GET_WAIT_MS, NODE_DOWN_MS,
+    Broker, BrokerConfig, DeclareQueue, Declared, Delivery, GetAnswer, Got, GroupChange, Message,
+    Proposal, QueueDeclared, QueueId, GET_WAIT_MS, NODE_DOWN_MS,
 };
 use warren_codec::{FieldTable, FieldValue, ReplyCode, ShortStr};
 use warren_replication::{
@@ -51,6 +51,8 @@ struct Cluster {
     hold_forwards: bool,
     /// Proposals Raft handed back to their brokers.
     refusals: u32,
+    /// Answers to declarations that waited for the metadata log, by node, not looked at yet.
+    declare_answers: Vec<(u64, warren_broker::DeclareAnswer)>,
 }
 
 fn conn(node: u64, n: u64) -> u64 {
@@ -145,6 +147,7 @@ impl Cluster {
             group: 0,
             hold_forwards: false,
             refusals: 0,
+            declare_answers: Vec::new(),
         };
         let req = DeclareQueue {
             name: "jobs".into(),
@@ -390,6 +393,12 @@ impl Cluster {
     fn restart(&mut self, node: u64, snapshot_every: Option<u64>) {
         let m = self.members.get_mut(&node).expect("member");
         m.boots += 1;
+        // The store keeps the queue's group where the metadata log numbered it.
+        let group = m
+            .broker
+            .queue_id("/", "jobs")
+            .and_then(|id| m.broker.replica_group(id))
+            .filter(|g| *g != warren_broker::group_of("/", "jobs"));
         let mut broker = Self::broker_of(node, m.boots, snapshot_every);
         broker
             .restore_queue(&warren_broker::QueueDef {
@@ -398,6 +407,7 @@ impl Cluster {
                 key: 1,
                 auto_delete: false,
                 arguments: quorum_args(),
+                group,
             })
             .expect("the queue from the store");
         let _ = broker.take_group_changes();
@@ -1271,6 +1281,7 @@ fn a_quorum_queue_with_stored_messages_from_before_the_cluster_stays_on_its_node
         key: 7,
         auto_delete: false,
         arguments: quorum_args(),
+        group: None,
     };
     let id = b.restore_queue(&def).expect("restore");
     assert!(
@@ -2365,4 +2376,201 @@ fn an_exchange_declared_differently_on_two_nodes_at_once_ends_the_same_everywher
         kinds.iter().all(|k| *k == kinds[0]),
         "every node has one type: {kinds:?}"
     );
+}
+
+/// Steps until every node's feature level is in every node's metadata log: quorum queues
+/// are then declared through the log.
+fn until_levels(c: &mut Cluster) {
+    for _ in 0..300 {
+        if NODES
+            .iter()
+            .all(|n| c.members[n].broker.cluster_feature_level() == Some(1))
+        {
+            return;
+        }
+        c.step();
+    }
+    panic!("the nodes' feature levels did not reach every node");
+}
+
+/// Declares a quorum queue on `node` as a client does, once the cluster numbers groups by
+/// the metadata log; its ticket.
+fn declare_waiting(c: &mut Cluster, node: u64, name: &str, arguments: FieldTable) -> u64 {
+    let req = DeclareQueue {
+        name: ShortStr::from_string(name.to_owned()),
+        passive: false,
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments,
+    };
+    match c
+        .broker(node)
+        .declare_queue_as("/", req, conn(node, 1), None)
+        .expect("declare")
+    {
+        Declared::Waiting(ticket) => ticket,
+        Declared::Now(d) => panic!("declared at once, not through the log: {d:?}"),
+    }
+}
+
+/// Steps until `node` answers the declaration `ticket`.
+fn declare_answer(
+    c: &mut Cluster,
+    node: u64,
+    ticket: u64,
+) -> Result<QueueDeclared, warren_codec::AmqpError> {
+    for _ in 0..300 {
+        let mut answers = Vec::new();
+        c.broker(node).take_declare_answers(&mut answers);
+        c.declare_answers
+            .extend(answers.into_iter().map(|a| (node, a)));
+        if let Some(i) = c
+            .declare_answers
+            .iter()
+            .position(|(n, a)| *n == node && a.ticket == ticket)
+        {
+            return c.declare_answers.remove(i).1.result;
+        }
+        c.step();
+    }
+    panic!("node {node} did not answer declaration {ticket}");
+}
+
+fn groups_of(c: &Cluster, name: &str) -> Vec<Option<u64>> {
+    NODES
+        .iter()
+        .map(|n| {
+            let b = &c.members[n].broker;
+            b.queue_id("/", name).and_then(|id| b.replica_group(id))
+        })
+        .collect()
+}
+
+/// A quorum queue deleted and declared again under its name while node 3 was away is another
+/// Raft group: node 3's old group, with its messages, its term and its longer log, can take no
+/// part in the new group's elections, and it goes once node 3 learns of the deletion, from
+/// the metadata log or from a snapshot of it. What the new queue confirmed is kept everywhere.
+#[test]
+fn a_queue_declared_again_while_a_node_was_away_is_a_new_group_there_too() {
+    for compacted in [false, true] {
+        let mut c = if compacted {
+            Cluster::snapshotting(2)
+        } else {
+            Cluster::new()
+        };
+        until_levels(&mut c);
+        let leader = c.leader();
+        let old = c.group;
+        let batches: Vec<u64> = (0..3).map(|n| c.publish(leader, n)).collect();
+        c.run(20);
+        assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+        let behind = meta_log_last(&c, 3);
+        c.isolated.insert(3);
+        c.broker(1)
+            .delete_queue("/", "jobs", false, false, conn(1, 1))
+            .expect("delete");
+        c.run(20);
+        let ticket = declare_waiting(&mut c, 1, "jobs", quorum_args());
+        let declared = declare_answer(&mut c, 1, ticket).expect("declared");
+        assert_eq!(declared.message_count, 0);
+        let new = c.members[&1]
+            .broker
+            .replica_group(declared.queue)
+            .expect("replicated");
+        assert_ne!(new, old, "a new group for the new queue");
+        c.run(20);
+        assert_eq!(groups_of(&c, "jobs")[..2], [Some(new), Some(new)]);
+        c.group = new;
+        let leader = c.leader();
+        assert_eq!(leader, 1, "the declaring node stands first");
+        let batches: Vec<u64> = (10..12).map(|n| c.publish(leader, n)).collect();
+        c.run(40);
+        assert!(
+            batches.iter().all(|b| c.confirmed(leader, *b)),
+            "confirmed by nodes 1 and 2"
+        );
+        if compacted {
+            for n in 0..12 {
+                declare_exchange(&mut c, 1, &format!("filler{n}"), "direct", true);
+                c.run(10);
+            }
+            c.run(40);
+            assert!(meta_log_first(&c, 1) > behind + 1, "not compacted");
+        }
+        c.isolated.clear();
+        c.run(150);
+        let m3 = &c.members[&3];
+        assert_eq!(
+            m3.broker.replica_group(c.id(3)),
+            Some(new),
+            "node 3 holds the new queue (compacted log: {compacted})"
+        );
+        assert!(m3.removed.contains(&old), "old group given up");
+        assert!(
+            m3.raft.term_of(GroupId(new)).is_some(),
+            "a member of the new"
+        );
+        c.leader();
+        c.run(40);
+        assert_counts(&c, &NODES, (2, 0));
+        let defs: Vec<Vec<String>> = NODES
+            .iter()
+            .map(|n| c.members[n].broker.cluster_definitions_text())
+            .collect();
+        assert_eq!(defs[2], defs[0], "node 3 differs from node 1");
+    }
+}
+
+/// Two nodes declare the same quorum queue at once, each before it has heard of the other's:
+/// neither makes it before the log, the declaration the log applies first makes it on every
+/// node with one group, and both clients are answered with that queue; one that asked for
+/// other arguments is refused as a redeclaration is.
+#[test]
+fn a_queue_declared_on_two_nodes_at_once_is_one_group_everywhere() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    c.leader();
+    c.hold_forwards = true;
+    let on2 = declare_waiting(&mut c, 2, "twice", quorum_args());
+    let on3 = declare_waiting(&mut c, 3, "twice", quorum_args());
+    let mut limited = quorum_args();
+    limited.insert("x-max-length", FieldValue::I64(5));
+    let other2 = declare_waiting(&mut c, 2, "other", limited);
+    let other3 = declare_waiting(&mut c, 3, "other", quorum_args());
+    c.run(20);
+    assert_eq!(
+        groups_of(&c, "twice"),
+        [None, None, None],
+        "made only by the log"
+    );
+    c.hold_forwards = false;
+    let d2 = declare_answer(&mut c, 2, on2).expect("declared on node 2");
+    let d3 = declare_answer(&mut c, 3, on3).expect("declared on node 3");
+    assert_eq!((d2.name.as_str(), d3.name.as_str()), ("twice", "twice"));
+    c.run(50);
+    let after = groups_of(&c, "twice");
+    assert!(after[0].is_some(), "declared on node 1 too");
+    assert!(after.iter().all(|g| *g == after[0]), "{after:?}");
+    let g = GroupId(after[0].expect("group"));
+    let leaders = NODES
+        .iter()
+        .filter(|n| c.members[n].raft.is_leader(g))
+        .count();
+    assert_eq!(leaders, 1, "the group elects a leader");
+    let answers = [
+        declare_answer(&mut c, 2, other2).map(|_| ()),
+        declare_answer(&mut c, 3, other3).map(|_| ()),
+    ];
+    let refused: Vec<ReplyCode> = answers
+        .iter()
+        .filter_map(|a| a.as_ref().err().map(|e| e.code))
+        .collect();
+    assert_eq!(refused, [ReplyCode::PreconditionFailed], "{answers:?}");
+    let defs: Vec<Vec<String>> = NODES
+        .iter()
+        .map(|n| c.members[n].broker.cluster_definitions_text())
+        .collect();
+    assert_eq!(defs[1], defs[0]);
+    assert_eq!(defs[2], defs[0]);
 }

@@ -486,6 +486,35 @@ impl NodeHandle {
         }
     }
 
+    /// The answer to a quorum queue declaration that waits for the cluster's metadata log
+    /// (`Declared::Waiting`), as a task. The broker answers every declaration within
+    /// `DECLARE_WAIT_MS` (with an error once that wait ran out); this wait ends a little
+    /// later in any case.
+    pub async fn declared(
+        &self,
+        ticket: u64,
+    ) -> Result<warren_broker::QueueDeclared, warren_codec::AmqpError> {
+        let shared = &self.0;
+        let wait = Duration::from_millis(warren_broker::DECLARE_WAIT_MS + 5_000);
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let news = shared.written.tasks.notified();
+            tokio::pin!(news);
+            news.as_mut().enable();
+            if let Some(answer) = shared.lock().node.take_api_declare(ticket) {
+                return answer;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(warren_codec::AmqpError::internal_error(
+                    "the cluster did not answer the queue's declaration",
+                ));
+            }
+            // The log's entry is written to the store when it is applied, so the store's
+            // news comes with it; a short timeout covers an answer without a write.
+            let _ = tokio::time::timeout(Duration::from_millis(20), news).await;
+        }
+    }
+
     /// The error for a change whose batch was refused (`failed`) or not written in time.
     fn refused(&self, sent: u64, failed: bool) -> WriteError {
         let error = if failed {

@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use bytes::{Bytes, BytesMut};
 use warren_broker::queue::args::QueueType;
 use warren_broker::{
-    Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Delivery, Got,
-    Message, QueueId, Receipt,
+    Broker, ConnId, ConsumerId, ConsumerKey, Credit, CreditGroup, DeclareQueue, Declared, Delivery,
+    Got, Message, QueueId, Receipt,
 };
 use warren_codec::{
     encode_ack, encode_get_ok, encode_nack, encode_return, properties, AmqpError, BasicPublish,
@@ -241,6 +241,9 @@ pub(crate) struct Channel {
     /// A basic.get sent to the queue's leader on another node: its ticket, and whether the
     /// client asked for no-ack.
     pub get_waiting: Option<(u64, bool)>,
+    /// A quorum queue's declaration waiting for the cluster's metadata log: its ticket, and
+    /// whether the client asked for no-wait.
+    pub declare_waiting: Option<(u64, bool)>,
     /// The server sent channel.close and waits for close-ok: everything else on the channel is dropped.
     pub closing: bool,
     /// While closing: the client's own channel.close crossed ours (and was answered).
@@ -298,6 +301,7 @@ impl Channel {
         Channel {
             id,
             get_waiting: None,
+            declare_waiting: None,
             closing: false,
             peer_closed: false,
             content: Content::Idle,
@@ -809,6 +813,39 @@ impl Channel {
         self.send_get(got, no_ack, ctx)
     }
 
+    /// The channel waits for an answer from the cluster (its connection is not read
+    /// meanwhile, so what the client sent next sees the answer's effects).
+    pub(crate) fn waits(&self) -> bool {
+        !self.closing && (self.get_waiting.is_some() || self.declare_waiting.is_some())
+    }
+
+    /// The answer to the quorum queue declaration this channel waits for
+    /// (`declare_waiting`).
+    pub(crate) fn answer_declare(
+        &mut self,
+        result: Result<warren_broker::QueueDeclared, AmqpError>,
+        out: &mut BytesMut,
+    ) -> Result<(), AmqpError> {
+        let no_wait = self
+            .declare_waiting
+            .take()
+            .is_some_and(|(_, no_wait)| no_wait);
+        let declared = result?;
+        self.last_queue = Some(declared.name.clone());
+        if !no_wait {
+            send(
+                out,
+                self.id,
+                QueueDeclareOk {
+                    queue: declared.name,
+                    message_count: declared.message_count,
+                    consumer_count: declared.consumer_count,
+                },
+            );
+        }
+        Ok(())
+    }
+
     fn refuse_get(&mut self, d: Delivery, len: usize, ctx: &mut Ctx<'_>) -> AmqpError {
         tracing::warn!(conn = ctx.conn, channel = self.id, queue = %d.queue_name, vhost = %ctx.vhost, header_len = len, frame_max = ctx.frame_max, "basic.get: the message's content header is larger than frame_max: not sent, the channel is closed");
         let text = fit::too_large_text(&d.queue_name, ctx.vhost, len, ctx.frame_max);
@@ -1185,6 +1222,13 @@ impl Channel {
                         (!ctx.trusted).then_some(ctx.user),
                     )
                     .map_err(fail)?;
+                let declared = match declared {
+                    Declared::Now(d) => d,
+                    Declared::Waiting(ticket) => {
+                        self.declare_waiting = Some((ticket, no_wait));
+                        return Ok(());
+                    }
+                };
                 self.last_queue = Some(declared.name.clone());
                 if !no_wait {
                     send(

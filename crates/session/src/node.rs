@@ -24,6 +24,9 @@ use crate::out::send;
 /// tx.commit's class and method ids, for a commit that fails after its frame was handled.
 const TX_COMMIT: (u16, u16) = (90, 20);
 const BASIC_GET: (u16, u16) = (60, 70);
+const QUEUE_DECLARE: (u16, u16) = (50, 10);
+/// Answers to the management API's quorum queue declarations kept for their callers.
+const API_DECLARES_KEPT: usize = 1024;
 
 /// A delivery whose content header its consumer's connection cannot take (see [`fit`]).
 struct Oversized {
@@ -109,6 +112,10 @@ pub struct Node {
     /// its replicated entries), and the highest whose went out as nacks.
     confirmed: u64,
     nacked: u64,
+    /// Answers to quorum queue declarations the management API and SQS made, by ticket,
+    /// until their callers take them ([`Node::take_api_declare`]); the oldest go beyond
+    /// [`API_DECLARES_KEPT`] (a caller that went away never takes its answer).
+    api_declares: BTreeMap<u64, Result<warren_broker::QueueDeclared, AmqpError>>,
 }
 
 impl Node {
@@ -130,6 +137,7 @@ impl Node {
             recovering: false,
             confirmed: 0,
             nacked: 0,
+            api_declares: BTreeMap::new(),
         }
     }
 
@@ -329,6 +337,65 @@ impl Node {
         if self.broker.has_get_answers() {
             self.answer_gets(now);
         }
+        if self.broker.has_declare_answers() {
+            self.answer_declares(now);
+        }
+    }
+
+    /// The answer to a quorum queue declaration the management API or SQS made
+    /// (`Declared::Waiting` with [`crate::manage::API_CONN`]), once the cluster gave it.
+    pub fn take_api_declare(
+        &mut self,
+        ticket: u64,
+    ) -> Option<Result<warren_broker::QueueDeclared, AmqpError>> {
+        self.api_declares.remove(&ticket)
+    }
+
+    /// Quorum queue declarations the metadata log applied (or that waited too long): each
+    /// waiting channel gets its queue.declare-ok or its error, and its connection is read
+    /// again.
+    fn answer_declares(&mut self, now: u64) {
+        let mut answers = Vec::new();
+        self.broker.take_declare_answers(&mut answers);
+        for a in answers {
+            if a.conn == crate::manage::API_CONN {
+                self.api_declares.insert(a.ticket, a.result);
+                while self.api_declares.len() > API_DECLARES_KEPT {
+                    self.api_declares.pop_first();
+                }
+                continue;
+            }
+            let Some(c) = self.conns.get_mut(&a.conn) else {
+                continue;
+            };
+            let channel = c
+                .channels
+                .iter()
+                .find(|(_, ch)| {
+                    !ch.closing && ch.declare_waiting.is_some_and(|(t, _)| t == a.ticket)
+                })
+                .map(|(id, _)| *id);
+            let mut hard = None;
+            if let Some(ch) = channel.and_then(|id| c.channels.get_mut(&id)) {
+                match ch.answer_declare(a.result, &mut c.out) {
+                    Ok(()) => {}
+                    Err(error) if error.is_hard() => hard = Some(error),
+                    Err(error) => {
+                        close_channel(&mut self.broker, &mut c.out, ch, &error, QUEUE_DECLARE)
+                    }
+                }
+            }
+            c.holding = c.channels.values().any(|ch| ch.waits());
+            c.pause_changed = true;
+            if !c.dirty {
+                c.dirty = true;
+                self.dirty.push(a.conn);
+            }
+            if let Some(error) = hard {
+                let (class_id, method_id) = QUEUE_DECLARE;
+                self.fail_connection(a.conn, Fault::new(error, class_id, method_id), now);
+            }
+        }
     }
 
     /// Is this connection waiting for a basic.get's answer from another node? The driver
@@ -355,10 +422,7 @@ impl Node {
                 }
                 if let Some(c) = self.conns.get_mut(&a.conn) {
                     // Its channel went meanwhile (closed by the broker): read it again.
-                    let still = c
-                        .channels
-                        .values()
-                        .any(|ch| !ch.closing && ch.get_waiting.is_some());
+                    let still = c.channels.values().any(|ch| ch.waits());
                     if c.holding != still {
                         c.holding = still;
                         c.pause_changed = true;
@@ -403,9 +467,7 @@ impl Node {
             if let Err(error) = ch.answer_get(a.got, &mut ctx) {
                 close_channel(&mut self.broker, out, ch, &error, BASIC_GET);
             }
-            *holding = channels
-                .values()
-                .any(|ch| !ch.closing && ch.get_waiting.is_some());
+            *holding = channels.values().any(|ch| ch.waits());
             *pause_changed = true;
             if !*dirty {
                 *dirty = true;
@@ -943,7 +1005,7 @@ impl Node {
             conn_blocked,
         };
         let result = ch.on_frame(frame, &mut ctx);
-        if ch.get_waiting.is_some() && !*holding {
+        if ch.waits() && !*holding {
             *holding = true;
             *pause_changed = true;
         }

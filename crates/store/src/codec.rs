@@ -267,6 +267,10 @@ pub fn queue_value(q: &QueueDef) -> BytesMut {
     v.put_u64(q.key);
     v.put_u8(if q.auto_delete { FLAG_AUTO_DELETE } else { 0 });
     q.arguments.encode(&mut v);
+    // After the arguments, so that declarations stored without it still read.
+    if let Some(group) = q.group {
+        v.put_u64(group);
+    }
     v
 }
 
@@ -582,12 +586,18 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
             put_text(&mut v, &key.secret);
             v.put_u64(key.created_ms);
         }
-        StoreOp::PutMetaApplied { index, seen } => {
+        StoreOp::PutMetaApplied {
+            index,
+            seen,
+            levels,
+        } => {
             v.put_u64(*index);
-            v.put_u32(u32::try_from(seen.len()).unwrap_or(u32::MAX));
-            for (node, seq) in seen {
-                v.put_u64(*node);
-                v.put_u64(*seq);
+            for pairs in [seen, levels] {
+                v.put_u32(u32::try_from(pairs.len()).unwrap_or(u32::MAX));
+                for (node, n) in pairs {
+                    v.put_u64(*node);
+                    v.put_u64(*n);
+                }
             }
         }
         StoreOp::PutLimits { limits, .. } => {
@@ -667,7 +677,20 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
             let seen = (0..n)
                 .map(|_| Ok((v.u64("metadata node")?, v.u64("metadata entry number")?)))
                 .collect::<Result<Vec<_>, StoreError>>()?;
-            StoreOp::PutMetaApplied { index, seen }
+            // Written after `seen` since format 10.
+            let levels = if v.done("metadata place").is_ok() {
+                Vec::new()
+            } else {
+                let n = v.u32("metadata level count")?;
+                (0..n)
+                    .map(|_| Ok((v.u64("metadata node")?, v.u64("feature level")?)))
+                    .collect::<Result<Vec<_>, StoreError>>()?
+            };
+            StoreOp::PutMetaApplied {
+                index,
+                seen,
+                levels,
+            }
         }
         VHOST => StoreOp::PutVhost {
             name: k.text("vhost name")?,
@@ -825,12 +848,18 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             let key = v.u64("queue store key")?;
             let flags = v.u8("queue flags")?;
             let arguments = v.table("queue arguments")?;
+            let group = if v.done("queue").is_ok() {
+                None
+            } else {
+                Some(v.u64("replicated queue group")?)
+            };
             Ok(Def::Queue(QueueDef {
                 vhost,
                 name,
                 key,
                 auto_delete: flags & FLAG_AUTO_DELETE != 0,
                 arguments,
+                group,
             }))
         }
         BINDING => {
@@ -1056,10 +1085,22 @@ mod tests {
             key: 42,
             auto_delete: false,
             arguments: args(),
+            group: None,
         };
         match decode_def(&queue_key(&q.vhost, &q.name), &queue_value(&q)) {
             Ok(Def::Queue(back)) => assert_eq!(back, q),
             _ => panic!("queue did not round-trip"),
+        }
+        let placed = QueueDef {
+            group: Some(u64::MAX >> 1),
+            ..q
+        };
+        match decode_def(
+            &queue_key(&placed.vhost, &placed.name),
+            &queue_value(&placed),
+        ) {
+            Ok(Def::Queue(back)) => assert_eq!(back, placed),
+            _ => panic!("a replicated queue's group did not round-trip"),
         }
         let b = BindingDef {
             vhost: "/".into(),

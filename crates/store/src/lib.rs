@@ -32,9 +32,10 @@ pub use recover::{Recovered, Recovery};
 /// vhost and user limits in `defs`; format 6 the holder of each delayed message (layout 2
 /// of `delayed` values) and a delayed exchange's incarnation after its arguments; format 7
 /// policies in `defs`; format 8 SQS access keys (`k`) in `defs`; format 9 runtime parameters
-/// (`r`: dynamic shovels) in `defs`. Older directories are still read and marked 9, so that an
-/// older Warren, which would misread the new records, refuses them.
-pub const FORMAT_VERSION: u32 = 9;
+/// (`r`: dynamic shovels) in `defs`; format 10 a replicated queue's group after its arguments
+/// and the nodes' feature levels after the metadata place. Older directories are still read
+/// and marked 10, so that an older Warren, which would misread the new records, refuses them.
+pub const FORMAT_VERSION: u32 = 10;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 

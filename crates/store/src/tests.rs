@@ -1313,6 +1313,7 @@ fn a_cluster_nodes_place_in_the_metadata_log_and_its_pending_changes_read_back()
     let place = |index| StoreOp::PutMetaApplied {
         index,
         seen: vec![(1, 7), (3, 1 << 60)],
+        levels: vec![(1, 1), (3, 0)],
     };
     let pending = |number| StoreOp::PutMetaPending {
         number,

@@ -396,25 +396,46 @@ impl Broker {
         }
     }
 
+    /// queue.declare, answered at once: a quorum queue in a cluster is made here first and
+    /// then announced (recovery, tests, and callers that cannot wait).
     pub fn declare_queue(
         &mut self,
         vhost: &str,
         req: DeclareQueue,
         conn: ConnId,
     ) -> Result<QueueDeclared, AmqpError> {
-        self.declare_queue_as(vhost, req, conn, None)
+        match self.declare_queue_with(vhost, req, conn, None, false)? {
+            Declared::Now(d) => Ok(d),
+            Declared::Waiting(_) => Err(AmqpError::internal_error(
+                "a declaration that cannot wait was sent to the cluster",
+            )),
+        }
     }
 
     /// queue.declare by a user whose permissions are checked where RabbitMQ checks them:
     /// configure on the queue (by its generated name for a server-named one), and for a new
-    /// queue with a dead-letter exchange, read on the queue and write on that exchange.
+    /// queue with a dead-letter exchange, read on the queue and write on that exchange. A
+    /// new quorum queue in a cluster whose nodes all number groups by the metadata log is
+    /// made when the log applies its declaration, here as on every node: the answer is
+    /// then a ticket, and comes from [`Broker::take_declare_answers`].
     pub fn declare_queue_as(
         &mut self,
         vhost: &str,
         req: DeclareQueue,
         conn: ConnId,
         user: Option<&str>,
-    ) -> Result<QueueDeclared, AmqpError> {
+    ) -> Result<Declared, AmqpError> {
+        self.declare_queue_with(vhost, req, conn, user, true)
+    }
+
+    fn declare_queue_with(
+        &mut self,
+        vhost: &str,
+        req: DeclareQueue,
+        conn: ConnId,
+        user: Option<&str>,
+        may_wait: bool,
+    ) -> Result<Declared, AmqpError> {
         use crate::access::{Perm, Resource};
         use crate::limits::{LimitScope, MAX_QUEUES};
         let stripped = strip_cr_lf(&req.name);
@@ -423,7 +444,7 @@ impl Broker {
             check_access(q, conn)?;
             let (id, out) = (q.id, declared(q));
             self.touch(id);
-            return Ok(out);
+            return Ok(Declared::Now(out));
         }
         let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
         let name = if stripped.is_empty() {
@@ -466,7 +487,7 @@ impl Broker {
             )?;
             let (id, out) = (q.id, declared(q));
             self.touch(id);
-            return Ok(out);
+            return Ok(Declared::Now(out));
         }
 
         // The node's default applies where a vhost sets no `max-queues` of its own.
@@ -525,6 +546,22 @@ impl Broker {
             parsed = self.effective_args(&eff, &rs, parsed);
         }
 
+        if may_wait
+            && parsed.queue_type == QueueType::Quorum
+            && !self.restoring
+            && !self.meta_quiet
+            && self.groups_from_log()
+        {
+            let leader = self.first_leader(parsed.balanced_leader);
+            let arguments = req.arguments.detached();
+            if let Some(ticket) = self.declare_through_log(vhost, name, arguments, leader, conn) {
+                return Ok(Declared::Waiting(ticket));
+            }
+            return Err(AmqpError::internal_error(format!(
+                "Cannot declare a {rs}: the cluster could not be told"
+            )));
+        }
+
         let id = QueueId(self.next_queue);
         self.next_queue += 1;
         // A queue may hold delayed messages (its own delay, or a release it refused): one
@@ -544,6 +581,7 @@ impl Broker {
                         key,
                         auto_delete: req.auto_delete,
                         arguments: req.arguments.detached(),
+                        group: self.group_hint,
                     }),
                     true,
                 );
@@ -605,7 +643,7 @@ impl Broker {
         if !policy.is_plain() {
             self.run(id, Command::Configure(policy));
         }
-        Ok(out)
+        Ok(Declared::Now(out))
     }
 
     /// A number no queue or exchange had, in this run or an earlier one: a body key with a

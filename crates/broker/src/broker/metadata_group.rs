@@ -17,7 +17,9 @@
 //! undone for a moment. Each change stays in the store until the log has applied it, so a
 //! node killed in between sends it again when it starts.
 
-use super::metadata_ops::{decode_entry, decode_head, encode_entry, readable, Binding, MetaOp};
+use super::metadata_ops::{
+    decode_entry, decode_head, encode_entry, readable, Binding, MetaOp, QueueGroup,
+};
 use super::*;
 use crate::persist::BindingDest;
 use crate::replica::NodeId;
@@ -34,6 +36,34 @@ const META_RESEND_MS: u64 = 2_000;
 
 /// At most this many operations in one entry (a definitions import makes thousands).
 const OPS_PER_ENTRY: usize = 256;
+
+/// What this version does that every node must do alike, announced in the log
+/// (`MetaOp::FeatureLevel`): 1, quorum queues numbered by the metadata log
+/// (`QueueGroup::FromLog`). A node uses a level once every node of the cluster announced it.
+pub const FEATURE_LEVEL: u64 = 1;
+
+/// A quorum queue's declaration waits this long for the metadata log to apply it; then the
+/// client is told it failed (the queue may still be made, when the entry commits later).
+pub const DECLARE_WAIT_MS: u64 = 30_000;
+
+/// A quorum queue's declaration made here, waiting for the log to make the queue.
+#[derive(Debug)]
+pub(super) struct PendingDeclare {
+    conn: ConnId,
+    vhost: String,
+    name: ShortStr,
+    arguments: FieldTable,
+    since: u64,
+}
+
+/// The answer to a quorum queue's declaration that waited for the metadata log
+/// ([`crate::Declared::Waiting`]): for the connection `conn` with its ticket.
+#[derive(Debug)]
+pub struct DeclareAnswer {
+    pub conn: ConnId,
+    pub ticket: u64,
+    pub result: Result<QueueDeclared, AmqpError>,
+}
 
 /// A user or vhost another node deleted: the session closes its connections here.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,6 +125,14 @@ pub(crate) struct MetaState {
     pub(super) closed: Vec<MetaClosed>,
     /// Groups to create and to remove, in order, for the driver.
     pub(super) group_changes: Vec<GroupChange>,
+    /// The feature level each node announced in the log (`FEATURE_LEVEL`).
+    pub(super) levels: BTreeMap<NodeId, u64>,
+    /// This node announced its level since it started.
+    level_announced: bool,
+    /// Quorum queues' declarations made here and waiting for the log, by change number
+    /// (their ticket), and the answers not taken yet.
+    pub(super) declares: BTreeMap<u64, PendingDeclare>,
+    declare_answers: Vec<DeclareAnswer>,
 }
 
 /// A Raft group this node's broker needs, or no longer needs (a queue deleted and declared
@@ -200,22 +238,28 @@ impl Broker {
 
     /// A definition changed by a client here: every node is told.
     pub(super) fn announce(&mut self, op: MetaOp) {
+        self.announce_as(op, true);
+    }
+
+    /// Sends `op` to the cluster; `applied_here`: this node applied it already (so its
+    /// entry is applied here again only while it is the latest change to its object), else
+    /// it is applied here, as everywhere, when the log has it. The change's number, if it
+    /// went.
+    fn announce_as(&mut self, op: MetaOp, applied_here: bool) -> Option<u64> {
         if self.restoring || self.meta_quiet || self.cluster.is_none() {
-            return;
+            return None;
         }
         if !readable(&op) {
             tracing::error!(
                 ?op,
                 "a definition the cluster could not read back: kept on this node only"
             );
-            return;
+            return None;
         }
         let now = self.now_ms;
         // The batch the change goes into (`None`: no store, nothing to wait for).
         let batch = self.persist.as_ref().map_or(0, |p| p.next_batch);
-        let Some(c) = self.cluster.as_mut() else {
-            return;
-        };
+        let c = self.cluster.as_mut()?;
         let node = c.node();
         let m = &mut c.meta;
         m.next_op += 1;
@@ -226,7 +270,9 @@ impl Broker {
             number,
             data: encode_entry(now, node, &[(number, op.clone())]),
         };
-        m.latest.insert(op.object(), number);
+        if applied_here {
+            m.latest.insert(op.object(), number);
+        }
         m.queued.push_back(Waiting { number, op, batch });
         if let Some(p) = m.send(node, now, false) {
             c.push(p);
@@ -234,6 +280,7 @@ impl Broker {
         if let Some(p) = self.persist.as_mut() {
             p.push(pending, true);
         }
+        Some(number)
     }
 
     /// The store wrote its batches up to `upto`: the changes they keep may go to the cluster.
@@ -262,6 +309,154 @@ impl Broker {
             name: name.clone(),
             arguments: arguments.detached(),
             leader,
+            group: QueueGroup::Named,
+        });
+    }
+
+    /// Every node of the cluster numbers new quorum queues' groups by the metadata log: a
+    /// declaration then waits for the log, which makes the queue on every node alike.
+    pub(super) fn groups_from_log(&self) -> bool {
+        self.cluster_feature_level().is_some_and(|l| l >= 1)
+    }
+
+    /// A quorum queue declared by a client here, once every node numbers groups by the log:
+    /// the queue is made when the log applies its entry, here as on every node, and the
+    /// client is answered then (the ticket returned; `None`: there is no cluster to ask).
+    pub(super) fn declare_through_log(
+        &mut self,
+        vhost: &str,
+        name: ShortStr,
+        arguments: FieldTable,
+        leader: Option<NodeId>,
+        conn: ConnId,
+    ) -> Option<u64> {
+        let number = self.announce_as(
+            MetaOp::DeclareQueue {
+                vhost: vhost.to_owned(),
+                name: name.clone(),
+                arguments: arguments.detached(),
+                leader,
+                group: QueueGroup::FromLog,
+            },
+            false,
+        )?;
+        let since = self.now_ms;
+        let c = self.cluster.as_mut()?;
+        c.meta.declares.insert(
+            number,
+            PendingDeclare {
+                conn,
+                vhost: vhost.to_owned(),
+                name,
+                arguments,
+                since,
+            },
+        );
+        Some(number)
+    }
+
+    /// Answers for declarations that waited for the log, since the last call.
+    pub fn take_declare_answers(&mut self, out: &mut Vec<DeclareAnswer>) {
+        if let Some(c) = self.cluster.as_mut() {
+            out.append(&mut c.meta.declare_answers);
+        }
+    }
+
+    /// Whether [`Broker::take_declare_answers`] has any.
+    pub fn has_declare_answers(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| !c.meta.declare_answers.is_empty())
+    }
+
+    /// The log applied this node's declaration `number` (or a snapshot holding it): its
+    /// client learns what the queue is now. `error`: why its entry made nothing.
+    pub(super) fn answer_declare(&mut self, number: u64, error: Option<AmqpError>) {
+        let Some(w) = self
+            .cluster
+            .as_mut()
+            .and_then(|c| c.meta.declares.remove(&number))
+        else {
+            return;
+        };
+        let q = self
+            .queue_id(&w.vhost, &w.name)
+            .and_then(|id| self.queues.get(&id));
+        let result = match (q, error) {
+            (Some(q), _) => {
+                let rs = rs("queue", &w.name, &w.vhost);
+                // Declared by another node first, or by a client here with other
+                // arguments: answered as a declaration of an existing queue is.
+                args::assert_args_equivalence(
+                    &q.arguments,
+                    &w.arguments,
+                    &rs,
+                    q.args.queue_type.equivalence_keys(),
+                )
+                .map(|()| declared(q))
+            }
+            (None, Some(e)) => Err(e),
+            // Deleted since (the snapshot that settled it no longer has it).
+            (None, None) => Err(AmqpError::not_found(format!(
+                "{} was deleted while it was declared",
+                rs("queue", &w.name, &w.vhost)
+            ))),
+        };
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta.declare_answers.push(DeclareAnswer {
+                conn: w.conn,
+                ticket: number,
+                result,
+            });
+        }
+    }
+
+    /// Declarations that waited for the log longer than [`DECLARE_WAIT_MS`] are refused
+    /// (with the words RabbitMQ uses when a quorum queue cannot be made).
+    fn expire_declares(&mut self) {
+        let now = self.now_ms;
+        let node = self.cluster_node().unwrap_or(0);
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let late: Vec<u64> = c
+            .meta
+            .declares
+            .iter()
+            .filter(|(_, w)| now.saturating_sub(w.since) >= DECLARE_WAIT_MS)
+            .map(|(n, _)| *n)
+            .collect();
+        for number in late {
+            let Some(w) = c.meta.declares.remove(&number) else {
+                continue;
+            };
+            c.meta.declare_answers.push(DeclareAnswer {
+                conn: w.conn,
+                ticket: number,
+                result: Err(AmqpError::internal_error(format!(
+                    "Cannot declare a queue '{}' on node {node}: timeout",
+                    rs("queue", &w.name, &w.vhost),
+                ))),
+            });
+        }
+    }
+
+    /// This node's level goes to the log once per start, unless the log has it already.
+    fn announce_level(&mut self) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let node = c.node();
+        if c.meta.level_announced || c.meta.leader.is_none() {
+            return;
+        }
+        c.meta.level_announced = true;
+        if c.meta.levels.get(&node) == Some(&FEATURE_LEVEL) {
+            return;
+        }
+        self.announce(MetaOp::FeatureLevel {
+            node,
+            level: FEATURE_LEVEL,
         });
     }
 
@@ -282,6 +477,61 @@ impl Broker {
         });
     }
 
+    /// Binds a quorum queue whose declaration here waits for the metadata log
+    /// ([`Declared::Waiting`]): the binding goes to the log after it, and every node, this
+    /// one too, makes it once the queue is there (a definitions import binds what it
+    /// declares before the cluster has made it).
+    pub fn bind_declared_queue(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        exchange: &str,
+        key: &str,
+        arguments: &FieldTable,
+    ) -> Result<(), AmqpError> {
+        let pending = self.cluster.as_ref().is_some_and(|c| {
+            c.meta
+                .declares
+                .values()
+                .any(|w| w.vhost == vhost && w.name.as_str() == queue)
+        });
+        if !pending {
+            return Err(AmqpError::not_found(format!(
+                "no {}",
+                rs("queue", queue, vhost)
+            )));
+        }
+        let durable = self
+            .vhosts
+            .get(vhost)
+            .and_then(|vh| vh.exchanges.get(exchange))
+            .map(|x| x.durable);
+        match durable {
+            None => Err(AmqpError::not_found(format!(
+                "no {}",
+                rs("exchange", exchange, vhost)
+            ))),
+            // A transient exchange's bindings stay on its node: none can reach the queue.
+            Some(false) => Err(AmqpError::precondition_failed(format!(
+                "cannot bind transient {} to a quorum queue the cluster is making",
+                rs("exchange", exchange, vhost)
+            ))),
+            Some(true) => {
+                self.announce_binding(
+                    true,
+                    Binding {
+                        vhost: vhost.to_owned(),
+                        source: exchange.to_owned(),
+                        dest: BindingDest::Queue(ShortStr::from_string(queue.to_owned())),
+                        key: key.to_owned(),
+                        arguments: arguments.detached(),
+                    },
+                );
+                Ok(())
+            }
+        }
+    }
+
     /// The metadata group's leader changed: the entry in flight goes to it.
     pub(super) fn set_meta_leader(&mut self, leader: Option<NodeId>) {
         let now = self.now_ms;
@@ -293,11 +543,13 @@ impl Broker {
         if let Some(p) = c.meta.send(node, now, true) {
             c.push(p);
         }
+        self.announce_level();
     }
 
     /// The entry in flight is sent again if the log has not applied it for long (its leader
     /// may have dropped it, or the connection to it).
     pub(super) fn resend_meta(&mut self) {
+        self.expire_declares();
         let now = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return;
@@ -319,12 +571,19 @@ impl Broker {
     /// When the entry in flight is due to be sent again (for the driver's timer).
     pub(super) fn meta_deadline(&self) -> Option<u64> {
         let m = &self.cluster.as_ref()?.meta;
+        let declare = m
+            .declares
+            .values()
+            .map(|w| w.since.saturating_add(DECLARE_WAIT_MS))
+            .min();
         // With no leader there is nowhere to send it: the next leader gets it at once.
-        m.leader?;
-        m.in_flight
-            .as_ref()?
-            .sent
-            .map(|at| at.saturating_add(META_RESEND_MS))
+        let resend = m.leader.and(
+            m.in_flight
+                .as_ref()
+                .and_then(|f| f.sent)
+                .map(|at| at.saturating_add(META_RESEND_MS)),
+        );
+        resend.into_iter().chain(declare).min()
     }
 
     /// A metadata entry another node sent this node, which it leads the group for.
@@ -358,6 +617,7 @@ impl Broker {
             let op = StoreOp::PutMetaApplied {
                 index: c.meta.applied,
                 seen: c.meta.seen.iter().map(|(n, s)| (*n, *s)).collect(),
+                levels: c.meta.levels.iter().map(|(n, l)| (*n, *l)).collect(),
             };
             if let Some(p) = self.persist.as_mut() {
                 p.push(op, true);
@@ -420,7 +680,14 @@ impl Broker {
                 continue; // a copy
             }
             *seen = number;
-            if mine {
+            let through_log = matches!(
+                op,
+                MetaOp::DeclareQueue {
+                    group: QueueGroup::FromLog,
+                    ..
+                }
+            );
+            if mine && !through_log {
                 // Applied here when it was made: again only while it is the latest change
                 // to its object (another node's change to it may have come between).
                 let object = op.object();
@@ -429,7 +696,7 @@ impl Broker {
                 }
                 m.latest.remove(&object);
             }
-            apply.push(op);
+            apply.push((number, op));
         }
         let seen = *seen;
         if mine {
@@ -450,9 +717,61 @@ impl Broker {
                 p.push(op, false);
             }
         }
-        for op in apply {
-            self.apply_meta_op(op);
+        for (number, op) in apply {
+            match op {
+                MetaOp::DeclareQueue {
+                    vhost,
+                    name,
+                    arguments,
+                    leader,
+                    group: QueueGroup::FromLog,
+                } => {
+                    let group = super::replicated::group_placed(&vhost, &name, e.index);
+                    let error = self.make_placed_queue(&vhost, name, arguments, leader, group);
+                    if mine {
+                        self.answer_declare(number, error);
+                    }
+                }
+                op => self.apply_meta_op(op),
+            }
         }
+    }
+
+    /// A quorum queue's declaration numbered by the log: the queue is made with `group`
+    /// unless it exists (declared first by another entry: this one changes nothing, and
+    /// its client is answered as for an existing queue). Why it could not be made, if so.
+    fn make_placed_queue(
+        &mut self,
+        vhost: &str,
+        name: ShortStr,
+        arguments: FieldTable,
+        leader: Option<NodeId>,
+        group: u64,
+    ) -> Option<AmqpError> {
+        if self.queue_id(vhost, &name).is_some() {
+            return None;
+        }
+        let req = DeclareQueue {
+            name,
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments,
+        };
+        let was = std::mem::replace(&mut self.meta_quiet, true);
+        // As recovery declares: the origin checked names, limits and permissions.
+        self.restoring = true;
+        self.leader_hint = leader;
+        self.group_hint = Some(group);
+        let declared = self.declare_queue(vhost, req, 0);
+        self.restoring = false;
+        self.leader_hint = None;
+        self.group_hint = None;
+        self.meta_quiet = was;
+        let error = declared.err()?;
+        tracing::warn!(%vhost, %error, "quorum queue declaration not applied on this node");
+        Some(error)
     }
 
     /// Applies one operation as the node that made it did, without telling the cluster.
@@ -473,8 +792,32 @@ impl Broker {
                 name,
                 arguments,
                 leader,
+                group,
             } => {
-                if let Some(id) = self.queue_id(&vhost, &name) {
+                let group = match group {
+                    QueueGroup::Named => None,
+                    QueueGroup::Fixed(g) => Some(g),
+                    // Only an entry gives the number (`apply_meta_entry`).
+                    QueueGroup::FromLog => return Some("a declaration without its index".into()),
+                };
+                let existing = self.queue_id(&vhost, &name);
+                if let Some(id) = existing.filter(|id| {
+                    group.is_some_and(|g| self.replica_group(*id).is_some_and(|had| had != g))
+                }) {
+                    // A snapshot's queue of another group than this node's: the queue was
+                    // deleted and declared again while this node was away. Its old group
+                    // goes (it is never made again: its number was its entry's).
+                    self.restoring = true;
+                    let deleted = self.remove_queue(id);
+                    self.restoring = false;
+                    if let (Some(deleted), Some(c)) = (deleted, self.cluster.as_mut()) {
+                        c.push_cancelled(deleted.cancelled);
+                    }
+                    return self
+                        .make_placed_queue(&vhost, name, arguments, leader, group?)
+                        .map(|e| e.to_string());
+                }
+                if let Some(id) = existing {
                     // Declared differently on two nodes at once (or deleted and declared again
                     // on one while another changed it): the later in the log wins everywhere.
                     let differs = self
@@ -491,6 +834,7 @@ impl Broker {
                 }
                 // The node chosen for its first leader stands (`attach_replica`).
                 self.leader_hint = leader;
+                self.group_hint = group;
                 let req = DeclareQueue {
                     name,
                     passive: false,
@@ -504,6 +848,7 @@ impl Broker {
                 let declared = self.declare_queue(&vhost, req, 0);
                 self.restoring = false;
                 self.leader_hint = None;
+                self.group_hint = None;
                 declared.err().and_then(err)
             }
             MetaOp::DeleteQueue { vhost, name } => {
@@ -653,17 +998,29 @@ impl Broker {
                 self.shed_leaders();
                 None
             }
+            MetaOp::FeatureLevel { node, level } => {
+                if let Some(c) = self.cluster.as_mut() {
+                    c.meta.levels.insert(node, level);
+                }
+                None
+            }
         }
     }
 
     /// Recovery: the metadata log's index this node's store holds the changes of, and the
     /// highest change number applied per node.
-    pub(super) fn restore_meta_applied(&mut self, index: u64, seen: &[(u64, u64)]) {
+    pub(super) fn restore_meta_applied(
+        &mut self,
+        index: u64,
+        seen: &[(u64, u64)],
+        levels: &[(u64, u64)],
+    ) {
         if let Some(c) = self.cluster.as_mut() {
             let node = c.node();
             let m = &mut c.meta;
             m.applied = index;
             m.seen = seen.iter().copied().collect();
+            m.levels = levels.iter().copied().collect();
             // Numbered past what the log has of this node, even if the clock went back.
             m.next_op = m.next_op.max(m.seen.get(&node).copied().unwrap_or(0));
         }
@@ -687,8 +1044,18 @@ impl Broker {
         };
         let m = &mut c.meta;
         m.next_op = m.next_op.max(number);
-        let latest = m.latest.entry(op.object()).or_insert(number);
-        *latest = (*latest).max(number);
+        // A declaration that waits for the log was not applied here: the log applies it.
+        let through_log = matches!(
+            op,
+            MetaOp::DeclareQueue {
+                group: QueueGroup::FromLog,
+                ..
+            }
+        );
+        if !through_log {
+            let latest = m.latest.entry(op.object()).or_insert(number);
+            *latest = (*latest).max(number);
+        }
         // Already in the store: it may go at once.
         let at = m.queued.partition_point(|w| w.number < number);
         m.queued.insert(
@@ -708,6 +1075,19 @@ impl Broker {
             .as_mut()
             .map(|c| std::mem::take(&mut c.meta.closed))
             .unwrap_or_default()
+    }
+
+    /// The feature level every node of the cluster announced in the metadata log (0 while
+    /// one has not; `None`: not in a cluster): what the whole cluster does alike.
+    pub fn cluster_feature_level(&self) -> Option<u64> {
+        let c = self.cluster.as_ref()?;
+        Some(
+            c.nodes()
+                .iter()
+                .map(|n| c.meta.levels.get(n).copied().unwrap_or(0))
+                .min()
+                .unwrap_or(0),
+        )
     }
 
     /// This node's number, every node's, and who leads the metadata group (`None`: not in a
@@ -733,12 +1113,20 @@ mod tests {
     use crate::BrokerConfig;
     use warren_replication::GroupId;
 
-    fn node_two() -> Broker {
+    /// Node 2 of three, started for the first time.
+    fn new_node_two() -> Broker {
         let mut b = Broker::new(BrokerConfig {
             persistence: true,
             ..BrokerConfig::default()
         });
         b.join_cluster(2, &[1, 2, 3], 7);
+        b
+    }
+
+    /// Node 2 of three, whose store holds its level (it announces nothing at its start).
+    fn node_two() -> Broker {
+        let mut b = new_node_two();
+        b.restore_meta_applied(0, &[], &[(2, FEATURE_LEVEL)]);
         b
     }
 
@@ -749,6 +1137,180 @@ mod tests {
             term: 1,
             data: bytes::Bytes::from(encode_entry(0, 1, &[(seq, op)])),
         }
+    }
+
+    fn entry_from(origin: NodeId, index: u64, seq: u64, op: MetaOp) -> Committed {
+        Committed {
+            group: GroupId(META_GROUP),
+            index,
+            term: 1,
+            data: bytes::Bytes::from(encode_entry(0, origin, &[(seq, op)])),
+        }
+    }
+
+    fn quorum(name: &str) -> DeclareQueue {
+        let mut arguments = FieldTable::new();
+        arguments.insert("x-queue-type", FieldValue::long_str("quorum"));
+        DeclareQueue {
+            name: ShortStr::from_string(name.to_owned()),
+            passive: false,
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments,
+        }
+    }
+
+    /// A node announces its level once it knows the metadata group's leader; a quorum queue
+    /// is declared through the log only once every node's level is in it, and is then made
+    /// here when the log applies its entry, with the group that entry's index gives, as on
+    /// every node.
+    #[test]
+    fn quorum_queues_wait_for_the_log_once_every_node_can_number_them() {
+        let mut b = new_node_two();
+        b.set_meta_leader(Some(1));
+        let out = sent(&mut b);
+        let ops: Vec<MetaOp> = out
+            .iter()
+            .filter_map(decode_entry)
+            .flat_map(|e| e.ops.into_iter().map(|(_, op)| op))
+            .collect();
+        assert_eq!(
+            ops,
+            vec![MetaOp::FeatureLevel {
+                node: 2,
+                level: FEATURE_LEVEL
+            }]
+        );
+        b.apply_committed(&[
+            entry_from(1, 1, 100, MetaOp::FeatureLevel { node: 1, level: 1 }),
+            own(2, out[0].clone()),
+        ]);
+        assert_eq!(b.cluster_feature_level(), Some(0));
+        // Node 3 may run an earlier version: the queue is made here and announced.
+        let now = b.declare_queue_as("/", quorum("early"), 5, None);
+        assert!(matches!(now, Ok(Declared::Now(_))), "{now:?}");
+        let named = b.queue_id("/", "early").and_then(|id| b.replica_group(id));
+        assert_eq!(named, Some(group_of("/", "early")));
+        let early = sent(&mut b);
+        b.apply_committed(&[
+            own(3, early[0].clone()),
+            entry_from(3, 4, 100, MetaOp::FeatureLevel { node: 3, level: 1 }),
+        ]);
+        assert_eq!(b.cluster_feature_level(), Some(1));
+        let ticket = match b.declare_queue_as("/", quorum("jobs"), 5, None) {
+            Ok(Declared::Waiting(t)) => t,
+            other => panic!("not through the log: {other:?}"),
+        };
+        assert_eq!(b.queue_id("/", "jobs"), None, "made only by the log");
+        let out = sent(&mut b);
+        let entry = out.first().and_then(decode_entry).expect("sent");
+        let Some((number, MetaOp::DeclareQueue { group, leader, .. })) = entry.ops.first() else {
+            panic!("no declaration sent: {entry:?}");
+        };
+        assert_eq!((*number, *group), (ticket, QueueGroup::FromLog));
+        assert_eq!(*leader, Some(2), "client-local");
+        let _ = b.take_group_changes();
+        b.apply_committed(&[own(9, out[0].clone())]);
+        let id = b.queue_id("/", "jobs").expect("made by the log");
+        let group = super::super::replicated::group_placed("/", "jobs", 9);
+        assert_eq!(b.replica_group(id), Some(group));
+        assert_ne!(group, group_of("/", "jobs"));
+        assert_eq!(
+            b.take_group_changes(),
+            vec![GroupChange::Add {
+                group,
+                campaign: true
+            }]
+        );
+        let mut answers = Vec::new();
+        b.take_declare_answers(&mut answers);
+        assert_eq!(answers.len(), 1);
+        assert_eq!(answers[0].ticket, ticket);
+        assert_eq!(answers[0].conn, 5);
+        assert_eq!(answers[0].result.as_ref().map(|d| d.queue), Ok(id));
+        // The store keeps the group the log gave it.
+        let stored = written(&mut b).into_iter().any(
+            |op| matches!(op, StoreOp::PutQueue(QueueDef { group: Some(g), .. }) if g == group),
+        );
+        assert!(stored, "the queue's group is stored");
+    }
+
+    /// A declaration the log does not apply within its wait is refused with RabbitMQ's words;
+    /// when the entry commits later, the queue is made all the same, and nobody is answered
+    /// twice. One declared with other arguments than the queue the log made first is refused
+    /// as a redeclaration is.
+    #[test]
+    fn a_declaration_that_waits_too_long_is_refused_and_a_different_one_fails_as_a_redeclare() {
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        let levels: Vec<Committed> = (1..=3)
+            .map(|n| entry_from(1, n, 200 + n, MetaOp::FeatureLevel { node: n, level: 1 }))
+            .collect();
+        b.apply_committed(&levels);
+        let start = b.now_ms;
+        let Ok(Declared::Waiting(slow)) = b.declare_queue_as("/", quorum("slow"), 5, None) else {
+            panic!("not through the log");
+        };
+        let out = sent(&mut b);
+        let mut answers = Vec::new();
+        b.tick(start + DECLARE_WAIT_MS - 1);
+        b.take_declare_answers(&mut answers);
+        assert!(answers.is_empty(), "{answers:?}");
+        assert!(b.next_deadline() <= Some(start + DECLARE_WAIT_MS));
+        b.tick(start + DECLARE_WAIT_MS);
+        b.take_declare_answers(&mut answers);
+        let (ticket, result) = answers
+            .pop()
+            .map(|a| (a.ticket, a.result.map(|_| ())))
+            .expect("answered");
+        assert_eq!(ticket, slow);
+        let error = result.expect_err("refused");
+        assert_eq!(error.code, ReplyCode::InternalError);
+        assert_eq!(
+            error.text,
+            "Cannot declare a queue 'queue 'slow' in vhost '/'' on node 2: timeout"
+        );
+        b.apply_committed(&[own(7, out[0].clone())]);
+        assert!(b.queue_id("/", "slow").is_some(), "made by the late entry");
+        b.take_declare_answers(&mut answers);
+        assert!(answers.is_empty(), "answered once: {answers:?}");
+
+        // Another node's declaration of "jobs" with a length limit comes first.
+        let mut limited = quorum("jobs").arguments;
+        limited.insert("x-max-length", FieldValue::I64(5));
+        let Ok(Declared::Waiting(_)) = b.declare_queue_as("/", quorum("jobs"), 6, None) else {
+            panic!("not through the log");
+        };
+        // (The late entry of "slow" was sent again meanwhile: this one goes last.)
+        let mine = sent(&mut b).pop().expect("sent");
+        let theirs = MetaOp::DeclareQueue {
+            vhost: "/".into(),
+            name: ShortStr::from_static("jobs"),
+            arguments: limited.clone(),
+            leader: Some(3),
+            group: QueueGroup::FromLog,
+        };
+        b.apply_committed(&[entry_from(3, 8, 300, theirs), own(9, mine)]);
+        let id = b.queue_id("/", "jobs").expect("declared");
+        let arguments = b.queues.get(&id).map(|q| q.arguments.clone());
+        assert_eq!(
+            b.replica_group(id),
+            Some(super::super::replicated::group_placed("/", "jobs", 8))
+        );
+        assert_eq!(
+            arguments,
+            Some(limited),
+            "the first declaration's arguments"
+        );
+        b.take_declare_answers(&mut answers);
+        let refused = answers
+            .pop()
+            .expect("answered")
+            .result
+            .expect_err("refused");
+        assert_eq!(refused.code, ReplyCode::PreconditionFailed);
+        assert!(refused.text.contains("x-max-length"), "{}", refused.text);
     }
 
     fn exchange(name: &str) -> MetaOp {
@@ -809,6 +1371,7 @@ mod tests {
         let place = StoreOp::PutMetaApplied {
             index: 3,
             seen: vec![(1, 12)],
+            levels: vec![(2, FEATURE_LEVEL)],
         };
         assert_eq!(
             ops.last(),
@@ -831,6 +1394,7 @@ mod tests {
         assert!(written(&mut b).contains(&StoreOp::PutMetaApplied {
             index: 5,
             seen: vec![(1, 13)],
+            levels: vec![(2, FEATURE_LEVEL)],
         }));
     }
 
@@ -908,6 +1472,7 @@ mod tests {
         b.restore_access(&StoreOp::PutMetaApplied {
             index: 3,
             seen: vec![(2, high)],
+            levels: Vec::new(),
         })
         .expect("restored");
         b.set_meta_leader(Some(1));

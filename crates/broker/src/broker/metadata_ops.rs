@@ -38,6 +38,7 @@ pub(crate) enum MetaOp {
         /// The node that stands for the queue's first leader (`x-queue-leader-locator`);
         /// `None` in entries of earlier versions (their declaring node stood).
         leader: Option<u64>,
+        group: QueueGroup,
     },
     DeleteQueue {
         vhost: String,
@@ -103,6 +104,26 @@ pub(crate) enum MetaOp {
     /// Every node hands the quorum queue leaderships it holds above an even share to the
     /// nodes below it (`warren ctl rebalance`).
     Rebalance,
+    /// What a node's version can do ([`super::metadata_group::FEATURE_LEVEL`]), announced at
+    /// each start: a change every node must read is made only once all have announced it.
+    /// Unknown to nodes of earlier versions: it travels in an entry of its own.
+    FeatureLevel {
+        node: NodeId,
+        level: u64,
+    },
+}
+
+/// Which Raft group a replicated queue's declaration gives it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum QueueGroup {
+    /// The number its vhost and name give (`group_of`): entries of earlier versions, and
+    /// queues declared before every node could number groups by the log.
+    Named,
+    /// The number of the log index the entry is applied at (`group_placed`): the declaring
+    /// node makes the queue only then, as every other node does.
+    FromLog,
+    /// A number given before (a snapshot's queue, made by an earlier entry).
+    Fixed(u64),
 }
 
 /// A binding of a durable exchange to a replicated queue or to another durable exchange.
@@ -131,7 +152,10 @@ impl MetaOp {
     /// An operation nodes of an older version cannot read (they skip the whole entry that
     /// holds it): it travels in an entry of its own, so that it takes nothing else with it.
     pub(super) fn travels_alone(&self) -> bool {
-        matches!(self, MetaOp::Rebalance | MetaOp::SetQueueArguments { .. })
+        matches!(
+            self,
+            MetaOp::Rebalance | MetaOp::SetQueueArguments { .. } | MetaOp::FeatureLevel { .. }
+        )
     }
 
     /// What the operation changes, as a key: two operations on one object share it.
@@ -197,6 +221,7 @@ impl MetaOp {
                 name,
             } => format!("r\0{component}\0{vhost}\0{name}"),
             MetaOp::Rebalance => "b\0".to_owned(),
+            MetaOp::FeatureLevel { node, .. } => format!("f\0{node}"),
         }
     }
 }
@@ -244,6 +269,7 @@ fn op_table(op: &MetaOp) -> FieldTable {
             name,
             arguments,
             leader,
+            group,
         } => {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
@@ -253,6 +279,14 @@ fn op_table(op: &MetaOp) -> FieldTable {
                     "leader",
                     FieldValue::I64(i64::try_from(*l).unwrap_or(i64::MAX)),
                 );
+            }
+            // Only where it is not the name's: entries older versions read alike.
+            match group {
+                QueueGroup::Named => {}
+                QueueGroup::FromLog => flag(&mut t, "group_from_log", true),
+                QueueGroup::Fixed(g) => {
+                    t.insert("group", FieldValue::U64(*g));
+                }
             }
             "declare_queue"
         }
@@ -438,6 +472,11 @@ fn op_table(op: &MetaOp) -> FieldTable {
             "delete_access_key"
         }
         MetaOp::Rebalance => "rebalance",
+        MetaOp::FeatureLevel { node, level } => {
+            t.insert("node", FieldValue::U64(*node));
+            t.insert("level", FieldValue::U64(*level));
+            "feature_level"
+        }
         MetaOp::PutParameter(p) => {
             text(&mut t, "component", &p.component);
             text(&mut t, "vhost", &p.vhost);
@@ -513,6 +552,11 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             leader: match t.get("leader") {
                 None => None,
                 Some(v) => Some(u64::try_from(v.as_i64()?).ok()?),
+            },
+            group: match (t.get("group"), f.flag("group_from_log")) {
+                (Some(g), _) => QueueGroup::Fixed(g.as_u64()?),
+                (None, Some(true)) => QueueGroup::FromLog,
+                (None, _) => QueueGroup::Named,
             },
         },
         "delete_queue" => MetaOp::DeleteQueue {
@@ -664,6 +708,10 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             vhost: f.text("vhost")?,
             name: f.text("name")?,
         },
+        "feature_level" => MetaOp::FeatureLevel {
+            node: t.get("node")?.as_u64()?,
+            level: t.get("level")?.as_u64()?,
+        },
         _ => return None,
     })
 }
@@ -742,23 +790,42 @@ pub(super) struct MetaSnapshot {
     /// The users of the taking node's configuration file: left out of `ops`, so a node that
     /// installs the snapshot cannot tell whether they exist and leaves its own as they are.
     pub local_users: Vec<String>,
+    /// The feature level each node announced (absent from snapshots of earlier versions).
+    pub levels: Vec<(NodeId, u64)>,
+}
+
+fn pairs_value(pairs: &[(NodeId, u64)], second: &'static str) -> FieldValue {
+    FieldValue::Array(
+        pairs
+            .iter()
+            .map(|(node, n)| {
+                let mut t = FieldTable::new();
+                t.insert("node", FieldValue::U64(*node));
+                t.insert(second, FieldValue::U64(*n));
+                FieldValue::Table(t)
+            })
+            .collect(),
+    )
+}
+
+fn pairs_from(v: &FieldValue, second: &str) -> Option<Vec<(NodeId, u64)>> {
+    v.as_array()?
+        .iter()
+        .map(|v| {
+            let t = v.as_table()?;
+            Some((t.get("node")?.as_u64()?, t.get(second)?.as_u64()?))
+        })
+        .collect()
 }
 
 /// A snapshot: `[format u8][CRC-32 of the rest, u32]` and a field table with `seen` (an array of
 /// `node`/`number` tables) and `ops` (the operations' tables, as in an entry).
 pub(super) fn encode_snapshot(snap: &MetaSnapshot) -> Bytes {
     let mut t = FieldTable::new();
-    let seen = snap
-        .seen
-        .iter()
-        .map(|(node, number)| {
-            let mut t = FieldTable::new();
-            t.insert("node", FieldValue::U64(*node));
-            t.insert("number", FieldValue::U64(*number));
-            FieldValue::Table(t)
-        })
-        .collect();
-    t.insert("seen", FieldValue::Array(seen));
+    t.insert("seen", pairs_value(&snap.seen, "number"));
+    if !snap.levels.is_empty() {
+        t.insert("levels", pairs_value(&snap.levels, "level"));
+    }
     let ops = snap
         .ops
         .iter()
@@ -788,15 +855,11 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         return None;
     }
     let t = FieldTable::decode(&mut b).ok()?;
-    let seen = t
-        .get("seen")?
-        .as_array()?
-        .iter()
-        .map(|v| {
-            let t = v.as_table()?;
-            Some((t.get("node")?.as_u64()?, t.get("number")?.as_u64()?))
-        })
-        .collect::<Option<Vec<_>>>()?;
+    let seen = pairs_from(t.get("seen")?, "number")?;
+    let levels = match t.get("levels") {
+        Some(v) => pairs_from(v, "level")?,
+        None => Vec::new(),
+    };
     let ops = t
         .get("ops")?
         .as_array()?
@@ -813,6 +876,7 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         seen,
         ops,
         local_users,
+        levels,
     })
 }
 
@@ -826,9 +890,16 @@ mod tests {
             seen: vec![(1, 7), (3, 1 << 40)],
             ops: every_op(),
             local_users: vec!["admin".into()],
+            levels: vec![(1, 1), (2, 0)],
         };
         let data = encode_snapshot(&snap);
         assert_eq!(decode_snapshot(&data), Some(snap));
+        // An earlier version's snapshot has no levels.
+        let older = MetaSnapshot {
+            levels: Vec::new(),
+            ..decode_snapshot(&data).expect("snapshot")
+        };
+        assert_eq!(decode_snapshot(&encode_snapshot(&older)), Some(older));
         let mut bad = data.to_vec();
         let last = bad.len() - 1;
         bad[last] ^= 1;
@@ -866,6 +937,7 @@ mod tests {
                 name: ShortStr::from_static("jobs"),
                 arguments: arguments.clone(),
                 leader: Some(3),
+                group: QueueGroup::Named,
             },
             MetaOp::DeleteQueue {
                 vhost: "/".into(),
@@ -993,7 +1065,23 @@ mod tests {
                 name: ShortStr::from_static("older"),
                 arguments: FieldTable::new(),
                 leader: None,
+                group: QueueGroup::Named,
             },
+            MetaOp::DeclareQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("placed"),
+                arguments: FieldTable::new(),
+                leader: Some(2),
+                group: QueueGroup::FromLog,
+            },
+            MetaOp::DeclareQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("placed"),
+                arguments: FieldTable::new(),
+                leader: None,
+                group: QueueGroup::Fixed(u64::MAX >> 1),
+            },
+            MetaOp::FeatureLevel { node: 3, level: 1 },
         ]
     }
 
@@ -1072,9 +1160,16 @@ mod tests {
         let alone: Vec<bool> = every_op().iter().map(MetaOp::travels_alone).collect();
         let want: Vec<bool> = every_op()
             .iter()
-            .map(|op| matches!(op, MetaOp::SetQueueArguments { .. } | MetaOp::Rebalance))
+            .map(|op| {
+                matches!(
+                    op,
+                    MetaOp::SetQueueArguments { .. }
+                        | MetaOp::Rebalance
+                        | MetaOp::FeatureLevel { .. }
+                )
+            })
             .collect();
         assert_eq!(alone, want);
-        assert_eq!(alone.iter().filter(|a| **a).count(), 2);
+        assert_eq!(alone.iter().filter(|a| **a).count(), 3);
     }
 }

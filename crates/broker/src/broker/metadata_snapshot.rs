@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::metadata_ops::{
-    decode_snapshot, encode_snapshot, readable, Binding, MetaOp, MetaSnapshot,
+    decode_snapshot, encode_snapshot, readable, Binding, MetaOp, MetaSnapshot, QueueGroup,
 };
 use super::*;
 use crate::access::{PermissionDef, TopicPermissionDef, UserDef};
@@ -48,6 +48,7 @@ fn rank(op: &MetaOp) -> u8 {
         | MetaOp::SetQueueArguments { .. } => 9,
         MetaOp::Bind(_) | MetaOp::Unbind(_) => 10,
         MetaOp::Rebalance => 11,
+        MetaOp::FeatureLevel { .. } => 12,
     }
 }
 
@@ -210,12 +211,16 @@ impl Broker {
         ops.extend(
             self.queues
                 .values()
-                .filter(|q| q.replica.is_some())
-                .map(|q| MetaOp::DeclareQueue {
+                .filter_map(|q| Some((q, q.replica.as_ref()?.group)))
+                .map(|(q, group)| MetaOp::DeclareQueue {
                     vhost: q.vhost.clone(),
                     name: q.name.clone(),
                     arguments: q.arguments.clone(),
                     leader: None,
+                    // Every queue's, so that a node holding another group for its name (the
+                    // queue was deleted and declared again while it was away) sees it differ;
+                    // earlier versions read the name's.
+                    group: QueueGroup::Fixed(group),
                 }),
         );
         ops
@@ -261,6 +266,7 @@ impl Broker {
             seen: m.seen.iter().map(|(n, s)| (*n, *s)).collect(),
             ops,
             local_users: local.iter().cloned().collect(),
+            levels: m.levels.iter().map(|(n, l)| (*n, *l)).collect(),
         };
         let data = encode_snapshot(&snap);
         let (index, term, max) = (m.applied, m.applied_term, c.snapshot_max);
@@ -331,6 +337,11 @@ impl Broker {
         }
         m.latest.retain(|_, n| *n > own);
         m.seen = snap.seen.into_iter().collect();
+        for (n, level) in snap.levels {
+            let l = m.levels.entry(n).or_insert(level);
+            *l = (*l).max(level);
+        }
+        let settled: Vec<u64> = m.declares.range(..=own).map(|(n, _)| *n).collect();
         m.next_op = m.next_op.max(own);
         m.applied = index;
         m.applied_term = term;
@@ -351,7 +362,23 @@ impl Broker {
         let ours = |op: &MetaOp| {
             !pending.contains(&op.object()) && user_of(op).is_none_or(|u| !local.contains(u))
         };
-        let there = keyed(snap.ops);
+        // A snapshot of an earlier version names no groups: its queues have their names'.
+        let there = keyed(snap.ops.into_iter().map(|op| match op {
+            MetaOp::DeclareQueue {
+                vhost,
+                name,
+                arguments,
+                leader,
+                group: QueueGroup::Named,
+            } => MetaOp::DeclareQueue {
+                group: QueueGroup::Fixed(super::replicated::group_of(&vhost, &name)),
+                vhost,
+                name,
+                arguments,
+                leader,
+            },
+            op => op,
+        }));
         // Applying one difference can make another: an unbinding auto-deletes its exchange,
         // an exchange declared with another type loses its bindings. So again, with what the
         // node then holds, until nothing differs (a few passes at most).
@@ -387,12 +414,18 @@ impl Broker {
             }
         }
         tracing::info!(index, deleted, changed, "metadata snapshot installed");
+        // Declarations of this node's the snapshot holds: their clients learn what the
+        // queue is now.
+        for number in settled {
+            self.answer_declare(number, None);
+        }
         let Some(c) = self.cluster.as_ref() else {
             return;
         };
         let op = StoreOp::PutMetaApplied {
             index,
             seen: c.meta.seen.iter().map(|(n, s)| (*n, *s)).collect(),
+            levels: c.meta.levels.iter().map(|(n, l)| (*n, *l)).collect(),
         };
         if let Some(p) = self.persist.as_mut() {
             p.push(op, true);

@@ -19,7 +19,7 @@ mod users;
 // The free helpers of each part, for the others.
 use flows::*;
 use metadata::*;
-pub use metadata_group::{GroupChange, MetaClosed};
+pub use metadata_group::{DeclareAnswer, GroupChange, MetaClosed, DECLARE_WAIT_MS};
 use persistence::*;
 use publish::*;
 pub use remote_get::{GetAnswer, Got, GET_WAIT_MS};
@@ -54,7 +54,7 @@ use crate::queue::Queue;
 use crate::small::Small;
 use crate::stats::Counted;
 use crate::{
-    BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Delivery, Message, QueueDeclared,
+    BrokerConfig, ConnId, ConsumerKey, DeclareQueue, Declared, Delivery, Message, QueueDeclared,
     QueueDeleted, QueueId, Routed,
 };
 
@@ -139,6 +139,9 @@ pub struct Broker {
     meta_quiet: bool,
     /// The node the metadata entry being applied chose for a new queue's first leader.
     leader_hint: Option<u64>,
+    /// The Raft group the metadata log (or the store) gives the queue being declared;
+    /// `None`: its name's (`group_of`).
+    group_hint: Option<u64>,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
     /// Maintenance mode ([`Broker::set_draining`]).
@@ -326,6 +329,7 @@ impl Broker {
             restoring: false,
             meta_quiet: false,
             leader_hint: None,
+            group_hint: None,
             access: crate::access::Access::default(),
             limits: crate::limits::LimitTable::default(),
             policies: crate::policy::PolicyTable::default(),

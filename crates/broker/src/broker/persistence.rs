@@ -255,6 +255,7 @@ impl Broker {
         let arguments = restorable(&def.arguments, "queue", &def.name, &def.vhost)
             .unwrap_or_else(|| def.arguments.clone());
         let declared = self.restoring(|b| {
+            b.group_hint = def.group;
             b.declare_queue(
                 &def.vhost,
                 DeclareQueue {

@@ -193,6 +193,7 @@ impl Broker {
                     key,
                     auto_delete: q.auto_delete,
                     arguments: q.arguments.detached(),
+                    group: super::replicated::stored_group(q),
                 }),
                 true,
             );

@@ -262,6 +262,25 @@ pub fn group_of(vhost: &str, name: &str) -> u64 {
     (warren_queue::stable_hash::hash_bytes(&key) >> 1).max(1)
 }
 
+/// The Raft group of a replicated queue the metadata log created at `index`: a queue deleted
+/// and declared again is another group, so a member of the old one (a node away meanwhile,
+/// with its higher term and longer log) can take no part in the new one's elections.
+pub fn group_placed(vhost: &str, name: &str, index: u64) -> u64 {
+    let mut key = Vec::with_capacity(13 + vhost.len() + name.len());
+    key.push(b'p');
+    key.extend_from_slice(&index.to_be_bytes());
+    key.extend_from_slice(&u32::try_from(vhost.len()).unwrap_or(u32::MAX).to_be_bytes());
+    key.extend_from_slice(vhost.as_bytes());
+    key.extend_from_slice(name.as_bytes());
+    (warren_queue::stable_hash::hash_bytes(&key) >> 1).max(1)
+}
+
+/// The group a replicated queue's records name: `None` when it is its name's.
+pub(super) fn stored_group(q: &Queue) -> Option<u64> {
+    let group = q.replica.as_ref()?.group;
+    (group != group_of(&q.vhost, &q.name)).then_some(group)
+}
+
 impl Broker {
     /// Makes this broker node `node` of the cluster of `nodes`: queues declared with
     /// `x-queue-type: quorum` from now on are replicated (their commands go to
@@ -718,18 +737,17 @@ impl Broker {
     /// fewest queues; declared from the metadata group, the node its entry names; from the
     /// store (a restart), none: the group waits to hear from its leader.
     pub(super) fn attach_replica(&mut self, q: &mut Queue) -> Option<NodeId> {
+        let placed = self.group_hint.take();
         if self.cluster.is_none() || q.args.queue_type != QueueType::Quorum {
             return None;
         }
-        let chosen = match (self.restoring, q.args.balanced_leader) {
-            (true, _) => self.leader_hint.take(),
-            // A node in maintenance mode places no leader on itself (RabbitMQ's drain).
-            (false, true) => self.least_leading_node(),
-            (false, false) if self.draining => self.least_leading_node(),
-            (false, false) => self.cluster_node(),
+        let chosen = if self.restoring {
+            self.leader_hint.take()
+        } else {
+            self.first_leader(q.args.balanced_leader)
         };
         let c = self.cluster.as_mut()?;
-        let group = group_of(&q.vhost, &q.name);
+        let group = placed.unwrap_or_else(|| group_of(&q.vhost, &q.name));
         c.groups.insert(group, q.id);
         let mut r = ReplicaState::new(group);
         r.chosen = chosen;
@@ -741,6 +759,18 @@ impl Broker {
                 campaign: chosen == Some(c.node),
             });
         chosen
+    }
+
+    /// The node to stand for a new queue's first leader when a client declares it here:
+    /// this one (`client-local`), or with `balanced` (or while this node is drained: a node
+    /// in maintenance mode places no leader on itself, as RabbitMQ's drain) the running node
+    /// that leads the fewest.
+    pub(super) fn first_leader(&self, balanced: bool) -> Option<NodeId> {
+        if balanced || self.draining {
+            self.least_leading_node()
+        } else {
+            self.cluster_node()
+        }
     }
 
     /// The running node (this one, or a peer not seen down) that leads the fewest replicated

@@ -361,7 +361,11 @@ impl Broker {
             }
             StoreOp::PutPolicy(def) => self.restore_policy(def)?,
             StoreOp::PutParameter(def) => self.restore_parameter(def)?,
-            StoreOp::PutMetaApplied { index, seen } => self.restore_meta_applied(*index, seen),
+            StoreOp::PutMetaApplied {
+                index,
+                seen,
+                levels,
+            } => self.restore_meta_applied(*index, seen, levels),
             StoreOp::PutMetaPending { number, data } => self.restore_meta_pending(*number, data),
             StoreOp::PutAccessKey(key) => {
                 self.access.put_access_key(key.clone()).map_err(refused)?

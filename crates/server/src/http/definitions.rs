@@ -216,8 +216,12 @@ fn list<'a>(defs: &'a Value, k: &str) -> &'a [Value] {
 /// Declares what `defs` holds: vhosts, users, permissions, exchanges, queues, bindings, in
 /// that order (as RabbitMQ does), with user and vhost limits, policies and shovels. Objects
 /// that exist already must be equivalent. Runtime parameters of other components (federation)
-/// are not imported (logged).
-pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), ApiError> {
+/// are not imported (logged). In a cluster, quorum queues are made by the metadata log:
+/// their tickets are returned, for the caller to wait on ([`NodeHandle::declared`]), and
+/// bindings to them go to the log after them.
+///
+/// [`NodeHandle::declared`]: crate::driver::NodeHandle::declared
+pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u64>, ApiError> {
     if !defs.is_object() {
         return Err(ApiError::bad_request("definitions must be a JSON object"));
     }
@@ -303,7 +307,9 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     let field = |v: &Value, k: &str| text(v, k, "permission").map(str::to_owned);
-    api.node.write(|n, _| -> Result<(), ApiError> {
+    api.node.write(|n, _| -> Result<Vec<u64>, ApiError> {
+        let mut waiting: Vec<u64> = Vec::new();
+        let mut made_by_log: std::collections::BTreeSet<(String, String)> = Default::default();
         if only_vhost.is_none() {
             for v in list(defs, "vhosts") {
                 let name = text(v, "name", "vhost")?;
@@ -384,7 +390,16 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
                 arguments: to_table(q.get("arguments").unwrap_or(&Value::Null))
                     .map_err(ApiError::bad_request)?,
             };
-            n.broker_mut().declare_queue(&vhost, req, API_CONN)?;
+            match n
+                .broker_mut()
+                .declare_queue_as(&vhost, req, API_CONN, None)?
+            {
+                warren_broker::Declared::Now(_) => {}
+                warren_broker::Declared::Waiting(ticket) => {
+                    waiting.push(ticket);
+                    made_by_log.insert((vhost, name.to_owned()));
+                }
+            }
         }
         for b in list(defs, "bindings") {
             let vhost = vhost_of(b)?;
@@ -393,7 +408,13 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
             let key = b.get("routing_key").and_then(Value::as_str).unwrap_or("");
             let args = to_table(b.get("arguments").unwrap_or(&Value::Null))
                 .map_err(ApiError::bad_request)?;
-            match text(b, "destination_type", "binding")? {
+            let kind = text(b, "destination_type", "binding")?;
+            if kind == "queue" && made_by_log.contains(&(vhost.clone(), dest.to_owned())) {
+                n.broker_mut()
+                    .bind_declared_queue(&vhost, dest, source, key, &args)?;
+                continue;
+            }
+            match kind {
                 "queue" => n
                     .broker_mut()
                     .bind_queue(&vhost, dest, source, key, &args, API_CONN)?,
@@ -415,6 +436,14 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<(), A
                 ApiError::bad_request(format!("shovel: vhost '{vhost}' does not exist"))
             })?;
         }
-        Ok(())
+        Ok(waiting)
     })?
+}
+
+/// Waits for the quorum queues an import declared through the cluster's metadata log.
+pub async fn made(api: &Api, waiting: Vec<u64>) -> Result<(), ApiError> {
+    for ticket in waiting {
+        api.node.declared(ticket).await?;
+    }
+    Ok(())
 }

@@ -881,16 +881,20 @@ async fn put_queue(
     if name.is_empty() {
         return Err(ApiError::bad_request("queue name must not be empty"));
     }
-    let existed = api.node.write(|n, _| {
+    let (existed, declared) = api.node.write(|n, _| {
         let existed = n.broker().queue_id(&vhost, &name).is_some();
         let needs = [Need::On(Perm::Configure, Resource::Queue(&name))];
         who.permit_in(n.broker().access(), &vhost, &needs, Via::Direct)?;
         // As the user, for the dead-letter exchange's checks of queue.declare.
         n.broker_mut()
             .declare_queue_as(&vhost, req, API_CONN, Some(&who.name))
-            .map(|_| existed)
+            .map(|d| (existed, d))
             .map_err(ApiError::from)
     })??;
+    if let warren_broker::Declared::Waiting(ticket) = declared {
+        // A quorum queue in a cluster: made once the metadata log has it.
+        api.node.declared(ticket).await?;
+    }
     if existed {
         no_content()
     } else {
@@ -1577,7 +1581,8 @@ fn attachment(v: Value) -> Response {
 
 async fn import_definitions(State(api): ApiState, _: Admin, body: Bytes) -> Answer {
     let defs = body_json(&body)?;
-    super::definitions::import(&api, &defs, None)?;
+    let waiting = super::definitions::import(&api, &defs, None)?;
+    super::definitions::made(&api, waiting).await?;
     no_content()
 }
 
@@ -1589,7 +1594,8 @@ async fn import_definitions_vhost(
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
     let defs = body_json(&body)?;
-    super::definitions::import(&api, &defs, Some(&vhost))?;
+    let waiting = super::definitions::import(&api, &defs, Some(&vhost))?;
+    super::definitions::made(&api, waiting).await?;
     no_content()
 }
 

@@ -450,7 +450,8 @@ pub async fn create(
     if !tags.is_empty() {
         put_tags(&mut args, &tags, &[])?;
     }
-    sqs.node
+    let declared = sqs
+        .node
         .write_async(|n, _| {
             ctx.permit(
                 n.broker().access(),
@@ -467,7 +468,7 @@ pub async fn create(
                 if !differ.is_empty() {
                     return Err(SqsError::queue_exists(&differ.join(", ")));
                 }
-                return Ok(());
+                return Ok(None);
             }
             check_redrive_target(n, &vhost, &args)?;
             let req = DeclareQueue {
@@ -481,10 +482,14 @@ pub async fn create(
             };
             n.broker_mut()
                 .declare_queue_as(&vhost, req, API_CONN, Some(&ctx.user))
-                .map(|_| ())
+                .map(Some)
                 .map_err(amqp)
         })
         .await??;
+    if let Some(warren_broker::Declared::Waiting(ticket)) = declared {
+        // A quorum queue in a cluster: made once the metadata log has it.
+        sqs.node.declared(ticket).await.map_err(amqp)?;
+    }
     tracing::info!(vhost = %vhost, queue = %name, user = %ctx.user, "SQS CreateQueue");
     let mut out = Map::new();
     out.insert(
