@@ -441,9 +441,26 @@ async fn a_consumer_on_a_follower_gets_every_message_and_carries_on_when_the_lea
     // next reaches it through the new leader.
     c.node_mut(leader).stop(true);
     let (_cp2, chp2) = channel(&c, other).await;
-    publish_confirmed(&chp2, &q, (200..300).map(|i| format!("m{i:03}"))).await;
+    // A publish the new leader gets in its first moments is nacked (it acts once its term's
+    // first entry is applied): the publisher sends it again, so it may arrive twice.
+    let nacks = publish_until_confirmed(&chp2, &q, (200..300).map(|i| format!("m{i:03}"))).await;
     let want: Vec<String> = (200..300).map(|i| format!("m{i:03}")).collect();
-    assert_eq!(take_acked(&mut worker, 100).await, want);
+    let mut got: Vec<String> = Vec::new();
+    let mut deliveries = 0;
+    while got.len() < want.len() {
+        let d = take_acked(&mut worker, 1).await;
+        deliveries += 1;
+        for m in d {
+            if !got.contains(&m) {
+                got.push(m);
+            }
+        }
+    }
+    assert_eq!(got, want, "each at least once, in order");
+    assert!(
+        deliveries <= 100 + nacks,
+        "{deliveries} deliveries, {nacks} nacks"
+    );
     for n in [follower, other] {
         wait_for_messages(&c, n, &q, 0);
     }

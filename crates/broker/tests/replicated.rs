@@ -2320,6 +2320,9 @@ fn two_nodes_changing_one_object_at_once_end_up_with_the_same_one() {
 #[test]
 fn a_metadata_entry_lost_on_its_way_is_sent_again_and_a_copy_is_applied_once() {
     let mut c = Cluster::new();
+    // The nodes' levels told (and told again) first: the entry in flight is the one below.
+    until_levels(&mut c);
+    c.run(40);
     declare_exchange(&mut c, 2, "lost", "direct", true);
     // One step writes the change to the node's store, the next sends it.
     c.step();
@@ -2573,4 +2576,101 @@ fn a_queue_declared_on_two_nodes_at_once_is_one_group_everywhere() {
         .collect();
     assert_eq!(defs[1], defs[0]);
     assert_eq!(defs[2], defs[0]);
+}
+
+/// A deletion made on a node cut off from the others reaches the log late, after the queue
+/// was deleted and declared again elsewhere: it names the group it deleted, so the new queue,
+/// and what it confirmed, stays on every node.
+#[test]
+fn a_late_deletion_of_a_queue_declared_again_since_leaves_the_new_queue() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    c.run(40);
+    let old = c.group;
+    c.isolated.insert(3);
+    // Node 3's entry is held on its way to the metadata leader (node 1).
+    c.hold_forwards = true;
+    c.broker(3)
+        .delete_queue("/", "jobs", false, false, conn(3, 1))
+        .expect("delete on node 3");
+    c.broker(1)
+        .delete_queue("/", "jobs", false, false, conn(1, 1))
+        .expect("delete on node 1");
+    c.run(20);
+    let ticket = declare_waiting(&mut c, 1, "jobs", quorum_args());
+    let declared = declare_answer(&mut c, 1, ticket).expect("declared");
+    let new = c.members[&1]
+        .broker
+        .replica_group(declared.queue)
+        .expect("replicated");
+    assert_ne!(new, old);
+    c.group = new;
+    let leader = c.leader();
+    let batches: Vec<u64> = (0..2).map(|n| c.publish(leader, n)).collect();
+    c.run(40);
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    c.hold_forwards = false;
+    c.isolated.clear();
+    c.run(200);
+    assert_eq!(
+        groups_of(&c, "jobs"),
+        [Some(new); 3],
+        "the new queue everywhere"
+    );
+    c.leader();
+    c.run(40);
+    assert_counts(&c, &NODES, (2, 0));
+}
+
+/// A node away while its queue was deleted and declared again, with a change of its own to
+/// that queue still waiting for the log, catches up from a snapshot: the snapshot's queue of
+/// another group replaces its own all the same, and its change then reaches the new queue,
+/// as on every node.
+#[test]
+fn a_snapshot_replaces_a_queue_of_another_group_even_with_a_change_of_this_nodes_pending() {
+    let mut c = Cluster::snapshotting(2);
+    until_levels(&mut c);
+    c.run(40);
+    let old = c.group;
+    let behind = meta_log_last(&c, 3);
+    c.isolated.insert(3);
+    // Node 3's change is held on its way to the metadata leader: it is still its own when
+    // node 3 installs the snapshot.
+    c.hold_forwards = true;
+    let mut limited = quorum_args();
+    limited.insert("x-max-length", FieldValue::I64(50));
+    c.broker(3)
+        .set_queue_arguments("/", "jobs", limited, None)
+        .expect("a change on node 3");
+    c.broker(1)
+        .delete_queue("/", "jobs", false, false, conn(1, 1))
+        .expect("delete");
+    c.run(20);
+    let ticket = declare_waiting(&mut c, 1, "jobs", quorum_args());
+    declare_answer(&mut c, 1, ticket).expect("declared");
+    c.run(20);
+    let new = groups_of(&c, "jobs")[0].expect("the new queue");
+    assert_ne!(new, old);
+    for n in 0..12 {
+        declare_exchange(&mut c, 1, &format!("filler{n}"), "direct", true);
+        c.run(10);
+    }
+    c.run(40);
+    assert!(meta_log_first(&c, 1) > behind + 1, "not compacted");
+    c.isolated.clear();
+    c.run(200);
+    assert_eq!(
+        groups_of(&c, "jobs"),
+        [Some(new); 3],
+        "the new queue everywhere"
+    );
+    assert!(c.members[&3].removed.contains(&old), "old group given up");
+    c.hold_forwards = false;
+    c.run(200);
+    let defs: Vec<Vec<String>> = NODES
+        .iter()
+        .map(|n| c.members[n].broker.cluster_definitions_text())
+        .collect();
+    assert_eq!(defs[2], defs[0], "node 3 differs from node 1");
+    assert_eq!(defs[1], defs[0], "node 2 differs from node 1");
 }

@@ -26,7 +26,7 @@ const TX_COMMIT: (u16, u16) = (90, 20);
 const BASIC_GET: (u16, u16) = (60, 70);
 const QUEUE_DECLARE: (u16, u16) = (50, 10);
 /// Answers to the management API's quorum queue declarations kept for their callers.
-const API_DECLARES_KEPT: usize = 1024;
+const API_DECLARES_KEPT: usize = 1 << 16;
 
 /// A delivery whose content header its consumer's connection cannot take (see [`fit`]).
 struct Oversized {

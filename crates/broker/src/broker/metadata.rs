@@ -471,6 +471,19 @@ impl Broker {
         let owner = req.exclusive.then_some(conn);
         let durable = req.durable && !req.exclusive;
         let rs = rs("queue", &name, vhost);
+        if let Some(pending) = self
+            .pending_declaration(vhost, &name)
+            .filter(|_| !self.restoring)
+        {
+            // A quorum queue of that name is being made by the cluster for a client here: as
+            // good as there for another declaration (which goes to the log too, if equal).
+            args::assert_args_equivalence(
+                pending,
+                &req.arguments,
+                &rs,
+                QueueType::Quorum.equivalence_keys(),
+            )?;
+        }
 
         if let Some(q) = vh.queues.get(&name).and_then(|id| self.queues.get(id)) {
             // rabbit_amqqueue:assert_equivalence/5
@@ -550,7 +563,7 @@ impl Broker {
             && parsed.queue_type == QueueType::Quorum
             && !self.restoring
             && !self.meta_quiet
-            && self.groups_from_log()
+            && self.cluster.is_some()
         {
             let leader = self.first_leader(parsed.balanced_leader);
             let arguments = req.arguments.detached();

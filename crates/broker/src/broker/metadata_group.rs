@@ -46,6 +46,11 @@ pub const FEATURE_LEVEL: u64 = 1;
 /// client is told it failed (the queue may still be made, when the entry commits later).
 pub const DECLARE_WAIT_MS: u64 = 30_000;
 
+/// A quorum queue made here, with this node for its first leader, is declared to its client
+/// once that leader acts (a publish then is taken at once, not refused as one in an election
+/// is), or after this long.
+const LEADER_WAIT_MS: u64 = 2_000;
+
 /// A quorum queue's declaration made here, waiting for the log to make the queue.
 #[derive(Debug)]
 pub(super) struct PendingDeclare {
@@ -54,6 +59,9 @@ pub(super) struct PendingDeclare {
     name: ShortStr,
     arguments: FieldTable,
     since: u64,
+    /// The log made the queue, here its first leader, at this time: the answer waits for
+    /// that leader to act (at most `LEADER_WAIT_MS`).
+    made: Option<u64>,
 }
 
 /// The answer to a quorum queue's declaration that waited for the metadata log
@@ -129,6 +137,8 @@ pub(crate) struct MetaState {
     pub(super) levels: BTreeMap<NodeId, u64>,
     /// This node announced its level since it started.
     level_announced: bool,
+    /// Another node's level changed in the log: this node announces its own again.
+    level_wanted: bool,
     /// Quorum queues' declarations made here and waiting for the log, by change number
     /// (their ticket), and the answers not taken yet.
     pub(super) declares: BTreeMap<u64, PendingDeclare>,
@@ -330,13 +340,19 @@ impl Broker {
         leader: Option<NodeId>,
         conn: ConnId,
     ) -> Option<u64> {
+        // Numbered by the log once every node can; by its name while one may not.
+        let group = if self.groups_from_log() {
+            QueueGroup::FromLog
+        } else {
+            QueueGroup::ByName
+        };
         let number = self.announce_as(
             MetaOp::DeclareQueue {
                 vhost: vhost.to_owned(),
                 name: name.clone(),
                 arguments: arguments.detached(),
                 leader,
-                group: QueueGroup::FromLog,
+                group,
             },
             false,
         )?;
@@ -350,9 +366,22 @@ impl Broker {
                 name,
                 arguments,
                 since,
+                made: None,
             },
         );
         Some(number)
+    }
+
+    /// The arguments of a quorum queue's declaration here that waits for the log: another
+    /// declaration of that name meanwhile must be equivalent to it.
+    pub(super) fn pending_declaration(&self, vhost: &str, name: &str) -> Option<&FieldTable> {
+        self.cluster
+            .as_ref()?
+            .meta
+            .declares
+            .values()
+            .find(|w| w.vhost == vhost && w.name.as_str() == name)
+            .map(|w| &w.arguments)
     }
 
     /// Answers for declarations that waited for the log, since the last call.
@@ -367,6 +396,55 @@ impl Broker {
         self.cluster
             .as_ref()
             .is_some_and(|c| !c.meta.declare_answers.is_empty())
+    }
+
+    /// The log applied this node's declaration `number`: answered now, or, when it made the
+    /// queue with this node for its first leader, once that leader acts.
+    fn settle_declare(&mut self, number: u64, error: Option<AmqpError>) {
+        let now = self.now_ms;
+        let node = self.cluster_node();
+        let waits_for_leader = error.is_none()
+            && self.cluster.as_ref().is_some_and(|c| {
+                c.meta.declares.get(&number).is_some_and(|w| {
+                    self.queue_id(&w.vhost, &w.name)
+                        .and_then(|id| self.queues.get(&id))
+                        .and_then(|q| q.replica.as_ref())
+                        .is_some_and(|r| r.chosen == node && node.is_some() && !r.is_leading())
+                })
+            });
+        if waits_for_leader {
+            if let Some(w) = self
+                .cluster
+                .as_mut()
+                .and_then(|c| c.meta.declares.get_mut(&number))
+            {
+                w.made = Some(now);
+            }
+            return;
+        }
+        self.answer_declare(number, error);
+    }
+
+    /// Replicated queue `id` acts under its leader here: the declarations that made it
+    /// here are answered.
+    pub(super) fn leader_acts(&mut self, id: QueueId) {
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        let (vhost, name) = (q.vhost.clone(), q.name.clone());
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
+        let made: Vec<u64> = c
+            .meta
+            .declares
+            .iter()
+            .filter(|(_, w)| w.made.is_some() && w.vhost == vhost && w.name == name)
+            .map(|(n, _)| *n)
+            .collect();
+        for number in made {
+            self.answer_declare(number, None);
+        }
     }
 
     /// The log applied this node's declaration `number` (or a snapshot holding it): its
@@ -419,11 +497,29 @@ impl Broker {
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
+        // Made, and its leader slow to act: answered all the same (a publish before it
+        // acts is nacked, as in any election).
+        let made: Vec<u64> = c
+            .meta
+            .declares
+            .iter()
+            .filter(|(_, w)| {
+                w.made
+                    .is_some_and(|at| now.saturating_sub(at) >= LEADER_WAIT_MS)
+            })
+            .map(|(n, _)| *n)
+            .collect();
+        for number in made {
+            self.answer_declare(number, None);
+        }
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
         let late: Vec<u64> = c
             .meta
             .declares
             .iter()
-            .filter(|(_, w)| now.saturating_sub(w.since) >= DECLARE_WAIT_MS)
+            .filter(|(_, w)| w.made.is_none() && now.saturating_sub(w.since) >= DECLARE_WAIT_MS)
             .map(|(n, _)| *n)
             .collect();
         for number in late {
@@ -461,10 +557,11 @@ impl Broker {
     }
 
     /// A replicated queue was deleted by a client here.
-    pub(super) fn announce_delete(&mut self, vhost: &str, name: &ShortStr) {
+    pub(super) fn announce_delete(&mut self, vhost: &str, name: &ShortStr, group: u64) {
         self.announce(MetaOp::DeleteQueue {
             vhost: vhost.to_owned(),
             name: name.clone(),
+            group: Some(group),
         });
     }
 
@@ -574,7 +671,10 @@ impl Broker {
         let declare = m
             .declares
             .values()
-            .map(|w| w.since.saturating_add(DECLARE_WAIT_MS))
+            .map(|w| match w.made {
+                Some(at) => at.saturating_add(LEADER_WAIT_MS),
+                None => w.since.saturating_add(DECLARE_WAIT_MS),
+            })
             .min();
         // With no leader there is nowhere to send it: the next leader gets it at once.
         let resend = m.leader.and(
@@ -609,6 +709,16 @@ impl Broker {
         let before = self.cluster.as_ref().map_or(0, |c| c.meta.applied);
         for e in entries {
             self.apply_meta_entry(e);
+        }
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if std::mem::take(&mut c.meta.level_wanted) {
+            let node = c.node();
+            self.announce(MetaOp::FeatureLevel {
+                node,
+                level: FEATURE_LEVEL,
+            });
         }
         let Some(c) = self.cluster.as_ref() else {
             return;
@@ -683,7 +793,7 @@ impl Broker {
             let through_log = matches!(
                 op,
                 MetaOp::DeclareQueue {
-                    group: QueueGroup::FromLog,
+                    group: QueueGroup::FromLog | QueueGroup::ByName,
                     ..
                 }
             );
@@ -724,12 +834,16 @@ impl Broker {
                     name,
                     arguments,
                     leader,
-                    group: QueueGroup::FromLog,
+                    group: group @ (QueueGroup::FromLog | QueueGroup::ByName),
                 } => {
-                    let group = super::replicated::group_placed(&vhost, &name, e.index);
+                    let group = if group == QueueGroup::FromLog {
+                        super::replicated::group_placed(&vhost, &name, e.index)
+                    } else {
+                        super::replicated::group_of(&vhost, &name)
+                    };
                     let error = self.make_placed_queue(&vhost, name, arguments, leader, group);
                     if mine {
-                        self.answer_declare(number, error);
+                        self.settle_declare(number, error);
                     }
                 }
                 op => self.apply_meta_op(op),
@@ -748,7 +862,10 @@ impl Broker {
         leader: Option<NodeId>,
         group: u64,
     ) -> Option<AmqpError> {
-        if self.queue_id(vhost, &name).is_some() {
+        if let Some(id) = self.queue_id(vhost, &name) {
+            if self.replica_group(id).is_none() {
+                tracing::warn!(%vhost, queue = %name, "a quorum queue the cluster made has the name of a queue of this node's own: this node keeps its queue and is no member of the cluster's");
+            }
             return None;
         }
         let req = DeclareQueue {
@@ -797,8 +914,10 @@ impl Broker {
                 let group = match group {
                     QueueGroup::Named => None,
                     QueueGroup::Fixed(g) => Some(g),
-                    // Only an entry gives the number (`apply_meta_entry`).
-                    QueueGroup::FromLog => return Some("a declaration without its index".into()),
+                    // Only an entry makes these (`apply_meta_entry`).
+                    QueueGroup::FromLog | QueueGroup::ByName => {
+                        return Some("a declaration made by the log, outside an entry".into())
+                    }
                 };
                 let existing = self.queue_id(&vhost, &name);
                 if let Some(id) = existing.filter(|id| {
@@ -851,9 +970,14 @@ impl Broker {
                 self.group_hint = None;
                 declared.err().and_then(err)
             }
-            MetaOp::DeleteQueue { vhost, name } => {
+            MetaOp::DeleteQueue { vhost, name, group } => {
                 let id = self.queue_id(&vhost, &name)?;
-                self.replica_group(id)?;
+                let had = self.replica_group(id)?;
+                if group.is_some_and(|g| g != had) {
+                    // A deletion of the queue's earlier incarnation, applied late: this one
+                    // was declared since, and stays.
+                    return None;
+                }
                 self.restoring = true;
                 let deleted = self.remove_queue(id);
                 self.restoring = false;
@@ -1000,7 +1124,13 @@ impl Broker {
             }
             MetaOp::FeatureLevel { node, level } => {
                 if let Some(c) = self.cluster.as_mut() {
-                    c.meta.levels.insert(node, level);
+                    let changed = c.meta.levels.insert(node, level) != Some(level);
+                    // A node that ran an earlier version skipped the others' levels: it
+                    // learns them when they announce theirs again.
+                    let me = c.node();
+                    if changed && node != me && c.meta.levels.contains_key(&me) {
+                        c.meta.level_wanted = true;
+                    }
                 }
                 None
             }
@@ -1048,7 +1178,7 @@ impl Broker {
         let through_log = matches!(
             op,
             MetaOp::DeclareQueue {
-                group: QueueGroup::FromLog,
+                group: QueueGroup::FromLog | QueueGroup::ByName,
                 ..
             }
         );
@@ -1187,17 +1317,55 @@ mod tests {
             own(2, out[0].clone()),
         ]);
         assert_eq!(b.cluster_feature_level(), Some(0));
-        // Node 3 may run an earlier version: the queue is made here and announced.
-        let now = b.declare_queue_as("/", quorum("early"), 5, None);
-        assert!(matches!(now, Ok(Declared::Now(_))), "{now:?}");
-        let named = b.queue_id("/", "early").and_then(|id| b.replica_group(id));
-        assert_eq!(named, Some(group_of("/", "early")));
-        let early = sent(&mut b);
+        // Node 3 may run an earlier version: the log makes the queue with its name's group.
+        let Ok(Declared::Waiting(early)) = b.declare_queue_as("/", quorum("early"), 5, None) else {
+            panic!("not through the log");
+        };
+        assert_eq!(b.queue_id("/", "early"), None, "made only by the log");
+        let out = sent(&mut b);
+        let entry = out.first().and_then(decode_entry).expect("sent");
+        assert!(
+            matches!(
+                entry.ops.first(),
+                Some((
+                    _,
+                    MetaOp::DeclareQueue {
+                        group: QueueGroup::ByName,
+                        ..
+                    }
+                ))
+            ),
+            "{entry:?}"
+        );
         b.apply_committed(&[
-            own(3, early[0].clone()),
+            own(3, out[0].clone()),
             entry_from(3, 4, 100, MetaOp::FeatureLevel { node: 3, level: 1 }),
         ]);
+        // A level new to it: this node tells its own again (node 3 may have missed it).
+        let again = sent(&mut b);
+        let level = again.first().and_then(decode_entry).expect("sent again");
+        assert_eq!(
+            level.ops.first().map(|(_, op)| op),
+            Some(&MetaOp::FeatureLevel {
+                node: 2,
+                level: FEATURE_LEVEL
+            })
+        );
+        b.apply_committed(&[own(5, again[0].clone())]);
+        let named = b.queue_id("/", "early").and_then(|id| b.replica_group(id));
+        assert_eq!(named, Some(group_of("/", "early")));
         assert_eq!(b.cluster_feature_level(), Some(1));
+        // Its first leader is this node: the answer waits for it to act, 2 s at most.
+        let mut answers = Vec::new();
+        b.take_declare_answers(&mut answers);
+        assert!(answers.is_empty(), "{answers:?}");
+        let now = b.now_ms;
+        b.tick(now + LEADER_WAIT_MS);
+        b.take_declare_answers(&mut answers);
+        assert_eq!(
+            answers.pop().map(|a| (a.ticket, a.result.is_ok())),
+            Some((early, true))
+        );
         let ticket = match b.declare_queue_as("/", quorum("jobs"), 5, None) {
             Ok(Declared::Waiting(t)) => t,
             other => panic!("not through the log: {other:?}"),
@@ -1223,7 +1391,8 @@ mod tests {
                 campaign: true
             }]
         );
-        let mut answers = Vec::new();
+        let now = b.now_ms;
+        b.tick(now + LEADER_WAIT_MS);
         b.take_declare_answers(&mut answers);
         assert_eq!(answers.len(), 1);
         assert_eq!(answers[0].ticket, ticket);
@@ -1248,6 +1417,9 @@ mod tests {
             .map(|n| entry_from(1, n, 200 + n, MetaOp::FeatureLevel { node: n, level: 1 }))
             .collect();
         b.apply_committed(&levels);
+        let again = sent(&mut b);
+        assert_eq!(again.len(), 1, "this node's level told again");
+        b.apply_committed(&[own(4, again[0].clone())]);
         let start = b.now_ms;
         let Ok(Declared::Waiting(slow)) = b.declare_queue_as("/", quorum("slow"), 5, None) else {
             panic!("not through the log");

@@ -43,6 +43,9 @@ pub(crate) enum MetaOp {
     DeleteQueue {
         vhost: String,
         name: ShortStr,
+        /// The group of the queue deleted (absent in entries of earlier versions): a node
+        /// holding the queue under another group (declared again since) keeps it.
+        group: Option<u64>,
     },
     /// A replicated queue's arguments replaced (SQS's SetQueueAttributes and tags). Unknown
     /// to nodes of earlier versions: it travels in an entry of its own.
@@ -116,9 +119,13 @@ pub(crate) enum MetaOp {
 /// Which Raft group a replicated queue's declaration gives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum QueueGroup {
-    /// The number its vhost and name give (`group_of`): entries of earlier versions, and
-    /// queues declared before every node could number groups by the log.
+    /// The number its vhost and name give (`group_of`), the queue made ahead by its node:
+    /// entries of earlier versions, and declarations that cannot wait.
     Named,
+    /// The number its name gives, the queue made when the log applies the entry, on every
+    /// node alike: while a node of the cluster may run an earlier version (which reads it as
+    /// `Named`).
+    ByName,
     /// The number of the log index the entry is applied at (`group_placed`): the declaring
     /// node makes the queue only then, as every other node does.
     FromLog,
@@ -162,7 +169,7 @@ impl MetaOp {
     pub(super) fn object(&self) -> String {
         match self {
             MetaOp::DeclareQueue { vhost, name, .. }
-            | MetaOp::DeleteQueue { vhost, name }
+            | MetaOp::DeleteQueue { vhost, name, .. }
             | MetaOp::SetQueueArguments { vhost, name, .. } => format!("q\0{vhost}\0{name}"),
             MetaOp::DeclareExchange { vhost, name, .. }
             | MetaOp::DeleteExchange { vhost, name } => {
@@ -283,6 +290,7 @@ fn op_table(op: &MetaOp) -> FieldTable {
             // Only where it is not the name's: entries older versions read alike.
             match group {
                 QueueGroup::Named => {}
+                QueueGroup::ByName => flag(&mut t, "made_by_log", true),
                 QueueGroup::FromLog => flag(&mut t, "group_from_log", true),
                 QueueGroup::Fixed(g) => {
                     t.insert("group", FieldValue::U64(*g));
@@ -290,9 +298,12 @@ fn op_table(op: &MetaOp) -> FieldTable {
             }
             "declare_queue"
         }
-        MetaOp::DeleteQueue { vhost, name } => {
+        MetaOp::DeleteQueue { vhost, name, group } => {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
+            if let Some(g) = group {
+                t.insert("group", FieldValue::U64(*g));
+            }
             "delete_queue"
         }
         MetaOp::SetQueueArguments {
@@ -553,15 +564,24 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
                 None => None,
                 Some(v) => Some(u64::try_from(v.as_i64()?).ok()?),
             },
-            group: match (t.get("group"), f.flag("group_from_log")) {
-                (Some(g), _) => QueueGroup::Fixed(g.as_u64()?),
-                (None, Some(true)) => QueueGroup::FromLog,
-                (None, _) => QueueGroup::Named,
+            group: match (
+                t.get("group"),
+                f.flag("group_from_log"),
+                f.flag("made_by_log"),
+            ) {
+                (Some(g), _, _) => QueueGroup::Fixed(g.as_u64()?),
+                (None, Some(true), _) => QueueGroup::FromLog,
+                (None, _, Some(true)) => QueueGroup::ByName,
+                (None, _, _) => QueueGroup::Named,
             },
         },
         "delete_queue" => MetaOp::DeleteQueue {
             vhost: f.text("vhost")?,
             name: ShortStr::from_string(f.text("name")?),
+            group: match t.get("group") {
+                None => None,
+                Some(g) => Some(g.as_u64()?),
+            },
         },
         "set_queue_arguments" => MetaOp::SetQueueArguments {
             vhost: f.text("vhost")?,
@@ -942,6 +962,7 @@ mod tests {
             MetaOp::DeleteQueue {
                 vhost: "/".into(),
                 name: ShortStr::from_static("jobs"),
+                group: None,
             },
             MetaOp::SetQueueArguments {
                 vhost: "/".into(),
@@ -1082,6 +1103,18 @@ mod tests {
                 group: QueueGroup::Fixed(u64::MAX >> 1),
             },
             MetaOp::FeatureLevel { node: 3, level: 1 },
+            MetaOp::DeclareQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("placed"),
+                arguments: FieldTable::new(),
+                leader: Some(1),
+                group: QueueGroup::ByName,
+            },
+            MetaOp::DeleteQueue {
+                vhost: "/".into(),
+                name: ShortStr::from_static("placed"),
+                group: Some(7),
+            },
         ]
     }
 
@@ -1122,7 +1155,8 @@ mod tests {
                 0,
                 MetaOp::DeleteQueue {
                     vhost: "/".into(),
-                    name: ShortStr::from_static("jobs")
+                    name: ShortStr::from_static("jobs"),
+                    group: None,
                 }
             )]
         );

@@ -55,9 +55,15 @@ fn rank(op: &MetaOp) -> u8 {
 /// The operation that removes what `op` makes.
 fn undo(op: &MetaOp) -> Option<MetaOp> {
     Some(match op {
-        MetaOp::DeclareQueue { vhost, name, .. } => MetaOp::DeleteQueue {
+        MetaOp::DeclareQueue {
+            vhost, name, group, ..
+        } => MetaOp::DeleteQueue {
             vhost: vhost.clone(),
             name: name.clone(),
+            group: match group {
+                QueueGroup::Fixed(g) => Some(*g),
+                _ => None,
+            },
         },
         MetaOp::DeclareExchange { vhost, name, .. } => MetaOp::DeleteExchange {
             vhost: vhost.clone(),
@@ -300,6 +306,25 @@ impl Broker {
         });
     }
 
+    /// `op` is a snapshot's quorum queue that this node holds under another group: the queue
+    /// was deleted and declared again while this node was away. Replaced even when this node
+    /// has a change of its own to it waiting for the log (that change then reaches the new
+    /// queue, as on every other node).
+    fn holds_other_group(&self, op: &MetaOp) -> bool {
+        let MetaOp::DeclareQueue {
+            vhost,
+            name,
+            group: QueueGroup::Fixed(g),
+            ..
+        } = op
+        else {
+            return false;
+        };
+        self.queue_id(vhost, name)
+            .and_then(|id| self.replica_group(id))
+            .is_some_and(|had| had != *g)
+    }
+
     /// A snapshot of the metadata group at `index`: from the leader, for a node too far
     /// behind, or read back at a start when the store holds less than the snapshot.
     pub(super) fn install_meta_snapshot(&mut self, index: u64, term: u64, data: &bytes::Bytes) {
@@ -393,7 +418,9 @@ impl Broker {
                 .collect();
             let differ: Vec<MetaOp> = there
                 .iter()
-                .filter(|(k, op)| ours(op) && here.get(*k) != Some(*op))
+                .filter(|(k, op)| {
+                    (ours(op) || self.holds_other_group(op)) && here.get(*k) != Some(*op)
+                })
                 .map(|(_, op)| op.clone())
                 .collect();
             if gone.is_empty() && differ.is_empty() {

@@ -268,7 +268,10 @@ impl Broker {
                 },
                 0,
             )
-        })?;
+        });
+        // Taken by the queue it was meant for, unless the declaration made none.
+        self.group_hint = None;
+        let declared = declared?;
         if let Some(q) = self.queues.get_mut(&declared.queue) {
             q.store_key = Some(def.key);
         }

@@ -830,7 +830,7 @@ impl Broker {
                 c.settle(o);
             }
             if !self.restoring {
-                self.announce_delete(&q.vhost, &q.name);
+                self.announce_delete(&q.vhost, &q.name, r.group);
             }
         }
     }
@@ -1989,6 +1989,7 @@ impl Broker {
         let low_water = (self.config.page_window / 2).max(1) as usize;
         mark_dirty(&mut self.dirty, q, low_water, self.now_ms);
         tracing::info!(queue = %q.name, vhost = %q.vhost, "leads its replicated queue");
+        self.leader_acts(id);
     }
 }
 
