@@ -559,15 +559,7 @@ impl MultiRaft {
         // raft-rs draws election timeouts from the thread's RNG; a range of one value, different
         // on each member of a group, keeps runs deterministic and still breaks split votes.
         let spread = (self.cfg.election_tick as u64 / n.max(1)).max(2);
-        // The node that stands for a new group's first leader campaigns before its peers may
-        // have made the group (they apply the metadata entry that makes it a moment later), so
-        // its first campaign can go unanswered: the shortest timeout, running from before
-        // theirs, makes its next one come first, whatever the group's number.
-        let min = if campaign {
-            self.cfg.election_tick
-        } else {
-            self.cfg.election_tick + (((pos + id.0) % n) * spread) as usize
-        };
+        let min = self.cfg.election_tick + (((pos + id.0) % n) * spread) as usize;
         let rc = raft::Config {
             id: self.cfg.node,
             election_tick: self.cfg.election_tick,

@@ -142,6 +142,10 @@ pub(crate) struct MetaState {
     /// Quorum queues' declarations made here and waiting for the log, by change number
     /// (their ticket), and the answers not taken yet.
     pub(super) declares: BTreeMap<u64, PendingDeclare>,
+    /// This node's declarations that go through the log and that it has not applied yet, by
+    /// object: their number and arguments (another declaration of that name here meanwhile
+    /// must be equivalent, or the log's queue could not be made here).
+    pub(super) through_log: HashMap<String, (u64, FieldTable)>,
     declare_answers: Vec<DeclareAnswer>,
 }
 
@@ -358,6 +362,10 @@ impl Broker {
         )?;
         let since = self.now_ms;
         let c = self.cluster.as_mut()?;
+        c.meta.through_log.insert(
+            super::metadata_ops::queue_object(vhost, &name),
+            (number, arguments.detached()),
+        );
         c.meta.declares.insert(
             number,
             PendingDeclare {
@@ -378,10 +386,9 @@ impl Broker {
         self.cluster
             .as_ref()?
             .meta
-            .declares
-            .values()
-            .find(|w| w.vhost == vhost && w.name.as_str() == name)
-            .map(|w| &w.arguments)
+            .through_log
+            .get(&super::metadata_ops::queue_object(vhost, name))
+            .map(|(_, arguments)| arguments)
     }
 
     /// Answers for declarations that waited for the log, since the last call.
@@ -409,7 +416,12 @@ impl Broker {
                     self.queue_id(&w.vhost, &w.name)
                         .and_then(|id| self.queues.get(&id))
                         .and_then(|q| q.replica.as_ref())
-                        .is_some_and(|r| r.chosen == node && node.is_some() && !r.is_leading())
+                        .is_some_and(|r| {
+                            r.chosen == node
+                                && node.is_some()
+                                && r.leader.is_none_or(|l| Some(l) == node)
+                                && !r.is_leading()
+                        })
                 })
             });
         if waits_for_leader {
@@ -425,8 +437,8 @@ impl Broker {
         self.answer_declare(number, error);
     }
 
-    /// Replicated queue `id` acts under its leader here: the declarations that made it
-    /// here are answered.
+    /// Replicated queue `id` has a leader that acts (this node, or another one): the
+    /// declarations that made it here are answered.
     pub(super) fn leader_acts(&mut self, id: QueueId) {
         let Some(q) = self.queues.get(&id) else {
             return;
@@ -797,6 +809,15 @@ impl Broker {
                     ..
                 }
             );
+            if mine && through_log {
+                let object = op.object();
+                if m.through_log
+                    .get(&object)
+                    .is_some_and(|(n, _)| *n <= number)
+                {
+                    m.through_log.remove(&object);
+                }
+            }
             if mine && !through_log {
                 // Applied here when it was made: again only while it is the latest change
                 // to its object (another node's change to it may have come between).
@@ -1182,7 +1203,15 @@ impl Broker {
                 ..
             }
         );
-        if !through_log {
+        if let (
+            true,
+            MetaOp::DeclareQueue {
+                arguments: args, ..
+            },
+        ) = (through_log, &op)
+        {
+            m.through_log.insert(op.object(), (number, args.detached()));
+        } else {
             let latest = m.latest.entry(op.object()).or_insert(number);
             *latest = (*latest).max(number);
         }

@@ -116,6 +116,11 @@ pub(crate) enum MetaOp {
     },
 }
 
+/// The key of a queue's operations (see [`MetaOp::object`]).
+pub(super) fn queue_object(vhost: &str, name: &str) -> String {
+    format!("q\0{vhost}\0{name}")
+}
+
 /// Which Raft group a replicated queue's declaration gives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum QueueGroup {
@@ -170,7 +175,7 @@ impl MetaOp {
         match self {
             MetaOp::DeclareQueue { vhost, name, .. }
             | MetaOp::DeleteQueue { vhost, name, .. }
-            | MetaOp::SetQueueArguments { vhost, name, .. } => format!("q\0{vhost}\0{name}"),
+            | MetaOp::SetQueueArguments { vhost, name, .. } => queue_object(vhost, name),
             MetaOp::DeclareExchange { vhost, name, .. }
             | MetaOp::DeleteExchange { vhost, name } => {
                 format!("x\0{vhost}\0{name}")

@@ -367,6 +367,7 @@ impl Broker {
             *l = (*l).max(level);
         }
         let settled: Vec<u64> = m.declares.range(..=own).map(|(n, _)| *n).collect();
+        m.through_log.retain(|_, (n, _)| *n > own);
         m.next_op = m.next_op.max(own);
         m.applied = index;
         m.applied_term = term;

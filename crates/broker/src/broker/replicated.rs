@@ -1656,6 +1656,11 @@ impl Broker {
         // later one is applied (`step_down` reads it before it moves on).
         let led_in = r.term;
         r.term = term;
+        if leader.is_some_and(|l| l != node) {
+            // Another node won the queue's first election: a declaration made here need
+            // not wait for this node to act.
+            self.leader_acts(id);
+        }
         if was_here && leader != Some(node) {
             self.step_down(id);
             if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
