@@ -298,8 +298,8 @@ pub enum ConfigError {
 #[derive(Debug, Clone)]
 pub struct ClusterSettings {
     pub node: u64,
-    /// Every node's cluster address, this one's included.
-    pub nodes: std::collections::BTreeMap<u64, std::net::SocketAddr>,
+    /// Every node's cluster address, this one's included (names are looked up at each dial).
+    pub nodes: std::collections::BTreeMap<u64, crate::cluster::PeerAddr>,
     pub secret: Vec<u8>,
     pub tick_ms: u64,
     /// Entries between two snapshots of a replicated queue, and kept behind one.
@@ -312,8 +312,7 @@ const MIN_CLUSTER_SECRET: usize = 16;
 /// `1=host:port,2=host:port`: every node and its cluster address.
 fn parse_cluster_nodes(
     list: &str,
-) -> Result<std::collections::BTreeMap<u64, std::net::SocketAddr>, String> {
-    use std::net::ToSocketAddrs;
+) -> Result<std::collections::BTreeMap<u64, crate::cluster::PeerAddr>, String> {
     let mut nodes = std::collections::BTreeMap::new();
     for item in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let (id, addr) = item
@@ -327,12 +326,14 @@ fn parse_cluster_nodes(
             .ok_or_else(|| {
                 format!("--cluster-nodes: node `{id}` is not a number from 1 to 65535")
             })?;
-        let addr = addr
-            .trim()
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-            .ok_or_else(|| format!("--cluster-nodes: `{addr}` (node {id}) is not HOST:PORT"))?;
+        // A name is not looked up here: each dial does (a peer's may not resolve yet).
+        let addr = crate::cluster::PeerAddr::parse(addr).ok_or_else(|| {
+            format!(
+                "--cluster-nodes: `{}` (node {id}) is not HOST:PORT (a name or an IP address, \
+                 an IPv6 one in brackets, and a port from 1 to 65535)",
+                addr.trim()
+            )
+        })?;
         if nodes.insert(id, addr).is_some() {
             return Err(format!("--cluster-nodes: node {id} is listed twice"));
         }
@@ -706,6 +707,30 @@ mod tests {
         };
         let e = Config::resolve(https).unwrap_err().to_string();
         assert!(e.contains("--tls-cert"), "{e}");
+    }
+
+    /// Peers' names are not looked up when the list is read (a StatefulSet's pods resolve
+    /// only once they run): a name that does not resolve yet is accepted; what is not
+    /// `HOST:PORT` is refused with what to write instead.
+    #[test]
+    fn cluster_nodes_take_names_that_do_not_resolve_yet() {
+        let nodes =
+            parse_cluster_nodes("1=127.0.0.1:25701, 2=warren-1.warren.invalid:25701,3=[::1]:25703")
+                .expect("parsed");
+        let hosts: Vec<&str> = nodes.values().map(|a| a.host()).collect();
+        assert_eq!(hosts, ["127.0.0.1", "warren-1.warren.invalid", "::1"]);
+        for bad in [
+            "1=warren-1",
+            "1=warren-1:0",
+            "1=:25701",
+            "x=a:1",
+            "1=a:1,1=b:2",
+        ] {
+            let e = parse_cluster_nodes(bad).expect_err(bad);
+            assert!(e.starts_with("--cluster-nodes:"), "{e}");
+        }
+        let e = parse_cluster_nodes("2=warren 1:25701").expect_err("a space");
+        assert!(e.contains("is not HOST:PORT"), "{e}");
     }
 
     #[test]

@@ -293,12 +293,15 @@ async fn run(config: Config) -> std::io::Result<()> {
         // follower.
         broker.set_snapshot_policy(c.snapshot_entries, cluster::MAX_PROPOSAL);
         let mut peers = c.nodes.clone();
-        let listen = peers.remove(&c.node);
+        // `Config::resolve` checked that the list holds this node.
+        let own = peers.remove(&c.node);
         cluster::ClusterConfig {
             node: c.node,
             peers,
-            // `Config::resolve` checked that the list holds this node.
-            listen: listen.unwrap_or_else(|| std::net::SocketAddr::from(([0, 0, 0, 0], 0))),
+            listen: own.map_or_else(
+                || std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+                |a| cluster_listen(c.node, &a),
+            ),
             secret: c.secret.clone(),
             dir: config.data_dir.join("raft"),
             tick_ms: c.tick_ms,
@@ -399,6 +402,19 @@ fn own_address(listening: std::net::SocketAddr) -> std::net::SocketAddr {
         ip => ip,
     };
     std::net::SocketAddr::new(ip, listening.port())
+}
+
+/// Where this node listens for its peers: its own entry of `--cluster-nodes`, looked up now;
+/// a name that does not resolve yet (a Kubernetes pod's, before it is published) means every
+/// interface, on that port.
+fn cluster_listen(node: u64, own: &cluster::PeerAddr) -> std::net::SocketAddr {
+    match own.resolve_now() {
+        Ok(addr) => addr,
+        Err(error) => {
+            tracing::warn!(node, address = %own, %error, "this node's cluster name does not resolve yet: listening on every interface");
+            std::net::SocketAddr::from(([0, 0, 0, 0], own.port()))
+        }
+    }
 }
 
 /// The node's name in the API: `warren@<hostname>`, or its cluster name.

@@ -10,7 +10,6 @@
 //! not encrypted or integrity-protected afterwards: the cluster network must be private.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -129,11 +128,11 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
 
 /// The listening side: returns the member that proved itself. Says nothing to a stranger (no
 /// proof of ours for a node id that is not a member).
-pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
     s: &mut S,
     secret: &[u8],
     me: NodeId,
-    members: &BTreeMap<NodeId, SocketAddr>,
+    members: &BTreeMap<NodeId, A>,
 ) -> Result<NodeId, AuthError> {
     let mut hello = [0u8; 8 + 16 + NONCE];
     s.read_exact(&mut hello).await?;
@@ -176,6 +175,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::SocketAddr;
 
     fn members(ids: &[NodeId]) -> BTreeMap<NodeId, SocketAddr> {
         ids.iter()

@@ -3,6 +3,7 @@
 //! nodes (see [`transport`]). The broker feeds it through a [`RaftNode`] handle and hears back
 //! through [`RaftEvents`]; nothing here knows what the entries mean.
 
+mod address;
 mod auth;
 mod node;
 mod transport;
@@ -18,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+pub use address::PeerAddr;
 pub use warren_replication::{Committed, Forward, GroupId, NodeId, SnapshotMeta, StoredSnapshot};
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
@@ -37,8 +39,8 @@ const NET_SHUTDOWN: Duration = Duration::from_secs(1);
 pub struct ClusterConfig {
     /// This node (never 0): its Raft id in every group.
     pub node: NodeId,
-    /// Every other node's cluster address.
-    pub peers: BTreeMap<NodeId, SocketAddr>,
+    /// Every other node's cluster address (a name is looked up at each dial).
+    pub peers: BTreeMap<NodeId, PeerAddr>,
     /// This node's cluster address.
     pub listen: SocketAddr,
     /// Shared by every node, at least [`MIN_SECRET_LEN`] bytes (like Erlang's cookie).

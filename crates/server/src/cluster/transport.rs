@@ -20,7 +20,7 @@ use warren_replication::{NodeBatch, NodeId};
 
 use super::auth::{self, AuthError};
 use super::wire::{self, WireError, MAX_FRAME};
-use super::{ClusterConfig, ClusterError, ClusterStats};
+use super::{ClusterConfig, ClusterError, ClusterStats, PeerAddr};
 
 /// Batches, and their bytes, waiting for one peer's connection; more are dropped (Raft sends
 /// again).
@@ -197,7 +197,7 @@ impl Drop for Net {
 struct Shared {
     me: NodeId,
     secret: Vec<u8>,
-    peers: BTreeMap<NodeId, SocketAddr>,
+    peers: BTreeMap<NodeId, PeerAddr>,
     inbound: crossbeam_channel::Sender<Queued>,
     inbound_budget: Arc<Budget>,
     counters: Arc<Counters>,
@@ -253,7 +253,7 @@ pub(crate) fn start(
         let (tx, rx) = mpsc::channel(PEER_QUEUE);
         let budget = Budget::new(PEER_QUEUE_BYTES);
         links.insert(*peer, (tx, budget.clone()));
-        runtime.spawn(dial_loop(shared.clone(), *peer, *addr, rx, budget));
+        runtime.spawn(dial_loop(shared.clone(), *peer, addr.clone(), rx, budget));
     }
     runtime.spawn(accept_loop(shared, listener));
     Ok((
@@ -273,8 +273,11 @@ enum Link {
     Refused,
 }
 
-async fn connect(shared: &Shared, peer: NodeId, addr: SocketAddr) -> Result<TcpStream, DialError> {
-    let mut stream = TcpStream::connect(addr).await?;
+/// Dials `peer`, looking its name up again: a node rescheduled elsewhere (a Kubernetes pod)
+/// comes back under its name at another address.
+async fn connect(shared: &Shared, peer: NodeId, addr: &PeerAddr) -> Result<TcpStream, DialError> {
+    let target = addr.resolve().await?;
+    let mut stream = TcpStream::connect(target).await?;
     stream.set_nodelay(true)?;
     auth::dial(&mut stream, &shared.secret, shared.me, peer).await?;
     Ok(stream)
@@ -293,7 +296,7 @@ enum DialError {
 async fn dial_loop(
     shared: Arc<Shared>,
     peer: NodeId,
-    addr: SocketAddr,
+    addr: PeerAddr,
     mut rx: mpsc::Receiver<Queued>,
     budget: Arc<Budget>,
 ) {
@@ -304,7 +307,7 @@ async fn dial_loop(
         return;
     };
     loop {
-        let attempt = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(&shared, peer, addr))
+        let attempt = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(&shared, peer, &addr))
             .await
             .unwrap_or(Err(DialError::Timeout));
         match attempt {

@@ -61,9 +61,10 @@ pub struct Api {
     pub shovels: crate::shovel::Shovels,
 }
 
-/// A cluster node's name: `warren-N@` its cluster address's host, the same on every node.
-pub fn cluster_node_name(node: u64, addr: &std::net::SocketAddr) -> String {
-    format!("warren-{node}@{}", addr.ip())
+/// A cluster node's name: `warren-N@` its cluster address's host (as `--cluster-nodes` gives
+/// it), the same on every node.
+pub fn cluster_node_name(node: u64, addr: &crate::cluster::PeerAddr) -> String {
+    format!("warren-{node}@{}", addr.host())
 }
 
 /// An error as RabbitMQ's management API sends it: a status and `{"error", "reason"}`.

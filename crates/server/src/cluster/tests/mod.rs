@@ -103,6 +103,8 @@ fn addrs(n: usize) -> Vec<SocketAddr> {
 
 struct Cluster {
     addrs: Vec<SocketAddr>,
+    /// Peers are given as `localhost:PORT`, looked up at each dial.
+    named: bool,
     dirs: Vec<tempfile::TempDir>,
     nodes: Vec<Option<RaftNode>>,
     seen: Vec<Recorder>,
@@ -115,7 +117,7 @@ impl Cluster {
             node,
             peers: (0..self.addrs.len())
                 .filter(|j| *j != i)
-                .map(|j| (j as NodeId + 1, self.addrs[j]))
+                .map(|j| (j as NodeId + 1, self.peer(j)))
                 .collect(),
             listen: self.addrs[i],
             secret: secret.to_vec(),
@@ -127,9 +129,24 @@ impl Cluster {
         }
     }
 
+    /// Node `j + 1`'s address for its peers: by name (`localhost`) when `named`.
+    fn peer(&self, j: usize) -> PeerAddr {
+        if self.named {
+            PeerAddr::parse(&format!("localhost:{}", self.addrs[j].port())).unwrap()
+        } else {
+            PeerAddr::from(self.addrs[j])
+        }
+    }
+
     /// Three nodes; `secrets[i]` is node i + 1's.
     fn start(secrets: [&[u8]; 3]) -> Cluster {
+        Self::start_with(secrets, false)
+    }
+
+    /// Three nodes, whose peers are given by name when `named`.
+    fn start_with(secrets: [&[u8]; 3], named: bool) -> Cluster {
         let mut c = Cluster {
+            named,
             addrs: addrs(3),
             dirs: (0..3).map(|_| tempfile::tempdir().unwrap()).collect(),
             nodes: Vec::new(),
@@ -202,6 +219,24 @@ fn payloads(range: std::ops::Range<u32>) -> Vec<Vec<u8>> {
     range.map(|i| format!("message {i}").into_bytes()).collect()
 }
 
+/// Peers given by name (`localhost:PORT`) are looked up when dialled: the nodes connect and
+/// elect as with addresses.
+#[test]
+fn peers_given_by_name_are_looked_up_and_form_the_cluster() {
+    let mut c = Cluster::start_with([SECRET; 3], true);
+    let leader = c.group_led(&[1, 2, 3]);
+    c.node(leader).propose(G, b"by name".to_vec());
+    for id in 1..=3 {
+        wait_for("the entry everywhere", || !c.seen(id).data(G).is_empty());
+    }
+    for id in 1..=3 {
+        c.stop(id);
+    }
+    for id in 1..=3 {
+        assert_eq!(c.seen(id).data(G), [b"by name".to_vec()], "node {id}");
+    }
+}
+
 #[test]
 fn a_thousand_proposals_commit_on_every_node_in_order_exactly_once() {
     let mut c = Cluster::start([SECRET; 3]);
@@ -268,7 +303,11 @@ fn the_survivors_elect_and_commit_and_a_restarted_node_recovers_and_catches_up()
     let lonely = addrs(3);
     let mut cfg = c.config(old as usize - 1, SECRET, 2);
     cfg.listen = lonely[0];
-    cfg.peers = [(survivors[0], lonely[1]), (survivors[1], lonely[2])].into();
+    cfg.peers = [
+        (survivors[0], PeerAddr::from(lonely[1])),
+        (survivors[1], PeerAddr::from(lonely[2])),
+    ]
+    .into();
     let seen = Recorder::default();
     let alone = RaftNode::start(cfg, seen.clone()).unwrap();
     assert_eq!(alone.groups(), &[G]);
@@ -494,7 +533,10 @@ fn node_one(
 ) -> ClusterConfig {
     ClusterConfig {
         node: 1,
-        peers,
+        peers: peers
+            .into_iter()
+            .map(|(id, addr)| (id, PeerAddr::from(addr)))
+            .collect(),
         listen,
         secret: SECRET.to_vec(),
         dir: dir.to_path_buf(),
