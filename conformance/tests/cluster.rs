@@ -68,6 +68,25 @@ async fn publish_persistent(ch: &Channel, q: &str, body: &str) -> PublisherConfi
     .expect("publish")
 }
 
+/// The feature level node `n` reports every node of the cluster announced.
+fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
+    let (_, v) = Api::of(c.node(n)).call("GET", "/nodes", None);
+    v.as_array()?.first()?["cluster"]["feature_level"].as_u64()
+}
+
+/// Waits until node `n` knows every node's level (1).
+fn wait_for_feature_level(c: &TestCluster, n: u64) {
+    let start = Instant::now();
+    while feature_level(c, n) != Some(1) {
+        assert!(
+            start.elapsed() < WAIT,
+            "node {n}: feature level {:?}",
+            feature_level(c, n)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Publishes `bodies` with confirms on `ch`: every one must be acked.
 async fn publish_confirmed(ch: &Channel, q: &str, bodies: impl Iterator<Item = String>) {
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -768,6 +787,10 @@ async fn a_quorum_queues_raft_figures_are_in_every_nodes_metrics() {
 async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_there() {
     let mut c = TestCluster::start_with(3, 20, &["--test-snapshot-entries", "20"]);
     let q = unique("again");
+    // Every node's level is in the log: quorum queues are numbered by it.
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
     c.declare_quorum_queue(1, &q).await;
     {
         let (_conn, ch) = channel(&c, 1).await;
@@ -801,6 +824,8 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
         everywhere_but(&c, away, &format!("/exchanges/%2f/{x}"));
     }
     c.node_mut(away).start_again();
+    // The levels are in its store: known again at once, before it catches up.
+    assert_eq!(feature_level(&c, away), Some(1));
     c.wait_for_metadata_leader(away);
     wait_for_messages(&c, away, &q, 3);
     c.node_mut(1).stop(true);

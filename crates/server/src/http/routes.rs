@@ -276,9 +276,10 @@ async fn cluster_name(State(api): ApiState, _: LoggedIn) -> Answer {
 }
 
 fn node_json(api: &Api) -> Value {
-    let (alarm, now, cluster) = api
-        .node
-        .read(|n, now| (n.alarm(), now, n.broker().cluster_view()));
+    let (alarm, now, cluster, level) = api.node.read(|n, now| {
+        let b = n.broker();
+        (n.alarm(), now, b.cluster_view(), b.cluster_feature_level())
+    });
     let mem_used = crate::alarms::rss_bytes().unwrap_or(0);
     let mem_limit = crate::alarms::memory_limit(&api.alarms).unwrap_or(0);
     let disk_free = crate::alarms::free_disk(&api.data_dir).unwrap_or(0);
@@ -309,6 +310,9 @@ fn node_json(api: &Api) -> Value {
                 "node": node,
                 "nodes": nodes,
                 "metadata_leader": leader,
+                // What every node announced it can do: 1 once quorum queues are numbered by
+                // the metadata log (an upgrade of the whole cluster is complete).
+                "feature_level": level,
                 "queues_led": queues_led_here(api),
                 "transport": {
                     "connections_in": t.connections_in, "connections_out": t.connections_out,
