@@ -1953,6 +1953,17 @@ fn meta_log_first(c: &Cluster, node: u64) -> u64 {
     log.entries.first().map_or(u64::MAX, |e| e.index)
 }
 
+/// Enough definition changes on node 1 that the metadata log no longer holds what came
+/// after index `behind` (where a node cut off stopped).
+fn compact_meta_log(c: &mut Cluster, behind: u64) {
+    for n in 0..12 {
+        declare_exchange(c, 1, &format!("filler{n}"), "direct", true);
+        c.run(10);
+    }
+    c.run(40);
+    assert!(meta_log_first(c, 1) > behind + 1, "not compacted");
+}
+
 fn meta_log_last(c: &Cluster, node: u64) -> u64 {
     let log = c.members[&node].log.recovered(GroupId(0));
     log.entries.last().map_or(0, |e| e.index)
@@ -2118,12 +2129,7 @@ fn a_snapshot_does_not_delete_the_users_its_taker_keeps_local() {
     c.run(20);
     let behind = meta_log_last(&c, 3);
     c.isolated.insert(3);
-    for n in 0..12 {
-        declare_exchange(&mut c, 1, &format!("filler{n}"), "direct", true);
-        c.run(10);
-    }
-    c.run(40);
-    assert!(meta_log_first(&c, 1) > behind + 1, "not compacted");
+    compact_meta_log(&mut c, behind);
     c.isolated.clear();
     c.run(80);
     let b3 = &c.members[&3].broker;
@@ -2494,12 +2500,7 @@ fn a_queue_declared_again_while_a_node_was_away_is_a_new_group_there_too() {
             "confirmed by nodes 1 and 2"
         );
         if compacted {
-            for n in 0..12 {
-                declare_exchange(&mut c, 1, &format!("filler{n}"), "direct", true);
-                c.run(10);
-            }
-            c.run(40);
-            assert!(meta_log_first(&c, 1) > behind + 1, "not compacted");
+            compact_meta_log(&mut c, behind);
         }
         c.isolated.clear();
         c.run(150);
@@ -2651,12 +2652,7 @@ fn a_snapshot_replaces_a_queue_of_another_group_even_with_a_change_of_this_nodes
     c.run(20);
     let new = groups_of(&c, "jobs")[0].expect("the new queue");
     assert_ne!(new, old);
-    for n in 0..12 {
-        declare_exchange(&mut c, 1, &format!("filler{n}"), "direct", true);
-        c.run(10);
-    }
-    c.run(40);
-    assert!(meta_log_first(&c, 1) > behind + 1, "not compacted");
+    compact_meta_log(&mut c, behind);
     c.isolated.clear();
     c.run(200);
     assert_eq!(

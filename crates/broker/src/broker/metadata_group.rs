@@ -510,42 +510,25 @@ impl Broker {
             return;
         };
         // Made, and its leader slow to act: answered all the same (a publish before it
-        // acts is nacked, as in any election).
-        let made: Vec<u64> = c
+        // acts is nacked, as in any election). Not made in time: refused, unless the queue
+        // exists by now (another declaration made it).
+        let due: Vec<(u64, Option<AmqpError>)> = c
             .meta
             .declares
             .iter()
-            .filter(|(_, w)| {
-                w.made
-                    .is_some_and(|at| now.saturating_sub(at) >= LEADER_WAIT_MS)
+            .filter_map(|(n, w)| match w.made {
+                Some(at) => (now.saturating_sub(at) >= LEADER_WAIT_MS).then_some((*n, None)),
+                None => (now.saturating_sub(w.since) >= DECLARE_WAIT_MS).then(|| {
+                    let error = AmqpError::internal_error(format!(
+                        "Cannot declare a queue '{}' on node {node}: timeout",
+                        rs("queue", &w.name, &w.vhost),
+                    ));
+                    (*n, Some(error))
+                }),
             })
-            .map(|(n, _)| *n)
             .collect();
-        for number in made {
-            self.answer_declare(number, None);
-        }
-        let Some(c) = self.cluster.as_mut() else {
-            return;
-        };
-        let late: Vec<u64> = c
-            .meta
-            .declares
-            .iter()
-            .filter(|(_, w)| w.made.is_none() && now.saturating_sub(w.since) >= DECLARE_WAIT_MS)
-            .map(|(n, _)| *n)
-            .collect();
-        for number in late {
-            let Some(w) = c.meta.declares.remove(&number) else {
-                continue;
-            };
-            c.meta.declare_answers.push(DeclareAnswer {
-                conn: w.conn,
-                ticket: number,
-                result: Err(AmqpError::internal_error(format!(
-                    "Cannot declare a queue '{}' on node {node}: timeout",
-                    rs("queue", &w.name, &w.vhost),
-                ))),
-            });
+        for (number, error) in due {
+            self.answer_declare(number, error);
         }
     }
 
