@@ -5,8 +5,9 @@
 //! stay on their node.
 //!
 //! The node a client (or the management API) changes a definition on applies it at once (the
-//! client gets its answer) and sends the change to the group's leader; every node applies the
-//! committed entries in log order, so all converge on the log's order even when two nodes
+//! client gets its answer) and sends the change to the group's leader, except a quorum queue's
+//! declaration, which every node, that one included, applies only from the log (the client
+//! waits: see `declare_through_log`); every node applies the committed entries in log order, so all converge on the log's order even when two nodes
 //! change one object at once. A node keeps one entry in flight at a time (what is changed
 //! meanwhile waits for the next entry) and sends it again until it is applied: changes are
 //! numbered per node, and a copy is applied once. The index applied is written to the store
