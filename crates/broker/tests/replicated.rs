@@ -863,19 +863,24 @@ fn leaders_of(c: &Cluster, names: &[String]) -> Vec<u64> {
         .collect()
 }
 
-fn declare_on(c: &mut Cluster, node: u64, name: &str, balanced: bool) {
-    let mut args = quorum_args();
-    if balanced {
-        args.insert("x-queue-leader-locator", FieldValue::long_str("balanced"));
-    }
-    let req = DeclareQueue {
+/// A durable queue.declare of `name` with `arguments`.
+fn durable_declare(name: &str, arguments: FieldTable) -> DeclareQueue {
+    DeclareQueue {
         name: ShortStr::from_string(name.to_owned()),
         passive: false,
         durable: true,
         exclusive: false,
         auto_delete: false,
-        arguments: args,
-    };
+        arguments,
+    }
+}
+
+fn declare_on(c: &mut Cluster, node: u64, name: &str, balanced: bool) {
+    let mut args = quorum_args();
+    if balanced {
+        args.insert("x-queue-leader-locator", FieldValue::long_str("balanced"));
+    }
+    let req = durable_declare(name, args);
     c.broker(node)
         .declare_queue("/", req, conn(node, 1))
         .expect("declare");
@@ -2405,14 +2410,7 @@ fn until_levels(c: &mut Cluster) {
 /// Declares a quorum queue on `node` as a client does, once the cluster numbers groups by
 /// the metadata log; its ticket.
 fn declare_waiting(c: &mut Cluster, node: u64, name: &str, arguments: FieldTable) -> u64 {
-    let req = DeclareQueue {
-        name: ShortStr::from_string(name.to_owned()),
-        passive: false,
-        durable: true,
-        exclusive: false,
-        auto_delete: false,
-        arguments,
-    };
+    let req = durable_declare(name, arguments);
     match c
         .broker(node)
         .declare_queue_as("/", req, conn(node, 1), None)

@@ -846,7 +846,11 @@ impl Broker {
                     } else {
                         super::replicated::group_of(&vhost, &name)
                     };
-                    let error = self.make_placed_queue(&vhost, name, arguments, leader, group);
+                    let error =
+                        self.make_cluster_queue(&vhost, name, arguments, leader, Some(group));
+                    if let Some(e) = &error {
+                        tracing::warn!(%vhost, error = %e, "quorum queue declaration not applied on this node");
+                    }
                     if mine {
                         self.settle_declare(number, error);
                     }
@@ -856,16 +860,17 @@ impl Broker {
         }
     }
 
-    /// A quorum queue's declaration numbered by the log: the queue is made with `group`
-    /// unless it exists (declared first by another entry: this one changes nothing, and
-    /// its client is answered as for an existing queue). Why it could not be made, if so.
-    fn make_placed_queue(
+    /// A quorum queue's declaration from the log (or a snapshot): the queue is made with
+    /// `group` (`None`: its name's) and `leader` standing for its first leader, unless it
+    /// exists (declared first by another entry: this one changes nothing, and its client is
+    /// answered as for an existing queue). Why it could not be made, if so.
+    fn make_cluster_queue(
         &mut self,
         vhost: &str,
         name: ShortStr,
         arguments: FieldTable,
         leader: Option<NodeId>,
-        group: u64,
+        group: Option<u64>,
     ) -> Option<AmqpError> {
         if let Some(id) = self.queue_id(vhost, &name) {
             if self.replica_group(id).is_none() {
@@ -885,15 +890,13 @@ impl Broker {
         // As recovery declares: the origin checked names, limits and permissions.
         self.restoring = true;
         self.leader_hint = leader;
-        self.group_hint = Some(group);
+        self.group_hint = group;
         let declared = self.declare_queue(vhost, req, 0);
         self.restoring = false;
         self.leader_hint = None;
         self.group_hint = None;
         self.meta_quiet = was;
-        let error = declared.err()?;
-        tracing::warn!(%vhost, %error, "quorum queue declaration not applied on this node");
-        Some(error)
+        declared.err()
     }
 
     /// Applies one operation as the node that made it did, without telling the cluster.
@@ -938,7 +941,7 @@ impl Broker {
                         c.push_cancelled(deleted.cancelled);
                     }
                     return self
-                        .make_placed_queue(&vhost, name, arguments, leader, group?)
+                        .make_cluster_queue(&vhost, name, arguments, leader, group)
                         .map(|e| e.to_string());
                 }
                 if let Some(id) = existing {
@@ -956,24 +959,8 @@ impl Broker {
                     }
                     return None;
                 }
-                // The node chosen for its first leader stands (`attach_replica`).
-                self.leader_hint = leader;
-                self.group_hint = group;
-                let req = DeclareQueue {
-                    name,
-                    passive: false,
-                    durable: true,
-                    exclusive: false,
-                    auto_delete: false,
-                    arguments,
-                };
-                // As recovery declares: the origin checked names, limits and permissions.
-                self.restoring = true;
-                let declared = self.declare_queue(&vhost, req, 0);
-                self.restoring = false;
-                self.leader_hint = None;
-                self.group_hint = None;
-                declared.err().and_then(err)
+                self.make_cluster_queue(&vhost, name, arguments, leader, group)
+                    .map(|e| e.to_string())
             }
             MetaOp::DeleteQueue { vhost, name, group } => {
                 let id = self.queue_id(&vhost, &name)?;
