@@ -543,34 +543,8 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     c.declare_quorum_queue(1, &q).await;
     c.leader_of(&q, 1);
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
-    let h: Shared = Arc::default();
-    let stop_pub = Arc::new(AtomicBool::new(false));
-    let stop_con = Arc::new(AtomicBool::new(false));
-    let sessions = Arc::new(AtomicU64::new(0));
-    let publishers: Vec<_> = (1..=PUBLISHERS)
-        .map(|id| {
-            tokio::spawn(publisher(
-                id,
-                rng.next(),
-                q.clone(),
-                addrs.clone(),
-                h.clone(),
-                stop_pub.clone(),
-            ))
-        })
-        .collect();
-    let consumers: Vec<_> = (1..=CONSUMERS)
-        .map(|id| {
-            tokio::spawn(consumer(
-                id,
-                q.clone(),
-                addrs.clone(),
-                h.clone(),
-                stop_con.clone(),
-                sessions.clone(),
-            ))
-        })
-        .collect();
+    let load = Load::start(&q, &addrs, &mut rng);
+    let h = load.h.clone();
 
     let started = Instant::now();
     let fault_seed = rng.next();
@@ -582,151 +556,361 @@ async fn replicated_queue_history_under_kills_and_pauses() {
 
     // Healed: the publishers stop, the consumers drain what is left.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop_pub.store(true, Ordering::Relaxed);
-    for p in publishers {
-        tokio::time::timeout(CONFIRM_PATIENCE + Duration::from_secs(5), p)
-            .await
-            .expect("a publisher to stop")
-            .expect("publisher task");
-    }
-    let drain_start = Instant::now();
-    let mut last_count = usize::MAX;
-    let mut quiet_since = Instant::now();
-    loop {
-        let count = h.lock().unwrap().deliveries.len();
-        if count != last_count {
-            last_count = count;
-            quiet_since = Instant::now();
-        }
-        let mut empty = true;
-        for n in 1..=3 {
-            empty &= matches!(queue_state_of(&addrs, &q, n).await, Some((_, 0)));
-        }
-        if empty && quiet_since.elapsed() > Duration::from_secs(1) {
-            break;
-        }
-        if drain_start.elapsed() >= DRAIN_PATIENCE {
-            // What the clients saw of each live session (a message the broker counts as
-            // delivered to it: did it arrive, was its ack sent?), for the diagnosis.
-            {
-                let h = h.lock().unwrap();
-                let acked: HashSet<(&str, u64)> = h
-                    .acks
-                    .iter()
-                    .map(|a| (a.body.as_str(), a.session))
-                    .collect();
-                let delivered: HashSet<&str> =
-                    h.deliveries.iter().map(|d| d.body.as_str()).collect();
-                let never: Vec<&str> = h
-                    .published
-                    .iter()
-                    .filter(|(b, o)| **o == Outcome::Acked && !delivered.contains(b.as_str()))
-                    .map(|(b, _)| b.as_str())
-                    .take(10)
-                    .collect();
-                let settled: HashSet<&str> = h.acks.iter().map(|a| a.body.as_str()).collect();
-                let unsettled: Vec<(&str, u64)> = h
-                    .deliveries
-                    .iter()
-                    .filter(|d| !settled.contains(d.body.as_str()))
-                    .map(|d| (d.body.as_str(), d.session))
-                    .take(10)
-                    .collect();
-                eprintln!(
-                    "faults: confirmed, never delivered (first 10): {never:?}; delivered, never acked (first 10): {unsettled:?}"
-                );
-                for (session, start) in &h.session_start {
-                    if h.session_end.contains_key(session) {
-                        continue;
-                    }
-                    let got: Vec<&Delivery> = h
-                        .deliveries
-                        .iter()
-                        .filter(|d| d.session == *session)
-                        .collect();
-                    let open: Vec<&str> = got
-                        .iter()
-                        .filter(|d| !acked.contains(&(d.body.as_str(), *session)))
-                        .map(|d| d.body.as_str())
-                        .collect();
-                    eprintln!(
-                        "faults: session {session} on node {:?}, started {:?} ago: {} deliveries, the last {:?} ago; not acked: {open:?}",
-                        h.session_node.get(session),
-                        start.elapsed(),
-                        got.len(),
-                        got.last().map(|d| d.at.elapsed()),
-                    );
-                }
-            }
-            // What each node says of the queue and its consumers, for the diagnosis.
-            for n in 1..=3 {
-                let host = addr(&addrs, n).http;
-                let queue = api_get(&host, &format!("/queues/%2f/{q}")).await;
-                let consumers = api_get(&host, "/consumers").await;
-                eprintln!(
-                    "faults: node {n}: queue {} consumers {}",
-                    queue.map(|v| v.to_string()).unwrap_or_default(),
-                    consumers.map(|v| v.to_string()).unwrap_or_default()
-                );
-            }
-        }
-        assert!(
-            drain_start.elapsed() < DRAIN_PATIENCE,
-            "the queue did not drain within {DRAIN_PATIENCE:?} (seed {seed}): {:?}",
-            queue_state(&addrs, &q, 1).await
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    stop_con.store(true, Ordering::Relaxed);
-    for mut t in consumers {
-        match tokio::time::timeout(Duration::from_secs(10), &mut t).await {
-            Ok(r) => r.expect("consumer task"),
-            Err(_) => {
-                // Stuck in a call to a node (the history it recorded is complete up to here):
-                // the check goes on without it, and says so.
-                eprintln!("faults: a consumer did not stop within 10 s: aborted");
-                t.abort();
-            }
-        }
-    }
+    let (h, drained, sessions) = load.finish(seed).await;
     let end = Instant::now();
-    // Every client has stopped: the history is final.
-    let h = std::mem::take(&mut *h.lock().unwrap());
     let report = check(&h, end);
     eprintln!(
-        "faults: {rounds} rounds in {:.1} s, drained in {:.1} s, {} consumer sessions, seed {seed}",
+        "faults: {rounds} rounds in {:.1} s, drained in {:.1} s, {sessions} consumer sessions, seed {seed}",
         faults_took.as_secs_f64(),
-        drain_start.elapsed().as_secs_f64(),
-        sessions.load(Ordering::Relaxed),
+        drained.as_secs_f64(),
     );
     eprintln!("faults: {report}");
-    let mut ids: Vec<_> = h.session_start.keys().copied().collect();
-    ids.sort();
-    let t0 = h.faults.first().map_or(started, |f| f.1);
-    let ms = |t: &Instant| t.saturating_duration_since(t0).as_millis();
-    for s in ids {
-        eprintln!(
-            "faults: session {s} on node {:?}: {:?} to {:?} ms",
-            h.session_node.get(&s),
-            h.session_start.get(&s).map(ms),
-            h.session_end.get(&s).map(ms)
-        );
-    }
-    for b in report.lost.iter().take(5) {
-        let (node, sent, answered) = h.sent[b];
-        eprintln!(
-            "faults: lost {b}: published on node {node} at {} ms, confirmed at {:?} ms",
-            ms(&sent),
-            answered.as_ref().map(ms)
-        );
-    }
-    for n in 1..=3 {
-        let v = api_get(&addr(&addrs, n).http, &format!("/queues/%2f/{q}")).await;
-        eprintln!("faults: node {n} reports the queue as {v:?}");
-    }
+    report.explain(&h, started, &addrs, &q).await;
     // Failing with the cluster up prints every node's output.
     report.assert_ok(seed);
     drop(c);
+}
+
+/// A rolling restart under load, done as docs/operations.md's runbook and a Kubernetes
+/// StatefulSet update do it: one node at a time, each stopped (SIGTERM) only once the
+/// quorum-critical check on it answers 200, started again on its data, and waited for until it
+/// sees a metadata leader. Nothing confirmed may be lost, and the longest spell without any
+/// confirm during the roll is printed (docs/benchmarks.md has the figure). `WARREN_ROLLS` rolls
+/// (default 1); with `WARREN_ROLL_DRAIN=1` each node is put into maintenance mode before its stop;
+/// `WARREN_ROLL_TICK_MS` sets the nodes' Raft tick (default 20 ms; a node's own is 50 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_under_load_loses_nothing() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return; // spawns and restarts its own cluster
+    }
+    let rolls = env_u64("WARREN_ROLLS").unwrap_or(1);
+    let drain = env_u64("WARREN_ROLL_DRAIN") == Some(1);
+    let seed = seed();
+    eprintln!("roll: {rolls} rolls, drain first: {drain}, seed {seed}");
+    let mut rng = Rng(seed);
+    // 50 ms is a node's own Raft tick; the suite's shorter one makes elections quicker.
+    let tick = env_u64("WARREN_ROLL_TICK_MS").unwrap_or(20);
+    let c = TestCluster::start_with(3, tick, SNAPSHOTS);
+    let q = unique("roll");
+    c.declare_quorum_queue(1, &q).await;
+    c.leader_of(&q, 1);
+    let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
+    let load = Load::start(&q, &addrs, &mut rng);
+    let h = load.h.clone();
+    // Every client at work before the first stop.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let began = Instant::now();
+    let (rq, ra, rh) = (q.clone(), addrs.clone(), h.clone());
+    let c = tokio::task::spawn_blocking(move || roll(c, rolls, drain, &rq, &ra, &rh))
+        .await
+        .expect("the roll");
+    let rolled = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (h, drained, sessions) = load.finish(seed).await;
+    let report = check(&h, Instant::now());
+    let confirms = confirm_times(&h);
+    let before = longest_gap(&confirms, began - Duration::from_secs(1), began);
+    eprintln!(
+        "roll: {rolls} rolls in {:.1} s, drained in {:.1} s, {sessions} consumer sessions, seed {seed}",
+        (rolled - began).as_secs_f64(),
+        drained.as_secs_f64(),
+    );
+    eprintln!(
+        "roll: longest spell without a confirm in the second before the roll: {} ms",
+        before.as_millis()
+    );
+    let mut worst = Duration::ZERO;
+    for (node, from, to) in &h.faults {
+        let gap = longest_gap(&confirms, *from, *to);
+        worst = worst.max(gap);
+        eprintln!(
+            "roll: node {node} stopped and back in {} ms; longest spell without a confirm meanwhile: {} ms",
+            (*to - *from).as_millis(),
+            gap.as_millis()
+        );
+    }
+    eprintln!(
+        "roll: longest spell without a confirm during the roll: {} ms",
+        worst.as_millis()
+    );
+    eprintln!("roll: {report}");
+    report.explain(&h, began, &addrs, &q).await;
+    report.assert_ok(seed);
+    // A stopping node hands its leaderships over first, a publish on a node not acting yet
+    // waits for it, and one waiting on a node sent a snapshot is forwarded again: a roll nacks
+    // nothing (a duplicate is allowed).
+    assert_eq!(
+        report.nacked, 0,
+        "publishes nacked during a rolling restart (seed {seed})"
+    );
+    drop(c);
+}
+
+/// Restarts every node in turn, `rolls` times (see the test above); each stop and its node
+/// become a fault of the history, from the stop to the node seeing a metadata leader again.
+fn roll(
+    mut c: TestCluster,
+    rolls: u64,
+    drain: bool,
+    q: &str,
+    addrs: &Addrs,
+    h: &Shared,
+) -> TestCluster {
+    for round in 1..=rolls {
+        for n in 1..=3 {
+            let api = warren_conformance::http::Api::of(c.node(n));
+            let start = Instant::now();
+            loop {
+                let (status, v) = api.call("GET", "/health/checks/node-is-quorum-critical", None);
+                if status == 200 {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < REJOIN_PATIENCE,
+                    "roll {round}: node {n} still quorum-critical after {REJOIN_PATIENCE:?}: {v}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let leader = c.leader_of(q, n);
+            let began = Instant::now();
+            if drain {
+                let (_, me) = api.call("GET", "/overview", None);
+                let name = me["node"]
+                    .as_str()
+                    .expect("a node name")
+                    .replace('@', "%40");
+                let (status, v) = api.call("POST", &format!("/nodes/{name}/drain"), None);
+                assert!(status < 300, "drain: {status} {v}");
+                loop {
+                    let (_, v) = api.call("GET", &format!("/nodes/{name}"), None);
+                    let cluster = &v["cluster"];
+                    if cluster["queues_led"] == 0 && cluster["metadata_leader"] != cluster["node"] {
+                        break;
+                    }
+                    assert!(began.elapsed() < REJOIN_PATIENCE, "drain of node {n}: {v}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            eprintln!("roll {round}: node {n} stops (the queue's leader: node {leader})");
+            c.node_mut(n).stop(false);
+            c.node_mut(n).start_again();
+            *addrs.lock().unwrap() = addrs_of(&c);
+            wait_for_rejoin(&c, n, round);
+            h.lock().unwrap().faults.push((n, began, Instant::now()));
+        }
+    }
+    c
+}
+
+/// When each confirmed publish's confirm came, in order.
+fn confirm_times(h: &History) -> Vec<Instant> {
+    let mut times: Vec<Instant> = h
+        .published
+        .iter()
+        .filter(|(_, o)| **o == Outcome::Acked)
+        .filter_map(|(b, _)| h.sent.get(b).and_then(|s| s.2))
+        .collect();
+    times.sort();
+    times
+}
+
+/// The longest time between `from` and `to` with no confirm in `times` (sorted), both ends
+/// counting as the edges of the first and last spell.
+fn longest_gap(times: &[Instant], from: Instant, to: Instant) -> Duration {
+    let mut last = from;
+    let mut worst = Duration::ZERO;
+    for t in times.iter().filter(|t| **t > from && **t < to) {
+        worst = worst.max(*t - last);
+        last = *t;
+    }
+    worst.max(to.saturating_duration_since(last))
+}
+
+/// The clients of a run: publishers with confirms and consumers with manual acks on one queue,
+/// recording into one history.
+struct Load {
+    q: String,
+    addrs: Addrs,
+    h: Shared,
+    stop_pub: Arc<AtomicBool>,
+    stop_con: Arc<AtomicBool>,
+    sessions: Arc<AtomicU64>,
+    publishers: Vec<tokio::task::JoinHandle<()>>,
+    consumers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(q: &str, addrs: &Addrs, rng: &mut Rng) -> Load {
+        let h: Shared = Arc::default();
+        let stop_pub = Arc::new(AtomicBool::new(false));
+        let stop_con = Arc::new(AtomicBool::new(false));
+        let sessions = Arc::new(AtomicU64::new(0));
+        let publishers = (1..=PUBLISHERS)
+            .map(|id| {
+                tokio::spawn(publisher(
+                    id,
+                    rng.next(),
+                    q.to_owned(),
+                    addrs.clone(),
+                    h.clone(),
+                    stop_pub.clone(),
+                ))
+            })
+            .collect();
+        let consumers = (1..=CONSUMERS)
+            .map(|id| {
+                tokio::spawn(consumer(
+                    id,
+                    q.to_owned(),
+                    addrs.clone(),
+                    h.clone(),
+                    stop_con.clone(),
+                    sessions.clone(),
+                ))
+            })
+            .collect();
+        Load {
+            q: q.to_owned(),
+            addrs: addrs.clone(),
+            h,
+            stop_pub,
+            stop_con,
+            sessions,
+            publishers,
+            consumers,
+        }
+    }
+
+    /// Stops the publishers, lets the consumers drain the queue (printing what each node and
+    /// session holds if it does not drain), and stops them: the final history, how long the
+    /// drain took and how many consumer sessions there were.
+    async fn finish(self, seed: u64) -> (History, Duration, u64) {
+        let Load {
+            q,
+            addrs,
+            h,
+            stop_pub,
+            stop_con,
+            sessions,
+            publishers,
+            consumers,
+        } = self;
+        stop_pub.store(true, Ordering::Relaxed);
+        for p in publishers {
+            tokio::time::timeout(CONFIRM_PATIENCE + Duration::from_secs(5), p)
+                .await
+                .expect("a publisher to stop")
+                .expect("publisher task");
+        }
+        let drain_start = Instant::now();
+        let mut last_count = usize::MAX;
+        let mut quiet_since = Instant::now();
+        loop {
+            let count = h.lock().unwrap().deliveries.len();
+            if count != last_count {
+                last_count = count;
+                quiet_since = Instant::now();
+            }
+            let mut empty = true;
+            for n in 1..=3 {
+                empty &= matches!(queue_state_of(&addrs, &q, n).await, Some((_, 0)));
+            }
+            if empty && quiet_since.elapsed() > Duration::from_secs(1) {
+                break;
+            }
+            if drain_start.elapsed() >= DRAIN_PATIENCE {
+                // What the clients saw of each live session (a message the broker counts as
+                // delivered to it: did it arrive, was its ack sent?), for the diagnosis.
+                {
+                    let h = h.lock().unwrap();
+                    let acked: HashSet<(&str, u64)> = h
+                        .acks
+                        .iter()
+                        .map(|a| (a.body.as_str(), a.session))
+                        .collect();
+                    let delivered: HashSet<&str> =
+                        h.deliveries.iter().map(|d| d.body.as_str()).collect();
+                    let never: Vec<&str> = h
+                        .published
+                        .iter()
+                        .filter(|(b, o)| **o == Outcome::Acked && !delivered.contains(b.as_str()))
+                        .map(|(b, _)| b.as_str())
+                        .take(10)
+                        .collect();
+                    let settled: HashSet<&str> = h.acks.iter().map(|a| a.body.as_str()).collect();
+                    let unsettled: Vec<(&str, u64)> = h
+                        .deliveries
+                        .iter()
+                        .filter(|d| !settled.contains(d.body.as_str()))
+                        .map(|d| (d.body.as_str(), d.session))
+                        .take(10)
+                        .collect();
+                    eprintln!(
+                        "faults: confirmed, never delivered (first 10): {never:?}; delivered, never acked (first 10): {unsettled:?}"
+                    );
+                    for (session, start) in &h.session_start {
+                        if h.session_end.contains_key(session) {
+                            continue;
+                        }
+                        let got: Vec<&Delivery> = h
+                            .deliveries
+                            .iter()
+                            .filter(|d| d.session == *session)
+                            .collect();
+                        let open: Vec<&str> = got
+                            .iter()
+                            .filter(|d| !acked.contains(&(d.body.as_str(), *session)))
+                            .map(|d| d.body.as_str())
+                            .collect();
+                        eprintln!(
+                            "faults: session {session} on node {:?}, started {:?} ago: {} deliveries, the last {:?} ago; not acked: {open:?}",
+                            h.session_node.get(session),
+                            start.elapsed(),
+                            got.len(),
+                            got.last().map(|d| d.at.elapsed()),
+                        );
+                    }
+                }
+                // What each node says of the queue and its consumers, for the diagnosis.
+                for n in 1..=3 {
+                    let host = addr(&addrs, n).http;
+                    let queue = api_get(&host, &format!("/queues/%2f/{q}")).await;
+                    let consumers = api_get(&host, "/consumers").await;
+                    eprintln!(
+                        "faults: node {n}: queue {} consumers {}",
+                        queue.map(|v| v.to_string()).unwrap_or_default(),
+                        consumers.map(|v| v.to_string()).unwrap_or_default()
+                    );
+                }
+            }
+            assert!(
+                drain_start.elapsed() < DRAIN_PATIENCE,
+                "the queue did not drain within {DRAIN_PATIENCE:?} (seed {seed}): {:?}",
+                queue_state(&addrs, &q, 1).await
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        stop_con.store(true, Ordering::Relaxed);
+        for mut t in consumers {
+            match tokio::time::timeout(Duration::from_secs(10), &mut t).await {
+                Ok(r) => r.expect("consumer task"),
+                Err(_) => {
+                    // Stuck in a call to a node (the history it recorded is complete up to here):
+                    // the check goes on without it, and says so.
+                    eprintln!("faults: a consumer did not stop within 10 s: aborted");
+                    t.abort();
+                }
+            }
+        }
+        // Every client has stopped: the history is final.
+        let history = std::mem::take(&mut *h.lock().unwrap());
+        (
+            history,
+            drain_start.elapsed(),
+            sessions.load(Ordering::Relaxed),
+        )
+    }
 }
 
 #[derive(Debug, Default)]
@@ -791,6 +975,35 @@ impl std::fmt::Display for Report {
 }
 
 impl Report {
+    /// Prints each consumer session's span, the first lost messages' story and what each node
+    /// says of the queue, for the diagnosis of a failure.
+    async fn explain(&self, h: &History, started: Instant, addrs: &Addrs, q: &str) {
+        let mut ids: Vec<_> = h.session_start.keys().copied().collect();
+        ids.sort();
+        let t0 = h.faults.first().map_or(started, |f| f.1);
+        let ms = |t: &Instant| t.saturating_duration_since(t0).as_millis();
+        for s in ids {
+            eprintln!(
+                "faults: session {s} on node {:?}: {:?} to {:?} ms",
+                h.session_node.get(&s),
+                h.session_start.get(&s).map(ms),
+                h.session_end.get(&s).map(ms)
+            );
+        }
+        for b in self.lost.iter().take(5) {
+            let (node, sent, answered) = h.sent[b];
+            eprintln!(
+                "faults: lost {b}: published on node {node} at {} ms, confirmed at {:?} ms",
+                ms(&sent),
+                answered.as_ref().map(ms)
+            );
+        }
+        for n in 1..=3 {
+            let v = api_get(&addr(addrs, n).http, &format!("/queues/%2f/{q}")).await;
+            eprintln!("faults: node {n} reports the queue as {v:?}");
+        }
+    }
+
     fn assert_ok(&self, seed: u64) {
         let some = |v: &[String]| v.iter().take(20).cloned().collect::<Vec<_>>();
         assert!(

@@ -978,6 +978,46 @@ fn publishes_made_while_the_leader_hands_its_queue_over_are_confirmed_not_nacked
 }
 
 #[test]
+fn acks_refused_through_a_handover_nack_no_publish() {
+    // A worker on the leader acks while the leader hands the queue over (a node stopping):
+    // the acks Raft hands back are dropped on purpose (the new leader's `Down` of this node
+    // gives back what the worker held), and must not count as lost publishes. They did: the
+    // confirms of their store batches and every earlier one were nacked.
+    let mut c = Cluster::new();
+    assert_eq!(c.leader(), 1, "declared on node 1");
+    consume(&mut c, 1, 1000).expect("consume on the leader");
+    c.run(10);
+    for n in 0..20 {
+        c.publish(1, n);
+        c.step();
+    }
+    c.broker(1).set_draining(true);
+    let mut batches = Vec::new();
+    for n in 20..60 {
+        for d in c.deliveries(1) {
+            c.broker(1).settle(d.queue, d.receipt);
+        }
+        batches.push(c.publish(1, n));
+        c.step();
+        let nacked = c.broker(1).take_lost();
+        assert!(nacked.is_none(), "nacked during the transfer: {nacked:?}");
+    }
+    assert!(c.refusals > 0, "no proposal was held through the transfer");
+    assert_ne!(c.leader(), 1);
+    let last = *batches.last().expect("published");
+    for _ in 0..200 {
+        if c.confirmed(1, last) {
+            break;
+        }
+        c.step();
+        assert!(c.broker(1).take_lost().is_none(), "a publish was nacked");
+    }
+    assert!(c.confirmed(1, last), "every publish confirmed");
+    c.run(20);
+    assert_same_state(&c, &NODES);
+}
+
+#[test]
 fn a_node_is_quorum_critical_while_a_peer_is_down_and_not_once_it_is_back() {
     let mut c = Cluster::new();
     let critical = |c: &Cluster, n: u64| {
@@ -1119,6 +1159,63 @@ fn an_ack_made_while_the_consumers_node_is_elected_and_not_acting_yet_is_applied
         assert_same_state(&c, &survivors);
     }
     assert!(exercised, "the consumer's node was never elected");
+}
+
+#[test]
+fn a_publish_on_a_node_elected_and_not_acting_yet_is_confirmed_once_it_acts() {
+    // The leader hands the queue over (as a rebalance or a stopping node does); a client of
+    // the node taking it publishes before that node's first entries of its term are applied.
+    // Nacked, a rolling restart gave every such publisher nacks at each stop.
+    let mut exercised = 0;
+    for round in 0..6u32 {
+        let mut c = Cluster::new();
+        let leader = c.leader();
+        let next = leader % 3 + 1;
+        c.run(10);
+        c.publish(leader, 0);
+        c.run(10);
+        c.broker(leader).set_draining(true);
+        let group = GroupId(c.group);
+        let mut held = None;
+        for _ in 0..500 {
+            c.step();
+            let id = c.id(next);
+            let m = &c.members[&next];
+            if m.raft.is_leader(group) && !m.broker.acts_on(id) {
+                let now = c.now;
+                let r = c
+                    .broker(next)
+                    .publish("/", "", "jobs", message(100 + round), now)
+                    .expect("publish");
+                assert_eq!(r.queues, 1);
+                assert!(
+                    !r.rejected,
+                    "a publish on a node elected and not acting yet was refused"
+                );
+                held = r.batch;
+                break;
+            }
+            if c.members[&next].broker.acts_on(c.id(next)) {
+                break; // elected and acting within one step: the next round tries again
+            }
+        }
+        let Some(batch) = held else { continue };
+        exercised += 1;
+        for _ in 0..60 {
+            c.step();
+            assert!(
+                c.broker(next).take_lost().is_none_or(|l| l < batch),
+                "the publish was nacked"
+            );
+        }
+        assert!(c.confirmed(next, batch), "the publish was never confirmed");
+        assert_counts(&c, &NODES, (2, 0));
+        assert_same_state(&c, &NODES);
+    }
+    assert!(
+        exercised > 0,
+        "the new leader was never caught before it acted"
+    );
 }
 
 #[test]
@@ -1569,6 +1666,59 @@ fn a_follower_behind_the_compacted_log_gets_the_leaders_snapshot_and_the_same_st
         in_flight > 0,
         "what the worker holds is in the snapshot too"
     );
+}
+
+#[test]
+fn a_publish_waiting_on_a_follower_that_installs_a_snapshot_is_forwarded_again_not_nacked() {
+    let mut c = Cluster::snapshotting(8);
+    let leader = c.leader();
+    let behind = leader % 3 + 1;
+    c.run(5);
+    c.isolated.insert(behind);
+    for n in 0..40 {
+        c.publish(leader, n);
+        c.step();
+    }
+    c.run(20);
+    let at = c.snapshot_at(leader);
+    assert!(at > 8, "the leader snapshotted (at {at})");
+    // A client of the node that fell behind publishes as it comes back: its forward is on the
+    // way when the leader's snapshot reaches it.
+    c.hold_forwards = true;
+    let batch = c.publish(behind, 1000);
+    c.isolated.clear();
+    let mut installed = false;
+    for _ in 0..60 {
+        c.step();
+        assert!(
+            c.broker(behind).take_lost().is_none_or(|l| l < batch),
+            "the publish was nacked"
+        );
+        if c.snapshot_at(behind) >= at {
+            installed = true;
+            break;
+        }
+    }
+    assert!(installed, "the follower installed the leader's snapshot");
+    c.hold_forwards = false;
+    for _ in 0..60 {
+        c.step();
+        assert!(
+            c.broker(behind).take_lost().is_none_or(|l| l < batch),
+            "the publish was nacked"
+        );
+    }
+    assert!(
+        c.confirmed(behind, batch),
+        "the publish was never confirmed"
+    );
+    // Both copies reached the leader: the message is in the queue, once or twice.
+    let (ready, in_flight) = c.counts(behind);
+    assert!(
+        ready + in_flight >= 41,
+        "{ready} ready, {in_flight} in flight"
+    );
+    assert_same_state(&c, &NODES);
 }
 
 #[test]

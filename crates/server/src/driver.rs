@@ -949,6 +949,9 @@ pub async fn serve(
     cancel_recovery.store(true, Ordering::Release);
     let open = shared.lock().node.connection_count();
     tracing::info!(connections = open, "shutting down");
+    if raft.is_some() {
+        hand_over(&shared).await;
+    }
     shared.with_node(|node, now| node.shutdown(now));
     let deadline = Instant::now() + SHUTDOWN_GRACE;
     while Instant::now() < deadline && shared.lock().node.connection_count() > 0 {
@@ -965,6 +968,59 @@ pub async fn serve(
     // is handed back.
     shared.lock().store = None;
     Ok(store_thread.and_then(StoreThread::finish))
+}
+
+/// How long a cluster node that is stopping waits for its leaderships to move before it
+/// closes its clients' connections.
+const HANDOVER_WAIT: Duration = Duration::from_secs(5);
+
+/// A cluster node stopping (SIGTERM: a rolling restart, a Kubernetes update) first hands the
+/// leadership of its quorum queues and of the metadata to other nodes, as `warren ctl drain`
+/// does, while its clients stay connected (what they publish meanwhile is forwarded, a transfer
+/// nacks nothing). A leader that just went away would leave its queues without one for an
+/// election timeout and nack what it had not committed; handed over, the queues go on at once.
+/// Returns when it leads nothing, when no other node could take over (every other one down or
+/// stopping too), or after
+/// [`HANDOVER_WAIT`].
+async fn hand_over(shared: &Arc<Shared>) {
+    shared.with_node(|node, _| node.broker_mut().set_draining(true));
+    let deadline = Instant::now() + HANDOVER_WAIT;
+    loop {
+        let (led, metadata, peers) = shared.with_node(|node, _| {
+            let b = node.broker();
+            let me = b.cluster_node();
+            let metadata = b
+                .cluster_view()
+                .is_some_and(|(_, _, leader)| leader.is_some() && leader == me);
+            let peers = b
+                .peers_running()
+                .iter()
+                .filter(|(n, up)| *up && !b.node_draining(*n))
+                .count();
+            (b.queues_led_here(), metadata, peers)
+        });
+        if led == 0 && !metadata {
+            tracing::info!("leaderships handed over");
+            return;
+        }
+        if peers == 0 {
+            tracing::info!(
+                queues_led = led,
+                metadata,
+                "no other node can lead: stopping as leader"
+            );
+            return;
+        }
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                queues_led = led,
+                metadata,
+                "leaderships not all handed over in time: stopping anyway"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Tests only (`--test-store-delay-ms`): a disk that takes `delay` for every batch. Batches

@@ -370,8 +370,10 @@ impl Broker {
         r.applied_own = r.proposed;
         r.stepped_down = None;
         r.forwarded_ahead = 0;
+        // What it proposed as leader and did not see applied is not in the log by now; its
+        // forwarded publishes are sent again below.
         let mut outcomes = Vec::new();
-        c.abandon(group, &mut outcomes);
+        c.abandon_led(group, &mut outcomes);
         for o in outcomes {
             c.settle(o);
         }
@@ -399,6 +401,56 @@ impl Broker {
         tracing::info!(queue = %q.name, vhost = %q.vhost, index, bytes = len, "replicated queue restored from a snapshot");
         if cut_off {
             self.down_self_once(id);
+        }
+        self.forward_again(id, group);
+    }
+
+    /// After a snapshot: the publishes this node forwarded and still waits for may be in the
+    /// entries it skipped or not, so each is forwarded again under a new proposal number,
+    /// keeping its confirm. One the snapshot holds, or whose first copy is applied after it,
+    /// is then in the queue twice (as the publisher's own resend after a nack would be), never
+    /// lost, and the publisher is not nacked for a snapshot it cannot know of: a node restarted
+    /// under load is sent one, and it nacked what its clients published in its first moments.
+    /// The old numbers answer nothing any more (this node's waiting proposals now start after
+    /// them).
+    fn forward_again(&mut self, id: QueueId, group: u64) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let node = c.node;
+        let Some(kept) = c.kept.get_mut(&group) else {
+            return;
+        };
+        let proposals = &mut c.proposals;
+        let mut again = Vec::new();
+        kept.retain_mut(|k| {
+            if !k.confirm {
+                return true;
+            }
+            let origin = Origin { node, seq: k.seq };
+            let token = k
+                .token
+                .take()
+                .or_else(|| proposals.withdraw(GroupId(group), origin));
+            again.push((std::mem::take(&mut k.data), token));
+            false
+        });
+        if kept.is_empty() {
+            c.kept.remove(&group);
+        }
+        for (data, token) in again {
+            // None: its outcome was settled already (nothing waits for it).
+            let Some(token) = token else { continue };
+            match decode(bytes::Bytes::from(data)) {
+                Ok((_, command)) => {
+                    self.forward_keeping(id, &command, true, Some(token));
+                }
+                Err(_) => {
+                    if let Some(c) = self.cluster.as_mut() {
+                        c.settle(Outcome::Lost(token));
+                    }
+                }
+            }
         }
     }
 
@@ -931,8 +983,9 @@ impl Broker {
     /// entry), or what a consumer on this node does (consume, cancel, ack, reject, credit,
     /// visibility). With no leader known it waits for one (at most `FORWARD_TIMEOUT_MS`). The
     /// reply is the one the leader gives unless the log says otherwise (a consumer refused
-    /// there is cancelled here when its entry is applied). `None`: another command, or this
-    /// node was just elected and does not act yet (a publish is nacked).
+    /// there is cancelled here when its entry is applied). On a node just elected that does not
+    /// act yet, a publish waits until it does (`hold_until_acting`) and a consume is refused
+    /// (`None`, 506), as is any other command.
     pub(super) fn forward(&mut self, id: QueueId, command: &Command<Message>) -> Option<Reply> {
         let (reply, confirm) = match command {
             Command::Enqueue { .. } | Command::EnqueueFrom { .. } => {
@@ -951,8 +1004,12 @@ impl Broker {
         let c = self.cluster.as_mut()?;
         let r = self.queues.get(&id)?.replica.as_ref()?;
         if r.leader == Some(c.node) {
-            if confirm || matches!(command, Command::Consume { .. }) {
-                // The publisher resends; the consumer asks again (506).
+            if confirm {
+                // Proposed once this node acts, as what it forwarded before its election.
+                return self.hold_until_acting(id, command).then_some(reply);
+            }
+            if matches!(command, Command::Consume { .. }) {
+                // The consumer asks again (506).
                 return None;
             }
             // Elected, not acting yet: its first entries are not applied.
@@ -961,6 +1018,47 @@ impl Broker {
         }
         self.down_self_once(id);
         self.forward_one(id, command, confirm).then_some(reply)
+    }
+
+    /// A publish on a node just elected for the queue, before it acts (its term's first entries
+    /// are not applied yet): kept, its confirm waiting, as the publishes it forwarded before its
+    /// election are, and proposed once it acts (`reissue_kept`), or sent to the node that leads
+    /// if this one does not get to act. A leadership handed over (a rebalance, a node stopping)
+    /// made its new leader nack what its clients published in those first moments. False if it
+    /// cannot be encoded (the publisher is nacked).
+    fn hold_until_acting(&mut self, id: QueueId, command: &Command<Message>) -> bool {
+        let now = self.now_ms;
+        let batch = open_batch(self.persist.as_mut());
+        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get(&id)) else {
+            return false;
+        };
+        let Some(group) = q.replica.as_ref().map(|r| r.group) else {
+            return false;
+        };
+        let token = Token {
+            batch,
+            forwarded: true,
+        };
+        let origin = c.proposals.next(GroupId(group), token);
+        // Out of the proposals at once, as at an election: its own entry answers it.
+        let token = c.proposals.withdraw(GroupId(group), origin);
+        let data = match encode(now, origin, command) {
+            Ok(data) => data,
+            Err(error) => {
+                tracing::error!(queue = id.0, %error, command = command.name(), "command not kept");
+                return false;
+            }
+        };
+        c.wait_on(batch, now);
+        c.kept.entry(group).or_default().push_back(Kept {
+            seq: origin.seq,
+            data,
+            token,
+            first: now,
+            at: now,
+            confirm: true,
+        });
+        true
     }
 
     /// What this node's channels held before it started is gone: the first thing it sends a
@@ -1956,18 +2054,24 @@ impl Broker {
         let Ok((head, command)) = decode(bytes::Bytes::copy_from_slice(data)) else {
             return;
         };
-        if !matches!(
-            command,
-            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
-        ) {
-            return;
-        }
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
         if head.origin.node != c.node {
             // Another node's forward this node proposed for it: its sender keeps it and
             // sends it to the new leader itself.
+            return;
+        }
+        if !matches!(
+            command,
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
+        ) {
+            // Dropped on purpose, so not a loss: left waiting, it was taken for lost at the
+            // new leader's first entry, and the confirms of its store batch and every earlier
+            // one (publishes forwarded on and still coming) were nacked with it.
+            if let Some(token) = c.proposals.withdraw(GroupId(group), head.origin) {
+                c.settle(Outcome::Applied(token, Reply::Ok));
+            }
             return;
         }
         // Answered already (lost at a later leader's entry): nothing waits any more.
