@@ -117,9 +117,10 @@ pub struct Args {
     #[arg(long, hide = true, value_name = "MS")]
     pub test_api_write_wait_ms: Option<u64>,
     /// This node's number in a cluster (1 to 65535): with it, queues declared with
-    /// `x-queue-type: quorum` are replicated on every node (docs/operations.md, "Cluster")
+    /// `x-queue-type: quorum` are replicated on every node (docs/operations.md, "Cluster").
+    /// Or a StatefulSet pod's name, whose ordinal plus one is the number (`warren-0` is node 1)
     /// [default: no cluster]
-    #[arg(long, env = "WARREN_CLUSTER_NODE", value_name = "N")]
+    #[arg(long, env = "WARREN_CLUSTER_NODE", value_name = "N", value_parser = parse_cluster_node)]
     pub cluster_node: Option<u64>,
     /// Every node of the cluster and its cluster address, this one included, the same on
     /// every node: `1=10.0.0.1:25672,2=10.0.0.2:25672,3=10.0.0.3:25672`
@@ -339,6 +340,30 @@ fn parse_cluster_nodes(
         }
     }
     Ok(nodes)
+}
+
+/// `--cluster-node`: a number, or a name ending in `-K` (a StatefulSet pod's, given through the
+/// downward API), which is node K + 1, since ordinals start at 0 and node numbers at 1.
+fn parse_cluster_node(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    if let Ok(n) = text.parse::<u64>() {
+        return Ok(n);
+    }
+    let ordinal = text
+        .rsplit_once('-')
+        .filter(|(name, _)| !name.is_empty())
+        .and_then(|(_, k)| {
+            k.parse::<u64>()
+                .ok()
+                .filter(|_| k.bytes().all(|b| b.is_ascii_digit()))
+        });
+    match ordinal {
+        Some(k) if k < 65_535 => Ok(k + 1),
+        _ => Err(format!(
+            "`{text}` is neither a node number (1 to 65535) nor a StatefulSet pod's name ending in its \
+             ordinal (warren-0 is node 1)"
+        )),
+    }
 }
 
 fn cluster_settings(
@@ -731,6 +756,34 @@ mod tests {
         }
         let e = parse_cluster_nodes("2=warren 1:25701").expect_err("a space");
         assert!(e.contains("is not HOST:PORT"), "{e}");
+    }
+
+    /// In a StatefulSet each pod is given its own name (`fieldRef: metadata.name`), from which
+    /// its node number follows.
+    #[test]
+    fn a_cluster_node_may_be_a_statefulset_pods_name() {
+        assert_eq!(parse_cluster_node("3"), Ok(3));
+        assert_eq!(parse_cluster_node("warren-0"), Ok(1));
+        assert_eq!(parse_cluster_node("my-broker-2"), Ok(3));
+        for bad in [
+            "warren",
+            "warren-",
+            "-3",
+            "warren-x",
+            "warren-+1",
+            "warren-65535",
+            "",
+        ] {
+            let e = parse_cluster_node(bad).expect_err(bad);
+            assert!(e.contains("warren-0 is node 1"), "{e}");
+        }
+        let args = Args {
+            cluster_node: Some(parse_cluster_node("warren-1").expect("a pod name")),
+            cluster_nodes: Some("1=warren-0.h:25672,2=warren-1.h:25672".into()),
+            ..Args::default()
+        };
+        let e = Config::resolve(args).unwrap_err().to_string();
+        assert!(e.contains("shared secret"), "node 2 is in the list: {e}");
     }
 
     #[test]
