@@ -722,6 +722,68 @@ fn sample(text: &str, name: &str, labels: &str) -> Option<u64> {
 /// Each node's `/metrics/per-object` has a quorum queue's Raft figures under RabbitMQ's names
 /// (its member's term, commit and applied index), which node leads it, and, on the leader, how
 /// far each follower lags; `/metrics` sums them.
+/// Node `asked`'s `/api/nodes` entry for node `n` (by its number).
+fn entry_for(c: &TestCluster, asked: u64, n: u64) -> serde_json::Value {
+    let (_, v) = Api::of(c.node(asked)).call("GET", "/nodes", None);
+    v.as_array()
+        .and_then(|a| a.iter().find(|e| e["cluster"]["node"] == n))
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[test]
+fn every_nodes_figures_are_in_every_nodes_api_while_it_runs() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return; // spawns its own cluster
+    }
+    let mut c = TestCluster::start(3, 20);
+    let start = Instant::now();
+    for asked in 1..=3u64 {
+        for n in (1..=3u64).filter(|n| *n != asked) {
+            // The peer's own figures: its process id, its memory, what it leads.
+            let pid = c.node(n).pid().expect("a spawned node").to_string();
+            loop {
+                let e = entry_for(&c, asked, n);
+                if e["os_pid"] == pid.as_str() {
+                    assert_eq!(e["running"], true, "{e}");
+                    assert!(e["mem_used"].as_u64().is_some_and(|m| m > 0), "{e}");
+                    assert!(e["cluster"]["queues_led"].is_u64(), "{e}");
+                    assert!(
+                        e["cluster"]["figures_age_ms"]
+                            .as_u64()
+                            .is_some_and(|a| a < 10_000),
+                        "{e}"
+                    );
+                    break;
+                }
+                assert!(
+                    start.elapsed() < WAIT,
+                    "node {asked} shows no figures of node {n}: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+    // A node that stopped: down, with none of its last figures.
+    c.node_mut(3).stop(true);
+    let stopped = Instant::now();
+    loop {
+        let e = entry_for(&c, 1, 3);
+        if e["running"] == false {
+            assert!(
+                e.get("mem_used").is_none(),
+                "figures of a stopped node: {e}"
+            );
+            break;
+        }
+        assert!(
+            stopped.elapsed() < WAIT,
+            "node 3 still running for node 1: {e}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quorum_queues_raft_figures_are_in_every_nodes_metrics() {
     use warren_conformance::http::request;

@@ -163,6 +163,8 @@ struct Shared {
     /// Maintenance mode: new client connections are turned away at once.
     draining: AtomicBool,
     alarms: Mutex<Alarms>,
+    /// In a cluster, the figures each peer sent last (its `/api/nodes` entry, JSON) and when.
+    peer_figures: Mutex<std::collections::BTreeMap<u64, (Instant, Bytes)>>,
 }
 
 /// What the resource alarms are made of: the monitor's measures, and the store's writes.
@@ -247,7 +249,21 @@ impl crate::cluster::RaftEvents for RaftReports {
         });
     }
 
-    fn forwarded(&self, entries: Vec<(u64, crate::cluster::Forward)>) {
+    fn forwarded(&self, mut entries: Vec<(u64, crate::cluster::Forward)>) {
+        entries.retain(|(from, f)| {
+            if f.group != crate::cluster::NODE_FIGURES {
+                return true;
+            }
+            self.0
+                .peer_figures
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(*from, (Instant::now(), f.data.clone()));
+            false
+        });
+        if entries.is_empty() {
+            return;
+        }
         self.0.with_node(|node, now| {
             for (_, f) in entries {
                 node.forwarded(f.group.0, &f.data, now);
@@ -348,6 +364,28 @@ impl NodeHandle {
             shared.draining.store(on, Ordering::Release);
             n.set_draining(on, now)
         })
+    }
+
+    /// The figures peer `node` sent last (its own `/api/nodes` entry, JSON) and how long ago.
+    pub fn peer_figures(&self, node: u64) -> Option<(Duration, Bytes)> {
+        let figures = self
+            .0
+            .peer_figures
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        figures
+            .get(&node)
+            .map(|(at, data)| (at.elapsed(), data.clone()))
+    }
+
+    /// Sends this node's figures to every peer (a forward to [`crate::cluster::NODE_FIGURES`],
+    /// which a node without it drops as a forward to a group it does not have).
+    pub fn share_figures(&self, data: &[u8]) {
+        let Some(raft) = self.raft() else { return };
+        let peers = self.read(|n, _| n.broker().peers_running());
+        for (peer, _) in peers {
+            raft.forward(peer, crate::cluster::NODE_FIGURES, data.to_vec());
+        }
     }
 
     /// This node is in maintenance mode.
@@ -817,6 +855,7 @@ pub async fn serve(
         recovered_rx: recovered_rx.clone(),
         alarms: Mutex::new(Alarms::default()),
         draining: AtomicBool::new(false),
+        peer_figures: Mutex::new(std::collections::BTreeMap::new()),
     });
     on_start(NodeHandle(shared.clone()));
     let cancel_recovery = Arc::new(AtomicBool::new(false));

@@ -472,6 +472,7 @@ fn start_http(
         shovels,
     });
     tokio::spawn(http::rates::run(rates, api.node.clone()));
+    tokio::spawn(http::share_figures(api.clone()));
     // Config::resolve refuses --management-tls / --prometheus-tls without a certificate.
     let https = |on: bool| tls.filter(|_| on).cloned();
     if let Some(l) = management {

@@ -21,6 +21,12 @@ use std::time::{Duration, Instant};
 
 pub use address::PeerAddr;
 pub use warren_replication::{Committed, Forward, GroupId, NodeId, SnapshotMeta, StoredSnapshot};
+
+/// A forward to this group carries the sender's figures for `/api/nodes` (every few seconds),
+/// not a proposal. A node that predates it drops it, as a forward to a group it does not have.
+/// (The top group number is the wire's draining marker; queues' numbers are hashes, which this
+/// one is as likely to meet as any other.)
+pub const NODE_FIGURES: GroupId = GroupId((1 << 63) - 2);
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
 use node::{Command, Driver};

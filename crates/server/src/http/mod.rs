@@ -61,6 +61,30 @@ pub struct Api {
     pub shovels: crate::shovel::Shovels,
 }
 
+/// How often a cluster node sends its `/api/nodes` entry to its peers, whose `/api/nodes` then
+/// show its figures.
+pub const FIGURES_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+/// A peer's figures older than this are not shown (it stopped sending: it is down or slow, or
+/// runs without the management API).
+pub const FIGURES_STALE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// In a cluster, sends this node's figures to its peers every [`FIGURES_EVERY`], for as long
+/// as the node runs.
+pub async fn share_figures(api: Arc<Api>) {
+    if api.cluster_names.is_empty() {
+        return;
+    }
+    let mut every = tokio::time::interval(FIGURES_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        every.tick().await;
+        match serde_json::to_vec(&routes::node_json(&api)) {
+            Ok(data) => api.node.share_figures(&data),
+            Err(error) => tracing::warn!(%error, "this node's figures not shared"),
+        }
+    }
+}
+
 /// A cluster node's name: `warren-N@` its cluster address's host (as `--cluster-nodes` gives
 /// it), the same on every node.
 pub fn cluster_node_name(node: u64, addr: &crate::cluster::PeerAddr) -> String {

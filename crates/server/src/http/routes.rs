@@ -275,7 +275,8 @@ async fn cluster_name(State(api): ApiState, _: LoggedIn) -> Answer {
     ok(json!({ "name": api.node_name }))
 }
 
-fn node_json(api: &Api) -> Value {
+/// This node's `/api/nodes` entry (also what it sends its peers: [`super::share_figures`]).
+pub(crate) fn node_json(api: &Api) -> Value {
     let (alarm, now, cluster, level) = api.node.read(|n, now| {
         let b = n.broker();
         (n.alarm(), now, b.cluster_view(), b.cluster_feature_level())
@@ -326,8 +327,10 @@ fn node_json(api: &Api) -> Value {
     })
 }
 
-/// Another node of the cluster, as far as this node knows it: whether it runs (its figures
-/// are its own API's).
+/// Another node of the cluster: the figures it sent last (its own entry, as its API gives it;
+/// `cluster.figures_age_ms` says how old), while it runs and they are fresh; otherwise only
+/// whether it runs. `running` and `being_drained` are always this node's view (its Raft hears
+/// of both at every heartbeat).
 fn peer_json(api: &Api, node: u64, running: bool) -> Value {
     let name = api
         .cluster_names
@@ -335,6 +338,18 @@ fn peer_json(api: &Api, node: u64, running: bool) -> Value {
         .cloned()
         .unwrap_or_else(|| format!("warren-{node}"));
     let drained = api.node.read(|n, _| n.broker().node_draining(node));
+    let sent = api
+        .node
+        .peer_figures(node)
+        .filter(|(age, _)| running && *age < super::FIGURES_STALE)
+        .and_then(|(age, data)| Some((age, serde_json::from_slice::<Value>(&data).ok()?)))
+        .filter(|(_, v)| v.is_object() && v["name"] == name.as_str() && v["cluster"].is_object());
+    if let Some((age, mut v)) = sent {
+        v["running"] = json!(true);
+        v["being_drained"] = json!(drained);
+        v["cluster"]["figures_age_ms"] = json!(u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
+        return v;
+    }
     json!({
         "name": name,
         "type": "disc",
