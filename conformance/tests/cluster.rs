@@ -719,9 +719,6 @@ fn sample(text: &str, name: &str, labels: &str) -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// Each node's `/metrics/per-object` has a quorum queue's Raft figures under RabbitMQ's names
-/// (its member's term, commit and applied index), which node leads it, and, on the leader, how
-/// far each follower lags; `/metrics` sums them.
 /// Node `asked`'s `/api/nodes` entry for node `n` (by its number).
 fn entry_for(c: &TestCluster, asked: u64, n: u64) -> serde_json::Value {
     let (_, v) = Api::of(c.node(asked)).call("GET", "/nodes", None);
@@ -784,6 +781,9 @@ fn every_nodes_figures_are_in_every_nodes_api_while_it_runs() {
     }
 }
 
+/// Each node's `/metrics/per-object` has a quorum queue's Raft figures under RabbitMQ's names
+/// (its member's term, commit and applied index), which node leads it, and, on the leader, how
+/// far each follower lags; `/metrics` sums them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quorum_queues_raft_figures_are_in_every_nodes_metrics() {
     use warren_conformance::http::request;

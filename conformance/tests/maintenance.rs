@@ -145,6 +145,21 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
     let seen = node_seen(&c, d, &drained);
     assert_eq!(seen["being_drained"], true);
     assert_eq!(seen["cluster"]["queues_led"], 0);
+    // How long it has been drained, for an alert on a node left in maintenance mode.
+    let maintenance = |n: u64| -> Option<u64> {
+        let url = c.node(n).metrics_url().expect("metrics on");
+        let text =
+            warren_conformance::http::request("GET", &format!("{url}/metrics"), None, &[], None)
+                .text();
+        text.lines()
+            .find_map(|l| l.strip_prefix("warren_node_maintenance_seconds "))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    assert_eq!(maintenance(o1), Some(0), "a node not drained");
+    assert!(
+        maintenance(d).is_some(),
+        "the drained node's maintenance time"
+    );
     eventually("another node sees it drained", || {
         match node_seen(&c, o1, &drained)["being_drained"].as_bool() {
             Some(true) => Ok(()),
@@ -184,6 +199,14 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
         assert_ne!(leader, d, "a new leader placed on the drained node");
     }
 
+    eventually(
+        "the drained node's maintenance time counts",
+        || match maintenance(d) {
+            Some(s) if s >= 1 => Ok(()),
+            other => Err(format!("warren_node_maintenance_seconds {other:?}")),
+        },
+    );
+
     // Revived: the node takes clients again and says so to the others.
     let out = ctl(&c, d, "revive");
     assert!(
@@ -210,6 +233,7 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
         }
     });
     assert_eq!(node_number(&drained), Some(d));
+    assert_eq!(maintenance(d), Some(0), "a revived node");
 
     // Every leader is on the other two: a rebalance, asked on another node, evens them out.
     let out = ctl(&c, o1, "rebalance");

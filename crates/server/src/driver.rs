@@ -162,6 +162,8 @@ struct Shared {
     recovered_rx: watch::Receiver<bool>,
     /// Maintenance mode: new client connections are turned away at once.
     draining: AtomicBool,
+    /// Since when (node ms) this node is in maintenance mode; 0 when it is not.
+    draining_since: AtomicU64,
     alarms: Mutex<Alarms>,
     /// In a cluster, the figures each peer sent last (its `/api/nodes` entry, JSON) and when.
     peer_figures: Mutex<std::collections::BTreeMap<u64, (Instant, Bytes)>>,
@@ -362,8 +364,18 @@ impl NodeHandle {
         let shared = &self.0;
         shared.with_node(|n, now| {
             shared.draining.store(on, Ordering::Release);
+            let since = if on { now.max(1) } else { 0 };
+            if !on || shared.draining_since.load(Ordering::Acquire) == 0 {
+                shared.draining_since.store(since, Ordering::Release);
+            }
             n.set_draining(on, now)
         })
+    }
+
+    /// How long this node has been in maintenance mode (`warren ctl drain`), if it is.
+    pub fn draining_for(&self) -> Option<Duration> {
+        let since = self.0.draining_since.load(Ordering::Acquire);
+        (since != 0).then(|| Duration::from_millis(self.read(|_, now| now.saturating_sub(since))))
     }
 
     /// The figures peer `node` sent last (its own `/api/nodes` entry, JSON) and how long ago.
@@ -855,6 +867,7 @@ pub async fn serve(
         recovered_rx: recovered_rx.clone(),
         alarms: Mutex::new(Alarms::default()),
         draining: AtomicBool::new(false),
+        draining_since: AtomicU64::new(0),
         peer_figures: Mutex::new(std::collections::BTreeMap::new()),
     });
     on_start(NodeHandle(shared.clone()));

@@ -400,6 +400,12 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
         "Damaged records recovery moved to the quarantine at this start",
         QUARANTINED.load(Ordering::Relaxed),
     );
+    t.one(
+        "warren_node_maintenance_seconds",
+        "gauge",
+        "How long this node has been in maintenance mode (warren ctl drain); 0 when it is not",
+        api.node.draining_for().map_or(0, |d| d.as_secs()),
+    );
     let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
     t.one(
         "rabbitmq_process_open_fds",
