@@ -116,6 +116,11 @@ impl Cluster {
     }
 
     fn start(node: u64, snapshot_every: Option<u64>) -> Self {
+        Self::start_with(node, snapshot_every, quorum_args())
+    }
+
+    /// [`Cluster::start`] with the queue declared with `arguments`.
+    fn start_with(node: u64, snapshot_every: Option<u64>, arguments: FieldTable) -> Self {
         let mut members = BTreeMap::new();
         for n in NODES {
             let broker = Self::broker_of(n, 1, snapshot_every);
@@ -155,7 +160,7 @@ impl Cluster {
             durable: true,
             exclusive: false,
             auto_delete: false,
-            arguments: quorum_args(),
+            arguments,
         };
         c.broker(node)
             .declare_queue("/", req, conn(node, 1))
@@ -1210,6 +1215,59 @@ fn a_publish_on_a_node_elected_and_not_acting_yet_is_confirmed_once_it_acts() {
         }
         assert!(c.confirmed(next, batch), "the publish was never confirmed");
         assert_counts(&c, &NODES, (2, 0));
+        assert_same_state(&c, &NODES);
+    }
+    assert!(
+        exercised > 0,
+        "the new leader was never caught before it acted"
+    );
+}
+
+#[test]
+fn a_publish_held_on_a_node_not_acting_yet_and_refused_by_a_full_queue_is_nacked() {
+    // reject-publish on a full queue: a publish held until its node acts is refused then, and
+    // its publisher (told "enqueued" while it waited) must get a nack, not a confirm.
+    let mut args = quorum_args();
+    args.insert("x-max-length", FieldValue::I64(1));
+    args.insert("x-overflow", FieldValue::long_str("reject-publish"));
+    let mut exercised = 0;
+    for round in 0..6u32 {
+        let mut c = Cluster::start_with(1, None, args.clone());
+        let leader = c.leader();
+        let next = leader % 3 + 1;
+        c.run(10);
+        let first = c.publish(leader, 0);
+        c.run(20);
+        assert!(c.confirmed(leader, first), "the first message confirmed");
+        c.broker(leader).set_draining(true);
+        let group = GroupId(c.group);
+        let mut held = None;
+        for _ in 0..500 {
+            c.step();
+            let id = c.id(next);
+            let m = &c.members[&next];
+            if m.raft.is_leader(group) && !m.broker.acts_on(id) {
+                let now = c.now;
+                let r = c
+                    .broker(next)
+                    .publish("/", "", "jobs", message(100 + round), now)
+                    .expect("publish");
+                held = r.batch.filter(|_| !r.rejected);
+                break;
+            }
+            if c.members[&next].broker.acts_on(c.id(next)) {
+                break;
+            }
+        }
+        let Some(batch) = held else { continue };
+        exercised += 1;
+        let mut nacked = false;
+        for _ in 0..60 {
+            c.step();
+            nacked |= c.broker(next).take_lost().is_some_and(|l| l >= batch);
+        }
+        assert!(nacked, "a publish the full queue refused was not nacked");
+        assert_counts(&c, &NODES, (1, 0));
         assert_same_state(&c, &NODES);
     }
     assert!(

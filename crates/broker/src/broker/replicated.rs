@@ -984,8 +984,9 @@ impl Broker {
     /// visibility). With no leader known it waits for one (at most `FORWARD_TIMEOUT_MS`). The
     /// reply is the one the leader gives unless the log says otherwise (a consumer refused
     /// there is cancelled here when its entry is applied). On a node just elected that does not
-    /// act yet, a publish waits until it does (`hold_until_acting`) and a consume is refused
-    /// (`None`, 506), as is any other command.
+    /// act yet, a publish waits until it does (`hold_until_acting`), a consumer's ack, reject,
+    /// credit or cancel runs once it does (`deferred`), and a consume is refused (`None`, 506).
+    /// `None` too for any other command.
     pub(super) fn forward(&mut self, id: QueueId, command: &Command<Message>) -> Option<Reply> {
         let (reply, confirm) = match command {
             Command::Enqueue { .. } | Command::EnqueueFrom { .. } => {
@@ -1972,11 +1973,18 @@ impl Broker {
                 continue;
             };
             c.reissue = Some(token);
-            let applied = self.run(id, command).is_some();
+            let reply = self.run(id, command);
+            let applied = reply.is_some();
             if let Some(c) = self.cluster.as_mut() {
                 if let Some(token) = c.reissue.take() {
                     // Not proposed after all: its publisher is told.
                     c.settle(Outcome::Lost(token));
+                } else if matches!(reply, Some(Reply::Refused(_))) {
+                    // Refused by a full queue (reject-publish) as it was applied ahead: its
+                    // publisher, told "enqueued" long ago, gets a nack. Its entry carries the
+                    // same refusal to every member; the proposal's token is this node's own
+                    // now, which the entry alone would settle as a success.
+                    c.lost_upto = c.lost_upto.max(token.batch);
                 }
             }
             if applied {
