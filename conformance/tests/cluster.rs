@@ -728,8 +728,10 @@ fn entry_for(c: &TestCluster, asked: u64, n: u64) -> serde_json::Value {
         .unwrap_or_default()
 }
 
+/// Each node's `/api/nodes` has every running node's own figures, and its `/api/shovels` the
+/// shovels of the whole cluster, as RabbitMQ's API does; a stopped node's figures go.
 #[test]
-fn every_nodes_figures_are_in_every_nodes_api_while_it_runs() {
+fn every_nodes_figures_and_shovels_are_in_every_nodes_api_while_it_runs() {
     if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
         return; // spawns its own cluster
     }
@@ -759,6 +761,38 @@ fn every_nodes_figures_are_in_every_nodes_api_while_it_runs() {
                 );
                 std::thread::sleep(Duration::from_millis(50));
             }
+        }
+    }
+    // A shovel runs on one node (the lowest-numbered running one); every node's /api/shovels
+    // lists it, naming that node.
+    let name = unique("shv");
+    let (code, body) = Api::of(c.node(2)).call(
+        "PUT",
+        &format!("/parameters/shovel/%2F/{name}"),
+        Some(
+            serde_json::json!({"value": {"src-uri": "amqp://", "src-queue": "shv-src",
+            "dest-uri": "amqp://", "dest-queue": "shv-dest"}}),
+        ),
+    );
+    assert!(code < 300, "{code} {body}");
+    let runner = entry_for(&c, 1, 1)["name"].clone();
+    for asked in 1..=3u64 {
+        let start = Instant::now();
+        loop {
+            let (_, v) = Api::of(c.node(asked)).call("GET", "/shovels", None);
+            let found = v.as_array().and_then(|a| {
+                a.iter()
+                    .find(|s| s["name"] == name.as_str() && s["state"] == "running")
+            });
+            if let Some(s) = found {
+                assert_eq!(s["node"], runner, "{s}");
+                break;
+            }
+            assert!(
+                start.elapsed() < WAIT,
+                "node {asked} does not list the running shovel: {v}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
     // A node that stopped: down, with none of its last figures.

@@ -69,7 +69,8 @@ pub const FIGURES_EVERY: std::time::Duration = std::time::Duration::from_secs(2)
 pub const FIGURES_STALE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// In a cluster, sends this node's figures to its peers every [`FIGURES_EVERY`], for as long
-/// as the node runs.
+/// as the node runs: its `/api/nodes` entry (`node`) and the shovels it runs (`shovels`, as its
+/// `/api/shovels` lists them), so that any node's API shows the whole cluster.
 pub async fn share_figures(api: Arc<Api>) {
     if api.cluster_names.is_empty() {
         return;
@@ -78,11 +79,35 @@ pub async fn share_figures(api: Arc<Api>) {
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         every.tick().await;
-        match serde_json::to_vec(&routes::node_json(&api)) {
+        let figures = json!({
+            "node": routes::node_json(&api),
+            "shovels": api.shovels.list(None),
+        });
+        match serde_json::to_vec(&figures) {
             Ok(data) => api.node.share_figures(&data),
             Err(error) => tracing::warn!(%error, "this node's figures not shared"),
         }
     }
+}
+
+/// What running peer `node` sent last ([`share_figures`]) and how long ago, if it is fresh
+/// (younger than [`FIGURES_STALE`]) and reads as its figures.
+pub(crate) fn peer_figures(api: &Api, node: u64) -> Option<(std::time::Duration, Value)> {
+    let running = api
+        .node
+        .read(|n, _| n.broker().peers_running())
+        .into_iter()
+        .any(|(n, up)| n == node && up);
+    if !running {
+        return None;
+    }
+    let (age, data) = api.node.peer_figures(node)?;
+    if age >= FIGURES_STALE {
+        return None;
+    }
+    let v: Value = serde_json::from_slice(&data).ok()?;
+    let name = api.cluster_names.get(&node)?;
+    (v["node"]["name"] == name.as_str() && v["node"]["cluster"].is_object()).then_some((age, v))
 }
 
 /// A cluster node's name: `warren-N@` its cluster address's host (as `--cluster-nodes` gives

@@ -325,8 +325,27 @@ async fn delete_one(
 }
 
 /// The shovels a user may see: those of the vhosts they may open.
+/// The shovels of the whole cluster: those this node runs, and those its running peers said
+/// they run (at most [`super::FIGURES_EVERY`] old), each naming its `node`.
 fn shovel_listing(api: &Api, who: &Login, vhost: Option<&str>) -> Vec<Value> {
     let mut list = api.shovels.list(vhost);
+    for node in api.cluster_names.keys() {
+        let Some((_, mut figures)) = super::peer_figures(api, *node) else {
+            continue;
+        };
+        if let Value::Array(theirs) = figures["shovels"].take() {
+            for s in theirs {
+                // One that moved between nodes lately may be in two lists: the first (this
+                // node's own, then the lowest-numbered) is kept.
+                let seen = list
+                    .iter()
+                    .any(|o| o["vhost"] == s["vhost"] && o["name"] == s["name"]);
+                if !seen && vhost.is_none_or(|v| s["vhost"] == v) {
+                    list.push(s);
+                }
+            }
+        }
+    }
     list.retain(|s| {
         let v = s["vhost"].as_str().unwrap_or("");
         api.node.read(|n, _| who.sees_vhost(n.broker().access(), v))

@@ -338,13 +338,9 @@ fn peer_json(api: &Api, node: u64, running: bool) -> Value {
         .cloned()
         .unwrap_or_else(|| format!("warren-{node}"));
     let drained = api.node.read(|n, _| n.broker().node_draining(node));
-    let sent = api
-        .node
-        .peer_figures(node)
-        .filter(|(age, _)| running && *age < super::FIGURES_STALE)
-        .and_then(|(age, data)| Some((age, serde_json::from_slice::<Value>(&data).ok()?)))
-        .filter(|(_, v)| v.is_object() && v["name"] == name.as_str() && v["cluster"].is_object());
-    if let Some((age, mut v)) = sent {
+    let sent = super::peer_figures(api, node).filter(|_| running);
+    if let Some((age, mut figures)) = sent {
+        let mut v = figures["node"].take();
         v["running"] = json!(true);
         v["being_drained"] = json!(drained);
         v["cluster"]["figures_age_ms"] = json!(u64::try_from(age.as_millis()).unwrap_or(u64::MAX));
