@@ -405,6 +405,13 @@ fn cluster_settings(
         ))
     })?;
     let secret = secret.trim_ascii().to_vec();
+    if secret.starts_with(b"CHANGE-ME") {
+        return err(format!(
+            "the cluster secret in {} is the example's placeholder: write a random one (e.g. \
+             `head -c 32 /dev/urandom | base64`) and give every node the same",
+            path.display()
+        ));
+    }
     if secret.len() < MIN_CLUSTER_SECRET {
         return err(format!(
             "the cluster secret in {} is {} bytes; it needs at least {MIN_CLUSTER_SECRET}",
@@ -784,6 +791,33 @@ mod tests {
         };
         let e = Config::resolve(args).unwrap_err().to_string();
         assert!(e.contains("shared secret"), "node 2 is in the list: {e}");
+    }
+
+    /// The deploy/ examples' placeholder is long enough to pass for a secret: a node refuses it.
+    #[test]
+    fn the_examples_placeholder_is_not_a_cluster_secret() {
+        let dir = std::env::temp_dir().join(format!("warren-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("secret");
+        std::fs::write(&file, "CHANGE-ME-at-least-16-random-bytes\n").expect("write");
+        let args = Args {
+            cluster_node: Some(1),
+            cluster_nodes: Some("1=127.0.0.1:25672".into()),
+            cluster_secret_file: Some(file.clone()),
+            ..Args::default()
+        };
+        let e = Config::resolve(args).unwrap_err().to_string();
+        assert!(e.contains("placeholder"), "{e}");
+        std::fs::write(&file, "a real secret of more than sixteen bytes").expect("write");
+        let args = Args {
+            cluster_node: Some(1),
+            cluster_nodes: Some("1=127.0.0.1:25672".into()),
+            cluster_secret_file: Some(file),
+            ..Args::default()
+        };
+        let resolved = Config::resolve(args);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(resolved.is_ok(), "{:?}", resolved.err());
     }
 
     #[test]

@@ -224,6 +224,19 @@ impl crate::cluster::RaftEvents for RaftReports {
     }
 
     fn peers(&self, changes: Vec<(u64, bool)>) {
+        {
+            // What a peer sent before it went down is not what it will say after a restart.
+            let mut figures = self
+                .0
+                .peer_figures
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            for (peer, up) in &changes {
+                if !up {
+                    figures.remove(peer);
+                }
+            }
+        }
         self.0.with_node(|node, now| {
             for (peer, up) in changes {
                 node.set_peer_up(peer, up, now);
@@ -395,7 +408,7 @@ impl NodeHandle {
     pub fn share_figures(&self, data: &[u8]) {
         let Some(raft) = self.raft() else { return };
         let peers = self.read(|n, _| n.broker().peers_running());
-        for (peer, _) in peers {
+        for (peer, _) in peers.into_iter().filter(|(_, up)| *up) {
             raft.forward(peer, crate::cluster::NODE_FIGURES, data.to_vec());
         }
     }

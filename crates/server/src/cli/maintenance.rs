@@ -79,6 +79,10 @@ fn still_leading(node: &Value, name: &str) -> Option<(u64, bool)> {
         // A node on its own has nothing to hand over.
         return Some((0, false));
     }
+    if cluster.get("figures_age_ms").is_some() {
+        // Another node's copy of this node's figures (seconds old): not the node's own answer.
+        return None;
+    }
     let queues = cluster["queues_led"].as_u64()?;
     let metadata = cluster["metadata_leader"].as_u64() == cluster["node"].as_u64();
     Some((queues, metadata))

@@ -324,9 +324,9 @@ async fn delete_one(
     }
 }
 
-/// The shovels a user may see: those of the vhosts they may open.
-/// The shovels of the whole cluster: those this node runs, and those its running peers said
-/// they run (at most [`super::FIGURES_EVERY`] old), each naming its `node`.
+/// The shovels of the whole cluster a user may see (those of the vhosts they may open): those
+/// this node runs, and those its running peers said they run (sent every
+/// [`super::FIGURES_EVERY`], shown up to [`super::FIGURES_STALE`] old), each naming its `node`.
 fn shovel_listing(api: &Api, who: &Login, vhost: Option<&str>) -> Vec<Value> {
     let mut list = api.shovels.list(vhost);
     for node in api.cluster_names.keys() {
