@@ -408,11 +408,21 @@ fn own_address(listening: std::net::SocketAddr) -> std::net::SocketAddr {
 /// a name that does not resolve yet (a Kubernetes pod's, before it is published) means every
 /// interface, on that port.
 fn cluster_listen(node: u64, own: &cluster::PeerAddr) -> std::net::SocketAddr {
+    let every = std::net::SocketAddr::from(([0, 0, 0, 0], own.port()));
     match own.resolve_now() {
-        Ok(addr) => addr,
+        // A name can still resolve to an address this host no longer has (a recreated
+        // Kubernetes pod, while DNS keeps its old record for a few seconds): listening there
+        // would fail and the node would not start.
+        Ok(addr) => match std::net::TcpListener::bind(addr) {
+            Err(error) if error.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                tracing::warn!(node, address = %own, resolved = %addr, "this node's cluster name resolves to an address this host does not have: listening on every interface");
+                every
+            }
+            _ => addr,
+        },
         Err(error) => {
             tracing::warn!(node, address = %own, %error, "this node's cluster name does not resolve yet: listening on every interface");
-            std::net::SocketAddr::from(([0, 0, 0, 0], own.port()))
+            every
         }
     }
 }
@@ -554,5 +564,31 @@ async fn wait_for_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node listens on its own cluster address when this host has it, and on every
+    /// interface when the address is not this host's (a stale DNS record after a pod moved).
+    #[test]
+    fn the_cluster_listener_falls_back_to_every_interface_for_an_address_not_here() {
+        let local = cluster::PeerAddr::parse("127.0.0.1:25999").expect("an address");
+        assert_eq!(
+            cluster_listen(1, &local),
+            "127.0.0.1:25999"
+                .parse::<std::net::SocketAddr>()
+                .expect("addr")
+        );
+        // TEST-NET-1: documentation addresses no host has.
+        let elsewhere = cluster::PeerAddr::parse("192.0.2.1:25999").expect("an address");
+        assert_eq!(
+            cluster_listen(1, &elsewhere),
+            "0.0.0.0:25999"
+                .parse::<std::net::SocketAddr>()
+                .expect("addr")
+        );
     }
 }
