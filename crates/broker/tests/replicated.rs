@@ -1166,6 +1166,37 @@ fn an_ack_made_while_the_consumers_node_is_elected_and_not_acting_yet_is_applied
     assert!(exercised, "the consumer's node was never elected");
 }
 
+/// Drains `leader` and publishes message `n` on `next` the moment it leads the queue without
+/// acting yet: the publish's store batch (`None`: refused at once), or `None` if `next` did not
+/// get the queue or acted within one step.
+fn publish_while_taking_over(
+    c: &mut Cluster,
+    leader: u64,
+    next: u64,
+    n: u32,
+) -> Option<Option<u64>> {
+    c.broker(leader).set_draining(true);
+    let group = GroupId(c.group);
+    for _ in 0..500 {
+        c.step();
+        let id = c.id(next);
+        let m = &c.members[&next];
+        if m.raft.is_leader(group) && !m.broker.acts_on(id) {
+            let now = c.now;
+            let r = c
+                .broker(next)
+                .publish("/", "", "jobs", message(n), now)
+                .expect("publish");
+            assert_eq!(r.queues, 1);
+            return Some(r.batch.filter(|_| !r.rejected));
+        }
+        if c.members[&next].broker.acts_on(c.id(next)) {
+            return None;
+        }
+    }
+    None
+}
+
 #[test]
 fn a_publish_on_a_node_elected_and_not_acting_yet_is_confirmed_once_it_acts() {
     // The leader hands the queue over (as a rebalance or a stopping node does); a client of
@@ -1179,32 +1210,10 @@ fn a_publish_on_a_node_elected_and_not_acting_yet_is_confirmed_once_it_acts() {
         c.run(10);
         c.publish(leader, 0);
         c.run(10);
-        c.broker(leader).set_draining(true);
-        let group = GroupId(c.group);
-        let mut held = None;
-        for _ in 0..500 {
-            c.step();
-            let id = c.id(next);
-            let m = &c.members[&next];
-            if m.raft.is_leader(group) && !m.broker.acts_on(id) {
-                let now = c.now;
-                let r = c
-                    .broker(next)
-                    .publish("/", "", "jobs", message(100 + round), now)
-                    .expect("publish");
-                assert_eq!(r.queues, 1);
-                assert!(
-                    !r.rejected,
-                    "a publish on a node elected and not acting yet was refused"
-                );
-                held = r.batch;
-                break;
-            }
-            if c.members[&next].broker.acts_on(c.id(next)) {
-                break; // elected and acting within one step: the next round tries again
-            }
-        }
-        let Some(batch) = held else { continue };
+        let Some(batch) = publish_while_taking_over(&mut c, leader, next, 100 + round) else {
+            continue; // elected and acting within one step: the next round tries again
+        };
+        let batch = batch.expect("a publish on a node elected and not acting yet was refused");
         exercised += 1;
         for _ in 0..60 {
             c.step();
@@ -1239,27 +1248,9 @@ fn a_publish_held_on_a_node_not_acting_yet_and_refused_by_a_full_queue_is_nacked
         let first = c.publish(leader, 0);
         c.run(20);
         assert!(c.confirmed(leader, first), "the first message confirmed");
-        c.broker(leader).set_draining(true);
-        let group = GroupId(c.group);
-        let mut held = None;
-        for _ in 0..500 {
-            c.step();
-            let id = c.id(next);
-            let m = &c.members[&next];
-            if m.raft.is_leader(group) && !m.broker.acts_on(id) {
-                let now = c.now;
-                let r = c
-                    .broker(next)
-                    .publish("/", "", "jobs", message(100 + round), now)
-                    .expect("publish");
-                held = r.batch.filter(|_| !r.rejected);
-                break;
-            }
-            if c.members[&next].broker.acts_on(c.id(next)) {
-                break;
-            }
-        }
-        let Some(batch) = held else { continue };
+        let Some(Some(batch)) = publish_while_taking_over(&mut c, leader, next, 100 + round) else {
+            continue;
+        };
         exercised += 1;
         let mut nacked = false;
         for _ in 0..60 {
