@@ -799,25 +799,21 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("warren-secret-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let file = dir.join("secret");
-        std::fs::write(&file, "CHANGE-ME-at-least-16-random-bytes\n").expect("write");
-        let args = Args {
-            cluster_node: Some(1),
-            cluster_nodes: Some("1=127.0.0.1:25672".into()),
-            cluster_secret_file: Some(file.clone()),
-            ..Args::default()
+        let with_secret = |text: &str| {
+            std::fs::write(&file, text).expect("write");
+            Config::resolve(Args {
+                cluster_node: Some(1),
+                cluster_nodes: Some("1=127.0.0.1:25672".into()),
+                cluster_secret_file: Some(file.clone()),
+                ..Args::default()
+            })
         };
-        let e = Config::resolve(args).unwrap_err().to_string();
-        assert!(e.contains("placeholder"), "{e}");
-        std::fs::write(&file, "a real secret of more than sixteen bytes").expect("write");
-        let args = Args {
-            cluster_node: Some(1),
-            cluster_nodes: Some("1=127.0.0.1:25672".into()),
-            cluster_secret_file: Some(file),
-            ..Args::default()
-        };
-        let resolved = Config::resolve(args);
+        let placeholder = with_secret("CHANGE-ME-at-least-16-random-bytes\n");
+        let real = with_secret("a real secret of more than sixteen bytes");
         let _ = std::fs::remove_dir_all(&dir);
-        assert!(resolved.is_ok(), "{:?}", resolved.err());
+        let e = placeholder.unwrap_err().to_string();
+        assert!(e.contains("placeholder"), "{e}");
+        assert!(real.is_ok(), "{:?}", real.err());
     }
 
     #[test]

@@ -160,9 +160,8 @@ struct Shared {
     recovery_left: AtomicUsize,
     /// Turns true just after `recovered`, for waiting on it.
     recovered_rx: watch::Receiver<bool>,
-    /// Maintenance mode: new client connections are turned away at once.
-    draining: AtomicBool,
-    /// Since when (node ms) this node is in maintenance mode; 0 when it is not.
+    /// Since when (node ms) this node is in maintenance mode, 0 when it is not: new client
+    /// connections are turned away at once meanwhile.
     draining_since: AtomicU64,
     alarms: Mutex<Alarms>,
     /// In a cluster, the figures each peer sent last (its `/api/nodes` entry, JSON) and when.
@@ -308,6 +307,11 @@ impl crate::storage::StoreEvents for StoreReports {
 }
 
 impl Shared {
+    /// This node is in maintenance mode.
+    fn is_draining(&self) -> bool {
+        self.draining_since.load(Ordering::Acquire) != 0
+    }
+
     fn lock(&self) -> MutexGuard<'_, Core> {
         // A panic while holding the lock is a bug elsewhere; the node's state is still consistent enough
         // to keep serving the other connections, so a poisoned lock is taken over rather than propagated.
@@ -376,9 +380,8 @@ impl NodeHandle {
         // store and no refusal while recovering; the flag changes under the node's lock.
         let shared = &self.0;
         shared.with_node(|n, now| {
-            shared.draining.store(on, Ordering::Release);
             let since = if on { now.max(1) } else { 0 };
-            if !on || shared.draining_since.load(Ordering::Acquire) == 0 {
+            if !on || !shared.is_draining() {
                 shared.draining_since.store(since, Ordering::Release);
             }
             n.set_draining(on, now)
@@ -415,7 +418,7 @@ impl NodeHandle {
 
     /// This node is in maintenance mode.
     pub fn is_draining(&self) -> bool {
-        self.0.draining.load(Ordering::Acquire)
+        self.0.is_draining()
     }
 
     /// Reads the node (and its time, ms since the epoch) under the lock; keep `f` short.
@@ -879,7 +882,6 @@ pub async fn serve(
         recovery_left: AtomicUsize::new(recovery.as_ref().map_or(0, |r| r.recovery.queues_left())),
         recovered_rx: recovered_rx.clone(),
         alarms: Mutex::new(Alarms::default()),
-        draining: AtomicBool::new(false),
         draining_since: AtomicU64::new(0),
         peer_figures: Mutex::new(std::collections::BTreeMap::new()),
     });
@@ -970,7 +972,7 @@ pub async fn serve(
                         continue;
                     }
                 };
-                if shared.draining.load(Ordering::Acquire) {
+                if shared.is_draining() {
                     // Maintenance mode: as RabbitMQ's suspended listeners, no new client.
                     drop(stream);
                     continue;
@@ -992,7 +994,7 @@ pub async fn serve(
                         continue;
                     }
                 };
-                if shared.draining.load(Ordering::Acquire) {
+                if shared.is_draining() {
                     drop(stream);
                     continue;
                 }
@@ -1051,7 +1053,7 @@ async fn hand_over(shared: &Arc<Shared>) {
     shared.with_node(|node, _| node.broker_mut().set_draining(true));
     let deadline = Instant::now() + HANDOVER_WAIT;
     loop {
-        let (led, metadata, peers) = shared.with_node(|node, _| {
+        let (led, metadata, peers) = NodeHandle(shared.clone()).read(|node, _| {
             let b = node.broker();
             let me = b.cluster_node();
             let metadata = b
@@ -1429,7 +1431,7 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
     // Checked under the node's lock, as a drain sets it: either the drain closes this
     // connection, or the connection sees the drain.
     let taken = shared.with_core(|core, now| {
-        if shared.draining.load(Ordering::Acquire) {
+        if shared.is_draining() {
             return false;
         }
         core.writers.insert(

@@ -338,8 +338,8 @@ fn peer_json(api: &Api, node: u64, running: bool) -> Value {
         .cloned()
         .unwrap_or_else(|| format!("warren-{node}"));
     let drained = api.node.read(|n, _| n.broker().node_draining(node));
-    let sent = super::peer_figures(api, node).filter(|_| running);
-    if let Some((age, mut figures)) = sent {
+    // Only a running peer's (`peer_figures` looks that up itself).
+    if let Some((age, mut figures)) = super::peer_figures(api, node) {
         let mut v = figures["node"].take();
         v["running"] = json!(true);
         v["being_drained"] = json!(drained);
