@@ -936,3 +936,83 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
     let more = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await;
     assert!(more.is_err(), "nothing of the old queue: {more:?}");
 }
+
+/// A CA's certificate and a certificate for 127.0.0.1 it signed, for both ends of a cluster
+/// link, in `dir`: (cert, key, ca).
+fn cluster_pki(dir: &std::path::Path) -> [String; 3] {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, KeyUsagePurpose,
+    };
+    std::fs::create_dir_all(dir).expect("pki dir");
+    let mut ca = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "Warren cluster CA");
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca_key = KeyPair::generate().expect("ca key");
+    let ca_pem = ca.self_signed(&ca_key).expect("ca").pem();
+    let issuer = Issuer::new(ca, ca_key);
+    let mut node = CertificateParams::new(vec!["127.0.0.1".to_string()]).expect("params");
+    node.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let key = KeyPair::generate().expect("key");
+    let cert = node.signed_by(&key, &issuer).expect("cert");
+    let write = |name: &str, pem: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, pem).expect("pem");
+        path.display().to_string()
+    };
+    [
+        write("node.pem", &cert.pem()),
+        write("node.key", &key.serialize_pem()),
+        write("ca.pem", &ca_pem),
+    ]
+}
+
+/// `--cluster-tls-*`: the nodes form the cluster over TLS links, and a quorum queue replicates
+/// and fails over as over plain ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_over_tls_links_replicates_and_fails_over() {
+    let pki = std::env::temp_dir().join(unique("warren-cluster-pki"));
+    let [cert, key, ca] = cluster_pki(&pki);
+    let mut c = TestCluster::start_with(
+        3,
+        20,
+        &[
+            "--cluster-tls-cert",
+            &cert,
+            "--cluster-tls-key",
+            &key,
+            "--cluster-tls-ca",
+            &ca,
+        ],
+    );
+    let q = unique("qq-tls");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let follower = leader % 3 + 1;
+    {
+        let (_conn, ch) = channel(&c, follower).await;
+        publish_confirmed(&ch, &q, (0..5).map(|i| format!("t{i}"))).await;
+    }
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 5);
+    }
+    c.node_mut(leader).stop(true);
+    let killed = Instant::now();
+    while c.leader_of(&q, follower) == leader {
+        assert!(killed.elapsed() < WAIT, "no leader after node {leader}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_, _conn, mut consumer) = consume_on_leader(&c, &q, follower).await;
+    let got = take_acked(&mut consumer, 5).await;
+    assert_eq!(got, ["t0", "t1", "t2", "t3", "t4"]);
+    drop(c);
+    let _ = std::fs::remove_dir_all(&pki);
+}

@@ -130,6 +130,19 @@ pub struct Args {
     /// Erlang's cookie); only nodes that know it may join
     #[arg(long, env = "WARREN_CLUSTER_SECRET_FILE", value_name = "FILE")]
     pub cluster_secret_file: Option<PathBuf>,
+    /// Turns TLS on for the links between cluster nodes: this node's certificate chain, a PEM
+    /// file; it must name this node's host as --cluster-nodes gives it (a DNS name or an IP
+    /// address among its subject alternative names). Needs --cluster-tls-key and
+    /// --cluster-tls-ca, and every node of the cluster must use TLS
+    #[arg(long, env = "WARREN_CLUSTER_TLS_CERT", value_name = "FILE")]
+    pub cluster_tls_cert: Option<PathBuf>,
+    /// The private key of --cluster-tls-cert, a PEM file
+    #[arg(long, env = "WARREN_CLUSTER_TLS_KEY", value_name = "FILE")]
+    pub cluster_tls_key: Option<PathBuf>,
+    /// The CA that signs every node's cluster certificate, a PEM file: a peer must present a
+    /// certificate it signed. The three files are read again when they change
+    #[arg(long, env = "WARREN_CLUSTER_TLS_CA", value_name = "FILE")]
+    pub cluster_tls_ca: Option<PathBuf>,
     /// Tests: Raft's tick in milliseconds [default: 50]
     #[arg(long, hide = true, value_name = "MS")]
     pub test_cluster_tick_ms: Option<u64>,
@@ -232,6 +245,9 @@ pub struct FileConfig {
     pub cluster_node: Option<u64>,
     pub cluster_nodes: Option<String>,
     pub cluster_secret_file: Option<PathBuf>,
+    pub cluster_tls_cert: Option<PathBuf>,
+    pub cluster_tls_key: Option<PathBuf>,
+    pub cluster_tls_ca: Option<PathBuf>,
     pub prometheus_port: Option<u16>,
     /// `false` turns the Prometheus endpoint off.
     pub prometheus: Option<bool>,
@@ -302,6 +318,8 @@ pub struct ClusterSettings {
     /// Every node's cluster address, this one's included (names are looked up at each dial).
     pub nodes: std::collections::BTreeMap<u64, crate::cluster::PeerAddr>,
     pub secret: Vec<u8>,
+    /// TLS on the links between nodes.
+    pub tls: Option<crate::cluster::ClusterTlsFiles>,
     pub tick_ms: u64,
     /// Entries between two snapshots of a replicated queue, and kept behind one.
     pub snapshot_entries: u64,
@@ -366,16 +384,54 @@ fn parse_cluster_node(text: &str) -> Result<u64, String> {
     }
 }
 
+/// `--cluster-tls-cert`, `--cluster-tls-key` and `--cluster-tls-ca`: all three, or none.
+type ClusterTlsArgs = (Option<PathBuf>, Option<PathBuf>, Option<PathBuf>);
+
+fn cluster_tls(
+    (cert, key, ca): ClusterTlsArgs,
+) -> Result<Option<crate::cluster::ClusterTlsFiles>, String> {
+    match (cert, key, ca) {
+        (None, None, None) => Ok(None),
+        (Some(cert), Some(key), Some(ca)) => {
+            let files = crate::cluster::ClusterTlsFiles { cert, key, ca };
+            files.check()?;
+            Ok(Some(files))
+        }
+        (cert, key, ca) => {
+            let missing: Vec<&str> = [
+                (
+                    cert.is_none(),
+                    "--cluster-tls-cert (this node's certificate)",
+                ),
+                (key.is_none(), "--cluster-tls-key (its private key)"),
+                (
+                    ca.is_none(),
+                    "--cluster-tls-ca (the CA that signs every node's certificate)",
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(m, what)| m.then_some(what))
+            .collect();
+            Err(format!(
+                "cluster TLS needs three files; also give {}",
+                missing.join(" and ")
+            ))
+        }
+    }
+}
+
 fn cluster_settings(
     node: Option<u64>,
     nodes: Option<String>,
     secret_file: Option<PathBuf>,
+    tls: ClusterTlsArgs,
     (tick_ms, snapshot_entries): (Option<u64>, Option<u64>),
 ) -> Result<Option<ClusterSettings>, ConfigError> {
     let err = |m: String| Err(ConfigError::Cluster(m));
     let Some(node) = node else {
-        if nodes.is_some() || secret_file.is_some() {
-            return err("--cluster-nodes and --cluster-secret-file need --cluster-node N (this node's number)".into());
+        let any_tls = tls.0.is_some() || tls.1.is_some() || tls.2.is_some();
+        if nodes.is_some() || secret_file.is_some() || any_tls {
+            return err("--cluster-nodes, --cluster-secret-file and --cluster-tls-* need --cluster-node N (this node's number)".into());
         }
         return Ok(None);
     };
@@ -386,6 +442,7 @@ fn cluster_settings(
         ));
     };
     let nodes = parse_cluster_nodes(&list).map_err(ConfigError::Cluster)?;
+    let tls = cluster_tls(tls).map_err(ConfigError::Cluster)?;
     if !nodes.contains_key(&node) {
         return err(format!(
             "--cluster-nodes does not list this node ({node}): add {node}=HOST:PORT, the address peers reach it at"
@@ -423,6 +480,7 @@ fn cluster_settings(
         node,
         nodes,
         secret,
+        tls,
         tick_ms: tick_ms.unwrap_or(50).max(1),
         snapshot_entries: snapshot_entries
             .unwrap_or(warren_broker::SNAPSHOT_ENTRIES)
@@ -612,6 +670,11 @@ impl Config {
             args.cluster_node.or(file.cluster_node),
             args.cluster_nodes.or(file.cluster_nodes),
             args.cluster_secret_file.or(file.cluster_secret_file),
+            (
+                args.cluster_tls_cert.or(file.cluster_tls_cert),
+                args.cluster_tls_key.or(file.cluster_tls_key),
+                args.cluster_tls_ca.or(file.cluster_tls_ca),
+            ),
             (args.test_cluster_tick_ms, args.test_snapshot_entries),
         )?;
         let queue_window = args.queue_window.or(file.queue_window).unwrap_or(1024);
@@ -814,6 +877,51 @@ mod tests {
         let e = placeholder.unwrap_err().to_string();
         assert!(e.contains("placeholder"), "{e}");
         assert!(real.is_ok(), "{:?}", real.err());
+    }
+
+    #[test]
+    fn cluster_tls_takes_three_readable_files_and_says_which_are_missing() {
+        let dir = std::env::temp_dir().join(format!("warren-ctls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "a real secret of more than sixteen bytes").expect("write");
+        let with = |cert: Option<&str>, key: Option<&str>, ca: Option<&str>| {
+            Config::resolve(Args {
+                cluster_node: Some(1),
+                cluster_nodes: Some("1=127.0.0.1:25672".into()),
+                cluster_secret_file: Some(secret.clone()),
+                cluster_tls_cert: cert.map(|f| dir.join(f)),
+                cluster_tls_key: key.map(|f| dir.join(f)),
+                cluster_tls_ca: ca.map(|f| dir.join(f)),
+                ..Args::default()
+            })
+        };
+        let partial = with(Some("node.pem"), None, None);
+        let unreadable = with(Some("node.pem"), Some("node.key"), Some("ca.pem"));
+        let none = with(None, None, None);
+        let _ = std::fs::remove_dir_all(&dir);
+        let e = partial.unwrap_err().to_string();
+        assert!(
+            e.contains("--cluster-tls-key") && e.contains("--cluster-tls-ca"),
+            "{e}"
+        );
+        let e = unreadable.unwrap_err().to_string();
+        assert!(
+            e.contains("node.pem") && e.contains("(--cluster-tls-cert)"),
+            "{e}"
+        );
+        assert!(none
+            .expect("no TLS")
+            .cluster
+            .expect("a cluster")
+            .tls
+            .is_none());
+        // Without a cluster, the TLS flags are a mistake, not ignored.
+        let alone = Config::resolve(Args {
+            cluster_tls_ca: Some("ca.pem".into()),
+            ..Args::default()
+        });
+        assert!(alone.unwrap_err().to_string().contains("--cluster-node"));
     }
 
     #[test]

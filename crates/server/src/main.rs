@@ -303,6 +303,7 @@ async fn run(config: Config) -> std::io::Result<()> {
                 |a| cluster_listen(c.node, &a),
             ),
             secret: c.secret.clone(),
+            tls: c.tls.clone(),
             dir: config.data_dir.join("raft"),
             tick_ms: c.tick_ms,
             boot,

@@ -170,14 +170,7 @@ impl Tls {
 fn build(files: &TlsFiles) -> Result<Loaded, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certs = read_certs(&files.cert, "--tls-cert")?;
-    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|e| {
-        format!(
-            "cannot read the TLS private key {} (--tls-key): {}; give a PEM file with one \
-             PKCS#8, PKCS#1 or SEC1 key",
-            files.key.display(),
-            pem_error(&e)
-        )
-    })?;
+    let key = read_key(&files.key, "--tls-key")?;
     let versions: &[&rustls::SupportedProtocolVersion] =
         &[&rustls::version::TLS13, &rustls::version::TLS12];
     let builder = || {
@@ -243,7 +236,20 @@ fn build(files: &TlsFiles) -> Result<Loaded, String> {
     })
 }
 
-fn read_certs(path: &Path, flag: &str) -> Result<Vec<CertificateDer<'static>>, String> {
+/// The private key in a PEM file; the error names `flag`, the option that gave the file.
+pub(crate) fn read_key(path: &Path, flag: &str) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_file(path).map_err(|e| {
+        format!(
+            "cannot read the TLS private key {} ({flag}): {}; give a PEM file with one \
+             PKCS#8, PKCS#1 or SEC1 key",
+            path.display(),
+            pem_error(&e)
+        )
+    })
+}
+
+/// The certificates in a PEM file, at least one; the error names `flag`.
+pub(crate) fn read_certs(path: &Path, flag: &str) -> Result<Vec<CertificateDer<'static>>, String> {
     let what = |e: &rustls_pki_types::pem::Error| {
         format!(
             "cannot read the certificates in {} ({flag}): {}",

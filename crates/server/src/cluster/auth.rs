@@ -6,8 +6,9 @@
 //!
 //! The dialer sends `magic, its id, the id it dialed, its nonce`; the listener answers `magic,
 //! its id, its nonce, its proof`; the dialer checks it and sends its own proof; the listener
-//! checks that and answers one byte, `ACCEPTED`. Every message has a fixed size. The stream is
-//! not encrypted or integrity-protected afterwards: the cluster network must be private.
+//! checks that and answers one byte, `ACCEPTED`. Every message has a fixed size. Without
+//! cluster TLS (`super::link_tls`, inside which this runs) the stream is not encrypted or
+//! integrity-protected afterwards: the cluster network must then be private.
 
 use std::collections::BTreeMap;
 
@@ -31,6 +32,11 @@ pub enum AuthError {
     Io(#[from] std::io::Error),
     #[error("not a Warren cluster connection")]
     Magic,
+    #[error(
+        "the peer uses TLS on cluster links and this node does not: give every node \
+         --cluster-tls-cert, --cluster-tls-key and --cluster-tls-ca"
+    )]
+    PeerUsesTls,
     #[error("node {0} is not a member of this cluster")]
     NotMember(NodeId),
     #[error("expected node {expected}, found node {found}")]
@@ -77,6 +83,31 @@ fn id_at(b: &[u8], at: usize) -> NodeId {
     NodeId::from_be_bytes(id)
 }
 
+/// TLS record types that open what a TLS peer sends a plain one: a client's hello (a handshake
+/// record), a server's refusal of a plain hello (an alert).
+const TLS_HANDSHAKE: u8 = 0x16;
+const TLS_ALERT: u8 = 0x15;
+
+/// Whether `b` starts with a TLS record of type `kind` (the record's version is 3.x).
+fn speaks_tls(b: &[u8], kind: u8) -> bool {
+    matches!(b, [k, 3, ..] if *k == kind)
+}
+
+/// Reads until `buf` is full or the stream ends; how much came.
+async fn read_up_to<S: AsyncRead + Unpin>(s: &mut S, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        let Some(rest) = buf.get_mut(got..) else {
+            break;
+        };
+        match s.read(rest).await? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    Ok(got)
+}
+
 /// The dialing side: proves itself to `peer` and checks it is `peer`.
 pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
@@ -92,14 +123,22 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     hello.extend_from_slice(&mine);
     s.write_all(&hello).await?;
     let mut answer = [0u8; 8 + 8 + NONCE + PROOF];
-    match s.read_exact(&mut answer).await {
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(AuthError::Refused),
-        Err(e) => return Err(e.into()),
+    let got = read_up_to(s, &mut answer).await?;
+    if got < answer.len() {
+        // A TLS listener answers a plain hello with an alert record, then closes.
+        return Err(if speaks_tls(&answer[..got], TLS_ALERT) {
+            AuthError::PeerUsesTls
+        } else {
+            AuthError::Refused
+        });
     }
     let (magic, rest) = answer.split_at(8);
     if magic != MAGIC {
-        return Err(AuthError::Magic);
+        return Err(if speaks_tls(magic, TLS_ALERT) {
+            AuthError::PeerUsesTls
+        } else {
+            AuthError::Magic
+        });
     }
     let found = id_at(rest, 0);
     if found != peer {
@@ -138,7 +177,11 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
     s.read_exact(&mut hello).await?;
     let (magic, rest) = hello.split_at(8);
     if magic != MAGIC {
-        return Err(AuthError::Magic);
+        return Err(if speaks_tls(magic, TLS_HANDSHAKE) {
+            AuthError::PeerUsesTls
+        } else {
+            AuthError::Magic
+        });
     }
     let (from, to) = (id_at(rest, 0), id_at(rest, 8));
     if to != me {
@@ -206,6 +249,30 @@ mod tests {
             }
         );
         (d, l)
+    }
+
+    /// A plain node meeting a TLS one is told so, on either side of the link.
+    #[tokio::test]
+    async fn a_tls_peer_is_recognised_from_its_first_bytes() {
+        let s = b"0123456789abcdef";
+        // What a TLS 1.3 dialer sends first: a handshake record (a ClientHello).
+        let mut hello = vec![0x16, 0x03, 0x01, 0x02, 0x00, 0x01];
+        hello.resize(8 + 16 + NONCE, 0);
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        a.write_all(&hello).await.unwrap();
+        let l = accept(&mut b, s, 1, &members(&[2, 3])).await;
+        assert!(matches!(l, Err(AuthError::PeerUsesTls)), "{l:?}");
+        // What a TLS listener answers a plain hello: an alert record, then the end.
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        let listener = async move {
+            let mut hello = [0u8; 8 + 16 + NONCE];
+            b.read_exact(&mut hello).await.unwrap();
+            b.write_all(&[0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x0a])
+                .await
+                .unwrap();
+        };
+        let (d, ()) = tokio::join!(dial(&mut a, s, 2, 1), listener);
+        assert!(matches!(d, Err(AuthError::PeerUsesTls)), "{d:?}");
     }
 
     #[tokio::test]

@@ -5,6 +5,7 @@
 
 mod address;
 mod auth;
+mod link_tls;
 mod node;
 mod transport;
 mod wire;
@@ -20,6 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub use address::PeerAddr;
+pub use link_tls::ClusterTlsFiles;
 pub use warren_replication::{Committed, Forward, GroupId, NodeId, SnapshotMeta, StoredSnapshot};
 
 /// A forward to this group carries the sender's figures for `/api/nodes` (every few seconds),
@@ -51,6 +53,8 @@ pub struct ClusterConfig {
     pub listen: SocketAddr,
     /// Shared by every node, at least [`MIN_SECRET_LEN`] bytes (like Erlang's cookie).
     pub secret: Vec<u8>,
+    /// TLS on every link to and from the peers (`None`: plain TCP).
+    pub tls: Option<ClusterTlsFiles>,
     /// The node-wide Raft log's directory.
     pub dir: PathBuf,
     /// Raft's tick (50 ms by default): elections take 10 to 16 ticks, a silent peer is down
@@ -71,6 +75,7 @@ impl std::fmt::Debug for ClusterConfig {
             .field("node", &self.node)
             .field("peers", &self.peers)
             .field("listen", &self.listen)
+            .field("tls", &self.tls)
             .field("dir", &self.dir)
             .field("tick_ms", &self.tick_ms)
             .field("boot", &self.boot)
@@ -132,6 +137,8 @@ pub enum ClusterError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Tls(String),
     #[error("cluster transport runtime: {0}")]
     Runtime(std::io::Error),
     #[error("raft thread: {0}")]

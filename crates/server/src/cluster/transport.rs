@@ -1,6 +1,7 @@
 //! The cluster's TCP transport: one connection per peer and direction, each side sending on the
 //! connection it dialed. Dialers reconnect with a back-off; listeners authenticate ([`auth`])
-//! before they decode anything ([`wire`]) and hand batches to the Raft thread.
+//! before they decode anything ([`wire`]) and hand batches to the Raft thread. With cluster TLS
+//! ([`link_tls`]) every link is TLS first, and the authentication runs inside it.
 //!
 //! It runs on a small tokio runtime of its own (one worker): heartbeats and votes must not queue
 //! behind client traffic on the broker's runtime (a late heartbeat is a needless election), and
@@ -12,13 +13,14 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, Notify, Semaphore};
 use warren_replication::{NodeBatch, NodeId};
 
 use super::auth::{self, AuthError};
+use super::link_tls::{self, ClusterTls};
 use super::wire::{self, WireError, MAX_FRAME};
 use super::{ClusterConfig, ClusterError, ClusterStats, PeerAddr};
 
@@ -39,6 +41,16 @@ const MAX_HANDSHAKES: usize = 64;
 const WRITE_CHUNK: usize = 1 << 20;
 /// A refused connection from one address is logged at most this often.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// A link's byte stream: a TCP connection, or TLS over one.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+type Stream = Box<dyn Io>;
+
+/// What a failed TLS handshake is most likely about, for the operator.
+const TLS_HINT: &str = "every node needs --cluster-tls-cert, --cluster-tls-key and \
+                        --cluster-tls-ca, with certificates signed by that CA that name the hosts \
+                        --cluster-nodes gives";
 
 /// Bytes a queue may hold, on top of its bound in batches: one batch can be megabytes.
 pub(crate) struct Budget {
@@ -197,6 +209,7 @@ impl Drop for Net {
 struct Shared {
     me: NodeId,
     secret: Vec<u8>,
+    tls: Option<ClusterTls>,
     peers: BTreeMap<NodeId, PeerAddr>,
     inbound: crossbeam_channel::Sender<Queued>,
     inbound_budget: Arc<Budget>,
@@ -214,6 +227,11 @@ pub(crate) fn start(
     inbound: crossbeam_channel::Sender<Queued>,
     counters: Arc<Counters>,
 ) -> Result<(Net, Outbound, Arc<Budget>), ClusterError> {
+    // Before the runtime: a runtime dropped inside the caller's async code would panic.
+    let tls = match &cfg.tls {
+        Some(files) => Some(ClusterTls::load(files.clone()).map_err(ClusterError::Tls)?),
+        None => None,
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name(format!("warren-cluster-{}", cfg.node))
@@ -240,6 +258,7 @@ pub(crate) fn start(
     let shared = Arc::new(Shared {
         me: cfg.node,
         secret: cfg.secret.clone(),
+        tls,
         peers: cfg.peers.clone(),
         inbound,
         inbound_budget: inbound_budget.clone(),
@@ -275,10 +294,26 @@ enum Link {
 
 /// Dials `peer`, looking its name up again: a node rescheduled elsewhere (a Kubernetes pod)
 /// comes back under its name at another address.
-async fn connect(shared: &Shared, peer: NodeId, addr: &PeerAddr) -> Result<TcpStream, DialError> {
+async fn connect(shared: &Shared, peer: NodeId, addr: &PeerAddr) -> Result<Stream, DialError> {
     let target = addr.resolve().await?;
-    let mut stream = TcpStream::connect(target).await?;
-    stream.set_nodelay(true)?;
+    let tcp = TcpStream::connect(target).await?;
+    tcp.set_nodelay(true)?;
+    let mut stream: Stream = match &shared.tls {
+        None => Box::new(tcp),
+        Some(tls) => {
+            let name = link_tls::server_name(addr.host()).map_err(|e| {
+                DialError::Tls(format!(
+                    "`{}` cannot be checked against a certificate: {e}",
+                    addr.host()
+                ))
+            })?;
+            let tls = tokio_rustls::TlsConnector::from(tls.configs().dial)
+                .connect(name, tcp)
+                .await
+                .map_err(|e| DialError::Tls(e.to_string()))?;
+            Box::new(tls)
+        }
+    };
     auth::dial(&mut stream, &shared.secret, shared.me, peer).await?;
     Ok(stream)
 }
@@ -289,6 +324,8 @@ enum DialError {
     Io(#[from] std::io::Error),
     #[error("{0}")]
     Auth(#[from] AuthError),
+    #[error("TLS handshake failed: {0} ({TLS_HINT})")]
+    Tls(String),
     #[error("handshake timed out")]
     Timeout,
 }
@@ -313,7 +350,7 @@ async fn dial_loop(
         match attempt {
             Ok(stream) => {
                 bump(&shared.counters.connections_out);
-                tracing::info!(node = me, peer, %addr, "connected to cluster peer");
+                tracing::info!(node = me, peer, %addr, tls = shared.tls.is_some(), "connected to cluster peer");
                 backoff = MIN_BACKOFF;
                 match send_loop(&shared, stream, &mut rx, &budget).await {
                     Ok(()) => return,
@@ -329,7 +366,7 @@ async fn dial_loop(
                     DialError::Auth(AuthError::Io(_)) | DialError::Io(_) | DialError::Timeout => {
                         Link::Unreachable
                     }
-                    DialError::Auth(_) => Link::Refused,
+                    DialError::Auth(_) | DialError::Tls(_) => Link::Refused,
                 };
                 if now != link {
                     if now == Link::Refused {
@@ -367,11 +404,11 @@ async fn dial_loop(
 /// Writes batches until the Raft thread stops (`Ok`) or the connection fails.
 async fn send_loop(
     shared: &Shared,
-    stream: TcpStream,
+    stream: Stream,
     rx: &mut mpsc::Receiver<Queued>,
     budget: &Budget,
 ) -> std::io::Result<()> {
-    let (mut read, mut write) = stream.into_split();
+    let (mut read, mut write) = tokio::io::split(stream);
     let mut buf = Vec::new();
     let mut probe = [0u8; 1];
     loop {
@@ -387,6 +424,8 @@ async fn send_loop(
                     encode(shared, &q.batch, &mut buf);
                 }
                 write.write_all(&buf).await?;
+                // TLS holds records back until flushed (a no-op for plain TCP).
+                write.flush().await?;
                 if buf.capacity() > 4 * WRITE_CHUNK {
                     buf = Vec::new();
                 }
@@ -442,27 +481,40 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
+/// A dialer's TLS handshake (if the cluster has TLS), then its proof of the secret.
+async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId), String> {
+    let mut stream: Stream = match &shared.tls {
+        None => Box::new(tcp),
+        Some(tls) => Box::new(
+            tokio_rustls::TlsAcceptor::from(tls.configs().accept)
+                .accept(tcp)
+                .await
+                .map_err(|e| format!("TLS handshake failed: {e} ({TLS_HINT})"))?,
+        ),
+    };
+    let peer = auth::accept(&mut stream, &shared.secret, shared.me, &shared.peers)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((stream, peer))
+}
+
 async fn serve(
     shared: Arc<Shared>,
-    mut stream: TcpStream,
+    stream: TcpStream,
     remote: SocketAddr,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let me = shared.me;
     let _ = stream.set_nodelay(true);
-    let hello = tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        auth::accept(&mut stream, &shared.secret, me, &shared.peers),
-    )
-    .await;
+    let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&shared, stream)).await;
     drop(permit);
-    let peer = match hello {
-        Ok(Ok(peer)) => peer,
+    let (stream, peer) = match hello {
+        Ok(Ok(done)) => done,
         Ok(Err(e)) => return refused(&shared, remote, &e),
         Err(_) => return refused(&shared, remote, &"handshake timed out"),
     };
     bump(&shared.counters.connections_in);
-    tracing::info!(node = me, peer, %remote, "cluster peer connected");
+    tracing::info!(node = me, peer, %remote, tls = shared.tls.is_some(), "cluster peer connected");
     if let Some(n) = shared.redial.get(&peer) {
         n.notify_one();
     }
