@@ -45,6 +45,8 @@ pub enum AuthError {
     BadProof,
     #[error("the peer refused this node")]
     Refused,
+    #[error("node {node}: {why}")]
+    Vetoed { node: NodeId, why: String },
     #[error("no random nonce: {0}")]
     Random(getrandom::Error),
     #[error("unusable cluster secret")]
@@ -122,6 +124,8 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     hello.extend_from_slice(&peer.to_be_bytes());
     hello.extend_from_slice(&mine);
     s.write_all(&hello).await?;
+    // Over TLS a record may wait in the stream's buffer until flushed (a no-op for TCP).
+    s.flush().await?;
     let mut answer = [0u8; 8 + 8 + NONCE + PROOF];
     let got = read_up_to(s, &mut answer).await?;
     if got < answer.len() {
@@ -156,6 +160,7 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
         .finalize()
         .into_bytes();
     s.write_all(&own).await?;
+    s.flush().await?;
     let mut verdict = [0u8; 1];
     match s.read_exact(&mut verdict).await {
         Ok(_) if verdict[0] == ACCEPTED => Ok(()),
@@ -165,13 +170,15 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
-/// The listening side: returns the member that proved itself. Says nothing to a stranger (no
-/// proof of ours for a node id that is not a member).
+/// The listening side: returns the member that proved itself, once `vet` accepts it too (the
+/// dialer is told it was refused otherwise). Says nothing to a stranger (no proof of ours for a
+/// node id that is not a member).
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
     s: &mut S,
     secret: &[u8],
     me: NodeId,
     members: &BTreeMap<NodeId, A>,
+    vet: impl FnOnce(NodeId) -> Result<(), String>,
 ) -> Result<NodeId, AuthError> {
     let mut hello = [0u8; 8 + 16 + NONCE];
     s.read_exact(&mut hello).await?;
@@ -206,12 +213,15 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
             .into_bytes(),
     );
     s.write_all(&answer).await?;
+    s.flush().await?;
     let mut their_proof = [0u8; PROOF];
     s.read_exact(&mut their_proof).await?;
     proof(secret, DIALER, from, me, &theirs, &mine)?
         .verify_slice(&their_proof)
         .map_err(|_| AuthError::BadProof)?;
+    vet(from).map_err(|why| AuthError::Vetoed { node: from, why })?;
     s.write_all(&[ACCEPTED]).await?;
+    s.flush().await?;
     Ok(from)
 }
 
@@ -243,7 +253,7 @@ mod tests {
                 r
             },
             async {
-                let r = accept(&mut b, accept_secret, listener, &known).await;
+                let r = accept(&mut b, accept_secret, listener, &known, |_| Ok(())).await;
                 drop(b);
                 r
             }
@@ -260,7 +270,7 @@ mod tests {
         hello.resize(8 + 16 + NONCE, 0);
         let (mut a, mut b) = tokio::io::duplex(1024);
         a.write_all(&hello).await.unwrap();
-        let l = accept(&mut b, s, 1, &members(&[2, 3])).await;
+        let l = accept(&mut b, s, 1, &members(&[2, 3]), |_| Ok(())).await;
         assert!(matches!(l, Err(AuthError::PeerUsesTls)), "{l:?}");
         // What a TLS listener answers a plain hello: an alert record, then the end.
         let (mut a, mut b) = tokio::io::duplex(1024);
@@ -329,7 +339,7 @@ mod tests {
                 v
             },
             async {
-                let r = accept(&mut b, s, 1, &known).await;
+                let r = accept(&mut b, s, 1, &known, |_| Ok(())).await;
                 drop(b);
                 r
             }

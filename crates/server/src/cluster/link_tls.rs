@@ -10,9 +10,10 @@
 //! already open keep theirs). Files that no longer read leave the last good configuration in
 //! force and are logged.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
@@ -36,8 +37,13 @@ impl ClusterTlsFiles {
         build(self).map(|_| ())
     }
 
-    fn stamps(&self) -> [Option<SystemTime>; 3] {
-        let at = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    /// What tells a changed file: its modification time, size and inode (a file replaced by
+    /// a rename, or rewritten within one tick of a coarse clock).
+    fn stamps(&self) -> [Option<Stamp>; 3] {
+        let at = |p: &PathBuf| {
+            let m = std::fs::metadata(p).ok()?;
+            Some((m.modified().ok(), m.len(), m.ino()))
+        };
         [at(&self.cert), at(&self.key), at(&self.ca)]
     }
 }
@@ -49,9 +55,21 @@ pub(crate) struct Configs {
     pub(crate) accept: Arc<ServerConfig>,
 }
 
+type Stamp = (Option<SystemTime>, u64, u64);
+
+/// How often a new link looks at the files at most (a peer that is down is dialled every
+/// second or so; the files need not be looked at each time).
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// After files that did not make a configuration, how long until they are read again even
+/// if they look unchanged (one caught half-written keeps its stamps once complete).
+const RETRY_AFTER: Duration = Duration::from_secs(5);
+
 struct Current {
-    stamps: [Option<SystemTime>; 3],
+    stamps: [Option<Stamp>; 3],
     configs: Configs,
+    checked: Instant,
+    /// The files last read did not make a configuration.
+    failed: Option<Instant>,
 }
 
 /// A node's cluster TLS: what the files said when last read.
@@ -67,7 +85,12 @@ impl ClusterTls {
         let configs = build(&files)?;
         Ok(ClusterTls {
             files,
-            current: Mutex::new(Current { stamps, configs }),
+            current: Mutex::new(Current {
+                stamps,
+                configs,
+                checked: Instant::now(),
+                failed: None,
+            }),
         })
     }
 
@@ -77,17 +100,28 @@ impl ClusterTls {
             .current
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = Instant::now();
+        if now.duration_since(cur.checked) < CHECK_EVERY {
+            return cur.configs.clone();
+        }
+        cur.checked = now;
         let stamps = self.files.stamps();
-        if stamps != cur.stamps {
-            // Tried once per change: a half-written file is tried again when it changes again.
+        let retry = cur
+            .failed
+            .is_some_and(|at| now.duration_since(at) >= RETRY_AFTER);
+        if stamps != cur.stamps || retry {
             cur.stamps = stamps;
             match build(&self.files) {
                 Ok(c) => {
                     tracing::info!("cluster TLS files read again");
                     cur.configs = c;
+                    cur.failed = None;
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "cluster TLS files changed and cannot be used; the previous ones stay in force")
+                    if cur.failed.is_none() {
+                        tracing::error!(error = %e, "cluster TLS files changed and cannot be used; the previous ones stay in force");
+                    }
+                    cur.failed = Some(now);
                 }
             }
         }
@@ -146,6 +180,28 @@ fn build(files: &ClusterTlsFiles) -> Result<Configs, String> {
         dial: Arc::new(dial),
         accept: Arc::new(accept),
     })
+}
+
+/// Whether `cert` (a peer's end-entity certificate, already checked against the CA) names
+/// `host`, the peer's host in `--cluster-nodes`.
+pub(crate) fn names_host(
+    cert: &rustls_pki_types::CertificateDer<'_>,
+    host: &str,
+) -> Result<(), String> {
+    let name = server_name(host)
+        .map_err(|e| format!("`{host}` cannot be checked against a certificate: {e}"))?;
+    let parsed = rustls::server::ParsedCertificate::try_from(cert).map_err(|e| e.to_string())?;
+    rustls::client::verify_server_name(&parsed, &name)
+        .map_err(|e| format!("its certificate does not name {host}: {e}"))
+}
+
+/// The rustls error inside an I/O error of a TLS stream, if that is what it is: a peer that
+/// refused the handshake (an alert) or a certificate that did not check out, as opposed to a
+/// connection that failed.
+pub(crate) fn refusal(e: &std::io::Error) -> Option<String> {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .map(|r| r.to_string())
 }
 
 /// The name a dialer checks the peer's certificate against: the host of its address.

@@ -310,11 +310,21 @@ async fn connect(shared: &Shared, peer: NodeId, addr: &PeerAddr) -> Result<Strea
             let tls = tokio_rustls::TlsConnector::from(tls.configs().dial)
                 .connect(name, tcp)
                 .await
-                .map_err(|e| DialError::Tls(e.to_string()))?;
+                .map_err(|e| match link_tls::refusal(&e) {
+                    Some(why) => DialError::Tls(why),
+                    None => DialError::Io(e),
+                })?;
             Box::new(tls)
         }
     };
-    auth::dial(&mut stream, &shared.secret, shared.me, peer).await?;
+    // In TLS 1.3 the listener checks this node's certificate after the dialer's handshake is
+    // done: its refusal arrives as an alert on the first read.
+    auth::dial(&mut stream, &shared.secret, shared.me, peer)
+        .await
+        .map_err(|e| match &e {
+            AuthError::Io(io) => link_tls::refusal(io).map_or(DialError::Auth(e), DialError::Tls),
+            _ => DialError::Auth(e),
+        })?;
     Ok(stream)
 }
 
@@ -481,21 +491,49 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-/// A dialer's TLS handshake (if the cluster has TLS), then its proof of the secret.
+/// A dialer's TLS handshake (if the cluster has TLS), then its proof of the secret; with TLS,
+/// its certificate must also name the host `--cluster-nodes` gives for the node it proved to
+/// be, as the dialer checks the listener's.
 async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId), String> {
-    let mut stream: Stream = match &shared.tls {
-        None => Box::new(tcp),
-        Some(tls) => Box::new(
-            tokio_rustls::TlsAcceptor::from(tls.configs().accept)
-                .accept(tcp)
-                .await
-                .map_err(|e| format!("TLS handshake failed: {e} ({TLS_HINT})"))?,
-        ),
-    };
-    let peer = auth::accept(&mut stream, &shared.secret, shared.me, &shared.peers)
+    let Some(tls) = &shared.tls else {
+        let mut stream: Stream = Box::new(tcp);
+        let peer = auth::accept(
+            &mut stream,
+            &shared.secret,
+            shared.me,
+            &shared.peers,
+            |_| Ok(()),
+        )
         .await
         .map_err(|e| e.to_string())?;
-    Ok((stream, peer))
+        return Ok((stream, peer));
+    };
+    let mut stream = tokio_rustls::TlsAcceptor::from(tls.configs().accept)
+        .accept(tcp)
+        .await
+        .map_err(|e| match link_tls::refusal(&e) {
+            Some(why) => format!("TLS handshake failed: {why} ({TLS_HINT})"),
+            None => format!("TLS handshake failed: {e}"),
+        })?;
+    let cert = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.clone().into_owned())
+        .ok_or("no client certificate")?;
+    let vet = |peer: NodeId| {
+        let host = shared
+            .peers
+            .get(&peer)
+            .map(|a| a.host())
+            .unwrap_or_default();
+        link_tls::names_host(&cert, host).map_err(|e| format!("{e} ({TLS_HINT})"))
+    };
+    let peer = auth::accept(&mut stream, &shared.secret, shared.me, &shared.peers, vet)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((Box::new(stream), peer))
 }
 
 async fn serve(
