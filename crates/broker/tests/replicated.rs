@@ -275,7 +275,11 @@ impl Cluster {
                     index: s.index,
                     term: s.term,
                 };
-                let stored = StoredSnapshot { meta, data: s.data };
+                let stored = StoredSnapshot {
+                    meta,
+                    data: s.data,
+                    members: m.raft.members_at(g, meta.index),
+                };
                 m.log.save_snapshot(g, &stored).expect("log");
                 if let Some(bound) = m.raft.snapshot_saved(g, meta) {
                     m.log.compact_to(g, bound).expect("log");

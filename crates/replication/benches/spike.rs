@@ -600,4 +600,15 @@ impl LogStore for AnyLog {
             AnyLog::Engine(e, _) => e.compact_to(group, index),
         }
     }
+
+    fn put_members(
+        &mut self,
+        group: GroupId,
+        members: &warren_replication::Members,
+    ) -> Result<(), LogError> {
+        match self {
+            AnyLog::File(f) => f.put_members(group, members),
+            AnyLog::Engine(e, _) => e.put_members(group, members),
+        }
+    }
 }

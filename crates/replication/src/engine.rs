@@ -9,15 +9,17 @@
 
 use std::path::Path;
 
-use raft::eraftpb::{Entry, HardState};
+use raft::eraftpb::{ConfState, Entry, HardState};
 use raft_engine::{Config, Engine, LogBatch, MessageExt, ReadableSize};
 
-use crate::snapshots::{SnapshotFiles, StoredSnapshot};
+use crate::snapshots::{Members, SnapshotFiles, StoredSnapshot};
 use crate::wal::{DurableGroup, LogError, LogStore};
 use crate::GroupId;
 
 /// The key of a group's hard state among its key-value records.
 const HARD_STATE: &[u8] = b"hard_state";
+/// The members a group started with on this node, when recorded (`LogStore::put_members`).
+const MEMBERS: &[u8] = b"members";
 
 /// Tells raft-engine where an entry's index is.
 #[derive(Clone)]
@@ -130,10 +132,16 @@ impl EngineLog {
             .get_message::<HardState>(group.0, HARD_STATE)
             .map_err(engine_error)?
             .unwrap_or_default();
+        let members = self
+            .engine
+            .get_message::<ConfState>(group.0, MEMBERS)
+            .map_err(engine_error)?
+            .map(|cs| Members::from_conf_state(&cs));
         Ok(DurableGroup {
             entries,
             hard_state,
             snapshot: self.snapshots.read(group)?,
+            members,
         })
     }
 
@@ -188,6 +196,12 @@ impl LogStore for EngineLog {
         self.batch.add_command(group.0, raft_engine::Command::Clean);
         self.batch
             .put_message(group.0, HARD_STATE.to_vec(), hard_state)
+            .map_err(engine_error)
+    }
+
+    fn put_members(&mut self, group: GroupId, members: &Members) -> Result<(), LogError> {
+        self.batch
+            .put_message(group.0, MEMBERS.to_vec(), &members.to_conf_state())
             .map_err(engine_error)
     }
 
@@ -314,6 +328,7 @@ mod tests {
             let snap = StoredSnapshot {
                 meta: crate::SnapshotMeta { index: 50, term: 3 },
                 data: bytes::Bytes::from_static(b"state at 50"),
+                members: None,
             };
             log.save_snapshot(GroupId(4), &snap).unwrap();
             log.clear_entries(GroupId(4), &hard_state(3, 0, 50))

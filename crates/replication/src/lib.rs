@@ -14,11 +14,13 @@ mod tests;
 
 pub use engine::EngineLog;
 pub use multi::{
-    Advanced, Committed, Config, Envelope, Error, Forward, GroupStatus, MultiRaft, NodeBatch,
-    PersistJob, ReadyBatch, Refused, Stats,
+    Advanced, Committed, Config, Envelope, Error, Forward, GroupStatus, MemberChange, MultiRaft,
+    NodeBatch, PersistJob, ReadyBatch, Refused, Stats,
 };
 pub use raft;
-pub use snapshots::{MemSnapshots, SnapshotFiles, SnapshotMeta, SnapshotSource, StoredSnapshot};
+pub use snapshots::{
+    MemSnapshots, Members, SnapshotFiles, SnapshotMeta, SnapshotSource, StoredSnapshot,
+};
 pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog};
 
 /// A node of the cluster; also its Raft peer id in every group (never 0).

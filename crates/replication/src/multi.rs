@@ -13,10 +13,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use bytes::Bytes;
-use raft::eraftpb::{Entry, EntryType, HardState, Message, MessageType};
+use protobuf::Message as _;
+use raft::eraftpb::{
+    ConfChange, ConfChangeSingle, ConfChangeType, ConfChangeV2, Entry, EntryType, HardState,
+    Message, MessageType,
+};
 use raft::{RawNode, StateRole, INVALID_ID};
 
-use crate::snapshots::{SnapshotMeta, SnapshotSource, StoredSnapshot};
+use crate::snapshots::{Members, SnapshotMeta, SnapshotSource, StoredSnapshot};
 use crate::storage::GroupLog;
 use crate::wal::{DurableGroup, LogError, LogStore};
 use crate::{GroupId, NodeId};
@@ -28,7 +32,8 @@ pub struct Config {
     /// This node's incarnation, higher after each restart (peers learn from it that groups this
     /// node led before have no leader now).
     pub boot: u64,
-    /// Every node of the cluster (each group has all of them as voters, for now).
+    /// Every node of the cluster at this start: the peers, and the voters of the groups made
+    /// with [`MultiRaft::add_group`] until [`MultiRaft::set_members`] says otherwise.
     pub nodes: Vec<NodeId>,
     pub tick_ms: u64,
     pub election_tick: usize,
@@ -84,6 +89,8 @@ pub enum Error {
         group: GroupId,
         leader: Option<NodeId>,
     },
+    #[error("group {0:?} has a membership change in progress")]
+    ChangeInProgress(GroupId),
     #[error("raft: {0}")]
     Raft(#[from] raft::Error),
     #[error(transparent)]
@@ -175,7 +182,41 @@ pub struct GroupStatus {
     pub leader_changes: u64,
     /// While this member leads: each follower and the last index it is known to hold.
     pub followers: Vec<(NodeId, u64)>,
+    /// The group's members as this member applied them.
+    pub members: Members,
 }
+
+/// One step of a group's membership: one member at a time, so that any two majorities of
+/// successive configurations overlap (Raft's single-server changes; raft-rs refuses more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemberChange {
+    /// The node receives the log, without a vote, until it caught up.
+    AddLearner(NodeId),
+    /// A learner (or a new node) votes from now on.
+    Promote(NodeId),
+    /// The node leaves the group.
+    Remove(NodeId),
+}
+
+impl MemberChange {
+    fn to_conf_change(self) -> ConfChangeV2 {
+        let (kind, node) = match self {
+            MemberChange::AddLearner(n) => (ConfChangeType::AddLearnerNode, n),
+            MemberChange::Promote(n) => (ConfChangeType::AddNode, n),
+            MemberChange::Remove(n) => (ConfChangeType::RemoveNode, n),
+        };
+        let mut single = ConfChangeSingle::default();
+        single.set_change_type(kind);
+        single.node_id = node;
+        let mut cc = ConfChangeV2::default();
+        cc.set_changes(vec![single].into());
+        cc
+    }
+}
+
+/// A learner counts as caught up once it holds the leader's log up to this many entries
+/// behind the commit index (under load a replicating follower trails by what is in flight).
+const CAUGHT_UP_LAG: u64 = 64;
 
 struct Peer {
     last_heard: u64,
@@ -193,6 +234,17 @@ pub struct ReadyBatch {
     /// Groups whose leader changed since the last `ready` (`None`: no leader known now), for the
     /// driver to report whichever way it persists the batch.
     pub leaders: Vec<(GroupId, Option<NodeId>)>,
+    /// Groups whose members changed here since the last `ready` (a membership change applied,
+    /// or a leader's snapshot installed), with their members now. A group whose members no
+    /// longer hold this node has left it: the caller removes it ([`MultiRaft::remove_group`])
+    /// and its durable log.
+    pub members: Vec<(GroupId, Members)>,
+    /// Groups whose leader needs a snapshot that is not there yet (for a member being added,
+    /// which starts from one): the state machine should take one ([`MultiRaft::snapshot_saved`]).
+    pub snapshots_wanted: Vec<GroupId>,
+    /// Members that groups started with here, to record with the batch
+    /// ([`LogStore::put_members`]).
+    starts: Vec<(GroupId, Members)>,
     /// Peer nodes seen going down (`false`) or coming back (`true`) since the last `ready`, in
     /// order.
     pub peers: Vec<(NodeId, bool)>,
@@ -215,6 +267,9 @@ impl ReadyBatch {
             && self.peers.is_empty()
             && self.readys.is_empty()
             && self.committed.is_empty()
+            && self.members.is_empty()
+            && self.snapshots_wanted.is_empty()
+            && self.starts.is_empty()
     }
 
     /// Snapshots from leaders in this batch: each replaces its group's state machine (the
@@ -231,10 +286,11 @@ impl ReadyBatch {
     /// Writes every ready group's entries and hard state as one batch: one write, and one fsync
     /// unless only commit indexes moved.
     pub fn persist(&self, log: &mut impl LogStore) -> Result<(), LogError> {
-        if self.readys.is_empty() {
+        if self.readys.is_empty() && self.starts.is_empty() {
             return Ok(());
         }
         write_snapshots(&self.snapshots, log)?;
+        write_starts(&self.starts, log)?;
         for (group, rd) in &self.readys {
             log.append(*group, rd.entries(), rd.hs())?;
         }
@@ -255,6 +311,13 @@ fn write_snapshots(
     Ok(())
 }
 
+fn write_starts(starts: &[(GroupId, Members)], log: &mut impl LogStore) -> Result<(), LogError> {
+    for (group, m) in starts {
+        log.put_members(*group, m)?;
+    }
+    Ok(())
+}
+
 /// A batch of Raft state handed to a log writer by [`MultiRaft::submit`]: write it (several jobs
 /// may share one fsync), then give it back to [`MultiRaft::on_persisted`], in submission order.
 pub struct PersistJob {
@@ -262,6 +325,7 @@ pub struct PersistJob {
     /// Messages that may leave only once the write is durable (votes, append responses).
     held: Vec<(GroupId, Vec<Message>)>,
     snapshots: Vec<(GroupId, StoredSnapshot, HardState)>,
+    starts: Vec<(GroupId, Members)>,
     must_sync: bool,
 }
 
@@ -273,7 +337,7 @@ impl PersistJob {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.writes.is_empty()
+        self.writes.is_empty() && self.starts.is_empty()
     }
 
     /// Whether the job needs an fsync (false when only commit indexes moved).
@@ -284,6 +348,7 @@ impl PersistJob {
     /// Adds the job to the log's current batch, without flushing it.
     pub fn write(&self, log: &mut impl LogStore) -> Result<(), LogError> {
         write_snapshots(&self.snapshots, log)?;
+        write_starts(&self.starts, log)?;
         for (group, entries, hs, _) in &self.writes {
             log.append(*group, entries, hs.as_ref())?;
         }
@@ -329,6 +394,14 @@ pub struct MultiRaft {
     /// Proposals to groups this node leads while it transfers their leadership (raft-rs would
     /// drop them): proposed once the transfer is given up, refused once another node leads.
     held: BTreeMap<GroupId, Vec<Vec<u8>>>,
+    /// The voters every group should have ([`MultiRaft::set_members`]); `None`: leave each
+    /// group's members as they are.
+    target: Option<Vec<NodeId>>,
+    /// Since the last `ready`: groups whose members changed, groups whose leader wants a
+    /// snapshot, members groups started with.
+    member_changes: Vec<(GroupId, Members)>,
+    snapshots_wanted: BTreeSet<GroupId>,
+    starts: Vec<(GroupId, Members)>,
 }
 
 impl MultiRaft {
@@ -392,6 +465,10 @@ impl MultiRaft {
             drain_changes: Vec::new(),
             draining: false,
             held: BTreeMap::new(),
+            target: None,
+            member_changes: Vec::new(),
+            snapshots_wanted: BTreeSet::new(),
+            starts: Vec::new(),
         })
     }
 
@@ -510,27 +587,159 @@ impl MultiRaft {
         self.peers.get(&node).is_some_and(|p| p.draining)
     }
 
-    /// Creates a group with every node as a voter. `campaign` makes this node start an election at
-    /// once, so a creator places leaders instead of waiting for timeouts.
+    /// Creates a group whose voters are every node (of [`Config::nodes`], or of the last
+    /// [`MultiRaft::set_members`]): every member of a new group makes it so. `campaign` makes
+    /// this node start an election at once, so a creator places leaders instead of waiting for
+    /// timeouts.
     pub fn add_group(&mut self, id: GroupId, campaign: bool) -> Result<(), Error> {
-        let log = GroupLog::new(self.cfg.nodes.clone());
-        self.insert_group(id, log, campaign, 0)
+        let voters = self
+            .target
+            .clone()
+            .unwrap_or_else(|| self.cfg.nodes.clone());
+        let members = Members::voters(voters);
+        let log = GroupLog::with_members(&members);
+        self.insert_group(id, log, campaign, 0)?;
+        self.record_start(id, members);
+        Ok(())
+    }
+
+    /// Makes this node's member of a group it is being added to: it knows no members and takes
+    /// no log entry until the leader's snapshot gives it the group's state and members (a log
+    /// replayed from its first entry would not tell it the members the group started with).
+    /// The leader sends the snapshot once it has made this node a learner
+    /// ([`MemberChange::AddLearner`]).
+    pub fn join_group(&mut self, id: GroupId) -> Result<(), Error> {
+        let members = Members::default();
+        self.insert_group(id, GroupLog::with_members(&members), false, 0)?;
+        self.record_start(id, members);
+        Ok(())
+    }
+
+    /// Groups whose members are not the cluster list's nodes as voters record the members
+    /// they started with, for a restart.
+    fn record_start(&mut self, id: GroupId, members: Members) {
+        if members != Members::voters(self.cfg.nodes.clone()) {
+            self.starts.push((id, members));
+        }
     }
 
     /// Recreates a group after a restart from what the node-wide log held for it. Its committed
     /// entries after its snapshot come out of `advance` again, for the state machine to replay
-    /// on top of the snapshot (which the caller hands it first).
+    /// on top of the snapshot (which the caller hands it first), and the membership changes
+    /// among them are applied again on top of the snapshot's members.
     pub fn recover_group(&mut self, id: GroupId, durable: &DurableGroup) -> Result<(), Error> {
         let mut durable = durable.clone();
         durable.fit_to_snapshot();
+        let members = durable.start_members(&self.cfg.nodes);
         let meta = durable.snapshot.as_ref().map(|s| s.meta);
-        let log = GroupLog::restore(
-            self.cfg.nodes.clone(),
-            durable.entries,
-            durable.hard_state,
-            meta,
-        );
+        let log = GroupLog::restore(&members, durable.entries, durable.hard_state, meta);
         self.insert_group(id, log, false, meta.map_or(0, |m| m.index))
+    }
+
+    /// A state machine's snapshot at `meta` (its last entry) holds the state at every later
+    /// index up to the first entry it has not seen: entries without data (a leader's first
+    /// entry) and membership changes never reach it. The snapshot is recorded at the last of
+    /// those, so that it holds the membership changes just applied: a member being added
+    /// needs a snapshot whose members include it.
+    pub fn snapshot_covering(&self, group: GroupId, meta: SnapshotMeta) -> SnapshotMeta {
+        let Some(g) = self.groups.get(&group) else {
+            return meta;
+        };
+        let applied = g.raw.raft.raft_log.applied;
+        let mut covered = meta;
+        for index in meta.index + 1..=applied {
+            let Ok(entries) = raft::Storage::entries(
+                g.raw.store(),
+                index,
+                index + 1,
+                None,
+                raft::GetEntriesContext::empty(false),
+            ) else {
+                break;
+            };
+            match entries.first() {
+                Some(e) if e.get_entry_type() != EntryType::EntryNormal || e.data.is_empty() => {
+                    covered = SnapshotMeta {
+                        index: e.index,
+                        term: e.term,
+                    };
+                }
+                _ => break,
+            }
+        }
+        covered
+    }
+
+    /// The members of `group` in force at `index` (for a snapshot taken there), unless they
+    /// are the cluster list's nodes as voters (what a snapshot without members means).
+    pub fn members_at(&self, group: GroupId, index: u64) -> Option<Members> {
+        let g = self.groups.get(&group)?;
+        let m = Members::from_conf_state(&g.raw.store().conf_at(index));
+        (m != Members::voters(self.cfg.nodes.clone())).then_some(m)
+    }
+
+    /// The group's members as this node applied them.
+    pub fn members(&self, group: GroupId) -> Option<Members> {
+        let g = self.groups.get(&group)?;
+        Some(Members::from_conf_state(g.raw.store().conf_state()))
+    }
+
+    /// Proposes one membership change to a group this node leads. Refused while an earlier
+    /// change is not applied yet (raft-rs would drop it), during a leadership transfer, or on
+    /// a node that does not lead the group.
+    pub fn propose_member_change(
+        &mut self,
+        group: GroupId,
+        change: MemberChange,
+    ) -> Result<(), Error> {
+        let g = self.groups.get_mut(&group).ok_or(Error::NoGroup(group))?;
+        let r = &g.raw.raft;
+        if r.state != StateRole::Leader {
+            return Err(Error::NotLeader {
+                group,
+                leader: (r.leader_id != INVALID_ID).then_some(r.leader_id),
+            });
+        }
+        if r.has_pending_conf() || r.lead_transferee.is_some() {
+            return Err(Error::ChangeInProgress(group));
+        }
+        tracing::info!(group = group.0, ?change, "membership change proposed");
+        g.raw
+            .propose_conf_change(Vec::new(), change.to_conf_change())?;
+        self.wake(group);
+        self.touched.insert(group);
+        Ok(())
+    }
+
+    /// The voters every group should have: the groups this node leads move towards them, one
+    /// change at a time each ([`MemberChange`]): members not among them are removed first, then
+    /// each missing node that is up is added as a learner, and promoted once it caught up (a
+    /// group never counts on a member that lacks its log). A leader that is not among them
+    /// hands its leadership to one that is. Groups made from now on start with them.
+    pub fn set_members(&mut self, voters: Vec<NodeId>) {
+        let mut voters = voters;
+        voters.sort_unstable();
+        voters.dedup();
+        tracing::info!(?voters, "cluster members");
+        self.target = Some(voters);
+        let led: Vec<GroupId> = self.leading().collect();
+        for id in led {
+            self.wake(id);
+        }
+    }
+
+    /// Groups whose members are not yet the ones [`MultiRaft::set_members`] asks for, among
+    /// those this node leads.
+    pub fn changing_members(&self) -> usize {
+        let Some(target) = &self.target else {
+            return 0;
+        };
+        let want = Members::voters(target.clone());
+        self.groups
+            .values()
+            .filter(|g| g.raw.raft.state == StateRole::Leader)
+            .filter(|g| Members::from_conf_state(g.raw.store().conf_state()) != want)
+            .count()
     }
 
     fn insert_group(
@@ -645,6 +854,7 @@ impl MultiRaft {
                     leading,
                     leader_changes: g.leader_changes,
                     followers,
+                    members: Members::from_conf_state(g.raw.store().conf_state()),
                 }
             })
             .collect();
@@ -796,6 +1006,14 @@ impl MultiRaft {
                 );
                 continue;
             };
+            if env.msg.get_msg_type() == MessageType::MsgAppend
+                && env.msg.index == 0
+                && awaits_snapshot(&g.raw)
+            {
+                // A member being added takes the log only after the leader's snapshot, which
+                // tells it the members: entries from the first would not.
+                continue;
+            }
             if g.raw.raft.state != StateRole::Leader {
                 g.quiet_ticks = 0;
             }
@@ -804,6 +1022,9 @@ impl MultiRaft {
             let keep_asleep = env.msg.get_msg_type() == MessageType::MsgHeartbeatResponse;
             if let Err(e) = g.raw.step(env.msg) {
                 tracing::debug!(group = env.group.0, error = %e, "raft step");
+            }
+            if g.raw.raft.state == StateRole::Leader {
+                snapshot_for_new_learners(&mut g.raw);
             }
             if !keep_asleep {
                 self.wake(env.group);
@@ -959,7 +1180,17 @@ impl MultiRaft {
             }
             self.stats.group_ticks += 1;
             self.touched.insert(id);
-            let quiet = is_quiet(&g.raw, &self.peers);
+            if g.raw.raft.state == StateRole::Leader {
+                if let Some(target) = &self.target {
+                    reconcile(id, &mut g.raw, target, &self.peers);
+                }
+            }
+            let quiet = is_quiet(&g.raw, &self.peers)
+                && self.target.as_ref().is_none_or(|t| {
+                    g.raw.raft.state != StateRole::Leader
+                        || Members::from_conf_state(g.raw.store().conf_state())
+                            == Members::voters(t.clone())
+                });
             g.quiet_ticks = if quiet { g.quiet_ticks + 1 } else { 0 };
             if g.quiet_ticks >= self.cfg.hibernate_ticks {
                 self.awake.remove(&id);
@@ -1047,15 +1278,25 @@ impl MultiRaft {
             }
             let mut rd = g.raw.ready();
             out.add(id, rd.take_messages(), &mut self.stats);
-            push_committed(&mut committed, id, rd.take_committed_entries());
+            let entries = rd.take_committed_entries();
+            if apply_member_changes(id, &mut g.raw, &entries, &mut self.member_changes) {
+                // Applying one may have made messages (appends to a new member): next pass.
+                self.touched.insert(id);
+            }
+            push_committed(&mut committed, id, entries);
             let store = g.raw.mut_store();
             let snap = rd.snapshot();
-            let installed = (!snap.is_empty()).then(|| StoredSnapshot {
-                meta: SnapshotMeta {
-                    index: snap.get_metadata().index,
-                    term: snap.get_metadata().term,
-                },
-                data: snap.data.clone(),
+            let default_members = Members::voters(self.cfg.nodes.clone());
+            let installed = (!snap.is_empty()).then(|| {
+                let members = Members::from_conf_state(snap.get_metadata().get_conf_state());
+                StoredSnapshot {
+                    meta: SnapshotMeta {
+                        index: snap.get_metadata().index,
+                        term: snap.get_metadata().term,
+                    },
+                    data: snap.data.clone(),
+                    members: (members != default_members).then_some(members),
+                }
             });
             if let Some(s) = &installed {
                 tracing::info!(
@@ -1064,7 +1305,10 @@ impl MultiRaft {
                     bytes = s.data.len(),
                     "snapshot from the leader"
                 );
-                store.apply_snapshot(s.meta);
+                let conf = snap.get_metadata().get_conf_state().clone();
+                self.member_changes
+                    .push((id, Members::from_conf_state(&conf)));
+                store.apply_snapshot(s.meta, conf);
             }
             if let Err(e) = store.append(rd.entries()) {
                 tracing::error!(group = id.0, error = %e, "group log append");
@@ -1078,6 +1322,11 @@ impl MultiRaft {
             must_sync |= rd.must_sync();
             readys.push((id, rd));
         }
+        for (id, g) in &self.groups {
+            if g.raw.store().take_snapshot_wanted() {
+                self.snapshots_wanted.insert(*id);
+            }
+        }
         if std::mem::take(&mut self.heartbeat_due) {
             for node in self.peers.keys() {
                 if !out.msgs.contains_key(node) {
@@ -1089,6 +1338,11 @@ impl MultiRaft {
         ReadyBatch {
             messages: self.send_out(out),
             leaders,
+            members: std::mem::take(&mut self.member_changes),
+            snapshots_wanted: std::mem::take(&mut self.snapshots_wanted)
+                .into_iter()
+                .collect(),
+            starts: std::mem::take(&mut self.starts),
             peers: std::mem::take(&mut self.peer_changes),
             draining: std::mem::take(&mut self.drain_changes),
             refused,
@@ -1108,6 +1362,7 @@ impl MultiRaft {
             writes: Vec::with_capacity(batch.readys.len()),
             held: Vec::new(),
             snapshots: batch.snapshots,
+            starts: batch.starts,
             must_sync: batch.must_sync,
         };
         for (id, mut rd) in batch.readys {
@@ -1165,7 +1420,11 @@ impl MultiRaft {
                 g.raw.mut_store().set_commit(commit);
             }
             out.add(id, light.take_messages(), &mut self.stats);
-            push_committed(&mut committed, id, light.take_committed_entries());
+            let entries = light.take_committed_entries();
+            if apply_member_changes(id, &mut g.raw, &entries, &mut self.member_changes) {
+                self.touched.insert(id);
+            }
+            push_committed(&mut committed, id, entries);
             g.raw.advance_apply();
             compact(g, &self.cfg);
             if g.raw.has_ready() {
@@ -1205,9 +1464,11 @@ fn transfer_target(
     only: Option<NodeId>,
 ) -> Option<NodeId> {
     let r = &raw.raft;
+    let voters = r.prs().conf().voters().ids();
     r.prs()
         .iter()
         .filter(|(id, pr)| **id != r.id && pr.state == raft::ProgressState::Replicate)
+        .filter(|(id, _)| voters.contains(**id))
         .filter(|(id, _)| only.is_none_or(|o| o == **id))
         .filter(|(id, _)| peers.get(id).is_some_and(|p| p.up && !p.draining))
         .max_by_key(|(id, pr)| (pr.matched, std::cmp::Reverse(**id)))
@@ -1238,6 +1499,132 @@ fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
             r.leader_id != INVALID_ID && peers.get(&r.leader_id).is_some_and(|p| p.up)
         }
         _ => false,
+    }
+}
+
+/// A member being added, before its leader's snapshot: it knows no member and has no entry.
+fn awaits_snapshot(raw: &RawNode<GroupLog>) -> bool {
+    raw.raft.raft_log.last_index() == 0 && raw.store().conf_state().voters.is_empty()
+}
+
+/// A leader about to send a learner the log from its first entry (the learner has none) sends
+/// its snapshot instead: the learner takes its members from it (see
+/// [`MultiRaft::join_group`]). raft-rs sends a snapshot to a follower with a pending request.
+fn snapshot_for_new_learners(raw: &mut RawNode<GroupLog>) {
+    let learners: Vec<NodeId> = raw.store().conf_state().learners.clone();
+    for id in learners {
+        if let Some(pr) = raw.raft.mut_prs().get_mut(id) {
+            let wants_all = pr.matched == 0 && pr.next_idx <= 1;
+            if wants_all
+                && pr.pending_request_snapshot == raft::INVALID_INDEX
+                && pr.state != raft::ProgressState::Snapshot
+            {
+                pr.pending_request_snapshot = 1;
+            }
+        }
+    }
+}
+
+/// Applies the membership changes among committed entries to the group (raft-rs's part of
+/// applying them: its progress tracker and who may vote), and records the members after each.
+fn apply_member_changes(
+    id: GroupId,
+    raw: &mut RawNode<GroupLog>,
+    entries: &[Entry],
+    changes: &mut Vec<(GroupId, Members)>,
+) -> bool {
+    let before = changes.len();
+    for e in entries {
+        let applied = match e.get_entry_type() {
+            EntryType::EntryConfChangeV2 => ConfChangeV2::parse_from_bytes(&e.data)
+                .map_err(|e| e.to_string())
+                .and_then(|cc| raw.apply_conf_change(&cc).map_err(|e| e.to_string())),
+            EntryType::EntryConfChange => ConfChange::parse_from_bytes(&e.data)
+                .map_err(|e| e.to_string())
+                .and_then(|cc| raw.apply_conf_change(&cc).map_err(|e| e.to_string())),
+            EntryType::EntryNormal => continue,
+        };
+        match applied {
+            Ok(cs) => {
+                let members = Members::from_conf_state(&cs);
+                tracing::info!(
+                    group = id.0,
+                    index = e.index,
+                    ?members,
+                    "group members changed"
+                );
+                raw.mut_store().conf_applied(e.index, cs);
+                changes.push((id, members));
+            }
+            // Every member applies the same entry the same way; one that cannot is a bug, and
+            // skipping it leaves this member's view of the members as it was.
+            Err(why) => {
+                tracing::error!(group = id.0, index = e.index, error = %why, "a membership change could not be applied")
+            }
+        }
+    }
+    changes.len() > before
+}
+
+/// The next step of a group this node leads towards `target` as its voters, proposed if there
+/// is one and no other is in progress.
+fn reconcile(
+    id: GroupId,
+    raw: &mut RawNode<GroupLog>,
+    target: &[NodeId],
+    peers: &BTreeMap<NodeId, Peer>,
+) {
+    let r = &raw.raft;
+    if r.has_pending_conf() || r.lead_transferee.is_some() {
+        return;
+    }
+    let me = r.id;
+    let cs = raw.store().conf_state();
+    let (voters, learners) = (cs.voters.clone(), cs.learners.clone());
+    if !target.contains(&me) {
+        // Removing the leader itself is what raft-rs handles least well: another leads first.
+        if let Some(to) = voters
+            .iter()
+            .copied()
+            .filter(|v| *v != me && target.contains(v))
+            .find(|v| peers.get(v).is_some_and(|p| p.up))
+        {
+            raw.transfer_leader(to);
+        }
+        return;
+    }
+    let up = |n: &NodeId| peers.get(n).is_some_and(|p| p.up);
+    let committed = r.raft_log.committed;
+    let caught_up = |n: &NodeId| {
+        r.prs().get(*n).is_some_and(|pr| {
+            pr.state == raft::ProgressState::Replicate && pr.matched + CAUGHT_UP_LAG >= committed
+        })
+    };
+    let change = if let Some(gone) = voters
+        .iter()
+        .chain(&learners)
+        .copied()
+        .find(|n| !target.contains(n))
+    {
+        Some(MemberChange::Remove(gone))
+    } else if let Some(new) = target
+        .iter()
+        .copied()
+        .find(|n| !voters.contains(n) && !learners.contains(n) && up(n))
+    {
+        Some(MemberChange::AddLearner(new))
+    } else {
+        learners
+            .iter()
+            .copied()
+            .find(|n| target.contains(n) && up(n) && caught_up(n))
+            .map(MemberChange::Promote)
+    };
+    if let Some(change) = change {
+        tracing::info!(group = id.0, ?change, "membership change proposed");
+        if let Err(e) = raw.propose_conf_change(Vec::new(), change.to_conf_change()) {
+            tracing::warn!(group = id.0, error = %e, "membership change refused");
+        }
     }
 }
 

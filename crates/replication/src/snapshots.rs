@@ -12,8 +12,10 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
+use raft::eraftpb::ConfState;
+
 use crate::wal::LogError;
-use crate::GroupId;
+use crate::{GroupId, NodeId};
 
 /// Where a snapshot stands in its group's log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -23,11 +25,55 @@ pub struct SnapshotMeta {
     pub term: u64,
 }
 
+/// A group's members at some index of its log: who votes, and who receives the log without a
+/// vote (a member being added, until it caught up). Both sorted.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Members {
+    pub voters: Vec<NodeId>,
+    pub learners: Vec<NodeId>,
+}
+
+impl Members {
+    /// Every node of `voters` votes.
+    pub fn voters(mut voters: Vec<NodeId>) -> Self {
+        voters.sort_unstable();
+        voters.dedup();
+        Members {
+            voters,
+            learners: Vec::new(),
+        }
+    }
+
+    pub fn contains(&self, node: NodeId) -> bool {
+        self.voters.contains(&node) || self.learners.contains(&node)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.voters.is_empty() && self.learners.is_empty()
+    }
+
+    pub fn to_conf_state(&self) -> ConfState {
+        ConfState::from((self.voters.clone(), self.learners.clone()))
+    }
+
+    pub fn from_conf_state(cs: &ConfState) -> Self {
+        let mut voters = cs.voters.clone();
+        let mut learners = cs.learners.clone();
+        voters.sort_unstable();
+        learners.sort_unstable();
+        Members { voters, learners }
+    }
+}
+
 /// A snapshot with its state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredSnapshot {
     pub meta: SnapshotMeta,
     pub data: Bytes,
+    /// The group's members at the snapshot's index, when they are not every node of the
+    /// cluster's list as voters (what a group had before membership could change; a file
+    /// without them is read so).
+    pub members: Option<Members>,
 }
 
 /// Where a group's snapshot is read back when a follower needs it.
@@ -38,9 +84,54 @@ pub trait SnapshotSource: Send + Sync + std::fmt::Debug {
 
 /// `WSNP`, then the format version.
 const MAGIC: &[u8; 4] = b"WSNP";
+/// Version 1: no members. Version 2: the members' block between the header and the data, its
+/// length in the header before the CRC (which covers it too). Version 1 is still written when
+/// there are no members to record, so a node that never changed membership writes what an
+/// earlier version reads.
 const VERSION: u8 = 1;
+const VERSION_MEMBERS: u8 = 2;
 /// Magic, version, group, index, term, data length, CRC-32 of everything before it and the data.
 const HEADER: usize = 4 + 1 + 8 + 8 + 8 + 8 + 4;
+/// Version 2's header: a u32 length of the members' block before the CRC.
+const HEADER_MEMBERS: usize = HEADER + 4;
+/// More members than any cluster has: a length beyond it is damage.
+const MAX_MEMBERS: usize = 1024;
+
+fn encode_members(m: &Members) -> Vec<u8> {
+    let mut out = Vec::with_capacity(4 + 8 * (m.voters.len() + m.learners.len()));
+    for list in [&m.voters, &m.learners] {
+        out.extend_from_slice(&(list.len() as u16).to_be_bytes());
+        for n in list {
+            out.extend_from_slice(&n.to_be_bytes());
+        }
+    }
+    out
+}
+
+fn decode_members(group: GroupId, mut b: &[u8]) -> Result<Members, LogError> {
+    let mut lists = [Vec::new(), Vec::new()];
+    for list in &mut lists {
+        let (count, rest) = b
+            .split_first_chunk::<2>()
+            .ok_or_else(|| corrupt(group, "members cut short"))?;
+        let count = u16::from_be_bytes(*count) as usize;
+        if count > MAX_MEMBERS || rest.len() < count * 8 {
+            return Err(corrupt(group, "members cut short"));
+        }
+        let (ids, rest) = rest.split_at(count * 8);
+        list.extend(
+            ids.chunks_exact(8)
+                .filter_map(|c| c.try_into().ok())
+                .map(u64::from_be_bytes),
+        );
+        b = rest;
+    }
+    if !b.is_empty() {
+        return Err(corrupt(group, "bytes after the members"));
+    }
+    let [voters, learners] = lists;
+    Ok(Members { voters, learners })
+}
 
 /// Snapshots in a directory: `<group as 16 hex digits>.snap`.
 #[derive(Debug, Clone)]
@@ -70,15 +161,26 @@ impl SnapshotFiles {
     /// Makes `snap` the group's snapshot: durable when this returns, the old one replaced
     /// atomically.
     pub fn save(&self, group: GroupId, snap: &StoredSnapshot) -> Result<(), LogError> {
-        let mut header = Vec::with_capacity(HEADER);
+        let members = snap.members.as_ref().map(encode_members);
+        let mut header = Vec::with_capacity(HEADER_MEMBERS);
         header.extend_from_slice(MAGIC);
-        header.push(VERSION);
+        header.push(if members.is_some() {
+            VERSION_MEMBERS
+        } else {
+            VERSION
+        });
         header.extend_from_slice(&group.0.to_be_bytes());
         header.extend_from_slice(&snap.meta.index.to_be_bytes());
         header.extend_from_slice(&snap.meta.term.to_be_bytes());
         header.extend_from_slice(&(snap.data.len() as u64).to_be_bytes());
+        if let Some(m) = &members {
+            header.extend_from_slice(&(m.len() as u32).to_be_bytes());
+        }
         let mut crc = crc32fast::Hasher::new();
         crc.update(&header);
+        if let Some(m) = &members {
+            crc.update(m);
+        }
         crc.update(&snap.data);
         header.extend_from_slice(&crc.finalize().to_be_bytes());
         let path = self.path(group);
@@ -86,6 +188,9 @@ impl SnapshotFiles {
         {
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&header)?;
+            if let Some(m) = &members {
+                f.write_all(m)?;
+            }
             f.write_all(&snap.data)?;
             f.sync_all()?;
         }
@@ -133,9 +238,11 @@ fn decode(group: GroupId, bytes: Bytes) -> Result<StoredSnapshot, LogError> {
     if &header[..4] != MAGIC {
         return Err(corrupt(group, "not a snapshot file"));
     }
-    if header[4] != VERSION {
-        return Err(corrupt(group, &format!("unknown version {}", header[4])));
-    }
+    let with_members = match header[4] {
+        VERSION => false,
+        VERSION_MEMBERS => true,
+        v => return Err(corrupt(group, &format!("unknown version {v}"))),
+    };
     let word = |at: usize| {
         header
             .get(at..at + 8)
@@ -147,24 +254,46 @@ fn decode(group: GroupId, bytes: Bytes) -> Result<StoredSnapshot, LogError> {
     if owner != group.0 {
         return Err(corrupt(group, &format!("holds group {owner}")));
     }
-    let expected = header
-        .get(37..41)
-        .and_then(|b| b.try_into().ok())
-        .map(u32::from_be_bytes)
-        .unwrap_or(0);
-    let data = bytes.slice(HEADER..);
+    let u32_at = |b: &[u8], at: usize| {
+        b.get(at..at + 4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_be_bytes)
+            .unwrap_or(0)
+    };
+    let (covered, members_len, header_len) = if with_members {
+        let long = bytes
+            .get(..HEADER_MEMBERS)
+            .ok_or_else(|| corrupt(group, "shorter than its header"))?;
+        (&long[..41], u32_at(long, 37) as usize, HEADER_MEMBERS)
+    } else {
+        (&header[..37], 0, HEADER)
+    };
+    let expected = u32_at(&bytes, header_len - 4);
+    let members_end = header_len
+        .checked_add(members_len)
+        .filter(|end| *end <= bytes.len())
+        .ok_or_else(|| corrupt(group, "members cut short"))?;
+    let members = bytes.slice(header_len..members_end);
+    let data = bytes.slice(members_end..);
     if data.len() as u64 != len {
         return Err(corrupt(group, "length does not match"));
     }
     let mut crc = crc32fast::Hasher::new();
-    crc.update(&header[..37]);
+    crc.update(covered);
+    crc.update(&members);
     crc.update(&data);
     if crc.finalize() != expected {
         return Err(corrupt(group, "checksum does not match"));
     }
+    let members = if with_members {
+        Some(decode_members(group, &members)?)
+    } else {
+        None
+    };
     Ok(StoredSnapshot {
         meta: SnapshotMeta { index, term },
         data,
+        members,
     })
 }
 
@@ -213,6 +342,52 @@ mod tests {
         StoredSnapshot {
             meta: SnapshotMeta { index, term: 3 },
             data: Bytes::from_static(data),
+            members: None,
+        }
+    }
+
+    fn with_members(index: u64, data: &'static [u8]) -> StoredSnapshot {
+        StoredSnapshot {
+            members: Some(Members {
+                voters: vec![1, 2, 4],
+                learners: vec![5],
+            }),
+            ..snap(index, data)
+        }
+    }
+
+    #[test]
+    fn members_are_kept_in_the_file_and_a_file_without_them_reads_as_before() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("open");
+        files
+            .save(GroupId(3), &with_members(12, b"state at 12"))
+            .expect("save");
+        files.save(GroupId(4), &snap(7, b"plain")).expect("save");
+        assert_eq!(
+            files.read(GroupId(3)).expect("read"),
+            Some(with_members(12, b"state at 12"))
+        );
+        assert_eq!(
+            files.read(GroupId(4)).expect("read"),
+            Some(snap(7, b"plain"))
+        );
+        // Without members the file is version 1, as an earlier version wrote and reads it.
+        let plain = std::fs::read(files.path(GroupId(4))).expect("file");
+        assert_eq!(plain[4], 1);
+        assert_eq!(plain.len(), HEADER + 5);
+        let path = files.path(GroupId(3));
+        let good = std::fs::read(&path).expect("read");
+        assert_eq!(good[4], 2);
+        for cut in 0..good.len() {
+            std::fs::write(&path, &good[..cut]).expect("write");
+            assert!(files.read(GroupId(3)).is_err(), "cut at {cut}");
+        }
+        for at in 0..good.len() {
+            let mut bad = good.clone();
+            bad[at] ^= 0x40;
+            std::fs::write(&path, &bad).expect("write");
+            assert!(files.read(GroupId(3)).is_err(), "flipped byte {at}");
         }
     }
 

@@ -7,7 +7,7 @@
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 
-use crate::snapshots::{SnapshotMeta, SnapshotSource};
+use crate::snapshots::{Members, SnapshotMeta, SnapshotSource};
 
 /// Where a group's entries that left memory can still be read: the node-wide durable log
 /// (until snapshots let it compact, it holds every entry).
@@ -25,6 +25,14 @@ pub struct GroupLog {
     cold: Option<(u64, std::sync::Arc<dyn ColdLog>)>,
     hard_state: HardState,
     conf_state: ConfState,
+    /// The members at the latest snapshot (or at the group's start here), and the membership
+    /// changes applied since, by their entries' indexes: a snapshot at an index records the
+    /// members in force there, not those of changes applied after it.
+    base_conf: ConfState,
+    confs: Vec<(u64, ConfState)>,
+    /// raft-rs asked for a snapshot this node does not have yet (for a member being added):
+    /// the state machine should take one.
+    snapshot_wanted: std::cell::Cell<bool>,
     /// Index and term of the last entry dropped from memory (0, 0 for a new log; the term is
     /// unknown for a log recovered from a compacted one).
     compacted_index: u64,
@@ -40,8 +48,16 @@ pub struct GroupLog {
 impl GroupLog {
     /// A new, empty log of a group whose members are `voters`.
     pub fn new(voters: Vec<u64>) -> Self {
+        Self::with_members(&Members::voters(voters))
+    }
+
+    /// A new, empty log of a group with these members (none: a member being added, which
+    /// learns them from its leader's snapshot).
+    pub fn with_members(members: &Members) -> Self {
+        let cs = members.to_conf_state();
         GroupLog {
-            conf_state: ConfState::from((voters, vec![])),
+            conf_state: cs.clone(),
+            base_conf: cs,
             compacted_term: Some(0),
             ..GroupLog::default()
         }
@@ -51,7 +67,7 @@ impl GroupLog {
     /// entries (from the first kept, fitted to the snapshot: [`crate::DurableGroup::fit_to_snapshot`]),
     /// hard state and latest snapshot.
     pub fn restore(
-        voters: Vec<u64>,
+        members: &Members,
         entries: Vec<Entry>,
         mut hard_state: HardState,
         snapshot: Option<SnapshotMeta>,
@@ -72,9 +88,11 @@ impl GroupLog {
             _ if compacted_index == 0 => Some(0),
             _ => None,
         };
+        let cs = members.to_conf_state();
         GroupLog {
             hard_state,
-            conf_state: ConfState::from((voters, vec![])),
+            conf_state: cs.clone(),
+            base_conf: cs,
             entries,
             compacted_index,
             compacted_term,
@@ -100,11 +118,42 @@ impl GroupLog {
     pub fn snapshot_saved(&mut self, meta: SnapshotMeta) {
         if self.snapshot.is_none_or(|s| s.index < meta.index) {
             self.snapshot = Some(meta);
+            self.base_conf = self.conf_at(meta.index);
+            self.confs.retain(|(i, _)| *i > meta.index);
         }
     }
 
-    /// A snapshot from the leader replaces the whole log: every entry goes.
-    pub fn apply_snapshot(&mut self, meta: SnapshotMeta) {
+    /// The members now (as applied).
+    pub fn conf_state(&self) -> &ConfState {
+        &self.conf_state
+    }
+
+    /// The members in force once the entry at `index` is applied.
+    pub fn conf_at(&self, index: u64) -> ConfState {
+        self.confs
+            .iter()
+            .rev()
+            .find(|(i, _)| *i <= index)
+            .map_or_else(|| self.base_conf.clone(), |(_, cs)| cs.clone())
+    }
+
+    /// A membership change in the entry at `index` was applied: these are the members now.
+    pub fn conf_applied(&mut self, index: u64, cs: ConfState) {
+        self.conf_state = cs.clone();
+        self.confs.push((index, cs));
+    }
+
+    /// Whether raft-rs asked for a snapshot that is not there yet, since the last call.
+    pub fn take_snapshot_wanted(&self) -> bool {
+        self.snapshot_wanted.replace(false)
+    }
+
+    /// A snapshot from the leader replaces the whole log: every entry goes, and its members
+    /// are the group's.
+    pub fn apply_snapshot(&mut self, meta: SnapshotMeta, conf: ConfState) {
+        self.conf_state = conf.clone();
+        self.base_conf = conf;
+        self.confs.clear();
         self.entries.clear();
         self.compacted_index = meta.index;
         self.compacted_term = Some(meta.term);
@@ -312,19 +361,33 @@ impl Storage for GroupLog {
         Ok(GroupLog::last_index(self))
     }
 
-    fn snapshot(&self, request_index: u64, _to: u64) -> raft::Result<Snapshot> {
+    fn snapshot(&self, request_index: u64, to: u64) -> raft::Result<Snapshot> {
         // Read back from disk: only the metadata stays in memory. raft-rs asks again later
         // for one that is not there yet.
         let unavailable = raft::Error::Store(StorageError::SnapshotTemporarilyUnavailable);
         let (Some(meta), Some((group, source))) = (self.snapshot, &self.source) else {
+            self.snapshot_wanted.set(true);
             return Err(unavailable);
         };
         let stored = match source.load(*group) {
             Ok(Some(s)) => s,
-            Ok(None) => return Err(unavailable),
+            Ok(None) => {
+                self.snapshot_wanted.set(true);
+                return Err(unavailable);
+            }
             Err(e) => return Err(raft::Error::Store(StorageError::Other(e.into()))),
         };
         if stored.meta.index < request_index.max(meta.index) {
+            self.snapshot_wanted.set(true);
+            return Err(unavailable);
+        }
+        let conf = stored
+            .members
+            .as_ref()
+            .map_or_else(|| self.conf_at(stored.meta.index), Members::to_conf_state);
+        if !conf.voters.contains(&to) && !conf.learners.contains(&to) {
+            // Taken before `to` was made a member: it would refuse it. A later one is needed.
+            self.snapshot_wanted.set(true);
             return Err(unavailable);
         }
         let mut snap = Snapshot {
@@ -332,7 +395,7 @@ impl Storage for GroupLog {
             ..Default::default()
         };
         snap.set_metadata(SnapshotMetadata {
-            conf_state: Some(self.conf_state.clone()).into(),
+            conf_state: Some(conf).into(),
             index: stored.meta.index,
             term: stored.meta.term,
             ..Default::default()

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use raft::eraftpb::{Entry, EntryType, HardState};
 
-use crate::snapshots::StoredSnapshot;
+use crate::snapshots::{Members, StoredSnapshot};
 use crate::GroupId;
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +52,12 @@ pub trait LogStore {
 
     /// Drops the group's entries below `index`, which a snapshot covers.
     fn compact_to(&mut self, group: GroupId, index: u64) -> Result<(), LogError>;
+
+    /// Adds to the batch: the members the group started with on this node, when they are not
+    /// every node of the cluster's list as voters (a group made after a membership change, or
+    /// a member being added, which starts with none). A restart starts the group from them
+    /// (or from its snapshot's), then applies the changes in its log.
+    fn put_members(&mut self, group: GroupId, members: &Members) -> Result<(), LogError>;
 }
 
 /// What the log holds for one group: the entries made durable, in index order, its hard state
@@ -61,6 +67,26 @@ pub struct DurableGroup {
     pub entries: Vec<Entry>,
     pub hard_state: HardState,
     pub snapshot: Option<StoredSnapshot>,
+    /// The members it started with, if recorded ([`LogStore::put_members`]).
+    pub members: Option<Members>,
+}
+
+impl DurableGroup {
+    /// The members a recovered group starts from: its snapshot's, else those it started with,
+    /// else every node of `nodes` as a voter (a group that never had a membership change).
+    pub fn start_members(&self, nodes: &[crate::NodeId]) -> Members {
+        self.snapshot
+            .as_ref()
+            .and_then(|s| s.members.clone())
+            .or_else(|| {
+                // A snapshot without members predates any change: the list's nodes.
+                self.snapshot
+                    .is_none()
+                    .then(|| self.members.clone())
+                    .flatten()
+            })
+            .unwrap_or_else(|| Members::voters(nodes.to_vec()))
+    }
 }
 
 impl DurableGroup {
@@ -93,6 +119,7 @@ impl DurableGroup {
 enum Pending {
     Append(GroupId, Vec<Entry>, Option<HardState>),
     Clear(GroupId, HardState),
+    Members(GroupId, Members),
 }
 
 /// An in-memory [`LogStore`] for tests: appends become visible in `durable` only at `flush`, so
@@ -120,6 +147,12 @@ impl MemLog {
     /// Where the groups read this log's snapshots back (`MultiRaft::set_snapshot_source`).
     pub fn snapshots(&self) -> std::sync::Arc<dyn crate::snapshots::SnapshotSource> {
         std::sync::Arc::new(self.snapshots.clone())
+    }
+
+    /// Forgets a group (its queue was deleted, or this node left it).
+    pub fn remove_group(&mut self, group: GroupId) {
+        self.durable.remove(&group);
+        self.snapshots.remove(group);
     }
 
     /// What a restart reads back for `group`.
@@ -162,6 +195,10 @@ impl LogStore for MemLog {
                     let g = self.durable.entry(group).or_default();
                     g.entries.clear();
                     g.hard_state = hs;
+                    g.members = None;
+                }
+                Pending::Members(group, m) => {
+                    self.durable.entry(group).or_default().members = Some(m);
                 }
             }
         }
@@ -184,6 +221,11 @@ impl LogStore for MemLog {
         if let Some(g) = self.durable.get_mut(&group) {
             g.entries.retain(|e| e.index >= index);
         }
+        Ok(())
+    }
+
+    fn put_members(&mut self, group: GroupId, members: &Members) -> Result<(), LogError> {
+        self.pending.push(Pending::Members(group, members.clone()));
         Ok(())
     }
 }
@@ -313,6 +355,10 @@ impl LogStore for FileLog {
 
     fn compact_to(&mut self, _group: GroupId, _index: u64) -> Result<(), LogError> {
         Err(LogError::Unsupported("compaction"))
+    }
+
+    fn put_members(&mut self, _group: GroupId, _members: &Members) -> Result<(), LogError> {
+        Err(LogError::Unsupported("membership changes"))
     }
 }
 

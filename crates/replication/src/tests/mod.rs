@@ -1,5 +1,6 @@
 mod drain;
 mod driver;
+mod membership;
 mod properties;
 mod queues;
 mod sim;

@@ -80,6 +80,8 @@ pub struct Sim {
     /// Each node snapshots a group's state (the entries it applied) once this many entries
     /// were applied since its last snapshot; `None`: never.
     pub snapshot_every: Option<u64>,
+    /// The cluster's list of nodes, every node's `Config::nodes`.
+    pub list: Vec<NodeId>,
 }
 
 /// The sim's state machine, a group's applied entries, as snapshot bytes.
@@ -109,7 +111,12 @@ fn decode_applied(group: GroupId, mut b: Bytes) -> Vec<Committed> {
 }
 
 pub fn config(node: NodeId) -> Config {
-    let mut c = Config::new(node, vec![1, 2, 3]);
+    config_in(node, vec![1, 2, 3])
+}
+
+/// A node's configuration in a cluster whose list is `nodes`.
+pub fn config_in(node: NodeId, nodes: Vec<NodeId>) -> Config {
+    let mut c = Config::new(node, nodes);
     c.tick_ms = TICK_MS;
     c.log_keep = 1 << 20;
     // Taken only when a test snapshots (`Sim::snapshot_every`).
@@ -156,7 +163,34 @@ impl Sim {
             groups: (0..groups).map(GroupId).collect(),
             committed_ever: BTreeMap::new(),
             snapshot_every: None,
+            list: vec![1, 2, 3],
         }
+    }
+
+    /// Nodes `list` with no group: the test makes them.
+    pub fn bare(seed: u64, list: Vec<NodeId>) -> Self {
+        let mut sim = Sim::new(seed, 0);
+        sim.nodes.clear();
+        for id in &list {
+            let log = MemLog::new();
+            let mut raft = MultiRaft::new(config_in(*id, list.clone())).expect("config");
+            raft.set_snapshot_source(log.snapshots());
+            sim.nodes.insert(
+                *id,
+                SimNode {
+                    raft,
+                    log,
+                    applied: BTreeMap::new(),
+                    reported_leaders: BTreeMap::new(),
+                    alive: true,
+                    boots: 1,
+                    pending: Vec::new(),
+                    refused: Vec::new(),
+                },
+            );
+        }
+        sim.list = list;
+        sim
     }
 
     fn connected(&self, a: NodeId, b: NodeId) -> bool {
@@ -222,6 +256,13 @@ impl Sim {
         out.append(&mut batch.messages);
         n.reported_leaders.extend(batch.leaders.drain(..));
         n.refused.append(&mut batch.refused);
+        let wanted = std::mem::take(&mut batch.snapshots_wanted);
+        let left: Vec<GroupId> = batch
+            .members
+            .drain(..)
+            .filter(|(_, m)| !m.contains(id) && !m.is_empty())
+            .map(|(g, _)| g)
+            .collect();
         let committed = if self.async_log {
             let (committed, job) = n.raft.submit(batch);
             if !job.is_empty() {
@@ -240,6 +281,33 @@ impl Sim {
         for c in &committed {
             n.applied.entry(c.group).or_default().push(c.clone());
         }
+        for g in wanted {
+            // The state machine snapshots what it applied when its leader needs one.
+            let Some(last) = n.applied.get(&g).and_then(|a| a.last()) else {
+                continue;
+            };
+            let meta = n.raft.snapshot_covering(
+                g,
+                SnapshotMeta {
+                    index: last.index,
+                    term: last.term,
+                },
+            );
+            let snap = StoredSnapshot {
+                meta,
+                data: encode_applied(&n.applied[&g]),
+                members: n.raft.members_at(g, meta.index),
+            };
+            n.log.save_snapshot(g, &snap).expect("mem log");
+            if let Some(bound) = n.raft.snapshot_saved(g, snap.meta) {
+                n.log.compact_to(g, bound).expect("mem log");
+            }
+        }
+        for g in left {
+            // Removed from the group: it goes from this node, as a deleted queue's would.
+            n.raft.remove_group(g);
+            n.log.remove_group(g);
+        }
         if let Some(every) = self.snapshot_every {
             for (g, applied) in &n.applied {
                 let Some(last) = applied.last() else {
@@ -255,6 +323,7 @@ impl Sim {
                         term: last.term,
                     },
                     data: encode_applied(applied),
+                    members: n.raft.members_at(*g, last.index),
                 };
                 n.log.save_snapshot(*g, &snap).expect("mem log");
                 if let Some(bound) = n.raft.snapshot_saved(*g, snap.meta) {
@@ -399,13 +468,17 @@ impl Sim {
         let Some(n) = self.nodes.get_mut(&id) else {
             return;
         };
-        let mut cfg = config(id);
+        let mut cfg = config_in(id, self.list.clone());
         cfg.boot = n.boots + 1;
         n.boots += 1;
         let mut raft = MultiRaft::new(cfg).expect("config");
         raft.set_snapshot_source(n.log.snapshots());
         n.applied.clear();
         for g in groups {
+            if !n.log.durable.contains_key(&g) && n.log.recovered(g).snapshot.is_none() {
+                // Not a member of it here (never was, or left it).
+                continue;
+            }
             let mut durable = n.log.recovered(g);
             if durable.fit_to_snapshot() {
                 n.log

@@ -331,7 +331,14 @@ impl RaftNode {
     /// The state machine's snapshot of `group`, which holds every entry up to `meta.index`:
     /// once written, the log before it may go. An older one than the group has is ignored.
     pub fn snapshot(&self, group: GroupId, meta: SnapshotMeta, data: bytes::Bytes) {
-        self.send(Command::Snapshot(group, StoredSnapshot { meta, data }));
+        self.send(Command::Snapshot(
+            group,
+            StoredSnapshot {
+                meta,
+                data,
+                members: None,
+            },
+        ));
     }
 
     /// The groups recovered from the log at start, in id order.

@@ -204,8 +204,10 @@ impl<E: RaftEvents> Driver<E> {
 
     /// Writes the broker's snapshot of a group and lets the log before it go. A snapshot that
     /// cannot be written is no loss: the log it would have replaced stays.
-    fn save_snapshot(&mut self, group: GroupId, snap: StoredSnapshot) {
+    fn save_snapshot(&mut self, group: GroupId, mut snap: StoredSnapshot) {
         let node = self.raft.node();
+        snap.meta = self.raft.snapshot_covering(group, snap.meta);
+        snap.members = self.raft.members_at(group, snap.meta.index);
         match self.raft.snapshot_index(group) {
             Some(have) if have < snap.meta.index => {}
             // The group is gone, or a leader's newer snapshot was installed meanwhile.

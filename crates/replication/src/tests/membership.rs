@@ -1,0 +1,200 @@
+//! Membership changes: a node added to a group starts from its leader's snapshot, votes once it
+//! caught up, and keeps its members across a restart; a node removed leaves the group, and a
+//! leader that is to leave hands over first.
+
+use super::sim::Sim;
+use crate::{GroupId, MemberChange, Members, NodeId};
+
+const G: GroupId = GroupId(7);
+
+/// The group's members as each live node in `on` applied them.
+fn members_on(sim: &Sim, on: &[NodeId]) -> Vec<Option<Members>> {
+    on.iter().map(|id| sim.nodes[id].raft.members(G)).collect()
+}
+
+/// Steps until `cond`, at most `max` steps.
+fn run_until(sim: &mut Sim, max: u64, what: &str, mut cond: impl FnMut(&Sim) -> bool) {
+    for _ in 0..max {
+        if cond(sim) {
+            return;
+        }
+        sim.step();
+    }
+    assert!(cond(sim), "not within {max} steps: {what}");
+}
+
+fn data(i: u32) -> Vec<u8> {
+    format!("entry {i}").into_bytes()
+}
+
+/// Four nodes in the cluster's list, the group on nodes 1 to 3 only, led by node 1, with
+/// `entries` committed.
+fn three_of_four(seed: u64, entries: u32) -> Sim {
+    let mut sim = Sim::bare(seed, vec![1, 2, 3, 4]);
+    sim.groups = vec![G];
+    for id in 1..=3 {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.set_members(vec![1, 2, 3]);
+        n.raft.add_group(G, id == 1).expect("group");
+    }
+    run_until(&mut sim, 500, "a leader", |s| s.leader(G).is_some());
+    for i in 0..entries {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 500, "the entries on 1 to 3", |s| {
+        (1..=3).all(|id| {
+            s.nodes[&id]
+                .applied
+                .get(&G)
+                .is_some_and(|a| a.len() == entries as usize)
+        })
+    });
+    sim
+}
+
+fn set_members_everywhere(sim: &mut Sim, voters: &[NodeId]) {
+    for n in sim.nodes.values_mut() {
+        n.raft.set_members(voters.to_vec());
+    }
+}
+
+#[test]
+fn a_node_added_starts_from_the_leaders_snapshot_votes_once_caught_up_and_keeps_its_members() {
+    let mut sim = three_of_four(11, 30);
+    let before = sim.nodes[&1].raft.members(G);
+    assert_eq!(before, Some(Members::voters(vec![1, 2, 3])));
+    sim.nodes
+        .get_mut(&4)
+        .expect("node 4")
+        .raft
+        .join_group(G)
+        .expect("join");
+    set_members_everywhere(&mut sim, &[1, 2, 3, 4]);
+    run_until(&mut sim, 2000, "node 4 a voter everywhere", |s| {
+        members_on(s, &[1, 2, 3, 4])
+            .iter()
+            .all(|m| m.as_ref() == Some(&Members::voters(vec![1, 2, 3, 4])))
+    });
+    // It took the log only after the leader's snapshot: its first entry follows it.
+    let log4 = sim.nodes[&4].log.recovered(G);
+    let snap = log4.snapshot.as_ref().expect("node 4 installed a snapshot");
+    assert!(
+        log4.entries
+            .first()
+            .is_none_or(|e| e.index > snap.meta.index),
+        "{:?}",
+        log4.entries.first()
+    );
+    assert_eq!(
+        snap.members,
+        Some(Members {
+            voters: vec![1, 2, 3],
+            learners: vec![4]
+        }),
+        "the snapshot carries the members at its index"
+    );
+    for i in 30..40 {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 1000, "everything on node 4", |s| {
+        s.nodes[&4].applied.get(&G).is_some_and(|a| a.len() == 40)
+    });
+    sim.assert_applied_everywhere(&[1, 2, 3, 4]);
+    // Four voters: with two of them down nothing commits; node 4's vote makes a majority.
+    sim.kill(2);
+    for i in 40..45 {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 1000, "a commit with node 4's vote", |s| {
+        s.nodes[&4].applied.get(&G).is_some_and(|a| a.len() == 45)
+    });
+    // A restart of the new node keeps its members (from its snapshot and the changes after).
+    sim.kill(4);
+    sim.restart(4);
+    // From the snapshot's members, then the promotion after it, applied again as the log
+    // replays.
+    assert_eq!(
+        sim.nodes[&4].raft.members(G),
+        Some(Members {
+            voters: vec![1, 2, 3],
+            learners: vec![4]
+        })
+    );
+    sim.step();
+    assert_eq!(
+        sim.nodes[&4].raft.members(G),
+        Some(Members::voters(vec![1, 2, 3, 4]))
+    );
+    sim.restart(2);
+    run_until(&mut sim, 2000, "every node back", |s| {
+        (1..=4).all(|id| s.nodes[&id].applied.get(&G).is_some_and(|a| a.len() == 45))
+    });
+    sim.assert_applied_everywhere(&[1, 2, 3, 4]);
+}
+
+#[test]
+fn a_removed_node_leaves_the_group_and_a_leader_to_be_removed_hands_over_first() {
+    let mut sim = three_of_four(12, 10);
+    sim.nodes
+        .get_mut(&4)
+        .expect("node 4")
+        .raft
+        .join_group(G)
+        .expect("join");
+    set_members_everywhere(&mut sim, &[1, 2, 3, 4]);
+    run_until(&mut sim, 2000, "four voters", |s| {
+        s.nodes[&1].raft.members(G) == Some(Members::voters(vec![1, 2, 3, 4]))
+    });
+    let leader = sim.leader(G).expect("a leader");
+    let stay: Vec<NodeId> = (1..=4).filter(|n| *n != leader).collect();
+    set_members_everywhere(&mut sim, &stay);
+    run_until(&mut sim, 3000, "the old leader out of the group", |s| {
+        stay.iter()
+            .all(|id| s.nodes[id].raft.members(G) == Some(Members::voters(stay.clone())))
+            && s.nodes[&leader].raft.members(G).is_none()
+    });
+    let now = sim.leader(G).expect("a new leader");
+    assert!(stay.contains(&now));
+    for i in 10..20 {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 1000, "the later entries on the three", |s| {
+        stay.iter()
+            .all(|id| s.nodes[id].applied.get(&G).is_some_and(|a| a.len() == 20))
+    });
+    // The removed node took no part: its last applied entry is before the later ones.
+    let gone = sim.nodes[&leader].applied.get(&G).map_or(0, Vec::len);
+    assert!(gone <= 10, "node {leader} applied {gone}");
+}
+
+#[test]
+fn a_proposed_change_waits_for_the_one_before_and_is_refused_off_the_leader() {
+    let mut sim = three_of_four(13, 1);
+    let leader = sim.leader(G).expect("leader");
+    let follower = (1..=3).find(|n| *n != leader).expect("a follower");
+    let refused = sim
+        .nodes
+        .get_mut(&follower)
+        .expect("node")
+        .raft
+        .propose_member_change(G, MemberChange::AddLearner(4));
+    assert!(
+        matches!(refused, Err(crate::Error::NotLeader { .. })),
+        "{refused:?}"
+    );
+    let raft = &mut sim.nodes.get_mut(&leader).expect("node").raft;
+    raft.propose_member_change(G, MemberChange::AddLearner(4))
+        .expect("first");
+    let second = raft.propose_member_change(G, MemberChange::Promote(4));
+    assert!(
+        matches!(second, Err(crate::Error::ChangeInProgress(_))),
+        "{second:?}"
+    );
+    run_until(&mut sim, 500, "the learner applied", |s| {
+        s.nodes[&leader].raft.members(G)
+            == Some(Members {
+                voters: vec![1, 2, 3],
+                learners: vec![4],
+            })
+    });
+}
