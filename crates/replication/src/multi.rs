@@ -615,12 +615,10 @@ impl MultiRaft {
         Ok(())
     }
 
-    /// Groups whose members are not the cluster list's nodes as voters record the members
-    /// they started with, for a restart.
+    /// Records the members a group started with, for a restart: the cluster's list may have
+    /// changed by then.
     fn record_start(&mut self, id: GroupId, members: Members) {
-        if members != Members::voters(self.cfg.nodes.clone()) {
-            self.starts.push((id, members));
-        }
+        self.starts.push((id, members));
     }
 
     /// Recreates a group after a restart from what the node-wide log held for it. Its committed
@@ -633,7 +631,18 @@ impl MultiRaft {
         let members = durable.start_members(&self.cfg.nodes);
         let meta = durable.snapshot.as_ref().map(|s| s.meta);
         let log = GroupLog::restore(&members, durable.entries, durable.hard_state, meta);
-        self.insert_group(id, log, false, meta.map_or(0, |m| m.index))
+        self.insert_group(id, log, false, meta.map_or(0, |m| m.index))?;
+        if durable.members.is_none()
+            && durable
+                .snapshot
+                .as_ref()
+                .is_none_or(|s| s.members.is_none())
+        {
+            // A group from before membership could change has every node of the list as a
+            // voter; recorded now, before the list may change.
+            self.record_start(id, members);
+        }
+        Ok(())
     }
 
     /// A state machine's snapshot at `meta` (its last entry) holds the state at every later
@@ -670,12 +679,10 @@ impl MultiRaft {
         covered
     }
 
-    /// The members of `group` in force at `index` (for a snapshot taken there), unless they
-    /// are the cluster list's nodes as voters (what a snapshot without members means).
+    /// The members of `group` in force at `index`, for a snapshot taken there.
     pub fn members_at(&self, group: GroupId, index: u64) -> Option<Members> {
         let g = self.groups.get(&group)?;
-        let m = Members::from_conf_state(&g.raw.store().conf_at(index));
-        (m != Members::voters(self.cfg.nodes.clone())).then_some(m)
+        Some(Members::from_conf_state(&g.raw.store().conf_at(index)))
     }
 
     /// The group's members as this node applied them.
@@ -1286,17 +1293,15 @@ impl MultiRaft {
             push_committed(&mut committed, id, entries);
             let store = g.raw.mut_store();
             let snap = rd.snapshot();
-            let default_members = Members::voters(self.cfg.nodes.clone());
-            let installed = (!snap.is_empty()).then(|| {
-                let members = Members::from_conf_state(snap.get_metadata().get_conf_state());
-                StoredSnapshot {
-                    meta: SnapshotMeta {
-                        index: snap.get_metadata().index,
-                        term: snap.get_metadata().term,
-                    },
-                    data: snap.data.clone(),
-                    members: (members != default_members).then_some(members),
-                }
+            let installed = (!snap.is_empty()).then(|| StoredSnapshot {
+                meta: SnapshotMeta {
+                    index: snap.get_metadata().index,
+                    term: snap.get_metadata().term,
+                },
+                data: snap.data.clone(),
+                members: Some(Members::from_conf_state(
+                    snap.get_metadata().get_conf_state(),
+                )),
             });
             if let Some(s) = &installed {
                 tracing::info!(

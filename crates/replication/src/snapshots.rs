@@ -70,9 +70,8 @@ impl Members {
 pub struct StoredSnapshot {
     pub meta: SnapshotMeta,
     pub data: Bytes,
-    /// The group's members at the snapshot's index, when they are not every node of the
-    /// cluster's list as voters (what a group had before membership could change; a file
-    /// without them is read so).
+    /// The group's members at the snapshot's index (`None` in a file of an earlier version,
+    /// whose groups had every node of the cluster's list as voters).
     pub members: Option<Members>,
 }
 
@@ -84,10 +83,9 @@ pub trait SnapshotSource: Send + Sync + std::fmt::Debug {
 
 /// `WSNP`, then the format version.
 const MAGIC: &[u8; 4] = b"WSNP";
-/// Version 1: no members. Version 2: the members' block between the header and the data, its
-/// length in the header before the CRC (which covers it too). Version 1 is still written when
-/// there are no members to record, so a node that never changed membership writes what an
-/// earlier version reads.
+/// Version 1: no members (an earlier version's files, and snapshots saved without members).
+/// Version 2: the members' block between the header and the data, its length in the header
+/// before the CRC (which covers it too).
 const VERSION: u8 = 1;
 const VERSION_MEMBERS: u8 = 2;
 /// Magic, version, group, index, term, data length, CRC-32 of everything before it and the data.

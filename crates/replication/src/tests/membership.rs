@@ -198,3 +198,37 @@ fn a_proposed_change_waits_for_the_one_before_and_is_refused_off_the_leader() {
             })
     });
 }
+
+/// The cluster's list may change (a node added to it) without changing any group's members:
+/// they come from the group's records, and a group of an earlier version, which has none, is
+/// recorded with the list's nodes at its first start.
+#[test]
+fn a_groups_members_survive_a_change_of_the_list_even_for_a_group_of_an_earlier_version() {
+    let mut sim = Sim::new(14, 1);
+    let g = crate::GroupId(0);
+    sim.run_until_led(500).expect("led");
+    assert!(sim.propose(g, data(0)));
+    sim.run(50);
+    // An earlier version recorded no members.
+    sim.kill(1);
+    let durable = sim.nodes.get_mut(&1).expect("node").log.durable.get_mut(&g);
+    durable.expect("group 0 on node 1").members = None;
+    sim.restart(1);
+    sim.run(50);
+    assert_eq!(
+        sim.nodes[&1].log.recovered(g).members,
+        Some(Members::voters(vec![1, 2, 3])),
+        "recorded at the first start"
+    );
+    // The list now names a fourth node: the group keeps its three.
+    sim.list = vec![1, 2, 3, 4];
+    for id in 1..=3 {
+        sim.kill(id);
+        sim.restart(id);
+        assert_eq!(
+            sim.nodes[&id].raft.members(g),
+            Some(Members::voters(vec![1, 2, 3])),
+            "node {id}"
+        );
+    }
+}
