@@ -547,4 +547,65 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
     let r = row(&dom, "data-node", &name).unwrap();
     assert_eq!(cell(r, "maintenance"), "drained");
     maintenance(false);
+
+    // Policies: a user policy and an operator policy, each in its table, the definition as JSON.
+    let api = warren_conformance::http::Api::of(&broker);
+    api.put(
+        "/policies/%2F/ui-dlx",
+        serde_json::json!({"pattern": "^ui-", "apply-to": "queues", "priority": 3,
+            "definition": {"dead-letter-exchange": "ui-dead"}}),
+    );
+    api.put(
+        "/operator-policies/%2F/ui-cap",
+        serde_json::json!({"pattern": ".*", "apply-to": "queues", "definition": {"max-length": 1000}}),
+    );
+    let dom = view(&chromium, format!("{http}/#/policies?{login}")).await;
+    let r = row(&dom, "data-policy", "ui-dlx").unwrap_or_else(|| panic!("no policy row:\n{dom}"));
+    assert_eq!(cell(r, "vhost"), "/");
+    assert_eq!(cell(r, "pattern"), "^ui-");
+    assert_eq!(cell(r, "apply-to"), "queues");
+    assert_eq!(cell(r, "priority"), "3");
+    assert_eq!(
+        cell(r, "definition"),
+        r#"{"dead-letter-exchange":"ui-dead"}"#
+    );
+    let r = row(&dom, "data-policy", "ui-cap").unwrap();
+    assert_eq!(cell(r, "definition"), r#"{"max-length":1000}"#);
+    let operator =
+        &dom[element_start(&dom, "data-testid", "operator-policies").expect("operator table")..];
+    let in_table = operator
+        .find("data-policy=\"ui-cap\"")
+        .expect("the operator policy's row");
+    assert!(
+        in_table < operator.find("</table>").expect("the table's end"),
+        "the operator policy is in the operator table:\n{dom}"
+    );
+    assert!(dom.contains("data-testid=\"policy-form\""));
+    assert!(dom.contains("data-testid=\"delete-policy\""));
+
+    // Shovels: one on this broker, from ui-empty to a queue it declares, running.
+    api.put(
+        "/parameters/shovel/%2F/ui-move",
+        serde_json::json!({"value": {"src-uri": "amqp://", "src-queue": EMPTY,
+            "dest-uri": "amqp://", "dest-queue": "ui-moved"}}),
+    );
+    let start = std::time::Instant::now();
+    loop {
+        let (_, v) = api.call("GET", "/shovels/vhost/%2F/ui-move", None);
+        if v["state"] == "running" {
+            break;
+        }
+        assert!(
+            start.elapsed() < warren_conformance::WAIT,
+            "the shovel does not run: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let dom = view(&chromium, format!("{http}/#/shovels?{login}")).await;
+    let r = row(&dom, "data-shovel", "ui-move").unwrap_or_else(|| panic!("no shovel row:\n{dom}"));
+    assert_eq!(cell(r, "state"), "running");
+    assert_eq!(cell(r, "source"), format!("amqp:// · queue {EMPTY}"));
+    assert_eq!(cell(r, "destination"), "amqp:// · queue ui-moved");
+    assert_eq!(cell(r, "forwarded"), "0");
+    assert!(r.contains("data-testid=\"restart-shovel\""), "{r}");
 }
