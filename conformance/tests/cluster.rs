@@ -795,6 +795,44 @@ fn every_nodes_figures_and_shovels_are_in_every_nodes_api_while_it_runs() {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+    // Restarted through a node that does not run it: the node that does restarts it (its
+    // connections to its source and destination are new ones).
+    let shovel_connections = || {
+        let (_, v) = Api::of(c.node(1)).call("GET", "/connections", None);
+        let mut names: Vec<String> = v
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|x| x["user"] != "guest")
+                    .filter_map(|x| x["name"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    };
+    let before = shovel_connections();
+    assert!(!before.is_empty(), "the shovel's connections on node 1");
+    let (code, body) = Api::of(c.node(3)).call(
+        "DELETE",
+        &format!("/shovels/vhost/%2F/{name}/restart"),
+        None,
+    );
+    assert_eq!(code, 204, "{body}");
+    let restarted = Instant::now();
+    loop {
+        let now = shovel_connections();
+        if !now.is_empty() && now.iter().all(|n| !before.contains(n)) {
+            break;
+        }
+        assert!(
+            restarted.elapsed() < WAIT,
+            "node 1 did not restart the shovel: {before:?} then {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (code, _) = Api::of(c.node(2)).call("DELETE", "/shovels/vhost/%2F/nonesuch/restart", None);
+    assert_eq!(code, 404);
     // A node that stopped: down, with none of its last figures.
     c.node_mut(3).stop(true);
     let stopped = Instant::now();

@@ -166,7 +166,11 @@ struct Shared {
     alarms: Mutex<Alarms>,
     /// In a cluster, the figures each peer sent last (its `/api/nodes` entry, JSON) and when.
     peer_figures: Mutex<std::collections::BTreeMap<u64, (Instant, Bytes)>>,
+    /// Restarts one of the shovels this node runs (vhost, name), for a peer that was asked.
+    shovel_restarter: std::sync::OnceLock<ShovelRestarter>,
 }
+
+type ShovelRestarter = Box<dyn Fn(&str, &str) -> bool + Send + Sync>;
 
 /// What the resource alarms are made of: the monitor's measures, and the store's writes.
 #[derive(Default)]
@@ -265,6 +269,17 @@ impl crate::cluster::RaftEvents for RaftReports {
 
     fn forwarded(&self, mut entries: Vec<(u64, crate::cluster::Forward)>) {
         entries.retain(|(from, f)| {
+            if f.group == crate::cluster::SHOVEL_RESTART {
+                let text = String::from_utf8_lossy(&f.data);
+                let restarted = text.split_once('\0').is_some_and(|(vhost, name)| {
+                    self.0
+                        .shovel_restarter
+                        .get()
+                        .is_some_and(|restart| restart(vhost, name))
+                });
+                tracing::info!(from, restarted, "shovel restart asked by a peer");
+                return false;
+            }
             if f.group != crate::cluster::NODE_FIGURES {
                 return true;
             }
@@ -404,6 +419,24 @@ impl NodeHandle {
         figures
             .get(&node)
             .map(|(at, data)| (at.elapsed(), data.clone()))
+    }
+
+    /// How this node restarts a shovel it runs when a peer's API was asked to (set once).
+    pub fn set_shovel_restarter(
+        &self,
+        restart: impl Fn(&str, &str) -> bool + Send + Sync + 'static,
+    ) {
+        let _ = self.0.shovel_restarter.set(Box::new(restart));
+    }
+
+    /// Asks `peer`, which runs the shovel, to restart it (at most once: lost with the link).
+    pub fn restart_shovel_on(&self, peer: u64, vhost: &str, name: &str) {
+        let Some(raft) = self.raft() else { return };
+        let mut data = Vec::with_capacity(vhost.len() + 1 + name.len());
+        data.extend_from_slice(vhost.as_bytes());
+        data.push(0);
+        data.extend_from_slice(name.as_bytes());
+        raft.forward(peer, crate::cluster::SHOVEL_RESTART, data);
     }
 
     /// Sends this node's figures to every peer (a forward to [`crate::cluster::NODE_FIGURES`],
@@ -884,6 +917,7 @@ pub async fn serve(
         alarms: Mutex::new(Alarms::default()),
         draining_since: AtomicU64::new(0),
         peer_figures: Mutex::new(std::collections::BTreeMap::new()),
+        shovel_restarter: std::sync::OnceLock::new(),
     });
     on_start(NodeHandle(shared.clone()));
     let cancel_recovery = Arc::new(AtomicBool::new(false));

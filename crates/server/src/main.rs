@@ -364,6 +364,8 @@ async fn run(config: Config) -> std::io::Result<()> {
         (stop_rx, cluster),
         |node| {
             let shovels = shovel::Shovels::new(node_name(&config));
+            let restarter = shovels.clone();
+            node.set_shovel_restarter(move |vhost, name| restarter.restart(vhost, name));
             if let Some(l) = sqs {
                 tokio::spawn(sqs::serve(
                     l,

@@ -395,10 +395,24 @@ async fn restart_shovel(
         return Err(ApiError::not_found());
     }
     if api.shovels.restart(&vhost, &name) {
-        Ok(StatusCode::NO_CONTENT.into_response())
-    } else {
-        Err(ApiError::not_found())
+        return Ok(StatusCode::NO_CONTENT.into_response());
     }
+    // In a cluster another node may run it: that node is asked, as RabbitMQ's API restarts a
+    // shovel on whichever node runs it.
+    for node in api.cluster_names.keys() {
+        let Some((_, figures)) = super::peer_figures(&api, *node) else {
+            continue;
+        };
+        let runs = figures["shovels"].as_array().is_some_and(|l| {
+            l.iter()
+                .any(|s| s["vhost"] == vhost.as_str() && s["name"] == name.as_str())
+        });
+        if runs {
+            api.node.restart_shovel_on(*node, &vhost, &name);
+            return Ok(StatusCode::NO_CONTENT.into_response());
+        }
+    }
+    Err(ApiError::not_found())
 }
 
 #[cfg(test)]
