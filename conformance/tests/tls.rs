@@ -5,10 +5,10 @@
 //! Every key and certificate is made here, at test time, with rcgen: a test CA, a server
 //! certificate for 127.0.0.1/localhost, client certificates, and a second CA nobody trusts.
 //!
-//! lapin in this workspace is built without TLS (its rustls feature pulls aws-lc, a long C
-//! build), so lapin and the raw client reach the broker through a TLS tunnel made here with
-//! tokio-rustls: they speak plain AMQP to a local port, and the tunnel carries it over TLS
-//! with the protocol version and client certificate the test chooses. pika and amqplib speak
+//! lapin and the raw client reach the broker through a TLS tunnel made here with tokio-rustls:
+//! they speak plain AMQP to a local port, and the tunnel carries it over TLS with the protocol
+//! version and client certificate the test chooses (lapin's own TLS cannot pick a version).
+//! A shovel's `amqps://` source uses lapin's own TLS (rustls with ring). pika and amqplib speak
 //! TLS themselves (`clients/tls_flows.py`, `clients/tls_flows.js`).
 
 use std::net::SocketAddr;
@@ -1027,4 +1027,86 @@ async fn many_small_deliveries_arrive_in_order_over_tls() {
         }
     }
     conn.close(200, "bye".into()).await.unwrap();
+}
+
+/// A shovel reads from a broker over amqps (`cacertfile` names the CA that signed its
+/// certificate) and moves what it holds to this one; without the CA the certificate is refused
+/// and the shovel says why.
+#[tokio::test]
+async fn a_shovel_reads_from_a_broker_over_amqps() {
+    let pki = Pki::new("shovel");
+    let (source, tls_port) = pki.broker(&[]);
+    if source.is_external() {
+        return;
+    }
+    let dest = TestBroker::start();
+    let conn = source.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        "tls-src".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    for i in 0..3 {
+        ch.basic_publish(
+            "".into(),
+            "tls-src".into(),
+            BasicPublishOptions::default(),
+            format!("m{i}").as_bytes(),
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let api = warren_conformance::http::Api::of(&dest);
+    let ca = pki.arg("ca.pem");
+    let uri = |query: &str| format!("amqps://guest:guest@localhost:{tls_port}/%2F{query}");
+    api.put(
+        "/parameters/shovel/%2F/untrusted",
+        serde_json::json!({"value": {"src-uri": uri(""), "src-queue": "tls-src",
+            "dest-uri": "amqp://", "dest-queue": "tls-never"}}),
+    );
+    api.put(
+        "/parameters/shovel/%2F/over-tls",
+        serde_json::json!({"value": {"src-uri": uri(&format!("?cacertfile={ca}&verify=verify_peer")),
+            "src-queue": "tls-src", "dest-uri": "amqp://", "dest-queue": "tls-dest"}}),
+    );
+    let start = Instant::now();
+    loop {
+        let (_, q) = api.call("GET", "/queues/%2F/tls-dest", None);
+        let (_, bad) = api.call("GET", "/shovels/vhost/%2F/untrusted", None);
+        let reason = bad["reason"].as_str().unwrap_or("").to_owned();
+        if q["messages"] == 3 && reason.contains("certificate") {
+            assert_ne!(bad["state"], "running", "{bad}");
+            assert!(
+                !reason.contains("guest:guest"),
+                "no password in the reason: {reason}"
+            );
+            break;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "the shovel did not move the messages over TLS: {q} / {bad}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A URI Warren refuses: no check of the server's certificate.
+    let (code, body) = api.call(
+        "PUT",
+        "/parameters/shovel/%2F/unchecked",
+        Some(
+            serde_json::json!({"value": {"src-uri": uri("?verify=verify_none"),
+            "src-queue": "tls-src", "dest-uri": "amqp://", "dest-queue": "x"}}),
+        ),
+    );
+    assert_eq!(code, 400, "{body}");
+    assert!(
+        body["reason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("verify=verify_none"),
+        "{body}"
+    );
 }

@@ -525,7 +525,8 @@ impl Depths {
     async fn depth(&mut self, vhost: &str, queue: &str) -> Option<(u64, u32)> {
         if !self.open.contains_key(vhost) {
             let url = with_vhost(&self.base, vhost).ok()?;
-            let conn = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
+            let target = url.parse::<lapin::uri::AMQPUri>().ok()?;
+            let conn = crate::shovel::uri::connect(&url, target, Default::default())
                 .await
                 .ok()?;
             let ch = conn.create_channel().await.ok()?;
@@ -609,7 +610,7 @@ mod tests {
             "parameters": [
                 {"vhost": "/", "component": "federation-upstream", "name": "up", "value": {}},
                 {"vhost": "/", "component": "shovel", "name": "tls", "value":
-                    {"src-uri": "amqps://h", "src-queue": "a", "dest-uri": "amqp://"}},
+                    {"src-uri": "amqps://h?verify=verify_none", "src-queue": "a", "dest-uri": "amqp://"}},
                 {"vhost": "/", "component": "shovel", "name": "ok", "value":
                     {"src-uri": "amqp://", "src-queue": "a", "dest-uri": "amqp://h"}},
                 {"vhost": "/", "component": "vhost-limits", "name": "limits", "value": {"max-queues": 5}}

@@ -2,6 +2,12 @@
 //! (`amqp://`, `amqp:///vhost`) means this node, as RabbitMQ's direct connection does: the
 //! shovel connects to the node's own listener with the node's internal secret, as the internal
 //! user with every permission (or as the user the URI names, with that user's permissions).
+//!
+//! `amqps://` reaches a remote broker over TLS (rustls, TLS 1.2 and 1.3), checking its
+//! certificate against the system's CAs and the URI's `cacertfile`, with a client certificate
+//! from `certfile` and `keyfile`: the query parameters of RabbitMQ's Erlang client
+//! (uri-query-parameters). The certificate is always checked, as RabbitMQ 4 does by default:
+//! `verify=verify_none` is refused.
 
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use percent_encoding::percent_decode_str;
@@ -50,10 +56,13 @@ pub fn check(uri: &str) -> Result<(), String> {
     match scheme {
         "amqp" => {}
         "amqps" => {
-            return Err(
-                "amqps is not supported by Warren's shovels yet: use amqp:// (or a TLS tunnel)"
-                    .into(),
-            )
+            if host_of(authority).is_empty() {
+                return Err(
+                    "amqps:// needs a host: this node is reached with amqp:// (an empty host)"
+                        .into(),
+                );
+            }
+            tls_params(uri)?;
         }
         other => {
             return Err(format!(
@@ -146,6 +155,122 @@ pub fn target(uri: &str, local: &Local, default_vhost: &str) -> Result<AMQPUri, 
     })
 }
 
+/// The TLS settings of an `amqps://` URI, as RabbitMQ's Erlang client takes them.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct TlsParams {
+    /// More CAs to trust than the system's (a PEM file on this node).
+    pub cacertfile: Option<std::path::PathBuf>,
+    /// A client certificate and its key (PEM files on this node).
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+/// The TLS query parameters of `uri`; an error for what Warren does not do.
+pub fn tls_params(uri: &str) -> Result<TlsParams, String> {
+    let (_, authority, rest) = split(uri)?;
+    let query = rest
+        .split_once('?')
+        .map_or("", |(_, q)| q.split('#').next().unwrap_or(""));
+    let mut params = TlsParams::default();
+    let (mut certfile, mut keyfile) = (None, None);
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let value = percent_decode_str(value).decode_utf8_lossy().into_owned();
+        match key {
+            "cacertfile" => params.cacertfile = Some(value.into()),
+            "certfile" => certfile = Some(std::path::PathBuf::from(value)),
+            "keyfile" => keyfile = Some(std::path::PathBuf::from(value)),
+            "verify" if value == "verify_peer" => {}
+            "verify" => {
+                return Err(format!(
+                    "verify={value}: Warren's shovels always check the server's certificate \
+                     (against the system's CAs and cacertfile=...), as RabbitMQ 4 does by default"
+                ))
+            }
+            "server_name_indication" => {
+                let host = host_of(authority)
+                    .trim_start_matches('[')
+                    .trim_end_matches(']');
+                if value != host {
+                    return Err(format!(
+                        "server_name_indication={value}: Warren's shovels check the certificate \
+                         against the URI's host ({host}); write the name the certificate holds as \
+                         the host"
+                    ));
+                }
+            }
+            "password" => return Err(
+                "password=...: an encrypted keyfile is not supported; give an unencrypted PEM key"
+                    .into(),
+            ),
+            // Taken as RabbitMQ takes them, or of no effect here.
+            _ => {}
+        }
+    }
+    params.identity = match (certfile, keyfile) {
+        (Some(c), Some(k)) => Some((c, k)),
+        (None, None) => None,
+        _ => return Err("certfile and keyfile go together: give both, or neither".into()),
+    };
+    Ok(params)
+}
+
+/// What lapin needs for an `amqps://` URI: the CAs and client identity its parameters name,
+/// read now (a shovel reads them at each connection, so renewed files are used).
+pub fn tls_config(uri: &str) -> Result<lapin::tcp::OwnedTLSConfig, String> {
+    let params = tls_params(uri)?;
+    let read = |path: &std::path::Path, what: &str| {
+        std::fs::read(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
+    };
+    let cert_chain = match &params.cacertfile {
+        Some(p) => Some(
+            String::from_utf8(read(p, "cacertfile")?)
+                .map_err(|_| format!("cacertfile {} is not a PEM file", p.display()))?,
+        ),
+        None => None,
+    };
+    let identity = match &params.identity {
+        Some((cert, key)) => Some(lapin::tcp::OwnedIdentity::PKCS8 {
+            pem: read(cert, "certfile")?,
+            key: read(key, "keyfile")?,
+        }),
+        None => None,
+    };
+    Ok(lapin::tcp::OwnedTLSConfig {
+        identity,
+        cert_chain,
+    })
+}
+
+/// Connects lapin to `target` (what [`target`] made of `uri`): over TLS with the URI's
+/// settings for `amqps://`.
+pub async fn connect(
+    uri: &str,
+    target: AMQPUri,
+    props: lapin::ConnectionProperties,
+) -> Result<lapin::Connection, ConnectError> {
+    if !is_tls(uri) {
+        return Ok(lapin::Connection::connect_uri(target, props).await?);
+    }
+    let tls = tls_config(uri).map_err(ConnectError::Settings)?;
+    let runtime = lapin::runtime::default_runtime()?;
+    Ok(lapin::Connection::connect_uri_with_config(target, props, tls, runtime).await?)
+}
+
+/// Why [`connect`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The URI's TLS settings: a file that does not read.
+    #[error("{0}")]
+    Settings(String),
+    #[error(transparent)]
+    Amqp(#[from] lapin::Error),
+}
+
+/// Whether `uri` reaches its broker over TLS.
+pub fn is_tls(uri: &str) -> bool {
+    split(uri).is_ok_and(|(scheme, _, _)| scheme == "amqps")
+}
+
 /// A URI as the status shows it: without its password.
 pub fn redacted(uri: &str) -> String {
     let Ok((scheme, authority, rest)) = split(uri) else {
@@ -223,7 +348,29 @@ mod tests {
             "{{unexpected_uri_scheme,\"foo\"},\"foo://x\"}"
         );
         assert!(check("amqp://h:notaport").is_err());
-        assert!(check("amqps://h").unwrap_err().contains("not supported"));
+        assert!(check("amqps://h").is_ok());
+        assert!(check("amqps://u:p@h:5671/v?cacertfile=/ca.pem&verify=verify_peer").is_ok());
+        assert!(check("amqps://").unwrap_err().contains("needs a host"));
+        assert!(check("amqps://h?verify=verify_none")
+            .unwrap_err()
+            .contains("always check"));
+        assert!(check("amqps://h?certfile=/c.pem")
+            .unwrap_err()
+            .contains("go together"));
+        assert!(check("amqps://h?server_name_indication=other")
+            .unwrap_err()
+            .contains("against the URI's host"));
+        assert!(check("amqps://h?server_name_indication=h").is_ok());
+        assert_eq!(
+            tls_params("amqps://h?cacertfile=%2Fetc%2Fca.pem&certfile=/c&keyfile=/k&depth=2"),
+            Ok(TlsParams {
+                cacertfile: Some("/etc/ca.pem".into()),
+                identity: Some(("/c".into(), "/k".into())),
+            })
+        );
+        assert!(tls_config("amqps://h?cacertfile=/nonexistent/ca.pem")
+            .unwrap_err()
+            .contains("cannot read cacertfile /nonexistent/ca.pem"));
         assert!(check("no scheme").is_err());
         assert_eq!(
             redacted("amqp://u:secret@h:1/v"),

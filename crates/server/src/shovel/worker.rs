@@ -141,12 +141,16 @@ impl Worker {
         let target = uri::target(chosen, &self.local, &self.vhost).map_err(SessionError::Uri)?;
         let props = ConnectionProperties::default()
             .with_connection_name(format!("Shovel {}", self.name).into());
-        let conn = Connection::connect_uri(target, props)
-            .await
-            .map_err(|error| SessionError::Connect {
-                uri: uri::redacted(chosen),
-                error,
-            })?;
+        let conn = match uri::connect(chosen, target, props).await {
+            Ok(c) => c,
+            Err(uri::ConnectError::Settings(e)) => return Err(SessionError::Uri(e)),
+            Err(uri::ConnectError::Amqp(error)) => {
+                return Err(SessionError::Connect {
+                    uri: uri::redacted(chosen),
+                    error,
+                })
+            }
+        };
         Ok((conn, chosen.clone()))
     }
 
