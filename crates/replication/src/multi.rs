@@ -401,6 +401,8 @@ pub struct MultiRaft {
     /// snapshot, members groups started with.
     member_changes: Vec<(GroupId, Members)>,
     snapshots_wanted: BTreeSet<GroupId>,
+    /// When (in ticks) each group last asked the state machine for a snapshot.
+    wanted_at: BTreeMap<GroupId, u64>,
     starts: Vec<(GroupId, Members)>,
 }
 
@@ -468,6 +470,7 @@ impl MultiRaft {
             target: None,
             member_changes: Vec::new(),
             snapshots_wanted: BTreeSet::new(),
+            wanted_at: BTreeMap::new(),
             starts: Vec::new(),
         })
     }
@@ -710,6 +713,25 @@ impl MultiRaft {
         if r.has_pending_conf() || r.lead_transferee.is_some() {
             return Err(Error::ChangeInProgress(group));
         }
+        let cs = g.raw.store().conf_state();
+        match change {
+            // A voter must have the log: a new node comes in as a learner first (and is sent
+            // the snapshot it starts from), and is promoted once it caught up.
+            MemberChange::Promote(n) if !cs.learners.contains(&n) => {
+                return Err(Error::Config(format!(
+                    "node {n} is not a learner of group {}: add it as one first",
+                    group.0
+                )))
+            }
+            // raft-rs leaves a leader that removed itself leading outside its group.
+            MemberChange::Remove(n) if n == r.id => {
+                return Err(Error::Config(format!(
+                    "node {n} leads group {}: hand the leadership over before removing it",
+                    group.0
+                )))
+            }
+            _ => {}
+        }
         tracing::info!(group = group.0, ?change, "membership change proposed");
         g.raw
             .propose_conf_change(Vec::new(), change.to_conf_change())?;
@@ -913,6 +935,7 @@ impl MultiRaft {
         // What it held goes with it (its queue is gone; a group made again under the same
         // number is another queue).
         self.held.remove(&id);
+        self.wanted_at.remove(&id);
         self.groups.remove(&id).is_some()
     }
 
@@ -1271,6 +1294,17 @@ impl MultiRaft {
             let Some(g) = self.groups.get_mut(&id) else {
                 continue;
             };
+            // raft-rs asks storage for a snapshot only while stepping or ticking, which touch
+            // the group. Asked of the state machine at most once a second: it may take a while,
+            // and raft-rs asks at every heartbeat meanwhile.
+            if g.raw.store().take_snapshot_wanted() {
+                let every = (1000 / self.cfg.tick_ms.max(1)).max(1);
+                let last = self.wanted_at.get(&id).copied();
+                if last.is_none_or(|t| self.ticks >= t + every) {
+                    self.wanted_at.insert(id, self.ticks);
+                    self.snapshots_wanted.insert(id);
+                }
+            }
             // Only stepping, proposing and ticking move a leader, and each touches the group.
             let leader = g.raw.raft.leader_id;
             if leader != g.reported_leader {
@@ -1326,11 +1360,6 @@ impl MultiRaft {
             }
             must_sync |= rd.must_sync();
             readys.push((id, rd));
-        }
-        for (id, g) in &self.groups {
-            if g.raw.store().take_snapshot_wanted() {
-                self.snapshots_wanted.insert(*id);
-            }
         }
         if std::mem::take(&mut self.heartbeat_due) {
             for node in self.peers.keys() {
@@ -1605,25 +1634,34 @@ fn reconcile(
             pr.state == raft::ProgressState::Replicate && pr.matched + CAUGHT_UP_LAG >= committed
         })
     };
-    let change = if let Some(gone) = voters
+    let gone: Vec<NodeId> = voters
         .iter()
         .chain(&learners)
         .copied()
-        .find(|n| !target.contains(n))
-    {
-        Some(MemberChange::Remove(gone))
-    } else if let Some(new) = target
+        .filter(|n| !target.contains(n))
+        .collect();
+    let to_add = target
         .iter()
         .copied()
-        .find(|n| !voters.contains(n) && !learners.contains(n) && up(n))
-    {
+        .find(|n| !voters.contains(n) && !learners.contains(n) && up(n));
+    let to_promote = learners
+        .iter()
+        .copied()
+        .find(|n| target.contains(n) && up(n) && caught_up(n));
+    // A member that is down goes first (it only lowers the group's tolerance while it stays);
+    // one that runs stays until the nodes coming in vote, so that replacing a node never
+    // leaves the group with fewer voters than it had.
+    let change = if let Some(down) = gone.iter().copied().find(|n| !up(n)) {
+        Some(MemberChange::Remove(down))
+    } else if let Some(new) = to_add {
         Some(MemberChange::AddLearner(new))
+    } else if let Some(ready) = to_promote {
+        Some(MemberChange::Promote(ready))
+    } else if learners.iter().any(|n| target.contains(n)) {
+        // A learner still catching up.
+        None
     } else {
-        learners
-            .iter()
-            .copied()
-            .find(|n| target.contains(n) && up(n) && caught_up(n))
-            .map(MemberChange::Promote)
+        gone.first().copied().map(MemberChange::Remove)
     };
     if let Some(change) = change {
         tracing::info!(group = id.0, ?change, "membership change proposed");

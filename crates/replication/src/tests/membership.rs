@@ -183,6 +183,15 @@ fn a_proposed_change_waits_for_the_one_before_and_is_refused_off_the_leader() {
         "{refused:?}"
     );
     let raft = &mut sim.nodes.get_mut(&leader).expect("node").raft;
+    // A voter must have the log: a node not yet a learner cannot be promoted; and a leader
+    // does not remove itself.
+    for refused in [MemberChange::Promote(4), MemberChange::Remove(leader)] {
+        let e = raft.propose_member_change(G, refused);
+        assert!(
+            matches!(e, Err(crate::Error::Config(_))),
+            "{refused:?}: {e:?}"
+        );
+    }
     raft.propose_member_change(G, MemberChange::AddLearner(4))
         .expect("first");
     let second = raft.propose_member_change(G, MemberChange::Promote(4));
@@ -231,4 +240,71 @@ fn a_groups_members_survive_a_change_of_the_list_even_for_a_group_of_an_earlier_
             "node {id}"
         );
     }
+}
+
+/// Replacing a running member (3 by 4): the new node votes before the old one leaves, so the
+/// group never has fewer than three voters on the way.
+#[test]
+fn a_running_member_replaced_leaves_only_after_its_replacement_votes() {
+    let mut sim = three_of_four(15, 5);
+    sim.nodes
+        .get_mut(&4)
+        .expect("node 4")
+        .raft
+        .join_group(G)
+        .expect("join");
+    set_members_everywhere(&mut sim, &[1, 2, 4]);
+    let mut fewest = usize::MAX;
+    for _ in 0..3000 {
+        sim.step();
+        if let Some(l) = sim.leader(G) {
+            if let Some(m) = sim.nodes[&l].raft.members(G) {
+                fewest = fewest.min(m.voters.len());
+            }
+        }
+        if (1..=2)
+            .chain([4])
+            .all(|id| sim.nodes[&id].raft.members(G) == Some(Members::voters(vec![1, 2, 4])))
+        {
+            break;
+        }
+    }
+    assert_eq!(
+        sim.nodes[&1].raft.members(G),
+        Some(Members::voters(vec![1, 2, 4])),
+        "the replacement done"
+    );
+    assert!(fewest >= 3, "the group went down to {fewest} voters");
+}
+
+/// A node of an earlier version: a snapshot without members and no start record. Its first
+/// start records the list's nodes, so a later list that names a fourth node changes nothing.
+#[test]
+fn a_group_with_an_earlier_versions_snapshot_keeps_its_members_when_the_list_grows() {
+    let mut sim = Sim::new(16, 1);
+    let g = crate::GroupId(0);
+    sim.snapshot_every = Some(5);
+    sim.run_until_led(500).expect("led");
+    for i in 0..20 {
+        assert!(sim.propose(g, data(i)));
+    }
+    sim.run(100);
+    sim.kill(1);
+    {
+        let n = sim.nodes.get_mut(&1).expect("node");
+        let mut snap = n.log.recovered(g).snapshot.expect("a snapshot");
+        snap.members = None;
+        crate::LogStore::save_snapshot(&mut n.log, g, &snap).expect("save");
+        n.log.durable.get_mut(&g).expect("group").members = None;
+    }
+    sim.restart(1);
+    sim.run(50);
+    sim.list = vec![1, 2, 3, 4];
+    sim.kill(1);
+    sim.restart(1);
+    sim.step();
+    assert_eq!(
+        sim.nodes[&1].raft.members(g),
+        Some(Members::voters(vec![1, 2, 3]))
+    );
 }
