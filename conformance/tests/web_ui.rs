@@ -582,6 +582,23 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
     );
     assert!(dom.contains("data-testid=\"policy-form\""));
     assert!(dom.contains("data-testid=\"delete-policy\""));
+    // A policymaker manages user policies; operator policies are administrators' only.
+    api.put(
+        "/users/ui-pm",
+        serde_json::json!({"password": "pm-secret", "tags": "policymaker"}),
+    );
+    api.put(
+        "/permissions/%2F/ui-pm",
+        serde_json::json!({"configure": ".*", "write": ".*", "read": ".*"}),
+    );
+    let dom = view(
+        &chromium,
+        format!("{http}/#/policies?user=ui-pm&pass=pm-secret"),
+    )
+    .await;
+    assert!(row(&dom, "data-policy", "ui-dlx").is_some(), "{dom}");
+    assert!(row(&dom, "data-policy", "ui-cap").is_none(), "{dom}");
+    assert_eq!(testid(&dom, "policies-forbidden"), "Administrators only");
 
     // Shovels: one on this broker, from ui-empty to a queue it declares, running.
     api.put(

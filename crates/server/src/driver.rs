@@ -270,12 +270,11 @@ impl crate::cluster::RaftEvents for RaftReports {
     fn forwarded(&self, mut entries: Vec<(u64, crate::cluster::Forward)>) {
         entries.retain(|(from, f)| {
             if f.group == crate::cluster::SHOVEL_RESTART {
-                let text = String::from_utf8_lossy(&f.data);
-                let restarted = text.split_once('\0').is_some_and(|(vhost, name)| {
+                let restarted = shovel_restart_of(&f.data).is_some_and(|(vhost, name)| {
                     self.0
                         .shovel_restarter
                         .get()
-                        .is_some_and(|restart| restart(vhost, name))
+                        .is_some_and(|restart| restart(&vhost, &name))
                 });
                 tracing::info!(from, restarted, "shovel restart asked by a peer");
                 return false;
@@ -299,6 +298,26 @@ impl crate::cluster::RaftEvents for RaftReports {
             }
         });
     }
+}
+
+/// A [`crate::cluster::SHOVEL_RESTART`] forward: the vhost's length first, as a vhost name may
+/// hold any byte.
+fn shovel_restart_data(vhost: &str, name: &str) -> Vec<u8> {
+    let mut data = Vec::with_capacity(4 + vhost.len() + name.len());
+    data.extend_from_slice(&(vhost.len() as u32).to_be_bytes());
+    data.extend_from_slice(vhost.as_bytes());
+    data.extend_from_slice(name.as_bytes());
+    data
+}
+
+/// The vhost and name a [`crate::cluster::SHOVEL_RESTART`] forward carries (the vhost's length
+/// as 4 bytes, the vhost, the name); `None` for one that does not read so.
+fn shovel_restart_of(data: &[u8]) -> Option<(String, String)> {
+    let (len, rest) = data.split_first_chunk::<4>()?;
+    let len = u32::from_be_bytes(*len) as usize;
+    let vhost = std::str::from_utf8(rest.get(..len)?).ok()?;
+    let name = std::str::from_utf8(rest.get(len..)?).ok()?;
+    Some((vhost.to_owned(), name.to_owned()))
 }
 
 /// The store thread's reports, turned into confirms and the disk alarm.
@@ -432,11 +451,11 @@ impl NodeHandle {
     /// Asks `peer`, which runs the shovel, to restart it (at most once: lost with the link).
     pub fn restart_shovel_on(&self, peer: u64, vhost: &str, name: &str) {
         let Some(raft) = self.raft() else { return };
-        let mut data = Vec::with_capacity(vhost.len() + 1 + name.len());
-        data.extend_from_slice(vhost.as_bytes());
-        data.push(0);
-        data.extend_from_slice(name.as_bytes());
-        raft.forward(peer, crate::cluster::SHOVEL_RESTART, data);
+        raft.forward(
+            peer,
+            crate::cluster::SHOVEL_RESTART,
+            shovel_restart_data(vhost, name),
+        );
     }
 
     /// Sends this node's figures to every peer (a forward to [`crate::cluster::NODE_FIGURES`],
@@ -1707,5 +1726,23 @@ async fn write_loop(
         {
             reader.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shovel_restart_forward_reads_back_whatever_its_names_hold() {
+        for (vhost, name) in [("/", "mv"), ("a\0b", "c"), ("", ""), ("v", "n\0\u{e9}")] {
+            let data = shovel_restart_data(vhost, name);
+            assert_eq!(
+                shovel_restart_of(&data),
+                Some((vhost.to_owned(), name.to_owned()))
+            );
+        }
+        assert_eq!(shovel_restart_of(&[0, 0, 0, 9, b'x']), None);
+        assert_eq!(shovel_restart_of(&[0, 0]), None);
     }
 }

@@ -237,6 +237,14 @@ struct Moving {
 
 async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
     let source = api_of(&a.from_api)?;
+    // A URI the shovels would refuse (or a TLS file that does not read) would only show up as
+    // sessions retrying for ever.
+    crate::shovel::uri::check(&a.from_amqp)
+        .map_err(|e| CliError::Usage(format!("--from-amqp: {e}")))?;
+    if crate::shovel::uri::is_tls(&a.from_amqp) {
+        crate::shovel::uri::tls_config(&a.from_amqp)
+            .map_err(|e| CliError::Usage(format!("--from-amqp: {e}")))?;
+    }
     let pattern = match &a.queues {
         Some(p) => Some(regex_lite::Regex::new(p).map_err(|e| {
             CliError::Usage(format!("--queues {p} is not a regular expression: {e}"))

@@ -30,7 +30,7 @@ pub use warren_replication::{Committed, Forward, GroupId, NodeId, SnapshotMeta, 
 /// one is as likely to meet as any other.)
 pub const NODE_FIGURES: GroupId = GroupId((1 << 63) - 2);
 /// A forward to this group asks the receiver to restart one of the shovels it runs (a restart
-/// asked through another node's API): `vhost`, a zero byte, the shovel's name.
+/// asked through another node's API): the vhost's length (4 bytes), the vhost, the name.
 pub const SHOVEL_RESTART: GroupId = GroupId((1 << 63) - 3);
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 

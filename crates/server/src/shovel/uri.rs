@@ -75,6 +75,13 @@ pub fn check(uri: &str) -> Result<(), String> {
     if host_of(authority).is_empty() {
         return local_parts(uri, "/").map(|_| ());
     }
+    if host_of(authority).starts_with('[') {
+        // lapin's URI parser takes no IPv6 literal (it would go to localhost instead).
+        return Err(format!(
+            "{} is an IPv6 address: give the broker a host name that resolves to it",
+            host_of(authority)
+        ));
+    }
     uri.parse::<AMQPUri>()
         .map(|_| ())
         .map_err(|e| format!("{{{{unable_to_parse_uri,{}}},{}}}", quoted(&e), quoted(uri)))
@@ -361,6 +368,9 @@ mod tests {
             .unwrap_err()
             .contains("against the URI's host"));
         assert!(check("amqps://h?server_name_indication=h").is_ok());
+        assert!(check("amqp://u:p@[::1]:5672/%2f")
+            .unwrap_err()
+            .contains("IPv6"));
         assert_eq!(
             tls_params("amqps://h?cacertfile=%2Fetc%2Fca.pem&certfile=/c&keyfile=/k&depth=2"),
             Ok(TlsParams {
