@@ -344,6 +344,21 @@ mod tests {
         }
     }
 
+    /// Every truncation and every flipped byte of the group's good file `good` reads as an error.
+    fn every_damage_is_an_error(files: &SnapshotFiles, group: GroupId, good: &[u8]) {
+        let path = files.path(group);
+        for cut in 0..good.len() {
+            std::fs::write(&path, &good[..cut]).expect("write");
+            assert!(files.read(group).is_err(), "cut at {cut}");
+        }
+        for at in 0..good.len() {
+            let mut bad = good.to_vec();
+            bad[at] ^= 0x40;
+            std::fs::write(&path, &bad).expect("write");
+            assert!(files.read(group).is_err(), "flipped byte {at}");
+        }
+    }
+
     fn with_members(index: u64, data: &'static [u8]) -> StoredSnapshot {
         StoredSnapshot {
             members: Some(Members {
@@ -377,16 +392,7 @@ mod tests {
         let path = files.path(GroupId(3));
         let good = std::fs::read(&path).expect("read");
         assert_eq!(good[4], 2);
-        for cut in 0..good.len() {
-            std::fs::write(&path, &good[..cut]).expect("write");
-            assert!(files.read(GroupId(3)).is_err(), "cut at {cut}");
-        }
-        for at in 0..good.len() {
-            let mut bad = good.clone();
-            bad[at] ^= 0x40;
-            std::fs::write(&path, &bad).expect("write");
-            assert!(files.read(GroupId(3)).is_err(), "flipped byte {at}");
-        }
+        every_damage_is_an_error(&files, GroupId(3), &good);
     }
 
     #[test]
@@ -418,16 +424,7 @@ mod tests {
         files.save(GroupId(1), &snap(10, b"state")).expect("save");
         let path = files.path(GroupId(1));
         let good = std::fs::read(&path).expect("read");
-        for cut in 0..good.len() {
-            std::fs::write(&path, &good[..cut]).expect("write");
-            assert!(files.read(GroupId(1)).is_err(), "cut at {cut}");
-        }
-        for at in 0..good.len() {
-            let mut bad = good.clone();
-            bad[at] ^= 0x40;
-            std::fs::write(&path, &bad).expect("write");
-            assert!(files.read(GroupId(1)).is_err(), "flipped byte {at}");
-        }
+        every_damage_is_an_error(&files, GroupId(1), &good);
         // Another group's file under this group's name.
         files.save(GroupId(2), &snap(10, b"state")).expect("save");
         std::fs::copy(files.path(GroupId(2)), &path).expect("copy");

@@ -53,6 +53,25 @@ pub struct SimNode {
     pub refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
 }
 
+impl SimNode {
+    /// A node with an empty log and no group.
+    fn fresh(cfg: Config) -> SimNode {
+        let log = MemLog::new();
+        let mut raft = MultiRaft::new(cfg).expect("config");
+        raft.set_snapshot_source(log.snapshots());
+        SimNode {
+            raft,
+            log,
+            applied: BTreeMap::new(),
+            reported_leaders: BTreeMap::new(),
+            alive: true,
+            boots: 1,
+            pending: Vec::new(),
+            refused: Vec::new(),
+        }
+    }
+}
+
 struct InFlight {
     at: u64,
     seq: u64,
@@ -129,25 +148,13 @@ impl Sim {
     pub fn new(seed: u64, groups: u64) -> Self {
         let mut nodes = BTreeMap::new();
         for id in 1..=3 {
-            let log = MemLog::new();
-            let mut raft = MultiRaft::new(config(id)).expect("config");
-            raft.set_snapshot_source(log.snapshots());
+            let mut node = SimNode::fresh(config(id));
             for g in 0..groups {
-                raft.add_group(GroupId(g), g % 3 + 1 == id).expect("group");
+                node.raft
+                    .add_group(GroupId(g), g % 3 + 1 == id)
+                    .expect("group");
             }
-            nodes.insert(
-                id,
-                SimNode {
-                    raft,
-                    log,
-                    applied: BTreeMap::new(),
-                    reported_leaders: BTreeMap::new(),
-                    alive: true,
-                    boots: 1,
-                    pending: Vec::new(),
-                    refused: Vec::new(),
-                },
-            );
+            nodes.insert(id, node);
         }
         Sim {
             nodes,
@@ -172,22 +179,8 @@ impl Sim {
         let mut sim = Sim::new(seed, 0);
         sim.nodes.clear();
         for id in &list {
-            let log = MemLog::new();
-            let mut raft = MultiRaft::new(config_in(*id, list.clone())).expect("config");
-            raft.set_snapshot_source(log.snapshots());
-            sim.nodes.insert(
-                *id,
-                SimNode {
-                    raft,
-                    log,
-                    applied: BTreeMap::new(),
-                    reported_leaders: BTreeMap::new(),
-                    alive: true,
-                    boots: 1,
-                    pending: Vec::new(),
-                    refused: Vec::new(),
-                },
-            );
+            sim.nodes
+                .insert(*id, SimNode::fresh(config_in(*id, list.clone())));
         }
         sim.list = list;
         sim
