@@ -1545,6 +1545,10 @@ fn awaits_snapshot(raw: &RawNode<GroupLog>) -> bool {
 /// its snapshot instead: the learner takes its members from it (see
 /// [`MultiRaft::join_group`]). raft-rs sends a snapshot to a follower with a pending request.
 fn snapshot_for_new_learners(raw: &mut RawNode<GroupLog>) {
+    // Called for every message a leader steps: nothing to look at without learners.
+    if raw.store().conf_state().learners.is_empty() {
+        return;
+    }
     let learners: Vec<NodeId> = raw.store().conf_state().learners.clone();
     for id in learners {
         if let Some(pr) = raw.raft.mut_prs().get_mut(id) {

@@ -192,15 +192,7 @@ fn build(files: &TlsFiles) -> Result<Loaded, String> {
                     }
                 ));
             };
-            let mut roots = rustls::RootCertStore::empty();
-            for c in read_certs(ca, "--tls-ca")? {
-                roots.add(c).map_err(|e| {
-                    format!(
-                        "a certificate in {} (--tls-ca) is not usable: {e}",
-                        ca.display()
-                    )
-                })?;
-            }
+            let roots = read_roots(ca, "--tls-ca")?;
             let v = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone());
             let v = if files.verify == Verify::Optional {
                 v.allow_unauthenticated()
@@ -246,6 +238,20 @@ pub(crate) fn read_key(path: &Path, flag: &str) -> Result<PrivateKeyDer<'static>
             pem_error(&e)
         )
     })
+}
+
+/// Trust roots: every certificate of a PEM file; the error names `flag`.
+pub(crate) fn read_roots(path: &Path, flag: &str) -> Result<rustls::RootCertStore, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for c in read_certs(path, flag)? {
+        roots.add(c).map_err(|e| {
+            format!(
+                "a certificate in {} ({flag}) is not usable: {e}",
+                path.display()
+            )
+        })?;
+    }
+    Ok(roots)
 }
 
 /// The certificates in a PEM file, at least one; the error names `flag`.

@@ -16,9 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use rustls::server::WebPkiClientVerifier;
-use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls::{ClientConfig, ServerConfig};
 
-use crate::tls::{read_certs, read_key};
+use crate::tls::{read_certs, read_key, read_roots};
 
 /// The PEM files of a node's cluster TLS.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -133,16 +133,7 @@ fn build(files: &ClusterTlsFiles) -> Result<Configs, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certs = read_certs(&files.cert, "--cluster-tls-cert")?;
     let key = read_key(&files.key, "--cluster-tls-key")?;
-    let mut roots = RootCertStore::empty();
-    for c in read_certs(&files.ca, "--cluster-tls-ca")? {
-        roots.add(c).map_err(|e| {
-            format!(
-                "a certificate in {} (--cluster-tls-ca) is not usable: {e}",
-                files.ca.display()
-            )
-        })?;
-    }
-    let roots = Arc::new(roots);
+    let roots = Arc::new(read_roots(&files.ca, "--cluster-tls-ca")?);
     let versions: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
     let setup = |e: rustls::Error| format!("cluster TLS setup failed: {e}");
     let mismatch = |e: rustls::Error| {
