@@ -74,10 +74,10 @@ fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
     v.as_array()?.first()?["cluster"]["feature_level"].as_u64()
 }
 
-/// Waits until node `n` knows every node's level (1).
+/// Waits until node `n` knows every node's level (2).
 fn wait_for_feature_level(c: &TestCluster, n: u64) {
     let start = Instant::now();
-    while feature_level(c, n) != Some(1) {
+    while feature_level(c, n) != Some(2) {
         assert!(
             start.elapsed() < WAIT,
             "node {n}: feature level {:?}",
@@ -959,7 +959,7 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
     }
     c.node_mut(away).start_again();
     // The levels are in its store: known again at once, before it catches up.
-    assert_eq!(feature_level(&c, away), Some(1));
+    assert_eq!(feature_level(&c, away), Some(2));
     c.wait_for_metadata_leader(away);
     wait_for_messages(&c, away, &q, 3);
     c.node_mut(1).stop(true);

@@ -47,8 +47,8 @@ pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
 };
 pub use broker::{
-    group_of, Broker, ConsumerTimeout, DeclareAnswer, GetAnswer, Got, GroupChange, MetaClosed,
-    Proposal, QueueInfo, ReplicaSnapshot, DECLARE_WAIT_MS, GET_WAIT_MS, NODE_DOWN_MS,
+    group_of, Broker, ConsumerTimeout, DeclareAnswer, ForgetError, GetAnswer, Got, GroupChange,
+    MetaClosed, Proposal, QueueInfo, ReplicaSnapshot, DECLARE_WAIT_MS, GET_WAIT_MS, NODE_DOWN_MS,
     REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};

@@ -299,6 +299,10 @@ impl Cluster {
                     GroupChange::Transfer { group, to } => {
                         m.raft.transfer_leader(GroupId(group), to);
                     }
+                    GroupChange::Members { voters } => {
+                        m.raft.set_peers(&voters);
+                        m.raft.set_members(voters);
+                    }
                 }
             }
             while let Some(w) = m.broker.take_writes() {
@@ -2601,7 +2605,7 @@ fn until_levels(c: &mut Cluster) {
     for _ in 0..300 {
         if NODES
             .iter()
-            .all(|n| c.members[n].broker.cluster_feature_level() == Some(1))
+            .all(|n| c.members[n].broker.cluster_feature_level() == Some(2))
         {
             return;
         }

@@ -599,6 +599,21 @@ impl MultiRaft {
             .target
             .clone()
             .unwrap_or_else(|| self.cfg.nodes.clone());
+        self.add_group_with(id, voters, campaign)
+    }
+
+    /// Creates a group whose voters are `voters`, as every one of them does (the members a
+    /// group starts with must be the same on each: the caller takes them from one log). A node
+    /// not among them is being added to the group instead ([`MultiRaft::join_group`]).
+    pub fn add_group_with(
+        &mut self,
+        id: GroupId,
+        voters: Vec<NodeId>,
+        campaign: bool,
+    ) -> Result<(), Error> {
+        if !voters.contains(&self.cfg.node) {
+            return self.join_group(id);
+        }
         let members = Members::voters(voters);
         let log = GroupLog::with_members(&members);
         self.insert_group(id, log, campaign, 0)?;
@@ -755,6 +770,52 @@ impl MultiRaft {
         for id in led {
             self.wake(id);
         }
+    }
+
+    /// The nodes this one exchanges batches with, besides itself: a node added to the cluster
+    /// comes in (up until it stays silent), one forgotten goes (messages for it are dropped,
+    /// and groups see it down). Every member of every group should be among them.
+    pub fn set_peers(&mut self, nodes: &[NodeId]) {
+        let me = self.cfg.node;
+        let keep: BTreeSet<NodeId> = nodes
+            .iter()
+            .copied()
+            .filter(|n| *n != me && *n != INVALID_ID)
+            .collect();
+        let gone: Vec<NodeId> = self
+            .peers
+            .keys()
+            .copied()
+            .filter(|n| !keep.contains(n))
+            .collect();
+        for node in gone {
+            // Its groups elect, as for a peer whose connection closed.
+            self.peer_lost(node);
+            self.peers.remove(&node);
+            tracing::info!(node, "peer node forgotten");
+        }
+        let ticks = self.ticks;
+        for node in keep {
+            self.peers.entry(node).or_insert_with(|| {
+                tracing::info!(node, "peer node added");
+                Peer {
+                    last_heard: ticks,
+                    up: true,
+                    boot: 0,
+                    draining: false,
+                }
+            });
+        }
+    }
+
+    /// The peers this node exchanges batches with.
+    pub fn peers(&self) -> Vec<NodeId> {
+        self.peers.keys().copied().collect()
+    }
+
+    /// Whether `node` is among them.
+    pub fn is_peer(&self, node: NodeId) -> bool {
+        self.peers.contains_key(&node)
     }
 
     /// Groups whose members are not yet the ones [`MultiRaft::set_members`] asks for, among
@@ -1006,6 +1067,11 @@ impl MultiRaft {
 
     /// Takes a batch from a peer node. Any batch, even empty, shows the peer is alive.
     pub fn step(&mut self, batch: NodeBatch) {
+        if !self.peers.contains_key(&batch.from) {
+            // A node the cluster forgot (or never had): what it says counts for nothing.
+            tracing::debug!(from = batch.from, "batch from a node that is no peer");
+            return;
+        }
         self.heard_from(batch.from, batch.boot);
         if let Some(p) = self.peers.get_mut(&batch.from) {
             if p.draining != batch.draining {

@@ -783,6 +783,7 @@ impl Core {
                 warren_broker::GroupChange::Transfer { group, to } => {
                     raft.transfer_leader(warren_broker::GroupId(group), to)
                 }
+                warren_broker::GroupChange::Members { voters } => raft.set_members(voters),
             }
         }
         self.node.take_proposals(&mut self.proposals);

@@ -590,6 +590,7 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
             index,
             seen,
             levels,
+            members,
         } => {
             v.put_u64(*index);
             for pairs in [seen, levels] {
@@ -597,6 +598,12 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
                 for (node, n) in pairs {
                     v.put_u64(*node);
                     v.put_u64(*n);
+                }
+            }
+            if let Some(members) = members {
+                v.put_u32(u32::try_from(members.len()).unwrap_or(u32::MAX));
+                for node in members {
+                    v.put_u64(*node);
                 }
             }
         }
@@ -686,10 +693,22 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                     .map(|_| Ok((v.u64("metadata node")?, v.u64("feature level")?)))
                     .collect::<Result<Vec<_>, StoreError>>()?
             };
+            // After the levels since format 11, once the cluster forgot a node.
+            let members = if v.done("metadata place").is_ok() {
+                None
+            } else {
+                let n = v.u32("cluster node count")?;
+                Some(
+                    (0..n)
+                        .map(|_| v.u64("cluster node"))
+                        .collect::<Result<Vec<_>, StoreError>>()?,
+                )
+            };
             StoreOp::PutMetaApplied {
                 index,
                 seen,
                 levels,
+                members,
             }
         }
         VHOST => StoreOp::PutVhost {

@@ -33,9 +33,10 @@ pub use recover::{Recovered, Recovery};
 /// of `delayed` values) and a delayed exchange's incarnation after its arguments; format 7
 /// policies in `defs`; format 8 SQS access keys (`k`) in `defs`; format 9 runtime parameters
 /// (`r`: dynamic shovels) in `defs`; format 10 a replicated queue's group after its arguments
-/// and the nodes' feature levels after the metadata place. Older directories are still read
-/// and marked 10, so that an older Warren, which would misread the new records, refuses them.
-pub const FORMAT_VERSION: u32 = 10;
+/// and the nodes' feature levels after the metadata place; format 11 the cluster's nodes after
+/// the levels, once the cluster forgot a node. Older directories are still read and marked 11,
+/// so that an older Warren, which would misread the new records, refuses them.
+pub const FORMAT_VERSION: u32 = 11;
 /// The oldest layout this build reads.
 const OLDEST_FORMAT: u32 = 1;
 

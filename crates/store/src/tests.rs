@@ -1310,10 +1310,12 @@ fn a_ttl_lowered_by_a_policy_still_reaches_stored_messages_after_a_restart() {
 fn a_cluster_nodes_place_in_the_metadata_log_and_its_pending_changes_read_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     let s = Store::open(dir.path()).expect("open");
-    let place = |index| StoreOp::PutMetaApplied {
+    let place = |index: u64| StoreOp::PutMetaApplied {
         index,
         seen: vec![(1, 7), (3, 1 << 60)],
         levels: vec![(1, 1), (3, 0)],
+        // Once the cluster forgot a node (node 2 here), its nodes.
+        members: (index == 42).then(|| vec![1, 3]),
     };
     let pending = |number| StoreOp::PutMetaPending {
         number,

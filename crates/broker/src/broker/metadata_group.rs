@@ -41,7 +41,11 @@ const OPS_PER_ENTRY: usize = 256;
 /// What this version does that every node must do alike, announced in the log
 /// (`MetaOp::FeatureLevel`): 1, quorum queues numbered by the metadata log
 /// (`QueueGroup::FromLog`). A node uses a level once every node of the cluster announced it.
-pub const FEATURE_LEVEL: u64 = 1;
+/// 2, nodes forgotten through the log (`MetaOp::ForgetNode`).
+pub const FEATURE_LEVEL: u64 = 2;
+
+/// The level at which the cluster can forget a node.
+const FORGET_LEVEL: u64 = 2;
 
 /// A quorum queue's declaration waits this long for the metadata log to apply it; then the
 /// client is told it failed (the queue may still be made, when the entry commits later).
@@ -136,6 +140,8 @@ pub(crate) struct MetaState {
     pub(super) group_changes: Vec<GroupChange>,
     /// The feature level each node announced in the log (`FEATURE_LEVEL`).
     pub(super) levels: BTreeMap<NodeId, u64>,
+    /// The cluster's nodes once the log forgot one (`None`: the list this node started with).
+    pub(super) members: Option<Vec<NodeId>>,
     /// This node announced its level since it started.
     level_announced: bool,
     /// Another node's level changed in the log: this node announces its own again.
@@ -152,7 +158,7 @@ pub(crate) struct MetaState {
 
 /// A Raft group this node's broker needs, or no longer needs (a queue deleted and declared
 /// again between two passes of the driver needs its group removed, then made anew).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GroupChange {
     /// Create it; `campaign`: this node stands for its leader (a client declared it here).
     Add {
@@ -172,6 +178,30 @@ pub enum GroupChange {
         group: u64,
         to: u64,
     },
+    /// The cluster's nodes changed (one was forgotten): every group moves to `voters`, and
+    /// the nodes not among them are no peers any more. Comes before the groups made after it.
+    Members {
+        voters: Vec<u64>,
+    },
+}
+
+/// Why the cluster cannot forget a node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ForgetError {
+    #[error("this node is not in a cluster")]
+    NotClustered,
+    #[error("node {0} is not a member of the cluster")]
+    NotMember(NodeId),
+    #[error("node {0} is this node: forget it from another node")]
+    Itself(NodeId),
+    #[error("node {0} is running: stop it first (RabbitMQ's forget_cluster_node also needs the node stopped)")]
+    Running(NodeId),
+    #[error("a cluster of {0} node(s) cannot lose one")]
+    TooFew(usize),
+    #[error("every node must run a version that can forget nodes (cluster feature level {have}, {want} needed): upgrade the nodes first")]
+    Level { have: u64, want: u64 },
+    #[error("the metadata group has no leader: the cluster has no majority")]
+    NoLeader,
 }
 
 impl MetaState {
@@ -720,11 +750,7 @@ impl Broker {
             return;
         };
         if c.meta.applied > before {
-            let op = StoreOp::PutMetaApplied {
-                index: c.meta.applied,
-                seen: c.meta.seen.iter().map(|(n, s)| (*n, *s)).collect(),
-                levels: c.meta.levels.iter().map(|(n, l)| (*n, *l)).collect(),
-            };
+            let op = c.meta_applied_record();
             if let Some(p) = self.persist.as_mut() {
                 p.push(op, true);
             }
@@ -1114,6 +1140,10 @@ impl Broker {
                 self.shed_leaders();
                 None
             }
+            MetaOp::ForgetNode { node } => {
+                self.forget_applied(node);
+                None
+            }
             MetaOp::FeatureLevel { node, level } => {
                 if let Some(c) = self.cluster.as_mut() {
                     let changed = c.meta.levels.insert(node, level) != Some(level);
@@ -1136,6 +1166,7 @@ impl Broker {
         index: u64,
         seen: &[(u64, u64)],
         levels: &[(u64, u64)],
+        members: Option<&[u64]>,
     ) {
         if let Some(c) = self.cluster.as_mut() {
             let node = c.node();
@@ -1145,7 +1176,66 @@ impl Broker {
             m.levels = levels.iter().copied().collect();
             // Numbered past what the log has of this node, even if the clock went back.
             m.next_op = m.next_op.max(m.seen.get(&node).copied().unwrap_or(0));
+            if let Some(members) = members {
+                c.set_members(members.to_vec());
+            }
         }
+    }
+
+    /// Asks the cluster to forget `node`, which must be stopped (RabbitMQ's
+    /// `forget_cluster_node`): every quorum queue's group moves to the other nodes (the
+    /// group's leader removes it, one change at a time), and the other nodes take no more
+    /// connections from it. Answered once the change is on its way through the log.
+    pub fn forget_node(&mut self, node: NodeId) -> Result<(), ForgetError> {
+        let level = self.cluster_feature_level();
+        let c = self.cluster.as_ref().ok_or(ForgetError::NotClustered)?;
+        if node == c.node() {
+            return Err(ForgetError::Itself(node));
+        }
+        if !c.nodes().contains(&node) {
+            return Err(ForgetError::NotMember(node));
+        }
+        if c.nodes().len() <= 2 {
+            return Err(ForgetError::TooFew(c.nodes().len()));
+        }
+        if !c.peer_down(node) {
+            return Err(ForgetError::Running(node));
+        }
+        let have = level.unwrap_or(0);
+        if have < FORGET_LEVEL {
+            return Err(ForgetError::Level {
+                have,
+                want: FORGET_LEVEL,
+            });
+        }
+        if c.meta.leader.is_none() {
+            return Err(ForgetError::NoLeader);
+        }
+        tracing::warn!(node, "asking the cluster to forget a node");
+        self.announce(MetaOp::ForgetNode { node });
+        Ok(())
+    }
+
+    /// The log forgot `node`: it leaves the cluster's nodes, and every group moves off it.
+    fn forget_applied(&mut self, node: NodeId) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if !c.nodes().contains(&node) {
+            return;
+        }
+        if node == c.node() {
+            tracing::error!(
+                node,
+                "the cluster forgot this node: its peers take no more connections from it; \
+                 stop it, and start it on an empty data directory to bring it back"
+            );
+        } else {
+            tracing::warn!(node, "the cluster forgot a node");
+        }
+        let mut nodes = c.nodes().to_vec();
+        nodes.retain(|n| *n != node);
+        c.set_members(nodes);
     }
 
     /// Recovery: a change this node made that the log had not applied when it stopped: it
@@ -1256,7 +1346,7 @@ mod tests {
     /// Node 2 of three, whose store holds its level (it announces nothing at its start).
     fn node_two() -> Broker {
         let mut b = new_node_two();
-        b.restore_meta_applied(0, &[], &[(2, FEATURE_LEVEL)]);
+        b.restore_meta_applied(0, &[], &[(2, FEATURE_LEVEL)], None);
         b
     }
 
@@ -1485,6 +1575,85 @@ mod tests {
         assert!(refused.text.contains("x-max-length"), "{}", refused.text);
     }
 
+    /// The cluster forgets a stopped node through the log, once every node can: its nodes
+    /// change on every node as the entry applies (the driver moves the groups), are written
+    /// with the log's place, and travel in the metadata snapshot.
+    #[test]
+    fn a_stopped_node_is_forgotten_through_the_log_and_stays_forgotten_after_a_restart() {
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        let _ = sent(&mut b);
+        assert_eq!(b.forget_node(3), Err(ForgetError::Running(3)));
+        b.set_peer_up(3, false);
+        assert_eq!(
+            b.forget_node(3),
+            Err(ForgetError::Level { have: 0, want: 2 }),
+            "node 3 may run a version that cannot read the entry"
+        );
+        b.apply_committed(&[
+            entry_from(1, 1, 100, MetaOp::FeatureLevel { node: 1, level: 2 }),
+            entry_from(3, 2, 100, MetaOp::FeatureLevel { node: 3, level: 2 }),
+        ]);
+        // Node 2 says its level again, for the nodes that skipped it.
+        let again = sent(&mut b);
+        b.apply_committed(&[own(3, again[0].clone())]);
+        assert_eq!(b.cluster_feature_level(), Some(2));
+        assert_eq!(b.forget_node(2), Err(ForgetError::Itself(2)));
+        assert_eq!(b.forget_node(4), Err(ForgetError::NotMember(4)));
+        let _ = b.take_group_changes();
+        b.forget_node(3).expect("asked");
+        assert_eq!(
+            b.cluster_view().map(|v| v.1),
+            Some(vec![1, 2, 3]),
+            "forgotten only as the log applies it"
+        );
+        let out = sent(&mut b);
+        let entry = out.first().and_then(decode_entry).expect("sent");
+        assert_eq!(entry.ops.len(), 1, "alone in its entry");
+        assert!(
+            matches!(entry.ops[0].1, MetaOp::ForgetNode { node: 3 }),
+            "{:?}",
+            entry.ops
+        );
+        b.set_snapshot_policy(1, usize::MAX);
+        b.apply_committed(&[own(4, out[0].clone())]);
+        assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2]));
+        assert_eq!(
+            b.take_group_changes(),
+            vec![GroupChange::Members { voters: vec![1, 2] }]
+        );
+        let place = StoreOp::PutMetaApplied {
+            index: 4,
+            seen: vec![(1, 100), (2, entry.seq), (3, 100)],
+            levels: vec![(1, 2), (2, FEATURE_LEVEL)],
+            members: Some(vec![1, 2]),
+        };
+        assert_eq!(written(&mut b).last(), Some(&place));
+        // Two nodes left: losing one more would leave no majority anywhere.
+        b.set_peer_up(1, false);
+        assert_eq!(b.forget_node(1), Err(ForgetError::TooFew(2)));
+
+        // Started again on its store: still two nodes, and the driver hears so.
+        let mut again = new_node_two();
+        again.restore_access(&place).expect("restored");
+        assert_eq!(again.cluster_view().map(|v| v.1), Some(vec![1, 2]));
+        assert!(again
+            .take_group_changes()
+            .contains(&GroupChange::Members { voters: vec![1, 2] }));
+
+        // A node far behind installs the metadata snapshot: the nodes come with it, first.
+        let mut snaps = Vec::new();
+        b.take_snapshots(&mut snaps);
+        let snap = snaps.pop().expect("a metadata snapshot");
+        let mut behind = node_two();
+        behind.install_snapshot(META_GROUP, snap.index, snap.term, snap.data);
+        assert_eq!(behind.cluster_view().map(|v| v.1), Some(vec![1, 2]));
+        assert_eq!(
+            behind.take_group_changes().first(),
+            Some(&GroupChange::Members { voters: vec![1, 2] })
+        );
+    }
+
     fn exchange(name: &str) -> MetaOp {
         MetaOp::DeclareExchange {
             vhost: "/".into(),
@@ -1544,6 +1713,7 @@ mod tests {
             index: 3,
             seen: vec![(1, 12)],
             levels: vec![(2, FEATURE_LEVEL)],
+            members: None,
         };
         assert_eq!(
             ops.last(),
@@ -1567,6 +1737,7 @@ mod tests {
             index: 5,
             seen: vec![(1, 13)],
             levels: vec![(2, FEATURE_LEVEL)],
+            members: None,
         }));
     }
 
@@ -1645,6 +1816,7 @@ mod tests {
             index: 3,
             seen: vec![(2, high)],
             levels: Vec::new(),
+            members: None,
         })
         .expect("restored");
         b.set_meta_leader(Some(1));

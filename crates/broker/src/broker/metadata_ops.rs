@@ -114,6 +114,13 @@ pub(crate) enum MetaOp {
         node: NodeId,
         level: u64,
     },
+    /// The cluster forgets a node (`warren ctl forget_cluster_node`, as RabbitMQ's
+    /// `forget_cluster_node`): every group moves to the other nodes, and the node is no
+    /// peer any more. Unknown to nodes of earlier versions (proposed only at
+    /// `FEATURE_LEVEL` 2): it travels in an entry of its own.
+    ForgetNode {
+        node: NodeId,
+    },
 }
 
 /// The key of a queue's operations (see [`MetaOp::object`]).
@@ -166,7 +173,10 @@ impl MetaOp {
     pub(super) fn travels_alone(&self) -> bool {
         matches!(
             self,
-            MetaOp::Rebalance | MetaOp::SetQueueArguments { .. } | MetaOp::FeatureLevel { .. }
+            MetaOp::Rebalance
+                | MetaOp::SetQueueArguments { .. }
+                | MetaOp::FeatureLevel { .. }
+                | MetaOp::ForgetNode { .. }
         )
     }
 
@@ -234,6 +244,7 @@ impl MetaOp {
             } => format!("r\0{component}\0{vhost}\0{name}"),
             MetaOp::Rebalance => "b\0".to_owned(),
             MetaOp::FeatureLevel { node, .. } => format!("f\0{node}"),
+            MetaOp::ForgetNode { node } => format!("n\0{node}"),
         }
     }
 }
@@ -493,6 +504,10 @@ fn op_table(op: &MetaOp) -> FieldTable {
             t.insert("level", FieldValue::U64(*level));
             "feature_level"
         }
+        MetaOp::ForgetNode { node } => {
+            t.insert("node", FieldValue::U64(*node));
+            "forget_node"
+        }
         MetaOp::PutParameter(p) => {
             text(&mut t, "component", &p.component);
             text(&mut t, "vhost", &p.vhost);
@@ -737,6 +752,9 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             node: t.get("node")?.as_u64()?,
             level: t.get("level")?.as_u64()?,
         },
+        "forget_node" => MetaOp::ForgetNode {
+            node: t.get("node")?.as_u64()?,
+        },
         _ => return None,
     })
 }
@@ -817,6 +835,9 @@ pub(super) struct MetaSnapshot {
     pub local_users: Vec<String>,
     /// The feature level each node announced (absent from snapshots of earlier versions).
     pub levels: Vec<(NodeId, u64)>,
+    /// The cluster's nodes once one was forgotten (`None`: every node of the list each node
+    /// was started with; absent from snapshots of earlier versions).
+    pub members: Option<Vec<NodeId>>,
 }
 
 fn pairs_value(pairs: &[(NodeId, u64)], second: &'static str) -> FieldValue {
@@ -850,6 +871,10 @@ pub(super) fn encode_snapshot(snap: &MetaSnapshot) -> Bytes {
     t.insert("seen", pairs_value(&snap.seen, "number"));
     if !snap.levels.is_empty() {
         t.insert("levels", pairs_value(&snap.levels, "level"));
+    }
+    if let Some(members) = &snap.members {
+        let list = members.iter().map(|n| FieldValue::U64(*n)).collect();
+        t.insert("members", FieldValue::Array(list));
     }
     let ops = snap
         .ops
@@ -885,6 +910,15 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         Some(v) => pairs_from(v, "level")?,
         None => Vec::new(),
     };
+    let members = match t.get("members") {
+        Some(v) => Some(
+            v.as_array()?
+                .iter()
+                .map(FieldValue::as_u64)
+                .collect::<Option<Vec<_>>>()?,
+        ),
+        None => None,
+    };
     let ops = t
         .get("ops")?
         .as_array()?
@@ -902,6 +936,7 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         ops,
         local_users,
         levels,
+        members,
     })
 }
 
@@ -916,12 +951,14 @@ mod tests {
             ops: every_op(),
             local_users: vec!["admin".into()],
             levels: vec![(1, 1), (2, 0)],
+            members: Some(vec![1, 2, 5]),
         };
         let data = encode_snapshot(&snap);
         assert_eq!(decode_snapshot(&data), Some(snap));
         // An earlier version's snapshot has no levels.
         let older = MetaSnapshot {
             levels: Vec::new(),
+            members: None,
             ..decode_snapshot(&data).expect("snapshot")
         };
         assert_eq!(decode_snapshot(&encode_snapshot(&older)), Some(older));
@@ -1108,6 +1145,7 @@ mod tests {
                 group: QueueGroup::Fixed(u64::MAX >> 1),
             },
             MetaOp::FeatureLevel { node: 3, level: 1 },
+            MetaOp::ForgetNode { node: 3 },
             MetaOp::DeclareQueue {
                 vhost: "/".into(),
                 name: ShortStr::from_static("placed"),
@@ -1205,10 +1243,11 @@ mod tests {
                     MetaOp::SetQueueArguments { .. }
                         | MetaOp::Rebalance
                         | MetaOp::FeatureLevel { .. }
+                        | MetaOp::ForgetNode { .. }
                 )
             })
             .collect();
         assert_eq!(alone, want);
-        assert_eq!(alone.iter().filter(|a| **a).count(), 3);
+        assert_eq!(alone.iter().filter(|a| **a).count(), 4);
     }
 }

@@ -49,6 +49,7 @@ fn rank(op: &MetaOp) -> u8 {
         MetaOp::Bind(_) | MetaOp::Unbind(_) => 10,
         MetaOp::Rebalance => 11,
         MetaOp::FeatureLevel { .. } => 12,
+        MetaOp::ForgetNode { .. } => 13,
     }
 }
 
@@ -273,6 +274,7 @@ impl Broker {
             ops,
             local_users: local.iter().cloned().collect(),
             levels: m.levels.iter().map(|(n, l)| (*n, *l)).collect(),
+            members: m.members.clone(),
         };
         let data = encode_snapshot(&snap);
         let (index, term, max) = (m.applied, m.applied_term, c.snapshot_max);
@@ -366,6 +368,7 @@ impl Broker {
             let l = m.levels.entry(n).or_insert(level);
             *l = (*l).max(level);
         }
+        let members = snap.members;
         let settled: Vec<u64> = m.declares.range(..=own).map(|(n, _)| *n).collect();
         m.through_log.retain(|_, (n, _)| *n > own);
         m.next_op = m.next_op.max(own);
@@ -379,6 +382,10 @@ impl Broker {
         local.extend(snap.local_users.iter().cloned());
         if let Some(p) = m.send(node, now, false) {
             c.push(p);
+        }
+        // The nodes first: the queues the snapshot makes here start with them.
+        if let Some(members) = members {
+            c.set_members(members);
         }
         if let Some(p) = self.persist.as_mut() {
             for number in done {
@@ -450,11 +457,7 @@ impl Broker {
         let Some(c) = self.cluster.as_ref() else {
             return;
         };
-        let op = StoreOp::PutMetaApplied {
-            index,
-            seen: c.meta.seen.iter().map(|(n, s)| (*n, *s)).collect(),
-            levels: c.meta.levels.iter().map(|(n, l)| (*n, *l)).collect(),
-        };
+        let op = c.meta_applied_record();
         if let Some(p) = self.persist.as_mut() {
             p.push(op, true);
         }

@@ -180,6 +180,41 @@ impl Cluster {
         &self.nodes
     }
 
+    /// The cluster's nodes are now `nodes` (the metadata log forgot one): what this node
+    /// knew of the others goes with them, and the driver moves every group.
+    pub(super) fn set_members(&mut self, mut nodes: Vec<NodeId>) {
+        nodes.sort_unstable();
+        nodes.dedup();
+        for gone in self.nodes.iter().filter(|n| !nodes.contains(n)) {
+            self.down_since.remove(gone);
+            self.downed.remove(gone);
+            self.draining_peers.remove(gone);
+            self.meta.levels.remove(gone);
+        }
+        self.nodes = nodes.clone();
+        self.meta.members = Some(nodes.clone());
+        self.meta
+            .group_changes
+            .push(super::metadata_group::GroupChange::Members { voters: nodes });
+    }
+
+    /// Raft saw `node` go down and not come back (a node never heard since this one started
+    /// counts as down too).
+    pub(super) fn peer_down(&self, node: NodeId) -> bool {
+        self.down_since.contains_key(&node)
+    }
+
+    /// The store's record of the metadata log's place.
+    pub(super) fn meta_applied_record(&self) -> StoreOp {
+        let m = &self.meta;
+        StoreOp::PutMetaApplied {
+            index: m.applied,
+            seen: m.seen.iter().map(|(n, s)| (*n, *s)).collect(),
+            levels: m.levels.iter().map(|(n, l)| (*n, *l)).collect(),
+            members: m.members.clone(),
+        }
+    }
+
     pub(super) fn push(&mut self, p: Proposal) {
         self.outbox.push(p);
     }

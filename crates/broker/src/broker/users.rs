@@ -365,7 +365,8 @@ impl Broker {
                 index,
                 seen,
                 levels,
-            } => self.restore_meta_applied(*index, seen, levels),
+                members,
+            } => self.restore_meta_applied(*index, seen, levels, members.as_deref()),
             StoreOp::PutMetaPending { number, data } => self.restore_meta_pending(*number, data),
             StoreOp::PutAccessKey(key) => {
                 self.access.put_access_key(key.clone()).map_err(refused)?

@@ -303,3 +303,36 @@ fn a_group_with_an_earlier_versions_snapshot_keeps_its_members_when_the_list_gro
         Some(Members::voters(vec![1, 2, 3]))
     );
 }
+
+/// A node the cluster forgets while it is down: the peers drop it, every group's leader
+/// removes it, and when it comes back on its old log it takes no part in the group.
+#[test]
+fn a_forgotten_node_is_removed_from_its_groups_and_takes_no_part_when_it_comes_back() {
+    let mut sim = three_of_four(21, 10);
+    sim.kill(3);
+    for id in [1, 2, 4] {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.set_peers(&[1, 2]);
+        n.raft.set_members(vec![1, 2]);
+    }
+    assert!(!sim.nodes[&1].raft.is_peer(3));
+    run_until(&mut sim, 3000, "node 3 out of the group", |s| {
+        [1, 2]
+            .iter()
+            .all(|id| s.nodes[id].raft.members(G) == Some(Members::voters(vec![1, 2])))
+    });
+    sim.restart(3);
+    for i in 10..20 {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 2000, "the later entries on the two", |s| {
+        [1, 2]
+            .iter()
+            .all(|id| s.nodes[id].applied.get(&G).is_some_and(|a| a.len() == 20))
+    });
+    sim.run(500);
+    let leader = sim.leader(G).expect("a leader");
+    assert!([1, 2].contains(&leader), "led by {leader}");
+    let back = sim.nodes[&3].applied.get(&G).map_or(0, Vec::len);
+    assert_eq!(back, 10, "node 3 took nothing more");
+}

@@ -28,6 +28,19 @@ pub enum MaintenanceCmd {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Removes a stopped node from the cluster (RabbitMQ's `forget_cluster_node`): every
+    /// quorum queue's group moves to the other nodes, and the node cannot rejoin on its old
+    /// data. Returns once no group counts on it any more
+    #[command(name = "forget_cluster_node", alias = "forget-cluster-node")]
+    ForgetClusterNode {
+        /// The node: its name as /api/nodes gives it (warren-3@host), or its number
+        node: String,
+        /// How long to wait for every group to move, in seconds
+        #[arg(long, default_value_t = 60.0)]
+        wait: f64,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Evens out the quorum queues' leaders over the running nodes (not those in maintenance
     /// mode), showing each round's leaders per node; safe to interrupt
     Rebalance {
@@ -44,6 +57,7 @@ pub fn name(c: &MaintenanceCmd) -> &'static str {
         MaintenanceCmd::Drain { .. } => "ctl drain",
         MaintenanceCmd::Revive { .. } => "ctl revive",
         MaintenanceCmd::Rebalance { .. } => "ctl rebalance",
+        MaintenanceCmd::ForgetClusterNode { .. } => "ctl forget_cluster_node",
     }
 }
 
@@ -92,6 +106,7 @@ pub fn main(c: &MaintenanceCmd) -> Result<(), CliError> {
     match c {
         MaintenanceCmd::Drain { wait, conn } => drain(&conn.api(), *wait),
         MaintenanceCmd::Rebalance { wait, conn } => rebalance(&conn.api(), *wait),
+        MaintenanceCmd::ForgetClusterNode { node, wait, conn } => forget(&conn.api(), node, *wait),
         MaintenanceCmd::Revive { conn } => {
             let api = conn.api();
             let node = node_name(&api)?;
@@ -134,6 +149,58 @@ fn drain(api: &Api, wait: f64) -> Result<(), CliError> {
             )));
         }
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Asks the cluster to forget `node`, then waits until no node lists it and every running
+/// node reports its groups moved (`cluster.members_changing` 0: a peer's figure is a few
+/// seconds old at most).
+fn forget(api: &Api, node: &str, wait: f64) -> Result<(), CliError> {
+    api.call(
+        "POST",
+        &format!("/nodes/{}/forget", enc(node)),
+        None,
+        &[],
+        "the node",
+    )?;
+    println!("the cluster forgets {node}; its quorum queues' groups move to the other nodes");
+    let until = deadline(seconds(wait));
+    let mut shown = None;
+    loop {
+        let nodes = api.get("/nodes", "the cluster's nodes")?;
+        let list = nodes.as_array().cloned().unwrap_or_default();
+        let listed = list.iter().any(|n| {
+            n["name"] == node
+                || n["cluster"]["node"]
+                    .as_u64()
+                    .map(|id| id.to_string())
+                    .as_deref()
+                    == Some(node)
+        });
+        let moving: Option<u64> = list
+            .iter()
+            .filter(|n| n["running"] == true)
+            .map(|n| n["cluster"]["members_changing"].as_u64())
+            .sum();
+        if !listed && moving == Some(0) {
+            println!("{node} is forgotten: no quorum queue counts on it any more");
+            return Ok(());
+        }
+        if moving != shown {
+            if let Some(m) = moving {
+                println!("groups still moving off {node}: {m}");
+            }
+            shown = moving;
+        }
+        if Instant::now() >= until {
+            return Err(CliError::Failed(format!(
+                "the groups have not all moved off {node} after {wait} s{}: they go on moving \
+                 in the background (cluster.members_changing in /api/nodes counts them; a \
+                 group needs a majority of its members running to change)",
+                moving.map_or(String::new(), |m| format!(" ({m} still moving)"))
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(250));
     }
 }
 

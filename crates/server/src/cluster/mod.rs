@@ -301,6 +301,12 @@ impl RaftNode {
         self.send(Command::Drain(on));
     }
 
+    /// The cluster's nodes are now `voters` (it forgot one): every group this node leads
+    /// moves to them, one change at a time, and the others are no peers any more.
+    pub fn set_members(&self, voters: Vec<NodeId>) {
+        self.send(Command::Members(voters));
+    }
+
     /// Hands a group's leadership to another node, if this one leads it.
     pub fn transfer_leader(&self, group: GroupId, to: NodeId) {
         self.send(Command::Transfer(group, to));

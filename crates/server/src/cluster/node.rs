@@ -29,6 +29,9 @@ pub(crate) enum Command {
     Drain(bool),
     /// Hand a group's leadership to a node ([`MultiRaft::transfer_leader`]).
     Transfer(GroupId, NodeId),
+    /// The cluster's nodes changed: every group moves to them ([`MultiRaft::set_members`]),
+    /// and the nodes not among them are no peers any more.
+    Members(Vec<NodeId>),
     /// Every group's state, for metrics ([`MultiRaft::status`]).
     Status(tokio::sync::oneshot::Sender<Vec<warren_replication::GroupStatus>>),
     Shutdown,
@@ -135,6 +138,10 @@ impl<E: RaftEvents> Driver<E> {
         }
         let mut b = q.batch;
         let from = b.from;
+        if !self.raft.is_peer(from) {
+            // A node the cluster forgot, still connected: nothing it says counts.
+            return;
+        }
         self.forwarded.extend(
             std::mem::take(&mut b.forwards)
                 .into_iter()
@@ -193,6 +200,11 @@ impl<E: RaftEvents> Driver<E> {
             }
             Command::Snapshot(group, snap) => self.save_snapshot(group, snap),
             Command::Drain(on) => self.raft.set_draining(on),
+            Command::Members(voters) => {
+                self.raft.set_peers(&voters);
+                self.raft.set_members(voters.clone());
+                self.out.keep_only(&voters);
+            }
             Command::Transfer(group, to) => {
                 if !self.raft.transfer_leader(group, to) {
                     tracing::debug!(group = group.0, to, "leadership transfer not started");

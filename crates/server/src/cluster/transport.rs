@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
@@ -143,9 +143,38 @@ impl Counters {
 pub(crate) struct Outbound {
     links: BTreeMap<NodeId, (mpsc::Sender<Queued>, Arc<Budget>)>,
     counters: Arc<Counters>,
+    shared: Arc<Shared>,
 }
 
 impl Outbound {
+    /// The cluster forgot the nodes not in `nodes`: their dialers stop (their queue closes),
+    /// their connections to this node close at their next frame, and they cannot connect
+    /// again.
+    pub(crate) fn keep_only(&mut self, nodes: &[NodeId]) {
+        let gone: Vec<NodeId> = self
+            .links
+            .keys()
+            .copied()
+            .filter(|n| !nodes.contains(n))
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        {
+            let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
+            peers.retain(|n, _| nodes.contains(n));
+        }
+        self.shared.generation.fetch_add(1, Ordering::Release);
+        for node in gone {
+            tracing::info!(
+                node = self.shared.me,
+                peer = node,
+                "no more links with a forgotten node"
+            );
+            self.links.remove(&node);
+        }
+    }
+
     pub(crate) fn send(&self, batch: NodeBatch) {
         let Some((link, budget)) = self.links.get(&batch.to) else {
             tracing::debug!(to = batch.to, "batch for a node that is not a peer");
@@ -206,11 +235,14 @@ impl Drop for Net {
     }
 }
 
-struct Shared {
+pub(crate) struct Shared {
     me: NodeId,
     secret: Vec<u8>,
     tls: Option<ClusterTls>,
-    peers: BTreeMap<NodeId, PeerAddr>,
+    /// The nodes this one links with: the cluster may forget one.
+    peers: RwLock<BTreeMap<NodeId, PeerAddr>>,
+    /// Bumped when `peers` changes: a link's reader checks its peer is still one then.
+    generation: AtomicU64,
     inbound: crossbeam_channel::Sender<Queued>,
     inbound_budget: Arc<Budget>,
     counters: Arc<Counters>,
@@ -259,7 +291,8 @@ pub(crate) fn start(
         me: cfg.node,
         secret: cfg.secret.clone(),
         tls,
-        peers: cfg.peers.clone(),
+        peers: RwLock::new(cfg.peers.clone()),
+        generation: AtomicU64::new(0),
         inbound,
         inbound_budget: inbound_budget.clone(),
         counters: counters.clone(),
@@ -274,12 +307,16 @@ pub(crate) fn start(
         links.insert(*peer, (tx, budget.clone()));
         runtime.spawn(dial_loop(shared.clone(), *peer, addr.clone(), rx, budget));
     }
-    runtime.spawn(accept_loop(shared, listener));
+    runtime.spawn(accept_loop(shared.clone(), listener));
     Ok((
         Net {
             runtime: Some(runtime),
         },
-        Outbound { links, counters },
+        Outbound {
+            links,
+            counters,
+            shared,
+        },
         inbound_budget,
     ))
 }
@@ -495,17 +532,16 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 /// its certificate must also name the host `--cluster-nodes` gives for the node it proved to
 /// be, as the dialer checks the listener's.
 async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId), String> {
+    let peers = shared
+        .peers
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
     let Some(tls) = &shared.tls else {
         let mut stream: Stream = Box::new(tcp);
-        let peer = auth::accept(
-            &mut stream,
-            &shared.secret,
-            shared.me,
-            &shared.peers,
-            |_| Ok(()),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+        let peer = auth::accept(&mut stream, &shared.secret, shared.me, &peers, |_| Ok(()))
+            .await
+            .map_err(|e| e.to_string())?;
         return Ok((stream, peer));
     };
     let mut stream = tokio_rustls::TlsAcceptor::from(tls.configs().accept)
@@ -523,14 +559,10 @@ async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId), 
         .map(|c| c.clone().into_owned())
         .ok_or("no client certificate")?;
     let vet = |peer: NodeId| {
-        let host = shared
-            .peers
-            .get(&peer)
-            .map(|a| a.host())
-            .unwrap_or_default();
+        let host = peers.get(&peer).map(|a| a.host()).unwrap_or_default();
         link_tls::names_host(&cert, host).map_err(|e| format!("{e} ({TLS_HINT})"))
     };
-    let peer = auth::accept(&mut stream, &shared.secret, shared.me, &shared.peers, vet)
+    let peer = auth::accept(&mut stream, &shared.secret, shared.me, &peers, vet)
         .await
         .map_err(|e| e.to_string())?;
     Ok((Box::new(stream), peer))
@@ -574,6 +606,7 @@ async fn serve(
             lost: true,
         });
     };
+    let mut generation = shared.generation.load(Ordering::Acquire);
     loop {
         let frame = match wire::read_frame(&mut read).await {
             Ok(Some(frame)) => frame,
@@ -587,6 +620,19 @@ async fn serve(
             }
             Err(e) => return bad_frame(&shared, peer, remote, &e),
         };
+        let now = shared.generation.load(Ordering::Acquire);
+        if now != generation {
+            generation = now;
+            let member = shared
+                .peers
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&peer);
+            if !member {
+                tracing::info!(node = me, peer, %remote, "link from a forgotten node closed");
+                return;
+            }
+        }
         let bytes = frame.len();
         if !shared.inbound_budget.take(bytes) {
             bump(&shared.counters.dropped_in);

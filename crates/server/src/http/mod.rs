@@ -80,7 +80,7 @@ pub async fn share_figures(api: Arc<Api>) {
     loop {
         every.tick().await;
         let figures = json!({
-            "node": routes::node_json(&api),
+            "node": routes::node_json_now(&api).await,
             "shovels": api.shovels.list(None),
         });
         match serde_json::to_vec(&figures) {

@@ -48,6 +48,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/nodes/{node}", get(one_node))
         .route("/api/nodes/{node}/drain", post(drain))
         .route("/api/nodes/{node}/revive", post(revive))
+        .route("/api/nodes/{node}/forget", post(forget))
         .route("/api/rebalance/queues", post(rebalance))
         .route("/api/extensions", get(extensions))
         .merge(super::access::routes())
@@ -312,7 +313,8 @@ pub(crate) fn node_json(api: &Api) -> Value {
                 "nodes": nodes,
                 "metadata_leader": leader,
                 // What every node announced it can do: 1 once quorum queues are numbered by
-                // the metadata log (an upgrade of the whole cluster is complete).
+                // the metadata log, 2 once the cluster can forget a node (an upgrade of the
+                // whole cluster is complete).
                 "feature_level": level,
                 "queues_led": queues_led_here(api),
                 "transport": {
@@ -325,6 +327,32 @@ pub(crate) fn node_json(api: &Api) -> Value {
             })
         }),
     })
+}
+
+/// [`node_json`] with what only the Raft thread knows: `cluster.members_changing`, the
+/// groups this node leads whose members are not yet the cluster's nodes (after a node was
+/// forgotten: 0 once every group led here moved off it).
+pub(crate) async fn node_json_now(api: &Api) -> Value {
+    let mut v = node_json(api);
+    if let Some(changing) = members_changing(api).await {
+        v["cluster"]["members_changing"] = json!(changing);
+    }
+    v
+}
+
+async fn members_changing(api: &Api) -> Option<usize> {
+    let raft = api.node.raft()?;
+    let mut nodes = api
+        .node
+        .read(|n, _| n.broker().cluster_view().map(|(_, nodes, _)| nodes))?;
+    nodes.sort_unstable();
+    let status = raft.group_status(std::time::Duration::from_secs(2)).await?;
+    Some(
+        status
+            .iter()
+            .filter(|s| s.leading && (s.members.voters != nodes || !s.members.learners.is_empty()))
+            .count(),
+    )
 }
 
 /// Another node of the cluster: the figures it sent last (its own entry, as its API gives it;
@@ -368,7 +396,7 @@ fn peers_json(api: &Api) -> Vec<Value> {
 /// for one that is down).
 async fn nodes(State(api): ApiState, ConnectInfo(peer): Peer, headers: HeaderMap) -> Answer {
     login(&api, &headers, peer)?.require(Level::Monitoring)?;
-    let mut all = vec![node_json(&api)];
+    let mut all = vec![node_json_now(&api).await];
     all.extend(peers_json(&api));
     ok(Value::Array(all))
 }
@@ -381,7 +409,7 @@ async fn one_node(
 ) -> Answer {
     login(&api, &headers, peer)?.require(Level::Monitoring)?;
     if node == api.node_name {
-        return ok(node_json(&api));
+        return ok(node_json_now(&api).await);
     }
     peers_json(&api)
         .into_iter()
@@ -401,6 +429,32 @@ async fn drain(State(api): ApiState, Admin(who): Admin, Path(node): Path<String>
 /// maintenance mode, taking clients again.
 async fn revive(State(api): ApiState, Admin(who): Admin, Path(node): Path<String>) -> Answer {
     maintenance(&api, &who.name, &node, false)
+}
+
+/// `POST /api/nodes/{node}/forget` (Warren's; `warren ctl forget_cluster_node`, RabbitMQ's
+/// `rabbitmqctl forget_cluster_node`): the cluster forgets a stopped node, its name or its
+/// number. Answered 204 once the change is on its way through the metadata log; every quorum
+/// queue's leader then removes the node from its group (`/api/nodes` stops listing it once
+/// this node applied the change).
+async fn forget(State(api): ApiState, Admin(who): Admin, Path(node): Path<String>) -> Answer {
+    let id = node.parse::<u64>().ok().or_else(|| {
+        api.cluster_names
+            .iter()
+            .find(|(_, name)| **name == node)
+            .map(|(id, _)| *id)
+    });
+    let Some(id) = id else {
+        return Err(ApiError::not_found());
+    };
+    let asked = api.node.write(|n, _| n.broker_mut().forget_node(id))?;
+    match asked {
+        Ok(()) => {
+            tracing::warn!(by = %who.name, node = id, "the cluster is asked to forget a node");
+            no_content()
+        }
+        Err(warren_broker::ForgetError::NotMember(_)) => Err(ApiError::not_found()),
+        Err(e) => Err(ApiError::bad_request(e.to_string())),
+    }
 }
 
 /// `POST /api/rebalance/queues` (as RabbitMQ's): the cluster evens out its quorum queues'
@@ -795,6 +849,7 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
     let rates = api.rates.queues(kept.iter().map(|s| s.id));
     let node = api.node_name.as_str();
     let down = nodes_down(api);
+    let names = member_names(api);
     ok(query.finish_with(
         kept.into_iter().zip(rates).collect(),
         total,
@@ -802,13 +857,26 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
         |(s, _)| (s.vhost.clone(), s.name.clone()),
         |(s, r)| {
             let mut v = objects::queue(&s, &r, node, now);
-            objects::with_members(&mut v, &s, &api.cluster_names, &down);
+            objects::with_members(&mut v, &s, &names, &down);
             v
         },
     )?)
 }
 
 /// The cluster's nodes this node sees down.
+/// The names of the cluster's nodes now (it may have forgotten some of its list).
+fn member_names(api: &Api) -> std::collections::BTreeMap<u64, String> {
+    let nodes = api
+        .node
+        .read(|n, _| n.broker().cluster_view().map(|(_, nodes, _)| nodes))
+        .unwrap_or_default();
+    api.cluster_names
+        .iter()
+        .filter(|(n, _)| nodes.contains(n))
+        .map(|(n, name)| (*n, name.clone()))
+        .collect()
+}
+
 fn nodes_down(api: &Api) -> std::collections::BTreeSet<u64> {
     api.node.read(|n, _| {
         n.broker()
@@ -857,7 +925,7 @@ async fn one_queue(
     });
     let s = snap.ok_or_else(ApiError::not_found)?;
     let mut v = objects::queue(&s, &api.rates.queue(s.id), &api.node_name, now);
-    objects::with_members(&mut v, &s, &api.cluster_names, &nodes_down(&api));
+    objects::with_members(&mut v, &s, &member_names(&api), &nodes_down(&api));
     if q.contains_key("lengths_age") || q.contains_key("msg_rates_age") {
         v = objects::with_history(v, &api.rates.queue_history(s.id));
     }

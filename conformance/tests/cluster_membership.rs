@@ -1,0 +1,181 @@
+//! Changing a running cluster's nodes: `warren ctl forget_cluster_node` (RabbitMQ's
+//! `rabbitmqctl forget_cluster_node`) removes a stopped node from every quorum queue's group,
+//! with nothing confirmed lost, and the node cannot come back on its old data.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Confirmation};
+use warren_conformance::cluster::TestCluster;
+use warren_conformance::http::Api;
+use warren_conformance::{unique, warren_binary, WAIT};
+
+/// `warren ctl forget_cluster_node NODE` against node `n`'s management API.
+fn forget(c: &TestCluster, n: u64, node: &str) -> std::process::Output {
+    let api = c.node(n).http_url().expect("the management API").to_owned();
+    Command::new(warren_binary())
+        .args(["ctl", "forget_cluster_node", node, "--api", &api])
+        .args(["--wait", "20"])
+        .output()
+        .expect("run warren ctl")
+}
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The names node `n` lists in `/api/nodes`, in its order.
+fn node_names(c: &TestCluster, n: u64) -> Vec<String> {
+    let (_, v) = Api::of(c.node(n)).call("GET", "/nodes", None);
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+async fn publish_confirmed(c: &TestCluster, n: u64, q: &str, bodies: std::ops::Range<u32>) {
+    let conn = c.node(n).connect().await;
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    for i in bodies {
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                q.into(),
+                BasicPublishOptions::default(),
+                format!("m{i}").as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .expect("publish");
+        let got = tokio::time::timeout(WAIT, confirm)
+            .await
+            .expect("a confirm within the wait")
+            .expect("confirm");
+        assert!(matches!(got, Confirmation::Ack(_)), "nacked: {got:?}");
+    }
+}
+
+/// Every message of `q`, consumed and acked on node `n` (a follower's consumer included),
+/// until `want` came.
+async fn drain(c: &TestCluster, n: u64, q: &str, want: usize) -> Vec<String> {
+    let conn = c.node(n).connect().await;
+    let ch = conn.create_channel().await.expect("channel");
+    let start = Instant::now();
+    let mut consumer = loop {
+        let attempt = ch
+            .basic_consume(
+                q.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await;
+        match attempt {
+            Ok(consumer) => break consumer,
+            // A leader just elected refuses until it acts: a client retries.
+            Err(e) => {
+                assert!(start.elapsed() < WAIT, "consume on node {n}: {e}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let mut got = Vec::new();
+    while got.len() < want {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("a delivery within the wait")
+            .expect("a delivery")
+            .expect("delivered");
+        got.push(String::from_utf8_lossy(&d.data).into_owned());
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    got
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_node_is_forgotten_its_queues_go_on_two_nodes_and_it_cannot_come_back() {
+    let mut c = TestCluster::start(3, 20);
+    // One queue led by each node (a client's declaration places the leader on its node).
+    let queues: Vec<String> = (1..=3).map(|n| unique(&format!("forget{n}"))).collect();
+    for (n, q) in (1..=3).zip(&queues) {
+        c.declare_quorum_queue(n, q).await;
+        publish_confirmed(&c, n, q, 0..20).await;
+    }
+    let name3 = node_names(&c, 3).first().cloned().expect("node 3's name");
+
+    // RabbitMQ's forget_cluster_node needs the node stopped: so does Warren's.
+    let start = Instant::now();
+    loop {
+        let out = forget(&c, 1, &name3);
+        let said = text(&out);
+        assert!(!out.status.success(), "forgot a running node: {said}");
+        if said.contains("is running: stop it first") {
+            break;
+        }
+        // Right after the start, a node may not have heard every node's level yet.
+        assert!(
+            said.contains("feature level") && start.elapsed() < WAIT,
+            "{said}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    c.node_mut(3).stop(true);
+    let out = forget(&c, 1, &name3);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("is forgotten"), "{}", text(&out));
+    for n in [1, 2] {
+        let names = node_names(&c, n);
+        assert_eq!(names.len(), 2, "node {n} lists {names:?}");
+        assert!(!names.contains(&name3), "node {n} lists {names:?}");
+    }
+    // Each queue's members are the two nodes left, and it takes and gives messages.
+    for q in &queues {
+        let (_, v) = Api::of(c.node(2)).call("GET", &format!("/queues/%2f/{q}"), None);
+        let members = v["members"].as_array().map_or(0, Vec::len);
+        assert_eq!(members, 2, "{v}");
+        publish_confirmed(&c, 2, q, 20..25).await;
+    }
+    for q in &queues {
+        let mut got = drain(&c, 1, q, 25).await;
+        got.sort();
+        got.dedup();
+        assert_eq!(
+            got.len(),
+            25,
+            "every confirmed message of {q}, once: {got:?}"
+        );
+    }
+
+    // Node 3 started again on its data: the others take no link from it, and the cluster
+    // stays two nodes.
+    c.node_mut(3).start_again();
+    let api = Api::of(c.node(1));
+    let start = Instant::now();
+    loop {
+        let (_, v) = api.call("GET", "/nodes", None);
+        if v[0]["cluster"]["transport"]["refused_peers"]
+            .as_u64()
+            .is_some_and(|r| r > 0)
+        {
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "node 3 not refused: {v}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(node_names(&c, 1).len(), 2);
+    publish_confirmed(&c, 1, &queues[0], 25..26).await;
+}
