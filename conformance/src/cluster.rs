@@ -14,6 +14,11 @@ pub struct TestCluster {
     dir: PathBuf,
     /// The proxies of the cluster's links, when the test partitions it.
     links: Option<Links>,
+    /// Every node's cluster address, the Raft tick, and the arguments each node was given
+    /// beyond its own: for a node added later ([`TestCluster::add_joining_node`]).
+    addrs: Vec<(u64, std::net::SocketAddr)>,
+    tick_ms: u64,
+    extra: Vec<String>,
 }
 
 impl TestCluster {
@@ -84,11 +89,61 @@ impl TestCluster {
                 TestBroker::start_with(&args)
             })
             .collect();
-        let c = TestCluster { nodes, dir, links };
+        let c = TestCluster {
+            nodes,
+            dir,
+            links,
+            addrs: real,
+            tick_ms,
+            extra: extra.iter().map(|a| (*a).to_owned()).collect(),
+        };
         for n in 1..=size {
             c.wait_for_metadata_leader(n);
         }
         c
+    }
+
+    /// Starts node `len + 1` with `--cluster-join` and an empty data directory, listing the
+    /// nodes in `known` and itself: it asks them to add it to the cluster. Returns its number
+    /// (not waiting for the cluster to take it).
+    pub fn add_joining_node(&mut self, known: &[u64]) -> u64 {
+        let n = self.nodes.len() as u64 + 1;
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+        self.addrs.push((n, addr));
+        let list: Vec<String> = self
+            .addrs
+            .iter()
+            .filter(|(id, _)| known.contains(id) || *id == n)
+            .map(|(id, a)| format!("{id}={a}"))
+            .collect();
+        let list = list.join(",");
+        let data = self.dir.join(format!("node{n}")).display().to_string();
+        let secret = self.dir.join("secret").display().to_string();
+        let (node, tick) = (n.to_string(), self.tick_ms.to_string());
+        let mut args = vec![
+            "--data-dir",
+            &data,
+            "--cluster-node",
+            &node,
+            "--cluster-nodes",
+            &list,
+            "--cluster-secret-file",
+            &secret,
+            "--test-cluster-tick-ms",
+            &tick,
+            "--cluster-join",
+        ];
+        if !self.extra.iter().any(|a| a == Self::WITH_SQS) {
+            args.push("--no-sqs");
+        }
+        args.extend(
+            self.extra
+                .iter()
+                .map(String::as_str)
+                .filter(|a| *a != Self::WITH_SQS),
+        );
+        self.nodes.push(TestBroker::start_with(&args));
+        n
     }
 
     /// Cuts node `n` off from the other nodes (it keeps running and serving its clients).

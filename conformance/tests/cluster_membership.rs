@@ -1,6 +1,8 @@
 //! Changing a running cluster's nodes: `warren ctl forget_cluster_node` (RabbitMQ's
 //! `rabbitmqctl forget_cluster_node`) removes a stopped node from every quorum queue's group,
-//! with nothing confirmed lost, and the node cannot come back on its old data.
+//! with nothing confirmed lost, and the node cannot come back on its old data; a new node
+//! started with `--cluster-join` is added to every group from its leaders' snapshots, so a
+//! dead node is replaced.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -12,7 +14,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Confirmation};
 use warren_conformance::cluster::TestCluster;
-use warren_conformance::http::Api;
+use warren_conformance::http::{eventually, Api};
 use warren_conformance::{unique, warren_binary, WAIT};
 
 /// `warren ctl forget_cluster_node NODE` against node `n`'s management API.
@@ -103,6 +105,92 @@ async fn drain(c: &TestCluster, n: u64, q: &str, want: usize) -> Vec<String> {
         d.ack(BasicAckOptions::default()).await.expect("ack");
     }
     got
+}
+
+/// Forgets node `n` through node `asked`'s API, once every node can (right after a start a
+/// node may not have heard every node's level yet).
+fn forget_once_every_node_can(c: &TestCluster, asked: u64, n: u64) {
+    let start = Instant::now();
+    loop {
+        let out = forget(c, asked, &n.to_string());
+        let said = text(&out);
+        if out.status.success() {
+            return;
+        }
+        assert!(
+            said.contains("feature level") && start.elapsed() < WAIT,
+            "{said}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until node `n` lists exactly `want` (by number) and every node it reports running
+/// has all its groups' members as the cluster's nodes.
+fn wait_for_members(c: &TestCluster, n: u64, want: &[u64]) {
+    let api = Api::of(c.node(n));
+    eventually(
+        &format!("node {n} to see nodes {want:?} with every group moved"),
+        || {
+            let (_, v) = api.call("GET", "/nodes", None);
+            let list = v.as_array().cloned().unwrap_or_default();
+            let mut numbers: Vec<u64> = list
+                .iter()
+                .filter_map(|n| n["cluster"]["node"].as_u64())
+                .collect();
+            numbers.sort_unstable();
+            let settled = list.iter().all(|n| {
+                n["running"] == true && n["cluster"]["members_changing"].as_u64() == Some(0)
+            });
+            if numbers == want && settled {
+                Ok(())
+            } else {
+                Err(v.to_string())
+            }
+        },
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_node_is_replaced_by_a_joining_one_that_takes_every_queue_from_snapshots() {
+    let mut c = TestCluster::start(3, 20);
+    let queues: Vec<String> = (1..=3).map(|n| unique(&format!("replace{n}"))).collect();
+    for (n, q) in (1..=3).zip(&queues) {
+        c.declare_quorum_queue(n, q).await;
+        publish_confirmed(&c, n, q, 0..20).await;
+    }
+    c.node_mut(3).stop(true);
+    forget_once_every_node_can(&c, 1, 3);
+    wait_for_members(&c, 1, &[1, 2]);
+
+    // A new node, number 4, joins through the nodes it knows.
+    let four = c.add_joining_node(&[1, 2]);
+    for n in [1, 2, four] {
+        wait_for_members(&c, n, &[1, 2, four]);
+    }
+    // A queue declared once it joined starts with it; the older ones took it in.
+    let late = unique("replace-late");
+    c.declare_quorum_queue(2, &late).await;
+    publish_confirmed(&c, 2, &late, 0..25).await;
+    for q in &queues {
+        let (_, v) = Api::of(c.node(four)).call("GET", &format!("/queues/%2f/{q}"), None);
+        assert_eq!(v["members"].as_array().map_or(0, Vec::len), 3, "{v}");
+        publish_confirmed(&c, four, q, 20..25).await;
+    }
+    wait_for_members(&c, 1, &[1, 2, four]);
+
+    // Node 1 dies: nodes 2 and 4 are a majority of every queue, and hold every message.
+    c.node_mut(1).stop(true);
+    for q in queues.iter().chain([&late]) {
+        let mut got = drain(&c, four, q, 25).await;
+        got.sort();
+        got.dedup();
+        assert_eq!(
+            got.len(),
+            25,
+            "every confirmed message of {q}, once: {got:?}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

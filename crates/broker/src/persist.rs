@@ -187,8 +187,9 @@ pub enum StoreOp {
         seen: Vec<(u64, u64)>,
         /// The feature level each node announced in the log (see `FEATURE_LEVEL`).
         levels: Vec<(u64, u64)>,
-        /// The cluster's nodes once the log forgot one (`None`: the list the node starts with).
-        members: Option<Vec<u64>>,
+        /// The cluster's nodes once the log added or forgot one (`None`: the list the node
+        /// starts with), each with its cluster address (empty: the one that list gives).
+        members: Option<Vec<(u64, String)>>,
     },
     /// A definition change a cluster node made, until the metadata group's log has applied
     /// it (`data`: the change as an entry of its own): sent again after a restart.

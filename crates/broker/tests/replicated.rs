@@ -287,9 +287,22 @@ impl Cluster {
             }
             for change in m.broker.take_group_changes() {
                 match change {
-                    GroupChange::Add { group, campaign } => {
+                    GroupChange::Add {
+                        group,
+                        campaign,
+                        voters,
+                    } => {
                         if m.groups.insert(group) {
-                            m.raft.add_group(GroupId(group), campaign).expect("group");
+                            match voters {
+                                Some(v) => m.raft.add_group_with(GroupId(group), v, campaign),
+                                None => m.raft.add_group(GroupId(group), campaign),
+                            }
+                            .expect("group");
+                        }
+                    }
+                    GroupChange::Join { group } => {
+                        if m.groups.insert(group) {
+                            m.raft.join_group(GroupId(group)).expect("group");
                         }
                     }
                     GroupChange::Remove { group } => {
@@ -299,7 +312,7 @@ impl Cluster {
                     GroupChange::Transfer { group, to } => {
                         m.raft.transfer_leader(GroupId(group), to);
                     }
-                    GroupChange::Members { voters } => {
+                    GroupChange::Members { voters, .. } => {
                         m.raft.set_peers(&voters);
                         m.raft.set_members(voters);
                     }

@@ -404,6 +404,9 @@ pub struct MultiRaft {
     /// When (in ticks) each group last asked the state machine for a snapshot.
     wanted_at: BTreeMap<GroupId, u64>,
     starts: Vec<(GroupId, Members)>,
+    /// Messages of this node's own making for the next `ready`: snapshot requests of groups
+    /// waiting for their leader's snapshot.
+    asks: Vec<(GroupId, Message)>,
 }
 
 impl MultiRaft {
@@ -472,6 +475,7 @@ impl MultiRaft {
             snapshots_wanted: BTreeSet::new(),
             wanted_at: BTreeMap::new(),
             starts: Vec::new(),
+            asks: Vec::new(),
         })
     }
 
@@ -1107,7 +1111,11 @@ impl MultiRaft {
                 && awaits_snapshot(&g.raw)
             {
                 // A member being added takes the log only after the leader's snapshot, which
-                // tells it the members: entries from the first would not.
+                // tells it the members: entries from the first would not. A leader that
+                // counts it as a voter already (it made the group with it) would go on
+                // sending entries: it is asked for the snapshot, as raft-rs's followers ask
+                // (an append refused with a snapshot request).
+                self.asks.push((env.group, snapshot_request(&env.msg)));
                 continue;
             }
             if g.raw.raft.state != StateRole::Leader {
@@ -1350,6 +1358,9 @@ impl MultiRaft {
             }
         }
         let mut out = Outbox::default();
+        for (group, msg) in std::mem::take(&mut self.asks) {
+            out.add(group, vec![msg], &mut self.stats);
+        }
         let mut readys = Vec::new();
         let mut committed = Vec::new();
         let mut snapshots = Vec::new();
@@ -1603,6 +1614,23 @@ fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
 }
 
 /// A member being added, before its leader's snapshot: it knows no member and has no entry.
+/// The answer of a member waiting for its leader's snapshot to the leader's `append`: refused,
+/// with a request for a snapshot (raft-rs's `request_snapshot` needs a follower that knows its
+/// leader and has a log; this member has neither).
+fn snapshot_request(append: &Message) -> Message {
+    let mut m = Message::default();
+    m.set_msg_type(MessageType::MsgAppendResponse);
+    m.to = append.from;
+    m.from = append.to;
+    m.term = append.term;
+    m.index = append.index;
+    m.reject = true;
+    m.reject_hint = 0;
+    m.log_term = 0;
+    m.request_snapshot = 1;
+    m
+}
+
 fn awaits_snapshot(raw: &RawNode<GroupLog>) -> bool {
     raw.raft.raft_log.last_index() == 0 && raw.store().conf_state().voters.is_empty()
 }

@@ -143,6 +143,12 @@ pub struct Args {
     /// certificate it signed. The three files are read again when they change
     #[arg(long, env = "WARREN_CLUSTER_TLS_CA", value_name = "FILE")]
     pub cluster_tls_ca: Option<PathBuf>,
+    /// Joins a running cluster (RabbitMQ's `join_cluster`): on its first start, with an empty
+    /// data directory, this node asks the nodes of --cluster-nodes to add it, and takes every
+    /// queue from their snapshots. Its number must be new to the cluster; --cluster-nodes
+    /// lists this node and at least one running node. Harmless on later starts
+    #[arg(long, env = "WARREN_CLUSTER_JOIN")]
+    pub cluster_join: bool,
     /// Tests: Raft's tick in milliseconds [default: 50]
     #[arg(long, hide = true, value_name = "MS")]
     pub test_cluster_tick_ms: Option<u64>,
@@ -248,6 +254,7 @@ pub struct FileConfig {
     pub cluster_tls_cert: Option<PathBuf>,
     pub cluster_tls_key: Option<PathBuf>,
     pub cluster_tls_ca: Option<PathBuf>,
+    pub cluster_join: Option<bool>,
     pub prometheus_port: Option<u16>,
     /// `false` turns the Prometheus endpoint off.
     pub prometheus: Option<bool>,
@@ -323,6 +330,8 @@ pub struct ClusterSettings {
     pub tick_ms: u64,
     /// Entries between two snapshots of a replicated queue, and kept behind one.
     pub snapshot_entries: u64,
+    /// Asks a running cluster to add it (`--cluster-join`).
+    pub join: bool,
 }
 
 /// The smallest cluster secret accepted, in bytes.
@@ -485,6 +494,7 @@ fn cluster_settings(
         snapshot_entries: snapshot_entries
             .unwrap_or(warren_broker::SNAPSHOT_ENTRIES)
             .max(1),
+        join: false,
     }))
 }
 
@@ -677,6 +687,19 @@ impl Config {
             ),
             (args.test_cluster_tick_ms, args.test_snapshot_entries),
         )?;
+        let join = args.cluster_join || file.cluster_join.unwrap_or(false);
+        let cluster = match cluster {
+            Some(c) => Some(ClusterSettings { join, ..c }),
+            None if join => {
+                return Err(ConfigError::Cluster(
+                    "--cluster-join needs --cluster-node N (this node's new number), \
+                     --cluster-nodes (this node and at least one running node) and \
+                     --cluster-secret-file"
+                        .into(),
+                ))
+            }
+            None => None,
+        };
         let queue_window = args.queue_window.or(file.queue_window).unwrap_or(1024);
         if queue_window == 0 {
             return Err(ConfigError::QueueWindow);

@@ -267,7 +267,29 @@ impl crate::cluster::RaftEvents for RaftReports {
         });
     }
 
+    fn snapshots_wanted(&self, groups: Vec<warren_broker::GroupId>) {
+        let groups: Vec<u64> = groups.into_iter().map(|g| g.0).collect();
+        self.0
+            .with_node(|node, _| node.broker_mut().want_snapshots(&groups));
+    }
+
     fn forwarded(&self, mut entries: Vec<(u64, crate::cluster::Forward)>) {
+        let joins: Vec<(u64, String)> = entries
+            .iter()
+            .filter(|(_, f)| f.group == crate::cluster::JOIN_REQUEST)
+            .filter_map(|(from, f)| {
+                let addr = std::str::from_utf8(&f.data).ok()?;
+                crate::cluster::PeerAddr::parse(addr).map(|_| (*from, addr.to_owned()))
+            })
+            .collect();
+        entries.retain(|(_, f)| f.group != crate::cluster::JOIN_REQUEST);
+        if !joins.is_empty() {
+            self.0.with_node(|node, _| {
+                for (from, addr) in joins {
+                    node.broker_mut().request_join(from, &addr);
+                }
+            });
+        }
         entries.retain(|(from, f)| {
             if f.group == crate::cluster::SHOVEL_RESTART {
                 let restarted = shovel_restart_of(&f.data).is_some_and(|(vhost, name)| {
@@ -297,6 +319,41 @@ impl crate::cluster::RaftEvents for RaftReports {
                 node.forwarded(f.group.0, &f.data, now);
             }
         });
+    }
+}
+
+/// How often a node that asks to join asks again, until the cluster's metadata names it.
+const JOIN_ASK_EVERY: Duration = Duration::from_secs(1);
+
+/// A node started with `--cluster-join`: asks every node of its list to add it (whichever
+/// runs, and whichever is reached first, asks the cluster through the metadata log), until
+/// the metadata it installed names it among the cluster's nodes.
+async fn ask_to_join(
+    shared: Arc<Shared>,
+    raft: crate::cluster::RaftNode,
+    addr: String,
+    peers: Vec<u64>,
+) {
+    let mut every = tokio::time::interval(JOIN_ASK_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut asked = 0u64;
+    loop {
+        every.tick().await;
+        if shared.with_node(|node, _| node.broker().joined()) {
+            tracing::info!(node = raft.node(), "joined the cluster");
+            return;
+        }
+        if asked.is_multiple_of(10) {
+            tracing::info!(node = raft.node(), address = %addr, ?peers, "asking the cluster to add this node");
+        }
+        asked += 1;
+        for peer in &peers {
+            raft.forward(
+                *peer,
+                crate::cluster::JOIN_REQUEST,
+                addr.clone().into_bytes(),
+            );
+        }
     }
 }
 
@@ -773,8 +830,13 @@ impl Core {
         };
         for change in self.node.broker_mut().take_group_changes() {
             match change {
-                warren_broker::GroupChange::Add { group, campaign } => {
-                    raft.add_group(warren_broker::GroupId(group), campaign)
+                warren_broker::GroupChange::Add {
+                    group,
+                    campaign,
+                    voters,
+                } => raft.add_group_with(warren_broker::GroupId(group), campaign, voters),
+                warren_broker::GroupChange::Join { group } => {
+                    raft.join_group(warren_broker::GroupId(group))
                 }
                 warren_broker::GroupChange::Remove { group } => {
                     raft.remove_group(warren_broker::GroupId(group))
@@ -783,7 +845,9 @@ impl Core {
                 warren_broker::GroupChange::Transfer { group, to } => {
                     raft.transfer_leader(warren_broker::GroupId(group), to)
                 }
-                warren_broker::GroupChange::Members { voters } => raft.set_members(voters),
+                warren_broker::GroupChange::Members { voters, addresses } => {
+                    raft.set_members(voters, addresses)
+                }
             }
         }
         self.node.take_proposals(&mut self.proposals);
@@ -985,6 +1049,10 @@ pub async fn serve(
         Some(cfg) => {
             let node_id = cfg.node;
             let first = cfg.peers.keys().chain([&node_id]).min().copied() == Some(node_id);
+            let join = cfg
+                .join
+                .clone()
+                .map(|addr| (addr, cfg.peers.keys().copied().collect()));
             let raft = crate::cluster::RaftNode::start(cfg, RaftReports(shared.clone()))
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             let recovered: std::collections::BTreeSet<u64> =
@@ -992,7 +1060,15 @@ pub async fn serve(
             // The metadata group exists on every node; the lowest-numbered node stands for its
             // first leader. Every replicated queue recovered from the store has its group.
             if !recovered.contains(&0) {
-                raft.add_group(warren_broker::GroupId(0), first);
+                match &join {
+                    // Joining: the metadata comes from its leader's snapshot, once the
+                    // cluster has added this node.
+                    Some(_) => raft.join_group(warren_broker::GroupId(0)),
+                    None => raft.add_group(warren_broker::GroupId(0), first),
+                }
+            }
+            if let Some((addr, peers)) = join {
+                tokio::spawn(ask_to_join(shared.clone(), raft.clone(), addr, peers));
             }
             shared.with_core(|core, _| {
                 for (group, _) in core.node.broker().replica_groups() {

@@ -308,6 +308,7 @@ async fn run(config: Config) -> std::io::Result<()> {
             tick_ms: c.tick_ms,
             boot,
             snapshot_keep: c.snapshot_entries,
+            join: c.join.then(|| cluster_address(c)),
         }
     });
     if let Some(c) = &cluster {
@@ -405,6 +406,14 @@ fn own_address(listening: std::net::SocketAddr) -> std::net::SocketAddr {
         ip => ip,
     };
     std::net::SocketAddr::new(ip, listening.port())
+}
+
+/// This node's own entry of `--cluster-nodes`, as the other nodes are to reach it.
+fn cluster_address(c: &config::ClusterSettings) -> String {
+    c.nodes
+        .get(&c.node)
+        .map(|a| a.to_string())
+        .unwrap_or_default()
 }
 
 /// Where this node listens for its peers: its own entry of `--cluster-nodes`, looked up now;

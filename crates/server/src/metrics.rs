@@ -560,7 +560,7 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
                 ))
             })
             .collect();
-        raft_families(&mut t, per_object, &members, &api.cluster_names);
+        raft_families(&mut t, per_object, &members, &api.names());
     }
     t.0
 }

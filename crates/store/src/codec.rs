@@ -602,8 +602,9 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
             }
             if let Some(members) = members {
                 v.put_u32(u32::try_from(members.len()).unwrap_or(u32::MAX));
-                for node in members {
+                for (node, addr) in members {
                     v.put_u64(*node);
+                    put_text(&mut v, addr);
                 }
             }
         }
@@ -693,14 +694,14 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                     .map(|_| Ok((v.u64("metadata node")?, v.u64("feature level")?)))
                     .collect::<Result<Vec<_>, StoreError>>()?
             };
-            // After the levels since format 11, once the cluster forgot a node.
+            // After the levels since format 11, once the cluster added or forgot a node.
             let members = if v.done("metadata place").is_ok() {
                 None
             } else {
                 let n = v.u32("cluster node count")?;
                 Some(
                     (0..n)
-                        .map(|_| v.u64("cluster node"))
+                        .map(|_| Ok((v.u64("cluster node")?, v.text("cluster address")?)))
                         .collect::<Result<Vec<_>, StoreError>>()?,
                 )
             };

@@ -34,7 +34,7 @@ pub use recover::{Recovered, Recovery};
 /// policies in `defs`; format 8 SQS access keys (`k`) in `defs`; format 9 runtime parameters
 /// (`r`: dynamic shovels) in `defs`; format 10 a replicated queue's group after its arguments
 /// and the nodes' feature levels after the metadata place; format 11 the cluster's nodes after
-/// the levels, once the cluster forgot a node. Older directories are still read and marked 11,
+/// the levels, once the cluster added or forgot a node. Older directories are still read and marked 11,
 /// so that an older Warren, which would misread the new records, refuses them.
 pub const FORMAT_VERSION: u32 = 11;
 /// The oldest layout this build reads.

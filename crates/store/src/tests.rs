@@ -1314,8 +1314,14 @@ fn a_cluster_nodes_place_in_the_metadata_log_and_its_pending_changes_read_back()
         index,
         seen: vec![(1, 7), (3, 1 << 60)],
         levels: vec![(1, 1), (3, 0)],
-        // Once the cluster forgot a node (node 2 here), its nodes.
-        members: (index == 42).then(|| vec![1, 3]),
+        // Once the cluster forgot a node (node 2 here) and added one, its nodes.
+        members: (index == 42).then(|| {
+            vec![
+                (1, String::new()),
+                (3, String::new()),
+                (4, "n4.local:7704".into()),
+            ]
+        }),
     };
     let pending = |number| StoreOp::PutMetaPending {
         number,

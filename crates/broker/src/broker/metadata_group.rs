@@ -140,8 +140,17 @@ pub(crate) struct MetaState {
     pub(super) group_changes: Vec<GroupChange>,
     /// The feature level each node announced in the log (`FEATURE_LEVEL`).
     pub(super) levels: BTreeMap<NodeId, u64>,
-    /// The cluster's nodes once the log forgot one (`None`: the list this node started with).
+    /// The cluster's nodes once the log added or forgot one (`None`: the list this node
+    /// started with), and the addresses of those that list lacks (added nodes').
     pub(super) members: Option<Vec<NodeId>>,
+    pub(super) addresses: BTreeMap<NodeId, String>,
+    /// Nodes that asked to join and whose `AddNode` this node sent, until it is applied.
+    pub(super) joins_asked: BTreeSet<NodeId>,
+    /// Raft asked for a snapshot of the metadata (a node being added needs one).
+    pub(super) snapshot_asked: bool,
+    /// Queues are being made from a metadata snapshot: their groups wait for their leaders'
+    /// snapshots rather than start with members the snapshot cannot tell.
+    pub(super) from_snapshot: bool,
     /// This node announced its level since it started.
     level_announced: bool,
     /// Another node's level changed in the log: this node announces its own again.
@@ -164,6 +173,9 @@ pub enum GroupChange {
     Add {
         group: u64,
         campaign: bool,
+        /// The nodes it starts with (`None`: every node of the driver's list, or the
+        /// cluster's nodes its Raft was last told).
+        voters: Option<Vec<u64>>,
     },
     Remove {
         group: u64,
@@ -178,10 +190,17 @@ pub enum GroupChange {
         group: u64,
         to: u64,
     },
-    /// The cluster's nodes changed (one was forgotten): every group moves to `voters`, and
-    /// the nodes not among them are no peers any more. Comes before the groups made after it.
+    /// The cluster's nodes changed (one was added or forgotten): every group moves to
+    /// `voters`, and the nodes not among them are no peers any more; `addresses` are those of
+    /// nodes the driver's list lacks. Comes before the groups made after it.
     Members {
         voters: Vec<u64>,
+        addresses: Vec<(u64, String)>,
+    },
+    /// Make this node's member of a group it learnt of from a metadata snapshot: it waits for
+    /// its leader's snapshot (which tells it the members) before it takes any entry.
+    Join {
+        group: u64,
     },
 }
 
@@ -1144,6 +1163,10 @@ impl Broker {
                 self.forget_applied(node);
                 None
             }
+            MetaOp::AddNode { node, addr } => {
+                self.add_applied(node, addr);
+                None
+            }
             MetaOp::FeatureLevel { node, level } => {
                 if let Some(c) = self.cluster.as_mut() {
                     let changed = c.meta.levels.insert(node, level) != Some(level);
@@ -1166,7 +1189,7 @@ impl Broker {
         index: u64,
         seen: &[(u64, u64)],
         levels: &[(u64, u64)],
-        members: Option<&[u64]>,
+        members: Option<&[(u64, String)]>,
     ) {
         if let Some(c) = self.cluster.as_mut() {
             let node = c.node();
@@ -1177,7 +1200,7 @@ impl Broker {
             // Numbered past what the log has of this node, even if the clock went back.
             m.next_op = m.next_op.max(m.seen.get(&node).copied().unwrap_or(0));
             if let Some(members) = members {
-                c.set_members(members.to_vec());
+                c.set_member_list(members.to_vec());
             }
         }
     }
@@ -1212,8 +1235,62 @@ impl Broker {
             return Err(ForgetError::NoLeader);
         }
         tracing::warn!(node, "asking the cluster to forget a node");
+        // Applied here too only when the log has it (as the latest change to its object).
         self.announce(MetaOp::ForgetNode { node });
         Ok(())
+    }
+
+    /// Node `node`, reached at `addr`, asks to join the cluster (it started with
+    /// `--cluster-join` and an empty data directory): unless the cluster has it already, or
+    /// this node asked for it already, the cluster is asked to add it. Whether it was asked.
+    pub fn request_join(&mut self, node: NodeId, addr: &str) -> bool {
+        let level = self.cluster_feature_level().unwrap_or(0);
+        let Some(c) = self.cluster.as_mut() else {
+            return false;
+        };
+        if node == 0 || c.nodes().contains(&node) || c.meta.joins_asked.contains(&node) {
+            return false;
+        }
+        if level < FORGET_LEVEL || c.meta.leader.is_none() {
+            tracing::warn!(
+                node,
+                level,
+                "a node asks to join, but the cluster cannot add it yet (every node must run a version that can, and the metadata needs a leader)"
+            );
+            return false;
+        }
+        c.meta.joins_asked.insert(node);
+        tracing::warn!(node, %addr, "a node asks to join the cluster: adding it");
+        self.announce(MetaOp::AddNode {
+            node,
+            addr: addr.to_owned(),
+        });
+        true
+    }
+
+    /// Whether this node is among the cluster's nodes as the metadata log says, once the log
+    /// changed them (a node that joined is, once it installed the metadata).
+    pub fn joined(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| c.meta.members.is_some() && c.nodes().contains(&c.node()))
+    }
+
+    /// The log added `node`, reached at `addr`.
+    fn add_applied(&mut self, node: NodeId, addr: String) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        c.meta.joins_asked.remove(&node);
+        if c.nodes().contains(&node) {
+            return;
+        }
+        tracing::warn!(node, %addr, "the cluster adds a node");
+        let mut list = c
+            .member_list()
+            .unwrap_or_else(|| c.nodes().iter().map(|n| (*n, String::new())).collect());
+        list.push((node, addr));
+        c.set_member_list(list);
     }
 
     /// The log forgot `node`: it leaves the cluster's nodes, and every group moves off it.
@@ -1308,6 +1385,15 @@ impl Broker {
                 .min()
                 .unwrap_or(0),
         )
+    }
+
+    /// The cluster addresses of the nodes added to the cluster since it started (the others'
+    /// are in each node's list), as `HOST:PORT`.
+    pub fn cluster_addresses(&self) -> BTreeMap<NodeId, String> {
+        self.cluster
+            .as_ref()
+            .map(|c| c.meta.addresses.clone())
+            .unwrap_or_default()
     }
 
     /// This node's number, every node's, and who leads the metadata group (`None`: not in a
@@ -1478,7 +1564,8 @@ mod tests {
             b.take_group_changes(),
             vec![GroupChange::Add {
                 group,
-                campaign: true
+                campaign: true,
+                voters: None
             }]
         );
         let now = b.now_ms;
@@ -1620,13 +1707,16 @@ mod tests {
         assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2]));
         assert_eq!(
             b.take_group_changes(),
-            vec![GroupChange::Members { voters: vec![1, 2] }]
+            vec![GroupChange::Members {
+                voters: vec![1, 2],
+                addresses: vec![]
+            }]
         );
         let place = StoreOp::PutMetaApplied {
             index: 4,
             seen: vec![(1, 100), (2, entry.seq), (3, 100)],
             levels: vec![(1, 2), (2, FEATURE_LEVEL)],
-            members: Some(vec![1, 2]),
+            members: Some(vec![(1, String::new()), (2, String::new())]),
         };
         assert_eq!(written(&mut b).last(), Some(&place));
         // Two nodes left: losing one more would leave no majority anywhere.
@@ -1637,9 +1727,10 @@ mod tests {
         let mut again = new_node_two();
         again.restore_access(&place).expect("restored");
         assert_eq!(again.cluster_view().map(|v| v.1), Some(vec![1, 2]));
-        assert!(again
-            .take_group_changes()
-            .contains(&GroupChange::Members { voters: vec![1, 2] }));
+        assert!(again.take_group_changes().contains(&GroupChange::Members {
+            voters: vec![1, 2],
+            addresses: vec![]
+        }));
 
         // A node far behind installs the metadata snapshot: the nodes come with it, first.
         let mut snaps = Vec::new();
@@ -1650,7 +1741,10 @@ mod tests {
         assert_eq!(behind.cluster_view().map(|v| v.1), Some(vec![1, 2]));
         assert_eq!(
             behind.take_group_changes().first(),
-            Some(&GroupChange::Members { voters: vec![1, 2] })
+            Some(&GroupChange::Members {
+                voters: vec![1, 2],
+                addresses: vec![]
+            })
         );
     }
 

@@ -121,6 +121,13 @@ pub(crate) enum MetaOp {
     ForgetNode {
         node: NodeId,
     },
+    /// The cluster takes a new node, reached at `addr` (`HOST:PORT`), that asked to join
+    /// (`--cluster-join`): every node links with it, and every group adds it (as a learner
+    /// sent the leader's snapshot, then a voter). At `FEATURE_LEVEL` 2, alone in its entry.
+    AddNode {
+        node: NodeId,
+        addr: String,
+    },
 }
 
 /// The key of a queue's operations (see [`MetaOp::object`]).
@@ -177,6 +184,7 @@ impl MetaOp {
                 | MetaOp::SetQueueArguments { .. }
                 | MetaOp::FeatureLevel { .. }
                 | MetaOp::ForgetNode { .. }
+                | MetaOp::AddNode { .. }
         )
     }
 
@@ -244,7 +252,7 @@ impl MetaOp {
             } => format!("r\0{component}\0{vhost}\0{name}"),
             MetaOp::Rebalance => "b\0".to_owned(),
             MetaOp::FeatureLevel { node, .. } => format!("f\0{node}"),
-            MetaOp::ForgetNode { node } => format!("n\0{node}"),
+            MetaOp::ForgetNode { node } | MetaOp::AddNode { node, .. } => format!("n\0{node}"),
         }
     }
 }
@@ -508,6 +516,11 @@ fn op_table(op: &MetaOp) -> FieldTable {
             t.insert("node", FieldValue::U64(*node));
             "forget_node"
         }
+        MetaOp::AddNode { node, addr } => {
+            t.insert("node", FieldValue::U64(*node));
+            text(&mut t, "address", addr);
+            "add_node"
+        }
         MetaOp::PutParameter(p) => {
             text(&mut t, "component", &p.component);
             text(&mut t, "vhost", &p.vhost);
@@ -755,6 +768,10 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
         "forget_node" => MetaOp::ForgetNode {
             node: t.get("node")?.as_u64()?,
         },
+        "add_node" => MetaOp::AddNode {
+            node: t.get("node")?.as_u64()?,
+            addr: f.text("address")?,
+        },
         _ => return None,
     })
 }
@@ -835,9 +852,10 @@ pub(super) struct MetaSnapshot {
     pub local_users: Vec<String>,
     /// The feature level each node announced (absent from snapshots of earlier versions).
     pub levels: Vec<(NodeId, u64)>,
-    /// The cluster's nodes once one was forgotten (`None`: every node of the list each node
-    /// was started with; absent from snapshots of earlier versions).
-    pub members: Option<Vec<NodeId>>,
+    /// The cluster's nodes once one was added or forgotten (`None`: every node of the list
+    /// each node was started with; absent from snapshots of earlier versions), each with its
+    /// address (empty: the one each node's list gives).
+    pub members: Option<Vec<(NodeId, String)>>,
 }
 
 fn pairs_value(pairs: &[(NodeId, u64)], second: &'static str) -> FieldValue {
@@ -873,7 +891,15 @@ pub(super) fn encode_snapshot(snap: &MetaSnapshot) -> Bytes {
         t.insert("levels", pairs_value(&snap.levels, "level"));
     }
     if let Some(members) = &snap.members {
-        let list = members.iter().map(|n| FieldValue::U64(*n)).collect();
+        let list = members
+            .iter()
+            .map(|(node, addr)| {
+                let mut m = FieldTable::new();
+                m.insert("node", FieldValue::U64(*node));
+                text(&mut m, "address", addr);
+                FieldValue::Table(m)
+            })
+            .collect();
         t.insert("members", FieldValue::Array(list));
     }
     let ops = snap
@@ -914,7 +940,10 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         Some(v) => Some(
             v.as_array()?
                 .iter()
-                .map(FieldValue::as_u64)
+                .map(|m| {
+                    let m = m.as_table()?;
+                    Some((m.get("node")?.as_u64()?, Fields(m).text("address")?))
+                })
                 .collect::<Option<Vec<_>>>()?,
         ),
         None => None,
@@ -951,7 +980,11 @@ mod tests {
             ops: every_op(),
             local_users: vec!["admin".into()],
             levels: vec![(1, 1), (2, 0)],
-            members: Some(vec![1, 2, 5]),
+            members: Some(vec![
+                (1, String::new()),
+                (2, String::new()),
+                (5, "n5:7705".into()),
+            ]),
         };
         let data = encode_snapshot(&snap);
         assert_eq!(decode_snapshot(&data), Some(snap));
@@ -1146,6 +1179,10 @@ mod tests {
             },
             MetaOp::FeatureLevel { node: 3, level: 1 },
             MetaOp::ForgetNode { node: 3 },
+            MetaOp::AddNode {
+                node: 5,
+                addr: "n5.example:7705".into(),
+            },
             MetaOp::DeclareQueue {
                 vhost: "/".into(),
                 name: ShortStr::from_static("placed"),
@@ -1244,10 +1281,11 @@ mod tests {
                         | MetaOp::Rebalance
                         | MetaOp::FeatureLevel { .. }
                         | MetaOp::ForgetNode { .. }
+                        | MetaOp::AddNode { .. }
                 )
             })
             .collect();
         assert_eq!(alone, want);
-        assert_eq!(alone.iter().filter(|a| **a).count(), 4);
+        assert_eq!(alone.iter().filter(|a| **a).count(), 5);
     }
 }

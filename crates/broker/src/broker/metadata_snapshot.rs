@@ -49,7 +49,7 @@ fn rank(op: &MetaOp) -> u8 {
         MetaOp::Bind(_) | MetaOp::Unbind(_) => 10,
         MetaOp::Rebalance => 11,
         MetaOp::FeatureLevel { .. } => 12,
-        MetaOp::ForgetNode { .. } => 13,
+        MetaOp::ForgetNode { .. } | MetaOp::AddNode { .. } => 13,
     }
 }
 
@@ -256,7 +256,9 @@ impl Broker {
             return;
         };
         let m = &c.meta;
-        let due = m.since_snapshot >= c.snapshot_entries && m.applied_term > 0;
+        // Raft asks for one when a node being added needs it (`Broker::want_snapshots`).
+        let due =
+            (m.since_snapshot >= c.snapshot_entries || m.snapshot_asked) && m.applied_term > 0;
         let quiet = m.latest.is_empty() && m.queued.is_empty() && !m.in_flight_pending();
         if !due || !quiet {
             return;
@@ -274,7 +276,7 @@ impl Broker {
             ops,
             local_users: local.iter().cloned().collect(),
             levels: m.levels.iter().map(|(n, l)| (*n, *l)).collect(),
-            members: m.members.clone(),
+            members: c.member_list(),
         };
         let data = encode_snapshot(&snap);
         let (index, term, max) = (m.applied, m.applied_term, c.snapshot_max);
@@ -284,6 +286,7 @@ impl Broker {
             return;
         };
         c.meta.since_snapshot = 0;
+        c.meta.snapshot_asked = false;
         if !reads_back {
             tracing::error!(
                 index,
@@ -385,7 +388,7 @@ impl Broker {
         }
         // The nodes first: the queues the snapshot makes here start with them.
         if let Some(members) = members {
-            c.set_members(members);
+            c.set_member_list(members);
         }
         if let Some(p) = self.persist.as_mut() {
             for number in done {
@@ -416,6 +419,9 @@ impl Broker {
         // an exchange declared with another type loses its bindings. So again, with what the
         // node then holds, until nothing differs (a few passes at most).
         let (mut deleted, mut changed) = (0, 0);
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta.from_snapshot = true;
+        }
         for pass in 0.. {
             let here = keyed(self.cluster_definitions());
             let gone: Vec<MetaOp> = here
@@ -447,6 +453,9 @@ impl Broker {
             for op in gone.into_iter().chain(differ) {
                 self.apply_meta_op(op);
             }
+        }
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta.from_snapshot = false;
         }
         tracing::info!(index, deleted, changed, "metadata snapshot installed");
         // Declarations of this node's the snapshot holds: their clients learn what the

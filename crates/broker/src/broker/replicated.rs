@@ -191,11 +191,43 @@ impl Cluster {
             self.draining_peers.remove(gone);
             self.meta.levels.remove(gone);
         }
+        self.meta.addresses.retain(|n, _| nodes.contains(n));
         self.nodes = nodes.clone();
         self.meta.members = Some(nodes.clone());
+        let addresses = self
+            .meta
+            .addresses
+            .iter()
+            .map(|(n, a)| (*n, a.clone()))
+            .collect();
         self.meta
             .group_changes
-            .push(super::metadata_group::GroupChange::Members { voters: nodes });
+            .push(super::metadata_group::GroupChange::Members {
+                voters: nodes,
+                addresses,
+            });
+    }
+
+    /// [`Cluster::set_members`] from a list with addresses (empty: the one this node's list
+    /// gives).
+    pub(super) fn set_member_list(&mut self, list: Vec<(NodeId, String)>) {
+        for (n, addr) in &list {
+            if !addr.is_empty() {
+                self.meta.addresses.insert(*n, addr.clone());
+            }
+        }
+        self.set_members(list.into_iter().map(|(n, _)| n).collect());
+    }
+
+    /// The cluster's nodes with their addresses, once the log changed them.
+    pub(super) fn member_list(&self) -> Option<Vec<(NodeId, String)>> {
+        let members = self.meta.members.as_ref()?;
+        Some(
+            members
+                .iter()
+                .map(|n| (*n, self.meta.addresses.get(n).cloned().unwrap_or_default()))
+                .collect(),
+        )
     }
 
     /// Raft saw `node` go down and not come back (a node never heard since this one started
@@ -211,7 +243,7 @@ impl Cluster {
             index: m.applied,
             seen: m.seen.iter().map(|(n, s)| (*n, *s)).collect(),
             levels: m.levels.iter().map(|(n, l)| (*n, *l)).collect(),
-            members: m.members.clone(),
+            members: self.member_list(),
         }
     }
 
@@ -487,6 +519,31 @@ impl Broker {
                 }
             }
         }
+    }
+
+    /// Raft's leaders need snapshots of these groups now (a node being added starts from
+    /// one): each queue's committed state is taken at once, the metadata's once no change of
+    /// this node's waits for the log (Raft asks again a second later otherwise).
+    pub fn want_snapshots(&mut self, groups: &[u64]) {
+        let mut ids = Vec::new();
+        for g in groups {
+            if *g == super::metadata_group::META_GROUP {
+                if let Some(c) = self.cluster.as_mut() {
+                    c.meta.snapshot_asked = true;
+                }
+                self.take_meta_snapshot();
+                continue;
+            }
+            let Some(id) = self.cluster.as_ref().and_then(|c| c.groups.get(g)).copied() else {
+                continue;
+            };
+            if let Some(r) = self.queues.get_mut(&id).and_then(|q| q.replica.as_mut()) {
+                r.since_snapshot = u64::MAX;
+                r.since_snapshot_bytes = u64::MAX;
+                ids.push(id);
+            }
+        }
+        self.take_due_snapshots(&ids);
     }
 
     /// Snapshots the committed state of the queues in `ids` that applied enough since their
@@ -839,12 +896,26 @@ impl Broker {
         let mut r = ReplicaState::new(group);
         r.chosen = chosen;
         q.replica = Some(Box::new(r));
-        c.meta
-            .group_changes
-            .push(super::metadata_group::GroupChange::Add {
+        let change = if c.meta.members.is_none() {
+            // Every node of the list, as the group's other members made it.
+            super::metadata_group::GroupChange::Add {
                 group,
                 campaign: chosen == Some(c.node),
-            });
+                voters: None,
+            }
+        } else if c.meta.from_snapshot {
+            // Which nodes the group started with, a metadata snapshot cannot tell (the
+            // cluster's nodes may have changed since): its leader's snapshot will.
+            super::metadata_group::GroupChange::Join { group }
+        } else {
+            // Made by the log's entry, here as on every node: with the cluster's nodes at it.
+            super::metadata_group::GroupChange::Add {
+                group,
+                campaign: chosen == Some(c.node),
+                voters: Some(c.nodes.clone()),
+            }
+        };
+        c.meta.group_changes.push(change);
         chosen
     }
 

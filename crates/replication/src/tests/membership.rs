@@ -336,3 +336,33 @@ fn a_forgotten_node_is_removed_from_its_groups_and_takes_no_part_when_it_comes_b
     let back = sim.nodes[&3].applied.get(&G).map_or(0, Vec::len);
     assert_eq!(back, 10, "node 3 took nothing more");
 }
+
+/// A node that made a group waiting for its leader's snapshot while the group counts it as a
+/// voter from the start (it learnt of the queue from the metadata's snapshot, not from the
+/// entry that made it) asks for the snapshot and catches up, never taking the log from its
+/// first entry.
+#[test]
+fn a_voter_made_to_wait_for_a_snapshot_asks_its_leader_for_one() {
+    let mut sim = Sim::bare(31, vec![1, 2, 3]);
+    sim.groups = vec![G];
+    for id in [1, 2] {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.add_group(G, id == 1).expect("group");
+    }
+    run_until(&mut sim, 500, "a leader", |s| s.leader(G).is_some());
+    for i in 0..10 {
+        assert!(sim.propose(G, data(i)));
+    }
+    sim.nodes
+        .get_mut(&3)
+        .expect("node 3")
+        .raft
+        .join_group(G)
+        .expect("join");
+    run_until(&mut sim, 3000, "node 3 caught up from a snapshot", |s| {
+        s.nodes[&3].applied.get(&G).is_some_and(|a| a.len() == 10)
+            && s.nodes[&3].raft.members(G) == Some(Members::voters(vec![1, 2, 3]))
+    });
+    let log3 = sim.nodes[&3].log.recovered(G);
+    assert!(log3.snapshot.is_some(), "started from a snapshot");
+}

@@ -20,6 +20,9 @@ use warren_replication::NodeId;
 type HmacSha256 = Hmac<Sha256>;
 
 const MAGIC: [u8; 8] = *b"WRNRAFT1";
+/// A node that asks to join the cluster dials with this one: a node that does not know it
+/// yet takes the link (for the request to join alone; see `JOIN_REQUEST`).
+const MAGIC_JOIN: [u8; 8] = *b"WRNJOIN1";
 const NONCE: usize = 32;
 const PROOF: usize = 32;
 const ACCEPTED: u8 = 1;
@@ -116,10 +119,11 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     secret: &[u8],
     me: NodeId,
     peer: NodeId,
+    joining: bool,
 ) -> Result<(), AuthError> {
     let mine = nonce()?;
     let mut hello = Vec::with_capacity(8 + 16 + NONCE);
-    hello.extend_from_slice(&MAGIC);
+    hello.extend_from_slice(if joining { &MAGIC_JOIN } else { &MAGIC });
     hello.extend_from_slice(&me.to_be_bytes());
     hello.extend_from_slice(&peer.to_be_bytes());
     hello.extend_from_slice(&mine);
@@ -172,7 +176,9 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
 
 /// The listening side: returns the member that proved itself, once `vet` accepts it too (the
 /// dialer is told it was refused otherwise). Says nothing to a stranger (no proof of ours for a
-/// node id that is not a member).
+/// node id that is not a member), unless it dialed as a node asking to join: it is taken once
+/// it proved the secret (what it sends then counts only as a request to join), without `vet`,
+/// which has no address to check it against (with cluster TLS, the CA still vouches for it).
 pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
     s: &mut S,
     secret: &[u8],
@@ -183,7 +189,8 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
     let mut hello = [0u8; 8 + 16 + NONCE];
     s.read_exact(&mut hello).await?;
     let (magic, rest) = hello.split_at(8);
-    if magic != MAGIC {
+    let joining = magic == MAGIC_JOIN;
+    if magic != MAGIC && !joining {
         return Err(if speaks_tls(magic, TLS_HANDSHAKE) {
             AuthError::PeerUsesTls
         } else {
@@ -197,7 +204,8 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
             found: to,
         });
     }
-    if from == me || !members.contains_key(&from) {
+    let member = members.contains_key(&from);
+    if from == me || from == 0 || (!member && !joining) {
         return Err(AuthError::NotMember(from));
     }
     let mut theirs = [0u8; NONCE];
@@ -219,7 +227,9 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin, A>(
     proof(secret, DIALER, from, me, &theirs, &mine)?
         .verify_slice(&their_proof)
         .map_err(|_| AuthError::BadProof)?;
-    vet(from).map_err(|why| AuthError::Vetoed { node: from, why })?;
+    if member {
+        vet(from).map_err(|why| AuthError::Vetoed { node: from, why })?;
+    }
     s.write_all(&[ACCEPTED]).await?;
     s.flush().await?;
     Ok(from)
@@ -244,11 +254,32 @@ mod tests {
         listener: NodeId,
         known: &[NodeId],
     ) -> (Result<(), AuthError>, Result<NodeId, AuthError>) {
+        pair_as(
+            dial_secret,
+            accept_secret,
+            dialer,
+            dialed,
+            listener,
+            known,
+            false,
+        )
+        .await
+    }
+
+    async fn pair_as(
+        dial_secret: &[u8],
+        accept_secret: &[u8],
+        dialer: NodeId,
+        dialed: NodeId,
+        listener: NodeId,
+        known: &[NodeId],
+        joining: bool,
+    ) -> (Result<(), AuthError>, Result<NodeId, AuthError>) {
         let (mut a, mut b) = tokio::io::duplex(1024);
         let known = members(known);
         let (d, l) = tokio::join!(
             async {
-                let r = dial(&mut a, dial_secret, dialer, dialed).await;
+                let r = dial(&mut a, dial_secret, dialer, dialed, joining).await;
                 drop(a);
                 r
             },
@@ -281,7 +312,7 @@ mod tests {
                 .await
                 .unwrap();
         };
-        let (d, ()) = tokio::join!(dial(&mut a, s, 2, 1), listener);
+        let (d, ()) = tokio::join!(dial(&mut a, s, 2, 1, false), listener);
         assert!(matches!(d, Err(AuthError::PeerUsesTls)), "{d:?}");
     }
 
@@ -318,6 +349,19 @@ mod tests {
         ));
     }
 
+    /// A node asking to join is taken with the secret, though no member; without the secret
+    /// it is not.
+    #[tokio::test]
+    async fn a_node_asking_to_join_is_taken_once_it_proves_the_secret() {
+        let s = b"0123456789abcdef";
+        let (d, l) = pair_as(s, s, 4, 1, 1, &[2, 3], true).await;
+        assert!(d.is_ok(), "{d:?}");
+        assert_eq!(l.unwrap(), 4);
+        let (d, l) = pair_as(b"fedcba9876543210", s, 4, 1, 1, &[2, 3], true).await;
+        assert!(matches!(d, Err(AuthError::BadProof)), "{d:?}");
+        assert!(l.is_err());
+    }
+
     #[tokio::test]
     async fn a_proof_made_without_the_secret_is_refused_on_either_side() {
         let s = b"0123456789abcdef";
@@ -348,7 +392,7 @@ mod tests {
         assert!(verdict.is_empty(), "no ACCEPTED for a made-up proof");
         // A listener that answers with a made-up proof.
         let (mut a, mut b) = tokio::io::duplex(1024);
-        let (d, ()) = tokio::join!(dial(&mut a, s, 2, 1), async move {
+        let (d, ()) = tokio::join!(dial(&mut a, s, 2, 1, false), async move {
             let mut hello = [0u8; 8 + 16 + NONCE];
             b.read_exact(&mut hello).await.unwrap();
             let mut answer = MAGIC.to_vec();

@@ -32,6 +32,10 @@ pub const NODE_FIGURES: GroupId = GroupId((1 << 63) - 2);
 /// A forward to this group asks the receiver to restart one of the shovels it runs (a restart
 /// asked through another node's API): the vhost's length (4 bytes), the vhost, the name.
 pub const SHOVEL_RESTART: GroupId = GroupId((1 << 63) - 3);
+/// A forward to this group is a node's request to join the cluster (it started with
+/// `--cluster-join`): its cluster address (`HOST:PORT`, as UTF-8). The only thing a node that
+/// is no member may send.
+pub const JOIN_REQUEST: GroupId = GroupId((1 << 63) - 4);
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
 use node::{Command, Driver};
@@ -69,6 +73,10 @@ pub struct ClusterConfig {
     /// Entries the log keeps behind a group's snapshot for a follower that lags (4096 by
     /// default); one further behind is sent the snapshot.
     pub snapshot_keep: u64,
+    /// This node asks to join a running cluster (`--cluster-join`), giving the others this
+    /// address (`HOST:PORT`, its own entry of `--cluster-nodes`): its links use the joining
+    /// handshake, and it starts the metadata group waiting for its leader's snapshot.
+    pub join: Option<String>,
 }
 
 impl std::fmt::Debug for ClusterConfig {
@@ -83,6 +91,7 @@ impl std::fmt::Debug for ClusterConfig {
             .field("tick_ms", &self.tick_ms)
             .field("boot", &self.boot)
             .field("snapshot_keep", &self.snapshot_keep)
+            .field("join", &self.join)
             .finish_non_exhaustive()
     }
 }
@@ -124,6 +133,11 @@ pub trait RaftEvents: Send + 'static {
     /// Proposals other nodes sent for groups they believe this node leads, with the sender.
     fn forwarded(&self, entries: Vec<(NodeId, Forward)>) {
         let _ = entries;
+    }
+    /// Groups whose leader here needs the state machine's snapshot now (a node being added
+    /// starts from one): answer with [`RaftNode::snapshot`].
+    fn snapshots_wanted(&self, groups: Vec<GroupId>) {
+        let _ = groups;
     }
 }
 
@@ -301,10 +315,26 @@ impl RaftNode {
         self.send(Command::Drain(on));
     }
 
-    /// The cluster's nodes are now `voters` (it forgot one): every group this node leads
-    /// moves to them, one change at a time, and the others are no peers any more.
-    pub fn set_members(&self, voters: Vec<NodeId>) {
-        self.send(Command::Members(voters));
+    /// The cluster's nodes are now `voters` (it added or forgot one; `addresses` are those of
+    /// nodes this node's list lacks, `HOST:PORT`): every group this node leads moves to them,
+    /// one change at a time, and the others are no peers any more.
+    pub fn set_members(&self, voters: Vec<NodeId>, addresses: Vec<(NodeId, String)>) {
+        self.send(Command::Members(voters, addresses));
+    }
+
+    /// Makes this node's member of a group it is being added to: it waits for its leader's
+    /// snapshot ([`MultiRaft::join_group`]), unless it exists.
+    pub fn join_group(&self, group: GroupId) {
+        self.send(Command::JoinGroup(group));
+    }
+
+    /// [`RaftNode::add_group`] with the voters it starts with (`None`: every node of the
+    /// list, or the cluster's nodes as last set).
+    pub fn add_group_with(&self, group: GroupId, campaign: bool, voters: Option<Vec<NodeId>>) {
+        match voters {
+            Some(v) => self.send(Command::AddGroupWith(group, campaign, v)),
+            None => self.send(Command::AddGroup(group, campaign)),
+        }
     }
 
     /// Hands a group's leadership to another node, if this one leads it.

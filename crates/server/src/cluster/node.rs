@@ -30,8 +30,11 @@ pub(crate) enum Command {
     /// Hand a group's leadership to a node ([`MultiRaft::transfer_leader`]).
     Transfer(GroupId, NodeId),
     /// The cluster's nodes changed: every group moves to them ([`MultiRaft::set_members`]),
-    /// and the nodes not among them are no peers any more.
-    Members(Vec<NodeId>),
+    /// and the nodes not among them are no peers any more; with the addresses of the nodes
+    /// the list lacks.
+    Members(Vec<NodeId>, Vec<(NodeId, String)>),
+    AddGroupWith(GroupId, bool, Vec<NodeId>),
+    JoinGroup(GroupId),
     /// Every group's state, for metrics ([`MultiRaft::status`]).
     Status(tokio::sync::oneshot::Sender<Vec<warren_replication::GroupStatus>>),
     Shutdown,
@@ -139,7 +142,14 @@ impl<E: RaftEvents> Driver<E> {
         let mut b = q.batch;
         let from = b.from;
         if !self.raft.is_peer(from) {
-            // A node the cluster forgot, still connected: nothing it says counts.
+            // A node that is no member (one the cluster forgot, still connected, or one that
+            // asks to join): nothing it says counts, but for a request to join.
+            self.forwarded.extend(
+                b.forwards
+                    .into_iter()
+                    .filter(|f| f.group == super::JOIN_REQUEST)
+                    .map(|f| (from, f)),
+            );
             return;
         }
         self.forwarded.extend(
@@ -200,11 +210,25 @@ impl<E: RaftEvents> Driver<E> {
             }
             Command::Snapshot(group, snap) => self.save_snapshot(group, snap),
             Command::Drain(on) => self.raft.set_draining(on),
-            Command::Members(voters) => {
+            Command::Members(voters, addresses) => {
+                self.out.set_peers(&voters, &addresses);
                 self.raft.set_peers(&voters);
-                self.raft.set_members(voters.clone());
-                self.out.keep_only(&voters);
+                self.raft.set_members(voters);
             }
+            Command::AddGroupWith(group, campaign, voters) => {
+                match self.raft.add_group_with(group, voters, campaign) {
+                    Ok(()) | Err(Error::GroupExists(_)) => {}
+                    Err(e) => {
+                        tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot add raft group");
+                    }
+                }
+            }
+            Command::JoinGroup(group) => match self.raft.join_group(group) {
+                Ok(()) | Err(Error::GroupExists(_)) => {}
+                Err(e) => {
+                    tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot join raft group");
+                }
+            },
             Command::Transfer(group, to) => {
                 if !self.raft.transfer_leader(group, to) {
                     tracing::debug!(group = group.0, to, "leadership transfer not started");
@@ -258,6 +282,7 @@ impl<E: RaftEvents> Driver<E> {
             self.out.send(b);
         }
         let leaders = std::mem::take(&mut rd.leaders);
+        let wanted = std::mem::take(&mut rd.snapshots_wanted);
         let peers = std::mem::take(&mut rd.peers);
         let draining = std::mem::take(&mut rd.draining);
         if let Err(e) = rd.persist(&mut self.log) {
@@ -294,6 +319,9 @@ impl<E: RaftEvents> Driver<E> {
                 .map(|(g, l)| (g, l, raft.term_of(g).unwrap_or(0)))
                 .collect();
             self.events.leaders(leaders, refused);
+        }
+        if !wanted.is_empty() {
+            self.events.snapshots_wanted(wanted);
         }
         self.snapshots.append(&mut done.snapshots);
         if !self.snapshots.is_empty() {

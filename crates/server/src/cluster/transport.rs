@@ -144,34 +144,70 @@ pub(crate) struct Outbound {
     links: BTreeMap<NodeId, (mpsc::Sender<Queued>, Arc<Budget>)>,
     counters: Arc<Counters>,
     shared: Arc<Shared>,
+    /// The transport's runtime, for the dialers of nodes added later.
+    runtime: tokio::runtime::Handle,
 }
 
 impl Outbound {
-    /// The cluster forgot the nodes not in `nodes`: their dialers stop (their queue closes),
-    /// their connections to this node close at their next frame, and they cannot connect
-    /// again.
-    pub(crate) fn keep_only(&mut self, nodes: &[NodeId]) {
+    /// The cluster's nodes are now `nodes` (`addresses`: those of nodes the list this node
+    /// started with lacks): a node added gets a dialer and may connect; the dialer of a node
+    /// forgotten stops (its queue closes), its connection to this node closes at its next
+    /// frame, and it cannot connect again.
+    pub(crate) fn set_peers(&mut self, nodes: &[NodeId], addresses: &[(NodeId, String)]) {
+        let me = self.shared.me;
+        let peers = {
+            let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
+            for (node, text) in addresses {
+                match PeerAddr::parse(text) {
+                    Some(addr) if *node != me => {
+                        peers.insert(*node, addr);
+                    }
+                    Some(_) => {}
+                    None => {
+                        tracing::error!(node = me, peer = node, address = %text, "a cluster node's address does not read as HOST:PORT");
+                    }
+                }
+            }
+            peers.retain(|n, _| nodes.contains(n));
+            peers.clone()
+        };
+        self.shared.generation.fetch_add(1, Ordering::Release);
         let gone: Vec<NodeId> = self
             .links
             .keys()
             .copied()
-            .filter(|n| !nodes.contains(n))
+            .filter(|n| !peers.contains_key(n))
             .collect();
-        if gone.is_empty() {
-            return;
-        }
-        {
-            let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
-            peers.retain(|n, _| nodes.contains(n));
-        }
-        self.shared.generation.fetch_add(1, Ordering::Release);
         for node in gone {
             tracing::info!(
-                node = self.shared.me,
+                node = me,
                 peer = node,
                 "no more links with a forgotten node"
             );
             self.links.remove(&node);
+        }
+        for (peer, addr) in peers {
+            if self.links.contains_key(&peer) {
+                continue;
+            }
+            tracing::info!(node = me, peer, %addr, "linking with a node added to the cluster");
+            let (tx, rx) = mpsc::channel(PEER_QUEUE);
+            let budget = Budget::new(PEER_QUEUE_BYTES);
+            self.links.insert(peer, (tx, budget.clone()));
+            let redial = Arc::new(Notify::new());
+            self.shared
+                .redial
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(peer, redial.clone());
+            self.runtime.spawn(dial_loop(
+                self.shared.clone(),
+                peer,
+                addr,
+                rx,
+                budget,
+                redial,
+            ));
         }
     }
 
@@ -247,7 +283,10 @@ pub(crate) struct Shared {
     inbound_budget: Arc<Budget>,
     counters: Arc<Counters>,
     /// Woken when a peer connects to us: it is up, so our dialer need not wait out its back-off.
-    redial: BTreeMap<NodeId, Arc<Notify>>,
+    redial: Mutex<BTreeMap<NodeId, Arc<Notify>>>,
+    /// This node asks to join the cluster: it dials with the joining handshake, which a
+    /// node that does not know it yet takes (for its request to join alone).
+    joining: bool,
     handshakes: Arc<Semaphore>,
     refusals_logged: Mutex<HashMap<IpAddr, Instant>>,
 }
@@ -296,7 +335,8 @@ pub(crate) fn start(
         inbound,
         inbound_budget: inbound_budget.clone(),
         counters: counters.clone(),
-        redial,
+        redial: Mutex::new(redial.clone()),
+        joining: cfg.join.is_some(),
         handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
         refusals_logged: Mutex::new(HashMap::new()),
     });
@@ -305,9 +345,20 @@ pub(crate) fn start(
         let (tx, rx) = mpsc::channel(PEER_QUEUE);
         let budget = Budget::new(PEER_QUEUE_BYTES);
         links.insert(*peer, (tx, budget.clone()));
-        runtime.spawn(dial_loop(shared.clone(), *peer, addr.clone(), rx, budget));
+        let Some(wake) = redial.get(peer).cloned() else {
+            continue;
+        };
+        runtime.spawn(dial_loop(
+            shared.clone(),
+            *peer,
+            addr.clone(),
+            rx,
+            budget,
+            wake,
+        ));
     }
     runtime.spawn(accept_loop(shared.clone(), listener));
+    let handle = runtime.handle().clone();
     Ok((
         Net {
             runtime: Some(runtime),
@@ -316,6 +367,7 @@ pub(crate) fn start(
             links,
             counters,
             shared,
+            runtime: handle,
         },
         inbound_budget,
     ))
@@ -356,7 +408,7 @@ async fn connect(shared: &Shared, peer: NodeId, addr: &PeerAddr) -> Result<Strea
     };
     // In TLS 1.3 the listener checks this node's certificate after the dialer's handshake is
     // done: its refusal arrives as an alert on the first read.
-    auth::dial(&mut stream, &shared.secret, shared.me, peer)
+    auth::dial(&mut stream, &shared.secret, shared.me, peer, shared.joining)
         .await
         .map_err(|e| match &e {
             AuthError::Io(io) => link_tls::refusal(io).map_or(DialError::Auth(e), DialError::Tls),
@@ -383,13 +435,11 @@ async fn dial_loop(
     addr: PeerAddr,
     mut rx: mpsc::Receiver<Queued>,
     budget: Arc<Budget>,
+    redial: Arc<Notify>,
 ) {
     let me = shared.me;
     let mut backoff = MIN_BACKOFF;
     let mut link = Link::Starting;
-    let Some(redial) = shared.redial.get(&peer).cloned() else {
-        return;
-    };
     loop {
         let attempt = tokio::time::timeout(HANDSHAKE_TIMEOUT, connect(&shared, peer, &addr))
             .await
@@ -585,7 +635,13 @@ async fn serve(
     };
     bump(&shared.counters.connections_in);
     tracing::info!(node = me, peer, %remote, tls = shared.tls.is_some(), "cluster peer connected");
-    if let Some(n) = shared.redial.get(&peer) {
+    let wake = shared
+        .redial
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&peer)
+        .cloned();
+    if let Some(n) = wake {
         n.notify_one();
     }
     let mut read = BufReader::with_capacity(64 << 10, stream);

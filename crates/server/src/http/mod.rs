@@ -106,8 +106,51 @@ pub(crate) fn peer_figures(api: &Api, node: u64) -> Option<(std::time::Duration,
         return None;
     }
     let v: Value = serde_json::from_slice(&data).ok()?;
-    let name = api.cluster_names.get(&node)?;
+    let name = api.name_of(node);
     (v["node"]["name"] == name.as_str() && v["node"]["cluster"].is_object()).then_some((age, v))
+}
+
+impl Api {
+    /// The cluster's nodes now (it may have added some to the list this node started with,
+    /// and forgotten others), each with its name.
+    pub fn names(&self) -> std::collections::BTreeMap<u64, String> {
+        let (nodes, added) = self.node.read(|n, _| {
+            let b = n.broker();
+            (
+                b.cluster_view()
+                    .map(|(_, nodes, _)| nodes)
+                    .unwrap_or_default(),
+                b.cluster_addresses(),
+            )
+        });
+        nodes
+            .into_iter()
+            .map(|n| (n, name_from(n, &self.cluster_names, &added)))
+            .collect()
+    }
+
+    /// Node `node`'s name.
+    pub fn name_of(&self, node: u64) -> String {
+        let added = self.node.read(|n, _| n.broker().cluster_addresses());
+        name_from(node, &self.cluster_names, &added)
+    }
+}
+
+fn name_from(
+    node: u64,
+    listed: &std::collections::BTreeMap<u64, String>,
+    added: &std::collections::BTreeMap<u64, String>,
+) -> String {
+    if let Some(addr) = added
+        .get(&node)
+        .and_then(|a| crate::cluster::PeerAddr::parse(a))
+    {
+        return cluster_node_name(node, &addr);
+    }
+    listed
+        .get(&node)
+        .cloned()
+        .unwrap_or_else(|| format!("warren-{node}"))
 }
 
 /// A cluster node's name: `warren-N@` its cluster address's host (as `--cluster-nodes` gives

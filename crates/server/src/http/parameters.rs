@@ -329,7 +329,7 @@ async fn delete_one(
 /// [`super::FIGURES_EVERY`], shown up to [`super::FIGURES_STALE`] old), each naming its `node`.
 fn shovel_listing(api: &Api, who: &Login, vhost: Option<&str>) -> Vec<Value> {
     let mut list = api.shovels.list(vhost);
-    for node in api.cluster_names.keys() {
+    for node in api.names().keys() {
         let Some((_, mut figures)) = super::peer_figures(api, *node) else {
             continue;
         };
@@ -399,7 +399,7 @@ async fn restart_shovel(
     }
     // In a cluster another node may run it: that node is asked, as RabbitMQ's API restarts a
     // shovel on whichever node runs it.
-    for node in api.cluster_names.keys() {
+    for node in api.names().keys() {
         let Some((_, figures)) = super::peer_figures(&api, *node) else {
             continue;
         };

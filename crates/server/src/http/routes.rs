@@ -360,11 +360,7 @@ async fn members_changing(api: &Api) -> Option<usize> {
 /// whether it runs. `running` and `being_drained` are always this node's view (its Raft hears
 /// of both at every heartbeat).
 fn peer_json(api: &Api, node: u64, running: bool) -> Value {
-    let name = api
-        .cluster_names
-        .get(&node)
-        .cloned()
-        .unwrap_or_else(|| format!("warren-{node}"));
+    let name = api.name_of(node);
     let drained = api.node.read(|n, _| n.broker().node_draining(node));
     // Only a running peer's (`peer_figures` looks that up itself).
     if let Some((age, mut figures)) = super::peer_figures(api, node) {
@@ -438,7 +434,7 @@ async fn revive(State(api): ApiState, Admin(who): Admin, Path(node): Path<String
 /// this node applied the change).
 async fn forget(State(api): ApiState, Admin(who): Admin, Path(node): Path<String>) -> Answer {
     let id = node.parse::<u64>().ok().or_else(|| {
-        api.cluster_names
+        api.names()
             .iter()
             .find(|(_, name)| **name == node)
             .map(|(id, _)| *id)
@@ -478,7 +474,7 @@ fn queues_led_here(api: &Api) -> usize {
 
 fn maintenance(api: &Api, by: &str, node: &str, on: bool) -> Answer {
     if node != api.node_name {
-        let peer = api.cluster_names.values().any(|n| n == node);
+        let peer = api.names().values().any(|n| n == node);
         if !peer {
             return Err(ApiError::not_found());
         }
@@ -864,17 +860,9 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
 }
 
 /// The cluster's nodes this node sees down.
-/// The names of the cluster's nodes now (it may have forgotten some of its list).
+/// The names of the cluster's nodes now (it may have added or forgotten some of its list).
 fn member_names(api: &Api) -> std::collections::BTreeMap<u64, String> {
-    let nodes = api
-        .node
-        .read(|n, _| n.broker().cluster_view().map(|(_, nodes, _)| nodes))
-        .unwrap_or_default();
-    api.cluster_names
-        .iter()
-        .filter(|(n, _)| nodes.contains(n))
-        .map(|(n, name)| (*n, name.clone()))
-        .collect()
+    api.names()
 }
 
 fn nodes_down(api: &Api) -> std::collections::BTreeSet<u64> {

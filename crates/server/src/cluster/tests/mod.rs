@@ -129,6 +129,7 @@ impl Cluster {
             boot,
             // Small, so that a follower down for a few dozen entries needs a snapshot.
             snapshot_keep: 8,
+            join: None,
         }
     }
 
@@ -439,7 +440,9 @@ fn member_connection(addr: SocketAddr, as_node: NodeId, to: NodeId) -> TcpStream
         .unwrap();
     let std_stream = rt.block_on(async {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        auth::dial(&mut s, SECRET, as_node, to).await.unwrap();
+        auth::dial(&mut s, SECRET, as_node, to, false)
+            .await
+            .unwrap();
         s.into_std().unwrap()
     });
     std_stream.set_nonblocking(false).unwrap();
@@ -553,6 +556,7 @@ fn node_one(
         tick_ms: 10,
         boot: 1,
         snapshot_keep: 4096,
+        join: None,
     }
 }
 
