@@ -48,8 +48,8 @@ pub use broker::snapshot::{
 };
 pub use broker::{
     group_of, Broker, ConsumerTimeout, DeclareAnswer, ForgetError, GetAnswer, Got, GroupChange,
-    MetaClosed, Proposal, QueueInfo, ReplicaSnapshot, DECLARE_WAIT_MS, GET_WAIT_MS, NODE_DOWN_MS,
-    REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+    MetaClosed, Proposal, QueueInfo, ReplicaSnapshot, DECLARE_WAIT_MS, FEATURE_LEVEL, GET_WAIT_MS,
+    NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;

@@ -190,6 +190,8 @@ pub enum StoreOp {
         /// The cluster's nodes once the log added or forgot one (`None`: the list the node
         /// starts with), each with its cluster address (empty: the one that list gives).
         members: Option<Vec<(u64, String)>>,
+        /// The numbers of the nodes the cluster forgot.
+        forgotten: Vec<u64>,
     },
     /// A definition change a cluster node made, until the metadata group's log has applied
     /// it (`data`: the change as an entry of its own): sent again after a restart.

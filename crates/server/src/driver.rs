@@ -274,19 +274,21 @@ impl crate::cluster::RaftEvents for RaftReports {
     }
 
     fn forwarded(&self, mut entries: Vec<(u64, crate::cluster::Forward)>) {
-        let joins: Vec<(u64, String)> = entries
+        let joins: Vec<(u64, String, u64)> = entries
             .iter()
             .filter(|(_, f)| f.group == crate::cluster::JOIN_REQUEST)
             .filter_map(|(from, f)| {
-                let addr = std::str::from_utf8(&f.data).ok()?;
-                crate::cluster::PeerAddr::parse(addr).map(|_| (*from, addr.to_owned()))
+                let text = std::str::from_utf8(&f.data).ok()?;
+                let (addr, level) = text.split_once('\0').unwrap_or((text, "0"));
+                let level = level.parse().unwrap_or(0);
+                crate::cluster::PeerAddr::parse(addr).map(|_| (*from, addr.to_owned(), level))
             })
             .collect();
         entries.retain(|(_, f)| f.group != crate::cluster::JOIN_REQUEST);
         if !joins.is_empty() {
             self.0.with_node(|node, _| {
-                for (from, addr) in joins {
-                    node.broker_mut().request_join(from, &addr);
+                for (from, addr, level) in joins {
+                    node.broker_mut().request_join(from, &addr, level);
                 }
             });
         }
@@ -347,12 +349,10 @@ async fn ask_to_join(
             tracing::info!(node = raft.node(), address = %addr, ?peers, "asking the cluster to add this node");
         }
         asked += 1;
+        // Its address, then its feature level: the cluster's level stays known meanwhile.
+        let data = format!("{addr}\0{}", warren_broker::FEATURE_LEVEL).into_bytes();
         for peer in &peers {
-            raft.forward(
-                *peer,
-                crate::cluster::JOIN_REQUEST,
-                addr.clone().into_bytes(),
-            );
+            raft.forward(*peer, crate::cluster::JOIN_REQUEST, data.clone());
         }
     }
 }
@@ -1049,12 +1049,10 @@ pub async fn serve(
         Some(cfg) => {
             let node_id = cfg.node;
             let first = cfg.peers.keys().chain([&node_id]).min().copied() == Some(node_id);
-            let join = cfg
-                .join
-                .clone()
-                .map(|addr| (addr, cfg.peers.keys().copied().collect()));
+            let peers: Vec<u64> = cfg.peers.keys().copied().collect();
             let raft = crate::cluster::RaftNode::start(cfg, RaftReports(shared.clone()))
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
+            let join = raft.joining().map(|addr| (addr, peers));
             let recovered: std::collections::BTreeSet<u64> =
                 raft.groups().iter().map(|g| g.0).collect();
             // The metadata group exists on every node; the lowest-numbered node stands for its
@@ -1071,12 +1069,16 @@ pub async fn serve(
                 tokio::spawn(ask_to_join(shared.clone(), raft.clone(), addr, peers));
             }
             shared.with_core(|core, _| {
+                core.raft = Some(raft.clone());
+                // What the broker restored so far first, in its order: the cluster's nodes
+                // (which groups made after them start with), then its groups.
+                core.replicate();
+                let voters = core.node.broker().cluster_voters();
                 for (group, _) in core.node.broker().replica_groups() {
                     if !recovered.contains(&group) {
-                        raft.add_group(warren_broker::GroupId(group), false);
+                        raft.add_group_with(warren_broker::GroupId(group), false, voters.clone());
                     }
                 }
-                core.raft = Some(raft.clone());
             });
             Some((raft.node(), raft))
         }

@@ -289,6 +289,7 @@ async fn run(config: Config) -> std::io::Result<()> {
             .max(1);
         let nodes: Vec<u64> = c.nodes.keys().copied().collect();
         broker.join_cluster(c.node, &nodes, boot);
+        broker.set_cluster_addresses(c.nodes.iter().map(|(n, a)| (*n, a.to_string())).collect());
         // A snapshot larger than one frame of the cluster's transport could never reach a
         // follower.
         broker.set_snapshot_policy(c.snapshot_entries, cluster::MAX_PROPOSAL);

@@ -591,6 +591,7 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
             seen,
             levels,
             members,
+            forgotten,
         } => {
             v.put_u64(*index);
             for pairs in [seen, levels] {
@@ -605,6 +606,10 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
                 for (node, addr) in members {
                     v.put_u64(*node);
                     put_text(&mut v, addr);
+                }
+                v.put_u32(u32::try_from(forgotten.len()).unwrap_or(u32::MAX));
+                for node in forgotten {
+                    v.put_u64(*node);
                 }
             }
         }
@@ -705,11 +710,21 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                         .collect::<Result<Vec<_>, StoreError>>()?,
                 )
             };
+            // After the nodes: the numbers of those forgotten.
+            let forgotten = if members.is_none() {
+                Vec::new()
+            } else {
+                let n = v.u32("forgotten node count")?;
+                (0..n)
+                    .map(|_| v.u64("forgotten node"))
+                    .collect::<Result<Vec<_>, StoreError>>()?
+            };
             StoreOp::PutMetaApplied {
                 index,
                 seen,
                 levels,
                 members,
+                forgotten,
             }
         }
         VHOST => StoreOp::PutVhost {

@@ -1322,6 +1322,7 @@ fn a_cluster_nodes_place_in_the_metadata_log_and_its_pending_changes_read_back()
                 (4, "n4.local:7704".into()),
             ]
         }),
+        forgotten: if index == 42 { vec![2] } else { Vec::new() },
     };
     let pending = |number| StoreOp::PutMetaPending {
         number,

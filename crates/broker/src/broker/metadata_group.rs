@@ -146,6 +146,9 @@ pub(crate) struct MetaState {
     pub(super) addresses: BTreeMap<NodeId, String>,
     /// Nodes that asked to join and whose `AddNode` this node sent, until it is applied.
     pub(super) joins_asked: BTreeSet<NodeId>,
+    /// The numbers of nodes the log forgot: none joins again under one (a node forgotten and
+    /// started again on its old data must not come back with it).
+    pub(super) forgotten: BTreeSet<NodeId>,
     /// Raft asked for a snapshot of the metadata (a node being added needs one).
     pub(super) snapshot_asked: bool,
     /// Queues are being made from a metadata snapshot: their groups wait for their leaders'
@@ -1163,8 +1166,8 @@ impl Broker {
                 self.forget_applied(node);
                 None
             }
-            MetaOp::AddNode { node, addr } => {
-                self.add_applied(node, addr);
+            MetaOp::AddNode { node, addr, level } => {
+                self.add_applied(node, addr, level);
                 None
             }
             MetaOp::FeatureLevel { node, level } => {
@@ -1190,6 +1193,7 @@ impl Broker {
         seen: &[(u64, u64)],
         levels: &[(u64, u64)],
         members: Option<&[(u64, String)]>,
+        forgotten: &[u64],
     ) {
         if let Some(c) = self.cluster.as_mut() {
             let node = c.node();
@@ -1199,6 +1203,7 @@ impl Broker {
             m.levels = levels.iter().copied().collect();
             // Numbered past what the log has of this node, even if the clock went back.
             m.next_op = m.next_op.max(m.seen.get(&node).copied().unwrap_or(0));
+            c.meta.forgotten.extend(forgotten.iter().copied());
             if let Some(members) = members {
                 c.set_member_list(members.to_vec());
             }
@@ -1243,12 +1248,19 @@ impl Broker {
     /// Node `node`, reached at `addr`, asks to join the cluster (it started with
     /// `--cluster-join` and an empty data directory): unless the cluster has it already, or
     /// this node asked for it already, the cluster is asked to add it. Whether it was asked.
-    pub fn request_join(&mut self, node: NodeId, addr: &str) -> bool {
+    pub fn request_join(&mut self, node: NodeId, addr: &str, its_level: u64) -> bool {
         let level = self.cluster_feature_level().unwrap_or(0);
         let Some(c) = self.cluster.as_mut() else {
             return false;
         };
         if node == 0 || c.nodes().contains(&node) || c.meta.joins_asked.contains(&node) {
+            return false;
+        }
+        if c.meta.forgotten.contains(&node) {
+            tracing::warn!(
+                node,
+                "a node asks to join under the number of a node the cluster forgot: refused (give a new node a new number)"
+            );
             return false;
         }
         if level < FORGET_LEVEL || c.meta.leader.is_none() {
@@ -1264,6 +1276,7 @@ impl Broker {
         self.announce(MetaOp::AddNode {
             node,
             addr: addr.to_owned(),
+            level: its_level,
         });
         true
     }
@@ -1276,14 +1289,19 @@ impl Broker {
             .is_some_and(|c| c.meta.members.is_some() && c.nodes().contains(&c.node()))
     }
 
-    /// The log added `node`, reached at `addr`.
-    fn add_applied(&mut self, node: NodeId, addr: String) {
+    /// The log added `node`, reached at `addr`, at feature level `level`.
+    fn add_applied(&mut self, node: NodeId, addr: String, level: u64) {
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
         c.meta.joins_asked.remove(&node);
-        if c.nodes().contains(&node) {
+        if c.nodes().contains(&node) || c.meta.forgotten.contains(&node) {
             return;
+        }
+        // Known at once, so that the cluster's level does not drop to nothing until the node
+        // announces it (it can, only once it holds the metadata).
+        if level > 0 {
+            c.meta.levels.insert(node, level);
         }
         tracing::warn!(node, %addr, "the cluster adds a node");
         let mut list = c
@@ -1312,6 +1330,7 @@ impl Broker {
         }
         let mut nodes = c.nodes().to_vec();
         nodes.retain(|n| *n != node);
+        c.meta.forgotten.insert(node);
         c.set_members(nodes);
     }
 
@@ -1387,6 +1406,13 @@ impl Broker {
         )
     }
 
+    /// The cluster's nodes, once the metadata log changed them (`None`: the list each node
+    /// started with still holds).
+    pub fn cluster_voters(&self) -> Option<Vec<NodeId>> {
+        let c = self.cluster.as_ref()?;
+        c.meta.members.as_ref().map(|_| c.nodes().to_vec())
+    }
+
     /// The cluster addresses of the nodes added to the cluster since it started (the others'
     /// are in each node's list), as `HOST:PORT`.
     pub fn cluster_addresses(&self) -> BTreeMap<NodeId, String> {
@@ -1432,7 +1458,7 @@ mod tests {
     /// Node 2 of three, whose store holds its level (it announces nothing at its start).
     fn node_two() -> Broker {
         let mut b = new_node_two();
-        b.restore_meta_applied(0, &[], &[(2, FEATURE_LEVEL)], None);
+        b.restore_meta_applied(0, &[], &[(2, FEATURE_LEVEL)], None, &[]);
         b
     }
 
@@ -1717,6 +1743,7 @@ mod tests {
             seen: vec![(1, 100), (2, entry.seq), (3, 100)],
             levels: vec![(1, 2), (2, FEATURE_LEVEL)],
             members: Some(vec![(1, String::new()), (2, String::new())]),
+            forgotten: vec![3],
         };
         assert_eq!(written(&mut b).last(), Some(&place));
         // Two nodes left: losing one more would leave no majority anywhere.
@@ -1745,6 +1772,99 @@ mod tests {
                 voters: vec![1, 2],
                 addresses: vec![]
             })
+        );
+    }
+
+    /// A node that asks to join is added through the log, once, with its address and level;
+    /// a queue the log makes afterwards starts with it; a node far behind learns the nodes
+    /// from the metadata snapshot and waits for each queue's snapshot; a forgotten number is
+    /// never taken back.
+    #[test]
+    fn a_joining_node_is_added_through_the_log_and_a_forgotten_number_never_comes_back() {
+        let mut b = node_two();
+        b.set_meta_leader(Some(1));
+        let _ = sent(&mut b);
+        b.apply_committed(&[
+            entry_from(1, 1, 100, MetaOp::FeatureLevel { node: 1, level: 2 }),
+            entry_from(3, 2, 100, MetaOp::FeatureLevel { node: 3, level: 2 }),
+        ]);
+        let again = sent(&mut b);
+        b.apply_committed(&[own(3, again[0].clone())]);
+        b.apply_committed(&[entry_from(1, 4, 101, MetaOp::ForgetNode { node: 3 })]);
+        assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2]));
+        let _ = b.take_group_changes();
+
+        assert!(
+            !b.request_join(3, "n3.example:7703", 2),
+            "a forgotten number"
+        );
+        assert!(b.request_join(4, "n4.example:7704", 2));
+        assert!(!b.request_join(4, "n4.example:7704", 2), "asked once");
+        let out = sent(&mut b);
+        let entry = out.first().and_then(decode_entry).expect("sent");
+        assert_eq!(
+            entry.ops.first().map(|(_, op)| op),
+            Some(&MetaOp::AddNode {
+                node: 4,
+                addr: "n4.example:7704".into(),
+                level: 2
+            })
+        );
+        b.set_snapshot_policy(1_000_000, usize::MAX);
+        b.apply_committed(&[own(5, out[0].clone())]);
+        assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2, 4]));
+        assert_eq!(
+            b.take_group_changes(),
+            vec![GroupChange::Members {
+                voters: vec![1, 2, 4],
+                addresses: vec![(4, "n4.example:7704".into())]
+            }]
+        );
+        assert_eq!(
+            b.cluster_feature_level(),
+            Some(2),
+            "its level known at once"
+        );
+        assert!(!b.request_join(4, "n4.example:7704", 2), "a member already");
+
+        // A quorum queue the log makes now starts with the three nodes.
+        let Ok(Declared::Waiting(_)) = b.declare_queue_as("/", quorum("late"), 5, None) else {
+            panic!("not through the log");
+        };
+        let out = sent(&mut b);
+        b.apply_committed(&[own(6, out[0].clone())]);
+        let group = super::super::replicated::group_placed("/", "late", 6);
+        let changes = b.take_group_changes();
+        assert!(
+            changes.iter().any(|c| matches!(c, GroupChange::Add { group: g, voters: Some(v), .. } if *g == group && *v == vec![1, 2, 4])),
+            "{changes:?}"
+        );
+
+        // A node far behind installs the metadata snapshot: the nodes and the forgotten
+        // number come with it, and the queue's group waits for its leader's snapshot.
+        b.want_snapshots(&[META_GROUP]);
+        let mut snaps = Vec::new();
+        b.take_snapshots(&mut snaps);
+        let snap = snaps.pop().expect("a metadata snapshot, taken when asked");
+        let mut behind = node_two();
+        behind.install_snapshot(META_GROUP, snap.index, snap.term, snap.data);
+        assert_eq!(behind.cluster_view().map(|v| v.1), Some(vec![1, 2, 4]));
+        let changes = behind.take_group_changes();
+        assert_eq!(
+            changes.first(),
+            Some(&GroupChange::Members {
+                voters: vec![1, 2, 4],
+                addresses: vec![(4, "n4.example:7704".into())]
+            })
+        );
+        assert!(
+            changes.contains(&GroupChange::Join { group }),
+            "{changes:?}"
+        );
+        behind.set_meta_leader(Some(1));
+        assert!(
+            !behind.request_join(3, "n3.example:7703", 2),
+            "forgotten there too"
         );
     }
 
@@ -1808,6 +1928,7 @@ mod tests {
             seen: vec![(1, 12)],
             levels: vec![(2, FEATURE_LEVEL)],
             members: None,
+            forgotten: Vec::new(),
         };
         assert_eq!(
             ops.last(),
@@ -1832,6 +1953,7 @@ mod tests {
             seen: vec![(1, 13)],
             levels: vec![(2, FEATURE_LEVEL)],
             members: None,
+            forgotten: Vec::new(),
         }));
     }
 
@@ -1911,6 +2033,7 @@ mod tests {
             seen: vec![(2, high)],
             levels: Vec::new(),
             members: None,
+            forgotten: Vec::new(),
         })
         .expect("restored");
         b.set_meta_leader(Some(1));

@@ -127,6 +127,8 @@ pub(crate) enum MetaOp {
     AddNode {
         node: NodeId,
         addr: String,
+        /// The feature level it said it has (0 from a node that said none).
+        level: u64,
     },
 }
 
@@ -516,9 +518,10 @@ fn op_table(op: &MetaOp) -> FieldTable {
             t.insert("node", FieldValue::U64(*node));
             "forget_node"
         }
-        MetaOp::AddNode { node, addr } => {
+        MetaOp::AddNode { node, addr, level } => {
             t.insert("node", FieldValue::U64(*node));
             text(&mut t, "address", addr);
+            t.insert("level", FieldValue::U64(*level));
             "add_node"
         }
         MetaOp::PutParameter(p) => {
@@ -771,6 +774,10 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
         "add_node" => MetaOp::AddNode {
             node: t.get("node")?.as_u64()?,
             addr: f.text("address")?,
+            level: match t.get("level") {
+                Some(l) => l.as_u64()?,
+                None => 0,
+            },
         },
         _ => return None,
     })
@@ -856,6 +863,8 @@ pub(super) struct MetaSnapshot {
     /// each node was started with; absent from snapshots of earlier versions), each with its
     /// address (empty: the one each node's list gives).
     pub members: Option<Vec<(NodeId, String)>>,
+    /// The numbers of nodes the cluster forgot: a node never joins again under one.
+    pub forgotten: Vec<NodeId>,
 }
 
 fn pairs_value(pairs: &[(NodeId, u64)], second: &'static str) -> FieldValue {
@@ -901,6 +910,10 @@ pub(super) fn encode_snapshot(snap: &MetaSnapshot) -> Bytes {
             })
             .collect();
         t.insert("members", FieldValue::Array(list));
+    }
+    if !snap.forgotten.is_empty() {
+        let list = snap.forgotten.iter().map(|n| FieldValue::U64(*n)).collect();
+        t.insert("forgotten", FieldValue::Array(list));
     }
     let ops = snap
         .ops
@@ -948,6 +961,14 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         ),
         None => None,
     };
+    let forgotten = match t.get("forgotten") {
+        Some(v) => v
+            .as_array()?
+            .iter()
+            .map(FieldValue::as_u64)
+            .collect::<Option<Vec<_>>>()?,
+        None => Vec::new(),
+    };
     let ops = t
         .get("ops")?
         .as_array()?
@@ -966,6 +987,7 @@ pub(super) fn decode_snapshot(data: &Bytes) -> Option<MetaSnapshot> {
         local_users,
         levels,
         members,
+        forgotten,
     })
 }
 
@@ -985,6 +1007,7 @@ mod tests {
                 (2, String::new()),
                 (5, "n5:7705".into()),
             ]),
+            forgotten: vec![3],
         };
         let data = encode_snapshot(&snap);
         assert_eq!(decode_snapshot(&data), Some(snap));
@@ -992,6 +1015,7 @@ mod tests {
         let older = MetaSnapshot {
             levels: Vec::new(),
             members: None,
+            forgotten: Vec::new(),
             ..decode_snapshot(&data).expect("snapshot")
         };
         assert_eq!(decode_snapshot(&encode_snapshot(&older)), Some(older));
@@ -1182,6 +1206,7 @@ mod tests {
             MetaOp::AddNode {
                 node: 5,
                 addr: "n5.example:7705".into(),
+                level: 2,
             },
             MetaOp::DeclareQueue {
                 vhost: "/".into(),

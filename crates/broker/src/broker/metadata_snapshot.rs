@@ -277,6 +277,7 @@ impl Broker {
             local_users: local.iter().cloned().collect(),
             levels: m.levels.iter().map(|(n, l)| (*n, *l)).collect(),
             members: c.member_list(),
+            forgotten: m.forgotten.iter().copied().collect(),
         };
         let data = encode_snapshot(&snap);
         let (index, term, max) = (m.applied, m.applied_term, c.snapshot_max);
@@ -372,6 +373,7 @@ impl Broker {
             *l = (*l).max(level);
         }
         let members = snap.members;
+        m.forgotten.extend(snap.forgotten.iter().copied());
         let settled: Vec<u64> = m.declares.range(..=own).map(|(n, _)| *n).collect();
         m.through_log.retain(|_, (n, _)| *n > own);
         m.next_op = m.next_op.max(own);

@@ -19,7 +19,9 @@ mod users;
 // The free helpers of each part, for the others.
 use flows::*;
 use metadata::*;
-pub use metadata_group::{DeclareAnswer, ForgetError, GroupChange, MetaClosed, DECLARE_WAIT_MS};
+pub use metadata_group::{
+    DeclareAnswer, ForgetError, GroupChange, MetaClosed, DECLARE_WAIT_MS, FEATURE_LEVEL,
+};
 use persistence::*;
 use publish::*;
 pub use remote_get::{GetAnswer, Got, GET_WAIT_MS};

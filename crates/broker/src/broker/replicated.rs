@@ -136,6 +136,8 @@ pub(crate) struct Cluster {
     /// The first proposal number of this start: an entry of this node's with a lower one is
     /// from an earlier start (replayed from the log), and speaks of channels that are gone.
     boot_seq: u64,
+    /// The cluster addresses of this node's list (`--cluster-nodes`), as `HOST:PORT`.
+    listed: BTreeMap<NodeId, String>,
 }
 
 impl Cluster {
@@ -169,6 +171,7 @@ impl Cluster {
             downed: BTreeSet::new(),
             draining_peers: BTreeSet::new(),
             boot_seq: boot.saturating_mul(1 << 20),
+            listed: BTreeMap::new(),
         }
     }
 
@@ -219,13 +222,24 @@ impl Cluster {
         self.set_members(list.into_iter().map(|(n, _)| n).collect());
     }
 
-    /// The cluster's nodes with their addresses, once the log changed them.
+    /// The cluster's nodes with their addresses, once the log changed them: an added
+    /// node's from the log, the others' from this node's list (so that a node that joins
+    /// through a few of them learns where the rest are).
     pub(super) fn member_list(&self) -> Option<Vec<(NodeId, String)>> {
         let members = self.meta.members.as_ref()?;
         Some(
             members
                 .iter()
-                .map(|n| (*n, self.meta.addresses.get(n).cloned().unwrap_or_default()))
+                .map(|n| {
+                    let addr = self
+                        .meta
+                        .addresses
+                        .get(n)
+                        .or_else(|| self.listed.get(n))
+                        .cloned()
+                        .unwrap_or_default();
+                    (*n, addr)
+                })
                 .collect(),
         )
     }
@@ -244,6 +258,7 @@ impl Cluster {
             seen: m.seen.iter().map(|(n, s)| (*n, *s)).collect(),
             levels: m.levels.iter().map(|(n, l)| (*n, *l)).collect(),
             members: self.member_list(),
+            forgotten: m.forgotten.iter().copied().collect(),
         }
     }
 
@@ -358,6 +373,14 @@ impl Broker {
         self.cluster = Some(Box::new(Cluster::new(node, nodes, boot)));
         let local = warren_queue::LOCAL_ID_MAX.min(self.next_consumer);
         self.next_consumer = qualified(node, local);
+    }
+
+    /// The cluster addresses of the nodes of this node's list (`HOST:PORT`): a node joining
+    /// through some of them learns the others' from the metadata.
+    pub fn set_cluster_addresses(&mut self, listed: BTreeMap<NodeId, String>) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.listed = listed;
+        }
     }
 
     /// A replicated queue's committed state is snapshotted once `entries` entries were applied

@@ -366,7 +366,8 @@ impl Broker {
                 seen,
                 levels,
                 members,
-            } => self.restore_meta_applied(*index, seen, levels, members.as_deref()),
+                forgotten,
+            } => self.restore_meta_applied(*index, seen, levels, members.as_deref(), forgotten),
             StoreOp::PutMetaPending { number, data } => self.restore_meta_pending(*number, data),
             StoreOp::PutAccessKey(key) => {
                 self.access.put_access_key(key.clone()).map_err(refused)?

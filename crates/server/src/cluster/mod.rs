@@ -33,8 +33,8 @@ pub const NODE_FIGURES: GroupId = GroupId((1 << 63) - 2);
 /// asked through another node's API): the vhost's length (4 bytes), the vhost, the name.
 pub const SHOVEL_RESTART: GroupId = GroupId((1 << 63) - 3);
 /// A forward to this group is a node's request to join the cluster (it started with
-/// `--cluster-join`): its cluster address (`HOST:PORT`, as UTF-8). The only thing a node that
-/// is no member may send.
+/// `--cluster-join`): its cluster address (`HOST:PORT`, as UTF-8), then a 0 byte and its
+/// feature level in decimal. The only thing a node that is no member may send.
 pub const JOIN_REQUEST: GroupId = GroupId((1 << 63) - 4);
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
@@ -194,6 +194,8 @@ pub struct RaftNode {
 
 struct Inner {
     node: NodeId,
+    /// This node asks to join, at this address (see [`ClusterConfig::join`]).
+    joining: Option<String>,
     commands: crossbeam_channel::Sender<Command>,
     recovered: Vec<GroupId>,
     counters: Arc<Counters>,
@@ -251,6 +253,16 @@ impl RaftNode {
         raft.set_cold_log(log.cold());
         raft.set_snapshot_source(log.snapshots());
         let recovered = log.groups();
+        let mut joining = cfg.join.clone();
+        if recovered.contains(&GroupId(0)) && joining.is_some() {
+            // It joined on an earlier start: a member now, whatever the flag says (a node the
+            // cluster forgot, started again on its data, must not ask back in).
+            tracing::info!(
+                node = cfg.node,
+                "--cluster-join ignored: this node holds the cluster's metadata already"
+            );
+            joining = None;
+        }
         let mut snapshots = Vec::new();
         for group in &recovered {
             let mut durable = log.durable(*group).map_err(log_error)?;
@@ -272,7 +284,8 @@ impl RaftNode {
         }
         let counters = Arc::new(Counters::default());
         let (in_tx, in_rx) = crossbeam_channel::bounded(transport::INBOUND_QUEUE);
-        let (net, out, inbound_budget) = transport::start(&cfg, in_tx, counters.clone())?;
+        let (net, out, inbound_budget) =
+            transport::start(&cfg, joining.is_some(), in_tx, counters.clone())?;
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let driver = Driver {
             raft,
@@ -297,6 +310,7 @@ impl RaftNode {
         Ok(RaftNode {
             inner: Arc::new(Inner {
                 node: cfg.node,
+                joining,
                 commands: cmd_tx,
                 recovered,
                 counters,
@@ -308,6 +322,12 @@ impl RaftNode {
 
     pub fn node(&self) -> NodeId {
         self.inner.node
+    }
+
+    /// The address this node gives the cluster it asks to join, if it does (started with
+    /// `--cluster-join`, holding no metadata yet).
+    pub fn joining(&self) -> Option<String> {
+        self.inner.joining.clone()
     }
 
     /// Maintenance mode on or off: this node hands its leaderships away and stands for none.

@@ -157,10 +157,12 @@ impl Outbound {
         let me = self.shared.me;
         let peers = {
             let mut peers = self.shared.peers.write().unwrap_or_else(|p| p.into_inner());
+            // This node's own list wins (it may reach a node otherwise than its peers do: a
+            // proxy, another network); the cluster's metadata gives the rest.
             for (node, text) in addresses {
                 match PeerAddr::parse(text) {
                     Some(addr) if *node != me => {
-                        peers.insert(*node, addr);
+                        peers.entry(*node).or_insert(addr);
                     }
                     Some(_) => {}
                     None => {
@@ -169,6 +171,15 @@ impl Outbound {
                 }
             }
             peers.retain(|n, _| nodes.contains(n));
+            for node in nodes {
+                if *node != me && !peers.contains_key(node) {
+                    tracing::error!(
+                        node = me,
+                        peer = node,
+                        "no address for a node of the cluster: list it in --cluster-nodes"
+                    );
+                }
+            }
             peers.clone()
         };
         self.shared.generation.fetch_add(1, Ordering::Release);
@@ -185,6 +196,11 @@ impl Outbound {
                 "no more links with a forgotten node"
             );
             self.links.remove(&node);
+            self.shared
+                .redial
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&node);
         }
         for (peer, addr) in peers {
             if self.links.contains_key(&peer) {
@@ -295,6 +311,7 @@ pub(crate) struct Shared {
 /// The Raft thread gives each batch's bytes back to `inbound_budget` when it takes the batch.
 pub(crate) fn start(
     cfg: &ClusterConfig,
+    joining: bool,
     inbound: crossbeam_channel::Sender<Queued>,
     counters: Arc<Counters>,
 ) -> Result<(Net, Outbound, Arc<Budget>), ClusterError> {
@@ -336,7 +353,7 @@ pub(crate) fn start(
         inbound_budget: inbound_budget.clone(),
         counters: counters.clone(),
         redial: Mutex::new(redial.clone()),
-        joining: cfg.join.is_some(),
+        joining,
         handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
         refusals_logged: Mutex::new(HashMap::new()),
     });
@@ -581,7 +598,9 @@ async fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 /// A dialer's TLS handshake (if the cluster has TLS), then its proof of the secret; with TLS,
 /// its certificate must also name the host `--cluster-nodes` gives for the node it proved to
 /// be, as the dialer checks the listener's.
-async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId), String> {
+async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId, u64), String> {
+    // Read before the peers it checks against: a change in between is seen by `serve`.
+    let generation = shared.generation.load(Ordering::Acquire);
     let peers = shared
         .peers
         .read()
@@ -592,7 +611,7 @@ async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId), 
         let peer = auth::accept(&mut stream, &shared.secret, shared.me, &peers, |_| Ok(()))
             .await
             .map_err(|e| e.to_string())?;
-        return Ok((stream, peer));
+        return Ok((stream, peer, generation));
     };
     let mut stream = tokio_rustls::TlsAcceptor::from(tls.configs().accept)
         .accept(tcp)
@@ -615,7 +634,7 @@ async fn handshake(shared: &Shared, tcp: TcpStream) -> Result<(Stream, NodeId), 
     let peer = auth::accept(&mut stream, &shared.secret, shared.me, &peers, vet)
         .await
         .map_err(|e| e.to_string())?;
-    Ok((Box::new(stream), peer))
+    Ok((Box::new(stream), peer, generation))
 }
 
 async fn serve(
@@ -628,7 +647,7 @@ async fn serve(
     let _ = stream.set_nodelay(true);
     let hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&shared, stream)).await;
     drop(permit);
-    let (stream, peer) = match hello {
+    let (stream, peer, mut generation) = match hello {
         Ok(Ok(done)) => done,
         Ok(Err(e)) => return refused(&shared, remote, &e),
         Err(_) => return refused(&shared, remote, &"handshake timed out"),
@@ -662,7 +681,7 @@ async fn serve(
             lost: true,
         });
     };
-    let mut generation = shared.generation.load(Ordering::Acquire);
+
     loop {
         let frame = match wire::read_frame(&mut read).await {
             Ok(Some(frame)) => frame,
