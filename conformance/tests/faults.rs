@@ -1463,3 +1463,103 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     assert_eq!(r.ambiguous_after_ack, 1, "{r}");
     assert_eq!((r.confirmed, r.nacked, r.duplicates), (5, 1, 4), "{r}");
 }
+
+/// Replacing a node under load, as docs/operations.md's runbook does it: node 3 killed and
+/// forgotten, a new node 4 joining with `--cluster-join` (the clients that used node 3 move to
+/// it), then node 1 killed and started again, so that for a while the queue's majority is node
+/// 2 and the newcomer. Nothing confirmed may be lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_replaced_under_load_loses_nothing() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return; // spawns and replaces its own cluster
+    }
+    let seed = seed();
+    eprintln!("replace: seed {seed}");
+    let mut rng = Rng(seed);
+    let c = TestCluster::start_with(3, 20, SNAPSHOTS);
+    let q = unique("replace");
+    c.declare_quorum_queue(1, &q).await;
+    c.leader_of(&q, 1);
+    let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
+    let load = Load::start(&q, &addrs, &mut rng);
+    let h = load.h.clone();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let began = Instant::now();
+    let (ra, rh) = (addrs.clone(), h.clone());
+    let c = tokio::task::spawn_blocking(move || replace_node(c, &ra, &rh))
+        .await
+        .expect("the replacement");
+    let replaced = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (h, drained, sessions) = load.finish(seed).await;
+    let report = check(&h, Instant::now());
+    eprintln!(
+        "replace: done in {:.1} s, drained in {:.1} s, {sessions} consumer sessions, seed {seed}",
+        (replaced - began).as_secs_f64(),
+        drained.as_secs_f64(),
+    );
+    eprintln!("replace: {report}");
+    report.explain(&h, began, &addrs, &q).await;
+    report.assert_ok(seed);
+    drop(c);
+}
+
+/// Node 3 killed, forgotten and replaced by node 4 (which takes node 3's place among the
+/// clients' addresses), then node 1 killed and started again; each a fault of the history.
+fn replace_node(mut c: TestCluster, addrs: &Addrs, h: &Shared) -> TestCluster {
+    let api = warren_conformance::http::Api::of(c.node(1));
+    let began = Instant::now();
+    c.node_mut(3).stop(true);
+    loop {
+        // Refused (400) until node 1 sees node 3 down.
+        let (status, v) = api.call("POST", "/nodes/3/forget", None);
+        if status == 204 {
+            break;
+        }
+        assert!(began.elapsed() < REJOIN_PATIENCE, "forget: {status} {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let four = c.add_joining_node(&[1, 2]);
+    {
+        // The clients that picked node 3 pick node 4 now; one that follows the leader finds
+        // node 4 under its own number.
+        let four_addr = addrs_of(&c)[(four - 1) as usize].clone();
+        let mut a = addrs.lock().unwrap();
+        a[2] = four_addr.clone();
+        a.push(four_addr);
+    }
+    loop {
+        let (_, v) = api.call("GET", "/nodes", None);
+        let list = v.as_array().cloned().unwrap_or_default();
+        let mut nodes: Vec<u64> = list
+            .iter()
+            .filter_map(|n| n["cluster"]["node"].as_u64())
+            .collect();
+        nodes.sort_unstable();
+        let moved = list
+            .iter()
+            .all(|n| n["running"] == true && n["cluster"]["members_changing"] == 0);
+        if nodes == [1, 2, four] && moved {
+            break;
+        }
+        assert!(
+            began.elapsed() < REJOIN_PATIENCE,
+            "node {four} not in every group: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "replace: node 3 replaced by node {four} in {} ms",
+        began.elapsed().as_millis()
+    );
+    h.lock().unwrap().faults.push((3, began, Instant::now()));
+    let began = Instant::now();
+    c.node_mut(1).stop(true);
+    std::thread::sleep(Duration::from_secs(2));
+    c.node_mut(1).start_again();
+    // A restarted node's management API may have moved to another port.
+    addrs.lock().unwrap()[0] = addrs_of(&c)[0].clone();
+    wait_for_rejoin(&c, 1, 1);
+    h.lock().unwrap().faults.push((1, began, Instant::now()));
+    c
+}

@@ -163,6 +163,9 @@ struct Shared {
     /// Since when (node ms) this node is in maintenance mode, 0 when it is not: new client
     /// connections are turned away at once meanwhile.
     draining_since: AtomicU64,
+    /// The node asks to join a cluster and does not hold its definitions yet: a client would
+    /// find no queue (an unroutable publish is confirmed and dropped), so none is taken.
+    joining: AtomicBool,
     alarms: Mutex<Alarms>,
     /// In a cluster, the figures each peer sent last (its `/api/nodes` entry, JSON) and when.
     peer_figures: Mutex<std::collections::BTreeMap<u64, (Instant, Bytes)>>,
@@ -342,7 +345,8 @@ async fn ask_to_join(
     loop {
         every.tick().await;
         if shared.with_node(|node, _| node.broker().joined()) {
-            tracing::info!(node = raft.node(), "joined the cluster");
+            shared.joining.store(false, Ordering::Release);
+            tracing::info!(node = raft.node(), "joined the cluster: taking clients");
             return;
         }
         if asked.is_multiple_of(10) {
@@ -401,6 +405,11 @@ impl Shared {
     /// This node is in maintenance mode.
     fn is_draining(&self) -> bool {
         self.draining_since.load(Ordering::Acquire) != 0
+    }
+
+    /// New client connections are closed at once: maintenance mode, or joining a cluster.
+    fn turns_clients_away(&self) -> bool {
+        self.is_draining() || self.joining.load(Ordering::Acquire)
     }
 
     fn lock(&self) -> MutexGuard<'_, Core> {
@@ -1000,6 +1009,7 @@ pub async fn serve(
         recovered_rx: recovered_rx.clone(),
         alarms: Mutex::new(Alarms::default()),
         draining_since: AtomicU64::new(0),
+        joining: AtomicBool::new(false),
         peer_figures: Mutex::new(std::collections::BTreeMap::new()),
         shovel_restarter: std::sync::OnceLock::new(),
     });
@@ -1066,6 +1076,7 @@ pub async fn serve(
                 }
             }
             if let Some((addr, peers)) = join {
+                shared.joining.store(true, Ordering::Release);
                 tokio::spawn(ask_to_join(shared.clone(), raft.clone(), addr, peers));
             }
             shared.with_core(|core, _| {
@@ -1104,8 +1115,9 @@ pub async fn serve(
                         continue;
                     }
                 };
-                if shared.is_draining() {
+                if shared.turns_clients_away() {
                     // Maintenance mode: as RabbitMQ's suspended listeners, no new client.
+                    // (Nor while the node joins a cluster: it lacks the definitions.)
                     drop(stream);
                     continue;
                 }
@@ -1126,7 +1138,7 @@ pub async fn serve(
                         continue;
                     }
                 };
-                if shared.is_draining() {
+                if shared.turns_clients_away() {
                     drop(stream);
                     continue;
                 }
@@ -1563,7 +1575,7 @@ async fn run_connection<R: AsyncRead + Unpin + Send + 'static>(
     // Checked under the node's lock, as a drain sets it: either the drain closes this
     // connection, or the connection sees the drain.
     let taken = shared.with_core(|core, now| {
-        if shared.is_draining() {
+        if shared.turns_clients_away() {
             return false;
         }
         core.writers.insert(

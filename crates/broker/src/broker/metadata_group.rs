@@ -1332,6 +1332,11 @@ impl Broker {
         nodes.retain(|n| *n != node);
         c.meta.forgotten.insert(node);
         c.set_members(nodes);
+        if node != self.cluster_node().unwrap_or(0) {
+            // Its consumers' messages go back now, whether or not it was down long enough
+            // for that already.
+            self.down_in_queues_led_here(node);
+        }
     }
 
     /// Recovery: a change this node made that the log had not applied when it stopped: it

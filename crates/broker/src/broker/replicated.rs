@@ -190,7 +190,9 @@ impl Cluster {
         nodes.dedup();
         for gone in self.nodes.iter().filter(|n| !nodes.contains(n)) {
             self.down_since.remove(gone);
-            self.downed.remove(gone);
+            // Down for good: a leader elected from now on brings it `Down` too, so what its
+            // consumers held is never kept for it.
+            self.downed.insert(*gone);
             self.draining_peers.remove(gone);
             self.meta.levels.remove(gone);
         }
@@ -858,22 +860,31 @@ impl Broker {
             return;
         }
         c.downed.extend(due.iter().copied());
+        for node in due {
+            self.down_in_queues_led_here(node);
+        }
+    }
+
+    /// `Down` of `node` in every queue this node leads and acts on: its consumers go, and
+    /// what they held is delivered again (a peer down for good, or one the cluster forgot).
+    pub(super) fn down_in_queues_led_here(&mut self, node: NodeId) {
+        let Some(c) = self.cluster.as_ref() else {
+            return;
+        };
         let mut led: Vec<QueueId> = c.groups.values().copied().collect();
         led.retain(|id| self.acts_here(*id));
         led.sort_unstable();
-        for node in due {
-            tracing::warn!(
-                node,
-                queues = led.len(),
-                "peer node down for good: its consumers go, what they held is delivered again"
-            );
-            for id in &led {
-                let down = Command::Down {
-                    node: u16::try_from(node).unwrap_or(u16::MAX),
-                };
-                if self.run(*id, down).is_some() {
-                    self.finish_effects(*id);
-                }
+        tracing::warn!(
+            node,
+            queues = led.len(),
+            "peer node down for good: its consumers go, what they held is delivered again"
+        );
+        for id in &led {
+            let down = Command::Down {
+                node: u16::try_from(node).unwrap_or(u16::MAX),
+            };
+            if self.run(*id, down).is_some() {
+                self.finish_effects(*id);
             }
         }
     }
