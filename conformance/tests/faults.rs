@@ -509,6 +509,27 @@ fn wait_for_rejoin(c: &TestCluster, n: u64, round: u64) {
     }
 }
 
+/// Waits until every node has applied the queue's declaration. Until a node has, a publish
+/// there is unroutable: confirmed and dropped, as any broker does with one (the declaring
+/// node answers once it applied the entry; the others apply it a moment later).
+fn known_everywhere(c: &TestCluster, q: &str) {
+    let start = Instant::now();
+    for n in 1..=3 {
+        let api = warren_conformance::http::Api::of(c.node(n));
+        loop {
+            let (status, _) = api.call("GET", &format!("/queues/%2f/{q}"), None);
+            if status == 200 {
+                break;
+            }
+            assert!(
+                start.elapsed() < REJOIN_PATIENCE,
+                "node {n} does not know {q}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 /// `WARREN_FAULT_SEED`, else one from the clock (the tests print it).
 fn seed() -> u64 {
     env_u64("WARREN_FAULT_SEED").unwrap_or_else(|| {
@@ -542,6 +563,7 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     let q = unique("faults");
     c.declare_quorum_queue(1, &q).await;
     c.leader_of(&q, 1);
+    known_everywhere(&c, &q);
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
     let load = Load::start(&q, &addrs, &mut rng);
     let h = load.h.clone();
@@ -594,6 +616,7 @@ async fn a_rolling_restart_under_load_loses_nothing() {
     let q = unique("roll");
     c.declare_quorum_queue(1, &q).await;
     c.leader_of(&q, 1);
+    known_everywhere(&c, &q);
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
     let load = Load::start(&q, &addrs, &mut rng);
     let h = load.h.clone();
@@ -1480,6 +1503,7 @@ async fn a_node_replaced_under_load_loses_nothing() {
     let q = unique("replace");
     c.declare_quorum_queue(1, &q).await;
     c.leader_of(&q, 1);
+    known_everywhere(&c, &q);
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
     let load = Load::start(&q, &addrs, &mut rng);
     let h = load.h.clone();
