@@ -61,33 +61,8 @@ impl TestCluster {
         } else {
             (None, (1..=size).map(|_| text(&real)).collect())
         };
-        let tick = tick_ms.to_string();
         let nodes = (1..=size)
-            .map(|n| {
-                let list = &lists[(n - 1) as usize];
-                let data = dir.join(format!("node{n}"));
-                let (node, data) = (n.to_string(), data.display().to_string());
-                let secret = secret.display().to_string();
-                let mut args = vec![
-                    "--data-dir",
-                    &data,
-                    "--cluster-node",
-                    &node,
-                    "--cluster-nodes",
-                    list,
-                    "--cluster-secret-file",
-                    &secret,
-                    "--test-cluster-tick-ms",
-                    &tick,
-                ];
-                // The SQS endpoint only where a test asks for it (`WITH_SQS`): each node would
-                // take one more port.
-                if !extra.contains(&Self::WITH_SQS) {
-                    args.push("--no-sqs");
-                }
-                args.extend(extra.iter().copied().filter(|a| *a != Self::WITH_SQS));
-                TestBroker::start_with(&args)
-            })
+            .map(|n| spawn_node(&dir, n, &lists[(n - 1) as usize], tick_ms, extra, false))
             .collect();
         let c = TestCluster {
             nodes,
@@ -117,32 +92,9 @@ impl TestCluster {
             .map(|(id, a)| format!("{id}={a}"))
             .collect();
         let list = list.join(",");
-        let data = self.dir.join(format!("node{n}")).display().to_string();
-        let secret = self.dir.join("secret").display().to_string();
-        let (node, tick) = (n.to_string(), self.tick_ms.to_string());
-        let mut args = vec![
-            "--data-dir",
-            &data,
-            "--cluster-node",
-            &node,
-            "--cluster-nodes",
-            &list,
-            "--cluster-secret-file",
-            &secret,
-            "--test-cluster-tick-ms",
-            &tick,
-            "--cluster-join",
-        ];
-        if !self.extra.iter().any(|a| a == Self::WITH_SQS) {
-            args.push("--no-sqs");
-        }
-        args.extend(
-            self.extra
-                .iter()
-                .map(String::as_str)
-                .filter(|a| *a != Self::WITH_SQS),
-        );
-        self.nodes.push(TestBroker::start_with(&args));
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.nodes
+            .push(spawn_node(&self.dir, n, &list, self.tick_ms, &extra, true));
         n
     }
 
@@ -225,6 +177,48 @@ impl TestCluster {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// Starts node `n` of a test cluster under `dir` (its data in `node{n}`, the shared secret in
+/// `secret`) with `list` for `--cluster-nodes`, asking to join a running cluster if `join`.
+fn spawn_node(
+    dir: &std::path::Path,
+    n: u64,
+    list: &str,
+    tick_ms: u64,
+    extra: &[&str],
+    join: bool,
+) -> TestBroker {
+    let data = dir.join(format!("node{n}")).display().to_string();
+    let secret = dir.join("secret").display().to_string();
+    let (node, tick) = (n.to_string(), tick_ms.to_string());
+    let mut args = vec![
+        "--data-dir",
+        &data,
+        "--cluster-node",
+        &node,
+        "--cluster-nodes",
+        list,
+        "--cluster-secret-file",
+        &secret,
+        "--test-cluster-tick-ms",
+        &tick,
+    ];
+    if join {
+        args.push("--cluster-join");
+    }
+    // The SQS endpoint only where a test asks for it (`WITH_SQS`): each node would take one
+    // more port.
+    if !extra.contains(&TestCluster::WITH_SQS) {
+        args.push("--no-sqs");
+    }
+    args.extend(
+        extra
+            .iter()
+            .copied()
+            .filter(|a| *a != TestCluster::WITH_SQS),
+    );
+    TestBroker::start_with(&args)
 }
 
 impl Drop for TestCluster {
