@@ -812,11 +812,6 @@ impl MultiRaft {
         }
     }
 
-    /// The peers this node exchanges batches with.
-    pub fn peers(&self) -> Vec<NodeId> {
-        self.peers.keys().copied().collect()
-    }
-
     /// Whether `node` is among them.
     pub fn is_peer(&self, node: NodeId) -> bool {
         self.peers.contains_key(&node)
@@ -1613,7 +1608,6 @@ fn is_quiet(raw: &RawNode<GroupLog>, peers: &BTreeMap<NodeId, Peer>) -> bool {
     }
 }
 
-/// A member being added, before its leader's snapshot: it knows no member and has no entry.
 /// The answer of a member waiting for its leader's snapshot to the leader's `append`: refused,
 /// with a request for a snapshot (raft-rs's `request_snapshot` needs a follower that knows its
 /// leader and has a log; this member has neither).
@@ -1631,6 +1625,7 @@ fn snapshot_request(append: &Message) -> Message {
     m
 }
 
+/// A member being added, before its leader's snapshot: it knows no member and has no entry.
 fn awaits_snapshot(raw: &RawNode<GroupLog>) -> bool {
     raw.raft.raft_log.last_index() == 0 && raw.store().conf_state().voters.is_empty()
 }

@@ -41,11 +41,11 @@ const OPS_PER_ENTRY: usize = 256;
 /// What this version does that every node must do alike, announced in the log
 /// (`MetaOp::FeatureLevel`): 1, quorum queues numbered by the metadata log
 /// (`QueueGroup::FromLog`). A node uses a level once every node of the cluster announced it.
-/// 2, nodes forgotten through the log (`MetaOp::ForgetNode`).
+/// 2, nodes added and forgotten through the log (`MetaOp::AddNode`, `MetaOp::ForgetNode`).
 pub const FEATURE_LEVEL: u64 = 2;
 
-/// The level at which the cluster can forget a node.
-const FORGET_LEVEL: u64 = 2;
+/// The level at which the cluster can add and forget nodes.
+const MEMBERSHIP_LEVEL: u64 = 2;
 
 /// A quorum queue's declaration waits this long for the metadata log to apply it; then the
 /// client is told it failed (the queue may still be made, when the entry commits later).
@@ -1230,10 +1230,10 @@ impl Broker {
             return Err(ForgetError::Running(node));
         }
         let have = level.unwrap_or(0);
-        if have < FORGET_LEVEL {
+        if have < MEMBERSHIP_LEVEL {
             return Err(ForgetError::Level {
                 have,
-                want: FORGET_LEVEL,
+                want: MEMBERSHIP_LEVEL,
             });
         }
         if c.meta.leader.is_none() {
@@ -1263,7 +1263,7 @@ impl Broker {
             );
             return false;
         }
-        if level < FORGET_LEVEL || c.meta.leader.is_none() {
+        if level < MEMBERSHIP_LEVEL || c.meta.leader.is_none() {
             tracing::warn!(
                 node,
                 level,
@@ -1319,7 +1319,8 @@ impl Broker {
         if !c.nodes().contains(&node) {
             return;
         }
-        if node == c.node() {
+        let itself = node == c.node();
+        if itself {
             tracing::error!(
                 node,
                 "the cluster forgot this node: its peers take no more connections from it; \
@@ -1332,7 +1333,7 @@ impl Broker {
         nodes.retain(|n| *n != node);
         c.meta.forgotten.insert(node);
         c.set_members(nodes);
-        if node != self.cluster_node().unwrap_or(0) {
+        if !itself {
             // Its consumers' messages go back now, whether or not it was down long enough
             // for that already.
             self.down_in_queues_led_here(node);

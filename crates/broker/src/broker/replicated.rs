@@ -183,8 +183,8 @@ impl Cluster {
         &self.nodes
     }
 
-    /// The cluster's nodes are now `nodes` (the metadata log forgot one): what this node
-    /// knew of the others goes with them, and the driver moves every group.
+    /// The cluster's nodes are now `nodes` (the metadata log added or forgot one): what this
+    /// node knew of those that left goes, and the driver moves every group.
     pub(super) fn set_members(&mut self, mut nodes: Vec<NodeId>) {
         nodes.sort_unstable();
         nodes.dedup();

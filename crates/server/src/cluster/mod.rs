@@ -351,10 +351,7 @@ impl RaftNode {
     /// [`RaftNode::add_group`] with the voters it starts with (`None`: every node of the
     /// list, or the cluster's nodes as last set).
     pub fn add_group_with(&self, group: GroupId, campaign: bool, voters: Option<Vec<NodeId>>) {
-        match voters {
-            Some(v) => self.send(Command::AddGroupWith(group, campaign, v)),
-            None => self.send(Command::AddGroup(group, campaign)),
-        }
+        self.send(Command::AddGroup(group, campaign, voters));
     }
 
     /// Hands a group's leadership to another node, if this one leads it.
@@ -365,7 +362,7 @@ impl RaftNode {
     /// Creates a group with every node as a voter, unless it exists. `campaign` starts an
     /// election here at once (the creator places the leader).
     pub fn add_group(&self, group: GroupId, campaign: bool) {
-        self.send(Command::AddGroup(group, campaign));
+        self.send(Command::AddGroup(group, campaign, None));
     }
 
     /// Drops a group and its log (its queue was deleted).
@@ -417,6 +414,15 @@ impl RaftNode {
     ) -> Option<Vec<warren_replication::GroupStatus>> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.send(Command::Status(tx));
+        tokio::time::timeout(wait, rx).await.ok()?.ok()
+    }
+
+    /// The groups this node leads whose members are not yet the cluster's nodes (after a
+    /// node was added or forgotten), from the Raft thread's next pass; `None` if it does not
+    /// answer within `wait`.
+    pub async fn changing_members(&self, wait: std::time::Duration) -> Option<usize> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.send(Command::Changing(tx));
         tokio::time::timeout(wait, rx).await.ok()?.ok()
     }
 

@@ -18,7 +18,11 @@ use super::{RaftEvents, MAX_PROPOSAL};
 
 /// What a [`super::RaftNode`] asks of the Raft thread.
 pub(crate) enum Command {
-    AddGroup(GroupId, bool),
+    /// A group, its creator standing for its leader or not, and the voters it starts with
+    /// (`None`: the list's nodes, or the cluster's nodes as last set).
+    AddGroup(GroupId, bool, Option<Vec<NodeId>>),
+    /// A group this node is being added to ([`MultiRaft::join_group`]).
+    JoinGroup(GroupId),
     RemoveGroup(GroupId),
     Propose(GroupId, Vec<u8>),
     /// A proposal for the leader `NodeId` of the group: sent with the next pass's batches.
@@ -33,8 +37,9 @@ pub(crate) enum Command {
     /// and the nodes not among them are no peers any more; with the addresses of the nodes
     /// the list lacks.
     Members(Vec<NodeId>, Vec<(NodeId, String)>),
-    AddGroupWith(GroupId, bool, Vec<NodeId>),
-    JoinGroup(GroupId),
+    /// How many groups led here do not have the cluster's nodes yet
+    /// ([`MultiRaft::changing_members`]).
+    Changing(tokio::sync::oneshot::Sender<usize>),
     /// Every group's state, for metrics ([`MultiRaft::status`]).
     Status(tokio::sync::oneshot::Sender<Vec<warren_replication::GroupStatus>>),
     Shutdown,
@@ -166,12 +171,20 @@ impl<E: RaftEvents> Driver<E> {
                 // The asker may have given up waiting: nothing to do then.
                 let _ = reply.send(self.raft.status());
             }
-            Command::AddGroup(group, campaign) => match self.raft.add_group(group, campaign) {
-                Ok(()) | Err(Error::GroupExists(_)) => {}
-                Err(e) => {
-                    tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot add raft group");
-                }
-            },
+            Command::AddGroup(group, campaign, voters) => {
+                let made = match voters {
+                    Some(v) => self.raft.add_group_with(group, v, campaign),
+                    None => self.raft.add_group(group, campaign),
+                };
+                self.group_made(group, made);
+            }
+            Command::JoinGroup(group) => {
+                let made = self.raft.join_group(group);
+                self.group_made(group, made);
+            }
+            Command::Changing(reply) => {
+                let _ = reply.send(self.raft.changing_members());
+            }
             Command::RemoveGroup(group) => {
                 if self.raft.remove_group(group) {
                     if let Err(e) = self.log.remove_group(group) {
@@ -215,26 +228,24 @@ impl<E: RaftEvents> Driver<E> {
                 self.raft.set_peers(&voters);
                 self.raft.set_members(voters);
             }
-            Command::AddGroupWith(group, campaign, voters) => {
-                match self.raft.add_group_with(group, voters, campaign) {
-                    Ok(()) | Err(Error::GroupExists(_)) => {}
-                    Err(e) => {
-                        tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot add raft group");
-                    }
-                }
-            }
-            Command::JoinGroup(group) => match self.raft.join_group(group) {
-                Ok(()) | Err(Error::GroupExists(_)) => {}
-                Err(e) => {
-                    tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot join raft group");
-                }
-            },
+
             Command::Transfer(group, to) => {
                 if !self.raft.transfer_leader(group, to) {
                     tracing::debug!(group = group.0, to, "leadership transfer not started");
                 }
             }
             Command::Shutdown => self.stopping = true,
+        }
+    }
+
+    /// A group made here, or not (one that exists already is no error: the broker may ask
+    /// twice, as at a start).
+    fn group_made(&self, group: GroupId, made: Result<(), Error>) {
+        match made {
+            Ok(()) | Err(Error::GroupExists(_)) => {}
+            Err(e) => {
+                tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot add raft group");
+            }
         }
     }
 

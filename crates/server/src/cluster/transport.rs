@@ -203,28 +203,26 @@ impl Outbound {
                 .remove(&node);
         }
         for (peer, addr) in peers {
-            if self.links.contains_key(&peer) {
-                continue;
+            if !self.links.contains_key(&peer) {
+                tracing::info!(node = me, peer, %addr, "linking with a node added to the cluster");
+                self.link(peer, addr);
             }
-            tracing::info!(node = me, peer, %addr, "linking with a node added to the cluster");
-            let (tx, rx) = mpsc::channel(PEER_QUEUE);
-            let budget = Budget::new(PEER_QUEUE_BYTES);
-            self.links.insert(peer, (tx, budget.clone()));
-            let redial = Arc::new(Notify::new());
-            self.shared
-                .redial
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(peer, redial.clone());
-            self.runtime.spawn(dial_loop(
-                self.shared.clone(),
-                peer,
-                addr,
-                rx,
-                budget,
-                redial,
-            ));
         }
+    }
+
+    /// A queue and a dialer for `peer`.
+    fn link(&mut self, peer: NodeId, addr: PeerAddr) {
+        let (tx, rx) = mpsc::channel(PEER_QUEUE);
+        let budget = Budget::new(PEER_QUEUE_BYTES);
+        self.links.insert(peer, (tx, budget.clone()));
+        let redial = Arc::new(Notify::new());
+        self.shared
+            .redial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer, redial.clone());
+        let dialer = dial_loop(self.shared.clone(), peer, addr, rx, budget, redial);
+        self.runtime.spawn(dialer);
     }
 
     pub(crate) fn send(&self, batch: NodeBatch) {
@@ -287,7 +285,7 @@ impl Drop for Net {
     }
 }
 
-pub(crate) struct Shared {
+struct Shared {
     me: NodeId,
     secret: Vec<u8>,
     tls: Option<ClusterTls>,
@@ -337,11 +335,6 @@ pub(crate) fn start(
         let _rt = runtime.enter();
         TcpListener::from_std(std_listener).map_err(listen_error)?
     };
-    let redial: BTreeMap<NodeId, Arc<Notify>> = cfg
-        .peers
-        .keys()
-        .map(|id| (*id, Arc::new(Notify::new())))
-        .collect();
     let inbound_budget = Budget::new(INBOUND_QUEUE_BYTES);
     let shared = Arc::new(Shared {
         me: cfg.node,
@@ -352,40 +345,26 @@ pub(crate) fn start(
         inbound,
         inbound_budget: inbound_budget.clone(),
         counters: counters.clone(),
-        redial: Mutex::new(redial.clone()),
+        redial: Mutex::new(BTreeMap::new()),
         joining,
         handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
         refusals_logged: Mutex::new(HashMap::new()),
     });
-    let mut links = BTreeMap::new();
-    for (peer, addr) in &cfg.peers {
-        let (tx, rx) = mpsc::channel(PEER_QUEUE);
-        let budget = Budget::new(PEER_QUEUE_BYTES);
-        links.insert(*peer, (tx, budget.clone()));
-        let Some(wake) = redial.get(peer).cloned() else {
-            continue;
-        };
-        runtime.spawn(dial_loop(
-            shared.clone(),
-            *peer,
-            addr.clone(),
-            rx,
-            budget,
-            wake,
-        ));
-    }
     runtime.spawn(accept_loop(shared.clone(), listener));
-    let handle = runtime.handle().clone();
+    let mut out = Outbound {
+        links: BTreeMap::new(),
+        counters,
+        shared,
+        runtime: runtime.handle().clone(),
+    };
+    for (peer, addr) in &cfg.peers {
+        out.link(*peer, addr.clone());
+    }
     Ok((
         Net {
             runtime: Some(runtime),
         },
-        Outbound {
-            links,
-            counters,
-            shared,
-            runtime: handle,
-        },
+        out,
         inbound_budget,
     ))
 }

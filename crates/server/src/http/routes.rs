@@ -342,17 +342,8 @@ pub(crate) async fn node_json_now(api: &Api) -> Value {
 
 async fn members_changing(api: &Api) -> Option<usize> {
     let raft = api.node.raft()?;
-    let mut nodes = api
-        .node
-        .read(|n, _| n.broker().cluster_view().map(|(_, nodes, _)| nodes))?;
-    nodes.sort_unstable();
-    let status = raft.group_status(std::time::Duration::from_secs(2)).await?;
-    Some(
-        status
-            .iter()
-            .filter(|s| s.leading && (s.members.voters != nodes || !s.members.learners.is_empty()))
-            .count(),
-    )
+    raft.changing_members(std::time::Duration::from_secs(2))
+        .await
 }
 
 /// Another node of the cluster: the figures it sent last (its own entry, as its API gives it;
@@ -845,7 +836,7 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
     let rates = api.rates.queues(kept.iter().map(|s| s.id));
     let node = api.node_name.as_str();
     let down = nodes_down(api);
-    let names = member_names(api);
+    let names = api.names();
     ok(query.finish_with(
         kept.into_iter().zip(rates).collect(),
         total,
@@ -860,11 +851,6 @@ fn list_queues(api: &Api, who: &Login, vhost: Option<&str>, q: &HashMap<String, 
 }
 
 /// The cluster's nodes this node sees down.
-/// The names of the cluster's nodes now (it may have added or forgotten some of its list).
-fn member_names(api: &Api) -> std::collections::BTreeMap<u64, String> {
-    api.names()
-}
-
 fn nodes_down(api: &Api) -> std::collections::BTreeSet<u64> {
     api.node.read(|n, _| {
         n.broker()
@@ -913,7 +899,7 @@ async fn one_queue(
     });
     let s = snap.ok_or_else(ApiError::not_found)?;
     let mut v = objects::queue(&s, &api.rates.queue(s.id), &api.node_name, now);
-    objects::with_members(&mut v, &s, &member_names(&api), &nodes_down(&api));
+    objects::with_members(&mut v, &s, &api.names(), &nodes_down(&api));
     if q.contains_key("lengths_age") || q.contains_key("msg_rates_age") {
         v = objects::with_history(v, &api.rates.queue_history(s.id));
     }
