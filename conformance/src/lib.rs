@@ -19,6 +19,7 @@ pub mod partition;
 pub mod queues;
 pub mod rabbitmq;
 pub mod raw;
+mod watchdog;
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -200,6 +201,7 @@ impl TestBroker {
                 }
             });
         }
+        watchdog::started(child.id(), ([127, 0, 0, 1], port).into(), output.clone());
         TestBroker {
             url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
             addr: ([127, 0, 0, 1], port).into(),
@@ -235,6 +237,7 @@ impl TestBroker {
             unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         }
         let _ = child.wait();
+        watchdog::stopped(child.id());
         self.check_command_log();
     }
 
@@ -442,6 +445,7 @@ impl Drop for TestBroker {
         if let Some(child) = self.child.as_mut() {
             let _ = child.kill();
             let _ = child.wait();
+            watchdog::stopped(child.id());
             self.check_command_log();
             if self.owns_data_dir {
                 if let Some(d) = &self.data_dir {
