@@ -98,6 +98,26 @@ impl TestCluster {
         n
     }
 
+    /// Replaces node `n`, which must be stopped, with a new node under the same number and
+    /// cluster address: an empty data directory, `--cluster-join`, listing the nodes in
+    /// `known` and itself (a StatefulSet pod scaled away with its claim and scaled back).
+    pub fn rejoin_empty(&mut self, n: u64, known: &[u64]) {
+        let i = usize::try_from(n - 1).expect("a node number");
+        assert!(
+            self.nodes[i].pid().is_none(),
+            "node {n} must be stopped first"
+        );
+        let _ = std::fs::remove_dir_all(self.dir.join(format!("node{n}")));
+        let list: Vec<String> = self
+            .addrs
+            .iter()
+            .filter(|(id, _)| known.contains(id) || *id == n)
+            .map(|(id, a)| format!("{id}={a}"))
+            .collect();
+        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
+        self.nodes[i] = spawn_node(&self.dir, n, &list.join(","), self.tick_ms, &extra, true);
+    }
+
     /// Cuts node `n` off from the other nodes (it keeps running and serving its clients).
     /// Panics if the cluster was not started with [`TestCluster::start_partitionable`].
     pub fn cut(&self, n: u64) {

@@ -195,7 +195,8 @@ async fn a_dead_node_is_replaced_by_a_joining_one_that_takes_every_queue_from_sn
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_node_is_forgotten_its_queues_go_on_two_nodes_and_it_cannot_come_back() {
+async fn a_stopped_node_is_forgotten_its_queues_go_on_two_nodes_and_only_a_new_node_takes_its_number(
+) {
     let mut c = TestCluster::start(3, 20);
     // One queue led by each node (a client's declaration places the leader on its node).
     let queues: Vec<String> = (1..=3).map(|n| unique(&format!("forget{n}"))).collect();
@@ -267,4 +268,21 @@ async fn a_stopped_node_is_forgotten_its_queues_go_on_two_nodes_and_it_cannot_co
     }
     assert_eq!(node_names(&c, 1).len(), 2);
     publish_confirmed(&c, 1, &queues[0], 25..26).await;
+
+    // Its data deleted, a new node takes number 3 by joining (a StatefulSet scaled down, the
+    // pod's claim deleted, and scaled up again): every queue takes it in.
+    c.node_mut(3).stop(true);
+    c.rejoin_empty(3, &[1]);
+    for n in [1, 2, 3] {
+        wait_for_members(&c, n, &[1, 2, 3]);
+    }
+    for q in &queues {
+        let (_, v) = Api::of(c.node(3)).call("GET", &format!("/queues/%2f/{q}"), None);
+        assert_eq!(v["members"].as_array().map_or(0, Vec::len), 3, "{v}");
+    }
+    // Node 1 dies: nodes 2 and the new 3 are a majority, and the new 3 holds the messages.
+    c.node_mut(1).stop(true);
+    let mut got = drain(&c, 3, &queues[0], 1).await;
+    got.sort();
+    assert_eq!(got, vec!["m25".to_string()]);
 }

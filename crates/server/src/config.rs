@@ -145,7 +145,7 @@ pub struct Args {
     pub cluster_tls_ca: Option<PathBuf>,
     /// Joins a running cluster (RabbitMQ's `join_cluster`): on its first start, with an empty
     /// data directory, this node asks the nodes of --cluster-nodes to add it, and takes every
-    /// queue from their snapshots. Its number must be new to the cluster; --cluster-nodes
+    /// queue from their snapshots. Its number must not be a node of the cluster's (a new one, or one it forgot); --cluster-nodes
     /// lists this node and at least one running node. Harmless on later starts
     #[arg(long, env = "WARREN_CLUSTER_JOIN")]
     pub cluster_join: bool,

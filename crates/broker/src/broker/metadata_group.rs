@@ -146,9 +146,13 @@ pub(crate) struct MetaState {
     pub(super) addresses: BTreeMap<NodeId, String>,
     /// Nodes that asked to join and whose `AddNode` this node sent, until it is applied.
     pub(super) joins_asked: BTreeSet<NodeId>,
-    /// The numbers of nodes the log forgot: none joins again under one (a node forgotten and
-    /// started again on its old data must not come back with it).
+    /// The numbers of nodes the log forgot and did not add again. A node started again on
+    /// its old data after it was forgotten gets no link (it is no member); a new node may
+    /// join under the number (`--cluster-join`, an empty data directory), as a StatefulSet
+    /// scaled down then up again brings back a pod's ordinal.
     pub(super) forgotten: BTreeSet<NodeId>,
+    /// Nodes that asked to join while members already, told once in the log.
+    join_refused: BTreeSet<NodeId>,
     /// Raft asked for a snapshot of the metadata (a node being added needs one).
     pub(super) snapshot_asked: bool,
     /// Queues are being made from a metadata snapshot: their groups wait for their leaders'
@@ -1203,7 +1207,7 @@ impl Broker {
             m.levels = levels.iter().copied().collect();
             // Numbered past what the log has of this node, even if the clock went back.
             m.next_op = m.next_op.max(m.seen.get(&node).copied().unwrap_or(0));
-            c.meta.forgotten.extend(forgotten.iter().copied());
+            c.meta.forgotten = forgotten.iter().copied().collect();
             if let Some(members) = members {
                 c.set_member_list(members.to_vec());
             }
@@ -1253,14 +1257,20 @@ impl Broker {
         let Some(c) = self.cluster.as_mut() else {
             return false;
         };
-        if node == 0 || c.nodes().contains(&node) || c.meta.joins_asked.contains(&node) {
+        if node == 0 || c.meta.joins_asked.contains(&node) {
             return false;
         }
-        if c.meta.forgotten.contains(&node) {
-            tracing::warn!(
-                node,
-                "a node asks to join under the number of a node the cluster forgot: refused (give a new node a new number)"
-            );
+        if c.nodes().contains(&node) {
+            // Once per node and start: it asks every second.
+            if c.meta.join_refused.insert(node) {
+                tracing::warn!(
+                    node,
+                    %addr,
+                    "a node asks to join under the number of a node of the cluster: refused. If that \
+                     node's data is lost, forget it first (warren ctl forget_cluster_node), then \
+                     the new node joins; else start it on its data directory, without --cluster-join"
+                );
+            }
             return false;
         }
         if level < MEMBERSHIP_LEVEL || c.meta.leader.is_none() {
@@ -1272,7 +1282,12 @@ impl Broker {
             return false;
         }
         c.meta.joins_asked.insert(node);
-        tracing::warn!(node, %addr, "a node asks to join the cluster: adding it");
+        c.meta.join_refused.remove(&node);
+        if c.meta.forgotten.contains(&node) {
+            tracing::warn!(node, %addr, "a node asks to join under the number of a node the cluster forgot: adding it as a new node");
+        } else {
+            tracing::warn!(node, %addr, "a node asks to join the cluster: adding it");
+        }
         self.announce(MetaOp::AddNode {
             node,
             addr: addr.to_owned(),
@@ -1295,9 +1310,12 @@ impl Broker {
             return;
         };
         c.meta.joins_asked.remove(&node);
-        if c.nodes().contains(&node) || c.meta.forgotten.contains(&node) {
+        if c.nodes().contains(&node) {
             return;
         }
+        // A forgotten number taken by a new node: the old one's place is long gone from
+        // every group (it was stopped and forgotten), and the new one starts empty.
+        c.meta.forgotten.remove(&node);
         // Known at once, so that the cluster's level does not drop to nothing until the node
         // announces it (it can, only once it holds the metadata).
         if level > 0 {
@@ -1324,7 +1342,8 @@ impl Broker {
             tracing::error!(
                 node,
                 "the cluster forgot this node: its peers take no more connections from it; \
-                 stop it, and start it on an empty data directory to bring it back"
+                 stop it, and start it on an empty data directory with --cluster-join to bring \
+                 it back"
             );
         } else {
             tracing::warn!(node, "the cluster forgot a node");
@@ -1784,9 +1803,9 @@ mod tests {
     /// A node that asks to join is added through the log, once, with its address and level;
     /// a queue the log makes afterwards starts with it; a node far behind learns the nodes
     /// from the metadata snapshot and waits for each queue's snapshot; a forgotten number is
-    /// never taken back.
+    /// taken again only by a node that joins, and a member's number never.
     #[test]
-    fn a_joining_node_is_added_through_the_log_and_a_forgotten_number_never_comes_back() {
+    fn a_joining_node_is_added_through_the_log_and_a_forgotten_number_only_by_a_joining_one() {
         let mut b = node_two();
         b.set_meta_leader(Some(1));
         let _ = sent(&mut b);
@@ -1801,8 +1820,8 @@ mod tests {
         let _ = b.take_group_changes();
 
         assert!(
-            !b.request_join(3, "n3.example:7703", 2),
-            "a forgotten number"
+            !b.request_join(2, "n2.example:7702", 2),
+            "a member's number"
         );
         assert!(b.request_join(4, "n4.example:7704", 2));
         assert!(!b.request_join(4, "n4.example:7704", 2), "asked once");
@@ -1868,9 +1887,26 @@ mod tests {
             "{changes:?}"
         );
         behind.set_meta_leader(Some(1));
+        let forgotten = |b: &Broker| b.cluster.as_ref().map(|c| c.meta.forgotten.clone());
+        assert_eq!(forgotten(&behind), Some([3].into()), "forgotten there too");
+
+        // A new node joins under the forgotten number (a StatefulSet's ordinal scaled away
+        // and back): added as any joining node, and no longer forgotten.
+        assert!(behind.request_join(3, "n3b.example:7703", 2));
+        let out = sent(&mut behind);
+        behind.apply_committed(&[own(snap.index + 1, out[0].clone())]);
+        assert_eq!(behind.cluster_view().map(|v| v.1), Some(vec![1, 2, 3, 4]));
+        assert_eq!(forgotten(&behind), Some(Default::default()));
+        let changes = behind.take_group_changes();
         assert!(
-            !behind.request_join(3, "n3.example:7703", 2),
-            "forgotten there too"
+            changes.iter().any(
+                |c| matches!(c, GroupChange::Members { voters, .. } if *voters == vec![1, 2, 3, 4])
+            ),
+            "{changes:?}"
+        );
+        assert!(
+            !behind.request_join(3, "n3b.example:7703", 2),
+            "a member now"
         );
     }
 

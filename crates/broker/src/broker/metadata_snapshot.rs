@@ -373,7 +373,8 @@ impl Broker {
             *l = (*l).max(level);
         }
         let members = snap.members;
-        m.forgotten.extend(snap.forgotten.iter().copied());
+        // The snapshot's, not a union: a forgotten number may have been taken again since.
+        m.forgotten = snap.forgotten.iter().copied().collect();
         let settled: Vec<u64> = m.declares.range(..=own).map(|(n, _)| *n).collect();
         m.through_log.retain(|_, (n, _)| *n > own);
         m.next_op = m.next_op.max(own);

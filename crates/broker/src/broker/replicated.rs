@@ -196,6 +196,11 @@ impl Cluster {
             self.draining_peers.remove(gone);
             self.meta.levels.remove(gone);
         }
+        for back in nodes.iter().filter(|n| !self.nodes.contains(n)) {
+            // A forgotten number a new node took: nothing of the old one's holds for it.
+            self.downed.remove(back);
+            self.down_since.remove(back);
+        }
         self.meta.addresses.retain(|n, _| nodes.contains(n));
         self.nodes = nodes.clone();
         self.meta.members = Some(nodes.clone());
