@@ -20,7 +20,7 @@ PAUSE=3
 BACKLOG=1000000
 IDLE_QUEUES=10000
 IDLE_CONNECTIONS=1000
-SCENARIOS="s6,s7,s1,s1r,s2,s2r,s3,s4,s5,s8,s9,s10,s11,s11r"
+SCENARIOS="s6,s7,s1,s1r,s2,s2r,s3,s4,s5,s8,s9,s10,s11,s11r,s12"
 OUT="docs/benchmarks.md"
 CHART="bench/benchmarks.svg"
 RESULTS=""
@@ -53,7 +53,7 @@ Options:
                          per queue, measuring the sustainable rate (default 1000; 0 = PerfTest-style
                          unbounded publishing, where the queue grows all run long)
   --quick                1 pair, 3 s runs, backlog 20000, 500 idle queues, 100 idle connections
-  --scenarios LIST       comma-separated subset of s1,s1r,s2,s2r,s3,s4,s5,s6,s7,s8,s9,s10,s11,s11r
+  --scenarios LIST       comma-separated subset of s1,s1r,s2,s2r,s3,s4,s5,s6,s7,s8,s9,s10,s11,s11r,s12
   --backlog N            messages in scenario 8 (default 1000000)
   --idle-queues N        queues in scenario 6 (default 10000)
   --idle-connections N   connections in scenario 7 (default 1000)
@@ -351,6 +351,10 @@ scenario_args() {
     # cost is the bookkeeping every message pays), unthrottled and at 5,000 msg/s.
     s11) echo "--ack-batched -x 1 -y 1 --queues 1 -s 16 -q 200 --max-inflight $INFLIGHT --queue-arg x-message-ttl=60000 --queue-arg x-dead-letter-exchange=wb-dlx -z $DURATION" ;;
     s11r) echo "--ack-batched -x 1 -y 1 --queues 1 -s 16 -q 200 --rate 5000 --queue-arg x-message-ttl=60000 --queue-arg x-dead-letter-exchange=wb-dlx -z $DURATION" ;;
+    # Many clients, few busy: 1,000 connections, of which 100 workers (as s9's, each ack
+    # awaited) and their 100 producers at 50 msg/s each (5,000 msg/s in all, as s9), on 100
+    # queues; the other 800 stay connected and idle all run long (--hold-connections).
+    s12) echo "-x 100 -y 100 --queues 100 -s 16 -q 200 --rate 50 --ack-wait --hold-connections 800 --parallel 4 --threads 2 -z $DURATION" ;;
     s8p) echo "--no-consume -x 1 -y 0 --queues 1 -s 1024 -C $BACKLOG" ;;
     s8d) echo "--ack-batched --predeclare --delete --no-reset-peak -x 0 -y 1 --queues 1 -q 200 -C $BACKLOG" ;;
     *) echo "unknown scenario $1" >&2; exit 2 ;;

@@ -342,6 +342,39 @@ pub async fn idle_connections(opts: Opts, n: u64) -> Result<IdleReport, BoxError
     Ok(r)
 }
 
+/// Connections held open beside a run (`--hold-connections`), idle until [`Held::release`].
+pub struct Held {
+    stop: watch::Sender<bool>,
+    idlers: Vec<tokio::task::JoinHandle<Result<(), BoxError>>>,
+}
+
+impl Held {
+    /// Opens `n` idle connections, --parallel at a time.
+    pub async fn open(opts: &Opts, n: u64) -> Result<Held, BoxError> {
+        let target = Arc::new(Target::from_url(&opts.url)?);
+        let done = Arc::new(AtomicU64::new(0));
+        let (stop, stop_rx) = watch::channel(false);
+        let mut idlers = Vec::new();
+        let mut errors = Vec::new();
+        open(opts, &target, n, &done, &stop_rx, &mut idlers, &mut errors).await?;
+        if let Some(e) = errors.first() {
+            return Err(format!("holding {n} connections: {e}").into());
+        }
+        Ok(Held { stop, idlers })
+    }
+
+    /// How many of the held connections ended before the run did (the broker closed them).
+    pub fn dropped(&self) -> usize {
+        self.idlers.iter().filter(|t| t.is_finished()).count()
+    }
+
+    /// Closes them.
+    pub async fn release(self) {
+        let _ = self.stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(30), join_all(self.idlers)).await;
+    }
+}
+
 /// Opens `n` more idle connections, --parallel at a time; each then idles on its own task.
 async fn open(
     opts: &Opts,

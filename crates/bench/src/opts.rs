@@ -149,6 +149,12 @@ pub struct Opts {
     #[arg(long, value_name = "N")]
     pub idle_connections: Option<u64>,
 
+    /// Holds N more connections open (one channel each, idle, answering heartbeats) for the
+    /// whole run, opened before the timed part starts: many connected clients of which few are
+    /// busy. Their connections count in no figure but the broker's CPU and memory.
+    #[arg(long, value_name = "N", conflicts_with_all = ["idle_queues", "idle_connections"])]
+    pub hold_connections: Option<u64>,
+
     /// Delayed-schedule mode: publish N messages (split over --producers) to an
     /// x-delayed-message exchange (--exchange, default warren-bench-delayed; x-delayed-type =
     /// --exchange-type) bound to one queue, each with an x-delay of --delay-ms plus a uniformly

@@ -149,6 +149,11 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         producers.push((conn, ch, routing_key));
     }
 
+    let held = match opts.hold_connections {
+        Some(n) if n > 0 => Some(crate::idle::Held::open(&opts, n).await?),
+        _ => None,
+    };
+
     let (stop_tx, stop_rx) = watch::channel(false);
     let broker_pid = opts.broker_pid;
     let peak_reset = match broker_pid {
@@ -263,6 +268,13 @@ pub async fn run(opts: Opts) -> Result<RunReport, BoxError> {
         other => other.and_then(Result::ok),
     };
     let client_end = stats::sample_self();
+    if let Some(held) = held {
+        let dropped = held.dropped();
+        if dropped > 0 {
+            errors.push(format!("{dropped} held connections ended during the run"));
+        }
+        held.release().await;
+    }
     let queue_depth_end = if opts.producers > 0 {
         queue_depth(&admin_ch, &queues).await
     } else {
