@@ -19,7 +19,7 @@ pub mod partition;
 pub mod queues;
 pub mod rabbitmq;
 pub mod raw;
-mod watchdog;
+pub(crate) mod watchdog;
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -44,6 +44,8 @@ pub struct TestBroker {
     addr: SocketAddr,
     vhost_path: String,
     child: Option<Child>,
+    /// The child's entry in the test binary's [`watchdog`].
+    watch: Option<u64>,
     output: Arc<Mutex<Vec<u8>>>,
     /// The command log the spawned broker writes, replayed on drop.
     command_log: Option<PathBuf>,
@@ -75,6 +77,7 @@ impl TestBroker {
                 addr,
                 vhost_path,
                 child: None,
+                watch: None,
                 output: Arc::new(Mutex::new(Vec::new())),
                 command_log: None,
                 data_dir: None,
@@ -201,12 +204,18 @@ impl TestBroker {
                 }
             });
         }
-        watchdog::started(child.id(), ([127, 0, 0, 1], port).into(), output.clone());
+        let pid = child.id();
+        let watch = watchdog::started(
+            format!("the broker at 127.0.0.1:{port}"),
+            Some(output.clone()),
+            Box::new(move || watchdog::kill_child(pid)),
+        );
         TestBroker {
             url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
             addr: ([127, 0, 0, 1], port).into(),
             vhost_path: "%2f".into(),
             child: Some(child),
+            watch: Some(watch),
             output,
             command_log,
             data_dir: data_dir.map(|d| d.to_path_buf()),
@@ -237,7 +246,9 @@ impl TestBroker {
             unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
         }
         let _ = child.wait();
-        watchdog::stopped(child.id());
+        if let Some(w) = self.watch.take() {
+            watchdog::stopped(w);
+        }
         self.check_command_log();
     }
 
@@ -445,7 +456,9 @@ impl Drop for TestBroker {
         if let Some(child) = self.child.as_mut() {
             let _ = child.kill();
             let _ = child.wait();
-            watchdog::stopped(child.id());
+            if let Some(w) = self.watch.take() {
+                watchdog::stopped(w);
+            }
             self.check_command_log();
             if self.owns_data_dir {
                 if let Some(d) = &self.data_dir {

@@ -11,6 +11,8 @@ use crate::free_port;
 
 pub struct RabbitMq {
     child: Child,
+    /// Its entry in the test binary's watchdog.
+    watch: u64,
     dir: PathBuf,
     pub amqp_port: u16,
     pub http_port: u16,
@@ -86,8 +88,15 @@ impl RabbitMq {
             .stderr(Stdio::null());
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let child = cmd.spawn().expect("spawn rabbitmq-server");
+        let (pgid, marker) = (child.id(), dir.to_string_lossy().into_owned());
+        let watch = crate::watchdog::started(
+            format!("RabbitMQ {name}"),
+            None,
+            Box::new(move || kill_node(pgid, &marker)),
+        );
         let node = RabbitMq {
             child,
+            watch,
             dir,
             amqp_port,
             http_port,
@@ -146,23 +155,27 @@ impl RabbitMq {
 
 impl Drop for RabbitMq {
     fn drop(&mut self) {
-        // The script starts the node through `su`, in a session of its own: the processes to
-        // kill are found by the data directory in their environment.
-        let pgid = self.child.id() as libc::pid_t;
-        unsafe { libc::kill(-pgid, libc::SIGKILL) };
-        let marker = self.dir.to_string_lossy().into_owned();
-        if let Ok(procs) = std::fs::read_dir("/proc") {
-            for p in procs.flatten() {
-                let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                    continue;
-                };
-                let env = std::fs::read(p.path().join("environ")).unwrap_or_default();
-                if String::from_utf8_lossy(&env).contains(&marker) {
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
+        kill_node(self.child.id(), &self.dir.to_string_lossy());
+        let _ = self.child.wait();
+        crate::watchdog::stopped(self.watch);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Kills a node started in process group `pgid` with its data in `dir`. The script starts
+/// the node through `su`, in a session of its own: the processes to kill are found by the
+/// data directory in their environment.
+fn kill_node(pgid: u32, dir: &str) {
+    unsafe { libc::kill(-(pgid as libc::pid_t), libc::SIGKILL) };
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for p in procs.flatten() {
+            let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            let env = std::fs::read(p.path().join("environ")).unwrap_or_default();
+            if String::from_utf8_lossy(&env).contains(dir) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
             }
         }
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

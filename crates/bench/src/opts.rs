@@ -152,7 +152,7 @@ pub struct Opts {
     /// Holds N more connections open (one channel each, idle, answering heartbeats) for the
     /// whole run, opened before the timed part starts: many connected clients of which few are
     /// busy. Their connections count in no figure but the broker's CPU and memory.
-    #[arg(long, value_name = "N", conflicts_with_all = ["idle_queues", "idle_connections"])]
+    #[arg(long, value_name = "N", conflicts_with_all = ["idle_queues", "idle_connections", "delayed_schedule", "delayed_rate"])]
     pub hold_connections: Option<u64>,
 
     /// Delayed-schedule mode: publish N messages (split over --producers) to an

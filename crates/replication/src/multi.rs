@@ -1113,6 +1113,23 @@ impl MultiRaft {
                 self.asks.push((env.group, snapshot_request(&env.msg)));
                 continue;
             }
+            if matches!(
+                env.msg.get_msg_type(),
+                MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
+            ) && awaits_snapshot(&g.raw)
+            {
+                // Nor does it vote: with no entry it would vote for any candidate, and a group
+                // that still counts an old node of its number (forgotten, its data gone, the
+                // number taken again before every group removed it) would let a candidate
+                // without the committed entries win. Not answering is always safe.
+                continue;
+            }
+            let mut env = env;
+            if env.msg.get_msg_type() == MessageType::MsgHeartbeat && awaits_snapshot(&g.raw) {
+                // Such a leader also believes the old node holds entries, and says they are
+                // committed: raft-rs panics on a commit past its log. It learns nothing now.
+                env.msg.commit = 0;
+            }
             if g.raw.raft.state != StateRole::Leader {
                 g.quiet_ticks = 0;
             }

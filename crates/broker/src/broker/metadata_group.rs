@@ -38,6 +38,10 @@ const META_RESEND_MS: u64 = 2_000;
 /// At most this many operations in one entry (a definitions import makes thousands).
 const OPS_PER_ENTRY: usize = 256;
 
+/// How long a member's number may ask to join before the log says it is refused: a node just
+/// added asks until it holds the metadata, seconds at most.
+const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
+
 /// What this version does that every node must do alike, announced in the log
 /// (`MetaOp::FeatureLevel`): 1, quorum queues numbered by the metadata log
 /// (`QueueGroup::FromLog`). A node uses a level once every node of the cluster announced it.
@@ -151,8 +155,9 @@ pub(crate) struct MetaState {
     /// join under the number (`--cluster-join`, an empty data directory), as a StatefulSet
     /// scaled down then up again brings back a pod's ordinal.
     pub(super) forgotten: BTreeSet<NodeId>,
-    /// Nodes that asked to join while members already, told once in the log.
-    join_refused: BTreeSet<NodeId>,
+    /// Nodes that ask to join while members already: since when (ms), until told in the log
+    /// (`u64::MAX` then).
+    join_refused: BTreeMap<NodeId, u64>,
     /// Raft asked for a snapshot of the metadata (a node being added needs one).
     pub(super) snapshot_asked: bool,
     /// Queues are being made from a metadata snapshot: their groups wait for their leaders'
@@ -1254,6 +1259,7 @@ impl Broker {
     /// this node asked for it already, the cluster is asked to add it. Whether it was asked.
     pub fn request_join(&mut self, node: NodeId, addr: &str, its_level: u64) -> bool {
         let level = self.cluster_feature_level().unwrap_or(0);
+        let now = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return false;
         };
@@ -1261,8 +1267,11 @@ impl Broker {
             return false;
         }
         if c.nodes().contains(&node) {
-            // Once per node and start: it asks every second.
-            if c.meta.join_refused.insert(node) {
+            // A node just added asks until it holds the metadata that names it, a few seconds;
+            // one that goes on asking is another node under a member's number. Told once.
+            let since = c.meta.join_refused.entry(node).or_insert(now);
+            if *since != u64::MAX && now.saturating_sub(*since) >= JOIN_REFUSED_AFTER_MS {
+                *since = u64::MAX;
                 tracing::warn!(
                     node,
                     %addr,

@@ -2,7 +2,7 @@
 //! caught up, and keeps its members across a restart; a node removed leaves the group, and a
 //! leader that is to leave hands over first.
 
-use super::sim::Sim;
+use super::sim::{config_in, Sim, SimNode};
 use crate::{GroupId, MemberChange, Members, NodeId};
 
 const G: GroupId = GroupId(7);
@@ -365,4 +365,53 @@ fn a_voter_made_to_wait_for_a_snapshot_asks_its_leader_for_one() {
     });
     let log3 = sim.nodes[&3].log.recovered(G);
     assert!(log3.snapshot.is_some(), "started from a snapshot");
+}
+
+/// A node replaced by an empty one under the same number, joining while a group still counts
+/// the old one as a voter, gives no vote until its leader's snapshot: the candidate that lacks
+/// what the old node helped commit cannot win with it.
+#[test]
+fn a_member_waiting_for_its_snapshot_votes_for_nobody() {
+    let mut sim = Sim::bare(41, vec![1, 2, 3]);
+    sim.groups = vec![G];
+    for id in 1..=3 {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.add_group(G, id == 1).expect("group");
+    }
+    run_until(&mut sim, 500, "a leader", |s| s.leader(G) == Some(1));
+    // Node 2 cut off: what follows is committed by nodes 1 and 3 alone.
+    sim.isolated.insert(2);
+    for i in 0..5 {
+        assert!(sim.propose_on(1, G, data(i)));
+    }
+    run_until(&mut sim, 1000, "the entries on 1 and 3", |s| {
+        [1, 3]
+            .iter()
+            .all(|id| s.nodes[id].applied.get(&G).is_some_and(|a| a.len() == 5))
+    });
+    // Node 3's data is lost; a new, empty node 3 joins the group (which still lists 3).
+    sim.nodes
+        .insert(3, SimNode::fresh(config_in(3, vec![1, 2, 3])));
+    join_on(&mut sim, 3);
+    // Node 1 dies; node 2 comes back with none of the five entries.
+    sim.kill(1);
+    sim.isolated.clear();
+    for _ in 0..3000 {
+        sim.step();
+        assert_ne!(
+            sim.leader(G),
+            Some(2),
+            "node 2 elected without the committed entries"
+        );
+    }
+    assert!(sim.nodes[&3].applied.get(&G).is_none_or(|a| a.is_empty()));
+}
+
+fn join_on(sim: &mut Sim, id: NodeId) {
+    sim.nodes
+        .get_mut(&id)
+        .expect("node")
+        .raft
+        .join_group(G)
+        .expect("join");
 }

@@ -55,7 +55,7 @@ pub struct SimNode {
 
 impl SimNode {
     /// A node with an empty log and no group.
-    fn fresh(cfg: Config) -> SimNode {
+    pub fn fresh(cfg: Config) -> SimNode {
         let log = MemLog::new();
         let mut raft = MultiRaft::new(cfg).expect("config");
         raft.set_snapshot_source(log.snapshots());
