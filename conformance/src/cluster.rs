@@ -85,17 +85,21 @@ impl TestCluster {
         let n = self.nodes.len() as u64 + 1;
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
         self.addrs.push((n, addr));
+        let node = self.spawn_joining(n, known);
+        self.nodes.push(node);
+        n
+    }
+
+    /// Starts node `n` with `--cluster-join`, listing the nodes in `known` and itself.
+    fn spawn_joining(&self, n: u64, known: &[u64]) -> TestBroker {
         let list: Vec<String> = self
             .addrs
             .iter()
             .filter(|(id, _)| known.contains(id) || *id == n)
             .map(|(id, a)| format!("{id}={a}"))
             .collect();
-        let list = list.join(",");
         let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.nodes
-            .push(spawn_node(&self.dir, n, &list, self.tick_ms, &extra, true));
-        n
+        spawn_node(&self.dir, n, &list.join(","), self.tick_ms, &extra, true)
     }
 
     /// Replaces node `n`, which must be stopped, with a new node under the same number and
@@ -108,14 +112,7 @@ impl TestCluster {
             "node {n} must be stopped first"
         );
         let _ = std::fs::remove_dir_all(self.dir.join(format!("node{n}")));
-        let list: Vec<String> = self
-            .addrs
-            .iter()
-            .filter(|(id, _)| known.contains(id) || *id == n)
-            .map(|(id, a)| format!("{id}={a}"))
-            .collect();
-        let extra: Vec<&str> = self.extra.iter().map(String::as_str).collect();
-        self.nodes[i] = spawn_node(&self.dir, n, &list.join(","), self.tick_ms, &extra, true);
+        self.nodes[i] = self.spawn_joining(n, known);
     }
 
     /// Cuts node `n` off from the other nodes (it keeps running and serving its clients).
