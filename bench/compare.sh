@@ -20,6 +20,8 @@ PAUSE=3
 BACKLOG=1000000
 IDLE_QUEUES=10000
 IDLE_CONNECTIONS=1000
+# Scenario 12's idle connections beside its 200 busy ones.
+HOLD_CONNECTIONS=800
 SCENARIOS="s6,s7,s1,s1r,s2,s2r,s3,s4,s5,s8,s9,s10,s11,s11r,s12"
 OUT="docs/benchmarks.md"
 CHART="bench/benchmarks.svg"
@@ -52,7 +54,8 @@ Options:
   --inflight N           unthrottled scenarios hold producers back beyond N unconsumed messages
                          per queue, measuring the sustainable rate (default 1000; 0 = PerfTest-style
                          unbounded publishing, where the queue grows all run long)
-  --quick                1 pair, 3 s runs, backlog 20000, 500 idle queues, 100 idle connections
+  --quick                1 pair, 3 s runs, backlog 20000, 500 idle queues, 100 idle connections,
+                         80 held beside scenario 12's busy ones
   --scenarios LIST       comma-separated subset of s1,s1r,s2,s2r,s3,s4,s5,s6,s7,s8,s9,s10,s11,s11r,s12
   --backlog N            messages in scenario 8 (default 1000000)
   --idle-queues N        queues in scenario 6 (default 10000)
@@ -85,7 +88,7 @@ EOF
 for arg in "$@"; do
   if [ "$arg" = --quick ]; then
     # Quick defaults first; options given explicitly below still win.
-    QUICK=1; PAIRS=1; DURATION=3; PAUSE=1; BACKLOG=20000; IDLE_QUEUES=500; IDLE_CONNECTIONS=100
+    QUICK=1; PAIRS=1; DURATION=3; PAUSE=1; BACKLOG=20000; IDLE_QUEUES=500; IDLE_CONNECTIONS=100; HOLD_CONNECTIONS=80
   fi
 done
 while [ $# -gt 0 ]; do
@@ -354,7 +357,7 @@ scenario_args() {
     # Many clients, few busy: 1,000 connections, of which 100 workers (as s9's, each ack
     # awaited) and their 100 producers at 50 msg/s each (5,000 msg/s in all, as s9), on 100
     # queues; the other 800 stay connected and idle all run long (--hold-connections).
-    s12) echo "-x 100 -y 100 --queues 100 -s 16 -q 200 --rate 50 --ack-wait --hold-connections 800 --parallel 4 --threads 2 -z $DURATION" ;;
+    s12) echo "-x 100 -y 100 --queues 100 -s 16 -q 200 --rate 50 --ack-wait --hold-connections $HOLD_CONNECTIONS --parallel 4 --threads 2 -z $DURATION" ;;
     s8p) echo "--no-consume -x 1 -y 0 --queues 1 -s 1024 -C $BACKLOG" ;;
     s8d) echo "--ack-batched --predeclare --delete --no-reset-peak -x 0 -y 1 --queues 1 -q 200 -C $BACKLOG" ;;
     *) echo "unknown scenario $1" >&2; exit 2 ;;
