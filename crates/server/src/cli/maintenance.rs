@@ -153,8 +153,9 @@ fn drain(api: &Api, wait: f64) -> Result<(), CliError> {
 }
 
 /// Asks the cluster to forget `node`, then waits until no node lists it and every running
-/// node reports its groups moved (`cluster.members_changing` 0: a peer's figure is a few
-/// seconds old at most).
+/// node reports its groups moved (`cluster.members_changing` 0), and still does once every
+/// peer's figure was taken again (they are sent every [`crate::http::FIGURES_EVERY`]): one
+/// from before the forget reached that node would say 0 too early.
 fn forget(api: &Api, node: &str, wait: f64) -> Result<(), CliError> {
     api.call(
         "POST",
@@ -165,6 +166,8 @@ fn forget(api: &Api, node: &str, wait: f64) -> Result<(), CliError> {
     )?;
     println!("the cluster forgets {node}; its quorum queues' groups move to the other nodes");
     let until = deadline(seconds(wait));
+    let settle = crate::http::FIGURES_EVERY + Duration::from_secs(1);
+    let mut settled_since: Option<Instant> = None;
     let mut shown = None;
     loop {
         let nodes = api.get("/nodes", "the cluster's nodes")?;
@@ -183,8 +186,13 @@ fn forget(api: &Api, node: &str, wait: f64) -> Result<(), CliError> {
             .map(|n| n["cluster"]["members_changing"].as_u64())
             .sum();
         if !listed && moving == Some(0) {
-            println!("{node} is forgotten: no quorum queue counts on it any more");
-            return Ok(());
+            let since = *settled_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= settle {
+                println!("{node} is forgotten: no quorum queue counts on it any more");
+                return Ok(());
+            }
+        } else {
+            settled_since = None;
         }
         if moving != shown {
             if let Some(m) = moving {
