@@ -1079,7 +1079,7 @@ impl MultiRaft {
             }
         }
         let draining = self.draining_in_effect();
-        for env in batch.msgs {
+        for mut env in batch.msgs {
             if env.msg.from != batch.from || env.msg.to != self.cfg.node {
                 tracing::warn!(
                     group = env.group.0,
@@ -1101,34 +1101,34 @@ impl MultiRaft {
                 );
                 continue;
             };
-            if env.msg.get_msg_type() == MessageType::MsgAppend
-                && env.msg.index == 0
-                && awaits_snapshot(&g.raw)
-            {
-                // A member being added takes the log only after the leader's snapshot, which
-                // tells it the members: entries from the first would not. A leader that
-                // counts it as a voter already (it made the group with it) would go on
-                // sending entries: it is asked for the snapshot, as raft-rs's followers ask
-                // (an append refused with a snapshot request).
-                self.asks.push((env.group, snapshot_request(&env.msg)));
-                continue;
-            }
-            if matches!(
-                env.msg.get_msg_type(),
-                MessageType::MsgRequestVote | MessageType::MsgRequestPreVote
-            ) && awaits_snapshot(&g.raw)
-            {
-                // Nor does it vote: with no entry it would vote for any candidate, and a group
-                // that still counts an old node of its number (forgotten, its data gone, the
-                // number taken again before every group removed it) would let a candidate
-                // without the committed entries win. Not answering is always safe.
-                continue;
-            }
-            let mut env = env;
-            if env.msg.get_msg_type() == MessageType::MsgHeartbeat && awaits_snapshot(&g.raw) {
-                // Such a leader also believes the old node holds entries, and says they are
-                // committed: raft-rs panics on a commit past its log. It learns nothing now.
-                env.msg.commit = 0;
+            if awaits_snapshot(&g.raw) {
+                // A member being added, before its leader's snapshot (which tells it the
+                // members and the state the log leads to).
+                match env.msg.get_msg_type() {
+                    MessageType::MsgAppend if env.msg.index == 0 => {
+                        // It takes no entry from the first: they would not tell it the
+                        // members. A leader that counts it as a voter already (it made the
+                        // group with it) would go on sending entries: it is asked for the
+                        // snapshot, as raft-rs's followers ask (an append refused with a
+                        // snapshot request).
+                        self.asks.push((env.group, snapshot_request(&env.msg)));
+                        continue;
+                    }
+                    MessageType::MsgRequestVote | MessageType::MsgRequestPreVote => {
+                        // With no entry it would vote for any candidate, and a group that
+                        // still counts an old node of its number (forgotten, its data gone,
+                        // the number taken again before every group removed it) would let a
+                        // candidate without the committed entries win. Not answering is
+                        // always safe.
+                        continue;
+                    }
+                    MessageType::MsgHeartbeat => {
+                        // Such a leader also believes the old node holds entries and says
+                        // they are committed: raft-rs panics on a commit past its log.
+                        env.msg.commit = 0;
+                    }
+                    _ => {}
+                }
             }
             if g.raw.raft.state != StateRole::Leader {
                 g.quiet_ticks = 0;

@@ -1322,8 +1322,9 @@ impl Broker {
         if c.nodes().contains(&node) {
             return;
         }
-        // A forgotten number taken by a new node: the old one's place is long gone from
-        // every group (it was stopped and forgotten), and the new one starts empty.
+        // A forgotten number taken by a new node, which starts empty. A group that has not
+        // removed the old one yet keeps counting it: the new one, waiting for the leader's
+        // snapshot, gives no vote meanwhile (`MultiRaft::step`).
         c.meta.forgotten.remove(&node);
         // Known at once, so that the cluster's level does not drop to nothing until the node
         // announces it (it can, only once it holds the metadata).

@@ -52,11 +52,11 @@ fn three_of_four(seed: u64, entries: u32) -> Sim {
     sim
 }
 
-/// Node 4's member of `G`, made to be added (it waits for its leader's snapshot).
-fn join_on_4(sim: &mut Sim) {
+/// Node `id`'s member of `G`, made to be added (it waits for its leader's snapshot).
+fn join_on(sim: &mut Sim, id: NodeId) {
     sim.nodes
-        .get_mut(&4)
-        .expect("node 4")
+        .get_mut(&id)
+        .expect("node")
         .raft
         .join_group(G)
         .expect("join");
@@ -73,7 +73,7 @@ fn a_node_added_starts_from_the_leaders_snapshot_votes_once_caught_up_and_keeps_
     let mut sim = three_of_four(11, 30);
     let before = sim.nodes[&1].raft.members(G);
     assert_eq!(before, Some(Members::voters(vec![1, 2, 3])));
-    join_on_4(&mut sim);
+    join_on(&mut sim, 4);
     set_members_everywhere(&mut sim, &[1, 2, 3, 4]);
     run_until(&mut sim, 2000, "node 4 a voter everywhere", |s| {
         members_on(s, &[1, 2, 3, 4])
@@ -140,7 +140,7 @@ fn a_node_added_starts_from_the_leaders_snapshot_votes_once_caught_up_and_keeps_
 #[test]
 fn a_removed_node_leaves_the_group_and_a_leader_to_be_removed_hands_over_first() {
     let mut sim = three_of_four(12, 10);
-    join_on_4(&mut sim);
+    join_on(&mut sim, 4);
     set_members_everywhere(&mut sim, &[1, 2, 3, 4]);
     run_until(&mut sim, 2000, "four voters", |s| {
         s.nodes[&1].raft.members(G) == Some(Members::voters(vec![1, 2, 3, 4]))
@@ -247,7 +247,7 @@ fn a_groups_members_survive_a_change_of_the_list_even_for_a_group_of_an_earlier_
 #[test]
 fn a_running_member_replaced_leaves_only_after_its_replacement_votes() {
     let mut sim = three_of_four(15, 5);
-    join_on_4(&mut sim);
+    join_on(&mut sim, 4);
     set_members_everywhere(&mut sim, &[1, 2, 4]);
     let mut fewest = usize::MAX;
     for _ in 0..3000 {
@@ -405,13 +405,4 @@ fn a_member_waiting_for_its_snapshot_votes_for_nobody() {
         );
     }
     assert!(sim.nodes[&3].applied.get(&G).is_none_or(|a| a.is_empty()));
-}
-
-fn join_on(sim: &mut Sim, id: NodeId) {
-    sim.nodes
-        .get_mut(&id)
-        .expect("node")
-        .raft
-        .join_group(G)
-        .expect("join");
 }
