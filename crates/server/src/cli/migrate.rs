@@ -242,7 +242,7 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
     crate::shovel::uri::check(&a.from_amqp)
         .map_err(|e| CliError::Usage(format!("--from-amqp: {e}")))?;
     if crate::shovel::uri::is_tls(&a.from_amqp) {
-        crate::shovel::uri::tls_config(&a.from_amqp)
+        crate::shovel::uri::tls_connector(&a.from_amqp)
             .map_err(|e| CliError::Usage(format!("--from-amqp: {e}")))?;
     }
     let pattern = match &a.queues {
@@ -618,7 +618,7 @@ mod tests {
             "parameters": [
                 {"vhost": "/", "component": "federation-upstream", "name": "up", "value": {}},
                 {"vhost": "/", "component": "shovel", "name": "tls", "value":
-                    {"src-uri": "amqps://h?verify=verify_none", "src-queue": "a", "dest-uri": "amqp://"}},
+                    {"src-uri": "amqps://h?password=secret", "src-queue": "a", "dest-uri": "amqp://"}},
                 {"vhost": "/", "component": "shovel", "name": "ok", "value":
                     {"src-uri": "amqp://", "src-queue": "a", "dest-uri": "amqp://h"}},
                 {"vhost": "/", "component": "vhost-limits", "name": "limits", "value": {"max-queues": 5}}

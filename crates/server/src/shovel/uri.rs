@@ -6,8 +6,12 @@
 //! `amqps://` reaches a remote broker over TLS (rustls, TLS 1.2 and 1.3), checking its
 //! certificate against the system's CAs and the URI's `cacertfile`, with a client certificate
 //! from `certfile` and `keyfile`: the query parameters of RabbitMQ's Erlang client
-//! (uri-query-parameters). The certificate is always checked, as RabbitMQ 4 does by default:
-//! `verify=verify_none` is refused.
+//! (uri-query-parameters). The certificate is checked unless the URI says `verify=verify_none`
+//! (RabbitMQ 4's default, where RabbitMQ 3 checked nothing unless told): a definitions file
+//! written for a broker with a self-signed certificate then works as it did, the handshake's
+//! signatures still checked, and the shovel logs once per connection that the peer is unchecked.
+//! `server_name_indication=NAME` sends NAME and checks the certificate against it (Erlang's
+//! ssl does both with that one option); `disable` sends none and checks against the host.
 
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use percent_encoding::percent_decode_str;
@@ -169,6 +173,13 @@ pub struct TlsParams {
     pub cacertfile: Option<std::path::PathBuf>,
     /// A client certificate and its key (PEM files on this node).
     pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// `verify=verify_none`: the server's certificate is not checked.
+    pub unchecked: bool,
+    /// The name sent (SNI) and checked against the certificate: the host unless
+    /// `server_name_indication` names another.
+    pub server_name: String,
+    /// `server_name_indication=disable`: no SNI is sent.
+    pub no_sni: bool,
 }
 
 /// The TLS query parameters of `uri`; an error for what Warren does not do.
@@ -177,7 +188,13 @@ pub fn tls_params(uri: &str) -> Result<TlsParams, String> {
     let query = rest
         .split_once('?')
         .map_or("", |(_, q)| q.split('#').next().unwrap_or(""));
-    let mut params = TlsParams::default();
+    let host = host_of(authority)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let mut params = TlsParams {
+        server_name: host.to_owned(),
+        ..TlsParams::default()
+    };
     let (mut certfile, mut keyfile) = (None, None);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -186,24 +203,25 @@ pub fn tls_params(uri: &str) -> Result<TlsParams, String> {
             "cacertfile" => params.cacertfile = Some(value.into()),
             "certfile" => certfile = Some(std::path::PathBuf::from(value)),
             "keyfile" => keyfile = Some(std::path::PathBuf::from(value)),
-            "verify" if value == "verify_peer" => {}
-            "verify" => {
-                return Err(format!(
-                    "verify={value}: Warren's shovels always check the server's certificate \
-                     (against the system's CAs and cacertfile=...), as RabbitMQ 4 does by default"
-                ))
-            }
-            "server_name_indication" => {
-                let host = host_of(authority)
-                    .trim_start_matches('[')
-                    .trim_end_matches(']');
-                if value != host {
+            "verify" => match value.as_str() {
+                "verify_peer" => params.unchecked = false,
+                "verify_none" => params.unchecked = true,
+                _ => {
                     return Err(format!(
-                        "server_name_indication={value}: Warren's shovels check the certificate \
-                         against the URI's host ({host}); write the name the certificate holds as \
-                         the host"
+                        "verify={value}: give verify_peer (check the server's certificate) or \
+                         verify_none (do not)"
+                    ))
+                }
+            },
+            "server_name_indication" if value == "disable" => params.no_sni = true,
+            "server_name_indication" => {
+                if rustls_pki_types::ServerName::try_from(value.as_str()).is_err() {
+                    return Err(format!(
+                        "server_name_indication={value}: not a host name; give the name the \
+                         server's certificate holds, or disable"
                     ));
                 }
+                params.server_name = value;
             }
             "password" => return Err(
                 "password=...: an encrypted keyfile is not supported; give an unencrypted PEM key"
@@ -221,31 +239,123 @@ pub fn tls_params(uri: &str) -> Result<TlsParams, String> {
     Ok(params)
 }
 
-/// What lapin needs for an `amqps://` URI: the CAs and client identity its parameters name,
-/// read now (a shovel reads them at each connection, so renewed files are used).
-pub fn tls_config(uri: &str) -> Result<lapin::tcp::OwnedTLSConfig, String> {
+/// The TLS connector an `amqps://` URI asks for, and the server name to give it: its CAs and
+/// client identity read now (a shovel builds one at each connection, so renewed files are used).
+pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, String), String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let params = tls_params(uri)?;
     let read = |path: &std::path::Path, what: &str| {
         std::fs::read(path).map_err(|e| format!("cannot read {what} {}: {e}", path.display()))
     };
-    let cert_chain = match &params.cacertfile {
-        Some(p) => Some(
-            String::from_utf8(read(p, "cacertfile")?)
-                .map_err(|_| format!("cacertfile {} is not a PEM file", p.display()))?,
-        ),
-        None => None,
+    let certs_of = |path: &std::path::Path, what: &str| {
+        let pem = read(path, what)?;
+        let certs = CertificateDer::pem_slice_iter(&pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{what} {} is not a PEM file: {e}", path.display()))?;
+        if certs.is_empty() {
+            return Err(format!(
+                "{what} {} holds no certificate (a PEM file with BEGIN CERTIFICATE)",
+                path.display()
+            ));
+        }
+        Ok(certs)
     };
     let identity = match &params.identity {
-        Some((cert, key)) => Some(lapin::tcp::OwnedIdentity::PKCS8 {
-            pem: read(cert, "certfile")?,
-            key: read(key, "keyfile")?,
-        }),
+        Some((cert, key)) => {
+            let chain = certs_of(cert, "certfile")?;
+            let key = PrivateKeyDer::from_pem_slice(&read(key, "keyfile")?)
+                .map_err(|e| format!("keyfile {} holds no unencrypted key: {e}", key.display()))?;
+            Some((chain, key))
+        }
         None => None,
     };
-    Ok(lapin::tcp::OwnedTLSConfig {
-        identity,
-        cert_chain,
-    })
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS: {e}"))?;
+    let builder = if params.unchecked {
+        builder
+            .dangerous()
+            .with_custom_certificate_verifier(std::sync::Arc::new(Unchecked(provider)))
+    } else {
+        let mut roots = rustls::RootCertStore::empty();
+        // The system's CAs (none is fine when cacertfile names the one that matters).
+        let native = rustls_native_certs::load_native_certs();
+        roots.add_parsable_certificates(native.certs);
+        if let Some(path) = &params.cacertfile {
+            roots.add_parsable_certificates(certs_of(path, "cacertfile")?);
+        }
+        if roots.is_empty() {
+            return Err(
+                "no CA to check the server's certificate against: install the system's \
+                        CA certificates (ca-certificates), or give cacertfile=..."
+                    .into(),
+            );
+        }
+        builder.with_root_certificates(roots)
+    };
+    let mut config = match identity {
+        Some((chain, key)) => builder
+            .with_client_auth_cert(chain, key)
+            .map_err(|e| format!("certfile and keyfile do not make a client identity: {e}"))?,
+        None => builder.with_no_client_auth(),
+    };
+    config.enable_sni = !params.no_sni;
+    Ok((
+        lapin::tcp::RustlsConnector::from(std::sync::Arc::new(config)),
+        params.server_name,
+    ))
+}
+
+/// `verify=verify_none`: any certificate is taken, but the handshake's signatures are still
+/// checked (the peer holds the key of the certificate it sent).
+#[derive(Debug)]
+struct Unchecked(std::sync::Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for Unchecked {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls_pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls_pki_types::CertificateDer<'_>],
+        _server_name: &rustls_pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
 }
 
 /// Connects lapin to `target` (what [`target`] made of `uri`): over TLS with the URI's
@@ -258,9 +368,25 @@ pub async fn connect(
     if !is_tls(uri) {
         return Ok(lapin::Connection::connect_uri(target, props).await?);
     }
-    let tls = tls_config(uri).map_err(ConnectError::Settings)?;
+    let (connector, server_name) = tls_connector(uri).map_err(ConnectError::Settings)?;
+    if tls_params(uri).is_ok_and(|p| p.unchecked) {
+        tracing::warn!(
+            uri = %redacted(uri),
+            "connecting without checking the server's certificate (verify=verify_none)"
+        );
+    }
     let runtime = lapin::runtime::default_runtime()?;
-    Ok(lapin::Connection::connect_uri_with_config(target, props, tls, runtime).await?)
+    Ok(lapin::Connection::connector(
+        target,
+        runtime,
+        async move |uri: AMQPUri, runtime| {
+            let addrs = runtime.to_socket_addrs((uri.authority.host.clone(), uri.authority.port));
+            let plain = lapin::tcp::AsyncTcpStream::connect(&runtime, addrs).await?;
+            Ok(plain.into_rustls(&connector, &server_name).await?)
+        },
+        props,
+    )
+    .await?)
 }
 
 /// Why [`connect`] failed.
@@ -358,16 +484,17 @@ mod tests {
         assert!(check("amqps://h").is_ok());
         assert!(check("amqps://u:p@h:5671/v?cacertfile=/ca.pem&verify=verify_peer").is_ok());
         assert!(check("amqps://").unwrap_err().contains("needs a host"));
-        assert!(check("amqps://h?verify=verify_none")
+        assert!(check("amqps://h?verify=verify_none").is_ok());
+        assert!(check("amqps://h?verify=maybe")
             .unwrap_err()
-            .contains("always check"));
+            .contains("verify_peer"));
         assert!(check("amqps://h?certfile=/c.pem")
             .unwrap_err()
             .contains("go together"));
-        assert!(check("amqps://h?server_name_indication=other")
+        assert!(check("amqps://h?server_name_indication=rabbit.example").is_ok());
+        assert!(check("amqps://h?server_name_indication=not%20a%20name")
             .unwrap_err()
-            .contains("against the URI's host"));
-        assert!(check("amqps://h?server_name_indication=h").is_ok());
+            .contains("not a host name"));
         assert!(check("amqp://u:p@[::1]:5672/%2f")
             .unwrap_err()
             .contains("IPv6"));
@@ -376,11 +503,24 @@ mod tests {
             Ok(TlsParams {
                 cacertfile: Some("/etc/ca.pem".into()),
                 identity: Some(("/c".into(), "/k".into())),
+                unchecked: false,
+                server_name: "h".into(),
+                no_sni: false,
             })
         );
-        assert!(tls_config("amqps://h?cacertfile=/nonexistent/ca.pem")
+        let p = tls_params("amqps://h?verify=verify_none&server_name_indication=disable")
+            .expect("params");
+        assert!(p.unchecked && p.no_sni && p.server_name == "h");
+        let p =
+            tls_params("amqps://10.0.0.1?server_name_indication=rabbit.example").expect("params");
+        assert_eq!(p.server_name, "rabbit.example");
+        assert!(tls_connector("amqps://h?cacertfile=/nonexistent/ca.pem")
             .unwrap_err()
             .contains("cannot read cacertfile /nonexistent/ca.pem"));
+        assert!(
+            tls_connector("amqps://h?verify=verify_none").is_ok(),
+            "no CA is needed when nothing is checked"
+        );
         assert!(check("no scheme").is_err());
         assert_eq!(
             redacted("amqp://u:secret@h:1/v"),
