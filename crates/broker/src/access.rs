@@ -181,21 +181,22 @@ impl Resource<'_> {
 
 /// A regular expression as RabbitMQ applies it: unanchored, the empty one matching nothing.
 #[derive(Clone, Debug)]
-struct Pattern(Option<regex_lite::Regex>);
+struct Pattern(Option<fancy_regex::Regex>);
 
 impl Pattern {
     fn compile(src: &str) -> Result<Pattern, AccessError> {
         if src.is_empty() {
             return Ok(Pattern(None));
         }
-        regex_lite::Regex::new(src)
+        fancy_regex::Regex::new(src)
             .map(|r| Pattern(Some(r)))
             .map_err(|e| AccessError::BadPattern(src.to_owned(), e.to_string()))
     }
 
     fn matches(&self, name: &str) -> bool {
         match &self.0 {
-            Some(r) => r.is_match(name),
+            // Past the backtracking limit: no match, as a pattern that never matches.
+            Some(r) => r.is_match(name).unwrap_or(false),
             // RabbitMQ reads "" as "^$".
             None => name.is_empty(),
         }
@@ -224,8 +225,8 @@ fn has_variables(src: &str) -> bool {
 }
 
 fn expand(src: &str, user: &str, vhost: &str) -> String {
-    src.replace("{username}", &regex_lite::escape(user))
-        .replace("{vhost}", &regex_lite::escape(vhost))
+    src.replace("{username}", &fancy_regex::escape(user))
+        .replace("{vhost}", &fancy_regex::escape(vhost))
 }
 
 /// Compiled now unless it has variables; checked either way.
@@ -547,6 +548,24 @@ mod tests {
         assert!(a
             .check("u", "other", Perm::Write, Resource::Exchange("w-x"))
             .is_err());
+    }
+
+    #[test]
+    fn patterns_are_perl_style_as_rabbitmqs() {
+        let mut a = access();
+        a.set_permission(PermissionDef {
+            user: "u".into(),
+            vhost: "/".into(),
+            configure: r"^(?!amq\.).*".into(),
+            write: r"^(\w+)-\1$".into(),
+            read: ".*".into(),
+        })
+        .expect("a look-ahead and a back-reference compile");
+        let may = |p, r| a.check("u", "/", p, r).is_ok();
+        assert!(may(Perm::Configure, Resource::Queue("jobs")));
+        assert!(!may(Perm::Configure, Resource::Exchange("amq.topic")));
+        assert!(may(Perm::Write, Resource::Exchange("ab-ab")));
+        assert!(!may(Perm::Write, Resource::Exchange("ab-cd")));
     }
 
     #[test]

@@ -287,6 +287,28 @@ const KEYS: &[Key] = &[
     ),
 ];
 
+/// Keys of RabbitMQ plugins and queue types Warren does not have. A RabbitMQ definitions file
+/// may hold them (its node had the plugin): an import leaves them out and says so, where the
+/// API refuses them as a RabbitMQ without the plugin does.
+const FOREIGN_KEYS: &[(&str, &str)] = &[
+    ("federation-upstream", "federation"),
+    ("federation-upstream-set", "federation"),
+    ("federation-upstream-pattern", "federation"),
+    ("max-age", "streams"),
+    ("stream-max-segment-size-bytes", "streams"),
+    ("stream-filter-size-bytes", "streams"),
+    ("initial-cluster-size", "streams"),
+];
+
+/// What Warren lacks for a policy key of a RabbitMQ plugin ("federation", "streams"), if it
+/// is one.
+pub fn foreign_key(name: &str) -> Option<&'static str> {
+    FOREIGN_KEYS
+        .iter()
+        .find(|(k, _)| *k == name)
+        .map(|(_, what)| *what)
+}
+
 fn lookup(name: &str) -> Option<&'static Key> {
     KEYS.iter().find(|k| k.name == name)
 }
@@ -333,8 +355,8 @@ pub fn validate_definition(kind: PolicyKind, def: &Definition) -> Result<(), Pol
 
 /// `rabbit_policy`'s checks of a whole policy: the pattern a regular expression, `apply-to`
 /// one RabbitMQ knows (the pattern and apply-to come as given), the definition valid.
-pub fn validate_pattern(pattern: &str) -> Result<regex_lite::Regex, PolicyError> {
-    regex_lite::Regex::new(pattern).map_err(|e| {
+pub fn validate_pattern(pattern: &str) -> Result<fancy_regex::Regex, PolicyError> {
+    fancy_regex::Regex::new(pattern).map_err(|e| {
         PolicyError::Invalid(format!(
             "pattern should be regular expression but is invalid: {}",
             crate::erl::quoted(&e.to_string())
@@ -354,7 +376,7 @@ pub fn parse_apply_to(s: &str) -> Result<ApplyTo, PolicyError> {
 #[derive(Clone, Debug)]
 struct Entry {
     def: PolicyDef,
-    regex: regex_lite::Regex,
+    regex: fancy_regex::Regex,
 }
 
 /// Every vhost's policies.
@@ -449,7 +471,9 @@ impl PolicyTable {
                 }
                 Target::Exchange => e.def.apply_to.exchanges(),
             };
-            if applies && e.regex.is_match(name) && best.is_none_or(|b| e.def.priority > b.priority)
+            if applies
+                && e.regex.is_match(name).unwrap_or(false)
+                && best.is_none_or(|b| e.def.priority > b.priority)
             {
                 best = Some(&e.def);
             }

@@ -145,6 +145,7 @@ pub fn select(
     };
     let in_vhost = |v: &Value| vhost.is_none_or(|only| v["vhost"].as_str() == Some(only));
     let mut out = Map::new();
+    let mut operator_policies = Vec::new();
     for key in [
         "rabbit_version",
         "rabbitmq_version",
@@ -164,7 +165,69 @@ pub fn select(
             .collect::<Vec<_>>()
             .into(),
     );
-    for key in ["permissions", "topic_permissions", "policies", "exchanges"] {
+    // Policy keys of plugins Warren lacks are left out (said per policy); a policy of
+    // nothing else is left out whole.
+    let carried_policy = |p: Value, what: &str, left_out: &mut Vec<String>| {
+        let name = p["name"].as_str().unwrap_or("").to_owned();
+        let body = if what == "operator policy" {
+            &p["value"]
+        } else {
+            &p
+        };
+        let (body, dropped) = crate::http::definitions::without_foreign_keys(body);
+        if dropped.is_empty() {
+            return Some(p);
+        }
+        let empty = body["definition"].as_object().is_some_and(|d| d.is_empty());
+        left_out.push(format!(
+            "{what} '{name}'{}: {}",
+            if empty { "" } else { ", its keys" },
+            dropped.join(", ")
+        ));
+        if empty {
+            return None;
+        }
+        if what == "operator policy" {
+            let mut p = p;
+            p["value"] = body;
+            Some(p)
+        } else {
+            Some(body)
+        }
+    };
+    for key in ["policies", "operator_policies"] {
+        let what = if key == "policies" {
+            "policy"
+        } else {
+            "operator policy"
+        };
+        let kept: Vec<Value> = list(key)
+            .into_iter()
+            .filter(|v| in_vhost(v))
+            .filter_map(|p| {
+                // Warren's older key holds bodies, as "policies" does.
+                let p = if what == "operator policy" {
+                    let (name, vhost) = (p["name"].clone(), p["vhost"].clone());
+                    let mut value = p;
+                    if let Some(m) = value.as_object_mut() {
+                        m.remove("name");
+                        m.remove("vhost");
+                    }
+                    serde_json::json!({"value": value, "name": name, "vhost": vhost,
+                           "component": crate::http::definitions::OPERATOR_POLICY})
+                } else {
+                    p
+                };
+                carried_policy(p, what, &mut left_out)
+            })
+            .collect();
+        if key == "policies" {
+            out.insert(key.into(), kept.into());
+        } else {
+            operator_policies = kept;
+        }
+    }
+    for key in ["permissions", "topic_permissions", "exchanges"] {
         out.insert(
             key.into(),
             list(key)
@@ -205,12 +268,17 @@ pub fn select(
                 )
         })
         .collect();
-    let mut parameters = Vec::new();
+    let mut parameters = operator_policies;
     for p in list("parameters").into_iter().filter(|v| in_vhost(v)) {
         let component = p["component"].as_str().unwrap_or("");
         let name = p["name"].as_str().unwrap_or("");
         match component {
             "vhost-limits" => parameters.push(p),
+            crate::http::definitions::OPERATOR_POLICY => {
+                if let Some(p) = carried_policy(p.clone(), "operator policy", &mut left_out) {
+                    parameters.push(p);
+                }
+            }
             shovel::COMPONENT => match shovel::definition::parse(name, &p["value"]) {
                 Ok(_) => parameters.push(p),
                 Err(e) => left_out.push(format!("shovel '{name}': {}", e.join("; "))),
@@ -621,7 +689,19 @@ mod tests {
                     {"src-uri": "amqps://h?password=secret", "src-queue": "a", "dest-uri": "amqp://"}},
                 {"vhost": "/", "component": "shovel", "name": "ok", "value":
                     {"src-uri": "amqp://", "src-queue": "a", "dest-uri": "amqp://h"}},
-                {"vhost": "/", "component": "vhost-limits", "name": "limits", "value": {"max-queues": 5}}
+                {"vhost": "/", "component": "vhost-limits", "name": "limits", "value": {"max-queues": 5}},
+                {"vhost": "/", "component": "operator_policy", "name": "cap", "value":
+                    {"pattern": "^(?!amq\\.).*", "definition": {"max-length": 9, "max-age": "1D"}}},
+                {"vhost": "other", "component": "operator_policy", "name": "elsewhere", "value":
+                    {"pattern": ".*", "definition": {"max-length": 9}}}
+            ],
+            "policies": [
+                {"vhost": "/", "name": "ha", "pattern": "^(?!amq\\.).*",
+                 "definition": {"ha-mode": "all", "message-ttl": 10}},
+                {"vhost": "/", "name": "fed", "pattern": ".*",
+                 "definition": {"federation-upstream-set": "all"}},
+                {"vhost": "/", "name": "mixed", "pattern": ".*",
+                 "definition": {"federation-upstream": "up", "expires": 1000}}
             ]
         });
         let pattern = regex_lite::Regex::new("^(jobs|events)$").expect("regex");
@@ -636,11 +716,26 @@ mod tests {
         };
         assert_eq!(names("queues"), ["jobs"]);
         assert_eq!(names("vhosts"), ["/"]);
-        assert_eq!(names("parameters"), ["ok", "limits"]);
+        assert_eq!(names("parameters"), ["ok", "limits", "cap"]);
+        assert_eq!(
+            out["parameters"][2]["value"]["definition"],
+            json!({"max-length": 9}),
+            "a stream key left out of an operator policy"
+        );
+        assert_eq!(names("policies"), ["ha", "mixed"]);
+        assert_eq!(out["policies"][1]["definition"], json!({"expires": 1000}));
         assert_eq!(out["bindings"].as_array().map(Vec::len), Some(2));
         assert_eq!(out["permissions"].as_array().map(Vec::len), Some(1));
-        assert_eq!(left_out.len(), 3, "{left_out:?}");
-        assert!(left_out[0].contains("stream 'events'"));
+        assert_eq!(left_out.len(), 6, "{left_out:?}");
+        let said = left_out.join("\n");
+        for line in [
+            "policy 'fed': federation-upstream-set (federation)",
+            "policy 'mixed', its keys: federation-upstream (federation)",
+            "operator policy 'cap', its keys: max-age (streams)",
+            "stream 'events'",
+        ] {
+            assert!(said.contains(line), "{line} in {said}");
+        }
     }
 
     #[test]

@@ -56,7 +56,17 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
                 })
                 .collect()
         };
-        (of(PolicyKind::User), of(PolicyKind::Operator))
+        let operator = p
+            .list(PolicyKind::Operator, vhost)
+            .map(|d| {
+                let mut v = super::policies::operator_policy_parameter(d);
+                if let (Some(m), Some(_)) = (v.as_object_mut(), vhost) {
+                    m.remove("vhost");
+                }
+                v
+            })
+            .collect();
+        (of(PolicyKind::User), operator)
     });
     let (queues, exchanges, bindings, vhosts, users, perms, topics) = api.node.read(|n, _| {
         let b = n.broker();
@@ -144,11 +154,9 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
         "exchanges": exchange_list,
         "bindings": binding_list,
     });
-    // Warren's own key (RabbitMQ exports no operator policies; its import ignores the key).
-    if !operator_policies.is_empty() {
-        if let Some(m) = out.as_object_mut() {
-            m.insert("operator_policies".into(), operator_policies.into());
-        }
+    // Operator policies go out as RabbitMQ exports them: `operator_policy` parameters.
+    if let Some(params) = out.get_mut("parameters").and_then(Value::as_array_mut) {
+        params.extend(operator_policies);
     }
     if vhost.is_none() {
         if let Some(m) = out.as_object_mut() {
@@ -197,6 +205,26 @@ fn limits_from(v: Option<&Value>, scope: LimitScope) -> Result<Limits, ApiError>
         .collect()
 }
 
+/// The runtime parameter component RabbitMQ keeps operator policies under.
+pub const OPERATOR_POLICY: &str = "operator_policy";
+
+/// A policy's JSON without the keys of RabbitMQ plugins Warren does not have (federation,
+/// streams), and those keys with what they belong to ("federation-upstream-set (federation)").
+pub fn without_foreign_keys(policy: &Value) -> (Value, Vec<String>) {
+    let mut policy = policy.clone();
+    let mut dropped = Vec::new();
+    if let Some(def) = policy.get_mut("definition").and_then(Value::as_object_mut) {
+        def.retain(|k, _| match warren_broker::policy::foreign_key(k) {
+            Some(what) => {
+                dropped.push(format!("{k} ({what})"));
+                false
+            }
+            None => true,
+        });
+    }
+    (policy, dropped)
+}
+
 fn text<'a>(v: &'a Value, k: &str, what: &str) -> Result<&'a str, ApiError> {
     v.get(k)
         .and_then(Value::as_str)
@@ -242,6 +270,10 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
     let (shovels, others): (Vec<&Value>, Vec<&Value>) = others
         .into_iter()
         .partition(|p| component(p).as_deref() == Some(crate::shovel::COMPONENT));
+    // RabbitMQ keeps operator policies as runtime parameters and exports them so.
+    let (operator_params, others): (Vec<&Value>, Vec<&Value>) = others
+        .into_iter()
+        .partition(|p| component(p).as_deref() == Some(OPERATOR_POLICY));
     if !others.is_empty() {
         let components: std::collections::BTreeSet<String> =
             others.iter().filter_map(|p| component(p)).collect();
@@ -264,18 +296,49 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
+    let operator_params = operator_params
+        .into_iter()
+        .map(|p| {
+            // The parameter's value is the policy's body; its name and vhost are beside it.
+            let mut body = p.get("value").cloned().unwrap_or(Value::Null);
+            if let (Some(m), Some(name)) = (body.as_object_mut(), p.get("name")) {
+                m.insert("name".into(), name.clone());
+                if let Some(v) = p.get("vhost") {
+                    m.insert("vhost".into(), v.clone());
+                }
+            }
+            (PolicyKind::Operator, body)
+        })
+        .collect::<Vec<_>>();
     let policies = [
         ("policies", PolicyKind::User),
+        // An earlier Warren exported them under a key of its own.
         ("operator_policies", PolicyKind::Operator),
     ]
     .into_iter()
-    .flat_map(|(key, kind)| list(defs, key).iter().map(move |p| (kind, p)))
-    .map(|(kind, p)| {
-        let body = p
-            .as_object()
-            .ok_or_else(|| ApiError::bad_request("policy: not a JSON object"))?;
-        let name = text(p, "name", "policy")?;
-        super::policies::policy_from(&vhost_of(p)?, name, kind, body)
+    .flat_map(|(key, kind)| list(defs, key).iter().map(move |p| (kind, p.clone())))
+    .chain(operator_params)
+    .filter_map(|(kind, p)| {
+        let name = match text(&p, "name", "policy") {
+            Ok(n) => n.to_owned(),
+            Err(e) => return Some(Err(e)),
+        };
+        let (p, dropped) = without_foreign_keys(&p);
+        if !dropped.is_empty() {
+            tracing::warn!(policy = %name, keys = ?dropped, "definitions import: policy keys of RabbitMQ plugins Warren does not have are left out");
+        }
+        if p["definition"].as_object().is_some_and(|d| d.is_empty()) && !dropped.is_empty() {
+            tracing::warn!(policy = %name, "definitions import: a policy of plugin keys only is not imported");
+            return None;
+        }
+        let body = match p.as_object() {
+            Some(b) => b,
+            None => return Some(Err(ApiError::bad_request("policy: not a JSON object"))),
+        };
+        Some(
+            vhost_of(&p)
+                .and_then(|v| super::policies::policy_from(&v, &name, kind, body)),
+        )
     })
     .collect::<Result<Vec<_>, ApiError>>()?;
     let vhost_limits = vhost_limits

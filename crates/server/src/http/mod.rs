@@ -7,7 +7,7 @@
 
 mod access;
 pub mod certificates;
-mod definitions;
+pub(crate) mod definitions;
 mod gate;
 pub use gate::HOLD as RECOVERY_HOLD;
 mod json;

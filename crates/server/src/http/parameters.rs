@@ -105,6 +105,14 @@ fn listing(api: &Api, who: &Login, component: Option<&str>, vhost: Option<&str>)
                     .map(|(v, limits)| vhost_limits_json(v, limits)),
             );
         }
+        if component.is_none_or(|c| c == super::definitions::OPERATOR_POLICY) {
+            out.extend(
+                b.policies()
+                    .list(warren_broker::policy::PolicyKind::Operator, vhost)
+                    .filter(|p| who.sees_vhost(b.access(), &p.vhost))
+                    .map(super::policies::operator_policy_parameter),
+            );
+        }
         out.extend(
             b.parameters()
                 .list(component, vhost)

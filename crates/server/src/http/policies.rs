@@ -81,6 +81,22 @@ pub fn policy_json(p: &PolicyDef) -> Value {
     })
 }
 
+/// An operator policy as RabbitMQ keeps it, lists it under `/api/parameters` and exports it: a
+/// runtime parameter of the `operator_policy` component whose value is the policy's body.
+pub fn operator_policy_parameter(p: &PolicyDef) -> Value {
+    json!({
+        "value": {
+            "pattern": p.pattern,
+            "definition": definition_json(&p.definition),
+            "priority": p.priority,
+            "apply-to": p.apply_to.as_str(),
+        },
+        "vhost": p.vhost,
+        "component": super::definitions::OPERATOR_POLICY,
+        "name": p.name,
+    })
+}
+
 /// A JSON term as Erlang's `~p` prints what RabbitMQ decoded it to.
 pub(crate) fn erl(v: &Value) -> String {
     match v {

@@ -90,6 +90,10 @@ fn validation_texts() {
         "Validation failed\n\nx\n"
     );
     assert!(validate_pattern("(").is_err());
+    // RabbitMQ's patterns are PCRE: the look-ahead of many a runbook is taken.
+    let re = validate_pattern(r"^(?!amq\.).*").expect("look-ahead");
+    assert!(re.is_match("jobs").unwrap_or(false));
+    assert!(!re.is_match("amq.gen-1").unwrap_or(true));
     assert!(parse_apply_to("bindings").is_err());
 }
 
