@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions,
+    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
+    QueueDeclareOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 use serde_json::json;
 use warren_conformance::http::{eventually, Api};
@@ -31,6 +32,9 @@ fn per_queue() -> u32 {
 
 /// Messages an application consumer on the source holds unacked during the second run.
 const HELD: u16 = 50;
+
+/// Messages in a retry queue (10 min TTL) that were dead-lettered into it 5 min ago.
+const WAITING: u32 = 20;
 
 /// (vhost, queue) pairs filled at the source.
 const QUEUES: &[(&str, &str)] = &[
@@ -161,6 +165,31 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
         ),
         (
             "PUT",
+            "/operator-policies/%2F/cap".to_owned(),
+            json!({"pattern": "^capped$", "apply-to": "queues", "definition": {"max-length": 3}}),
+        ),
+        (
+            "PUT",
+            "/queues/%2F/capped".to_owned(),
+            json!({"durable": true}),
+        ),
+        (
+            "PUT",
+            "/queues/%2F/retry.wait".to_owned(),
+            json!({"durable": true, "arguments": {"x-message-ttl": 600_000}}),
+        ),
+        (
+            "PUT",
+            "/queues/%2F/outbox".to_owned(),
+            json!({"durable": true}),
+        ),
+        (
+            "PUT",
+            "/queues/%2F/outbox.sent".to_owned(),
+            json!({"durable": true}),
+        ),
+        (
+            "PUT",
             "/parameters/shovel/%2F/outbox".to_owned(),
             json!({"value": {"src-uri": "amqp://", "src-queue": "outbox",
                              "dest-uri": "amqp://", "dest-queue": "outbox.sent"}}),
@@ -198,6 +227,45 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
         )
         .await;
     }
+    {
+        let conn = connect_url(&format!(
+            "amqp://guest:guest@127.0.0.1:{}/%2F",
+            rabbit.amqp_port
+        ))
+        .await;
+        let ch = confirm_channel(&conn).await;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_secs();
+        for i in 0..WAITING {
+            let mut death = FieldTable::default();
+            death.insert("queue".into(), AMQPValue::LongString("jobs.email".into()));
+            death.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+            death.insert("count".into(), AMQPValue::LongLongInt(1));
+            death.insert("time".into(), AMQPValue::Timestamp(now - 300));
+            let mut headers = FieldTable::default();
+            headers.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+            headers.insert(
+                "x-death".into(),
+                AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+            );
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    "retry.wait".into(),
+                    BasicPublishOptions::default(),
+                    format!("wait:{i}").as_bytes(),
+                    BasicProperties::default()
+                        .with_delivery_mode(2)
+                        .with_timestamp(now - 3600)
+                        .with_headers(headers),
+                )
+                .await
+                .expect("publish");
+            assert!(confirm.await.expect("confirm").is_ack());
+        }
+    }
     eprintln!(
         "source filled: {} messages in {:.1} s",
         n as usize * QUEUES.len(),
@@ -220,14 +288,24 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
     first.kill().expect("SIGKILL the migration");
     let _ = first.wait();
 
-    // A producer that keeps publishing to the source while the second run moves.
+    // A producer that keeps publishing to the source while the second run moves, until
+    // Warren holds the backlog: then it stops, for the source to empty.
+    let published = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
     let producer = {
         let url = format!("amqp://guest:guest@127.0.0.1:{}/%2f", rabbit.amqp_port);
+        let (published, warren_api) = (published.clone(), Api::of(&warren));
         tokio::spawn(async move {
             let conn = connect_url(&url).await;
             let ch = confirm_channel(&conn).await;
-            for batch in 0..10u32 {
+            let mut batch = 0u32;
+            loop {
                 publish(&ch, "jobs.email", n + batch * 200..n + (batch + 1) * 200).await;
+                batch += 1;
+                published.store(batch * 200, std::sync::atomic::Ordering::SeqCst);
+                let (_, q) = warren_api.call("GET", "/queues/%2F/jobs.email", None);
+                if q["messages"].as_u64().is_some_and(|m| m >= u64::from(n)) || batch >= 500 {
+                    break;
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })
@@ -310,13 +388,16 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
         started.elapsed().as_secs_f64(),
         stdout.lines().last().unwrap_or("")
     );
-    // The producer finished within the run's first seconds, long before the backlog was
-    // moved: the run ends only once the source stayed empty, so its messages are across too.
-    // Every message is in Warren at least once.
+    // The producer published until the backlog was across, and the run ends only once the
+    // source stayed empty, so its messages are across too. Every message is in Warren at
+    // least once.
+    let extra = published.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!("published to the source while moving: {extra}");
+    assert!(extra >= 400, "the producer published all through the move");
     for (vhost, q) in QUEUES {
         let conn = connect_url(&warren.url_with_vhost(vhost_path(vhost))).await;
         let ch = conn.create_channel().await.expect("channel");
-        let expected = if *q == "jobs.email" { n + 2000 } else { n };
+        let expected = if *q == "jobs.email" { n + extra } else { n };
         let mut consumer = ch
             .basic_consume(
                 (*q).into(),
@@ -353,8 +434,68 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
     let (_, q) = warren_api.call("GET", "/queues/%2F/jobs.reports", None);
     assert_eq!(q["type"], "quorum");
     let app = connect_url(&warren.url_with_credentials("app", "app-secret")).await;
-    let ch = app.create_channel().await.expect("app's channel");
-    let (code, _) = warren_api.call("GET", "/parameters/shovel/%2F/outbox", None);
-    assert_eq!(code, 200);
-    drop(ch);
+    let ch = confirm_channel(&app).await;
+    // The policy's dead-letter exchange: a rejected job goes to jobs.dead.
+    publish(&ch, "jobs.email", 0..1).await;
+    let got = ch
+        .basic_get("jobs.email".into(), BasicGetOptions::default())
+        .await
+        .expect("get")
+        .expect("a message");
+    got.delivery
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .expect("reject");
+    // The operator policy's cap: 3 of 5.
+    publish(&ch, "capped", 0..5).await;
+    // The shovel runs on Warren.
+    publish(&ch, "outbox", 0..2).await;
+    eventually("the policies and the shovel to act on Warren", || {
+        let depth = |q: &str| {
+            warren_api.call("GET", &format!("/queues/%2F/{q}"), None).1["messages"].as_u64()
+        };
+        match (depth("jobs.dead"), depth("capped"), depth("outbox.sent")) {
+            (Some(1), Some(3), Some(2)) => Ok(()),
+            other => Err(format!("jobs.dead, capped, outbox.sent: {other:?}")),
+        }
+    });
+    // The retry queue's messages keep their headers and what was left of their 10 min: they
+    // were dead-lettered into it 5 min ago.
+    let mut waiting = ch
+        .basic_consume(
+            "retry.wait".into(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
+    within_for(Duration::from_secs(30), "the waiting messages", async {
+        for _ in 0..WAITING {
+            let d = waiting.next().await.expect("delivery").expect("delivery");
+            let headers = d.properties.headers().clone().unwrap_or_default();
+            assert_eq!(
+                headers.inner().get("tenant"),
+                Some(&AMQPValue::LongString("acme".into()))
+            );
+            assert!(
+                matches!(headers.inner().get("x-death"), Some(AMQPValue::FieldArray(a)) if a.as_slice().len() == 1),
+                "{headers:?}"
+            );
+            let left: u64 = d
+                .properties
+                .expiration()
+                .as_ref()
+                .and_then(|e| e.as_str().parse().ok())
+                .expect("an expiration: what was left of the queue's TTL");
+            assert!(
+                (60_000..=301_000).contains(&left),
+                "5 min of 10 were left when it moved: {left} ms"
+            );
+        }
+    })
+    .await;
 }

@@ -294,6 +294,22 @@ pub fn select(
     (Value::Object(out), left_out)
 }
 
+/// A source queue's message TTL (ms): the lower of its `x-message-ttl` and its policies'
+/// (`effective_policy_definition` merges the user's and the operator's, as on RabbitMQ). None
+/// when it has none, or its statistics do not say yet (its messages then count their time to
+/// live again on arrival: late, never early).
+fn queue_ttl(source: &Api, vhost: &str, name: &str) -> Option<u64> {
+    let path = format!("/queues/{}/{}", enc(vhost), enc(name));
+    let q = source.get(&path, "a queue").ok()?;
+    [
+        &q["arguments"]["x-message-ttl"],
+        &q["effective_policy_definition"]["message-ttl"],
+    ]
+    .into_iter()
+    .filter_map(Value::as_u64)
+    .min()
+}
+
 /// One queue being moved.
 struct Moving {
     vhost: String,
@@ -363,12 +379,19 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
         println!("no queues to move");
         return Ok(());
     }
+    // Each source queue's TTL, so that a moved message keeps only what is left of it.
+    let ttls: BTreeMap<(String, String), Option<u64>> = tokio::task::block_in_place(|| {
+        queues
+            .iter()
+            .map(|q| (q.clone(), queue_ttl(&source, &q.0, &q.1)))
+            .collect()
+    });
     let quiet = super::maintenance::seconds(a.quiet);
     let started = Instant::now();
     let mut depths = Depths::new(&a.from_amqp);
     let mut moved_before = 0u64;
     loop {
-        let round = move_round(a, &queues, &mut depths, quiet, moved_before).await?;
+        let round = move_round(a, &queues, &ttls, &mut depths, quiet, moved_before).await?;
         moved_before += round
             .moving
             .iter()
@@ -481,6 +504,7 @@ async fn held_at_source(
 async fn move_round(
     a: &MigrateArgs,
     queues: &[(String, String)],
+    ttls: &BTreeMap<(String, String), Option<u64>>,
     depths: &mut Depths,
     quiet: Duration,
     moved_before: u64,
@@ -521,6 +545,7 @@ async fn move_round(
             shovels: shovels.clone(),
             cluster_name: "warren migrate".into(),
             counters: counters.clone(),
+            carry_ttl: Some(ttls.get(&(vhost.clone(), name.clone())).copied().flatten()),
         };
         tasks.push(tokio::spawn(worker.run(stopped.clone())));
         moving.push(Moving {

@@ -10,6 +10,7 @@
 //! goes back to its source.
 
 pub mod definition;
+pub mod expiry;
 pub mod uri;
 pub(crate) mod worker;
 
@@ -456,6 +457,7 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
                 shovels: shovels.clone(),
                 cluster_name: l.cluster_name.clone(),
                 counters,
+                carry_ttl: None,
             };
             tracing::info!(vhost = %key.0, shovel = %key.1, "shovel starting");
             let task = tokio::spawn(worker.run(stopped));

@@ -70,6 +70,9 @@ pub(crate) struct Worker {
     pub cluster_name: String,
     /// What `/api/shovels` counts of it.
     pub counters: Arc<Counters>,
+    /// `warren migrate`'s: each copy's time to live is what is left of it
+    /// ([`super::expiry::carried`]), the source queue's TTL being this (ms) if it has one.
+    pub carry_ttl: Option<Option<u64>>,
 }
 
 impl Worker {
@@ -389,6 +392,12 @@ impl Worker {
         let mut p = props.clone();
         for (k, v) in &self.def.publish_properties {
             p = set_property(p, k, v);
+        }
+        if let Some(queue_ttl) = self.carry_ttl {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+            p = super::expiry::carried(p, queue_ttl, now);
         }
         if forward.is_none() && !self.def.add_timestamp_header {
             return p;
