@@ -499,3 +499,102 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
     })
     .await;
 }
+
+/// The way back: a Warren into a RabbitMQ 3.10. What RabbitMQ would refuse (Warren's own
+/// policy keys, `x-delivery-limit` on a classic queue) is left out and said, instead of the
+/// whole import failing; the rest and every message cross.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warren_moves_back_into_rabbitmq() {
+    let Some(rabbit) = RabbitMq::start() else {
+        return;
+    };
+    let warren = TestBroker::start();
+    let api = Api::of(&warren);
+    for (path, body) in [
+        (
+            "/policies/%2F/tasks",
+            json!({"pattern": "^tasks\\.", "apply-to": "queues",
+                   "definition": {"visibility-timeout": 30000, "max-length": 1000}}),
+        ),
+        (
+            "/queues/%2F/tasks.email",
+            json!({"durable": true, "arguments": {"x-delivery-limit": 5, "x-visibility-timeout": 10000}}),
+        ),
+        (
+            "/queues/%2F/tasks.quorum",
+            json!({"durable": true, "arguments": {"x-queue-type": "quorum", "x-delivery-limit": 3}}),
+        ),
+    ] {
+        let (code, body) = api.call("PUT", path, Some(body));
+        assert!((200..300).contains(&code), "{path}: {code} {body}");
+    }
+    let conn = warren.connect().await;
+    let ch = confirm_channel(&conn).await;
+    publish(&ch, "tasks.email", 0..300).await;
+    publish(&ch, "tasks.quorum", 0..300).await;
+    let warren_amqp = warren
+        .url()
+        .rsplit_once('/')
+        .map_or(warren.url(), |(base, _)| base)
+        .to_owned();
+    let http = warren.http_url().expect("management API").to_owned();
+    let from_api = http.replacen("http://", "http://guest:guest@", 1);
+    let mut cmd = Command::new(warren_binary());
+    cmd.arg("migrate")
+        .args(["--from-api", &from_api, "--from-amqp", &warren_amqp])
+        .arg("--url")
+        .arg(format!("amqp://guest:guest@127.0.0.1:{}", rabbit.amqp_port))
+        .arg("--api")
+        .arg(rabbit.http_url())
+        .args(["--quiet", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let child = cmd.spawn().expect("spawn migrate");
+    let out = tokio::task::spawn_blocking(move || finish(child, Duration::from_secs(120)))
+        .await
+        .expect("join");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "migrate failed: {stdout}");
+    for said in [
+        "policy 'tasks', its keys: visibility-timeout",
+        "queue 'tasks.email', its arguments: x-delivery-limit",
+    ] {
+        assert!(stdout.contains(said), "{said} in: {stdout}");
+    }
+    let (_, policy) = rabbit.api("GET", "/policies/%2F/tasks", None);
+    assert_eq!(
+        policy["definition"],
+        json!({"max-length": 1000}),
+        "{policy}"
+    );
+    let (_, q) = rabbit.api("GET", "/queues/%2F/tasks.quorum", None);
+    assert_eq!(q["arguments"]["x-delivery-limit"], 3, "{q}");
+    for q in ["tasks.email", "tasks.quorum"] {
+        let conn = connect_url(&format!(
+            "amqp://guest:guest@127.0.0.1:{}/%2F",
+            rabbit.amqp_port
+        ))
+        .await;
+        let ch = conn.create_channel().await.expect("channel");
+        let mut consumer = ch
+            .basic_consume(
+                q.into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let mut seen = BTreeSet::new();
+        within_for(Duration::from_secs(60), "reading RabbitMQ's queue", async {
+            while seen.len() < 300 {
+                let d = consumer.next().await.expect("delivery").expect("delivery");
+                seen.insert(String::from_utf8_lossy(&d.data).into_owned());
+            }
+        })
+        .await;
+    }
+}

@@ -300,6 +300,15 @@ const FOREIGN_KEYS: &[(&str, &str)] = &[
     ("initial-cluster-size", "streams"),
 ];
 
+/// Whether a policy key is Warren's own (its task-queue arguments without their `x-`, and
+/// `consumer-timeout`, a later RabbitMQ's): RabbitMQ 3.10 refuses a policy that holds one, so a
+/// migration into it leaves them out.
+pub fn warren_only_key(name: &str) -> bool {
+    WARREN_ARGS
+        .iter()
+        .any(|a| a.strip_prefix("x-") == Some(name))
+}
+
 /// What Warren lacks for a policy key of a RabbitMQ plugin ("federation", "streams"), if it
 /// is one.
 pub fn foreign_key(name: &str) -> Option<&'static str> {

@@ -512,6 +512,13 @@ pub fn validate(args: &FieldTable, rs: &str) -> Result<QueueArgs, AmqpError> {
     Ok(out)
 }
 
+/// Whether RabbitMQ 3.10 refuses a queue argument Warren takes for this type: one it knows
+/// for another queue type (`x-delivery-limit` on a classic queue). Warren's own arguments are
+/// not among them: RabbitMQ ignores those.
+pub fn refused_by_rabbitmq(qtype: QueueType, key: &str) -> bool {
+    qtype == QueueType::Classic && key == "x-delivery-limit"
+}
+
 /// Warren's own queue arguments (RabbitMQ ignores them), for classic and quorum queues.
 /// (`x-consumer-timeout` and `x-delayed-retry-type`/`-min`/`-max` are RabbitMQ 4.3's,
 /// `x-delayed-retry-multiplier` LavinMQ's; 3.10 ignores them all.)

@@ -294,6 +294,95 @@ pub fn select(
     (Value::Object(out), left_out)
 }
 
+/// Leaves out of `defs` what a destination that is not a Warren refuses (RabbitMQ refuses the
+/// whole import for one of them): Warren's own policy keys, and queue arguments Warren takes
+/// for a type RabbitMQ does not (`x-delivery-limit` on a classic queue); what was left out, a
+/// line each. Warren's own queue arguments stay: RabbitMQ ignores those it does not know.
+fn without_warren_keys(defs: &mut Value) -> Vec<String> {
+    let mut left_out = Vec::new();
+    let mut strip = |def: Option<&mut Map<String, Value>>, what: &str, name: &str| {
+        let Some(def) = def else { return };
+        let keys: Vec<String> = def
+            .keys()
+            .filter(|k| warren_broker::policy::warren_only_key(k))
+            .cloned()
+            .collect();
+        if !keys.is_empty() {
+            for k in &keys {
+                def.remove(k);
+            }
+            left_out.push(format!(
+                "{what} '{name}', its keys: {} (Warren's own; the destination has none)",
+                keys.join(", ")
+            ));
+        }
+    };
+    if let Some(list) = defs.get_mut("policies").and_then(Value::as_array_mut) {
+        for p in list {
+            let name = p["name"].as_str().unwrap_or("").to_owned();
+            strip(
+                p.get_mut("definition").and_then(Value::as_object_mut),
+                "policy",
+                &name,
+            );
+        }
+    }
+    if let Some(list) = defs.get_mut("parameters").and_then(Value::as_array_mut) {
+        for p in list
+            .iter_mut()
+            .filter(|p| p["component"] == crate::http::definitions::OPERATOR_POLICY)
+        {
+            let name = p["name"].as_str().unwrap_or("").to_owned();
+            let def = p
+                .get_mut("value")
+                .and_then(|v| v.get_mut("definition"))
+                .and_then(Value::as_object_mut);
+            strip(def, "operator policy", &name);
+        }
+    }
+    if let Some(list) = defs.get_mut("queues").and_then(Value::as_array_mut) {
+        for q in list {
+            let name = q["name"].as_str().unwrap_or("").to_owned();
+            let qtype = match q["arguments"]["x-queue-type"].as_str() {
+                Some("quorum") => warren_broker::QueueType::Quorum,
+                Some("stream") => warren_broker::QueueType::Stream,
+                _ => warren_broker::QueueType::Classic,
+            };
+            let Some(args) = q.get_mut("arguments").and_then(Value::as_object_mut) else {
+                continue;
+            };
+            let refused: Vec<String> = args
+                .keys()
+                .filter(|k| warren_broker::queue::args::refused_by_rabbitmq(qtype, k))
+                .cloned()
+                .collect();
+            for k in &refused {
+                args.remove(k);
+            }
+            if !refused.is_empty() {
+                left_out.push(format!(
+                    "queue '{name}', its arguments: {} (Warren's for a {} queue; the destination \
+                     refuses them there)",
+                    refused.join(", "),
+                    qtype.as_str()
+                ));
+            }
+        }
+    }
+    // A policy left with no key at all would be refused too.
+    if let Some(list) = defs.get_mut("policies").and_then(Value::as_array_mut) {
+        list.retain(|p| !p["definition"].as_object().is_some_and(Map::is_empty));
+    }
+    if let Some(list) = defs.get_mut("parameters").and_then(Value::as_array_mut) {
+        list.retain(|p| {
+            !p["value"]["definition"]
+                .as_object()
+                .is_some_and(Map::is_empty)
+        });
+    }
+    left_out
+}
+
 /// A source queue's message TTL (ms): the lower of its `x-message-ttl` and its policies'
 /// (`effective_policy_definition` merges the user's and the operator's, as on RabbitMQ). None
 /// when it has none, or its statistics do not say yet (its messages then count their time to
@@ -336,7 +425,14 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
         None => None,
     };
     let defs = tokio::task::block_in_place(|| source.get("/definitions", "definitions"))?;
-    let (defs, left_out) = select(&defs, a.vhost.as_deref(), pattern.as_ref());
+    let (mut defs, mut left_out) = select(&defs, a.vhost.as_deref(), pattern.as_ref());
+    if !a.skip_definitions {
+        let dest = a.to.api();
+        let overview = tokio::task::block_in_place(|| dest.get("/overview", "the overview"))?;
+        if overview["product_name"].as_str() != Some("Warren") {
+            left_out.extend(without_warren_keys(&mut defs));
+        }
+    }
     for line in &left_out {
         println!("not carried: {line}");
     }
