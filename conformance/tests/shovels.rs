@@ -303,3 +303,86 @@ async fn a_shovel_between_two_brokers_loses_nothing_when_either_is_killed() {
         .collect();
     assert!(missing.is_empty(), "lost: {missing:?}");
 }
+
+/// The other ack modes, a count for `src-delete-after`, and a shovel that writes to another
+/// broker (local to remote): `on-publish` and `no-ack` move every message of a quiet source,
+/// and a count moves that many and deletes the shovel, leaving the rest at the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ack_modes_a_counted_delete_after_and_a_remote_destination() {
+    let broker = TestBroker::start();
+    if broker.is_external() {
+        return;
+    }
+    let remote = TestBroker::start();
+    let api = Api::of(&broker);
+    let p = unique("shmodes");
+    let conn = broker.connect().await;
+    let ch = confirm_channel(&conn).await;
+    let remote_conn = remote.connect().await;
+    let remote_ch = confirm_channel(&remote_conn).await;
+    // The destinations exist before the shovels start, so that their depths can be asked.
+    declare_durable(&ch, &format!("{p}-on-publish-dest"), FieldTable::default()).await;
+    for q in ["no-ack", "count"] {
+        declare_durable(&remote_ch, &format!("{p}-{q}-dest"), FieldTable::default()).await;
+    }
+    let remote_uri = remote
+        .url()
+        .rsplit_once('/')
+        .map_or(remote.url(), |(base, _)| base)
+        .to_owned();
+    for (mode, dest_uri) in [("on-publish", "amqp://"), ("no-ack", remote_uri.as_str())] {
+        let (src, dest) = (format!("{p}-{mode}-src"), format!("{p}-{mode}-dest"));
+        declare_durable(&ch, &src, FieldTable::default()).await;
+        publish_numbered(&ch, &src, 0..40).await;
+        api.put(
+            &format!("/parameters/shovel/%2F/{p}-{mode}"),
+            json!({"value": {"src-uri": "amqp://", "src-queue": src, "dest-uri": dest_uri,
+                             "dest-queue": dest, "ack-mode": mode}}),
+        );
+    }
+    let (src, dest) = (format!("{p}-count-src"), format!("{p}-count-dest"));
+    declare_durable(&ch, &src, FieldTable::default()).await;
+    publish_numbered(&ch, &src, 0..30).await;
+    api.put(
+        &format!("/parameters/shovel/%2F/{p}-count"),
+        json!({"value": {"src-uri": "amqp://", "src-queue": src, "dest-uri": remote_uri,
+                         "dest-queue": dest, "src-delete-after": 12}}),
+    );
+    let on_publish = format!("{p}-on-publish-dest");
+    let no_ack = format!("{p}-no-ack-dest");
+    let counted = format!("{p}-count-dest");
+    let start = std::time::Instant::now();
+    loop {
+        let local = ready(&ch, &on_publish).await;
+        let far = (
+            ready(&remote_ch, &no_ack).await,
+            ready(&remote_ch, &counted).await,
+        );
+        let (gone, _) = api.call("GET", &format!("/parameters/shovel/%2F/{p}-count"), None);
+        if (local, far, gone) == (40, (40, 12), 404) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "on-publish {local}/40 here, no-ack {}/40 and counted {}/12 there, count's shovel {gone}",
+            far.0,
+            far.1
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        ready(&ch, &src).await,
+        18,
+        "the count's rest stays at the source"
+    );
+    for mode in ["on-publish", "no-ack"] {
+        assert_eq!(ready(&ch, &format!("{p}-{mode}-src")).await, 0);
+        let status = status_of(&api, "%2F", &format!("{p}-{mode}")).expect("listed");
+        assert_eq!(status["state"], "running", "{status}");
+    }
+    assert_eq!(
+        drain(&remote_ch, &counted).await.len(),
+        12,
+        "the first twelve, once each"
+    );
+}
