@@ -72,6 +72,47 @@ pub struct Message {
     pub store_key: Option<u64>,
 }
 
+/// A header a publisher sets (true) to have its message delivered as redelivered the first
+/// time: `warren migrate` sets it on a message its source had delivered before, so that the
+/// redelivered flag crosses with it.
+pub const REDELIVERED_HEADER: &str = "x-redelivered";
+
+/// What the queue machine reads of a message itself. It is derived from the message's bytes
+/// alone, so every replica and every recovery reads the same.
+pub trait Payload {
+    /// The message says it was delivered before ([`REDELIVERED_HEADER`]).
+    fn says_redelivered(&self) -> bool {
+        false
+    }
+}
+
+impl Payload for u64 {}
+/// Test payloads: plain values that never say so.
+impl<A, B> Payload for (A, B) {}
+impl Payload for &str {}
+
+impl Payload for Message {
+    fn says_redelivered(&self) -> bool {
+        // Most messages stop at the first check (no headers) or the search (headers without
+        // the name): the table is decoded only when its bytes hold the name.
+        let Some(raw) = warren_codec::properties::headers_raw(&self.properties) else {
+            return false;
+        };
+        if memchr::memmem::find(raw, REDELIVERED_HEADER.as_bytes()).is_none() {
+            return false;
+        }
+        warren_codec::properties::headers(&self.properties)
+            .ok()
+            .flatten()
+            .is_some_and(|h| {
+                matches!(
+                    h.get(REDELIVERED_HEADER),
+                    Some(warren_codec::table::FieldValue::Bool(true))
+                )
+            })
+    }
+}
+
 /// Messages smaller than this are copied into one allocation of their own when they are queued.
 pub const COMPACT_BELOW: usize = 16 * 1024;
 
@@ -139,6 +180,38 @@ mod tests {
             None,
             "a counter past 48 bits is refused"
         );
+    }
+
+    #[test]
+    fn a_message_says_it_was_delivered_before_only_with_the_header_true() {
+        use warren_codec::properties::BasicProperties;
+        use warren_codec::table::{FieldTable, FieldValue};
+        let with = |headers: Option<FieldTable>| Message {
+            exchange: ShortStr::from_static(""),
+            routing_key: ShortStr::from_static("q"),
+            properties: BasicProperties {
+                headers,
+                ..BasicProperties::default()
+            }
+            .encode(),
+            body: Bytes::from_static(b"x"),
+            persistent: false,
+            store_key: None,
+        };
+        let table = |k: &'static str, v: FieldValue| {
+            let mut t = FieldTable::new();
+            t.insert(ShortStr::from_static(k), v);
+            Some(t)
+        };
+        assert!(with(table(REDELIVERED_HEADER, FieldValue::Bool(true))).says_redelivered());
+        assert!(!with(table(REDELIVERED_HEADER, FieldValue::Bool(false))).says_redelivered());
+        assert!(!with(None).says_redelivered());
+        // The name as another header's value is not the header.
+        assert!(!with(table(
+            "note",
+            FieldValue::LongStr(Bytes::from_static(b"x-redelivered"))
+        ))
+        .says_redelivered());
     }
 
     #[test]

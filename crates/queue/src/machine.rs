@@ -939,7 +939,7 @@ impl<M> Default for QueueMachine<M> {
     }
 }
 
-impl<M: Clone + Hash> QueueMachine<M> {
+impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     pub fn new() -> Self {
         Self::default()
     }
@@ -1612,12 +1612,13 @@ impl<M: Clone + Hash> QueueMachine<M> {
     fn enqueue(&mut self, message: M, meta: MsgMeta) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
+        let maybe_delivered = message.says_redelivered();
         self.push_ready(Entry {
             id,
             msg: message,
             meta,
             delivery_count: 0,
-            maybe_delivered: false,
+            maybe_delivered,
             timed_out: false,
         });
         id
@@ -1637,10 +1638,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
         self.next_id = next;
         let entry = Entry {
             id,
+            maybe_delivered: maybe_delivered || message.says_redelivered(),
             msg: message,
             meta,
             delivery_count,
-            maybe_delivered,
             timed_out: false,
         };
         match retry_at.filter(|_| self.policy.retry.is_some()) {
@@ -1838,10 +1839,10 @@ impl<M: Clone + Hash> QueueMachine<M> {
             self.tail_count = self.tail_count.saturating_sub(1);
             let entry = Entry {
                 id: m.msg_id,
+                maybe_delivered: run.maybe_delivered || m.message.says_redelivered(),
                 msg: m.message,
                 meta: m.meta,
                 delivery_count: m.delivery_count,
-                maybe_delivered: run.maybe_delivered,
                 timed_out: false,
             };
             if self.policy.max_priority.is_some() {

@@ -399,6 +399,16 @@ fn queue_ttl(source: &Api, vhost: &str, name: &str) -> Option<u64> {
     .min()
 }
 
+/// What every round moves, and how.
+struct Plan {
+    /// (vhost, name) of each queue.
+    queues: Vec<(String, String)>,
+    /// Each source queue's message TTL ([`queue_ttl`]).
+    ttls: BTreeMap<(String, String), Option<u64>>,
+    /// The destination is a Warren (which reads `x-redelivered`).
+    into_warren: bool,
+}
+
 /// One queue being moved.
 struct Moving {
     vhost: String,
@@ -426,12 +436,13 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
     };
     let defs = tokio::task::block_in_place(|| source.get("/definitions", "definitions"))?;
     let (mut defs, mut left_out) = select(&defs, a.vhost.as_deref(), pattern.as_ref());
-    if !a.skip_definitions {
+    let into_warren = {
         let dest = a.to.api();
         let overview = tokio::task::block_in_place(|| dest.get("/overview", "the overview"))?;
-        if overview["product_name"].as_str() != Some("Warren") {
-            left_out.extend(without_warren_keys(&mut defs));
-        }
+        overview["product_name"].as_str() == Some("Warren")
+    };
+    if !a.skip_definitions && !into_warren {
+        left_out.extend(without_warren_keys(&mut defs));
     }
     for line in &left_out {
         println!("not carried: {line}");
@@ -476,18 +487,23 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
         return Ok(());
     }
     // Each source queue's TTL, so that a moved message keeps only what is left of it.
-    let ttls: BTreeMap<(String, String), Option<u64>> = tokio::task::block_in_place(|| {
+    let ttls = tokio::task::block_in_place(|| {
         queues
             .iter()
             .map(|q| (q.clone(), queue_ttl(&source, &q.0, &q.1)))
             .collect()
     });
+    let plan = Plan {
+        queues,
+        ttls,
+        into_warren,
+    };
     let quiet = super::maintenance::seconds(a.quiet);
     let started = Instant::now();
     let mut depths = Depths::new(&a.from_amqp);
     let mut moved_before = 0u64;
     loop {
-        let round = move_round(a, &queues, &ttls, &mut depths, quiet, moved_before).await?;
+        let round = move_round(a, &plan, &mut depths, quiet, moved_before).await?;
         moved_before += round
             .moving
             .iter()
@@ -507,7 +523,7 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
         // does, the migration goes on (see `held_at_source`).
         let mut left = 0;
         let mut attached = Vec::new();
-        for (vhost, name) in &queues {
+        for (vhost, name) in &plan.queues {
             let (ready, consumers) = depths.depth(vhost, name).await.unwrap_or((1, 0));
             left += ready;
             if consumers > 0 {
@@ -532,7 +548,7 @@ async fn migrate(a: &MigrateArgs) -> Result<(), CliError> {
                 "moved {moved_before} message(s) from {} queue(s) in {secs:.1} s ({:.0} msg/s); \
                  the source queues stayed empty for {:.0} s: switch producers to Warren, then \
                  consumers",
-                queues.len(),
+                plan.queues.len(),
                 moved_before as f64 / secs.max(1e-3),
                 quiet.as_secs_f64()
             );
@@ -599,8 +615,7 @@ async fn held_at_source(
 /// it returns.
 async fn move_round(
     a: &MigrateArgs,
-    queues: &[(String, String)],
-    ttls: &BTreeMap<(String, String), Option<u64>>,
+    plan: &Plan,
     depths: &mut Depths,
     quiet: Duration,
     moved_before: u64,
@@ -609,7 +624,7 @@ async fn move_round(
     let (stop, stopped) = watch::channel(false);
     let mut moving = Vec::new();
     let mut tasks = Vec::new();
-    for (vhost, name) in queues {
+    for (vhost, name) in &plan.queues {
         let def = ShovelDef {
             src_uris: vec![with_vhost(&a.from_amqp, vhost)?],
             src: Source::Queue {
@@ -641,7 +656,13 @@ async fn move_round(
             shovels: shovels.clone(),
             cluster_name: "warren migrate".into(),
             counters: counters.clone(),
-            carry_ttl: Some(ttls.get(&(vhost.clone(), name.clone())).copied().flatten()),
+            carry_ttl: Some(
+                plan.ttls
+                    .get(&(vhost.clone(), name.clone()))
+                    .copied()
+                    .flatten(),
+            ),
+            mark_redelivered: plan.into_warren,
         };
         tasks.push(tokio::spawn(worker.run(stopped.clone())));
         moving.push(Moving {

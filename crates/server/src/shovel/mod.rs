@@ -458,6 +458,7 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
                 cluster_name: l.cluster_name.clone(),
                 counters,
                 carry_ttl: None,
+                mark_redelivered: false,
             };
             tracing::info!(vhost = %key.0, shovel = %key.1, "shovel starting");
             let task = tokio::spawn(worker.run(stopped));

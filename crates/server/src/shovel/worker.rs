@@ -73,6 +73,9 @@ pub(crate) struct Worker {
     /// `warren migrate`'s: each copy's time to live is what is left of it
     /// ([`super::expiry::carried`]), the source queue's TTL being this (ms) if it has one.
     pub carry_ttl: Option<Option<u64>>,
+    /// `warren migrate` into a Warren: a message its source delivered before crosses with the
+    /// `x-redelivered` header, which makes Warren deliver it as redelivered.
+    pub mark_redelivered: bool,
 }
 
 impl Worker {
@@ -286,7 +289,8 @@ impl Worker {
                 Step::Delivery(Some(d)) => {
                     let d = d?;
                     let (exchange, key) = route(&def.dest, &d.exchange, &d.routing_key);
-                    let props = self.copy_properties(&d.properties, headers.as_ref());
+                    let props =
+                        self.copy_properties(&d.properties, headers.as_ref(), d.redelivered);
                     let confirm = dest
                         .basic_publish(
                             exchange,
@@ -388,6 +392,7 @@ impl Worker {
         &self,
         props: &BasicProperties,
         forward: Option<&FieldTable>,
+        redelivered: bool,
     ) -> BasicProperties {
         let mut p = props.clone();
         for (k, v) in &self.def.publish_properties {
@@ -399,10 +404,17 @@ impl Worker {
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
             p = super::expiry::carried(p, queue_ttl, now);
         }
-        if forward.is_none() && !self.def.add_timestamp_header {
+        let mark = self.mark_redelivered && redelivered;
+        if forward.is_none() && !self.def.add_timestamp_header && !mark {
             return p;
         }
         let mut headers = p.headers().clone().unwrap_or_default();
+        if mark {
+            headers.insert(
+                warren_broker::REDELIVERED_HEADER.into(),
+                AMQPValue::Boolean(true),
+            );
+        }
         if let Some(entry) = forward {
             // The newest hop first, as RabbitMQ prepends it.
             let mut hops = vec![AMQPValue::FieldTable(entry.clone())];
