@@ -395,7 +395,10 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
     // least once.
     let extra = published.load(std::sync::atomic::Ordering::SeqCst);
     eprintln!("published to the source while moving: {extra}");
-    assert!(extra >= 400, "the producer published all through the move");
+    assert!(
+        extra >= 200,
+        "the producer published while the second run moved"
+    );
     for (vhost, q) in QUEUES {
         let conn = connect_url(&warren.url_with_vhost(vhost_path(vhost))).await;
         let ch = conn.create_channel().await.expect("channel");

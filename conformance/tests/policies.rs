@@ -297,6 +297,33 @@ async fn a_rabbitmq_export_with_operator_policies_and_look_ahead_patterns_import
             .any(|x| x["name"] == format!("{p}-cap") && x["value"]["pattern"] == format!("^{p}"))),
         "listed among the runtime parameters, as RabbitMQ keeps them: {params}"
     );
+    // ... and served there one by one, set and cleared.
+    let (code, one) = api.call(
+        "GET",
+        &format!("/parameters/operator_policy/%2F/{p}-cap"),
+        None,
+    );
+    assert_eq!(code, 200, "{one}");
+    assert_eq!(
+        one["value"]["definition"]["max-length-bytes"], 1000000,
+        "{one}"
+    );
+    let path = format!("/parameters/operator_policy/%2F/{p}-cap2");
+    let (code, body) = api.call(
+        "PUT",
+        &path,
+        Some(
+            json!({"value": {"pattern": "^nothing$", "definition": {"max-length": 5},
+                              "apply-to": "queues", "priority": 0}}),
+        ),
+    );
+    assert_eq!(code, 201, "{body}");
+    let (_, op) = api.call("GET", &format!("/operator-policies/%2F/{p}-cap2"), None);
+    assert_eq!(op["definition"]["max-length"], 5, "{op}");
+    let (code, body) = api.call("DELETE", &path, None);
+    assert_eq!(code, 204, "{body}");
+    let (code, _) = api.call("GET", &format!("/operator-policies/%2F/{p}-cap2"), None);
+    assert_eq!(code, 404);
     if !broker.is_external() {
         let (_, fed) = api.call("GET", &format!("/policies/%2F/{p}-fed"), None);
         assert_eq!(

@@ -62,8 +62,14 @@ impl Ca {
 
     /// A server certificate for 127.0.0.1 and localhost; `cn` tells reloads apart.
     fn server(&self, cn: &str) -> (String, String) {
+        self.server_for(cn, &["localhost", "127.0.0.1"])
+    }
+
+    /// A server certificate for these names only.
+    fn server_for(&self, cn: &str, names: &[&str]) -> (String, String) {
         let mut params =
-            CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()]).unwrap();
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .unwrap();
         params.distinguished_name.push(DnType::CommonName, cn);
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let key = KeyPair::generate().unwrap();
@@ -1137,6 +1143,67 @@ async fn a_shovel_reads_from_a_broker_over_amqps() {
             start.elapsed() < WAIT,
             "verify_none did not move its message, or another SNI name was not checked: \
              {q} / {named}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A broker whose certificate names another host: checked against the URI's host it fails;
+    // server_name_indication names it, or disable checks the chain only (as Erlang's ssl).
+    let (cert, key) = pki
+        .ca
+        .server_for("elsewhere", &["broker.elsewhere.example"]);
+    pki.write("server.pem", &cert);
+    pki.write("server.key", &key);
+    let (other, other_port) = pki.broker(&[]);
+    let conn = other.connect().await;
+    let och = conn.create_channel().await.unwrap();
+    for q in ["named-src", "disabled-src", "host-src"] {
+        och.queue_declare(
+            q.into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        och.basic_publish(
+            "".into(),
+            q.into(),
+            BasicPublishOptions::default(),
+            b"m",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let other_uri = |query: &str| {
+        format!("amqps://guest:guest@localhost:{other_port}/%2F?cacertfile={ca}{query}")
+    };
+    for (name, query) in [
+        ("named", "&server_name_indication=broker.elsewhere.example"),
+        ("disabled", "&server_name_indication=disable"),
+        ("host", ""),
+    ] {
+        api.put(
+            &format!("/parameters/shovel/%2F/{name}"),
+            serde_json::json!({"value": {"src-uri": other_uri(query), "src-queue": format!("{name}-src"),
+                "dest-uri": "amqp://", "dest-queue": format!("{name}-dest")}}),
+        );
+    }
+    let start = Instant::now();
+    loop {
+        let depth =
+            |q: &str| api.call("GET", &format!("/queues/%2F/{q}"), None).1["messages"].clone();
+        let (_, host) = api.call("GET", "/shovels/vhost/%2F/host", None);
+        let reason = host["reason"].as_str().unwrap_or("").to_owned();
+        if depth("named-dest") == 1 && depth("disabled-dest") == 1 && reason.contains("certificate")
+        {
+            assert_ne!(host["state"], "running", "{host}");
+            break;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "named {} / disabled {} / checked against the host: {host}",
+            depth("named-dest"),
+            depth("disabled-dest")
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

@@ -188,7 +188,7 @@ impl Pattern {
         if src.is_empty() {
             return Ok(Pattern(None));
         }
-        fancy_regex::Regex::new(src)
+        crate::pattern::compile(src)
             .map(|r| Pattern(Some(r)))
             .map_err(|e| AccessError::BadPattern(src.to_owned(), e.to_string()))
     }
@@ -211,17 +211,14 @@ struct Compiled {
     read: Pattern,
 }
 
-/// Topic expressions may name `{username}` and `{vhost}` (filled in at each check, as
-/// RabbitMQ does): those are compiled per check, the others once.
+/// Topic expressions may name `{username}` and `{vhost}`, filled in as RabbitMQ does at each
+/// check: a topic permission is one user's in one vhost, so they are filled in once, with its
+/// own, when it is set.
 #[derive(Clone, Debug)]
 struct CompiledTopic {
     def: TopicPermissionDef,
-    write: Option<Pattern>,
-    read: Option<Pattern>,
-}
-
-fn has_variables(src: &str) -> bool {
-    src.contains("{username}") || src.contains("{vhost}")
+    write: Pattern,
+    read: Pattern,
 }
 
 fn expand(src: &str, user: &str, vhost: &str) -> String {
@@ -229,13 +226,8 @@ fn expand(src: &str, user: &str, vhost: &str) -> String {
         .replace("{vhost}", &fancy_regex::escape(vhost))
 }
 
-/// Compiled now unless it has variables; checked either way.
-fn compile_topic(src: &str) -> Result<Option<Pattern>, AccessError> {
-    if has_variables(src) {
-        Pattern::compile(&expand(src, "user", "vhost")).map(|_| None)
-    } else {
-        Pattern::compile(src).map(Some)
-    }
+fn compile_topic(src: &str, user: &str, vhost: &str) -> Result<Pattern, AccessError> {
+    Pattern::compile(&expand(src, user, vhost))
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -370,8 +362,8 @@ impl Access {
             return Err(AccessError::NoUser(def.user));
         }
         let compiled = CompiledTopic {
-            write: compile_topic(&def.write)?,
-            read: compile_topic(&def.read)?,
+            write: compile_topic(&def.write, &def.user, &def.vhost)?,
+            read: compile_topic(&def.read, &def.user, &def.vhost)?,
             def,
         };
         self.generation += 1;
@@ -451,19 +443,9 @@ impl Access {
         let Some(t) = self.topics.get(&key) else {
             return Ok(());
         };
-        let (compiled, src) = match perm {
-            Perm::Write => (&t.write, &t.def.write),
-            _ => (&t.read, &t.def.read),
-        };
-        let expanded;
-        let pattern = match compiled {
-            Some(p) => p,
-            None => {
-                // Checked when set: a failure here could only come from the names, which
-                // are escaped; refuse rather than allow.
-                expanded = Pattern::compile(&expand(src, user, vhost)).unwrap_or(Pattern(None));
-                &expanded
-            }
+        let pattern = match perm {
+            Perm::Write => &t.write,
+            _ => &t.read,
         };
         if pattern.matches(routing_key) {
             Ok(())

@@ -95,6 +95,9 @@ pub fn record(properties: &Bytes, death: &Death<'_>, keep_cc: bool) -> Result<By
         }
     };
     deaths.insert(0, FieldValue::Table(entry));
+    // A dead letter is a new message in its next queue (RabbitMQ delivers it unredelivered):
+    // the mark a migration gave it stays behind.
+    headers.remove(warren_queue::REDELIVERED_HEADER);
     headers.remove("BCC");
     if !keep_cc {
         headers.remove("CC");

@@ -36,6 +36,7 @@ pub mod exchange;
 pub mod limits;
 pub mod names;
 pub mod parameters;
+mod pattern;
 pub mod persist;
 pub mod policy;
 pub mod queue;

@@ -365,7 +365,7 @@ pub fn validate_definition(kind: PolicyKind, def: &Definition) -> Result<(), Pol
 /// `rabbit_policy`'s checks of a whole policy: the pattern a regular expression, `apply-to`
 /// one RabbitMQ knows (the pattern and apply-to come as given), the definition valid.
 pub fn validate_pattern(pattern: &str) -> Result<fancy_regex::Regex, PolicyError> {
-    fancy_regex::Regex::new(pattern).map_err(|e| {
+    crate::pattern::compile(pattern).map_err(|e| {
         PolicyError::Invalid(format!(
             "pattern should be regular expression but is invalid: {}",
             crate::erl::quoted(&e.to_string())

@@ -98,7 +98,11 @@ impl Payload for Message {
         let Some(raw) = warren_codec::properties::headers_raw(&self.properties) else {
             return false;
         };
-        if memchr::memmem::find(raw, REDELIVERED_HEADER.as_bytes()).is_none() {
+        // The name as a table key: its length byte, then it.
+        static KEY: std::sync::OnceLock<memchr::memmem::Finder<'static>> =
+            std::sync::OnceLock::new();
+        let key = KEY.get_or_init(|| memchr::memmem::Finder::new(b"\x0dx-redelivered"));
+        if key.find(raw).is_none() {
             return false;
         }
         warren_codec::properties::headers(&self.properties)
@@ -184,6 +188,11 @@ mod tests {
 
     #[test]
     fn a_message_says_it_was_delivered_before_only_with_the_header_true() {
+        assert_eq!(
+            REDELIVERED_HEADER.len(),
+            0x0d,
+            "the key the search looks for"
+        );
         use warren_codec::properties::BasicProperties;
         use warren_codec::table::{FieldTable, FieldValue};
         let with = |headers: Option<FieldTable>| Message {

@@ -15,6 +15,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::parameters::ParameterDef;
+use warren_broker::policy::PolicyKind;
 
 use super::{Api, ApiError, Level, LoggedIn, Login};
 use crate::shovel::{self, COMPONENT};
@@ -108,7 +109,7 @@ fn listing(api: &Api, who: &Login, component: Option<&str>, vhost: Option<&str>)
         if component.is_none_or(|c| c == super::definitions::OPERATOR_POLICY) {
             out.extend(
                 b.policies()
-                    .list(warren_broker::policy::PolicyKind::Operator, vhost)
+                    .list(PolicyKind::Operator, vhost)
                     .filter(|p| who.sees_vhost(b.access(), &p.vhost))
                     .map(super::policies::operator_policy_parameter),
             );
@@ -203,6 +204,9 @@ async fn get_one(
     Path((component, vhost, name)): Path<(String, String, String)>,
 ) -> Answer {
     allowed(&who)?;
+    if component == super::definitions::OPERATOR_POLICY {
+        return super::policies::operator_parameter(&api, &who, &vhost, &name);
+    }
     if component == VHOST_LIMITS {
         return vhost_limits(&api, &who, &vhost)
             .filter(|_| name == LIMITS)
@@ -247,6 +251,11 @@ async fn put_one(
     }
     if component == VHOST_LIMITS {
         return put_vhost_limits(&api, &who, &vhost, &name, value);
+    }
+    if component == super::definitions::OPERATOR_POLICY {
+        // The value is the policy's body, as `/api/operator-policies` takes it.
+        let body = Bytes::from(serde_json::to_vec(value).unwrap_or_default());
+        return super::policies::put(api, who, PolicyKind::Operator, vhost, name, body).await;
     }
     // A shovel's end on this node without a user runs with every permission: as RabbitMQ
     // checks it, only in vhosts the user setting it may open.
@@ -300,6 +309,9 @@ async fn delete_one(
         .read(|n, _| who.sees_vhost(n.broker().access(), &vhost))
     {
         return Err(ApiError::not_found());
+    }
+    if component == super::definitions::OPERATOR_POLICY {
+        return super::policies::delete(api, who, PolicyKind::Operator, vhost, name).await;
     }
     if component == VHOST_LIMITS {
         if who.level != Level::Administrator {

@@ -251,8 +251,23 @@ async fn one(api: Arc<Api>, who: Login, kind: PolicyKind, vhost: String, name: S
         .ok_or_else(ApiError::not_found)
 }
 
+/// An operator policy as the runtime parameter RabbitMQ keeps it as
+/// (`/api/parameters/operator_policy/V/N`).
+pub(super) fn operator_parameter(api: &Api, who: &Login, vhost: &str, name: &str) -> Answer {
+    allowed(who, PolicyKind::Operator)?;
+    api.node
+        .read(|n, _| {
+            n.broker()
+                .policies()
+                .get(vhost, PolicyKind::Operator, name)
+                .map(operator_policy_parameter)
+        })
+        .map(|p| Json(p).into_response())
+        .ok_or_else(ApiError::not_found)
+}
+
 /// 201 for a new policy, 204 for a replaced one (as RabbitMQ's REST handler answers).
-async fn put(
+pub(super) async fn put(
     api: Arc<Api>,
     who: Login,
     kind: PolicyKind,
@@ -280,7 +295,7 @@ async fn put(
     }
 }
 
-async fn delete(
+pub(super) async fn delete(
     api: Arc<Api>,
     who: Login,
     kind: PolicyKind,

@@ -1,41 +1,44 @@
 //! A moved message's time to live, carried over as what is left of it (`warren migrate`).
 //!
-//! AMQP 0-9-1 does not say when a message entered its queue, so the time it already spent
-//! there is read from what the message says of itself: its `timestamp` property (set by many
-//! publishers when they publish) and the time of its newest `x-death` entry (when it was
-//! dead-lettered into this queue: a retry queue's delay). The later of the two is taken, plus
-//! the second they were truncated to, so the age is never counted larger than those times
-//! allow. A message that says neither counts its time to live again from its arrival (late,
-//! never early).
+//! AMQP 0-9-1 does not say when a message entered its queue. One case says it exactly: a
+//! message the broker dead-lettered into its queue (a retry queue's delay) carries that time
+//! in its newest `x-death` entry, as long as that entry's `count` is 1 (a second death of the
+//! same queue and reason raises the count and keeps the first time). Its age is taken from
+//! there, less the second the time was truncated to. Every other message counts its time to
+//! live again from its arrival: late, never early. (The `timestamp` property is not used: a
+//! publisher sets it, and a republished message or a client's clock behind would make the
+//! copy expire before it would have.)
 
 use lapin::types::{AMQPValue, ShortString};
 use lapin::BasicProperties;
 
-/// The latest time (ms since the epoch) the message says it was at: its `timestamp`, or its
-/// newest dead-lettering; the end of that second.
-fn said_at_ms(props: &BasicProperties) -> Option<u64> {
-    let stamp = props.timestamp().map(|s| s.saturating_mul(1000));
-    let death = props.headers().as_ref().and_then(|h| {
-        let AMQPValue::FieldArray(deaths) = h.inner().get("x-death")? else {
-            return None;
-        };
-        // The newest entry first, as RabbitMQ keeps them.
-        let AMQPValue::FieldTable(newest) = deaths.as_slice().first()? else {
-            return None;
-        };
-        match newest.inner().get("time")? {
-            AMQPValue::Timestamp(t) => Some(t.saturating_mul(1000)),
-            _ => None,
-        }
-    });
-    stamp.max(death).map(|ms| ms.saturating_add(999))
+/// When the broker dead-lettered the message into its queue (ms since the epoch; the end of
+/// that second), if its newest `x-death` entry says so exactly.
+fn dead_lettered_at_ms(props: &BasicProperties) -> Option<u64> {
+    let AMQPValue::FieldArray(deaths) = props.headers().as_ref()?.inner().get("x-death")? else {
+        return None;
+    };
+    // The newest entry first, as RabbitMQ keeps them.
+    let AMQPValue::FieldTable(newest) = deaths.as_slice().first()? else {
+        return None;
+    };
+    let first_death = match newest.inner().get("count")? {
+        AMQPValue::LongLongInt(n) => *n == 1,
+        AMQPValue::LongInt(n) => *n == 1,
+        AMQPValue::LongUInt(n) => *n == 1,
+        _ => false,
+    };
+    match newest.inner().get("time")? {
+        AMQPValue::Timestamp(t) if first_death => Some(t.saturating_mul(1000).saturating_add(999)),
+        _ => None,
+    }
 }
 
 /// `props` with its `expiration` set to what is left of its time to live at `now_ms`: the
 /// lower of its own and the queue's (`queue_ttl_ms`, the source queue's `x-message-ttl` or
-/// policy), less the age it says it has. Unchanged when it says no time or has no TTL.
+/// policy), less its age. Unchanged when its age is not known or it has no TTL.
 pub fn carried(props: BasicProperties, queue_ttl_ms: Option<u64>, now_ms: u64) -> BasicProperties {
-    let Some(at) = said_at_ms(&props) else {
+    let Some(at) = dead_lettered_at_ms(&props) else {
         return props;
     };
     let own = props
@@ -56,8 +59,9 @@ mod tests {
 
     const NOW: u64 = 1_800_000_000_000;
 
-    fn dead_lettered_at(secs: u64) -> FieldTable {
+    fn dead_lettered(secs: u64, count: i64) -> FieldTable {
         let mut entry = FieldTable::default();
+        entry.insert("count".into(), AMQPValue::LongLongInt(count));
         entry.insert("time".into(), AMQPValue::Timestamp(secs));
         entry.insert("queue".into(), AMQPValue::LongString("work".into()));
         let mut h = FieldTable::default();
@@ -73,30 +77,23 @@ mod tests {
     }
 
     #[test]
-    fn the_age_a_message_says_it_has_is_taken_off() {
-        // Published 10 s ago with 60 s to live: 50 s left (less the second's rounding: 50.999).
-        let p = BasicProperties::default()
-            .with_timestamp(NOW / 1000 - 10)
-            .with_expiration("60000".into());
-        assert_eq!(expiration(&carried(p, None, NOW)).as_deref(), Some("50999"));
-        // The queue's TTL is lower: it counts.
-        let p = BasicProperties::default()
-            .with_timestamp(NOW / 1000 - 10)
-            .with_expiration("60000".into());
-        assert_eq!(
-            expiration(&carried(p, Some(30_000), NOW)).as_deref(),
-            Some("20999")
-        );
-        // A retry queue: dead-lettered into it 4 s ago, published long before.
-        let p = BasicProperties::default()
-            .with_timestamp(NOW / 1000 - 3600)
-            .with_headers(dead_lettered_at(NOW / 1000 - 4));
+    fn a_dead_lettered_message_keeps_what_is_left_of_its_wait() {
+        // Dead-lettered into a 5 s retry queue 4 s ago: 1 s left (and the second's rounding).
+        let p = BasicProperties::default().with_headers(dead_lettered(NOW / 1000 - 4, 1));
         assert_eq!(
             expiration(&carried(p, Some(5_000), NOW)).as_deref(),
             Some("1999")
         );
+        // Its own expiration is lower than the queue's: it counts.
+        let p = BasicProperties::default()
+            .with_headers(dead_lettered(NOW / 1000 - 4, 1))
+            .with_expiration("3000".into());
+        assert_eq!(
+            expiration(&carried(p, Some(5_000), NOW)).as_deref(),
+            Some("0")
+        );
         // Past its time: due at once.
-        let p = BasicProperties::default().with_timestamp(NOW / 1000 - 100);
+        let p = BasicProperties::default().with_headers(dead_lettered(NOW / 1000 - 100, 1));
         assert_eq!(
             expiration(&carried(p, Some(5_000), NOW)).as_deref(),
             Some("0")
@@ -104,19 +101,28 @@ mod tests {
     }
 
     #[test]
-    fn a_message_that_says_nothing_keeps_its_ttl() {
-        let p = BasicProperties::default().with_expiration("60000".into());
-        assert_eq!(
-            expiration(&carried(p, Some(1_000), NOW)).as_deref(),
-            Some("60000"),
-            "no time said: counted again from arrival"
-        );
-        let p = BasicProperties::default().with_timestamp(NOW / 1000 - 10);
-        assert_eq!(expiration(&carried(p, None, NOW)), None, "no TTL at all");
-        // A timestamp in the future (another clock): no age.
+    fn a_message_whose_age_is_not_known_keeps_its_ttl() {
+        // A second death keeps the first one's time: not this arrival's.
         let p = BasicProperties::default()
-            .with_timestamp(NOW / 1000 + 100)
+            .with_headers(dead_lettered(NOW / 1000 - 100, 2))
+            .with_expiration("60000".into());
+        assert_eq!(
+            expiration(&carried(p, Some(5_000), NOW)).as_deref(),
+            Some("60000")
+        );
+        // A publisher's timestamp is not the arrival.
+        let p = BasicProperties::default()
+            .with_timestamp(NOW / 1000 - 100)
             .with_expiration("60000".into());
         assert_eq!(expiration(&carried(p, None, NOW)).as_deref(), Some("60000"));
+        // No TTL at all.
+        let p = BasicProperties::default().with_headers(dead_lettered(NOW / 1000 - 4, 1));
+        assert_eq!(expiration(&carried(p, None, NOW)), None);
+        // A time ahead of this clock (another host's): no age.
+        let p = BasicProperties::default().with_headers(dead_lettered(NOW / 1000 + 100, 1));
+        assert_eq!(
+            expiration(&carried(p, Some(5_000), NOW)).as_deref(),
+            Some("5000")
+        );
     }
 }

@@ -11,7 +11,8 @@
 //! written for a broker with a self-signed certificate then works as it did, the handshake's
 //! signatures still checked, and the shovel logs once per connection that the peer is unchecked.
 //! `server_name_indication=NAME` sends NAME and checks the certificate against it (Erlang's
-//! ssl does both with that one option); `disable` sends none and checks against the host.
+//! ssl does both with that one option); `disable` sends none and checks the chain only, not
+//! the name, as Erlang's ssl does.
 
 use lapin::uri::{AMQPAuthority, AMQPQueryString, AMQPScheme, AMQPUri, AMQPUserInfo};
 use percent_encoding::percent_decode_str;
@@ -293,7 +294,20 @@ pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, String),
                     .into(),
             );
         }
-        builder.with_root_certificates(roots)
+        if params.no_sni {
+            // Erlang's ssl with server_name_indication=disable checks the chain, not the name.
+            let chain = rustls::client::WebPkiServerVerifier::builder_with_provider(
+                std::sync::Arc::new(roots),
+                provider.clone(),
+            )
+            .build()
+            .map_err(|e| format!("TLS: {e}"))?;
+            builder
+                .dangerous()
+                .with_custom_certificate_verifier(std::sync::Arc::new(AnyName(chain)))
+        } else {
+            builder.with_root_certificates(roots)
+        }
     };
     let mut config = match identity {
         Some((chain, key)) => builder
@@ -355,6 +369,54 @@ impl rustls::client::danger::ServerCertVerifier for Unchecked {
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// `server_name_indication=disable`: the chain is checked against the CAs, the name is not.
+#[derive(Debug)]
+struct AnyName(std::sync::Arc<rustls::client::WebPkiServerVerifier>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &rustls_pki_types::CertificateDer<'_>,
+        intermediates: &[rustls_pki_types::CertificateDer<'_>],
+        server_name: &rustls_pki_types::ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        use rustls::{CertificateError, Error};
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(rustls::client::danger::ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
     }
 }
 

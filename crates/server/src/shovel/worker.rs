@@ -405,7 +405,13 @@ impl Worker {
             p = super::expiry::carried(p, queue_ttl, now);
         }
         let mark = self.mark_redelivered && redelivered;
-        if forward.is_none() && !self.def.add_timestamp_header && !mark {
+        // A copy is new where it lands, unless this is a migration of a message the source
+        // delivered: a mark from an earlier hop does not travel on.
+        let stale = p
+            .headers()
+            .as_ref()
+            .is_some_and(|h| h.inner().contains_key(warren_broker::REDELIVERED_HEADER));
+        if forward.is_none() && !self.def.add_timestamp_header && !mark && !stale {
             return p;
         }
         let mut headers = p.headers().clone().unwrap_or_default();
@@ -414,6 +420,10 @@ impl Worker {
                 warren_broker::REDELIVERED_HEADER.into(),
                 AMQPValue::Boolean(true),
             );
+        } else if stale {
+            let mut kept = headers.inner().clone();
+            kept.remove(warren_broker::REDELIVERED_HEADER);
+            headers = FieldTable::from(kept);
         }
         if let Some(entry) = forward {
             // The newest hop first, as RabbitMQ prepends it.
