@@ -74,9 +74,11 @@ async fn publish_confirmed(c: &TestCluster, n: u64, q: &str, bodies: std::ops::R
 /// until `want` came.
 async fn drain(c: &TestCluster, n: u64, q: &str, want: usize) -> Vec<String> {
     let conn = c.node(n).connect().await;
-    let ch = conn.create_channel().await.expect("channel");
     let start = Instant::now();
-    let mut consumer = loop {
+    // The channel lives as long as its consumer.
+    let (_ch, mut consumer) = loop {
+        // A refusal closes the channel: each attempt has its own.
+        let ch = conn.create_channel().await.expect("channel");
         let attempt = ch
             .basic_consume(
                 q.into(),
@@ -86,7 +88,7 @@ async fn drain(c: &TestCluster, n: u64, q: &str, want: usize) -> Vec<String> {
             )
             .await;
         match attempt {
-            Ok(consumer) => break consumer,
+            Ok(consumer) => break (ch, consumer),
             // A leader just elected refuses until it acts: a client retries.
             Err(e) => {
                 assert!(start.elapsed() < WAIT, "consume on node {n}: {e}");
