@@ -82,6 +82,9 @@ Options:
   --warren-pid PID       use an already running Warren on --warren-port instead of starting one
   --rabbit-url URL       RabbitMQ URL (default amqp://guest:guest@127.0.0.1:5672/%2f)
   --warren-storage TEXT  what Warren persists, for the report
+
+A RabbitMQ this script started is stopped when it ends (KEEP_RABBITMQ=1 keeps it running);
+one that was running already is left as it was.
 EOF
 }
 
@@ -244,6 +247,13 @@ cleanup() {
     wait "$STARTED_WARREN" 2>/dev/null || true
   fi
   rm -rf "$RESULTS/warren-data"
+  # A RabbitMQ this script started goes with it (it holds port 5672 and a few hundred MB), unless
+  # KEEP_RABBITMQ=1 keeps it for the next run.
+  if [ "${RABBIT_OURS:-0}" = 1 ] && [ "${KEEP_RABBITMQ:-0}" != 1 ]; then
+    log "stopping RabbitMQ (started by this run; KEEP_RABBITMQ=1 keeps it)"
+    rabbitmqctl -q stop >/dev/null 2>&1 || true
+    return 0
+  fi
   # A RabbitMQ that keeps running gets every CPU back.
   if [ -n "$BROKER_CPUS" ] && [ -n "${RABBIT_PID:-}" ] && [ -d "/proc/$RABBIT_PID" ]; then
     $SUDO taskset -a -p -c "0-$(($(nproc) - 1))" "$RABBIT_PID" >/dev/null 2>&1 || true
