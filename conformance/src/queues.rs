@@ -79,6 +79,21 @@ pub fn field<'a>(entry: &'a BTreeMap<ShortString, AMQPValue>, key: &str) -> &'a 
 }
 
 /// The ready count a passive declare reports (a passive declare renews `x-expires`).
+/// A consumer on `q` that acknowledges nothing (no-ack): every message it gets is settled.
+pub async fn consume_no_ack(ch: &Channel, q: &str) -> lapin::Consumer {
+    ch.basic_consume(
+        q.into(),
+        "".into(),
+        lapin::options::BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("consume")
+}
+
 pub async fn ready(ch: &Channel, q: &str) -> u32 {
     ch.queue_declare(
         q.into(),

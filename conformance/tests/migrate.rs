@@ -18,7 +18,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 use serde_json::json;
 use warren_conformance::http::{eventually, Api};
-use warren_conformance::queues::confirm_channel;
+use warren_conformance::queues::{confirm_channel, consume_no_ack};
 use warren_conformance::rabbitmq::RabbitMq;
 use warren_conformance::{connect_url, warren_binary, within_for, TestBroker};
 
@@ -403,18 +403,7 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
         let conn = connect_url(&warren.url_with_vhost(vhost_path(vhost))).await;
         let ch = conn.create_channel().await.expect("channel");
         let expected = if *q == "jobs.email" { n + extra } else { n };
-        let mut consumer = ch
-            .basic_consume(
-                (*q).into(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("consume");
+        let mut consumer = consume_no_ack(&ch, q).await;
         let (mut seen, mut redelivered) = (BTreeSet::new(), BTreeSet::new());
         let mut delivered = 0usize;
         within_for(Duration::from_secs(120), "reading Warren's queue", async {
@@ -492,18 +481,7 @@ async fn a_rabbitmq_moves_into_warren_with_nothing_lost_across_a_killed_migratio
     });
     // The retry queue's messages keep their headers and what was left of their 10 min: they
     // were dead-lettered into it 5 min ago.
-    let mut waiting = ch
-        .basic_consume(
-            "retry.wait".into(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("consume");
+    let mut waiting = consume_no_ack(&ch, "retry.wait").await;
     within_for(Duration::from_secs(30), "the waiting messages", async {
         for _ in 0..WAITING {
             let d = waiting.next().await.expect("delivery").expect("delivery");
@@ -607,18 +585,7 @@ async fn a_warren_moves_back_into_rabbitmq() {
         ))
         .await;
         let ch = conn.create_channel().await.expect("channel");
-        let mut consumer = ch
-            .basic_consume(
-                q.into(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("consume");
+        let mut consumer = consume_no_ack(&ch, q).await;
         let mut seen = BTreeSet::new();
         within_for(Duration::from_secs(60), "reading RabbitMQ's queue", async {
             while seen.len() < 300 {

@@ -278,7 +278,10 @@ pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, String),
     let builder = if params.unchecked {
         builder
             .dangerous()
-            .with_custom_certificate_verifier(std::sync::Arc::new(Unchecked(provider)))
+            .with_custom_certificate_verifier(std::sync::Arc::new(Lenient {
+                provider,
+                chain: None,
+            }))
     } else {
         let mut roots = rustls::RootCertStore::empty();
         // The system's CAs (none is fine when cacertfile names the one that matters).
@@ -304,7 +307,10 @@ pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, String),
             .map_err(|e| format!("TLS: {e}"))?;
             builder
                 .dangerous()
-                .with_custom_certificate_verifier(std::sync::Arc::new(AnyName(chain)))
+                .with_custom_certificate_verifier(std::sync::Arc::new(Lenient {
+                    provider,
+                    chain: Some(chain),
+                }))
         } else {
             builder.with_root_certificates(roots)
         }
@@ -322,61 +328,17 @@ pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, String),
     ))
 }
 
-/// `verify=verify_none`: any certificate is taken, but the handshake's signatures are still
-/// checked (the peer holds the key of the certificate it sent).
+/// A verifier for what RabbitMQ's URIs ask to check less: `verify=verify_none` takes any
+/// certificate (`chain` None), `server_name_indication=disable` checks the chain against the
+/// CAs but not the name. Either way the handshake's signatures are checked (the peer holds the
+/// key of the certificate it sent).
 #[derive(Debug)]
-struct Unchecked(std::sync::Arc<rustls::crypto::CryptoProvider>);
-
-impl rustls::client::danger::ServerCertVerifier for Unchecked {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &rustls_pki_types::CertificateDer<'_>,
-        _intermediates: &[rustls_pki_types::CertificateDer<'_>],
-        _server_name: &rustls_pki_types::ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: rustls_pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls_pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls_pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
+struct Lenient {
+    provider: std::sync::Arc<rustls::crypto::CryptoProvider>,
+    chain: Option<std::sync::Arc<rustls::client::WebPkiServerVerifier>>,
 }
 
-/// `server_name_indication=disable`: the chain is checked against the CAs, the name is not.
-#[derive(Debug)]
-struct AnyName(std::sync::Arc<rustls::client::WebPkiServerVerifier>);
-
-impl rustls::client::danger::ServerCertVerifier for AnyName {
+impl rustls::client::danger::ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &rustls_pki_types::CertificateDer<'_>,
@@ -386,10 +348,10 @@ impl rustls::client::danger::ServerCertVerifier for AnyName {
         now: rustls_pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
         use rustls::{CertificateError, Error};
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(rustls::client::danger::ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now) {
             Err(Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(rustls::client::danger::ServerCertVerified::assertion()),
@@ -403,7 +365,12 @@ impl rustls::client::danger::ServerCertVerifier for AnyName {
         cert: &rustls_pki_types::CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn verify_tls13_signature(
@@ -412,11 +379,18 @@ impl rustls::client::danger::ServerCertVerifier for AnyName {
         cert: &rustls_pki_types::CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
