@@ -146,6 +146,12 @@ start_rabbit() {
     printf 'rabbitmq soft nofile 20000\nrabbitmq hard nofile 20000\n' |
       $SUDO tee /etc/security/limits.d/rabbitmq.conf >/dev/null || true
   fi
+  # The runs read RabbitMQ's management API and Prometheus endpoint as they read Warren's: a
+  # RabbitMQ without those plugins (Debian enables none) would answer nothing and do less.
+  if [ "$SCRAPE" = 1 ] &&
+    ! $SUDO rabbitmq-plugins --offline enable rabbitmq_management rabbitmq_prometheus >/dev/null 2>&1; then
+    log "could not enable RabbitMQ's management and prometheus plugins: its scrapes will fail"
+  fi
   $SUDO bash -c 'ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true; rabbitmq-server -detached'
   sleep 2
   rabbitmqctl -q await_startup >/dev/null 2>&1 || { sleep 5; rabbitmqctl -q await_startup; }
