@@ -25,7 +25,8 @@ use tokio::sync::watch;
 use super::api::{enc, Api};
 use super::{CliError, Conn};
 use crate::shovel::definition::{AckMode, DeleteAfter, Destination, ShovelDef, Source};
-use crate::shovel::{self, worker::Worker, Shovels, State};
+use crate::shovel::worker::{Migration, Worker};
+use crate::shovel::{self, Shovels, State};
 
 /// Moves a whole broker into this one: definitions, then every queue's messages.
 #[derive(Args, Debug, Clone)]
@@ -145,7 +146,6 @@ pub fn select(
     };
     let in_vhost = |v: &Value| vhost.is_none_or(|only| v["vhost"].as_str() == Some(only));
     let mut out = Map::new();
-    let mut operator_policies = Vec::new();
     for key in [
         "rabbit_version",
         "rabbitmq_version",
@@ -165,68 +165,28 @@ pub fn select(
             .collect::<Vec<_>>()
             .into(),
     );
-    // Policy keys of plugins Warren lacks are left out (said per policy); a policy of
-    // nothing else is left out whole.
-    let carried_policy = |p: Value, what: &str, left_out: &mut Vec<String>| {
-        let name = p["name"].as_str().unwrap_or("").to_owned();
-        let body = if what == "operator policy" {
-            &p["value"]
-        } else {
-            &p
-        };
-        let (body, dropped) = crate::http::definitions::without_foreign_keys(body);
-        if dropped.is_empty() {
-            return Some(p);
-        }
-        let empty = body["definition"].as_object().is_some_and(|d| d.is_empty());
-        left_out.push(format!(
-            "{what} '{name}'{}: {}",
-            if empty { "" } else { ", its keys" },
-            dropped.join(", ")
-        ));
-        if empty {
-            return None;
-        }
-        if what == "operator policy" {
-            let mut p = p;
-            p["value"] = body;
-            Some(p)
-        } else {
-            Some(body)
-        }
-    };
-    for key in ["policies", "operator_policies"] {
-        let what = if key == "policies" {
-            "policy"
-        } else {
-            "operator policy"
-        };
-        let kept: Vec<Value> = list(key)
+    out.insert(
+        "policies".into(),
+        list("policies")
             .into_iter()
             .filter(|v| in_vhost(v))
-            .filter_map(|p| {
-                // Warren's older key holds bodies, as "policies" does.
-                let p = if what == "operator policy" {
-                    let (name, vhost) = (p["name"].clone(), p["vhost"].clone());
-                    let mut value = p;
-                    if let Some(m) = value.as_object_mut() {
-                        m.remove("name");
-                        m.remove("vhost");
-                    }
-                    serde_json::json!({"value": value, "name": name, "vhost": vhost,
-                           "component": crate::http::definitions::OPERATOR_POLICY})
-                } else {
-                    p
-                };
-                carried_policy(p, what, &mut left_out)
-            })
-            .collect();
-        if key == "policies" {
-            out.insert(key.into(), kept.into());
-        } else {
-            operator_policies = kept;
-        }
-    }
+            .collect::<Vec<_>>()
+            .into(),
+    );
+    // Warren's older key held operator policies as bodies: they go as RabbitMQ keeps them.
+    let operator_policies: Vec<Value> = list("operator_policies")
+        .into_iter()
+        .filter(|v| in_vhost(v))
+        .map(|mut value| {
+            let (name, vhost) = (value["name"].clone(), value["vhost"].clone());
+            if let Some(m) = value.as_object_mut() {
+                m.remove("name");
+                m.remove("vhost");
+            }
+            serde_json::json!({"value": value, "name": name, "vhost": vhost,
+                   "component": crate::http::definitions::OPERATOR_POLICY})
+        })
+        .collect();
     for key in ["permissions", "topic_permissions", "exchanges"] {
         out.insert(
             key.into(),
@@ -274,11 +234,7 @@ pub fn select(
         let name = p["name"].as_str().unwrap_or("");
         match component {
             "vhost-limits" => parameters.push(p),
-            crate::http::definitions::OPERATOR_POLICY => {
-                if let Some(p) = carried_policy(p.clone(), "operator policy", &mut left_out) {
-                    parameters.push(p);
-                }
-            }
+            crate::http::definitions::OPERATOR_POLICY => parameters.push(p),
             shovel::COMPONENT => match shovel::definition::parse(name, &p["value"]) {
                 Ok(_) => parameters.push(p),
                 Err(e) => left_out.push(format!("shovel '{name}': {}", e.join("; "))),
@@ -291,7 +247,47 @@ pub fn select(
     out.insert("queues".into(), kept_queues.into());
     out.insert("bindings".into(), bindings.into());
     out.insert("parameters".into(), parameters.into());
-    (Value::Object(out), left_out)
+    let mut out = Value::Object(out);
+    // Policy keys of plugins Warren lacks are left out.
+    left_out.extend(policies_without(
+        &mut out,
+        warren_broker::policy::foreign_key,
+    ));
+    (out, left_out)
+}
+
+/// Leaves the definition keys `why` names out of every policy and operator policy of `defs`
+/// (a policy with nothing else goes); what was left out, a line each.
+fn policies_without(defs: &mut Value, why: impl Fn(&str) -> Option<&'static str>) -> Vec<String> {
+    let mut left_out = Vec::new();
+    let mut said = |what: &str, name: &Value, kept: bool, dropped: &[String]| {
+        if !dropped.is_empty() {
+            left_out.push(format!(
+                "{what} '{}'{}: {}",
+                name.as_str().unwrap_or(""),
+                if kept { ", its keys" } else { "" },
+                dropped.join(", ")
+            ));
+        }
+    };
+    if let Some(list) = defs.get_mut("policies").and_then(Value::as_array_mut) {
+        list.retain_mut(|p| {
+            let (body, dropped) = crate::http::definitions::policy_without(p, &why);
+            said("policy", &p["name"], body.is_some(), &dropped);
+            body.map(|b| *p = b).is_some()
+        });
+    }
+    if let Some(list) = defs.get_mut("parameters").and_then(Value::as_array_mut) {
+        list.retain_mut(|p| {
+            if p["component"] != crate::http::definitions::OPERATOR_POLICY {
+                return true;
+            }
+            let (body, dropped) = crate::http::definitions::policy_without(&p["value"], &why);
+            said("operator policy", &p["name"], body.is_some(), &dropped);
+            body.map(|b| p["value"] = b).is_some()
+        });
+    }
+    left_out
 }
 
 /// Leaves out of `defs` what a destination that is not a Warren refuses (RabbitMQ refuses the
@@ -299,47 +295,10 @@ pub fn select(
 /// for a type RabbitMQ does not (`x-delivery-limit` on a classic queue); what was left out, a
 /// line each. Warren's own queue arguments stay: RabbitMQ ignores those it does not know.
 fn without_warren_keys(defs: &mut Value) -> Vec<String> {
-    let mut left_out = Vec::new();
-    let mut strip = |def: Option<&mut Map<String, Value>>, what: &str, name: &str| {
-        let Some(def) = def else { return };
-        let keys: Vec<String> = def
-            .keys()
-            .filter(|k| warren_broker::policy::warren_only_key(k))
-            .cloned()
-            .collect();
-        if !keys.is_empty() {
-            for k in &keys {
-                def.remove(k);
-            }
-            left_out.push(format!(
-                "{what} '{name}', its keys: {} (Warren's own; the destination has none)",
-                keys.join(", ")
-            ));
-        }
-    };
-    if let Some(list) = defs.get_mut("policies").and_then(Value::as_array_mut) {
-        for p in list {
-            let name = p["name"].as_str().unwrap_or("").to_owned();
-            strip(
-                p.get_mut("definition").and_then(Value::as_object_mut),
-                "policy",
-                &name,
-            );
-        }
-    }
-    if let Some(list) = defs.get_mut("parameters").and_then(Value::as_array_mut) {
-        for p in list
-            .iter_mut()
-            .filter(|p| p["component"] == crate::http::definitions::OPERATOR_POLICY)
-        {
-            let name = p["name"].as_str().unwrap_or("").to_owned();
-            let def = p
-                .get_mut("value")
-                .and_then(|v| v.get_mut("definition"))
-                .and_then(Value::as_object_mut);
-            strip(def, "operator policy", &name);
-        }
-    }
+    let mut left_out = policies_without(defs, |k| {
+        warren_broker::policy::warren_only_key(k)
+            .then_some("Warren's own; the destination has none")
+    });
     if let Some(list) = defs.get_mut("queues").and_then(Value::as_array_mut) {
         for q in list {
             let name = q["name"].as_str().unwrap_or("").to_owned();
@@ -368,17 +327,6 @@ fn without_warren_keys(defs: &mut Value) -> Vec<String> {
                 ));
             }
         }
-    }
-    // A policy left with no key at all would be refused too.
-    if let Some(list) = defs.get_mut("policies").and_then(Value::as_array_mut) {
-        list.retain(|p| !p["definition"].as_object().is_some_and(Map::is_empty));
-    }
-    if let Some(list) = defs.get_mut("parameters").and_then(Value::as_array_mut) {
-        list.retain(|p| {
-            !p["value"]["definition"]
-                .as_object()
-                .is_some_and(Map::is_empty)
-        });
     }
     left_out
 }
@@ -656,13 +604,14 @@ async fn move_round(
             shovels: shovels.clone(),
             cluster_name: "warren migrate".into(),
             counters: counters.clone(),
-            carry_ttl: Some(
-                plan.ttls
+            migration: Some(Migration {
+                queue_ttl_ms: plan
+                    .ttls
                     .get(&(vhost.clone(), name.clone()))
                     .copied()
                     .flatten(),
-            ),
-            mark_redelivered: plan.into_warren,
+                into_warren: plan.into_warren,
+            }),
         };
         tasks.push(tokio::spawn(worker.run(stopped.clone())));
         moving.push(Moving {

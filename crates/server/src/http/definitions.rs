@@ -45,10 +45,11 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
         .collect();
     let (policies, operator_policies): (Vec<Value>, Vec<Value>) = api.node.read(|n, _| {
         let p = n.broker().policies();
-        let of = |kind| {
+        // Operator policies go as RabbitMQ exports them: `operator_policy` parameters.
+        let of = |kind, json: fn(&warren_broker::policy::PolicyDef) -> Value| {
             p.list(kind, vhost)
                 .map(|d| {
-                    let mut v = super::policies::policy_json(d);
+                    let mut v = json(d);
                     if let (Some(m), Some(_)) = (v.as_object_mut(), vhost) {
                         m.remove("vhost");
                     }
@@ -56,17 +57,13 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
                 })
                 .collect()
         };
-        let operator = p
-            .list(PolicyKind::Operator, vhost)
-            .map(|d| {
-                let mut v = super::policies::operator_policy_parameter(d);
-                if let (Some(m), Some(_)) = (v.as_object_mut(), vhost) {
-                    m.remove("vhost");
-                }
-                v
-            })
-            .collect();
-        (of(PolicyKind::User), operator)
+        (
+            of(PolicyKind::User, super::policies::policy_json),
+            of(
+                PolicyKind::Operator,
+                super::policies::operator_policy_parameter,
+            ),
+        )
     });
     let (queues, exchanges, bindings, vhosts, users, perms, topics) = api.node.read(|n, _| {
         let b = n.broker();
@@ -154,7 +151,6 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
         "exchanges": exchange_list,
         "bindings": binding_list,
     });
-    // Operator policies go out as RabbitMQ exports them: `operator_policy` parameters.
     if let Some(params) = out.get_mut("parameters").and_then(Value::as_array_mut) {
         params.extend(operator_policies);
     }
@@ -208,21 +204,28 @@ fn limits_from(v: Option<&Value>, scope: LimitScope) -> Result<Limits, ApiError>
 /// The runtime parameter component RabbitMQ keeps operator policies under.
 pub const OPERATOR_POLICY: &str = "operator_policy";
 
-/// A policy's JSON without the keys of RabbitMQ plugins Warren does not have (federation,
-/// streams), and those keys with what they belong to ("federation-upstream-set (federation)").
-pub fn without_foreign_keys(policy: &Value) -> (Value, Vec<String>) {
-    let mut policy = policy.clone();
+/// A policy's body with the definition keys `why` names left out, and each key left out with
+/// why ("max-age (streams)"). The body is None when that left its definition empty: such a
+/// policy goes (one that came empty stays, to be refused as RabbitMQ refuses it).
+pub fn policy_without(
+    body: &Value,
+    why: impl Fn(&str) -> Option<&'static str>,
+) -> (Option<Value>, Vec<String>) {
+    let mut body = body.clone();
     let mut dropped = Vec::new();
-    if let Some(def) = policy.get_mut("definition").and_then(Value::as_object_mut) {
-        def.retain(|k, _| match warren_broker::policy::foreign_key(k) {
+    if let Some(def) = body.get_mut("definition").and_then(Value::as_object_mut) {
+        def.retain(|k, _| match why(k) {
             Some(what) => {
                 dropped.push(format!("{k} ({what})"));
                 false
             }
             None => true,
         });
+        if def.is_empty() && !dropped.is_empty() {
+            return (None, dropped);
+        }
     }
-    (policy, dropped)
+    (Some(body), dropped)
 }
 
 fn text<'a>(v: &'a Value, k: &str, what: &str) -> Result<&'a str, ApiError> {
@@ -323,14 +326,14 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
             Ok(n) => n.to_owned(),
             Err(e) => return Some(Err(e)),
         };
-        let (p, dropped) = without_foreign_keys(&p);
+        let (p, dropped) = policy_without(&p, warren_broker::policy::foreign_key);
         if !dropped.is_empty() {
             tracing::warn!(policy = %name, keys = ?dropped, "definitions import: policy keys of RabbitMQ plugins Warren does not have are left out");
         }
-        if p["definition"].as_object().is_some_and(|d| d.is_empty()) && !dropped.is_empty() {
+        let Some(p) = p else {
             tracing::warn!(policy = %name, "definitions import: a policy of plugin keys only is not imported");
             return None;
-        }
+        };
         let body = match p.as_object() {
             Some(b) => b,
             None => return Some(Err(ApiError::bad_request("policy: not a JSON object"))),

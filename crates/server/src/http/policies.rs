@@ -239,14 +239,21 @@ async fn list(api: Arc<Api>, who: Login, kind: PolicyKind, vhost: Option<String>
 }
 
 async fn one(api: Arc<Api>, who: Login, kind: PolicyKind, vhost: String, name: String) -> Answer {
-    allowed(&who, kind)?;
+    shown(&api, &who, kind, &vhost, &name, policy_json)
+}
+
+/// One policy, as `json` shows it: 404 if there is none.
+fn shown(
+    api: &Api,
+    who: &Login,
+    kind: PolicyKind,
+    vhost: &str,
+    name: &str,
+    json: fn(&PolicyDef) -> Value,
+) -> Answer {
+    allowed(who, kind)?;
     api.node
-        .read(|n, _| {
-            n.broker()
-                .policies()
-                .get(&vhost, kind, &name)
-                .map(policy_json)
-        })
+        .read(|n, _| n.broker().policies().get(vhost, kind, name).map(json))
         .map(|p| Json(p).into_response())
         .ok_or_else(ApiError::not_found)
 }
@@ -254,16 +261,14 @@ async fn one(api: Arc<Api>, who: Login, kind: PolicyKind, vhost: String, name: S
 /// An operator policy as the runtime parameter RabbitMQ keeps it as
 /// (`/api/parameters/operator_policy/V/N`).
 pub(super) fn operator_parameter(api: &Api, who: &Login, vhost: &str, name: &str) -> Answer {
-    allowed(who, PolicyKind::Operator)?;
-    api.node
-        .read(|n, _| {
-            n.broker()
-                .policies()
-                .get(vhost, PolicyKind::Operator, name)
-                .map(operator_policy_parameter)
-        })
-        .map(|p| Json(p).into_response())
-        .ok_or_else(ApiError::not_found)
+    shown(
+        api,
+        who,
+        PolicyKind::Operator,
+        vhost,
+        name,
+        operator_policy_parameter,
+    )
 }
 
 /// 201 for a new policy, 204 for a replaced one (as RabbitMQ's REST handler answers).

@@ -457,8 +457,7 @@ pub async fn supervise(node: NodeHandle, shovels: Shovels, local: Local) {
                 shovels: shovels.clone(),
                 cluster_name: l.cluster_name.clone(),
                 counters,
-                carry_ttl: None,
-                mark_redelivered: false,
+                migration: None,
             };
             tracing::info!(vhost = %key.0, shovel = %key.1, "shovel starting");
             let task = tokio::spawn(worker.run(stopped));

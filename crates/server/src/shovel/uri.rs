@@ -240,9 +240,10 @@ pub fn tls_params(uri: &str) -> Result<TlsParams, String> {
     Ok(params)
 }
 
-/// The TLS connector an `amqps://` URI asks for, and the server name to give it: its CAs and
-/// client identity read now (a shovel builds one at each connection, so renewed files are used).
-pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, String), String> {
+/// The TLS connector an `amqps://` URI asks for, and the parameters it was built from (the
+/// server name to give it among them): its CAs and client identity read now (a shovel builds
+/// one at each connection, so renewed files are used).
+pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, TlsParams), String> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let params = tls_params(uri)?;
@@ -324,7 +325,7 @@ pub fn tls_connector(uri: &str) -> Result<(lapin::tcp::RustlsConnector, String),
     config.enable_sni = !params.no_sni;
     Ok((
         lapin::tcp::RustlsConnector::from(std::sync::Arc::new(config)),
-        params.server_name,
+        params,
     ))
 }
 
@@ -404,8 +405,8 @@ pub async fn connect(
     if !is_tls(uri) {
         return Ok(lapin::Connection::connect_uri(target, props).await?);
     }
-    let (connector, server_name) = tls_connector(uri).map_err(ConnectError::Settings)?;
-    if tls_params(uri).is_ok_and(|p| p.unchecked) {
+    let (connector, params) = tls_connector(uri).map_err(ConnectError::Settings)?;
+    if params.unchecked {
         tracing::warn!(
             uri = %redacted(uri),
             "connecting without checking the server's certificate (verify=verify_none)"
@@ -418,7 +419,7 @@ pub async fn connect(
         async move |uri: AMQPUri, runtime| {
             let addrs = runtime.to_socket_addrs((uri.authority.host.clone(), uri.authority.port));
             let plain = lapin::tcp::AsyncTcpStream::connect(&runtime, addrs).await?;
-            Ok(plain.into_rustls(&connector, &server_name).await?)
+            Ok(plain.into_rustls(&connector, &params.server_name).await?)
         },
         props,
     )

@@ -70,12 +70,19 @@ pub(crate) struct Worker {
     pub cluster_name: String,
     /// What `/api/shovels` counts of it.
     pub counters: Arc<Counters>,
-    /// `warren migrate`'s: each copy's time to live is what is left of it
-    /// ([`super::expiry::carried`]), the source queue's TTL being this (ms) if it has one.
-    pub carry_ttl: Option<Option<u64>>,
-    /// `warren migrate` into a Warren: a message its source delivered before crosses with the
+    /// `warren migrate`'s sessions carry more of each message than a shovel does.
+    pub migration: Option<Migration>,
+}
+
+/// What a `warren migrate` session carries of each message beyond a shovel's copy.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Migration {
+    /// The source queue's TTL (ms), if it has one: each copy's time to live is what is left
+    /// of it ([`super::expiry::carried`]).
+    pub queue_ttl_ms: Option<u64>,
+    /// The destination is a Warren: a message its source delivered before crosses with the
     /// `x-redelivered` header, which makes Warren deliver it as redelivered.
-    pub mark_redelivered: bool,
+    pub into_warren: bool,
 }
 
 impl Worker {
@@ -398,13 +405,13 @@ impl Worker {
         for (k, v) in &self.def.publish_properties {
             p = set_property(p, k, v);
         }
-        if let Some(queue_ttl) = self.carry_ttl {
+        if let Some(m) = self.migration {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-            p = super::expiry::carried(p, queue_ttl, now);
+            p = super::expiry::carried(p, m.queue_ttl_ms, now);
         }
-        let mark = self.mark_redelivered && redelivered;
+        let mark = redelivered && self.migration.is_some_and(|m| m.into_warren);
         // A copy is new where it lands, unless this is a migration of a message the source
         // delivered: a mark from an earlier hop does not travel on.
         let stale = p
