@@ -1079,46 +1079,16 @@ async fn a_shovel_reads_from_a_broker_over_amqps() {
         serde_json::json!({"value": {"src-uri": uri(&format!("?cacertfile={ca}&verify=verify_peer")),
             "src-queue": "tls-src", "dest-uri": "amqp://", "dest-queue": "tls-dest"}}),
     );
-    let start = Instant::now();
-    loop {
-        let (_, q) = api.call("GET", "/queues/%2F/tls-dest", None);
-        let (_, bad) = api.call("GET", "/shovels/vhost/%2F/untrusted", None);
-        let reason = bad["reason"].as_str().unwrap_or("").to_owned();
-        if q["messages"] == 3 && reason.contains("certificate") {
-            assert_ne!(bad["state"], "running", "{bad}");
-            assert!(
-                !reason.contains("guest:guest"),
-                "no password in the reason: {reason}"
-            );
-            break;
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "the shovel did not move the messages over TLS: {q} / {bad}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let bad = moved_and_refused(&api, &[("tls-dest", 3)], "untrusted").await;
+    let reason = bad["reason"].as_str().unwrap_or("");
+    assert!(
+        !reason.contains("guest:guest"),
+        "no password in the reason: {reason}"
+    );
     // verify=verify_none takes the test CA's certificate without knowing the CA (RabbitMQ 3's
     // default, written out in definitions made for self-signed brokers). server_name_indication
     // is the name the certificate is checked against: a name it lacks fails.
-    for q in ["tls-src-unchecked", "tls-src-named"] {
-        ch.queue_declare(
-            q.into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-        ch.basic_publish(
-            "".into(),
-            q.into(),
-            BasicPublishOptions::default(),
-            b"m",
-            BasicProperties::default(),
-        )
-        .await
-        .unwrap();
-    }
+    one_message_each(&ch, &["tls-src-unchecked", "tls-src-named"]).await;
     api.put(
         "/parameters/shovel/%2F/unchecked",
         serde_json::json!({"value": {"src-uri": uri("?verify=verify_none"),
@@ -1130,22 +1100,7 @@ async fn a_shovel_reads_from_a_broker_over_amqps() {
             "src-uri": uri(&format!("?cacertfile={ca}&server_name_indication=other.example")),
             "src-queue": "tls-src-named", "dest-uri": "amqp://", "dest-queue": "tls-never"}}),
     );
-    let start = Instant::now();
-    loop {
-        let (_, q) = api.call("GET", "/queues/%2F/tls-unchecked", None);
-        let (_, named) = api.call("GET", "/shovels/vhost/%2F/other-name", None);
-        let reason = named["reason"].as_str().unwrap_or("").to_owned();
-        if q["messages"] == 1 && reason.contains("certificate") {
-            assert_ne!(named["state"], "running", "{named}");
-            break;
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "verify_none did not move its message, or another SNI name was not checked: \
-             {q} / {named}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    moved_and_refused(&api, &[("tls-unchecked", 1)], "other-name").await;
     // A broker whose certificate names another host: checked against the URI's host it fails;
     // server_name_indication names it, or disable checks the chain only (as Erlang's ssl).
     let (cert, key) = pki
@@ -1156,24 +1111,7 @@ async fn a_shovel_reads_from_a_broker_over_amqps() {
     let (other, other_port) = pki.broker(&[]);
     let conn = other.connect().await;
     let och = conn.create_channel().await.unwrap();
-    for q in ["named-src", "disabled-src", "host-src"] {
-        och.queue_declare(
-            q.into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-        och.basic_publish(
-            "".into(),
-            q.into(),
-            BasicPublishOptions::default(),
-            b"m",
-            BasicProperties::default(),
-        )
-        .await
-        .unwrap();
-    }
+    one_message_each(&och, &["named-src", "disabled-src", "host-src"]).await;
     let other_uri = |query: &str| {
         format!("amqps://guest:guest@localhost:{other_port}/%2F?cacertfile={ca}{query}")
     };
@@ -1188,22 +1126,53 @@ async fn a_shovel_reads_from_a_broker_over_amqps() {
                 "dest-uri": "amqp://", "dest-queue": format!("{name}-dest")}}),
         );
     }
+    moved_and_refused(&api, &[("named-dest", 1), ("disabled-dest", 1)], "host").await;
+}
+
+/// Declares each queue and publishes one message to it.
+async fn one_message_each(ch: &lapin::Channel, queues: &[&str]) {
+    for q in queues {
+        ch.queue_declare(
+            (*q).into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.basic_publish(
+            "".into(),
+            (*q).into(),
+            BasicPublishOptions::default(),
+            b"m",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// Waits until each queue holds its count and shovel `refused` has stopped over the server's
+/// certificate; returns that shovel's status.
+async fn moved_and_refused(
+    api: &warren_conformance::http::Api,
+    moved: &[(&str, u64)],
+    refused: &str,
+) -> serde_json::Value {
     let start = Instant::now();
     loop {
-        let depth =
-            |q: &str| api.call("GET", &format!("/queues/%2F/{q}"), None).1["messages"].clone();
-        let (_, host) = api.call("GET", "/shovels/vhost/%2F/host", None);
-        let reason = host["reason"].as_str().unwrap_or("").to_owned();
-        if depth("named-dest") == 1 && depth("disabled-dest") == 1 && reason.contains("certificate")
-        {
-            assert_ne!(host["state"], "running", "{host}");
-            break;
+        let depths: Vec<_> = moved
+            .iter()
+            .map(|(q, _)| api.call("GET", &format!("/queues/%2F/{q}"), None).1["messages"].clone())
+            .collect();
+        let (_, status) = api.call("GET", &format!("/shovels/vhost/%2F/{refused}"), None);
+        let reason = status["reason"].as_str().unwrap_or("");
+        if moved.iter().zip(&depths).all(|((_, n), d)| d == n) && reason.contains("certificate") {
+            assert_ne!(status["state"], "running", "{status}");
+            return status;
         }
         assert!(
             start.elapsed() < WAIT,
-            "named {} / disabled {} / checked against the host: {host}",
-            depth("named-dest"),
-            depth("disabled-dest")
+            "moved {depths:?} of {moved:?}; {refused} not refused over its certificate: {status}"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
