@@ -121,6 +121,15 @@ impl TestCluster {
         self.links.as_ref().expect("a partitionable cluster").cut(n);
     }
 
+    /// Delays what the other nodes send node `n` by `by`.
+    /// Panics if the cluster was not started with [`TestCluster::start_partitionable`].
+    pub fn delay_to(&self, n: u64, by: Duration) {
+        self.links
+            .as_ref()
+            .expect("a partitionable cluster")
+            .delay_to(n, by);
+    }
+
     /// Heals node `n`'s links.
     pub fn heal(&self, n: u64) {
         self.links

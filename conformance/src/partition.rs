@@ -5,14 +5,16 @@
 //! A cut link goes silent, as a partition makes it: what either side sends is read and thrown
 //! away, nothing arrives, and new connections are taken and held silent too (no refusal, no reset:
 //! the nodes notice only by their timers). Healing a link closes every connection that was silenced
-//! (a real partition breaks them: their bytes are lost) and forwards new ones again.
+//! (a real partition breaks them: their bytes are lost) and forwards new ones again. A link may
+//! also be slowed: what crosses it arrives a set time later, in order.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How often a proxy thread looks at its link's state while it waits for bytes.
 const POLL: Duration = Duration::from_millis(20);
@@ -22,6 +24,8 @@ struct Link {
     from: u64,
     to: u64,
     cut: AtomicBool,
+    /// What crosses the link arrives this many milliseconds later.
+    delay_ms: AtomicU64,
     /// Bumped when the link heals: connections of an older generation that were silenced close.
     generation: AtomicU64,
     /// Set when the proxies stop (the cluster is dropped).
@@ -54,6 +58,7 @@ impl Links {
                     from,
                     to,
                     cut: AtomicBool::new(false),
+                    delay_ms: AtomicU64::new(0),
                     generation: AtomicU64::new(0),
                     stopped: stopped.clone(),
                 });
@@ -72,6 +77,14 @@ impl Links {
     pub fn cut(&self, n: u64) {
         for l in self.links.iter().filter(|l| l.from == n || l.to == n) {
             l.cut.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Delays what every other node sends node `n` by `by` (what `n` sends is not delayed), for
+    /// the connections made from now on and those already open.
+    pub fn delay_to(&self, n: u64, by: Duration) {
+        for l in self.links.iter().filter(|l| l.to == n) {
+            l.delay_ms.store(by.as_millis() as u64, Ordering::SeqCst);
         }
     }
 
@@ -147,10 +160,27 @@ fn silent(s: &TcpStream, link: &Link, generation: u64) {
     }
 }
 
-/// Copies `from` to `to` while the link is whole; once it is cut, drops what arrives; closes both
-/// when the link heals after a cut, when either side closes, or when the proxies stop.
-fn pump(mut from: TcpStream, mut to: TcpStream, link: &Link, generation: u64) {
+/// Copies `from` to `to` while the link is whole (each chunk held for the link's delay, if it
+/// has one); once it is cut, drops what arrives; closes both when the link heals after a cut,
+/// when either side closes, or when the proxies stop.
+fn pump(mut from: TcpStream, to: TcpStream, link: &Link, generation: u64) {
     let _ = from.set_read_timeout(Some(POLL));
+    let Ok(closer) = to.try_clone() else {
+        return;
+    };
+    // A writer of its own, so that a delay holds each chunk back without slowing the reads.
+    let (tx, rx) = mpsc::channel::<(Instant, Vec<u8>)>();
+    let writer = thread::spawn(move || {
+        let mut to = to;
+        for (due, chunk) in rx {
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                thread::sleep(wait);
+            }
+            if to.write_all(&chunk).is_err() {
+                return;
+            }
+        }
+    });
     let mut buf = [0u8; 64 * 1024];
     loop {
         if link.stopped.load(Ordering::SeqCst)
@@ -164,7 +194,9 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: &Link, generation: u64) {
                 if link.cut.load(Ordering::SeqCst) {
                     continue;
                 }
-                if to.write_all(&buf[..n]).is_err() {
+                let due =
+                    Instant::now() + Duration::from_millis(link.delay_ms.load(Ordering::SeqCst));
+                if tx.send((due, buf[..n].to_vec())).is_err() {
                     break;
                 }
             }
@@ -172,8 +204,14 @@ fn pump(mut from: TcpStream, mut to: TcpStream, link: &Link, generation: u64) {
             Err(_) => break,
         }
     }
+    drop(tx);
     let _ = from.shutdown(Shutdown::Both);
-    let _ = to.shutdown(Shutdown::Both);
+    // What was read before the end still goes out, unless the link was cut meanwhile.
+    if link.generation.load(Ordering::SeqCst) != generation || link.stopped.load(Ordering::SeqCst) {
+        let _ = closer.shutdown(Shutdown::Both);
+    }
+    let _ = writer.join();
+    let _ = closer.shutdown(Shutdown::Both);
 }
 
 #[cfg(test)]
@@ -234,5 +272,15 @@ mod tests {
             .set_read_timeout(Some(Duration::from_millis(500)))
             .expect("timeout");
         assert_eq!(round_trip(&mut after, b"again").expect("healed"), b"again");
+
+        // Delayed towards node 2 only: the echo comes back the delay later, in order.
+        links.delay_to(2, Duration::from_millis(100));
+        let sent = Instant::now();
+        after.write_all(b"one").expect("write");
+        after.write_all(b"two").expect("write");
+        let mut got = [0u8; 6];
+        after.read_exact(&mut got).expect("delayed, not lost");
+        assert_eq!(&got, b"onetwo");
+        assert!(sent.elapsed() >= Duration::from_millis(100));
     }
 }

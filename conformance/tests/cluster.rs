@@ -74,10 +74,13 @@ fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
     v.as_array()?.first()?["cluster"]["feature_level"].as_u64()
 }
 
-/// Waits until node `n` knows every node's level (2).
+/// The feature level of this version's nodes.
+const LEVEL: u64 = 3;
+
+/// Waits until node `n` knows every node's level ([`LEVEL`]).
 fn wait_for_feature_level(c: &TestCluster, n: u64) {
     let start = Instant::now();
-    while feature_level(c, n) != Some(2) {
+    while feature_level(c, n) != Some(LEVEL) {
         assert!(
             start.elapsed() < WAIT,
             "node {n}: feature level {:?}",
@@ -959,7 +962,7 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
     }
     c.node_mut(away).start_again();
     // The levels are in its store: known again at once, before it catches up.
-    assert_eq!(feature_level(&c, away), Some(2));
+    assert_eq!(feature_level(&c, away), Some(LEVEL));
     c.wait_for_metadata_leader(away);
     wait_for_messages(&c, away, &q, 3);
     c.node_mut(1).stop(true);
@@ -973,6 +976,80 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
     assert_eq!(got, ["new0", "new1", "new2"]);
     let more = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await;
     assert!(more.is_err(), "nothing of the old queue: {more:?}");
+}
+
+/// A quorum queue declared on one node is on every running node when the declaration returns:
+/// a mandatory publish on another node right after it is routed and confirmed, never
+/// returned as unroutable (RabbitMQ answers a declaration once the queue's record is on every
+/// node). The declaring node leads the metadata and the publishing one hears from the others
+/// 40 ms late, so it learns of the queue last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_on_another_node_right_after_a_declaration_reaches_the_queue() {
+    let c = TestCluster::start_partitionable(3, 20, &[]);
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
+    let lead = c.wait_for_metadata_leader(1);
+    let late = if lead == 1 { 2 } else { 1 };
+    let third = 6 - lead - late;
+    c.delay_to(late, Duration::from_millis(40));
+    let (_c1, declarer) = channel(&c, lead).await;
+    let (_c2, publisher) = channel(&c, late).await;
+    let (_c3, other) = channel(&c, third).await;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let queues: Vec<String> = (0..20).map(|i| unique(&format!("fresh{i}"))).collect();
+    for q in &queues {
+        declarer
+            .queue_declare(q.as_str().into(), durable, args.clone())
+            .await
+            .expect("declare");
+        let confirm = publisher
+            .basic_publish(
+                "".into(),
+                q.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                b"first",
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .expect("publish");
+        let got = tokio::time::timeout(WAIT, confirm)
+            .await
+            .expect("a confirm within the wait")
+            .expect("confirm");
+        // A returned message would come as Ack(Some(message)).
+        assert!(matches!(got, Confirmation::Ack(None)), "{q}: {got:?}");
+        // And a passive declaration on the third node finds it.
+        other
+            .queue_declare(
+                q.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("the queue is on the third node");
+    }
+    for q in &queues {
+        wait_for_messages(&c, lead, q, 1);
+    }
 }
 
 /// A CA's certificate and a certificate for 127.0.0.1 it signed, for both ends of a cluster

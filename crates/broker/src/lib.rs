@@ -50,7 +50,7 @@ pub use broker::snapshot::{
 pub use broker::{
     group_of, Broker, ConsumerTimeout, DeclareAnswer, ForgetError, GetAnswer, Got, GroupChange,
     MetaClosed, Proposal, QueueInfo, ReplicaSnapshot, DECLARE_WAIT_MS, FEATURE_LEVEL, GET_WAIT_MS,
-    NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+    META_APPLIED, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;

@@ -45,6 +45,10 @@ struct Cluster {
     now: u64,
     net: Vec<NodeBatch>,
     forwards: Vec<(u64, Proposal)>,
+    /// How far each node applied the metadata log, told to a peer: (from, to, index).
+    reports: Vec<(u64, u64, u64)>,
+    /// Nodes whose reports are lost on their way.
+    lose_reports_of: BTreeSet<u64>,
     isolated: BTreeSet<u64>,
     group: u64,
     /// Forwards between nodes are held back (delivered once this is false again).
@@ -148,6 +152,8 @@ impl Cluster {
             now: 0,
             net: Vec::new(),
             forwards: Vec::new(),
+            reports: Vec::new(),
+            lose_reports_of: BTreeSet::new(),
             isolated: BTreeSet::new(),
             group: 0,
             hold_forwards: false,
@@ -211,6 +217,14 @@ impl Cluster {
                 m.broker.forwarded(p.group, &p.data);
             }
         }
+        for (from, to, index) in std::mem::take(&mut self.reports) {
+            if !self.connected(from, to) || self.lose_reports_of.contains(&from) {
+                continue;
+            }
+            if let Some(m) = self.members.get_mut(&to).filter(|m| m.alive) {
+                m.broker.peer_meta_applied(from, index);
+            }
+        }
         for (&node, m) in self.members.iter_mut().filter(|(_, m)| m.alive) {
             m.broker.tick(now);
             let mut props = Vec::new();
@@ -224,6 +238,10 @@ impl Cluster {
                             let leader = m.raft.leader_of(GroupId(p.group));
                             refused.push((p.group, r.data, leader));
                         }
+                    }
+                    Some(to) if p.group == warren_broker::META_APPLIED => {
+                        let index = <[u8; 8]>::try_from(&p.data[..]).expect("an index");
+                        self.reports.push((node, to, u64::from_be_bytes(index)));
                     }
                     Some(to) => self.forwards.push((to, p)),
                 }
@@ -2616,10 +2634,9 @@ fn an_exchange_declared_differently_on_two_nodes_at_once_ends_the_same_everywher
 /// are then declared through the log.
 fn until_levels(c: &mut Cluster) {
     for _ in 0..300 {
-        if NODES
-            .iter()
-            .all(|n| c.members[n].broker.cluster_feature_level() == Some(2))
-        {
+        if NODES.iter().all(|n| {
+            c.members[n].broker.cluster_feature_level() == Some(warren_broker::FEATURE_LEVEL)
+        }) {
             return;
         }
         c.step();
@@ -2795,6 +2812,62 @@ fn a_queue_declared_on_two_nodes_at_once_is_one_group_everywhere() {
         .collect();
     assert_eq!(defs[1], defs[0]);
     assert_eq!(defs[2], defs[0]);
+}
+
+/// Steps until `node` answers the declaration `ticket`, at most `steps` times; the nodes that
+/// had the queue when it answered.
+fn answered_within(c: &mut Cluster, node: u64, ticket: u64, steps: u32) -> Option<Vec<u64>> {
+    for _ in 0..steps {
+        c.step();
+        let mut answers = Vec::new();
+        c.broker(node).take_declare_answers(&mut answers);
+        if let Some(a) = answers.into_iter().find(|a| a.ticket == ticket) {
+            let d = a.result.expect("declared");
+            return Some(
+                NODES
+                    .iter()
+                    .copied()
+                    .filter(|n| c.members[n].broker.queue_id("/", d.name.as_str()).is_some())
+                    .collect(),
+            );
+        }
+    }
+    None
+}
+
+/// A quorum queue's declaration is answered once every running node has the queue, so that
+/// a publish on any node right after it is routed to it (RabbitMQ answers once the queue's
+/// record is on every node); a node that is down is not waited for, and one that does not
+/// say how far it is holds the answer back for `MADE_WAIT_MS` at most.
+#[test]
+fn a_declaration_is_answered_once_every_running_node_has_the_queue() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    c.run(40);
+    for (i, node) in [2, 1, 3].into_iter().enumerate() {
+        let ticket = declare_waiting(&mut c, node, &format!("everywhere-{i}"), quorum_args());
+        let had = answered_within(&mut c, node, ticket, 100).expect("answered");
+        assert_eq!(had, NODES, "declared on node {node}");
+    }
+
+    // Node 3 applies the entry, but what it says of it is lost: node 2 waits, then answers.
+    c.lose_reports_of.insert(3);
+    let ticket = declare_waiting(&mut c, 2, "unheard", quorum_args());
+    assert_eq!(answered_within(&mut c, 2, ticket, 150), None);
+    assert!(c.members[&3].broker.queue_id("/", "unheard").is_some());
+    assert!(answered_within(&mut c, 2, ticket, 100).is_some());
+    c.lose_reports_of.clear();
+
+    // Node 3 cut off and seen down: not waited for.
+    c.isolated.insert(3);
+    c.run(20);
+    let ticket = declare_waiting(&mut c, 2, "without-3", quorum_args());
+    let had = answered_within(&mut c, 2, ticket, 100).expect("answered");
+    assert_eq!(had, [1, 2]);
+    c.isolated.clear();
+    assert!(until_everywhere(&mut c, 300, |b| b
+        .queue_id("/", "without-3")
+        .is_some()));
 }
 
 /// A deletion made on a node cut off from the others reaches the log late, after the queue

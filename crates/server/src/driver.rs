@@ -295,6 +295,22 @@ impl crate::cluster::RaftEvents for RaftReports {
                 }
             });
         }
+        let applied: Vec<(u64, u64)> = entries
+            .iter()
+            .filter(|(_, f)| f.group == crate::cluster::META_APPLIED)
+            .filter_map(|(from, f)| {
+                let index = <[u8; 8]>::try_from(&f.data[..]).ok()?;
+                Some((*from, u64::from_be_bytes(index)))
+            })
+            .collect();
+        entries.retain(|(_, f)| f.group != crate::cluster::META_APPLIED);
+        if !applied.is_empty() {
+            self.0.with_node(|node, _| {
+                for (from, index) in applied {
+                    node.broker_mut().peer_meta_applied(from, index);
+                }
+            });
+        }
         entries.retain(|(from, f)| {
             if f.group == crate::cluster::SHOVEL_RESTART {
                 let restarted = shovel_restart_of(&f.data).is_some_and(|(vhost, name)| {

@@ -46,7 +46,19 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// (`MetaOp::FeatureLevel`): 1, quorum queues numbered by the metadata log
 /// (`QueueGroup::FromLog`). A node uses a level once every node of the cluster announced it.
 /// 2, nodes added and forgotten through the log (`MetaOp::AddNode`, `MetaOp::ForgetNode`).
-pub const FEATURE_LEVEL: u64 = 2;
+/// 3, each node tells the others how far it applied the log ([`META_APPLIED`]), so that a
+/// quorum queue's declaration is answered once every running node has the queue.
+pub const FEATURE_LEVEL: u64 = 3;
+
+/// The level from which a node reports its applied index ([`META_APPLIED`]).
+pub(super) const REPORTS_LEVEL: u64 = 3;
+
+/// A forward to this group carries the sender's metadata applied index (8 bytes, big-endian),
+/// not a proposal: sent to every running peer when it grows, and to a peer that comes back.
+/// A node that predates it drops it, as a forward to a group it does not have. (Queues'
+/// numbers are hashes below 2^63, which this one is as likely to meet as any other; the
+/// server's reserved groups sit just above it.)
+pub const META_APPLIED: u64 = (1 << 63) - 5;
 
 /// The level at which the cluster can add and forget nodes.
 const MEMBERSHIP_LEVEL: u64 = 2;
@@ -55,10 +67,11 @@ const MEMBERSHIP_LEVEL: u64 = 2;
 /// client is told it failed (the queue may still be made, when the entry commits later).
 pub const DECLARE_WAIT_MS: u64 = 30_000;
 
-/// A quorum queue made here, with this node for its first leader, is declared to its client
-/// once that leader acts (a publish then is taken at once, not refused as one in an election
-/// is), or after this long.
-const LEADER_WAIT_MS: u64 = 2_000;
+/// A quorum queue the log made here is declared to its client once every other running node
+/// has it too and, when this node is its first leader, once that leader acts (a publish then
+/// is taken at once, not refused as one in an election is), or after this long: a node that
+/// has not said it applied the entry (a slow one, or its reports lost) is not waited for longer.
+const MADE_WAIT_MS: u64 = 2_000;
 
 /// A quorum queue's declaration made here, waiting for the log to make the queue.
 #[derive(Debug)]
@@ -68,9 +81,19 @@ pub(super) struct PendingDeclare {
     name: ShortStr,
     arguments: FieldTable,
     since: u64,
-    /// The log made the queue, here its first leader, at this time: the answer waits for
-    /// that leader to act (at most `LEADER_WAIT_MS`).
-    made: Option<u64>,
+    /// The log made the queue here: the answer waits for the other nodes to have it too, and
+    /// for its first leader to act when that is this node (at most `MADE_WAIT_MS`).
+    made: Option<Made>,
+}
+
+/// Where and when the log made a declared queue, and what its answer still waits for.
+#[derive(Debug, Clone, Copy)]
+struct Made {
+    at: u64,
+    /// The metadata log's index of the entry that made it.
+    index: u64,
+    /// This node is its first leader and does not act yet.
+    leader: bool,
 }
 
 /// The answer to a quorum queue's declaration that waited for the metadata log
@@ -175,6 +198,13 @@ pub(crate) struct MetaState {
     /// must be equivalent, or the log's queue could not be made here).
     pub(super) through_log: HashMap<String, (u64, FieldTable)>,
     declare_answers: Vec<DeclareAnswer>,
+    /// How far each peer says it applied the log ([`META_APPLIED`]), since it was last seen
+    /// coming up.
+    pub(super) peer_applied: BTreeMap<NodeId, u64>,
+    /// The applied index last sent to every running peer, and the peers that came up since
+    /// and are owed it.
+    pub(super) reported: u64,
+    pub(super) report_to: BTreeSet<NodeId>,
 }
 
 /// A Raft group this node's broker needs, or no longer needs (a queue deleted and declared
@@ -467,58 +497,99 @@ impl Broker {
             .is_some_and(|c| !c.meta.declare_answers.is_empty())
     }
 
-    /// The log applied this node's declaration `number`: answered now, or, when it made the
+    /// The log applied this node's declaration `number`, at `index`: answered once every
+    /// other running node has applied it too (a publish on any node then reaches the queue,
+    /// as RabbitMQ answers once the queue's record is on every node) and, when it made the
     /// queue with this node for its first leader, once that leader acts.
-    fn settle_declare(&mut self, number: u64, error: Option<AmqpError>) {
-        let now = self.now_ms;
-        let node = self.cluster_node();
-        let waits_for_leader = error.is_none()
-            && self.cluster.as_ref().is_some_and(|c| {
-                c.meta.declares.get(&number).is_some_and(|w| {
-                    self.queue_id(&w.vhost, &w.name)
-                        .and_then(|id| self.queues.get(&id))
-                        .and_then(|q| q.replica.as_ref())
-                        .is_some_and(|r| {
-                            r.chosen == node
-                                && node.is_some()
-                                && r.leader.is_none_or(|l| Some(l) == node)
-                                && !r.is_leading()
-                        })
-                })
-            });
-        if waits_for_leader {
-            if let Some(w) = self
-                .cluster
-                .as_mut()
-                .and_then(|c| c.meta.declares.get_mut(&number))
-            {
-                w.made = Some(now);
-            }
+    fn settle_declare(&mut self, number: u64, index: u64, error: Option<AmqpError>) {
+        if error.is_some() {
+            self.answer_declare(number, error);
             return;
         }
-        self.answer_declare(number, error);
+        let now = self.now_ms;
+        let node = self.cluster_node();
+        let waits_for_leader = self.cluster.as_ref().is_some_and(|c| {
+            c.meta.declares.get(&number).is_some_and(|w| {
+                self.queue_id(&w.vhost, &w.name)
+                    .and_then(|id| self.queues.get(&id))
+                    .and_then(|q| q.replica.as_ref())
+                    .is_some_and(|r| {
+                        r.chosen == node
+                            && node.is_some()
+                            && r.leader.is_none_or(|l| Some(l) == node)
+                            && !r.is_leading()
+                    })
+            })
+        });
+        if let Some(w) = self
+            .cluster
+            .as_mut()
+            .and_then(|c| c.meta.declares.get_mut(&number))
+        {
+            w.made = Some(Made {
+                at: now,
+                index,
+                leader: waits_for_leader,
+            });
+        }
+        self.answer_made_declares();
     }
 
     /// Replicated queue `id` has a leader that acts (this node, or another one): the
-    /// declarations that made it here are answered.
+    /// declarations that made it here no longer wait for it.
     pub(super) fn leader_acts(&mut self, id: QueueId) {
         let Some(q) = self.queues.get(&id) else {
             return;
         };
         let (vhost, name) = (q.vhost.clone(), q.name.clone());
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        for w in c.meta.declares.values_mut() {
+            if let Some(made) = w
+                .made
+                .as_mut()
+                .filter(|_| w.vhost == vhost && w.name == name)
+            {
+                made.leader = false;
+            }
+        }
+        self.answer_made_declares();
+    }
+
+    /// Answers the declarations the log made here that wait for nothing more: their first
+    /// leader (if this node) acts, and every running peer that reports how far it applied
+    /// the log has applied their entry.
+    pub(super) fn answer_made_declares(&mut self) {
         let Some(c) = self.cluster.as_ref() else {
             return;
         };
-        let made: Vec<u64> = c
+        let ready: Vec<u64> = c
             .meta
             .declares
             .iter()
-            .filter(|(_, w)| w.made.is_some() && w.vhost == vhost && w.name == name)
+            .filter(|(_, w)| {
+                w.made
+                    .is_some_and(|m| !m.leader && c.peers_behind(m.index).is_empty())
+            })
             .map(|(n, _)| *n)
             .collect();
-        for number in made {
+        for number in ready {
             self.answer_declare(number, None);
         }
+    }
+
+    /// A peer says how far it applied the metadata log ([`META_APPLIED`]).
+    pub fn peer_meta_applied(&mut self, peer: NodeId, index: u64) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if peer == c.node() || !c.nodes().contains(&peer) {
+            return;
+        }
+        let at = c.meta.peer_applied.entry(peer).or_insert(0);
+        *at = (*at).max(index);
+        self.answer_made_declares();
     }
 
     /// The log applied this node's declaration `number` (or a snapshot holding it): its
@@ -571,15 +642,22 @@ impl Broker {
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
-        // Made, and its leader slow to act: answered all the same (a publish before it
-        // acts is nacked, as in any election). Not made in time: refused, unless the queue
-        // exists by now (another declaration made it).
+        // Made, and its leader slow to act or a peer slow to apply it: answered all the same
+        // (a publish before the leader acts is nacked, as in any election; one on the slow
+        // peer may find no queue). Not made in time: refused, unless the queue exists by now
+        // (another declaration made it).
         let due: Vec<(u64, Option<AmqpError>)> = c
             .meta
             .declares
             .iter()
             .filter_map(|(n, w)| match w.made {
-                Some(at) => (now.saturating_sub(at) >= LEADER_WAIT_MS).then_some((*n, None)),
+                Some(m) => (now.saturating_sub(m.at) >= MADE_WAIT_MS).then(|| {
+                    let behind = c.peers_behind(m.index);
+                    if !behind.is_empty() {
+                        tracing::warn!(queue = %w.name, vhost = %w.vhost, ?behind, "quorum queue declared before every running node applied it");
+                    }
+                    (*n, None)
+                }),
                 None => (now.saturating_sub(w.since) >= DECLARE_WAIT_MS).then(|| {
                     let error = AmqpError::internal_error(format!(
                         "Cannot declare a queue '{}' on node {node}: timeout",
@@ -729,7 +807,7 @@ impl Broker {
             .declares
             .values()
             .map(|w| match w.made {
-                Some(at) => at.saturating_add(LEADER_WAIT_MS),
+                Some(m) => m.at.saturating_add(MADE_WAIT_MS),
                 None => w.since.saturating_add(DECLARE_WAIT_MS),
             })
             .min();
@@ -909,7 +987,7 @@ impl Broker {
                         tracing::warn!(%vhost, error = %e, "quorum queue declaration not applied on this node");
                     }
                     if mine {
-                        self.settle_declare(number, error);
+                        self.settle_declare(number, e.index, error);
                     }
                 }
                 op => self.apply_meta_op(op),
@@ -1597,7 +1675,7 @@ mod tests {
         b.take_declare_answers(&mut answers);
         assert!(answers.is_empty(), "{answers:?}");
         let now = b.now_ms;
-        b.tick(now + LEADER_WAIT_MS);
+        b.tick(now + MADE_WAIT_MS);
         b.take_declare_answers(&mut answers);
         assert_eq!(
             answers.pop().map(|a| (a.ticket, a.result.is_ok())),
@@ -1630,7 +1708,7 @@ mod tests {
             }]
         );
         let now = b.now_ms;
-        b.tick(now + LEADER_WAIT_MS);
+        b.tick(now + MADE_WAIT_MS);
         b.take_declare_answers(&mut answers);
         assert_eq!(answers.len(), 1);
         assert_eq!(answers[0].ticket, ticket);

@@ -183,6 +183,52 @@ impl Cluster {
         &self.nodes
     }
 
+    /// The other nodes that run (as far as Raft tells).
+    fn running_peers(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.nodes
+            .iter()
+            .copied()
+            .filter(|n| *n != self.node && !self.down_since.contains_key(n))
+    }
+
+    /// The running peers that report how far they applied the metadata log and have not
+    /// said they reached `index`.
+    pub(super) fn peers_behind(&self, index: u64) -> Vec<NodeId> {
+        let m = &self.meta;
+        self.running_peers()
+            .filter(|n| {
+                m.levels
+                    .get(n)
+                    .is_some_and(|l| *l >= super::metadata_group::REPORTS_LEVEL)
+            })
+            .filter(|n| m.peer_applied.get(n).copied().unwrap_or(0) < index)
+            .collect()
+    }
+
+    /// Tells the running peers how far this node applied the metadata log: all of them when
+    /// it grew, and those that came up since the last report.
+    fn report_meta_applied(&mut self) {
+        let applied = self.meta.applied;
+        let to: Vec<NodeId> = if applied > self.meta.reported {
+            self.meta.reported = applied;
+            self.running_peers().collect()
+        } else if self.meta.report_to.is_empty() || applied == 0 {
+            return;
+        } else {
+            self.running_peers()
+                .filter(|n| self.meta.report_to.contains(n))
+                .collect()
+        };
+        self.meta.report_to.clear();
+        for peer in to {
+            self.outbox.push(Proposal {
+                group: super::metadata_group::META_APPLIED,
+                data: applied.to_be_bytes().to_vec(),
+                to: Some(peer),
+            });
+        }
+    }
+
     /// The cluster's nodes are now `nodes` (the metadata log added or forgot one): what this
     /// node knew of those that left goes, and the driver moves every group.
     pub(super) fn set_members(&mut self, mut nodes: Vec<NodeId>) {
@@ -675,9 +721,16 @@ impl Broker {
         if up {
             c.down_since.remove(&node);
             c.downed.remove(&node);
+            // It may have restarted: it learns how far this node is, and says again how far
+            // it is itself.
+            c.meta.report_to.insert(node);
         } else {
             c.down_since.entry(node).or_insert(now);
+            c.meta.peer_applied.remove(&node);
+            c.meta.report_to.remove(&node);
         }
+        // A declaration no longer waits for a node that is down.
+        self.answer_made_declares();
     }
 
     /// Maintenance mode (`warren ctl drain`, RabbitMQ's `rabbitmq-upgrade drain`) on or off
@@ -1068,6 +1121,7 @@ impl Broker {
     /// a driver proposes only where it leads).
     pub fn take_proposals(&mut self, out: &mut Vec<Proposal>) {
         if let Some(c) = self.cluster.as_mut() {
+            c.report_meta_applied();
             out.append(&mut c.outbox);
         }
     }

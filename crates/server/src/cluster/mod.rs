@@ -36,6 +36,9 @@ pub const SHOVEL_RESTART: GroupId = GroupId((1 << 63) - 3);
 /// `--cluster-join`): its cluster address (`HOST:PORT`, as UTF-8), then a 0 byte and its
 /// feature level in decimal. The only thing a node that is no member may send.
 pub const JOIN_REQUEST: GroupId = GroupId((1 << 63) - 4);
+/// A forward to this group carries how far the sender applied the metadata log (the broker's
+/// `META_APPLIED`: 8 bytes, big-endian).
+pub const META_APPLIED: GroupId = GroupId(warren_broker::META_APPLIED);
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
 use node::{Command, Driver};
