@@ -97,6 +97,12 @@ impl EngineLog {
         })
     }
 
+    /// The groups' snapshot files, for a thread that writes the state machine's snapshots
+    /// off the Raft thread ([`SnapshotFiles::stage`]).
+    pub fn snapshot_files(&self) -> SnapshotFiles {
+        self.snapshots.clone()
+    }
+
     /// A handle that reads the groups' snapshots back, for a leader sending one to a follower
     /// (`MultiRaft::set_snapshot_source`).
     pub fn snapshots(&self) -> std::sync::Arc<dyn crate::snapshots::SnapshotSource> {

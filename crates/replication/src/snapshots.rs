@@ -159,6 +159,54 @@ impl SnapshotFiles {
     /// Makes `snap` the group's snapshot: durable when this returns, the old one replaced
     /// atomically.
     pub fn save(&self, group: GroupId, snap: &StoredSnapshot) -> Result<(), LogError> {
+        let tmp = self.path(group).with_extension("tmp");
+        self.write_file(&tmp, group, snap)?;
+        self.publish(group, &tmp)
+    }
+
+    /// Writes `snap` to a file of its own beside the group's snapshot, fsynced, without
+    /// making it the group's yet ([`SnapshotFiles::publish`] does, or
+    /// [`SnapshotFiles::discard`] drops it): the slow part of a save, for another thread
+    /// than the one that runs the group. `seq` tells apart the writes of one group that
+    /// overlap. Left behind by a crash, the file is removed at the next open.
+    pub fn stage(
+        &self,
+        group: GroupId,
+        seq: u64,
+        snap: &StoredSnapshot,
+    ) -> Result<PathBuf, LogError> {
+        let staged = self.dir.join(format!("{:016x}.{seq}.tmp", group.0));
+        if let Err(e) = self.write_file(&staged, group, snap) {
+            self.discard(&staged);
+            return Err(e);
+        }
+        Ok(staged)
+    }
+
+    /// Makes a written file the group's snapshot, replacing the old one atomically; durable
+    /// when this returns.
+    pub fn publish(&self, group: GroupId, written: &Path) -> Result<(), LogError> {
+        std::fs::rename(written, self.path(group))?;
+        // The rename itself must survive a crash.
+        std::fs::File::open(&self.dir)?.sync_all()?;
+        Ok(())
+    }
+
+    /// Removes a staged file that will not be published.
+    pub fn discard(&self, staged: &Path) {
+        if let Err(e) = std::fs::remove_file(staged) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(file = %staged.display(), error = %e, "cannot remove a snapshot file that was not used");
+            }
+        }
+    }
+
+    fn write_file(
+        &self,
+        path: &Path,
+        group: GroupId,
+        snap: &StoredSnapshot,
+    ) -> Result<(), LogError> {
         let members = snap.members.as_ref().map(encode_members);
         let mut header = Vec::with_capacity(HEADER_MEMBERS);
         header.extend_from_slice(MAGIC);
@@ -181,20 +229,13 @@ impl SnapshotFiles {
         }
         crc.update(&snap.data);
         header.extend_from_slice(&crc.finalize().to_be_bytes());
-        let path = self.path(group);
-        let tmp = path.with_extension("tmp");
-        {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&header)?;
-            if let Some(m) = &members {
-                f.write_all(m)?;
-            }
-            f.write_all(&snap.data)?;
-            f.sync_all()?;
+        let mut f = std::fs::File::create(path)?;
+        f.write_all(&header)?;
+        if let Some(m) = &members {
+            f.write_all(m)?;
         }
-        std::fs::rename(&tmp, &path)?;
-        // The rename itself must survive a crash.
-        std::fs::File::open(&self.dir)?.sync_all()?;
+        f.write_all(&snap.data)?;
+        f.sync_all()?;
         Ok(())
     }
 
@@ -444,5 +485,44 @@ mod tests {
         );
         let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
         assert_eq!(left.len(), 1, "the torn file is gone");
+    }
+
+    #[test]
+    fn a_staged_snapshot_is_the_groups_only_once_published_and_a_crash_leaves_the_old_one() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("open");
+        files.save(GroupId(1), &snap(10, b"old")).expect("save");
+        let first = files
+            .stage(GroupId(1), 1, &snap(20, b"at 20"))
+            .expect("stage");
+        let second = files
+            .stage(GroupId(1), 2, &with_members(30, b"at 30"))
+            .expect("stage");
+        assert_ne!(
+            first, second,
+            "overlapping writes of one group have files of their own"
+        );
+        assert_eq!(
+            files.read(GroupId(1)).expect("read"),
+            Some(snap(10, b"old")),
+            "staged is not the group's yet"
+        );
+        files.publish(GroupId(1), &second).expect("publish");
+        files.discard(&first);
+        assert_eq!(
+            files.read(GroupId(1)).expect("read"),
+            Some(with_members(30, b"at 30"))
+        );
+        // A crash between the write and the rename: the staged file goes at the next open.
+        files
+            .stage(GroupId(1), 3, &snap(40, b"at 40"))
+            .expect("stage");
+        let files = SnapshotFiles::open(dir.path()).expect("reopen");
+        assert_eq!(
+            files.read(GroupId(1)).expect("read").map(|s| s.meta.index),
+            Some(30)
+        );
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
+        assert_eq!(left.len(), 1, "only the group's snapshot is left");
     }
 }

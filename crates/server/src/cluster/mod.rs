@@ -290,6 +290,8 @@ impl RaftNode {
         let (net, out, inbound_budget) =
             transport::start(&cfg, joining.is_some(), in_tx, counters.clone())?;
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
+        let writer = node::SnapshotWriter::start(cfg.node, log.snapshot_files())
+            .map_err(ClusterError::Thread)?;
         let driver = Driver {
             raft,
             log,
@@ -303,6 +305,7 @@ impl RaftNode {
             to_forward: Default::default(),
             forwarded: Vec::new(),
             snapshots,
+            writer,
             stopping: false,
         };
         let thread = std::thread::Builder::new()

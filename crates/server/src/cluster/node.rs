@@ -8,9 +8,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, TryRecvError};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use warren_replication::{
-    EngineLog, Error, Forward, GroupId, LogStore, MultiRaft, NodeBatch, NodeId, StoredSnapshot,
+    EngineLog, Error, Forward, GroupId, LogError, LogStore, MultiRaft, NodeBatch, NodeId,
+    SnapshotFiles, SnapshotMeta, StoredSnapshot,
 };
 
 use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
@@ -48,8 +49,62 @@ pub(crate) enum Command {
 enum Woke {
     Command(Command),
     Batch(Queued),
+    Staged(Staged),
     Closed,
     Nothing,
+}
+
+/// A snapshot the writer thread has on disk beside the group's, not yet the group's.
+pub(crate) struct Staged {
+    group: GroupId,
+    meta: SnapshotMeta,
+    bytes: usize,
+    started: Instant,
+    file: Result<std::path::PathBuf, LogError>,
+}
+
+/// The thread that writes and fsyncs the state machine's snapshots, so that a deep queue's
+/// (tens of MB, tens to hundreds of milliseconds) does not hold up every group's ticks,
+/// heartbeats and appends on the Raft thread. The Raft thread then only renames the file
+/// into place, records it and compacts the log: cheap, and in order with everything else it
+/// does to the group.
+pub(crate) struct SnapshotWriter {
+    jobs: Sender<(GroupId, u64, StoredSnapshot)>,
+    done: Receiver<Staged>,
+    files: SnapshotFiles,
+    seq: u64,
+}
+
+impl SnapshotWriter {
+    /// Starts the thread; it stops once this is dropped (the Raft thread's end).
+    pub(crate) fn start(node: NodeId, files: SnapshotFiles) -> std::io::Result<Self> {
+        let (jobs, todo) = crossbeam_channel::unbounded::<(GroupId, u64, StoredSnapshot)>();
+        let (tell, done) = crossbeam_channel::unbounded();
+        let writer = files.clone();
+        std::thread::Builder::new()
+            .name(format!("warren-snap-{node}"))
+            .spawn(move || {
+                for (group, seq, snap) in todo {
+                    let started = Instant::now();
+                    let staged = Staged {
+                        group,
+                        meta: snap.meta,
+                        bytes: snap.data.len(),
+                        started,
+                        file: writer.stage(group, seq, &snap),
+                    };
+                    if tell.send(staged).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        Ok(SnapshotWriter {
+            jobs,
+            done,
+            files,
+            seq: 0,
+        })
+    }
 }
 
 /// Commands taken per pass at most, so one pass (and its fsync) stays bounded.
@@ -70,6 +125,7 @@ pub(crate) struct Driver<E> {
     pub(crate) forwarded: Vec<(NodeId, Forward)>,
     /// Snapshots for the broker at the next pass: the recovered ones at first.
     pub(crate) snapshots: Vec<(GroupId, StoredSnapshot)>,
+    pub(crate) writer: SnapshotWriter,
     pub(crate) stopping: bool,
 }
 
@@ -106,11 +162,13 @@ impl<E: RaftEvents> Driver<E> {
         let woke = crossbeam_channel::select! {
             recv(self.commands) -> c => c.map_or(Woke::Closed, Woke::Command),
             recv(self.inbound) -> b => b.map_or(Woke::Nothing, Woke::Batch),
+            recv(self.writer.done) -> s => s.map_or(Woke::Nothing, Woke::Staged),
             default(timeout) => Woke::Nothing,
         };
         match woke {
             Woke::Command(c) => self.command(c),
             Woke::Batch(q) => self.inbound(q),
+            Woke::Staged(s) => self.snapshot_staged(s),
             // Every handle is gone: nobody can use this node any more.
             Woke::Closed => self.stopping = true,
             Woke::Nothing => {}
@@ -118,6 +176,9 @@ impl<E: RaftEvents> Driver<E> {
     }
 
     fn take_input(&mut self) {
+        while let Ok(s) = self.writer.done.try_recv() {
+            self.snapshot_staged(s);
+        }
         for _ in 0..INBOUND_QUEUE {
             match self.inbound.try_recv() {
                 Ok(q) => self.inbound(q),
@@ -249,23 +310,54 @@ impl<E: RaftEvents> Driver<E> {
         }
     }
 
-    /// Writes the broker's snapshot of a group and lets the log before it go. A snapshot that
-    /// cannot be written is no loss: the log it would have replaced stays.
+    /// Hands the broker's snapshot of a group to the writer thread; once it is on disk
+    /// ([`Driver::snapshot_staged`]) the log before it goes. A snapshot that cannot be
+    /// written is no loss: the log it would have replaced stays.
     fn save_snapshot(&mut self, group: GroupId, mut snap: StoredSnapshot) {
-        let node = self.raft.node();
         snap.meta = self.raft.snapshot_covering(group, snap.meta);
         snap.members = self.raft.members_at(group, snap.meta.index);
-        match self.raft.snapshot_index(group) {
-            Some(have) if have < snap.meta.index => {}
-            // The group is gone, or a leader's newer snapshot was installed meanwhile.
-            _ => return,
-        }
-        let started = Instant::now();
-        if let Err(e) = self.log.save_snapshot(group, &snap) {
-            tracing::error!(node, group = group.0, error = %e, "cannot write a snapshot; the group keeps its log");
+        if !self.snapshot_is_news(group, snap.meta) {
             return;
         }
-        let Some(bound) = self.raft.snapshot_saved(group, snap.meta) else {
+        self.writer.seq += 1;
+        let seq = self.writer.seq;
+        if self.writer.jobs.send((group, seq, snap)).is_err() {
+            tracing::error!(
+                node = self.raft.node(),
+                group = group.0,
+                "the snapshot writer has stopped; the group keeps its log"
+            );
+        }
+    }
+
+    /// The group exists and has no snapshot as recent as `meta` (a leader's newer one may
+    /// have been installed meanwhile).
+    fn snapshot_is_news(&self, group: GroupId, meta: SnapshotMeta) -> bool {
+        matches!(self.raft.snapshot_index(group), Some(have) if have < meta.index)
+    }
+
+    /// The writer thread has a snapshot on disk: it becomes the group's, and the log before
+    /// it goes, unless the group went or got a newer one meanwhile.
+    fn snapshot_staged(&mut self, s: Staged) {
+        let node = self.raft.node();
+        let group = s.group;
+        let file = match s.file {
+            Ok(file) => file,
+            Err(e) => {
+                tracing::error!(node, group = group.0, error = %e, "cannot write a snapshot; the group keeps its log");
+                return;
+            }
+        };
+        if !self.snapshot_is_news(group, s.meta) {
+            self.writer.files.discard(&file);
+            return;
+        }
+        if let Err(e) = self.writer.files.publish(group, &file) {
+            tracing::error!(node, group = group.0, error = %e, "cannot write a snapshot; the group keeps its log");
+            self.writer.files.discard(&file);
+            return;
+        }
+        let Some(bound) = self.raft.snapshot_saved(group, s.meta) else {
             return;
         };
         if let Err(e) = self.log.compact_to(group, bound) {
@@ -274,10 +366,10 @@ impl<E: RaftEvents> Driver<E> {
         tracing::debug!(
             node,
             group = group.0,
-            index = snap.meta.index,
-            bytes = snap.data.len(),
+            index = s.meta.index,
+            bytes = s.bytes,
             compacted_below = bound,
-            ms = started.elapsed().as_millis() as u64,
+            ms = s.started.elapsed().as_millis() as u64,
             "snapshot written"
         );
     }
