@@ -305,9 +305,9 @@ impl crate::cluster::RaftEvents for RaftReports {
             .collect();
         entries.retain(|(_, f)| f.group != crate::cluster::META_APPLIED);
         if !applied.is_empty() {
-            self.0.with_node(|node, _| {
+            self.0.with_node(|node, now| {
                 for (from, index) in applied {
-                    node.broker_mut().peer_meta_applied(from, index);
+                    node.peer_meta_applied(from, index, now);
                 }
             });
         }

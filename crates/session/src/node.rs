@@ -310,6 +310,14 @@ impl Node {
         self.after_replication(now);
     }
 
+    /// A peer says how far it applied the cluster's metadata log (see
+    /// `Broker::peer_meta_applied`): a declaration that waited for it is answered now.
+    pub fn peer_meta_applied(&mut self, peer: u64, index: u64, now: u64) {
+        self.broker.advance_time(now);
+        self.broker.peer_meta_applied(peer, index);
+        self.after_replication(now);
+    }
+
     /// A replicated queue's group has a new leader (see `Broker::set_leader`).
     pub fn set_leader(&mut self, group: u64, leader: Option<u64>, term: u64, now: u64) {
         self.broker.advance_time(now);

@@ -5,6 +5,7 @@
 //! and the committed entries, which go to [`RaftEvents`] with the pass's leader changes and
 //! refused proposals.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -51,12 +52,16 @@ enum Woke {
     Batch(Queued),
     Staged(Staged),
     Closed,
+    /// The writer thread or the transport is gone: its channel would be ready for ever.
+    WriterGone,
+    InboundGone,
     Nothing,
 }
 
 /// A snapshot the writer thread has on disk beside the group's, not yet the group's.
 pub(crate) struct Staged {
     group: GroupId,
+    seq: u64,
     meta: SnapshotMeta,
     bytes: usize,
     started: Instant,
@@ -67,27 +72,38 @@ pub(crate) struct Staged {
 /// (tens of MB, tens to hundreds of milliseconds) does not hold up every group's ticks,
 /// heartbeats and appends on the Raft thread. The Raft thread then only renames the file
 /// into place, records it and compacts the log: cheap, and in order with everything else it
-/// does to the group.
+/// does to the group. One write per group at a time: a newer snapshot that comes meanwhile
+/// waits, replacing any that waited before it, so a slow disk holds at most two of a group's
+/// snapshots in memory.
 pub(crate) struct SnapshotWriter {
-    jobs: Sender<(GroupId, u64, StoredSnapshot)>,
+    jobs: Option<Sender<(GroupId, u64, StoredSnapshot)>>,
     done: Receiver<Staged>,
     files: SnapshotFiles,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// Numbers the writes, so that one made for a group that was removed since (its number
+    /// may be made again for a new queue) is told apart.
     seq: u64,
+    /// Groups with a write in flight, and the snapshot that waits for it to end.
+    writing: HashSet<GroupId>,
+    waiting: HashMap<GroupId, StoredSnapshot>,
+    /// Groups removed while a write of theirs was in flight: the last write number then.
+    removed: HashMap<GroupId, u64>,
 }
 
 impl SnapshotWriter {
-    /// Starts the thread; it stops once this is dropped (the Raft thread's end).
+    /// Starts the thread; [`SnapshotWriter::stop`] ends it.
     pub(crate) fn start(node: NodeId, files: SnapshotFiles) -> std::io::Result<Self> {
         let (jobs, todo) = crossbeam_channel::unbounded::<(GroupId, u64, StoredSnapshot)>();
         let (tell, done) = crossbeam_channel::unbounded();
         let writer = files.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name(format!("warren-snap-{node}"))
             .spawn(move || {
                 for (group, seq, snap) in todo {
                     let started = Instant::now();
                     let staged = Staged {
                         group,
+                        seq,
                         meta: snap.meta,
                         bytes: snap.data.len(),
                         started,
@@ -99,11 +115,66 @@ impl SnapshotWriter {
                 }
             })?;
         Ok(SnapshotWriter {
-            jobs,
+            jobs: Some(jobs),
             done,
             files,
+            thread: Some(thread),
             seq: 0,
+            writing: HashSet::new(),
+            waiting: HashMap::new(),
+            removed: HashMap::new(),
         })
+    }
+
+    /// Writes `snap`, now or once the group's write in flight ends.
+    fn write(&mut self, group: GroupId, snap: StoredSnapshot) {
+        if self.writing.contains(&group) {
+            self.waiting.insert(group, snap);
+            return;
+        }
+        self.seq += 1;
+        let sent = self
+            .jobs
+            .as_ref()
+            .is_some_and(|jobs| jobs.send((group, self.seq, snap)).is_ok());
+        if sent {
+            self.writing.insert(group);
+        } else {
+            tracing::error!(
+                group = group.0,
+                "the snapshot writer has stopped; the group keeps its log"
+            );
+        }
+    }
+
+    /// Write `seq` of `group` ended: the one that waited goes next. True if it was asked for
+    /// before the group was removed (its number may be a new queue's by now).
+    fn finished(&mut self, group: GroupId, seq: u64) -> bool {
+        self.writing.remove(&group);
+        let stale = self.removed.remove(&group).is_some_and(|upto| seq <= upto);
+        if let Some(next) = self.waiting.remove(&group) {
+            self.write(group, next);
+        }
+        stale
+    }
+
+    /// The group is gone: the write in flight for it, if any, is dropped when it ends.
+    fn removed(&mut self, group: GroupId) {
+        self.waiting.remove(&group);
+        if self.writing.contains(&group) {
+            self.removed.insert(group, self.seq);
+        }
+    }
+
+    /// Lets the write in flight finish, then ends the thread.
+    fn stop(&mut self) {
+        self.jobs = None;
+        self.waiting.clear();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the snapshot writer panicked");
+            }
+        }
     }
 }
 
@@ -148,6 +219,7 @@ impl<E: RaftEvents> Driver<E> {
                 break;
             }
         }
+        self.writer.stop();
         tracing::info!(node, "raft thread stopped");
     }
 
@@ -161,14 +233,22 @@ impl<E: RaftEvents> Driver<E> {
         let timeout = Duration::from_millis(due - now);
         let woke = crossbeam_channel::select! {
             recv(self.commands) -> c => c.map_or(Woke::Closed, Woke::Command),
-            recv(self.inbound) -> b => b.map_or(Woke::Nothing, Woke::Batch),
-            recv(self.writer.done) -> s => s.map_or(Woke::Nothing, Woke::Staged),
+            recv(self.inbound) -> b => b.map_or(Woke::InboundGone, Woke::Batch),
+            recv(self.writer.done) -> s => s.map_or(Woke::WriterGone, Woke::Staged),
             default(timeout) => Woke::Nothing,
         };
         match woke {
             Woke::Command(c) => self.command(c),
             Woke::Batch(q) => self.inbound(q),
             Woke::Staged(s) => self.snapshot_staged(s),
+            Woke::WriterGone => {
+                tracing::error!(
+                    node = self.raft.node(),
+                    "the snapshot writer has stopped: groups keep their logs"
+                );
+                self.writer.done = crossbeam_channel::never();
+            }
+            Woke::InboundGone => self.inbound = crossbeam_channel::never(),
             // Every handle is gone: nobody can use this node any more.
             Woke::Closed => self.stopping = true,
             Woke::Nothing => {}
@@ -247,6 +327,7 @@ impl<E: RaftEvents> Driver<E> {
                 let _ = reply.send(self.raft.changing_members());
             }
             Command::RemoveGroup(group) => {
+                self.writer.removed(group);
                 if self.raft.remove_group(group) {
                     if let Err(e) = self.log.remove_group(group) {
                         tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot remove a raft group's log");
@@ -319,15 +400,7 @@ impl<E: RaftEvents> Driver<E> {
         if !self.snapshot_is_news(group, snap.meta) {
             return;
         }
-        self.writer.seq += 1;
-        let seq = self.writer.seq;
-        if self.writer.jobs.send((group, seq, snap)).is_err() {
-            tracing::error!(
-                node = self.raft.node(),
-                group = group.0,
-                "the snapshot writer has stopped; the group keeps its log"
-            );
-        }
+        self.writer.write(group, snap);
     }
 
     /// The group exists and has no snapshot as recent as `meta` (a leader's newer one may
@@ -341,6 +414,7 @@ impl<E: RaftEvents> Driver<E> {
     fn snapshot_staged(&mut self, s: Staged) {
         let node = self.raft.node();
         let group = s.group;
+        let stale = self.writer.finished(group, s.seq);
         let file = match s.file {
             Ok(file) => file,
             Err(e) => {
@@ -348,7 +422,8 @@ impl<E: RaftEvents> Driver<E> {
                 return;
             }
         };
-        if !self.snapshot_is_news(group, s.meta) {
+        // Made for a queue that was deleted since, whose group number a new queue may have.
+        if stale || !self.snapshot_is_news(group, s.meta) {
             self.writer.files.discard(&file);
             return;
         }
@@ -437,5 +512,66 @@ impl<E: RaftEvents> Driver<E> {
             self.events.forwarded(std::mem::take(&mut self.forwarded));
         }
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(index: u64) -> StoredSnapshot {
+        StoredSnapshot {
+            meta: SnapshotMeta { index, term: 1 },
+            data: bytes::Bytes::from(vec![index as u8; 64]),
+            members: None,
+        }
+    }
+
+    fn next(w: &SnapshotWriter) -> Staged {
+        w.done
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the writer reports")
+    }
+
+    #[test]
+    fn one_write_per_group_at_a_time_the_newest_waits_and_a_removed_groups_write_is_stale() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("files");
+        let mut w = SnapshotWriter::start(1, files.clone()).expect("writer");
+        let (g, other) = (GroupId(7), GroupId(8));
+        w.write(g, snap(10));
+        // Two more while the first is in flight: only the newest waits.
+        w.write(g, snap(20));
+        w.write(g, snap(30));
+        w.write(other, snap(5));
+        let mut done = vec![next(&w), next(&w)];
+        done.sort_by_key(|s| s.group.0);
+        assert_eq!((done[0].group, done[0].meta.index), (g, 10));
+        assert_eq!((done[1].group, done[1].meta.index), (other, 5));
+        assert!(!w.finished(other, done[1].seq));
+        assert!(!w.finished(g, done[0].seq), "not removed");
+        let third = next(&w);
+        assert_eq!(
+            third.meta.index, 30,
+            "20 was replaced by 30 while it waited"
+        );
+        assert!(!w.finished(g, third.seq));
+        assert!(w.done.try_recv().is_err(), "nothing else was written");
+
+        // Removed while its write is in flight (a queue deleted, its number free again).
+        w.write(g, snap(40));
+        w.removed(g);
+        w.write(g, snap(1));
+        let stale = next(&w);
+        assert_eq!(stale.meta.index, 40);
+        assert!(w.finished(g, stale.seq), "the old queue's write is stale");
+        let fresh = next(&w);
+        assert_eq!(fresh.meta.index, 1);
+        assert!(!w.finished(g, fresh.seq), "the new queue's write is not");
+        for s in [done.remove(0), third, stale, fresh] {
+            files.discard(&s.file.expect("written"));
+        }
+        w.stop();
+        assert!(w.thread.is_none());
     }
 }
