@@ -978,13 +978,14 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
     assert!(more.is_err(), "nothing of the old queue: {more:?}");
 }
 
-/// A quorum queue declared on one node is on every running node when the declaration returns:
-/// a mandatory publish on another node right after it is routed and confirmed, never
-/// returned as unroutable (RabbitMQ answers a declaration once the queue's record is on every
-/// node). The declaring node leads the metadata and the publishing one hears from the others
-/// 40 ms late, so it learns of the queue last.
+/// A quorum queue declared on one node, and its binding to a durable exchange, are on every
+/// running node when the declaration and the bind return: a mandatory publish on another node
+/// right after each is routed and confirmed, never returned as unroutable (RabbitMQ answers
+/// once the queue's record, or the binding, is in every node's metadata store). The declaring
+/// node leads the metadata and the publishing one hears from the others 40 ms late, so it
+/// learns of each change last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_publish_on_another_node_right_after_a_declaration_reaches_the_queue() {
+async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_the_queue() {
     let c = TestCluster::start_partitionable(3, 20, &[]);
     for n in 1..=3 {
         wait_for_feature_level(&c, n);
@@ -1009,31 +1010,66 @@ async fn a_publish_on_another_node_right_after_a_declaration_reaches_the_queue()
         durable: true,
         ..Default::default()
     };
+    let exchange = unique("routes");
+    declarer
+        .exchange_declare(
+            exchange.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            lapin::options::ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("exchange.declare");
+    let publish = |x: &str, key: &str| {
+        let (x, key) = (x.to_owned(), key.to_owned());
+        let publisher = publisher.clone();
+        async move {
+            let confirm = publisher
+                .basic_publish(
+                    x.as_str().into(),
+                    key.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    b"routed",
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .expect("publish");
+            tokio::time::timeout(WAIT, confirm)
+                .await
+                .expect("a confirm within the wait")
+                .expect("confirm")
+        }
+    };
     let queues: Vec<String> = (0..20).map(|i| unique(&format!("fresh{i}"))).collect();
     for q in &queues {
         declarer
             .queue_declare(q.as_str().into(), durable, args.clone())
             .await
             .expect("declare");
-        let confirm = publisher
-            .basic_publish(
-                "".into(),
-                q.as_str().into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                b"first",
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await
-            .expect("publish");
-        let got = tokio::time::timeout(WAIT, confirm)
-            .await
-            .expect("a confirm within the wait")
-            .expect("confirm");
+        let got = publish("", q).await;
         // A returned message would come as Ack(Some(message)).
         assert!(matches!(got, Confirmation::Ack(None)), "{q}: {got:?}");
+        declarer
+            .queue_bind(
+                q.as_str().into(),
+                exchange.as_str().into(),
+                q.as_str().into(),
+                lapin::options::QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue.bind");
+        let got = publish(&exchange, q).await;
+        assert!(
+            matches!(got, Confirmation::Ack(None)),
+            "{q} by its binding: {got:?}"
+        );
         // And a passive declaration on the third node finds it.
         other
             .queue_declare(
@@ -1048,7 +1084,7 @@ async fn a_publish_on_another_node_right_after_a_declaration_reaches_the_queue()
             .expect("the queue is on the third node");
     }
     for q in &queues {
-        wait_for_messages(&c, lead, q, 1);
+        wait_for_messages(&c, lead, q, 2);
     }
 }
 

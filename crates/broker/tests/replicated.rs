@@ -2877,6 +2877,82 @@ fn a_declaration_is_answered_once_every_running_node_has_the_queue() {
         .is_some()));
 }
 
+/// Steps until `node` answers the change `ticket` ([`Broker::wait_for_cluster`]), at most
+/// `steps` times; the nodes that had the binding `x` -> `q` when it answered.
+fn change_answered_within(
+    c: &mut Cluster,
+    node: u64,
+    ticket: u64,
+    steps: u32,
+    (x, q): (&str, &str),
+) -> Option<Vec<u64>> {
+    for _ in 0..steps {
+        c.step();
+        let mut answers = Vec::new();
+        c.broker(node).take_change_answers(&mut answers);
+        if answers.iter().any(|a| a.ticket == ticket) {
+            return Some(
+                NODES
+                    .iter()
+                    .copied()
+                    .filter(|n| {
+                        c.members[n]
+                            .broker
+                            .binding_snapshots(Some("/"))
+                            .iter()
+                            .any(|b| b.source.as_str() == x && b.destination.as_str() == q)
+                    })
+                    .collect(),
+            );
+        }
+    }
+    None
+}
+
+/// A binding of a durable exchange to a quorum queue is answered once every running node has
+/// it, so a publish on another node right after it is routed by it (RabbitMQ answers once the
+/// binding is in every node's metadata store); a node that does not say how far it is holds
+/// the answer back for `MADE_WAIT_MS` at most; a binding that stays on its node does not wait.
+#[test]
+fn a_binding_is_answered_once_every_running_node_has_it() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    c.run(40);
+    declare_exchange(&mut c, 2, "orders", "direct", true);
+    let ticket = declare_waiting(&mut c, 2, "bound", quorum_args());
+    declare_answer(&mut c, 2, ticket).expect("declared");
+    c.run(20);
+    let bind = |c: &mut Cluster, key: &str| {
+        let b = c.broker(2);
+        let mark = b.change_mark();
+        b.bind_queue("/", "bound", "orders", key, &FieldTable::new(), conn(2, 1))
+            .expect("queue.bind");
+        b.wait_for_cluster(mark, conn(2, 1))
+    };
+    let ticket = bind(&mut c, "a").expect("waits for the cluster");
+    let had = change_answered_within(&mut c, 2, ticket, 100, ("orders", "bound"));
+    assert_eq!(had, Some(NODES.to_vec()));
+    // Bound again: nothing changed, nothing to wait for.
+    assert_eq!(bind(&mut c, "a"), None);
+
+    c.lose_reports_of.insert(3);
+    let ticket = bind(&mut c, "b").expect("waits for the cluster");
+    assert_eq!(
+        change_answered_within(&mut c, 2, ticket, 150, ("orders", "bound")),
+        None
+    );
+    assert!(change_answered_within(&mut c, 2, ticket, 100, ("orders", "bound")).is_some());
+    c.lose_reports_of.clear();
+
+    // A transient exchange's binding is this node's own.
+    declare_exchange(&mut c, 2, "local", "direct", false);
+    let b = c.broker(2);
+    let mark = b.change_mark();
+    b.bind_queue("/", "bound", "local", "k", &FieldTable::new(), conn(2, 1))
+        .expect("queue.bind");
+    assert_eq!(b.wait_for_cluster(mark, conn(2, 1)), None);
+}
+
 /// A deletion made on a node cut off from the others reaches the log late, after the queue
 /// was deleted and declared again elsewhere: it names the group it deleted, so the new queue,
 /// and what it confirmed, stays on every node.

@@ -236,6 +236,13 @@ enum TxOp {
     },
 }
 
+/// The reply a binding that waits for the cluster gets ([`Channel::bind_waiting`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BindReply {
+    Queue,
+    Exchange,
+}
+
 pub(crate) struct Channel {
     pub id: u16,
     /// A basic.get sent to the queue's leader on another node: its ticket, and whether the
@@ -244,6 +251,9 @@ pub(crate) struct Channel {
     /// A quorum queue's declaration waiting for the cluster's metadata log: its ticket, and
     /// whether the client asked for no-wait.
     pub declare_waiting: Option<(u64, bool)>,
+    /// A binding the cluster's other nodes must have before the client hears of it: its
+    /// ticket ([`warren_broker::Broker::wait_for_cluster`]) and the reply it then gets.
+    pub bind_waiting: Option<(u64, BindReply)>,
     /// The server sent channel.close and waits for close-ok: everything else on the channel is dropped.
     pub closing: bool,
     /// While closing: the client's own channel.close crossed ours (and was answered).
@@ -302,6 +312,7 @@ impl Channel {
             id,
             get_waiting: None,
             declare_waiting: None,
+            bind_waiting: None,
             closing: false,
             peer_closed: false,
             content: Content::Idle,
@@ -816,7 +827,20 @@ impl Channel {
     /// The channel waits for an answer from the cluster (its connection is not read
     /// meanwhile, so what the client sent next sees the answer's effects).
     pub(crate) fn waits(&self) -> bool {
-        !self.closing && (self.get_waiting.is_some() || self.declare_waiting.is_some())
+        !self.closing
+            && (self.get_waiting.is_some()
+                || self.declare_waiting.is_some()
+                || self.bind_waiting.is_some())
+    }
+
+    /// The binding this channel waits for is on every running node: the client gets its
+    /// bind-ok.
+    pub(crate) fn answer_bind(&mut self, out: &mut BytesMut) {
+        match self.bind_waiting.take() {
+            Some((_, BindReply::Queue)) => send(out, self.id, QueueBindOk {}),
+            Some((_, BindReply::Exchange)) => send(out, self.id, ExchangeBindOk {}),
+            None => {}
+        }
     }
 
     /// The answer to the quorum queue declaration this channel waits for
@@ -1161,6 +1185,7 @@ impl Channel {
             Method::ExchangeBind(b) => {
                 self.check_binding(Resource::Exchange(&b.destination), &b.source, ctx)
                     .map_err(fail)?;
+                let mark = ctx.broker.change_mark();
                 ctx.broker
                     .bind_exchange(
                         ctx.vhost,
@@ -1170,6 +1195,12 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
+                if !b.no_wait {
+                    if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
+                        self.bind_waiting = Some((ticket, BindReply::Exchange));
+                        return Ok(());
+                    }
+                }
                 reply(ctx.out, ch, b.no_wait, ExchangeBindOk {});
                 Ok(())
             }
@@ -1255,6 +1286,7 @@ impl Channel {
                     .map_err(fail)?;
                 ctx.check_topic(&b.exchange, Perm::Read, &routing_key)
                     .map_err(fail)?;
+                let mark = ctx.broker.change_mark();
                 ctx.broker
                     .bind_queue(
                         ctx.vhost,
@@ -1265,6 +1297,12 @@ impl Channel {
                         ctx.conn,
                     )
                     .map_err(fail)?;
+                if !b.no_wait {
+                    if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
+                        self.bind_waiting = Some((ticket, BindReply::Queue));
+                        return Ok(());
+                    }
+                }
                 reply(ctx.out, ch, b.no_wait, QueueBindOk {});
                 Ok(())
             }

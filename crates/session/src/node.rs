@@ -345,6 +345,9 @@ impl Node {
         if self.broker.has_get_answers() {
             self.answer_gets(now);
         }
+        if self.broker.has_change_answers() {
+            self.answer_changes();
+        }
         if self.broker.has_declare_answers() {
             self.answer_declares(now);
         }
@@ -402,6 +405,31 @@ impl Node {
             if let Some(error) = hard {
                 let (class_id, method_id) = QUEUE_DECLARE;
                 self.fail_connection(a.conn, Fault::new(error, class_id, method_id), now);
+            }
+        }
+    }
+
+    /// Bindings every running node has now: each waiting channel gets its bind-ok, and its
+    /// connection is read again.
+    fn answer_changes(&mut self) {
+        let mut answers = Vec::new();
+        self.broker.take_change_answers(&mut answers);
+        for a in answers {
+            let Some(c) = self.conns.get_mut(&a.conn) else {
+                continue;
+            };
+            if let Some(ch) = c
+                .channels
+                .values_mut()
+                .find(|ch| !ch.closing && ch.bind_waiting.is_some_and(|(t, _)| t == a.ticket))
+            {
+                ch.answer_bind(&mut c.out);
+            }
+            c.holding = c.channels.values().any(|ch| ch.waits());
+            c.pause_changed = true;
+            if !c.dirty {
+                c.dirty = true;
+                self.dirty.push(a.conn);
             }
         }
     }

@@ -205,6 +205,27 @@ pub(crate) struct MetaState {
     /// and are owed it.
     pub(super) reported: u64,
     pub(super) report_to: BTreeSet<NodeId>,
+    /// Changes made here whose clients wait until every running node has them (a binding
+    /// of a durable exchange to a quorum queue: [`Broker::wait_for_cluster`]), by number.
+    change_waits: BTreeMap<u64, ChangeWait>,
+    change_answers: Vec<ChangeAnswer>,
+}
+
+/// A client's change waiting to be on every running node.
+#[derive(Debug)]
+struct ChangeWait {
+    conn: ConnId,
+    since: u64,
+    /// The metadata log's index of the entry that applied it, once applied.
+    index: Option<u64>,
+}
+
+/// A change made by connection `conn` ([`Broker::wait_for_cluster`]'s `ticket`) is on every
+/// running node, or waited as long as it may: its client gets its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChangeAnswer {
+    pub conn: ConnId,
+    pub ticket: u64,
 }
 
 /// A Raft group this node's broker needs, or no longer needs (a queue deleted and declared
@@ -532,7 +553,7 @@ impl Broker {
                 leader: waits_for_leader,
             });
         }
-        self.answer_made_declares();
+        self.answer_cluster_waits();
     }
 
     /// Replicated queue `id` has a leader that acts (this node, or another one): the
@@ -554,13 +575,14 @@ impl Broker {
                 made.leader = false;
             }
         }
-        self.answer_made_declares();
+        self.answer_cluster_waits();
     }
 
-    /// Answers the declarations the log made here that wait for nothing more: their first
-    /// leader (if this node) acts, and every running peer that reports how far it applied
-    /// the log has applied their entry.
-    pub(super) fn answer_made_declares(&mut self) {
+    /// Answers what waits for nothing more: declarations the log made here whose first
+    /// leader (if this node) acts, and changes the log applied, once every running peer that
+    /// reports how far it applied the log has applied their entry; changes also after
+    /// `MADE_WAIT_MS`.
+    pub(super) fn answer_cluster_waits(&mut self) {
         let Some(c) = self.cluster.as_ref() else {
             return;
         };
@@ -577,6 +599,75 @@ impl Broker {
         for number in ready {
             self.answer_declare(number, None);
         }
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        let now = self.now_ms;
+        let ready: Vec<u64> = c
+            .meta
+            .change_waits
+            .iter()
+            .filter(|(_, w)| {
+                now.saturating_sub(w.since) >= MADE_WAIT_MS
+                    || w.index.is_some_and(|i| c.peers_behind(i).is_empty())
+            })
+            .map(|(n, _)| *n)
+            .collect();
+        for number in ready {
+            if let Some(w) = c.meta.change_waits.remove(&number) {
+                if w.index.is_none_or(|i| !c.peers_behind(i).is_empty()) {
+                    tracing::warn!(conn = w.conn, index = ?w.index, "a definition change answered before every running node had it");
+                }
+                c.meta.change_answers.push(ChangeAnswer {
+                    conn: w.conn,
+                    ticket: number,
+                });
+            }
+        }
+    }
+
+    /// Where this node's change numbers stand, before a client's change: with
+    /// [`Broker::wait_for_cluster`] after it.
+    pub fn change_mark(&self) -> u64 {
+        self.cluster.as_ref().map_or(0, |c| c.meta.next_op)
+    }
+
+    /// Whether the change a client of `conn` just made (since `mark`, from
+    /// [`Broker::change_mark`]) went to the cluster: its ticket if so, answered in
+    /// [`Broker::take_change_answers`] once the metadata log applied it and every other
+    /// running node says it did too (or after `MADE_WAIT_MS`). RabbitMQ answers a binding once
+    /// it is in the metadata store of every node: a publish on another node right after it
+    /// is then routed by it.
+    pub fn wait_for_cluster(&mut self, mark: u64, conn: ConnId) -> Option<u64> {
+        let now = self.now_ms;
+        let c = self.cluster.as_mut()?;
+        let number = c.meta.next_op;
+        if number <= mark {
+            return None;
+        }
+        c.meta.change_waits.insert(
+            number,
+            ChangeWait {
+                conn,
+                since: now,
+                index: None,
+            },
+        );
+        Some(number)
+    }
+
+    /// Changes that were waiting for the cluster and are answered now.
+    pub fn take_change_answers(&mut self, out: &mut Vec<ChangeAnswer>) {
+        if let Some(c) = self.cluster.as_mut() {
+            out.append(&mut c.meta.change_answers);
+        }
+    }
+
+    /// Whether [`Broker::take_change_answers`] has any.
+    pub fn has_change_answers(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| !c.meta.change_answers.is_empty())
     }
 
     /// A peer says how far it applied the metadata log ([`META_APPLIED`]).
@@ -589,7 +680,7 @@ impl Broker {
         }
         let at = c.meta.peer_applied.entry(peer).or_insert(0);
         *at = (*at).max(index);
-        self.answer_made_declares();
+        self.answer_cluster_waits();
     }
 
     /// The log applied this node's declaration `number` (or a snapshot holding it): its
@@ -670,6 +761,8 @@ impl Broker {
         for (number, error) in due {
             self.answer_declare(number, error);
         }
+        // Changes whose wait ran out.
+        self.answer_cluster_waits();
     }
 
     /// This node's level goes to the log once per start, unless the log has it already.
@@ -810,6 +903,11 @@ impl Broker {
                 Some(m) => m.at.saturating_add(MADE_WAIT_MS),
                 None => w.since.saturating_add(DECLARE_WAIT_MS),
             })
+            .chain(
+                m.change_waits
+                    .values()
+                    .map(|w| w.since.saturating_add(MADE_WAIT_MS)),
+            )
             .min();
         // With no leader there is nowhere to send it: the next leader gets it at once.
         let resend = m.leader.and(
@@ -865,6 +963,8 @@ impl Broker {
             }
         }
         self.take_meta_snapshot();
+        // Changes of this node the entries applied, with no running peer to wait for.
+        self.answer_cluster_waits();
     }
 
     fn apply_meta_entry(&mut self, e: &Committed) {
@@ -899,6 +999,12 @@ impl Broker {
             return;
         };
         let mine = entry.origin == node;
+        let top = entry.ops.iter().map(|(n, _)| *n).max().unwrap_or(0);
+        if mine {
+            for w in c.meta.change_waits.range_mut(..=top).map(|(_, w)| w) {
+                w.index.get_or_insert(e.index);
+            }
+        }
         if !entry.numbered {
             // The first format: its origin applied it when it was made.
             if !mine {

@@ -20,8 +20,8 @@ mod users;
 use flows::*;
 use metadata::*;
 pub use metadata_group::{
-    DeclareAnswer, ForgetError, GroupChange, MetaClosed, DECLARE_WAIT_MS, FEATURE_LEVEL,
-    META_APPLIED,
+    ChangeAnswer, DeclareAnswer, ForgetError, GroupChange, MetaClosed, DECLARE_WAIT_MS,
+    FEATURE_LEVEL, META_APPLIED,
 };
 use persistence::*;
 use publish::*;

@@ -730,7 +730,7 @@ impl Broker {
             c.meta.report_to.remove(&node);
         }
         // A declaration no longer waits for a node that is down.
-        self.answer_made_declares();
+        self.answer_cluster_waits();
     }
 
     /// Maintenance mode (`warren ctl drain`, RabbitMQ's `rabbitmq-upgrade drain`) on or off
