@@ -978,8 +978,8 @@ async fn a_quorum_queue_declared_again_while_a_node_was_down_is_the_new_queue_th
     assert!(more.is_err(), "nothing of the old queue: {more:?}");
 }
 
-/// A quorum queue declared on one node, and its binding to a durable exchange, are on every
-/// running node when the declaration and the bind return: a mandatory publish on another node
+/// A durable exchange and a quorum queue declared on one node, and the queue's binding to the
+/// exchange, are on every running node when the declaration or the bind returns: a mandatory publish on another node
 /// right after each is routed and confirmed, never returned as unroutable (RabbitMQ answers
 /// once the queue's record, or the binding, is in every node's metadata store). The declaring
 /// node leads the metadata and the publishing one hears from the others 40 ms late, so it
@@ -1046,6 +1046,13 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
                 .expect("confirm")
         }
     };
+    // The exchange is on the publishing node at once: the publish is returned for want of a
+    // binding, not refused with a 404 that closes the channel.
+    let got = publish(&exchange, "nobody").await;
+    match got {
+        Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
+        other => panic!("a publish to a new exchange on another node: {other:?}"),
+    }
     let queues: Vec<String> = (0..20).map(|i| unique(&format!("fresh{i}"))).collect();
     for q in &queues {
         declarer

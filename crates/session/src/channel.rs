@@ -236,11 +236,12 @@ enum TxOp {
     },
 }
 
-/// The reply a binding that waits for the cluster gets ([`Channel::bind_waiting`]).
+/// The reply a definition change that waits for the cluster gets ([`Channel::change_waiting`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum BindReply {
-    Queue,
-    Exchange,
+pub(crate) enum ChangeReply {
+    QueueBind,
+    ExchangeBind,
+    ExchangeDeclare,
 }
 
 pub(crate) struct Channel {
@@ -251,9 +252,10 @@ pub(crate) struct Channel {
     /// A quorum queue's declaration waiting for the cluster's metadata log: its ticket, and
     /// whether the client asked for no-wait.
     pub declare_waiting: Option<(u64, bool)>,
-    /// A binding the cluster's other nodes must have before the client hears of it: its
-    /// ticket ([`warren_broker::Broker::wait_for_cluster`]) and the reply it then gets.
-    pub bind_waiting: Option<(u64, BindReply)>,
+    /// A definition (a binding, a durable exchange) the cluster's other nodes must have
+    /// before the client hears of it: its ticket
+    /// ([`warren_broker::Broker::wait_for_cluster`]) and the reply it then gets.
+    pub change_waiting: Option<(u64, ChangeReply)>,
     /// The server sent channel.close and waits for close-ok: everything else on the channel is dropped.
     pub closing: bool,
     /// While closing: the client's own channel.close crossed ours (and was answered).
@@ -312,7 +314,7 @@ impl Channel {
             id,
             get_waiting: None,
             declare_waiting: None,
-            bind_waiting: None,
+            change_waiting: None,
             closing: false,
             peer_closed: false,
             content: Content::Idle,
@@ -830,15 +832,16 @@ impl Channel {
         !self.closing
             && (self.get_waiting.is_some()
                 || self.declare_waiting.is_some()
-                || self.bind_waiting.is_some())
+                || self.change_waiting.is_some())
     }
 
-    /// The binding this channel waits for is on every running node: the client gets its
-    /// bind-ok.
-    pub(crate) fn answer_bind(&mut self, out: &mut BytesMut) {
-        match self.bind_waiting.take() {
-            Some((_, BindReply::Queue)) => send(out, self.id, QueueBindOk {}),
-            Some((_, BindReply::Exchange)) => send(out, self.id, ExchangeBindOk {}),
+    /// The change this channel waits for is on every running node: the client gets its
+    /// answer.
+    pub(crate) fn answer_change(&mut self, out: &mut BytesMut) {
+        match self.change_waiting.take() {
+            Some((_, ChangeReply::QueueBind)) => send(out, self.id, QueueBindOk {}),
+            Some((_, ChangeReply::ExchangeBind)) => send(out, self.id, ExchangeBindOk {}),
+            Some((_, ChangeReply::ExchangeDeclare)) => send(out, self.id, ExchangeDeclareOk {}),
             None => {}
         }
     }
@@ -1156,6 +1159,7 @@ impl Channel {
                         }
                     }
                 }
+                let mark = ctx.broker.change_mark();
                 ctx.broker
                     .declare_exchange(
                         ctx.vhost,
@@ -1168,6 +1172,12 @@ impl Channel {
                         &e.arguments,
                     )
                     .map_err(fail)?;
+                if !e.no_wait {
+                    if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
+                        self.change_waiting = Some((ticket, ChangeReply::ExchangeDeclare));
+                        return Ok(());
+                    }
+                }
                 reply(ctx.out, ch, e.no_wait, ExchangeDeclareOk {});
                 Ok(())
             }
@@ -1197,7 +1207,7 @@ impl Channel {
                     .map_err(fail)?;
                 if !b.no_wait {
                     if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
-                        self.bind_waiting = Some((ticket, BindReply::Exchange));
+                        self.change_waiting = Some((ticket, ChangeReply::ExchangeBind));
                         return Ok(());
                     }
                 }
@@ -1299,7 +1309,7 @@ impl Channel {
                     .map_err(fail)?;
                 if !b.no_wait {
                     if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
-                        self.bind_waiting = Some((ticket, BindReply::Queue));
+                        self.change_waiting = Some((ticket, ChangeReply::QueueBind));
                         return Ok(());
                     }
                 }

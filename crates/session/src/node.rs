@@ -409,8 +409,8 @@ impl Node {
         }
     }
 
-    /// Bindings every running node has now: each waiting channel gets its bind-ok, and its
-    /// connection is read again.
+    /// Definition changes every running node has now: each waiting channel gets its answer
+    /// (bind-ok, declare-ok), and its connection is read again.
     fn answer_changes(&mut self) {
         let mut answers = Vec::new();
         self.broker.take_change_answers(&mut answers);
@@ -421,9 +421,9 @@ impl Node {
             if let Some(ch) = c
                 .channels
                 .values_mut()
-                .find(|ch| !ch.closing && ch.bind_waiting.is_some_and(|(t, _)| t == a.ticket))
+                .find(|ch| !ch.closing && ch.change_waiting.is_some_and(|(t, _)| t == a.ticket))
             {
-                ch.answer_bind(&mut c.out);
+                ch.answer_change(&mut c.out);
             }
             c.holding = c.channels.values().any(|ch| ch.waits());
             c.pause_changed = true;
