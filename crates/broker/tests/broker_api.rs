@@ -1336,3 +1336,52 @@ fn limits() {
     );
     let _: ShortStr = ShortStr::from("unused");
 }
+
+/// A small message that will wait in a queue is copied out of the buffer it arrived in (so it
+/// does not keep a connection's read buffer alive); one that a waiting consumer takes at once
+/// is not (no allocation on the worker's path). A fan-out copies it once if any queue keeps it.
+#[test]
+fn a_message_is_copied_only_when_it_waits_in_a_queue() {
+    let mut b = broker();
+    declare(&mut b, "waits");
+    declare(&mut b, "taken");
+    consume(&mut b, "taken", C1, 1, "t", false, false).expect("consume");
+    b.bind_queue(V, "waits", "amq.fanout", "", &FieldTable::new(), C1)
+        .expect("bind");
+    b.bind_queue(V, "taken", "amq.fanout", "", &FieldTable::new(), C1)
+        .expect("bind");
+    let buffer = Bytes::from(vec![7u8; 4096]);
+    let within = |part: &Bytes| {
+        let (p, w) = (part.as_ptr() as usize, buffer.as_ptr() as usize);
+        p >= w && p < w + buffer.len()
+    };
+    let from_buffer = |rk: &'static str| Message {
+        routing_key: rk.into(),
+        body: buffer.slice(100..200),
+        ..msg("")
+    };
+    publish(&mut b, "", "taken", from_buffer("taken"));
+    let d = dispatch(&mut b);
+    assert_eq!(d.len(), 1);
+    assert!(within(&d[0].message.body), "taken at once: not copied");
+    b.settle(d[0].queue, d[0].receipt);
+
+    publish(&mut b, "", "waits", from_buffer("waits"));
+    let (got, _) = b.get(V, "waits", true, C1).expect("ok").expect("a message");
+    assert!(!within(&got.message.body), "it waited: copied");
+    assert_eq!(got.message.body, buffer.slice(100..200));
+
+    // Behind a message already waiting, the next one waits too.
+    publish(&mut b, "", "taken", from_buffer("taken"));
+    publish(&mut b, "", "taken", from_buffer("taken"));
+    let d = dispatch(&mut b);
+    assert_eq!(d.len(), 2);
+    assert!(within(&d[0].message.body) && !within(&d[1].message.body));
+
+    // Fanned out to a queue that keeps it and to one whose consumer takes it: one copy for both.
+    publish(&mut b, "amq.fanout", "", from_buffer(""));
+    let d = dispatch(&mut b);
+    let (kept, _) = b.get(V, "waits", true, C1).expect("ok").expect("a message");
+    assert!(!within(&kept.message.body) && !within(&d[0].message.body));
+    assert_eq!(kept.message.body.as_ptr(), d[0].message.body.as_ptr());
+}

@@ -2445,6 +2445,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         oldest
     }
 
+    /// Whether a message enqueued now goes to a consumer at the next checkout: nothing is
+    /// ready before it, and a consumer waits with room for it. (A hint: a consumer whose
+    /// channel has no room left may still be waiting in line.)
+    pub fn takes_at_once(&self) -> bool {
+        self.ready_count() == 0 && !self.service.is_empty()
+    }
+
     /// Ready messages (not in flight), paged out or not.
     pub fn ready_count(&self) -> usize {
         self.ready.len()

@@ -379,7 +379,17 @@ impl Broker {
         let mut message = message;
         // A key is this publish's to give (a message republished from a queue carries its old one).
         message.store_key = None;
-        if !targets.is_empty() {
+        // A copy of its own for a message that will wait in a queue (else it would keep its
+        // connection's read buffer alive while it waits); none when every queue hands it to a
+        // consumer waiting for it (the worker's shape: it is written out and acked within
+        // moments, and the copy was the one allocation per message left on this path). What
+        // such a consumer holds unacked keeps its read buffer until then: at most its prefetch.
+        let stays = |id: &QueueId| {
+            self.queues
+                .get(id)
+                .is_none_or(|q| q.replica.is_some() || !q.machine.takes_at_once())
+        };
+        if targets.iter().any(stays) {
             message.compact();
         }
         // Where each target keeps the message on disk: a persistent message in a durable queue
