@@ -6,6 +6,9 @@
 #   bench/rabbitmq-cluster.sh status      # the nodes and whether each runs
 #   bench/rabbitmq-cluster.sh kill N      # SIGKILL node N (1-3): its beam.smp
 #   bench/rabbitmq-cluster.sh start N     # start node N again on its data
+#   bench/rabbitmq-cluster.sh roll        # a rolling restart, as RabbitMQ's upgrade guide does it:
+#                                         # each node in turn once it is not quorum-critical,
+#                                         # stopped (rabbitmqctl stop), started, awaited
 #   bench/rabbitmq-cluster.sh down        # stop every node and delete the data
 #
 # Node N is rc<N>@localhost: AMQP on 5680+N, management API on 15680+N (guest/guest from
@@ -124,6 +127,30 @@ status() {
   done
 }
 
+# Each node in turn: wait until no quorum queue needs it (the health check RabbitMQ's rolling
+# upgrade guide names), stop it cleanly, start it on its data, wait until it runs in the cluster.
+roll() {
+  command -v curl >/dev/null || die "curl is needed to ask the nodes' health checks: apt-get install curl"
+  local n pid deadline
+  for n in 1 2 3; do
+    [ -n "$(beam_pid "$n")" ] || die "rc$n@localhost is not running: start it before a roll"
+  done
+  for n in 1 2 3; do
+    deadline=$((SECONDS + 120))
+    until curl -fsS -o /dev/null -u guest:guest \
+        "http://127.0.0.1:$((15680 + n))/api/health/checks/node-is-quorum-critical" 2>/dev/null; do
+      [ $SECONDS -lt $deadline ] || die "rc$n@localhost is still quorum-critical after 120 s: the roll stops here"
+      sleep 0.2
+    done
+    pid="$(beam_pid "$n")"
+    log "rc$n@localhost: stopping"
+    ctl "$n" stop >/dev/null 2>&1 || true
+    while [ -n "$pid" ] && [ -d "/proc/$pid" ]; do sleep 0.1; done
+    start_node "$n"
+  done
+  log "rolled: every node restarted"
+}
+
 check_n() {
   case "${1:-}" in 1|2|3) ;; *) die "name a node: 1, 2 or 3" ;; esac
 }
@@ -135,5 +162,6 @@ case "${1:-}" in
   kill) check_n "${2:-}"; pid="$(beam_pid "$2")"; [ -n "$pid" ] || die "rc$2@localhost is not running"
         $SUDO kill -9 "$pid"; log "rc$2@localhost (pid $pid) killed" ;;
   start) check_n "${2:-}"; start_node "$2" ;;
-  *) echo "usage: $0 up | down | status | kill N | start N" >&2; exit 2 ;;
+  roll) roll ;;
+  *) echo "usage: $0 up | down | status | kill N | start N | roll" >&2; exit 2 ;;
 esac
