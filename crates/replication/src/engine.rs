@@ -103,6 +103,14 @@ impl EngineLog {
         self.snapshots.clone()
     }
 
+    /// A handle that reads the groups' snapshots back on a thread of its own, for a leader
+    /// sending one to a follower (`MultiRaft::set_snapshot_source`).
+    pub fn snapshot_reader(
+        &self,
+    ) -> std::io::Result<std::sync::Arc<crate::snapshots::SnapshotReader>> {
+        crate::snapshots::SnapshotReader::start(self.snapshots.clone()).map(std::sync::Arc::new)
+    }
+
     /// A handle that reads the groups' snapshots back, for a leader sending one to a follower
     /// (`MultiRaft::set_snapshot_source`).
     pub fn snapshots(&self) -> std::sync::Arc<dyn crate::snapshots::SnapshotSource> {

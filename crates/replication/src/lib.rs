@@ -19,7 +19,8 @@ pub use multi::{
 };
 pub use raft;
 pub use snapshots::{
-    MemSnapshots, Members, SnapshotFiles, SnapshotMeta, SnapshotSource, StoredSnapshot,
+    Fetch, MemSnapshots, Members, SnapshotFiles, SnapshotMeta, SnapshotReader, SnapshotSource,
+    StoredSnapshot,
 };
 pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog};
 

@@ -7,6 +7,7 @@
 //! metadata stays in memory; a leader reads the data back when a follower needs it
 //! ([`SnapshotSource`]).
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -79,6 +80,120 @@ pub struct StoredSnapshot {
 pub trait SnapshotSource: Send + Sync + std::fmt::Debug {
     /// The group's latest durable snapshot, if it has one.
     fn load(&self, group: u64) -> Result<Option<StoredSnapshot>, String>;
+
+    /// The group's latest snapshot for a follower, if one at `at_least` or later is at hand
+    /// now; a source that reads on another thread answers [`Fetch::Pending`] meanwhile (Raft
+    /// asks again at its next attempt). By default, [`SnapshotSource::load`] there and then.
+    fn fetch(&self, group: u64, at_least: u64) -> Fetch {
+        let _ = at_least;
+        match self.load(group) {
+            Ok(Some(s)) => Fetch::Ready(s),
+            Ok(None) => Fetch::Missing,
+            Err(e) => Fetch::Failed(e),
+        }
+    }
+}
+
+/// What [`SnapshotSource::fetch`] has for a group.
+#[derive(Debug)]
+pub enum Fetch {
+    Ready(StoredSnapshot),
+    /// Being read: ask again later.
+    Pending,
+    /// The group has none.
+    Missing,
+    /// It could not be read (the file is damaged, or the disk failed).
+    Failed(String),
+}
+
+/// Snapshot files read for followers on a thread of their own: a deep queue's snapshot (tens
+/// of MB, read and checked) would otherwise be read on the Raft thread, holding up every
+/// group of the node while a lagging follower is served. The first [`SnapshotSource::fetch`]
+/// starts the read and answers [`Fetch::Pending`]; a later one hands the snapshot over (once:
+/// it is not kept in memory after that). One not asked for again within [`READ_KEPT`] is let
+/// go.
+#[derive(Debug)]
+pub struct SnapshotReader {
+    files: SnapshotFiles,
+    state: std::sync::Arc<std::sync::Mutex<HashMap<u64, Reading>>>,
+    todo: std::sync::mpsc::Sender<u64>,
+}
+
+/// How long a snapshot read for a follower waits to be asked for again.
+pub const READ_KEPT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A read, with the index it was asked for at least (what it found may be older: the caller
+/// then asks the state machine for a newer snapshot).
+#[derive(Debug)]
+enum Reading {
+    Started(u64),
+    Done(u64, std::time::Instant, Fetch),
+}
+
+impl SnapshotReader {
+    /// Starts the reading thread; it ends when the reader is dropped.
+    pub fn start(files: SnapshotFiles) -> std::io::Result<Self> {
+        let (todo, jobs) = std::sync::mpsc::channel::<u64>();
+        let state: std::sync::Arc<std::sync::Mutex<HashMap<u64, Reading>>> = Default::default();
+        let (reader, done) = (files.clone(), state.clone());
+        std::thread::Builder::new()
+            .name("warren-snap-read".into())
+            .spawn(move || loop {
+                let group = match jobs.recv_timeout(READ_KEPT) {
+                    Ok(group) => group,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                        // What nobody came back for is let go, even if nobody asks again.
+                        let mut state = done.lock().unwrap_or_else(|p| p.into_inner());
+                        state.retain(|_, r| !matches!(r, Reading::Done(_, at, _) if at.elapsed() > READ_KEPT));
+                        continue;
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                };
+                {
+                    let got = reader.fetch(group, 0);
+                    let mut state = done.lock().unwrap_or_else(|p| p.into_inner());
+                    // Let go meanwhile: nobody waits for it.
+                    if let Some(r) = state.get_mut(&group) {
+                        if let Reading::Started(asked) = *r {
+                            *r = Reading::Done(asked, std::time::Instant::now(), got);
+                        }
+                    }
+                }
+            })?;
+        Ok(SnapshotReader { files, state, todo })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Reading>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl SnapshotSource for SnapshotReader {
+    fn load(&self, group: u64) -> Result<Option<StoredSnapshot>, String> {
+        self.files.load(group)
+    }
+
+    fn fetch(&self, group: u64, at_least: u64) -> Fetch {
+        let mut state = self.lock();
+        state.retain(|_, r| !matches!(r, Reading::Done(_, at, _) if at.elapsed() > READ_KEPT));
+        match state.remove(&group) {
+            Some(Reading::Started(asked)) => {
+                state.insert(group, Reading::Started(asked));
+                return Fetch::Pending;
+            }
+            // Read before a newer one was written: read again.
+            Some(Reading::Done(asked, _, Fetch::Ready(s)))
+                if s.meta.index < at_least && asked < at_least => {}
+            Some(Reading::Done(_, _, got)) => return got,
+            None => {}
+        }
+        if self.todo.send(group).is_err() {
+            drop(state);
+            return self.files.fetch(group, at_least);
+        }
+        state.insert(group, Reading::Started(at_least));
+        Fetch::Pending
+    }
 }
 
 /// `WSNP`, then the format version.
@@ -524,5 +639,43 @@ mod tests {
         );
         let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").collect();
         assert_eq!(left.len(), 1, "only the group's snapshot is left");
+    }
+
+    /// Asks until the reader has an answer other than Pending.
+    fn fetched(r: &SnapshotReader, group: u64, at_least: u64) -> Fetch {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match r.fetch(group, at_least) {
+                Fetch::Pending => {
+                    assert!(std::time::Instant::now() < deadline, "never read");
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                got => return got,
+            }
+        }
+    }
+
+    #[test]
+    fn a_reader_reads_on_its_own_thread_hands_a_snapshot_over_once_and_reads_a_newer_one_again() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("open");
+        files.save(GroupId(1), &snap(10, b"at 10")).expect("save");
+        let r = SnapshotReader::start(files.clone()).expect("reader");
+        assert!(
+            matches!(r.fetch(1, 10), Fetch::Pending),
+            "the first ask starts the read"
+        );
+        assert!(matches!(fetched(&r, 1, 10), Fetch::Ready(s) if s == snap(10, b"at 10")));
+        // Handed over: not kept, the next ask reads again.
+        assert!(matches!(r.fetch(1, 10), Fetch::Pending));
+        files.save(GroupId(1), &snap(20, b"at 20")).expect("save");
+        // Read before the newer one was written, then asked for it: read again.
+        assert!(matches!(fetched(&r, 1, 20), Fetch::Ready(s) if s.meta.index == 20));
+        // A file older than asked for is handed over all the same, after one read for that
+        // index (the caller then asks its state machine for a newer snapshot).
+        assert!(matches!(fetched(&r, 1, 30), Fetch::Ready(s) if s.meta.index == 20));
+        assert!(matches!(fetched(&r, 2, 0), Fetch::Missing));
+        std::fs::write(files.path(GroupId(3)), b"WSNP damaged").expect("write");
+        assert!(matches!(fetched(&r, 3, 0), Fetch::Failed(_)));
     }
 }

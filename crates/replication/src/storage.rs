@@ -7,7 +7,7 @@
 use raft::eraftpb::{ConfState, Entry, HardState, Snapshot, SnapshotMetadata};
 use raft::{GetEntriesContext, RaftState, Storage, StorageError};
 
-use crate::snapshots::{Members, SnapshotMeta, SnapshotSource};
+use crate::snapshots::{Fetch, Members, SnapshotMeta, SnapshotSource};
 
 /// Where a group's entries that left memory can still be read: the node-wide durable log
 /// (until snapshots let it compact, it holds every entry).
@@ -369,13 +369,20 @@ impl Storage for GroupLog {
             self.snapshot_wanted.set(true);
             return Err(unavailable);
         };
-        let stored = match source.load(*group) {
-            Ok(Some(s)) => s,
-            Ok(None) => {
+        let stored = match source.fetch(*group, meta.index) {
+            Fetch::Ready(s) => s,
+            // Being read on another thread: raft-rs asks again at its next attempt.
+            Fetch::Pending => return Err(unavailable),
+            Fetch::Missing => {
                 self.snapshot_wanted.set(true);
                 return Err(unavailable);
             }
-            Err(e) => return Err(raft::Error::Store(StorageError::Other(e.into()))),
+            // Any other error is fatal to raft-rs; a new snapshot replaces the bad file.
+            Fetch::Failed(error) => {
+                tracing::error!(group, %error, "cannot read a snapshot back for a follower: a new one is taken");
+                self.snapshot_wanted.set(true);
+                return Err(unavailable);
+            }
         };
         if stored.meta.index < request_index.max(meta.index) {
             self.snapshot_wanted.set(true);

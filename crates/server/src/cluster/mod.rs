@@ -254,7 +254,7 @@ impl RaftNode {
         // A follower far behind is sent what left the leader's memory, read back from disk, or
         // the group's snapshot.
         raft.set_cold_log(log.cold());
-        raft.set_snapshot_source(log.snapshots());
+        raft.set_snapshot_source(log.snapshot_reader().map_err(ClusterError::Thread)?);
         let recovered = log.groups();
         let mut joining = cfg.join.clone();
         if recovered.contains(&GroupId(0)) && joining.is_some() {
