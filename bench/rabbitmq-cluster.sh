@@ -8,7 +8,9 @@
 #   bench/rabbitmq-cluster.sh start N     # start node N again on its data
 #   bench/rabbitmq-cluster.sh roll        # a rolling restart, as RabbitMQ's upgrade guide does it:
 #                                         # each node in turn once it is not quorum-critical,
-#                                         # stopped (rabbitmqctl stop), started, awaited
+#                                         # drained (rabbitmq-upgrade drain: its quorum queue
+#                                         # leaders move, its clients are closed), stopped,
+#                                         # started, awaited
 #   bench/rabbitmq-cluster.sh down        # stop every node and delete the data
 #
 # Node N is rc<N>@localhost: AMQP on 5680+N, management API on 15680+N (guest/guest from
@@ -128,7 +130,8 @@ status() {
 }
 
 # Each node in turn: wait until no quorum queue needs it (the health check RabbitMQ's rolling
-# upgrade guide names), stop it cleanly, start it on its data, wait until it runs in the cluster.
+# upgrade guide names), put it in maintenance mode (its leaderships move to the other nodes),
+# stop it cleanly, start it on its data, take it out of maintenance mode.
 roll() {
   command -v curl >/dev/null || die "curl is needed to ask the nodes' health checks: apt-get install curl"
   local n pid deadline
@@ -143,10 +146,13 @@ roll() {
       sleep 0.2
     done
     pid="$(beam_pid "$n")"
-    log "rc$n@localhost: stopping"
+    log "rc$n@localhost: draining, then stopping"
+    $SUDO rabbitmq-upgrade -q -n "rc$n@localhost" drain >/dev/null 2>&1 || log "rc$n@localhost: drain failed; stopping anyway"
     ctl "$n" stop >/dev/null 2>&1 || true
     while [ -n "$pid" ] && [ -d "/proc/$pid" ]; do sleep 0.1; done
     start_node "$n"
+    # Out of maintenance mode, whether or not a restart ends it by itself.
+    $SUDO rabbitmq-upgrade -q -n "rc$n@localhost" revive >/dev/null 2>&1 || true
   done
   log "rolled: every node restarted"
 }

@@ -1364,7 +1364,11 @@ fn a_message_is_copied_only_when_it_waits_in_a_queue() {
     let d = dispatch(&mut b);
     assert_eq!(d.len(), 1);
     assert!(within(&d[0].message.body), "taken at once: not copied");
-    b.settle(d[0].queue, d[0].receipt);
+    // Given back, it may wait: copied then.
+    assert!(b.requeue(d[0].queue, d[0].receipt));
+    let (back, _) = b.get(V, "taken", true, C1).expect("ok").expect("a message");
+    assert!(!within(&back.message.body), "returned: copied");
+    assert_eq!(back.message.body, buffer.slice(100..200));
 
     publish(&mut b, "", "waits", from_buffer("waits"));
     let (got, _) = b.get(V, "waits", true, C1).expect("ok").expect("a message");

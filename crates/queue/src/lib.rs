@@ -84,6 +84,10 @@ pub trait Payload {
     fn says_redelivered(&self) -> bool {
         false
     }
+
+    /// The message is going to wait in the queue: it should hold no buffer larger than
+    /// itself ([`Message::compact`]).
+    fn detach(&mut self) {}
 }
 
 impl Payload for u64 {}
@@ -92,6 +96,10 @@ impl<A, B> Payload for (A, B) {}
 impl Payload for &str {}
 
 impl Payload for Message {
+    fn detach(&mut self) {
+        self.compact();
+    }
+
     fn says_redelivered(&self) -> bool {
         // Most messages stop at the first check (no headers) or the search (headers without
         // the name): the table is decoded only when its bytes hold the name.

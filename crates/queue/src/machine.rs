@@ -1252,6 +1252,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             });
             return;
         }
+        // It may wait now: it no longer shares the buffer it arrived in (one a consumer took
+        // at once was not copied out of it).
+        let mut entry = entry;
+        entry.msg.detach();
         self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
         if let Some(r) = self.policy.retry.filter(|_| retry) {
             // Waits for its retry (its group stays locked: nothing overtakes it); its expiry is
@@ -2446,10 +2450,23 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     }
 
     /// Whether a message enqueued now goes to a consumer at the next checkout: nothing is
-    /// ready before it, and a consumer waits with room for it. (A hint: a consumer whose
-    /// channel has no room left may still be waiting in line.)
+    /// ready before it, and a consumer waits with room for it.
     pub fn takes_at_once(&self) -> bool {
-        self.ready_count() == 0 && !self.service.is_empty()
+        // The line may still hold consumers that can no longer take (a blocked channel, one
+        // out of credit: the next checkout drops them), so the first few are asked; past
+        // them the answer is no, which costs a copy, never a pinned buffer.
+        self.ready_count() == 0
+            && self
+                .service
+                .levels
+                .iter()
+                .flat_map(|(_, line)| line.iter())
+                .take(4)
+                .any(|id| {
+                    self.consumers
+                        .get(id)
+                        .is_some_and(|c| self.may_take(c) && self.may_receive(*id))
+                })
     }
 
     /// Ready messages (not in flight), paged out or not.

@@ -996,6 +996,9 @@ impl MultiRaft {
         // number is another queue).
         self.held.remove(&id);
         self.wanted_at.remove(&id);
+        if let Some(source) = &self.snapshots {
+            source.forget(id.0);
+        }
         self.groups.remove(&id).is_some()
     }
 

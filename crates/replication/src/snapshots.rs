@@ -92,6 +92,12 @@ pub trait SnapshotSource: Send + Sync + std::fmt::Debug {
             Err(e) => Fetch::Failed(e),
         }
     }
+
+    /// The group was removed: nothing read for it may go to a group made again under its
+    /// number.
+    fn forget(&self, group: u64) {
+        let _ = group;
+    }
 }
 
 /// What [`SnapshotSource::fetch`] has for a group.
@@ -126,7 +132,7 @@ pub const READ_KEPT: std::time::Duration = std::time::Duration::from_secs(30);
 /// then asks the state machine for a newer snapshot).
 #[derive(Debug)]
 enum Reading {
-    Started(u64),
+    Started(u64, std::time::Instant),
     Done(u64, std::time::Instant, Fetch),
 }
 
@@ -154,7 +160,7 @@ impl SnapshotReader {
                     let mut state = done.lock().unwrap_or_else(|p| p.into_inner());
                     // Let go meanwhile: nobody waits for it.
                     if let Some(r) = state.get_mut(&group) {
-                        if let Reading::Started(asked) = *r {
+                        if let Reading::Started(asked, _) = *r {
                             *r = Reading::Done(asked, std::time::Instant::now(), got);
                         }
                     }
@@ -177,22 +183,27 @@ impl SnapshotSource for SnapshotReader {
         let mut state = self.lock();
         state.retain(|_, r| !matches!(r, Reading::Done(_, at, _) if at.elapsed() > READ_KEPT));
         match state.remove(&group) {
-            Some(Reading::Started(asked)) => {
-                state.insert(group, Reading::Started(asked));
+            // A read that never ended (its thread is gone) is started again below.
+            Some(Reading::Started(asked, since)) if since.elapsed() < READ_KEPT => {
+                state.insert(group, Reading::Started(asked, since));
                 return Fetch::Pending;
             }
             // Read before a newer one was written: read again.
             Some(Reading::Done(asked, _, Fetch::Ready(s)))
                 if s.meta.index < at_least && asked < at_least => {}
             Some(Reading::Done(_, _, got)) => return got,
-            None => {}
+            Some(Reading::Started(..)) | None => {}
         }
         if self.todo.send(group).is_err() {
             drop(state);
             return self.files.fetch(group, at_least);
         }
-        state.insert(group, Reading::Started(at_least));
+        state.insert(group, Reading::Started(at_least, std::time::Instant::now()));
         Fetch::Pending
+    }
+
+    fn forget(&self, group: u64) {
+        self.lock().remove(&group);
     }
 }
 
@@ -675,6 +686,10 @@ mod tests {
         // index (the caller then asks its state machine for a newer snapshot).
         assert!(matches!(fetched(&r, 1, 30), Fetch::Ready(s) if s.meta.index == 20));
         assert!(matches!(fetched(&r, 2, 0), Fetch::Missing));
+        // A group removed: what was read for it is not handed to a group made under its number.
+        assert!(matches!(r.fetch(1, 0), Fetch::Pending));
+        r.forget(1);
+        assert!(matches!(r.fetch(1, 0), Fetch::Pending), "read again, not the old read");
         std::fs::write(files.path(GroupId(3)), b"WSNP damaged").expect("write");
         assert!(matches!(fetched(&r, 3, 0), Fetch::Failed(_)));
     }

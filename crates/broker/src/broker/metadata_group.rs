@@ -287,6 +287,28 @@ pub enum ForgetError {
 }
 
 impl MetaState {
+    /// This node's changes numbered up to `number` are in the log at or before `index`: the
+    /// clients waiting for them wait for the other nodes to reach it.
+    pub(super) fn changes_applied_upto(&mut self, number: u64, index: u64) {
+        for w in self.change_waits.range_mut(..=number).map(|(_, w)| w) {
+            w.index.get_or_insert(index);
+        }
+    }
+
+    /// This node's changes `numbers` will never be in the log (their entry was given up):
+    /// their clients are answered now.
+    fn changes_given_up(&mut self, numbers: &[u64]) {
+        for n in numbers {
+            if let Some(w) = self.change_waits.remove(n) {
+                tracing::warn!(conn = w.conn, "a definition change the cluster could not take: answered, it stays on this node");
+                self.change_answers.push(ChangeAnswer {
+                    conn: w.conn,
+                    ticket: *n,
+                });
+            }
+        }
+    }
+
     /// An entry of this node's is in flight.
     pub(super) fn in_flight_pending(&self) -> bool {
         self.in_flight.is_some()
@@ -987,6 +1009,7 @@ impl Broker {
             let m = &mut c.meta;
             if origin == node && m.in_flight.as_ref().is_some_and(|f| f.seq == seq) {
                 let numbers = m.in_flight.take().map_or(Vec::new(), |f| f.numbers);
+                m.changes_given_up(&numbers);
                 if let Some(p) = m.send(node, now, false) {
                     c.push(p);
                 }
@@ -999,11 +1022,9 @@ impl Broker {
             return;
         };
         let mine = entry.origin == node;
-        let top = entry.ops.iter().map(|(n, _)| *n).max().unwrap_or(0);
         if mine {
-            for w in c.meta.change_waits.range_mut(..=top).map(|(_, w)| w) {
-                w.index.get_or_insert(e.index);
-            }
+            let top = entry.ops.iter().map(|(n, _)| *n).max().unwrap_or(0);
+            c.meta.changes_applied_upto(top, e.index);
         }
         if !entry.numbered {
             // The first format: its origin applied it when it was made.

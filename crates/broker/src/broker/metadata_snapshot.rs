@@ -376,6 +376,8 @@ impl Broker {
         // The snapshot's, not a union: a forgotten number may have been taken again since.
         m.forgotten = snap.forgotten.iter().copied().collect();
         let settled: Vec<u64> = m.declares.range(..=own).map(|(n, _)| *n).collect();
+        // Changes whose clients wait for every node: in the log at or before the snapshot.
+        m.changes_applied_upto(own, index);
         m.through_log.retain(|_, (n, _)| *n > own);
         m.next_op = m.next_op.max(own);
         m.applied = index;

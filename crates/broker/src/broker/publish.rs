@@ -383,7 +383,8 @@ impl Broker {
         // connection's read buffer alive while it waits); none when every queue hands it to a
         // consumer waiting for it (the worker's shape: it is written out and acked within
         // moments, and the copy was the one allocation per message left on this path). What
-        // such a consumer holds unacked keeps its read buffer until then: at most its prefetch.
+        // such a consumer holds unacked keeps its slice of the read buffer until it is acked or
+        // given back (and copied then, as it may wait again).
         let stays = |id: &QueueId| {
             self.queues
                 .get(id)
