@@ -689,7 +689,10 @@ mod tests {
         // A group removed: what was read for it is not handed to a group made under its number.
         assert!(matches!(r.fetch(1, 0), Fetch::Pending));
         r.forget(1);
-        assert!(matches!(r.fetch(1, 0), Fetch::Pending), "read again, not the old read");
+        assert!(
+            matches!(r.fetch(1, 0), Fetch::Pending),
+            "read again, not the old read"
+        );
         std::fs::write(files.path(GroupId(3)), b"WSNP damaged").expect("write");
         assert!(matches!(fetched(&r, 3, 0), Fetch::Failed(_)));
     }
