@@ -75,7 +75,7 @@ fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
 }
 
 /// The feature level of this version's nodes.
-const LEVEL: u64 = 3;
+const LEVEL: u64 = 4;
 
 /// Waits until node `n` knows every node's level ([`LEVEL`]).
 fn wait_for_feature_level(c: &TestCluster, n: u64) {
@@ -353,6 +353,68 @@ async fn a_node_down_while_thousands_of_entries_commit_catches_up_and_keeps_the_
     publish_confirmed(&chp, &q, std::iter::once("after".to_owned())).await;
     for n in [behind, other] {
         wait_for_messages(&c, n, &q, 5001);
+    }
+}
+
+/// A transport figure of node `n`, as its own `/api/nodes` entry gives it.
+fn transport_figure(c: &TestCluster, n: u64, name: &str) -> u64 {
+    let (_, v) = Api::of(c.node(n)).call("GET", "/nodes", None);
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["cluster"]["node"].as_u64() == Some(n))
+        .and_then(|e| e["cluster"]["transport"][name].as_u64())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pieces() {
+    // Snapshots every 50 entries, and any above 4 KiB go in pieces (above 64 MiB by default):
+    // the queue below is "deeper" than a frame.
+    let mut c = TestCluster::start_with(
+        3,
+        20,
+        &[
+            "--test-snapshot-entries",
+            "50",
+            "--test-snapshot-inline-bytes",
+            "4096",
+        ],
+    );
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
+    let q = unique("qq-deep");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let behind = leader % 3 + 1;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 0);
+    }
+    c.node_mut(behind).stop(true);
+    let (_cl, chl) = channel(&c, leader).await;
+    let body = |i: u32| format!("{i:05}-{}", "x".repeat(100));
+    publish_confirmed(&chl, &q, (0..300).map(body)).await;
+    c.node_mut(behind).start_again();
+    c.wait_for_metadata_leader(behind);
+    wait_for_messages(&c, behind, &q, 300);
+    assert!(
+        transport_figure(&c, behind, "snapshots_received_in_pieces") >= 1,
+        "the node caught up from the leader's snapshot, sent in pieces"
+    );
+    // What it holds is the queue: every message, in order, from a consumer on it.
+    let (_cb, chb) = channel(&c, behind).await;
+    let mut consumer = consume(&chb, &q)
+        .await
+        .expect("consume on the node that was down");
+    for i in 0..300 {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("a delivery")
+            .expect("stream")
+            .expect("delivery");
+        assert_eq!(d.data, body(i).into_bytes());
+        d.ack(BasicAckOptions::default()).await.expect("ack");
     }
 }
 

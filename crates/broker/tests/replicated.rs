@@ -93,7 +93,7 @@ impl Cluster {
         });
         broker.join_cluster(n, &NODES, boot);
         if let Some(every) = snapshot_every {
-            broker.set_snapshot_policy(every, usize::MAX);
+            broker.set_snapshot_policy(every, usize::MAX, usize::MAX);
         }
         broker
     }

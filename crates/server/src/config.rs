@@ -156,6 +156,10 @@ pub struct Args {
     /// lagging follower [default: 4096]
     #[arg(long, hide = true, value_name = "N")]
     pub test_snapshot_entries: Option<u64>,
+    /// Tests: a replicated queue's snapshot above this many bytes goes to a follower in
+    /// pieces [default: a frame of the cluster's transport, 64 MiB less a margin]
+    #[arg(long, hide = true, value_name = "BYTES")]
+    pub test_snapshot_inline_bytes: Option<usize>,
     /// Port of the management HTTP API and web page, as RabbitMQ's management plugin
     /// [default: 15672]
     #[arg(long, env = "WARREN_MANAGEMENT_PORT", value_name = "PORT")]
@@ -330,6 +334,8 @@ pub struct ClusterSettings {
     pub tick_ms: u64,
     /// Entries between two snapshots of a replicated queue, and kept behind one.
     pub snapshot_entries: u64,
+    /// A snapshot larger than this goes to a follower in pieces.
+    pub snapshot_inline_max: usize,
     /// Asks a running cluster to add it (`--cluster-join`).
     pub join: bool,
 }
@@ -434,7 +440,7 @@ fn cluster_settings(
     nodes: Option<String>,
     secret_file: Option<PathBuf>,
     tls: ClusterTlsArgs,
-    (tick_ms, snapshot_entries): (Option<u64>, Option<u64>),
+    (tick_ms, snapshot_entries, inline_max): (Option<u64>, Option<u64>, Option<usize>),
 ) -> Result<Option<ClusterSettings>, ConfigError> {
     let err = |m: String| Err(ConfigError::Cluster(m));
     let Some(node) = node else {
@@ -494,6 +500,9 @@ fn cluster_settings(
         snapshot_entries: snapshot_entries
             .unwrap_or(warren_broker::SNAPSHOT_ENTRIES)
             .max(1),
+        snapshot_inline_max: inline_max
+            .unwrap_or(crate::cluster::MAX_PROPOSAL)
+            .clamp(1, crate::cluster::MAX_PROPOSAL),
         join: false,
     }))
 }
@@ -685,7 +694,11 @@ impl Config {
                 args.cluster_tls_key.or(file.cluster_tls_key),
                 args.cluster_tls_ca.or(file.cluster_tls_ca),
             ),
-            (args.test_cluster_tick_ms, args.test_snapshot_entries),
+            (
+                args.test_cluster_tick_ms,
+                args.test_snapshot_entries,
+                args.test_snapshot_inline_bytes,
+            ),
         )?;
         let join = args.cluster_join || file.cluster_join.unwrap_or(false);
         let cluster = match cluster {

@@ -290,9 +290,13 @@ async fn run(config: Config) -> std::io::Result<()> {
         let nodes: Vec<u64> = c.nodes.keys().copied().collect();
         broker.join_cluster(c.node, &nodes, boot);
         broker.set_cluster_addresses(c.nodes.iter().map(|(n, a)| (*n, a.to_string())).collect());
-        // A snapshot larger than one frame of the cluster's transport could never reach a
-        // follower.
-        broker.set_snapshot_policy(c.snapshot_entries, cluster::MAX_PROPOSAL);
+        // What the cluster's transport can carry to a follower: one frame, or pieces once
+        // every node takes them.
+        broker.set_snapshot_policy(
+            c.snapshot_entries,
+            c.snapshot_inline_max,
+            cluster::MAX_SNAPSHOT,
+        );
         let mut peers = c.nodes.clone();
         // `Config::resolve` checked that the list holds this node.
         let own = peers.remove(&c.node);
@@ -310,6 +314,7 @@ async fn run(config: Config) -> std::io::Result<()> {
             boot,
             snapshot_keep: c.snapshot_entries,
             join: c.join.then(|| cluster_address(c)),
+            inline_max: c.snapshot_inline_max,
         }
     });
     if let Some(c) = &cluster {

@@ -48,7 +48,12 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// 2, nodes added and forgotten through the log (`MetaOp::AddNode`, `MetaOp::ForgetNode`).
 /// 3, each node tells the others how far it applied the log ([`META_APPLIED`]), so that a
 /// quorum queue's declaration is answered once every running node has the queue.
-pub const FEATURE_LEVEL: u64 = 3;
+/// 4, a Raft message too large for one frame of the transport travels in pieces, so a queue
+/// whose snapshot is larger than a frame is snapshotted (its log compacted) too.
+pub const FEATURE_LEVEL: u64 = 4;
+
+/// The level from which every node takes a snapshot sent in pieces.
+pub(super) const PIECES_LEVEL: u64 = 4;
 
 /// The level from which a node reports its applied index ([`META_APPLIED`]).
 pub(super) const REPORTS_LEVEL: u64 = 3;
@@ -1738,6 +1743,38 @@ mod tests {
     /// here when the log applies its entry, with the group that entry's index gives, as on
     /// every node.
     #[test]
+    fn snapshots_larger_than_a_frame_are_taken_once_every_node_receives_pieces() {
+        let mut b = new_node_two();
+        b.set_snapshot_policy(10, 1_000, 1_000_000);
+        b.set_meta_leader(Some(1));
+        let out = sent(&mut b);
+        b.apply_committed(&[
+            entry_from(1, 1, 100, MetaOp::FeatureLevel { node: 1, level: 3 }),
+            own(2, out[0].clone()),
+            entry_from(
+                3,
+                3,
+                100,
+                MetaOp::FeatureLevel {
+                    node: 3,
+                    level: PIECES_LEVEL,
+                },
+            ),
+        ]);
+        assert_eq!(b.snapshot_limit(), 1_000, "node 1 would drop the pieces");
+        b.apply_committed(&[entry_from(
+            1,
+            4,
+            101,
+            MetaOp::FeatureLevel {
+                node: 1,
+                level: PIECES_LEVEL,
+            },
+        )]);
+        assert_eq!(b.snapshot_limit(), 1_000_000);
+    }
+
+    #[test]
     fn quorum_queues_wait_for_the_log_once_every_node_can_number_them() {
         let mut b = new_node_two();
         b.set_meta_leader(Some(1));
@@ -1968,7 +2005,7 @@ mod tests {
             "{:?}",
             entry.ops
         );
-        b.set_snapshot_policy(1, usize::MAX);
+        b.set_snapshot_policy(1, usize::MAX, usize::MAX);
         b.apply_committed(&[own(4, out[0].clone())]);
         assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2]));
         assert_eq!(
@@ -2050,7 +2087,7 @@ mod tests {
                 level: 2
             })
         );
-        b.set_snapshot_policy(1_000_000, usize::MAX);
+        b.set_snapshot_policy(1_000_000, usize::MAX, usize::MAX);
         b.apply_committed(&[own(5, out[0].clone())]);
         assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2, 4]));
         assert_eq!(

@@ -117,9 +117,11 @@ pub(crate) struct Cluster {
     pub(super) gets: super::remote_get::RemoteGets,
     /// Snapshots taken, for the driver.
     pub(super) snapshots: Vec<ReplicaSnapshot>,
-    /// Entries between snapshots, and the largest snapshot that can be sent to a follower.
+    /// Entries between snapshots, and the largest snapshot that can be sent to a follower: in
+    /// one frame, and in pieces once every node takes them (`PIECES_LEVEL`).
     pub(super) snapshot_entries: u64,
     pub(super) snapshot_max: usize,
+    pub(super) snapshot_max_pieced: usize,
     /// Consumers of this node's channels on replicated queues (since it started): their queue,
     /// their key, and whether their group applied their `Consume` (a `Down` of this node
     /// applied after that means the leader took them away).
@@ -165,6 +167,7 @@ impl Cluster {
             snapshots: Vec::new(),
             snapshot_entries: SNAPSHOT_ENTRIES,
             snapshot_max: usize::MAX,
+            snapshot_max_pieced: usize::MAX,
             local_consumers: HashMap::new(),
             retired: HashMap::new(),
             down_since: BTreeMap::new(),
@@ -438,12 +441,15 @@ impl Broker {
 
     /// A replicated queue's committed state is snapshotted once `entries` entries were applied
     /// since the last one (and the log since holds as many bytes as that one did); a snapshot
-    /// larger than `max_bytes` (what the cluster's transport can carry to a follower) is not
-    /// kept, and the log goes on growing until the queue is smaller.
-    pub fn set_snapshot_policy(&mut self, entries: u64, max_bytes: usize) {
+    /// larger than what the cluster's transport can carry to a follower is not kept, and the
+    /// log goes on growing until the queue is smaller. The transport carries `max_bytes` in one
+    /// frame, and `pieced_max` in pieces once every node announced `PIECES_LEVEL` (a node of an
+    /// earlier version drops pieces, so a follower of it could never catch up).
+    pub fn set_snapshot_policy(&mut self, entries: u64, max_bytes: usize, pieced_max: usize) {
         if let Some(c) = self.cluster.as_mut() {
             c.snapshot_entries = entries.max(1);
             c.snapshot_max = max_bytes;
+            c.snapshot_max_pieced = pieced_max.max(max_bytes);
         }
     }
 
@@ -634,9 +640,25 @@ impl Broker {
         self.take_due_snapshots(&ids);
     }
 
+    /// The largest queue snapshot kept: what a follower can be sent.
+    pub(super) fn snapshot_limit(&self) -> usize {
+        let Some(c) = self.cluster.as_ref() else {
+            return usize::MAX;
+        };
+        let pieces = self
+            .cluster_feature_level()
+            .is_some_and(|l| l >= super::metadata_group::PIECES_LEVEL);
+        if pieces {
+            c.snapshot_max_pieced
+        } else {
+            c.snapshot_max
+        }
+    }
+
     /// Snapshots the committed state of the queues in `ids` that applied enough since their
     /// last one.
     fn take_due_snapshots(&mut self, ids: &[QueueId]) {
+        let max = self.snapshot_limit();
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
@@ -662,8 +684,8 @@ impl Broker {
                 continue;
             }
             r.snapshot_bytes = buf.len() as u64;
-            if buf.len() > c.snapshot_max {
-                tracing::warn!(queue = %q.name, vhost = %q.vhost, bytes = buf.len(), "replicated queue too large to snapshot: its log is kept until it is smaller");
+            if buf.len() > max {
+                tracing::warn!(queue = %q.name, vhost = %q.vhost, bytes = buf.len(), max, "replicated queue too large to snapshot: its log is kept until it is smaller");
                 continue;
             }
             c.snapshots.push(ReplicaSnapshot {

@@ -7,6 +7,7 @@ mod address;
 mod auth;
 mod link_tls;
 mod node;
+mod pieces;
 mod transport;
 mod wire;
 
@@ -39,6 +40,9 @@ pub const JOIN_REQUEST: GroupId = GroupId((1 << 63) - 4);
 /// A forward to this group carries how far the sender applied the metadata log (the broker's
 /// `META_APPLIED`: 8 bytes, big-endian).
 pub const META_APPLIED: GroupId = GroupId(warren_broker::META_APPLIED);
+/// A forward to this group is a piece of a Raft message too large for one frame (`pieces`):
+/// the transport puts the message together again, and no other part of a node sees it.
+pub const PIECE: GroupId = GroupId((1 << 63) - 6);
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
 use node::{Command, Driver};
@@ -47,6 +51,10 @@ use transport::{Counters, Net};
 /// The largest proposal taken: a larger entry would not fit in a frame, never reach a
 /// follower and stall its group. The margin covers the batch's and the message's other fields.
 pub const MAX_PROPOSAL: usize = wire::MAX_FRAME - (64 << 10);
+/// The largest snapshot a replicated queue takes once every node receives snapshots in pieces
+/// (a larger queue keeps its log until it is smaller). It is encoded under the node's lock:
+/// about a second for 1 GiB here, once per GiB of log at that depth (see docs/design.md).
+pub const MAX_SNAPSHOT: usize = 1 << 30;
 /// The shortest cluster secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
 /// How long `shutdown` waits for the transport's tasks once the Raft thread has stopped.
@@ -80,6 +88,9 @@ pub struct ClusterConfig {
     /// address (`HOST:PORT`, its own entry of `--cluster-nodes`): its links use the joining
     /// handshake, and it starts the metadata group waiting for its leader's snapshot.
     pub join: Option<String>,
+    /// A snapshot larger than this goes to a follower in pieces ([`MAX_PROPOSAL`]; less in
+    /// tests).
+    pub inline_max: usize,
 }
 
 impl std::fmt::Debug for ClusterConfig {
@@ -95,6 +106,7 @@ impl std::fmt::Debug for ClusterConfig {
             .field("boot", &self.boot)
             .field("snapshot_keep", &self.snapshot_keep)
             .field("join", &self.join)
+            .field("inline_max", &self.inline_max)
             .finish_non_exhaustive()
     }
 }
@@ -176,8 +188,12 @@ pub struct ClusterStats {
     pub dropped_in: u64,
     /// Batches to peers dropped: the peer's queue was full or its connection down.
     pub dropped_out: u64,
-    /// Raft messages too large for a frame, never sent.
+    /// Raft messages never sent: too large for a frame (or for pieces), or a snapshot of a
+    /// group whose previous one was still going out in pieces.
     pub skipped_msgs: u64,
+    /// Raft messages (snapshots) sent whole in pieces, and put together from pieces.
+    pub pieced_out: u64,
+    pub pieced_in: u64,
     /// Incoming connections that failed authentication.
     pub refused: u64,
     /// Authenticated connections dropped for a bad frame or batch.

@@ -21,6 +21,7 @@ use warren_replication::{NodeBatch, NodeId};
 
 use super::auth::{self, AuthError};
 use super::link_tls::{self, ClusterTls};
+use super::pieces;
 use super::wire::{self, WireError, MAX_FRAME};
 use super::{ClusterConfig, ClusterError, ClusterStats, PeerAddr};
 
@@ -115,6 +116,8 @@ pub(crate) struct Counters {
     connections_in: AtomicU64,
     connections_out: AtomicU64,
     dial_failures: AtomicU64,
+    pieced_out: AtomicU64,
+    pieced_in: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -135,6 +138,8 @@ impl Counters {
             connections_in: get(&self.connections_in),
             connections_out: get(&self.connections_out),
             dial_failures: get(&self.dial_failures),
+            pieced_out: get(&self.pieced_out),
+            pieced_in: get(&self.pieced_in),
         }
     }
 }
@@ -303,6 +308,8 @@ struct Shared {
     joining: bool,
     handshakes: Arc<Semaphore>,
     refusals_logged: Mutex<HashMap<IpAddr, Instant>>,
+    /// Snapshot data above this goes in pieces ([`pieces::INLINE_MAX`]; less in tests).
+    inline_max: usize,
 }
 
 /// Binds the cluster address and starts the listener and one dialer per peer.
@@ -349,6 +356,7 @@ pub(crate) fn start(
         joining,
         handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
         refusals_logged: Mutex::new(HashMap::new()),
+        inline_max: cfg.inline_max,
     });
     runtime.spawn(accept_loop(shared.clone(), listener));
     let mut out = Outbound {
@@ -494,7 +502,9 @@ async fn dial_loop(
     }
 }
 
-/// Writes batches until the Raft thread stops (`Ok`) or the connection fails.
+/// Writes batches until the Raft thread stops (`Ok`) or the connection fails. A message too
+/// large for a frame goes in pieces ([`pieces`]), one frame of them per write, so that what the
+/// Raft thread sends meanwhile is not held behind it.
 async fn send_loop(
     shared: &Shared,
     stream: Stream,
@@ -504,25 +514,16 @@ async fn send_loop(
     let (mut read, mut write) = tokio::io::split(stream);
     let mut buf = Vec::new();
     let mut probe = [0u8; 1];
+    let mut large = pieces::Outgoing::new(shared.inline_max);
     loop {
+        buf.clear();
         tokio::select! {
+            biased;
             b = rx.recv() => {
                 let Some(q) = b else { return Ok(()) };
-                buf.clear();
-                budget.give(q.bytes);
-                encode(shared, &q.batch, &mut buf);
-                while buf.len() < WRITE_CHUNK {
-                    let Ok(q) = rx.try_recv() else { break };
-                    budget.give(q.bytes);
-                    encode(shared, &q.batch, &mut buf);
-                }
-                write.write_all(&buf).await?;
-                // TLS holds records back until flushed (a no-op for plain TCP).
-                write.flush().await?;
-                if buf.capacity() > 4 * WRITE_CHUNK {
-                    buf = Vec::new();
-                }
+                take(shared, q, budget, &mut large, &mut buf);
             }
+            () = std::future::ready(()), if !large.is_empty() => {}
             // The listener writes nothing after the handshake: any read result ends the link.
             r = read.read(&mut probe) => {
                 return Err(match r {
@@ -532,7 +533,46 @@ async fn send_loop(
                 });
             }
         }
+        while buf.len() < WRITE_CHUNK {
+            let Ok(q) = rx.try_recv() else { break };
+            take(shared, q, budget, &mut large, &mut buf);
+        }
+        let (_, last) = large.next_frame(&mut buf);
+        write.write_all(&buf).await?;
+        if last {
+            bump(&shared.counters.pieced_out);
+        }
+        // TLS holds records back until flushed (a no-op for plain TCP).
+        write.flush().await?;
+        if buf.capacity() > 4 * WRITE_CHUNK + pieces::PIECE_BYTES {
+            buf = Vec::new();
+        }
     }
+}
+
+/// Encodes a batch taken from the queue, its messages too large for a frame set aside in `large`.
+fn take(
+    shared: &Shared,
+    mut q: Queued,
+    budget: &Budget,
+    large: &mut pieces::Outgoing,
+    buf: &mut Vec<u8>,
+) {
+    budget.give(q.bytes);
+    let dropped = large.take_large(&mut q.batch);
+    if dropped > 0 {
+        shared
+            .counters
+            .skipped_msgs
+            .fetch_add(dropped as u64, Ordering::Relaxed);
+        tracing::debug!(
+            node = shared.me,
+            peer = q.batch.to,
+            dropped,
+            "snapshots not sent: one of their group is still under way, or too many wait"
+        );
+    }
+    encode(shared, &q.batch, buf);
 }
 
 fn encode(shared: &Shared, b: &NodeBatch, buf: &mut Vec<u8>) {
@@ -643,6 +683,7 @@ async fn serve(
         n.notify_one();
     }
     let mut read = BufReader::with_capacity(64 << 10, stream);
+    let mut large = pieces::Incoming::default();
     // The peer's own connection ending is the first sign of its death: the Raft thread hears of
     // it at once (see `MultiRaft::peer_lost`).
     let lost = |shared: &Shared| {
@@ -687,35 +728,73 @@ async fn serve(
                 return;
             }
         }
-        let bytes = frame.len();
+        // Decoded before the budget is asked: the pieces of a large message are held here, not
+        // queued for the Raft thread, and a piece dropped would lose the whole message.
+        let mut bytes = frame.len();
+        let mut batch = match wire::decode_batch(frame) {
+            Ok(b) => b,
+            Err(e) => return bad_frame(&shared, peer, remote, &e),
+        };
+        if batch.from != peer || batch.to != me {
+            let e = format!("batch from {} to {} on this link", batch.from, batch.to);
+            return bad_frame(&shared, peer, remote, &e);
+        }
+        if batch.forwards.iter().any(|f| f.group == super::PIECE) {
+            for f in std::mem::take(&mut batch.forwards) {
+                if f.group != super::PIECE {
+                    batch.forwards.push(f);
+                    continue;
+                }
+                bytes = bytes.saturating_sub(f.data.len());
+                match large.take(f.data) {
+                    Ok(None) => {}
+                    // Not counted in the budget: a link holds one such message at a time.
+                    Ok(Some(whole)) => {
+                        bump(&shared.counters.pieced_in);
+                        let one = NodeBatch {
+                            from: peer,
+                            boot: batch.boot,
+                            to: me,
+                            draining: batch.draining,
+                            msgs: vec![whole],
+                            forwards: Vec::new(),
+                        };
+                        if !deliver(&shared, one, 0) {
+                            return;
+                        }
+                    }
+                    Err(e) => return bad_frame(&shared, peer, remote, &e),
+                }
+            }
+        }
         if !shared.inbound_budget.take(bytes) {
             bump(&shared.counters.dropped_in);
             continue;
         }
-        let batch = match wire::decode_batch(frame) {
-            Ok(b) => b,
-            Err(e) => {
-                shared.inbound_budget.give(bytes);
-                return bad_frame(&shared, peer, remote, &e);
-            }
-        };
-        if batch.from != peer || batch.to != me {
+        if !deliver(&shared, batch, bytes) {
+            return;
+        }
+    }
+}
+
+/// Hands a batch holding `bytes` of the inbound budget to the Raft thread (dropped if its
+/// queue is full, giving the bytes back); false once the Raft thread is gone.
+fn deliver(shared: &Shared, batch: NodeBatch, bytes: usize) -> bool {
+    match shared.inbound.try_send(Queued {
+        batch,
+        bytes,
+        lost: false,
+    }) {
+        Ok(()) => {
+            bump(&shared.counters.batches_in);
+            true
+        }
+        Err(crossbeam_channel::TrySendError::Full(_)) => {
             shared.inbound_budget.give(bytes);
-            let e = format!("batch from {} to {} on this link", batch.from, batch.to);
-            return bad_frame(&shared, peer, remote, &e);
+            bump(&shared.counters.dropped_in);
+            true
         }
-        match shared.inbound.try_send(Queued {
-            batch,
-            bytes,
-            lost: false,
-        }) {
-            Ok(()) => bump(&shared.counters.batches_in),
-            Err(crossbeam_channel::TrySendError::Full(_)) => {
-                shared.inbound_budget.give(bytes);
-                bump(&shared.counters.dropped_in);
-            }
-            Err(crossbeam_channel::TrySendError::Disconnected(_)) => return,
-        }
+        Err(crossbeam_channel::TrySendError::Disconnected(_)) => false,
     }
 }
 

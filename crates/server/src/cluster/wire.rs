@@ -17,8 +17,8 @@ use warren_replication::{Envelope, Forward, GroupId, NodeBatch};
 
 /// The largest payload a frame may declare; a larger one ends the connection.
 pub const MAX_FRAME: usize = 64 << 20;
-const BATCH_HEADER: usize = 24;
-const ENVELOPE_HEADER: usize = 12;
+pub(super) const BATCH_HEADER: usize = 24;
+pub(super) const ENVELOPE_HEADER: usize = 12;
 /// Marks an envelope as a forwarded proposal.
 pub const FORWARD_BIT: u64 = 1 << 63;
 /// The envelope that says the sender is draining ([`NodeBatch::draining`]).
@@ -30,6 +30,8 @@ pub enum WireError {
     TooLarge(u64),
     #[error("frame cut short: {0} bytes missing")]
     Truncated(usize),
+    #[error("message in pieces: {0}")]
+    Piece(&'static str),
     #[error("raft message: {0}")]
     Protobuf(#[from] protobuf::ProtobufError),
     #[error("i/o: {0}")]
@@ -49,7 +51,7 @@ pub struct Encoded {
 pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) -> Encoded {
     let mut done = Encoded::default();
     let header = BATCH_HEADER + if batch.draining { ENVELOPE_HEADER } else { 0 };
-    let mut frame = start_frame(batch, out);
+    let mut frame = start_frame(&Header::of(batch), out);
     for env in &batch.msgs {
         let size = env.msg.compute_size() as usize;
         if header + ENVELOPE_HEADER + size > max_payload {
@@ -59,7 +61,7 @@ pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) ->
         if out.len() - frame - 4 + ENVELOPE_HEADER + size > max_payload {
             finish_frame(frame, out);
             done.frames += 1;
-            frame = start_frame(batch, out);
+            frame = start_frame(&Header::of(batch), out);
         }
         let at = out.len();
         out.put_u64(env.group.0);
@@ -88,7 +90,7 @@ pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) ->
         if out.len() - frame - 4 + ENVELOPE_HEADER + size > max_payload {
             finish_frame(frame, out);
             done.frames += 1;
-            frame = start_frame(batch, out);
+            frame = start_frame(&Header::of(batch), out);
         }
         out.put_u64(f.group.0 | FORWARD_BIT);
         out.put_u32(size as u32);
@@ -99,18 +101,52 @@ pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) ->
     done
 }
 
+/// What every frame of a batch starts with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub from: u64,
+    pub boot: u64,
+    pub to: u64,
+    pub draining: bool,
+}
+
+impl Header {
+    pub fn of(b: &NodeBatch) -> Header {
+        Header {
+            from: b.from,
+            boot: b.boot,
+            to: b.to,
+            draining: b.draining,
+        }
+    }
+}
+
 /// Writes a frame's length placeholder and the batch header; returns where the frame starts.
-fn start_frame(batch: &NodeBatch, out: &mut Vec<u8>) -> usize {
+fn start_frame(h: &Header, out: &mut Vec<u8>) -> usize {
     let at = out.len();
     out.put_u32(0);
-    out.put_u64(batch.from);
-    out.put_u64(batch.boot);
-    out.put_u64(batch.to);
-    if batch.draining {
+    out.put_u64(h.from);
+    out.put_u64(h.boot);
+    out.put_u64(h.to);
+    if h.draining {
         out.put_u64(DRAINING);
         out.put_u32(0);
     }
     at
+}
+
+/// Appends a frame holding one forward to `group` whose bytes are `parts` one after the other
+/// (their total is at most [`MAX_FRAME`] less the headers: the caller sizes them).
+pub fn encode_forward_frame(h: &Header, group: u64, parts: &[&[u8]], out: &mut Vec<u8>) {
+    let frame = start_frame(h, out);
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    out.put_u64(group | FORWARD_BIT);
+    // Bounded by the caller far below u32::MAX.
+    out.put_u32(len as u32);
+    for p in parts {
+        out.extend_from_slice(p);
+    }
+    finish_frame(frame, out);
 }
 
 fn finish_frame(at: usize, out: &mut [u8]) {

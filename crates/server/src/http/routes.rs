@@ -323,6 +323,8 @@ pub(crate) fn node_json(api: &Api) -> Value {
                     "dropped_in": t.dropped_in, "dropped_out": t.dropped_out,
                     "skipped_messages": t.skipped_msgs, "refused_peers": t.refused,
                     "bad_frames": t.bad_frames,
+                    "snapshots_sent_in_pieces": t.pieced_out,
+                    "snapshots_received_in_pieces": t.pieced_in,
                 },
             })
         }),

@@ -110,6 +110,8 @@ struct Cluster {
     seen: Vec<Recorder>,
     /// Each node's cluster TLS (none: plain TCP).
     tls: Vec<Option<ClusterTlsFiles>>,
+    /// Snapshots larger than this go in pieces.
+    inline_max: usize,
 }
 
 impl Cluster {
@@ -130,6 +132,7 @@ impl Cluster {
             // Small, so that a follower down for a few dozen entries needs a snapshot.
             snapshot_keep: 8,
             join: None,
+            inline_max: self.inline_max,
         }
     }
 
@@ -154,6 +157,20 @@ impl Cluster {
 
     /// Three nodes, node i + 1 with `tls[i]`.
     fn start_tls(secrets: [&[u8]; 3], named: bool, tls: Vec<Option<ClusterTlsFiles>>) -> Cluster {
+        Self::start_all(secrets, named, tls, MAX_PROPOSAL)
+    }
+
+    /// Three nodes sending snapshots above `inline_max` bytes in pieces.
+    fn start_pieced(inline_max: usize) -> Cluster {
+        Self::start_all([SECRET; 3], false, vec![None, None, None], inline_max)
+    }
+
+    fn start_all(
+        secrets: [&[u8]; 3],
+        named: bool,
+        tls: Vec<Option<ClusterTlsFiles>>,
+        inline_max: usize,
+    ) -> Cluster {
         let mut c = Cluster {
             named,
             addrs: addrs(3),
@@ -161,6 +178,7 @@ impl Cluster {
             nodes: Vec::new(),
             seen: Vec::new(),
             tls,
+            inline_max,
         };
         for (i, secret) in secrets.iter().enumerate() {
             let seen = Recorder::default();
@@ -339,6 +357,29 @@ fn the_survivors_elect_and_commit_and_a_restarted_node_recovers_and_catches_up()
 #[test]
 fn a_follower_back_after_the_log_was_compacted_gets_a_snapshot_and_restarts_from_it() {
     let mut c = Cluster::start([SECRET; 3]);
+    let state = bytes::Bytes::from_static(b"the state at 100");
+    follower_back_after_compaction(&mut c, state, |_, _, _| {});
+}
+
+#[test]
+fn a_snapshot_larger_than_a_frame_reaches_the_follower_in_pieces() {
+    // Snapshots above 1 KiB go in pieces of 256 bytes here (64 MiB and 4 MiB by default).
+    let mut c = Cluster::start_pieced(1024);
+    let state: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
+    follower_back_after_compaction(&mut c, state.into(), |c, leader, down| {
+        assert!(c.node(leader).stats().pieced_out >= 1);
+        assert!(c.node(down).stats().pieced_in >= 1);
+    });
+}
+
+/// A follower down while `state` is snapshotted and the log behind it compacted gets the
+/// snapshot and the entries after it (then `caught_up` sees the leader and it), and starts
+/// from them after a restart.
+fn follower_back_after_compaction(
+    c: &mut Cluster,
+    state: bytes::Bytes,
+    caught_up: impl FnOnce(&Cluster, NodeId, NodeId),
+) {
     let leader = c.group_led(&[1, 2, 3]);
     let down = leader % 3 + 1;
     let up: Vec<NodeId> = (1..=3).filter(|id| *id != down).collect();
@@ -355,8 +396,7 @@ fn a_follower_back_after_the_log_was_compacted_gets_a_snapshot_and_restarts_from
     let meta = c.seen(leader).last_meta(G);
     for id in &up {
         assert_eq!(c.seen(*id).last_meta(G), meta);
-        c.node(*id)
-            .snapshot(G, meta, bytes::Bytes::from_static(b"the state at 100"));
+        c.node(*id).snapshot(G, meta, state.clone());
     }
     let after = payloads(100..105);
     for p in &after {
@@ -371,7 +411,7 @@ fn a_follower_back_after_the_log_was_compacted_gets_a_snapshot_and_restarts_from
     });
     assert_eq!(
         c.seen(down).snapshots(G),
-        vec![(meta.index, b"the state at 100".to_vec())],
+        vec![(meta.index, state.to_vec())],
         "sent the snapshot: the entries it covers are gone from the leader's log"
     );
     assert_eq!(
@@ -379,6 +419,7 @@ fn a_follower_back_after_the_log_was_compacted_gets_a_snapshot_and_restarts_from
         after,
         "only what follows the snapshot"
     );
+    caught_up(c, leader, down);
     // A restart starts from the snapshot it installed, then replays the entries after it.
     c.stop(down);
     c.restart(down, 3);
@@ -557,6 +598,7 @@ fn node_one(
         boot: 1,
         snapshot_keep: 4096,
         join: None,
+        inline_max: MAX_PROPOSAL,
     }
 }
 

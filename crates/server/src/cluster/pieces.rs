@@ -1,0 +1,447 @@
+//! A Raft message too large for one frame travels in pieces. Only a snapshot grows that large: a
+//! deep queue's state (a frame holds 64 MiB, about 60,000 queued 1 KiB messages). Sent in one
+//! frame it would also hold every other group's heartbeats on the link behind it for as long as
+//! its write takes (about a second per GiB here), long enough to start elections.
+//!
+//! The sender writes the message without its snapshot's data (the *head*), then the data, as
+//! forwards to the reserved group [`super::PIECE`]: at most [`PIECE_BYTES`] in a frame and one
+//! frame of pieces per write, so what Raft sends meanwhile goes out between them. A piece is the
+//! message's group (u64), the data's length (u64), where this piece's data starts in it (u64), the
+//! head's length (u32) and the head (in the first piece only), then the data, all big-endian.
+//!
+//! The receiver keeps one message in pieces per link: a piece at offset 0 starts one (dropping
+//! an unfinished one), any other must follow the one before it, and the last makes the message
+//! whole, handed to Raft like any other. A link that breaks loses what it held in pieces; Raft
+//! sends the snapshot again when the follower still lacks it. A node that predates pieces drops
+//! them as forwards to a group it does not have: the broker takes snapshots larger than a frame
+//! only once every node of the cluster announced the feature level that receives them.
+
+use std::collections::VecDeque;
+
+use bytes::{BufMut, Bytes};
+use protobuf::Message as _;
+use warren_replication::raft::eraftpb::Message;
+use warren_replication::{Envelope, GroupId, NodeBatch};
+
+use super::wire::{self, Header, WireError, BATCH_HEADER, ENVELOPE_HEADER, MAX_FRAME};
+
+/// Data bytes in one piece: a few milliseconds of a link's time, so a heartbeat queued behind
+/// a piece is late by no more than that.
+pub const PIECE_BYTES: usize = 4 << 20;
+/// A message whose snapshot data is at most this travels in one frame, as before pieces: a
+/// node that predates them reads it.
+pub const INLINE_MAX: usize = super::MAX_PROPOSAL;
+/// The largest snapshot data sent or taken in pieces. A receiver holds a message's pieces
+/// until the last one, so this bounds what one link may make it hold.
+pub const MAX_PIECED: usize = 4 << 30;
+const _: () = assert!(super::MAX_SNAPSHOT <= MAX_PIECED);
+/// Messages waiting to go in pieces on one link; more are dropped (Raft sends them again).
+const MAX_WAITING: usize = 4;
+const PIECE_HEADER: usize = 28;
+
+/// The messages a link sends in pieces, oldest first; the first may be under way.
+pub struct Outgoing {
+    waiting: VecDeque<Sending>,
+    /// Larger snapshot data goes in pieces of `piece_bytes` ([`INLINE_MAX`] and
+    /// [`PIECE_BYTES`], smaller in tests).
+    inline_max: usize,
+    piece_bytes: usize,
+}
+
+impl Default for Outgoing {
+    fn default() -> Self {
+        Outgoing::new(INLINE_MAX)
+    }
+}
+
+struct Sending {
+    header: Header,
+    group: u64,
+    head: Vec<u8>,
+    data: Bytes,
+    sent: usize,
+}
+
+impl Outgoing {
+    pub fn new(inline_max: usize) -> Outgoing {
+        let inline_max = inline_max.clamp(1, INLINE_MAX);
+        Outgoing {
+            waiting: VecDeque::new(),
+            inline_max,
+            piece_bytes: (inline_max / 4).clamp(1, PIECE_BYTES),
+        }
+    }
+
+    /// Takes out of `batch` the messages too large for one frame, to go in pieces after it.
+    /// Returns how many of them were dropped instead: too large even for pieces, a head that
+    /// would not encode, no room among the waiting ones. A message for a group and peer that
+    /// already has one waiting is dropped too: Raft asks for a snapshot again each time the
+    /// follower refuses an append it cannot take yet, and starting the first one over would
+    /// never let it finish.
+    pub fn take_large(&mut self, batch: &mut NodeBatch) -> usize {
+        if !batch
+            .msgs
+            .iter()
+            .any(|e| e.msg.get_snapshot().data.len() > self.inline_max)
+        {
+            return 0;
+        }
+        let header = Header::of(batch);
+        let mut dropped = 0;
+        let msgs = std::mem::take(&mut batch.msgs);
+        for env in msgs {
+            if env.msg.get_snapshot().data.len() <= self.inline_max {
+                batch.msgs.push(env);
+                continue;
+            }
+            let data = env.msg.get_snapshot().data.clone();
+            let same = |s: &Sending| s.group == env.group.0 && s.header.to == header.to;
+            if data.len() > MAX_PIECED
+                || self.waiting.len() >= MAX_WAITING
+                || self.waiting.iter().any(same)
+            {
+                dropped += 1;
+                continue;
+            }
+            let mut head = env.msg;
+            head.mut_snapshot().data = Bytes::new();
+            match head.write_to_bytes() {
+                Ok(head) if PIECE_HEADER + head.len() + self.piece_bytes <= room(&header) => {
+                    self.waiting.push_back(Sending {
+                        header,
+                        group: env.group.0,
+                        head,
+                        data,
+                        sent: 0,
+                    });
+                }
+                _ => dropped += 1,
+            }
+        }
+        dropped
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    /// Appends the next piece's frame to `out`. Returns whether it wrote one, and whether
+    /// that was its message's last.
+    pub fn next_frame(&mut self, out: &mut Vec<u8>) -> (bool, bool) {
+        let Some(s) = self.waiting.front_mut() else {
+            return (false, false);
+        };
+        let end = (s.sent + self.piece_bytes).min(s.data.len());
+        let chunk = s.data.get(s.sent..end).unwrap_or_default();
+        let head: &[u8] = if s.sent == 0 { &s.head } else { &[] };
+        let mut top = Vec::with_capacity(PIECE_HEADER);
+        top.put_u64(s.group);
+        top.put_u64(s.data.len() as u64);
+        top.put_u64(s.sent as u64);
+        top.put_u32(head.len() as u32);
+        wire::encode_forward_frame(&s.header, super::PIECE.0, &[&top, head, chunk], out);
+        s.sent = end;
+        let last = s.sent >= s.data.len();
+        if last {
+            self.waiting.pop_front();
+        }
+        (true, last)
+    }
+}
+
+/// Payload bytes a frame with this header leaves for one envelope's data.
+fn room(h: &Header) -> usize {
+    let header = BATCH_HEADER + if h.draining { ENVELOPE_HEADER } else { 0 };
+    MAX_FRAME - header - ENVELOPE_HEADER
+}
+
+/// The message a link is receiving in pieces.
+#[derive(Default)]
+pub struct Incoming {
+    partial: Option<Partial>,
+}
+
+struct Partial {
+    group: u64,
+    total: usize,
+    head: Message,
+    parts: Vec<Bytes>,
+    have: usize,
+}
+
+impl Incoming {
+    /// Takes one piece (a forward's bytes); the message it makes whole comes back. An error
+    /// is a sender that breaks the rules above: the link is dropped.
+    pub fn take(&mut self, mut piece: Bytes) -> Result<Option<Envelope>, WireError> {
+        if piece.len() < PIECE_HEADER {
+            return Err(WireError::Piece("a piece shorter than its header"));
+        }
+        let top = piece.split_to(PIECE_HEADER);
+        let word = |at: usize| {
+            top.get(at..at + 8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map_or(0, u64::from_be_bytes)
+        };
+        let (group, total, offset) = (word(0), word(8), word(16));
+        let head_len = top
+            .get(24..28)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map_or(0, u32::from_be_bytes) as usize;
+        if total > MAX_PIECED as u64 {
+            return Err(WireError::Piece(
+                "a message above the largest taken in pieces",
+            ));
+        }
+        let total = total as usize;
+        if head_len > piece.len() {
+            return Err(WireError::Piece("a head longer than its piece"));
+        }
+        let head = piece.split_to(head_len);
+        if offset == 0 {
+            let head = Message::parse_from_carllerche_bytes(&head)?;
+            self.partial = Some(Partial {
+                group,
+                total,
+                head,
+                parts: Vec::new(),
+                have: 0,
+            });
+        } else if head_len != 0 {
+            return Err(WireError::Piece("a head in a piece other than the first"));
+        }
+        let p = match self.partial.as_mut() {
+            Some(p) if p.group == group && p.total == total && p.have as u64 == offset => p,
+            _ => {
+                self.partial = None;
+                return Err(WireError::Piece(
+                    "a piece that does not follow the one before",
+                ));
+            }
+        };
+        if piece.len() > p.total - p.have {
+            self.partial = None;
+            return Err(WireError::Piece("pieces longer than their message"));
+        }
+        p.have += piece.len();
+        if !piece.is_empty() {
+            p.parts.push(piece);
+        }
+        if p.have < p.total {
+            return Ok(None);
+        }
+        let Some(mut p) = self.partial.take() else {
+            return Ok(None);
+        };
+        // Sized by bytes that arrived, not by what the sender declared.
+        let mut data = Vec::with_capacity(p.have);
+        for part in &p.parts {
+            data.extend_from_slice(part);
+        }
+        p.head.mut_snapshot().data = data.into();
+        Ok(Some(Envelope {
+            group: GroupId(group),
+            msg: p.head,
+        }))
+    }
+
+    /// Bytes held for the message under way.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.partial.as_ref().map_or(0, |p| p.have)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use warren_replication::raft::eraftpb::MessageType;
+
+    fn snapshot_msg(to: u64, index: u64, data: Bytes) -> Message {
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgSnapshot);
+        m.from = 1;
+        m.to = to;
+        m.term = 4;
+        let s = m.mut_snapshot();
+        s.mut_metadata().index = index;
+        s.mut_metadata().term = 4;
+        s.mut_metadata().mut_conf_state().voters = vec![1, 2, 3];
+        s.data = data;
+        m
+    }
+
+    fn heartbeat(to: u64) -> Message {
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgHeartbeat);
+        m.from = 1;
+        m.to = to;
+        m.term = 4;
+        m
+    }
+
+    fn batch(msgs: Vec<(u64, Message)>) -> NodeBatch {
+        NodeBatch {
+            from: 1,
+            boot: 9,
+            to: 2,
+            draining: false,
+            msgs: msgs
+                .into_iter()
+                .map(|(g, msg)| Envelope {
+                    group: GroupId(g),
+                    msg,
+                })
+                .collect(),
+            forwards: vec![],
+        }
+    }
+
+    fn big(len: usize) -> Bytes {
+        (0..len).map(|i| (i % 251) as u8).collect::<Vec<_>>().into()
+    }
+
+    /// Decodes every frame in `out`, feeding pieces to `incoming`: the batches, and the
+    /// messages made whole.
+    fn receive(out: &[u8], incoming: &mut Incoming) -> (Vec<NodeBatch>, Vec<Envelope>) {
+        let (mut batches, mut whole) = (Vec::new(), Vec::new());
+        let mut rest = out;
+        while !rest.is_empty() {
+            let len = u32::from_be_bytes(rest[..4].try_into().unwrap()) as usize;
+            assert!(len <= MAX_FRAME);
+            let mut b = wire::decode_batch(Bytes::copy_from_slice(&rest[4..4 + len])).unwrap();
+            rest = &rest[4 + len..];
+            for f in std::mem::take(&mut b.forwards) {
+                if f.group == super::super::PIECE {
+                    whole.extend(incoming.take(f.data).unwrap());
+                } else {
+                    b.forwards.push(f);
+                }
+            }
+            batches.push(b);
+        }
+        (batches, whole)
+    }
+
+    #[test]
+    fn a_snapshot_larger_than_a_frame_goes_in_pieces_between_other_frames_and_comes_back_whole() {
+        const INLINE: usize = 64 << 10;
+        let data = big(INLINE + 17);
+        let snap = snapshot_msg(2, 70, data.clone());
+        let mut b = batch(vec![(5, snap.clone()), (6, heartbeat(2))]);
+        let mut out = Outgoing::new(INLINE);
+        assert_eq!(out.take_large(&mut b), 0);
+        assert_eq!(b.msgs.len(), 1, "the heartbeat stays in its batch");
+        let mut incoming = Incoming::default();
+        let mut frames = 0;
+        let mut whole = Vec::new();
+        while !out.is_empty() {
+            // What Raft sends meanwhile goes out between the pieces.
+            let mut buf = Vec::new();
+            wire::encode_batch(&batch(vec![(6, heartbeat(2))]), MAX_FRAME, &mut buf);
+            assert!(out.next_frame(&mut buf).0);
+            let (batches, w) = receive(&buf, &mut incoming);
+            assert_eq!(batches.len(), 2);
+            assert_eq!(batches[0].msgs.len(), 1);
+            assert!(batches[1].msgs.is_empty() && batches[1].forwards.is_empty());
+            whole.extend(w);
+            frames += 1;
+        }
+        assert_eq!(frames, data.len().div_ceil(INLINE / 4));
+        assert_eq!(out.next_frame(&mut Vec::new()), (false, false));
+        assert_eq!(whole.len(), 1);
+        assert_eq!(whole[0].group, GroupId(5));
+        assert_eq!(whole[0].msg, snap, "head and data as they were sent");
+        assert_eq!(incoming.held(), 0);
+    }
+
+    #[test]
+    fn a_snapshot_that_fits_a_frame_stays_in_its_batch() {
+        let mut b = batch(vec![(5, snapshot_msg(2, 7, big(1000)))]);
+        let mut out = Outgoing::default();
+        assert_eq!(out.take_large(&mut b), 0);
+        assert_eq!(b.msgs.len(), 1);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn a_second_snapshot_of_a_group_waiting_for_its_peer_is_dropped_and_the_first_goes_on() {
+        let data = big(4097);
+        let mut out = Outgoing::new(4096);
+        let mut b = batch(vec![(5, snapshot_msg(2, 70, data.clone()))]);
+        assert_eq!(out.take_large(&mut b), 0);
+        let mut incoming = Incoming::default();
+        let mut buf = Vec::new();
+        assert_eq!(out.next_frame(&mut buf), (true, false));
+        receive(&buf, &mut incoming);
+        let mut again = batch(vec![
+            (5, snapshot_msg(2, 80, data.clone())),
+            (8, snapshot_msg(2, 3, data.clone())),
+        ]);
+        assert_eq!(out.take_large(&mut again), 1, "group 5's second is dropped");
+        let mut whole = Vec::new();
+        while !out.is_empty() {
+            let mut buf = Vec::new();
+            out.next_frame(&mut buf);
+            whole.extend(receive(&buf, &mut incoming).1);
+        }
+        let got: Vec<(u64, u64)> = whole
+            .iter()
+            .map(|e| (e.group.0, e.msg.get_snapshot().get_metadata().index))
+            .collect();
+        assert_eq!(got, vec![(5, 70), (8, 3)]);
+    }
+
+    #[test]
+    fn a_piece_out_of_turn_is_an_error_and_a_first_piece_starts_over() {
+        let data = big(4 * 1024 + 1);
+        let mut send = Outgoing::new(4096);
+        assert_eq!(
+            send.take_large(&mut batch(vec![(5, snapshot_msg(2, 70, data.clone()))])),
+            0
+        );
+        let mut pieces = Vec::new();
+        while !send.is_empty() {
+            let mut buf = Vec::new();
+            send.next_frame(&mut buf);
+            let mut b = wire::decode_batch(Bytes::copy_from_slice(&buf[4..])).unwrap();
+            pieces.push(b.forwards.remove(0).data);
+        }
+        assert_eq!(pieces.len(), 5);
+        // The second piece first: nothing to follow.
+        let mut incoming = Incoming::default();
+        assert!(incoming.take(pieces[1].clone()).is_err());
+        // A first piece, then the first piece again (the sender started over), then the rest.
+        assert!(incoming.take(pieces[0].clone()).unwrap().is_none());
+        assert!(incoming.take(pieces[0].clone()).unwrap().is_none());
+        assert!(incoming.take(pieces[2].clone()).is_err(), "a gap");
+        assert_eq!(incoming.held(), 0);
+        for p in &pieces[..4] {
+            assert!(incoming.take(p.clone()).unwrap().is_none());
+        }
+        let whole = incoming.take(pieces[4].clone()).unwrap().unwrap();
+        assert_eq!(whole.msg.get_snapshot().data, data);
+    }
+
+    #[test]
+    fn every_damaged_piece_is_an_error_never_a_panic() {
+        let data = big(2 * 4096 + 5);
+        let mut send = Outgoing::new(4096);
+        send.take_large(&mut batch(vec![(5, snapshot_msg(2, 70, data))]));
+        let mut buf = Vec::new();
+        send.next_frame(&mut buf);
+        let mut b = wire::decode_batch(Bytes::copy_from_slice(&buf[4..])).unwrap();
+        let first = b.forwards.remove(0).data;
+        for cut in 0..PIECE_HEADER + 64 {
+            let _ = Incoming::default().take(first.slice(..cut));
+        }
+        let mut huge = first.to_vec();
+        huge[8..16].copy_from_slice(&(MAX_PIECED as u64 + 1).to_be_bytes());
+        assert!(Incoming::default().take(huge.into()).is_err());
+        let mut long_head = first.to_vec();
+        long_head[24..28].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(Incoming::default().take(long_head.into()).is_err());
+        let mut short_total = first.to_vec();
+        short_total[8..16].copy_from_slice(&10u64.to_be_bytes());
+        assert!(Incoming::default().take(short_total.into()).is_err());
+    }
+}
