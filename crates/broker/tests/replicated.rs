@@ -11,7 +11,7 @@ use bytes::Bytes;
 use warren_broker::machine::CreditGroup;
 use warren_broker::{
     Broker, BrokerConfig, DeclareQueue, Declared, Delivery, GetAnswer, Got, GroupChange, Message,
-    Proposal, QueueDeclared, QueueId, GET_WAIT_MS, NODE_DOWN_MS,
+    Proposal, QueueDeclared, QueueId, SnapshotData, GET_WAIT_MS, NODE_DOWN_MS,
 };
 use warren_codec::{FieldTable, FieldValue, ReplyCode, ShortStr};
 use warren_replication::{
@@ -55,6 +55,8 @@ struct Cluster {
     hold_forwards: bool,
     /// Proposals Raft handed back to their brokers.
     refusals: u32,
+    /// Snapshots whose machine the taker copied, to encode elsewhere (a deep queue's).
+    copied_snapshots: u32,
     /// Answers to declarations that waited for the metadata log, by node, not looked at yet.
     declare_answers: Vec<(u64, warren_broker::DeclareAnswer)>,
 }
@@ -158,6 +160,7 @@ impl Cluster {
             group: 0,
             hold_forwards: false,
             refusals: 0,
+            copied_snapshots: 0,
             declare_answers: Vec::new(),
         };
         let req = DeclareQueue {
@@ -286,6 +289,9 @@ impl Cluster {
             m.broker.take_snapshots(&mut snaps);
             for s in snaps {
                 let g = GroupId(s.group);
+                if matches!(s.data, SnapshotData::Machine(_)) {
+                    self.copied_snapshots += 1;
+                }
                 if m.raft.snapshot_index(g).is_none_or(|i| i >= s.index) {
                     continue;
                 }
@@ -295,7 +301,7 @@ impl Cluster {
                 };
                 let stored = StoredSnapshot {
                     meta,
-                    data: s.data,
+                    data: s.data.encode().expect("a snapshot that encodes"),
                     members: m.raft.members_at(g, meta.index),
                 };
                 m.log.save_snapshot(g, &stored).expect("log");
@@ -390,10 +396,14 @@ impl Cluster {
 
     /// Publishes on `node`; the store batch its confirm waits for.
     fn publish(&mut self, node: u64, n: u32) -> u64 {
+        self.publish_message(node, n, message(n))
+    }
+
+    fn publish_message(&mut self, node: u64, n: u32, message: Message) -> u64 {
         let now = self.now;
         let r = self
             .broker(node)
-            .publish("/", "", "jobs", message(n), now)
+            .publish("/", "", "jobs", message, now)
             .expect("publish");
         assert_eq!(r.queues, 1);
         assert!(!r.rejected, "publish {n} on node {node} refused");
@@ -1754,6 +1764,30 @@ fn a_follower_behind_the_compacted_log_gets_the_leaders_snapshot_and_the_same_st
         in_flight > 0,
         "what the worker holds is in the snapshot too"
     );
+}
+
+#[test]
+fn a_deep_queues_snapshot_is_encoded_from_a_copy_and_a_follower_gets_the_same_state() {
+    let mut c = Cluster::snapshotting(8);
+    let leader = c.leader();
+    let behind = leader % 3 + 1;
+    c.run(5);
+    c.isolated.insert(behind);
+    // 12 MiB queued: deeper than what is encoded at once (8 MiB).
+    for n in 0..24 {
+        let mut m = message(n);
+        m.body = Bytes::from(vec![n as u8; 512 << 10]);
+        c.publish_message(leader, n, m);
+        c.step();
+    }
+    c.run(20);
+    assert!(c.snapshot_at(leader) > 24, "the leader snapshotted");
+    assert!(c.copied_snapshots > 0, "from a copy of the machine");
+    c.isolated.clear();
+    c.run(60);
+    assert!(c.snapshot_at(behind) >= c.snapshot_at(leader));
+    assert_same_state(&c, &NODES);
+    assert_counts(&c, &NODES, (24, 0));
 }
 
 #[test]

@@ -889,7 +889,27 @@ impl Core {
                 index: s.index,
                 term: s.term,
             };
-            raft.snapshot(warren_broker::GroupId(s.group), meta, s.data);
+            let group = warren_broker::GroupId(s.group);
+            match s.data {
+                warren_broker::SnapshotData::Encoded(data) => raft.snapshot(group, meta, data),
+                deferred => {
+                    let make = move || {
+                        let data = deferred.encode().map_err(|e| e.to_string())?;
+                        if data.len() > crate::cluster::MAX_PIECED {
+                            return Err(format!(
+                                "{} bytes, more than a snapshot sent in pieces may hold",
+                                data.len()
+                            ));
+                        }
+                        Ok(data)
+                    };
+                    raft.snapshot_with(
+                        group,
+                        meta,
+                        crate::cluster::SnapshotBody::Later(Box::new(make)),
+                    );
+                }
+            }
         }
     }
 

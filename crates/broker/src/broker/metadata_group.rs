@@ -2041,7 +2041,12 @@ mod tests {
         b.take_snapshots(&mut snaps);
         let snap = snaps.pop().expect("a metadata snapshot");
         let mut behind = node_two();
-        behind.install_snapshot(META_GROUP, snap.index, snap.term, snap.data);
+        behind.install_snapshot(
+            META_GROUP,
+            snap.index,
+            snap.term,
+            snap.data.encode().unwrap(),
+        );
         assert_eq!(behind.cluster_view().map(|v| v.1), Some(vec![1, 2]));
         assert_eq!(
             behind.take_group_changes().first(),
@@ -2124,7 +2129,12 @@ mod tests {
         b.take_snapshots(&mut snaps);
         let snap = snaps.pop().expect("a metadata snapshot, taken when asked");
         let mut behind = node_two();
-        behind.install_snapshot(META_GROUP, snap.index, snap.term, snap.data);
+        behind.install_snapshot(
+            META_GROUP,
+            snap.index,
+            snap.term,
+            snap.data.encode().unwrap(),
+        );
         assert_eq!(behind.cluster_view().map(|v| v.1), Some(vec![1, 2, 4]));
         let changes = behind.take_group_changes();
         assert_eq!(

@@ -28,7 +28,7 @@ use crate::persist::BindingDest;
 use crate::policy::PolicyDef;
 
 use super::metadata_group::META_GROUP;
-use super::replicated::ReplicaSnapshot;
+use super::replicated::{ReplicaSnapshot, SnapshotData};
 
 /// The order operations are applied in (a vhost before what lives in it, an exchange and a
 /// queue before their bindings); deletions go the other way.
@@ -308,7 +308,7 @@ impl Broker {
             group: META_GROUP,
             index,
             term,
-            data,
+            data: SnapshotData::Encoded(data),
         });
     }
 

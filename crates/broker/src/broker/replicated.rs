@@ -63,13 +63,49 @@ const FORWARD_RESEND_MS: u64 = 2_000;
 
 /// A replicated queue's committed state at an index of its group's log, from
 /// [`Broker::take_snapshots`]: once the driver has it on disk, the log before it may go.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct ReplicaSnapshot {
     pub group: u64,
     pub index: u64,
     pub term: u64,
-    pub data: bytes::Bytes,
+    pub data: SnapshotData,
 }
+
+/// A snapshot's bytes, or the state to make them from.
+#[derive(Debug)]
+pub enum SnapshotData {
+    Encoded(bytes::Bytes),
+    /// A deep queue's committed machine, copied (its messages' bytes shared, not copied) for
+    /// whoever writes the snapshot to encode: the copy takes a fifth of the encoding's time
+    /// (12 ms against 57 to 70 ms for 100,000 queued 1 KiB messages here), and only the copy is
+    /// made while the node is held.
+    Machine(Box<QueueMachine<Message>>),
+}
+
+impl SnapshotData {
+    /// The snapshot's bytes (encoding the machine, if that is still to do).
+    pub fn encode(self) -> Result<bytes::Bytes, crate::machine::SnapshotError> {
+        match self {
+            SnapshotData::Encoded(b) => Ok(b),
+            SnapshotData::Machine(m) => {
+                let mut buf = bytes::BytesMut::new();
+                m.snapshot(&mut buf)?;
+                Ok(buf.freeze())
+            }
+        }
+    }
+}
+
+/// About what a machine's snapshot holds: its messages' bodies and a little more each (46
+/// bytes beside a body with its routing key and a delivery mode, §9 of docs/design.md).
+fn snapshot_estimate(m: &QueueMachine<Message>) -> u64 {
+    let count = (m.ready_count() + m.in_flight_count()) as u64;
+    m.ready_bytes() + m.in_flight_bytes() + 64 * count
+}
+
+/// A queue whose snapshot would be smaller than this is encoded at once (a few milliseconds at
+/// most); a deeper one's machine is copied and encoded by the snapshot's writer.
+const ENCODE_AT_ONCE_MAX: u64 = 8 << 20;
 
 /// Entries applied between two snapshots of a queue, at least.
 pub const SNAPSHOT_ENTRIES: u64 = 4096;
@@ -676,23 +712,30 @@ impl Broker {
                 Mode::Leading { committed } => committed,
                 _ => &q.machine,
             };
-            let mut buf = bytes::BytesMut::new();
             r.since_snapshot = 0;
             r.since_snapshot_bytes = 0;
-            if let Err(error) = machine.snapshot(&mut buf) {
-                tracing::error!(queue = %q.name, %error, "no snapshot of a replicated queue");
-                continue;
-            }
-            r.snapshot_bytes = buf.len() as u64;
-            if buf.len() > max {
-                tracing::warn!(queue = %q.name, vhost = %q.vhost, bytes = buf.len(), max, "replicated queue too large to snapshot: its log is kept until it is smaller");
+            let estimate = snapshot_estimate(machine);
+            let data = if estimate <= ENCODE_AT_ONCE_MAX {
+                let mut buf = bytes::BytesMut::new();
+                if let Err(error) = machine.snapshot(&mut buf) {
+                    tracing::error!(queue = %q.name, %error, "no snapshot of a replicated queue");
+                    continue;
+                }
+                r.snapshot_bytes = buf.len() as u64;
+                SnapshotData::Encoded(buf.freeze())
+            } else {
+                r.snapshot_bytes = estimate;
+                SnapshotData::Machine(Box::new(machine.clone()))
+            };
+            if r.snapshot_bytes > max as u64 {
+                tracing::warn!(queue = %q.name, vhost = %q.vhost, bytes = r.snapshot_bytes, max, "replicated queue too large to snapshot: its log is kept until it is smaller");
                 continue;
             }
             c.snapshots.push(ReplicaSnapshot {
                 group: r.group,
                 index: r.applied_index,
                 term: r.applied_term,
-                data: buf.freeze(),
+                data,
             });
         }
     }

@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 
 pub use address::PeerAddr;
 pub use link_tls::ClusterTlsFiles;
+pub use node::SnapshotBody;
+pub use pieces::MAX_PIECED;
 pub use warren_replication::{Committed, Forward, GroupId, NodeId, SnapshotMeta, StoredSnapshot};
 
 /// A forward to this group carries the sender's figures for `/api/nodes` (every few seconds),
@@ -52,8 +54,8 @@ use transport::{Counters, Net};
 /// follower and stall its group. The margin covers the batch's and the message's other fields.
 pub const MAX_PROPOSAL: usize = wire::MAX_FRAME - (64 << 10);
 /// The largest snapshot a replicated queue takes once every node receives snapshots in pieces
-/// (a larger queue keeps its log until it is smaller). It is encoded under the node's lock:
-/// about a second for 1 GiB here, once per GiB of log at that depth (see docs/design.md).
+/// (a larger queue keeps its log until it is smaller): the leader holds it in memory as it
+/// reads it for a follower, the follower as it puts it together, writes and decodes it.
 pub const MAX_SNAPSHOT: usize = 1 << 30;
 /// The shortest cluster secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
@@ -409,14 +411,12 @@ impl RaftNode {
     /// The state machine's snapshot of `group`, which holds every entry up to `meta.index`:
     /// once written, the log before it may go. An older one than the group has is ignored.
     pub fn snapshot(&self, group: GroupId, meta: SnapshotMeta, data: bytes::Bytes) {
-        self.send(Command::Snapshot(
-            group,
-            StoredSnapshot {
-                meta,
-                data,
-                members: None,
-            },
-        ));
+        self.send(Command::Snapshot(group, meta, SnapshotBody::Ready(data)));
+    }
+
+    /// [`RaftNode::snapshot`] whose bytes `body` makes on the snapshot writer's thread.
+    pub fn snapshot_with(&self, group: GroupId, meta: SnapshotMeta, body: SnapshotBody) {
+        self.send(Command::Snapshot(group, meta, body));
     }
 
     /// The groups recovered from the log at start, in id order.

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use warren_replication::{
-    EngineLog, Error, Forward, GroupId, LogError, LogStore, MultiRaft, NodeBatch, NodeId,
-    SnapshotFiles, SnapshotMeta, StoredSnapshot,
+    EngineLog, Error, Forward, GroupId, LogStore, MultiRaft, NodeBatch, NodeId, SnapshotFiles,
+    SnapshotMeta, StoredSnapshot,
 };
 
 use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
@@ -30,7 +30,7 @@ pub(crate) enum Command {
     /// A proposal for the leader `NodeId` of the group: sent with the next pass's batches.
     Forward(NodeId, GroupId, Vec<u8>),
     /// The state machine's snapshot of a group: written, then the log before it compacted.
-    Snapshot(GroupId, StoredSnapshot),
+    Snapshot(GroupId, SnapshotMeta, SnapshotBody),
     /// Maintenance mode on or off ([`MultiRaft::set_draining`]).
     Drain(bool),
     /// Hand a group's leadership to a node ([`MultiRaft::transfer_leader`]).
@@ -58,6 +58,35 @@ enum Woke {
     Nothing,
 }
 
+/// A snapshot's bytes, or what makes them on the writer thread.
+pub enum SnapshotBody {
+    Ready(bytes::Bytes),
+    /// Encodes the state: a deep queue's machine is copied under the node's lock (its
+    /// bodies shared) and written out here, which takes several times longer.
+    Later(Box<dyn FnOnce() -> Result<bytes::Bytes, String> + Send>),
+}
+
+/// What the writer thread is handed: a snapshot whose bytes may still have to be made.
+pub(crate) struct Pending {
+    meta: SnapshotMeta,
+    members: Option<warren_replication::Members>,
+    body: SnapshotBody,
+}
+
+impl Pending {
+    fn encode(self) -> Result<StoredSnapshot, String> {
+        let data = match self.body {
+            SnapshotBody::Ready(b) => b,
+            SnapshotBody::Later(make) => make()?,
+        };
+        Ok(StoredSnapshot {
+            meta: self.meta,
+            data,
+            members: self.members,
+        })
+    }
+}
+
 /// A snapshot the writer thread has on disk beside the group's, not yet the group's.
 pub(crate) struct Staged {
     group: GroupId,
@@ -65,7 +94,7 @@ pub(crate) struct Staged {
     meta: SnapshotMeta,
     bytes: usize,
     started: Instant,
-    file: Result<std::path::PathBuf, LogError>,
+    file: Result<std::path::PathBuf, String>,
 }
 
 /// The thread that writes and fsyncs the state machine's snapshots, so that a deep queue's
@@ -76,7 +105,7 @@ pub(crate) struct Staged {
 /// waits, replacing any that waited before it, so a slow disk holds at most two of a group's
 /// snapshots in memory.
 pub(crate) struct SnapshotWriter {
-    jobs: Option<Sender<(GroupId, u64, StoredSnapshot)>>,
+    jobs: Option<Sender<(GroupId, u64, Pending)>>,
     done: Receiver<Staged>,
     files: SnapshotFiles,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -85,7 +114,7 @@ pub(crate) struct SnapshotWriter {
     seq: u64,
     /// Groups with a write in flight, and the snapshot that waits for it to end.
     writing: HashSet<GroupId>,
-    waiting: HashMap<GroupId, StoredSnapshot>,
+    waiting: HashMap<GroupId, Pending>,
     /// Groups removed while a write of theirs was in flight: the last write number then.
     removed: HashMap<GroupId, u64>,
 }
@@ -93,21 +122,29 @@ pub(crate) struct SnapshotWriter {
 impl SnapshotWriter {
     /// Starts the thread; [`SnapshotWriter::stop`] ends it.
     pub(crate) fn start(node: NodeId, files: SnapshotFiles) -> std::io::Result<Self> {
-        let (jobs, todo) = crossbeam_channel::unbounded::<(GroupId, u64, StoredSnapshot)>();
+        let (jobs, todo) = crossbeam_channel::unbounded::<(GroupId, u64, Pending)>();
         let (tell, done) = crossbeam_channel::unbounded();
         let writer = files.clone();
         let thread = std::thread::Builder::new()
             .name(format!("warren-snap-{node}"))
             .spawn(move || {
-                for (group, seq, snap) in todo {
+                for (group, seq, pending) in todo {
                     let started = Instant::now();
+                    let meta = pending.meta;
+                    let (bytes, file) = match pending.encode() {
+                        Ok(snap) => (
+                            snap.data.len(),
+                            writer.stage(group, seq, &snap).map_err(|e| e.to_string()),
+                        ),
+                        Err(e) => (0, Err(format!("cannot encode it: {e}"))),
+                    };
                     let staged = Staged {
                         group,
                         seq,
-                        meta: snap.meta,
-                        bytes: snap.data.len(),
+                        meta,
+                        bytes,
                         started,
-                        file: writer.stage(group, seq, &snap),
+                        file,
                     };
                     if tell.send(staged).is_err() {
                         return;
@@ -127,7 +164,7 @@ impl SnapshotWriter {
     }
 
     /// Writes `snap`, now or once the group's write in flight ends.
-    fn write(&mut self, group: GroupId, snap: StoredSnapshot) {
+    fn write(&mut self, group: GroupId, snap: Pending) {
         if self.writing.contains(&group) {
             self.waiting.insert(group, snap);
             return;
@@ -363,7 +400,7 @@ impl<E: RaftEvents> Driver<E> {
                     data: data.into(),
                 });
             }
-            Command::Snapshot(group, snap) => self.save_snapshot(group, snap),
+            Command::Snapshot(group, meta, body) => self.save_snapshot(group, meta, body),
             Command::Drain(on) => self.raft.set_draining(on),
             Command::Members(voters, addresses) => {
                 self.out.set_peers(&voters, &addresses);
@@ -394,13 +431,20 @@ impl<E: RaftEvents> Driver<E> {
     /// Hands the broker's snapshot of a group to the writer thread; once it is on disk
     /// ([`Driver::snapshot_staged`]) the log before it goes. A snapshot that cannot be
     /// written is no loss: the log it would have replaced stays.
-    fn save_snapshot(&mut self, group: GroupId, mut snap: StoredSnapshot) {
-        snap.meta = self.raft.snapshot_covering(group, snap.meta);
-        snap.members = self.raft.members_at(group, snap.meta.index);
-        if !self.snapshot_is_news(group, snap.meta) {
+    fn save_snapshot(&mut self, group: GroupId, meta: SnapshotMeta, body: SnapshotBody) {
+        let meta = self.raft.snapshot_covering(group, meta);
+        if !self.snapshot_is_news(group, meta) {
             return;
         }
-        self.writer.write(group, snap);
+        let members = self.raft.members_at(group, meta.index);
+        self.writer.write(
+            group,
+            Pending {
+                meta,
+                members,
+                body,
+            },
+        );
     }
 
     /// The group exists and has no snapshot as recent as `meta` (a leader's newer one may
@@ -519,11 +563,11 @@ impl<E: RaftEvents> Driver<E> {
 mod tests {
     use super::*;
 
-    fn snap(index: u64) -> StoredSnapshot {
-        StoredSnapshot {
+    fn snap(index: u64) -> Pending {
+        Pending {
             meta: SnapshotMeta { index, term: 1 },
-            data: bytes::Bytes::from(vec![index as u8; 64]),
             members: None,
+            body: SnapshotBody::Ready(bytes::Bytes::from(vec![index as u8; 64])),
         }
     }
 
@@ -573,5 +617,58 @@ mod tests {
         }
         w.stop();
         assert!(w.thread.is_none());
+    }
+
+    #[test]
+    fn a_snapshot_made_on_the_writer_is_written_as_made_and_one_that_fails_keeps_the_log() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("files");
+        let mut w = SnapshotWriter::start(1, files.clone()).expect("writer");
+        let made_on = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let seen = made_on.clone();
+        let later = |index, body: SnapshotBody| Pending {
+            meta: SnapshotMeta { index, term: 1 },
+            members: None,
+            body,
+        };
+        w.write(
+            GroupId(3),
+            later(
+                9,
+                SnapshotBody::Later(Box::new(move || {
+                    *seen.lock().unwrap() = std::thread::current().name().map(str::to_owned);
+                    Ok(bytes::Bytes::from_static(b"the state at 9"))
+                })),
+            ),
+        );
+        let s = next(&w);
+        assert!(!w.finished(GroupId(3), s.seq));
+        assert_eq!(s.bytes, 14);
+        assert_eq!(made_on.lock().unwrap().as_deref(), Some("warren-snap-1"));
+        let file = s.file.expect("written");
+        files.publish(GroupId(3), &file).expect("publish");
+        let back = files.read(GroupId(3)).expect("read").expect("there");
+        assert_eq!(&back.data[..], b"the state at 9");
+
+        w.write(
+            GroupId(3),
+            later(
+                12,
+                SnapshotBody::Later(Box::new(|| Err("no room".to_owned()))),
+            ),
+        );
+        let failed = next(&w);
+        assert!(failed.file.is_err());
+        assert!(!w.finished(GroupId(3), failed.seq));
+        assert_eq!(
+            files
+                .read(GroupId(3))
+                .expect("read")
+                .expect("kept")
+                .meta
+                .index,
+            9
+        );
+        w.stop();
     }
 }
