@@ -319,7 +319,24 @@ impl TestBroker {
                 return Err(self.output());
             }
             if TcpStream::connect_timeout(&self.addr, Duration::from_millis(100)).is_ok() {
-                // Make sure it is our process that answered, not another broker on a reused port.
+                // Make sure it is our process that answered, not another broker on a reused
+                // port that goes away meanwhile (a test's broker being dropped): ours says it
+                // bound the port. A broker told to log less says nothing: alive after a
+                // moment is taken as ours.
+                let said = Instant::now();
+                while said.elapsed() < Duration::from_millis(300)
+                    && !self.output().contains("listening for AMQP")
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                    if self
+                        .child
+                        .as_mut()
+                        .and_then(|c| c.try_wait().ok().flatten())
+                        .is_some()
+                    {
+                        break;
+                    }
+                }
                 std::thread::sleep(Duration::from_millis(5));
                 if let Some(_status) = self
                     .child

@@ -289,7 +289,7 @@ impl Cluster {
             m.broker.take_snapshots(&mut snaps);
             for s in snaps {
                 let g = GroupId(s.group);
-                if matches!(s.data, SnapshotData::Machine(_)) {
+                if matches!(s.data, SnapshotData::Machine { .. }) {
                     self.copied_snapshots += 1;
                 }
                 if m.raft.snapshot_index(g).is_none_or(|i| i >= s.index) {

@@ -115,9 +115,9 @@ pub enum Fetch {
 /// Snapshot files read for followers on a thread of their own: a deep queue's snapshot (tens
 /// of MB, read and checked) would otherwise be read on the Raft thread, holding up every
 /// group of the node while a lagging follower is served. The first [`SnapshotSource::fetch`]
-/// starts the read and answers [`Fetch::Pending`]; a later one hands the snapshot over (once:
-/// it is not kept in memory after that). One not asked for again within [`READ_KEPT`] is let
-/// go.
+/// starts the read and answers [`Fetch::Pending`]; a later one hands the snapshot over, and
+/// so does each one after it until the group's file is newer. One not asked for within
+/// [`READ_KEPT`] is let go.
 #[derive(Debug)]
 pub struct SnapshotReader {
     files: SnapshotFiles,
@@ -191,6 +191,23 @@ impl SnapshotSource for SnapshotReader {
             // Read before a newer one was written: read again.
             Some(Reading::Done(asked, _, Fetch::Ready(s)))
                 if s.meta.index < at_least && asked < at_least => {}
+            // Kept while it is asked for: raft-rs asks again while a snapshot sent in pieces
+            // is still on its way (each refused append), and reading a GiB each time would
+            // keep this thread and the disk busy. A newer file is read instead.
+            Some(Reading::Done(asked, _, Fetch::Ready(s))) => {
+                let newer = self
+                    .files
+                    .index_on_disk(GroupId(group))
+                    .is_some_and(|i| i > s.meta.index);
+                if !newer {
+                    let out = s.clone();
+                    state.insert(
+                        group,
+                        Reading::Done(asked, std::time::Instant::now(), Fetch::Ready(s)),
+                    );
+                    return Fetch::Ready(out);
+                }
+            }
             Some(Reading::Done(_, _, got)) => return got,
             Some(Reading::Started(..)) | None => {}
         }
@@ -374,6 +391,22 @@ impl SnapshotFiles {
             Err(e) => return Err(e.into()),
         };
         decode(group, bytes).map(Some)
+    }
+
+    /// The index of the group's snapshot on disk, from its header alone (`None`: no file, or
+    /// one whose header does not read): whether a snapshot read earlier is still the latest.
+    pub fn index_on_disk(&self, group: GroupId) -> Option<u64> {
+        use std::io::Read;
+        let mut head = [0u8; 21];
+        std::fs::File::open(self.path(group))
+            .and_then(|mut f| f.read_exact(&mut head))
+            .ok()?;
+        if head.get(..4)? != MAGIC {
+            return None;
+        }
+        head.get(13..21)
+            .and_then(|b| <[u8; 8]>::try_from(b).ok())
+            .map(u64::from_be_bytes)
     }
 
     /// Forgets the group's snapshot (its queue was deleted).
@@ -667,7 +700,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reader_reads_on_its_own_thread_hands_a_snapshot_over_once_and_reads_a_newer_one_again() {
+    fn a_reader_reads_on_its_own_thread_keeps_a_snapshot_while_asked_and_reads_a_newer_one() {
         let dir = tempfile::tempdir().expect("dir");
         let files = SnapshotFiles::open(dir.path()).expect("open");
         files.save(GroupId(1), &snap(10, b"at 10")).expect("save");
@@ -677,9 +710,11 @@ mod tests {
             "the first ask starts the read"
         );
         assert!(matches!(fetched(&r, 1, 10), Fetch::Ready(s) if s == snap(10, b"at 10")));
-        // Handed over: not kept, the next ask reads again.
-        assert!(matches!(r.fetch(1, 10), Fetch::Pending));
+        // Handed over and kept: asked again (a transfer still on its way), not read again.
+        assert!(matches!(r.fetch(1, 10), Fetch::Ready(s) if s.meta.index == 10));
         files.save(GroupId(1), &snap(20, b"at 20")).expect("save");
+        // A newer file on disk: read, not the one kept.
+        assert!(matches!(r.fetch(1, 10), Fetch::Pending));
         // Read before the newer one was written, then asked for it: read again.
         assert!(matches!(fetched(&r, 1, 20), Fetch::Ready(s) if s.meta.index == 20));
         // A file older than asked for is handed over all the same, after one read for that
@@ -687,7 +722,7 @@ mod tests {
         assert!(matches!(fetched(&r, 1, 30), Fetch::Ready(s) if s.meta.index == 20));
         assert!(matches!(fetched(&r, 2, 0), Fetch::Missing));
         // A group removed: what was read for it is not handed to a group made under its number.
-        assert!(matches!(r.fetch(1, 0), Fetch::Pending));
+        assert!(matches!(r.fetch(1, 0), Fetch::Ready(_)));
         r.forget(1);
         assert!(
             matches!(r.fetch(1, 0), Fetch::Pending),

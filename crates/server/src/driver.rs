@@ -893,16 +893,7 @@ impl Core {
             match s.data {
                 warren_broker::SnapshotData::Encoded(data) => raft.snapshot(group, meta, data),
                 deferred => {
-                    let make = move || {
-                        let data = deferred.encode().map_err(|e| e.to_string())?;
-                        if data.len() > crate::cluster::MAX_PIECED {
-                            return Err(format!(
-                                "{} bytes, more than a snapshot sent in pieces may hold",
-                                data.len()
-                            ));
-                        }
-                        Ok(data)
-                    };
+                    let make = move || deferred.encode().map_err(|e| e.to_string());
                     raft.snapshot_with(
                         group,
                         meta,

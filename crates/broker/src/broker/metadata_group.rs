@@ -1738,10 +1738,6 @@ mod tests {
         }
     }
 
-    /// A node announces its level once it knows the metadata group's leader; a quorum queue
-    /// is declared through the log only once every node's level is in it, and is then made
-    /// here when the log applies its entry, with the group that entry's index gives, as on
-    /// every node.
     #[test]
     fn snapshots_larger_than_a_frame_are_taken_once_every_node_receives_pieces() {
         let mut b = new_node_two();
@@ -1774,6 +1770,10 @@ mod tests {
         assert_eq!(b.snapshot_limit(), 1_000_000);
     }
 
+    /// A node announces its level once it knows the metadata group's leader; a quorum queue
+    /// is declared through the log only once every node's level is in it, and is then made
+    /// here when the log applies its entry, with the group that entry's index gives, as on
+    /// every node.
     #[test]
     fn quorum_queues_wait_for_the_log_once_every_node_can_number_them() {
         let mut b = new_node_two();

@@ -24,7 +24,6 @@ use std::time::{Duration, Instant};
 pub use address::PeerAddr;
 pub use link_tls::ClusterTlsFiles;
 pub use node::SnapshotBody;
-pub use pieces::MAX_PIECED;
 pub use warren_replication::{Committed, Forward, GroupId, NodeId, SnapshotMeta, StoredSnapshot};
 
 /// A forward to this group carries the sender's figures for `/api/nodes` (every few seconds),

@@ -17,6 +17,7 @@
 //! only once every node of the cluster announced the feature level that receives them.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes};
 use protobuf::Message as _;
@@ -42,6 +43,9 @@ const PIECE_HEADER: usize = 28;
 /// The messages a link sends in pieces, oldest first; the first may be under way.
 pub struct Outgoing {
     waiting: VecDeque<Sending>,
+    /// Whether the sender drains now: every frame says so, pieces of a message taken earlier
+    /// too (the receiver would see maintenance mode come and go otherwise).
+    draining: bool,
     /// Larger snapshot data goes in pieces of `piece_bytes` ([`INLINE_MAX`] and
     /// [`PIECE_BYTES`], smaller in tests).
     inline_max: usize,
@@ -67,6 +71,7 @@ impl Outgoing {
         let inline_max = inline_max.clamp(1, INLINE_MAX);
         Outgoing {
             waiting: VecDeque::new(),
+            draining: false,
             inline_max,
             piece_bytes: (inline_max / 4).clamp(1, PIECE_BYTES),
         }
@@ -79,6 +84,7 @@ impl Outgoing {
     /// follower refuses an append it cannot take yet, and starting the first one over would
     /// never let it finish.
     pub fn take_large(&mut self, batch: &mut NodeBatch) -> usize {
+        self.draining = batch.draining;
         if !batch
             .msgs
             .iter()
@@ -106,7 +112,7 @@ impl Outgoing {
             let mut head = env.msg;
             head.mut_snapshot().data = Bytes::new();
             match head.write_to_bytes() {
-                Ok(head) if PIECE_HEADER + head.len() + self.piece_bytes <= room(&header) => {
+                Ok(head) if PIECE_HEADER + head.len() + self.piece_bytes <= room() => {
                     self.waiting.push_back(Sending {
                         header,
                         group: env.group.0,
@@ -139,7 +145,11 @@ impl Outgoing {
         top.put_u64(s.data.len() as u64);
         top.put_u64(s.sent as u64);
         top.put_u32(head.len() as u32);
-        wire::encode_forward_frame(&s.header, super::PIECE.0, &[&top, head, chunk], out);
+        let header = Header {
+            draining: self.draining,
+            ..s.header
+        };
+        wire::encode_forward_frame(&header, super::PIECE.0, &[&top, head, chunk], out);
         s.sent = end;
         let last = s.sent >= s.data.len();
         if last {
@@ -149,30 +159,40 @@ impl Outgoing {
     }
 }
 
-/// Payload bytes a frame with this header leaves for one envelope's data.
-fn room(h: &Header) -> usize {
-    let header = BATCH_HEADER + if h.draining { ENVELOPE_HEADER } else { 0 };
-    MAX_FRAME - header - ENVELOPE_HEADER
+/// Payload bytes a frame leaves for one envelope's data, whether or not it says its sender
+/// drains.
+fn room() -> usize {
+    MAX_FRAME - BATCH_HEADER - 2 * ENVELOPE_HEADER
 }
+
+/// A snapshot of a group, at an index, that came whole less than this long ago is not put
+/// together again: the leader sends it again each time the follower refuses an append before
+/// its Raft thread has installed the first, and each copy would be held in memory.
+const AGAIN_AFTER: Duration = Duration::from_secs(10);
 
 /// The message a link is receiving in pieces.
 #[derive(Default)]
 pub struct Incoming {
     partial: Option<Partial>,
+    /// The last message made whole: its group, snapshot index and when.
+    last: Option<(u64, u64, Instant)>,
 }
 
 struct Partial {
     group: u64,
     total: usize,
     head: Message,
+    /// Each piece's data, copied out of its frame (whose buffer may be twice as large).
     parts: Vec<Bytes>,
     have: usize,
+    /// A copy of the last message made whole: its pieces are checked, not kept.
+    again: bool,
 }
 
 impl Incoming {
     /// Takes one piece (a forward's bytes); the message it makes whole comes back. An error
     /// is a sender that breaks the rules above: the link is dropped.
-    pub fn take(&mut self, mut piece: Bytes) -> Result<Option<Envelope>, WireError> {
+    pub fn take(&mut self, mut piece: Bytes, now: Instant) -> Result<Option<Envelope>, WireError> {
         if piece.len() < PIECE_HEADER {
             return Err(WireError::Piece("a piece shorter than its header"));
         }
@@ -199,12 +219,17 @@ impl Incoming {
         let head = piece.split_to(head_len);
         if offset == 0 {
             let head = Message::parse_from_carllerche_bytes(&head)?;
+            let index = head.get_snapshot().get_metadata().index;
+            let again = self.last.is_some_and(|(g, i, at)| {
+                g == group && i == index && now.saturating_duration_since(at) < AGAIN_AFTER
+            });
             self.partial = Some(Partial {
                 group,
                 total,
                 head,
                 parts: Vec::new(),
                 have: 0,
+                again,
             });
         } else if head_len != 0 {
             return Err(WireError::Piece("a head in a piece other than the first"));
@@ -223,8 +248,8 @@ impl Incoming {
             return Err(WireError::Piece("pieces longer than their message"));
         }
         p.have += piece.len();
-        if !piece.is_empty() {
-            p.parts.push(piece);
+        if !piece.is_empty() && !p.again {
+            p.parts.push(Bytes::copy_from_slice(&piece));
         }
         if p.have < p.total {
             return Ok(None);
@@ -232,11 +257,17 @@ impl Incoming {
         let Some(mut p) = self.partial.take() else {
             return Ok(None);
         };
-        // Sized by bytes that arrived, not by what the sender declared.
-        let mut data = Vec::with_capacity(p.have);
-        for part in &p.parts {
-            data.extend_from_slice(part);
+        if p.again {
+            return Ok(None);
         }
+        // Sized by bytes that arrived, not by what the sender declared; each piece let go
+        // once copied, so the message is held about once.
+        let mut data = Vec::with_capacity(p.have);
+        for part in p.parts.drain(..) {
+            data.extend_from_slice(&part);
+        }
+        let index = p.head.get_snapshot().get_metadata().index;
+        self.last = Some((group, index, now));
         p.head.mut_snapshot().data = data.into();
         Ok(Some(Envelope {
             group: GroupId(group),
@@ -312,7 +343,7 @@ mod tests {
             rest = &rest[4 + len..];
             for f in std::mem::take(&mut b.forwards) {
                 if f.group == super::super::PIECE {
-                    whole.extend(incoming.take(f.data).unwrap());
+                    whole.extend(incoming.take(f.data, Instant::now()).unwrap());
                 } else {
                     b.forwards.push(f);
                 }
@@ -347,6 +378,19 @@ mod tests {
             frames += 1;
         }
         assert_eq!(frames, data.len().div_ceil(INLINE / 4));
+        // A sender that starts draining meanwhile says so in the pieces too.
+        let mut later = Outgoing::new(INLINE);
+        later.take_large(&mut batch(vec![(5, snap.clone())]));
+        let mut draining = batch(vec![]);
+        draining.draining = true;
+        later.take_large(&mut draining);
+        let mut buf = Vec::new();
+        later.next_frame(&mut buf);
+        assert!(
+            wire::decode_batch(Bytes::copy_from_slice(&buf[4..]))
+                .unwrap()
+                .draining
+        );
         assert_eq!(out.next_frame(&mut Vec::new()), (false, false));
         assert_eq!(whole.len(), 1);
         assert_eq!(whole[0].group, GroupId(5));
@@ -408,18 +452,32 @@ mod tests {
         }
         assert_eq!(pieces.len(), 5);
         // The second piece first: nothing to follow.
+        let t0 = Instant::now();
         let mut incoming = Incoming::default();
-        assert!(incoming.take(pieces[1].clone()).is_err());
+        assert!(incoming.take(pieces[1].clone(), t0).is_err());
         // A first piece, then the first piece again (the sender started over), then the rest.
-        assert!(incoming.take(pieces[0].clone()).unwrap().is_none());
-        assert!(incoming.take(pieces[0].clone()).unwrap().is_none());
-        assert!(incoming.take(pieces[2].clone()).is_err(), "a gap");
+        assert!(incoming.take(pieces[0].clone(), t0).unwrap().is_none());
+        assert!(incoming.take(pieces[0].clone(), t0).unwrap().is_none());
+        assert!(incoming.take(pieces[2].clone(), t0).is_err(), "a gap");
         assert_eq!(incoming.held(), 0);
         for p in &pieces[..4] {
-            assert!(incoming.take(p.clone()).unwrap().is_none());
+            assert!(incoming.take(p.clone(), t0).unwrap().is_none());
         }
-        let whole = incoming.take(pieces[4].clone()).unwrap().unwrap();
+        let whole = incoming.take(pieces[4].clone(), t0).unwrap().unwrap();
         assert_eq!(whole.msg.get_snapshot().data, data);
+        // The same snapshot again soon after: checked, not held or handed over again; later,
+        // it is (the first may not have done).
+        let again = |incoming: &mut Incoming, at| {
+            let mut got = None;
+            for p in &pieces {
+                got = incoming.take(p.clone(), at).unwrap();
+            }
+            got
+        };
+        assert!(again(&mut incoming, t0 + Duration::from_secs(1)).is_none());
+        assert_eq!(incoming.held(), 0);
+        let later = again(&mut incoming, t0 + AGAIN_AFTER).expect("whole again");
+        assert_eq!(later.msg, whole.msg);
     }
 
     #[test]
@@ -431,17 +489,18 @@ mod tests {
         send.next_frame(&mut buf);
         let mut b = wire::decode_batch(Bytes::copy_from_slice(&buf[4..])).unwrap();
         let first = b.forwards.remove(0).data;
+        let t0 = Instant::now();
         for cut in 0..PIECE_HEADER + 64 {
-            let _ = Incoming::default().take(first.slice(..cut));
+            let _ = Incoming::default().take(first.slice(..cut), t0);
         }
         let mut huge = first.to_vec();
         huge[8..16].copy_from_slice(&(MAX_PIECED as u64 + 1).to_be_bytes());
-        assert!(Incoming::default().take(huge.into()).is_err());
+        assert!(Incoming::default().take(huge.into(), t0).is_err());
         let mut long_head = first.to_vec();
         long_head[24..28].copy_from_slice(&u32::MAX.to_be_bytes());
-        assert!(Incoming::default().take(long_head.into()).is_err());
+        assert!(Incoming::default().take(long_head.into(), t0).is_err());
         let mut short_total = first.to_vec();
         short_total[8..16].copy_from_slice(&10u64.to_be_bytes());
-        assert!(Incoming::default().take(short_total.into()).is_err());
+        assert!(Incoming::default().take(short_total.into(), t0).is_err());
     }
 }

@@ -523,7 +523,6 @@ async fn send_loop(
                 let Some(q) = b else { return Ok(()) };
                 take(shared, q, budget, &mut large, &mut buf);
             }
-            () = std::future::ready(()), if !large.is_empty() => {}
             // The listener writes nothing after the handshake: any read result ends the link.
             r = read.read(&mut probe) => {
                 return Err(match r {
@@ -532,6 +531,7 @@ async fn send_loop(
                     Err(e) => e,
                 });
             }
+            () = std::future::ready(()), if !large.is_empty() => {}
         }
         while buf.len() < WRITE_CHUNK {
             let Ok(q) = rx.try_recv() else { break };
@@ -746,7 +746,7 @@ async fn serve(
                     continue;
                 }
                 bytes = bytes.saturating_sub(f.data.len());
-                match large.take(f.data) {
+                match large.take(f.data, Instant::now()) {
                     Ok(None) => {}
                     // Not counted in the budget: a link holds one such message at a time.
                     Ok(Some(whole)) => {
