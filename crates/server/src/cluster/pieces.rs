@@ -43,9 +43,10 @@ const PIECE_HEADER: usize = 28;
 /// The messages a link sends in pieces, oldest first; the first may be under way.
 pub struct Outgoing {
     waiting: VecDeque<Sending>,
-    /// Whether the sender drains now: every frame says so, pieces of a message taken earlier
-    /// too (the receiver would see maintenance mode come and go otherwise).
-    draining: bool,
+    /// The link's latest batch header: pieces of a message taken earlier say what it says
+    /// (whether the sender drains now; the receiver would see maintenance mode come and go
+    /// otherwise).
+    header: Header,
     /// Larger snapshot data goes in pieces of `piece_bytes` ([`INLINE_MAX`] and
     /// [`PIECE_BYTES`], smaller in tests).
     inline_max: usize,
@@ -59,7 +60,6 @@ impl Default for Outgoing {
 }
 
 struct Sending {
-    header: Header,
     group: u64,
     head: Vec<u8>,
     data: Bytes,
@@ -71,7 +71,7 @@ impl Outgoing {
         let inline_max = inline_max.clamp(1, INLINE_MAX);
         Outgoing {
             waiting: VecDeque::new(),
-            draining: false,
+            header: Header::default(),
             inline_max,
             piece_bytes: (inline_max / 4).clamp(1, PIECE_BYTES),
         }
@@ -84,7 +84,7 @@ impl Outgoing {
     /// follower refuses an append it cannot take yet, and starting the first one over would
     /// never let it finish.
     pub fn take_large(&mut self, batch: &mut NodeBatch) -> usize {
-        self.draining = batch.draining;
+        self.header = Header::of(batch);
         if !batch
             .msgs
             .iter()
@@ -92,7 +92,6 @@ impl Outgoing {
         {
             return 0;
         }
-        let header = Header::of(batch);
         let mut dropped = 0;
         let msgs = std::mem::take(&mut batch.msgs);
         for env in msgs {
@@ -101,7 +100,8 @@ impl Outgoing {
                 continue;
             }
             let data = env.msg.get_snapshot().data.clone();
-            let same = |s: &Sending| s.group == env.group.0 && s.header.to == header.to;
+            // One link, one peer: the group tells a message apart.
+            let same = |s: &Sending| s.group == env.group.0;
             if data.len() > MAX_PIECED
                 || self.waiting.len() >= MAX_WAITING
                 || self.waiting.iter().any(same)
@@ -114,7 +114,6 @@ impl Outgoing {
             match head.write_to_bytes() {
                 Ok(head) if PIECE_HEADER + head.len() + self.piece_bytes <= room() => {
                     self.waiting.push_back(Sending {
-                        header,
                         group: env.group.0,
                         head,
                         data,
@@ -145,11 +144,7 @@ impl Outgoing {
         top.put_u64(s.data.len() as u64);
         top.put_u64(s.sent as u64);
         top.put_u32(head.len() as u32);
-        let header = Header {
-            draining: self.draining,
-            ..s.header
-        };
-        wire::encode_forward_frame(&header, super::PIECE.0, &[&top, head, chunk], out);
+        wire::encode_forward_frame(&self.header, super::PIECE.0, &[&top, head, chunk], out);
         s.sent = end;
         let last = s.sent >= s.data.len();
         if last {

@@ -102,7 +102,7 @@ pub fn encode_batch(batch: &NodeBatch, max_payload: usize, out: &mut Vec<u8>) ->
 }
 
 /// What every frame of a batch starts with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Header {
     pub from: u64,
     pub boot: u64,
