@@ -393,7 +393,8 @@ async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pie
     }
     c.node_mut(behind).stop(true);
     let (_cl, chl) = channel(&c, leader).await;
-    let body = |i: u32| format!("{i:05}-{}", "x".repeat(100));
+    // 1.2 MB in all: above what a follower writes on its Raft thread (1 MiB).
+    let body = |i: u32| format!("{i:05}-{}", "x".repeat(4000));
     publish_confirmed(&chl, &q, (0..300).map(body)).await;
     c.node_mut(behind).start_again();
     c.wait_for_metadata_leader(behind);
@@ -401,6 +402,10 @@ async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pie
     assert!(
         transport_figure(&c, behind, "snapshots_received_in_pieces") >= 1,
         "the node caught up from the leader's snapshot, sent in pieces"
+    );
+    assert!(
+        transport_figure(&c, behind, "snapshots_installed_from_written") >= 1,
+        "written to disk off the Raft thread before it was installed"
     );
     // What it holds is the queue: every message, in order, from a consumer on it.
     let (_cb, chb) = channel(&c, behind).await;

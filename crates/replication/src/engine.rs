@@ -44,6 +44,22 @@ pub struct EngineLog {
     /// The groups' snapshots, in `snapshots/` inside the log's directory (raft-engine reads
     /// only its own file names there).
     snapshots: SnapshotFiles,
+    /// Leaders' snapshots written to disk before Raft was given them ([`EngineLog::prestage`]).
+    prestaged: std::collections::HashMap<GroupId, Prestaged>,
+    /// Staged snapshots that Raft's save found ready, since the start.
+    prestaged_used: u64,
+}
+
+/// A leader's snapshot already written and fsynced beside the group's file, and what tells it
+/// apart: Raft's copy is the same buffer.
+struct Prestaged {
+    meta: crate::snapshots::SnapshotMeta,
+    members: Option<Members>,
+    /// Where its bytes are (compared, never read).
+    data: usize,
+    len: usize,
+    file: std::path::PathBuf,
+    at: std::time::Instant,
 }
 
 /// Reads of the durable log for entries that left a group's memory ([`crate::storage::ColdLog`]).
@@ -94,7 +110,52 @@ impl EngineLog {
             engine,
             batch: LogBatch::default(),
             snapshots: SnapshotFiles::open(&dir.join("snapshots"))?,
+            prestaged: std::collections::HashMap::new(),
+            prestaged_used: 0,
         })
+    }
+
+    /// `snap`, a leader's snapshot of `group` that is about to be stepped into Raft, is on
+    /// disk already in `file` ([`SnapshotFiles::stage`], on another thread): when Raft has
+    /// this node save it, the file is only renamed into place. A deep queue's snapshot (up to
+    /// a GiB) is otherwise written and fsynced on the Raft thread, where every group of the
+    /// node waits for it. Replaces (and removes) a file staged earlier for the group.
+    pub fn prestage(&mut self, group: GroupId, snap: &StoredSnapshot, file: std::path::PathBuf) {
+        let staged = Prestaged {
+            meta: snap.meta,
+            members: snap.members.clone(),
+            data: snap.data.as_ptr() as usize,
+            len: snap.data.len(),
+            file,
+            at: std::time::Instant::now(),
+        };
+        if let Some(old) = self.prestaged.insert(group, staged) {
+            self.snapshots.discard(&old.file);
+        }
+    }
+
+    /// Removes the staged files Raft did not take: of groups `done` says have what they
+    /// needed (a snapshot at least as recent, or no group any more), and any older than
+    /// `max_age`.
+    pub fn drop_prestaged(
+        &mut self,
+        max_age: std::time::Duration,
+        mut done: impl FnMut(GroupId, u64) -> bool,
+    ) {
+        let files = &self.snapshots;
+        self.prestaged.retain(|group, p| {
+            let keep = p.at.elapsed() < max_age && !done(*group, p.meta.index);
+            if !keep {
+                files.discard(&p.file);
+            }
+            keep
+        });
+    }
+
+    /// How many staged snapshots wait for Raft to save them, and how many it found staged
+    /// since the start.
+    pub fn prestaged_counts(&self) -> (usize, u64) {
+        (self.prestaged.len(), self.prestaged_used)
     }
 
     /// The groups' snapshot files, for a thread that writes the state machine's snapshots
@@ -164,6 +225,9 @@ impl EngineLog {
         let mut batch = LogBatch::default();
         batch.add_command(group.0, raft_engine::Command::Clean);
         self.engine.write(&mut batch, true).map_err(engine_error)?;
+        if let Some(p) = self.prestaged.remove(&group) {
+            self.snapshots.discard(&p.file);
+        }
         self.snapshots.remove(group)
     }
 }
@@ -201,6 +265,17 @@ impl LogStore for EngineLog {
     }
 
     fn save_snapshot(&mut self, group: GroupId, snap: &StoredSnapshot) -> Result<(), LogError> {
+        if let Some(p) = self.prestaged.remove(&group) {
+            let same = p.meta == snap.meta
+                && p.members == snap.members
+                && p.len == snap.data.len()
+                && p.data == snap.data.as_ptr() as usize;
+            if same {
+                self.prestaged_used += 1;
+                return self.snapshots.publish(group, &p.file);
+            }
+            self.snapshots.discard(&p.file);
+        }
         self.snapshots.save(group, snap)
     }
 

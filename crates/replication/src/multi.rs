@@ -1152,6 +1152,29 @@ impl MultiRaft {
         }
     }
 
+    /// Steps one message of a batch from `from` that was held back (a leader's snapshot
+    /// written to disk first), unless `from` restarted since it was sent: its new incarnation
+    /// sends what it still means. The peer's liveness and maintenance state stay as the
+    /// batches since left them. False if it was dropped.
+    pub fn step_held(&mut self, from: NodeId, boot: u64, env: Envelope) -> bool {
+        let Some(p) = self.peers.get(&from) else {
+            return false;
+        };
+        if p.boot != boot {
+            return false;
+        }
+        let batch = NodeBatch {
+            from,
+            boot,
+            to: self.cfg.node,
+            draining: p.draining,
+            msgs: vec![env],
+            forwards: Vec::new(),
+        };
+        self.step(batch);
+        true
+    }
+
     fn heard_from(&mut self, node: NodeId, boot: u64) {
         let ticks = self.ticks;
         let Some(p) = self.peers.get_mut(&node) else {

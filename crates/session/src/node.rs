@@ -294,13 +294,28 @@ impl Node {
         data: bytes::Bytes,
         now: u64,
     ) {
+        let decoded = warren_broker::DecodedSnapshot::decode(group, data);
+        drop(self.install_decoded(group, index, term, decoded, now));
+    }
+
+    /// [`Node::install_snapshot`] of one decoded beforehand; returns the queue's replaced
+    /// state, for the caller to drop once it let go of the node.
+    pub fn install_decoded(
+        &mut self,
+        group: u64,
+        index: u64,
+        term: u64,
+        decoded: warren_broker::DecodedSnapshot,
+        now: u64,
+    ) -> Option<warren_broker::machine::QueueMachine<warren_broker::Message>> {
         self.broker.advance_time(now);
-        self.broker.install_snapshot(group, index, term, data);
+        let replaced = self.broker.install_decoded(group, index, term, decoded);
         // A metadata snapshot may delete users and vhosts, as the log's entries do.
         for closed in self.broker.take_meta_closed() {
             self.closed_elsewhere(closed, now);
         }
         self.after_replication(now);
+        replaced
     }
 
     /// A peer node went down or came back, as Raft sees it (see `Broker::set_peer_up`).

@@ -195,6 +195,10 @@ pub struct ClusterStats {
     /// Raft messages (snapshots) sent whole in pieces, and put together from pieces.
     pub pieced_out: u64,
     pub pieced_in: u64,
+    /// Leaders' snapshots written to disk before Raft installed them, and those Raft then
+    /// found ready (only renamed into place, off the Raft thread's time).
+    pub staged_in: u64,
+    pub staged_used: u64,
     /// Incoming connections that failed authentication.
     pub refused: u64,
     /// Authenticated connections dropped for a bad frame or batch.
@@ -323,6 +327,8 @@ impl RaftNode {
             forwarded: Vec::new(),
             snapshots,
             writer,
+            receiving: Default::default(),
+            counters: counters.clone(),
             stopping: false,
         };
         let thread = std::thread::Builder::new()

@@ -10,9 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use warren_replication::raft::eraftpb::MessageType;
 use warren_replication::{
-    EngineLog, Error, Forward, GroupId, LogStore, MultiRaft, NodeBatch, NodeId, SnapshotFiles,
-    SnapshotMeta, StoredSnapshot,
+    EngineLog, Envelope, Error, Forward, GroupId, LogStore, Members, MultiRaft, NodeBatch, NodeId,
+    SnapshotFiles, SnapshotMeta, StoredSnapshot,
 };
 
 use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
@@ -71,6 +72,8 @@ pub(crate) struct Pending {
     meta: SnapshotMeta,
     members: Option<warren_replication::Members>,
     body: SnapshotBody,
+    /// A leader's snapshot this node received, held back from Raft until it is on disk.
+    received: bool,
 }
 
 impl Pending {
@@ -92,6 +95,7 @@ pub(crate) struct Staged {
     group: GroupId,
     seq: u64,
     meta: SnapshotMeta,
+    received: bool,
     bytes: usize,
     started: Instant,
     file: Result<std::path::PathBuf, String>,
@@ -130,7 +134,7 @@ impl SnapshotWriter {
             .spawn(move || {
                 for (group, seq, pending) in todo {
                     let started = Instant::now();
-                    let meta = pending.meta;
+                    let (meta, received) = (pending.meta, pending.received);
                     let (bytes, file) = match pending.encode() {
                         Ok(snap) => (
                             snap.data.len(),
@@ -142,6 +146,7 @@ impl SnapshotWriter {
                         group,
                         seq,
                         meta,
+                        received,
                         bytes,
                         started,
                         file,
@@ -164,9 +169,17 @@ impl SnapshotWriter {
     }
 
     /// Writes `snap`, now or once the group's write in flight ends.
+    /// A leader's snapshot that waits is not replaced by one of this node's own, which it
+    /// makes obsolete anyway: a message waits for it.
     fn write(&mut self, group: GroupId, snap: Pending) {
         if self.writing.contains(&group) {
-            self.waiting.insert(group, snap);
+            let keep = self
+                .waiting
+                .get(&group)
+                .is_some_and(|w| w.received && !snap.received);
+            if !keep {
+                self.waiting.insert(group, snap);
+            }
             return;
         }
         self.seq += 1;
@@ -234,8 +247,29 @@ pub(crate) struct Driver<E> {
     /// Snapshots for the broker at the next pass: the recovered ones at first.
     pub(crate) snapshots: Vec<(GroupId, StoredSnapshot)>,
     pub(crate) writer: SnapshotWriter,
+    /// Leaders' snapshots being written before Raft is given them, by group.
+    pub(crate) receiving: HashMap<GroupId, Held>,
+    pub(crate) counters: Arc<super::transport::Counters>,
     pub(crate) stopping: bool,
 }
+
+/// A leader's snapshot message, held back until the writer thread has its data on disk.
+pub(crate) struct Held {
+    from: NodeId,
+    boot: u64,
+    meta: SnapshotMeta,
+    members: Members,
+    env: Envelope,
+}
+
+/// A leader's snapshot larger than this is written to disk on the writer thread before Raft
+/// is given it; Raft then only renames the file into place. Written on the Raft thread, a
+/// deep queue's (up to a GiB, seconds to write and fsync) held up every group of the node,
+/// those it leads included.
+pub(crate) const STAGE_RECEIVED_ABOVE: usize = 1 << 20;
+
+/// A staged snapshot Raft did not take within this time is removed.
+const PRESTAGED_MAX_AGE: Duration = Duration::from_secs(30);
 
 impl<E: RaftEvents> Driver<E> {
     fn now_ms(&self) -> u64 {
@@ -251,10 +285,12 @@ impl<E: RaftEvents> Driver<E> {
         );
         while !self.stopping {
             self.wait();
+            let started = Instant::now();
             self.take_input();
             if !self.pass() {
                 break;
             }
+            slow_pass(node, started.elapsed());
         }
         self.writer.stop();
         tracing::info!(node, "raft thread stopped");
@@ -340,7 +376,107 @@ impl<E: RaftEvents> Driver<E> {
                 .into_iter()
                 .map(|f| (from, f)),
         );
+        if b.msgs.iter().any(is_large_snapshot) {
+            let (large, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut b.msgs)
+                .into_iter()
+                .partition(is_large_snapshot);
+            b.msgs = rest;
+            let boot = b.boot;
+            self.raft.step(b);
+            for env in large {
+                self.receive_snapshot(from, boot, env);
+            }
+            return;
+        }
         self.raft.step(b);
+    }
+
+    /// A leader's large snapshot goes to the writer thread first (a resend of one already on
+    /// its way there is dropped); Raft is given it once it is on disk
+    /// ([`Driver::received_staged`]).
+    fn receive_snapshot(&mut self, from: NodeId, boot: u64, env: Envelope) {
+        let group = env.group;
+        let md = env.msg.get_snapshot().get_metadata();
+        let meta = SnapshotMeta {
+            index: md.index,
+            term: md.term,
+        };
+        if self
+            .receiving
+            .get(&group)
+            .is_some_and(|h| h.meta == meta && h.from == from)
+        {
+            return;
+        }
+        let members = Members::from_conf_state(md.get_conf_state());
+        let data = env.msg.get_snapshot().data.clone();
+        tracing::debug!(
+            node = self.raft.node(),
+            group = group.0,
+            index = meta.index,
+            bytes = data.len(),
+            "writing a leader's snapshot before installing it"
+        );
+        self.counters
+            .staged_in
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.writer.write(
+            group,
+            Pending {
+                meta,
+                members: Some(members.clone()),
+                body: SnapshotBody::Ready(data),
+                received: true,
+            },
+        );
+        self.receiving.insert(
+            group,
+            Held {
+                from,
+                boot,
+                meta,
+                members,
+                env,
+            },
+        );
+    }
+
+    /// The writer thread wrote a leader's snapshot: Raft is given the message that brought it,
+    /// and finds its file ready when it saves it. One that failed to be written is given to
+    /// Raft all the same (it is written there, the slow way); one that another snapshot of
+    /// the group overtook is removed.
+    fn received_staged(&mut self, s: Staged, stale: bool) {
+        let group = s.group;
+        let held = match self.receiving.get(&group) {
+            Some(h) if h.meta == s.meta && !stale => self.receiving.remove(&group),
+            _ => None,
+        };
+        let Some(h) = held else {
+            if let Ok(file) = &s.file {
+                self.writer.files.discard(file);
+            }
+            return;
+        };
+        match s.file {
+            Ok(file) => {
+                let snap = StoredSnapshot {
+                    meta: h.meta,
+                    data: h.env.msg.get_snapshot().data.clone(),
+                    members: Some(h.members),
+                };
+                self.log.prestage(group, &snap, file);
+            }
+            Err(e) => {
+                tracing::warn!(node = self.raft.node(), group = group.0, error = %e, "cannot write a leader's snapshot ahead; Raft writes it");
+            }
+        }
+        if !self.raft.step_held(h.from, h.boot, h.env) {
+            tracing::debug!(
+                node = self.raft.node(),
+                group = group.0,
+                "a leader's snapshot outlived its sender's run: dropped"
+            );
+        }
     }
 
     fn command(&mut self, c: Command) {
@@ -365,6 +501,7 @@ impl<E: RaftEvents> Driver<E> {
             }
             Command::RemoveGroup(group) => {
                 self.writer.removed(group);
+                self.receiving.remove(&group);
                 if self.raft.remove_group(group) {
                     if let Err(e) = self.log.remove_group(group) {
                         tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot remove a raft group's log");
@@ -443,6 +580,7 @@ impl<E: RaftEvents> Driver<E> {
                 meta,
                 members,
                 body,
+                received: false,
             },
         );
     }
@@ -459,6 +597,10 @@ impl<E: RaftEvents> Driver<E> {
         let node = self.raft.node();
         let group = s.group;
         let stale = self.writer.finished(group, s.seq);
+        if s.received {
+            self.received_staged(s, stale);
+            return;
+        }
         let file = match s.file {
             Ok(file) => file,
             Err(e) => {
@@ -512,6 +654,16 @@ impl<E: RaftEvents> Driver<E> {
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
             return false;
         }
+        let (waiting, used) = self.log.prestaged_counts();
+        self.counters
+            .staged_used
+            .store(used, std::sync::atomic::Ordering::Relaxed);
+        if waiting > 0 {
+            let raft = &self.raft;
+            self.log.drop_prestaged(PRESTAGED_MAX_AGE, |group, index| {
+                raft.snapshot_index(group).is_none_or(|have| have >= index)
+            });
+        }
         let mut done = self.raft.advance(rd);
         for b in std::mem::take(&mut done.messages) {
             self.out.send(b);
@@ -559,6 +711,28 @@ impl<E: RaftEvents> Driver<E> {
     }
 }
 
+/// Says so when one pass held every group of the node up (their heartbeats, appends and
+/// commits wait for it): a sign of a slow disk or of work that belongs on another thread.
+fn slow_pass(node: NodeId, took: Duration) {
+    let ms = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
+    if ms >= SLOW_PASS_WARN_MS {
+        tracing::warn!(node, ms, "slow raft pass: every group of the node waited");
+    } else if ms >= SLOW_PASS_DEBUG_MS {
+        tracing::debug!(node, ms, "slow raft pass");
+    }
+}
+
+/// A pass this long is logged: at debug level, and as a warning from a group's election
+/// timeout on (ten ticks of 50 ms: its followers may have started an election meanwhile).
+const SLOW_PASS_DEBUG_MS: u64 = 50;
+const SLOW_PASS_WARN_MS: u64 = 500;
+
+/// A leader's snapshot whose data is worth writing before Raft has it.
+fn is_large_snapshot(env: &Envelope) -> bool {
+    env.msg.get_msg_type() == MessageType::MsgSnapshot
+        && env.msg.get_snapshot().data.len() > STAGE_RECEIVED_ABOVE
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -568,6 +742,7 @@ mod tests {
             meta: SnapshotMeta { index, term: 1 },
             members: None,
             body: SnapshotBody::Ready(bytes::Bytes::from(vec![index as u8; 64])),
+            received: false,
         }
     }
 
@@ -575,6 +750,39 @@ mod tests {
         w.done
             .recv_timeout(Duration::from_secs(10))
             .expect("the writer reports")
+    }
+
+    #[test]
+    fn a_leaders_snapshot_that_waits_is_not_replaced_by_one_of_the_nodes_own() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("files");
+        let mut w = SnapshotWriter::start(1, files.clone()).expect("writer");
+        let g = GroupId(7);
+        let received = |index| Pending {
+            received: true,
+            ..snap(index)
+        };
+        w.write(g, snap(10));
+        w.write(g, received(50));
+        // Made from what this node applied, older than the leader's: a message waits for the
+        // leader's, which must be written.
+        w.write(g, snap(20));
+        let first = next(&w);
+        assert_eq!((first.meta.index, first.received), (10, false));
+        assert!(!w.finished(g, first.seq));
+        let second = next(&w);
+        assert_eq!((second.meta.index, second.received), (50, true));
+        assert!(second.file.is_ok());
+        // A newer leader's snapshot does replace a waiting one (its message replaces the
+        // older one's).
+        w.write(g, received(60));
+        w.write(g, received(70));
+        assert!(!w.finished(g, second.seq));
+        let third = next(&w);
+        assert_eq!((third.meta.index, third.received), (70, true));
+        assert!(!w.finished(g, third.seq));
+        assert!(w.done.recv_timeout(Duration::from_millis(100)).is_err());
+        w.stop();
     }
 
     #[test]
@@ -630,6 +838,7 @@ mod tests {
             meta: SnapshotMeta { index, term: 1 },
             members: None,
             body,
+            received: false,
         };
         w.write(
             GroupId(3),

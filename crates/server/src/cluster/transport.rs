@@ -118,6 +118,8 @@ pub(crate) struct Counters {
     dial_failures: AtomicU64,
     pieced_out: AtomicU64,
     pieced_in: AtomicU64,
+    pub(crate) staged_in: AtomicU64,
+    pub(crate) staged_used: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -140,6 +142,8 @@ impl Counters {
             dial_failures: get(&self.dial_failures),
             pieced_out: get(&self.pieced_out),
             pieced_in: get(&self.pieced_in),
+            staged_in: get(&self.staged_in),
+            staged_used: get(&self.staged_used),
         }
     }
 }

@@ -325,6 +325,8 @@ pub(crate) fn node_json(api: &Api) -> Value {
                     "bad_frames": t.bad_frames,
                     "snapshots_sent_in_pieces": t.pieced_out,
                     "snapshots_received_in_pieces": t.pieced_in,
+                    "snapshots_received_written_ahead": t.staged_in,
+                    "snapshots_installed_from_written": t.staged_used,
                 },
             })
         }),

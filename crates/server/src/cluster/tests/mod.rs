@@ -358,7 +358,26 @@ fn the_survivors_elect_and_commit_and_a_restarted_node_recovers_and_catches_up()
 fn a_follower_back_after_the_log_was_compacted_gets_a_snapshot_and_restarts_from_it() {
     let mut c = Cluster::start([SECRET; 3]);
     let state = bytes::Bytes::from_static(b"the state at 100");
-    follower_back_after_compaction(&mut c, state, |_, _, _| {});
+    follower_back_after_compaction(&mut c, state, |c, _, down| {
+        // Small: Raft writes it itself.
+        let s = c.node(down).stats();
+        assert_eq!((s.staged_in, s.staged_used), (0, 0), "{s:?}");
+    });
+}
+
+#[test]
+fn a_large_snapshot_is_on_disk_before_raft_installs_it_and_a_restart_reads_it_back() {
+    let mut c = Cluster::start([SECRET; 3]);
+    let size = crate::cluster::node::STAGE_RECEIVED_ABOVE + 4096;
+    let state: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+    follower_back_after_compaction(&mut c, state.into(), |c, _, down| {
+        let s = c.node(down).stats();
+        assert!(s.staged_in >= 1, "written by the writer thread: {s:?}");
+        assert!(
+            s.staged_used >= 1,
+            "Raft found it written and only renamed it: {s:?}"
+        );
+    });
 }
 
 #[test]
