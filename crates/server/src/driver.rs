@@ -208,13 +208,24 @@ impl Shared {
 struct RaftReports(Arc<Shared>);
 
 impl crate::cluster::RaftEvents for RaftReports {
-    fn snapshots(&self, snapshots: Vec<(warren_broker::GroupId, crate::cluster::StoredSnapshot)>) {
+    fn snapshots(
+        &self,
+        snapshots: Vec<(
+            warren_broker::GroupId,
+            crate::cluster::StoredSnapshot,
+            Option<crate::cluster::Prepared>,
+        )>,
+    ) {
         // Read before the node is taken (a third of a second per GiB of a deep queue's
-        // snapshot), and what they replace let go after: the node's clients wait for neither.
+        // snapshot; a leader's large one was read on the snapshot writer's thread), and what
+        // they replace let go after: the node's clients wait for neither.
         let decoded: Vec<_> = snapshots
             .into_iter()
-            .map(|(group, s)| {
-                let d = warren_broker::DecodedSnapshot::decode(group.0, s.data);
+            .map(|(group, s, prepared)| {
+                let d = match prepared.map(|p| p.downcast::<warren_broker::DecodedSnapshot>()) {
+                    Some(Ok(d)) => *d,
+                    _ => warren_broker::DecodedSnapshot::decode(group.0, s.data),
+                };
                 (group, s.meta, d)
             })
             .collect();
@@ -227,6 +238,15 @@ impl crate::cluster::RaftEvents for RaftReports {
                 .collect::<Vec<_>>()
         });
         drop(replaced);
+    }
+
+    fn preparer(&self) -> Option<crate::cluster::Preparer> {
+        Some(std::sync::Arc::new(
+            |group: warren_broker::GroupId, data| {
+                Box::new(warren_broker::DecodedSnapshot::decode(group.0, data))
+                    as crate::cluster::Prepared
+            },
+        ))
     }
 
     fn committed(&self, entries: Vec<warren_broker::Committed>) {

@@ -17,7 +17,7 @@ use warren_replication::{
 };
 
 use super::transport::{Budget, Outbound, Queued, INBOUND_QUEUE};
-use super::{RaftEvents, MAX_PROPOSAL};
+use super::{Prepared, Preparer, RaftEvents, MAX_PROPOSAL};
 
 /// What a [`super::RaftNode`] asks of the Raft thread.
 pub(crate) enum Command {
@@ -96,6 +96,8 @@ pub(crate) struct Staged {
     seq: u64,
     meta: SnapshotMeta,
     received: bool,
+    /// What the preparer made of a leader's snapshot it wrote.
+    prepared: Option<Prepared>,
     bytes: usize,
     started: Instant,
     file: Result<std::path::PathBuf, String>,
@@ -125,7 +127,12 @@ pub(crate) struct SnapshotWriter {
 
 impl SnapshotWriter {
     /// Starts the thread; [`SnapshotWriter::stop`] ends it.
-    pub(crate) fn start(node: NodeId, files: SnapshotFiles) -> std::io::Result<Self> {
+    /// A leader's snapshot written is also handed to `preparer`, if any.
+    pub(crate) fn start(
+        node: NodeId,
+        files: SnapshotFiles,
+        preparer: Option<Preparer>,
+    ) -> std::io::Result<Self> {
         let (jobs, todo) = crossbeam_channel::unbounded::<(GroupId, u64, Pending)>();
         let (tell, done) = crossbeam_channel::unbounded();
         let writer = files.clone();
@@ -135,11 +142,15 @@ impl SnapshotWriter {
                 for (group, seq, pending) in todo {
                     let started = Instant::now();
                     let (meta, received) = (pending.meta, pending.received);
+                    let mut prepared = None;
                     let (bytes, file) = match pending.encode() {
-                        Ok(snap) => (
-                            snap.data.len(),
-                            writer.stage(group, seq, &snap).map_err(|e| e.to_string()),
-                        ),
+                        Ok(snap) => {
+                            let file = writer.stage(group, seq, &snap).map_err(|e| e.to_string());
+                            if let (true, Ok(_), Some(p)) = (received, &file, &preparer) {
+                                prepared = Some(p(group, snap.data.clone()));
+                            }
+                            (snap.data.len(), file)
+                        }
                         Err(e) => (0, Err(format!("cannot encode it: {e}"))),
                     };
                     let staged = Staged {
@@ -147,6 +158,7 @@ impl SnapshotWriter {
                         seq,
                         meta,
                         received,
+                        prepared,
                         bytes,
                         started,
                         file,
@@ -249,6 +261,8 @@ pub(crate) struct Driver<E> {
     pub(crate) writer: SnapshotWriter,
     /// Leaders' snapshots being written before Raft is given them, by group.
     pub(crate) receiving: HashMap<GroupId, Held>,
+    /// What the preparer made of leaders' snapshots given to Raft, until they are installed.
+    pub(crate) prepared: HashMap<GroupId, (SnapshotMeta, Instant, Prepared)>,
     pub(crate) counters: Arc<super::transport::Counters>,
     pub(crate) stopping: bool,
 }
@@ -465,6 +479,9 @@ impl<E: RaftEvents> Driver<E> {
                     members: Some(h.members),
                 };
                 self.log.prestage(group, &snap, file);
+                if let Some(p) = s.prepared {
+                    self.prepared.insert(group, (h.meta, Instant::now(), p));
+                }
             }
             Err(e) => {
                 tracing::warn!(node = self.raft.node(), group = group.0, error = %e, "cannot write a leader's snapshot ahead; Raft writes it");
@@ -502,6 +519,7 @@ impl<E: RaftEvents> Driver<E> {
             Command::RemoveGroup(group) => {
                 self.writer.removed(group);
                 self.receiving.remove(&group);
+                self.prepared.remove(&group);
                 if self.raft.remove_group(group) {
                     if let Err(e) = self.log.remove_group(group) {
                         tracing::error!(node = self.raft.node(), group = group.0, error = %e, "cannot remove a raft group's log");
@@ -699,7 +717,28 @@ impl<E: RaftEvents> Driver<E> {
         }
         self.snapshots.append(&mut done.snapshots);
         if !self.snapshots.is_empty() {
-            self.events.snapshots(std::mem::take(&mut self.snapshots));
+            let prepared = &mut self.prepared;
+            let list = std::mem::take(&mut self.snapshots)
+                .into_iter()
+                .map(|(group, s)| {
+                    let p = match prepared.remove(&group) {
+                        Some((meta, _, p)) if meta == s.meta => Some(p),
+                        _ => None,
+                    };
+                    (group, s, p)
+                })
+                .collect();
+            self.events.snapshots(list);
+        }
+        if !self.prepared.is_empty() {
+            // Raft did not take it (it had what the snapshot holds), or took a newer one.
+            let raft = &self.raft;
+            self.prepared.retain(|group, (meta, at, _)| {
+                at.elapsed() < PRESTAGED_MAX_AGE
+                    && raft
+                        .snapshot_index(*group)
+                        .is_some_and(|have| have < meta.index)
+            });
         }
         if !done.committed.is_empty() {
             self.events.committed(done.committed);
@@ -756,7 +795,7 @@ mod tests {
     fn a_leaders_snapshot_that_waits_is_not_replaced_by_one_of_the_nodes_own() {
         let dir = tempfile::tempdir().expect("dir");
         let files = SnapshotFiles::open(dir.path()).expect("files");
-        let mut w = SnapshotWriter::start(1, files.clone()).expect("writer");
+        let mut w = SnapshotWriter::start(1, files.clone(), None).expect("writer");
         let g = GroupId(7);
         let received = |index| Pending {
             received: true,
@@ -789,7 +828,7 @@ mod tests {
     fn one_write_per_group_at_a_time_the_newest_waits_and_a_removed_groups_write_is_stale() {
         let dir = tempfile::tempdir().expect("dir");
         let files = SnapshotFiles::open(dir.path()).expect("files");
-        let mut w = SnapshotWriter::start(1, files.clone()).expect("writer");
+        let mut w = SnapshotWriter::start(1, files.clone(), None).expect("writer");
         let (g, other) = (GroupId(7), GroupId(8));
         w.write(g, snap(10));
         // Two more while the first is in flight: only the newest waits.
@@ -831,7 +870,7 @@ mod tests {
     fn a_snapshot_made_on_the_writer_is_written_as_made_and_one_that_fails_keeps_the_log() {
         let dir = tempfile::tempdir().expect("dir");
         let files = SnapshotFiles::open(dir.path()).expect("files");
-        let mut w = SnapshotWriter::start(1, files.clone()).expect("writer");
+        let mut w = SnapshotWriter::start(1, files.clone(), None).expect("writer");
         let made_on = std::sync::Arc::new(std::sync::Mutex::new(None));
         let seen = made_on.clone();
         let later = |index, body: SnapshotBody| Pending {

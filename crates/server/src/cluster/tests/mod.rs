@@ -19,6 +19,8 @@ struct Seen {
     leaders: BTreeMap<GroupId, Option<NodeId>>,
     refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
     snapshots: Vec<(GroupId, StoredSnapshot)>,
+    /// Snapshots handed over with what the preparer made of them.
+    prepared: usize,
     peers: Vec<(NodeId, bool)>,
 }
 
@@ -71,8 +73,22 @@ impl RaftEvents for Recorder {
     fn peers(&self, changes: Vec<(NodeId, bool)>) {
         self.0.lock().unwrap().peers.extend(changes);
     }
-    fn snapshots(&self, snapshots: Vec<(GroupId, StoredSnapshot)>) {
-        self.0.lock().unwrap().snapshots.extend(snapshots);
+    fn snapshots(&self, snapshots: Vec<(GroupId, StoredSnapshot, Option<Prepared>)>) {
+        let mut seen = self.0.lock().unwrap();
+        for (g, s, prepared) in snapshots {
+            // What the preparer below made of it, for a large one.
+            if let Some(p) = prepared {
+                let len = p.downcast::<usize>().expect("the preparer's");
+                assert_eq!(*len, s.data.len());
+                seen.prepared += 1;
+            }
+            seen.snapshots.push((g, s));
+        }
+    }
+    fn preparer(&self) -> Option<Preparer> {
+        Some(Arc::new(|_, data: bytes::Bytes| {
+            Box::new(data.len()) as Prepared
+        }))
     }
     fn committed(&self, entries: Vec<Committed>) {
         self.0.lock().unwrap().committed.extend(entries);
@@ -359,9 +375,10 @@ fn a_follower_back_after_the_log_was_compacted_gets_a_snapshot_and_restarts_from
     let mut c = Cluster::start([SECRET; 3]);
     let state = bytes::Bytes::from_static(b"the state at 100");
     follower_back_after_compaction(&mut c, state, |c, _, down| {
-        // Small: Raft writes it itself.
+        // Small: Raft writes it itself, and the state machine reads it.
         let s = c.node(down).stats();
         assert_eq!((s.staged_in, s.staged_used), (0, 0), "{s:?}");
+        assert_eq!(c.seen(down).with(|s| s.prepared), 0);
     });
 }
 
@@ -376,6 +393,10 @@ fn a_large_snapshot_is_on_disk_before_raft_installs_it_and_a_restart_reads_it_ba
         assert!(
             s.staged_used >= 1,
             "Raft found it written and only renamed it: {s:?}"
+        );
+        assert!(
+            c.seen(down).with(|s| s.prepared) >= 1,
+            "and it was read on the writer thread too"
         );
     });
 }
