@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# A node catching up a deep quorum queue from its leader's snapshot, while another queue's
+# publisher needs that node's vote: how long the node's Raft thread stops (its longest pass) and
+# how long the publisher waits for a confirm meanwhile.
+#
+#   bench/catch-up.sh [--messages N] [--runs R]
+#
+# A fresh local cluster under $WARREN_CLUSTER_DIR (default: a temporary folder, removed at the
+# end): quorum queues `busy` and `deep` declared on node 1; node 3 killed; N (default 600,000)
+# persistent 1 KiB messages published into `deep` with confirms (a snapshot of about N KB is
+# taken meanwhile); node 2 killed, node 3 started, and a publisher sends 500 msg/s to `busy` with
+# confirms for 25 s. Every queue then has nodes 1 and 3 only: each confirm waits for node 3, which
+# is installing `deep`'s snapshot. Prints the publisher's summary and node 3's Raft passes of 50 ms
+# or more (logged at debug level).
+#
+# Needs: a release build (WARREN_BIN, default the release `warren` in CARGO_TARGET_DIR, and
+# WARREN_BENCH likewise); about 3 GB of memory per 600,000 messages (three nodes).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+MESSAGES=600000
+RUNS=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --messages) MESSAGES=$2; shift ;;
+    --runs) RUNS=$2; shift ;;
+    *) echo "unknown option $1 (see the comment at the top of $0)" >&2; exit 2 ;;
+    esac
+    shift
+done
+TARGET=${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}
+export WARREN_BIN=${WARREN_BIN:-$TARGET/release/warren}
+BENCH=${WARREN_BENCH:-$TARGET/release/warren-bench}
+for bin in "$WARREN_BIN" "$BENCH"; do
+    if [ ! -x "$bin" ]; then
+        echo "$bin is missing: cargo build --release -p warren-server -p warren-bench" >&2
+        exit 1
+    fi
+done
+OWN_DIR=""
+if [ -z "${WARREN_CLUSTER_DIR:-}" ]; then
+    OWN_DIR=$(mktemp -d)
+    export WARREN_CLUSTER_DIR=$OWN_DIR
+fi
+export WARREN_LOG="info,warren::cluster::node=debug"
+CLUSTER="$ROOT/scripts/cluster"
+U=amqp://guest:guest@127.0.0.1
+QQ=(--queue-arg x-queue-type=quorum --durable -f --no-consume --keep -x 1 -y 0)
+
+finish() {
+    "$CLUSTER" down >/dev/null 2>&1 || true
+    [ -n "$OWN_DIR" ] && rm -rf "$OWN_DIR"
+    return 0
+}
+trap finish EXIT
+
+for run in $(seq 1 "$RUNS"); do
+    rm -rf "${WARREN_CLUSTER_DIR:?}"/*
+    "$CLUSTER" up >/dev/null
+    "$BENCH" -u "$U:5701/%2f" "${QQ[@]}" --queue-pattern busy -s 16 -c 10 --count 10 --quiet >/dev/null
+    "$CLUSTER" kill 3 >/dev/null
+    "$BENCH" -u "$U:5701/%2f" "${QQ[@]}" --queue-pattern deep -s 1024 -c 500 --count "$MESSAGES" \
+        --quiet >/dev/null
+    # The last snapshot of `deep` written on nodes 1 and 2.
+    sleep 8
+    "$CLUSTER" kill 2 >/dev/null
+    "$CLUSTER" start 3 >/dev/null &
+    sleep 1
+    echo "run $run: publisher to busy (500 msg/s, confirms) while node 3 catches up $MESSAGES messages"
+    "$BENCH" -u "$U:5701/%2f" "${QQ[@]}" --queue-pattern busy -s 16 -c 50 -r 500 -z 25 2>&1 | tail -1
+    wait
+    grep -h "slow raft pass\|restored from a snapshot" "$WARREN_CLUSTER_DIR"/node3.log || true
+    "$CLUSTER" down >/dev/null
+done
