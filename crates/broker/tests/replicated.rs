@@ -61,6 +61,40 @@ struct Cluster {
     declare_answers: Vec<(u64, warren_broker::DeclareAnswer)>,
 }
 
+#[test]
+fn a_leader_holds_one_copy_of_each_message_in_its_two_machines() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    consume(&mut c, leader, 2).expect("consume on the leader");
+    c.run(20);
+    let batches: Vec<u64> = (0..5).map(|n| c.publish(leader, n)).collect();
+    c.run(50);
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    let b = &c.members[&leader].broker;
+    let id = c.id(leader);
+    let (ahead, committed) = (
+        b.machine(id).expect("machine"),
+        b.committed_machine(id).expect("committed"),
+    );
+    assert_eq!(
+        (committed.ready_count(), committed.in_flight_count()),
+        (3, 2)
+    );
+    let ids: Vec<u64> = committed.messages().map(|(m, _, _)| m).collect();
+    assert_eq!(ids.len(), 5);
+    for m in ids {
+        let (x, y) = (
+            ahead.payload(m).expect("ahead"),
+            committed.payload(m).expect("committed"),
+        );
+        assert_eq!(x, y);
+        // Before, the committed machine held what it decoded from the log: a second copy.
+        assert_eq!(x.body.as_ptr(), y.body.as_ptr(), "message {m} held twice");
+    }
+    // A follower has the log's copy alone, and the same state.
+    assert_same_state(&c, &NODES);
+}
+
 fn conn(node: u64, n: u64) -> u64 {
     warren_queue::qualify(node as u16, n).unwrap()
 }

@@ -2658,6 +2658,46 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .map(|f| (&f.entry.msg, f.entry.delivery_count))
     }
 
+    /// Message `msg_id`, where it waits at the head of the ready line, came back to it, or is
+    /// delivered (not where it waits for a priority, a retry or its group).
+    pub fn payload(&self, msg_id: u64) -> Option<&M> {
+        if let Some(f) = self.in_flight.get(&msg_id) {
+            return Some(&f.entry.msg);
+        }
+        if let Some(e) = self.returned.get(&msg_id) {
+            return Some(&e.msg);
+        }
+        let i = self.ready.binary_search_by_key(&msg_id, |e| e.id).ok()?;
+        self.ready.get(i).map(|e| &e.msg)
+    }
+
+    /// Makes message `msg_id` hold `other` in place of an equal value of its own: a member
+    /// holding the same message twice (a leader's copy as published and the one its log
+    /// gave back) keeps one copy of its bytes. Nothing the machine does changes; false if
+    /// the message is not where [`Self::payload`] looks or is not equal to `other`.
+    pub fn share_payload(&mut self, msg_id: u64, other: &M) -> bool
+    where
+        M: PartialEq + Clone,
+    {
+        let slot = if self.in_flight.contains_key(&msg_id) {
+            self.in_flight.get_mut(&msg_id).map(|f| &mut f.entry.msg)
+        } else if self.returned.contains_key(&msg_id) {
+            self.returned.get_mut(&msg_id).map(|e| &mut e.msg)
+        } else {
+            match self.ready.binary_search_by_key(&msg_id, |e| e.id) {
+                Ok(i) => self.ready.get_mut(i).map(|e| &mut e.msg),
+                Err(_) => None,
+            }
+        };
+        match slot {
+            Some(m) if *m == *other => {
+                *m = other.clone();
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Every ready message in memory with its id and delivery count, in no particular order
     /// (paged ones are in [`Self::paged_runs`]).
     pub fn ready_messages(&self) -> impl Iterator<Item = (u64, &M, u32)> + '_ {
@@ -2932,6 +2972,33 @@ mod tests {
 
     fn receipt(msg_id: u64, attempt: u32) -> Receipt {
         Receipt { msg_id, attempt }
+    }
+
+    #[test]
+    fn an_equal_payload_is_shared_where_the_message_waits_and_nothing_else_changes() {
+        let mut d = Driver::new();
+        let a = d.enqueue("alpha", 5, None);
+        let b = d.enqueue("beta", 4, None);
+        let before = d.m.digest();
+        // The same text at another address, as a message decoded from a log is.
+        let copy: &'static str = Box::leak(String::from("alpha").into_boxed_str());
+        assert!(!std::ptr::eq(
+            d.m.payload(a).unwrap().as_ptr(),
+            copy.as_ptr()
+        ));
+        assert!(d.m.share_payload(a, &copy));
+        assert!(std::ptr::eq(
+            d.m.payload(a).unwrap().as_ptr(),
+            copy.as_ptr()
+        ));
+        assert_eq!(d.m.digest(), before, "nothing the machine does changed");
+        assert!(
+            !d.m.share_payload(b, &"not beta"),
+            "a different value is no copy"
+        );
+        assert_eq!(d.m.payload(b), Some(&"beta"));
+        assert!(!d.m.share_payload(99, &"alpha"));
+        assert_eq!(d.m.payload(99), None);
     }
 
     #[test]

@@ -1106,6 +1106,16 @@ impl Broker {
     }
 
     /// The Raft group of a replicated queue.
+    /// The state a replicated queue's log has brought it to: the leader's committed machine,
+    /// else the queue's own (tests and diagnostics).
+    pub fn committed_machine(&self, queue: QueueId) -> Option<&QueueMachine<Message>> {
+        let q = self.queues.get(&queue)?;
+        match q.replica.as_ref().map(|r| &r.mode) {
+            Some(Mode::Leading { committed }) => Some(committed),
+            _ => Some(&q.machine),
+        }
+    }
+
     pub fn replica_group(&self, queue: QueueId) -> Option<u64> {
         Some(self.queues.get(&queue)?.replica.as_ref()?.group)
     }
@@ -1890,7 +1900,18 @@ impl Broker {
             };
             c.scratch.clear();
             let reply = match &mut r.mode {
-                Mode::Leading { committed } => committed.apply(meta, command, &mut c.scratch),
+                Mode::Leading { committed } => {
+                    let reply = committed.apply(meta, command, &mut c.scratch);
+                    if let Reply::Enqueued { msg_id } = reply {
+                        // The machine that ran ahead holds the message as it was published,
+                        // the committed one as the log gave it back: one copy of its bytes
+                        // is enough (a deep queue's leader held twice its followers' memory).
+                        if let Some(m) = q.machine.payload(msg_id) {
+                            committed.share_payload(msg_id, m);
+                        }
+                    }
+                    reply
+                }
                 _ => q.machine.apply(meta, command, &mut c.scratch),
             };
             if !r.is_leading() {
