@@ -271,8 +271,15 @@ impl LogStore for EngineLog {
                 && p.len == snap.data.len()
                 && p.data == snap.data.as_ptr() as usize;
             if same {
-                self.prestaged_used += 1;
-                return self.snapshots.publish(group, &p.file);
+                match self.snapshots.publish(group, &p.file) {
+                    Ok(()) => {
+                        self.prestaged_used += 1;
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        tracing::warn!(group = group.0, error = %e, "a snapshot written ahead cannot be put in place; writing it again");
+                    }
+                }
             }
             self.snapshots.discard(&p.file);
         }

@@ -1081,14 +1081,33 @@ impl MultiRaft {
                 self.drain_changes.push((batch.from, batch.draining));
             }
         }
+        self.step_msgs(batch.from, batch.msgs);
+    }
+
+    /// Steps one message of a batch from `from` that was held back (a leader's snapshot
+    /// written to disk first), unless `from` restarted since it was sent (its new incarnation
+    /// sends what it still means) or is down (a new leader sends its own): the peer's
+    /// liveness and maintenance state stay as the batches since left them. False if it was
+    /// dropped.
+    pub fn step_held(&mut self, from: NodeId, boot: u64, env: Envelope) -> bool {
+        match self.peers.get(&from) {
+            Some(p) if p.boot == boot && p.up => {}
+            _ => return false,
+        }
+        self.step_msgs(from, vec![env]);
+        true
+    }
+
+    /// The group's commit index here, if the group exists.
+    pub fn committed_index(&self, group: GroupId) -> Option<u64> {
+        Some(self.groups.get(&group)?.raw.raft.raft_log.committed)
+    }
+
+    fn step_msgs(&mut self, from: NodeId, msgs: Vec<Envelope>) {
         let draining = self.draining_in_effect();
-        for mut env in batch.msgs {
-            if env.msg.from != batch.from || env.msg.to != self.cfg.node {
-                tracing::warn!(
-                    group = env.group.0,
-                    from = batch.from,
-                    "misaddressed raft message"
-                );
+        for mut env in msgs {
+            if env.msg.from != from || env.msg.to != self.cfg.node {
+                tracing::warn!(group = env.group.0, from, "misaddressed raft message");
                 continue;
             }
             if draining && env.msg.get_msg_type() == MessageType::MsgTimeoutNow {
@@ -1097,11 +1116,7 @@ impl MultiRaft {
                 continue;
             }
             let Some(g) = self.groups.get_mut(&env.group) else {
-                tracing::debug!(
-                    group = env.group.0,
-                    from = batch.from,
-                    "message for unknown group"
-                );
+                tracing::debug!(group = env.group.0, from, "message for unknown group");
                 continue;
             };
             if awaits_snapshot(&g.raw) {
@@ -1150,29 +1165,6 @@ impl MultiRaft {
             }
             self.touched.insert(env.group);
         }
-    }
-
-    /// Steps one message of a batch from `from` that was held back (a leader's snapshot
-    /// written to disk first), unless `from` restarted since it was sent: its new incarnation
-    /// sends what it still means. The peer's liveness and maintenance state stay as the
-    /// batches since left them. False if it was dropped.
-    pub fn step_held(&mut self, from: NodeId, boot: u64, env: Envelope) -> bool {
-        let Some(p) = self.peers.get(&from) else {
-            return false;
-        };
-        if p.boot != boot {
-            return false;
-        }
-        let batch = NodeBatch {
-            from,
-            boot,
-            to: self.cfg.node,
-            draining: p.draining,
-            msgs: vec![env],
-            forwards: Vec::new(),
-        };
-        self.step(batch);
-        true
     }
 
     fn heard_from(&mut self, node: NodeId, boot: u64) {

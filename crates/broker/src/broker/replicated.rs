@@ -559,8 +559,9 @@ impl Broker {
 
     /// [`Broker::install_snapshot`] of a snapshot decoded beforehand, away from whatever
     /// guards the broker: decoding a deep queue's takes about a third of a second per GiB.
-    /// Returns the machine the snapshot replaced, for the caller to drop there too (freeing
-    /// millions of messages is not free either).
+    /// Returns the machine the snapshot replaced (or the snapshot's, when it is not
+    /// installed), for the caller to drop there too: freeing millions of messages is not free
+    /// either.
     pub fn install_decoded(
         &mut self,
         group: u64,
@@ -581,7 +582,7 @@ impl Broker {
                 index,
                 "snapshot of a group with no queue here: ignored"
             );
-            return None;
+            return machine.ok();
         };
         let applied = self
             .queues
@@ -589,7 +590,7 @@ impl Broker {
             .and_then(|q| q.replica.as_ref())
             .map_or(u64::MAX, |r| r.applied_index);
         if index <= applied {
-            return None;
+            return machine.ok();
         }
         let machine = match machine {
             Ok(m) => m,

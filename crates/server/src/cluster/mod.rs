@@ -208,8 +208,8 @@ pub struct ClusterStats {
     /// Raft messages (snapshots) sent whole in pieces, and put together from pieces.
     pub pieced_out: u64,
     pub pieced_in: u64,
-    /// Leaders' snapshots written to disk before Raft installed them, and those Raft then
-    /// found ready (only renamed into place, off the Raft thread's time).
+    /// Leaders' snapshots written to disk by the writer thread and handed to Raft, and those
+    /// Raft then found written when it installed them (it only renamed the file into place).
     pub staged_in: u64,
     pub staged_used: u64,
     /// Incoming connections that failed authentication.

@@ -143,7 +143,9 @@ impl SnapshotWriter {
                     let started = Instant::now();
                     let (meta, received) = (pending.meta, pending.received);
                     let mut prepared = None;
-                    let (bytes, file) = match pending.encode() {
+                    // A panic (a bug in encoding or reading a state) fails this snapshot, not
+                    // the thread: every later one would go unwritten.
+                    let work = std::panic::AssertUnwindSafe(|| match pending.encode() {
                         Ok(snap) => {
                             let file = writer.stage(group, seq, &snap).map_err(|e| e.to_string());
                             if let (true, Ok(_), Some(p)) = (received, &file, &preparer) {
@@ -152,7 +154,10 @@ impl SnapshotWriter {
                             (snap.data.len(), file)
                         }
                         Err(e) => (0, Err(format!("cannot encode it: {e}"))),
-                    };
+                    });
+                    let (bytes, file) = std::panic::catch_unwind(work).unwrap_or_else(|_| {
+                        (0, Err("the snapshot writer panicked on it".to_string()))
+                    });
                     let staged = Staged {
                         group,
                         seq,
@@ -183,7 +188,11 @@ impl SnapshotWriter {
     /// Writes `snap`, now or once the group's write in flight ends.
     /// A leader's snapshot that waits is not replaced by one of this node's own, which it
     /// makes obsolete anyway: a message waits for it.
-    fn write(&mut self, group: GroupId, snap: Pending) {
+    /// False if the writer has stopped: nothing will be written.
+    fn write(&mut self, group: GroupId, snap: Pending) -> bool {
+        if self.jobs.is_none() {
+            return false;
+        }
         if self.writing.contains(&group) {
             let keep = self
                 .waiting
@@ -192,7 +201,7 @@ impl SnapshotWriter {
             if !keep {
                 self.waiting.insert(group, snap);
             }
-            return;
+            return true;
         }
         self.seq += 1;
         let sent = self
@@ -206,7 +215,9 @@ impl SnapshotWriter {
                 group = group.0,
                 "the snapshot writer has stopped; the group keeps its log"
             );
+            self.jobs = None;
         }
+        sent
     }
 
     /// Write `seq` of `group` ended: the one that waited goes next. True if it was asked for
@@ -274,7 +285,11 @@ pub(crate) struct Held {
     meta: SnapshotMeta,
     members: Members,
     env: Envelope,
+    since: Instant,
 }
+
+/// A snapshot held for the writer this long goes to Raft without it.
+const HELD_MAX: Duration = Duration::from_secs(120);
 
 /// A leader's snapshot larger than this is written to disk on the writer thread before Raft
 /// is given it; Raft then only renames the file into place. Written on the Raft thread, a
@@ -334,6 +349,8 @@ impl<E: RaftEvents> Driver<E> {
                     "the snapshot writer has stopped: groups keep their logs"
                 );
                 self.writer.done = crossbeam_channel::never();
+                self.writer.jobs = None;
+                self.release_held(true);
             }
             Woke::InboundGone => self.inbound = crossbeam_channel::never(),
             // Every handle is gone: nobody can use this node any more.
@@ -390,6 +407,15 @@ impl<E: RaftEvents> Driver<E> {
                 .into_iter()
                 .map(|f| (from, f)),
         );
+        if !self.receiving.is_empty() {
+            // While a group's snapshot is written ahead, the leader's appends would only be
+            // refused, and each refusal has it send the whole snapshot again.
+            let receiving = &self.receiving;
+            b.msgs.retain(|env| {
+                env.msg.get_msg_type() != MessageType::MsgAppend
+                    || receiving.get(&env.group).is_none_or(|h| h.from != from)
+            });
+        }
         if b.msgs.iter().any(is_large_snapshot) {
             let (large, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut b.msgs)
                 .into_iter()
@@ -405,21 +431,28 @@ impl<E: RaftEvents> Driver<E> {
         self.raft.step(b);
     }
 
-    /// A leader's large snapshot goes to the writer thread first (a resend of one already on
-    /// its way there is dropped); Raft is given it once it is on disk
-    /// ([`Driver::received_staged`]).
+    /// A leader's large snapshot goes to the writer thread first; Raft is given it once it is
+    /// on disk ([`Driver::received_staged`]). While one of a group is held, others of the
+    /// group are dropped (the leader sends again what the follower still lacks once the first
+    /// is installed: replacing it could go on for as long as the leader snapshots faster than
+    /// this node writes). One this node's log is past already goes to Raft at once, which
+    /// refuses it cheaply. With no writer left, Raft writes it.
     fn receive_snapshot(&mut self, from: NodeId, boot: u64, env: Envelope) {
         let group = env.group;
+        if self.receiving.contains_key(&group) {
+            return;
+        }
         let md = env.msg.get_snapshot().get_metadata();
         let meta = SnapshotMeta {
             index: md.index,
             term: md.term,
         };
         if self
-            .receiving
-            .get(&group)
-            .is_some_and(|h| h.meta == meta && h.from == from)
+            .raft
+            .committed_index(group)
+            .is_none_or(|have| have >= meta.index)
         {
+            self.raft.step_held(from, boot, env);
             return;
         }
         let members = Members::from_conf_state(md.get_conf_state());
@@ -431,10 +464,7 @@ impl<E: RaftEvents> Driver<E> {
             bytes = data.len(),
             "writing a leader's snapshot before installing it"
         );
-        self.counters
-            .staged_in
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.writer.write(
+        let queued = self.writer.write(
             group,
             Pending {
                 meta,
@@ -443,6 +473,10 @@ impl<E: RaftEvents> Driver<E> {
                 received: true,
             },
         );
+        if !queued {
+            self.raft.step_held(from, boot, env);
+            return;
+        }
         self.receiving.insert(
             group,
             Held {
@@ -451,14 +485,14 @@ impl<E: RaftEvents> Driver<E> {
                 meta,
                 members,
                 env,
+                since: Instant::now(),
             },
         );
     }
 
     /// The writer thread wrote a leader's snapshot: Raft is given the message that brought it,
     /// and finds its file ready when it saves it. One that failed to be written is given to
-    /// Raft all the same (it is written there, the slow way); one that another snapshot of
-    /// the group overtook is removed.
+    /// Raft all the same (it is written there, the slow way).
     fn received_staged(&mut self, s: Staged, stale: bool) {
         let group = s.group;
         let held = match self.receiving.get(&group) {
@@ -471,29 +505,75 @@ impl<E: RaftEvents> Driver<E> {
             }
             return;
         };
+        let data = h.env.msg.get_snapshot().data.clone();
+        let (node, meta, members) = (self.raft.node(), h.meta, h.members);
+        if !self.raft.step_held(h.from, h.boot, h.env) {
+            tracing::debug!(
+                node,
+                group = group.0,
+                "a leader's snapshot whose sender is down or restarted: dropped"
+            );
+            if let Ok(file) = &s.file {
+                self.writer.files.discard(file);
+            }
+            return;
+        }
         match s.file {
             Ok(file) => {
+                self.counters
+                    .staged_in
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let snap = StoredSnapshot {
-                    meta: h.meta,
-                    data: h.env.msg.get_snapshot().data.clone(),
-                    members: Some(h.members),
+                    meta,
+                    data,
+                    members: Some(members),
                 };
                 self.log.prestage(group, &snap, file);
                 if let Some(p) = s.prepared {
-                    self.prepared.insert(group, (h.meta, Instant::now(), p));
+                    self.prepared.insert(group, (meta, Instant::now(), p));
                 }
             }
             Err(e) => {
-                tracing::warn!(node = self.raft.node(), group = group.0, error = %e, "cannot write a leader's snapshot ahead; Raft writes it");
+                tracing::warn!(node, group = group.0, error = %e, "cannot write a leader's snapshot ahead; Raft writes it");
             }
         }
-        if !self.raft.step_held(h.from, h.boot, h.env) {
-            tracing::debug!(
-                node = self.raft.node(),
-                group = group.0,
-                "a leader's snapshot outlived its sender's run: dropped"
-            );
+    }
+
+    /// Gives Raft the snapshots held for the writer that it has not answered for
+    /// [`HELD_MAX`] (a disk that slow, or no writer any more: `all`). Raft writes them itself.
+    fn release_held(&mut self, all: bool) {
+        let late: Vec<GroupId> = self
+            .receiving
+            .iter()
+            .filter(|(_, h)| all || h.since.elapsed() >= HELD_MAX)
+            .map(|(g, _)| *g)
+            .collect();
+        for group in late {
+            if let Some(h) = self.receiving.remove(&group) {
+                tracing::warn!(
+                    node = self.raft.node(),
+                    group = group.0,
+                    "a leader's snapshot was not written ahead in time; Raft writes it"
+                );
+                self.raft.step_held(h.from, h.boot, h.env);
+            }
         }
+    }
+
+    /// What was written or read ahead for Raft and that it did not take (its log was past the
+    /// snapshot already, or a newer one came) goes; so does anything older than
+    /// [`PRESTAGED_MAX_AGE`].
+    fn drop_unused_prestaged(&mut self) {
+        let raft = &self.raft;
+        let used = |group: GroupId, index: u64| {
+            raft.committed_index(group).is_none_or(|have| have >= index)
+        };
+        if self.log.prestaged_counts().0 > 0 {
+            self.log.drop_prestaged(PRESTAGED_MAX_AGE, used);
+        }
+        self.prepared.retain(|group, (meta, at, _)| {
+            at.elapsed() < PRESTAGED_MAX_AGE && !used(*group, meta.index)
+        });
     }
 
     fn command(&mut self, c: Command) {
@@ -592,7 +672,8 @@ impl<E: RaftEvents> Driver<E> {
             return;
         }
         let members = self.raft.members_at(group, meta.index);
-        self.writer.write(
+        // A writer that stopped said so; the group keeps its log.
+        let _ = self.writer.write(
             group,
             Pending {
                 meta,
@@ -672,16 +753,10 @@ impl<E: RaftEvents> Driver<E> {
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
             return false;
         }
-        let (waiting, used) = self.log.prestaged_counts();
+        let (_, used) = self.log.prestaged_counts();
         self.counters
             .staged_used
             .store(used, std::sync::atomic::Ordering::Relaxed);
-        if waiting > 0 {
-            let raft = &self.raft;
-            self.log.drop_prestaged(PRESTAGED_MAX_AGE, |group, index| {
-                raft.snapshot_index(group).is_none_or(|have| have >= index)
-            });
-        }
         let mut done = self.raft.advance(rd);
         for b in std::mem::take(&mut done.messages) {
             self.out.send(b);
@@ -730,15 +805,9 @@ impl<E: RaftEvents> Driver<E> {
                 .collect();
             self.events.snapshots(list);
         }
-        if !self.prepared.is_empty() {
-            // Raft did not take it (it had what the snapshot holds), or took a newer one.
-            let raft = &self.raft;
-            self.prepared.retain(|group, (meta, at, _)| {
-                at.elapsed() < PRESTAGED_MAX_AGE
-                    && raft
-                        .snapshot_index(*group)
-                        .is_some_and(|have| have < meta.index)
-            });
+        self.drop_unused_prestaged();
+        if !self.receiving.is_empty() {
+            self.release_held(false);
         }
         if !done.committed.is_empty() {
             self.events.committed(done.committed);
@@ -789,6 +858,18 @@ mod tests {
         w.done
             .recv_timeout(Duration::from_secs(10))
             .expect("the writer reports")
+    }
+
+    #[test]
+    fn a_stopped_writer_takes_nothing_more_and_says_so() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("files");
+        let mut w = SnapshotWriter::start(1, files, None).expect("writer");
+        assert!(w.write(GroupId(7), snap(10)));
+        w.stop();
+        // A leader's snapshot held for it would wait for ever: the caller gives it to Raft.
+        assert!(!w.write(GroupId(7), snap(20)));
+        assert!(!w.write(GroupId(8), snap(5)));
     }
 
     #[test]

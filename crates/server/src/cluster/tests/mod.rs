@@ -466,7 +466,11 @@ fn follower_back_after_compaction(
     wait_for("the entries after the snapshot again", || {
         c.seen(down).data(G).len() >= 5
     });
-    assert_eq!(c.seen(down).snapshots(G)[0].0, meta.index);
+    assert_eq!(
+        c.seen(down).snapshots(G),
+        vec![(meta.index, state.to_vec())],
+        "read back as it was installed"
+    );
     assert_eq!(c.seen(down).data(G), after);
 }
 
