@@ -1,6 +1,7 @@
 //! The `warren` binary: an AMQP 0-9-1 broker, and the commands that manage one (`cli`).
 
 mod alarms;
+mod allocations;
 mod cli;
 mod cluster;
 mod config;
@@ -24,6 +25,9 @@ use warren_session::Node;
 
 use crate::config::{Args, Config};
 
+#[global_allocator]
+static ALLOCATOR: allocations::Counting = allocations::Counting;
+
 fn main() -> ExitCode {
     let args = Args::parse();
     match args.command {
@@ -42,6 +46,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    allocations::enable_from_env();
     let filter = EnvFilter::try_new(&config.log_level).unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)

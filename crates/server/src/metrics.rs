@@ -406,6 +406,20 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
         "How long this node has been in maintenance mode (warren ctl drain); 0 when it is not",
         api.node.draining_for().map_or(0, |d| d.as_secs()),
     );
+    if let Some((count, bytes)) = crate::allocations::totals() {
+        t.one(
+            "warren_heap_allocations_total",
+            "counter",
+            "Heap allocations since the start (counted with WARREN_COUNT_ALLOCATIONS set)",
+            count,
+        );
+        t.one(
+            "warren_heap_allocated_bytes_total",
+            "counter",
+            "Bytes those heap allocations asked for",
+            bytes,
+        );
+    }
     let fds = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count());
     t.one(
         "rabbitmq_process_open_fds",
