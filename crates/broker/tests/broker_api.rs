@@ -1375,12 +1375,33 @@ fn a_message_is_copied_only_when_it_waits_in_a_queue() {
     assert!(!within(&got.message.body), "it waited: copied");
     assert_eq!(got.message.body, buffer.slice(100..200));
 
-    // Behind a message already waiting, the next one waits too.
+    // Two publishes of one read, before the dispatch: the consumer has room for both.
     publish(&mut b, "", "taken", from_buffer("taken"));
     publish(&mut b, "", "taken", from_buffer("taken"));
     let d = dispatch(&mut b);
     assert_eq!(d.len(), 2);
-    assert!(within(&d[0].message.body) && !within(&d[1].message.body));
+    assert!(within(&d[0].message.body) && within(&d[1].message.body));
+    // Behind more than the consumers have room for, the next one waits: a consumer with a
+    // prefetch of 1 on a queue of its own.
+    declare(&mut b, "one");
+    b.consume(
+        V,
+        "one",
+        group(C1, 2),
+        "p1".into(),
+        false,
+        false,
+        1,
+        &FieldTable::new(),
+    )
+    .expect("consume");
+    publish(&mut b, "", "one", from_buffer("one"));
+    publish(&mut b, "", "one", from_buffer("one"));
+    let d = dispatch(&mut b);
+    assert_eq!(d.len(), 1);
+    assert!(within(&d[0].message.body));
+    let (waited, _) = b.get(V, "one", true, C1).expect("ok").expect("a message");
+    assert!(!within(&waited.message.body), "it waited: copied");
 
     // Fanned out to a queue that keeps it and to one whose consumer takes it: one copy for both.
     publish(&mut b, "amq.fanout", "", from_buffer(""));

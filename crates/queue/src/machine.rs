@@ -811,6 +811,10 @@ fn consumer_timeout(arguments: &FieldTable, key: &str) -> Option<u64> {
         .filter(|ms| *ms > 0)
 }
 
+/// A message enqueued behind this many ready ones is taken as one that waits, whatever room
+/// the consumers have (a checkout hands out a bounded batch at a time).
+const TAKES_AT_ONCE_MAX: u64 = 256;
+
 /// The queue state machine. `M` is the message (cheap to clone: a fan-out clones it).
 #[derive(Clone, Debug)]
 pub struct QueueMachine<M> {
@@ -2449,24 +2453,54 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         oldest
     }
 
-    /// Whether a message enqueued now goes to a consumer at the next checkout: nothing is
-    /// ready before it, and a consumer waits with room for it.
+    /// Whether a message enqueued now goes to a consumer at the next checkout: the consumers
+    /// waiting have room for it and for every message ready before it (a read of several
+    /// publishes enqueues them all before the checkout that hands them out).
     pub fn takes_at_once(&self) -> bool {
+        let before = self.ready_count() as u64;
+        if before >= TAKES_AT_ONCE_MAX {
+            return false;
+        }
         // The line may still hold consumers that can no longer take (a blocked channel, one
         // out of credit: the next checkout drops them), so the first few are asked; past
         // them the answer is no, which costs a copy, never a pinned buffer.
-        self.ready_count() == 0
-            && self
-                .service
-                .levels
-                .iter()
-                .flat_map(|(_, line)| line.iter())
-                .take(4)
-                .any(|id| {
-                    self.consumers
-                        .get(id)
-                        .is_some_and(|c| self.may_take(c) && self.may_receive(*id))
-                })
+        let mut room: u64 = 0;
+        for id in self
+            .service
+            .levels
+            .iter()
+            .flat_map(|(_, line)| line.iter())
+            .take(4)
+        {
+            let Some(c) = self.consumers.get(id) else {
+                continue;
+            };
+            if !self.may_take(c) || !self.may_receive(*id) {
+                continue;
+            }
+            room = room.saturating_add(self.room(c));
+            if room > before {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// How many more messages consumer `c` may be handed now (`u64::MAX`: no limit).
+    fn room(&self, c: &Consumer) -> u64 {
+        if c.spec.no_ack {
+            return u64::MAX;
+        }
+        let own = match c.spec.prefetch {
+            0 => u64::MAX,
+            n => u64::from(n.saturating_sub(c.held)),
+        };
+        let channel = self
+            .credit
+            .get(&c.spec.group)
+            .and_then(|credit| credit.limit)
+            .map_or(u64::MAX, u64::from);
+        own.min(channel)
     }
 
     /// Ready messages (not in flight), paged out or not.
@@ -2972,6 +3006,43 @@ mod tests {
 
     fn receipt(msg_id: u64, attempt: u32) -> Receipt {
         Receipt { msg_id, attempt }
+    }
+
+    #[test]
+    fn a_message_is_taken_at_once_while_the_waiting_consumers_have_room_for_all_ready_before_it() {
+        let mut d = Driver::new();
+        assert!(!d.m.takes_at_once(), "no consumer");
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 3, false),
+        });
+        assert!(d.m.takes_at_once());
+        // Two publishes of one read, before the checkout: room for three.
+        d.enqueue("a", 1, None);
+        d.enqueue("b", 1, None);
+        assert!(d.m.takes_at_once(), "the third still fits");
+        d.enqueue("c", 1, None);
+        assert!(!d.m.takes_at_once(), "the fourth would wait");
+        // A second consumer's room counts too; a channel-wide limit caps a consumer's.
+        d.run(Command::Consume {
+            id: ConsumerId(2),
+            spec: spec(2, 10, false),
+        });
+        assert!(d.m.takes_at_once());
+        d.run(Command::Credit {
+            group: CreditGroup {
+                conn: 1,
+                channel: 2,
+            },
+            credit: Credit {
+                blocked: false,
+                limit: Some(0),
+            },
+        });
+        assert!(!d.m.takes_at_once(), "consumer 2's channel has no credit");
+        d.run(Command::Checkout { max: 10 });
+        assert_eq!(d.delivered().len(), 3);
+        assert!(!d.m.takes_at_once(), "consumer 1 is full, 2 has no credit");
     }
 
     #[test]

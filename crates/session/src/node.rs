@@ -1469,7 +1469,11 @@ impl Node {
     /// Runs dispatch, then hands out everything each connection has to write, one buffer per connection.
     pub fn poll_transmit(&mut self, now: u64, out: &mut Vec<Transmit>) {
         self.dispatch(now);
-        for conn in std::mem::take(&mut self.dirty) {
+        // The list is kept, emptied, for the next pass: taken whole, the first connection
+        // marked after it allocated a new one (one allocation per read a worker's connection
+        // makes, a quarter of the broker's per message).
+        let mut dirty = std::mem::take(&mut self.dirty);
+        for conn in dirty.drain(..) {
             let Some(c) = self.conns.get_mut(&conn) else {
                 continue;
             };
@@ -1511,6 +1515,9 @@ impl Node {
                 self.push_credit(conn);
             }
         }
+        // Marked meanwhile: for the next pass, in the kept list.
+        dirty.append(&mut self.dirty);
+        self.dirty = dirty;
     }
 }
 
