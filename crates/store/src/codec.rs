@@ -309,8 +309,10 @@ const ENTRY_EXPIRES: u8 = 2;
 
 /// Layout: body key (u64), body size (u32), flags (u8), expiry (u64, if flagged): 13 or 21
 /// bytes. The first layout (body key, expiry flag, expiry: 9 or 17 bytes) is still read.
-pub fn entry_value(e: &Entry) -> BytesMut {
-    let mut v = BytesMut::with_capacity(21);
+/// Written into `v` (cleared first): a group commit encodes its values into one buffer, which
+/// RocksDB copies from, instead of allocating one per message.
+pub fn entry_value_into(v: &mut BytesMut, e: &Entry) {
+    v.clear();
     v.put_u64(e.body);
     v.put_u32(e.size.unwrap_or(0));
     let mut flags = 0;
@@ -324,7 +326,6 @@ pub fn entry_value(e: &Entry) -> BytesMut {
     if let Some(at) = e.expires_at {
         v.put_u64(at);
     }
-    v
 }
 
 /// A delivery count, and the due time of the delayed retry the message waits for (if any):
@@ -359,7 +360,15 @@ pub fn decode_count(v: &[u8]) -> Result<(u32, Option<u64>), StoreError> {
 /// A body with the number of durable queues it was written for (recovery counts references
 /// only for bodies shared by several).
 pub fn body_value(message: &Message, queues: u32) -> BytesMut {
-    let mut v = BytesMut::with_capacity(
+    let mut v = BytesMut::new();
+    body_value_into(&mut v, message, queues);
+    v
+}
+
+/// [`body_value`] written into `v` (cleared first), as [`entry_value_into`].
+pub fn body_value_into(v: &mut BytesMut, message: &Message, queues: u32) {
+    v.clear();
+    v.reserve(
         16 + message.exchange.len()
             + message.routing_key.len()
             + message.properties.len()
@@ -371,12 +380,11 @@ pub fn body_value(message: &Message, queues: u32) -> BytesMut {
         BODY_V1_TRANSIENT
     });
     v.put_u32(queues);
-    put_short(&mut v, &message.exchange);
-    put_short(&mut v, &message.routing_key);
+    put_short(v, &message.exchange);
+    put_short(v, &message.routing_key);
     v.put_u32(u32::try_from(message.properties.len()).unwrap_or(u32::MAX));
     v.put_slice(&message.properties);
     v.put_slice(&message.body);
-    v
 }
 
 /// Reads one stored value, naming what is wrong when it is damaged.
@@ -1176,7 +1184,9 @@ mod tests {
                 expires_at: None,
             },
         ] {
-            assert_eq!(decode_entry(&entry_value(&e)).ok(), Some(e));
+            let mut v = BytesMut::new();
+            entry_value_into(&mut v, &e);
+            assert_eq!(decode_entry(&v).ok(), Some(e));
         }
         // The first layout: body key, expiry flag, expiry.
         let mut old = 9u64.to_be_bytes().to_vec();

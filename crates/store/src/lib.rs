@@ -388,6 +388,8 @@ impl Store {
         let mut wb = rocksdb::WriteBatch::default();
         // The scratch area's ops, in the same order.
         let mut scratch = rocksdb::WriteBatch::default();
+        // Values are encoded here and copied by RocksDB: one buffer for the group.
+        let mut value = bytes::BytesMut::new();
         let mut sync = false;
         for batch in batches {
             sync |= batch.sync;
@@ -457,8 +459,8 @@ impl Store {
                     } => {
                         if !put_bodies.contains(key) {
                             let (cf, k) = self.body_of(*key)?;
-                            let value = codec::body_value(message, *queues);
-                            pick(&mut wb, &mut scratch, *key).put_cf(cf, k, value);
+                            codec::body_value_into(&mut value, message, *queues);
+                            pick(&mut wb, &mut scratch, *key).put_cf(cf, k, &value);
                         }
                     }
                     StoreOp::DeleteBody { key } => {
@@ -490,8 +492,8 @@ impl Store {
                             };
                             let (cf, prefix) = self.entries_of(*queue)?;
                             let k = codec::entry_key_in(prefix, *queue, *msg_id);
-                            let value = codec::entry_value(&entry);
-                            pick(&mut wb, &mut scratch, *queue).put_cf(cf, k, value);
+                            codec::entry_value_into(&mut value, &entry);
+                            pick(&mut wb, &mut scratch, *queue).put_cf(cf, k, &value);
                         }
                     }
                     StoreOp::DropRun {
