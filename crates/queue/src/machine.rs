@@ -2465,6 +2465,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         // out of credit: the next checkout drops them), so the first few are asked; past
         // them the answer is no, which costs a copy, never a pinned buffer.
         let mut room: u64 = 0;
+        // A channel-wide limit is the channel's, shared by its consumers: what one consumer's
+        // room took of it is not there for the next.
+        let mut spent: [(Option<CreditGroup>, u64); 4] = [(None, 0); 4];
         for id in self
             .service
             .levels
@@ -2478,7 +2481,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             if !self.may_take(c) || !self.may_receive(*id) {
                 continue;
             }
-            room = room.saturating_add(self.room(c));
+            room = room.saturating_add(self.room(c, &mut spent));
             if room > before {
                 return true;
             }
@@ -2486,8 +2489,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         false
     }
 
-    /// How many more messages consumer `c` may be handed now (`u64::MAX`: no limit).
-    fn room(&self, c: &Consumer) -> u64 {
+    /// How many more messages consumer `c` may be handed now (`u64::MAX`: no limit), less what
+    /// consumers counted before it took of its channel's limit (`spent`, updated).
+    fn room(&self, c: &Consumer, spent: &mut [(Option<CreditGroup>, u64)]) -> u64 {
         if c.spec.no_ack {
             return u64::MAX;
         }
@@ -2495,12 +2499,21 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             0 => u64::MAX,
             n => u64::from(n.saturating_sub(c.held)),
         };
-        let channel = self
-            .credit
-            .get(&c.spec.group)
-            .and_then(|credit| credit.limit)
-            .map_or(u64::MAX, u64::from);
-        own.min(channel)
+        let group = c.spec.group;
+        let Some(limit) = self.credit.get(&group).and_then(|credit| credit.limit) else {
+            return own;
+        };
+        let at = spent
+            .iter()
+            .position(|(g, _)| *g == Some(group))
+            .or_else(|| spent.iter().position(|(g, _)| g.is_none()));
+        let Some(slot) = at.and_then(|i| spent.get_mut(i)) else {
+            return 0;
+        };
+        slot.0 = Some(group);
+        let room = own.min(u64::from(limit).saturating_sub(slot.1));
+        slot.1 = slot.1.saturating_add(room);
+        room
     }
 
     /// Ready messages (not in flight), paged out or not.
@@ -3043,6 +3056,34 @@ mod tests {
         d.run(Command::Checkout { max: 10 });
         assert_eq!(d.delivered().len(), 3);
         assert!(!d.m.takes_at_once(), "consumer 1 is full, 2 has no credit");
+    }
+
+    #[test]
+    fn a_channel_wide_limit_is_counted_once_for_all_its_consumers() {
+        let mut d = Driver::new();
+        for id in [1, 2] {
+            d.run(Command::Consume {
+                id: ConsumerId(id),
+                spec: spec(1, 0, false),
+            });
+        }
+        // The channel may take one more message in all (a global prefetch of 1).
+        d.run(Command::Credit {
+            group: CreditGroup {
+                conn: 1,
+                channel: 1,
+            },
+            credit: Credit {
+                blocked: false,
+                limit: Some(1),
+            },
+        });
+        assert!(d.m.takes_at_once());
+        d.enqueue("a", 1, None);
+        assert!(
+            !d.m.takes_at_once(),
+            "the second would wait for the first's ack, whichever consumer"
+        );
     }
 
     #[test]
