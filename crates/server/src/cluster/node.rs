@@ -282,10 +282,23 @@ pub(crate) struct Driver<E> {
 pub(crate) struct Held {
     from: NodeId,
     boot: u64,
-    meta: SnapshotMeta,
-    members: Members,
     env: Envelope,
     since: Instant,
+}
+
+/// The snapshot a leader's MsgSnapshot carries, as this node saves it (the members its
+/// metadata names; its data shared, not copied).
+fn carried(env: &Envelope) -> StoredSnapshot {
+    let s = env.msg.get_snapshot();
+    let md = s.get_metadata();
+    StoredSnapshot {
+        meta: SnapshotMeta {
+            index: md.index,
+            term: md.term,
+        },
+        data: s.data.clone(),
+        members: Some(Members::from_conf_state(md.get_conf_state())),
+    }
 }
 
 /// A snapshot held for the writer this long goes to Raft without it.
@@ -442,34 +455,28 @@ impl<E: RaftEvents> Driver<E> {
         if self.receiving.contains_key(&group) {
             return;
         }
-        let md = env.msg.get_snapshot().get_metadata();
-        let meta = SnapshotMeta {
-            index: md.index,
-            term: md.term,
-        };
+        let snap = carried(&env);
         if self
             .raft
             .committed_index(group)
-            .is_none_or(|have| have >= meta.index)
+            .is_none_or(|have| have >= snap.meta.index)
         {
             self.raft.step_held(from, boot, env);
             return;
         }
-        let members = Members::from_conf_state(md.get_conf_state());
-        let data = env.msg.get_snapshot().data.clone();
         tracing::debug!(
             node = self.raft.node(),
             group = group.0,
-            index = meta.index,
-            bytes = data.len(),
+            index = snap.meta.index,
+            bytes = snap.data.len(),
             "writing a leader's snapshot before installing it"
         );
         let queued = self.writer.write(
             group,
             Pending {
-                meta,
-                members: Some(members.clone()),
-                body: SnapshotBody::Ready(data),
+                meta: snap.meta,
+                members: snap.members,
+                body: SnapshotBody::Ready(snap.data),
                 received: true,
             },
         );
@@ -482,8 +489,6 @@ impl<E: RaftEvents> Driver<E> {
             Held {
                 from,
                 boot,
-                meta,
-                members,
                 env,
                 since: Instant::now(),
             },
@@ -496,7 +501,7 @@ impl<E: RaftEvents> Driver<E> {
     fn received_staged(&mut self, s: Staged, stale: bool) {
         let group = s.group;
         let held = match self.receiving.get(&group) {
-            Some(h) if h.meta == s.meta && !stale => self.receiving.remove(&group),
+            Some(h) if carried(&h.env).meta == s.meta && !stale => self.receiving.remove(&group),
             _ => None,
         };
         let Some(h) = held else {
@@ -505,8 +510,8 @@ impl<E: RaftEvents> Driver<E> {
             }
             return;
         };
-        let data = h.env.msg.get_snapshot().data.clone();
-        let (node, meta, members) = (self.raft.node(), h.meta, h.members);
+        let snap = carried(&h.env);
+        let node = self.raft.node();
         if !self.raft.step_held(h.from, h.boot, h.env) {
             tracing::debug!(
                 node,
@@ -523,14 +528,9 @@ impl<E: RaftEvents> Driver<E> {
                 self.counters
                     .staged_in
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let snap = StoredSnapshot {
-                    meta,
-                    data,
-                    members: Some(members),
-                };
                 self.log.prestage(group, &snap, file);
                 if let Some(p) = s.prepared {
-                    self.prepared.insert(group, (meta, Instant::now(), p));
+                    self.prepared.insert(group, (snap.meta, Instant::now(), p));
                 }
             }
             Err(e) => {
