@@ -66,6 +66,10 @@ pub struct Args {
     /// connection.open is refused with 530 [default: no limit]
     #[arg(long, env = "WARREN_CONNECTION_MAX", value_name = "N")]
     pub connection_max: Option<usize>,
+    /// Threads that run client connections, each connection staying on one; 0 runs them on the
+    /// shared worker threads instead [default: one per two cores, at least one]
+    #[arg(long, env = "WARREN_CONNECTION_THREADS", value_name = "N")]
+    pub connection_threads: Option<usize>,
     /// Most consumers on one channel (RabbitMQ's consumer_max_per_channel); past it
     /// basic.consume closes the connection with 530 [default: no limit]
     #[arg(long, env = "WARREN_CONSUMER_MAX_PER_CHANNEL", value_name = "N")]
@@ -240,6 +244,7 @@ pub struct FileConfig {
     pub max_message_size: Option<u64>,
     pub handshake_timeout: Option<u64>,
     pub connection_max: Option<usize>,
+    pub connection_threads: Option<usize>,
     pub consumer_max_per_channel: Option<usize>,
     pub consumer_max_per_queue: Option<usize>,
     pub consumer_timeout_closes_channel: Option<bool>,
@@ -544,6 +549,8 @@ pub struct Config {
     pub queue_window: u32,
     /// Most consumers on one queue (`--consumer-max-per-queue`).
     pub consumer_max_per_queue: Option<usize>,
+    /// Threads of their own for client connections (`--connection-threads`; 0: none).
+    pub connection_threads: usize,
     /// Tests only: a pause before each queue recovery brings back.
     pub recovery_step_delay: Option<std::time::Duration>,
     /// How the management API's changes wait for the disk (test options only).
@@ -723,6 +730,10 @@ impl Config {
             alarms,
             queue_window,
             consumer_max_per_queue: args.consumer_max_per_queue.or(file.consumer_max_per_queue),
+            connection_threads: args
+                .connection_threads
+                .or(file.connection_threads)
+                .unwrap_or_else(crate::connection_threads::ConnectionThreads::default_count),
             recovery_step_delay: args
                 .test_recovery_step_ms
                 .map(std::time::Duration::from_millis),

@@ -1036,7 +1036,12 @@ pub async fn serve(
     node: Node,
     recorder: Option<Recorder>,
     (store, recovery): (Option<Arc<warren_store::Store>>, Option<PendingRecovery>),
-    (alarms, data_dir, writes): (crate::config::AlarmConfig, std::path::PathBuf, ApiWrites),
+    (alarms, data_dir, writes, threads): (
+        crate::config::AlarmConfig,
+        std::path::PathBuf,
+        ApiWrites,
+        crate::connection_threads::ConnectionThreads,
+    ),
     (mut shutdown, cluster): (watch::Receiver<bool>, Option<crate::cluster::ClusterConfig>),
     on_start: impl FnOnce(NodeHandle),
 ) -> std::io::Result<Option<Arc<warren_store::Store>>> {
@@ -1185,7 +1190,7 @@ pub async fn serve(
                 let shared = shared.clone();
                 let frame_max = config.frame_max;
                 let limits = (HandshakeClock::start(handshake_timeout), recovered_rx.clone());
-                tokio::spawn(async move {
+                threads.spawn(stream, move |stream| async move {
                     connection(stream, peer, conn, shared, frame_max, limits).await;
                 });
             }
@@ -1208,7 +1213,7 @@ pub async fn serve(
                 let frame_max = config.frame_max;
                 let limits = (HandshakeClock::start(handshake_timeout), recovered_rx.clone());
                 let tls = tls.clone();
-                tokio::spawn(async move {
+                threads.spawn(stream, move |stream| async move {
                     tls_connection(stream, peer, tls, conn, shared, frame_max, limits).await;
                 });
             }
@@ -1740,10 +1745,14 @@ async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
             }
         }
         let spare = buf.capacity() - buf.len();
+        let mut full = false;
         match rd.read_buf(&mut buf).await {
             Ok(0) | Err(_) => break,
             // A read that fills the buffer means a busy client: read more at a time; small reads, less.
-            Ok(n) if n == spare => read_size = (read_size * 2).min(MAX_READ),
+            Ok(n) if n == spare => {
+                read_size = (read_size * 2).min(MAX_READ);
+                full = true;
+            }
             Ok(n) if n < read_size / 8 => read_size = (read_size / 2).max(MIN_READ),
             Ok(_) => {}
         }
@@ -1807,6 +1816,12 @@ async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
         if failed {
             // Nothing after a framing error can be trusted: stop reading; the node closes the connection.
             return;
+        }
+        if full {
+            // More is waiting: the other connections of this thread (a worker's acks among
+            // them) go first, one read each, so a publisher sending flat out cannot hold
+            // them back for tokio's whole budget of reads.
+            tokio::task::yield_now().await;
         }
     }
     shared.with_core(|core, _| {

@@ -5,6 +5,7 @@ mod allocations;
 mod cli;
 mod cluster;
 mod config;
+mod connection_threads;
 mod driver;
 mod http;
 mod metrics;
@@ -372,7 +373,12 @@ async fn run(config: Config) -> std::io::Result<()> {
                 step_pause: config.recovery_step_delay,
             }),
         ),
-        (config.alarms, config.data_dir.clone(), config.api_writes),
+        (
+            config.alarms,
+            config.data_dir.clone(),
+            config.api_writes,
+            connection_threads::ConnectionThreads::start(config.connection_threads)?,
+        ),
         (stop_rx, cluster),
         |node| {
             let shovels = shovel::Shovels::new(node_name(&config));
