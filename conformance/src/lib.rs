@@ -529,6 +529,15 @@ fn parse_url(url: &str) -> (SocketAddr, String) {
     (addr, vhost.to_string())
 }
 
+/// This crate's folder: as `cargo test` says when it runs the test, else where it was built.
+/// (A test binary that cargo reused from a build of the same sources in another checkout, with
+/// the same target folder, names that checkout's folder in its compile-time value.)
+pub fn conformance_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 /// The `warren` binary: `WARREN_BIN`, else `target/<profile>/warren` next to the test executable.
 pub fn warren_binary() -> PathBuf {
     if let Ok(bin) = std::env::var("WARREN_BIN") {

@@ -10,7 +10,7 @@
 //! `clients/node_modules`.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use warren_conformance::TestBroker;
 
 fn clients_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    warren_conformance::conformance_dir()
         .join("..")
         .join("clients")
 }

@@ -21,8 +21,8 @@ fn script() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("WARREN_RABBITMQADMIN") {
         return Some(PathBuf::from(p));
     }
-    let deps = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../clients/.deps/rabbitmqadmin/rabbitmqadmin");
+    let deps =
+        warren_conformance::conformance_dir().join("../clients/.deps/rabbitmqadmin/rabbitmqadmin");
     if deps.is_file() {
         return Some(deps);
     }

@@ -12,7 +12,7 @@
 //! TLS themselves (`clients/tls_flows.py`, `clients/tls_flows.js`).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -887,7 +887,7 @@ async fn management_api_and_metrics_over_https() {
 // pika and amqplib
 
 fn clients_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    warren_conformance::conformance_dir()
         .join("..")
         .join("clients")
 }

@@ -122,6 +122,9 @@ struct Written {
 
 #[derive(Default, Clone, Copy)]
 struct WriteState {
+    /// Threads blocked in `NodeHandle::write`: without one, a confirm wakes nobody, and a
+    /// condvar's `notify_all` is a futex call even then (one per group commit).
+    blocked: usize,
     /// The last batch confirmed: on disk and, where it holds replicated entries, committed.
     upto: u64,
     /// The last batch refused: a write that failed (it may be retried; nobody was told it is
@@ -489,7 +492,9 @@ impl Shared {
                 let mut state = self.written.state.lock().unwrap_or_else(|p| p.into_inner());
                 state.upto = state.upto.max(marks.0);
                 state.failed = state.failed.max(marks.1);
-                self.written.changed.notify_all();
+                if state.blocked > 0 {
+                    self.written.changed.notify_all();
+                }
                 self.written.tasks.notify_waiters();
             }
             (r, more, core.node.next_deadline())
@@ -700,18 +705,28 @@ impl NodeHandle {
         let shared = &self.0;
         let sent = shared.lock().last_sent;
         let w = &shared.written;
-        let state = w.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = w.state.lock().unwrap_or_else(|p| p.into_inner());
         if state.upto >= sent {
             return Ok(r);
         }
-        // A few milliseconds (one group commit): the worker's other tasks move elsewhere.
-        let outcome = tokio::task::block_in_place(|| {
-            let (state, _) = w
+        state.blocked += 1;
+        let wait = || {
+            let (mut state, _) = w
                 .changed
                 .wait_timeout_while(state, shared.write_wait, |s| s.outcome(sent).is_none())
                 .unwrap_or_else(|p| p.into_inner());
+            state.blocked -= 1;
             *state
-        });
+        };
+        // A few milliseconds (one group commit): the worker's other tasks move elsewhere. (A
+        // current-thread runtime, a connection thread's, has nowhere to move them.)
+        let shared_runtime = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let outcome = if shared_runtime {
+            tokio::task::block_in_place(wait)
+        } else {
+            wait()
+        };
         match outcome.outcome(sent) {
             Some(true) => Ok(r),
             Some(false) => Err(self.refused(sent, true)),
