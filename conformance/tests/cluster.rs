@@ -1171,6 +1171,90 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
     }
 }
 
+/// The same for changes made through the management API (RabbitMQ answers them once every
+/// node's metadata store has them): right after an exchange is PUT, and a binding POSTed or
+/// DELETEd, on the node that leads the metadata, a mandatory publish on the node that hears of
+/// it last is routed by the new binding, and returned once it is deleted, never the other way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_on_another_node_right_after_an_api_change_sees_it() {
+    let c = TestCluster::start_partitionable(3, 20, &[]);
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
+    let lead = c.wait_for_metadata_leader(1);
+    let late = if lead == 1 { 2 } else { 1 };
+    c.delay_to(late, Duration::from_millis(40));
+    let (_c2, publisher) = channel(&c, late).await;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let publish = |x: &str, key: &str| {
+        let (x, key) = (x.to_owned(), key.to_owned());
+        let publisher = publisher.clone();
+        async move {
+            let confirm = publisher
+                .basic_publish(
+                    x.as_str().into(),
+                    key.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    b"routed",
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .expect("publish");
+            tokio::time::timeout(WAIT, confirm)
+                .await
+                .expect("a confirm within the wait")
+                .expect("confirm")
+        }
+    };
+    let api = Api::of(c.node(lead));
+    let q = unique("api-bound");
+    api.put(
+        &format!("/queues/%2f/{q}"),
+        serde_json::json!({"durable": true, "arguments": {"x-queue-type": "quorum"}}),
+    );
+    let exchange = unique("api-routes");
+    api.put(
+        &format!("/exchanges/%2f/{exchange}"),
+        serde_json::json!({"type": "direct", "durable": true}),
+    );
+    // On the publishing node at once: returned for want of a binding, not a 404.
+    match publish(&exchange, "nobody").await {
+        Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
+        other => panic!("a publish to a new exchange on another node: {other:?}"),
+    }
+    for i in 0..10 {
+        let key = format!("k{i}");
+        let (status, v) = api.call(
+            "POST",
+            &format!("/bindings/%2f/e/{exchange}/q/{q}"),
+            Some(serde_json::json!({"routing_key": key})),
+        );
+        assert_eq!(status, 201, "POST binding {key}: {v}");
+        let got = publish(&exchange, &key).await;
+        assert!(
+            matches!(got, Confirmation::Ack(None)),
+            "{key} right after the API bound it: {got:?}"
+        );
+        let (status, v) = api.call(
+            "DELETE",
+            &format!("/bindings/%2f/e/{exchange}/q/{q}/{key}"),
+            None,
+        );
+        assert_eq!(status, 204, "DELETE binding {key}: {v}");
+        match publish(&exchange, &key).await {
+            Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
+            other => panic!("{key} right after the API unbound it: {other:?}"),
+        }
+    }
+    wait_for_messages(&c, lead, &q, 10);
+}
+
 /// A CA's certificate and a certificate for 127.0.0.1 it signed, for both ends of a cluster
 /// link, in `dir`: (cert, key, ca).
 fn cluster_pki(dir: &std::path::Path) -> [String; 3] {

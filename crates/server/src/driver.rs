@@ -663,9 +663,37 @@ impl NodeHandle {
         &self,
         f: impl FnOnce(&mut Node, u64) -> R,
     ) -> Result<R, WriteError> {
-        let r = self.change(f)?;
+        let (r, ticket) = self.change_for_cluster(f)?;
         self.on_disk().await?;
+        if let Some(ticket) = ticket {
+            let deadline = Instant::now() + CLUSTER_WAIT;
+            while self.cluster_waits(ticket) && Instant::now() < deadline {
+                tokio::time::sleep(CLUSTER_POLL).await;
+            }
+        }
         Ok(r)
+    }
+
+    /// As [`NodeHandle::change`], noting whether the change went to the cluster's metadata
+    /// log: its ticket then, for the caller to wait until every running node has it (as an
+    /// AMQP client's bind or declare waits), so that a client of another node told of the
+    /// change sees it there.
+    fn change_for_cluster<R>(
+        &self,
+        f: impl FnOnce(&mut Node, u64) -> R,
+    ) -> Result<(R, Option<u64>), WriteError> {
+        self.change(|node, now| {
+            let mark = node.broker().change_mark();
+            let r = f(node, now);
+            let ticket = node.broker_mut().wait_for_cluster(mark, API_CONN);
+            (r, ticket)
+        })
+    }
+
+    /// Whether the change `ticket` still waits for the cluster's other running nodes (the
+    /// broker gives up waiting after 2 s, as for an AMQP client).
+    fn cluster_waits(&self, ticket: u64) -> bool {
+        self.0.lock().node.broker().change_waiting(ticket)
     }
 
     /// Waits, as a task, until what the node has sent to the store so far is on disk (and
@@ -701,13 +729,34 @@ impl NodeHandle {
     /// error if the store's write fails or does not end within the wait: the change is made
     /// in memory, but nobody may be told it is durable.
     pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
-        let r = self.change(f)?;
+        let (r, ticket) = self.change_for_cluster(f)?;
+        self.wait_on_disk()?;
+        if let Some(ticket) = ticket {
+            // A round trip to the other nodes: milliseconds.
+            let deadline = Instant::now() + CLUSTER_WAIT;
+            let poll = || {
+                while self.cluster_waits(ticket) && Instant::now() < deadline {
+                    std::thread::sleep(CLUSTER_POLL);
+                }
+            };
+            if on_shared_runtime() {
+                tokio::task::block_in_place(poll);
+            } else {
+                poll();
+            }
+        }
+        Ok(r)
+    }
+
+    /// Blocks until what the node has sent to the store so far is on disk (as
+    /// [`NodeHandle::on_disk`], for a thread).
+    fn wait_on_disk(&self) -> Result<(), WriteError> {
         let shared = &self.0;
         let sent = shared.lock().last_sent;
         let w = &shared.written;
         let mut state = w.state.lock().unwrap_or_else(|p| p.into_inner());
         if state.upto >= sent {
-            return Ok(r);
+            return Ok(());
         }
         state.blocked += 1;
         let wait = || {
@@ -718,17 +767,14 @@ impl NodeHandle {
             state.blocked -= 1;
             *state
         };
-        // A few milliseconds (one group commit): the worker's other tasks move elsewhere. (A
-        // current-thread runtime, a connection thread's, has nowhere to move them.)
-        let shared_runtime = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let outcome = if shared_runtime {
+        // A few milliseconds (one group commit): the worker's other tasks move elsewhere.
+        let outcome = if on_shared_runtime() {
             tokio::task::block_in_place(wait)
         } else {
             wait()
         };
         match outcome.outcome(sent) {
-            Some(true) => Ok(r),
+            Some(true) => Ok(()),
             Some(false) => Err(self.refused(sent, true)),
             None => Err(self.refused(sent, false)),
         }
@@ -791,6 +837,25 @@ fn takeable(broker: &warren_broker::Broker, queue: warren_broker::QueueId) -> us
         .machine(queue)
         .map_or(0, |m| m.ready_count().saturating_sub(m.retrying_count()))
 }
+
+/// Whether this thread is a worker of a multi-thread runtime, where `block_in_place` hands
+/// its other tasks to another worker (a current-thread runtime, a connection thread's, has
+/// nowhere to move them, and `block_in_place` would panic there).
+fn on_shared_runtime() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
+/// The connection id the management API's and the SQS API's definition changes wait for the
+/// cluster under: no connection has it (ids start at 1), so no channel is answered.
+const API_CONN: ConnId = 0;
+
+/// How long an API change waits for every running node to have it, at most: past the
+/// broker's own limit (2 s), after which it answers anyway.
+const CLUSTER_WAIT: Duration = Duration::from_millis(2_500);
+
+/// How often an API change waiting for the cluster looks.
+const CLUSTER_POLL: Duration = Duration::from_millis(2);
 
 /// A long poll's watch of one queue (see [`NodeHandle::watch_queue`]).
 pub struct QueueWatch {

@@ -683,6 +683,14 @@ impl Broker {
         Some(number)
     }
 
+    /// Whether the change `ticket` ([`Broker::wait_for_cluster`]) still waits for the
+    /// cluster: the management API polls it, having no channel to be answered on.
+    pub fn change_waiting(&self, ticket: u64) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|c| c.meta.change_waits.contains_key(&ticket))
+    }
+
     /// Changes that were waiting for the cluster and are answered now.
     pub fn take_change_answers(&mut self, out: &mut Vec<ChangeAnswer>) {
         if let Some(c) = self.cluster.as_mut() {
