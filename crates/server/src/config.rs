@@ -314,6 +314,12 @@ pub enum ConfigError {
     PagingRatio(f64),
     #[error("queue_window must be at least 1, got 0")]
     QueueWindow,
+    #[error(
+        "connection_threads must be at most {max} (0 runs connections on the shared runtime; \
+         the default is one per two cores), got {0}",
+        max = crate::connection_threads::MAX_THREADS
+    )]
+    ConnectionThreads(usize),
     #[error("memory_high_watermark must be a fraction between 0 and 1 (RabbitMQ's default is 0.4), got {0}")]
     Watermark(f64),
     #[error("{0}")]
@@ -724,16 +730,20 @@ impl Config {
         if queue_window == 0 {
             return Err(ConfigError::QueueWindow);
         }
+        let connection_threads = args
+            .connection_threads
+            .or(file.connection_threads)
+            .unwrap_or_else(crate::connection_threads::ConnectionThreads::default_count);
+        if connection_threads > crate::connection_threads::MAX_THREADS {
+            return Err(ConfigError::ConnectionThreads(connection_threads));
+        }
         Ok(Config {
             cluster,
             data_dir,
             alarms,
             queue_window,
             consumer_max_per_queue: args.consumer_max_per_queue.or(file.consumer_max_per_queue),
-            connection_threads: args
-                .connection_threads
-                .or(file.connection_threads)
-                .unwrap_or_else(crate::connection_threads::ConnectionThreads::default_count),
+            connection_threads,
             recovery_step_delay: args
                 .test_recovery_step_ms
                 .map(std::time::Duration::from_millis),
@@ -794,6 +804,25 @@ mod tests {
         assert_eq!(c.management_port, Some(15672));
         assert_eq!(c.prometheus_port, Some(15692));
         assert_eq!(c.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn connection_threads_are_bounded_and_zero_means_the_shared_runtime() {
+        let c = Config::resolve(Args::default()).unwrap();
+        assert!(c.connection_threads >= 1);
+        let shared = Args {
+            connection_threads: Some(0),
+            ..Args::default()
+        };
+        assert_eq!(Config::resolve(shared).unwrap().connection_threads, 0);
+        let most = crate::connection_threads::MAX_THREADS;
+        let too_many = Args {
+            connection_threads: Some(most + 1),
+            ..Args::default()
+        };
+        let e = Config::resolve(too_many).unwrap_err();
+        assert!(matches!(e, ConfigError::ConnectionThreads(n) if n == most + 1));
+        assert!(e.to_string().contains("at most 1024"), "{e}");
     }
 
     #[test]

@@ -19,6 +19,11 @@ use tokio::net::TcpStream;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
+/// The most connection threads a node starts (`--connection-threads`): far more than any
+/// machine's cores; a mistyped count fails at start-up with a message instead of exhausting the
+/// machine's threads.
+pub const MAX_THREADS: usize = 1024;
+
 /// How long a stopping thread lets its connections' tasks finish what they are writing.
 const STOP_GRACE: Duration = Duration::from_millis(200);
 
@@ -43,15 +48,26 @@ impl ConnectionThreads {
         let mut threads = Vec::with_capacity(count);
         let mut stops = Vec::with_capacity(count);
         for i in 0..count {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            threads.push(runtime.handle().clone());
             let (stop, stopped) = oneshot::channel::<()>();
-            stops.push(stop);
+            let (started, handle) = std::sync::mpsc::sync_channel(1);
+            // The runtime is built on its own thread: one dropped here, inside the caller's
+            // runtime (a failed spawn drops the closure), would panic.
             std::thread::Builder::new()
                 .name(format!("warren-conn-{i}"))
                 .spawn(move || {
+                    let runtime = match tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                    {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = started.send(Err(e));
+                            return;
+                        }
+                    };
+                    if started.send(Ok(runtime.handle().clone())).is_err() {
+                        return;
+                    }
                     // Runs the connections' tasks until the server lets go of the sender, then
                     // a little longer: their writers may still hold the last close frames.
                     runtime.block_on(async {
@@ -60,6 +76,11 @@ impl ConnectionThreads {
                     });
                     runtime.shutdown_background();
                 })?;
+            let handle = handle.recv().map_err(|_| {
+                std::io::Error::other("a connection thread stopped before its runtime started")
+            })??;
+            threads.push(handle);
+            stops.push(stop);
         }
         tracing::debug!(threads = count, "connection threads started");
         Ok(Self::Pinned {

@@ -34,6 +34,8 @@ use crate::storage::StoreThread;
 /// Read sizes adapt between these: small for quiet clients, large for streaming publishers.
 const MIN_READ: usize = 4 * 1024;
 const MAX_READ: usize = 128 * 1024;
+/// A read buffer with less room than this is replaced before the next read.
+const MIN_SPARE: usize = 1024;
 /// A connection whose unsent output reaches this many times the backlog limit is not read until
 /// it drains (deliveries already stop at the limit itself).
 const UNSENT_READ_FACTOR: usize = 4;
@@ -100,6 +102,9 @@ struct Core {
     last_sent: u64,
     /// The node's confirm marks as last told to [`Shared::written`]'s waiters.
     marks: (u64, u64),
+    /// The broker's count of definition changes answered by the cluster, as last told to
+    /// the API's waiters ([`WriteState::answered`]).
+    answered: u64,
     /// This node's Raft groups, in a cluster.
     raft: Option<crate::cluster::RaftNode>,
     /// Reused buffer of the replicated queues' proposals.
@@ -118,6 +123,8 @@ struct Written {
     changed: Condvar,
     /// The same news for tasks (`NodeHandle::write_async`), which must not block their worker.
     tasks: Notify,
+    /// Wakes the tasks whose definition change waits for the cluster when one is answered.
+    cluster: Notify,
 }
 
 #[derive(Default, Clone, Copy)]
@@ -130,6 +137,9 @@ struct WriteState {
     /// The last batch refused: a write that failed (it may be retried; nobody was told it is
     /// on disk) or replicated entries that were lost.
     failed: u64,
+    /// Definition changes the cluster has answered so far (`Broker::changes_answered`): a
+    /// thread waiting for one looks again when it moves.
+    answered: u64,
 }
 
 impl WriteState {
@@ -485,6 +495,16 @@ impl Shared {
             let more = core.flush(DISPATCH_PASSES);
             core.wake_watchers();
             let marks = core.node.confirm_marks();
+            let answered = core.node.broker().changes_answered();
+            if answered != core.answered {
+                core.answered = answered;
+                let mut state = self.written.state.lock().unwrap_or_else(|p| p.into_inner());
+                state.answered = answered;
+                if state.blocked > 0 {
+                    self.written.changed.notify_all();
+                }
+                self.written.cluster.notify_waiters();
+            }
             if marks != core.marks {
                 // A batch is confirmed (or refused) once the node says so: on disk, and, with
                 // replicated queues in it, once a majority has their entries.
@@ -656,8 +676,8 @@ impl NodeHandle {
         })
     }
 
-    /// As [`NodeHandle::write`], for a task: it waits for the store without blocking its
-    /// worker thread (`write` hands the worker's other tasks to another thread while it
+    /// As [`NodeHandle::write`], for a task: it waits for the store (and the cluster)
+    /// without blocking its worker thread (`write` hands the worker's other tasks to another thread while it
     /// waits, a thread switch per call).
     pub async fn write_async<R>(
         &self,
@@ -666,9 +686,17 @@ impl NodeHandle {
         let (r, ticket) = self.change_for_cluster(f)?;
         self.on_disk().await?;
         if let Some(ticket) = ticket {
-            let deadline = Instant::now() + CLUSTER_WAIT;
-            while self.cluster_waits(ticket) && Instant::now() < deadline {
-                tokio::time::sleep(CLUSTER_POLL).await;
+            let deadline = tokio::time::Instant::now() + CLUSTER_WAIT;
+            loop {
+                let news = self.0.written.cluster.notified();
+                tokio::pin!(news);
+                // Registered before the look: an answer after it wakes this wait.
+                news.as_mut().enable();
+                if !self.cluster_waits(ticket)
+                    || tokio::time::timeout_at(deadline, news).await.is_err()
+                {
+                    break;
+                }
             }
         }
         Ok(r)
@@ -685,7 +713,10 @@ impl NodeHandle {
         self.change(|node, now| {
             let mark = node.broker().change_mark();
             let r = f(node, now);
-            let ticket = node.broker_mut().wait_for_cluster(mark, API_CONN);
+            // No connection has this id (ids start at 1), so no channel is answered.
+            let ticket = node
+                .broker_mut()
+                .wait_for_cluster(mark, warren_session::manage::API_CONN);
             (r, ticket)
         })
     }
@@ -725,7 +756,10 @@ impl NodeHandle {
 
     /// Changes the node; what it produced is written out as after a client's frame, and
     /// the call returns once the store has it on disk (as RabbitMQ answers an API change
-    /// once its database has it). Refused, without running `f`, while the node recovers; an
+    /// once its database has it) and, for a definition change in a cluster, once every
+    /// running node has applied it (a round trip; at most [`CLUSTER_WAIT`] when a node is
+    /// cut off). It blocks its thread: never call it from a connection's task (a
+    /// connection thread's other connections would wait with it). Refused, without running `f`, while the node recovers; an
     /// error if the store's write fails or does not end within the wait: the change is made
     /// in memory, but nobody may be told it is durable.
     pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
@@ -734,15 +768,27 @@ impl NodeHandle {
         if let Some(ticket) = ticket {
             // A round trip to the other nodes: milliseconds.
             let deadline = Instant::now() + CLUSTER_WAIT;
-            let poll = || {
-                while self.cluster_waits(ticket) && Instant::now() < deadline {
-                    std::thread::sleep(CLUSTER_POLL);
+            let w = &self.0.written;
+            let lock = || w.state.lock().unwrap_or_else(|p| p.into_inner());
+            let wait = || loop {
+                // Read before the look, so an answer between the two ends the wait below.
+                let seen = lock().answered;
+                let left = deadline.saturating_duration_since(Instant::now());
+                if !self.cluster_waits(ticket) || left.is_zero() {
+                    break;
                 }
+                let mut state = lock();
+                state.blocked += 1;
+                let (mut state, _) = w
+                    .changed
+                    .wait_timeout_while(state, left, |s| s.answered == seen)
+                    .unwrap_or_else(|p| p.into_inner());
+                state.blocked -= 1;
             };
             if on_shared_runtime() {
-                tokio::task::block_in_place(poll);
+                tokio::task::block_in_place(wait);
             } else {
-                poll();
+                wait();
             }
         }
         Ok(r)
@@ -754,12 +800,16 @@ impl NodeHandle {
         let shared = &self.0;
         let sent = shared.lock().last_sent;
         let w = &shared.written;
-        let mut state = w.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.upto >= sent {
+        let lock = || w.state.lock().unwrap_or_else(|p| p.into_inner());
+        if lock().upto >= sent {
             return Ok(());
         }
-        state.blocked += 1;
+        // The state's lock is taken inside: held across `block_in_place`'s hand-over of the
+        // worker's tasks, it would stall every group commit's report, and the node's lock
+        // with it (`with_core` takes it to record the marks).
         let wait = || {
+            let mut state = lock();
+            state.blocked += 1;
             let (mut state, _) = w
                 .changed
                 .wait_timeout_while(state, shared.write_wait, |s| s.outcome(sent).is_none())
@@ -846,16 +896,9 @@ fn on_shared_runtime() -> bool {
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
-/// The connection id the management API's and the SQS API's definition changes wait for the
-/// cluster under: no connection has it (ids start at 1), so no channel is answered.
-const API_CONN: ConnId = 0;
-
 /// How long an API change waits for every running node to have it, at most: past the
 /// broker's own limit (2 s), after which it answers anyway.
 const CLUSTER_WAIT: Duration = Duration::from_millis(2_500);
-
-/// How often an API change waiting for the cluster looks.
-const CLUSTER_POLL: Duration = Duration::from_millis(2);
 
 /// A long poll's watch of one queue (see [`NodeHandle::watch_queue`]).
 pub struct QueueWatch {
@@ -933,9 +976,13 @@ impl Core {
             self.record();
             self.persist();
             self.replicate();
-            for t in std::mem::take(&mut self.transmits) {
+            // Taken out for `send` and put back emptied: the next pass pushes into the same
+            // allocation (taken whole, every pass that wrote allocated a new list).
+            let mut transmits = std::mem::take(&mut self.transmits);
+            for t in transmits.drain(..) {
                 self.send(t);
             }
+            self.transmits = transmits;
             if !self.node.needs_dispatch() {
                 return false;
             }
@@ -1139,6 +1186,7 @@ pub async fn serve(
             backlog_limit: config.write_backlog_limit,
             last_sent: 0,
             marks: (0, 0),
+            answered: 0,
             watched: HashMap::new(),
             raft: None,
             proposals: Vec::new(),
@@ -1808,9 +1856,13 @@ async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
     let mut read_size = MIN_READ;
     let mut frames = std::collections::VecDeque::new();
     loop {
-        if buf.capacity() - buf.len() < MIN_READ {
+        if buf.capacity() - buf.len() < MIN_SPARE {
             // Frames taken out earlier keep their part of the old buffer alive; small reads share one
-            // buffer, so a small message does not pin a buffer of its own.
+            // buffer, so a small message does not pin a buffer of its own. A buffer is read to
+            // its last kilobyte: replaced whenever less than a whole read (4 KiB) was left, a
+            // worker's publisher got a new buffer (two allocations: the buffer and, at the first
+            // frame split off, its shared header) for nearly every publish while the deliveries
+            // before it were unacked.
             buf.reserve(read_size);
         }
         while unsent.load(Ordering::Acquire) >= unsent_limit {

@@ -214,6 +214,9 @@ pub(crate) struct MetaState {
     /// of a durable exchange to a quorum queue: [`Broker::wait_for_cluster`]), by number.
     change_waits: BTreeMap<u64, ChangeWait>,
     change_answers: Vec<ChangeAnswer>,
+    /// How many changes have stopped waiting, ever: the server wakes the API's waiters when
+    /// it moves ([`Broker::changes_answered`]).
+    answered: u64,
 }
 
 /// A client's change waiting to be on every running node.
@@ -305,6 +308,7 @@ impl MetaState {
     fn changes_given_up(&mut self, numbers: &[u64]) {
         for n in numbers {
             if let Some(w) = self.change_waits.remove(n) {
+                self.answered += 1;
                 tracing::warn!(conn = w.conn, "a definition change the cluster could not take: answered, it stays on this node");
                 self.change_answers.push(ChangeAnswer {
                     conn: w.conn,
@@ -642,6 +646,7 @@ impl Broker {
             .collect();
         for number in ready {
             if let Some(w) = c.meta.change_waits.remove(&number) {
+                c.meta.answered += 1;
                 if w.index.is_none_or(|i| !c.peers_behind(i).is_empty()) {
                     tracing::warn!(conn = w.conn, index = ?w.index, "a definition change answered before every running node had it");
                 }
@@ -684,11 +689,18 @@ impl Broker {
     }
 
     /// Whether the change `ticket` ([`Broker::wait_for_cluster`]) still waits for the
-    /// cluster: the management API polls it, having no channel to be answered on.
+    /// cluster: the management API looks whenever [`Broker::changes_answered`] moves, having
+    /// no channel to be answered on.
     pub fn change_waiting(&self, ticket: u64) -> bool {
         self.cluster
             .as_ref()
             .is_some_and(|c| c.meta.change_waits.contains_key(&ticket))
+    }
+
+    /// How many of this node's changes have stopped waiting for the cluster so far: a waiter
+    /// that saw it move looks at [`Broker::change_waiting`] again.
+    pub fn changes_answered(&self) -> u64 {
+        self.cluster.as_ref().map_or(0, |c| c.meta.answered)
     }
 
     /// Changes that were waiting for the cluster and are answered now.
