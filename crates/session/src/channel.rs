@@ -23,6 +23,7 @@ use crate::config::SessionConfig;
 use crate::fit::{self, Fit};
 use crate::latency::ConfirmLatency;
 use crate::out::send;
+use crate::tag_map::TagMap;
 use warren_broker::access::{Perm, Resource};
 
 const BASIC_CLASS: u16 = 60;
@@ -280,7 +281,7 @@ pub(crate) struct Channel {
     tx: Option<Vec<TxOp>>,
     next_tag: u64,
     /// Ordered by delivery tag: a single ack is O(log n) in any order, a multiple ack splits.
-    pub unacked: BTreeMap<u64, Unacked>,
+    pub unacked: TagMap<Unacked>,
     /// The unacked deliveries that may time out, by (queue, message id): a timeout finds its
     /// tag without a scan. Deliveries without a timer are not in it (it costs them nothing).
     timed: HashMap<(QueueId, u64), u64>,
@@ -327,7 +328,7 @@ impl Channel {
             commit_failed: false,
             tx: None,
             next_tag: 1,
-            unacked: BTreeMap::new(),
+            unacked: TagMap::default(),
             timed: HashMap::new(),
             timed_out_kept: 0,
             forgotten_below: 0,
@@ -437,7 +438,7 @@ impl Channel {
     }
 
     pub fn release_all(&mut self, broker: &mut Broker) {
-        for (_, u) in std::mem::take(&mut self.unacked) {
+        for (_, u) in self.unacked.drain() {
             broker.release(u.queue, u.receipt);
         }
         self.timed.clear();
@@ -643,7 +644,7 @@ impl Channel {
         let (Some(tag), Some(ms)) = (tag, ms) else {
             return false;
         };
-        match self.unacked.get(&tag) {
+        match self.unacked.get(tag) {
             Some(u) if !u.timed_out => ctx.broker.extend(u.queue, u.receipt, ms),
             _ => false,
         }
@@ -1430,8 +1431,8 @@ impl Channel {
         if !requeue {
             return Err(AmqpError::not_implemented("requeue=false".to_string()));
         }
-        match self.unacked.last_key_value() {
-            Some((&last, _)) => self.settle_now(last, true, Settle::Requeue, ctx),
+        match self.unacked.last() {
+            Some((last, _)) => self.settle_now(last, true, Settle::Requeue, ctx),
             None => Ok(()),
         }
     }
@@ -1457,7 +1458,7 @@ impl Channel {
 
     /// An ack of `tag` must name an unacked delivery, except tag 0 with multiple (everything).
     fn check_tag(&self, tag: u64, multiple: bool) -> Result<(), AmqpError> {
-        if (multiple && tag == 0) || self.unacked.contains_key(&tag) || tag < self.forgotten_below {
+        if (multiple && tag == 0) || self.unacked.contains_key(tag) || tag < self.forgotten_below {
             Ok(())
         } else {
             Err(AmqpError::precondition_failed(format!(
@@ -1471,18 +1472,14 @@ impl Channel {
         if !multiple {
             return self
                 .unacked
-                .remove(&tag)
+                .remove(tag)
                 .map(|u| (tag, u))
                 .into_iter()
                 .collect();
         }
-        let rest = match tag.checked_add(1) {
-            Some(next) if tag != 0 => self.unacked.split_off(&next),
-            _ => BTreeMap::new(),
-        };
-        std::mem::replace(&mut self.unacked, rest)
-            .into_iter()
-            .collect()
+        // Tag 0 with multiple: everything.
+        let upto = if tag == 0 { u64::MAX } else { tag };
+        std::iter::from_fn(|| self.unacked.pop_first_upto(upto)).collect()
     }
 
     /// tx.commit: all of it or nothing of it. What could fail was checked as it came (the
@@ -1553,15 +1550,12 @@ impl Channel {
     ) -> Result<(), AmqpError> {
         self.check_tag(tag, multiple)?;
         if multiple {
-            // Everything up to and including `tag`; the rest stays.
-            let rest = match tag.checked_add(1) {
-                Some(next) if tag != 0 => self.unacked.split_off(&next),
-                _ => BTreeMap::new(),
-            };
-            for (_, u) in std::mem::replace(&mut self.unacked, rest) {
+            // Everything up to and including `tag` (tag 0: everything); the rest stays.
+            let upto = if tag == 0 { u64::MAX } else { tag };
+            while let Some((_, u)) = self.unacked.pop_first_upto(upto) {
                 self.settle_one(u, how, ctx);
             }
-        } else if let Some(u) = self.unacked.remove(&tag) {
+        } else if let Some(u) = self.unacked.remove(tag) {
             self.settle_one(u, how, ctx);
         }
         if self.channel_prefetch != 0 {
@@ -1607,7 +1601,7 @@ impl Channel {
         let indexed = self
             .timed
             .remove(&(queue, receipt.msg_id))
-            .filter(|tag| self.unacked.get(tag).is_some_and(|u| u.receipt == receipt));
+            .filter(|tag| self.unacked.get(*tag).is_some_and(|u| u.receipt == receipt));
         let tag = match indexed {
             Some(tag) => Some(tag),
             // A delivery given a timer after it went out (an extension on a queue without a
@@ -1616,9 +1610,9 @@ impl Channel {
                 .unacked
                 .iter()
                 .find(|(_, u)| u.queue == queue && u.receipt == receipt && !u.timed_out)
-                .map(|(tag, _)| *tag),
+                .map(|(tag, _)| tag),
         };
-        let u = match tag.and_then(|t| self.unacked.get_mut(&t)) {
+        let u = match tag.and_then(|t| self.unacked.get_mut(t)) {
             Some(u) => u,
             // Settled in a transaction not committed yet: it stops counting all the same.
             None => match held_mut(&mut self.tx, queue, receipt) {
@@ -1648,11 +1642,11 @@ impl Channel {
             .unacked
             .iter()
             .filter(|(_, u)| u.timed_out)
-            .map(|(tag, _)| *tag)
+            .map(|(tag, _)| tag)
             .take(excess)
             .collect();
         for tag in old {
-            self.unacked.remove(&tag);
+            self.unacked.remove(tag);
             self.timed_out_kept = self.timed_out_kept.saturating_sub(1);
             self.forgotten_below = self.forgotten_below.max(tag.saturating_add(1));
         }

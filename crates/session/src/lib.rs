@@ -12,6 +12,7 @@ pub mod latency;
 pub mod manage;
 mod node;
 mod out;
+mod tag_map;
 
 pub use auth::INTERNAL_USER;
 pub use config::{SessionConfig, User};
