@@ -27,6 +27,9 @@ pub const MAX_THREADS: usize = 1024;
 /// How long a stopping thread lets its connections' tasks finish what they are writing.
 const STOP_GRACE: Duration = Duration::from_millis(200);
 
+/// How often a stopping thread looks whether its connections' tasks have ended.
+const STOP_POLL: Duration = Duration::from_millis(5);
+
 /// Where connections run: threads of their own, or the runtime that accepted them.
 pub enum ConnectionThreads {
     /// `--connection-threads 0`: every connection is a task of the runtime that accepted it.
@@ -34,8 +37,10 @@ pub enum ConnectionThreads {
     Pinned {
         threads: Vec<Handle>,
         next: AtomicUsize,
-        /// Dropped (with `self`) to stop the threads.
-        _stop: Vec<oneshot::Sender<()>>,
+        /// Dropped (with `self`, or in [`ConnectionThreads::stop`]) to stop the threads.
+        stops: Vec<oneshot::Sender<()>>,
+        /// Each thread's word that it has stopped.
+        stopped: Vec<oneshot::Receiver<()>>,
     },
 }
 
@@ -47,8 +52,10 @@ impl ConnectionThreads {
         }
         let mut threads = Vec::with_capacity(count);
         let mut stops = Vec::with_capacity(count);
+        let mut dones = Vec::with_capacity(count);
         for i in 0..count {
             let (stop, stopped) = oneshot::channel::<()>();
+            let (done, finished) = oneshot::channel::<()>();
             let (started, handle) = std::sync::mpsc::sync_channel(1);
             // The runtime is built on its own thread: one dropped here, inside the caller's
             // runtime (a failed spawn drops the closure), would panic.
@@ -69,24 +76,37 @@ impl ConnectionThreads {
                         return;
                     }
                     // Runs the connections' tasks until the server lets go of the sender, then
-                    // a little longer: their writers may still hold the last close frames.
+                    // until they end, for a little while: their writers may still hold the
+                    // last close frames.
                     runtime.block_on(async {
                         let _ = stopped.await;
-                        tokio::time::sleep(STOP_GRACE).await;
+                        let metrics = Handle::current().metrics();
+                        let deadline = tokio::time::Instant::now() + STOP_GRACE;
+                        // This task is one of the runtime's alive tasks only when spawned; the
+                        // future of block_on is not counted.
+                        while metrics.num_alive_tasks() > 0
+                            && tokio::time::Instant::now() < deadline
+                        {
+                            tokio::time::sleep(STOP_POLL).await;
+                        }
                     });
+                    // What is left (a connection that would not end) is dropped here.
                     runtime.shutdown_background();
+                    let _ = done.send(());
                 })?;
             let handle = handle.recv().map_err(|_| {
                 std::io::Error::other("a connection thread stopped before its runtime started")
             })??;
             threads.push(handle);
             stops.push(stop);
+            dones.push(finished);
         }
         tracing::debug!(threads = count, "connection threads started");
         Ok(Self::Pinned {
             threads,
             next: AtomicUsize::new(0),
-            _stop: stops,
+            stops,
+            stopped: dones,
         })
     }
 
@@ -98,6 +118,20 @@ impl ConnectionThreads {
     /// much happens outside the lock: TLS, many connections' reads and frame decoding.
     pub fn default_count() -> usize {
         std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+    }
+
+    /// Stops the threads and returns once they have: what their connections were still doing
+    /// (at most [`STOP_GRACE`] more) is over, so nothing of theirs reaches the node after this,
+    /// when the store is closed.
+    pub async fn stop(self) {
+        let Self::Pinned { stops, stopped, .. } = self else {
+            return;
+        };
+        drop(stops);
+        for done in stopped {
+            // A thread that panicked dropped its sender: stopped all the same.
+            let _ = tokio::time::timeout(STOP_GRACE * 2, done).await;
+        }
     }
 
     /// Runs `serve` on the next thread with `stream` moved there (its readiness is then
@@ -141,6 +175,37 @@ impl ConnectionThreads {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Stopping waits for the threads' connections to end, and for no longer than the grace
+    /// when one never does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn stopping_waits_for_the_connections_and_not_for_ever() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let threads = ConnectionThreads::start(1).unwrap();
+        let _client = TcpStream::connect(addr).await.unwrap();
+        let (stream, _) = listener.accept().await.unwrap();
+        let (ended_tx, ended_rx) = std::sync::mpsc::channel::<()>();
+        // A connection that never ends: it holds the sender until it is dropped.
+        threads.spawn(stream, move |_s| async move {
+            let _ended = ended_tx;
+            std::future::pending::<()>().await;
+        });
+        let started = std::time::Instant::now();
+        threads.stop().await;
+        let took = started.elapsed();
+        assert!(took >= STOP_GRACE, "stopped after {took:?}");
+        assert!(took < STOP_GRACE * 2 + Duration::from_millis(500), "{took:?}");
+        // Its task was dropped with the thread's runtime.
+        assert!(ended_rx.recv_timeout(Duration::from_secs(1)).is_err_and(|e| {
+            e == std::sync::mpsc::RecvTimeoutError::Disconnected
+        }));
+
+        let threads = ConnectionThreads::start(1).unwrap();
+        let started = std::time::Instant::now();
+        threads.stop().await;
+        assert!(started.elapsed() < STOP_GRACE, "{:?}", started.elapsed());
+    }
 
     /// Each accepted stream is served on a thread of its own, round robin, and works there.
     #[tokio::test(flavor = "multi_thread", worker_threads = 1)]

@@ -1364,6 +1364,9 @@ pub async fn serve(
     ticker.abort();
     dispatcher.abort();
     monitor.abort();
+    // The connections' threads end before the store is let go: a connection that would not
+    // close could otherwise still reach the node (and read pages) while the store closes.
+    threads.stop().await;
     if let Some((_, raft)) = raft {
         shared.lock().raft = None;
         let _ = tokio::task::spawn_blocking(move || raft.shutdown()).await;
