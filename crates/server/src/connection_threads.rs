@@ -195,11 +195,14 @@ mod tests {
         threads.stop().await;
         let took = started.elapsed();
         assert!(took >= STOP_GRACE, "stopped after {took:?}");
-        assert!(took < STOP_GRACE * 2 + Duration::from_millis(500), "{took:?}");
+        assert!(
+            took < STOP_GRACE * 2 + Duration::from_millis(500),
+            "{took:?}"
+        );
         // Its task was dropped with the thread's runtime.
-        assert!(ended_rx.recv_timeout(Duration::from_secs(1)).is_err_and(|e| {
-            e == std::sync::mpsc::RecvTimeoutError::Disconnected
-        }));
+        assert!(ended_rx
+            .recv_timeout(Duration::from_secs(1))
+            .is_err_and(|e| { e == std::sync::mpsc::RecvTimeoutError::Disconnected }));
 
         let threads = ConnectionThreads::start(1).unwrap();
         let started = std::time::Instant::now();
