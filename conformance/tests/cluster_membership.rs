@@ -288,3 +288,45 @@ async fn a_stopped_node_is_forgotten_its_queues_go_on_two_nodes_and_only_a_new_n
     got.sort();
     assert_eq!(got, vec!["m25".to_string()]);
 }
+
+/// A joining node that lists one running node only, which does not lead the metadata, still
+/// joins: the leader, which it did not list and would refuse, is named to it by the node it
+/// asked (before, the join never finished when the leader was another node).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joining_through_a_node_that_does_not_lead_the_metadata_joins() {
+    let mut c = TestCluster::start(3, 20);
+    // Node 1 hands its leaderships away (maintenance mode): another node leads the metadata.
+    let api = Api::of(c.node(1));
+    let (_, me) = api.call("GET", "/overview", None);
+    let name = me["node"]
+        .as_str()
+        .expect("a node name")
+        .replace('@', "%40");
+    let (status, v) = api.call("POST", &format!("/nodes/{name}/drain"), None);
+    assert!(status < 300, "drain: {status} {v}");
+    eventually("node 1 to lead nothing", || {
+        let (_, v) = api.call("GET", &format!("/nodes/{name}"), None);
+        let cluster = &v["cluster"];
+        if cluster["metadata_leader"].as_u64().is_some_and(|l| l != 1) {
+            Ok(())
+        } else {
+            Err(v.to_string())
+        }
+    });
+
+    let four = c.add_joining_node(&[1]);
+    for n in [2, 3, four] {
+        wait_for_members(&c, n, &[1, 2, 3, four]);
+    }
+    // It holds the metadata: a queue declared through another node is there.
+    let q = unique("joined-late");
+    c.declare_quorum_queue(2, &q).await;
+    eventually("the new node to know the queue", || {
+        let (status, v) = Api::of(c.node(four)).call("GET", &format!("/queues/%2f/{q}"), None);
+        if status == 200 {
+            Ok(())
+        } else {
+            Err(format!("{status} {v}"))
+        }
+    });
+}

@@ -44,6 +44,11 @@ pub const META_APPLIED: GroupId = GroupId(warren_broker::META_APPLIED);
 /// A forward to this group is a piece of a Raft message too large for one frame (`pieces`):
 /// the transport puts the message together again, and no other part of a node sees it.
 pub const PIECE: GroupId = GroupId((1 << 63) - 6);
+/// A forward to this group answers a [`JOIN_REQUEST`] from a node the cluster has added but
+/// that does not hold the metadata yet: the sender's peers, `ID=HOST:PORT` separated by commas.
+/// The joining node links with them, so that the metadata group's leader, which it may not
+/// have listed, can reach it (it refuses nodes it does not know).
+pub const JOIN_PEERS: GroupId = GroupId((1 << 63) - 7);
 use warren_replication::{Config, EngineLog, LogError, LogStore, MultiRaft};
 
 use node::{Command, Driver};

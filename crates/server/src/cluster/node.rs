@@ -415,11 +415,23 @@ impl<E: RaftEvents> Driver<E> {
             );
             return;
         }
-        self.forwarded.extend(
-            std::mem::take(&mut b.forwards)
-                .into_iter()
-                .map(|f| (from, f)),
-        );
+        for f in std::mem::take(&mut b.forwards) {
+            if f.group == super::JOIN_PEERS {
+                self.join_peers(from, &f.data);
+                continue;
+            }
+            if f.group == super::JOIN_REQUEST {
+                // A node the cluster added asks again: it does not hold the metadata yet, and
+                // the leader of it may be a node it did not list (it refuses those): it is told
+                // every node this one knows. The request still goes on to the broker.
+                let list = self.out.peer_list();
+                self.to_forward.entry(from).or_default().push(Forward {
+                    group: super::JOIN_PEERS,
+                    data: list.into_bytes().into(),
+                });
+            }
+            self.forwarded.push((from, f));
+        }
         if !self.receiving.is_empty() {
             // While a group's snapshot is written ahead, the leader's appends would only be
             // refused, and each refusal has it send the whole snapshot again.
@@ -650,6 +662,45 @@ impl<E: RaftEvents> Driver<E> {
             }
             Command::Shutdown => self.stopping = true,
         }
+    }
+
+    /// A member's peers ([`super::JOIN_PEERS`]), taken while this node joins: it links with
+    /// them too (its own list wins for a node in both), so the metadata group's leader is not
+    /// refused. Nothing is removed: the metadata, once here, sets the cluster's nodes.
+    fn join_peers(&mut self, from: NodeId, data: &[u8]) {
+        if !self.out.joining() {
+            return;
+        }
+        let Ok(text) = std::str::from_utf8(data) else {
+            return;
+        };
+        let me = self.raft.node();
+        let listed: Vec<(NodeId, String)> = text
+            .split(',')
+            .filter_map(|item| {
+                let (node, addr) = item.split_once('=')?;
+                let node: NodeId = node.parse().ok()?;
+                (node != me && node != 0 && super::PeerAddr::parse(addr).is_some())
+                    .then(|| (node, addr.to_owned()))
+            })
+            .collect();
+        let known = self.out.peers();
+        if listed.iter().all(|(n, _)| known.contains_key(n)) {
+            return;
+        }
+        let mut nodes: Vec<NodeId> = known.keys().copied().collect();
+        nodes.extend(listed.iter().map(|(n, _)| *n));
+        nodes.push(me);
+        nodes.sort_unstable();
+        nodes.dedup();
+        tracing::info!(
+            node = me,
+            from,
+            ?nodes,
+            "joining: linking with the cluster's nodes"
+        );
+        self.out.set_peers(&nodes, &listed);
+        self.raft.set_peers(&nodes);
     }
 
     /// A group made here, or not (one that exists already is no error: the broker may ask

@@ -158,6 +158,30 @@ pub(crate) struct Outbound {
 }
 
 impl Outbound {
+    /// This node's peers with their addresses, as `ID=HOST:PORT` separated by commas.
+    pub(crate) fn peer_list(&self) -> String {
+        let peers = self.shared.peers.read().unwrap_or_else(|p| p.into_inner());
+        peers
+            .iter()
+            .map(|(node, addr)| format!("{node}={addr}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// This node asks to join the cluster and holds no metadata yet.
+    pub(crate) fn joining(&self) -> bool {
+        self.shared.joining
+    }
+
+    /// The peers this node knows, and their addresses.
+    pub(crate) fn peers(&self) -> BTreeMap<NodeId, PeerAddr> {
+        self.shared
+            .peers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// The cluster's nodes are now `nodes` (`addresses`: those of nodes the list this node
     /// started with lacks): a node added gets a dialer and may connect; the dialer of a node
     /// forgotten stops (its queue closes), its connection to this node closes at its next
