@@ -186,6 +186,29 @@ impl TestCluster {
         }
     }
 
+    /// Puts node `n` into maintenance mode through its API and waits, at most `patience`,
+    /// until it leads no queue and not the metadata.
+    pub fn drain(&self, n: u64, patience: Duration) {
+        let api = Api::of(self.node(n));
+        let (_, me) = api.call("GET", "/overview", None);
+        let name = me["node"]
+            .as_str()
+            .expect("a node name")
+            .replace('@', "%40");
+        let (status, v) = api.call("POST", &format!("/nodes/{name}/drain"), None);
+        assert!(status < 300, "drain: {status} {v}");
+        let start = Instant::now();
+        loop {
+            let (_, v) = api.call("GET", &format!("/nodes/{name}"), None);
+            let cluster = &v["cluster"];
+            if cluster["queues_led"] == 0 && cluster["metadata_leader"] != cluster["node"] {
+                return;
+            }
+            assert!(start.elapsed() < patience, "drain of node {n}: {v}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// The node that leads `queue` (of vhost `/`), as node `asked` reports it, once it does.
     pub fn leader_of(&self, queue: &str, asked: u64) -> u64 {
         let api = Api::of(self.node(asked));

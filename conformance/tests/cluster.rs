@@ -17,6 +17,28 @@ use warren_conformance::cluster::TestCluster;
 use warren_conformance::http::Api;
 use warren_conformance::{amqp_error, unique, WAIT};
 
+/// Publishes a persistent message with `mandatory` on `publisher` (in confirm mode) and returns
+/// its confirm: a return comes before it when the message reached no queue.
+async fn publish_mandatory(publisher: &Channel, x: &str, key: &str) -> Confirmation {
+    let confirm = publisher
+        .basic_publish(
+            x.into(),
+            key.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            b"routed",
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .expect("publish");
+    tokio::time::timeout(WAIT, confirm)
+        .await
+        .expect("a confirm within the wait")
+        .expect("confirm")
+}
+
 async fn channel(c: &TestCluster, n: u64) -> (lapin::Connection, Channel) {
     let conn = c.node(n).connect().await;
     let ch = conn.create_channel().await.expect("channel");
@@ -1099,32 +1121,9 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
         )
         .await
         .expect("exchange.declare");
-    let publish = |x: &str, key: &str| {
-        let (x, key) = (x.to_owned(), key.to_owned());
-        let publisher = publisher.clone();
-        async move {
-            let confirm = publisher
-                .basic_publish(
-                    x.as_str().into(),
-                    key.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    b"routed",
-                    BasicProperties::default().with_delivery_mode(2),
-                )
-                .await
-                .expect("publish");
-            tokio::time::timeout(WAIT, confirm)
-                .await
-                .expect("a confirm within the wait")
-                .expect("confirm")
-        }
-    };
     // The exchange is on the publishing node at once: the publish is returned for want of a
     // binding, not refused with a 404 that closes the channel.
-    let got = publish(&exchange, "nobody").await;
+    let got = publish_mandatory(&publisher, &exchange, "nobody").await;
     match got {
         Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
         other => panic!("a publish to a new exchange on another node: {other:?}"),
@@ -1135,7 +1134,7 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
             .queue_declare(q.as_str().into(), durable, args.clone())
             .await
             .expect("declare");
-        let got = publish("", q).await;
+        let got = publish_mandatory(&publisher, "", q).await;
         // A returned message would come as Ack(Some(message)).
         assert!(matches!(got, Confirmation::Ack(None)), "{q}: {got:?}");
         declarer
@@ -1148,7 +1147,7 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
             )
             .await
             .expect("queue.bind");
-        let got = publish(&exchange, q).await;
+        let got = publish_mandatory(&publisher, &exchange, q).await;
         assert!(
             matches!(got, Confirmation::Ack(None)),
             "{q} by its binding: {got:?}"
@@ -1189,29 +1188,6 @@ async fn a_publish_on_another_node_right_after_an_api_change_sees_it() {
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .expect("confirm.select");
-    let publish = |x: &str, key: &str| {
-        let (x, key) = (x.to_owned(), key.to_owned());
-        let publisher = publisher.clone();
-        async move {
-            let confirm = publisher
-                .basic_publish(
-                    x.as_str().into(),
-                    key.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    b"routed",
-                    BasicProperties::default().with_delivery_mode(2),
-                )
-                .await
-                .expect("publish");
-            tokio::time::timeout(WAIT, confirm)
-                .await
-                .expect("a confirm within the wait")
-                .expect("confirm")
-        }
-    };
     let api = Api::of(c.node(lead));
     let q = unique("api-bound");
     api.put(
@@ -1224,7 +1200,7 @@ async fn a_publish_on_another_node_right_after_an_api_change_sees_it() {
         serde_json::json!({"type": "direct", "durable": true}),
     );
     // On the publishing node at once: returned for want of a binding, not a 404.
-    match publish(&exchange, "nobody").await {
+    match publish_mandatory(&publisher, &exchange, "nobody").await {
         Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
         other => panic!("a publish to a new exchange on another node: {other:?}"),
     }
@@ -1236,7 +1212,7 @@ async fn a_publish_on_another_node_right_after_an_api_change_sees_it() {
             Some(serde_json::json!({"routing_key": key})),
         );
         assert_eq!(status, 201, "POST binding {key}: {v}");
-        let got = publish(&exchange, &key).await;
+        let got = publish_mandatory(&publisher, &exchange, &key).await;
         assert!(
             matches!(got, Confirmation::Ack(None)),
             "{key} right after the API bound it: {got:?}"
@@ -1247,7 +1223,7 @@ async fn a_publish_on_another_node_right_after_an_api_change_sees_it() {
             None,
         );
         assert_eq!(status, 204, "DELETE binding {key}: {v}");
-        match publish(&exchange, &key).await {
+        match publish_mandatory(&publisher, &exchange, &key).await {
             Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
             other => panic!("{key} right after the API unbound it: {other:?}"),
         }

@@ -296,23 +296,7 @@ async fn a_stopped_node_is_forgotten_its_queues_go_on_two_nodes_and_only_a_new_n
 async fn a_node_joining_through_a_node_that_does_not_lead_the_metadata_joins() {
     let mut c = TestCluster::start(3, 20);
     // Node 1 hands its leaderships away (maintenance mode): another node leads the metadata.
-    let api = Api::of(c.node(1));
-    let (_, me) = api.call("GET", "/overview", None);
-    let name = me["node"]
-        .as_str()
-        .expect("a node name")
-        .replace('@', "%40");
-    let (status, v) = api.call("POST", &format!("/nodes/{name}/drain"), None);
-    assert!(status < 300, "drain: {status} {v}");
-    eventually("node 1 to lead nothing", || {
-        let (_, v) = api.call("GET", &format!("/nodes/{name}"), None);
-        let cluster = &v["cluster"];
-        if cluster["metadata_leader"].as_u64().is_some_and(|l| l != 1) {
-            Ok(())
-        } else {
-            Err(v.to_string())
-        }
-    });
+    c.drain(1, WAIT);
 
     let four = c.add_joining_node(&[1]);
     for n in [2, 3, four] {

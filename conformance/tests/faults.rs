@@ -698,22 +698,7 @@ fn roll(
             let leader = c.leader_of(q, n);
             let began = Instant::now();
             if drain {
-                let (_, me) = api.call("GET", "/overview", None);
-                let name = me["node"]
-                    .as_str()
-                    .expect("a node name")
-                    .replace('@', "%40");
-                let (status, v) = api.call("POST", &format!("/nodes/{name}/drain"), None);
-                assert!(status < 300, "drain: {status} {v}");
-                loop {
-                    let (_, v) = api.call("GET", &format!("/nodes/{name}"), None);
-                    let cluster = &v["cluster"];
-                    if cluster["queues_led"] == 0 && cluster["metadata_leader"] != cluster["node"] {
-                        break;
-                    }
-                    assert!(began.elapsed() < REJOIN_PATIENCE, "drain of node {n}: {v}");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
+                c.drain(n, REJOIN_PATIENCE);
             }
             eprintln!("roll {round}: node {n} stops (the queue's leader: node {leader})");
             c.node_mut(n).stop(false);

@@ -496,26 +496,25 @@ impl Shared {
             core.wake_watchers();
             let marks = core.node.confirm_marks();
             let answered = core.node.broker().changes_answered();
-            if answered != core.answered {
-                core.answered = answered;
+            if (marks, answered) != (core.marks, core.answered) {
+                // A batch is confirmed (or refused) once the node says so: on disk, and, with
+                // replicated queues in it, once a majority has their entries; a definition
+                // change, once the cluster has it.
                 let mut state = self.written.state.lock().unwrap_or_else(|p| p.into_inner());
+                state.upto = state.upto.max(marks.0);
+                state.failed = state.failed.max(marks.1);
                 state.answered = answered;
                 if state.blocked > 0 {
                     self.written.changed.notify_all();
                 }
-                self.written.cluster.notify_waiters();
-            }
-            if marks != core.marks {
-                // A batch is confirmed (or refused) once the node says so: on disk, and, with
-                // replicated queues in it, once a majority has their entries.
-                core.marks = marks;
-                let mut state = self.written.state.lock().unwrap_or_else(|p| p.into_inner());
-                state.upto = state.upto.max(marks.0);
-                state.failed = state.failed.max(marks.1);
-                if state.blocked > 0 {
-                    self.written.changed.notify_all();
+                if marks != core.marks {
+                    self.written.tasks.notify_waiters();
                 }
-                self.written.tasks.notify_waiters();
+                if answered != core.answered {
+                    self.written.cluster.notify_waiters();
+                }
+                core.marks = marks;
+                core.answered = answered;
             }
             (r, more, core.node.next_deadline())
         };
@@ -768,61 +767,58 @@ impl NodeHandle {
         if let Some(ticket) = ticket {
             // A round trip to the other nodes: milliseconds.
             let deadline = Instant::now() + CLUSTER_WAIT;
-            let w = &self.0.written;
-            let lock = || w.state.lock().unwrap_or_else(|p| p.into_inner());
-            let wait = || loop {
+            blocking(|| loop {
                 // Read before the look, so an answer between the two ends the wait below.
-                let seen = lock().answered;
+                let seen = self.write_state().answered;
                 let left = deadline.saturating_duration_since(Instant::now());
                 if !self.cluster_waits(ticket) || left.is_zero() {
                     break;
                 }
-                let mut state = lock();
-                state.blocked += 1;
-                let (mut state, _) = w
-                    .changed
-                    .wait_timeout_while(state, left, |s| s.answered == seen)
-                    .unwrap_or_else(|p| p.into_inner());
-                state.blocked -= 1;
-            };
-            if on_shared_runtime() {
-                tokio::task::block_in_place(wait);
-            } else {
-                wait();
-            }
+                self.wait_for_state(left, |s| s.answered != seen);
+            });
         }
         Ok(r)
+    }
+
+    fn write_state(&self) -> MutexGuard<'_, WriteState> {
+        self.0
+            .written
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Blocks until `done` holds for the write state, or `timeout` passes; returns the state.
+    /// Counted in `blocked` meanwhile, so that changes of the state wake it.
+    fn wait_for_state(
+        &self,
+        timeout: Duration,
+        mut done: impl FnMut(&WriteState) -> bool,
+    ) -> WriteState {
+        let mut state = self.write_state();
+        state.blocked += 1;
+        let (mut state, _) = self
+            .0
+            .written
+            .changed
+            .wait_timeout_while(state, timeout, |s| !done(s))
+            .unwrap_or_else(|p| p.into_inner());
+        state.blocked -= 1;
+        *state
     }
 
     /// Blocks until what the node has sent to the store so far is on disk (as
     /// [`NodeHandle::on_disk`], for a thread).
     fn wait_on_disk(&self) -> Result<(), WriteError> {
-        let shared = &self.0;
-        let sent = shared.lock().last_sent;
-        let w = &shared.written;
-        let lock = || w.state.lock().unwrap_or_else(|p| p.into_inner());
-        if lock().upto >= sent {
+        let sent = self.0.lock().last_sent;
+        if self.write_state().upto >= sent {
             return Ok(());
         }
-        // The state's lock is taken inside: held across `block_in_place`'s hand-over of the
-        // worker's tasks, it would stall every group commit's report, and the node's lock
-        // with it (`with_core` takes it to record the marks).
-        let wait = || {
-            let mut state = lock();
-            state.blocked += 1;
-            let (mut state, _) = w
-                .changed
-                .wait_timeout_while(state, shared.write_wait, |s| s.outcome(sent).is_none())
-                .unwrap_or_else(|p| p.into_inner());
-            state.blocked -= 1;
-            *state
-        };
-        // A few milliseconds (one group commit): the worker's other tasks move elsewhere.
-        let outcome = if on_shared_runtime() {
-            tokio::task::block_in_place(wait)
-        } else {
-            wait()
-        };
+        // A few milliseconds (one group commit). The state's lock is taken inside: held across
+        // `block_in_place`'s hand-over of the worker's tasks, it would stall every group
+        // commit's report, and the node's lock with it (`with_core` takes it for the marks).
+        let outcome =
+            blocking(|| self.wait_for_state(self.0.write_wait, |s| s.outcome(sent).is_some()));
         match outcome.outcome(sent) {
             Some(true) => Ok(()),
             Some(false) => Err(self.refused(sent, true)),
@@ -888,12 +884,18 @@ fn takeable(broker: &warren_broker::Broker, queue: warren_broker::QueueId) -> us
         .map_or(0, |m| m.ready_count().saturating_sub(m.retrying_count()))
 }
 
-/// Whether this thread is a worker of a multi-thread runtime, where `block_in_place` hands
-/// its other tasks to another worker (a current-thread runtime, a connection thread's, has
-/// nowhere to move them, and `block_in_place` would panic there).
-fn on_shared_runtime() -> bool {
-    tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+/// Runs `f`, which blocks its thread: on a worker of a multi-thread runtime through
+/// `block_in_place`, which hands the worker's other tasks to another worker (a current-thread
+/// runtime, a connection thread's, has nowhere to move them, and `block_in_place` would
+/// panic there).
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    let shared_runtime = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if shared_runtime {
+        tokio::task::block_in_place(f)
+    } else {
+        f()
+    }
 }
 
 /// How long an API change waits for every running node to have it, at most: past the
