@@ -355,7 +355,7 @@ pub struct ClusterSettings {
 const MIN_CLUSTER_SECRET: usize = 16;
 
 /// `1=host:port,2=host:port`: every node and its cluster address.
-fn parse_cluster_nodes(
+pub(crate) fn parse_cluster_nodes(
     list: &str,
 ) -> Result<std::collections::BTreeMap<u64, crate::cluster::PeerAddr>, String> {
     let mut nodes = std::collections::BTreeMap::new();

@@ -424,7 +424,14 @@ impl<E: RaftEvents> Driver<E> {
                 // A node the cluster added asks again: it does not hold the metadata yet, and
                 // the leader of it may be a node it did not list (it refuses those): it is told
                 // every node this one knows. The request still goes on to the broker.
-                let list = self.out.peer_list();
+                // As `--cluster-nodes` lists them: the joining node reads it as that.
+                let list = self
+                    .out
+                    .peers()
+                    .iter()
+                    .map(|(node, addr)| format!("{node}={addr}"))
+                    .collect::<Vec<_>>()
+                    .join(",");
                 self.to_forward.entry(from).or_default().push(Forward {
                     group: super::JOIN_PEERS,
                     data: list.into_bytes().into(),
@@ -671,18 +678,17 @@ impl<E: RaftEvents> Driver<E> {
         if !self.out.joining() {
             return;
         }
-        let Ok(text) = std::str::from_utf8(data) else {
+        let Some(list) = std::str::from_utf8(data)
+            .ok()
+            .and_then(|text| crate::config::parse_cluster_nodes(text).ok())
+        else {
             return;
         };
         let me = self.raft.node();
-        let listed: Vec<(NodeId, String)> = text
-            .split(',')
-            .filter_map(|item| {
-                let (node, addr) = item.split_once('=')?;
-                let node: NodeId = node.parse().ok()?;
-                (node != me && node != 0 && super::PeerAddr::parse(addr).is_some())
-                    .then(|| (node, addr.to_owned()))
-            })
+        let listed: Vec<(NodeId, String)> = list
+            .into_iter()
+            .filter(|(node, _)| *node != me)
+            .map(|(node, addr)| (node, addr.to_string()))
             .collect();
         let known = self.out.peers();
         if listed.iter().all(|(n, _)| known.contains_key(n)) {

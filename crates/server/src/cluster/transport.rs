@@ -158,17 +158,7 @@ pub(crate) struct Outbound {
 }
 
 impl Outbound {
-    /// This node's peers with their addresses, as `ID=HOST:PORT` separated by commas.
-    pub(crate) fn peer_list(&self) -> String {
-        let peers = self.shared.peers.read().unwrap_or_else(|p| p.into_inner());
-        peers
-            .iter()
-            .map(|(node, addr)| format!("{node}={addr}"))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    /// This node asks to join the cluster and holds no metadata yet.
+    /// This node was started to join the cluster (`--cluster-join`, with no metadata then).
     pub(crate) fn joining(&self) -> bool {
         self.shared.joining
     }
