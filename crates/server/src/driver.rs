@@ -34,7 +34,8 @@ use crate::storage::StoreThread;
 /// Read sizes adapt between these: small for quiet clients, large for streaming publishers.
 const MIN_READ: usize = 4 * 1024;
 const MAX_READ: usize = 128 * 1024;
-/// A read buffer with less room than this is replaced before the next read.
+/// A read buffer with less room than this (or than a 32nd of the read size, for a busy
+/// client) is replaced before the next read.
 const MIN_SPARE: usize = 1024;
 /// A connection whose unsent output reaches this many times the backlog limit is not read until
 /// it drains (deliveries already stop at the limit itself).
@@ -1861,13 +1862,15 @@ async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
     let mut read_size = MIN_READ;
     let mut frames = std::collections::VecDeque::new();
     loop {
-        if buf.capacity() - buf.len() < MIN_SPARE {
+        if buf.capacity() - buf.len() < MIN_SPARE.max(read_size / 32) {
             // Frames taken out earlier keep their part of the old buffer alive; small reads share one
-            // buffer, so a small message does not pin a buffer of its own. A buffer is read to
-            // its last kilobyte: replaced whenever less than a whole read (4 KiB) was left, a
-            // worker's publisher got a new buffer (two allocations: the buffer and, at the first
-            // frame split off, its shared header) for nearly every publish while the deliveries
-            // before it were unacked.
+            // buffer, so a small message does not pin a buffer of its own. A quiet client's
+            // buffer is read to its last kilobyte: replaced whenever less than a whole read
+            // (4 KiB) was left, a worker's publisher got a new buffer (two allocations: the
+            // buffer and, at the first frame split off, its shared header) for nearly every
+            // publish while the deliveries before it were unacked. A busy client's is replaced
+            // with 4 KiB left, as before: read to its last kilobyte, a deep transient queue
+            // paged out under memory pressure kept more memory (the paging test's bound).
             buf.reserve(read_size);
         }
         while unsent.load(Ordering::Acquire) >= unsent_limit {
