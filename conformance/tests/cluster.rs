@@ -1093,7 +1093,7 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
     let third = 6 - lead - late;
     c.delay_to(late, Duration::from_millis(40));
     let (_c1, declarer) = channel(&c, lead).await;
-    let (_c2, publisher) = channel(&c, late).await;
+    let (late_conn, publisher) = channel(&c, late).await;
     let (_c3, other) = channel(&c, third).await;
     publisher
         .confirm_select(ConfirmSelectOptions::default())
@@ -1168,6 +1168,74 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
     for q in &queues {
         wait_for_messages(&c, lead, q, 2);
     }
+    // An unbinding, a nowait binding and the deletions are answered alike: once every node
+    // has them (RabbitMQ's channel applies a nowait method before it reads the next one).
+    let q = queues[0].as_str();
+    declarer
+        .queue_unbind(
+            q.into(),
+            exchange.as_str().into(),
+            q.into(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue.unbind");
+    match publish_mandatory(&publisher, &exchange, q).await {
+        Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
+        other => panic!("{q} right after its unbinding: {other:?}"),
+    }
+    declarer
+        .queue_bind(
+            q.into(),
+            exchange.as_str().into(),
+            "again".into(),
+            lapin::options::QueueBindOptions { nowait: true },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue.bind nowait");
+    declarer
+        .basic_qos(10, lapin::options::BasicQosOptions::default())
+        .await
+        .expect("basic.qos after a nowait bind");
+    let got = publish_mandatory(&publisher, &exchange, "again").await;
+    assert!(
+        matches!(got, Confirmation::Ack(None)),
+        "right after a nowait bind and the next method's answer: {got:?}"
+    );
+    wait_for_messages(&c, lead, q, 3);
+    declarer
+        .queue_delete(q.into(), lapin::options::QueueDeleteOptions::default())
+        .await
+        .expect("queue.delete");
+    match publish_mandatory(&publisher, "", q).await {
+        Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
+        other => panic!("{q} right after its deletion: {other:?}"),
+    }
+    declarer
+        .exchange_delete(
+            exchange.as_str().into(),
+            lapin::options::ExchangeDeleteOptions::default(),
+        )
+        .await
+        .expect("exchange.delete");
+    let probe = late_conn.create_channel().await.expect("channel");
+    let gone = probe
+        .exchange_declare(
+            exchange.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            lapin::options::ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    warren_conformance::assert_amqp_error(
+        gone,
+        404,
+        &format!("NOT_FOUND - no exchange '{exchange}' in vhost '/'"),
+    );
 }
 
 /// The same for changes made through the management API (RabbitMQ answers them once every

@@ -241,8 +241,16 @@ enum TxOp {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ChangeReply {
     QueueBind,
+    QueueUnbind,
+    /// queue.delete-ok with the queue's message count.
+    QueueDelete(u32),
     ExchangeBind,
+    ExchangeUnbind,
     ExchangeDeclare,
+    ExchangeDelete,
+    /// A `nowait` method: nothing is sent, but what the client sends next is read only once
+    /// the cluster has the change, as RabbitMQ's channel applies it before its next method.
+    Nothing,
 }
 
 pub(crate) struct Channel {
@@ -841,9 +849,15 @@ impl Channel {
     pub(crate) fn answer_change(&mut self, out: &mut BytesMut) {
         match self.change_waiting.take() {
             Some((_, ChangeReply::QueueBind)) => send(out, self.id, QueueBindOk {}),
+            Some((_, ChangeReply::QueueUnbind)) => send(out, self.id, QueueUnbindOk {}),
+            Some((_, ChangeReply::QueueDelete(message_count))) => {
+                send(out, self.id, QueueDeleteOk { message_count })
+            }
             Some((_, ChangeReply::ExchangeBind)) => send(out, self.id, ExchangeBindOk {}),
+            Some((_, ChangeReply::ExchangeUnbind)) => send(out, self.id, ExchangeUnbindOk {}),
             Some((_, ChangeReply::ExchangeDeclare)) => send(out, self.id, ExchangeDeclareOk {}),
-            None => {}
+            Some((_, ChangeReply::ExchangeDelete)) => send(out, self.id, ExchangeDeleteOk {}),
+            Some((_, ChangeReply::Nothing)) | None => {}
         }
     }
 
@@ -925,6 +939,29 @@ impl Channel {
             return Ok(());
         }
         ctx.check(Perm::Read, Resource::Exchange(source))
+    }
+
+    /// Whether the definition change just made (since `mark`) went to the cluster, and the
+    /// channel now waits until every running node has it before `answer` (RabbitMQ answers a
+    /// binding, an unbinding or a deletion once every node's metadata store has it). A
+    /// `nowait` method waits too, answering nothing: the client's next method must see it.
+    fn wait_for_cluster(
+        &mut self,
+        mark: u64,
+        no_wait: bool,
+        answer: ChangeReply,
+        ctx: &mut Ctx<'_>,
+    ) -> bool {
+        let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) else {
+            return false;
+        };
+        let answer = if no_wait {
+            ChangeReply::Nothing
+        } else {
+            answer
+        };
+        self.change_waiting = Some((ticket, answer));
+        true
     }
 
     fn on_method(&mut self, method: Method, ctx: &mut Ctx<'_>) -> Result<(), Fault> {
@@ -1173,11 +1210,8 @@ impl Channel {
                         &e.arguments,
                     )
                     .map_err(fail)?;
-                if !e.no_wait {
-                    if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
-                        self.change_waiting = Some((ticket, ChangeReply::ExchangeDeclare));
-                        return Ok(());
-                    }
+                if self.wait_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDeclare, ctx) {
+                    return Ok(());
                 }
                 reply(ctx.out, ch, e.no_wait, ExchangeDeclareOk {});
                 Ok(())
@@ -1187,9 +1221,13 @@ impl Channel {
                     ctx.check(Perm::Configure, Resource::Exchange(&e.exchange))
                         .map_err(fail)?;
                 }
+                let mark = ctx.broker.change_mark();
                 ctx.broker
                     .delete_exchange(ctx.vhost, &e.exchange, e.if_unused)
                     .map_err(fail)?;
+                if self.wait_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDelete, ctx) {
+                    return Ok(());
+                }
                 reply(ctx.out, ch, e.no_wait, ExchangeDeleteOk {});
                 Ok(())
             }
@@ -1206,11 +1244,8 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
-                if !b.no_wait {
-                    if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
-                        self.change_waiting = Some((ticket, ChangeReply::ExchangeBind));
-                        return Ok(());
-                    }
+                if self.wait_for_cluster(mark, b.no_wait, ChangeReply::ExchangeBind, ctx) {
+                    return Ok(());
                 }
                 reply(ctx.out, ch, b.no_wait, ExchangeBindOk {});
                 Ok(())
@@ -1218,6 +1253,7 @@ impl Channel {
             Method::ExchangeUnbind(b) => {
                 self.check_binding(Resource::Exchange(&b.destination), &b.source, ctx)
                     .map_err(fail)?;
+                let mark = ctx.broker.change_mark();
                 ctx.broker
                     .unbind_exchange(
                         ctx.vhost,
@@ -1227,6 +1263,9 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
+                if self.wait_for_cluster(mark, b.no_wait, ChangeReply::ExchangeUnbind, ctx) {
+                    return Ok(());
+                }
                 reply(ctx.out, ch, b.no_wait, ExchangeUnbindOk {});
                 Ok(())
             }
@@ -1308,11 +1347,8 @@ impl Channel {
                         ctx.conn,
                     )
                     .map_err(fail)?;
-                if !b.no_wait {
-                    if let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) {
-                        self.change_waiting = Some((ticket, ChangeReply::QueueBind));
-                        return Ok(());
-                    }
+                if self.wait_for_cluster(mark, b.no_wait, ChangeReply::QueueBind, ctx) {
+                    return Ok(());
                 }
                 reply(ctx.out, ch, b.no_wait, QueueBindOk {});
                 Ok(())
@@ -1321,6 +1357,7 @@ impl Channel {
                 let queue = self.resolve_queue(&b.queue).map_err(fail)?;
                 self.check_binding(Resource::Queue(&queue), &b.exchange, ctx)
                     .map_err(fail)?;
+                let mark = ctx.broker.change_mark();
                 ctx.broker
                     .unbind_queue(
                         ctx.vhost,
@@ -1331,6 +1368,10 @@ impl Channel {
                         ctx.conn,
                     )
                     .map_err(fail)?;
+                // queue.unbind has no nowait.
+                if self.wait_for_cluster(mark, false, ChangeReply::QueueUnbind, ctx) {
+                    return Ok(());
+                }
                 send(ctx.out, ch, QueueUnbindOk {});
                 Ok(())
             }
@@ -1357,11 +1398,16 @@ impl Channel {
                 let queue = self.resolve_queue(&d.queue).map_err(fail)?;
                 ctx.check(Perm::Configure, Resource::Queue(&queue))
                     .map_err(fail)?;
+                let mark = ctx.broker.change_mark();
                 let deleted = ctx
                     .broker
                     .delete_queue(ctx.vhost, &queue, d.if_unused, d.if_empty, ctx.conn)
                     .map_err(fail)?;
                 ctx.cancelled.extend(deleted.cancelled);
+                let answer = ChangeReply::QueueDelete(deleted.message_count);
+                if self.wait_for_cluster(mark, d.no_wait, answer, ctx) {
+                    return Ok(());
+                }
                 if !d.no_wait {
                     send(
                         ctx.out,
