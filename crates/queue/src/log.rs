@@ -1086,7 +1086,7 @@ mod tests {
             },
             Command::Get { no_ack: false },
             Command::Down { node: 2 },
-            enqueue(7),
+            enqueue(1),
             Command::Unregister { enqueuer },
         ]);
         let (decoded, truncated) = decode_all(bytes.clone().freeze()).unwrap();
@@ -1159,7 +1159,7 @@ mod tests {
         let enqueuer = EnqueuerId(9);
         let c = Command::EnqueueFrom {
             enqueuer,
-            seq: 3,
+            seq: 1,
             message: message(b"x"),
             meta: MsgMeta::default(),
         };

@@ -262,13 +262,16 @@ pub enum Command<M> {
         message: M,
         meta: MsgMeta,
     },
-    /// An enqueue that a publisher's channel may send again (it forwards to a replicated
-    /// queue's leader and resends what was not answered after a failover). `seq` grows with
-    /// each publish of the enqueuer (gaps allowed: a publish routed elsewhere). A `seq` at or
-    /// below one the machine already decided for this enqueuer is a resend: nothing is
+    /// An enqueue that a publisher may send again (a node forwards to a replicated queue's
+    /// leader and resends what was not answered after a failover). `seq` counts the
+    /// enqueuer's publishes to this queue: 1 for its first, one more for each next. A `seq` at
+    /// or below one the machine already decided for this enqueuer is a resend: nothing is
     /// enqueued, and the reply is [`Reply::Duplicate`] (the first was enqueued: confirm it) or
     /// `Refused(Full)` when a refusal of the enqueuer's came at or after it (the first may
-    /// have been refused; a nack is safe, a confirm might not be). The machine keeps, per
+    /// have been refused; a nack is safe, a confirm might not be). A `seq` past the next one
+    /// (the one before it was lost on its way) is `Refused(OutOfOrder)` and decides nothing:
+    /// were it enqueued, the lost one, sent again, would be taken for a resend and confirmed
+    /// unenqueued. The sender nacks it and goes on as a new enqueuer. The machine keeps, per
     /// enqueuer, the highest sequence decided and the highest refused, until
     /// [`Command::Unregister`] or a [`Command::Down`] of its node.
     EnqueueFrom {
@@ -500,6 +503,8 @@ pub enum Refusal {
     DuplicateConsumer,
     /// Enqueue: the queue is full and its `x-overflow` refuses new messages.
     Full,
+    /// [`Command::EnqueueFrom`]: the sequence skips one the machine never decided.
+    OutOfOrder,
 }
 
 /// The machine's answer to one command.
@@ -1169,13 +1174,21 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         (message, meta): (M, MsgMeta),
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
-        if let Some(e) = self.enqueuers.get(&enqueuer).filter(|e| seq <= e.seq) {
-            // Only the highest refusal is known: one at or after `seq` may have been `seq`.
-            return if e.refused.is_some_and(|r| seq <= r) {
-                Reply::Refused(Refusal::Full)
-            } else {
-                Reply::Duplicate
-            };
+        let last = self.enqueuers.get(&enqueuer).map(|e| (e.seq, e.refused));
+        match last {
+            Some((decided, refused)) if seq <= decided => {
+                // Only the highest refusal is known: one at or after `seq` may have been `seq`.
+                return if refused.is_some_and(|r| seq <= r) {
+                    Reply::Refused(Refusal::Full)
+                } else {
+                    Reply::Duplicate
+                };
+            }
+            Some((decided, _)) if seq != decided.saturating_add(1) => {
+                return Reply::Refused(Refusal::OutOfOrder)
+            }
+            None if seq != 1 => return Reply::Refused(Refusal::OutOfOrder),
+            _ => {}
         }
         let reply = self.enqueue_new(message, meta, effects);
         let e = self.enqueuers.entry(enqueuer).or_default();
@@ -4202,17 +4215,27 @@ mod tests {
         let mut d = Driver::new();
         let p = crate::qualify(1, 9).unwrap();
         let q = crate::qualify(2, 9).unwrap();
+        // An unknown enqueuer starts at 1: a later one means its first was lost on its way.
+        assert_eq!(
+            d.run(from(p, 2, "lost before")),
+            Reply::Refused(Refusal::OutOfOrder)
+        );
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), None);
         assert_eq!(d.run(from(p, 1, "a")), Reply::Enqueued { msg_id: 0 });
         assert_eq!(d.run(from(p, 1, "a")), Reply::Duplicate);
-        // Gaps are fine; anything at or below the highest is a resend.
-        assert_eq!(d.run(from(p, 5, "b")), Reply::Enqueued { msg_id: 1 });
+        assert_eq!(d.run(from(p, 2, "b")), Reply::Enqueued { msg_id: 1 });
+        // A gap decides nothing: the one it skips is still taken after it.
+        assert_eq!(d.run(from(p, 4, "y")), Reply::Refused(Refusal::OutOfOrder));
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), Some(2));
+        assert_eq!(d.run(from(p, 3, "x")), Reply::Enqueued { msg_id: 2 });
+        // Anything at or below the highest is a resend.
+        assert_eq!(d.run(from(p, 2, "b")), Reply::Duplicate);
         assert_eq!(d.run(from(p, 3, "x")), Reply::Duplicate);
-        assert_eq!(d.run(from(p, 5, "b")), Reply::Duplicate);
         // Another enqueuer has its own sequence.
-        assert_eq!(d.run(from(q, 1, "c")), Reply::Enqueued { msg_id: 2 });
-        assert_eq!(d.m.ready_ids(), vec![0, 1, 2]);
+        assert_eq!(d.run(from(q, 1, "c")), Reply::Enqueued { msg_id: 3 });
+        assert_eq!(d.m.ready_ids(), vec![0, 1, 2, 3]);
         assert!(d.effects.is_empty());
-        assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), Some(5));
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), Some(3));
         // Forgotten when its channel goes, or its node.
         assert_eq!(
             d.run(Command::Unregister {
@@ -4226,7 +4249,7 @@ mod tests {
             }),
             Reply::Stale
         );
-        assert_eq!(d.run(from(p, 1, "d")), Reply::Enqueued { msg_id: 3 });
+        assert_eq!(d.run(from(p, 1, "d")), Reply::Enqueued { msg_id: 4 });
         assert_eq!(d.run(Command::Down { node: 2 }), Reply::Ok);
         assert_eq!(d.m.enqueuer_count(), 1);
         assert_eq!(d.m.enqueuer_seq(EnqueuerId(q)), None);
@@ -4270,7 +4293,18 @@ mod tests {
             },
         };
         assert_ne!(run(vec![plain.clone()]), run(vec![from(1, 1, "a")]));
-        assert_ne!(run(vec![from(1, 1, "a")]), run(vec![from(1, 2, "a")]));
+        // The same messages, the enqueuer at another sequence.
+        let plain_b = Command::Enqueue {
+            message: "b",
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        };
+        assert_ne!(
+            run(vec![from(1, 1, "a"), plain_b]),
+            run(vec![from(1, 1, "a"), from(1, 2, "b")])
+        );
         assert_ne!(run(vec![from(1, 1, "a")]), run(vec![from(2, 1, "a")]));
         let get = |node| Command::GetBy {
             no_ack: false,

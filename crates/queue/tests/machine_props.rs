@@ -59,7 +59,7 @@ enum Op {
     Down {
         node: NodeId,
     },
-    /// A publish with the enqueuer's next sequence, `gap` past its last one.
+    /// A publish with the enqueuer's next sequence, `gap` past it (refused: out of order).
     Publish {
         slot: PubSlot,
         gap: u64,
@@ -890,7 +890,8 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
             }
             Op::Publish { slot, gap, size } => {
                 let id = r.m.next_msg_id();
-                if !model.enqueuers.contains_key(&slot) {
+                let fresh = !model.enqueuers.contains_key(&slot);
+                if fresh {
                     model.next_enqueuer += 1;
                     let id = qualify(pub_node(slot), model.next_enqueuer).unwrap();
                     model.enqueuers.insert(
@@ -907,11 +908,8 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 let Some(e) = model.enqueuers.get_mut(&slot) else {
                     unreachable!()
                 };
-                // The first publish of a life may be sequence 0.
-                let seq = match e.sent.last_key_value() {
-                    Some((last, _)) => last + 1 + gap,
-                    None => gap,
-                };
+                // A life starts at 1; a gap stands for publishes lost on their way.
+                let seq = e.highest + 1 + gap;
                 let reply = r.apply(
                     now,
                     Command::EnqueueFrom {
@@ -924,6 +922,14 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                         },
                     },
                 );
+                if gap > 0 {
+                    // Nothing decided: the machine waits for the lost one.
+                    prop_assert_eq!(reply, Reply::Refused(Refusal::OutOfOrder));
+                    if fresh {
+                        model.enqueuers.remove(&slot);
+                    }
+                    continue;
+                }
                 e.highest = seq;
                 if full {
                     prop_assert_eq!(reply, Reply::Refused(Refusal::Full));

@@ -283,8 +283,11 @@ impl Driver {
                 }
                 let message = self.message(*size, false);
                 let (id, sent) = self.enqueuers.get_mut(slot)?;
-                let seq = sent.last().map_or(*gap, |(last, _)| last + 1 + gap);
-                sent.push((seq, message.clone()));
+                // A life starts at 1; a gap is refused (out of order) and decides nothing.
+                let seq = sent.last().map_or(1 + gap, |(last, _)| last + 1 + gap);
+                if *gap == 0 {
+                    sent.push((seq, message.clone()));
+                }
                 Command::EnqueueFrom {
                     enqueuer: *id,
                     seq,

@@ -50,7 +50,14 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// quorum queue's declaration is answered once every running node has the queue.
 /// 4, a Raft message too large for one frame of the transport travels in pieces, so a queue
 /// whose snapshot is larger than a frame is snapshotted (its log compacted) too.
-pub const FEATURE_LEVEL: u64 = 4;
+/// 5, a publish forwarded to a quorum queue's leader is an `EnqueueFrom` whose sequence has no
+/// gaps, so that sent again after a failover or a snapshot it is taken once.
+pub const FEATURE_LEVEL: u64 = 5;
+
+/// The level from which a node forwards publishes as an enqueuer (`Broker::as_enqueuer`):
+/// a node of an older version would apply an `EnqueueFrom` whose sequence skips one, where
+/// this one refuses it, and the queue's members would disagree.
+pub(super) const ENQUEUERS_LEVEL: u64 = 5;
 
 /// The level from which every node takes a snapshot sent in pieces.
 pub(super) const PIECES_LEVEL: u64 = 4;

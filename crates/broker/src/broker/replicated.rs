@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::replica::{Mode, NodeId, ReplicaState};
+use warren_queue::machine::EnqueuerId;
 use warren_replication::queue::{decode, encode, Origin, Outcome, Proposals};
 use warren_replication::{Committed, GroupId};
 
@@ -228,6 +229,11 @@ pub(crate) struct Cluster {
     boot_seq: u64,
     /// The cluster addresses of this node's list (`--cluster-nodes`), as `HOST:PORT`.
     listed: BTreeMap<NodeId, String>,
+    /// This node as the enqueuer of the publishes it forwards, per group: its id and the
+    /// sequence of its last forward ([`Broker::as_enqueuer`]).
+    enqueuers: HashMap<u64, (EnqueuerId, u64)>,
+    /// The local part of the last enqueuer id minted (see [`Broker::as_enqueuer`]).
+    last_enqueuer: u64,
 }
 
 impl Cluster {
@@ -263,6 +269,9 @@ impl Cluster {
             draining_peers: BTreeSet::new(),
             boot_seq: boot.saturating_mul(1 << 20),
             listed: BTreeMap::new(),
+            enqueuers: HashMap::new(),
+            // Ids minted from the start's time on: a restarted node's never meet its old ones.
+            last_enqueuer: boot,
         }
     }
 
@@ -651,6 +660,12 @@ impl Broker {
         if cut_off {
             r.downed_self = false;
         }
+        // A `Down` of this node among the entries skipped made the queue forget its enqueuer.
+        if let Some((enqueuer, _)) = c.enqueuers.get(&group) {
+            if q.machine.enqueuer_seq(*enqueuer).is_none() {
+                c.enqueuers.remove(&group);
+            }
+        }
         tracing::info!(queue = %q.name, vhost = %q.vhost, index, bytes = len, "replicated queue restored from a snapshot");
         if cut_off {
             self.down_self_once(id);
@@ -661,12 +676,13 @@ impl Broker {
 
     /// After a snapshot: the publishes this node forwarded and still waits for may be in the
     /// entries it skipped or not, so each is forwarded again under a new proposal number,
-    /// keeping its confirm. One the snapshot holds, or whose first copy is applied after it,
-    /// is then in the queue twice (as the publisher's own resend after a nack would be), never
-    /// lost, and the publisher is not nacked for a snapshot it cannot know of: a node restarted
-    /// under load is sent one, and it nacked what its clients published in its first moments.
-    /// The old numbers answer nothing any more (this node's waiting proposals now start after
-    /// them).
+    /// keeping its confirm. Each is an `EnqueueFrom` ([`Broker::as_enqueuer`]): one the
+    /// snapshot holds, or whose first copy is applied after it, is a `Duplicate` (confirmed,
+    /// in the queue once). Forwarded as a plain `Enqueue` (a cluster with a node below
+    /// `ENQUEUERS_LEVEL`), it is in the queue twice, never lost. Either way the publisher is
+    /// not nacked for a snapshot it cannot know of: a node restarted under load is sent one,
+    /// and it nacked what its clients published in its first moments. The old numbers answer
+    /// nothing any more (this node's waiting proposals now start after them).
     fn forward_again(&mut self, id: QueueId, group: u64) {
         let Some(c) = self.cluster.as_mut() else {
             return;
@@ -1381,7 +1397,60 @@ impl Broker {
             return Some(reply);
         }
         self.down_self_once(id);
-        self.forward_one(id, command, confirm).then_some(reply)
+        let command = self.as_enqueuer(id, command);
+        self.forward_one(id, &command, confirm).then_some(reply)
+    }
+
+    /// A publish forwarded to a queue's leader goes as `EnqueueFrom`, with this node as its
+    /// enqueuer and the next of its sequence for the group, so that however often it is sent
+    /// again (to each new leader, after a snapshot) the queue takes it once. The sequence has
+    /// no gaps: the machine refuses one that skips a number (`Refusal::OutOfOrder`: the one
+    /// skipped was lost on its way) and decides nothing for it, so "at or below the last one
+    /// decided" always means "in the queue already, or refused". A refusal of that kind, or
+    /// a `Down` of this node (which makes the queue forget its enqueuers), starts a new
+    /// enqueuer. Until every node can (`ENQUEUERS_LEVEL`), a plain `Enqueue` as before.
+    fn as_enqueuer<'a>(
+        &mut self,
+        id: QueueId,
+        command: &'a Command<Message>,
+    ) -> std::borrow::Cow<'a, Command<Message>> {
+        use std::borrow::Cow;
+        let Command::Enqueue { message, meta } = command else {
+            return Cow::Borrowed(command);
+        };
+        let level = self.cluster_feature_level().unwrap_or(0);
+        if level < super::metadata_group::ENQUEUERS_LEVEL {
+            return Cow::Borrowed(command);
+        }
+        let now = self.now_ms;
+        let group = self.replica_group(id);
+        let (Some(c), Some(group)) = (self.cluster.as_mut(), group) else {
+            return Cow::Borrowed(command);
+        };
+        let node = u16::try_from(c.node).unwrap_or(u16::MAX);
+        let (enqueuer, seq) = match c.enqueuers.get_mut(&group) {
+            Some((enqueuer, seq)) => {
+                *seq += 1;
+                (*enqueuer, *seq)
+            }
+            None => {
+                // Time-based as the proposal numbers are, so ids keep growing across starts.
+                let local = c.last_enqueuer.saturating_add(1).max(now);
+                let Some(qualified) = warren_queue::qualify(node, local) else {
+                    return Cow::Borrowed(command);
+                };
+                c.last_enqueuer = local;
+                let enqueuer = EnqueuerId(qualified);
+                c.enqueuers.insert(group, (enqueuer, 1));
+                (enqueuer, 1)
+            }
+        };
+        Cow::Owned(Command::EnqueueFrom {
+            enqueuer,
+            seq,
+            message: message.clone(),
+            meta: *meta,
+        })
     }
 
     /// A publish on a node just elected for the queue, before it acts (its term's first entries
@@ -1899,6 +1968,17 @@ impl Broker {
                     .collect(),
                 _ => Vec::new(),
             };
+            // This node's enqueuer in the group starts over after a `Down` of this node (the
+            // queue forgot it) or a refusal of one of its sequences as out of order.
+            let enqueuer_used = match &command {
+                Command::EnqueueFrom { enqueuer, .. } if head.origin.node == c.node => {
+                    Some(*enqueuer)
+                }
+                _ => None,
+            };
+            if matches!(&command, Command::Down { node } if *node == node16) {
+                c.enqueuers.remove(&e.group.0);
+            }
             c.scratch.clear();
             let reply = match &mut r.mode {
                 Mode::Leading { committed } => {
@@ -1969,6 +2049,18 @@ impl Broker {
                 }
             }
             c.scratch.clear();
+            if let (Some(used), Reply::Refused(Refusal::OutOfOrder)) = (enqueuer_used, reply) {
+                if c.enqueuers
+                    .get(&e.group.0)
+                    .is_some_and(|(now, _)| *now == used)
+                {
+                    tracing::debug!(
+                        group = e.group.0,
+                        "a forward was lost on its way: a new enqueuer"
+                    );
+                    c.enqueuers.remove(&e.group.0);
+                }
+            }
             // A get of this node's that this entry shows can no longer come is answered.
             let own_seq = (head.origin.node == c.node).then_some(head.origin.seq);
             c.gets.applied(e.group.0, e.term, own_seq);
@@ -2151,8 +2243,9 @@ impl Broker {
                     }
                 }
             } else {
-                // Sent again to the new leader, in order: one the old leader committed is applied
-                // here once more (a duplicate, never a loss).
+                // Sent again to the new leader, in order: one the old leader committed is a
+                // `Duplicate` of its enqueuer's there (or, as a plain `Enqueue`, in the queue
+                // twice; never a loss).
                 for k in c.kept.get(&group).into_iter().flatten() {
                     c.outbox.push(Proposal {
                         group,

@@ -85,7 +85,7 @@ impl Broker {
         // committed entries and falls back when deposed: the debug record would not replay.
         let logged = (self.recording.is_some() && q.replica.is_none()).then(|| command.clone());
         let counted = match &command {
-            Command::Enqueue { .. } => Counted::Enqueue,
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. } => Counted::Enqueue,
             Command::Settle { receipt } => Counted::Settle {
                 attempt: receipt.attempt,
             },

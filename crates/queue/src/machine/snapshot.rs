@@ -736,7 +736,7 @@ mod tests {
         }
         r.apply(Command::EnqueueFrom {
             enqueuer: EnqueuerId(crate::qualify(2, 5).unwrap_or(0)),
-            seq: 4,
+            seq: 1,
             message: message(b"e"),
             meta: MsgMeta::default(),
         });
