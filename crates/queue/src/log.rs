@@ -1086,7 +1086,7 @@ mod tests {
             },
             Command::Get { no_ack: false },
             Command::Down { node: 2 },
-            enqueue(1),
+            enqueue(3),
             Command::Unregister { enqueuer },
         ]);
         let (decoded, truncated) = decode_all(bytes.clone().freeze()).unwrap();

@@ -201,9 +201,9 @@ impl ConsumerId {
     }
 }
 
-/// A publisher's channel as an enqueuer ([`Command::EnqueueFrom`]), node-qualified
-/// ([`crate::qualify`]) and minted by the channel's node. Never reused: a channel that closes
-/// and opens again is a new enqueuer, whose sequence numbers start afresh.
+/// A sender of publishes that may be resent ([`Command::EnqueueFrom`]): a node forwarding
+/// to a replicated queue's leader. Node-qualified ([`crate::qualify`]) and never reused, across
+/// the node's restarts too: a new enqueuer's sequence numbers start afresh.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EnqueuerId(pub u64);
 
@@ -273,14 +273,17 @@ pub enum Command<M> {
     /// were it enqueued, the lost one, sent again, would be taken for a resend and confirmed
     /// unenqueued. The sender nacks it and goes on as a new enqueuer. The machine keeps, per
     /// enqueuer, the highest sequence decided and the highest refused, until
-    /// [`Command::Unregister`] or a [`Command::Down`] of its node.
+    /// [`Command::Unregister`], or until another enqueuer of its node starts (sequence 1):
+    /// a node is one enqueuer per queue at a time, so the queue remembers at most one per
+    /// node. A [`Command::Down`] of its node leaves it: the node may still be running, and
+    /// its resends must still be recognised (enqueuer ids never repeat, restarts included).
     EnqueueFrom {
         enqueuer: EnqueuerId,
         seq: u64,
         message: M,
         meta: MsgMeta,
     },
-    /// The enqueuer's channel closed: its sequence is forgotten. `Stale` if it was unknown.
+    /// The enqueuer is done with: its sequence is forgotten. `Stale` if it was unknown.
     Unregister {
         enqueuer: EnqueuerId,
     },
@@ -289,14 +292,15 @@ pub enum Command<M> {
     /// channels hold (consumer deliveries, by the consumer's node, and basic.gets made with
     /// [`Command::GetBy`] there) comes back at once to its original position, as
     /// [`Command::Release`] does (no retry delay, delivery count kept, so a delivery limit
-    /// still applies), and its enqueuers are forgotten. Replies `Cancelled { consumers_left }`
+    /// still applies). Its enqueuers are kept (see [`Command::EnqueueFrom`]). Replies
+    /// `Cancelled { consumers_left }`
     /// if it cancelled a consumer, else `Ok`.
     ///
     /// There is no "suspected down" state as in rabbit_fifo (whose consumers wait out a
     /// `noconnection` before they are cancelled): whoever sends `Down` has decided that the
     /// node's connections are gone, and everything of the node goes with them. A node that
-    /// comes back (after a partition or a restart) has no consumers, deliveries or enqueuers
-    /// here: its clients consume and publish again under new ids, and a late ack from its old
+    /// comes back (after a partition or a restart) has no consumers or deliveries here: its
+    /// clients consume again under new ids, and a late ack from its old
     /// channels is `Stale` (the message was redelivered, at least once as promised). Nothing is
     /// needed for an `Up`. A restarted node's counters start over: `Down` of that node must be
     /// applied before it mints ids again, else its new ids could meet its old ones here.
@@ -1190,6 +1194,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             None if seq != 1 => return Reply::Refused(Refusal::OutOfOrder),
             _ => {}
         }
+        if last.is_none() {
+            // The node's earlier enqueuer is done with (it started anew, or restarted).
+            let node = enqueuer.node();
+            self.enqueuers.retain(|id, _| id.node() != node);
+        }
         let reply = self.enqueue_new(message, meta, effects);
         let e = self.enqueuers.entry(enqueuer).or_default();
         e.seq = seq;
@@ -1213,8 +1222,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         Reply::Delivered { count }
     }
 
-    /// `node` is gone: its consumers, their deliveries, its basic.gets and its enqueuers go
-    /// (see [`Command::Down`]).
+    /// `node` is gone: its consumers, their deliveries and its basic.gets go (see
+    /// [`Command::Down`]).
     fn down(&mut self, node: NodeId, effects: &mut Vec<Effect<M>>) -> Reply {
         let gone: Vec<ConsumerId> = self
             .consumers
@@ -1250,7 +1259,6 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 self.back_to_ready(entry, false, effects);
             }
         }
-        self.enqueuers.retain(|id, _| id.node() != node);
         reply
     }
 
@@ -4236,7 +4244,7 @@ mod tests {
         assert_eq!(d.m.ready_ids(), vec![0, 1, 2, 3]);
         assert!(d.effects.is_empty());
         assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), Some(3));
-        // Forgotten when its channel goes, or its node.
+        // Forgotten when unregistered.
         assert_eq!(
             d.run(Command::Unregister {
                 enqueuer: EnqueuerId(p)
@@ -4250,11 +4258,16 @@ mod tests {
             Reply::Stale
         );
         assert_eq!(d.run(from(p, 1, "d")), Reply::Enqueued { msg_id: 4 });
+        // Kept through a Down of its node (which may still run and send again).
         assert_eq!(d.run(Command::Down { node: 2 }), Reply::Ok);
-        assert_eq!(d.m.enqueuer_count(), 1);
-        assert_eq!(d.m.enqueuer_seq(EnqueuerId(q)), None);
-        assert_eq!(d.run(Command::Down { node: 1 }), Reply::Ok);
-        assert_eq!(d.m.enqueuer_count(), 0);
+        assert_eq!(d.m.enqueuer_count(), 2);
+        assert_eq!(d.run(from(q, 1, "c")), Reply::Duplicate);
+        // A node's new enqueuer replaces its earlier one: one per node at most.
+        let p2 = crate::qualify(1, 10).unwrap();
+        assert_eq!(d.run(from(p2, 1, "e")), Reply::Enqueued { msg_id: 5 });
+        assert_eq!(d.m.enqueuer_count(), 2);
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), None);
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(q)), Some(1));
     }
 
     #[test]

@@ -886,7 +886,6 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                         *s = State::Ready;
                     }
                 }
-                model.enqueuers.retain(|slot, _| pub_node(*slot) != node);
             }
             Op::Publish { slot, gap, size } => {
                 let id = r.m.next_msg_id();
@@ -940,6 +939,13 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                     e.sent.insert(seq, (Sent::Enqueued(id), size));
                     model.state.insert(id, State::Ready);
                     model.size.insert(id, size);
+                }
+                if fresh {
+                    // A node's new enqueuer replaces its others.
+                    let node = pub_node(slot);
+                    model
+                        .enqueuers
+                        .retain(|other, _| *other == slot || pub_node(*other) != node);
                 }
             }
             Op::Resend { slot, pick } => {

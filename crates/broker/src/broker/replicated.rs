@@ -232,8 +232,11 @@ pub(crate) struct Cluster {
     /// This node as the enqueuer of the publishes it forwards, per group: its id and the
     /// sequence of its last forward ([`Broker::as_enqueuer`]).
     enqueuers: HashMap<u64, (EnqueuerId, u64)>,
-    /// The local part of the last enqueuer id minted (see [`Broker::as_enqueuer`]).
-    last_enqueuer: u64,
+    /// The local part of this start's first enqueuer id, and how many were minted after it.
+    enqueuer_base: u64,
+    enqueuers_minted: u64,
+    /// Groups where this node's enqueuer was refused and the next is a new one.
+    enqueuers_started: HashSet<u64>,
 }
 
 impl Cluster {
@@ -270,8 +273,13 @@ impl Cluster {
             boot_seq: boot.saturating_mul(1 << 20),
             listed: BTreeMap::new(),
             enqueuers: HashMap::new(),
-            // Ids minted from the start's time on: a restarted node's never meet its old ones.
-            last_enqueuer: boot,
+            // From the start's time (ms since 1970) on, 64 per millisecond: a restarted node's
+            // ids never meet its earlier ones (which would take new publishes for resends of
+            // old ones) unless its last run made 64 new enqueuers per millisecond it ran.
+            // They fit the 48 bits of a node's ids until 2109 (past that, plain `Enqueue`s).
+            enqueuer_base: boot.saturating_mul(1 << 6),
+            enqueuers_minted: 0,
+            enqueuers_started: HashSet::new(),
         }
     }
 
@@ -659,12 +667,6 @@ impl Broker {
         }
         if cut_off {
             r.downed_self = false;
-        }
-        // A `Down` of this node among the entries skipped made the queue forget its enqueuer.
-        if let Some((enqueuer, _)) = c.enqueuers.get(&group) {
-            if q.machine.enqueuer_seq(*enqueuer).is_none() {
-                c.enqueuers.remove(&group);
-            }
         }
         tracing::info!(queue = %q.name, vhost = %q.vhost, index, bytes = len, "replicated queue restored from a snapshot");
         if cut_off {
@@ -1256,6 +1258,9 @@ impl Broker {
             c.abandon(r.group, &mut outcomes);
             c.early.remove(&r.group);
             c.deferred.remove(&r.group);
+            // A queue made again in a group of the same number knows no enqueuer of ours.
+            c.enqueuers.remove(&r.group);
+            c.enqueuers_started.remove(&r.group);
             for o in outcomes {
                 c.settle(o);
             }
@@ -1406,9 +1411,11 @@ impl Broker {
     /// again (to each new leader, after a snapshot) the queue takes it once. The sequence has
     /// no gaps: the machine refuses one that skips a number (`Refusal::OutOfOrder`: the one
     /// skipped was lost on its way) and decides nothing for it, so "at or below the last one
-    /// decided" always means "in the queue already, or refused". A refusal of that kind, or
-    /// a `Down` of this node (which makes the queue forget its enqueuers), starts a new
-    /// enqueuer. Until every node can (`ENQUEUERS_LEVEL`), a plain `Enqueue` as before.
+    /// decided" always means "in the queue already, or refused". A refusal of that kind
+    /// starts a new enqueuer, which the queue takes in place of the old one. Ids never
+    /// repeat, across starts too (`enqueuer_base`), so the queue keeps a node's enqueuer
+    /// through a `Down` of the node. Until every node can (`ENQUEUERS_LEVEL`), a plain
+    /// `Enqueue` as before.
     fn as_enqueuer<'a>(
         &mut self,
         id: QueueId,
@@ -1422,7 +1429,6 @@ impl Broker {
         if level < super::metadata_group::ENQUEUERS_LEVEL {
             return Cow::Borrowed(command);
         }
-        let now = self.now_ms;
         let group = self.replica_group(id);
         let (Some(c), Some(group)) = (self.cluster.as_mut(), group) else {
             return Cow::Borrowed(command);
@@ -1434,12 +1440,19 @@ impl Broker {
                 (*enqueuer, *seq)
             }
             None => {
-                // Time-based as the proposal numbers are, so ids keep growing across starts.
-                let local = c.last_enqueuer.saturating_add(1).max(now);
+                // The first in every group is this start's first; only a new one after a
+                // refusal takes a new number.
+                let again = c.enqueuers_started.contains(&group);
+                let local =
+                    c.enqueuer_base
+                        .saturating_add(if again { c.enqueuers_minted + 1 } else { 0 });
                 let Some(qualified) = warren_queue::qualify(node, local) else {
                     return Cow::Borrowed(command);
                 };
-                c.last_enqueuer = local;
+                if again {
+                    c.enqueuers_started.remove(&group);
+                    c.enqueuers_minted += 1;
+                }
                 let enqueuer = EnqueuerId(qualified);
                 c.enqueuers.insert(group, (enqueuer, 1));
                 (enqueuer, 1)
@@ -1968,17 +1981,14 @@ impl Broker {
                     .collect(),
                 _ => Vec::new(),
             };
-            // This node's enqueuer in the group starts over after a `Down` of this node (the
-            // queue forgot it) or a refusal of one of its sequences as out of order.
+            // This node's enqueuer in the group starts over after a refusal of one of its
+            // sequences as out of order.
             let enqueuer_used = match &command {
                 Command::EnqueueFrom { enqueuer, .. } if head.origin.node == c.node => {
                     Some(*enqueuer)
                 }
                 _ => None,
             };
-            if matches!(&command, Command::Down { node } if *node == node16) {
-                c.enqueuers.remove(&e.group.0);
-            }
             c.scratch.clear();
             let reply = match &mut r.mode {
                 Mode::Leading { committed } => {
@@ -2059,6 +2069,7 @@ impl Broker {
                         "a forward was lost on its way: a new enqueuer"
                     );
                     c.enqueuers.remove(&e.group.0);
+                    c.enqueuers_started.insert(e.group.0);
                 }
             }
             // A get of this node's that this entry shows can no longer come is answered.
