@@ -283,6 +283,14 @@ impl Scheduler {
         keys
     }
 
+    /// Takes `key` out of memory, if it is there (one on disk only is left there).
+    pub fn cancel(&mut self, key: DelayKey) -> Option<Delayed> {
+        let d = self.loaded.remove(&key)?;
+        self.loaded_bytes = self.loaded_bytes.saturating_sub(d.size());
+        self.count = self.count.saturating_sub(1);
+        Some(d)
+    }
+
     /// The next scheduled message if it is due at `now`.
     pub fn pop_due(&mut self, now: u64) -> Option<(DelayKey, Delayed)> {
         let entry = self.loaded.first_entry()?;

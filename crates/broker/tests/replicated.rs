@@ -1695,6 +1695,60 @@ fn a_forward_lost_on_its_way_nacks_the_next_and_the_one_after_is_confirmed() {
     assert_same_state(&c, &NODES);
 }
 
+/// A delayed message falling due on a follower into a quorum queue is enqueued even when the
+/// forward of its release is lost on its way (here with the one after it, refused as out of
+/// order): the release leaves a guard record that releases it again unless its entry is
+/// applied. Before, the release deleted the message's record and the lost forward lost it,
+/// after its publisher had been confirmed.
+#[test]
+fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
+    let mut args = quorum_args();
+    args.insert("x-delivery-delay", FieldValue::I32(100));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    c.run(5);
+    let batches = [c.publish(follower, 1), c.publish(follower, 2)];
+    let group = c.group;
+    let publish_of = |p: &Proposal| {
+        p.group == group
+            && warren_replication::queue::decode(Bytes::from(p.data.clone())).is_ok_and(|(_, c)| {
+                matches!(
+                    c,
+                    warren_queue::machine::Command::Enqueue { .. }
+                        | warren_queue::machine::Command::EnqueueFrom { .. }
+                )
+            })
+    };
+    let mut dropped = false;
+    for _ in 0..400 {
+        c.step();
+        if !dropped {
+            if let Some(i) = c.forwards.iter().position(|(_, p)| publish_of(p)) {
+                c.forwards.remove(i);
+                dropped = true;
+            }
+        }
+        if dropped && c.counts(leader) == (2, 0) {
+            break;
+        }
+    }
+    assert!(dropped, "the release's forward was seen");
+    assert!(batches.iter().all(|b| c.confirmed(follower, *b)));
+    c.run(20);
+    assert_eq!(
+        c.counts(leader),
+        (2, 0),
+        "both released messages in the queue"
+    );
+    // Their guards went once their entries were applied: none comes due to release them again.
+    c.run(u32::try_from(40_000 / TICK_MS).unwrap_or(u32::MAX));
+    assert_eq!(c.counts(leader), (2, 0), "each once");
+    assert_eq!(c.broker(follower).delayed_counts(), (0, 0));
+    assert_same_state(&c, &NODES);
+}
+
 #[test]
 fn a_refused_proposal_nacks_what_waited_and_the_leader_acts_again_from_the_committed_state() {
     let mut c = Cluster::new();

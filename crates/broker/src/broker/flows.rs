@@ -134,6 +134,97 @@ impl Broker {
         self.dead_letter_pending();
     }
 
+    /// A delayed message falling due into replicated queue `id`: a guard record, the message
+    /// scheduled again for that queue `RELEASE_GUARD_MS` from now, written with the release.
+    /// The release deletes the message's own record at once, and the queue's entry is only
+    /// proposed (or forwarded to its leader): if the entry is lost (a failover, a forward lost
+    /// on its way) the guard comes due and releases it again, and a crash before the entry
+    /// is applied finds the guard on disk. Once the entry is applied the guard goes
+    /// ([`Broker::settle_release_guards`]). Its key, for the entry's token.
+    pub(super) fn release_guard(
+        &mut self,
+        vhost: &str,
+        id: QueueId,
+        message: &Message,
+        refused: u32,
+    ) -> Option<DelayKey> {
+        let q = self.queues.get(&id)?;
+        q.replica.as_ref()?;
+        let target = (Some(q.name.clone()), q.holder());
+        let p = self.persist.as_mut()?;
+        let mut message = message.clone();
+        message.store_key = None;
+        message.compact();
+        let key = DelayKey {
+            due: self
+                .now_ms
+                .saturating_add(super::replicated::RELEASE_GUARD_MS),
+            seq: p.body_key(),
+        };
+        let d = Delayed {
+            vhost: vhost.to_owned(),
+            queue: target.0,
+            holder: target.1,
+            refused,
+            message,
+        };
+        let number = p.next_batch;
+        let sync = d.message.persistent;
+        p.push(
+            StoreOp::PutDelayed {
+                key,
+                delayed: d.clone(),
+            },
+            sync,
+        );
+        let stored = self.pager.is_some().then_some(number);
+        self.scheduler.schedule(key, d, stored);
+        Some(key)
+    }
+
+    /// A guard ([`Broker::release_guard`]) no longer needed.
+    pub(super) fn drop_release_guard(&mut self, key: DelayKey) {
+        self.scheduler.cancel(key);
+        if let Some(p) = self.persist.as_mut() {
+            p.push(StoreOp::DeleteDelayed { key }, false);
+        }
+    }
+
+    /// Guards of released delayed messages whose queue entries are applied (the guard is
+    /// deleted) or lost (released again after a back-off, as a message refused by a full
+    /// queue is, when the guard is in memory; else when it comes due).
+    pub(super) fn settle_release_guards(&mut self) {
+        let Some(settled) = self
+            .cluster
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.guards_settled))
+            .filter(|s| !s.is_empty())
+        else {
+            return;
+        };
+        for (key, applied) in settled {
+            let held = self.scheduler.cancel(key);
+            if !applied && held.is_none() {
+                // On disk only: it is released when it comes due.
+                continue;
+            }
+            if let Some(p) = self.persist.as_mut() {
+                p.push(StoreOp::DeleteDelayed { key }, false);
+            }
+            if let (false, Some(d)) = (applied, held) {
+                let wait = delayed::refused_retry_ms(d.refused);
+                tracing::debug!(vhost = %d.vhost, queue = ?d.queue, retry_in_ms = wait, "a delayed message's queue entry was lost: released again later");
+                self.schedule(
+                    &d.vhost,
+                    (d.queue, d.holder),
+                    d.message,
+                    wait,
+                    d.refused.saturating_add(1),
+                );
+            }
+        }
+    }
+
     /// Does the incarnation of the queue or exchange that held `d` still exist?
     pub(super) fn still_held(&self, d: &Delayed) -> bool {
         let Some(vh) = self.vhosts.get(&d.vhost) else {

@@ -496,7 +496,16 @@ impl Broker {
                 rejected += 1;
                 continue;
             }
-            let Some((reply, meta)) = self.run_with(*id, |q| {
+            // A delayed message falling due into a replicated queue: its guard goes with the
+            // entry's token until the entry is applied.
+            let guard = match (releasing, self.cluster.is_some()) {
+                (Some(refused), true) => self.release_guard(vhost, *id, &message, refused),
+                _ => None,
+            };
+            if let Some(c) = self.cluster.as_mut() {
+                c.release_tag = guard;
+            }
+            let ran = self.run_with(*id, |q| {
                 let meta = MsgMeta {
                     pageable: paging && kind != Kept::Memory && may_page(q),
                     spilled: kind == Kept::Spilled,
@@ -510,7 +519,11 @@ impl Broker {
                     meta,
                 };
                 (command, meta)
-            }) else {
+            });
+            if let Some(c) = self.cluster.as_mut() {
+                c.release_tag = None;
+            }
+            let Some((reply, meta)) = ran else {
                 if self.queues.get(id).is_some_and(|q| q.replica.is_some()) {
                     // A replicated queue with no leader to take it: the publisher is told
                     // with a nack (a mandatory publish is not returned: the queue exists).
@@ -528,6 +541,10 @@ impl Broker {
                 }
             }
             if reply == Reply::Refused(Refusal::Full) {
+                if let Some(key) = guard {
+                    // Refused at once: `refused` holds it back again by itself.
+                    self.drop_release_guard(key);
+                }
                 self.refused(*id, kind, &message, releasing);
                 rejected += 1;
                 continue;

@@ -23,6 +23,9 @@ struct Token {
     batch: u64,
     /// Sent to the leader: a refusal is learnt only when it is applied here.
     forwarded: bool,
+    /// A delayed message falling due: the guard record that releases it again unless this
+    /// entry is applied ([`Broker::settle_release_guards`]).
+    release: Option<DelayKey>,
 }
 
 /// The largest message body a replicated queue takes: its entry must fit in one frame of the
@@ -47,6 +50,11 @@ struct Kept {
 /// A batch whose replicated entries are not all applied within this time is nacked: a group
 /// that lost its majority for good must not hold back every later confirm of the node.
 const CONFIRM_TIMEOUT_MS: u64 = 30_000;
+
+/// A delayed message released into a replicated queue is released again this long after, unless
+/// its entry is applied first (`Broker::release_guard`): past the confirm timeout, so that the
+/// entry's fate is known by then.
+pub(super) const RELEASE_GUARD_MS: u64 = CONFIRM_TIMEOUT_MS + 5_000;
 
 /// A peer node unheard of for this long has lost its connections as far as its queues are
 /// concerned: the queues this node leads bring it `Down` (its consumers go, what they held is
@@ -237,6 +245,10 @@ pub(crate) struct Cluster {
     enqueuers_minted: u64,
     /// Groups where this node's enqueuer was refused and the next is a new one.
     enqueuers_started: HashSet<u64>,
+    /// The guard record of the delayed message being released, for the tokens of its
+    /// enqueues; and guards whose entries were applied (true) or lost.
+    pub(super) release_tag: Option<DelayKey>,
+    pub(super) guards_settled: Vec<(DelayKey, bool)>,
 }
 
 impl Cluster {
@@ -280,6 +292,8 @@ impl Cluster {
             enqueuer_base: boot.saturating_mul(1 << 6),
             enqueuers_minted: 0,
             enqueuers_started: HashSet::new(),
+            release_tag: None,
+            guards_settled: Vec::new(),
         }
     }
 
@@ -441,6 +455,9 @@ impl Cluster {
             }
             Outcome::Lost(token) => (true, token),
         };
+        if let Some(key) = token.release {
+            self.guards_settled.push((key, !lost));
+        }
         if let Some(n) = self.waiting.get_mut(&token.batch) {
             *n = n.saturating_sub(1);
             if *n == 0 {
@@ -1334,9 +1351,11 @@ impl Broker {
             forwarded: false,
             ..t
         });
+        let release = c.release_tag.filter(|_| is_enqueue(command));
         let token = reissued.unwrap_or_else(|| Token {
             batch: open_batch(self.persist.as_mut()),
             forwarded: false,
+            release,
         });
         let batch = token.batch;
         let origin = c.proposals.next(GroupId(r.group), token);
@@ -1484,6 +1503,7 @@ impl Broker {
         let token = Token {
             batch,
             forwarded: true,
+            release: c.release_tag.filter(|_| is_enqueue(command)),
         };
         let origin = c.proposals.next(GroupId(group), token);
         // Out of the proposals at once, as at an election: its own entry answers it.
@@ -1563,6 +1583,10 @@ impl Broker {
         let token = Token {
             batch,
             forwarded: true,
+            release: match waiting {
+                Some(t) => t.release,
+                None => c.release_tag.filter(|_| confirm && is_enqueue(command)),
+            },
         };
         let origin = c.proposals.next(GroupId(r.group), token);
         match encode(now, origin, command) {
@@ -1613,6 +1637,7 @@ impl Broker {
         let token = Token {
             batch: 0,
             forwarded: true,
+            release: None,
         };
         let origin = c.proposals.next(GroupId(group), token);
         match encode(now, origin, command) {
@@ -2167,6 +2192,7 @@ impl Broker {
             self.run(id, Command::Cancel { id: cid });
         }
         self.gets_applied(gets);
+        self.settle_release_guards();
         touched.sort_unstable();
         touched.dedup();
         self.take_due_snapshots(&touched);
@@ -2319,6 +2345,7 @@ impl Broker {
         let token = Token {
             batch: 0,
             forwarded: false,
+            release: None,
         };
         for command in &commands {
             let origin = c.proposals.next(GroupId(r.group), token);
@@ -2601,6 +2628,14 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
 
 /// The number of the store batch being filled, which a confirm waiting for a replicated entry
 /// waits in: handed to the store even when it holds no write of its own.
+/// A publish, whose token may carry a released delayed message's guard.
+fn is_enqueue(command: &Command<Message>) -> bool {
+    matches!(
+        command,
+        Command::Enqueue { .. } | Command::EnqueueFrom { .. }
+    )
+}
+
 fn open_batch(persist: Option<&mut Persist>) -> u64 {
     match persist {
         Some(p) => {
