@@ -1527,6 +1527,23 @@ impl Broker {
             );
             return false;
         }
+        if its_level < level {
+            // It would apply what the cluster's logs already hold by older rules (a queue's
+            // enqueuers, at level 5), and its members would disagree: as RabbitMQ refuses a
+            // node that lacks an enabled feature flag.
+            let since = c.meta.join_refused.entry(node).or_insert(now);
+            if *since != u64::MAX {
+                *since = u64::MAX;
+                tracing::warn!(
+                    node,
+                    %addr,
+                    its_level,
+                    level,
+                    "a node of an older version asks to join: refused; start it on this version"
+                );
+            }
+            return false;
+        }
         c.meta.joins_asked.insert(node);
         c.meta.join_refused.remove(&node);
         if c.meta.forgotten.contains(&node) {
@@ -2106,6 +2123,10 @@ mod tests {
         assert!(
             !b.request_join(2, "n2.example:7702", 2),
             "a member's number"
+        );
+        assert!(
+            !b.request_join(4, "n4.example:7704", 1),
+            "a version below the cluster's level"
         );
         assert!(b.request_join(4, "n4.example:7704", 2));
         assert!(!b.request_join(4, "n4.example:7704", 2), "asked once");

@@ -243,8 +243,6 @@ pub(crate) struct Cluster {
     /// The local part of this start's first enqueuer id, and how many were minted after it.
     enqueuer_base: u64,
     enqueuers_minted: u64,
-    /// Groups where this node's enqueuer was refused and the next is a new one.
-    enqueuers_started: HashSet<u64>,
     /// The guard record of the delayed message being released, for the tokens of its
     /// enqueues; and guards whose entries were applied (true) or lost.
     pub(super) release_tag: Option<DelayKey>,
@@ -287,11 +285,11 @@ impl Cluster {
             enqueuers: HashMap::new(),
             // From the start's time (ms since 1970) on, 64 per millisecond: a restarted node's
             // ids never meet its earlier ones (which would take new publishes for resends of
-            // old ones) unless its last run made 64 new enqueuers per millisecond it ran.
+            // old ones) unless its last run made 64 enqueuers (one per queue it forwarded to,
+            // and one more per refusal) per millisecond it ran.
             // They fit the 48 bits of a node's ids until 2109 (past that, plain `Enqueue`s).
             enqueuer_base: boot.saturating_mul(1 << 6),
             enqueuers_minted: 0,
-            enqueuers_started: HashSet::new(),
             release_tag: None,
             guards_settled: Vec::new(),
         }
@@ -446,6 +444,10 @@ impl Cluster {
     }
 
     fn settle(&mut self, outcome: Outcome<Token>) {
+        let outcome_reply = match &outcome {
+            Outcome::Applied(_, reply) => Some(*reply),
+            Outcome::Lost(_) => None,
+        };
         let (lost, token) = match outcome {
             Outcome::Applied(token, reply) => {
                 // A forwarded publish refused by a full queue: its confirm is a nack (the
@@ -456,7 +458,10 @@ impl Cluster {
             Outcome::Lost(token) => (true, token),
         };
         if let Some(key) = token.release {
-            self.guards_settled.push((key, !lost));
+            // A refusal enqueued nothing, whoever proposed it (a forward this node proposes
+            // itself once elected is its own token by then).
+            let refused = matches!(outcome_reply, Some(Reply::Refused(_)));
+            self.guards_settled.push((key, !lost && !refused));
         }
         if let Some(n) = self.waiting.get_mut(&token.batch) {
             *n = n.saturating_sub(1);
@@ -1277,7 +1282,6 @@ impl Broker {
             c.deferred.remove(&r.group);
             // A queue made again in a group of the same number knows no enqueuer of ours.
             c.enqueuers.remove(&r.group);
-            c.enqueuers_started.remove(&r.group);
             for o in outcomes {
                 c.settle(o);
             }
@@ -1459,19 +1463,13 @@ impl Broker {
                 (*enqueuer, *seq)
             }
             None => {
-                // The first in every group is this start's first; only a new one after a
-                // refusal takes a new number.
-                let again = c.enqueuers_started.contains(&group);
-                let local =
-                    c.enqueuer_base
-                        .saturating_add(if again { c.enqueuers_minted + 1 } else { 0 });
+                // A number of its own, even for a group of a number seen before (a queue
+                // deleted and made again), whose log may remember an old one.
+                let local = c.enqueuer_base.saturating_add(c.enqueuers_minted);
                 let Some(qualified) = warren_queue::qualify(node, local) else {
                     return Cow::Borrowed(command);
                 };
-                if again {
-                    c.enqueuers_started.remove(&group);
-                    c.enqueuers_minted += 1;
-                }
+                c.enqueuers_minted += 1;
                 let enqueuer = EnqueuerId(qualified);
                 c.enqueuers.insert(group, (enqueuer, 1));
                 (enqueuer, 1)
@@ -2094,7 +2092,6 @@ impl Broker {
                         "a forward was lost on its way: a new enqueuer"
                     );
                     c.enqueuers.remove(&e.group.0);
-                    c.enqueuers_started.insert(e.group.0);
                 }
             }
             // A get of this node's that this entry shows can no longer come is answered.
@@ -2626,8 +2623,6 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
     AmqpError::resource_error(format!("{} is not led by this node ({at})", q.rs()))
 }
 
-/// The number of the store batch being filled, which a confirm waiting for a replicated entry
-/// waits in: handed to the store even when it holds no write of its own.
 /// A publish, whose token may carry a released delayed message's guard.
 fn is_enqueue(command: &Command<Message>) -> bool {
     matches!(
@@ -2636,6 +2631,8 @@ fn is_enqueue(command: &Command<Message>) -> bool {
     )
 }
 
+/// The number of the store batch being filled, which a confirm waiting for a replicated entry
+/// waits in: handed to the store even when it holds no write of its own.
 fn open_batch(persist: Option<&mut Persist>) -> u64 {
     match persist {
         Some(p) => {

@@ -369,6 +369,8 @@ impl Broker {
         self.ticking = false;
         self.release_delayed();
         self.expire_forwards();
+        // What expired forwards (or a deleted queue) lost is released again now.
+        self.settle_release_guards();
     }
 
     /// The time of the commands that follow (milliseconds on the driver's clock; it never goes
