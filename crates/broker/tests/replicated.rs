@@ -1749,6 +1749,85 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
     assert_same_state(&c, &NODES);
 }
 
+/// Dead letters the leader of a quorum queue sends to a dead-letter quorum queue led by
+/// another node reach it even when their forwards are lost on the way: each leaves a guard
+/// record that releases it again unless its entry is applied. Before, the source's entry was
+/// gone and the lost forward lost the message.
+#[test]
+fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() {
+    let mut args = quorum_args();
+    args.insert("x-message-ttl", FieldValue::I32(50));
+    args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
+    args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq"));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let other = leader % 3 + 1;
+    declare_on(&mut c, other, "dlq", false);
+    let dlq = vec!["dlq".to_string()];
+    for _ in 0..300 {
+        c.step();
+        let everywhere = NODES
+            .iter()
+            .all(|n| c.members[n].broker.queue_id("/", "dlq").is_some());
+        if everywhere && leaders_of(&c, &dlq) == vec![other] {
+            break;
+        }
+    }
+    assert_eq!(
+        leaders_of(&c, &dlq),
+        vec![other],
+        "the dead-letter queue's leader"
+    );
+    let dlq_group = {
+        let b = &c.members[&other].broker;
+        b.replica_group(b.queue_id("/", "dlq").expect("dlq"))
+            .expect("replicated")
+    };
+    let dead = |c: &Cluster, n: u64| {
+        let b = &c.members[&n].broker;
+        let id = b.queue_id("/", "dlq").expect("dlq");
+        b.machine(id).map_or(0, |m| m.ready_count())
+    };
+    let publish_of = |p: &Proposal| {
+        p.group == dlq_group
+            && warren_replication::queue::decode(Bytes::from(p.data.clone())).is_ok_and(|(_, c)| {
+                matches!(
+                    c,
+                    warren_queue::machine::Command::Enqueue { .. }
+                        | warren_queue::machine::Command::EnqueueFrom { .. }
+                )
+            })
+    };
+    c.publish(leader, 1);
+    c.publish(leader, 2);
+    let mut dropped = false;
+    for _ in 0..400 {
+        c.step();
+        if !dropped {
+            if let Some(i) = c.forwards.iter().position(|(_, p)| publish_of(p)) {
+                c.forwards.remove(i);
+                dropped = true;
+            }
+        }
+        if dropped && dead(&c, other) == 2 {
+            break;
+        }
+    }
+    assert!(dropped, "a dead letter's forward was seen");
+    assert_eq!(c.counts(leader), (0, 0), "expired from their queue");
+    c.run(20);
+    assert_eq!(
+        dead(&c, other),
+        2,
+        "both dead letters in the dead-letter queue"
+    );
+    // Their guards went once their entries were applied: none comes due to send them again.
+    c.run(u32::try_from(40_000 / TICK_MS).unwrap_or(u32::MAX));
+    assert_eq!(dead(&c, other), 2, "each once");
+    assert_eq!(c.broker(leader).delayed_counts(), (0, 0));
+}
+
 #[test]
 fn a_refused_proposal_nacks_what_waited_and_the_leader_acts_again_from_the_committed_state() {
     let mut c = Cluster::new();

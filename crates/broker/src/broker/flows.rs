@@ -1,5 +1,6 @@
 //! Flows between queues: dead letters republished to their exchanges, delayed messages released when due.
 
+use super::replicated::GuardEnd;
 use super::*;
 
 /// The dead letter of a message leaving `q`, if `q` has a dead-letter exchange (else the
@@ -134,13 +135,14 @@ impl Broker {
         self.dead_letter_pending();
     }
 
-    /// A delayed message falling due into replicated queue `id`: a guard record, the message
-    /// scheduled again for that queue `RELEASE_GUARD_MS` from now, written with the release.
-    /// The release deletes the message's own record at once, and the queue's entry is only
-    /// proposed (or forwarded to its leader): if the entry is lost (a failover, a forward lost
-    /// on its way) the guard comes due and releases it again, and a crash before the entry
-    /// is applied finds the guard on disk. Once the entry is applied the guard goes
-    /// ([`Broker::settle_release_guards`]). Its key, for the entry's token.
+    /// A delayed message falling due, or a dead letter, into replicated queue `id`: a guard
+    /// record, the message scheduled again for that queue `RELEASE_GUARD_MS` from now, written
+    /// in the batch that deletes the message where it was (its delayed record, or its source
+    /// queue's entry). The queue's entry is only proposed (or forwarded to its leader): if it
+    /// is lost (a failover, a forward lost on its way) the guard releases the message again,
+    /// and a crash before the entry is applied finds the guard on disk. Once the entry is
+    /// applied the guard goes ([`Broker::settle_release_guards`]). Its key, for the entry's
+    /// token.
     pub(super) fn release_guard(
         &mut self,
         vhost: &str,
@@ -190,9 +192,11 @@ impl Broker {
         }
     }
 
-    /// Guards of released delayed messages whose queue entries are applied (the guard is
-    /// deleted) or lost (released again after a back-off, as a message refused by a full
-    /// queue is, when the guard is in memory; else when it comes due).
+    /// Guards of released delayed messages and dead letters whose queue entries are applied
+    /// (the guard is deleted), refused by a full queue (a dead letter is dropped, as RabbitMQ
+    /// drops one; a delayed message is held back again) or lost (released again after a
+    /// back-off, as a message refused by a full queue is, when the guard is in memory; else
+    /// when it comes due).
     pub(super) fn settle_release_guards(&mut self) {
         let Some(settled) = self
             .cluster
@@ -202,26 +206,32 @@ impl Broker {
         else {
             return;
         };
-        for (key, applied) in settled {
-            let held = self.scheduler.cancel(key);
-            if !applied && held.is_none() {
-                // On disk only: it is released when it comes due.
+        for (guard, end) in settled {
+            let gone = match end {
+                GuardEnd::Applied => true,
+                GuardEnd::Refused => guard.dead_letter,
+                GuardEnd::Lost => false,
+            };
+            if gone {
+                self.drop_release_guard(guard.key);
                 continue;
             }
+            let Some(d) = self.scheduler.cancel(guard.key) else {
+                // On disk only: it is released when it comes due.
+                continue;
+            };
             if let Some(p) = self.persist.as_mut() {
-                p.push(StoreOp::DeleteDelayed { key }, false);
+                p.push(StoreOp::DeleteDelayed { key: guard.key }, false);
             }
-            if let (false, Some(d)) = (applied, held) {
-                let wait = delayed::refused_retry_ms(d.refused);
-                tracing::debug!(vhost = %d.vhost, queue = ?d.queue, retry_in_ms = wait, "a delayed message's queue entry was lost: released again later");
-                self.schedule(
-                    &d.vhost,
-                    (d.queue, d.holder),
-                    d.message,
-                    wait,
-                    d.refused.saturating_add(1),
-                );
-            }
+            let wait = delayed::refused_retry_ms(d.refused);
+            tracing::debug!(vhost = %d.vhost, queue = ?d.queue, retry_in_ms = wait, "a guarded message's queue entry was lost or refused: released again later");
+            self.schedule(
+                &d.vhost,
+                (d.queue, d.holder),
+                d.message,
+                wait,
+                d.refused.saturating_add(1),
+            );
         }
     }
 

@@ -473,6 +473,7 @@ impl Broker {
         let defer = !self.dead_lettering;
         // This release's own copies only: not the dead letters republished below.
         let releasing = self.releasing.take().filter(|_| released);
+        let dead_letter = death.is_some();
         self.dead_lettering = true;
         for (i, id) in targets.iter().enumerate() {
             let kind = kinds.get(i).copied().unwrap_or(Kept::Memory);
@@ -496,14 +497,15 @@ impl Broker {
                 rejected += 1;
                 continue;
             }
-            // A delayed message falling due into a replicated queue: its guard goes with the
-            // entry's token until the entry is applied.
-            let guard = match (releasing, self.cluster.is_some()) {
+            // A delayed message falling due, or a dead letter, into a replicated queue: its
+            // guard goes with the entry's token until the entry is applied.
+            let guarded = releasing.or(dead_letter.then_some(0));
+            let guard = match (guarded, self.cluster.is_some()) {
                 (Some(refused), true) => self.release_guard(vhost, *id, &message, refused),
                 _ => None,
             };
             if let Some(c) = self.cluster.as_mut() {
-                c.release_tag = guard;
+                c.release_tag = guard.map(|key| super::replicated::Guard { key, dead_letter });
             }
             let ran = self.run_with(*id, |q| {
                 let meta = MsgMeta {

@@ -23,9 +23,26 @@ struct Token {
     batch: u64,
     /// Sent to the leader: a refusal is learnt only when it is applied here.
     forwarded: bool,
-    /// A delayed message falling due: the guard record that releases it again unless this
-    /// entry is applied ([`Broker::settle_release_guards`]).
-    release: Option<DelayKey>,
+    /// A delayed message falling due, or a dead letter: the guard record that releases it
+    /// again unless this entry is applied ([`Broker::settle_release_guards`]).
+    release: Option<Guard>,
+}
+
+/// A guard record ([`Broker::release_guard`]) and what it guards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Guard {
+    pub key: DelayKey,
+    /// A dead letter, which a full `reject-publish` queue drops (as RabbitMQ does) where a
+    /// delayed message is held back again.
+    pub dead_letter: bool,
+}
+
+/// How a guarded entry ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum GuardEnd {
+    Applied,
+    Refused,
+    Lost,
 }
 
 /// The largest message body a replicated queue takes: its entry must fit in one frame of the
@@ -245,8 +262,8 @@ pub(crate) struct Cluster {
     enqueuers_minted: u64,
     /// The guard record of the delayed message being released, for the tokens of its
     /// enqueues; and guards whose entries were applied (true) or lost.
-    pub(super) release_tag: Option<DelayKey>,
-    pub(super) guards_settled: Vec<(DelayKey, bool)>,
+    pub(super) release_tag: Option<Guard>,
+    pub(super) guards_settled: Vec<(Guard, GuardEnd)>,
 }
 
 impl Cluster {
@@ -457,11 +474,16 @@ impl Cluster {
             }
             Outcome::Lost(token) => (true, token),
         };
-        if let Some(key) = token.release {
+        if let Some(guard) = token.release {
             // A refusal enqueued nothing, whoever proposed it (a forward this node proposes
             // itself once elected is its own token by then).
-            let refused = matches!(outcome_reply, Some(Reply::Refused(_)));
-            self.guards_settled.push((key, !lost && !refused));
+            let end = match outcome_reply {
+                Some(Reply::Refused(Refusal::Full)) => GuardEnd::Refused,
+                Some(Reply::Refused(_)) => GuardEnd::Lost,
+                _ if lost => GuardEnd::Lost,
+                _ => GuardEnd::Applied,
+            };
+            self.guards_settled.push((guard, end));
         }
         if let Some(n) = self.waiting.get_mut(&token.batch) {
             *n = n.saturating_sub(1);
