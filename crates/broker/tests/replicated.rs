@@ -1695,6 +1695,18 @@ fn a_forward_lost_on_its_way_nacks_the_next_and_the_one_after_is_confirmed() {
     assert_same_state(&c, &NODES);
 }
 
+/// Whether a forward carries a publish to `group`.
+fn is_publish_to(p: &Proposal, group: u64) -> bool {
+    p.group == group
+        && warren_replication::queue::decode(Bytes::from(p.data.clone())).is_ok_and(|(_, c)| {
+            matches!(
+                c,
+                warren_queue::machine::Command::Enqueue { .. }
+                    | warren_queue::machine::Command::EnqueueFrom { .. }
+            )
+        })
+}
+
 /// A delayed message falling due on a follower into a quorum queue is enqueued even when the
 /// forward of its release is lost on its way (here with the one after it, refused as out of
 /// order): the release leaves a guard record that releases it again unless its entry is
@@ -1711,16 +1723,7 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
     c.run(5);
     let batches = [c.publish(follower, 1), c.publish(follower, 2)];
     let group = c.group;
-    let publish_of = |p: &Proposal| {
-        p.group == group
-            && warren_replication::queue::decode(Bytes::from(p.data.clone())).is_ok_and(|(_, c)| {
-                matches!(
-                    c,
-                    warren_queue::machine::Command::Enqueue { .. }
-                        | warren_queue::machine::Command::EnqueueFrom { .. }
-                )
-            })
-    };
+    let publish_of = |p: &Proposal| is_publish_to(p, group);
     let mut dropped = false;
     for _ in 0..400 {
         c.step();
@@ -1789,16 +1792,7 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
         let id = b.queue_id("/", "dlq").expect("dlq");
         b.machine(id).map_or(0, |m| m.ready_count())
     };
-    let publish_of = |p: &Proposal| {
-        p.group == dlq_group
-            && warren_replication::queue::decode(Bytes::from(p.data.clone())).is_ok_and(|(_, c)| {
-                matches!(
-                    c,
-                    warren_queue::machine::Command::Enqueue { .. }
-                        | warren_queue::machine::Command::EnqueueFrom { .. }
-                )
-            })
-    };
+    let publish_of = |p: &Proposal| is_publish_to(p, dlq_group);
     c.publish(leader, 1);
     c.publish(leader, 2);
     let mut dropped = false;
