@@ -291,6 +291,15 @@ impl Scheduler {
         Some(d)
     }
 
+    /// `key` is deleted wherever it is: taken out of memory, or, on disk only (at or past
+    /// where memory ends), no longer counted, as its delete reaches the disk before it is read
+    /// back (a key before that edge and not in memory has come due and was counted out then).
+    pub fn forget(&mut self, key: DelayKey) {
+        if self.cancel(key).is_none() && self.disk_from.is_some_and(|from| key >= from) {
+            self.count = self.count.saturating_sub(1);
+        }
+    }
+
     /// The next scheduled message if it is due at `now`.
     pub fn pop_due(&mut self, now: u64) -> Option<(DelayKey, Delayed)> {
         let entry = self.loaded.first_entry()?;
@@ -423,6 +432,25 @@ mod tests {
         assert_eq!(out, vec![10, 10, 20]);
         assert_eq!(s.deadline(), Some(30));
         assert_eq!(s.count(), 1);
+    }
+
+    #[test]
+    fn a_forgotten_key_leaves_the_count_in_memory_or_on_disk_and_once_only() {
+        let mut s = Scheduler::default();
+        for i in 0..(MAX_LOADED as u64 + 2) {
+            s.schedule(key(1000 + i, i), d(0), Some(1));
+        }
+        let total = MAX_LOADED as u64 + 2;
+        assert_eq!(s.count(), total);
+        s.forget(key(1000, 0));
+        assert_eq!((s.count(), s.loaded()), (total - 1, MAX_LOADED - 1));
+        // On disk only.
+        s.forget(key(1000 + total - 1, total - 1));
+        assert_eq!((s.count(), s.loaded()), (total - 2, MAX_LOADED - 1));
+        // Released already: nothing more.
+        let (first, _) = s.pop_due(2000).expect("due");
+        s.forget(first);
+        assert_eq!(s.count(), total - 3);
     }
 
     #[test]

@@ -186,7 +186,7 @@ impl Broker {
 
     /// A guard ([`Broker::release_guard`]) no longer needed.
     pub(super) fn drop_release_guard(&mut self, key: DelayKey) {
-        self.scheduler.cancel(key);
+        self.scheduler.forget(key);
         if let Some(p) = self.persist.as_mut() {
             p.push(StoreOp::DeleteDelayed { key }, false);
         }
