@@ -1204,10 +1204,14 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
         "right after a nowait bind and the next method's answer: {got:?}"
     );
     wait_for_messages(&c, lead, q, 3);
-    declarer
+    let count = declarer
         .queue_delete(q.into(), lapin::options::QueueDeleteOptions::default())
         .await
         .expect("queue.delete");
+    assert_eq!(
+        count, 3,
+        "delete-ok's message count, answered once the cluster has it"
+    );
     match publish_mandatory(&publisher, "", q).await {
         Confirmation::Ack(Some(returned)) => assert_eq!(returned.reply_code, 312),
         other => panic!("{q} right after its deletion: {other:?}"),

@@ -38,6 +38,9 @@ struct Member {
     /// Deliveries its broker handed out, for the test to take (every step dispatches, as
     /// the server's dispatcher does).
     inbox: Vec<Delivery>,
+    /// Scheduled messages' keys its broker deleted: never twice (the store's deletes rely on
+    /// it).
+    delayed_deleted: BTreeSet<warren_broker::delayed::DelayKey>,
 }
 
 struct Cluster {
@@ -180,6 +183,7 @@ impl Cluster {
                     written: 0,
                     boots: 1,
                     inbox: Vec::new(),
+                    delayed_deleted: BTreeSet::new(),
                 },
             );
         }
@@ -378,6 +382,14 @@ impl Cluster {
             }
             while let Some(w) = m.broker.take_writes() {
                 m.written = w.number;
+                for op in &w.ops {
+                    if let warren_broker::StoreOp::DeleteDelayed { key } = op {
+                        assert!(
+                            m.delayed_deleted.insert(*key),
+                            "node {node} deleted scheduled key {key:?} twice"
+                        );
+                    }
+                }
             }
             m.broker.writes_done(m.written);
             while m.broker.needs_dispatch() {
@@ -1820,6 +1832,49 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
     c.run(u32::try_from(40_000 / TICK_MS).unwrap_or(u32::MAX));
     assert_eq!(dead(&c, other), 2, "each once");
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0));
+}
+
+/// A dead letter the leader sends to a full `reject-publish` quorum queue it also leads is
+/// refused as the leader applies it ahead: dropped (as RabbitMQ drops it), its guard deleted
+/// once, not again when the refused entry is applied (the harness fails on a key deleted twice).
+#[test]
+fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once() {
+    let mut args = quorum_args();
+    args.insert("x-message-ttl", FieldValue::I32(50));
+    args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
+    args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq"));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let mut dlq_args = quorum_args();
+    dlq_args.insert("x-max-length", FieldValue::I32(1));
+    dlq_args.insert("x-overflow", FieldValue::long_str("reject-publish"));
+    c.broker(leader)
+        .declare_queue("/", durable_declare("dlq", dlq_args), conn(leader, 1))
+        .expect("declare");
+    let dlq = vec!["dlq".to_string()];
+    for _ in 0..300 {
+        c.step();
+        let everywhere = NODES
+            .iter()
+            .all(|n| c.members[n].broker.queue_id("/", "dlq").is_some());
+        if everywhere && leaders_of(&c, &dlq) == vec![leader] {
+            break;
+        }
+    }
+    assert_eq!(leaders_of(&c, &dlq), vec![leader]);
+    c.publish(leader, 1);
+    c.publish(leader, 2);
+    c.run(u32::try_from(40_000 / TICK_MS).unwrap_or(u32::MAX));
+    let b = &c.members[&leader].broker;
+    let id = b.queue_id("/", "dlq").expect("dlq");
+    assert_eq!(
+        b.machine(id).map(|m| m.ready_count()),
+        Some(1),
+        "one taken, one refused"
+    );
+    assert_eq!(c.counts(leader), (0, 0), "both expired");
+    assert_eq!(c.broker(leader).delayed_counts(), (0, 0), "no guard left");
 }
 
 #[test]

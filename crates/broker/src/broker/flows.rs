@@ -192,6 +192,15 @@ impl Broker {
         }
     }
 
+    /// [`Broker::drop_release_guard`] for a guard whose entry was just proposed and refused
+    /// as it was applied ahead: its entry's end, later, leaves it alone.
+    pub(super) fn drop_release_guard_early(&mut self, key: DelayKey) {
+        self.drop_release_guard(key);
+        if let Some(c) = self.cluster.as_mut() {
+            c.guards_dropped.insert(key);
+        }
+    }
+
     /// Guards of released delayed messages and dead letters whose queue entries are applied
     /// (the guard is deleted), refused by a full queue (a dead letter is dropped, as RabbitMQ
     /// drops one; a delayed message is held back again) or lost (released again after a
@@ -207,6 +216,13 @@ impl Broker {
             return;
         };
         for (guard, end) in settled {
+            if self
+                .cluster
+                .as_mut()
+                .is_some_and(|c| c.guards_dropped.remove(&guard.key))
+            {
+                continue;
+            }
             let gone = match end {
                 GuardEnd::Applied => true,
                 GuardEnd::Refused => guard.dead_letter,

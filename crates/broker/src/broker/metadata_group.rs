@@ -191,7 +191,8 @@ pub(crate) struct MetaState {
     /// scaled down then up again brings back a pod's ordinal.
     pub(super) forgotten: BTreeSet<NodeId>,
     /// Nodes that ask to join while members already: since when (ms), until told in the log
-    /// (`u64::MAX` then).
+    /// (`u64::MAX` then); and nodes of a version below the cluster's feature level, refused
+    /// (`u64::MAX`: warned once, until one of that number is added).
     join_refused: BTreeMap<NodeId, u64>,
     /// Raft asked for a snapshot of the metadata (a node being added needs one).
     pub(super) snapshot_asked: bool,

@@ -544,8 +544,9 @@ impl Broker {
             }
             if reply == Reply::Refused(Refusal::Full) {
                 if let Some(key) = guard {
-                    // Refused at once: `refused` holds it back again by itself.
-                    self.drop_release_guard(key);
+                    // Refused at once: `refused` holds it back again (or drops a dead letter)
+                    // by itself.
+                    self.drop_release_guard_early(key);
                 }
                 self.refused(*id, kind, &message, releasing);
                 rejected += 1;

@@ -68,9 +68,9 @@ struct Kept {
 /// that lost its majority for good must not hold back every later confirm of the node.
 const CONFIRM_TIMEOUT_MS: u64 = 30_000;
 
-/// A delayed message released into a replicated queue is released again this long after, unless
-/// its entry is applied first (`Broker::release_guard`): past the confirm timeout, so that the
-/// entry's fate is known by then.
+/// A delayed message falling due, or a dead letter, into a replicated queue is sent there again
+/// this long after, unless its entry is applied first (`Broker::release_guard`): past the confirm
+/// timeout, so that the entry's fate is known by then.
 pub(super) const RELEASE_GUARD_MS: u64 = CONFIRM_TIMEOUT_MS + 5_000;
 
 /// A peer node unheard of for this long has lost its connections as far as its queues are
@@ -260,10 +260,13 @@ pub(crate) struct Cluster {
     /// The local part of this start's first enqueuer id, and how many were minted after it.
     enqueuer_base: u64,
     enqueuers_minted: u64,
-    /// The guard record of the delayed message being released, for the tokens of its
-    /// enqueues; and guards whose entries were applied (true) or lost.
+    /// The guard record of the delayed message (or dead letter) being routed, for the tokens
+    /// of its enqueues; guards whose entries ended, and how; and guards dropped already (the
+    /// leader's own refusal, seen as it applied the entry ahead), whose entry's end changes
+    /// nothing (a key is deleted once: the store's deletes rely on it).
     pub(super) release_tag: Option<Guard>,
     pub(super) guards_settled: Vec<(Guard, GuardEnd)>,
+    pub(super) guards_dropped: HashSet<DelayKey>,
 }
 
 impl Cluster {
@@ -309,6 +312,7 @@ impl Cluster {
             enqueuers_minted: 0,
             release_tag: None,
             guards_settled: Vec::new(),
+            guards_dropped: HashSet::new(),
         }
     }
 
@@ -475,8 +479,9 @@ impl Cluster {
             Outcome::Lost(token) => (true, token),
         };
         if let Some(guard) = token.release {
-            // A refusal enqueued nothing, whoever proposed it (a forward this node proposes
-            // itself once elected is its own token by then).
+            // A refusal (a full queue, or a sequence out of order) enqueued nothing, whoever
+            // proposed it (a forward this node proposes itself once elected is its own token
+            // by then).
             let end = match outcome_reply {
                 Some(Reply::Refused(Refusal::Full)) => GuardEnd::Refused,
                 Some(Reply::Refused(_)) => GuardEnd::Lost,
@@ -2645,7 +2650,8 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
     AmqpError::resource_error(format!("{} is not led by this node ({at})", q.rs()))
 }
 
-/// A publish, whose token may carry a released delayed message's guard.
+/// A publish, whose token may carry the guard of a delayed message falling due or of a dead
+/// letter.
 fn is_enqueue(command: &Command<Message>) -> bool {
     matches!(
         command,
