@@ -1382,3 +1382,65 @@ async fn a_cluster_over_tls_links_replicates_and_fails_over() {
     drop(c);
     let _ = std::fs::remove_dir_all(&pki);
 }
+
+/// Delayed messages a node that does not lead a quorum queue holds for it (`x-delivery-delay`)
+/// reach the queue once each when due, through the leader, and the guards their releases wrote
+/// (a copy scheduled again in case the queue's entry were lost) are deleted once the queue has
+/// them: the node's `warren_delayed_messages` comes back to 0, as the node's store agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_messages_held_on_a_follower_reach_the_quorum_queue_once_and_leave_no_guard() {
+    let c = TestCluster::start(3, 20);
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
+    let q = unique("later");
+    let (_c1, declarer) = channel(&c, 1).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    args.insert(
+        "x-delivery-delay".into(),
+        lapin::types::AMQPValue::LongInt(300),
+    );
+    declarer
+        .queue_declare(
+            q.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare");
+    let leader = c.leader_of(&q, 1);
+    let follower = leader % 3 + 1;
+    let (_cf, publisher) = channel(&c, follower).await;
+    publish_confirmed(&publisher, &q, (0..20).map(|i| format!("d{i}"))).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 20);
+    }
+    let url = c
+        .node(follower)
+        .metrics_url()
+        .expect("metrics on")
+        .to_string();
+    let held = |text: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("warren_delayed_messages "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    warren_conformance::http::eventually("the follower's guards deleted", || {
+        let text =
+            warren_conformance::http::request("GET", &format!("{url}/metrics"), None, &[], None)
+                .text();
+        match held(&text) {
+            Some(0) => Ok(()),
+            other => Err(format!("warren_delayed_messages: {other:?}")),
+        }
+    });
+    // Each once: the queue holds exactly what was published.
+    wait_for_messages(&c, leader, &q, 20);
+}
