@@ -945,7 +945,7 @@ impl Channel {
     /// channel now waits until every running node has it before `answer` (RabbitMQ answers a
     /// binding, an unbinding or a deletion once every node's metadata store has it). A
     /// `nowait` method waits too, answering nothing: the client's next method must see it.
-    fn wait_for_cluster(
+    fn hold_for_cluster(
         &mut self,
         mark: u64,
         no_wait: bool,
@@ -1210,7 +1210,7 @@ impl Channel {
                         &e.arguments,
                     )
                     .map_err(fail)?;
-                if self.wait_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDeclare, ctx) {
+                if self.hold_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDeclare, ctx) {
                     return Ok(());
                 }
                 reply(ctx.out, ch, e.no_wait, ExchangeDeclareOk {});
@@ -1225,7 +1225,7 @@ impl Channel {
                 ctx.broker
                     .delete_exchange(ctx.vhost, &e.exchange, e.if_unused)
                     .map_err(fail)?;
-                if self.wait_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDelete, ctx) {
+                if self.hold_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDelete, ctx) {
                     return Ok(());
                 }
                 reply(ctx.out, ch, e.no_wait, ExchangeDeleteOk {});
@@ -1244,7 +1244,7 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
-                if self.wait_for_cluster(mark, b.no_wait, ChangeReply::ExchangeBind, ctx) {
+                if self.hold_for_cluster(mark, b.no_wait, ChangeReply::ExchangeBind, ctx) {
                     return Ok(());
                 }
                 reply(ctx.out, ch, b.no_wait, ExchangeBindOk {});
@@ -1263,7 +1263,7 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
-                if self.wait_for_cluster(mark, b.no_wait, ChangeReply::ExchangeUnbind, ctx) {
+                if self.hold_for_cluster(mark, b.no_wait, ChangeReply::ExchangeUnbind, ctx) {
                     return Ok(());
                 }
                 reply(ctx.out, ch, b.no_wait, ExchangeUnbindOk {});
@@ -1347,7 +1347,7 @@ impl Channel {
                         ctx.conn,
                     )
                     .map_err(fail)?;
-                if self.wait_for_cluster(mark, b.no_wait, ChangeReply::QueueBind, ctx) {
+                if self.hold_for_cluster(mark, b.no_wait, ChangeReply::QueueBind, ctx) {
                     return Ok(());
                 }
                 reply(ctx.out, ch, b.no_wait, QueueBindOk {});
@@ -1369,7 +1369,7 @@ impl Channel {
                     )
                     .map_err(fail)?;
                 // queue.unbind has no nowait.
-                if self.wait_for_cluster(mark, false, ChangeReply::QueueUnbind, ctx) {
+                if self.hold_for_cluster(mark, false, ChangeReply::QueueUnbind, ctx) {
                     return Ok(());
                 }
                 send(ctx.out, ch, QueueUnbindOk {});
@@ -1405,18 +1405,13 @@ impl Channel {
                     .map_err(fail)?;
                 ctx.cancelled.extend(deleted.cancelled);
                 let answer = ChangeReply::QueueDelete(deleted.message_count);
-                if self.wait_for_cluster(mark, d.no_wait, answer, ctx) {
+                if self.hold_for_cluster(mark, d.no_wait, answer, ctx) {
                     return Ok(());
                 }
-                if !d.no_wait {
-                    send(
-                        ctx.out,
-                        ch,
-                        QueueDeleteOk {
-                            message_count: deleted.message_count,
-                        },
-                    );
-                }
+                let ok = QueueDeleteOk {
+                    message_count: deleted.message_count,
+                };
+                reply(ctx.out, ch, d.no_wait, ok);
                 Ok(())
             }
             Method::ConfirmSelect(c) => {
