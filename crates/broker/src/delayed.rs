@@ -283,6 +283,11 @@ impl Scheduler {
         keys
     }
 
+    /// `key`'s message, if it is in memory.
+    pub fn loaded_get(&self, key: DelayKey) -> Option<&Delayed> {
+        self.loaded.get(&key)
+    }
+
     /// Takes `key` out of memory, if it is there (one on disk only is left there).
     pub fn cancel(&mut self, key: DelayKey) -> Option<Delayed> {
         let d = self.loaded.remove(&key)?;

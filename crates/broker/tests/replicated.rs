@@ -1877,6 +1877,56 @@ fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once()
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0), "no guard left");
 }
 
+/// A delayed message a follower releases into a full `reject-publish-dlx` quorum queue is
+/// refused there and dead-lettered by that queue, as the leader's own release would be, not
+/// held back again and again.
+#[test]
+fn a_delayed_message_refused_by_a_full_reject_publish_dlx_quorum_queue_is_dead_lettered() {
+    let mut args = quorum_args();
+    args.insert("x-delivery-delay", FieldValue::I32(100));
+    args.insert("x-max-length", FieldValue::I32(1));
+    args.insert("x-overflow", FieldValue::long_str("reject-publish-dlx"));
+    args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
+    args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq"));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    declare_on(&mut c, leader, "dlq", false);
+    for _ in 0..300 {
+        c.step();
+        if NODES
+            .iter()
+            .all(|n| c.members[n].broker.queue_id("/", "dlq").is_some())
+        {
+            break;
+        }
+    }
+    let dead = |c: &Cluster, n: u64| {
+        let b = &c.members[&n].broker;
+        b.queue_id("/", "dlq")
+            .and_then(|id| b.machine(id))
+            .map_or(0, |m| m.ready_count())
+    };
+    c.publish(follower, 1);
+    c.publish(follower, 2);
+    for _ in 0..400 {
+        c.step();
+        if dead(&c, leader) == 1 {
+            break;
+        }
+    }
+    c.run(u32::try_from(40_000 / TICK_MS).unwrap_or(u32::MAX));
+    assert_eq!(c.counts(leader), (1, 0), "one taken");
+    assert_eq!(dead(&c, leader), 1, "the other dead-lettered");
+    assert_eq!(
+        c.broker(follower).delayed_counts(),
+        (0, 0),
+        "nothing held back"
+    );
+    assert_same_state(&c, &NODES);
+}
+
 #[test]
 fn a_refused_proposal_nacks_what_waited_and_the_leader_acts_again_from_the_committed_state() {
     let mut c = Cluster::new();

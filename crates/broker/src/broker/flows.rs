@@ -202,8 +202,9 @@ impl Broker {
     }
 
     /// Guards of released delayed messages and dead letters whose queue entries are applied
-    /// (the guard is deleted), refused by a full queue (a dead letter is dropped, as RabbitMQ
-    /// drops one; a delayed message is held back again) or lost (released again after a
+    /// (the guard is deleted), refused by a full queue (dead-lettered by a `reject-publish-dlx`
+    /// queue; else a dead letter is dropped, as RabbitMQ drops one, and a delayed message is
+    /// held back again: as when the leader refuses it at once) or lost (released again after a
     /// back-off, as a message refused by a full queue is, when the guard is in memory; else
     /// when it comes due).
     pub(super) fn settle_release_guards(&mut self) {
@@ -221,6 +222,9 @@ impl Broker {
                 .as_mut()
                 .is_some_and(|c| c.guards_dropped.remove(&guard.key))
             {
+                continue;
+            }
+            if end == GuardEnd::Refused && self.dead_letter_refused_guard(guard.key) {
                 continue;
             }
             let gone = match end {
@@ -249,6 +253,28 @@ impl Broker {
                 d.refused.saturating_add(1),
             );
         }
+        self.dead_letter_pending();
+    }
+
+    /// A guarded message refused by a full `reject-publish-dlx` queue is dead-lettered by it
+    /// (`maxlen`), as that queue's own refusals are; whether it was (the guard is gone then).
+    fn dead_letter_refused_guard(&mut self, key: DelayKey) -> bool {
+        let Some(d) = self.scheduler.loaded_get(key) else {
+            return false;
+        };
+        let queue = d.queue.as_ref().and_then(|name| {
+            let id = self.vhosts.get(&d.vhost)?.queues.get(name)?;
+            self.queues.get(id).filter(|q| d.holder.admits(q.holder()))
+        });
+        let Some(q) = queue.filter(|q| q.args.overflow == args::Overflow::RejectPublishDlx) else {
+            return false;
+        };
+        let dead = dead_letter_of(q, d.message.clone(), DeadLetterReason::MaxLen);
+        self.drop_release_guard(key);
+        if let Some(dl) = dead {
+            self.dead_letters.push_back(dl);
+        }
+        true
     }
 
     /// Does the incarnation of the queue or exchange that held `d` still exist?
