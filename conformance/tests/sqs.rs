@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hmac::{Hmac, Mac};
-use lapin::options::{BasicGetOptions, BasicPublishOptions};
+use lapin::options::{BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::BasicProperties;
 use serde_json::{json, Value};
@@ -798,6 +798,11 @@ async fn amqp_and_sqs_clients_share_a_queue() {
     let url = c.create(&name, json!({}));
     let conn = b.connect().await;
     let ch = conn.create_channel().await.unwrap();
+    // Confirmed before the receive: a plain publish may still be on its way when the SQS
+    // request, on another connection, reaches the queue.
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     // AMQP in, SQS out: headers are message attributes.
     let mut headers = FieldTable::default();
     headers.insert(
