@@ -1707,6 +1707,39 @@ fn a_forward_lost_on_its_way_nacks_the_next_and_the_one_after_is_confirmed() {
     assert_same_state(&c, &NODES);
 }
 
+/// Dead-lettering to the queue "dlq" through the default exchange, with `extra` arguments.
+fn dead_lettering_to_dlq(extra: &[(&'static str, FieldValue)]) -> FieldTable {
+    let mut args = quorum_args();
+    for (k, v) in extra {
+        args.insert(*k, v.clone());
+    }
+    args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
+    args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq"));
+    args
+}
+
+/// Steps until every node has the queue `name` and `leader` leads it (or 300 steps).
+fn until_made_everywhere(c: &mut Cluster, name: &str, leader: u64) {
+    let names = vec![name.to_string()];
+    for _ in 0..300 {
+        c.step();
+        let everywhere = NODES
+            .iter()
+            .all(|n| c.members[n].broker.queue_id("/", name).is_some());
+        if everywhere && leaders_of(c, &names) == vec![leader] {
+            return;
+        }
+    }
+}
+
+/// The ready messages of the queue `name` on `node` (0 if it has no such queue).
+fn ready_in(c: &Cluster, node: u64, name: &str) -> usize {
+    let b = &c.members[&node].broker;
+    b.queue_id("/", name)
+        .and_then(|id| b.machine(id))
+        .map_or(0, |m| m.ready_count())
+}
+
 /// Whether a forward carries a publish to `group`.
 fn is_publish_to(p: &Proposal, group: u64) -> bool {
     p.group == group
@@ -1770,25 +1803,14 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
 /// gone and the lost forward lost the message.
 #[test]
 fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() {
-    let mut args = quorum_args();
-    args.insert("x-message-ttl", FieldValue::I32(50));
-    args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
-    args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq"));
+    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
     let other = leader % 3 + 1;
     declare_on(&mut c, other, "dlq", false);
     let dlq = vec!["dlq".to_string()];
-    for _ in 0..300 {
-        c.step();
-        let everywhere = NODES
-            .iter()
-            .all(|n| c.members[n].broker.queue_id("/", "dlq").is_some());
-        if everywhere && leaders_of(&c, &dlq) == vec![other] {
-            break;
-        }
-    }
+    until_made_everywhere(&mut c, "dlq", other);
     assert_eq!(
         leaders_of(&c, &dlq),
         vec![other],
@@ -1799,11 +1821,7 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
         b.replica_group(b.queue_id("/", "dlq").expect("dlq"))
             .expect("replicated")
     };
-    let dead = |c: &Cluster, n: u64| {
-        let b = &c.members[&n].broker;
-        let id = b.queue_id("/", "dlq").expect("dlq");
-        b.machine(id).map_or(0, |m| m.ready_count())
-    };
+    let dead = |c: &Cluster, n: u64| ready_in(c, n, "dlq");
     let publish_of = |p: &Proposal| is_publish_to(p, dlq_group);
     c.publish(leader, 1);
     c.publish(leader, 2);
@@ -1839,10 +1857,7 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
 /// once, not again when the refused entry is applied (the harness fails on a key deleted twice).
 #[test]
 fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once() {
-    let mut args = quorum_args();
-    args.insert("x-message-ttl", FieldValue::I32(50));
-    args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
-    args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq"));
+    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
@@ -1852,27 +1867,12 @@ fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once()
     c.broker(leader)
         .declare_queue("/", durable_declare("dlq", dlq_args), conn(leader, 1))
         .expect("declare");
-    let dlq = vec!["dlq".to_string()];
-    for _ in 0..300 {
-        c.step();
-        let everywhere = NODES
-            .iter()
-            .all(|n| c.members[n].broker.queue_id("/", "dlq").is_some());
-        if everywhere && leaders_of(&c, &dlq) == vec![leader] {
-            break;
-        }
-    }
-    assert_eq!(leaders_of(&c, &dlq), vec![leader]);
+    until_made_everywhere(&mut c, "dlq", leader);
+    assert_eq!(leaders_of(&c, &["dlq".to_string()]), vec![leader]);
     c.publish(leader, 1);
     c.publish(leader, 2);
     c.run(u32::try_from(40_000 / TICK_MS).unwrap_or(u32::MAX));
-    let b = &c.members[&leader].broker;
-    let id = b.queue_id("/", "dlq").expect("dlq");
-    assert_eq!(
-        b.machine(id).map(|m| m.ready_count()),
-        Some(1),
-        "one taken, one refused"
-    );
+    assert_eq!(ready_in(&c, leader, "dlq"), 1, "one taken, one refused");
     assert_eq!(c.counts(leader), (0, 0), "both expired");
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0), "no guard left");
 }
@@ -1882,32 +1882,18 @@ fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once()
 /// held back again and again.
 #[test]
 fn a_delayed_message_refused_by_a_full_reject_publish_dlx_quorum_queue_is_dead_lettered() {
-    let mut args = quorum_args();
-    args.insert("x-delivery-delay", FieldValue::I32(100));
-    args.insert("x-max-length", FieldValue::I32(1));
-    args.insert("x-overflow", FieldValue::long_str("reject-publish-dlx"));
-    args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
-    args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq"));
+    let args = dead_lettering_to_dlq(&[
+        ("x-delivery-delay", FieldValue::I32(100)),
+        ("x-max-length", FieldValue::I32(1)),
+        ("x-overflow", FieldValue::long_str("reject-publish-dlx")),
+    ]);
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
     let follower = leader % 3 + 1;
     declare_on(&mut c, leader, "dlq", false);
-    for _ in 0..300 {
-        c.step();
-        if NODES
-            .iter()
-            .all(|n| c.members[n].broker.queue_id("/", "dlq").is_some())
-        {
-            break;
-        }
-    }
-    let dead = |c: &Cluster, n: u64| {
-        let b = &c.members[&n].broker;
-        b.queue_id("/", "dlq")
-            .and_then(|id| b.machine(id))
-            .map_or(0, |m| m.ready_count())
-    };
+    until_made_everywhere(&mut c, "dlq", leader);
+    let dead = |c: &Cluster, n: u64| ready_in(c, n, "dlq");
     c.publish(follower, 1);
     c.publish(follower, 2);
     for _ in 0..400 {

@@ -28,11 +28,29 @@ impl Broker {
     pub(super) fn schedule(
         &mut self,
         vhost: &str,
+        target: (Option<ShortStr>, Holder),
+        message: Message,
+        delay_ms: u64,
+        refused: u32,
+    ) -> Routed {
+        let (_, batch) = self.schedule_keyed(vhost, target, message, delay_ms, refused);
+        Routed {
+            queues: 1,
+            batch,
+            rejected: false,
+        }
+    }
+
+    /// [`Broker::schedule`]: the message's key, and the store batch a persistent one's write
+    /// is in.
+    fn schedule_keyed(
+        &mut self,
+        vhost: &str,
         (queue, holder): (Option<ShortStr>, Holder),
         mut message: Message,
         delay_ms: u64,
         refused: u32,
-    ) -> Routed {
+    ) -> (DelayKey, Option<u64>) {
         message.store_key = None;
         message.compact();
         let due = self.now_ms.saturating_add(delay_ms);
@@ -43,7 +61,6 @@ impl Broker {
             refused,
             message,
         };
-        let mut batch = None;
         match self.persist.as_mut() {
             Some(p) => {
                 let key = DelayKey {
@@ -57,10 +74,10 @@ impl Broker {
                     delayed: d.clone(),
                 };
                 p.push(op, sync);
-                batch = sync.then_some(number);
                 // Without a reader, what leaves memory could not come back: keep it all.
                 let stored = self.pager.is_some().then_some(number);
                 self.scheduler.schedule(key, d, stored);
+                (key, sync.then_some(number))
             }
             None => {
                 let key = DelayKey {
@@ -68,12 +85,8 @@ impl Broker {
                     seq: self.scheduler.memory_seq(),
                 };
                 self.scheduler.schedule(key, d, None);
+                (key, None)
             }
-        }
-        Routed {
-            queues: 1,
-            batch,
-            rejected: false,
         }
     }
 
@@ -152,35 +165,11 @@ impl Broker {
     ) -> Option<DelayKey> {
         let q = self.queues.get(&id)?;
         q.replica.as_ref()?;
+        // Without a store a crash loses everything anyway, and nothing needs guarding.
+        self.persist.as_ref()?;
         let target = (Some(q.name.clone()), q.holder());
-        let p = self.persist.as_mut()?;
-        let mut message = message.clone();
-        message.store_key = None;
-        message.compact();
-        let key = DelayKey {
-            due: self
-                .now_ms
-                .saturating_add(super::replicated::RELEASE_GUARD_MS),
-            seq: p.body_key(),
-        };
-        let d = Delayed {
-            vhost: vhost.to_owned(),
-            queue: target.0,
-            holder: target.1,
-            refused,
-            message,
-        };
-        let number = p.next_batch;
-        let sync = d.message.persistent;
-        p.push(
-            StoreOp::PutDelayed {
-                key,
-                delayed: d.clone(),
-            },
-            sync,
-        );
-        let stored = self.pager.is_some().then_some(number);
-        self.scheduler.schedule(key, d, stored);
+        let wait = super::replicated::RELEASE_GUARD_MS;
+        let (key, _) = self.schedule_keyed(vhost, target, message.clone(), wait, refused);
         Some(key)
     }
 

@@ -465,28 +465,25 @@ impl Cluster {
     }
 
     fn settle(&mut self, outcome: Outcome<Token>) {
-        let outcome_reply = match &outcome {
-            Outcome::Applied(_, reply) => Some(*reply),
-            Outcome::Lost(_) => None,
+        let (token, reply) = match outcome {
+            Outcome::Applied(token, reply) => (token, Some(reply)),
+            Outcome::Lost(token) => (token, None),
         };
-        let (lost, token) = match outcome {
-            Outcome::Applied(token, reply) => {
-                // A forwarded publish refused by a full queue: its confirm is a nack (the
-                // leader's own refusals were nacked when it applied them ahead).
-                let refused = matches!(reply, Reply::Refused(_));
-                (token.forwarded && refused, token)
-            }
-            Outcome::Lost(token) => (true, token),
+        // A forwarded publish refused by a full queue: its confirm is a nack (the leader's own
+        // refusals were nacked when it applied them ahead).
+        let lost = match reply {
+            Some(Reply::Refused(_)) => token.forwarded,
+            Some(_) => false,
+            None => true,
         };
         if let Some(guard) = token.release {
             // A refusal (a full queue, or a sequence out of order) enqueued nothing, whoever
             // proposed it (a forward this node proposes itself once elected is its own token
             // by then).
-            let end = match outcome_reply {
+            let end = match reply {
                 Some(Reply::Refused(Refusal::Full)) => GuardEnd::Refused,
-                Some(Reply::Refused(_)) => GuardEnd::Lost,
-                _ if lost => GuardEnd::Lost,
-                _ => GuardEnd::Applied,
+                Some(Reply::Refused(_)) | None => GuardEnd::Lost,
+                Some(_) => GuardEnd::Applied,
             };
             self.guards_settled.push((guard, end));
         }
