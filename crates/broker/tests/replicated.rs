@@ -1740,6 +1740,15 @@ fn ready_in(c: &Cluster, node: u64, name: &str) -> usize {
         .map_or(0, |m| m.ready_count())
 }
 
+/// Drops the first forward on its way that carries a publish to `group`; whether there was one.
+fn drop_a_publish_to(c: &mut Cluster, group: u64) -> bool {
+    let Some(i) = c.forwards.iter().position(|(_, p)| is_publish_to(p, group)) else {
+        return false;
+    };
+    c.forwards.remove(i);
+    true
+}
+
 /// Whether a forward carries a publish to `group`.
 fn is_publish_to(p: &Proposal, group: u64) -> bool {
     p.group == group
@@ -1768,16 +1777,10 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
     c.run(5);
     let batches = [c.publish(follower, 1), c.publish(follower, 2)];
     let group = c.group;
-    let publish_of = |p: &Proposal| is_publish_to(p, group);
     let mut dropped = false;
     for _ in 0..400 {
         c.step();
-        if !dropped {
-            if let Some(i) = c.forwards.iter().position(|(_, p)| publish_of(p)) {
-                c.forwards.remove(i);
-                dropped = true;
-            }
-        }
+        dropped = dropped || drop_a_publish_to(&mut c, group);
         if dropped && c.counts(leader) == (2, 0) {
             break;
         }
@@ -1822,18 +1825,12 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
             .expect("replicated")
     };
     let dead = |c: &Cluster, n: u64| ready_in(c, n, "dlq");
-    let publish_of = |p: &Proposal| is_publish_to(p, dlq_group);
     c.publish(leader, 1);
     c.publish(leader, 2);
     let mut dropped = false;
     for _ in 0..400 {
         c.step();
-        if !dropped {
-            if let Some(i) = c.forwards.iter().position(|(_, p)| publish_of(p)) {
-                c.forwards.remove(i);
-                dropped = true;
-            }
-        }
+        dropped = dropped || drop_a_publish_to(&mut c, dlq_group);
         if dropped && dead(&c, other) == 2 {
             break;
         }
