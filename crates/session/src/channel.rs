@@ -237,7 +237,8 @@ enum TxOp {
     },
 }
 
-/// The reply a definition change that waits for the cluster gets ([`Channel::change_waiting`]).
+/// The answer to a definition change, sent at once or once the cluster has it
+/// ([`Channel::change_waiting`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ChangeReply {
     QueueBind,
@@ -847,17 +848,8 @@ impl Channel {
     /// The change this channel waits for is on every running node: the client gets its
     /// answer.
     pub(crate) fn answer_change(&mut self, out: &mut BytesMut) {
-        match self.change_waiting.take() {
-            Some((_, ChangeReply::QueueBind)) => send(out, self.id, QueueBindOk {}),
-            Some((_, ChangeReply::QueueUnbind)) => send(out, self.id, QueueUnbindOk {}),
-            Some((_, ChangeReply::QueueDelete(message_count))) => {
-                send(out, self.id, QueueDeleteOk { message_count })
-            }
-            Some((_, ChangeReply::ExchangeBind)) => send(out, self.id, ExchangeBindOk {}),
-            Some((_, ChangeReply::ExchangeUnbind)) => send(out, self.id, ExchangeUnbindOk {}),
-            Some((_, ChangeReply::ExchangeDeclare)) => send(out, self.id, ExchangeDeclareOk {}),
-            Some((_, ChangeReply::ExchangeDelete)) => send(out, self.id, ExchangeDeleteOk {}),
-            Some((_, ChangeReply::Nothing)) | None => {}
+        if let Some((_, answer)) = self.change_waiting.take() {
+            send_change_reply(out, self.id, answer);
         }
     }
 
@@ -941,27 +933,21 @@ impl Channel {
         ctx.check(Perm::Read, Resource::Exchange(source))
     }
 
-    /// Whether the definition change just made (since `mark`) went to the cluster, and the
-    /// channel now waits until every running node has it before `answer` (RabbitMQ answers a
-    /// binding, an unbinding or a deletion once every node's metadata store has it). A
-    /// `nowait` method waits too, answering nothing: the client's next method must see it.
-    fn hold_for_cluster(
-        &mut self,
-        mark: u64,
-        no_wait: bool,
-        answer: ChangeReply,
-        ctx: &mut Ctx<'_>,
-    ) -> bool {
-        let Some(ticket) = ctx.broker.wait_for_cluster(mark, ctx.conn) else {
-            return false;
-        };
+    /// Answers a definition change made since `mark`: at once, or, when it went to the
+    /// cluster, once every running node has it, the channel holding its connection meanwhile
+    /// (RabbitMQ answers a binding, an unbinding or a deletion once every node's metadata
+    /// store has it). A `nowait` method waits too, answering nothing: the client's next
+    /// method must see it.
+    fn answer_or_hold(&mut self, mark: u64, no_wait: bool, answer: ChangeReply, ctx: &mut Ctx<'_>) {
         let answer = if no_wait {
             ChangeReply::Nothing
         } else {
             answer
         };
-        self.change_waiting = Some((ticket, answer));
-        true
+        match ctx.broker.wait_for_cluster(mark, ctx.conn) {
+            Some(ticket) => self.change_waiting = Some((ticket, answer)),
+            None => send_change_reply(ctx.out, self.id, answer),
+        }
     }
 
     fn on_method(&mut self, method: Method, ctx: &mut Ctx<'_>) -> Result<(), Fault> {
@@ -1210,10 +1196,7 @@ impl Channel {
                         &e.arguments,
                     )
                     .map_err(fail)?;
-                if self.hold_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDeclare, ctx) {
-                    return Ok(());
-                }
-                reply(ctx.out, ch, e.no_wait, ExchangeDeclareOk {});
+                self.answer_or_hold(mark, e.no_wait, ChangeReply::ExchangeDeclare, ctx);
                 Ok(())
             }
             Method::ExchangeDelete(e) => {
@@ -1225,10 +1208,7 @@ impl Channel {
                 ctx.broker
                     .delete_exchange(ctx.vhost, &e.exchange, e.if_unused)
                     .map_err(fail)?;
-                if self.hold_for_cluster(mark, e.no_wait, ChangeReply::ExchangeDelete, ctx) {
-                    return Ok(());
-                }
-                reply(ctx.out, ch, e.no_wait, ExchangeDeleteOk {});
+                self.answer_or_hold(mark, e.no_wait, ChangeReply::ExchangeDelete, ctx);
                 Ok(())
             }
             Method::ExchangeBind(b) => {
@@ -1244,10 +1224,7 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
-                if self.hold_for_cluster(mark, b.no_wait, ChangeReply::ExchangeBind, ctx) {
-                    return Ok(());
-                }
-                reply(ctx.out, ch, b.no_wait, ExchangeBindOk {});
+                self.answer_or_hold(mark, b.no_wait, ChangeReply::ExchangeBind, ctx);
                 Ok(())
             }
             Method::ExchangeUnbind(b) => {
@@ -1263,10 +1240,7 @@ impl Channel {
                         &b.arguments,
                     )
                     .map_err(fail)?;
-                if self.hold_for_cluster(mark, b.no_wait, ChangeReply::ExchangeUnbind, ctx) {
-                    return Ok(());
-                }
-                reply(ctx.out, ch, b.no_wait, ExchangeUnbindOk {});
+                self.answer_or_hold(mark, b.no_wait, ChangeReply::ExchangeUnbind, ctx);
                 Ok(())
             }
             Method::QueueDeclare(q) if q.queue.as_str() == REPLY_TO => {
@@ -1347,10 +1321,7 @@ impl Channel {
                         ctx.conn,
                     )
                     .map_err(fail)?;
-                if self.hold_for_cluster(mark, b.no_wait, ChangeReply::QueueBind, ctx) {
-                    return Ok(());
-                }
-                reply(ctx.out, ch, b.no_wait, QueueBindOk {});
+                self.answer_or_hold(mark, b.no_wait, ChangeReply::QueueBind, ctx);
                 Ok(())
             }
             Method::QueueUnbind(b) => {
@@ -1369,10 +1340,7 @@ impl Channel {
                     )
                     .map_err(fail)?;
                 // queue.unbind has no nowait.
-                if self.hold_for_cluster(mark, false, ChangeReply::QueueUnbind, ctx) {
-                    return Ok(());
-                }
-                send(ctx.out, ch, QueueUnbindOk {});
+                self.answer_or_hold(mark, false, ChangeReply::QueueUnbind, ctx);
                 Ok(())
             }
             Method::QueuePurge(p) => {
@@ -1405,13 +1373,7 @@ impl Channel {
                     .map_err(fail)?;
                 ctx.cancelled.extend(deleted.cancelled);
                 let answer = ChangeReply::QueueDelete(deleted.message_count);
-                if self.hold_for_cluster(mark, d.no_wait, answer, ctx) {
-                    return Ok(());
-                }
-                let ok = QueueDeleteOk {
-                    message_count: deleted.message_count,
-                };
-                reply(ctx.out, ch, d.no_wait, ok);
+                self.answer_or_hold(mark, d.no_wait, answer, ctx);
                 Ok(())
             }
             Method::ConfirmSelect(c) => {
@@ -1716,6 +1678,22 @@ fn partial_tx() -> AmqpError {
 }
 
 /// Sends a method's -ok unless the client asked for no-wait.
+/// The answer to a definition change ([`ChangeReply`]).
+fn send_change_reply(out: &mut BytesMut, channel: u16, answer: ChangeReply) {
+    match answer {
+        ChangeReply::QueueBind => send(out, channel, QueueBindOk {}),
+        ChangeReply::QueueUnbind => send(out, channel, QueueUnbindOk {}),
+        ChangeReply::QueueDelete(message_count) => {
+            send(out, channel, QueueDeleteOk { message_count })
+        }
+        ChangeReply::ExchangeBind => send(out, channel, ExchangeBindOk {}),
+        ChangeReply::ExchangeUnbind => send(out, channel, ExchangeUnbindOk {}),
+        ChangeReply::ExchangeDeclare => send(out, channel, ExchangeDeclareOk {}),
+        ChangeReply::ExchangeDelete => send(out, channel, ExchangeDeleteOk {}),
+        ChangeReply::Nothing => {}
+    }
+}
+
 fn reply(out: &mut BytesMut, channel: u16, no_wait: bool, ok: impl Into<Method>) {
     if !no_wait {
         send(out, channel, ok);
