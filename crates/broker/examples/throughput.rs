@@ -96,6 +96,7 @@ fn main() -> Result<(), warren_codec::AmqpError> {
         body: Bytes::from(vec![0u8; 100]),
         persistent: false,
         store_key: None,
+        away: None,
     };
     let keys: Vec<String> = (0..100).map(|i| format!("a.{i}.x.y")).collect();
     let mut deliveries: Vec<Delivery> = Vec::with_capacity(1000);

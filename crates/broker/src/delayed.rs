@@ -414,6 +414,7 @@ mod tests {
                 body: Bytes::from(vec![n; 10]),
                 persistent: true,
                 store_key: None,
+                away: None,
             },
         }
     }

@@ -62,7 +62,9 @@ pub use persist::{
 pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
 pub use queue::machine;
 pub use queue::machine::{ConsumerId, Credit, CreditGroup, Receipt};
-pub use warren_queue::{qualify, ConnId, Message, COMPACT_BELOW, REDELIVERED_HEADER};
+pub use warren_queue::{
+    qualify, Away, AwayError, AwayStore, ConnId, Message, COMPACT_BELOW, REDELIVERED_HEADER,
+};
 pub use warren_replication::{Committed, GroupId};
 
 use warren_codec::{FieldTable, ShortStr};

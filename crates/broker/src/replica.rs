@@ -59,6 +59,9 @@ pub struct ReplicaState {
     pub downed_self: bool,
     /// The last leader reported, kept when the group has none for a while.
     pub last_leader: Option<NodeId>,
+    /// Ready messages with ids up to this one were considered for leaving memory
+    /// (`Broker::send_away`); 0 again whenever the machine is replaced.
+    pub away_through: u64,
 }
 
 impl ReplicaState {
@@ -81,6 +84,7 @@ impl ReplicaState {
             snapshot_bytes: 0,
             downed_self: false,
             last_leader: None,
+            away_through: 0,
         }
     }
 

@@ -243,6 +243,7 @@ fn msg() -> Message {
         body: Bytes::from_static(b"m"),
         persistent: false,
         store_key: None,
+        away: None,
     }
 }
 

@@ -56,6 +56,7 @@ fn message(id: &str, headers: FieldTable) -> Message {
         body: Bytes::from(id.to_owned()),
         persistent: true,
         store_key: None,
+        away: None,
     }
 }
 

@@ -32,6 +32,7 @@ fn message(exchange: &str, body: String, delay: Option<i64>) -> Message {
         body: Bytes::from(body),
         persistent: true,
         store_key: None,
+        away: None,
     }
 }
 

@@ -60,6 +60,7 @@ fn publish_to(b: &mut Broker, q: &'static str, i: u32, persistent: bool) {
         body: Bytes::from(format!("m{i}")),
         persistent,
         store_key: None,
+        away: None,
     };
     b.publish("/", "", q, m, 0).expect("publish");
 }
@@ -241,6 +242,7 @@ fn a_message_stored_durably_is_not_spilled_for_another_queue() {
             body: Bytes::from(format!("f{i}")),
             persistent: true,
             store_key: None,
+            away: None,
         };
         b.publish("/", "amq.fanout", "", m, 0).expect("publish");
     }

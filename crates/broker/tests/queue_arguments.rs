@@ -28,6 +28,7 @@ fn msg(body: &'static str) -> Message {
         body: Bytes::from_static(body.as_bytes()),
         persistent: false,
         store_key: None,
+        away: None,
     }
 }
 

@@ -5,7 +5,12 @@
 //! to the leader, and after the leader's node dies the new leader gives back what that node's
 //! consumers held.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use common::MemAway;
 
 use bytes::Bytes;
 use warren_broker::machine::CreditGroup;
@@ -19,6 +24,12 @@ use warren_replication::{
 };
 
 const TICK_MS: u64 = 10;
+
+thread_local! {
+    /// The page window (messages with consumers, without) of the brokers a test makes: the
+    /// brokers' default unless a test of deep queues sets a small one.
+    static WINDOW: std::cell::Cell<(u32, u32)> = const { std::cell::Cell::new((1024, 4)) };
+}
 const NODES: [u64; 3] = [1, 2, 3];
 
 struct Member {
@@ -41,6 +52,9 @@ struct Member {
     /// Scheduled messages' keys its broker deleted: never twice (the store's deletes rely on
     /// it).
     delayed_deleted: BTreeSet<warren_broker::delayed::DelayKey>,
+    /// Where its broker sends deep queues' messages' contents (a new one at each start, as
+    /// the store's scratch area is).
+    away: Arc<MemAway>,
 }
 
 struct Cluster {
@@ -116,6 +130,7 @@ fn message(n: u32) -> Message {
         body: Bytes::from(format!("job {n}")),
         persistent: true,
         store_key: None,
+        away: None,
     }
 }
 
@@ -125,16 +140,21 @@ impl Cluster {
     }
 
     /// A broker of node `n`, started for the `boot`-th time.
-    fn broker_of(n: u64, boot: u64, snapshot_every: Option<u64>) -> Broker {
+    fn broker_of(n: u64, boot: u64, snapshot_every: Option<u64>) -> (Broker, Arc<MemAway>) {
+        let (page_window, page_window_idle) = WINDOW.with(|w| w.get());
         let mut broker = Broker::new(BrokerConfig {
             persistence: true,
+            page_window,
+            page_window_idle,
             ..BrokerConfig::default()
         });
+        let away = Arc::new(MemAway::default());
+        broker.set_away_store(away.clone());
         broker.join_cluster(n, &NODES, boot);
         if let Some(every) = snapshot_every {
             broker.set_snapshot_policy(every, usize::MAX, usize::MAX);
         }
-        broker
+        (broker, away)
     }
 
     fn raft_of(n: u64, boot: u64, log: &MemLog) -> MultiRaft {
@@ -166,7 +186,7 @@ impl Cluster {
     fn start_with(node: u64, snapshot_every: Option<u64>, arguments: FieldTable) -> Self {
         let mut members = BTreeMap::new();
         for n in NODES {
-            let broker = Self::broker_of(n, 1, snapshot_every);
+            let (broker, away) = Self::broker_of(n, 1, snapshot_every);
             let log = MemLog::new();
             let mut raft = Self::raft_of(n, 1, &log);
             raft.add_group(GroupId(0), n == 1).expect("metadata group");
@@ -184,6 +204,7 @@ impl Cluster {
                     boots: 1,
                     inbox: Vec::new(),
                     delayed_deleted: BTreeSet::new(),
+                    away,
                 },
             );
         }
@@ -499,7 +520,7 @@ impl Cluster {
             .queue_id("/", "jobs")
             .and_then(|id| m.broker.replica_group(id))
             .filter(|g| *g != warren_broker::group_of("/", "jobs"));
-        let mut broker = Self::broker_of(node, m.boots, snapshot_every);
+        let (mut broker, away) = Self::broker_of(node, m.boots, snapshot_every);
         broker
             .restore_queue(&warren_broker::QueueDef {
                 vhost: "/".into(),
@@ -526,6 +547,7 @@ impl Cluster {
             }
         }
         m.broker = broker;
+        m.away = away;
         m.raft = raft;
         m.leaders.clear();
         m.written = 0;
@@ -3419,4 +3441,177 @@ fn a_snapshot_replaces_a_queue_of_another_group_even_with_a_change_of_this_nodes
         .collect();
     assert_eq!(defs[2], defs[0], "node 3 differs from node 1");
     assert_eq!(defs[1], defs[0], "node 2 differs from node 1");
+}
+
+/// How many messages of the queue's machine on `node` have their contents away, and how many
+/// its away store holds.
+fn away_on(c: &Cluster, node: u64) -> (usize, usize) {
+    let m = &c.members[&node];
+    let machine = m.broker.machine(c.id(node)).expect("machine");
+    let away = machine.messages().filter(|(_, m, _)| m.is_away()).count();
+    (away, m.away.held.lock().expect("lock").len())
+}
+
+/// A small page window for the brokers this thread makes next (a deep queue in a test).
+fn small_window() {
+    WINDOW.with(|w| w.set((16, 4)));
+}
+
+/// Takes `n` deliveries on `node`, acking each, and checks they are jobs `first..` in order,
+/// whole.
+fn take_in_order(c: &mut Cluster, node: u64, first: u32, n: u32) {
+    let mut next = first;
+    for _ in 0..2000 {
+        let ds = c.deliveries(node);
+        for d in &ds {
+            assert!(!d.message.is_away(), "a delivery without its contents");
+            assert_eq!(d.message, message(next), "delivery {next}");
+            assert_eq!(d.message.body, message(next).body);
+            assert_eq!(d.message.routing_key.as_bytes(), b"jobs");
+            next += 1;
+        }
+        ack_all(c, node, &ds);
+        if next == first + n {
+            return;
+        }
+        c.step();
+    }
+    panic!("{} of {n} delivered on node {node}", next - first);
+}
+
+#[test]
+fn a_deep_replicated_queue_keeps_its_messages_contents_out_of_memory_on_every_member() {
+    small_window();
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    let batches: Vec<u64> = (0..600).map(|n| c.publish(leader, n)).collect();
+    c.run(40);
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    for n in NODES {
+        let (away, held) = away_on(&c, n);
+        // No consumer: 4 stay; fewer than a batch of 256 past them may wait for the next.
+        assert!(away >= 600 - 4 - 256, "node {n}: {away} away");
+        assert_eq!(held, away, "node {n}: one record per message away");
+    }
+    // The leader's two machines share each message's handle: one record each.
+    let b = &c.members[&leader].broker;
+    let committed = b.committed_machine(c.id(leader)).expect("committed");
+    assert_eq!(
+        committed.messages().filter(|(_, m, _)| m.is_away()).count(),
+        away_on(&c, leader).0
+    );
+    assert_same_state(&c, &NODES);
+    // A worker on a follower gets every message whole, in order; the leader reads none of
+    // the contents for it.
+    let leader_reads = c.members[&leader]
+        .away
+        .gets
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let group = CreditGroup {
+        conn: conn(follower, 7),
+        channel: 1,
+    };
+    let tag = ShortStr::from_static("worker");
+    let (queue, consumer) = c
+        .broker(follower)
+        .consume(
+            "/",
+            "jobs",
+            group,
+            tag,
+            false,
+            false,
+            20,
+            &FieldTable::new(),
+        )
+        .expect("consume");
+    take_in_order(&mut c, follower, 0, 300);
+    assert_eq!(
+        c.members[&leader]
+            .away
+            .gets
+            .load(std::sync::atomic::Ordering::Relaxed),
+        leader_reads,
+        "the leader read contents for another node's consumer"
+    );
+    // Then one on the leader, for the rest.
+    assert!(c.broker(follower).cancel(queue, consumer));
+    c.run(10);
+    consume(&mut c, leader, 20).expect("consume");
+    take_in_order(&mut c, leader, 300, 300);
+    c.run(20);
+    assert_same_state(&c, &NODES);
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 0));
+        assert_eq!(
+            away_on(&c, n),
+            (0, 0),
+            "node {n} keeps contents of settled messages"
+        );
+    }
+}
+
+#[test]
+fn a_snapshot_of_a_deep_replicated_queue_carries_the_contents_away_and_a_restart_has_them_all() {
+    small_window();
+    let mut c = Cluster::snapshotting(64);
+    let leader = c.leader();
+    let behind = leader % 3 + 1;
+    c.isolated.insert(behind);
+    for n in 0..500 {
+        c.publish(leader, n);
+    }
+    c.run(60);
+    let at = c.snapshot_at(leader);
+    assert!(at > 400, "the leader snapshotted (at {at})");
+    assert!(away_on(&c, leader).0 > 200);
+    c.isolated.clear();
+    c.run(80);
+    assert!(c.snapshot_at(behind) >= at, "the follower installed it");
+    assert_same_state(&c, &NODES);
+    // Installed, its messages go away on that member too.
+    assert!(away_on(&c, behind).0 > 200, "{:?}", away_on(&c, behind));
+    // A member started again rebuilds from its snapshot and log, whole, then sends away.
+    c.kill(behind);
+    c.run(20);
+    c.restart(behind, Some(64));
+    c.run(80);
+    assert_same_state(&c, &NODES);
+    let (away, held) = away_on(&c, behind);
+    assert!(away > 200 && away == held, "{away} away, {held} held");
+    consume(&mut c, behind, 50).expect("consume");
+    take_in_order(&mut c, behind, 0, 500);
+}
+
+/// Messages that expired from a deep replicated queue after their contents left memory are
+/// dead-lettered whole.
+#[test]
+fn dead_letters_of_a_deep_replicated_queue_carry_their_contents() {
+    small_window();
+    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(2_000))]);
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    declare_on(&mut c, leader, "dlq", false);
+    until_made_everywhere(&mut c, "dlq", leader);
+    for n in 0..400 {
+        c.publish(leader, n);
+    }
+    c.run(20);
+    assert!(away_on(&c, leader).0 > 100, "{:?}", away_on(&c, leader));
+    c.run(u32::try_from(3_000 / TICK_MS).unwrap_or(u32::MAX));
+    assert_eq!(c.counts(leader), (0, 0), "expired");
+    let b = &c.members[&leader].broker;
+    let dlq = b
+        .machine(b.queue_id("/", "dlq").expect("dlq"))
+        .expect("dlq");
+    let mut bodies: Vec<Bytes> = dlq
+        .messages()
+        .map(|(_, m, _)| m.loaded().expect("contents").body.clone())
+        .collect();
+    bodies.sort();
+    let mut want: Vec<Bytes> = (0..400).map(|n| message(n).body).collect();
+    want.sort();
+    assert_eq!(bodies, want);
 }

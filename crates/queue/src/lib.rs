@@ -59,7 +59,10 @@ pub enum Overflow {
 
 /// A message as routed: every field refcounted, so cloning for fan-out copies no payload and
 /// allocates nothing.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+///
+/// Two messages are equal, and hash alike, when their contents are: a message whose contents
+/// left memory ([`Message::away`]) equals the one it was made from.
+#[derive(Clone, Debug)]
 pub struct Message {
     pub exchange: ShortStr,
     pub routing_key: ShortStr,
@@ -70,6 +73,96 @@ pub struct Message {
     /// The key of the stored body, once the broker has written the message to disk (a
     /// persistent message routed to a durable queue); `None` for a message only in memory.
     pub store_key: Option<u64>,
+    /// Set when the exchange, routing key, properties and body are not here but in this node's
+    /// [`AwayStore`] (a deep replicated queue's member keeps only what its machine reads):
+    /// those four fields are empty until [`Message::loaded`] reads them back. Node-local:
+    /// never in a log entry or a snapshot.
+    pub away: Option<std::sync::Arc<Away>>,
+}
+
+/// Where a member of a replicated queue keeps the contents of messages that left its memory.
+/// Node-local, beside the log (which stays the durable record): each member decides for
+/// itself what leaves, and a restart, which rebuilds the machine from its snapshot and log,
+/// starts with none away.
+pub trait AwayStore: Send + Sync {
+    /// A key no message of this node's was written under since its start.
+    fn next_key(&self) -> u64;
+    /// Writes the messages' contents under their keys; once it returns each can be read.
+    fn put(&self, items: &[(u64, &Message)]) -> Result<(), String>;
+    /// The contents written under `key`, `None` if there are none.
+    fn get(&self, key: u64) -> Result<Option<Message>, String>;
+    /// Nothing refers to `key` any more: its contents may go. Called as the last handle on
+    /// them drops, on whatever thread that is: it must not block for long.
+    fn release(&self, key: u64);
+    /// How many messages' contents it holds (written and not released).
+    fn held(&self) -> u64;
+}
+
+/// The handle of a message's contents in an [`AwayStore`]. Shared by every copy of the message
+/// that left memory (the machines of a leader, a delivery being made, a snapshot being
+/// written); the contents are released when the last copy drops.
+pub struct Away {
+    key: u64,
+    /// [`Message::content_hash`] of the contents, so that equality and digests need no read.
+    content: u128,
+    store: std::sync::Arc<dyn AwayStore>,
+}
+
+impl Away {
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+}
+
+impl Drop for Away {
+    fn drop(&mut self) {
+        self.store.release(self.key);
+    }
+}
+
+impl std::fmt::Debug for Away {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Away({})", self.key)
+    }
+}
+
+/// The contents of a message could not be read back from where they went.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AwayError {
+    #[error("the contents of a message that left memory (key {key}) are not in the store")]
+    Missing { key: u64 },
+    #[error("reading the contents of a message that left memory (key {key}): {error}")]
+    Read { key: u64, error: String },
+    #[error("the contents read back for key {key} are not the message's")]
+    Mismatch { key: u64 },
+}
+
+impl PartialEq for Message {
+    fn eq(&self, other: &Self) -> bool {
+        if self.persistent != other.persistent || self.store_key != other.store_key {
+            return false;
+        }
+        match (&self.away, &other.away) {
+            (None, None) => {
+                self.exchange == other.exchange
+                    && self.routing_key == other.routing_key
+                    && self.properties == other.properties
+                    && self.body == other.body
+            }
+            (Some(a), Some(b)) if std::sync::Arc::ptr_eq(a, b) => true,
+            _ => self.content_hash() == other.content_hash(),
+        }
+    }
+}
+
+impl Eq for Message {}
+
+impl std::hash::Hash for Message {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.content_hash().hash(state);
+        self.persistent.hash(state);
+        self.store_key.hash(state);
+    }
 }
 
 /// A header a publisher sets (true) to have its message delivered as redelivered the first
@@ -129,6 +222,84 @@ impl Payload for Message {
 pub const COMPACT_BELOW: usize = 16 * 1024;
 
 impl Message {
+    /// A 128-bit hash (XXH3) of the exchange, routing key, properties and body, each with its
+    /// length: what tells two messages' contents apart once one of them left memory.
+    pub fn content_hash(&self) -> u128 {
+        if let Some(a) = &self.away {
+            return a.content;
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for part in [
+            self.exchange.as_bytes(),
+            self.routing_key.as_bytes(),
+            &self.properties[..],
+            &self.body[..],
+        ] {
+            h.update(&(part.len() as u64).to_le_bytes());
+            h.update(part);
+        }
+        h.digest128()
+    }
+
+    /// Are the contents away, in an [`AwayStore`]?
+    pub fn is_away(&self) -> bool {
+        self.away.is_some()
+    }
+
+    /// What stays in memory of this message once its contents are in `store` under `key`:
+    /// the flags and keys, and the handle. Equal to `self`.
+    pub fn away_stub(&self, key: u64, store: std::sync::Arc<dyn AwayStore>) -> Message {
+        let content = self.content_hash();
+        Message {
+            exchange: ShortStr::default(),
+            routing_key: ShortStr::default(),
+            properties: Bytes::new(),
+            body: Bytes::new(),
+            persistent: self.persistent,
+            store_key: self.store_key,
+            away: Some(std::sync::Arc::new(Away {
+                key,
+                content,
+                store,
+            })),
+        }
+    }
+
+    /// The message with its contents in memory: itself, or read back from its store (checked
+    /// against its hash, so a wrong record is never delivered as the message).
+    pub fn loaded(&self) -> Result<std::borrow::Cow<'_, Message>, AwayError> {
+        let Some(a) = &self.away else {
+            return Ok(std::borrow::Cow::Borrowed(self));
+        };
+        let key = a.key;
+        let read = a
+            .store
+            .get(key)
+            .map_err(|error| AwayError::Read { key, error })?
+            .ok_or(AwayError::Missing { key })?;
+        let m = Message {
+            exchange: read.exchange,
+            routing_key: read.routing_key,
+            properties: read.properties,
+            body: read.body,
+            persistent: self.persistent,
+            store_key: self.store_key,
+            away: None,
+        };
+        if m.content_hash() != a.content {
+            return Err(AwayError::Mismatch { key });
+        }
+        Ok(std::borrow::Cow::Owned(m))
+    }
+
+    /// Brings the contents back into this copy ([`Message::loaded`]); the handle is let go.
+    pub fn load(&mut self) -> Result<(), AwayError> {
+        if self.away.is_some() {
+            *self = self.loaded()?.into_owned();
+        }
+        Ok(())
+    }
+
     /// Copies a small message (routing strings, properties, body) into one allocation of its
     /// own. A decoded message is a set of slices of the connection's read buffer (up to 128
     /// KiB); a small message that stays queued for long would otherwise keep that whole buffer
@@ -164,7 +335,7 @@ impl Message {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn within(part: &[u8], whole: &[u8]) -> bool {
@@ -214,6 +385,7 @@ mod tests {
             body: Bytes::from_static(b"x"),
             persistent: false,
             store_key: None,
+            away: None,
         };
         let table = |k: &'static str, v: FieldValue| {
             let mut t = FieldTable::new();
@@ -245,6 +417,7 @@ mod tests {
             body: buffer.slice(8..108),
             persistent: true,
             store_key: None,
+            away: None,
         };
         let mut small = m.clone();
         small.compact();
@@ -263,5 +436,98 @@ mod tests {
         };
         large.compact();
         assert!(within(&large.body, &buffer), "a large body is not copied");
+    }
+    /// An [`AwayStore`] in memory that keeps what it was told.
+    #[derive(Default)]
+    pub struct MemAway {
+        pub next: std::sync::atomic::AtomicU64,
+        pub held: std::sync::Mutex<std::collections::HashMap<u64, Message>>,
+        pub released: std::sync::Mutex<Vec<u64>>,
+    }
+
+    impl AwayStore for MemAway {
+        fn next_key(&self) -> u64 {
+            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+        }
+        fn put(&self, items: &[(u64, &Message)]) -> Result<(), String> {
+            let mut held = self.held.lock().unwrap();
+            for (k, m) in items {
+                held.insert(*k, (*m).clone());
+            }
+            Ok(())
+        }
+        fn get(&self, key: u64) -> Result<Option<Message>, String> {
+            Ok(self.held.lock().unwrap().get(&key).cloned())
+        }
+        fn release(&self, key: u64) {
+            self.held.lock().unwrap().remove(&key);
+            self.released.lock().unwrap().push(key);
+        }
+        fn held(&self) -> u64 {
+            self.held.lock().unwrap().len() as u64
+        }
+    }
+
+    fn sample(body: &'static [u8]) -> Message {
+        Message {
+            exchange: ShortStr::from_static("ex"),
+            routing_key: ShortStr::from_static("rk"),
+            properties: Bytes::from_static(&[0x10, 0, 2]),
+            body: Bytes::from_static(body),
+            persistent: true,
+            store_key: None,
+            away: None,
+        }
+    }
+
+    #[test]
+    fn a_message_away_equals_and_hashes_as_itself_and_comes_back_whole() {
+        use std::hash::{Hash, Hasher};
+        let store = std::sync::Arc::new(MemAway::default());
+        let m = sample(b"hello");
+        let key = store.next_key();
+        store.put(&[(key, &m)]).unwrap();
+        let stub = m.away_stub(key, store.clone());
+        assert!(stub.is_away() && stub.body.is_empty() && stub.routing_key.is_empty());
+        assert_eq!(stub, m, "equal by contents");
+        assert_ne!(stub, sample(b"hellp"));
+        let hash = |x: &Message| {
+            let mut h = crate::stable_hash::StableHasher::new();
+            x.hash(&mut h);
+            h.finish()
+        };
+        assert_eq!(hash(&stub), hash(&m));
+        let back = stub.loaded().unwrap().into_owned();
+        assert!(!back.is_away());
+        assert_eq!(
+            (
+                back.exchange.as_bytes(),
+                back.routing_key.as_bytes(),
+                &back.body[..]
+            ),
+            (&b"ex"[..], &b"rk"[..], &b"hello"[..])
+        );
+        // Released once, when the last copy of the handle goes.
+        let copy = stub.clone();
+        drop(stub);
+        assert!(store.released.lock().unwrap().is_empty());
+        drop(copy);
+        assert_eq!(*store.released.lock().unwrap(), vec![key]);
+    }
+
+    #[test]
+    fn contents_away_that_are_gone_or_wrong_are_an_error_never_another_message() {
+        let store = std::sync::Arc::new(MemAway::default());
+        let m = sample(b"hello");
+        let stub = m.away_stub(7, store.clone());
+        assert_eq!(
+            stub.loaded().map(|_| ()),
+            Err(AwayError::Missing { key: 7 })
+        );
+        store.put(&[(7, &sample(b"other"))]).unwrap();
+        assert_eq!(
+            stub.loaded().map(|_| ()),
+            Err(AwayError::Mismatch { key: 7 })
+        );
     }
 }

@@ -260,6 +260,7 @@ pub fn encode_entry(command: &Command<Message>, out: &mut BytesMut) -> Result<()
 fn logical_message(message: &Message) -> Message {
     Message {
         store_key: None,
+        away: None,
         ..message.clone()
     }
 }
@@ -561,6 +562,7 @@ impl Reader {
             body: self.long("body")?,
             persistent: self.u8("persistent")? != 0,
             store_key: self.opt_u64("store key")?,
+            away: None,
         })
     }
 
@@ -897,6 +899,7 @@ mod tests {
                 body: Bytes::from_static(body),
                 persistent: true,
                 store_key: None,
+                away: None,
             },
             meta: MsgMeta {
                 size: body.len() as u64,
@@ -985,6 +988,7 @@ mod tests {
         let local = Command::Enqueue {
             message: Message {
                 store_key: Some(42),
+                away: None,
                 ..message
             },
             meta: MsgMeta {
@@ -1034,6 +1038,7 @@ mod tests {
             body: Bytes::from_static(body),
             persistent: false,
             store_key: None,
+            away: None,
         }
     }
 
@@ -1127,6 +1132,7 @@ mod tests {
         let local = from(
             Message {
                 store_key: Some(9),
+                away: None,
                 ..message(b"m")
             },
             MsgMeta {

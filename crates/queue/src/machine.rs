@@ -2766,6 +2766,43 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
     }
 
+    /// Node-local: the messages at the head of the ready line (the part [`Self::head_count`]
+    /// counts) from position `skip` on whose ids are above `after`, with their ids, in line
+    /// order, for a change that leaves each equal to what it was (its contents leaving memory,
+    /// [`crate::Message::away_stub`]). Nothing the machine does or digests changes.
+    pub fn head_payloads_mut(
+        &mut self,
+        skip: usize,
+        after: u64,
+    ) -> impl Iterator<Item = (u64, &mut M)> + '_ {
+        let from = self.ready.partition_point(|e| e.id <= after).max(skip);
+        let from = from.min(self.ready.len());
+        self.ready.range_mut(from..).map(|e| (e.id, &mut e.msg))
+    }
+
+    /// How many messages at the head of the ready line have ids above `after`.
+    pub fn head_after(&self, after: u64) -> usize {
+        self.ready.len() - self.ready.partition_point(|e| e.id <= after)
+    }
+
+    /// The id of the message at position `pos` of the head of the ready line.
+    pub fn head_id(&self, pos: usize) -> Option<u64> {
+        self.ready.get(pos).map(|e| e.id)
+    }
+
+    /// How many messages at the head of the ready line fit in `count` messages and `bytes`
+    /// of bodies (at least one when the line is not empty): the part a member keeps in memory.
+    pub fn head_within(&self, count: usize, bytes: u64) -> usize {
+        let mut total = 0u64;
+        for (i, e) in self.ready.iter().take(count).enumerate() {
+            total = total.saturating_add(e.meta.size);
+            if total > bytes {
+                return i.max(1);
+            }
+        }
+        self.ready.len().min(count)
+    }
+
     /// Every ready message in memory with its id and delivery count, in no particular order
     /// (paged ones are in [`Self::paged_runs`]).
     pub fn ready_messages(&self) -> impl Iterator<Item = (u64, &M, u32)> + '_ {

@@ -29,6 +29,7 @@ fn message(marked: bool) -> Message {
         body: Bytes::from_static(b"body"),
         persistent: true,
         store_key: None,
+        away: None,
     }
 }
 

@@ -32,6 +32,7 @@ fn snapshot_of_100k_ready_1kib_messages() {
             body: body.clone(),
             persistent: true,
             store_key: None,
+            away: None,
         };
         let meta_msg = MsgMeta {
             size: BODY as u64,

@@ -233,6 +233,7 @@ impl Driver {
             body: Bytes::from(body),
             persistent: stored,
             store_key: stored.then_some(self.bodies),
+            away: None,
         }
     }
 

@@ -285,6 +285,7 @@ mod tests {
                 body: Bytes::from_static(body),
                 persistent: true,
                 store_key: Some(9),
+                away: None,
             },
             meta: MsgMeta {
                 size: body.len() as u64,

@@ -213,7 +213,7 @@ fn delivery_histogram(t: &mut Text, labels: &str, c: &QueueCounters) {
 
 /// Builds the exposition text; `per_object`: a series per queue rather than totals.
 pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> String {
-    let (now, queues, counters, totals, conns, alarm, delayed, confirms, groups) =
+    let (now, queues, counters, totals, conns, alarm, delayed, confirms, groups, away) =
         api.node.read(|n, now| {
             let b = n.broker();
             let conns = n.connection_snapshots();
@@ -227,6 +227,7 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
                 b.delayed_counts().0,
                 n.confirm_latency().clone(),
                 b.replica_groups(),
+                b.messages_away(),
             )
         });
     let mut t = Text(String::with_capacity(4096 + queues.len() * 1200));
@@ -438,6 +439,12 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
         "gauge",
         "Messages held back by delayed exchanges and queue delivery delays",
         delayed,
+    );
+    t.one(
+        "warren_replicated_messages_away",
+        "gauge",
+        "Messages of deep quorum queues whose contents this node keeps on disk, out of memory",
+        away,
     );
     t.one(
         "warren_delayed_refused_total",

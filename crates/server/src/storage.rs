@@ -224,6 +224,7 @@ mod tests {
             body: bytes::Bytes::from_static(body.as_bytes()),
             persistent: true,
             store_key: None,
+            away: None,
         };
         b.publish("/", "", "q", m, 0).unwrap();
         b.take_writes().unwrap()

@@ -582,6 +582,7 @@ impl Channel {
             body,
             persistent,
             store_key: None,
+            away: None,
         };
         if self.tx.is_some() {
             // What the commit would refuse is refused now, as RabbitMQ does (its channel

@@ -327,6 +327,7 @@ impl Node {
                 body: d.message.body.clone(),
                 persistent: d.message.persistent,
                 store_key: None,
+                away: None,
             };
             match broker.publish(vhost, "", to, message, now) {
                 Ok(r) if r.queues > 0 && !r.rejected => {

@@ -57,6 +57,8 @@ const BODY_V1_TRANSIENT: u8 = 2;
 pub const SPILL_ENTRY: u8 = b'i';
 pub const SPILL_COUNT: u8 = b'c';
 pub const SPILL_BODY: u8 = b'b';
+/// The scratch area's prefix for the contents of replicated queues' messages that left memory.
+pub const SPILL_AWAY: u8 = b'a';
 
 /// A key of at most 17 bytes, on the stack.
 #[derive(Clone, Copy)]
@@ -997,6 +999,7 @@ pub fn decode_body(key: u64, value: impl Into<Bytes>) -> Result<(Message, u32), 
             body,
             persistent,
             store_key: Some(key),
+            away: None,
         },
         queues,
     ))
@@ -1070,6 +1073,7 @@ mod tests {
                     body: Bytes::from_static(b"body"),
                     persistent: false,
                     store_key: None,
+                    away: None,
                 },
             };
             let back = decode_delayed(delayed_value(&d).to_vec()).expect("decodes");
@@ -1167,6 +1171,7 @@ mod tests {
             body: Bytes::from_static(b"hello"),
             persistent: true,
             store_key: Some(7),
+            away: None,
         };
         let (back, queues) = decode_body(7, body_value(&m, 3).to_vec()).expect("body");
         assert_eq!((back, queues), (m, 3));

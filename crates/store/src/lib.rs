@@ -4,6 +4,7 @@
 //! The schema, the write path and recovery are described in docs/design.md ("Storage"). This
 //! crate does I/O only; deciding what to write is the broker's (sans-IO) job.
 
+mod away;
 mod codec;
 mod commit;
 #[cfg(any(test, feature = "fault-injection"))]
@@ -21,6 +22,7 @@ use rocksdb::{
 };
 use warren_broker::{StoreOp, WriteBatch, SPILL_BIT};
 
+pub use away::StoreAway;
 pub use commit::{GroupCommit, Outcome};
 pub use page::StorePager;
 pub use quarantine::{Quarantined, QUARANTINE_PREFIX};

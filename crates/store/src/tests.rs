@@ -53,6 +53,7 @@ fn msg(body: &'static str, persistent: bool) -> Message {
         body: Bytes::from_static(body.as_bytes()),
         persistent,
         store_key: None,
+        away: None,
     }
 }
 
@@ -1362,4 +1363,41 @@ fn a_params(b: &warren_broker::Broker) -> Vec<(&str, &str)> {
         .list(Some("shovel"), None)
         .map(|p| (p.name.as_str(), p.value.as_str()))
         .collect()
+}
+
+/// The contents of a replicated queue's message that left memory read back whole; released,
+/// they leave the scratch area; a new start begins with none.
+#[test]
+fn contents_away_are_read_back_and_deleted_once_released_and_gone_after_a_restart() {
+    use warren_broker::AwayStore;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let key;
+    {
+        let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
+        let away = std::sync::Arc::new(crate::StoreAway::new(s.clone()));
+        let m = Message {
+            exchange: ShortStr::from_static("ex"),
+            routing_key: ShortStr::from_static("jobs"),
+            ..msg("a body", true)
+        };
+        key = away.next_key();
+        let other = away.next_key();
+        assert_ne!(key, other);
+        away.put(&[(key, &m), (other, &m)]).expect("put");
+        assert_eq!(AwayStore::held(&*away), 2);
+        let stub = m.away_stub(key, away.clone());
+        assert_eq!(stub.loaded().expect("read").into_owned(), m);
+        drop(stub);
+        away.flush();
+        assert_eq!(away.get(key).expect("get"), None, "deleted once released");
+        assert!(away.get(other).expect("get").is_some());
+        assert_eq!(AwayStore::held(&*away), 1);
+    }
+    let s = std::sync::Arc::new(Store::open(dir.path()).expect("reopen"));
+    let away = crate::StoreAway::new(s);
+    assert_eq!(
+        away.get(key + 1).expect("get"),
+        None,
+        "the scratch area starts empty"
+    );
 }

@@ -7,10 +7,16 @@ use super::*;
 /// message is dropped, as in RabbitMQ).
 pub(super) fn dead_letter_of(
     q: &Queue,
-    message: Message,
+    mut message: Message,
     reason: DeadLetterReason,
 ) -> Option<DeadLetter> {
     let exchange = q.args.dead_letter_exchange.clone()?;
+    // A deep replicated queue's message may have left memory: it goes on whole. Contents that
+    // cannot be read back are lost to the dead-letter path, as an unreadable page is.
+    if let Err(error) = message.load() {
+        tracing::error!(queue = %q.name, vhost = %q.vhost, %error, "a dead letter's contents could not be read back: it is dropped");
+        return None;
+    }
     Some(DeadLetter {
         vhost: q.vhost.clone(),
         queue: q.name.clone(),
@@ -439,6 +445,7 @@ impl Broker {
                 body: m.body.clone(),
                 persistent: m.persistent,
                 store_key: None,
+                away: None,
             };
             // Without its own routing key, the queue's dead letters go by the keys they were
             // published with: the routing key and the CC header's.

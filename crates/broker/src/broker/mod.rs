@@ -1,5 +1,6 @@
 //! The broker: vhosts, exchanges, bindings, queues, and the API the session calls.
 
+mod away;
 mod flows;
 mod metadata;
 mod metadata_group;
@@ -148,6 +149,9 @@ pub struct Broker {
     group_hint: Option<u64>,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
+    /// Where deep replicated queues' messages go when they leave memory; without one, they
+    /// stay.
+    away: Option<away::AwayHandle>,
     /// Maintenance mode ([`Broker::set_draining`]).
     draining: bool,
     /// Memory is short: messages the store does not keep go to its scratch area when they
@@ -339,6 +343,7 @@ impl Broker {
             policies: crate::policy::PolicyTable::default(),
             parameters: crate::parameters::Parameters::default(),
             pager: None,
+            away: None,
             draining: false,
             spill: false,
             recovering: false,

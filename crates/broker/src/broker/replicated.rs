@@ -676,6 +676,7 @@ impl Broker {
         };
         let r = q.replica.as_mut()?;
         let replaced = std::mem::replace(&mut q.machine, machine);
+        r.away_through = 0;
         r.mode = Mode::Following;
         r.held.clear();
         r.applied_index = index;
@@ -828,6 +829,9 @@ impl Broker {
     /// last one.
     fn take_due_snapshots(&mut self, ids: &[QueueId]) {
         let max = self.snapshot_limit();
+        // Contents that left memory are read back to be written: a queue that may hold some
+        // is encoded by the snapshot's writer, off this thread.
+        let away_past = self.away.is_some().then_some(self.config.page_window_bytes);
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
@@ -848,7 +852,8 @@ impl Broker {
             r.since_snapshot = 0;
             r.since_snapshot_bytes = 0;
             let estimate = snapshot_estimate(machine);
-            let data = if estimate <= ENCODE_AT_ONCE_MAX {
+            let some_away = away_past.is_some_and(|w| machine.ready_bytes() > w);
+            let data = if estimate <= ENCODE_AT_ONCE_MAX && !some_away {
                 let mut buf = bytes::BytesMut::new();
                 if let Err(error) = machine.snapshot(&mut buf) {
                     tracing::error!(queue = %q.name, %error, "no snapshot of a replicated queue");
@@ -2068,11 +2073,14 @@ impl Broker {
                 for effect in c.scratch.drain(..) {
                     match effect {
                         Effect::Deliver(d) if d.consumer.as_ref().is_some_and(ours_or_retired) => {
-                            c.released
-                                .push(super::runtime::delivery_with(id, &q.name, counts, d));
+                            if let Some(delivery) =
+                                super::runtime::delivery_with(id, &q.name, counts, d, true)
+                            {
+                                c.released.push(delivery);
+                            }
                         }
                         Effect::Deliver(d) if own_get && d.consumer.is_none() => {
-                            got = Some(super::runtime::delivery_with(id, &q.name, counts, d));
+                            got = super::runtime::delivery_with(id, &q.name, counts, d, true);
                         }
                         Effect::TimedOut {
                             msg_id,
@@ -2216,6 +2224,9 @@ impl Broker {
         self.settle_release_guards();
         touched.sort_unstable();
         touched.dedup();
+        for id in &touched {
+            self.send_away(*id);
+        }
         self.take_due_snapshots(&touched);
         self.apply_meta(&meta);
     }
@@ -2410,6 +2421,7 @@ impl Broker {
         let mode = std::mem::replace(&mut r.mode, Mode::Following);
         if let Mode::Leading { committed } = mode {
             q.machine = *committed;
+            r.away_through = 0;
         }
         // What it held for its consumers is dropped: the entries that gave it to them may
         // still commit, so this node brings itself `Down` again before anything else of it

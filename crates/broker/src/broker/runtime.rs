@@ -296,6 +296,7 @@ impl Broker {
             return;
         };
         let mut rest = Vec::new();
+        let node = self.cluster_node();
         for effect in self.effects.drain(..) {
             match effect {
                 Effect::Deliver(d) => {
@@ -308,7 +309,17 @@ impl Broker {
                             p.forget(queue, d.receipt.msg_id, body, d.receipt.attempt > 1);
                         }
                     }
-                    out.push(delivery_of(q, d));
+                    // A delivery for another node's consumer is dropped from this node's
+                    // session (`keep_local_deliveries`): contents away stay where they are.
+                    let here = node.is_none_or(|n| {
+                        d.consumer.is_none()
+                            || d.to
+                                .as_ref()
+                                .is_none_or(|(g, _)| u64::from(warren_queue::node_of(g.conn)) == n)
+                    });
+                    if let Some(delivery) = delivery_of(q, d, here) {
+                        out.push(delivery);
+                    }
                 }
                 other => rest.push(other),
             }
@@ -602,10 +613,14 @@ impl Broker {
     }
 }
 
-/// A machine's delivery as the session takes it.
-pub(super) fn delivery_of(q: &Queue, d: warren_queue::machine::Deliver<Message>) -> Delivery {
+/// A machine's delivery as the session takes it (see [`delivery_with`]).
+pub(super) fn delivery_of(
+    q: &Queue,
+    d: warren_queue::machine::Deliver<Message>,
+    load: bool,
+) -> Option<Delivery> {
     let counts = q.args.counts_deliveries();
-    delivery_with(q.id, &q.name, counts, d)
+    delivery_with(q.id, &q.name, counts, d, load)
 }
 
 /// [`delivery_of`] from the queue's parts. `counts`: `QueueArgs::counts_deliveries`.
@@ -614,15 +629,26 @@ pub(super) fn delivery_with(
     name: &ShortStr,
     counts: bool,
     d: warren_queue::machine::Deliver<Message>,
-) -> Delivery {
+    load: bool,
+) -> Option<Delivery> {
     let mut message = d.message;
-    if counts && (d.receipt.attempt > 1 || d.consumer.is_none()) {
+    // `load`: the delivery goes to a client of this node, with its contents read back if a
+    // deep replicated queue let them leave memory. Contents that cannot be read back are not
+    // sent as some other message: the delivery is dropped, and its message stays checked out
+    // to the consumer until the consumer goes (then it is ready again), as nothing acks it.
+    if load {
+        if let Err(error) = message.load() {
+            tracing::error!(queue = %name, msg_id = d.receipt.msg_id, %error, "a delivery's contents could not be read back: not delivered");
+            return None;
+        }
+    }
+    if counts && !message.is_away() && (d.receipt.attempt > 1 || d.consumer.is_none()) {
         let before = d.receipt.attempt.saturating_sub(1);
         if let Ok(p) = dead_letter::with_delivery_count(&message.properties, before) {
             message.properties = p;
         }
     }
-    Delivery {
+    Some(Delivery {
         queue,
         queue_name: name.clone(),
         receipt: d.receipt,
@@ -634,5 +660,5 @@ pub(super) fn delivery_with(
             .zip(d.to)
             .map(|(id, (group, tag))| (id, group, tag)),
         timed: d.timed,
-    }
+    })
 }

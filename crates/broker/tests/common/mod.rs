@@ -169,3 +169,47 @@ impl PageSource for MemStore {
         Ok((out, more))
     }
 }
+
+/// A node's [`warren_broker::AwayStore`] in memory: where a deep replicated queue's messages'
+/// contents go, with what it was asked.
+#[derive(Default)]
+pub struct MemAway {
+    pub next: std::sync::atomic::AtomicU64,
+    pub held: Mutex<BTreeMap<u64, Message>>,
+    pub puts: std::sync::atomic::AtomicU64,
+    pub gets: std::sync::atomic::AtomicU64,
+    /// Every key released, in order (a key released twice would be a bug).
+    pub released: Mutex<Vec<u64>>,
+}
+
+impl warren_broker::AwayStore for MemAway {
+    fn next_key(&self) -> u64 {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+    }
+
+    fn put(&self, items: &[(u64, &Message)]) -> Result<(), String> {
+        let mut held = self.held.lock().expect("lock");
+        for (k, m) in items {
+            assert!(!m.is_away(), "contents written away twice");
+            assert!(held.insert(*k, (*m).clone()).is_none(), "key {k} reused");
+        }
+        self.puts
+            .fetch_add(items.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn get(&self, key: u64) -> Result<Option<Message>, String> {
+        self.gets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(self.held.lock().expect("lock").get(&key).cloned())
+    }
+
+    fn release(&self, key: u64) {
+        let gone = self.held.lock().expect("lock").remove(&key);
+        assert!(gone.is_some(), "key {key} released but not held");
+        self.released.lock().expect("lock").push(key);
+    }
+
+    fn held(&self) -> u64 {
+        self.held.lock().expect("lock").len() as u64
+    }
+}

@@ -57,6 +57,9 @@ pub enum SnapshotError {
     Checksum,
     #[error("snapshot malformed: {0}")]
     Malformed(String),
+    /// A message whose contents left memory could not be read back to be written.
+    #[error(transparent)]
+    Away(#[from] crate::AwayError),
 }
 
 impl From<LogError> for SnapshotError {
@@ -71,12 +74,15 @@ fn put_len(out: &mut BytesMut, n: usize) {
     out.put_u32(u32::try_from(n).unwrap_or(u32::MAX));
 }
 
-fn put_entry(out: &mut BytesMut, e: &Entry<Message>) {
+fn put_entry(out: &mut BytesMut, e: &Entry<Message>) -> Result<(), SnapshotError> {
     out.put_u64(e.id);
-    put_message(out, &e.msg);
+    // A message whose contents left this member's memory is written whole: a snapshot is
+    // read on other nodes, and restored without any of them away.
+    put_message(out, &*e.msg.loaded()?);
     put_msg_meta(out, &e.meta);
     out.put_u32(e.delivery_count);
     out.put_u8(u8::from(e.maybe_delivered) | u8::from(e.timed_out) << 1);
+    Ok(())
 }
 
 fn put_pairs<'a>(out: &mut BytesMut, n: usize, pairs: impl Iterator<Item = &'a (u64, u64)>) {
@@ -110,6 +116,16 @@ impl QueueMachine<Message> {
     /// # Ok::<(), SnapshotError>(())
     /// ```
     pub fn snapshot(&self, out: &mut BytesMut) -> Result<(), SnapshotError> {
+        let start = out.len();
+        let written = self.write_snapshot(out);
+        if written.is_err() {
+            // A message's contents that could not be read back stop it half way.
+            out.truncate(start);
+        }
+        written
+    }
+
+    fn write_snapshot(&self, out: &mut BytesMut) -> Result<(), SnapshotError> {
         // Every field by name, none with `..`: a field added to the machine does not compile
         // until it is written below (or said to be derived) and read back in `machine`.
         let QueueMachine {
@@ -206,28 +222,28 @@ impl QueueMachine<Message> {
 
         put_len(out, self.ready.len());
         for e in &self.ready {
-            put_entry(out, e);
+            put_entry(out, e)?;
         }
         // Messages only: runs were refused above.
         put_len(out, self.tail.len());
         for s in &self.tail {
             if let Slot::Msg(e) = s {
-                put_entry(out, e);
+                put_entry(out, e)?;
             }
         }
         put_len(out, self.returned.len());
         for e in self.returned.values() {
-            put_entry(out, e);
+            put_entry(out, e)?;
         }
         put_len(out, self.by_priority.len());
         for ((level, _), e) in &self.by_priority {
             out.put_u8(*level);
-            put_entry(out, e);
+            put_entry(out, e)?;
         }
         put_len(out, self.retrying.len());
         for (at, e) in self.retrying.values() {
             out.put_u64(*at);
-            put_entry(out, e);
+            put_entry(out, e)?;
         }
         put_pairs(out, self.retry_due.len(), self.retry_due.iter());
         put_len(out, self.parked.len());
@@ -235,7 +251,7 @@ impl QueueMachine<Message> {
             out.put_u64(g.get());
             put_len(out, line.len());
             for e in line.values() {
-                put_entry(out, e);
+                put_entry(out, e)?;
             }
         }
         put_len(out, self.group_locks.len());
@@ -256,7 +272,7 @@ impl QueueMachine<Message> {
                     out.put_u16(node);
                 }
             }
-            put_entry(out, &f.entry);
+            put_entry(out, &f.entry)?;
         }
         put_len(out, self.timers.len());
         for (id, t) in &self.timers {
@@ -654,6 +670,7 @@ mod tests {
 
     use super::*;
     use crate::machine::{Command, ConsumerSpec, Meta, MsgMeta, Policy, Receipt, RetryPolicy};
+    use crate::AwayStore;
 
     fn message(body: &'static [u8]) -> Message {
         Message {
@@ -663,6 +680,7 @@ mod tests {
             body: Bytes::from_static(body),
             persistent: true,
             store_key: Some(9),
+            away: None,
         }
     }
 
@@ -821,6 +839,55 @@ mod tests {
             matches!(effects.as_slice(), [crate::machine::Effect::Deliver(d)] if d.receipt.msg_id == 0),
             "{effects:?}"
         );
+    }
+
+    /// A member whose messages' contents left memory writes them whole, and the restored
+    /// machine (on another node) holds them in memory; the member keeps its handles.
+    #[test]
+    fn messages_away_are_written_whole_and_come_back_in_memory() {
+        let store = std::sync::Arc::new(crate::tests::MemAway::default());
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 100,
+        };
+        for body in [&b"one"[..], b"two", b"three"] {
+            r.apply(Command::Enqueue {
+                message: Message {
+                    body: Bytes::from_static(body),
+                    ..message(b"")
+                },
+                meta: MsgMeta {
+                    size: body.len() as u64,
+                    ..MsgMeta::default()
+                },
+            });
+        }
+        let whole = snapshot_of(&r.m);
+        let digest = r.m.digest();
+        let mut keys = Vec::new();
+        for (_, m) in r.m.head_payloads_mut(1, 0) {
+            let key = store.next_key();
+            store.put(&[(key, m)]).unwrap();
+            *m = m.away_stub(key, store.clone());
+            keys.push(key);
+        }
+        assert_eq!(keys.len(), 2, "the first stays");
+        assert_eq!(r.m.digest(), digest, "nothing the machine holds changed");
+        assert_eq!(snapshot_of(&r.m), whole);
+        let back = QueueMachine::restore_snapshot(whole).unwrap();
+        assert!(back.messages().all(|(_, m, _)| !m.is_away()));
+        // Contents that cannot be read back refuse the snapshot, leaving nothing written.
+        store.held.lock().unwrap().clear();
+        let mut out = BytesMut::from(&b"kept"[..]);
+        assert!(matches!(
+            r.m.snapshot(&mut out),
+            Err(SnapshotError::Away(crate::AwayError::Missing { .. }))
+        ));
+        assert_eq!(&out[..], b"kept");
+        drop(r);
+        let mut released = store.released.lock().unwrap().clone();
+        released.sort_unstable();
+        assert_eq!(released, keys, "every handle let go with the machine");
     }
 
     /// Without a handoff (nearly always) a snapshot is written in version 1, which members of

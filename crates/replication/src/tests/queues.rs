@@ -24,6 +24,7 @@ fn message(n: u64) -> Message {
         body: Bytes::from(n.to_be_bytes().to_vec()),
         persistent: true,
         store_key: None,
+        away: None,
     }
 }
 

@@ -761,6 +761,7 @@ async fn publish(
         properties,
         body,
         store_key: None,
+        away: None,
     };
     let routed = api.node.write(|n, now| {
         n.broker_mut()
@@ -1857,6 +1858,7 @@ async fn aliveness(
             body: body.clone(),
             persistent: false,
             store_key: None,
+            away: None,
         };
         b.publish(&vhost, "", QUEUE, message, now)?;
         // Earlier tests that failed half-way may have left messages: take until ours.

@@ -207,6 +207,7 @@ fn publish(
         body: Bytes::from(m.body.clone().into_bytes()),
         persistent: true,
         store_key: None,
+        away: None,
     };
     let routed = n
         .broker_mut()

@@ -223,6 +223,7 @@ impl Sim {
             body: Bytes::from(name.clone().into_bytes()),
             persistent: true,
             store_key: None,
+            away: None,
         };
         let routed = self
             .broker
@@ -361,6 +362,7 @@ impl Sim {
             body: d.message.body.clone(),
             persistent: d.message.persistent,
             store_key: None,
+            away: None,
         };
         match self.broker.publish("/", "", "work", message, self.now) {
             Ok(r) if r.queues > 0 && !r.rejected => {

@@ -1,0 +1,119 @@
+//! A deep replicated queue keeps its messages' contents out of memory on every member.
+//!
+//! A classic queue pages whole entries out in runs; a replicated queue cannot, since where a run
+//! expires would depend on what each member paged (docs/design.md, §9). So a member keeps every
+//! message's logical part in its machine (id, size, expiry, priority, group, delivery count)
+//! and lets only the contents go: past the queue's window, the exchange, routing key,
+//! properties and body of each ready message are written to this node's [`AwayStore`] and the
+//! machine's copy becomes a stub that equals the message ([`Message::away_stub`]). Nothing
+//! replicated changes: the log, digests and snapshots are the same on every member whatever
+//! each one sent away. A delivery to a client of this node and a dead letter read the contents
+//! back ([`Message::load`]); a snapshot writes them whole. The contents are released when the
+//! last copy of the stub drops (both machines of a leader share it).
+
+use std::sync::Arc;
+
+use warren_queue::{AwayStore, Message};
+
+use super::{persistence::keep, Broker, QueueId};
+use crate::replica::Mode;
+
+/// Fewer new messages than this past the window wait for the next pass: each pass is one
+/// write to the store.
+const AWAY_BATCH: usize = 256;
+
+/// The broker's [`AwayStore`] (a wrapper, so the broker stays `Debug`).
+pub(super) struct AwayHandle {
+    store: Arc<dyn AwayStore>,
+    /// A write failed and was logged; the next failure is logged at debug level.
+    failed: bool,
+}
+
+impl std::fmt::Debug for AwayHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AwayHandle")
+    }
+}
+
+impl Broker {
+    /// Gives the broker where deep replicated queues' messages go when they leave memory; from
+    /// then on each member keeps only what its queues' machines read of the messages past the
+    /// window (`page_window`, `page_window_bytes`).
+    pub fn set_away_store(&mut self, store: Arc<dyn AwayStore>) {
+        self.away = Some(AwayHandle {
+            store,
+            failed: false,
+        });
+    }
+
+    /// Messages of replicated queues whose contents are out of this node's memory.
+    pub fn messages_away(&self) -> u64 {
+        self.away.as_ref().map_or(0, |a| a.store.held())
+    }
+
+    /// Sends the contents of the replicated queue's ready messages past its window away, once
+    /// enough new ones arrived there. A failed write leaves them in memory, tried again at the
+    /// next pass.
+    pub(super) fn send_away(&mut self, id: QueueId) {
+        let Some(handle) = self.away.as_mut() else {
+            return;
+        };
+        let Some(q) = self.queues.get_mut(&id) else {
+            return;
+        };
+        let count = keep(&self.config, q) as usize;
+        let Some(r) = q.replica.as_mut() else {
+            return;
+        };
+        if q.machine.head_after(r.away_through) < AWAY_BATCH {
+            return;
+        }
+        let kept = q.machine.head_within(count, self.config.page_window_bytes);
+        // The window's messages stay; the passes that follow look past them.
+        if let Some(last) = kept.checked_sub(1).and_then(|p| q.machine.head_id(p)) {
+            r.away_through = r.away_through.max(last);
+        }
+        let from = r.away_through;
+        let store = handle.store.clone();
+        let mut copies: Vec<(u64, u64, Message)> = Vec::new();
+        let mut last = from;
+        for (msg_id, m) in q.machine.head_payloads_mut(kept, from) {
+            last = msg_id;
+            if !m.is_away() {
+                copies.push((msg_id, store.next_key(), m.clone()));
+            }
+        }
+        if copies.is_empty() {
+            r.away_through = last;
+            return;
+        }
+        let items: Vec<(u64, &Message)> = copies.iter().map(|(_, k, m)| (*k, m)).collect();
+        if let Err(error) = store.put(&items) {
+            if handle.failed {
+                tracing::debug!(queue = %q.name, %error, "writing messages' contents away failed again");
+            } else {
+                tracing::warn!(queue = %q.name, vhost = %q.vhost, %error, "writing a deep replicated queue's messages out of memory failed: they stay in memory, tried again at the next pass");
+                handle.failed = true;
+            }
+            return;
+        }
+        handle.failed = false;
+        r.away_through = last;
+        let mut stubs = copies
+            .into_iter()
+            .map(|(msg_id, key, m)| (msg_id, m.away_stub(key, store.clone())))
+            .peekable();
+        for (msg_id, m) in q.machine.head_payloads_mut(kept, from) {
+            if stubs.peek().is_some_and(|(id, _)| *id == msg_id) {
+                if let Some((_, stub)) = stubs.next() {
+                    if let Mode::Leading { committed } = &mut r.mode {
+                        // The committed machine holds the same message (or will, once its
+                        // entry commits, from this machine's copy).
+                        committed.share_payload(msg_id, &stub);
+                    }
+                    *m = stub;
+                }
+            }
+        }
+    }
+}
