@@ -393,6 +393,8 @@ fn transport_figure(c: &TestCluster, n: u64, name: &str) -> u64 {
 async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pieces() {
     // Snapshots every 50 entries, and any above 4 KiB go in pieces (above 64 MiB by default):
     // the queue below is "deeper" than a frame.
+    // A window of 8 messages: past it, each member keeps the messages' contents out of memory,
+    // and the snapshot reads them back to be written whole.
     let mut c = TestCluster::start_with(
         3,
         20,
@@ -401,6 +403,8 @@ async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pie
             "50",
             "--test-snapshot-inline-bytes",
             "4096",
+            "--queue-window",
+            "8",
         ],
     );
     for n in 1..=3 {
@@ -420,6 +424,12 @@ async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pie
     // a follower writes on its Raft thread (1 MiB).
     let body = |i: u32| format!("{i:05}-{}", "x".repeat(8000));
     publish_confirmed(&chl, &q, (0..300).map(body)).await;
+    warren_conformance::http::eventually("the leader keeps the contents out of memory", || {
+        match messages_away(&c, leader) {
+            n if n >= 200 => Ok(()),
+            n => Err(format!("{n} away")),
+        }
+    });
     c.node_mut(behind).start_again();
     c.wait_for_metadata_leader(behind);
     wait_for_messages(&c, behind, &q, 300);
@@ -451,6 +461,14 @@ async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pie
             .expect("delivery");
         assert_eq!(d.data, body(i).into_bytes());
         d.ack(BasicAckOptions::default()).await.expect("ack");
+        if i == 0 {
+            // Installed from the snapshot, in memory whole, then sent away again.
+            assert!(
+                messages_away(&c, behind) >= 200,
+                "{} away on the node that caught up",
+                messages_away(&c, behind)
+            );
+        }
     }
 }
 
@@ -458,7 +476,12 @@ async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pie
 async fn a_cluster_killed_whole_comes_back_from_its_snapshots_with_every_unacked_message() {
     // A snapshot every 50 entries: the log before it goes, a restart reads the snapshot and
     // replays only the entries after it.
-    let mut c = TestCluster::start_with(3, 20, &["--test-snapshot-entries", "50"]);
+    // A window of 8: what the snapshots and the restart rebuild was mostly out of memory.
+    let mut c = TestCluster::start_with(
+        3,
+        20,
+        &["--test-snapshot-entries", "50", "--queue-window", "8"],
+    );
     let q = unique("qq-snap");
     c.declare_quorum_queue(1, &q).await;
     let leader = c.leader_of(&q, 1);
@@ -810,6 +833,18 @@ async fn a_leader_cut_off_from_the_others_confirms_nothing_while_they_go_on() {
     }
     // None of what the cut-off leader took is in the queue (a resent one may be in twice).
     wait_for_messages_within(&c, leader, &q, 21, 21 + nacked);
+}
+
+/// Node `n`'s `warren_replicated_messages_away`: messages of deep quorum queues whose contents
+/// it keeps out of memory.
+fn messages_away(c: &TestCluster, n: u64) -> u64 {
+    let url = c.node(n).metrics_url().expect("metrics on");
+    let text =
+        warren_conformance::http::request("GET", &format!("{url}/metrics"), None, &[], None).text();
+    text.lines()
+        .find_map(|l| l.strip_prefix("warren_replicated_messages_away "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// The value of the series `name{labels}` in a Prometheus text answer.

@@ -85,10 +85,9 @@ pub struct Message {
 /// itself what leaves, and a restart, which rebuilds the machine from its snapshot and log,
 /// starts with none away.
 pub trait AwayStore: Send + Sync {
-    /// A key no message of this node's was written under since its start.
-    fn next_key(&self) -> u64;
-    /// Writes the messages' contents under their keys; once it returns each can be read.
-    fn put(&self, items: &[(u64, &Message)]) -> Result<(), String>;
+    /// Writes the messages' contents; once it returns each can be read under its key (in the
+    /// order given).
+    fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String>;
     /// The contents written under `key`, `None` if there are none.
     fn get(&self, key: u64) -> Result<Option<Message>, String>;
     /// Nothing refers to `key` any more: its contents may go. Called as the last handle on
@@ -446,15 +445,15 @@ pub(crate) mod tests {
     }
 
     impl AwayStore for MemAway {
-        fn next_key(&self) -> u64 {
-            self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
-        }
-        fn put(&self, items: &[(u64, &Message)]) -> Result<(), String> {
+        fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
             let mut held = self.held.lock().unwrap();
-            for (k, m) in items {
-                held.insert(*k, (*m).clone());
+            let mut keys = Vec::new();
+            for m in items {
+                let k = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                held.insert(k, (*m).clone());
+                keys.push(k);
             }
-            Ok(())
+            Ok(keys)
         }
         fn get(&self, key: u64) -> Result<Option<Message>, String> {
             Ok(self.held.lock().unwrap().get(&key).cloned())
@@ -485,8 +484,7 @@ pub(crate) mod tests {
         use std::hash::{Hash, Hasher};
         let store = std::sync::Arc::new(MemAway::default());
         let m = sample(b"hello");
-        let key = store.next_key();
-        store.put(&[(key, &m)]).unwrap();
+        let key = store.put(&[&m]).unwrap()[0];
         let stub = m.away_stub(key, store.clone());
         assert!(stub.is_away() && stub.body.is_empty() && stub.routing_key.is_empty());
         assert_eq!(stub, m, "equal by contents");
@@ -524,7 +522,7 @@ pub(crate) mod tests {
             stub.loaded().map(|_| ()),
             Err(AwayError::Missing { key: 7 })
         );
-        store.put(&[(7, &sample(b"other"))]).unwrap();
+        store.held.lock().unwrap().insert(7, sample(b"other"));
         assert_eq!(
             stub.loaded().map(|_| ()),
             Err(AwayError::Mismatch { key: 7 })

@@ -332,10 +332,11 @@ async fn run(config: Config) -> std::io::Result<()> {
     // Deep queues keep their messages on disk and read them back through the store.
     broker.set_pager(Box::new(warren_store::StorePager(store.clone())));
     // Deep replicated queues keep only their messages' logical parts in memory; the contents
-    // go to the store's scratch area (their group's log stays the durable record).
-    broker.set_away_store(std::sync::Arc::new(warren_store::StoreAway::new(
-        store.clone(),
-    )));
+    // go to segment files beside the store (their group's log stays the durable record).
+    let away = warren_store::AwayFiles::open(&config.data_dir.join("away")).map_err(|e| {
+        std::io::Error::other(format!("{}: {e}", config.data_dir.join("away").display()))
+    })?;
+    broker.set_away_store(std::sync::Arc::new(away));
     // Definitions now; the queues' messages in the background, one queue at a time, while
     // connections are accepted (and held after their handshake until it is over).
     let started = std::time::Instant::now();

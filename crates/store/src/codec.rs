@@ -57,8 +57,6 @@ const BODY_V1_TRANSIENT: u8 = 2;
 pub const SPILL_ENTRY: u8 = b'i';
 pub const SPILL_COUNT: u8 = b'c';
 pub const SPILL_BODY: u8 = b'b';
-/// The scratch area's prefix for the contents of replicated queues' messages that left memory.
-pub const SPILL_AWAY: u8 = b'a';
 
 /// A key of at most 17 bytes, on the stack.
 #[derive(Clone, Copy)]

@@ -22,7 +22,7 @@ use rocksdb::{
 };
 use warren_broker::{StoreOp, WriteBatch, SPILL_BIT};
 
-pub use away::StoreAway;
+pub use away::AwayFiles;
 pub use commit::{GroupCommit, Outcome};
 pub use page::StorePager;
 pub use quarantine::{Quarantined, QUARANTINE_PREFIX};

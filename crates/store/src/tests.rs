@@ -1365,39 +1365,67 @@ fn a_params(b: &warren_broker::Broker) -> Vec<(&str, &str)> {
         .collect()
 }
 
-/// The contents of a replicated queue's message that left memory read back whole; released,
-/// they leave the scratch area; a new start begins with none.
+/// The contents of replicated queues' messages that left memory are read back whole; a full
+/// segment goes once all its records are released; a new start begins with none.
 #[test]
-fn contents_away_are_read_back_and_deleted_once_released_and_gone_after_a_restart() {
+fn contents_away_are_read_back_and_their_segment_deleted_once_released_and_gone_after_a_restart() {
     use warren_broker::AwayStore;
     let dir = tempfile::tempdir().expect("tempdir");
-    let key;
-    {
-        let s = std::sync::Arc::new(Store::open(dir.path()).expect("open"));
-        let away = std::sync::Arc::new(crate::StoreAway::new(s.clone()));
-        let m = Message {
-            exchange: ShortStr::from_static("ex"),
-            routing_key: ShortStr::from_static("jobs"),
-            ..msg("a body", true)
-        };
-        key = away.next_key();
-        let other = away.next_key();
-        assert_ne!(key, other);
-        away.put(&[(key, &m), (other, &m)]).expect("put");
-        assert_eq!(AwayStore::held(&*away), 2);
-        let stub = m.away_stub(key, away.clone());
-        assert_eq!(stub.loaded().expect("read").into_owned(), m);
-        drop(stub);
-        away.flush();
-        assert_eq!(away.get(key).expect("get"), None, "deleted once released");
-        assert!(away.get(other).expect("get").is_some());
-        assert_eq!(AwayStore::held(&*away), 1);
-    }
-    let s = std::sync::Arc::new(Store::open(dir.path()).expect("reopen"));
-    let away = crate::StoreAway::new(s);
+    let away_dir = dir.path().join("away");
+    let segments = || std::fs::read_dir(&away_dir).map(|d| d.count()).unwrap_or(0);
+    let m = |body: &'static str| Message {
+        exchange: ShortStr::from_static("ex"),
+        routing_key: ShortStr::from_static("jobs"),
+        ..msg(body, true)
+    };
+    let away = std::sync::Arc::new(crate::AwayFiles::open(&away_dir).expect("open"));
+    let (a, b) = (m("a body"), m("another"));
+    let keys = away.put(&[&a, &b]).expect("put");
+    assert_eq!(keys.len(), 2);
+    assert_ne!(keys[0], keys[1]);
+    assert_eq!(away.held(), 2);
+    let stub = a.away_stub(keys[0], away.clone());
+    assert_eq!(stub.loaded().expect("read").into_owned(), a);
     assert_eq!(
-        away.get(key + 1).expect("get"),
-        None,
-        "the scratch area starts empty"
+        away.get(keys[1]).expect("get"),
+        Some(Message {
+            store_key: Some(keys[1]),
+            ..b.clone()
+        })
     );
+    drop(stub);
+    assert_eq!(away.held(), 1);
+    // 64 MiB fill the first segment: the next write opens a second, and the first goes once its
+    // last record is released.
+    let big = Message {
+        body: bytes::Bytes::from(vec![7u8; 1 << 20]),
+        ..m("")
+    };
+    let mut bigs = Vec::new();
+    for _ in 0..70 {
+        bigs.extend(away.put(&[&big]).expect("put"));
+    }
+    assert!(segments() >= 2, "{} segments", segments());
+    let before = segments();
+    away.release(keys[1]);
+    let first = keys[0] >> 44;
+    for k in bigs.iter().filter(|k| *k >> 44 == first) {
+        away.release(*k);
+    }
+    bigs.retain(|k| *k >> 44 != first);
+    assert_eq!(segments(), before - 1, "the first segment went");
+    assert_eq!(away.get(keys[1]).expect("get"), None);
+    let kept = bigs[0];
+    assert_eq!(
+        away.get(kept)
+            .expect("get")
+            .expect("still there")
+            .body
+            .len(),
+        1 << 20
+    );
+    drop(away);
+    let away = crate::AwayFiles::open(&away_dir).expect("reopen");
+    assert_eq!(segments(), 0, "a new start begins empty");
+    assert_eq!(away.get(kept).expect("get"), None);
 }

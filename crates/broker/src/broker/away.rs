@@ -75,42 +75,52 @@ impl Broker {
         }
         let from = r.away_through;
         let store = handle.store.clone();
-        let mut copies: Vec<(u64, u64, Message)> = Vec::new();
+        let mut copies: Vec<(u64, Message)> = Vec::new();
         let mut last = from;
         for (msg_id, m) in q.machine.head_payloads_mut(kept, from) {
             last = msg_id;
             if !m.is_away() {
-                copies.push((msg_id, store.next_key(), m.clone()));
+                copies.push((msg_id, m.clone()));
             }
         }
         if copies.is_empty() {
             r.away_through = last;
             return;
         }
-        let items: Vec<(u64, &Message)> = copies.iter().map(|(_, k, m)| (*k, m)).collect();
-        if let Err(error) = store.put(&items) {
-            if handle.failed {
-                tracing::debug!(queue = %q.name, %error, "writing messages' contents away failed again");
-            } else {
-                tracing::warn!(queue = %q.name, vhost = %q.vhost, %error, "writing a deep replicated queue's messages out of memory failed: they stay in memory, tried again at the next pass");
-                handle.failed = true;
+        let items: Vec<&Message> = copies.iter().map(|(_, m)| m).collect();
+        let keys = match store.put(&items) {
+            Ok(keys) if keys.len() == items.len() => Ok(keys),
+            Ok(keys) => Err(format!("{} keys for {} messages", keys.len(), items.len())),
+            Err(error) => Err(error),
+        };
+        let keys = match keys {
+            Ok(keys) => keys,
+            Err(error) => {
+                if handle.failed {
+                    tracing::debug!(queue = %q.name, %error, "writing messages' contents away failed again");
+                } else {
+                    tracing::warn!(queue = %q.name, vhost = %q.vhost, %error, "writing a deep replicated queue's messages out of memory failed: they stay in memory, tried again at the next pass");
+                    handle.failed = true;
+                }
+                return;
             }
-            return;
-        }
+        };
         handle.failed = false;
         r.away_through = last;
-        let mut stubs = copies
+        let stubs: Vec<(u64, Message)> = copies
             .into_iter()
-            .map(|(msg_id, key, m)| (msg_id, m.away_stub(key, store.clone())))
-            .peekable();
+            .zip(keys)
+            .map(|((msg_id, m), key)| (msg_id, m.away_stub(key, store.clone())))
+            .collect();
+        if let Mode::Leading { committed } = &mut r.mode {
+            // The committed machine holds the same messages (or will, once their entries
+            // commit, from this machine's copies).
+            committed.share_head_payloads(&stubs);
+        }
+        let mut stubs = stubs.into_iter().peekable();
         for (msg_id, m) in q.machine.head_payloads_mut(kept, from) {
             if stubs.peek().is_some_and(|(id, _)| *id == msg_id) {
                 if let Some((_, stub)) = stubs.next() {
-                    if let Mode::Leading { committed } = &mut r.mode {
-                        // The committed machine holds the same message (or will, once its
-                        // entry commits, from this machine's copy).
-                        committed.share_payload(msg_id, &stub);
-                    }
                     *m = stub;
                 }
             }

@@ -720,6 +720,8 @@ impl Broker {
             self.down_self_once(id);
         }
         self.forward_again(id, group);
+        // Restored with every message in memory: those past the window leave it again.
+        self.send_away(id);
         Some(replaced)
     }
 

@@ -183,19 +183,18 @@ pub struct MemAway {
 }
 
 impl warren_broker::AwayStore for MemAway {
-    fn next_key(&self) -> u64 {
-        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
-    }
-
-    fn put(&self, items: &[(u64, &Message)]) -> Result<(), String> {
+    fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
         let mut held = self.held.lock().expect("lock");
-        for (k, m) in items {
+        let mut keys = Vec::new();
+        for m in items {
             assert!(!m.is_away(), "contents written away twice");
-            assert!(held.insert(*k, (*m).clone()).is_none(), "key {k} reused");
+            let k = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            held.insert(k, (*m).clone());
+            keys.push(k);
         }
         self.puts
             .fetch_add(items.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
+        Ok(keys)
     }
 
     fn get(&self, key: u64) -> Result<Option<Message>, String> {

@@ -866,8 +866,7 @@ mod tests {
         let digest = r.m.digest();
         let mut keys = Vec::new();
         for (_, m) in r.m.head_payloads_mut(1, 0) {
-            let key = store.next_key();
-            store.put(&[(key, m)]).unwrap();
+            let key = store.put(&[&*m]).unwrap()[0];
             *m = m.away_stub(key, store.clone());
             keys.push(key);
         }

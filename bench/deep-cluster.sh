@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# A deep quorum queue on a 3-node Warren cluster: MESSAGES persistent 1 KiB messages published
+# with confirms into one quorum queue with no consumer, then drained with acks (prefetch 200),
+# both through the queue's leader's node. Prints each node's RSS (VmRSS) before, after the
+# backlog and after the drain, the messages whose contents each node keeps out of memory, and
+# the rates.
+#
+#   bench/deep-cluster.sh [--messages N]
+#
+# Starts its own cluster (scripts/cluster, in a temporary folder) with WARREN_BIN, default the
+# release build in CARGO_TARGET_DIR; warren-bench from WARREN_BENCH, default the release build.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+MESSAGES=300000
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --messages) MESSAGES=$2; shift ;;
+    -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+TARGET=${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}
+export WARREN_BIN=${WARREN_BIN:-$TARGET/release/warren}
+BENCH=${WARREN_BENCH:-$TARGET/release/warren-bench}
+for b in "$WARREN_BIN" "$BENCH"; do
+    [ -x "$b" ] || { echo "no $b: cargo build --release -p warren-server -p warren-bench, or set WARREN_BIN and WARREN_BENCH" >&2; exit 1; }
+done
+for port in 5701 5702 5703; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        echo "port $port is in use (a cluster from scripts/cluster up?): stop it first (scripts/cluster down)" >&2
+        exit 1
+    fi
+done
+WARREN_CLUSTER_DIR=$(mktemp -d)
+export WARREN_CLUSTER_DIR
+cleanup() {
+    "$ROOT/scripts/cluster" down >/dev/null 2>&1 || true
+    rm -rf "$WARREN_CLUSTER_DIR"
+}
+trap cleanup EXIT
+"$ROOT/scripts/cluster" up >/dev/null
+
+rss() { # the three nodes' VmRSS in MB
+    local out="" n
+    for n in 1 2 3; do
+        out="$out $(awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node$n.pid")/status")"
+    done
+    echo "$out"
+}
+rate() { python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))[sys.argv[2]]))" "$1" "$2"; }
+
+echo "RSS before (MB, nodes 1 2 3):$(rss)"
+curl -sf -u guest:guest -X PUT -H 'content-type: application/json' \
+    -d '{"durable":true,"arguments":{"x-queue-type":"quorum"}}' \
+    "http://127.0.0.1:15701/api/queues/%2f/deep" >/dev/null
+leader=""
+for _ in $(seq 1 100); do
+    leader=$(curl -s -u guest:guest "http://127.0.0.1:15701/api/queues/%2f/deep" |
+        python3 -c "import json,sys; print(json.load(sys.stdin)['leader'].split('@')[0].split('-')[1])" 2>/dev/null) && break
+    sleep 0.1
+done
+[ -n "$leader" ] || { echo "the queue has no leader" >&2; exit 1; }
+URL="amqp://guest:guest@127.0.0.1:570$leader/%2f"
+"$BENCH" -u "$URL" --json --quiet --label backlog --predeclare \
+    -x 1 -y 0 --no-consume -s 1024 -f --durable -c 1000 -C "$MESSAGES" \
+    --queue-pattern deep --queue-arg x-queue-type=quorum >"$WARREN_CLUSTER_DIR/backlog.json"
+sleep 3
+away=""
+for n in 1 2 3; do
+    away="$away $(curl -s "http://127.0.0.1:1579$n/metrics" | awk '/^warren_replicated_messages_away/ {print $2}')"
+done
+echo "backlog: $MESSAGES published through node $leader (the leader) at $(rate "$WARREN_CLUSTER_DIR/backlog.json" publish_rate) msg/s"
+echo "RSS after the backlog (MB):$(rss)"
+echo "messages whose contents are out of memory:${away:- (none reported)}"
+"$BENCH" -u "$URL" --json --quiet --label drain \
+    --ack-batched -x 0 -y 1 --predeclare -q 200 -C "$MESSAGES" \
+    --queue-pattern deep --queue-arg x-queue-type=quorum >"$WARREN_CLUSTER_DIR/drain.json"
+echo "drain: $(rate "$WARREN_CLUSTER_DIR/drain.json" consume_rate) msg/s"
+sleep 3
+echo "RSS after the drain (MB):$(rss)"
