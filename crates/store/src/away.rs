@@ -159,8 +159,20 @@ impl AwayStore for AwayFiles {
             .place(&mut files, buf.len() as u64)
             .map_err(|e| e.to_string())?;
         // Appended (the file is opened for appends) where `place` said: only this lock's
-        // holder writes.
-        (&*file).write_all(&buf).map_err(|e| e.to_string())?;
+        // holder writes. A write that failed part way leaves the file's end where no key
+        // points: the segment is closed, and the next write opens another.
+        if let Err(error) = (&*file).write_all(&buf) {
+            files.current = None;
+            let empty = files.segments.get_mut(&segment).is_some_and(|s| {
+                s.closed = true;
+                s.live == 0
+            });
+            if empty {
+                files.segments.remove(&segment);
+                self.remove(segment);
+            }
+            return Err(error.to_string());
+        }
         files.current = Some((segment, at + buf.len() as u64));
         if let Some(s) = files.segments.get_mut(&segment) {
             s.live += items.len() as u64;
