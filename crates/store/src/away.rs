@@ -141,6 +141,76 @@ impl AwayFiles {
     }
 }
 
+/// What one read takes from a segment: the records after the one asked for come with it, and
+/// the next reads on this thread are served from memory. Contents are read in the order they
+/// were written (a consumer draining the line, a snapshot writing it), so one read serves a
+/// hundred 1 KiB records.
+const READ_AHEAD: usize = 128 << 10;
+
+/// The last read of this thread: a segment's bytes from `start` on. Records never change once
+/// written, and the `Arc` tells a segment from a later one under the same number.
+struct Ahead {
+    file: Arc<File>,
+    start: u64,
+    data: Vec<u8>,
+}
+
+thread_local! {
+    static AHEAD: std::cell::RefCell<Option<Ahead>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The record at `offset` (without its length).
+fn read_record(file: &Arc<File>, offset: u64) -> std::io::Result<Vec<u8>> {
+    AHEAD.with(|ahead| {
+        let mut ahead = ahead.borrow_mut();
+        if let Some(record) = ahead.as_ref().and_then(|a| cached(a, file, offset)) {
+            return Ok(record);
+        }
+        let mut data = vec![0u8; READ_AHEAD];
+        let mut got = 0;
+        while got < data.len() {
+            match file.read_at(&mut data[got..], offset + got as u64) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        data.truncate(got);
+        let a = Ahead {
+            file: file.clone(),
+            start: offset,
+            data,
+        };
+        let record = cached(&a, file, offset);
+        *ahead = Some(a);
+        match record {
+            Some(record) => Ok(record),
+            // Longer than a read ahead.
+            None => {
+                let mut len = [0u8; 4];
+                file.read_exact_at(&mut len, offset)?;
+                let mut value = vec![0u8; u32::from_be_bytes(len) as usize];
+                file.read_exact_at(&mut value, offset + 4)?;
+                Ok(value)
+            }
+        }
+    })
+}
+
+/// The record at `offset` if `a` holds all of it.
+fn cached(a: &Ahead, file: &Arc<File>, offset: u64) -> Option<Vec<u8>> {
+    if !Arc::ptr_eq(&a.file, file) || offset < a.start {
+        return None;
+    }
+    let at = usize::try_from(offset - a.start).ok()?;
+    let len = a.data.get(at..at.checked_add(4)?)?;
+    let len = u32::from_be_bytes(len.try_into().ok()?) as usize;
+    a.data
+        .get(at + 4..(at + 4).checked_add(len)?)
+        .map(<[u8]>::to_vec)
+}
+
 impl AwayStore for AwayFiles {
     fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
         let mut buf = BytesMut::new();
@@ -190,12 +260,7 @@ impl AwayStore for AwayFiles {
             Some(s) => s.file.clone(),
             None => return Ok(None),
         };
-        let mut len = [0u8; 4];
-        file.read_exact_at(&mut len, offset)
-            .map_err(|e| e.to_string())?;
-        let mut value = vec![0u8; u32::from_be_bytes(len) as usize];
-        file.read_exact_at(&mut value, offset + 4)
-            .map_err(|e| e.to_string())?;
+        let value = read_record(&file, offset).map_err(|e| e.to_string())?;
         codec::decode_body(key, value)
             .map(|(m, _)| Some(m))
             .map_err(|e| e.to_string())

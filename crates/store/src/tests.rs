@@ -1424,6 +1424,22 @@ fn contents_away_are_read_back_and_their_segment_deleted_once_released_and_gone_
             .len(),
         1 << 20
     );
+    // Many small records, read in order (one read serves many) and backwards.
+    let smalls: Vec<Message> = (0..2000)
+        .map(|i| Message {
+            body: bytes::Bytes::from(format!("job {i}")),
+            ..m("")
+        })
+        .collect();
+    let refs: Vec<&Message> = smalls.iter().collect();
+    let keys = away.put(&refs[..1000]).expect("put");
+    let more = away.put(&refs[1000..]).expect("put");
+    for (k, want) in keys.iter().chain(&more).zip(&smalls) {
+        assert_eq!(away.get(*k).expect("get").expect("there").body, want.body);
+    }
+    for (k, want) in keys.iter().zip(&smalls).rev() {
+        assert_eq!(away.get(*k).expect("get").expect("there").body, want.body);
+    }
     drop(away);
     let away = crate::AwayFiles::open(&away_dir).expect("reopen");
     assert_eq!(segments(), 0, "a new start begins empty");
