@@ -543,8 +543,10 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
 }
 
-/// Each node snapshots a queue every this many entries (4,096 by default).
-const SNAPSHOTS: &[&str] = &["--test-snapshot-entries", "256"];
+/// Each node snapshots a queue every this many entries (4,096 by default), and keeps 16
+/// messages of a queue whole in memory (1,024 by default): past them, a queue's messages'
+/// contents go to the node's `away/` files, so kills, pauses and partitions find them there.
+const SNAPSHOTS: &[&str] = &["--test-snapshot-entries", "256", "--queue-window", "16"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicated_queue_history_under_kills_and_pauses() {
