@@ -101,6 +101,19 @@ impl AwayFiles {
             .map_err(|_| "the segments' lock is poisoned".to_string())
     }
 
+    /// No more records go to `segment`: it is deleted at once if none in it is live, else
+    /// once the last is released.
+    fn close(&self, files: &mut Files, segment: u32) {
+        let empty = files.segments.get_mut(&segment).is_some_and(|s| {
+            s.closed = true;
+            s.live == 0
+        });
+        if empty {
+            files.segments.remove(&segment);
+            self.remove(segment);
+        }
+    }
+
     /// The segment a write of `len` bytes goes to, and where in it; opens a new one when the
     /// current one is full.
     fn place(&self, files: &mut Files, len: u64) -> std::io::Result<(u32, u64, Arc<File>)> {
@@ -109,15 +122,7 @@ impl AwayFiles {
             if let (true, Some(s)) = (fits, files.segments.get(&segment)) {
                 return Ok((segment, at, s.file.clone()));
             }
-            // Full: closed, and gone already if nothing in it is live.
-            let empty = files.segments.get_mut(&segment).is_some_and(|s| {
-                s.closed = true;
-                s.live == 0
-            });
-            if empty {
-                files.segments.remove(&segment);
-                self.remove(segment);
-            }
+            self.close(files, segment);
         }
         let segment = files.next;
         files.next = (files.next + 1) & SEGMENT_MASK;
@@ -233,14 +238,7 @@ impl AwayStore for AwayFiles {
         // points: the segment is closed, and the next write opens another.
         if let Err(error) = (&*file).write_all(&buf) {
             files.current = None;
-            let empty = files.segments.get_mut(&segment).is_some_and(|s| {
-                s.closed = true;
-                s.live == 0
-            });
-            if empty {
-                files.segments.remove(&segment);
-                self.remove(segment);
-            }
+            self.close(&mut files, segment);
             return Err(error.to_string());
         }
         files.current = Some((segment, at + buf.len() as u64));
