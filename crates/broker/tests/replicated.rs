@@ -3615,3 +3615,43 @@ fn dead_letters_of_a_deep_replicated_queue_carry_their_contents() {
     want.sort();
     assert_eq!(bodies, want);
 }
+
+/// A member whose writes fail keeps its messages whole and tries again a second later, not at
+/// every entry; a queue deeper than one pass goes away in several.
+#[test]
+fn a_member_that_cannot_write_contents_away_keeps_them_and_tries_again_later() {
+    use std::sync::atomic::Ordering;
+    small_window();
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    for n in NODES {
+        c.members[&n].away.failing.store(true, Ordering::Relaxed);
+    }
+    for n in 0..5000 {
+        c.publish(leader, n);
+    }
+    c.run(20);
+    for n in NODES {
+        assert_eq!(away_on(&c, n), (0, 0), "node {n}");
+    }
+    for n in NODES {
+        c.members[&n].away.failing.store(false, Ordering::Relaxed);
+    }
+    // Within the second after the failure nothing is tried, whatever is applied.
+    c.publish(leader, 5000);
+    c.run(5);
+    assert_eq!(away_on(&c, leader), (0, 0));
+    c.run(u32::try_from(1_000 / TICK_MS).unwrap_or(u32::MAX));
+    c.publish(leader, 5001);
+    c.run(10);
+    for n in NODES {
+        let (away, held) = away_on(&c, n);
+        assert!(
+            away >= 5002 - 4 - 256 && away == held,
+            "node {n}: {away} away"
+        );
+    }
+    assert_same_state(&c, &NODES);
+    consume(&mut c, leader, 100).expect("consume");
+    take_in_order(&mut c, leader, 0, 5002);
+}

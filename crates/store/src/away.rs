@@ -155,7 +155,8 @@ const READ_AHEAD: usize = 128 << 10;
 /// The last read of this thread: a segment's bytes from `start` on. Records never change once
 /// written, and the `Arc` tells a segment from a later one under the same number.
 struct Ahead {
-    file: Arc<File>,
+    /// Weak: a segment deleted meanwhile is closed, not kept open by a thread's last read.
+    file: std::sync::Weak<File>,
     start: u64,
     data: Vec<u8>,
 }
@@ -183,7 +184,7 @@ fn read_record(file: &Arc<File>, offset: u64) -> std::io::Result<Vec<u8>> {
         }
         data.truncate(got);
         let a = Ahead {
-            file: file.clone(),
+            file: Arc::downgrade(file),
             start: offset,
             data,
         };
@@ -195,7 +196,16 @@ fn read_record(file: &Arc<File>, offset: u64) -> std::io::Result<Vec<u8>> {
             None => {
                 let mut len = [0u8; 4];
                 file.read_exact_at(&mut len, offset)?;
-                let mut value = vec![0u8; u32::from_be_bytes(len) as usize];
+                let len = u64::from(u32::from_be_bytes(len));
+                // A damaged length must not allocate more than the segment holds.
+                let end = file.metadata()?.len();
+                if offset.saturating_add(4).saturating_add(len) > end {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("a record at {offset} of {len} bytes runs past the segment's end ({end})"),
+                    ));
+                }
+                let mut value = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX)];
                 file.read_exact_at(&mut value, offset + 4)?;
                 Ok(value)
             }
@@ -205,7 +215,7 @@ fn read_record(file: &Arc<File>, offset: u64) -> std::io::Result<Vec<u8>> {
 
 /// The record at `offset` if `a` holds all of it.
 fn cached(a: &Ahead, file: &Arc<File>, offset: u64) -> Option<Vec<u8>> {
-    if !Arc::ptr_eq(&a.file, file) || offset < a.start {
+    if !std::ptr::eq(a.file.as_ptr(), Arc::as_ptr(file)) || offset < a.start {
         return None;
     }
     let at = usize::try_from(offset - a.start).ok()?;

@@ -22,11 +22,20 @@ use crate::replica::Mode;
 /// write to the store.
 const AWAY_BATCH: usize = 256;
 
+/// At most this many messages, and this many bytes of their contents, go in one write.
+const AWAY_PASS_MESSAGES: usize = 4096;
+const AWAY_PASS_BYTES: u64 = 16 << 20;
+/// Passes one call makes at most.
+const AWAY_PASSES: usize = 16;
+/// After a failed write, the next is tried this much later (a full disk is not retried at
+/// every entry).
+const AWAY_RETRY_MS: u64 = 1_000;
+
 /// The broker's [`AwayStore`] (a wrapper, so the broker stays `Debug`).
 pub(super) struct AwayHandle {
     store: Arc<dyn AwayStore>,
-    /// A write failed and was logged; the next failure is logged at debug level.
-    failed: bool,
+    /// A write failed (logged once): none is tried before this time.
+    retry_at: Option<u64>,
 }
 
 impl std::fmt::Debug for AwayHandle {
@@ -42,7 +51,7 @@ impl Broker {
     pub fn set_away_store(&mut self, store: Arc<dyn AwayStore>) {
         self.away = Some(AwayHandle {
             store,
-            failed: false,
+            retry_at: None,
         });
     }
 
@@ -52,21 +61,36 @@ impl Broker {
     }
 
     /// Sends the contents of the replicated queue's ready messages past its window away, once
-    /// enough new ones arrived there. A failed write leaves them in memory, tried again at the
-    /// next pass.
+    /// enough new ones arrived there: in passes of at most [`AWAY_PASS_MESSAGES`] messages and
+    /// [`AWAY_PASS_BYTES`], up to [`AWAY_PASSES`] of them a call (a queue restored whole from a
+    /// snapshot goes out over the calls that follow, never in one buffer the size of the queue).
+    /// A failed write leaves them in memory; writes are tried again [`AWAY_RETRY_MS`] later.
     pub(super) fn send_away(&mut self, id: QueueId) {
+        for _ in 0..AWAY_PASSES {
+            if !self.send_away_pass(id) {
+                return;
+            }
+        }
+    }
+
+    /// One pass of [`Broker::send_away`]; true if it wrote a full pass (more may wait).
+    fn send_away_pass(&mut self, id: QueueId) -> bool {
+        let now = self.now_ms;
         let Some(handle) = self.away.as_mut() else {
-            return;
+            return false;
         };
+        if handle.retry_at.is_some_and(|at| now < at) {
+            return false;
+        }
         let Some(q) = self.queues.get_mut(&id) else {
-            return;
+            return false;
         };
         let count = keep(&self.config, q) as usize;
         let Some(r) = q.replica.as_mut() else {
-            return;
+            return false;
         };
         if q.machine.head_after(r.away_through) < AWAY_BATCH {
-            return;
+            return false;
         }
         let kept = q.machine.head_within(count, self.config.page_window_bytes);
         // The window's messages stay; the passes that follow look past them.
@@ -76,16 +100,21 @@ impl Broker {
         let from = r.away_through;
         let store = handle.store.clone();
         let mut copies: Vec<(u64, Message)> = Vec::new();
-        let mut last = from;
+        let (mut last, mut bytes, mut full) = (from, 0u64, false);
         for (msg_id, m) in q.machine.head_payloads_mut(kept, from) {
+            if copies.len() >= AWAY_PASS_MESSAGES || bytes >= AWAY_PASS_BYTES {
+                full = true;
+                break;
+            }
             last = msg_id;
             if !m.is_away() {
+                bytes += m.body.len() as u64 + m.properties.len() as u64;
                 copies.push((msg_id, m.clone()));
             }
         }
         if copies.is_empty() {
             r.away_through = last;
-            return;
+            return false;
         }
         let items: Vec<&Message> = copies.iter().map(|(_, m)| m).collect();
         let keys = match store.put(&items) {
@@ -96,16 +125,16 @@ impl Broker {
         let keys = match keys {
             Ok(keys) => keys,
             Err(error) => {
-                if handle.failed {
+                if handle.retry_at.is_some() {
                     tracing::debug!(queue = %q.name, %error, "writing messages' contents away failed again");
                 } else {
-                    tracing::warn!(queue = %q.name, vhost = %q.vhost, %error, "writing a deep replicated queue's messages out of memory failed: they stay in memory, tried again at the next pass");
-                    handle.failed = true;
+                    tracing::warn!(queue = %q.name, vhost = %q.vhost, %error, "writing a deep replicated queue's messages out of memory failed: they stay in memory, tried again in a second");
                 }
-                return;
+                handle.retry_at = Some(now.saturating_add(AWAY_RETRY_MS));
+                return false;
             }
         };
-        handle.failed = false;
+        handle.retry_at = None;
         r.away_through = last;
         let stubs: Vec<(u64, Message)> = copies
             .into_iter()
@@ -119,11 +148,15 @@ impl Broker {
         }
         let mut stubs = stubs.into_iter().peekable();
         for (msg_id, m) in q.machine.head_payloads_mut(kept, from) {
+            if msg_id > last {
+                break;
+            }
             if stubs.peek().is_some_and(|(id, _)| *id == msg_id) {
                 if let Some((_, stub)) = stubs.next() {
                     *m = stub;
                 }
             }
         }
+        full
     }
 }

@@ -831,9 +831,9 @@ impl Broker {
     /// last one.
     fn take_due_snapshots(&mut self, ids: &[QueueId]) {
         let max = self.snapshot_limit();
-        // Contents that left memory are read back to be written: a queue that may hold some
-        // is encoded by the snapshot's writer, off this thread.
-        let away_past = self.away.is_some().then_some(self.config.page_window_bytes);
+        // Contents that left memory are read back to be written: a queue that holds some is
+        // encoded by the snapshot's writer, off this thread.
+        let away_on = self.away.is_some();
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
@@ -854,7 +854,10 @@ impl Broker {
             r.since_snapshot = 0;
             r.since_snapshot_bytes = 0;
             let estimate = snapshot_estimate(machine);
-            let some_away = away_past.is_some_and(|w| machine.ready_bytes() > w);
+            // Looked at only for a small queue (the rest is encoded off this thread anyway).
+            let some_away = away_on
+                && estimate <= ENCODE_AT_ONCE_MAX
+                && machine.messages().any(|(_, m, _)| m.is_away());
             let data = if estimate <= ENCODE_AT_ONCE_MAX && !some_away {
                 let mut buf = bytes::BytesMut::new();
                 if let Err(error) = machine.snapshot(&mut buf) {

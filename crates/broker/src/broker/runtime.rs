@@ -635,7 +635,10 @@ pub(super) fn delivery_with(
     // `load`: the delivery goes to a client of this node, with its contents read back if a
     // deep replicated queue let them leave memory. Contents that cannot be read back are not
     // sent as some other message: the delivery is dropped, and its message stays checked out
-    // to the consumer until the consumer goes (then it is ready again), as nothing acks it.
+    // to the consumer until the consumer goes or its delivery times out (then it is ready
+    // again). It is not given back at once: with the disk failing, the next delivery of it
+    // would fail too, in a loop. A no-ack delivery's message is lost, as it is when a no-ack
+    // consumer's connection drops.
     if load {
         if let Err(error) = message.load() {
             tracing::error!(queue = %name, msg_id = d.receipt.msg_id, %error, "a delivery's contents could not be read back: not delivered");

@@ -180,10 +180,15 @@ pub struct MemAway {
     pub gets: std::sync::atomic::AtomicU64,
     /// Every key released, in order (a key released twice would be a bug).
     pub released: Mutex<Vec<u64>>,
+    /// Writes fail while this is set (a full disk).
+    pub failing: std::sync::atomic::AtomicBool,
 }
 
 impl warren_broker::AwayStore for MemAway {
     fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
+        if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err("no space left on device".into());
+        }
         let mut held = self.held.lock().expect("lock");
         let mut keys = Vec::new();
         for m in items {
