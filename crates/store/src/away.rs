@@ -280,15 +280,23 @@ impl AwayStore for AwayFiles {
         let Ok(mut files) = self.files.lock() else {
             return;
         };
-        let gone = files.segments.get_mut(&segment).is_some_and(|s| {
+        let empty = files.segments.get_mut(&segment).is_some_and(|s| {
             s.live = s.live.saturating_sub(1);
-            s.live == 0 && s.closed
+            s.live == 0
         });
-        if gone {
-            files.segments.remove(&segment);
-            drop(files);
-            self.remove(segment);
+        if !empty {
+            return;
         }
+        // The segment being written goes too once nothing in it is live (a drained queue
+        // leaves no file behind); the next write opens another.
+        if files.current.is_some_and(|(current, _)| current == segment) {
+            files.current = None;
+        } else if !files.segments.get(&segment).is_some_and(|s| s.closed) {
+            return;
+        }
+        files.segments.remove(&segment);
+        drop(files);
+        self.remove(segment);
     }
 
     fn held(&self) -> u64 {

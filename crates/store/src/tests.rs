@@ -1440,6 +1440,17 @@ fn contents_away_are_read_back_and_their_segment_deleted_once_released_and_gone_
     for (k, want) in keys.iter().zip(&smalls).rev() {
         assert_eq!(away.get(*k).expect("get").expect("there").body, want.body);
     }
+    // Everything released: no segment is left, the one being written included.
+    for k in keys.iter().chain(&more).chain(&bigs) {
+        away.release(*k);
+    }
+    assert_eq!(away.held(), 0);
+    assert_eq!(segments(), 0, "a drained store leaves no file");
+    let again = away.put(&[&a]).expect("put after");
+    assert_eq!(
+        away.get(again[0]).expect("get").map(|m| m.body),
+        Some(a.body.clone())
+    );
     drop(away);
     let away = crate::AwayFiles::open(&away_dir).expect("reopen");
     assert_eq!(segments(), 0, "a new start begins empty");
