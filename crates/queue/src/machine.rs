@@ -2746,17 +2746,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         const TAIL: usize = 64;
         let from = self.ready.len().saturating_sub(TAIL);
         if self.ready.get(from).is_some_and(|e| e.id <= msg_id) {
-            let (mut lo, mut hi) = (from, self.ready.len());
-            while lo < hi {
-                let mid = lo + (hi - lo) / 2;
-                match self.ready.get(mid).map(|e| e.id) {
-                    Some(id) if id < msg_id => lo = mid + 1,
-                    Some(id) if id > msg_id => hi = mid,
-                    Some(_) => return Some(mid),
-                    None => return None,
-                }
-            }
-            return None;
+            return self
+                .ready
+                .range(from..)
+                .rposition(|e| e.id == msg_id)
+                .map(|i| from + i);
         }
         self.ready.binary_search_by_key(&msg_id, |e| e.id).ok()
     }

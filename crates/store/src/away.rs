@@ -229,15 +229,16 @@ fn cached(a: &Ahead, file: &Arc<File>, offset: u64) -> Option<Vec<u8>> {
 impl AwayStore for AwayFiles {
     fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
         let mut buf = BytesMut::new();
-        let mut value = BytesMut::new();
         let mut offsets = Vec::with_capacity(items.len());
         for m in items {
-            codec::body_value_into(&mut value, m, 1);
-            let len = u32::try_from(value.len())
-                .map_err(|_| format!("a message of {} bytes", value.len()))?;
-            offsets.push(buf.len() as u64);
-            buf.extend_from_slice(&len.to_be_bytes());
-            buf.extend_from_slice(&value);
+            // Encoded in place behind a length written once the record's size is known.
+            let at = buf.len();
+            buf.extend_from_slice(&[0; 4]);
+            codec::body_value_append(&mut buf, m, 1);
+            let len = buf.len() - at - 4;
+            let len = u32::try_from(len).map_err(|_| format!("a message of {len} bytes"))?;
+            buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
+            offsets.push(at as u64);
         }
         let mut files = self.lock()?;
         let (segment, at, file) = self

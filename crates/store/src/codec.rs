@@ -368,6 +368,11 @@ pub fn body_value(message: &Message, queues: u32) -> BytesMut {
 /// [`body_value`] written into `v` (cleared first), as [`entry_value_into`].
 pub fn body_value_into(v: &mut BytesMut, message: &Message, queues: u32) {
     v.clear();
+    body_value_append(v, message, queues);
+}
+
+/// [`body_value_into`] at the end of what `v` holds.
+pub fn body_value_append(v: &mut BytesMut, message: &Message, queues: u32) {
     v.reserve(
         16 + message.exchange.len()
             + message.routing_key.len()

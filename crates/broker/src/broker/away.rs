@@ -117,12 +117,13 @@ impl Broker {
             return false;
         }
         let items: Vec<&Message> = copies.iter().map(|(_, m)| m).collect();
-        let keys = match store.put(&items) {
-            Ok(keys) if keys.len() == items.len() => Ok(keys),
-            Ok(keys) => Err(format!("{} keys for {} messages", keys.len(), items.len())),
-            Err(error) => Err(error),
-        };
-        let keys = match keys {
+        let written = store
+            .put(&items)
+            .and_then(|keys| match keys.len() == items.len() {
+                true => Ok(keys),
+                false => Err(format!("{} keys for {} messages", keys.len(), items.len())),
+            });
+        let keys = match written {
             Ok(keys) => keys,
             Err(error) => {
                 if handle.retry_at.is_some() {

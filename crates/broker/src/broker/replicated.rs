@@ -854,11 +854,9 @@ impl Broker {
             r.since_snapshot = 0;
             r.since_snapshot_bytes = 0;
             let estimate = snapshot_estimate(machine);
-            // Looked at only for a small queue (the rest is encoded off this thread anyway).
-            let some_away = away_on
-                && estimate <= ENCODE_AT_ONCE_MAX
-                && machine.messages().any(|(_, m, _)| m.is_away());
-            let data = if estimate <= ENCODE_AT_ONCE_MAX && !some_away {
+            let at_once = estimate <= ENCODE_AT_ONCE_MAX
+                && !(away_on && machine.messages().any(|(_, m, _)| m.is_away()));
+            let data = if at_once {
                 let mut buf = bytes::BytesMut::new();
                 if let Err(error) = machine.snapshot(&mut buf) {
                     tracing::error!(queue = %q.name, %error, "no snapshot of a replicated queue");
@@ -2687,9 +2685,12 @@ fn open_batch(persist: Option<&mut Persist>) -> u64 {
 
 /// A delivery for a consumer of this node's channels, or a basic.get's.
 fn delivers_here(d: &Delivery, node: NodeId) -> bool {
-    d.consumer
-        .as_ref()
-        .is_none_or(|(_, group, _)| u64::from(warren_queue::node_of(group.conn)) == node)
+    consumer_here(d.consumer.as_ref().map(|(_, group, _)| group.conn), node)
+}
+
+/// A delivery whose consumer is on connection `conn` (none: a basic.get) is for this node.
+pub(super) fn consumer_here(conn: Option<ConnId>, node: NodeId) -> bool {
+    conn.is_none_or(|conn| u64::from(warren_queue::node_of(conn)) == node)
 }
 
 fn qualified(node: NodeId, local: u64) -> u64 {

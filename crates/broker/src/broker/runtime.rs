@@ -311,12 +311,8 @@ impl Broker {
                     }
                     // A delivery for another node's consumer is dropped from this node's
                     // session (`keep_local_deliveries`): contents away stay where they are.
-                    let here = node.is_none_or(|n| {
-                        d.consumer.is_none()
-                            || d.to
-                                .as_ref()
-                                .is_none_or(|(g, _)| u64::from(warren_queue::node_of(g.conn)) == n)
-                    });
+                    let conn = d.consumer.and(d.to.as_ref()).map(|(g, _)| g.conn);
+                    let here = node.is_none_or(|n| super::replicated::consumer_here(conn, n));
                     if let Some(delivery) = delivery_of(q, d, here) {
                         out.push(delivery);
                     }
