@@ -3655,3 +3655,36 @@ fn a_member_that_cannot_write_contents_away_keeps_them_and_tries_again_later() {
     consume(&mut c, leader, 100).expect("consume");
     take_in_order(&mut c, leader, 0, 5002);
 }
+
+/// A leader deposed while a deep queue's contents are away falls back to its committed machine,
+/// which holds the same stubs; its consumer then gets every message whole, through the death of
+/// the leader after it too.
+#[test]
+fn a_deep_queues_contents_away_outlive_a_leader_deposed_and_a_leader_killed() {
+    small_window();
+    let mut c = Cluster::new();
+    let first = c.leader();
+    for n in 0..600 {
+        c.publish(first, n);
+    }
+    c.run(40);
+    assert!(away_on(&c, first).0 > 300);
+    c.isolated.insert(first);
+    let second = c.leader();
+    assert_ne!(second, first);
+    c.run(20);
+    c.isolated.clear();
+    c.run(60);
+    assert_same_state(&c, &NODES);
+    let (away, held) = away_on(&c, first);
+    assert!(
+        away > 300 && away == held,
+        "deposed: {away} away, {held} held"
+    );
+    consume(&mut c, first, 20).expect("consume on the deposed leader");
+    take_in_order(&mut c, first, 0, 300);
+    c.kill(second);
+    let third = c.leader();
+    assert_ne!(third, second);
+    take_in_order(&mut c, first, 300, 300);
+}
