@@ -2,8 +2,8 @@
 # A deep quorum queue on a 3-node Warren cluster: MESSAGES persistent 1 KiB messages published
 # with confirms into one quorum queue with no consumer, then drained with acks (prefetch 200),
 # both through the queue's leader's node. Prints each node's RSS (VmRSS) before, after the
-# backlog and after the drain, the messages whose contents each node keeps out of memory, and
-# the rates.
+# backlog and after the drain, its peak RSS (VmHWM: snapshots taken meanwhile included), the
+# messages whose contents each node keeps out of memory, and the rates.
 #
 #   bench/deep-cluster.sh [--messages N]
 #
@@ -42,10 +42,10 @@ cleanup() {
 trap cleanup EXIT
 "$ROOT/scripts/cluster" up >/dev/null
 
-rss() { # the three nodes' VmRSS in MB
-    local out="" n
+rss() { # the three nodes' VmRSS (or, given VmHWM, their peak) in MB
+    local out="" n field=${1:-VmRSS}
     for n in 1 2 3; do
-        out="$out $(awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node$n.pid")/status")"
+        out="$out $(awk -v f="^$field" '$0 ~ f {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node$n.pid")/status")"
     done
     echo "$out"
 }
@@ -73,6 +73,7 @@ for n in 1 2 3; do
 done
 echo "backlog: $MESSAGES published through node $leader (the leader) at $(rate "$WARREN_CLUSTER_DIR/backlog.json" publish_rate) msg/s"
 echo "RSS after the backlog (MB):$(rss)"
+echo "peak RSS so far (MB):$(rss VmHWM)"
 echo "messages whose contents are out of memory:${away:- (none reported)}"
 "$BENCH" -u "$URL" --json --quiet --label drain \
     --ack-batched -x 0 -y 1 --predeclare -q 200 -C "$MESSAGES" \
@@ -80,3 +81,4 @@ echo "messages whose contents are out of memory:${away:- (none reported)}"
 echo "drain: $(rate "$WARREN_CLUSTER_DIR/drain.json" consume_rate) msg/s"
 sleep 3
 echo "RSS after the drain (MB):$(rss)"
+echo "peak RSS (MB):$(rss VmHWM)"

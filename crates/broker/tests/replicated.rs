@@ -358,9 +358,18 @@ impl Cluster {
                     index: s.index,
                     term: s.term,
                 };
+                // Streamed as the server writes it (a copied machine a chunk at a time).
+                let mut rest = Vec::new();
+                let prefix = s
+                    .data
+                    .write_to(&mut |chunk: &[u8]| {
+                        rest.extend_from_slice(chunk);
+                        Ok(())
+                    })
+                    .expect("a snapshot that encodes");
                 let stored = StoredSnapshot {
                     meta,
-                    data: s.data.encode().expect("a snapshot that encodes"),
+                    data: [prefix, rest].concat().into(),
                     members: m.raft.members_at(g, meta.index),
                 };
                 m.log.save_snapshot(g, &stored).expect("log");

@@ -348,6 +348,102 @@ impl SnapshotFiles {
         }
     }
 
+    /// [`SnapshotFiles::stage`] for a snapshot whose bytes are made while they are written,
+    /// never whole in memory: `fill` hands them to the sink it is given in order, except the
+    /// first `prefix_len`, which it returns once it is done (a checksum of what follows, say).
+    /// The file is the same as `stage` writes for those bytes. An error from `fill` (or one
+    /// the sink returned to it) leaves no file. Returns the file and the data's length.
+    pub fn stage_stream(
+        &self,
+        group: GroupId,
+        seq: u64,
+        meta: SnapshotMeta,
+        members: Option<&Members>,
+        prefix_len: usize,
+        fill: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<(), String>) -> Result<Vec<u8>, String>,
+    ) -> Result<(PathBuf, u64), LogError> {
+        let staged = self.dir.join(format!("{:016x}.{seq}.tmp", group.0));
+        match self.write_stream(&staged, group, meta, members, prefix_len, fill) {
+            Ok(len) => Ok((staged, len)),
+            Err(e) => {
+                self.discard(&staged);
+                Err(e)
+            }
+        }
+    }
+
+    fn write_stream(
+        &self,
+        path: &Path,
+        group: GroupId,
+        meta: SnapshotMeta,
+        members: Option<&Members>,
+        prefix_len: usize,
+        fill: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<(), String>) -> Result<Vec<u8>, String>,
+    ) -> Result<u64, LogError> {
+        use std::os::unix::fs::FileExt;
+        let members = members.map(encode_members);
+        let head_len = header(group, meta, members.as_deref(), 0).len() + 4;
+        let data_at = (head_len + members.as_ref().map_or(0, Vec::len)) as u64;
+        let f = std::fs::File::create(path)?;
+        // The header and the prefix are known last: their room is left, the rest streamed,
+        // synced in steps as `write_file` does.
+        let mut written = data_at + prefix_len as u64;
+        f.set_len(written)?;
+        let mut file = std::io::BufWriter::with_capacity(1 << 20, &f);
+        std::io::Seek::seek(&mut file, std::io::SeekFrom::Start(written))?;
+        let mut rest = crc32fast::Hasher::new();
+        let mut synced = written;
+        let mut failed: Option<std::io::Error> = None;
+        let prefix = fill(&mut |chunk: &[u8]| {
+            let step = file.write_all(chunk).and_then(|()| {
+                written += chunk.len() as u64;
+                if written - synced >= SYNC_EVERY as u64 {
+                    file.flush()?;
+                    file.get_ref().sync_data()?;
+                    synced = written;
+                }
+                Ok(())
+            });
+            step.map_err(|e| {
+                let text = e.to_string();
+                failed = Some(e);
+                text
+            })?;
+            rest.update(chunk);
+            Ok(())
+        });
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        let prefix = prefix.map_err(LogError::Unmade)?;
+        if prefix.len() != prefix_len {
+            return Err(LogError::Unmade(format!(
+                "a prefix of {} bytes where {prefix_len} were announced",
+                prefix.len()
+            )));
+        }
+        file.flush()?;
+        drop(file);
+        let len = written - data_at;
+        let mut head = header(group, meta, members.as_deref(), len);
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&head);
+        if let Some(m) = &members {
+            crc.update(m);
+        }
+        crc.update(&prefix);
+        crc.combine(&rest);
+        head.extend_from_slice(&crc.finalize().to_be_bytes());
+        if let Some(m) = &members {
+            head.extend_from_slice(m);
+        }
+        head.extend_from_slice(&prefix);
+        f.write_all_at(&head, 0)?;
+        f.sync_all()?;
+        Ok(len)
+    }
+
     /// `stepwise`: synced every [`SYNC_EVERY`] bytes, for a writer beside the node's log.
     fn write_file(
         &self,
@@ -357,20 +453,7 @@ impl SnapshotFiles {
         stepwise: bool,
     ) -> Result<(), LogError> {
         let members = snap.members.as_ref().map(encode_members);
-        let mut header = Vec::with_capacity(HEADER_MEMBERS);
-        header.extend_from_slice(MAGIC);
-        header.push(if members.is_some() {
-            VERSION_MEMBERS
-        } else {
-            VERSION
-        });
-        header.extend_from_slice(&group.0.to_be_bytes());
-        header.extend_from_slice(&snap.meta.index.to_be_bytes());
-        header.extend_from_slice(&snap.meta.term.to_be_bytes());
-        header.extend_from_slice(&(snap.data.len() as u64).to_be_bytes());
-        if let Some(m) = &members {
-            header.extend_from_slice(&(m.len() as u32).to_be_bytes());
-        }
+        let mut header = header(group, snap.meta, members.as_deref(), snap.data.len() as u64);
         let mut crc = crc32fast::Hasher::new();
         crc.update(&header);
         if let Some(m) = &members {
@@ -438,6 +521,26 @@ impl SnapshotSource for SnapshotFiles {
     fn load(&self, group: u64) -> Result<Option<StoredSnapshot>, String> {
         self.read(GroupId(group)).map_err(|e| e.to_string())
     }
+}
+
+/// A file's header up to its CRC: magic, version, group, index, term, the data's length and,
+/// with `members` (encoded), their block's length.
+fn header(group: GroupId, meta: SnapshotMeta, members: Option<&[u8]>, len: u64) -> Vec<u8> {
+    let mut header = Vec::with_capacity(HEADER_MEMBERS);
+    header.extend_from_slice(MAGIC);
+    header.push(if members.is_some() {
+        VERSION_MEMBERS
+    } else {
+        VERSION
+    });
+    header.extend_from_slice(&group.0.to_be_bytes());
+    header.extend_from_slice(&meta.index.to_be_bytes());
+    header.extend_from_slice(&meta.term.to_be_bytes());
+    header.extend_from_slice(&len.to_be_bytes());
+    if let Some(m) = members {
+        header.extend_from_slice(&(m.len() as u32).to_be_bytes());
+    }
+    header
 }
 
 fn corrupt(group: GroupId, why: &str) -> LogError {
@@ -676,6 +779,80 @@ mod tests {
         assert_eq!(files.read(GroupId(4)).expect("read"), Some(big));
         assert_eq!(files.index_on_disk(GroupId(4)), Some(9));
         assert_eq!(files.index_on_disk(GroupId(5)), None);
+    }
+
+    /// A snapshot streamed in chunks, its first bytes given last, makes the file `stage` makes
+    /// of the same bytes whole; one whose maker fails leaves nothing behind.
+    #[test]
+    fn a_streamed_snapshot_is_the_same_file_and_a_failed_one_leaves_none() {
+        let dir = tempfile::tempdir().expect("dir");
+        let files = SnapshotFiles::open(dir.path()).expect("open");
+        let big: Vec<u8> = (0..SYNC_EVERY + 3_000_017)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let members = Members {
+            voters: vec![1, 2, 3],
+            learners: vec![4],
+        };
+        for (seq, (data, members)) in [
+            (&b"hello"[..], None),
+            (&b"hello"[..], Some(members.clone())),
+            (&big[..], Some(members)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let seq = seq as u64;
+            let whole = StoredSnapshot {
+                meta: SnapshotMeta { index: 40, term: 3 },
+                data: Bytes::copy_from_slice(data),
+                members: members.clone(),
+            };
+            let staged = files.stage(GroupId(6), seq * 2, &whole).expect("stage");
+            let (streamed, len) = files
+                .stage_stream(
+                    GroupId(6),
+                    seq * 2 + 1,
+                    whole.meta,
+                    members.as_ref(),
+                    2,
+                    |sink| {
+                        for chunk in data[2..].chunks(70_001) {
+                            sink(chunk)?;
+                        }
+                        Ok(data[..2].to_vec())
+                    },
+                )
+                .expect("streamed");
+            assert_eq!(len, data.len() as u64);
+            assert!(
+                std::fs::read(&staged).expect("staged")
+                    == std::fs::read(&streamed).expect("streamed"),
+                "the same file for {} bytes",
+                data.len()
+            );
+            files.publish(GroupId(6), &streamed).expect("publish");
+            assert_eq!(files.read(GroupId(6)).expect("read"), Some(whole));
+            files.discard(&staged);
+        }
+        let failed = files.stage_stream(GroupId(6), 9, SnapshotMeta::default(), None, 2, |sink| {
+            sink(b"part")?;
+            Err("cannot read a message back".to_owned())
+        });
+        assert!(
+            matches!(&failed, Err(LogError::Unmade(e)) if e.contains("cannot read")),
+            "{failed:?}"
+        );
+        let short = files.stage_stream(GroupId(6), 10, SnapshotMeta::default(), None, 2, |_| {
+            Ok(vec![1])
+        });
+        assert!(matches!(short, Err(LogError::Unmade(_))), "{short:?}");
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("dir")
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left.len(), 1, "only the group's snapshot: {left:?}");
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub enum LogError {
     Corrupt(String),
     #[error("{0} is not supported by this log")]
     Unsupported(&'static str),
+    /// What was to be written could not be made (a snapshot whose state failed to encode).
+    #[error("{0}")]
+    Unmade(String),
 }
 
 /// Where a node's batch of Raft state goes before it may be acknowledged.

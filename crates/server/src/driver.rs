@@ -1056,11 +1056,16 @@ impl Core {
             match s.data {
                 warren_broker::SnapshotData::Encoded(data) => raft.snapshot(group, meta, data),
                 deferred => {
-                    let make = move || deferred.encode().map_err(|e| e.to_string());
+                    let write = move |sink: &mut dyn FnMut(&[u8]) -> Result<(), String>| {
+                        deferred.write_to(sink).map_err(|e| e.to_string())
+                    };
                     raft.snapshot_with(
                         group,
                         meta,
-                        crate::cluster::SnapshotBody::Later(Box::new(make)),
+                        crate::cluster::SnapshotBody::Stream {
+                            prefix: warren_broker::SnapshotData::PREFIX,
+                            write: Box::new(write),
+                        },
                     );
                 }
             }

@@ -117,7 +117,7 @@ pub enum SnapshotData {
 pub enum SnapshotDataError {
     #[error(transparent)]
     Machine(#[from] crate::machine::SnapshotError),
-    #[error("{bytes} bytes, more than the {max} a follower can be sent")]
+    #[error("{bytes} bytes or more, more than the {max} a follower can be sent")]
     TooLarge { bytes: usize, max: usize },
 }
 
@@ -139,7 +139,47 @@ impl SnapshotData {
             }
         }
     }
+
+    /// The bytes [`SnapshotData::encode`] gives, but all except the first
+    /// [`SnapshotData::PREFIX`] handed to `sink` a chunk at a time as they are made; those
+    /// first ones, known last, are returned. A deep queue's snapshot (up to a GiB) is written
+    /// to its file this way, never whole in memory. Past `max` bytes it stops, refused.
+    pub fn write_to(
+        self,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<Vec<u8>, SnapshotDataError> {
+        let (machine, max) = match self {
+            SnapshotData::Encoded(b) => {
+                let (prefix, rest) = b.split_at(Self::PREFIX.min(b.len()));
+                sink(rest).map_err(crate::machine::SnapshotError::Write)?;
+                return Ok(prefix.to_vec());
+            }
+            SnapshotData::Machine { machine, max } => (machine, max),
+        };
+        let mut bytes = Self::PREFIX;
+        let mut over = false;
+        let prefix = machine.snapshot_to(STREAM_CHUNK, &mut |chunk: &[u8]| {
+            bytes = bytes.saturating_add(chunk.len());
+            if bytes > max {
+                over = true;
+                return Err("too large".to_owned());
+            }
+            sink(chunk)
+        });
+        match prefix {
+            Ok(p) => Ok(p.to_vec()),
+            Err(_) if over => Err(SnapshotDataError::TooLarge { bytes, max }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// How many bytes a snapshot starts with that [`SnapshotData::write_to`] returns.
+    pub const PREFIX: usize = crate::machine::SNAPSHOT_PREFIX;
 }
+
+/// The chunks a snapshot is streamed in: large enough that writing them costs a few calls per
+/// MiB, small beside the snapshot.
+const STREAM_CHUNK: usize = 1 << 20;
 
 /// A group's snapshot as [`Broker::install_decoded`] takes it: a queue's state read from its
 /// bytes (by whoever received them, before taking the broker), or the metadata's bytes.
@@ -2695,4 +2735,83 @@ pub(super) fn consumer_here(conn: Option<ConnId>, node: NodeId) -> bool {
 
 fn qualified(node: NodeId, local: u64) -> u64 {
     warren_queue::qualify(u16::try_from(node).unwrap_or(u16::MAX), local).unwrap_or(local)
+}
+
+#[cfg(test)]
+mod stream_tests {
+    use super::*;
+    use crate::machine::{Command, Meta, MsgMeta};
+
+    fn deep(messages: usize) -> QueueMachine<Message> {
+        let mut m = QueueMachine::<Message>::new();
+        for i in 0..messages {
+            let body = bytes::Bytes::from(vec![i as u8; 300]);
+            let size = body.len() as u64;
+            m.apply(
+                Meta::default(),
+                Command::Enqueue {
+                    message: Message {
+                        exchange: warren_codec::ShortStr::from_static(""),
+                        routing_key: warren_codec::ShortStr::from_static("q"),
+                        properties: bytes::Bytes::from_static(&[0x10, 0, 2]),
+                        body,
+                        persistent: true,
+                        store_key: None,
+                        away: None,
+                    },
+                    meta: MsgMeta {
+                        size,
+                        ..MsgMeta::default()
+                    },
+                },
+                &mut Vec::new(),
+            );
+        }
+        m
+    }
+
+    fn streamed(data: SnapshotData) -> Result<(Vec<u8>, usize), SnapshotDataError> {
+        let (mut out, mut calls) = (Vec::new(), 0);
+        let prefix = data.write_to(&mut |chunk: &[u8]| {
+            calls += 1;
+            out.extend_from_slice(chunk);
+            Ok(())
+        })?;
+        Ok(([prefix, out].concat(), calls))
+    }
+
+    /// A copied machine streamed is the snapshot encoded whole, in chunks; past the limit it
+    /// stops, refused, as `encode` refuses it.
+    #[test]
+    fn a_deep_queues_snapshot_is_streamed_in_chunks_and_refused_past_its_limit() {
+        let m = deep(5_000);
+        let whole = SnapshotData::Machine {
+            machine: Box::new(m.clone()),
+            max: usize::MAX,
+        }
+        .encode()
+        .expect("encodes");
+        let (bytes, calls) = streamed(SnapshotData::Machine {
+            machine: Box::new(m.clone()),
+            max: usize::MAX,
+        })
+        .expect("streams");
+        assert_eq!(bytes, whole);
+        assert!(calls >= whole.len() / STREAM_CHUNK, "{calls} chunks");
+        assert_eq!(
+            streamed(SnapshotData::Encoded(whole.clone()))
+                .expect("streams")
+                .0,
+            whole
+        );
+        let max = whole.len() / 2;
+        let refused = streamed(SnapshotData::Machine {
+            machine: Box::new(m),
+            max,
+        });
+        assert!(
+            matches!(refused, Err(SnapshotDataError::TooLarge { max: m, .. }) if m == max),
+            "{refused:?}"
+        );
+    }
 }

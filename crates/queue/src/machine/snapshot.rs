@@ -33,6 +33,10 @@ use crate::Message;
 /// the expiry caps (a version 1 snapshot, which has none, is still read).
 pub const SNAPSHOT_VERSION: u8 = 2;
 
+/// The bytes a snapshot starts with: its format version and the checksum of the rest.
+pub const SNAPSHOT_PREFIX: usize = 5;
+const PREFIX: usize = SNAPSHOT_PREFIX;
+
 /// The fewest bytes an encoded entry takes (id, the message's four lengths and two flags, the
 /// meta's size, three options and two bytes, the delivery count and flags): what a count is
 /// checked against before anything is allocated for it.
@@ -60,6 +64,9 @@ pub enum SnapshotError {
     /// A message whose contents left memory could not be read back to be written.
     #[error(transparent)]
     Away(#[from] crate::AwayError),
+    /// What a streamed snapshot was written to refused a chunk ([`QueueMachine::snapshot_to`]).
+    #[error("cannot write the snapshot: {0}")]
+    Write(String),
 }
 
 impl From<LogError> for SnapshotError {
@@ -69,12 +76,55 @@ impl From<LogError> for SnapshotError {
     }
 }
 
+/// What a snapshot is written into: a buffer that holds it whole ([`QueueMachine::snapshot`]),
+/// or one handed on chunk by chunk ([`QueueMachine::snapshot_to`]), so that a deep queue's
+/// snapshot never sits in memory whole. The writers below call [`SnapOut::spill`] after each
+/// item that can repeat per message.
+struct SnapOut<'a> {
+    buf: &'a mut BytesMut,
+    stream: Option<Stream<'a>>,
+}
+
+struct Stream<'a> {
+    sink: &'a mut dyn FnMut(&[u8]) -> Result<(), String>,
+    chunk: usize,
+    /// Of every byte handed to `sink`.
+    crc: crc32fast::Hasher,
+}
+
+impl SnapOut<'_> {
+    fn spill(&mut self) -> Result<(), SnapshotError> {
+        match &mut self.stream {
+            Some(s) if self.buf.len() >= s.chunk => {
+                s.crc.update(self.buf);
+                (s.sink)(self.buf).map_err(SnapshotError::Write)?;
+                self.buf.clear();
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl std::ops::Deref for SnapOut<'_> {
+    type Target = BytesMut;
+    fn deref(&self) -> &BytesMut {
+        self.buf
+    }
+}
+
+impl std::ops::DerefMut for SnapOut<'_> {
+    fn deref_mut(&mut self) -> &mut BytesMut {
+        self.buf
+    }
+}
+
 fn put_len(out: &mut BytesMut, n: usize) {
     // `snapshot` refused a machine with a collection this large: never cut.
     out.put_u32(u32::try_from(n).unwrap_or(u32::MAX));
 }
 
-fn put_entry(out: &mut BytesMut, e: &Entry<Message>) -> Result<(), SnapshotError> {
+fn put_entry(out: &mut SnapOut, e: &Entry<Message>) -> Result<(), SnapshotError> {
     out.put_u64(e.id);
     // A message whose contents left this member's memory is written whole: a snapshot is
     // read on other nodes, and restored without any of them away.
@@ -82,15 +132,21 @@ fn put_entry(out: &mut BytesMut, e: &Entry<Message>) -> Result<(), SnapshotError
     put_msg_meta(out, &e.meta);
     out.put_u32(e.delivery_count);
     out.put_u8(u8::from(e.maybe_delivered) | u8::from(e.timed_out) << 1);
-    Ok(())
+    out.spill()
 }
 
-fn put_pairs<'a>(out: &mut BytesMut, n: usize, pairs: impl Iterator<Item = &'a (u64, u64)>) {
+fn put_pairs<'a>(
+    out: &mut SnapOut,
+    n: usize,
+    pairs: impl Iterator<Item = &'a (u64, u64)>,
+) -> Result<(), SnapshotError> {
     put_len(out, n);
     for (a, b) in pairs {
         out.put_u64(*a);
         out.put_u64(*b);
+        out.spill()?;
     }
+    Ok(())
 }
 
 fn put_opt_consumer(out: &mut BytesMut, c: Option<ConsumerId>) {
@@ -117,15 +173,103 @@ impl QueueMachine<Message> {
     /// ```
     pub fn snapshot(&self, out: &mut BytesMut) -> Result<(), SnapshotError> {
         let start = out.len();
-        let written = self.write_snapshot(out);
-        if written.is_err() {
-            // A message's contents that could not be read back stop it half way.
-            out.truncate(start);
+        self.check_snapshot()?;
+        out.reserve(self.snapshot_reserve());
+        out.put_bytes(0, PREFIX);
+        let mut body = SnapOut {
+            buf: out,
+            stream: None,
+        };
+        match self.write_snapshot(&mut body) {
+            Ok(version) => {
+                let crc = crc32fast::hash(&out[start + PREFIX..]);
+                out[start] = version;
+                out[start + 1..start + PREFIX].copy_from_slice(&crc.to_be_bytes());
+                Ok(())
+            }
+            Err(e) => {
+                // A message's contents that could not be read back stop it half way.
+                out.truncate(start);
+                Err(e)
+            }
         }
-        written
     }
 
-    fn write_snapshot(&self, out: &mut BytesMut) -> Result<(), SnapshotError> {
+    /// [`Self::snapshot`]'s bytes handed to `sink` in chunks of about `chunk` bytes, except the
+    /// first [`SNAPSHOT_PREFIX`] (the version and the checksum of the rest, known only at the
+    /// end), which it returns: the snapshot is those followed by what `sink` took. A deep
+    /// queue's snapshot is written to its file this way without ever being whole in memory.
+    /// An error from `sink` ends it ([`SnapshotError::Write`]).
+    pub fn snapshot_to(
+        &self,
+        chunk: usize,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<[u8; SNAPSHOT_PREFIX], SnapshotError> {
+        self.check_snapshot()?;
+        let chunk = chunk.max(1);
+        let mut buf = BytesMut::with_capacity(chunk.saturating_add(chunk / 4));
+        let mut out = SnapOut {
+            buf: &mut buf,
+            stream: Some(Stream {
+                sink,
+                chunk,
+                crc: crc32fast::Hasher::new(),
+            }),
+        };
+        let version = self.write_snapshot(&mut out)?;
+        let SnapOut {
+            buf: rest,
+            stream: Some(mut s),
+        } = out
+        else {
+            return Err(SnapshotError::Write("no stream".to_owned()));
+        };
+        if !rest.is_empty() {
+            s.crc.update(rest);
+            (s.sink)(rest).map_err(SnapshotError::Write)?;
+        }
+        let mut prefix = [0; SNAPSHOT_PREFIX];
+        prefix[0] = version;
+        prefix[1..].copy_from_slice(&s.crc.finalize().to_be_bytes());
+        Ok(prefix)
+    }
+
+    /// Refuses a machine that cannot be written as a snapshot, before anything is written.
+    fn check_snapshot(&self) -> Result<(), SnapshotError> {
+        let runs = self.runs().count();
+        if runs > 0 {
+            return Err(SnapshotError::Paged { runs });
+        }
+        let entries = self.ready_count() + self.in_flight.len();
+        // Every collection holds at most this many (timers and deadlines are per message).
+        let items = entries
+            .saturating_add(self.consumers.len())
+            .saturating_add(self.service.levels.len())
+            .saturating_add(self.credit.len())
+            .saturating_add(self.enqueuers.len())
+            .saturating_add(self.expiry_caps.len());
+        if u32::try_from(items).is_err() {
+            return Err(SnapshotError::TooLarge { items });
+        }
+        Ok(())
+    }
+
+    /// About what a snapshot takes, so that a buffer grows once instead of doubling over a
+    /// deep queue's bodies.
+    fn snapshot_reserve(&self) -> usize {
+        let payload: usize = self
+            .messages()
+            .map(|(_, m, _)| {
+                m.exchange.len() + m.routing_key.len() + m.properties.len() + m.body.len()
+            })
+            .sum();
+        let entries = self.ready_count() + self.in_flight.len();
+        payload.saturating_add(entries.saturating_mul(MIN_ENTRY_BYTES + 16))
+    }
+
+    /// Writes the state after the prefix (the version and the checksum) into `out`; returns
+    /// the version the prefix must name.
+    fn write_snapshot(&self, out: &mut SnapOut) -> Result<u8, SnapshotError> {
         // Every field by name, none with `..`: a field added to the machine does not compile
         // until it is written below (or said to be derived) and read back in `machine`.
         let QueueMachine {
@@ -167,31 +311,6 @@ impl QueueMachine<Message> {
             last_index: _,
             now_ms: _,
         } = self;
-        let runs = self.runs().count();
-        if runs > 0 {
-            return Err(SnapshotError::Paged { runs });
-        }
-        // One growth of `out` instead of a doubling series over a deep queue's bodies.
-        let payload: usize = self
-            .messages()
-            .map(|(_, m, _)| {
-                m.exchange.len() + m.routing_key.len() + m.properties.len() + m.body.len()
-            })
-            .sum();
-        let entries = self.ready_count() + self.in_flight.len();
-        // Every collection holds at most this many (timers and deadlines are per message).
-        let items = entries
-            .saturating_add(self.consumers.len())
-            .saturating_add(self.service.levels.len())
-            .saturating_add(self.credit.len())
-            .saturating_add(self.enqueuers.len())
-            .saturating_add(self.expiry_caps.len());
-        if u32::try_from(items).is_err() {
-            return Err(SnapshotError::TooLarge { items });
-        }
-        out.reserve(payload.saturating_add(entries.saturating_mul(MIN_ENTRY_BYTES + 16)));
-
-        let start = out.len();
         // Version 1 while there is no handoff (nearly always): a member of an earlier version,
         // during a rolling upgrade, still reads what a leader of this one sends it.
         let version = if self.handoff.is_some() {
@@ -199,8 +318,6 @@ impl QueueMachine<Message> {
         } else {
             1
         };
-        out.put_u8(version);
-        out.put_u32(0);
         for n in [
             self.last_index,
             self.now_ms,
@@ -245,7 +362,7 @@ impl QueueMachine<Message> {
             out.put_u64(*at);
             put_entry(out, e)?;
         }
-        put_pairs(out, self.retry_due.len(), self.retry_due.iter());
+        put_pairs(out, self.retry_due.len(), self.retry_due.iter())?;
         put_len(out, self.parked.len());
         for (g, line) in &self.parked {
             out.put_u64(g.get());
@@ -286,9 +403,10 @@ impl QueueMachine<Message> {
             }
             put_opt_u64(out, t.deadline);
             put_opt_u64(out, t.ack_deadline);
+            out.spill()?;
         }
-        put_pairs(out, self.visibility.len(), self.visibility.iter());
-        put_pairs(out, self.ack_deadlines.len(), self.ack_deadlines.iter());
+        put_pairs(out, self.visibility.len(), self.visibility.iter())?;
+        put_pairs(out, self.ack_deadlines.len(), self.ack_deadlines.iter())?;
 
         put_len(out, self.consumers.len());
         for (id, c) in &self.consumers {
@@ -314,26 +432,24 @@ impl QueueMachine<Message> {
             put_opt_u64(out, c.limit.map(u64::from));
         }
 
-        put_pairs(out, self.expiries.len(), self.expiries.iter());
+        put_pairs(out, self.expiries.len(), self.expiries.iter())?;
         put_pairs(
             out,
             self.expiries_in_order.len(),
             self.expiries_in_order.iter(),
-        );
+        )?;
         put_len(out, self.enqueuers.len());
         for (id, e) in &self.enqueuers {
             out.put_u64(id.0);
             out.put_u64(e.seq);
             put_opt_u64(out, e.refused);
         }
-        put_pairs(out, self.expiry_caps.len(), self.expiry_caps.iter());
+        put_pairs(out, self.expiry_caps.len(), self.expiry_caps.iter())?;
         if self.handoff.is_some() {
             put_opt_u64(out, self.handoff);
         }
 
-        let crc = crc32fast::hash(&out[start + 5..]);
-        out[start + 1..start + 5].copy_from_slice(&crc.to_be_bytes());
-        Ok(())
+        Ok(version)
     }
 
     /// The machine a [`Self::snapshot`] wrote. Message strings, properties and bodies are
@@ -873,6 +989,22 @@ mod tests {
         assert_eq!(keys.len(), 2, "the first stays");
         assert_eq!(r.m.digest(), digest, "nothing the machine holds changed");
         assert_eq!(snapshot_of(&r.m), whole);
+        // Streamed a byte at a time: the same bytes, each handed on as soon as it is written.
+        let mut streamed = Vec::new();
+        let mut calls = 0;
+        let prefix =
+            r.m.snapshot_to(1, &mut |c: &[u8]| {
+                calls += 1;
+                streamed.extend_from_slice(c);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!([&prefix[..], &streamed].concat(), whole);
+        assert!(calls >= 3, "at least one chunk per message: {calls}");
+        // A sink that refuses ends it with its error.
+        let refused =
+            r.m.snapshot_to(1, &mut |_: &[u8]| Err("disk full".to_owned()));
+        assert_eq!(refused, Err(SnapshotError::Write("disk full".to_owned())));
         let back = QueueMachine::restore_snapshot(whole).unwrap();
         assert!(back.messages().all(|(_, m, _)| !m.is_away()));
         // Contents that cannot be read back refuse the snapshot, leaving nothing written.

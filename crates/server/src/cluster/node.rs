@@ -59,12 +59,22 @@ enum Woke {
     Nothing,
 }
 
+/// What makes a snapshot's bytes on the writer thread, straight into its file: given a sink,
+/// it hands it every byte but the first `prefix`, and returns those (see
+/// `SnapshotFiles::stage_stream`).
+pub type StreamSnapshot =
+    Box<dyn FnOnce(&mut dyn FnMut(&[u8]) -> Result<(), String>) -> Result<Vec<u8>, String> + Send>;
+
 /// A snapshot's bytes, or what makes them on the writer thread.
 pub enum SnapshotBody {
     Ready(bytes::Bytes),
     /// Encodes the state: a deep queue's machine is copied under the node's lock (its
-    /// bodies shared) and written out here, which takes several times longer.
-    Later(Box<dyn FnOnce() -> Result<bytes::Bytes, String> + Send>),
+    /// bodies shared) and written out here, which takes several times longer, a chunk at a
+    /// time, so that its bytes (up to a GiB) are never in memory whole.
+    Stream {
+        prefix: usize,
+        write: StreamSnapshot,
+    },
 }
 
 /// What the writer thread is handed: a snapshot whose bytes may still have to be made.
@@ -77,16 +87,43 @@ pub(crate) struct Pending {
 }
 
 impl Pending {
-    fn encode(self) -> Result<StoredSnapshot, String> {
-        let data = match self.body {
-            SnapshotBody::Ready(b) => b,
-            SnapshotBody::Later(make) => make()?,
-        };
-        Ok(StoredSnapshot {
-            meta: self.meta,
-            data,
-            members: self.members,
-        })
+    /// Writes the snapshot to a file of its own (`SnapshotFiles::stage`): its length and the
+    /// file, and, for a leader's snapshot received, what `preparer` made of it.
+    fn stage(
+        self,
+        files: &SnapshotFiles,
+        group: GroupId,
+        seq: u64,
+        preparer: Option<&Preparer>,
+    ) -> (usize, Result<std::path::PathBuf, String>, Option<Prepared>) {
+        match self.body {
+            SnapshotBody::Ready(data) => {
+                let snap = StoredSnapshot {
+                    meta: self.meta,
+                    data,
+                    members: self.members,
+                };
+                let file = files.stage(group, seq, &snap).map_err(|e| e.to_string());
+                let prepared = match (self.received, &file, preparer) {
+                    (true, Ok(_), Some(p)) => Some(p(group, snap.data.clone())),
+                    _ => None,
+                };
+                (snap.data.len(), file, prepared)
+            }
+            SnapshotBody::Stream { prefix, write } => {
+                match files.stage_stream(
+                    group,
+                    seq,
+                    self.meta,
+                    self.members.as_ref(),
+                    prefix,
+                    write,
+                ) {
+                    Ok((file, len)) => (usize::try_from(len).unwrap_or(usize::MAX), Ok(file), None),
+                    Err(e) => (0, Err(format!("cannot encode it: {e}")), None),
+                }
+            }
+        }
     }
 }
 
@@ -142,22 +179,19 @@ impl SnapshotWriter {
                 for (group, seq, pending) in todo {
                     let started = Instant::now();
                     let (meta, received) = (pending.meta, pending.received);
-                    let mut prepared = None;
                     // A panic (a bug in encoding or reading a state) fails this snapshot, not
                     // the thread: every later one would go unwritten.
-                    let work = std::panic::AssertUnwindSafe(|| match pending.encode() {
-                        Ok(snap) => {
-                            let file = writer.stage(group, seq, &snap).map_err(|e| e.to_string());
-                            if let (true, Ok(_), Some(p)) = (received, &file, &preparer) {
-                                prepared = Some(p(group, snap.data.clone()));
-                            }
-                            (snap.data.len(), file)
-                        }
-                        Err(e) => (0, Err(format!("cannot encode it: {e}"))),
+                    let work = std::panic::AssertUnwindSafe(|| {
+                        pending.stage(&writer, group, seq, preparer.as_ref())
                     });
-                    let (bytes, file) = std::panic::catch_unwind(work).unwrap_or_else(|_| {
-                        (0, Err("the snapshot writer panicked on it".to_string()))
-                    });
+                    let (bytes, file, prepared) =
+                        std::panic::catch_unwind(work).unwrap_or_else(|_| {
+                            (
+                                0,
+                                Err("the snapshot writer panicked on it".to_string()),
+                                None,
+                            )
+                        });
                     let staged = Staged {
                         group,
                         seq,
@@ -1021,10 +1055,15 @@ mod tests {
             GroupId(3),
             later(
                 9,
-                SnapshotBody::Later(Box::new(move || {
-                    *seen.lock().unwrap() = std::thread::current().name().map(str::to_owned);
-                    Ok(bytes::Bytes::from_static(b"the state at 9"))
-                })),
+                SnapshotBody::Stream {
+                    prefix: 4,
+                    write: Box::new(move |sink| {
+                        *seen.lock().unwrap() = std::thread::current().name().map(str::to_owned);
+                        sink(b"state ")?;
+                        sink(b"at 9")?;
+                        Ok(b"the ".to_vec())
+                    }),
+                },
             ),
         );
         let s = next(&w);
@@ -1040,7 +1079,13 @@ mod tests {
             GroupId(3),
             later(
                 12,
-                SnapshotBody::Later(Box::new(|| Err("no room".to_owned()))),
+                SnapshotBody::Stream {
+                    prefix: 4,
+                    write: Box::new(|sink| {
+                        sink(b"half")?;
+                        Err("no room".to_owned())
+                    }),
+                },
             ),
         );
         let failed = next(&w);
