@@ -304,6 +304,22 @@ impl Message {
     /// KiB); a small message that stays queued for long would otherwise keep that whole buffer
     /// alive. Large bodies are left in place: they are most of their buffer anyway.
     pub fn compact(&mut self) {
+        if self.contents_len() < COMPACT_BELOW {
+            self.detach();
+        }
+    }
+
+    fn contents_len(&self) -> usize {
+        self.exchange.len() + self.routing_key.len() + self.properties.len() + self.body.len()
+    }
+
+    /// Copies the message's contents (routing strings, properties, body) into one allocation
+    /// of its own, whatever their size: a message read from a snapshot is a set of slices of
+    /// the whole snapshot, which any one of them would keep alive. A stub has none to copy.
+    pub fn detach(&mut self) {
+        if self.contents_len() == 0 {
+            return;
+        }
         let (x, k, p, b) = (
             self.exchange.len(),
             self.routing_key.len(),
@@ -311,9 +327,6 @@ impl Message {
             self.body.len(),
         );
         let total = x + k + p + b;
-        if total >= COMPACT_BELOW {
-            return;
-        }
         let mut buf = bytes::BytesMut::with_capacity(total);
         buf.extend_from_slice(self.exchange.as_bytes());
         buf.extend_from_slice(self.routing_key.as_bytes());
@@ -435,7 +448,14 @@ pub(crate) mod tests {
         };
         large.compact();
         assert!(within(&large.body, &buffer), "a large body is not copied");
+        // Detached (read from a snapshot), whatever its size; the same message.
+        let before = large.clone();
+        large.detach();
+        assert!(!within(&large.body, &buffer) && !within(&large.properties, &buffer));
+        assert_eq!(large.body, before.body);
+        assert_eq!(large, before);
     }
+
     /// An [`AwayStore`] in memory that keeps what it was told.
     #[derive(Default)]
     pub struct MemAway {

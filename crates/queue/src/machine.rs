@@ -2871,6 +2871,24 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         )
     }
 
+    /// Every message in memory, ready or in flight, in no particular order, to change in
+    /// place for one that equals it ([`Self::share_payload`]'s contract: the machine's
+    /// state, its digest included, must not change).
+    pub fn messages_mut(&mut self) -> impl Iterator<Item = &mut M> + '_ {
+        self.ready
+            .iter_mut()
+            .chain(self.tail.iter_mut().filter_map(|s| match s {
+                Slot::Msg(e) => Some(e),
+                Slot::Paged(_) => None,
+            }))
+            .chain(self.returned.values_mut())
+            .chain(self.by_priority.values_mut())
+            .chain(self.retrying.values_mut().map(|(_, e)| e))
+            .chain(self.parked.values_mut().flat_map(|line| line.values_mut()))
+            .chain(self.in_flight.values_mut().map(|f| &mut f.entry))
+            .map(|e| &mut e.msg)
+    }
+
     /// Ids of the ready messages in memory in delivery order, then those parked behind their
     /// group's message in flight (tests and diagnostics; O(n)).
     pub fn ready_ids(&self) -> Vec<u64> {

@@ -219,7 +219,15 @@ impl Shared {
 }
 
 /// The Raft thread's reports: committed entries applied, leader changes, forwarded publishes.
-struct RaftReports(Arc<Shared>);
+/// Snapshots installed at once larger than this are followed by
+/// [`crate::allocations::release_free_memory`].
+const TRIM_AFTER_BYTES: usize = 64 << 20;
+
+struct RaftReports {
+    shared: Arc<Shared>,
+    /// Where a deep queue read from a snapshot sends its contents as it is decoded.
+    away: Option<warren_broker::AwayContext>,
+}
 
 impl crate::cluster::RaftEvents for RaftReports {
     fn snapshots(
@@ -233,17 +241,26 @@ impl crate::cluster::RaftEvents for RaftReports {
         // Read before the node is taken (a third of a second per GiB of a deep queue's
         // snapshot; a leader's large one was read on the snapshot writer's thread), and what
         // they replace let go after: the node's clients wait for neither.
+        let large = snapshots
+            .iter()
+            .map(|(_, s, _)| s.data.len())
+            .sum::<usize>()
+            > TRIM_AFTER_BYTES;
         let decoded: Vec<_> = snapshots
             .into_iter()
             .map(|(group, s, prepared)| {
                 let d = match prepared.map(|p| p.downcast::<warren_broker::DecodedSnapshot>()) {
                     Some(Ok(d)) => *d,
-                    _ => warren_broker::DecodedSnapshot::decode(group.0, s.data),
+                    _ => warren_broker::DecodedSnapshot::decode_with(
+                        group.0,
+                        s.data,
+                        self.away.as_ref(),
+                    ),
                 };
                 (group, s.meta, d)
             })
             .collect();
-        let replaced = self.0.with_node(|node, now| {
+        let replaced = self.shared.with_node(|node, now| {
             decoded
                 .into_iter()
                 .filter_map(|(group, meta, d)| {
@@ -252,23 +269,33 @@ impl crate::cluster::RaftEvents for RaftReports {
                 .collect::<Vec<_>>()
         });
         drop(replaced);
+        if large {
+            // The snapshots' buffers and the machines they replaced are free now; not on
+            // the Raft thread, which other groups wait on.
+            std::thread::spawn(crate::allocations::release_free_memory);
+        }
     }
 
     fn preparer(&self) -> Option<crate::cluster::Preparer> {
+        let away = self.away.clone();
         Some(std::sync::Arc::new(
-            |group: warren_broker::GroupId, data| {
-                Box::new(warren_broker::DecodedSnapshot::decode(group.0, data))
-                    as crate::cluster::Prepared
+            move |group: warren_broker::GroupId, data| {
+                Box::new(warren_broker::DecodedSnapshot::decode_with(
+                    group.0,
+                    data,
+                    away.as_ref(),
+                )) as crate::cluster::Prepared
             },
         ))
     }
 
     fn committed(&self, entries: Vec<warren_broker::Committed>) {
-        self.0.with_node(|node, now| node.replicated(&entries, now));
+        self.shared
+            .with_node(|node, now| node.replicated(&entries, now));
     }
 
     fn draining(&self, changes: Vec<(u64, bool)>) {
-        self.0.with_node(|node, _| {
+        self.shared.with_node(|node, _| {
             for (peer, on) in changes {
                 tracing::info!(peer, draining = on, "peer node maintenance mode");
                 node.broker_mut().set_peer_draining(peer, on);
@@ -280,7 +307,7 @@ impl crate::cluster::RaftEvents for RaftReports {
         {
             // What a peer sent before it went down is not what it will say after a restart.
             let mut figures = self
-                .0
+                .shared
                 .peer_figures
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
@@ -290,7 +317,7 @@ impl crate::cluster::RaftEvents for RaftReports {
                 }
             }
         }
-        self.0.with_node(|node, now| {
+        self.shared.with_node(|node, now| {
             for (peer, up) in changes {
                 node.set_peer_up(peer, up, now);
             }
@@ -302,7 +329,7 @@ impl crate::cluster::RaftEvents for RaftReports {
         changes: Vec<(warren_broker::GroupId, Option<u64>, u64)>,
         refused: Vec<crate::cluster::Refused>,
     ) {
-        self.0.with_node(|node, now| {
+        self.shared.with_node(|node, now| {
             for (group, leader, term) in changes {
                 tracing::debug!(group = group.0, ?leader, term, "raft group leader");
                 node.set_leader(group.0, leader, term, now);
@@ -319,7 +346,7 @@ impl crate::cluster::RaftEvents for RaftReports {
 
     fn snapshots_wanted(&self, groups: Vec<warren_broker::GroupId>) {
         let groups: Vec<u64> = groups.into_iter().map(|g| g.0).collect();
-        self.0
+        self.shared
             .with_node(|node, _| node.broker_mut().want_snapshots(&groups));
     }
 
@@ -336,7 +363,7 @@ impl crate::cluster::RaftEvents for RaftReports {
             .collect();
         entries.retain(|(_, f)| f.group != crate::cluster::JOIN_REQUEST);
         if !joins.is_empty() {
-            self.0.with_node(|node, _| {
+            self.shared.with_node(|node, _| {
                 for (from, addr, level) in joins {
                     node.broker_mut().request_join(from, &addr, level);
                 }
@@ -352,7 +379,7 @@ impl crate::cluster::RaftEvents for RaftReports {
             .collect();
         entries.retain(|(_, f)| f.group != crate::cluster::META_APPLIED);
         if !applied.is_empty() {
-            self.0.with_node(|node, now| {
+            self.shared.with_node(|node, now| {
                 for (from, index) in applied {
                     node.peer_meta_applied(from, index, now);
                 }
@@ -361,7 +388,7 @@ impl crate::cluster::RaftEvents for RaftReports {
         entries.retain(|(from, f)| {
             if f.group == crate::cluster::SHOVEL_RESTART {
                 let restarted = shovel_restart_of(&f.data).is_some_and(|(vhost, name)| {
-                    self.0
+                    self.shared
                         .shovel_restarter
                         .get()
                         .is_some_and(|restart| restart(&vhost, &name))
@@ -372,7 +399,7 @@ impl crate::cluster::RaftEvents for RaftReports {
             if f.group != crate::cluster::NODE_FIGURES {
                 return true;
             }
-            self.0
+            self.shared
                 .peer_figures
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -382,7 +409,7 @@ impl crate::cluster::RaftEvents for RaftReports {
         if entries.is_empty() {
             return;
         }
-        self.0.with_node(|node, now| {
+        self.shared.with_node(|node, now| {
             for (_, f) in entries {
                 node.forwarded(f.group.0, &f.data, now);
             }
@@ -1261,7 +1288,11 @@ pub async fn serve(
             let node_id = cfg.node;
             let first = cfg.peers.keys().chain([&node_id]).min().copied() == Some(node_id);
             let peers: Vec<u64> = cfg.peers.keys().copied().collect();
-            let raft = crate::cluster::RaftNode::start(cfg, RaftReports(shared.clone()))
+            let reports = RaftReports {
+                shared: shared.clone(),
+                away: shared.lock().node.broker().away_context(),
+            };
+            let raft = crate::cluster::RaftNode::start(cfg, reports)
                 .map_err(|e| std::io::Error::other(e.to_string()))?;
             let join = raft.joining().map(|addr| (addr, peers));
             let recovered: std::collections::BTreeSet<u64> =
@@ -1571,6 +1602,9 @@ fn recover(
 /// Sleeps until the node's earliest deadline, ticks it, and again; woken early when an event
 /// brings a deadline forward. With nothing due it sleeps until an event arrives.
 async fn timer(shared: Arc<Shared>) {
+    // Deep queues' contents were sending away (after a start, a snapshot or a burst): once
+    // they are done, the memory they were in is handed back.
+    let mut backlog = false;
     loop {
         let (next, start) = {
             let core = shared.lock();
@@ -1586,7 +1620,13 @@ async fn timer(shared: Arc<Shared>) {
                 let when = tokio::time::Instant::from_std(start + after);
                 tokio::select! {
                     _ = tokio::time::sleep_until(when) => {
-                        shared.with_node(|node, now| node.tick(now));
+                        let left = shared.with_node(|node, now| {
+                            node.tick(now);
+                            node.broker().away_backlog()
+                        });
+                        if std::mem::replace(&mut backlog, left > 0) && left == 0 {
+                            tokio::task::spawn_blocking(crate::allocations::release_free_memory);
+                        }
                     }
                     _ = shared.timer.notified() => {}
                 }

@@ -294,7 +294,8 @@ impl Node {
         data: bytes::Bytes,
         now: u64,
     ) {
-        let decoded = warren_broker::DecodedSnapshot::decode(group, data);
+        let away = self.broker.away_context();
+        let decoded = warren_broker::DecodedSnapshot::decode_with(group, data, away.as_ref());
         drop(self.install_decoded(group, index, term, decoded, now));
     }
 

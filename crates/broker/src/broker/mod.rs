@@ -18,6 +18,7 @@ pub mod snapshot;
 mod users;
 
 // The free helpers of each part, for the others.
+pub use away::AwayContext;
 use flows::*;
 use metadata::*;
 pub use metadata_group::{

@@ -1,6 +1,7 @@
 //! Replicated queues: proposals to their Raft groups, committed entries applied, leader changes.
 //! The why is in `crate::replica`; the driver moves the bytes (see `Proposal`).
 
+use super::away::AwayContext;
 use super::*;
 use crate::replica::{Mode, NodeId, ReplicaState};
 use warren_queue::machine::EnqueuerId;
@@ -194,6 +195,13 @@ pub struct DecodedSnapshot {
 
 impl DecodedSnapshot {
     pub fn decode(group: u64, data: bytes::Bytes) -> Self {
+        Self::decode_with(group, data, None)
+    }
+
+    /// [`DecodedSnapshot::decode`], and with `away` (the broker's
+    /// [`Broker::away_context`]) a deep queue's contents past its window sent away at once,
+    /// the rest copied out of `data` (see [`AwayContext::send_restored_away`]).
+    pub fn decode_with(group: u64, data: bytes::Bytes, away: Option<&AwayContext>) -> Self {
         let bytes = data.len() as u64;
         if group == super::metadata_group::META_GROUP {
             return DecodedSnapshot {
@@ -202,8 +210,12 @@ impl DecodedSnapshot {
                 machine: None,
             };
         }
+        let mut machine = QueueMachine::<Message>::restore_snapshot(data);
+        if let (Some(away), Ok(m)) = (away, machine.as_mut()) {
+            away.send_restored_away(m);
+        }
         DecodedSnapshot {
-            machine: Some(QueueMachine::<Message>::restore_snapshot(data)),
+            machine: Some(machine),
             data: bytes::Bytes::new(),
             bytes,
         }
@@ -656,7 +668,7 @@ impl Broker {
     /// it. What this node waited for in the group is nacked (it may be in the snapshot: a
     /// duplicate at worst, never a loss).
     pub fn install_snapshot(&mut self, group: u64, index: u64, term: u64, data: bytes::Bytes) {
-        let decoded = DecodedSnapshot::decode(group, data);
+        let decoded = DecodedSnapshot::decode_with(group, data, self.away_context().as_ref());
         drop(self.install_decoded(group, index, term, decoded));
     }
 

@@ -374,6 +374,7 @@ impl Broker {
             self.finish_effects(id);
         }
         self.ticking = false;
+        self.continue_away();
         self.release_delayed();
         self.expire_forwards();
         // What expired forwards (or a deleted queue) lost is released again now.
@@ -393,10 +394,15 @@ impl Broker {
             return None;
         }
         let queues = self.deadlines.first().map(|&(at, _)| at);
-        [queues, self.scheduler.deadline(), self.forward_deadline()]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            queues,
+            self.scheduler.deadline(),
+            self.forward_deadline(),
+            self.away_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// A queue's machine (read-only: tests, diagnostics, digests).
