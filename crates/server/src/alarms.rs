@@ -73,7 +73,20 @@ pub async fn monitor(
         disk_free_limit = config.disk_free_limit,
         "resource alarms armed"
     );
+    let mut trimmer = crate::allocations::Trimmer::default();
     loop {
+        // Before measuring: memory freed in bulk since the last check is handed back, so
+        // that neither RSS nor the alarm counts what the node no longer holds.
+        let (t, free) = tokio::task::spawn_blocking(move || {
+            let free = trimmer.check();
+            (trimmer, free)
+        })
+        .await
+        .unwrap_or_default();
+        trimmer = t;
+        if let Some(free) = free {
+            tracing::debug!(free, "free heap memory handed back to the system");
+        }
         let rss = rss_bytes();
         let memory = matches!((rss, limit), (Some(rss), Some(limit)) if rss > limit);
         let paging = matches!((rss, paging_at), (Some(rss), Some(at)) if rss >= at);

@@ -63,18 +63,46 @@ pub fn totals() -> Option<(u64, u64)> {
         .then(|| (COUNT.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed)))
 }
 
-/// Hands the allocator's free memory back to the system. glibc's malloc returns only the top of
-/// each heap by itself, so after a large release in the middle of it (a deep quorum queue's
-/// snapshot read at a start, or the log replayed after it, once their messages' contents went
-/// to `away/`) a node kept its peak as RSS: 805 MB where it held 353 before a restart, 380 MB
-/// once trimmed (a 1,000,000-message queue, bench/deep-cluster.sh's shape). Walks the heaps
-/// under their locks (milliseconds for hundreds of MB): for after such releases, not for a
-/// steady path. Elsewhere than glibc, nothing.
-pub fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim takes no pointer and only rearranges the allocator's own free lists.
-    unsafe {
-        libc::malloc_trim(0);
+/// Free heap memory the allocator held at the last [`Trimmer::check`], and what it
+/// released. glibc's malloc returns only the top of each heap by itself, so after a large
+/// release in the middle of one (a deep queue drained, a quorum queue's snapshot read at a
+/// start or its log replayed, once their contents went to `away/`) a node kept its peak as RSS,
+/// which is also what its memory alarm measures: a member of a 1,000,000-message quorum queue
+/// stayed at 805 MB after a restart where it held 353 MB before (380 MB once trimmed).
+#[derive(Debug, Default)]
+pub struct Trimmer {
+    /// The allocator's free bytes after the last trim (or the lowest seen since).
+    base: u64,
+}
+
+/// Free memory that grew by this much since the last trim is handed back.
+const TRIM_GROWTH: u64 = 64 << 20;
+
+impl Trimmer {
+    /// Hands the allocator's free memory back to the system (`malloc_trim`) when it grew by
+    /// [`TRIM_GROWTH`] since the last time: a large release happened. Returns the free bytes
+    /// it found then. Walks the heaps under their locks (milliseconds for hundreds of MB):
+    /// for a periodic check, not a hot path. Elsewhere than glibc, nothing.
+    pub fn check(&mut self) -> Option<u64> {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        {
+            // SAFETY: mallinfo2 only reads the allocator's statistics.
+            let free = unsafe { libc::mallinfo2() }.fordblks as u64;
+            self.base = self.base.min(free);
+            if free < self.base.saturating_add(TRIM_GROWTH) {
+                return None;
+            }
+            // SAFETY: malloc_trim takes no pointer and only returns free pages to the system.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+            // The chunks stay free in the allocator's books (their pages went back): what
+            // counts next time is growth beyond them.
+            self.base = free;
+            Some(free)
+        }
+        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+        None
     }
 }
 
@@ -96,5 +124,21 @@ mod tests {
         }
         let (n2, b2) = totals().expect("on");
         assert!(n2 > n && b2 >= b + 100);
+    }
+
+    /// 96 MiB freed in the middle of the heap (its top still held) is handed back once, and
+    /// not again until more is freed.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[test]
+    fn a_large_release_is_handed_back_once() {
+        let mut trimmer = Trimmer::default();
+        trimmer.check();
+        // 64 KiB blocks stay in the heap (below glibc's mmap threshold); touched, so resident.
+        let mut blocks: Vec<Vec<u8>> = (0..1536).map(|i| vec![i as u8; 64 << 10]).collect();
+        let top = vec![1u8; 64 << 10];
+        blocks.clear();
+        assert!(trimmer.check().is_some_and(|free| free >= 96 << 20));
+        assert_eq!(trimmer.check(), None, "nothing more was freed");
+        drop(top);
     }
 }

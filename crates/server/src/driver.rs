@@ -219,10 +219,6 @@ impl Shared {
 }
 
 /// The Raft thread's reports: committed entries applied, leader changes, forwarded publishes.
-/// Snapshots installed at once larger than this are followed by
-/// [`crate::allocations::release_free_memory`].
-const TRIM_AFTER_BYTES: usize = 64 << 20;
-
 struct RaftReports {
     shared: Arc<Shared>,
     /// Where a deep queue read from a snapshot sends its contents as it is decoded.
@@ -241,11 +237,6 @@ impl crate::cluster::RaftEvents for RaftReports {
         // Read before the node is taken (a third of a second per GiB of a deep queue's
         // snapshot; a leader's large one was read on the snapshot writer's thread), and what
         // they replace let go after: the node's clients wait for neither.
-        let large = snapshots
-            .iter()
-            .map(|(_, s, _)| s.data.len())
-            .sum::<usize>()
-            > TRIM_AFTER_BYTES;
         let decoded: Vec<_> = snapshots
             .into_iter()
             .map(|(group, s, prepared)| {
@@ -269,11 +260,6 @@ impl crate::cluster::RaftEvents for RaftReports {
                 .collect::<Vec<_>>()
         });
         drop(replaced);
-        if large {
-            // The snapshots' buffers and the machines they replaced are free now; not on
-            // the Raft thread, which other groups wait on.
-            std::thread::spawn(crate::allocations::release_free_memory);
-        }
     }
 
     fn preparer(&self) -> Option<crate::cluster::Preparer> {
@@ -1602,9 +1588,6 @@ fn recover(
 /// Sleeps until the node's earliest deadline, ticks it, and again; woken early when an event
 /// brings a deadline forward. With nothing due it sleeps until an event arrives.
 async fn timer(shared: Arc<Shared>) {
-    // Deep queues' contents were sending away (after a start, a snapshot or a burst): once
-    // they are done, the memory they were in is handed back.
-    let mut backlog = false;
     loop {
         let (next, start) = {
             let core = shared.lock();
@@ -1620,13 +1603,7 @@ async fn timer(shared: Arc<Shared>) {
                 let when = tokio::time::Instant::from_std(start + after);
                 tokio::select! {
                     _ = tokio::time::sleep_until(when) => {
-                        let left = shared.with_node(|node, now| {
-                            node.tick(now);
-                            node.broker().away_backlog()
-                        });
-                        if std::mem::replace(&mut backlog, left > 0) && left == 0 {
-                            tokio::task::spawn_blocking(crate::allocations::release_free_memory);
-                        }
+                        shared.with_node(|node, now| node.tick(now));
                     }
                     _ = shared.timer.notified() => {}
                 }

@@ -106,12 +106,6 @@ impl Broker {
         }
     }
 
-    /// Replicated queues with more of their contents to send away than the calls so far did
-    /// (or whose last write failed): 0 once every deep queue is down to its window.
-    pub fn away_backlog(&self) -> usize {
-        self.away.as_ref().map_or(0, |h| h.pending.len())
-    }
-
     /// When [`Broker::continue_away`] has work, if ever.
     pub(super) fn away_deadline(&self) -> Option<u64> {
         let h = self.away.as_ref().filter(|h| !h.pending.is_empty())?;
