@@ -309,7 +309,8 @@ impl Message {
         }
     }
 
-    fn contents_len(&self) -> usize {
+    /// The bytes of its exchange, routing key, properties and body in memory (0 for a stub).
+    pub fn contents_len(&self) -> usize {
         self.exchange.len() + self.routing_key.len() + self.properties.len() + self.body.len()
     }
 

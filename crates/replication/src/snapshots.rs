@@ -363,13 +363,21 @@ impl SnapshotFiles {
         fill: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<(), String>) -> Result<Vec<u8>, String>,
     ) -> Result<(PathBuf, u64), LogError> {
         let staged = self.dir.join(format!("{:016x}.{seq}.tmp", group.0));
-        match self.write_stream(&staged, group, meta, members, prefix_len, fill) {
-            Ok(len) => Ok((staged, len)),
-            Err(e) => {
-                self.discard(&staged);
-                Err(e)
+        // Removed on an error, and on a panic in `fill` too (a bug encoding a state): a
+        // partial file can be as large as the queue.
+        struct Partial<'a>(&'a SnapshotFiles, &'a Path, bool);
+        impl Drop for Partial<'_> {
+            fn drop(&mut self) {
+                if !self.2 {
+                    self.0.discard(self.1);
+                }
             }
         }
+        let mut partial = Partial(self, &staged, false);
+        let len = self.write_stream(&staged, group, meta, members, prefix_len, fill)?;
+        partial.2 = true;
+        drop(partial);
+        Ok((staged, len))
     }
 
     fn write_stream(
@@ -847,6 +855,13 @@ mod tests {
             Ok(vec![1])
         });
         assert!(matches!(short, Err(LogError::Unmade(_))), "{short:?}");
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            files.stage_stream(GroupId(6), 11, SnapshotMeta::default(), None, 2, |sink| {
+                sink(b"part")?;
+                panic!("a bug while encoding the state")
+            })
+        }));
+        assert!(panicked.is_err());
         let left: Vec<_> = std::fs::read_dir(dir.path())
             .expect("dir")
             .filter_map(|e| e.ok())

@@ -10,6 +10,8 @@ use crate::config::AlarmConfig;
 
 /// How often memory and disk are measured (RabbitMQ: memory every 2.5 s, disk every 1-10 s).
 const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// Free heap memory is looked at every this many checks (10 s).
+const TRIM_EVERY: u64 = 10;
 
 /// The broker's resident memory, from /proc (Linux); `None` elsewhere.
 pub fn rss_bytes() -> Option<u64> {
@@ -74,19 +76,24 @@ pub async fn monitor(
         "resource alarms armed"
     );
     let mut trimmer = crate::allocations::Trimmer::default();
+    let mut checks: u64 = 0;
     loop {
-        // Before measuring: memory freed in bulk since the last check is handed back, so
-        // that neither RSS nor the alarm counts what the node no longer holds.
-        let (t, free) = tokio::task::spawn_blocking(move || {
-            let free = trimmer.check();
-            (trimmer, free)
-        })
-        .await
-        .unwrap_or_default();
-        trimmer = t;
-        if let Some(free) = free {
-            tracing::debug!(free, "free heap memory handed back to the system");
+        // Before measuring, now and then (reading the allocator's figures walks its free
+        // lists under their locks): memory freed in bulk since the last look is handed
+        // back, so that neither RSS nor the alarm counts what the node no longer holds.
+        if checks.is_multiple_of(TRIM_EVERY) {
+            let (t, free) = tokio::task::spawn_blocking(move || {
+                let free = trimmer.check();
+                (trimmer, free)
+            })
+            .await
+            .unwrap_or_default();
+            trimmer = t;
+            if let Some(free) = free {
+                tracing::debug!(free, "free heap memory handed back to the system");
+            }
         }
+        checks = checks.wrapping_add(1);
         let rss = rss_bytes();
         let memory = matches!((rss, limit), (Some(rss), Some(limit)) if rss > limit);
         let paging = matches!((rss, paging_at), (Some(rss), Some(at)) if rss >= at);

@@ -79,6 +79,18 @@ pub struct Trimmer {
 const TRIM_GROWTH: u64 = 64 << 20;
 
 impl Trimmer {
+    /// Whether `free` bytes are [`TRIM_GROWTH`] more than after the last trim (or the lowest
+    /// seen since); if so they count as trimmed from now on: the chunks stay free in the
+    /// allocator's books once their pages went back, and only growth beyond them counts.
+    fn grew(&mut self, free: u64) -> bool {
+        self.base = self.base.min(free);
+        if free < self.base.saturating_add(TRIM_GROWTH) {
+            return false;
+        }
+        self.base = free;
+        true
+    }
+
     /// Hands the allocator's free memory back to the system (`malloc_trim`) when it grew by
     /// [`TRIM_GROWTH`] since the last time: a large release happened. Returns the free bytes
     /// it found then. Walks the heaps under their locks (milliseconds for hundreds of MB):
@@ -88,17 +100,13 @@ impl Trimmer {
         {
             // SAFETY: mallinfo2 only reads the allocator's statistics.
             let free = unsafe { libc::mallinfo2() }.fordblks as u64;
-            self.base = self.base.min(free);
-            if free < self.base.saturating_add(TRIM_GROWTH) {
+            if !self.grew(free) {
                 return None;
             }
             // SAFETY: malloc_trim takes no pointer and only returns free pages to the system.
             unsafe {
                 libc::malloc_trim(0);
             }
-            // The chunks stay free in the allocator's books (their pages went back): what
-            // counts next time is growth beyond them.
-            self.base = free;
             Some(free)
         }
         #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -138,7 +146,21 @@ mod tests {
         let top = vec![1u8; 64 << 10];
         blocks.clear();
         assert!(trimmer.check().is_some_and(|free| free >= 96 << 20));
-        assert_eq!(trimmer.check(), None, "nothing more was freed");
         drop(top);
+    }
+
+    /// Trimmed once per growth of the free memory, however often it is looked at; a lower
+    /// figure (memory reused) is where the next growth counts from.
+    #[test]
+    fn free_memory_is_trimmed_once_per_growth() {
+        let mut t = Trimmer::default();
+        let mib = 1u64 << 20;
+        assert!(!t.grew(10 * mib));
+        assert!(t.grew(100 * mib), "grew by 90 MiB from the lowest seen");
+        assert!(!t.grew(100 * mib), "the same free memory again");
+        assert!(!t.grew(150 * mib), "50 MiB more is not enough");
+        assert!(t.grew(170 * mib));
+        assert!(!t.grew(20 * mib), "reused");
+        assert!(t.grew(90 * mib), "70 MiB above the lowest seen since");
     }
 }

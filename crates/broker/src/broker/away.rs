@@ -213,9 +213,13 @@ impl AwayContext {
     /// (off the broker's thread: this runs where the snapshot is decoded), and what stays in
     /// memory is copied out of the snapshot's buffer, which every message read from it
     /// slices: otherwise the window's few messages would keep the whole snapshot (up to a GiB)
-    /// alive, for as long as the queue is idle. If a write fails, the rest stays as it was
-    /// (in memory, the buffer kept): the broker's own passes try again later.
-    pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>) {
+    /// alive, for as long as the queue is idle. Not copied when what stays is more than a
+    /// quarter of the snapshot's `bytes` (a priority queue's messages, which do not leave
+    /// memory yet): the copies would only double the peak. If a write fails, the rest stays
+    /// as it was (in memory, the buffer kept): the broker's own passes try again later.
+    /// Returns the last message id considered (the broker's cursor for its next passes), 0
+    /// after a failed write.
+    pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) -> u64 {
         let count = if machine.consumer_count() > 0 {
             self.window
         } else {
@@ -228,17 +232,28 @@ impl AwayContext {
             .unwrap_or(0);
         loop {
             match pass(machine, &self.store, kept, from) {
-                Ok(p) if p.full => from = p.last,
-                Ok(_) => break,
+                Ok(p) => {
+                    from = p.last;
+                    if !p.full {
+                        break;
+                    }
+                }
                 Err(error) => {
                     tracing::warn!(%error, "writing the messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
-                    return;
+                    return 0;
                 }
             }
         }
-        for m in machine.messages_mut() {
-            m.detach();
+        let staying: u64 = machine
+            .messages()
+            .map(|(_, m, _)| m.contents_len() as u64)
+            .sum();
+        if staying.saturating_mul(4) <= bytes {
+            for m in machine.messages_mut() {
+                m.detach();
+            }
         }
+        from
     }
 }
 
