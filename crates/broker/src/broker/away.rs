@@ -28,6 +28,9 @@ const AWAY_PASS_MESSAGES: usize = 4096;
 const AWAY_PASS_BYTES: u64 = 16 << 20;
 /// Passes one call makes at most.
 const AWAY_PASSES: usize = 16;
+/// Passes a call from [`Broker::tick`] makes at most: it holds the node as an entry's does,
+/// and comes back every [`AWAY_CONTINUE_MS`] while there is more.
+const CONTINUE_PASSES: usize = 4;
 /// After a failed write, the next is tried this much later (a full disk is not retried at
 /// every entry).
 const AWAY_RETRY_MS: u64 = 1_000;
@@ -71,12 +74,16 @@ impl Broker {
 
     /// Sends the contents of the replicated queue's ready messages past its window away, once
     /// enough new ones arrived there: in passes of at most [`AWAY_PASS_MESSAGES`] messages and
-    /// [`AWAY_PASS_BYTES`], up to [`AWAY_PASSES`] of them a call (a queue restored whole from a
-    /// snapshot goes out over the calls that follow, never in one buffer the size of the queue).
-    /// A failed write leaves them in memory; writes are tried again [`AWAY_RETRY_MS`] later.
+    /// [`AWAY_PASS_BYTES`], up to [`AWAY_PASSES`] of them a call (never one buffer the size of
+    /// the queue); what is left waits for the next call or [`Broker::continue_away`]'s. A
+    /// failed write leaves them in memory; writes are tried again [`AWAY_RETRY_MS`] later.
     pub(super) fn send_away(&mut self, id: QueueId) {
+        self.send_away_up_to(id, AWAY_PASSES);
+    }
+
+    fn send_away_up_to(&mut self, id: QueueId, passes: usize) {
         let mut step = Step::More;
-        for _ in 0..AWAY_PASSES {
+        for _ in 0..passes {
             step = self.send_away_pass(id);
             if step != Step::More {
                 break;
@@ -102,7 +109,7 @@ impl Broker {
             return;
         }
         if let Some(id) = h.pending.pop_first() {
-            self.send_away(id);
+            self.send_away_up_to(id, CONTINUE_PASSES);
         }
     }
 
