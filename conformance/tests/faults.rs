@@ -1092,6 +1092,68 @@ fn later_redelivery_near_fault(h: &History, ts: &[(Instant, bool)], acked: Insta
     })
 }
 
+/// A few bodies enqueued twice (allowed, but each one says how the broker took a publish twice),
+/// with where and when they were published, delivered and acked, and the faults around them, in
+/// milliseconds from the first publish.
+fn print_enqueued_twice(h: &History, times: &HashMap<&str, Vec<(Instant, bool)>>) {
+    let Some(zero) = h.sent.values().map(|(_, at, _)| *at).min() else {
+        return;
+    };
+    let ms = |t: Instant| t.saturating_duration_since(zero).as_millis();
+    let mut twice: Vec<&str> = times
+        .iter()
+        .filter(|(_, ts)| ts.iter().skip(1).any(|(_, re)| !re))
+        .map(|(b, _)| *b)
+        .collect();
+    twice.sort_unstable();
+    for body in twice.iter().take(6) {
+        let Some((node, sent, outcome)) = h.sent.get(*body) else {
+            continue;
+        };
+        let delivered: Vec<String> = h
+            .deliveries
+            .iter()
+            .filter(|d| d.body == *body)
+            .map(|d| {
+                format!(
+                    "node {} at {}{}",
+                    d.node,
+                    ms(d.at),
+                    if d.redelivered { " (redelivered)" } else { "" }
+                )
+            })
+            .collect();
+        let acked: Vec<String> = h
+            .acks
+            .iter()
+            .filter(|a| a.body == *body)
+            .map(|a| format!("node {} at {}", a.node, ms(a.at)))
+            .collect();
+        let last = h
+            .deliveries
+            .iter()
+            .filter(|d| d.body == *body)
+            .map(|d| d.at)
+            .max()
+            .unwrap_or(*sent);
+        // Numbered as the rounds the test prints (the paused-leader test's cycles apart).
+        let faults: Vec<String> = h
+            .faults
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, from, to))| *to + Duration::from_secs(2) >= *sent && *from <= last)
+            .map(|(i, (n, from, to))| {
+                format!("round {}: node {n} {}..{}", i + 1, ms(*from), ms(*to))
+            })
+            .collect();
+        eprintln!(
+            "faults: enqueued twice: {body} published on node {node} at {}, answered at {:?}; delivered {delivered:?}; acked {acked:?}; faults around it {faults:?}",
+            ms(*sent),
+            outcome.map(ms),
+        );
+    }
+}
+
 /// Checks the history once the queue is drained (`end`).
 fn check(h: &History, end: Instant) -> Report {
     let mut r = Report {
@@ -1136,6 +1198,9 @@ fn check(h: &History, end: Instant) -> Report {
         .values()
         .filter(|ts| ts.iter().skip(1).any(|(_, re)| !re))
         .count();
+    if r.enqueued_twice > 0 {
+        print_enqueued_twice(h, &times);
+    }
     let mut lost: Vec<String> = h
         .published
         .iter()
