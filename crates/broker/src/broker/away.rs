@@ -224,9 +224,7 @@ impl AwayContext {
     /// quarter of the snapshot's `bytes` (a priority queue's messages, which do not leave
     /// memory yet): the copies would only double the peak. If a write fails, the rest stays
     /// as it was (in memory, the buffer kept): the broker's own passes try again later.
-    /// Returns the last message id considered (the broker's cursor for its next passes), 0
-    /// after a failed write.
-    pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) -> u64 {
+    pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) {
         let count = if machine.consumer_count() > 0 {
             self.window
         } else {
@@ -247,7 +245,7 @@ impl AwayContext {
                 }
                 Err(error) => {
                     tracing::warn!(%error, "writing the messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
-                    return 0;
+                    return;
                 }
             }
         }
@@ -260,7 +258,6 @@ impl AwayContext {
                 m.detach();
             }
         }
-        from
     }
 }
 

@@ -191,8 +191,6 @@ pub struct DecodedSnapshot {
     data: bytes::Bytes,
     bytes: u64,
     machine: Option<Result<QueueMachine<Message>, crate::machine::SnapshotError>>,
-    /// Ready messages up to this id were sent away as it was decoded (0: none were).
-    away_through: u64,
 }
 
 impl DecodedSnapshot {
@@ -210,19 +208,16 @@ impl DecodedSnapshot {
                 data,
                 bytes,
                 machine: None,
-                away_through: 0,
             };
         }
         let mut machine = QueueMachine::<Message>::restore_snapshot(data);
-        let away_through = match (away, machine.as_mut()) {
-            (Some(away), Ok(m)) => away.send_restored_away(m, bytes),
-            _ => 0,
-        };
+        if let (Some(away), Ok(m)) = (away, machine.as_mut()) {
+            away.send_restored_away(m, bytes);
+        }
         DecodedSnapshot {
             machine: Some(machine),
             data: bytes::Bytes::new(),
             bytes,
-            away_through,
         }
     }
 }
@@ -689,7 +684,6 @@ impl Broker {
         term: u64,
         decoded: DecodedSnapshot,
     ) -> Option<QueueMachine<Message>> {
-        let away_through = decoded.away_through;
         let (len, machine) = match decoded.machine {
             None => {
                 self.install_meta_snapshot(index, term, &decoded.data);
@@ -734,8 +728,9 @@ impl Broker {
         };
         let r = q.replica.as_mut()?;
         let replaced = std::mem::replace(&mut q.machine, machine);
-        // Past what was sent away as it was decoded: the next pass need not walk it again.
-        r.away_through = away_through;
+        // From the start: what the decoder sent away is skipped (one walk of the line), and the
+        // entries applied since count towards the next pass with those it left.
+        r.away_through = 0;
         r.mode = Mode::Following;
         r.held.clear();
         r.applied_index = index;
