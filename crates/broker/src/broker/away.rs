@@ -16,7 +16,8 @@ use std::sync::Arc;
 use warren_queue::machine::QueueMachine;
 use warren_queue::{AwayStore, Message};
 
-use super::{persistence::keep, Broker, QueueId};
+use super::persistence::{keep, window_of};
+use super::{Broker, QueueId};
 use crate::replica::Mode;
 
 /// Fewer new messages than this past the window wait for the next pass: each pass is one
@@ -125,8 +126,8 @@ impl Broker {
     pub fn away_context(&self) -> Option<AwayContext> {
         self.away.as_ref().map(|a| AwayContext {
             store: a.store.clone(),
-            window: self.config.page_window as usize,
-            window_idle: self.config.page_window_idle as usize,
+            window: self.config.page_window,
+            window_idle: self.config.page_window_idle,
             window_bytes: self.config.page_window_bytes,
         })
     }
@@ -199,8 +200,8 @@ enum Step {
 #[derive(Clone)]
 pub struct AwayContext {
     store: Arc<dyn AwayStore>,
-    window: usize,
-    window_idle: usize,
+    window: u32,
+    window_idle: u32,
     window_bytes: u64,
 }
 
@@ -225,11 +226,7 @@ impl AwayContext {
     /// memory yet): the copies would only double the peak. If a write fails, the rest stays
     /// as it was (in memory, the buffer kept): the broker's own passes try again later.
     pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) {
-        let count = if machine.consumer_count() > 0 {
-            self.window
-        } else {
-            self.window_idle
-        };
+        let count = window_of(machine, self.window, self.window_idle) as usize;
         let kept = machine.head_within(count, self.window_bytes);
         let mut from = kept
             .checked_sub(1)

@@ -28,10 +28,15 @@ pub(super) fn drop_runs(p: &mut Persist, q: &Queue) {
 
 /// How many ready messages the queue keeps in memory at its head.
 pub(super) fn keep(config: &BrokerConfig, q: &Queue) -> u32 {
-    if q.machine.consumer_count() > 0 {
-        config.page_window
+    window_of(&q.machine, config.page_window, config.page_window_idle)
+}
+
+/// The messages a queue keeps in memory: `window` with consumers, `idle` without.
+pub(super) fn window_of(machine: &QueueMachine<Message>, window: u32, idle: u32) -> u32 {
+    if machine.consumer_count() > 0 {
+        window
     } else {
-        config.page_window_idle
+        idle
     }
 }
 
