@@ -193,12 +193,24 @@ impl TestBroker {
         .flatten()
         {
             let sink = output.clone();
+            let mut file = std::env::var("WARREN_TEST_NODE_LOGS").ok().and_then(|d| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(std::path::Path::new(&d).join(format!("{port}.log")))
+                    .ok()
+            });
             std::thread::spawn(move || {
                 let mut pipe = pipe;
                 let mut buf = [0u8; 4096];
                 while let Ok(n) = pipe.read(&mut buf) {
                     if n == 0 {
                         break;
+                    }
+                    if let Some(f) = file.as_mut() {
+                        use std::io::Write;
+                        let _ = f.write_all(&buf[..n]);
+                        continue;
                     }
                     sink.lock().unwrap().extend_from_slice(&buf[..n]);
                 }

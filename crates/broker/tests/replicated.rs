@@ -2217,6 +2217,72 @@ fn a_publish_waiting_on_a_follower_that_installs_a_snapshot_is_forwarded_again_n
 }
 
 #[test]
+fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
+    // A leader cut off (a SIGSTOP in the fault tests) while its peers elect another and go on
+    // past a snapshot; back, its clients' publishes reach its Raft, a follower by then, which
+    // hands them back; the node sends them to the new leader and keeps each until it applies
+    // it, and the snapshot it installs meanwhile makes it send them again. As plain `Enqueue`s
+    // each sending was a copy in the queue (a fault run found one publish four times).
+    let mut c = Cluster::snapshotting(8);
+    until_levels(&mut c);
+    let old = c.leader();
+    c.run(5);
+    c.isolated.insert(old);
+    let new = c.leader();
+    assert_ne!(new, old);
+    for n in 0..40 {
+        c.publish(new, n);
+        c.step();
+    }
+    c.run(20);
+    assert!(c.snapshot_at(new) > 8, "the new leader snapshotted");
+    c.isolated.clear();
+    let mut batches = Vec::new();
+    let mut n = 1000;
+    // Until Raft hands one back: before it hears of the new term, what the old leader
+    // proposes is appended to its own log only, and lost (nacked).
+    while c.refusals == 0 && n < 1100 {
+        batches.push((n, c.publish(old, n)));
+        n += 1;
+        c.step();
+    }
+    assert!(c.refusals > 0, "Raft handed nothing back");
+    for _ in 0..300 {
+        c.step();
+    }
+    let nacked = c.broker(old).take_lost().unwrap_or(0);
+    let confirmed: Vec<u32> = batches
+        .iter()
+        .filter(|(_, b)| *b > nacked && c.confirmed(old, *b))
+        .map(|(n, _)| *n)
+        .collect();
+    assert!(
+        !confirmed.is_empty(),
+        "no publish of the old leader's was confirmed"
+    );
+    assert!(
+        c.snapshot_at(old) > 8,
+        "the old leader installed a snapshot"
+    );
+    let machine = c.members[&new].broker.machine(c.id(new)).expect("machine");
+    let mut bodies: Vec<Bytes> = machine
+        .ready_messages()
+        .map(|(_, m, _)| m.body.clone())
+        .collect();
+    let all = bodies.len();
+    bodies.sort();
+    bodies.dedup();
+    assert_eq!(bodies.len(), all, "a publish is in the queue twice");
+    for n in confirmed {
+        assert!(
+            bodies.contains(&message(n).body),
+            "confirmed publish {n} is not in the queue"
+        );
+    }
+    assert_same_state(&c, &NODES);
+}
+
+#[test]
 fn a_node_restarted_from_its_snapshot_has_the_same_state_and_can_take_over() {
     let every = Some(8);
     let mut c = Cluster::snapshotting(8);

@@ -1198,17 +1198,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         (message, meta): (M, MsgMeta),
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
-        let last = self.enqueuers.get(&enqueuer).map(|e| (e.seq, e.refused));
+        if let Some(reply) = self.decided(enqueuer, seq) {
+            return reply;
+        }
+        let last = self.enqueuers.get(&enqueuer).map(|e| e.seq);
         match last {
-            Some((decided, refused)) if seq <= decided => {
-                // Only the highest refusal is known: one at or after `seq` may have been `seq`.
-                return if refused.is_some_and(|r| seq <= r) {
-                    Reply::Refused(Refusal::Full)
-                } else {
-                    Reply::Duplicate
-                };
-            }
-            Some((decided, _)) if seq != decided.saturating_add(1) => {
+            Some(decided) if seq != decided.saturating_add(1) => {
                 return Reply::Refused(Refusal::OutOfOrder)
             }
             None if seq != 1 => return Reply::Refused(Refusal::OutOfOrder),
@@ -2732,6 +2727,21 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// An enqueuer's highest decided sequence number, while the machine remembers it.
     pub fn enqueuer_seq(&self, enqueuer: EnqueuerId) -> Option<u64> {
         self.enqueuers.get(&enqueuer).map(|e| e.seq)
+    }
+
+    /// What the machine answers an enqueuer's `seq` sent again, if it decided it already: a
+    /// `Duplicate` (in the queue once), or `Refused(Full)`. `None` while it waits to be decided.
+    pub fn decided(&self, enqueuer: EnqueuerId, seq: u64) -> Option<Reply> {
+        let e = self.enqueuers.get(&enqueuer)?;
+        if seq > e.seq {
+            return None;
+        }
+        // Only the highest refusal is known: one at or after `seq` may have been `seq`.
+        Some(if e.refused.is_some_and(|r| seq <= r) {
+            Reply::Refused(Refusal::Full)
+        } else {
+            Reply::Duplicate
+        })
     }
 
     /// Enqueuers remembered (one per live publisher channel that sent [`Command::EnqueueFrom`]).
@@ -4420,7 +4430,11 @@ mod tests {
         assert_eq!(d.run(from(p, 4, "y")), Reply::Refused(Refusal::OutOfOrder));
         assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), Some(2));
         assert_eq!(d.run(from(p, 3, "x")), Reply::Enqueued { msg_id: 2 });
-        // Anything at or below the highest is a resend.
+        // Anything at or below the highest is a resend, which `decided` answers as `apply`
+        // would (a node answers what a snapshot shows decided without sending it again).
+        assert_eq!(d.m.decided(EnqueuerId(p), 3), Some(Reply::Duplicate));
+        assert_eq!(d.m.decided(EnqueuerId(p), 4), None);
+        assert_eq!(d.m.decided(EnqueuerId(q), 1), None);
         assert_eq!(d.run(from(p, 2, "b")), Reply::Duplicate);
         assert_eq!(d.run(from(p, 3, "x")), Reply::Duplicate);
         // Another enqueuer has its own sequence.
@@ -4467,6 +4481,10 @@ mod tests {
         assert_eq!(d.run(from(1, 3, "c")), Reply::Enqueued { msg_id: 1 });
         // Sent again after a failover: 3 was enqueued; 2 was refused, and 1 cannot be told
         // from it any more: a nack, never a false confirm.
+        assert_eq!(
+            d.m.decided(EnqueuerId(1), 2),
+            Some(Reply::Refused(Refusal::Full))
+        );
         assert_eq!(d.run(from(1, 3, "c")), Reply::Duplicate);
         assert_eq!(d.run(from(1, 2, "b")), Reply::Refused(Refusal::Full));
         assert_eq!(d.run(from(1, 1, "a")), Reply::Refused(Refusal::Full));

@@ -818,6 +818,21 @@ impl Broker {
             let Some(token) = token else { continue };
             match decode(bytes::Bytes::from(data)) {
                 Ok((_, command)) => {
+                    // One the snapshot shows decided is answered from it, not sent again: a
+                    // node far behind is sent snapshot after snapshot, and each sent its whole
+                    // backlog again, a log entry per message, which put it further behind.
+                    let decided = match &command {
+                        Command::EnqueueFrom { enqueuer, seq, .. } => self
+                            .committed_machine(id)
+                            .and_then(|m| m.decided(*enqueuer, *seq)),
+                        _ => None,
+                    };
+                    if let Some(reply) = decided {
+                        if let Some(c) = self.cluster.as_mut() {
+                            c.settle(Outcome::Applied(token, reply));
+                        }
+                        continue;
+                    }
                     self.forward_keeping(id, &command, true, Some(token));
                 }
                 Err(_) => {
@@ -1576,6 +1591,10 @@ impl Broker {
     /// made its new leader nack what its clients published in those first moments. False if it
     /// cannot be encoded (the publisher is nacked).
     fn hold_until_acting(&mut self, id: QueueId, command: &Command<Message>) -> bool {
+        // Kept, it may be sent on to another leader, and again after a snapshot: with an
+        // enqueuer identity the queue takes it once however often it comes.
+        let command = self.as_enqueuer(id, command).into_owned();
+        let command = &command;
         let now = self.now_ms;
         let batch = open_batch(self.persist.as_mut());
         let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get(&id)) else {
@@ -2648,11 +2667,12 @@ impl Broker {
         }
     }
 
-    /// A publish this node proposed as leader and Raft handed back after it stepped down: sent
-    /// to whoever leads now with a new number (after this node's `Down` of itself, which
-    /// its step-down sent first), its confirm still waiting. If the old term committed it
-    /// after all, the publisher has a duplicate, never a loss. Anything else is dropped: its
-    /// consumer is gone, and the new leader's `Down` of this node gives back what it held.
+    /// A publish this node proposed as leader and Raft handed back after it stepped down (held
+    /// through a leadership transfer, or refused once Raft no longer led: a leader paused,
+    /// deposed meanwhile, then resumed): sent to whoever leads now with a new number (after
+    /// this node's `Down` of itself, which its step-down sent first), its confirm still
+    /// waiting. Raft never appended it, so this is the only copy. Anything else is dropped:
+    /// its consumer is gone, and the new leader's `Down` of this node gives back what it held.
     fn forward_refused(&mut self, id: QueueId, group: u64, data: &[u8]) {
         let Ok((head, command)) = decode(bytes::Bytes::copy_from_slice(data)) else {
             return;
@@ -2682,10 +2702,12 @@ impl Broker {
             return;
         };
         self.down_self_once(id);
-        tracing::debug!(
-            group,
-            "a publish held through a leadership transfer goes to the new leader"
-        );
+        tracing::debug!(group, "a publish Raft handed back goes to the new leader");
+        // Never appended here, so this is its first copy on its way: as an `EnqueueFrom`,
+        // since it stays kept until this node applies it, and a snapshot installed meanwhile
+        // sends it again (`forward_again`). A plain `Enqueue` was taken once per sending: a
+        // deposed leader that resumed under load put one publish in the queue four times.
+        let command = self.as_enqueuer(id, &command).into_owned();
         self.forward_keeping(id, &command, true, Some(token));
     }
 
