@@ -97,7 +97,7 @@ fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
 }
 
 /// The feature level of this version's nodes.
-const LEVEL: u64 = 5;
+const LEVEL: u64 = 6;
 
 /// Waits until node `n` knows every node's level ([`LEVEL`]).
 fn wait_for_feature_level(c: &TestCluster, n: u64) {
@@ -1418,10 +1418,11 @@ async fn a_cluster_over_tls_links_replicates_and_fails_over() {
     let _ = std::fs::remove_dir_all(&pki);
 }
 
-/// Delayed messages a node that does not lead a quorum queue holds for it (`x-delivery-delay`)
-/// reach the queue once each when due, through the leader, and the guards their releases wrote
-/// (a copy scheduled again in case the queue's entry were lost) are deleted once the queue has
-/// them: the node's `warren_delayed_messages` comes back to 0, as the node's store agrees.
+/// Delayed messages published to a quorum queue (`x-delivery-delay`) on a node that does not
+/// lead it reach the queue once each when due, and nothing of them stays held on that node:
+/// its `warren_delayed_messages` comes back to 0. (Held in the queue's log since feature
+/// level 6; before, the node held them on its disk, and the guards their releases wrote were
+/// what this test was first about.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delayed_messages_held_on_a_follower_reach_the_quorum_queue_once_and_leave_no_guard() {
     let c = TestCluster::start(3, 20);
@@ -1478,4 +1479,65 @@ async fn delayed_messages_held_on_a_follower_reach_the_quorum_queue_once_and_lea
     });
     // Each once: the queue holds exactly what was published.
     wait_for_messages(&c, leader, &q, 20);
+}
+
+/// A publish held back for a quorum queue (`x-delivery-delay`) is in the queue's log: the
+/// node that took it dies before it is due (with it, its disk might be lost for good), and
+/// whichever node leads then releases it on time. Before, the node that took it held it on
+/// its own disk, released by it alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_publish_is_released_on_time_after_the_node_that_took_it_dies() {
+    let mut c = TestCluster::start(3, 20);
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
+    let q = unique("held");
+    let (_c1, declarer) = channel(&c, 1).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    args.insert(
+        "x-delivery-delay".into(),
+        lapin::types::AMQPValue::LongInt(1500),
+    );
+    declarer
+        .queue_declare(
+            q.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare");
+    // Its leader takes the publishes: its death is a failover as well.
+    let taker = c.leader_of(&q, 1);
+    let other = taker % 3 + 1;
+    let (conn, publisher) = channel(&c, taker).await;
+    let sent = Instant::now();
+    publish_confirmed(&publisher, &q, (0..10).map(|i| format!("h{i}"))).await;
+    drop((publisher, conn));
+    let (_, v) = Api::of(c.node(other)).call("GET", &format!("/queues/%2f/{q}"), None);
+    assert_eq!(
+        v["messages"].as_u64(),
+        Some(0),
+        "in the queue before they are due: {v}"
+    );
+    c.node_mut(taker).stop(true);
+    wait_for_messages(&c, other, &q, 10);
+    assert!(
+        sent.elapsed() >= Duration::from_millis(1500),
+        "released after {:?}",
+        sent.elapsed()
+    );
+    let (_, _conn, mut consumer) = consume_on_leader(&c, &q, other).await;
+    let got = take_acked(&mut consumer, 10).await;
+    let mut want: Vec<String> = (0..10).map(|i| format!("h{i}")).collect();
+    let mut got = got;
+    got.sort();
+    want.sort();
+    assert_eq!(got, want);
 }

@@ -1792,21 +1792,63 @@ fn is_publish_to(p: &Proposal, group: u64) -> bool {
         })
 }
 
-/// A delayed message falling due on a follower into a quorum queue is enqueued even when the
-/// forward of its release is lost on its way (here with the one after it, refused as out of
-/// order): the release leaves a guard record that releases it again unless its entry is
-/// applied. Before, the release deleted the message's record and the lost forward lost it,
-/// after its publisher had been confirmed.
+/// A delayed exchange's message falling due on a follower into a quorum queue is enqueued
+/// even when the forward of its release is lost on its way (here with the one after it,
+/// refused as out of order): the release leaves a guard record that releases it again unless
+/// its entry is applied. Before, the release deleted the message's record and the lost
+/// forward lost it, after its publisher had been confirmed. (A queue's own
+/// `x-delivery-delay` holds its messages in the queue's log instead.)
 #[test]
 fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
-    let mut args = quorum_args();
-    args.insert("x-delivery-delay", FieldValue::I32(100));
-    let mut c = Cluster::start_with(1, None, args);
+    let mut c = Cluster::start_with(1, None, quorum_args());
     until_levels(&mut c);
+    let mut inner = FieldTable::new();
+    inner.insert("x-delayed-type", FieldValue::long_str("direct"));
+    c.broker(1)
+        .declare_exchange(
+            "/",
+            "later",
+            "x-delayed-message",
+            false,
+            true,
+            false,
+            false,
+            &inner,
+        )
+        .expect("exchange.declare");
+    bind(&mut c, 1, "later", "jobs");
+    assert!(until_everywhere(&mut c, 200, |b| b.exchange_exists("/", "later")));
+    c.run(20);
     let leader = c.leader();
     let follower = leader % 3 + 1;
     c.run(5);
-    let batches = [c.publish(follower, 1), c.publish(follower, 2)];
+    let mut delayed = |c: &mut Cluster, n: u32| {
+        let mut headers = FieldTable::new();
+        headers.insert("x-delay", FieldValue::I64(100));
+        let properties = warren_codec::properties::BasicProperties {
+            headers: Some(headers),
+            delivery_mode: Some(2),
+            ..Default::default()
+        }
+        .encode();
+        let now = c.now;
+        let r = c
+            .broker(follower)
+            .publish(
+                "/",
+                "later",
+                "jobs",
+                Message {
+                    properties,
+                    ..message(n)
+                },
+                now,
+            )
+            .expect("publish");
+        assert_eq!(r.queues, 1, "held by the exchange");
+        r.batch.expect("a confirm that waits")
+    };
+    let batches = [delayed(&mut c, 1), delayed(&mut c, 2)];
     let group = c.group;
     let mut dropped = false;
     for _ in 0..400 {
@@ -2280,6 +2322,54 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
         );
     }
     assert_same_state(&c, &NODES);
+}
+
+#[test]
+fn a_held_publish_is_released_by_whichever_node_leads_when_it_is_due() {
+    // A quorum queue's `x-delivery-delay` held the message on the disk of the node that took
+    // it, released when due by that node alone: its death held it back until it came back,
+    // and its lost disk lost it. Held in the queue's log, every member has it.
+    let mut args = quorum_args();
+    args.insert("x-delivery-delay", FieldValue::I64(500));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let taker = c.leader();
+    let batch = c.publish(taker, 1);
+    for _ in 0..50 {
+        if c.confirmed(taker, batch) {
+            break;
+        }
+        c.step();
+    }
+    assert!(c.confirmed(taker, batch), "the held publish was confirmed");
+    c.run(5);
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.held_count().0, 1, "node {n} holds it");
+        assert_eq!(
+            c.counts(n),
+            (0, 0),
+            "node {n}: not in the queue before it is due"
+        );
+    }
+    let published = c.now;
+    c.kill(taker);
+    let next = c.leader();
+    assert_ne!(next, taker);
+    while c.now < published + 400 {
+        c.step();
+    }
+    assert_eq!(c.counts(next), (0, 0), "released early");
+    while c.now < published + 700 {
+        c.step();
+    }
+    assert_eq!(
+        c.counts(next),
+        (1, 0),
+        "the new leader released it when due"
+    );
+    let others: Vec<u64> = NODES.into_iter().filter(|n| *n != taker).collect();
+    assert_same_state(&c, &others);
 }
 
 #[test]

@@ -111,6 +111,7 @@ const ENQUEUE_FROM: u8 = 22;
 const UNREGISTER: u8 = 23;
 const GET_BY: u8 = 24;
 const CAP_EXPIRY: u8 = 25;
+const ENQUEUE_AT: u8 = 26;
 
 pub(crate) fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -249,6 +250,20 @@ pub fn encode_entry(command: &Command<Message>, out: &mut BytesMut) -> Result<()
             };
             put_command(out, &command);
         }
+        Command::EnqueueAt {
+            due,
+            from,
+            message,
+            meta,
+        } => {
+            let command = Command::EnqueueAt {
+                due: *due,
+                from: *from,
+                message: logical_message(message),
+                meta: logical_meta(meta),
+            };
+            put_command(out, &command);
+        }
         other => put_command(out, other),
     }
     let crc = crc32fast::hash(&out[start + 5..]);
@@ -324,6 +339,25 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
             out.put_u8(ENQUEUE_FROM);
             out.put_u64(enqueuer.0);
             out.put_u64(*seq);
+            put_message(out, message);
+            put_msg_meta(out, meta);
+        }
+        Command::EnqueueAt {
+            due,
+            from,
+            message,
+            meta,
+        } => {
+            out.put_u8(ENQUEUE_AT);
+            out.put_u64(*due);
+            match from {
+                Some((enqueuer, seq)) => {
+                    out.put_u8(1);
+                    out.put_u64(enqueuer.0);
+                    out.put_u64(*seq);
+                }
+                None => out.put_u8(0),
+            }
             put_message(out, message);
             put_msg_meta(out, meta);
         }
@@ -652,6 +686,22 @@ impl Reader {
                 Command::EnqueueFrom {
                     enqueuer,
                     seq,
+                    message,
+                    meta,
+                }
+            }
+            ENQUEUE_AT => {
+                let due = self.u64("due")?;
+                let from = match self.u8("enqueuer flag")? {
+                    0 => None,
+                    1 => Some((EnqueuerId(self.u64("enqueuer")?), self.u64("sequence")?)),
+                    f => return Err(self.fail(format!("enqueuer flag {f}"))),
+                };
+                let message = self.message()?;
+                let meta = self.msg_meta()?;
+                Command::EnqueueAt {
+                    due,
+                    from,
                     message,
                     meta,
                 }
@@ -1158,6 +1208,44 @@ mod tests {
         ] {
             assert_eq!(decode_entry(entry(&c)), Ok(c));
         }
+    }
+
+    #[test]
+    fn a_held_publish_is_an_entry_of_logical_facts_and_round_trips() {
+        let enqueuer = EnqueuerId(crate::qualify(2, 8).unwrap());
+        let at = |from, message, meta| Command::EnqueueAt {
+            due: 12_345,
+            from,
+            message,
+            meta,
+        };
+        let entry = |c: &Command<Message>| {
+            let mut out = BytesMut::new();
+            encode_entry(c, &mut out).unwrap();
+            out.freeze()
+        };
+        let local = at(
+            Some((enqueuer, 7)),
+            Message {
+                store_key: Some(3),
+                ..message(b"h")
+            },
+            MsgMeta {
+                pageable: true,
+                ..MsgMeta::default()
+            },
+        );
+        let plain = at(Some((enqueuer, 7)), message(b"h"), MsgMeta::default());
+        assert_eq!(entry(&local), entry(&plain));
+        for c in [plain, at(None, message(b"i"), MsgMeta::default())] {
+            assert_eq!(decode_entry(entry(&c)), Ok(c));
+        }
+        // A flag other than 0 or 1 is refused, not guessed at.
+        let mut bad = entry(&at(None, message(b"i"), MsgMeta::default())).to_vec();
+        bad[5 + 1 + 8] = 2;
+        let crc = crc32fast::hash(&bad[5..]);
+        bad[1..5].copy_from_slice(&crc.to_be_bytes());
+        assert!(decode_entry(Bytes::from(bad)).is_err());
     }
 
     #[test]

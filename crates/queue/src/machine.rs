@@ -57,6 +57,10 @@ pub type GroupKey = std::num::NonZeroU64;
 /// Lines of fewer slots than this keep their room when they drain ([`QueueMachine::apply`]).
 const SHRINK_ABOVE: usize = 4096;
 
+/// A held publish ([`Command::EnqueueAt`]) that a full `reject-publish` queue refuses when it
+/// is due is held back this much longer (ms), as a node's own delayed release is.
+const HELD_BACK_MS: u64 = 1_000;
+
 /// What the machine needs to know about a message, computed by the caller when enqueuing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct MsgMeta {
@@ -286,6 +290,18 @@ pub enum Command<M> {
         message: M,
         meta: MsgMeta,
     },
+    /// A publish held back until `due` (a replicated queue's `x-delivery-delay`, or the
+    /// message's `x-delay` there): kept beside the queue, neither counted nor deliverable, and
+    /// enqueued as a new message by the first [`Command::Tick`] at or after `due` (so it goes
+    /// behind what came meanwhile, as a delayed message released into a classic queue does).
+    /// With `from`, the enqueuer's sequence is decided now, as [`Command::EnqueueFrom`]'s.
+    /// Replies `Ok` once held; with `due` passed, what `Enqueue` replies.
+    EnqueueAt {
+        due: u64,
+        from: Option<(EnqueuerId, u64)>,
+        message: M,
+        meta: MsgMeta,
+    },
     /// The enqueuer is done with: its sequence is forgotten. `Stale` if it was unknown.
     Unregister {
         enqueuer: EnqueuerId,
@@ -447,6 +463,7 @@ impl<M> Command<M> {
         match self {
             Command::Enqueue { .. } => "enqueue",
             Command::EnqueueFrom { .. } => "enqueue_from",
+            Command::EnqueueAt { .. } => "enqueue_at",
             Command::Unregister { .. } => "unregister",
             Command::Down { .. } => "down",
             Command::Restore { .. } => "restore",
@@ -878,6 +895,11 @@ pub struct QueueMachine<M> {
     retry_due: BTreeSet<(u64, u64)>,
     /// Bytes of the messages waiting for a retry (in `ready_bytes` too).
     retrying_bytes: u64,
+    /// Publishes held back until they are due ([`Command::EnqueueAt`]), by `(due, seq)`;
+    /// the next `seq`, and their bytes (not in `ready_bytes`: they are not in the queue yet).
+    held: BTreeMap<(u64, u64), (M, MsgMeta)>,
+    held_seq: u64,
+    held_bytes: u64,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
     /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
@@ -939,6 +961,9 @@ impl<M> Default for QueueMachine<M> {
             retrying: BTreeMap::new(),
             retry_due: BTreeSet::new(),
             retrying_bytes: 0,
+            held: BTreeMap::new(),
+            held_seq: 0,
+            held_bytes: 0,
             expiries: BTreeSet::new(),
             expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
@@ -983,7 +1008,18 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 seq,
                 message,
                 meta,
-            } => self.enqueue_from(enqueuer, seq, (message, meta), effects),
+            } => self.enqueue_from(enqueuer, seq, (message, meta), None, effects),
+            Command::EnqueueAt {
+                due,
+                from,
+                message,
+                meta,
+            } => match from {
+                Some((enqueuer, seq)) => {
+                    self.enqueue_from(enqueuer, seq, (message, meta), Some(due), effects)
+                }
+                None => self.enqueue_or_hold(message, meta, Some(due), effects),
+            },
             Command::Unregister { enqueuer } => match self.enqueuers.remove(&enqueuer) {
                 Some(_) => Reply::Ok,
                 None => Reply::Stale,
@@ -1095,6 +1131,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 self.consumers_time_out(effects);
                 self.time_out(effects);
                 self.retries_due();
+                self.held_due(effects);
                 self.expire(effects);
                 if self.queue_expiry().is_some_and(|at| at <= self.now_ms) {
                     Reply::QueueExpired
@@ -1176,6 +1213,64 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         Reply::Enqueued { msg_id }
     }
 
+    /// A publish enqueued now, or held until `due` if that is still to come.
+    fn enqueue_or_hold(
+        &mut self,
+        message: M,
+        meta: MsgMeta,
+        due: Option<u64>,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Reply {
+        match due.filter(|at| *at > self.now_ms) {
+            Some(at) => {
+                self.hold(at, message, meta);
+                Reply::Ok
+            }
+            None => self.enqueue_new(message, meta, effects),
+        }
+    }
+
+    fn hold(&mut self, due: u64, message: M, meta: MsgMeta) {
+        let seq = self.held_seq;
+        self.held_seq = seq.wrapping_add(1);
+        self.held_bytes = self.held_bytes.saturating_add(meta.size);
+        self.held.insert((due, seq), (message, meta));
+    }
+
+    /// Held publishes whose time came are enqueued, in due order. One a full queue refuses
+    /// (`reject-publish`) is held back again [`HELD_BACK_MS`] later, as a node's delayed
+    /// release into a full queue is; `reject-publish-dlx` dead-letters it.
+    fn held_due(&mut self, effects: &mut Vec<Effect<M>>) {
+        while let Some(entry) = self.held.first_entry() {
+            if entry.key().0 > self.now_ms {
+                break;
+            }
+            let (message, meta) = entry.remove();
+            self.held_bytes = self.held_bytes.saturating_sub(meta.size);
+            if !self.rejects(meta.size) {
+                self.enqueue_new(message, meta, effects);
+                continue;
+            }
+            if self.policy.overflow == Overflow::RejectPublishDlx {
+                let msg_id = self.next_id;
+                self.next_id += 1;
+                effects.push(Effect::DeadLetter {
+                    msg_id,
+                    message,
+                    delivery_count: 0,
+                    reason: DeadLetterReason::MaxLen,
+                });
+            } else {
+                self.hold(self.now_ms.saturating_add(HELD_BACK_MS), message, meta);
+            }
+        }
+        if self.held.is_empty() {
+            // Numbers start over, so that a state with none held is the same whatever came
+            // before (a snapshot then carries none of this).
+            self.held_seq = 0;
+        }
+    }
+
     /// After a checkout: what the handoff kept and no consumer took expires by the clock.
     fn end_handoff(&mut self, effects: &mut Vec<Effect<M>>) {
         if self.handoff.take().is_some() {
@@ -1196,6 +1291,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         enqueuer: EnqueuerId,
         seq: u64,
         (message, meta): (M, MsgMeta),
+        due: Option<u64>,
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
         if let Some(reply) = self.decided(enqueuer, seq) {
@@ -1214,7 +1310,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             let node = enqueuer.node();
             self.enqueuers.retain(|id, _| id.node() != node);
         }
-        let reply = self.enqueue_new(message, meta, effects);
+        let reply = self.enqueue_or_hold(message, meta, due, effects);
         let e = self.enqueuers.entry(enqueuer).or_default();
         e.seq = seq;
         if matches!(reply, Reply::Refused(_)) {
@@ -2421,6 +2517,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let message = first.map(|at| at.saturating_add(1));
         // A retry is due at its time (not strictly after, as expiries are).
         let message = min_opt(message, self.retry_due.first().map(|&(at, _)| at));
+        let message = min_opt(message, self.held.keys().next().map(|&(at, _)| at));
         let run = self.run_expiry().map(|at| at.saturating_add(1));
         min_opt(min_opt(message, run), self.queue_expiry())
     }
@@ -2744,6 +2841,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         })
     }
 
+    /// Publishes held back until they are due ([`Command::EnqueueAt`]), and their bytes.
+    pub fn held_count(&self) -> (usize, u64) {
+        (self.held.len(), self.held_bytes)
+    }
+
     /// Enqueuers remembered (one per live publisher channel that sent [`Command::EnqueueFrom`]).
     pub fn enqueuer_count(&self) -> usize {
         self.enqueuers.len()
@@ -3055,6 +3157,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
         if self.handoff.is_some() {
             self.handoff.hash(&mut h);
+        }
+        if !self.held.is_empty() {
+            (self.held.len(), self.held_seq, self.held_bytes).hash(&mut h);
+            for (key, (message, meta)) in &self.held {
+                (key, message, meta).hash(&mut h);
+            }
         }
         h.finish()
     }
@@ -4466,6 +4574,85 @@ mod tests {
         assert_eq!(d.m.enqueuer_count(), 2);
         assert_eq!(d.m.enqueuer_seq(EnqueuerId(p)), None);
         assert_eq!(d.m.enqueuer_seq(EnqueuerId(q)), Some(1));
+    }
+
+    fn held(due: u64, from: Option<(u64, u64)>, s: &'static str) -> Command<&'static str> {
+        Command::EnqueueAt {
+            due,
+            from: from.map(|(e, seq)| (EnqueuerId(e), seq)),
+            message: s,
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_held_publish_waits_beside_the_queue_and_joins_its_end_when_due() {
+        let mut d = Driver::new();
+        assert_eq!(d.run(held(100, None, "late")), Reply::Ok);
+        assert_eq!((d.m.ready_count(), d.m.held_count()), (0, (1, 1)));
+        assert_eq!(d.m.next_deadline(), Some(100), "a tick when it is due");
+        d.enqueue("meanwhile", 1, None);
+        d.now = 99;
+        d.run(Command::Tick);
+        assert_eq!(d.m.held_count(), (1, 1), "not due yet");
+        d.now = 100;
+        d.run(Command::Tick);
+        assert_eq!(d.m.held_count(), (0, 0));
+        // A new message when it is due: behind what came meanwhile.
+        assert_eq!(d.m.ready_ids(), vec![0, 1]);
+        assert_eq!(d.m.next_deadline(), None);
+        // Due already: enqueued at once.
+        assert_eq!(d.run(held(50, None, "past")), Reply::Enqueued { msg_id: 2 });
+        // An enqueuer's sequence is decided when it is held: a resend is a duplicate, held
+        // or released.
+        assert_eq!(d.run(held(300, Some((5, 1)), "once")), Reply::Ok);
+        assert_eq!(d.run(held(300, Some((5, 1)), "once")), Reply::Duplicate);
+        assert_eq!(d.run(from(5, 1, "once")), Reply::Duplicate);
+        assert_eq!(d.m.held_count(), (1, 1));
+        d.now = 300;
+        d.run(Command::Tick);
+        assert_eq!(d.run(held(400, Some((5, 1)), "once")), Reply::Duplicate);
+        assert_eq!(d.m.ready_ids(), vec![0, 1, 2, 3]);
+        // A purge leaves what is held: it is not in the queue yet.
+        assert_eq!(d.run(held(500, None, "kept")), Reply::Ok);
+        assert_eq!(d.run(Command::Purge), Reply::Purged { count: 4 });
+        assert_eq!(d.m.held_count(), (1, 1));
+    }
+
+    #[test]
+    fn a_held_publish_due_in_a_full_queue_waits_again_or_is_dead_lettered() {
+        let full = |overflow| {
+            let mut d = with_policy(Policy {
+                max_length: Some(1),
+                overflow,
+                ..Policy::default()
+            });
+            d.enqueue("a", 1, None);
+            assert_eq!(d.run(held(10, None, "b")), Reply::Ok);
+            d.now = 10;
+            d.run(Command::Tick);
+            d
+        };
+        let mut d = full(Overflow::RejectPublish);
+        assert_eq!((d.m.ready_count(), d.m.held_count()), (1, (1, 1)));
+        assert_eq!(d.m.next_deadline(), Some(10 + HELD_BACK_MS));
+        d.run(Command::Get { no_ack: true });
+        d.now = 10 + HELD_BACK_MS;
+        d.run(Command::Tick);
+        assert_eq!((d.m.ready_count(), d.m.held_count()), (1, (0, 0)));
+        let mut d = full(Overflow::RejectPublishDlx);
+        assert_eq!((d.m.ready_count(), d.m.held_count()), (1, (0, 0)));
+        assert!(matches!(
+            d.effects.as_slice(),
+            [Effect::DeadLetter {
+                message: "b",
+                reason: DeadLetterReason::MaxLen,
+                ..
+            }]
+        ));
     }
 
     #[test]

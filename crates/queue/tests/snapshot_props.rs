@@ -97,6 +97,12 @@ enum Op {
     CapExpiry {
         within: u64,
     },
+    /// A publish held back `delay` ms (`EnqueueAt`), from enqueuer `from` if any.
+    Hold {
+        size: usize,
+        delay: u64,
+        from: Option<u8>,
+    },
 }
 
 fn policy() -> impl Strategy<Value = Policy> {
@@ -187,6 +193,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Touch),
         1 => Just(Op::Purge),
         1 => (0u64..40).prop_map(|within| Op::CapExpiry { within }),
+        2 => (0usize..40, 0u64..50, prop::option::weighted(0.3, 0u8..3))
+            .prop_map(|(size, delay, from)| Op::Hold { size, delay, from }),
     ]
 }
 
@@ -307,6 +315,32 @@ impl Driver {
                     seq,
                     meta: MsgMeta {
                         size: message.body.len() as u64,
+                        ..MsgMeta::default()
+                    },
+                    message,
+                }
+            }
+            Op::Hold { size, delay, from } => {
+                let message = self.message(*size, false);
+                let from = match from {
+                    Some(slot) => {
+                        if !self.enqueuers.contains_key(slot) {
+                            self.next_enqueuer += 1;
+                            let id = qualify(u16::from(*slot) % NODES, self.next_enqueuer)?;
+                            self.enqueuers.insert(*slot, (EnqueuerId(id), Vec::new()));
+                        }
+                        let (id, sent) = self.enqueuers.get_mut(slot)?;
+                        let seq = sent.last().map_or(1, |(last, _)| last + 1);
+                        sent.push((seq, message.clone()));
+                        Some((*id, seq))
+                    }
+                    None => None,
+                };
+                Command::EnqueueAt {
+                    due: self.now + delay,
+                    from,
+                    meta: MsgMeta {
+                        size: *size as u64,
                         ..MsgMeta::default()
                     },
                     message,

@@ -52,7 +52,14 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// whose snapshot is larger than a frame is snapshotted (its log compacted) too.
 /// 5, a publish forwarded to a quorum queue's leader is an `EnqueueFrom` whose sequence has no
 /// gaps, so that sent again after a failover or a snapshot it is taken once.
-pub const FEATURE_LEVEL: u64 = 5;
+/// 6, a publish held back for a quorum queue (`x-delivery-delay`, an `x-delay` header) is a
+/// `Command::EnqueueAt` in the queue's log, held by every member and released by whichever
+/// leads when it is due, instead of waiting on the disk of the node that took it.
+pub const FEATURE_LEVEL: u64 = 6;
+
+/// The level from which a publish held back for a quorum queue goes into its log
+/// (`Command::EnqueueAt`): a node of an older version cannot read that entry.
+pub(super) const HELD_LEVEL: u64 = 6;
 
 /// The level from which a node forwards publishes as an enqueuer (`Broker::as_enqueuer`):
 /// a node of an older version would apply an `EnqueueFrom` whose sequence skips one, where

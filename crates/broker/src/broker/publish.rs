@@ -343,10 +343,17 @@ impl Broker {
         // refuses new messages refuses it now, while its publisher can still be told.
         let mut held: Vec<(ShortStr, Holder, u64)> = Vec::new();
         let mut refused_now: Vec<QueueId> = Vec::new();
+        // Replicated queues hold theirs in their own log (every member has it, whichever leads
+        // releases it), once every node can read such an entry.
+        let mut held_in_log: Vec<(QueueId, u64)> = Vec::new();
         if self.delaying_queues > 0 && !released {
             let headers = warren_codec::properties::headers(&message.properties);
             let own = delayed::header_delay(headers.ok().flatten().as_ref());
             let refusing = self.refusing_queues > 0;
+            let in_log = self
+                .cluster_feature_level()
+                .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
+            let now = self.now_ms;
             targets.retain(|id| {
                 let Some(q) = self.queues.get(id) else {
                     return true;
@@ -355,6 +362,10 @@ impl Broker {
                     Some(_) if refusing && q.machine.rejects(size) => {
                         refused_now.push(*id);
                         false
+                    }
+                    Some(delay) if in_log && q.replica.is_some() => {
+                        held_in_log.push((*id, now.saturating_add(own.unwrap_or(delay))));
+                        true
                     }
                     Some(delay) => {
                         held.push((q.name.clone(), q.holder(), own.unwrap_or(delay)));
@@ -507,18 +518,32 @@ impl Broker {
             if let Some(c) = self.cluster.as_mut() {
                 c.release_tag = guard.map(|key| super::replicated::Guard { key, dead_letter });
             }
+            let due = held_in_log
+                .iter()
+                .find(|(held, _)| held == id)
+                .map(|(_, due)| *due);
             let ran = self.run_with(*id, |q| {
                 let meta = MsgMeta {
                     pageable: paging && kind != Kept::Memory && may_page(q),
                     spilled: kind == Kept::Spilled,
-                    expires_at: expiry(q, own_ttl, now),
+                    // A held message's time to live starts when it is due, as in a queue
+                    // that takes it only then.
+                    expires_at: expiry(q, own_ttl, due.unwrap_or(now)),
                     priority: priority(q, &copy),
                     group: message_group(q, &copy),
                     ..meta
                 };
-                let command = Command::Enqueue {
-                    message: copy,
-                    meta,
+                let command = match due {
+                    Some(due) => Command::EnqueueAt {
+                        due,
+                        from: None,
+                        message: copy,
+                        meta,
+                    },
+                    None => Command::Enqueue {
+                        message: copy,
+                        meta,
+                    },
                 };
                 (command, meta)
             });
@@ -552,7 +577,9 @@ impl Broker {
                 rejected += 1;
                 continue;
             }
-            if !new_keys.is_empty() && matches!(reply, Reply::Enqueued { .. }) {
+            let took_it =
+                matches!(reply, Reply::Enqueued { .. }) || (due.is_some() && reply == Reply::Ok);
+            if !new_keys.is_empty() && took_it {
                 took.push(*id);
             }
             // A queue over its length drops its head: handled once this copy's entry is

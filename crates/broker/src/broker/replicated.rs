@@ -225,8 +225,9 @@ impl DecodedSnapshot {
 /// About what a machine's snapshot holds: its messages' bodies and a little more each (46
 /// bytes beside a body with its routing key and a delivery mode, §9 of docs/design.md).
 fn snapshot_estimate(m: &QueueMachine<Message>) -> u64 {
-    let count = (m.ready_count() + m.in_flight_count()) as u64;
-    m.ready_bytes() + m.in_flight_bytes() + 64 * count
+    let (held, held_bytes) = m.held_count();
+    let count = (m.ready_count() + m.in_flight_count() + held) as u64;
+    m.ready_bytes() + m.in_flight_bytes() + held_bytes + 64 * count
 }
 
 fn too_large(queue: &dyn std::fmt::Display, vhost: &dyn std::fmt::Display, bytes: u64, max: usize) {
@@ -822,7 +823,11 @@ impl Broker {
                     // node far behind is sent snapshot after snapshot, and each sent its whole
                     // backlog again, a log entry per message, which put it further behind.
                     let decided = match &command {
-                        Command::EnqueueFrom { enqueuer, seq, .. } => self
+                        Command::EnqueueFrom { enqueuer, seq, .. }
+                        | Command::EnqueueAt {
+                            from: Some((enqueuer, seq)),
+                            ..
+                        } => self
                             .committed_machine(id)
                             .and_then(|m| m.decided(*enqueuer, *seq)),
                         _ => None,
@@ -1500,6 +1505,7 @@ impl Broker {
             Command::Enqueue { .. } | Command::EnqueueFrom { .. } => {
                 (Reply::Enqueued { msg_id: 0 }, true)
             }
+            Command::EnqueueAt { .. } => (Reply::Ok, true),
             Command::Cancel { .. } => (Reply::Cancelled { consumers_left: 1 }, false),
             Command::Consume { .. }
             | Command::Credit { .. }
@@ -1546,8 +1552,15 @@ impl Broker {
         command: &'a Command<Message>,
     ) -> std::borrow::Cow<'a, Command<Message>> {
         use std::borrow::Cow;
-        let Command::Enqueue { message, meta } = command else {
-            return Cow::Borrowed(command);
+        let (message, meta, due) = match command {
+            Command::Enqueue { message, meta } => (message, meta, None),
+            Command::EnqueueAt {
+                due,
+                from: None,
+                message,
+                meta,
+            } => (message, meta, Some(*due)),
+            _ => return Cow::Borrowed(command),
         };
         let level = self.cluster_feature_level().unwrap_or(0);
         if level < super::metadata_group::ENQUEUERS_LEVEL {
@@ -1576,11 +1589,19 @@ impl Broker {
                 (enqueuer, 1)
             }
         };
-        Cow::Owned(Command::EnqueueFrom {
-            enqueuer,
-            seq,
-            message: message.clone(),
-            meta: *meta,
+        Cow::Owned(match due {
+            None => Command::EnqueueFrom {
+                enqueuer,
+                seq,
+                message: message.clone(),
+                meta: *meta,
+            },
+            Some(due) => Command::EnqueueAt {
+                due,
+                from: Some((enqueuer, seq)),
+                message: message.clone(),
+                meta: *meta,
+            },
         })
     }
 
@@ -1782,6 +1803,7 @@ impl Broker {
         let accepted = match &command {
             Command::Enqueue { .. }
             | Command::EnqueueFrom { .. }
+            | Command::EnqueueAt { .. }
             | Command::Consume { .. }
             | Command::Cancel { .. }
             | Command::Credit { .. }
@@ -2112,9 +2134,11 @@ impl Broker {
             // This node's enqueuer in the group starts over after a refusal of one of its
             // sequences as out of order.
             let enqueuer_used = match &command {
-                Command::EnqueueFrom { enqueuer, .. } if head.origin.node == c.node => {
-                    Some(*enqueuer)
-                }
+                Command::EnqueueFrom { enqueuer, .. }
+                | Command::EnqueueAt {
+                    from: Some((enqueuer, _)),
+                    ..
+                } if head.origin.node == c.node => Some(*enqueuer),
                 _ => None,
             };
             c.scratch.clear();
@@ -2685,10 +2709,7 @@ impl Broker {
             // sends it to the new leader itself.
             return;
         }
-        if !matches!(
-            command,
-            Command::Enqueue { .. } | Command::EnqueueFrom { .. }
-        ) {
+        if !is_enqueue(&command) {
             // Dropped on purpose, so not a loss: left waiting, it was taken for lost at the
             // new leader's first entry, and the confirms of its store batch and every earlier
             // one (publishes forwarded on and still coming) were nacked with it.
@@ -2743,7 +2764,7 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
 fn is_enqueue(command: &Command<Message>) -> bool {
     matches!(
         command,
-        Command::Enqueue { .. } | Command::EnqueueFrom { .. }
+        Command::Enqueue { .. } | Command::EnqueueFrom { .. } | Command::EnqueueAt { .. }
     )
 }
 

@@ -85,7 +85,9 @@ impl Broker {
         // committed entries and falls back when deposed: the debug record would not replay.
         let logged = (self.recording.is_some() && q.replica.is_none()).then(|| command.clone());
         let counted = match &command {
-            Command::Enqueue { .. } | Command::EnqueueFrom { .. } => Counted::Enqueue,
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. } | Command::EnqueueAt { .. } => {
+                Counted::Enqueue
+            }
             Command::Settle { receipt } => Counted::Settle {
                 attempt: receipt.attempt,
             },

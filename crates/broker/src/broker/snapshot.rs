@@ -303,6 +303,10 @@ impl Broker {
             t.consumers += q.machine.consumer_count() as u64;
             t.ready += q.machine.ready_count() as u64;
             t.unacked += q.machine.in_flight_count() as u64;
+            // A quorum queue's held publishes are in its machine, in memory.
+            let held = q.machine.held_count().0 as u64;
+            t.delayed += held;
+            t.delayed_in_memory += held;
         }
         t
     }

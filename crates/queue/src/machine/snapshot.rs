@@ -1,7 +1,8 @@
 //! A queue machine's whole state as bytes and back: what a Raft snapshot carries, so that a
 //! replicated queue's log can be compacted and a follower far behind catches up from it.
 //!
-//! Layout: the format version ([`SNAPSHOT_VERSION`], one byte: 2 while a TTL-0 handoff is
+//! Layout: the format version ([`SNAPSHOT_VERSION`], one byte: 3 while publishes are held
+//! until due, which then end the state after the handoff; 2 while a TTL-0 handoff is
 //! pending, whose time then ends the state; 1 otherwise), a CRC-32 (big-endian) of everything
 //! after it, then the state field by field, in the order [`QueueMachine::snapshot`] writes it. Messages, message metadata, policies and consumer specs use the command log's
 //! encodings (`log.rs`). Every collection is a `u32` count followed by its items in the
@@ -30,8 +31,11 @@ use crate::log::{
 use crate::Message;
 
 /// The version of the snapshot encoding. 1: the first. 2: the machine's handoff time after
-/// the expiry caps (a version 1 snapshot, which has none, is still read).
-pub const SNAPSHOT_VERSION: u8 = 2;
+/// the expiry caps (a version 1 snapshot, which has none, is still read). 3: then the
+/// publishes held until due (`Command::EnqueueAt`), the handoff written as an option.
+/// Each is written only when its state needs it, so that members of earlier versions read
+/// what a leader of this one sends them until then.
+pub const SNAPSHOT_VERSION: u8 = 3;
 
 /// The bytes a snapshot starts with: its format version and the checksum of the rest.
 pub const SNAPSHOT_PREFIX: usize = 5;
@@ -298,6 +302,9 @@ impl QueueMachine<Message> {
             retrying: _,
             retry_due: _,
             retrying_bytes: _,
+            held: _,
+            held_seq: _,
+            held_bytes: _, // derived: the held messages' sizes
             expiries: _,
             expiries_in_order: _,
             ready_bytes: _,
@@ -313,8 +320,10 @@ impl QueueMachine<Message> {
         } = self;
         // Version 1 while there is no handoff (nearly always): a member of an earlier version,
         // during a rolling upgrade, still reads what a leader of this one sends it.
-        let version = if self.handoff.is_some() {
-            SNAPSHOT_VERSION
+        let version = if !self.held.is_empty() {
+            3
+        } else if self.handoff.is_some() {
+            2
         } else {
             1
         };
@@ -445,8 +454,21 @@ impl QueueMachine<Message> {
             put_opt_u64(out, e.refused);
         }
         put_pairs(out, self.expiry_caps.len(), self.expiry_caps.iter())?;
-        if self.handoff.is_some() {
-            put_opt_u64(out, self.handoff);
+        match version {
+            1 => {}
+            2 => put_opt_u64(out, self.handoff),
+            _ => {
+                put_opt_u64(out, self.handoff);
+                out.put_u64(self.held_seq);
+                put_len(out, self.held.len());
+                for ((due, seq), (message, meta)) in &self.held {
+                    out.put_u64(*due);
+                    out.put_u64(*seq);
+                    put_message(out, &*message.loaded()?);
+                    put_msg_meta(out, meta);
+                    out.spill()?;
+                }
+            }
         }
 
         Ok(version)
@@ -731,12 +753,34 @@ impl SnapReader {
         let handoff = match version {
             1 => None,
             // Written only with a handoff: one without would not snapshot back to its bytes.
-            _ => Some(
+            2 => Some(
                 self.0
                     .opt_u64("handoff")?
                     .ok_or_else(|| self.fail("a version 2 snapshot without its handoff"))?,
             ),
+            _ => self.0.opt_u64("handoff")?,
         };
+        let (held_seq, held) = match version {
+            1 | 2 => (0, BTreeMap::new()),
+            _ => {
+                let seq = self.u64("held sequence")?;
+                // Due, sequence, and at least a message's lengths and a meta's flags.
+                let n = self.count(16 + MIN_ENTRY_BYTES - 13, "held")?;
+                let held = self.map(n, "held", |r| {
+                    let due = r.u64("held due")?;
+                    let seq = r.u64("held sequence")?;
+                    let message = r.0.message()?;
+                    let meta = r.0.msg_meta()?;
+                    Ok(((due, seq), (message, meta)))
+                })?;
+                // Written only with some: none would not snapshot back to its bytes.
+                if held.is_empty() {
+                    return Err(self.fail("a version 3 snapshot without held messages"));
+                }
+                (seq, held)
+            }
+        };
+        let held_bytes = held.values().map(|(_, m)| m.size).sum();
         // No `..Default::default()`: every field is read or derived here.
         Ok(QueueMachine {
             next_id,
@@ -764,6 +808,9 @@ impl SnapReader {
             retrying,
             retry_due,
             retrying_bytes,
+            held,
+            held_seq,
+            held_bytes,
             expiries,
             expiries_in_order,
             ready_bytes,
@@ -1034,6 +1081,40 @@ mod tests {
     }
 
     #[test]
+    fn held_publishes_snapshot_as_version_3_and_round_trip() {
+        let mut r = Run {
+            m: busy(),
+            now: 200,
+        };
+        let held = |due, from, body| Command::EnqueueAt {
+            due,
+            from,
+            message: message(body),
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        };
+        r.apply(held(5_000, None, b"x"));
+        r.apply(held(
+            4_000,
+            Some((EnqueuerId(crate::qualify(3, 9).unwrap_or(0)), 1)),
+            b"y",
+        ));
+        assert_eq!(r.m.held_count(), (2, 2));
+        let bytes = snapshot_of(&r.m);
+        assert_eq!(bytes.first(), Some(&3));
+        let back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
+        assert_eq!(back.digest(), r.m.digest());
+        assert_eq!(back.held_count(), (2, 2));
+        assert_eq!(snapshot_of(&back), bytes);
+        // Released, the state is of version 1 again (its members of earlier versions read it).
+        r.now = 5_000;
+        r.apply(Command::Tick);
+        assert_eq!(snapshot_of(&r.m).first(), Some(&1));
+    }
+
+    #[test]
     fn a_busy_machine_round_trips_to_the_same_digest_and_bytes() {
         let m = busy();
         assert!(m.in_flight_count() > 0 && m.retrying_count() > 0 && m.enqueuer_count() > 0);
@@ -1091,8 +1172,13 @@ mod tests {
         let mut newer = bytes.to_vec();
         newer[0] = SNAPSHOT_VERSION + 1;
         let err = QueueMachine::restore_snapshot(Bytes::from(newer)).unwrap_err();
-        assert_eq!(err, SnapshotError::UnknownVersion { found: 3 });
-        assert!(err.to_string().contains("version 3"), "{err}");
+        assert_eq!(
+            err,
+            SnapshotError::UnknownVersion {
+                found: SNAPSHOT_VERSION + 1
+            }
+        );
+        assert!(err.to_string().contains("version 4"), "{err}");
         let mut none = bytes.to_vec();
         none[0] = 0;
         assert_eq!(
