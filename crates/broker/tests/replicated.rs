@@ -1822,7 +1822,7 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
     let leader = c.leader();
     let follower = leader % 3 + 1;
     c.run(5);
-    let mut delayed = |c: &mut Cluster, n: u32| {
+    let delayed = |c: &mut Cluster, n: u32| {
         let mut headers = FieldTable::new();
         headers.insert("x-delay", FieldValue::I64(100));
         let properties = warren_codec::properties::BasicProperties {
