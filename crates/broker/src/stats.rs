@@ -247,6 +247,9 @@ impl QueueStats {
                 c.published += 1;
                 self.enqueue_times.enqueued(*msg_id, now_ms, oldest);
             }
+            // Held until due (a quorum queue's delivery delay): published now, in the queue
+            // once a tick releases it.
+            (Counted::Enqueue, Reply::Ok) => c.published += 1,
             (Counted::Settle { attempt }, Reply::Ok) => {
                 c.acked += 1;
                 c.left_after(attempt);

@@ -2352,6 +2352,17 @@ fn a_held_publish_is_released_by_whichever_node_leads_when_it_is_due() {
             "node {n}: not in the queue before it is due"
         );
     }
+    // Its leader holds one copy of it in its two machines, as of a queued message.
+    let b = &c.members[&taker].broker;
+    let (ahead, committed) = (
+        b.machine(c.id(taker)).expect("machine"),
+        b.committed_machine(c.id(taker)).expect("committed"),
+    );
+    let (x, y) = (
+        ahead.held_messages().next().expect("held ahead"),
+        committed.held_messages().next().expect("held committed"),
+    );
+    assert_eq!(x.body.as_ptr(), y.body.as_ptr(), "held twice by its leader");
     let published = c.now;
     c.kill(taker);
     let next = c.leader();

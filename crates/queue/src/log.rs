@@ -251,13 +251,13 @@ pub fn encode_entry(command: &Command<Message>, out: &mut BytesMut) -> Result<()
             put_command(out, &command);
         }
         Command::EnqueueAt {
-            due,
+            delay_ms,
             from,
             message,
             meta,
         } => {
             let command = Command::EnqueueAt {
-                due: *due,
+                delay_ms: *delay_ms,
                 from: *from,
                 message: logical_message(message),
                 meta: logical_meta(meta),
@@ -343,13 +343,13 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
             put_msg_meta(out, meta);
         }
         Command::EnqueueAt {
-            due,
+            delay_ms,
             from,
             message,
             meta,
         } => {
             out.put_u8(ENQUEUE_AT);
-            out.put_u64(*due);
+            out.put_u64(*delay_ms);
             match from {
                 Some((enqueuer, seq)) => {
                     out.put_u8(1);
@@ -691,7 +691,7 @@ impl Reader {
                 }
             }
             ENQUEUE_AT => {
-                let due = self.u64("due")?;
+                let delay_ms = self.u64("delay")?;
                 let from = match self.u8("enqueuer flag")? {
                     0 => None,
                     1 => Some((EnqueuerId(self.u64("enqueuer")?), self.u64("sequence")?)),
@@ -700,7 +700,7 @@ impl Reader {
                 let message = self.message()?;
                 let meta = self.msg_meta()?;
                 Command::EnqueueAt {
-                    due,
+                    delay_ms,
                     from,
                     message,
                     meta,
@@ -1214,7 +1214,7 @@ mod tests {
     fn a_held_publish_is_an_entry_of_logical_facts_and_round_trips() {
         let enqueuer = EnqueuerId(crate::qualify(2, 8).unwrap());
         let at = |from, message, meta| Command::EnqueueAt {
-            due: 12_345,
+            delay_ms: 12_345,
             from,
             message,
             meta,

@@ -290,14 +290,17 @@ pub enum Command<M> {
         message: M,
         meta: MsgMeta,
     },
-    /// A publish held back until `due` (a replicated queue's `x-delivery-delay`, or the
-    /// message's `x-delay` there): kept beside the queue, neither counted nor deliverable, and
-    /// enqueued as a new message by the first [`Command::Tick`] at or after `due` (so it goes
-    /// behind what came meanwhile, as a delayed message released into a classic queue does).
-    /// With `from`, the enqueuer's sequence is decided now, as [`Command::EnqueueFrom`]'s.
-    /// Replies `Ok` once held; with `due` passed, what `Enqueue` replies.
+    /// A publish held back `delay_ms` (a replicated queue's `x-delivery-delay`, or the
+    /// message's `x-delay` there) from the entry's time: kept beside the queue, neither counted
+    /// nor deliverable, and enqueued as a new message by the first [`Command::Tick`] at or
+    /// after it is due (so it goes behind what came meanwhile, as a delayed message released
+    /// into a classic queue does). The due time is the machine's clock plus the delay, so
+    /// that it is the proposing leader's clock that counts, not that of the node that took
+    /// the publish. With `from`, the enqueuer's sequence is decided now, as
+    /// [`Command::EnqueueFrom`]'s. Replies `Ok` once held; with no delay, what `Enqueue`
+    /// replies.
     EnqueueAt {
-        due: u64,
+        delay_ms: u64,
         from: Option<(EnqueuerId, u64)>,
         message: M,
         meta: MsgMeta,
@@ -1010,15 +1013,15 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 meta,
             } => self.enqueue_from(enqueuer, seq, (message, meta), None, effects),
             Command::EnqueueAt {
-                due,
+                delay_ms,
                 from,
                 message,
                 meta,
             } => match from {
                 Some((enqueuer, seq)) => {
-                    self.enqueue_from(enqueuer, seq, (message, meta), Some(due), effects)
+                    self.enqueue_from(enqueuer, seq, (message, meta), Some(delay_ms), effects)
                 }
-                None => self.enqueue_or_hold(message, meta, Some(due), effects),
+                None => self.enqueue_or_hold(message, meta, Some(delay_ms), effects),
             },
             Command::Unregister { enqueuer } => match self.enqueuers.remove(&enqueuer) {
                 Some(_) => Reply::Ok,
@@ -1213,17 +1216,17 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         Reply::Enqueued { msg_id }
     }
 
-    /// A publish enqueued now, or held until `due` if that is still to come.
+    /// A publish enqueued now, or held `delay_ms` if it has one.
     fn enqueue_or_hold(
         &mut self,
         message: M,
         meta: MsgMeta,
-        due: Option<u64>,
+        delay_ms: Option<u64>,
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
-        match due.filter(|at| *at > self.now_ms) {
-            Some(at) => {
-                self.hold(at, message, meta);
+        match delay_ms.filter(|d| *d > 0) {
+            Some(delay) => {
+                self.hold(self.now_ms.saturating_add(delay), message, meta);
                 Reply::Ok
             }
             None => self.enqueue_new(message, meta, effects),
@@ -1291,7 +1294,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         enqueuer: EnqueuerId,
         seq: u64,
         (message, meta): (M, MsgMeta),
-        due: Option<u64>,
+        delay_ms: Option<u64>,
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
         if let Some(reply) = self.decided(enqueuer, seq) {
@@ -1310,7 +1313,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             let node = enqueuer.node();
             self.enqueuers.retain(|id, _| id.node() != node);
         }
-        let reply = self.enqueue_or_hold(message, meta, due, effects);
+        let reply = self.enqueue_or_hold(message, meta, delay_ms, effects);
         let e = self.enqueuers.entry(enqueuer).or_default();
         e.seq = seq;
         if matches!(reply, Reply::Refused(_)) {
@@ -3019,6 +3022,43 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .chain(self.parked.values_mut().flat_map(|line| line.values_mut()))
             .chain(self.in_flight.values_mut().map(|f| &mut f.entry))
             .map(|e| &mut e.msg)
+            .chain(self.held.values_mut().map(|(m, _)| m))
+    }
+
+    /// The publishes held until due ([`Command::EnqueueAt`]), in due order.
+    pub fn held_messages(&self) -> impl Iterator<Item = &M> + '_ {
+        self.held.values().map(|(m, _)| m)
+    }
+
+    /// The key of the publish an [`Command::EnqueueAt`] of `delay_ms` just held (its reply
+    /// was `Ok`), to share its payload with another machine that held it too
+    /// ([`Self::share_held`]).
+    pub fn last_held(&self, delay_ms: u64) -> Option<(u64, u64)> {
+        let key = (
+            self.now_ms.saturating_add(delay_ms),
+            self.held_seq.wrapping_sub(1),
+        );
+        self.held.contains_key(&key).then_some(key)
+    }
+
+    /// The held publish under `key`, if it equals `other`, becomes a clone of it (as
+    /// [`Self::share_payload`] does for a queued message). False if there is none that equals.
+    pub fn share_held(&mut self, key: (u64, u64), other: &M) -> bool
+    where
+        M: PartialEq + Clone,
+    {
+        match self.held.get_mut(&key) {
+            Some((m, _)) if *m == *other => {
+                *m = other.clone();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The held publish under `key`.
+    pub fn held_payload(&self, key: (u64, u64)) -> Option<&M> {
+        self.held.get(&key).map(|(m, _)| m)
     }
 
     /// Ids of the ready messages in memory in delivery order, then those parked behind their
@@ -4576,9 +4616,9 @@ mod tests {
         assert_eq!(d.m.enqueuer_seq(EnqueuerId(q)), Some(1));
     }
 
-    fn held(due: u64, from: Option<(u64, u64)>, s: &'static str) -> Command<&'static str> {
+    fn held(delay_ms: u64, from: Option<(u64, u64)>, s: &'static str) -> Command<&'static str> {
         Command::EnqueueAt {
-            due,
+            delay_ms,
             from: from.map(|(e, seq)| (EnqueuerId(e), seq)),
             message: s,
             meta: MsgMeta {
@@ -4604,15 +4644,20 @@ mod tests {
         // A new message when it is due: behind what came meanwhile.
         assert_eq!(d.m.ready_ids(), vec![0, 1]);
         assert_eq!(d.m.next_deadline(), None);
-        // Due already: enqueued at once.
-        assert_eq!(d.run(held(50, None, "past")), Reply::Enqueued { msg_id: 2 });
+        // No delay: enqueued at once.
+        assert_eq!(d.run(held(0, None, "now")), Reply::Enqueued { msg_id: 2 });
         // An enqueuer's sequence is decided when it is held: a resend is a duplicate, held
         // or released.
         assert_eq!(d.run(held(300, Some((5, 1)), "once")), Reply::Ok);
         assert_eq!(d.run(held(300, Some((5, 1)), "once")), Reply::Duplicate);
         assert_eq!(d.run(from(5, 1, "once")), Reply::Duplicate);
         assert_eq!(d.m.held_count(), (1, 1));
-        d.now = 300;
+        assert_eq!(
+            d.m.next_deadline(),
+            Some(400),
+            "due 300 after its entry's time"
+        );
+        d.now = 400;
         d.run(Command::Tick);
         assert_eq!(d.run(held(400, Some((5, 1)), "once")), Reply::Duplicate);
         assert_eq!(d.m.ready_ids(), vec![0, 1, 2, 3]);
@@ -4643,7 +4688,7 @@ mod tests {
         d.now = 10 + HELD_BACK_MS;
         d.run(Command::Tick);
         assert_eq!((d.m.ready_count(), d.m.held_count()), (1, (0, 0)));
-        let mut d = full(Overflow::RejectPublishDlx);
+        let d = full(Overflow::RejectPublishDlx);
         assert_eq!((d.m.ready_count(), d.m.held_count()), (1, (0, 0)));
         assert!(matches!(
             d.effects.as_slice(),

@@ -337,7 +337,7 @@ impl Driver {
                     None => None,
                 };
                 Command::EnqueueAt {
-                    due: self.now + delay,
+                    delay_ms: *delay,
                     from,
                     meta: MsgMeta {
                         size: *size as u64,

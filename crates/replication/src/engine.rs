@@ -81,10 +81,14 @@ impl crate::storage::ColdLog for ColdEngine {
         group: u64,
         low: u64,
         high: u64,
+        max_size: Option<u64>,
     ) -> Result<Vec<raft::eraftpb::Entry>, String> {
         let mut out = Vec::new();
+        // raft-engine counts its own encoding of each entry, close to raft's; raft's
+        // `limit_size` cuts again by its own measure.
+        let max = max_size.map(|m| usize::try_from(m).unwrap_or(usize::MAX));
         self.0
-            .fetch_entries_to::<Entries>(group, low, high, None, &mut out)
+            .fetch_entries_to::<Entries>(group, low, high, max, &mut out)
             .map_err(|e| e.to_string())?;
         Ok(out)
     }

@@ -47,6 +47,10 @@ pub struct Config {
     pub node_down_ticks: u64,
     pub max_inflight_msgs: usize,
     pub max_size_per_msg: u64,
+    /// The most bytes of committed entries one ready hands out per group (the rest come in the
+    /// next): a start replaying a long log, or a follower catching up, applies it in parts
+    /// instead of holding all of it at once.
+    pub max_committed_size_per_ready: u64,
     /// Applied entries kept in memory for peers that lag behind (older ones are read back
     /// from the durable log).
     pub log_keep: u64,
@@ -70,6 +74,7 @@ impl Config {
             node_down_ticks: 4,
             max_inflight_msgs: 32,
             max_size_per_msg: 1 << 20,
+            max_committed_size_per_ready: 64 << 20,
             log_keep: 1024,
             snapshot_keep: 4096,
         }
@@ -866,6 +871,7 @@ impl MultiRaft {
             max_election_tick: min + 1,
             max_size_per_msg: self.cfg.max_size_per_msg,
             max_inflight_msgs: self.cfg.max_inflight_msgs,
+            max_committed_size_per_ready: self.cfg.max_committed_size_per_ready,
             check_quorum: true,
             pre_vote: true,
             applied,

@@ -14,8 +14,15 @@ use crate::snapshots::{Fetch, Members, SnapshotMeta, SnapshotSource};
 pub trait ColdLog: Send + Sync + std::fmt::Debug {
     /// The group's first durable index, if it has entries.
     fn first_index(&self, group: u64) -> Option<u64>;
-    /// Entries `low..high` of the group (all of them, or an error).
-    fn entries(&self, group: u64, low: u64, high: u64) -> Result<Vec<Entry>, String>;
+    /// Entries `low..high` of the group, from `low` on without a gap: all of them, or, with
+    /// `max_size`, as many as fit in it (at least one); an error if any is missing.
+    fn entries(
+        &self,
+        group: u64,
+        low: u64,
+        high: u64,
+        max_size: Option<u64>,
+    ) -> Result<Vec<Entry>, String>;
 }
 
 /// The entries of one group since its last compaction, with its hard and conf state.
@@ -212,14 +219,21 @@ impl GroupLog {
         reach.max(self.floor).min(memory)
     }
 
-    fn cold_entries(&self, low: u64, high: u64) -> raft::Result<Vec<Entry>> {
+    /// Entries `low..high` read back from the durable log: all of them, or with `max_size` at
+    /// least the first. Reading only what a message to a peer can carry: a follower catching
+    /// up on a queue whose log is kept (too large to snapshot) asked for a message's worth and
+    /// had the whole range read into memory each time.
+    fn cold_entries(&self, low: u64, high: u64, max_size: Option<u64>) -> raft::Result<Vec<Entry>> {
         let Some((g, cold)) = &self.cold else {
             return Err(raft::Error::Store(StorageError::Compacted));
         };
         let got = cold
-            .entries(*g, low, high)
+            .entries(*g, low, high, max_size)
             .map_err(|e| raft::Error::Store(StorageError::Other(e.into())))?;
-        if got.len() as u64 != high - low || got.first().is_some_and(|e| e.index != low) {
+        let whole = got.len() as u64 == high - low;
+        let cut = max_size.is_some() && !got.is_empty() && got.len() as u64 <= high - low;
+        let in_order = got.iter().zip(low..).all(|(e, index)| e.index == index);
+        if !(whole || cut) || !in_order {
             return Err(raft::Error::Store(StorageError::Compacted));
         }
         Ok(got)
@@ -303,13 +317,19 @@ impl Storage for GroupLog {
             return Err(raft::Error::Store(StorageError::Unavailable));
         }
         let offset = self.first_index();
+        let max_size = max_size.into();
         // What left memory is read back from the durable log: a peer far behind (down a while,
         // or restarted) catches up without a snapshot.
         let mut ents = if low < offset {
-            self.cold_entries(low, high.min(offset))?
+            self.cold_entries(low, high.min(offset), max_size)?
         } else {
             Vec::new()
         };
+        if (ents.len() as u64) < high.min(offset).saturating_sub(low) {
+            // Cut at the size asked for: nothing from memory can follow.
+            raft::util::limit_size(&mut ents, max_size);
+            return Ok(ents);
+        }
         let from = low.max(offset);
         if from < high {
             ents.extend(
@@ -318,7 +338,7 @@ impl Storage for GroupLog {
                     .cloned(),
             );
         }
-        raft::util::limit_size(&mut ents, max_size.into());
+        raft::util::limit_size(&mut ents, max_size);
         Ok(ents)
     }
 
@@ -340,7 +360,7 @@ impl Storage for GroupLog {
             if idx < first {
                 return Err(raft::Error::Store(StorageError::Compacted));
             }
-            let got = self.cold_entries(idx, idx + 1)?;
+            let got = self.cold_entries(idx, idx + 1, None)?;
             return got
                 .first()
                 .map(|e| e.term)
@@ -446,13 +466,22 @@ mod tests {
         fn first_index(&self, _group: u64) -> Option<u64> {
             self.0.first().map(|e| e.index)
         }
-        fn entries(&self, _group: u64, low: u64, high: u64) -> Result<Vec<Entry>, String> {
-            Ok(self
+        fn entries(
+            &self,
+            _group: u64,
+            low: u64,
+            high: u64,
+            max_size: Option<u64>,
+        ) -> Result<Vec<Entry>, String> {
+            let mut out: Vec<Entry> = self
                 .0
                 .iter()
                 .filter(|e| e.index >= low && e.index < high)
                 .cloned()
-                .collect())
+                .collect();
+            // As raft-engine: at least one, then whole entries within the size.
+            raft::util::limit_size(&mut out, max_size);
+            Ok(out)
         }
     }
 
@@ -471,6 +500,16 @@ mod tests {
         assert_eq!(got, all);
         assert_eq!(log.term(2).expect("a term on disk"), 1);
         assert_eq!(log.term(0).expect("before the first"), 0);
+        // Asked for a message's worth, only that much is read: the first entry at least.
+        let one = log
+            .entries(1, 6, Some(1), GetEntriesContext::empty(false))
+            .expect("one entry");
+        assert_eq!(one, all[..1].to_vec());
+        let size = u64::from(protobuf::Message::compute_size(&all[0]));
+        let two = log
+            .entries(1, 6, Some(2 * size), GetEntriesContext::empty(false))
+            .expect("two entries");
+        assert_eq!(two, all[..2].to_vec());
         // A durable log missing what it should hold is an error, never a wrong answer.
         log.set_cold(7, std::sync::Arc::new(Disk(all[2..].to_vec())));
         assert!(log

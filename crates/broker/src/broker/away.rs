@@ -248,7 +248,9 @@ impl AwayContext {
         }
         let staying: u64 = machine
             .messages()
-            .map(|(_, m, _)| m.contents_len() as u64)
+            .map(|(_, m, _)| m)
+            .chain(machine.held_messages())
+            .map(|m| m.contents_len() as u64)
             .sum();
         if staying.saturating_mul(4) <= bytes {
             for m in machine.messages_mut() {

@@ -353,7 +353,6 @@ impl Broker {
             let in_log = self
                 .cluster_feature_level()
                 .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
-            let now = self.now_ms;
             targets.retain(|id| {
                 let Some(q) = self.queues.get(id) else {
                     return true;
@@ -364,7 +363,7 @@ impl Broker {
                         false
                     }
                     Some(delay) if in_log && q.replica.is_some() => {
-                        held_in_log.push((*id, now.saturating_add(own.unwrap_or(delay))));
+                        held_in_log.push((*id, own.unwrap_or(delay)));
                         true
                     }
                     Some(delay) => {
@@ -518,24 +517,24 @@ impl Broker {
             if let Some(c) = self.cluster.as_mut() {
                 c.release_tag = guard.map(|key| super::replicated::Guard { key, dead_letter });
             }
-            let due = held_in_log
+            let delay = held_in_log
                 .iter()
                 .find(|(held, _)| held == id)
-                .map(|(_, due)| *due);
+                .map(|(_, delay)| *delay);
             let ran = self.run_with(*id, |q| {
                 let meta = MsgMeta {
                     pageable: paging && kind != Kept::Memory && may_page(q),
                     spilled: kind == Kept::Spilled,
                     // A held message's time to live starts when it is due, as in a queue
                     // that takes it only then.
-                    expires_at: expiry(q, own_ttl, due.unwrap_or(now)),
+                    expires_at: expiry(q, own_ttl, now.saturating_add(delay.unwrap_or(0))),
                     priority: priority(q, &copy),
                     group: message_group(q, &copy),
                     ..meta
                 };
-                let command = match due {
-                    Some(due) => Command::EnqueueAt {
-                        due,
+                let command = match delay {
+                    Some(delay_ms) => Command::EnqueueAt {
+                        delay_ms,
                         from: None,
                         message: copy,
                         meta,
@@ -578,7 +577,7 @@ impl Broker {
                 continue;
             }
             let took_it =
-                matches!(reply, Reply::Enqueued { .. }) || (due.is_some() && reply == Reply::Ok);
+                matches!(reply, Reply::Enqueued { .. }) || (delay.is_some() && reply == Reply::Ok);
             if !new_keys.is_empty() && took_it {
                 took.push(*id);
             }

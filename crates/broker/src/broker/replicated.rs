@@ -568,6 +568,10 @@ impl Cluster {
             seq: u64::MAX,
         };
         self.proposals.applied(GroupId(group), all, Reply::Ok, out);
+        // Sequences given to publishes dropped here (never sent, or sent and given up) would
+        // be gaps: the next forward starts a new enqueuer, instead of being refused as out of
+        // order with every one after it until that refusal came back.
+        self.enqueuers.remove(&group);
         if let Some(kept) = self.kept.get_mut(&group) {
             kept.retain_mut(|k| {
                 if k.confirm {
@@ -1552,14 +1556,14 @@ impl Broker {
         command: &'a Command<Message>,
     ) -> std::borrow::Cow<'a, Command<Message>> {
         use std::borrow::Cow;
-        let (message, meta, due) = match command {
+        let (message, meta, delay) = match command {
             Command::Enqueue { message, meta } => (message, meta, None),
             Command::EnqueueAt {
-                due,
+                delay_ms,
                 from: None,
                 message,
                 meta,
-            } => (message, meta, Some(*due)),
+            } => (message, meta, Some(*delay_ms)),
             _ => return Cow::Borrowed(command),
         };
         let level = self.cluster_feature_level().unwrap_or(0);
@@ -1589,15 +1593,15 @@ impl Broker {
                 (enqueuer, 1)
             }
         };
-        Cow::Owned(match due {
+        Cow::Owned(match delay {
             None => Command::EnqueueFrom {
                 enqueuer,
                 seq,
                 message: message.clone(),
                 meta: *meta,
             },
-            Some(due) => Command::EnqueueAt {
-                due,
+            Some(delay_ms) => Command::EnqueueAt {
+                delay_ms,
                 from: Some((enqueuer, seq)),
                 message: message.clone(),
                 meta: *meta,
@@ -2144,7 +2148,19 @@ impl Broker {
             c.scratch.clear();
             let reply = match &mut r.mode {
                 Mode::Leading { committed } => {
+                    let held_delay = match &command {
+                        Command::EnqueueAt { delay_ms, .. } => Some(*delay_ms),
+                        _ => None,
+                    };
                     let reply = committed.apply(meta, command, &mut c.scratch);
+                    if let (Some(delay), Reply::Ok) = (held_delay, reply) {
+                        // The same for a held publish: its copies stay shared once released.
+                        if let Some(key) = committed.last_held(delay) {
+                            if let Some(m) = q.machine.held_payload(key) {
+                                committed.share_held(key, m);
+                            }
+                        }
+                    }
                     if let Reply::Enqueued { msg_id } = reply {
                         // The machine that ran ahead holds the message as it was published,
                         // the committed one as the log gave it back: one copy of its bytes

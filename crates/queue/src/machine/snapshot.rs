@@ -251,7 +251,8 @@ impl QueueMachine<Message> {
             .saturating_add(self.service.levels.len())
             .saturating_add(self.credit.len())
             .saturating_add(self.enqueuers.len())
-            .saturating_add(self.expiry_caps.len());
+            .saturating_add(self.expiry_caps.len())
+            .saturating_add(self.held.len());
         if u32::try_from(items).is_err() {
             return Err(SnapshotError::TooLarge { items });
         }
@@ -263,11 +264,11 @@ impl QueueMachine<Message> {
     fn snapshot_reserve(&self) -> usize {
         let payload: usize = self
             .messages()
-            .map(|(_, m, _)| {
-                m.exchange.len() + m.routing_key.len() + m.properties.len() + m.body.len()
-            })
+            .map(|(_, m, _)| m)
+            .chain(self.held_messages())
+            .map(|m| m.exchange.len() + m.routing_key.len() + m.properties.len() + m.body.len())
             .sum();
-        let entries = self.ready_count() + self.in_flight.len();
+        let entries = self.ready_count() + self.in_flight.len() + self.held.len();
         payload.saturating_add(entries.saturating_mul(MIN_ENTRY_BYTES + 16))
     }
 
@@ -1086,8 +1087,8 @@ mod tests {
             m: busy(),
             now: 200,
         };
-        let held = |due, from, body| Command::EnqueueAt {
-            due,
+        let held = |delay_ms, from, body| Command::EnqueueAt {
+            delay_ms,
             from,
             message: message(body),
             meta: MsgMeta {
@@ -1095,9 +1096,9 @@ mod tests {
                 ..MsgMeta::default()
             },
         };
-        r.apply(held(5_000, None, b"x"));
+        r.apply(held(4_800, None, b"x"));
         r.apply(held(
-            4_000,
+            3_800,
             Some((EnqueuerId(crate::qualify(3, 9).unwrap_or(0)), 1)),
             b"y",
         ));
