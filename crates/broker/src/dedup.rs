@@ -306,6 +306,34 @@ impl Dedup {
         Verdict::New(Pending { key, ttl_ms })
     }
 
+    /// The window a replicated queue's machine keeps for this message
+    /// ([`warren_queue::machine::DedupWindow`]): its key, how long to remember it and the most
+    /// keys to keep. `None` for a message without a key, or one that comes back (as
+    /// [`Dedup::judge`] lets it through).
+    pub fn window(
+        &self,
+        headers: Option<&FieldTable>,
+        properties: &Bytes,
+    ) -> Option<warren_queue::machine::DedupWindow> {
+        if comes_back(headers) {
+            return None;
+        }
+        let key = key(headers, &self.spec.header, properties)?;
+        let ttl_ms = headers
+            .and_then(|h| h.get("x-cache-ttl"))
+            .and_then(FieldValue::as_i64)
+            .and_then(|n| u64::try_from(n).ok())
+            .map_or(self.spec.ttl_ms, |n| n.min(MAX_TTL_MS));
+        Some(warren_queue::machine::DedupWindow {
+            key: warren_queue::machine::DedupKey {
+                len: key.tag,
+                bytes: key.bytes,
+            },
+            ttl_ms,
+            max_keys: u32::try_from(self.spec.size).unwrap_or(u32::MAX),
+        })
+    }
+
     /// Remembers the key of a message that was taken, with the store batch that writes it
     /// (`None`: nothing to wait for).
     pub fn remember(&mut self, pending: Pending, batch: Option<u64>, now: u64) {
@@ -338,6 +366,11 @@ impl Dedup {
             }
             self.order.pop_front();
         }
+    }
+
+    /// One more duplicate dropped, by a replicated queue's machine.
+    pub fn count_dropped(&mut self) {
+        self.dropped += 1;
     }
 
     /// Keys remembered.

@@ -2324,6 +2324,70 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
     assert_same_state(&c, &NODES);
 }
 
+/// A message carrying `key` in the deduplication header.
+fn keyed_message(n: u32, key: &str) -> Message {
+    let mut headers = FieldTable::new();
+    headers.insert("x-deduplication-header", FieldValue::long_str(key));
+    let properties = warren_codec::properties::BasicProperties {
+        headers: Some(headers),
+        delivery_mode: Some(2),
+        ..Default::default()
+    }
+    .encode();
+    Message {
+        properties,
+        ..message(n)
+    }
+}
+
+#[test]
+fn a_quorum_queues_deduplication_window_holds_on_every_node_and_across_a_failover() {
+    // The window was each node's own and in memory: the same key published through two nodes
+    // was taken twice, and a new leader had forgotten every key.
+    let mut args = quorum_args();
+    args.insert("x-message-deduplication", FieldValue::Bool(true));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    let confirm = |c: &mut Cluster, node: u64, batch: u64| {
+        for _ in 0..100 {
+            if c.confirmed(node, batch) {
+                return;
+            }
+            c.step();
+        }
+        panic!("publish on node {node} not confirmed");
+    };
+    let b = c.publish_message(follower, 1, keyed_message(1, "order-1"));
+    confirm(&mut c, follower, b);
+    let b = c.publish_message(leader, 2, keyed_message(2, "order-1"));
+    confirm(&mut c, leader, b);
+    let b = c.publish_message(leader, 3, keyed_message(3, "order-2"));
+    confirm(&mut c, leader, b);
+    c.run(10);
+    assert_eq!(c.counts(leader), (2, 0), "order-1 taken once");
+    assert!(
+        c.broker(leader).take_lost().is_none(),
+        "a duplicate is confirmed, not nacked"
+    );
+    c.kill(leader);
+    let next = c.leader();
+    let b = c.publish_message(next, 4, keyed_message(4, "order-2"));
+    confirm(&mut c, next, b);
+    let b = c.publish_message(next, 5, keyed_message(5, "order-3"));
+    confirm(&mut c, next, b);
+    c.run(10);
+    assert_eq!(c.counts(next), (3, 0), "the new leader still knew order-2");
+    let m = c.members[&next]
+        .broker
+        .machine(c.id(next))
+        .expect("machine");
+    assert_eq!(m.dedup_keys(), 3);
+    let others: Vec<u64> = NODES.into_iter().filter(|n| *n != leader).collect();
+    assert_same_state(&c, &others);
+}
+
 #[test]
 fn a_held_publish_is_released_by_whichever_node_leads_when_it_is_due() {
     // A quorum queue's `x-delivery-delay` held the message on the disk of the node that took

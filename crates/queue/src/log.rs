@@ -23,8 +23,8 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use warren_codec::{FieldTable, ShortStr};
 
 use super::machine::{
-    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, EnqueuerId,
-    Loaded, Meta, MsgMeta, Policy, QueueMachine, Receipt, RetryPolicy,
+    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DedupKey, DedupWindow,
+    Effect, EnqueuerId, Loaded, Meta, MsgMeta, Policy, QueueMachine, Receipt, RetryPolicy,
 };
 use crate::Message;
 use crate::Overflow;
@@ -111,7 +111,7 @@ const ENQUEUE_FROM: u8 = 22;
 const UNREGISTER: u8 = 23;
 const GET_BY: u8 = 24;
 const CAP_EXPIRY: u8 = 25;
-const ENQUEUE_AT: u8 = 26;
+const ENQUEUE_WITH: u8 = 26;
 
 pub(crate) fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -250,15 +250,17 @@ pub fn encode_entry(command: &Command<Message>, out: &mut BytesMut) -> Result<()
             };
             put_command(out, &command);
         }
-        Command::EnqueueAt {
+        Command::EnqueueWith {
             delay_ms,
             from,
+            dedup,
             message,
             meta,
         } => {
-            let command = Command::EnqueueAt {
+            let command = Command::EnqueueWith {
                 delay_ms: *delay_ms,
                 from: *from,
+                dedup: dedup.clone(),
                 message: logical_message(message),
                 meta: logical_meta(meta),
             };
@@ -342,21 +344,26 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
             put_message(out, message);
             put_msg_meta(out, meta);
         }
-        Command::EnqueueAt {
+        Command::EnqueueWith {
             delay_ms,
             from,
+            dedup,
             message,
             meta,
         } => {
-            out.put_u8(ENQUEUE_AT);
+            out.put_u8(ENQUEUE_WITH);
             out.put_u64(*delay_ms);
-            match from {
-                Some((enqueuer, seq)) => {
-                    out.put_u8(1);
-                    out.put_u64(enqueuer.0);
-                    out.put_u64(*seq);
-                }
-                None => out.put_u8(0),
+            // Which of the optional parts follow: 1, the enqueuer; 2, the window.
+            out.put_u8(u8::from(from.is_some()) | u8::from(dedup.is_some()) << 1);
+            if let Some((enqueuer, seq)) = from {
+                out.put_u64(enqueuer.0);
+                out.put_u64(*seq);
+            }
+            if let Some(w) = dedup {
+                out.put_u8(w.key.len);
+                out.put_slice(&w.key.bytes);
+                out.put_u64(w.ttl_ms);
+                out.put_u32(w.max_keys);
             }
             put_message(out, message);
             put_msg_meta(out, meta);
@@ -690,18 +697,40 @@ impl Reader {
                     meta,
                 }
             }
-            ENQUEUE_AT => {
+            ENQUEUE_WITH => {
                 let delay_ms = self.u64("delay")?;
-                let from = match self.u8("enqueuer flag")? {
-                    0 => None,
-                    1 => Some((EnqueuerId(self.u64("enqueuer")?), self.u64("sequence")?)),
-                    f => return Err(self.fail(format!("enqueuer flag {f}"))),
+                let parts = self.u8("parts")?;
+                if parts > 3 {
+                    return Err(self.fail(format!("enqueue parts {parts:#x}")));
+                }
+                let from = if parts & 1 != 0 {
+                    Some((EnqueuerId(self.u64("enqueuer")?), self.u64("sequence")?))
+                } else {
+                    None
+                };
+                let dedup = if parts & 2 != 0 {
+                    let len = self.u8("deduplication key length")?;
+                    if len > 32 && len != u8::MAX {
+                        return Err(self.fail(format!("deduplication key length {len}")));
+                    }
+                    let mut bytes = [0u8; 32];
+                    for b in &mut bytes {
+                        *b = self.u8("deduplication key")?;
+                    }
+                    Some(Box::new(DedupWindow {
+                        key: DedupKey { len, bytes },
+                        ttl_ms: self.u64("deduplication window")?,
+                        max_keys: self.u32("deduplication keys")?,
+                    }))
+                } else {
+                    None
                 };
                 let message = self.message()?;
                 let meta = self.msg_meta()?;
-                Command::EnqueueAt {
+                Command::EnqueueWith {
                     delay_ms,
                     from,
+                    dedup,
                     message,
                     meta,
                 }
@@ -1213,9 +1242,18 @@ mod tests {
     #[test]
     fn a_held_publish_is_an_entry_of_logical_facts_and_round_trips() {
         let enqueuer = EnqueuerId(crate::qualify(2, 8).unwrap());
-        let at = |from, message, meta| Command::EnqueueAt {
+        let window = DedupWindow {
+            key: DedupKey {
+                len: u8::MAX,
+                bytes: [7; 32],
+            },
+            ttl_ms: 300_000,
+            max_keys: 1_000,
+        };
+        let at = |from, message, meta| Command::EnqueueWith {
             delay_ms: 12_345,
             from,
+            dedup: Some(Box::new(window)),
             message,
             meta,
         };
@@ -1237,15 +1275,31 @@ mod tests {
         );
         let plain = at(Some((enqueuer, 7)), message(b"h"), MsgMeta::default());
         assert_eq!(entry(&local), entry(&plain));
-        for c in [plain, at(None, message(b"i"), MsgMeta::default())] {
+        let bare = Command::EnqueueWith {
+            delay_ms: 0,
+            from: None,
+            dedup: None,
+            message: message(b"j"),
+            meta: MsgMeta::default(),
+        };
+        for c in [plain, at(None, message(b"i"), MsgMeta::default()), bare] {
             assert_eq!(decode_entry(entry(&c)), Ok(c));
         }
-        // A flag other than 0 or 1 is refused, not guessed at.
-        let mut bad = entry(&at(None, message(b"i"), MsgMeta::default())).to_vec();
-        bad[5 + 1 + 8] = 2;
-        let crc = crc32fast::hash(&bad[5..]);
-        bad[1..5].copy_from_slice(&crc.to_be_bytes());
-        assert!(decode_entry(Bytes::from(bad)).is_err());
+        // Parts it does not know, or a key longer than 32 bytes not said to be a digest, are
+        // refused, not guessed at.
+        let reseal = |mut bad: Vec<u8>| {
+            let crc = crc32fast::hash(&bad[5..]);
+            bad[1..5].copy_from_slice(&crc.to_be_bytes());
+            Bytes::from(bad)
+        };
+        let good = entry(&at(None, message(b"i"), MsgMeta::default())).to_vec();
+        let parts = 5 + 1 + 8;
+        let mut bad = good.clone();
+        bad[parts] = 4;
+        assert!(decode_entry(reseal(bad)).is_err());
+        let mut bad = good;
+        bad[parts + 1] = 33;
+        assert!(decode_entry(reseal(bad)).is_err());
     }
 
     #[test]

@@ -57,7 +57,7 @@ pub type GroupKey = std::num::NonZeroU64;
 /// Lines of fewer slots than this keep their room when they drain ([`QueueMachine::apply`]).
 const SHRINK_ABOVE: usize = 4096;
 
-/// A held publish ([`Command::EnqueueAt`]) that a full `reject-publish` queue refuses when it
+/// A held publish ([`Command::EnqueueWith`]) that a full `reject-publish` queue refuses when it
 /// is due is held back this much longer (ms), as a node's own delayed release is.
 const HELD_BACK_MS: u64 = 1_000;
 
@@ -208,6 +208,24 @@ impl ConsumerId {
     }
 }
 
+/// A publish's deduplication key (`x-message-deduplication`), as the broker computed it: up to
+/// 32 bytes verbatim (`len` of them), or a digest of a longer one (`len` = `u8::MAX`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DedupKey {
+    pub len: u8,
+    pub bytes: [u8; 32],
+}
+
+/// What [`Command::EnqueueWith`] asks of the queue's deduplication window: drop the publish
+/// if `key` was taken within the window, else remember it `ttl_ms`, keeping at most
+/// `max_keys` (the oldest forgotten first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DedupWindow {
+    pub key: DedupKey,
+    pub ttl_ms: u64,
+    pub max_keys: u32,
+}
+
 /// A sender of publishes that may be resent ([`Command::EnqueueFrom`]): a node forwarding
 /// to a replicated queue's leader. Node-qualified ([`crate::qualify`]) and never reused, across
 /// the node's restarts too: a new enqueuer's sequence numbers start afresh.
@@ -297,11 +315,16 @@ pub enum Command<M> {
     /// into a classic queue does). The due time is the machine's clock plus the delay, so
     /// that it is the proposing leader's clock that counts, not that of the node that took
     /// the publish. With `from`, the enqueuer's sequence is decided now, as
-    /// [`Command::EnqueueFrom`]'s. Replies `Ok` once held; with no delay, what `Enqueue`
-    /// replies.
-    EnqueueAt {
+    /// [`Command::EnqueueFrom`]'s. With `dedup`, a publish whose key the queue took within
+    /// its window is a `Duplicate` (nothing changes but the enqueuer's sequence), and one
+    /// taken (enqueued or held) is remembered: the window is the queue's, in every member,
+    /// so it holds whichever node takes the publish and across a failover. Replies `Ok` once
+    /// held; with no delay, what `Enqueue` replies.
+    EnqueueWith {
         delay_ms: u64,
         from: Option<(EnqueuerId, u64)>,
+        /// Boxed: the command is moved whole on every publish, and few carry one.
+        dedup: Option<Box<DedupWindow>>,
         message: M,
         meta: MsgMeta,
     },
@@ -466,7 +489,7 @@ impl<M> Command<M> {
         match self {
             Command::Enqueue { .. } => "enqueue",
             Command::EnqueueFrom { .. } => "enqueue_from",
-            Command::EnqueueAt { .. } => "enqueue_at",
+            Command::EnqueueWith { .. } => "enqueue_with",
             Command::Unregister { .. } => "unregister",
             Command::Down { .. } => "down",
             Command::Restore { .. } => "restore",
@@ -898,11 +921,17 @@ pub struct QueueMachine<M> {
     retry_due: BTreeSet<(u64, u64)>,
     /// Bytes of the messages waiting for a retry (in `ready_bytes` too).
     retrying_bytes: u64,
-    /// Publishes held back until they are due ([`Command::EnqueueAt`]), by `(due, seq)`;
+    /// Publishes held back until they are due ([`Command::EnqueueWith`]), by `(due, seq)`;
     /// the next `seq`, and their bytes (not in `ready_bytes`: they are not in the queue yet).
     held: BTreeMap<(u64, u64), (M, MsgMeta)>,
     held_seq: u64,
     held_bytes: u64,
+    /// The deduplication window ([`DedupWindow`]): each key taken, until when and its
+    /// insertion number; the keys in insertion order (one inserted again after it was
+    /// forgotten is in it twice: the number tells the live one); the next number.
+    dedup: BTreeMap<DedupKey, (u64, u64)>,
+    dedup_order: VecDeque<(DedupKey, u64)>,
+    dedup_next: u64,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
     /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
@@ -967,6 +996,9 @@ impl<M> Default for QueueMachine<M> {
             held: BTreeMap::new(),
             held_seq: 0,
             held_bytes: 0,
+            dedup: BTreeMap::new(),
+            dedup_order: VecDeque::new(),
+            dedup_next: 0,
             expiries: BTreeSet::new(),
             expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
@@ -1011,18 +1043,22 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 seq,
                 message,
                 meta,
-            } => self.enqueue_from(enqueuer, seq, (message, meta), None, effects),
-            Command::EnqueueAt {
+            } => self.enqueue_from(enqueuer, seq, (message, meta), (None, None), effects),
+            Command::EnqueueWith {
                 delay_ms,
                 from,
+                dedup,
                 message,
                 meta,
-            } => match from {
-                Some((enqueuer, seq)) => {
-                    self.enqueue_from(enqueuer, seq, (message, meta), Some(delay_ms), effects)
+            } => {
+                let with = (Some(delay_ms), dedup.map(|w| *w));
+                match from {
+                    Some((enqueuer, seq)) => {
+                        self.enqueue_from(enqueuer, seq, (message, meta), with, effects)
+                    }
+                    None => self.enqueue_or_hold(message, meta, with, effects),
                 }
-                None => self.enqueue_or_hold(message, meta, Some(delay_ms), effects),
-            },
+            }
             Command::Unregister { enqueuer } => match self.enqueuers.remove(&enqueuer) {
                 Some(_) => Reply::Ok,
                 None => Reply::Stale,
@@ -1216,20 +1252,67 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         Reply::Enqueued { msg_id }
     }
 
-    /// A publish enqueued now, or held `delay_ms` if it has one.
+    /// A publish enqueued now, or held `delay_ms` if it has one; with a deduplication
+    /// window, dropped as a `Duplicate` if its key was taken within it, else remembered once
+    /// taken.
     fn enqueue_or_hold(
         &mut self,
         message: M,
         meta: MsgMeta,
-        delay_ms: Option<u64>,
+        (delay_ms, dedup): (Option<u64>, Option<DedupWindow>),
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
-        match delay_ms.filter(|d| *d > 0) {
+        if let Some(w) = dedup {
+            self.forget_keys(w.max_keys);
+            let now = self.now_ms;
+            if self
+                .dedup
+                .get(&w.key)
+                .is_some_and(|(until, _)| *until > now)
+            {
+                return Reply::Duplicate;
+            }
+        }
+        let reply = match delay_ms.filter(|d| *d > 0) {
             Some(delay) => {
                 self.hold(self.now_ms.saturating_add(delay), message, meta);
                 Reply::Ok
             }
             None => self.enqueue_new(message, meta, effects),
+        };
+        if let (Some(w), Reply::Ok | Reply::Enqueued { .. }) = (dedup, reply) {
+            let number = self.dedup_next;
+            self.dedup_next += 1;
+            let until = self.now_ms.saturating_add(w.ttl_ms);
+            self.dedup.insert(w.key, (until, number));
+            self.dedup_order.push_back((w.key, number));
+            self.forget_keys(w.max_keys);
+        }
+        reply
+    }
+
+    /// Forgets the window's keys that expired and, oldest first, those past `max_keys`.
+    /// Numbers start over once it is empty, so that a state with no key is the same whatever
+    /// came before (a snapshot then carries none of this).
+    fn forget_keys(&mut self, max_keys: u32) {
+        let now = self.now_ms;
+        while let Some(&(key, number)) = self.dedup_order.front() {
+            let live = self.dedup.get(&key).filter(|(_, n)| *n == number).copied();
+            let drop = match live {
+                None => true,
+                Some((until, _)) => self.dedup.len() > max_keys as usize || until <= now,
+            };
+            if !drop {
+                break;
+            }
+            if live.is_some() {
+                self.dedup.remove(&key);
+            }
+            self.dedup_order.pop_front();
+        }
+        if self.dedup.is_empty() {
+            self.dedup_order.clear();
+            self.dedup_next = 0;
         }
     }
 
@@ -1294,7 +1377,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         enqueuer: EnqueuerId,
         seq: u64,
         (message, meta): (M, MsgMeta),
-        delay_ms: Option<u64>,
+        with: (Option<u64>, Option<DedupWindow>),
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
         if let Some(reply) = self.decided(enqueuer, seq) {
@@ -1313,7 +1396,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             let node = enqueuer.node();
             self.enqueuers.retain(|id, _| id.node() != node);
         }
-        let reply = self.enqueue_or_hold(message, meta, delay_ms, effects);
+        let reply = self.enqueue_or_hold(message, meta, with, effects);
         let e = self.enqueuers.entry(enqueuer).or_default();
         e.seq = seq;
         if matches!(reply, Reply::Refused(_)) {
@@ -2844,7 +2927,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         })
     }
 
-    /// Publishes held back until they are due ([`Command::EnqueueAt`]), and their bytes.
+    /// Keys in the deduplication window ([`DedupWindow`]).
+    pub fn dedup_keys(&self) -> usize {
+        self.dedup.len()
+    }
+
+    /// Publishes held back until they are due ([`Command::EnqueueWith`]), and their bytes.
     pub fn held_count(&self) -> (usize, u64) {
         (self.held.len(), self.held_bytes)
     }
@@ -3025,12 +3113,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .chain(self.held.values_mut().map(|(m, _)| m))
     }
 
-    /// The publishes held until due ([`Command::EnqueueAt`]), in due order.
+    /// The publishes held until due ([`Command::EnqueueWith`]), in due order.
     pub fn held_messages(&self) -> impl Iterator<Item = &M> + '_ {
         self.held.values().map(|(m, _)| m)
     }
 
-    /// The key of the publish an [`Command::EnqueueAt`] of `delay_ms` just held (its reply
+    /// The key of the publish an [`Command::EnqueueWith`] of `delay_ms` just held (its reply
     /// was `Ok`), to share its payload with another machine that held it too
     /// ([`Self::share_held`]).
     pub fn last_held(&self, delay_ms: u64) -> Option<(u64, u64)> {
@@ -3203,6 +3291,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             for (key, (message, meta)) in &self.held {
                 (key, message, meta).hash(&mut h);
             }
+        }
+        if !self.dedup.is_empty() {
+            (&self.dedup, &self.dedup_order, self.dedup_next).hash(&mut h);
         }
         h.finish()
     }
@@ -4617,9 +4708,10 @@ mod tests {
     }
 
     fn held(delay_ms: u64, from: Option<(u64, u64)>, s: &'static str) -> Command<&'static str> {
-        Command::EnqueueAt {
+        Command::EnqueueWith {
             delay_ms,
             from: from.map(|(e, seq)| (EnqueuerId(e), seq)),
+            dedup: None,
             message: s,
             meta: MsgMeta {
                 size: 1,
@@ -4665,6 +4757,73 @@ mod tests {
         assert_eq!(d.run(held(500, None, "kept")), Reply::Ok);
         assert_eq!(d.run(Command::Purge), Reply::Purged { count: 4 });
         assert_eq!(d.m.held_count(), (1, 1));
+    }
+
+    fn keyed(key: u8, ttl_ms: u64, max_keys: u32, s: &'static str) -> Command<&'static str> {
+        Command::EnqueueWith {
+            delay_ms: 0,
+            from: None,
+            dedup: Some(Box::new(DedupWindow {
+                key: DedupKey {
+                    len: 1,
+                    bytes: [key; 32],
+                },
+                ttl_ms,
+                max_keys,
+            })),
+            message: s,
+            meta: MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_key_taken_within_its_window_is_a_duplicate_and_forgotten_after_it() {
+        let mut d = Driver::new();
+        assert_eq!(d.run(keyed(1, 100, 10, "a")), Reply::Enqueued { msg_id: 0 });
+        assert_eq!(d.run(keyed(1, 100, 10, "a again")), Reply::Duplicate);
+        assert_eq!(d.run(keyed(2, 100, 10, "b")), Reply::Enqueued { msg_id: 1 });
+        assert_eq!(d.m.dedup_keys(), 2);
+        // Consumed or not, the key stays for its window.
+        d.run(Command::Get { no_ack: true });
+        assert_eq!(d.run(keyed(1, 100, 10, "a")), Reply::Duplicate);
+        d.now = 100;
+        assert_eq!(
+            d.run(keyed(1, 100, 10, "a late")),
+            Reply::Enqueued { msg_id: 2 }
+        );
+        // Key 2 expired meanwhile. At most `max_keys`, the oldest forgotten first.
+        assert_eq!(d.m.dedup_keys(), 1);
+        assert_eq!(d.run(keyed(3, 100, 2, "c")), Reply::Enqueued { msg_id: 3 });
+        assert_eq!(d.run(keyed(4, 100, 2, "d")), Reply::Enqueued { msg_id: 4 });
+        assert_eq!(d.m.dedup_keys(), 2);
+        assert_eq!(d.run(keyed(1, 100, 2, "a")), Reply::Enqueued { msg_id: 5 });
+        // A held publish's key is taken when it is held; an enqueuer's resend is decided.
+        let mut later = keyed(9, 100, 10, "held");
+        if let Command::EnqueueWith { delay_ms, from, .. } = &mut later {
+            *delay_ms = 50;
+            *from = Some((EnqueuerId(7), 1));
+        }
+        assert_eq!(d.run(later.clone()), Reply::Ok);
+        assert_eq!(d.run(later), Reply::Duplicate);
+        assert_eq!(d.run(keyed(9, 100, 10, "held")), Reply::Duplicate);
+        assert_eq!(d.m.enqueuer_seq(EnqueuerId(7)), Some(1));
+        // A refused copy (a full queue) leaves its key new.
+        let mut f = with_policy(Policy {
+            max_length: Some(1),
+            overflow: Overflow::RejectPublish,
+            ..Policy::default()
+        });
+        f.enqueue("x", 1, None);
+        assert_eq!(f.run(keyed(5, 100, 10, "e")), Reply::Refused(Refusal::Full));
+        f.run(Command::Get { no_ack: true });
+        assert_eq!(f.run(keyed(5, 100, 10, "e")), Reply::Enqueued { msg_id: 1 });
+        // Forgotten whole once expired: the state is as if it never had a key.
+        f.now = 1_000;
+        assert_eq!(f.run(keyed(6, 1, 10, "g")), Reply::Refused(Refusal::Full));
+        assert_eq!(f.m.dedup_keys(), 0);
     }
 
     #[test]

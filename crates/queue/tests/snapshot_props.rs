@@ -9,8 +9,8 @@ use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use warren_codec::{FieldTable, FieldValue, ShortStr};
 use warren_queue::machine::{
-    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, Effect, EnqueuerId,
-    GroupKey, Meta, MsgMeta, Policy, QueueMachine, Receipt, Reply, RetryPolicy,
+    effects_digest, Command, ConsumerId, ConsumerSpec, Credit, CreditGroup, DedupKey, DedupWindow,
+    Effect, EnqueuerId, GroupKey, Meta, MsgMeta, Policy, QueueMachine, Receipt, Reply, RetryPolicy,
 };
 use warren_queue::{qualify, Message, NodeId, Overflow};
 
@@ -97,11 +97,13 @@ enum Op {
     CapExpiry {
         within: u64,
     },
-    /// A publish held back `delay` ms (`EnqueueAt`), from enqueuer `from` if any.
+    /// A publish held back `delay` ms (`EnqueueWith`), from enqueuer `from` if any, with a
+    /// deduplication key (of a few) and its window if any.
     Hold {
         size: usize,
         delay: u64,
         from: Option<u8>,
+        key: Option<(u8, u64, u32)>,
     },
 }
 
@@ -193,8 +195,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Touch),
         1 => Just(Op::Purge),
         1 => (0u64..40).prop_map(|within| Op::CapExpiry { within }),
-        2 => (0usize..40, 0u64..50, prop::option::weighted(0.3, 0u8..3))
-            .prop_map(|(size, delay, from)| Op::Hold { size, delay, from }),
+        3 => (0usize..40, 0u64..50, prop::option::weighted(0.3, 0u8..3), prop::option::weighted(0.5, (0u8..4, 1u64..60, 1u32..4)))
+            .prop_map(|(size, delay, from, key)| Op::Hold { size, delay, from, key }),
     ]
 }
 
@@ -320,7 +322,12 @@ impl Driver {
                     message,
                 }
             }
-            Op::Hold { size, delay, from } => {
+            Op::Hold {
+                size,
+                delay,
+                from,
+                key,
+            } => {
                 let message = self.message(*size, false);
                 let from = match from {
                     Some(slot) => {
@@ -336,9 +343,19 @@ impl Driver {
                     }
                     None => None,
                 };
-                Command::EnqueueAt {
+                Command::EnqueueWith {
                     delay_ms: *delay,
                     from,
+                    dedup: key.map(|(k, ttl_ms, max_keys)| {
+                        Box::new(DedupWindow {
+                            key: DedupKey {
+                                len: 1,
+                                bytes: [k; 32],
+                            },
+                            ttl_ms,
+                            max_keys,
+                        })
+                    }),
                     meta: MsgMeta {
                         size: *size as u64,
                         ..MsgMeta::default()

@@ -53,12 +53,14 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// 5, a publish forwarded to a quorum queue's leader is an `EnqueueFrom` whose sequence has no
 /// gaps, so that sent again after a failover or a snapshot it is taken once.
 /// 6, a publish held back for a quorum queue (`x-delivery-delay`, an `x-delay` header) is a
-/// `Command::EnqueueAt` in the queue's log, held by every member and released by whichever
-/// leads when it is due, instead of waiting on the disk of the node that took it.
+/// `Command::EnqueueWith` in the queue's log, held by every member and released by whichever
+/// leads when it is due, instead of waiting on the disk of the node that took it; and a
+/// quorum queue's deduplication window is in its machine (`EnqueueWith`'s `dedup`).
 pub const FEATURE_LEVEL: u64 = 6;
 
-/// The level from which a publish held back for a quorum queue goes into its log
-/// (`Command::EnqueueAt`): a node of an older version cannot read that entry.
+/// The level from which a publish held back for a quorum queue, or judged by its deduplication
+/// window, goes into its log as a `Command::EnqueueWith`: a node of an older version cannot
+/// read that entry.
 pub(super) const HELD_LEVEL: u64 = 6;
 
 /// The level from which a node forwards publishes as an enqueuer (`Broker::as_enqueuer`):

@@ -310,12 +310,22 @@ impl Broker {
         let mut duplicates = 0u32;
         let mut first_copies = None;
         let mut new_keys: Vec<(QueueId, crate::dedup::Pending)> = Vec::new();
+        // Replicated queues judge in their machine, whichever node takes the publish and
+        // across a failover, once every node can read such an entry.
+        let mut windows: Vec<(QueueId, warren_queue::machine::DedupWindow)> = Vec::new();
         if self.dedup_queues > 0 && !released && death.is_none() {
             let (now, disk) = (self.now_ms, self.disk);
+            let in_log = self
+                .cluster_feature_level()
+                .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
             let queues = &mut self.queues;
             let mut headers = None;
             targets.retain(|id| {
-                let Some(d) = queues.get_mut(id).and_then(|q| q.dedup.as_deref_mut()) else {
+                let Some(q) = queues.get_mut(id) else {
+                    return true;
+                };
+                let replicated = q.replica.is_some();
+                let Some(d) = q.dedup.as_deref_mut() else {
                     return true;
                 };
                 let headers = headers.get_or_insert_with(|| {
@@ -323,6 +333,12 @@ impl Broker {
                         .ok()
                         .flatten()
                 });
+                if in_log && replicated {
+                    if let Some(w) = d.window(headers.as_ref(), &message.properties) {
+                        windows.push((*id, w));
+                    }
+                    return true;
+                }
                 match d.judge(headers.as_ref(), &message.properties, now, disk) {
                     Verdict::Duplicate { batch } => {
                         duplicates += 1;
@@ -521,6 +537,10 @@ impl Broker {
                 .iter()
                 .find(|(held, _)| held == id)
                 .map(|(_, delay)| *delay);
+            let window = windows
+                .iter()
+                .find(|(keyed, _)| keyed == id)
+                .map(|(_, w)| *w);
             let ran = self.run_with(*id, |q| {
                 let meta = MsgMeta {
                     pageable: paging && kind != Kept::Memory && may_page(q),
@@ -532,17 +552,19 @@ impl Broker {
                     group: message_group(q, &copy),
                     ..meta
                 };
-                let command = match delay {
-                    Some(delay_ms) => Command::EnqueueAt {
-                        delay_ms,
+                let command = if delay.is_some() || window.is_some() {
+                    Command::EnqueueWith {
+                        delay_ms: delay.unwrap_or(0),
                         from: None,
+                        dedup: window.map(Box::new),
                         message: copy,
                         meta,
-                    },
-                    None => Command::Enqueue {
+                    }
+                } else {
+                    Command::Enqueue {
                         message: copy,
                         meta,
-                    },
+                    }
                 };
                 (command, meta)
             });
@@ -575,6 +597,12 @@ impl Broker {
                 self.refused(*id, kind, &message, releasing);
                 rejected += 1;
                 continue;
+            }
+            if window.is_some() && reply == Reply::Duplicate {
+                // Its machine's window had the key (seen here, on the node that leads).
+                if let Some(d) = self.queues.get_mut(id).and_then(|q| q.dedup.as_deref_mut()) {
+                    d.count_dropped();
+                }
             }
             let took_it =
                 matches!(reply, Reply::Enqueued { .. }) || (delay.is_some() && reply == Reply::Ok);

@@ -828,7 +828,7 @@ impl Broker {
                     // backlog again, a log entry per message, which put it further behind.
                     let decided = match &command {
                         Command::EnqueueFrom { enqueuer, seq, .. }
-                        | Command::EnqueueAt {
+                        | Command::EnqueueWith {
                             from: Some((enqueuer, seq)),
                             ..
                         } => self
@@ -1509,7 +1509,7 @@ impl Broker {
             Command::Enqueue { .. } | Command::EnqueueFrom { .. } => {
                 (Reply::Enqueued { msg_id: 0 }, true)
             }
-            Command::EnqueueAt { .. } => (Reply::Ok, true),
+            Command::EnqueueWith { .. } => (Reply::Ok, true),
             Command::Cancel { .. } => (Reply::Cancelled { consumers_left: 1 }, false),
             Command::Consume { .. }
             | Command::Credit { .. }
@@ -1556,14 +1556,15 @@ impl Broker {
         command: &'a Command<Message>,
     ) -> std::borrow::Cow<'a, Command<Message>> {
         use std::borrow::Cow;
-        let (message, meta, delay) = match command {
+        let (message, meta, with) = match command {
             Command::Enqueue { message, meta } => (message, meta, None),
-            Command::EnqueueAt {
+            Command::EnqueueWith {
                 delay_ms,
                 from: None,
+                dedup,
                 message,
                 meta,
-            } => (message, meta, Some(*delay_ms)),
+            } => (message, meta, Some((*delay_ms, dedup.clone()))),
             _ => return Cow::Borrowed(command),
         };
         let level = self.cluster_feature_level().unwrap_or(0);
@@ -1593,16 +1594,17 @@ impl Broker {
                 (enqueuer, 1)
             }
         };
-        Cow::Owned(match delay {
+        Cow::Owned(match with {
             None => Command::EnqueueFrom {
                 enqueuer,
                 seq,
                 message: message.clone(),
                 meta: *meta,
             },
-            Some(delay_ms) => Command::EnqueueAt {
+            Some((delay_ms, dedup)) => Command::EnqueueWith {
                 delay_ms,
                 from: Some((enqueuer, seq)),
+                dedup,
                 message: message.clone(),
                 meta: *meta,
             },
@@ -1807,7 +1809,7 @@ impl Broker {
         let accepted = match &command {
             Command::Enqueue { .. }
             | Command::EnqueueFrom { .. }
-            | Command::EnqueueAt { .. }
+            | Command::EnqueueWith { .. }
             | Command::Consume { .. }
             | Command::Cancel { .. }
             | Command::Credit { .. }
@@ -2139,7 +2141,7 @@ impl Broker {
             // sequences as out of order.
             let enqueuer_used = match &command {
                 Command::EnqueueFrom { enqueuer, .. }
-                | Command::EnqueueAt {
+                | Command::EnqueueWith {
                     from: Some((enqueuer, _)),
                     ..
                 } if head.origin.node == c.node => Some(*enqueuer),
@@ -2149,7 +2151,7 @@ impl Broker {
             let reply = match &mut r.mode {
                 Mode::Leading { committed } => {
                     let held_delay = match &command {
-                        Command::EnqueueAt { delay_ms, .. } => Some(*delay_ms),
+                        Command::EnqueueWith { delay_ms, .. } => Some(*delay_ms),
                         _ => None,
                     };
                     let reply = committed.apply(meta, command, &mut c.scratch);
@@ -2780,7 +2782,7 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
 fn is_enqueue(command: &Command<Message>) -> bool {
     matches!(
         command,
-        Command::Enqueue { .. } | Command::EnqueueFrom { .. } | Command::EnqueueAt { .. }
+        Command::Enqueue { .. } | Command::EnqueueFrom { .. } | Command::EnqueueWith { .. }
     )
 }
 

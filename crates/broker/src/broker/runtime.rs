@@ -85,7 +85,7 @@ impl Broker {
         // committed entries and falls back when deposed: the debug record would not replay.
         let logged = (self.recording.is_some() && q.replica.is_none()).then(|| command.clone());
         let counted = match &command {
-            Command::Enqueue { .. } | Command::EnqueueFrom { .. } | Command::EnqueueAt { .. } => {
+            Command::Enqueue { .. } | Command::EnqueueFrom { .. } | Command::EnqueueWith { .. } => {
                 Counted::Enqueue
             }
             Command::Settle { receipt } => Counted::Settle {

@@ -125,7 +125,13 @@ fn queue_snapshot(q: &Queue, policies: &crate::policy::PolicyTable) -> QueueSnap
         consumers: q.consumer_count(),
         counters: q.stats.counters.clone(),
         oldest_ready_at: q.oldest_ready_at(),
-        dedup: q.dedup.as_ref().map(|d| d.stats()),
+        dedup: q.dedup.as_ref().map(|d| {
+            let mut stats = d.stats();
+            // A replicated queue's window is in its machine (the local one judges only below
+            // feature level 6, or a message of a node of its own).
+            stats.keys = stats.keys.max(q.machine.dedup_keys() as u64);
+            stats
+        }),
         policy: q.policy.clone(),
         operator_policy: q.operator_policy.clone(),
         effective_policy_definition: super::policies::definition_of(q, policies),

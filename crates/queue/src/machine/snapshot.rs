@@ -21,8 +21,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::{
-    Consumer, ConsumerId, Credit, CreditGroup, Enqueuer, EnqueuerId, Entry, GroupKey, Holder,
-    InFlight, QueueMachine, Service, Slot, Timers,
+    Consumer, ConsumerId, Credit, CreditGroup, DedupKey, Enqueuer, EnqueuerId, Entry, GroupKey,
+    Holder, InFlight, QueueMachine, Service, Slot, Timers,
 };
 use crate::log::{
     put_consumer_spec, put_group, put_message, put_msg_meta, put_opt_u64, put_policy, LogError,
@@ -32,7 +32,8 @@ use crate::Message;
 
 /// The version of the snapshot encoding. 1: the first. 2: the machine's handoff time after
 /// the expiry caps (a version 1 snapshot, which has none, is still read). 3: then the
-/// publishes held until due (`Command::EnqueueAt`), the handoff written as an option.
+/// publishes held until due (`Command::EnqueueWith`) and the deduplication window, the handoff
+/// written as an option.
 /// Each is written only when its state needs it, so that members of earlier versions read
 /// what a leader of this one sends them until then.
 pub const SNAPSHOT_VERSION: u8 = 3;
@@ -137,6 +138,14 @@ fn put_entry(out: &mut SnapOut, e: &Entry<Message>) -> Result<(), SnapshotError>
     out.put_u32(e.delivery_count);
     out.put_u8(u8::from(e.maybe_delivered) | u8::from(e.timed_out) << 1);
     out.spill()
+}
+
+/// A deduplication key's length and its 32 bytes.
+const DEDUP_KEY_BYTES: usize = 33;
+
+fn put_dedup_key(out: &mut BytesMut, key: &DedupKey) {
+    out.put_u8(key.len);
+    out.put_slice(&key.bytes);
 }
 
 fn put_pairs<'a>(
@@ -252,7 +261,8 @@ impl QueueMachine<Message> {
             .saturating_add(self.credit.len())
             .saturating_add(self.enqueuers.len())
             .saturating_add(self.expiry_caps.len())
-            .saturating_add(self.held.len());
+            .saturating_add(self.held.len())
+            .saturating_add(self.dedup_order.len());
         if u32::try_from(items).is_err() {
             return Err(SnapshotError::TooLarge { items });
         }
@@ -306,6 +316,9 @@ impl QueueMachine<Message> {
             held: _,
             held_seq: _,
             held_bytes: _, // derived: the held messages' sizes
+            dedup: _,
+            dedup_order: _,
+            dedup_next: _,
             expiries: _,
             expiries_in_order: _,
             ready_bytes: _,
@@ -321,7 +334,7 @@ impl QueueMachine<Message> {
         } = self;
         // Version 1 while there is no handoff (nearly always): a member of an earlier version,
         // during a rolling upgrade, still reads what a leader of this one sends it.
-        let version = if !self.held.is_empty() {
+        let version = if !self.held.is_empty() || !self.dedup.is_empty() {
             3
         } else if self.handoff.is_some() {
             2
@@ -469,6 +482,20 @@ impl QueueMachine<Message> {
                     put_msg_meta(out, meta);
                     out.spill()?;
                 }
+                out.put_u64(self.dedup_next);
+                put_len(out, self.dedup_order.len());
+                for (key, number) in &self.dedup_order {
+                    put_dedup_key(out, key);
+                    out.put_u64(*number);
+                    out.spill()?;
+                }
+                put_len(out, self.dedup.len());
+                for (key, (until, number)) in &self.dedup {
+                    put_dedup_key(out, key);
+                    out.put_u64(*until);
+                    out.put_u64(*number);
+                    out.spill()?;
+                }
             }
         }
 
@@ -548,6 +575,18 @@ impl SnapReader {
     fn group_key(&mut self, what: &str) -> Result<GroupKey, SnapshotError> {
         let g = self.u64(what)?;
         GroupKey::new(g).ok_or_else(|| self.fail(format!("{what}: zero")))
+    }
+
+    fn dedup_key(&mut self) -> Result<DedupKey, SnapshotError> {
+        let len = self.0.u8("deduplication key length")?;
+        if len > 32 && len != u8::MAX {
+            return Err(self.fail(format!("deduplication key length {len}")));
+        }
+        let mut bytes = [0u8; 32];
+        for b in &mut bytes {
+            *b = self.0.u8("deduplication key")?;
+        }
+        Ok(DedupKey { len, bytes })
     }
 
     fn entry(&mut self) -> Result<Entry<Message>, SnapshotError> {
@@ -761,8 +800,8 @@ impl SnapReader {
             ),
             _ => self.0.opt_u64("handoff")?,
         };
-        let (held_seq, held) = match version {
-            1 | 2 => (0, BTreeMap::new()),
+        let (held_seq, held, dedup_next, dedup_order, dedup) = match version {
+            1 | 2 => (0, BTreeMap::new(), 0, VecDeque::new(), BTreeMap::new()),
             _ => {
                 let seq = self.u64("held sequence")?;
                 // Due, sequence, and at least a message's lengths and a meta's flags.
@@ -774,11 +813,23 @@ impl SnapReader {
                     let meta = r.0.msg_meta()?;
                     Ok(((due, seq), (message, meta)))
                 })?;
-                // Written only with some: none would not snapshot back to its bytes.
-                if held.is_empty() {
-                    return Err(self.fail("a version 3 snapshot without held messages"));
+                let next = self.u64("deduplication number")?;
+                let n = self.count(DEDUP_KEY_BYTES + 8, "deduplication order")?;
+                let mut order = VecDeque::with_capacity(n);
+                for _ in 0..n {
+                    let key = self.dedup_key()?;
+                    order.push_back((key, self.u64("deduplication number")?));
                 }
-                (seq, held)
+                let n = self.count(DEDUP_KEY_BYTES + 16, "deduplication keys")?;
+                let keys = self.map(n, "deduplication keys", |r| {
+                    let key = r.dedup_key()?;
+                    Ok((key, (r.u64("until")?, r.u64("deduplication number")?)))
+                })?;
+                // Written only with some: none would not snapshot back to its bytes.
+                if held.is_empty() && keys.is_empty() {
+                    return Err(self.fail("a version 3 snapshot without held messages or keys"));
+                }
+                (seq, held, next, order, keys)
             }
         };
         let held_bytes = held.values().map(|(_, m)| m.size).sum();
@@ -812,6 +863,9 @@ impl SnapReader {
             held,
             held_seq,
             held_bytes,
+            dedup,
+            dedup_order,
+            dedup_next,
             expiries,
             expiries_in_order,
             ready_bytes,
@@ -1087,9 +1141,10 @@ mod tests {
             m: busy(),
             now: 200,
         };
-        let held = |delay_ms, from, body| Command::EnqueueAt {
+        let held = |delay_ms, from, body| Command::EnqueueWith {
             delay_ms,
             from,
+            dedup: None,
             message: message(body),
             meta: MsgMeta {
                 size: 1,
@@ -1102,16 +1157,52 @@ mod tests {
             Some((EnqueuerId(crate::qualify(3, 9).unwrap_or(0)), 1)),
             b"y",
         ));
-        assert_eq!(r.m.held_count(), (2, 2));
+        r.apply(Command::EnqueueWith {
+            delay_ms: 0,
+            from: None,
+            dedup: Some(Box::new(super::super::DedupWindow {
+                key: DedupKey {
+                    len: 3,
+                    bytes: [9; 32],
+                },
+                ttl_ms: 60_000,
+                max_keys: 10,
+            })),
+            message: message(b"z"),
+            meta: MsgMeta::default(),
+        });
+        assert_eq!((r.m.held_count(), r.m.dedup_keys()), ((2, 2), 1));
         let bytes = snapshot_of(&r.m);
         assert_eq!(bytes.first(), Some(&3));
         let back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
         assert_eq!(back.digest(), r.m.digest());
-        assert_eq!(back.held_count(), (2, 2));
+        assert_eq!((back.held_count(), back.dedup_keys()), ((2, 2), 1));
         assert_eq!(snapshot_of(&back), bytes);
-        // Released, the state is of version 1 again (its members of earlier versions read it).
+        // Released, the key forgotten, the state is of version 1 again (its members of earlier
+        // versions read it).
         r.now = 5_000;
         r.apply(Command::Tick);
+        assert_eq!(
+            snapshot_of(&r.m).first(),
+            Some(&3),
+            "the key is kept a minute"
+        );
+        r.now = 70_000;
+        r.apply(Command::EnqueueWith {
+            delay_ms: 0,
+            from: None,
+            dedup: Some(Box::new(super::super::DedupWindow {
+                key: DedupKey {
+                    len: 3,
+                    bytes: [8; 32],
+                },
+                ttl_ms: 0,
+                max_keys: 10,
+            })),
+            message: message(b"w"),
+            meta: MsgMeta::default(),
+        });
+        assert_eq!(r.m.dedup_keys(), 0);
         assert_eq!(snapshot_of(&r.m).first(), Some(&1));
     }
 
