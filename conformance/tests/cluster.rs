@@ -1541,3 +1541,82 @@ async fn a_held_publish_is_released_on_time_after_the_node_that_took_it_dies() {
     want.sort();
     assert_eq!(got, want);
 }
+
+/// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every
+/// node: a key published through one node is a duplicate through another (confirmed, not
+/// enqueued), and still after the leader's node dies. Before, each node judged alone, in
+/// memory: the same key through two nodes was in the queue twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_queues_deduplication_key_holds_through_every_node_and_a_failover() {
+    let mut c = TestCluster::start(3, 20);
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
+    let q = unique("once");
+    let (_c1, declarer) = channel(&c, 1).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    args.insert(
+        "x-message-deduplication".into(),
+        lapin::types::AMQPValue::Boolean(true),
+    );
+    declarer
+        .queue_declare(
+            q.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare");
+    let keyed = |key: &str| {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-deduplication-header".into(),
+            lapin::types::AMQPValue::LongString(key.into()),
+        );
+        BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_headers(headers)
+    };
+    let publish = |ch: Channel, q: String, key: &'static str| {
+        let props = keyed(key);
+        async move {
+            ch.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .expect("confirm.select");
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    q.as_str().into(),
+                    BasicPublishOptions::default(),
+                    key.as_bytes(),
+                    props,
+                )
+                .await
+                .expect("publish");
+            let got = tokio::time::timeout(WAIT, confirm)
+                .await
+                .expect("a confirm within the wait")
+                .expect("confirm");
+            assert!(matches!(got, Confirmation::Ack(_)), "{key}: {got:?}");
+        }
+    };
+    let leader = c.leader_of(&q, 1);
+    let others: Vec<u64> = (1..=3).filter(|n| *n != leader).collect();
+    for n in [others[0], others[1], leader] {
+        let (_conn, ch) = channel(&c, n).await;
+        publish(ch, q.clone(), "order-1").await;
+    }
+    wait_for_messages(&c, leader, &q, 1);
+    c.node_mut(leader).stop(true);
+    let (_conn, ch) = channel(&c, others[0]).await;
+    publish(ch.clone(), q.clone(), "order-1").await;
+    publish(ch, q.clone(), "order-2").await;
+    wait_for_messages(&c, others[1], &q, 2);
+}
