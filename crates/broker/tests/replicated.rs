@@ -2389,6 +2389,36 @@ fn a_quorum_queues_deduplication_window_holds_on_every_node_and_across_a_failove
 }
 
 #[test]
+fn past_what_its_log_holds_a_quorum_queues_delayed_publishes_wait_on_the_taking_node() {
+    // Held publishes are whole in every member's memory: past 16,384 (or 16 MiB) a queue's
+    // further delayed publishes wait on the disk of the node that takes them, as before,
+    // where memory stays bounded.
+    const IN_LOG: usize = 16_384;
+    let mut args = quorum_args();
+    args.insert("x-delivery-delay", FieldValue::I64(60_000));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    for n in 0..IN_LOG as u32 + 10 {
+        c.publish(leader, n);
+        if n % 512 == 0 {
+            c.step();
+        }
+    }
+    c.run(20);
+    let m = c.members[&leader]
+        .broker
+        .machine(c.id(leader))
+        .expect("machine");
+    assert_eq!(m.held_count().0, IN_LOG, "held in the log");
+    assert_eq!(
+        c.broker(leader).delayed_counts().0,
+        10,
+        "the rest on the leader's disk"
+    );
+}
+
+#[test]
 fn a_held_publish_is_released_by_whichever_node_leads_when_it_is_due() {
     // A quorum queue's `x-delivery-delay` held the message on the disk of the node that took
     // it, released when due by that node alone: its death held it back until it came back,

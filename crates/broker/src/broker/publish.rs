@@ -19,6 +19,21 @@ pub(super) fn expiry(q: &Queue, own_ttl: Option<u64>, now: u64) -> Option<u64> {
     ttl.map(|t| now.saturating_add(t))
 }
 
+/// Publishes a quorum queue holds in its log until due ([`Command::EnqueueWith`]), at most:
+/// every member keeps them whole in memory (they do not leave it as a deep queue's messages
+/// do), so past this many, or [`HELD_IN_LOG_BYTES`] of bodies, a delayed publish waits on the
+/// disk of the node that takes it, as it did before, where memory stays bounded however many
+/// wait.
+pub(super) const HELD_IN_LOG_MESSAGES: usize = 16_384;
+pub(super) const HELD_IN_LOG_BYTES: u64 = 16 << 20;
+
+/// Whether a quorum queue holds as many publishes as it takes in its log
+/// ([`HELD_IN_LOG_MESSAGES`]).
+fn held_full(q: &Queue) -> bool {
+    let (count, bytes) = q.machine.held_count();
+    count >= HELD_IN_LOG_MESSAGES || bytes >= HELD_IN_LOG_BYTES
+}
+
 /// A message's priority in this queue (`x-max-priority`): its `priority` property, capped. In
 /// a queue with message groups, none: a group's order is its publish order.
 pub(super) fn priority(q: &Queue, message: &Message) -> u8 {
@@ -378,7 +393,7 @@ impl Broker {
                         refused_now.push(*id);
                         false
                     }
-                    Some(delay) if in_log && q.replica.is_some() => {
+                    Some(delay) if in_log && q.replica.is_some() && !held_full(q) => {
                         held_in_log.push((*id, own.unwrap_or(delay)));
                         true
                     }
