@@ -2396,6 +2396,7 @@ fn past_what_its_log_holds_a_quorum_queues_delayed_publishes_wait_on_the_taking_
     const IN_LOG: usize = 16_384;
     let mut args = quorum_args();
     args.insert("x-delivery-delay", FieldValue::I64(60_000));
+    args.insert("x-message-deduplication", FieldValue::Bool(true));
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
@@ -2415,6 +2416,16 @@ fn past_what_its_log_holds_a_quorum_queues_delayed_publishes_wait_on_the_taking_
         c.broker(leader).delayed_counts().0,
         10,
         "the rest on the leader's disk"
+    );
+    // Those are judged by the node's own window, as they wait on its disk.
+    for n in [1_000_000, 1_000_001] {
+        c.publish_message(leader, n, keyed_message(n, "late-1"));
+    }
+    c.run(5);
+    assert_eq!(
+        c.broker(leader).delayed_counts().0,
+        11,
+        "the key taken once"
     );
 }
 

@@ -1282,7 +1282,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         };
         if let (Some(w), Reply::Ok | Reply::Enqueued { .. }) = (dedup, reply) {
             let number = self.dedup_next;
-            self.dedup_next += 1;
+            self.dedup_next = number.wrapping_add(1);
             let until = self.now_ms.saturating_add(w.ttl_ms);
             self.dedup.insert(w.key, (until, number));
             self.dedup_order.push_back((w.key, number));
@@ -1313,6 +1313,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         if self.dedup.is_empty() {
             self.dedup_order.clear();
             self.dedup_next = 0;
+        } else if self.dedup_order.len() > 2 * self.dedup.len() + 64 {
+            // Keys taken again leave their earlier places behind, gone only once they reach
+            // the front: a long-lived key there would let them pile up (every member keeps
+            // them, every snapshot carries them).
+            let keys = &self.dedup;
+            self.dedup_order
+                .retain(|(key, number)| keys.get(key).is_some_and(|(_, n)| n == number));
         }
     }
 
@@ -2930,6 +2937,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// Keys in the deduplication window ([`DedupWindow`]).
     pub fn dedup_keys(&self) -> usize {
         self.dedup.len()
+    }
+
+    /// Entries of the deduplication window's insertion order (live keys, and the earlier
+    /// places of keys taken again): with [`Self::dedup_keys`], what a snapshot writes of it.
+    pub fn dedup_order_len(&self) -> usize {
+        self.dedup_order.len()
     }
 
     /// Publishes held back until they are due ([`Command::EnqueueWith`]), and their bytes.
@@ -4824,6 +4837,27 @@ mod tests {
         f.now = 1_000;
         assert_eq!(f.run(keyed(6, 1, 10, "g")), Reply::Refused(Refusal::Full));
         assert_eq!(f.m.dedup_keys(), 0);
+    }
+
+    #[test]
+    fn a_key_taken_again_and_again_behind_a_long_lived_one_leaves_no_trail() {
+        let mut d = Driver::new();
+        d.run(keyed(1, 1_000_000, 10, "stays"));
+        for n in 0..1_000u64 {
+            d.now = n;
+            // Each takes key 2 again (its window is a millisecond).
+            assert!(matches!(
+                d.run(keyed(2, 1, 10, "again")),
+                Reply::Enqueued { .. }
+            ));
+        }
+        assert_eq!(d.m.dedup_keys(), 2);
+        assert!(
+            d.m.dedup_order_len() <= 2 * 2 + 64 + 1,
+            "{}",
+            d.m.dedup_order_len()
+        );
+        assert_eq!(d.run(keyed(1, 1_000_000, 10, "stays")), Reply::Duplicate);
     }
 
     #[test]

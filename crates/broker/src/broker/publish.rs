@@ -339,7 +339,10 @@ impl Broker {
                 let Some(q) = queues.get_mut(id) else {
                     return true;
                 };
-                let replicated = q.replica.is_some();
+                // A delayed copy the queue's log cannot hold waits on this node's disk (below),
+                // and is judged here as before.
+                let in_machine =
+                    q.replica.is_some() && !(q.args.delivery_delay_ms.is_some() && held_full(q));
                 let Some(d) = q.dedup.as_deref_mut() else {
                     return true;
                 };
@@ -348,7 +351,7 @@ impl Broker {
                         .ok()
                         .flatten()
                 });
-                if in_log && replicated {
+                if in_log && in_machine {
                     if let Some(w) = d.window(headers.as_ref(), &message.properties) {
                         windows.push((*id, w));
                     }
@@ -612,12 +615,6 @@ impl Broker {
                 self.refused(*id, kind, &message, releasing);
                 rejected += 1;
                 continue;
-            }
-            if window.is_some() && reply == Reply::Duplicate {
-                // Its machine's window had the key (seen here, on the node that leads).
-                if let Some(d) = self.queues.get_mut(id).and_then(|q| q.dedup.as_deref_mut()) {
-                    d.count_dropped();
-                }
             }
             let took_it =
                 matches!(reply, Reply::Enqueued { .. }) || (delay.is_some() && reply == Reply::Ok);

@@ -227,7 +227,9 @@ impl DecodedSnapshot {
 fn snapshot_estimate(m: &QueueMachine<Message>) -> u64 {
     let (held, held_bytes) = m.held_count();
     let count = (m.ready_count() + m.in_flight_count() + held) as u64;
-    m.ready_bytes() + m.in_flight_bytes() + held_bytes + 64 * count
+    // A deduplication key takes 49 bytes, a place in its order 41.
+    let window = (m.dedup_keys() * 49 + m.dedup_order_len() * 41) as u64;
+    m.ready_bytes() + m.in_flight_bytes() + held_bytes + 64 * count + window
 }
 
 fn too_large(queue: &dyn std::fmt::Display, vhost: &dyn std::fmt::Display, bytes: u64, max: usize) {

@@ -84,6 +84,8 @@ impl Broker {
         // A replicated queue's commands are in its group's log, and its machine also moves by
         // committed entries and falls back when deposed: the debug record would not replay.
         let logged = (self.recording.is_some() && q.replica.is_none()).then(|| command.clone());
+        // A publish its machine's deduplication window judges (a replicated queue's).
+        let keyed = matches!(command, Command::EnqueueWith { dedup: Some(_), .. });
         let counted = match &command {
             Command::Enqueue { .. } | Command::EnqueueFrom { .. } | Command::EnqueueWith { .. } => {
                 Counted::Enqueue
@@ -99,6 +101,13 @@ impl Broker {
         };
         self.effects.clear();
         let reply = q.machine.apply(meta, command, &mut self.effects);
+        if keyed && reply == Reply::Duplicate {
+            // Dropped by the window, on the node that leads (its own clients' publishes and
+            // those sent on to it).
+            if let Some(d) = q.dedup.as_deref_mut() {
+                d.count_dropped();
+            }
+        }
         let machine = &q.machine;
         q.stats
             .observe((counted, &reply), &self.effects, self.now_ms, || {
