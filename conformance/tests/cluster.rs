@@ -112,6 +112,34 @@ fn wait_for_feature_level(c: &TestCluster, n: u64) {
     }
 }
 
+/// Declares the durable quorum queue `q` on node 1 with `extra` arguments, once every node is
+/// at this version's feature level.
+async fn declare_quorum_with(c: &TestCluster, q: &str, extra: &[(&str, lapin::types::AMQPValue)]) {
+    for n in 1..=3 {
+        wait_for_feature_level(c, n);
+    }
+    let (_conn, declarer) = channel(c, 1).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    for (k, v) in extra {
+        args.insert((*k).into(), v.clone());
+    }
+    declarer
+        .queue_declare(
+            q.into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare");
+}
+
 /// Publishes `bodies` with confirms on `ch`: every one must be acked.
 async fn publish_confirmed(ch: &Channel, q: &str, bodies: impl Iterator<Item = String>) {
     ch.confirm_select(ConfirmSelectOptions::default())
@@ -1426,31 +1454,13 @@ async fn a_cluster_over_tls_links_replicates_and_fails_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delayed_messages_held_on_a_follower_reach_the_quorum_queue_once_and_leave_no_guard() {
     let c = TestCluster::start(3, 20);
-    for n in 1..=3 {
-        wait_for_feature_level(&c, n);
-    }
     let q = unique("later");
-    let (_c1, declarer) = channel(&c, 1).await;
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        lapin::types::AMQPValue::LongString("quorum".into()),
-    );
-    args.insert(
-        "x-delivery-delay".into(),
-        lapin::types::AMQPValue::LongInt(300),
-    );
-    declarer
-        .queue_declare(
-            q.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .expect("declare");
+    declare_quorum_with(
+        &c,
+        &q,
+        &[("x-delivery-delay", lapin::types::AMQPValue::LongInt(300))],
+    )
+    .await;
     let leader = c.leader_of(&q, 1);
     let follower = leader % 3 + 1;
     let (_cf, publisher) = channel(&c, follower).await;
@@ -1488,31 +1498,13 @@ async fn delayed_messages_held_on_a_follower_reach_the_quorum_queue_once_and_lea
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_publish_is_released_on_time_after_the_node_that_took_it_dies() {
     let mut c = TestCluster::start(3, 20);
-    for n in 1..=3 {
-        wait_for_feature_level(&c, n);
-    }
     let q = unique("held");
-    let (_c1, declarer) = channel(&c, 1).await;
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        lapin::types::AMQPValue::LongString("quorum".into()),
-    );
-    args.insert(
-        "x-delivery-delay".into(),
-        lapin::types::AMQPValue::LongInt(1500),
-    );
-    declarer
-        .queue_declare(
-            q.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .expect("declare");
+    declare_quorum_with(
+        &c,
+        &q,
+        &[("x-delivery-delay", lapin::types::AMQPValue::LongInt(1500))],
+    )
+    .await;
     // Its leader takes the publishes: its death is a failover as well.
     let taker = c.leader_of(&q, 1);
     let other = taker % 3 + 1;
@@ -1549,31 +1541,16 @@ async fn a_held_publish_is_released_on_time_after_the_node_that_took_it_dies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quorum_queues_deduplication_key_holds_through_every_node_and_a_failover() {
     let mut c = TestCluster::start(3, 20);
-    for n in 1..=3 {
-        wait_for_feature_level(&c, n);
-    }
     let q = unique("once");
-    let (_c1, declarer) = channel(&c, 1).await;
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        lapin::types::AMQPValue::LongString("quorum".into()),
-    );
-    args.insert(
-        "x-message-deduplication".into(),
-        lapin::types::AMQPValue::Boolean(true),
-    );
-    declarer
-        .queue_declare(
-            q.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await
-        .expect("declare");
+    declare_quorum_with(
+        &c,
+        &q,
+        &[(
+            "x-message-deduplication",
+            lapin::types::AMQPValue::Boolean(true),
+        )],
+    )
+    .await;
     let keyed = |key: &str| {
         let mut headers = FieldTable::default();
         headers.insert(

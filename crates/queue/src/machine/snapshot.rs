@@ -1151,26 +1151,27 @@ mod tests {
                 ..MsgMeta::default()
             },
         };
+        let keyed = |b: u8, ttl_ms, body| Command::EnqueueWith {
+            delay_ms: 0,
+            from: None,
+            dedup: Some(Box::new(super::super::DedupWindow {
+                key: DedupKey {
+                    len: 3,
+                    bytes: [b; 32],
+                },
+                ttl_ms,
+                max_keys: 10,
+            })),
+            message: message(body),
+            meta: MsgMeta::default(),
+        };
         r.apply(held(4_800, None, b"x"));
         r.apply(held(
             3_800,
             Some((EnqueuerId(crate::qualify(3, 9).unwrap_or(0)), 1)),
             b"y",
         ));
-        r.apply(Command::EnqueueWith {
-            delay_ms: 0,
-            from: None,
-            dedup: Some(Box::new(super::super::DedupWindow {
-                key: DedupKey {
-                    len: 3,
-                    bytes: [9; 32],
-                },
-                ttl_ms: 60_000,
-                max_keys: 10,
-            })),
-            message: message(b"z"),
-            meta: MsgMeta::default(),
-        });
+        r.apply(keyed(9, 60_000, b"z"));
         assert_eq!((r.m.held_count(), r.m.dedup_keys()), ((2, 2), 1));
         let bytes = snapshot_of(&r.m);
         assert_eq!(bytes.first(), Some(&3));
@@ -1188,20 +1189,7 @@ mod tests {
             "the key is kept a minute"
         );
         r.now = 70_000;
-        r.apply(Command::EnqueueWith {
-            delay_ms: 0,
-            from: None,
-            dedup: Some(Box::new(super::super::DedupWindow {
-                key: DedupKey {
-                    len: 3,
-                    bytes: [8; 32],
-                },
-                ttl_ms: 0,
-                max_keys: 10,
-            })),
-            message: message(b"w"),
-            meta: MsgMeta::default(),
-        });
+        r.apply(keyed(8, 0, b"w"));
         assert_eq!(r.m.dedup_keys(), 0);
         assert_eq!(snapshot_of(&r.m).first(), Some(&1));
     }
