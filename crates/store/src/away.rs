@@ -13,9 +13,8 @@
 //! memory, checks it when read. A segment is deleted once it is full and every record in it was
 //! released.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,10 +35,26 @@ const SEGMENT_MASK: u32 = (1 << 20) - 1;
 
 struct Segment {
     file: Arc<File>,
-    /// Records written and not released.
+    /// Records written and not released (and those being written).
     live: u64,
     /// No more records go to it: deleted once `live` is 0.
     closed: bool,
+    /// Where the writes still under way start (each wrote its place's length in advance), and
+    /// where the space given out ends: a read ahead stops before the first write under way
+    /// past what it asks for, so it never keeps bytes not written yet.
+    writing: BTreeSet<u64>,
+    end: u64,
+}
+
+impl Segment {
+    /// How far a read of the record at `offset` may read ahead.
+    fn readable_end(&self, offset: u64) -> u64 {
+        self.writing
+            .range(offset.saturating_add(1)..)
+            .next()
+            .copied()
+            .unwrap_or(self.end)
+    }
 }
 
 struct Files {
@@ -126,11 +141,13 @@ impl AwayFiles {
         }
         let segment = files.next;
         files.next = (files.next + 1) & SEGMENT_MASK;
+        // Written at the places given out (`write_at`), not appended: several writes may be
+        // under way at once, outside the lock.
         let file = Arc::new(
             std::fs::OpenOptions::new()
                 .create_new(true)
                 .read(true)
-                .append(true)
+                .write(true)
                 .open(self.path(segment))?,
         );
         files.segments.insert(
@@ -139,6 +156,8 @@ impl AwayFiles {
                 file: file.clone(),
                 live: 0,
                 closed: false,
+                writing: BTreeSet::new(),
+                end: 0,
             },
         );
         files.current = Some((segment, 0));
@@ -165,14 +184,15 @@ thread_local! {
     static AHEAD: std::cell::RefCell<Option<Ahead>> = const { std::cell::RefCell::new(None) };
 }
 
-/// The record at `offset` (without its length).
-fn read_record(file: &Arc<File>, offset: u64) -> std::io::Result<Vec<u8>> {
+/// The record at `offset` (without its length), reading ahead no further than `limit`.
+fn read_record(file: &Arc<File>, offset: u64, limit: u64) -> std::io::Result<Vec<u8>> {
     AHEAD.with(|ahead| {
         let mut ahead = ahead.borrow_mut();
         if let Some(record) = ahead.as_ref().and_then(|a| cached(a, file, offset)) {
             return Ok(record);
         }
-        let mut data = vec![0u8; READ_AHEAD];
+        let span = limit.saturating_sub(offset).min(READ_AHEAD as u64);
+        let mut data = vec![0u8; usize::try_from(span).unwrap_or(READ_AHEAD)];
         let mut got = 0;
         while got < data.len() {
             match file.read_at(&mut data[got..], offset + got as u64) {
@@ -240,23 +260,40 @@ impl AwayStore for AwayFiles {
             buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
             offsets.push(at as u64);
         }
+        let len = buf.len() as u64;
+        let n = items.len() as u64;
         let mut files = self.lock()?;
-        let (segment, at, file) = self
-            .place(&mut files, buf.len() as u64)
-            .map_err(|e| e.to_string())?;
-        // Appended (the file is opened for appends) where `place` said: only this lock's
-        // holder writes. A write that failed part way leaves the file's end where no key
-        // points: the segment is closed, and the next write opens another.
-        if let Err(error) = (&*file).write_all(&buf) {
-            files.current = None;
+        let (segment, at, file) = self.place(&mut files, len).map_err(|e| e.to_string())?;
+        // The place is this write's from here on: the lock is not held through the write (up
+        // to 16 MiB, while a snapshot's contents go out on another thread), so that reads and
+        // releases of the broker's thread do not wait behind it. Its records count as live
+        // meanwhile, so the segment stays.
+        files.current = Some((segment, at + len));
+        if let Some(s) = files.segments.get_mut(&segment) {
+            s.live += n;
+            s.writing.insert(at);
+            s.end = s.end.max(at + len);
+        }
+        drop(files);
+        let written = file.write_all_at(&buf, at);
+        let mut files = self.lock()?;
+        if let Some(s) = files.segments.get_mut(&segment) {
+            s.writing.remove(&at);
+        }
+        if let Err(error) = written {
+            // What failed part way is a hole no key points to; the segment takes no more,
+            // and goes once what else it holds is released.
+            if let Some(s) = files.segments.get_mut(&segment) {
+                s.live = s.live.saturating_sub(n);
+            }
+            if files.current.is_some_and(|(current, _)| current == segment) {
+                files.current = None;
+            }
             self.close(&mut files, segment);
             return Err(error.to_string());
         }
-        files.current = Some((segment, at + buf.len() as u64));
-        if let Some(s) = files.segments.get_mut(&segment) {
-            s.live += items.len() as u64;
-        }
-        self.live.fetch_add(items.len() as u64, Ordering::Relaxed);
+        drop(files);
+        self.live.fetch_add(n, Ordering::Relaxed);
         Ok(offsets
             .into_iter()
             .map(|o| key_of(segment, at + o))
@@ -265,11 +302,11 @@ impl AwayStore for AwayFiles {
 
     fn get(&self, key: u64) -> Result<Option<Message>, String> {
         let (segment, offset) = split(key);
-        let file = match self.lock()?.segments.get(&segment) {
-            Some(s) => s.file.clone(),
+        let (file, limit) = match self.lock()?.segments.get(&segment) {
+            Some(s) => (s.file.clone(), s.readable_end(offset)),
             None => return Ok(None),
         };
-        let value = read_record(&file, offset).map_err(|e| e.to_string())?;
+        let value = read_record(&file, offset, limit).map_err(|e| e.to_string())?;
         codec::decode_body(key, value)
             .map(|(m, _)| Some(m))
             .map_err(|e| e.to_string())
@@ -302,5 +339,52 @@ impl AwayStore for AwayFiles {
 
     fn held(&self) -> u64 {
         self.live.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(body: &[u8]) -> Vec<u8> {
+        let mut r = (body.len() as u32).to_be_bytes().to_vec();
+        r.extend_from_slice(body);
+        r
+    }
+
+    #[test]
+    fn a_read_ahead_stops_before_a_write_under_way() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("segment");
+        let file = Arc::new(
+            std::fs::OpenOptions::new()
+                .create_new(true)
+                .read(true)
+                .write(true)
+                .open(&path)
+                .expect("open"),
+        );
+        let (a, b, c) = (record(b"first"), record(b"second"), record(b"third"));
+        // `b`'s place is given out but not written yet; `c`, after it, is written already.
+        let (at_b, at_c) = (a.len() as u64, (a.len() + b.len()) as u64);
+        file.write_all_at(&a, 0).expect("write a");
+        file.write_all_at(&c, at_c).expect("write c");
+        let segment = Segment {
+            file: file.clone(),
+            live: 3,
+            closed: false,
+            writing: BTreeSet::from([at_b]),
+            end: at_c + c.len() as u64,
+        };
+        assert_eq!(segment.readable_end(0), at_b);
+        assert_eq!(segment.readable_end(at_b), segment.end);
+        assert_eq!(
+            read_record(&file, 0, segment.readable_end(0)).expect("a"),
+            b"first"
+        );
+        // Written now: read back as written, not as the zeros its place held when `a` was read.
+        file.write_all_at(&b, at_b).expect("write b");
+        assert_eq!(read_record(&file, at_b, segment.end).expect("b"), b"second");
+        assert_eq!(read_record(&file, at_c, segment.end).expect("c"), b"third");
     }
 }

@@ -1456,3 +1456,51 @@ fn contents_away_are_read_back_and_their_segment_deleted_once_released_and_gone_
     assert_eq!(segments(), 0, "a new start begins empty");
     assert_eq!(away.get(kept).expect("get"), None);
 }
+
+#[test]
+fn contents_written_by_threads_at_once_read_back_whole_while_writes_are_under_way() {
+    // Writes run outside the segments' lock, several at once: a read ahead must stop before a
+    // place given out and not written yet, or it would keep its zeros and serve them later as
+    // a record.
+    use std::sync::mpsc;
+    use warren_broker::AwayStore;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let away = std::sync::Arc::new(crate::AwayFiles::open(&dir.path().join("away")).expect("open"));
+    let (tx, rx) = mpsc::channel::<(u64, String)>();
+    let writers: Vec<_> = (0..2)
+        .map(|w| {
+            let (away, tx) = (away.clone(), tx.clone());
+            std::thread::spawn(move || {
+                for batch in 0..200 {
+                    // Batches of different sizes, some large enough to take a while.
+                    let bodies: Vec<String> = (0..1 + (batch * 7 + w * 13) % 90)
+                        .map(|i| format!("w{w}-b{batch}-m{i}-{}", "x".repeat((i * 37) % 700)))
+                        .collect();
+                    let messages: Vec<Message> = bodies
+                        .iter()
+                        .map(|b| Message {
+                            body: bytes::Bytes::from(b.clone()),
+                            ..msg("", true)
+                        })
+                        .collect();
+                    let refs: Vec<&Message> = messages.iter().collect();
+                    let keys = away.put(&refs).expect("put");
+                    for (k, b) in keys.into_iter().zip(bodies) {
+                        tx.send((k, b)).expect("send");
+                    }
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    let mut read = 0;
+    for (key, body) in rx {
+        let got = away.get(key).expect("get").expect("there");
+        assert_eq!(got.body, bytes::Bytes::from(body));
+        read += 1;
+    }
+    for w in writers {
+        w.join().expect("writer");
+    }
+    assert!(read > 5_000, "{read} read");
+}
