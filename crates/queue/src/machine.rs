@@ -1335,10 +1335,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// release into a full queue is; `reject-publish-dlx` dead-letters it.
     fn held_due(&mut self, effects: &mut Vec<Effect<M>>) {
         while let Some(entry) = self.held.first_entry() {
-            if entry.key().0 > self.now_ms {
+            let due = entry.key().0;
+            if due > self.now_ms {
                 break;
             }
-            let (message, meta) = entry.remove();
+            let (message, mut meta) = entry.remove();
             self.held_bytes = self.held_bytes.saturating_sub(meta.size);
             if !self.rejects(meta.size) {
                 self.enqueue_new(message, meta, effects);
@@ -1354,7 +1355,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                     reason: DeadLetterReason::MaxLen,
                 });
             } else {
-                self.hold(self.now_ms.saturating_add(HELD_BACK_MS), message, meta);
+                // Its time to live counts from when the queue takes it, as a classic queue's
+                // delayed release recomputes it: moved as far as its due time.
+                let again = self.now_ms.saturating_add(HELD_BACK_MS);
+                meta.expires_at = meta
+                    .expires_at
+                    .map(|at| at.saturating_add(again.saturating_sub(due)));
+                self.hold(again, message, meta);
             }
         }
         if self.held.is_empty() {
@@ -4869,7 +4876,12 @@ mod tests {
                 ..Policy::default()
             });
             d.enqueue("a", 1, None);
-            assert_eq!(d.run(held(10, None, "b")), Reply::Ok);
+            // Due at 10, with a time to live of 500 from then.
+            let mut b = held(10, None, "b");
+            if let Command::EnqueueWith { meta, .. } = &mut b {
+                meta.expires_at = Some(510);
+            }
+            assert_eq!(d.run(b), Reply::Ok);
             d.now = 10;
             d.run(Command::Tick);
             d
@@ -4881,6 +4893,10 @@ mod tests {
         d.now = 10 + HELD_BACK_MS;
         d.run(Command::Tick);
         assert_eq!((d.m.ready_count(), d.m.held_count()), (1, (0, 0)));
+        // Taken a second late, it still has its 500 ms to live from then.
+        d.now = 10 + HELD_BACK_MS + 499;
+        d.run(Command::Tick);
+        assert_eq!(d.m.ready_count(), 1, "expired by its first due time");
         let d = full(Overflow::RejectPublishDlx);
         assert_eq!((d.m.ready_count(), d.m.held_count()), (1, (0, 0)));
         assert!(matches!(
