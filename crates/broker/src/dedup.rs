@@ -298,12 +298,10 @@ impl Dedup {
                 return Verdict::Duplicate { batch };
             }
         }
-        let ttl_ms = headers
-            .and_then(|h| h.get("x-cache-ttl"))
-            .and_then(FieldValue::as_i64)
-            .and_then(|n| u64::try_from(n).ok())
-            .map(|n| n.min(MAX_TTL_MS));
-        Verdict::New(Pending { key, ttl_ms })
+        Verdict::New(Pending {
+            key,
+            ttl_ms: own_ttl(headers),
+        })
     }
 
     /// The window a replicated queue's machine keeps for this message
@@ -319,11 +317,7 @@ impl Dedup {
             return None;
         }
         let key = key(headers, &self.spec.header, properties)?;
-        let ttl_ms = headers
-            .and_then(|h| h.get("x-cache-ttl"))
-            .and_then(FieldValue::as_i64)
-            .and_then(|n| u64::try_from(n).ok())
-            .map_or(self.spec.ttl_ms, |n| n.min(MAX_TTL_MS));
+        let ttl_ms = own_ttl(headers).unwrap_or(self.spec.ttl_ms);
         Some(warren_queue::machine::DedupWindow {
             key: warren_queue::machine::DedupKey {
                 len: key.tag,
@@ -393,6 +387,15 @@ impl Dedup {
             dropped: self.dropped,
         }
     }
+}
+
+/// A message's own window for its key (its `x-cache-ttl` header, up to [`MAX_TTL_MS`]).
+fn own_ttl(headers: Option<&FieldTable>) -> Option<u64> {
+    headers
+        .and_then(|h| h.get("x-cache-ttl"))
+        .and_then(FieldValue::as_i64)
+        .and_then(|n| u64::try_from(n).ok())
+        .map(|n| n.min(MAX_TTL_MS))
 }
 
 /// A message's deduplication key: the named header's value (a string's bytes, a number's

@@ -1043,7 +1043,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 seq,
                 message,
                 meta,
-            } => self.enqueue_from(enqueuer, seq, (message, meta), (None, None), effects),
+            } => self.enqueue_from(enqueuer, seq, (message, meta), (0, None), effects),
             Command::EnqueueWith {
                 delay_ms,
                 from,
@@ -1051,7 +1051,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 message,
                 meta,
             } => {
-                let with = (Some(delay_ms), dedup.map(|w| *w));
+                let with = (delay_ms, dedup.map(|w| *w));
                 match from {
                     Some((enqueuer, seq)) => {
                         self.enqueue_from(enqueuer, seq, (message, meta), with, effects)
@@ -1259,7 +1259,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         &mut self,
         message: M,
         meta: MsgMeta,
-        (delay_ms, dedup): (Option<u64>, Option<DedupWindow>),
+        (delay_ms, dedup): (u64, Option<DedupWindow>),
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
         if let Some(w) = dedup {
@@ -1273,12 +1273,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 return Reply::Duplicate;
             }
         }
-        let reply = match delay_ms.filter(|d| *d > 0) {
-            Some(delay) => {
-                self.hold(self.now_ms.saturating_add(delay), message, meta);
-                Reply::Ok
-            }
-            None => self.enqueue_new(message, meta, effects),
+        let reply = if delay_ms > 0 {
+            self.hold(self.now_ms.saturating_add(delay_ms), message, meta);
+            Reply::Ok
+        } else {
+            self.enqueue_new(message, meta, effects)
         };
         if let (Some(w), Reply::Ok | Reply::Enqueued { .. }) = (dedup, reply) {
             let number = self.dedup_next;
@@ -1391,7 +1390,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         enqueuer: EnqueuerId,
         seq: u64,
         (message, meta): (M, MsgMeta),
-        with: (Option<u64>, Option<DedupWindow>),
+        with: (u64, Option<DedupWindow>),
         effects: &mut Vec<Effect<M>>,
     ) -> Reply {
         if let Some(reply) = self.decided(enqueuer, seq) {

@@ -328,11 +328,13 @@ impl Broker {
         // Replicated queues judge in their machine, whichever node takes the publish and
         // across a failover, once every node can read such an entry.
         let mut windows: Vec<(QueueId, warren_queue::machine::DedupWindow)> = Vec::new();
-        if self.dedup_queues > 0 && !released && death.is_none() {
-            let (now, disk) = (self.now_ms, self.disk);
-            let in_log = self
+        // Whether every node reads a publish held or judged in a queue's log.
+        let in_log = (self.dedup_queues > 0 || self.delaying_queues > 0)
+            && self
                 .cluster_feature_level()
                 .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
+        if self.dedup_queues > 0 && !released && death.is_none() {
+            let (now, disk) = (self.now_ms, self.disk);
             let queues = &mut self.queues;
             let mut headers = None;
             targets.retain(|id| {
@@ -384,9 +386,6 @@ impl Broker {
             let headers = warren_codec::properties::headers(&message.properties);
             let own = delayed::header_delay(headers.ok().flatten().as_ref());
             let refusing = self.refusing_queues > 0;
-            let in_log = self
-                .cluster_feature_level()
-                .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
             targets.retain(|id| {
                 let Some(q) = self.queues.get(id) else {
                     return true;
