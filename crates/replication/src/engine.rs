@@ -13,7 +13,7 @@ use raft::eraftpb::{ConfState, Entry, HardState};
 use raft_engine::{Config, Engine, LogBatch, MessageExt, ReadableSize};
 
 use crate::snapshots::{Members, SnapshotFiles, StoredSnapshot};
-use crate::wal::{DurableGroup, LogError, LogStore};
+use crate::wal::{DurableGroup, LogError, LogStore, Unloaded};
 use crate::GroupId;
 
 /// The key of a group's hard state among its key-value records.
@@ -195,22 +195,57 @@ impl EngineLog {
         ids
     }
 
-    /// What the log holds for `group`: its entries from the first kept one, and its hard state.
+    /// What the log holds for `group`: its hard state, its snapshot, and its entries from the
+    /// first kept one, of which only those after the commit index (or the snapshot's, if
+    /// later) are read: the others are final, and stay on disk ([`DurableGroup::unloaded`]).
     pub fn durable(&self, group: GroupId) -> Result<DurableGroup, LogError> {
-        let mut entries = Vec::new();
-        if let (Some(first), Some(last)) = (
-            self.engine.first_index(group.0),
-            self.engine.last_index(group.0),
-        ) {
-            self.engine
-                .fetch_entries_to::<Entries>(group.0, first, last + 1, None, &mut entries)
-                .map_err(engine_error)?;
-        }
         let hard_state = self
             .engine
             .get_message::<HardState>(group.0, HARD_STATE)
             .map_err(engine_error)?
             .unwrap_or_default();
+        let snapshot = self.snapshots.read(group)?;
+        let commit = hard_state
+            .commit
+            .max(snapshot.as_ref().map_or(0, |s| s.meta.index));
+        let mut entries = Vec::new();
+        let mut unloaded = None;
+        if let (Some(first), Some(last)) = (
+            self.engine.first_index(group.0),
+            self.engine.last_index(group.0),
+        ) {
+            let load_from = commit.saturating_add(1).clamp(first, last + 1);
+            if load_from > first {
+                let term_of = |index: u64| -> Result<u64, LogError> {
+                    self.engine
+                        .get_entry::<Entries>(group.0, index)
+                        .map_err(engine_error)?
+                        .map(|e| e.term)
+                        .ok_or_else(|| {
+                            LogError::Corrupt(format!(
+                                "entry {index} of group {} missing from its log",
+                                group.0
+                            ))
+                        })
+                };
+                let last_unloaded = load_from - 1;
+                let term_at_snapshot = match snapshot.as_ref().map(|s| s.meta.index) {
+                    Some(i) if (first..=last_unloaded).contains(&i) => Some(term_of(i)?),
+                    _ => None,
+                };
+                unloaded = Some(Unloaded {
+                    first,
+                    last: last_unloaded,
+                    last_term: term_of(last_unloaded)?,
+                    term_at_snapshot,
+                });
+            }
+            if load_from <= last {
+                self.engine
+                    .fetch_entries_to::<Entries>(group.0, load_from, last + 1, None, &mut entries)
+                    .map_err(engine_error)?;
+            }
+        }
         let members = self
             .engine
             .get_message::<ConfState>(group.0, MEMBERS)
@@ -218,8 +253,9 @@ impl EngineLog {
             .map(|cs| Members::from_conf_state(&cs));
         Ok(DurableGroup {
             entries,
+            unloaded,
             hard_state,
-            snapshot: self.snapshots.read(group)?,
+            snapshot,
             members,
         })
     }
@@ -361,14 +397,87 @@ mod tests {
         let log = EngineLog::open(dir.path()).unwrap();
         assert_eq!(log.groups(), vec![GroupId(1), GroupId(2), GroupId(3)]);
         let g1 = log.durable(GroupId(1)).unwrap();
+        // Up to the commit index (3) the entries stay on disk, read back when needed.
         assert_eq!(
-            summary(&g1),
+            g1.unloaded,
+            Some(Unloaded {
+                first: 1,
+                last: 3,
+                last_term: 1,
+                term_at_snapshot: None
+            })
+        );
+        let cold = crate::storage::ColdLog::entries(&*log.cold(), 1, 1, 4, None).unwrap();
+        let read_back: Vec<(u64, u64, Vec<u8>)> = cold
+            .iter()
+            .map(|e| (e.index, e.term, e.data.to_vec()))
+            .chain(summary(&g1))
+            .collect();
+        assert_eq!(
+            read_back,
             (1..=4)
                 .map(|i| (i, 1, vec![1, i as u8]))
                 .collect::<Vec<_>>()
         );
+        assert_eq!(summary(&g1), vec![(4, 1, vec![1, 4])]);
         assert_eq!(g1.hard_state, hard_state(1, 1, 3));
         assert_eq!(log.durable(GroupId(3)).unwrap().hard_state.vote, 3);
+    }
+
+    #[test]
+    fn committed_entries_stay_on_disk_and_still_tell_whether_the_log_follows_the_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = EngineLog::open(dir.path()).unwrap();
+        let entries: Vec<Entry> = (1..=20).map(|i| entry(i, 1, b"x")).collect();
+        log.append(GroupId(2), &entries, Some(&hard_state(1, 0, 15)))
+            .unwrap();
+        log.flush(true).unwrap();
+        let snap = |index, term| StoredSnapshot {
+            meta: crate::SnapshotMeta { index, term },
+            data: bytes::Bytes::from_static(b"state"),
+            members: None,
+        };
+        log.save_snapshot(GroupId(2), &snap(10, 1)).unwrap();
+        let mut g = log.durable(GroupId(2)).unwrap();
+        assert_eq!(
+            g.unloaded,
+            Some(Unloaded {
+                first: 1,
+                last: 15,
+                last_term: 1,
+                term_at_snapshot: Some(1)
+            })
+        );
+        assert_eq!(
+            g.entries.iter().map(|e| e.index).collect::<Vec<_>>(),
+            (16..=20).collect::<Vec<_>>()
+        );
+        assert!(!g.fit_to_snapshot(), "the log follows its snapshot");
+        assert!(g.unloaded.is_some());
+
+        // A snapshot past the commit index: the entries up to it are final too.
+        log.save_snapshot(GroupId(2), &snap(18, 1)).unwrap();
+        let g = log.durable(GroupId(2)).unwrap();
+        assert_eq!(
+            g.unloaded.map(|u| (u.last, u.term_at_snapshot)),
+            Some((18, Some(1)))
+        );
+        assert_eq!(g.entries.len(), 2);
+
+        // A log that diverged from the snapshot (another term at its index), or stops short
+        // of it, does not follow it: dropped whole, the unloaded part with it.
+        log.save_snapshot(GroupId(2), &snap(12, 2)).unwrap();
+        let mut g = log.durable(GroupId(2)).unwrap();
+        assert!(g.fit_to_snapshot());
+        assert!(g.entries.is_empty() && g.unloaded.is_none());
+        log.save_snapshot(GroupId(2), &snap(30, 2)).unwrap();
+        let mut g = log.durable(GroupId(2)).unwrap();
+        assert_eq!(
+            g.unloaded.map(|u| (u.last, u.term_at_snapshot)),
+            Some((20, None))
+        );
+        assert!(g.fit_to_snapshot());
+        assert!(g.entries.is_empty() && g.unloaded.is_none());
     }
 
     #[test]

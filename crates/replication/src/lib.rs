@@ -22,7 +22,7 @@ pub use snapshots::{
     Fetch, MemSnapshots, Members, SnapshotFiles, SnapshotMeta, SnapshotReader, SnapshotSource,
     StoredSnapshot,
 };
-pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog};
+pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog, Unloaded};
 
 /// A node of the cluster; also its Raft peer id in every group (never 0).
 pub type NodeId = u64;

@@ -657,7 +657,13 @@ impl MultiRaft {
         durable.fit_to_snapshot();
         let members = durable.start_members(&self.cfg.nodes);
         let meta = durable.snapshot.as_ref().map(|s| s.meta);
-        let log = GroupLog::restore(&members, durable.entries, durable.hard_state, meta);
+        let log = GroupLog::restore(
+            &members,
+            durable.entries,
+            durable.unloaded,
+            durable.hard_state,
+            meta,
+        );
         self.insert_group(id, log, false, meta.map_or(0, |m| m.index))?;
         if durable.members.is_none()
             && durable

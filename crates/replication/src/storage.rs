@@ -72,10 +72,13 @@ impl GroupLog {
 
     /// A log rebuilt from what the node-wide log held for the group after a restart: its
     /// entries (from the first kept, fitted to the snapshot: [`crate::DurableGroup::fit_to_snapshot`]),
-    /// hard state and latest snapshot.
+    /// hard state and latest snapshot. Entries left in the durable log (`unloaded`) are
+    /// read back from the [`ColdLog`] given with [`GroupLog::set_cold`], as if they had left
+    /// memory.
     pub fn restore(
         members: &Members,
         entries: Vec<Entry>,
+        unloaded: Option<crate::Unloaded>,
         mut hard_state: HardState,
         snapshot: Option<SnapshotMeta>,
     ) -> Self {
@@ -83,6 +86,20 @@ impl GroupLog {
         if let Some(s) = snapshot {
             // The snapshot covers committed entries only, whatever commit index was last written.
             hard_state.commit = hard_state.commit.max(s.index);
+        }
+        if let Some(u) = unloaded {
+            let cs = members.to_conf_state();
+            return GroupLog {
+                hard_state,
+                conf_state: cs.clone(),
+                base_conf: cs,
+                entries,
+                compacted_index: u.last,
+                compacted_term: Some(u.last_term),
+                snapshot,
+                floor: u.first,
+                ..GroupLog::default()
+            };
         }
         let first = entries
             .front()

@@ -66,11 +66,30 @@ pub trait LogStore {
 /// and its latest snapshot (the entries before it may be gone).
 #[derive(Debug, Default, Clone)]
 pub struct DurableGroup {
+    /// The entries read into memory: all of them, or those after [`DurableGroup::unloaded`].
     pub entries: Vec<Entry>,
+    /// Entries the log holds before `entries` and that were left there: committed, so final,
+    /// and read back in bounded batches as the group applies them or a follower needs them
+    /// (the group's [`crate::storage::ColdLog`]).
+    pub unloaded: Option<Unloaded>,
     pub hard_state: HardState,
     pub snapshot: Option<StoredSnapshot>,
     /// The members it started with, if recorded ([`LogStore::put_members`]).
     pub members: Option<Members>,
+}
+
+/// The committed entries `first..=last` of a recovered group, left in the durable log: the
+/// term of the last (where the group's log in memory starts), and the term of the entry at
+/// the group's snapshot's index if it is among them (whether the log follows the snapshot).
+///
+/// A deep queue's log since its last snapshot can be as large as that snapshot (hundreds of
+/// MB): read whole at a start, it was that much memory at once before a single entry applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unloaded {
+    pub first: u64,
+    pub last: u64,
+    pub last_term: u64,
+    pub term_at_snapshot: Option<u64>,
 }
 
 impl DurableGroup {
@@ -95,19 +114,61 @@ impl DurableGroup {
         let Some(s) = self.snapshot.as_ref().map(|s| s.meta) else {
             return false;
         };
-        let Some(first) = self.entries.first().map(|e| e.index) else {
+        let Some(first) = self
+            .unloaded
+            .map(|u| u.first)
+            .or(self.entries.first().map(|e| e.index))
+        else {
             return false;
         };
-        let at_snapshot = self
-            .entries
-            .iter()
-            .find(|e| e.index == s.index)
-            .map(|e| e.term);
+        let at_snapshot = match self.unloaded {
+            Some(u) if (u.first..=u.last).contains(&s.index) => u.term_at_snapshot,
+            _ => self
+                .entries
+                .iter()
+                .find(|e| e.index == s.index)
+                .map(|e| e.term),
+        };
         if first == s.index + 1 || at_snapshot == Some(s.term) {
             return false;
         }
         self.entries.clear();
+        self.unloaded = None;
         true
+    }
+
+    /// Leaves the entries up to the commit index (or the snapshot's, if later) out of
+    /// `entries`, as [`crate::EngineLog::durable`] reads them: for a log whose entries are in
+    /// memory whole ([`MemLog`]), so that tests recover groups the way a node does.
+    pub fn unload_committed(&mut self) {
+        let commit = self
+            .hard_state
+            .commit
+            .max(self.snapshot.as_ref().map_or(0, |s| s.meta.index));
+        let n = self
+            .entries
+            .iter()
+            .take_while(|e| e.index <= commit)
+            .count();
+        let (Some(first), Some(last)) = (
+            self.entries.first(),
+            n.checked_sub(1).and_then(|i| self.entries.get(i)),
+        ) else {
+            return;
+        };
+        let snapshot_index = self.snapshot.as_ref().map(|s| s.meta.index);
+        self.unloaded = Some(Unloaded {
+            first: first.index,
+            last: last.index,
+            last_term: last.term,
+            term_at_snapshot: snapshot_index.and_then(|i| {
+                self.entries[..n]
+                    .iter()
+                    .find(|e| e.index == i)
+                    .map(|e| e.term)
+            }),
+        });
+        self.entries.drain(..n);
     }
 }
 
@@ -124,7 +185,8 @@ enum Pending {
 #[derive(Debug, Default)]
 pub struct MemLog {
     pending: Vec<Pending>,
-    pub durable: std::collections::BTreeMap<GroupId, DurableGroup>,
+    /// Shared with the groups that read entries back from it ([`MemLog::cold`]).
+    durable: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<GroupId, DurableGroup>>>,
     /// Saved snapshots, shared with the groups that read them back ([`MemLog::snapshots`]).
     snapshots: crate::snapshots::MemSnapshots,
     pub flushes: u64,
@@ -146,17 +208,67 @@ impl MemLog {
         std::sync::Arc::new(self.snapshots.clone())
     }
 
+    /// What the log holds, by group.
+    pub fn durable(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<GroupId, DurableGroup>> {
+        self.durable.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Where the groups read back entries that left their memory, as from a node's log.
+    pub fn cold(&self) -> std::sync::Arc<dyn crate::storage::ColdLog> {
+        std::sync::Arc::new(MemCold(self.durable.clone()))
+    }
+
     /// Forgets a group (its queue was deleted, or this node left it).
     pub fn remove_group(&mut self, group: GroupId) {
-        self.durable.remove(&group);
+        self.durable().remove(&group);
         self.snapshots.remove(group);
     }
 
     /// What a restart reads back for `group`.
     pub fn recovered(&self, group: GroupId) -> DurableGroup {
-        let mut g = self.durable.get(&group).cloned().unwrap_or_default();
+        let mut g = self.durable().get(&group).cloned().unwrap_or_default();
         g.snapshot = self.snapshots.get(group);
         g
+    }
+}
+
+/// [`MemLog`]'s entries read back as a node's durable log is ([`crate::storage::ColdLog`]).
+#[derive(Debug)]
+struct MemCold(std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<GroupId, DurableGroup>>>);
+
+impl crate::storage::ColdLog for MemCold {
+    fn first_index(&self, group: u64) -> Option<u64> {
+        let durable = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        durable
+            .get(&GroupId(group))?
+            .entries
+            .first()
+            .map(|e| e.index)
+    }
+
+    fn entries(
+        &self,
+        group: u64,
+        low: u64,
+        high: u64,
+        max_size: Option<u64>,
+    ) -> Result<Vec<Entry>, String> {
+        let durable = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let entries = durable
+            .get(&GroupId(group))
+            .map_or(&[][..], |g| &g.entries[..]);
+        let mut out: Vec<Entry> = entries
+            .iter()
+            .filter(|e| (low..high).contains(&e.index))
+            .cloned()
+            .collect();
+        if out.first().map(|e| e.index) != Some(low) {
+            return Err(format!("entry {low} of group {group} is not in the log"));
+        }
+        raft::util::limit_size(&mut out, max_size);
+        Ok(out)
     }
 }
 
@@ -176,10 +288,11 @@ impl LogStore for MemLog {
     }
 
     fn flush(&mut self, must_sync: bool) -> Result<(), LogError> {
+        let mut durable = self.durable.lock().unwrap_or_else(|p| p.into_inner());
         for p in self.pending.drain(..) {
             match p {
                 Pending::Append(group, entries, hs) => {
-                    let g = self.durable.entry(group).or_default();
+                    let g = durable.entry(group).or_default();
                     if let Some(first) = entries.first() {
                         g.entries.retain(|e| e.index < first.index);
                         g.entries.extend(entries);
@@ -189,16 +302,17 @@ impl LogStore for MemLog {
                     }
                 }
                 Pending::Clear(group, hs) => {
-                    let g = self.durable.entry(group).or_default();
+                    let g = durable.entry(group).or_default();
                     g.entries.clear();
                     g.hard_state = hs;
                     g.members = None;
                 }
                 Pending::Members(group, m) => {
-                    self.durable.entry(group).or_default().members = Some(m);
+                    durable.entry(group).or_default().members = Some(m);
                 }
             }
         }
+        drop(durable);
         self.flushes += 1;
         self.syncs += u64::from(must_sync);
         Ok(())
@@ -215,7 +329,7 @@ impl LogStore for MemLog {
     }
 
     fn compact_to(&mut self, group: GroupId, index: u64) -> Result<(), LogError> {
-        if let Some(g) = self.durable.get_mut(&group) {
+        if let Some(g) = self.durable().get_mut(&group) {
             g.entries.retain(|e| e.index >= index);
         }
         Ok(())

@@ -220,8 +220,12 @@ fn a_groups_members_survive_a_change_of_the_list_even_for_a_group_of_an_earlier_
     sim.run(50);
     // An earlier version recorded no members.
     sim.kill(1);
-    let durable = sim.nodes.get_mut(&1).expect("node").log.durable.get_mut(&g);
-    durable.expect("group 0 on node 1").members = None;
+    sim.nodes[&1]
+        .log
+        .durable()
+        .get_mut(&g)
+        .expect("group 0 on node 1")
+        .members = None;
     sim.restart(1);
     sim.run(50);
     assert_eq!(
@@ -290,7 +294,7 @@ fn a_group_with_an_earlier_versions_snapshot_keeps_its_members_when_the_list_gro
         let mut snap = n.log.recovered(g).snapshot.expect("a snapshot");
         snap.members = None;
         crate::LogStore::save_snapshot(&mut n.log, g, &snap).expect("save");
-        n.log.durable.get_mut(&g).expect("group").members = None;
+        n.log.durable().get_mut(&g).expect("group").members = None;
     }
     sim.restart(1);
     sim.run(50);

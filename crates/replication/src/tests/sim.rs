@@ -466,13 +466,16 @@ impl Sim {
         n.boots += 1;
         let mut raft = MultiRaft::new(cfg).expect("config");
         raft.set_snapshot_source(n.log.snapshots());
+        // As a node does: committed entries stay in the log, read back as they are applied.
+        raft.set_cold_log(n.log.cold());
         n.applied.clear();
         for g in groups {
-            if !n.log.durable.contains_key(&g) && n.log.recovered(g).snapshot.is_none() {
+            if !n.log.durable().contains_key(&g) && n.log.recovered(g).snapshot.is_none() {
                 // Not a member of it here (never was, or left it).
                 continue;
             }
             let mut durable = n.log.recovered(g);
+            durable.unload_committed();
             if durable.fit_to_snapshot() {
                 n.log
                     .clear_entries(g, &durable.hard_state)
