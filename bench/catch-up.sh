@@ -10,8 +10,10 @@
 # persistent 1 KiB messages published into `deep` with confirms (a snapshot of about N KB is
 # taken meanwhile); node 2 killed, node 3 started, and a publisher sends 500 msg/s to `busy` with
 # confirms for 25 s. Every queue then has nodes 1 and 3 only: each confirm waits for node 3, which
-# is installing `deep`'s snapshot. Prints the publisher's summary and node 3's Raft passes of 50 ms
-# or more (logged at debug level).
+# is installing `deep`'s snapshot. Prints the publisher's summary, node 3's Raft passes of 50 ms
+# or more (logged at debug level), and node 3's peak memory while it catches up: its anonymous
+# memory (RssAnon, sampled every 50 ms: what the kernel cannot take back) and its peak RSS
+# (VmHWM, which also counts the page cache's pages it maps).
 #
 # Needs: a release build (WARREN_BIN, default the release `warren` in CARGO_TARGET_DIR, and
 # WARREN_BENCH likewise); about 3 GB of memory per 600,000 messages (three nodes).
@@ -65,10 +67,25 @@ for run in $(seq 1 "$RUNS"); do
     sleep 8
     "$CLUSTER" kill 2 >/dev/null
     "$CLUSTER" start 3 >/dev/null &
+    python3 - "$WARREN_CLUSTER_DIR/node3.pid" >"$WARREN_CLUSTER_DIR/node3.anon" <<'PY' &
+import sys, time
+end, peak, pid = time.time() + 27, 0, None
+while time.time() < end:
+    try:
+        pid = pid or open(sys.argv[1]).read().strip()
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("RssAnon:"):
+                peak = max(peak, int(line.split()[1]) // 1024)
+    except (OSError, ValueError):
+        pid = None
+    time.sleep(0.05)
+print(peak)
+PY
     sleep 1
     echo "run $run: publisher to busy (500 msg/s, confirms) while node 3 catches up $MESSAGES messages"
     "$BENCH" -u "$U:5701/%2f" "${QQ[@]}" --queue-pattern busy -s 16 -c 50 -r 500 -z 25 2>&1 | tail -1
     wait
+    echo "node 3: peak RssAnon $(cat "$WARREN_CLUSTER_DIR/node3.anon") MB (sampled), VmHWM $(awk '/^VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node3.pid")/status") MB"
     grep -h "slow raft pass\|restored from a snapshot" "$WARREN_CLUSTER_DIR"/node3.log || true
     "$CLUSTER" down >/dev/null
 done

@@ -19,8 +19,8 @@ pub use multi::{
 };
 pub use raft;
 pub use snapshots::{
-    Fetch, MemSnapshots, Members, SnapshotFiles, SnapshotMeta, SnapshotReader, SnapshotSource,
-    StoredSnapshot,
+    map_file, Fetch, MemSnapshots, Members, SnapshotFiles, SnapshotMeta, SnapshotReader,
+    SnapshotSource, StoredSnapshot,
 };
 pub use wal::{DurableGroup, FileLog, LogError, LogStore, MemLog, Unloaded};
 

@@ -553,6 +553,20 @@ impl SnapshotSource for SnapshotFiles {
 /// small one costs less copied than a mapping of its own.
 pub const MAP_FROM: u64 = 1 << 20;
 
+/// `file`'s bytes as `Bytes` backed by a read-only mapping of it: the page cache's memory, not
+/// the heap's.
+///
+/// # Safety
+///
+/// The file must not be written or truncated, by this process or another, while the `Bytes`
+/// (or any slice of them) live: a mapping shows such changes, and a read past a truncated end
+/// is a `SIGBUS`. Unlinking it is fine.
+pub unsafe fn map_file(file: &std::fs::File) -> std::io::Result<Bytes> {
+    // SAFETY: passed on to the caller.
+    let map = unsafe { memmap2::Mmap::map(file)? };
+    Ok(Bytes::from_owner(map))
+}
+
 /// A snapshot file mapped read-only, shared by the `Bytes` made of it and by whoever lets its
 /// pages go ([`Mapped::let_go`]).
 #[derive(Debug, Clone)]

@@ -11,12 +11,17 @@
 //!
 //! The receiver keeps one message in pieces per link: a piece at offset 0 starts one (dropping
 //! an unfinished one), any other must follow the one before it, and the last makes the message
-//! whole, handed to Raft like any other. A link that breaks loses what it held in pieces; Raft
+//! whole, handed to Raft like any other. A node's links write the pieces to a file of their own
+//! ([`Incoming::spooled`]) and hand the message over with its data mapped from it, so that a deep
+//! queue's snapshot is never whole in the heap of a member catching up: before, it was held
+//! whole there from its last piece until its state was installed, beside the machine decoded from
+//! it. A link that breaks loses what it held in pieces; Raft
 //! sends the snapshot again when the follower still lacks it. A node that predates pieces drops
 //! them as forwards to a group it does not have: the broker takes snapshots larger than a frame
 //! only once every node of the cluster announced the feature level that receives them.
 
 use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes};
@@ -171,20 +176,44 @@ pub struct Incoming {
     partial: Option<Partial>,
     /// The last message made whole: its group, snapshot index and when.
     last: Option<(u64, u64, Instant)>,
+    /// Where the pieces are written (none: kept in memory).
+    spool: Option<PathBuf>,
 }
 
 struct Partial {
     group: u64,
     total: usize,
     head: Message,
-    /// Each piece's data, copied out of its frame (whose buffer may be twice as large).
+    /// Each piece's data, copied out of its frame (whose buffer may be twice as large), when
+    /// the link has no spool file.
     parts: Vec<Bytes>,
+    /// The spool file the pieces are written to, if the link has one.
+    file: Option<std::fs::File>,
     have: usize,
     /// A copy of the last message made whole: its pieces are checked, not kept.
     again: bool,
 }
 
+/// Empties the folder the links spool pieces into (`dir`, created if missing): what a crash
+/// left there is never finished.
+pub fn clear_spool(dir: &Path) -> std::io::Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)?;
+    }
+    std::fs::create_dir_all(dir)
+}
+
 impl Incoming {
+    /// A link's receiver that writes the pieces to `file` (a name of its own, in a folder
+    /// emptied at the node's start: [`clear_spool`]), and maps it once the message is whole.
+    pub fn spooled(file: PathBuf) -> Incoming {
+        Incoming {
+            partial: None,
+            last: None,
+            spool: Some(file),
+        }
+    }
+
     /// Takes one piece (a forward's bytes); the message it makes whole comes back. An error
     /// is a sender that breaks the rules above: the link is dropped.
     pub fn take(&mut self, mut piece: Bytes, now: Instant) -> Result<Option<Envelope>, WireError> {
@@ -218,11 +247,16 @@ impl Incoming {
             let again = self.last.is_some_and(|(g, i, at)| {
                 g == group && i == index && now.saturating_duration_since(at) < AGAIN_AFTER
             });
+            let file = match (&self.spool, again) {
+                (Some(path), false) => open_spool(path).map_err(|e| spool_failed(&e)).ok(),
+                _ => None,
+            };
             self.partial = Some(Partial {
                 group,
                 total,
                 head,
                 parts: Vec::new(),
+                file,
                 have: 0,
                 again,
             });
@@ -242,10 +276,26 @@ impl Incoming {
             self.partial = None;
             return Err(WireError::Piece("pieces longer than their message"));
         }
-        p.have += piece.len();
         if !piece.is_empty() && !p.again {
-            p.parts.push(Bytes::copy_from_slice(&piece));
+            let spooled = match p.file.as_mut() {
+                Some(f) => match std::io::Write::write_all(f, &piece) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        spool_failed(&e);
+                        if let Err(e) = back_to_memory(p) {
+                            self.partial = None;
+                            return Err(spool_error(&e));
+                        }
+                        false
+                    }
+                },
+                None => false,
+            };
+            if !spooled {
+                p.parts.push(Bytes::copy_from_slice(&piece));
+            }
         }
+        p.have += piece.len();
         if p.have < p.total {
             return Ok(None);
         }
@@ -255,26 +305,104 @@ impl Incoming {
         if p.again {
             return Ok(None);
         }
-        // Sized by bytes that arrived, not by what the sender declared; each piece let go
-        // once copied, so the message is held about once.
-        let mut data = Vec::with_capacity(p.have);
-        for part in p.parts.drain(..) {
-            data.extend_from_slice(&part);
+        let data = match p.file.take() {
+            Some(f) => {
+                // SAFETY: the file is this link's own, written above and never again: the
+                // next message of the link creates a new file under the name once this one
+                // is unlinked, and the folder is emptied only at the node's start.
+                let mapped = if p.have == 0 {
+                    // A mapping of nothing is refused.
+                    Ok(Bytes::new())
+                } else {
+                    unsafe { warren_replication::map_file(&f) }
+                };
+                if let Some(path) = &self.spool {
+                    let _ = std::fs::remove_file(path);
+                }
+                mapped.map_err(|e| spool_error(&e))?
+            }
+            None => {
+                // Sized by bytes that arrived, not by what the sender declared; each piece let
+                // go once copied, so the message is held about once.
+                let mut data = Vec::with_capacity(p.have);
+                for part in p.parts.drain(..) {
+                    data.extend_from_slice(&part);
+                }
+                data.into()
+            }
+        };
+        if data.len() != p.have {
+            return Err(WireError::Piece(
+                "a spool file that does not hold its pieces",
+            ));
         }
         let index = p.head.get_snapshot().get_metadata().index;
         self.last = Some((group, index, now));
-        p.head.mut_snapshot().data = data.into();
+        p.head.mut_snapshot().data = data;
         Ok(Some(Envelope {
             group: GroupId(group),
             msg: p.head,
         }))
     }
 
-    /// Bytes held for the message under way.
+    /// Bytes held for the message under way (in memory or in its spool file).
     #[cfg(test)]
     fn held(&self) -> usize {
         self.partial.as_ref().map_or(0, |p| p.have)
     }
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        // A link that ends with a message unfinished leaves no file behind.
+        if let (Some(path), Some(Partial { file: Some(_), .. })) = (&self.spool, &self.partial) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// A new, empty spool file at `path`: a message's pieces replace whatever a link left there.
+fn open_spool(path: &Path) -> std::io::Result<std::fs::File> {
+    // Unlinked first: a mapping of the file's last message may still be alive (Raft holds the
+    // snapshot until it is installed), and truncating its file would pull its pages away.
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+}
+
+/// A spool file that cannot be made or written (a full disk): the message is put together in
+/// memory, as without a spool.
+fn spool_failed(e: &std::io::Error) {
+    tracing::warn!(error = %e, "a snapshot in pieces cannot be written to its spool file: it is put together in memory");
+}
+
+/// Reads back what the spool file holds (the pieces taken before this one) into memory, and
+/// goes on without it.
+fn back_to_memory(p: &mut Partial) -> std::io::Result<()> {
+    use std::io::{Read, Seek};
+    let Some(mut f) = p.file.take() else {
+        return Ok(());
+    };
+    let mut held = Vec::with_capacity(p.have);
+    f.seek(std::io::SeekFrom::Start(0))?;
+    (&mut f).take(p.have as u64).read_to_end(&mut held)?;
+    if held.len() != p.have {
+        return Err(std::io::Error::other("the spool file lost pieces"));
+    }
+    p.parts.push(held.into());
+    Ok(())
+}
+
+fn spool_error(e: &std::io::Error) -> WireError {
+    tracing::warn!(error = %e, "a snapshot in pieces cannot be read back: the link is dropped, and the snapshot sent again");
+    WireError::Piece("a snapshot in pieces could not be put together")
 }
 
 #[cfg(test)]
@@ -391,6 +519,99 @@ mod tests {
         assert_eq!(whole[0].group, GroupId(5));
         assert_eq!(whole[0].msg, snap, "head and data as they were sent");
         assert_eq!(incoming.held(), 0);
+    }
+
+    /// Every frame of `out`, in order, one write each.
+    fn frames_of(out: &mut Outgoing) -> Vec<Vec<u8>> {
+        let mut frames = Vec::new();
+        while !out.is_empty() {
+            let mut buf = Vec::new();
+            out.next_frame(&mut buf);
+            frames.push(buf);
+        }
+        frames
+    }
+
+    #[test]
+    fn a_spooled_link_writes_the_pieces_to_its_file_and_hands_the_snapshot_over_mapped() {
+        const INLINE: usize = 64 << 10;
+        let dir = tempfile::tempdir().expect("dir");
+        let spool = dir.path().join("incoming");
+        std::fs::create_dir_all(spool.join("left-by-a-crash")).expect("dir");
+        clear_spool(&spool).expect("cleared");
+        assert_eq!(std::fs::read_dir(&spool).expect("dir").count(), 0);
+        let file = spool.join("2.0.part");
+        let mut incoming = Incoming::spooled(file.clone());
+        let data = big(3 * INLINE + 5);
+        let snap = snapshot_msg(2, 80, data.clone());
+        let mut out = Outgoing::new(INLINE);
+        out.take_large(&mut batch(vec![(5, snap.clone())]));
+        let frames = frames_of(&mut out);
+        assert!(frames.len() > 2);
+        // A link that ends before the last piece leaves no file behind.
+        let mut cut = Incoming::spooled(spool.join("x"));
+        for f in &frames[..frames.len() - 1] {
+            assert!(receive(f, &mut cut).1.is_empty());
+        }
+        assert!(spool.join("x").exists());
+        drop(cut);
+        assert!(!spool.join("x").exists(), "a link that ends leaves no file");
+        let mut whole = Vec::new();
+        for f in &frames {
+            whole.extend(receive(f, &mut incoming).1);
+        }
+        assert_eq!(whole.len(), 1);
+        assert_eq!(whole[0].msg, snap, "head and data as they were sent");
+        assert!(!file.exists(), "the file goes once mapped");
+        // The next message of the link takes the name again; the first stays readable.
+        let second = snapshot_msg(2, 90, big(2 * INLINE));
+        let mut out = Outgoing::new(INLINE);
+        out.take_large(&mut batch(vec![(5, second.clone())]));
+        let again: Vec<Envelope> = frames_of(&mut out)
+            .iter()
+            .flat_map(|f| receive(f, &mut incoming).1)
+            .collect();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].msg, second);
+        assert_eq!(whole[0].msg.get_snapshot().data, data);
+
+        // A spool that cannot be written (its folder is gone): put together in memory.
+        let mut lost = Incoming::spooled(dir.path().join("gone").join("2.1.part"));
+        let mut out = Outgoing::new(INLINE);
+        out.take_large(&mut batch(vec![(5, snap.clone())]));
+        let whole: Vec<Envelope> = frames_of(&mut out)
+            .iter()
+            .flat_map(|f| receive(f, &mut lost).1)
+            .collect();
+        assert_eq!(whole.len(), 1);
+        assert_eq!(whole[0].msg, snap);
+    }
+
+    #[test]
+    fn a_spool_that_fails_half_way_goes_on_in_memory_with_what_it_held() {
+        let dir = tempfile::tempdir().expect("dir");
+        let mut file = open_spool(&dir.path().join("p")).expect("file");
+        std::io::Write::write_all(&mut file, b"first piece, and half a second").expect("write");
+        let mut p = Partial {
+            group: 5,
+            total: 40,
+            head: heartbeat(2),
+            parts: Vec::new(),
+            file: Some(file),
+            have: 12,
+            again: false,
+        };
+        // What the file holds past the pieces taken (a write cut short) is not theirs.
+        back_to_memory(&mut p).expect("read back");
+        assert!(p.file.is_none());
+        assert_eq!(p.parts, vec![Bytes::from_static(b"first piece,")]);
+        // A file that lost pieces is an error, never a message with holes.
+        let mut short = Partial {
+            file: Some(open_spool(&dir.path().join("q")).expect("file")),
+            parts: Vec::new(),
+            ..p
+        };
+        assert!(back_to_memory(&mut short).is_err());
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -328,6 +329,10 @@ struct Shared {
     refusals_logged: Mutex<HashMap<IpAddr, Instant>>,
     /// Snapshot data above this goes in pieces ([`pieces::INLINE_MAX`]; less in tests).
     inline_max: usize,
+    /// Where links write what they receive in pieces (none: in memory), and a number for
+    /// each link's file.
+    spool: Option<PathBuf>,
+    links_in: AtomicU64,
 }
 
 /// Binds the cluster address and starts the listener and one dialer per peer.
@@ -361,6 +366,14 @@ pub(crate) fn start(
         TcpListener::from_std(std_listener).map_err(listen_error)?
     };
     let inbound_budget = Budget::new(INBOUND_QUEUE_BYTES);
+    let spool = cfg.dir.join("incoming");
+    let spool = match pieces::clear_spool(&spool) {
+        Ok(()) => Some(spool),
+        Err(error) => {
+            tracing::warn!(dir = %spool.display(), %error, "cannot make the folder for snapshots received in pieces: they are put together in memory");
+            None
+        }
+    };
     let shared = Arc::new(Shared {
         me: cfg.node,
         secret: cfg.secret.clone(),
@@ -375,6 +388,8 @@ pub(crate) fn start(
         handshakes: Arc::new(Semaphore::new(MAX_HANDSHAKES)),
         refusals_logged: Mutex::new(HashMap::new()),
         inline_max: cfg.inline_max,
+        spool,
+        links_in: AtomicU64::new(0),
     });
     runtime.spawn(accept_loop(shared.clone(), listener));
     let mut out = Outbound {
@@ -701,7 +716,13 @@ async fn serve(
         n.notify_one();
     }
     let mut read = BufReader::with_capacity(64 << 10, stream);
-    let mut large = pieces::Incoming::default();
+    let mut large = match &shared.spool {
+        Some(dir) => {
+            let n = shared.links_in.fetch_add(1, Ordering::Relaxed);
+            pieces::Incoming::spooled(dir.join(format!("{peer}.{n}.part")))
+        }
+        None => pieces::Incoming::default(),
+    };
     // The peer's own connection ending is the first sign of its death: the Raft thread hears of
     // it at once (see `MultiRaft::peer_lost`).
     let lost = |shared: &Shared| {
