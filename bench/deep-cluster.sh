@@ -3,9 +3,13 @@
 # with confirms into one quorum queue with no consumer, then drained with acks (prefetch 200),
 # both through the queue's leader's node. Prints each node's RSS (VmRSS) before, after the
 # backlog and after the drain, its peak RSS (VmHWM: snapshots taken meanwhile included), the
-# messages whose contents each node keeps out of memory, and the rates.
+# messages whose contents each node keeps out of memory, and the rates. With --restart, a
+# follower is killed (SIGKILL) after the backlog and started again on its data: its RSS and its
+# anonymous memory (RssAnon: what the kernel cannot take back, unlike the page cache's pages
+# of a mapped file) are sampled every 50 ms from its start, their peaks and its RSS 6 s after
+# it are printed, with the time until its API answers.
 #
-#   bench/deep-cluster.sh [--messages N]
+#   bench/deep-cluster.sh [--messages N] [--restart]
 #
 # Starts its own cluster (scripts/cluster, in a temporary folder) with WARREN_BIN, default the
 # release build in CARGO_TARGET_DIR; warren-bench from WARREN_BENCH, default the release build.
@@ -13,10 +17,12 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MESSAGES=300000
+RESTART=""
 while [ $# -gt 0 ]; do
     case "$1" in
     --messages) MESSAGES=$2; shift ;;
-    -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
+    --restart) RESTART=1 ;;
+    -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -75,6 +81,51 @@ echo "backlog: $MESSAGES published through node $leader (the leader) at $(rate "
 echo "RSS after the backlog (MB):$(rss)"
 echo "peak RSS so far (MB):$(rss VmHWM)"
 echo "messages whose contents are out of memory:${away:- (none reported)}"
+if [ -n "$RESTART" ]; then
+    follower=$(( leader % 3 + 1 ))
+    "$ROOT/scripts/cluster" kill "$follower" >/dev/null
+    "$ROOT/scripts/cluster" start "$follower" >/dev/null &
+    starting=$!
+    started=$(date +%s.%N)
+    pid=""
+    for _ in $(seq 1 200); do
+        pid=$(cat "$WARREN_CLUSTER_DIR/node$follower.pid" 2>/dev/null) &&
+            [ -d "/proc/$pid" ] && kill -0 "$pid" 2>/dev/null && break
+        sleep 0.01
+    done
+    # Peaks of VmRSS and RssAnon sampled every 50 ms for 8 s; the API's first answer.
+    python3 - "$pid" "$follower" "$started" <<'PY'
+import sys, time, urllib.error, urllib.request
+pid, node, started = sys.argv[1], sys.argv[2], float(sys.argv[3])
+peak = {"VmRSS": 0, "RssAnon": 0}
+serving = None
+end = time.time() + 8
+while time.time() < end:
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            k, _, v = line.partition(":")
+            if k in peak:
+                peak[k] = max(peak[k], int(v.split()[0]) // 1024)
+    except OSError:
+        break
+    if serving is None:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:1570{node}/api/overview", timeout=0.2)
+            serving = time.time() - started
+        except urllib.error.HTTPError:
+            serving = time.time() - started  # 401: it answers
+        except Exception:
+            pass
+    time.sleep(0.05)
+now = {k: int(l.split(":")[1].split()[0]) // 1024 for l in open(f"/proc/{pid}/status")
+       for k in ("VmRSS", "RssAnon", "VmHWM") if l.startswith(k + ":")}
+print(f"restart of node {node}: peak sampled VmRSS {peak['VmRSS']} MB, RssAnon {peak['RssAnon']} MB; "
+      f"VmHWM {now['VmHWM']} MB; 8 s after its start VmRSS {now['VmRSS']} MB, RssAnon {now['RssAnon']} MB; "
+      f"API answering after {serving:.1f} s" if serving is not None else "API not answering after 8 s")
+PY
+    wait "$starting" || true
+    echo "messages away on node $follower: $(curl -s "http://127.0.0.1:1579$follower/metrics" | awk '/^warren_replicated_messages_away/ {print $2}')"
+fi
 "$BENCH" -u "$URL" --json --quiet --label drain \
     --ack-batched -x 0 -y 1 --predeclare -q 200 -C "$MESSAGES" \
     --queue-pattern deep --queue-arg x-queue-type=quorum >"$WARREN_CLUSTER_DIR/drain.json"
