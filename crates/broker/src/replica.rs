@@ -62,6 +62,23 @@ pub struct ReplicaState {
     /// Ready messages with ids up to this one were considered for leaving memory
     /// (`Broker::send_away`); 0 again whenever the machine is replaced.
     pub away_through: u64,
+    /// Where sending the held publishes' contents away stands (`Broker::send_away`); afresh
+    /// whenever the machine is replaced.
+    pub held_away: HeldAway,
+}
+
+/// The rounds over a replicated queue's held publishes whose contents leave memory.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HeldAway {
+    /// A round is under way, and the key it walked last (`None`: it walks from the first).
+    pub round: Option<Option<(u64, u64)>>,
+    /// The machine's `held_seq` when the last round began.
+    pub seen: u64,
+    /// The last key the last finished round walked: most rounds walk only what is held
+    /// past it.
+    pub mark: Option<(u64, u64)>,
+    /// Rounds begun (every few walks them all).
+    pub rounds: u32,
 }
 
 impl ReplicaState {
@@ -85,6 +102,7 @@ impl ReplicaState {
             downed_self: false,
             last_leader: None,
             away_through: 0,
+            held_away: HeldAway::default(),
         }
     }
 

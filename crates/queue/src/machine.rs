@@ -3168,6 +3168,34 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.held.get(&key).map(|(m, _)| m)
     }
 
+    /// Held publishes since the held line was last empty: grows by one with each publish
+    /// held, so a member tells from it whether new ones came since it last looked.
+    pub fn held_seq(&self) -> u64 {
+        self.held_seq
+    }
+
+    /// The held publishes past the `skip` due soonest, in due order, from the first whose key
+    /// is above `after` on, with their keys: what a member may send out of memory (those due
+    /// soonest stay). Node-local use only: the payloads must stay equal to what they were.
+    pub fn held_payloads_mut(
+        &mut self,
+        skip: usize,
+        after: Option<(u64, u64)>,
+    ) -> impl Iterator<Item = ((u64, u64), &mut M)> + '_ {
+        use std::ops::Bound;
+        let boundary = self.held.keys().nth(skip).copied();
+        let from = match (boundary, after) {
+            (None, _) => None,
+            (Some(b), Some(a)) if a >= b => Some(Bound::Excluded(a)),
+            (Some(b), _) => Some(Bound::Included(b)),
+        };
+        // Nothing past the skipped ones: an empty range.
+        let start = from.unwrap_or(Bound::Excluded((u64::MAX, u64::MAX)));
+        self.held
+            .range_mut((start, Bound::Unbounded))
+            .map(|(k, (m, _))| (*k, m))
+    }
+
     /// Ids of the ready messages in memory in delivery order, then those parked behind their
     /// group's message in flight (tests and diagnostics; O(n)).
     pub fn ready_ids(&self) -> Vec<u64> {
@@ -4737,6 +4765,43 @@ mod tests {
                 ..MsgMeta::default()
             },
         }
+    }
+
+    #[test]
+    fn held_payloads_past_the_soonest_due_are_walked_from_a_key_on() {
+        let mut d = Driver::new();
+        assert_eq!(d.m.held_seq(), 0);
+        for (delay, s) in [(300, "c"), (100, "a"), (200, "b"), (400, "d")] {
+            assert_eq!(d.run(held(delay, None, s)), Reply::Ok);
+        }
+        assert_eq!(d.m.held_seq(), 4);
+        let walk = |m: &mut QueueMachine<&'static str>, skip, after| {
+            m.held_payloads_mut(skip, after)
+                .map(|(k, p)| (k.0, *p))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            walk(&mut d.m, 0, None),
+            vec![(100, "a"), (200, "b"), (300, "c"), (400, "d")]
+        );
+        assert_eq!(walk(&mut d.m, 2, None), vec![(300, "c"), (400, "d")]);
+        // From a key on: past the skipped ones whatever the key.
+        assert_eq!(walk(&mut d.m, 1, Some((300, 0))), vec![(400, "d")]);
+        assert_eq!(walk(&mut d.m, 3, Some((100, 1))), vec![(400, "d")]);
+        assert_eq!(walk(&mut d.m, 4, None), vec![]);
+        // A payload changed in place stays under its key.
+        for (_, p) in d.m.held_payloads_mut(3, None) {
+            *p = "D";
+        }
+        assert_eq!(d.m.held_payload((400, 3)), Some(&"D"));
+        d.now = 500;
+        d.run(Command::Tick);
+        assert_eq!(d.m.held_count().0, 0);
+        assert_eq!(
+            d.m.held_seq(),
+            0,
+            "counted afresh once the held line is empty"
+        );
     }
 
     #[test]

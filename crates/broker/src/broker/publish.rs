@@ -19,19 +19,28 @@ pub(super) fn expiry(q: &Queue, own_ttl: Option<u64>, now: u64) -> Option<u64> {
     ttl.map(|t| now.saturating_add(t))
 }
 
-/// Publishes a quorum queue holds in its log until due ([`Command::EnqueueWith`]), at most:
-/// every member keeps them whole in memory (they do not leave it as a deep queue's messages
-/// do), so past this many, or [`HELD_IN_LOG_BYTES`] of bodies, a delayed publish waits on the
-/// disk of the node that takes it, as it did before, where memory stays bounded however many
-/// wait.
-pub(super) const HELD_IN_LOG_MESSAGES: usize = 16_384;
-pub(super) const HELD_IN_LOG_BYTES: u64 = 16 << 20;
+/// Publishes a quorum queue holds in its log until due ([`Command::EnqueueWith`]), at most.
+/// Past the window, the contents of those not due soon leave each member's memory as a deep
+/// queue's do (`Broker::send_away`): each keeps about 300 bytes of memory on every member
+/// (twice that on the leader, which holds the queue's state twice), and its bytes in the
+/// queue's snapshots. Past this many, or [`HELD_IN_LOG_BYTES`] of bodies, a delayed publish
+/// waits on the disk of the node that takes it, as it did before, where memory stays bounded
+/// however many wait.
+pub(super) const HELD_IN_LOG_MESSAGES: usize = 262_144;
+pub(super) const HELD_IN_LOG_BYTES: u64 = 256 << 20;
+/// The same bounds on a node whose messages cannot leave memory (it has no away store): held
+/// publishes are whole in memory there.
+pub(super) const HELD_IN_MEMORY_MESSAGES: usize = 16_384;
+pub(super) const HELD_IN_MEMORY_BYTES: u64 = 16 << 20;
 
 /// Whether a quorum queue holds as many publishes as it takes in its log
-/// ([`HELD_IN_LOG_MESSAGES`]).
-fn held_full(q: &Queue) -> bool {
+/// ([`HELD_IN_LOG_MESSAGES`]; `away`: whether this node's messages can leave memory).
+fn held_full(q: &Queue, away: bool) -> bool {
     let (count, bytes) = q.machine.held_count();
-    count >= HELD_IN_LOG_MESSAGES || bytes >= HELD_IN_LOG_BYTES
+    match away {
+        true => count >= HELD_IN_LOG_MESSAGES || bytes >= HELD_IN_LOG_BYTES,
+        false => count >= HELD_IN_MEMORY_MESSAGES || bytes >= HELD_IN_MEMORY_BYTES,
+    }
 }
 
 /// A message's priority in this queue (`x-max-priority`): its `priority` property, capped. In
@@ -333,6 +342,7 @@ impl Broker {
             && self
                 .cluster_feature_level()
                 .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
+        let away = self.away.is_some();
         if self.dedup_queues > 0 && !released && death.is_none() {
             let (now, disk) = (self.now_ms, self.disk);
             let queues = &mut self.queues;
@@ -343,8 +353,8 @@ impl Broker {
                 };
                 // A delayed copy the queue's log cannot hold waits on this node's disk (below),
                 // and is judged here as before.
-                let in_machine =
-                    q.replica.is_some() && !(q.args.delivery_delay_ms.is_some() && held_full(q));
+                let in_machine = q.replica.is_some()
+                    && !(q.args.delivery_delay_ms.is_some() && held_full(q, away));
                 let Some(d) = q.dedup.as_deref_mut() else {
                     return true;
                 };
@@ -395,7 +405,7 @@ impl Broker {
                         refused_now.push(*id);
                         false
                     }
-                    Some(delay) if in_log && q.replica.is_some() && !held_full(q) => {
+                    Some(delay) if in_log && q.replica.is_some() && !held_full(q, away) => {
                         held_in_log.push((*id, own.unwrap_or(delay)));
                         true
                     }

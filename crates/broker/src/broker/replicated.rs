@@ -738,6 +738,7 @@ impl Broker {
         // From the start: what the decoder sent away is skipped (one walk of the line), and the
         // entries applied since count towards the next pass with those it left.
         r.away_through = 0;
+        r.held_away = Default::default();
         r.mode = Mode::Following;
         r.held.clear();
         r.applied_index = index;
@@ -2542,6 +2543,7 @@ impl Broker {
         if let Mode::Leading { committed } = mode {
             q.machine = *committed;
             r.away_through = 0;
+            r.held_away = Default::default();
         }
         // What it held for its consumers is dropped: the entries that gave it to them may
         // still commit, so this node brings itself `Down` again before anything else of it
