@@ -62,23 +62,40 @@ pub struct ReplicaState {
     /// Ready messages with ids up to this one were considered for leaving memory
     /// (`Broker::send_away`); 0 again whenever the machine is replaced.
     pub away_through: u64,
-    /// Where sending the held publishes' contents away stands (`Broker::send_away`); afresh
-    /// whenever the machine is replaced.
-    pub held_away: HeldAway,
+    /// Where sending the contents of the held publishes, and of the messages waiting for a
+    /// retry, away stands (`Broker::send_away`); afresh whenever the machine is replaced.
+    pub held_away: Rounds<(u64, u64)>,
+    pub retry_away: Rounds<u64>,
 }
 
-/// The rounds over a replicated queue's held publishes whose contents leave memory.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct HeldAway {
+/// The rounds over a part of a replicated queue whose messages' contents leave memory.
+#[derive(Debug, Clone, Copy)]
+pub struct Rounds<K> {
     /// A round is under way, and the key it walked last (`None`: it walks from the first).
-    pub round: Option<Option<(u64, u64)>>,
-    /// The machine's `held_seq` when the last round began.
+    pub round: Option<Option<K>>,
+    /// When the last round began: the machine's `held_seq` then for the held publishes, the
+    /// broker's time for the retries.
     pub seen: u64,
-    /// The last key the last finished round walked: most rounds walk only what is held
-    /// past it.
-    pub mark: Option<(u64, u64)>,
-    /// Rounds begun (every few walks them all).
+    /// The last key the last finished round walked: most rounds over the held publishes walk
+    /// only what is held past it.
+    pub mark: Option<K>,
+    /// Rounds begun (every few over the held publishes walks them all).
     pub rounds: u32,
+    /// The group's applied index when the last round over the retries began: none begins
+    /// again before it moves.
+    pub index: u64,
+}
+
+impl<K> Default for Rounds<K> {
+    fn default() -> Self {
+        Rounds {
+            round: None,
+            seen: 0,
+            mark: None,
+            rounds: 0,
+            index: 0,
+        }
+    }
 }
 
 impl ReplicaState {
@@ -102,7 +119,8 @@ impl ReplicaState {
             downed_self: false,
             last_leader: None,
             away_through: 0,
-            held_away: HeldAway::default(),
+            held_away: Rounds::default(),
+            retry_away: Rounds::default(),
         }
     }
 

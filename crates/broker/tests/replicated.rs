@@ -3848,6 +3848,79 @@ fn a_quorum_queues_held_publishes_leave_memory_past_the_window_and_come_back_who
 }
 
 #[test]
+fn a_quorum_queues_messages_waiting_for_a_retry_leave_memory_past_the_oldest() {
+    // A worker that fails every job (what it calls is down) puts each message of a busy queue
+    // in the retry wait: those it took from the window came whole, and stayed whole there on
+    // every member for as long as the outage lasted.
+    small_window();
+    let mut args = quorum_args();
+    args.insert("x-delayed-retry-min", FieldValue::I64(5_000));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 1_000).expect("consume");
+    c.run(10);
+    let mut failed = 0;
+    for n in 0..600 {
+        c.publish(leader, n);
+        if n % 50 == 49 {
+            c.run(3);
+            for d in c.deliveries(follower) {
+                assert!(c.broker(follower).requeue(d.queue, d.receipt), "nack");
+                failed += 1;
+            }
+        }
+    }
+    for _ in 0..200 {
+        for d in c.deliveries(follower) {
+            assert!(c.broker(follower).requeue(d.queue, d.receipt), "nack");
+            failed += 1;
+        }
+        c.step();
+    }
+    assert_eq!(failed, 600);
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.retrying_count(), 600, "node {n}: all waiting for a retry");
+        let (away, records) = away_on(&c, n);
+        // With a consumer the 16 oldest stay.
+        assert!(away >= 600 - 16, "node {n}: {away} away");
+        assert_eq!(records, away, "node {n}: one record per message away");
+    }
+    let b = &c.members[&leader].broker;
+    let committed = b.committed_machine(c.id(leader)).expect("committed");
+    assert_eq!(
+        committed.messages().filter(|(_, m, _)| m.is_away()).count(),
+        away_on(&c, leader).0,
+        "the leader's committed machine shares each stub"
+    );
+    assert_same_state(&c, &NODES);
+    // Due again: delivered whole.
+    let mut bodies = std::collections::BTreeSet::new();
+    for _ in 0..2_000 {
+        let ds = c.deliveries(follower);
+        for d in &ds {
+            assert!(!d.message.is_away(), "a delivery without its contents");
+            assert_eq!(d.message.routing_key.as_bytes(), b"jobs");
+            bodies.insert(d.message.body.clone());
+        }
+        ack_all(&mut c, follower, &ds);
+        if bodies.len() == 600 {
+            break;
+        }
+        c.step();
+    }
+    let want: std::collections::BTreeSet<Bytes> = (0..600).map(|n| message(n).body).collect();
+    assert_eq!(bodies, want);
+    c.run(20);
+    assert_counts(&c, &NODES, (0, 0));
+    for n in NODES {
+        assert_eq!(away_on(&c, n).1, 0, "node {n}: every record released");
+    }
+}
+
+#[test]
 fn a_deep_replicated_queue_keeps_its_messages_contents_out_of_memory_on_every_member() {
     small_window();
     let mut c = Cluster::new();

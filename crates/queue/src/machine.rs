@@ -3182,18 +3182,22 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         skip: usize,
         after: Option<(u64, u64)>,
     ) -> impl Iterator<Item = ((u64, u64), &mut M)> + '_ {
-        use std::ops::Bound;
-        let boundary = self.held.keys().nth(skip).copied();
-        let from = match (boundary, after) {
-            (None, _) => None,
-            (Some(b), Some(a)) if a >= b => Some(Bound::Excluded(a)),
-            (Some(b), _) => Some(Bound::Included(b)),
-        };
-        // Nothing past the skipped ones: an empty range.
-        let start = from.unwrap_or(Bound::Excluded((u64::MAX, u64::MAX)));
-        self.held
-            .range_mut((start, Bound::Unbounded))
-            .map(|(k, (m, _))| (*k, m))
+        range_past(&mut self.held, skip, after).map(|(k, (m, _))| (*k, m))
+    }
+
+    /// The messages waiting for a delayed retry past the `skip` first (by id: the oldest),
+    /// from the first whose id is above `after` on: [`Self::held_payloads_mut`] for them.
+    pub fn retrying_payloads_mut(
+        &mut self,
+        skip: usize,
+        after: Option<u64>,
+    ) -> impl Iterator<Item = (u64, &mut M)> + '_ {
+        range_past(&mut self.retrying, skip, after).map(|(k, (_, e))| (*k, &mut e.msg))
+    }
+
+    /// The message waiting for a retry under `msg_id`.
+    pub fn retrying_payload(&self, msg_id: u64) -> Option<&M> {
+        self.retrying.get(&msg_id).map(|(_, e)| &e.msg)
     }
 
     /// Ids of the ready messages in memory in delivery order, then those parked behind their
@@ -3361,6 +3365,25 @@ pub fn effects_digest<M: Hash>(reply: &Reply, effects: &[Effect<M>]) -> u64 {
     reply.hash(&mut h);
     effects.hash(&mut h);
     h.finish()
+}
+
+/// The entries of `map` past its `skip` first, from the first whose key is above `after` on.
+fn range_past<K: Ord + Copy, V>(
+    map: &mut BTreeMap<K, V>,
+    skip: usize,
+    after: Option<K>,
+) -> std::collections::btree_map::RangeMut<'_, K, V> {
+    use std::ops::Bound;
+    let start = match (map.keys().nth(skip).copied(), after) {
+        (Some(b), Some(a)) if a >= b => Bound::Excluded(a),
+        (Some(b), _) => Bound::Included(b),
+        // Nothing past the skipped ones: past the last key (none: the map is empty).
+        (None, _) => match map.keys().next_back().copied() {
+            Some(last) => Bound::Excluded(last),
+            None => Bound::Unbounded,
+        },
+    };
+    map.range_mut((start, Bound::Unbounded))
 }
 
 #[cfg(test)]
@@ -4458,6 +4481,41 @@ mod tests {
         d.now = 100;
         d.run(Command::Tick);
         assert_eq!(d.m.ready_ids(), vec![0, 1], "back in its place");
+    }
+
+    #[test]
+    fn messages_waiting_for_a_retry_are_walked_past_the_oldest_and_found_by_id() {
+        let mut d = with_policy(Policy {
+            retry: Some(RetryPolicy {
+                min_ms: 100,
+                ..RetryPolicy::default()
+            }),
+            ..Policy::default()
+        });
+        for s in ["a", "b", "c", "d"] {
+            d.enqueue(s, 1, None);
+        }
+        for _ in 0..4 {
+            d.run(Command::Get { no_ack: false });
+        }
+        for id in [2, 0, 3, 1] {
+            d.ret(id, 1);
+        }
+        assert_eq!(d.m.retrying_count(), 4);
+        let walk = |m: &mut QueueMachine<&'static str>, skip, after| {
+            m.retrying_payloads_mut(skip, after)
+                .map(|(id, p)| (id, *p))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(walk(&mut d.m, 1, None), vec![(1, "b"), (2, "c"), (3, "d")]);
+        assert_eq!(walk(&mut d.m, 1, Some(2)), vec![(3, "d")]);
+        assert_eq!(walk(&mut d.m, 4, None), vec![]);
+        assert_eq!(d.m.retrying_payload(3), Some(&"d"));
+        assert_eq!(d.m.retrying_payload(9), None);
+        d.now = 100;
+        d.run(Command::Tick);
+        assert_eq!(d.m.retrying_count(), 0);
+        assert_eq!(walk(&mut d.m, 0, None), vec![]);
     }
 
     fn enqueue_in(d: &mut Driver, s: &'static str, group: Option<u64>) -> u64 {

@@ -18,6 +18,7 @@ use warren_queue::{AwayStore, Message};
 
 use super::persistence::{keep, window_of};
 use super::{Broker, QueueId};
+use crate::queue::Queue;
 use crate::replica::Mode;
 
 /// Fewer new messages than this past the window wait for the next pass: each pass is one
@@ -27,6 +28,11 @@ const AWAY_BATCH: usize = 256;
 /// At most this many messages, and this many bytes of their contents, go in one write.
 const AWAY_PASS_MESSAGES: usize = 4096;
 const AWAY_PASS_BYTES: u64 = 16 << 20;
+/// A pass looks at no more messages than this, away or not.
+const AWAY_PASS_WALK: usize = 8 * AWAY_PASS_MESSAGES;
+/// A round over a queue's messages waiting for a retry begins at most this often: they come
+/// and go in no order a round could follow, so each round walks them all.
+const RETRY_ROUND_MS: u64 = 1_000;
 /// Passes one call makes at most.
 const AWAY_PASSES: usize = 16;
 /// Every this many rounds over a queue's held publishes walks them all (the others walk what
@@ -51,6 +57,9 @@ pub(super) struct AwayHandle {
     /// Queues whose last call stopped with more to send (its passes' limit, or a failed
     /// write): [`Broker::continue_away`] goes on with them.
     pending: std::collections::BTreeSet<QueueId>,
+    /// Queues with a round to begin at a time (over their messages waiting for a retry), and
+    /// that time: [`Broker::continue_away`] begins it then, touched or not.
+    scheduled: std::collections::BTreeMap<QueueId, u64>,
 }
 
 impl std::fmt::Debug for AwayHandle {
@@ -68,6 +77,7 @@ impl Broker {
             store,
             retry_at: None,
             pending: std::collections::BTreeSet::new(),
+            scheduled: std::collections::BTreeMap::new(),
         });
     }
 
@@ -94,10 +104,17 @@ impl Broker {
             }
         }
         if let Some(h) = self.away.as_mut() {
-            if step == Step::Done {
-                h.pending.remove(&id);
-            } else {
-                h.pending.insert(id);
+            match step {
+                Step::Done => {
+                    h.pending.remove(&id);
+                }
+                Step::At(at) => {
+                    h.pending.remove(&id);
+                    h.scheduled.insert(id, at);
+                }
+                Step::More | Step::Later => {
+                    h.pending.insert(id);
+                }
             }
         }
     }
@@ -112,16 +129,31 @@ impl Broker {
         if h.retry_at.is_some_and(|at| now < at) {
             return;
         }
-        if let Some(id) = h.pending.pop_first() {
+        let due = h
+            .scheduled
+            .iter()
+            .find(|(_, at)| **at <= now)
+            .map(|(id, _)| *id);
+        if let Some(id) = due {
+            h.scheduled.remove(&id);
+            self.send_away_up_to(id, CONTINUE_PASSES);
+        } else if let Some(id) = h.pending.pop_first() {
             self.send_away_up_to(id, CONTINUE_PASSES);
         }
     }
 
     /// When [`Broker::continue_away`] has work, if ever.
     pub(super) fn away_deadline(&self) -> Option<u64> {
-        let h = self.away.as_ref().filter(|h| !h.pending.is_empty())?;
-        let soon = self.now_ms.saturating_add(AWAY_CONTINUE_MS);
-        Some(h.retry_at.map_or(soon, |at| at.max(soon)))
+        let h = self.away.as_ref()?;
+        let scheduled = h.scheduled.values().min().copied();
+        let pending = (!h.pending.is_empty()).then(|| {
+            let soon = self.now_ms.saturating_add(AWAY_CONTINUE_MS);
+            h.retry_at.map_or(soon, |at| at.max(soon))
+        });
+        match (scheduled, pending) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// What a snapshot's decoder needs to send a deep queue's contents away before the queue
@@ -138,136 +170,204 @@ impl Broker {
     /// One pass of [`Broker::send_away`]: the ready line's, and once it has nothing to send,
     /// the held publishes'.
     fn send_away_pass(&mut self, id: QueueId) -> Step {
-        match self.send_ready_away_pass(id) {
-            Step::Done => self.send_held_away_pass(id),
+        let now = self.now_ms;
+        let Some(handle) = self.away.as_mut() else {
+            return Step::Done;
+        };
+        let Some(q) = self.queues.get_mut(&id) else {
+            return Step::Done;
+        };
+        let count = keep(&self.config, q) as usize;
+        let window_bytes = self.config.page_window_bytes;
+        match ready_away_pass(handle, q, count, window_bytes, now) {
+            Step::Done => match held_away_pass(handle, q, count, now) {
+                Step::Done => retrying_away_pass(handle, q, count, now),
+                step => step,
+            },
             step => step,
         }
     }
+}
 
-    /// A pass over the publishes the queue holds until due ([`Command::EnqueueWith`]): those
-    /// due soonest stay (as many as the window keeps of the line), the others' contents leave
-    /// memory as a ready message's do. They are held by due time, so a new one may come
-    /// anywhere among them: once [`AWAY_BATCH`] came since the last round, a round walks
-    /// them, a pass at a time. A queue's own delay puts new ones after those held before, so
-    /// most rounds walk only what is held past where the last one ended; every
-    /// [`FULL_ROUND_EVERY`]th walks them all, for those held for less than the rest (without
-    /// it, each round walked every held publish: 14 s of a test's 17 for 262,144 of them).
-    ///
-    /// [`Command::EnqueueWith`]: warren_queue::machine::Command::EnqueueWith
-    fn send_held_away_pass(&mut self, id: QueueId) -> Step {
-        let now = self.now_ms;
-        let Some(handle) = self.away.as_mut() else {
-            return Step::Done;
-        };
-        let Some(q) = self.queues.get_mut(&id) else {
-            return Step::Done;
-        };
-        let count = keep(&self.config, q) as usize;
-        let Some(r) = q.replica.as_mut() else {
-            return Step::Done;
-        };
-        let h = &mut r.held_away;
-        let seq = q.machine.held_seq();
-        if seq < h.seen {
-            // The held line was empty since: counted afresh.
-            *h = Default::default();
-        }
-        let after = match h.round {
-            Some(after) => after,
-            None => {
-                if seq - h.seen < AWAY_BATCH as u64 || q.machine.held_count().0 <= count {
-                    return Step::Done;
-                }
-                // What is held from now on counts towards the next round.
-                h.seen = seq;
-                h.rounds = h.rounds.wrapping_add(1);
-                let from = match h.rounds % FULL_ROUND_EVERY {
-                    0 => None,
-                    _ => h.mark,
-                };
-                h.round = Some(from);
-                from
-            }
-        };
-        if handle.retry_at.is_some_and(|at| now < at) {
+/// A pass over the ready line past the window ([`Broker::send_away`]).
+fn ready_away_pass(
+    handle: &mut AwayHandle,
+    q: &mut Queue,
+    count: usize,
+    window_bytes: u64,
+    now: u64,
+) -> Step {
+    let Some(r) = q.replica.as_mut() else {
+        return Step::Done;
+    };
+    if q.machine.head_after(r.away_through) < AWAY_BATCH {
+        return Step::Done;
+    }
+    if handle.retry_at.is_some_and(|at| now < at) {
+        return Step::Later;
+    }
+    let kept = q.machine.head_within(count, window_bytes);
+    // The window's messages stay; the passes that follow look past them.
+    if let Some(last) = kept.checked_sub(1).and_then(|p| q.machine.head_id(p)) {
+        r.away_through = r.away_through.max(last);
+    }
+    let from = r.away_through;
+    let pass = match pass(&mut q.machine, &handle.store, kept, from) {
+        Ok(pass) => pass,
+        Err(error) => {
+            failed(q, handle, &error, now);
             return Step::Later;
         }
-        let pass = match pass_held(&mut q.machine, &handle.store, count, after) {
-            Ok(pass) => pass,
-            Err(error) => {
-                failed(q, handle, &error, now);
-                return Step::Later;
+    };
+    handle.retry_at = None;
+    r.away_through = pass.last;
+    if let Mode::Leading { committed } = &mut r.mode {
+        // The committed machine holds the same messages (or will, once their entries
+        // commit, from this machine's copies).
+        committed.share_head_payloads(&pass.stubs);
+    }
+    if pass.full {
+        Step::More
+    } else {
+        Step::Done
+    }
+}
+
+/// A pass over the publishes the queue holds until due ([`Command::EnqueueWith`]): those
+/// due soonest stay (as many as the window keeps of the line), the others' contents leave
+/// memory as a ready message's do. They are held by due time, so a new one may come
+/// anywhere among them: once [`AWAY_BATCH`] came since the last round, a round walks
+/// them, a pass at a time. A queue's own delay puts new ones after those held before, so
+/// most rounds walk only what is held past where the last one ended; every
+/// [`FULL_ROUND_EVERY`]th walks them all, for those held for less than the rest (without
+/// it, each round walked every held publish: 14 s of a test's 17 for 262,144 of them).
+///
+/// [`Command::EnqueueWith`]: warren_queue::machine::Command::EnqueueWith
+fn held_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now: u64) -> Step {
+    let Some(r) = q.replica.as_mut() else {
+        return Step::Done;
+    };
+    let h = &mut r.held_away;
+    let seq = q.machine.held_seq();
+    if seq < h.seen {
+        // The held line was empty since: counted afresh.
+        *h = Default::default();
+    }
+    let after = match h.round {
+        Some(after) => after,
+        None => {
+            if seq - h.seen < AWAY_BATCH as u64 || q.machine.held_count().0 <= count {
+                return Step::Done;
             }
-        };
-        handle.retry_at = None;
-        if pass.full {
-            h.round = Some(Some(pass.last));
-        } else {
-            h.round = None;
-            h.mark = Some(pass.last).filter(|k| *k != (0, 0)).or(h.mark);
+            // What is held from now on counts towards the next round.
+            h.seen = seq;
+            h.rounds = h.rounds.wrapping_add(1);
+            let from = match h.rounds % FULL_ROUND_EVERY {
+                0 => None,
+                _ => h.mark,
+            };
+            h.round = Some(from);
+            from
         }
-        if let Mode::Leading { committed } = &mut r.mode {
-            for (key, stub) in &pass.stubs {
-                committed.share_held(*key, stub);
-            }
+    };
+    if handle.retry_at.is_some_and(|at| now < at) {
+        return Step::Later;
+    }
+    let pass = match pass_held(&mut q.machine, &handle.store, count, after) {
+        Ok(pass) => pass,
+        Err(error) => {
+            failed(q, handle, &error, now);
+            return Step::Later;
         }
-        if pass.full {
-            Step::More
-        } else {
-            Step::Done
+    };
+    handle.retry_at = None;
+    if pass.full {
+        h.round = Some(Some(pass.last));
+    } else {
+        h.round = None;
+        h.mark = Some(pass.last).filter(|k| *k != (0, 0)).or(h.mark);
+    }
+    if let Mode::Leading { committed } = &mut r.mode {
+        for (key, stub) in &pass.stubs {
+            committed.share_held(*key, stub);
         }
     }
+    if pass.full {
+        Step::More
+    } else {
+        Step::Done
+    }
+}
 
-    /// A pass over the ready line past the window ([`Broker::send_away`]).
-    fn send_ready_away_pass(&mut self, id: QueueId) -> Step {
-        let now = self.now_ms;
-        let Some(handle) = self.away.as_mut() else {
-            return Step::Done;
-        };
-        let Some(q) = self.queues.get_mut(&id) else {
-            return Step::Done;
-        };
-        let count = keep(&self.config, q) as usize;
-        let Some(r) = q.replica.as_mut() else {
-            return Step::Done;
-        };
-        if q.machine.head_after(r.away_through) < AWAY_BATCH {
-            return Step::Done;
+/// A pass over the messages waiting for a delayed retry (`x-delayed-retry-type`): the oldest
+/// stay (as many as the window keeps of the line), the others' contents leave memory. A
+/// message that left the line with its contents away keeps them away while it waits, but one
+/// delivered from the window came back whole, so a worker failing every job (a service it
+/// calls is down) put every message of a busy queue in memory, whole, on every member, for as
+/// long as the outage lasted. Retries come and go in no order a round could follow: a round
+/// walks them all, at most once every [`RETRY_ROUND_MS`].
+fn retrying_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now: u64) -> Step {
+    let Some(r) = q.replica.as_mut() else {
+        return Step::Done;
+    };
+    let h = &mut r.retry_away;
+    let after = match h.round {
+        Some(after) => after,
+        None => {
+            // Nothing applied since the last round: nothing came to wait for a retry.
+            let changed = h.rounds == 0 || h.index != r.applied_index;
+            if !changed || q.machine.retrying_count() <= count {
+                return Step::Done;
+            }
+            let due = h.seen.saturating_add(RETRY_ROUND_MS);
+            if h.rounds > 0 && now < due {
+                return Step::At(due);
+            }
+            h.seen = now;
+            h.index = r.applied_index;
+            h.rounds = h.rounds.wrapping_add(1);
+            h.round = Some(None);
+            None
         }
-        if handle.retry_at.is_some_and(|at| now < at) {
+    };
+    if handle.retry_at.is_some_and(|at| now < at) {
+        return Step::Later;
+    }
+    let pass = match pass_retrying(&mut q.machine, &handle.store, count, after) {
+        Ok(pass) => pass,
+        Err(error) => {
+            failed(q, handle, &error, now);
             return Step::Later;
         }
-        let kept = q.machine.head_within(count, self.config.page_window_bytes);
-        // The window's messages stay; the passes that follow look past them.
-        if let Some(last) = kept.checked_sub(1).and_then(|p| q.machine.head_id(p)) {
-            r.away_through = r.away_through.max(last);
-        }
-        let from = r.away_through;
-        let pass = match pass(&mut q.machine, &handle.store, kept, from) {
-            Ok(pass) => pass,
-            Err(error) => {
-                failed(q, handle, &error, now);
-                return Step::Later;
+    };
+    handle.retry_at = None;
+    h.round = pass.full.then_some(Some(pass.last));
+    if let Mode::Leading { committed } = &mut r.mode {
+        // The committed machine takes the same stubs over the same stretch: those made now,
+        // and those made before the message came to wait there too (it came from the
+        // committed machine's own delivery, whole, when its entry committed).
+        let ahead = &q.machine;
+        for (id, m) in committed.retrying_payloads_mut(count, after) {
+            if id > pass.last {
+                break;
             }
-        };
-        handle.retry_at = None;
-        r.away_through = pass.last;
-        if let Mode::Leading { committed } = &mut r.mode {
-            // The committed machine holds the same messages (or will, once their entries
-            // commit, from this machine's copies).
-            committed.share_head_payloads(&pass.stubs);
+            if let Some(stub) = ahead.retrying_payload(id) {
+                if stub.is_away() && !m.is_away() && *stub == *m {
+                    *m = stub.clone();
+                }
+            }
         }
-        if pass.full {
-            Step::More
-        } else {
-            Step::Done
-        }
+    }
+    if pass.full {
+        Step::More
+    } else {
+        Step::Done
     }
 }
 
 /// A write of contents that failed: logged (once until one works again), and none tried for
 /// [`AWAY_RETRY_MS`].
-fn failed(q: &crate::queue::Queue, handle: &mut AwayHandle, error: &str, now: u64) {
+fn failed(q: &Queue, handle: &mut AwayHandle, error: &str, now: u64) {
     if handle.retry_at.is_some() {
         tracing::debug!(queue = %q.name, %error, "writing messages' contents away failed again");
     } else {
@@ -285,6 +385,8 @@ enum Step {
     More,
     /// A write failed, now or less than [`AWAY_RETRY_MS`] ago: tried again after that.
     Later,
+    /// Nothing now; a round is to begin at this time.
+    At(u64),
 }
 
 /// What [`Broker::away_context`] gives a snapshot's decoder: the store, and the windows
@@ -350,6 +452,18 @@ impl AwayContext {
                 }
             }
         }
+        // And those waiting for a retry, past the oldest.
+        let mut after = None;
+        loop {
+            match pass_retrying(machine, &self.store, count, after) {
+                Ok(p) if p.full => after = Some(p.last),
+                Ok(_) => break,
+                Err(error) => {
+                    tracing::warn!(%error, "writing the messages of a replicated queue waiting for a retry, read from a snapshot, out of memory failed: they stay in memory for now");
+                    return;
+                }
+            }
+        }
         let staying: u64 = machine
             .messages()
             .map(|(_, m, _)| m)
@@ -374,15 +488,20 @@ struct Pass<K> {
 }
 
 /// Copies of the messages of `walk` still in memory, up to a pass's limits: the copies, the
-/// last key looked at (`from` if none), and whether the limits stopped it.
+/// last key looked at (`from` if none), and whether the limits stopped it. A pass also looks
+/// at no more than [`AWAY_PASS_WALK`] messages, away or not, so that a round over a line
+/// mostly away already holds the node no longer than a write does.
 fn copies_of<'a, K: Copy>(
     walk: impl Iterator<Item = (K, &'a mut Message)>,
     from: K,
 ) -> (Vec<(K, Message)>, K, bool) {
     let mut copies: Vec<(K, Message)> = Vec::new();
     let (mut last, mut bytes, mut full) = (from, 0u64, false);
-    for (key, m) in walk {
-        if copies.len() >= AWAY_PASS_MESSAGES || bytes >= AWAY_PASS_BYTES {
+    for (walked, (key, m)) in walk.enumerate() {
+        if copies.len() >= AWAY_PASS_MESSAGES
+            || bytes >= AWAY_PASS_BYTES
+            || walked >= AWAY_PASS_WALK
+        {
             full = true;
             break;
         }
@@ -434,18 +553,18 @@ fn swap_in<'a, K: Copy + Ord + 'a>(
     }
 }
 
-/// [`pass`] over the held publishes past the `kept` due soonest, from the one after key
-/// `after` on.
-fn pass_held(
+/// Writes the contents of the messages of `walk` still in memory (from key `from` on), up to
+/// a pass's limits ([`copies_of`]), to `store` in one write, and swaps their stubs into
+/// `machine` (`walk` is walked again for it). Nothing changes if the write fails.
+fn pass_keyed<K: Copy + Ord>(
     machine: &mut QueueMachine<Message>,
     store: &Arc<dyn AwayStore>,
-    kept: usize,
-    after: Option<(u64, u64)>,
-) -> Result<Pass<(u64, u64)>, String> {
-    let (copies, last, full) = copies_of(
-        machine.held_payloads_mut(kept, after),
-        after.unwrap_or((0, 0)),
-    );
+    from: K,
+    walk: impl for<'a> Fn(
+        &'a mut QueueMachine<Message>,
+    ) -> Box<dyn Iterator<Item = (K, &'a mut Message)> + 'a>,
+) -> Result<Pass<K>, String> {
+    let (copies, last, full) = copies_of(walk(machine), from);
     if copies.is_empty() {
         return Ok(Pass {
             stubs: Vec::new(),
@@ -454,28 +573,43 @@ fn pass_held(
         });
     }
     let stubs = write_away(store, copies)?;
-    swap_in(machine.held_payloads_mut(kept, after), &stubs, last);
+    swap_in(walk(machine), &stubs, last);
     Ok(Pass { stubs, last, full })
 }
 
-/// Writes the contents of up to [`AWAY_PASS_MESSAGES`] ready messages (and
-/// [`AWAY_PASS_BYTES`]) past the first `kept` of the line and past id `from` to `store`, and
-/// swaps their stubs into `machine`. Nothing changes if the write fails.
+/// A pass over the ready line past its first `kept` and past id `from`.
 fn pass(
     machine: &mut QueueMachine<Message>,
     store: &Arc<dyn AwayStore>,
     kept: usize,
     from: u64,
 ) -> Result<Pass<u64>, String> {
-    let (copies, last, full) = copies_of(machine.head_payloads_mut(kept, from), from);
-    if copies.is_empty() {
-        return Ok(Pass {
-            stubs: Vec::new(),
-            last,
-            full: false,
-        });
-    }
-    let stubs = write_away(store, copies)?;
-    swap_in(machine.head_payloads_mut(kept, from), &stubs, last);
-    Ok(Pass { stubs, last, full })
+    pass_keyed(machine, store, from, |m| {
+        Box::new(m.head_payloads_mut(kept, from))
+    })
+}
+
+/// A pass over the held publishes past the `kept` due soonest, from the one after key `after`.
+fn pass_held(
+    machine: &mut QueueMachine<Message>,
+    store: &Arc<dyn AwayStore>,
+    kept: usize,
+    after: Option<(u64, u64)>,
+) -> Result<Pass<(u64, u64)>, String> {
+    pass_keyed(machine, store, after.unwrap_or((0, 0)), |m| {
+        Box::new(m.held_payloads_mut(kept, after))
+    })
+}
+
+/// A pass over the messages waiting for a retry past the `kept` oldest, from the one after id
+/// `after`.
+fn pass_retrying(
+    machine: &mut QueueMachine<Message>,
+    store: &Arc<dyn AwayStore>,
+    kept: usize,
+    after: Option<u64>,
+) -> Result<Pass<u64>, String> {
+    pass_keyed(machine, store, after.unwrap_or(0), |m| {
+        Box::new(m.retrying_payloads_mut(kept, after))
+    })
 }

@@ -739,6 +739,7 @@ impl Broker {
         // entries applied since count towards the next pass with those it left.
         r.away_through = 0;
         r.held_away = Default::default();
+        r.retry_away = Default::default();
         r.mode = Mode::Following;
         r.held.clear();
         r.applied_index = index;
@@ -2544,6 +2545,7 @@ impl Broker {
             q.machine = *committed;
             r.away_through = 0;
             r.held_away = Default::default();
+            r.retry_away = Default::default();
         }
         // What it held for its consumers is dropped: the entries that gave it to them may
         // still commit, so this node brings itself `Down` again before anything else of it
