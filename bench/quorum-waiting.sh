@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Memory of a quorum queue's messages that wait beside its line, on a 3-node Warren cluster it
+# starts (scripts/cluster, a temporary folder, ports 5701-5703):
+#
+#   bench/quorum-waiting.sh held N    N persistent 1 KiB publishes with confirms into a queue with
+#                                     x-delivery-delay 600000 (held in its log until due)
+#   bench/quorum-waiting.sh retry N   N of them into a queue with x-delayed-retry-min 600000, each
+#                                     nacked with requeue by a worker (pika, prefetch 200) as it
+#                                     arrives: every one waits for its retry
+#
+# Prints each node's RSS before and 4 s after, and how many messages each keeps out of memory.
+# WARREN_BIN: the warren binary (default: the release build in CARGO_TARGET_DIR); the retry
+# shape needs pika, which scripts/test installs into clients/.deps/python.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SHAPE=${1:-}
+N=${2:-}
+case "$SHAPE" in
+held | retry) ;;
+*) echo "usage: bench/quorum-waiting.sh held|retry N" >&2; exit 2 ;;
+esac
+[[ "$N" =~ ^[0-9]+$ ]] || { echo "usage: bench/quorum-waiting.sh held|retry N (a count)" >&2; exit 2; }
+TARGET=${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}
+export WARREN_BIN=${WARREN_BIN:-$TARGET/release/warren}
+BENCH=${WARREN_BENCH:-$TARGET/release/warren-bench}
+for b in "$WARREN_BIN" "$BENCH"; do
+    [ -x "$b" ] || { echo "no $b: cargo build --release -p warren-server -p warren-bench, or set WARREN_BIN and WARREN_BENCH" >&2; exit 1; }
+done
+if [ "$SHAPE" = retry ] && ! PYTHONPATH="$ROOT/clients/.deps/python" python3 -c "import pika" 2>/dev/null; then
+    echo "the retry shape needs pika in clients/.deps/python: run scripts/test once (it installs it)" >&2
+    exit 1
+fi
+for port in 5701 5702 5703; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        echo "port $port is in use (a cluster from scripts/cluster up?): stop it first (scripts/cluster down)" >&2
+        exit 1
+    fi
+done
+WARREN_CLUSTER_DIR=$(mktemp -d)
+export WARREN_CLUSTER_DIR
+cleanup() {
+    "$ROOT/scripts/cluster" down >/dev/null 2>&1 || true
+    rm -rf "$WARREN_CLUSTER_DIR"
+}
+trap cleanup EXIT
+"$ROOT/scripts/cluster" up >/dev/null
+
+case "$SHAPE" in
+held) ARG='"x-delivery-delay":600000' ;;
+retry) ARG='"x-delayed-retry-min":600000' ;;
+esac
+curl -sf -u guest:guest -X PUT -H 'content-type: application/json' \
+    -d "{\"durable\":true,\"arguments\":{\"x-queue-type\":\"quorum\",$ARG}}" \
+    "http://127.0.0.1:15701/api/queues/%2f/waiting" >/dev/null
+leader=""
+for _ in $(seq 1 100); do
+    leader=$(curl -s -u guest:guest "http://127.0.0.1:15701/api/queues/%2f/waiting" |
+        python3 -c "import json,sys; print(json.load(sys.stdin)['leader'].split('@')[0].split('-')[1])" 2>/dev/null) && break
+    sleep 0.1
+done
+[ -n "$leader" ] || { echo "the queue has no leader" >&2; exit 1; }
+rss() {
+    local n out=""
+    for n in 1 2 3; do
+        out="$out $(awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node$n.pid")/status")"
+    done
+    echo "$out"
+}
+echo "RSS before (MB, nodes 1 2 3):$(rss); the queue's leader: node $leader"
+if [ "$SHAPE" = held ]; then
+    "$BENCH" -u "amqp://guest:guest@127.0.0.1:570$leader/%2f" --quiet --predeclare -x 1 -y 0 \
+        --no-consume -s 1024 -f --durable -c 500 -C "$N" --queue-pattern waiting \
+        --queue-arg x-queue-type=quorum --queue-arg x-delivery-delay=600000 2>&1 | tail -1
+else
+    PYTHONPATH="$ROOT/clients/.deps/python" python3 - "570$leader" "$N" <<'PY'
+import sys, time, pika
+port, n = int(sys.argv[1]), int(sys.argv[2])
+conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+ch = conn.channel()
+ch.confirm_delivery()
+failed = 0
+def fail(channel, method, _props, _body):
+    global failed
+    channel.basic_nack(method.delivery_tag, requeue=True)
+    failed += 1
+ch.basic_qos(prefetch_count=200)
+ch.basic_consume("waiting", fail)
+start = time.time()
+for i in range(n):
+    ch.basic_publish("", "waiting", b"x" * 1020 + b"%04d" % (i % 10000),
+                     pika.BasicProperties(delivery_mode=2))
+    if i % 100 == 99:
+        conn.process_data_events(0)
+while failed < n and time.time() - start < 300:
+    conn.process_data_events(0.1)
+print(f"published {n} and nacked {failed} in {time.time() - start:.1f} s")
+conn.close()
+PY
+fi
+sleep 4
+echo "RSS after (MB):$(rss)"
+away=""
+for n in 1 2 3; do
+    away="$away $(curl -s "http://127.0.0.1:1579$n/metrics" | awk '/^warren_replicated_messages_away/ {print $2}')"
+done
+echo "messages whose contents are out of memory:$away"
