@@ -27,47 +27,12 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
-TARGET=${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}
-export WARREN_BIN=${WARREN_BIN:-$TARGET/release/warren}
-BENCH=${WARREN_BENCH:-$TARGET/release/warren-bench}
-for b in "$WARREN_BIN" "$BENCH"; do
-    [ -x "$b" ] || { echo "no $b: cargo build --release -p warren-server -p warren-bench, or set WARREN_BIN and WARREN_BENCH" >&2; exit 1; }
-done
-for port in 5701 5702 5703; do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-        echo "port $port is in use (a cluster from scripts/cluster up?): stop it first (scripts/cluster down)" >&2
-        exit 1
-    fi
-done
-WARREN_CLUSTER_DIR=$(mktemp -d)
-export WARREN_CLUSTER_DIR
-cleanup() {
-    "$ROOT/scripts/cluster" down >/dev/null 2>&1 || true
-    rm -rf "$WARREN_CLUSTER_DIR"
-}
-trap cleanup EXIT
-"$ROOT/scripts/cluster" up >/dev/null
-
-rss() { # the three nodes' VmRSS (or, given VmHWM, their peak) in MB
-    local out="" n field=${1:-VmRSS}
-    for n in 1 2 3; do
-        out="$out $(awk -v f="^$field" '$0 ~ f {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node$n.pid")/status")"
-    done
-    echo "$out"
-}
+# shellcheck source=bench/warren-cluster.sh
+. "$ROOT/bench/warren-cluster.sh"
 rate() { python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))[sys.argv[2]]))" "$1" "$2"; }
 
 echo "RSS before (MB, nodes 1 2 3):$(rss)"
-curl -sf -u guest:guest -X PUT -H 'content-type: application/json' \
-    -d '{"durable":true,"arguments":{"x-queue-type":"quorum"}}' \
-    "http://127.0.0.1:15701/api/queues/%2f/deep" >/dev/null
-leader=""
-for _ in $(seq 1 100); do
-    leader=$(curl -s -u guest:guest "http://127.0.0.1:15701/api/queues/%2f/deep" |
-        python3 -c "import json,sys; print(json.load(sys.stdin)['leader'].split('@')[0].split('-')[1])" 2>/dev/null) && break
-    sleep 0.1
-done
-[ -n "$leader" ] || { echo "the queue has no leader" >&2; exit 1; }
+leader=$(declare_quorum deep "")
 URL="amqp://guest:guest@127.0.0.1:570$leader/%2f"
 "$BENCH" -u "$URL" --json --quiet --label backlog --predeclare \
     -x 1 -y 0 --no-consume -s 1024 -f --durable -c 1000 -C "$MESSAGES" \

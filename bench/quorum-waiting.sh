@@ -21,52 +21,18 @@ held | retry) ;;
 *) echo "usage: bench/quorum-waiting.sh held|retry N" >&2; exit 2 ;;
 esac
 [[ "$N" =~ ^[0-9]+$ ]] || { echo "usage: bench/quorum-waiting.sh held|retry N (a count)" >&2; exit 2; }
-TARGET=${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}
-export WARREN_BIN=${WARREN_BIN:-$TARGET/release/warren}
-BENCH=${WARREN_BENCH:-$TARGET/release/warren-bench}
-for b in "$WARREN_BIN" "$BENCH"; do
-    [ -x "$b" ] || { echo "no $b: cargo build --release -p warren-server -p warren-bench, or set WARREN_BIN and WARREN_BENCH" >&2; exit 1; }
-done
 if [ "$SHAPE" = retry ] && ! PYTHONPATH="$ROOT/clients/.deps/python" python3 -c "import pika" 2>/dev/null; then
     echo "the retry shape needs pika in clients/.deps/python: run scripts/test once (it installs it)" >&2
     exit 1
 fi
-for port in 5701 5702 5703; do
-    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-        echo "port $port is in use (a cluster from scripts/cluster up?): stop it first (scripts/cluster down)" >&2
-        exit 1
-    fi
-done
-WARREN_CLUSTER_DIR=$(mktemp -d)
-export WARREN_CLUSTER_DIR
-cleanup() {
-    "$ROOT/scripts/cluster" down >/dev/null 2>&1 || true
-    rm -rf "$WARREN_CLUSTER_DIR"
-}
-trap cleanup EXIT
-"$ROOT/scripts/cluster" up >/dev/null
+# shellcheck source=bench/warren-cluster.sh
+. "$ROOT/bench/warren-cluster.sh"
 
 case "$SHAPE" in
-held) ARG='"x-delivery-delay":600000' ;;
-retry) ARG='"x-delayed-retry-min":600000' ;;
+held) ARG=',"x-delivery-delay":600000' ;;
+retry) ARG=',"x-delayed-retry-min":600000' ;;
 esac
-curl -sf -u guest:guest -X PUT -H 'content-type: application/json' \
-    -d "{\"durable\":true,\"arguments\":{\"x-queue-type\":\"quorum\",$ARG}}" \
-    "http://127.0.0.1:15701/api/queues/%2f/waiting" >/dev/null
-leader=""
-for _ in $(seq 1 100); do
-    leader=$(curl -s -u guest:guest "http://127.0.0.1:15701/api/queues/%2f/waiting" |
-        python3 -c "import json,sys; print(json.load(sys.stdin)['leader'].split('@')[0].split('-')[1])" 2>/dev/null) && break
-    sleep 0.1
-done
-[ -n "$leader" ] || { echo "the queue has no leader" >&2; exit 1; }
-rss() {
-    local n out=""
-    for n in 1 2 3; do
-        out="$out $(awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node$n.pid")/status")"
-    done
-    echo "$out"
-}
+leader=$(declare_quorum waiting "$ARG")
 echo "RSS before (MB, nodes 1 2 3):$(rss); the queue's leader: node $leader"
 if [ "$SHAPE" = held ]; then
     "$BENCH" -u "amqp://guest:guest@127.0.0.1:570$leader/%2f" --quiet --predeclare -x 1 -y 0 \
