@@ -3848,6 +3848,50 @@ fn a_quorum_queues_held_publishes_leave_memory_past_the_window_and_come_back_who
 }
 
 #[test]
+fn a_held_publish_that_says_it_was_delivered_stays_whole_so_members_flag_it_alike() {
+    // The machine reads `x-redelivered` from a held publish's properties when it releases it;
+    // a stub has none, so a member that sent it away flagged it otherwise than one that did not.
+    small_window();
+    let mut args = quorum_args();
+    args.insert("x-delivery-delay", FieldValue::I64(500));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let flagged = |n: u32| {
+        let mut headers = FieldTable::new();
+        headers.insert(warren_queue::REDELIVERED_HEADER, FieldValue::Bool(true));
+        Message {
+            properties: warren_codec::properties::BasicProperties {
+                headers: Some(headers),
+                delivery_mode: Some(2),
+                ..Default::default()
+            }
+            .encode(),
+            ..message(n)
+        }
+    };
+    let published = c.now;
+    for n in 0..300 {
+        let m = if n % 2 == 0 { flagged(n) } else { message(n) };
+        c.publish_message(leader, n, m);
+    }
+    c.run(40);
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.held_count().0, 300);
+        let away = held_away_on(&c, n).0;
+        assert!(away <= 150, "node {n}: {away} away, flagged ones among them");
+        assert!(away >= 150 - 4, "node {n}: {away} away");
+    }
+    while c.now < published + 600 {
+        c.step();
+    }
+    c.run(10);
+    assert_counts(&c, &NODES, (300, 0));
+    assert_same_state(&c, &NODES);
+}
+
+#[test]
 fn a_quorum_queues_messages_waiting_for_a_retry_leave_memory_past_the_oldest() {
     // A worker that fails every job (what it calls is down) puts each message of a busy queue
     // in the retry wait: those it took from the window came whole, and stayed whole there on

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use warren_queue::machine::QueueMachine;
-use warren_queue::{AwayStore, Message};
+use warren_queue::{AwayStore, Message, Payload};
 
 use super::persistence::{keep, window_of};
 use super::{Broker, QueueId};
@@ -145,11 +145,11 @@ impl Broker {
     /// When [`Broker::continue_away`] has work, if ever.
     pub(super) fn away_deadline(&self) -> Option<u64> {
         let h = self.away.as_ref()?;
-        let scheduled = h.scheduled.values().min().copied();
-        let pending = (!h.pending.is_empty()).then(|| {
-            let soon = self.now_ms.saturating_add(AWAY_CONTINUE_MS);
-            h.retry_at.map_or(soon, |at| at.max(soon))
-        });
+        // Nothing goes on before a failed write's pause is over.
+        let after_pause = |t: u64| h.retry_at.map_or(t, |at| at.max(t));
+        let scheduled = h.scheduled.values().min().copied().map(after_pause);
+        let pending = (!h.pending.is_empty())
+            .then(|| after_pause(self.now_ms.saturating_add(AWAY_CONTINUE_MS)));
         match (scheduled, pending) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -590,6 +590,9 @@ fn pass(
 }
 
 /// A pass over the held publishes past the `kept` due soonest, from the one after key `after`.
+/// One whose headers say it was delivered before (`x-redelivered`, as `warren migrate` sets it)
+/// stays whole: the machine reads that from its properties when it is released, and a stub has
+/// none, so members that sent it away and members that did not would flag it differently.
 fn pass_held(
     machine: &mut QueueMachine<Message>,
     store: &Arc<dyn AwayStore>,
@@ -597,7 +600,10 @@ fn pass_held(
     after: Option<(u64, u64)>,
 ) -> Result<Pass<(u64, u64)>, String> {
     pass_keyed(machine, store, after.unwrap_or((0, 0)), |m| {
-        Box::new(m.held_payloads_mut(kept, after))
+        Box::new(
+            m.held_payloads_mut(kept, after)
+                .filter(|(_, m)| !m.says_redelivered()),
+        )
     })
 }
 

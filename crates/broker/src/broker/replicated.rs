@@ -937,7 +937,9 @@ impl Broker {
             r.since_snapshot_bytes = 0;
             let estimate = snapshot_estimate(machine);
             let at_once = estimate <= ENCODE_AT_ONCE_MAX
-                && !(away_on && machine.messages().any(|(_, m, _)| m.is_away()));
+                && !(away_on
+                    && (machine.messages().any(|(_, m, _)| m.is_away())
+                        || machine.held_messages().any(|m| m.is_away())));
             let data = if at_once {
                 let mut buf = bytes::BytesMut::new();
                 if let Err(error) = machine.snapshot(&mut buf) {

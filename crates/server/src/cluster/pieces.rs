@@ -247,6 +247,8 @@ impl Incoming {
             let again = self.last.is_some_and(|(g, i, at)| {
                 g == group && i == index && now.saturating_duration_since(at) < AGAIN_AFTER
             });
+            // An unfinished message is dropped, its file with it.
+            self.discard_partial();
             let file = match (&self.spool, again) {
                 (Some(path), false) => open_spool(path).map_err(|e| spool_failed(&e)).ok(),
                 _ => None,
@@ -266,14 +268,14 @@ impl Incoming {
         let p = match self.partial.as_mut() {
             Some(p) if p.group == group && p.total == total && p.have as u64 == offset => p,
             _ => {
-                self.partial = None;
+                self.discard_partial();
                 return Err(WireError::Piece(
                     "a piece that does not follow the one before",
                 ));
             }
         };
         if piece.len() > p.total - p.have {
-            self.partial = None;
+            self.discard_partial();
             return Err(WireError::Piece("pieces longer than their message"));
         }
         if !piece.is_empty() && !p.again {
@@ -282,7 +284,13 @@ impl Incoming {
                     Ok(()) => true,
                     Err(e) => {
                         spool_failed(&e);
-                        if let Err(e) = back_to_memory(p) {
+                        let back = back_to_memory(p);
+                        if let Some(path) = &self.spool {
+                            // Read back or not, the file is not used again (it may be what
+                            // filled the disk).
+                            let _ = std::fs::remove_file(path);
+                        }
+                        if let Err(e) = back {
                             self.partial = None;
                             return Err(spool_error(&e));
                         }
@@ -352,12 +360,21 @@ impl Incoming {
     }
 }
 
+impl Incoming {
+    /// Drops the message under way, and its spool file if it has one.
+    fn discard_partial(&mut self) {
+        if let Some(Partial { file: Some(_), .. }) = self.partial.take() {
+            if let Some(path) = &self.spool {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
 impl Drop for Incoming {
     fn drop(&mut self) {
         // A link that ends with a message unfinished leaves no file behind.
-        if let (Some(path), Some(Partial { file: Some(_), .. })) = (&self.spool, &self.partial) {
-            let _ = std::fs::remove_file(path);
-        }
+        self.discard_partial();
     }
 }
 
@@ -585,6 +602,51 @@ mod tests {
             .collect();
         assert_eq!(whole.len(), 1);
         assert_eq!(whole[0].msg, snap);
+    }
+
+    /// The pieces in one frame's bytes.
+    fn pieces_in(frame: &[u8]) -> Vec<Bytes> {
+        let len = u32::from_be_bytes(frame[..4].try_into().unwrap()) as usize;
+        let b = wire::decode_batch(Bytes::copy_from_slice(&frame[4..4 + len])).unwrap();
+        b.forwards
+            .into_iter()
+            .filter(|f| f.group == super::super::PIECE)
+            .map(|f| f.data)
+            .collect()
+    }
+
+    #[test]
+    fn a_spooled_message_dropped_on_an_error_or_replaced_leaves_no_file() {
+        const INLINE: usize = 64 << 10;
+        let dir = tempfile::tempdir().expect("dir");
+        let file = dir.path().join("2.0.part");
+        let mut incoming = Incoming::spooled(file.clone());
+        let mut out = Outgoing::new(INLINE);
+        out.take_large(&mut batch(vec![(5, snapshot_msg(2, 80, big(3 * INLINE)))]));
+        let frames = frames_of(&mut out);
+        assert!(frames.len() >= 3);
+        for p in pieces_in(&frames[0]) {
+            assert!(incoming.take(p, Instant::now()).expect("taken").is_none());
+        }
+        assert!(file.exists());
+        // A piece that does not follow: the link is dropped, and the file goes.
+        let skipped = pieces_in(&frames[2]).remove(0);
+        assert!(incoming.take(skipped, Instant::now()).is_err());
+        assert!(!file.exists(), "dropped on an error");
+        // A new first piece replaces an unfinished message, file and all.
+        for p in pieces_in(&frames[0]) {
+            incoming.take(p, Instant::now()).expect("taken");
+        }
+        assert!(file.exists());
+        let mut other = Outgoing::new(INLINE);
+        other.take_large(&mut batch(vec![(6, snapshot_msg(2, 9, big(2 * INLINE)))]));
+        let whole: Vec<Envelope> = frames_of(&mut other)
+            .iter()
+            .flat_map(|f| receive(f, &mut incoming).1)
+            .collect();
+        assert_eq!(whole.len(), 1);
+        assert!(!file.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
     }
 
     #[test]
