@@ -3880,7 +3880,10 @@ fn a_held_publish_that_says_it_was_delivered_stays_whole_so_members_flag_it_alik
         let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
         assert_eq!(m.held_count().0, 300);
         let away = held_away_on(&c, n).0;
-        assert!(away <= 150, "node {n}: {away} away, flagged ones among them");
+        assert!(
+            away <= 150,
+            "node {n}: {away} away, flagged ones among them"
+        );
         assert!(away >= 150 - 4, "node {n}: {away} away");
     }
     while c.now < published + 600 {

@@ -653,6 +653,13 @@ impl MultiRaft {
     /// on top of the snapshot (which the caller hands it first), and the membership changes
     /// among them are applied again on top of the snapshot's members.
     pub fn recover_group(&mut self, id: GroupId, durable: &DurableGroup) -> Result<(), Error> {
+        if durable.unloaded.is_some() && self.cold.is_none() {
+            // The committed entries it left on disk could never be read back and applied.
+            return Err(Error::Config(format!(
+                "group {}: its committed entries are in the durable log, and no cold log is set to read them (set_cold_log before recover_group)",
+                id.0
+            )));
+        }
         let mut durable = durable.clone();
         durable.fit_to_snapshot();
         let members = durable.start_members(&self.cfg.nodes);

@@ -79,3 +79,26 @@ fn the_leader_keeps_what_a_live_follower_still_lacks_up_to_its_limit() {
     }
     sim.assert_applied_everywhere(&[1, 2, 3]);
 }
+
+#[test]
+fn a_group_whose_committed_entries_stay_on_disk_is_refused_without_a_cold_log() {
+    let mut raft = crate::MultiRaft::new(super::sim::config_in(1, vec![1, 2, 3])).expect("config");
+    let durable = crate::DurableGroup {
+        unloaded: Some(crate::Unloaded {
+            first: 1,
+            last: 10,
+            last_term: 2,
+            term_at_snapshot: None,
+        }),
+        ..Default::default()
+    };
+    assert!(
+        matches!(
+            raft.recover_group(G, &durable),
+            Err(crate::Error::Config(_))
+        ),
+        "its committed entries could never be applied"
+    );
+    raft.set_cold_log(crate::MemLog::new().cold());
+    raft.recover_group(G, &durable).expect("with a cold log");
+}
