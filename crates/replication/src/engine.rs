@@ -205,9 +205,7 @@ impl EngineLog {
             .map_err(engine_error)?
             .unwrap_or_default();
         let snapshot = self.snapshots.read(group)?;
-        let commit = hard_state
-            .commit
-            .max(snapshot.as_ref().map_or(0, |s| s.meta.index));
+        let commit = DurableGroup::committed_through(&hard_state, snapshot.as_ref());
         let mut entries = Vec::new();
         let mut unloaded = None;
         if let (Some(first), Some(last)) = (

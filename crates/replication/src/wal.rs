@@ -137,14 +137,20 @@ impl DurableGroup {
         true
     }
 
+    /// The last index known committed: the hard state's commit index, or the snapshot's if
+    /// later (a snapshot covers committed entries only). Entries up to it are final.
+    pub(crate) fn committed_through(
+        hard_state: &HardState,
+        snapshot: Option<&StoredSnapshot>,
+    ) -> u64 {
+        hard_state.commit.max(snapshot.map_or(0, |s| s.meta.index))
+    }
+
     /// Leaves the entries up to the commit index (or the snapshot's, if later) out of
     /// `entries`, as [`crate::EngineLog::durable`] reads them: for a log whose entries are in
     /// memory whole ([`MemLog`]), so that tests recover groups the way a node does.
     pub fn unload_committed(&mut self) {
-        let commit = self
-            .hard_state
-            .commit
-            .max(self.snapshot.as_ref().map_or(0, |s| s.meta.index));
+        let commit = Self::committed_through(&self.hard_state, self.snapshot.as_ref());
         let n = self
             .entries
             .iter()

@@ -20,6 +20,7 @@ use super::persistence::{keep, window_of};
 use super::{Broker, QueueId};
 use crate::queue::Queue;
 use crate::replica::Mode;
+use warren_codec::ShortStr;
 
 /// Fewer new messages than this past the window wait for the next pass: each pass is one
 /// write to the store.
@@ -167,8 +168,8 @@ impl Broker {
         })
     }
 
-    /// One pass of [`Broker::send_away`]: the ready line's, and once it has nothing to send,
-    /// the held publishes'.
+    /// One pass of [`Broker::send_away`]: the ready line's; once it has nothing to send, the
+    /// held publishes'; once they have none, the retries'.
     fn send_away_pass(&mut self, id: QueueId) -> Step {
         let now = self.now_ms;
         let Some(handle) = self.away.as_mut() else {
@@ -203,34 +204,24 @@ fn ready_away_pass(
     if q.machine.head_after(r.away_through) < AWAY_BATCH {
         return Step::Done;
     }
-    if handle.retry_at.is_some_and(|at| now < at) {
-        return Step::Later;
-    }
     let kept = q.machine.head_within(count, window_bytes);
     // The window's messages stay; the passes that follow look past them.
     if let Some(last) = kept.checked_sub(1).and_then(|p| q.machine.head_id(p)) {
         r.away_through = r.away_through.max(last);
     }
     let from = r.away_through;
-    let pass = match pass(&mut q.machine, &handle.store, kept, from) {
-        Ok(pass) => pass,
-        Err(error) => {
-            failed(q, handle, &error, now);
-            return Step::Later;
-        }
+    let Some(pass) = attempt(handle, &mut q.machine, (&q.name, &q.vhost), now, |m, s| {
+        pass(m, s, kept, from)
+    }) else {
+        return Step::Later;
     };
-    handle.retry_at = None;
     r.away_through = pass.last;
     if let Mode::Leading { committed } = &mut r.mode {
         // The committed machine holds the same messages (or will, once their entries
         // commit, from this machine's copies).
         committed.share_head_payloads(&pass.stubs);
     }
-    if pass.full {
-        Step::More
-    } else {
-        Step::Done
-    }
+    pass.step()
 }
 
 /// A pass over the publishes the queue holds until due ([`Command::EnqueueWith`]): those
@@ -270,17 +261,11 @@ fn held_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now: u64
             from
         }
     };
-    if handle.retry_at.is_some_and(|at| now < at) {
+    let Some(pass) = attempt(handle, &mut q.machine, (&q.name, &q.vhost), now, |m, s| {
+        pass_held(m, s, count, after)
+    }) else {
         return Step::Later;
-    }
-    let pass = match pass_held(&mut q.machine, &handle.store, count, after) {
-        Ok(pass) => pass,
-        Err(error) => {
-            failed(q, handle, &error, now);
-            return Step::Later;
-        }
     };
-    handle.retry_at = None;
     if pass.full {
         h.round = Some(Some(pass.last));
     } else {
@@ -292,11 +277,7 @@ fn held_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now: u64
             committed.share_held(*key, stub);
         }
     }
-    if pass.full {
-        Step::More
-    } else {
-        Step::Done
-    }
+    pass.step()
 }
 
 /// A pass over the messages waiting for a delayed retry (`x-delayed-retry-type`): the oldest
@@ -330,17 +311,11 @@ fn retrying_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now:
             None
         }
     };
-    if handle.retry_at.is_some_and(|at| now < at) {
+    let Some(pass) = attempt(handle, &mut q.machine, (&q.name, &q.vhost), now, |m, s| {
+        pass_retrying(m, s, count, after)
+    }) else {
         return Step::Later;
-    }
-    let pass = match pass_retrying(&mut q.machine, &handle.store, count, after) {
-        Ok(pass) => pass,
-        Err(error) => {
-            failed(q, handle, &error, now);
-            return Step::Later;
-        }
     };
-    handle.retry_at = None;
     h.round = pass.full.then_some(Some(pass.last));
     if let Mode::Leading { committed } = &mut r.mode {
         // The committed machine takes the same stubs over the same stretch: those made now,
@@ -358,22 +333,37 @@ fn retrying_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now:
             }
         }
     }
-    if pass.full {
-        Step::More
-    } else {
-        Step::Done
-    }
+    pass.step()
 }
 
-/// A write of contents that failed: logged (once until one works again), and none tried for
-/// [`AWAY_RETRY_MS`].
-fn failed(q: &Queue, handle: &mut AwayHandle, error: &str, now: u64) {
-    if handle.retry_at.is_some() {
-        tracing::debug!(queue = %q.name, %error, "writing messages' contents away failed again");
-    } else {
-        tracing::warn!(queue = %q.name, vhost = %q.vhost, %error, "writing a deep replicated queue's messages out of memory failed: they stay in memory, tried again in a second");
+/// Runs one pass (`pass`, given the machine and the store) unless a failed write's pause is
+/// under way. A write that fails is logged (once until one works again) and none is tried for
+/// [`AWAY_RETRY_MS`]; `None` then, and during the pause.
+fn attempt<K>(
+    handle: &mut AwayHandle,
+    machine: &mut QueueMachine<Message>,
+    (name, vhost): (&ShortStr, &str),
+    now: u64,
+    pass: impl FnOnce(&mut QueueMachine<Message>, &Arc<dyn AwayStore>) -> Result<Pass<K>, String>,
+) -> Option<Pass<K>> {
+    if handle.retry_at.is_some_and(|at| now < at) {
+        return None;
     }
-    handle.retry_at = Some(now.saturating_add(AWAY_RETRY_MS));
+    match pass(machine, &handle.store) {
+        Ok(p) => {
+            handle.retry_at = None;
+            Some(p)
+        }
+        Err(error) => {
+            if handle.retry_at.is_some() {
+                tracing::debug!(queue = %name, %error, "writing messages' contents away failed again");
+            } else {
+                tracing::warn!(queue = %name, vhost = %vhost, %error, "writing a deep replicated queue's messages out of memory failed: they stay in memory, tried again in a second");
+            }
+            handle.retry_at = Some(now.saturating_add(AWAY_RETRY_MS));
+            None
+        }
+    }
 }
 
 /// Where one pass of [`Broker::send_away`] left a queue.
@@ -440,29 +430,14 @@ impl AwayContext {
                 }
             }
         }
-        // The held publishes past those due soonest go too.
-        let mut after = None;
-        loop {
-            match pass_held(machine, &self.store, count, after) {
-                Ok(p) if p.full => after = Some(p.last),
-                Ok(_) => break,
-                Err(error) => {
-                    tracing::warn!(%error, "writing the held publishes of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
-                    return;
-                }
-            }
-        }
-        // And those waiting for a retry, past the oldest.
-        let mut after = None;
-        loop {
-            match pass_retrying(machine, &self.store, count, after) {
-                Ok(p) if p.full => after = Some(p.last),
-                Ok(_) => break,
-                Err(error) => {
-                    tracing::warn!(%error, "writing the messages of a replicated queue waiting for a retry, read from a snapshot, out of memory failed: they stay in memory for now");
-                    return;
-                }
-            }
+        // The held publishes past those due soonest go too, and those waiting for a retry
+        // past the oldest.
+        let held = every_pass(|after| pass_held(machine, &self.store, count, after));
+        let retrying = held
+            .and_then(|()| every_pass(|after| pass_retrying(machine, &self.store, count, after)));
+        if let Err(error) = retrying {
+            tracing::warn!(%error, "writing the held or retrying messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
+            return;
         }
         let staying: u64 = machine
             .messages()
@@ -485,6 +460,17 @@ struct Pass<K> {
     stubs: Vec<(K, Message)>,
     last: K,
     full: bool,
+}
+
+impl<K> Pass<K> {
+    /// More may wait after a pass its limits stopped.
+    fn step(&self) -> Step {
+        if self.full {
+            Step::More
+        } else {
+            Step::Done
+        }
+    }
 }
 
 /// Copies of the messages of `walk` still in memory, up to a pass's limits: the copies, the
@@ -575,6 +561,19 @@ fn pass_keyed<K: Copy + Ord>(
     let stubs = write_away(store, copies)?;
     swap_in(walk(machine), &stubs, last);
     Ok(Pass { stubs, last, full })
+}
+
+/// Passes one after the other, each from where the last stopped, until one is not stopped by
+/// its limits.
+fn every_pass<K>(mut one: impl FnMut(Option<K>) -> Result<Pass<K>, String>) -> Result<(), String> {
+    let mut after = None;
+    loop {
+        let p = one(after)?;
+        if !p.full {
+            return Ok(());
+        }
+        after = Some(p.last);
+    }
 }
 
 /// A pass over the ready line past its first `kept` and past id `from`.

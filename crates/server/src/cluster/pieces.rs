@@ -285,11 +285,9 @@ impl Incoming {
                     Err(e) => {
                         spool_failed(&e);
                         let back = back_to_memory(p);
-                        if let Some(path) = &self.spool {
-                            // Read back or not, the file is not used again (it may be what
-                            // filled the disk).
-                            let _ = std::fs::remove_file(path);
-                        }
+                        // Read back or not, the file is not used again (it may be what filled
+                        // the disk).
+                        remove_spool_file(&self.spool);
                         if let Err(e) = back {
                             self.partial = None;
                             return Err(spool_error(&e));
@@ -324,9 +322,7 @@ impl Incoming {
                 } else {
                     unsafe { warren_replication::map_file(&f) }
                 };
-                if let Some(path) = &self.spool {
-                    let _ = std::fs::remove_file(path);
-                }
+                remove_spool_file(&self.spool);
                 mapped.map_err(|e| spool_error(&e))?
             }
             None => {
@@ -364,9 +360,7 @@ impl Incoming {
     /// Drops the message under way, and its spool file if it has one.
     fn discard_partial(&mut self) {
         if let Some(Partial { file: Some(_), .. }) = self.partial.take() {
-            if let Some(path) = &self.spool {
-                let _ = std::fs::remove_file(path);
-            }
+            remove_spool_file(&self.spool);
         }
     }
 }
@@ -375,6 +369,13 @@ impl Drop for Incoming {
     fn drop(&mut self) {
         // A link that ends with a message unfinished leaves no file behind.
         self.discard_partial();
+    }
+}
+
+/// Unlinks the link's spool file, if it has one (a mapping of it lives on).
+fn remove_spool_file(spool: &Option<PathBuf>) {
+    if let Some(path) = spool {
+        let _ = std::fs::remove_file(path);
     }
 }
 
