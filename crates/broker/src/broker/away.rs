@@ -406,8 +406,8 @@ impl AwayContext {
     /// memory is copied out of the snapshot's buffer, which every message read from it
     /// slices: otherwise the window's few messages would keep the whole snapshot (up to a GiB)
     /// alive, for as long as the queue is idle. Not copied when what stays is more than a
-    /// quarter of the snapshot's `bytes` (a priority queue's messages, which do not leave
-    /// memory yet): the copies would only double the peak. If a write fails, the rest stays
+    /// quarter of the snapshot's `bytes` (messages returned or parked behind their group,
+    /// which do not leave memory yet): the copies would only double the peak. If a write fails, the rest stays
     /// as it was (in memory, the buffer kept): the broker's own passes try again later.
     pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) {
         let count = window_of(machine, self.window, self.window_idle) as usize;
