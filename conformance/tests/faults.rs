@@ -13,8 +13,11 @@
 //! every random choice the harness makes (printed at the start); `scripts/faults` runs it long.
 //! A second test pauses the queue's leader alone while publishes reach it, directly and
 //! forwarded by another node (`WARREN_PAUSE_CYCLES` times); another runs the faults on a task
-//! queue's shape (publishes held until due, deliveries given back for a delayed retry) and also
-//! checks that every message given back comes again and that none is delivered before its delay.
+//! queue's shape (publishes held until due, deliveries given back for a delayed retry, message
+//! groups) and also checks that every message given back comes again, that none is delivered
+//! before its delay and that each group's messages go out in publish order. Both long tests
+//! read every node's metrics through the run and check that no two nodes led the queue in one
+//! Raft term.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -96,6 +99,9 @@ struct Shape {
     /// The first delivery (not flagged redelivered) of every this many messages of a publisher
     /// (0: none) is given back with `basic.nack`, requeue set.
     nack_every: u64,
+    /// The messages neither delayed nor given back carry a group key (`x-group-key`, the
+    /// queue's `x-group-header`): one of this many groups of their publisher (0: none).
+    groups: u64,
     /// How long after the last publish a message may still be held or wait for its retry: the
     /// drain waits that long before it may end.
     settle: Duration,
@@ -139,6 +145,8 @@ struct History {
     nacks: Vec<Ack>,
     /// The `x-delay` of each body published with one ([`Shape::delayed_every`]).
     delays: HashMap<String, Duration>,
+    /// The group of each body published with one ([`Shape::groups`]).
+    groups: HashMap<String, String>,
     /// When each consumer session (one channel's consume) ended: its stream closed, failed or
     /// was cancelled. Absent while the session lives.
     session_end: HashMap<u64, Instant>,
@@ -247,6 +255,82 @@ fn dechunk(mut data: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
+/// Node `n`'s Raft term for queue `q` and whether it leads it there, from its per-object
+/// metrics (`rabbitmq_raft_term_total`, `warren_raft_leader`), if it answers.
+async fn raft_role(addrs: &Addrs, q: &str, n: u64) -> Option<(u64, bool)> {
+    let host = addr(addrs, n).metrics?;
+    let text = String::from_utf8(http_get(&host, "/metrics/per-object").await?).ok()?;
+    let value = |name: &str| {
+        let head = format!("{name}{{vhost=\"/\",queue=\"{q}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(head.as_str()))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    Some((
+        value("rabbitmq_raft_term_total")?,
+        value("warren_raft_leader")? == 1,
+    ))
+}
+
+/// What a sampler saw of the nodes through a run: the most messages each kept in `away/` at
+/// once, and every node that said it led the queue, by Raft term.
+#[derive(Debug, Default)]
+struct Samples {
+    most_away: [u64; 3],
+    leaders: std::collections::BTreeMap<u64, std::collections::BTreeSet<u64>>,
+    reads: u64,
+}
+
+impl Samples {
+    /// Raft lets one node lead a term at most: several that say so for one term would each
+    /// take writes for the queue.
+    fn terms_with_two_leaders(&self) -> Vec<(u64, Vec<u64>)> {
+        self.leaders
+            .iter()
+            .filter(|(_, nodes)| nodes.len() > 1)
+            .map(|(term, nodes)| (*term, nodes.iter().copied().collect()))
+            .collect()
+    }
+}
+
+/// Reads every node's metrics every 100 ms until stopped.
+struct Sampler {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Samples>,
+}
+
+impl Sampler {
+    fn start(addrs: &Addrs, q: &str) -> Sampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (addrs, q, halt) = (addrs.clone(), q.to_owned(), stop.clone());
+        let task = tokio::spawn(async move {
+            let mut s = Samples::default();
+            while !halt.load(Ordering::Relaxed) {
+                for n in 1..=3u64 {
+                    let i = (n - 1) as usize;
+                    if let Some(a) = messages_away(&addrs, n).await {
+                        s.most_away[i] = s.most_away[i].max(a);
+                    }
+                    if let Some((term, leading)) = raft_role(&addrs, &q, n).await {
+                        s.reads += 1;
+                        if leading {
+                            s.leaders.entry(term).or_default().insert(n);
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            s
+        });
+        Sampler { stop, task }
+    }
+
+    async fn finish(self) -> Samples {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.expect("the sampler")
+    }
+}
+
 /// The queue's leader and message count as node `n` reports them.
 async fn queue_state_of(addrs: &Addrs, q: &str, n: u64) -> Option<(u64, u64)> {
     let v = api_get(&addr(addrs, n).http, &format!("/queues/%2f/{q}")).await?;
@@ -321,7 +405,16 @@ async fn publisher(
                     h.sent.insert(body.clone(), (node, Instant::now(), None));
                 }
                 let mut props = BasicProperties::default().with_delivery_mode(2);
-                if shape.delayed_every > 0 && seq.is_multiple_of(shape.delayed_every) {
+                let delayed = shape.delayed_every > 0 && seq.is_multiple_of(shape.delayed_every);
+                let given_back = shape.nack_every > 0 && seq.is_multiple_of(shape.nack_every);
+                if shape.groups > 0 && !delayed && !given_back {
+                    let group = format!("g{id}-{}", seq % shape.groups);
+                    h.lock().unwrap().groups.insert(body.clone(), group.clone());
+                    let mut headers = FieldTable::default();
+                    headers.insert("x-group-key".into(), AMQPValue::LongString(group.into()));
+                    props = props.with_headers(headers);
+                }
+                if delayed {
                     let delay = rng.millis(
                         HELD_MIN.as_millis() as u64,
                         shape.max_delay.as_millis() as u64,
@@ -673,6 +766,7 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
     let load = Load::start(&q, &addrs, &mut rng);
     let h = load.h.clone();
+    let sampler = Sampler::start(&addrs, &q);
 
     let started = Instant::now();
     let fault_seed = rng.next();
@@ -685,6 +779,7 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     // Healed: the publishers stop, the consumers drain what is left.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (h, drained, sessions) = load.finish(seed).await;
+    let samples = sampler.finish().await;
     let end = Instant::now();
     let report = check(&h, end);
     eprintln!(
@@ -696,6 +791,16 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     report.explain(&h, started, &addrs, &q).await;
     // Failing with the cluster up prints every node's output.
     report.assert_ok(seed);
+    eprintln!(
+        "faults: leaders seen in {} terms ({} reads)",
+        samples.leaders.len(),
+        samples.reads
+    );
+    assert_eq!(
+        samples.terms_with_two_leaders(),
+        vec![],
+        "two nodes led the queue in one term (seed {seed})"
+    );
     drop(c);
 }
 
@@ -705,9 +810,10 @@ const RETRY_DELAY: Duration = Duration::from_millis(1500);
 
 /// The fault test's history check on a task queue's shape: a quorum queue with a default
 /// `x-delivery-delay` (every publish is held in the queue's log until due, a quarter of them
-/// for up to 3 s by their own `x-delay`) and delayed retries (a fifth of the messages are
-/// given back once, and wait 1.5 s before they are delivered again), while nodes are killed,
-/// paused and cut off. With a window of 16 messages, held and retrying messages past it leave
+/// for up to 3 s by their own `x-delay`), delayed retries (a fifth of the messages are given
+/// back once, and wait 1.5 s before they are delivered again) and message groups (the rest,
+/// in 8 groups per publisher, each to go out in publish order), while nodes are killed, paused
+/// and cut off. With a window of 16 messages, held and retrying messages past it leave
 /// memory for `away/` on every member, so the faults find them there and in the middle of the
 /// rounds that send them. Nothing confirmed may be lost, on its way through the hold or back
 /// from a give-back.
@@ -736,6 +842,10 @@ async fn replicated_task_queue_history_under_faults() {
             AMQPValue::LongInt(RETRY_DELAY.as_millis() as i32),
         );
         args.insert("x-delayed-retry-multiplier".into(), AMQPValue::LongInt(1));
+        args.insert(
+            "x-group-header".into(),
+            AMQPValue::LongString("x-group-key".into()),
+        );
         // No delivery limit: a message given back and redelivered through many faults must not
         // be dropped for it (the default of a quorum queue is 20).
         args.insert("x-delivery-limit".into(), AMQPValue::LongInt(-1));
@@ -755,28 +865,14 @@ async fn replicated_task_queue_history_under_faults() {
         delayed_every: 4,
         max_delay,
         nack_every: 5,
+        groups: 8,
         settle: max_delay + RETRY_DELAY + Duration::from_secs(1),
     };
     let load = Load::start_shaped(&q, &addrs, &mut rng, shape);
     let h = load.h.clone();
 
-    // The most messages each node kept in `away/` at once, sampled through the run.
-    let sampling = Arc::new(AtomicBool::new(true));
-    let sampler = {
-        let (addrs, sampling) = (addrs.clone(), sampling.clone());
-        tokio::spawn(async move {
-            let mut most = [0u64; 3];
-            while sampling.load(Ordering::Relaxed) {
-                for n in 1..=3u64 {
-                    if let Some(a) = messages_away(&addrs, n).await {
-                        most[(n - 1) as usize] = most[(n - 1) as usize].max(a);
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            most
-        })
-    };
+    // Every node's metrics through the run: messages away, and who leads in which term.
+    let sampler = Sampler::start(&addrs, &q);
 
     let started = Instant::now();
     let fault_seed = rng.next();
@@ -787,15 +883,17 @@ async fn replicated_task_queue_history_under_faults() {
     let faults_took = started.elapsed();
     tokio::time::sleep(Duration::from_millis(500)).await;
     let (h, drained, sessions) = load.finish(seed).await;
-    sampling.store(false, Ordering::Relaxed);
-    let most_away = sampler.await.expect("the sampler");
+    let samples = sampler.finish().await;
     let end = Instant::now();
     let report = check(&h, end);
     eprintln!(
         "tasks: {rounds} rounds in {:.1} s, drained in {:.1} s, {sessions} consumer sessions, \
-         most messages away on nodes 1-3 {most_away:?}, seed {seed}",
+         most messages away on nodes 1-3 {:?}, leaders seen in {} terms ({} reads), seed {seed}",
         faults_took.as_secs_f64(),
         drained.as_secs_f64(),
+        samples.most_away,
+        samples.leaders.len(),
+        samples.reads,
     );
     eprintln!("tasks: {report}");
     report.explain(&h, started, &addrs, &q).await;
@@ -805,8 +903,17 @@ async fn replicated_task_queue_history_under_faults() {
         "no delivery was given back: the retry path was not exercised"
     );
     assert!(
-        most_away.iter().any(|a| *a > 0),
+        samples.most_away.iter().any(|a| *a > 0),
         "no node sent a message away: the run did not reach past the window"
+    );
+    assert_eq!(
+        samples.terms_with_two_leaders(),
+        vec![],
+        "two nodes led the queue in one term (seed {seed})"
+    );
+    assert!(
+        report.grouped > 1000,
+        "too few grouped messages to check their order: {report}"
     );
     drop(c);
 }
@@ -1183,6 +1290,10 @@ struct Report {
     /// no ack): lost on the way back through the queue.
     given_back: usize,
     lost_after_nack: Vec<String>,
+    /// Confirmed messages published with a group key, and those of them first delivered before
+    /// a confirmed one published ahead of them in their group.
+    grouped: usize,
+    out_of_order: Vec<String>,
     /// Bodies held with an `x-delay` and delivered a millisecond or more before it passed
     /// (counted from when the client sent them, before the broker could take them).
     early: Vec<String>,
@@ -1198,7 +1309,7 @@ impl std::fmt::Display for Report {
              delivered {} ({} distinct, {} duplicates, {} flagged redelivered, {} of them not \
              confirmed, {} enqueued twice), acks {} ({} settled), back after a settled ack {} \
              (another copy after it {}, ambiguous {}), back after an unsettled ack {}, given back {}, \
-             lost {} ({} after a give-back), delivered early {}, invented {}",
+             lost {} ({} after a give-back), delivered early {}, out of group order {} of {}, invented {}",
             self.published,
             self.confirmed,
             self.nacked,
@@ -1220,6 +1331,8 @@ impl std::fmt::Display for Report {
             self.lost.len() + self.lost_after_nack.len(),
             self.lost_after_nack.len(),
             self.early.len(),
+            self.out_of_order.len(),
+            self.grouped,
             self.invented.len(),
         )
     }
@@ -1270,6 +1383,11 @@ impl Report {
             self.lost.is_empty(),
             "confirmed but never delivered (seed {seed}): {:?}",
             some(&self.lost)
+        );
+        assert!(
+            self.out_of_order.is_empty(),
+            "a group's message delivered before one published ahead of it (seed {seed}): {:?}",
+            some(&self.out_of_order)
         );
         assert!(
             self.early.is_empty(),
@@ -1514,6 +1632,41 @@ fn check(h: &History, end: Instant) -> Report {
         .collect();
     early.sort();
     r.early = early;
+    // A group's messages go out one at a time in publish order: the confirmed ones' first
+    // deliveries come in the order of their sequence numbers. (Each publisher waits for a
+    // window's confirms before the next, and sends a window on one channel, so a confirmed
+    // message was in the queue ahead of every later one of its publisher.)
+    let mut by_group: HashMap<&str, Vec<(u64, &str)>> = HashMap::new();
+    for (b, g) in &h.groups {
+        if h.published.get(b) == Some(&Outcome::Acked) {
+            by_group
+                .entry(g.as_str())
+                .or_default()
+                .push((seq_of(b), b.as_str()));
+        }
+    }
+    r.grouped = by_group.values().map(Vec::len).sum();
+    let mut out_of_order = Vec::new();
+    for (g, mut bodies) in by_group {
+        bodies.sort_unstable();
+        let mut last: Option<(&str, Instant)> = None;
+        for (_, b) in bodies {
+            let Some(d) = first.get(b) else {
+                continue;
+            };
+            if let Some((before, at)) = last {
+                if d.at < at {
+                    out_of_order.push(format!(
+                        "{b} of group {g} first delivered {} ms before {before}",
+                        (at - d.at).as_millis()
+                    ));
+                }
+            }
+            last = Some((b, d.at));
+        }
+    }
+    out_of_order.sort();
+    r.out_of_order = out_of_order;
     // An ack is settled when its session lived on for ACK_SETTLE after it and its node was
     // neither paused nor killed meanwhile: the broker then had the time to commit it. A later
     // delivery flagged redelivered of a message enqueued once is then the broker's fault, not
@@ -1888,7 +2041,25 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
         h.deliveries.push(delivery(b, 0, false, ms));
         h.acks.push(ack(b, 0, ms + 10));
     }
+    // p2-1, p2-2, p2-3 in group g: p2-3 delivered before p2-2. p2-4 (not confirmed) may.
+    for (b, o, ms) in [
+        ("p2-1", Outcome::Acked, 100),
+        ("p2-2", Outcome::Acked, 300),
+        ("p2-3", Outcome::Acked, 200),
+        ("p2-4", Outcome::Unknown, 50),
+    ] {
+        h.published.insert(b.into(), o);
+        h.groups.insert(b.into(), "g".into());
+        h.deliveries.push(delivery(b, 0, false, ms));
+        h.acks.push(ack(b, 0, ms + 5));
+    }
     let r = check(&h, at(20_000));
+    assert_eq!(r.out_of_order.len(), 1, "{:?}", r.out_of_order);
+    assert!(
+        r.out_of_order[0].starts_with("p2-3 "),
+        "{:?}",
+        r.out_of_order
+    );
     assert_eq!(r.early.len(), 1, "{r}");
     assert!(r.early[0].starts_with("p1-11 "), "{:?}", r.early);
     assert_eq!(r.lost_after_nack, vec!["p1-8".to_string()]);
@@ -1901,7 +2072,7 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     assert_eq!(r.another_copy_after_ack, 2, "{r}");
     assert_eq!(r.enqueued_twice, 1, "{r}");
     assert_eq!(r.ambiguous_after_ack, 1, "{r}");
-    assert_eq!((r.confirmed, r.nacked, r.duplicates), (11, 1, 7), "{r}");
+    assert_eq!((r.confirmed, r.nacked, r.duplicates), (14, 1, 7), "{r}");
 }
 
 /// Replacing a node under load, as docs/operations.md's runbook does it: node 3 killed and
