@@ -13,11 +13,11 @@
 //! every random choice the harness makes (printed at the start); `scripts/faults` runs it long.
 //! A second test pauses the queue's leader alone while publishes reach it, directly and
 //! forwarded by another node (`WARREN_PAUSE_CYCLES` times); another runs the faults on a task
-//! queue's shape (publishes held until due, deliveries given back for a delayed retry, message
-//! groups) and also checks that every message given back comes again, that none is delivered
-//! before its delay and that each group's messages go out in publish order. Both long tests
-//! read every node's metrics through the run and check that no two nodes led the queue in one
-//! Raft term.
+//! queue's shape (publishes held until due, deliveries given back for a delayed retry or left
+//! for a visibility timeout, message groups) and also checks that every message given back or
+//! left comes again, that none is delivered before its delay and that each group's messages go
+//! out in publish order. Both long tests read every node's metrics through the run and check
+//! that no two nodes led the queue in one Raft term.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -99,7 +99,14 @@ struct Shape {
     /// The first delivery (not flagged redelivered) of every this many messages of a publisher
     /// (0: none) is given back with `basic.nack`, requeue set.
     nack_every: u64,
-    /// The messages neither delayed nor given back carry a group key (`x-group-key`, the
+    /// The first delivery of every this many messages of a publisher (0: none; not one given
+    /// back) is left unsettled, neither acked nor given back: the queue's visibility timeout
+    /// must bring it back.
+    forget_every: u64,
+    /// Each consumer's prefetch (0: 20). A delivery left unsettled holds its slot until its
+    /// timeout.
+    prefetch: u16,
+    /// The messages neither delayed, given back nor left carry a group key (`x-group-key`, the
     /// queue's `x-group-header`): one of this many groups of their publisher (0: none).
     groups: u64,
     /// How long after the last publish a message may still be held or wait for its retry: the
@@ -143,6 +150,8 @@ struct History {
     acks: Vec<Ack>,
     /// Deliveries given back ([`Shape::nack_every`]), once the client library took the nack.
     nacks: Vec<Ack>,
+    /// Deliveries left unsettled ([`Shape::forget_every`]).
+    left: Vec<Ack>,
     /// The `x-delay` of each body published with one ([`Shape::delayed_every`]).
     delays: HashMap<String, Duration>,
     /// The group of each body published with one ([`Shape::groups`]).
@@ -407,7 +416,8 @@ async fn publisher(
                 let mut props = BasicProperties::default().with_delivery_mode(2);
                 let delayed = shape.delayed_every > 0 && seq.is_multiple_of(shape.delayed_every);
                 let given_back = shape.nack_every > 0 && seq.is_multiple_of(shape.nack_every);
-                if shape.groups > 0 && !delayed && !given_back {
+                let left = shape.forget_every > 0 && seq.is_multiple_of(shape.forget_every);
+                if shape.groups > 0 && !delayed && !given_back && !left {
                     let group = format!("g{id}-{}", seq % shape.groups);
                     h.lock().unwrap().groups.insert(body.clone(), group.clone());
                     let mut headers = FieldTable::default();
@@ -508,7 +518,16 @@ async fn consumer(
         let Ok(ch) = conn.create_channel().await else {
             continue;
         };
-        if ch.basic_qos(20, BasicQosOptions::default()).await.is_err() {
+        let prefetch = if shape.prefetch > 0 {
+            shape.prefetch
+        } else {
+            20
+        };
+        if ch
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .is_err()
+        {
             continue;
         }
         let consumed = ch
@@ -590,6 +609,18 @@ async fn consumer(
                     break;
                 }
                 h.lock().unwrap().nacks.push(Ack {
+                    body,
+                    at: Instant::now(),
+                    session,
+                    node,
+                });
+                continue;
+            }
+            if shape.forget_every > 0
+                && !d.redelivered
+                && seq_of(&body).is_multiple_of(shape.forget_every)
+            {
+                h.lock().unwrap().left.push(Ack {
                     body,
                     at: Instant::now(),
                     session,
@@ -807,13 +838,15 @@ async fn replicated_queue_history_under_kills_and_pauses() {
 /// The delay of a message given back in [`replicated_task_queue_history_under_faults`]
 /// (`x-delayed-retry-min`, constant).
 const RETRY_DELAY: Duration = Duration::from_millis(1500);
+/// How long a delivery may stay unsettled there before it comes back (`x-visibility-timeout`).
+const VISIBILITY: Duration = Duration::from_secs(1);
 
 /// The fault test's history check on a task queue's shape: a quorum queue with a default
 /// `x-delivery-delay` (every publish is held in the queue's log until due, a quarter of them
 /// for up to 3 s by their own `x-delay`), delayed retries (a fifth of the messages are given
-/// back once, and wait 1.5 s before they are delivered again) and message groups (the rest,
-/// in 8 groups per publisher, each to go out in publish order), while nodes are killed, paused
-/// and cut off. With a window of 16 messages, held and retrying messages past it leave
+/// back once, and wait 1.5 s before they are delivered again), a visibility timeout (one in 49
+/// is left unsettled, to come back after 1 s) and message groups (the rest, in 8 groups per
+/// publisher, each to go out in publish order), while nodes are killed, paused and cut off. With a window of 16 messages, held and retrying messages past it leave
 /// memory for `away/` on every member, so the faults find them there and in the middle of the
 /// rounds that send them. Nothing confirmed may be lost, on its way through the hold or back
 /// from a give-back.
@@ -843,6 +876,10 @@ async fn replicated_task_queue_history_under_faults() {
         );
         args.insert("x-delayed-retry-multiplier".into(), AMQPValue::LongInt(1));
         args.insert(
+            "x-visibility-timeout".into(),
+            AMQPValue::LongInt(VISIBILITY.as_millis() as i32),
+        );
+        args.insert(
             "x-group-header".into(),
             AMQPValue::LongString("x-group-key".into()),
         );
@@ -865,8 +902,12 @@ async fn replicated_task_queue_history_under_faults() {
         delayed_every: 4,
         max_delay,
         nack_every: 5,
+        // Each left delivery holds a prefetch slot for the timeout: one in 49 with 100 slots
+        // lets a consumer take up to 5,000 msg/s, more than the publishers send.
+        forget_every: 49,
+        prefetch: 100,
         groups: 8,
-        settle: max_delay + RETRY_DELAY + Duration::from_secs(1),
+        settle: max_delay + RETRY_DELAY + VISIBILITY + Duration::from_secs(1),
     };
     let load = Load::start_shaped(&q, &addrs, &mut rng, shape);
     let h = load.h.clone();
@@ -899,8 +940,8 @@ async fn replicated_task_queue_history_under_faults() {
     report.explain(&h, started, &addrs, &q).await;
     report.assert_ok(seed);
     assert!(
-        report.given_back > 0,
-        "no delivery was given back: the retry path was not exercised"
+        report.given_back > 0 && report.left > 0,
+        "no delivery was given back or left: the retry and timeout paths were not exercised"
     );
     assert!(
         samples.most_away.iter().any(|a| *a > 0),
@@ -1289,6 +1330,8 @@ struct Report {
     /// Deliveries given back, and bodies given back that never came again (no later delivery,
     /// no ack): lost on the way back through the queue.
     given_back: usize,
+    /// Deliveries left unsettled, for the visibility timeout to bring back.
+    left: usize,
     lost_after_nack: Vec<String>,
     /// Confirmed messages published with a group key, and those of them first delivered before
     /// a confirmed one published ahead of them in their group.
@@ -1308,7 +1351,7 @@ impl std::fmt::Display for Report {
             "published {}, confirmed {}, nacked {}, unknown {}, confirm timeouts {}, \
              delivered {} ({} distinct, {} duplicates, {} flagged redelivered, {} of them not \
              confirmed, {} enqueued twice), acks {} ({} settled), back after a settled ack {} \
-             (another copy after it {}, ambiguous {}), back after an unsettled ack {}, given back {}, \
+             (another copy after it {}, ambiguous {}), back after an unsettled ack {}, given back {}, left unsettled {}, \
              lost {} ({} after a give-back), delivered early {}, out of group order {} of {}, invented {}",
             self.published,
             self.confirmed,
@@ -1328,6 +1371,7 @@ impl std::fmt::Display for Report {
             self.ambiguous_after_ack,
             self.back_after_unsure_ack,
             self.given_back,
+            self.left,
             self.lost.len() + self.lost_after_nack.len(),
             self.lost_after_nack.len(),
             self.early.len(),
@@ -1396,7 +1440,7 @@ impl Report {
         );
         assert!(
             self.lost_after_nack.is_empty(),
-            "given back (basic.nack, requeue) and never delivered again (seed {seed}): {:?}",
+            "given back (basic.nack, requeue) or left unsettled, and never delivered again (seed {seed}): {:?}",
             some(&self.lost_after_nack)
         );
         assert!(
@@ -1581,13 +1625,15 @@ fn check(h: &History, end: Instant) -> Report {
         .collect();
     lost.sort();
     r.lost = lost;
-    // A message given back comes again: a nack's message either came back (a later delivery) or
-    // some copy of it was acked (a paused node's stale delivery, given back after another
-    // session had it acked, may be the last delivery of its body).
+    // A message given back, or left unsettled past its visibility timeout, comes again: it
+    // either came back (a later delivery) or some copy of it was acked (a paused node's stale
+    // delivery, given back after another session had it acked, may be the last delivery of
+    // its body).
     r.given_back = h.nacks.len();
+    r.left = h.left.len();
     let acked: HashSet<&str> = h.acks.iter().map(|a| a.body.as_str()).collect();
     let mut last_nack: HashMap<&str, Instant> = HashMap::new();
-    for n in &h.nacks {
+    for n in h.nacks.iter().chain(&h.left) {
         let t = last_nack.entry(n.body.as_str()).or_insert(n.at);
         *t = (*t).max(n.at);
     }
@@ -2033,6 +2079,10 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     h.acks.push(ack("p1-10", 0, 110));
     h.deliveries.push(delivery("p1-10", 3, false, 700));
     h.nacks.push(ack("p1-10", 3, 710));
+    // p1-13: left unsettled and never delivered again: lost.
+    h.published.insert("p1-13".into(), Outcome::Acked);
+    h.deliveries.push(delivery("p1-13", 0, false, 100));
+    h.left.push(ack("p1-13", 0, 110));
     // p1-11: sent with an x-delay of 1 s and delivered after 0.5 s: early. p1-12: on time.
     for (b, ms) in [("p1-11", 500), ("p1-12", 1_200)] {
         h.published.insert(b.into(), Outcome::Acked);
@@ -2062,7 +2112,10 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     );
     assert_eq!(r.early.len(), 1, "{r}");
     assert!(r.early[0].starts_with("p1-11 "), "{:?}", r.early);
-    assert_eq!(r.lost_after_nack, vec!["p1-8".to_string()]);
+    assert_eq!(
+        r.lost_after_nack,
+        vec!["p1-13".to_string(), "p1-8".to_string()]
+    );
     assert_eq!(r.given_back, 3, "{r}");
     assert_eq!(r.lost, vec!["p1-3".to_string()]);
     assert_eq!(r.invented.len(), 1, "{r}");
@@ -2072,7 +2125,7 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     assert_eq!(r.another_copy_after_ack, 2, "{r}");
     assert_eq!(r.enqueued_twice, 1, "{r}");
     assert_eq!(r.ambiguous_after_ack, 1, "{r}");
-    assert_eq!((r.confirmed, r.nacked, r.duplicates), (14, 1, 7), "{r}");
+    assert_eq!((r.confirmed, r.nacked, r.duplicates), (15, 1, 7), "{r}");
 }
 
 /// Replacing a node under load, as docs/operations.md's runbook does it: node 3 killed and
