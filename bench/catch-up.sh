@@ -8,8 +8,8 @@
 # A fresh local cluster under $WARREN_CLUSTER_DIR (default: a temporary folder, removed at the
 # end): quorum queues `busy` and `deep` declared on node 1; node 3 killed; N (default 600,000)
 # persistent 1 KiB messages published into `deep` with confirms (a snapshot of about N KB is
-# taken meanwhile); node 2 killed, node 3 started, and a publisher sends 500 msg/s to `busy` with
-# confirms for 25 s. Every queue then has nodes 1 and 3 only: each confirm waits for node 3, which
+# taken meanwhile); node 2 killed, node 3 started, and, once `busy` has a leader again, a publisher
+# sends 500 msg/s to `busy` with confirms for 25 s. Every queue then has nodes 1 and 3 only: each confirm waits for node 3, which
 # is installing `deep`'s snapshot. Prints the publisher's summary, node 3's Raft passes of 50 ms
 # or more (logged at debug level), and node 3's peak memory while it catches up: its anonymous
 # memory (RssAnon, sampled every 50 ms: what the kernel cannot take back) and its peak RSS
@@ -81,7 +81,16 @@ while time.time() < end:
     time.sleep(0.05)
 print(peak)
 PY
-    sleep 1
+    # The publisher starts once `busy` has a leader again (nodes 1 and 3 elect one once node 3
+    # is up), so that its confirms measure the catch-up, not the election after two nodes went.
+    started=$(date +%s.%N)
+    for _ in $(seq 1 600); do
+        leader=$(curl -s -m 1 -u guest:guest "http://127.0.0.1:15701/api/queues/%2f/busy" |
+            python3 -c 'import json, sys; print(json.load(sys.stdin).get("leader") or "")' 2>/dev/null || true)
+        [ -n "$leader" ] && break
+        sleep 0.05
+    done
+    echo "run $run: busy led by ${leader:-nobody} $(python3 -c "import time; print(f'{time.time() - $started:.2f}')") s after node 3's start began"
     echo "run $run: publisher to busy (500 msg/s, confirms) while node 3 catches up $MESSAGES messages"
     "$BENCH" -u "$U:5701/%2f" "${QQ[@]}" --queue-pattern busy -s 16 -c 50 -r 500 -z 25 2>&1 | tail -1
     wait

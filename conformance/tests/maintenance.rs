@@ -251,3 +251,63 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
         "the revived node leads {led} of 7 after the rebalance: {said}"
     );
 }
+
+/// `warren ctl` with `args` against node `n`'s API.
+fn ctl_with(c: &TestCluster, n: u64, args: &[&str]) -> std::process::Output {
+    let api = c.node(n).http_url().expect("the management API").to_owned();
+    let mut cmd = Command::new(warren_binary());
+    cmd.arg("ctl").args(args).args(["--api", &api]);
+    cmd.output().expect("run warren ctl")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quorum_critical_check_and_its_wait_answer_from_the_cli() {
+    // RabbitMQ's `rabbitmq-queues check_if_node_is_quorum_critical` and `rabbitmq-upgrade
+    // await_online_quorum_plus_one`, which rolling-restart scripts run before stopping a node.
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("critical");
+    c.declare_quorum_queue(1, &q).await;
+    c.leader_of(&q, 1);
+    let check = ["check_if_node_is_quorum_critical"];
+    let out = ctl_with(&c, 1, &check);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{said} {:?}", out);
+    assert!(
+        said.contains("leaves every quorum queue a majority"),
+        "{said}"
+    );
+
+    // Node 3 down: stopping node 1 too would leave the queue, and the definitions, one member.
+    c.node_mut(3).stop(true);
+    let readable = format!("queue '{q}' in vhost '/'");
+    eventually("node 1 quorum-critical", || {
+        let out = ctl_with(&c, 1, &check);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        match out.status.code() {
+            Some(1) if err.contains(&readable) && err.contains("warren_metadata") => Ok(()),
+            code => Err(format!("{code:?}: {err}")),
+        }
+    });
+    let out = ctl_with(&c, 1, &["await_online_quorum_plus_one", "--wait", "0.5"]);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("after 0.5 s") && err.contains(&readable),
+        "{err}"
+    );
+
+    // Back: the wait returns once node 3 is a running member again.
+    c.node_mut(3).start_again();
+    let out = ctl_with(&c, 1, &["await_online_quorum_plus_one", "--wait", "60"]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("majority of running members without it"),
+        "{said}"
+    );
+    assert!(ctl_with(&c, 1, &check).status.success());
+}

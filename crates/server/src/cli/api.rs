@@ -73,6 +73,29 @@ impl Api {
         headers: &[(&str, &str)],
         what: &str,
     ) -> Result<Reply, CliError> {
+        let (status, reply) = self.send(method, path, body, headers)?;
+        self.answer(method, path, what, status, reply)
+    }
+
+    /// `GET /api{path}` of a health check: whether it passed (200) or failed (503, RabbitMQ's
+    /// answer for a failed check), with the body either way; other statuses are errors as
+    /// for [`Self::call`].
+    pub fn health(&self, path: &str, what: &str) -> Result<(bool, Value), CliError> {
+        let (status, body) = self.send("GET", path, None, &[])?;
+        if status == 503 {
+            return Ok((false, body));
+        }
+        Ok((true, self.answer("GET", path, what, status, body)?.body))
+    }
+
+    /// Sends `method /api{path}`: the status and the JSON body, whatever the status.
+    fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> Result<(u16, Value), CliError> {
         let url = format!("{}/api{path}", self.base);
         let sent = match method {
             "GET" | "DELETE" => {
@@ -118,6 +141,19 @@ impl Api {
                 Value::String(String::from_utf8_lossy(&bytes).trim().to_owned())
             })
         };
+        Ok((status, body))
+    }
+
+    /// A status and body as [`Self::call`] returns them: the reply, or the error that says
+    /// what to do.
+    fn answer(
+        &self,
+        method: &str,
+        path: &str,
+        what: &str,
+        status: u16,
+        body: Value,
+    ) -> Result<Reply, CliError> {
         match status {
             200..=299 => Ok(Reply { status, body }),
             // Logged in, but refused: a tag or a vhost permission is missing (RabbitMQ spells

@@ -1,7 +1,9 @@
 //! `warren ctl drain` and `warren ctl revive`: RabbitMQ's `rabbitmq-upgrade drain` and
 //! `revive`, for the node whose management API `--api` names (drain acts on the node that
-//! answers, as rabbitmq-upgrade acts on its `-n` node); and `warren ctl rebalance`,
-//! RabbitMQ's `rabbitmq-queues rebalance quorum`, for the whole cluster.
+//! answers, as rabbitmq-upgrade acts on its `-n` node), with `rabbitmq-queues
+//! check_if_node_is_quorum_critical` and `rabbitmq-upgrade await_online_quorum_plus_one` for
+//! that node; and `warren ctl rebalance`, RabbitMQ's `rabbitmq-queues rebalance quorum`, for the
+//! whole cluster.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -41,6 +43,31 @@ pub enum MaintenanceCmd {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Fails (exit 1) if stopping the node would leave a quorum queue, or the cluster's
+    /// definitions, without a majority of running members, naming them (RabbitMQ's
+    /// `rabbitmq-queues check_if_node_is_quorum_critical`)
+    #[command(
+        name = "check_if_node_is_quorum_critical",
+        alias = "check-if-node-is-quorum-critical"
+    )]
+    CheckIfNodeIsQuorumCritical {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Waits until stopping the node would leave every quorum queue, and the cluster's
+    /// definitions, a majority of running members: every other member is back (RabbitMQ's
+    /// `rabbitmq-upgrade await_online_quorum_plus_one`); fails once `--wait` passes
+    #[command(
+        name = "await_online_quorum_plus_one",
+        alias = "await-online-quorum-plus-one"
+    )]
+    AwaitOnlineQuorumPlusOne {
+        /// How long to wait, in seconds
+        #[arg(long, default_value_t = 120.0)]
+        wait: f64,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Evens out the quorum queues' leaders over the running nodes (not those in maintenance
     /// mode), showing each round's leaders per node; safe to interrupt
     Rebalance {
@@ -58,6 +85,10 @@ pub fn name(c: &MaintenanceCmd) -> &'static str {
         MaintenanceCmd::Revive { .. } => "ctl revive",
         MaintenanceCmd::Rebalance { .. } => "ctl rebalance",
         MaintenanceCmd::ForgetClusterNode { .. } => "ctl forget_cluster_node",
+        MaintenanceCmd::CheckIfNodeIsQuorumCritical { .. } => {
+            "ctl check_if_node_is_quorum_critical"
+        }
+        MaintenanceCmd::AwaitOnlineQuorumPlusOne { .. } => "ctl await_online_quorum_plus_one",
     }
 }
 
@@ -107,6 +138,22 @@ pub fn main(c: &MaintenanceCmd) -> Result<(), CliError> {
         MaintenanceCmd::Drain { wait, conn } => drain(&conn.api(), *wait),
         MaintenanceCmd::Rebalance { wait, conn } => rebalance(&conn.api(), *wait),
         MaintenanceCmd::ForgetClusterNode { node, wait, conn } => forget(&conn.api(), node, *wait),
+        MaintenanceCmd::CheckIfNodeIsQuorumCritical { conn } => {
+            let api = conn.api();
+            let node = node_name(&api)?;
+            match quorum_critical(&api)? {
+                None => {
+                    println!(
+                        "{node}: stopping it leaves every quorum queue a majority of its members"
+                    );
+                    Ok(())
+                }
+                Some(names) => Err(critical(&node, &names)),
+            }
+        }
+        MaintenanceCmd::AwaitOnlineQuorumPlusOne { wait, conn } => {
+            await_quorum_plus_one(&conn.api(), *wait)
+        }
         MaintenanceCmd::Revive { conn } => {
             let api = conn.api();
             let node = node_name(&api)?;
@@ -207,6 +254,78 @@ fn forget(api: &Api, node: &str, wait: f64) -> Result<(), CliError> {
                  group needs a majority of its members running to change)",
                 moving.map_or(String::new(), |m| format!(" ({m} still moving)"))
             )));
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// What stopping the node at `api` would leave without a majority of running members: `None`
+/// when nothing (a node on its own included), else their names (`queue 'q' in vhost '/'`, the
+/// definitions as `warren_metadata`).
+fn quorum_critical(api: &Api) -> Result<Option<Vec<String>>, CliError> {
+    let path = "/health/checks/node-is-quorum-critical";
+    let (passed, body) = api.health(path, "the quorum-critical check")?;
+    if passed {
+        return Ok(None);
+    }
+    let names = body["queues"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|q| q["readable_name"].as_str().map(str::to_owned))
+        .collect();
+    Ok(Some(names))
+}
+
+/// The error of a node whose stop would leave `names` without a majority.
+fn critical(node: &str, names: &[String]) -> CliError {
+    const SHOWN: usize = 20;
+    let mut list = names
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        list.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    CliError::Failed(format!(
+        "{node} is quorum-critical: stopping it now would leave {} without a majority of running \
+         members: {list} (start the cluster's other nodes, or wait for them: warren ctl \
+         await_online_quorum_plus_one)",
+        match names.len() {
+            1 => "1 quorum group".to_owned(),
+            n => format!("{n} quorum groups"),
+        }
+    ))
+}
+
+/// Asks the quorum-critical check until it passes, saying once what it waits for.
+fn await_quorum_plus_one(api: &Api, wait: f64) -> Result<(), CliError> {
+    let node = node_name(api)?;
+    let until = deadline(seconds(wait));
+    let mut said = false;
+    loop {
+        match quorum_critical(api)? {
+            None => {
+                println!("{node}: every quorum queue has a majority of running members without it");
+                return Ok(());
+            }
+            Some(names) => {
+                if Instant::now() >= until {
+                    return Err(CliError::Failed(format!(
+                        "still waited for after {wait} s: {}",
+                        critical(&node, &names)
+                    )));
+                }
+                if !said {
+                    println!(
+                        "{node}: waiting for {} quorum group(s) to have a majority without it",
+                        names.len()
+                    );
+                    said = true;
+                }
+            }
         }
         std::thread::sleep(Duration::from_millis(250));
     }
