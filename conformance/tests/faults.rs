@@ -14,9 +14,10 @@
 //! A second test pauses the queue's leader alone while publishes reach it, directly and
 //! forwarded by another node (`WARREN_PAUSE_CYCLES` times); another runs the faults on a task
 //! queue's shape (publishes held until due, deliveries given back for a delayed retry or left
-//! for a visibility timeout, message groups) and also checks that every message given back or
-//! left comes again, that none is delivered before its delay and that each group's messages go
-//! out in publish order. Both long tests read every node's metrics through the run and check
+//! for a visibility timeout, a delivery limit with a dead-letter queue, message groups) and
+//! also checks that every message given back or left comes again, that every one given back at
+//! each delivery is dead-lettered, that none is delivered before its delay and that each
+//! group's messages go out in publish order. Both long tests read every node's metrics through the run and check
 //! that no two nodes led the queue in one Raft term.
 
 use std::collections::{HashMap, HashSet};
@@ -103,6 +104,10 @@ struct Shape {
     /// back) is left unsettled, neither acked nor given back: the queue's visibility timeout
     /// must bring it back.
     forget_every: u64,
+    /// Every this many messages of a publisher (0: none; not one delayed, given back once or
+    /// left) is given back at every delivery: the queue's delivery limit dead-letters it, and
+    /// it must reach the dead-letter queue.
+    poison_every: u64,
     /// Each consumer's prefetch (0: 20). A delivery left unsettled holds its slot until its
     /// timeout.
     prefetch: u16,
@@ -123,6 +128,30 @@ fn seq_of(body: &str) -> u64 {
         .next()
         .and_then(|s| s.parse().ok())
         .unwrap_or(0)
+}
+
+impl Shape {
+    /// Whether a publisher's message `seq` is given back at every delivery.
+    fn poison(&self, seq: u64) -> bool {
+        self.poison_every > 0
+            && seq.is_multiple_of(self.poison_every)
+            && !(self.delayed_every > 0 && seq.is_multiple_of(self.delayed_every))
+            && !self.given_back_once(seq)
+            && !(self.forget_every > 0 && seq.is_multiple_of(self.forget_every))
+    }
+
+    fn given_back_once(&self, seq: u64) -> bool {
+        self.nack_every > 0 && seq.is_multiple_of(self.nack_every)
+    }
+}
+
+/// What a consumer does with its deliveries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    /// Works the queue as its [`Shape`] says.
+    Work,
+    /// Takes the dead letters, acking each ([`History::dead`]).
+    Dead,
 }
 
 struct Delivery {
@@ -152,6 +181,10 @@ struct History {
     nacks: Vec<Ack>,
     /// Deliveries left unsettled ([`Shape::forget_every`]).
     left: Vec<Ack>,
+    /// Deliveries from the dead-letter queue (each acked).
+    dead: Vec<Delivery>,
+    /// The bodies published to be given back at every delivery ([`Shape::poison_every`]).
+    poison: Vec<String>,
     /// The `x-delay` of each body published with one ([`Shape::delayed_every`]).
     delays: HashMap<String, Duration>,
     /// The group of each body published with one ([`Shape::groups`]).
@@ -417,7 +450,10 @@ async fn publisher(
                 let delayed = shape.delayed_every > 0 && seq.is_multiple_of(shape.delayed_every);
                 let given_back = shape.nack_every > 0 && seq.is_multiple_of(shape.nack_every);
                 let left = shape.forget_every > 0 && seq.is_multiple_of(shape.forget_every);
-                if shape.groups > 0 && !delayed && !given_back && !left {
+                if shape.poison(seq) {
+                    h.lock().unwrap().poison.push(body.clone());
+                }
+                if shape.groups > 0 && !delayed && !given_back && !left && !shape.poison(seq) {
                     let group = format!("g{id}-{}", seq % shape.groups);
                     h.lock().unwrap().groups.insert(body.clone(), group.clone());
                     let mut headers = FieldTable::default();
@@ -496,7 +532,7 @@ async fn consumer(
     h: Shared,
     stop: Arc<AtomicBool>,
     sessions: Arc<AtomicU64>,
-    shape: Shape,
+    (shape, role): (Shape, Role),
 ) {
     while !stop.load(Ordering::Relaxed) {
         let Some((leader, _)) = queue_state(&addrs, &q, id % 3 + 1).await else {
@@ -585,17 +621,21 @@ async fn consumer(
                 }
             };
             let body = String::from_utf8_lossy(&d.data).into_owned();
-            h.lock().unwrap().deliveries.push(Delivery {
+            let delivery = Delivery {
                 body: body.clone(),
                 session,
                 redelivered: d.redelivered,
                 at: Instant::now(),
                 node,
-            });
-            if shape.nack_every > 0
-                && !d.redelivered
-                && seq_of(&body).is_multiple_of(shape.nack_every)
-            {
+            };
+            match role {
+                Role::Work => h.lock().unwrap().deliveries.push(delivery),
+                Role::Dead => h.lock().unwrap().dead.push(delivery),
+            }
+            let seq = seq_of(&body);
+            let give_back = role == Role::Work
+                && ((shape.given_back_once(seq) && !d.redelivered) || shape.poison(seq));
+            if give_back {
                 let options = BasicNackOptions {
                     requeue: true,
                     ..Default::default()
@@ -616,9 +656,10 @@ async fn consumer(
                 });
                 continue;
             }
-            if shape.forget_every > 0
+            if role == Role::Work
+                && shape.forget_every > 0
                 && !d.redelivered
-                && seq_of(&body).is_multiple_of(shape.forget_every)
+                && seq.is_multiple_of(shape.forget_every)
             {
                 h.lock().unwrap().left.push(Ack {
                     body,
@@ -641,12 +682,14 @@ async fn consumer(
                     .insert(session, Instant::now());
                 break;
             }
-            h.lock().unwrap().acks.push(Ack {
-                body,
-                at: Instant::now(),
-                session,
-                node,
-            });
+            if role == Role::Work {
+                h.lock().unwrap().acks.push(Ack {
+                    body,
+                    at: Instant::now(),
+                    session,
+                    node,
+                });
+            }
         }
         drop(conn);
     }
@@ -838,6 +881,8 @@ async fn replicated_queue_history_under_kills_and_pauses() {
 /// The delay of a message given back in [`replicated_task_queue_history_under_faults`]
 /// (`x-delayed-retry-min`, constant).
 const RETRY_DELAY: Duration = Duration::from_millis(1500);
+/// Deliveries of a message there before it is dead-lettered (`x-delivery-limit`).
+const DELIVERY_LIMIT: u64 = 3;
 /// How long a delivery may stay unsettled there before it comes back (`x-visibility-timeout`).
 const VISIBILITY: Duration = Duration::from_secs(1);
 
@@ -845,8 +890,10 @@ const VISIBILITY: Duration = Duration::from_secs(1);
 /// `x-delivery-delay` (every publish is held in the queue's log until due, a quarter of them
 /// for up to 3 s by their own `x-delay`), delayed retries (a fifth of the messages are given
 /// back once, and wait 1.5 s before they are delivered again), a visibility timeout (one in 49
-/// is left unsettled, to come back after 1 s) and message groups (the rest, in 8 groups per
-/// publisher, each to go out in publish order), while nodes are killed, paused and cut off. With a window of 16 messages, held and retrying messages past it leave
+/// is left unsettled, to come back after 1 s), a delivery limit of 3 into a dead-letter queue
+/// (one in 11 is given back at every delivery, and must reach it) and message groups (the
+/// rest, in 8 groups per publisher, each to go out in publish order), while nodes are killed,
+/// paused and cut off. With a window of 16 messages, held and retrying messages past it leave
 /// memory for `away/` on every member, so the faults find them there and in the middle of the
 /// rounds that send them. Nothing confirmed may be lost, on its way through the hold or back
 /// from a give-back.
@@ -861,9 +908,22 @@ async fn replicated_task_queue_history_under_faults() {
     let mut rng = Rng(seed);
     let c = TestCluster::start_partitionable(3, 20, SNAPSHOTS);
     let q = unique("tasks");
+    let dlq = format!("{q}.dead");
     {
         let conn = c.node(1).connect().await;
         let ch = conn.create_channel().await.expect("channel");
+        let durable = lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        let mut quorum = FieldTable::default();
+        quorum.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        ch.queue_declare(dlq.as_str().into(), durable, quorum)
+            .await
+            .expect("declare the dead-letter queue");
         let mut args = FieldTable::default();
         args.insert(
             "x-queue-type".into(),
@@ -883,19 +943,27 @@ async fn replicated_task_queue_history_under_faults() {
             "x-group-header".into(),
             AMQPValue::LongString("x-group-key".into()),
         );
-        // No delivery limit: a message given back and redelivered through many faults must not
-        // be dropped for it (the default of a quorum queue is 20).
-        args.insert("x-delivery-limit".into(), AMQPValue::LongInt(-1));
-        let durable = lapin::options::QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
+        // A message given back at every delivery is dead-lettered at its third; one that a run
+        // of faults brought back as often goes there too, and counts as delivered.
+        args.insert(
+            "x-delivery-limit".into(),
+            AMQPValue::LongInt(DELIVERY_LIMIT as i32),
+        );
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString("".into()),
+        );
+        args.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(dlq.as_str().into()),
+        );
         ch.queue_declare(q.as_str().into(), durable, args)
             .await
             .expect("declare the task queue");
     }
     c.leader_of(&q, 1);
     known_everywhere(&c, &q);
+    known_everywhere(&c, &dlq);
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
     let max_delay = Duration::from_secs(3);
     let shape = Shape {
@@ -906,10 +974,14 @@ async fn replicated_task_queue_history_under_faults() {
         // lets a consumer take up to 5,000 msg/s, more than the publishers send.
         forget_every: 49,
         prefetch: 100,
+        poison_every: 11,
         groups: 8,
-        settle: max_delay + RETRY_DELAY + VISIBILITY + Duration::from_secs(1),
+        settle: max_delay
+            + RETRY_DELAY * DELIVERY_LIMIT as u32
+            + VISIBILITY
+            + Duration::from_secs(1),
     };
-    let load = Load::start_shaped(&q, &addrs, &mut rng, shape);
+    let load = Load::start_shaped(&q, &addrs, &mut rng, shape, Some(&dlq));
     let h = load.h.clone();
 
     // Every node's metrics through the run: messages away, and who leads in which term.
@@ -940,8 +1012,8 @@ async fn replicated_task_queue_history_under_faults() {
     report.explain(&h, started, &addrs, &q).await;
     report.assert_ok(seed);
     assert!(
-        report.given_back > 0 && report.left > 0,
-        "no delivery was given back or left: the retry and timeout paths were not exercised"
+        report.given_back > 0 && report.left > 0 && report.dead_lettered > 0,
+        "no delivery was given back, left or dead-lettered: a path was not exercised ({report})"
     );
     assert!(
         samples.most_away.iter().any(|a| *a > 0),
@@ -1113,14 +1185,23 @@ struct Load {
     publishers: Vec<tokio::task::JoinHandle<()>>,
     consumers: Vec<tokio::task::JoinHandle<()>>,
     shape: Shape,
+    dlq: Option<String>,
 }
 
 impl Load {
     fn start(q: &str, addrs: &Addrs, rng: &mut Rng) -> Load {
-        Load::start_shaped(q, addrs, rng, Shape::default())
+        Load::start_shaped(q, addrs, rng, Shape::default(), None)
     }
 
-    fn start_shaped(q: &str, addrs: &Addrs, rng: &mut Rng, shape: Shape) -> Load {
+    /// The clients of a run on a queue of `shape`, and a consumer of its dead-letter queue
+    /// `dlq`, if it has one.
+    fn start_shaped(
+        q: &str,
+        addrs: &Addrs,
+        rng: &mut Rng,
+        shape: Shape,
+        dlq: Option<&str>,
+    ) -> Load {
         let h: Shared = Arc::default();
         let stop_pub = Arc::new(AtomicBool::new(false));
         let stop_con = Arc::new(AtomicBool::new(false));
@@ -1138,7 +1219,7 @@ impl Load {
                 ))
             })
             .collect();
-        let consumers = (1..=CONSUMERS)
+        let mut consumers: Vec<_> = (1..=CONSUMERS)
             .map(|id| {
                 tokio::spawn(consumer(
                     id,
@@ -1147,10 +1228,21 @@ impl Load {
                     h.clone(),
                     stop_con.clone(),
                     sessions.clone(),
-                    shape,
+                    (shape, Role::Work),
                 ))
             })
             .collect();
+        if let Some(dlq) = dlq {
+            consumers.push(tokio::spawn(consumer(
+                CONSUMERS + 1,
+                dlq.to_owned(),
+                addrs.clone(),
+                h.clone(),
+                stop_con.clone(),
+                sessions.clone(),
+                (shape, Role::Dead),
+            )));
+        }
         Load {
             q: q.to_owned(),
             addrs: addrs.clone(),
@@ -1161,6 +1253,7 @@ impl Load {
             publishers,
             consumers,
             shape,
+            dlq: dlq.map(str::to_owned),
         }
     }
 
@@ -1178,6 +1271,7 @@ impl Load {
             publishers,
             consumers,
             shape,
+            dlq,
         } = self;
         stop_pub.store(true, Ordering::Relaxed);
         for p in publishers {
@@ -1201,6 +1295,15 @@ impl Load {
             let mut empty = true;
             for n in 1..=3 {
                 empty &= matches!(queue_state_of(&addrs, &q, n).await, Some((_, 0)));
+                if let Some(dlq) = &dlq {
+                    empty &= matches!(queue_state_of(&addrs, dlq, n).await, Some((_, 0)));
+                }
+                if shape.delayed_every > 0 || dlq.is_some() {
+                    // Held publishes, and dead letters guarded until their queue has them.
+                    let overview = api_get(&addr(&addrs, n).http, "/overview").await;
+                    empty &= overview
+                        .is_some_and(|o| o["queue_totals"]["messages_delayed"].as_u64() == Some(0));
+                }
             }
             if empty
                 && quiet_since.elapsed() > Duration::from_secs(1)
@@ -1330,6 +1433,10 @@ struct Report {
     /// Deliveries given back, and bodies given back that never came again (no later delivery,
     /// no ack): lost on the way back through the queue.
     given_back: usize,
+    /// Distinct messages taken from the dead-letter queue, and confirmed messages given back at
+    /// every delivery that never reached it.
+    dead_lettered: usize,
+    poison_not_dead: Vec<String>,
     /// Deliveries left unsettled, for the visibility timeout to bring back.
     left: usize,
     lost_after_nack: Vec<String>,
@@ -1351,7 +1458,8 @@ impl std::fmt::Display for Report {
             "published {}, confirmed {}, nacked {}, unknown {}, confirm timeouts {}, \
              delivered {} ({} distinct, {} duplicates, {} flagged redelivered, {} of them not \
              confirmed, {} enqueued twice), acks {} ({} settled), back after a settled ack {} \
-             (another copy after it {}, ambiguous {}), back after an unsettled ack {}, given back {}, left unsettled {}, \
+             (another copy after it {}, ambiguous {}), back after an unsettled ack {}, given back {}, left unsettled {}, dead-lettered {} \
+             ({} given back always and never dead-lettered), \
              lost {} ({} after a give-back), delivered early {}, out of group order {} of {}, invented {}",
             self.published,
             self.confirmed,
@@ -1372,6 +1480,8 @@ impl std::fmt::Display for Report {
             self.back_after_unsure_ack,
             self.given_back,
             self.left,
+            self.dead_lettered,
+            self.poison_not_dead.len(),
             self.lost.len() + self.lost_after_nack.len(),
             self.lost_after_nack.len(),
             self.early.len(),
@@ -1427,6 +1537,11 @@ impl Report {
             self.lost.is_empty(),
             "confirmed but never delivered (seed {seed}): {:?}",
             some(&self.lost)
+        );
+        assert!(
+            self.poison_not_dead.is_empty(),
+            "given back at every delivery and never dead-lettered (seed {seed}): {:?}",
+            some(&self.poison_not_dead)
         );
         assert!(
             self.out_of_order.is_empty(),
@@ -1606,6 +1721,15 @@ fn check(h: &History, end: Instant) -> Report {
     }
     r.distinct = times.len();
     r.duplicates = r.delivered - r.distinct;
+    // Dead letters: each must have been published, and counts as its message's delivery.
+    let dead: HashSet<&str> = h.dead.iter().map(|d| d.body.as_str()).collect();
+    r.dead_lettered = dead.len();
+    for d in &h.dead {
+        if !h.published.contains_key(&d.body) {
+            r.invented
+                .push(format!("{} (dead-lettered, from node {})", d.body, d.node));
+        }
+    }
     // A copy's first delivery is not flagged redelivered: two such deliveries of one body mean
     // the broker enqueued it twice, which at-least-once allows. One of them arriving after a
     // flagged one is not that: a paused node's first delivery reaches its client once it
@@ -1620,11 +1744,22 @@ fn check(h: &History, end: Instant) -> Report {
     let mut lost: Vec<String> = h
         .published
         .iter()
-        .filter(|(b, o)| **o == Outcome::Acked && !times.contains_key(b.as_str()))
+        .filter(|(b, o)| {
+            **o == Outcome::Acked && !times.contains_key(b.as_str()) && !dead.contains(b.as_str())
+        })
         .map(|(b, _)| b.clone())
         .collect();
     lost.sort();
     r.lost = lost;
+    // A message given back at every delivery reaches the dead-letter queue.
+    let mut poison_not_dead: Vec<String> = h
+        .poison
+        .iter()
+        .filter(|b| h.published.get(*b) == Some(&Outcome::Acked) && !dead.contains(b.as_str()))
+        .cloned()
+        .collect();
+    poison_not_dead.sort();
+    r.poison_not_dead = poison_not_dead;
     // A message given back, or left unsettled past its visibility timeout, comes again: it
     // either came back (a later delivery) or some copy of it was acked (a paused node's stale
     // delivery, given back after another session had it acked, may be the last delivery of
@@ -1641,6 +1776,7 @@ fn check(h: &History, end: Instant) -> Report {
         .iter()
         .filter(|(b, at)| {
             !acked.contains(*b)
+                && !dead.contains(*b)
                 && !times
                     .get(*b)
                     .is_some_and(|ts| ts.iter().any(|(t, _)| t > *at))
@@ -2103,7 +2239,28 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
         h.deliveries.push(delivery(b, 0, false, ms));
         h.acks.push(ack(b, 0, ms + 5));
     }
+    // p3-1: given back at every delivery, dead-lettered. p3-2: never dead-lettered. p3-3:
+    // confirmed, only ever in the dead-letter queue: delivered, not lost. x-dead: invented.
+    for b in ["p3-1", "p3-2", "p3-3"] {
+        h.published.insert(b.into(), Outcome::Acked);
+    }
+    h.poison = vec!["p3-1".into(), "p3-2".into()];
+    for b in ["p3-1", "p3-2"] {
+        h.deliveries.push(delivery(b, 0, false, 100));
+        h.nacks.push(ack(b, 0, 110));
+    }
+    for b in ["p3-1", "p3-3", "x-dead"] {
+        h.dead.push(delivery(b, 5, false, 3_000));
+    }
     let r = check(&h, at(20_000));
+    assert_eq!(r.poison_not_dead, vec!["p3-2".to_string()]);
+    assert_eq!(r.dead_lettered, 3, "{r}");
+    assert!(!r.lost.contains(&"p3-3".to_string()), "{:?}", r.lost);
+    assert!(
+        r.invented.iter().any(|i| i.starts_with("x-dead ")),
+        "{:?}",
+        r.invented
+    );
     assert_eq!(r.out_of_order.len(), 1, "{:?}", r.out_of_order);
     assert!(
         r.out_of_order[0].starts_with("p2-3 "),
@@ -2112,20 +2269,21 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     );
     assert_eq!(r.early.len(), 1, "{r}");
     assert!(r.early[0].starts_with("p1-11 "), "{:?}", r.early);
+    // p3-2 given back and never seen again; p3-1 came back through the dead-letter queue.
     assert_eq!(
         r.lost_after_nack,
-        vec!["p1-13".to_string(), "p1-8".to_string()]
+        vec!["p1-13".to_string(), "p1-8".to_string(), "p3-2".to_string()]
     );
-    assert_eq!(r.given_back, 3, "{r}");
+    assert_eq!(r.given_back, 5, "{r}");
     assert_eq!(r.lost, vec!["p1-3".to_string()]);
-    assert_eq!(r.invented.len(), 1, "{r}");
+    assert_eq!(r.invented.len(), 2, "{r}");
     assert_eq!(r.back_after_firm_ack, vec!["p1-1".to_string()]);
     assert_eq!(r.back_after_unsure_ack, 1, "{r}");
     // p1-5, and p1-10's stale first delivery.
     assert_eq!(r.another_copy_after_ack, 2, "{r}");
     assert_eq!(r.enqueued_twice, 1, "{r}");
     assert_eq!(r.ambiguous_after_ack, 1, "{r}");
-    assert_eq!((r.confirmed, r.nacked, r.duplicates), (15, 1, 7), "{r}");
+    assert_eq!((r.confirmed, r.nacked, r.duplicates), (18, 1, 7), "{r}");
 }
 
 /// Replacing a node under load, as docs/operations.md's runbook does it: node 3 killed and
