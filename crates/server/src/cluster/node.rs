@@ -310,6 +310,18 @@ pub(crate) struct Driver<E> {
     pub(crate) prepared: HashMap<GroupId, (SnapshotMeta, Instant, Prepared)>,
     pub(crate) counters: Arc<super::transport::Counters>,
     pub(crate) stopping: bool,
+    /// Where the last pass spent its time, for the log line of a slow one.
+    pub(crate) parts: PassParts,
+}
+
+/// The parts of one pass that can hold every group up: Raft's ready, the log write (with its
+/// fsync), Raft's advance, and the broker's work on what the pass committed.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PassParts {
+    ready: Duration,
+    write: Duration,
+    advance: Duration,
+    apply: Duration,
 }
 
 /// A leader's snapshot message, held back until the writer thread has its data on disk.
@@ -366,7 +378,7 @@ impl<E: RaftEvents> Driver<E> {
             if !self.pass() {
                 break;
             }
-            slow_pass(node, started.elapsed());
+            slow_pass(node, started.elapsed(), self.parts);
         }
         self.writer.stop();
         tracing::info!(node, "raft thread stopped");
@@ -829,8 +841,10 @@ impl<E: RaftEvents> Driver<E> {
     /// can no longer promise anything and stops.
     fn pass(&mut self) -> bool {
         let now = self.now_ms();
+        let began = Instant::now();
         self.raft.tick(now);
         let mut rd = self.raft.ready();
+        self.parts.ready = began.elapsed();
         self.refused.append(&mut rd.refused);
         for b in std::mem::take(&mut rd.messages) {
             self.out.send(b);
@@ -839,7 +853,10 @@ impl<E: RaftEvents> Driver<E> {
         let wanted = std::mem::take(&mut rd.snapshots_wanted);
         let peers = std::mem::take(&mut rd.peers);
         let draining = std::mem::take(&mut rd.draining);
-        if let Err(e) = rd.persist(&mut self.log) {
+        let writing = Instant::now();
+        let persisted = rd.persist(&mut self.log);
+        self.parts.write = writing.elapsed();
+        if let Err(e) = persisted {
             // An fsync that failed cannot be retried safely: stop, and let peers see us down.
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
             return false;
@@ -848,7 +865,9 @@ impl<E: RaftEvents> Driver<E> {
         self.counters
             .staged_used
             .store(used, std::sync::atomic::Ordering::Relaxed);
+        let advancing = Instant::now();
         let mut done = self.raft.advance(rd);
+        self.parts.advance = advancing.elapsed();
         for b in std::mem::take(&mut done.messages) {
             self.out.send(b);
         }
@@ -900,9 +919,11 @@ impl<E: RaftEvents> Driver<E> {
         if !self.receiving.is_empty() {
             self.release_held(false);
         }
+        let applying = Instant::now();
         if !done.committed.is_empty() {
             self.events.committed(done.committed);
         }
+        self.parts.apply = applying.elapsed();
         if !self.forwarded.is_empty() {
             self.events.forwarded(std::mem::take(&mut self.forwarded));
         }
@@ -912,12 +933,35 @@ impl<E: RaftEvents> Driver<E> {
 
 /// Says so when one pass held every group of the node up (their heartbeats, appends and
 /// commits wait for it): a sign of a slow disk or of work that belongs on another thread.
-fn slow_pass(node: NodeId, took: Duration) {
+fn slow_pass(node: NodeId, took: Duration, parts: PassParts) {
     let ms = u64::try_from(took.as_millis()).unwrap_or(u64::MAX);
+    let part = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let (ready_ms, write_ms, advance_ms, apply_ms) = (
+        part(parts.ready),
+        part(parts.write),
+        part(parts.advance),
+        part(parts.apply),
+    );
     if ms >= SLOW_PASS_WARN_MS {
-        tracing::warn!(node, ms, "slow raft pass: every group of the node waited");
+        tracing::warn!(
+            node,
+            ms,
+            ready_ms,
+            write_ms,
+            advance_ms,
+            apply_ms,
+            "slow raft pass: every group of the node waited"
+        );
     } else if ms >= SLOW_PASS_DEBUG_MS {
-        tracing::debug!(node, ms, "slow raft pass");
+        tracing::debug!(
+            node,
+            ms,
+            ready_ms,
+            write_ms,
+            advance_ms,
+            apply_ms,
+            "slow raft pass"
+        );
     }
 }
 
