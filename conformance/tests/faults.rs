@@ -839,23 +839,16 @@ async fn replicated_queue_history_under_kills_and_pauses() {
     known_everywhere(&c, &q);
     let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
     let load = Load::start(&q, &addrs, &mut rng);
-    let h = load.h.clone();
-    let sampler = Sampler::start(&addrs, &q);
-
     let started = Instant::now();
-    let fault_seed = rng.next();
-    let (fq, fa, fh) = (q.clone(), addrs.clone(), h.clone());
-    let c = tokio::task::spawn_blocking(move || inject(c, rounds, fault_seed, &fq, &fa, &fh))
-        .await
-        .expect("the fault thread");
-    let faults_took = started.elapsed();
-
-    // Healed: the publishers stop, the consumers drain what is left.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (h, drained, sessions) = load.finish(seed).await;
-    let samples = sampler.finish().await;
-    let end = Instant::now();
-    let report = check(&h, end);
+    let Run {
+        c,
+        h,
+        report,
+        samples,
+        faults_took,
+        drained,
+        sessions,
+    } = run_faults(c, load, rounds, &mut rng, seed).await;
     eprintln!(
         "faults: {rounds} rounds in {:.1} s, drained in {:.1} s, {sessions} consumer sessions, seed {seed}",
         faults_took.as_secs_f64(),
@@ -1008,23 +1001,16 @@ async fn task_queue_history(dead_letters: bool) {
             + Duration::from_secs(1),
     };
     let load = Load::start_shaped(&q, &addrs, &mut rng, shape, dead_letters.then_some(&*dlq));
-    let h = load.h.clone();
-
-    // Every node's metrics through the run: messages away, and who leads in which term.
-    let sampler = Sampler::start(&addrs, &q);
-
     let started = Instant::now();
-    let fault_seed = rng.next();
-    let (fq, fa, fh) = (q.clone(), addrs.clone(), h.clone());
-    let c = tokio::task::spawn_blocking(move || inject(c, rounds, fault_seed, &fq, &fa, &fh))
-        .await
-        .expect("the fault thread");
-    let faults_took = started.elapsed();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (h, drained, sessions) = load.finish(seed).await;
-    let samples = sampler.finish().await;
-    let end = Instant::now();
-    let report = check(&h, end);
+    let Run {
+        c,
+        h,
+        report,
+        samples,
+        faults_took,
+        drained,
+        sessions,
+    } = run_faults(c, load, rounds, &mut rng, seed).await;
     eprintln!(
         "tasks: {rounds} rounds in {:.1} s, drained in {:.1} s, {sessions} consumer sessions, \
          most messages away on nodes 1-3 {:?}, leaders seen in {} terms ({} reads), seed {seed}",
@@ -1055,6 +1041,46 @@ async fn task_queue_history(dead_letters: bool) {
         "too few grouped messages to check their order: {report}"
     );
     drop(c);
+}
+
+/// What a fault run leaves: the cluster (every node back), the history and its check, what the
+/// sampler saw, how long the faults and the drain took, and the consumer sessions.
+struct Run {
+    c: TestCluster,
+    h: History,
+    report: Report,
+    samples: Samples,
+    faults_took: Duration,
+    drained: Duration,
+    sessions: u64,
+}
+
+/// Runs `rounds` faults on `c` while `load` runs and a [`Sampler`] reads every node's metrics,
+/// then lets the consumers drain the queue and checks the history.
+async fn run_faults(c: TestCluster, load: Load, rounds: u64, rng: &mut Rng, seed: u64) -> Run {
+    let h = load.h.clone();
+    let sampler = Sampler::start(&load.addrs, &load.q);
+    let started = Instant::now();
+    let fault_seed = rng.next();
+    let (fq, fa, fh) = (load.q.clone(), load.addrs.clone(), h.clone());
+    let c = tokio::task::spawn_blocking(move || inject(c, rounds, fault_seed, &fq, &fa, &fh))
+        .await
+        .expect("the fault thread");
+    let faults_took = started.elapsed();
+    // Healed: the publishers stop, the consumers drain what is left.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (h, drained, sessions) = load.finish(seed).await;
+    let samples = sampler.finish().await;
+    let report = check(&h, Instant::now());
+    Run {
+        c,
+        h,
+        report,
+        samples,
+        faults_took,
+        drained,
+        sessions,
+    }
 }
 
 /// A rolling restart under load, done as docs/operations.md's runbook and a Kubernetes
