@@ -111,7 +111,7 @@ struct Shape {
     /// Each consumer's prefetch (0: 20). A delivery left unsettled holds its slot until its
     /// timeout.
     prefetch: u16,
-    /// The messages neither delayed, given back nor left carry a group key (`x-group-key`, the
+    /// The messages neither delayed, given back (once or always) nor left carry a group key (`x-group-key`, the
     /// queue's `x-group-header`): one of this many groups of their publisher (0: none).
     groups: u64,
     /// How long after the last publish a message may still be held or wait for its retry: the
@@ -130,18 +130,37 @@ fn seq_of(body: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Whether `seq` is one of every `n` (never when `n` is 0).
+fn one_in(n: u64, seq: u64) -> bool {
+    n > 0 && seq.is_multiple_of(n)
+}
+
+/// What becomes of a publisher's message `seq` in a run of this shape.
 impl Shape {
-    /// Whether a publisher's message `seq` is given back at every delivery.
-    fn poison(&self, seq: u64) -> bool {
-        self.poison_every > 0
-            && seq.is_multiple_of(self.poison_every)
-            && !(self.delayed_every > 0 && seq.is_multiple_of(self.delayed_every))
-            && !self.given_back_once(seq)
-            && !(self.forget_every > 0 && seq.is_multiple_of(self.forget_every))
+    fn delayed(&self, seq: u64) -> bool {
+        one_in(self.delayed_every, seq)
     }
 
     fn given_back_once(&self, seq: u64) -> bool {
-        self.nack_every > 0 && seq.is_multiple_of(self.nack_every)
+        one_in(self.nack_every, seq)
+    }
+
+    fn left(&self, seq: u64) -> bool {
+        one_in(self.forget_every, seq) && !self.given_back_once(seq)
+    }
+
+    fn poison(&self, seq: u64) -> bool {
+        one_in(self.poison_every, seq)
+            && !self.delayed(seq)
+            && !self.given_back_once(seq)
+            && !self.left(seq)
+    }
+
+    /// Its group, if it has one.
+    fn group(&self, publisher: u64, seq: u64) -> Option<String> {
+        let other =
+            self.delayed(seq) || self.given_back_once(seq) || self.left(seq) || self.poison(seq);
+        (self.groups > 0 && !other).then(|| format!("g{publisher}-{}", seq % self.groups))
     }
 }
 
@@ -447,20 +466,16 @@ async fn publisher(
                     h.sent.insert(body.clone(), (node, Instant::now(), None));
                 }
                 let mut props = BasicProperties::default().with_delivery_mode(2);
-                let delayed = shape.delayed_every > 0 && seq.is_multiple_of(shape.delayed_every);
-                let given_back = shape.nack_every > 0 && seq.is_multiple_of(shape.nack_every);
-                let left = shape.forget_every > 0 && seq.is_multiple_of(shape.forget_every);
                 if shape.poison(seq) {
                     h.lock().unwrap().poison.push(body.clone());
                 }
-                if shape.groups > 0 && !delayed && !given_back && !left && !shape.poison(seq) {
-                    let group = format!("g{id}-{}", seq % shape.groups);
+                if let Some(group) = shape.group(id, seq) {
                     h.lock().unwrap().groups.insert(body.clone(), group.clone());
                     let mut headers = FieldTable::default();
                     headers.insert("x-group-key".into(), AMQPValue::LongString(group.into()));
                     props = props.with_headers(headers);
                 }
-                if delayed {
+                if shape.delayed(seq) {
                     let delay = rng.millis(
                         HELD_MIN.as_millis() as u64,
                         shape.max_delay.as_millis() as u64,
@@ -656,11 +671,7 @@ async fn consumer(
                 });
                 continue;
             }
-            if role == Role::Work
-                && shape.forget_every > 0
-                && !d.redelivered
-                && seq.is_multiple_of(shape.forget_every)
-            {
+            if role == Role::Work && shape.left(seq) && !d.redelivered {
                 h.lock().unwrap().left.push(Ack {
                     body,
                     at: Instant::now(),
@@ -2348,6 +2359,11 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     for b in ["p3-1", "p3-3", "x-dead"] {
         h.dead.push(delivery(b, 5, false, 3_000));
     }
+    // Two nodes that said they led in term 5: a violation; one in term 6: none.
+    let mut samples = Samples::default();
+    samples.leaders.entry(5).or_default().extend([1, 2]);
+    samples.leaders.entry(6).or_default().insert(3);
+    assert_eq!(samples.terms_with_two_leaders(), vec![(5, vec![1, 2])]);
     let r = check(&h, at(20_000));
     assert_eq!(r.poison_not_dead, vec!["p3-2".to_string()]);
     assert_eq!(r.dead_lettered, 3, "{r}");

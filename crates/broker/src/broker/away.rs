@@ -407,8 +407,9 @@ impl AwayContext {
     /// slices: otherwise the window's few messages would keep the whole snapshot (up to a GiB)
     /// alive, for as long as the queue is idle. Not copied when what stays is more than a
     /// quarter of the snapshot's `bytes` (messages returned or parked behind their group,
-    /// which do not leave memory yet): the copies would only double the peak. If a write fails, the rest stays
-    /// as it was (in memory, the buffer kept): the broker's own passes try again later.
+    /// which do not leave memory yet): the copies would only double the peak. If a write
+    /// fails, the rest stays as it was (in memory, the buffer kept): the broker's own passes
+    /// try again later.
     pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) {
         let count = window_of(machine, self.window, self.window_idle) as usize;
         let kept = machine.head_within(count, self.window_bytes);

@@ -349,7 +349,6 @@ impl RaftNode {
             prepared: Default::default(),
             counters: counters.clone(),
             stopping: false,
-            parts: Default::default(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("warren-raft-{}", cfg.node))

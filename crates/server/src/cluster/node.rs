@@ -310,8 +310,6 @@ pub(crate) struct Driver<E> {
     pub(crate) prepared: HashMap<GroupId, (SnapshotMeta, Instant, Prepared)>,
     pub(crate) counters: Arc<super::transport::Counters>,
     pub(crate) stopping: bool,
-    /// Where the last pass spent its time, for the log line of a slow one.
-    pub(crate) parts: PassParts,
 }
 
 /// The parts of one pass that can hold every group up: Raft's ready, the log write (with its
@@ -375,10 +373,10 @@ impl<E: RaftEvents> Driver<E> {
             self.wait();
             let started = Instant::now();
             self.take_input();
-            if !self.pass() {
+            let Some(parts) = self.pass() else {
                 break;
-            }
-            slow_pass(node, started.elapsed(), self.parts);
+            };
+            slow_pass(node, started.elapsed(), parts);
         }
         self.writer.stop();
         tracing::info!(node, "raft thread stopped");
@@ -837,14 +835,17 @@ impl<E: RaftEvents> Driver<E> {
         );
     }
 
-    /// One tick (if due), ready, write, advance, report. False if the log failed: this node
-    /// can no longer promise anything and stops.
-    fn pass(&mut self) -> bool {
+    /// One tick (if due), ready, write, advance, report; where its time went. `None` if the
+    /// log failed: this node can no longer promise anything and stops.
+    fn pass(&mut self) -> Option<PassParts> {
         let now = self.now_ms();
         let began = Instant::now();
         self.raft.tick(now);
         let mut rd = self.raft.ready();
-        self.parts.ready = began.elapsed();
+        let mut parts = PassParts {
+            ready: began.elapsed(),
+            ..PassParts::default()
+        };
         self.refused.append(&mut rd.refused);
         for b in std::mem::take(&mut rd.messages) {
             self.out.send(b);
@@ -855,11 +856,11 @@ impl<E: RaftEvents> Driver<E> {
         let draining = std::mem::take(&mut rd.draining);
         let writing = Instant::now();
         let persisted = rd.persist(&mut self.log);
-        self.parts.write = writing.elapsed();
+        parts.write = writing.elapsed();
         if let Err(e) = persisted {
             // An fsync that failed cannot be retried safely: stop, and let peers see us down.
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
-            return false;
+            return None;
         }
         let (_, used) = self.log.prestaged_counts();
         self.counters
@@ -867,7 +868,7 @@ impl<E: RaftEvents> Driver<E> {
             .store(used, std::sync::atomic::Ordering::Relaxed);
         let advancing = Instant::now();
         let mut done = self.raft.advance(rd);
-        self.parts.advance = advancing.elapsed();
+        parts.advance = advancing.elapsed();
         for b in std::mem::take(&mut done.messages) {
             self.out.send(b);
         }
@@ -923,11 +924,11 @@ impl<E: RaftEvents> Driver<E> {
         if !done.committed.is_empty() {
             self.events.committed(done.committed);
         }
-        self.parts.apply = applying.elapsed();
+        parts.apply = applying.elapsed();
         if !self.forwarded.is_empty() {
             self.events.forwarded(std::mem::take(&mut self.forwarded));
         }
-        true
+        Some(parts)
     }
 }
 
