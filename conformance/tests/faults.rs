@@ -1362,10 +1362,14 @@ impl Load {
                     empty &= matches!(queue_state_of(&addrs, dlq, n).await, Some((_, 0)));
                 }
                 if shape.delayed_every > 0 || dlq.is_some() {
-                    // Held publishes, and dead letters guarded until their queue has them.
+                    // Held publishes, dead letters guarded until their queue has them, and
+                    // those their quorum queue keeps until then.
                     let overview = api_get(&addr(&addrs, n).http, "/overview").await;
-                    empty &= overview
-                        .is_some_and(|o| o["queue_totals"]["messages_delayed"].as_u64() == Some(0));
+                    empty &= overview.is_some_and(|o| {
+                        let totals = &o["queue_totals"];
+                        totals["messages_delayed"].as_u64() == Some(0)
+                            && totals["messages_dead_lettering"].as_u64() == Some(0)
+                    });
                 }
             }
             if empty

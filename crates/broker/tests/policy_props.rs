@@ -128,6 +128,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                         jitter_pct,
                     }),
                     deliver_on_apply: false,
+                    hold_dead_letters: false,
                 }
             },
         )

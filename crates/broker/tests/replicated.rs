@@ -1874,9 +1874,10 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
 }
 
 /// Dead letters the leader of a quorum queue sends to a dead-letter quorum queue led by
-/// another node reach it even when their forwards are lost on the way: each leaves a guard
-/// record that releases it again unless its entry is applied. Before, the source's entry was
-/// gone and the lost forward lost the message.
+/// another node reach it even when their forwards are lost on the way: the source queue keeps
+/// each message until its dead letter's batch is confirmable, and a forward that timed out is
+/// sent again. Before guards (and then held dead letters), the source's entry was gone and the
+/// lost forward lost the message.
 #[test]
 fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() {
     let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
@@ -1922,9 +1923,77 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0));
 }
 
+/// A dead letter whose source entry (here the expiry) commits while its own entry in the
+/// dead-letter queue's group does not (its forward to that queue's leader is on its way when
+/// the source's leader dies) is sent again by the source's next leader: every member's machine
+/// holds the message until its dead letter is safe. Before, the expiry's entry took the
+/// message out everywhere and only the dead node's disk knew of the dead letter.
+#[test]
+fn a_dead_letter_whose_sender_dies_before_it_lands_is_sent_again_by_the_next_leader() {
+    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let other = leader % 3 + 1;
+    declare_on(&mut c, other, "dlq", false);
+    until_made_everywhere(&mut c, "dlq", other);
+    assert_eq!(leaders_of(&c, &["dlq".to_string()]), vec![other]);
+    let dlq_group = {
+        let b = &c.members[&other].broker;
+        b.replica_group(b.queue_id("/", "dlq").expect("dlq"))
+            .expect("replicated")
+    };
+    let held = |c: &Cluster, n: u64| {
+        let b = &c.members[&n].broker;
+        b.queue_id("/", "jobs")
+            .and_then(|id| b.machine(id))
+            .map_or(0, |m| m.dead_held_count())
+    };
+    c.hold_forwards = true;
+    let batch = c.publish(leader, 1);
+    let mut seen = false;
+    let mut committed = false;
+    for _ in 0..400 {
+        c.step();
+        // The message reached a follower, then its expiry did: committed, out of the queue.
+        seen = seen || c.counts(other) == (1, 0);
+        if seen && c.counts(other) == (0, 0) {
+            committed = true;
+            break;
+        }
+    }
+    assert!(committed, "the expiry committed");
+    assert_eq!(held(&c, other), 1, "held by the follower's machine too");
+    assert!(c.confirmed(leader, batch), "the publish was confirmed");
+    let before = c.forwards.len();
+    c.forwards.retain(|(_, p)| p.group != dlq_group);
+    assert!(
+        before > c.forwards.len(),
+        "the dead letter's forward was on its way"
+    );
+    c.kill(leader);
+    c.hold_forwards = false;
+    let mut landed = false;
+    for _ in 0..2_000 {
+        c.step();
+        if ready_in(&c, other, "dlq") == 1 {
+            landed = true;
+            break;
+        }
+    }
+    assert!(landed, "the next leader sent the dead letter again");
+    c.run(100);
+    assert_eq!(ready_in(&c, other, "dlq"), 1, "once");
+    let alive: Vec<u64> = NODES.iter().copied().filter(|n| *n != leader).collect();
+    for n in alive {
+        assert_eq!(held(&c, n), 0, "settled on node {n} once safe");
+    }
+}
+
 /// A dead letter the leader sends to a full `reject-publish` quorum queue it also leads is
-/// refused as the leader applies it ahead: dropped (as RabbitMQ drops it), its guard deleted
-/// once, not again when the refused entry is applied (the harness fails on a key deleted twice).
+/// refused as the leader applies it ahead: dropped (as RabbitMQ drops it) and settled in its
+/// source queue, with no guard record left behind (a held message's dead letter needs none; the
+/// harness fails on a key deleted twice).
 #[test]
 fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once() {
     let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
@@ -1945,6 +2014,7 @@ fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once()
     assert_eq!(ready_in(&c, leader, "dlq"), 1, "one taken, one refused");
     assert_eq!(c.counts(leader), (0, 0), "both expired");
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0), "no guard left");
+    assert_eq!(c.broker(leader).totals().dead_lettering, 0, "both settled");
 }
 
 /// A delayed message a follower releases into a full `reject-publish-dlx` quorum queue is

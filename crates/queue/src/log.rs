@@ -112,6 +112,7 @@ const UNREGISTER: u8 = 23;
 const GET_BY: u8 = 24;
 const CAP_EXPIRY: u8 = 25;
 const ENQUEUE_WITH: u8 = 26;
+const DEAD_LETTERED: u8 = 27;
 
 pub(crate) fn put_short(out: &mut BytesMut, s: &ShortStr) {
     out.put_u8(s.len() as u8);
@@ -170,7 +171,11 @@ pub(crate) fn put_policy(out: &mut BytesMut, p: &Policy) {
     });
     put_opt_u64(out, p.expires_ms);
     put_opt_u64(out, p.max_priority.map(u64::from));
-    out.put_u8(u8::from(p.single_active) | u8::from(p.deliver_on_apply) << 1);
+    out.put_u8(
+        u8::from(p.single_active)
+            | u8::from(p.deliver_on_apply) << 1
+            | u8::from(p.hold_dead_letters) << 2,
+    );
     put_opt_u64(out, p.delivery_limit);
     put_opt_u64(out, p.visibility_timeout_ms);
     put_opt_u64(out, p.consumer_timeout_ms);
@@ -495,6 +500,13 @@ fn put_command(out: &mut BytesMut, command: &Command<Message>) {
                 out.put_u64(*at);
             }
         }
+        Command::DeadLettered { ids } => {
+            out.put_u8(DEAD_LETTERED);
+            out.put_u32(u32::try_from(ids.len()).unwrap_or(u32::MAX));
+            for id in ids {
+                out.put_u64(*id);
+            }
+        }
         Command::Extend {
             receipt,
             timeout_ms,
@@ -657,6 +669,7 @@ impl Reader {
                 t => return Err(self.fail(format!("bad retry tag {t}"))),
             },
             deliver_on_apply: flags & 2 != 0,
+            hold_dead_letters: flags & 4 != 0,
         })
     }
 
@@ -774,6 +787,15 @@ impl Reader {
                     caps.push((self.u64("cap id")?, self.u64("cap expiry")?));
                 }
                 Command::CapExpiry { caps }
+            }
+            DEAD_LETTERED => {
+                let n = self.u32("id count")?;
+                // Grown as ids are read: the count is not trusted for an allocation.
+                let mut ids = Vec::new();
+                for _ in 0..n {
+                    ids.push(self.u64("id")?);
+                }
+                Command::DeadLettered { ids }
             }
             RELEASE => Command::Release {
                 receipt: self.receipt()?,

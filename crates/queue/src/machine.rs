@@ -121,6 +121,12 @@ pub struct Policy {
     /// measured it slower than batched `Checkout` entries (every member pays a checkout per
     /// entry: bench/cluster.md) and do not use it.
     pub deliver_on_apply: bool,
+    /// At-least-once dead-lettering (a replicated queue with a dead-letter exchange, as
+    /// RabbitMQ's `x-dead-letter-strategy: at-least-once`): a dead-lettered message stays in
+    /// the machine, outside the queue, until [`Command::DeadLettered`] says its dead letter is
+    /// safe in its targets. A failover between the two finds it here, and the new leader
+    /// sends it again (at least once: perhaps twice, never lost).
+    pub hold_dead_letters: bool,
 }
 
 /// Most deliveries one command makes in a queue that delivers on apply: a consume by a
@@ -467,6 +473,11 @@ pub enum Command<M> {
     CapExpiry {
         caps: Vec<(u64, u64)>,
     },
+    /// The dead letters of these held messages ([`Policy::hold_dead_letters`]) are in their
+    /// targets: they go. Ids not held are ignored; `Stale` if none was.
+    DeadLettered {
+        ids: Vec<u64>,
+    },
 }
 
 impl<M> Command<M> {
@@ -513,6 +524,7 @@ impl<M> Command<M> {
             Command::Extend { .. } => "extend",
             Command::Touch => "touch",
             Command::CapExpiry { .. } => "cap_expiry",
+            Command::DeadLettered { .. } => "dead_lettered",
         }
     }
 }
@@ -679,6 +691,14 @@ struct Entry<M> {
     /// Back in the ready line because its delivery timed out (not because its holder gave it
     /// back): a late ack from that holder may still settle it.
     timed_out: bool,
+}
+
+/// A dead-lettered message held until its dead letter is safe ([`Policy::hold_dead_letters`]).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Dead<M> {
+    pub message: M,
+    pub delivery_count: u32,
+    pub reason: DeadLetterReason,
 }
 
 /// Ready messages that are on disk only: every message of the queue with an id in
@@ -932,6 +952,9 @@ pub struct QueueMachine<M> {
     dedup: BTreeMap<DedupKey, (u64, u64)>,
     dedup_order: VecDeque<(DedupKey, u64)>,
     dedup_next: u64,
+    /// Dead-lettered messages kept until their dead letters are safe
+    /// ([`Policy::hold_dead_letters`]), by id.
+    dead: BTreeMap<u64, Dead<M>>,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
     /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
@@ -999,6 +1022,7 @@ impl<M> Default for QueueMachine<M> {
             dedup: BTreeMap::new(),
             dedup_order: VecDeque::new(),
             dedup_next: 0,
+            dead: BTreeMap::new(),
             expiries: BTreeSet::new(),
             expiries_in_order: VecDeque::new(),
             ready_bytes: 0,
@@ -1153,12 +1177,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             Command::Discard { receipt } => match self.take_in_flight(receipt) {
                 Some(entry) => {
                     self.group_done(&entry);
-                    effects.push(Effect::DeadLetter {
-                        msg_id: entry.id,
-                        message: entry.msg,
-                        delivery_count: entry.delivery_count,
-                        reason: DeadLetterReason::Rejected,
-                    });
+                    self.dead_letter(
+                        entry.id,
+                        entry.msg,
+                        entry.delivery_count,
+                        DeadLetterReason::Rejected,
+                        effects,
+                    );
                     Reply::Ok
                 }
                 None => Reply::Stale,
@@ -1205,6 +1230,17 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 receipt,
                 timeout_ms,
             } => self.extend(receipt, timeout_ms),
+            Command::DeadLettered { ids } => {
+                let before = self.dead.len();
+                for id in ids {
+                    self.dead.remove(&id);
+                }
+                if self.dead.len() < before {
+                    Reply::Ok
+                } else {
+                    Reply::Stale
+                }
+            }
         };
         if may_deliver && self.policy.deliver_on_apply {
             // As a Checkout would: nothing expired goes out.
@@ -1347,12 +1383,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             if self.policy.overflow == Overflow::RejectPublishDlx {
                 let msg_id = self.next_id;
                 self.next_id += 1;
-                effects.push(Effect::DeadLetter {
-                    msg_id,
-                    message,
-                    delivery_count: 0,
-                    reason: DeadLetterReason::MaxLen,
-                });
+                self.dead_letter(msg_id, message, 0, DeadLetterReason::MaxLen, effects);
             } else {
                 // Its time to live counts from when the queue takes it, as a classic queue's
                 // delayed release recomputes it: moved as far as its due time.
@@ -1479,12 +1510,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let limit = self.policy.delivery_limit;
         if limit.is_some_and(|l| u64::from(entry.delivery_count) > l) {
             self.group_done(&entry);
-            effects.push(Effect::DeadLetter {
-                msg_id: entry.id,
-                message: entry.msg,
-                delivery_count: entry.delivery_count,
-                reason: DeadLetterReason::DeliveryLimit,
-            });
+            self.dead_letter(
+                entry.id,
+                entry.msg,
+                entry.delivery_count,
+                DeadLetterReason::DeliveryLimit,
+                effects,
+            );
             return;
         }
         // It may wait now: it no longer shares the buffer it arrived in (one a consumer took
@@ -1513,6 +1545,32 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// The message that held its group's lock left flight (settled, dead-lettered, back in the
     /// line): the group's next parked message rejoins the line.
     #[inline]
+    /// A message leaves the queue unacknowledged: its `DeadLetter` effect, and, when dead letters
+    /// are held ([`Policy::hold_dead_letters`]), a copy kept until [`Command::DeadLettered`].
+    fn dead_letter(
+        &mut self,
+        msg_id: u64,
+        message: M,
+        delivery_count: u32,
+        reason: DeadLetterReason,
+        effects: &mut Vec<Effect<M>>,
+    ) {
+        if self.policy.hold_dead_letters {
+            let dead = Dead {
+                message: message.clone(),
+                delivery_count,
+                reason,
+            };
+            self.dead.insert(msg_id, dead);
+        }
+        effects.push(Effect::DeadLetter {
+            msg_id,
+            message,
+            delivery_count,
+            reason,
+        });
+    }
+
     fn group_done(&mut self, entry: &Entry<M>) {
         if self.group_locks.is_empty() {
             return;
@@ -1831,12 +1889,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 break;
             };
             self.left_line(&e);
-            effects.push(Effect::DeadLetter {
-                msg_id: e.id,
-                message: e.msg,
-                delivery_count: e.delivery_count,
-                reason: DeadLetterReason::MaxLen,
-            });
+            self.dead_letter(
+                e.id,
+                e.msg,
+                e.delivery_count,
+                DeadLetterReason::MaxLen,
+                effects,
+            );
         }
     }
 
@@ -2544,12 +2603,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             if let Some(e) = entry {
                 self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
                 self.left_line(&e);
-                effects.push(Effect::DeadLetter {
-                    msg_id: e.id,
-                    message: e.msg,
-                    delivery_count: e.delivery_count,
-                    reason: DeadLetterReason::Expired,
-                });
+                self.dead_letter(
+                    e.id,
+                    e.msg,
+                    e.delivery_count,
+                    DeadLetterReason::Expired,
+                    effects,
+                );
             }
         }
         while let Some(&(at, id)) = self.expiries.first() {
@@ -2582,12 +2642,13 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             if let Some(e) = entry {
                 self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
                 self.left_line(&e);
-                effects.push(Effect::DeadLetter {
-                    msg_id: e.id,
-                    message: e.msg,
-                    delivery_count: e.delivery_count,
-                    reason: DeadLetterReason::Expired,
-                });
+                self.dead_letter(
+                    e.id,
+                    e.msg,
+                    e.delivery_count,
+                    DeadLetterReason::Expired,
+                    effects,
+                );
             }
         }
     }
@@ -2952,6 +3013,22 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     }
 
     /// Publishes held back until they are due ([`Command::EnqueueWith`]), and their bytes.
+    /// Dead-lettered messages held until their dead letters are safe
+    /// ([`Policy::hold_dead_letters`]), by id.
+    pub fn dead_held(&self) -> impl Iterator<Item = (u64, &Dead<M>)> + '_ {
+        self.dead.iter().map(|(id, d)| (*id, d))
+    }
+
+    /// The held dead-lettered message `msg_id`, if it is held.
+    pub fn dead_held_get(&self, msg_id: u64) -> Option<&Dead<M>> {
+        self.dead.get(&msg_id)
+    }
+
+    /// How many dead-lettered messages are held.
+    pub fn dead_held_count(&self) -> usize {
+        self.dead.len()
+    }
+
     pub fn held_count(&self) -> (usize, u64) {
         (self.held.len(), self.held_bytes)
     }
@@ -3345,6 +3422,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
         if !self.dedup.is_empty() {
             (&self.dedup, &self.dedup_order, self.dedup_next).hash(&mut h);
+        }
+        if !self.dead.is_empty() {
+            (self.dead.len(), &self.dead).hash(&mut h);
         }
         h.finish()
     }
@@ -4267,6 +4347,68 @@ mod tests {
             vec![(0, DeadLetterReason::DeliveryLimit)]
         );
         assert_eq!(d.m.ready_count(), 0);
+    }
+
+    #[test]
+    fn held_dead_letters_stay_until_their_dead_letters_are_safe() {
+        let mut d = with_policy(Policy {
+            delivery_limit: Some(0),
+            hold_dead_letters: true,
+            ..Policy::default()
+        });
+        d.enqueue("a", 1, None);
+        d.enqueue("b", 1, None);
+        d.enqueue("c", 1, Some(5));
+        d.run(Command::Get { no_ack: false });
+        d.run(Command::Get { no_ack: false });
+        d.effects.clear();
+        // Past its delivery limit, rejected, expired: each leaves the queue and stays held.
+        d.ret(0, 1);
+        d.run(Command::Discard {
+            receipt: receipt(1, 1),
+        });
+        d.now = 10;
+        d.run(Command::Tick);
+        assert_eq!(
+            dead_letters(&mut d),
+            vec![
+                (0, DeadLetterReason::DeliveryLimit),
+                (1, DeadLetterReason::Rejected),
+                (2, DeadLetterReason::Expired)
+            ]
+        );
+        assert_eq!(d.m.ready_count() + d.m.in_flight_count(), 0);
+        let held: Vec<(u64, &str, u32, DeadLetterReason)> =
+            d.m.dead_held()
+                .map(|(id, x)| (id, x.message, x.delivery_count, x.reason))
+                .collect();
+        assert_eq!(
+            held,
+            vec![
+                (0, "a", 1, DeadLetterReason::DeliveryLimit),
+                (1, "b", 1, DeadLetterReason::Rejected),
+                (2, "c", 0, DeadLetterReason::Expired)
+            ]
+        );
+        let digest = d.m.digest();
+        assert_eq!(
+            d.run(Command::DeadLettered { ids: vec![0, 2, 9] }),
+            Reply::Ok
+        );
+        assert_ne!(d.m.digest(), digest, "what is held is part of the state");
+        assert_eq!(d.m.dead_held().map(|(id, _)| id).collect::<Vec<_>>(), [1]);
+        assert_eq!(d.run(Command::DeadLettered { ids: vec![0] }), Reply::Stale);
+        assert_eq!(d.run(Command::DeadLettered { ids: vec![1] }), Reply::Ok);
+        assert_eq!(d.m.dead_held_count(), 0);
+        // Without the policy nothing is held.
+        let mut d = with_policy(Policy::default());
+        d.enqueue("a", 1, None);
+        d.run(Command::Get { no_ack: false });
+        d.run(Command::Discard {
+            receipt: receipt(0, 1),
+        });
+        assert_eq!(dead_letters(&mut d), vec![(0, DeadLetterReason::Rejected)]);
+        assert_eq!(d.m.dead_held_count(), 0);
     }
 
     #[test]

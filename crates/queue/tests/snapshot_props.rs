@@ -94,6 +94,10 @@ enum Op {
     Configure(Policy),
     Touch,
     Purge,
+    /// Settles some held dead letters (`pick` chooses which, with an id never held too).
+    DeadLettered {
+        pick: usize,
+    },
     CapExpiry {
         within: u64,
     },
@@ -141,14 +145,14 @@ fn policy() -> impl Strategy<Value = Policy> {
                     jitter_pct,
                 }),
         ),
-        prop::bool::weighted(0.5),
+        (prop::bool::weighted(0.5), prop::bool::weighted(0.5)),
     )
         .prop_map(
             |(
                 (max_length, max_length_bytes, overflow, expires_ms),
                 (max_priority, single_active, delivery_limit, visibility, consumer_timeout),
                 retry,
-                deliver_on_apply,
+                (deliver_on_apply, hold_dead_letters),
             )| Policy {
                 max_length,
                 max_length_bytes,
@@ -161,6 +165,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                 consumer_timeout_ms: consumer_timeout,
                 retry,
                 deliver_on_apply,
+                hold_dead_letters,
             },
         )
 }
@@ -194,6 +199,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => policy().prop_map(Op::Configure),
         1 => Just(Op::Touch),
         1 => Just(Op::Purge),
+        2 => any::<usize>().prop_map(|pick| Op::DeadLettered { pick }),
         1 => (0u64..40).prop_map(|within| Op::CapExpiry { within }),
         3 => (0usize..40, 0u64..50, prop::option::weighted(0.3, 0u8..3), prop::option::weighted(0.5, (0u8..4, 1u64..60, 1u32..4)))
             .prop_map(|(size, delay, from, key)| Op::Hold { size, delay, from, key }),
@@ -445,6 +451,17 @@ impl Driver {
             }),
             Op::Touch => Command::Touch,
             Op::Purge => Command::Purge,
+            Op::DeadLettered { pick } => {
+                let held: Vec<u64> = m.dead_held().map(|(id, _)| id).collect();
+                let mut ids: Vec<u64> = held
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| (pick >> (i % 64)) & 1 == 1)
+                    .map(|(_, id)| *id)
+                    .collect();
+                ids.push(m.next_msg_id() + 1);
+                Command::DeadLettered { ids }
+            }
             Op::CapExpiry { within } => Command::CapExpiry {
                 caps: vec![
                     (m.next_msg_id() / 2, self.now + within),

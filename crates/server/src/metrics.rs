@@ -441,6 +441,12 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
         delayed,
     );
     t.one(
+        "warren_dead_lettering_messages",
+        "gauge",
+        "Dead-lettered messages of quorum queues kept until their dead letters are in their targets",
+        totals.dead_lettering,
+    );
+    t.one(
         "warren_replicated_messages_away",
         "gauge",
         "Messages of deep quorum queues whose contents this node keeps on disk, out of memory",

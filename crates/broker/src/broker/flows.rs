@@ -24,6 +24,7 @@ pub(super) fn dead_letter_of(
         routing_key: q.args.dead_letter_routing_key.clone(),
         message,
         reason,
+        source: None,
     })
 }
 
@@ -340,12 +341,18 @@ impl Broker {
                         DeadLetterReason::Rejected | DeadLetterReason::DeliveryLimit
                     );
                     self.forget_stored(queue, msg_id, &message, delivery_count, in_flight);
-                    if let Some(dl) = self
-                        .queues
-                        .get(&queue)
-                        .and_then(|q| dead_letter_of(q, message, reason))
-                    {
-                        self.dead_letters.push_back(dl);
+                    let Some(q) = self.queues.get(&queue) else {
+                        continue;
+                    };
+                    // Its queue keeps it until the dead letter is safe (a replicated queue's).
+                    let held = q.machine.dead_held_get(msg_id).is_some();
+                    match dead_letter_of(q, message, reason) {
+                        Some(mut dl) => {
+                            dl.source = held.then_some((queue, msg_id));
+                            self.dead_letters.push_back(dl);
+                        }
+                        None if held => self.held_dead_letter_dropped((queue, msg_id)),
+                        None => {}
                     }
                 }
                 Effect::Deliver(d) => {
@@ -456,7 +463,17 @@ impl Broker {
                 Some(_) => Vec::new(),
             };
             let death = Some((dl.reason, x_death, cc));
-            match self.publish_to(&dl.vhost, &dl.exchange, &routing_key, message, death, false) {
+            let source = dl.source;
+            self.held_dead_letters.publishing = source.is_some();
+            let unled = self.held_dead_letters.unled;
+            let routed =
+                self.publish_to(&dl.vhost, &dl.exchange, &routing_key, message, death, false);
+            self.held_dead_letters.publishing = false;
+            if let Some(source) = source {
+                let unled = self.held_dead_letters.unled != unled;
+                self.held_dead_letter_routed(source, &routed, unled);
+            }
+            match routed {
                 Ok(r) if r.queues > 0 => {}
                 Ok(_) => {
                     tracing::debug!(queue = %dl.queue, exchange = %dl.exchange, "dead letter routed nowhere: dropped")

@@ -56,7 +56,14 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// `Command::EnqueueWith` in the queue's log, held by every member and released by whichever
 /// leads when it is due, instead of waiting on the disk of the node that took it; and a
 /// quorum queue's deduplication window is in its machine (`EnqueueWith`'s `dedup`).
-pub const FEATURE_LEVEL: u64 = 6;
+/// 7, a quorum queue with a dead-letter exchange holds its dead-lettered messages until their
+/// dead letters are safe (`Policy::hold_dead_letters`, `Command::DeadLettered`, snapshot
+/// version 4).
+pub const FEATURE_LEVEL: u64 = 7;
+
+/// The level from which quorum queues hold their dead letters until they are safe: a node of
+/// an older version cannot read `Command::DeadLettered`, nor a snapshot that holds some.
+pub(super) const HELD_DEAD_LETTERS_LEVEL: u64 = 7;
 
 /// The level from which a publish held back for a quorum queue, or judged by its deduplication
 /// window, goes into its log as a `Command::EnqueueWith`: a node of an older version cannot
@@ -1427,6 +1434,7 @@ impl Broker {
                 None
             }
             MetaOp::FeatureLevel { node, level } => {
+                let before = self.cluster_feature_level().unwrap_or(0);
                 if let Some(c) = self.cluster.as_mut() {
                     let changed = c.meta.levels.insert(node, level) != Some(level);
                     // A node that ran an earlier version skipped the others' levels: it
@@ -1435,6 +1443,12 @@ impl Broker {
                     if changed && node != me && c.meta.levels.contains_key(&me) {
                         c.meta.level_wanted = true;
                     }
+                }
+                let after = self.cluster_feature_level().unwrap_or(0);
+                if before < HELD_DEAD_LETTERS_LEVEL && after >= HELD_DEAD_LETTERS_LEVEL {
+                    // The queues led here start holding their dead letters now, not at their
+                    // next leader's term.
+                    self.configure_led_queues();
                 }
                 None
             }

@@ -2,6 +2,7 @@
 
 mod away;
 mod flows;
+mod held_dead_letters;
 mod metadata;
 mod metadata_group;
 mod metadata_ops;
@@ -170,6 +171,8 @@ pub struct Broker {
     dead_letters: VecDeque<DeadLetter>,
     /// `dead_letter_pending` is running.
     dead_lettering: bool,
+    /// Dead letters of replicated queues' held messages, until they are safe.
+    held_dead_letters: held_dead_letters::HeldDeadLetters,
     /// Queues a dead-letter cycle was reported for (logged once each).
     cycles_reported: HashSet<QueueId>,
     /// `tick` is running: deadlines are filed exactly.
@@ -214,6 +217,9 @@ struct DeadLetter {
     routing_key: Option<String>,
     message: Message,
     reason: DeadLetterReason,
+    /// A replicated queue's held message (its queue and id): settled there once this dead
+    /// letter is safe in its targets.
+    source: Option<(QueueId, u64)>,
 }
 
 /// A consumer cancelled because it left a delivery unsettled past its consumer timeout.
@@ -249,6 +255,7 @@ fn policy(a: &args::QueueArgs) -> Policy {
             }),
         // Classic queues are dispatched by the broker's Checkout passes.
         deliver_on_apply: false,
+        hold_dead_letters: false,
     }
 }
 
@@ -351,6 +358,7 @@ impl Broker {
             page_pending: VecDeque::new(),
             dead_letters: VecDeque::new(),
             dead_lettering: false,
+            held_dead_letters: Default::default(),
             cycles_reported: HashSet::new(),
             ticking: false,
             timed_out: Vec::new(),

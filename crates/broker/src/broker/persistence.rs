@@ -65,6 +65,7 @@ impl Broker {
     /// store may still retry them): a message deduplication remembered from them is new again.
     pub fn writes_failed(&mut self, upto: u64) {
         self.disk.failed = self.disk.failed.max(upto);
+        self.held_dead_letters_lost(upto);
     }
 
     /// The store wrote every batch up to `upto`: messages they hold may leave memory. Each
@@ -93,6 +94,7 @@ impl Broker {
             };
             self.run(id, command);
         }
+        self.settle_held_dead_letters();
     }
 
     /// While on, the store is still restoring queues (see `Store::recover_step`): timers wait.

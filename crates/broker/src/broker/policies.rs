@@ -194,6 +194,8 @@ impl Broker {
             Some(eff) => self.effective_args(&eff, &rs, own),
             None => own,
         };
+        let replicated = self.queues.get(&id).is_some_and(|q| q.replica.is_some());
+        let hold = self.holds_dead_letters(replicated);
         let Some(q) = self.queues.get_mut(&id) else {
             return;
         };
@@ -202,7 +204,10 @@ impl Broker {
         if q.args == new {
             return;
         }
-        let (before, after) = (policy(&q.args), policy(&new));
+        let (before, after) = (
+            super::held_dead_letters::queue_policy(&q.args, hold),
+            super::held_dead_letters::queue_policy(&new, hold),
+        );
         match (refuses(&before), refuses(&after)) {
             (false, true) => self.refusing_queues += 1,
             (true, false) => self.refusing_queues = self.refusing_queues.saturating_sub(1),

@@ -552,7 +552,9 @@ impl Broker {
             }
             // A delayed message falling due, or a dead letter, into a replicated queue: its
             // guard goes with the entry's token until the entry is applied.
-            let guarded = releasing.or(dead_letter.then_some(0));
+            // (A held message's dead letter needs none: its queue keeps it until it is safe.)
+            let guarded =
+                releasing.or((dead_letter && !self.held_dead_letters.publishing).then_some(0));
             let guard = match (guarded, self.cluster.is_some()) {
                 (Some(refused), true) => self.release_guard(vhost, *id, &message, refused),
                 _ => None,
@@ -604,6 +606,7 @@ impl Broker {
                     // with a nack (a mandatory publish is not returned: the queue exists).
                     routed += 1;
                     rejected += 1;
+                    self.held_dead_letters.unled += 1;
                 }
                 continue;
             };

@@ -554,6 +554,11 @@ impl Cluster {
         }
     }
 
+    /// The highest batch nacked since the confirms last went out (0: none).
+    pub(super) fn lost_mark(&self) -> u64 {
+        self.lost_upto
+    }
+
     /// One more proposal the confirms of `batch` wait for.
     fn wait_on(&mut self, batch: u64, now: u64) {
         *self.waiting.entry(batch).or_insert(0) += 1;
@@ -1998,10 +2003,26 @@ impl Broker {
         let Some(q) = self.queues.get(&id) else {
             return;
         };
-        let want = super::policy(&q.args);
+        let hold = self.holds_dead_letters(q.replica.is_some());
+        let want = super::held_dead_letters::queue_policy(&q.args, hold);
         self.run(id, Command::Configure(want));
         // A lower limit drops messages: their dead letters go out.
         self.finish_effects(id);
+    }
+
+    /// Every replicated queue this node leads, and acts for, proposes what its definitions ask
+    /// again (the cluster can do more than when its term started).
+    pub(super) fn configure_led_queues(&mut self) {
+        let led: Vec<QueueId> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| q.replica.is_some())
+            .map(|(id, _)| *id)
+            .filter(|id| self.acts_here(*id))
+            .collect();
+        for id in led {
+            self.configure_for_term(id);
+        }
     }
 
     /// A command each member takes from its own definitions reaches the committed copy too.
@@ -2337,6 +2358,7 @@ impl Broker {
             self.refile(id);
             self.configure_for_term(id);
             self.reissue_kept(id);
+            self.resend_held_dead_letters(id);
         }
         for (id, cid) in ghosts {
             if let Some(c) = self.cluster.as_mut() {
@@ -2346,6 +2368,7 @@ impl Broker {
         }
         self.gets_applied(gets);
         self.settle_release_guards();
+        self.settle_held_dead_letters();
         touched.sort_unstable();
         touched.dedup();
         for id in &touched {
@@ -2369,6 +2392,7 @@ impl Broker {
     pub fn take_lost(&mut self) -> Option<u64> {
         let c = self.cluster.as_mut()?;
         let lost = std::mem::take(&mut c.lost_upto);
+        self.held_dead_letters_lost(lost);
         (lost > 0).then_some(lost)
     }
 

@@ -390,6 +390,8 @@ impl Broker {
         self.expire_forwards();
         // What expired forwards (or a deleted queue) lost is released again now.
         self.settle_release_guards();
+        self.retry_held_dead_letters();
+        self.settle_held_dead_letters();
     }
 
     /// The time of the commands that follow (milliseconds on the driver's clock; it never goes
@@ -410,6 +412,7 @@ impl Broker {
             self.scheduler.deadline(),
             self.forward_deadline(),
             self.away_deadline(),
+            self.held_dead_letters_deadline(),
         ]
         .into_iter()
         .flatten()

@@ -104,6 +104,9 @@ pub struct BrokerTotals {
     /// in memory).
     pub delayed: u64,
     pub delayed_in_memory: u64,
+    /// Dead-lettered messages quorum queues keep until their dead letters are in their targets
+    /// (each member counts its copy).
+    pub dead_lettering: u64,
 }
 
 fn queue_snapshot(q: &Queue, policies: &crate::policy::PolicyTable) -> QueueSnapshot {
@@ -313,6 +316,7 @@ impl Broker {
             let held = q.machine.held_count().0 as u64;
             t.delayed += held;
             t.delayed_in_memory += held;
+            t.dead_lettering += q.machine.dead_held_count() as u64;
         }
         t
     }

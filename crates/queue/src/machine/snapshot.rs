@@ -1,7 +1,8 @@
 //! A queue machine's whole state as bytes and back: what a Raft snapshot carries, so that a
 //! replicated queue's log can be compacted and a follower far behind catches up from it.
 //!
-//! Layout: the format version ([`SNAPSHOT_VERSION`], one byte: 3 while publishes are held
+//! Layout: the format version ([`SNAPSHOT_VERSION`], one byte: 4 while dead-lettered messages
+//! are held, which then end the state after version 3's fields; 3 while publishes are held
 //! until due, which then end the state after the handoff; 2 while a TTL-0 handoff is
 //! pending, whose time then ends the state; 1 otherwise), a CRC-32 (big-endian) of everything
 //! after it, then the state field by field, in the order [`QueueMachine::snapshot`] writes it. Messages, message metadata, policies and consumer specs use the command log's
@@ -21,8 +22,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use super::{
-    Consumer, ConsumerId, Credit, CreditGroup, DedupKey, Enqueuer, EnqueuerId, Entry, GroupKey,
-    Holder, InFlight, QueueMachine, Service, Slot, Timers,
+    Consumer, ConsumerId, Credit, CreditGroup, Dead, DeadLetterReason, DedupKey, Enqueuer,
+    EnqueuerId, Entry, GroupKey, Holder, InFlight, QueueMachine, Service, Slot, Timers,
 };
 use crate::log::{
     put_consumer_spec, put_group, put_message, put_msg_meta, put_opt_u64, put_policy, LogError,
@@ -33,10 +34,11 @@ use crate::Message;
 /// The version of the snapshot encoding. 1: the first. 2: the machine's handoff time after
 /// the expiry caps (a version 1 snapshot, which has none, is still read). 3: then the
 /// publishes held until due (`Command::EnqueueWith`) and the deduplication window, the handoff
-/// written as an option.
+/// written as an option. 4: then the dead-lettered messages held until their dead letters are
+/// safe (`Policy::hold_dead_letters`).
 /// Each is written only when its state needs it, so that members of earlier versions read
 /// what a leader of this one sends them until then.
-pub const SNAPSHOT_VERSION: u8 = 3;
+pub const SNAPSHOT_VERSION: u8 = 4;
 
 /// The bytes a snapshot starts with: its format version and the checksum of the rest.
 pub const SNAPSHOT_PREFIX: usize = 5;
@@ -138,6 +140,16 @@ fn put_entry(out: &mut SnapOut, e: &Entry<Message>) -> Result<(), SnapshotError>
     out.put_u32(e.delivery_count);
     out.put_u8(u8::from(e.maybe_delivered) | u8::from(e.timed_out) << 1);
     out.spill()
+}
+
+/// A dead-letter reason as one byte.
+fn reason_byte(reason: DeadLetterReason) -> u8 {
+    match reason {
+        DeadLetterReason::Rejected => 0,
+        DeadLetterReason::Expired => 1,
+        DeadLetterReason::MaxLen => 2,
+        DeadLetterReason::DeliveryLimit => 3,
+    }
 }
 
 /// A deduplication key's length and its 32 bytes.
@@ -319,6 +331,7 @@ impl QueueMachine<Message> {
             dedup: _,
             dedup_order: _,
             dedup_next: _,
+            dead: _,
             expiries: _,
             expiries_in_order: _,
             ready_bytes: _,
@@ -334,7 +347,9 @@ impl QueueMachine<Message> {
         } = self;
         // Version 1 while there is no handoff (nearly always): a member of an earlier version,
         // during a rolling upgrade, still reads what a leader of this one sends it.
-        let version = if !self.held.is_empty() || !self.dedup.is_empty() {
+        let version = if !self.dead.is_empty() {
+            4
+        } else if !self.held.is_empty() || !self.dedup.is_empty() {
             3
         } else if self.handoff.is_some() {
             2
@@ -495,6 +510,16 @@ impl QueueMachine<Message> {
                     out.put_u64(*until);
                     out.put_u64(*number);
                     out.spill()?;
+                }
+                if version >= 4 {
+                    put_len(out, self.dead.len());
+                    for (id, d) in &self.dead {
+                        out.put_u64(*id);
+                        put_message(out, &*d.message.loaded()?);
+                        out.put_u32(d.delivery_count);
+                        out.put_u8(reason_byte(d.reason));
+                        out.spill()?;
+                    }
                 }
             }
         }
@@ -826,10 +851,39 @@ impl SnapReader {
                     Ok((key, (r.u64("until")?, r.u64("deduplication number")?)))
                 })?;
                 // Written only with some: none would not snapshot back to its bytes.
-                if held.is_empty() && keys.is_empty() {
+                if version == 3 && held.is_empty() && keys.is_empty() {
                     return Err(self.fail("a version 3 snapshot without held messages or keys"));
                 }
                 (seq, held, next, order, keys)
+            }
+        };
+        let dead = match version {
+            1..=3 => BTreeMap::new(),
+            _ => {
+                // An id, a message's lengths and flags, a count and a reason.
+                let n = self.count(8 + 12 + 5, "dead-lettered")?;
+                let dead = self.map(n, "dead-lettered", |r| {
+                    let id = r.u64("dead-lettered id")?;
+                    let message = r.0.message()?;
+                    let delivery_count = r.0.u32("dead-lettered count")?;
+                    let reason = match r.0.u8("dead-letter reason")? {
+                        0 => DeadLetterReason::Rejected,
+                        1 => DeadLetterReason::Expired,
+                        2 => DeadLetterReason::MaxLen,
+                        3 => DeadLetterReason::DeliveryLimit,
+                        t => return Err(r.fail(format!("bad dead-letter reason {t}"))),
+                    };
+                    let dead = Dead {
+                        message,
+                        delivery_count,
+                        reason,
+                    };
+                    Ok((id, dead))
+                })?;
+                if dead.is_empty() {
+                    return Err(self.fail("a version 4 snapshot without dead-lettered messages"));
+                }
+                dead
             }
         };
         let held_bytes = held.values().map(|(_, m)| m.size).sum();
@@ -866,6 +920,7 @@ impl SnapReader {
             dedup,
             dedup_order,
             dedup_next,
+            dead,
             expiries,
             expiries_in_order,
             ready_bytes,
@@ -1057,6 +1112,52 @@ mod tests {
             matches!(effects.as_slice(), [crate::machine::Effect::Deliver(d)] if d.receipt.msg_id == 0),
             "{effects:?}"
         );
+    }
+
+    /// Dead-lettered messages held until their dead letters are safe are part of a snapshot
+    /// (version 4): a follower that catches up from one can still send them as leader.
+    #[test]
+    fn held_dead_letters_round_trip() {
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 100,
+        };
+        r.apply(Command::Configure(Policy {
+            hold_dead_letters: true,
+            ..Policy::default()
+        }));
+        for body in [&b"rejected"[..], b"kept"] {
+            r.enqueue(body, MsgMeta::default());
+        }
+        r.apply(Command::Get { no_ack: false });
+        r.apply(Command::Discard {
+            receipt: Receipt {
+                msg_id: 0,
+                attempt: 1,
+            },
+        });
+        assert_eq!(r.m.dead_held_count(), 1);
+        let bytes = snapshot_of(&r.m);
+        assert_eq!(bytes.first(), Some(&4));
+        let back = QueueMachine::restore_snapshot(bytes.clone()).unwrap();
+        assert_eq!(back.digest(), r.m.digest());
+        assert_eq!(snapshot_of(&back), bytes);
+        let held: Vec<_> = back
+            .dead_held()
+            .map(|(id, d)| (id, d.message.body.clone(), d.delivery_count, d.reason))
+            .collect();
+        assert_eq!(
+            held,
+            [(
+                0,
+                Bytes::from_static(b"rejected"),
+                1,
+                crate::machine::DeadLetterReason::Rejected
+            )]
+        );
+        // Settled, the state no longer needs version 4.
+        r.apply(Command::DeadLettered { ids: vec![0] });
+        assert_eq!(snapshot_of(&r.m).first(), Some(&1));
     }
 
     /// A member whose messages' contents left memory writes them whole, and the restored
@@ -1258,7 +1359,7 @@ mod tests {
                 found: SNAPSHOT_VERSION + 1
             }
         );
-        assert!(err.to_string().contains("version 4"), "{err}");
+        assert!(err.to_string().contains("version 5"), "{err}");
         let mut none = bytes.to_vec();
         none[0] = 0;
         assert_eq!(

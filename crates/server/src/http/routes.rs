@@ -263,6 +263,7 @@ async fn overview(State(api): ApiState, _: LoggedIn) -> Answer {
             "messages_ready": totals.ready, "messages_ready_details": d(0.0),
             "messages_unacknowledged": totals.unacked, "messages_unacknowledged_details": d(0.0),
             "messages_delayed": totals.delayed,
+            "messages_dead_lettering": totals.dead_lettering,
         },
         "object_totals": {
             "channels": channels, "connections": conns, "consumers": totals.consumers,
