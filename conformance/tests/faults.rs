@@ -908,11 +908,10 @@ async fn replicated_task_queue_history_under_faults() {
 }
 
 /// [`replicated_task_queue_history_under_faults`] with its delivery limit and dead-letter
-/// queue. Ignored in `scripts/test` (`scripts/faults` runs it) while the loss it finds is not
-/// fixed: a message given back for the last time lost on its way to the dead-letter queue when
-/// the node that led both queues was killed 1.5 s after (about one run of 8 rounds in three).
+/// queue. It found a message given back for the last time lost on its way to the dead-letter
+/// queue when the node that led both queues was killed a second or two after (about one run of
+/// 8 rounds in three), before quorum queues held their dead letters until they were safe.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finds a dead letter lost when the node leading both queues is killed; scripts/faults runs it"]
 async fn replicated_dead_letters_under_faults() {
     task_queue_history(true).await;
 }
