@@ -1542,9 +1542,6 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.drop_over_limit(effects);
     }
 
-    /// The message that held its group's lock left flight (settled, dead-lettered, back in the
-    /// line): the group's next parked message rejoins the line.
-    #[inline]
     /// A message leaves the queue unacknowledged: its `DeadLetter` effect, and, when dead letters
     /// are held ([`Policy::hold_dead_letters`]), a copy kept until [`Command::DeadLettered`].
     fn dead_letter(
@@ -1571,6 +1568,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         });
     }
 
+    /// The message that held its group's lock left flight (settled, dead-lettered, back in the
+    /// line): the group's next parked message rejoins the line.
+    #[inline]
     fn group_done(&mut self, entry: &Entry<M>) {
         if self.group_locks.is_empty() {
             return;

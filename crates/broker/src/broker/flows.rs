@@ -437,6 +437,10 @@ impl Broker {
                 Err(error) => {
                     // The session validated them on publish: not expected.
                     tracing::warn!(queue = %dl.queue, %error, "dead letter with unreadable properties dropped");
+                    if let Some(source) = dl.source {
+                        // Every leader would fail alike: kept, it would be kept for ever.
+                        self.held_dead_letter_dropped(source);
+                    }
                     continue;
                 }
             };

@@ -14,9 +14,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::*;
+use crate::machine::Dead;
 
-/// A dead letter that no leader took, or whose batch was nacked, is sent again this long after.
-const RETRY_MS: u64 = 1_000;
+/// Most ids in one `Command::DeadLettered` entry: a queue that settles a large backlog at once
+/// must not make an entry larger than a proposal may be.
+const SETTLED_PER_ENTRY: usize = 4_096;
 
 /// The dead letters of held messages on their way, by what they wait for.
 #[derive(Debug, Default)]
@@ -25,6 +27,10 @@ pub(super) struct HeldDeadLetters {
     waiting: BTreeMap<u64, Vec<(QueueId, u64)>>,
     /// To be sent again: (when, queue, message id).
     retry: BTreeSet<(u64, QueueId, u64)>,
+    /// How many times each was sent again, for its back-off (1 s, doubling, to 60 s, as a
+    /// delayed message refused by a full queue): a dead-letter queue that stays full, or without
+    /// a leader, costs a proposal a minute per message, not one a second.
+    attempts: HashMap<(QueueId, u64), u32>,
     /// Safe in their targets, or dropped as a dead letter with nowhere to go is: settled in
     /// their queues at the next chance (not from inside a command's effects).
     done: Vec<(QueueId, u64)>,
@@ -33,6 +39,8 @@ pub(super) struct HeldDeadLetters {
     pub(super) publishing: bool,
     /// Copies of publishes that found a replicated target with no leader, ever.
     pub(super) unled: u64,
+    /// The cluster's feature level lets queues hold their dead letters, as last seen.
+    level_on: bool,
 }
 
 /// What a queue asks of its machine: its arguments' policy, and, when `hold`
@@ -52,6 +60,19 @@ impl HeldDeadLetters {
 }
 
 impl Broker {
+    /// The metadata changed (a level announced, a node forgotten, a snapshot installed): once
+    /// every node can, the queues led here start holding their dead letters at once, not at
+    /// their next leader's term.
+    pub(super) fn check_hold_level(&mut self) {
+        let on = self.holds_dead_letters(true);
+        if on != self.held_dead_letters.level_on {
+            self.held_dead_letters.level_on = on;
+            if on {
+                self.configure_led_queues();
+            }
+        }
+    }
+
     /// Does a queue here hold its dead letters until they are safe? A replicated one, once
     /// every node of the cluster can.
     pub(super) fn holds_dead_letters(&self, replicated: bool) -> bool {
@@ -67,19 +88,32 @@ impl Broker {
         routed: &Result<Routed, AmqpError>,
         unled: bool,
     ) {
-        let h = &mut self.held_dead_letters;
         match routed {
-            Ok(_) if unled => {
-                h.retry
-                    .insert((self.now_ms.saturating_add(RETRY_MS), source.0, source.1));
-            }
+            Ok(_) if unled => self.retry_held_later(source),
             Ok(Routed {
                 batch: Some(batch), ..
-            }) => h.waiting.entry(*batch).or_default().push(source),
-            // In memory only (a transient message, or targets without a store), or dropped
-            // as RabbitMQ drops a dead letter that has nowhere to go.
-            _ => h.done.push(source),
+            }) => self
+                .held_dead_letters
+                .waiting
+                .entry(*batch)
+                .or_default()
+                .push(source),
+            // In memory only (a transient message, or targets without a store: a broker without
+            // one keeps nothing across a crash anyway), or dropped as RabbitMQ drops a dead
+            // letter that has nowhere to go.
+            _ => self.held_dead_letters.done.push(source),
         }
+    }
+
+    /// Sends the dead letter of held message `source` again after its back-off.
+    fn retry_held_later(&mut self, source: (QueueId, u64)) {
+        let h = &mut self.held_dead_letters;
+        let n = h.attempts.entry(source).or_insert(0);
+        let at = self
+            .now_ms
+            .saturating_add(crate::delayed::refused_retry_ms(*n));
+        *n = n.saturating_add(1);
+        h.retry.insert((at, source.0, source.1));
     }
 
     /// A dead-lettered message of a queue whose dead letters are held, with nothing to send:
@@ -95,16 +129,17 @@ impl Broker {
         if upto == 0 || h.waiting.first_key_value().is_none_or(|(b, _)| *b > upto) {
             return;
         }
-        let at = self.now_ms.saturating_add(RETRY_MS);
         let later = h.waiting.split_off(&upto.saturating_add(1));
         let lost = std::mem::replace(&mut h.waiting, later);
-        for (queue, msg_id) in lost.into_values().flatten() {
+        // (A nack covers every batch up to the lost one: some of these were applied, and
+        // arrive twice.)
+        for source in lost.into_values().flatten() {
             tracing::debug!(
-                queue = queue.0,
-                msg_id,
-                "a held dead letter's batch was nacked: sent again shortly"
+                queue = source.0 .0,
+                msg_id = source.1,
+                "a held dead letter's batch was nacked: sent again after a back-off"
             );
-            h.retry.insert((at, queue, msg_id));
+            self.retry_held_later(source);
         }
     }
 
@@ -131,6 +166,9 @@ impl Broker {
         let mut done = std::mem::take(&mut h.done);
         done.sort_unstable();
         done.dedup();
+        for source in &done {
+            h.attempts.remove(source);
+        }
         let mut i = 0;
         while i < done.len() {
             let queue = done[i].0;
@@ -147,7 +185,10 @@ impl Broker {
             // Only a leader that acts settles: one deposed meanwhile left it to the next,
             // which sends the dead letter again.
             if !ids.is_empty() && self.acts_here(queue) {
-                self.run(queue, Command::DeadLettered { ids });
+                for chunk in ids.chunks(SETTLED_PER_ENTRY) {
+                    let ids = chunk.to_vec();
+                    self.run(queue, Command::DeadLettered { ids });
+                }
             }
         }
     }
@@ -192,10 +233,13 @@ impl Broker {
         };
         let mut letters = Vec::new();
         let mut dropped = Vec::new();
-        for (msg_id, d) in q.machine.dead_held() {
-            if only.is_some_and(|o| o != msg_id) {
-                continue;
-            }
+        // One by its id (a retry), not by a walk over all of them: a lost batch retries many
+        // at once.
+        let held: Box<dyn Iterator<Item = (u64, &Dead<Message>)>> = match only {
+            Some(id) => Box::new(q.machine.dead_held_get(id).map(|d| (id, d)).into_iter()),
+            None => Box::new(q.machine.dead_held()),
+        };
+        for (msg_id, d) in held {
             match super::flows::dead_letter_of(q, d.message.clone(), d.reason) {
                 Some(mut dl) => {
                     dl.source = Some((queue, msg_id));

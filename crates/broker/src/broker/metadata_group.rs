@@ -1434,7 +1434,6 @@ impl Broker {
                 None
             }
             MetaOp::FeatureLevel { node, level } => {
-                let before = self.cluster_feature_level().unwrap_or(0);
                 if let Some(c) = self.cluster.as_mut() {
                     let changed = c.meta.levels.insert(node, level) != Some(level);
                     // A node that ran an earlier version skipped the others' levels: it
@@ -1443,12 +1442,6 @@ impl Broker {
                     if changed && node != me && c.meta.levels.contains_key(&me) {
                         c.meta.level_wanted = true;
                     }
-                }
-                let after = self.cluster_feature_level().unwrap_or(0);
-                if before < HELD_DEAD_LETTERS_LEVEL && after >= HELD_DEAD_LETTERS_LEVEL {
-                    // The queues led here start holding their dead letters now, not at their
-                    // next leader's term.
-                    self.configure_led_queues();
                 }
                 None
             }

@@ -699,6 +699,7 @@ impl Broker {
         let (len, machine) = match decoded.machine {
             None => {
                 self.install_meta_snapshot(index, term, &decoded.data);
+                self.check_hold_level();
                 return None;
             }
             Some(m) => (decoded.bytes, m),
@@ -2356,9 +2357,10 @@ impl Broker {
         }
         for id in started {
             self.refile(id);
+            // First: what the steps below dead-letter is sent with them, not twice.
+            self.resend_held_dead_letters(id);
             self.configure_for_term(id);
             self.reissue_kept(id);
-            self.resend_held_dead_letters(id);
         }
         for (id, cid) in ghosts {
             if let Some(c) = self.cluster.as_mut() {
@@ -2376,6 +2378,7 @@ impl Broker {
         }
         self.take_due_snapshots(&touched);
         self.apply_meta(&meta);
+        self.check_hold_level();
     }
 
     /// The highest store batch whose confirms may go out once the store wrote up to
