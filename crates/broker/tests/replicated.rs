@@ -1990,6 +1990,50 @@ fn a_dead_letter_whose_sender_dies_before_it_lands_is_sent_again_by_the_next_lea
     }
 }
 
+/// Publishes forwarded by nodes whose clocks are far from the leader's (one a minute ahead, one
+/// as far behind as the run is long) keep their time to live: each expiry, a time on its
+/// forwarder's clock, is moved onto the leader's, whose time every member expires by. Before,
+/// the first lived a minute too long and the second expired as soon as the leader applied it.
+#[test]
+fn forwarded_publishes_live_their_ttl_on_the_leaders_clock() {
+    use warren_broker::machine::{Command, MsgMeta};
+    use warren_replication::queue::{encode, Origin};
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let leader = c.leader();
+    let other = leader % 3 + 1;
+    let group = c.group;
+    c.run(200);
+    assert!(c.now > 1_000, "a clock far enough along");
+    for (n, forwarder_now) in [(1, c.now + 60_000), (2, 0)] {
+        let command = Command::Enqueue {
+            message: message(n),
+            meta: MsgMeta {
+                size: 1,
+                expires_at: Some(forwarder_now + 1_000),
+                ..MsgMeta::default()
+            },
+        };
+        let origin = Origin {
+            node: other,
+            seq: u64::MAX / 2 + u64::from(n),
+        };
+        let data = encode(forwarder_now, origin, &command).expect("encode");
+        c.broker(leader).forwarded(group, &data);
+    }
+    c.run(50);
+    assert_eq!(c.counts(leader), (2, 0), "both alive 500 ms on");
+    assert_eq!(c.counts(other), (2, 0), "on every member");
+    c.run(60);
+    assert_eq!(
+        c.counts(leader),
+        (0, 0),
+        "expired 1 s after the leader took them"
+    );
+    c.run(20);
+    assert_eq!(c.counts(other), (0, 0), "everywhere");
+}
+
 /// A dead letter the leader sends to a full `reject-publish` quorum queue it also leads is
 /// refused as the leader applies it ahead: dropped (as RabbitMQ drops it) and settled in its
 /// source queue, with no guard record left behind (a held message's dead letter needs none; the

@@ -1811,13 +1811,14 @@ impl Broker {
         let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
             return;
         };
-        let (head, command) = match decode(bytes::Bytes::copy_from_slice(data)) {
+        let (head, mut command) = match decode(bytes::Bytes::copy_from_slice(data)) {
             Ok(x) => x,
             Err(error) => {
                 tracing::warn!(group, %error, "unreadable forwarded publish dropped");
                 return;
             }
         };
+        on_clock_of_leader(&mut command, head.now_ms, self.now_ms);
         let accepted = match &command {
             Command::Enqueue { .. }
             | Command::EnqueueFrom { .. }
@@ -2804,6 +2805,22 @@ impl Broker {
 /// A client asked a node that does not lead a replicated queue for something only its leader
 /// does (consume, get): refused as RabbitMQ refuses a queue whose leader is unavailable, with
 /// where to go instead.
+/// A forwarded publish's expiry is a time on the clock of the node that took it (`sent_ms` when
+/// it sent it): moved onto this leader's clock (`now_ms`), so that the message lives its time
+/// to live from when the leader takes it, however far the two clocks are apart (the log's
+/// entries carry the leader's time, and every member expires by it).
+fn on_clock_of_leader(command: &mut Command<Message>, sent_ms: u64, now_ms: u64) {
+    let meta = match command {
+        Command::Enqueue { meta, .. }
+        | Command::EnqueueFrom { meta, .. }
+        | Command::EnqueueWith { meta, .. } => meta,
+        _ => return,
+    };
+    if let Some(at) = meta.expires_at.as_mut() {
+        *at = at.saturating_sub(sent_ms).saturating_add(now_ms);
+    }
+}
+
 pub(super) fn not_led_here(q: &Queue) -> AmqpError {
     let at = match q.replica.as_ref().and_then(|r| r.leader) {
         Some(node) => format!("its leader is node {node}: connect there"),
