@@ -1859,7 +1859,8 @@ async fn read_protocol_header<R: AsyncRead + Unpin>(rd: &mut R) -> std::io::Resu
 enum Hold {
     /// Recovery is not over.
     Recovery,
-    /// A basic.get of the connection waits for another node's answer.
+    /// A basic.get of the connection waits for another node's answer, or a resource alarm
+    /// blocked it.
     Answer,
 }
 
@@ -1952,7 +1953,8 @@ async fn read_loop<R: AsyncRead + Unpin + Send + 'static>(
                         return Some(Hold::Recovery);
                     }
                     if node.holds(conn) {
-                        // A basic.get waits for another node: what follows waits for its answer.
+                        // A basic.get waits for another node, or a resource alarm blocked the
+                        // connection: what follows waits until it is told to read again.
                         frames.push_front(frame);
                         return Some(Hold::Answer);
                     }

@@ -319,6 +319,11 @@ enum Settle {
 }
 
 impl Channel {
+    /// Is a publish's content (its header or body frames) still to come?
+    pub(crate) fn mid_content(&self) -> bool {
+        !matches!(self.content, Content::Idle)
+    }
+
     pub fn new(id: u16) -> Self {
         Channel {
             id,

@@ -450,10 +450,16 @@ impl Node {
         }
     }
 
-    /// Is this connection waiting for a basic.get's answer from another node? The driver
-    /// then feeds it no more frames until it is told to read again.
+    /// Is this connection waiting, for a basic.get's answer from another node or for a
+    /// resource alarm to clear? The driver then feeds it no more frames until it is told to
+    /// read again: frames it read before it learnt of the pause (the bytes of a read already
+    /// under way when the connection was blocked) wait too, not only the socket. A blocked
+    /// connection's publish whose content is still coming (the one that got it blocked) is
+    /// read to its end first.
     pub fn holds(&self, conn: ConnId) -> bool {
-        self.conns.get(&conn).is_some_and(|c| c.holding)
+        self.conns.get(&conn).is_some_and(|c| {
+            c.holding || (c.paused && !c.channels.values().any(|ch| ch.mid_content()))
+        })
     }
 
     /// The answers of basic.gets sent to other nodes, to the channels that wait for them. One
