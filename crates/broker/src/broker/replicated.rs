@@ -226,10 +226,16 @@ impl DecodedSnapshot {
 /// bytes beside a body with its routing key and a delivery mode, §9 of docs/design.md).
 fn snapshot_estimate(m: &QueueMachine<Message>) -> u64 {
     let (held, held_bytes) = m.held_count();
-    let count = (m.ready_count() + m.in_flight_count() + held) as u64;
+    let count = (m.ready_count() + m.in_flight_count() + held + m.dead_held_count()) as u64;
     // A deduplication key takes 49 bytes, a place in its order 41.
     let window = (m.dedup_keys() * 49 + m.dedup_order_len() * 41) as u64;
-    m.ready_bytes() + m.in_flight_bytes() + held_bytes + 64 * count + window
+    // Dead-lettered messages kept until their dead letters are safe: few, and no counter of
+    // their bytes is kept, so they are summed.
+    let dead: u64 = m
+        .dead_held()
+        .map(|(_, d)| d.message.body.len() as u64)
+        .sum();
+    m.ready_bytes() + m.in_flight_bytes() + held_bytes + dead + 64 * count + window
 }
 
 fn too_large(queue: &dyn std::fmt::Display, vhost: &dyn std::fmt::Display, bytes: u64, max: usize) {
@@ -945,7 +951,8 @@ impl Broker {
             let at_once = estimate <= ENCODE_AT_ONCE_MAX
                 && !(away_on
                     && (machine.messages().any(|(_, m, _)| m.is_away())
-                        || machine.held_messages().any(|m| m.is_away())));
+                        || machine.held_messages().any(|m| m.is_away())
+                        || machine.dead_held().any(|(_, d)| d.message.is_away())));
             let data = if at_once {
                 let mut buf = bytes::BytesMut::new();
                 if let Err(error) = machine.snapshot(&mut buf) {
