@@ -2034,6 +2034,39 @@ fn forwarded_publishes_live_their_ttl_on_the_leaders_clock() {
     assert_eq!(c.counts(other), (0, 0), "everywhere");
 }
 
+/// A leader told it leads in a later term, with no change seen in between (deposed and elected
+/// again within one Raft pass), falls back to the committed state and starts a new term, as it
+/// would for the two changes: what it ran ahead of the log may have been overwritten meanwhile.
+/// It acts again once its term's first entries are applied, and every member agrees.
+#[test]
+fn a_leader_elected_again_within_one_pass_starts_its_new_term_from_the_committed_state() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let batch = c.publish(leader, 1);
+    c.run(20);
+    assert!(c.confirmed(leader, batch));
+    let group = c.group;
+    let id = c.id(leader);
+    let term = c.broker(leader).replica_term(id).expect("a term");
+    c.broker(leader).set_leader(group, Some(leader), term + 1);
+    assert!(!c.broker(leader).acts_on(id), "a new term, not acting yet");
+    let mut acts = false;
+    for _ in 0..200 {
+        c.step();
+        let id = c.id(leader);
+        if c.broker(leader).acts_on(id) {
+            acts = true;
+            break;
+        }
+    }
+    assert!(acts, "it acts again once its term's entries are applied");
+    let batch = c.publish(leader, 2);
+    c.run(20);
+    assert!(c.confirmed(leader, batch));
+    assert_counts(&c, &NODES, (2, 0));
+    assert_same_state(&c, &NODES);
+}
+
 /// A dead letter the leader sends to a full `reject-publish` quorum queue it also leads is
 /// refused as the leader applies it ahead: dropped (as RabbitMQ drops it) and settled in its
 /// source queue, with no guard record left behind (a held message's dead letter needs none; the

@@ -1290,6 +1290,11 @@ impl Broker {
         Some(self.queues.get(&queue)?.replica.as_ref()?.group)
     }
 
+    /// The latest Raft term this node saw for replicated queue `queue`'s group.
+    pub fn replica_term(&self, queue: QueueId) -> Option<u64> {
+        Some(self.queues.get(&queue)?.replica.as_ref()?.term)
+    }
+
     /// The groups of every replicated queue, with whether this node leads it.
     pub fn replica_groups(&self) -> Vec<(u64, QueueId)> {
         let Some(c) = self.cluster.as_ref() else {
@@ -2441,6 +2446,16 @@ impl Broker {
         let previous = r.leader;
         let was_here = !matches!(r.mode, Mode::Following);
         if previous == leader && (leader == Some(node)) == was_here {
+            if was_here && term > r.term {
+                // Deposed and elected again within one Raft pass (a leader's term grows only
+                // through an election it had to stand in): what it ran ahead of the log in its
+                // earlier term may have been overwritten by the leader in between. Taken as
+                // the two changes it was: back to the committed state, then a new term.
+                let led_in = r.term;
+                self.set_leader(group, None, led_in);
+                self.set_leader(group, leader, term);
+                return;
+            }
             r.term = r.term.max(term);
             return;
         }
