@@ -311,3 +311,66 @@ async fn the_quorum_critical_check_and_its_wait_answer_from_the_cli() {
     );
     assert!(ctl_with(&c, 1, &check).status.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_status_shows_every_member_from_any_node() {
+    // RabbitMQ's `rabbitmq-queues quorum_status`: one row per member, as its node sees it.
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("status");
+    c.declare_quorum_queue(1, &q).await;
+    c.leader_of(&q, 1);
+    let names: Vec<String> = (1..=3).map(|n| node_name(&c, n)).collect();
+    let status = |c: &TestCluster| {
+        let out = ctl_with(c, 2, &["quorum_status", &q]);
+        let said = String::from_utf8_lossy(&out.stdout).into_owned();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), said, err)
+    };
+    // Every row from its own node (peers' management ports come with their shared figures).
+    eventually("every member's row", || {
+        let (ok, said, err) = status(&c);
+        let rows: Vec<&str> = said.lines().skip(2).collect();
+        let leaders = rows.iter().filter(|r| r.contains(" leader ")).count();
+        let followers = rows.iter().filter(|r| r.contains(" follower ")).count();
+        let voters = rows.iter().filter(|r| r.contains(" voter ")).count();
+        let named = names
+            .iter()
+            .all(|n| rows.iter().any(|r| r.starts_with(n.as_str())));
+        if ok && rows.len() == 3 && leaders == 1 && followers == 2 && voters == 3 && named {
+            Ok(())
+        } else {
+            Err(format!("{ok} {said} {err}"))
+        }
+    });
+    let (_, said, _) = status(&c);
+    assert!(
+        said.starts_with(&format!(
+            "Status of quorum queue {q} in vhost / on node {}",
+            names[1]
+        )),
+        "{said}"
+    );
+    assert!(
+        said.contains("Raft State") && said.contains("Commit Index"),
+        "{said}"
+    );
+
+    // A stopped node's row says so; the others still answer.
+    c.node_mut(3).stop(true);
+    eventually("node 3 shown as not running", || {
+        let (ok, said, err) = status(&c);
+        let row3 = said.lines().find(|r| r.starts_with(names[2].as_str()));
+        match row3 {
+            Some(r) if ok && r.contains("noproc") && said.contains(" leader ") => Ok(()),
+            _ => Err(format!("{ok} {said} {err}")),
+        }
+    });
+
+    // A missing queue is refused, named.
+    let out = ctl_with(&c, 1, &["quorum_status", "no-such-queue"]);
+    assert!(!out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no-such-queue"),
+        "{out:?}"
+    );
+}

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::api::{enc, Api};
+use super::table::{col, render};
 use super::{CliError, Conn};
 
 #[derive(clap::Subcommand, Debug, Clone)]
@@ -68,6 +69,17 @@ pub enum MaintenanceCmd {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Shows each member of a quorum queue's Raft group as its node sees it: state, membership,
+    /// log, applied, commit and snapshot indexes, term (RabbitMQ's `rabbitmq-queues
+    /// quorum_status`). Asks every node's management API; a node that does not answer is shown
+    /// as `noproc` with the reason
+    #[command(name = "quorum_status", alias = "quorum-status")]
+    QuorumStatus {
+        /// The queue
+        queue: String,
+        #[command(flatten)]
+        conn: super::InVhost,
+    },
     /// Evens out the quorum queues' leaders over the running nodes (not those in maintenance
     /// mode), showing each round's leaders per node; safe to interrupt
     Rebalance {
@@ -89,6 +101,7 @@ pub fn name(c: &MaintenanceCmd) -> &'static str {
             "ctl check_if_node_is_quorum_critical"
         }
         MaintenanceCmd::AwaitOnlineQuorumPlusOne { .. } => "ctl await_online_quorum_plus_one",
+        MaintenanceCmd::QuorumStatus { .. } => "ctl quorum_status",
     }
 }
 
@@ -150,6 +163,9 @@ pub fn main(c: &MaintenanceCmd) -> Result<(), CliError> {
                 }
                 Some(names) => Err(critical(&node, &names)),
             }
+        }
+        MaintenanceCmd::QuorumStatus { queue, conn } => {
+            quorum_status(&conn.conn, &conn.vhost, queue)
         }
         MaintenanceCmd::AwaitOnlineQuorumPlusOne { wait, conn } => {
             await_quorum_plus_one(&conn.api(), *wait)
@@ -418,4 +434,80 @@ fn rebalance(api: &Api, wait: f64) -> Result<(), CliError> {
     }
     println!("quorum queue leaders are even");
     Ok(())
+}
+
+/// `warren ctl quorum_status`: every node's row for the queue, leader first.
+fn quorum_status(conn: &Conn, vhost: &str, queue: &str) -> Result<(), CliError> {
+    let api = conn.api();
+    let here = node_name(&api)?;
+    let path = format!("/queues/{}/{}/quorum-status", enc(vhost), enc(queue));
+    let what = format!("queue '{queue}' in vhost '{vhost}'");
+    // This node's row first: a queue that is missing or not replicated fails here, once.
+    let mine = api.get(&path, &what)?;
+    let nodes = api.get("/nodes", "the cluster's nodes")?;
+    let mut rows = Vec::new();
+    for n in nodes.as_array().into_iter().flatten() {
+        let Some(name) = n["name"].as_str() else {
+            continue;
+        };
+        if name == here {
+            rows.push(mine.clone());
+            continue;
+        }
+        rows.push(match member_api(conn, n) {
+            Some(peer) => match peer.get(&path, &what) {
+                Ok(row) => row,
+                Err(e) => noproc(name, &e.to_string()),
+            },
+            None => noproc(name, "its management API is not known (is it running?)"),
+        });
+    }
+    rows.sort_by_key(|r| {
+        (
+            r["raft_state"] != "leader",
+            r["node"].as_str().map(str::to_owned),
+        )
+    });
+    println!("Status of quorum queue {queue} in vhost {vhost} on node {here} ...");
+    let mut columns = vec![
+        col("Node Name", "node"),
+        col("Raft State", "raft_state"),
+        col("Membership", "membership"),
+        col("Last Log Index", "last_log_index"),
+        col("Last Applied", "last_applied"),
+        col("Commit Index", "commit_index"),
+        col("Snapshot Index", "snapshot_index"),
+        col("Term", "term"),
+        col("Machine Version", "machine_version"),
+    ];
+    if rows.iter().any(|r| r.get("reason").is_some()) {
+        columns.push(col("Reason", "reason"));
+    }
+    print!("{}", render(&columns, &rows));
+    Ok(())
+}
+
+/// The management API of the node `n` of `/api/nodes` lists, with `conn`'s credentials: the
+/// host in its name (`warren-2@host`), the port and scheme it announces.
+fn member_api(conn: &Conn, n: &Value) -> Option<Api> {
+    let host = n["name"].as_str()?.rsplit_once('@')?.1;
+    let m = &n["cluster"]["management"];
+    let port = m["port"].as_u64()?;
+    let scheme = m["scheme"].as_str().unwrap_or("http");
+    // A bare IPv6 address goes in brackets.
+    let host = if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    };
+    Some(Api::new(
+        &format!("{scheme}://{host}:{port}"),
+        &conn.user,
+        &conn.password,
+    ))
+}
+
+/// The row of a member whose node did not answer.
+fn noproc(node: &str, reason: &str) -> Value {
+    serde_json::json!({"node": node, "raft_state": "noproc", "reason": reason})
 }

@@ -87,6 +87,10 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/queues/{vhost}/{name}/get", post(get_messages))
         .route("/api/queues/{vhost}/{name}/move", post(move_messages))
         .route("/api/queues/{vhost}/{name}/bindings", get(queue_bindings))
+        .route(
+            "/api/queues/{vhost}/{name}/quorum-status",
+            get(queue_quorum_status),
+        )
         .route("/api/bindings", get(bindings_all))
         .route("/api/bindings/{vhost}", get(bindings_vhost))
         .route(
@@ -318,6 +322,12 @@ pub(crate) fn node_json(api: &Api) -> Value {
                 // whole cluster is complete).
                 "feature_level": level,
                 "queues_led": queues_led_here(api),
+                // Where this node's management API listens (its host is the one in its name),
+                // for a client that asks every node (`warren ctl quorum_status`).
+                "management": {
+                    "port": api.http_port,
+                    "scheme": if api.http_tls.0 { "https" } else { "http" },
+                },
                 "transport": {
                     "connections_in": t.connections_in, "connections_out": t.connections_out,
                     "batches_in": t.batches_in, "batches_out": t.batches_out,
@@ -1155,6 +1165,71 @@ async fn queue_bindings(
     }
     ok(bindings_where(&api, &vhost, |b| {
         b.to_queue && b.destination.as_str() == name
+    }))
+}
+
+/// How long a quorum status waits for the Raft thread's answer (between two of its passes).
+const QUORUM_STATUS_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// `GET /api/queues/{vhost}/{name}/quorum-status` (Warren's): this node's member of a quorum
+/// queue's Raft group, as one row of RabbitMQ's `rabbitmq-queues quorum_status`; `warren ctl
+/// quorum_status` asks every node for its row. 400 for a queue that is not replicated.
+async fn queue_quorum_status(
+    State(api): ApiState,
+    _: LoggedIn,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Answer {
+    let (exists, group, me) = api.node.read(|n, _| {
+        let b = n.broker();
+        let id = b.queue_id(&vhost, &name);
+        (
+            id.is_some(),
+            id.and_then(|id| b.replica_group(id)),
+            b.cluster_node(),
+        )
+    });
+    if !exists {
+        return Err(ApiError::not_found());
+    }
+    let (Some(group), Some(me)) = (group, me) else {
+        return Err(ApiError::bad_request(format!(
+            "queue '{name}' in vhost '{vhost}' is not a quorum queue on a cluster"
+        )));
+    };
+    let raft = match api.node.raft() {
+        Some(r) => r.group_status(QUORUM_STATUS_WAIT).await,
+        None => None,
+    };
+    let Some(s) = raft
+        .into_iter()
+        .flatten()
+        .find(|s| s.group == warren_replication::GroupId(group))
+    else {
+        // Declared here and its group not started yet, or the Raft thread did not answer.
+        return ok(json!({"node": api.node_name, "raft_state": "noproc"}));
+    };
+    let names = api.names();
+    let name_of = |n: u64| names.get(&n).cloned().unwrap_or_else(|| n.to_string());
+    let membership = if s.members.voters.contains(&me) {
+        "voter"
+    } else if s.members.learners.contains(&me) {
+        "non_voter"
+    } else {
+        "unknown"
+    };
+    ok(json!({
+        "node": api.node_name,
+        "raft_state": if s.leading { "leader" } else { "follower" },
+        "membership": membership,
+        "last_log_index": s.last_index,
+        "last_applied": s.applied,
+        "commit_index": s.commit,
+        "snapshot_index": s.snapshot_index,
+        "term": s.term,
+        "machine_version": warren_broker::FEATURE_LEVEL,
+        "leader": s.leader.map(name_of),
+        "members": s.members.voters.iter().map(|n| name_of(*n)).collect::<Vec<_>>(),
+        "learners": s.members.learners.iter().map(|n| name_of(*n)).collect::<Vec<_>>(),
     }))
 }
 
