@@ -1873,23 +1873,17 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
     assert_same_state(&c, &NODES);
 }
 
-/// Dead letters the leader of a quorum queue sends to a dead-letter quorum queue led by
-/// another node reach it even when their forwards are lost on the way: the source queue keeps
-/// each message until its dead letter's batch is confirmable, and a forward that timed out is
-/// sent again. Before guards (and then held dead letters), the source's entry was gone and the
-/// lost forward lost the message.
-#[test]
-fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() {
-    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
+/// A cluster whose queue "jobs" (`args`) dead-letters to the quorum queue "dlq", led by
+/// another node than "jobs": the cluster, the two leaders and the dead-letter queue's group.
+fn dead_lettering_to_a_queue_led_elsewhere(args: FieldTable) -> (Cluster, u64, u64, u64) {
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
     let other = leader % 3 + 1;
     declare_on(&mut c, other, "dlq", false);
-    let dlq = vec!["dlq".to_string()];
     until_made_everywhere(&mut c, "dlq", other);
     assert_eq!(
-        leaders_of(&c, &dlq),
+        leaders_of(&c, &["dlq".to_string()]),
         vec![other],
         "the dead-letter queue's leader"
     );
@@ -1898,6 +1892,18 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
         b.replica_group(b.queue_id("/", "dlq").expect("dlq"))
             .expect("replicated")
     };
+    (c, leader, other, dlq_group)
+}
+
+/// Dead letters the leader of a quorum queue sends to a dead-letter quorum queue led by
+/// another node reach it even when their forwards are lost on the way: the source queue keeps
+/// each message until its dead letter's batch is confirmable, and a forward that timed out is
+/// sent again. Before guards (and then held dead letters), the source's entry was gone and the
+/// lost forward lost the message.
+#[test]
+fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() {
+    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
+    let (mut c, leader, other, dlq_group) = dead_lettering_to_a_queue_led_elsewhere(args);
     let dead = |c: &Cluster, n: u64| ready_in(c, n, "dlq");
     c.publish(leader, 1);
     c.publish(leader, 2);
@@ -1931,18 +1937,7 @@ fn dead_letters_whose_forwards_are_lost_on_their_way_reach_their_quorum_queue() 
 #[test]
 fn a_dead_letter_whose_sender_dies_before_it_lands_is_sent_again_by_the_next_leader() {
     let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
-    let mut c = Cluster::start_with(1, None, args);
-    until_levels(&mut c);
-    let leader = c.leader();
-    let other = leader % 3 + 1;
-    declare_on(&mut c, other, "dlq", false);
-    until_made_everywhere(&mut c, "dlq", other);
-    assert_eq!(leaders_of(&c, &["dlq".to_string()]), vec![other]);
-    let dlq_group = {
-        let b = &c.members[&other].broker;
-        b.replica_group(b.queue_id("/", "dlq").expect("dlq"))
-            .expect("replicated")
-    };
+    let (mut c, leader, other, dlq_group) = dead_lettering_to_a_queue_led_elsewhere(args);
     let held = |c: &Cluster, n: u64| {
         let b = &c.members[&n].broker;
         b.queue_id("/", "jobs")
