@@ -205,7 +205,12 @@ impl Broker {
             due.push((queue, msg_id));
         }
         for (queue, msg_id) in due {
-            self.resend_held(queue, Some(msg_id));
+            if self.acts_here(queue) && self.holds_dead(queue, msg_id) {
+                self.resend_held(queue, Some(msg_id));
+            } else {
+                // Settled meanwhile, or no longer led here (the next leader sends it).
+                self.held_dead_letters.attempts.remove(&(queue, msg_id));
+            }
         }
         self.dead_letter_pending();
     }
