@@ -199,4 +199,7 @@ pub struct Routed {
     /// `reject-publish-dlx`): the publisher's confirm is a nack. Such a queue counts as
     /// routed (no basic.return for a mandatory publish).
     pub rejected: bool,
+    /// A target was a replicated queue with no leader to take its copy (counted in
+    /// `rejected`): a copy worth sending again later, unlike a full queue's refusal.
+    pub unled: bool,
 }

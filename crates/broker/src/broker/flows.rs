@@ -45,6 +45,7 @@ impl Broker {
             queues: 1,
             batch,
             rejected: false,
+            unled: false,
         }
     }
 
@@ -469,13 +470,11 @@ impl Broker {
             let death = Some((dl.reason, x_death, cc));
             let source = dl.source;
             self.held_dead_letters.publishing = source.is_some();
-            let unled = self.held_dead_letters.unled;
             let routed =
                 self.publish_to(&dl.vhost, &dl.exchange, &routing_key, message, death, false);
             self.held_dead_letters.publishing = false;
             if let Some(source) = source {
-                let unled = self.held_dead_letters.unled != unled;
-                self.held_dead_letter_routed(source, &routed, unled);
+                self.held_dead_letter_routed(source, &routed);
             }
             match routed {
                 Ok(r) if r.queues > 0 => {}

@@ -37,8 +37,6 @@ pub(super) struct HeldDeadLetters {
     /// A held message's dead letter is being republished: its copies need no guard record
     /// (`Broker::release_guard`), since its queue keeps it until they are safe.
     pub(super) publishing: bool,
-    /// Copies of publishes that found a replicated target with no leader, ever.
-    pub(super) unled: u64,
     /// The cluster's feature level lets queues hold their dead letters, as last seen.
     level_on: bool,
 }
@@ -80,16 +78,14 @@ impl Broker {
         replicated && level >= super::metadata_group::HELD_DEAD_LETTERS_LEVEL
     }
 
-    /// What became of the republish of held message `source`'s dead letter: `unled` if a
-    /// target had no leader to take its copy.
+    /// What became of the republish of held message `source`'s dead letter.
     pub(super) fn held_dead_letter_routed(
         &mut self,
         source: (QueueId, u64),
         routed: &Result<Routed, AmqpError>,
-        unled: bool,
     ) {
         match routed {
-            Ok(_) if unled => self.retry_held_later(source),
+            Ok(Routed { unled: true, .. }) => self.retry_held_later(source),
             Ok(Routed {
                 batch: Some(batch), ..
             }) => self

@@ -179,6 +179,7 @@ impl Broker {
                 queues: 1,
                 batch,
                 rejected: false,
+                unled: false,
             }),
             verdict => {
                 let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
@@ -517,6 +518,7 @@ impl Broker {
         // A full queue that refuses the message counts as routed (no basic.return), and the
         // publisher's confirm becomes a nack.
         let mut rejected = refused_now.len() as u32;
+        let mut unled = false;
         let mut routed = duplicates + rejected;
         // Only a body stored for one queue is paged out (a shared one is counted in memory).
         let paging = self.pager.is_some() && stored == 1;
@@ -606,7 +608,7 @@ impl Broker {
                     // with a nack (a mandatory publish is not returned: the queue exists).
                     routed += 1;
                     rejected += 1;
-                    self.held_dead_letters.unled += 1;
+                    unled = true;
                 }
                 continue;
             };
@@ -675,6 +677,7 @@ impl Broker {
             queues: routed,
             batch: batch.max(first_copies),
             rejected: rejected > 0,
+            unled,
         })
     }
 
