@@ -177,8 +177,25 @@ struct Delivery {
     body: String,
     session: u64,
     redelivered: bool,
+    /// Its `x-delivery-count`: the deliveries of this message before it (0 when absent).
+    count: u64,
     at: Instant,
     node: u64,
+}
+
+/// A delivery's `x-delivery-count` header, 0 when it has none.
+fn delivery_count(d: &lapin::message::Delivery) -> u64 {
+    let Some(headers) = d.properties.headers() else {
+        return 0;
+    };
+    match headers.inner().get("x-delivery-count") {
+        Some(AMQPValue::LongLongInt(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(AMQPValue::LongInt(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(AMQPValue::LongUInt(n)) => u64::from(*n),
+        Some(AMQPValue::ShortInt(n)) => u64::try_from(*n).unwrap_or(0),
+        Some(AMQPValue::ShortShortInt(n)) => u64::try_from(*n).unwrap_or(0),
+        _ => 0,
+    }
 }
 
 struct Ack {
@@ -640,6 +657,7 @@ async fn consumer(
                 body: body.clone(),
                 session,
                 redelivered: d.redelivered,
+                count: delivery_count(&d),
                 at: Instant::now(),
                 node,
             };
@@ -1513,6 +1531,13 @@ struct Report {
     /// Bodies held with an `x-delay` and delivered a millisecond or more before it passed
     /// (counted from when the client sent them, before the broker could take them).
     early: Vec<String>,
+    /// Deliveries of a message enqueued once whose `x-delivery-count` is not above that of a
+    /// delivery of it the client had before the session that took it began: every delivery
+    /// comes from a committed entry, each counts one more, so a count that goes back is a
+    /// failover that lost committed state.
+    count_back: Vec<String>,
+    /// Deliveries [`Report::count_back`] compared with an earlier one.
+    counts_compared: usize,
     /// The story of the first violations, for the failure message.
     examples: Vec<String>,
 }
@@ -1526,7 +1551,8 @@ impl std::fmt::Display for Report {
              confirmed, {} enqueued twice), acks {} ({} settled), back after a settled ack {} \
              (another copy after it {}, ambiguous {}), back after an unsettled ack {}, given back {}, left unsettled {}, dead-lettered {} \
              ({} given back always and never dead-lettered), \
-             lost {} ({} after a give-back), delivered early {}, out of group order {} of {}, invented {}",
+             lost {} ({} after a give-back), delivered early {}, out of group order {} of {}, \
+             delivery count gone back {} (of {} compared), invented {}",
             self.published,
             self.confirmed,
             self.nacked,
@@ -1553,6 +1579,8 @@ impl std::fmt::Display for Report {
             self.early.len(),
             self.out_of_order.len(),
             self.grouped,
+            self.count_back.len(),
+            self.counts_compared,
             self.invented.len(),
         )
     }
@@ -1657,6 +1685,11 @@ impl Report {
             self.out_of_order.is_empty(),
             "a group's message delivered before one published ahead of it (seed {seed}): {:?}",
             some(&self.out_of_order)
+        );
+        assert!(
+            self.count_back.is_empty(),
+            "x-delivery-count went back (seed {seed}): {:?}",
+            some(&self.count_back)
         );
         assert!(
             self.early.is_empty(),
@@ -1797,6 +1830,39 @@ fn first_deliveries(ts: &[(Instant, bool)]) -> usize {
     ts.iter().filter(|(_, re)| !re).count()
 }
 
+/// [`Report::count_back`]: for each message enqueued once, each delivery on a session that
+/// began after the client had another delivery of it must count more than that one.
+fn counts_gone_back(
+    h: &History,
+    times: &HashMap<&str, Vec<(Instant, bool)>>,
+    single: impl Fn(&[(Instant, bool)]) -> bool,
+) -> (Vec<String>, usize) {
+    let mut by_body: HashMap<&str, Vec<&Delivery>> = HashMap::new();
+    for d in &h.deliveries {
+        if times.get(d.body.as_str()).is_some_and(|ts| single(ts)) {
+            by_body.entry(d.body.as_str()).or_default().push(d);
+        }
+    }
+    let (mut back, mut compared) = (Vec::new(), 0);
+    for (body, ds) in by_body {
+        for later in &ds {
+            let Some(began) = h.session_start.get(&later.session) else {
+                continue;
+            };
+            let before = ds.iter().filter(|d| d.at < *began).max_by_key(|d| d.count);
+            compared += usize::from(before.is_some());
+            if let Some(before) = before.filter(|d| d.count >= later.count) {
+                back.push(format!(
+                    "{body}: x-delivery-count {} from node {} in session {}, after {} from node {} in session {}",
+                    later.count, later.node, later.session, before.count, before.node, before.session
+                ));
+            }
+        }
+    }
+    back.sort();
+    (back, compared)
+}
+
 /// Checks the history once the queue is drained (`end`).
 fn check(h: &History, end: Instant) -> Report {
     let mut r = Report {
@@ -1848,6 +1914,7 @@ fn check(h: &History, end: Instant) -> Report {
         ts.iter().filter(|(_, re)| !re).count() == 1 && ts.first().is_some_and(|(_, re)| !re)
     };
     r.enqueued_twice = times.values().filter(|ts| first_deliveries(ts) > 1).count();
+    (r.count_back, r.counts_compared) = counts_gone_back(h, &times, single);
     if r.enqueued_twice > 0 {
         print_enqueued_twice(h, &times);
     }
@@ -2271,6 +2338,7 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
         body: body.into(),
         session,
         redelivered,
+        count: u64::from(redelivered),
         at: at(ms),
         node: 1,
     };
@@ -2362,6 +2430,27 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     for b in ["p3-1", "p3-3", "x-dead"] {
         h.dead.push(delivery(b, 5, false, 3_000));
     }
+    // p4-1: counted 0, 1 then 1 again on a session begun after the second: gone back. p4-2:
+    // 0 then 1 on a later session, and 0 on a session begun before the first was delivered
+    // (a paused node's stale delivery): fine.
+    for b in ["p4-1", "p4-2"] {
+        h.published.insert(b.into(), Outcome::Acked);
+    }
+    for (s, begun) in [(40, 50), (41, 150), (42, 300), (43, 20)] {
+        h.session_start.insert(s, at(begun));
+    }
+    h.deliveries.push(delivery("p4-1", 40, false, 100));
+    h.deliveries.push(delivery("p4-1", 41, true, 200));
+    h.deliveries.push(delivery("p4-1", 42, true, 400));
+    h.deliveries.push(delivery("p4-2", 40, false, 100));
+    h.deliveries.push(Delivery {
+        count: 1,
+        ..delivery("p4-2", 41, true, 200)
+    });
+    h.deliveries.push(Delivery {
+        count: 0,
+        ..delivery("p4-2", 43, true, 250)
+    });
     // Two nodes that said they led in term 5: a violation; one in term 6: none.
     let mut samples = Samples::default();
     samples.leaders.entry(5).or_default().extend([1, 2]);
@@ -2382,6 +2471,9 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
         "{:?}",
         r.out_of_order
     );
+    assert_eq!(r.count_back.len(), 1, "{:?}", r.count_back);
+    assert!(r.count_back[0].starts_with("p4-1: "), "{:?}", r.count_back);
+    assert_eq!(r.counts_compared, 3, "{r}");
     assert_eq!(r.early.len(), 1, "{r}");
     assert!(r.early[0].starts_with("p1-11 "), "{:?}", r.early);
     // p3-2 given back and never seen again; p3-1 came back through the dead-letter queue.
@@ -2398,7 +2490,7 @@ fn the_checker_finds_lost_invented_and_acked_then_redelivered_messages() {
     assert_eq!(r.another_copy_after_ack, 2, "{r}");
     assert_eq!(r.enqueued_twice, 1, "{r}");
     assert_eq!(r.ambiguous_after_ack, 1, "{r}");
-    assert_eq!((r.confirmed, r.nacked, r.duplicates), (18, 1, 7), "{r}");
+    assert_eq!((r.confirmed, r.nacked, r.duplicates), (20, 1, 11), "{r}");
 }
 
 /// Replacing a node under load, as docs/operations.md's runbook does it: node 3 killed and
