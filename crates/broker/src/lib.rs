@@ -200,6 +200,11 @@ pub struct Routed {
     /// routed (no basic.return for a mandatory publish).
     pub rejected: bool,
     /// A target was a replicated queue with no leader to take its copy (counted in
-    /// `rejected`): a copy worth sending again later, unlike a full queue's refusal.
+    /// `rejected`): a copy worth sending again later.
     pub unled: bool,
+    /// A full `reject-publish` queue refused its copy (counted in `rejected`; not a
+    /// `reject-publish-dlx` one, which dead-letters the copy onward): a sender that keeps the
+    /// message (a replicated queue's held dead letter) sends it again later, as RabbitMQ's
+    /// `at-least-once` dead-lettering does.
+    pub full: bool,
 }

@@ -2062,12 +2062,12 @@ fn a_leader_elected_again_within_one_pass_starts_its_new_term_from_the_committed
     assert_same_state(&c, &NODES);
 }
 
-/// A dead letter the leader sends to a full `reject-publish` quorum queue it also leads is
-/// refused as the leader applies it ahead: dropped (as RabbitMQ drops it) and settled in its
-/// source queue, with no guard record left behind (a held message's dead letter needs none; the
-/// harness fails on a key deleted twice).
+/// A dead letter that a full `reject-publish` quorum queue led by the same node refuses at once
+/// stays held in its source (RabbitMQ's `at-least-once` dead-lettering) and is sent again after
+/// a back-off until the queue has room; its guard is deleted once. Before, it was dropped when
+/// the dead-letter queue was led by the source's leader and retried when it was led elsewhere.
 #[test]
-fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once() {
+fn a_dead_letter_refused_by_a_full_quorum_queue_is_kept_and_sent_again_once_there_is_room() {
     let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
@@ -2086,7 +2086,26 @@ fn a_dead_letter_refused_at_once_by_a_full_quorum_queue_deletes_its_guard_once()
     assert_eq!(ready_in(&c, leader, "dlq"), 1, "one taken, one refused");
     assert_eq!(c.counts(leader), (0, 0), "both expired");
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0), "no guard left");
-    assert_eq!(c.broker(leader).totals().dead_lettering, 0, "both settled");
+    for n in NODES {
+        assert_eq!(
+            c.broker(n).totals().dead_lettering,
+            1,
+            "node {n}: the refused one kept in its source"
+        );
+    }
+    let purged = c
+        .broker(leader)
+        .purge_queue("/", "dlq", conn(leader, 1))
+        .expect("purge");
+    assert_eq!(purged, 1);
+    // The back-off reached 32 s at most in the 40 s above: the next try finds room.
+    c.run(u32::try_from(70_000 / TICK_MS).unwrap_or(u32::MAX));
+    assert_eq!(ready_in(&c, leader, "dlq"), 1, "the refused one arrived");
+    for n in NODES {
+        assert_eq!(c.broker(n).totals().dead_lettering, 0, "node {n}: settled");
+    }
+    assert_eq!(c.broker(leader).delayed_counts(), (0, 0));
+    assert_same_state(&c, &NODES);
 }
 
 /// A delayed message a follower releases into a full `reject-publish-dlx` quorum queue is

@@ -46,6 +46,7 @@ impl Broker {
             batch,
             rejected: false,
             unled: false,
+            full: false,
         }
     }
 

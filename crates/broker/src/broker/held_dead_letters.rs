@@ -85,7 +85,11 @@ impl Broker {
         routed: &Result<Routed, AmqpError>,
     ) {
         match routed {
-            Ok(Routed { unled: true, .. }) => self.retry_held_later(source),
+            // A target without a leader, or full and refusing (`reject-publish`): sent again
+            // after a back-off, to every target (those that took it get a second copy).
+            Ok(Routed { unled: true, .. } | Routed { full: true, .. }) => {
+                self.retry_held_later(source)
+            }
             Ok(Routed {
                 batch: Some(batch), ..
             }) => self
@@ -96,7 +100,7 @@ impl Broker {
                 .push(source),
             // In memory only (a transient message, or targets without a store: a broker without
             // one keeps nothing across a crash anyway), or dropped as RabbitMQ drops a dead
-            // letter that has nowhere to go.
+            // letter that has nowhere to go (no exchange, routed to no queue).
             _ => self.held_dead_letters.done.push(source),
         }
     }

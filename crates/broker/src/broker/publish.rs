@@ -180,6 +180,7 @@ impl Broker {
                 batch,
                 rejected: false,
                 unled: false,
+                full: false,
             }),
             verdict => {
                 let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
@@ -519,6 +520,7 @@ impl Broker {
         // publisher's confirm becomes a nack.
         let mut rejected = refused_now.len() as u32;
         let mut unled = false;
+        let mut full = refused_now.iter().any(|id| self.refuses_plainly(*id));
         let mut routed = duplicates + rejected;
         // Only a body stored for one queue is paged out (a shared one is counted in memory).
         let paging = self.pager.is_some() && stored == 1;
@@ -627,6 +629,7 @@ impl Broker {
                     self.drop_release_guard_early(key);
                 }
                 self.refused(*id, kind, &message, releasing);
+                full |= self.refuses_plainly(*id);
                 rejected += 1;
                 continue;
             }
@@ -678,7 +681,16 @@ impl Broker {
             batch: batch.max(first_copies),
             rejected: rejected > 0,
             unled,
+            full,
         })
+    }
+
+    /// Queue `id` refuses a publish when full and keeps nothing of it (`reject-publish`, not
+    /// `reject-publish-dlx`).
+    fn refuses_plainly(&self, id: QueueId) -> bool {
+        self.queues
+            .get(&id)
+            .is_some_and(|q| q.args.overflow == args::Overflow::RejectPublish)
     }
 
     /// A full `reject-publish` queue refused its copy of `message`: a stored copy lets its
