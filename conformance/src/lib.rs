@@ -14,6 +14,7 @@
 //! of a close, frame sizes, heartbeats) and can send malformed input.
 
 pub mod cluster;
+pub mod disk;
 pub mod http;
 pub mod partition;
 pub mod queues;

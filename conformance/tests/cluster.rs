@@ -1597,3 +1597,147 @@ async fn a_quorum_queues_deduplication_key_holds_through_every_node_and_a_failov
     publish(ch, q.clone(), "order-2").await;
     wait_for_messages(&c, others[1], &q, 2);
 }
+
+/// A member whose disk fills up cannot write its Raft log: it stops (exit code 70, as when its
+/// store thread is gone) rather than serving on with a Raft thread that stopped, which left
+/// its clients waiting for ever, and the other two go on: every message they confirmed is
+/// there, and confirms keep coming; started again with room, it catches up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_cannot_write_its_raft_log_stops_and_the_others_lose_nothing() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return;
+    }
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("full-member");
+    c.declare_quorum_queue(1, &q).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 0);
+    }
+    // Node 3 moves onto a small disk, its data copied over.
+    c.node_mut(3).stop(true);
+    let data = c.data_dir(3);
+    let before = data.with_extension("before");
+    std::fs::rename(&data, &before).expect("move node 3's data aside");
+    let Some(disk) = warren_conformance::disk::SmallDisk::mount_at(&data, "48m") else {
+        return;
+    };
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(before.join("."))
+        .arg(&data)
+        .status()
+        .expect("cp");
+    assert!(copied.success(), "copying node 3's data");
+    c.node_mut(3).start_again();
+    wait_for_messages(&c, 3, &q, 0);
+    let leader = c.leader_of(&q, 1);
+    let publisher_node = if leader == 3 { 1 } else { leader };
+    let (_pc, ch) = channel(&c, publisher_node).await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    // Random bytes: the Raft log compresses its entries, and a body of one byte repeated
+    // would take next to no room in it.
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let body: Vec<u8> = (0..60 * 1024)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 24) as u8
+        })
+        .collect();
+    let mut confirmed: Vec<String> = Vec::new();
+    let mut exit = None;
+    // 48 MiB hold fewer than 800 such messages; a window of 10 at a time.
+    for window in 0..300u32 {
+        let mut pending = Vec::new();
+        for i in 0..10 {
+            let name = format!("m{window}-{i}");
+            let mut b = name.clone().into_bytes();
+            b.push(b' ');
+            b.extend_from_slice(&body);
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    q.as_str().into(),
+                    BasicPublishOptions::default(),
+                    &b,
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .expect("publish");
+            pending.push((name, confirm));
+        }
+        for (name, confirm) in pending {
+            let got = tokio::time::timeout(WAIT, confirm)
+                .await
+                .expect("a confirm within the wait")
+                .expect("confirm");
+            if matches!(got, Confirmation::Ack(_)) {
+                confirmed.push(name);
+            }
+        }
+        if let Some(status) = c.node_mut(3).wait_exit(Duration::ZERO) {
+            exit = Some(status);
+            break;
+        }
+    }
+    // The other two confirm on.
+    let after: Vec<String> = (0..20).map(|i| format!("after-{i}")).collect();
+    publish_confirmed(&ch, &q, after.iter().cloned()).await;
+    confirmed.extend(after);
+    let status = exit.expect("node 3 stopped once its disk was full");
+    assert_eq!(
+        status.code(),
+        Some(70),
+        "node 3's exit; its output:\n{}",
+        c.node(3).output()
+    );
+    assert!(
+        c.node(3)
+            .output()
+            .contains("the raft log cannot be written"),
+        "node 3 says why it stopped:\n{}",
+        c.node(3).output()
+    );
+    // Every confirmed message is in the queue on the two others.
+    let (_lc, leader_now, mut consumer) = {
+        let (n, conn, consumer) = consume_on_leader(&c, &q, 1).await;
+        (conn, n, consumer)
+    };
+    assert_ne!(leader_now, 3);
+    let mut seen = BTreeSet::new();
+    let want: BTreeSet<String> = confirmed.iter().cloned().collect();
+    while !want.is_subset(&seen) {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("a delivery within the wait")
+            .expect("a delivery")
+            .expect("a delivery");
+        let name = d
+            .data
+            .split(|b| *b == b' ')
+            .next()
+            .map(|n| String::from_utf8_lossy(n).into_owned())
+            .unwrap_or_default();
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+        seen.insert(name);
+    }
+    // With room again, node 3 starts on what its log held and catches up.
+    c.node_mut(3).stop(true);
+    let grown = std::process::Command::new("mount")
+        .args(["-o", "remount,size=512m"])
+        .arg(&data)
+        .status()
+        .expect("mount");
+    assert!(grown.success(), "growing node 3's disk");
+    c.node_mut(3).start_again();
+    let last: Vec<String> = (0..5).map(|i| format!("last-{i}")).collect();
+    publish_confirmed(&ch, &q, last.into_iter()).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 5);
+    }
+    c.node_mut(3).stop(true);
+    drop(disk);
+}

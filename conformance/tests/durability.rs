@@ -14,6 +14,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, ExchangeKind};
+use warren_conformance::disk::SmallDisk;
 use warren_conformance::http::{eventually, request};
 use warren_conformance::{amqp_error, connect_url, unique, within, TestBroker};
 
@@ -406,46 +407,6 @@ async fn confirmed_messages_survive_repeated_kill_9() {
         invented.is_empty(),
         "delivered but never published: {invented:?}"
     );
-}
-
-/// A small tmpfs mounted for one test, unmounted on drop.
-struct SmallDisk {
-    path: std::path::PathBuf,
-}
-
-impl SmallDisk {
-    /// Needs root (mount); `None`, with the reason printed, where the machine does not allow it.
-    fn mount(size: &str) -> Option<SmallDisk> {
-        let path = std::env::temp_dir().join(unique("warren-small-disk"));
-        std::fs::create_dir_all(&path).ok()?;
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(&path)
-            .output();
-        match out {
-            Ok(o) if o.status.success() => Some(SmallDisk { path }),
-            Ok(o) => {
-                eprintln!(
-                    "SKIPPED: cannot mount a {size} tmpfs (needs root): {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                );
-                None
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: cannot run mount: {e}");
-                None
-            }
-        }
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg(&self.path)
-            .status();
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
 }
 
 #[tokio::test]

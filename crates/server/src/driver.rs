@@ -226,6 +226,17 @@ struct RaftReports {
 }
 
 impl crate::cluster::RaftEvents for RaftReports {
+    fn log_failed(&self, error: &str) {
+        // Serving on would leave this node's clients waiting for ever: its replicated queues'
+        // confirms and deliveries, and the publishes it forwards, all go through the Raft
+        // thread. What is on disk is consistent (as after a kill -9): stop, so that clients
+        // reconnect to the other nodes, which elect new leaders, and a restart (once the disk
+        // has room again) reads the log back and catches up.
+        tracing::error!(%error, "the raft log cannot be written: stopping the broker");
+        eprintln!("warren: the raft log cannot be written ({error}): stopping; free disk space and start the node again");
+        std::process::exit(70);
+    }
+
     fn snapshots(
         &self,
         snapshots: Vec<(

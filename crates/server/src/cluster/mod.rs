@@ -168,6 +168,12 @@ pub trait RaftEvents: Send + 'static {
     fn forwarded(&self, entries: Vec<(NodeId, Forward)>) {
         let _ = entries;
     }
+    /// The Raft log could not be written (a full disk, an I/O error): the Raft thread stops
+    /// after this call (an fsync that failed cannot be retried safely). Nothing replicated can
+    /// go on here until a restart.
+    fn log_failed(&self, error: &str) {
+        let _ = error;
+    }
     /// Groups whose leader here needs the state machine's snapshot now (a node being added
     /// starts from one): answer with [`RaftNode::snapshot`].
     fn snapshots_wanted(&self, groups: Vec<GroupId>) {

@@ -860,6 +860,7 @@ impl<E: RaftEvents> Driver<E> {
         if let Err(e) = persisted {
             // An fsync that failed cannot be retried safely: stop, and let peers see us down.
             tracing::error!(node = self.raft.node(), error = %e, "raft log write failed; stopping this node's raft");
+            self.events.log_failed(&e.to_string());
             return None;
         }
         let (_, used) = self.log.prestaged_counts();
