@@ -1534,6 +1534,126 @@ async fn a_held_publish_is_released_on_time_after_the_node_that_took_it_dies() {
     assert_eq!(got, want);
 }
 
+/// A delayed exchange's message that routes to a quorum queue when it is published waits in
+/// that queue's log: the node that took the publish dies before it is due (its disk might be
+/// lost for good), and the queue's leader releases it on time, with `x-delay` negated as the
+/// plugin delivers it. Before, it waited on the disk of the node that took it, until that node
+/// came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_exchanges_message_for_a_quorum_queue_is_released_after_the_node_that_took_it_dies(
+) {
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("later");
+    declare_quorum_with(&c, &q, &[]).await;
+    let leader = c.leader_of(&q, 1);
+    let taker = leader % 3 + 1;
+    let x = unique("later-x");
+    let (_dc, declarer) = channel(&c, 1).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-delayed-type".into(),
+        lapin::types::AMQPValue::LongString("direct".into()),
+    );
+    declarer
+        .exchange_declare(
+            x.as_str().into(),
+            lapin::ExchangeKind::Custom("x-delayed-message".into()),
+            lapin::options::ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("exchange.declare");
+    declarer
+        .queue_bind(
+            q.as_str().into(),
+            x.as_str().into(),
+            q.as_str().into(),
+            lapin::options::QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue.bind");
+    // The binding is on the taking node before it publishes.
+    let start = Instant::now();
+    loop {
+        let (_, v) = Api::of(c.node(taker)).call("GET", &format!("/queues/%2f/{q}/bindings"), None);
+        if v.as_array()
+            .is_some_and(|b| b.iter().any(|b| b["source"] == x.as_str()))
+        {
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "the binding on node {taker}: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (conn, publisher) = channel(&c, taker).await;
+    publisher
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let sent = Instant::now();
+    let mut pending = Vec::new();
+    for i in 0..10 {
+        let mut headers = FieldTable::default();
+        headers.insert("x-delay".into(), lapin::types::AMQPValue::LongInt(1500));
+        let confirm = publisher
+            .basic_publish(
+                x.as_str().into(),
+                q.as_str().into(),
+                BasicPublishOptions::default(),
+                format!("d{i}").as_bytes(),
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_headers(headers),
+            )
+            .await
+            .expect("publish");
+        pending.push(confirm);
+    }
+    for confirm in pending {
+        let got = tokio::time::timeout(WAIT, confirm)
+            .await
+            .expect("a confirm within the wait")
+            .expect("confirm");
+        assert!(matches!(got, Confirmation::Ack(_)), "nacked: {got:?}");
+    }
+    drop((publisher, conn));
+    c.node_mut(taker).stop(true);
+    wait_for_messages(&c, leader, &q, 10);
+    assert!(
+        sent.elapsed() >= Duration::from_millis(1500),
+        "released after {:?}",
+        sent.elapsed()
+    );
+    let (_, _conn, mut consumer) = consume_on_leader(&c, &q, leader).await;
+    let mut got = Vec::new();
+    for _ in 0..10 {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("a delivery within the wait")
+            .expect("a delivery")
+            .expect("a delivery");
+        let delay = d
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get("x-delay").cloned());
+        assert_eq!(
+            delay,
+            Some(lapin::types::AMQPValue::LongInt(-1500)),
+            "delivered with the delay spent"
+        );
+        got.push(String::from_utf8_lossy(&d.data).into_owned());
+        d.ack(BasicAckOptions::default()).await.expect("ack");
+    }
+    got.sort();
+    let mut want: Vec<String> = (0..10).map(|i| format!("d{i}")).collect();
+    want.sort();
+    assert_eq!(got, want);
+}
+
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every
 /// node: a key published through one node is a duplicate through another (confirmed, not
 /// enqueued), and still after the leader's node dies. Before, each node judged alone, in

@@ -1792,16 +1792,9 @@ fn is_publish_to(p: &Proposal, group: u64) -> bool {
         })
 }
 
-/// A delayed exchange's message falling due on a follower into a quorum queue is enqueued
-/// even when the forward of its release is lost on its way (here with the one after it,
-/// refused as out of order): the release leaves a guard record that releases it again unless
-/// its entry is applied. Before, the release deleted the message's record and the lost
-/// forward lost it, after its publisher had been confirmed. (A queue's own
-/// `x-delivery-delay` holds its messages in the queue's log instead.)
-#[test]
-fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
-    let mut c = Cluster::start_with(1, None, quorum_args());
-    until_levels(&mut c);
+/// Declares the durable delayed exchange "later" (routing as `direct`) on node 1, and waits
+/// until every node has it.
+fn declare_delayed_exchange(c: &mut Cluster) {
     let mut inner = FieldTable::new();
     inner.insert("x-delayed-type", FieldValue::long_str("direct"));
     c.broker(1)
@@ -1816,39 +1809,52 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
             &inner,
         )
         .expect("exchange.declare");
-    bind(&mut c, 1, "later", "jobs");
-    assert!(until_everywhere(&mut c, 200, |b| b.exchange_exists("/", "later")));
+    assert!(until_everywhere(c, 200, |b| b.exchange_exists("/", "later")));
+}
+
+/// A persistent message with `x-delay` (ms).
+fn delayed_message(n: u32, delay_ms: i64) -> Message {
+    let mut headers = FieldTable::new();
+    headers.insert("x-delay", FieldValue::I64(delay_ms));
+    let properties = warren_codec::properties::BasicProperties {
+        headers: Some(headers),
+        delivery_mode: Some(2),
+        ..Default::default()
+    }
+    .encode();
+    Message {
+        properties,
+        ..message(n)
+    }
+}
+
+/// A delayed exchange's message falling due on a follower into a quorum queue is enqueued
+/// even when the forward of its release is lost on its way (here with the one after it,
+/// refused as out of order): the release leaves a guard record that releases it again unless
+/// its entry is applied. Before, the release deleted the message's record and the lost
+/// forward lost it, after its publisher had been confirmed. The exchange holds these two
+/// because nothing bound routed them when they were published (a message bound for a quorum
+/// queue then waits in the queue's log, as a queue's own `x-delivery-delay` holds it).
+#[test]
+fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
+    let mut c = Cluster::start_with(1, None, quorum_args());
+    until_levels(&mut c);
+    declare_delayed_exchange(&mut c);
     c.run(20);
     let leader = c.leader();
     let follower = leader % 3 + 1;
     c.run(5);
     let delayed = |c: &mut Cluster, n: u32| {
-        let mut headers = FieldTable::new();
-        headers.insert("x-delay", FieldValue::I64(100));
-        let properties = warren_codec::properties::BasicProperties {
-            headers: Some(headers),
-            delivery_mode: Some(2),
-            ..Default::default()
-        }
-        .encode();
         let now = c.now;
         let r = c
             .broker(follower)
-            .publish(
-                "/",
-                "later",
-                "jobs",
-                Message {
-                    properties,
-                    ..message(n)
-                },
-                now,
-            )
+            .publish("/", "later", "jobs", delayed_message(n, 1_000), now)
             .expect("publish");
         assert_eq!(r.queues, 1, "held by the exchange");
         r.batch.expect("a confirm that waits")
     };
     let batches = [delayed(&mut c, 1), delayed(&mut c, 2)];
+    bind(&mut c, 1, "later", "jobs");
     let group = c.group;
     let mut dropped = false;
     for _ in 0..400 {
@@ -1871,6 +1877,73 @@ fn a_delayed_message_whose_release_is_lost_on_its_way_is_released_again() {
     assert_eq!(c.counts(leader), (2, 0), "each once");
     assert_eq!(c.broker(follower).delayed_counts(), (0, 0));
     assert_same_state(&c, &NODES);
+}
+
+/// A delayed exchange's message that its bindings route to a quorum queue when it is published
+/// waits in that queue's log, not on the disk of the node that took the publish: that node's
+/// death (its disk lost with it) neither loses it nor holds it back, whichever node leads
+/// releases it when due, and it is delivered with `x-delay` negated, as a release from the
+/// exchange is. Before, it waited on the taker's disk alone until due.
+#[test]
+fn a_delayed_exchanges_message_for_a_quorum_queue_survives_the_node_that_took_it() {
+    let mut c = Cluster::start_with(1, None, quorum_args());
+    until_levels(&mut c);
+    declare_delayed_exchange(&mut c);
+    bind(&mut c, 1, "later", "jobs");
+    c.run(20);
+    let taker = c.leader() % 3 + 1;
+    let now = c.now;
+    let r = c
+        .broker(taker)
+        .publish("/", "later", "jobs", delayed_message(1, 500), now)
+        .expect("publish");
+    assert_eq!((r.queues, r.rejected), (1, false));
+    let batch = r.batch.expect("a confirm that waits");
+    for _ in 0..100 {
+        if c.confirmed(taker, batch) {
+            break;
+        }
+        c.step();
+    }
+    assert!(c.confirmed(taker, batch), "confirmed once in the log");
+    c.run(5);
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.held_count().0, 1, "node {n} holds it");
+        assert_eq!(c.counts(n), (0, 0), "node {n}: not in the queue yet");
+        assert_eq!(
+            c.members[&n].broker.delayed_counts(),
+            (0, 0),
+            "node {n}: nothing on its own disk"
+        );
+    }
+    let published = now;
+    c.kill(taker);
+    let next = c.leader();
+    assert_ne!(next, taker);
+    while c.now < published + 400 {
+        c.step();
+    }
+    assert_eq!(c.counts(next), (0, 0), "released early");
+    while c.now < published + 700 {
+        c.step();
+    }
+    assert_eq!(c.counts(next), (1, 0), "released when due by the leader");
+    let m = c.members[&next]
+        .broker
+        .machine(c.id(next))
+        .expect("machine");
+    let (_, released, _) = m.messages().next().expect("the message");
+    let headers = warren_codec::properties::headers(&released.properties)
+        .expect("properties")
+        .expect("headers");
+    assert_eq!(
+        headers.get("x-delay").and_then(FieldValue::as_i64),
+        Some(-500),
+        "delivered with the delay spent"
+    );
+    let others: Vec<u64> = NODES.into_iter().filter(|n| *n != taker).collect();
+    assert_same_state(&c, &others);
 }
 
 /// A cluster whose queue "jobs" (`args`) dead-letters to the quorum queue "dlq", led by

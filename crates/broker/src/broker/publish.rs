@@ -261,6 +261,7 @@ impl Broker {
                 self.config.max_message_size
             )));
         }
+        let mut exchange_delay: Option<u64> = None;
         let vh = self.vhosts.get(vhost).ok_or_else(|| no_vhost(vhost))?;
         let mut targets = std::mem::take(&mut self.scratch_queues);
         targets.clear();
@@ -289,7 +290,34 @@ impl Broker {
             }
             if x.delayed && !released {
                 let headers = warren_codec::properties::headers(&message.properties);
-                if let Some(delay) = delayed::header_delay(headers.ok().flatten().as_ref()) {
+                let own = delayed::header_delay(headers.ok().flatten().as_ref());
+                // Every node reads a publish held in a quorum queue's log.
+                let held_in_logs = self.cluster.is_some()
+                    && self
+                        .cluster_feature_level()
+                        .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
+                if let (Some(delay), true) = (own, held_in_logs) {
+                    // On a cluster, a message the bindings route to a quorum queue now is
+                    // routed now, and each such queue holds its copy in its log until due:
+                    // held on this node's disk alone, it would be lost with that disk, and
+                    // late while this node is down. (The plugin routes when it is due.)
+                    let mut dests = std::mem::take(&mut self.scratch_dests);
+                    route(vh, x, routing_key, &message, &mut dests, &mut targets);
+                    for key in death.iter().flat_map(|(_, _, cc)| cc) {
+                        route(vh, x, key, &message, &mut dests, &mut targets);
+                    }
+                    self.scratch_dests = dests;
+                    let queues = &self.queues;
+                    if targets
+                        .iter()
+                        .any(|id| queues.get(id).is_some_and(|q| q.replica.is_some()))
+                    {
+                        exchange_delay = Some(delay);
+                    } else {
+                        targets.clear();
+                    }
+                }
+                if let (Some(delay), None) = (own, exchange_delay) {
                     self.scratch_queues = targets;
                     // Routed when due as it was published (the message's own fields are
                     // what a delivery shows; they normally say the same).
@@ -304,12 +332,21 @@ impl Broker {
                     return Ok(self.schedule(vhost, (None, holder), message, delay, 0));
                 }
             }
-            let mut dests = std::mem::take(&mut self.scratch_dests);
-            route(vh, x, routing_key, &message, &mut dests, &mut targets);
-            for key in death.iter().flat_map(|(_, _, cc)| cc) {
-                route(vh, x, key, &message, &mut dests, &mut targets);
+            if exchange_delay.is_none() {
+                let mut dests = std::mem::take(&mut self.scratch_dests);
+                route(vh, x, routing_key, &message, &mut dests, &mut targets);
+                for key in death.iter().flat_map(|(_, _, cc)| cc) {
+                    route(vh, x, key, &message, &mut dests, &mut targets);
+                }
+                self.scratch_dests = dests;
             }
-            self.scratch_dests = dests;
+        }
+        let mut message = message;
+        if let Some(delay) = exchange_delay {
+            // Delivered with the delay spent, as a release from the exchange is.
+            if let Ok(p) = delayed::released_properties(&message.properties, delay) {
+                message.properties = p;
+            }
         }
         if let Some((reason, x_death, _)) = &death {
             let (queues, reported) = (&self.queues, &mut self.cycles_reported);
@@ -340,10 +377,11 @@ impl Broker {
         // across a failover, once every node can read such an entry.
         let mut windows: Vec<(QueueId, warren_queue::machine::DedupWindow)> = Vec::new();
         // Whether every node reads a publish held or judged in a queue's log.
-        let in_log = (self.dedup_queues > 0 || self.delaying_queues > 0)
-            && self
-                .cluster_feature_level()
-                .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
+        let in_log =
+            (self.dedup_queues > 0 || self.delaying_queues > 0 || exchange_delay.is_some())
+                && self
+                    .cluster_feature_level()
+                    .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
         let away = self.away.is_some();
         if self.dedup_queues > 0 && !released && death.is_none() {
             let (now, disk) = (self.now_ms, self.disk);
@@ -394,7 +432,7 @@ impl Broker {
         // Replicated queues hold theirs in their own log (every member has it, whichever leads
         // releases it), once every node can read such an entry.
         let mut held_in_log: Vec<(QueueId, u64)> = Vec::new();
-        if self.delaying_queues > 0 && !released {
+        if (self.delaying_queues > 0 || exchange_delay.is_some()) && !released {
             let headers = warren_codec::properties::headers(&message.properties);
             let own = delayed::header_delay(headers.ok().flatten().as_ref());
             let refusing = self.refusing_queues > 0;
@@ -402,7 +440,8 @@ impl Broker {
                 let Some(q) = self.queues.get(id) else {
                     return true;
                 };
-                match q.args.delivery_delay_ms {
+                // A delayed exchange's delay replaces the queue's own, as when it releases.
+                match exchange_delay.or(q.args.delivery_delay_ms) {
                     Some(_) if refusing && q.machine.rejects(size) => {
                         refused_now.push(*id);
                         false
