@@ -1861,3 +1861,91 @@ async fn a_member_that_cannot_write_its_raft_log_stops_and_the_others_lose_nothi
     c.node_mut(3).stop(true);
     drop(disk);
 }
+
+/// A classic queue is its node's own; `warren migrate` narrowed to it (`--queues`) moves it to
+/// another node of the cluster: its declaration (arguments and bindings) and its messages, each
+/// acked on the first node only once the second confirmed it. What docs/operations.md's
+/// runbook gives for moving a classic queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_classic_queue_moves_to_another_node_with_warren_migrate() {
+    let c = TestCluster::start(3, 20);
+    let q = unique("local");
+    let other = unique("stays");
+    let (_c1, ch) = channel(&c, 1).await;
+    for (name, max) in [(&q, 10_000), (&other, 5)] {
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(max));
+        ch.queue_declare(
+            name.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .expect("declare");
+    }
+    ch.queue_bind(
+        q.as_str().into(),
+        "amq.direct".into(),
+        "reports".into(),
+        lapin::options::QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("queue.bind");
+    publish_confirmed(&ch, &q, (0..300).map(|i| format!("m{i}"))).await;
+    publish_confirmed(&ch, &other, (0..3).map(|i| format!("o{i}"))).await;
+    let amqp = |n: u64| {
+        c.node(n)
+            .url()
+            .rsplit_once('/')
+            .map_or(c.node(n).url(), |(base, _)| base)
+            .to_owned()
+    };
+    let http = |n: u64| c.node(n).http_url().expect("management API").to_owned();
+    let out = std::process::Command::new(warren_conformance::warren_binary())
+        .arg("migrate")
+        .arg("--from-api")
+        .arg(http(1).replacen("http://", "http://guest:guest@", 1))
+        .arg("--from-amqp")
+        .arg(amqp(1))
+        .arg("--queues")
+        .arg(format!("^{q}$"))
+        .arg("--url")
+        .arg(amqp(2))
+        .arg("--api")
+        .arg(http(2))
+        .args(["--quiet", "1"])
+        .output()
+        .expect("warren migrate");
+    assert!(
+        out.status.success(),
+        "migrate failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, moved) = Api::of(c.node(2)).call("GET", &format!("/queues/%2f/{q}"), None);
+    assert_eq!(moved["messages"].as_u64(), Some(300), "{moved}");
+    assert_eq!(moved["arguments"]["x-max-length"], 10_000, "{moved}");
+    let (_, bindings) = Api::of(c.node(2)).call("GET", &format!("/queues/%2f/{q}/bindings"), None);
+    assert!(
+        bindings.as_array().is_some_and(|b| b
+            .iter()
+            .any(|b| b["source"] == "amq.direct" && b["routing_key"] == "reports")),
+        "its binding on node 2: {bindings}"
+    );
+    let (_, left) = Api::of(c.node(1)).call("GET", &format!("/queues/%2f/{q}"), None);
+    assert_eq!(left["messages"].as_u64(), Some(0), "{left}");
+    // The other classic queue stays where it is, and is not made on node 2.
+    let (code, _) = Api::of(c.node(2)).call("GET", &format!("/queues/%2f/{other}"), None);
+    assert_eq!(code, 404);
+    let (_, kept) = Api::of(c.node(1)).call("GET", &format!("/queues/%2f/{other}"), None);
+    assert_eq!(kept["messages"].as_u64(), Some(3), "{kept}");
+    let (_c2, ch2) = channel(&c, 2).await;
+    let mut consumer = consume(&ch2, &q).await.expect("consume on node 2");
+    let got = take_acked(&mut consumer, 300).await;
+    let got: BTreeSet<String> = got.into_iter().collect();
+    assert_eq!(got.len(), 300);
+}
