@@ -2135,49 +2135,106 @@ fn a_leader_elected_again_within_one_pass_starts_its_new_term_from_the_committed
     assert_same_state(&c, &NODES);
 }
 
-/// A dead letter that a full `reject-publish` quorum queue led by the same node refuses at once
-/// stays held in its source (RabbitMQ's `at-least-once` dead-lettering) and is sent again after
-/// a back-off until the queue has room; its guard is deleted once. Before, it was dropped when
-/// the dead-letter queue was led by the source's leader and retried when it was led elsewhere.
+/// A dead letter that a full `reject-publish` quorum queue refuses stays held in its source
+/// (RabbitMQ's `at-least-once` dead-lettering) and is sent again after a back-off until the
+/// queue has room; its guard is deleted once. Before, it was dropped when the dead-letter queue
+/// was led by the source's leader, and retried through a forward (whose refusal nacked a whole
+/// batch) when it was led elsewhere; now a queue led elsewhere is judged full from this
+/// member's copy of it, and not sent to.
 #[test]
 fn a_dead_letter_refused_by_a_full_quorum_queue_is_kept_and_sent_again_once_there_is_room() {
+    for elsewhere in [false, true] {
+        refused_then_room(elsewhere);
+    }
+}
+
+fn refused_then_room(elsewhere: bool) {
     let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
+    let dlq_leader = if elsewhere { leader % 3 + 1 } else { leader };
     let mut dlq_args = quorum_args();
     dlq_args.insert("x-max-length", FieldValue::I32(1));
     dlq_args.insert("x-overflow", FieldValue::long_str("reject-publish"));
-    c.broker(leader)
-        .declare_queue("/", durable_declare("dlq", dlq_args), conn(leader, 1))
+    c.broker(dlq_leader)
+        .declare_queue("/", durable_declare("dlq", dlq_args), conn(dlq_leader, 1))
         .expect("declare");
-    until_made_everywhere(&mut c, "dlq", leader);
-    assert_eq!(leaders_of(&c, &["dlq".to_string()]), vec![leader]);
+    until_made_everywhere(&mut c, "dlq", dlq_leader);
+    assert_eq!(leaders_of(&c, &["dlq".to_string()]), vec![dlq_leader]);
+    // One after the other: a refusal by a queue led elsewhere that was not yet seen full here
+    // nacks the whole batch, and sends again what was in it (at least once).
     c.publish(leader, 1);
+    c.run(50);
+    assert_eq!(ready_in(&c, dlq_leader, "dlq"), 1, "the first fills it");
     c.publish(leader, 2);
     c.run(u32::try_from(40_000 / TICK_MS).unwrap_or(u32::MAX));
-    assert_eq!(ready_in(&c, leader, "dlq"), 1, "one taken, one refused");
+    assert_eq!(ready_in(&c, dlq_leader, "dlq"), 1, "one taken, one refused");
     assert_eq!(c.counts(leader), (0, 0), "both expired");
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0), "no guard left");
     for n in NODES {
         assert_eq!(
             c.broker(n).totals().dead_lettering,
             1,
-            "node {n}: the refused one kept in its source"
+            "node {n}: the refused one kept in its source (elsewhere: {elsewhere})"
         );
     }
     let purged = c
-        .broker(leader)
-        .purge_queue("/", "dlq", conn(leader, 1))
+        .broker(dlq_leader)
+        .purge_queue("/", "dlq", conn(dlq_leader, 1))
         .expect("purge");
     assert_eq!(purged, 1);
     // The back-off reached 32 s at most in the 40 s above: the next try finds room.
     c.run(u32::try_from(70_000 / TICK_MS).unwrap_or(u32::MAX));
-    assert_eq!(ready_in(&c, leader, "dlq"), 1, "the refused one arrived");
+    assert_eq!(
+        ready_in(&c, dlq_leader, "dlq"),
+        1,
+        "the refused one arrived"
+    );
     for n in NODES {
         assert_eq!(c.broker(n).totals().dead_lettering, 0, "node {n}: settled");
     }
     assert_eq!(c.broker(leader).delayed_counts(), (0, 0));
+    assert_same_state(&c, &NODES);
+}
+
+/// A held dead letter refused by a full `reject-publish-dlx` quorum queue led by another node
+/// goes on to that queue's own dead-letter exchange once and is settled, as when the source's
+/// leader leads the full queue too. Before, the sender forwarded it, the refusal came back as a
+/// nack, and each retry (1 s, doubling) sent one more copy onward, for ever.
+#[test]
+fn a_held_dead_letter_refused_by_a_full_reject_publish_dlx_queue_led_elsewhere_goes_on_once() {
+    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let other = leader % 3 + 1;
+    declare_on(&mut c, other, "dlq2", false);
+    let mut dlq_args = quorum_args();
+    dlq_args.insert("x-max-length", FieldValue::I32(1));
+    dlq_args.insert("x-overflow", FieldValue::long_str("reject-publish-dlx"));
+    dlq_args.insert("x-dead-letter-exchange", FieldValue::long_str(""));
+    dlq_args.insert("x-dead-letter-routing-key", FieldValue::long_str("dlq2"));
+    c.broker(other)
+        .declare_queue("/", durable_declare("dlq", dlq_args), conn(other, 1))
+        .expect("declare");
+    until_made_everywhere(&mut c, "dlq", other);
+    until_made_everywhere(&mut c, "dlq2", other);
+    c.publish(leader, 1);
+    c.run(50);
+    assert_eq!(ready_in(&c, other, "dlq"), 1, "the first fills it");
+    c.publish(leader, 2);
+    c.run(u32::try_from(70_000 / TICK_MS).unwrap_or(u32::MAX));
+    assert_eq!(c.counts(leader), (0, 0), "both expired");
+    assert_eq!(ready_in(&c, other, "dlq"), 1);
+    assert_eq!(
+        ready_in(&c, other, "dlq2"),
+        1,
+        "the refused one went on once"
+    );
+    for n in NODES {
+        assert_eq!(c.broker(n).totals().dead_lettering, 0, "node {n}: settled");
+    }
     assert_same_state(&c, &NODES);
 }
 

@@ -573,6 +573,19 @@ impl Broker {
         self.dead_lettering = true;
         for (i, id) in targets.iter().enumerate() {
             let kind = kinds.get(i).copied().unwrap_or(Kept::Memory);
+            if dead_letter && self.held_dead_letters.publishing && self.refused_elsewhere(*id) {
+                // A held dead letter for a full quorum queue led by another node: refused
+                // here, as its leader would refuse it (this member holds the queue's committed
+                // state, a few entries behind at most). Forwarded, the refusal would come back
+                // as the nack of a whole batch, and a `reject-publish-dlx` queue would send a
+                // copy onward at every retry; here it goes on once, and a plain
+                // `reject-publish` one is tried again after its back-off.
+                self.refused(*id, kind, &message, None);
+                full |= self.refuses_plainly(*id);
+                routed += 1;
+                rejected += 1;
+                continue;
+            }
             let mut copy = message.clone();
             if kind == Kept::Memory {
                 // This queue's copy is in memory only: nothing to delete when it goes.
@@ -721,6 +734,14 @@ impl Broker {
             rejected: rejected > 0,
             unled,
             full,
+        })
+    }
+
+    /// Queue `id` is a replicated queue led by another node whose committed state here is full
+    /// and refuses publishes (`reject-publish` or `reject-publish-dlx`).
+    fn refused_elsewhere(&self, id: QueueId) -> bool {
+        self.queues.get(&id).is_some_and(|q| {
+            q.replica.as_ref().is_some_and(|r| !r.is_leading()) && q.machine.rejects(0)
         })
     }
 
