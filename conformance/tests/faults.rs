@@ -598,6 +598,9 @@ async fn consumer(
         {
             continue;
         }
+        // A session begins as it asks: the broker may check a message out to it before its
+        // consume-ok reaches the client.
+        let asked = Instant::now();
         let consumed = ch
             .basic_consume(
                 q.as_str().into(),
@@ -619,7 +622,7 @@ async fn consumer(
         let session = sessions.fetch_add(1, Ordering::Relaxed);
         {
             let mut h = h.lock().unwrap();
-            h.session_start.insert(session, Instant::now());
+            h.session_start.insert(session, asked);
             h.session_node.insert(session, node);
         }
         loop {
@@ -1685,6 +1688,10 @@ impl Report {
             self.out_of_order.is_empty(),
             "a group's message delivered before one published ahead of it (seed {seed}): {:?}",
             some(&self.out_of_order)
+        );
+        assert!(
+            self.given_back < 100 || self.counts_compared > 0,
+            "deliveries given back, and no x-delivery-count compared (seed {seed}): {self}"
         );
         assert!(
             self.count_back.is_empty(),

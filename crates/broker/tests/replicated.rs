@@ -1946,6 +1946,58 @@ fn a_delayed_exchanges_message_for_a_quorum_queue_survives_the_node_that_took_it
     assert_same_state(&c, &others);
 }
 
+/// A delayed exchange that routes a message to a quorum queue and a classic queue when it is
+/// published: the classic queue's copy waits on its node's disk, held by that queue, and goes
+/// with it when the queue is deleted; the quorum queue's copy stays in its log.
+#[test]
+fn a_classic_queues_copy_of_a_delayed_exchanges_message_goes_with_the_queue() {
+    let mut c = Cluster::start_with(1, None, quorum_args());
+    until_levels(&mut c);
+    declare_delayed_exchange(&mut c);
+    bind(&mut c, 1, "later", "jobs");
+    c.run(20);
+    let taker = c.leader();
+    c.broker(taker)
+        .declare_queue(
+            "/",
+            durable_declare("local", FieldTable::new()),
+            conn(taker, 1),
+        )
+        .expect("declare");
+    c.broker(taker)
+        .bind_queue(
+            "/",
+            "local",
+            "later",
+            "jobs",
+            &FieldTable::new(),
+            conn(taker, 1),
+        )
+        .expect("queue.bind");
+    let now = c.now;
+    let r = c
+        .broker(taker)
+        .publish("/", "later", "jobs", delayed_message(1, 60_000), now)
+        .expect("publish");
+    assert_eq!(r.queues, 2, "both queues");
+    c.run(5);
+    assert_eq!(c.broker(taker).delayed_counts().0, 1, "the classic copy");
+    let m = c.members[&taker]
+        .broker
+        .machine(c.id(taker))
+        .expect("machine");
+    assert_eq!(m.held_count().0, 1, "the quorum copy");
+    c.broker(taker)
+        .delete_queue("/", "local", false, false, conn(taker, 1))
+        .expect("queue.delete");
+    assert_eq!(c.broker(taker).delayed_counts().0, 0, "gone with its queue");
+    let m = c.members[&taker]
+        .broker
+        .machine(c.id(taker))
+        .expect("machine");
+    assert_eq!(m.held_count().0, 1, "the quorum copy stays");
+}
+
 /// A cluster whose queue "jobs" (`args`) dead-letters to the quorum queue "dlq", led by
 /// another node than "jobs": the cluster, the two leaders and the dead-letter queue's group.
 fn dead_lettering_to_a_queue_led_elsewhere(args: FieldTable) -> (Cluster, u64, u64, u64) {
@@ -2135,21 +2187,31 @@ fn a_leader_elected_again_within_one_pass_starts_its_new_term_from_the_committed
     assert_same_state(&c, &NODES);
 }
 
-/// A dead letter that a full `reject-publish` quorum queue refuses stays held in its source
-/// (RabbitMQ's `at-least-once` dead-lettering) and is sent again after a back-off until the
+/// With `x-dead-letter-strategy: at-least-once`, a dead letter that a full `reject-publish`
+/// quorum queue refuses stays held in its source and is sent again after a back-off until the
 /// queue has room; its guard is deleted once. Before, it was dropped when the dead-letter queue
 /// was led by the source's leader, and retried through a forward (whose refusal nacked a whole
 /// batch) when it was led elsewhere; now a queue led elsewhere is judged full from this
-/// member's copy of it, and not sent to.
+/// member's copy of it, and not sent to. With the default `at-most-once` it is dropped, as
+/// RabbitMQ drops it, wherever the queue is led.
 #[test]
 fn a_dead_letter_refused_by_a_full_quorum_queue_is_kept_and_sent_again_once_there_is_room() {
     for elsewhere in [false, true] {
-        refused_then_room(elsewhere);
+        refused_then_room(elsewhere, true);
+        refused_then_room(elsewhere, false);
     }
 }
 
-fn refused_then_room(elsewhere: bool) {
-    let args = dead_lettering_to_dlq(&[("x-message-ttl", FieldValue::I32(50))]);
+fn refused_then_room(elsewhere: bool, at_least_once: bool) {
+    let strategy = if at_least_once {
+        "at-least-once"
+    } else {
+        "at-most-once"
+    };
+    let args = dead_lettering_to_dlq(&[
+        ("x-message-ttl", FieldValue::I32(50)),
+        ("x-dead-letter-strategy", FieldValue::long_str(strategy)),
+    ]);
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
@@ -2175,9 +2237,13 @@ fn refused_then_room(elsewhere: bool) {
     for n in NODES {
         assert_eq!(
             c.broker(n).totals().dead_lettering,
-            1,
-            "node {n}: the refused one kept in its source (elsewhere: {elsewhere})"
+            u64::from(at_least_once),
+            "node {n}: the refused one kept in its source only with at-least-once (elsewhere: {elsewhere})"
         );
+    }
+    if !at_least_once {
+        assert_same_state(&c, &NODES);
+        return;
     }
     let purged = c
         .broker(dlq_leader)

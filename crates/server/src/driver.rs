@@ -218,6 +218,15 @@ impl Shared {
     }
 }
 
+/// Ends the process now with `code`, from any thread: no exit handlers and no static
+/// destructors, which would run while the store's and the runtime's threads still work (and
+/// could crash on the way out, losing the code). What is on disk is as after a kill -9, which
+/// Warren recovers from; the log is written to stderr synchronously, so nothing said is lost.
+fn exit_at_once(code: i32) -> ! {
+    // SAFETY: `_exit` takes no pointer and does not return; skipping destructors is the point.
+    unsafe { libc::_exit(code) }
+}
+
 /// The Raft thread's reports: committed entries applied, leader changes, forwarded publishes.
 struct RaftReports {
     shared: Arc<Shared>,
@@ -234,7 +243,7 @@ impl crate::cluster::RaftEvents for RaftReports {
         // has room again) reads the log back and catches up.
         tracing::error!(%error, "the raft log cannot be written: stopping the broker");
         eprintln!("warren: the raft log cannot be written ({error}): stopping; free disk space and start the node again");
-        std::process::exit(70);
+        exit_at_once(70);
     }
 
     fn snapshots(
@@ -1028,7 +1037,7 @@ impl Core {
                 // Serving on without a disk would confirm nothing and grow without bound, and
                 // what is on disk is consistent up to here: stop.
                 tracing::error!("the store thread is gone: stopping the broker");
-                std::process::exit(70);
+                exit_at_once(70);
             }
         }
     }

@@ -85,9 +85,14 @@ impl Broker {
         routed: &Result<Routed, AmqpError>,
     ) {
         match routed {
-            // A target without a leader, or full and refusing (`reject-publish`): sent again
-            // after a back-off, to every target (those that took it get a second copy).
-            Ok(Routed { unled: true, .. } | Routed { full: true, .. }) => {
+            // A target without a leader: sent again after a back-off, to every target (those
+            // that took it get a second copy).
+            Ok(Routed { unled: true, .. }) => self.retry_held_later(source),
+            // A full `reject-publish` target that refused it: sent again likewise with
+            // RabbitMQ's `at-least-once` strategy; dropped for that target with its default
+            // `at-most-once`, as RabbitMQ drops it (kept, a queue full for hours would hold every
+            // dead letter meanwhile on every member, outside its counts).
+            Ok(Routed { full: true, .. }) if self.dead_letters_at_least_once(source.0) => {
                 self.retry_held_later(source)
             }
             Ok(Routed {
@@ -103,6 +108,14 @@ impl Broker {
             // letter that has nowhere to go (no exchange, routed to no queue).
             _ => self.held_dead_letters.done.push(source),
         }
+    }
+
+    /// Queue `id` asks for `at-least-once` dead-lettering (`x-dead-letter-strategy`, or the
+    /// policy's `dead-letter-strategy`).
+    fn dead_letters_at_least_once(&self, id: QueueId) -> bool {
+        self.queues.get(&id).is_some_and(|q| {
+            q.args.dead_letter_strategy == crate::queue::args::DeadLetterStrategy::AtLeastOnce
+        })
     }
 
     /// Sends the dead letter of held message `source` again after its back-off.

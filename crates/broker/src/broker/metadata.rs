@@ -725,8 +725,12 @@ impl Broker {
         if q.args.delivery_delay_ms.is_some() {
             self.delaying_queues = self.delaying_queues.saturating_sub(1);
         }
-        // What it holds: its own delayed copies, and releases it refused when they fell due.
-        if refusing || q.args.delivery_delay_ms.is_some() {
+        // What it holds: its own delayed copies, releases it refused when they fell due, and on
+        // a cluster the copies a delayed exchange routed to it when they were published.
+        if refusing
+            || q.args.delivery_delay_ms.is_some()
+            || (self.cluster.is_some() && self.scheduler.count() > 0)
+        {
             drop_held(
                 &mut self.scheduler,
                 self.persist.as_mut(),

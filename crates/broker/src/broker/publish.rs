@@ -394,7 +394,8 @@ impl Broker {
                 // A delayed copy the queue's log cannot hold waits on this node's disk (below),
                 // and is judged here as before.
                 let in_machine = q.replica.is_some()
-                    && !(q.args.delivery_delay_ms.is_some() && held_full(q, away));
+                    && !((q.args.delivery_delay_ms.is_some() || exchange_delay.is_some())
+                        && held_full(q, away));
                 let Some(d) = q.dedup.as_deref_mut() else {
                     return true;
                 };
