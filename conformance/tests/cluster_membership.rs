@@ -73,11 +73,13 @@ async fn publish_confirmed(c: &TestCluster, n: u64, q: &str, bodies: std::ops::R
 /// Every message of `q`, consumed and acked on node `n` (a follower's consumer included),
 /// until `want` came.
 async fn drain(c: &TestCluster, n: u64, q: &str, want: usize) -> Vec<String> {
-    let conn = c.node(n).connect().await;
     let start = Instant::now();
-    // The channel lives as long as its consumer.
-    let (_ch, mut consumer) = loop {
-        // A refusal closes the channel: each attempt has its own.
+    // The connection and channel live as long as their consumer.
+    let (_conn, _ch, mut consumer) = loop {
+        // A refusal closes the channel with 506, which lapin takes as the whole connection's
+        // error (506 is a connection-level code in the spec): each attempt has its own
+        // connection, as a client that reconnects.
+        let conn = c.node(n).connect().await;
         let ch = conn.create_channel().await.expect("channel");
         let attempt = ch
             .basic_consume(
@@ -88,7 +90,7 @@ async fn drain(c: &TestCluster, n: u64, q: &str, want: usize) -> Vec<String> {
             )
             .await;
         match attempt {
-            Ok(consumer) => break (ch, consumer),
+            Ok(consumer) => break (conn, ch, consumer),
             // A leader just elected refuses until it acts: a client retries.
             Err(e) => {
                 assert!(start.elapsed() < WAIT, "consume on node {n}: {e}");
