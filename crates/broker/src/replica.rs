@@ -66,6 +66,9 @@ pub struct ReplicaState {
     /// retry, away stands (`Broker::send_away`); afresh whenever the machine is replaced.
     pub held_away: Rounds<(u64, u64)>,
     pub retry_away: Rounds<u64>,
+    /// The same for the messages given back, and those parked behind their group.
+    pub returned_away: Rounds<u64>,
+    pub parked_away: Rounds<(u64, u64)>,
 }
 
 /// The rounds over a part of a replicated queue whose messages' contents leave memory.
@@ -121,6 +124,8 @@ impl ReplicaState {
             away_through: 0,
             held_away: Rounds::default(),
             retry_away: Rounds::default(),
+            returned_away: Rounds::default(),
+            parked_away: Rounds::default(),
         }
     }
 

@@ -4325,6 +4325,169 @@ fn a_quorum_queues_messages_waiting_for_a_retry_leave_memory_past_the_oldest() {
 }
 
 #[test]
+fn a_quorum_queues_messages_given_back_leave_memory_past_those_next_to_go() {
+    // A consumer with a large prefetch took 600 messages from the window, whole; when it went,
+    // they came back to the queue whole and stayed so on every member until delivered again.
+    small_window();
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    let group = CreditGroup {
+        conn: conn(follower, 7),
+        channel: 1,
+    };
+    let (queue, consumer) = c
+        .broker(follower)
+        .consume(
+            "/",
+            "jobs",
+            group,
+            ShortStr::from_static("greedy"),
+            false,
+            false,
+            1_000,
+            &FieldTable::new(),
+        )
+        .expect("consume");
+    c.run(10);
+    let mut taken = Vec::new();
+    for n in 0..600 {
+        c.publish(leader, n);
+        if n % 50 == 49 {
+            c.run(3);
+            taken.extend(c.deliveries(follower));
+        }
+    }
+    for _ in 0..100 {
+        taken.extend(c.deliveries(follower));
+        if taken.len() == 600 {
+            break;
+        }
+        c.step();
+    }
+    assert_eq!(taken.len(), 600, "all held by the consumer");
+    assert!(c.broker(follower).cancel(queue, consumer));
+    for d in &taken {
+        assert!(c.broker(follower).requeue(d.queue, d.receipt), "nack");
+    }
+    c.run(20);
+    for n in NODES {
+        assert_eq!(c.counts(n), (600, 0), "node {n}: all given back");
+    }
+    // A round begins once its second has passed.
+    c.run(u32::try_from(2_000 / TICK_MS).unwrap_or(u32::MAX));
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.returned_count(), 600, "node {n}: given back");
+        let (away, records) = away_on(&c, n);
+        // Without a consumer, the window's 4 next to go stay.
+        assert!(away >= 600 - 16, "node {n}: {away} away");
+        assert_eq!(records, away, "node {n}: one record per message away");
+    }
+    let b = &c.members[&leader].broker;
+    let committed = b.committed_machine(c.id(leader)).expect("committed");
+    assert_eq!(
+        committed.messages().filter(|(_, m, _)| m.is_away()).count(),
+        away_on(&c, leader).0,
+        "the leader's committed machine shares each stub"
+    );
+    assert_same_state(&c, &NODES);
+    // Delivered again, whole and in order (counted once delivered before).
+    consume(&mut c, follower, 20).expect("consume");
+    let mut next = 0;
+    for _ in 0..2_000 {
+        let ds = c.deliveries(follower);
+        for d in &ds {
+            assert!(!d.message.is_away(), "a delivery without its contents");
+            assert_eq!(d.message.body, message(next).body, "delivery {next}");
+            assert!(d.redelivered, "delivery {next} flagged redelivered");
+            next += 1;
+        }
+        ack_all(&mut c, follower, &ds);
+        if next == 600 {
+            break;
+        }
+        c.step();
+    }
+    assert_eq!(next, 600);
+    c.run(20);
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 0));
+        assert_eq!(away_on(&c, n).1, 0, "node {n}: every record released");
+    }
+}
+
+#[test]
+fn a_quorum_queues_messages_parked_behind_their_group_leave_memory() {
+    // One group's messages reach the head of the line while its first is in flight: they are
+    // set aside (parked) whole, and stayed so on every member until their turn came.
+    small_window();
+    let mut args = quorum_args();
+    args.insert("x-group-header", FieldValue::long_str("x-group-key"));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 1_000).expect("consume");
+    c.run(10);
+    let grouped = |n: u32| {
+        let mut headers = FieldTable::new();
+        headers.insert("x-group-key", FieldValue::long_str("g"));
+        let properties = warren_codec::properties::BasicProperties {
+            headers: Some(headers),
+            delivery_mode: Some(2),
+            ..Default::default()
+        }
+        .encode();
+        Message {
+            properties,
+            ..message(n)
+        }
+    };
+    let mut first = Vec::new();
+    for n in 0..600 {
+        c.publish_message(leader, n, grouped(n));
+        if n % 50 == 49 {
+            c.run(3);
+            first.extend(c.deliveries(follower));
+        }
+    }
+    c.run(u32::try_from(2_000 / TICK_MS).unwrap_or(u32::MAX));
+    first.extend(c.deliveries(follower));
+    assert_eq!(first.len(), 1, "one of the group at a time");
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.parked_len(), 599, "node {n}: parked behind the first");
+        let (away, records) = away_on(&c, n);
+        assert!(away >= 599 - 16, "node {n}: {away} away");
+        assert_eq!(records, away, "node {n}: one record per message away");
+    }
+    assert_same_state(&c, &NODES);
+    // Their turns come one by one, each whole and in order.
+    ack_all(&mut c, follower, &first);
+    let mut next = 1;
+    for _ in 0..20_000 {
+        let ds = c.deliveries(follower);
+        for d in &ds {
+            assert!(!d.message.is_away(), "a delivery without its contents");
+            assert_eq!(d.message.body, message(next).body, "delivery {next}");
+            next += 1;
+        }
+        ack_all(&mut c, follower, &ds);
+        if next == 600 {
+            break;
+        }
+        c.step();
+    }
+    assert_eq!(next, 600);
+    c.run(20);
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 0));
+        assert_eq!(away_on(&c, n).1, 0, "node {n}: every record released");
+    }
+}
+
+#[test]
 fn a_deep_replicated_queue_keeps_its_messages_contents_out_of_memory_on_every_member() {
     small_window();
     let mut c = Cluster::new();

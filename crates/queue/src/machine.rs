@@ -3277,6 +3277,66 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.retrying.get(&msg_id).map(|(_, e)| &e.msg)
     }
 
+    /// Messages given back to the queue (they go out first, by id), and those parked behind
+    /// their group's message in flight.
+    pub fn returned_count(&self) -> usize {
+        self.returned.len()
+    }
+
+    pub fn parked_len(&self) -> usize {
+        self.parked_count
+    }
+
+    /// The messages given back past the `skip` first (by id: the next to go out), from the
+    /// first whose id is above `after` on: [`Self::held_payloads_mut`] for them.
+    pub fn returned_payloads_mut(
+        &mut self,
+        skip: usize,
+        after: Option<u64>,
+    ) -> impl Iterator<Item = (u64, &mut M)> + '_ {
+        range_past(&mut self.returned, skip, after).map(|(k, e)| (*k, &mut e.msg))
+    }
+
+    /// The message given back under `msg_id`.
+    pub fn returned_payload(&self, msg_id: u64) -> Option<&M> {
+        self.returned.get(&msg_id).map(|e| &e.msg)
+    }
+
+    /// The messages parked behind their group's message in flight, keyed by (group, id): past
+    /// the `skip` first in that order, or, given `after`, from the first whose key is above it
+    /// on (a pass that follows one begun past the skipped ones): [`Self::held_payloads_mut`]
+    /// for them.
+    pub fn parked_payloads_mut(
+        &mut self,
+        skip: usize,
+        after: Option<(u64, u64)>,
+    ) -> impl Iterator<Item = ((u64, u64), &mut M)> + '_ {
+        use std::ops::Bound;
+        // From `after`'s group on (no walk over what a pass before walked); `skip` counts
+        // from the first only (a pass after one that skipped them starts past them).
+        let groups = match after.and_then(|(g, _)| GroupKey::new(g)) {
+            Some(g) => self.parked.range_mut(g..),
+            None => self.parked.range_mut(..),
+        };
+        groups
+            .flat_map(move |(group, line)| {
+                let group = group.get();
+                let lower = match after {
+                    Some((g, id)) if g == group => Bound::Excluded(id),
+                    _ => Bound::Unbounded,
+                };
+                line.range_mut((lower, Bound::Unbounded))
+                    .map(move |(id, e)| ((group, *id), &mut e.msg))
+            })
+            .skip(if after.is_some() { 0 } else { skip })
+    }
+
+    /// The message parked under `(group, id)`.
+    pub fn parked_payload(&self, (group, id): (u64, u64)) -> Option<&M> {
+        let group = GroupKey::new(group)?;
+        self.parked.get(&group)?.get(&id).map(|e| &e.msg)
+    }
+
     /// Ids of the ready messages in memory in delivery order, then those parked behind their
     /// group's message in flight (tests and diagnostics; O(n)).
     pub fn ready_ids(&self) -> Vec<u64> {
@@ -5002,6 +5062,60 @@ mod tests {
             0,
             "counted afresh once the held line is empty"
         );
+    }
+
+    #[test]
+    fn parked_and_returned_payloads_are_walked_past_the_first_and_from_a_key_on() {
+        let mut d = with_policy(Policy::default());
+        // a1 a2 a3 in group 1, b1 b2 in group 2, r1 r2 r3 ungrouped.
+        let a: Vec<u64> = ["a1", "a2", "a3"]
+            .iter()
+            .map(|s| enqueue_in(&mut d, s, Some(1)))
+            .collect();
+        let b: Vec<u64> = ["b1", "b2"]
+            .iter()
+            .map(|s| enqueue_in(&mut d, s, Some(2)))
+            .collect();
+        let r: Vec<u64> = ["r1", "r2", "r3"]
+            .iter()
+            .map(|s| enqueue_in(&mut d, s, None))
+            .collect();
+        d.run(Command::Consume {
+            id: ConsumerId(1),
+            spec: spec(1, 10, false),
+        });
+        d.run(Command::Checkout { max: 10 });
+        // a1, b1 and the r's out; a2 a3 b2 parked. The r's given back.
+        for id in &r {
+            d.ret(*id, 1);
+        }
+        assert_eq!((d.m.parked_len(), d.m.returned_count()), (3, 3));
+        let parked = |m: &mut M, skip, after| {
+            m.parked_payloads_mut(skip, after)
+                .map(|(k, p)| (k.1, *p))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            parked(&mut d.m, 0, None),
+            vec![(a[1], "a2"), (a[2], "a3"), (b[1], "b2")]
+        );
+        assert_eq!(parked(&mut d.m, 2, None), vec![(b[1], "b2")]);
+        assert_eq!(
+            parked(&mut d.m, 1, Some((1, a[1]))),
+            vec![(a[2], "a3"), (b[1], "b2")]
+        );
+        assert_eq!(parked(&mut d.m, 1, Some((1, a[2]))), vec![(b[1], "b2")]);
+        assert_eq!(parked(&mut d.m, 0, Some((2, b[1]))), vec![]);
+        assert_eq!(d.m.parked_payload((2, b[1])), Some(&"b2"));
+        assert_eq!(d.m.parked_payload((0, b[1])), None);
+        let returned: Vec<u64> = d.m.returned_payloads_mut(1, None).map(|(k, _)| k).collect();
+        assert_eq!(returned, vec![r[1], r[2]]);
+        let returned: Vec<u64> =
+            d.m.returned_payloads_mut(1, Some(r[1]))
+                .map(|(k, _)| k)
+                .collect();
+        assert_eq!(returned, vec![r[2]]);
+        assert_eq!(d.m.returned_payload(r[0]), Some(&"r1"));
     }
 
     #[test]

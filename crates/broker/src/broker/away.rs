@@ -19,7 +19,7 @@ use warren_queue::{AwayStore, Message, Payload};
 use super::persistence::{keep, window_of};
 use super::{Broker, QueueId};
 use crate::queue::Queue;
-use crate::replica::Mode;
+use crate::replica::{Mode, ReplicaState, Rounds};
 use warren_codec::ShortStr;
 
 /// Fewer new messages than this past the window wait for the next pass: each pass is one
@@ -181,12 +181,34 @@ impl Broker {
         let count = keep(&self.config, q) as usize;
         let window_bytes = self.config.page_window_bytes;
         match ready_away_pass(handle, q, count, window_bytes, now) {
-            Step::Done => match held_away_pass(handle, q, count, now) {
-                Step::Done => retrying_away_pass(handle, q, count, now),
-                step => step,
-            },
-            step => step,
+            Step::Done => {}
+            step => return step,
         }
+        match held_away_pass(handle, q, count, now) {
+            Step::Done => {}
+            step => return step,
+        }
+        // Rounds over the parts that come and go: a round not due yet leaves the next part
+        // its turn.
+        let mut next: Option<u64> = None;
+        let mut later = |step: Step| match step {
+            Step::Done => None,
+            Step::At(at) => {
+                next = Some(next.map_or(at, |n| n.min(at)));
+                None
+            }
+            step => Some(step),
+        };
+        if let Some(step) = later(line_away_pass(&RETRYING, handle, q, count, now)) {
+            return step;
+        }
+        if let Some(step) = later(line_away_pass(&RETURNED, handle, q, count, now)) {
+            return step;
+        }
+        if let Some(step) = later(line_away_pass(&PARKED, handle, q, count, now)) {
+            return step;
+        }
+        next.map_or(Step::Done, Step::At)
     }
 }
 
@@ -280,24 +302,69 @@ fn held_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now: u64
     pass.step()
 }
 
-/// A pass over the messages waiting for a delayed retry (`x-delayed-retry-type`): the oldest
-/// stay (as many as the window keeps of the line), the others' contents leave memory. A
-/// message that left the line with its contents away keeps them away while it waits, but one
-/// delivered from the window came back whole, so a worker failing every job (a service it
-/// calls is down) put every message of a busy queue in memory, whole, on every member, for as
-/// long as the outage lasted. Retries come and go in no order a round could follow: a round
-/// walks them all, at most once every [`RETRY_ROUND_MS`].
-fn retrying_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now: u64) -> Step {
+/// A part of a replicated queue whose messages come and go in no order a round could follow:
+/// its rounds, how many it holds, its messages past the `skip` first (from the key after a
+/// given one), and one of them by key.
+struct Line<K: 'static> {
+    rounds: fn(&mut ReplicaState) -> &mut Rounds<K>,
+    len: fn(&QueueMachine<Message>) -> usize,
+    walk: for<'a> fn(&'a mut QueueMachine<Message>, usize, Option<K>) -> Walk<'a, K>,
+    get: for<'a> fn(&'a QueueMachine<Message>, K) -> Option<&'a Message>,
+}
+
+type Walk<'a, K> = Box<dyn Iterator<Item = (K, &'a mut Message)> + 'a>;
+
+/// The messages waiting for a delayed retry (`x-delayed-retry-type`): the oldest stay (as many
+/// as the window keeps of the line). A message that left the line with its contents away
+/// keeps them away while it waits, but one delivered from the window came back whole, so a
+/// worker failing every job (a service it calls is down) put every message of a busy queue in
+/// memory, whole, on every member, for as long as the outage lasted.
+const RETRYING: Line<u64> = Line {
+    rounds: |r| &mut r.retry_away,
+    len: |m| m.retrying_count(),
+    walk: |m, skip, after| Box::new(m.retrying_payloads_mut(skip, after)),
+    get: |m, id| m.retrying_payload(id),
+};
+
+/// The messages given back (nacked with requeue, or held by a consumer that went): they go out
+/// first, and those next to go stay; one delivered from the window came back whole.
+const RETURNED: Line<u64> = Line {
+    rounds: |r| &mut r.returned_away,
+    len: |m| m.returned_count(),
+    walk: |m, skip, after| Box::new(m.returned_payloads_mut(skip, after)),
+    get: |m, id| m.returned_payload(id),
+};
+
+/// The messages parked behind their group's message in flight, set aside whole when they
+/// reached the head of the line from the window.
+const PARKED: Line<(u64, u64)> = Line {
+    rounds: |r| &mut r.parked_away,
+    len: |m| m.parked_len(),
+    walk: |m, skip, after| Box::new(m.parked_payloads_mut(skip, after)),
+    get: |m, key| m.parked_payload(key),
+};
+
+/// A pass over one such part of the queue past the first `count`: their contents leave
+/// memory. A round walks them all, at most once every [`RETRY_ROUND_MS`], and only once
+/// entries were applied since the last one.
+fn line_away_pass<K: Copy + Ord + Default>(
+    line: &Line<K>,
+    handle: &mut AwayHandle,
+    q: &mut Queue,
+    count: usize,
+    now: u64,
+) -> Step {
     let Some(r) = q.replica.as_mut() else {
         return Step::Done;
     };
-    let h = &mut r.retry_away;
+    let applied = r.applied_index;
+    let h = (line.rounds)(r);
     let after = match h.round {
         Some(after) => after,
         None => {
-            // Nothing applied since the last round: nothing came to wait for a retry.
-            let changed = h.rounds == 0 || h.index != r.applied_index;
-            if !changed || q.machine.retrying_count() <= count {
+            // Nothing applied since the last round: nothing came.
+            let changed = h.rounds == 0 || h.index != applied;
+            if !changed || (line.len)(&q.machine) <= count {
                 return Step::Done;
             }
             let due = h.seen.saturating_add(RETRY_ROUND_MS);
@@ -305,28 +372,28 @@ fn retrying_away_pass(handle: &mut AwayHandle, q: &mut Queue, count: usize, now:
                 return Step::At(due);
             }
             h.seen = now;
-            h.index = r.applied_index;
+            h.index = applied;
             h.rounds = h.rounds.wrapping_add(1);
             h.round = Some(None);
             None
         }
     };
     let Some(pass) = attempt(handle, &mut q.machine, (&q.name, &q.vhost), now, |m, s| {
-        pass_retrying(m, s, count, after)
+        pass_line(line, m, s, count, after)
     }) else {
         return Step::Later;
     };
-    h.round = pass.full.then_some(Some(pass.last));
+    (line.rounds)(r).round = pass.full.then_some(Some(pass.last));
     if let Mode::Leading { committed } = &mut r.mode {
         // The committed machine takes the same stubs over the same stretch: those made now,
-        // and those made before the message came to wait there too (it came from the
-        // committed machine's own delivery, whole, when its entry committed).
+        // and those made before the message came there too (it came from the committed
+        // machine's own delivery, whole, when its entry committed).
         let ahead = &q.machine;
-        for (id, m) in committed.retrying_payloads_mut(count, after) {
-            if id > pass.last {
+        for (key, m) in (line.walk)(committed, count, after) {
+            if key > pass.last {
                 break;
             }
-            if let Some(stub) = ahead.retrying_payload(id) {
+            if let Some(stub) = (line.get)(ahead, key) {
                 if stub.is_away() && !m.is_away() && *stub == *m {
                     *m = stub.clone();
                 }
@@ -406,8 +473,8 @@ impl AwayContext {
     /// memory is copied out of the snapshot's buffer, which every message read from it
     /// slices: otherwise the window's few messages would keep the whole snapshot (up to a GiB)
     /// alive, for as long as the queue is idle. Not copied when what stays is more than a
-    /// quarter of the snapshot's `bytes` (messages returned or parked behind their group,
-    /// which do not leave memory yet): the copies would only double the peak. If a write
+    /// quarter of the snapshot's `bytes` (messages in flight, which do not leave memory): the
+    /// copies would only double the peak. If a write
     /// fails, the rest stays as it was (in memory, the buffer kept): the broker's own passes
     /// try again later.
     pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) {
@@ -434,10 +501,13 @@ impl AwayContext {
         // The held publishes past those due soonest go too, and those waiting for a retry
         // past the oldest.
         let held = every_pass(|after| pass_held(machine, &self.store, count, after));
+        let store = &self.store;
         let retrying = held
-            .and_then(|()| every_pass(|after| pass_retrying(machine, &self.store, count, after)));
+            .and_then(|()| every_pass(|a| pass_line(&RETRYING, machine, store, count, a)))
+            .and_then(|()| every_pass(|a| pass_line(&RETURNED, machine, store, count, a)))
+            .and_then(|()| every_pass(|a| pass_line(&PARKED, machine, store, count, a)));
         if let Err(error) = retrying {
-            tracing::warn!(%error, "writing the held or retrying messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
+            tracing::warn!(%error, "writing the held, retrying, given back or parked messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
             return;
         }
         let staying: u64 = machine
@@ -607,15 +677,17 @@ fn pass_held(
     })
 }
 
-/// A pass over the messages waiting for a retry past the `kept` oldest, from the one after id
-/// `after`.
-fn pass_retrying(
+/// A pass over one such part of a queue ([`Line`]) past its `kept` first, from the one after
+/// key `after`.
+fn pass_line<K: Copy + Ord + Default>(
+    line: &Line<K>,
     machine: &mut QueueMachine<Message>,
     store: &Arc<dyn AwayStore>,
     kept: usize,
-    after: Option<u64>,
-) -> Result<Pass<u64>, String> {
-    pass_keyed(machine, store, after.unwrap_or(0), |m| {
-        Box::new(m.retrying_payloads_mut(kept, after))
+    after: Option<K>,
+) -> Result<Pass<K>, String> {
+    let walk = line.walk;
+    pass_keyed(machine, store, after.unwrap_or_default(), |m| {
+        walk(m, kept, after)
     })
 }
