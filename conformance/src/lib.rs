@@ -267,9 +267,15 @@ impl TestBroker {
 
     /// Starts a stopped broker again, on the same port and data directory.
     pub fn start_again(&mut self) {
+        self.start_again_with(&[]);
+    }
+
+    /// [`TestBroker::start_again`] with `more` arguments for this start only.
+    pub fn start_again_with(&mut self, more: &[&str]) {
         assert!(self.child.is_none(), "start_again needs a stopped broker");
         let port = self.addr.port();
-        let args: Vec<&str> = self.extra_args.iter().map(String::as_str).collect();
+        let mut args: Vec<&str> = self.extra_args.iter().map(String::as_str).collect();
+        args.extend_from_slice(more);
         let bin = warren_binary();
         let mut last_output = String::new();
         for _attempt in 0..5 {
@@ -277,6 +283,8 @@ impl TestBroker {
             next.owns_data_dir = std::mem::take(&mut self.owns_data_dir);
             match next.wait_until_listening() {
                 Ok(()) => {
+                    // `more` was for this start only.
+                    next.extra_args = self.extra_args.clone();
                     // The old value's drop has nothing left to do (no child, no log, no dir).
                     *self = next;
                     return;

@@ -1949,3 +1949,48 @@ async fn a_classic_queue_moves_to_another_node_with_warren_migrate() {
     let got: BTreeSet<String> = got.into_iter().collect();
     assert_eq!(got.len(), 300);
 }
+
+/// A resource alarm is the cluster's, as RabbitMQ's are: node 2 low on disk blocks the
+/// publishers of node 1 too (`connection.blocked`, "low on disk"), node 1's `/api/nodes` says
+/// whose alarm it is, and once node 2 is gone node 1's publishers are unblocked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_alarm_on_one_node_blocks_publishers_on_every_node() {
+    use amq_protocol::protocol::{connection, AMQPClass};
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("blocked");
+    c.declare_quorum_queue(1, &q).await;
+    c.node_mut(2).stop(true);
+    c.node_mut(2)
+        .start_again_with(&["--disk-free-limit", "1000000000000000000"]);
+    let mut publisher = c.node(1).raw().await;
+    publisher.channel_open(1).await;
+    publisher
+        .publish(1, "", &q, false, Default::default(), b"first")
+        .await;
+    let reason = match publisher.recv_method().await {
+        (0, AMQPClass::Connection(connection::AMQPMethod::Blocked(b))) => b.reason.to_string(),
+        other => panic!("expected connection.blocked, got {other:?}"),
+    };
+    assert_eq!(reason, "low on disk");
+    let (_, nodes) = Api::of(c.node(1)).call("GET", "/nodes", None);
+    let alarm_of = |n: u64| {
+        nodes
+            .as_array()
+            .and_then(|all| {
+                all.iter().find(|e| {
+                    e["name"]
+                        .as_str()
+                        .is_some_and(|s| s.starts_with(&format!("warren-{n}@")))
+                })
+            })
+            .map(|e| e["disk_free_alarm"].clone())
+    };
+    assert_eq!(alarm_of(1), Some(serde_json::Value::Bool(false)), "{nodes}");
+    assert_eq!(alarm_of(2), Some(serde_json::Value::Bool(true)), "{nodes}");
+    // Node 2 gone: its alarm with it.
+    c.node_mut(2).stop(true);
+    match publisher.recv_method().await {
+        (0, AMQPClass::Connection(connection::AMQPMethod::Unblocked(_))) => {}
+        other => panic!("expected connection.unblocked, got {other:?}"),
+    }
+}

@@ -189,25 +189,84 @@ struct Shared {
 
 type ShovelRestarter = Box<dyn Fn(&str, &str) -> bool + Send + Sync>;
 
-/// What the resource alarms are made of: the monitor's measures, and the store's writes.
+/// What the resource alarms are made of: the monitor's measures, the store's writes, and the
+/// cluster's other nodes' own alarms.
 #[derive(Default)]
 struct Alarms {
     pressure: Option<crate::alarms::Pressure>,
     /// The store's writes fail: a disk alarm, whatever the free space says.
     store_failing: bool,
+    /// Each peer's own memory and disk alarms, as its figures said last, and when.
+    peers: std::collections::BTreeMap<u64, (bool, bool, Instant)>,
+}
+
+impl Alarms {
+    /// This node's own alarms (memory, disk): what its `/api/nodes` entry says.
+    fn local(&self) -> (bool, bool) {
+        let p = self.pressure;
+        (
+            p.is_some_and(|p| p.memory),
+            p.is_some_and(|p| p.disk) || self.store_failing,
+        )
+    }
+
+    /// The alarms this node's publishers are blocked by: its own, and, as RabbitMQ's are
+    /// cluster-wide, every running peer's (as long as its figures are fresh).
+    fn in_force(&self) -> (bool, bool) {
+        let (mut memory, mut disk) = self.local();
+        for (m, d, at) in self.peers.values() {
+            if at.elapsed() < crate::http::FIGURES_STALE {
+                memory |= *m;
+                disk |= *d;
+            }
+        }
+        (memory, disk)
+    }
 }
 
 impl Shared {
+    /// This node's own alarms (memory, disk), not the cluster's.
+    fn local_alarms(&self) -> (bool, bool) {
+        self.alarms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .local()
+    }
+
+    /// A peer's figures said its own alarms (or it went down: `None`).
+    fn peer_alarms(&self, peer: u64, alarms: Option<(bool, bool)>) {
+        let changed = {
+            let mut a = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
+            let before = a.peers.get(&peer).map(|(m, d, _)| (*m, *d));
+            match alarms {
+                Some((m, d)) => {
+                    a.peers.insert(peer, (m, d, Instant::now()));
+                }
+                None => {
+                    a.peers.remove(&peer);
+                }
+            }
+            before != alarms
+        };
+        if changed {
+            if let Some((memory, disk)) = alarms.filter(|(m, d)| *m || *d) {
+                tracing::warn!(
+                    peer,
+                    memory,
+                    disk,
+                    "resource alarm on a peer node: this node's publishers are blocked too"
+                );
+            }
+            self.apply_alarms();
+        }
+    }
+
     /// Tells the node the alarms as they stand now.
     fn apply_alarms(&self) {
         let (memory, disk, paging) = {
             let a = self.alarms.lock().unwrap_or_else(|p| p.into_inner());
-            let p = a.pressure;
-            (
-                p.is_some_and(|p| p.memory),
-                p.is_some_and(|p| p.disk) || a.store_failing,
-                p.map(|p| p.paging),
-            )
+            let (memory, disk) = a.in_force();
+            (memory, disk, a.pressure.map(|p| p.paging))
         };
         self.with_node(|node, now| {
             node.set_alarms(memory, disk, now);
@@ -216,6 +275,16 @@ impl Shared {
             }
         });
     }
+}
+
+/// A peer's own memory and disk alarms, from the figures it sends (its `/api/nodes` entry).
+fn figures_alarms(data: &[u8]) -> Option<(bool, bool)> {
+    let v: serde_json::Value = serde_json::from_slice(data).ok()?;
+    let node = v.get("node")?;
+    Some((
+        node.get("mem_alarm")?.as_bool()?,
+        node.get("disk_free_alarm")?.as_bool()?,
+    ))
 }
 
 /// Ends the process now with `code`, from any thread: no exit handlers and no static
@@ -323,6 +392,11 @@ impl crate::cluster::RaftEvents for RaftReports {
                 }
             }
         }
+        for (peer, up) in &changes {
+            if !up {
+                self.shared.peer_alarms(*peer, None);
+            }
+        }
         self.shared.with_node(|node, now| {
             for (peer, up) in changes {
                 node.set_peer_up(peer, up, now);
@@ -410,6 +484,7 @@ impl crate::cluster::RaftEvents for RaftReports {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(*from, (Instant::now(), f.data.clone()));
+            self.shared.peer_alarms(*from, figures_alarms(&f.data));
             false
         });
         if entries.is_empty() {
@@ -629,6 +704,12 @@ impl NodeHandle {
             crate::cluster::SHOVEL_RESTART,
             shovel_restart_data(vhost, name),
         );
+    }
+
+    /// This node's own resource alarms (memory, disk), without its peers' that block its
+    /// publishers too.
+    pub fn local_alarms(&self) -> (bool, bool) {
+        self.0.local_alarms()
     }
 
     /// Sends this node's figures to every peer (a forward to [`crate::cluster::NODE_FIGURES`],

@@ -283,10 +283,12 @@ async fn cluster_name(State(api): ApiState, _: LoggedIn) -> Answer {
 
 /// This node's `/api/nodes` entry (also what it sends its peers: [`super::share_figures`]).
 pub(crate) fn node_json(api: &Api) -> Value {
-    let (alarm, now, cluster, level) = api.node.read(|n, now| {
+    let (now, cluster, level) = api.node.read(|n, now| {
         let b = n.broker();
-        (n.alarm(), now, b.cluster_view(), b.cluster_feature_level())
+        (now, b.cluster_view(), b.cluster_feature_level())
     });
+    // Its own alarms: a peer's, which block this node's publishers too, are in that peer's entry.
+    let (mem_alarm, disk_alarm) = api.node.local_alarms();
     let mem_used = crate::alarms::rss_bytes().unwrap_or(0);
     let mem_limit = crate::alarms::memory_limit(&api.alarms).unwrap_or(0);
     let disk_free = crate::alarms::free_disk(&api.data_dir).unwrap_or(0);
@@ -300,10 +302,10 @@ pub(crate) fn node_json(api: &Api) -> Value {
         "uptime": now.saturating_sub(api.started_ms),
         "mem_used": mem_used,
         "mem_limit": mem_limit,
-        "mem_alarm": alarm.is_some_and(|a| a.contains("memory")),
+        "mem_alarm": mem_alarm,
         "disk_free": disk_free,
         "disk_free_limit": api.alarms.disk_free_limit,
-        "disk_free_alarm": alarm.is_some_and(|a| a.contains("disk")),
+        "disk_free_alarm": disk_alarm,
         "fd_used": fds,
         "processors": processors,
         "rates_mode": "basic",
