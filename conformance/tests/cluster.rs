@@ -90,6 +90,19 @@ async fn publish_persistent(ch: &Channel, q: &str, body: &str) -> PublisherConfi
     .expect("publish")
 }
 
+/// Binds `q` to exchange `x` with `key`.
+async fn bind(ch: &Channel, q: &str, x: &str, key: &str) {
+    ch.queue_bind(
+        q.into(),
+        x.into(),
+        key.into(),
+        lapin::options::QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("queue.bind");
+}
+
 /// The feature level node `n` reports every node of the cluster announced.
 fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
     let (_, v) = Api::of(c.node(n)).call("GET", "/nodes", None);
@@ -639,7 +652,7 @@ async fn a_consumer_on_a_follower_gets_every_message_and_carries_on_when_the_lea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn definitions_made_on_one_node_are_on_every_node_and_a_deleted_user_is_closed_everywhere() {
-    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    use lapin::options::ExchangeDeclareOptions;
     let c = TestCluster::start(3, 20);
     let q = unique("qq");
     let x = unique("orders");
@@ -657,15 +670,7 @@ async fn definitions_made_on_one_node_are_on_every_node_and_a_deleted_user_is_cl
     )
     .await
     .expect("exchange.declare");
-    ch.queue_bind(
-        q.as_str().into(),
-        x.as_str().into(),
-        "eu.#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .expect("queue.bind");
+    bind(&ch, &q, &x, "eu.#").await;
     let api = Api::of(c.node(1));
     api.put(
         "/users/alice",
@@ -1200,16 +1205,7 @@ async fn a_publish_on_another_node_right_after_a_declaration_or_a_bind_reaches_t
         let got = publish_mandatory(&publisher, "", q).await;
         // A returned message would come as Ack(Some(message)).
         assert!(matches!(got, Confirmation::Ack(None)), "{q}: {got:?}");
-        declarer
-            .queue_bind(
-                q.as_str().into(),
-                exchange.as_str().into(),
-                q.as_str().into(),
-                lapin::options::QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("queue.bind");
+        bind(&declarer, q, &exchange, q).await;
         let got = publish_mandatory(&publisher, &exchange, q).await;
         assert!(
             matches!(got, Confirmation::Ack(None)),
@@ -1566,16 +1562,7 @@ async fn a_delayed_exchanges_message_for_a_quorum_queue_is_released_after_the_no
         )
         .await
         .expect("exchange.declare");
-    declarer
-        .queue_bind(
-            q.as_str().into(),
-            x.as_str().into(),
-            q.as_str().into(),
-            lapin::options::QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("queue.bind");
+    bind(&declarer, &q, &x, &q).await;
     // The binding is on the taking node before it publishes.
     let start = Instant::now();
     loop {
@@ -1748,7 +1735,10 @@ async fn a_member_that_cannot_write_its_raft_log_stops_and_the_others_lose_nothi
         .status()
         .expect("cp");
     assert!(copied.success(), "copying node 3's data");
-    c.node_mut(3).start_again();
+    // No free-space alarm (the disk fills at once, as when something else fills it): with
+    // one, node 3 would block every node's publishers, as RabbitMQ's alarms do, and its disk
+    // would never fill.
+    c.node_mut(3).start_again_with(&["--disk-free-limit", "0"]);
     wait_for_messages(&c, 3, &q, 0);
     let leader = c.leader_of(&q, 1);
     let publisher_node = if leader == 3 { 1 } else { leader };
@@ -1777,16 +1767,20 @@ async fn a_member_that_cannot_write_its_raft_log_stops_and_the_others_lose_nothi
             let mut b = name.clone().into_bytes();
             b.push(b' ');
             b.extend_from_slice(&body);
-            let confirm = ch
-                .basic_publish(
+            // Bounded: a blocked connection (an alarm) would hold the publish for ever.
+            let confirm = tokio::time::timeout(
+                WAIT,
+                ch.basic_publish(
                     "".into(),
                     q.as_str().into(),
                     BasicPublishOptions::default(),
                     &b,
                     BasicProperties::default().with_delivery_mode(2),
-                )
-                .await
-                .expect("publish");
+                ),
+            )
+            .await
+            .expect("a publish not blocked")
+            .expect("publish");
             pending.push((name, confirm));
         }
         for (name, confirm) in pending {
@@ -1886,15 +1880,7 @@ async fn a_classic_queue_moves_to_another_node_with_warren_migrate() {
         .await
         .expect("declare");
     }
-    ch.queue_bind(
-        q.as_str().into(),
-        "amq.direct".into(),
-        "reports".into(),
-        lapin::options::QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .expect("queue.bind");
+    bind(&ch, &q, "amq.direct", "reports").await;
     publish_confirmed(&ch, &q, (0..300).map(|i| format!("m{i}"))).await;
     publish_confirmed(&ch, &other, (0..3).map(|i| format!("o{i}"))).await;
     let amqp = |n: u64| {

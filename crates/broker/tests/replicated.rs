@@ -1812,10 +1812,10 @@ fn declare_delayed_exchange(c: &mut Cluster) {
     assert!(until_everywhere(c, 200, |b| b.exchange_exists("/", "later")));
 }
 
-/// A persistent message with `x-delay` (ms).
-fn delayed_message(n: u32, delay_ms: i64) -> Message {
+/// Job `n`, persistent, with the header `name` set to `value`.
+fn message_with_header(n: u32, name: &'static str, value: FieldValue) -> Message {
     let mut headers = FieldTable::new();
-    headers.insert("x-delay", FieldValue::I64(delay_ms));
+    headers.insert(name, value);
     let properties = warren_codec::properties::BasicProperties {
         headers: Some(headers),
         delivery_mode: Some(2),
@@ -1826,6 +1826,11 @@ fn delayed_message(n: u32, delay_ms: i64) -> Message {
         properties,
         ..message(n)
     }
+}
+
+/// A persistent message with `x-delay` (ms).
+fn delayed_message(n: u32, delay_ms: i64) -> Message {
+    message_with_header(n, "x-delay", FieldValue::I64(delay_ms))
 }
 
 /// A delayed exchange's message falling due on a follower into a quorum queue is enqueued
@@ -2683,18 +2688,7 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
 
 /// A message carrying `key` in the deduplication header.
 fn keyed_message(n: u32, key: &str) -> Message {
-    let mut headers = FieldTable::new();
-    headers.insert("x-deduplication-header", FieldValue::long_str(key));
-    let properties = warren_codec::properties::BasicProperties {
-        headers: Some(headers),
-        delivery_mode: Some(2),
-        ..Default::default()
-    }
-    .encode();
-    Message {
-        properties,
-        ..message(n)
-    }
+    message_with_header(n, "x-deduplication-header", FieldValue::long_str(key))
 }
 
 #[test]
@@ -4214,19 +4208,8 @@ fn a_held_publish_that_says_it_was_delivered_stays_whole_so_members_flag_it_alik
     let mut c = Cluster::start_with(1, None, args);
     until_levels(&mut c);
     let leader = c.leader();
-    let flagged = |n: u32| {
-        let mut headers = FieldTable::new();
-        headers.insert(warren_queue::REDELIVERED_HEADER, FieldValue::Bool(true));
-        Message {
-            properties: warren_codec::properties::BasicProperties {
-                headers: Some(headers),
-                delivery_mode: Some(2),
-                ..Default::default()
-            }
-            .encode(),
-            ..message(n)
-        }
-    };
+    let flagged =
+        |n: u32| message_with_header(n, warren_queue::REDELIVERED_HEADER, FieldValue::Bool(true));
     let published = c.now;
     for n in 0..300 {
         let m = if n % 2 == 0 { flagged(n) } else { message(n) };
@@ -4430,20 +4413,7 @@ fn a_quorum_queues_messages_parked_behind_their_group_leave_memory() {
     let follower = leader % 3 + 1;
     consume(&mut c, follower, 1_000).expect("consume");
     c.run(10);
-    let grouped = |n: u32| {
-        let mut headers = FieldTable::new();
-        headers.insert("x-group-key", FieldValue::long_str("g"));
-        let properties = warren_codec::properties::BasicProperties {
-            headers: Some(headers),
-            delivery_mode: Some(2),
-            ..Default::default()
-        }
-        .encode();
-        Message {
-            properties,
-            ..message(n)
-        }
-    };
+    let grouped = |n: u32| message_with_header(n, "x-group-key", FieldValue::long_str("g"));
     let mut first = Vec::new();
     for n in 0..600 {
         c.publish_message(leader, n, grouped(n));
