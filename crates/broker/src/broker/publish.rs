@@ -288,36 +288,38 @@ impl Broker {
                     rs("exchange", exchange, vhost)
                 )));
             }
-            if x.delayed && !released {
+            // A delayed exchange's message with a delay waits at the exchange, routed when due
+            // (as the plugin does), unless on a cluster its bindings route it to a quorum queue
+            // now: then each queue it reaches holds its copy until due (below), as a queue's
+            // own `x-delivery-delay` does; held on this node's disk alone, it would be lost with
+            // that disk, and late while this node is down.
+            let delay = if x.delayed && !released {
                 let headers = warren_codec::properties::headers(&message.properties);
-                let own = delayed::header_delay(headers.ok().flatten().as_ref());
-                // Every node reads a publish held in a quorum queue's log.
-                let held_in_logs = self.cluster.is_some()
-                    && self
-                        .cluster_feature_level()
-                        .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
-                if let (Some(delay), true) = (own, held_in_logs) {
-                    // On a cluster, a message the bindings route to a quorum queue now is
-                    // routed now, and each such queue holds its copy in its log until due:
-                    // held on this node's disk alone, it would be lost with that disk, and
-                    // late while this node is down. (The plugin routes when it is due.)
-                    let mut dests = std::mem::take(&mut self.scratch_dests);
-                    route(vh, x, routing_key, &message, &mut dests, &mut targets);
-                    for key in death.iter().flat_map(|(_, _, cc)| cc) {
-                        route(vh, x, key, &message, &mut dests, &mut targets);
-                    }
-                    self.scratch_dests = dests;
-                    let queues = &self.queues;
-                    if targets
-                        .iter()
-                        .any(|id| queues.get(id).is_some_and(|q| q.replica.is_some()))
-                    {
-                        exchange_delay = Some(delay);
-                    } else {
-                        targets.clear();
-                    }
+                delayed::header_delay(headers.ok().flatten().as_ref())
+            } else {
+                None
+            };
+            // Every node reads a publish held in a quorum queue's log.
+            let held_in_logs = delay.is_some()
+                && self.cluster.is_some()
+                && self
+                    .cluster_feature_level()
+                    .is_some_and(|l| l >= super::metadata_group::HELD_LEVEL);
+            if delay.is_none() || held_in_logs {
+                let mut dests = std::mem::take(&mut self.scratch_dests);
+                route(vh, x, routing_key, &message, &mut dests, &mut targets);
+                for key in death.iter().flat_map(|(_, _, cc)| cc) {
+                    route(vh, x, key, &message, &mut dests, &mut targets);
                 }
-                if let (Some(delay), None) = (own, exchange_delay) {
+                self.scratch_dests = dests;
+            }
+            if let Some(delay) = delay {
+                let queues = &self.queues;
+                let replicated = |id: &QueueId| queues.get(id).is_some_and(|q| q.replica.is_some());
+                if held_in_logs && targets.iter().any(replicated) {
+                    exchange_delay = Some(delay);
+                } else {
+                    targets.clear();
                     self.scratch_queues = targets;
                     // Routed when due as it was published (the message's own fields are
                     // what a delivery shows; they normally say the same).
@@ -331,14 +333,6 @@ impl Broker {
                     let holder = x.holder();
                     return Ok(self.schedule(vhost, (None, holder), message, delay, 0));
                 }
-            }
-            if exchange_delay.is_none() {
-                let mut dests = std::mem::take(&mut self.scratch_dests);
-                route(vh, x, routing_key, &message, &mut dests, &mut targets);
-                for key in death.iter().flat_map(|(_, _, cc)| cc) {
-                    route(vh, x, key, &message, &mut dests, &mut targets);
-                }
-                self.scratch_dests = dests;
             }
         }
         let mut message = message;
