@@ -7,6 +7,10 @@
 #   bench/quorum-waiting.sh retry N   N of them into a queue with x-delayed-retry-min 600000, each
 #                                     nacked with requeue by a worker (pika, prefetch 200) as it
 #                                     arrives: every one waits for its retry
+#   bench/quorum-waiting.sh inflight N
+#                                     N of them into a plain quorum queue, taken by a worker (pika,
+#                                     no prefetch limit) that holds every one unacked until the
+#                                     RSS is read
 #
 # Prints each node's RSS before and 4 s after, and how many messages each keeps out of memory.
 # WARREN_BIN: the warren binary (default: the release build in CARGO_TARGET_DIR); the retry
@@ -17,12 +21,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 SHAPE=${1:-}
 N=${2:-}
 case "$SHAPE" in
-held | retry) ;;
-*) echo "usage: bench/quorum-waiting.sh held|retry N" >&2; exit 2 ;;
+held | retry | inflight) ;;
+*) echo "usage: bench/quorum-waiting.sh held|retry|inflight N" >&2; exit 2 ;;
 esac
-[[ "$N" =~ ^[0-9]+$ ]] || { echo "usage: bench/quorum-waiting.sh held|retry N (a count)" >&2; exit 2; }
-if [ "$SHAPE" = retry ] && ! PYTHONPATH="$ROOT/clients/.deps/python" python3 -c "import pika" 2>/dev/null; then
-    echo "the retry shape needs pika in clients/.deps/python: run scripts/test once (it installs it)" >&2
+[[ "$N" =~ ^[0-9]+$ ]] || { echo "usage: bench/quorum-waiting.sh held|retry|inflight N (a count)" >&2; exit 2; }
+if [ "$SHAPE" != held ] && ! PYTHONPATH="$ROOT/clients/.deps/python" python3 -c "import pika" 2>/dev/null; then
+    echo "the $SHAPE shape needs pika in clients/.deps/python: run scripts/test once (it installs it)" >&2
     exit 1
 fi
 # shellcheck source=bench/warren-cluster.sh
@@ -31,6 +35,7 @@ fi
 case "$SHAPE" in
 held) ARG=',"x-delivery-delay":600000' ;;
 retry) ARG=',"x-delayed-retry-min":600000' ;;
+inflight) ARG='' ;;
 esac
 leader=$(declare_quorum waiting "$ARG")
 echo "RSS before (MB, nodes 1 2 3):$(rss); the queue's leader: node $leader"
@@ -38,6 +43,35 @@ if [ "$SHAPE" = held ]; then
     "$BENCH" -u "amqp://guest:guest@127.0.0.1:570$leader/%2f" --quiet --predeclare -x 1 -y 0 \
         --no-consume -s 1024 -f --durable -c 500 -C "$N" --queue-pattern waiting \
         --queue-arg x-queue-type=quorum --queue-arg x-delivery-delay=600000 2>&1 | tail -1
+elif [ "$SHAPE" = inflight ]; then
+    # The worker holds what it took until it is told to go (its stdin closes).
+    exec 3> >(PYTHONPATH="$ROOT/clients/.deps/python" python3 -c '
+import sys, time, pika
+port, n = int(sys.argv[1]), int(sys.argv[2])
+conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+ch = conn.channel()
+ch.confirm_delivery()
+taken = 0
+def take(_channel, _method, _props, _body):
+    global taken
+    taken += 1
+ch.basic_qos(prefetch_count=0)
+ch.basic_consume("waiting", take)
+start = time.time()
+for i in range(n):
+    ch.basic_publish("", "waiting", b"x" * 1020 + b"%04d" % (i % 10000),
+                     pika.BasicProperties(delivery_mode=2))
+    if i % 100 == 99:
+        conn.process_data_events(0)
+while taken < n and time.time() - start < 300:
+    conn.process_data_events(0.1)
+print(f"published {n} and holds {taken} unacked after {time.time() - start:.1f} s", flush=True)
+open(sys.argv[3], "w").close()
+sys.stdin.read()
+conn.close()
+' "570$leader" "$N" "$WARREN_CLUSTER_DIR/held")
+    WORKER=$!
+    for _ in $(seq 3000); do [ -e "$WARREN_CLUSTER_DIR/held" ] && break; sleep 0.1; done
 else
     PYTHONPATH="$ROOT/clients/.deps/python" python3 - "570$leader" "$N" <<'PY'
 import sys, time, pika
@@ -71,3 +105,7 @@ for n in 1 2 3; do
     away="$away $(curl -s "http://127.0.0.1:1579$n/metrics" | awk '/^warren_replicated_messages_away/ {print $2}')"
 done
 echo "messages whose contents are out of memory:$away"
+if [ "$SHAPE" = inflight ]; then
+    exec 3>&-
+    wait "$WORKER" 2>/dev/null || true
+fi

@@ -69,6 +69,8 @@ pub struct ReplicaState {
     /// The same for the messages given back, and those parked behind their group.
     pub returned_away: Rounds<u64>,
     pub parked_away: Rounds<(u64, u64)>,
+    /// And for the messages in flight.
+    pub in_flight_away: Rounds<u64>,
 }
 
 /// The rounds over a part of a replicated queue whose messages' contents leave memory.
@@ -126,6 +128,7 @@ impl ReplicaState {
             retry_away: Rounds::default(),
             returned_away: Rounds::default(),
             parked_away: Rounds::default(),
+            in_flight_away: Rounds::default(),
         }
     }
 

@@ -4381,6 +4381,63 @@ fn a_quorum_queues_messages_given_back_leave_memory_past_those_next_to_go() {
     all_settled_and_released(&mut c);
 }
 
+#[test]
+fn a_quorum_queues_messages_in_flight_leave_memory_past_the_oldest() {
+    // A consumer with a large prefetch took 600 messages from the window, whole: they stayed
+    // whole in every member's machine for as long as it held them.
+    small_window();
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 1_000).expect("consume");
+    c.run(10);
+    let mut taken = Vec::new();
+    for n in 0..600 {
+        c.publish(leader, n);
+        if n % 50 == 49 {
+            c.run(3);
+            taken.extend(c.deliveries(follower));
+        }
+    }
+    for _ in 0..100 {
+        taken.extend(c.deliveries(follower));
+        if taken.len() == 600 {
+            break;
+        }
+        c.step();
+    }
+    assert_eq!(taken.len(), 600, "all held by the consumer");
+    assert!(
+        taken.iter().all(|d| !d.message.is_away()),
+        "delivered whole"
+    );
+    // A round begins once its second has passed.
+    c.run(u32::try_from(2_000 / TICK_MS).unwrap_or(u32::MAX));
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.in_flight_count(), 600, "node {n}: held");
+        let (away, records) = away_on(&c, n);
+        // The window's 16 oldest stay.
+        assert!(away >= 600 - 16, "node {n}: {away} away");
+        assert_eq!(records, away, "node {n}: one record per message away");
+    }
+    let b = &c.members[&leader].broker;
+    let committed = b.committed_machine(c.id(leader)).expect("committed");
+    assert_eq!(
+        committed.messages().filter(|(_, m, _)| m.is_away()).count(),
+        away_on(&c, leader).0,
+        "the leader's committed machine shares each stub"
+    );
+    assert_same_state(&c, &NODES);
+    // Acked, their records go; given back, they come again whole and in order.
+    ack_all(&mut c, follower, &taken[..300]);
+    for d in &taken[300..] {
+        assert!(c.broker(follower).requeue(d.queue, d.receipt), "nack");
+    }
+    take_bodies_in_order(&mut c, follower, 300..600, true);
+    all_settled_and_released(&mut c);
+}
+
 /// Takes the deliveries of jobs `jobs` on `node`, in order, acking each: each whole, and
 /// flagged redelivered when `redelivered` (their headers may carry a delivery count).
 fn take_bodies_in_order(c: &mut Cluster, node: u64, jobs: std::ops::Range<u32>, redelivered: bool) {

@@ -3302,6 +3302,22 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.returned.get(&msg_id).map(|e| &e.msg)
     }
 
+    /// The messages in flight past the `skip` first (by id: the oldest, which a worker taking
+    /// them in order settles first), from the first whose id is above `after` on:
+    /// [`Self::held_payloads_mut`] for them.
+    pub fn in_flight_payloads_mut(
+        &mut self,
+        skip: usize,
+        after: Option<u64>,
+    ) -> impl Iterator<Item = (u64, &mut M)> + '_ {
+        range_past(&mut self.in_flight, skip, after).map(|(k, f)| (*k, &mut f.entry.msg))
+    }
+
+    /// The message in flight under `msg_id`.
+    pub fn in_flight_payload(&self, msg_id: u64) -> Option<&M> {
+        self.in_flight.get(&msg_id).map(|f| &f.entry.msg)
+    }
+
     /// The messages parked behind their group's message in flight, keyed by (group, id): past
     /// the `skip` first in that order, or, given `after`, from the first whose key is above it
     /// on (a pass that follows one begun past the skipped ones): [`Self::held_payloads_mut`]

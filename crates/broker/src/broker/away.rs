@@ -208,6 +208,9 @@ impl Broker {
         if let Some(step) = later(line_away_pass(&PARKED, handle, q, count, now)) {
             return step;
         }
+        if let Some(step) = later(line_away_pass(&IN_FLIGHT, handle, q, count, now)) {
+            return step;
+        }
         next.map_or(Step::Done, Step::At)
     }
 }
@@ -344,6 +347,18 @@ const PARKED: Line<(u64, u64)> = Line {
     get: |m, key| m.parked_payload(key),
 };
 
+/// The messages in flight: those delivered from the window went out whole and stayed so in the
+/// machine until settled, so a consumer with a large prefetch (or none), or many consumers each
+/// holding a message for a long visibility timeout, held that much of the queue in memory on
+/// every member. The oldest stay (a worker taking its deliveries in order settles them
+/// first); those past them are likely to wait longest.
+const IN_FLIGHT: Line<u64> = Line {
+    rounds: |r| &mut r.in_flight_away,
+    len: |m| m.in_flight_count(),
+    walk: |m, skip, after| Box::new(m.in_flight_payloads_mut(skip, after)),
+    get: |m, id| m.in_flight_payload(id),
+};
+
 /// A pass over one such part of the queue past the first `count`: their contents leave
 /// memory. A round walks them all, at most once every [`RETRY_ROUND_MS`], and only once
 /// entries were applied since the last one.
@@ -473,8 +488,8 @@ impl AwayContext {
     /// memory is copied out of the snapshot's buffer, which every message read from it
     /// slices: otherwise the window's few messages would keep the whole snapshot (up to a GiB)
     /// alive, for as long as the queue is idle. Not copied when what stays is more than a
-    /// quarter of the snapshot's `bytes` (messages in flight, which do not leave memory): the
-    /// copies would only double the peak. If a write
+    /// quarter of the snapshot's `bytes` (a small queue: every part's first `count` stay):
+    /// the copies would only double the peak. If a write
     /// fails, the rest stays as it was (in memory, the buffer kept): the broker's own passes
     /// try again later.
     pub fn send_restored_away(&self, machine: &mut QueueMachine<Message>, bytes: u64) {
@@ -505,9 +520,10 @@ impl AwayContext {
         let retrying = held
             .and_then(|()| every_pass(|a| pass_line(&RETRYING, machine, store, count, a)))
             .and_then(|()| every_pass(|a| pass_line(&RETURNED, machine, store, count, a)))
-            .and_then(|()| every_pass(|a| pass_line(&PARKED, machine, store, count, a)));
+            .and_then(|()| every_pass(|a| pass_line(&PARKED, machine, store, count, a)))
+            .and_then(|()| every_pass(|a| pass_line(&IN_FLIGHT, machine, store, count, a)));
         if let Err(error) = retrying {
-            tracing::warn!(%error, "writing the held, retrying, given back or parked messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
+            tracing::warn!(%error, "writing the held, retrying, given back, parked or in-flight messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
             return;
         }
         let staying: u64 = machine
