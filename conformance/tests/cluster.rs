@@ -15,7 +15,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
 use warren_conformance::cluster::TestCluster;
 use warren_conformance::http::Api;
-use warren_conformance::{amqp_error, unique, WAIT};
+use warren_conformance::{unique, WAIT};
 
 /// Publishes a persistent message with `mandatory` on `publisher` (in confirm mode) and returns
 /// its confirm: a return comes before it when the message reached no queue.
@@ -55,26 +55,19 @@ async fn consume(ch: &Channel, q: &str) -> lapin::Result<lapin::Consumer> {
     .await
 }
 
-/// Consumes on `q`'s leader, as `asked` names it: a leader just elected refuses (506) until
-/// its term's first entries are applied, a few milliseconds; a client retries, as this does.
+/// Consumes on `q`'s leader, as `asked` names it. A leader just elected takes the consume at
+/// once and serves it when its term's first entries are applied, a few milliseconds later.
 async fn consume_on_leader(
     c: &TestCluster,
     q: &str,
     asked: u64,
 ) -> (u64, lapin::Connection, lapin::Consumer) {
-    let start = Instant::now();
-    loop {
-        let leader = c.leader_of(q, asked);
-        let (conn, ch) = channel(c, leader).await;
-        match consume(&ch, q).await {
-            Ok(consumer) => return (leader, conn, consumer),
-            Err(e) => {
-                let (code, text) = amqp_error(&e).unwrap_or((0, e.to_string()));
-                assert!(code == 506 && start.elapsed() < WAIT, "{code} {text}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    }
+    let leader = c.leader_of(q, asked);
+    let (conn, ch) = channel(c, leader).await;
+    let consumer = consume(&ch, q)
+        .await
+        .unwrap_or_else(|e| panic!("consume on node {leader}: {e}"));
+    (leader, conn, consumer)
 }
 
 /// Publishes `body` as a persistent message to `q` through the default exchange.

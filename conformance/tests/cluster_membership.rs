@@ -76,9 +76,8 @@ async fn drain(c: &TestCluster, n: u64, q: &str, want: usize) -> Vec<String> {
     let start = Instant::now();
     // The connection and channel live as long as their consumer.
     let (_conn, _ch, mut consumer) = loop {
-        // A refusal closes the channel with 506, which lapin takes as the whole connection's
-        // error (506 is a connection-level code in the spec): each attempt has its own
-        // connection, as a client that reconnects.
+        // A node going away closes the connection: each attempt has its own, as a client
+        // that reconnects.
         let conn = c.node(n).connect().await;
         let ch = conn.create_channel().await.expect("channel");
         let attempt = ch

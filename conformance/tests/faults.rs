@@ -555,8 +555,8 @@ async fn publisher(
 }
 
 /// Consumes on the queue's leader with manual acks, recording every delivery and ack; on a
-/// refusal (506), a cancel, a dead channel or a quiet spell on a node that no longer leads, it
-/// looks the leader up again. Runs until `stop`.
+/// refusal, a cancel, a dead channel or a quiet spell on a node that no longer leads, it looks
+/// the leader up again. Runs until `stop`.
 async fn consumer(
     id: u64,
     q: String,
@@ -612,7 +612,8 @@ async fn consumer(
         let mut stream = match consumed {
             Ok(s) => s,
             Err(e) => {
-                // 506: not the leader (any more); anything else: the node is going away.
+                // 506 (a leader just elected refused consumes before it acted, in earlier
+                // versions); anything else: the node is going away.
                 if !matches!(amqp_error(&e), Some((506, _))) {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }

@@ -864,6 +864,60 @@ fn a_get_waiting_on_a_leader_that_dies_is_answered_empty_and_loses_nothing() {
     }
 }
 
+#[test]
+fn a_consume_on_a_leader_just_elected_is_taken_and_served_once_it_acts() {
+    // The node elected after the leader's death does not act until its term's first entries
+    // are applied: a consume there used to close the client's connection (506), where
+    // RabbitMQ's waits for the leader.
+    let mut c = Cluster::new();
+    let old = c.leader();
+    for n in 0..5 {
+        c.publish(old, n);
+    }
+    c.run(30);
+    c.kill(old);
+    let mut starting = None;
+    for _ in 0..500 {
+        starting = NODES.into_iter().filter(|n| *n != old).find(|n| {
+            let m = &c.members[n];
+            m.raft.is_leader(GroupId(c.group)) && !m.broker.acts_on(c.id(*n))
+        });
+        if starting.is_some() {
+            break;
+        }
+        c.step();
+    }
+    let new = starting.expect("a leader elected, not acting yet");
+    consume(&mut c, new, 20).expect("taken while the leader starts");
+    // A second consumer, cancelled before the node acts, is never given anything.
+    let group = CreditGroup {
+        conn: conn(new, 8),
+        channel: 1,
+    };
+    let (queue, early) = c
+        .broker(new)
+        .consume(
+            "/",
+            "jobs",
+            group,
+            ShortStr::from_static("early"),
+            false,
+            false,
+            20,
+            &FieldTable::new(),
+        )
+        .expect("taken");
+    assert!(c.broker(new).cancel(queue, early), "cancelled");
+    assert_eq!(c.leader(), new);
+    take_in_order(&mut c, new, 0, 5);
+    c.run(20);
+    let alive: Vec<u64> = NODES.into_iter().filter(|n| *n != old).collect();
+    assert_counts(&c, &alive, (0, 0));
+    let m = c.members[&new].broker.machine(c.id(new)).expect("machine");
+    assert_eq!(m.consumer_count(), 1, "the first consumer only");
+    assert_same_state(&c, &alive);
+}
+
 /// Steps until `node` has `n` deliveries (at most `steps` steps).
 fn take_deliveries(c: &mut Cluster, node: u64, n: usize, steps: u32) -> Vec<Delivery> {
     let mut got = Vec::new();

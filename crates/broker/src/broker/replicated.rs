@@ -1525,9 +1525,10 @@ impl Broker {
     /// visibility). With no leader known it waits for one (at most `FORWARD_TIMEOUT_MS`). The
     /// reply is the one the leader gives unless the log says otherwise (a consumer refused
     /// there is cancelled here when its entry is applied). On a node just elected that does not
-    /// act yet, a publish waits until it does (`hold_until_acting`), a consumer's ack, reject,
-    /// credit or cancel runs once it does (`deferred`), and a consume is refused (`None`, 506).
-    /// `None` too for any other command.
+    /// act yet, a publish waits until it does (`hold_until_acting`), and what a consumer does
+    /// (consume, ack, reject, credit, cancel) runs once it does (`deferred`): a consume is
+    /// answered at once, and its consumer is told with basic.cancel if it never runs (the node
+    /// is deposed first) or the queue refuses it then. `None` for any other command.
     pub(super) fn forward(&mut self, id: QueueId, command: &Command<Message>) -> Option<Reply> {
         let (reply, confirm) = match command {
             Command::Enqueue { .. } | Command::EnqueueFrom { .. } => {
@@ -1550,10 +1551,6 @@ impl Broker {
             if confirm {
                 // Proposed once this node acts, as what it forwarded before its election.
                 return self.hold_until_acting(id, command).then_some(reply);
-            }
-            if matches!(command, Command::Consume { .. }) {
-                // The consumer asks again (506).
-                return None;
             }
             // Elected, not acting yet: its first entries are not applied.
             c.deferred.entry(r.group).or_default().push(command.clone());

@@ -175,12 +175,10 @@ impl Broker {
             }
         }
         let priority = args::validate_consume(arguments, &q.rs())?;
-        if let Some(r) = q.replica.as_ref().filter(|r| !r.is_leading()) {
+        if q.replica.as_ref().is_some_and(|r| !r.is_leading()) {
             // A member that follows takes the consumer and sends it to the leader; one just
-            // elected acts in a few milliseconds: the client tries again.
-            if matches!(r.mode, crate::replica::Mode::Starting { .. }) {
-                return Err(not_led_here(q));
-            }
+            // elected takes it and runs it once it acts, a few milliseconds later (RabbitMQ's
+            // consume waits for a leader too, instead of failing the client's connection).
             // The leader decides; what this member's committed state already says is refused
             // here (two nodes racing for exclusive use are sorted out by the log: the loser is
             // cancelled when the entry is applied).
