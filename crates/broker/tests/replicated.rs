@@ -918,6 +918,79 @@ fn a_consume_on_a_leader_just_elected_is_taken_and_served_once_it_acts() {
     assert_same_state(&c, &alive);
 }
 
+#[test]
+fn a_consume_waiting_for_a_leader_elected_again_outlives_its_own_down_from_before() {
+    // A node that lost the lead brings itself `Down` (what its consumers held comes back); that
+    // forward was lost and the node leads again: the `Down`, sent again as it acts, is older
+    // than a consume its clients made meanwhile and must not remove that consumer.
+    let mut c = Cluster::new();
+    let first = c.leader();
+    let other = first % 3 + 1;
+    for n in 0..5 {
+        c.publish(first, n);
+    }
+    c.run(30);
+    c.hold_forwards = true;
+    let group = GroupId(c.group);
+    c.members
+        .get_mut(&first)
+        .expect("member")
+        .raft
+        .transfer_leader(group, other);
+    let leads = |c: &Cluster, n: u64| {
+        let m = &c.members[&n];
+        m.raft.is_leader(group) && m.broker.acts_on(c.id(n))
+    };
+    for _ in 0..500 {
+        if leads(&c, other) {
+            break;
+        }
+        c.step();
+    }
+    assert!(leads(&c, other), "the lead moved");
+    c.run(5);
+    c.members
+        .get_mut(&other)
+        .expect("member")
+        .raft
+        .transfer_leader(group, first);
+    let mut starting = false;
+    for _ in 0..500 {
+        c.forwards.clear();
+        let m = &c.members[&first];
+        if m.raft.is_leader(group) && !m.broker.acts_on(c.id(first)) {
+            starting = true;
+            break;
+        }
+        c.step();
+    }
+    assert!(starting, "led again, not acting yet");
+    consume(&mut c, first, 20).expect("taken while the leader starts");
+    assert_eq!(c.leader(), first);
+    c.hold_forwards = false;
+    take_in_order(&mut c, first, 0, 5);
+}
+
+#[test]
+fn a_queue_deleted_before_a_consume_reached_its_log_tells_that_consumer() {
+    // The consume on a follower is answered at once and forwarded; deleted before the leader
+    // had it, the queue's consumer is not in any machine, yet its client must hear of it.
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    c.hold_forwards = true;
+    consume(&mut c, follower, 20).expect("taken");
+    assert!(c.broker(follower).take_replica_cancelled().is_empty());
+    let deleted = c
+        .broker(follower)
+        .delete_queue("/", "jobs", false, false, conn(follower, 1))
+        .expect("delete");
+    assert!(deleted.cancelled.is_empty(), "not in the machine");
+    let told = c.broker(follower).take_replica_cancelled();
+    assert_eq!(told.len(), 1, "told with basic.cancel");
+    assert_eq!(told[0].tag.as_bytes(), b"worker");
+}
+
 /// Steps until `node` has `n` deliveries (at most `steps` steps).
 fn take_deliveries(c: &mut Cluster, node: u64, n: usize, steps: u32) -> Vec<Delivery> {
     let mut got = Vec::new();

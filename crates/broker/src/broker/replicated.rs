@@ -1414,6 +1414,22 @@ impl Broker {
             c.abandon(r.group, &mut outcomes);
             c.early.remove(&r.group);
             c.deferred.remove(&r.group);
+            // This node's consumers whose consume is not in the machine yet (forwarded to the
+            // leader, or held until this node acts) are not among those the deletion cancels:
+            // they are told here.
+            let waiting: Vec<ConsumerId> = c
+                .local_consumers
+                .iter()
+                .filter(|(cid, (queue, _, _))| {
+                    *queue == q.id && q.machine.consumers().all(|(other, _, _)| other != **cid)
+                })
+                .map(|(cid, _)| *cid)
+                .collect();
+            for cid in waiting {
+                if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                    c.cancelled.push(key);
+                }
+            }
             // A queue made again in a group of the same number knows no enqueuer of ours.
             c.enqueuers.remove(&r.group);
             for o in outcomes {
@@ -2638,8 +2654,11 @@ impl Broker {
         tracing::info!(queue = %q.name, vhost = %q.vhost, "no longer leads its replicated queue");
     }
 
-    /// The publishes this node forwarded before it was elected, proposed as its own now that
-    /// it acts, each keeping the confirm it had.
+    /// What this node sent for the queue before it was elected, and what its clients did
+    /// since, run now that it acts, in the order it came: the publishes others forwarded to
+    /// it, then its own forwards (publishes keep the confirm they had), then its consumers'
+    /// commands held meanwhile (`deferred`). A `Down` of itself forwarded before, and lost, is
+    /// among its forwards: run after a consume made since, it would remove that consumer.
     fn reissue_kept(&mut self, id: QueueId) {
         let Some(group) = self.replica_group(id) else {
             return;
@@ -2652,6 +2671,7 @@ impl Broker {
         for data in early {
             self.forwarded(group, &data);
         }
+        self.reissue_forwards(id, group);
         let deferred = self
             .cluster
             .as_mut()
@@ -2660,6 +2680,11 @@ impl Broker {
         for command in deferred {
             self.run_as_leader(id, command);
         }
+    }
+
+    /// This node's forwards to the queue's earlier leaders that its log does not have yet,
+    /// proposed as its own ([`Broker::reissue_kept`]).
+    fn reissue_forwards(&mut self, id: QueueId, group: u64) {
         let Some(kept) = self.cluster.as_mut().and_then(|c| c.kept.remove(&group)) else {
             return;
         };
