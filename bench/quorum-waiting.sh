@@ -43,19 +43,23 @@ if [ "$SHAPE" = held ]; then
     "$BENCH" -u "amqp://guest:guest@127.0.0.1:570$leader/%2f" --quiet --predeclare -x 1 -y 0 \
         --no-consume -s 1024 -f --durable -c 500 -C "$N" --queue-pattern waiting \
         --queue-arg x-queue-type=quorum --queue-arg x-delivery-delay=600000 2>&1 | tail -1
-elif [ "$SHAPE" = inflight ]; then
-    # The worker holds what it took until it is told to go (its stdin closes).
-    exec 3> >(PYTHONPATH="$ROOT/clients/.deps/python" python3 -c '
+else
+    # A pika worker on the leader's node that publishes N and takes what comes: `retry` nacks
+    # each with requeue (prefetch 200) and goes once it failed all; `inflight` holds them all
+    # unacked (no prefetch limit), says so in the file given, and goes when its stdin closes.
+    WORKER_PY='
 import sys, time, pika
-port, n = int(sys.argv[1]), int(sys.argv[2])
+shape, port, n, flag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
 ch = conn.channel()
 ch.confirm_delivery()
-taken = 0
-def take(_channel, _method, _props, _body):
-    global taken
-    taken += 1
-ch.basic_qos(prefetch_count=0)
+seen = 0
+def take(channel, method, _props, _body):
+    global seen
+    if shape == "retry":
+        channel.basic_nack(method.delivery_tag, requeue=True)
+    seen += 1
+ch.basic_qos(prefetch_count=200 if shape == "retry" else 0)
 ch.basic_consume("waiting", take)
 start = time.time()
 for i in range(n):
@@ -63,40 +67,23 @@ for i in range(n):
                      pika.BasicProperties(delivery_mode=2))
     if i % 100 == 99:
         conn.process_data_events(0)
-while taken < n and time.time() - start < 300:
+while seen < n and time.time() - start < 300:
     conn.process_data_events(0.1)
-print(f"published {n} and holds {taken} unacked after {time.time() - start:.1f} s", flush=True)
-open(sys.argv[3], "w").close()
-sys.stdin.read()
+what = "nacked" if shape == "retry" else "holds unacked"
+print(f"published {n}, {what} {seen} after {time.time() - start:.1f} s", flush=True)
+if shape == "inflight":
+    open(flag, "w").close()
+    sys.stdin.read()
 conn.close()
-' "570$leader" "$N" "$WARREN_CLUSTER_DIR/held")
-    WORKER=$!
-    for _ in $(seq 3000); do [ -e "$WARREN_CLUSTER_DIR/held" ] && break; sleep 0.1; done
-else
-    PYTHONPATH="$ROOT/clients/.deps/python" python3 - "570$leader" "$N" <<'PY'
-import sys, time, pika
-port, n = int(sys.argv[1]), int(sys.argv[2])
-conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
-ch = conn.channel()
-ch.confirm_delivery()
-failed = 0
-def fail(channel, method, _props, _body):
-    global failed
-    channel.basic_nack(method.delivery_tag, requeue=True)
-    failed += 1
-ch.basic_qos(prefetch_count=200)
-ch.basic_consume("waiting", fail)
-start = time.time()
-for i in range(n):
-    ch.basic_publish("", "waiting", b"x" * 1020 + b"%04d" % (i % 10000),
-                     pika.BasicProperties(delivery_mode=2))
-    if i % 100 == 99:
-        conn.process_data_events(0)
-while failed < n and time.time() - start < 300:
-    conn.process_data_events(0.1)
-print(f"published {n} and nacked {failed} in {time.time() - start:.1f} s")
-conn.close()
-PY
+'
+    ARGS=("$SHAPE" "570$leader" "$N" "$WARREN_CLUSTER_DIR/held")
+    if [ "$SHAPE" = retry ]; then
+        PYTHONPATH="$ROOT/clients/.deps/python" python3 -c "$WORKER_PY" "${ARGS[@]}" </dev/null
+    else
+        exec 3> >(PYTHONPATH="$ROOT/clients/.deps/python" python3 -c "$WORKER_PY" "${ARGS[@]}")
+        WORKER=$!
+        for _ in $(seq 3000); do [ -e "$WARREN_CLUSTER_DIR/held" ] && break; sleep 0.1; done
+    fi
 fi
 sleep 4
 echo "RSS after (MB):$(rss)"

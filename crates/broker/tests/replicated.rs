@@ -4460,22 +4460,7 @@ fn a_quorum_queues_messages_given_back_leave_memory_past_those_next_to_go() {
         )
         .expect("consume");
     c.run(10);
-    let mut taken = Vec::new();
-    for n in 0..600 {
-        c.publish(leader, n);
-        if n % 50 == 49 {
-            c.run(3);
-            taken.extend(c.deliveries(follower));
-        }
-    }
-    for _ in 0..100 {
-        taken.extend(c.deliveries(follower));
-        if taken.len() == 600 {
-            break;
-        }
-        c.step();
-    }
-    assert_eq!(taken.len(), 600, "all held by the consumer");
+    let taken = publish_and_take(&mut c, leader, follower);
     assert!(c.broker(follower).cancel(queue, consumer));
     for d in &taken {
         assert!(c.broker(follower).requeue(d.queue, d.receipt), "nack");
@@ -4484,24 +4469,8 @@ fn a_quorum_queues_messages_given_back_leave_memory_past_those_next_to_go() {
     for n in NODES {
         assert_eq!(c.counts(n), (600, 0), "node {n}: all given back");
     }
-    // A round begins once its second has passed.
-    c.run(u32::try_from(2_000 / TICK_MS).unwrap_or(u32::MAX));
-    for n in NODES {
-        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
-        assert_eq!(m.returned_count(), 600, "node {n}: given back");
-        let (away, records) = away_on(&c, n);
-        // Without a consumer, the window's 4 next to go stay.
-        assert!(away >= 600 - 16, "node {n}: {away} away");
-        assert_eq!(records, away, "node {n}: one record per message away");
-    }
-    let b = &c.members[&leader].broker;
-    let committed = b.committed_machine(c.id(leader)).expect("committed");
-    assert_eq!(
-        committed.messages().filter(|(_, m, _)| m.is_away()).count(),
-        away_on(&c, leader).0,
-        "the leader's committed machine shares each stub"
-    );
-    assert_same_state(&c, &NODES);
+    // Without a consumer, the window's 4 next to go stay.
+    all_but_the_window_away_after_a_round(&mut c, leader, |m| m.returned_count());
     // Delivered again, whole and in order (counted once delivered before).
     consume(&mut c, follower, 20).expect("consume");
     take_bodies_in_order(&mut c, follower, 0..600, true);
@@ -4518,6 +4487,51 @@ fn a_quorum_queues_messages_in_flight_leave_memory_past_the_oldest() {
     let follower = leader % 3 + 1;
     consume(&mut c, follower, 1_000).expect("consume");
     c.run(10);
+    let taken = publish_and_take(&mut c, leader, follower);
+    assert!(
+        taken.iter().all(|d| !d.message.is_away()),
+        "delivered whole"
+    );
+    // The window's 16 oldest stay.
+    all_but_the_window_away_after_a_round(&mut c, leader, |m| m.in_flight_count());
+    // Acked, their records go; given back, they come again whole and in order.
+    ack_all(&mut c, follower, &taken[..300]);
+    for d in &taken[300..] {
+        assert!(c.broker(follower).requeue(d.queue, d.receipt), "nack");
+    }
+    take_bodies_in_order(&mut c, follower, 300..600, true);
+    all_settled_and_released(&mut c);
+}
+
+/// Once a round of the away passes has come (a second), the 600 messages of one part of the
+/// queue (`held` counts them) have their contents away on every member but the window's 16
+/// at most, one record each, shared by the leader's committed machine, the members alike.
+fn all_but_the_window_away_after_a_round(
+    c: &mut Cluster,
+    leader: u64,
+    held: fn(&warren_broker::machine::QueueMachine<warren_broker::Message>) -> usize,
+) {
+    c.run(u32::try_from(2_000 / TICK_MS).unwrap_or(u32::MAX));
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(held(m), 600, "node {n}: all 600 there");
+        let (away, records) = away_on(c, n);
+        assert!(away >= 600 - 16, "node {n}: {away} away");
+        assert_eq!(records, away, "node {n}: one record per message away");
+    }
+    let b = &c.members[&leader].broker;
+    let committed = b.committed_machine(c.id(leader)).expect("committed");
+    assert_eq!(
+        committed.messages().filter(|(_, m, _)| m.is_away()).count(),
+        away_on(c, leader).0,
+        "the leader's committed machine shares each stub"
+    );
+    assert_same_state(c, &NODES);
+}
+
+/// Publishes jobs 0..600 on `leader` while a consumer with room for them all on `follower`
+/// takes them (each from the window, whole): the deliveries, unacked.
+fn publish_and_take(c: &mut Cluster, leader: u64, follower: u64) -> Vec<Delivery> {
     let mut taken = Vec::new();
     for n in 0..600 {
         c.publish(leader, n);
@@ -4534,35 +4548,7 @@ fn a_quorum_queues_messages_in_flight_leave_memory_past_the_oldest() {
         c.step();
     }
     assert_eq!(taken.len(), 600, "all held by the consumer");
-    assert!(
-        taken.iter().all(|d| !d.message.is_away()),
-        "delivered whole"
-    );
-    // A round begins once its second has passed.
-    c.run(u32::try_from(2_000 / TICK_MS).unwrap_or(u32::MAX));
-    for n in NODES {
-        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
-        assert_eq!(m.in_flight_count(), 600, "node {n}: held");
-        let (away, records) = away_on(&c, n);
-        // The window's 16 oldest stay.
-        assert!(away >= 600 - 16, "node {n}: {away} away");
-        assert_eq!(records, away, "node {n}: one record per message away");
-    }
-    let b = &c.members[&leader].broker;
-    let committed = b.committed_machine(c.id(leader)).expect("committed");
-    assert_eq!(
-        committed.messages().filter(|(_, m, _)| m.is_away()).count(),
-        away_on(&c, leader).0,
-        "the leader's committed machine shares each stub"
-    );
-    assert_same_state(&c, &NODES);
-    // Acked, their records go; given back, they come again whole and in order.
-    ack_all(&mut c, follower, &taken[..300]);
-    for d in &taken[300..] {
-        assert!(c.broker(follower).requeue(d.queue, d.receipt), "nack");
-    }
-    take_bodies_in_order(&mut c, follower, 300..600, true);
-    all_settled_and_released(&mut c);
+    taken
 }
 
 /// Takes the deliveries of jobs `jobs` on `node`, in order, acking each: each whole, and

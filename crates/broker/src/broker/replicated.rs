@@ -377,6 +377,25 @@ impl Cluster {
         }
     }
 
+    /// This node's consumers of queue `id` that `machine` does not have (their consume was
+    /// never applied: forwarded, or held until this node acts) are forgotten, and told with
+    /// basic.cancel.
+    fn cancel_unlogged(&mut self, id: QueueId, machine: &QueueMachine<Message>) {
+        let unlogged: Vec<ConsumerId> = self
+            .local_consumers
+            .iter()
+            .filter(|(cid, (queue, _, _))| {
+                *queue == id && machine.consumers().all(|(other, _, _)| other != **cid)
+            })
+            .map(|(cid, _)| *cid)
+            .collect();
+        for cid in unlogged {
+            if let Some((_, key, _)) = self.local_consumers.remove(&cid) {
+                self.cancelled.push(key);
+            }
+        }
+    }
+
     pub(super) fn node(&self) -> NodeId {
         self.node
     }
@@ -1417,19 +1436,7 @@ impl Broker {
             // This node's consumers whose consume is not in the machine yet (forwarded to the
             // leader, or held until this node acts) are not among those the deletion cancels:
             // they are told here.
-            let waiting: Vec<ConsumerId> = c
-                .local_consumers
-                .iter()
-                .filter(|(cid, (queue, _, _))| {
-                    *queue == q.id && q.machine.consumers().all(|(other, _, _)| other != **cid)
-                })
-                .map(|(cid, _)| *cid)
-                .collect();
-            for cid in waiting {
-                if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
-                    c.cancelled.push(key);
-                }
-            }
+            c.cancel_unlogged(q.id, &q.machine);
             // A queue made again in a group of the same number knows no enqueuer of ours.
             c.enqueuers.remove(&r.group);
             for o in outcomes {
@@ -2635,19 +2642,7 @@ impl Broker {
             }
         }
         // Those the log never had are gone as well.
-        let ahead: Vec<ConsumerId> = c
-            .local_consumers
-            .iter()
-            .filter(|(cid, (queue, _, _))| {
-                *queue == id && q.machine.consumers().all(|(other, _, _)| other != **cid)
-            })
-            .map(|(cid, _)| *cid)
-            .collect();
-        for cid in ahead {
-            if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
-                c.cancelled.push(key);
-            }
-        }
+        c.cancel_unlogged(id, &q.machine);
         if let Some(at) = q.scheduled.take() {
             self.deadlines.remove(&(at, id));
         }
