@@ -981,6 +981,12 @@ fn a_queue_deleted_before_a_consume_reached_its_log_tells_that_consumer() {
     c.hold_forwards = true;
     consume(&mut c, follower, 20).expect("taken");
     assert!(c.broker(follower).take_replica_cancelled().is_empty());
+    // It is a consumer of the queue already for the client: in use.
+    let e = c
+        .broker(follower)
+        .delete_queue("/", "jobs", true, false, conn(follower, 1))
+        .expect_err("if-unused");
+    assert_eq!(e.code, ReplyCode::PreconditionFailed);
     let deleted = c
         .broker(follower)
         .delete_queue("/", "jobs", false, false, conn(follower, 1))

@@ -706,7 +706,7 @@ impl Broker {
                 q.rs()
             )));
         }
-        if if_unused && q.machine.consumer_count() > 0 {
+        if if_unused && q.machine.consumer_count() + self.unlogged_consumers(id) > 0 {
             return Err(AmqpError::precondition_failed(format!("{} in use", q.rs())));
         }
         Ok(self.remove_queue(id).unwrap_or_default())

@@ -377,18 +377,24 @@ impl Cluster {
         }
     }
 
-    /// This node's consumers of queue `id` that `machine` does not have (their consume was
-    /// never applied: forwarded, or held until this node acts) are forgotten, and told with
-    /// basic.cancel.
-    fn cancel_unlogged(&mut self, id: QueueId, machine: &QueueMachine<Message>) {
-        let unlogged: Vec<ConsumerId> = self
-            .local_consumers
+    /// This node's consumers of queue `id` that `machine` does not have: their consume was
+    /// never applied (forwarded, or held until this node acts).
+    fn unlogged<'a>(
+        &'a self,
+        id: QueueId,
+        machine: &'a QueueMachine<Message>,
+    ) -> impl Iterator<Item = ConsumerId> + 'a {
+        self.local_consumers
             .iter()
-            .filter(|(cid, (queue, _, _))| {
+            .filter(move |(cid, (queue, _, _))| {
                 *queue == id && machine.consumers().all(|(other, _, _)| other != **cid)
             })
             .map(|(cid, _)| *cid)
-            .collect();
+    }
+
+    /// [`Cluster::unlogged`] consumers are forgotten, and told with basic.cancel.
+    fn cancel_unlogged(&mut self, id: QueueId, machine: &QueueMachine<Message>) {
+        let unlogged: Vec<ConsumerId> = self.unlogged(id, machine).collect();
         for cid in unlogged {
             if let Some((_, key, _)) = self.local_consumers.remove(&cid) {
                 self.cancelled.push(key);
@@ -1003,6 +1009,16 @@ impl Broker {
                 data,
             });
         }
+    }
+
+    /// This node's consumers of replicated queue `id` whose consume is in no machine yet
+    /// (forwarded to the leader, or held until this node acts): they count as the queue's
+    /// consumers for its client-facing limits.
+    pub(super) fn unlogged_consumers(&self, id: QueueId) -> usize {
+        let (Some(c), Some(q)) = (self.cluster.as_ref(), self.queues.get(&id)) else {
+            return 0;
+        };
+        c.unlogged(id, &q.machine).count()
     }
 
     /// A consumer of this node's on a replicated queue, from now until it is cancelled.

@@ -168,7 +168,7 @@ impl Broker {
         let q = self.queue_by_name(vhost, &queue)?;
         check_access(q, group.conn)?;
         if let Some(max) = self.config.consumer_max_per_queue {
-            if q.machine.consumer_count() >= max {
+            if q.machine.consumer_count() + self.unlogged_consumers(q.id) >= max {
                 return Err(AmqpError::precondition_failed(format!(
                     "cannot consume from queue '{queue}' in vhost '{vhost}': consumer limit ({max}) is reached"
                 )));
