@@ -581,6 +581,14 @@ impl Raw {
         }
     }
 
+    /// The next method, which must be `connection.blocked` (a resource alarm): its reason.
+    pub async fn recv_blocked(&mut self) -> String {
+        match self.recv_method().await {
+            (0, AMQPClass::Connection(connection::AMQPMethod::Blocked(b))) => b.reason.to_string(),
+            other => panic!("expected connection.blocked, got {other:?}"),
+        }
+    }
+
     /// The next method within `timeout` (set-aside asynchronous methods first), skipping heartbeats.
     pub async fn recv_method_timeout(
         &mut self,

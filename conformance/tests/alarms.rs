@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use warren_conformance::raw::protocol::{connection, AMQPClass};
 use warren_conformance::{unique, TestBroker, QUIET};
 
 async fn blocked_reason(args: &[&str]) -> (String, u32, u32) {
@@ -20,10 +19,7 @@ async fn blocked_reason(args: &[&str]) -> (String, u32, u32) {
     publisher
         .publish(1, "", &q, false, Default::default(), b"first")
         .await;
-    let reason = match publisher.recv_method().await {
-        (0, AMQPClass::Connection(connection::AMQPMethod::Blocked(b))) => b.reason.to_string(),
-        other => panic!("expected connection.blocked, got {other:?}"),
-    };
+    let reason = publisher.recv_blocked().await;
     // The first publish was handled; what follows is not read while the alarm lasts.
     for _ in 0..3 {
         publisher

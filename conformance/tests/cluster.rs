@@ -1946,10 +1946,7 @@ async fn a_resource_alarm_on_one_node_blocks_publishers_on_every_node() {
     publisher
         .publish(1, "", &q, false, Default::default(), b"first")
         .await;
-    let reason = match publisher.recv_method().await {
-        (0, AMQPClass::Connection(connection::AMQPMethod::Blocked(b))) => b.reason.to_string(),
-        other => panic!("expected connection.blocked, got {other:?}"),
-    };
+    let reason = publisher.recv_blocked().await;
     assert_eq!(reason, "low on disk");
     let (_, nodes) = Api::of(c.node(1)).call("GET", "/nodes", None);
     let alarm_of = |n: u64| {
