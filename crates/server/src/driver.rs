@@ -1328,6 +1328,21 @@ pub async fn serve(
         peer_figures: Mutex::new(std::collections::BTreeMap::new()),
         shovel_restarter: std::sync::OnceLock::new(),
     });
+    // The store's sender is in place before anything can change the node: recovery may end
+    // (and the API take changes) before this task runs again, and a change made while the
+    // node had no sender was reported on disk at once (no batch sent, none to wait for).
+    let store_thread = match store.clone() {
+        Some(store) => {
+            let t = StoreThread::spawn(store, StoreReports(shared.clone()))?;
+            let tx = match writes.store_delay {
+                Some(delay) => slow_disk(t.tx.clone(), delay)?,
+                None => t.tx.clone(),
+            };
+            shared.lock().store = Some(tx);
+            Some(t)
+        }
+        None => None,
+    };
     on_start(NodeHandle(shared.clone()));
     let cancel_recovery = Arc::new(AtomicBool::new(false));
     if let (Some(recovery), Some(store)) = (recovery, store.clone()) {
@@ -1345,18 +1360,6 @@ pub async fn serve(
             }
         });
     }
-    let store_thread = match store {
-        Some(store) => {
-            let t = StoreThread::spawn(store, StoreReports(shared.clone()))?;
-            let tx = match writes.store_delay {
-                Some(delay) => slow_disk(t.tx.clone(), delay)?,
-                None => t.tx.clone(),
-            };
-            shared.lock().store = Some(tx);
-            Some(t)
-        }
-        None => None,
-    };
     let on_alarm = shared.clone();
     let set_alarms: Arc<dyn Fn(crate::alarms::Pressure) + Send + Sync> =
         Arc::new(move |p: crate::alarms::Pressure| {
