@@ -4647,6 +4647,9 @@ fn a_deep_replicated_queue_keeps_its_messages_contents_out_of_memory_on_every_me
         // No consumer: 4 stay; fewer than a batch of 256 past them may wait for the next.
         assert!(away >= 600 - 4 - 256, "node {n}: {away} away");
         assert_eq!(held, away, "node {n}: one record per message away");
+        // Each of them keeps a few words in its machine, packed.
+        let machine = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(machine.packed_count(), away, "node {n}: packed");
     }
     // The leader's two machines share each message's handle: one record each.
     let b = &c.members[&leader].broker;
@@ -4655,6 +4658,7 @@ fn a_deep_replicated_queue_keeps_its_messages_contents_out_of_memory_on_every_me
         committed.messages().filter(|(_, m, _)| m.is_away()).count(),
         away_on(&c, leader).0
     );
+    assert_eq!(committed.packed_count(), away_on(&c, leader).0);
     assert_same_state(&c, &NODES);
     // A worker on a follower gets every message whole, in order; the leader reads none of
     // the contents for it.
@@ -4736,6 +4740,16 @@ fn a_snapshot_of_a_deep_replicated_queue_carries_the_contents_away_and_a_restart
     assert!(
         away > 300 && away == held,
         "{away} away, {held} held at the restart"
+    );
+    // And packed: a few words each.
+    let packed = c.members[&behind]
+        .broker
+        .machine(c.id(behind))
+        .expect("machine")
+        .packed_count();
+    assert!(
+        packed + 64 >= away,
+        "{packed} of {away} packed at the restart"
     );
     let snap = c.members[&behind]
         .log

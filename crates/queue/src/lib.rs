@@ -180,14 +180,88 @@ pub trait Payload {
     /// The message is going to wait in the queue: it should hold no buffer larger than
     /// itself ([`Message::compact`]).
     fn detach(&mut self) {}
+
+    /// What a ready message far down a deep line keeps in memory once packed with its
+    /// neighbours ([`machine::QueueMachine::pack_line`]): for a message whose contents are
+    /// away, the handle of its contents. Node-local, as the contents being away are.
+    type Packed: Clone + std::fmt::Debug;
+
+    /// The packed form, when this message can be rebuilt from it alone (`None`: it stays
+    /// whole in the line).
+    fn pack(&self) -> Option<Self::Packed>;
+
+    /// The message again, equal to the one packed.
+    fn unpack(packed: &Self::Packed) -> Self;
 }
 
-impl Payload for u64 {}
-/// Test payloads: plain values that never say so.
-impl<A, B> Payload for (A, B) {}
-impl Payload for &str {}
+/// A payload with no packed form.
+#[derive(Clone, Copy, Debug)]
+pub enum NotPacked {}
+
+/// Test payloads: plain values that never say so. A `u64` packs as itself, so that tests of
+/// the machine can pack a line without an [`AwayStore`].
+impl Payload for u64 {
+    type Packed = u64;
+    fn pack(&self) -> Option<u64> {
+        Some(*self)
+    }
+    fn unpack(packed: &u64) -> u64 {
+        *packed
+    }
+}
+/// A pair packs as itself too.
+impl<A: Clone + std::fmt::Debug, B: Clone + std::fmt::Debug> Payload for (A, B) {
+    type Packed = (A, B);
+    fn pack(&self) -> Option<(A, B)> {
+        Some(self.clone())
+    }
+    fn unpack(packed: &(A, B)) -> Self {
+        packed.clone()
+    }
+}
+impl Payload for &str {
+    type Packed = NotPacked;
+    fn pack(&self) -> Option<NotPacked> {
+        None
+    }
+    fn unpack(packed: &NotPacked) -> Self {
+        match *packed {}
+    }
+}
+
+/// A packed [`Message`]: its contents' handle and its flag; the rest is empty in a stub.
+#[derive(Clone, Debug)]
+pub struct PackedMessage {
+    away: std::sync::Arc<Away>,
+    persistent: bool,
+}
 
 impl Payload for Message {
+    type Packed = PackedMessage;
+
+    /// Only a stub with no store key of this node's (a replicated queue's message away).
+    fn pack(&self) -> Option<PackedMessage> {
+        match (&self.away, self.store_key) {
+            (Some(away), None) => Some(PackedMessage {
+                away: away.clone(),
+                persistent: self.persistent,
+            }),
+            _ => None,
+        }
+    }
+
+    fn unpack(packed: &PackedMessage) -> Message {
+        Message {
+            exchange: ShortStr::default(),
+            routing_key: ShortStr::default(),
+            properties: Bytes::new(),
+            body: Bytes::new(),
+            persistent: packed.persistent,
+            store_key: None,
+            away: Some(packed.away.clone()),
+        }
+    }
+
     fn detach(&mut self) {
         self.compact();
     }

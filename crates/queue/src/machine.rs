@@ -39,6 +39,7 @@
 //! limit, timeouts) arrives as a [`Policy`] with [`Command::Configure`], so a replay rebuilds
 //! it like everything else.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::hash::{Hash, Hasher};
 
@@ -796,19 +797,45 @@ impl Service {
     }
 }
 
-/// A place in the tail of the ready line: a message in memory, or a run on disk.
+/// A place in the tail of the ready line: a message in memory, a run on disk, or a run of
+/// packed messages in memory (never empty).
 #[derive(Clone, Debug)]
-enum Slot<M> {
+enum Slot<M: crate::Payload> {
     Msg(Entry<M>),
     Paged(Run),
+    Packed(VecDeque<Packed<M::Packed>>),
 }
 
-impl<M> Slot<M> {
+impl<M: crate::Payload> Slot<M> {
     fn first_id(&self) -> u64 {
         match self {
             Slot::Msg(e) => e.id,
             Slot::Paged(r) => r.first,
+            Slot::Packed(run) => run.front().map_or(0, |p| p.id),
         }
+    }
+}
+
+/// A ready message far down a deep line, packed ([`QueueMachine::pack_line`]): all the
+/// machine reads of an entry whose other fields are at their defaults (never delivered, no
+/// expiry, group or priority, not on this node's disk), and the payload's packed form. Its
+/// entry is rebuilt, equal to the one packed, when it is needed whole.
+#[derive(Clone, Debug)]
+struct Packed<P> {
+    id: u64,
+    size: u64,
+    item: P,
+}
+
+/// Messages a packed run holds at most.
+const PACKED_RUN: usize = 4096;
+
+/// How many messages of the line a tail slot holds in memory (a run on disk: none).
+fn slot_len<M: crate::Payload>(s: &Slot<M>) -> usize {
+    match s {
+        Slot::Msg(_) => 1,
+        Slot::Paged(_) => 0,
+        Slot::Packed(run) => run.len(),
     }
 }
 
@@ -892,7 +919,7 @@ const TAKES_AT_ONCE_MAX: u64 = 256;
 
 /// The queue state machine. `M` is the message (cheap to clone: a fan-out clones it).
 #[derive(Clone, Debug)]
-pub struct QueueMachine<M> {
+pub struct QueueMachine<M: crate::Payload> {
     next_id: u64,
     /// The head of the ready line, in memory, in id order.
     ready: VecDeque<Entry<M>>,
@@ -902,8 +929,10 @@ pub struct QueueMachine<M> {
     tail: VecDeque<Slot<M>>,
     /// Messages in `tail`, paged or not.
     tail_count: u64,
-    /// Runs in `tail`.
+    /// Runs in `tail` (paged: on disk).
     tail_runs: usize,
+    /// Packed runs in `tail` ([`Self::pack_line`]: node-local, not part of the state).
+    tail_packed: usize,
     /// Tail messages with smaller ids were considered by a `PageOut` already.
     paged_below: u64,
     /// Messages ever paged out, and ever read back (statistics; part of the state, so a
@@ -988,7 +1017,7 @@ pub struct QueueMachine<M> {
     now_ms: u64,
 }
 
-impl<M> Default for QueueMachine<M> {
+impl<M: crate::Payload> Default for QueueMachine<M> {
     fn default() -> Self {
         QueueMachine {
             next_id: 0,
@@ -996,6 +1025,7 @@ impl<M> Default for QueueMachine<M> {
             tail: VecDeque::new(),
             tail_count: 0,
             tail_runs: 0,
+            tail_packed: 0,
             paged_below: 0,
             paged_out_total: 0,
             loaded_total: 0,
@@ -2115,7 +2145,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     }
 
     fn load(&mut self, messages: Vec<Loaded<M>>, through_id: u64) -> Reply {
-        let Some(Slot::Paged(run)) = self.tail.front().cloned() else {
+        let Some(&Slot::Paged(run)) = self.tail.front() else {
             return Reply::Stale;
         };
         let in_order = messages.windows(2).all(|w| w[0].msg_id < w[1].msg_id);
@@ -2183,6 +2213,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         if caps.is_empty() || self.next_id == 0 {
             return;
         }
+        // A packed message has no expiry to cap: it gets one, whole.
+        self.unpack_tail();
         let cap = |e: &mut Entry<M>| {
             e.meta.expires_at = min_opt(e.meta.expires_at, cap_of(&caps, e.id));
         };
@@ -2199,6 +2231,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             match slot {
                 Slot::Msg(e) => cap(e),
                 Slot::Paged(r) => r.expires_min = min_opt(r.expires_min, cap_of(&caps, r.first)),
+                Slot::Packed(_) => {}
             }
         }
         // What is tracked: the ready line in memory (parked and retrying messages file their
@@ -2212,7 +2245,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .chain(self.by_priority.values())
             .chain(self.tail.iter().filter_map(|s| match s {
                 Slot::Msg(e) => Some(e),
-                Slot::Paged(_) => None,
+                Slot::Paged(_) | Slot::Packed(_) => None,
             }));
         for e in tracked {
             if let Some(at) = e.meta.expires_at {
@@ -2230,7 +2263,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
 
     /// Once the tail holds no run, it is just the rest of the line: back into `ready`.
     fn settle_tail(&mut self) {
-        if self.tail_runs > 0 || self.tail.is_empty() {
+        if self.tail_runs > 0 || self.tail_packed > 0 || self.tail.is_empty() {
             return;
         }
         for slot in std::mem::take(&mut self.tail) {
@@ -2242,6 +2275,197 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.paged_below = 0;
     }
 
+    /// Node-local: keeps the first `keep` messages of the ready line whole in `ready` and
+    /// packs the rest, where it can ([`crate::Payload::pack`]: a message whose contents are
+    /// away, never delivered, with no expiry, group or priority), in runs of up to
+    /// [`PACKED_RUN`]; a message that cannot be packed stays as it is, in the tail. Nothing
+    /// the machine does changes, its digest and snapshot included: a packed message is
+    /// rebuilt, equal, whenever it is needed whole (as it reaches the head, or for a policy
+    /// change). A queue that pages (a classic queue's [`Command::PageOut`], whose outcome
+    /// depends on where the line splits) or has priorities is left as it is. Returns how
+    /// many messages it packed.
+    pub fn pack_line(&mut self, keep: usize) -> usize {
+        let pages = self.tail_runs > 0 || self.paged_below > 0 || self.paged_out_total > 0;
+        if pages || self.policy.max_priority.is_some() {
+            return 0;
+        }
+        // The head comes back from the tail first, if a consumer took it below `keep`.
+        while self.ready.len() < keep {
+            match self.take_tail_front() {
+                Some(e) => self.ready.push_back(e),
+                None => break,
+            }
+        }
+        let mut packed = 0;
+        if self.ready.len() > keep {
+            let moved = self.ready.split_off(keep);
+            // A line restored from a snapshot was all in `ready`: its room goes with it.
+            if self.ready.capacity() > SHRINK_ABOVE && self.ready.capacity() / 4 > self.ready.len()
+            {
+                self.ready.shrink_to(self.ready.len() * 2);
+            }
+            // What leaves `ready` takes its expiry to the index.
+            if let Some(first) = moved.front().map(|e| e.id) {
+                while let Some(&(at, id)) = self.expiries_in_order.back().filter(|e| e.1 >= first) {
+                    self.expiries_in_order.pop_back();
+                    self.expiries.insert((at, id));
+                }
+            }
+            self.tail_count += moved.len() as u64;
+            let mut front = VecDeque::new();
+            packed += self.pack_into(&mut front, moved);
+            while let Some(slot) = front.pop_back() {
+                self.tail.push_front(slot);
+            }
+        }
+        // What came since the last call: the message slots after the last packed run.
+        let from = self
+            .tail
+            .iter()
+            .rposition(|s| matches!(s, Slot::Packed(_)))
+            .map_or(0, |i| i + 1);
+        if from < self.tail.len() {
+            let rest = self.tail.split_off(from);
+            let entries = rest.into_iter().filter_map(|s| match s {
+                Slot::Msg(e) => Some(e),
+                // Past the last packed run only messages are left (a queue that packs never
+                // pages).
+                Slot::Paged(_) | Slot::Packed(_) => None,
+            });
+            let mut tail = std::mem::take(&mut self.tail);
+            packed += self.pack_into(&mut tail, entries);
+            self.tail = tail;
+        }
+        self.settle_tail();
+        packed
+    }
+
+    /// Appends `entries` (in id order, after what `slots` holds) to `slots`, packed where
+    /// they can be, into the last run if it has room; how many it packed.
+    fn pack_into(
+        &mut self,
+        slots: &mut VecDeque<Slot<M>>,
+        entries: impl IntoIterator<Item = Entry<M>>,
+    ) -> usize {
+        let mut packed = 0;
+        for entry in entries {
+            let Some(p) = Self::packed_of(&entry) else {
+                slots.push_back(Slot::Msg(entry));
+                continue;
+            };
+            packed += 1;
+            match slots.back_mut() {
+                Some(Slot::Packed(run)) if run.len() < PACKED_RUN => run.push_back(p),
+                _ => {
+                    self.tail_packed += 1;
+                    slots.push_back(Slot::Packed(VecDeque::from([p])));
+                }
+            }
+        }
+        packed
+    }
+
+    /// The packed form of a ready entry, if every field but its id, size and payload is at
+    /// its default (so [`Self::unpacked`] rebuilds it equal).
+    fn packed_of(e: &Entry<M>) -> Option<Packed<M::Packed>> {
+        let m = &e.meta;
+        let plain = e.delivery_count == 0
+            && !e.maybe_delivered
+            && !e.timed_out
+            && m.expires_at.is_none()
+            && !m.pageable
+            && !m.spilled
+            && m.priority == 0
+            && m.group.is_none();
+        if !plain {
+            return None;
+        }
+        Some(Packed {
+            id: e.id,
+            size: m.size,
+            item: e.msg.pack()?,
+        })
+    }
+
+    fn unpacked(p: &Packed<M::Packed>) -> Entry<M> {
+        Entry {
+            id: p.id,
+            msg: M::unpack(&p.item),
+            meta: MsgMeta {
+                size: p.size,
+                ..MsgMeta::default()
+            },
+            delivery_count: 0,
+            maybe_delivered: false,
+            timed_out: false,
+        }
+    }
+
+    /// Takes the message at the front of the tail, if it is in memory (packed or not).
+    fn take_tail_front(&mut self) -> Option<Entry<M>> {
+        let e = match self.tail.front_mut()? {
+            Slot::Paged(_) => return None,
+            Slot::Msg(_) => match self.tail.pop_front() {
+                Some(Slot::Msg(e)) => e,
+                _ => return None,
+            },
+            Slot::Packed(run) => {
+                let p = run.pop_front()?;
+                if run.is_empty() {
+                    self.tail.pop_front();
+                    self.tail_packed = self.tail_packed.saturating_sub(1);
+                }
+                Self::unpacked(&p)
+            }
+        };
+        self.tail_count = self.tail_count.saturating_sub(1);
+        Some(e)
+    }
+
+    /// Every packed message back as a message slot (a policy change reads them all).
+    fn unpack_tail(&mut self) {
+        if self.tail_packed == 0 {
+            return;
+        }
+        let old = std::mem::take(&mut self.tail);
+        for slot in old {
+            match slot {
+                Slot::Packed(run) => self
+                    .tail
+                    .extend(run.iter().map(|p| Slot::Msg(Self::unpacked(p)))),
+                other => self.tail.push_back(other),
+            }
+        }
+        self.tail_packed = 0;
+    }
+
+    /// Messages packed in the tail ([`Self::pack_line`]).
+    pub fn packed_count(&self) -> usize {
+        self.tail
+            .iter()
+            .map(|s| match s {
+                Slot::Packed(run) => run.len(),
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Every ready message of the line's tail in memory, in order, packed ones rebuilt.
+    fn tail_entries(&self) -> impl Iterator<Item = std::borrow::Cow<'_, Entry<M>>> + '_ {
+        self.tail.iter().flat_map(|s| {
+            let (one, run) = match s {
+                Slot::Msg(e) => (Some(e), None),
+                Slot::Paged(_) => (None, None),
+                Slot::Packed(run) => (None, Some(run)),
+            };
+            one.map(std::borrow::Cow::Borrowed).into_iter().chain(
+                run.into_iter()
+                    .flatten()
+                    .map(|p| std::borrow::Cow::Owned(Self::unpacked(p))),
+            )
+        })
+    }
+
     /// Would a [`Command::Get`] (or [`Self::pop_ready`]) find a message without loading one
     /// first? (Not when the next one is paged out.)
     pub fn head_loaded(&self) -> bool {
@@ -2249,7 +2473,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             return true;
         }
         match (self.tail.front(), self.returned.first_key_value()) {
-            (Some(Slot::Msg(_)), _) => true,
+            (Some(Slot::Msg(_) | Slot::Packed(_)), _) => true,
             (Some(Slot::Paged(r)), Some((&id, _))) => id < r.first,
             (Some(Slot::Paged(_)), None) => false,
             (None, returned) => returned.is_some(),
@@ -2427,12 +2651,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             self.returned.pop_first().map(|(_, e)| e)
         } else if let Some(e) = self.ready.pop_front() {
             Some(e)
-        } else if let Some(Slot::Msg(_)) = self.tail.front() {
-            let e = match self.tail.pop_front() {
-                Some(Slot::Msg(e)) => Some(e),
-                _ => None,
-            };
-            self.tail_count = self.tail_count.saturating_sub(1);
+        } else if let Some(Slot::Msg(_) | Slot::Packed(_)) = self.tail.front() {
+            let e = self.take_tail_front();
             self.settle_tail();
             e
         } else {
@@ -2569,6 +2789,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.tail.clear();
         self.tail_count = 0;
         self.tail_runs = 0;
+        self.tail_packed = 0;
         self.paged_below = 0;
         self.returned.clear();
         self.by_priority.clear();
@@ -2590,15 +2811,31 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// expires then.
     fn expire(&mut self, effects: &mut Vec<Effect<M>>) {
         let now = self.expiry_now();
-        // The in-order deque first: its messages are in `ready`, nearly always at its head.
-        while let Some(&(at, id)) = self.expiries_in_order.front() {
+        // Earliest first, from either index: which one holds an expiry depends on where its
+        // message sits in the line, which is not part of the state (a replicated queue's
+        // member packs its line as it likes).
+        loop {
+            let in_order = self.expiries_in_order.front().copied();
+            let index = self.expiries.first().copied();
+            let ((at, id), from_in_order) = match (in_order, index) {
+                (Some(a), Some(b)) if a <= b => (a, true),
+                (_, Some(b)) => (b, false),
+                (Some(a), None) => (a, true),
+                (None, None) => break,
+            };
             if !expired(at, now) {
                 break;
             }
-            self.expiries_in_order.pop_front();
-            let entry = match self.ready.binary_search_by_key(&id, |e| e.id) {
-                Ok(i) => self.ready.remove(i),
-                Err(_) => None,
+            let entry = if from_in_order {
+                // Its message is in `ready`, nearly always at its head.
+                self.expiries_in_order.pop_front();
+                match self.ready.binary_search_by_key(&id, |e| e.id) {
+                    Ok(i) => self.ready.remove(i),
+                    Err(_) => None,
+                }
+            } else {
+                self.expiries.pop_first();
+                self.take_expiring(id)
             };
             if let Some(e) = entry {
                 self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
@@ -2612,44 +2849,31 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 );
             }
         }
-        while let Some(&(at, id)) = self.expiries.first() {
-            if !expired(at, now) {
-                break;
-            }
-            self.expiries.pop_first();
-            let level = self.priority_level(id, |_| true);
-            let entry = if let Some(e) = self.returned.remove(&id) {
-                Some(e)
-            } else if let Some(p) = level {
-                self.by_priority.remove(&(p, id))
-            } else {
-                // `ready` is sorted by id. A queue-wide TTL expires from the head (O(1)); a
-                // per-message expiry in the middle shifts the shorter side of the deque.
-                match self.ready.binary_search_by_key(&id, |e| e.id) {
-                    Ok(i) => self.ready.remove(i),
-                    Err(_) => match self.tail.binary_search_by_key(&id, Slot::first_id) {
-                        Ok(i) if matches!(self.tail.get(i), Some(Slot::Msg(_))) => {
-                            self.tail_count = self.tail_count.saturating_sub(1);
-                            match self.tail.remove(i) {
-                                Some(Slot::Msg(e)) => Some(e),
-                                _ => None,
-                            }
-                        }
+    }
+
+    /// Takes the ready message `id` whose expiry the index held, wherever it is.
+    fn take_expiring(&mut self, id: u64) -> Option<Entry<M>> {
+        if let Some(e) = self.returned.remove(&id) {
+            return Some(e);
+        }
+        if let Some(p) = self.priority_level(id, |_| true) {
+            return self.by_priority.remove(&(p, id));
+        }
+        // `ready` is sorted by id. A queue-wide TTL expires from the head (O(1)); a
+        // per-message expiry in the middle shifts the shorter side of the deque. A packed
+        // message has no expiry.
+        match self.ready.binary_search_by_key(&id, |e| e.id) {
+            Ok(i) => self.ready.remove(i),
+            Err(_) => match self.tail.binary_search_by_key(&id, Slot::first_id) {
+                Ok(i) if matches!(self.tail.get(i), Some(Slot::Msg(_))) => {
+                    self.tail_count = self.tail_count.saturating_sub(1);
+                    match self.tail.remove(i) {
+                        Some(Slot::Msg(e)) => Some(e),
                         _ => None,
-                    },
+                    }
                 }
-            };
-            if let Some(e) = entry {
-                self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
-                self.left_line(&e);
-                self.dead_letter(
-                    e.id,
-                    e.msg,
-                    e.delivery_count,
-                    DeadLetterReason::Expired,
-                    effects,
-                );
-            }
+                _ => None,
+            },
         }
     }
 
@@ -2841,7 +3065,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .iter()
             .map(|s| match s {
                 Slot::Paged(r) => r.count,
-                Slot::Msg(_) => 0,
+                Slot::Msg(_) | Slot::Packed(_) => 0,
             })
             .sum()
     }
@@ -2859,7 +3083,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 last_id: r.last,
                 spilled: r.spilled,
             }),
-            Slot::Msg(_) => None,
+            Slot::Msg(_) | Slot::Packed(_) => None,
         })
     }
 
@@ -3054,8 +3278,46 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         if let Some(e) = self.returned.get(&msg_id) {
             return Some(&e.msg);
         }
-        let i = self.ready_position(msg_id)?;
-        self.ready.get(i).map(|e| &e.msg)
+        if let Some(i) = self.ready_position(msg_id) {
+            return self.ready.get(i).map(|e| &e.msg);
+        }
+        match self.tail.get(self.tail_position(msg_id)?) {
+            Some(Slot::Msg(e)) => Some(&e.msg),
+            _ => None,
+        }
+    }
+
+    /// [`Self::payload`], or the message rebuilt from its packed form: what another machine
+    /// holding the same message can share ([`Self::share_payload`]).
+    pub fn payload_to_share(&self, msg_id: u64) -> Option<Cow<'_, M>> {
+        if let Some(m) = self.payload(msg_id) {
+            return Some(Cow::Borrowed(m));
+        }
+        let slot = self.tail.partition_point(|s| s.first_id() <= msg_id);
+        let Some(Slot::Packed(run)) = self.tail.get(slot.checked_sub(1)?) else {
+            return None;
+        };
+        let i = run.binary_search_by_key(&msg_id, |p| p.id).ok()?;
+        run.get(i).map(|p| Cow::Owned(M::unpack(&p.item)))
+    }
+
+    /// Where message `msg_id` is in the tail, as a message slot (not packed): among the
+    /// last slots first, as [`Self::ready_position`] looks.
+    fn tail_position(&self, msg_id: u64) -> Option<usize> {
+        const TAIL: usize = 64;
+        let from = self.tail.len().saturating_sub(TAIL);
+        if self.tail.get(from).is_some_and(|s| s.first_id() <= msg_id) {
+            return self
+                .tail
+                .range(from..)
+                .rposition(|s| matches!(s, Slot::Msg(e) if e.id == msg_id))
+                .map(|i| from + i);
+        }
+        let i = self
+            .tail
+            .binary_search_by_key(&msg_id, Slot::first_id)
+            .ok()?;
+        matches!(self.tail.get(i), Some(Slot::Msg(_))).then_some(i)
     }
 
     /// Where message `msg_id` is in `ready`. Looked for among the last entries first: the
@@ -3085,7 +3347,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         };
         let mut i = self.ready.partition_point(|e| e.id < *first);
         let mut done = 0;
-        for (msg_id, other) in shared {
+        let mut rest = shared.iter();
+        for (msg_id, other) in rest.by_ref() {
             while self.ready.get(i).is_some_and(|e| e.id < *msg_id) {
                 i += 1;
             }
@@ -3095,10 +3358,61 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                     done += 1;
                 }
                 Some(_) => {}
-                None => break,
+                None => {
+                    done += usize::from(self.share_tail_payload(*msg_id, other));
+                    break;
+                }
             }
         }
+        // Past `ready`, in the tail's messages ([`Self::pack_line`]).
+        for (msg_id, other) in rest {
+            done += usize::from(self.share_tail_payload(*msg_id, other));
+        }
         done
+    }
+
+    /// [`Self::share_payload`] for a message of the tail, not packed.
+    fn share_tail_payload(&mut self, msg_id: u64, other: &M) -> bool
+    where
+        M: PartialEq + Clone,
+    {
+        let Some(i) = self.tail_position(msg_id) else {
+            return false;
+        };
+        match self.tail.get_mut(i) {
+            Some(Slot::Msg(e)) if e.msg == *other => {
+                e.msg = other.clone();
+            }
+            _ => return false,
+        }
+        // A message shared into a packed line (a leader's committed machine takes its
+        // copies as entries commit, after the pass that packed the line) packs at once.
+        if self.tail_packed > 0 {
+            self.pack_slot(i);
+        }
+        true
+    }
+
+    /// Packs the message in tail slot `i`, if it can be: into the run before it when that
+    /// has room (the slot is near the end of the tail: a shift of a few slots).
+    fn pack_slot(&mut self, i: usize) {
+        let Some(Slot::Msg(e)) = self.tail.get(i) else {
+            return;
+        };
+        let Some(p) = Self::packed_of(e) else {
+            return;
+        };
+        if let Some(Slot::Packed(run)) = i.checked_sub(1).and_then(|j| self.tail.get_mut(j)) {
+            if run.len() < PACKED_RUN {
+                run.push_back(p);
+                self.tail.remove(i);
+                return;
+            }
+        }
+        if let Some(slot) = self.tail.get_mut(i) {
+            *slot = Slot::Packed(VecDeque::from([p]));
+            self.tail_packed += 1;
+        }
     }
 
     /// Makes message `msg_id` hold `other` in place of an equal value of its own: a member
@@ -3116,7 +3430,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         } else {
             match self.ready_position(msg_id) {
                 Some(i) => self.ready.get_mut(i).map(|e| &mut e.msg),
-                None => None,
+                None => {
+                    return self.share_tail_payload(msg_id, other);
+                }
             }
         };
         match slot {
@@ -3139,66 +3455,131 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     ) -> impl Iterator<Item = (u64, &mut M)> + '_ {
         let from = self.ready.partition_point(|e| e.id <= after).max(skip);
         let from = from.min(self.ready.len());
-        self.ready.range_mut(from..).map(|e| (e.id, &mut e.msg))
+        // The tail's messages in memory and not packed, past the first `skip` of the line.
+        let mut pos = self.ready.len();
+        let mut first = 0;
+        while pos < skip && first < self.tail.len() {
+            pos += self.tail.get(first).map_or(1, slot_len);
+            first += 1;
+        }
+        let first = self
+            .tail
+            .partition_point(|s| s.first_id() <= after)
+            .max(first);
+        self.ready
+            .range_mut(from..)
+            .map(|e| (e.id, &mut e.msg))
+            .chain(self.tail.range_mut(first..).filter_map(|s| match s {
+                Slot::Msg(e) => Some((e.id, &mut e.msg)),
+                Slot::Paged(_) | Slot::Packed(_) => None,
+            }))
     }
 
-    /// How many messages at the head of the ready line have ids above `after`.
+    /// How many messages of the ready line in memory and not packed have ids above `after`.
     pub fn head_after(&self, after: u64) -> usize {
-        self.ready.len() - self.ready.partition_point(|e| e.id <= after)
+        let in_ready = self.ready.len() - self.ready.partition_point(|e| e.id <= after);
+        // Past the last packed run, the tail holds what came since the last packing.
+        let first = self.tail.partition_point(|s| s.first_id() <= after);
+        in_ready
+            + self
+                .tail
+                .range(first..)
+                .filter(|s| matches!(s, Slot::Msg(_)))
+                .count()
     }
 
-    /// The id of the message at position `pos` of the head of the ready line.
+    /// The ready line in memory, in order: ids and sizes (runs on disk left out).
+    fn line_sizes(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.ready
+            .iter()
+            .map(|e| (e.id, e.meta.size))
+            .chain(self.tail.iter().flat_map(|s| {
+                let (one, run) = match s {
+                    Slot::Msg(e) => (Some((e.id, e.meta.size)), None),
+                    Slot::Paged(_) => (None, None),
+                    Slot::Packed(run) => (None, Some(run)),
+                };
+                one.into_iter()
+                    .chain(run.into_iter().flatten().map(|p| (p.id, p.size)))
+            }))
+    }
+
+    /// The id of the message at position `pos` of the ready line in memory.
     pub fn head_id(&self, pos: usize) -> Option<u64> {
-        self.ready.get(pos).map(|e| e.id)
+        match self.ready.get(pos) {
+            Some(e) => Some(e.id),
+            None => self.line_sizes().nth(pos).map(|(id, _)| id),
+        }
     }
 
     /// How many messages at the head of the ready line fit in `count` messages and `bytes`
     /// of bodies (at least one when the line is not empty): the part a member keeps in memory.
     pub fn head_within(&self, count: usize, bytes: u64) -> usize {
         let mut total = 0u64;
-        for (i, e) in self.ready.iter().take(count).enumerate() {
-            total = total.saturating_add(e.meta.size);
+        let mut n = 0;
+        for (i, (_, size)) in self.line_sizes().take(count).enumerate() {
+            total = total.saturating_add(size);
             if total > bytes {
                 return i.max(1);
             }
+            n = i + 1;
         }
-        self.ready.len().min(count)
+        n
     }
 
     /// Every ready message in memory with its id and delivery count, in no particular order
-    /// (paged ones are in [`Self::paged_runs`]).
-    pub fn ready_messages(&self) -> impl Iterator<Item = (u64, &M, u32)> + '_ {
+    /// (paged ones are in [`Self::paged_runs`]); a packed one rebuilt.
+    pub fn ready_messages(&self) -> impl Iterator<Item = (u64, Cow<'_, M>, u32)> + '_ {
+        fn borrowed<M: Clone>(e: &Entry<M>) -> (u64, Cow<'_, M>, u32) {
+            (e.id, Cow::Borrowed(&e.msg), e.delivery_count)
+        }
         self.ready
             .iter()
-            .chain(self.tail.iter().filter_map(|s| match s {
-                Slot::Msg(e) => Some(e),
-                Slot::Paged(_) => None,
+            .map(borrowed)
+            .chain(self.tail.iter().flat_map(move |s| {
+                let (one, run) = match s {
+                    Slot::Msg(e) => (Some(borrowed(e)), None),
+                    Slot::Paged(_) => (None, None),
+                    Slot::Packed(run) => (None, Some(run)),
+                };
+                one.into_iter().chain(
+                    run.into_iter()
+                        .flatten()
+                        .map(|p| (p.id, Cow::Owned(M::unpack(&p.item)), 0)),
+                )
             }))
-            .chain(self.returned.values())
-            .chain(self.by_priority.values())
-            .chain(self.retrying.values().map(|(_, e)| e))
-            .chain(self.parked.values().flat_map(|line| line.values()))
-            .map(|e| (e.id, &e.msg, e.delivery_count))
+            .chain(
+                self.returned
+                    .values()
+                    .chain(self.by_priority.values())
+                    .chain(self.retrying.values().map(|(_, e)| e))
+                    .chain(self.parked.values().flat_map(|line| line.values()))
+                    .map(borrowed),
+            )
     }
 
     /// Every message the queue holds, ready or in flight, with its id and delivery count.
-    pub fn messages(&self) -> impl Iterator<Item = (u64, &M, u32)> + '_ {
-        self.ready_messages().chain(
-            self.in_flight
-                .values()
-                .map(|f| (f.entry.id, &f.entry.msg, f.entry.delivery_count)),
-        )
+    pub fn messages(&self) -> impl Iterator<Item = (u64, Cow<'_, M>, u32)> + '_ {
+        self.ready_messages()
+            .chain(self.in_flight.values().map(|f| {
+                (
+                    f.entry.id,
+                    Cow::Borrowed(&f.entry.msg),
+                    f.entry.delivery_count,
+                )
+            }))
     }
 
     /// Every message in memory, ready or in flight, in no particular order, to change in
     /// place for one that equals it ([`Self::share_payload`]'s contract: the machine's
-    /// state, its digest included, must not change).
+    /// state, its digest included, must not change). Packed ones are not in it: they can
+    /// be packed only once their contents are away.
     pub fn messages_mut(&mut self) -> impl Iterator<Item = &mut M> + '_ {
         self.ready
             .iter_mut()
             .chain(self.tail.iter_mut().filter_map(|s| match s {
                 Slot::Msg(e) => Some(e),
-                Slot::Paged(_) => None,
+                Slot::Paged(_) | Slot::Packed(_) => None,
             }))
             .chain(self.returned.values_mut())
             .chain(self.by_priority.values_mut())
@@ -3362,10 +3743,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .ready
             .iter()
             .map(|e| e.id)
-            .chain(self.tail.iter().filter_map(|s| match s {
-                Slot::Msg(e) => Some(e.id),
-                Slot::Paged(_) => None,
-            }))
+            .chain(self.tail_entries().map(|e| e.id))
             .peekable();
         loop {
             let next = match (r.peek(), q.peek()) {
@@ -3390,22 +3768,27 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.now_ms.hash(&mut h);
         self.ready_bytes.hash(&mut h);
         self.in_flight_bytes.hash(&mut h);
-        self.ready.len().hash(&mut h);
-        for e in &self.ready {
-            hash_entry(e, &mut h);
-        }
+        // The ready line as one sequence, whichever of its messages are in `ready` and which
+        // in the tail, packed or not (packing is node-local); paged runs where they are.
         (
-            self.tail.len(),
-            self.tail_count,
+            self.ready.len() as u64 + self.tail_count,
             self.tail_runs,
             self.paged_below,
         )
             .hash(&mut h);
         (self.paged_out_total, self.loaded_total).hash(&mut h);
+        for e in &self.ready {
+            hash_entry(e, &mut h);
+        }
         for s in &self.tail {
             match s {
                 Slot::Msg(e) => hash_entry(e, &mut h),
                 Slot::Paged(r) => r.hash(&mut h),
+                Slot::Packed(run) => {
+                    for p in run {
+                        hash_entry(&Self::unpacked(p), &mut h);
+                    }
+                }
             }
         }
         self.returned.len().hash(&mut h);
@@ -3472,10 +3855,18 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
         self.exclusive_consumer.hash(&mut h);
         self.has_had_consumers.hash(&mut h);
-        self.expiries_in_order.hash(&mut h);
-        self.expiries.len().hash(&mut h);
-        for e in &self.expiries {
-            e.hash(&mut h);
+        // One set, whichever of the two holds each expiry (packing moves some: node-local).
+        (self.expiries_in_order.len() + self.expiries.len()).hash(&mut h);
+        let mut in_order = self.expiries_in_order.iter().peekable();
+        let mut index = self.expiries.iter().peekable();
+        loop {
+            let next = match (in_order.peek(), index.peek()) {
+                (Some(a), Some(b)) if a <= b => in_order.next(),
+                (_, Some(_)) => index.next(),
+                (Some(_), None) => in_order.next(),
+                (None, None) => break,
+            };
+            next.hash(&mut h);
         }
         // Only when there are any, so a state without enqueuers keeps its digest.
         if !self.enqueuers.is_empty() {

@@ -28,6 +28,11 @@ enum Op {
         ttl: Option<u64>,
         pageable: bool,
     },
+    /// Node-local: packs the line past its first `keep` (never logged: the replay, which
+    /// never packs, must come to the same digests).
+    Pack {
+        keep: usize,
+    },
     /// Pages out past `keep` what is written: ids below `next_id - unwritten`.
     PageOut {
         keep: u32,
@@ -106,6 +111,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0u64..100, prop::option::weighted(0.3, prop_oneof![1 => Just(0u64), 4 => 1u64..50]), prop::bool::weighted(0.8)).prop_map(|(size, ttl, pageable)| Op::Enqueue { size, ttl, pageable }),
         2 => (0u32..4, 0u64..3).prop_map(|(keep, unwritten)| Op::PageOut { keep, unwritten }),
+        2 => (0usize..4).prop_map(|keep| Op::Pack { keep }),
         2 => (0u8..4, 0u16..NODES, any::<bool>(), 0u32..4).prop_map(|(slot, channel, no_ack, prefetch)| Op::Consume { slot, channel, no_ack: no_ack && slot == 3, prefetch }),
         1 => (0u8..4).prop_map(|slot| Op::Cancel { slot }),
         1 => (0u16..NODES, prop::bool::weighted(0.3), prop::option::of(0u32..4)).prop_map(|(channel, blocked, limit)| Op::Credit { channel, blocked, limit }),
@@ -676,6 +682,7 @@ fn tick(r: &mut Runner, model: &mut Model, advance: u64) -> Result<(), TestCaseE
 fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
     let mut r = Runner::new();
     let mut model = Model::default();
+    let mut packs = false;
     for op in ops {
         let now = model.now;
         match op {
@@ -758,6 +765,9 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 }
             }
             Op::PageOut { keep, unwritten } => {
+                if packs {
+                    continue;
+                }
                 let Some(upto_id) = r.m.next_msg_id().checked_sub(unwritten + 1) else {
                     continue;
                 };
@@ -769,6 +779,20 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                         upto_id,
                     },
                 );
+            }
+            Op::Pack { keep } => {
+                // A queue packs or pages, never both (a replicated queue's machine never
+                // gets a PageOut; a classic one is never packed).
+                if r.log
+                    .iter()
+                    .any(|(_, c, _)| matches!(c, Command::PageOut { .. }))
+                {
+                    continue;
+                }
+                packs = true;
+                let before = r.m.digest();
+                r.m.pack_line(keep);
+                prop_assert_eq!(r.m.digest(), before, "packing changed the digest");
             }
             Op::Checkout { max } => checkout(&mut r, &mut model, max)?,
             Op::Get { no_ack, node } => {

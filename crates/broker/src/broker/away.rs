@@ -245,7 +245,10 @@ fn ready_away_pass(
         // The committed machine holds the same messages (or will, once their entries
         // commit, from this machine's copies).
         committed.share_head_payloads(&pass.stubs);
+        committed.pack_line(kept);
     }
+    // What is away past the window keeps a few words a message (`pack_line`).
+    q.machine.pack_line(kept);
     pass.step()
 }
 
@@ -513,6 +516,7 @@ impl AwayContext {
                 }
             }
         }
+        machine.pack_line(kept);
         // The held publishes past those due soonest go too, and those waiting for a retry
         // past the oldest.
         let held = every_pass(|after| pass_held(machine, &self.store, count, after));
@@ -528,9 +532,8 @@ impl AwayContext {
         }
         let staying: u64 = machine
             .messages()
-            .map(|(_, m, _)| m)
-            .chain(machine.held_messages())
-            .map(|m| m.contents_len() as u64)
+            .map(|(_, m, _)| m.contents_len() as u64)
+            .chain(machine.held_messages().map(|m| m.contents_len() as u64))
             .sum();
         if staying.saturating_mul(4) <= bytes {
             for m in machine.messages_mut() {

@@ -824,7 +824,7 @@ impl Broker {
         let id = q.id;
         if let (Some(p), Some(q)) = (self.persist.as_mut(), self.queues.get(&id)) {
             for (msg_id, m, count) in q.machine.ready_messages() {
-                if let (Some(key), Some(body)) = (q.entry_key(m), m.store_key) {
+                if let (Some(key), Some(body)) = (q.entry_key(&m), m.store_key) {
                     p.forget(key, msg_id, body, count > 0);
                 }
             }

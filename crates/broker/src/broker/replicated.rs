@@ -2244,8 +2244,8 @@ impl Broker {
                         // The machine that ran ahead holds the message as it was published,
                         // the committed one as the log gave it back: one copy of its bytes
                         // is enough (a deep queue's leader held twice its followers' memory).
-                        if let Some(m) = q.machine.payload(msg_id) {
-                            committed.share_payload(msg_id, m);
+                        if let Some(m) = q.machine.payload_to_share(msg_id) {
+                            committed.share_payload(msg_id, &m);
                         }
                     }
                     reply

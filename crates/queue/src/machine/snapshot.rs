@@ -286,9 +286,8 @@ impl QueueMachine<Message> {
     fn snapshot_reserve(&self) -> usize {
         let payload: usize = self
             .messages()
-            .map(|(_, m, _)| m)
-            .chain(self.held_messages())
-            .map(|m| m.exchange.len() + m.routing_key.len() + m.properties.len() + m.body.len())
+            .map(|(_, m, _)| m.contents_len())
+            .chain(self.held_messages().map(Message::contents_len))
             .sum();
         let entries = self.ready_count() + self.in_flight.len() + self.held.len();
         payload.saturating_add(entries.saturating_mul(MIN_ENTRY_BYTES + 16))
@@ -303,8 +302,9 @@ impl QueueMachine<Message> {
             next_id: _,
             ready: _,
             tail: _,
-            tail_count: _, // derived: the tail holds messages only
-            tail_runs: _,  // derived: none
+            tail_count: _,  // derived: the tail holds messages only
+            tail_runs: _,   // derived: none
+            tail_packed: _, // node-local: packed messages are written as their entries
             paged_below: _,
             paged_out_total: _,
             loaded_total: _,
@@ -379,12 +379,10 @@ impl QueueMachine<Message> {
         for e in &self.ready {
             put_entry(out, e)?;
         }
-        // Messages only: runs were refused above.
-        put_len(out, self.tail.len());
-        for s in &self.tail {
-            if let Slot::Msg(e) = s {
-                put_entry(out, e)?;
-            }
+        // Messages only: runs on disk were refused above; packed ones are written whole.
+        put_len(out, self.tail_entries().count());
+        for e in self.tail_entries() {
+            put_entry(out, &e)?;
         }
         put_len(out, self.returned.len());
         for e in self.returned.values() {
@@ -892,6 +890,7 @@ impl SnapReader {
             next_id,
             tail_count: tail.len() as u64,
             tail_runs: 0,
+            tail_packed: 0,
             tail: tail.into_iter().map(Slot::Msg).collect(),
             ready,
             paged_below,
@@ -1222,6 +1221,102 @@ mod tests {
         let mut released = store.released.lock().unwrap().clone();
         released.sort_unstable();
         assert_eq!(released, keys, "every handle let go with the machine");
+    }
+
+    /// A line packed past its head ([`QueueMachine::pack_line`]) is the same machine: the
+    /// same digest, a snapshot that restores to it, its messages delivered whole and in
+    /// order, and every handle let go once they are taken.
+    #[test]
+    fn a_packed_line_snapshots_and_delivers_as_the_line_it_packs() {
+        let store = std::sync::Arc::new(crate::tests::MemAway::default());
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 100,
+        };
+        let body = |n: u32| Bytes::from(format!("job {n}"));
+        for n in 0..40u32 {
+            let expires_at = (n == 20).then_some(1_000_000);
+            r.apply(Command::Enqueue {
+                message: Message {
+                    body: body(n),
+                    // A replicated queue's message: no key of this node's store.
+                    store_key: None,
+                    ..message(b"")
+                },
+                meta: MsgMeta {
+                    size: body(n).len() as u64,
+                    expires_at,
+                    ..MsgMeta::default()
+                },
+            });
+        }
+        for (_, m) in r.m.head_payloads_mut(4, 0) {
+            let key = store.put(&[&*m]).unwrap()[0];
+            *m = m.away_stub(key, store.clone());
+        }
+        let whole = r.m.clone();
+        let digest = r.m.digest();
+        // All but the first 4 and the one with an expiry (it stays as it is).
+        assert_eq!(r.m.pack_line(4), 35);
+        assert_eq!(r.m.packed_count(), 35);
+        assert_eq!(
+            r.m.digest(),
+            digest,
+            "packing changes nothing the machine holds"
+        );
+        assert_eq!(r.m.ready_count(), 40);
+        // Written whole (where the line splits between head and tail is the member's own).
+        let restored = QueueMachine::restore_snapshot(snapshot_of(&r.m)).unwrap();
+        assert_eq!(restored.digest(), digest);
+        assert_eq!(restored.packed_count(), 0);
+        let from_whole = QueueMachine::restore_snapshot(snapshot_of(&whole)).unwrap();
+        assert_eq!(from_whole.digest(), digest);
+        // Messages after the packed ones (published since) are packed by the next call,
+        // into the last run, once they are away.
+        r.apply(Command::Enqueue {
+            message: Message {
+                body: body(40),
+                store_key: None,
+                ..message(b"")
+            },
+            meta: MsgMeta {
+                size: body(40).len() as u64,
+                ..MsgMeta::default()
+            },
+        });
+        assert_eq!(r.m.pack_line(4), 0, "whole: it stays as it is");
+        for (_, m) in r.m.head_payloads_mut(4, 39) {
+            let key = store.put(&[&*m]).unwrap()[0];
+            *m = m.away_stub(key, store.clone());
+        }
+        assert_eq!(r.m.pack_line(4), 1);
+        assert_eq!(r.m.packed_count(), 36);
+        // Taken from the head, whole once loaded, in order.
+        let mut effects = Vec::new();
+        for n in 0..41u32 {
+            effects.clear();
+            let meta = Meta {
+                index: r.m.last_index() + 1,
+                now_ms: r.now,
+            };
+            let reply = r.m.apply(meta, Command::Get { no_ack: true }, &mut effects);
+            assert_eq!(reply, crate::machine::Reply::Delivered { count: 1 }, "{n}");
+            let Some(crate::machine::Effect::Deliver(d)) = effects.first() else {
+                panic!("{n}: no delivery: {effects:?}");
+            };
+            assert_eq!(d.receipt.msg_id, u64::from(n));
+            assert_eq!(d.message.loaded().unwrap().body, body(n));
+        }
+        drop(effects);
+        assert_eq!(r.m.ready_count(), 0);
+        assert_eq!(r.m.packed_count(), 0);
+        drop(whole);
+        assert!(store.held.lock().unwrap().len() <= store.released.lock().unwrap().len() + 41);
+        assert_eq!(
+            store.released.lock().unwrap().len(),
+            37,
+            "every handle let go"
+        );
     }
 
     /// Without a handoff (nearly always) a snapshot is written in version 1, which members of
