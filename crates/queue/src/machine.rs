@@ -933,6 +933,8 @@ pub struct QueueMachine<M: crate::Payload> {
     tail_runs: usize,
     /// Packed runs in `tail` ([`Self::pack_line`]: node-local, not part of the state).
     tail_packed: usize,
+    /// Ready messages with ids up to this were looked at by [`Self::pack_line`] (node-local).
+    pack_seen: u64,
     /// Tail messages with smaller ids were considered by a `PageOut` already.
     paged_below: u64,
     /// Messages ever paged out, and ever read back (statistics; part of the state, so a
@@ -1026,6 +1028,7 @@ impl<M: crate::Payload> Default for QueueMachine<M> {
             tail_count: 0,
             tail_runs: 0,
             tail_packed: 0,
+            pack_seen: 0,
             paged_below: 0,
             paged_out_total: 0,
             loaded_total: 0,
@@ -2275,16 +2278,18 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.paged_below = 0;
     }
 
-    /// Node-local: keeps the first `keep` messages of the ready line whole in `ready` and
-    /// packs the rest, where it can ([`crate::Payload::pack`]: a message whose contents are
-    /// away, never delivered, with no expiry, group or priority), in runs of up to
-    /// [`PACKED_RUN`]; a message that cannot be packed stays as it is, in the tail. Nothing
-    /// the machine does changes, its digest and snapshot included: a packed message is
-    /// rebuilt, equal, whenever it is needed whole (as it reaches the head, or for a policy
-    /// change). A queue that pages (a classic queue's [`Command::PageOut`], whose outcome
-    /// depends on where the line splits) or has priorities is left as it is. Returns how
-    /// many messages it packed.
-    pub fn pack_line(&mut self, keep: usize) -> usize {
+    /// Node-local: keeps the first `keep` messages of the ready line in `ready` and packs the
+    /// rest with ids up to `upto` (those whose contents went away), where it can
+    /// ([`crate::Payload::pack`]: a message never delivered, with no expiry, group or
+    /// priority), in runs of up to [`PACKED_RUN`]; a message that cannot be packed stays as
+    /// it is, and the line moves to the tail only from its first message that packs (a queue
+    /// whose every message has a TTL stays as it is). Each message is looked at once
+    /// (`pack_seen`), so a call costs what came since the last one. Nothing the machine
+    /// does changes, its digest included: a packed message is rebuilt, equal, whenever it is
+    /// needed whole (as it reaches the head, for a policy change, a snapshot). A queue that
+    /// pages (a classic queue's [`Command::PageOut`], whose outcome depends on where the
+    /// line splits) or has priorities is left as it is. Returns how many messages it packed.
+    pub fn pack_line(&mut self, keep: usize, upto: u64) -> usize {
         let pages = self.tail_runs > 0 || self.paged_below > 0 || self.paged_out_total > 0;
         if pages || self.policy.max_priority.is_some() {
             return 0;
@@ -2296,9 +2301,35 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 None => break,
             }
         }
+        let seen = self.pack_seen;
         let mut packed = 0;
-        if self.ready.len() > keep {
-            let moved = self.ready.split_off(keep);
+        // The tail's messages not looked at yet (what came after its packed runs).
+        let from = self.tail.partition_point(|s| s.first_id() <= seen);
+        if from < self.tail.len() {
+            let rest = self.tail.split_off(from);
+            let entries = rest.into_iter().filter_map(|s| match s {
+                Slot::Msg(e) => Some(e),
+                // Packed runs hold what was looked at; a queue that packs never pages.
+                Slot::Paged(_) | Slot::Packed(_) => None,
+            });
+            let mut tail = std::mem::take(&mut self.tail);
+            packed += self.pack_into(&mut tail, entries, upto);
+            self.tail = tail;
+        }
+        // `ready` past the window, from the first message not looked at yet that packs.
+        let look = self
+            .ready
+            .partition_point(|e| e.id <= seen)
+            .max(keep)
+            .min(self.ready.len());
+        let first = self
+            .ready
+            .range(look..)
+            .take_while(|e| e.id <= upto)
+            .position(|e| Self::packed_of(e).is_some())
+            .map(|i| look + i);
+        if let Some(first) = first {
+            let moved = self.ready.split_off(first);
             // A line restored from a snapshot was all in `ready`: its room goes with it.
             if self.ready.capacity() > SHRINK_ABOVE && self.ready.capacity() / 4 > self.ready.len()
             {
@@ -2313,54 +2344,63 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             }
             self.tail_count += moved.len() as u64;
             let mut front = VecDeque::new();
-            packed += self.pack_into(&mut front, moved);
+            packed += self.pack_into(&mut front, moved, upto);
             while let Some(slot) = front.pop_back() {
                 self.tail.push_front(slot);
             }
         }
-        // What came since the last call: the message slots after the last packed run.
-        let from = self
-            .tail
-            .iter()
-            .rposition(|s| matches!(s, Slot::Packed(_)))
-            .map_or(0, |i| i + 1);
-        if from < self.tail.len() {
-            let rest = self.tail.split_off(from);
-            let entries = rest.into_iter().filter_map(|s| match s {
-                Slot::Msg(e) => Some(e),
-                // Past the last packed run only messages are left (a queue that packs never
-                // pages).
-                Slot::Paged(_) | Slot::Packed(_) => None,
-            });
-            let mut tail = std::mem::take(&mut self.tail);
-            packed += self.pack_into(&mut tail, entries);
-            self.tail = tail;
-        }
+        self.pack_seen = self.pack_seen.max(upto);
         self.settle_tail();
         packed
     }
 
     /// Appends `entries` (in id order, after what `slots` holds) to `slots`, packed where
-    /// they can be, into the last run if it has room; how many it packed.
+    /// they can be (ids up to `upto`), into the last run if it has room; how many it packed.
+    /// A message that packs alone between two that do not stays whole (a run of one takes
+    /// more than its entry), unless it ends `entries` (the run may grow at the next call).
     fn pack_into(
         &mut self,
         slots: &mut VecDeque<Slot<M>>,
         entries: impl IntoIterator<Item = Entry<M>>,
+        upto: u64,
     ) -> usize {
         let mut packed = 0;
+        let mut lone: Option<Entry<M>> = None;
         for entry in entries {
-            let Some(p) = Self::packed_of(&entry) else {
+            let p = if entry.id <= upto {
+                Self::packed_of(&entry)
+            } else {
+                None
+            };
+            let Some(p) = p else {
+                if let Some(e) = lone.take() {
+                    slots.push_back(Slot::Msg(e));
+                }
                 slots.push_back(Slot::Msg(entry));
                 continue;
             };
-            packed += 1;
-            match slots.back_mut() {
-                Some(Slot::Packed(run)) if run.len() < PACKED_RUN => run.push_back(p),
-                _ => {
-                    self.tail_packed += 1;
-                    slots.push_back(Slot::Packed(VecDeque::from([p])));
+            let open = matches!(slots.back(), Some(Slot::Packed(run)) if run.len() < PACKED_RUN);
+            if !open && lone.is_none() && !matches!(slots.back(), Some(Slot::Packed(_))) {
+                // It starts a run only once the next one packs too (or nothing follows).
+                lone = Some(entry);
+                continue;
+            }
+            let before = lone.take().and_then(|e| Self::packed_of(&e));
+            for p in before.into_iter().chain(std::iter::once(p)) {
+                packed += 1;
+                match slots.back_mut() {
+                    Some(Slot::Packed(run)) if run.len() < PACKED_RUN => run.push_back(p),
+                    _ => {
+                        self.tail_packed += 1;
+                        slots.push_back(Slot::Packed(VecDeque::from([p])));
+                    }
                 }
             }
+        }
+        if let Some(p) = lone.as_ref().and_then(Self::packed_of) {
+            packed += 1;
+            self.tail_packed += 1;
+            slots.push_back(Slot::Packed(VecDeque::from([p])));
         }
         packed
     }
@@ -3393,8 +3433,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         true
     }
 
-    /// Packs the message in tail slot `i`, if it can be: into the run before it when that
-    /// has room (the slot is near the end of the tail: a shift of a few slots).
+    /// Packs the message in tail slot `i`, if it can be and follows a packed run: into that
+    /// run when it has room (the slot is near the end of the tail: a shift of a few slots),
+    /// or as the first of the next.
     fn pack_slot(&mut self, i: usize) {
         let Some(Slot::Msg(e)) = self.tail.get(i) else {
             return;
@@ -3402,16 +3443,18 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let Some(p) = Self::packed_of(e) else {
             return;
         };
-        if let Some(Slot::Packed(run)) = i.checked_sub(1).and_then(|j| self.tail.get_mut(j)) {
-            if run.len() < PACKED_RUN {
+        match i.checked_sub(1).and_then(|j| self.tail.get_mut(j)) {
+            Some(Slot::Packed(run)) if run.len() < PACKED_RUN => {
                 run.push_back(p);
                 self.tail.remove(i);
-                return;
             }
-        }
-        if let Some(slot) = self.tail.get_mut(i) {
-            *slot = Slot::Packed(VecDeque::from([p]));
-            self.tail_packed += 1;
+            Some(Slot::Packed(_)) => {
+                if let Some(slot) = self.tail.get_mut(i) {
+                    *slot = Slot::Packed(VecDeque::from([p]));
+                    self.tail_packed += 1;
+                }
+            }
+            _ => {}
         }
     }
 
@@ -3936,6 +3979,58 @@ fn range_past<K: Ord + Copy, V>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A machine of packable `u64` payloads, for [`QueueMachine::pack_line`].
+    fn packing_line(expiries: impl Fn(u64) -> Option<u64>, n: u64) -> QueueMachine<u64> {
+        let mut m = QueueMachine::new();
+        for id in 0..n {
+            let meta = Meta {
+                index: id + 1,
+                now_ms: 0,
+            };
+            let message = Command::Enqueue {
+                message: id,
+                meta: MsgMeta {
+                    size: 1,
+                    expires_at: expiries(id),
+                    ..MsgMeta::default()
+                },
+            };
+            m.apply(meta, message, &mut Vec::new());
+        }
+        m
+    }
+
+    /// A queue whose every message has a TTL has nothing to pack: its line stays where it is
+    /// at every call (it was moved to the tail and back, whole, at each pass: a deep TTL
+    /// queue's publishes became quadratic), its expiries in their in-order index.
+    #[test]
+    fn a_line_with_nothing_to_pack_stays_as_it_is() {
+        let mut m = packing_line(|id| Some(1_000 + id), 10_000);
+        let digest = m.digest();
+        for upto in [5_000, 9_999, 9_999] {
+            assert_eq!(m.pack_line(16, upto), 0);
+            assert!(m.tail.is_empty());
+            assert_eq!(m.ready.len(), 10_000);
+            assert_eq!(m.expiries_in_order.len(), 10_000);
+        }
+        assert_eq!(m.digest(), digest);
+    }
+
+    /// A message that packs alone between two that do not stays whole (a run of one takes
+    /// more memory than its entry); runs of two or more pack; each message is looked at once.
+    #[test]
+    fn lone_messages_stay_whole_and_runs_pack() {
+        // Ids 0..16 the window; then alternating (odd ids expire), then a run of 5.
+        let mut m = packing_line(|id| (id < 40 && id % 2 == 1).then_some(5_000), 45);
+        let digest = m.digest();
+        assert_eq!(m.pack_line(16, 44), 5, "the run of 40..45 alone");
+        assert_eq!(m.digest(), digest);
+        assert_eq!(m.packed_count(), 5);
+        assert_eq!(m.tail_packed, 1);
+        // Looked at once: a second call finds nothing new.
+        assert_eq!(m.pack_line(16, 44), 0);
+    }
 
     type M = QueueMachine<&'static str>;
 

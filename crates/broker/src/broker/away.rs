@@ -245,10 +245,10 @@ fn ready_away_pass(
         // The committed machine holds the same messages (or will, once their entries
         // commit, from this machine's copies).
         committed.share_head_payloads(&pass.stubs);
-        committed.pack_line(kept);
+        committed.pack_line(kept, pass.last);
     }
     // What is away past the window keeps a few words a message (`pack_line`).
-    q.machine.pack_line(kept);
+    q.machine.pack_line(kept, pass.last);
     pass.step()
 }
 
@@ -516,7 +516,7 @@ impl AwayContext {
                 }
             }
         }
-        machine.pack_line(kept);
+        machine.pack_line(kept, from);
         // The held publishes past those due soonest go too, and those waiting for a retry
         // past the oldest.
         let held = every_pass(|after| pass_held(machine, &self.store, count, after));

@@ -305,6 +305,7 @@ impl QueueMachine<Message> {
             tail_count: _,  // derived: the tail holds messages only
             tail_runs: _,   // derived: none
             tail_packed: _, // node-local: packed messages are written as their entries
+            pack_seen: _,
             paged_below: _,
             paged_out_total: _,
             loaded_total: _,
@@ -375,15 +376,18 @@ impl QueueMachine<Message> {
         put_opt_consumer(out, self.exclusive_consumer);
         out.put_u8(u8::from(self.has_had_consumers));
 
-        put_len(out, self.ready.len());
+        // The whole line as the head, the tail's messages after `ready`'s (runs on disk were
+        // refused above; packed ones are written whole): where a member's line splits is its
+        // own, and a member of an earlier version reads a snapshot whose line is all in its
+        // head, as its own were (its passes send away only the head's messages).
+        put_len(out, self.ready.len() + self.tail_entries().count());
         for e in &self.ready {
             put_entry(out, e)?;
         }
-        // Messages only: runs on disk were refused above; packed ones are written whole.
-        put_len(out, self.tail_entries().count());
         for e in self.tail_entries() {
             put_entry(out, &e)?;
         }
+        put_len(out, 0);
         put_len(out, self.returned.len());
         for e in self.returned.values() {
             put_entry(out, e)?;
@@ -891,6 +895,7 @@ impl SnapReader {
             tail_count: tail.len() as u64,
             tail_runs: 0,
             tail_packed: 0,
+            pack_seen: 0,
             tail: tail.into_iter().map(Slot::Msg).collect(),
             ready,
             paged_below,
@@ -1257,7 +1262,7 @@ mod tests {
         let whole = r.m.clone();
         let digest = r.m.digest();
         // All but the first 4 and the one with an expiry (it stays as it is).
-        assert_eq!(r.m.pack_line(4), 35);
+        assert_eq!(r.m.pack_line(4, 39), 35);
         assert_eq!(r.m.packed_count(), 35);
         assert_eq!(
             r.m.digest(),
@@ -1265,10 +1270,11 @@ mod tests {
             "packing changes nothing the machine holds"
         );
         assert_eq!(r.m.ready_count(), 40);
-        // Written whole (where the line splits between head and tail is the member's own).
+        // Written whole, the line all in its head (where it splits is the member's own).
         let restored = QueueMachine::restore_snapshot(snapshot_of(&r.m)).unwrap();
         assert_eq!(restored.digest(), digest);
         assert_eq!(restored.packed_count(), 0);
+        assert!(!restored.has_tail());
         let from_whole = QueueMachine::restore_snapshot(snapshot_of(&whole)).unwrap();
         assert_eq!(from_whole.digest(), digest);
         // Messages after the packed ones (published since) are packed by the next call,
@@ -1284,12 +1290,16 @@ mod tests {
                 ..MsgMeta::default()
             },
         });
-        assert_eq!(r.m.pack_line(4), 0, "whole: it stays as it is");
+        assert_eq!(
+            r.m.pack_line(4, 39),
+            0,
+            "not looked at: its contents are here"
+        );
         for (_, m) in r.m.head_payloads_mut(4, 39) {
             let key = store.put(&[&*m]).unwrap()[0];
             *m = m.away_stub(key, store.clone());
         }
-        assert_eq!(r.m.pack_line(4), 1);
+        assert_eq!(r.m.pack_line(4, 40), 1);
         assert_eq!(r.m.packed_count(), 36);
         // Taken from the head, whole once loaded, in order.
         let mut effects = Vec::new();
