@@ -3365,6 +3365,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// nearly, and a search of a deep queue's whole line misses the cache at every step.
     fn ready_position(&self, msg_id: u64) -> Option<usize> {
         const TAIL: usize = 64;
+        // Past `ready`'s last (in the tail of a packed line): not here.
+        if self.ready.back().is_none_or(|e| e.id < msg_id) {
+            return None;
+        }
         let from = self.ready.len().saturating_sub(TAIL);
         if self.ready.get(from).is_some_and(|e| e.id <= msg_id) {
             return self
