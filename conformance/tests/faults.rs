@@ -1986,7 +1986,10 @@ fn check(h: &History, end: Instant) -> Report {
             let after = first.at.saturating_duration_since(*sent);
             // The broker counts in whole milliseconds from a clock read once per pass: under a
             // millisecond early is its rounding (the delayed-message benchmark counts it so too).
-            (after + Duration::from_millis(1) < *delay).then(|| {
+            // A message whose due time one leader set and another released also carries the two
+            // nodes' clocks' difference (each reads the wall clock at its start, to the
+            // millisecond: a release 2 ms early by the test's clock was seen after a failover).
+            (after + Duration::from_millis(3) < *delay).then(|| {
                 format!(
                     "{b} (x-delay {} ms, published on node {node}, delivered after {} ms by node {}{})",
                     delay.as_millis(),
