@@ -2086,12 +2086,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             }
             self.paged_below = 0;
             let moved = self.ready.split_off(split);
-            // What leaves `ready` takes its expiry to the index.
             if let Some(first) = moved.front().map(|e| e.id) {
-                while let Some(&(at, id)) = self.expiries_in_order.back().filter(|e| e.1 >= first) {
-                    self.expiries_in_order.pop_back();
-                    self.expiries.insert((at, id));
-                }
+                self.expiries_leave_ready(first);
             }
             self.tail_count += moved.len() as u64;
             self.tail.extend(moved.into_iter().map(Slot::Msg));
@@ -2264,6 +2260,14 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.expire(effects);
     }
 
+    /// What leaves `ready` (messages from id `first` on) takes its expiry to the index.
+    fn expiries_leave_ready(&mut self, first: u64) {
+        while let Some(&(at, id)) = self.expiries_in_order.back().filter(|e| e.1 >= first) {
+            self.expiries_in_order.pop_back();
+            self.expiries.insert((at, id));
+        }
+    }
+
     /// Once the tail holds no run, it is just the rest of the line: back into `ready`.
     fn settle_tail(&mut self) {
         if self.tail_runs > 0 || self.tail_packed > 0 || self.tail.is_empty() {
@@ -2335,12 +2339,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             {
                 self.ready.shrink_to(self.ready.len() * 2);
             }
-            // What leaves `ready` takes its expiry to the index.
             if let Some(first) = moved.front().map(|e| e.id) {
-                while let Some(&(at, id)) = self.expiries_in_order.back().filter(|e| e.1 >= first) {
-                    self.expiries_in_order.pop_back();
-                    self.expiries.insert((at, id));
-                }
+                self.expiries_leave_ready(first);
             }
             self.tail_count += moved.len() as u64;
             let mut front = VecDeque::new();
@@ -2491,17 +2491,17 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     }
 
     /// Every ready message of the line's tail in memory, in order, packed ones rebuilt.
-    fn tail_entries(&self) -> impl Iterator<Item = std::borrow::Cow<'_, Entry<M>>> + '_ {
+    fn tail_entries(&self) -> impl Iterator<Item = Cow<'_, Entry<M>>> + '_ {
         self.tail.iter().flat_map(|s| {
             let (one, run) = match s {
                 Slot::Msg(e) => (Some(e), None),
                 Slot::Paged(_) => (None, None),
                 Slot::Packed(run) => (None, Some(run)),
             };
-            one.map(std::borrow::Cow::Borrowed).into_iter().chain(
+            one.map(Cow::Borrowed).into_iter().chain(
                 run.into_iter()
                     .flatten()
-                    .map(|p| std::borrow::Cow::Owned(Self::unpacked(p))),
+                    .map(|p| Cow::Owned(Self::unpacked(p))),
             )
         })
     }
@@ -3525,14 +3525,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// How many messages of the ready line in memory and not packed have ids above `after`.
     pub fn head_after(&self, after: u64) -> usize {
         let in_ready = self.ready.len() - self.ready.partition_point(|e| e.id <= after);
-        // Past the last packed run, the tail holds what came since the last packing.
-        let first = self.tail.partition_point(|s| s.first_id() <= after);
-        in_ready
-            + self
-                .tail
-                .range(first..)
-                .filter(|s| matches!(s, Slot::Msg(_)))
-                .count()
+        // Past `after`, the tail holds what came since the last packing, one message a slot
+        // (runs hold only what was sent away, ids up to `after`), counted without a walk:
+        // this is asked at every entry a deep queue applies.
+        in_ready + (self.tail.len() - self.tail.partition_point(|s| s.first_id() <= after))
     }
 
     /// The ready line in memory, in order: ids and sizes (runs on disk left out).
@@ -3540,15 +3536,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.ready
             .iter()
             .map(|e| (e.id, e.meta.size))
-            .chain(self.tail.iter().flat_map(|s| {
-                let (one, run) = match s {
-                    Slot::Msg(e) => (Some((e.id, e.meta.size)), None),
-                    Slot::Paged(_) => (None, None),
-                    Slot::Packed(run) => (None, Some(run)),
-                };
-                one.into_iter()
-                    .chain(run.into_iter().flatten().map(|p| (p.id, p.size)))
-            }))
+            .chain(self.tail_entries().map(|e| (e.id, e.meta.size)))
     }
 
     /// The id of the message at position `pos` of the ready line in memory.
@@ -3583,17 +3571,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.ready
             .iter()
             .map(borrowed)
-            .chain(self.tail.iter().flat_map(move |s| {
-                let (one, run) = match s {
-                    Slot::Msg(e) => (Some(borrowed(e)), None),
-                    Slot::Paged(_) => (None, None),
-                    Slot::Packed(run) => (None, Some(run)),
-                };
-                one.into_iter().chain(
-                    run.into_iter()
-                        .flatten()
-                        .map(|p| (p.id, Cow::Owned(M::unpack(&p.item)), 0)),
-                )
+            .chain(self.tail_entries().map(|e| match e {
+                Cow::Borrowed(e) => borrowed(e),
+                Cow::Owned(e) => (e.id, Cow::Owned(e.msg), e.delivery_count),
             }))
             .chain(
                 self.returned
