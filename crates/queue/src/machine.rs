@@ -2311,13 +2311,20 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let from = self.tail.partition_point(|s| s.first_id() <= seen);
         if from < self.tail.len() {
             let rest = self.tail.split_off(from);
-            let entries = rest.into_iter().filter_map(|s| match s {
-                Slot::Msg(e) => Some(e),
-                // Packed runs hold what was looked at; a queue that packs never pages.
-                Slot::Paged(_) | Slot::Packed(_) => None,
-            });
             let mut tail = std::mem::take(&mut self.tail);
-            packed += self.pack_into(&mut tail, entries, upto);
+            let mut whole = Vec::new();
+            for slot in rest {
+                match slot {
+                    Slot::Msg(e) => whole.push(e),
+                    // A run packed since the last call (`pack_slot`, as a committed machine
+                    // takes its copies) stays as it is, in its place.
+                    run => {
+                        packed += self.pack_into(&mut tail, whole.drain(..), upto);
+                        tail.push_back(run);
+                    }
+                }
+            }
+            packed += self.pack_into(&mut tail, whole, upto);
             self.tail = tail;
         }
         // `ready` past the window, from the first message not looked at yet that packs.
@@ -4014,6 +4021,46 @@ mod tests {
         assert_eq!(m.tail_packed, 1);
         // Looked at once: a second call finds nothing new.
         assert_eq!(m.pack_line(16, 44), 0);
+    }
+
+    /// A leader's committed machine packs a message as it takes the other machine's copy
+    /// (`share_payload`): one that follows a full run starts a run of its own, whose first id
+    /// is past what `pack_line` looked at. The next call took that run for messages to look
+    /// at and dropped it: the machine lost its messages (a deep quorum queue's leader then
+    /// snapshotted its queue without them, and a follower sent that snapshot held fewer).
+    #[test]
+    fn a_run_packed_by_a_share_after_a_full_run_is_kept_by_the_next_pack() {
+        let n = 16 + PACKED_RUN as u64;
+        let mut m = packing_line(|_| None, n);
+        assert_eq!(m.pack_line(16, n - 1), PACKED_RUN);
+        // Published since the pass: whole in the tail, after the full run.
+        let mut more = packing_line(|_| None, n + 10);
+        for id in n..n + 10 {
+            let meta = Meta {
+                index: id + 1,
+                now_ms: 0,
+            };
+            let message = Command::Enqueue {
+                message: id,
+                meta: MsgMeta {
+                    size: 1,
+                    ..MsgMeta::default()
+                },
+            };
+            m.apply(meta, message, &mut Vec::new());
+        }
+        // Their copies shared as their entries commit: the first starts a run after the full one.
+        assert!(m.share_payload(n, &n));
+        assert_eq!(m.packed_count(), PACKED_RUN + 1);
+        let digest = m.digest();
+        m.pack_line(16, n + 9);
+        assert_eq!(m.packed_count(), PACKED_RUN + 10);
+        assert_eq!(m.digest(), digest);
+        let ids: Vec<u64> = m.ready_messages().map(|(id, _, _)| id).collect();
+        assert_eq!(ids, (0..n + 10).collect::<Vec<_>>());
+        assert_eq!(m.ready_count(), (n + 10) as usize);
+        assert_eq!(more.pack_line(16, n + 9), PACKED_RUN + 10);
+        assert_eq!(more.digest(), digest);
     }
 
     type M = QueueMachine<&'static str>;
