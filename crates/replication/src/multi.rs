@@ -52,7 +52,10 @@ pub struct Config {
     /// instead of holding all of it at once.
     pub max_committed_size_per_ready: u64,
     /// Applied entries kept in memory for peers that lag behind (older ones are read back
-    /// from the durable log).
+    /// from the durable log). A leader keeps more for a follower up to
+    /// [`LAGGING_IN_MEMORY`] times this behind; one further behind (down, or cut off) is sent
+    /// what it lacks from the durable log, so the leader's memory does not grow with the log
+    /// while a member is away.
     pub log_keep: u64,
     /// Entries the durable log keeps behind a snapshot for a follower that lags (a leader
     /// keeps what its followers still lack, up to this many): one further behind is sent the
@@ -513,6 +516,11 @@ impl MultiRaft {
         let g = self.groups.get(&group)?;
         let l = g.raw.raft.leader_id;
         (l != INVALID_ID).then_some(l)
+    }
+
+    /// The entries a group holds in memory (the rest of its log is on disk only).
+    pub fn entries_in_memory(&self, group: GroupId) -> Option<usize> {
+        self.groups.get(&group).map(|g| g.raw.store().len())
     }
 
     pub fn is_leader(&self, group: GroupId) -> bool {
@@ -1832,7 +1840,12 @@ fn push_committed(out: &mut Vec<Committed>, group: GroupId, entries: Vec<Entry>)
     );
 }
 
-/// Drops applied entries beyond the keep window, never past what a live follower still needs.
+/// How far behind (in [`Config::log_keep`]s) a follower may be for its leader to keep what it
+/// lacks in memory, when the durable log can be read back.
+pub const LAGGING_IN_MEMORY: u64 = 8;
+
+/// Drops applied entries beyond the keep window, never past what a follower close behind still
+/// needs (one further behind reads from the durable log, when there is one to read).
 fn compact(g: &mut Group, cfg: &Config) {
     let r = &g.raw.raft;
     let applied = r.raft_log.applied;
@@ -1842,8 +1855,10 @@ fn compact(g: &mut Group, cfg: &Config) {
     }
     let mut to = applied.saturating_sub(cfg.log_keep);
     if r.state == StateRole::Leader {
+        let far = cfg.log_keep.saturating_mul(LAGGING_IN_MEMORY);
+        let cold = store.has_cold();
         for (id, pr) in r.prs().iter() {
-            if *id != r.id {
+            if *id != r.id && !(cold && applied.saturating_sub(pr.matched) > far) {
                 to = to.min(pr.matched);
             }
         }

@@ -219,6 +219,11 @@ impl GroupLog {
             .map_or(self.compacted_index + 1, |e| e.index)
     }
 
+    /// Whether entries that left memory can be read back ([`Self::set_cold`]).
+    pub fn has_cold(&self) -> bool {
+        self.cold.is_some()
+    }
+
     /// Reads entries that left memory from the durable log from now on.
     pub fn set_cold(&mut self, group: u64, cold: std::sync::Arc<dyn ColdLog>) {
         self.cold = Some((group, cold));

@@ -61,6 +61,40 @@ fn a_follower_behind_the_compacted_log_gets_the_snapshot_and_a_restart_replays_t
     assert_eq!(sim.committed_ever.len(), 110);
 }
 
+/// A leader held every entry a follower lacked in memory for as long as the follower was away
+/// (a node down for an hour under load: the whole hour's log, bodies included, in the leader's
+/// heap). Past `LAGGING_IN_MEMORY` times `log_keep` behind, the follower is sent its entries
+/// from the durable log instead, and catches up all the same.
+#[test]
+fn a_leader_keeps_little_in_memory_for_a_follower_far_behind_which_catches_up_from_disk() {
+    let mut sim = Sim::new(13, 0);
+    for (id, n) in sim.nodes.iter_mut() {
+        let mut cfg = super::sim::config(*id);
+        cfg.log_keep = 8;
+        *n = super::sim::SimNode::fresh(cfg);
+        n.raft.set_cold_log(n.log.cold());
+        n.raft.add_group(G, *id == 1).expect("group");
+    }
+    sim.groups = vec![G];
+    sim.run_until_led(200).expect("a leader");
+    let leader = sim.leader(G).expect("leader");
+    let behind = leader % 3 + 1;
+    sim.isolated.insert(behind);
+    propose_many(&mut sim, 0, 300);
+    let held = sim.nodes[&leader].raft.entries_in_memory(G).expect("group");
+    let bound = (8 * (crate::multi::LAGGING_IN_MEMORY + 2)) as usize;
+    assert!(held <= bound, "the leader holds {held} entries in memory");
+    sim.isolated.clear();
+    sim.run(200);
+    sim.assert_applied_everywhere(&[1, 2, 3]);
+    assert_eq!(
+        sim.nodes[&behind].applied[&G].len(),
+        300,
+        "caught up from disk"
+    );
+    assert_eq!(sim.committed_ever.len(), 300);
+}
+
 #[test]
 fn the_leader_keeps_what_a_live_follower_still_lacks_up_to_its_limit() {
     let mut sim = Sim::new(12, 1);
