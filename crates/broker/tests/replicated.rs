@@ -152,7 +152,7 @@ impl Cluster {
         broker.set_away_store(away.clone());
         broker.join_cluster(n, &NODES, boot);
         if let Some(every) = snapshot_every {
-            broker.set_snapshot_policy(every, usize::MAX, usize::MAX);
+            broker.set_snapshot_policy(every, warren_broker::SnapshotLimits::NONE);
         }
         (broker, away)
     }

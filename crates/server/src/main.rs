@@ -300,8 +300,11 @@ async fn run(config: Config) -> std::io::Result<()> {
         // every node takes them.
         broker.set_snapshot_policy(
             c.snapshot_entries,
-            c.snapshot_inline_max,
-            cluster::MAX_SNAPSHOT,
+            warren_broker::SnapshotLimits {
+                frame: c.snapshot_inline_max,
+                pieced: cluster::MAX_SNAPSHOT,
+                large: cluster::MAX_SNAPSHOT_LARGE,
+            },
         );
         let mut peers = c.nodes.clone();
         // `Config::resolve` checked that the list holds this node.

@@ -59,7 +59,13 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// 7, a quorum queue with a dead-letter exchange holds its dead-lettered messages until their
 /// dead letters are safe (`Policy::hold_dead_letters`, `Command::DeadLettered`, snapshot
 /// version 4).
-pub const FEATURE_LEVEL: u64 = 7;
+/// 8, a node receives a snapshot in pieces above 4 GiB (spooled to its disk, never held in
+/// memory), so a quorum queue deeper than the earlier levels' largest snapshot is snapshotted.
+pub const FEATURE_LEVEL: u64 = 8;
+
+/// The level from which every node takes a snapshot in pieces of any size its disk holds: a
+/// node of an older version drops the link that sends it one above 4 GiB.
+pub(super) const LARGE_SNAPSHOTS_LEVEL: u64 = 8;
 
 /// The level from which quorum queues hold their dead letters until they are safe: a node of
 /// an older version cannot read `Command::DeadLettered`, nor a snapshot that holds some.
@@ -1802,7 +1808,14 @@ mod tests {
     #[test]
     fn snapshots_larger_than_a_frame_are_taken_once_every_node_receives_pieces() {
         let mut b = new_node_two();
-        b.set_snapshot_policy(10, 1_000, 1_000_000);
+        b.set_snapshot_policy(
+            10,
+            SnapshotLimits {
+                frame: 1_000,
+                pieced: 1_000_000,
+                large: 1_000_000_000,
+            },
+        );
         b.set_meta_leader(Some(1));
         let out = sent(&mut b);
         b.apply_committed(&[
@@ -1829,6 +1842,27 @@ mod tests {
             },
         )]);
         assert_eq!(b.snapshot_limit(), 1_000_000);
+        // Node 2 is at this version's level: once nodes 1 and 3 are too, any size goes.
+        b.apply_committed(&[entry_from(
+            1,
+            5,
+            102,
+            MetaOp::FeatureLevel {
+                node: 1,
+                level: LARGE_SNAPSHOTS_LEVEL,
+            },
+        )]);
+        assert_eq!(b.snapshot_limit(), 1_000_000, "node 3 would drop the link");
+        b.apply_committed(&[entry_from(
+            3,
+            6,
+            103,
+            MetaOp::FeatureLevel {
+                node: 3,
+                level: LARGE_SNAPSHOTS_LEVEL,
+            },
+        )]);
+        assert_eq!(b.snapshot_limit(), 1_000_000_000);
     }
 
     /// A node announces its level once it knows the metadata group's leader; a quorum queue
@@ -2066,7 +2100,7 @@ mod tests {
             "{:?}",
             entry.ops
         );
-        b.set_snapshot_policy(1, usize::MAX, usize::MAX);
+        b.set_snapshot_policy(1, SnapshotLimits::NONE);
         b.apply_committed(&[own(4, out[0].clone())]);
         assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2]));
         assert_eq!(
@@ -2157,7 +2191,7 @@ mod tests {
                 level: 2
             })
         );
-        b.set_snapshot_policy(1_000_000, usize::MAX, usize::MAX);
+        b.set_snapshot_policy(1_000_000, SnapshotLimits::NONE);
         b.apply_committed(&[own(5, out[0].clone())]);
         assert_eq!(b.cluster_view().map(|v| v.1), Some(vec![1, 2, 4]));
         assert_eq!(

@@ -246,6 +246,27 @@ fn too_large(queue: &dyn std::fmt::Display, vhost: &dyn std::fmt::Display, bytes
 /// most); a deeper one's machine is copied and encoded by the snapshot's writer.
 const ENCODE_AT_ONCE_MAX: u64 = 8 << 20;
 
+/// The largest queue snapshot a follower can be sent, by what every node of the cluster
+/// receives ([`Broker::set_snapshot_policy`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotLimits {
+    /// In one frame of the transport.
+    pub frame: usize,
+    /// In pieces, by nodes that hold a message of pieces in memory when they cannot spool it.
+    pub pieced: usize,
+    /// In pieces, by nodes that spool any size to their disk.
+    pub large: usize,
+}
+
+impl SnapshotLimits {
+    /// No limit: a broker whose snapshots never leave its node (tests).
+    pub const NONE: SnapshotLimits = SnapshotLimits {
+        frame: usize::MAX,
+        pieced: usize::MAX,
+        large: usize::MAX,
+    };
+}
+
 /// Entries applied between two snapshots of a queue, at least.
 pub const SNAPSHOT_ENTRIES: u64 = 4096;
 
@@ -293,10 +314,12 @@ pub(crate) struct Cluster {
     /// Snapshots taken, for the driver.
     pub(super) snapshots: Vec<ReplicaSnapshot>,
     /// Entries between snapshots, and the largest snapshot that can be sent to a follower: in
-    /// one frame, and in pieces once every node takes them (`PIECES_LEVEL`).
+    /// one frame, in pieces once every node takes them (`PIECES_LEVEL`), and larger ones once
+    /// every node spools them to its disk whatever their size (`LARGE_SNAPSHOTS_LEVEL`).
     pub(super) snapshot_entries: u64,
     pub(super) snapshot_max: usize,
     pub(super) snapshot_max_pieced: usize,
+    pub(super) snapshot_max_large: usize,
     /// Consumers of this node's channels on replicated queues (since it started): their queue,
     /// their key, and whether their group applied their `Consume` (a `Down` of this node
     /// applied after that means the leader took them away).
@@ -356,6 +379,7 @@ impl Cluster {
             snapshot_entries: SNAPSHOT_ENTRIES,
             snapshot_max: usize::MAX,
             snapshot_max_pieced: usize::MAX,
+            snapshot_max_large: usize::MAX,
             local_consumers: HashMap::new(),
             retired: HashMap::new(),
             down_since: BTreeMap::new(),
@@ -688,14 +712,16 @@ impl Broker {
     /// A replicated queue's committed state is snapshotted once `entries` entries were applied
     /// since the last one (and the log since holds as many bytes as that one did); a snapshot
     /// larger than what the cluster's transport can carry to a follower is not kept, and the
-    /// log goes on growing until the queue is smaller. The transport carries `max_bytes` in one
-    /// frame, and `pieced_max` in pieces once every node announced `PIECES_LEVEL` (a node of an
-    /// earlier version drops pieces, so a follower of it could never catch up).
-    pub fn set_snapshot_policy(&mut self, entries: u64, max_bytes: usize, pieced_max: usize) {
+    /// log goes on growing until the queue is smaller. The transport carries `limits.frame` in
+    /// one frame, `limits.pieced` in pieces once every node announced `PIECES_LEVEL` (a node of
+    /// an earlier version drops pieces, so a follower of it could never catch up), and
+    /// `limits.large` once every node announced `LARGE_SNAPSHOTS_LEVEL`.
+    pub fn set_snapshot_policy(&mut self, entries: u64, limits: SnapshotLimits) {
         if let Some(c) = self.cluster.as_mut() {
             c.snapshot_entries = entries.max(1);
-            c.snapshot_max = max_bytes;
-            c.snapshot_max_pieced = pieced_max.max(max_bytes);
+            c.snapshot_max = limits.frame;
+            c.snapshot_max_pieced = limits.pieced.max(limits.frame);
+            c.snapshot_max_large = limits.large.max(c.snapshot_max_pieced);
         }
     }
 
@@ -936,13 +962,11 @@ impl Broker {
         let Some(c) = self.cluster.as_ref() else {
             return usize::MAX;
         };
-        let pieces = self
-            .cluster_feature_level()
-            .is_some_and(|l| l >= super::metadata_group::PIECES_LEVEL);
-        if pieces {
-            c.snapshot_max_pieced
-        } else {
-            c.snapshot_max
+        use super::metadata_group::{LARGE_SNAPSHOTS_LEVEL, PIECES_LEVEL};
+        match self.cluster_feature_level() {
+            Some(l) if l >= LARGE_SNAPSHOTS_LEVEL => c.snapshot_max_large,
+            Some(l) if l >= PIECES_LEVEL => c.snapshot_max_pieced,
+            _ => c.snapshot_max,
         }
     }
 

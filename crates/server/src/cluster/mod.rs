@@ -58,9 +58,14 @@ use transport::{Counters, Net};
 /// follower and stall its group. The margin covers the batch's and the message's other fields.
 pub const MAX_PROPOSAL: usize = wire::MAX_FRAME - (64 << 10);
 /// The largest snapshot a replicated queue takes once every node receives snapshots in pieces
-/// (a larger queue keeps its log until it is smaller): the leader holds it in memory as it
-/// reads it for a follower, the follower as it puts it together, writes and decodes it.
+/// (a larger queue keeps its log until it is smaller), while a node of the cluster runs a
+/// version that puts a snapshot whose pieces it cannot spool together in memory.
 pub const MAX_SNAPSHOT: usize = 1 << 30;
+/// The largest snapshot once every node spools any size to its disk and maps it from there
+/// (`LARGE_SNAPSHOTS_LEVEL`): the leader maps its file as it sends it, the follower spools the
+/// pieces and maps them, and neither holds it in its heap. A queue beyond it (a terabyte of
+/// messages) keeps its log.
+pub const MAX_SNAPSHOT_LARGE: usize = pieces::MAX_PIECED;
 /// The shortest cluster secret accepted.
 pub const MIN_SECRET_LEN: usize = 16;
 /// How long `shutdown` waits for the transport's tasks once the Raft thread has stopped.

@@ -37,10 +37,18 @@ pub const PIECE_BYTES: usize = 4 << 20;
 /// A message whose snapshot data is at most this travels in one frame, as before pieces: a
 /// node that predates them reads it.
 pub const INLINE_MAX: usize = super::MAX_PROPOSAL;
-/// The largest snapshot data sent or taken in pieces. A receiver holds a message's pieces
-/// until the last one, so this bounds what one link may make it hold.
-pub const MAX_PIECED: usize = 4 << 30;
+/// The largest snapshot data sent or taken in pieces. A receiver spools a message's pieces to
+/// its disk until the last one (and only if its disk has room for them), so this is a sanity
+/// bound, not a budget: a terabyte. Nodes of versions before `LARGE_SNAPSHOTS_LEVEL` refuse
+/// more than 4 GiB, and are sent at most [`super::MAX_SNAPSHOT`].
+pub const MAX_PIECED: usize = 1 << 40;
+/// The largest message of pieces put together in memory, when a link has no spool file or
+/// cannot write it: a larger one is read to its end and dropped (Raft sends it again), never
+/// held in the heap.
+pub const MAX_IN_MEMORY: usize = super::MAX_SNAPSHOT;
 const _: () = assert!(super::MAX_SNAPSHOT <= MAX_PIECED);
+/// Room a spooled message leaves on its disk: the node's log and store write there too.
+const SPOOL_MARGIN: u64 = 256 << 20;
 /// Messages waiting to go in pieces on one link; more are dropped (Raft sends them again).
 const MAX_WAITING: usize = 4;
 const PIECE_HEADER: usize = 28;
@@ -165,19 +173,41 @@ fn room() -> usize {
     MAX_FRAME - BATCH_HEADER - 2 * ENVELOPE_HEADER
 }
 
-/// A snapshot of a group, at an index, that came whole less than this long ago is not put
-/// together again: the leader sends it again each time the follower refuses an append before
-/// its Raft thread has installed the first, and each copy would be held in memory.
+/// A snapshot of a group, at an index, that came whole less than this long ago (and a second
+/// more per 64 MiB of it) is not put together again: the leader sends it again each time the
+/// follower refuses an append before its Raft thread has installed the first (a deep queue's
+/// takes a while to write and decode), and each copy would be spooled or held again.
 const AGAIN_AFTER: Duration = Duration::from_secs(10);
 
+fn again_after(total: usize) -> Duration {
+    AGAIN_AFTER + Duration::from_secs((total >> 26) as u64)
+}
+
 /// The message a link is receiving in pieces.
-#[derive(Default)]
 pub struct Incoming {
     partial: Option<Partial>,
-    /// The last message made whole: its group, snapshot index and when.
+    /// The last message made whole: its group, snapshot index, and until when the same one
+    /// is not put together again.
     last: Option<(u64, u64, Instant)>,
     /// Where the pieces are written (none: kept in memory).
     spool: Option<PathBuf>,
+    /// The largest message put together in memory ([`MAX_IN_MEMORY`]; less in tests).
+    memory_max: usize,
+    /// The free bytes of the spool's file system ([`crate::alarms::free_disk`]; made up in
+    /// tests).
+    free_disk: fn(&Path) -> Option<u64>,
+}
+
+impl Default for Incoming {
+    fn default() -> Self {
+        Incoming {
+            partial: None,
+            last: None,
+            spool: None,
+            memory_max: MAX_IN_MEMORY,
+            free_disk: crate::alarms::free_disk,
+        }
+    }
 }
 
 struct Partial {
@@ -190,7 +220,8 @@ struct Partial {
     /// The spool file the pieces are written to, if the link has one.
     file: Option<std::fs::File>,
     have: usize,
-    /// A copy of the last message made whole: its pieces are checked, not kept.
+    /// Its pieces are checked, not kept: a copy of the last message made whole, or one that
+    /// has nowhere to go (larger than `memory_max` and no room to spool it).
     again: bool,
 }
 
@@ -207,11 +238,9 @@ impl Incoming {
     /// A link's receiver that writes the pieces to `file` (a name of its own, in a folder
     /// emptied at the node's start: [`clear_spool`]), and maps it once the message is whole.
     pub fn spooled(file: PathBuf) -> Incoming {
-        Incoming {
-            partial: None,
-            last: None,
-            spool: Some(file),
-        }
+        let mut incoming = Incoming::default();
+        incoming.spool = Some(file);
+        incoming
     }
 
     /// Takes one piece (a forward's bytes); the message it makes whole comes back. An error
@@ -244,15 +273,23 @@ impl Incoming {
         if offset == 0 {
             let head = Message::parse_from_carllerche_bytes(&head)?;
             let index = head.get_snapshot().get_metadata().index;
-            let again = self.last.is_some_and(|(g, i, at)| {
-                g == group && i == index && now.saturating_duration_since(at) < AGAIN_AFTER
-            });
+            let mut again = self
+                .last
+                .is_some_and(|(g, i, until)| g == group && i == index && now < until);
             // An unfinished message is dropped, its file with it.
             self.discard_partial();
             let file = match (&self.spool, again) {
-                (Some(path), false) => open_spool(path).map_err(|e| spool_failed(&e)).ok(),
+                (Some(path), false) => self.open_room(path, total),
                 _ => None,
             };
+            if !again && file.is_none() && total > self.memory_max {
+                tracing::warn!(
+                    group,
+                    bytes = total,
+                    "a snapshot in pieces cannot be spooled and is too large to hold in memory: it is dropped (its leader sends it again)"
+                );
+                again = true;
+            }
             self.partial = Some(Partial {
                 group,
                 total,
@@ -282,6 +319,13 @@ impl Incoming {
             let spooled = match p.file.as_mut() {
                 Some(f) => match std::io::Write::write_all(f, &piece) {
                     Ok(()) => true,
+                    Err(e) if p.total > self.memory_max => {
+                        tracing::warn!(group, bytes = p.total, error = %e, "a snapshot in pieces cannot be spooled and is too large to hold in memory: it is dropped (its leader sends it again)");
+                        p.file = None;
+                        p.again = true;
+                        remove_spool_file(&self.spool);
+                        false
+                    }
                     Err(e) => {
                         spool_failed(&e);
                         let back = back_to_memory(p);
@@ -297,7 +341,7 @@ impl Incoming {
                 },
                 None => false,
             };
-            if !spooled {
+            if !spooled && !p.again {
                 p.parts.push(Bytes::copy_from_slice(&piece));
             }
         }
@@ -341,7 +385,7 @@ impl Incoming {
             ));
         }
         let index = p.head.get_snapshot().get_metadata().index;
-        self.last = Some((group, index, now));
+        self.last = Some((group, index, now + again_after(p.total)));
         p.head.mut_snapshot().data = data;
         Ok(Some(Envelope {
             group: GroupId(group),
@@ -357,6 +401,23 @@ impl Incoming {
 }
 
 impl Incoming {
+    /// A spool file for a message of `total` bytes, if its disk has room for them beside
+    /// what the node writes there.
+    fn open_room(&self, path: &Path, total: usize) -> Option<std::fs::File> {
+        let dir = path.parent().unwrap_or(path);
+        if let Some(free) = (self.free_disk)(dir) {
+            if free < (total as u64).saturating_add(SPOOL_MARGIN) {
+                tracing::warn!(
+                    bytes = total,
+                    free,
+                    "no room on the disk to spool a snapshot in pieces"
+                );
+                return None;
+            }
+        }
+        open_spool(path).map_err(|e| spool_failed(&e)).ok()
+    }
+
     /// Drops the message under way, and its spool file if it has one.
     fn discard_partial(&mut self) {
         if let Some(Partial { file: Some(_), .. }) = self.partial.take() {
@@ -648,6 +709,63 @@ mod tests {
         assert_eq!(whole.len(), 1);
         assert!(!file.exists());
         assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
+    }
+
+    #[test]
+    fn a_message_with_no_room_on_the_disk_and_too_large_for_memory_is_dropped_never_held() {
+        const INLINE: usize = 64 << 10;
+        let dir = tempfile::tempdir().expect("dir");
+        let file = dir.path().join("2.0.part");
+        let data = big(3 * INLINE);
+        let mut out = Outgoing::new(INLINE);
+        out.take_large(&mut batch(vec![(5, snapshot_msg(2, 80, data.clone()))]));
+        let frames = frames_of(&mut out);
+        let pieces: Vec<Bytes> = frames.iter().flat_map(|f| pieces_in(f)).collect();
+        assert!(pieces.len() >= 3);
+        // The messages made whole, and the most bytes held in memory meanwhile.
+        let feed_held = |incoming: &mut Incoming| {
+            let (mut whole, mut held) = (Vec::new(), 0);
+            for p in &pieces {
+                whole.extend(incoming.take(p.clone(), Instant::now()).expect("taken"));
+                let parts = incoming.partial.as_ref().map(|p| &p.parts);
+                held = parts
+                    .map_or(0, |v| v.iter().map(Bytes::len).sum::<usize>())
+                    .max(held);
+            }
+            (whole, held)
+        };
+        let feed = |incoming: &mut Incoming| {
+            let (whole, held) = feed_held(incoming);
+            assert!(held <= incoming.memory_max, "{held} in memory");
+            whole
+        };
+        // The disk has room for what a small node writes, not for the message beside it.
+        let mut full = Incoming::spooled(file.clone());
+        full.free_disk = |_| Some(SPOOL_MARGIN + INLINE as u64);
+        full.memory_max = 2 * INLINE;
+        let (whole, held) = feed_held(&mut full);
+        assert!(whole.is_empty() && held == 0, "dropped, nothing held: {held}");
+        assert!(!file.exists());
+        // Sent again, it is dropped again: it never came whole, so it is not a copy.
+        let (whole, held) = feed_held(&mut full);
+        assert!(whole.is_empty() && held == 0);
+        // Small enough for memory, it comes whole from there.
+        full.memory_max = 4 * INLINE;
+        let whole = feed(&mut full);
+        assert_eq!(whole.len(), 1);
+        assert_eq!(whole[0].msg.get_snapshot().data, data);
+        // With room on the disk, any size is spooled.
+        let mut room = Incoming::spooled(file.clone());
+        room.free_disk = |_| Some(SPOOL_MARGIN + (3 * INLINE) as u64);
+        room.memory_max = 0;
+        let whole = feed(&mut room);
+        assert_eq!(whole.len(), 1);
+        assert_eq!(whole[0].msg.get_snapshot().data, data);
+        // An unknown free space (a file system that does not say) does not stop the spool.
+        let mut unknown = Incoming::spooled(file);
+        unknown.free_disk = |_| None;
+        unknown.memory_max = 0;
+        assert_eq!(feed(&mut unknown).len(), 1);
     }
 
     #[test]
