@@ -537,10 +537,15 @@ pub(crate) mod tests {
         pub next: std::sync::atomic::AtomicU64,
         pub held: std::sync::Mutex<std::collections::HashMap<u64, Message>>,
         pub released: std::sync::Mutex<Vec<u64>>,
+        /// Every `put` fails (a full disk).
+        pub fail: std::sync::Mutex<bool>,
     }
 
     impl AwayStore for MemAway {
         fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
+            if *self.fail.lock().unwrap() {
+                return Err("no space left on device".to_owned());
+            }
             let mut held = self.held.lock().unwrap();
             let mut keys = Vec::new();
             for m in items {

@@ -50,7 +50,7 @@ use crate::Overflow;
 use crate::{node_of, ConnId, NodeId};
 
 mod snapshot;
-pub use snapshot::{SnapshotError, SNAPSHOT_PREFIX, SNAPSHOT_VERSION};
+pub use snapshot::{Restoring, SnapshotError, SNAPSHOT_PREFIX, SNAPSHOT_VERSION};
 
 /// A message group, as a non-zero hash of the group header's value.
 pub type GroupKey = std::num::NonZeroU64;

@@ -485,6 +485,17 @@ impl std::fmt::Debug for AwayContext {
 }
 
 impl AwayContext {
+    /// How a snapshot is decoded for this node: its line past the largest window sent away
+    /// and packed as it is read ([`QueueMachine::restore_snapshot_away`]);
+    /// [`Self::send_restored_away`] then fits it to the window the queue has.
+    pub fn restoring(&self) -> crate::machine::Restoring {
+        crate::machine::Restoring {
+            keep: self.window.max(self.window_idle) as usize,
+            store: self.store.clone(),
+            error: None,
+        }
+    }
+
     /// A replicated queue's machine just read from a snapshot, before the broker takes it:
     /// the contents of its ready messages past the window go away, all of them, in passes
     /// (off the broker's thread: this runs where the snapshot is decoded), and what stays in

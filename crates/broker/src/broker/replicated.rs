@@ -210,7 +210,17 @@ impl DecodedSnapshot {
                 machine: None,
             };
         }
-        let mut machine = QueueMachine::<Message>::restore_snapshot(data);
+        let mut machine = match away {
+            Some(away) => {
+                let mut restoring = away.restoring();
+                let m = QueueMachine::<Message>::restore_snapshot_away(data, Some(&mut restoring));
+                if let Some(error) = restoring.error {
+                    tracing::warn!(%error, "writing the messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
+                }
+                m
+            }
+            None => QueueMachine::<Message>::restore_snapshot(data),
+        };
         if let (Some(away), Ok(m)) = (away, machine.as_mut()) {
             away.send_restored_away(m, bytes);
         }

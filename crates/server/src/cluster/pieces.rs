@@ -744,7 +744,10 @@ mod tests {
         full.free_disk = |_| Some(SPOOL_MARGIN + INLINE as u64);
         full.memory_max = 2 * INLINE;
         let (whole, held) = feed_held(&mut full);
-        assert!(whole.is_empty() && held == 0, "dropped, nothing held: {held}");
+        assert!(
+            whole.is_empty() && held == 0,
+            "dropped, nothing held: {held}"
+        );
         assert!(!file.exists());
         // Sent again, it is dropped again: it never came whole, so it is not a copy.
         let (whole, held) = feed_held(&mut full);
