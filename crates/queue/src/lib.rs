@@ -537,14 +537,17 @@ pub(crate) mod tests {
         pub next: std::sync::atomic::AtomicU64,
         pub held: std::sync::Mutex<std::collections::HashMap<u64, Message>>,
         pub released: std::sync::Mutex<Vec<u64>>,
-        /// Every `put` fails (a full disk).
-        pub fail: std::sync::Mutex<bool>,
+        /// Puts that succeed before every later one fails (a disk filling up); `None`: all do.
+        pub fail_after: std::sync::Mutex<Option<usize>>,
     }
 
     impl AwayStore for MemAway {
         fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
-            if *self.fail.lock().unwrap() {
-                return Err("no space left on device".to_owned());
+            if let Some(left) = self.fail_after.lock().unwrap().as_mut() {
+                if *left == 0 {
+                    return Err("no space left on device".to_owned());
+                }
+                *left -= 1;
             }
             let mut held = self.held.lock().unwrap();
             let mut keys = Vec::new();

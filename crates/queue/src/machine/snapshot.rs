@@ -55,9 +55,8 @@ struct PackedTail {
     slots: VecDeque<Slot<Message>>,
     count: u64,
     runs: usize,
-    /// The first and the last id of what it holds.
+    /// The first id it holds.
     first: u64,
-    last: u64,
 }
 
 /// The version of the snapshot encoding. 1: the first. 2: the machine's handoff time after
@@ -754,7 +753,6 @@ impl SnapReader {
             if tail.count == 0 && batch.is_empty() {
                 tail.first = e.id;
             }
-            tail.last = e.id;
             batch.push(e);
             if batch.len() == Restoring::BATCH || i + 1 == n {
                 send_away(&mut batch, away);
@@ -986,7 +984,11 @@ impl SnapReader {
                 let count = p.count + tail.len() as u64;
                 let mut slots = p.slots;
                 slots.extend(tail.into_iter().map(Slot::Msg));
-                (slots, count, p.runs, p.last, Some(p.first))
+                // Nothing counts as looked at (`pack_seen` 0): the first `pack_line` walks the
+                // tail's slots once (its runs stay as they are) and packs what the decoder
+                // left whole, the head past the queue's own window (the decoder keeps the
+                // largest) and what a failed write left in memory, once they are away.
+                (slots, count, p.runs, 0, Some(p.first))
             }
             None => {
                 let count = tail.len() as u64;
@@ -1417,8 +1419,18 @@ mod tests {
         );
         assert_eq!(store.held.lock().unwrap().len(), n as usize - 16);
         assert_eq!(packed.ready_count(), n as usize);
-        // It packs on as the line grows, and gives every message back whole, in order.
-        assert_eq!(packed.pack_line(16, u64::from(n)), 0, "looked at already");
+        // The head past a smaller window packs once away, as the broker's passes send it.
+        for (_, m) in packed.head_payloads_mut(4, 0) {
+            if !m.is_away() {
+                let key = store.put(&[&*m]).unwrap()[0];
+                *m = m.away_stub(key, store.clone());
+            }
+        }
+        assert_eq!(packed.pack_line(4, u64::from(n)), 12);
+        assert_eq!(packed.head_count(), 4);
+        assert_eq!(packed.digest(), whole.digest());
+        assert_eq!(packed.pack_line(4, u64::from(n)), 0, "looked at already");
+        // It gives every message back whole, in order.
         let mut effects = Vec::new();
         for i in 0..n {
             effects.clear();
@@ -1437,7 +1449,7 @@ mod tests {
         assert_eq!(packed.ready_count(), 0);
         // A store that fails leaves the line whole, the state the same.
         let failing = std::sync::Arc::new(crate::tests::MemAway::default());
-        *failing.fail.lock().unwrap() = true;
+        *failing.fail_after.lock().unwrap() = Some(0);
         let mut restoring = Restoring {
             keep: 16,
             store: failing,
@@ -1449,6 +1461,30 @@ mod tests {
         assert_eq!(kept.packed_count(), 0);
         assert_eq!(kept.head_count(), n as usize);
         assert_eq!(kept.digest(), whole.digest());
+        // One that fails after its first batch: what it left whole packs once the broker's
+        // passes send it away (it was taken as looked at, and stayed whole for good).
+        let filling = std::sync::Arc::new(crate::tests::MemAway::default());
+        *filling.fail_after.lock().unwrap() = Some(1);
+        let mut restoring = Restoring {
+            keep: 16,
+            store: filling.clone(),
+            error: None,
+        };
+        let mut half =
+            QueueMachine::restore_snapshot_away(snapshot_of(&r.m), Some(&mut restoring)).unwrap();
+        assert!(restoring.error.is_some());
+        assert_eq!(half.packed_count(), Restoring::BATCH);
+        assert_eq!(half.digest(), whole.digest());
+        *filling.fail_after.lock().unwrap() = None;
+        for (_, m) in half.head_payloads_mut(16, 0) {
+            if !m.is_away() {
+                let key = filling.put(&[&*m]).unwrap()[0];
+                *m = m.away_stub(key, filling.clone());
+            }
+        }
+        half.pack_line(16, u64::from(n));
+        assert_eq!(half.packed_count(), n as usize - 16 - 1);
+        assert_eq!(half.digest(), whole.digest());
     }
 
     #[test]
