@@ -49,6 +49,8 @@ pub const MAX_IN_MEMORY: usize = super::MAX_SNAPSHOT;
 const _: () = assert!(super::MAX_SNAPSHOT <= MAX_PIECED);
 /// Room a spooled message leaves on its disk: the node's log and store write there too.
 const SPOOL_MARGIN: u64 = 256 << 20;
+/// The longest a receiver declines to put together again a snapshot that came whole.
+const AGAIN_AT_MOST: Duration = Duration::from_secs(300);
 /// Messages waiting to go in pieces on one link; more are dropped (Raft sends them again).
 const MAX_WAITING: usize = 4;
 const PIECE_HEADER: usize = 28;
@@ -180,7 +182,22 @@ fn room() -> usize {
 const AGAIN_AFTER: Duration = Duration::from_secs(10);
 
 fn again_after(total: usize) -> Duration {
-    AGAIN_AFTER + Duration::from_secs((total >> 26) as u64)
+    (AGAIN_AFTER + Duration::from_secs((total >> 26) as u64)).min(AGAIN_AT_MOST)
+}
+
+/// Disk room a link counts on for a message it spools: twice its size (the spool file, then
+/// the snapshot file written from it while the spool is still mapped), held in a count the
+/// node's links share, so that links receiving at once do not each count the same free space.
+struct Reservation {
+    bytes: u64,
+    spooling: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.spooling
+            .fetch_sub(self.bytes, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// The message a link is receiving in pieces.
@@ -196,6 +213,9 @@ pub struct Incoming {
     /// The free bytes of the spool's file system ([`crate::alarms::free_disk`]; made up in
     /// tests).
     free_disk: fn(&Path) -> Option<u64>,
+    /// Disk room the node's links count on for the messages they are spooling
+    /// ([`Reservation`]).
+    spooling: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Default for Incoming {
@@ -206,6 +226,7 @@ impl Default for Incoming {
             spool: None,
             memory_max: MAX_IN_MEMORY,
             free_disk: crate::alarms::free_disk,
+            spooling: std::sync::Arc::default(),
         }
     }
 }
@@ -223,6 +244,8 @@ struct Partial {
     /// Its pieces are checked, not kept: a copy of the last message made whole, or one that
     /// has nowhere to go (larger than `memory_max` and no room to spool it).
     again: bool,
+    /// The disk room its spool file counts on, given back when it ends (held for its drop).
+    _reserved: Option<Reservation>,
 }
 
 /// Empties the folder the links spool pieces into (`dir`, created if missing): what a crash
@@ -236,10 +259,15 @@ pub fn clear_spool(dir: &Path) -> std::io::Result<()> {
 
 impl Incoming {
     /// A link's receiver that writes the pieces to `file` (a name of its own, in a folder
-    /// emptied at the node's start: [`clear_spool`]), and maps it once the message is whole.
-    pub fn spooled(file: PathBuf) -> Incoming {
+    /// emptied at the node's start: [`clear_spool`]), and maps it once the message is whole;
+    /// `spooling` is the disk room the node's links count on, shared by them all.
+    pub fn spooled(
+        file: PathBuf,
+        spooling: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) -> Incoming {
         let mut incoming = Incoming::default();
         incoming.spool = Some(file);
+        incoming.spooling = spooling;
         incoming
     }
 
@@ -278,9 +306,9 @@ impl Incoming {
                 .is_some_and(|(g, i, until)| g == group && i == index && now < until);
             // An unfinished message is dropped, its file with it.
             self.discard_partial();
-            let file = match (&self.spool, again) {
-                (Some(path), false) => self.open_room(path, total),
-                _ => None,
+            let (file, reserved) = match (&self.spool, again) {
+                (Some(path), false) => self.open_room(path, total).unzip(),
+                _ => (None, None),
             };
             if !again && file.is_none() && total > self.memory_max {
                 tracing::warn!(
@@ -298,6 +326,7 @@ impl Incoming {
                 file,
                 have: 0,
                 again,
+                _reserved: reserved,
             });
         } else if head_len != 0 {
             return Err(WireError::Piece("a head in a piece other than the first"));
@@ -401,21 +430,31 @@ impl Incoming {
 }
 
 impl Incoming {
-    /// A spool file for a message of `total` bytes, if its disk has room for them beside
-    /// what the node writes there.
-    fn open_room(&self, path: &Path, total: usize) -> Option<std::fs::File> {
+    /// A spool file for a message of `total` bytes, and the room reserved for it, if its
+    /// disk has room for it twice beside what the node's other links spool and what the node
+    /// writes there.
+    fn open_room(&self, path: &Path, total: usize) -> Option<(std::fs::File, Reservation)> {
+        use std::sync::atomic::Ordering;
         let dir = path.parent().unwrap_or(path);
+        let need = (total as u64).saturating_mul(2);
+        let others = self.spooling.fetch_add(need, Ordering::Relaxed);
+        let reserved = Reservation {
+            bytes: need,
+            spooling: self.spooling.clone(),
+        };
         if let Some(free) = (self.free_disk)(dir) {
-            if free < (total as u64).saturating_add(SPOOL_MARGIN) {
+            if free < others.saturating_add(need).saturating_add(SPOOL_MARGIN) {
                 tracing::warn!(
                     bytes = total,
                     free,
+                    spooling = others,
                     "no room on the disk to spool a snapshot in pieces"
                 );
                 return None;
             }
         }
-        open_spool(path).map_err(|e| spool_failed(&e)).ok()
+        let file = open_spool(path).map_err(|e| spool_failed(&e)).ok()?;
+        Some((file, reserved))
     }
 
     /// Drops the message under way, and its spool file if it has one.
@@ -620,7 +659,7 @@ mod tests {
         clear_spool(&spool).expect("cleared");
         assert_eq!(std::fs::read_dir(&spool).expect("dir").count(), 0);
         let file = spool.join("2.0.part");
-        let mut incoming = Incoming::spooled(file.clone());
+        let mut incoming = Incoming::spooled(file.clone(), Default::default());
         let data = big(3 * INLINE + 5);
         let snap = snapshot_msg(2, 80, data.clone());
         let mut out = Outgoing::new(INLINE);
@@ -628,7 +667,7 @@ mod tests {
         let frames = frames_of(&mut out);
         assert!(frames.len() > 2);
         // A link that ends before the last piece leaves no file behind.
-        let mut cut = Incoming::spooled(spool.join("x"));
+        let mut cut = Incoming::spooled(spool.join("x"), Default::default());
         for f in &frames[..frames.len() - 1] {
             assert!(receive(f, &mut cut).1.is_empty());
         }
@@ -655,7 +694,8 @@ mod tests {
         assert_eq!(whole[0].msg.get_snapshot().data, data);
 
         // A spool that cannot be written (its folder is gone): put together in memory.
-        let mut lost = Incoming::spooled(dir.path().join("gone").join("2.1.part"));
+        let mut lost =
+            Incoming::spooled(dir.path().join("gone").join("2.1.part"), Default::default());
         let mut out = Outgoing::new(INLINE);
         out.take_large(&mut batch(vec![(5, snap.clone())]));
         let whole: Vec<Envelope> = frames_of(&mut out)
@@ -682,7 +722,7 @@ mod tests {
         const INLINE: usize = 64 << 10;
         let dir = tempfile::tempdir().expect("dir");
         let file = dir.path().join("2.0.part");
-        let mut incoming = Incoming::spooled(file.clone());
+        let mut incoming = Incoming::spooled(file.clone(), Default::default());
         let mut out = Outgoing::new(INLINE);
         out.take_large(&mut batch(vec![(5, snapshot_msg(2, 80, big(3 * INLINE)))]));
         let frames = frames_of(&mut out);
@@ -740,7 +780,7 @@ mod tests {
             whole
         };
         // The disk has room for what a small node writes, not for the message beside it.
-        let mut full = Incoming::spooled(file.clone());
+        let mut full = Incoming::spooled(file.clone(), Default::default());
         full.free_disk = |_| Some(SPOOL_MARGIN + INLINE as u64);
         full.memory_max = 2 * INLINE;
         let (whole, held) = feed_held(&mut full);
@@ -757,15 +797,42 @@ mod tests {
         let whole = feed(&mut full);
         assert_eq!(whole.len(), 1);
         assert_eq!(whole[0].msg.get_snapshot().data, data);
-        // With room on the disk, any size is spooled.
-        let mut room = Incoming::spooled(file.clone());
-        room.free_disk = |_| Some(SPOOL_MARGIN + (3 * INLINE) as u64);
+        // With room on the disk for it twice (the spool, then the snapshot written from it),
+        // any size is spooled; the room is given back once it is whole.
+        let spooling = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut room = Incoming::spooled(file.clone(), spooling.clone());
+        room.free_disk = |_| Some(SPOOL_MARGIN + (6 * INLINE) as u64);
         room.memory_max = 0;
         let whole = feed(&mut room);
         assert_eq!(whole.len(), 1);
         assert_eq!(whole[0].msg.get_snapshot().data, data);
+        assert_eq!(spooling.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // Two links of the node receiving at once count the same free space once: the second
+        // finds it taken by the first, and drops its message.
+        let mut first = Incoming::spooled(dir.path().join("2.1.part"), spooling.clone());
+        first.free_disk = room.free_disk;
+        first.memory_max = 0;
+        let mut other = Incoming::spooled(dir.path().join("3.1.part"), spooling.clone());
+        other.free_disk = room.free_disk;
+        other.memory_max = 0;
+        assert!(first
+            .take(pieces[0].clone(), Instant::now())
+            .expect("taken")
+            .is_none());
+        assert!(first.partial.as_ref().is_some_and(|p| p.file.is_some()));
+        let (got, held) = feed_held(&mut other);
+        assert!(
+            got.is_empty() && held == 0,
+            "the second link has no room: dropped"
+        );
+        let mut whole = Vec::new();
+        for p in &pieces[1..] {
+            whole.extend(first.take(p.clone(), Instant::now()).expect("taken"));
+        }
+        assert_eq!(whole.len(), 1, "the first link's message came whole");
+        assert_eq!(spooling.load(std::sync::atomic::Ordering::Relaxed), 0);
         // An unknown free space (a file system that does not say) does not stop the spool.
-        let mut unknown = Incoming::spooled(file);
+        let mut unknown = Incoming::spooled(file, Default::default());
         unknown.free_disk = |_| None;
         unknown.memory_max = 0;
         assert_eq!(feed(&mut unknown).len(), 1);
@@ -784,6 +851,7 @@ mod tests {
             file: Some(file),
             have: 12,
             again: false,
+            _reserved: None,
         };
         // What the file holds past the pieces taken (a write cut short) is not theirs.
         back_to_memory(&mut p).expect("read back");

@@ -333,6 +333,8 @@ struct Shared {
     /// each link's file.
     spool: Option<PathBuf>,
     links_in: AtomicU64,
+    /// Disk room the links count on for what they are spooling ([`pieces::Incoming::spooled`]).
+    spooling: Arc<AtomicU64>,
 }
 
 /// Binds the cluster address and starts the listener and one dialer per peer.
@@ -390,6 +392,7 @@ pub(crate) fn start(
         inline_max: cfg.inline_max,
         spool,
         links_in: AtomicU64::new(0),
+        spooling: Arc::default(),
     });
     runtime.spawn(accept_loop(shared.clone(), listener));
     let mut out = Outbound {
@@ -719,7 +722,10 @@ async fn serve(
     let mut large = match &shared.spool {
         Some(dir) => {
             let n = shared.links_in.fetch_add(1, Ordering::Relaxed);
-            pieces::Incoming::spooled(dir.join(format!("{peer}.{n}.part")))
+            pieces::Incoming::spooled(
+                dir.join(format!("{peer}.{n}.part")),
+                shared.spooling.clone(),
+            )
         }
         None => pieces::Incoming::default(),
     };
