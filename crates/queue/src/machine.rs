@@ -3974,7 +3974,17 @@ mod tests {
     /// A machine of packable `u64` payloads, for [`QueueMachine::pack_line`].
     fn packing_line(expiries: impl Fn(u64) -> Option<u64>, n: u64) -> QueueMachine<u64> {
         let mut m = QueueMachine::new();
-        for id in 0..n {
+        enqueue_ids(&mut m, 0..n, expiries);
+        m
+    }
+
+    /// Enqueues payloads `ids` (each its own id, at log index id + 1) with these expiries.
+    fn enqueue_ids(
+        m: &mut QueueMachine<u64>,
+        ids: std::ops::Range<u64>,
+        expiries: impl Fn(u64) -> Option<u64>,
+    ) {
+        for id in ids {
             let meta = Meta {
                 index: id + 1,
                 now_ms: 0,
@@ -3989,7 +3999,6 @@ mod tests {
             };
             m.apply(meta, message, &mut Vec::new());
         }
-        m
     }
 
     /// A queue whose every message has a TTL has nothing to pack: its line stays where it is
@@ -4035,20 +4044,7 @@ mod tests {
         assert_eq!(m.pack_line(16, n - 1), PACKED_RUN);
         // Published since the pass: whole in the tail, after the full run.
         let mut more = packing_line(|_| None, n + 10);
-        for id in n..n + 10 {
-            let meta = Meta {
-                index: id + 1,
-                now_ms: 0,
-            };
-            let message = Command::Enqueue {
-                message: id,
-                meta: MsgMeta {
-                    size: 1,
-                    ..MsgMeta::default()
-                },
-            };
-            m.apply(meta, message, &mut Vec::new());
-        }
+        enqueue_ids(&mut m, n..n + 10, |_| None);
         // Their copies shared as their entries commit: the first starts a run after the full one.
         assert!(m.share_payload(n, &n));
         assert_eq!(m.packed_count(), PACKED_RUN + 1);
