@@ -330,7 +330,7 @@ impl Storage for GroupLog {
         low: u64,
         high: u64,
         max_size: impl Into<Option<u64>>,
-        _context: GetEntriesContext,
+        context: GetEntriesContext,
     ) -> raft::Result<Vec<Entry>> {
         if low < self.first_available() {
             return Err(raft::Error::Store(StorageError::Compacted));
@@ -343,7 +343,18 @@ impl Storage for GroupLog {
         // What left memory is read back from the durable log: a peer far behind (down a while,
         // or restarted) catches up without a snapshot.
         let mut ents = if low < offset {
-            self.cold_entries(low, high.min(offset), max_size)?
+            match self.cold_entries(low, high.min(offset), max_size) {
+                // A read of the durable log for a follower that failed (an I/O error): raft-rs
+                // stops the node on any other error. It sends again at the follower's next
+                // answer; a leader reads there for any follower far behind, not after a
+                // restart only.
+                Err(raft::Error::Store(StorageError::Other(error))) if context.can_async() => {
+                    let group = self.cold.as_ref().map_or(0, |(g, _)| *g);
+                    tracing::warn!(group, %error, "cannot read the log back for a follower: tried again at its next answer");
+                    return Err(raft::Error::Store(StorageError::LogTemporarilyUnavailable));
+                }
+                read => read?,
+            }
         } else {
             Vec::new()
         };
@@ -505,6 +516,43 @@ mod tests {
             raft::util::limit_size(&mut out, max_size);
             Ok(out)
         }
+    }
+
+    /// A durable log whose reads fail (a disk error).
+    #[derive(Debug)]
+    struct Broken;
+
+    impl ColdLog for Broken {
+        fn first_index(&self, _group: u64) -> Option<u64> {
+            Some(1)
+        }
+        fn entries(&self, _: u64, _: u64, _: u64, _: Option<u64>) -> Result<Vec<Entry>, String> {
+            Err("Input/output error (os error 5)".to_owned())
+        }
+    }
+
+    /// A read for a follower that fails is tried again later (any other error stops the node
+    /// in raft-rs); one for applying entries is still an error.
+    #[test]
+    fn a_failed_read_for_a_follower_is_tried_again_later() {
+        let all = vec![e(1, 1), e(2, 1), e(3, 2), e(4, 2), e(5, 3)];
+        let mut log = GroupLog::new(vec![1, 2, 3]);
+        log.append(&all).expect("append");
+        log.set_cold(7, std::sync::Arc::new(Broken));
+        log.compact_to(3);
+        assert!(matches!(
+            log.entries(1, 6, None, GetEntriesContext::empty(true)),
+            Err(raft::Error::Store(StorageError::LogTemporarilyUnavailable))
+        ));
+        assert!(matches!(
+            log.entries(1, 6, None, GetEntriesContext::empty(false)),
+            Err(raft::Error::Store(StorageError::Other(_)))
+        ));
+        assert_eq!(
+            log.entries(4, 6, None, GetEntriesContext::empty(true))
+                .expect("from memory"),
+            all[3..].to_vec()
+        );
     }
 
     #[test]
