@@ -4032,6 +4032,13 @@ mod tests {
         assert_eq!(m.pack_line(16, 44), 0);
     }
 
+    /// A packed message of a deep replicated queue is its id, its size and one pointer (the
+    /// handle of its contents: docs/design.md §9 counts on these sizes).
+    #[test]
+    fn a_packed_message_takes_24_bytes_of_its_run() {
+        assert_eq!(std::mem::size_of::<Packed<crate::PackedMessage>>(), 24);
+    }
+
     /// A leader's committed machine packs a message as it takes the other machine's copy
     /// (`share_payload`): one that follows a full run starts a run of its own, whose first id
     /// is past what `pack_line` looked at. The next call took that run for messages to look

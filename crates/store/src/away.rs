@@ -7,8 +7,8 @@
 //! Contents are written once, read back at most a few times (a delivery, a snapshot) and then
 //! released: a log of segments fits that better than RocksDB, whose memtable, block cache,
 //! flushes and compactions cost a deep queue's member about a third of its publish rate when
-//! this first used the scratch area. A key is where its record is: the segment's number in the
-//! top 20 bits, the record's offset in the low 44. A record is its length (`u32`, big-endian)
+//! this first used the scratch area. A key is where its record is: the segment's number in
+//! bits 44 to 62, the record's offset in the low 44 (a key's top bit is the broker's). A record is its length (`u32`, big-endian)
 //! and the message as the store writes a body; the message's hash, kept beside the key in
 //! memory, checks it when read. A segment is deleted once it is full and every record in it was
 //! released.
@@ -29,9 +29,10 @@ use crate::codec;
 const SEGMENT_BYTES: u64 = 64 << 20;
 const OFFSET_BITS: u32 = 44;
 const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
-/// Segment numbers fit in the key's top 20 bits; they wrap after a million segments (64 TiB
-/// written), long after the first ones were deleted.
-const SEGMENT_MASK: u32 = (1 << 20) - 1;
+/// Segment numbers fit in the key's 19 bits below its top one (which [`AwayStore::put`]
+/// leaves clear); they wrap after half a million segments (32 TiB written), long after the
+/// first ones were deleted.
+const SEGMENT_MASK: u32 = (1 << 19) - 1;
 
 struct Segment {
     file: Arc<File>,
@@ -386,5 +387,12 @@ mod tests {
         file.write_all_at(&b, at_b).expect("write b");
         assert_eq!(read_record(&file, at_b, segment.end).expect("b"), b"second");
         assert_eq!(read_record(&file, at_c, segment.end).expect("c"), b"third");
+    }
+
+    #[test]
+    fn no_key_has_its_top_bit_set() {
+        // The broker keeps a message's flag there (`AwayStore::put`'s promise).
+        assert_eq!(key_of(SEGMENT_MASK, OFFSET_MASK) >> 63, 0);
+        assert_eq!(split(key_of(SEGMENT_MASK, 12)), (SEGMENT_MASK, 12));
     }
 }

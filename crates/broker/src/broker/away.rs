@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use warren_queue::machine::QueueMachine;
-use warren_queue::{AwayStore, Message, Payload};
+use warren_queue::{AwayStore, AwayStoreHandle, Message, Payload};
 
 use super::persistence::{keep, window_of};
 use super::{Broker, QueueId};
@@ -52,7 +52,7 @@ const AWAY_CONTINUE_MS: u64 = 10;
 
 /// The broker's [`AwayStore`] (a wrapper, so the broker stays `Debug`).
 pub(super) struct AwayHandle {
-    store: Arc<dyn AwayStore>,
+    store: AwayStoreHandle,
     /// A write failed (logged once): none is tried before this time.
     retry_at: Option<u64>,
     /// Queues whose last call stopped with more to send (its passes' limit, or a failed
@@ -75,7 +75,7 @@ impl Broker {
     /// window (`page_window`, `page_window_bytes`).
     pub fn set_away_store(&mut self, store: Arc<dyn AwayStore>) {
         self.away = Some(AwayHandle {
-            store,
+            store: AwayStoreHandle::new(store),
             retry_at: None,
             pending: std::collections::BTreeSet::new(),
             scheduled: std::collections::BTreeMap::new(),
@@ -429,7 +429,7 @@ fn attempt<K>(
     machine: &mut QueueMachine<Message>,
     (name, vhost): (&ShortStr, &str),
     now: u64,
-    pass: impl FnOnce(&mut QueueMachine<Message>, &Arc<dyn AwayStore>) -> Result<Pass<K>, String>,
+    pass: impl FnOnce(&mut QueueMachine<Message>, &AwayStoreHandle) -> Result<Pass<K>, String>,
 ) -> Option<Pass<K>> {
     if handle.retry_at.is_some_and(|at| now < at) {
         return None;
@@ -468,7 +468,7 @@ enum Step {
 /// (`--queue-window`) a queue keeps in memory with consumers and without.
 #[derive(Clone)]
 pub struct AwayContext {
-    store: Arc<dyn AwayStore>,
+    store: AwayStoreHandle,
     window: u32,
     window_idle: u32,
     window_bytes: u64,
@@ -603,7 +603,7 @@ fn copies_of<'a, K: Copy>(
 
 /// Writes `copies`' contents to `store` in one write: their stubs.
 fn write_away<K>(
-    store: &Arc<dyn AwayStore>,
+    store: &AwayStoreHandle,
     copies: Vec<(K, Message)>,
 ) -> Result<Vec<(K, Message)>, String> {
     let items: Vec<&Message> = copies.iter().map(|(_, m)| m).collect();
@@ -645,7 +645,7 @@ fn swap_in<'a, K: Copy + Ord + 'a>(
 /// `machine` (`walk` is walked again for it). Nothing changes if the write fails.
 fn pass_keyed<K: Copy + Ord>(
     machine: &mut QueueMachine<Message>,
-    store: &Arc<dyn AwayStore>,
+    store: &AwayStoreHandle,
     from: K,
     walk: impl for<'a> Fn(
         &'a mut QueueMachine<Message>,
@@ -680,7 +680,7 @@ fn every_pass<K>(mut one: impl FnMut(Option<K>) -> Result<Pass<K>, String>) -> R
 /// A pass over the ready line past its first `kept` and past id `from`.
 fn pass(
     machine: &mut QueueMachine<Message>,
-    store: &Arc<dyn AwayStore>,
+    store: &AwayStoreHandle,
     kept: usize,
     from: u64,
 ) -> Result<Pass<u64>, String> {
@@ -695,7 +695,7 @@ fn pass(
 /// none, so members that sent it away and members that did not would flag it differently.
 fn pass_held(
     machine: &mut QueueMachine<Message>,
-    store: &Arc<dyn AwayStore>,
+    store: &AwayStoreHandle,
     kept: usize,
     after: Option<(u64, u64)>,
 ) -> Result<Pass<(u64, u64)>, String> {
@@ -712,7 +712,7 @@ fn pass_held(
 fn pass_line<K: Copy + Ord + Default>(
     line: &Line<K>,
     machine: &mut QueueMachine<Message>,
-    store: &Arc<dyn AwayStore>,
+    store: &AwayStoreHandle,
     kept: usize,
     after: Option<K>,
 ) -> Result<Pass<K>, String> {

@@ -29,7 +29,7 @@ use crate::log::{
     put_consumer_spec, put_group, put_message, put_msg_meta, put_opt_u64, put_policy, LogError,
     Reader,
 };
-use crate::{AwayStore, Message};
+use crate::Message;
 
 /// How a deep queue's snapshot is decoded on a node that keeps contents out of memory
 /// ([`QueueMachine::restore_snapshot_away`]): the ready line past its first `keep` messages has
@@ -38,7 +38,7 @@ use crate::{AwayStore, Message};
 /// snapshot of 2.3 million messages took 1.1 GB of the heap before a pass sent them away.
 pub struct Restoring {
     pub keep: usize,
-    pub store: std::sync::Arc<dyn AwayStore>,
+    pub store: crate::AwayStoreHandle,
     /// Why the contents could not be written, if they could not: from then on the rest of
     /// the line is kept whole, as without a store.
     pub error: Option<String>,
@@ -1405,7 +1405,7 @@ mod tests {
         let whole = QueueMachine::restore_snapshot(data.clone()).unwrap();
         let mut restoring = Restoring {
             keep: 16,
-            store: store.clone(),
+            store: store.clone().into(),
             error: None,
         };
         let mut packed = QueueMachine::restore_snapshot_away(data, Some(&mut restoring)).unwrap();
@@ -1452,7 +1452,7 @@ mod tests {
         *failing.fail_after.lock().unwrap() = Some(0);
         let mut restoring = Restoring {
             keep: 16,
-            store: failing,
+            store: failing.into(),
             error: None,
         };
         let kept =
@@ -1467,7 +1467,7 @@ mod tests {
         *filling.fail_after.lock().unwrap() = Some(1);
         let mut restoring = Restoring {
             keep: 16,
-            store: filling.clone(),
+            store: filling.clone().into(),
             error: None,
         };
         let mut half =
