@@ -1532,6 +1532,8 @@ struct Report {
     /// a confirmed one published ahead of them in their group.
     grouped: usize,
     out_of_order: Vec<String>,
+    /// The first such pairs: (the body delivered early, the one published ahead of it).
+    out_of_order_pairs: Vec<(String, String)>,
     /// Bodies held with an `x-delay` and delivered a millisecond or more before it passed
     /// (counted from when the client sent them, before the broker could take them).
     early: Vec<String>,
@@ -1621,42 +1623,15 @@ impl Report {
             .chain(&self.poison_not_dead)
             .take(5)
         {
-            let mut story = Vec::new();
-            if let Some((node, sent, answered)) = h.sent.get(b) {
-                story.push((
-                    *sent,
-                    format!(
-                        "published on node {node}, answered {:?}",
-                        answered.as_ref().map(ms)
-                    ),
-                ));
-            }
-            for d in h.deliveries.iter().filter(|d| d.body == *b) {
-                story.push((
-                    d.at,
-                    format!(
-                        "delivered by node {} in session {} (redelivered {})",
-                        d.node, d.session, d.redelivered
-                    ),
-                ));
-            }
-            for (what, list) in [("given back", &h.nacks), ("left", &h.left)] {
-                for n in list.iter().filter(|n| n.body == *b) {
-                    story.push((
-                        n.at,
-                        format!("{what} on node {} in session {}", n.node, n.session),
-                    ));
-                }
-            }
-            for (n, from, to) in &h.faults {
-                story.push((*from, format!("fault on node {n} until {} ms", ms(to))));
-            }
-            story.sort_by_key(|(at, _)| *at);
-            let told: Vec<String> = story
-                .iter()
-                .map(|(at, what)| format!("{} ms: {what}", ms(at)))
-                .collect();
-            eprintln!("faults: never came again: {b}: {}", told.join("; "));
+            eprintln!("faults: never came again: {b}: {}", story(h, b, &ms));
+        }
+        // A group's order broken: both messages' stories.
+        for (early, ahead) in self.out_of_order_pairs.iter().take(3) {
+            eprintln!("faults: out of order: {early}: {}", story(h, early, &ms));
+            eprintln!(
+                "faults: published ahead of it: {ahead}: {}",
+                story(h, ahead, &ms)
+            );
         }
         for n in 1..=3 {
             let v = api_get(&addr(addrs, n).http, &format!("/queues/%2f/{q}")).await;
@@ -1720,6 +1695,56 @@ impl Report {
             "confirms that never came on a live connection (seed {seed})"
         );
     }
+}
+
+/// Every event of a body's story, in time order: its publish, deliveries, settlements, dead
+/// letter, and the faults, as milliseconds from the first fault.
+fn story(h: &History, b: &str, ms: &dyn Fn(&Instant) -> u128) -> String {
+    let mut story = Vec::new();
+    if let Some((node, sent, answered)) = h.sent.get(b) {
+        story.push((
+            *sent,
+            format!(
+                "published on node {node}, answered {:?}",
+                answered.as_ref().map(ms)
+            ),
+        ));
+    }
+    for d in h.deliveries.iter().filter(|d| d.body == *b) {
+        story.push((
+            d.at,
+            format!(
+                "delivered by node {} in session {} (redelivered {}, count {})",
+                d.node, d.session, d.redelivered, d.count
+            ),
+        ));
+    }
+    for (what, list) in [("given back", &h.nacks), ("left", &h.left)] {
+        for n in list.iter().filter(|n| n.body == *b) {
+            story.push((
+                n.at,
+                format!("{what} on node {} in session {}", n.node, n.session),
+            ));
+        }
+    }
+    for (n, from, to) in &h.faults {
+        story.push((*from, format!("fault on node {n} until {} ms", ms(to))));
+    }
+    for a in h.acks.iter().filter(|a| a.body == b) {
+        story.push((
+            a.at,
+            format!("acked on node {} in session {}", a.node, a.session),
+        ));
+    }
+    for d in h.dead.iter().filter(|d| d.body == b) {
+        story.push((d.at, format!("dead-lettered, read from node {}", d.node)));
+    }
+    story.sort_by_key(|(at, _)| *at);
+    story
+        .iter()
+        .map(|(at, what)| format!("{} ms: {what}", ms(at)))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// One ack's message's history, times in ms since the first fault's start minus its own.
@@ -2030,6 +2055,8 @@ fn check(h: &History, end: Instant) -> Report {
                         "{b} of group {g} first delivered {} ms before {before}",
                         (at - d.at).as_millis()
                     ));
+                    r.out_of_order_pairs
+                        .push((b.to_string(), before.to_string()));
                 }
             }
             last = Some((b, d.at));

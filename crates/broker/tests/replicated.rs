@@ -2826,6 +2826,65 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
     assert_same_state(&c, &NODES);
 }
 
+#[test]
+fn a_deposed_leaders_publishes_reach_its_successor_in_the_order_they_were_published() {
+    // A leader paused while the others elected another resumes: its client's first publish
+    // is proposed as leader, the node learns of its successor before its Raft hands that
+    // proposal back, and the client's next publish is forwarded to the successor at once.
+    // Sent on when handed back, the first reached the queue after the second (a fault run
+    // delivered a group's messages out of their publish order, both confirmed).
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let old = c.leader();
+    c.run(5);
+    c.isolated.insert(old);
+    let new = c.leader();
+    assert_ne!(new, old);
+    c.isolated.clear();
+    // Back, and still leading as far as its broker knows: the first publish is a proposal
+    // of its own, on its way to its Raft.
+    let first = c.publish(old, 1);
+    let mut handed_back = Vec::new();
+    queue_proposals(&mut c, old, &mut handed_back);
+    assert!(!handed_back.is_empty(), "the publish was proposed");
+    // The pass that tells it of the new leader comes first...
+    let group = c.group;
+    let term = c.members[&new]
+        .raft
+        .term_of(GroupId(group))
+        .expect("a term");
+    c.broker(old).set_leader(group, Some(new), term);
+    let second = c.publish(old, 2);
+    // ...then the one where its Raft hands the first back.
+    for p in handed_back {
+        c.broker(old).proposal_refused(p.group, &p.data, Some(new));
+    }
+    for _ in 0..200 {
+        if c.confirmed(old, first) && c.confirmed(old, second) {
+            break;
+        }
+        c.step();
+    }
+    assert!(c.confirmed(old, second), "the second publish was confirmed");
+    let nacked = c.broker(old).take_lost().unwrap_or(0);
+    assert!(nacked < first, "the first publish was nacked");
+    let leader = c.leader();
+    let machine = c.members[&leader]
+        .broker
+        .machine(c.id(leader))
+        .expect("machine");
+    let bodies: Vec<Bytes> = machine
+        .ready_messages()
+        .map(|(_, m, _)| m.body.clone())
+        .collect();
+    assert_eq!(
+        bodies,
+        vec![message(1).body, message(2).body],
+        "in the order they were published, once each"
+    );
+    assert_same_state(&c, &NODES);
+}
+
 /// A message carrying `key` in the deduplication header.
 fn keyed_message(n: u32, key: &str) -> Message {
     message_with_header(n, "x-deduplication-header", FieldValue::long_str(key))

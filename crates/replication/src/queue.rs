@@ -263,6 +263,13 @@ impl<T> Proposals<T> {
         self.waiting.is_empty()
     }
 
+    /// Does a proposal of this node in `group` whose token passes `test` still wait?
+    pub fn any_waiting(&self, group: GroupId, test: impl Fn(&T) -> bool) -> bool {
+        self.waiting
+            .get(&group)
+            .is_some_and(|line| line.iter().any(|(_, t)| test(t)))
+    }
+
     /// Does nothing of this node wait in `group`?
     pub fn is_empty_in(&self, group: GroupId) -> bool {
         !self.waiting.contains_key(&group)

@@ -65,6 +65,15 @@ struct Kept {
     confirm: bool,
 }
 
+/// A publish held back behind this node's own undecided proposals as leader
+/// ([`Cluster::behind`]), with the confirm that waits for it.
+#[derive(Debug)]
+struct Behind {
+    id: QueueId,
+    command: Command<Message>,
+    token: Token,
+}
+
 /// A batch whose replicated entries are not all applied within this time is nacked: a group
 /// that lost its majority for good must not hold back every later confirm of the node.
 const CONFIRM_TIMEOUT_MS: u64 = 30_000;
@@ -295,6 +304,16 @@ pub(crate) struct Cluster {
     kept: BTreeMap<u64, VecDeque<Kept>>,
     /// The token a publish this node forwarded, and now proposes itself, keeps.
     reissue: Option<Token>,
+    /// Publishes of this node's clients held back, by group, in order, while what this node
+    /// proposed as the group's leader is still undecided (a leader deposed while paused, that
+    /// resumed and learnt of its successor before its Raft handed those proposals back): sent
+    /// on once each of them is in the log, lost, or itself sent on, so that they reach the
+    /// queue in the order their clients published them.
+    behind: BTreeMap<u64, VecDeque<Behind>>,
+    /// Groups this node stopped leading with proposals of its own as leader still undecided
+    /// (publishes to them wait in `behind`): found once as it steps down, so that a forward
+    /// does not look through every proposal that waits.
+    led_pending: BTreeSet<u64>,
     /// Publishes forwarded to this node while it was elected and not acting yet, by group.
     early: BTreeMap<u64, Vec<Vec<u8>>>,
     /// What this node's own consumers did (acks, rejects, cancels, credit) while it was
@@ -374,6 +393,8 @@ impl Cluster {
             gets: Default::default(),
             forwarding: None,
             kept: BTreeMap::new(),
+            behind: BTreeMap::new(),
+            led_pending: BTreeSet::new(),
             reissue: None,
             early: BTreeMap::new(),
             deferred: BTreeMap::new(),
@@ -1630,8 +1651,106 @@ impl Broker {
             return Some(reply);
         }
         self.down_self_once(id);
+        if confirm && self.behind_own_proposals(id) {
+            return self.hold_behind(id, command).then_some(reply);
+        }
         let command = self.as_enqueuer(id, command);
         self.forward_one(id, &command, confirm).then_some(reply)
+    }
+
+    /// Must a publish to `id` wait ([`Cluster::behind`])? While this node's proposals as the
+    /// queue's leader are undecided, or publishes wait behind them already.
+    fn behind_own_proposals(&self, id: QueueId) -> bool {
+        let (Some(c), Some(group)) = (self.cluster.as_ref(), self.replica_group(id)) else {
+            return false;
+        };
+        c.behind.contains_key(&group) || c.led_pending.contains(&group)
+    }
+
+    /// Holds a publish back behind this node's undecided proposals as leader, its confirm
+    /// waiting in the store batch being filled, as a forward's does.
+    fn hold_behind(&mut self, id: QueueId, command: &Command<Message>) -> bool {
+        let now = self.now_ms;
+        let batch = open_batch(self.persist.as_mut());
+        let group = self.replica_group(id);
+        let (Some(c), Some(group)) = (self.cluster.as_mut(), group) else {
+            return false;
+        };
+        let token = Token {
+            batch,
+            forwarded: true,
+            release: c.release_tag.filter(|_| is_enqueue(command)),
+        };
+        c.wait_on(batch, now);
+        c.behind.entry(group).or_default().push_back(Behind {
+            id,
+            command: command.clone(),
+            token,
+        });
+        true
+    }
+
+    /// Sends on the publishes held back ([`Cluster::behind`]) of each group none of whose
+    /// proposals this node made as leader still waits: to whoever leads now, in order.
+    fn send_behind(&mut self) {
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if c.led_pending.is_empty() && c.behind.is_empty() {
+            return;
+        }
+        let proposals = &c.proposals;
+        c.led_pending
+            .retain(|g| proposals.any_waiting(GroupId(*g), own_as_leader));
+        let ready: Vec<u64> = c
+            .behind
+            .keys()
+            .copied()
+            .filter(|g| !c.led_pending.contains(g))
+            .collect();
+        for group in ready {
+            let Some(held) = self.cluster.as_mut().and_then(|c| c.behind.remove(&group)) else {
+                continue;
+            };
+            for b in held {
+                self.send_held(b);
+            }
+        }
+    }
+
+    /// One publish held back, on its way now: proposed here if this node leads the queue
+    /// again, kept for when it acts if it is elected and not acting yet, else forwarded.
+    fn send_held(&mut self, b: Behind) {
+        let Behind { id, command, token } = b;
+        let leads_here = self
+            .queues
+            .get(&id)
+            .and_then(|q| q.replica.as_ref())
+            .zip(self.cluster.as_ref())
+            .is_some_and(|(r, c)| r.leader == Some(c.node));
+        if self.acts_here(id) && leads_here {
+            if let Some(c) = self.cluster.as_mut() {
+                c.reissue = Some(token);
+            }
+            let reply = self.run(id, command);
+            if let Some(c) = self.cluster.as_mut() {
+                if let Some(token) = c.reissue.take() {
+                    c.settle(Outcome::Lost(token));
+                }
+            }
+            if reply.is_some() {
+                self.finish_effects(id);
+            }
+        } else if leads_here {
+            if !self.keep_until_acting(id, &command, token) {
+                if let Some(c) = self.cluster.as_mut() {
+                    c.settle(Outcome::Lost(token));
+                }
+            }
+        } else {
+            let command = self.as_enqueuer(id, &command).into_owned();
+            self.forward_keeping(id, &command, true, Some(token));
+        }
     }
 
     /// A publish forwarded to a queue's leader goes as `EnqueueFrom`, with this node as its
@@ -1714,20 +1833,38 @@ impl Broker {
     fn hold_until_acting(&mut self, id: QueueId, command: &Command<Message>) -> bool {
         // Kept, it may be sent on to another leader, and again after a snapshot: with an
         // enqueuer identity the queue takes it once however often it comes.
-        let command = self.as_enqueuer(id, command).into_owned();
-        let command = &command;
         let now = self.now_ms;
         let batch = open_batch(self.persist.as_mut());
-        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get(&id)) else {
-            return false;
-        };
-        let Some(group) = q.replica.as_ref().map(|r| r.group) else {
+        let Some(c) = self.cluster.as_mut() else {
             return false;
         };
         let token = Token {
             batch,
             forwarded: true,
             release: c.release_tag.filter(|_| is_enqueue(command)),
+        };
+        c.wait_on(batch, now);
+        let kept = self.keep_until_acting(id, command, token);
+        if !kept {
+            if let Some(c) = self.cluster.as_mut() {
+                c.settle(Outcome::Lost(token));
+            }
+        }
+        kept
+    }
+
+    /// [`Broker::hold_until_acting`] for a publish whose confirm waits with `token` already.
+    fn keep_until_acting(&mut self, id: QueueId, command: &Command<Message>, token: Token) -> bool {
+        // Kept, it may be sent on to another leader, and again after a snapshot: with an
+        // enqueuer identity the queue takes it once however often it comes.
+        let command = self.as_enqueuer(id, command).into_owned();
+        let command = &command;
+        let now = self.now_ms;
+        let (Some(c), Some(q)) = (self.cluster.as_mut(), self.queues.get(&id)) else {
+            return false;
+        };
+        let Some(group) = q.replica.as_ref().map(|r| r.group) else {
+            return false;
         };
         let origin = c.proposals.next(GroupId(group), token);
         // Out of the proposals at once, as at an election: its own entry answers it.
@@ -1739,7 +1876,6 @@ impl Broker {
                 return false;
             }
         };
-        c.wait_on(batch, now);
         c.kept.entry(group).or_default().push_back(Kept {
             seq: origin.seq,
             data,
@@ -1970,6 +2106,12 @@ impl Broker {
     /// Forwarded publishes waiting longer than their timeout are nacked; peers down long
     /// enough are brought `Down`.
     pub(super) fn expire_forwards(&mut self) {
+        self.expire_forwards_here();
+        // What it decided may let publishes held back behind this node's own proposals go.
+        self.send_behind();
+    }
+
+    fn expire_forwards_here(&mut self) {
         self.down_lost_peers();
         self.resend_meta();
         self.expire_gets();
@@ -2164,6 +2306,12 @@ impl Broker {
     /// queue this node leads moves its committed copy; any other moves its machine. This
     /// node's own proposals are answered: their confirms and deliveries are released.
     pub fn apply_committed(&mut self, entries: &[Committed]) {
+        self.apply_committed_here(entries);
+        // What it decided may let publishes held back behind this node's own proposals go.
+        self.send_behind();
+    }
+
+    fn apply_committed_here(&mut self, entries: &[Committed]) {
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
@@ -2499,6 +2647,12 @@ impl Broker {
     /// (`deferred`). Deposed here, the machine falls back to the committed state and the
     /// local consumers are cancelled.
     pub fn set_leader(&mut self, group: u64, leader: Option<NodeId>, term: u64) {
+        self.set_leader_here(group, leader, term);
+        // What it decided may let publishes held back behind this node's own proposals go.
+        self.send_behind();
+    }
+
+    fn set_leader_here(&mut self, group: u64, leader: Option<NodeId>, term: u64) {
         if group == super::metadata_group::META_GROUP {
             self.set_meta_leader(leader);
             return;
@@ -2647,6 +2801,10 @@ impl Broker {
     fn step_down(&mut self, id: QueueId) {
         let group = self.replica_group(id);
         if let (Some(c), Some(g)) = (self.cluster.as_mut(), group) {
+            // Its clients' next publishes wait for what it proposed as leader.
+            if c.proposals.any_waiting(GroupId(g), own_as_leader) {
+                c.led_pending.insert(g);
+            }
             // Their senders send them again to whoever leads now.
             c.early.remove(&g);
             // The `Down` of this node that comes next gives back what its consumers held.
@@ -2790,6 +2948,12 @@ impl Broker {
     /// still waits for in the group is nacked, and, if Raft still has it lead, a new term
     /// marker brings it back to acting once everything before is applied.
     pub fn proposal_refused(&mut self, group: u64, data: &[u8], leader: Option<NodeId>) {
+        self.proposal_refused_here(group, data, leader);
+        // What it decided may let publishes held back behind this node's own proposals go.
+        self.send_behind();
+    }
+
+    fn proposal_refused_here(&mut self, group: u64, data: &[u8], leader: Option<NodeId>) {
         let Some(&id) = self.cluster.as_ref().and_then(|c| c.groups.get(&group)) else {
             return;
         };
@@ -2920,6 +3084,12 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
 
 /// A publish, whose token may carry the guard of a delayed message falling due or of a dead
 /// letter.
+/// A proposal this node made as a queue's leader that a confirm waits for (a publish): not a
+/// forward, not a term's marker.
+fn own_as_leader(t: &Token) -> bool {
+    !t.forwarded && t.batch > 0
+}
+
 fn is_enqueue(command: &Command<Message>) -> bool {
     matches!(
         command,
