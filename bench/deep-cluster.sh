@@ -7,9 +7,10 @@
 # follower is killed (SIGKILL) after the backlog and started again on its data: its RSS and its
 # anonymous memory (RssAnon: what the kernel cannot take back, unlike the page cache's pages
 # of a mapped file) are sampled every 50 ms from its start, their peaks and its RSS 6 s after
-# it are printed, with the time until its API answers.
+# it are printed, with the time until its API answers. With --ttl MS, the queue has
+# x-message-ttl MS (every message carries an expiry; MS long enough that none expires).
 #
-#   bench/deep-cluster.sh [--messages N] [--restart]
+#   bench/deep-cluster.sh [--messages N] [--restart] [--ttl MS]
 #
 # Starts its own cluster (scripts/cluster, in a temporary folder) with WARREN_BIN, default the
 # release build in CARGO_TARGET_DIR; warren-bench from WARREN_BENCH, default the release build.
@@ -18,11 +19,16 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MESSAGES=300000
 RESTART=""
+TTL=""
 while [ $# -gt 0 ]; do
     case "$1" in
     --messages) MESSAGES=$2; shift ;;
     --restart) RESTART=1 ;;
-    -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
+    --ttl)
+        TTL=$2
+        [[ $TTL =~ ^[0-9]+$ ]] || { echo "--ttl takes milliseconds, not $TTL" >&2; exit 2; }
+        shift ;;
+    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -32,11 +38,17 @@ done
 rate() { python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))[sys.argv[2]]))" "$1" "$2"; }
 
 echo "RSS before (MB, nodes 1 2 3):$(rss)"
-leader=$(declare_quorum deep "")
+TTL_JSON=""
+TTL_ARG=()
+if [ -n "$TTL" ]; then
+    TTL_JSON=",\"x-message-ttl\":$TTL"
+    TTL_ARG=(--queue-arg "x-message-ttl=$TTL")
+fi
+leader=$(declare_quorum deep "$TTL_JSON")
 URL="amqp://guest:guest@127.0.0.1:570$leader/%2f"
 "$BENCH" -u "$URL" --json --quiet --label backlog --predeclare \
     -x 1 -y 0 --no-consume -s 1024 -f --durable -c 1000 -C "$MESSAGES" \
-    --queue-pattern deep --queue-arg x-queue-type=quorum >"$WARREN_CLUSTER_DIR/backlog.json"
+    --queue-pattern deep --queue-arg x-queue-type=quorum "${TTL_ARG[@]}" >"$WARREN_CLUSTER_DIR/backlog.json"
 sleep 3
 away=""
 for n in 1 2 3; do
@@ -93,7 +105,7 @@ PY
 fi
 "$BENCH" -u "$URL" --json --quiet --label drain \
     --ack-batched -x 0 -y 1 --predeclare -q 200 -C "$MESSAGES" \
-    --queue-pattern deep --queue-arg x-queue-type=quorum >"$WARREN_CLUSTER_DIR/drain.json"
+    --queue-pattern deep --queue-arg x-queue-type=quorum "${TTL_ARG[@]}" >"$WARREN_CLUSTER_DIR/drain.json"
 echo "drain: $(rate "$WARREN_CLUSTER_DIR/drain.json" consume_rate) msg/s"
 sleep 3
 echo "RSS after the drain (MB):$(rss)"

@@ -803,7 +803,7 @@ impl Service {
 enum Slot<M: crate::Payload> {
     Msg(Entry<M>),
     Paged(Run),
-    Packed(VecDeque<Packed<M::Packed>>),
+    Packed(PackedRun<M::Packed>),
 }
 
 impl<M: crate::Payload> Slot<M> {
@@ -811,20 +811,132 @@ impl<M: crate::Payload> Slot<M> {
         match self {
             Slot::Msg(e) => e.id,
             Slot::Paged(r) => r.first,
-            Slot::Packed(run) => run.front().map_or(0, |p| p.id),
+            Slot::Packed(run) => run.items.front().map_or(0, |p| p.id),
         }
     }
 }
 
 /// A ready message far down a deep line, packed ([`QueueMachine::pack_line`]): all the
 /// machine reads of an entry whose other fields are at their defaults (never delivered, no
-/// expiry, group or priority, not on this node's disk), and the payload's packed form. Its
-/// entry is rebuilt, equal to the one packed, when it is needed whole.
+/// group or priority, not on this node's disk), and the payload's packed form. Its entry is
+/// rebuilt, equal to the one packed, when it is needed whole.
 #[derive(Clone, Debug)]
 struct Packed<P> {
     id: u64,
-    size: u64,
+    size: u32,
+    /// Its expiry, as an offset from its run's [`PackedRun::base`] plus one; 0: none.
+    expiry: u32,
     item: P,
+}
+
+/// A message that can be packed ([`QueueMachine::packable`]), before a run takes it.
+struct Packing<P> {
+    id: u64,
+    size: u32,
+    expires_at: Option<u64>,
+    item: P,
+}
+
+/// Packed messages, in id order (never empty in the tail). Their expiries are kept as 32-bit
+/// offsets from the run's base, so that a queue TTL's messages pack in 24 bytes as the others.
+#[derive(Clone, Debug)]
+struct PackedRun<P> {
+    /// What the expiries are offsets from; [`NO_BASE`] until a message with one joins.
+    base: u64,
+    items: VecDeque<Packed<P>>,
+}
+
+const NO_BASE: u64 = u64::MAX;
+
+impl<P> PackedRun<P> {
+    /// A run of one: its base set from the message's expiry, if it has one.
+    fn one(p: Packing<P>) -> Self {
+        // Room for expiries about 24 days either side of the first.
+        let (base, expiry) = match p.expires_at {
+            Some(at) => {
+                let d = at.min(1 << 31);
+                // `d` is at most 2^31: the cast is exact.
+                (at - d, d as u32 + 1)
+            }
+            None => (NO_BASE, 0),
+        };
+        PackedRun {
+            base,
+            items: VecDeque::from([Packed {
+                id: p.id,
+                size: p.size,
+                expiry,
+                item: p.item,
+            }]),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Appends `p` if the run has room and its expiry is within reach of the base.
+    fn push(&mut self, p: Packing<P>) -> Result<(), Packing<P>> {
+        if self.items.len() >= PACKED_RUN {
+            return Err(p);
+        }
+        let expiry = match p.expires_at {
+            None => 0,
+            Some(at) => {
+                if self.base == NO_BASE {
+                    // Room for expiries about 24 days either side of the first.
+                    self.base = at.saturating_sub(1 << 31);
+                }
+                match at
+                    .checked_sub(self.base)
+                    .and_then(|d| u32::try_from(d + 1).ok())
+                {
+                    Some(e) if e < u32::MAX => e,
+                    _ => return Err(p),
+                }
+            }
+        };
+        self.items.push_back(Packed {
+            id: p.id,
+            size: p.size,
+            expiry,
+            item: p.item,
+        });
+        Ok(())
+    }
+
+    /// Where message `id` is in the run.
+    fn position(&self, id: u64) -> Option<usize> {
+        self.items.binary_search_by_key(&id, |p| p.id).ok()
+    }
+
+    /// The entry packed as `p`, rebuilt equal to what was packed.
+    fn entry<M: crate::Payload<Packed = P>>(&self, p: &Packed<P>) -> Entry<M> {
+        Entry {
+            id: p.id,
+            msg: M::unpack(&p.item),
+            meta: MsgMeta {
+                size: u64::from(p.size),
+                expires_at: (p.expiry > 0)
+                    .then(|| self.base.saturating_add(u64::from(p.expiry - 1))),
+                ..MsgMeta::default()
+            },
+            delivery_count: 0,
+            maybe_delivered: false,
+            timed_out: false,
+        }
+    }
+
+    /// Every message of the run, rebuilt, in order.
+    fn entries<M: crate::Payload<Packed = P>>(&self) -> impl Iterator<Item = Entry<M>> + '_ {
+        self.items.iter().map(|p| self.entry(p))
+    }
+
+    /// Takes message `i` out of the run, rebuilt.
+    fn take<M: crate::Payload<Packed = P>>(&mut self, i: usize) -> Option<Entry<M>> {
+        let p = self.items.remove(i)?;
+        Some(self.entry(&p))
+    }
 }
 
 /// Messages a packed run holds at most.
@@ -988,9 +1100,10 @@ pub struct QueueMachine<M: crate::Payload> {
     dead: BTreeMap<u64, Dead<M>>,
     /// `(expires_at, msg_id)` of ready messages with a TTL.
     expiries: BTreeSet<(u64, u64)>,
-    /// The same for messages in `ready` whose expiries come in id order (a queue TTL: each
+    /// The same for messages of the line whose expiries come in id order (a queue TTL: each
     /// message expires after the one before it): a deque, so the common case costs no tree
-    /// node per message. Every entry's message is in `ready`; `expiries` holds the rest.
+    /// node per message. Every entry's message is in `ready`, or in the tail of a queue that
+    /// does not page (a packed line's: [`Self::pack_line`]); `expiries` holds the rest.
     expiries_in_order: VecDeque<(u64, u64)>,
     ready_bytes: u64,
     in_flight_bytes: u64,
@@ -1992,9 +2105,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// Appends a message with the largest id so far to the ready line.
     fn push_ready(&mut self, entry: Entry<M>) {
         self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
-        let in_ready = self.policy.max_priority.is_none() && self.tail.is_empty();
+        // Behind a packed line the in-order deque goes on; behind a paged one (or messages a
+        // page out left in the tail) it stops.
+        let back_of_line = self.policy.max_priority.is_none()
+            && (self.tail.is_empty() || (self.tail_packed > 0 && !self.pages()));
         if let Some(at) = entry.meta.expires_at {
-            self.track_expiry(at, entry.id, in_ready);
+            self.track_expiry(at, entry.id, back_of_line);
         }
         if self.policy.max_priority.is_some() {
             self.by_priority
@@ -2008,9 +2124,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     }
 
     /// Files a ready message's expiry: in the in-order deque if the message goes to the back of
-    /// `ready` and expires no earlier than the last one there, else in the ordered index.
-    fn track_expiry(&mut self, at: u64, id: u64, back_of_ready: bool) {
-        let in_order = back_of_ready
+    /// the line where that deque may reach (`ready`, or the tail of a queue that does not page)
+    /// and expires no earlier than the last one there, else in the ordered index.
+    fn track_expiry(&mut self, at: u64, id: u64, back_of_line: bool) {
+        let in_order = back_of_line
             && self
                 .expiries_in_order
                 .back()
@@ -2212,7 +2329,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         if caps.is_empty() || self.next_id == 0 {
             return;
         }
-        // A packed message has no expiry to cap: it gets one, whole.
+        // Rare: every packed message is rebuilt whole to take its cap, and the expiry index
+        // below is rebuilt from whole entries.
         self.unpack_tail();
         let cap = |e: &mut Entry<M>| {
             e.meta.expires_at = min_opt(e.meta.expires_at, cap_of(&caps, e.id));
@@ -2260,7 +2378,14 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.expire(effects);
     }
 
-    /// What leaves `ready` (messages from id `first` on) takes its expiry to the index.
+    /// Has the queue ever paged (a classic queue's [`Command::PageOut`])? Then its tail is
+    /// runs on disk and messages around them, whose expiries the in-order deque never holds.
+    fn pages(&self) -> bool {
+        self.tail_runs > 0 || self.paged_below > 0 || self.paged_out_total > 0
+    }
+
+    /// What leaves `ready` for a page out (messages from id `first` on) takes its expiry to the
+    /// index.
     fn expiries_leave_ready(&mut self, first: u64) {
         while let Some(&(at, id)) = self.expiries_in_order.back().filter(|e| e.1 >= first) {
             self.expiries_in_order.pop_back();
@@ -2284,18 +2409,18 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
 
     /// Node-local: keeps the first `keep` messages of the ready line in `ready` and packs the
     /// rest with ids up to `upto` (those whose contents went away), where it can
-    /// ([`crate::Payload::pack`]: a message never delivered, with no expiry, group or
-    /// priority), in runs of up to [`PACKED_RUN`]; a message that cannot be packed stays as
-    /// it is, and the line moves to the tail only from its first message that packs (a queue
-    /// whose every message has a TTL stays as it is). Each message is looked at once
+    /// ([`crate::Payload::pack`]: a message never delivered, with no group or priority; its
+    /// expiry, if it has one, is kept, and its entry in the expiry index stays), in runs of up
+    /// to [`PACKED_RUN`]; a message that cannot be packed stays as it is, and the line moves
+    /// to the tail only from its first message that packs (a queue whose every message is in
+    /// a group stays as it is). Each message is looked at once
     /// (`pack_seen`), so a call costs what came since the last one. Nothing the machine
     /// does changes, its digest included: a packed message is rebuilt, equal, whenever it is
     /// needed whole (as it reaches the head, for a policy change, a snapshot). A queue that
     /// pages (a classic queue's [`Command::PageOut`], whose outcome depends on where the
     /// line splits) or has priorities is left as it is. Returns how many messages it packed.
     pub fn pack_line(&mut self, keep: usize, upto: u64) -> usize {
-        let pages = self.tail_runs > 0 || self.paged_below > 0 || self.paged_out_total > 0;
-        if pages || self.policy.max_priority.is_some() {
+        if self.pages() || self.policy.max_priority.is_some() {
             return 0;
         }
         // The head comes back from the tail first, if a consumer took it below `keep`.
@@ -2337,7 +2462,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .ready
             .range(look..)
             .take_while(|e| e.id <= upto)
-            .position(|e| Self::packed_of(e).is_some())
+            .position(|e| Self::packable(e).is_some())
             .map(|i| look + i);
         if let Some(first) = first {
             let moved = self.ready.split_off(first);
@@ -2346,9 +2471,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             {
                 self.ready.shrink_to(self.ready.len() * 2);
             }
-            if let Some(first) = moved.front().map(|e| e.id) {
-                self.expiries_leave_ready(first);
-            }
+            // Their expiries stay where they are: the in-order deque reaches a packed line.
             self.tail_count += moved.len() as u64;
             let mut front = VecDeque::new();
             packed += self.pack_into(&mut front, moved, upto);
@@ -2372,15 +2495,15 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         upto: u64,
     ) -> usize {
         let mut packed = 0;
-        let mut lone: Option<Entry<M>> = None;
+        let mut lone: Option<(Entry<M>, Packing<M::Packed>)> = None;
         for entry in entries {
             let p = if entry.id <= upto {
-                Self::packed_of(&entry)
+                Self::packable(&entry)
             } else {
                 None
             };
             let Some(p) = p else {
-                if let Some(e) = lone.take() {
+                if let Some((e, _)) = lone.take() {
                     slots.push_back(Slot::Msg(e));
                 }
                 slots.push_back(Slot::Msg(entry));
@@ -2389,37 +2512,42 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             let open = matches!(slots.back(), Some(Slot::Packed(run)) if run.len() < PACKED_RUN);
             if !open && lone.is_none() && !matches!(slots.back(), Some(Slot::Packed(_))) {
                 // It starts a run only once the next one packs too (or nothing follows).
-                lone = Some(entry);
+                lone = Some((entry, p));
                 continue;
             }
-            let before = lone.take().and_then(|e| Self::packed_of(&e));
-            for p in before.into_iter().chain(std::iter::once(p)) {
+            for p in lone.take().map(|(_, p)| p).into_iter().chain([p]) {
                 packed += 1;
-                match slots.back_mut() {
-                    Some(Slot::Packed(run)) if run.len() < PACKED_RUN => run.push_back(p),
-                    _ => {
-                        self.tail_packed += 1;
-                        slots.push_back(Slot::Packed(VecDeque::from([p])));
-                    }
-                }
+                self.push_packed(slots, p);
             }
         }
-        if let Some(p) = lone.as_ref().and_then(Self::packed_of) {
+        if let Some((_, p)) = lone {
             packed += 1;
-            self.tail_packed += 1;
-            slots.push_back(Slot::Packed(VecDeque::from([p])));
+            self.push_packed(slots, p);
         }
         packed
     }
 
-    /// The packed form of a ready entry, if every field but its id, size and payload is at
-    /// its default (so [`Self::unpacked`] rebuilds it equal).
-    fn packed_of(e: &Entry<M>) -> Option<Packed<M::Packed>> {
+    /// Appends a packed message to the last run of `slots`, or to a run of its own after it
+    /// (the last is full, or the message's expiry is out of its reach).
+    fn push_packed(&mut self, slots: &mut VecDeque<Slot<M>>, p: Packing<M::Packed>) {
+        let p = match slots.back_mut() {
+            Some(Slot::Packed(run)) => match run.push(p) {
+                Ok(()) => return,
+                Err(p) => p,
+            },
+            _ => p,
+        };
+        self.tail_packed += 1;
+        slots.push_back(Slot::Packed(PackedRun::one(p)));
+    }
+
+    /// What a ready entry packs as, if every field but its id, size, expiry and payload is at
+    /// its default (so its run rebuilds it equal).
+    fn packable(e: &Entry<M>) -> Option<Packing<M::Packed>> {
         let m = &e.meta;
         let plain = e.delivery_count == 0
             && !e.maybe_delivered
             && !e.timed_out
-            && m.expires_at.is_none()
             && !m.pageable
             && !m.spilled
             && m.priority == 0
@@ -2427,25 +2555,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         if !plain {
             return None;
         }
-        Some(Packed {
+        Some(Packing {
             id: e.id,
-            size: m.size,
+            size: u32::try_from(m.size).ok()?,
+            expires_at: m.expires_at,
             item: e.msg.pack()?,
         })
-    }
-
-    fn unpacked(p: &Packed<M::Packed>) -> Entry<M> {
-        Entry {
-            id: p.id,
-            msg: M::unpack(&p.item),
-            meta: MsgMeta {
-                size: p.size,
-                ..MsgMeta::default()
-            },
-            delivery_count: 0,
-            maybe_delivered: false,
-            timed_out: false,
-        }
     }
 
     /// Takes the message at the front of the tail, if it is in memory (packed or not).
@@ -2457,12 +2572,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 _ => return None,
             },
             Slot::Packed(run) => {
-                let p = run.pop_front()?;
-                if run.is_empty() {
+                let e = run.take(0)?;
+                if run.items.is_empty() {
                     self.tail.pop_front();
                     self.tail_packed = self.tail_packed.saturating_sub(1);
                 }
-                Self::unpacked(&p)
+                e
             }
         };
         self.tail_count = self.tail_count.saturating_sub(1);
@@ -2477,9 +2592,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let old = std::mem::take(&mut self.tail);
         for slot in old {
             match slot {
-                Slot::Packed(run) => self
-                    .tail
-                    .extend(run.iter().map(|p| Slot::Msg(Self::unpacked(p)))),
+                Slot::Packed(run) => self.tail.extend(run.entries().map(Slot::Msg)),
                 other => self.tail.push_back(other),
             }
         }
@@ -2505,11 +2618,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 Slot::Paged(_) => (None, None),
                 Slot::Packed(run) => (None, Some(run)),
             };
-            one.map(Cow::Borrowed).into_iter().chain(
-                run.into_iter()
-                    .flatten()
-                    .map(|p| Cow::Owned(Self::unpacked(p))),
-            )
+            one.map(Cow::Borrowed)
+                .into_iter()
+                .chain(run.into_iter().flat_map(|r| r.entries().map(Cow::Owned)))
         })
     }
 
@@ -2874,12 +2985,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 break;
             }
             let entry = if from_in_order {
-                // Its message is in `ready`, nearly always at its head.
+                // Its message is in `ready`, nearly always at its head, or (a packed line's)
+                // at the front of the tail.
                 self.expiries_in_order.pop_front();
-                match self.ready.binary_search_by_key(&id, |e| e.id) {
-                    Ok(i) => self.ready.remove(i),
-                    Err(_) => None,
-                }
+                self.take_expiring(id)
             } else {
                 self.expiries.pop_first();
                 self.take_expiring(id)
@@ -2908,20 +3017,32 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
         // `ready` is sorted by id. A queue-wide TTL expires from the head (O(1)); a
         // per-message expiry in the middle shifts the shorter side of the deque. A packed
-        // message has no expiry.
-        match self.ready.binary_search_by_key(&id, |e| e.id) {
-            Ok(i) => self.ready.remove(i),
-            Err(_) => match self.tail.binary_search_by_key(&id, Slot::first_id) {
-                Ok(i) if matches!(self.tail.get(i), Some(Slot::Msg(_))) => {
-                    self.tail_count = self.tail_count.saturating_sub(1);
-                    match self.tail.remove(i) {
-                        Some(Slot::Msg(e)) => Some(e),
-                        _ => None,
-                    }
-                }
-                _ => None,
-            },
+        // message is taken from its run (a queue TTL's from the run's front).
+        if let Ok(i) = self.ready.binary_search_by_key(&id, |e| e.id) {
+            return self.ready.remove(i);
         }
+        let slot = self
+            .tail
+            .partition_point(|s| s.first_id() <= id)
+            .checked_sub(1)?;
+        let e = match self.tail.get_mut(slot)? {
+            Slot::Msg(e) if e.id == id => match self.tail.remove(slot) {
+                Some(Slot::Msg(e)) => e,
+                _ => return None,
+            },
+            Slot::Packed(run) => {
+                let i = run.position(id)?;
+                let e = run.take(i)?;
+                if run.items.is_empty() {
+                    self.tail.remove(slot);
+                    self.tail_packed = self.tail_packed.saturating_sub(1);
+                }
+                e
+            }
+            _ => return None,
+        };
+        self.tail_count = self.tail_count.saturating_sub(1);
+        Some(e)
     }
 
     // ------------------------------------------------------------ queries (no change)
@@ -3344,8 +3465,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let Some(Slot::Packed(run)) = self.tail.get(slot.checked_sub(1)?) else {
             return None;
         };
-        let i = run.binary_search_by_key(&msg_id, |p| p.id).ok()?;
-        run.get(i).map(|p| Cow::Owned(M::unpack(&p.item)))
+        let i = run.position(msg_id)?;
+        run.items.get(i).map(|p| Cow::Owned(M::unpack(&p.item)))
     }
 
     /// Where message `msg_id` is in the tail, as a message slot (not packed): among the
@@ -3451,21 +3572,22 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let Some(Slot::Msg(e)) = self.tail.get(i) else {
             return;
         };
-        let Some(p) = Self::packed_of(e) else {
+        let Some(p) = Self::packable(e) else {
             return;
         };
-        match i.checked_sub(1).and_then(|j| self.tail.get_mut(j)) {
-            Some(Slot::Packed(run)) if run.len() < PACKED_RUN => {
-                run.push_back(p);
+        let Some(Slot::Packed(run)) = i.checked_sub(1).and_then(|j| self.tail.get_mut(j)) else {
+            return;
+        };
+        let p = match run.push(p) {
+            Ok(()) => {
                 self.tail.remove(i);
+                return;
             }
-            Some(Slot::Packed(_)) => {
-                if let Some(slot) = self.tail.get_mut(i) {
-                    *slot = Slot::Packed(VecDeque::from([p]));
-                    self.tail_packed += 1;
-                }
-            }
-            _ => {}
+            Err(p) => p,
+        };
+        if let Some(slot) = self.tail.get_mut(i) {
+            *slot = Slot::Packed(PackedRun::one(p));
+            self.tail_packed += 1;
         }
     }
 
@@ -3819,8 +3941,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 Slot::Msg(e) => hash_entry(e, &mut h),
                 Slot::Paged(r) => r.hash(&mut h),
                 Slot::Packed(run) => {
-                    for p in run {
-                        hash_entry(&Self::unpacked(p), &mut h);
+                    for e in run.entries::<M>() {
+                        hash_entry(&e, &mut h);
                     }
                 }
             }
@@ -3984,6 +4106,19 @@ mod tests {
         ids: std::ops::Range<u64>,
         expiries: impl Fn(u64) -> Option<u64>,
     ) {
+        enqueue_metas(m, ids, |id| MsgMeta {
+            size: 1,
+            expires_at: expiries(id),
+            ..MsgMeta::default()
+        });
+    }
+
+    /// Enqueues payloads `ids` (each its own id, at log index id + 1) with these metadata.
+    fn enqueue_metas(
+        m: &mut QueueMachine<u64>,
+        ids: std::ops::Range<u64>,
+        meta_of: impl Fn(u64) -> MsgMeta,
+    ) {
         for id in ids {
             let meta = Meta {
                 index: id + 1,
@@ -3991,38 +4126,117 @@ mod tests {
             };
             let message = Command::Enqueue {
                 message: id,
-                meta: MsgMeta {
-                    size: 1,
-                    expires_at: expiries(id),
-                    ..MsgMeta::default()
-                },
+                meta: meta_of(id),
             };
             m.apply(meta, message, &mut Vec::new());
         }
     }
 
-    /// A queue whose every message has a TTL has nothing to pack: its line stays where it is
-    /// at every call (it was moved to the tail and back, whole, at each pass: a deep TTL
-    /// queue's publishes became quadratic), its expiries in their in-order index.
+    /// A message of group `g` (a group's messages do not pack).
+    fn in_group(g: u64) -> MsgMeta {
+        MsgMeta {
+            size: 1,
+            group: GroupKey::new(g),
+            ..MsgMeta::default()
+        }
+    }
+
+    /// A queue whose every message is in a group has nothing to pack: its line stays where it
+    /// is at every call (a queue whose every message had a TTL, which did not pack then, was
+    /// moved to the tail and back, whole, at each pass: its publishes became quadratic).
     #[test]
     fn a_line_with_nothing_to_pack_stays_as_it_is() {
-        let mut m = packing_line(|id| Some(1_000 + id), 10_000);
+        let mut m = QueueMachine::new();
+        enqueue_metas(&mut m, 0..10_000, |id| in_group(id % 7 + 1));
         let digest = m.digest();
         for upto in [5_000, 9_999, 9_999] {
             assert_eq!(m.pack_line(16, upto), 0);
             assert!(m.tail.is_empty());
             assert_eq!(m.ready.len(), 10_000);
-            assert_eq!(m.expiries_in_order.len(), 10_000);
         }
         assert_eq!(m.digest(), digest);
+    }
+
+    /// A queue TTL's line packs as any other (its expiries as offsets from each run's base),
+    /// and its messages expire from their runs, in order, as they would whole.
+    #[test]
+    fn a_line_with_a_queue_ttl_packs_and_expires_from_its_runs_in_order() {
+        let n = 2 * PACKED_RUN as u64 + 100;
+        let ttl = |id: u64| Some(1_000 + id);
+        let mut m = packing_line(ttl, n);
+        let mut whole = packing_line(ttl, n);
+        let digest = m.digest();
+        assert_eq!(m.pack_line(16, n - 1), n as usize - 16);
+        assert_eq!(
+            m.digest(),
+            digest,
+            "packing changes nothing the machine holds"
+        );
+        assert_eq!(m.tail_packed, 3);
+        assert!(
+            m.expiries.is_empty(),
+            "the in-order deque reaches the packed line: no tree node a message"
+        );
+        assert_eq!(m.next_deadline(), whole.next_deadline());
+        // Half of them expire: from the head, then the runs' fronts, across a run's end.
+        for now in [1_010, 1_000 + PACKED_RUN as u64 + 50, 1_000 + n + 5] {
+            let meta = Meta {
+                index: m.last_index() + 1,
+                now_ms: now,
+            };
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            m.apply(meta, Command::Tick, &mut a);
+            whole.apply(meta, Command::Tick, &mut b);
+            assert_eq!(a, b, "the same expiries, in the same order, at {now}");
+            assert_eq!(m.digest(), whole.digest());
+            assert_eq!(m.ready_count(), whole.ready_count());
+        }
+        assert_eq!(m.ready_count(), 0);
+        assert_eq!(m.tail_packed, 0, "every run went as its messages did");
+    }
+
+    /// A run keeps expiries within about 24 days before its first (49 after); a message whose expiry is out
+    /// of reach starts a run of its own, and each comes back with its own expiry.
+    #[test]
+    fn an_expiry_out_of_a_runs_reach_starts_another_run() {
+        let far = 60 * 24 * 3_600_000;
+        let mut m = packing_line(|id| Some(if id % 2 == 0 { 1_000 } else { far + id }), 40);
+        let digest = m.digest();
+        assert_eq!(m.pack_line(1, 39), 39);
+        assert_eq!(m.digest(), digest);
+        assert_eq!(m.tail_packed, 39, "each one a run of its own");
+        let e = m
+            .tail_entries()
+            .map(|e| e.meta.expires_at)
+            .collect::<Vec<_>>();
+        let want: Vec<_> = (1..40)
+            .map(|id| Some(if id % 2 == 0 { 1_000 } else { far + id }))
+            .collect();
+        assert_eq!(e, want);
+        // No expiry at all, and one of 0, pack too.
+        let mut m = packing_line(|id| (id % 2 == 0).then_some(0), 10);
+        let digest = m.digest();
+        assert_eq!(m.pack_line(1, 9), 9);
+        assert_eq!(m.digest(), digest);
+        assert_eq!(m.tail_packed, 1);
     }
 
     /// A message that packs alone between two that do not stays whole (a run of one takes
     /// more memory than its entry); runs of two or more pack; each message is looked at once.
     #[test]
     fn lone_messages_stay_whole_and_runs_pack() {
-        // Ids 0..16 the window; then alternating (odd ids expire), then a run of 5.
-        let mut m = packing_line(|id| (id < 40 && id % 2 == 1).then_some(5_000), 45);
+        // Ids 0..16 the window; then alternating (odd ids in a group), then a run of 5.
+        let mut m = QueueMachine::new();
+        enqueue_metas(&mut m, 0..45, |id| {
+            if id < 40 && id % 2 == 1 {
+                in_group(1)
+            } else {
+                MsgMeta {
+                    size: 1,
+                    ..MsgMeta::default()
+                }
+            }
+        });
         let digest = m.digest();
         assert_eq!(m.pack_line(16, 44), 5, "the run of 40..45 alone");
         assert_eq!(m.digest(), digest);

@@ -107,6 +107,19 @@ enum Op {
     },
 }
 
+/// What a replicated queue's member does: nothing pageable and no `PageOut`, its line packed
+/// often (messages with a TTL among them).
+fn member_op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => op().prop_map(|o| match o {
+            Op::Enqueue { size, ttl, .. } => Op::Enqueue { size, ttl, pageable: false },
+            Op::PageOut { keep, .. } => Op::Pack { keep: keep as usize },
+            other => other,
+        }),
+        1 => (0usize..4).prop_map(|keep| Op::Pack { keep }),
+    ]
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0u64..100, prop::option::weighted(0.3, prop_oneof![1 => Just(0u64), 4 => 1u64..50]), prop::bool::weighted(0.8)).prop_map(|(size, ttl, pageable)| Op::Enqueue { size, ttl, pageable }),
@@ -1113,6 +1126,15 @@ proptest! {
 
     #[test]
     fn machine_matches_model_and_replays(ops in proptest::collection::vec(op(), 0..150)) {
+        let (r, _) = run(ops)?;
+        let replayed = replay(&r.log).map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+        prop_assert_eq!(replayed.digest(), r.m.digest());
+    }
+
+    /// A member that packs its line (a queue TTL's messages too) keeps to the model, and its
+    /// log replays to its digest without packing.
+    #[test]
+    fn a_packing_member_matches_model_and_replays(ops in proptest::collection::vec(member_op(), 0..200)) {
         let (r, _) = run(ops)?;
         let replayed = replay(&r.log).map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
         prop_assert_eq!(replayed.digest(), r.m.digest());

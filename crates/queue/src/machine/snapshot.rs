@@ -979,7 +979,7 @@ impl SnapReader {
             }
         };
         let held_bytes = held.values().map(|(_, m)| m.size).sum();
-        let (tail, tail_count, tail_packed, pack_seen, first_packed) = match packed {
+        let (tail, tail_count, tail_packed, pack_seen) = match packed {
             Some(p) => {
                 let count = p.count + tail.len() as u64;
                 let mut slots = p.slots;
@@ -988,15 +988,15 @@ impl SnapReader {
                 // tail's slots once (its runs stay as they are) and packs what the decoder
                 // left whole, the head past the queue's own window (the decoder keeps the
                 // largest) and what a failed write left in memory, once they are away.
-                (slots, count, p.runs, 0, Some(p.first))
+                (slots, count, p.runs, 0)
             }
             None => {
                 let count = tail.len() as u64;
-                (tail.into_iter().map(Slot::Msg).collect(), count, 0, 0, None)
+                (tail.into_iter().map(Slot::Msg).collect(), count, 0, 0)
             }
         };
         // No `..Default::default()`: every field is read or derived here.
-        let mut m = QueueMachine {
+        let m = QueueMachine {
             next_id,
             tail_count,
             tail_runs: 0,
@@ -1044,10 +1044,8 @@ impl SnapReader {
             last_index,
             now_ms,
         };
-        // The expiries of what left the head are filed as `pack_line` files them.
-        if let Some(first) = first_packed {
-            m.expiries_leave_ready(first);
-        }
+        // The expiries of what left the head stay where the snapshot has them, as
+        // `pack_line` leaves them: the in-order deque reaches a packed line.
         Ok(m)
     }
 }
@@ -1414,8 +1412,8 @@ mod tests {
         assert_eq!(packed.head_count(), 16);
         assert_eq!(
             packed.packed_count(),
-            n as usize - 16 - 1,
-            "all but the expiring one"
+            n as usize - 16,
+            "all but the head, the one with an expiry too"
         );
         assert_eq!(store.held.lock().unwrap().len(), n as usize - 16);
         assert_eq!(packed.ready_count(), n as usize);
@@ -1483,7 +1481,7 @@ mod tests {
             }
         }
         half.pack_line(16, u64::from(n));
-        assert_eq!(half.packed_count(), n as usize - 16 - 1);
+        assert_eq!(half.packed_count(), n as usize - 16);
         assert_eq!(half.digest(), whole.digest());
     }
 
@@ -1517,9 +1515,9 @@ mod tests {
         }
         let whole = r.m.clone();
         let digest = r.m.digest();
-        // All but the first 4 and the one with an expiry (it stays as it is).
-        assert_eq!(r.m.pack_line(4, 39), 35);
-        assert_eq!(r.m.packed_count(), 35);
+        // All but the first 4, the one with an expiry too.
+        assert_eq!(r.m.pack_line(4, 39), 36);
+        assert_eq!(r.m.packed_count(), 36);
         assert_eq!(
             r.m.digest(),
             digest,
@@ -1556,7 +1554,7 @@ mod tests {
             *m = m.away_stub(key, store.clone());
         }
         assert_eq!(r.m.pack_line(4, 40), 1);
-        assert_eq!(r.m.packed_count(), 36);
+        assert_eq!(r.m.packed_count(), 37);
         // Taken from the head, whole once loaded, in order.
         let mut effects = Vec::new();
         for n in 0..41u32 {
