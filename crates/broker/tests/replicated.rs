@@ -2885,6 +2885,72 @@ fn a_deposed_leaders_publishes_reach_its_successor_in_the_order_they_were_publis
     assert_same_state(&c, &NODES);
 }
 
+#[test]
+fn publishes_held_behind_a_deposed_leaders_proposals_keep_their_order_under_the_next_leader() {
+    // As above, but the deposed node's proposal is never handed back: its successor is paused
+    // and another leader is elected. The publishes held back go on, in order, once the
+    // proposal is known lost (a later leader's entry applied), and nothing stays held; had
+    // this node been elected again, they would go before what its clients publish then
+    // (`forward` holds those behind them too).
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let old = c.leader();
+    c.run(5);
+    c.isolated.insert(old);
+    let new = c.leader();
+    c.isolated.clear();
+    let first = c.publish(old, 1);
+    let mut undecided = Vec::new();
+    queue_proposals(&mut c, old, &mut undecided);
+    let group = c.group;
+    let term = c.members[&new]
+        .raft
+        .term_of(GroupId(group))
+        .expect("a term");
+    c.broker(old).set_leader(group, Some(new), term);
+    let second = c.publish(old, 2);
+    let fourth = c.publish(old, 4);
+    assert_eq!(c.broker(old).behind_count(), 2, "held behind the first");
+    // Its successor stops before it hears of any.
+    c.pause(new);
+    let leader = c.leader();
+    let third = c.publish(leader, 3);
+    for _ in 0..300 {
+        c.step();
+    }
+    let nacked = c.broker(old).take_lost().unwrap_or(0);
+    let machine = c.members[&leader]
+        .broker
+        .machine(c.id(leader))
+        .expect("machine");
+    let bodies: Vec<Bytes> = machine
+        .ready_messages()
+        .map(|(_, m, _)| m.body.clone())
+        .collect();
+    let at = |n: u32| bodies.iter().position(|b| *b == message(n).body);
+    assert_eq!(at(1), None, "never proposed anywhere");
+    assert!(nacked >= first, "the first publish was nacked");
+    for (n, batch, node) in [(2, second, old), (4, fourth, old), (3, third, leader)] {
+        if c.confirmed(node, batch) && batch > nacked {
+            assert!(at(n).is_some(), "confirmed publish {n} is not in the queue");
+        }
+    }
+    if let (Some(a), Some(b)) = (at(2), at(4)) {
+        assert!(a < b, "held publishes out of order: {bodies:?}");
+    }
+    if leader == old {
+        // Published once it led again: after what it held back.
+        assert!(at(3) > at(4) && at(3) > at(2), "{bodies:?}");
+    }
+    assert_eq!(
+        c.broker(old).behind_count(),
+        0,
+        "nothing held back any more"
+    );
+    c.resume(new);
+    c.run(50);
+}
+
 /// A message carrying `key` in the deduplication header.
 fn keyed_message(n: u32, key: &str) -> Message {
     message_with_header(n, "x-deduplication-header", FieldValue::long_str(key))

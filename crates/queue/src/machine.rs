@@ -889,10 +889,11 @@ impl<P> PackedRun<P> {
                 }
                 match at
                     .checked_sub(self.base)
-                    .and_then(|d| u32::try_from(d + 1).ok())
+                    .and_then(|d| d.checked_add(1))
+                    .and_then(|e| u32::try_from(e).ok())
                 {
-                    Some(e) if e < u32::MAX => e,
-                    _ => return Err(p),
+                    Some(e) => e,
+                    None => return Err(p),
                 }
             }
         };
@@ -4195,8 +4196,8 @@ mod tests {
         assert_eq!(m.tail_packed, 0, "every run went as its messages did");
     }
 
-    /// A run keeps expiries within about 24 days before its first (49 after); a message whose expiry is out
-    /// of reach starts a run of its own, and each comes back with its own expiry.
+    /// A run keeps expiries within about 24 days either side of its first; a message whose
+    /// expiry is out of reach starts a run of its own, and each comes back with its own expiry.
     #[test]
     fn an_expiry_out_of_a_runs_reach_starts_another_run() {
         let far = 60 * 24 * 3_600_000;
@@ -4211,6 +4212,20 @@ mod tests {
             .collect::<Vec<_>>();
         let want: Vec<_> = (1..40)
             .map(|id| Some(if id % 2 == 0 { 1_000 } else { far + id }))
+            .collect();
+        assert_eq!(e, want);
+        // The latest expiry there is (a huge per-message one) is out of any run's reach but
+        // its own, and comes back as it was.
+        let mut m = packing_line(|id| Some(if id == 3 { u64::MAX } else { 1_000 }), 8);
+        let digest = m.digest();
+        assert_eq!(m.pack_line(1, 7), 7);
+        assert_eq!(m.digest(), digest);
+        let e = m
+            .tail_entries()
+            .map(|e| e.meta.expires_at)
+            .collect::<Vec<_>>();
+        let want: Vec<_> = (1..8)
+            .map(|id| Some(if id == 3 { u64::MAX } else { 1_000 }))
             .collect();
         assert_eq!(e, want);
         // No expiry at all, and one of 0, pack too.

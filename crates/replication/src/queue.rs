@@ -263,11 +263,22 @@ impl<T> Proposals<T> {
         self.waiting.is_empty()
     }
 
-    /// Does a proposal of this node in `group` whose token passes `test` still wait?
-    pub fn any_waiting(&self, group: GroupId, test: impl Fn(&T) -> bool) -> bool {
+    /// Does a proposal of this node in `group` whose number and token pass `test` still wait?
+    pub fn any_waiting(&self, group: GroupId, test: impl Fn(u64, &T) -> bool) -> bool {
         self.waiting
             .get(&group)
-            .is_some_and(|line| line.iter().any(|(_, t)| test(t)))
+            .is_some_and(|line| line.iter().any(|(seq, t)| test(*seq, t)))
+    }
+
+    /// The number of the last proposal of this node in `group` whose token passes `test` and
+    /// still waits.
+    pub fn last_waiting(&self, group: GroupId, test: impl Fn(&T) -> bool) -> Option<u64> {
+        self.waiting
+            .get(&group)?
+            .iter()
+            .rev()
+            .find(|(_, t)| test(t))
+            .map(|(seq, _)| *seq)
     }
 
     /// Does nothing of this node wait in `group`?

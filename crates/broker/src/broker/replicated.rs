@@ -72,6 +72,9 @@ struct Behind {
     id: QueueId,
     command: Command<Message>,
     token: Token,
+    /// When it was published: it is nacked, as a forward is, once it waited
+    /// `FORWARD_TIMEOUT_MS`.
+    at: u64,
 }
 
 /// A batch whose replicated entries are not all applied within this time is nacked: a group
@@ -311,9 +314,10 @@ pub(crate) struct Cluster {
     /// queue in the order their clients published them.
     behind: BTreeMap<u64, VecDeque<Behind>>,
     /// Groups this node stopped leading with proposals of its own as leader still undecided
-    /// (publishes to them wait in `behind`): found once as it steps down, so that a forward
-    /// does not look through every proposal that waits.
-    led_pending: BTreeSet<u64>,
+    /// (publishes to them wait in `behind`), and the number of the last of them: found once
+    /// as it steps down, so that a forward does not look through every proposal that waits,
+    /// and what it proposes once it leads again does not count.
+    led_pending: BTreeMap<u64, u64>,
     /// Publishes forwarded to this node while it was elected and not acting yet, by group.
     early: BTreeMap<u64, Vec<Vec<u8>>>,
     /// What this node's own consumers did (acks, rejects, cancels, credit) while it was
@@ -394,7 +398,7 @@ impl Cluster {
             forwarding: None,
             kept: BTreeMap::new(),
             behind: BTreeMap::new(),
-            led_pending: BTreeSet::new(),
+            led_pending: BTreeMap::new(),
             reissue: None,
             early: BTreeMap::new(),
             deferred: BTreeMap::new(),
@@ -1639,6 +1643,11 @@ impl Broker {
             | Command::Extend { .. } => (Reply::Ok, false),
             _ => return None,
         };
+        if confirm && self.behind_own_proposals(id) {
+            // Whoever leads now (this node again, too), it goes after those held already.
+            self.down_self_once(id);
+            return self.hold_behind(id, command).then_some(reply);
+        }
         let c = self.cluster.as_mut()?;
         let r = self.queues.get(&id)?.replica.as_ref()?;
         if r.leader == Some(c.node) {
@@ -1651,9 +1660,6 @@ impl Broker {
             return Some(reply);
         }
         self.down_self_once(id);
-        if confirm && self.behind_own_proposals(id) {
-            return self.hold_behind(id, command).then_some(reply);
-        }
         let command = self.as_enqueuer(id, command);
         self.forward_one(id, &command, confirm).then_some(reply)
     }
@@ -1661,10 +1667,16 @@ impl Broker {
     /// Must a publish to `id` wait ([`Cluster::behind`])? While this node's proposals as the
     /// queue's leader are undecided, or publishes wait behind them already.
     fn behind_own_proposals(&self, id: QueueId) -> bool {
-        let (Some(c), Some(group)) = (self.cluster.as_ref(), self.replica_group(id)) else {
+        let Some(c) = self.cluster.as_ref() else {
             return false;
         };
-        c.behind.contains_key(&group) || c.led_pending.contains(&group)
+        if c.behind.is_empty() && c.led_pending.is_empty() {
+            return false;
+        }
+        let Some(group) = self.replica_group(id) else {
+            return false;
+        };
+        c.behind.contains_key(&group) || c.led_pending.contains_key(&group)
     }
 
     /// Holds a publish back behind this node's undecided proposals as leader, its confirm
@@ -1686,6 +1698,7 @@ impl Broker {
             id,
             command: command.clone(),
             token,
+            at: now,
         });
         true
     }
@@ -1700,13 +1713,31 @@ impl Broker {
             return;
         }
         let proposals = &c.proposals;
-        c.led_pending
-            .retain(|g| proposals.any_waiting(GroupId(*g), own_as_leader));
+        c.led_pending.retain(|g, last| {
+            proposals.any_waiting(GroupId(*g), |seq, t| seq <= *last && own_as_leader(t))
+        });
+        // A queue acting here again has applied an entry of its new term: what it proposed
+        // in an earlier one is decided, whatever its proposals still say.
+        let acting: Vec<u64> = c
+            .led_pending
+            .keys()
+            .copied()
+            .filter(|g| {
+                c.groups.get(g).is_some_and(|id| {
+                    self.queues
+                        .get(id)
+                        .is_some_and(|q| q.replica.as_ref().is_some_and(|r| r.is_leading()))
+                })
+            })
+            .collect();
+        for g in acting {
+            c.led_pending.remove(&g);
+        }
         let ready: Vec<u64> = c
             .behind
             .keys()
             .copied()
-            .filter(|g| !c.led_pending.contains(g))
+            .filter(|g| !c.led_pending.contains_key(g))
             .collect();
         for group in ready {
             let Some(held) = self.cluster.as_mut().and_then(|c| c.behind.remove(&group)) else {
@@ -1721,7 +1752,9 @@ impl Broker {
     /// One publish held back, on its way now: proposed here if this node leads the queue
     /// again, kept for when it acts if it is elected and not acting yet, else forwarded.
     fn send_held(&mut self, b: Behind) {
-        let Behind { id, command, token } = b;
+        let Behind {
+            id, command, token, ..
+        } = b;
         let leads_here = self
             .queues
             .get(&id)
@@ -1736,6 +1769,10 @@ impl Broker {
             if let Some(c) = self.cluster.as_mut() {
                 if let Some(token) = c.reissue.take() {
                     c.settle(Outcome::Lost(token));
+                } else if matches!(reply, Some(Reply::Refused(_))) {
+                    // Refused by a full queue as it was applied ahead: a nack, as
+                    // `reissue_forwards` makes it (the entry's token is this node's own now).
+                    c.lost_upto = c.lost_upto.max(token.batch);
                 }
             }
             if reply.is_some() {
@@ -2138,6 +2175,27 @@ impl Broker {
         }
         for o in outcomes {
             c.settle(o);
+        }
+        // Publishes held back behind this node's undecided proposals as leader (a deposed
+        // leader cut off from its successor) are nacked as late forwards are, all of a group
+        // at once (what comes after them waits behind them): none is kept for ever.
+        let late: Vec<u64> = c
+            .behind
+            .iter()
+            .filter(|(_, b)| {
+                b.front()
+                    .is_some_and(|f| now.saturating_sub(f.at) >= FORWARD_TIMEOUT_MS)
+            })
+            .map(|(g, _)| *g)
+            .collect();
+        for g in late {
+            tracing::warn!(
+                group = g,
+                "publishes held behind a deposed leader's proposals: nacked"
+            );
+            for b in c.behind.remove(&g).into_iter().flatten() {
+                c.settle(Outcome::Lost(b.token));
+            }
         }
         // Consumers' commands still waiting go to the leader again.
         for (group, kept) in c.kept.iter_mut() {
@@ -2621,6 +2679,14 @@ impl Broker {
         }
     }
 
+    /// Publishes of this node's clients held back behind its undecided proposals as a deposed
+    /// leader ([`Cluster::behind`]).
+    pub fn behind_count(&self) -> usize {
+        self.cluster
+            .as_ref()
+            .map_or(0, |c| c.behind.values().map(VecDeque::len).sum())
+    }
+
     /// The highest batch holding a replicated entry that was lost (a leader change dropped
     /// it) since the last call: the confirms up to it are nacks.
     pub fn take_lost(&mut self) -> Option<u64> {
@@ -2802,8 +2868,8 @@ impl Broker {
         let group = self.replica_group(id);
         if let (Some(c), Some(g)) = (self.cluster.as_mut(), group) {
             // Its clients' next publishes wait for what it proposed as leader.
-            if c.proposals.any_waiting(GroupId(g), own_as_leader) {
-                c.led_pending.insert(g);
+            if let Some(last) = c.proposals.last_waiting(GroupId(g), own_as_leader) {
+                c.led_pending.insert(g, last);
             }
             // Their senders send them again to whoever leads now.
             c.early.remove(&g);
@@ -3082,14 +3148,14 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
     AmqpError::resource_error(format!("{} is not led by this node ({at})", q.rs()))
 }
 
-/// A publish, whose token may carry the guard of a delayed message falling due or of a dead
-/// letter.
-/// A proposal this node made as a queue's leader that a confirm waits for (a publish): not a
-/// forward, not a term's marker.
+/// A proposal this node made as a queue's leader that a confirm waits for (a publish, or a
+/// command of its own consumers in the same store batch): not a forward, not a term's marker.
 fn own_as_leader(t: &Token) -> bool {
     !t.forwarded && t.batch > 0
 }
 
+/// A publish, whose token may carry the guard of a delayed message falling due or of a dead
+/// letter.
 fn is_enqueue(command: &Command<Message>) -> bool {
     matches!(
         command,
