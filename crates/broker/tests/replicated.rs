@@ -2826,13 +2826,12 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
     assert_same_state(&c, &NODES);
 }
 
-#[test]
-fn a_deposed_leaders_publishes_reach_its_successor_in_the_order_they_were_published() {
-    // A leader paused while the others elected another resumes: its client's first publish
-    // is proposed as leader, the node learns of its successor before its Raft hands that
-    // proposal back, and the client's next publish is forwarded to the successor at once.
-    // Sent on when handed back, the first reached the queue after the second (a fault run
-    // delivered a group's messages out of their publish order, both confirmed).
+/// A leader cut off while the others elect another, back: its broker, still leading as far as
+/// it knows, proposes publish 1 on node `old` to its own Raft (the proposals, taken out of its
+/// outbox, are returned undecided), then learns of the successor `new` (the driver reports the
+/// leader change before its Raft hands anything back). The cluster, the two nodes, publish 1's
+/// batch and the proposals.
+fn deposed_with_publish_1_undecided() -> (Cluster, u64, u64, u64, Vec<Proposal>) {
     let mut c = Cluster::new();
     until_levels(&mut c);
     let old = c.leader();
@@ -2841,19 +2840,27 @@ fn a_deposed_leaders_publishes_reach_its_successor_in_the_order_they_were_publis
     let new = c.leader();
     assert_ne!(new, old);
     c.isolated.clear();
-    // Back, and still leading as far as its broker knows: the first publish is a proposal
-    // of its own, on its way to its Raft.
     let first = c.publish(old, 1);
-    let mut handed_back = Vec::new();
-    queue_proposals(&mut c, old, &mut handed_back);
-    assert!(!handed_back.is_empty(), "the publish was proposed");
-    // The pass that tells it of the new leader comes first...
+    let mut undecided = Vec::new();
+    queue_proposals(&mut c, old, &mut undecided);
+    assert!(!undecided.is_empty(), "the publish was proposed");
     let group = c.group;
     let term = c.members[&new]
         .raft
         .term_of(GroupId(group))
         .expect("a term");
     c.broker(old).set_leader(group, Some(new), term);
+    (c, old, new, first, undecided)
+}
+
+#[test]
+fn a_deposed_leaders_publishes_reach_its_successor_in_the_order_they_were_published() {
+    // A leader paused while the others elected another resumes: its client's first publish
+    // is proposed as leader, the node learns of its successor before its Raft hands that
+    // proposal back, and the client's next publish is forwarded to the successor at once.
+    // Sent on when handed back, the first reached the queue after the second (a fault run
+    // delivered a group's messages out of their publish order, both confirmed).
+    let (mut c, old, new, first, handed_back) = deposed_with_publish_1_undecided();
     let second = c.publish(old, 2);
     // ...then the one where its Raft hands the first back.
     for p in handed_back {
@@ -2892,22 +2899,7 @@ fn publishes_held_behind_a_deposed_leaders_proposals_keep_their_order_under_the_
     // proposal is known lost (a later leader's entry applied), and nothing stays held; had
     // this node been elected again, they would go before what its clients publish then
     // (`forward` holds those behind them too).
-    let mut c = Cluster::new();
-    until_levels(&mut c);
-    let old = c.leader();
-    c.run(5);
-    c.isolated.insert(old);
-    let new = c.leader();
-    c.isolated.clear();
-    let first = c.publish(old, 1);
-    let mut undecided = Vec::new();
-    queue_proposals(&mut c, old, &mut undecided);
-    let group = c.group;
-    let term = c.members[&new]
-        .raft
-        .term_of(GroupId(group))
-        .expect("a term");
-    c.broker(old).set_leader(group, Some(new), term);
+    let (mut c, old, new, first, _undecided) = deposed_with_publish_1_undecided();
     let second = c.publish(old, 2);
     let fourth = c.publish(old, 4);
     assert_eq!(c.broker(old).behind_count(), 2, "held behind the first");

@@ -1683,17 +1683,15 @@ impl Broker {
     /// waiting in the store batch being filled, as a forward's does.
     fn hold_behind(&mut self, id: QueueId, command: &Command<Message>) -> bool {
         let now = self.now_ms;
-        let batch = open_batch(self.persist.as_mut());
-        let group = self.replica_group(id);
-        let (Some(c), Some(group)) = (self.cluster.as_mut(), group) else {
+        let Some(group) = self.replica_group(id) else {
             return false;
         };
-        let token = Token {
-            batch,
-            forwarded: true,
-            release: c.release_tag.filter(|_| is_enqueue(command)),
+        let Some(token) = self.waiting_publish(command) else {
+            return false;
         };
-        c.wait_on(batch, now);
+        let Some(c) = self.cluster.as_mut() else {
+            return false;
+        };
         c.behind.entry(group).or_default().push_back(Behind {
             id,
             command: command.clone(),
@@ -1868,19 +1866,9 @@ impl Broker {
     /// made its new leader nack what its clients published in those first moments. False if it
     /// cannot be encoded (the publisher is nacked).
     fn hold_until_acting(&mut self, id: QueueId, command: &Command<Message>) -> bool {
-        // Kept, it may be sent on to another leader, and again after a snapshot: with an
-        // enqueuer identity the queue takes it once however often it comes.
-        let now = self.now_ms;
-        let batch = open_batch(self.persist.as_mut());
-        let Some(c) = self.cluster.as_mut() else {
+        let Some(token) = self.waiting_publish(command) else {
             return false;
         };
-        let token = Token {
-            batch,
-            forwarded: true,
-            release: c.release_tag.filter(|_| is_enqueue(command)),
-        };
-        c.wait_on(batch, now);
         let kept = self.keep_until_acting(id, command, token);
         if !kept {
             if let Some(c) = self.cluster.as_mut() {
@@ -1888,6 +1876,21 @@ impl Broker {
             }
         }
         kept
+    }
+
+    /// The token of a publish this node holds for later (its confirm waiting in the store batch
+    /// being filled, as a forward's does), registered as waiting.
+    fn waiting_publish(&mut self, command: &Command<Message>) -> Option<Token> {
+        let now = self.now_ms;
+        let batch = open_batch(self.persist.as_mut());
+        let c = self.cluster.as_mut()?;
+        let token = Token {
+            batch,
+            forwarded: true,
+            release: c.release_tag.filter(|_| is_enqueue(command)),
+        };
+        c.wait_on(batch, now);
+        Some(token)
     }
 
     /// [`Broker::hold_until_acting`] for a publish whose confirm waits with `token` already.
