@@ -2769,11 +2769,7 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
     // each sending was a copy in the queue (a fault run found one publish four times).
     let mut c = Cluster::snapshotting(8);
     until_levels(&mut c);
-    let old = c.leader();
-    c.run(5);
-    c.isolated.insert(old);
-    let new = c.leader();
-    assert_ne!(new, old);
+    let (old, new) = cut_off_leader(&mut c);
     for n in 0..40 {
         c.publish(new, n);
         c.step();
@@ -2808,11 +2804,7 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
         c.snapshot_at(old) > 8,
         "the old leader installed a snapshot"
     );
-    let machine = c.members[&new].broker.machine(c.id(new)).expect("machine");
-    let mut bodies: Vec<Bytes> = machine
-        .ready_messages()
-        .map(|(_, m, _)| m.body.clone())
-        .collect();
+    let mut bodies = ready_bodies(&c, new);
     let all = bodies.len();
     bodies.sort();
     bodies.dedup();
@@ -2826,6 +2818,28 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
     assert_same_state(&c, &NODES);
 }
 
+/// Cuts the queue's leader off (it stays cut off) until the others elect another: the two.
+fn cut_off_leader(c: &mut Cluster) -> (u64, u64) {
+    let old = c.leader();
+    c.run(5);
+    c.isolated.insert(old);
+    let new = c.leader();
+    assert_ne!(new, old);
+    (old, new)
+}
+
+/// The bodies of the queue's ready messages on `node`, in queue order.
+fn ready_bodies(c: &Cluster, node: u64) -> Vec<Bytes> {
+    let machine = c.members[&node]
+        .broker
+        .machine(c.id(node))
+        .expect("machine");
+    machine
+        .ready_messages()
+        .map(|(_, m, _)| m.body.clone())
+        .collect()
+}
+
 /// A leader cut off while the others elect another, back: its broker, still leading as far as
 /// it knows, proposes publish 1 on node `old` to its own Raft (the proposals, taken out of its
 /// outbox, are returned undecided), then learns of the successor `new` (the driver reports the
@@ -2834,11 +2848,7 @@ fn publishes_raft_hands_back_to_a_deposed_leader_are_in_the_queue_once() {
 fn deposed_with_publish_1_undecided() -> (Cluster, u64, u64, u64, Vec<Proposal>) {
     let mut c = Cluster::new();
     until_levels(&mut c);
-    let old = c.leader();
-    c.run(5);
-    c.isolated.insert(old);
-    let new = c.leader();
-    assert_ne!(new, old);
+    let (old, new) = cut_off_leader(&mut c);
     c.isolated.clear();
     let first = c.publish(old, 1);
     let mut undecided = Vec::new();
@@ -2876,14 +2886,7 @@ fn a_deposed_leaders_publishes_reach_its_successor_in_the_order_they_were_publis
     let nacked = c.broker(old).take_lost().unwrap_or(0);
     assert!(nacked < first, "the first publish was nacked");
     let leader = c.leader();
-    let machine = c.members[&leader]
-        .broker
-        .machine(c.id(leader))
-        .expect("machine");
-    let bodies: Vec<Bytes> = machine
-        .ready_messages()
-        .map(|(_, m, _)| m.body.clone())
-        .collect();
+    let bodies = ready_bodies(&c, leader);
     assert_eq!(
         bodies,
         vec![message(1).body, message(2).body],
@@ -2911,14 +2914,7 @@ fn publishes_held_behind_a_deposed_leaders_proposals_keep_their_order_under_the_
         c.step();
     }
     let nacked = c.broker(old).take_lost().unwrap_or(0);
-    let machine = c.members[&leader]
-        .broker
-        .machine(c.id(leader))
-        .expect("machine");
-    let bodies: Vec<Bytes> = machine
-        .ready_messages()
-        .map(|(_, m, _)| m.body.clone())
-        .collect();
+    let bodies = ready_bodies(&c, leader);
     let at = |n: u32| bodies.iter().position(|b| *b == message(n).body);
     assert_eq!(at(1), None, "never proposed anywhere");
     assert!(nacked >= first, "the first publish was nacked");

@@ -848,15 +848,19 @@ struct PackedRun<P> {
 
 const NO_BASE: u64 = u64::MAX;
 
+/// The base a run's first expiry `at` sets: room for expiries about 24 days either side of it.
+fn base_for(at: u64) -> u64 {
+    at.saturating_sub(1 << 31)
+}
+
 impl<P> PackedRun<P> {
     /// A run of one: its base set from the message's expiry, if it has one.
     fn one(p: Packing<P>) -> Self {
-        // Room for expiries about 24 days either side of the first.
         let (base, expiry) = match p.expires_at {
             Some(at) => {
-                let d = at.min(1 << 31);
-                // `d` is at most 2^31: the cast is exact.
-                (at - d, d as u32 + 1)
+                let base = base_for(at);
+                // At most 2^31 past its base: the cast is exact.
+                (base, (at - base) as u32 + 1)
             }
             None => (NO_BASE, 0),
         };
@@ -884,8 +888,7 @@ impl<P> PackedRun<P> {
             None => 0,
             Some(at) => {
                 if self.base == NO_BASE {
-                    // Room for expiries about 24 days either side of the first.
-                    self.base = at.saturating_sub(1 << 31);
+                    self.base = base_for(at);
                 }
                 match at
                     .checked_sub(self.base)
