@@ -103,7 +103,7 @@ fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
 }
 
 /// The feature level of this version's nodes.
-const LEVEL: u64 = 8;
+const LEVEL: u64 = 9;
 
 /// Waits until node `n` knows every node's level ([`LEVEL`]).
 fn wait_for_feature_level(c: &TestCluster, n: u64) {
@@ -391,12 +391,30 @@ async fn a_node_down_while_thousands_of_entries_commit_catches_up_and_keeps_the_
     for n in 1..=3 {
         wait_for_messages(&c, n, &q, 0);
     }
-    // Far more entries than a group keeps in memory (2 x 1,024) commit while it is down: the
-    // other follower lets them go from memory, the leader keeps them for the one behind.
+    // Far more than a group keeps in memory (2 x 1,024 entries, or 2 MiB of them) commits
+    // while it is down: the other follower lets it go from memory, the leader keeps it for
+    // the one behind. The publishes the leader takes in one pass share an entry.
     c.node_mut(behind).stop(true);
     let (_cl, chl) = channel(&c, leader).await;
-    publish_confirmed(&chl, &q, (0..5000).map(|i| format!("m{i}"))).await;
+    let pad = "x".repeat(1024);
+    publish_confirmed(&chl, &q, (0..5000).map(|i| format!("m{i} {pad}"))).await;
     wait_for_messages(&c, other, &q, 5000);
+    let (_, v) = Api::of(c.node(leader)).call("GET", "/nodes", None);
+    let joined = v
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["cluster"]["node"].as_u64() == Some(leader))
+        .map(|e| e["cluster"]["joined_proposals"].clone())
+        .unwrap_or_default();
+    let (entries, proposals) = (
+        joined["entries"].as_u64().unwrap_or(0),
+        joined["proposals"].as_u64().unwrap_or(0),
+    );
+    assert!(
+        entries > 0 && proposals > entries,
+        "publishes in flight together share entries: {joined}"
+    );
     // The leader dies; the one that was behind comes back: the majority is the other follower,
     // which must send it what left its memory, from its disk.
     c.node_mut(leader).stop(true);

@@ -51,7 +51,7 @@ pub use broker::{
     group_of, AwayContext, Broker, ChangeAnswer, ConsumerTimeout, DeclareAnswer, DecodedSnapshot,
     ForgetError, GetAnswer, Got, GroupChange, MetaClosed, Proposal, QueueInfo, ReplicaSnapshot,
     SnapshotData, SnapshotDataError, SnapshotLimits, DECLARE_WAIT_MS, FEATURE_LEVEL, GET_WAIT_MS,
-    META_APPLIED, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+    META_APPLIED, META_GROUP, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;

@@ -74,6 +74,8 @@ struct Cluster {
     refusals: u32,
     /// Snapshots whose machine the taker copied, to encode elsewhere (a deep queue's).
     copied_snapshots: u32,
+    /// Entries proposed joining several proposals, and the proposals they held.
+    joined: (u32, u32),
     /// Answers to declarations that waited for the metadata log, by node, not looked at yet.
     declare_answers: Vec<(u64, warren_broker::DeclareAnswer)>,
 }
@@ -220,6 +222,7 @@ impl Cluster {
             hold_forwards: false,
             refusals: 0,
             copied_snapshots: 0,
+            joined: (0, 0),
             declare_answers: Vec::new(),
         };
         let req = DeclareQueue {
@@ -293,8 +296,15 @@ impl Cluster {
             m.broker.take_proposals(&mut props);
             // What Raft hands back, told after the leader changes, as the server's driver does.
             let mut refused = Vec::new();
+            // A queue's proposals of one pass share an entry, as the server's Raft thread
+            // joins them once every node reads joined entries.
+            let joins = m.broker.joins_entries();
+            let mut joining: BTreeMap<u64, Vec<Vec<u8>>> = BTreeMap::new();
             for p in props {
                 match p.to {
+                    None if joins && p.group != warren_broker::META_GROUP => {
+                        joining.entry(p.group).or_default().push(p.data);
+                    }
                     None => {
                         if let Err(r) = m.raft.try_propose(GroupId(p.group), p.data) {
                             let leader = m.raft.leader_of(GroupId(p.group));
@@ -306,6 +316,20 @@ impl Cluster {
                         self.reports.push((node, to, u64::from_be_bytes(index)));
                     }
                     Some(to) => self.forwards.push((to, p)),
+                }
+            }
+            for (group, mut parts) in joining {
+                let data = match parts.len() {
+                    1 => parts.pop().expect("one"),
+                    n => {
+                        self.joined.0 += 1;
+                        self.joined.1 += u32::try_from(n).unwrap_or(u32::MAX);
+                        warren_replication::batch::join(&parts).expect("joined")
+                    }
+                };
+                if let Err(r) = m.raft.try_propose(GroupId(group), data) {
+                    let leader = m.raft.leader_of(GroupId(group));
+                    refused.push((group, r.data, leader));
                 }
             }
             m.raft.tick(now);
@@ -335,7 +359,11 @@ impl Cluster {
                     m.broker.set_leader(g, leader, term);
                 }
             }
-            self.refusals += u32::try_from(refused.len()).unwrap_or(u32::MAX);
+            let refused_proposals: usize = refused
+                .iter()
+                .map(|(_, data, _)| warren_replication::batch::split_owned(data.clone()).len())
+                .sum();
+            self.refusals += u32::try_from(refused_proposals).unwrap_or(u32::MAX);
             for (group, data, leader) in refused {
                 m.broker.proposal_refused(group, &data, leader);
             }
@@ -2828,6 +2856,104 @@ fn cut_off_leader(c: &mut Cluster) -> (u64, u64) {
     (old, new)
 }
 
+#[test]
+fn publishes_proposed_in_one_pass_share_an_entry_and_every_member_takes_each_in_order() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    c.run(10);
+    let before = c.joined;
+    let batches: Vec<u64> = (0..20).map(|n| c.publish(leader, n)).collect();
+    c.run(10);
+    assert_eq!(
+        (c.joined.0 - before.0, c.joined.1 - before.1),
+        (1, 20),
+        "the twenty publishes went in one entry"
+    );
+    for &b in &batches {
+        assert!(c.confirmed(leader, b), "confirm of batch {b}");
+    }
+    let want: Vec<Bytes> = (0..20).map(|n| message(n).body).collect();
+    for node in NODES {
+        assert_eq!(ready_bodies(&c, node), want, "node {node}");
+    }
+    // The same again on a follower, whose publishes go to the leader as forwards: the leader
+    // proposes them together with its own.
+    let follower = NODES
+        .into_iter()
+        .find(|n| *n != leader)
+        .expect("a follower");
+    let mut more: Vec<u64> = (20..30).map(|n| c.publish(follower, n)).collect();
+    more.extend((30..40).map(|n| c.publish(leader, n)));
+    c.run(10);
+    assert!(c.joined.0 >= 2, "{:?}", c.joined);
+    for node in NODES {
+        let bodies = ready_bodies(&c, node);
+        assert_eq!(bodies.len(), 40, "node {node}");
+        let mut sorted = bodies.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 40, "node {node}: each once");
+        // Each publisher's own order holds.
+        let position = |n: u32| bodies.iter().position(|b| *b == message(n).body);
+        for n in (20..29).chain(30..39) {
+            assert!(
+                position(n) < position(n + 1),
+                "node {node}: {n} before {}",
+                n + 1
+            );
+        }
+    }
+    assert_eq!(c.refusals, 0);
+}
+
+#[test]
+fn a_joined_entry_raft_hands_back_is_taken_command_by_command() {
+    // As `a_deposed_leaders_publishes_reach_its_successor_in_the_order_they_were_published`,
+    // with the deposed leader's four undecided publishes handed back in one joined entry: each
+    // goes on to the successor, in order, before the publish made after them.
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let (old, new) = cut_off_leader(&mut c);
+    c.isolated.clear();
+    let mut batches: Vec<u64> = (1..5).map(|n| c.publish(old, n)).collect();
+    let mut undecided = Vec::new();
+    queue_proposals(&mut c, old, &mut undecided);
+    let group = c.group;
+    let mine: Vec<Vec<u8>> = undecided
+        .into_iter()
+        .filter(|p| p.group == group && p.to.is_none())
+        .map(|p| p.data)
+        .collect();
+    assert_eq!(mine.len(), 4, "the four publishes were proposed");
+    let term = c.members[&new]
+        .raft
+        .term_of(GroupId(group))
+        .expect("a term");
+    c.broker(old).set_leader(group, Some(new), term);
+    batches.push(c.publish(old, 5));
+    let joined = warren_replication::batch::join(&mine).expect("joined");
+    c.broker(old).proposal_refused(group, &joined, Some(new));
+    for _ in 0..200 {
+        if batches.iter().all(|b| c.confirmed(old, *b)) {
+            break;
+        }
+        c.step();
+    }
+    let nacked = c.broker(old).take_lost().unwrap_or(0);
+    for b in &batches {
+        assert!(c.confirmed(old, *b) && *b > nacked, "batch {b} confirmed");
+    }
+    c.run(10);
+    let leader = c.leader();
+    let want: Vec<Bytes> = (1..6).map(|n| message(n).body).collect();
+    assert_eq!(
+        ready_bodies(&c, leader),
+        want,
+        "in publish order, once each"
+    );
+    assert_same_state(&c, &NODES);
+}
+
 /// The bodies of the queue's ready messages on `node`, in queue order.
 fn ready_bodies(c: &Cluster, node: u64) -> Vec<Bytes> {
     let machine = c.members[&node]
@@ -4875,10 +5001,14 @@ fn a_snapshot_of_a_deep_replicated_queue_carries_the_contents_away_and_a_restart
     c.isolated.insert(behind);
     for n in 0..500 {
         c.publish(leader, n);
+        if n % 50 == 49 {
+            // Ten joined entries.
+            c.step();
+        }
     }
     c.run(60);
     let at = c.snapshot_at(leader);
-    assert!(at > 400, "the leader snapshotted (at {at})");
+    assert!(at >= 10, "the leader snapshotted (at {at})");
     assert!(away_on(&c, leader).0 > 200);
     c.isolated.clear();
     c.run(80);

@@ -2,6 +2,7 @@
 //! in batches by the caller (sans-IO), with one node-wide log write per batch and hibernation of
 //! idle groups. See docs/design.md, "Replication: the spike and the choices".
 
+pub mod batch;
 pub mod engine;
 pub mod multi;
 pub mod queue;

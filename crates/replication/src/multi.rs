@@ -57,6 +57,9 @@ pub struct Config {
     /// what it lacks from the durable log, so the leader's memory does not grow with the log
     /// while a member is away.
     pub log_keep: u64,
+    /// The same window in bytes of entries' data, whichever is smaller: an entry joining many
+    /// proposals ([`crate::batch`]) can be a thousand times the size of one.
+    pub log_keep_bytes: usize,
     /// Entries the durable log keeps behind a snapshot for a follower that lags (a leader
     /// keeps what its followers still lack, up to this many): one further behind is sent the
     /// snapshot.
@@ -79,6 +82,7 @@ impl Config {
             max_size_per_msg: 1 << 20,
             max_committed_size_per_ready: 64 << 20,
             log_keep: 1024,
+            log_keep_bytes: 1 << 20,
             snapshot_keep: 4096,
         }
     }
@@ -521,6 +525,11 @@ impl MultiRaft {
     /// The entries a group holds in memory (the rest of its log is on disk only).
     pub fn entries_in_memory(&self, group: GroupId) -> Option<usize> {
         self.groups.get(&group).map(|g| g.raw.store().len())
+    }
+
+    /// The bytes of entries' data `group` holds in memory.
+    pub fn entry_bytes_in_memory(&self, group: GroupId) -> Option<usize> {
+        self.groups.get(&group).map(|g| g.raw.store().bytes())
     }
 
     pub fn is_leader(&self, group: GroupId) -> bool {
@@ -1850,15 +1859,28 @@ fn compact(g: &mut Group, cfg: &Config) {
     let r = &g.raw.raft;
     let applied = r.raft_log.applied;
     let store = r.raft_log.store();
-    if (store.len() as u64) < cfg.log_keep.saturating_mul(2) {
+    let keep_bytes = cfg.log_keep_bytes;
+    if (store.len() as u64) < cfg.log_keep.saturating_mul(2)
+        && store.bytes() < keep_bytes.saturating_mul(2)
+    {
         return;
     }
-    let mut to = applied.saturating_sub(cfg.log_keep);
+    let mut to = applied
+        .saturating_sub(cfg.log_keep)
+        .max(store.index_keeping(keep_bytes))
+        .min(applied);
     if r.state == StateRole::Leader {
-        let far = cfg.log_keep.saturating_mul(LAGGING_IN_MEMORY);
         let cold = store.has_cold();
+        // Below this a follower is far behind: by entries, or by their bytes.
+        let far = applied
+            .saturating_sub(cfg.log_keep.saturating_mul(LAGGING_IN_MEMORY))
+            .max(if cold {
+                store.index_keeping(keep_bytes.saturating_mul(LAGGING_IN_MEMORY as usize))
+            } else {
+                0
+            });
         for (id, pr) in r.prs().iter() {
-            if *id != r.id && !(cold && applied.saturating_sub(pr.matched) > far) {
+            if *id != r.id && !(cold && pr.matched < far) {
                 to = to.min(pr.matched);
             }
         }

@@ -45,6 +45,8 @@ pub struct GroupLog {
     compacted_index: u64,
     compacted_term: Option<u64>,
     entries: std::collections::VecDeque<Entry>,
+    /// The bytes of the entries' data held in `entries`.
+    bytes: usize,
     /// The group's latest durable snapshot, and where its data is read when a follower needs it.
     snapshot: Option<SnapshotMeta>,
     source: Option<(u64, std::sync::Arc<dyn SnapshotSource>)>,
@@ -83,6 +85,7 @@ impl GroupLog {
         snapshot: Option<SnapshotMeta>,
     ) -> Self {
         let entries: std::collections::VecDeque<Entry> = entries.into();
+        let bytes = data_bytes(entries.iter());
         if let Some(s) = snapshot {
             // The snapshot covers committed entries only, whatever commit index was last written.
             hard_state.commit = hard_state.commit.max(s.index);
@@ -94,6 +97,7 @@ impl GroupLog {
                 conf_state: cs.clone(),
                 base_conf: cs,
                 entries,
+                bytes,
                 compacted_index: u.last,
                 compacted_term: Some(u.last_term),
                 snapshot,
@@ -118,6 +122,7 @@ impl GroupLog {
             conf_state: cs.clone(),
             base_conf: cs,
             entries,
+            bytes,
             compacted_index,
             compacted_term,
             snapshot,
@@ -179,6 +184,7 @@ impl GroupLog {
         self.base_conf = conf;
         self.confs.clear();
         self.entries.clear();
+        self.bytes = 0;
         self.compacted_index = meta.index;
         self.compacted_term = Some(meta.term);
         self.floor = meta.index + 1;
@@ -276,6 +282,28 @@ impl GroupLog {
         self.entries.len()
     }
 
+    /// Bytes of the entries' data held in memory.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The index up to which entries must go for those after it to hold at most `most` bytes
+    /// (the last one dropped from memory already when they do). It walks back from the newest
+    /// entry, and no further than `most` bytes.
+    pub fn index_keeping(&self, most: usize) -> u64 {
+        if self.bytes <= most {
+            return self.compacted_index;
+        }
+        let mut kept = 0usize;
+        for e in self.entries.iter().rev() {
+            kept += e.data.len();
+            if kept > most {
+                return e.index;
+            }
+        }
+        self.compacted_index
+    }
+
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
@@ -298,8 +326,10 @@ impl GroupLog {
             ));
         }
         let keep = (first.index - self.first_index()) as usize;
+        self.bytes -= data_bytes(self.entries.range(keep.min(self.entries.len())..));
         self.entries.truncate(keep);
         self.entries.extend(ents.iter().cloned());
+        self.bytes += data_bytes(ents.iter());
         Ok(())
     }
 
@@ -312,9 +342,14 @@ impl GroupLog {
             }
             self.compacted_index = e.index;
             self.compacted_term = Some(e.term);
+            self.bytes -= e.data.len();
             self.entries.pop_front();
         }
     }
+}
+
+fn data_bytes<'a>(entries: impl Iterator<Item = &'a Entry>) -> usize {
+    entries.map(|e| e.data.len()).sum()
 }
 
 impl Storage for GroupLog {

@@ -1153,9 +1153,13 @@ impl Core {
             }
         }
         self.node.take_proposals(&mut self.proposals);
+        let joins = self.node.broker().joins_entries();
         for p in self.proposals.drain(..) {
             let group = warren_broker::GroupId(p.group);
             match p.to {
+                None if joins && p.group != warren_broker::META_GROUP => {
+                    raft.propose_joinable(group, p.data)
+                }
                 None => raft.propose(group, p.data),
                 Some(leader) => raft.forward(leader, group, p.data),
             }

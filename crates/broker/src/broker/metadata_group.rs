@@ -61,7 +61,12 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// version 4).
 /// 8, a node receives a snapshot in pieces above 4 GiB (spooled to its disk, never held in
 /// memory), so a quorum queue deeper than the earlier levels' largest snapshot is snapshotted.
-pub const FEATURE_LEVEL: u64 = 8;
+/// 9, a quorum queue's entry may join several commands (`warren_replication::batch`).
+pub const FEATURE_LEVEL: u64 = 9;
+
+/// The level from which a leader joins the commands a pass proposes to a quorum queue into
+/// one Raft entry: a node of an older version reads a joined entry as one it cannot decode.
+pub(super) const JOINED_ENTRIES_LEVEL: u64 = 9;
 
 /// The level from which every node takes a snapshot in pieces of any size its disk holds: a
 /// node of an older version drops the link that sends it one above 4 GiB.
@@ -1716,6 +1721,13 @@ impl Broker {
                 .min()
                 .unwrap_or(0),
         )
+    }
+
+    /// Whether this node's proposals to a queue's group may share Raft entries: every node
+    /// reads joined entries. (The metadata log's entries stay one each: [`META_GROUP`].)
+    pub fn joins_entries(&self) -> bool {
+        self.cluster_feature_level()
+            .is_some_and(|l| l >= JOINED_ENTRIES_LEVEL)
     }
 
     /// The cluster's nodes, once the metadata log changed them (`None`: the list each node

@@ -24,7 +24,7 @@ use flows::*;
 use metadata::*;
 pub use metadata_group::{
     ChangeAnswer, DeclareAnswer, ForgetError, GroupChange, MetaClosed, DECLARE_WAIT_MS,
-    FEATURE_LEVEL, META_APPLIED,
+    FEATURE_LEVEL, META_APPLIED, META_GROUP,
 };
 use persistence::*;
 use publish::*;

@@ -2381,6 +2381,7 @@ impl Broker {
         let mut meta = Vec::new();
         let mut touched: Vec<QueueId> = Vec::new();
         let mut ghosts: Vec<(QueueId, ConsumerId)> = Vec::new();
+        let mut parts: Vec<bytes::Bytes> = Vec::new();
         let mut gets: Vec<super::remote_get::AppliedGet> = Vec::new();
         for e in entries {
             if e.group.0 == super::metadata_group::META_GROUP {
@@ -2407,240 +2408,262 @@ impl Broker {
             if touched.last() != Some(&id) {
                 touched.push(id);
             }
-            let (head, command) = match decode(e.data.clone()) {
-                Ok(x) => x,
+            parts.clear();
+            match warren_replication::batch::split_into(&e.data, &mut parts) {
+                Ok(true) => {}
+                Ok(false) => parts.push(e.data.clone()),
                 Err(error) => {
                     // Every member refuses the same bytes: their states stay equal.
-                    tracing::error!(group = e.group.0, index = e.index, %error, "unreadable entry skipped");
-                    continue;
+                    tracing::error!(group = e.group.0, index = e.index, %error, "unreadable joined entry skipped");
                 }
-            };
-            if r.stepped_down.is_some_and(|t| e.term > t) {
-                // A later leader's entry: what this node proposed while it led and is not in
-                // the log by now never will be.
-                r.stepped_down = None;
-                c.abandon_led(e.group.0, &mut outcomes);
-                r.applied_own = r.proposed;
             }
-            let meta = Meta {
-                index: e.index,
-                now_ms: head.now_ms,
-            };
-            // Of this node, since it started (what a restart replays is of channels gone).
-            let own = head.origin.node == c.node && head.origin.seq >= c.boot_seq;
-            let consumed = match &command {
-                Command::Consume { id, .. } if own => Some(*id),
-                _ => None,
-            };
-            // A get this node forwarded: its answer is this entry's.
-            let own_get = own
-                && matches!(&command, Command::GetBy { node, .. } if u64::from(*node) == c.node);
-            let mut got = None;
-            match &command {
-                Command::Cancel { id } if own => {
-                    c.retired.remove(id);
-                }
-                Command::Down { node } if u64::from(*node) == c.node => {
-                    c.retired.retain(|_, queue| *queue != id);
-                }
-                _ => {}
-            }
-            // A Down of this node that its own start did not send (the leader lost it): its
-            // consumers whose Consume the log had are gone, and are told.
-            let node16 = u16::try_from(c.node).unwrap_or(u16::MAX);
-            let cut_off: Vec<ConsumerId> = match &command {
-                Command::Down { node } if *node == node16 && !r.is_leading() => c
-                    .local_consumers
-                    .iter()
-                    .filter(|(_, (queue, _, applied))| *queue == id && *applied)
-                    .map(|(cid, _)| *cid)
-                    .collect(),
-                _ => Vec::new(),
-            };
-            // This node's enqueuer in the group starts over after a refusal of one of its
-            // sequences as out of order.
-            let enqueuer_used = match &command {
-                Command::EnqueueFrom { enqueuer, .. }
-                | Command::EnqueueWith {
-                    from: Some((enqueuer, _)),
-                    ..
-                } if head.origin.node == c.node => Some(*enqueuer),
-                _ => None,
-            };
-            c.scratch.clear();
-            let reply = match &mut r.mode {
-                Mode::Leading { committed } => {
-                    let held_delay = match &command {
-                        Command::EnqueueWith { delay_ms, .. } => Some(*delay_ms),
-                        _ => None,
-                    };
-                    let reply = committed.apply(meta, command, &mut c.scratch);
-                    if let (Some(delay), Reply::Ok) = (held_delay, reply) {
-                        // The same for a held publish: its copies stay shared once released.
-                        if let Some(key) = committed.last_held(delay) {
-                            if let Some(m) = q.machine.held_payload(key) {
-                                committed.share_held(key, m);
-                            }
-                        }
+            r.since_snapshot += parts.len().saturating_sub(1) as u64;
+            // Each command of a joined entry as if it were an entry of its own, at its index.
+            for data in parts.drain(..) {
+                let (head, command) = match decode(data) {
+                    Ok(x) => x,
+                    Err(error) => {
+                        // Every member refuses the same bytes: their states stay equal.
+                        tracing::error!(group = e.group.0, index = e.index, %error, "unreadable entry skipped");
+                        continue;
                     }
-                    if let Reply::Enqueued { msg_id } = reply {
-                        // The machine that ran ahead holds the message as it was published,
-                        // the committed one as the log gave it back: one copy of its bytes
-                        // is enough (a deep queue's leader held twice its followers' memory).
-                        if let Some(m) = q.machine.payload_to_share(msg_id) {
-                            committed.share_payload(msg_id, &m);
-                        }
-                    }
-                    reply
-                }
-                _ => q.machine.apply(meta, command, &mut c.scratch),
-            };
-            if !r.is_leading() {
-                // A leader acted on these ahead; every other member hands this node's consumers
-                // what the entry gave them.
-                let counts = q.args.counts_deliveries();
-                let (live, retired) = (&c.local_consumers, &c.retired);
-                let ours = |cid: &ConsumerId| live.get(cid).is_some_and(|l| l.2);
-                let ours_or_retired = |cid: &ConsumerId| ours(cid) || retired.contains_key(cid);
-                let our_channel = |g: &CreditGroup| {
-                    live.values().any(|(_, k, applied)| {
-                        *applied && k.conn == g.conn && k.channel == g.channel
-                    })
                 };
-                let mut gone = Vec::new();
-                for effect in c.scratch.drain(..) {
-                    match effect {
-                        Effect::Deliver(d) if d.consumer.as_ref().is_some_and(ours_or_retired) => {
-                            if let Some(delivery) =
-                                super::runtime::delivery_with(id, &q.name, counts, d, true)
-                            {
-                                c.released.push(delivery);
+                if r.stepped_down.is_some_and(|t| e.term > t) {
+                    // A later leader's entry: what this node proposed while it led and is not in
+                    // the log by now never will be.
+                    r.stepped_down = None;
+                    c.abandon_led(e.group.0, &mut outcomes);
+                    r.applied_own = r.proposed;
+                }
+                // The machine counts the commands it applied, not Raft's entries (a joined
+                // entry holds many): the leader's machine that runs ahead counts alike, one a
+                // command it proposes, so both agree once the log caught up with it.
+                let applied = match &r.mode {
+                    Mode::Leading { committed } => committed.last_index(),
+                    _ => q.machine.last_index(),
+                };
+                let meta = Meta {
+                    index: applied + 1,
+                    now_ms: head.now_ms,
+                };
+                // Of this node, since it started (what a restart replays is of channels gone).
+                let own = head.origin.node == c.node && head.origin.seq >= c.boot_seq;
+                let consumed = match &command {
+                    Command::Consume { id, .. } if own => Some(*id),
+                    _ => None,
+                };
+                // A get this node forwarded: its answer is this entry's.
+                let own_get = own
+                    && matches!(&command, Command::GetBy { node, .. } if u64::from(*node) == c.node);
+                let mut got = None;
+                match &command {
+                    Command::Cancel { id } if own => {
+                        c.retired.remove(id);
+                    }
+                    Command::Down { node } if u64::from(*node) == c.node => {
+                        c.retired.retain(|_, queue| *queue != id);
+                    }
+                    _ => {}
+                }
+                // A Down of this node that its own start did not send (the leader lost it): its
+                // consumers whose Consume the log had are gone, and are told.
+                let node16 = u16::try_from(c.node).unwrap_or(u16::MAX);
+                let cut_off: Vec<ConsumerId> = match &command {
+                    Command::Down { node } if *node == node16 && !r.is_leading() => c
+                        .local_consumers
+                        .iter()
+                        .filter(|(_, (queue, _, applied))| *queue == id && *applied)
+                        .map(|(cid, _)| *cid)
+                        .collect(),
+                    _ => Vec::new(),
+                };
+                // This node's enqueuer in the group starts over after a refusal of one of its
+                // sequences as out of order.
+                let enqueuer_used = match &command {
+                    Command::EnqueueFrom { enqueuer, .. }
+                    | Command::EnqueueWith {
+                        from: Some((enqueuer, _)),
+                        ..
+                    } if head.origin.node == c.node => Some(*enqueuer),
+                    _ => None,
+                };
+                c.scratch.clear();
+                let reply = match &mut r.mode {
+                    Mode::Leading { committed } => {
+                        let held_delay = match &command {
+                            Command::EnqueueWith { delay_ms, .. } => Some(*delay_ms),
+                            _ => None,
+                        };
+                        let reply = committed.apply(meta, command, &mut c.scratch);
+                        if let (Some(delay), Reply::Ok) = (held_delay, reply) {
+                            // The same for a held publish: its copies stay shared once released.
+                            if let Some(key) = committed.last_held(delay) {
+                                if let Some(m) = q.machine.held_payload(key) {
+                                    committed.share_held(key, m);
+                                }
                             }
                         }
-                        Effect::Deliver(d) if own_get && d.consumer.is_none() => {
-                            got = super::runtime::delivery_with(id, &q.name, counts, d, true);
+                        if let Reply::Enqueued { msg_id } = reply {
+                            // The machine that ran ahead holds the message as it was published,
+                            // the committed one as the log gave it back: one copy of its bytes
+                            // is enough (a deep queue's leader held twice its followers' memory).
+                            if let Some(m) = q.machine.payload_to_share(msg_id) {
+                                committed.share_payload(msg_id, &m);
+                            }
                         }
-                        Effect::TimedOut {
-                            msg_id,
-                            attempt,
-                            group: Some(group),
-                            ..
-                        } if our_channel(&group) => {
-                            self.timed_out
-                                .push((id, group, Receipt { msg_id, attempt }));
-                        }
-                        Effect::ConsumerTimedOut {
-                            consumer,
-                            group,
-                            tag,
-                            timeout_ms,
-                        } if ours(&consumer) => {
-                            gone.push(consumer);
-                            self.consumer_timeouts.push(ConsumerTimeout {
-                                queue: id,
+                        reply
+                    }
+                    _ => q.machine.apply(meta, command, &mut c.scratch),
+                };
+                if !r.is_leading() {
+                    // A leader acted on these ahead; every other member hands this node's consumers
+                    // what the entry gave them.
+                    let counts = q.args.counts_deliveries();
+                    let (live, retired) = (&c.local_consumers, &c.retired);
+                    let ours = |cid: &ConsumerId| live.get(cid).is_some_and(|l| l.2);
+                    let ours_or_retired = |cid: &ConsumerId| ours(cid) || retired.contains_key(cid);
+                    let our_channel = |g: &CreditGroup| {
+                        live.values().any(|(_, k, applied)| {
+                            *applied && k.conn == g.conn && k.channel == g.channel
+                        })
+                    };
+                    let mut gone = Vec::new();
+                    for effect in c.scratch.drain(..) {
+                        match effect {
+                            Effect::Deliver(d)
+                                if d.consumer.as_ref().is_some_and(ours_or_retired) =>
+                            {
+                                if let Some(delivery) =
+                                    super::runtime::delivery_with(id, &q.name, counts, d, true)
+                                {
+                                    c.released.push(delivery);
+                                }
+                            }
+                            Effect::Deliver(d) if own_get && d.consumer.is_none() => {
+                                got = super::runtime::delivery_with(id, &q.name, counts, d, true);
+                            }
+                            Effect::TimedOut {
+                                msg_id,
+                                attempt,
+                                group: Some(group),
+                                ..
+                            } if our_channel(&group) => {
+                                self.timed_out
+                                    .push((id, group, Receipt { msg_id, attempt }));
+                            }
+                            Effect::ConsumerTimedOut {
                                 consumer,
                                 group,
                                 tag,
                                 timeout_ms,
-                            });
+                            } if ours(&consumer) => {
+                                gone.push(consumer);
+                                self.consumer_timeouts.push(ConsumerTimeout {
+                                    queue: id,
+                                    consumer,
+                                    group,
+                                    tag,
+                                    timeout_ms,
+                                });
+                            }
+                            _ => {}
                         }
-                        _ => {}
+                    }
+                    for cid in gone {
+                        c.local_consumers.remove(&cid);
                     }
                 }
-                for cid in gone {
-                    c.local_consumers.remove(&cid);
+                c.scratch.clear();
+                if let (Some(used), Reply::Refused(Refusal::OutOfOrder)) = (enqueuer_used, reply) {
+                    if c.enqueuers
+                        .get(&e.group.0)
+                        .is_some_and(|(now, _)| *now == used)
+                    {
+                        tracing::debug!(
+                            group = e.group.0,
+                            "a forward was lost on its way: a new enqueuer"
+                        );
+                        c.enqueuers.remove(&e.group.0);
+                    }
                 }
-            }
-            c.scratch.clear();
-            if let (Some(used), Reply::Refused(Refusal::OutOfOrder)) = (enqueuer_used, reply) {
-                if c.enqueuers
-                    .get(&e.group.0)
-                    .is_some_and(|(now, _)| *now == used)
-                {
-                    tracing::debug!(
-                        group = e.group.0,
-                        "a forward was lost on its way: a new enqueuer"
-                    );
-                    c.enqueuers.remove(&e.group.0);
+                // A get of this node's that this entry shows can no longer come is answered.
+                let own_seq = (head.origin.node == c.node).then_some(head.origin.seq);
+                c.gets.applied(e.group.0, e.term, own_seq);
+                if own_get && !r.is_leading() {
+                    let remaining = u32::try_from(q.machine.ready_count()).unwrap_or(u32::MAX);
+                    gets.push(super::remote_get::AppliedGet {
+                        queue: id,
+                        group: e.group.0,
+                        seq: head.origin.seq,
+                        got: got.map(|d| (d, remaining)),
+                    });
                 }
-            }
-            // A get of this node's that this entry shows can no longer come is answered.
-            let own_seq = (head.origin.node == c.node).then_some(head.origin.seq);
-            c.gets.applied(e.group.0, e.term, own_seq);
-            if own_get && !r.is_leading() {
-                let remaining = u32::try_from(q.machine.ready_count()).unwrap_or(u32::MAX);
-                gets.push(super::remote_get::AppliedGet {
-                    queue: id,
-                    group: e.group.0,
-                    seq: head.origin.seq,
-                    got: got.map(|d| (d, remaining)),
-                });
-            }
-            if let Some(cid) = consumed {
-                // What the machine holds decides, whatever this entry's reply: a forward sent
-                // again to a new leader may be applied twice (the second refused as a
-                // duplicate).
-                let present = q.machine.consumers().any(|(other, _, _)| other == cid);
-                match (present, c.local_consumers.get_mut(&cid)) {
-                    (true, Some(l)) => l.2 = true,
-                    // Cancelled here meanwhile, and in the machine again (a duplicate): it must
-                    // go, and what it is given goes back.
-                    (true, None) => ghosts.push((id, cid)),
-                    (false, Some(_)) => {
-                        // The leader refused it (another node's exclusive consumer came first).
+                if let Some(cid) = consumed {
+                    // What the machine holds decides, whatever this entry's reply: a forward sent
+                    // again to a new leader may be applied twice (the second refused as a
+                    // duplicate).
+                    let present = q.machine.consumers().any(|(other, _, _)| other == cid);
+                    match (present, c.local_consumers.get_mut(&cid)) {
+                        (true, Some(l)) => l.2 = true,
+                        // Cancelled here meanwhile, and in the machine again (a duplicate): it must
+                        // go, and what it is given goes back.
+                        (true, None) => ghosts.push((id, cid)),
+                        (false, Some(_)) => {
+                            // The leader refused it (another node's exclusive consumer came first).
+                            if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
+                                c.cancelled.push(key);
+                            }
+                        }
+                        (false, None) => {}
+                    }
+                }
+                for cid in cut_off {
+                    if q.machine.consumers().all(|(other, _, _)| other != cid) {
                         if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
                             c.cancelled.push(key);
                         }
                     }
-                    (false, None) => {}
                 }
-            }
-            for cid in cut_off {
-                if q.machine.consumers().all(|(other, _, _)| other != cid) {
-                    if let Some((_, key, _)) = c.local_consumers.remove(&cid) {
-                        c.cancelled.push(key);
-                    }
+                if head.origin.node != c.node && r.is_leading() {
+                    r.forwarded_ahead = r.forwarded_ahead.saturating_sub(1);
                 }
-            }
-            if head.origin.node != c.node && r.is_leading() {
-                r.forwarded_ahead = r.forwarded_ahead.saturating_sub(1);
-            }
-            if head.origin.node == c.node {
-                if let Some(kept) = c.kept.get_mut(&e.group.0) {
-                    // Those still in the proposals are answered there (this one, or lost
-                    // before it); one taken out at an election waits for its own entry, which
-                    // the old leader may have committed after all.
-                    let seq = head.origin.seq;
-                    kept.retain_mut(|k| match k.token.take() {
-                        None => k.seq > seq,
-                        Some(token) if k.seq == seq => {
-                            outcomes.push(Outcome::Applied(token, reply));
-                            false
+                if head.origin.node == c.node {
+                    if let Some(kept) = c.kept.get_mut(&e.group.0) {
+                        // Those still in the proposals are answered there (this one, or lost
+                        // before it); one taken out at an election waits for its own entry, which
+                        // the old leader may have committed after all.
+                        let seq = head.origin.seq;
+                        kept.retain_mut(|k| match k.token.take() {
+                            None => k.seq > seq,
+                            Some(token) if k.seq == seq => {
+                                outcomes.push(Outcome::Applied(token, reply));
+                                false
+                            }
+                            Some(token) => {
+                                k.token = Some(token);
+                                true
+                            }
+                        });
+                        if kept.is_empty() {
+                            c.kept.remove(&e.group.0);
                         }
-                        Some(token) => {
-                            k.token = Some(token);
-                            true
+                    }
+                    r.applied_own = r.applied_own.max(head.origin.seq);
+                    if let Mode::Starting { marker } = r.mode {
+                        if head.origin.seq >= marker {
+                            r.mode = Mode::Leading {
+                                committed: Box::new(q.machine.clone()),
+                            };
+                            started.push(id);
                         }
-                    });
-                    if kept.is_empty() {
-                        c.kept.remove(&e.group.0);
                     }
                 }
-                r.applied_own = r.applied_own.max(head.origin.seq);
-                if let Mode::Starting { marker } = r.mode {
-                    if head.origin.seq >= marker {
-                        r.mode = Mode::Leading {
-                            committed: Box::new(q.machine.clone()),
-                        };
-                        started.push(id);
+                c.proposals
+                    .applied(e.group, head.origin, reply, &mut outcomes);
+                while r.held.front().is_some_and(|(seq, _)| *seq <= r.applied_own) {
+                    if let Some((_, d)) = r.held.pop_front() {
+                        c.released.push(d);
                     }
-                }
-            }
-            c.proposals
-                .applied(e.group, head.origin, reply, &mut outcomes);
-            while r.held.front().is_some_and(|(seq, _)| *seq <= r.applied_own) {
-                if let Some((_, d)) = r.held.pop_front() {
-                    c.released.push(d);
                 }
             }
         }
@@ -3017,7 +3040,14 @@ impl Broker {
     /// still waits for in the group is nacked, and, if Raft still has it lead, a new term
     /// marker brings it back to acting once everything before is applied.
     pub fn proposal_refused(&mut self, group: u64, data: &[u8], leader: Option<NodeId>) {
-        self.proposal_refused_here(group, data, leader);
+        if warren_replication::batch::is_joined(data) {
+            // A joined entry's commands, each refused in its turn as if proposed alone.
+            for part in warren_replication::batch::split_owned(data.to_vec()) {
+                self.proposal_refused_here(group, &part, leader);
+            }
+        } else {
+            self.proposal_refused_here(group, data, leader);
+        }
         // What it decided may let publishes held back behind this node's own proposals go.
         self.send_behind();
     }

@@ -95,6 +95,62 @@ fn a_leader_keeps_little_in_memory_for_a_follower_far_behind_which_catches_up_fr
     assert_eq!(sim.committed_ever.len(), 300);
 }
 
+/// Entries that join many proposals are large: the window kept in memory is bounded by
+/// their bytes as well as their number, for the members in step and for one far behind.
+#[test]
+fn the_entries_kept_in_memory_are_bounded_by_their_bytes() {
+    const KEEP: usize = 4 << 10;
+    let mut sim = Sim::new(14, 0);
+    for (id, n) in sim.nodes.iter_mut() {
+        let mut cfg = super::sim::config(*id);
+        cfg.log_keep_bytes = KEEP;
+        *n = super::sim::SimNode::fresh(cfg);
+        n.raft.set_cold_log(n.log.cold());
+        n.raft.add_group(G, *id == 1).expect("group");
+    }
+    sim.groups = vec![G];
+    sim.run_until_led(200).expect("a leader");
+    let leader = sim.leader(G).expect("leader");
+    let entry = |i: u32| {
+        let mut data = format!("entry {i} ").into_bytes();
+        data.resize(1000, b'.');
+        data
+    };
+    for i in 0..100 {
+        assert!(sim.propose(G, entry(i)), "entry {i}");
+        sim.step();
+    }
+    sim.run(20);
+    for n in [1, 2, 3] {
+        let bytes = sim.nodes[&n].raft.entry_bytes_in_memory(G).expect("group");
+        assert!(bytes <= 2 * KEEP + 1000, "node {n} holds {bytes} bytes");
+    }
+    let behind = leader % 3 + 1;
+    sim.isolated.insert(behind);
+    for i in 100..300 {
+        assert!(sim.propose(G, entry(i)), "entry {i}");
+        sim.step();
+    }
+    sim.run(20);
+    let bytes = sim.nodes[&leader]
+        .raft
+        .entry_bytes_in_memory(G)
+        .expect("group");
+    let bound = KEEP * (crate::multi::LAGGING_IN_MEMORY as usize + 2) + 1000;
+    assert!(
+        bytes <= bound,
+        "the leader holds {bytes} bytes for a member far behind"
+    );
+    sim.isolated.clear();
+    sim.run(200);
+    sim.assert_applied_everywhere(&[1, 2, 3]);
+    assert_eq!(
+        sim.nodes[&behind].applied[&G].len(),
+        300,
+        "caught up from disk"
+    );
+}
+
 #[test]
 fn the_leader_keeps_what_a_live_follower_still_lacks_up_to_its_limit() {
     let mut sim = Sim::new(12, 1);

@@ -228,6 +228,10 @@ pub struct ClusterStats {
     /// Raft then found written when it installed them (it only renamed the file into place).
     pub staged_in: u64,
     pub staged_used: u64,
+    /// Entries this node proposed joining several proposals of one group, and the proposals
+    /// they held ([`warren_replication::batch`]).
+    pub joined_entries: u64,
+    pub joined_parts: u64,
     /// Incoming connections that failed authentication.
     pub refused: u64,
     /// Authenticated connections dropped for a bad frame or batch.
@@ -352,6 +356,7 @@ impl RaftNode {
             inbound_budget,
             epoch: Instant::now(),
             refused: Vec::new(),
+            joining: Vec::new(),
             to_forward: Default::default(),
             forwarded: Vec::new(),
             snapshots,
@@ -435,6 +440,13 @@ impl RaftNode {
     /// [`RaftEvents::refused`].
     pub fn propose(&self, group: GroupId, data: Vec<u8>) {
         self.send(Command::Propose(group, data));
+    }
+
+    /// [`RaftNode::propose`] for a group whose members all read joined entries
+    /// ([`warren_replication::batch`]): the proposals a pass takes for it may share one entry.
+    /// The group's state machine splits them back; a refusal hands back the joined entry.
+    pub fn propose_joinable(&self, group: GroupId, data: Vec<u8>) {
+        self.send(Command::ProposeJoinable(group, data));
     }
 
     /// Sends a proposal to `to`, which leads `group` (a publish on a node that does not): it

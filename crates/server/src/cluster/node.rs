@@ -28,6 +28,8 @@ pub(crate) enum Command {
     JoinGroup(GroupId),
     RemoveGroup(GroupId),
     Propose(GroupId, Vec<u8>),
+    /// A proposal that may share an entry with the others of its group taken in the same pass.
+    ProposeJoinable(GroupId, Vec<u8>),
     /// A proposal for the leader `NodeId` of the group: sent with the next pass's batches.
     Forward(NodeId, GroupId, Vec<u8>),
     /// The state machine's snapshot of a group: written, then the log before it compacted.
@@ -288,6 +290,15 @@ impl SnapshotWriter {
 /// Commands taken per pass at most, so one pass (and its fsync) stays bounded.
 const MAX_COMMANDS_PER_PASS: usize = 8192;
 
+/// A joined entry ([`warren_replication::batch`]) holds at most this many bytes of
+/// proposals, and this many proposals: the unit a follower far behind is sent, and what
+/// [`warren_replication::Config::log_keep_bytes`] keeps in memory, stay a few entries.
+const JOIN_BYTES: usize = 128 << 10;
+const JOIN_PARTS: usize = 1024;
+
+/// A proposal larger than this goes in an entry of its own.
+const JOIN_PART_MAX: usize = 32 << 10;
+
 pub(crate) struct Driver<E> {
     pub(crate) raft: MultiRaft,
     pub(crate) log: EngineLog,
@@ -298,6 +309,8 @@ pub(crate) struct Driver<E> {
     pub(crate) inbound_budget: Arc<Budget>,
     pub(crate) epoch: Instant,
     pub(crate) refused: Vec<(GroupId, Vec<u8>, Option<NodeId>)>,
+    /// Joinable proposals taken since the last pass, in order: joined per group at its start.
+    pub(crate) joining: Vec<(GroupId, Vec<u8>)>,
     /// Proposals to send to other nodes, by destination; and what other nodes sent here.
     pub(crate) to_forward: std::collections::BTreeMap<NodeId, Vec<Forward>>,
     pub(crate) forwarded: Vec<(NodeId, Forward)>,
@@ -640,6 +653,16 @@ impl<E: RaftEvents> Driver<E> {
     }
 
     fn command(&mut self, c: Command) {
+        let c = match c {
+            Command::ProposeJoinable(group, data) if data.len() <= JOIN_PART_MAX => {
+                self.joining.push((group, data));
+                return;
+            }
+            Command::ProposeJoinable(group, data) => Command::Propose(group, data),
+            other => other,
+        };
+        // Anything else keeps its place after the proposals taken before it.
+        self.flush_joining();
         match c {
             Command::Status(reply) => {
                 // The asker may have given up waiting: nothing to do then.
@@ -669,28 +692,8 @@ impl<E: RaftEvents> Driver<E> {
                     }
                 }
             }
-            Command::Propose(group, data) if data.len() > MAX_PROPOSAL => {
-                tracing::warn!(
-                    node = self.raft.node(),
-                    group = group.0,
-                    bytes = data.len(),
-                    "proposal too large to replicate"
-                );
-                let leader = self.raft.leader_of(group);
-                self.refused.push((group, data, leader));
-            }
-            Command::Propose(group, data) => {
-                if let Err(r) = self.raft.try_propose(group, data) {
-                    let leader = match r.error {
-                        Error::NotLeader { leader, .. } => leader,
-                        Error::NoGroup(_) => None,
-                        ref e => {
-                            tracing::warn!(node = self.raft.node(), group = group.0, error = %e, "raft dropped a proposal");
-                            self.raft.leader_of(group)
-                        }
-                    };
-                    self.refused.push((group, r.data, leader));
-                }
+            Command::Propose(group, data) | Command::ProposeJoinable(group, data) => {
+                self.propose(group, data)
             }
             Command::Forward(to, group, data) => {
                 self.to_forward.entry(to).or_default().push(Forward {
@@ -712,6 +715,82 @@ impl<E: RaftEvents> Driver<E> {
                 }
             }
             Command::Shutdown => self.stopping = true,
+        }
+    }
+
+    fn propose(&mut self, group: GroupId, data: Vec<u8>) {
+        if data.len() > MAX_PROPOSAL {
+            tracing::warn!(
+                node = self.raft.node(),
+                group = group.0,
+                bytes = data.len(),
+                "proposal too large to replicate"
+            );
+            let leader = self.raft.leader_of(group);
+            self.refused.push((group, data, leader));
+            return;
+        }
+        if let Err(r) = self.raft.try_propose(group, data) {
+            let leader = match r.error {
+                Error::NotLeader { leader, .. } => leader,
+                Error::NoGroup(_) => None,
+                ref e => {
+                    tracing::warn!(node = self.raft.node(), group = group.0, error = %e, "raft dropped a proposal");
+                    self.raft.leader_of(group)
+                }
+            };
+            self.refused.push((group, r.data, leader));
+        }
+    }
+
+    /// Proposes the joinable proposals taken since the last call: those of one group in as
+    /// few entries as [`JOIN_BYTES`] and [`JOIN_PARTS`] allow, each group's in the order they
+    /// came (groups' logs are apart: their order between groups means nothing).
+    fn flush_joining(&mut self) {
+        if self.joining.is_empty() {
+            return;
+        }
+        let mut by_group: std::collections::BTreeMap<GroupId, Vec<Vec<u8>>> =
+            std::collections::BTreeMap::new();
+        for (group, data) in self.joining.drain(..) {
+            by_group.entry(group).or_default().push(data);
+        }
+        for (group, list) in by_group {
+            let mut chunk: Vec<Vec<u8>> = Vec::new();
+            let mut size = warren_replication::batch::overhead(0);
+            for data in list {
+                let add = data.len() + warren_replication::batch::overhead(1)
+                    - warren_replication::batch::overhead(0);
+                if !chunk.is_empty() && (size + add > JOIN_BYTES || chunk.len() >= JOIN_PARTS) {
+                    self.propose_joined(group, std::mem::take(&mut chunk));
+                    size = warren_replication::batch::overhead(0);
+                }
+                size += add;
+                chunk.push(data);
+            }
+            self.propose_joined(group, chunk);
+        }
+    }
+
+    fn propose_joined(&mut self, group: GroupId, mut parts: Vec<Vec<u8>>) {
+        if parts.len() > 1 {
+            match warren_replication::batch::join(&parts) {
+                Ok(joined) => {
+                    self.counters
+                        .joined_parts
+                        .fetch_add(parts.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                    self.counters
+                        .joined_entries
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return self.propose(group, joined);
+                }
+                Err(e) => {
+                    tracing::warn!(node = self.raft.node(), group = group.0, error = %e, "proposals not joined");
+                }
+            }
+        }
+        for data in parts.drain(..) {
+            self.propose(group, data);
         }
     }
 
@@ -838,6 +917,7 @@ impl<E: RaftEvents> Driver<E> {
     /// One tick (if due), ready, write, advance, report; where its time went. `None` if the
     /// log failed: this node can no longer promise anything and stops.
     fn pass(&mut self) -> Option<PassParts> {
+        self.flush_joining();
         let now = self.now_ms();
         let began = Instant::now();
         self.raft.tick(now);

@@ -121,6 +121,8 @@ pub(crate) struct Counters {
     pieced_in: AtomicU64,
     pub(crate) staged_in: AtomicU64,
     pub(crate) staged_used: AtomicU64,
+    pub(crate) joined_entries: AtomicU64,
+    pub(crate) joined_parts: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -145,6 +147,8 @@ impl Counters {
             pieced_in: get(&self.pieced_in),
             staged_in: get(&self.staged_in),
             staged_used: get(&self.staged_used),
+            joined_entries: get(&self.joined_entries),
+            joined_parts: get(&self.joined_parts),
         }
     }
 }

@@ -341,6 +341,9 @@ pub(crate) fn node_json(api: &Api) -> Value {
                     "snapshots_received_written_ahead": t.staged_in,
                     "snapshots_installed_from_written": t.staged_used,
                 },
+                // Proposals that shared a Raft entry with others of their queue, and those
+                // entries: how much the log's per-entry costs were divided.
+                "joined_proposals": {"entries": t.joined_entries, "proposals": t.joined_parts},
             })
         }),
     })

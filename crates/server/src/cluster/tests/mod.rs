@@ -601,6 +601,75 @@ fn a_huge_frame_or_garbage_after_the_handshake_drops_the_connection_and_nothing_
     }
 }
 
+/// The parts of the entries `id` committed for `group`, in order: a joined entry's each.
+fn parts(c: &Cluster, id: NodeId, group: GroupId) -> Vec<Vec<u8>> {
+    c.seen(id)
+        .data(group)
+        .into_iter()
+        .flat_map(warren_replication::batch::split_owned)
+        .collect()
+}
+
+#[test]
+fn joinable_proposals_share_entries_and_split_back_in_order_everywhere() {
+    let mut c = Cluster::start([SECRET; 3]);
+    let leader = c.group_led(&[1, 2, 3]);
+    let want = payloads(0..1000);
+    for p in &want {
+        c.node(leader).propose_joinable(G, p.clone());
+    }
+    for id in 1..=3 {
+        wait_for("every proposal everywhere", || {
+            parts(&c, id, G).len() >= 1000
+        });
+    }
+    let stats = c.node(leader).stats();
+    for id in 1..=3 {
+        c.stop(id);
+    }
+    for id in 1..=3 {
+        assert_eq!(parts(&c, id, G), want, "node {id}");
+        let entries = c.seen(id).data(G).len();
+        assert!(
+            entries < 1000,
+            "node {id}: {entries} entries for 1000 proposals"
+        );
+    }
+    assert!(stats.joined_entries >= 1, "{stats:?}");
+    assert!(stats.joined_parts > stats.joined_entries, "{stats:?}");
+    // A follower's are handed back whole, for the broker to split.
+    let follower = leader % 3 + 1;
+    let c = Cluster::start([SECRET; 3]);
+    let leader = c.group_led(&[1, 2, 3]);
+    let follower = if follower == leader {
+        leader % 3 + 1
+    } else {
+        follower
+    };
+    for p in payloads(0..3) {
+        c.node(follower).propose_joinable(G, p);
+    }
+    wait_for("the refusals", || {
+        c.seen(follower).with(|s| !s.refused.is_empty())
+    });
+    wait_for("every refusal", || {
+        c.seen(follower).with(|s| {
+            s.refused
+                .iter()
+                .flat_map(|(_, d, _)| warren_replication::batch::split_owned(d.clone()))
+                .count()
+                == 3
+        })
+    });
+    let refused: Vec<Vec<u8>> = c.seen(follower).with(|s| {
+        s.refused
+            .iter()
+            .flat_map(|(_, d, _)| warren_replication::batch::split_owned(d.clone()))
+            .collect()
+    });
+    assert_eq!(refused, payloads(0..3));
+}
+
 #[test]
 fn a_proposal_on_a_follower_is_refused_with_the_leader() {
     let c = Cluster::start([SECRET; 3]);
