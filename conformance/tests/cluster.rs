@@ -475,7 +475,11 @@ async fn a_node_down_while_a_deep_queue_was_snapshotted_gets_the_snapshot_in_pie
     // or later, each taken once the log since holds as much as the one before) is above what
     // a follower writes on its Raft thread (1 MiB).
     let body = |i: u32| format!("{i:05}-{}", "x".repeat(8000));
-    publish_confirmed(&chl, &q, (0..300).map(body)).await;
+    // One at a time, so that each is an entry: publishes in flight together would share one,
+    // and the follower would be too few entries behind to need the snapshot.
+    for i in 0..300 {
+        publish_confirmed(&chl, &q, std::iter::once(body(i))).await;
+    }
     warren_conformance::http::eventually("the leader keeps the contents out of memory", || {
         match messages_away(&c, leader) {
             n if n >= 200 => Ok(()),
@@ -1044,7 +1048,10 @@ async fn a_quorum_queues_raft_figures_are_in_every_nodes_metrics() {
     c.declare_quorum_queue(1, &q).await;
     {
         let (_conn, ch) = channel(&c, 1).await;
-        publish_confirmed(&ch, &q, (0..10).map(|i| format!("m{i}"))).await;
+        // One at a time: publishes in flight together share an entry.
+        for i in 0..10 {
+            publish_confirmed(&ch, &q, std::iter::once(format!("m{i}"))).await;
+        }
     }
     for n in 1..=3 {
         wait_for_messages(&c, n, &q, 10);

@@ -6,8 +6,9 @@
 //! versioned, checksummed command). The time is the leader's, chosen when it proposed, so every
 //! member applies the command at the same moment and expiries, visibility timeouts and delays
 //! fall at the same log position everywhere. The origin lets the node that proposed find its
-//! answer ([`Proposals`]); the other members ignore it. The entry's Raft index is the machine's
-//! [`Meta::index`].
+//! answer ([`Proposals`]); the other members ignore it. A Raft entry may join several such
+//! entries ([`crate::batch`]). [`Replica`], the spike's member, takes the entry's Raft index for
+//! the machine's [`Meta::index`]; the broker's members count commands instead.
 
 use bytes::{Buf, Bytes, BytesMut};
 use warren_queue::log::{decode_entry, encode_entry, EntryError, LogError as EntryDecodeError};
