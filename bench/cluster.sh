@@ -4,10 +4,13 @@
 # to the queue's leader's node (Warren serves consumers there only; RabbitMQ gets the same shape).
 # Runs RabbitMQ and Warren alternately, PAIRS times each, and prints warren-bench's figures.
 #
-#   bench/cluster.sh [--pairs N] [--secs S] [--worker]
+#   bench/cluster.sh [--pairs N] [--secs S] [--worker] [--queues N]
 #
 # --worker: the consumer acks each message and waits for the ack's write before the next one (a
 # pika or Celery worker); without it acks are batched (warren-bench --ack-batched).
+# --queues N: N quorum queues (declared by warren-bench through node 1, where each broker places
+# their leaders as it does by default), a publisher (confirm window 100) and a consumer for each,
+# all connected to node 1; the CPU figure is node 1's alone.
 # Needs: bench/rabbitmq-cluster.sh up (nodes on 5681-5683) and a Warren cluster from
 # scripts/cluster up (5701-5703), with WARREN_BIN pointing at a release build for fair figures;
 # warren-bench (WARREN_BENCH, default: the release build in CARGO_TARGET_DIR).
@@ -17,11 +20,16 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PAIRS=3
 SECS=20
 SHAPE="--ack-batched"
+QUEUES=1
 while [ $# -gt 0 ]; do
     case "$1" in
     --pairs) PAIRS=$2; shift ;;
     --secs) SECS=$2; shift ;;
     --worker) SHAPE="" ;;
+    --queues)
+        QUEUES=$2
+        [[ $QUEUES =~ ^[1-9][0-9]*$ ]] || { echo "--queues takes a number of queues, not $QUEUES" >&2; exit 2; }
+        shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
     esac
     shift
@@ -69,8 +77,24 @@ pid_of_node() {
     fi
 }
 
+# run_many BROKER ROUND: QUEUES queues, a publisher and a consumer each, through node 1.
+run_many() {
+    local broker=$1 round=$2 port
+    if [ "$broker" = warren ]; then port=5701; else port=5681; fi
+    echo "== $broker, round $round: $QUEUES quorum queues through node 1"
+    # shellcheck disable=SC2086
+    "$BENCH" --url "amqp://guest:guest@127.0.0.1:$port/%2f" --queue-pattern "bench-qq-$broker-$round-$$-%d" \
+        --queue-arg x-queue-type=quorum -x "$QUEUES" -y "$QUEUES" --queues "$QUEUES" -s 1024 --persistent \
+        --durable --confirm 100 -q 200 --max-inflight 100 $SHAPE -z "$SECS" \
+        --broker-pid "$(pid_of_node "$broker" 1)"
+}
+
 run() {
     local broker=$1 round=$2 q leader port
+    if [ "$QUEUES" -gt 1 ]; then
+        run_many "$broker" "$round"
+        return
+    fi
     q="bench-qq-$broker-$round-$$"
     leader=$(declare_and_find_leader "$broker" "$q")
     if [ "$broker" = warren ]; then port=$((5700 + leader)); else port=$((5680 + leader)); fi
