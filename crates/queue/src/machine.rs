@@ -2334,8 +2334,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             return;
         }
         // Rare: every packed message is rebuilt whole to take its cap, and the expiry index
-        // below is rebuilt from whole entries.
+        // below is rebuilt from whole entries. The next `pack_line` looks at the whole line
+        // again: packed once more, with its new expiries (a TTL policy set on a deep quorum
+        // queue kept every message whole on every member for as long as it stayed).
         self.unpack_tail();
+        self.pack_seen = 0;
         let cap = |e: &mut Entry<M>| {
             e.meta.expires_at = min_opt(e.meta.expires_at, cap_of(&caps, e.id));
         };

@@ -23,6 +23,11 @@ type Msg = (u64, u64);
 
 #[derive(Clone, Debug)]
 enum Op {
+    /// Every message given so far takes an expiry `within` ms from now, or keeps an earlier
+    /// one (a policy's TTL set on the queue).
+    CapExpiry {
+        within: u64,
+    },
     Enqueue {
         size: u64,
         ttl: Option<u64>,
@@ -117,6 +122,8 @@ fn member_op() -> impl Strategy<Value = Op> {
             other => other,
         }),
         1 => (0usize..4).prop_map(|keep| Op::Pack { keep }),
+        // A TTL policy set on the queue, a member's line packed or not.
+        1 => (1u64..40).prop_map(|within| Op::CapExpiry { within }),
     ]
 }
 
@@ -1064,6 +1071,27 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 }
             }
             Op::Tick { advance } => tick(&mut r, &mut model, advance)?,
+            Op::CapExpiry { within } => {
+                let now = model.now;
+                let at = now + within;
+                let reply = r.apply(
+                    now,
+                    Command::CapExpiry {
+                        caps: vec![(u64::MAX, at)],
+                    },
+                );
+                prop_assert_eq!(reply, Reply::Ok);
+                // What was due already goes at once.
+                for e in r.effects.clone() {
+                    expired_now(&mut model, &e, now)?;
+                }
+                for (id, state) in &model.state {
+                    if matches!(state, State::Ready | State::InFlight { .. }) {
+                        let e = model.expires.entry(*id).or_insert(at);
+                        *e = (*e).min(at);
+                    }
+                }
+            }
             Op::Ttl0 { size, advance } => {
                 // RabbitMQ's rule, whenever the checkout comes: with nothing ahead of it, the
                 // message reaches a consumer that may take one as it arrives, and expires if

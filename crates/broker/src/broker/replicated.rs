@@ -788,6 +788,20 @@ impl Broker {
         term: u64,
         decoded: DecodedSnapshot,
     ) -> Option<QueueMachine<Message>> {
+        let replaced = self.install_decoded_here(group, index, term, decoded);
+        // The proposals it gave up on may let publishes held back behind them go now, not at
+        // the next entry applied or the next tick.
+        self.send_behind();
+        replaced
+    }
+
+    fn install_decoded_here(
+        &mut self,
+        group: u64,
+        index: u64,
+        term: u64,
+        decoded: DecodedSnapshot,
+    ) -> Option<QueueMachine<Message>> {
         let (len, machine) = match decoded.machine {
             None => {
                 self.install_meta_snapshot(index, term, &decoded.data);

@@ -1486,6 +1486,53 @@ mod tests {
     }
 
     #[test]
+    fn a_packed_line_capped_by_a_ttl_policy_is_packed_again_with_its_expiries() {
+        let store = std::sync::Arc::new(crate::tests::MemAway::default());
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 100,
+        };
+        let body = |n: u32| Bytes::from(format!("job {n}"));
+        for n in 0..40u32 {
+            r.apply(Command::Enqueue {
+                message: Message {
+                    body: body(n),
+                    store_key: None,
+                    ..message(b"")
+                },
+                meta: MsgMeta {
+                    size: body(n).len() as u64,
+                    ..MsgMeta::default()
+                },
+            });
+        }
+        for (_, m) in r.m.head_payloads_mut(4, 0) {
+            let key = store.put(&[&*m]).unwrap()[0];
+            *m = m.away_stub(key, store.clone());
+        }
+        assert_eq!(r.m.pack_line(4, 39), 36);
+        let mut whole = r.m.clone();
+        whole.unpack_tail();
+        let cap = Command::CapExpiry {
+            caps: vec![(u64::MAX, 5_000)],
+        };
+        r.apply(cap.clone());
+        assert_eq!(r.m.packed_count(), 0, "rebuilt whole to take the cap");
+        let mut w = Run { m: whole, now: 100 };
+        w.apply(cap);
+        assert_eq!(r.m.digest(), w.m.digest());
+        // Packed again, expiries and all: a policy's TTL no longer keeps the line whole.
+        assert_eq!(r.m.pack_line(4, 39), 36);
+        assert_eq!(r.m.digest(), w.m.digest());
+        r.now = 5_001;
+        w.now = 5_001;
+        r.apply(Command::Tick);
+        w.apply(Command::Tick);
+        assert_eq!(r.m.ready_count(), 0, "every message expired at its cap");
+        assert_eq!(r.m.digest(), w.m.digest());
+    }
+
+    #[test]
     fn a_packed_line_snapshots_and_delivers_as_the_line_it_packs() {
         let store = std::sync::Arc::new(crate::tests::MemAway::default());
         let mut r = Run {
