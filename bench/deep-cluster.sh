@@ -8,9 +8,10 @@
 # anonymous memory (RssAnon: what the kernel cannot take back, unlike the page cache's pages
 # of a mapped file) are sampled every 50 ms from its start, their peaks and its RSS 6 s after
 # it are printed, with the time until its API answers. With --ttl MS, the queue has
-# x-message-ttl MS (every message carries an expiry; MS long enough that none expires).
+# x-message-ttl MS (every message carries an expiry; MS long enough that none expires). With
+# --groups G, the queue has x-group-header x-group-id and the messages are in G groups, in turn.
 #
-#   bench/deep-cluster.sh [--messages N] [--restart] [--ttl MS]
+#   bench/deep-cluster.sh [--messages N] [--restart] [--ttl MS] [--groups G]
 #
 # Starts its own cluster (scripts/cluster, in a temporary folder) with WARREN_BIN, default the
 # release build in CARGO_TARGET_DIR; warren-bench from WARREN_BENCH, default the release build.
@@ -20,6 +21,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 MESSAGES=300000
 RESTART=""
 TTL=""
+GROUP_COUNT=0
 while [ $# -gt 0 ]; do
     case "$1" in
     --messages) MESSAGES=$2; shift ;;
@@ -28,7 +30,11 @@ while [ $# -gt 0 ]; do
         TTL=$2
         [[ $TTL =~ ^[0-9]+$ ]] || { echo "--ttl takes milliseconds, not $TTL" >&2; exit 2; }
         shift ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    --groups)
+        GROUP_COUNT=$2
+        [[ $GROUP_COUNT =~ ^[0-9]+$ ]] || { echo "--groups takes a number of groups, not $GROUP_COUNT" >&2; exit 2; }
+        shift ;;
+    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -43,6 +49,10 @@ TTL_ARG=()
 if [ -n "$TTL" ]; then
     TTL_JSON=",\"x-message-ttl\":$TTL"
     TTL_ARG=(--queue-arg "x-message-ttl=$TTL")
+fi
+if [ "$GROUP_COUNT" -gt 0 ]; then
+    TTL_JSON="$TTL_JSON,\"x-group-header\":\"x-group-id\""
+    TTL_ARG+=(--queue-arg "x-group-header=x-group-id" --groups "$GROUP_COUNT")
 fi
 leader=$(declare_quorum deep "$TTL_JSON")
 URL="amqp://guest:guest@127.0.0.1:570$leader/%2f"

@@ -58,6 +58,15 @@ pub struct Opts {
     #[arg(long, short = 'f')]
     pub persistent: bool,
 
+    /// Message groups: each message carries the header --group-header set to one of this many
+    /// group names, in turn (0 = no header). Declare the queue with x-group-header naming it.
+    #[arg(long, default_value_t = 0)]
+    pub groups: u32,
+
+    /// The header that names a message's group (with --groups).
+    #[arg(long, default_value = "x-group-id")]
+    pub group_header: String,
+
     /// Declare durable queues (and exchange).
     #[arg(long)]
     pub durable: bool,

@@ -12,7 +12,7 @@ use lapin::options::{
     ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
     QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer,
     ExchangeKind, PublisherConfirm,
@@ -563,6 +563,12 @@ async fn producer(
         .map(|k| ShortString::from(k.as_str()))
         .collect();
     let mut next_key = 0usize;
+    // --groups: the names each message's group header takes, in turn.
+    let group_header = ShortString::from(opts.group_header.as_str());
+    let group_names: Vec<lapin::types::LongString> = (0..opts.groups)
+        .map(|g| lapin::types::LongString::from(format!("g{g}")))
+        .collect();
+    let mut next_group = 0usize;
     let mut batch_max = opts.batch as u64;
     if opts.confirm > 0 {
         batch_max = batch_max.min(opts.confirm as u64);
@@ -636,12 +642,21 @@ async fn producer(
                 .cloned()
                 .unwrap_or_default();
             next_key = next_key.wrapping_add(1);
+            let props = match group_names.get(next_group % group_names.len().max(1)) {
+                Some(name) => {
+                    next_group = next_group.wrapping_add(1);
+                    let mut headers = FieldTable::default();
+                    headers.insert(group_header.clone(), AMQPValue::LongString(name.clone()));
+                    props.clone().with_headers(headers)
+                }
+                None => props.clone(),
+            };
             ch.basic_publish(
                 exchange.clone(),
                 key,
                 BasicPublishOptions::default(),
                 body,
-                props.clone(),
+                props,
             )
         });
         // A broker applying flow control may not read the socket for a long time: do not let

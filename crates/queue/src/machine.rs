@@ -834,6 +834,7 @@ struct Packing<P> {
     id: u64,
     size: u32,
     expires_at: Option<u64>,
+    group: Option<GroupKey>,
     item: P,
 }
 
@@ -844,6 +845,9 @@ struct PackedRun<P> {
     /// What the expiries are offsets from; [`NO_BASE`] until a message with one joins.
     base: u64,
     items: VecDeque<Packed<P>>,
+    /// The items' groups (0: none), once a message in a group joins the run; empty before,
+    /// so a run of messages in no group pays nothing for them.
+    groups: VecDeque<u64>,
 }
 
 const NO_BASE: u64 = u64::MAX;
@@ -866,6 +870,10 @@ impl<P> PackedRun<P> {
         };
         PackedRun {
             base,
+            groups: p
+                .group
+                .map(|g| VecDeque::from([g.get()]))
+                .unwrap_or_default(),
             items: VecDeque::from([Packed {
                 id: p.id,
                 size: p.size,
@@ -900,6 +908,12 @@ impl<P> PackedRun<P> {
                 }
             }
         };
+        if p.group.is_some() && self.groups.is_empty() {
+            self.groups.resize(self.items.len(), 0);
+        }
+        if p.group.is_some() || !self.groups.is_empty() {
+            self.groups.push_back(p.group.map_or(0, GroupKey::get));
+        }
         self.items.push_back(Packed {
             id: p.id,
             size: p.size,
@@ -914,8 +928,8 @@ impl<P> PackedRun<P> {
         self.items.binary_search_by_key(&id, |p| p.id).ok()
     }
 
-    /// The entry packed as `p`, rebuilt equal to what was packed.
-    fn entry<M: crate::Payload<Packed = P>>(&self, p: &Packed<P>) -> Entry<M> {
+    /// The entry packed as `p` (in `group`), rebuilt equal to what was packed.
+    fn entry<M: crate::Payload<Packed = P>>(&self, p: &Packed<P>, group: u64) -> Entry<M> {
         Entry {
             id: p.id,
             msg: M::unpack(&p.item),
@@ -923,6 +937,7 @@ impl<P> PackedRun<P> {
                 size: u64::from(p.size),
                 expires_at: (p.expiry > 0)
                     .then(|| self.base.saturating_add(u64::from(p.expiry - 1))),
+                group: GroupKey::new(group),
                 ..MsgMeta::default()
             },
             delivery_count: 0,
@@ -931,15 +946,23 @@ impl<P> PackedRun<P> {
         }
     }
 
+    fn group_at(&self, i: usize) -> u64 {
+        self.groups.get(i).copied().unwrap_or(0)
+    }
+
     /// Every message of the run, rebuilt, in order.
     fn entries<M: crate::Payload<Packed = P>>(&self) -> impl Iterator<Item = Entry<M>> + '_ {
-        self.items.iter().map(|p| self.entry(p))
+        self.items
+            .iter()
+            .enumerate()
+            .map(|(i, p)| self.entry(p, self.group_at(i)))
     }
 
     /// Takes message `i` out of the run, rebuilt.
     fn take<M: crate::Payload<Packed = P>>(&mut self, i: usize) -> Option<Entry<M>> {
         let p = self.items.remove(i)?;
-        Some(self.entry(&p))
+        let group = self.groups.remove(i).unwrap_or(0);
+        Some(self.entry(&p, group))
     }
 }
 
@@ -2416,11 +2439,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
 
     /// Node-local: keeps the first `keep` messages of the ready line in `ready` and packs the
     /// rest with ids up to `upto` (those whose contents went away), where it can
-    /// ([`crate::Payload::pack`]: a message never delivered, with no group or priority; its
-    /// expiry, if it has one, is kept, and its entry in the expiry index stays), in runs of up
-    /// to [`PACKED_RUN`]; a message that cannot be packed stays as it is, and the line moves
-    /// to the tail only from its first message that packs (a queue whose every message is in
-    /// a group stays as it is). Each message is looked at once
+    /// ([`crate::Payload::pack`]: a message never delivered, with no priority; its expiry, if
+    /// it has one, is kept, and its entry in the expiry index stays; its group, if it has one,
+    /// beside it in its run), in runs of up to [`PACKED_RUN`]; a message that cannot be packed
+    /// stays as it is, and the line moves to the tail only from its first message that packs
+    /// (a queue none of whose messages packs stays as it is). Each message is looked at once
     /// (`pack_seen`), so a call costs what came since the last one. Nothing the machine
     /// does changes, its digest included: a packed message is rebuilt, equal, whenever it is
     /// needed whole (as it reaches the head, for a policy change, a snapshot). A queue that
@@ -2557,8 +2580,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             && !e.timed_out
             && !m.pageable
             && !m.spilled
-            && m.priority == 0
-            && m.group.is_none();
+            && m.priority == 0;
         if !plain {
             return None;
         }
@@ -2566,6 +2588,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             id: e.id,
             size: u32::try_from(m.size).ok()?,
             expires_at: m.expires_at,
+            group: m.group,
             item: e.msg.pack()?,
         })
     }
@@ -4139,7 +4162,7 @@ mod tests {
         }
     }
 
-    /// A message of group `g` (a group's messages do not pack).
+    /// A message of group `g`.
     fn in_group(g: u64) -> MsgMeta {
         MsgMeta {
             size: 1,
@@ -4148,13 +4171,22 @@ mod tests {
         }
     }
 
-    /// A queue whose every message is in a group has nothing to pack: its line stays where it
-    /// is at every call (a queue whose every message had a TTL, which did not pack then, was
-    /// moved to the tail and back, whole, at each pass: its publishes became quadratic).
+    /// A message that does not pack (a classic queue's, which pages instead).
+    fn unpackable() -> MsgMeta {
+        MsgMeta {
+            size: 1,
+            pageable: true,
+            ..MsgMeta::default()
+        }
+    }
+
+    /// A queue none of whose messages packs has nothing to pack: its line stays where it is at
+    /// every call (a queue whose every message had a TTL, which did not pack then, was moved
+    /// to the tail and back, whole, at each pass: its publishes became quadratic).
     #[test]
     fn a_line_with_nothing_to_pack_stays_as_it_is() {
         let mut m = QueueMachine::new();
-        enqueue_metas(&mut m, 0..10_000, |id| in_group(id % 7 + 1));
+        enqueue_metas(&mut m, 0..10_000, |_| unpackable());
         let digest = m.digest();
         for upto in [5_000, 9_999, 9_999] {
             assert_eq!(m.pack_line(16, upto), 0);
@@ -4246,11 +4278,11 @@ mod tests {
     /// more memory than its entry); runs of two or more pack; each message is looked at once.
     #[test]
     fn lone_messages_stay_whole_and_runs_pack() {
-        // Ids 0..16 the window; then alternating (odd ids in a group), then a run of 5.
+        // Ids 0..16 the window; then alternating (odd ids do not pack), then a run of 5.
         let mut m = QueueMachine::new();
         enqueue_metas(&mut m, 0..45, |id| {
             if id < 40 && id % 2 == 1 {
-                in_group(1)
+                unpackable()
             } else {
                 MsgMeta {
                     size: 1,
@@ -4265,6 +4297,92 @@ mod tests {
         assert_eq!(m.tail_packed, 1);
         // Looked at once: a second call finds nothing new.
         assert_eq!(m.pack_line(16, 44), 0);
+    }
+
+    /// Messages in groups pack too (a run keeps their groups beside them, 8 bytes each, only
+    /// once one of its messages is in a group), come back in their groups, and reach consumers
+    /// exactly as the line they pack: a group's next message waits for the one before.
+    #[test]
+    fn a_line_in_groups_packs_and_delivers_as_the_whole_line() {
+        let meta = |id: u64| match id % 5 {
+            0 => MsgMeta {
+                size: 1,
+                ..MsgMeta::default()
+            },
+            g => in_group(g),
+        };
+        let mut packed = QueueMachine::new();
+        let mut whole = QueueMachine::new();
+        enqueue_metas(&mut packed, 0..200, meta);
+        enqueue_metas(&mut whole, 0..200, meta);
+        assert_eq!(packed.pack_line(16, 199), 184);
+        assert_eq!(packed.digest(), whole.digest());
+        let groups: Vec<Option<GroupKey>> = packed.tail_entries().map(|e| e.meta.group).collect();
+        let want: Vec<Option<GroupKey>> = (16..200).map(|id| meta(id).group).collect();
+        assert_eq!(groups, want);
+        // A run that began with messages in no group takes its first grouped one.
+        let mut late = QueueMachine::new();
+        enqueue_metas(&mut late, 0..40, |id| {
+            if id < 30 {
+                meta(0)
+            } else {
+                in_group(3)
+            }
+        });
+        assert_eq!(late.pack_line(4, 39), 36);
+        assert_eq!(late.tail_packed, 1);
+        let groups: Vec<Option<GroupKey>> = late.tail_entries().map(|e| e.meta.group).collect();
+        let want: Vec<Option<GroupKey>> = (4..40)
+            .map(|id| if id < 30 { None } else { GroupKey::new(3) })
+            .collect();
+        assert_eq!(groups, want);
+        // Two consumers take and settle, a few at a time: the same deliveries from both.
+        let step = |m: &mut QueueMachine<u64>, c: Command<u64>| {
+            let mut effects = Vec::new();
+            let meta = Meta {
+                index: m.last_index() + 1,
+                now_ms: 0,
+            };
+            m.apply(meta, c, &mut effects);
+            effects
+        };
+        for m in [&mut packed, &mut whole] {
+            for id in 1..=2 {
+                step(
+                    m,
+                    Command::Consume {
+                        id: ConsumerId(id),
+                        spec: spec(1, 3, false),
+                    },
+                );
+            }
+        }
+        let mut settled = 0;
+        while settled < 200 {
+            let a = step(&mut packed, Command::Checkout { max: 4 });
+            let b = step(&mut whole, Command::Checkout { max: 4 });
+            assert_eq!(a, b, "the same deliveries after {settled} settled");
+            assert_eq!(packed.digest(), whole.digest());
+            let receipts: Vec<Receipt> = a
+                .iter()
+                .filter_map(|e| match e {
+                    Effect::Deliver(d) => Some(d.receipt),
+                    _ => None,
+                })
+                .collect();
+            assert!(
+                !receipts.is_empty(),
+                "nothing delivered after {settled} settled"
+            );
+            for r in receipts {
+                let x = step(&mut packed, Command::Settle { receipt: r });
+                let y = step(&mut whole, Command::Settle { receipt: r });
+                assert_eq!(x, y);
+                settled += 1;
+            }
+        }
+        assert_eq!(packed.ready_count(), 0);
+        assert_eq!(packed.digest(), whole.digest());
     }
 
     /// A packed message of a deep replicated queue is its id, its size and one pointer (the
