@@ -1485,23 +1485,30 @@ mod tests {
         assert_eq!(half.digest(), whole.digest());
     }
 
-    #[test]
-    fn a_packed_line_capped_by_a_ttl_policy_is_packed_again_with_its_expiries() {
+    fn job(n: u32) -> Bytes {
+        Bytes::from(format!("job {n}"))
+    }
+
+    /// A replicated queue's line of 40 jobs (`expiry` of each), all but the first 4 away.
+    fn away_line(
+        expiry: impl Fn(u32) -> Option<u64>,
+    ) -> (Run, std::sync::Arc<crate::tests::MemAway>) {
         let store = std::sync::Arc::new(crate::tests::MemAway::default());
         let mut r = Run {
             m: QueueMachine::new(),
             now: 100,
         };
-        let body = |n: u32| Bytes::from(format!("job {n}"));
         for n in 0..40u32 {
             r.apply(Command::Enqueue {
                 message: Message {
-                    body: body(n),
+                    body: job(n),
+                    // A replicated queue's message: no key of this node's store.
                     store_key: None,
                     ..message(b"")
                 },
                 meta: MsgMeta {
-                    size: body(n).len() as u64,
+                    size: job(n).len() as u64,
+                    expires_at: expiry(n),
                     ..MsgMeta::default()
                 },
             });
@@ -1510,6 +1517,12 @@ mod tests {
             let key = store.put(&[&*m]).unwrap()[0];
             *m = m.away_stub(key, store.clone());
         }
+        (r, store)
+    }
+
+    #[test]
+    fn a_packed_line_capped_by_a_ttl_policy_is_packed_again_with_its_expiries() {
+        let (mut r, _store) = away_line(|_| None);
         assert_eq!(r.m.pack_line(4, 39), 36);
         let mut whole = r.m.clone();
         whole.unpack_tail();
@@ -1534,32 +1547,8 @@ mod tests {
 
     #[test]
     fn a_packed_line_snapshots_and_delivers_as_the_line_it_packs() {
-        let store = std::sync::Arc::new(crate::tests::MemAway::default());
-        let mut r = Run {
-            m: QueueMachine::new(),
-            now: 100,
-        };
-        let body = |n: u32| Bytes::from(format!("job {n}"));
-        for n in 0..40u32 {
-            let expires_at = (n == 20).then_some(1_000_000);
-            r.apply(Command::Enqueue {
-                message: Message {
-                    body: body(n),
-                    // A replicated queue's message: no key of this node's store.
-                    store_key: None,
-                    ..message(b"")
-                },
-                meta: MsgMeta {
-                    size: body(n).len() as u64,
-                    expires_at,
-                    ..MsgMeta::default()
-                },
-            });
-        }
-        for (_, m) in r.m.head_payloads_mut(4, 0) {
-            let key = store.put(&[&*m]).unwrap()[0];
-            *m = m.away_stub(key, store.clone());
-        }
+        let (mut r, store) = away_line(|n| (n == 20).then_some(1_000_000));
+        let body = job;
         let whole = r.m.clone();
         let digest = r.m.digest();
         // All but the first 4, the one with an expiry too.

@@ -61,22 +61,29 @@ fn a_follower_behind_the_compacted_log_gets_the_snapshot_and_a_restart_replays_t
     assert_eq!(sim.committed_ever.len(), 110);
 }
 
-/// A leader held every entry a follower lacked in memory for as long as the follower was away
-/// (a node down for an hour under load: the whole hour's log, bodies included, in the leader's
-/// heap). Past `LAGGING_IN_MEMORY` times `log_keep` behind, the follower is sent its entries
-/// from the durable log instead, and catches up all the same.
-#[test]
-fn a_leader_keeps_little_in_memory_for_a_follower_far_behind_which_catches_up_from_disk() {
-    let mut sim = Sim::new(13, 0);
+/// Three nodes configured by `tune`, whose groups read what left memory back from their
+/// durable logs, with group `G` led.
+fn led_with_cold_logs(seed: u64, tune: impl Fn(&mut crate::Config)) -> Sim {
+    let mut sim = Sim::new(seed, 0);
     for (id, n) in sim.nodes.iter_mut() {
         let mut cfg = super::sim::config(*id);
-        cfg.log_keep = 8;
+        tune(&mut cfg);
         *n = super::sim::SimNode::fresh(cfg);
         n.raft.set_cold_log(n.log.cold());
         n.raft.add_group(G, *id == 1).expect("group");
     }
     sim.groups = vec![G];
     sim.run_until_led(200).expect("a leader");
+    sim
+}
+
+/// A leader held every entry a follower lacked in memory for as long as the follower was away
+/// (a node down for an hour under load: the whole hour's log, bodies included, in the leader's
+/// heap). Past `LAGGING_IN_MEMORY` times `log_keep` behind, the follower is sent its entries
+/// from the durable log instead, and catches up all the same.
+#[test]
+fn a_leader_keeps_little_in_memory_for_a_follower_far_behind_which_catches_up_from_disk() {
+    let mut sim = led_with_cold_logs(13, |cfg| cfg.log_keep = 8);
     let leader = sim.leader(G).expect("leader");
     let behind = leader % 3 + 1;
     sim.isolated.insert(behind);
@@ -84,14 +91,7 @@ fn a_leader_keeps_little_in_memory_for_a_follower_far_behind_which_catches_up_fr
     let held = sim.nodes[&leader].raft.entries_in_memory(G).expect("group");
     let bound = (8 * (crate::multi::LAGGING_IN_MEMORY + 2)) as usize;
     assert!(held <= bound, "the leader holds {held} entries in memory");
-    sim.isolated.clear();
-    sim.run(200);
-    sim.assert_applied_everywhere(&[1, 2, 3]);
-    assert_eq!(
-        sim.nodes[&behind].applied[&G].len(),
-        300,
-        "caught up from disk"
-    );
+    back_and_caught_up(&mut sim, behind, 300);
     assert_eq!(sim.committed_ever.len(), 300);
 }
 
@@ -100,16 +100,7 @@ fn a_leader_keeps_little_in_memory_for_a_follower_far_behind_which_catches_up_fr
 #[test]
 fn the_entries_kept_in_memory_are_bounded_by_their_bytes() {
     const KEEP: usize = 4 << 10;
-    let mut sim = Sim::new(14, 0);
-    for (id, n) in sim.nodes.iter_mut() {
-        let mut cfg = super::sim::config(*id);
-        cfg.log_keep_bytes = KEEP;
-        *n = super::sim::SimNode::fresh(cfg);
-        n.raft.set_cold_log(n.log.cold());
-        n.raft.add_group(G, *id == 1).expect("group");
-    }
-    sim.groups = vec![G];
-    sim.run_until_led(200).expect("a leader");
+    let mut sim = led_with_cold_logs(14, |cfg| cfg.log_keep_bytes = KEEP);
     let leader = sim.leader(G).expect("leader");
     let entry = |i: u32| {
         let mut data = format!("entry {i} ").into_bytes();
@@ -141,12 +132,17 @@ fn the_entries_kept_in_memory_are_bounded_by_their_bytes() {
         bytes <= bound,
         "the leader holds {bytes} bytes for a member far behind"
     );
+    back_and_caught_up(&mut sim, behind, 300);
+}
+
+/// The cut-off node `behind` comes back and catches up to `entries`, from its leader's disk.
+fn back_and_caught_up(sim: &mut Sim, behind: crate::NodeId, entries: usize) {
     sim.isolated.clear();
     sim.run(200);
     sim.assert_applied_everywhere(&[1, 2, 3]);
     assert_eq!(
         sim.nodes[&behind].applied[&G].len(),
-        300,
+        entries,
         "caught up from disk"
     );
 }
