@@ -98,6 +98,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                 0u8..60,
             ),
         ),
+        any::<bool>(),
     )
         .prop_map(
             |(
@@ -110,6 +111,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                 visibility_timeout_ms,
                 consumer_timeout_ms,
                 retry,
+                index_groups,
             )| {
                 Policy {
                     max_length,
@@ -129,6 +131,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                     }),
                     deliver_on_apply: false,
                     hold_dead_letters: false,
+                    index_groups,
                 }
             },
         )
@@ -318,6 +321,38 @@ fn check(r: &Run, policy: &Policy) -> Result<(), TestCaseError> {
         "every message in one place"
     );
     prop_assert_eq!(r.m.in_flight_count(), r.in_flight().len());
+    prop_assert!(r.m.census_is_current(), "the line's census drifted");
+    // A checkout from here delivers what one that walks the whole line would, and only when
+    // the machine says it would (the broker runs none otherwise).
+    {
+        let checkout = |index_groups: bool| {
+            let mut m = r.m.clone();
+            let meta = |index| Meta {
+                index,
+                now_ms: r.now,
+            };
+            let mut effects = Vec::new();
+            let p = Policy {
+                index_groups,
+                ..*policy
+            };
+            m.apply(meta(u64::MAX - 1), Command::Configure(p), &mut effects);
+            m.apply(meta(u64::MAX), Command::Checkout { max: 64 }, &mut effects);
+            effects
+                .iter()
+                .filter_map(|e| match e {
+                    Effect::Deliver(d) => Some(d.receipt.msg_id),
+                    _ => None,
+                })
+                .collect::<Vec<u64>>()
+        };
+        let counted = checkout(true);
+        prop_assert_eq!(&counted, &checkout(false), "a deliverable message left");
+        prop_assert!(
+            counted.is_empty() || r.m.has_work(),
+            "work the broker would not see"
+        );
+    }
     let ids = r.m.ready_ids();
     prop_assert_eq!(ids.iter().copied().collect::<BTreeSet<u64>>(), ready);
     if let Some(max) = policy.max_priority {

@@ -174,7 +174,8 @@ pub(crate) fn put_policy(out: &mut BytesMut, p: &Policy) {
     out.put_u8(
         u8::from(p.single_active)
             | u8::from(p.deliver_on_apply) << 1
-            | u8::from(p.hold_dead_letters) << 2,
+            | u8::from(p.hold_dead_letters) << 2
+            | u8::from(p.index_groups) << 3,
     );
     put_opt_u64(out, p.delivery_limit);
     put_opt_u64(out, p.visibility_timeout_ms);
@@ -670,6 +671,7 @@ impl Reader {
             },
             deliver_on_apply: flags & 2 != 0,
             hold_dead_letters: flags & 4 != 0,
+            index_groups: flags & 8 != 0,
         })
     }
 

@@ -128,6 +128,14 @@ pub struct Policy {
     /// safe in its targets. A failover between the two finds it here, and the new leader
     /// sends it again (at least once: perhaps twice, never lost).
     pub hold_dead_letters: bool,
+    /// A checkout that finds every group of the line's messages locked leaves the line as it
+    /// is, told so by counts of the line's messages per group, instead of setting every
+    /// message aside (parking) on the way to its end: a deep queue in few groups, drained by
+    /// consumers with room for more than one message per group, otherwise moved its whole
+    /// line into the parked sets, whole entries where the line held them packed. Parked
+    /// messages do not expire until they rejoin the line, so which messages expire when
+    /// differs: a replicated queue's members must agree on it (cluster feature level 10).
+    pub index_groups: bool,
 }
 
 /// Most deliveries one command makes in a queue that delivers on apply: a consume by a
@@ -1141,6 +1149,15 @@ pub struct QueueMachine<M: crate::Payload> {
     /// id order per group (counted as ready, in `ready_bytes` too).
     parked: BTreeMap<GroupKey, BTreeMap<u64, Entry<M>>>,
     parked_count: usize,
+    /// The line's census ([`Policy::index_groups`]), derived from the line and kept by every
+    /// change to it (not part of the state: digests and snapshots ignore it): the ready
+    /// messages of each group in the line or parked (not those waiting for a retry), those in
+    /// no group, those of paged runs (whose groups are on disk), and how many groups are
+    /// open (not locked, with a message in the line that is not parked).
+    line_groups: BTreeMap<GroupKey, u64>,
+    line_ungrouped: u64,
+    line_unknown: u64,
+    open_groups: u64,
     /// Publishers that may resend ([`Command::EnqueueFrom`]), while their channel lives.
     enqueuers: BTreeMap<EnqueuerId, Enqueuer>,
     /// Expiry caps ([`Command::CapExpiry`]) still owed to messages on disk, whose stored
@@ -1203,6 +1220,10 @@ impl<M: crate::Payload> Default for QueueMachine<M> {
             group_locks: BTreeMap::new(),
             parked: BTreeMap::new(),
             parked_count: 0,
+            line_groups: BTreeMap::new(),
+            line_ungrouped: 0,
+            line_unknown: 0,
+            open_groups: 0,
             enqueuers: BTreeMap::new(),
             expiry_caps: Vec::new(),
             handoff: None,
@@ -1710,6 +1731,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
         // Back in the line in its place: its group's next message may not overtake it (ids).
         self.group_done(&entry);
+        self.line_in(entry.meta.group);
         self.rejoin_line(entry);
         // Back at the head, over the limit: drop-head drops it again at once.
         self.drop_over_limit(effects);
@@ -1752,8 +1774,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         if self.group_locks.get(&g) != Some(&entry.id) {
             return;
         }
-        self.group_locks.remove(&g);
-        self.unpark(g);
+        self.regroup(g, |m| {
+            m.group_locks.remove(&g);
+            m.unpark(g);
+        });
     }
 
     /// A ready message left the line without being delivered (expired, dropped, settled
@@ -1765,8 +1789,70 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .group
             .filter(|g| !self.group_locks.contains_key(g))
         {
-            self.unpark(g);
+            self.regroup(g, |m| m.unpark(g));
         }
+    }
+
+    /// Whether group `g` is open: not locked, with a message in the line that is not parked.
+    fn is_open(&self, g: GroupKey) -> bool {
+        !self.group_locks.contains_key(&g)
+            && self.line_groups.get(&g).copied().unwrap_or(0)
+                > self.parked.get(&g).map_or(0, |line| line.len() as u64)
+    }
+
+    /// Runs `f`, a change to group `g`'s lock, parked messages or count, and keeps
+    /// `open_groups` (never nested: each call counts the change it sees).
+    fn regroup<R>(&mut self, g: GroupKey, f: impl FnOnce(&mut Self) -> R) -> R {
+        let before = self.is_open(g);
+        let r = f(self);
+        match (before, self.is_open(g)) {
+            (false, true) => self.open_groups += 1,
+            (true, false) => self.open_groups = self.open_groups.saturating_sub(1),
+            _ => {}
+        }
+        r
+    }
+
+    /// Counts a ready message into (`up`) or out of the line's census, alone: the callers
+    /// keep `open_groups` ([`Self::line_in`], [`Self::line_out`], [`Self::regroup`]).
+    fn tally(&mut self, group: Option<GroupKey>, up: bool) {
+        match group {
+            None if up => self.line_ungrouped += 1,
+            None => self.line_ungrouped = self.line_ungrouped.saturating_sub(1),
+            Some(g) if up => *self.line_groups.entry(g).or_insert(0) += 1,
+            Some(g) => {
+                if let Some(n) = self.line_groups.get_mut(&g) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.line_groups.remove(&g);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A ready message joins the line (or leaves it, `line_out`): the census follows.
+    fn line_in(&mut self, group: Option<GroupKey>) {
+        match group {
+            None => self.tally(None, true),
+            Some(g) => self.regroup(g, |m| m.tally(Some(g), true)),
+        }
+    }
+
+    fn line_out(&mut self, group: Option<GroupKey>) {
+        match group {
+            None => self.tally(None, false),
+            Some(g) => self.regroup(g, |m| m.tally(Some(g), false)),
+        }
+    }
+
+    /// Nothing in the line may go out now, as the census tells ([`Policy::index_groups`]):
+    /// every message in it is of a locked group, and none is in a paged run.
+    fn line_blocked(&self) -> bool {
+        self.policy.index_groups
+            && self.open_groups == 0
+            && self.line_ungrouped == 0
+            && self.line_unknown == 0
     }
 
     /// The group's first parked message rejoins the line.
@@ -1790,11 +1876,15 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .parked
             .iter()
             .min_by_key(|(_, line)| line.keys().next().copied().unwrap_or(u64::MAX))?;
-        let line = self.parked.get_mut(&g)?;
-        let (_, e) = line.pop_first()?;
-        if line.is_empty() {
-            self.parked.remove(&g);
-        }
+        let e = self.regroup(g, |m| {
+            let line = m.parked.get_mut(&g)?;
+            let (_, e) = line.pop_first()?;
+            if line.is_empty() {
+                m.parked.remove(&g);
+            }
+            m.tally(Some(g), false);
+            Some(e)
+        })?;
         self.parked_count = self.parked_count.saturating_sub(1);
         self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
         Some(e)
@@ -1807,11 +1897,18 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     fn pop_deliverable(&mut self) -> Option<Entry<M>> {
         if self.group_locks.is_empty() && self.parked.is_empty() {
             // No group waits for anything: the head goes.
-            return self.pop_ready();
+            let entry = self.pop_ready()?;
+            self.line_out(entry.meta.group);
+            return Some(entry);
+        }
+        if self.line_blocked() {
+            // The walk would set the whole line aside and find nothing.
+            return None;
         }
         loop {
             let entry = self.pop_ready()?;
             let Some(g) = entry.meta.group else {
+                self.tally(None, false);
                 return Some(entry);
             };
             if self
@@ -1819,27 +1916,36 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 .get(&g)
                 .is_none_or(|holder| *holder == entry.id)
             {
-                // An earlier message of the group parked meanwhile goes first.
-                let earlier = self
-                    .parked
-                    .get_mut(&g)
-                    .and_then(|line| line.first_entry())
-                    .filter(|first| *first.key() < entry.id)
-                    .map(|first| first.remove());
-                let Some(earlier) = earlier else {
-                    return Some(entry);
-                };
-                if self.parked.get(&g).is_some_and(BTreeMap::is_empty) {
-                    self.parked.remove(&g);
-                }
-                self.parked.entry(g).or_default().insert(entry.id, entry);
-                return Some(earlier);
+                return Some(self.regroup(g, |m| {
+                    m.tally(Some(g), false);
+                    // An earlier message of the group parked meanwhile goes first.
+                    let earlier = m
+                        .parked
+                        .get_mut(&g)
+                        .and_then(|line| line.first_entry())
+                        .filter(|first| *first.key() < entry.id)
+                        .map(|first| first.remove());
+                    let Some(earlier) = earlier else {
+                        return entry;
+                    };
+                    if m.parked.get(&g).is_some_and(BTreeMap::is_empty) {
+                        m.parked.remove(&g);
+                    }
+                    m.parked.entry(g).or_default().insert(entry.id, entry);
+                    earlier
+                }));
             }
             // Its expiry is filed again when it rejoins the line.
             self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
             self.parked_count += 1;
             // By id: one that rejoined the line and was parked again keeps its place.
-            self.parked.entry(g).or_default().insert(entry.id, entry);
+            self.regroup(g, |m| {
+                m.parked.entry(g).or_default().insert(entry.id, entry)
+            });
+            if self.line_blocked() {
+                // What is left of the line is all of locked groups: it stays where it is.
+                return None;
+            }
         }
     }
 
@@ -1874,6 +1980,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             if let Some((_, entry)) = self.retrying.remove(&id) {
                 self.retrying_bytes = self.retrying_bytes.saturating_sub(entry.meta.size);
                 self.group_done(&entry);
+                self.line_in(entry.meta.group);
                 self.rejoin_line(entry);
             }
         }
@@ -1990,9 +2097,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     fn settle_late(&mut self, receipt: Receipt, effects: &mut Vec<Effect<M>>) -> Reply {
         let id = receipt.msg_id;
         let current = |e: &Entry<M>| e.timed_out && e.delivery_count == receipt.attempt;
+        let mut in_line = true;
         let entry = if self.returned.get(&id).is_some_and(current) {
             self.returned.remove(&id)
         } else if self.retrying.get(&id).is_some_and(|(_, e)| current(e)) {
+            in_line = false;
             let e = self.retrying.remove(&id).map(|(at, e)| {
                 self.retry_due.remove(&(at, id));
                 e
@@ -2009,6 +2118,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let Some(e) = entry else {
             return Reply::Stale;
         };
+        if in_line {
+            self.line_out(e.meta.group);
+        }
         // A message waiting for its retry held its group's lock; one in the line may have been
         // its group's way forward.
         self.group_done(&e);
@@ -2057,9 +2169,16 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         while self.over_limit() {
             // Parked messages count too: when the line has nothing droppable, the oldest of
             // them goes.
-            let Some(e) = self.pop_ready().or_else(|| self.pop_parked()) else {
-                // The head is paged out: trimmed once it is read back.
-                break;
+            let e = match self.pop_ready() {
+                Some(e) => {
+                    self.line_out(e.meta.group);
+                    e
+                }
+                None => match self.pop_parked() {
+                    Some(e) => e,
+                    // The head is paged out: trimmed once it is read back.
+                    None => break,
+                },
             };
             self.left_line(&e);
             self.dead_letter(
@@ -2132,6 +2251,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// Appends a message with the largest id so far to the ready line.
     fn push_ready(&mut self, entry: Entry<M>) {
         self.ready_bytes = self.ready_bytes.saturating_add(entry.meta.size);
+        self.line_in(entry.meta.group);
         // Behind a packed line the in-order deque goes on; behind a paged one (or messages a
         // page out left in the tail) it stops.
         let back_of_line = self.policy.max_priority.is_none()
@@ -2196,6 +2316,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.paged_below = self.paged_below.max(next);
         self.tail_count += count;
         self.tail_runs += 1;
+        self.line_unknown += count;
         self.ready_bytes = self.ready_bytes.saturating_add(bytes);
         self.tail.push_back(Slot::Paged(Run {
             first,
@@ -2247,6 +2368,9 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 Slot::Msg(e) if e.meta.pageable && e.id <= upto_id => {
                     paged_below = paged_below.max(e.id + 1);
                     self.paged_out_total += 1;
+                    // Its group is on disk with it, no longer in memory.
+                    self.line_out(e.meta.group);
+                    self.line_unknown += 1;
                     if let Some(at) = e.meta.expires_at {
                         self.expiries.remove(&(at, e.id));
                     }
@@ -2308,6 +2432,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 self.track_expiry(at, m.msg_id, self.policy.max_priority.is_none());
             }
             self.tail_count = self.tail_count.saturating_sub(1);
+            self.line_unknown = self.line_unknown.saturating_sub(1);
+            self.line_in(m.meta.group);
             let entry = Entry {
                 id: m.msg_id,
                 maybe_delivered: run.maybe_delivered || m.message.says_redelivered(),
@@ -2333,6 +2459,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             self.tail_runs = self.tail_runs.saturating_sub(1);
             // The run is read to its end: whatever it still counts was not on disk.
             self.tail_count = self.tail_count.saturating_sub(left.count);
+            self.line_unknown = self.line_unknown.saturating_sub(left.count);
             self.ready_bytes = self.ready_bytes.saturating_sub(left.bytes);
         }
         self.settle_tail();
@@ -2909,7 +3036,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             self.timers.insert(entry.id, timers);
         }
         if let Some(g) = entry.meta.group {
-            self.group_locks.insert(g, entry.id);
+            let id = entry.id;
+            self.regroup(g, |m| m.group_locks.insert(g, id));
         }
         self.in_flight.insert(entry.id, InFlight { holder, entry });
         Deliver {
@@ -2986,6 +3114,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.retrying_bytes = 0;
         self.parked.clear();
         self.parked_count = 0;
+        self.line_groups.clear();
+        self.line_ungrouped = 0;
+        self.line_unknown = 0;
+        self.open_groups = 0;
         let in_flight = &self.in_flight;
         self.group_locks.retain(|_, id| in_flight.contains_key(id));
         self.expiries.clear();
@@ -3025,6 +3157,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             };
             if let Some(e) = entry {
                 self.ready_bytes = self.ready_bytes.saturating_sub(e.meta.size);
+                self.line_out(e.meta.group);
                 self.left_line(&e);
                 self.dead_letter(
                     e.id,
@@ -3327,9 +3460,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.in_flight_bytes
     }
 
-    /// Would a [`Command::Checkout`] deliver anything now?
+    /// Would a [`Command::Checkout`] deliver anything now? (Not when every message in the
+    /// line is of a busy group, as the census tells.)
     pub fn has_work(&self) -> bool {
-        self.head_loaded() && !self.service.is_empty()
+        self.head_loaded() && !self.service.is_empty() && !self.line_blocked()
     }
 
     pub fn consumer_count(&self) -> usize {
@@ -3945,6 +4079,65 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
     }
 
+    /// The line's census ([`Self::line_groups`] and the rest) counted from scratch: O(line).
+    fn census(&self) -> (BTreeMap<GroupKey, u64>, u64, u64, u64) {
+        let mut groups: BTreeMap<GroupKey, u64> = BTreeMap::new();
+        let (mut ungrouped, mut unknown) = (0u64, 0u64);
+        let mut count = |g: Option<GroupKey>| match g {
+            Some(g) => *groups.entry(g).or_insert(0) += 1,
+            None => ungrouped += 1,
+        };
+        let whole = self
+            .ready
+            .iter()
+            .chain(self.returned.values())
+            .chain(self.by_priority.values())
+            .chain(self.parked.values().flat_map(BTreeMap::values));
+        for e in whole {
+            count(e.meta.group);
+        }
+        for slot in &self.tail {
+            match slot {
+                Slot::Msg(e) => count(e.meta.group),
+                Slot::Packed(run) => {
+                    for i in 0..run.len() {
+                        count(GroupKey::new(run.group_at(i)));
+                    }
+                }
+                Slot::Paged(r) => unknown += r.count,
+            }
+        }
+        let open = groups
+            .iter()
+            .filter(|(g, n)| {
+                !self.group_locks.contains_key(g)
+                    && **n > self.parked.get(g).map_or(0, |line| line.len() as u64)
+            })
+            .count() as u64;
+        (groups, ungrouped, unknown, open)
+    }
+
+    /// Sets the line's census from the line (a machine decoded from a snapshot).
+    fn recount(&mut self) {
+        (
+            self.line_groups,
+            self.line_ungrouped,
+            self.line_unknown,
+            self.open_groups,
+        ) = self.census();
+    }
+
+    /// Whether the census kept change by change is the one counted from scratch (for tests:
+    /// a census that counts too few would leave a deliverable message in the line).
+    #[doc(hidden)]
+    pub fn census_is_current(&self) -> bool {
+        let (groups, ungrouped, unknown, open) = self.census();
+        groups == self.line_groups
+            && ungrouped == self.line_ungrouped
+            && unknown == self.line_unknown
+            && open == self.open_groups
+    }
+
     /// A digest of the whole state: two machines with the same digest are the same machine
     /// (used to check that replaying a command log rebuilds a queue exactly). O(state).
     pub fn digest(&self) -> u64 {
@@ -4383,6 +4576,80 @@ mod tests {
         }
         assert_eq!(packed.ready_count(), 0);
         assert_eq!(packed.digest(), whole.digest());
+    }
+
+    /// A deep line in few groups, drained by a consumer with room for more messages than
+    /// there are groups: once every group has a message out, the next checkout finds nothing
+    /// to send. Counting the line per group, it leaves the line packed where it is; walking
+    /// it, every message was set aside, whole, on the way to its end. Both send the same.
+    #[test]
+    fn a_checkout_with_every_group_busy_leaves_a_packed_line_where_it_is() {
+        let step = |m: &mut QueueMachine<u64>, c: Command<u64>| {
+            let mut effects = Vec::new();
+            let meta = Meta {
+                index: m.last_index() + 1,
+                now_ms: 0,
+            };
+            m.apply(meta, c, &mut effects);
+            effects
+        };
+        let (groups, n) = (4u64, 2_000u64);
+        let mut machines = [false, true].map(|index_groups| {
+            let mut m = QueueMachine::new();
+            step(
+                &mut m,
+                Command::Configure(Policy {
+                    index_groups,
+                    ..Policy::default()
+                }),
+            );
+            enqueue_metas(&mut m, 0..n, |id| in_group(id % groups + 1));
+            m.pack_line(16, n - 1);
+            step(
+                &mut m,
+                Command::Consume {
+                    id: ConsumerId(1),
+                    spec: spec(1, 10, false),
+                },
+            );
+            m
+        });
+        let mut settled = 0;
+        while settled < n {
+            let [walked, counted] = &mut machines;
+            let a = step(walked, Command::Checkout { max: 10 });
+            let b = step(counted, Command::Checkout { max: 10 });
+            assert_eq!(a, b, "the same deliveries after {settled} settled");
+            assert!(counted.census_is_current());
+            if settled == 0 {
+                // Walked: everything but the first of each group set aside, whole.
+                assert_eq!(walked.parked_len() as u64, n - groups);
+                assert_eq!(walked.packed_count(), 0);
+            }
+            // Counted: nothing set aside but what came before a group's next message.
+            assert!(counted.parked_len() as u64 <= groups * groups, "{settled}");
+            if settled < n / 2 {
+                assert!(counted.packed_count() as u64 > n / 3, "{settled}");
+            }
+            let receipts: Vec<Receipt> = a
+                .iter()
+                .filter_map(|e| match e {
+                    Effect::Deliver(d) => Some(d.receipt),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(receipts.len() as u64, groups.min(n - settled));
+            for r in receipts {
+                assert_eq!(
+                    step(walked, Command::Settle { receipt: r }),
+                    step(counted, Command::Settle { receipt: r })
+                );
+                settled += 1;
+            }
+        }
+        for m in &machines {
+            assert_eq!(m.ready_count(), 0);
+        }
     }
 
     /// A packed message of a deep replicated queue is its id, its size and one pointer (the

@@ -506,6 +506,7 @@ fn check(m: &QueueMachine<Msg>, model: &Model) -> Result<(), TestCaseError> {
     prop_assert_eq!(m.ready_count(), ready.len());
     let on_disk = paged(m, &ready);
     prop_assert_eq!(m.paged_count(), on_disk.len() as u64);
+    prop_assert!(m.census_is_current(), "the line's census drifted");
     for id in &on_disk {
         prop_assert!(model.stored.contains(id), "{} paged but not stored", id);
     }

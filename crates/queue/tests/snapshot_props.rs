@@ -145,14 +145,18 @@ fn policy() -> impl Strategy<Value = Policy> {
                     jitter_pct,
                 }),
         ),
-        (prop::bool::weighted(0.5), prop::bool::weighted(0.5)),
+        (
+            prop::bool::weighted(0.5),
+            prop::bool::weighted(0.5),
+            prop::bool::weighted(0.5),
+        ),
     )
         .prop_map(
             |(
                 (max_length, max_length_bytes, overflow, expires_ms),
                 (max_priority, single_active, delivery_limit, visibility, consumer_timeout),
                 retry,
-                (deliver_on_apply, hold_dead_letters),
+                (deliver_on_apply, hold_dead_letters, index_groups),
             )| Policy {
                 max_length,
                 max_length_bytes,
@@ -166,6 +170,7 @@ fn policy() -> impl Strategy<Value = Policy> {
                 retry,
                 deliver_on_apply,
                 hold_dead_letters,
+                index_groups,
             },
         )
 }
@@ -568,6 +573,7 @@ proptest! {
             let Some((meta, c)) = d.command(op, &a) else { continue };
             step(&mut a, meta, c, &mut effects);
             d.saw(&effects);
+            prop_assert!(a.census_is_current(), "the line's census drifted");
             round_trips(&a)?;
         }
         let bytes = snapshot(&a)?;
@@ -582,6 +588,7 @@ proptest! {
             let got_b = step(&mut b, meta, c.clone(), &mut effects_b);
             prop_assert_eq!(got_a, got_b, "reply or effects differ at {:?}", c);
             prop_assert_eq!(a.digest(), b.digest(), "state differs after {:?}", c);
+            prop_assert!(b.census_is_current(), "the census drifted after a restore");
             d.saw(&effects);
         }
         prop_assert_eq!(snapshot(&a)?, snapshot(&b)?);

@@ -37,16 +37,26 @@ pub(super) struct HeldDeadLetters {
     /// A held message's dead letter is being republished: its copies need no guard record
     /// (`Broker::release_guard`), since its queue keeps it until they are safe.
     pub(super) publishing: bool,
-    /// The cluster's feature level lets queues hold their dead letters, as last seen.
-    level_on: bool,
+    /// What the cluster's feature level lets replicated queues do, as last seen.
+    level_on: LevelRules,
 }
 
-/// What a queue asks of its machine: its arguments' policy, and, when `hold`
-/// ([`Broker::holds_dead_letters`]) and it has a dead-letter exchange, dead letters held until
-/// they are safe.
-pub(super) fn queue_policy(a: &crate::queue::args::QueueArgs, hold: bool) -> Policy {
+/// What a queue's machine may do that every member of it must do alike: what the cluster's
+/// feature level allows a replicated queue ([`Broker::level_rules`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct LevelRules {
+    /// Dead letters held until they are safe (`Policy::hold_dead_letters`).
+    pub(super) hold: bool,
+    /// The line's census per message group (`Policy::index_groups`).
+    pub(super) index_groups: bool,
+}
+
+/// What a queue asks of its machine: its arguments' policy, and, when the rules allow it and
+/// it has a dead-letter exchange, dead letters held until they are safe.
+pub(super) fn queue_policy(a: &crate::queue::args::QueueArgs, rules: LevelRules) -> Policy {
     Policy {
-        hold_dead_letters: hold && a.dead_letter_exchange.is_some(),
+        hold_dead_letters: rules.hold && a.dead_letter_exchange.is_some(),
+        index_groups: rules.index_groups,
         ..policy(a)
     }
 }
@@ -59,23 +69,27 @@ impl HeldDeadLetters {
 
 impl Broker {
     /// The metadata changed (a level announced, a node forgotten, a snapshot installed): once
-    /// every node can, the queues led here start holding their dead letters at once, not at
-    /// their next leader's term.
+    /// every node can, the queues led here start holding their dead letters (and counting
+    /// their lines per group) at once, not at their next leader's term.
     pub(super) fn check_hold_level(&mut self) {
-        let on = self.holds_dead_letters(true);
+        let on = self.level_rules(true);
         if on != self.held_dead_letters.level_on {
             self.held_dead_letters.level_on = on;
-            if on {
+            if on != LevelRules::default() {
                 self.configure_led_queues();
             }
         }
     }
 
-    /// Does a queue here hold its dead letters until they are safe? A replicated one, once
-    /// every node of the cluster can.
-    pub(super) fn holds_dead_letters(&self, replicated: bool) -> bool {
+    /// What a queue here may ask of its machine: a local one, everything this version can; a
+    /// replicated one, what every node of the cluster can. Only a replicated queue holds its
+    /// dead letters (a local one's dead letters are on this node's disk already).
+    pub(super) fn level_rules(&self, replicated: bool) -> LevelRules {
         let level = self.cluster_feature_level().unwrap_or(0);
-        replicated && level >= super::metadata_group::HELD_DEAD_LETTERS_LEVEL
+        LevelRules {
+            hold: replicated && level >= super::metadata_group::HELD_DEAD_LETTERS_LEVEL,
+            index_groups: !replicated || level >= super::metadata_group::GROUP_INDEX_LEVEL,
+        }
     }
 
     /// What became of the republish of held message `source`'s dead letter.

@@ -634,8 +634,8 @@ impl Broker {
             self.announce_declare(vhost, &q.name, &q.arguments, leader);
         }
         let out = declared(&q);
-        let hold = self.holds_dead_letters(q.replica.is_some());
-        let policy = super::held_dead_letters::queue_policy(&q.args, hold);
+        let rules = self.level_rules(q.replica.is_some());
+        let policy = super::held_dead_letters::queue_policy(&q.args, rules);
         let delays = q.args.delivery_delay_ms.is_some();
         let dedups = q.dedup.is_some();
         if let Some(vh) = self.vhosts.get_mut(vhost) {

@@ -62,7 +62,15 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// 8, a node receives a snapshot in pieces above 4 GiB (spooled to its disk, never held in
 /// memory), so a quorum queue deeper than the earlier levels' largest snapshot is snapshotted.
 /// 9, a quorum queue's entry may join several commands (`warren_replication::batch`).
-pub const FEATURE_LEVEL: u64 = 9;
+/// 10, a quorum queue counts its line's messages per group (`Policy::index_groups`), so a
+/// checkout that finds every group busy leaves its line whole.
+pub const FEATURE_LEVEL: u64 = 10;
+
+/// The level from which a quorum queue's machine counts its line per message group
+/// (`Policy::index_groups`): its messages of busy groups stay in the line, where they expire
+/// on time, instead of being set aside, where they wait for their group; a node of an older
+/// version would expire them later and the members would disagree.
+pub(super) const GROUP_INDEX_LEVEL: u64 = 10;
 
 /// The level from which a leader joins the commands a pass proposes to a quorum queue into
 /// one Raft entry: a node of an older version reads a joined entry as one it cannot decode.
@@ -1784,6 +1792,21 @@ mod tests {
         let mut b = new_node_two();
         b.restore_meta_applied(0, &[], &[(2, FEATURE_LEVEL)], None, &[]);
         b
+    }
+
+    /// A quorum queue's machine counts its line per group only once every node's version
+    /// does (its members must expire alike); a local queue's always does.
+    #[test]
+    fn a_quorum_queue_counts_its_line_per_group_once_every_node_can() {
+        let mut b = new_node_two();
+        b.restore_meta_applied(0, &[], &[(1, 9), (2, 10), (3, 10)], None, &[]);
+        assert!(!b.level_rules(true).index_groups);
+        assert!(b.level_rules(true).hold);
+        assert!(b.level_rules(false).index_groups);
+        assert!(!b.level_rules(false).hold);
+        b.restore_meta_applied(0, &[], &[(1, 10), (2, 10), (3, 10)], None, &[]);
+        assert!(b.level_rules(true).index_groups);
+        assert_eq!(GROUP_INDEX_LEVEL, FEATURE_LEVEL);
     }
 
     fn entry(index: u64, seq: u64, op: MetaOp) -> Committed {

@@ -256,6 +256,7 @@ fn policy(a: &args::QueueArgs) -> Policy {
         // Classic queues are dispatched by the broker's Checkout passes.
         deliver_on_apply: false,
         hold_dead_letters: false,
+        index_groups: false,
     }
 }
 

@@ -195,7 +195,7 @@ impl Broker {
             None => own,
         };
         let replicated = self.queues.get(&id).is_some_and(|q| q.replica.is_some());
-        let hold = self.holds_dead_letters(replicated);
+        let rules = self.level_rules(replicated);
         let Some(q) = self.queues.get_mut(&id) else {
             return;
         };
@@ -205,8 +205,8 @@ impl Broker {
             return;
         }
         let (before, after) = (
-            super::held_dead_letters::queue_policy(&q.args, hold),
-            super::held_dead_letters::queue_policy(&new, hold),
+            super::held_dead_letters::queue_policy(&q.args, rules),
+            super::held_dead_letters::queue_policy(&new, rules),
         );
         match (refuses(&before), refuses(&after)) {
             (false, true) => self.refusing_queues += 1,

@@ -2304,8 +2304,8 @@ impl Broker {
         let Some(q) = self.queues.get(&id) else {
             return;
         };
-        let hold = self.holds_dead_letters(q.replica.is_some());
-        let want = super::held_dead_letters::queue_policy(&q.args, hold);
+        let rules = self.level_rules(q.replica.is_some());
+        let want = super::held_dead_letters::queue_policy(&q.args, rules);
         self.run(id, Command::Configure(want));
         // A lower limit drops messages: their dead letters go out.
         self.finish_effects(id);

@@ -368,6 +368,10 @@ impl QueueMachine<Message> {
             group_locks: _,
             parked: _,
             parked_count: _, // derived: the parked lines' lengths
+            line_groups: _,  // derived: the census of the line
+            line_ungrouped: _,
+            line_unknown: _,
+            open_groups: _,
             enqueuers: _,
             expiry_caps: _,
             handoff: _,
@@ -996,7 +1000,7 @@ impl SnapReader {
             }
         };
         // No `..Default::default()`: every field is read or derived here.
-        let m = QueueMachine {
+        let mut m = QueueMachine {
             next_id,
             tail_count,
             tail_runs: 0,
@@ -1038,12 +1042,17 @@ impl SnapReader {
             group_locks,
             parked_count: parked.values().map(BTreeMap::len).sum(),
             parked,
+            line_groups: BTreeMap::new(),
+            line_ungrouped: 0,
+            line_unknown: 0,
+            open_groups: 0,
             enqueuers,
             expiry_caps,
             handoff,
             last_index,
             now_ms,
         };
+        m.recount();
         // The expiries of what left the head stay where the snapshot has them, as
         // `pack_line` leaves them: the in-order deque reaches a packed line.
         Ok(m)
