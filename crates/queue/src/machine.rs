@@ -4377,6 +4377,28 @@ mod tests {
     }
 
     /// A message of group `g`.
+    /// Applies `c` as the next command, at time 0; its effects.
+    fn step_at_zero(m: &mut QueueMachine<u64>, c: Command<u64>) -> Vec<Effect<u64>> {
+        let mut effects = Vec::new();
+        let meta = Meta {
+            index: m.last_index() + 1,
+            now_ms: 0,
+        };
+        m.apply(meta, c, &mut effects);
+        effects
+    }
+
+    /// The receipts of the deliveries among `effects`.
+    fn receipts_of(effects: &[Effect<u64>]) -> Vec<Receipt> {
+        effects
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Deliver(d) => Some(d.receipt),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn in_group(g: u64) -> MsgMeta {
         MsgMeta {
             size: 1,
@@ -4551,15 +4573,7 @@ mod tests {
             .collect();
         assert_eq!(groups, want);
         // Two consumers take and settle, a few at a time: the same deliveries from both.
-        let step = |m: &mut QueueMachine<u64>, c: Command<u64>| {
-            let mut effects = Vec::new();
-            let meta = Meta {
-                index: m.last_index() + 1,
-                now_ms: 0,
-            };
-            m.apply(meta, c, &mut effects);
-            effects
-        };
+        let step = step_at_zero;
         for m in [&mut packed, &mut whole] {
             for id in 1..=2 {
                 step(
@@ -4577,13 +4591,7 @@ mod tests {
             let b = step(&mut whole, Command::Checkout { max: 4 });
             assert_eq!(a, b, "the same deliveries after {settled} settled");
             assert_eq!(packed.digest(), whole.digest());
-            let receipts: Vec<Receipt> = a
-                .iter()
-                .filter_map(|e| match e {
-                    Effect::Deliver(d) => Some(d.receipt),
-                    _ => None,
-                })
-                .collect();
+            let receipts = receipts_of(&a);
             assert!(
                 !receipts.is_empty(),
                 "nothing delivered after {settled} settled"
@@ -4605,15 +4613,7 @@ mod tests {
     /// it, every message was set aside, whole, on the way to its end. Both send the same.
     #[test]
     fn a_checkout_with_every_group_busy_leaves_a_packed_line_where_it_is() {
-        let step = |m: &mut QueueMachine<u64>, c: Command<u64>| {
-            let mut effects = Vec::new();
-            let meta = Meta {
-                index: m.last_index() + 1,
-                now_ms: 0,
-            };
-            m.apply(meta, c, &mut effects);
-            effects
-        };
+        let step = step_at_zero;
         let (groups, n) = (4u64, 2_000u64);
         let mut machines = [false, true].map(|index_groups| {
             let mut m = QueueMachine::new();
@@ -4652,13 +4652,7 @@ mod tests {
             if settled < n / 2 {
                 assert!(counted.packed_count() as u64 > n / 3, "{settled}");
             }
-            let receipts: Vec<Receipt> = a
-                .iter()
-                .filter_map(|e| match e {
-                    Effect::Deliver(d) => Some(d.receipt),
-                    _ => None,
-                })
-                .collect();
+            let receipts = receipts_of(&a);
             assert_eq!(receipts.len() as u64, groups.min(n - settled));
             for r in receipts {
                 assert_eq!(
