@@ -4886,6 +4886,47 @@ fn a_quorum_queues_messages_behind_their_group_leave_memory() {
     all_settled_and_released(&mut c);
 }
 
+/// Messages of a busy group left in the line expire on time, alike on every member (cluster
+/// feature level 10): the line's census is what decides that a checkout leaves them there, and
+/// every member keeps the same one. Parked (before), they waited for their group's turn.
+#[test]
+fn messages_behind_a_busy_group_expire_on_time_on_every_member() {
+    let mut args = quorum_args();
+    args.insert("x-group-header", FieldValue::long_str("x-group-key"));
+    args.insert("x-message-ttl", FieldValue::I32(500));
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, 100).expect("consume");
+    c.run(10);
+    let grouped = |n: u32| message_with_header(n, "x-group-key", FieldValue::long_str("g"));
+    for n in 0..20 {
+        c.publish_message(leader, n, grouped(n));
+    }
+    c.run(20);
+    let first = c.deliveries(follower);
+    assert_eq!(first.len(), 1, "one of the group at a time");
+    for n in NODES {
+        let m = c.members[&n].broker.machine(c.id(n)).expect("machine");
+        assert_eq!(m.parked_len(), 0, "node {n}: left in the line");
+        assert_eq!(m.ready_count(), 19, "node {n}");
+    }
+    assert_same_state(&c, &NODES);
+    // Past their TTL, with the first still held: gone from every member.
+    c.run(u32::try_from(1_000 / TICK_MS).unwrap_or(u32::MAX));
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 1), "node {n}: expired behind the held one");
+    }
+    assert_same_state(&c, &NODES);
+    ack_all(&mut c, follower, &first);
+    c.run(20);
+    assert!(c.deliveries(follower).is_empty(), "nothing left to deliver");
+    for n in NODES {
+        assert_eq!(c.counts(n), (0, 0), "node {n}");
+    }
+}
+
 #[test]
 fn a_deep_replicated_queue_keeps_its_messages_contents_out_of_memory_on_every_member() {
     small_window();
