@@ -52,6 +52,7 @@ pub use broker::{
     ForgetError, GetAnswer, Got, GroupChange, MetaClosed, Proposal, QueueInfo, ReplicaSnapshot,
     SnapshotData, SnapshotDataError, SnapshotLimits, DECLARE_WAIT_MS, FEATURE_LEVEL, GET_WAIT_MS,
     META_APPLIED, META_GROUP, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+    SNAPSHOT_INTERVAL_MS,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;

@@ -54,6 +54,8 @@ pub struct ReplicaState {
     pub since_snapshot: u64,
     pub since_snapshot_bytes: u64,
     pub snapshot_bytes: u64,
+    /// When the last snapshot here was taken (the broker's clock, ms).
+    pub snapshot_at_ms: u64,
     /// This node told the group, since it started, that its channels from before are gone
     /// (a `Down` of itself, before anything else of it).
     pub downed_self: bool,
@@ -120,6 +122,7 @@ impl ReplicaState {
             applied_term: 0,
             since_snapshot: 0,
             since_snapshot_bytes: 0,
+            snapshot_at_ms: 0,
             snapshot_bytes: 0,
             downed_self: false,
             last_leader: None,

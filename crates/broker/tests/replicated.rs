@@ -155,6 +155,7 @@ impl Cluster {
         broker.join_cluster(n, &NODES, boot);
         if let Some(every) = snapshot_every {
             broker.set_snapshot_policy(every, warren_broker::SnapshotLimits::NONE);
+            broker.set_snapshot_interval(0);
         }
         (broker, away)
     }
@@ -4504,6 +4505,43 @@ fn held_away_on(c: &Cluster, node: u64) -> (usize, Option<usize>) {
         count(b.machine(c.id(node)).expect("machine")),
         b.committed_machine(c.id(node)).map(count),
     )
+}
+
+/// A busy queue with a small state is snapshotted at most once a second: its log outgrew its
+/// last snapshot many times a second, and every snapshot was encoded, written and fsynced.
+#[test]
+fn a_busy_small_queue_is_snapshotted_at_most_once_a_second() {
+    let mut c = Cluster::start(1, Some(64));
+    for n in NODES {
+        c.members
+            .get_mut(&n)
+            .expect("member")
+            .broker
+            .set_snapshot_interval(1_000);
+    }
+    let leader = c.leader();
+    // Past the first second of the clock: the first snapshot is due at once.
+    c.run(u32::try_from(1_100 / TICK_MS).unwrap_or(u32::MAX));
+    let burst = |c: &mut Cluster, from: u32| {
+        for n in from..from + 300 {
+            c.publish(leader, n);
+        }
+        c.run(10);
+    };
+    burst(&mut c, 0);
+    let first: Vec<u64> = NODES.iter().map(|n| c.snapshot_at(*n)).collect();
+    assert!(first.iter().all(|i| *i > 0), "a first snapshot: {first:?}");
+    // 300 more commands, far past 64 entries and past the last snapshot's bytes, within the
+    // second: no snapshot.
+    burst(&mut c, 300);
+    let within: Vec<u64> = NODES.iter().map(|n| c.snapshot_at(*n)).collect();
+    assert_eq!(within, first, "none within the second");
+    // A second later, the next one.
+    c.run(u32::try_from(1_000 / TICK_MS).unwrap_or(u32::MAX));
+    burst(&mut c, 600);
+    for (i, n) in NODES.iter().enumerate() {
+        assert!(c.snapshot_at(*n) > first[i], "node {n}: the next snapshot");
+    }
 }
 
 #[test]

@@ -345,6 +345,9 @@ pub struct ClusterSettings {
     pub tick_ms: u64,
     /// Entries between two snapshots of a replicated queue, and kept behind one.
     pub snapshot_entries: u64,
+    /// Time between two snapshots of a replicated queue, at least (ms): none when a test
+    /// sets the entries, which then decide alone.
+    pub snapshot_interval_ms: u64,
     /// A snapshot larger than this goes to a follower in pieces.
     pub snapshot_inline_max: usize,
     /// Asks a running cluster to add it (`--cluster-join`).
@@ -511,6 +514,11 @@ fn cluster_settings(
         snapshot_entries: snapshot_entries
             .unwrap_or(warren_broker::SNAPSHOT_ENTRIES)
             .max(1),
+        snapshot_interval_ms: if snapshot_entries.is_some() {
+            0
+        } else {
+            warren_broker::SNAPSHOT_INTERVAL_MS
+        },
         snapshot_inline_max: inline_max
             .unwrap_or(crate::cluster::MAX_PROPOSAL)
             .clamp(1, crate::cluster::MAX_PROPOSAL),

@@ -306,6 +306,7 @@ async fn run(config: Config) -> std::io::Result<()> {
                 large: cluster::MAX_SNAPSHOT_LARGE,
             },
         );
+        broker.set_snapshot_interval(c.snapshot_interval_ms);
         let mut peers = c.nodes.clone();
         // `Config::resolve` checked that the list holds this node.
         let own = peers.remove(&c.node);

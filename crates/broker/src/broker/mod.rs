@@ -32,7 +32,7 @@ pub use remote_get::{GetAnswer, Got, GET_WAIT_MS};
 use replicated::not_led_here;
 pub use replicated::{
     group_of, DecodedSnapshot, Proposal, ReplicaSnapshot, SnapshotData, SnapshotDataError,
-    SnapshotLimits, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES,
+    SnapshotLimits, NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES, SNAPSHOT_INTERVAL_MS,
 };
 
 use std::borrow::Cow;
