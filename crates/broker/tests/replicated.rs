@@ -636,6 +636,18 @@ fn follower_consuming(prefetch: u32) -> (Cluster, u64, u64) {
     (c, leader, follower)
 }
 
+/// The same with the queue declared with `args` once every node announced its level, the
+/// consumer's prefetch `prefetch`.
+fn follower_consuming_with(args: FieldTable, prefetch: u32) -> (Cluster, u64, u64) {
+    let mut c = Cluster::start_with(1, None, args);
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    consume(&mut c, follower, prefetch).expect("consume on a follower");
+    c.run(10);
+    (c, leader, follower)
+}
+
 /// Acks each of `ds` on `node`: every receipt is current.
 fn ack_all(c: &mut Cluster, node: u64, ds: &[Delivery]) {
     for d in ds {
@@ -4659,12 +4671,7 @@ fn a_quorum_queues_messages_waiting_for_a_retry_leave_memory_past_the_oldest() {
     small_window();
     let mut args = quorum_args();
     args.insert("x-delayed-retry-min", FieldValue::I64(5_000));
-    let mut c = Cluster::start_with(1, None, args);
-    until_levels(&mut c);
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 1_000).expect("consume");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming_with(args, 1_000);
     let mut failed = 0;
     for n in 0..600 {
         c.publish(leader, n);
@@ -4887,12 +4894,7 @@ fn a_quorum_queues_messages_behind_their_group_leave_memory() {
     small_window();
     let mut args = quorum_args();
     args.insert("x-group-header", FieldValue::long_str("x-group-key"));
-    let mut c = Cluster::start_with(1, None, args);
-    until_levels(&mut c);
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 1_000).expect("consume");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming_with(args, 1_000);
     let grouped = |n: u32| message_with_header(n, "x-group-key", FieldValue::long_str("g"));
     let mut first = Vec::new();
     for n in 0..600 {
@@ -4932,12 +4934,7 @@ fn messages_behind_a_busy_group_expire_on_time_on_every_member() {
     let mut args = quorum_args();
     args.insert("x-group-header", FieldValue::long_str("x-group-key"));
     args.insert("x-message-ttl", FieldValue::I32(500));
-    let mut c = Cluster::start_with(1, None, args);
-    until_levels(&mut c);
-    let leader = c.leader();
-    let follower = leader % 3 + 1;
-    consume(&mut c, follower, 100).expect("consume");
-    c.run(10);
+    let (mut c, leader, follower) = follower_consuming_with(args, 100);
     let grouped = |n: u32| message_with_header(n, "x-group-key", FieldValue::long_str("g"));
     for n in 0..20 {
         c.publish_message(leader, n, grouped(n));
