@@ -1154,9 +1154,10 @@ pub struct QueueMachine<M: crate::Payload> {
     parked_count: usize,
     /// The line's census ([`Policy::index_groups`]), derived from the line and kept by every
     /// change to it (not part of the state: digests and snapshots ignore it): the ready
-    /// messages of each group in the line or parked (not those waiting for a retry), those in
-    /// no group, those of paged runs (whose groups are on disk), and how many groups are
-    /// open (not locked, with a message in the line that is not parked).
+    /// messages of each group in the line, parked or in runs paged out here (not those waiting
+    /// for a retry), those in no group, those of runs restored from the store (whose groups
+    /// nobody read yet), and how many groups are open (not locked, with a message in the line
+    /// that is not parked).
     line_groups: BTreeMap<GroupKey, u64>,
     line_ungrouped: u64,
     line_unknown: u64,
@@ -1850,7 +1851,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     }
 
     /// Nothing in the line may go out now, as the census tells ([`Policy::index_groups`]):
-    /// every message in it is of a locked group, and none is in a paged run.
+    /// every message in it is of a locked group, and no run restored from the store is unread.
     fn line_blocked(&self) -> bool {
         self.policy.index_groups
             && self.open_groups == 0
