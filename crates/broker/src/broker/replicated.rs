@@ -2444,8 +2444,9 @@ impl Broker {
             }
             r.applied_index = e.index;
             r.applied_term = e.term;
-            r.since_snapshot += 1;
-            r.since_snapshot_bytes += e.data.len() as u64;
+            // Saturating: a snapshot asked for sets both to their largest value.
+            r.since_snapshot = r.since_snapshot.saturating_add(1);
+            r.since_snapshot_bytes = r.since_snapshot_bytes.saturating_add(e.data.len() as u64);
             if touched.last() != Some(&id) {
                 touched.push(id);
             }
@@ -2458,7 +2459,9 @@ impl Broker {
                     tracing::error!(group = e.group.0, index = e.index, %error, "unreadable joined entry skipped");
                 }
             }
-            r.since_snapshot += parts.len().saturating_sub(1) as u64;
+            r.since_snapshot = r
+                .since_snapshot
+                .saturating_add(parts.len().saturating_sub(1) as u64);
             // Each command of a joined entry as if it were an entry of its own, at its index.
             for data in parts.drain(..) {
                 let (head, command) = match decode(data) {
