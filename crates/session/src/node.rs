@@ -232,13 +232,13 @@ impl Node {
         self.broker.take_writes()
     }
 
-    /// Every batch up to `upto` is written (`ok`), or the write holding them failed: publisher
-    /// confirms waiting for them go out (acks, or nacks after a failure).
     /// The last store batch reported written.
     pub fn written(&self) -> u64 {
         self.written
     }
 
+    /// Every batch up to `upto` is written (`ok`), or the write holding them failed: publisher
+    /// confirms waiting for them go out (acks, or nacks after a failure).
     pub fn writes_done(&mut self, upto: u64, ok: bool, now: u64) {
         if ok {
             self.broker.writes_done(upto);
