@@ -1995,3 +1995,52 @@ async fn a_resource_alarm_on_one_node_blocks_publishers_on_every_node() {
         other => panic!("expected connection.unblocked, got {other:?}"),
     }
 }
+
+/// A store batch that only numbers a quorum queue's confirm is written at once only when every
+/// batch before it is: on a node whose disk takes a second for every batch, a persistent
+/// message for a classic queue, then one for a quorum queue on the same channel, are both
+/// confirmed once that disk has the first (not with the quorum queue's commit, which comes
+/// far sooner).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_classic_queues_confirm_still_waits_for_a_slow_disk_when_a_quorum_queues_follows() {
+    const DISK_MS: u64 = 1000;
+    let c = TestCluster::start_with(3, 20, &["--test-store-delay-ms", &DISK_MS.to_string()]);
+    let q = unique("slow-disk-quorum");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let (_conn, ch) = channel(&c, leader).await;
+    let classic = unique("slow-disk-classic");
+    ch.queue_declare(
+        classic.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare the classic queue");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirm.select");
+    let started = Instant::now();
+    let on_disk = publish_persistent(&ch, &classic, "on the slow disk").await;
+    // In a later pass of the node, so in a batch of its own: one with nothing to write.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let replicated = publish_persistent(&ch, &q, "replicated").await;
+    for (what, confirm) in [("classic", on_disk), ("quorum", replicated)] {
+        let got = tokio::time::timeout(WAIT, confirm)
+            .await
+            .expect("a confirm within the wait")
+            .expect("confirm");
+        assert!(
+            matches!(got, Confirmation::Ack(_)),
+            "{what}: nacked: {got:?}"
+        );
+        let after = started.elapsed();
+        assert!(
+            after >= Duration::from_millis(DISK_MS - 50),
+            "the {what} queue's message was confirmed {after:?} after the first publish, before the disk had it"
+        );
+    }
+}
