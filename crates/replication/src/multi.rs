@@ -290,6 +290,13 @@ impl ReadyBatch {
         self.snapshots.iter().map(|(g, s, _)| (*g, s))
     }
 
+    /// Each group with entries to write in this batch, and the index of its last one.
+    pub fn last_entries(&self) -> impl Iterator<Item = (GroupId, u64)> + '_ {
+        self.readys
+            .iter()
+            .filter_map(|(group, rd)| rd.entries().last().map(|e| (*group, e.index)))
+    }
+
     /// Groups with entries or a hard state to persist.
     pub fn groups_to_persist(&self) -> usize {
         self.readys.len()

@@ -365,6 +365,11 @@ impl RaftNode {
             prepared: Default::default(),
             counters: counters.clone(),
             stopping: false,
+            awaiting: Default::default(),
+            deferred: Default::default(),
+            deferring: Default::default(),
+            proposed: Default::default(),
+            written: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name(format!("warren-raft-{}", cfg.node))

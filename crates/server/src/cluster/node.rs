@@ -290,6 +290,10 @@ impl SnapshotWriter {
 /// Commands taken per pass at most, so one pass (and its fsync) stays bounded.
 const MAX_COMMANDS_PER_PASS: usize = 8192;
 
+/// How long a group's proposals wait at most for the commit of its last write of them
+/// ([`Driver::awaits`]): a group without a majority must not hold them for ever.
+const COMMIT_WAIT_MAX: Duration = Duration::from_millis(5);
+
 /// A joined entry ([`warren_replication::batch`]) holds at most this many bytes of
 /// proposals, and this many proposals: the unit a follower far behind is sent, and what
 /// [`warren_replication::Config::log_keep_bytes`] keeps in memory, stay a few entries.
@@ -323,6 +327,17 @@ pub(crate) struct Driver<E> {
     pub(crate) prepared: HashMap<GroupId, (SnapshotMeta, Instant, Prepared)>,
     pub(crate) counters: Arc<super::transport::Counters>,
     pub(crate) stopping: bool,
+    /// Groups led here whose last write of proposals is not committed yet: the index it ended
+    /// at, and until when their next proposals wait for it ([`Driver::awaits`]).
+    pub(crate) awaiting: HashMap<GroupId, (u64, Instant)>,
+    /// Proposals waiting for their group's last write to commit, in the order they came; and
+    /// their groups.
+    pub(crate) deferred: std::collections::VecDeque<(GroupId, Command)>,
+    pub(crate) deferring: std::collections::HashSet<GroupId>,
+    /// Groups proposed to since the last pass.
+    pub(crate) proposed: std::collections::HashSet<GroupId>,
+    /// The last pass's writes, by group (its last index).
+    pub(crate) written: Vec<(GroupId, u64)>,
 }
 
 /// The parts of one pass that can hold every group up: Raft's ready, the log write (with its
@@ -389,10 +404,70 @@ impl<E: RaftEvents> Driver<E> {
             let Some(parts) = self.pass() else {
                 break;
             };
+            self.await_commits(started);
             slow_pass(node, started.elapsed(), parts);
         }
         self.writer.stop();
         tracing::info!(node, "raft thread stopped");
+    }
+
+    /// A group's proposals wait for the commit of its last write of them, made while this node
+    /// led it (or for [`COMMIT_WAIT_MAX`]): at most one such write of a group is in flight, and
+    /// the next carries everything that came meanwhile. Each write costs every member a few
+    /// thread switches and syscalls whatever it holds (its fsync, the appends, each follower's
+    /// write and answer). A client that waits for each answer loses nothing: its next proposal
+    /// comes after the commit anyway; and other groups' proposals do not wait for this one's.
+    fn await_commits(&mut self, started: Instant) {
+        let until = started + COMMIT_WAIT_MAX;
+        for (group, index) in std::mem::take(&mut self.written) {
+            if self.proposed.contains(&group) && self.raft.is_leader(group) {
+                self.awaiting.insert(group, (index, until));
+            }
+        }
+        self.proposed.clear();
+    }
+
+    /// Whether the group's proposals wait for its last write's commit now.
+    fn awaits(&mut self, group: GroupId) -> bool {
+        let Some(&(index, until)) = self.awaiting.get(&group) else {
+            return false;
+        };
+        let waits = Instant::now() < until
+            && self.raft.is_leader(group)
+            && self.raft.committed_index(group).is_some_and(|c| c < index);
+        if !waits {
+            self.awaiting.remove(&group);
+        }
+        waits
+    }
+
+    /// The deferred proposals of groups that wait no more (of every group with `all`) are
+    /// taken, in the order they came.
+    fn release_deferred(&mut self, all: bool) {
+        if self.deferred.is_empty() {
+            return;
+        }
+        let groups: Vec<GroupId> = self.deferring.iter().copied().collect();
+        let mut go = std::collections::HashSet::new();
+        for group in groups {
+            if all || !self.awaits(group) {
+                go.insert(group);
+            }
+        }
+        if go.is_empty() {
+            return;
+        }
+        let mut kept = std::collections::VecDeque::with_capacity(self.deferred.len());
+        for (group, c) in std::mem::take(&mut self.deferred) {
+            if go.contains(&group) {
+                self.proposed.insert(group);
+                self.command_now(c);
+            } else {
+                kept.push_back((group, c));
+            }
+        }
+        self.deferred = kept;
+        self.deferring.retain(|g| !go.contains(g));
     }
 
     /// Sleeps until input arrives or the next tick is due, unless a pass is due now.
@@ -402,7 +477,22 @@ impl<E: RaftEvents> Driver<E> {
         if self.raft.has_ready() || due <= now {
             return;
         }
-        let timeout = Duration::from_millis(due - now);
+        let mut timeout = Duration::from_millis(due - now);
+        if !self.deferred.is_empty() {
+            // Deferred proposals go at their group's commit (a peer's batch wakes this) or
+            // when their wait runs out.
+            let soonest = self
+                .deferring
+                .iter()
+                .filter_map(|g| self.awaiting.get(g).map(|(_, until)| *until))
+                .min();
+            match soonest {
+                Some(until) => {
+                    timeout = timeout.min(until.saturating_duration_since(Instant::now()))
+                }
+                None => return,
+            }
+        }
         let woke = crossbeam_channel::select! {
             recv(self.commands) -> c => c.map_or(Woke::Closed, Woke::Command),
             recv(self.inbound) -> b => b.map_or(Woke::InboundGone, Woke::Batch),
@@ -430,6 +520,7 @@ impl<E: RaftEvents> Driver<E> {
     }
 
     fn take_input(&mut self) {
+        self.release_deferred(false);
         while let Ok(s) = self.writer.done.try_recv() {
             self.snapshot_staged(s);
         }
@@ -653,6 +744,29 @@ impl<E: RaftEvents> Driver<E> {
     }
 
     fn command(&mut self, c: Command) {
+        match &c {
+            Command::Propose(group, _) | Command::ProposeJoinable(group, _) => {
+                let group = *group;
+                if self.deferring.contains(&group) || self.awaits(group) {
+                    self.deferring.insert(group);
+                    self.deferred.push_back((group, c));
+                    return;
+                }
+                self.proposed.insert(group);
+            }
+            // A group's commands keep their order when its leader changes under them.
+            Command::Forward(_, group, _) => {
+                if self.deferring.contains(group) {
+                    self.release_deferred(true);
+                }
+            }
+            // Anything else keeps its place after the proposals that came before it.
+            _ => self.release_deferred(true),
+        }
+        self.command_now(c);
+    }
+
+    fn command_now(&mut self, c: Command) {
         let c = match c {
             Command::ProposeJoinable(group, data) if data.len() <= JOIN_PART_MAX => {
                 self.joining.push((group, data));
@@ -934,6 +1048,8 @@ impl<E: RaftEvents> Driver<E> {
         let wanted = std::mem::take(&mut rd.snapshots_wanted);
         let peers = std::mem::take(&mut rd.peers);
         let draining = std::mem::take(&mut rd.draining);
+        self.written.clear();
+        self.written.extend(rd.last_entries());
         let writing = Instant::now();
         let persisted = rd.persist(&mut self.log);
         parts.write = writing.elapsed();
