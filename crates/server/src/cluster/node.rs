@@ -479,18 +479,22 @@ impl<E: RaftEvents> Driver<E> {
         }
         let mut timeout = Duration::from_millis(due - now);
         if !self.deferred.is_empty() {
-            // Deferred proposals go at their group's commit (a peer's batch wakes this) or
-            // when their wait runs out.
-            let soonest = self
-                .deferring
-                .iter()
-                .filter_map(|g| self.awaiting.get(g).map(|(_, until)| *until))
-                .min();
-            match soonest {
-                Some(until) => {
-                    timeout = timeout.min(until.saturating_duration_since(Instant::now()))
+            // Deferred proposals go at their group's commit, or when their wait runs out: at
+            // once if the pass just made committed a group's write (nothing else may come to
+            // wake this: its client may be waiting for that very proposal's answer); else a
+            // peer's batch wakes this, or the soonest wait's end.
+            let groups: Vec<GroupId> = self.deferring.iter().copied().collect();
+            let mut soonest: Option<Instant> = None;
+            for group in groups {
+                if !self.awaits(group) {
+                    return;
                 }
-                None => return,
+                if let Some((_, until)) = self.awaiting.get(&group) {
+                    soonest = Some(soonest.map_or(*until, |s| s.min(*until)));
+                }
+            }
+            if let Some(until) = soonest {
+                timeout = timeout.min(until.saturating_duration_since(Instant::now()));
             }
         }
         let woke = crossbeam_channel::select! {
