@@ -419,7 +419,7 @@ impl<E: RaftEvents> Driver<E> {
     /// comes after the commit anyway; and other groups' proposals do not wait for this one's.
     fn await_commits(&mut self, started: Instant) {
         let until = started + COMMIT_WAIT_MAX;
-        for (group, index) in std::mem::take(&mut self.written) {
+        for (group, index) in self.written.drain(..) {
             if self.proposed.contains(&group) && self.raft.is_leader(group) {
                 self.awaiting.insert(group, (index, until));
             }
