@@ -64,7 +64,7 @@ pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueT
 pub use queue::machine;
 pub use queue::machine::{ConsumerId, Credit, CreditGroup, Receipt};
 pub use warren_queue::{
-    qualify, Away, AwayError, AwayStore, AwayStoreHandle, ConnId, Message, COMPACT_BELOW,
+    qualify, Away, AwayError, AwayStore, AwayStoreHandle, ConnId, Message, Payload, COMPACT_BELOW,
     REDELIVERED_HEADER,
 };
 pub use warren_replication::{Committed, GroupId};

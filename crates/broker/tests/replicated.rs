@@ -5075,6 +5075,62 @@ fn a_deep_queues_committed_machine_keeps_every_message_past_its_first_full_run()
     assert_same_state(&c, &NODES);
 }
 
+/// Past its first packed runs, a deep queue's line is written out of memory on every member
+/// (both machines of the leader): the same state everywhere, every message delivered whole
+/// and in order by a leader elected after the first was killed, and every run and record let
+/// go once the queue is empty.
+#[test]
+fn a_deep_queues_runs_leave_memory_on_every_member_and_come_back_in_order() {
+    small_window();
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let total = 26_000u32;
+    let mut batches = Vec::new();
+    for n in 0..total {
+        batches.push(c.publish(leader, n));
+        if n % 100 == 99 {
+            c.run(2);
+        }
+    }
+    c.run(40);
+    assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    for n in NODES {
+        let b = &c.members[&n].broker;
+        let machine = b.machine(c.id(n)).expect("machine");
+        assert!(
+            machine.spilled_count() >= 2 * 4_096,
+            "node {n}: {} spilled",
+            machine.spilled_count()
+        );
+        assert!(!c.members[&n].away.runs.lock().expect("lock").is_empty());
+        let ids: Vec<u64> = machine.ready_messages().map(|(id, _, _)| id).collect();
+        assert_eq!(ids, (0..u64::from(total)).collect::<Vec<_>>(), "node {n}");
+    }
+    let committed = c.members[&leader]
+        .broker
+        .committed_machine(c.id(leader))
+        .expect("committed");
+    assert!(committed.spilled_count() >= 2 * 4_096);
+    assert_same_state(&c, &NODES);
+    c.kill(leader);
+    c.run(60);
+    let next = c.leader();
+    assert_ne!(next, leader);
+    let alive: Vec<u64> = NODES.into_iter().filter(|n| *n != leader).collect();
+    assert_same_state(&c, &alive);
+    consume(&mut c, next, 200).expect("consume");
+    take_in_order(&mut c, next, 0, total);
+    c.run(20);
+    for n in alive {
+        assert_eq!(c.counts(n), (0, 0));
+        assert_eq!(away_on(&c, n), (0, 0), "node {n}: every record released");
+        assert!(
+            c.members[&n].away.runs.lock().expect("lock").is_empty(),
+            "node {n}: every run released"
+        );
+    }
+}
+
 #[test]
 fn a_snapshot_of_a_deep_replicated_queue_carries_the_contents_away_and_a_restart_has_them_all() {
     small_window();

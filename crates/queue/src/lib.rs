@@ -9,6 +9,7 @@
 
 pub mod log;
 pub mod machine;
+pub mod spill;
 pub mod stable_hash;
 
 use bytes::Bytes;
@@ -95,6 +96,43 @@ pub trait AwayStore: Send + Sync {
     fn release(&self, key: u64);
     /// How many messages' contents it holds (written and not released).
     fn held(&self) -> u64;
+
+    /// Writes a run of packed messages' handles ([`Payload::spill`]) as one record, and gives
+    /// its key. A store that keeps no runs refuses (the default): the run stays in memory. A
+    /// store that keeps runs implements the methods below too.
+    fn put_run(&self, _bytes: &[u8]) -> Result<u64, String> {
+        Err("this store keeps no runs".to_owned())
+    }
+    /// The record [`AwayStore::put_run`] wrote under `key`.
+    fn get_run(&self, key: u64) -> Result<Vec<u8>, String> {
+        Err(format!("this store keeps no runs (key {key})"))
+    }
+    /// The run under `key` is no longer needed.
+    fn release_run(&self, _key: u64) {}
+    /// Each of `keys` gains a handle: its contents stay until one more
+    /// [`AwayStore::release`] of it (a run read back makes a handle of each message again).
+    fn retain(&self, _keys: &[u64]) {}
+    /// The contents under `keys` stay, whatever becomes of their handles, until
+    /// [`AwayStore::unhold`] of what this returns (a run out of memory holds its messages'
+    /// contents so). By default a handle of each; a store may hold them more cheaply (by
+    /// the files they are in).
+    fn hold(&self, keys: &[u64]) -> Vec<u64> {
+        self.retain(keys);
+        keys.to_vec()
+    }
+    /// Lets go of what [`AwayStore::hold`] held (`messages` of them).
+    fn unhold(&self, pins: &[u64], _messages: u64) {
+        for key in pins {
+            self.release(*key);
+        }
+    }
+    /// A run written out of memory cannot be read back: the node stops. Its queues' logs are
+    /// the durable record and a restart rebuilds their machines from them; a machine that
+    /// went on without the run's messages would no longer be its queue's.
+    fn fatal(&self, error: &str) -> ! {
+        eprintln!("warren: {error}; stopping (the queues' logs rebuild them at the next start)");
+        std::process::exit(70)
+    }
 }
 
 /// A store's handle as every message away keeps it: one pointer, where `Arc<dyn AwayStore>`
@@ -245,7 +283,31 @@ pub trait Payload {
 
     /// The message again, equal to the one packed.
     fn unpack(packed: &Self::Packed) -> Self;
+
+    /// What stays in memory of a run of packed messages written out of it
+    /// ([`machine::QueueMachine::spill_line`]). Node-local, as packing is.
+    type Spilled: Clone + std::fmt::Debug;
+
+    /// Writes a run's packed messages out of memory, with `meta` (what the machine keeps of
+    /// the run beside them). `Err` gives both back, to stay in memory: a payload that is
+    /// never spilled, a store that keeps no runs, a failed write.
+    #[allow(clippy::type_complexity)]
+    fn spill(
+        meta: Vec<u8>,
+        items: Vec<Self::Packed>,
+    ) -> Result<Self::Spilled, (Vec<u8>, Vec<Self::Packed>)>;
+
+    /// What [`Payload::spill`] wrote, read back (the spilled run stays valid). A node that
+    /// cannot read it back stops ([`AwayStore::fatal`]).
+    fn unspill(spilled: &Self::Spilled) -> (Vec<u8>, Vec<Self::Packed>);
+
+    /// What [`Payload::unspill`] gave back does not read as a run: the node stops.
+    fn spill_unreadable(spilled: &Self::Spilled, error: &str) -> !;
 }
+
+/// Test payloads' spilled runs: kept in memory, so that the machine's spilling is tested
+/// without a store.
+pub type SpilledInMemory<P> = std::sync::Arc<(Vec<u8>, Vec<P>)>;
 
 /// A payload with no packed form.
 #[derive(Clone, Copy, Debug)]
@@ -261,6 +323,16 @@ impl Payload for u64 {
     fn unpack(packed: &u64) -> u64 {
         *packed
     }
+    type Spilled = SpilledInMemory<u64>;
+    fn spill(meta: Vec<u8>, items: Vec<u64>) -> Result<Self::Spilled, (Vec<u8>, Vec<u64>)> {
+        Ok(std::sync::Arc::new((meta, items)))
+    }
+    fn unspill(spilled: &Self::Spilled) -> (Vec<u8>, Vec<u64>) {
+        (spilled.0.clone(), spilled.1.clone())
+    }
+    fn spill_unreadable(_: &Self::Spilled, error: &str) -> ! {
+        panic!("a test run does not read back: {error}")
+    }
 }
 /// A pair packs as itself too.
 impl<A: Clone + std::fmt::Debug, B: Clone + std::fmt::Debug> Payload for (A, B) {
@@ -271,6 +343,17 @@ impl<A: Clone + std::fmt::Debug, B: Clone + std::fmt::Debug> Payload for (A, B) 
     fn unpack(packed: &(A, B)) -> Self {
         packed.clone()
     }
+    type Spilled = SpilledInMemory<(A, B)>;
+    #[allow(clippy::type_complexity)]
+    fn spill(meta: Vec<u8>, items: Vec<(A, B)>) -> Result<Self::Spilled, (Vec<u8>, Vec<(A, B)>)> {
+        Ok(std::sync::Arc::new((meta, items)))
+    }
+    fn unspill(spilled: &Self::Spilled) -> (Vec<u8>, Vec<(A, B)>) {
+        (spilled.0.clone(), spilled.1.clone())
+    }
+    fn spill_unreadable(_: &Self::Spilled, error: &str) -> ! {
+        panic!("a test run does not read back: {error}")
+    }
 }
 impl Payload for &str {
     type Packed = NotPacked;
@@ -279,6 +362,16 @@ impl Payload for &str {
     }
     fn unpack(packed: &NotPacked) -> Self {
         match *packed {}
+    }
+    type Spilled = NotPacked;
+    fn spill(meta: Vec<u8>, items: Vec<NotPacked>) -> Result<NotPacked, (Vec<u8>, Vec<NotPacked>)> {
+        Err((meta, items))
+    }
+    fn unspill(spilled: &NotPacked) -> (Vec<u8>, Vec<NotPacked>) {
+        match *spilled {}
+    }
+    fn spill_unreadable(spilled: &NotPacked, _: &str) -> ! {
+        match *spilled {}
     }
 }
 
@@ -298,6 +391,23 @@ impl Payload for Message {
             }
             _ => None,
         }
+    }
+
+    type Spilled = spill::SpilledMessages;
+
+    fn spill(
+        meta: Vec<u8>,
+        items: Vec<PackedMessage>,
+    ) -> Result<spill::SpilledMessages, (Vec<u8>, Vec<PackedMessage>)> {
+        spill::SpilledMessages::write(meta, items)
+    }
+
+    fn unspill(spilled: &spill::SpilledMessages) -> (Vec<u8>, Vec<PackedMessage>) {
+        spilled.read()
+    }
+
+    fn spill_unreadable(spilled: &spill::SpilledMessages, error: &str) -> ! {
+        spilled.fatal(error)
     }
 
     fn unpack(packed: &PackedMessage) -> Message {
@@ -597,6 +707,12 @@ pub(crate) mod tests {
         pub released: std::sync::Mutex<Vec<u64>>,
         /// Puts that succeed before every later one fails (a disk filling up); `None`: all do.
         pub fail_after: std::sync::Mutex<Option<usize>>,
+        /// Handles of each key beyond the first ([`AwayStore::retain`]).
+        pub extra: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
+        /// Runs written ([`AwayStore::put_run`]).
+        pub runs: std::sync::Mutex<std::collections::HashMap<u64, Vec<u8>>>,
+        /// Refuses runs, as a store that keeps none.
+        pub no_runs: std::sync::Mutex<bool>,
     }
 
     impl AwayStore for MemAway {
@@ -620,11 +736,40 @@ pub(crate) mod tests {
             Ok(self.held.lock().unwrap().get(&key).cloned())
         }
         fn release(&self, key: u64) {
+            if let Some(n) = self.extra.lock().unwrap().get_mut(&key).filter(|n| **n > 0) {
+                *n -= 1;
+                return;
+            }
             self.held.lock().unwrap().remove(&key);
             self.released.lock().unwrap().push(key);
         }
         fn held(&self) -> u64 {
             self.held.lock().unwrap().len() as u64
+        }
+        fn put_run(&self, bytes: &[u8]) -> Result<u64, String> {
+            if *self.no_runs.lock().unwrap() {
+                return Err("no runs".to_owned());
+            }
+            let k = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            self.runs.lock().unwrap().insert(k, bytes.to_vec());
+            Ok(k)
+        }
+        fn get_run(&self, key: u64) -> Result<Vec<u8>, String> {
+            self.runs
+                .lock()
+                .unwrap()
+                .get(&key)
+                .cloned()
+                .ok_or_else(|| format!("no run {key}"))
+        }
+        fn release_run(&self, key: u64) {
+            self.runs.lock().unwrap().remove(&key);
+        }
+        fn retain(&self, keys: &[u64]) {
+            let mut extra = self.extra.lock().unwrap();
+            for k in keys {
+                *extra.entry(*k).or_default() += 1;
+            }
         }
     }
 

@@ -808,13 +808,14 @@ impl Service {
     }
 }
 
-/// A place in the tail of the ready line: a message in memory, a run on disk, or a run of
-/// packed messages in memory (never empty).
+/// A place in the tail of the ready line: a message in memory, a run on disk, a run of
+/// packed messages in memory (never empty), or such a run written out of memory.
 #[derive(Clone, Debug)]
 enum Slot<M: crate::Payload> {
     Msg(Entry<M>),
     Paged(Run),
     Packed(PackedRun<M::Packed>),
+    Spilled(SpilledRun<M::Spilled>),
 }
 
 impl<M: crate::Payload> Slot<M> {
@@ -823,7 +824,44 @@ impl<M: crate::Payload> Slot<M> {
             Slot::Msg(e) => e.id,
             Slot::Paged(r) => r.first,
             Slot::Packed(run) => run.items.front().map_or(0, |p| p.id),
+            Slot::Spilled(run) => run.first,
         }
+    }
+
+    /// A packed run, in memory or not.
+    fn is_run_of_packed(&self) -> bool {
+        matches!(self, Slot::Packed(_) | Slot::Spilled(_))
+    }
+}
+
+/// A packed run written out of this node's memory ([`QueueMachine::spill_line`]): its first
+/// id and length stay, the rest is read back ([`Payload::unspill`]) when it is needed.
+///
+/// [`Payload::unspill`]: crate::Payload::unspill
+#[derive(Clone, Debug)]
+struct SpilledRun<S> {
+    first: u64,
+    len: usize,
+    handle: S,
+}
+
+/// A spilled run read back. What does not read as the run written stops the node
+/// ([`crate::Payload::spill_unreadable`]).
+fn read_spilled<M: crate::Payload>(s: &SpilledRun<M::Spilled>) -> PackedRun<M::Packed> {
+    let (meta, items) = M::unspill(&s.handle);
+    match PackedRun::from_spill(&meta, items) {
+        Ok(run) if run.len() == s.len && run.items.front().map(|p| p.id) == Some(s.first) => run,
+        Ok(run) => M::spill_unreadable(
+            &s.handle,
+            &format!(
+                "{} messages from id {:?} where {} from {} were written",
+                run.len(),
+                run.items.front().map(|p| p.id),
+                s.len,
+                s.first
+            ),
+        ),
+        Err(error) => M::spill_unreadable(&s.handle, &error),
     }
 }
 
@@ -975,10 +1013,73 @@ impl<P> PackedRun<P> {
         let group = self.groups.remove(i).unwrap_or(0);
         Some(self.entry(&p, group))
     }
+
+    /// The run's own part of a spilled record (its base, each message's id, size and expiry,
+    /// its groups if it has them), and a copy of its items.
+    fn spill_parts(&self) -> (Vec<u8>, Vec<P>)
+    where
+        P: Clone,
+    {
+        use bytes::BufMut;
+        let n = self.items.len();
+        let mut meta = Vec::with_capacity(13 + n * 16 + self.groups.len() * 8);
+        meta.put_u64_le(self.base);
+        // A run holds at most `PACKED_RUN` messages.
+        meta.put_u32_le(n as u32);
+        meta.put_u8(u8::from(!self.groups.is_empty()));
+        for p in &self.items {
+            meta.put_u64_le(p.id);
+            meta.put_u32_le(p.size);
+            meta.put_u32_le(p.expiry);
+        }
+        for g in &self.groups {
+            meta.put_u64_le(*g);
+        }
+        (meta, self.items.iter().map(|p| p.item.clone()).collect())
+    }
+
+    /// The run [`Self::into_spill`] gave the parts of.
+    fn from_spill(meta: &[u8], items: Vec<P>) -> Result<Self, String> {
+        use bytes::Buf;
+        let mut b = meta;
+        if b.remaining() < 13 {
+            return Err(format!("a run's part of {} bytes", meta.len()));
+        }
+        let base = b.get_u64_le();
+        let n = b.get_u32_le() as usize;
+        let grouped = b.get_u8() != 0;
+        let want = n * 16 + if grouped { n * 8 } else { 0 };
+        if n != items.len() || n > PACKED_RUN || b.remaining() != want {
+            return Err(format!(
+                "a run's part of {} bytes for {n} messages, {} items",
+                meta.len(),
+                items.len()
+            ));
+        }
+        let mut packed = VecDeque::with_capacity(n);
+        for item in items {
+            packed.push_back(Packed {
+                id: b.get_u64_le(),
+                size: b.get_u32_le(),
+                expiry: b.get_u32_le(),
+                item,
+            });
+        }
+        let groups = if grouped {
+            (0..n).map(|_| b.get_u64_le()).collect()
+        } else {
+            VecDeque::new()
+        };
+        Ok(PackedRun {
+            base,
+            items: packed,
+            groups,
+        })
+    }
 }
 
 /// Messages a packed run holds at most.
-const PACKED_RUN: usize = 4096;
+pub const PACKED_RUN: usize = 4096;
 
 /// How many messages of the line a tail slot holds in memory (a run on disk: none).
 fn slot_len<M: crate::Payload>(s: &Slot<M>) -> usize {
@@ -986,6 +1087,7 @@ fn slot_len<M: crate::Payload>(s: &Slot<M>) -> usize {
         Slot::Msg(_) => 1,
         Slot::Paged(_) => 0,
         Slot::Packed(run) => run.len(),
+        Slot::Spilled(run) => run.len,
     }
 }
 
@@ -1085,6 +1187,9 @@ pub struct QueueMachine<M: crate::Payload> {
     tail_packed: usize,
     /// Ready messages with ids up to this were looked at by [`Self::pack_line`] (node-local).
     pack_seen: u64,
+    /// Tail slots whose first ids are up to this were looked at by [`Self::spill_line`]
+    /// (node-local).
+    spill_seen: u64,
     /// Tail messages with smaller ids were considered by a `PageOut` already.
     paged_below: u64,
     /// Messages ever paged out, and ever read back (statistics; part of the state, so a
@@ -1190,6 +1295,7 @@ impl<M: crate::Payload> Default for QueueMachine<M> {
             tail_runs: 0,
             tail_packed: 0,
             pack_seen: 0,
+            spill_seen: 0,
             paged_below: 0,
             paged_out_total: 0,
             loaded_total: 0,
@@ -2500,6 +2606,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         // queue kept every message whole on every member for as long as it stayed).
         self.unpack_tail();
         self.pack_seen = 0;
+        self.spill_seen = 0;
         let cap = |e: &mut Entry<M>| {
             e.meta.expires_at = min_opt(e.meta.expires_at, cap_of(&caps, e.id));
         };
@@ -2516,7 +2623,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             match slot {
                 Slot::Msg(e) => cap(e),
                 Slot::Paged(r) => r.expires_min = min_opt(r.expires_min, cap_of(&caps, r.first)),
-                Slot::Packed(_) => {}
+                Slot::Packed(_) | Slot::Spilled(_) => {}
             }
         }
         // What is tracked: the ready line in memory (parked and retrying messages file their
@@ -2530,7 +2637,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .chain(self.by_priority.values())
             .chain(self.tail.iter().filter_map(|s| match s {
                 Slot::Msg(e) => Some(e),
-                Slot::Paged(_) | Slot::Packed(_) => None,
+                Slot::Paged(_) | Slot::Packed(_) | Slot::Spilled(_) => None,
             }));
         for e in tracked {
             if let Some(at) = e.meta.expires_at {
@@ -2678,7 +2785,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 continue;
             };
             let open = matches!(slots.back(), Some(Slot::Packed(run)) if run.len() < PACKED_RUN);
-            if !open && lone.is_none() && !matches!(slots.back(), Some(Slot::Packed(_))) {
+            if !open && lone.is_none() && !slots.back().is_some_and(Slot::is_run_of_packed) {
                 // It starts a run only once the next one packs too (or nothing follows).
                 lone = Some((entry, p));
                 continue;
@@ -2733,6 +2840,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
 
     /// Takes the message at the front of the tail, if it is in memory (packed or not).
     fn take_tail_front(&mut self) -> Option<Entry<M>> {
+        self.unspill_at(0);
         let e = match self.tail.front_mut()? {
             Slot::Paged(_) => return None,
             Slot::Msg(_) => match self.tail.pop_front() {
@@ -2747,6 +2855,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 }
                 e
             }
+            Slot::Spilled(_) => return None,
         };
         self.tail_count = self.tail_count.saturating_sub(1);
         Some(e)
@@ -2761,10 +2870,95 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         for slot in old {
             match slot {
                 Slot::Packed(run) => self.tail.extend(run.entries().map(Slot::Msg)),
+                Slot::Spilled(run) => {
+                    self.tail
+                        .extend(read_spilled::<M>(&run).entries().map(Slot::Msg));
+                }
                 other => self.tail.push_back(other),
             }
         }
         self.tail_packed = 0;
+    }
+
+    /// Node-local, as [`Self::pack_line`]: writes the packed runs of the tail past its first
+    /// `keep` ones out of memory ([`crate::Payload::spill`]), each of at least `min` messages
+    /// and followed by another slot (the last may still grow). What stays of each is a few
+    /// words; it is read back whole when any of its messages is needed (as it nears the
+    /// head, for a policy change, a snapshot). Runs are looked at once (`spill_seen`), so a
+    /// call costs what was packed since the last; a run read back for a message in its
+    /// middle (one expiring there) stays in memory. Returns how many messages it spilled;
+    /// a run the payload refuses (a store that keeps none, a failed write) stays as it is.
+    pub fn spill_line(&mut self, keep: usize, min: usize) -> usize {
+        if self.tail_packed <= keep {
+            return 0;
+        }
+        let mut runs = 0;
+        let mut from = self.tail.len();
+        for (i, slot) in self.tail.iter().enumerate() {
+            if slot.is_run_of_packed() {
+                runs += 1;
+                if runs > keep {
+                    from = i;
+                    break;
+                }
+            }
+        }
+        let seen = self.spill_seen;
+        from = from.max(self.tail.partition_point(|s| s.first_id() <= seen));
+        let last = self.tail.len().saturating_sub(1);
+        let mut spilled = 0;
+        for i in from..last {
+            let Some(slot) = self.tail.get_mut(i) else {
+                break;
+            };
+            let first = slot.first_id();
+            self.spill_seen = self.spill_seen.max(first);
+            match Self::spill_slot(slot, min) {
+                Some(n) => spilled += n,
+                None => {
+                    // Refused: the next call tries again from this run.
+                    self.spill_seen = first.saturating_sub(1);
+                    break;
+                }
+            }
+        }
+        spilled
+    }
+
+    /// Writes `slot` out of memory if it is a packed run of at least `min` messages: how
+    /// many messages it wrote (0: not such a run), `None` if the payload refused.
+    fn spill_slot(slot: &mut Slot<M>, min: usize) -> Option<usize> {
+        let first = slot.first_id();
+        let (meta, items) = match slot {
+            Slot::Packed(run) if run.len() >= min.max(1) => run.spill_parts(),
+            _ => return Some(0),
+        };
+        let len = items.len();
+        let handle = M::spill(meta, items).ok()?;
+        *slot = Slot::Spilled(SpilledRun { first, len, handle });
+        Some(len)
+    }
+
+    /// Messages of the tail's runs written out of memory ([`Self::spill_line`]).
+    pub fn spilled_count(&self) -> usize {
+        self.tail
+            .iter()
+            .map(|s| match s {
+                Slot::Spilled(run) => run.len,
+                _ => 0,
+            })
+            .sum()
+    }
+
+    /// Brings tail slot `i` back into memory if it is a spilled run.
+    fn unspill_at(&mut self, i: usize) {
+        let run = match self.tail.get(i) {
+            Some(Slot::Spilled(run)) => read_spilled::<M>(run),
+            _ => return,
+        };
+        if let Some(slot) = self.tail.get_mut(i) {
+            *slot = Slot::Packed(run);
+        }
     }
 
     /// Messages packed in the tail ([`Self::pack_line`]).
@@ -2773,23 +2967,38 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .iter()
             .map(|s| match s {
                 Slot::Packed(run) => run.len(),
+                Slot::Spilled(run) => run.len,
                 _ => 0,
             })
             .sum()
     }
 
-    /// Every ready message of the line's tail in memory, in order, packed ones rebuilt.
+    /// Every ready message of the line's tail in memory (or in runs spilled from it), in
+    /// order, packed ones rebuilt.
     fn tail_entries(&self) -> impl Iterator<Item = Cow<'_, Entry<M>>> + '_ {
         self.tail.iter().flat_map(|s| {
-            let (one, run) = match s {
-                Slot::Msg(e) => (Some(e), None),
-                Slot::Paged(_) => (None, None),
-                Slot::Packed(run) => (None, Some(run)),
+            let (one, run, spilled) = match s {
+                Slot::Msg(e) => (Some(e), None, None),
+                Slot::Paged(_) => (None, None, None),
+                Slot::Packed(run) => (None, Some(run), None),
+                Slot::Spilled(run) => (None, None, Some(read_spilled::<M>(run))),
             };
             one.map(Cow::Borrowed)
                 .into_iter()
                 .chain(run.into_iter().flat_map(|r| r.entries().map(Cow::Owned)))
+                .chain(
+                    spilled
+                        .into_iter()
+                        .flat_map(|r| r.entries().collect::<Vec<_>>().into_iter())
+                        .map(Cow::Owned),
+                )
         })
+    }
+
+    /// How many ready messages the tail holds in memory or in runs spilled from it (runs on
+    /// disk left out).
+    fn tail_len(&self) -> usize {
+        self.tail.iter().map(slot_len).sum()
     }
 
     /// Would a [`Command::Get`] (or [`Self::pop_ready`]) find a message without loading one
@@ -2799,7 +3008,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             return true;
         }
         match (self.tail.front(), self.returned.first_key_value()) {
-            (Some(Slot::Msg(_) | Slot::Packed(_)), _) => true,
+            (Some(Slot::Msg(_) | Slot::Packed(_) | Slot::Spilled(_)), _) => true,
             (Some(Slot::Paged(r)), Some((&id, _))) => id < r.first,
             (Some(Slot::Paged(_)), None) => false,
             (None, returned) => returned.is_some(),
@@ -2977,7 +3186,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             self.returned.pop_first().map(|(_, e)| e)
         } else if let Some(e) = self.ready.pop_front() {
             Some(e)
-        } else if let Some(Slot::Msg(_) | Slot::Packed(_)) = self.tail.front() {
+        } else if let Some(Slot::Msg(_) | Slot::Packed(_) | Slot::Spilled(_)) = self.tail.front() {
             let e = self.take_tail_front();
             self.settle_tail();
             e
@@ -3199,6 +3408,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .tail
             .partition_point(|s| s.first_id() <= id)
             .checked_sub(1)?;
+        self.unspill_at(slot);
         let e = match self.tail.get_mut(slot)? {
             Slot::Msg(e) if e.id == id => match self.tail.remove(slot) {
                 Some(Slot::Msg(e)) => e,
@@ -3407,7 +3617,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .iter()
             .map(|s| match s {
                 Slot::Paged(r) => r.count,
-                Slot::Msg(_) | Slot::Packed(_) => 0,
+                Slot::Msg(_) | Slot::Packed(_) | Slot::Spilled(_) => 0,
             })
             .sum()
     }
@@ -3425,7 +3635,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 last_id: r.last,
                 spilled: r.spilled,
             }),
-            Slot::Msg(_) | Slot::Packed(_) => None,
+            Slot::Msg(_) | Slot::Packed(_) | Slot::Spilled(_) => None,
         })
     }
 
@@ -3637,8 +3847,10 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             return Some(Cow::Borrowed(m));
         }
         let slot = self.tail.partition_point(|s| s.first_id() <= msg_id);
-        let Some(Slot::Packed(run)) = self.tail.get(slot.checked_sub(1)?) else {
-            return None;
+        let run = match self.tail.get(slot.checked_sub(1)?)? {
+            Slot::Packed(run) => Cow::Borrowed(run),
+            Slot::Spilled(run) => Cow::Owned(read_spilled::<M>(run)),
+            _ => return None,
         };
         let i = run.position(msg_id)?;
         run.items.get(i).map(|p| Cow::Owned(M::unpack(&p.item)))
@@ -3750,15 +3962,17 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         let Some(p) = Self::packable(e) else {
             return;
         };
-        let Some(Slot::Packed(run)) = i.checked_sub(1).and_then(|j| self.tail.get_mut(j)) else {
-            return;
-        };
-        let p = match run.push(p) {
-            Ok(()) => {
-                self.tail.remove(i);
-                return;
-            }
-            Err(p) => p,
+        let p = match i.checked_sub(1).and_then(|j| self.tail.get_mut(j)) {
+            Some(Slot::Packed(run)) => match run.push(p) {
+                Ok(()) => {
+                    self.tail.remove(i);
+                    return;
+                }
+                Err(p) => p,
+            },
+            // A run written out of memory takes no more: this one starts the next.
+            Some(Slot::Spilled(_)) => p,
+            _ => return,
         };
         if let Some(slot) = self.tail.get_mut(i) {
             *slot = Slot::Packed(PackedRun::one(p));
@@ -3822,7 +4036,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .map(|e| (e.id, &mut e.msg))
             .chain(self.tail.range_mut(first..).filter_map(|s| match s {
                 Slot::Msg(e) => Some((e.id, &mut e.msg)),
-                Slot::Paged(_) | Slot::Packed(_) => None,
+                Slot::Paged(_) | Slot::Packed(_) | Slot::Spilled(_) => None,
             }))
     }
 
@@ -3910,7 +4124,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             .iter_mut()
             .chain(self.tail.iter_mut().filter_map(|s| match s {
                 Slot::Msg(e) => Some(e),
-                Slot::Paged(_) | Slot::Packed(_) => None,
+                Slot::Paged(_) | Slot::Packed(_) | Slot::Spilled(_) => None,
             }))
             .chain(self.returned.values_mut())
             .chain(self.by_priority.values_mut())
@@ -4117,6 +4331,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                         count(GroupKey::new(run.group_at(i)));
                     }
                 }
+                Slot::Spilled(run) => {
+                    let run = read_spilled::<M>(run);
+                    for i in 0..run.len() {
+                        count(GroupKey::new(run.group_at(i)));
+                    }
+                }
                 Slot::Paged(r) if r.counted => counted += r.count,
                 Slot::Paged(r) => unknown += r.count,
             }
@@ -4187,6 +4407,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 Slot::Paged(r) => r.hash(&mut h),
                 Slot::Packed(run) => {
                     for e in run.entries::<M>() {
+                        hash_entry(&e, &mut h);
+                    }
+                }
+                Slot::Spilled(run) => {
+                    for e in read_spilled::<M>(run).entries::<M>() {
                         hash_entry(&e, &mut h);
                     }
                 }
@@ -4700,6 +4925,114 @@ mod tests {
         assert_eq!(m.ready_count(), (n + 10) as usize);
         assert_eq!(more.pack_line(16, n + 9), PACKED_RUN + 10);
         assert_eq!(more.digest(), digest);
+    }
+
+    /// Runs written out of memory ([`QueueMachine::spill_line`]) change nothing the machine
+    /// does: its line is counted by group, expired and drained as the whole line is, packed
+    /// and spilled again as more comes; a run read back for a message in its middle (one
+    /// expiring there) stays in memory.
+    #[test]
+    fn a_spilled_line_expires_and_delivers_as_the_whole_line() {
+        let run = PACKED_RUN as u64;
+        let n = 5 * run + 300;
+        let meta = |id: u64| MsgMeta {
+            size: 1 + id % 7,
+            expires_at: id.is_multiple_of(11).then_some(50_000 + id),
+            group: GroupKey::new(id % 3),
+            ..MsgMeta::default()
+        };
+        let mut spilled = QueueMachine::new();
+        let mut whole = QueueMachine::new();
+        enqueue_metas(&mut spilled, 0..n, meta);
+        enqueue_metas(&mut whole, 0..n, meta);
+        assert_eq!(spilled.pack_line(16, n - 1), (n - 16) as usize);
+        assert_eq!(spilled.tail_packed, 6);
+        // The first run stays, and the last (it may still grow).
+        assert_eq!(spilled.spill_line(1, 64), 4 * PACKED_RUN);
+        assert_eq!(spilled.spill_line(1, 64), 0, "looked at already");
+        assert_eq!(spilled.spilled_count(), 4 * PACKED_RUN);
+        assert_eq!(spilled.packed_count(), (n - 16) as usize);
+        assert_eq!(spilled.digest(), whole.digest());
+        assert!(spilled.census_is_current());
+        // More comes: the last run fills and is followed, so it goes too.
+        enqueue_metas(&mut spilled, n..n + run, meta);
+        enqueue_metas(&mut whole, n..n + run, meta);
+        spilled.pack_line(16, n + run - 1);
+        assert_eq!(spilled.spill_line(1, 64), PACKED_RUN);
+        assert_eq!(spilled.digest(), whole.digest());
+        let ids: Vec<u64> = spilled.ready_messages().map(|(id, _, _)| id).collect();
+        assert_eq!(ids, (0..n + run).collect::<Vec<_>>());
+        // Expiries in the middle of spilled runs, then across them.
+        for now in [50_000 + 2 * run + 10, 50_000 + 3 * run + 500] {
+            let meta = Meta {
+                index: spilled.last_index() + 1,
+                now_ms: now,
+            };
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            spilled.apply(meta, Command::Tick, &mut a);
+            whole.apply(meta, Command::Tick, &mut b);
+            assert!(!a.is_empty());
+            assert_eq!(a, b, "the same expiries at {now}");
+            assert_eq!(spilled.digest(), whole.digest());
+        }
+        assert!(
+            spilled.spilled_count() < 5 * PACKED_RUN,
+            "runs read back for their expiries stay in memory"
+        );
+        assert!(spilled.census_is_current());
+        // Two consumers drain both lines, a few at a time: the same deliveries.
+        let step = step_at_zero;
+        for m in [&mut spilled, &mut whole] {
+            for id in 1..=2 {
+                step(
+                    m,
+                    Command::Consume {
+                        id: ConsumerId(id),
+                        spec: spec(1, 50, false),
+                    },
+                );
+            }
+        }
+        let mut rounds = 0;
+        while whole.ready_count() > 0 {
+            rounds += 1;
+            assert!(rounds < 10_000, "the lines do not drain");
+            let a = step(&mut spilled, Command::Checkout { max: 64 });
+            let b = step(&mut whole, Command::Checkout { max: 64 });
+            assert_eq!(a, b, "the same deliveries in round {rounds}");
+            for r in receipts_of(&a) {
+                assert_eq!(
+                    step(&mut spilled, Command::Settle { receipt: r }),
+                    step(&mut whole, Command::Settle { receipt: r })
+                );
+            }
+            if rounds % 64 == 0 {
+                assert_eq!(spilled.digest(), whole.digest());
+            }
+        }
+        assert_eq!(spilled.ready_count(), 0);
+        assert_eq!(spilled.spilled_count(), 0);
+        assert_eq!(spilled.digest(), whole.digest());
+    }
+
+    /// A message shared into a line whose last run was written out of memory starts a run
+    /// of its own (a spilled run takes no more), and a purge lets spilled runs go.
+    #[test]
+    fn a_message_after_a_spilled_run_packs_in_a_run_of_its_own() {
+        let n = 16 + 2 * PACKED_RUN as u64;
+        let mut m = packing_line(|_| None, n);
+        assert_eq!(m.pack_line(16, n - 1), 2 * PACKED_RUN);
+        enqueue_ids(&mut m, n..n + 2, |_| None);
+        // The second run is followed by a message slot now: both runs go.
+        assert_eq!(m.spill_line(0, 1), 2 * PACKED_RUN);
+        assert!(m.share_payload(n, &n));
+        assert_eq!(m.packed_count(), 2 * PACKED_RUN + 1);
+        assert_eq!(m.tail_packed, 3);
+        let ids: Vec<u64> = m.ready_messages().map(|(id, _, _)| id).collect();
+        assert_eq!(ids, (0..n + 2).collect::<Vec<_>>());
+        step_at_zero(&mut m, Command::Purge);
+        assert_eq!(m.ready_count(), 0);
+        assert_eq!(m.spilled_count(), 0);
     }
 
     type M = QueueMachine<&'static str>;

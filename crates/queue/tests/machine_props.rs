@@ -815,6 +815,9 @@ fn run(ops: Vec<Op>) -> Result<(Runner, Model), TestCaseError> {
                 let upto = r.m.next_msg_id().saturating_sub(1);
                 r.m.pack_line(keep, upto);
                 prop_assert_eq!(r.m.digest(), before, "packing changed the digest");
+                // And runs past the first `keep % 2` written out of memory, however short.
+                r.m.spill_line(keep % 2, 1);
+                prop_assert_eq!(r.m.digest(), before, "spilling changed the digest");
             }
             Op::Checkout { max } => checkout(&mut r, &mut model, max)?,
             Op::Get { no_ack, node } => {

@@ -247,22 +247,11 @@ fn cached(a: &Ahead, file: &Arc<File>, offset: u64) -> Option<Vec<u8>> {
         .map(<[u8]>::to_vec)
 }
 
-impl AwayStore for AwayFiles {
-    fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
-        let mut buf = BytesMut::new();
-        let mut offsets = Vec::with_capacity(items.len());
-        for m in items {
-            // Encoded in place behind a length written once the record's size is known.
-            let at = buf.len();
-            buf.extend_from_slice(&[0; 4]);
-            codec::body_value_append(&mut buf, m, 1);
-            let len = buf.len() - at - 4;
-            let len = u32::try_from(len).map_err(|_| format!("a message of {len} bytes"))?;
-            buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
-            offsets.push(at as u64);
-        }
+impl AwayFiles {
+    /// Writes `buf` (records, at `offsets` in it) to a segment; the records' keys.
+    fn write_records(&self, buf: &[u8], offsets: Vec<u64>) -> Result<Vec<u64>, String> {
         let len = buf.len() as u64;
-        let n = items.len() as u64;
+        let n = offsets.len() as u64;
         let mut files = self.lock()?;
         let (segment, at, file) = self.place(&mut files, len).map_err(|e| e.to_string())?;
         // The place is this write's from here on: the lock is not held through the write (up
@@ -276,7 +265,7 @@ impl AwayStore for AwayFiles {
             s.end = s.end.max(at + len);
         }
         drop(files);
-        let written = file.write_all_at(&buf, at);
+        let written = file.write_all_at(buf, at);
         let mut files = self.lock()?;
         if let Some(s) = files.segments.get_mut(&segment) {
             s.writing.remove(&at);
@@ -294,33 +283,20 @@ impl AwayStore for AwayFiles {
             return Err(error.to_string());
         }
         drop(files);
-        self.live.fetch_add(n, Ordering::Relaxed);
         Ok(offsets
             .into_iter()
             .map(|o| key_of(segment, at + o))
             .collect())
     }
 
-    fn get(&self, key: u64) -> Result<Option<Message>, String> {
-        let (segment, offset) = split(key);
-        let (file, limit) = match self.lock()?.segments.get(&segment) {
-            Some(s) => (s.file.clone(), s.readable_end(offset)),
-            None => return Ok(None),
-        };
-        let value = read_record(&file, offset, limit).map_err(|e| e.to_string())?;
-        codec::decode_body(key, value)
-            .map(|(m, _)| Some(m))
-            .map_err(|e| e.to_string())
-    }
-
-    fn release(&self, key: u64) {
-        self.live.fetch_sub(1, Ordering::Relaxed);
-        let (segment, _) = split(key);
+    /// One record of `segment` is let go: the segment goes once none is left and no more
+    /// are written to it.
+    fn release_in(&self, segment: u32, records: u64) {
         let Ok(mut files) = self.files.lock() else {
             return;
         };
         let empty = files.segments.get_mut(&segment).is_some_and(|s| {
-            s.live = s.live.saturating_sub(1);
+            s.live = s.live.saturating_sub(records);
             s.live == 0
         });
         if !empty {
@@ -337,9 +313,132 @@ impl AwayStore for AwayFiles {
         drop(files);
         self.remove(segment);
     }
+}
+
+impl AwayStore for AwayFiles {
+    fn put(&self, items: &[&Message]) -> Result<Vec<u64>, String> {
+        let mut buf = BytesMut::new();
+        let mut offsets = Vec::with_capacity(items.len());
+        for m in items {
+            // Encoded in place behind a length written once the record's size is known.
+            let at = buf.len();
+            buf.extend_from_slice(&[0; 4]);
+            codec::body_value_append(&mut buf, m, 1);
+            let len = buf.len() - at - 4;
+            let len = u32::try_from(len).map_err(|_| format!("a message of {len} bytes"))?;
+            buf[at..at + 4].copy_from_slice(&len.to_be_bytes());
+            offsets.push(at as u64);
+        }
+        let keys = self.write_records(&buf, offsets)?;
+        self.live.fetch_add(keys.len() as u64, Ordering::Relaxed);
+        Ok(keys)
+    }
+
+    fn get(&self, key: u64) -> Result<Option<Message>, String> {
+        let (segment, offset) = split(key);
+        let (file, limit) = match self.lock()?.segments.get(&segment) {
+            Some(s) => (s.file.clone(), s.readable_end(offset)),
+            None => return Ok(None),
+        };
+        let value = read_record(&file, offset, limit).map_err(|e| e.to_string())?;
+        codec::decode_body(key, value)
+            .map(|(m, _)| Some(m))
+            .map_err(|e| e.to_string())
+    }
+
+    fn release(&self, key: u64) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        self.release_in(split(key).0, 1);
+    }
 
     fn held(&self) -> u64 {
         self.live.load(Ordering::Relaxed)
+    }
+
+    /// A run is a record of its own, beside messages' contents (not counted among them).
+    fn put_run(&self, bytes: &[u8]) -> Result<u64, String> {
+        let len =
+            u32::try_from(bytes.len()).map_err(|_| format!("a run of {} bytes", bytes.len()))?;
+        let mut buf = Vec::with_capacity(4 + bytes.len());
+        buf.extend_from_slice(&len.to_be_bytes());
+        buf.extend_from_slice(bytes);
+        let keys = self.write_records(&buf, vec![0])?;
+        keys.first()
+            .copied()
+            .ok_or_else(|| "a run's record has no key".to_owned())
+    }
+
+    /// Read directly, not through the thread's read ahead: a run is read once, and the read
+    /// ahead keeps the contents a consumer is reading in order.
+    fn get_run(&self, key: u64) -> Result<Vec<u8>, String> {
+        let (segment, offset) = split(key);
+        let (file, end) = match self.lock()?.segments.get(&segment) {
+            Some(s) => (s.file.clone(), s.end),
+            None => return Err(format!("no segment {segment} for the run under key {key}")),
+        };
+        let mut len = [0u8; 4];
+        file.read_exact_at(&mut len, offset)
+            .map_err(|e| e.to_string())?;
+        let len = u64::from(u32::from_be_bytes(len));
+        // A damaged length must not allocate more than the segment holds.
+        if offset.saturating_add(4).saturating_add(len) > end {
+            return Err(format!(
+                "a run at {offset} of {len} bytes runs past the segment's end ({end})"
+            ));
+        }
+        let mut value = vec![0u8; usize::try_from(len).map_err(|e| e.to_string())?];
+        file.read_exact_at(&mut value, offset + 4)
+            .map_err(|e| e.to_string())?;
+        Ok(value)
+    }
+
+    fn release_run(&self, key: u64) {
+        self.release_in(split(key).0, 1);
+    }
+
+    fn retain(&self, keys: &[u64]) {
+        if let Ok(mut files) = self.files.lock() {
+            for key in keys {
+                if let Some(s) = files.segments.get_mut(&split(*key).0) {
+                    s.live += 1;
+                }
+            }
+        }
+        self.live.fetch_add(keys.len() as u64, Ordering::Relaxed);
+    }
+
+    /// Holds each segment the keys are in once (a run's few thousand messages are in one
+    /// or two), and counts the messages among those held.
+    fn hold(&self, keys: &[u64]) -> Vec<u64> {
+        let mut segments: Vec<u64> = keys.iter().map(|k| u64::from(split(*k).0)).collect();
+        segments.sort_unstable();
+        segments.dedup();
+        if let Ok(mut files) = self.files.lock() {
+            for s in &segments {
+                // Fits: it came from a key's 20 bits.
+                if let Some(s) = files.segments.get_mut(&(*s as u32)) {
+                    s.live += 1;
+                }
+            }
+        }
+        self.live.fetch_add(keys.len() as u64, Ordering::Relaxed);
+        segments
+    }
+
+    fn unhold(&self, pins: &[u64], messages: u64) {
+        self.live.fetch_sub(messages, Ordering::Relaxed);
+        for segment in pins {
+            self.release_in(*segment as u32, 1);
+        }
+    }
+
+    fn fatal(&self, error: &str) -> ! {
+        tracing::error!(dir = %self.dir.display(), %error, "a deep replicated queue's run written out of memory cannot be read back: stopping; its queues' logs rebuild them at the next start");
+        eprintln!(
+            "warren: {}: {error}; stopping (the queues' logs rebuild them at the next start)",
+            self.dir.display()
+        );
+        std::process::exit(70)
     }
 }
 

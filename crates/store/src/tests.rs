@@ -1504,3 +1504,76 @@ fn contents_written_by_threads_at_once_read_back_whole_while_writes_are_under_wa
     }
     assert!(read > 5_000, "{read} read");
 }
+
+#[test]
+fn a_spilled_run_keeps_its_messages_segments_until_it_goes_and_reads_back_whole() {
+    // A run of packed messages written out of memory (`Payload::spill`) holds its messages'
+    // segments, not a handle of each: their segments stay while only the run holds them, the
+    // handles made when it is read back release as any others, and the last segment goes once
+    // the run and every handle have.
+    use warren_broker::{AwayStore, AwayStoreHandle, Payload};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let away_dir = dir.path().join("away");
+    let segments = || std::fs::read_dir(&away_dir).map(|d| d.count()).unwrap_or(0);
+    let away = std::sync::Arc::new(crate::AwayFiles::open(&away_dir).expect("open"));
+    let handle = AwayStoreHandle::from(away.clone());
+    // Messages of 1 MiB, so that the run spans two segments (64 MiB each).
+    let body = |i: usize| {
+        let mut b = vec![(i % 251) as u8; 1 << 20];
+        b[..8].copy_from_slice(&(i as u64).to_be_bytes());
+        bytes::Bytes::from(b)
+    };
+    let n = 100;
+    let stubs: Vec<Message> = (0..n)
+        .map(|i| {
+            let m = Message {
+                body: body(i),
+                ..msg("", true)
+            };
+            let key = away.put(&[&m]).expect("put")[0];
+            m.away_stub(key, &handle)
+        })
+        .collect();
+    assert!(segments() >= 2, "{} segments", segments());
+    let packed: Vec<_> = stubs.iter().map(|m| m.pack().expect("packs")).collect();
+    let spilled = Message::spill(b"the machine's part".to_vec(), packed).expect("spilled");
+    drop(stubs);
+    assert_eq!(away.held(), n as u64, "the run holds every message");
+    let files = segments();
+    assert!(files >= 2, "the run keeps its segments: {files}");
+    // Read back twice: each time a handle of each message, whose contents read whole.
+    for _ in 0..2 {
+        let (meta, items) = Message::unspill(&spilled);
+        assert_eq!(meta, b"the machine's part");
+        for (i, p) in items.iter().enumerate() {
+            let m = Message::unpack(p);
+            assert_eq!(m.loaded().expect("read").body, body(i));
+        }
+        assert_eq!(away.held(), 2 * n as u64);
+        drop(items);
+        assert_eq!(away.held(), n as u64);
+        assert_eq!(segments(), files);
+    }
+    // One handle outlives the run: its segment stays, the others go.
+    let (_, mut items) = Message::unspill(&spilled);
+    let last = items.pop().expect("one");
+    drop(items);
+    drop(spilled);
+    assert_eq!(away.held(), 1);
+    assert_eq!(
+        Message::unpack(&last).loaded().expect("read").body,
+        body(n - 1)
+    );
+    assert!(
+        segments() < files,
+        "{} of {files} segments left",
+        segments()
+    );
+    drop(last);
+    assert_eq!(away.held(), 0);
+    assert_eq!(
+        segments(),
+        0,
+        "nothing left once the run and every handle went"
+    );
+}

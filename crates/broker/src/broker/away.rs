@@ -36,6 +36,18 @@ const AWAY_PASS_WALK: usize = 8 * AWAY_PASS_MESSAGES;
 const RETRY_ROUND_MS: u64 = 1_000;
 /// Passes one call makes at most.
 const AWAY_PASSES: usize = 16;
+/// Packed runs at the head of a deep line that stay in memory beyond those the window may
+/// reach: the next messages a consumer takes. The runs past them are written out of memory
+/// (`spill_line`) and read back, a run at a time, as they reach the head.
+const SPILL_KEEP_RUNS: usize = 2;
+
+/// The packed runs a queue keeping `window` messages in memory keeps unspilled: each pass
+/// looks that far down the line (`head_within`), and never reads a run back to do so.
+fn spill_keep(window: usize) -> usize {
+    SPILL_KEEP_RUNS + window.div_ceil(warren_queue::machine::PACKED_RUN)
+}
+/// A shorter run stays in memory (a record is not worth it).
+const SPILL_MIN: usize = 256;
 /// Every this many rounds over a queue's held publishes walks them all (the others walk what
 /// came past the last round's end).
 const FULL_ROUND_EVERY: u32 = 16;
@@ -246,9 +258,12 @@ fn ready_away_pass(
         // commit, from this machine's copies).
         committed.share_head_payloads(&pass.stubs);
         committed.pack_line(kept, pass.last);
+        committed.spill_line(spill_keep(count), SPILL_MIN);
     }
-    // What is away past the window keeps a few words a message (`pack_line`).
+    // What is away past the window keeps a few words a message (`pack_line`), and the
+    // runs of them past the first few none (`spill_line`).
     q.machine.pack_line(kept, pass.last);
+    q.machine.spill_line(spill_keep(count), SPILL_MIN);
     pass.step()
 }
 
@@ -528,6 +543,7 @@ impl AwayContext {
             }
         }
         machine.pack_line(kept, from);
+        machine.spill_line(spill_keep(count), SPILL_MIN);
         // The held publishes past those due soonest go too, and those waiting for a retry
         // past the oldest.
         let held = every_pass(|after| pass_held(machine, &self.store, count, after));
@@ -541,10 +557,11 @@ impl AwayContext {
             tracing::warn!(%error, "writing the held, retrying, given back, parked or in-flight messages of a replicated queue read from a snapshot out of memory failed: they stay in memory for now");
             return;
         }
+        // Every message not packed (a packed one is a stub: no contents), held publishes
+        // included; spilled runs are not read back for it.
         let staying: u64 = machine
-            .messages()
-            .map(|(_, m, _)| m.contents_len() as u64)
-            .chain(machine.held_messages().map(|m| m.contents_len() as u64))
+            .messages_mut()
+            .map(|m| m.contents_len() as u64)
             .sum();
         if staying.saturating_mul(4) <= bytes {
             for m in machine.messages_mut() {

@@ -182,6 +182,10 @@ pub struct MemAway {
     pub released: Mutex<Vec<u64>>,
     /// Writes fail while this is set (a full disk).
     pub failing: std::sync::atomic::AtomicBool,
+    /// Handles of a key beyond its first ([`warren_broker::AwayStore::retain`]).
+    pub extra: Mutex<BTreeMap<u64, u64>>,
+    /// Runs of packed messages written out of memory, by key.
+    pub runs: Mutex<BTreeMap<u64, Vec<u8>>>,
 }
 
 impl warren_broker::AwayStore for MemAway {
@@ -208,6 +212,12 @@ impl warren_broker::AwayStore for MemAway {
     }
 
     fn release(&self, key: u64) {
+        if let Some(n) = self.extra.lock().expect("lock").get_mut(&key) {
+            if *n > 0 {
+                *n -= 1;
+                return;
+            }
+        }
         let gone = self.held.lock().expect("lock").remove(&key);
         assert!(gone.is_some(), "key {key} released but not held");
         self.released.lock().expect("lock").push(key);
@@ -215,5 +225,37 @@ impl warren_broker::AwayStore for MemAway {
 
     fn held(&self) -> u64 {
         self.held.lock().expect("lock").len() as u64
+    }
+
+    fn put_run(&self, bytes: &[u8]) -> Result<u64, String> {
+        if self.failing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err("no space left on device".into());
+        }
+        let k = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        self.runs.lock().expect("lock").insert(k, bytes.to_vec());
+        Ok(k)
+    }
+
+    fn get_run(&self, key: u64) -> Result<Vec<u8>, String> {
+        self.runs
+            .lock()
+            .expect("lock")
+            .get(&key)
+            .cloned()
+            .ok_or_else(|| format!("no run {key}"))
+    }
+
+    fn release_run(&self, key: u64) {
+        let gone = self.runs.lock().expect("lock").remove(&key);
+        assert!(gone.is_some(), "run {key} released but not held");
+    }
+
+    fn retain(&self, keys: &[u64]) {
+        let held = self.held.lock().expect("lock");
+        let mut extra = self.extra.lock().expect("lock");
+        for k in keys {
+            assert!(held.contains_key(k), "key {k} retained but not held");
+            *extra.entry(*k).or_default() += 1;
+        }
     }
 }

@@ -47,6 +47,8 @@ pub struct Restoring {
 impl Restoring {
     /// Messages whose contents are written in one call.
     const BATCH: usize = 4096;
+    /// Packed runs at the line's head that stay in memory (the rest are spilled).
+    pub const KEEP_RUNS: usize = 2;
 }
 
 /// The part of a decoded ready line past its head, packed ([`SnapReader::ready_packing`]).
@@ -334,6 +336,7 @@ impl QueueMachine<Message> {
             tail_runs: _,   // derived: none
             tail_packed: _, // node-local: packed messages are written as their entries
             pack_seen: _,
+            spill_seen: _,
             paged_below: _,
             paged_out_total: _,
             loaded_total: _,
@@ -412,7 +415,7 @@ impl QueueMachine<Message> {
         // refused above; packed ones are written whole): where a member's line splits is its
         // own, and a member of an earlier version reads a snapshot whose line is all in its
         // head, as its own were (its passes send away only the head's messages).
-        put_len(out, self.ready.len() + self.tail_entries().count());
+        put_len(out, self.ready.len() + self.tail_len());
         for e in &self.ready {
             put_entry(out, e)?;
         }
@@ -748,6 +751,10 @@ impl SnapReader {
         // Packs as the machine's own `pack_line` does (runs, and lone messages left whole).
         let mut packer = QueueMachine::<Message>::new();
         let mut batch = Vec::with_capacity(Restoring::BATCH.min(n));
+        // Full runs past the first `Restoring::KEEP_RUNS` are written out of memory as they
+        // are made, as the broker's passes would ([`QueueMachine::spill_line`]), so that the
+        // packed line is never whole in memory either; until the store refuses one.
+        let mut spill_from = Some(0);
         for i in 0..n {
             let e = self.entry()?;
             if i < away.keep {
@@ -762,6 +769,7 @@ impl SnapReader {
                 send_away(&mut batch, away);
                 tail.count += batch.len() as u64;
                 packer.pack_into(&mut tail.slots, batch.drain(..), u64::MAX);
+                spill_from = spill_from.and_then(|from| spill_made(&mut tail.slots, from));
             }
         }
         tail.runs = packer.tail_packed;
@@ -777,7 +785,32 @@ impl SnapReader {
         }
         Ok((ready, Some(tail)))
     }
+}
 
+/// Writes the full runs of a line being decoded out of memory, from slot `from` on, past the
+/// first [`Restoring::KEEP_RUNS`] and before the last (which may still grow); where to go on
+/// from next time, `None` once the store refuses.
+fn spill_made(slots: &mut VecDeque<Slot<Message>>, from: usize) -> Option<usize> {
+    let mut runs = slots
+        .iter()
+        .take(from)
+        .filter(|s| s.is_run_of_packed())
+        .count();
+    let last = slots.len().saturating_sub(1);
+    for i in from..last {
+        let slot = slots.get_mut(i)?;
+        if !slot.is_run_of_packed() {
+            continue;
+        }
+        runs += 1;
+        if runs > Restoring::KEEP_RUNS {
+            QueueMachine::spill_slot(slot, super::PACKED_RUN)?;
+        }
+    }
+    Some(last.max(from))
+}
+
+impl SnapReader {
     fn machine(
         &mut self,
         version: u8,
@@ -1006,6 +1039,7 @@ impl SnapReader {
             tail_runs: 0,
             tail_packed,
             pack_seen,
+            spill_seen: 0,
             tail,
             ready,
             paged_below,
@@ -1437,6 +1471,16 @@ mod tests {
         assert_eq!(packed.head_count(), 4);
         assert_eq!(packed.digest(), whole.digest());
         assert_eq!(packed.pack_line(4, u64::from(n)), 0, "looked at already");
+        // Its runs written out of memory, all but the last (which may still grow): the same
+        // machine, whose snapshot restores to it.
+        let spilled = packed.spill_line(0, 1);
+        assert!(spilled >= 2 * crate::machine::PACKED_RUN, "{spilled}");
+        assert_eq!(packed.spilled_count(), spilled);
+        assert_eq!(store.runs.lock().unwrap().len(), packed.tail_packed - 1);
+        assert_eq!(packed.digest(), whole.digest());
+        let again = QueueMachine::restore_snapshot(snapshot_of(&packed)).unwrap();
+        assert_eq!(again.digest(), whole.digest());
+        drop(again);
         // It gives every message back whole, in order.
         let mut effects = Vec::new();
         for i in 0..n {
@@ -1454,6 +1498,9 @@ mod tests {
             assert_eq!(d.message.loaded().unwrap().body, body(i));
         }
         assert_eq!(packed.ready_count(), 0);
+        effects.clear();
+        assert_eq!(store.held(), 0, "every message's contents let go");
+        assert!(store.runs.lock().unwrap().is_empty(), "every run let go");
         // A store that fails leaves the line whole, the state the same.
         let failing = std::sync::Arc::new(crate::tests::MemAway::default());
         *failing.fail_after.lock().unwrap() = Some(0);
@@ -1496,6 +1543,62 @@ mod tests {
 
     fn job(n: u32) -> Bytes {
         Bytes::from(format!("job {n}"))
+    }
+
+    /// A deep queue's snapshot decoded with a store that keeps runs: the full runs past the
+    /// first two and before the last are written out of memory as they are made, and the
+    /// line gives every message back in order.
+    #[test]
+    fn a_snapshot_decoded_with_a_store_spills_its_full_runs() {
+        let store = std::sync::Arc::new(crate::tests::MemAway::default());
+        let mut r = Run {
+            m: QueueMachine::new(),
+            now: 100,
+        };
+        let run = crate::machine::PACKED_RUN as u32;
+        let n = 16 + 4 * run + 10;
+        for i in 0..n {
+            r.apply(Command::Enqueue {
+                message: Message {
+                    body: job(i),
+                    store_key: None,
+                    ..message(b"")
+                },
+                meta: MsgMeta {
+                    size: job(i).len() as u64,
+                    ..MsgMeta::default()
+                },
+            });
+        }
+        let data = snapshot_of(&r.m);
+        let whole = QueueMachine::restore_snapshot(data.clone()).unwrap();
+        let mut restoring = Restoring {
+            keep: 16,
+            store: store.clone().into(),
+            error: None,
+        };
+        let mut m = QueueMachine::restore_snapshot_away(data, Some(&mut restoring)).unwrap();
+        assert_eq!(restoring.error, None);
+        assert_eq!(m.spilled_count(), 2 * run as usize);
+        assert_eq!(store.runs.lock().unwrap().len(), 2);
+        assert_eq!(m.digest(), whole.digest());
+        let mut effects = Vec::new();
+        for i in 0..n {
+            effects.clear();
+            let meta = Meta {
+                index: m.last_index() + 1,
+                now_ms: r.now,
+            };
+            m.apply(meta, Command::Get { no_ack: true }, &mut effects);
+            let Some(crate::machine::Effect::Deliver(d)) = effects.first() else {
+                panic!("{i}: no delivery: {effects:?}");
+            };
+            assert_eq!(d.receipt.msg_id, u64::from(i));
+            assert_eq!(d.message.loaded().unwrap().body, job(i));
+        }
+        effects.clear();
+        assert_eq!(store.held(), 0);
+        assert!(store.runs.lock().unwrap().is_empty());
     }
 
     /// A replicated queue's line of 40 jobs (`expiry` of each), all but the first 4 away.
