@@ -5111,6 +5111,15 @@ fn a_deep_queues_runs_leave_memory_on_every_member_and_come_back_in_order() {
         .committed_machine(c.id(leader))
         .expect("committed");
     assert!(committed.spilled_count() >= 2 * 4_096);
+    // Its two machines share their runs: one record each, as on a follower.
+    let runs = |n: u64| c.members[&n].away.runs.lock().expect("lock").len();
+    let follower = leader % 3 + 1;
+    assert!(
+        runs(leader) <= runs(follower) + 1,
+        "{} runs on the leader, {} on a follower",
+        runs(leader),
+        runs(follower)
+    );
     assert_same_state(&c, &NODES);
     c.kill(leader);
     c.run(60);

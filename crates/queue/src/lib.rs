@@ -303,6 +303,10 @@ pub trait Payload {
 
     /// What [`Payload::unspill`] gave back does not read as a run: the node stops.
     fn spill_unreadable(spilled: &Self::Spilled, error: &str) -> !;
+
+    /// A hash of what `items` hold (for a message away, its handle's key and hash): two
+    /// machines of a member whose runs have the same mark share one spilled run.
+    fn spill_mark(items: &[Self::Packed]) -> u64;
 }
 
 /// Test payloads' spilled runs: kept in memory, so that the machine's spilling is tested
@@ -333,6 +337,12 @@ impl Payload for u64 {
     fn spill_unreadable(_: &Self::Spilled, error: &str) -> ! {
         panic!("a test run does not read back: {error}")
     }
+    fn spill_mark(items: &[u64]) -> u64 {
+        use std::hash::Hasher;
+        let mut h = stable_hash::StableHasher::new();
+        items.iter().for_each(|i| h.write_u64(*i));
+        h.finish()
+    }
 }
 /// A pair packs as itself too.
 impl<A: Clone + std::fmt::Debug, B: Clone + std::fmt::Debug> Payload for (A, B) {
@@ -354,6 +364,9 @@ impl<A: Clone + std::fmt::Debug, B: Clone + std::fmt::Debug> Payload for (A, B) 
     fn spill_unreadable(_: &Self::Spilled, error: &str) -> ! {
         panic!("a test run does not read back: {error}")
     }
+    fn spill_mark(items: &[(A, B)]) -> u64 {
+        stable_hash::hash_bytes(format!("{items:?}").as_bytes())
+    }
 }
 impl Payload for &str {
     type Packed = NotPacked;
@@ -372,6 +385,9 @@ impl Payload for &str {
     }
     fn spill_unreadable(spilled: &NotPacked, _: &str) -> ! {
         match *spilled {}
+    }
+    fn spill_mark(_: &[NotPacked]) -> u64 {
+        0
     }
 }
 
@@ -408,6 +424,16 @@ impl Payload for Message {
 
     fn spill_unreadable(spilled: &spill::SpilledMessages, error: &str) -> ! {
         spilled.fatal(error)
+    }
+
+    fn spill_mark(items: &[PackedMessage]) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for p in items {
+            h.update(&p.0.word.to_le_bytes());
+            h.update(&p.0.content[0].to_le_bytes());
+            h.update(&p.0.content[1].to_le_bytes());
+        }
+        h.digest()
     }
 
     fn unpack(packed: &PackedMessage) -> Message {

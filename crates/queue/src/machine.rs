@@ -841,8 +841,20 @@ impl<M: crate::Payload> Slot<M> {
 #[derive(Clone, Debug)]
 struct SpilledRun<S> {
     first: u64,
+    last: u64,
     len: usize,
+    /// What tells it from another run of the same ids ([`spill_mark`]).
+    mark: u64,
     handle: S,
+}
+
+/// A run's mark: a hash of its own part and of its items' ([`crate::Payload::spill_mark`]).
+fn spill_mark<M: crate::Payload>(meta: &[u8], items: &[M::Packed]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = crate::stable_hash::StableHasher::new();
+    h.write(meta);
+    h.write_u64(M::spill_mark(items));
+    h.finish()
 }
 
 /// A spilled run read back. What does not read as the run written stops the node
@@ -2889,6 +2901,23 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// middle (one expiring there) stays in memory. Returns how many messages it spilled;
     /// a run the payload refuses (a store that keeps none, a failed write) stays as it is.
     pub fn spill_line(&mut self, keep: usize, min: usize) -> usize {
+        self.spill_line_with(keep, min, u64::MAX, None)
+    }
+
+    /// [`Self::spill_line`] for a leader's two machines. `below`: only runs whose messages'
+    /// ids are all below it (the machine that runs ahead spills only what the committed one
+    /// holds too: the committed one takes each message's handle from it as its entry
+    /// commits, and would read a spilled run back for each). `like`: that other machine. A
+    /// run it spilled with the same messages and items is shared (one record, its messages'
+    /// contents held once), a run it has not looked at yet waits, and a run it left as it
+    /// was is written as this machine's own. Returns how many messages it spilled or shared.
+    pub fn spill_line_with(
+        &mut self,
+        keep: usize,
+        min: usize,
+        below: u64,
+        like: Option<&Self>,
+    ) -> usize {
         if self.tail_packed <= keep {
             return 0;
         }
@@ -2912,30 +2941,83 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                 break;
             };
             let first = slot.first_id();
-            self.spill_seen = self.spill_seen.max(first);
-            match Self::spill_slot(slot, min) {
-                Some(n) => spilled += n,
-                None => {
+            let run = match slot {
+                Slot::Packed(run) if run.len() >= min.max(1) => run,
+                _ => {
+                    self.spill_seen = self.spill_seen.max(first);
+                    continue;
+                }
+            };
+            let run_last = run.items.back().map_or(first, |p| p.id);
+            // The other machine has not looked at this run yet (nor spilled one there).
+            let unseen =
+                like.is_some_and(|l| l.spill_seen < first && l.spilled_at(first).is_none());
+            if run_last >= below || unseen {
+                // Not yet: the next call looks again from this run.
+                break;
+            }
+            let (meta, items) = run.spill_parts();
+            let mark = spill_mark::<M>(&meta, &items);
+            let len = items.len();
+            let same = like
+                .and_then(|l| l.spilled_at(first))
+                .filter(|s| s.len == len && s.last == run_last && s.mark == mark);
+            if let Some(s) = same {
+                *slot = Slot::Spilled(s.clone());
+            } else {
+                match M::spill(meta, items) {
+                    Ok(handle) => {
+                        *slot = Slot::Spilled(SpilledRun {
+                            first,
+                            last: run_last,
+                            len,
+                            mark,
+                            handle,
+                        });
+                    }
                     // Refused: the next call tries again from this run.
-                    self.spill_seen = first.saturating_sub(1);
-                    break;
+                    Err(_) => break,
                 }
             }
+            self.spill_seen = self.spill_seen.max(first);
+            spilled += len;
         }
         spilled
+    }
+
+    /// The spilled run whose first message is `first`, if there is one.
+    fn spilled_at(&self, first: u64) -> Option<&SpilledRun<M::Spilled>> {
+        let i = self
+            .tail
+            .binary_search_by_key(&first, Slot::first_id)
+            .ok()?;
+        match self.tail.get(i)? {
+            Slot::Spilled(run) => Some(run),
+            _ => None,
+        }
     }
 
     /// Writes `slot` out of memory if it is a packed run of at least `min` messages: how
     /// many messages it wrote (0: not such a run), `None` if the payload refused.
     fn spill_slot(slot: &mut Slot<M>, min: usize) -> Option<usize> {
         let first = slot.first_id();
-        let (meta, items) = match slot {
-            Slot::Packed(run) if run.len() >= min.max(1) => run.spill_parts(),
+        let (meta, items, last) = match slot {
+            Slot::Packed(run) if run.len() >= min.max(1) => {
+                let (meta, items) = run.spill_parts();
+                (meta, items, run.items.back().map_or(first, |p| p.id))
+            }
             _ => return Some(0),
         };
         let len = items.len();
+        let mark = spill_mark::<M>(&meta, &items);
         let handle = M::spill(meta, items).ok()?;
-        *slot = Slot::Spilled(SpilledRun { first, len, handle });
+        *slot = Slot::Spilled(SpilledRun {
+            first,
+            last,
+            len,
+            mark,
+            handle,
+        });
         Some(len)
     }
 
@@ -5033,6 +5115,64 @@ mod tests {
         step_at_zero(&mut m, Command::Purge);
         assert_eq!(m.ready_count(), 0);
         assert_eq!(m.spilled_count(), 0);
+    }
+
+    /// A leader's two machines: the one that runs ahead spills only runs the committed one
+    /// holds too (`below`), and the committed one shares each run spilled the same (one
+    /// record), waits for a run the other has not looked at, and writes its own for a run
+    /// the other left as it was.
+    #[test]
+    fn a_leaders_committed_machine_shares_the_runs_its_other_machine_spilled() {
+        let run = PACKED_RUN as u64;
+        let n = 16 + 6 * run;
+        let mut ahead = packing_line(|_| None, n);
+        let mut committed = packing_line(|_| None, n);
+        for m in [&mut ahead, &mut committed] {
+            assert_eq!(m.pack_line(16, n - 1), 6 * PACKED_RUN);
+        }
+        assert_eq!(
+            committed.spill_line_with(1, 64, u64::MAX, Some(&ahead)),
+            0,
+            "nothing looked at by the other machine yet"
+        );
+        // The committed machine holds ids below 16 + 3 runs: the ahead one spills runs 2 and 3.
+        assert_eq!(
+            ahead.spill_line_with(1, 64, 16 + 3 * run, None),
+            2 * PACKED_RUN
+        );
+        assert_eq!(
+            committed.spill_line_with(1, 64, u64::MAX, Some(&ahead)),
+            2 * PACKED_RUN
+        );
+        let shared = |a: &QueueMachine<u64>, b: &QueueMachine<u64>| {
+            a.tail
+                .iter()
+                .filter_map(|s| match s {
+                    Slot::Spilled(r) => b
+                        .spilled_at(r.first)
+                        .map(|o| std::sync::Arc::ptr_eq(&o.handle, &r.handle)),
+                    _ => None,
+                })
+                .filter(|same| *same)
+                .count()
+        };
+        assert_eq!(
+            shared(&committed, &ahead),
+            2,
+            "one record for both machines"
+        );
+        // The ahead machine passes over runs 4 and 5 without spilling them (too short for
+        // its `min`): the committed machine writes its own.
+        ahead.spill_line_with(1, PACKED_RUN + 1, u64::MAX, None);
+        assert_eq!(
+            committed.spill_line_with(1, 64, u64::MAX, Some(&ahead)),
+            2 * PACKED_RUN
+        );
+        assert_eq!(shared(&committed, &ahead), 2);
+        assert_eq!(committed.spilled_count(), 4 * PACKED_RUN);
+        assert_eq!(committed.digest(), ahead.digest());
+        let ids: Vec<u64> = committed.ready_messages().map(|(id, _, _)| id).collect();
+        assert_eq!(ids, (0..n).collect::<Vec<_>>());
     }
 
     type M = QueueMachine<&'static str>;

@@ -253,17 +253,24 @@ fn ready_away_pass(
         return Step::Later;
     };
     r.away_through = pass.last;
+    // What is away past the window keeps a few words a message (`pack_line`), and the
+    // runs of them past the first few none (`spill_line`).
+    let keep_runs = spill_keep(count);
     if let Mode::Leading { committed } = &mut r.mode {
         // The committed machine holds the same messages (or will, once their entries
         // commit, from this machine's copies).
         committed.share_head_payloads(&pass.stubs);
         committed.pack_line(kept, pass.last);
-        committed.spill_line(spill_keep(count), SPILL_MIN);
+        q.machine.pack_line(kept, pass.last);
+        // This machine spills what the committed one holds too (it takes each message's
+        // handle from this one as its entry commits), which shares the runs spilled.
+        q.machine
+            .spill_line_with(keep_runs, SPILL_MIN, committed.next_msg_id(), None);
+        committed.spill_line_with(keep_runs, SPILL_MIN, u64::MAX, Some(&q.machine));
+    } else {
+        q.machine.pack_line(kept, pass.last);
+        q.machine.spill_line(keep_runs, SPILL_MIN);
     }
-    // What is away past the window keeps a few words a message (`pack_line`), and the
-    // runs of them past the first few none (`spill_line`).
-    q.machine.pack_line(kept, pass.last);
-    q.machine.spill_line(spill_keep(count), SPILL_MIN);
     pass.step()
 }
 
