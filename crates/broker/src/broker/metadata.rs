@@ -764,10 +764,14 @@ impl Broker {
             if let Some(queue) = q.spill_key {
                 p.push(StoreOp::DeleteEntries { queue }, false);
             }
-            // Each copy on disk holds its body (a copy in memory only has no key).
-            for (_, m, _) in q.machine.messages() {
-                if let Some(body) = m.store_key {
-                    p.release_body(body);
+            // Each copy on disk holds its body (a copy in memory only has no key). A replicated
+            // queue's messages are in its log, never under a key of this node's store: its line
+            // is not walked (a deep one's spilled runs would be read back for nothing).
+            if q.replica.is_none() {
+                for (_, m, _) in q.machine.messages() {
+                    if let Some(body) = m.store_key {
+                        p.release_body(body);
+                    }
                 }
             }
         }
@@ -822,7 +826,8 @@ impl Broker {
         let q = self.queue_by_name(vhost, &name)?;
         check_access(q, conn)?;
         let id = q.id;
-        if let (Some(p), Some(q)) = (self.persist.as_mut(), self.queues.get(&id)) {
+        let classic = self.queues.get(&id).filter(|q| q.replica.is_none());
+        if let (Some(p), Some(q)) = (self.persist.as_mut(), classic) {
             for (msg_id, m, count) in q.machine.ready_messages() {
                 if let (Some(key), Some(body)) = (q.entry_key(&m), m.store_key) {
                     p.forget(key, msg_id, body, count > 0);
