@@ -895,6 +895,74 @@ fn messages_away(c: &TestCluster, n: u64) -> u64 {
         .unwrap_or(0)
 }
 
+/// Node `n`'s `warren_replicated_messages_spilled`: messages of deep quorum queues whose
+/// packed entries it keeps on disk, in runs.
+fn messages_spilled(c: &TestCluster, n: u64) -> u64 {
+    let url = c.node(n).metrics_url().expect("metrics on");
+    let text =
+        warren_conformance::http::request("GET", &format!("{url}/metrics"), None, &[], None).text();
+    text.lines()
+        .find_map(|l| l.strip_prefix("warren_replicated_messages_spilled "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deep_quorum_queues_spilled_line_comes_back_whole_after_its_leader_dies() {
+    // A window of 8 messages: past it, each member keeps the messages' contents out of memory,
+    // packs them in runs of 4,096, and writes the runs past the first few out of memory too.
+    let mut c = TestCluster::start_with(3, 20, &["--queue-window", "8"]);
+    for n in 1..=3 {
+        wait_for_feature_level(&c, n);
+    }
+    let q = unique("qq-spilled");
+    c.declare_quorum_queue(1, &q).await;
+    let leader = c.leader_of(&q, 1);
+    let other = leader % 3 + 1;
+    let n = 24_000u64;
+    let body = |i: u64| format!("{i:06}-{}", "y".repeat(200));
+    let (_cl, chl) = channel(&c, leader).await;
+    publish_confirmed(&chl, &q, (0..n).map(body)).await;
+    for node in 1..=3 {
+        wait_for_messages(&c, node, &q, n);
+        warren_conformance::http::eventually("the node spills the line's runs", || {
+            match messages_spilled(&c, node) {
+                s if s >= 8_192 => Ok(()),
+                s => Err(format!("{s} spilled on node {node}")),
+            }
+        });
+    }
+    c.node_mut(leader).stop(true);
+    c.wait_for_metadata_leader(other);
+    let since = Instant::now();
+    let next = loop {
+        match c.leader_of(&q, other) {
+            l if l != leader => break l,
+            _ => {
+                assert!(since.elapsed() < WAIT, "no new leader of {q}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let (_cn, chn) = channel(&c, next).await;
+    chn.basic_qos(500, BasicQosOptions::default())
+        .await
+        .expect("qos");
+    let mut consumer = consume(&chn, &q).await.expect("consume on the new leader");
+    let got = take_acked(&mut consumer, n as usize).await;
+    let want: Vec<String> = (0..n).map(body).collect();
+    assert!(got == want, "every message whole, once, in order");
+    for node in (1..=3).filter(|x| *x != leader) {
+        wait_for_messages(&c, node, &q, 0);
+        warren_conformance::http::eventually("the runs let go", || {
+            match messages_spilled(&c, node) {
+                0 => Ok(()),
+                s => Err(format!("{s} still spilled on node {node}")),
+            }
+        });
+    }
+}
+
 /// The value of the series `name{labels}` in a Prometheus text answer.
 fn sample(text: &str, name: &str, labels: &str) -> Option<u64> {
     let head = format!("{name}{{{labels}}} ");

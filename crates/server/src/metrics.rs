@@ -227,7 +227,7 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
                 b.delayed_counts().0,
                 n.confirm_latency().clone(),
                 b.replica_groups(),
-                b.messages_away(),
+                (b.messages_away(), b.messages_spilled()),
             )
         });
     let mut t = Text(String::with_capacity(4096 + queues.len() * 1200));
@@ -450,7 +450,13 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
         "warren_replicated_messages_away",
         "gauge",
         "Messages of deep quorum queues whose contents this node keeps on disk, out of memory",
-        away,
+        away.0,
+    );
+    t.one(
+        "warren_replicated_messages_spilled",
+        "gauge",
+        "Messages of deep quorum queues whose packed entries this node keeps on disk too, in runs",
+        away.1,
     );
     t.one(
         "warren_delayed_refused_total",

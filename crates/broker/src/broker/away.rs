@@ -99,6 +99,17 @@ impl Broker {
         self.away.as_ref().map_or(0, |a| a.store.held())
     }
 
+    /// Messages of replicated queues whose packed entries are out of this node's memory too,
+    /// in runs (`spill_line`), counted in each queue's machine (a leader's committed one shares
+    /// its runs).
+    pub fn messages_spilled(&self) -> u64 {
+        self.queues
+            .values()
+            .filter(|q| q.replica.is_some())
+            .map(|q| q.machine.spilled_count() as u64)
+            .sum()
+    }
+
     /// Sends the contents of the replicated queue's ready messages past its window away, once
     /// enough new ones arrived there: in passes of at most [`AWAY_PASS_MESSAGES`] messages and
     /// [`AWAY_PASS_BYTES`], up to [`AWAY_PASSES`] of them a call (never one buffer the size of
