@@ -5094,6 +5094,21 @@ fn a_deep_queues_runs_leave_memory_on_every_member_and_come_back_in_order() {
     }
     c.run(40);
     assert!(batches.iter().all(|b| c.confirmed(leader, *b)));
+    // The leader read no more runs back than a follower did (their snapshots read them): its
+    // committed machine takes each message's handle from the other as its entry commits, and
+    // never from a run spilled already, which would be read back for each message.
+    let reads = |n: u64| {
+        c.members[&n]
+            .away
+            .run_gets
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let follower_reads = reads(leader % 3 + 1).max(reads((leader + 1) % 3 + 1));
+    assert!(
+        reads(leader) <= 2 * follower_reads + 4,
+        "the leader read {} runs back, a follower {follower_reads}",
+        reads(leader)
+    );
     for n in NODES {
         let b = &c.members[&n].broker;
         let machine = b.machine(c.id(n)).expect("machine");

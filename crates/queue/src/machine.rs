@@ -1050,7 +1050,7 @@ impl<P> PackedRun<P> {
         (meta, self.items.iter().map(|p| p.item.clone()).collect())
     }
 
-    /// The run [`Self::into_spill`] gave the parts of.
+    /// The run whose parts [`Self::spill_parts`] gave.
     fn from_spill(meta: &[u8], items: Vec<P>) -> Result<Self, String> {
         use bytes::Buf;
         let mut b = meta;

@@ -186,6 +186,8 @@ pub struct MemAway {
     pub extra: Mutex<BTreeMap<u64, u64>>,
     /// Runs of packed messages written out of memory, by key.
     pub runs: Mutex<BTreeMap<u64, Vec<u8>>>,
+    /// Runs read back.
+    pub run_gets: std::sync::atomic::AtomicU64,
 }
 
 impl warren_broker::AwayStore for MemAway {
@@ -237,6 +239,8 @@ impl warren_broker::AwayStore for MemAway {
     }
 
     fn get_run(&self, key: u64) -> Result<Vec<u8>, String> {
+        self.run_gets
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.runs
             .lock()
             .expect("lock")

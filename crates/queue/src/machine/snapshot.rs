@@ -1482,23 +1482,8 @@ mod tests {
         assert_eq!(again.digest(), whole.digest());
         drop(again);
         // It gives every message back whole, in order.
-        let mut effects = Vec::new();
-        for i in 0..n {
-            effects.clear();
-            let meta = Meta {
-                index: packed.last_index() + 1,
-                now_ms: r.now,
-            };
-            let reply = packed.apply(meta, Command::Get { no_ack: true }, &mut effects);
-            assert_eq!(reply, crate::machine::Reply::Delivered { count: 1 }, "{i}");
-            let Some(crate::machine::Effect::Deliver(d)) = effects.first() else {
-                panic!("{i}: no delivery: {effects:?}");
-            };
-            assert_eq!(d.receipt.msg_id, u64::from(i));
-            assert_eq!(d.message.loaded().unwrap().body, body(i));
-        }
+        get_all_in_order(&mut packed, r.now, n, body);
         assert_eq!(packed.ready_count(), 0);
-        effects.clear();
         assert_eq!(store.held(), 0, "every message's contents let go");
         assert!(store.runs.lock().unwrap().is_empty(), "every run let go");
         // A store that fails leaves the line whole, the state the same.
@@ -1582,23 +1567,34 @@ mod tests {
         assert_eq!(m.spilled_count(), 2 * run as usize);
         assert_eq!(store.runs.lock().unwrap().len(), 2);
         assert_eq!(m.digest(), whole.digest());
+        get_all_in_order(&mut m, r.now, n, job);
+        assert_eq!(store.held(), 0);
+        assert!(store.runs.lock().unwrap().is_empty());
+    }
+
+    /// Takes the `n` messages of `m` with basic.get, no ack, checking each is the next one,
+    /// whole (`body` of its number).
+    fn get_all_in_order(
+        m: &mut QueueMachine<Message>,
+        now: u64,
+        n: u32,
+        body: impl Fn(u32) -> Bytes,
+    ) {
         let mut effects = Vec::new();
         for i in 0..n {
             effects.clear();
             let meta = Meta {
                 index: m.last_index() + 1,
-                now_ms: r.now,
+                now_ms: now,
             };
-            m.apply(meta, Command::Get { no_ack: true }, &mut effects);
+            let reply = m.apply(meta, Command::Get { no_ack: true }, &mut effects);
+            assert_eq!(reply, crate::machine::Reply::Delivered { count: 1 }, "{i}");
             let Some(crate::machine::Effect::Deliver(d)) = effects.first() else {
                 panic!("{i}: no delivery: {effects:?}");
             };
             assert_eq!(d.receipt.msg_id, u64::from(i));
-            assert_eq!(d.message.loaded().unwrap().body, job(i));
+            assert_eq!(d.message.loaded().unwrap().body, body(i));
         }
-        effects.clear();
-        assert_eq!(store.held(), 0);
-        assert!(store.runs.lock().unwrap().is_empty());
     }
 
     /// A replicated queue's line of 40 jobs (`expiry` of each), all but the first 4 away.
