@@ -1422,35 +1422,10 @@ mod tests {
     #[test]
     fn a_snapshot_decoded_with_a_store_packs_its_line_as_it_reads_it() {
         let store = std::sync::Arc::new(crate::tests::MemAway::default());
-        let mut r = Run {
-            m: QueueMachine::new(),
-            now: 100,
-        };
         let n = 2 * Restoring::BATCH as u32 + 300;
-        let body = |i: u32| Bytes::from(format!("job {i}"));
-        for i in 0..n {
-            r.apply(Command::Enqueue {
-                message: Message {
-                    body: body(i),
-                    store_key: None,
-                    ..message(b"")
-                },
-                meta: MsgMeta {
-                    size: body(i).len() as u64,
-                    expires_at: (i == 5_000).then_some(1_000_000),
-                    ..MsgMeta::default()
-                },
-            });
-        }
-        let data = snapshot_of(&r.m);
-        let whole = QueueMachine::restore_snapshot(data.clone()).unwrap();
-        let mut restoring = Restoring {
-            keep: 16,
-            store: store.clone().into(),
-            error: None,
-        };
-        let mut packed = QueueMachine::restore_snapshot_away(data, Some(&mut restoring)).unwrap();
-        assert_eq!(restoring.error, None);
+        let body = job;
+        let (r, whole, mut packed) =
+            restored_away(n, |i| (i == 5_000).then_some(1_000_000), &store);
         assert_eq!(packed.digest(), whole.digest());
         assert_eq!(packed.head_count(), 16);
         assert_eq!(
@@ -1536,12 +1511,28 @@ mod tests {
     #[test]
     fn a_snapshot_decoded_with_a_store_spills_its_full_runs() {
         let store = std::sync::Arc::new(crate::tests::MemAway::default());
+        let run = crate::machine::PACKED_RUN as u32;
+        let n = 16 + 4 * run + 10;
+        let (r, whole, mut m) = restored_away(n, |_| None, &store);
+        assert_eq!(m.spilled_count(), 2 * run as usize);
+        assert_eq!(store.runs.lock().unwrap().len(), 2);
+        assert_eq!(m.digest(), whole.digest());
+        get_all_in_order(&mut m, r.now, n, job);
+        assert_eq!(store.held(), 0);
+        assert!(store.runs.lock().unwrap().is_empty());
+    }
+
+    /// A replicated queue of `n` jobs (`expiry` of each), its snapshot decoded whole and
+    /// with `store` (keeping 16 messages at the head), which must take every write.
+    fn restored_away(
+        n: u32,
+        expiry: impl Fn(u32) -> Option<u64>,
+        store: &std::sync::Arc<crate::tests::MemAway>,
+    ) -> (Run, QueueMachine<Message>, QueueMachine<Message>) {
         let mut r = Run {
             m: QueueMachine::new(),
             now: 100,
         };
-        let run = crate::machine::PACKED_RUN as u32;
-        let n = 16 + 4 * run + 10;
         for i in 0..n {
             r.apply(Command::Enqueue {
                 message: Message {
@@ -1551,6 +1542,7 @@ mod tests {
                 },
                 meta: MsgMeta {
                     size: job(i).len() as u64,
+                    expires_at: expiry(i),
                     ..MsgMeta::default()
                 },
             });
@@ -1562,14 +1554,9 @@ mod tests {
             store: store.clone().into(),
             error: None,
         };
-        let mut m = QueueMachine::restore_snapshot_away(data, Some(&mut restoring)).unwrap();
+        let away = QueueMachine::restore_snapshot_away(data, Some(&mut restoring)).unwrap();
         assert_eq!(restoring.error, None);
-        assert_eq!(m.spilled_count(), 2 * run as usize);
-        assert_eq!(store.runs.lock().unwrap().len(), 2);
-        assert_eq!(m.digest(), whole.digest());
-        get_all_in_order(&mut m, r.now, n, job);
-        assert_eq!(store.held(), 0);
-        assert!(store.runs.lock().unwrap().is_empty());
+        (r, whole, away)
     }
 
     /// Takes the `n` messages of `m` with basic.get, no ack, checking each is the next one,
