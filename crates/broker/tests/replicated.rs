@@ -5155,6 +5155,40 @@ fn a_deep_queues_runs_leave_memory_on_every_member_and_come_back_in_order() {
     }
 }
 
+/// A member restarted on a snapshot that holds part of a deep queue, and a log that holds the
+/// rest, spills both parts: the runs the log's messages were packed into once replayed too (the
+/// passes counted those messages as looked at while they were whole, and never spilled them).
+#[test]
+fn a_restarted_member_spills_the_line_its_log_replayed() {
+    small_window();
+    let mut c = Cluster::snapshotting(200);
+    let leader = c.leader();
+    let total = 40_000u32;
+    for n in 0..total {
+        c.publish(leader, n);
+        if n % 100 == 99 {
+            c.run(2);
+        }
+    }
+    c.run(40);
+    let f = leader % 3 + 1;
+    c.kill(f);
+    c.run(20);
+    // No snapshot while it replays: its log since the last one comes whole.
+    c.restart(f, Some(100_000));
+    c.run(80);
+    let m = c.members[&f].broker.machine(c.id(f)).expect("machine");
+    assert_eq!(m.ready_count(), total as usize);
+    // All but the runs kept at the head (the window's and two more) and the last.
+    assert!(
+        m.spilled_count() + 3 * 4_096 >= total as usize,
+        "{} of {} spilled",
+        m.spilled_count(),
+        m.packed_count()
+    );
+    assert_same_state(&c, &NODES);
+}
+
 #[test]
 fn a_snapshot_of_a_deep_replicated_queue_carries_the_contents_away_and_a_restart_has_them_all() {
     small_window();

@@ -2894,7 +2894,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
 
     /// Node-local, as [`Self::pack_line`]: writes the packed runs of the tail past its first
     /// `keep` ones out of memory ([`crate::Payload::spill`]), each of at least `min` messages
-    /// and followed by another slot (the last may still grow). What stays of each is a few
+    /// and packed for good (full, or followed by another run `pack_line` made). What stays of each is a few
     /// words; it is read back whole when any of its messages is needed (as it nears the
     /// head, for a policy change, a snapshot). Runs are looked at once (`spill_seen`), so a
     /// call costs what was packed since the last; a run read back for a message in its
@@ -2934,7 +2934,18 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
         let seen = self.spill_seen;
         from = from.max(self.tail.partition_point(|s| s.first_id() <= seen));
-        let last = self.tail.len().saturating_sub(1);
+        // Only slots that can no longer change are looked at (and so counted as seen): those
+        // before the last one `pack_line` has looked past, and that one too if it is a full
+        // run. The last may still grow, and what follows it may still be packed (a line
+        // replayed after a restart comes whole; once seen whole, it was never looked at again).
+        let pack_seen = self.pack_seen;
+        let mut last = self
+            .tail
+            .partition_point(|s| s.first_id() <= pack_seen)
+            .saturating_sub(1);
+        if matches!(self.tail.get(last), Some(Slot::Packed(run)) if run.len() >= PACKED_RUN) {
+            last += 1;
+        }
         let mut spilled = 0;
         for i in from..last {
             let Some(slot) = self.tail.get_mut(i) else {
@@ -5161,15 +5172,15 @@ mod tests {
             2,
             "one record for both machines"
         );
-        // The ahead machine passes over runs 4 and 5 without spilling them (too short for
-        // its `min`): the committed machine writes its own.
+        // The ahead machine passes over runs 4 to 6 without spilling them (too short for its
+        // `min`): the committed machine writes its own (the last too: it is full).
         ahead.spill_line_with(1, PACKED_RUN + 1, u64::MAX, None);
         assert_eq!(
             committed.spill_line_with(1, 64, u64::MAX, Some(&ahead)),
-            2 * PACKED_RUN
+            3 * PACKED_RUN
         );
         assert_eq!(shared(&committed, &ahead), 2);
-        assert_eq!(committed.spilled_count(), 4 * PACKED_RUN);
+        assert_eq!(committed.spilled_count(), 5 * PACKED_RUN);
         assert_eq!(committed.digest(), ahead.digest());
         let ids: Vec<u64> = committed.ready_messages().map(|(id, _, _)| id).collect();
         assert_eq!(ids, (0..n).collect::<Vec<_>>());
