@@ -1529,24 +1529,7 @@ mod tests {
         expiry: impl Fn(u32) -> Option<u64>,
         store: &std::sync::Arc<crate::tests::MemAway>,
     ) -> (Run, QueueMachine<Message>, QueueMachine<Message>) {
-        let mut r = Run {
-            m: QueueMachine::new(),
-            now: 100,
-        };
-        for i in 0..n {
-            r.apply(Command::Enqueue {
-                message: Message {
-                    body: job(i),
-                    store_key: None,
-                    ..message(b"")
-                },
-                meta: MsgMeta {
-                    size: job(i).len() as u64,
-                    expires_at: expiry(i),
-                    ..MsgMeta::default()
-                },
-            });
-        }
+        let r = jobs(n, expiry);
         let data = snapshot_of(&r.m);
         let whole = QueueMachine::restore_snapshot(data.clone()).unwrap();
         let mut restoring = Restoring {
@@ -1584,30 +1567,36 @@ mod tests {
         }
     }
 
-    /// A replicated queue's line of 40 jobs (`expiry` of each), all but the first 4 away.
-    fn away_line(
-        expiry: impl Fn(u32) -> Option<u64>,
-    ) -> (Run, std::sync::Arc<crate::tests::MemAway>) {
-        let store = std::sync::Arc::new(crate::tests::MemAway::default());
+    /// A replicated queue's machine with `n` jobs (`expiry` of each) in its line.
+    fn jobs(n: u32, expiry: impl Fn(u32) -> Option<u64>) -> Run {
         let mut r = Run {
             m: QueueMachine::new(),
             now: 100,
         };
-        for n in 0..40u32 {
+        for i in 0..n {
             r.apply(Command::Enqueue {
                 message: Message {
-                    body: job(n),
+                    body: job(i),
                     // A replicated queue's message: no key of this node's store.
                     store_key: None,
                     ..message(b"")
                 },
                 meta: MsgMeta {
-                    size: job(n).len() as u64,
-                    expires_at: expiry(n),
+                    size: job(i).len() as u64,
+                    expires_at: expiry(i),
                     ..MsgMeta::default()
                 },
             });
         }
+        r
+    }
+
+    /// A replicated queue's line of 40 jobs (`expiry` of each), all but the first 4 away.
+    fn away_line(
+        expiry: impl Fn(u32) -> Option<u64>,
+    ) -> (Run, std::sync::Arc<crate::tests::MemAway>) {
+        let store = std::sync::Arc::new(crate::tests::MemAway::default());
+        let mut r = jobs(40, expiry);
         for (_, m) in r.m.head_payloads_mut(4, 0) {
             let key = store.put(&[&*m]).unwrap()[0];
             *m = m.away_stub(key, store.clone());
