@@ -49,7 +49,8 @@ pub struct Config {
     pub max_size_per_msg: u64,
     /// The most bytes of committed entries one ready hands out per group (the rest come in the
     /// next): a start replaying a long log, or a follower catching up, applies it in parts
-    /// instead of holding all of it at once.
+    /// instead of holding all of it at once. A pass may hand out two such parts (its ready's
+    /// and the one after its append), and their entries stay in memory until applied.
     pub max_committed_size_per_ready: u64,
     /// Applied entries kept in memory for peers that lag behind (older ones are read back
     /// from the durable log). A leader keeps more for a follower up to
@@ -80,7 +81,7 @@ impl Config {
             node_down_ticks: 4,
             max_inflight_msgs: 32,
             max_size_per_msg: 1 << 20,
-            max_committed_size_per_ready: 64 << 20,
+            max_committed_size_per_ready: 16 << 20,
             log_keep: 1024,
             log_keep_bytes: 1 << 20,
             snapshot_keep: 4096,

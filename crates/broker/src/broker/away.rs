@@ -36,6 +36,13 @@ const AWAY_PASS_WALK: usize = 8 * AWAY_PASS_MESSAGES;
 const RETRY_ROUND_MS: u64 = 1_000;
 /// Passes one call makes at most.
 const AWAY_PASSES: usize = 16;
+/// Passes a call after applied entries makes at most: as many as it takes to send away what
+/// they brought past the window (a restart replays its log, and a member catches up, a ready
+/// of up to `max_committed_size_per_ready` twice a Raft pass: with a fixed number of passes
+/// a call, the rest waited while the next entries came in, each entry's buffer held by the
+/// messages still whole in it). Bounded, so that one call never holds the node for a queue
+/// the size of the disk.
+const AWAY_PASSES_APPLIED: usize = 1024;
 /// Packed runs at the head of a deep line that stay in memory beyond those the window may
 /// reach: the next messages a consumer takes. The runs past them are written out of memory
 /// (`spill_line`) and read back, a run at a time, as they reach the head.
@@ -117,6 +124,12 @@ impl Broker {
     /// failed write leaves them in memory; writes are tried again [`AWAY_RETRY_MS`] later.
     pub(super) fn send_away(&mut self, id: QueueId) {
         self.send_away_up_to(id, AWAY_PASSES);
+    }
+
+    /// [`Broker::send_away`] after entries were applied to the queue: goes on until what they
+    /// brought past the window is away ([`AWAY_PASSES_APPLIED`]).
+    pub(super) fn send_away_applied(&mut self, id: QueueId) {
+        self.send_away_up_to(id, AWAY_PASSES_APPLIED);
     }
 
     fn send_away_up_to(&mut self, id: QueueId, passes: usize) {

@@ -2733,7 +2733,7 @@ impl Broker {
         touched.sort_unstable();
         touched.dedup();
         for id in &touched {
-            self.send_away(*id);
+            self.send_away_applied(*id);
         }
         self.take_due_snapshots(&touched);
         self.apply_meta(&meta);
