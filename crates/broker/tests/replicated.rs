@@ -70,6 +70,9 @@ struct Cluster {
     group: u64,
     /// Forwards between nodes are held back (delivered once this is false again).
     hold_forwards: bool,
+    /// Groups whose proposals never reach Raft: a group that cannot commit (one of its
+    /// members installing a snapshot while another is down, say).
+    stalled: BTreeSet<u64>,
     /// Proposals Raft handed back to their brokers.
     refusals: u32,
     /// Snapshots whose machine the taker copied, to encode elsewhere (a deep queue's).
@@ -221,6 +224,7 @@ impl Cluster {
             isolated: BTreeSet::new(),
             group: 0,
             hold_forwards: false,
+            stalled: BTreeSet::new(),
             refusals: 0,
             copied_snapshots: 0,
             joined: (0, 0),
@@ -302,6 +306,9 @@ impl Cluster {
             let joins = m.broker.joins_entries();
             let mut joining: BTreeMap<u64, Vec<Vec<u8>>> = BTreeMap::new();
             for p in props {
+                if self.stalled.contains(&p.group) {
+                    continue;
+                }
                 match p.to {
                     None if joins && p.group != warren_broker::META_GROUP => {
                         joining.entry(p.group).or_default().push(p.data);
@@ -2622,6 +2629,63 @@ fn deleting_a_queue_with_entries_in_flight_does_not_hold_back_later_confirms() {
     let batch = confirmed.expect("a confirm that waits");
     c.run(30);
     assert!(c.confirmed(leader, batch), "a later confirm held back");
+}
+
+/// Only a publish's entry holds confirms back: a consumer's command to a queue whose group
+/// cannot commit (here its proposals never reach Raft) held every later confirm of the node,
+/// for any queue, until the 30 s timeout nacked them (a member installing a deep queue's
+/// snapshot while another member was down stopped every other queue's confirms for seconds).
+#[test]
+fn a_consumers_command_to_a_stuck_queue_holds_no_other_queues_confirms() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let b = c.broker(leader);
+    let req = DeclareQueue {
+        name: "jobs2".into(),
+        passive: false,
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments: quorum_args(),
+    };
+    b.declare_queue("/", req, conn(leader, 1)).expect("declare");
+    let mut led = false;
+    for _ in 0..300 {
+        c.step();
+        led = NODES.iter().any(|n| {
+            let b = &c.members[n].broker;
+            b.queue_id("/", "jobs2").is_some_and(|id| b.acts_on(id))
+        });
+        if led {
+            break;
+        }
+    }
+    assert!(led, "jobs2 has a leader");
+    let group = c.group;
+    c.stalled.insert(group);
+    // A consumer of `jobs`, on the node that leads it: its command is proposed to a group
+    // that will not commit it.
+    consume(&mut c, leader, 10).expect("consume");
+    c.run(2);
+    let mut m = message(2);
+    m.routing_key = ShortStr::from_static("jobs2");
+    let now = c.now;
+    let batch = c
+        .broker(leader)
+        .publish("/", "", "jobs2", m, now)
+        .expect("publish")
+        .batch
+        .expect("a confirm that waits");
+    c.run(30);
+    assert!(
+        c.confirmed(leader, batch),
+        "held back behind the consumer's command"
+    );
+    assert!(c.broker(leader).take_lost().is_none(), "nothing nacked");
+    // A publish to the stuck queue still waits for its own entry.
+    let stuck = c.publish(leader, 3);
+    c.run(30);
+    assert!(!c.confirmed(leader, stuck));
 }
 
 #[test]

@@ -1628,9 +1628,18 @@ impl Broker {
             forwarded: false,
             ..t
         });
-        let release = c.release_tag.filter(|_| is_enqueue(command));
+        let publish = is_enqueue(command);
+        let release = c.release_tag.filter(|_| publish);
+        // Only a publish's confirm waits for its entry. A consumer's command (a consume, an
+        // ack, a `Down`) holds no store batch back: waited on, one in a group that cannot
+        // commit held every later confirm of this node, for every queue, until the timeout
+        // nacked them.
         let token = reissued.unwrap_or_else(|| Token {
-            batch: open_batch(self.persist.as_mut()),
+            batch: if publish {
+                open_batch(self.persist.as_mut())
+            } else {
+                0
+            },
             forwarded: false,
             release,
         });
@@ -1639,7 +1648,7 @@ impl Broker {
         match encode(now, origin, command) {
             Ok(data) => {
                 r.proposed = origin.seq;
-                if reissued.is_none() {
+                if reissued.is_none() && publish {
                     c.wait_on(batch, now);
                 }
                 c.outbox.push(Proposal {
@@ -3225,8 +3234,8 @@ pub(super) fn not_led_here(q: &Queue) -> AmqpError {
     AmqpError::resource_error(format!("{} is not led by this node ({at})", q.rs()))
 }
 
-/// A proposal this node made as a queue's leader that a confirm waits for (a publish, or a
-/// command of its own consumers in the same store batch): not a forward, not a term's marker.
+/// A proposal this node made as a queue's leader that a confirm waits for (a publish): not a
+/// forward, not a term's marker, not a consumer's command.
 fn own_as_leader(t: &Token) -> bool {
     !t.forwarded && t.batch > 0
 }
