@@ -795,7 +795,12 @@ async fn serve(
                     continue;
                 }
                 bytes = bytes.saturating_sub(f.data.len());
-                match large.take(f.data, Instant::now()) {
+                // Spooling a piece is a blocking write of megabytes into the page cache (the
+                // kernel's copy alone held this runtime's one worker for 2 to 3 s of a 540 MB
+                // snapshot, with every other link's heartbeats and acks behind it): the
+                // runtime hands its other tasks to another thread meanwhile.
+                let taken = tokio::task::block_in_place(|| large.take(f.data, Instant::now()));
+                match taken {
                     Ok(None) => {}
                     // Not counted in the budget: a link holds one such message at a time.
                     Ok(Some(whole)) => {
