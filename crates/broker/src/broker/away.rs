@@ -36,13 +36,13 @@ const AWAY_PASS_WALK: usize = 8 * AWAY_PASS_MESSAGES;
 const RETRY_ROUND_MS: u64 = 1_000;
 /// Passes one call makes at most.
 const AWAY_PASSES: usize = 16;
-/// Passes a call after applied entries makes at most: as many as it takes to send away what
-/// they brought past the window (a restart replays its log, and a member catches up, a ready
-/// of up to `max_committed_size_per_ready` twice a Raft pass: with a fixed number of passes
-/// a call, the rest waited while the next entries came in, each entry's buffer held by the
-/// messages still whole in it). Bounded, so that one call never holds the node for a queue
-/// the size of the disk.
-const AWAY_PASSES_APPLIED: usize = 1024;
+/// After entries were applied, a queue's passes go on as many times as a pass's messages of
+/// this many bytes each would fill those entries' bytes (at least [`AWAY_PASSES`]): a restart
+/// replays its log, and a member catches up, a ready of up to `max_committed_size_per_ready`
+/// twice a Raft pass, and with a fixed number of passes a call the rest waited, whole, each
+/// entry's buffer held by its messages, while the next came in. Proportional, not unbounded:
+/// run to the end after every apply, the passes cost the 100-queue shape a tenth of its rate.
+const AWAY_APPLIED_BYTES_PER_MESSAGE: usize = 64;
 /// Packed runs at the head of a deep line that stay in memory beyond those the window may
 /// reach: the next messages a consumer takes. The runs past them are written out of memory
 /// (`spill_line`) and read back, a run at a time, as they reach the head.
@@ -126,10 +126,11 @@ impl Broker {
         self.send_away_up_to(id, AWAY_PASSES);
     }
 
-    /// [`Broker::send_away`] after entries were applied to the queue: goes on until what they
-    /// brought past the window is away ([`AWAY_PASSES_APPLIED`]).
-    pub(super) fn send_away_applied(&mut self, id: QueueId) {
-        self.send_away_up_to(id, AWAY_PASSES_APPLIED);
+    /// [`Broker::send_away`] after `bytes` of entries were applied to the queue: enough passes
+    /// for what they can have brought past the window ([`AWAY_APPLIED_BYTES_PER_MESSAGE`]).
+    pub(super) fn send_away_applied(&mut self, id: QueueId, bytes: usize) {
+        let passes = bytes / (AWAY_PASS_MESSAGES * AWAY_APPLIED_BYTES_PER_MESSAGE) + 1;
+        self.send_away_up_to(id, passes.max(AWAY_PASSES));
     }
 
     fn send_away_up_to(&mut self, id: QueueId, passes: usize) {

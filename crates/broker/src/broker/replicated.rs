@@ -2429,7 +2429,8 @@ impl Broker {
         let mut outcomes = Vec::new();
         let mut started = Vec::new();
         let mut meta = Vec::new();
-        let mut touched: Vec<QueueId> = Vec::new();
+        // Each queue an entry was applied to, and the bytes of its entries.
+        let mut touched: Vec<(QueueId, usize)> = Vec::new();
         let mut ghosts: Vec<(QueueId, ConsumerId)> = Vec::new();
         let mut parts: Vec<bytes::Bytes> = Vec::new();
         let mut gets: Vec<super::remote_get::AppliedGet> = Vec::new();
@@ -2456,8 +2457,9 @@ impl Broker {
             // Saturating: a snapshot asked for sets both to their largest value.
             r.since_snapshot = r.since_snapshot.saturating_add(1);
             r.since_snapshot_bytes = r.since_snapshot_bytes.saturating_add(e.data.len() as u64);
-            if touched.last() != Some(&id) {
-                touched.push(id);
+            match touched.last_mut() {
+                Some((last, bytes)) if *last == id => *bytes += e.data.len(),
+                _ => touched.push((id, e.data.len())),
             }
             parts.clear();
             match warren_replication::batch::split_into(&e.data, &mut parts) {
@@ -2740,11 +2742,15 @@ impl Broker {
         self.settle_release_guards();
         self.settle_held_dead_letters();
         touched.sort_unstable();
-        touched.dedup();
-        for id in &touched {
-            self.send_away_applied(*id);
+        let mut queues: Vec<QueueId> = Vec::with_capacity(touched.len());
+        for (id, bytes) in touched {
+            match queues.last() {
+                Some(last) if *last == id => {}
+                _ => queues.push(id),
+            }
+            self.send_away_applied(id, bytes);
         }
-        self.take_due_snapshots(&touched);
+        self.take_due_snapshots(&queues);
         self.apply_meta(&meta);
         self.check_hold_level();
     }
