@@ -10,7 +10,7 @@
 # persistent 1 KiB messages published into `deep` with confirms (a snapshot of about N KB is
 # taken meanwhile); node 2 killed, node 3 started, and, once `busy` has a leader again, a publisher
 # sends 500 msg/s to `busy` with confirms for 25 s. Every queue then has nodes 1 and 3 only: each confirm waits for node 3, which
-# is installing `deep`'s snapshot. Prints the publisher's summary, node 3's Raft passes of 50 ms
+# is installing `deep`'s snapshot. Prints the publisher's figures of each second and its summary, node 3's Raft passes of 50 ms
 # or more (logged at debug level), and node 3's peak memory while it catches up: its anonymous
 # memory (RssAnon, sampled every 50 ms: what the kernel cannot take back) and its peak RSS
 # (VmHWM, which also counts the page cache's pages it maps).
@@ -92,7 +92,8 @@ PY
     done
     echo "run $run: busy led by ${leader:-nobody} $(python3 -c "import time; print(f'{time.time() - $started:.2f}')") s after node 3's start began"
     echo "run $run: publisher to busy (500 msg/s, confirms) while node 3 catches up $MESSAGES messages"
-    "$BENCH" -u "$U:5701/%2f" "${QQ[@]}" --queue-pattern busy -s 16 -c 50 -r 500 -z 25 2>&1 | tail -1
+    # Each second's figures, then the summary: a stall shows as the seconds it lasted.
+    "$BENCH" -u "$U:5701/%2f" "${QQ[@]}" --queue-pattern busy -s 16 -c 50 -r 500 -z 25 2>&1 | grep -E '^ *[0-9.]+s[: ]'
     wait
     echo "node 3: peak RssAnon $(cat "$WARREN_CLUSTER_DIR/node3.anon") MB (sampled), VmHWM $(awk '/^VmHWM/ {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node3.pid")/status") MB"
     grep -h "slow raft pass\|restored from a snapshot" "$WARREN_CLUSTER_DIR"/node3.log || true
