@@ -2583,6 +2583,34 @@ fn a_message_too_large_for_the_transport_is_nacked_not_proposed() {
     assert!(props.is_empty());
 }
 
+/// Declares a second quorum queue, `jobs2`, on `node` and runs the cluster until it has a
+/// leader.
+fn declare_jobs2(c: &mut Cluster, node: u64) {
+    let req = DeclareQueue {
+        name: "jobs2".into(),
+        passive: false,
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments: quorum_args(),
+    };
+    c.broker(node)
+        .declare_queue("/", req, conn(node, 1))
+        .expect("declare");
+    let mut led = false;
+    for _ in 0..300 {
+        c.step();
+        led = NODES.iter().any(|n| {
+            let b = &c.members[n].broker;
+            b.queue_id("/", "jobs2").is_some_and(|id| b.acts_on(id))
+        });
+        if led {
+            break;
+        }
+    }
+    assert!(led, "jobs2 has a leader");
+}
+
 #[test]
 fn deleting_a_queue_with_entries_in_flight_does_not_hold_back_later_confirms() {
     let mut c = Cluster::new();
@@ -2596,28 +2624,7 @@ fn deleting_a_queue_with_entries_in_flight_does_not_hold_back_later_confirms() {
     assert_eq!(deleted.message_count, 1);
     assert!(c.broker(leader).take_lost().is_some_and(|l| l >= lost));
     // ...and confirms of later batches go out as before.
-    let b = c.broker(leader);
-    let req = DeclareQueue {
-        name: "jobs2".into(),
-        passive: false,
-        durable: true,
-        exclusive: false,
-        auto_delete: false,
-        arguments: quorum_args(),
-    };
-    b.declare_queue("/", req, conn(leader, 1)).expect("declare");
-    let mut led = false;
-    for _ in 0..300 {
-        c.step();
-        led = NODES.iter().any(|n| {
-            let b = &c.members[n].broker;
-            b.queue_id("/", "jobs2").is_some_and(|id| b.acts_on(id))
-        });
-        if led {
-            break;
-        }
-    }
-    assert!(led, "jobs2 has a leader");
+    declare_jobs2(&mut c, leader);
     let mut m = message(2);
     m.routing_key = ShortStr::from_static("jobs2");
     let now = c.now;
@@ -2639,28 +2646,7 @@ fn deleting_a_queue_with_entries_in_flight_does_not_hold_back_later_confirms() {
 fn a_consumers_command_to_a_stuck_queue_holds_no_other_queues_confirms() {
     let mut c = Cluster::new();
     let leader = c.leader();
-    let b = c.broker(leader);
-    let req = DeclareQueue {
-        name: "jobs2".into(),
-        passive: false,
-        durable: true,
-        exclusive: false,
-        auto_delete: false,
-        arguments: quorum_args(),
-    };
-    b.declare_queue("/", req, conn(leader, 1)).expect("declare");
-    let mut led = false;
-    for _ in 0..300 {
-        c.step();
-        led = NODES.iter().any(|n| {
-            let b = &c.members[n].broker;
-            b.queue_id("/", "jobs2").is_some_and(|id| b.acts_on(id))
-        });
-        if led {
-            break;
-        }
-    }
-    assert!(led, "jobs2 has a leader");
+    declare_jobs2(&mut c, leader);
     let group = c.group;
     c.stalled.insert(group);
     // A consumer of `jobs`, on the node that leads it: its command is proposed to a group
