@@ -5205,18 +5205,14 @@ fn a_deep_queues_runs_leave_memory_on_every_member_and_come_back_in_order() {
     }
 }
 
-/// A member restarted on a snapshot that holds part of a deep queue, and a log that holds the
-/// rest, spills both parts: the runs the log's messages were packed into once replayed too (the
-/// passes counted those messages as looked at while they were whole, and never spilled them).
-#[test]
-fn a_restarted_member_spills_the_line_its_log_replayed() {
-    small_window();
-    let mut c = Cluster::snapshotting(200);
+/// Publishes `total` jobs on the leader, running the cluster a little after each `every`, then
+/// kills a follower and restarts it (its queue snapshotted every `snapshot_every` entries from
+/// then on); returns that follower, before its first step.
+fn restart_a_follower_of(c: &mut Cluster, total: u32, every: u32, snapshot_every: u64) -> u64 {
     let leader = c.leader();
-    let total = 40_000u32;
     for n in 0..total {
         c.publish(leader, n);
-        if n % 100 == 99 {
+        if n % every == every - 1 {
             c.run(2);
         }
     }
@@ -5224,8 +5220,20 @@ fn a_restarted_member_spills_the_line_its_log_replayed() {
     let f = leader % 3 + 1;
     c.kill(f);
     c.run(20);
+    c.restart(f, Some(snapshot_every));
+    f
+}
+
+/// A member restarted on a snapshot that holds part of a deep queue, and a log that holds the
+/// rest, spills both parts: the runs the log's messages were packed into once replayed too (the
+/// passes counted those messages as looked at while they were whole, and never spilled them).
+#[test]
+fn a_restarted_member_spills_the_line_its_log_replayed() {
+    small_window();
+    let mut c = Cluster::snapshotting(200);
+    let total = 40_000u32;
     // No snapshot while it replays: its log since the last one comes whole.
-    c.restart(f, Some(100_000));
+    let f = restart_a_follower_of(&mut c, total, 100, 100_000);
     c.run(80);
     let m = c.members[&f].broker.machine(c.id(f)).expect("machine");
     assert_eq!(m.ready_count(), total as usize);
@@ -5248,19 +5256,8 @@ fn a_restarted_members_replay_sends_each_part_away_before_the_next() {
     small_window();
     // No snapshot: a restart replays the whole log.
     let mut c = Cluster::snapshotting(1_000_000);
-    let leader = c.leader();
     let total = 100_000u32;
-    for n in 0..total {
-        c.publish(leader, n);
-        if n % 500 == 499 {
-            c.run(2);
-        }
-    }
-    c.run(40);
-    let f = leader % 3 + 1;
-    c.kill(f);
-    c.run(20);
-    c.restart(f, Some(1_000_000));
+    let f = restart_a_follower_of(&mut c, total, 500, 1_000_000);
     let whole = |c: &Cluster| {
         let m = c.members[&f].broker.machine(c.id(f)).expect("machine");
         let whole = m.messages().filter(|(_, m, _)| !m.is_away()).count();
