@@ -2611,6 +2611,18 @@ fn declare_jobs2(c: &mut Cluster, node: u64) {
     assert!(led, "jobs2 has a leader");
 }
 
+/// Publishes job `n` to `jobs2` on `node`: the store batch its confirm waits in.
+fn publish_to_jobs2(c: &mut Cluster, node: u64, n: u32) -> u64 {
+    let mut m = message(n);
+    m.routing_key = ShortStr::from_static("jobs2");
+    let now = c.now;
+    c.broker(node)
+        .publish("/", "", "jobs2", m, now)
+        .expect("publish")
+        .batch
+        .expect("a confirm that waits")
+}
+
 #[test]
 fn deleting_a_queue_with_entries_in_flight_does_not_hold_back_later_confirms() {
     let mut c = Cluster::new();
@@ -2625,15 +2637,7 @@ fn deleting_a_queue_with_entries_in_flight_does_not_hold_back_later_confirms() {
     assert!(c.broker(leader).take_lost().is_some_and(|l| l >= lost));
     // ...and confirms of later batches go out as before.
     declare_jobs2(&mut c, leader);
-    let mut m = message(2);
-    m.routing_key = ShortStr::from_static("jobs2");
-    let now = c.now;
-    let confirmed = c
-        .broker(leader)
-        .publish("/", "", "jobs2", m, now)
-        .expect("publish")
-        .batch;
-    let batch = confirmed.expect("a confirm that waits");
+    let batch = publish_to_jobs2(&mut c, leader, 2);
     c.run(30);
     assert!(c.confirmed(leader, batch), "a later confirm held back");
 }
@@ -2653,15 +2657,7 @@ fn a_consumers_command_to_a_stuck_queue_holds_no_other_queues_confirms() {
     // that will not commit it.
     consume(&mut c, leader, 10).expect("consume");
     c.run(2);
-    let mut m = message(2);
-    m.routing_key = ShortStr::from_static("jobs2");
-    let now = c.now;
-    let batch = c
-        .broker(leader)
-        .publish("/", "", "jobs2", m, now)
-        .expect("publish")
-        .batch
-        .expect("a confirm that waits");
+    let batch = publish_to_jobs2(&mut c, leader, 2);
     c.run(30);
     assert!(
         c.confirmed(leader, batch),
