@@ -2741,13 +2741,18 @@ impl Broker {
         self.gets_applied(gets);
         self.settle_release_guards();
         self.settle_held_dead_letters();
-        touched.sort_unstable();
-        let mut queues: Vec<QueueId> = Vec::with_capacity(touched.len());
+        // A queue whose entries came between other queues' is there more than once: its
+        // bytes are summed, and it sends away once.
+        touched.sort_unstable_by_key(|(id, _)| *id);
+        let mut merged: Vec<(QueueId, usize)> = Vec::with_capacity(touched.len());
         for (id, bytes) in touched {
-            match queues.last() {
-                Some(last) if *last == id => {}
-                _ => queues.push(id),
+            match merged.last_mut() {
+                Some((last, sum)) if *last == id => *sum += bytes,
+                _ => merged.push((id, bytes)),
             }
+        }
+        let queues: Vec<QueueId> = merged.iter().map(|(id, _)| *id).collect();
+        for (id, bytes) in merged {
             self.send_away_applied(id, bytes);
         }
         self.take_due_snapshots(&queues);
