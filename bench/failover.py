@@ -10,8 +10,12 @@ the next round, and each round kills whichever node leads then.
     python3 bench/failover.py warren   --kills 100   # a cluster from scripts/cluster (up)
     python3 bench/failover.py rabbitmq --kills 100   # a cluster from bench/rabbitmq-cluster.sh (up)
 
-Prints each gap and then p50, p90, p99 and max. Needs pika (scripts/test installs it into
-clients/.deps/python, which this script uses).
+Prints each gap and then p50, p90, p99 and max. With --bystander a second publisher on the same
+node publishes to another quorum queue, one the killed node does not lead: its longest wait for a
+confirm from the kill to a second after the first publisher's first confirm says whether one
+queue's failover holds back the confirms of another's publisher.
+
+Needs pika (scripts/test installs it into clients/.deps/python, which this script uses).
 """
 
 import argparse
@@ -95,13 +99,19 @@ def main():
     p.add_argument("target", choices=sorted(TARGETS))
     p.add_argument("--kills", type=int, default=100)
     p.add_argument("--queue", default="failover")
+    p.add_argument("--bystander", action="store_true",
+                   help="a second publisher on the same node, to a queue the killed node does not lead")
     a = p.parse_args()
     amqp, mgmt, _, _ = TARGETS[a.target]
     nodes = [1, 2, 3]
+    # Enough other queues that one of them is led elsewhere than the first.
+    others = [f"{a.queue}-other-{i}" for i in range(6)] if a.bystander else []
     c = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", amqp + 1))
-    c.channel().queue_declare(a.queue, durable=True, arguments={"x-queue-type": "quorum"})
+    for q in [a.queue] + others:
+        c.channel().queue_declare(q, durable=True, arguments={"x-queue-type": "quorum"})
     c.close()
     gaps = []
+    waits = []
     for i in range(a.kills):
         deadline = time.monotonic() + 30
         lead = None
@@ -113,7 +123,15 @@ def main():
         via = next(n for n in nodes if n != lead)
         pub = Publisher(amqp + via, a.queue)
         pub.start()
-        while len(pub.confirms) < 50:
+        other = None
+        if others:
+            led = {q: leader(a.target, q, nodes) for q in others}
+            name = next((q for q in others if led[q] not in (None, lead)), None)
+            if name is None:
+                sys.exit(f"every other queue is led by node {lead}: rebalance and try again")
+            other = Publisher(amqp + via, name)
+            other.start()
+        while len(pub.confirms) < 50 or (other and len(other.confirms) < 50):
             time.sleep(0.01)
         killed = time.monotonic()
         control(a.target, "kill", str(lead))
@@ -127,8 +145,24 @@ def main():
         gaps.append(gap)
         pub.stop = True
         pub.join(5)
-        print(f"round {i + 1}: node {lead} killed, publisher on node {via}: "
-              f"first confirm after {gap:.3f} s ({pub.failures} nacks or errors)", flush=True)
+        line = (f"round {i + 1}: node {lead} killed, publisher on node {via}: "
+                f"first confirm after {gap:.3f} s ({pub.failures} nacks or errors)")
+        if other:
+            time.sleep(1)
+            other.stop = True
+            other.join(5)
+            end = killed + gap + 1
+            # The longest a publish of the other queue waited, or the longest spell between
+            # two of its confirms, over the kill and the failover.
+            spells = [done - started for (started, done) in other.confirms
+                      if done > killed and started < end]
+            times = [killed] + [done for (_, done) in other.confirms if killed < done < end]
+            spells += [b - a for a, b in zip(times, times[1:])]
+            wait = max(spells) if spells else float("inf")
+            waits.append(wait)
+            line += (f"; the other queue's publisher (queue led by node {led[other.queue]}): "
+                     f"longest wait {wait:.3f} s ({other.failures} nacks or errors)")
+        print(line, flush=True)
         control(a.target, "start", str(lead))
         # Caught up: the restarted node reports the queue again.
         while True:
@@ -141,6 +175,10 @@ def main():
     q = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else gaps * 99
     print(f"{a.target}: {len(gaps)} kills, first confirm after the leader's kill: "
           f"p50 {q[49]:.3f} s, p90 {q[89]:.3f} s, p99 {q[98]:.3f} s, max {gaps[-1]:.3f} s")
+    if waits:
+        waits.sort()
+        print(f"{a.target}: the other queue's publisher's longest wait: "
+              f"median {statistics.median(waits):.3f} s, max {waits[-1]:.3f} s")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 //! (enqueued, not refused), with the store batch that writes it: a duplicate's confirm waits
 //! for that write, and a failed write makes the key new again.
 
+use crate::holds::{HoldState, Holds};
 use std::collections::{HashMap, VecDeque};
 
 use bytes::Bytes;
@@ -213,8 +214,9 @@ pub enum Verdict {
     /// it once it was taken.
     New(Pending),
     /// Seen: drop it. Its confirm waits for `batch`, the write of the first copy, if that is
-    /// still on its way to disk.
-    Duplicate { batch: Option<u64> },
+    /// still on its way to disk, and for the first copy's channel hold (0: none), if that is
+    /// still waiting for replicated entries ([`crate::holds`]).
+    Duplicate { batch: Option<u64>, hold: u64 },
 }
 
 /// A key to remember once its message was taken.
@@ -233,6 +235,8 @@ struct Entry {
     number: u64,
     /// The store batch writing the first copy, while it may not be on disk yet.
     batch: Option<u64>,
+    /// The channel hold the first copy's confirm waited in (0: none).
+    hold: u64,
 }
 
 /// The keys seen within the window.
@@ -276,6 +280,7 @@ impl Dedup {
         properties: &Bytes,
         now: u64,
         disk: Disk,
+        holds: Option<&Holds>,
     ) -> Verdict {
         if comes_back(headers) {
             return Verdict::Unjudged;
@@ -284,7 +289,11 @@ impl Dedup {
             return Verdict::Unjudged;
         };
         if let Some(entry) = self.seen.get_mut(&key).filter(|e| now < e.until) {
+            let lost =
+                entry.hold != 0 && holds.is_some_and(|h| h.state(entry.hold) == HoldState::Lost);
             let duplicate = match entry.batch {
+                // The first copy's entry was lost (and its publisher nacked): a retry.
+                _ if lost => None,
                 Some(b) if b <= disk.written => {
                     entry.batch = None;
                     Some(None)
@@ -295,7 +304,10 @@ impl Dedup {
             };
             if let Some(batch) = duplicate {
                 self.dropped += 1;
-                return Verdict::Duplicate { batch };
+                return Verdict::Duplicate {
+                    batch,
+                    hold: entry.hold,
+                };
             }
         }
         Verdict::New(Pending {
@@ -329,8 +341,8 @@ impl Dedup {
     }
 
     /// Remembers the key of a message that was taken, with the store batch that writes it
-    /// (`None`: nothing to wait for).
-    pub fn remember(&mut self, pending: Pending, batch: Option<u64>, now: u64) {
+    /// (`None`: nothing to wait for) and the channel hold its confirm waits in (0: none).
+    pub fn remember(&mut self, pending: Pending, batch: Option<u64>, hold: u64, now: u64) {
         let ttl = pending.ttl_ms.unwrap_or(self.spec.ttl_ms);
         let number = self.next;
         self.next += 1;
@@ -338,6 +350,7 @@ impl Dedup {
             until: now.saturating_add(ttl),
             number,
             batch,
+            hold,
         };
         self.seen.insert(pending.key, entry);
         self.order.push_back((pending.key, number));
@@ -360,6 +373,15 @@ impl Dedup {
             }
             self.order.pop_front();
         }
+    }
+
+    /// Forgets the keys whose first copies waited in one of `holds`, which were lost: their
+    /// publishers were nacked, so a retry must be taken, not dropped as a duplicate.
+    pub fn forget_holds(&mut self, holds: &std::collections::BTreeSet<u64>) {
+        // Their places in `order` stay until they reach its front: a key is live only while
+        // its number matches.
+        self.seen
+            .retain(|_, e| e.hold == 0 || !holds.contains(&e.hold));
     }
 
     /// One more duplicate dropped, by a replicated queue's machine.
@@ -442,7 +464,7 @@ mod tests {
 
     fn verdict(d: &mut Dedup, p: &Bytes, now: u64, disk: Disk) -> Verdict {
         let headers = warren_codec::properties::headers(p).unwrap();
-        d.judge(headers.as_ref(), p, now, disk)
+        d.judge(headers.as_ref(), p, now, disk, None)
     }
 
     /// The old `is_duplicate`: judged, and remembered at once if new (no write to wait for).
@@ -450,7 +472,7 @@ mod tests {
         match verdict(d, &p, now, DISK) {
             Verdict::Duplicate { .. } => true,
             Verdict::New(pending) => {
-                d.remember(pending, None, now);
+                d.remember(pending, None, 0, now);
                 false
             }
             Verdict::Unjudged => false,
@@ -617,30 +639,42 @@ mod tests {
         let Verdict::New(pending) = verdict(&mut d, &p, 0, DISK) else {
             panic!("new");
         };
-        d.remember(pending, Some(7), 0);
+        d.remember(pending, Some(7), 0, 0);
         let disk = |written, failed| Disk { written, failed };
         // Batch 7 not written yet: the duplicate's confirm waits for it.
         assert_eq!(
             verdict(&mut d, &p, 1, disk(6, 0)),
-            Verdict::Duplicate { batch: Some(7) }
+            Verdict::Duplicate {
+                batch: Some(7),
+                hold: 0
+            }
         );
         // Failed: the first copy's publisher was nacked, so this is its retry.
         let Verdict::New(pending) = verdict(&mut d, &p, 2, disk(6, 7)) else {
             panic!("a nacked first copy leaves its retry new");
         };
-        d.remember(pending, Some(9), 2);
+        d.remember(pending, Some(9), 0, 2);
         assert_eq!(
             verdict(&mut d, &p, 3, disk(8, 7)),
-            Verdict::Duplicate { batch: Some(9) }
+            Verdict::Duplicate {
+                batch: Some(9),
+                hold: 0
+            }
         );
         // Written: nothing to wait for, and that is remembered.
         assert_eq!(
             verdict(&mut d, &p, 4, disk(9, 7)),
-            Verdict::Duplicate { batch: None }
+            Verdict::Duplicate {
+                batch: None,
+                hold: 0
+            }
         );
         assert_eq!(
             verdict(&mut d, &p, 5, disk(0, 100)),
-            Verdict::Duplicate { batch: None }
+            Verdict::Duplicate {
+                batch: None,
+                hold: 0
+            }
         );
     }
 

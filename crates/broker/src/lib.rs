@@ -33,6 +33,7 @@ pub mod dedup;
 pub mod delayed;
 mod erl;
 pub mod exchange;
+pub mod holds;
 pub mod limits;
 pub mod names;
 pub mod parameters;

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use common::MemAway;
 
 use bytes::Bytes;
+use warren_broker::holds::HoldState;
 use warren_broker::machine::CreditGroup;
 use warren_broker::{
     Broker, BrokerConfig, DeclareQueue, Declared, Delivery, GetAnswer, Got, GroupChange, Message,
@@ -520,6 +521,35 @@ impl Cluster {
         assert_eq!(r.queues, 1);
         assert!(!r.rejected, "publish {n} on node {node} refused");
         r.batch.expect("a confirm that waits")
+    }
+
+    /// Publishes on `node` as a channel does, in a hold of its own: its store batch and hold.
+    fn publish_held(&mut self, node: u64, n: u32, queue: &str) -> (u64, u64) {
+        let mut m = message(n);
+        m.routing_key = ShortStr::from_string(queue.to_owned());
+        self.publish_held_to(node, "", queue, m)
+    }
+
+    /// [`Cluster::publish_held`] of `m` to `exchange` with `key`.
+    fn publish_held_to(&mut self, node: u64, exchange: &str, key: &str, m: Message) -> (u64, u64) {
+        let now = self.now;
+        let b = self.broker(node);
+        b.open_hold();
+        let r = b.publish("/", exchange, key, m, now).expect("publish");
+        let hold = b.close_hold();
+        assert!(!r.rejected, "publish on node {node} refused");
+        (r.batch.expect("a confirm that waits"), hold)
+    }
+
+    /// What became of a channel's publish: `None` while it waits (on the store or its entries).
+    fn held(&self, node: u64, (batch, hold): (u64, u64)) -> Option<bool> {
+        let m = &self.members[&node];
+        let state = m.broker.holds().expect("a cluster").state(hold);
+        match state {
+            HoldState::Lost => Some(false),
+            HoldState::Pending => None,
+            HoldState::Applied => (m.broker.confirmable(m.written) >= batch).then_some(true),
+        }
     }
 
     fn confirmed(&self, node: u64, batch: u64) -> bool {
@@ -2668,6 +2698,141 @@ fn a_consumers_command_to_a_stuck_queue_holds_no_other_queues_confirms() {
     let stuck = c.publish(leader, 3);
     c.run(30);
     assert!(!c.confirmed(leader, stuck));
+}
+
+/// A channel's publish to a queue whose group cannot commit waits alone: it held back every
+/// later confirm of the node, whatever their channel or queue, until the 30 s timeout nacked
+/// them all. Now it waits in its own hold, and is nacked alone after the timeout.
+#[test]
+fn a_channels_publish_to_a_stuck_queue_holds_back_no_other_channels_confirm() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    declare_jobs2(&mut c, leader);
+    c.run(5);
+    let group = c.group;
+    c.stalled.insert(group);
+    let stuck = c.publish_held(leader, 1, "jobs");
+    assert_ne!(stuck.1, 0, "it waits in a hold");
+    let other = c.publish_held(leader, 2, "jobs2");
+    // Forwarded through a follower too: its hold waits for the entry to be applied there.
+    let follower = leader % 3 + 1;
+    let forwarded = c.publish_held(follower, 3, "jobs2");
+    c.run(30);
+    assert_eq!(
+        c.held(leader, other),
+        Some(true),
+        "held back by the stuck one"
+    );
+    assert_eq!(c.held(follower, forwarded), Some(true));
+    assert_eq!(c.held(leader, stuck), None, "it waits for its own entry");
+    assert!(c.broker(leader).take_lost().is_none(), "nothing nacked");
+    let mut nacked = None;
+    for step in 0..3_100u32 {
+        c.step();
+        if c.held(leader, stuck) == Some(false) {
+            nacked = Some(step);
+            break;
+        }
+        assert_eq!(
+            c.held(leader, stuck),
+            None,
+            "confirmed, yet never committed"
+        );
+    }
+    let at = nacked.expect("nacked after the timeout");
+    assert!(at >= 2_900, "nacked after {at} steps of 10 ms");
+    // Lost holds go once no channel waits on them.
+    let b = c.broker(leader);
+    assert!(b.holds().is_some_and(|h| h.has_lost()));
+    b.prune_lost_holds(None);
+    assert!(!b.holds().is_some_and(|h| h.has_lost()));
+}
+
+/// A channel's publish whose entries a leader change drops is nacked through its hold, and its
+/// queue's deletion loses it too.
+#[test]
+fn a_channels_publish_whose_entry_is_dropped_is_nacked_alone() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    declare_jobs2(&mut c, leader);
+    c.run(5);
+    let lost = c.publish_held(leader, 1, "jobs");
+    c.broker(leader)
+        .delete_queue("/", "jobs", false, false, conn(leader, 1))
+        .expect("delete");
+    assert_eq!(c.held(leader, lost), Some(false));
+    assert!(
+        c.broker(leader).take_lost().is_none(),
+        "no store batch is nacked for it"
+    );
+    let later = c.publish_held(leader, 2, "jobs2");
+    c.run(30);
+    assert_eq!(c.held(leader, later), Some(true));
+}
+
+/// An exchange's deduplication window on a cluster: a duplicate's confirm waits for its first
+/// copy's entry, whether a channel publishes it (it joins the first copy's hold) or the
+/// management API does (its store batch waits for that hold); and a first copy whose entry is
+/// lost leaves its key new, for its nacked publisher's retry to be taken.
+#[test]
+fn an_exchanges_duplicate_waits_for_its_first_copys_entry_and_a_lost_one_leaves_its_key_new() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    let mut args = FieldTable::new();
+    args.insert("x-message-deduplication", FieldValue::Bool(true));
+    c.broker(leader)
+        .declare_exchange("/", "dx", "direct", false, true, false, false, &args)
+        .expect("exchange.declare");
+    assert!(until_everywhere(&mut c, 200, |b| b.exchange_exists("/", "dx")));
+    c.broker(leader)
+        .bind_queue(
+            "/",
+            "jobs",
+            "dx",
+            "jobs",
+            &FieldTable::new(),
+            conn(leader, 1),
+        )
+        .expect("queue.bind");
+    c.run(20);
+    let group = c.group;
+    c.stalled.insert(group);
+    let first = c.publish_held_to(leader, "dx", "jobs", keyed_message(1, "k1"));
+    assert_ne!(first.1, 0);
+    let dup = c.publish_held_to(leader, "dx", "jobs", keyed_message(2, "k1"));
+    assert_eq!(
+        dup.1, first.1,
+        "the duplicate waits in the first copy's hold"
+    );
+    let now = c.now;
+    let api = c
+        .broker(leader)
+        .publish("/", "dx", "jobs", keyed_message(3, "k1"), now)
+        .expect("publish")
+        .batch
+        .expect("the API's duplicate waits in a batch");
+    c.run(10);
+    assert_eq!(c.held(leader, first), None);
+    assert_eq!(c.held(leader, dup), None);
+    assert!(
+        !c.confirmed(leader, api),
+        "confirmed before its first copy's entry"
+    );
+    // Never committed: after the timeout all three are nacks, and the key is new again.
+    c.run(3_050);
+    assert_eq!(c.held(leader, first), Some(false));
+    assert_eq!(c.held(leader, dup), Some(false));
+    assert!(c.broker(leader).take_lost().is_some_and(|l| l >= api));
+    let retry = c.publish_held_to(leader, "dx", "jobs", keyed_message(4, "k1"));
+    assert!(
+        retry.1 > first.1,
+        "the retry is taken, in a hold of its own"
+    );
+    // Even judged before the session took the nacks (the window looks at the hold).
+    let lost = c.publish_held_to(leader, "dx", "jobs", keyed_message(5, "k2"));
+    c.run(3_050);
+    let again = c.publish_held_to(leader, "dx", "jobs", keyed_message(6, "k2"));
+    assert!(again.1 > lost.1, "a retry of a lost publish taken");
 }
 
 #[test]

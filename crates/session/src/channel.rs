@@ -25,6 +25,7 @@ use crate::latency::ConfirmLatency;
 use crate::out::send;
 use crate::tag_map::TagMap;
 use warren_broker::access::{Perm, Resource};
+use warren_broker::holds::{HoldState, Holds};
 
 const BASIC_CLASS: u16 = 60;
 const BASIC_PUBLISH: u16 = 40;
@@ -55,6 +56,18 @@ impl Fault {
     }
 }
 
+/// The first hold among the first few of `len` waiting confirms or commits; a lower bound
+/// (1) if none of those few has one but more wait.
+fn first_hold(holds: impl Iterator<Item = u64>, len: usize) -> Option<u64> {
+    const LOOK: usize = 64;
+    let mut holds = holds.take(LOOK);
+    match holds.find(|h| *h != 0) {
+        Some(h) => Some(h),
+        None if len > LOOK => Some(1),
+        None => None,
+    }
+}
+
 /// What a channel handler needs from outside the channel.
 /// A publish whose confirm waits for a store write (or for an earlier one that does).
 #[derive(Clone, Copy, Debug)]
@@ -62,6 +75,9 @@ struct Waiting {
     seq: u64,
     /// The store batch it waits for (0: none, only its turn).
     batch: u64,
+    /// The hold of replicated entries it waits for too (0: none; see
+    /// `warren_broker::holds`).
+    hold: u64,
     /// A full queue refused it: a nack.
     rejected: bool,
     /// When it was published (ms), for the confirm latency.
@@ -284,7 +300,13 @@ pub(crate) struct Channel {
     write_checked: Option<(u64, ShortStr)>,
     /// tx.commit-ok replies waiting for the store write that holds the transaction's persistent
     /// messages (the batch numbers, in commit order).
-    commit_waiting: VecDeque<u64>,
+    commit_waiting: VecDeque<(u64, u64)>,
+    /// The lowest hold pushed out of order (a deduplicated publish waits for an earlier
+    /// publish's), while confirms or commits wait (0: none): what [`Channel::hold_floor`]
+    /// cannot find at the front.
+    low_hold: u64,
+    /// The last hold a confirm or commit was pushed with.
+    last_hold: u64,
     /// A store write a commit waited for failed: the channel is to be closed.
     commit_failed: bool,
     tx: Option<Vec<TxOp>>,
@@ -339,6 +361,8 @@ impl Channel {
             confirm_waiting: VecDeque::new(),
             write_checked: None,
             commit_waiting: VecDeque::new(),
+            low_hold: 0,
+            last_hold: 0,
             commit_failed: false,
             tx: None,
             next_tag: 1,
@@ -569,7 +593,7 @@ impl Channel {
             let extended = self.extend_visibility(&header.properties, ctx);
             if self.confirm {
                 self.publish_seq += 1;
-                self.confirm_publish(None, !extended, ctx);
+                self.confirm_publish(None, 0, !extended, ctx);
             }
             return Ok(());
         }
@@ -608,27 +632,40 @@ impl Channel {
         if self.confirm {
             self.publish_seq += 1;
         }
-        let (batch, rejected) = self.route(
+        // Its confirm waits for its own replicated entries only, not for other channels'.
+        ctx.broker.open_hold();
+        let routed = self.route(
             &publish.exchange,
             &publish.routing_key,
             publish.mandatory,
             message,
             ctx,
-        )?;
+        );
+        let hold = ctx.broker.close_hold();
+        let (batch, rejected) = routed?;
         if self.confirm {
-            self.confirm_publish(batch, rejected, ctx);
+            self.confirm_publish(batch, hold, rejected, ctx);
         }
         Ok(())
     }
 
-    /// Confirms the latest publish: at once, or after the store write it waits for (`batch`),
-    /// in publish order; as a nack if it was `rejected` (a full queue refused it).
-    fn confirm_publish(&mut self, batch: Option<u64>, rejected: bool, ctx: &mut Ctx<'_>) {
+    /// Confirms the latest publish: at once, or after the store write it waits for (`batch`)
+    /// and its replicated entries (`hold`), in publish order; as a nack if it was `rejected`
+    /// (a full queue refused it) or its entries were lost.
+    fn confirm_publish(
+        &mut self,
+        batch: Option<u64>,
+        hold: u64,
+        rejected: bool,
+        ctx: &mut Ctx<'_>,
+    ) {
         let seq = self.publish_seq;
-        if batch.is_some() || !self.confirm_waiting.is_empty() {
+        if batch.is_some() || hold != 0 || !self.confirm_waiting.is_empty() {
+            self.note_hold(hold);
             self.confirm_waiting.push_back(Waiting {
                 seq,
                 batch: batch.unwrap_or(0),
+                hold,
                 rejected,
                 at: ctx.now,
             });
@@ -685,18 +722,23 @@ impl Channel {
 
     /// Store writes up to batch `upto` are done (`ok`) or failed: the confirms waiting for them
     /// are released in publish order, as acks, or as nacks for the messages of a failed write.
-    /// True if confirms are still waiting.
+    /// A publish whose replicated entries are still pending in `holds` stops the release (the
+    /// order is kept); one whose entries were lost is nacked. True if confirms are still
+    /// waiting.
     pub fn writes_done(
         &mut self,
         upto: u64,
         ok: bool,
+        holds: Option<&Holds>,
         now: u64,
         latency: &mut ConfirmLatency,
         out: &mut BytesMut,
     ) -> bool {
+        let state = |hold: u64| holds.map_or(HoldState::Applied, |h| h.state(hold));
         while let Some(&Waiting {
             seq,
             batch,
+            hold,
             rejected,
             at,
         }) = self.confirm_waiting.front()
@@ -704,9 +746,14 @@ impl Channel {
             if batch > upto {
                 break;
             }
+            let failed = !ok && batch != 0;
+            let held = state(hold);
+            if held == HoldState::Pending && !failed {
+                break;
+            }
             self.confirm_waiting.pop_front();
             latency.observe(now.saturating_sub(at));
-            if !rejected && (ok || batch == 0) {
+            if !rejected && !failed && held == HoldState::Applied {
                 self.confirm_ready(seq);
             } else {
                 // Acks before this one go out first: a multiple ack must not cover it.
@@ -714,17 +761,58 @@ impl Channel {
                 encode_nack(out, self.id, seq, false, false);
             }
         }
-        // A commit has no nack: a failed write fails the commits waiting for it (their
-        // messages may still reach the disk, as a nacked publish's may).
-        if !ok && self.commit_waiting.front().is_some_and(|&b| b <= upto) {
-            self.commit_waiting.clear();
-            self.commit_failed = true;
-        }
-        while ok && self.commit_waiting.front().is_some_and(|&b| b <= upto) {
+        // A commit has no nack: a failed write (or a lost entry) fails the commits waiting for
+        // it (their messages may still reach the disk, as a nacked publish's may).
+        while let Some(&(batch, hold)) = self.commit_waiting.front() {
+            if batch > upto {
+                break;
+            }
+            let held = state(hold);
+            // A failed write fails the commits in it; one that waits for no write (only for
+            // replicated entries) fails only with them.
+            if (!ok && batch != 0) || held == HoldState::Lost {
+                self.commit_waiting.clear();
+                self.commit_failed = true;
+                break;
+            }
+            if held == HoldState::Pending {
+                break;
+            }
             self.commit_waiting.pop_front();
             send(out, self.id, TxCommitOk {});
         }
+        if !self.confirms_waiting() {
+            self.low_hold = 0;
+        }
         self.confirms_waiting()
+    }
+
+    /// A confirm or commit now waits for `hold`.
+    fn note_hold(&mut self, hold: u64) {
+        if hold == 0 {
+            return;
+        }
+        if hold < self.last_hold && (self.low_hold == 0 || hold < self.low_hold) {
+            self.low_hold = hold;
+        }
+        self.last_hold = self.last_hold.max(hold);
+    }
+
+    /// The lowest hold a confirm or commit of this channel waits for, if any: lost holds below
+    /// every channel's floor are forgotten. Looks at the first few waiting confirms only
+    /// (holds are pushed in increasing order, but for a deduplicated publish's, kept apart);
+    /// past them it answers with a lower bound, which only keeps lost holds longer.
+    pub fn hold_floor(&self) -> Option<u64> {
+        let confirms = first_hold(
+            self.confirm_waiting.iter().map(|w| w.hold),
+            self.confirm_waiting.len(),
+        );
+        let commits = first_hold(
+            self.commit_waiting.iter().map(|c| c.1),
+            self.commit_waiting.len(),
+        );
+        let low = (self.low_hold != 0).then_some(self.low_hold);
+        [confirms, commits, low].into_iter().flatten().min()
     }
 
     fn route(
@@ -1510,6 +1598,8 @@ impl Channel {
         let mut wait = None;
         let mut refused = false;
         let mut ops = ops.into_iter();
+        // The commit-ok waits for the transaction's replicated entries, no other channel's.
+        ctx.broker.open_hold();
         while let Some(op) = ops.next() {
             match op {
                 TxOp::Publish {
@@ -1524,6 +1614,7 @@ impl Channel {
                     }
                     Err(f) => {
                         // Checked just above: not expected. The rest stays unapplied.
+                        ctx.broker.close_hold();
                         self.tx = Some(ops.collect());
                         return Err(f.error);
                     }
@@ -1535,6 +1626,7 @@ impl Channel {
                 }
             }
         }
+        let hold = ctx.broker.close_hold();
         if self.channel_prefetch != 0 {
             self.push_credit(ctx.conn, ctx.conn_blocked, ctx.broker);
         }
@@ -1543,8 +1635,16 @@ impl Channel {
         }
         // As a confirm does, commit-ok means the messages are on disk; a commit with
         // nothing to write still waits behind an earlier one (replies keep their order).
-        match wait.or_else(|| self.commit_waiting.back().copied()) {
-            Some(batch) => self.commit_waiting.push_back(batch),
+        let earlier = self.commit_waiting.back().map(|c| c.0);
+        match wait.or(earlier) {
+            Some(batch) => {
+                self.note_hold(hold);
+                self.commit_waiting.push_back((batch, hold));
+            }
+            None if hold != 0 => {
+                self.note_hold(hold);
+                self.commit_waiting.push_back((0, hold));
+            }
             None => send(ctx.out, self.id, TxCommitOk {}),
         }
         Ok(())

@@ -554,6 +554,10 @@ impl Node {
             self.nacked = self.nacked.max(upto);
         }
         let waiters = std::mem::take(&mut self.confirm_waiters);
+        let holds = self.broker.holds();
+        let prune = holds.is_some_and(|h| h.has_lost());
+        let mut floor: Option<u64> = None;
+        let mut failed_commits = Vec::new();
         for (conn, channel) in waiters {
             let Some(c) = self.conns.get_mut(&conn) else {
                 continue;
@@ -561,18 +565,36 @@ impl Node {
             let Some(ch) = c.channels.get_mut(&channel) else {
                 continue;
             };
-            if ch.writes_done(upto, ok, now, &mut self.confirm_latency, &mut c.out) {
+            if ch.writes_done(upto, ok, holds, now, &mut self.confirm_latency, &mut c.out) {
                 self.confirm_waiters.insert((conn, channel));
+                if prune {
+                    if let Some(f) = ch.hold_floor() {
+                        floor = Some(floor.map_or(f, |x| x.min(f)));
+                    }
+                }
             }
             if let Some(error) = ch.take_commit_failure() {
-                tracing::warn!(conn, channel, "the store write of a committed transaction failed: the commit fails and its channel is closed");
-                close_channel(&mut self.broker, &mut c.out, ch, &error, TX_COMMIT);
+                failed_commits.push((conn, channel, error));
             }
             c.confirms_pending = true;
             if !c.dirty {
                 c.dirty = true;
                 self.dirty.push(conn);
             }
+        }
+        if prune {
+            // Lost holds no channel waits on any more are forgotten.
+            self.broker.prune_lost_holds(floor);
+        }
+        for (conn, channel, error) in failed_commits {
+            let Some(c) = self.conns.get_mut(&conn) else {
+                continue;
+            };
+            let Some(ch) = c.channels.get_mut(&channel) else {
+                continue;
+            };
+            tracing::warn!(conn, channel, "the store write (or the replicated entries) of a committed transaction failed: the commit fails and its channel is closed");
+            close_channel(&mut self.broker, &mut c.out, ch, &error, TX_COMMIT);
         }
     }
 

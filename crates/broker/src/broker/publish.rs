@@ -174,14 +174,18 @@ impl Broker {
     ) -> Result<Routed, AmqpError> {
         self.now_ms = self.now_ms.max(now_ms);
         let routed = match self.exchange_verdict(vhost, exchange, &message) {
-            Verdict::Duplicate { batch } => Ok(Routed {
-                // Dropped, and confirmed as the first copy is (once it is on disk).
-                queues: 1,
-                batch,
-                rejected: false,
-                unled: false,
-                full: false,
-            }),
+            Verdict::Duplicate { batch, hold } => {
+                // Its confirm is the first copy's, which may still wait for its entries.
+                let waits = self.duplicate_of(hold);
+                Ok(Routed {
+                    // Dropped, and confirmed as the first copy is (once it is on disk).
+                    queues: 1,
+                    batch: batch.max(waits),
+                    rejected: false,
+                    unled: false,
+                    full: false,
+                })
+            }
             verdict => {
                 let routed = self.publish_to(vhost, exchange, routing_key, message, None, false);
                 if let (Verdict::New(pending), Ok(r)) = (verdict, &routed) {
@@ -189,8 +193,9 @@ impl Broker {
                     // leaves its retry new.
                     if r.queues > 0 && !r.rejected {
                         let now = self.now_ms;
+                        let hold = self.cluster.as_ref().map_or(0, |c| c.holds.routed());
                         if let Some(d) = self.exchange_dedup(vhost, exchange) {
-                            d.remember(pending, r.batch, now);
+                            d.remember(pending, r.batch, hold, now);
                         }
                     }
                 }
@@ -234,13 +239,22 @@ impl Broker {
             return Verdict::Unjudged;
         }
         let (now, disk) = (self.now_ms, self.disk);
-        let Some(d) = self.exchange_dedup(vhost, exchange) else {
+        if !self.dedup_exchanges || exchange.is_empty() {
+            return Verdict::Unjudged;
+        }
+        let holds = self.cluster.as_ref().map(|c| &c.holds);
+        let Some(d) = self
+            .vhosts
+            .get_mut(vhost)
+            .and_then(|vh| vh.exchanges.get_mut(exchange))
+            .and_then(|x| x.dedup.as_deref_mut())
+        else {
             return Verdict::Unjudged;
         };
         let headers = warren_codec::properties::headers(&message.properties)
             .ok()
             .flatten();
-        d.judge(headers.as_ref(), &message.properties, now, disk)
+        d.judge(headers.as_ref(), &message.properties, now, disk, holds)
     }
 
     /// Routes and enqueues; `death`: the message is a dead letter (its reason, and its
@@ -366,6 +380,7 @@ impl Broker {
         // new publish is judged: a dead letter or a delayed release may be the last copy.
         let mut duplicates = 0u32;
         let mut first_copies = None;
+        let mut first_holds: Vec<u64> = Vec::new();
         let mut new_keys: Vec<(QueueId, crate::dedup::Pending)> = Vec::new();
         // Replicated queues judge in their machine, whichever node takes the publish and
         // across a failover, once every node can read such an entry.
@@ -380,6 +395,8 @@ impl Broker {
         if self.dedup_queues > 0 && !released && death.is_none() {
             let (now, disk) = (self.now_ms, self.disk);
             let queues = &mut self.queues;
+            let holds = self.cluster.as_ref().map(|c| &c.holds);
+            let joined = &mut first_holds;
             let mut headers = None;
             targets.retain(|id| {
                 let Some(q) = queues.get_mut(id) else {
@@ -404,10 +421,13 @@ impl Broker {
                     }
                     return true;
                 }
-                match d.judge(headers.as_ref(), &message.properties, now, disk) {
-                    Verdict::Duplicate { batch } => {
+                match d.judge(headers.as_ref(), &message.properties, now, disk, holds) {
+                    Verdict::Duplicate { batch, hold } => {
                         duplicates += 1;
                         first_copies = first_copies.max(batch);
+                        if hold != 0 {
+                            joined.push(hold);
+                        }
                         false
                     }
                     Verdict::New(pending) => {
@@ -610,9 +630,12 @@ impl Broker {
                 (Some(refused), true) => self.release_guard(vhost, *id, &message, refused),
                 _ => None,
             };
-            if let Some(c) = self.cluster.as_mut() {
+            // Only the publish's own copies count in its channel's hold: a dead letter (or a
+            // released delayed message) waits in its batch, as its guard or holder needs.
+            let counted = self.cluster.as_mut().map(|c| {
                 c.release_tag = guard.map(|key| super::replicated::Guard { key, dead_letter });
-            }
+                c.holds.count(!dead_letter && !released)
+            });
             let delay = held_in_log
                 .iter()
                 .find(|(held, _)| held == id)
@@ -650,6 +673,7 @@ impl Broker {
             });
             if let Some(c) = self.cluster.as_mut() {
                 c.release_tag = None;
+                c.holds.count(counted.unwrap_or(false));
             }
             let Some((reply, meta)) = ran else {
                 if self.queues.get(id).is_some_and(|q| q.replica.is_some()) {
@@ -705,8 +729,12 @@ impl Broker {
             routed += r.queues;
             batch = batch.max(r.batch);
         }
+        for hold in first_holds {
+            first_copies = first_copies.max(self.duplicate_of(hold));
+        }
         if !new_keys.is_empty() {
             let now = self.now_ms;
+            let hold = self.cluster.as_ref().map_or(0, |c| c.holds.routed());
             for (id, pending) in new_keys {
                 // Held for a delivery delay (no longer a target, and not refused as full):
                 // scheduled, so taken too.
@@ -718,7 +746,7 @@ impl Broker {
                     .and_then(|q| q.dedup.as_deref_mut())
                 {
                     if taken {
-                        d.remember(pending, batch, now);
+                        d.remember(pending, batch, hold, now);
                     }
                 }
             }

@@ -22,6 +22,9 @@ pub struct Proposal {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Token {
     batch: u64,
+    /// The channel publish's hold this proposal counts in ([`crate::holds`]; 0: none, the
+    /// confirm waits in `batch`).
+    hold: u64,
     /// Sent to the leader: a refusal is learnt only when it is applied here.
     forwarded: bool,
     /// A delayed message falling due, or a dead letter: the guard record that releases it
@@ -341,6 +344,8 @@ pub(crate) struct Cluster {
     /// When each waiting batch got its first proposal (a batch never confirmable within
     /// `CONFIRM_TIMEOUT_MS` is nacked: no other publisher waits behind it for ever).
     waiting_since: BTreeMap<u64, u64>,
+    /// Channels' publishes whose confirms wait for their own entries instead.
+    pub(super) holds: crate::holds::Holds,
     /// The highest batch holding a proposal that will never be applied (its confirms are nacks).
     lost_upto: u64,
     /// Deliveries whose entries are applied, for the next dispatch.
@@ -418,6 +423,7 @@ impl Cluster {
             groups: HashMap::new(),
             waiting: BTreeMap::new(),
             waiting_since: BTreeMap::new(),
+            holds: Default::default(),
             lost_upto: 0,
             released: Vec::new(),
             cancelled: Vec::new(),
@@ -645,6 +651,11 @@ impl Cluster {
             };
             self.guards_settled.push((guard, end));
         }
+        if token.hold != 0 {
+            self.holds.settle(token.hold, lost);
+            self.batches_after_holds();
+            return;
+        }
         if let Some(n) = self.waiting.get_mut(&token.batch) {
             *n = n.saturating_sub(1);
             if *n == 0 {
@@ -657,15 +668,70 @@ impl Cluster {
         }
     }
 
+    /// The publish of `token` will never be applied: its confirm is a nack.
+    fn lose(&mut self, token: &Token) {
+        if token.hold != 0 {
+            self.holds.settle(token.hold, true);
+            self.batches_after_holds();
+        } else {
+            self.lost_upto = self.lost_upto.max(token.batch);
+        }
+    }
+
+    /// Store batches whose confirms waited for a hold that ended (a deduplicated copy's, from
+    /// a publisher that waits for batches): one wait fewer, or lost.
+    fn batches_after_holds(&mut self) {
+        for (batch, lost) in self.holds.take_batches() {
+            if let Some(n) = self.waiting.get_mut(&batch) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.waiting.remove(&batch);
+                    self.waiting_since.remove(&batch);
+                }
+            }
+            if lost {
+                self.lost_upto = self.lost_upto.max(batch);
+            }
+        }
+    }
+
+    /// The confirms of the store batch being filled wait for `hold` too (a deduplicated copy
+    /// of a channel's publish, published by the management API or SQS).
+    pub(super) fn wait_in_batch_for(&mut self, hold: u64, batch: u64, now: u64) {
+        if self.holds.follow_in_batch(hold, batch) {
+            *self.waiting.entry(batch).or_insert(0) += 1;
+            self.waiting_since.entry(batch).or_insert(now);
+        }
+    }
+
+    /// A new publish token: its confirm waits in `batch`, or in the channel's hold being
+    /// routed (not a released delayed message's or a dead letter's, which carry a guard).
+    fn publish_token(&self, batch: u64, forwarded: bool, release: Option<Guard>) -> Token {
+        Token {
+            batch,
+            hold: if release.is_none() {
+                self.holds.current()
+            } else {
+                0
+            },
+            forwarded,
+            release,
+        }
+    }
+
     /// The highest batch nacked since the confirms last went out (0: none).
     pub(super) fn lost_mark(&self) -> u64 {
         self.lost_upto
     }
 
-    /// One more proposal the confirms of `batch` wait for.
-    fn wait_on(&mut self, batch: u64, now: u64) {
-        *self.waiting.entry(batch).or_insert(0) += 1;
-        self.waiting_since.entry(batch).or_insert(now);
+    /// One more proposal the confirms of its hold, or else of its batch, wait for.
+    fn wait_on(&mut self, token: &Token, now: u64) {
+        if token.hold != 0 {
+            self.holds.wait_on(token.hold, now);
+            return;
+        }
+        *self.waiting.entry(token.batch).or_insert(0) += 1;
+        self.waiting_since.entry(token.batch).or_insert(now);
     }
 
     /// Every proposal of this node still waiting in `group` will never be applied: their
@@ -1634,22 +1700,24 @@ impl Broker {
         // ack, a `Down`) holds no store batch back: waited on, one in a group that cannot
         // commit held every later confirm of this node, for every queue, until the timeout
         // nacked them.
-        let token = reissued.unwrap_or_else(|| Token {
-            batch: if publish {
-                open_batch(self.persist.as_mut())
+        let token = reissued.unwrap_or_else(|| {
+            if publish {
+                c.publish_token(open_batch(self.persist.as_mut()), false, release)
             } else {
-                0
-            },
-            forwarded: false,
-            release,
+                Token {
+                    batch: 0,
+                    hold: 0,
+                    forwarded: false,
+                    release,
+                }
+            }
         });
-        let batch = token.batch;
         let origin = c.proposals.next(GroupId(r.group), token);
         match encode(now, origin, command) {
             Ok(data) => {
                 r.proposed = origin.seq;
                 if reissued.is_none() && publish {
-                    c.wait_on(batch, now);
+                    c.wait_on(&token, now);
                 }
                 c.outbox.push(Proposal {
                     group: r.group,
@@ -1662,7 +1730,7 @@ impl Broker {
                 // reach the log, and the state would part from the followers'.
                 tracing::error!(queue = id.0, %error, "command not replicated");
                 c.proposals.withdraw(GroupId(r.group), origin);
-                c.lost_upto = c.lost_upto.max(batch);
+                c.lose(&token);
             }
         }
     }
@@ -1820,7 +1888,7 @@ impl Broker {
                 } else if matches!(reply, Some(Reply::Refused(_))) {
                     // Refused by a full queue as it was applied ahead: a nack, as
                     // `reissue_forwards` makes it (the entry's token is this node's own now).
-                    c.lost_upto = c.lost_upto.max(token.batch);
+                    c.lose(&token);
                 }
             }
             if reply.is_some() {
@@ -1934,12 +2002,8 @@ impl Broker {
         let now = self.now_ms;
         let batch = open_batch(self.persist.as_mut());
         let c = self.cluster.as_mut()?;
-        let token = Token {
-            batch,
-            forwarded: true,
-            release: c.release_tag.filter(|_| is_enqueue(command)),
-        };
-        c.wait_on(batch, now);
+        let token = c.publish_token(batch, true, c.release_tag.filter(|_| is_enqueue(command)));
+        c.wait_on(&token, now);
         Some(token)
     }
 
@@ -2030,19 +2094,26 @@ impl Broker {
             return false;
         };
         let leader = r.leader;
-        let token = Token {
-            batch,
-            forwarded: true,
-            release: match waiting {
-                Some(t) => t.release,
-                None => c.release_tag.filter(|_| confirm && is_enqueue(command)),
+        let token = match waiting {
+            Some(t) => Token {
+                forwarded: true,
+                ..t
+            },
+            None if confirm => {
+                c.publish_token(batch, true, c.release_tag.filter(|_| is_enqueue(command)))
+            }
+            None => Token {
+                batch,
+                hold: 0,
+                forwarded: true,
+                release: None,
             },
         };
         let origin = c.proposals.next(GroupId(r.group), token);
         match encode(now, origin, command) {
             Ok(data) => {
                 if confirm && waiting.is_none() {
-                    c.wait_on(batch, now);
+                    c.wait_on(&token, now);
                 }
                 if let Some(leader) = leader {
                     c.outbox.push(Proposal {
@@ -2086,6 +2157,7 @@ impl Broker {
         let group = self.queues.get(&id)?.replica.as_ref()?.group;
         let token = Token {
             batch: 0,
+            hold: 0,
             forwarded: true,
             release: None,
         };
@@ -2293,6 +2365,14 @@ impl Broker {
             c.waiting.remove(&batch);
             c.lost_upto = c.lost_upto.max(batch);
         }
+        let timed_out = c.holds.time_out(now, CONFIRM_TIMEOUT_MS);
+        c.batches_after_holds();
+        if timed_out > 0 {
+            tracing::warn!(
+                publishes = timed_out,
+                "replicated entries not applied in time: their confirms are nacks"
+            );
+        }
     }
 
     /// When the forwarded publishes' wait runs out (for the driver's timer).
@@ -2315,7 +2395,10 @@ impl Broker {
             .waiting_since
             .values()
             .next()
-            .map(|t| t.saturating_add(CONFIRM_TIMEOUT_MS));
+            .map(|t| t.saturating_add(CONFIRM_TIMEOUT_MS))
+            .into_iter()
+            .chain(c.holds.deadline(CONFIRM_TIMEOUT_MS))
+            .min();
         let downs = c
             .down_since
             .iter()
@@ -2769,6 +2852,35 @@ impl Broker {
         }
     }
 
+    /// Starts a channel's publish (or transaction commit): what it proposes to replicated
+    /// queues from here to [`Broker::close_hold`] counts in one hold ([`crate::holds`]),
+    /// instead of holding back every confirm of its store batch. Nothing on a single node.
+    pub fn open_hold(&mut self) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.holds.open();
+        }
+    }
+
+    /// Ends the hold [`Broker::open_hold`] started: the hold the publish's confirm waits for
+    /// (0: none), its own or a deduplicated publish's first copy's.
+    pub fn close_hold(&mut self) -> u64 {
+        let now = self.now_ms;
+        self.cluster.as_mut().map_or(0, |c| c.holds.close(now))
+    }
+
+    /// The holds channels' confirms wait on (none on a single node).
+    pub fn holds(&self) -> Option<&crate::holds::Holds> {
+        self.cluster.as_ref().map(|c| &c.holds)
+    }
+
+    /// No channel waits on a lost hold below `floor` (`None`: on none): see
+    /// [`crate::holds::Holds::prune_lost_below`].
+    pub fn prune_lost_holds(&mut self, floor: Option<u64>) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.holds.prune_lost_below(floor);
+        }
+    }
+
     /// Publishes of this node's clients held back behind its undecided proposals as a deposed
     /// leader ([`Cluster::behind`]).
     pub fn behind_count(&self) -> usize {
@@ -2782,8 +2894,56 @@ impl Broker {
     pub fn take_lost(&mut self) -> Option<u64> {
         let c = self.cluster.as_mut()?;
         let lost = std::mem::take(&mut c.lost_upto);
+        let lost_holds = c.holds.take_newly_lost();
         self.held_dead_letters_lost(lost);
+        self.forget_lost_keys(&lost_holds);
         (lost > 0).then_some(lost)
+    }
+
+    /// A duplicate dropped because its first copy, a channel's publish in `hold`, was taken:
+    /// its confirm waits for that hold. A channel's publish joins it; any other (the
+    /// management API's or SQS's, which wait for store batches) gets the batch being filled,
+    /// whose confirms wait for the hold to end.
+    pub(super) fn duplicate_of(&mut self, hold: u64) -> Option<u64> {
+        let now = self.now_ms;
+        let c = self.cluster.as_mut()?;
+        if hold == 0 || c.holds.state(hold) == crate::holds::HoldState::Applied {
+            return None;
+        }
+        if c.holds.is_open() {
+            c.holds.join(hold);
+            return None;
+        }
+        let batch = open_batch(self.persist.as_mut());
+        let c = self.cluster.as_mut()?;
+        if c.holds.state(hold) == crate::holds::HoldState::Lost {
+            c.lost_upto = c.lost_upto.max(batch);
+        } else {
+            c.wait_in_batch_for(hold, batch, now);
+        }
+        Some(batch)
+    }
+
+    /// Deduplication windows forget the keys of publishes whose entries were lost: their
+    /// publishers were nacked, and a retry is new. (Judged before this runs, a retry is new
+    /// too: the window looks at its first copy's hold.)
+    fn forget_lost_keys(&mut self, holds: &[u64]) {
+        if holds.is_empty() || (!self.dedup_exchanges && self.dedup_queues == 0) {
+            return;
+        }
+        let holds: std::collections::BTreeSet<u64> = holds.iter().copied().collect();
+        for vh in self.vhosts.values_mut() {
+            for x in vh.exchanges.values_mut() {
+                if let Some(d) = x.dedup.as_deref_mut() {
+                    d.forget_holds(&holds);
+                }
+            }
+        }
+        for q in self.queues.values_mut() {
+            if let Some(d) = q.dedup.as_deref_mut() {
+                d.forget_holds(&holds);
+            }
+        }
     }
 
     /// Consumers on this node of replicated queues it no longer leads: the session tells them
@@ -2930,6 +3090,7 @@ impl Broker {
         };
         let token = Token {
             batch: 0,
+            hold: 0,
             forwarded: false,
             release: None,
         };
@@ -3079,7 +3240,7 @@ impl Broker {
                     // publisher, told "enqueued" long ago, gets a nack. Its entry carries the
                     // same refusal to every member; the proposal's token is this node's own
                     // now, which the entry alone would settle as a success.
-                    c.lost_upto = c.lost_upto.max(token.batch);
+                    c.lose(&token);
                 }
             }
             if applied {
