@@ -548,7 +548,9 @@ impl Cluster {
         match state {
             HoldState::Lost => Some(false),
             HoldState::Pending => None,
-            HoldState::Applied => (m.broker.confirmable(m.written) >= batch).then_some(true),
+            // A channel's confirm waits for its store batch's write, not for other publishes'
+            // entries.
+            HoldState::Applied => (m.written >= batch).then_some(true),
         }
     }
 
@@ -2713,6 +2715,8 @@ fn a_channels_publish_to_a_stuck_queue_holds_back_no_other_channels_confirm() {
     c.stalled.insert(group);
     let stuck = c.publish_held(leader, 1, "jobs");
     assert_ne!(stuck.1, 0, "it waits in a hold");
+    // The management API's publish waits in its store batch: that holds no channel back either.
+    let api = c.publish(leader, 9);
     let other = c.publish_held(leader, 2, "jobs2");
     // Forwarded through a follower too: its hold waits for the entry to be applied there.
     let follower = leader % 3 + 1;
@@ -2725,6 +2729,10 @@ fn a_channels_publish_to_a_stuck_queue_holds_back_no_other_channels_confirm() {
     );
     assert_eq!(c.held(follower, forwarded), Some(true));
     assert_eq!(c.held(leader, stuck), None, "it waits for its own entry");
+    assert!(
+        !c.confirmed(leader, api),
+        "the API's publish waits for its own entry"
+    );
     assert!(c.broker(leader).take_lost().is_none(), "nothing nacked");
     let mut nacked = None;
     for step in 0..3_100u32 {
@@ -2741,6 +2749,8 @@ fn a_channels_publish_to_a_stuck_queue_holds_back_no_other_channels_confirm() {
     }
     let at = nacked.expect("nacked after the timeout");
     assert!(at >= 2_900, "nacked after {at} steps of 10 ms");
+    c.run(2);
+    assert!(c.broker(leader).take_lost().is_some_and(|l| l >= api));
     // Lost holds go once no channel waits on them.
     let b = c.broker(leader);
     assert!(b.holds().is_some_and(|h| h.has_lost()));

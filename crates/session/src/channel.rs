@@ -56,18 +56,6 @@ impl Fault {
     }
 }
 
-/// The first hold among the first few of `len` waiting confirms or commits; a lower bound
-/// (1) if none of those few has one but more wait.
-fn first_hold(holds: impl Iterator<Item = u64>, len: usize) -> Option<u64> {
-    const LOOK: usize = 64;
-    let mut holds = holds.take(LOOK);
-    match holds.find(|h| *h != 0) {
-        Some(h) => Some(h),
-        None if len > LOOK => Some(1),
-        None => None,
-    }
-}
-
 /// What a channel handler needs from outside the channel.
 /// A publish whose confirm waits for a store write (or for an earlier one that does).
 #[derive(Clone, Copy, Debug)]
@@ -301,12 +289,10 @@ pub(crate) struct Channel {
     /// tx.commit-ok replies waiting for the store write that holds the transaction's persistent
     /// messages (the batch numbers, in commit order).
     commit_waiting: VecDeque<(u64, u64)>,
-    /// The lowest hold pushed out of order (a deduplicated publish waits for an earlier
-    /// publish's), while confirms or commits wait (0: none): what [`Channel::hold_floor`]
-    /// cannot find at the front.
-    low_hold: u64,
-    /// The last hold a confirm or commit was pushed with.
-    last_hold: u64,
+    /// The holds waiting confirms and commits wait for, with how many wait for each (a
+    /// deduplicated publish may wait for an earlier publish's): the lowest is what
+    /// [`Channel::hold_floor`] tells.
+    holds_waiting: BTreeMap<u64, u32>,
     /// A store write a commit waited for failed: the channel is to be closed.
     commit_failed: bool,
     tx: Option<Vec<TxOp>>,
@@ -361,8 +347,7 @@ impl Channel {
             confirm_waiting: VecDeque::new(),
             write_checked: None,
             commit_waiting: VecDeque::new(),
-            low_hold: 0,
-            last_hold: 0,
+            holds_waiting: BTreeMap::new(),
             commit_failed: false,
             tx: None,
             next_tag: 1,
@@ -752,6 +737,7 @@ impl Channel {
                 break;
             }
             self.confirm_waiting.pop_front();
+            self.unnote_hold(hold);
             latency.observe(now.saturating_sub(at));
             if !rejected && !failed && held == HoldState::Applied {
                 self.confirm_ready(seq);
@@ -771,7 +757,9 @@ impl Channel {
             // A failed write fails the commits in it; one that waits for no write (only for
             // replicated entries) fails only with them.
             if (!ok && batch != 0) || held == HoldState::Lost {
-                self.commit_waiting.clear();
+                for (_, h) in std::mem::take(&mut self.commit_waiting) {
+                    self.unnote_hold(h);
+                }
                 self.commit_failed = true;
                 break;
             }
@@ -779,40 +767,33 @@ impl Channel {
                 break;
             }
             self.commit_waiting.pop_front();
+            self.unnote_hold(hold);
             send(out, self.id, TxCommitOk {});
-        }
-        if !self.confirms_waiting() {
-            self.low_hold = 0;
         }
         self.confirms_waiting()
     }
 
     /// A confirm or commit now waits for `hold`.
     fn note_hold(&mut self, hold: u64) {
-        if hold == 0 {
-            return;
+        if hold != 0 {
+            *self.holds_waiting.entry(hold).or_insert(0) += 1;
         }
-        if hold < self.last_hold && (self.low_hold == 0 || hold < self.low_hold) {
-            self.low_hold = hold;
+    }
+
+    /// A confirm or commit that waited for `hold` is answered.
+    fn unnote_hold(&mut self, hold: u64) {
+        if let Some(n) = self.holds_waiting.get_mut(&hold) {
+            *n -= 1;
+            if *n == 0 {
+                self.holds_waiting.remove(&hold);
+            }
         }
-        self.last_hold = self.last_hold.max(hold);
     }
 
     /// The lowest hold a confirm or commit of this channel waits for, if any: lost holds below
-    /// every channel's floor are forgotten. Looks at the first few waiting confirms only
-    /// (holds are pushed in increasing order, but for a deduplicated publish's, kept apart);
-    /// past them it answers with a lower bound, which only keeps lost holds longer.
+    /// every channel's floor are forgotten.
     pub fn hold_floor(&self) -> Option<u64> {
-        let confirms = first_hold(
-            self.confirm_waiting.iter().map(|w| w.hold),
-            self.confirm_waiting.len(),
-        );
-        let commits = first_hold(
-            self.commit_waiting.iter().map(|c| c.1),
-            self.commit_waiting.len(),
-        );
-        let low = (self.low_hold != 0).then_some(self.low_hold);
-        [confirms, commits, low].into_iter().flatten().min()
+        self.holds_waiting.keys().next().copied()
     }
 
     fn route(

@@ -246,17 +246,24 @@ impl Node {
         } else {
             self.broker.writes_failed(upto);
         }
-        // A batch holding entries of replicated queues is confirmed once they are committed too;
-        // one whose entries are lost is nacked first.
-        if let Some(lost) = self.broker.take_lost() {
-            self.release_confirms(lost, false, now);
-        }
-        let upto = if ok {
-            self.broker.confirmable(upto)
+        self.replicated_marks();
+        if ok {
+            self.release_confirms(self.written, true, now);
         } else {
-            upto
-        };
-        self.release_confirms(upto, ok, now);
+            self.nacked = self.nacked.max(upto);
+            self.release_confirms(upto, false, now);
+        }
+    }
+
+    /// The confirm marks the management API's and SQS's publishes wait for: a batch holding
+    /// entries of replicated queues is confirmed once they are committed too, and nacked if
+    /// they are lost. A channel's confirms wait for their own entries instead (their holds), so
+    /// no other publish's entries hold them back.
+    fn replicated_marks(&mut self) {
+        if let Some(lost) = self.broker.take_lost() {
+            self.nacked = self.nacked.max(lost);
+        }
+        self.confirmed = self.confirmed.max(self.broker.confirmable(self.written));
     }
 
     /// Makes this node `node` of the cluster of `nodes` (see `Broker::join_cluster`).
@@ -354,11 +361,8 @@ impl Node {
     }
 
     fn after_replication(&mut self, now: u64) {
-        if let Some(lost) = self.broker.take_lost() {
-            self.release_confirms(lost, false, now);
-        }
-        let upto = self.broker.confirmable(self.written);
-        self.release_confirms(upto, true, now);
+        self.replicated_marks();
+        self.release_confirms(self.written, true, now);
         let cancelled = self.broker.take_replica_cancelled();
         if !cancelled.is_empty() {
             self.consumers_cancelled(cancelled.into_iter());
@@ -539,20 +543,15 @@ impl Node {
         }
     }
 
-    /// Publisher confirms and commits waiting for batches up to `upto` go out: acks, or nacks
-    /// (`ok` false) after a failed write or a lost replicated entry.
     /// The highest batch confirmed and the highest refused (see [`Node::writes_done`]): what
     /// a change that waits for its batch (the management API's, SQS's) may answer.
     pub fn confirm_marks(&self) -> (u64, u64) {
         (self.confirmed, self.nacked)
     }
 
+    /// Channels' confirms and commits waiting for store batches up to `upto` go out (acks, or
+    /// nacks when the write failed), each once its replicated entries are applied too.
     fn release_confirms(&mut self, upto: u64, ok: bool, now: u64) {
-        if ok {
-            self.confirmed = self.confirmed.max(upto);
-        } else {
-            self.nacked = self.nacked.max(upto);
-        }
         let waiters = std::mem::take(&mut self.confirm_waiters);
         let holds = self.broker.holds();
         let prune = holds.is_some_and(|h| h.has_lost());

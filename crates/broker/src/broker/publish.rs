@@ -163,8 +163,37 @@ impl Broker {
     }
 
     /// Routes and enqueues. Errors: 404 no exchange, 403 internal exchange, 406 message too
-    /// large.
+    /// large. A channel's publish on a cluster runs inside its hold ([`Broker::open_hold`]);
+    /// any other (the management API's, SQS's) gets a hold of its own, which the store batch
+    /// its confirm waits in waits for.
     pub fn publish(
+        &mut self,
+        vhost: &str,
+        exchange: &str,
+        routing_key: &str,
+        message: Message,
+        now_ms: u64,
+    ) -> Result<Routed, AmqpError> {
+        let own = match self.cluster.as_mut() {
+            Some(c) if !c.holds.is_open() => {
+                c.holds.open();
+                true
+            }
+            _ => false,
+        };
+        let routed = self.publish_in_hold(vhost, exchange, routing_key, message, now_ms);
+        if !own {
+            return routed;
+        }
+        let hold = self.close_hold();
+        let waits = self.batch_waits_for(hold);
+        routed.map(|r| Routed {
+            batch: r.batch.max(waits),
+            ..r
+        })
+    }
+
+    fn publish_in_hold(
         &mut self,
         vhost: &str,
         exchange: &str,

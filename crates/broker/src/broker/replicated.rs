@@ -2900,23 +2900,29 @@ impl Broker {
         (lost > 0).then_some(lost)
     }
 
-    /// A duplicate dropped because its first copy, a channel's publish in `hold`, was taken:
-    /// its confirm waits for that hold. A channel's publish joins it; any other (the
-    /// management API's or SQS's, which wait for store batches) gets the batch being filled,
-    /// whose confirms wait for the hold to end.
+    /// A duplicate dropped because its first copy, a publish in `hold`, was taken: its confirm
+    /// waits for that hold. A publish in a hold (a channel's, or one of its own) joins it; a
+    /// store batch waits for it otherwise.
     pub(super) fn duplicate_of(&mut self, hold: u64) -> Option<u64> {
-        let now = self.now_ms;
         let c = self.cluster.as_mut()?;
-        if hold == 0 || c.holds.state(hold) == crate::holds::HoldState::Applied {
-            return None;
-        }
         if c.holds.is_open() {
             c.holds.join(hold);
             return None;
         }
+        self.batch_waits_for(hold)
+    }
+
+    /// The store batch being filled waits for `hold` (0: none) to be applied, and is nacked if
+    /// it is lost: the batch, if there is one to wait for.
+    pub(super) fn batch_waits_for(&mut self, hold: u64) -> Option<u64> {
+        let now = self.now_ms;
+        let state = self.cluster.as_ref()?.holds.state(hold);
+        if state == crate::holds::HoldState::Applied {
+            return None;
+        }
         let batch = open_batch(self.persist.as_mut());
         let c = self.cluster.as_mut()?;
-        if c.holds.state(hold) == crate::holds::HoldState::Lost {
+        if state == crate::holds::HoldState::Lost {
             c.lost_upto = c.lost_upto.max(batch);
         } else {
             c.wait_in_batch_for(hold, batch, now);
