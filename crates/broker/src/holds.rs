@@ -117,11 +117,11 @@ impl Holds {
         }
     }
 
-    /// The open hold, if a proposal counted in it (0: none): what a deduplication window
-    /// remembers for the publish's later copies to wait on.
+    /// The open hold, if a proposal counted in it or it joined another (0: none): what a
+    /// deduplication window remembers for the publish's later copies to wait on.
     pub(crate) fn routed(&self) -> u64 {
         match &self.span {
-            Some(s) if s.used => s.id,
+            Some(s) if s.used || !s.joined.is_empty() => s.id,
             _ => 0,
         }
     }
@@ -167,7 +167,8 @@ impl Holds {
     }
 
     /// Ends the open hold, at `now`: the hold the publish (or transaction) waits for, if any
-    /// (0: none). One that joined earlier holds waits for them through its own.
+    /// (0: none). One that joined earlier holds waits for them through its own (which a
+    /// deduplication window may have remembered: [`Holds::routed`]).
     pub(crate) fn close(&mut self, now: u64) -> u64 {
         let Some(s) = self.span.take() else {
             return 0;
@@ -181,17 +182,14 @@ impl Holds {
         joined.dedup();
         // A proposal lost before it counted (its encoding failed) still makes it wait: lost.
         let used = s.used || self.lost.contains(&s.id);
-        match (used, joined.as_slice()) {
-            (false, []) => return 0,
-            (false, [one]) => return *one,
-            _ => {}
+        if !used && joined.is_empty() {
+            return 0;
         }
         let own = s.id;
         for h in joined {
             if self.state(h) == HoldState::Lost {
+                // Lost too, even with no proposal of its own.
                 self.settle(own, true);
-                // Kept lost even if it had no proposal of its own.
-                self.lost.insert(own);
             } else if self.state(own) != HoldState::Lost {
                 self.pending
                     .entry(own)
@@ -413,11 +411,30 @@ mod tests {
         closed(&mut h);
         h.open();
         h.join(first);
-        assert_eq!(closed(&mut h), vec![first]);
+        let joined = closed(&mut h);
+        assert_eq!(joined.len(), 1);
+        assert_eq!(h.state(joined[0]), HoldState::Pending);
         h.settle(first, false);
+        assert_eq!(h.state(joined[0]), HoldState::Applied);
         h.open();
         h.join(first);
         assert!(closed(&mut h).is_empty(), "applied: nothing to wait for");
+    }
+
+    #[test]
+    fn a_publish_that_only_joined_is_remembered_by_its_own_hold() {
+        let mut h = Holds::default();
+        let first = one_publish(&mut h, 1);
+        h.open();
+        let id = h.current();
+        assert_eq!(h.routed(), 0);
+        h.join(first);
+        // What a window remembers for it must be a hold its later duplicates can wait on.
+        assert_eq!(h.routed(), id);
+        assert_eq!(h.close(0), id);
+        h.settle(first, true);
+        assert_eq!(h.state(id), HoldState::Lost);
+        assert_eq!(h.take_newly_lost(), vec![first, id]);
     }
 
     #[test]

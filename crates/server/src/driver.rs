@@ -144,12 +144,16 @@ struct WriteState {
 }
 
 impl WriteState {
-    /// What became of batch `sent`: on disk (`true`), refused (`false`), not known yet.
+    /// What became of batch `sent`: on disk (`true`), refused (`false`), not known yet. A
+    /// refusal is looked at first: a batch whose replicated entries were lost stops holding
+    /// the confirmed mark back as it is refused, so both marks pass it at once. (An earlier
+    /// batch whose waiter looks only then is refused too: a retry makes a duplicate, never a
+    /// loss.)
     fn outcome(self, sent: u64) -> Option<bool> {
-        if self.upto >= sent {
-            Some(true)
-        } else if self.failed >= sent {
+        if self.failed >= sent {
             Some(false)
+        } else if self.upto >= sent {
+            Some(true)
         } else {
             None
         }
