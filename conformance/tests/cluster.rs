@@ -1727,6 +1727,41 @@ async fn a_delayed_exchanges_message_for_a_quorum_queue_is_released_after_the_no
     assert_eq!(got, want);
 }
 
+/// Warren's own `POST .../move` into a quorum queue on a cluster: each message leaves its
+/// source once its copy's entry is applied (given back if it is lost), so what the answer
+/// counts as moved is in the destination on every node and gone from the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_moved_into_a_quorum_queue_leave_their_source_once_their_copies_commit() {
+    let c = TestCluster::start(3, 20);
+    let (from, to) = (unique("mv-from"), unique("mv-to"));
+    declare_quorum_with(&c, &to, &[]).await;
+    // A classic queue on node 1 (a quorum queue's leader answers a get with get-empty while
+    // it is ahead of its log: one message a call).
+    let (_conn, ch) = channel(&c, 1).await;
+    ch.queue_declare(
+        from.as_str().into(),
+        lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare");
+    publish_confirmed(&ch, &from, (0..20).map(|i| format!("m{i}"))).await;
+    let (status, moved) = Api::of(c.node(1)).call(
+        "POST",
+        &format!("/queues/%2f/{from}/move"),
+        Some(serde_json::json!({ "destination": to })),
+    );
+    assert_eq!(status, 200, "{moved}");
+    assert_eq!(moved["moved"], 20);
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &to, 20);
+    }
+    wait_for_messages(&c, 1, &from, 0);
+}
+
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every
 /// node: a key published through one node is a duplicate through another (confirmed, not
 /// enqueued), and still after the leader's node dies. Before, each node judged alone, in

@@ -308,6 +308,7 @@ impl Node {
             )));
         }
         let mut moved = 0;
+        let mut held = Vec::new();
         while moved < count {
             let Some((d, _)) = broker.get(vhost, from, false, API_CONN)? else {
                 break;
@@ -329,9 +330,20 @@ impl Node {
                 store_key: None,
                 away: None,
             };
-            match broker.publish(vhost, "", to, message, now) {
+            // A copy in a quorum queue is safe once its entries are applied: the message
+            // leaves its source then (`Node::end_held_moves`), and goes back if they are lost.
+            broker.open_hold();
+            let routed = broker.publish(vhost, "", to, message, now);
+            let hold = broker.close_hold();
+            // The answer waits for the copy's entries too.
+            broker.batch_waits_for(hold);
+            match routed {
                 Ok(r) if r.queues > 0 && !r.rejected => {
-                    broker.settle(d.queue, d.receipt);
+                    if hold == 0 {
+                        broker.settle(d.queue, d.receipt);
+                    } else {
+                        held.push((hold, d.queue, d.receipt));
+                    }
                     moved += 1;
                 }
                 _ => {
@@ -340,6 +352,7 @@ impl Node {
                 }
             }
         }
+        self.held_moves.extend(held);
         Ok(moved)
     }
 

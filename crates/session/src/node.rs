@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use bytes::{Bytes, BytesMut};
+use warren_broker::holds::HoldState;
 use warren_broker::limits::{LimitScope, MAX_CHANNELS, MAX_CONNECTIONS};
 use warren_broker::{Broker, ConnId, ConsumerKey, Delivery, QueueId, Receipt};
 use warren_codec::{
@@ -116,6 +117,9 @@ pub struct Node {
     /// until their callers take them ([`Node::take_api_declare`]); the oldest go beyond
     /// [`API_DECLARES_KEPT`] (a caller that went away never takes its answer).
     api_declares: BTreeMap<u64, Result<warren_broker::QueueDeclared, AmqpError>>,
+    /// Messages the management API moved to a quorum queue, still in flight from their source
+    /// until the copy's entries are applied (then settled there) or lost (then given back).
+    pub(crate) held_moves: Vec<(u64, QueueId, Receipt)>,
 }
 
 impl Node {
@@ -138,6 +142,7 @@ impl Node {
             confirmed: 0,
             nacked: 0,
             api_declares: BTreeMap::new(),
+            held_moves: Vec::new(),
         }
     }
 
@@ -552,10 +557,10 @@ impl Node {
     /// Channels' confirms and commits waiting for store batches up to `upto` go out (acks, or
     /// nacks when the write failed), each once its replicated entries are applied too.
     fn release_confirms(&mut self, upto: u64, ok: bool, now: u64) {
+        let mut floor = self.end_held_moves();
         let waiters = std::mem::take(&mut self.confirm_waiters);
         let holds = self.broker.holds();
         let prune = holds.is_some_and(|h| h.has_lost());
-        let mut floor: Option<u64> = None;
         let mut failed_commits = Vec::new();
         for (conn, channel) in waiters {
             let Some(c) = self.conns.get_mut(&conn) else {
@@ -595,6 +600,35 @@ impl Node {
             tracing::warn!(conn, channel, "the store write (or the replicated entries) of a committed transaction failed: the commit fails and its channel is closed");
             close_channel(&mut self.broker, &mut c.out, ch, &error, TX_COMMIT);
         }
+    }
+
+    /// Moved messages whose copies' entries are applied leave their source, those whose are
+    /// lost go back to it; the lowest hold the others still wait for.
+    fn end_held_moves(&mut self) -> Option<u64> {
+        if self.held_moves.is_empty() {
+            return None;
+        }
+        let holds = self.broker.holds()?;
+        let mut ended = Vec::new();
+        self.held_moves.retain(|&(hold, queue, receipt)| {
+            let state = holds.state(hold);
+            if state != HoldState::Pending {
+                ended.push((state, queue, receipt));
+            }
+            state == HoldState::Pending
+        });
+        for (state, queue, receipt) in ended {
+            if state == HoldState::Applied {
+                self.broker.settle(queue, receipt);
+            } else {
+                tracing::warn!(
+                    queue = queue.0,
+                    "a moved message's copy was lost: it goes back to its queue"
+                );
+                self.broker.release(queue, receipt);
+            }
+        }
+        self.held_moves.iter().map(|m| m.0).min()
     }
 
     /// From each publish to its confirm, over every confirm sent since the start.

@@ -2913,8 +2913,8 @@ impl Broker {
     }
 
     /// The store batch being filled waits for `hold` (0: none) to be applied, and is nacked if
-    /// it is lost: the batch, if there is one to wait for.
-    pub(super) fn batch_waits_for(&mut self, hold: u64) -> Option<u64> {
+    /// it is lost: the batch, if there is one to wait for (what the management API waits on).
+    pub fn batch_waits_for(&mut self, hold: u64) -> Option<u64> {
         let now = self.now_ms;
         let state = self.cluster.as_ref()?.holds.state(hold);
         if state == crate::holds::HoldState::Applied {

@@ -1024,7 +1024,8 @@ async fn purge_queue(
 /// `ackmode` says (`ack_requeue_true` puts them back, redelivered, as RabbitMQ does).
 /// Warren's own: `POST /api/queues/{vhost}/{name}/move` with `{"destination": "q2"}` and an
 /// optional `count` (default and most: 10,000) moves ready messages to another queue of
-/// the vhost, each put there and acked here in one store write. Answers `{"moved": n}`.
+/// the vhost, each put there and acked here in one store write (acked once its copy's
+/// entries are applied, for a quorum queue on a cluster). Answers `{"moved": n}`.
 async fn move_messages(
     State(api): ApiState,
     LoggedIn(who): LoggedIn,
