@@ -150,7 +150,10 @@ impl WriteState {
     /// batch whose waiter looks only then is refused too: a retry makes a duplicate, never a
     /// loss.)
     fn outcome(self, sent: u64) -> Option<bool> {
-        if self.failed >= sent {
+        if sent == 0 {
+            // No batch: nothing was written for it (batches are numbered from 1).
+            Some(true)
+        } else if self.failed >= sent {
             Some(false)
         } else if self.upto >= sent {
             Some(true)
@@ -2184,6 +2187,20 @@ async fn write_loop(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_refused_as_it_is_confirmed_reads_refused_and_no_batch_reads_written() {
+        let state = |upto, failed| WriteState {
+            upto,
+            failed,
+            ..WriteState::default()
+        };
+        // Lost replicated entries let the confirmed mark pass their batch as it is refused.
+        assert_eq!(state(7, 7).outcome(7), Some(false));
+        assert_eq!(state(7, 3).outcome(5), Some(true));
+        assert_eq!(state(4, 3).outcome(5), None);
+        assert_eq!(state(0, 0).outcome(0), Some(true), "nothing to wait for");
+    }
 
     #[test]
     fn a_shovel_restart_forward_reads_back_whatever_its_names_hold() {
