@@ -144,6 +144,17 @@ struct WriteState {
 }
 
 impl WriteState {
+    /// [`WriteState::outcome`] for a change that found `before` sent already: one that sent
+    /// nothing of its own is answered once what came before it is written, whatever was
+    /// refused in it (a lost publish of someone else's must not refuse every later read of
+    /// an idle node).
+    fn outcome_since(self, sent: u64, before: u64) -> Option<bool> {
+        if sent <= before && self.upto >= sent {
+            return Some(true);
+        }
+        self.outcome(sent)
+    }
+
     /// What became of batch `sent`: on disk (`true`), refused (`false`), not known yet. A
     /// refusal is looked at first: a batch whose replicated entries were lost stops holding
     /// the confirmed mark back as it is refused, so both marks pass it at once. (An earlier
@@ -804,8 +815,9 @@ impl NodeHandle {
         &self,
         f: impl FnOnce(&mut Node, u64) -> R,
     ) -> Result<R, WriteError> {
+        let before = self.last_sent();
         let (r, ticket) = self.change_for_cluster(f)?;
-        self.on_disk().await?;
+        self.on_disk(before).await?;
         if let Some(ticket) = ticket {
             let deadline = tokio::time::Instant::now() + CLUSTER_WAIT;
             loop {
@@ -848,9 +860,16 @@ impl NodeHandle {
         self.0.lock().node.broker().change_waiting(ticket)
     }
 
+    /// The last batch the node has handed to the store (for [`NodeHandle::on_disk`]).
+    pub fn last_sent(&self) -> u64 {
+        self.0.lock().last_sent
+    }
+
     /// Waits, as a task, until what the node has sent to the store so far is on disk (and
     /// committed, for replicated entries); an error if it was refused or the wait ran out.
-    pub async fn on_disk(&self) -> Result<(), WriteError> {
+    /// `before`: what was sent before the change being answered was made
+    /// ([`NodeHandle::last_sent`]).
+    pub async fn on_disk(&self, before: u64) -> Result<(), WriteError> {
         let shared = &self.0;
         let sent = shared.lock().last_sent;
         let deadline = tokio::time::Instant::now() + shared.write_wait;
@@ -864,7 +883,7 @@ impl NodeHandle {
                 .state
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            match state.outcome(sent) {
+            match state.outcome_since(sent, before) {
                 Some(true) => return Ok(()),
                 Some(false) => return Err(self.refused(sent, true)),
                 None => {}
@@ -884,8 +903,9 @@ impl NodeHandle {
     /// error if the store's write fails or does not end within the wait: the change is made
     /// in memory, but nobody may be told it is durable.
     pub fn write<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
+        let before = self.last_sent();
         let (r, ticket) = self.change_for_cluster(f)?;
-        self.wait_on_disk()?;
+        self.wait_on_disk(before)?;
         if let Some(ticket) = ticket {
             // A round trip to the other nodes: milliseconds.
             let deadline = Instant::now() + CLUSTER_WAIT;
@@ -931,17 +951,24 @@ impl NodeHandle {
 
     /// Blocks until what the node has sent to the store so far is on disk (as
     /// [`NodeHandle::on_disk`], for a thread).
-    fn wait_on_disk(&self) -> Result<(), WriteError> {
+    fn wait_on_disk(&self, before: u64) -> Result<(), WriteError> {
         let sent = self.0.lock().last_sent;
-        if self.write_state().upto >= sent {
-            return Ok(());
+        if let Some(outcome) = self.write_state().outcome_since(sent, before) {
+            return if outcome {
+                Ok(())
+            } else {
+                Err(self.refused(sent, true))
+            };
         }
         // A few milliseconds (one group commit). The state's lock is taken inside: held across
         // `block_in_place`'s hand-over of the worker's tasks, it would stall every group
         // commit's report, and the node's lock with it (`with_core` takes it for the marks).
-        let outcome =
-            blocking(|| self.wait_for_state(self.0.write_wait, |s| s.outcome(sent).is_some()));
-        match outcome.outcome(sent) {
+        let outcome = blocking(|| {
+            self.wait_for_state(self.0.write_wait, |s| {
+                s.outcome_since(sent, before).is_some()
+            })
+        });
+        match outcome.outcome_since(sent, before) {
             Some(true) => Ok(()),
             Some(false) => Err(self.refused(sent, true)),
             None => Err(self.refused(sent, false)),
@@ -2200,6 +2227,9 @@ mod tests {
         assert_eq!(state(7, 3).outcome(5), Some(true));
         assert_eq!(state(4, 3).outcome(5), None);
         assert_eq!(state(0, 0).outcome(0), Some(true), "nothing to wait for");
+        // A change that sent nothing of its own is not refused for an earlier loss.
+        assert_eq!(state(7, 7).outcome_since(7, 7), Some(true));
+        assert_eq!(state(7, 7).outcome_since(7, 6), Some(false));
     }
 
     #[test]

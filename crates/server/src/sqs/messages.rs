@@ -705,6 +705,7 @@ async fn settle<R>(
     sqs: &Sqs,
     f: impl FnOnce(&mut warren_session::Node) -> Result<(QueueId, R), SqsError>,
 ) -> Result<R, SqsError> {
+    let before = sqs.node.last_sent();
     let (fifo, r) = sqs.node.change(|n, _| {
         let (queue, r) = f(n)?;
         let fifo = n
@@ -714,7 +715,7 @@ async fn settle<R>(
         Ok::<_, SqsError>((fifo, r))
     })??;
     if fifo {
-        sqs.node.on_disk().await?;
+        sqs.node.on_disk(before).await?;
     }
     Ok(r)
 }
