@@ -2702,15 +2702,21 @@ fn a_consumers_command_to_a_stuck_queue_holds_no_other_queues_confirms() {
     assert!(!c.confirmed(leader, stuck));
 }
 
+/// A cluster with `jobs` and `jobs2`, both led, and the node that leads `jobs`.
+fn with_jobs2() -> (Cluster, u64) {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    declare_jobs2(&mut c, leader);
+    c.run(5);
+    (c, leader)
+}
+
 /// A channel's publish to a queue whose group cannot commit waits alone: it held back every
 /// later confirm of the node, whatever their channel or queue, until the 30 s timeout nacked
 /// them all. Now it waits in its own hold, and is nacked alone after the timeout.
 #[test]
 fn a_channels_publish_to_a_stuck_queue_holds_back_no_other_channels_confirm() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    declare_jobs2(&mut c, leader);
-    c.run(5);
+    let (mut c, leader) = with_jobs2();
     let group = c.group;
     c.stalled.insert(group);
     let stuck = c.publish_held(leader, 1, "jobs");
@@ -2758,14 +2764,11 @@ fn a_channels_publish_to_a_stuck_queue_holds_back_no_other_channels_confirm() {
     assert!(!b.holds().is_some_and(|h| h.has_lost()));
 }
 
-/// A channel's publish whose entries a leader change drops is nacked through its hold, and its
-/// queue's deletion loses it too.
+/// A channel's publish whose entry is dropped (its queue deleted before it commits) is nacked
+/// through its hold, with no store batch nacked for it.
 #[test]
 fn a_channels_publish_whose_entry_is_dropped_is_nacked_alone() {
-    let mut c = Cluster::new();
-    let leader = c.leader();
-    declare_jobs2(&mut c, leader);
-    c.run(5);
+    let (mut c, leader) = with_jobs2();
     let lost = c.publish_held(leader, 1, "jobs");
     c.broker(leader)
         .delete_queue("/", "jobs", false, false, conn(leader, 1))
