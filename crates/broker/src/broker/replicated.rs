@@ -656,16 +656,27 @@ impl Cluster {
             self.batches_after_holds();
             return;
         }
-        if let Some(n) = self.waiting.get_mut(&token.batch) {
+        self.unwait_batch(token.batch, lost);
+    }
+
+    /// One wait fewer for the confirms of `batch`; with `lost`, they are nacks.
+    fn unwait_batch(&mut self, batch: u64, lost: bool) {
+        if let Some(n) = self.waiting.get_mut(&batch) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                self.waiting.remove(&token.batch);
-                self.waiting_since.remove(&token.batch);
+                self.waiting.remove(&batch);
+                self.waiting_since.remove(&batch);
             }
         }
         if lost {
-            self.lost_upto = self.lost_upto.max(token.batch);
+            self.lost_upto = self.lost_upto.max(batch);
         }
+    }
+
+    /// One more wait, from `now`, for the confirms of `batch`.
+    fn wait_in_batch(&mut self, batch: u64, now: u64) {
+        *self.waiting.entry(batch).or_insert(0) += 1;
+        self.waiting_since.entry(batch).or_insert(now);
     }
 
     /// The publish of `token` will never be applied: its confirm is a nack.
@@ -682,16 +693,7 @@ impl Cluster {
     /// a publisher that waits for batches): one wait fewer, or lost.
     fn batches_after_holds(&mut self) {
         for (batch, lost) in self.holds.take_batches() {
-            if let Some(n) = self.waiting.get_mut(&batch) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.waiting.remove(&batch);
-                    self.waiting_since.remove(&batch);
-                }
-            }
-            if lost {
-                self.lost_upto = self.lost_upto.max(batch);
-            }
+            self.unwait_batch(batch, lost);
         }
     }
 
@@ -699,8 +701,7 @@ impl Cluster {
     /// of a channel's publish, published by the management API or SQS).
     pub(super) fn wait_in_batch_for(&mut self, hold: u64, batch: u64, now: u64) {
         if self.holds.follow_in_batch(hold, batch) {
-            *self.waiting.entry(batch).or_insert(0) += 1;
-            self.waiting_since.entry(batch).or_insert(now);
+            self.wait_in_batch(batch, now);
         }
     }
 
@@ -730,8 +731,7 @@ impl Cluster {
             self.holds.wait_on(token.hold, now);
             return;
         }
-        *self.waiting.entry(token.batch).or_insert(0) += 1;
-        self.waiting_since.entry(token.batch).or_insert(now);
+        self.wait_in_batch(token.batch, now);
     }
 
     /// Every proposal of this node still waiting in `group` will never be applied: their
