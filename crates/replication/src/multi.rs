@@ -427,6 +427,64 @@ pub struct MultiRaft {
     /// Messages of this node's own making for the next `ready`: snapshot requests of groups
     /// waiting for their leader's snapshot.
     asks: Vec<(GroupId, Message)>,
+    /// Messages for groups this node does not have yet ([`Early`]).
+    early: Early,
+}
+
+/// Messages that arrive for a group before this node makes it, kept for a few ticks and stepped
+/// once it does. A new queue's creator campaigns as soon as it applies the metadata entry that
+/// makes the group, and its peers usually apply that entry a little later (a follower learns the
+/// commit with the leader's next message): dropped, the vote requests would leave the group
+/// without a leader until the candidate's election timeout, about half a second, and a client
+/// declaring quorum queues one after another would wait that long for most of them. Bounded in
+/// count and size; a group that never comes (a deleted queue's stragglers) has them expire.
+#[derive(Default)]
+struct Early {
+    by_group: BTreeMap<GroupId, Vec<(u64, NodeId, Envelope)>>,
+    count: usize,
+}
+
+impl Early {
+    /// At most this many messages waiting, for every group of the node.
+    const MAX: usize = 4096;
+    /// A message with more entry bytes than this is not kept (a new group's first messages
+    /// carry none or a few small ones).
+    const MAX_BYTES: usize = 64 * 1024;
+
+    fn keep(&mut self, tick: u64, from: NodeId, env: Envelope) {
+        if self.count >= Self::MAX || env.msg.get_msg_type() == MessageType::MsgSnapshot {
+            return;
+        }
+        let bytes: usize = env.msg.entries.iter().map(|e| e.data.len()).sum();
+        if bytes > Self::MAX_BYTES {
+            return;
+        }
+        self.by_group
+            .entry(env.group)
+            .or_default()
+            .push((tick, from, env));
+        self.count += 1;
+    }
+
+    fn take(&mut self, group: GroupId) -> Vec<(u64, NodeId, Envelope)> {
+        let list = self.by_group.remove(&group).unwrap_or_default();
+        self.count -= list.len();
+        list
+    }
+
+    /// Forgets what came before tick `from`.
+    fn expire(&mut self, from: u64) {
+        if self.count == 0 {
+            return;
+        }
+        let mut count = 0;
+        self.by_group.retain(|_, list| {
+            list.retain(|(at, _, _)| *at >= from);
+            count += list.len();
+            !list.is_empty()
+        });
+        self.count = count;
+    }
 }
 
 impl MultiRaft {
@@ -496,6 +554,7 @@ impl MultiRaft {
             wanted_at: BTreeMap::new(),
             starts: Vec::new(),
             asks: Vec::new(),
+            early: Early::default(),
         })
     }
 
@@ -510,6 +569,11 @@ impl MultiRaft {
 
     pub fn stats(&self) -> Stats {
         self.stats
+    }
+
+    /// Messages kept for groups this node has not made yet.
+    pub fn early_count(&self) -> usize {
+        self.early.count
     }
 
     pub fn group_count(&self) -> usize {
@@ -930,6 +994,9 @@ impl MultiRaft {
         );
         self.awake.insert(id);
         self.touched.insert(id);
+        for (_, from, env) in self.early.take(id) {
+            self.step_msgs(from, vec![env]);
+        }
         Ok(())
     }
 
@@ -1160,7 +1227,12 @@ impl MultiRaft {
                 continue;
             }
             let Some(g) = self.groups.get_mut(&env.group) else {
-                tracing::debug!(group = env.group.0, from, "message for unknown group");
+                tracing::trace!(
+                    group = env.group.0,
+                    from,
+                    "message for a group not made yet"
+                );
+                self.early.keep(self.ticks, from, env);
                 continue;
             };
             if awaits_snapshot(&g.raw) {
@@ -1305,6 +1377,9 @@ impl MultiRaft {
 
     fn tick_once(&mut self) {
         self.ticks += 1;
+        // Kept for an election timeout: a candidate whose request expired campaigns again.
+        self.early
+            .expire(self.ticks.saturating_sub(self.cfg.election_tick as u64));
         if self
             .ticks
             .is_multiple_of(self.cfg.node_heartbeat_ticks.max(1))
