@@ -333,6 +333,15 @@ impl GroupLog {
         Ok(())
     }
 
+    /// Gives back the room of entries no longer held.
+    pub fn release_spare(&mut self) {
+        if self.entries.is_empty() {
+            self.entries = std::collections::VecDeque::new();
+        } else {
+            self.entries.shrink_to_fit();
+        }
+    }
+
     /// Drops the entries up to and including `index` (they are applied and no peer needs them).
     pub fn compact_to(&mut self, index: u64) {
         let index = index.min(self.last_index());

@@ -331,3 +331,35 @@ fn a_configuration_that_would_let_followers_time_out_while_asleep_is_refused() {
     assert!(crate::MultiRaft::new(cfg).is_err());
     assert!(crate::MultiRaft::new(super::sim::config(1)).is_ok());
 }
+
+#[test]
+fn a_group_asleep_holds_no_entry_in_memory_and_a_member_back_from_down_still_catches_up() {
+    let mut sim = settled(2, 30);
+    sim.kill(3);
+    sim.run_until_led(60).expect("led without node 3");
+    for round in 0..3 {
+        for g in 0..30 {
+            assert!(sim.propose(GroupId(g), format!("{round} {g}").into_bytes()));
+        }
+        sim.run_until_asleep(100)
+            .expect("asleep after the proposals");
+    }
+    for g in 0..30 {
+        for n in [1, 2] {
+            assert_eq!(
+                sim.nodes[&n].raft.entries_in_memory(GroupId(g)),
+                Some(0),
+                "group {g} on node {n}"
+            );
+        }
+    }
+    // What node 3 lacks is read back from the durable log.
+    sim.restart(3);
+    sim.run_until_led(100).expect("led with node 3 back");
+    for g in 0..30 {
+        assert!(sim.propose(GroupId(g), format!("after {g}").into_bytes()));
+    }
+    sim.run_until_asleep(200).expect("asleep again");
+    assert_eq!(sim.committed_ever.len(), 120);
+    sim.assert_applied_everywhere(&[1, 2, 3]);
+}

@@ -59,6 +59,9 @@ impl SimNode {
         let log = MemLog::new();
         let mut raft = MultiRaft::new(cfg).expect("config");
         raft.set_snapshot_source(log.snapshots());
+        // As a server's node: entries that leave memory (a group asleep drops all of them) are
+        // read back from the log.
+        raft.set_cold_log(log.cold());
         SimNode {
             raft,
             log,

@@ -116,7 +116,10 @@ impl Rates {
         } else {
             now.saturating_sub(inner.at)
         };
-        let mut seen = HashMap::with_capacity(queues.len());
+        // Only queues that ever moved a message are kept: a queue missing from the map reads as
+        // zero rates and no history, which is what an idle queue's entry would hold, and a node
+        // with thousands of idle queues keeps nothing for them.
+        let mut seen = HashMap::with_capacity(inner.queues.len());
         let mut total = QueueRates::default();
         let (mut ready_all, mut unacked_all) = (0u64, 0u64);
         for (id, ready, unacked, counters) in queues {
@@ -147,7 +150,9 @@ impl Rates {
             total.redeliver += s.rates.redeliver;
             ready_all += ready;
             unacked_all += unacked;
-            seen.insert(id, s);
+            if s.counters != QueueCounters::default() || !s.history.is_empty() {
+                seen.insert(id, s);
+            }
         }
         // Queues deleted since the last sample are forgotten with the old map.
         inner.queues = seen;
@@ -215,6 +220,23 @@ pub async fn run(rates: Arc<Rates>, node: NodeHandle) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_idle_queue_holds_no_entry_until_it_moves_a_message() {
+        let r = Rates::default();
+        let (idle, busy) = (QueueId(1), QueueId(2));
+        let c = |p: u64| QueueCounters {
+            published: p,
+            ..QueueCounters::default()
+        };
+        r.sample(1_000_000, vec![(idle, 0, 0, c(0)), (busy, 0, 0, c(5))], 5);
+        assert_eq!(r.lock().queues.len(), 1);
+        r.sample(1_005_000, vec![(idle, 0, 0, c(10)), (busy, 0, 0, c(5))], 15);
+        // Its first messages count from zero: as if it had been sampled while idle.
+        assert_eq!(r.queue(idle).publish, 2.0);
+        assert_eq!(r.queue(busy).publish, 0.0);
+        assert_eq!(r.lock().queues.len(), 2);
+    }
 
     #[test]
     fn a_rate_is_the_change_over_the_interval() {
