@@ -1735,8 +1735,7 @@ async fn messages_moved_into_a_quorum_queue_leave_their_source_once_their_copies
     let c = TestCluster::start(3, 20);
     let (from, to) = (unique("mv-from"), unique("mv-to"));
     declare_quorum_with(&c, &to, &[]).await;
-    // A classic queue on node 1 (a quorum queue's leader answers a get with get-empty while
-    // it is ahead of its log: one message a call).
+    // A classic queue on node 1: the copies' waits alone.
     let (_conn, ch) = channel(&c, 1).await;
     ch.queue_declare(
         from.as_str().into(),
@@ -1760,6 +1759,56 @@ async fn messages_moved_into_a_quorum_queue_leave_their_source_once_their_copies
         wait_for_messages(&c, n, &to, 20);
     }
     wait_for_messages(&c, 1, &from, 0);
+}
+
+/// The management API's get and move on a quorum queue's leader take as many messages as
+/// asked, each call answered once the log has its gets. Before, the leader's machine ran ahead
+/// of its log after a call's first get and the rest came back empty: one message a call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_apis_get_and_move_take_every_message_asked_of_a_quorum_queues_leader() {
+    let c = TestCluster::start(3, 20);
+    let (q, to) = (unique("api-get"), unique("api-get-to"));
+    declare_quorum_with(&c, &q, &[]).await;
+    declare_quorum_with(&c, &to, &[]).await;
+    let leader = c.leader_of(&q, 1);
+    let (_conn, ch) = channel(&c, leader).await;
+    publish_confirmed(&ch, &q, (0..20).map(|i| format!("m{i}"))).await;
+    let api = Api::of(c.node(leader));
+    let get = |ackmode: &str| {
+        api.call(
+            "POST",
+            &format!("/queues/%2f/{q}/get"),
+            Some(serde_json::json!({ "count": 5, "ackmode": ackmode, "encoding": "auto" })),
+        )
+    };
+    let payloads = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .map(|list| {
+                list.iter()
+                    .map(|m| m["payload"].as_str().unwrap_or_default().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let first: Vec<String> = (0..5).map(|i| format!("m{i}")).collect();
+    let (status, got) = get("ack_requeue_true");
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(payloads(&got), first, "requeued");
+    let (status, got) = get("ack_requeue_false");
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(payloads(&got), first, "taken");
+    assert_eq!(got[0]["redelivered"], true, "{got}");
+    let (status, moved) = api.call(
+        "POST",
+        &format!("/queues/%2f/{q}/move"),
+        Some(serde_json::json!({ "destination": to, "count": 5 })),
+    );
+    assert_eq!(status, 200, "{moved}");
+    assert_eq!(moved["moved"], 5);
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 10);
+        wait_for_messages(&c, n, &to, 5);
+    }
 }
 
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every

@@ -45,6 +45,9 @@ struct Span {
     counting: bool,
     /// Whether a proposal counted in it.
     used: bool,
+    /// Every proposal counts while it is open, not only a publish's copies (the management
+    /// API's gets, whose answer waits for the log to have them).
+    every: bool,
     /// Holds of earlier publishes this one waits for too (a deduplicated publish waits for
     /// its first copy's).
     joined: Vec<u64>,
@@ -98,6 +101,23 @@ impl Holds {
             counting: true,
             ..Span::default()
         });
+    }
+
+    /// Starts a hold in which every proposal counts, a consumer's command too
+    /// ([`Holds::counts_every`]).
+    pub(crate) fn open_every(&mut self) {
+        self.open();
+        if let Some(s) = self.span.as_mut() {
+            s.every = true;
+        }
+    }
+
+    /// The hold a command other than a publish counts in (0: none).
+    pub(crate) fn every(&self) -> u64 {
+        match &self.span {
+            Some(s) if s.every => s.id,
+            _ => 0,
+        }
     }
 
     /// Whether the copies routed from now on count in the open hold (a publish's own do;
@@ -447,6 +467,24 @@ mod tests {
         assert_ne!(h.current(), 0);
         assert!(closed(&mut h).is_empty());
         assert_eq!(h.current(), 0);
+    }
+
+    #[test]
+    fn only_a_hold_opened_for_every_command_counts_what_is_not_a_publish() {
+        let mut h = Holds::default();
+        h.open();
+        assert_eq!(h.every(), 0);
+        h.close(0);
+        h.open_every();
+        let id = h.every();
+        assert_ne!(id, 0);
+        assert_eq!(h.current(), id);
+        h.wait_on(id, 5);
+        assert_eq!(h.close(5), id);
+        assert_eq!(h.every(), 0);
+        assert_eq!(h.state(id), HoldState::Pending);
+        h.settle(id, false);
+        assert_eq!(h.state(id), HoldState::Applied);
     }
 
     #[test]

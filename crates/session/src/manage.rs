@@ -310,7 +310,12 @@ impl Node {
         let mut moved = 0;
         let mut held = Vec::new();
         while moved < count {
-            let Some((d, _)) = broker.get(vhost, from, false, API_CONN)? else {
+            // The answer waits for the get's entry too, as for the management API's gets.
+            broker.open_hold_every();
+            let got = broker.get_awaited(vhost, from, false, API_CONN);
+            let hold = broker.close_hold();
+            broker.batch_waits_for(hold);
+            let Some((d, _)) = got? else {
                 break;
             };
             // Marked as moved: the target's deduplication must not drop it as a new publish

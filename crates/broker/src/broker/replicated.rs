@@ -1706,7 +1706,8 @@ impl Broker {
             } else {
                 Token {
                     batch: 0,
-                    hold: 0,
+                    // Waited on only by a caller that asked for it (`open_hold_every`).
+                    hold: c.holds.every(),
                     forwarded: false,
                     release,
                 }
@@ -1716,7 +1717,7 @@ impl Broker {
         match encode(now, origin, command) {
             Ok(data) => {
                 r.proposed = origin.seq;
-                if reissued.is_none() && publish {
+                if reissued.is_none() && (publish || token.hold != 0) {
                     c.wait_on(&token, now);
                 }
                 c.outbox.push(Proposal {
@@ -2858,6 +2859,14 @@ impl Broker {
     pub fn open_hold(&mut self) {
         if let Some(c) = self.cluster.as_mut() {
             c.holds.open();
+        }
+    }
+
+    /// [`Broker::open_hold`] for a caller that waits for every command it runs to be in the
+    /// log, not only its publishes (the management API's gets: [`Broker::get_awaited`]).
+    pub fn open_hold_every(&mut self) {
+        if let Some(c) = self.cluster.as_mut() {
+            c.holds.open_every();
         }
     }
 

@@ -430,6 +430,33 @@ impl Broker {
         no_ack: bool,
         conn: ConnId,
     ) -> Result<Option<(Delivery, u32)>, AmqpError> {
+        self.get_from(vhost, queue, no_ack, conn, false)
+    }
+
+    /// [`Broker::get`] for a caller that hands the message out only once the log has the
+    /// get's entry, in a hold of [`Broker::open_hold_every`] (the management API): a
+    /// replicated queue's leader gives the next message even while its machine runs ahead
+    /// of the log. Raft commits the message's own entry before the get's, so the answer never
+    /// shows a message a failover takes back; a get lost with its leader leaves the message
+    /// in the queue, and the caller answers an error.
+    pub fn get_awaited(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        no_ack: bool,
+        conn: ConnId,
+    ) -> Result<Option<(Delivery, u32)>, AmqpError> {
+        self.get_from(vhost, queue, no_ack, conn, true)
+    }
+
+    fn get_from(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        no_ack: bool,
+        conn: ConnId,
+        awaited: bool,
+    ) -> Result<Option<(Delivery, u32)>, AmqpError> {
         let queue = strip_cr_lf(queue);
         let q = self.queue_by_name(vhost, &queue)?;
         check_access(q, conn)?;
@@ -438,7 +465,7 @@ impl Broker {
             if !r.is_leading() {
                 return Err(not_led_here(q));
             }
-            if !r.caught_up() {
+            if !awaited && !r.caught_up() {
                 // A message is handed out only once the log has it, and this node's machine
                 // is ahead of it now: a poller asks again (a consumer gets held deliveries).
                 return Ok(None);

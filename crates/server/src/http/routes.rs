@@ -1111,11 +1111,19 @@ async fn get_messages(
         let needs = [Need::On(Perm::Read, Resource::Queue(&name))];
         who.permit_in(n.broker().access(), &vhost, &needs, Via::Channel)?;
         let broker = n.broker_mut();
+        // On a quorum queue's leader the answer waits until the log has the gets (and what
+        // follows them): the messages are handed out then, every one the call asked for.
+        broker.open_hold_every();
         let mut got = Vec::new();
+        let mut failed = None;
         for _ in 0..count {
-            match broker.get(&vhost, &name, false, API_CONN)? {
-                Some(d) => got.push(d),
-                None => break,
+            match broker.get_awaited(&vhost, &name, false, API_CONN) {
+                Ok(Some(d)) => got.push(d),
+                Ok(None) => break,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
             }
         }
         for (d, _) in &got {
@@ -1125,7 +1133,12 @@ async fn get_messages(
                 (false, false) => broker.discard(d.queue, d.receipt),
             };
         }
-        Ok::<_, ApiError>(got)
+        let hold = broker.close_hold();
+        broker.batch_waits_for(hold);
+        match failed {
+            Some(e) if got.is_empty() => Err(ApiError::from(e)),
+            _ => Ok(got),
+        }
     })??;
     let out: Vec<Value> = got
         .iter()
