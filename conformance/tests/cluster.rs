@@ -1761,6 +1761,44 @@ async fn messages_moved_into_a_quorum_queue_leave_their_source_once_their_copies
     wait_for_messages(&c, 1, &from, 0);
 }
 
+/// basic.get on a quorum queue's leader, one right after another: each answered with the next
+/// message, once the log has the get. Before, a get while the leader's machine ran ahead of its
+/// log (the previous get's entry not yet committed, or a publisher busy on the queue) answered
+/// get-empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn basic_gets_on_a_quorum_queues_leader_one_after_another_each_take_a_message() {
+    let c = TestCluster::start(3, 20);
+    let q = unique("polled");
+    declare_quorum_with(&c, &q, &[]).await;
+    let leader = c.leader_of(&q, 1);
+    let (_conn, ch) = channel(&c, leader).await;
+    publish_confirmed(&ch, &q, (0..20).map(|i| format!("p{i}"))).await;
+    for i in 0..20u32 {
+        let no_ack = i % 2 == 0;
+        let got = tokio::time::timeout(
+            WAIT,
+            ch.basic_get(q.as_str().into(), BasicGetOptions { no_ack }),
+        )
+        .await
+        .expect("a get's answer within the wait")
+        .expect("basic.get")
+        .unwrap_or_else(|| panic!("get-empty at get {i}"));
+        assert_eq!(
+            (
+                String::from_utf8_lossy(&got.data).into_owned(),
+                got.message_count
+            ),
+            (format!("p{i}"), 19 - i)
+        );
+        if !no_ack {
+            got.ack(BasicAckOptions::default()).await.expect("ack");
+        }
+    }
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 0);
+    }
+}
+
 /// The management API's get and move on a quorum queue's leader take as many messages as
 /// asked, each call answered once the log has its gets. Before, the leader's machine ran ahead
 /// of its log after a call's first get and the rest came back empty: one message a call.

@@ -13,6 +13,9 @@
 //! term, and this node's forwards in the order it sent them. A snapshot that skips a get's
 //! entry (or the entry of one whose wait ran out) brings this node `Down`: the message the
 //! skipped entry took comes back.
+//!
+//! On the leader itself, a get while its machine runs ahead of the log waits the same way
+//! ([`HeldGet`]), for the log to have the get.
 
 use super::*;
 use crate::replica::{Mode, NodeId};
@@ -44,6 +47,19 @@ pub struct GetAnswer {
     pub got: Option<(Delivery, u32)>,
 }
 
+/// A get on the queue's leader while its machine runs ahead of the log: the message is taken
+/// there at once, and handed out once the log has the get (its hold applied; nothing, if the
+/// hold is lost). Raft commits the message's own entry before the get, so the client never
+/// sees a message a failover takes back. Before, such a get answered get-empty, and a poller
+/// of a queue a publisher was busy with got nothing most of the time.
+#[derive(Debug)]
+struct HeldGet {
+    conn: ConnId,
+    channel: u16,
+    ticket: u64,
+    got: (Delivery, u32),
+}
+
 #[derive(Debug)]
 struct Waiter {
     conn: ConnId,
@@ -63,6 +79,8 @@ pub(super) struct RemoteGets {
     given_up: BTreeMap<(u64, u64), u64>,
     answers: Vec<GetAnswer>,
     next_ticket: u64,
+    /// The leader's own gets waiting for the log, by hold.
+    held: BTreeMap<u64, HeldGet>,
 }
 
 /// A get of this node's applied from the log: the queue, its group, the proposal number, and
@@ -75,6 +93,31 @@ pub(super) struct AppliedGet {
 }
 
 impl RemoteGets {
+    /// Holds settled: each held get whose hold ended is answered, with its message if the log
+    /// has the get.
+    pub(super) fn holds_settled(&mut self, holds: &crate::holds::Holds) {
+        if self.held.is_empty() {
+            return;
+        }
+        let ended: Vec<u64> = self
+            .held
+            .keys()
+            .filter(|h| holds.state(**h) != crate::holds::HoldState::Pending)
+            .copied()
+            .collect();
+        for hold in ended {
+            if let Some(g) = self.held.remove(&hold) {
+                let applied = holds.state(hold) == crate::holds::HoldState::Applied;
+                self.answers.push(GetAnswer {
+                    conn: g.conn,
+                    channel: g.channel,
+                    ticket: g.ticket,
+                    got: applied.then_some(g.got),
+                });
+            }
+        }
+    }
+
     /// Answers the get empty (its entry may still come: `given_up` keeps it).
     fn give_up(&mut self, key: (u64, u64)) {
         if let Some(w) = self.waiting.remove(&key) {
@@ -160,6 +203,10 @@ impl Broker {
         // this node has not applied yet is a few milliseconds old). A poll of a queue with
         // `x-expires` is a use, which only the log can record.
         let idle = q.machine.ready_count() == 0 && q.args.expires_ms.is_none();
+        let ahead = q
+            .replica
+            .as_ref()
+            .is_some_and(|r| r.is_leading() && !r.caught_up());
         let elsewhere = q.replica.as_ref().and_then(|r| match r.mode {
             Mode::Following if idle => Some(None),
             Mode::Following => Some(r.leader.filter(|l| Some(*l) != node)),
@@ -167,12 +214,52 @@ impl Broker {
             Mode::Leading { .. } => None,
         });
         match elsewhere {
+            None if ahead && !idle => self.held_get(vhost, queue, conn, channel),
             None => self.get(vhost, queue, no_ack, conn).map(Got::Now),
             Some(None) => Ok(Got::Now(None)),
             Some(Some(leader)) => Ok(match self.forward_get(id, leader, conn, channel) {
                 Some(ticket) => Got::Waiting(ticket),
                 None => Got::Now(None),
             }),
+        }
+    }
+
+    /// A get on a leader whose machine runs ahead of its log ([`HeldGet`]): taken with an ack
+    /// to come, as a forwarded get is (the channel settles a no-ack get once it is sent).
+    fn held_get(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        conn: ConnId,
+        channel: u16,
+    ) -> Result<Got, AmqpError> {
+        self.open_hold_every();
+        let got = self.get_awaited(vhost, queue, false, conn);
+        let hold = self.close_hold();
+        let Some(got) = got? else {
+            return Ok(Got::Now(None));
+        };
+        let Some(c) = self.cluster.as_mut() else {
+            return Ok(Got::Now(Some(got)));
+        };
+        match c.holds.state(hold) {
+            crate::holds::HoldState::Applied => Ok(Got::Now(Some(got))),
+            crate::holds::HoldState::Lost => Ok(Got::Now(None)),
+            crate::holds::HoldState::Pending => {
+                let gets = &mut c.gets;
+                gets.next_ticket += 1;
+                let ticket = gets.next_ticket;
+                gets.held.insert(
+                    hold,
+                    HeldGet {
+                        conn,
+                        channel,
+                        ticket,
+                        got,
+                    },
+                );
+                Ok(Got::Waiting(ticket))
+            }
         }
     }
 

@@ -695,6 +695,7 @@ impl Cluster {
         for (batch, lost) in self.holds.take_batches() {
             self.unwait_batch(batch, lost);
         }
+        self.gets.holds_settled(&self.holds);
     }
 
     /// The confirms of the store batch being filled wait for `hold` too (a deduplicated copy
