@@ -951,6 +951,80 @@ fn a_get_waiting_on_a_leader_that_dies_is_answered_empty_and_loses_nothing() {
     }
 }
 
+/// A channel's basic.get on the leader: waits if the leader is ahead of its log.
+fn leader_get(c: &mut Cluster, leader: u64) -> Got {
+    c.broker(leader)
+        .basic_get("/", "jobs", false, conn(leader, 7), 1)
+        .expect("basic.get")
+}
+
+/// A basic.get on the leader while its machine runs ahead of the log (a publish not yet
+/// committed) takes the next message and is answered once the log has the get; one whose
+/// entry cannot commit is answered empty after the wait and gives its message back.
+#[test]
+fn a_get_on_a_leader_ahead_of_its_log_waits_for_its_entry_or_gives_its_message_back() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    c.publish(leader, 0);
+    c.publish(leader, 1);
+    c.run(30);
+    // Ahead: a publish proposed and not committed yet.
+    c.publish(leader, 2);
+    let Got::Waiting(ticket) = leader_get(&mut c, leader) else {
+        panic!("answered before the log had the get");
+    };
+    let a = get_answer(&mut c, leader, 50);
+    assert_eq!(a.ticket, ticket);
+    let (d, _) = a.got.expect("the first message");
+    assert_eq!(d.message.body, Bytes::from("job 0"));
+    assert!(c.broker(leader).settle(d.queue, d.receipt), "ack");
+    c.run(20);
+    assert_counts(&c, &NODES, (2, 0));
+    assert_same_state(&c, &NODES);
+    // A group that cannot commit (its proposals never reach Raft here): answered empty after
+    // the wait, and the leader gives the message back (a return that the log would order
+    // after the get).
+    let group = c.group;
+    c.stalled.insert(group);
+    c.publish(leader, 3);
+    assert!(matches!(leader_get(&mut c, leader), Got::Waiting(_)));
+    assert_eq!(c.counts(leader), (2, 1), "taken ahead of the log");
+    let asked = c.now;
+    let a = get_answer(&mut c, leader, (GET_WAIT_MS / TICK_MS) as u32 + 50);
+    assert!(a.got.is_none(), "answered empty when the wait ran out");
+    assert!(c.now - asked >= GET_WAIT_MS, "not before its wait ran out");
+    c.step();
+    assert_eq!(c.counts(leader), (3, 0), "given back");
+    let followers: Vec<u64> = NODES.into_iter().filter(|n| *n != leader).collect();
+    assert_counts(&c, &followers, (2, 0));
+}
+
+/// A leader that steps down while a get waits for its entry answers it empty, and the message
+/// is in the queue on every node once the new leader has brought the old one `Down`.
+#[test]
+fn a_get_waiting_on_a_leader_that_steps_down_is_answered_empty_and_loses_nothing() {
+    let mut c = Cluster::new();
+    let leader = c.leader();
+    c.publish(leader, 0);
+    c.run(30);
+    c.publish(leader, 1);
+    let asked = c.now;
+    assert!(matches!(leader_get(&mut c, leader), Got::Waiting(_)));
+    // Cut off before its entries reach anyone: the others elect, it steps down.
+    c.isolated.insert(leader);
+    let a = get_answer(&mut c, leader, 600);
+    assert!(a.got.is_none(), "answered empty");
+    assert!(
+        c.now - asked < GET_WAIT_MS,
+        "answered when it stepped down, not when the wait ran out"
+    );
+    c.isolated.clear();
+    c.run(200);
+    assert_ne!(c.leader(), leader);
+    assert_counts(&c, &NODES, (1, 0));
+    assert_same_state(&c, &NODES);
+}
+
 #[test]
 fn a_consume_on_a_leader_just_elected_is_taken_and_served_once_it_acts() {
     // The node elected after the leader's death does not act until its term's first entries

@@ -58,6 +58,9 @@ struct HeldGet {
     channel: u16,
     ticket: u64,
     got: (Delivery, u32),
+    /// When it was taken, and the leader's term then.
+    since: u64,
+    term: u64,
 }
 
 #[derive(Debug)]
@@ -81,6 +84,10 @@ pub(super) struct RemoteGets {
     next_ticket: u64,
     /// The leader's own gets waiting for the log, by hold.
     held: BTreeMap<u64, HeldGet>,
+    /// Messages of held gets answered empty while their leader still leads (the hold lost or
+    /// the wait run out): given back if it still leads in that term, by a return that the log
+    /// orders after the get ([`Broker::take_get_answers`]).
+    to_release: Vec<(QueueId, Receipt, u64)>,
 }
 
 /// A get of this node's applied from the log: the queue, its group, the proposal number, and
@@ -107,12 +114,50 @@ impl RemoteGets {
             .collect();
         for hold in ended {
             if let Some(g) = self.held.remove(&hold) {
-                let applied = holds.state(hold) == crate::holds::HoldState::Applied;
+                if holds.state(hold) == crate::holds::HoldState::Applied {
+                    self.answers.push(GetAnswer {
+                        conn: g.conn,
+                        channel: g.channel,
+                        ticket: g.ticket,
+                        got: Some(g.got),
+                    });
+                } else {
+                    self.give_back(g);
+                }
+            }
+        }
+    }
+
+    /// Answers a held get empty; its message goes back if its leader still leads.
+    fn give_back(&mut self, g: HeldGet) {
+        let (d, _) = &g.got;
+        self.to_release.push((d.queue, d.receipt, g.term));
+        self.answers.push(GetAnswer {
+            conn: g.conn,
+            channel: g.channel,
+            ticket: g.ticket,
+            got: None,
+        });
+    }
+
+    /// The leader of `queue` stepped down: its held gets are answered empty. Their messages
+    /// went back with the machine that ran ahead; a get whose entry commits still, the node
+    /// applies as another's and gives back (no waiter), and the next leader's `Down` of this
+    /// node returns what it took.
+    pub(super) fn stepped_down(&mut self, queue: QueueId) {
+        let gone: Vec<u64> = self
+            .held
+            .iter()
+            .filter(|(_, g)| g.got.0.queue == queue)
+            .map(|(h, _)| *h)
+            .collect();
+        for hold in gone {
+            if let Some(g) = self.held.remove(&hold) {
                 self.answers.push(GetAnswer {
                     conn: g.conn,
                     channel: g.channel,
                     ticket: g.ticket,
-                    got: applied.then_some(g.got),
+                    got: None,
                 });
             }
         }
@@ -239,12 +284,22 @@ impl Broker {
         let Some(got) = got? else {
             return Ok(Got::Now(None));
         };
+        let now = self.now_ms;
+        let term = self
+            .queues
+            .get(&got.0.queue)
+            .and_then(|q| q.replica.as_ref())
+            .map_or(0, |r| r.term);
         let Some(c) = self.cluster.as_mut() else {
             return Ok(Got::Now(Some(got)));
         };
         match c.holds.state(hold) {
             crate::holds::HoldState::Applied => Ok(Got::Now(Some(got))),
-            crate::holds::HoldState::Lost => Ok(Got::Now(None)),
+            crate::holds::HoldState::Lost => {
+                // Its entry was never sent: the message goes back.
+                self.release(got.0.queue, got.0.receipt);
+                Ok(Got::Now(None))
+            }
             crate::holds::HoldState::Pending => {
                 let gets = &mut c.gets;
                 gets.next_ticket += 1;
@@ -256,6 +311,8 @@ impl Broker {
                         channel,
                         ticket,
                         got,
+                        since: now,
+                        term,
                     },
                 );
                 Ok(Got::Waiting(ticket))
@@ -301,8 +358,19 @@ impl Broker {
 
     /// Answers to forwarded gets, into `out`.
     pub fn take_get_answers(&mut self, out: &mut Vec<GetAnswer>) {
-        if let Some(c) = self.cluster.as_mut() {
-            out.append(&mut c.gets.answers);
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        out.append(&mut c.gets.answers);
+        for (queue, receipt, term) in std::mem::take(&mut c.gets.to_release) {
+            let still = self
+                .queues
+                .get(&queue)
+                .and_then(|q| q.replica.as_ref())
+                .is_some_and(|r| r.is_leading() && r.term == term);
+            if still {
+                self.release(queue, receipt);
+            }
         }
     }
 
@@ -353,6 +421,23 @@ impl Broker {
             );
             c.gets.give_up(k);
         }
+        // A leader's own get waits no longer than a forwarded one (its group cannot commit).
+        let late: Vec<u64> = c
+            .gets
+            .held
+            .iter()
+            .filter(|(_, g)| now.saturating_sub(g.since) >= GET_WAIT_MS)
+            .map(|(h, _)| *h)
+            .collect();
+        for hold in late {
+            if let Some(g) = c.gets.held.remove(&hold) {
+                tracing::debug!(
+                    queue = %g.got.0.queue_name,
+                    "a basic.get's entry was not committed in time: get-empty"
+                );
+                c.gets.give_back(g);
+            }
+        }
     }
 
     /// When the oldest waiting get runs out.
@@ -361,7 +446,9 @@ impl Broker {
         c.gets
             .waiting
             .values()
-            .map(|w| w.since.saturating_add(GET_WAIT_MS))
+            .map(|w| w.since)
+            .chain(c.gets.held.values().map(|g| g.since))
+            .map(|since| since.saturating_add(GET_WAIT_MS))
             .min()
     }
 

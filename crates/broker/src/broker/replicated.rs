@@ -3142,6 +3142,7 @@ impl Broker {
             c.early.remove(&g);
             // The `Down` of this node that comes next gives back what its consumers held.
             c.deferred.remove(&g);
+            c.gets.stepped_down(id);
         }
         let Some(c) = self.cluster.as_mut() else {
             return;
