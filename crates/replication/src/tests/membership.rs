@@ -411,12 +411,10 @@ fn a_member_waiting_for_its_snapshot_votes_for_nobody() {
     assert!(sim.nodes[&3].applied.get(&G).is_none_or(|a| a.is_empty()));
 }
 
-/// A new group's creator campaigns at once, usually before its peers have made the group (they
-/// apply the metadata entry that makes it a little later): what it sent them meanwhile is kept
-/// and stepped when they do, so it leads at once instead of after its election timeout.
-#[test]
-fn a_group_its_peers_make_late_is_led_by_its_creator_without_waiting_for_a_timeout() {
-    let mut sim = Sim::bare(51, vec![1, 2, 3]);
+/// Group `G` made on node 1, which campaigns at once, and 3 steps later: its pre-vote
+/// requests have reached nodes 2 and 3, which do not have the group yet.
+fn made_on_node_1_only(seed: u64) -> Sim {
+    let mut sim = Sim::bare(seed, vec![1, 2, 3]);
     sim.groups = vec![G];
     sim.nodes
         .get_mut(&1)
@@ -424,8 +422,16 @@ fn a_group_its_peers_make_late_is_led_by_its_creator_without_waiting_for_a_timeo
         .raft
         .add_group(G, true)
         .expect("group");
-    // The pre-vote requests reach nodes 2 and 3 before they have the group.
     sim.run(3);
+    sim
+}
+
+/// A new group's creator campaigns at once, usually before its peers have made the group (they
+/// apply the metadata entry that makes it a little later): what it sent them meanwhile is kept
+/// and stepped when they do, so it leads at once instead of after its election timeout.
+#[test]
+fn a_group_its_peers_make_late_is_led_by_its_creator_without_waiting_for_a_timeout() {
+    let mut sim = made_on_node_1_only(51);
     assert_eq!(sim.leader(G), None);
     for id in [2, 3] {
         let n = sim.nodes.get_mut(&id).expect("node");
@@ -443,15 +449,7 @@ fn a_group_its_peers_make_late_is_led_by_its_creator_without_waiting_for_a_timeo
 /// Messages for a group that never comes expire: they hold no memory for good.
 #[test]
 fn messages_for_a_group_that_never_comes_expire() {
-    let mut sim = Sim::bare(52, vec![1, 2, 3]);
-    sim.groups = vec![G];
-    sim.nodes
-        .get_mut(&1)
-        .expect("node 1")
-        .raft
-        .add_group(G, true)
-        .expect("group");
-    sim.run(3);
+    let mut sim = made_on_node_1_only(52);
     assert!(sim.nodes[&2].raft.early_count() > 0);
     let election_tick = super::sim::config(1).election_tick as u64;
     // The candidate keeps asking each election timeout: what it asked before then goes.
