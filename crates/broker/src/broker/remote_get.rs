@@ -106,24 +106,12 @@ impl RemoteGets {
         if self.held.is_empty() {
             return;
         }
-        let ended: Vec<u64> = self
-            .held
-            .keys()
-            .filter(|h| holds.state(**h) != crate::holds::HoldState::Pending)
-            .copied()
-            .collect();
-        for hold in ended {
-            if let Some(g) = self.held.remove(&hold) {
-                if holds.state(hold) == crate::holds::HoldState::Applied {
-                    self.answers.push(GetAnswer {
-                        conn: g.conn,
-                        channel: g.channel,
-                        ticket: g.ticket,
-                        got: Some(g.got),
-                    });
-                } else {
-                    self.give_back(g);
-                }
+        let ended = self.take_held(|hold, _| holds.state(hold) != crate::holds::HoldState::Pending);
+        for (hold, g) in ended {
+            if holds.state(hold) == crate::holds::HoldState::Applied {
+                self.answer_held(g, true);
+            } else {
+                self.give_back(g);
             }
         }
     }
@@ -132,12 +120,7 @@ impl RemoteGets {
     fn give_back(&mut self, g: HeldGet) {
         let (d, _) = &g.got;
         self.to_release.push((d.queue, d.receipt, g.term));
-        self.answers.push(GetAnswer {
-            conn: g.conn,
-            channel: g.channel,
-            ticket: g.ticket,
-            got: None,
-        });
+        self.answer_held(g, false);
     }
 
     /// The leader of `queue` stepped down: its held gets are answered empty. Their messages
@@ -145,22 +128,28 @@ impl RemoteGets {
     /// applies as another's and gives back (no waiter), and the next leader's `Down` of this
     /// node returns what it took.
     pub(super) fn stepped_down(&mut self, queue: QueueId) {
-        let gone: Vec<u64> = self
-            .held
-            .iter()
-            .filter(|(_, g)| g.got.0.queue == queue)
-            .map(|(h, _)| *h)
-            .collect();
-        for hold in gone {
-            if let Some(g) = self.held.remove(&hold) {
-                self.answers.push(GetAnswer {
-                    conn: g.conn,
-                    channel: g.channel,
-                    ticket: g.ticket,
-                    got: None,
-                });
-            }
+        for (_, g) in self.take_held(|_, g| g.got.0.queue == queue) {
+            self.answer_held(g, false);
         }
+    }
+
+    /// Takes the held gets `which` picks, by hold.
+    fn take_held(&mut self, which: impl Fn(u64, &HeldGet) -> bool) -> Vec<(u64, HeldGet)> {
+        let (taken, kept): (BTreeMap<u64, HeldGet>, _) = std::mem::take(&mut self.held)
+            .into_iter()
+            .partition(|(hold, g)| which(*hold, g));
+        self.held = kept;
+        taken.into_iter().collect()
+    }
+
+    /// Answers a held get: with its message, or get-empty.
+    fn answer_held(&mut self, g: HeldGet, with_message: bool) {
+        self.answers.push(GetAnswer {
+            conn: g.conn,
+            channel: g.channel,
+            ticket: g.ticket,
+            got: with_message.then_some(g.got),
+        });
     }
 
     /// Answers the get empty (its entry may still come: `given_up` keeps it).
@@ -422,21 +411,15 @@ impl Broker {
             c.gets.give_up(k);
         }
         // A leader's own get waits no longer than a forwarded one (its group cannot commit).
-        let late: Vec<u64> = c
+        let late = c
             .gets
-            .held
-            .iter()
-            .filter(|(_, g)| now.saturating_sub(g.since) >= GET_WAIT_MS)
-            .map(|(h, _)| *h)
-            .collect();
-        for hold in late {
-            if let Some(g) = c.gets.held.remove(&hold) {
-                tracing::debug!(
-                    queue = %g.got.0.queue_name,
-                    "a basic.get's entry was not committed in time: get-empty"
-                );
-                c.gets.give_back(g);
-            }
+            .take_held(|_, g| now.saturating_sub(g.since) >= GET_WAIT_MS);
+        for (_, g) in late {
+            tracing::debug!(
+                queue = %g.got.0.queue_name,
+                "a basic.get's entry was not committed in time: get-empty"
+            );
+            c.gets.give_back(g);
         }
     }
 
