@@ -13,7 +13,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
-use warren_conformance::cluster::TestCluster;
+use warren_conformance::cluster::{node_number, TestCluster};
 use warren_conformance::http::Api;
 use warren_conformance::{unique, WAIT};
 
@@ -1847,6 +1847,77 @@ async fn the_apis_get_and_move_take_every_message_asked_of_a_quorum_queues_leade
         wait_for_messages(&c, n, &q, 10);
         wait_for_messages(&c, n, &to, 5);
     }
+}
+
+/// The management API's get and move on a node that does not lead the quorum queue go to its
+/// leader's API, as RabbitMQ's answer on any node: a web page or a load balancer in front of
+/// the cluster does not know which node leads. Before, such a node answered 400 "not led by
+/// this node". A call one node sent on is never sent on again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_apis_get_and_move_on_a_follower_are_answered_by_the_quorum_queues_leader() {
+    let c = TestCluster::start(3, 20);
+    let (q, to) = (unique("api-far"), unique("api-far-to"));
+    declare_quorum_with(&c, &q, &[]).await;
+    declare_quorum_with(&c, &to, &[]).await;
+    let leader = c.leader_of(&q, 1);
+    let follower = if leader == 1 { 2 } else { 1 };
+    let (_conn, ch) = channel(&c, follower).await;
+    publish_confirmed(&ch, &q, (0..10).map(|i| format!("m{i}"))).await;
+    // The follower learns where the leader's API listens from the figures nodes share.
+    let api = Api::of(c.node(follower));
+    let start = Instant::now();
+    loop {
+        let (_, nodes) = api.call("GET", "/nodes", None);
+        let announced = nodes.as_array().is_some_and(|l| {
+            l.iter().any(|n| {
+                n["name"].as_str().and_then(node_number) == Some(leader)
+                    && n["cluster"]["management"]["port"].is_u64()
+            })
+        });
+        if announced {
+            break;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "no figures of node {leader}: {nodes}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let path = format!("/queues/%2f/{q}/get");
+    let body =
+        serde_json::json!({ "count": 3, "ackmode": "ack_requeue_false", "encoding": "auto" });
+    let (status, got) = api.call("POST", &path, Some(body.clone()));
+    assert_eq!(status, 200, "{got}");
+    let payloads: Vec<&str> = got
+        .as_array()
+        .map(|l| l.iter().filter_map(|m| m["payload"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(payloads, ["m0", "m1", "m2"], "{got}");
+    assert_eq!(got[2]["message_count"], 7, "{got}");
+    let (status, moved) = api.call(
+        "POST",
+        &format!("/queues/%2f/{q}/move"),
+        Some(serde_json::json!({ "destination": to, "count": 3 })),
+    );
+    assert_eq!(status, 200, "{moved}");
+    assert_eq!(moved["moved"], 3);
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 4);
+        wait_for_messages(&c, n, &to, 3);
+    }
+    // A call marked as sent on by another node is answered where it lands.
+    let url = format!("{}/api{path}", c.node(follower).http_url().expect("API"));
+    let r = warren_conformance::http::request(
+        "POST",
+        &url,
+        Some(("guest", "guest")),
+        &[("x-warren-forwarded-by", "warren-9@elsewhere")],
+        Some(&body.to_string()),
+    );
+    let text = String::from_utf8_lossy(&r.body);
+    assert_eq!(r.status, 400, "{text}");
+    assert!(text.contains("not led by this node"), "{text}");
+    wait_for_messages(&c, leader, &q, 4);
 }
 
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every

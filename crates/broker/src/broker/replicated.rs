@@ -1361,6 +1361,14 @@ impl Broker {
             .count()
     }
 
+    /// Whether the replicated queue `name` of `vhost` acts on another node than this one:
+    /// `Some(leader)` (`None` while it has none), or `None` for a queue that acts here, a
+    /// local queue, or no queue. The management API sends its leader-only calls there.
+    pub fn led_elsewhere(&self, vhost: &str, name: &str) -> Option<Option<NodeId>> {
+        let r = self.queue_by_name(vhost, name).ok()?.replica.as_ref()?;
+        (!r.is_leading()).then_some(r.leader)
+    }
+
     /// A peer's Raft said it went into maintenance mode, or came out of it.
     pub fn set_peer_draining(&mut self, node: NodeId, on: bool) {
         let Some(c) = self.cluster.as_mut() else {
@@ -3396,9 +3404,6 @@ impl Broker {
     }
 }
 
-/// A client asked a node that does not lead a replicated queue for something only its leader
-/// does (consume, get): refused as RabbitMQ refuses a queue whose leader is unavailable, with
-/// where to go instead.
 /// A forwarded publish's expiry is a time on the clock of the node that took it (`sent_ms` when
 /// it sent it): moved onto this leader's clock (`now_ms`), so that the message lives its time
 /// to live from when the leader takes it, however far the two clocks are apart (the log's
@@ -3415,6 +3420,9 @@ fn on_clock_of_leader(command: &mut Command<Message>, sent_ms: u64, now_ms: u64)
     }
 }
 
+/// A client asked a node that does not lead a replicated queue for something only its leader
+/// does (consume, get): refused as RabbitMQ refuses a queue whose leader is unavailable, with
+/// where to go instead.
 pub(super) fn not_led_here(q: &Queue) -> AmqpError {
     let at = match q.replica.as_ref().and_then(|r| r.leader) {
         Some(node) => format!("its leader is node {node}: connect there"),

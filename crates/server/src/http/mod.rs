@@ -8,6 +8,7 @@
 mod access;
 pub mod certificates;
 pub(crate) mod definitions;
+mod forward;
 mod gate;
 pub use gate::HOLD as RECOVERY_HOLD;
 mod json;
@@ -299,6 +300,17 @@ impl ApiError {
 }
 
 impl ApiError {
+    /// A call sent on to a quorum queue's leader ([`forward`]) got no answer from it.
+    pub fn leader_unreachable(node: u64, why: &str) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            error: "service_unavailable",
+            reason: format!("the queue's leader, node {node}, did not answer: {why}"),
+            reason_json: None,
+            retry_after: Some(1),
+        }
+    }
+
     /// The node is still bringing its queues back from disk (see [`NodeHandle::recovering`]).
     /// RabbitMQ opens its management listener only once the node has booted; Warren answers,
     /// so that a health check or a dashboard can tell "starting" from "down".

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{ConnectInfo, Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -19,7 +19,8 @@ use warren_session::manage::API_CONN;
 
 use super::list::ListQuery;
 use super::{
-    json as conv, objects, Admin, Api, ApiError, Level, LoggedIn, Login, Need, Unscoped, Via,
+    forward, json as conv, objects, Admin, Api, ApiError, Level, LoggedIn, Login, Need, Unscoped,
+    Via,
 };
 
 type ApiState = State<Arc<Api>>;
@@ -1030,9 +1031,16 @@ async fn move_messages(
     State(api): ApiState,
     LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
+    uri: Uri,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
+    if let Some(answer) =
+        forward::to_leader(&api, &headers, &vhost, &name, &path_of(&uri), body.clone()).await
+    {
+        return answer;
+    }
     let b = body_json(&body)?;
     let destination = b
         .get("destination")
@@ -1066,9 +1074,16 @@ async fn get_messages(
     State(api): ApiState,
     LoggedIn(who): LoggedIn,
     Path((vhost, name)): Path<(String, String)>,
+    uri: Uri,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
+    if let Some(answer) =
+        forward::to_leader(&api, &headers, &vhost, &name, &path_of(&uri), body.clone()).await
+    {
+        return answer;
+    }
     let b = body_json(&body)?;
     let missing: Vec<String> = ["ackmode", "count", "encoding"]
         .into_iter()
@@ -1168,6 +1183,13 @@ async fn get_messages(
         })
         .collect();
     ok(Value::Array(out))
+}
+
+/// A request's path and query, as the client sent them (percent-encoded; the API's routes
+/// are not nested, so the path is whole).
+fn path_of(uri: &Uri) -> String {
+    uri.path_and_query()
+        .map_or_else(|| uri.path().to_owned(), |p| p.as_str().to_owned())
 }
 
 async fn queue_bindings(
