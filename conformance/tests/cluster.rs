@@ -1905,6 +1905,25 @@ async fn the_apis_get_and_move_on_a_follower_are_answered_by_the_quorum_queues_l
         wait_for_messages(&c, n, &q, 4);
         wait_for_messages(&c, n, &to, 3);
     }
+    // An answer larger than the pieces it is passed on in comes whole.
+    let big = "x".repeat(300_000);
+    publish_confirmed(&ch, &q, [big.clone(), big.clone()].into_iter()).await;
+    let (status, got) = api.call(
+        "POST",
+        &path,
+        Some(serde_json::json!({ "count": 10, "ackmode": "ack_requeue_true", "encoding": "auto" })),
+    );
+    assert_eq!(status, 200);
+    let sizes: Vec<u64> = got
+        .as_array()
+        .map(|l| {
+            l.iter()
+                .filter_map(|m| m["payload_bytes"].as_u64())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(sizes, [2, 2, 2, 2, 300_000, 300_000]);
+    assert_eq!(got[5]["payload"].as_str(), Some(big.as_str()));
     // A call marked as sent on by another node is answered where it lands.
     let url = format!("{}/api{path}", c.node(follower).http_url().expect("API"));
     let r = warren_conformance::http::request(
@@ -1917,7 +1936,7 @@ async fn the_apis_get_and_move_on_a_follower_are_answered_by_the_quorum_queues_l
     let text = String::from_utf8_lossy(&r.body);
     assert_eq!(r.status, 400, "{text}");
     assert!(text.contains("not led by this node"), "{text}");
-    wait_for_messages(&c, leader, &q, 4);
+    wait_for_messages(&c, leader, &q, 6);
 }
 
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every

@@ -6,9 +6,13 @@
 //!
 //! The leader's address is the one its figures announce (`cluster.management` of
 //! `/api/nodes`, shared every two seconds). When this node has no fresh figures of the
-//! leader, or the leader's API speaks HTTPS (this client has no TLS), the call is answered
-//! here as before: a 400 naming the node to ask.
+//! leader, when the leader's API cannot be reached, or when either node's API speaks HTTPS
+//! (this client has no TLS, and credentials that came over TLS do not go on in the clear),
+//! the call is answered here as before: a 400 naming the node to ask. A call the leader got
+//! but did not answer is a 502: it may have been carried out, so it is not one to repeat
+//! blindly.
 
+use std::io::Read;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,11 +26,13 @@ use super::{peer_figures, Api, ApiError};
 /// moved meanwhile answers it as a follower does, rather than sending it round the cluster.
 pub const FORWARDED_BY: &str = "x-warren-forwarded-by";
 
-/// The longest a forwarded call may take: a get waits for the log, up to the 30 s a
-/// proposal's hold may last.
-const FORWARD_TIMEOUT: Duration = Duration::from_secs(60);
-/// The most an answer may hold (10,000 messages rendered as JSON).
-const MOST_BYTES: u64 = 1 << 30;
+/// How long the leader's API may take to accept the connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long its answer may take to start (a get waits for the log, up to the 30 s a
+/// proposal's hold may last), and each later read of it.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
+/// The size of the pieces an answer is passed on in.
+const CHUNK: usize = 64 * 1024;
 /// The leader's answer headers passed on to the caller.
 const KEPT: [header::HeaderName; 3] = [
     header::CONTENT_TYPE,
@@ -45,7 +51,8 @@ enum Route {
 
 /// Sends a call on the quorum queue `name` of `vhost` (its path and query `path`, its body
 /// `body`) to the queue's leader when another node leads it and its API can be reached;
-/// `None`: this node answers it.
+/// `None`: this node answers it (also when the leader could not be reached: the answer then
+/// names the node to ask).
 pub async fn to_leader(
     api: &Arc<Api>,
     headers: &HeaderMap,
@@ -64,15 +71,47 @@ pub async fn to_leader(
     let url = format!("{base}{path}");
     let by = api.node_name.clone();
     tracing::debug!(%url, leader = node, "management call sent to the queue's leader");
-    let sent = tokio::task::spawn_blocking(move || send(&url, auth, &by, &body)).await;
-    Some(match sent {
-        Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(error)) => {
-            tracing::warn!(%error, leader = node, "a management call sent to a quorum queue's leader failed");
-            Err(ApiError::leader_unreachable(node, &error.to_string()))
+    let (head_tx, head_rx) = tokio::sync::oneshot::channel();
+    let (body_tx, body_rx) = tokio::sync::mpsc::channel(4);
+    tokio::task::spawn_blocking(move || send(&url, auth, &by, &body, head_tx, body_tx));
+    let answer = match head_rx.await {
+        Ok(Ok(head)) => head,
+        Ok(Err(Failed::NotSent(error))) => {
+            // Nothing reached the leader: this node answers, naming it.
+            tracing::warn!(%error, leader = node, "a quorum queue's leader could not be reached for a management call");
+            return None;
         }
-        Err(error) => Err(ApiError::internal(error.to_string())),
-    })
+        Ok(Err(Failed::Sent(error))) => {
+            tracing::warn!(%error, leader = node, "a management call sent to a quorum queue's leader got no answer");
+            return Some(Err(ApiError::leader_silent(node)));
+        }
+        Err(_) => {
+            return Some(Err(ApiError::internal(
+                "the call to the queue's leader stopped",
+            )))
+        }
+    };
+    let chunks = futures_lite::stream::unfold(body_rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    });
+    let mut out = Response::new(Body::from_stream(chunks));
+    *out.status_mut() = answer.status;
+    out.headers_mut().extend(answer.headers);
+    Some(Ok(out))
+}
+
+/// The leader's answer, but for its body.
+struct Head {
+    status: StatusCode,
+    headers: Vec<(header::HeaderName, HeaderValue)>,
+}
+
+/// Why a forwarded call has no answer.
+enum Failed {
+    /// It never reached the leader (no connection).
+    NotSent(ureq::Error),
+    /// It may have: the leader may have carried it out.
+    Sent(ureq::Error),
 }
 
 /// Where a call on queue `name` of `vhost` is answered.
@@ -87,6 +126,10 @@ fn route(api: &Api, vhost: &str, name: &str) -> Route {
     };
     if own == Some(leader) {
         // Its Raft elected this node, and the queue does not act here yet.
+        return Route::Here;
+    }
+    if api.http_tls.0 {
+        // The caller's credentials came over TLS: they do not go on in the clear.
         return Route::Here;
     }
     match peer_figures(api, leader).and_then(|(_, v)| management_base(&v["node"])) {
@@ -113,41 +156,109 @@ fn management_base(node: &serde_json::Value) -> Option<String> {
     Some(format!("http://{host}:{port}"))
 }
 
-/// POSTs `body` to `url` as the caller, and turns the leader's answer into this node's.
-fn send(url: &str, auth: HeaderValue, by: &str, body: &[u8]) -> Result<Response, ureq::Error> {
+/// POSTs `body` to `url` as the caller: the leader's status and headers go to `head`, then
+/// its body, as it comes, to `chunks` (an answer of 10,000 large messages is not held whole
+/// here).
+fn send(
+    url: &str,
+    auth: HeaderValue,
+    by: &str,
+    body: &[u8],
+    head: tokio::sync::oneshot::Sender<Result<Head, Failed>>,
+    chunks: tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
+) {
     let config = ureq::Agent::config_builder()
         .http_status_as_error(false)
-        .timeout_connect(Some(Duration::from_secs(5)))
-        .timeout_global(Some(FORWARD_TIMEOUT))
+        .timeout_connect(Some(CONNECT_TIMEOUT))
+        .timeout_recv_response(Some(ANSWER_TIMEOUT))
+        .timeout_per_read(Some(ANSWER_TIMEOUT))
         .proxy(None)
         .build();
     let agent = ureq::Agent::new_with_config(config);
-    let mut answer = agent
+    let sent = agent
         .post(url)
         .header(header::AUTHORIZATION, auth)
         .header(header::CONTENT_TYPE, "application/json")
         .header(FORWARDED_BY, by)
-        .send(body)?;
+        .send(body);
+    let answer = match sent {
+        Ok(answer) => answer,
+        Err(e) => {
+            let failed = if not_sent(&e) {
+                Failed::NotSent(e)
+            } else {
+                Failed::Sent(e)
+            };
+            let _ = head.send(Err(failed));
+            return;
+        }
+    };
     let status = StatusCode::from_u16(answer.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    let kept: Vec<(header::HeaderName, HeaderValue)> = KEPT
+    let headers = KEPT
         .iter()
         .filter_map(|k| Some((k.clone(), answer.headers().get(k)?.clone())))
         .collect();
-    let bytes = answer
-        .body_mut()
-        .with_config()
-        .limit(MOST_BYTES)
-        .read_to_vec()?;
-    let mut out = Response::new(Body::from(bytes));
-    *out.status_mut() = status;
-    out.headers_mut().extend(kept);
-    Ok(out)
+    if head.send(Ok(Head { status, headers })).is_err() {
+        return;
+    }
+    let mut reader = answer.into_body().into_reader();
+    let mut buf = vec![0; CHUNK];
+    loop {
+        let chunk = match reader.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => Ok(Bytes::copy_from_slice(&buf[..n])),
+            Err(e) => Err(e),
+        };
+        let last = chunk.is_err();
+        // The caller went away: nothing more to pass on.
+        if chunks.blocking_send(chunk).is_err() || last {
+            return;
+        }
+    }
+}
+
+/// Whether a failed call never reached the leader, so that this node may answer it instead.
+fn not_sent(e: &ureq::Error) -> bool {
+    use std::io::ErrorKind::{
+        AddrNotAvailable, ConnectionRefused, HostUnreachable, NetworkUnreachable,
+    };
+    match e {
+        ureq::Error::ConnectionFailed
+        | ureq::Error::HostNotFound
+        | ureq::Error::Timeout(ureq::Timeout::Connect | ureq::Timeout::Resolve) => true,
+        // Errors only a connection's setup meets (a reset or a broken pipe may come after
+        // the leader read the call).
+        ureq::Error::Io(io) => matches!(
+            io.kind(),
+            ConnectionRefused | AddrNotAvailable | HostUnreachable | NetworkUnreachable
+        ),
+        _ => false,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_leader_that_takes_no_connection_was_not_sent_the_call() {
+        // A port nothing listens on any more.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let (head_tx, mut head_rx) = tokio::sync::oneshot::channel();
+        let (body_tx, _body_rx) = tokio::sync::mpsc::channel(1);
+        let url = format!("http://127.0.0.1:{port}/api/queues/%2F/q/get");
+        let auth = HeaderValue::from_static("Basic Z3Vlc3Q6Z3Vlc3Q=");
+        send(&url, auth, "warren-1@test", b"{}", head_tx, body_tx);
+        match head_rx.try_recv() {
+            Ok(Err(Failed::NotSent(_))) => {}
+            Ok(Err(Failed::Sent(e))) => panic!("sent: {e:?}"),
+            _ => panic!("answered"),
+        }
+    }
 
     #[test]
     fn the_leaders_api_is_the_host_of_its_name_and_the_port_it_announces() {

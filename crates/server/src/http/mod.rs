@@ -300,14 +300,19 @@ impl ApiError {
 }
 
 impl ApiError {
-    /// A call sent on to a quorum queue's leader ([`forward`]) got no answer from it.
-    pub fn leader_unreachable(node: u64, why: &str) -> Self {
+    /// A call sent on to a quorum queue's leader ([`forward`]) got no answer from it: the
+    /// leader may have carried it out (taken the messages of a get), so no retry is advised.
+    pub fn leader_silent(node: u64) -> Self {
         ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            error: "service_unavailable",
-            reason: format!("the queue's leader, node {node}, did not answer: {why}"),
+            status: StatusCode::BAD_GATEWAY,
+            error: "bad_gateway",
+            reason: format!(
+                "the queue's leader, node {node}, took the call but its answer did not come \
+                 back (this node's log says why): it may have been carried out, so look at \
+                 the queue before repeating it"
+            ),
             reason_json: None,
-            retry_after: Some(1),
+            retry_after: None,
         }
     }
 
