@@ -1939,6 +1939,49 @@ async fn the_apis_get_and_move_on_a_follower_are_answered_by_the_quorum_queues_l
     wait_for_messages(&c, leader, &q, 6);
 }
 
+/// With `--default-queue-type quorum` (RabbitMQ's `default_queue_type`), a client that
+/// declares a durable queue without `x-queue-type` gets a quorum queue, replicated on every
+/// node; an exclusive one stays classic, and a redeclaration without the type is equivalent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_durable_queue_declared_without_a_type_is_quorum_on_a_node_whose_default_it_is() {
+    let c = TestCluster::start_with(3, 20, &["--default-queue-type", "quorum"]);
+    let q = unique("dqt");
+    let (_conn, ch) = channel(&c, 2).await;
+    let durable = lapin::options::QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    for _ in 0..2 {
+        ch.queue_declare(q.as_str().into(), durable, FieldTable::default())
+            .await
+            .expect("declared without a type, then again");
+    }
+    let own = ch
+        .queue_declare(
+            "".into(),
+            lapin::options::QueueDeclareOptions {
+                exclusive: true,
+                ..durable
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("exclusive");
+    publish_confirmed(&ch, &q, (0..5).map(|i| format!("d{i}"))).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 5);
+    }
+    let (_, v) = Api::of(c.node(1)).call("GET", &format!("/queues/%2f/{q}"), None);
+    assert_eq!(v["type"], "quorum", "{v}");
+    assert_eq!(v["arguments"]["x-queue-type"], "quorum", "{v}");
+    assert_eq!(v["members"].as_array().map(Vec::len), Some(3), "{v}");
+    let (_, v) =
+        Api::of(c.node(2)).call("GET", &format!("/queues/%2f/{}", own.name().as_str()), None);
+    assert_eq!(v["type"], "classic", "{v}");
+    let (_, v) = Api::of(c.node(3)).call("GET", "/vhosts/%2f", None);
+    assert_eq!(v["default_queue_type"], "quorum", "{v}");
+}
+
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every
 /// node: a key published through one node is a duplicate through another (confirmed, not
 /// enqueued), and still after the leader's node dies. Before, each node judged alone, in

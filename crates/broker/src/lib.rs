@@ -131,6 +131,10 @@ pub struct BrokerConfig {
     pub page_window_bytes: u64,
     /// The same for a queue without consumers: nothing reads it, so little is kept.
     pub page_window_idle: u32,
+    /// The type of a new queue declared without `x-queue-type` that may have another type
+    /// than classic (durable, not exclusive, not auto-delete): RabbitMQ's
+    /// `default_queue_type`.
+    pub default_queue_type: QueueType,
 }
 
 impl Default for BrokerConfig {
@@ -146,6 +150,7 @@ impl Default for BrokerConfig {
             page_window: 1024,
             page_window_bytes: 1 << 20,
             page_window_idle: 4,
+            default_queue_type: QueueType::Classic,
         }
     }
 }

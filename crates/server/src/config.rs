@@ -109,6 +109,11 @@ pub struct Args {
     /// A queue without consumers keeps a 256th of it [default: 1024]
     #[arg(long, env = "WARREN_QUEUE_WINDOW", value_name = "MESSAGES")]
     pub queue_window: Option<u32>,
+    /// The type of a queue declared without `x-queue-type` (RabbitMQ's `default_queue_type`):
+    /// `classic` or `quorum`. It applies to a new durable queue that is neither exclusive nor
+    /// auto-delete, and is kept in its arguments; others stay classic [default: classic]
+    #[arg(long, env = "WARREN_DEFAULT_QUEUE_TYPE", value_name = "TYPE")]
+    pub default_queue_type: Option<String>,
     /// Tests: wait this long before each queue that recovery brings back (to observe a
     /// broker that serves connections while it recovers)
     #[arg(long, hide = true, value_name = "MS")]
@@ -254,6 +259,7 @@ pub struct FileConfig {
     pub memory_paging_ratio: Option<f64>,
     pub disk_free_limit: Option<u64>,
     pub queue_window: Option<u32>,
+    pub default_queue_type: Option<String>,
     pub management_port: Option<u16>,
     /// `false` turns the management API off.
     pub management: Option<bool>,
@@ -314,6 +320,8 @@ pub enum ConfigError {
     PagingRatio(f64),
     #[error("queue_window must be at least 1, got 0")]
     QueueWindow,
+    #[error("default_queue_type must be classic or quorum, got '{0}' (streams are not supported)")]
+    DefaultQueueType(String),
     #[error(
         "connection_threads must be at most {max} (0 runs connections on the shared runtime; \
          the default is one per two cores), got {0}",
@@ -561,6 +569,8 @@ pub struct Config {
     pub alarms: AlarmConfig,
     /// Messages kept in memory at the head of a queue with consumers (`--queue-window`).
     pub queue_window: u32,
+    /// The type of a queue declared without one (`--default-queue-type`).
+    pub default_queue_type: warren_broker::QueueType,
     /// Most consumers on one queue (`--consumer-max-per-queue`).
     pub consumer_max_per_queue: Option<usize>,
     /// Threads of their own for client connections (`--connection-threads`; 0: none).
@@ -738,6 +748,15 @@ impl Config {
         if queue_window == 0 {
             return Err(ConfigError::QueueWindow);
         }
+        let default_queue_type = match args
+            .default_queue_type
+            .or(file.default_queue_type)
+            .as_deref()
+        {
+            None | Some("classic") => warren_broker::QueueType::Classic,
+            Some("quorum") => warren_broker::QueueType::Quorum,
+            Some(other) => return Err(ConfigError::DefaultQueueType(other.to_owned())),
+        };
         let connection_threads = args
             .connection_threads
             .or(file.connection_threads)
@@ -750,6 +769,7 @@ impl Config {
             data_dir,
             alarms,
             queue_window,
+            default_queue_type,
             consumer_max_per_queue: args.consumer_max_per_queue.or(file.consumer_max_per_queue),
             connection_threads,
             recovery_step_delay: args
@@ -1006,6 +1026,26 @@ mod tests {
             ..Args::default()
         });
         assert!(alone.unwrap_err().to_string().contains("--cluster-node"));
+    }
+
+    #[test]
+    fn the_default_queue_type_is_classic_unless_set_and_never_a_stream() {
+        let c = Config::resolve(Args::default()).unwrap();
+        assert_eq!(c.default_queue_type, warren_broker::QueueType::Classic);
+        let quorum = Args {
+            default_queue_type: Some("quorum".into()),
+            ..Args::default()
+        };
+        assert_eq!(
+            Config::resolve(quorum).unwrap().default_queue_type,
+            warren_broker::QueueType::Quorum
+        );
+        let stream = Args {
+            default_queue_type: Some("stream".into()),
+            ..Args::default()
+        };
+        let e = Config::resolve(stream).unwrap_err().to_string();
+        assert!(e.contains("classic or quorum"), "{e}");
     }
 
     #[test]

@@ -264,6 +264,7 @@ async fn run(config: Config) -> std::io::Result<()> {
         page_window: config.queue_window,
         page_window_idle: (config.queue_window / 256).max(1),
         consumer_max_per_queue: config.consumer_max_per_queue,
+        default_queue_type: config.default_queue_type,
         ..BrokerConfig::default()
     });
     let recorder = match &config.record_commands {

@@ -431,7 +431,7 @@ impl Broker {
     fn declare_queue_with(
         &mut self,
         vhost: &str,
-        req: DeclareQueue,
+        mut req: DeclareQueue,
         conn: ConnId,
         user: Option<&str>,
         may_wait: bool,
@@ -471,6 +471,17 @@ impl Broker {
         let owner = req.exclusive.then_some(conn);
         let durable = req.durable && !req.exclusive;
         let rs = rs("queue", &name, vhost);
+        // The node's default type, for a declaration that names none and whose queue may
+        // have it (RabbitMQ's `default_queue_type`; a transient, exclusive or auto-delete
+        // queue stays classic). A queue that exists keeps its type: the declaration is
+        // equivalent whatever the type (RabbitMQ 3.x refused an existing classic queue once
+        // the default changed, and workers that redeclare their queue broke).
+        let defaulted = self.config.default_queue_type != QueueType::Classic
+            && !self.restoring
+            && !self.meta_quiet
+            && durable
+            && !req.auto_delete
+            && req.arguments.get("x-queue-type").is_none();
         if let Some(pending) = self
             .pending_declaration(vhost, &name)
             .filter(|_| !self.restoring)
@@ -481,7 +492,7 @@ impl Broker {
                 pending,
                 &req.arguments,
                 &rs,
-                QueueType::Quorum.equivalence_keys(),
+                unless_defaulted(QueueType::Quorum.equivalence_keys(), defaulted),
             )?;
         }
 
@@ -496,7 +507,7 @@ impl Broker {
                 &q.arguments,
                 &req.arguments,
                 &rs,
-                q.args.queue_type.equivalence_keys(),
+                unless_defaulted(q.args.queue_type.equivalence_keys(), defaulted),
             )?;
             let (id, out) = (q.id, declared(q));
             self.touch(id);
@@ -517,6 +528,14 @@ impl Broker {
                     "cannot declare queue '{name}': queue limit in vhost '{vhost}' ({max}) is reached"
                 )));
             }
+        }
+        if defaulted {
+            // Kept in the queue's arguments, as RabbitMQ keeps it: the API shows the type,
+            // and a restart or another node reads it back.
+            req.arguments.insert(
+                "x-queue-type",
+                FieldValue::long_str(self.config.default_queue_type.as_str()),
+            );
         }
         args::check_dlx_type(&req.arguments, &rs)?;
         if let (Some(u), Some(FieldValue::LongStr(dlx))) =
@@ -1261,4 +1280,13 @@ impl Broker {
         out.sort_by(|a, b| a.name.cmp(&b.name));
         out
     }
+}
+
+/// The arguments a redeclaration is compared on, without `x-queue-type` when the declaration
+/// named none and the node's default type would have applied to it.
+fn unless_defaulted(
+    keys: impl Iterator<Item = &'static str>,
+    defaulted: bool,
+) -> impl Iterator<Item = &'static str> {
+    keys.filter(move |k| !(defaulted && *k == "x-queue-type"))
 }

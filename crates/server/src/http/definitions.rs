@@ -377,9 +377,18 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
         let mut waiting: Vec<u64> = Vec::new();
         let mut made_by_log: std::collections::BTreeSet<(String, String)> = Default::default();
         if only_vhost.is_none() {
+            let node_default = n.broker().config().default_queue_type.as_str();
             for v in list(defs, "vhosts") {
                 let name = text(v, "name", "vhost")?;
                 n.broker_mut().declare_vhost(name);
+                // RabbitMQ 3.11's vhosts may carry a default queue type; Warren's is the
+                // node's, and a vhost's new queues would silently be of another type.
+                let wanted = v["default_queue_type"]
+                    .as_str()
+                    .or_else(|| v["metadata"]["default_queue_type"].as_str());
+                if let Some(t) = wanted.filter(|t| *t != node_default) {
+                    tracing::warn!(vhost = %name, vhost_default = t, node_default, "a vhost's default queue type is not kept: queues declared without x-queue-type get the node's (set --default-queue-type on every node)");
+                }
             }
             for u in users {
                 n.broker_mut().put_user(u);

@@ -540,16 +540,19 @@ fn cluster_state(api: &Api) -> Value {
 }
 
 pub(super) fn vhost_json(api: &Api, name: &str) -> Value {
-    let (ready, unacked) = api.node.read(|n, _| {
-        n.broker()
+    let (ready, unacked, default_type) = api.node.read(|n, _| {
+        let b = n.broker();
+        let (ready, unacked) = b
             .queue_snapshots(Some(name))
             .iter()
-            .fold((0, 0), |(r, u), q| (r + q.ready, u + q.unacked))
+            .fold((0, 0), |(r, u), q| (r + q.ready, u + q.unacked));
+        (ready, unacked, b.config().default_queue_type.as_str())
     });
     json!({
         "name": name, "description": if name == "/" { "Default virtual host" } else { "" },
         "tags": [], "metadata": {"description": "", "tags": []},
-        "default_queue_type": "classic", "tracing": false,
+        // The node's (`--default-queue-type`): Warren has no default per vhost.
+        "default_queue_type": default_type, "tracing": false,
         "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
         "cluster_state": cluster_state(api),
     })
