@@ -1237,3 +1237,109 @@ fn message_move_tasks_redrive_a_dead_letter_queue_and_lose_nothing() {
     );
     assert_eq!((r.status, r.error()), (400, "ResourceNotFoundException"));
 }
+
+/// On a cluster, the calls that take or settle a quorum queue's messages (ReceiveMessage,
+/// DeleteMessage, ChangeMessageVisibility and their batches) work through any node: a node
+/// that does not lead the queue sends them on to the leader's SQS endpoint, signature and
+/// all. Before, they failed there with an InternalError ("not led by this node"), and a
+/// receive on the leader right after a send could come back with fewer messages than ready.
+#[test]
+fn a_quorum_queues_messages_are_received_and_deleted_through_any_node() {
+    use warren_conformance::cluster::{node_number, TestCluster};
+    use warren_conformance::http::Api;
+    let c = TestCluster::start_with(3, 20, &[TestCluster::WITH_SQS]);
+    if skipped(c.node(1)) {
+        return;
+    }
+    let q = unique("sqs-qq-any");
+    tokio::runtime::Runtime::new()
+        .expect("runtime")
+        .block_on(c.declare_quorum_queue(1, &q));
+    let leader = c.leader_of(&q, 1);
+    let follower = if leader == 1 { 2 } else { 1 };
+    // The follower learns where the leader's SQS endpoint listens from the figures nodes
+    // share.
+    let api = Api::of(c.node(follower));
+    let start = Instant::now();
+    loop {
+        let (_, nodes) = api.call("GET", "/nodes", None);
+        let announced = nodes.as_array().is_some_and(|l| {
+            l.iter().any(|n| {
+                n["name"].as_str().and_then(node_number) == Some(leader)
+                    && n["cluster"]["sqs"]["port"].is_u64()
+            })
+        });
+        if announced {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "no figures of node {leader}: {nodes}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let sqs = Client::new(c.node(follower));
+    let url = format!("http://{}/000000000000/{q}", sqs.host);
+    for i in 0..4 {
+        sqs.call(
+            "SendMessage",
+            json!({"QueueUrl": url, "MessageBody": format!("m{i}")}),
+        )
+        .ok();
+    }
+    let got = sqs
+        .call(
+            "ReceiveMessage",
+            json!({"QueueUrl": url, "MaxNumberOfMessages": 10, "VisibilityTimeout": 60}),
+        )
+        .ok();
+    let messages = got["Messages"].as_array().cloned().unwrap_or_default();
+    let bodies: Vec<&str> = messages.iter().filter_map(|m| m["Body"].as_str()).collect();
+    assert_eq!(bodies, ["m0", "m1", "m2", "m3"], "{got}");
+    // The queue URL the answer's handles go with is the one the client used.
+    let handle = |i: usize| messages[i]["ReceiptHandle"].clone();
+    sqs.call(
+        "DeleteMessage",
+        json!({"QueueUrl": url, "ReceiptHandle": handle(0)}),
+    )
+    .ok();
+    let r = sqs
+        .call(
+            "DeleteMessageBatch",
+            json!({"QueueUrl": url, "Entries": [{"Id": "a", "ReceiptHandle": handle(1)}]}),
+        )
+        .ok();
+    assert_eq!(r["Successful"].as_array().map(Vec::len), Some(1), "{r}");
+    // Visible again at once, through the leader itself this time: a handle names no node.
+    let direct = Client::new(c.node(leader));
+    direct
+        .call(
+            "ChangeMessageVisibility",
+            json!({"QueueUrl": url, "ReceiptHandle": handle(2), "VisibilityTimeout": 0}),
+        )
+        .ok();
+    let again = sqs
+        .call(
+            "ReceiveMessage",
+            json!({"QueueUrl": url, "MaxNumberOfMessages": 10}),
+        )
+        .ok();
+    let bodies: Vec<&str> = again["Messages"]
+        .as_array()
+        .map(|l| l.iter().filter_map(|m| m["Body"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(bodies, ["m2"], "{again}");
+    // Two messages left, both in flight, on every node.
+    for n in 1..=3 {
+        let api = Api::of(c.node(n));
+        let start = Instant::now();
+        loop {
+            let (_, v) = api.call("GET", &format!("/queues/%2f/{q}"), None);
+            if v["messages"] == 2 && v["messages_unacknowledged"] == 2 {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(15), "node {n}: {v}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}

@@ -9,6 +9,7 @@ mod connection_threads;
 mod driver;
 mod http;
 mod metrics;
+mod relay;
 mod shovel;
 mod sqs;
 mod storage;
@@ -395,14 +396,27 @@ async fn run(config: Config) -> std::io::Result<()> {
             let shovels = shovel::Shovels::new(node_name(&config));
             let restarter = shovels.clone();
             node.set_shovel_restarter(move |vhost, name| restarter.restart(vhost, name));
+            let sqs_port = sqs
+                .as_ref()
+                .and_then(|l| l.local_addr().ok())
+                .map(|a| a.port());
             if let Some(l) = sqs {
                 tokio::spawn(sqs::serve(
                     l,
-                    std::sync::Arc::new(sqs::Sqs::new(node.clone(), Some(local.clone()))),
+                    std::sync::Arc::new(sqs::Sqs::new(
+                        node.clone(),
+                        node_name(&config),
+                        Some(local.clone()),
+                    )),
                 ));
             }
             tokio::spawn(shovel::supervise(node.clone(), shovels.clone(), local));
-            start_http(node, shovels, &config, tls.as_ref(), management, prometheus)
+            let listeners = HttpListeners {
+                management,
+                prometheus,
+                sqs_port,
+            };
+            start_http(node, shovels, &config, tls.as_ref(), listeners)
         },
     )
     .await?;
@@ -480,15 +494,26 @@ fn node_name(config: &Config) -> String {
         .unwrap_or_else(|| format!("warren@{}", http::hostname()))
 }
 
+/// The HTTP endpoints' listeners (the SQS endpoint's port, which its figures announce).
+struct HttpListeners {
+    management: Option<TcpListener>,
+    prometheus: Option<TcpListener>,
+    sqs_port: Option<u16>,
+}
+
 /// Starts the management API, the metrics endpoint and the rate sampler behind them.
 fn start_http(
     node: driver::NodeHandle,
     shovels: shovel::Shovels,
     config: &Config,
     tls: Option<&tls::Tls>,
-    management: Option<TcpListener>,
-    prometheus: Option<TcpListener>,
+    listeners: HttpListeners,
 ) {
+    let HttpListeners {
+        management,
+        prometheus,
+        sqs_port,
+    } = listeners;
     if management.is_none() && prometheus.is_none() {
         return;
     }
@@ -513,6 +538,7 @@ fn start_http(
         amqp_port: config.port,
         http_port: port_of(&management).unwrap_or(0),
         prometheus_port: port_of(&prometheus),
+        sqs_port,
         amqps_port: tls.map(|_| config.tls_port),
         http_tls: (config.management_tls, config.prometheus_tls),
         tls_files: config.tls.as_ref().map(|t| (t.cert.clone(), t.ca.clone())),

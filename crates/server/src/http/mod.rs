@@ -45,6 +45,8 @@ pub struct Api {
     pub amqp_port: u16,
     pub http_port: u16,
     pub prometheus_port: Option<u16>,
+    /// The SQS endpoint's, when it is on (plain HTTP).
+    pub sqs_port: Option<u16>,
     /// The amqps listener's port (`amqp/ssl` in `listeners`, as RabbitMQ names it).
     pub amqps_port: Option<u16>,
     /// The management API and the metrics endpoint speak HTTPS (`https` in `listeners`).

@@ -331,6 +331,9 @@ pub(crate) fn node_json(api: &Api) -> Value {
                     "port": api.http_port,
                     "scheme": if api.http_tls.0 { "https" } else { "http" },
                 },
+                // Where its SQS endpoint listens, for a node that sends a call on a quorum
+                // queue this node leads on to it (`sqs::forward`).
+                "sqs": api.sqs_port.map(|port| json!({"port": port, "scheme": "http"})),
                 "transport": {
                     "connections_in": t.connections_in, "connections_out": t.connections_out,
                     "batches_in": t.batches_in, "batches_out": t.batches_out,

@@ -501,11 +501,21 @@ pub async fn receive(
                     &[(Perm::Read, Resource::Queue(&name))],
                 )?;
                 let broker = n.broker_mut();
+                // On a quorum queue's leader the answer waits until the log has the gets (and
+                // the visibility changes after them): the messages go out then, as many as
+                // are ready. Without the wait, a leader whose log was behind its machine (a
+                // send a moment before) answered with fewer, or none.
+                broker.open_hold_every();
                 let mut got = Vec::new();
+                let mut failed = None;
                 for _ in 0..max {
-                    let Some((d, _)) = broker.get(&vhost, &name, false, API_CONN).map_err(amqp)?
-                    else {
-                        break;
+                    let d = match broker.get_awaited(&vhost, &name, false, API_CONN) {
+                        Ok(Some((d, _))) => d,
+                        Ok(None) => break,
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
                     };
                     got.push(Received {
                         queue: d.queue,
@@ -522,7 +532,12 @@ pub async fn receive(
                         broker.extend(r.queue, r.receipt, visibility_ms);
                     }
                 }
-                Ok::<_, SqsError>((got, now))
+                let hold = broker.close_hold();
+                broker.batch_waits_for(hold);
+                match failed {
+                    Some(e) if got.is_empty() => Err(amqp(e)),
+                    _ => Ok::<_, SqsError>((got, now)),
+                }
             })
             .await??;
         if !got.is_empty() || tokio::time::Instant::now() >= deadline {

@@ -21,6 +21,7 @@
 
 mod attributes;
 mod error;
+mod forward;
 mod messages;
 mod moves;
 mod query;
@@ -51,6 +52,8 @@ const MAX_REQUEST: usize = 4 * 1024 * 1024;
 
 pub struct Sqs {
     pub node: NodeHandle,
+    /// This node's name, on the calls it sends on to a queue's leader.
+    node_name: String,
     /// Message move tasks (dead-letter queue redrives) running or run on this node.
     moves: moves::MoveTasks,
     /// When each message in flight through SQS was first received (SQS's
@@ -64,9 +67,10 @@ const FIRST_RECEIVE_MAX: usize = 100_000;
 
 impl Sqs {
     /// `local`: how tasks reach this node's own AMQP listener (none: no message move tasks).
-    pub fn new(node: NodeHandle, local: Option<crate::shovel::Local>) -> Self {
+    pub fn new(node: NodeHandle, node_name: String, local: Option<crate::shovel::Local>) -> Self {
         Sqs {
             node,
+            node_name,
             moves: moves::MoveTasks::new(local),
             first_receive: Mutex::new(std::collections::HashMap::new()),
         }
@@ -203,7 +207,22 @@ async fn handle(
 ) -> Response {
     let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
     let json = header("x-amz-target").is_some();
-    if !json && query::is_query(header("content-type"), uri.query()) {
+    let query_protocol = !json && query::is_query(header("content-type"), uri.query());
+    match forward::to_leader(&sqs, peer, (&method, &uri, &headers, &body), query_protocol).await {
+        Ok(Some(answer)) => return answer,
+        Ok(None) => {}
+        Err(e) if query_protocol => {
+            let id = messages::new_id();
+            let mut r = (e.status, query::error(&e, &id)).into_response();
+            r.headers_mut().insert(
+                "content-type",
+                axum::http::HeaderValue::from_static("text/xml"),
+            );
+            return r;
+        }
+        Err(e) => return e.into_response(),
+    }
+    if query_protocol {
         let id = messages::new_id();
         let (action, result) = serve_query(&sqs, peer, &method, &uri, &headers, &body).await;
         let (status, xml) = match result {
