@@ -392,6 +392,41 @@ fn health_checks_and_aliveness() {
     assert_eq!(down.json()["status"], "failed");
 }
 
+/// On a node whose default queue type is quorum, an imported queue keeps the type its
+/// definition gives (`type`, which exports now carry), and only a queue whose definition
+/// names no type takes the default: an exported classic queue with priorities, imported
+/// there, was made a quorum queue, which refuses `x-max-priority`, and the import stopped.
+#[test]
+fn an_imported_queue_keeps_its_type_on_a_node_whose_default_is_quorum() {
+    let b = TestBroker::start_with(&["--default-queue-type", "quorum"]);
+    let (prio, plain) = (unique("def-prio"), unique("def-plain"));
+    let defs = json!({
+        "queues": [
+            {"name": prio, "vhost": "/", "durable": true, "auto_delete": false,
+             "arguments": {"x-max-priority": 5}, "type": "classic"},
+            {"name": plain, "vhost": "/", "durable": true, "auto_delete": false, "arguments": {}},
+        ],
+    });
+    let a = api(&b);
+    let r = request(
+        "POST",
+        &format!("{a}/definitions"),
+        GUEST,
+        &[],
+        Some(&defs.to_string()),
+    );
+    assert_eq!(r.status, 204, "{}", r.text());
+    let out = request("GET", &format!("{a}/definitions"), GUEST, &[], None).json();
+    let type_of = |name: &str| {
+        out["queues"]
+            .as_array()
+            .and_then(|l| l.iter().find(|x| x["name"] == name))
+            .map(|x| x["type"].clone())
+    };
+    assert_eq!(type_of(&prio), Some(json!("classic")), "{out}");
+    assert_eq!(type_of(&plain), Some(json!("quorum")), "{out}");
+}
+
 #[test]
 fn definitions_export_and_import() {
     let b = TestBroker::start();

@@ -69,6 +69,12 @@ fn a_queue_that_cannot_be_of_the_default_type_stays_classic() {
             .unwrap_or_else(|e| panic!("{name}: {e:?}"));
         assert_eq!(type_of(&b, name), ("classic", None), "{name}");
     }
+    // A server-named queue, durable or not.
+    let named = b
+        .declare_queue(V, req("", true, false, false), 1)
+        .expect("server-named");
+    let name = b.queue_info(named.queue).expect("queue").name;
+    assert_eq!(type_of(&b, name.as_str()), ("classic", None));
 }
 
 #[test]

@@ -24,6 +24,30 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(60);
 /// The size of the pieces an answer is passed on in.
 const CHUNK: usize = 64 * 1024;
+/// Most calls sent on at once. Each holds a thread of tokio's blocking pool for as long as
+/// it lasts (an SQS long poll: 20 s), and that pool also serves the management API's
+/// writes: past this many, this node answers the call itself (naming the leader).
+const MOST_AT_ONCE: usize = 64;
+
+static SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(MOST_AT_ONCE);
+
+/// One client for every call: its connections to the other nodes are kept and reused.
+fn agent() -> &'static ureq::Agent {
+    static AGENT: std::sync::OnceLock<ureq::Agent> = std::sync::OnceLock::new();
+    AGENT.get_or_init(|| {
+        let config = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_connect(Some(CONNECT_TIMEOUT))
+            .timeout_recv_response(Some(ANSWER_TIMEOUT))
+            .timeout_per_read(Some(ANSWER_TIMEOUT))
+            // The other node is a peer: a proxy from the environment must not see the call,
+            // and its answer is passed back as it is, a redirect included.
+            .proxy(None)
+            .max_redirects(0)
+            .build();
+        ureq::Agent::new_with_config(config)
+    })
+}
 
 /// A call to send on.
 pub struct Call {
@@ -49,9 +73,17 @@ pub enum Failed {
 /// Sends `call` and answers with the other node's status, headers and body, the body passed
 /// on as it comes (an answer of 10,000 large messages is not held whole here).
 pub async fn relay(call: Call) -> Result<Response, Failed> {
+    let Ok(slot) = SLOTS.try_acquire() else {
+        return Err(Failed::NotSent(format!(
+            "{MOST_AT_ONCE} calls are being sent on already"
+        )));
+    };
     let (head_tx, head_rx) = tokio::sync::oneshot::channel();
     let (body_tx, body_rx) = tokio::sync::mpsc::channel(4);
-    tokio::task::spawn_blocking(move || send(call, head_tx, body_tx));
+    tokio::task::spawn_blocking(move || {
+        send(call, head_tx, body_tx);
+        drop(slot);
+    });
     let (status, headers) = match head_rx.await {
         Ok(head) => head?,
         Err(_) => return Err(Failed::Sent("the call stopped".into())),
@@ -84,15 +116,6 @@ fn send(
     head: tokio::sync::oneshot::Sender<Result<Head, Failed>>,
     chunks: tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
 ) {
-    let config = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_connect(Some(CONNECT_TIMEOUT))
-        .timeout_recv_response(Some(ANSWER_TIMEOUT))
-        .timeout_per_read(Some(ANSWER_TIMEOUT))
-        // The other node is a peer: a proxy from the environment must not see the call.
-        .proxy(None)
-        .build();
-    let agent = ureq::Agent::new_with_config(config);
     let mut request = ureq::http::Request::builder()
         .method(call.method)
         .uri(&call.url);
@@ -109,7 +132,7 @@ fn send(
             return;
         }
     };
-    let answer = match agent.run(request) {
+    let answer = match agent().run(request) {
         Ok(answer) => answer,
         Err(e) => {
             let failed = if not_sent(&e) {
@@ -162,6 +185,32 @@ fn not_sent(e: &ureq::Error) -> bool {
         ),
         _ => false,
     }
+}
+
+/// Whether a call from `peer` by `user` may be sent on to `base`: a user the configuration
+/// limits to loopback (guest) who came over loopback would be refused by a leader on another
+/// host, which sees the call come from this node's address.
+pub fn may_carry(
+    node: &crate::driver::NodeHandle,
+    user: &str,
+    peer: std::net::IpAddr,
+    base: &str,
+) -> bool {
+    let limited = node.read(|n, _| n.config().loopback_only(user));
+    if !limited {
+        return true;
+    }
+    let host = base
+        .trim_start_matches("http://")
+        .rsplit_once(':')
+        .map_or(base, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let local = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    local || !peer.is_loopback()
 }
 
 /// The leader of the quorum queue `name` of `vhost` when another node leads it, with the

@@ -472,15 +472,17 @@ impl Broker {
         let durable = req.durable && !req.exclusive;
         let rs = rs("queue", &name, vhost);
         // The node's default type, for a declaration that names none and whose queue may
-        // have it (RabbitMQ's `default_queue_type`; a transient, exclusive or auto-delete
-        // queue stays classic). A queue that exists keeps its type: the declaration is
-        // equivalent whatever the type (RabbitMQ 3.x refused an existing classic queue once
-        // the default changed, and workers that redeclare their queue broke).
+        // have it (RabbitMQ's `default_queue_type`; a transient, exclusive, auto-delete or
+        // server-named queue stays classic: a client's private reply queue has no use for a
+        // cluster). A queue that exists keeps its type: the declaration is equivalent
+        // whatever the type (RabbitMQ 3.x refused an existing classic queue once the default
+        // changed, and workers that redeclare their queue broke).
         let defaulted = self.config.default_queue_type != QueueType::Classic
             && !self.restoring
             && !self.meta_quiet
             && durable
             && !req.auto_delete
+            && !req.name.is_empty()
             && req.arguments.get("x-queue-type").is_none();
         if let Some(pending) = self
             .pending_declaration(vhost, &name)

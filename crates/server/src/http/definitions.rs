@@ -6,7 +6,7 @@ use warren_broker::access::{AccessError, PermissionDef, TopicPermissionDef};
 use warren_broker::limits::{LimitScope, Limits};
 use warren_broker::policy::PolicyKind;
 use warren_broker::DeclareQueue;
-use warren_codec::ShortStr;
+use warren_codec::{FieldValue, ShortStr};
 use warren_session::manage::API_CONN;
 
 use super::json::{table, to_table};
@@ -92,8 +92,12 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
         .filter(|q| q.owner.is_none())
         .map(|q| {
             with_vhost(
+                // `type` as RabbitMQ 3.13 exports it: a queue declared without
+                // `x-queue-type` comes back as the type it is, whatever the importing node's
+                // default queue type.
                 json!({"name": q.name.as_str(), "durable": q.durable,
-                       "auto_delete": q.auto_delete, "arguments": table(&q.arguments)}),
+                       "auto_delete": q.auto_delete, "arguments": table(&q.arguments),
+                       "type": q.queue_type}),
                 &q.vhost,
             )
         })
@@ -455,6 +459,17 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
         for q in list(defs, "queues") {
             let vhost = vhost_of(q)?;
             let name = text(q, "name", "queue")?;
+            let mut arguments = to_table(q.get("arguments").unwrap_or(&Value::Null))
+                .map_err(ApiError::bad_request)?;
+            // A definition's own type, when its arguments name none: an exported classic
+            // queue stays classic on a node whose default type is quorum (where it might not
+            // even be valid: priorities, say). Without either, the node's default applies,
+            // as to a declaration.
+            if arguments.get("x-queue-type").is_none() {
+                if let Some(t) = q["type"].as_str() {
+                    arguments.insert("x-queue-type", FieldValue::long_str(t));
+                }
+            }
             let req = DeclareQueue {
                 name: ShortStr::try_from_str(name)
                     .map_err(|_| ApiError::bad_request("queue name too long"))?,
@@ -462,8 +477,7 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
                 durable: boolean(q, "durable", true),
                 exclusive: false,
                 auto_delete: boolean(q, "auto_delete", false),
-                arguments: to_table(q.get("arguments").unwrap_or(&Value::Null))
-                    .map_err(ApiError::bad_request)?,
+                arguments,
             };
             match n
                 .broker_mut()

@@ -27,9 +27,9 @@ use crate::relay::{self, Call, Failed, FORWARDED_BY};
 /// names the node to ask).
 pub async fn to_leader(
     api: &Arc<Api>,
+    (user, peer): (&str, std::net::IpAddr),
     headers: &HeaderMap,
-    vhost: &str,
-    name: &str,
+    (vhost, name): (&str, &str),
     path: &str,
     body: Bytes,
 ) -> Option<Result<Response, ApiError>> {
@@ -39,6 +39,9 @@ pub async fn to_leader(
         return None;
     }
     let (node, base) = relay::leader_endpoint(&api.node, vhost, name, "management")?;
+    if !relay::may_carry(&api.node, user, peer, &base) {
+        return None;
+    }
     tracing::debug!(%base, %path, leader = node, "management call sent to the queue's leader");
     let call = Call {
         method: Method::POST,

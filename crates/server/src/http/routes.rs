@@ -1036,14 +1036,22 @@ async fn purge_queue(
 async fn move_messages(
     State(api): ApiState,
     LoggedIn(who): LoggedIn,
+    ConnectInfo(peer): Peer,
     Path((vhost, name)): Path<(String, String)>,
     uri: Uri,
     headers: HeaderMap,
     body: Bytes,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    if let Some(answer) =
-        forward::to_leader(&api, &headers, &vhost, &name, &path_of(&uri), body.clone()).await
+    if let Some(answer) = forward::to_leader(
+        &api,
+        (&who.name, peer.ip()),
+        &headers,
+        (&vhost, &name),
+        &path_of(&uri),
+        body.clone(),
+    )
+    .await
     {
         return answer;
     }
@@ -1079,14 +1087,22 @@ async fn move_messages(
 async fn get_messages(
     State(api): ApiState,
     LoggedIn(who): LoggedIn,
+    ConnectInfo(peer): Peer,
     Path((vhost, name)): Path<(String, String)>,
     uri: Uri,
     headers: HeaderMap,
     body: Bytes,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    if let Some(answer) =
-        forward::to_leader(&api, &headers, &vhost, &name, &path_of(&uri), body.clone()).await
+    if let Some(answer) = forward::to_leader(
+        &api,
+        (&who.name, peer.ip()),
+        &headers,
+        (&vhost, &name),
+        &path_of(&uri),
+        body.clone(),
+    )
+    .await
     {
         return answer;
     }

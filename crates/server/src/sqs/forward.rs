@@ -45,20 +45,37 @@ pub(super) async fn to_leader(
     {
         return Ok(None);
     }
-    let Some((action, input)) = peek(method, uri, headers, body, query_protocol) else {
+    // The action first, without reading the whole request: most calls are answered here.
+    let form = form_of(method, uri, body);
+    let action = if query_protocol {
+        form_urlencoded::parse(form)
+            .find(|(k, _)| k == "Action")
+            .map(|(_, v)| v.into_owned())
+    } else {
+        headers
+            .get("x-amz-target")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|t| t.strip_prefix("AmazonSQS."))
+            .map(str::to_owned)
+    };
+    let Some(action) = action.filter(|a| LEADER_ONLY.contains(&a.as_str())) else {
         return Ok(None);
     };
-    if !LEADER_ONLY.contains(&action.as_str()) {
+    // Only a signed request is read further and goes on: an unsigned one gets this node's
+    // refusal.
+    let Ok(ctx) = authenticate(sqs, peer, method, uri, headers, body) else {
         return Ok(None);
-    }
+    };
+    let Some(input) = input_of(uri, headers, body, form, query_protocol) else {
+        return Ok(None);
+    };
     let Ok((vhost, name)) = queue_of(&input) else {
         return Ok(None);
     };
     let Some((leader, base)) = relay::leader_endpoint(&sqs.node, &vhost, &name, "sqs") else {
         return Ok(None);
     };
-    // Only a signed request goes on: an unsigned one gets this node's refusal.
-    if authenticate(sqs, peer, method, uri, headers, body).is_err() {
+    if !relay::may_carry(&sqs.node, &ctx.user, peer.ip(), &base) {
         return Ok(None);
     }
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
@@ -98,34 +115,34 @@ pub(super) async fn to_leader(
     }
 }
 
-/// The action a request names and its input, read as its protocol carries them (the whole
-/// parsing happens again wherever the request is answered).
-fn peek(
-    method: &Method,
+/// Where a query-protocol request's parameters are: the body of a POST, the query string of
+/// a GET.
+fn form_of<'a>(method: &Method, uri: &'a Uri, body: &'a Bytes) -> &'a [u8] {
+    if method == Method::GET {
+        uri.query().unwrap_or_default().as_bytes()
+    } else {
+        body
+    }
+}
+
+/// A request's input, read as its protocol carries it (the whole parsing happens again
+/// wherever the request is answered).
+fn input_of(
     uri: &Uri,
     headers: &HeaderMap,
     body: &Bytes,
+    form: &[u8],
     query_protocol: bool,
-) -> Option<(String, Map<String, Value>)> {
+) -> Option<Map<String, Value>> {
     if query_protocol {
-        // The parameters are in the body of a POST, in the query string of a GET.
-        let form: &[u8] = if method == Method::GET {
-            uri.query().unwrap_or_default().as_bytes()
-        } else {
-            body
-        };
+        // A request posted to a queue's URL names its queue so.
         let host = headers.get("host").and_then(|v| v.to_str().ok())?;
         let segments = uri.path().split('/').filter(|s| !s.is_empty()).count();
         let queue_url = (segments >= 2).then(|| format!("http://{host}{}", uri.path()));
-        return query::input(form, queue_url).ok();
+        return query::input(form, queue_url).ok().map(|(_, input)| input);
     }
-    let action = headers
-        .get("x-amz-target")
-        .and_then(|v| v.to_str().ok())?
-        .strip_prefix("AmazonSQS.")?
-        .to_owned();
     match serde_json::from_slice(body).ok()? {
-        Value::Object(input) => Some((action, input)),
+        Value::Object(input) => Some(input),
         _ => None,
     }
 }
