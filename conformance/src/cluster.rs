@@ -209,6 +209,30 @@ impl TestCluster {
         }
     }
 
+    /// Waits until node `asked` has fresh figures of node `of` announcing its HTTP endpoint
+    /// `part` (`management`, `sqs`): what it needs to send a call on to that node.
+    pub fn wait_for_endpoint(&self, asked: u64, of: u64, part: &str) {
+        let api = Api::of(self.node(asked));
+        let start = Instant::now();
+        loop {
+            let (_, nodes) = api.call("GET", "/nodes", None);
+            let announced = nodes.as_array().is_some_and(|l| {
+                l.iter().any(|n| {
+                    n["name"].as_str().and_then(node_number) == Some(of)
+                        && n["cluster"][part]["port"].is_u64()
+                })
+            });
+            if announced {
+                return;
+            }
+            assert!(
+                start.elapsed() < WAIT,
+                "node {asked} has no figures of node {of}'s {part}: {nodes}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The node that leads `queue` (of vhost `/`), as node `asked` reports it, once it does.
     pub fn leader_of(&self, queue: &str, asked: u64) -> u64 {
         let api = Api::of(self.node(asked));

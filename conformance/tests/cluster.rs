@@ -13,7 +13,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
-use warren_conformance::cluster::{node_number, TestCluster};
+use warren_conformance::cluster::TestCluster;
 use warren_conformance::http::Api;
 use warren_conformance::{unique, WAIT};
 
@@ -1864,25 +1864,8 @@ async fn the_apis_get_and_move_on_a_follower_are_answered_by_the_quorum_queues_l
     let (_conn, ch) = channel(&c, follower).await;
     publish_confirmed(&ch, &q, (0..10).map(|i| format!("m{i}"))).await;
     // The follower learns where the leader's API listens from the figures nodes share.
+    c.wait_for_endpoint(follower, leader, "management");
     let api = Api::of(c.node(follower));
-    let start = Instant::now();
-    loop {
-        let (_, nodes) = api.call("GET", "/nodes", None);
-        let announced = nodes.as_array().is_some_and(|l| {
-            l.iter().any(|n| {
-                n["name"].as_str().and_then(node_number) == Some(leader)
-                    && n["cluster"]["management"]["port"].is_u64()
-            })
-        });
-        if announced {
-            break;
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "no figures of node {leader}: {nodes}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
     let path = format!("/queues/%2f/{q}/get");
     let body =
         serde_json::json!({ "count": 3, "ackmode": "ack_requeue_false", "encoding": "auto" });

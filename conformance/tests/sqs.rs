@@ -106,19 +106,22 @@ impl Client {
         }
     }
 
-    fn call(&self, action: &str, body: Value) -> Reply {
-        let body = body.to_string();
+    /// The request date, and the `Authorization` header's value for a POST to `/` with these
+    /// canonical headers (`name:value` lines, sorted), their names, and this body.
+    fn authorization(
+        &self,
+        headers: &dyn Fn(&str) -> String,
+        signed: &str,
+        body: &str,
+    ) -> (String, String) {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap()
             .as_secs() as i64;
         let date = amz_date((now + self.skew) as u64);
-        let target = format!("AmazonSQS.{action}");
-        let ctype = "application/x-amz-json-1.0";
-        let signed = "content-type;host;x-amz-date;x-amz-target";
         let canonical = format!(
-            "POST\n/\n\ncontent-type:{ctype}\nhost:{}\nx-amz-date:{date}\nx-amz-target:{target}\n\n{signed}\n{}",
-            self.host,
+            "POST\n/\n\n{}\n\n{signed}\n{}",
+            headers(&date),
             hex::encode(Sha256::digest(body.as_bytes()))
         );
         let scope = format!("{}/us-east-1/sqs/aws4_request", &date[..8]);
@@ -131,16 +134,34 @@ impl Client {
         let k = hmac(&k, "sqs");
         let k = hmac(&k, "aws4_request");
         let sig = hex::encode(hmac(&k, &to_sign));
+        let auth = format!(
+            "AWS4-HMAC-SHA256 Credential={}/{scope}, SignedHeaders={signed}, Signature={sig}",
+            self.key
+        );
+        (date, auth)
+    }
+
+    fn call(&self, action: &str, body: Value) -> Reply {
+        let body = body.to_string();
+        let target = format!("AmazonSQS.{action}");
+        let ctype = "application/x-amz-json-1.0";
+        let (date, auth) = self.authorization(
+            &|date| {
+                format!(
+                    "content-type:{ctype}\nhost:{}\nx-amz-date:{date}\nx-amz-target:{target}",
+                    self.host
+                )
+            },
+            "content-type;host;x-amz-date;x-amz-target",
+            &body,
+        );
         let mut req = format!(
             "POST / HTTP/1.1\r\nHost: {}\r\nContent-Type: {ctype}\r\nX-Amz-Date: {date}\r\nX-Amz-Target: {target}\r\nContent-Length: {}\r\nConnection: close\r\n",
             self.host,
             body.len()
         );
         if self.sign {
-            req.push_str(&format!(
-                "Authorization: AWS4-HMAC-SHA256 Credential={}/{scope}, SignedHeaders={signed}, Signature={sig}\r\n",
-                self.key
-            ));
+            req.push_str(&format!("Authorization: {auth}\r\n"));
         }
         req.push_str("\r\n");
         req.push_str(&body);
@@ -175,33 +196,21 @@ impl Client {
 
     /// A query-protocol call (a signed form POST to `/`): its status and XML answer.
     fn call_query(&self, form: &str) -> (u16, String) {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_secs() as i64;
-        let date = amz_date((now + self.skew) as u64);
         let ctype = "application/x-www-form-urlencoded";
-        let signed = "content-type;host;x-amz-date";
-        let canonical = format!(
-            "POST\n/\n\ncontent-type:{ctype}\nhost:{}\nx-amz-date:{date}\n\n{signed}\n{}",
-            self.host,
-            hex::encode(Sha256::digest(form.as_bytes()))
+        let (date, auth) = self.authorization(
+            &|date| {
+                format!(
+                    "content-type:{ctype}\nhost:{}\nx-amz-date:{date}",
+                    self.host
+                )
+            },
+            "content-type;host;x-amz-date",
+            form,
         );
-        let scope = format!("{}/us-east-1/sqs/aws4_request", &date[..8]);
-        let to_sign = format!(
-            "AWS4-HMAC-SHA256\n{date}\n{scope}\n{}",
-            hex::encode(Sha256::digest(canonical.as_bytes()))
-        );
-        let k = hmac(format!("AWS4{}", self.secret).as_bytes(), &date[..8]);
-        let k = hmac(&k, "us-east-1");
-        let k = hmac(&k, "sqs");
-        let k = hmac(&k, "aws4_request");
-        let sig = hex::encode(hmac(&k, &to_sign));
         let req = format!(
-            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Type: {ctype}\r\nX-Amz-Date: {date}\r\nContent-Length: {}\r\nConnection: close\r\nAuthorization: AWS4-HMAC-SHA256 Credential={}/{scope}, SignedHeaders={signed}, Signature={sig}\r\n\r\n{form}",
+            "POST / HTTP/1.1\r\nHost: {}\r\nContent-Type: {ctype}\r\nX-Amz-Date: {date}\r\nContent-Length: {}\r\nConnection: close\r\nAuthorization: {auth}\r\n\r\n{form}",
             self.host,
             form.len(),
-            self.key
         );
         let mut s = TcpStream::connect(&self.host).expect("connect to the SQS port");
         s.set_read_timeout(Some(Duration::from_secs(30))).ok();
@@ -1293,7 +1302,7 @@ fn message_move_tasks_redrive_a_dead_letter_queue_and_lose_nothing() {
 /// receive on the leader right after a send could come back with fewer messages than ready.
 #[test]
 fn a_quorum_queues_messages_are_received_and_deleted_through_any_node() {
-    use warren_conformance::cluster::{node_number, TestCluster};
+    use warren_conformance::cluster::TestCluster;
     use warren_conformance::http::Api;
     let c = TestCluster::start_with(3, 20, &[TestCluster::WITH_SQS]);
     if skipped(c.node(1)) {
@@ -1307,25 +1316,7 @@ fn a_quorum_queues_messages_are_received_and_deleted_through_any_node() {
     let follower = if leader == 1 { 2 } else { 1 };
     // The follower learns where the leader's SQS endpoint listens from the figures nodes
     // share.
-    let api = Api::of(c.node(follower));
-    let start = Instant::now();
-    loop {
-        let (_, nodes) = api.call("GET", "/nodes", None);
-        let announced = nodes.as_array().is_some_and(|l| {
-            l.iter().any(|n| {
-                n["name"].as_str().and_then(node_number) == Some(leader)
-                    && n["cluster"]["sqs"]["port"].is_u64()
-            })
-        });
-        if announced {
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "no figures of node {leader}: {nodes}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    c.wait_for_endpoint(follower, leader, "sqs");
     let sqs = Client::new(c.node(follower));
     let url = format!("http://{}/000000000000/{q}", sqs.host);
     for i in 0..4 {
