@@ -15,23 +15,20 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::http::{HeaderMap, Method};
+use axum::http::{HeaderMap, Method, Uri};
 use axum::response::Response;
 
 use super::{Api, ApiError};
 use crate::relay::{self, Call, Failed, FORWARDED_BY};
 
-/// Sends a call on the quorum queue `name` of `vhost` (its path and query `path`, its body
-/// `body`) to the queue's leader when another node leads it and its API can be reached;
+/// Sends a call on the quorum queue `name` of `vhost` (by `user` from `peer`, to `uri`, with
+/// `headers` and `body`) to the queue's leader when another node leads it and its API can be reached;
 /// `None`: this node answers it (also when the leader could not be reached: the answer then
 /// names the node to ask).
 pub async fn to_leader(
     api: &Arc<Api>,
-    (user, peer): (&str, std::net::IpAddr),
-    headers: &HeaderMap,
+    (user, peer, uri, headers, body): (&str, std::net::IpAddr, &Uri, &HeaderMap, &Bytes),
     (vhost, name): (&str, &str),
-    path: &str,
-    body: Bytes,
 ) -> Option<Result<Response, ApiError>> {
     // A call sent on once is answered where it lands; credentials that came over TLS do not
     // go on in the clear.
@@ -42,12 +39,17 @@ pub async fn to_leader(
     if !relay::may_carry(&api.node, user, peer, &base) {
         return None;
     }
+    // The path as the client sent it (percent-encoded; the API's routes are not nested, so
+    // it is whole), with its query.
+    let path = uri
+        .path_and_query()
+        .map_or_else(|| uri.path(), |p| p.as_str());
     tracing::debug!(%base, %path, leader = node, "management call sent to the queue's leader");
     let call = Call {
         method: Method::POST,
         url: format!("{base}{path}"),
         headers: headers.clone(),
-        body,
+        body: body.clone(),
         by: api.node_name.clone(),
     };
     match relay::relay(call).await {

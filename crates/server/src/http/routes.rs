@@ -1043,16 +1043,8 @@ async fn move_messages(
     body: Bytes,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    if let Some(answer) = forward::to_leader(
-        &api,
-        (&who.name, peer.ip()),
-        &headers,
-        (&vhost, &name),
-        &path_of(&uri),
-        body.clone(),
-    )
-    .await
-    {
+    let call = (&who.name[..], peer.ip(), &uri, &headers, &body);
+    if let Some(answer) = forward::to_leader(&api, call, (&vhost, &name)).await {
         return answer;
     }
     let b = body_json(&body)?;
@@ -1094,16 +1086,8 @@ async fn get_messages(
     body: Bytes,
 ) -> Answer {
     vhost_must_exist(&api, &vhost)?;
-    if let Some(answer) = forward::to_leader(
-        &api,
-        (&who.name, peer.ip()),
-        &headers,
-        (&vhost, &name),
-        &path_of(&uri),
-        body.clone(),
-    )
-    .await
-    {
+    let call = (&who.name[..], peer.ip(), &uri, &headers, &body);
+    if let Some(answer) = forward::to_leader(&api, call, (&vhost, &name)).await {
         return answer;
     }
     let b = body_json(&body)?;
@@ -1205,13 +1189,6 @@ async fn get_messages(
         })
         .collect();
     ok(Value::Array(out))
-}
-
-/// A request's path and query, as the client sent them (percent-encoded; the API's routes
-/// are not nested, so the path is whole).
-fn path_of(uri: &Uri) -> String {
-    uri.path_and_query()
-        .map_or_else(|| uri.path().to_owned(), |p| p.as_str().to_owned())
 }
 
 async fn queue_bindings(
