@@ -208,23 +208,20 @@ async fn handle(
     let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
     let json = header("x-amz-target").is_some();
     let query_protocol = !json && query::is_query(header("content-type"), uri.query());
-    match forward::to_leader(&sqs, peer, (&method, &uri, &headers, &body), query_protocol).await {
+    let request = (&method, &uri, &headers, &body);
+    // A call only the queue's leader answers goes there; one whose answer was lost on the
+    // way is answered with the error, in the request's protocol.
+    let lost = match forward::to_leader(&sqs, peer, request, query_protocol).await {
         Ok(Some(answer)) => return answer,
-        Ok(None) => {}
-        Err(e) if query_protocol => {
-            let id = messages::new_id();
-            let mut r = (e.status, query::error(&e, &id)).into_response();
-            r.headers_mut().insert(
-                "content-type",
-                axum::http::HeaderValue::from_static("text/xml"),
-            );
-            return r;
-        }
-        Err(e) => return e.into_response(),
-    }
+        Ok(None) => None,
+        Err(e) => Some(e),
+    };
     if query_protocol {
         let id = messages::new_id();
-        let (action, result) = serve_query(&sqs, peer, &method, &uri, &headers, &body).await;
+        let (action, result) = match lost {
+            Some(e) => (String::new(), Err(e)),
+            None => serve_query(&sqs, peer, &method, &uri, &headers, &body).await,
+        };
         let (status, xml) = match result {
             Ok(v) => (axum::http::StatusCode::OK, query::output(&action, &v, &id)),
             Err(e) => (e.status, query::error(&e, &id)),
@@ -236,7 +233,11 @@ async fn handle(
         );
         return r;
     }
-    match serve_one(&sqs, peer, &method, &uri, &headers, &body).await {
+    let result = match lost {
+        Some(e) => Err(e),
+        None => serve_one(&sqs, peer, &method, &uri, &headers, &body).await,
+    };
+    match result {
         Ok(v) => {
             let mut r = Value::Object(v).to_string().into_response();
             r.headers_mut().insert(
