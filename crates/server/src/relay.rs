@@ -197,20 +197,21 @@ pub fn may_carry(
     base: &str,
 ) -> bool {
     let limited = node.read(|n, _| n.config().loopback_only(user));
-    if !limited {
-        return true;
-    }
-    let host = base
-        .trim_start_matches("http://")
+    !limited || !peer.is_loopback() || on_loopback(base)
+}
+
+/// Whether a base address (`http://host:port`) names this machine's loopback.
+fn on_loopback(base: &str) -> bool {
+    let rest = base.trim_start_matches("http://");
+    let host = rest
         .rsplit_once(':')
-        .map_or(base, |(h, _)| h)
+        .map_or(rest, |(h, _)| h)
         .trim_start_matches('[')
         .trim_end_matches(']');
-    let local = host == "localhost"
+    host == "localhost"
         || host
             .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback());
-    local || !peer.is_loopback()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The leader of the quorum queue `name` of `vhost` when another node leads it, with the
@@ -298,6 +299,25 @@ mod tests {
             Err(Failed::NotSent(_)) => {}
             Err(Failed::Sent(e)) => panic!("sent: {e}"),
             Ok(r) => panic!("answered {}", r.status()),
+        }
+    }
+
+    #[test]
+    fn a_loopback_address_is_told_from_another_hosts() {
+        for base in [
+            "http://127.0.0.1:15702",
+            "http://127.0.0.9:15702",
+            "http://[::1]:15702",
+            "http://localhost:15702",
+        ] {
+            assert!(on_loopback(base), "{base}");
+        }
+        for base in [
+            "http://10.0.0.2:15702",
+            "http://[fd00::2]:15702",
+            "http://node2:15702",
+        ] {
+            assert!(!on_loopback(base), "{base}");
         }
     }
 
