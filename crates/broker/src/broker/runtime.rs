@@ -449,6 +449,42 @@ impl Broker {
         self.get_from(vhost, queue, no_ack, conn, true)
     }
 
+    /// Up to `count` messages of a queue for a caller that answers once they are safe (the
+    /// management API's get, SQS's receive), each taken with [`Broker::get_awaited`] and then
+    /// given to `then` (to settle, requeue or hide it), all in one hold: the store batch the
+    /// caller waits for waits until the log has every get and what `then` did. An error with
+    /// nothing taken is the answer; after some were taken, those are.
+    pub fn get_many_awaited(
+        &mut self,
+        (vhost, queue): (&str, &str),
+        count: usize,
+        conn: ConnId,
+        mut then: impl FnMut(&mut Self, &Delivery),
+    ) -> Result<Vec<(Delivery, u32)>, AmqpError> {
+        self.open_hold_every();
+        let mut got = Vec::new();
+        let mut failed = None;
+        while got.len() < count {
+            match self.get_awaited(vhost, queue, false, conn) {
+                Ok(Some(d)) => got.push(d),
+                Ok(None) => break,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        for (d, _) in &got {
+            then(self, d);
+        }
+        let hold = self.close_hold();
+        self.batch_waits_for(hold);
+        match failed {
+            Some(e) if got.is_empty() => Err(e),
+            _ => Ok(got),
+        }
+    }
+
     fn get_from(
         &mut self,
         vhost: &str,

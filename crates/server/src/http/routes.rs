@@ -1134,32 +1134,21 @@ async fn get_messages(
         let broker = n.broker_mut();
         // On a quorum queue's leader the answer waits until the log has the gets (and what
         // follows them): the messages are handed out then, every one the call asked for.
-        broker.open_hold_every();
-        let mut got = Vec::new();
-        let mut failed = None;
-        for _ in 0..count {
-            match broker.get_awaited(&vhost, &name, false, API_CONN) {
-                Ok(Some(d)) => got.push(d),
-                Ok(None) => break,
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        for (d, _) in &got {
+        let settle = |b: &mut warren_broker::Broker, d: &warren_broker::Delivery| {
             match (requeue, ack) {
-                (true, _) => broker.requeue(d.queue, d.receipt),
-                (false, true) => broker.settle(d.queue, d.receipt),
-                (false, false) => broker.discard(d.queue, d.receipt),
+                (true, _) => b.requeue(d.queue, d.receipt),
+                (false, true) => b.settle(d.queue, d.receipt),
+                (false, false) => b.discard(d.queue, d.receipt),
             };
-        }
-        let hold = broker.close_hold();
-        broker.batch_waits_for(hold);
-        match failed {
-            Some(e) if got.is_empty() => Err(ApiError::from(e)),
-            _ => Ok(got),
-        }
+        };
+        broker
+            .get_many_awaited(
+                (&vhost, &name),
+                usize::try_from(count).unwrap_or(0),
+                API_CONN,
+                settle,
+            )
+            .map_err(ApiError::from)
     })??;
     let out: Vec<Value> = got
         .iter()

@@ -505,39 +505,27 @@ pub async fn receive(
                 // the visibility changes after them): the messages go out then, as many as
                 // are ready. Without the wait, a leader whose log was behind its machine (a
                 // send a moment before) answered with fewer, or none.
-                broker.open_hold_every();
-                let mut got = Vec::new();
-                let mut failed = None;
-                for _ in 0..max {
-                    let d = match broker.get_awaited(&vhost, &name, false, API_CONN) {
-                        Ok(Some((d, _))) => d,
-                        Ok(None) => break,
-                        Err(e) => {
-                            failed = Some(e);
-                            break;
-                        }
-                    };
-                    got.push(Received {
-                        queue: d.queue,
-                        receipt: d.receipt,
-                        body: d.message.body.clone(),
-                        properties: d.message.properties.clone(),
-                    });
-                }
-                for r in &got {
+                let hide = |b: &mut warren_broker::Broker, d: &warren_broker::Delivery| {
                     if visibility_ms == 0 {
                         // Visible again at once: the receive still counts.
-                        broker.release(r.queue, r.receipt);
+                        b.release(d.queue, d.receipt);
                     } else {
-                        broker.extend(r.queue, r.receipt, visibility_ms);
+                        b.extend(d.queue, d.receipt, visibility_ms);
                     }
-                }
-                let hold = broker.close_hold();
-                broker.batch_waits_for(hold);
-                match failed {
-                    Some(e) if got.is_empty() => Err(amqp(e)),
-                    _ => Ok::<_, SqsError>((got, now)),
-                }
+                };
+                let got = broker
+                    .get_many_awaited((&vhost, &name), max as usize, API_CONN, hide)
+                    .map_err(amqp)?;
+                let got = got
+                    .into_iter()
+                    .map(|(d, _)| Received {
+                        queue: d.queue,
+                        receipt: d.receipt,
+                        body: d.message.body,
+                        properties: d.message.properties,
+                    })
+                    .collect::<Vec<_>>();
+                Ok::<_, SqsError>((got, now))
             })
             .await??;
         if !got.is_empty() || tokio::time::Instant::now() >= deadline {
