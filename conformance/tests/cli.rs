@@ -821,6 +821,120 @@ fn ctl_manages_users_vhosts_and_permissions_under_rabbitmqctl_names() {
 /// names and JSON arguments.
 /// SQS access keys: made for a user (id and secret printed once), listed without the
 /// secret, deleted; a missing user or key says what to run.
+/// `add_vhost` with `--description`, `--tags` and `--default-queue-type`, and
+/// `update_vhost_metadata` (RabbitMQ 3.11's names), which changes what it is given and keeps
+/// the rest, and refuses a vhost that does not exist rather than make it.
+#[test]
+fn ctl_gives_a_vhost_metadata_and_a_default_queue_type() {
+    let b = TestBroker::start();
+    if b.is_external() {
+        // RabbitMQ 3.10 has no default queue type per vhost.
+        eprintln!("skipped: needs a vhost default queue type");
+        return;
+    }
+    let v = unique("cli-meta");
+    let out = warren(
+        &b,
+        &[
+            "ctl",
+            "add_vhost",
+            &v,
+            "--description",
+            "invoices",
+            "--tags",
+            "eu,prod",
+            "--default-queue-type",
+            "quorum",
+        ],
+    )
+    .ok();
+    assert!(out.stdout.contains("added"), "{}", out.stdout);
+    let listed = |b: &TestBroker| {
+        let all = warren(b, &["ctl", "list_vhosts", "--format", "json"])
+            .ok()
+            .json();
+        all.as_array()
+            .and_then(|l| l.iter().find(|x| x["name"] == v.as_str()).cloned())
+            .unwrap_or(Value::Null)
+    };
+    let got = listed(&b);
+    assert_eq!(got["description"], "invoices", "{got}");
+    assert_eq!(got["tags"], serde_json::json!(["eu", "prod"]), "{got}");
+    assert_eq!(got["default_queue_type"], "quorum", "{got}");
+    let table = warren(&b, &["ctl", "list_vhosts"]).ok().stdout;
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with(&v) && l.contains("invoices") && l.contains("quorum")),
+        "{table}"
+    );
+
+    warren(
+        &b,
+        &[
+            "ctl",
+            "update_vhost_metadata",
+            &v,
+            "--default-queue-type",
+            "classic",
+        ],
+    )
+    .ok();
+    let got = listed(&b);
+    assert_eq!(
+        (
+            &got["description"],
+            &got["tags"],
+            &got["default_queue_type"]
+        ),
+        (
+            &serde_json::json!("invoices"),
+            &serde_json::json!(["eu", "prod"]),
+            &serde_json::json!("classic")
+        ),
+        "{got}"
+    );
+    let bad = warren(
+        &b,
+        &[
+            "ctl",
+            "update_vhost_metadata",
+            &v,
+            "--default-queue-type",
+            "stream",
+        ],
+    );
+    assert_eq!(bad.code, 1, "{}", bad.stdout);
+    assert!(bad.stderr.contains("classic or quorum"), "{}", bad.stderr);
+    let missing = unique("cli-nowhere");
+    let absent = warren(
+        &b,
+        &[
+            "ctl",
+            "update_vhost_metadata",
+            &missing,
+            "--description",
+            "x",
+        ],
+    );
+    assert_eq!(absent.code, 1, "{}", absent.stdout);
+    assert!(
+        absent.stderr.contains("does not exist"),
+        "{}",
+        absent.stderr
+    );
+    let vhosts = warren(&b, &["ctl", "list_vhosts", "--format", "json"])
+        .ok()
+        .json();
+    assert!(
+        !vhosts.to_string().contains(&missing),
+        "update_vhost_metadata made a vhost: {vhosts}"
+    );
+    let nothing = warren(&b, &["ctl", "update_vhost_metadata", &v]);
+    assert_eq!(nothing.code, 2, "{}", nothing.stderr);
+    warren(&b, &["ctl", "delete_vhost", &v]).ok();
+}
+
 #[test]
 fn ctl_manages_sqs_access_keys() {
     let b = TestBroker::start();

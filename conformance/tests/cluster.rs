@@ -1963,6 +1963,36 @@ async fn a_durable_queue_declared_without_a_type_is_quorum_on_a_node_whose_defau
     assert_eq!(v["type"], "classic", "{v}");
     let (_, v) = Api::of(c.node(3)).call("GET", "/vhosts/%2f", None);
     assert_eq!(v["default_queue_type"], "quorum", "{v}");
+
+    // A vhost's own default (RabbitMQ 3.11's), set through one node, is every node's: a
+    // queue declared through another without a type is classic there.
+    let vh = unique("dqt-vh");
+    let (status, _) = Api::of(c.node(3)).call(
+        "PUT",
+        &format!("/vhosts/{vh}"),
+        Some(serde_json::json!({"default_queue_type": "classic"})),
+    );
+    assert_eq!(status, 201);
+    let on_2 = Api::of(c.node(2));
+    warren_conformance::http::eventually("the vhost's default on node 2", || {
+        let (_, v) = on_2.call("GET", &format!("/vhosts/{vh}"), None);
+        (v["default_queue_type"] == "classic")
+            .then_some(())
+            .ok_or_else(|| v.to_string())
+    });
+    let local = unique("dqt-local");
+    warren_conformance::http::eventually("guest's permissions in the vhost on node 2", || {
+        let (status, v) = on_2.call(
+            "PUT",
+            &format!("/queues/{vh}/{local}"),
+            Some(serde_json::json!({"durable": true})),
+        );
+        (status == 201 || status == 204)
+            .then_some(())
+            .ok_or_else(|| format!("{status} {v}"))
+    });
+    let (_, v) = on_2.call("GET", &format!("/queues/{vh}/{local}"), None);
+    assert_eq!(v["type"], "classic", "{v}");
 }
 
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every

@@ -427,6 +427,100 @@ fn an_imported_queue_keeps_its_type_on_a_node_whose_default_is_quorum() {
     assert_eq!(type_of(&plain), Some(json!("quorum")), "{out}");
 }
 
+/// A vhost's metadata (RabbitMQ 3.11): a description, tags and a default queue type, given
+/// by `PUT /api/vhosts/V`, replaced by another PUT (which keeps a default it does not name),
+/// exported and imported with the definitions. The vhost's default comes before the node's:
+/// before, Warren kept no metadata, showed the node's default, and an import dropped the
+/// vhost's with a warning. Against RabbitMQ 3.10 (which has no vhost default queue type)
+/// the description and tags are checked.
+#[test]
+fn a_vhosts_metadata_is_kept_and_its_default_queue_type_applies_to_its_queues() {
+    let b = TestBroker::start();
+    let dqt = !b.is_external();
+    let a = api(&b);
+    let v = unique("meta-vh");
+    let put = |body: Value| {
+        request(
+            "PUT",
+            &format!("{a}/vhosts/{v}"),
+            GUEST,
+            &[],
+            Some(&body.to_string()),
+        )
+    };
+    let get = || request("GET", &format!("{a}/vhosts/{v}"), GUEST, &[], None).json();
+    let r =
+        put(json!({"description": "invoices", "tags": "eu,prod", "default_queue_type": "quorum"}));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let got = get();
+    assert_eq!(got["description"], "invoices", "{got}");
+    assert_eq!(got["tags"], json!(["eu", "prod"]), "{got}");
+    assert_eq!(got["metadata"]["description"], "invoices", "{got}");
+    if !dqt {
+        request("DELETE", &format!("{a}/vhosts/{v}"), GUEST, &[], None);
+        return;
+    }
+    assert_eq!(got["default_queue_type"], "quorum", "{got}");
+    assert_eq!(got["metadata"]["default_queue_type"], "quorum", "{got}");
+    // A queue declared there without a type is a quorum queue.
+    let q = unique("meta-q");
+    let r = request(
+        "PUT",
+        &format!("{a}/queues/{v}/{q}"),
+        GUEST,
+        &[],
+        Some(r#"{"durable": true}"#),
+    );
+    assert!(r.status == 201 || r.status == 204, "{}", r.text());
+    let got_q = request("GET", &format!("{a}/queues/{v}/{q}"), GUEST, &[], None).json();
+    assert_eq!(got_q["type"], "quorum", "{got_q}");
+    // Another PUT replaces the description and tags; a default it leaves out is kept.
+    let r = put(json!({"tags": ["eu"]}));
+    assert_eq!(r.status, 204, "{}", r.text());
+    let got = get();
+    assert_eq!(
+        (
+            &got["description"],
+            &got["tags"],
+            &got["default_queue_type"]
+        ),
+        (&json!(""), &json!(["eu"]), &json!("quorum")),
+        "{got}"
+    );
+    let r = put(json!({"description": "invoices", "default_queue_type": "classic"}));
+    assert_eq!(r.status, 204, "{}", r.text());
+    assert_eq!(get()["default_queue_type"], "classic");
+    // Warren has no streams to make a vhost's default.
+    let r = put(json!({"default_queue_type": "stream"}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("classic or quorum"), "{}", r.text());
+    // Exported as RabbitMQ 3.11 exports it, and imported back after the vhost is gone.
+    let out = request("GET", &format!("{a}/definitions"), GUEST, &[], None).json();
+    let entry = out["vhosts"]
+        .as_array()
+        .and_then(|l| l.iter().find(|x| x["name"] == v.as_str()))
+        .cloned()
+        .unwrap_or(Value::Null);
+    assert_eq!(entry["metadata"]["description"], "invoices", "{out}");
+    assert_eq!(entry["metadata"]["default_queue_type"], "classic", "{out}");
+    let gone = request("DELETE", &format!("{a}/vhosts/{v}"), GUEST, &[], None);
+    assert_eq!(gone.status, 204, "{}", gone.text());
+    let defs = json!({"vhosts": [{"name": v, "metadata": {"description": "invoices",
+        "tags": ["eu"], "default_queue_type": "quorum"}}]});
+    let r = request(
+        "POST",
+        &format!("{a}/definitions"),
+        GUEST,
+        &[],
+        Some(&defs.to_string()),
+    );
+    assert!(r.status == 201 || r.status == 204, "{}", r.text());
+    let got = get();
+    assert_eq!(got["default_queue_type"], "quorum", "{got}");
+    assert_eq!(got["tags"], json!(["eu"]), "{got}");
+    request("DELETE", &format!("{a}/vhosts/{v}"), GUEST, &[], None);
+}
+
 #[test]
 fn definitions_export_and_import() {
     let b = TestBroker::start();

@@ -44,6 +44,7 @@ pub mod queue;
 pub mod replica;
 mod small;
 pub mod stats;
+pub mod vhost_meta;
 
 pub use broker::snapshot::{
     BindingSnapshot, BrokerTotals, ConsumerSnapshot, ExchangeSnapshot, QueueSnapshot,
@@ -64,6 +65,7 @@ pub use persist::{
 pub use queue::args::{DeadLetterStrategy, Overflow, QueueArgs, QueueMode, QueueType};
 pub use queue::machine;
 pub use queue::machine::{ConsumerId, Credit, CreditGroup, Receipt};
+pub use vhost_meta::{VhostMeta, VhostMetaChange};
 pub use warren_queue::{
     qualify, Away, AwayError, AwayStore, AwayStoreHandle, ConnId, Message, Payload, COMPACT_BELOW,
     REDELIVERED_HEADER,

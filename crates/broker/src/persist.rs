@@ -147,6 +147,7 @@ pub enum StoreOp {
     /// have their own ops.
     PutVhost {
         name: String,
+        meta: crate::vhost_meta::VhostMeta,
     },
     DeleteVhost {
         name: String,

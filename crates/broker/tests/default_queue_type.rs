@@ -111,3 +111,51 @@ fn a_redeclaration_without_a_type_matches_the_queue_whatever_its_type() {
         e.text
     );
 }
+
+#[test]
+fn a_vhosts_default_comes_before_the_nodes_and_can_be_taken_away() {
+    use warren_broker::VhostMetaChange;
+    let default = |t: Option<QueueType>| VhostMetaChange {
+        default_queue_type: Some(t),
+        ..Default::default()
+    };
+    // A node whose default is classic, a vhost whose default is quorum.
+    let mut b = broker(QueueType::Classic);
+    assert!(b.put_vhost("billing", &default(Some(QueueType::Quorum))));
+    let in_billing = |b: &Broker, name: &str| b.queue_snapshot("billing", name).unwrap().queue_type;
+    b.declare_queue("billing", req("invoices", true, false, false), 1)
+        .expect("declare");
+    assert_eq!(in_billing(&b, "invoices"), "quorum");
+    // The other vhosts keep the node's.
+    b.declare_queue(V, req("jobs", true, false, false), 1)
+        .expect("declare");
+    assert_eq!(type_of(&b, "jobs"), ("classic", None));
+    // A vhost's classic wins over a node's quorum.
+    let mut q = broker(QueueType::Quorum);
+    q.put_vhost("local", &default(Some(QueueType::Classic)));
+    q.declare_queue("local", req("cache", true, false, false), 1)
+        .expect("declare");
+    assert_eq!(
+        q.queue_snapshot("local", "cache").unwrap().queue_type,
+        "classic"
+    );
+    // Taken away, the node's applies again; the change leaves the rest of the metadata.
+    assert!(!b.put_vhost(
+        "billing",
+        &VhostMetaChange {
+            description: Some("invoices".into()),
+            ..Default::default()
+        }
+    ));
+    assert!(!b.put_vhost("billing", &default(None)));
+    let meta = b.vhost_meta("billing").unwrap();
+    assert_eq!(
+        (meta.description.as_str(), meta.default_queue_type),
+        ("invoices", None)
+    );
+    b.declare_queue("billing", req("receipts", true, false, false), 1)
+        .expect("declare");
+    assert_eq!(in_billing(&b, "receipts"), "classic");
+    // The vhost Warren makes at its first start says what it is, as RabbitMQ's does.
+    assert_eq!(b.vhost_meta(V).unwrap().description, "Default virtual host");
+}

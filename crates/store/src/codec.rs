@@ -11,7 +11,7 @@ use warren_broker::parameters::ParameterDef;
 use warren_broker::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
 use warren_broker::{
     BindingDef, BindingDest, DelayKey, Delayed, ExchangeDef, ExchangeKind, Holder, Message,
-    QueueDef, StoreOp,
+    QueueDef, QueueType, StoreOp, VhostMeta,
 };
 use warren_codec::{FieldTable, ShortStr};
 
@@ -49,6 +49,8 @@ const FLAG_INTERNAL: u8 = 2;
 const FLAG_DELAYED: u8 = 4;
 /// The first byte of a body value: its layout version (the first layout is of a persistent
 /// message; the same layout for a transient one, which only the scratch area holds).
+/// The first byte of a vhost record's value when it holds metadata.
+const VHOST_META_FORMAT: u8 = 1;
 const BODY_V1: u8 = 1;
 const BODY_V1_TRANSIENT: u8 = 2;
 
@@ -477,7 +479,7 @@ fn put_text(out: &mut BytesMut, s: &str) {
 pub fn access_key(op: &StoreOp) -> Option<BytesMut> {
     let mut k = BytesMut::new();
     match op {
-        StoreOp::PutVhost { name } | StoreOp::DeleteVhost { name } => {
+        StoreOp::PutVhost { name, .. } | StoreOp::DeleteVhost { name } => {
             k.put_u8(VHOST);
             put_text(&mut k, name);
         }
@@ -562,7 +564,22 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
     let key = access_key(op)?;
     let mut v = BytesMut::new();
     match op {
-        StoreOp::PutVhost { .. } => {}
+        StoreOp::PutVhost { meta, .. } => {
+            // Empty for a vhost without metadata, as every version before it wrote.
+            if *meta != VhostMeta::default() {
+                v.put_u8(VHOST_META_FORMAT);
+                put_text(&mut v, &meta.description);
+                v.put_u32(u32::try_from(meta.tags.len()).unwrap_or(u32::MAX));
+                for t in &meta.tags {
+                    put_text(&mut v, t);
+                }
+                v.put_u8(match meta.default_queue_type {
+                    None => 0,
+                    Some(QueueType::Quorum) => 2,
+                    Some(_) => 1,
+                });
+            }
+        }
         StoreOp::PutUser(u) => {
             match &u.hash {
                 None => v.put_u8(0),
@@ -740,9 +757,38 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                 forgotten,
             }
         }
-        VHOST => StoreOp::PutVhost {
-            name: k.text("vhost name")?,
-        },
+        VHOST => {
+            let name = k.text("vhost name")?;
+            let meta = if v.done("vhost metadata").is_ok() {
+                VhostMeta::default()
+            } else {
+                match v.u8("vhost metadata format")? {
+                    VHOST_META_FORMAT => {}
+                    other => {
+                        return Err(StoreError::Corrupt(format!(
+                            "vhost '{name}': metadata of an unknown format {other}"
+                        )))
+                    }
+                }
+                let description = v.text("vhost description")?;
+                let n = v.u32("vhost tag count")?;
+                let mut tags = Vec::new();
+                for _ in 0..n {
+                    tags.push(v.text("vhost tag")?);
+                }
+                let default_queue_type = match v.u8("vhost default queue type")? {
+                    0 => None,
+                    2 => Some(QueueType::Quorum),
+                    _ => Some(QueueType::Classic),
+                };
+                VhostMeta {
+                    description,
+                    tags,
+                    default_queue_type,
+                }
+            };
+            StoreOp::PutVhost { name, meta }
+        }
         USER => {
             let name = k.text("user name")?;
             let hash = match v.u8("password hash algorithm")? {

@@ -322,6 +322,14 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
         let mut b = broker();
         b.declare_vhost("staging");
         b.declare_vhost("gone");
+        b.put_vhost(
+            "billing",
+            &warren_broker::VhostMetaChange {
+                description: Some("invoices".into()),
+                tags: Some(vec!["eu".into(), "prod".into()]),
+                default_queue_type: Some(Some(warren_broker::QueueType::Quorum)),
+            },
+        );
         b.put_user(user("app", &["monitoring"]));
         b.put_user(user("old", &[]));
         b.set_permission(perm("app", "staging"))
@@ -392,6 +400,19 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
     assert_eq!(r.skipped, 0);
     assert!(b.vhost_exists("staging"));
     assert!(!b.vhost_exists("gone"));
+    assert_eq!(
+        b.vhost_meta("billing"),
+        Some(&warren_broker::VhostMeta {
+            description: "invoices".into(),
+            tags: vec!["eu".into(), "prod".into()],
+            default_queue_type: Some(warren_broker::QueueType::Quorum),
+        }),
+        "a vhost's metadata is kept"
+    );
+    assert_eq!(
+        b.vhost_meta("staging"),
+        Some(&warren_broker::VhostMeta::default())
+    );
     assert!(b.exchange_exists("staging", "x"));
     {
         use warren_broker::limits::LimitScope;

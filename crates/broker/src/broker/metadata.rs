@@ -471,13 +471,17 @@ impl Broker {
         let owner = req.exclusive.then_some(conn);
         let durable = req.durable && !req.exclusive;
         let rs = rs("queue", &name, vhost);
-        // The node's default type, for a declaration that names none and whose queue may
-        // have it (RabbitMQ's `default_queue_type`; a transient, exclusive, auto-delete or
-        // server-named queue stays classic: a client's private reply queue has no use for a
-        // cluster). A queue that exists keeps its type: the declaration is equivalent
-        // whatever the type (RabbitMQ 3.x refused an existing classic queue once the default
-        // changed, and workers that redeclare their queue broke).
-        let defaulted = self.config.default_queue_type != QueueType::Classic
+        // The vhost's default type, else the node's, for a declaration that names none and
+        // whose queue may have it (RabbitMQ's `default_queue_type`; a transient, exclusive,
+        // auto-delete or server-named queue stays classic: a client's private reply queue
+        // has no use for a cluster). A queue that exists keeps its type: the declaration is
+        // equivalent whatever the type (RabbitMQ 3.x refused an existing classic queue once
+        // the default changed, and workers that redeclare their queue broke).
+        let default_type = vh
+            .meta
+            .default_queue_type
+            .unwrap_or(self.config.default_queue_type);
+        let defaulted = default_type != QueueType::Classic
             && !self.restoring
             && !self.meta_quiet
             && durable
@@ -534,10 +538,8 @@ impl Broker {
         if defaulted {
             // Kept in the queue's arguments, as RabbitMQ keeps it: the API shows the type,
             // and a restart or another node reads it back.
-            req.arguments.insert(
-                "x-queue-type",
-                FieldValue::long_str(self.config.default_queue_type.as_str()),
-            );
+            req.arguments
+                .insert("x-queue-type", FieldValue::long_str(default_type.as_str()));
         }
         args::check_dlx_type(&req.arguments, &rs)?;
         if let (Some(u), Some(FieldValue::LongStr(dlx))) =

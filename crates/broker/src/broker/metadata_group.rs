@@ -1373,8 +1373,8 @@ impl Broker {
                 };
                 r.err().and_then(err)
             }
-            MetaOp::PutVhost(name) => {
-                self.declare_vhost(&name);
+            MetaOp::PutVhost { name, meta } => {
+                self.set_vhost(&name, meta);
                 None
             }
             MetaOp::DeleteVhost(name) => {

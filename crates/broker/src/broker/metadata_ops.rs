@@ -21,6 +21,7 @@ use crate::parameters::ParameterDef;
 use crate::persist::BindingDest;
 use crate::policy::{ApplyTo, Definition, PolicyDef, PolicyKind, PolicyValue};
 use crate::replica::NodeId;
+use crate::vhost_meta::VhostMeta;
 
 /// The length of an entry's fixed head.
 pub(super) const HEAD: usize = 24;
@@ -69,7 +70,12 @@ pub(crate) enum MetaOp {
     },
     Bind(Binding),
     Unbind(Binding),
-    PutVhost(String),
+    /// A vhost made, or its metadata changed (fields of their own, which nodes of earlier
+    /// versions pass over: they make the vhost and keep no metadata).
+    PutVhost {
+        name: String,
+        meta: VhostMeta,
+    },
     DeleteVhost(String),
     PutUser(UserDef),
     DeleteUser(String),
@@ -214,7 +220,7 @@ impl MetaOp {
                     String::from_utf8_lossy(&args)
                 )
             }
-            MetaOp::PutVhost(name) | MetaOp::DeleteVhost(name) => format!("v\0{name}"),
+            MetaOp::PutVhost { name, .. } | MetaOp::DeleteVhost(name) => format!("v\0{name}"),
             MetaOp::PutUser(UserDef { name, .. }) | MetaOp::DeleteUser(name) => {
                 format!("u\0{name}")
             }
@@ -385,8 +391,18 @@ fn op_table(op: &MetaOp) -> FieldTable {
             binding_table(&mut t, b);
             "unbind"
         }
-        MetaOp::PutVhost(name) => {
+        MetaOp::PutVhost { name, meta } => {
             text(&mut t, "name", name);
+            if !meta.description.is_empty() {
+                text(&mut t, "description", &meta.description);
+            }
+            if !meta.tags.is_empty() {
+                let tags = meta.tags.iter().map(FieldValue::long_str).collect();
+                t.insert("tags", FieldValue::Array(tags));
+            }
+            if let Some(q) = meta.default_queue_type {
+                text(&mut t, "default_queue_type", q.as_str());
+            }
             "put_vhost"
         }
         MetaOp::DeleteVhost(name) => {
@@ -654,7 +670,32 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
         },
         "bind" => MetaOp::Bind(f.binding()?),
         "unbind" => MetaOp::Unbind(f.binding()?),
-        "put_vhost" => MetaOp::PutVhost(f.text("name")?),
+        "put_vhost" => MetaOp::PutVhost {
+            name: f.text("name")?,
+            meta: VhostMeta {
+                description: match t.get("description") {
+                    None => String::new(),
+                    Some(_) => f.text("description")?,
+                },
+                tags: match t.get("tags") {
+                    None => Vec::new(),
+                    Some(v) => v
+                        .as_array()?
+                        .iter()
+                        .map(|v| v.as_str().map(str::to_owned))
+                        .collect::<Option<Vec<_>>>()?,
+                },
+                // A type this version does not know (a later one's) leaves the node's.
+                default_queue_type: match t.get("default_queue_type") {
+                    None => None,
+                    Some(_) => {
+                        crate::vhost_meta::parse_default_queue_type(&f.text("default_queue_type")?)
+                            .ok()
+                            .flatten()
+                    }
+                },
+            },
+        },
         "delete_vhost" => MetaOp::DeleteVhost(f.text("name")?),
         "put_user" => {
             let hash = match t.get("password_hash") {
@@ -1101,7 +1142,10 @@ mod tests {
                 dest: BindingDest::Exchange(ShortStr::from_static("audit")),
                 ..binding
             }),
-            MetaOp::PutVhost("v".into()),
+            MetaOp::PutVhost {
+                name: "v".into(),
+                meta: VhostMeta::default(),
+            },
             MetaOp::DeleteVhost("v".into()),
             MetaOp::PutUser(UserDef {
                 name: "u".into(),
@@ -1219,6 +1263,14 @@ mod tests {
                 vhost: "/".into(),
                 name: ShortStr::from_static("placed"),
                 group: Some(7),
+            },
+            MetaOp::PutVhost {
+                name: "billing".into(),
+                meta: VhostMeta {
+                    description: "invoices".into(),
+                    tags: vec!["eu".into(), "prod".into()],
+                    default_queue_type: Some(crate::QueueType::Quorum),
+                },
             },
         ]
     }

@@ -34,7 +34,7 @@ use super::replicated::{ReplicaSnapshot, SnapshotData};
 /// queue before their bindings); deletions go the other way.
 fn rank(op: &MetaOp) -> u8 {
     match op {
-        MetaOp::PutVhost(_) | MetaOp::DeleteVhost(_) => 0,
+        MetaOp::PutVhost { .. } | MetaOp::DeleteVhost(_) => 0,
         MetaOp::PutUser(_) | MetaOp::DeleteUser(_) => 1,
         MetaOp::PutLimits { .. } => 2,
         MetaOp::PutPermission(_) | MetaOp::DeletePermission { .. } => 3,
@@ -71,7 +71,7 @@ fn undo(op: &MetaOp) -> Option<MetaOp> {
             name: name.clone(),
         },
         MetaOp::Bind(b) => MetaOp::Unbind(b.clone()),
-        MetaOp::PutVhost(name) => MetaOp::DeleteVhost(name.clone()),
+        MetaOp::PutVhost { name, .. } => MetaOp::DeleteVhost(name.clone()),
         MetaOp::PutUser(u) => MetaOp::DeleteUser(u.name.clone()),
         MetaOp::PutPermission(p) => MetaOp::DeletePermission {
             user: p.user.clone(),
@@ -141,7 +141,10 @@ impl Broker {
     /// Classic queues, transient exchanges and their bindings are this node's own.
     pub(super) fn cluster_definitions(&self) -> Vec<MetaOp> {
         let mut ops = Vec::new();
-        ops.extend(self.vhosts.keys().cloned().map(MetaOp::PutVhost));
+        ops.extend(self.vhosts.iter().map(|(name, vh)| MetaOp::PutVhost {
+            name: name.clone(),
+            meta: vh.meta.clone(),
+        }));
         ops.extend(self.access.users().cloned().map(MetaOp::PutUser));
         for scope in [LimitScope::Vhost, LimitScope::User] {
             ops.extend(

@@ -86,6 +86,7 @@ pub struct QueueInfo {
 struct VHost {
     exchanges: HashMap<ShortStr, Exchange>,
     queues: HashMap<ShortStr, QueueId>,
+    meta: crate::vhost_meta::VhostMeta,
 }
 
 /// The exchanges RabbitMQ 3.10 declares in every vhost (besides the default exchange "",
@@ -380,6 +381,10 @@ impl Broker {
         }
         let default = b.config.default_vhost.clone();
         b.add_vhost(&default);
+        if let Some(vh) = b.vhosts.get_mut(&default) {
+            // RabbitMQ's description of the vhost it makes at its first start.
+            vh.meta.description = "Default virtual host".to_owned();
+        }
         b
     }
 

@@ -10,6 +10,7 @@ use crate::access::{
 };
 use crate::limits::{LimitScope, LimitTable, Limits};
 use crate::persist::StoreOp;
+use crate::vhost_meta::{VhostMeta, VhostMetaChange};
 
 impl Broker {
     pub fn access(&self) -> &Access {
@@ -100,14 +101,47 @@ impl Broker {
 
     /// Creates a vhost (with its system exchanges) and keeps it. False if it exists.
     pub fn declare_vhost(&mut self, name: &str) -> bool {
-        if !self.add_vhost(name) {
+        if self.vhost_exists(name) {
             return false;
         }
+        self.put_vhost(name, &VhostMetaChange::default())
+    }
+
+    /// Creates a vhost with `change` as its metadata, or makes `change` to the metadata of
+    /// the one that exists, and keeps it. True if it was made.
+    pub fn put_vhost(&mut self, name: &str, change: &VhostMetaChange) -> bool {
+        let meta = self.vhost_meta(name).map_or_else(
+            || VhostMeta::default().changed(change),
+            |m| m.changed(change),
+        );
+        self.set_vhost(name, meta)
+    }
+
+    /// Creates a vhost with `meta`, or gives the one that exists `meta`, and keeps it. True
+    /// if it was made.
+    pub(super) fn set_vhost(&mut self, name: &str, meta: VhostMeta) -> bool {
+        let made = self.add_vhost(name);
+        let Some(vh) = self.vhosts.get_mut(name) else {
+            return false;
+        };
+        if !made && meta == vh.meta {
+            return false;
+        }
+        vh.meta = meta.clone();
         self.write_def(StoreOp::PutVhost {
             name: name.to_owned(),
+            meta: meta.clone(),
         });
-        self.announce(MetaOp::PutVhost(name.to_owned()));
-        true
+        self.announce(MetaOp::PutVhost {
+            name: name.to_owned(),
+            meta,
+        });
+        made
+    }
+
+    /// A vhost's metadata; `None` if there is no such vhost.
+    pub fn vhost_meta(&self, name: &str) -> Option<&VhostMeta> {
+        self.vhosts.get(name).map(|v| &v.meta)
     }
 
     /// Deletes a vhost with everything in it: queues (their messages too), exchanges,
@@ -333,8 +367,11 @@ impl Broker {
     pub fn restore_access(&mut self, op: &StoreOp) -> Result<(), AmqpError> {
         let refused = |e: AccessError| AmqpError::not_found(e.to_string());
         match op {
-            StoreOp::PutVhost { name } => {
+            StoreOp::PutVhost { name, meta } => {
                 self.add_vhost(name);
+                if let Some(vh) = self.vhosts.get_mut(name) {
+                    vh.meta = meta.clone();
+                }
             }
             StoreOp::PutUser(u) => self.access.put_user(u.clone()),
             StoreOp::PutPermission(p) => {
@@ -424,7 +461,10 @@ mod tests {
         };
         b.declare_queue("v", q, 1).unwrap();
         let ops = b.take_writes().map(|w| w.ops).unwrap_or_default();
-        assert!(ops.contains(&StoreOp::PutVhost { name: "v".into() }));
+        assert!(ops.contains(&StoreOp::PutVhost {
+            name: "v".into(),
+            meta: VhostMeta::default()
+        }));
         assert!(ops
             .iter()
             .any(|o| matches!(o, StoreOp::PutUser(u) if u.name == "u")));

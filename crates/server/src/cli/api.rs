@@ -64,6 +64,15 @@ impl Api {
         Ok(self.call("GET", path, None, &[], what)?.body)
     }
 
+    /// `GET /api{path}`, or `None` where it is not found (404).
+    pub fn get_opt(&self, path: &str) -> Result<Option<Value>, CliError> {
+        let (status, body) = self.send("GET", path, None, &[])?;
+        if status == 404 {
+            return Ok(None);
+        }
+        Ok(Some(self.answer("GET", path, path, status, body)?.body))
+    }
+
     /// Sends `method /api{path}` with an optional JSON body and extra headers.
     pub fn call(
         &self,

@@ -97,6 +97,19 @@ pub enum Ctl {
         /// The virtual host
         vhost: String,
         #[command(flatten)]
+        meta: VhostMetaArgs,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Changes a virtual host's description, tags or default queue type (what is not given
+    /// stays as it is)
+    #[command(name = "update_vhost_metadata", alias = "update-vhost-metadata")]
+    UpdateVhostMetadata {
+        /// The virtual host
+        vhost: String,
+        #[command(flatten)]
+        meta: VhostMetaArgs,
+        #[command(flatten)]
         conn: Conn,
     },
     /// Deletes a virtual host with its queues, exchanges and permissions
@@ -273,6 +286,54 @@ pub struct Vhost {
     pub vhost: String,
 }
 
+/// A vhost's metadata, as RabbitMQ's `add_vhost` and `update_vhost_metadata` take it.
+#[derive(clap::Args, Debug, Clone)]
+pub struct VhostMetaArgs {
+    /// A description of the virtual host
+    #[arg(long)]
+    pub description: Option<String>,
+    /// Its tags, separated by commas
+    #[arg(long)]
+    pub tags: Option<String>,
+    /// The type of the queues declared in it without x-queue-type: classic or quorum
+    /// (unset: the node's --default-queue-type)
+    #[arg(long)]
+    pub default_queue_type: Option<String>,
+}
+
+impl VhostMetaArgs {
+    /// The `PUT /api/vhosts/{name}` body that makes these changes to `now`, the vhost as the
+    /// API shows it (a PUT empties the description and tags it does not give).
+    fn body(&self, now: &Value) -> Value {
+        let mut b = serde_json::Map::new();
+        let description = self
+            .description
+            .clone()
+            .or_else(|| now["description"].as_str().map(str::to_owned));
+        if let Some(d) = description {
+            b.insert("description".into(), d.into());
+        }
+        match &self.tags {
+            Some(t) => {
+                b.insert("tags".into(), t.clone().into());
+            }
+            None => {
+                if let Some(t) = now.get("tags").filter(|t| !t.is_null()) {
+                    b.insert("tags".into(), t.clone());
+                }
+            }
+        }
+        if let Some(q) = &self.default_queue_type {
+            b.insert("default_queue_type".into(), q.clone().into());
+        }
+        Value::Object(b)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.description.is_none() && self.tags.is_none() && self.default_queue_type.is_none()
+    }
+}
+
 /// The API and an output format, for the lists.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Out {
@@ -291,7 +352,12 @@ const ACCESS_KEYS: &[Column] = &[
 ];
 const VHOST_LIMITS: &[Column] = &[col("vhost", "vhost"), col("limits", "value")];
 const USER_LIMITS: &[Column] = &[col("user", "user"), col("limits", "value")];
-const VHOSTS: &[Column] = &[col("name", "name")];
+const VHOSTS: &[Column] = &[
+    col("name", "name"),
+    col("description", "description"),
+    col("tags", "tags"),
+    col("default_queue_type", "default_queue_type"),
+];
 const VHOST_PERMISSIONS: &[Column] = &[
     col("user", "user"),
     col("configure", "configure"),
@@ -328,6 +394,7 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::DeleteAccessKey { .. } => "ctl delete_access_key",
         Ctl::ListAccessKeys { .. } => "ctl list_access_keys",
         Ctl::AddVhost { .. } => "ctl add_vhost",
+        Ctl::UpdateVhostMetadata { .. } => "ctl update_vhost_metadata",
         Ctl::DeleteVhost { .. } => "ctl delete_vhost",
         Ctl::ListVhosts { .. } => "ctl list_vhosts",
         Ctl::SetPermissions { .. } => "ctl set_permissions",
@@ -577,14 +644,38 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
                 .map_or_else(|| "access keys".to_owned(), no_user);
             list(&out.conn.api(), &path, &what, ACCESS_KEYS, out.format)?
         }
-        Ctl::AddVhost { vhost, conn } => {
+        Ctl::AddVhost { vhost, meta, conn } => {
             let path = format!("/vhosts/{}", enc(vhost));
-            let r = conn.api().call("PUT", &path, None, &[], &no_vhost(vhost))?;
-            if r.status == 201 {
-                println!("added vhost '{vhost}'");
-            } else {
+            let api = conn.api();
+            // A vhost that exists keeps its metadata: `update_vhost_metadata` changes it.
+            let exists = api.get_opt(&path)?.is_some();
+            if exists {
                 println!("vhost '{vhost}' already exists, unchanged");
+            } else {
+                api.call(
+                    "PUT",
+                    &path,
+                    Some(&meta.body(&Value::Null)),
+                    &[],
+                    &no_vhost(vhost),
+                )?;
+                println!("added vhost '{vhost}'");
             }
+        }
+        Ctl::UpdateVhostMetadata { vhost, meta, conn } => {
+            if meta.is_empty() {
+                return Err(CliError::Usage(
+                    "nothing to change: give --description, --tags or --default-queue-type".into(),
+                ));
+            }
+            let path = format!("/vhosts/{}", enc(vhost));
+            let api = conn.api();
+            // A PUT would make a vhost that is not there.
+            let Some(now) = api.get_opt(&path)? else {
+                return Err(CliError::NotFound(no_vhost(vhost)));
+            };
+            api.call("PUT", &path, Some(&meta.body(&now)), &[], &no_vhost(vhost))?;
+            println!("updated the metadata of vhost '{vhost}'");
         }
         Ctl::DeleteVhost { vhost, conn } => {
             let path = format!("/vhosts/{}", enc(vhost));

@@ -14,7 +14,7 @@ use warren_broker::access::{
     AccessError, AccessKeyDef, HashAlgorithm, PermissionDef, TopicPermissionDef, UserDef,
 };
 use warren_broker::limits::{LimitScope, Limits};
-use warren_broker::Broker;
+use warren_broker::{Broker, VhostMetaChange};
 
 use super::{passwords, Admin, Api, ApiError};
 
@@ -141,10 +141,44 @@ async fn one_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) ->
     ok(super::routes::vhost_json(&api, &vhost))
 }
 
-async fn put_vhost(State(api): ApiState, Admin(who): Admin, Path(vhost): Path<String>) -> Answer {
-    // As RabbitMQ does, whoever makes a vhost through the API may do everything in it.
+/// A change to a vhost's metadata from a `PUT /api/vhosts/{name}` body or a definitions
+/// entry (whose fields may sit in `metadata`, as RabbitMQ 3.11 exports them): `description`,
+/// `tags` (a list or a comma-separated string) and `default_queue_type`. As in RabbitMQ, a
+/// description or tags the body leaves out are emptied, and a default queue type it leaves
+/// out is kept (a vhost's queues do not change type because a script made it again).
+pub fn vhost_change(body: &serde_json::Map<String, Value>) -> Result<VhostMetaChange, ApiError> {
+    let nested = body.get("metadata").and_then(Value::as_object);
+    let field = |k: &str| body.get(k).or_else(|| nested.and_then(|m| m.get(k)));
+    let default_queue_type = match field("default_queue_type") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(t)) => Some(
+            warren_broker::vhost_meta::parse_default_queue_type(t)
+                .map_err(|e| ApiError::bad_request(e.to_string()))?,
+        ),
+        Some(_) => return Err(ApiError::bad_request("default_queue_type must be a string")),
+    };
+    Ok(VhostMetaChange {
+        description: match field("description") {
+            None | Some(Value::Null) => Some(String::new()),
+            Some(Value::String(d)) => Some(d.clone()),
+            Some(_) => return Err(ApiError::bad_request("description must be a string")),
+        },
+        tags: Some(tags(field("tags"))),
+        default_queue_type,
+    })
+}
+
+async fn put_vhost(
+    State(api): ApiState,
+    Admin(who): Admin,
+    Path(vhost): Path<String>,
+    body: Bytes,
+) -> Answer {
+    let change = vhost_change(&object(&body)?)?;
+    // As RabbitMQ does, whoever makes a vhost through the API may do everything in it; a
+    // PUT of one that exists changes its metadata (RabbitMQ 3.11).
     made(api.node.write(|n, _| {
-        let new = n.broker_mut().declare_vhost(&vhost);
+        let new = n.broker_mut().put_vhost(&vhost, &change);
         if new {
             let all = PermissionDef {
                 user: who.name.clone(),

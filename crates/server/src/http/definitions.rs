@@ -72,7 +72,13 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
             b.queue_snapshots(vhost),
             b.exchange_snapshots(vhost),
             b.binding_snapshots(vhost),
-            b.vhost_names(),
+            b.vhost_names()
+                .into_iter()
+                .map(|v| {
+                    let meta = b.vhost_meta(&v).cloned().unwrap_or_default();
+                    (v, meta)
+                })
+                .collect::<Vec<_>>(),
             super::access::users_json(b, a.users()),
             a.permissions().cloned().collect::<Vec<_>>(),
             a.topic_permissions().cloned().collect::<Vec<_>>(),
@@ -165,7 +171,10 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
                 "vhosts".into(),
                 vhosts
                     .iter()
-                    .map(|v| json!({"name": v, "limits": [], "metadata": {"description": "", "tags": []}}))
+                    .map(|(v, meta)| {
+                        json!({"name": v, "limits": [],
+                               "metadata": super::routes::vhost_metadata_json(meta)})
+                    })
                     .collect(),
             );
             m.insert(
@@ -368,6 +377,27 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     // Users are read (and passwords hashed) before the node is locked.
+    let vhosts = list(defs, "vhosts")
+        .iter()
+        .map(|v| {
+            let name = text(v, "name", "vhost")?;
+            let mut body = v.as_object().cloned().unwrap_or_default();
+            let change = match super::access::vhost_change(&body) {
+                Ok(c) => c,
+                Err(e) => {
+                    // A RabbitMQ vhost whose queues default to streams: the rest of it is
+                    // kept, and its queues get the node's default.
+                    tracing::warn!(vhost = %name, error = %e.reason, "a vhost's default queue type is not kept");
+                    body.remove("default_queue_type");
+                    if let Some(Value::Object(m)) = body.get_mut("metadata") {
+                        m.remove("default_queue_type");
+                    }
+                    super::access::vhost_change(&body)?
+                }
+            };
+            Ok((name.to_owned(), change))
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
     let users = list(defs, "users")
         .iter()
         .map(|u| {
@@ -381,18 +411,8 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
         let mut waiting: Vec<u64> = Vec::new();
         let mut made_by_log: std::collections::BTreeSet<(String, String)> = Default::default();
         if only_vhost.is_none() {
-            let node_default = n.broker().config().default_queue_type.as_str();
-            for v in list(defs, "vhosts") {
-                let name = text(v, "name", "vhost")?;
-                n.broker_mut().declare_vhost(name);
-                // RabbitMQ 3.11's vhosts may carry a default queue type; Warren's is the
-                // node's, and a vhost's new queues would silently be of another type.
-                let wanted = v["default_queue_type"]
-                    .as_str()
-                    .or_else(|| v["metadata"]["default_queue_type"].as_str());
-                if let Some(t) = wanted.filter(|t| *t != node_default) {
-                    tracing::warn!(vhost = %name, vhost_default = t, node_default, "a vhost's default queue type is not kept: queues declared without x-queue-type get the node's (set --default-queue-type on every node)");
-                }
+            for (name, change) in &vhosts {
+                n.broker_mut().put_vhost(name, change);
             }
             for u in users {
                 n.broker_mut().put_user(u);

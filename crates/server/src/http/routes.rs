@@ -13,7 +13,7 @@ use axum::{Json, Router};
 use base64::Engine;
 use serde_json::{json, Value};
 use warren_broker::access::{Perm, Resource};
-use warren_broker::{DeclareQueue, Message};
+use warren_broker::{DeclareQueue, Message, VhostMeta};
 use warren_codec::{FieldTable, ShortStr};
 use warren_session::manage::API_CONN;
 
@@ -542,20 +542,33 @@ fn cluster_state(api: &Api) -> Value {
     Value::Object(m)
 }
 
+/// A vhost's metadata as RabbitMQ 3.11 exports it: `default_queue_type` only where the vhost
+/// sets one.
+pub(super) fn vhost_metadata_json(meta: &VhostMeta) -> Value {
+    let mut m = json!({"description": meta.description, "tags": meta.tags});
+    if let Some(t) = meta.default_queue_type {
+        m["default_queue_type"] = json!(t.as_str());
+    }
+    m
+}
+
 pub(super) fn vhost_json(api: &Api, name: &str) -> Value {
-    let (ready, unacked, default_type) = api.node.read(|n, _| {
+    let (ready, unacked, meta, node_default) = api.node.read(|n, _| {
         let b = n.broker();
         let (ready, unacked) = b
             .queue_snapshots(Some(name))
             .iter()
             .fold((0, 0), |(r, u), q| (r + q.ready, u + q.unacked));
-        (ready, unacked, b.config().default_queue_type.as_str())
+        let meta = b.vhost_meta(name).cloned().unwrap_or_default();
+        (ready, unacked, meta, b.config().default_queue_type)
     });
     json!({
-        "name": name, "description": if name == "/" { "Default virtual host" } else { "" },
-        "tags": [], "metadata": {"description": "", "tags": []},
-        // The node's (`--default-queue-type`): Warren has no default per vhost.
-        "default_queue_type": default_type, "tracing": false,
+        "name": name, "description": meta.description, "tags": meta.tags,
+        "metadata": vhost_metadata_json(&meta),
+        // What a queue declared here without `x-queue-type` gets: the vhost's, else the
+        // node's (`--default-queue-type`).
+        "default_queue_type": meta.default_queue_type.unwrap_or(node_default).as_str(),
+        "tracing": false,
         "messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked,
         "cluster_state": cluster_state(api),
     })
