@@ -494,6 +494,14 @@ fn a_vhosts_metadata_is_kept_and_its_default_queue_type_applies_to_its_queues() 
     let r = put(json!({"default_queue_type": "stream"}));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("classic or quorum"), "{}", r.text());
+    // RabbitMQ 3.12's exports say `undefined` for a vhost without a default: it names none,
+    // and leaves this one's. 3.11.0's key, which its web page sends, is taken too.
+    let r = put(json!({"description": "invoices", "default_queue_type": "undefined"}));
+    assert_eq!(r.status, 204, "{}", r.text());
+    assert_eq!(get()["default_queue_type"], "classic");
+    put(json!({"description": "invoices", "defaultqueuetype": "quorum"}));
+    assert_eq!(get()["default_queue_type"], "quorum");
+    put(json!({"description": "invoices", "default_queue_type": "classic"}));
     // Exported as RabbitMQ 3.11 exports it, and imported back after the vhost is gone.
     let out = request("GET", &format!("{a}/definitions"), GUEST, &[], None).json();
     let entry = out["vhosts"]

@@ -29,6 +29,11 @@ pub struct VhostMetaChange {
 pub enum VhostMetaError {
     #[error("default_queue_type must be classic or quorum, got '{0}' (streams are not supported)")]
     QueueType(String),
+    #[error(
+        "a node of the cluster runs a version that drops a vhost's metadata (cluster feature \
+         level {level}, needs {needs}): upgrade every node first"
+    )]
+    ClusterTooOld { level: u64, needs: u64 },
 }
 
 impl VhostMeta {
@@ -45,9 +50,9 @@ impl VhostMeta {
     }
 }
 
-/// A default queue type as a vhost may name it: `classic` or `quorum`. RabbitMQ also takes
-/// `stream`, which Warren does not have; its `undefined` (and an empty name) leave the
-/// node's default.
+/// A default queue type as a vhost may name it: `classic` or `quorum`; `None` for RabbitMQ's
+/// `undefined` (which its 3.12 exports write for every vhost without one) and an empty name,
+/// which name no type. RabbitMQ also takes `stream`, which Warren does not have.
 pub fn parse_default_queue_type(name: &str) -> Result<Option<QueueType>, VhostMetaError> {
     match name {
         "" | "undefined" => Ok(None),

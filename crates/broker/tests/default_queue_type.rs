@@ -121,7 +121,10 @@ fn a_vhosts_default_comes_before_the_nodes_and_can_be_taken_away() {
     };
     // A node whose default is classic, a vhost whose default is quorum.
     let mut b = broker(QueueType::Classic);
-    assert!(b.put_vhost("billing", &default(Some(QueueType::Quorum))));
+    assert_eq!(
+        b.put_vhost("billing", &default(Some(QueueType::Quorum))),
+        Ok(true)
+    );
     let in_billing = |b: &Broker, name: &str| b.queue_snapshot("billing", name).unwrap().queue_type;
     b.declare_queue("billing", req("invoices", true, false, false), 1)
         .expect("declare");
@@ -132,7 +135,8 @@ fn a_vhosts_default_comes_before_the_nodes_and_can_be_taken_away() {
     assert_eq!(type_of(&b, "jobs"), ("classic", None));
     // A vhost's classic wins over a node's quorum.
     let mut q = broker(QueueType::Quorum);
-    q.put_vhost("local", &default(Some(QueueType::Classic)));
+    q.put_vhost("local", &default(Some(QueueType::Classic)))
+        .expect("put");
     q.declare_queue("local", req("cache", true, false, false), 1)
         .expect("declare");
     assert_eq!(
@@ -140,14 +144,12 @@ fn a_vhosts_default_comes_before_the_nodes_and_can_be_taken_away() {
         "classic"
     );
     // Taken away, the node's applies again; the change leaves the rest of the metadata.
-    assert!(!b.put_vhost(
-        "billing",
-        &VhostMetaChange {
-            description: Some("invoices".into()),
-            ..Default::default()
-        }
-    ));
-    assert!(!b.put_vhost("billing", &default(None)));
+    let described = VhostMetaChange {
+        description: Some("invoices".into()),
+        ..Default::default()
+    };
+    assert_eq!(b.put_vhost("billing", &described), Ok(false));
+    assert_eq!(b.put_vhost("billing", &default(None)), Ok(false));
     let meta = b.vhost_meta("billing").unwrap();
     assert_eq!(
         (meta.description.as_str(), meta.default_queue_type),
@@ -156,6 +158,15 @@ fn a_vhosts_default_comes_before_the_nodes_and_can_be_taken_away() {
     b.declare_queue("billing", req("receipts", true, false, false), 1)
         .expect("declare");
     assert_eq!(in_billing(&b, "receipts"), "classic");
+    // A queue made while the vhost's default was quorum is still its workers' queue once
+    // the default is classic again: their declarations name no type.
+    assert_eq!(
+        b.put_vhost("billing", &default(Some(QueueType::Classic))),
+        Ok(false)
+    );
+    b.declare_queue("billing", req("invoices", true, false, false), 1)
+        .expect("redeclared without a type after the switch back to classic");
+    assert_eq!(in_billing(&b, "invoices"), "quorum");
     // The vhost Warren makes at its first start says what it is, as RabbitMQ's does.
     assert_eq!(b.vhost_meta(V).unwrap().description, "Default virtual host");
 }

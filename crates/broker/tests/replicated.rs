@@ -4679,6 +4679,56 @@ fn a_binding_is_answered_once_every_running_node_has_it() {
     assert_eq!(b.wait_for_cluster(mark, conn(2, 1)), None);
 }
 
+/// A silent peer is waited for 2 s from when the log applied the change on the answering
+/// node, not from the method: a commit slow to come (a loaded machine's fsyncs) no longer eats
+/// that time, and the answer no longer goes out before a slow peer has the change. A change
+/// the log never takes is answered 5 s after it was made.
+#[test]
+fn a_slow_commit_does_not_eat_the_time_a_silent_peer_is_waited_for() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    c.run(40);
+    declare_exchange(&mut c, 3, "orders", "direct", true);
+    let ticket = declare_waiting(&mut c, 3, "bound", quorum_args());
+    declare_answer(&mut c, 3, ticket).expect("declared");
+    c.run(20);
+    let bind = |c: &mut Cluster, key: &str| {
+        let b = c.broker(3);
+        let mark = b.change_mark();
+        b.bind_queue("/", "bound", "orders", key, &FieldTable::new(), conn(3, 1))
+            .expect("queue.bind");
+        b.wait_for_cluster(mark, conn(3, 1))
+            .expect("waits for the cluster")
+    };
+    c.lose_reports_of.insert(2);
+    // Node 3's entry is held on its way to the metadata leader for 2.5 s.
+    c.hold_forwards = true;
+    let ticket = bind(&mut c, "slow");
+    assert_eq!(
+        change_answered_within(&mut c, 3, ticket, 250, ("orders", "bound")),
+        None,
+        "answered before the log applied it"
+    );
+    c.hold_forwards = false;
+    assert_eq!(
+        change_answered_within(&mut c, 3, ticket, 180, ("orders", "bound")),
+        None,
+        "the silent peer was not waited for 2 s"
+    );
+    assert!(change_answered_within(&mut c, 3, ticket, 100, ("orders", "bound")).is_some());
+
+    // Never committed: answered all the same, 5 s after it was made.
+    c.hold_forwards = true;
+    let ticket = bind(&mut c, "never");
+    assert_eq!(
+        change_answered_within(&mut c, 3, ticket, 480, ("orders", "bound")),
+        None
+    );
+    assert!(change_answered_within(&mut c, 3, ticket, 60, ("orders", "bound")).is_some());
+    c.hold_forwards = false;
+    c.lose_reports_of.clear();
+}
+
 /// A deletion made on a node cut off from the others reaches the log late, after the queue
 /// was deleted and declared again elsewhere: it names the group it deleted, so the new queue,
 /// and what it confirmed, stays on every node.

@@ -1048,8 +1048,8 @@ fn blocking<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// How long an API change waits for every running node to have it, at most: past the
-/// broker's own limit (2 s), after which it answers anyway.
-const CLUSTER_WAIT: Duration = Duration::from_millis(2_500);
+/// broker's own limit, after which it answers anyway.
+const CLUSTER_WAIT: Duration = Duration::from_millis(warren_broker::CHANGE_WAIT_MS + 500);
 
 /// A long poll's watch of one queue (see [`NodeHandle::watch_queue`]).
 pub struct QueueWatch {

@@ -47,10 +47,10 @@ const FLAG_AUTO_DELETE: u8 = 1;
 const FLAG_INTERNAL: u8 = 2;
 /// An `x-delayed-message` exchange (its type field holds how it routes).
 const FLAG_DELAYED: u8 = 4;
-/// The first byte of a body value: its layout version (the first layout is of a persistent
-/// message; the same layout for a transient one, which only the scratch area holds).
 /// The first byte of a vhost record's value when it holds metadata.
 const VHOST_META_FORMAT: u8 = 1;
+/// The first byte of a body value: its layout version (the first layout is of a persistent
+/// message; the same layout for a transient one, which only the scratch area holds).
 const BODY_V1: u8 = 1;
 const BODY_V1_TRANSIENT: u8 = 2;
 
@@ -575,8 +575,10 @@ pub fn access_record(op: &StoreOp) -> Option<(BytesMut, BytesMut)> {
                 }
                 v.put_u8(match meta.default_queue_type {
                     None => 0,
+                    Some(QueueType::Classic) => 1,
                     Some(QueueType::Quorum) => 2,
-                    Some(_) => 1,
+                    // Never a vhost's default (`parse_default_queue_type` refuses it).
+                    Some(QueueType::Stream) => 0,
                 });
             }
         }
@@ -778,8 +780,13 @@ fn decode_access(kind: u8, k: &mut Reader, v: &mut Reader) -> Result<StoreOp, St
                 }
                 let default_queue_type = match v.u8("vhost default queue type")? {
                     0 => None,
+                    1 => Some(QueueType::Classic),
                     2 => Some(QueueType::Quorum),
-                    _ => Some(QueueType::Classic),
+                    other => {
+                        return Err(StoreError::Corrupt(format!(
+                            "vhost '{name}': an unknown default queue type {other}"
+                        )))
+                    }
                 };
                 VhostMeta {
                     description,

@@ -329,7 +329,8 @@ fn vhosts_users_and_permissions_survive_and_deletions_too() {
                 tags: Some(vec!["eu".into(), "prod".into()]),
                 default_queue_type: Some(Some(warren_broker::QueueType::Quorum)),
             },
-        );
+        )
+        .expect("vhost");
         b.put_user(user("app", &["monitoring"]));
         b.put_user(user("old", &[]));
         b.set_permission(perm("app", "staging"))

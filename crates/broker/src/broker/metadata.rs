@@ -481,13 +481,19 @@ impl Broker {
             .meta
             .default_queue_type
             .unwrap_or(self.config.default_queue_type);
-        let defaulted = default_type != QueueType::Classic
-            && !self.restoring
+        // A declaration a default applies to: it may find a queue of either type, once any
+        // default was set (a vhost switched back to classic keeps its quorum queues, and
+        // their workers' declarations must not fail).
+        let untyped = !self.restoring
             && !self.meta_quiet
             && durable
             && !req.auto_delete
             && !req.name.is_empty()
             && req.arguments.get("x-queue-type").is_none();
+        let lenient = untyped
+            && (vh.meta.default_queue_type.is_some()
+                || self.config.default_queue_type != QueueType::Classic);
+        let defaulted = untyped && default_type != QueueType::Classic;
         if let Some(pending) = self
             .pending_declaration(vhost, &name)
             .filter(|_| !self.restoring)
@@ -498,7 +504,7 @@ impl Broker {
                 pending,
                 &req.arguments,
                 &rs,
-                unless_defaulted(QueueType::Quorum.equivalence_keys(), defaulted),
+                unless_defaulted(QueueType::Quorum.equivalence_keys(), lenient),
             )?;
         }
 
@@ -513,7 +519,7 @@ impl Broker {
                 &q.arguments,
                 &req.arguments,
                 &rs,
-                unless_defaulted(q.args.queue_type.equivalence_keys(), defaulted),
+                unless_defaulted(q.args.queue_type.equivalence_keys(), lenient),
             )?;
             let (id, out) = (q.id, declared(q));
             self.touch(id);
@@ -1287,7 +1293,7 @@ impl Broker {
 }
 
 /// The arguments a redeclaration is compared on, without `x-queue-type` when the declaration
-/// named none and the node's default type would have applied to it.
+/// named none and a default type (the vhost's or the node's) was set for such a queue.
 fn unless_defaulted(
     keys: impl Iterator<Item = &'static str>,
     defaulted: bool,

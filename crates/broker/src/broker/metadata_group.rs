@@ -64,7 +64,13 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// 9, a quorum queue's entry may join several commands (`warren_replication::batch`).
 /// 10, a quorum queue counts its line's messages per group (`Policy::index_groups`), so a
 /// checkout that finds every group busy leaves its line whole.
-pub const FEATURE_LEVEL: u64 = 10;
+/// 11, a vhost's metadata (its description, tags and default queue type) is in its
+/// `put_vhost` entries, and every node keeps it.
+pub const FEATURE_LEVEL: u64 = 11;
+
+/// The level from which a vhost's metadata may be set: a node of an older version makes the
+/// vhost and drops its metadata, and would make that vhost's queues of its own default type.
+pub(super) const VHOST_META_LEVEL: u64 = 11;
 
 /// The level from which a quorum queue's machine counts its line per message group
 /// (`Policy::index_groups`): its messages of busy groups stay in the line, where they expire
@@ -119,6 +125,11 @@ pub const DECLARE_WAIT_MS: u64 = 30_000;
 /// is taken at once, not refused as one in an election is), or after this long: a node that
 /// has not said it applied the entry (a slow one, or its reports lost) is not waited for longer.
 const MADE_WAIT_MS: u64 = 2_000;
+
+/// A definition change is answered at the latest this long after it was made, applied by the
+/// log or not. A slow peer is waited for `MADE_WAIT_MS` from when the log applied the change
+/// here, so a log slow to commit (a loaded machine's fsyncs) does not eat the peers' time.
+pub const CHANGE_WAIT_MS: u64 = 5_000;
 
 /// A quorum queue's declaration made here, waiting for the log to make the queue.
 #[derive(Debug)]
@@ -267,8 +278,18 @@ pub(crate) struct MetaState {
 struct ChangeWait {
     conn: ConnId,
     since: u64,
-    /// The metadata log's index of the entry that applied it, once applied.
-    index: Option<u64>,
+    /// The metadata log's index of the entry that applied it, and when it was applied here.
+    index: Option<(u64, u64)>,
+}
+
+impl ChangeWait {
+    /// When its client is answered whatever the peers say.
+    fn due(&self) -> u64 {
+        let applied = self
+            .index
+            .map_or(u64::MAX, |(_, at)| at.saturating_add(MADE_WAIT_MS));
+        applied.min(self.since.saturating_add(CHANGE_WAIT_MS))
+    }
 }
 
 /// A change made by connection `conn` ([`Broker::wait_for_cluster`]'s `ticket`) is on every
@@ -340,9 +361,9 @@ pub enum ForgetError {
 impl MetaState {
     /// This node's changes numbered up to `number` are in the log at or before `index`: the
     /// clients waiting for them wait for the other nodes to reach it.
-    pub(super) fn changes_applied_upto(&mut self, number: u64, index: u64) {
+    pub(super) fn changes_applied_upto(&mut self, number: u64, index: u64, now: u64) {
         for w in self.change_waits.range_mut(..=number).map(|(_, w)| w) {
-            w.index.get_or_insert(index);
+            w.index.get_or_insert((index, now));
         }
     }
 
@@ -682,15 +703,14 @@ impl Broker {
             .change_waits
             .iter()
             .filter(|(_, w)| {
-                now.saturating_sub(w.since) >= MADE_WAIT_MS
-                    || w.index.is_some_and(|i| c.peers_behind(i).is_empty())
+                now >= w.due() || w.index.is_some_and(|(i, _)| c.peers_behind(i).is_empty())
             })
             .map(|(n, _)| *n)
             .collect();
         for number in ready {
             if let Some(w) = c.meta.change_waits.remove(&number) {
                 c.meta.answered += 1;
-                if w.index.is_none_or(|i| !c.peers_behind(i).is_empty()) {
+                if w.index.is_none_or(|(i, _)| !c.peers_behind(i).is_empty()) {
                     tracing::warn!(conn = w.conn, index = ?w.index, "a definition change answered before every running node had it");
                 }
                 c.meta.change_answers.push(ChangeAnswer {
@@ -993,11 +1013,7 @@ impl Broker {
                 Some(m) => m.at.saturating_add(MADE_WAIT_MS),
                 None => w.since.saturating_add(DECLARE_WAIT_MS),
             })
-            .chain(
-                m.change_waits
-                    .values()
-                    .map(|w| w.since.saturating_add(MADE_WAIT_MS)),
-            )
+            .chain(m.change_waits.values().map(ChangeWait::due))
             .min();
         // With no leader there is nowhere to send it: the next leader gets it at once.
         let resend = m.leader.and(
@@ -1092,7 +1108,7 @@ impl Broker {
         let mine = entry.origin == node;
         if mine {
             let top = entry.ops.iter().map(|(n, _)| *n).max().unwrap_or(0);
-            c.meta.changes_applied_upto(top, e.index);
+            c.meta.changes_applied_upto(top, e.index, self.now_ms);
         }
         if !entry.numbered {
             // The first format: its origin applied it when it was made.
@@ -1374,7 +1390,15 @@ impl Broker {
                 r.err().and_then(err)
             }
             MetaOp::PutVhost { name, meta } => {
-                self.set_vhost(&name, meta);
+                match meta {
+                    Some(meta) => {
+                        self.set_vhost(&name, meta);
+                    }
+                    // An earlier version's: the vhost, with the metadata it has here.
+                    None => {
+                        self.declare_vhost(&name);
+                    }
+                }
                 None
             }
             MetaOp::DeleteVhost(name) => {
@@ -1806,7 +1830,63 @@ mod tests {
         assert!(!b.level_rules(false).hold);
         b.restore_meta_applied(0, &[], &[(1, 10), (2, 10), (3, 10)], None, &[]);
         assert!(b.level_rules(true).index_groups);
-        assert_eq!(GROUP_INDEX_LEVEL, FEATURE_LEVEL);
+        assert!(GROUP_INDEX_LEVEL <= FEATURE_LEVEL);
+    }
+
+    /// A vhost's metadata is set only once every node keeps it (a node of an earlier version
+    /// would make the vhost's queues of its own default type), and an earlier version's
+    /// `put_vhost`, which carries none, leaves the metadata a vhost has.
+    #[test]
+    fn a_vhosts_metadata_waits_for_every_node_and_an_older_entry_leaves_it() {
+        use crate::vhost_meta::{VhostMeta, VhostMetaChange, VhostMetaError};
+        let quorum = VhostMetaChange {
+            description: Some("invoices".into()),
+            default_queue_type: Some(Some(crate::QueueType::Quorum)),
+            ..Default::default()
+        };
+        let mut b = new_node_two();
+        b.restore_meta_applied(0, &[], &[(1, 10), (2, 11), (3, 11)], None, &[]);
+        assert_eq!(
+            b.put_vhost("billing", &quorum),
+            Err(VhostMetaError::ClusterTooOld {
+                level: 10,
+                needs: VHOST_META_LEVEL
+            })
+        );
+        assert!(!b.vhost_exists("billing"));
+        // A vhost without metadata may be made all the same.
+        assert_eq!(b.put_vhost("plain", &VhostMetaChange::default()), Ok(true));
+        b.restore_meta_applied(0, &[], &[(1, 11), (2, 11), (3, 11)], None, &[]);
+        assert_eq!(b.put_vhost("billing", &quorum), Ok(true));
+        assert_eq!(VHOST_META_LEVEL, FEATURE_LEVEL);
+        let kept = b.vhost_meta("billing").cloned();
+        b.apply_committed(&[entry_from(
+            1,
+            1,
+            100,
+            MetaOp::PutVhost {
+                name: "billing".into(),
+                meta: None,
+            },
+        )]);
+        assert_eq!(b.vhost_meta("billing").cloned(), kept);
+        assert_eq!(
+            kept.map(|m| m.default_queue_type),
+            Some(Some(crate::QueueType::Quorum))
+        );
+        b.apply_committed(&[entry_from(
+            1,
+            2,
+            101,
+            MetaOp::PutVhost {
+                name: "made-by-an-older-node".into(),
+                meta: None,
+            },
+        )]);
+        assert_eq!(
+            b.vhost_meta("made-by-an-older-node"),
+            Some(&VhostMeta::default())
+        );
     }
 
     fn entry(index: u64, seq: u64, op: MetaOp) -> Committed {

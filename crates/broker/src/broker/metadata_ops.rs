@@ -71,10 +71,11 @@ pub(crate) enum MetaOp {
     Bind(Binding),
     Unbind(Binding),
     /// A vhost made, or its metadata changed (fields of their own, which nodes of earlier
-    /// versions pass over: they make the vhost and keep no metadata).
+    /// versions pass over: they make the vhost and keep no metadata). `None`: an entry of an
+    /// earlier version, which makes the vhost if it is not there and leaves its metadata.
     PutVhost {
         name: String,
-        meta: VhostMeta,
+        meta: Option<VhostMeta>,
     },
     DeleteVhost(String),
     PutUser(UserDef),
@@ -283,6 +284,22 @@ fn text(t: &mut FieldTable, k: &'static str, v: &str) {
     t.insert(k, FieldValue::long_str(v));
 }
 
+/// A vhost's metadata in its `put_vhost` operation: `metadata` says it is there (an entry of
+/// an earlier version has none, and leaves the vhost's as it is).
+fn put_vhost_meta(t: &mut FieldTable, meta: &VhostMeta) {
+    flag(t, "metadata", true);
+    if !meta.description.is_empty() {
+        text(t, "description", &meta.description);
+    }
+    if !meta.tags.is_empty() {
+        let tags = meta.tags.iter().map(FieldValue::long_str).collect();
+        t.insert("tags", FieldValue::Array(tags));
+    }
+    if let Some(q) = meta.default_queue_type {
+        text(t, "default_queue_type", q.as_str());
+    }
+}
+
 fn flag(t: &mut FieldTable, k: &'static str, v: bool) {
     t.insert(k, FieldValue::Bool(v));
 }
@@ -393,15 +410,8 @@ fn op_table(op: &MetaOp) -> FieldTable {
         }
         MetaOp::PutVhost { name, meta } => {
             text(&mut t, "name", name);
-            if !meta.description.is_empty() {
-                text(&mut t, "description", &meta.description);
-            }
-            if !meta.tags.is_empty() {
-                let tags = meta.tags.iter().map(FieldValue::long_str).collect();
-                t.insert("tags", FieldValue::Array(tags));
-            }
-            if let Some(q) = meta.default_queue_type {
-                text(&mut t, "default_queue_type", q.as_str());
+            if let Some(meta) = meta {
+                put_vhost_meta(&mut t, meta);
             }
             "put_vhost"
         }
@@ -672,28 +682,32 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
         "unbind" => MetaOp::Unbind(f.binding()?),
         "put_vhost" => MetaOp::PutVhost {
             name: f.text("name")?,
-            meta: VhostMeta {
-                description: match t.get("description") {
-                    None => String::new(),
-                    Some(_) => f.text("description")?,
-                },
-                tags: match t.get("tags") {
-                    None => Vec::new(),
-                    Some(v) => v
-                        .as_array()?
-                        .iter()
-                        .map(|v| v.as_str().map(str::to_owned))
-                        .collect::<Option<Vec<_>>>()?,
-                },
-                // A type this version does not know (a later one's) leaves the node's.
-                default_queue_type: match t.get("default_queue_type") {
-                    None => None,
-                    Some(_) => {
-                        crate::vhost_meta::parse_default_queue_type(&f.text("default_queue_type")?)
-                            .ok()
-                            .flatten()
-                    }
-                },
+            meta: if f.flag("metadata") != Some(true) {
+                None
+            } else {
+                Some(VhostMeta {
+                    description: match t.get("description") {
+                        None => String::new(),
+                        Some(_) => f.text("description")?,
+                    },
+                    tags: match t.get("tags") {
+                        None => Vec::new(),
+                        Some(v) => v
+                            .as_array()?
+                            .iter()
+                            .map(|v| v.as_str().map(str::to_owned))
+                            .collect::<Option<Vec<_>>>()?,
+                    },
+                    // A type this version does not know (a later one's) leaves the node's.
+                    default_queue_type: match t.get("default_queue_type") {
+                        None => None,
+                        Some(_) => crate::vhost_meta::parse_default_queue_type(
+                            &f.text("default_queue_type")?,
+                        )
+                        .ok()
+                        .flatten(),
+                    },
+                })
             },
         },
         "delete_vhost" => MetaOp::DeleteVhost(f.text("name")?),
@@ -1144,7 +1158,7 @@ mod tests {
             }),
             MetaOp::PutVhost {
                 name: "v".into(),
-                meta: VhostMeta::default(),
+                meta: None,
             },
             MetaOp::DeleteVhost("v".into()),
             MetaOp::PutUser(UserDef {
@@ -1265,12 +1279,16 @@ mod tests {
                 group: Some(7),
             },
             MetaOp::PutVhost {
+                name: "staging".into(),
+                meta: Some(VhostMeta::default()),
+            },
+            MetaOp::PutVhost {
                 name: "billing".into(),
-                meta: VhostMeta {
+                meta: Some(VhostMeta {
                     description: "invoices".into(),
                     tags: vec!["eu".into(), "prod".into()],
                     default_queue_type: Some(crate::QueueType::Quorum),
-                },
+                }),
             },
         ]
     }

@@ -102,6 +102,21 @@ fn undo(op: &MetaOp) -> Option<MetaOp> {
     })
 }
 
+/// Whether `here` (what this node holds) already is what `there` (a snapshot's) makes: the
+/// same operation, or a vhost a snapshot of an earlier version names without metadata.
+fn holds(here: &MetaOp, there: &MetaOp) -> bool {
+    match (here, there) {
+        (
+            MetaOp::PutVhost { name: a, .. },
+            MetaOp::PutVhost {
+                name: b,
+                meta: None,
+            },
+        ) => a == b,
+        _ => here == there,
+    }
+}
+
 /// The user a user, permission or access key operation is about.
 fn user_of(op: &MetaOp) -> Option<&str> {
     match op {
@@ -143,7 +158,7 @@ impl Broker {
         let mut ops = Vec::new();
         ops.extend(self.vhosts.iter().map(|(name, vh)| MetaOp::PutVhost {
             name: name.clone(),
-            meta: vh.meta.clone(),
+            meta: Some(vh.meta.clone()),
         }));
         ops.extend(self.access.users().cloned().map(MetaOp::PutUser));
         for scope in [LimitScope::Vhost, LimitScope::User] {
@@ -380,7 +395,7 @@ impl Broker {
         m.forgotten = snap.forgotten.iter().copied().collect();
         let settled: Vec<u64> = m.declares.range(..=own).map(|(n, _)| *n).collect();
         // Changes whose clients wait for every node: in the log at or before the snapshot.
-        m.changes_applied_upto(own, index);
+        m.changes_applied_upto(own, index, now);
         m.through_log.retain(|_, (n, _)| *n > own);
         m.next_op = m.next_op.max(own);
         m.applied = index;
@@ -441,7 +456,8 @@ impl Broker {
             let differ: Vec<MetaOp> = there
                 .iter()
                 .filter(|(k, op)| {
-                    (ours(op) || self.holds_other_group(op)) && here.get(*k) != Some(*op)
+                    (ours(op) || self.holds_other_group(op))
+                        && !here.get(*k).is_some_and(|h| holds(h, op))
                 })
                 .map(|(_, op)| op.clone())
                 .collect();

@@ -23,8 +23,8 @@ pub use away::AwayContext;
 use flows::*;
 use metadata::*;
 pub use metadata_group::{
-    ChangeAnswer, DeclareAnswer, ForgetError, GroupChange, MetaClosed, DECLARE_WAIT_MS,
-    FEATURE_LEVEL, META_APPLIED, META_GROUP,
+    ChangeAnswer, DeclareAnswer, ForgetError, GroupChange, MetaClosed, CHANGE_WAIT_MS,
+    DECLARE_WAIT_MS, FEATURE_LEVEL, META_APPLIED, META_GROUP,
 };
 use persistence::*;
 use publish::*;

@@ -10,7 +10,7 @@ use crate::access::{
 };
 use crate::limits::{LimitScope, LimitTable, Limits};
 use crate::persist::StoreOp;
-use crate::vhost_meta::{VhostMeta, VhostMetaChange};
+use crate::vhost_meta::{VhostMeta, VhostMetaChange, VhostMetaError};
 
 impl Broker {
     pub fn access(&self) -> &Access {
@@ -104,17 +104,34 @@ impl Broker {
         if self.vhost_exists(name) {
             return false;
         }
-        self.put_vhost(name, &VhostMetaChange::default())
+        self.set_vhost(name, VhostMeta::default())
     }
 
     /// Creates a vhost with `change` as its metadata, or makes `change` to the metadata of
-    /// the one that exists, and keeps it. True if it was made.
-    pub fn put_vhost(&mut self, name: &str, change: &VhostMetaChange) -> bool {
-        let meta = self.vhost_meta(name).map_or_else(
+    /// the one that exists, and keeps it. True if it was made. Refused while a node of the
+    /// cluster runs a version that would drop the metadata (the vhost's queues would be of
+    /// another type through that node).
+    pub fn put_vhost(
+        &mut self,
+        name: &str,
+        change: &VhostMetaChange,
+    ) -> Result<bool, VhostMetaError> {
+        let now = self.vhost_meta(name);
+        let meta = now.map_or_else(
             || VhostMeta::default().changed(change),
             |m| m.changed(change),
         );
-        self.set_vhost(name, meta)
+        let unchanged = now.map_or(meta == VhostMeta::default(), |m| *m == meta);
+        if let Some(level) = self
+            .cluster_feature_level()
+            .filter(|l| *l < super::metadata_group::VHOST_META_LEVEL && !unchanged)
+        {
+            return Err(VhostMetaError::ClusterTooOld {
+                level,
+                needs: super::metadata_group::VHOST_META_LEVEL,
+            });
+        }
+        Ok(self.set_vhost(name, meta))
     }
 
     /// Creates a vhost with `meta`, or gives the one that exists `meta`, and keeps it. True
@@ -134,7 +151,7 @@ impl Broker {
         });
         self.announce(MetaOp::PutVhost {
             name: name.to_owned(),
-            meta,
+            meta: Some(meta),
         });
         made
     }

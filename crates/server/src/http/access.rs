@@ -149,12 +149,14 @@ async fn one_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) ->
 pub fn vhost_change(body: &serde_json::Map<String, Value>) -> Result<VhostMetaChange, ApiError> {
     let nested = body.get("metadata").and_then(Value::as_object);
     let field = |k: &str| body.get(k).or_else(|| nested.and_then(|m| m.get(k)));
-    let default_queue_type = match field("default_queue_type") {
+    // `defaultqueuetype` is the key RabbitMQ 3.11.0 took, and its 3.11 and 3.12 web pages
+    // send; `undefined` (3.12's exports) names no type and leaves the vhost's as it is.
+    let default_queue_type = match field("default_queue_type").or_else(|| field("defaultqueuetype"))
+    {
         None | Some(Value::Null) => None,
-        Some(Value::String(t)) => Some(
-            warren_broker::vhost_meta::parse_default_queue_type(t)
-                .map_err(|e| ApiError::bad_request(e.to_string()))?,
-        ),
+        Some(Value::String(t)) => warren_broker::vhost_meta::parse_default_queue_type(t)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?
+            .map(Some),
         Some(_) => return Err(ApiError::bad_request("default_queue_type must be a string")),
     };
     Ok(VhostMetaChange {
@@ -177,8 +179,11 @@ async fn put_vhost(
     let change = vhost_change(&object(&body)?)?;
     // As RabbitMQ does, whoever makes a vhost through the API may do everything in it; a
     // PUT of one that exists changes its metadata (RabbitMQ 3.11).
-    made(api.node.write(|n, _| {
-        let new = n.broker_mut().put_vhost(&vhost, &change);
+    made(api.node.write(|n, _| -> Result<bool, ApiError> {
+        let new = n
+            .broker_mut()
+            .put_vhost(&vhost, &change)
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
         if new {
             let all = PermissionDef {
                 user: who.name.clone(),
@@ -191,8 +196,8 @@ async fn put_vhost(
                 tracing::warn!(user = %who.name, vhost = %vhost, error = %e, "no permissions for the vhost's maker");
             }
         }
-        new
-    })?)
+        Ok(new)
+    })??)
 }
 
 async fn delete_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) -> Answer {

@@ -412,7 +412,10 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
         let mut made_by_log: std::collections::BTreeSet<(String, String)> = Default::default();
         if only_vhost.is_none() {
             for (name, change) in &vhosts {
-                n.broker_mut().put_vhost(name, change);
+                if let Err(e) = n.broker_mut().put_vhost(name, change) {
+                    tracing::warn!(vhost = %name, error = %e, "a vhost's metadata is not kept");
+                    n.broker_mut().declare_vhost(name);
+                }
             }
             for u in users {
                 n.broker_mut().put_user(u);
