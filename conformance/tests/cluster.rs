@@ -103,7 +103,7 @@ fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
 }
 
 /// The feature level of this version's nodes.
-const LEVEL: u64 = 10;
+const LEVEL: u64 = 11;
 
 /// Waits until node `n` knows every node's level ([`LEVEL`]).
 fn wait_for_feature_level(c: &TestCluster, n: u64) {
