@@ -70,6 +70,22 @@ fn ctl(c: &TestCluster, n: u64, verb: &str) -> std::process::Output {
     cmd.output().expect("run warren ctl")
 }
 
+/// `warren ctl cluster_status --format json` against node `n`'s API.
+fn cluster_status(c: &TestCluster, n: u64) -> Value {
+    let api = c.node(n).http_url().expect("the management API").to_owned();
+    let out = Command::new(warren_binary())
+        .args(["ctl", "cluster_status", "--format", "json", "--api", &api])
+        .output()
+        .expect("run warren ctl cluster_status");
+    assert!(
+        out.status.success(),
+        "cluster_status: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_again_revived() {
     let c = TestCluster::start(3, 20);
@@ -166,6 +182,52 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
             other => Err(format!("{other:?}")),
         }
     });
+    // `warren ctl cluster_status` on another node (RabbitMQ's `rabbitmqctl cluster_status`):
+    // every node runs, the drained one is under maintenance, each one's listeners are listed
+    // (another node's as it shares them, once a second or so).
+    let mut status = Value::Null;
+    eventually("every node's listeners in cluster_status", || {
+        status = cluster_status(&c, o1);
+        match status["listeners"].as_object().map(|l| l.len()) {
+            Some(3) => Ok(()),
+            other => Err(format!("{other:?}: {status}")),
+        }
+    });
+    assert_eq!(
+        status["disk_nodes"].as_array().map(Vec::len),
+        Some(3),
+        "{status}"
+    );
+    assert_eq!(
+        status["running_nodes"].as_array().map(Vec::len),
+        Some(3),
+        "{status}"
+    );
+    assert_eq!(
+        status["maintenance_status"][&drained], "under maintenance",
+        "{status}"
+    );
+    assert_eq!(
+        status["maintenance_status"][node_name(&c, o2)],
+        "not under maintenance",
+        "{status}"
+    );
+    let amqp_port = |n: u64| {
+        status["listeners"][node_name(&c, n)]
+            .as_array()
+            .and_then(|l| l.iter().find(|x| x["protocol"] == "amqp"))
+            .and_then(|x| x["port"].as_u64())
+    };
+    for n in 1..=3 {
+        let url = c.node(n).url();
+        let port = url.rsplit(':').next().and_then(|p| p.split('/').next());
+        assert_eq!(
+            amqp_port(n).map(|p| p.to_string()).as_deref(),
+            port,
+            "node {n}'s AMQP listener: {status}"
+        );
+    }
+    assert_eq!(status["feature_level"], 11, "{status}");
 
     // Everything confirmed is there, on the new leaders; new queues are led elsewhere.
     let conn2 = c.node(o1).connect().await;

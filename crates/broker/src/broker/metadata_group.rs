@@ -1830,7 +1830,7 @@ mod tests {
         assert!(!b.level_rules(false).hold);
         b.restore_meta_applied(0, &[], &[(1, 10), (2, 10), (3, 10)], None, &[]);
         assert!(b.level_rules(true).index_groups);
-        assert!(GROUP_INDEX_LEVEL <= FEATURE_LEVEL);
+        const { assert!(GROUP_INDEX_LEVEL <= FEATURE_LEVEL) };
     }
 
     /// A vhost's metadata is set only once every node keeps it (a node of an earlier version

@@ -69,6 +69,13 @@ pub enum MaintenanceCmd {
         #[command(flatten)]
         conn: Conn,
     },
+    /// The cluster's nodes, those running, their versions, maintenance states, alarms and
+    /// listeners, as RabbitMQ's `rabbitmqctl cluster_status`
+    #[command(name = "cluster_status", alias = "cluster-status")]
+    ClusterStatus {
+        #[command(flatten)]
+        out: super::ctl::Out,
+    },
     /// Shows each member of a quorum queue's Raft group as its node sees it: state, membership,
     /// log, applied, commit and snapshot indexes, term (RabbitMQ's `rabbitmq-queues
     /// quorum_status`). Asks every node's management API; a node that does not answer is shown
@@ -102,6 +109,7 @@ pub fn name(c: &MaintenanceCmd) -> &'static str {
         }
         MaintenanceCmd::AwaitOnlineQuorumPlusOne { .. } => "ctl await_online_quorum_plus_one",
         MaintenanceCmd::QuorumStatus { .. } => "ctl quorum_status",
+        MaintenanceCmd::ClusterStatus { .. } => "ctl cluster_status",
     }
 }
 
@@ -163,6 +171,9 @@ pub fn main(c: &MaintenanceCmd) -> Result<(), CliError> {
                 }
                 Some(names) => Err(critical(&node, &names)),
             }
+        }
+        MaintenanceCmd::ClusterStatus { out } => {
+            super::cluster_status::cluster_status(&out.conn.api(), out.format)
         }
         MaintenanceCmd::QuorumStatus { queue, conn } => {
             quorum_status(&conn.conn, &conn.vhost, queue)

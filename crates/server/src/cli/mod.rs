@@ -6,6 +6,7 @@
 //! Exit codes: 0 done, 1 the operation failed, 2 a usage error (clap's own code).
 
 mod api;
+mod cluster_status;
 mod ctl;
 mod definitions;
 mod maintenance;
@@ -228,7 +229,7 @@ fn command_name(cmd: &Command) -> &'static str {
 }
 
 /// Prints JSON for people (indented).
-fn print_json(v: &serde_json::Value) {
+pub(super) fn print_json(v: &serde_json::Value) {
     match serde_json::to_string_pretty(v) {
         Ok(s) => println!("{s}"),
         Err(_) => println!("{v}"),

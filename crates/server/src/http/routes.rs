@@ -217,6 +217,9 @@ fn listeners(api: &Api) -> Value {
         };
         l.push(json!({"node": api.node_name, "protocol": protocol, "ip_address": "::", "port": p}));
     }
+    if let Some(p) = api.sqs_port {
+        l.push(json!({"node": api.node_name, "protocol": "sqs", "ip_address": "::", "port": p}));
+    }
     Value::Array(l)
 }
 
@@ -316,7 +319,7 @@ pub(crate) fn node_json(api: &Api) -> Value {
         // Warren's own: this node's place in its cluster (null on a node of its own).
         "cluster": cluster.map(|(node, nodes, leader)| {
             let t = api.node.cluster_stats().unwrap_or_default();
-            json!({
+            let mut c = json!({
                 "node": node,
                 "nodes": nodes,
                 "metadata_leader": leader,
@@ -348,7 +351,12 @@ pub(crate) fn node_json(api: &Api) -> Value {
                 // Proposals that shared a Raft entry with others of their queue, and those
                 // entries: how much the log's per-entry costs were divided.
                 "joined_proposals": {"entries": t.joined_entries, "proposals": t.joined_parts},
-            })
+            });
+            // The version and listeners each node runs, for `warren ctl cluster_status` on any
+            // node (RabbitMQ's lists every node's).
+            c["version"] = json!(env!("CARGO_PKG_VERSION"));
+            c["listeners"] = listeners(api);
+            c
         }),
     })
 }
