@@ -600,6 +600,24 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
     assert!(row(&dom, "data-policy", "ui-cap").is_none(), "{dom}");
     assert_eq!(testid(&dom, "policies-forbidden"), "Administrators only");
 
+    // Virtual hosts: one with metadata, its default queue type; the default vhost's description.
+    api.put(
+        "/vhosts/ui-billing",
+        serde_json::json!({"description": "invoices", "tags": "eu,prod", "default_queue_type": "quorum"}),
+    );
+    let dom = view(&chromium, format!("{http}/#/vhosts?{login}")).await;
+    let r = row(&dom, "data-vhost", "ui-billing").unwrap_or_else(|| panic!("no vhost row:\n{dom}"));
+    assert_eq!(cell(r, "description"), "invoices");
+    assert_eq!(cell(r, "tags"), "eu, prod");
+    assert_eq!(cell(r, "default-queue-type"), "quorum");
+    assert_eq!(cell(r, "ready"), "0");
+    assert!(r.contains("data-testid=\"delete-vhost\""), "{r}");
+    let r = row(&dom, "data-vhost", "/").unwrap();
+    assert_eq!(cell(r, "description"), "Default virtual host");
+    assert_eq!(cell(r, "default-queue-type"), "classic");
+    assert!(dom.contains("data-testid=\"vhost-form\""));
+    api.call("DELETE", "/vhosts/ui-billing", None);
+
     // Shovels: one on this broker, from ui-empty to a queue it declares, running.
     api.put(
         "/parameters/shovel/%2F/ui-move",
