@@ -501,7 +501,9 @@ struct HttpListeners {
     sqs_port: Option<u16>,
 }
 
-/// Starts the management API, the metrics endpoint and the rate sampler behind them.
+/// Starts the management API, the metrics endpoint and the rate sampler behind them, and
+/// the sharing of this node's figures with its peers (which SQS needs too: another node
+/// sends an SQS call on a quorum queue this node leads to the endpoint they announce).
 fn start_http(
     node: driver::NodeHandle,
     shovels: shovel::Shovels,
@@ -514,7 +516,7 @@ fn start_http(
         prometheus,
         sqs_port,
     } = listeners;
-    if management.is_none() && prometheus.is_none() {
+    if management.is_none() && prometheus.is_none() && sqs_port.is_none() {
         return;
     }
     let port_of = |l: &Option<TcpListener>| {
@@ -547,7 +549,9 @@ fn start_http(
         alarms: config.alarms,
         shovels,
     });
-    tokio::spawn(http::rates::run(rates, api.node.clone()));
+    if management.is_some() || prometheus.is_some() {
+        tokio::spawn(http::rates::run(rates, api.node.clone()));
+    }
     tokio::spawn(http::share_figures(api.clone()));
     // Config::resolve refuses --management-tls / --prometheus-tls without a certificate.
     let https = |on: bool| tls.filter(|_| on).cloned();

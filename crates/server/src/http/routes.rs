@@ -330,10 +330,11 @@ pub(crate) fn node_json(api: &Api) -> Value {
                 "queues_led": queues_led_here(api),
                 // Where this node's management API listens (its host is the one in its name),
                 // for a client that asks every node (`warren ctl quorum_status`).
-                "management": {
+                // (null when it is off: a node may run SQS alone.)
+                "management": (api.http_port != 0).then(|| json!({
                     "port": api.http_port,
                     "scheme": if api.http_tls.0 { "https" } else { "http" },
-                },
+                })),
                 // Where its SQS endpoint listens, for a node that sends a call on a quorum
                 // queue this node leads on to it (`sqs::forward`).
                 "sqs": api.sqs_port.map(|port| json!({"port": port, "scheme": "http"})),
