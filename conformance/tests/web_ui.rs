@@ -643,4 +643,44 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
     assert_eq!(cell(r, "destination"), "amqp:// · queue ui-moved");
     assert_eq!(cell(r, "forwarded"), "0");
     assert!(r.contains("data-testid=\"restart-shovel\""), "{r}");
+
+    // A queue moved by a shovel (src-delete-after queue-length) shows how far it is. Its
+    // destination takes one message and refuses the next, so the move stays a third done.
+    let mut one = FieldTable::default();
+    one.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    one.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    let mover = broker.connect().await;
+    let ch = mover.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    declare(&ch, "ui-move-src", FieldTable::default()).await;
+    declare(&ch, "ui-move-dest", one).await;
+    for n in 1..=3 {
+        publish(&ch, "ui-move-src", &format!("{{\"m\":{n}}}")).await;
+    }
+    api.put(
+        "/parameters/shovel/%2F/ui-half",
+        serde_json::json!({"value": {"src-uri": "amqp://", "src-queue": "ui-move-src",
+            "src-delete-after": "queue-length", "dest-uri": "amqp://", "dest-queue": "ui-move-dest"}}),
+    );
+    let start = std::time::Instant::now();
+    loop {
+        let (_, v) = api.call("GET", "/shovels/vhost/%2F/ui-half", None);
+        if v["forwarded"] == 1 && v["remaining"] == 2 {
+            break;
+        }
+        assert!(
+            start.elapsed() < warren_conformance::WAIT,
+            "the shovel did not stop a third done: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let dom = view(&chromium, format!("{http}/#/shovels?{login}")).await;
+    let r = row(&dom, "data-shovel", "ui-half").unwrap_or_else(|| panic!("no shovel row:\n{dom}"));
+    assert_eq!(cell(r, "forwarded"), "1 of 3");
+    assert!(r.contains("data-testid=\"shovel-progress\""), "{r}");
 }
