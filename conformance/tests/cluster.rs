@@ -1995,6 +1995,49 @@ async fn a_durable_queue_declared_without_a_type_is_quorum_on_a_node_whose_defau
     assert_eq!(v["type"], "classic", "{v}");
 }
 
+/// A cluster has one name on every node: its first node's until one is set, then the one set
+/// through any node (RabbitMQ's `rabbitmqctl set_cluster_name`), in each node's overview and
+/// metrics. Before, each node gave its own name, and dashboards that group by
+/// `rabbitmq_identity_info`'s `rabbitmq_cluster` saw three clusters.
+#[test]
+fn the_clusters_name_is_the_same_on_every_node() {
+    let c = TestCluster::start(3, 20);
+    let name = |n: u64| Api::of(c.node(n)).call("GET", "/cluster-name", None).1["name"].clone();
+    let first = Api::of(c.node(1)).call("GET", "/overview", None).1["node"].clone();
+    for n in 1..=3 {
+        assert_eq!(name(n), first, "node {n}");
+    }
+    let out = std::process::Command::new(warren_conformance::warren_binary())
+        .args(["ctl", "set_cluster_name", "prod-eu", "--api"])
+        .arg(c.node(2).http_url().expect("management API"))
+        .output()
+        .expect("run warren ctl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The API answers once every running node has the change.
+    for n in 1..=3 {
+        assert_eq!(name(n), "prod-eu", "node {n}");
+        let metrics = c.node(n).metrics_url().expect("metrics on");
+        let text = warren_conformance::http::request(
+            "GET",
+            &format!("{metrics}/metrics"),
+            None,
+            &[],
+            None,
+        )
+        .text();
+        assert!(
+            text.lines().any(|l| l.starts_with("rabbitmq_identity_info")
+                && l.contains("rabbitmq_cluster=\"prod-eu\"")
+                && l.contains(&format!("rabbitmq_cluster_permanent_id={first}"))),
+            "node {n}: {text}"
+        );
+    }
+}
+
 /// A quorum queue's deduplication window (`x-message-deduplication`) is the queue's, on every
 /// node: a key published through one node is a duplicate through another (confirmed, not
 /// enqueued), and still after the leader's node dies. Before, each node judged alone, in

@@ -184,7 +184,7 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
     });
     // `warren ctl cluster_status` on another node (RabbitMQ's `rabbitmqctl cluster_status`):
     // every node runs, the drained one is under maintenance, each one's listeners are listed
-    // (another node's as it shares them, once a second or so).
+    // (another node's as it shares them, every two seconds).
     let mut status = Value::Null;
     eventually("every node's listeners in cluster_status", || {
         status = cluster_status(&c, o1);

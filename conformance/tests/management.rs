@@ -494,12 +494,13 @@ fn a_vhosts_metadata_is_kept_and_its_default_queue_type_applies_to_its_queues() 
     let r = put(json!({"default_queue_type": "stream"}));
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.text().contains("classic or quorum"), "{}", r.text());
+    // The older key, `defaultqueuetype`, which RabbitMQ's web page sent, is taken too.
+    put(json!({"description": "invoices", "defaultqueuetype": "quorum"}));
+    assert_eq!(get()["default_queue_type"], "quorum");
     // RabbitMQ 3.12's exports say `undefined` for a vhost without a default: it names none,
-    // and leaves this one's. 3.11.0's key, which its web page sends, is taken too.
+    // and leaves this one's (quorum, where the node's is classic).
     let r = put(json!({"description": "invoices", "default_queue_type": "undefined"}));
     assert_eq!(r.status, 204, "{}", r.text());
-    assert_eq!(get()["default_queue_type"], "classic");
-    put(json!({"description": "invoices", "defaultqueuetype": "quorum"}));
     assert_eq!(get()["default_queue_type"], "quorum");
     put(json!({"description": "invoices", "default_queue_type": "classic"}));
     // Exported as RabbitMQ 3.11 exports it, and imported back after the vhost is gone.
@@ -527,6 +528,73 @@ fn a_vhosts_metadata_is_kept_and_its_default_queue_type_applies_to_its_queues() 
     assert_eq!(got["default_queue_type"], "quorum", "{got}");
     assert_eq!(got["tags"], json!(["eu"]), "{got}");
     request("DELETE", &format!("{a}/vhosts/{v}"), GUEST, &[], None);
+}
+
+/// The cluster's name (RabbitMQ's global parameter `cluster_name`): `PUT /api/cluster-name`
+/// sets it, the overview, `/api/global-parameters`, the definitions and the metrics'
+/// `rabbitmq_identity_info` show it, and an import takes it (not RabbitMQ's cluster id).
+/// Before, it was always the node's name and could not be set.
+#[test]
+fn the_clusters_name_is_set_shown_exported_and_imported() {
+    let b = TestBroker::start();
+    if b.is_external() {
+        eprintln!("skipped: renames the broker it runs against");
+        return;
+    }
+    let a = api(&b);
+    let name =
+        || request("GET", &format!("{a}/cluster-name"), GUEST, &[], None).json()["name"].clone();
+    let node = request("GET", &format!("{a}/overview"), GUEST, &[], None).json()["node"].clone();
+    assert_eq!(name(), node, "a node on its own is named after itself");
+    let put = |body: Value| {
+        request(
+            "PUT",
+            &format!("{a}/cluster-name"),
+            GUEST,
+            &[],
+            Some(&body.to_string()),
+        )
+    };
+    assert_eq!(put(json!({"name": "prod-eu"})).status, 204);
+    assert_eq!(name(), "prod-eu");
+    assert_eq!(put(json!({"name": ""})).status, 400);
+    let overview = request("GET", &format!("{a}/overview"), GUEST, &[], None).json();
+    assert_eq!(overview["cluster_name"], "prod-eu");
+    let globals = request("GET", &format!("{a}/global-parameters"), GUEST, &[], None).json();
+    assert_eq!(
+        globals,
+        json!([{"name": "cluster_name", "value": "prod-eu"}])
+    );
+    let out = request("GET", &format!("{a}/definitions"), GUEST, &[], None).json();
+    assert_eq!(out["global_parameters"], globals);
+    // Runtime parameters of vhosts do not list it.
+    let params = request("GET", &format!("{a}/parameters"), GUEST, &[], None).json();
+    assert!(!params.to_string().contains("prod-eu"), "{params}");
+    let metrics = b.metrics_url().expect("metrics on");
+    let text = request("GET", &format!("{metrics}/metrics"), None, &[], None).text();
+    assert!(
+        text.lines().any(|l| l.starts_with("rabbitmq_identity_info")
+            && l.contains("rabbitmq_cluster=\"prod-eu\"")),
+        "{text}"
+    );
+    let defs = json!({"global_parameters": [
+        {"name": "cluster_name", "value": "imported"},
+        {"name": "internal_cluster_id", "value": "rabbitmq-cluster-id-abc"},
+    ]});
+    let r = request(
+        "POST",
+        &format!("{a}/definitions"),
+        GUEST,
+        &[],
+        Some(&defs.to_string()),
+    );
+    assert!(r.status == 201 || r.status == 204, "{}", r.text());
+    assert_eq!(name(), "imported");
+    let globals = request("GET", &format!("{a}/global-parameters"), GUEST, &[], None).json();
+    assert!(
+        !globals.to_string().contains("internal_cluster_id"),
+        "{globals}"
+    );
 }
 
 #[test]

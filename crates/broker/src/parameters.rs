@@ -6,6 +6,15 @@
 
 use std::collections::BTreeMap;
 
+/// The component of global parameters (RabbitMQ's `/api/global-parameters`, such as the
+/// cluster's name): kept beside the others, under no vhost (`""`), and listed only when asked
+/// for by name.
+pub const GLOBAL: &str = "global";
+
+/// A global parameter, RabbitMQ's: the cluster's name, as `rabbitmqctl set_cluster_name`
+/// sets it.
+pub const CLUSTER_NAME: &str = "cluster_name";
+
 /// One runtime parameter.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParameterDef {
@@ -31,15 +40,27 @@ impl Parameters {
             .get(&(component.to_owned(), vhost.to_owned(), name.to_owned()))
     }
 
-    /// Parameters of one component (all with `None`), in one vhost or all, in name order.
+    /// Parameters of one component (every vhost's with `None`, not the global ones), in one
+    /// vhost or all, in name order.
     pub fn list<'a>(
         &'a self,
         component: Option<&'a str>,
         vhost: Option<&'a str>,
     ) -> impl Iterator<Item = &'a ParameterDef> + 'a {
         self.map.values().filter(move |p| {
-            component.is_none_or(|c| c == p.component) && vhost.is_none_or(|v| v == p.vhost)
+            component.map_or(p.component != GLOBAL, |c| c == p.component)
+                && vhost.is_none_or(|v| v == p.vhost)
         })
+    }
+
+    /// Every parameter, the global ones included.
+    pub fn all(&self) -> impl Iterator<Item = &ParameterDef> {
+        self.map.values()
+    }
+
+    /// A global parameter's value (its JSON text).
+    pub fn global(&self, name: &str) -> Option<&str> {
+        self.get(GLOBAL, "", name).map(|p| p.value.as_str())
     }
 
     pub fn generation(&self) -> u64 {
@@ -125,5 +146,16 @@ mod tests {
         let gone = p.forget_vhost("/");
         assert_eq!(gone.len(), 2);
         assert_eq!(p.list(None, None).count(), 1);
+    }
+
+    #[test]
+    fn global_parameters_are_listed_only_when_asked_for() {
+        let mut p = Parameters::default();
+        p.put(def("shovel", "/", "a", "{}"));
+        p.put(def(GLOBAL, "", CLUSTER_NAME, r#""prod-eu""#));
+        assert_eq!(p.list(None, None).count(), 1, "not among a vhost's");
+        assert_eq!(p.list(Some(GLOBAL), Some("")).count(), 1);
+        assert_eq!(p.all().count(), 2, "a snapshot carries both");
+        assert_eq!(p.global(CLUSTER_NAME), Some(r#""prod-eu""#));
     }
 }

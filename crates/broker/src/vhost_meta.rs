@@ -21,7 +21,8 @@ pub struct VhostMeta {
 pub struct VhostMetaChange {
     pub description: Option<String>,
     pub tags: Option<Vec<String>>,
-    /// `Some(None)` takes the vhost's default away (the node's applies again).
+    /// `Some(None)` takes the vhost's default away (the node's applies again). The broker's
+    /// own: RabbitMQ's API has no way to, and Warren's follows it.
     pub default_queue_type: Option<Option<QueueType>>,
 }
 

@@ -618,6 +618,9 @@ impl Shared {
         let (r, more, next) = {
             let mut core = self.lock();
             let now = core.now();
+            // The broker's clock moves at passes: a change made here after a quiet spell
+            // would start its waits at the last pass's time.
+            core.node.advance_time(now);
             let r = f(&mut core, now);
             let more = core.flush(DISPATCH_PASSES);
             core.wake_watchers();
@@ -855,7 +858,8 @@ impl NodeHandle {
     }
 
     /// Whether the change `ticket` still waits for the cluster's other running nodes (the
-    /// broker gives up waiting after 2 s, as for an AMQP client).
+    /// broker gives up waiting 2 s after the log applied it here, 5 s after it was made at
+    /// the latest, as for an AMQP client).
     fn cluster_waits(&self, ticket: u64) -> bool {
         self.0.lock().node.broker().change_waiting(ticket)
     }

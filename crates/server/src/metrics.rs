@@ -237,9 +237,14 @@ pub fn render(api: &Api, per_object: bool, raft: Option<&[GroupStatus]>) -> Stri
         "RabbitMQ node & cluster identity info",
     );
     let node = escape(&api.node_name);
+    // The cluster's name and id, the same on every node: dashboards group nodes by them.
+    let (cluster, id) = (
+        escape(&api.cluster_name()),
+        escape(&api.default_cluster_name()),
+    );
     t.sample(
         "rabbitmq_identity_info",
-        &format!("rabbitmq_node=\"{node}\",rabbitmq_cluster=\"{node}\",rabbitmq_cluster_permanent_id=\"{node}\""),
+        &format!("rabbitmq_node=\"{node}\",rabbitmq_cluster=\"{cluster}\",rabbitmq_cluster_permanent_id=\"{id}\""),
         1,
     );
     t.family(

@@ -281,6 +281,12 @@ impl Node {
         self.broker.take_proposals(out);
     }
 
+    /// The driver's time, before a change made outside a connection (the management API's):
+    /// what it starts (a wait for the cluster) is stamped with it.
+    pub fn advance_time(&mut self, now: u64) {
+        self.broker.advance_time(now);
+    }
+
     /// A publish another node forwarded to a queue this node leads.
     pub fn forwarded(&mut self, group: u64, data: &[u8], now: u64) {
         self.broker.advance_time(now);
@@ -290,6 +296,9 @@ impl Node {
     /// Committed entries of replicated queues' groups: applied, and the confirms, nacks and
     /// deliveries that waited for them released.
     pub fn replicated(&mut self, entries: &[warren_broker::Committed], now: u64) {
+        // Before the entries: what they apply is stamped with the time they came (a
+        // definition change's application starts its wait for the other nodes).
+        self.broker.advance_time(now);
         self.broker.apply_committed(entries);
         for closed in self.broker.take_meta_closed() {
             self.closed_elsewhere(closed, now);

@@ -194,7 +194,7 @@ impl Broker {
         }
         ops.extend(
             self.parameters
-                .list(None, None)
+                .all()
                 .cloned()
                 .map(|p: ParameterDef| MetaOp::PutParameter(p)),
         );

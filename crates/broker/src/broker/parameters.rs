@@ -3,13 +3,18 @@
 
 use super::metadata_ops::MetaOp;
 use super::*;
-use crate::parameters::{ParameterDef, Parameters};
+use crate::parameters::{ParameterDef, Parameters, GLOBAL};
 
 /// Why a parameter was not set.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ParameterError {
     #[error("vhost {0} not found")]
     NoVhost(String),
+}
+
+/// A global parameter lives in no vhost.
+fn is_global(def: &ParameterDef) -> bool {
+    def.component == GLOBAL && def.vhost.is_empty()
 }
 
 impl Broker {
@@ -19,7 +24,7 @@ impl Broker {
 
     /// Sets (or replaces) a runtime parameter; the caller validated its value.
     pub fn set_parameter(&mut self, def: ParameterDef) -> Result<(), ParameterError> {
-        if !self.vhost_exists(&def.vhost) {
+        if !is_global(&def) && !self.vhost_exists(&def.vhost) {
             return Err(ParameterError::NoVhost(def.vhost));
         }
         tracing::info!(component = %def.component, vhost = %def.vhost, name = %def.name, "runtime parameter set");
@@ -62,7 +67,7 @@ impl Broker {
 
     /// Recovery: a stored parameter comes back (written nowhere).
     pub(super) fn restore_parameter(&mut self, def: &ParameterDef) -> Result<(), AmqpError> {
-        if !self.vhost_exists(&def.vhost) {
+        if !is_global(def) && !self.vhost_exists(&def.vhost) {
             return Err(AmqpError::not_found(format!(
                 "vhost {} not found",
                 def.vhost

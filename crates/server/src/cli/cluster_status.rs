@@ -70,13 +70,22 @@ fn text_of(v: &Value) -> String {
     v.as_str().unwrap_or_default().to_owned()
 }
 
+/// An address as rabbitmqctl prints an interface: an IPv6 one in brackets (`[::]`).
+fn interface(address: &str) -> String {
+    if address.contains(':') && !address.starts_with('[') {
+        format!("[{address}]")
+    } else {
+        address.to_owned()
+    }
+}
+
 fn listeners_of(node: &str, list: &Value) -> Vec<Listener> {
     list.as_array()
         .map(|l| {
             l.iter()
                 .map(|x| Listener {
                     node: x["node"].as_str().unwrap_or(node).to_owned(),
-                    interface: text_of(&x["ip_address"]),
+                    interface: interface(&text_of(&x["ip_address"])),
                     port: x["port"].as_u64().unwrap_or(0),
                     protocol: text_of(&x["protocol"]),
                 })
@@ -349,7 +358,7 @@ mod tests {
         assert!(t.contains("warren-3@h3: unknown"), "{t}");
         assert!(
             t.contains(
-                "Node: warren-1@h1, interface: ::, port: 5672, protocol: amqp, purpose: AMQP 0-9-1"
+                "Node: warren-1@h1, interface: [::], port: 5672, protocol: amqp, purpose: AMQP 0-9-1"
             ),
             "{t}"
         );

@@ -120,6 +120,15 @@ pub enum Ctl {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Names the cluster (every node's overview, metrics and cluster_status show it), as
+    /// RabbitMQ's set_cluster_name
+    #[command(name = "set_cluster_name", alias = "set-cluster-name")]
+    SetClusterName {
+        /// The cluster's new name
+        name: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Lists virtual hosts
     #[command(name = "list_vhosts", alias = "list-vhosts")]
     ListVhosts {
@@ -397,6 +406,7 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::UpdateVhostMetadata { .. } => "ctl update_vhost_metadata",
         Ctl::DeleteVhost { .. } => "ctl delete_vhost",
         Ctl::ListVhosts { .. } => "ctl list_vhosts",
+        Ctl::SetClusterName { .. } => "ctl set_cluster_name",
         Ctl::SetPermissions { .. } => "ctl set_permissions",
         Ctl::ClearPermissions { .. } => "ctl clear_permissions",
         Ctl::ListPermissions { .. } => "ctl list_permissions",
@@ -684,6 +694,17 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
             println!("deleted vhost '{vhost}'");
         }
         Ctl::ListVhosts { out } => list(&out.conn.api(), "/vhosts", "vhosts", VHOSTS, out.format)?,
+        Ctl::SetClusterName { name, conn } => {
+            let body = json!({ "name": name });
+            conn.api().call(
+                "PUT",
+                "/cluster-name",
+                Some(&body),
+                &[],
+                "the cluster's name",
+            )?;
+            println!("the cluster is named '{name}'");
+        }
         Ctl::SetPermissions {
             username,
             configure,

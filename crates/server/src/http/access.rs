@@ -149,8 +149,8 @@ async fn one_vhost(State(api): ApiState, _: Admin, Path(vhost): Path<String>) ->
 pub fn vhost_change(body: &serde_json::Map<String, Value>) -> Result<VhostMetaChange, ApiError> {
     let nested = body.get("metadata").and_then(Value::as_object);
     let field = |k: &str| body.get(k).or_else(|| nested.and_then(|m| m.get(k)));
-    // `defaultqueuetype` is the key RabbitMQ 3.11.0 took, and its 3.11 and 3.12 web pages
-    // send; `undefined` (3.12's exports) names no type and leaves the vhost's as it is.
+    // `defaultqueuetype` is the older key, which RabbitMQ's web page sent; `undefined`
+    // (3.12's exports) names no type and leaves the vhost's as it is.
     let default_queue_type = match field("default_queue_type").or_else(|| field("defaultqueuetype"))
     {
         None | Some(Value::Null) => None,

@@ -187,7 +187,7 @@ pub fn export(api: &Api, vhost: Option<&str>) -> Value {
             );
             m.insert(
                 "global_parameters".into(),
-                json!([{"name": "cluster_name", "value": api.node_name}]),
+                Value::Array(super::global::global_parameters(api)),
             );
         }
     }
@@ -388,9 +388,11 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
                     // A RabbitMQ vhost whose queues default to streams: the rest of it is
                     // kept, and its queues get the node's default.
                     tracing::warn!(vhost = %name, error = %e.reason, "a vhost's default queue type is not kept");
-                    body.remove("default_queue_type");
-                    if let Some(Value::Object(m)) = body.get_mut("metadata") {
-                        m.remove("default_queue_type");
+                    for key in ["default_queue_type", "defaultqueuetype"] {
+                        body.remove(key);
+                        if let Some(Value::Object(m)) = body.get_mut("metadata") {
+                            m.remove(key);
+                        }
                     }
                     super::access::vhost_change(&body)?
                 }
@@ -407,7 +409,7 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     let field = |v: &Value, k: &str| text(v, k, "permission").map(str::to_owned);
-    api.node.write(|n, _| -> Result<Vec<u64>, ApiError> {
+    let waiting = api.node.write(|n, _| -> Result<Vec<u64>, ApiError> {
         let mut waiting: Vec<u64> = Vec::new();
         let mut made_by_log: std::collections::BTreeSet<(String, String)> = Default::default();
         if only_vhost.is_none() {
@@ -549,7 +551,12 @@ pub fn import(api: &Api, defs: &Value, only_vhost: Option<&str>) -> Result<Vec<u
             })?;
         }
         Ok(waiting)
-    })?
+    })??;
+    if only_vhost.is_none() {
+        // The cluster's name, as RabbitMQ imports it.
+        super::global::import(api, list(defs, "global_parameters"))?;
+    }
+    Ok(waiting)
 }
 
 /// Waits for the quorum queues an import declared through the cluster's metadata log.

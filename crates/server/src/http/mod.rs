@@ -11,6 +11,7 @@ pub(crate) mod definitions;
 mod forward;
 mod gate;
 pub use gate::HOLD as RECOVERY_HOLD;
+mod global;
 mod json;
 mod limits;
 mod list;
@@ -130,6 +131,28 @@ impl Api {
             .into_iter()
             .map(|n| (n, name_from(n, &self.cluster_names, &added)))
             .collect()
+    }
+
+    /// The name a cluster gets until one is set: its first node's (this node's on its own),
+    /// the same on every node. It stays the cluster's permanent id when a name is set.
+    pub fn default_cluster_name(&self) -> String {
+        self.names()
+            .into_values()
+            .next()
+            .unwrap_or_else(|| self.node_name.clone())
+    }
+
+    /// The cluster's name (RabbitMQ's global parameter `cluster_name`: `PUT /api/cluster-name`,
+    /// `warren ctl set_cluster_name`), else [`Api::default_cluster_name`].
+    pub fn cluster_name(&self) -> String {
+        let set = self.node.read(|n, _| {
+            n.broker()
+                .parameters()
+                .global(warren_broker::parameters::CLUSTER_NAME)
+                .and_then(|v| serde_json::from_str::<Value>(v).ok())
+                .and_then(|v| v.as_str().map(str::to_owned))
+        });
+        set.unwrap_or_else(|| self.default_cluster_name())
     }
 
     /// Node `node`'s name.

@@ -44,7 +44,6 @@ pub fn router(api: Arc<Api>) -> Router {
     Router::new()
         .route("/", get(super::ui::page))
         .route("/api/overview", get(overview))
-        .route("/api/cluster-name", get(cluster_name))
         .route("/api/nodes", get(nodes))
         .route("/api/nodes/{node}", get(one_node))
         .route("/api/nodes/{node}/drain", post(drain))
@@ -60,6 +59,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/vhosts/{vhost}/channels", get(vhost_channels))
         .merge(super::policies::routes())
         .merge(super::parameters::routes())
+        .merge(super::global::routes())
         .route("/api/exchanges", get(exchanges_all))
         .route("/api/exchanges/{vhost}", get(exchanges_vhost))
         .route(
@@ -201,8 +201,11 @@ fn listeners(api: &Api) -> Value {
     let (mgmt_tls, prom_tls) = api.http_tls;
     let mut l = vec![
         json!({"node": api.node_name, "protocol": "amqp", "ip_address": "::", "port": api.amqp_port}),
-        json!({"node": api.node_name, "protocol": if mgmt_tls { "https" } else { "http" }, "ip_address": "::", "port": api.http_port}),
     ];
+    // Port 0: the management API is off (the node shares its figures for SQS or metrics).
+    if api.http_port != 0 {
+        l.push(json!({"node": api.node_name, "protocol": if mgmt_tls { "https" } else { "http" }, "ip_address": "::", "port": api.http_port}));
+    }
     if let Some(p) = api.amqps_port {
         l.insert(
             1,
@@ -253,7 +256,7 @@ async fn overview(State(api): ApiState, _: LoggedIn) -> Answer {
         "rabbitmq_version": "3.10.8",
         "product_name": "Warren",
         "product_version": version,
-        "cluster_name": api.node_name,
+        "cluster_name": api.cluster_name(),
         "erlang_version": "none (Warren is written in Rust)",
         "node": api.node_name,
         "exchange_types": exchange_types(),
@@ -279,10 +282,6 @@ async fn overview(State(api): ApiState, _: LoggedIn) -> Answer {
         },
         "statistics_db_event_queue": 0,
     }))
-}
-
-async fn cluster_name(State(api): ApiState, _: LoggedIn) -> Answer {
-    ok(json!({ "name": api.node_name }))
 }
 
 /// This node's `/api/nodes` entry (also what it sends its peers: [`super::share_figures`]).
