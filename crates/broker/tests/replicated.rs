@@ -4729,6 +4729,54 @@ fn a_slow_commit_does_not_eat_the_time_a_silent_peer_is_waited_for() {
     c.lose_reports_of.clear();
 }
 
+/// A peer whose link is slow for a moment reads as down to the others' Raft: a change waits for
+/// a peer down less than a second as for a running one, so it is not answered before that
+/// peer has it; it goes on without a peer down longer. Before, the answer went out the moment
+/// the peer read as down (the conformance test that publishes through a delayed node right
+/// after an API unbind saw the binding still there).
+#[test]
+fn a_change_waits_for_a_peer_down_only_a_moment() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    c.run(40);
+    declare_exchange(&mut c, 2, "orders", "direct", true);
+    declare_exchange(&mut c, 2, "audit", "direct", true);
+    let ticket = declare_waiting(&mut c, 2, "bound", quorum_args());
+    declare_answer(&mut c, 2, ticket).expect("declared");
+    c.run(20);
+    let bind = |c: &mut Cluster, x: &str| {
+        let b = c.broker(2);
+        let mark = b.change_mark();
+        b.bind_queue("/", "bound", x, "k", &FieldTable::new(), conn(2, 1))
+            .expect("queue.bind");
+        b.wait_for_cluster(mark, conn(2, 1))
+            .expect("waits for the cluster")
+    };
+    // Node 3 unheard of for 200 ms: down to the others.
+    c.isolated.insert(3);
+    c.run(20);
+    let ticket = bind(&mut c, "orders");
+    assert_eq!(
+        change_answered_within(&mut c, 2, ticket, 30, ("orders", "bound")),
+        None,
+        "answered without the peer down a moment"
+    );
+    c.isolated.clear();
+    assert_eq!(
+        change_answered_within(&mut c, 2, ticket, 100, ("orders", "bound")),
+        Some(NODES.to_vec())
+    );
+    // Down for good: answered without it, about a second after it went down.
+    c.isolated.insert(3);
+    c.run(20);
+    let ticket = bind(&mut c, "audit");
+    assert_eq!(
+        change_answered_within(&mut c, 2, ticket, 150, ("audit", "bound")),
+        Some(vec![1, 2])
+    );
+    c.isolated.clear();
+}
+
 /// A deletion made on a node cut off from the others reaches the log late, after the queue
 /// was deleted and declared again elsewhere: it names the group it deleted, so the new queue,
 /// and what it confirmed, stays on every node.

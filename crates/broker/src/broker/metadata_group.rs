@@ -678,6 +678,7 @@ impl Broker {
     /// reports how far it applied the log has applied their entry; changes also after
     /// `MADE_WAIT_MS`.
     pub(super) fn answer_cluster_waits(&mut self) {
+        let now = self.now_ms;
         let Some(c) = self.cluster.as_ref() else {
             return;
         };
@@ -687,7 +688,7 @@ impl Broker {
             .iter()
             .filter(|(_, w)| {
                 w.made
-                    .is_some_and(|m| !m.leader && c.peers_behind(m.index).is_empty())
+                    .is_some_and(|m| !m.leader && c.peers_behind(m.index, now).is_empty())
             })
             .map(|(n, _)| *n)
             .collect();
@@ -697,20 +698,23 @@ impl Broker {
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
-        let now = self.now_ms;
         let ready: Vec<u64> = c
             .meta
             .change_waits
             .iter()
             .filter(|(_, w)| {
-                now >= w.due() || w.index.is_some_and(|(i, _)| c.peers_behind(i).is_empty())
+                now >= w.due()
+                    || w.index
+                        .is_some_and(|(i, _)| c.peers_behind(i, now).is_empty())
             })
             .map(|(n, _)| *n)
             .collect();
         for number in ready {
             if let Some(w) = c.meta.change_waits.remove(&number) {
                 c.meta.answered += 1;
-                if w.index.is_none_or(|(i, _)| !c.peers_behind(i).is_empty()) {
+                if w.index
+                    .is_none_or(|(i, _)| !c.peers_behind(i, now).is_empty())
+                {
                     tracing::warn!(conn = w.conn, index = ?w.index, "a definition change answered before every running node had it");
                 }
                 c.meta.change_answers.push(ChangeAnswer {
@@ -853,7 +857,7 @@ impl Broker {
             .iter()
             .filter_map(|(n, w)| match w.made {
                 Some(m) => (now.saturating_sub(m.at) >= MADE_WAIT_MS).then(|| {
-                    let behind = c.peers_behind(m.index);
+                    let behind = c.peers_behind(m.index, now);
                     if !behind.is_empty() {
                         tracing::warn!(queue = %w.name, vhost = %w.vhost, ?behind, "quorum queue declared before every running node applied it");
                     }
@@ -1005,7 +1009,12 @@ impl Broker {
 
     /// When the entry in flight is due to be sent again (for the driver's timer).
     pub(super) fn meta_deadline(&self) -> Option<u64> {
-        let m = &self.cluster.as_ref()?.meta;
+        let c = self.cluster.as_ref()?;
+        let m = &c.meta;
+        // While something waits for the other nodes, the moment a peer down since recently
+        // stops being waited for.
+        let waiting = !m.change_waits.is_empty() || m.declares.values().any(|w| w.made.is_some());
+        let undown = c.recently_down_until(self.now_ms).filter(|_| waiting);
         let declare = m
             .declares
             .values()
@@ -1022,7 +1031,7 @@ impl Broker {
                 .and_then(|f| f.sent)
                 .map(|at| at.saturating_add(META_RESEND_MS)),
         );
-        resend.into_iter().chain(declare).min()
+        resend.into_iter().chain(declare).chain(undown).min()
     }
 
     /// A metadata entry another node sent this node, which it leads the group for.

@@ -94,6 +94,12 @@ pub(super) const RELEASE_GUARD_MS: u64 = CONFIRM_TIMEOUT_MS + 5_000;
 /// delivered again). Shorter outages cost nothing: its consumers carry on.
 pub const NODE_DOWN_MS: u64 = 5_000;
 
+/// A definition change waits for a peer down this recently, as for a running one: its Raft
+/// calls a peer down after a few ticks without a word (200 ms at the default tick), which a
+/// loaded machine or a slow link reaches without any node stopping. One down longer is not
+/// waited for.
+pub(super) const RECENTLY_DOWN_MS: u64 = 1_000;
+
 /// A publish forwarded to a leader and not applied within this time is nacked (the leader
 /// may have dropped it; if it commits after all, the publisher has a duplicate, never a loss).
 const FORWARD_TIMEOUT_MS: u64 = 10_000;
@@ -496,11 +502,31 @@ impl Cluster {
             .filter(|n| *n != self.node && !self.down_since.contains_key(n))
     }
 
-    /// The running peers that report how far they applied the metadata log and have not
-    /// said they reached `index`.
-    pub(super) fn peers_behind(&self, index: u64) -> Vec<NodeId> {
+    /// When the first peer down since less than [`RECENTLY_DOWN_MS`] at `now` stops being
+    /// waited for by definition changes ([`Cluster::peers_behind`]).
+    pub(super) fn recently_down_until(&self, now: u64) -> Option<u64> {
+        self.down_since
+            .values()
+            .map(|at| at.saturating_add(RECENTLY_DOWN_MS))
+            .filter(|until| *until > now)
+            .min()
+    }
+
+    /// The peers that report how far they applied the metadata log and have not said they
+    /// reached `index`, at `now`: the running ones, and those down for less than
+    /// [`RECENTLY_DOWN_MS`] (a link slow for a moment reads as a node down; a change answered
+    /// without it was not there yet for its clients).
+    pub(super) fn peers_behind(&self, index: u64, now: u64) -> Vec<NodeId> {
         let m = &self.meta;
-        self.running_peers()
+        self.nodes
+            .iter()
+            .copied()
+            .filter(|n| *n != self.node)
+            .filter(|n| {
+                self.down_since
+                    .get(n)
+                    .is_none_or(|at| now.saturating_sub(*at) < RECENTLY_DOWN_MS)
+            })
             .filter(|n| {
                 m.levels
                     .get(n)
@@ -1242,7 +1268,8 @@ impl Broker {
             c.meta.peer_applied.remove(&node);
             c.meta.report_to.remove(&node);
         }
-        // A declaration no longer waits for a node that is down.
+        // A declaration no longer waits for a node that is down (once it has been down for
+        // `RECENTLY_DOWN_MS`: the timer comes back for it).
         self.answer_cluster_waits();
     }
 
