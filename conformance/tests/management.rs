@@ -8,6 +8,18 @@ use warren_conformance::{unique, TestBroker};
 
 const GUEST: Option<(&str, &str)> = Some(("guest", "guest"));
 
+/// Imports `defs` through `POST /api/definitions` on the API at `a`.
+fn import(a: &str, defs: &Value) {
+    let r = request(
+        "POST",
+        &format!("{a}/definitions"),
+        GUEST,
+        &[],
+        Some(&defs.to_string()),
+    );
+    assert!(r.status == 201 || r.status == 204, "{}", r.text());
+}
+
 fn api(b: &TestBroker) -> String {
     format!("{}/api", b.http_url().expect("management API on"))
 }
@@ -516,14 +528,7 @@ fn a_vhosts_metadata_is_kept_and_its_default_queue_type_applies_to_its_queues() 
     assert_eq!(gone.status, 204, "{}", gone.text());
     let defs = json!({"vhosts": [{"name": v, "metadata": {"description": "invoices",
         "tags": ["eu"], "default_queue_type": "quorum"}}]});
-    let r = request(
-        "POST",
-        &format!("{a}/definitions"),
-        GUEST,
-        &[],
-        Some(&defs.to_string()),
-    );
-    assert!(r.status == 201 || r.status == 204, "{}", r.text());
+    import(&a, &defs);
     let got = get();
     assert_eq!(got["default_queue_type"], "quorum", "{got}");
     assert_eq!(got["tags"], json!(["eu"]), "{got}");
@@ -581,14 +586,7 @@ fn the_clusters_name_is_set_shown_exported_and_imported() {
         {"name": "cluster_name", "value": "imported"},
         {"name": "internal_cluster_id", "value": "rabbitmq-cluster-id-abc"},
     ]});
-    let r = request(
-        "POST",
-        &format!("{a}/definitions"),
-        GUEST,
-        &[],
-        Some(&defs.to_string()),
-    );
-    assert!(r.status == 201 || r.status == 204, "{}", r.text());
+    import(&a, &defs);
     assert_eq!(name(), "imported");
     let globals = request("GET", &format!("{a}/global-parameters"), GUEST, &[], None).json();
     assert!(

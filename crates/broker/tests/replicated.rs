@@ -4603,6 +4603,16 @@ fn a_declaration_is_answered_once_every_running_node_has_the_queue() {
         .is_some()));
 }
 
+/// Binds exchange `x` to the quorum queue `bound` with `key` through `node`: the change's
+/// ticket when it waits for the cluster.
+fn bind_on(c: &mut Cluster, node: u64, x: &str, key: &str) -> Option<u64> {
+    let b = c.broker(node);
+    let mark = b.change_mark();
+    b.bind_queue("/", "bound", x, key, &FieldTable::new(), conn(node, 1))
+        .expect("queue.bind");
+    b.wait_for_cluster(mark, conn(node, 1))
+}
+
 /// Steps until `node` answers the change `ticket` ([`Broker::wait_for_cluster`]), at most
 /// `steps` times; the nodes that had the binding `x` -> `q` when it answered.
 fn change_answered_within(
@@ -4648,13 +4658,7 @@ fn a_binding_is_answered_once_every_running_node_has_it() {
     let ticket = declare_waiting(&mut c, 2, "bound", quorum_args());
     declare_answer(&mut c, 2, ticket).expect("declared");
     c.run(20);
-    let bind = |c: &mut Cluster, key: &str| {
-        let b = c.broker(2);
-        let mark = b.change_mark();
-        b.bind_queue("/", "bound", "orders", key, &FieldTable::new(), conn(2, 1))
-            .expect("queue.bind");
-        b.wait_for_cluster(mark, conn(2, 1))
-    };
+    let bind = |c: &mut Cluster, key: &str| bind_on(c, 2, "orders", key);
     let ticket = bind(&mut c, "a").expect("waits for the cluster");
     let had = change_answered_within(&mut c, 2, ticket, 100, ("orders", "bound"));
     assert_eq!(had, Some(NODES.to_vec()));
@@ -4692,14 +4696,8 @@ fn a_slow_commit_does_not_eat_the_time_a_silent_peer_is_waited_for() {
     let ticket = declare_waiting(&mut c, 3, "bound", quorum_args());
     declare_answer(&mut c, 3, ticket).expect("declared");
     c.run(20);
-    let bind = |c: &mut Cluster, key: &str| {
-        let b = c.broker(3);
-        let mark = b.change_mark();
-        b.bind_queue("/", "bound", "orders", key, &FieldTable::new(), conn(3, 1))
-            .expect("queue.bind");
-        b.wait_for_cluster(mark, conn(3, 1))
-            .expect("waits for the cluster")
-    };
+    let bind =
+        |c: &mut Cluster, key: &str| bind_on(c, 3, "orders", key).expect("waits for the cluster");
     c.lose_reports_of.insert(2);
     // Node 3's entry is held on its way to the metadata leader for 2.5 s.
     c.hold_forwards = true;
@@ -4744,14 +4742,7 @@ fn a_change_waits_for_a_peer_down_only_a_moment() {
     let ticket = declare_waiting(&mut c, 2, "bound", quorum_args());
     declare_answer(&mut c, 2, ticket).expect("declared");
     c.run(20);
-    let bind = |c: &mut Cluster, x: &str| {
-        let b = c.broker(2);
-        let mark = b.change_mark();
-        b.bind_queue("/", "bound", x, "k", &FieldTable::new(), conn(2, 1))
-            .expect("queue.bind");
-        b.wait_for_cluster(mark, conn(2, 1))
-            .expect("waits for the cluster")
-    };
+    let bind = |c: &mut Cluster, x: &str| bind_on(c, 2, x, "k").expect("waits for the cluster");
     // Node 3 unheard of for 200 ms: down to the others.
     c.isolated.insert(3);
     c.run(20);
