@@ -147,6 +147,17 @@ impl TestCluster {
         &self.nodes[(n - 1) as usize]
     }
 
+    /// Runs `warren ctl ARGS` against node `n`'s management API.
+    pub fn ctl(&self, n: u64, args: &[&str]) -> std::process::Output {
+        let api = self.node(n).http_url().expect("the management API is on");
+        std::process::Command::new(crate::warren_binary())
+            .arg("ctl")
+            .args(args)
+            .args(["--api", api])
+            .output()
+            .expect("run warren ctl")
+    }
+
     pub fn node_mut(&mut self, n: u64) -> &mut TestBroker {
         &mut self.nodes[(n - 1) as usize]
     }

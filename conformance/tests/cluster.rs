@@ -2007,11 +2007,7 @@ fn the_clusters_name_is_the_same_on_every_node() {
     for n in 1..=3 {
         assert_eq!(name(n), first, "node {n}");
     }
-    let out = std::process::Command::new(warren_conformance::warren_binary())
-        .args(["ctl", "set_cluster_name", "prod-eu", "--api"])
-        .arg(c.node(2).http_url().expect("management API"))
-        .output()
-        .expect("run warren ctl");
+    let out = c.ctl(2, &["set_cluster_name", "prod-eu"]);
     assert!(
         out.status.success(),
         "{}",

@@ -61,22 +61,16 @@ async fn declare(ch: &lapin::Channel, name: &str, balanced: bool) {
 }
 
 fn ctl(c: &TestCluster, n: u64, verb: &str) -> std::process::Output {
-    let api = c.node(n).http_url().expect("the management API").to_owned();
-    let mut cmd = Command::new(warren_binary());
-    cmd.args(["ctl", verb, "--api", &api]);
-    if verb != "revive" {
-        cmd.args(["--wait", "20"]);
+    if verb == "revive" {
+        c.ctl(n, &[verb])
+    } else {
+        c.ctl(n, &[verb, "--wait", "20"])
     }
-    cmd.output().expect("run warren ctl")
 }
 
 /// `warren ctl cluster_status --format json` against node `n`'s API.
 fn cluster_status(c: &TestCluster, n: u64) -> Value {
-    let api = c.node(n).http_url().expect("the management API").to_owned();
-    let out = Command::new(warren_binary())
-        .args(["ctl", "cluster_status", "--format", "json", "--api", &api])
-        .output()
-        .expect("run warren ctl cluster_status");
+    let out = c.ctl(n, &["cluster_status", "--format", "json"]);
     assert!(
         out.status.success(),
         "cluster_status: {}",
