@@ -1,6 +1,7 @@
 //! The node driven frame by frame with simulated time: no sockets, no sleeps.
 
 mod frame_max;
+mod held_moves;
 mod props;
 mod tx;
 
