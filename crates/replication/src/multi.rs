@@ -209,12 +209,19 @@ pub enum MemberChange {
     Promote(NodeId),
     /// The node leaves the group.
     Remove(NodeId),
+    /// A voter keeps the log without a vote (a queue's member taken off its voters while its
+    /// node stays in the cluster).
+    Demote(NodeId),
 }
 
 impl MemberChange {
     fn to_conf_change(self) -> ConfChangeV2 {
         let (kind, node) = match self {
-            MemberChange::AddLearner(n) => (ConfChangeType::AddLearnerNode, n),
+            // raft-rs makes a voter a learner with the change that adds one: a single
+            // change, as the voters differ by one.
+            MemberChange::AddLearner(n) | MemberChange::Demote(n) => {
+                (ConfChangeType::AddLearnerNode, n)
+            }
             MemberChange::Promote(n) => (ConfChangeType::AddNode, n),
             MemberChange::Remove(n) => (ConfChangeType::RemoveNode, n),
         };
@@ -419,6 +426,9 @@ pub struct MultiRaft {
     /// The voters every group should have ([`MultiRaft::set_members`]); `None`: leave each
     /// group's members as they are.
     target: Option<Vec<NodeId>>,
+    /// Groups whose voters are some of the cluster's nodes ([`MultiRaft::set_group_voters`]):
+    /// the other nodes hold them as learners.
+    group_voters: BTreeMap<GroupId, Vec<NodeId>>,
     /// Since the last `ready`: groups whose members changed, groups whose leader wants a
     /// snapshot, members groups started with.
     member_changes: Vec<(GroupId, Members)>,
@@ -551,6 +561,7 @@ impl MultiRaft {
             draining: false,
             held: BTreeMap::new(),
             target: None,
+            group_voters: BTreeMap::new(),
             member_changes: Vec::new(),
             snapshots_wanted: BTreeSet::new(),
             wanted_at: BTreeMap::new(),
@@ -695,11 +706,38 @@ impl MultiRaft {
     /// this node start an election at once, so a creator places leaders instead of waiting for
     /// timeouts.
     pub fn add_group(&mut self, id: GroupId, campaign: bool) -> Result<(), Error> {
+        if self.group_voters.contains_key(&id) {
+            // Voters of its own (set before it is made): every node makes it with the same
+            // voters and learners, so none waits for a snapshot.
+            if let Some(members) = self.wanted_members(id) {
+                return self.add_group_members(id, members, campaign);
+            }
+        }
         let voters = self
             .target
             .clone()
             .unwrap_or_else(|| self.cfg.nodes.clone());
         self.add_group_with(id, voters, campaign)
+    }
+
+    /// Creates a group with `members`, as every one of them does (the same on each); a node
+    /// not among them is being added to the group instead ([`MultiRaft::join_group`]). A
+    /// learner never campaigns.
+    pub fn add_group_members(
+        &mut self,
+        id: GroupId,
+        members: Members,
+        campaign: bool,
+    ) -> Result<(), Error> {
+        let me = self.cfg.node;
+        if !members.contains(me) {
+            return self.join_group(id);
+        }
+        let campaign = campaign && members.voters.contains(&me);
+        let log = GroupLog::with_members(&members);
+        self.insert_group(id, log, campaign, 0)?;
+        self.record_start(id, members);
+        Ok(())
     }
 
     /// Creates a group whose voters are `voters`, as every one of them does (the members a
@@ -711,14 +749,7 @@ impl MultiRaft {
         voters: Vec<NodeId>,
         campaign: bool,
     ) -> Result<(), Error> {
-        if !voters.contains(&self.cfg.node) {
-            return self.join_group(id);
-        }
-        let members = Members::voters(voters);
-        let log = GroupLog::with_members(&members);
-        self.insert_group(id, log, campaign, 0)?;
-        self.record_start(id, members);
-        Ok(())
+        self.add_group_members(id, Members::voters(voters), campaign)
     }
 
     /// Makes this node's member of a group it is being added to: it knows no members and takes
@@ -852,9 +883,21 @@ impl MultiRaft {
                 )))
             }
             // raft-rs leaves a leader that removed itself leading outside its group.
-            MemberChange::Remove(n) if n == r.id => {
+            MemberChange::Remove(n) | MemberChange::Demote(n) if n == r.id => {
                 return Err(Error::Config(format!(
                     "node {n} leads group {}: hand the leadership over before removing it",
+                    group.0
+                )))
+            }
+            MemberChange::Demote(n) if !cs.voters.contains(&n) => {
+                return Err(Error::Config(format!(
+                    "node {n} is not a voter of group {}",
+                    group.0
+                )))
+            }
+            MemberChange::AddLearner(n) if cs.voters.contains(&n) => {
+                return Err(Error::Config(format!(
+                    "node {n} is a voter of group {}: demote it instead",
                     group.0
                 )))
             }
@@ -883,6 +926,45 @@ impl MultiRaft {
         for id in led {
             self.wake(id);
         }
+    }
+
+    /// The voters of one group, when they are only some of the cluster's nodes (a queue's
+    /// members): the group this node leads moves towards them as [`MultiRaft::set_members`]
+    /// says, and keeps every other node of the cluster as a learner, which holds and applies
+    /// the log without a vote. Voters that are not (or no longer) nodes of the cluster are
+    /// left out. `None`: every node votes again. Every node should be told the same, as the
+    /// leader may change; only the leader acts on it.
+    pub fn set_group_voters(&mut self, group: GroupId, voters: Option<Vec<NodeId>>) {
+        match voters {
+            Some(mut v) => {
+                v.sort_unstable();
+                v.dedup();
+                if self.group_voters.get(&group) == Some(&v) {
+                    return;
+                }
+                tracing::info!(group = group.0, voters = ?v, "group voters");
+                self.group_voters.insert(group, v);
+            }
+            None => {
+                if self.group_voters.remove(&group).is_none() {
+                    return;
+                }
+            }
+        }
+        if self.is_leader(group) {
+            self.wake(group);
+        }
+    }
+
+    /// The members `group` should have: its own voters among the cluster's nodes and the
+    /// other nodes as learners, or every node as a voter; `None` while no node-wide target is
+    /// set and the group has no voters of its own (its members stay as they are).
+    pub fn wanted_members(&self, group: GroupId) -> Option<Members> {
+        wanted_members(
+            self.target.as_deref(),
+            &self.cfg.nodes,
+            self.group_voters.get(&group).map(Vec::as_slice),
+        )
     }
 
     /// The nodes this one exchanges batches with, besides itself: a node added to the cluster
@@ -929,14 +1011,14 @@ impl MultiRaft {
     /// Groups whose members are not yet the ones [`MultiRaft::set_members`] asks for, among
     /// those this node leads.
     pub fn changing_members(&self) -> usize {
-        let Some(target) = &self.target else {
-            return 0;
-        };
-        let want = Members::voters(target.clone());
         self.groups
-            .values()
-            .filter(|g| g.raw.raft.state == StateRole::Leader)
-            .filter(|g| Members::from_conf_state(g.raw.store().conf_state()) != want)
+            .iter()
+            .filter(|(_, g)| g.raw.raft.state == StateRole::Leader)
+            .filter(|(id, g)| {
+                self.wanted_members(**id).is_some_and(|want| {
+                    Members::from_conf_state(g.raw.store().conf_state()) != want
+                })
+            })
             .count()
     }
 
@@ -1109,6 +1191,7 @@ impl MultiRaft {
         // number is another queue).
         self.held.remove(&id);
         self.wanted_at.remove(&id);
+        self.group_voters.remove(&id);
         if let Some(source) = &self.snapshots {
             source.forget(id.0);
         }
@@ -1435,17 +1518,22 @@ impl MultiRaft {
             }
             self.stats.group_ticks += 1;
             self.touched.insert(id);
-            if g.raw.raft.state == StateRole::Leader {
-                if let Some(target) = &self.target {
-                    reconcile(id, &mut g.raw, target, &self.peers);
-                }
+            let want = if g.raw.raft.state == StateRole::Leader {
+                wanted_members(
+                    self.target.as_deref(),
+                    &self.cfg.nodes,
+                    self.group_voters.get(&id).map(Vec::as_slice),
+                )
+            } else {
+                None
+            };
+            if let Some(want) = &want {
+                reconcile(id, &mut g.raw, want, &self.peers);
             }
             let quiet = is_quiet(&g.raw, &self.peers)
-                && self.target.as_ref().is_none_or(|t| {
-                    g.raw.raft.state != StateRole::Leader
-                        || Members::from_conf_state(g.raw.store().conf_state())
-                            == Members::voters(t.clone())
-                });
+                && want
+                    .as_ref()
+                    .is_none_or(|w| Members::from_conf_state(g.raw.store().conf_state()) == *w);
             g.quiet_ticks = if quiet { g.quiet_ticks + 1 } else { 0 };
             if g.quiet_ticks >= self.cfg.hibernate_ticks {
                 self.awake.remove(&id);
@@ -1850,12 +1938,47 @@ fn apply_member_changes(
     changes.len() > before
 }
 
-/// The next step of a group this node leads towards `target` as its voters, proposed if there
-/// is one and no other is in progress.
+/// What [`MultiRaft::wanted_members`] answers, from the node-wide target (else the cluster's
+/// nodes at start, when the group has voters of its own).
+fn wanted_members(
+    target: Option<&[NodeId]>,
+    nodes: &[NodeId],
+    own: Option<&[NodeId]>,
+) -> Option<Members> {
+    let Some(own) = own else {
+        return target.map(|t| Members::voters(t.to_vec()));
+    };
+    let cluster = target.unwrap_or(nodes);
+    let voters: Vec<NodeId> = own
+        .iter()
+        .copied()
+        .filter(|n| cluster.contains(n))
+        .collect();
+    if voters.is_empty() {
+        // None of its voters is left in the cluster: every node votes rather than none.
+        return Some(Members::voters(cluster.to_vec()));
+    }
+    let mut learners: Vec<NodeId> = cluster
+        .iter()
+        .copied()
+        .filter(|n| !voters.contains(n))
+        .collect();
+    learners.sort_unstable();
+    learners.dedup();
+    let mut m = Members::voters(voters);
+    m.learners = learners;
+    Some(m)
+}
+
+/// The next step of a group this node leads towards the members `want`, proposed if there is
+/// one and no other is in progress. Nodes come in before any goes, and a voter leaves (or
+/// becomes a learner) only once the voters coming in vote, so that a change never leaves the
+/// group with fewer voters than it had; a member that is down goes first, as it only lowers
+/// the group's tolerance while it stays.
 fn reconcile(
     id: GroupId,
     raw: &mut RawNode<GroupLog>,
-    target: &[NodeId],
+    want: &Members,
     peers: &BTreeMap<NodeId, Peer>,
 ) {
     let r = &raw.raft;
@@ -1865,18 +1988,6 @@ fn reconcile(
     let me = r.id;
     let cs = raw.store().conf_state();
     let (voters, learners) = (cs.voters.clone(), cs.learners.clone());
-    if !target.contains(&me) {
-        // Removing the leader itself is what raft-rs handles least well: another leads first.
-        if let Some(to) = voters
-            .iter()
-            .copied()
-            .filter(|v| *v != me && target.contains(v))
-            .find(|v| peers.get(v).is_some_and(|p| p.up))
-        {
-            raw.transfer_leader(to);
-        }
-        return;
-    }
     let up = |n: &NodeId| peers.get(n).is_some_and(|p| p.up);
     let committed = r.raft_log.committed;
     let caught_up = |n: &NodeId| {
@@ -1884,32 +1995,46 @@ fn reconcile(
             pr.state == raft::ProgressState::Replicate && pr.matched + CAUGHT_UP_LAG >= committed
         })
     };
+    let member = |n: &NodeId| voters.contains(n) || learners.contains(n);
     let gone: Vec<NodeId> = voters
         .iter()
         .chain(&learners)
         .copied()
-        .filter(|n| !target.contains(n))
+        .filter(|n| !want.contains(*n))
         .collect();
-    let to_add = target
+    let to_add = want
+        .voters
         .iter()
+        .chain(&want.learners)
         .copied()
-        .find(|n| !voters.contains(n) && !learners.contains(n) && up(n));
+        .find(|n| !member(n) && up(n));
     let to_promote = learners
         .iter()
         .copied()
-        .find(|n| target.contains(n) && up(n) && caught_up(n));
-    // A member that is down goes first (it only lowers the group's tolerance while it stays);
-    // one that runs stays until the nodes coming in vote, so that replacing a node never
-    // leaves the group with fewer voters than it had.
-    let change = if let Some(down) = gone.iter().copied().find(|n| !up(n)) {
+        .find(|n| want.voters.contains(n) && up(n) && caught_up(n));
+    let change = if let Some(down) = gone.iter().copied().find(|n| *n != me && !up(n)) {
         Some(MemberChange::Remove(down))
     } else if let Some(new) = to_add {
         Some(MemberChange::AddLearner(new))
     } else if let Some(ready) = to_promote {
         Some(MemberChange::Promote(ready))
-    } else if learners.iter().any(|n| target.contains(n)) {
-        // A learner still catching up.
+    } else if learners.iter().any(|n| want.voters.contains(n)) {
+        // A learner still catching up (or down: nothing leaves until it votes).
         None
+    } else if !want.voters.contains(&me) {
+        // Removing (or demoting) the leader itself is what raft-rs handles least well: another
+        // leads first.
+        if let Some(to) = voters
+            .iter()
+            .copied()
+            .filter(|v| *v != me && want.voters.contains(v))
+            .find(|v| up(v))
+        {
+            raw.transfer_leader(to);
+        }
+        None
+    } else if let Some(demoted) = voters.iter().copied().find(|n| want.learners.contains(n)) {
+        Some(MemberChange::Demote(demoted))
     } else {
         gone.first().copied().map(MemberChange::Remove)
     };
@@ -2027,4 +2152,13 @@ impl Outbox {
             })
             .collect()
     }
+}
+
+#[cfg(test)]
+pub(crate) fn wanted_members_for_tests(
+    target: Option<&[NodeId]>,
+    nodes: &[NodeId],
+    own: Option<&[NodeId]>,
+) -> Option<Members> {
+    wanted_members(target, nodes, own)
 }

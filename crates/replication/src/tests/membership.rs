@@ -457,3 +457,201 @@ fn messages_for_a_group_that_never_comes_expire() {
     sim.run(election_tick + 2);
     assert_eq!(sim.nodes[&2].raft.early_count(), 0);
 }
+
+/// Three nodes, the group on all three; `voters` its own voters, told to every node.
+fn group_voters_everywhere(sim: &mut Sim, voters: Option<&[NodeId]>) {
+    for n in sim.nodes.values_mut() {
+        n.raft.set_group_voters(G, voters.map(<[NodeId]>::to_vec));
+    }
+}
+
+fn learners_of(voters: &[NodeId], learners: &[NodeId]) -> Members {
+    Members {
+        voters: voters.to_vec(),
+        learners: learners.to_vec(),
+    }
+}
+
+/// A group of two voters on a cluster of three: the third node (which led it, and hands the
+/// leadership over first) keeps it as a learner that applies everything and never votes, so
+/// the group commits without it and cannot without either voter.
+#[test]
+fn a_group_with_voters_of_its_own_keeps_the_other_nodes_as_learners() {
+    let mut sim = Sim::bare(31, vec![1, 2, 3]);
+    sim.groups = vec![G];
+    for id in 1..=3 {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.set_members(vec![1, 2, 3]);
+        n.raft.add_group(G, id == 3).expect("group");
+    }
+    run_until(&mut sim, 500, "node 3 leads", |s| s.leader(G) == Some(3));
+    for i in 0..5 {
+        assert!(sim.propose(G, data(i)));
+    }
+    group_voters_everywhere(&mut sim, Some(&[1, 2]));
+    let want = learners_of(&[1, 2], &[3]);
+    assert_eq!(sim.nodes[&3].raft.wanted_members(G), Some(want.clone()));
+    let mut fewest = usize::MAX;
+    run_until(&mut sim, 3000, "two voters and a learner everywhere", |s| {
+        if let Some(m) = s.leader(G).and_then(|l| s.nodes[&l].raft.members(G)) {
+            fewest = fewest.min(m.voters.len());
+        }
+        members_on(s, &[1, 2, 3])
+            .iter()
+            .all(|m| m.as_ref() == Some(&want))
+    });
+    assert!(fewest >= 2, "the group went down to {fewest} voters");
+    let leader = sim.leader(G).expect("a leader");
+    assert!([1, 2].contains(&leader), "node {leader} leads");
+    assert_eq!(sim.nodes[&leader].raft.changing_members(), 0);
+    for i in 5..10 {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 1000, "every entry on the learner too", |s| {
+        s.nodes[&3].applied.get(&G).is_some_and(|a| a.len() == 10)
+    });
+    sim.assert_applied_everywhere(&[1, 2, 3]);
+    // Without the learner the two voters commit.
+    sim.kill(3);
+    for i in 10..15 {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 1000, "a commit without the learner", |s| {
+        [1, 2]
+            .iter()
+            .all(|id| s.nodes[id].applied.get(&G).is_some_and(|a| a.len() == 15))
+    });
+    // Without the other voter nothing commits, and the learner never stands for election.
+    sim.restart(3);
+    group_voters_everywhere(&mut sim, Some(&[1, 2]));
+    let other = if leader == 1 { 2 } else { 1 };
+    sim.kill(other);
+    let before = sim.nodes[&leader].applied.get(&G).map_or(0, Vec::len);
+    sim.propose(G, data(15));
+    for _ in 0..500 {
+        sim.step();
+        assert_ne!(sim.leader(G), Some(3), "the learner leads");
+    }
+    assert_eq!(
+        sim.nodes[&leader].applied.get(&G).map_or(0, Vec::len),
+        before,
+        "a commit with one voter of two"
+    );
+}
+
+/// Voters of its own taken back: the learner votes again once caught up. Then the voters
+/// move to other nodes: each node coming in votes before any going out stops.
+#[test]
+fn a_groups_voters_move_and_come_back_without_ever_falling_below_their_number() {
+    let mut sim = Sim::bare(32, vec![1, 2, 3, 4]);
+    sim.groups = vec![G];
+    for id in 1..=4 {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.set_members(vec![1, 2, 3, 4]);
+        n.raft.set_group_voters(G, Some(vec![1, 2, 3]));
+        // Every node makes it with the same members, the fourth as a learner from the start.
+        n.raft.add_group(G, id == 1).expect("group");
+    }
+    assert!(members_on(&sim, &[1, 2, 3, 4])
+        .iter()
+        .all(|m| m.as_ref() == Some(&learners_of(&[1, 2, 3], &[4]))));
+    run_until(&mut sim, 500, "node 1 leads", |s| s.leader(G) == Some(1));
+    for i in 0..20 {
+        assert!(sim.propose(G, data(i)));
+    }
+    // Node 3 replaced by node 4; then node 1 (the leader) by node 3; then node 2 out; then all
+    // four: on the way the group never has fewer voters than the fewer of before and after.
+    let mut before = 3;
+    for (voters, learners) in [
+        (vec![1, 2, 4], vec![3]),
+        (vec![2, 3, 4], vec![1]),
+        (vec![3, 4], vec![1, 2]),
+        (vec![1, 2, 3, 4], vec![]),
+    ] {
+        group_voters_everywhere(&mut sim, Some(&voters));
+        let want = learners_of(&voters, &learners);
+        let floor = voters.len().min(before);
+        before = voters.len();
+        let mut fewest = usize::MAX;
+        run_until(&mut sim, 4000, "the voters moved", |s| {
+            if let Some(m) = s.leader(G).and_then(|l| s.nodes[&l].raft.members(G)) {
+                fewest = fewest.min(m.voters.len());
+            }
+            members_on(s, &[1, 2, 3, 4])
+                .iter()
+                .all(|m| m.as_ref() == Some(&want))
+        });
+        assert!(
+            fewest >= floor,
+            "to {voters:?}: the group went down to {fewest} voters"
+        );
+        let leader = sim.leader(G).expect("a leader");
+        assert!(voters.contains(&leader), "node {leader} leads {voters:?}");
+    }
+    group_voters_everywhere(&mut sim, None);
+    assert_eq!(
+        sim.nodes[&1].raft.wanted_members(G),
+        Some(Members::voters(vec![1, 2, 3, 4]))
+    );
+    for i in 20..30 {
+        assert!(sim.propose(G, data(i)));
+    }
+    run_until(&mut sim, 1000, "every entry everywhere", |s| {
+        (1..=4).all(|id| s.nodes[&id].applied.get(&G).is_some_and(|a| a.len() == 30))
+    });
+    sim.assert_applied_everywhere(&[1, 2, 3, 4]);
+}
+
+#[test]
+fn a_groups_own_voters_outside_the_cluster_are_left_out() {
+    let w = |target: Option<&[NodeId]>, own: Option<&[NodeId]>| {
+        super::super::multi::wanted_members_for_tests(target, &[1, 2, 3], own)
+    };
+    assert_eq!(w(None, None), None, "no target: members stay");
+    assert_eq!(
+        w(Some(&[1, 2, 3]), None),
+        Some(Members::voters(vec![1, 2, 3]))
+    );
+    assert_eq!(
+        w(Some(&[1, 2, 3]), Some(&[3, 1, 3])),
+        Some(learners_of(&[1, 3], &[2]))
+    );
+    // Node 5 is not in the cluster; node 4 is, as a learner.
+    assert_eq!(
+        w(Some(&[1, 2, 4]), Some(&[2, 5])),
+        Some(learners_of(&[2], &[1, 4]))
+    );
+    // Without a target, the cluster's nodes at start.
+    assert_eq!(w(None, Some(&[2])), Some(learners_of(&[2], &[1, 3])));
+    // None left: every node votes.
+    assert_eq!(
+        w(Some(&[1, 2]), Some(&[7])),
+        Some(Members::voters(vec![1, 2]))
+    );
+}
+
+#[test]
+fn a_demotion_is_refused_for_the_leader_and_a_non_voter() {
+    let mut sim = three_of_four(33, 1);
+    let leader = sim.leader(G).expect("leader");
+    let raft = &mut sim.nodes.get_mut(&leader).expect("node").raft;
+    for refused in [
+        MemberChange::Demote(leader),
+        MemberChange::Demote(4),
+        MemberChange::AddLearner(if leader == 1 { 2 } else { 1 }),
+    ] {
+        let e = raft.propose_member_change(G, refused);
+        assert!(
+            matches!(e, Err(crate::Error::Config(_))),
+            "{refused:?}: {e:?}"
+        );
+    }
+    let follower = (1..=3).find(|n| *n != leader).expect("a follower");
+    raft.propose_member_change(G, MemberChange::Demote(follower))
+        .expect("demote");
+    let mut voters: Vec<NodeId> = (1..=3).filter(|n| *n != follower).collect();
+    voters.sort_unstable();
+    run_until(&mut sim, 500, "the follower demoted", |s| {
+        s.nodes[&leader].raft.members(G) == Some(learners_of(&voters, &[follower]))
+    });
+}
