@@ -103,7 +103,7 @@ fn feature_level(c: &TestCluster, n: u64) -> Option<u64> {
 }
 
 /// The feature level of this version's nodes.
-const LEVEL: u64 = 11;
+const LEVEL: u64 = 12;
 
 /// Waits until node `n` knows every node's level ([`LEVEL`]).
 fn wait_for_feature_level(c: &TestCluster, n: u64) {
@@ -2418,4 +2418,71 @@ async fn a_classic_queues_confirm_still_waits_for_a_slow_disk_when_a_quorum_queu
             "the {what} queue's message was confirmed {after:?} after the first publish, before the disk had it"
         );
     }
+}
+
+/// `x-quorum-initial-group-size` 2 on a cluster of three: the queue's members are the node it
+/// was declared on and the next; the third holds the group as a learner (its quorum status
+/// says `non_voter`), takes the queue's messages from the log as the others do, serves its
+/// clients, and is never quorum-critical for the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
+    let c = TestCluster::start(3, 20);
+    let q = unique("pair");
+    declare_quorum_with(
+        &c,
+        &q,
+        &[(
+            "x-quorum-initial-group-size",
+            lapin::types::AMQPValue::LongLongInt(2),
+        )],
+    )
+    .await;
+    let members = |n: u64| {
+        let (_, v) = Api::of(c.node(n)).call("GET", &format!("/queues/%2f/{q}"), None);
+        let mut m: Vec<u64> = v["members"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| {
+                m.as_str()
+                    .and_then(warren_conformance::cluster::node_number)
+            })
+            .collect();
+        m.sort_unstable();
+        m
+    };
+    for n in 1..=3 {
+        assert_eq!(members(n), [1, 2], "node {n}'s API");
+    }
+    let status = |n: u64| {
+        let (_, v) =
+            Api::of(c.node(n)).call("GET", &format!("/queues/%2f/{q}/quorum-status"), None);
+        v["membership"].as_str().unwrap_or_default().to_owned()
+    };
+    let start = Instant::now();
+    while status(3) != "non_voter" {
+        assert!(start.elapsed() < WAIT, "node 3: {}", status(3));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!((status(1), status(2)), ("voter".into(), "voter".into()));
+    // Published through the learner's node, applied on all three; consumed there too.
+    let (_conn, ch) = channel(&c, 3).await;
+    publish_confirmed(&ch, &q, (0..5).map(|i| format!("m{i}"))).await;
+    for n in 1..=3 {
+        wait_for_messages(&c, n, &q, 5);
+    }
+    let got = ch
+        .basic_get(q.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .expect("basic.get on the learner's node");
+    assert!(got.is_some(), "a message through the learner's node");
+    let critical = |n: u64| {
+        let (_, v) = Api::of(c.node(n)).call("GET", "/health/checks/node-is-quorum-critical", None);
+        v["queues"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|x| x["name"].as_str() == Some(q.as_str()))
+    };
+    assert_eq!([critical(1), critical(2), critical(3)], [true, true, false]);
 }

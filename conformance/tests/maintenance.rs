@@ -221,7 +221,7 @@ async fn a_drained_node_hands_its_queues_over_closes_its_clients_and_serves_agai
             "node {n}'s AMQP listener: {status}"
         );
     }
-    assert_eq!(status["feature_level"], 11, "{status}");
+    assert_eq!(status["feature_level"], 12, "{status}");
 
     // Everything confirmed is there, on the new leaders; new queues are led elsewhere.
     let conn2 = c.node(o1).connect().await;

@@ -63,6 +63,9 @@ pub struct QueueDef {
     /// A replicated queue's Raft group when the metadata log numbered it (a queue declared
     /// again after a deletion is another group); `None`: the number its name gives.
     pub group: Option<u64>,
+    /// A replicated queue's own voters, when they are only some of the cluster's nodes
+    /// (`x-quorum-initial-group-size`); `None`: every node votes.
+    pub voters: Option<Vec<u64>>,
 }
 
 /// One change to durable state.

@@ -61,6 +61,9 @@ pub struct ReplicaState {
     pub downed_self: bool,
     /// The last leader reported, kept when the group has none for a while.
     pub last_leader: Option<NodeId>,
+    /// The group's voters of its own (`x-quorum-initial-group-size`), the cluster's other
+    /// nodes its learners; `None`: every node votes.
+    pub voters: Option<Vec<NodeId>>,
     /// Ready messages with ids up to this one were considered for leaving memory
     /// (`Broker::send_away`); 0 again whenever the machine is replaced.
     pub away_through: u64,
@@ -126,6 +129,7 @@ impl ReplicaState {
             snapshot_bytes: 0,
             downed_self: false,
             last_leader: None,
+            voters: None,
             away_through: 0,
             held_away: Rounds::default(),
             retry_away: Rounds::default(),

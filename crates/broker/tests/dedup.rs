@@ -334,6 +334,7 @@ fn a_stored_window_over_the_limits_is_recovered_at_the_limit() {
         auto_delete: false,
         arguments: dedup(&[("x-cache-size", FieldValue::I64(5_000_000))]),
         group: None,
+        voters: None,
     };
     let id = b.restore_queue(&def).expect("recovered");
     let size = b

@@ -445,6 +445,9 @@ impl Cluster {
                         m.raft.set_peers(&voters);
                         m.raft.set_members(voters);
                     }
+                    GroupChange::Voters { group, voters } => {
+                        m.raft.set_group_voters(GroupId(group), voters);
+                    }
                 }
             }
             while let Some(w) = m.broker.take_writes() {
@@ -606,6 +609,7 @@ impl Cluster {
                 auto_delete: false,
                 arguments: quorum_args(),
                 group,
+                voters: None,
             })
             .expect("the queue from the store");
         let _ = broker.take_group_changes();
@@ -1853,6 +1857,7 @@ fn a_quorum_queue_with_stored_messages_from_before_the_cluster_stays_on_its_node
         auto_delete: false,
         arguments: quorum_args(),
         group: None,
+        voters: None,
     };
     let id = b.restore_queue(&def).expect("restore");
     assert!(
@@ -5838,4 +5843,90 @@ fn a_deep_queues_contents_away_outlive_a_leader_deposed_and_a_leader_killed() {
     let third = c.leader();
     assert_ne!(third, second);
     take_in_order(&mut c, first, 300, 300);
+}
+
+/// `x-quorum-initial-group-size` 2 of 3: the queue's group votes on the node that stood for
+/// its first leader (the declaring one) and the next; the third holds it as a learner,
+/// applies what the others do, and is never quorum-critical for it.
+#[test]
+fn a_quorum_queue_with_an_initial_group_size_of_two_has_two_voters_and_a_learner() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let mut args = quorum_args();
+    args.insert("x-quorum-initial-group-size", FieldValue::I32(2));
+    let ticket = declare_waiting(&mut c, 3, "small", args);
+    declare_answer(&mut c, 3, ticket).expect("declared");
+    c.run(50);
+    let group = groups_of(&c, "small")[0].expect("replicated");
+    let want = warren_replication::Members {
+        voters: vec![1, 3],
+        learners: vec![2],
+    };
+    for _ in 0..300 {
+        if NODES
+            .iter()
+            .all(|n| c.members[n].raft.members(GroupId(group)).as_ref() == Some(&want))
+        {
+            break;
+        }
+        c.step();
+    }
+    for n in NODES {
+        let m = &c.members[&n];
+        let id = m.broker.queue_id("/", "small").expect("the queue");
+        assert_eq!(m.broker.replica_voters(id), Some(&[3, 1][..]), "node {n}");
+        assert_eq!(
+            m.raft.members(GroupId(group)),
+            Some(want.clone()),
+            "node {n}"
+        );
+    }
+    // A publish on the learner's node reaches the leader and is applied on all three.
+    let leader = (1..=3)
+        .find(|n| c.members[n].raft.is_leader(GroupId(group)))
+        .expect("a leader");
+    assert_ne!(leader, 2, "the learner leads");
+    let sent = c.publish_held(2, 1, "small");
+    for _ in 0..500 {
+        if c.held(2, sent).is_some() {
+            break;
+        }
+        c.step();
+    }
+    assert_eq!(
+        c.held(2, sent),
+        Some(true),
+        "confirmed through the learner's node"
+    );
+    c.run(20);
+    for n in NODES {
+        let b = &c.members[&n].broker;
+        let id = b.queue_id("/", "small").expect("the queue");
+        let m = b.committed_machine(id).expect("machine");
+        assert_eq!(m.ready_count(), 1, "node {n}");
+    }
+    // With two voters, each of them is critical for the queue; the learner's node is not.
+    let critical: Vec<bool> = NODES
+        .iter()
+        .map(|n| {
+            let (queues, _) = c.members[n].broker.quorum_critical().expect("a cluster");
+            queues.iter().any(|(_, q)| q.as_str() == "small")
+        })
+        .collect();
+    assert_eq!(critical, [true, false, true]);
+}
+
+/// Below `x-quorum-initial-group-size`'s level (a node of an earlier version in the cluster)
+/// the argument is accepted and every node votes, as before.
+#[test]
+fn an_initial_group_size_is_ignored_until_every_node_can_keep_it() {
+    let mut args = quorum_args();
+    args.insert("x-quorum-initial-group-size", FieldValue::I32(2));
+    // Declared before the nodes' levels reached the log.
+    let c = Cluster::start_with(1, None, args);
+    for n in NODES {
+        let b = &c.members[&n].broker;
+        let id = b.queue_id("/", "jobs").expect("the queue");
+        assert_eq!(b.replica_voters(id), None, "node {n}");
+    }
 }

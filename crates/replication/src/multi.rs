@@ -740,16 +740,24 @@ impl MultiRaft {
         Ok(())
     }
 
-    /// Creates a group whose voters are `voters`, as every one of them does (the members a
-    /// group starts with must be the same on each: the caller takes them from one log). A node
-    /// not among them is being added to the group instead ([`MultiRaft::join_group`]).
+    /// Creates a group whose members are `nodes`, as every one of them does (the members a
+    /// group starts with must be the same on each: the caller takes them from one log): all
+    /// voters, or with voters of its own set before ([`MultiRaft::set_group_voters`]) those
+    /// among `nodes`, the others learners. A node not among them is being added to the group
+    /// instead ([`MultiRaft::join_group`]).
     pub fn add_group_with(
         &mut self,
         id: GroupId,
-        voters: Vec<NodeId>,
+        nodes: Vec<NodeId>,
         campaign: bool,
     ) -> Result<(), Error> {
-        self.add_group_members(id, Members::voters(voters), campaign)
+        let members = wanted_members(
+            Some(&nodes),
+            &self.cfg.nodes,
+            self.group_voters.get(&id).map(Vec::as_slice),
+        )
+        .unwrap_or_else(|| Members::voters(nodes));
+        self.add_group_members(id, members, campaign)
     }
 
     /// Makes this node's member of a group it is being added to: it knows no members and takes
@@ -1883,7 +1891,18 @@ fn snapshot_for_new_learners(raw: &mut RawNode<GroupLog>) {
     if raw.store().conf_state().learners.is_empty() {
         return;
     }
-    let learners: Vec<NodeId> = raw.store().conf_state().learners.clone();
+    // A learner the group started with (a queue's voters of its own) has the log from its
+    // first entry on, as the voters do; and where the log's base is a snapshot, raft-rs sends
+    // it by itself to a member that lacks what came before.
+    let base = raw.store().base_conf();
+    let learners: Vec<NodeId> = raw
+        .store()
+        .conf_state()
+        .learners
+        .iter()
+        .copied()
+        .filter(|n| !base.learners.contains(n) && !base.voters.contains(n))
+        .collect();
     for id in learners {
         if let Some(pr) = raw.raft.mut_prs().get_mut(id) {
             let wants_all = pr.matched == 0 && pr.next_idx <= 1;

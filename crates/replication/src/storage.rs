@@ -158,6 +158,11 @@ impl GroupLog {
     }
 
     /// The members in force once the entry at `index` is applied.
+    /// The members at the log's base: those the group started with, or its latest snapshot's.
+    pub fn base_conf(&self) -> &ConfState {
+        &self.base_conf
+    }
+
     pub fn conf_at(&self, index: u64) -> ConfState {
         self.confs
             .iter()

@@ -1198,6 +1198,9 @@ impl Core {
                 warren_broker::GroupChange::Members { voters, addresses } => {
                     raft.set_members(voters, addresses)
                 }
+                warren_broker::GroupChange::Voters { group, voters } => {
+                    raft.set_group_voters(warren_broker::GroupId(group), voters)
+                }
             }
         }
         self.node.take_proposals(&mut self.proposals);

@@ -270,8 +270,17 @@ pub fn queue_value(q: &QueueDef) -> BytesMut {
     v.put_u8(if q.auto_delete { FLAG_AUTO_DELETE } else { 0 });
     q.arguments.encode(&mut v);
     // After the arguments, so that declarations stored without it still read.
-    if let Some(group) = q.group {
-        v.put_u64(group);
+    if q.group.is_some() || q.voters.is_some() {
+        // 0 (never a group's number): the name's.
+        v.put_u64(q.group.unwrap_or(0));
+    }
+    // After the group; versions before read the group and pass over what follows.
+    if let Some(voters) = &q.voters {
+        let n = u8::try_from(voters.len()).unwrap_or(u8::MAX);
+        v.put_u8(n);
+        for node in voters.iter().take(usize::from(n)) {
+            v.put_u64(*node);
+        }
     }
     v
 }
@@ -952,7 +961,17 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             let group = if v.done("queue").is_ok() {
                 None
             } else {
-                Some(v.u64("replicated queue group")?)
+                Some(v.u64("replicated queue group")?).filter(|g| *g != 0)
+            };
+            let voters = if v.done("queue").is_ok() {
+                None
+            } else {
+                let n = v.u8("replicated queue voter count")?;
+                let mut voters = Vec::with_capacity(usize::from(n));
+                for _ in 0..n {
+                    voters.push(v.u64("replicated queue voter")?);
+                }
+                Some(voters)
             };
             Ok(Def::Queue(QueueDef {
                 vhost,
@@ -961,6 +980,7 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
                 auto_delete: flags & FLAG_AUTO_DELETE != 0,
                 arguments,
                 group,
+                voters,
             }))
         }
         BINDING => {
@@ -1189,6 +1209,7 @@ mod tests {
             auto_delete: false,
             arguments: args(),
             group: None,
+            voters: None,
         };
         match decode_def(&queue_key(&q.vhost, &q.name), &queue_value(&q)) {
             Ok(Def::Queue(back)) => assert_eq!(back, q),
@@ -1204,6 +1225,18 @@ mod tests {
         ) {
             Ok(Def::Queue(back)) => assert_eq!(back, placed),
             _ => panic!("a replicated queue's group did not round-trip"),
+        }
+        // Its own voters, with its group or with its name's.
+        for group in [Some(7), None] {
+            let voted = QueueDef {
+                group,
+                voters: Some(vec![3, 1]),
+                ..placed.clone()
+            };
+            match decode_def(&queue_key(&voted.vhost, &voted.name), &queue_value(&voted)) {
+                Ok(Def::Queue(back)) => assert_eq!(back, voted),
+                _ => panic!("a replicated queue's voters did not round-trip"),
+            }
         }
         let b = BindingDef {
             vhost: "/".into(),

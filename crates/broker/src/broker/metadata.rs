@@ -624,6 +624,7 @@ impl Broker {
                         auto_delete: req.auto_delete,
                         arguments: req.arguments.detached(),
                         group: self.group_hint,
+                        voters: self.voters_hint.clone(),
                     }),
                     true,
                 );

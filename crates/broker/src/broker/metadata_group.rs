@@ -66,7 +66,13 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// checkout that finds every group busy leaves its line whole.
 /// 11, a vhost's metadata (its description, tags and default queue type) is in its
 /// `put_vhost` entries, and every node keeps it.
-pub const FEATURE_LEVEL: u64 = 11;
+/// 12, a quorum queue may have voters of its own (`x-quorum-initial-group-size`), in its
+/// `declare_queue` entry: the cluster's other nodes hold it as learners.
+pub const FEATURE_LEVEL: u64 = 12;
+
+/// The level from which a quorum queue gets voters of its own: a node of an older version
+/// would make every node a voter of its group, and lead it towards that.
+pub(super) const GROUP_VOTERS_LEVEL: u64 = 12;
 
 /// The level from which a vhost's metadata may be set: a node of an older version makes the
 /// vhost and drops its metadata, and would make that vhost's queues of its own default type.
@@ -337,6 +343,12 @@ pub enum GroupChange {
     Join {
         group: u64,
     },
+    /// The group's voters of its own, the cluster's other nodes its learners (`None`: every
+    /// node votes). Comes before the group's `Add` when it has them from the start.
+    Voters {
+        group: u64,
+        voters: Option<Vec<u64>>,
+    },
 }
 
 /// Why the cluster cannot forget a node.
@@ -532,6 +544,7 @@ impl Broker {
             arguments: arguments.detached(),
             leader,
             group: QueueGroup::Named,
+            voters: None,
         });
     }
 
@@ -558,6 +571,7 @@ impl Broker {
         } else {
             QueueGroup::ByName
         };
+        let voters = self.initial_voters(&arguments, leader);
         let number = self.announce_as(
             MetaOp::DeclareQueue {
                 vhost: vhost.to_owned(),
@@ -565,6 +579,7 @@ impl Broker {
                 arguments: arguments.detached(),
                 leader,
                 group,
+                voters,
             },
             false,
         )?;
@@ -586,6 +601,37 @@ impl Broker {
             },
         );
         Some(number)
+    }
+
+    /// A new quorum queue's voters of its own, when `x-quorum-initial-group-size` asks for
+    /// fewer than the cluster's nodes (and every node can keep them): the node standing for
+    /// its first leader, then the running nodes after it in the nodes' order, then the others.
+    /// `None`: every node votes, as before the level (the argument was accepted and ignored).
+    fn initial_voters(&self, arguments: &FieldTable, leader: Option<NodeId>) -> Option<Vec<u64>> {
+        let size = ["x-quorum-initial-group-size", "x-initial-cluster-size"]
+            .iter()
+            .find_map(|k| arguments.get(k)?.as_i64())
+            .and_then(|n| usize::try_from(n).ok())
+            .filter(|n| *n > 0)?;
+        if self
+            .cluster_feature_level()
+            .is_none_or(|l| l < GROUP_VOTERS_LEVEL)
+        {
+            return None;
+        }
+        let c = self.cluster.as_ref()?;
+        let mut nodes = c.nodes().to_vec();
+        nodes.sort_unstable();
+        if size >= nodes.len() {
+            return None;
+        }
+        let first = leader.unwrap_or_else(|| c.node());
+        let start = nodes.iter().position(|n| *n == first).unwrap_or(0);
+        nodes.rotate_left(start);
+        let (running, down): (Vec<u64>, Vec<u64>) = nodes
+            .into_iter()
+            .partition(|n| *n == first || c.is_running(*n));
+        Some(running.into_iter().chain(down).take(size).collect())
     }
 
     /// The arguments of a quorum queue's declaration here that waits for the log: another
@@ -1195,14 +1241,20 @@ impl Broker {
                     arguments,
                     leader,
                     group: group @ (QueueGroup::FromLog | QueueGroup::ByName),
+                    voters,
                 } => {
                     let group = if group == QueueGroup::FromLog {
                         super::replicated::group_placed(&vhost, &name, e.index)
                     } else {
                         super::replicated::group_of(&vhost, &name)
                     };
-                    let error =
-                        self.make_cluster_queue(&vhost, name, arguments, leader, Some(group));
+                    let error = self.make_cluster_queue(
+                        &vhost,
+                        name,
+                        arguments,
+                        (leader, Some(group)),
+                        voters,
+                    );
                     if let Some(e) = &error {
                         tracing::warn!(%vhost, error = %e, "quorum queue declaration not applied on this node");
                     }
@@ -1224,8 +1276,8 @@ impl Broker {
         vhost: &str,
         name: ShortStr,
         arguments: FieldTable,
-        leader: Option<NodeId>,
-        group: Option<u64>,
+        (leader, group): (Option<NodeId>, Option<u64>),
+        voters: Option<Vec<u64>>,
     ) -> Option<AmqpError> {
         if let Some(id) = self.queue_id(vhost, &name) {
             if self.replica_group(id).is_none() {
@@ -1246,10 +1298,12 @@ impl Broker {
         self.restoring = true;
         self.leader_hint = leader;
         self.group_hint = group;
+        self.voters_hint = voters;
         let declared = self.declare_queue(vhost, req, 0);
         self.restoring = false;
         self.leader_hint = None;
         self.group_hint = None;
+        self.voters_hint = None;
         self.meta_quiet = was;
         declared.err()
     }
@@ -1273,6 +1327,7 @@ impl Broker {
                 arguments,
                 leader,
                 group,
+                voters,
             } => {
                 let group = match group {
                     QueueGroup::Named => None,
@@ -1296,10 +1351,14 @@ impl Broker {
                         c.push_cancelled(deleted.cancelled);
                     }
                     return self
-                        .make_cluster_queue(&vhost, name, arguments, leader, group)
+                        .make_cluster_queue(&vhost, name, arguments, (leader, group), voters)
                         .map(|e| e.to_string());
                 }
                 if let Some(id) = existing {
+                    // A snapshot's voters are the cluster's, whatever this node kept.
+                    if group.is_some() {
+                        self.set_replica_voters(id, voters);
+                    }
                     // Declared differently on two nodes at once (or deleted and declared again
                     // on one while another changed it): the later in the log wins everywhere.
                     let differs = self
@@ -1314,7 +1373,7 @@ impl Broker {
                     }
                     return None;
                 }
-                self.make_cluster_queue(&vhost, name, arguments, leader, group)
+                self.make_cluster_queue(&vhost, name, arguments, (leader, group), voters)
                     .map(|e| e.to_string())
             }
             MetaOp::DeleteQueue { vhost, name, group } => {
@@ -1867,7 +1926,7 @@ mod tests {
         assert_eq!(b.put_vhost("plain", &VhostMetaChange::default()), Ok(true));
         b.restore_meta_applied(0, &[], &[(1, 11), (2, 11), (3, 11)], None, &[]);
         assert_eq!(b.put_vhost("billing", &quorum), Ok(true));
-        assert_eq!(VHOST_META_LEVEL, FEATURE_LEVEL);
+        const { assert!(VHOST_META_LEVEL <= FEATURE_LEVEL) };
         let kept = b.vhost_meta("billing").cloned();
         b.apply_committed(&[entry_from(
             1,
@@ -2161,6 +2220,7 @@ mod tests {
             arguments: limited.clone(),
             leader: Some(3),
             group: QueueGroup::FromLog,
+            voters: None,
         };
         b.apply_committed(&[entry_from(3, 8, 300, theirs), own(9, mine)]);
         let id = b.queue_id("/", "jobs").expect("declared");

@@ -40,6 +40,10 @@ pub(crate) enum MetaOp {
         /// `None` in entries of earlier versions (their declaring node stood).
         leader: Option<u64>,
         group: QueueGroup,
+        /// The queue's voters of its own (`x-quorum-initial-group-size`, at
+        /// `GROUP_VOTERS_LEVEL`): the cluster's other nodes hold it as learners. `None`: every
+        /// node votes (and in entries of earlier versions).
+        voters: Option<Vec<u64>>,
     },
     DeleteQueue {
         vhost: String,
@@ -326,10 +330,17 @@ fn op_table(op: &MetaOp) -> FieldTable {
             arguments,
             leader,
             group,
+            voters,
         } => {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
             t.insert("arguments", FieldValue::Table(arguments.detached()));
+            if let Some(v) = voters {
+                t.insert(
+                    "voters",
+                    FieldValue::Array(v.iter().map(|n| FieldValue::U64(*n)).collect()),
+                );
+            }
             if let Some(l) = leader {
                 t.insert(
                     "leader",
@@ -635,6 +646,15 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
                 (None, Some(true), _) => QueueGroup::FromLog,
                 (None, _, Some(true)) => QueueGroup::ByName,
                 (None, _, _) => QueueGroup::Named,
+            },
+            voters: match t.get("voters") {
+                None => None,
+                Some(v) => Some(
+                    v.as_array()?
+                        .iter()
+                        .map(FieldValue::as_u64)
+                        .collect::<Option<Vec<u64>>>()?,
+                ),
             },
         },
         "delete_queue" => MetaOp::DeleteQueue {
@@ -1112,6 +1132,7 @@ mod tests {
                 arguments: arguments.clone(),
                 leader: Some(3),
                 group: QueueGroup::Named,
+                voters: None,
             },
             MetaOp::DeleteQueue {
                 vhost: "/".into(),
@@ -1244,6 +1265,7 @@ mod tests {
                 arguments: FieldTable::new(),
                 leader: None,
                 group: QueueGroup::Named,
+                voters: None,
             },
             MetaOp::DeclareQueue {
                 vhost: "/".into(),
@@ -1251,6 +1273,7 @@ mod tests {
                 arguments: FieldTable::new(),
                 leader: Some(2),
                 group: QueueGroup::FromLog,
+                voters: Some(vec![2, 1]),
             },
             MetaOp::DeclareQueue {
                 vhost: "/".into(),
@@ -1258,6 +1281,7 @@ mod tests {
                 arguments: FieldTable::new(),
                 leader: None,
                 group: QueueGroup::Fixed(u64::MAX >> 1),
+                voters: None,
             },
             MetaOp::FeatureLevel { node: 3, level: 1 },
             MetaOp::ForgetNode { node: 3 },
@@ -1272,6 +1296,7 @@ mod tests {
                 arguments: FieldTable::new(),
                 leader: Some(1),
                 group: QueueGroup::ByName,
+                voters: None,
             },
             MetaOp::DeleteQueue {
                 vhost: "/".into(),

@@ -236,8 +236,8 @@ impl Broker {
         ops.extend(
             self.queues
                 .values()
-                .filter_map(|q| Some((q, q.replica.as_ref()?.group)))
-                .map(|(q, group)| MetaOp::DeclareQueue {
+                .filter_map(|q| Some((q, q.replica.as_ref()?)))
+                .map(|(q, r)| MetaOp::DeclareQueue {
                     vhost: q.vhost.clone(),
                     name: q.name.clone(),
                     arguments: q.arguments.clone(),
@@ -245,7 +245,8 @@ impl Broker {
                     // Every queue's, so that a node holding another group for its name (the
                     // queue was deleted and declared again while it was away) sees it differ;
                     // earlier versions read the name's.
-                    group: QueueGroup::Fixed(group),
+                    group: QueueGroup::Fixed(r.group),
+                    voters: r.voters.clone(),
                 }),
         );
         ops
@@ -429,12 +430,14 @@ impl Broker {
                 arguments,
                 leader,
                 group: QueueGroup::Named,
+                voters,
             } => MetaOp::DeclareQueue {
                 group: QueueGroup::Fixed(super::replicated::group_of(&vhost, &name)),
                 vhost,
                 name,
                 arguments,
                 leader,
+                voters,
             },
             op => op,
         }));

@@ -150,6 +150,9 @@ pub struct Broker {
     /// The Raft group the metadata log (or the store) gives the queue being declared;
     /// `None`: its name's (`group_of`).
     group_hint: Option<u64>,
+    /// The voters of its own the metadata log (or the store) gives the queue being declared
+    /// (`x-quorum-initial-group-size`); `None`: every node votes.
+    voters_hint: Option<Vec<u64>>,
     /// Reads paged messages back; without one, nothing is paged out.
     pager: Option<Pager>,
     /// Where deep replicated queues' messages go when they leave memory; without one, they
@@ -348,6 +351,7 @@ impl Broker {
             meta_quiet: false,
             leader_hint: None,
             group_hint: None,
+            voters_hint: None,
             access: crate::access::Access::default(),
             limits: crate::limits::LimitTable::default(),
             policies: crate::policy::PolicyTable::default(),

@@ -263,6 +263,7 @@ impl Broker {
             .unwrap_or_else(|| def.arguments.clone());
         let declared = self.restoring(|b| {
             b.group_hint = def.group;
+            b.voters_hint.clone_from(&def.voters);
             b.declare_queue(
                 &def.vhost,
                 DeclareQueue {
@@ -278,6 +279,7 @@ impl Broker {
         });
         // Taken by the queue it was meant for, unless the declaration made none.
         self.group_hint = None;
+        self.voters_hint = None;
         let declared = declared?;
         if let Some(q) = self.queues.get_mut(&declared.queue) {
             q.store_key = Some(def.key);

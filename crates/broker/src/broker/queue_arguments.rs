@@ -194,6 +194,7 @@ impl Broker {
                     auto_delete: q.auto_delete,
                     arguments: q.arguments.detached(),
                     group: super::replicated::stored_group(q),
+                    voters: q.replica.as_ref().and_then(|r| r.voters.clone()),
                 }),
                 true,
             );

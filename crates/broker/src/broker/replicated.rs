@@ -494,6 +494,11 @@ impl Cluster {
         &self.nodes
     }
 
+    /// Whether `node` runs (as far as Raft tells).
+    pub(super) fn is_running(&self, node: NodeId) -> bool {
+        node == self.node || (self.nodes.contains(&node) && !self.down_since.contains_key(&node))
+    }
+
     /// The other nodes that run (as far as Raft tells).
     fn running_peers(&self) -> impl Iterator<Item = NodeId> + '_ {
         self.nodes
@@ -1431,35 +1436,36 @@ impl Broker {
     }
 
     /// What would lose its majority if this node stopped now (RabbitMQ's
-    /// `list_with_minimum_quorum`): every replicated queue, and the metadata group, once the
-    /// members running (this node and the peers not seen down: as the driver's Raft, which
-    /// takes a peer for up until it misses its heartbeats or its connection closes) are no
-    /// more than a majority. Every
-    /// node is a member of every group, so either all are or none is. The queues as (vhost,
-    /// name), in order; `None` outside a cluster (or in a cluster of one).
+    /// `list_with_minimum_quorum`): the replicated queues this node votes in, and the metadata
+    /// group (every node votes in it), whose voters running (this node and the peers not seen
+    /// down: as the driver's Raft, which takes a peer for up until it misses its heartbeats or
+    /// its connection closes) are no more than a majority. The queues as (vhost, name), in
+    /// order, and whether the metadata group would; `None` outside a cluster (or in a cluster
+    /// of one).
     pub fn quorum_critical(&self) -> Option<(Vec<(String, ShortStr)>, bool)> {
         let c = self.cluster.as_ref()?;
-        let members = c.nodes.len();
-        if members <= 1 {
+        if c.nodes.len() <= 1 {
             return None;
         }
-        let running = 1 + c
-            .nodes
-            .iter()
-            .filter(|n| **n != c.node && !c.down_since.contains_key(n))
-            .count();
-        if running > members / 2 + 1 {
-            return Some((Vec::new(), false));
-        }
+        // As RabbitMQ counts: with this node stopped, fewer than a majority of the group's
+        // voters would run. A queue this node holds as a learner does not count.
+        let critical = |voters: &[NodeId]| {
+            let running = voters.iter().filter(|n| c.is_running(**n)).count();
+            voters.contains(&c.node) && running.saturating_sub(1) < voters.len() / 2 + 1
+        };
         let mut queues: Vec<(String, ShortStr)> = c
             .groups
             .values()
             .filter_map(|id| self.queues.get(id))
-            .filter(|q| q.replica.is_some())
+            .filter(|q| {
+                q.replica
+                    .as_ref()
+                    .is_some_and(|r| critical(r.voters.as_deref().unwrap_or(&c.nodes)))
+            })
             .map(|q| (q.vhost.clone(), q.name.clone()))
             .collect();
         queues.sort();
-        Some((queues, true))
+        Some((queues, critical(&c.nodes)))
     }
 
     /// Brings the peers down long enough `Down` in the queues this node leads and acts on.
@@ -1549,6 +1555,7 @@ impl Broker {
     /// store (a restart), none: the group waits to hear from its leader.
     pub(super) fn attach_replica(&mut self, q: &mut Queue) -> Option<NodeId> {
         let placed = self.group_hint.take();
+        let voters = self.voters_hint.take();
         if self.cluster.is_none() || q.args.queue_type != QueueType::Quorum {
             return None;
         }
@@ -1562,7 +1569,14 @@ impl Broker {
         c.groups.insert(group, q.id);
         let mut r = ReplicaState::new(group);
         r.chosen = chosen;
+        r.voters.clone_from(&voters);
         q.replica = Some(Box::new(r));
+        if voters.is_some() {
+            // Before the group is made: every node makes it with them.
+            c.meta
+                .group_changes
+                .push(super::metadata_group::GroupChange::Voters { group, voters });
+        }
         let change = if c.meta.members.is_none() {
             // Every node of the list, as the group's other members made it.
             super::metadata_group::GroupChange::Add {
@@ -1584,6 +1598,47 @@ impl Broker {
         };
         c.meta.group_changes.push(change);
         chosen
+    }
+
+    /// A replicated queue's voters of its own changed (`None`: every node votes): kept with
+    /// its definition, and told to Raft.
+    pub(super) fn set_replica_voters(&mut self, id: QueueId, voters: Option<Vec<NodeId>>) {
+        let Some(q) = self.queues.get_mut(&id) else {
+            return;
+        };
+        let Some(r) = q.replica.as_mut() else {
+            return;
+        };
+        if r.voters == voters {
+            return;
+        }
+        r.voters.clone_from(&voters);
+        let group = r.group;
+        tracing::info!(queue = %q.name, vhost = %q.vhost, ?voters, "quorum queue voters");
+        if let (Some(key), Some(p)) = (q.store_key, self.persist.as_mut()) {
+            p.push(
+                crate::persist::StoreOp::PutQueue(crate::persist::QueueDef {
+                    vhost: q.vhost.clone(),
+                    name: q.name.clone(),
+                    key,
+                    auto_delete: q.auto_delete,
+                    arguments: q.arguments.detached(),
+                    group: stored_group(q),
+                    voters: voters.clone(),
+                }),
+                true,
+            );
+        }
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta
+                .group_changes
+                .push(super::metadata_group::GroupChange::Voters { group, voters });
+        }
+    }
+
+    /// A replicated queue's voters of its own (`None`: every node of the cluster votes).
+    pub fn replica_voters(&self, id: QueueId) -> Option<&[NodeId]> {
+        self.queues.get(&id)?.replica.as_ref()?.voters.as_deref()
     }
 
     /// The node to stand for a new queue's first leader when a client declares it here:

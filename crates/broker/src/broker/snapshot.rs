@@ -41,6 +41,9 @@ pub struct QueueSnapshot {
     pub effective_policy_definition: crate::policy::Definition,
     /// A replicated queue: its group's leader as this node knows it (`None`: none now).
     pub replica: Option<Option<u64>>,
+    /// A replicated queue's voters of its own (`x-quorum-initial-group-size`); `None`: every
+    /// node of the cluster.
+    pub voters: Option<Vec<u64>>,
 }
 
 #[derive(Clone, Debug)]
@@ -139,6 +142,7 @@ fn queue_snapshot(q: &Queue, policies: &crate::policy::PolicyTable) -> QueueSnap
         operator_policy: q.operator_policy.clone(),
         effective_policy_definition: super::policies::definition_of(q, policies),
         replica: q.replica.as_ref().map(|r| r.leader),
+        voters: q.replica.as_ref().and_then(|r| r.voters.clone()),
     }
 }
 

@@ -411,6 +411,12 @@ impl RaftNode {
         self.send(Command::Members(voters, addresses));
     }
 
+    /// A group's voters of its own (`x-quorum-initial-group-size`): the cluster's other nodes
+    /// hold it as learners. Before the group's creation, it is made with them.
+    pub fn set_group_voters(&self, group: GroupId, voters: Option<Vec<NodeId>>) {
+        self.send(Command::GroupVoters(group, voters));
+    }
+
     /// Makes this node's member of a group it is being added to: it waits for its leader's
     /// snapshot ([`MultiRaft::join_group`]), unless it exists.
     pub fn join_group(&self, group: GroupId) {

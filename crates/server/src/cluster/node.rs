@@ -42,6 +42,8 @@ pub(crate) enum Command {
     /// and the nodes not among them are no peers any more; with the addresses of the nodes
     /// the list lacks.
     Members(Vec<NodeId>, Vec<(NodeId, String)>),
+    /// A group's voters of its own ([`MultiRaft::set_group_voters`]).
+    GroupVoters(GroupId, Option<Vec<NodeId>>),
     /// How many groups led here do not have the cluster's nodes yet
     /// ([`MultiRaft::changing_members`]).
     Changing(tokio::sync::oneshot::Sender<usize>),
@@ -826,6 +828,7 @@ impl<E: RaftEvents> Driver<E> {
                 self.raft.set_peers(&voters);
                 self.raft.set_members(voters);
             }
+            Command::GroupVoters(group, voters) => self.raft.set_group_voters(group, voters),
 
             Command::Transfer(group, to) => {
                 if !self.raft.transfer_leader(group, to) {

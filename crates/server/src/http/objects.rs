@@ -93,7 +93,9 @@ pub fn queue(s: &QueueSnapshot, r: &QueueRates, node: &str, now: u64) -> Value {
 }
 
 /// A replicated queue's leader and members, as RabbitMQ shows a quorum queue's (`node` is
-/// its leader there too); `online` leaves out the members on nodes in `down`.
+/// its leader there too): its voters, every node unless it has voters of its own (the other
+/// nodes hold it as learners, which RabbitMQ has no word for); `online` leaves out the
+/// members on nodes in `down`.
 pub fn with_members(
     v: &mut Value,
     s: &QueueSnapshot,
@@ -109,9 +111,17 @@ pub fn with_members(
             .cloned()
             .unwrap_or_else(|| format!("warren-{n}"))
     };
-    let members: Vec<Value> = names.keys().map(|n| name(*n).into()).collect();
-    let online: Vec<Value> = names
-        .keys()
+    let voters: Vec<u64> = match &s.voters {
+        Some(v) => {
+            let mut v = v.clone();
+            v.sort_unstable();
+            v
+        }
+        None => names.keys().copied().collect(),
+    };
+    let members: Vec<Value> = voters.iter().map(|n| name(*n).into()).collect();
+    let online: Vec<Value> = voters
+        .iter()
         .filter(|n| !down.contains(n))
         .map(|n| name(*n).into())
         .collect();
@@ -472,6 +482,7 @@ mod tests {
             operator_policy: None,
             effective_policy_definition: Default::default(),
             replica: None,
+            voters: None,
         };
         let r = QueueRates {
             publish: 1.5,

@@ -40,6 +40,7 @@ fn def(name: &'static str, arguments: FieldTable) -> QueueDef {
         auto_delete: false,
         arguments,
         group: None,
+        voters: None,
     }
 }
 
