@@ -2485,4 +2485,48 @@ async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
             .any(|x| x["name"].as_str() == Some(q.as_str()))
     };
     assert_eq!([critical(1), critical(2), critical(3)], [true, true, false]);
+    // rabbitmq-queues' commands: node 3 made a voter, node 1 shrunk off (a learner now), node 2
+    // deleted; the last member cannot go.
+    let ctl = |n: u64, args: &[&str]| {
+        let out = c.ctl(n, args);
+        (
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let (ok, said) = ctl(1, &["add_member", &q, "3"]);
+    assert!(ok, "{said}");
+    for n in 1..=3 {
+        assert_eq!(members(n), [1, 2, 3], "node {n}'s API after add_member");
+    }
+    let start = Instant::now();
+    while status(3) != "voter" {
+        assert!(start.elapsed() < WAIT, "node 3: {}", status(3));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (ok, said) = ctl(2, &["shrink", "1"]);
+    assert!(ok, "{said}");
+    assert!(
+        said.contains(&format!("name: {q}\tsize: 2\tresult: ok")),
+        "{said}"
+    );
+    assert_eq!(members(2), [2, 3]);
+    let start = Instant::now();
+    while status(1) != "non_voter" {
+        assert!(start.elapsed() < WAIT, "node 1: {}", status(1));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (ok, said) = ctl(3, &["delete_member", &q, "2"]);
+    assert!(ok, "{said}");
+    assert_eq!(members(1), [3]);
+    let (ok, said) = ctl(3, &["delete_member", &q, "3"]);
+    assert!(!ok && said.contains("last member"), "{said}");
+    // The queue goes on with its one voter, through a learner's node.
+    let (_conn1, ch1) = channel(&c, 1).await;
+    publish_confirmed(&ch1, &q, std::iter::once("after".to_owned())).await;
+    wait_for_messages(&c, 3, &q, 5);
 }

@@ -5916,17 +5916,157 @@ fn a_quorum_queue_with_an_initial_group_size_of_two_has_two_voters_and_a_learner
     assert_eq!(critical, [true, false, true]);
 }
 
-/// Below `x-quorum-initial-group-size`'s level (a node of an earlier version in the cluster)
-/// the argument is accepted and every node votes, as before.
+/// Steps until every node's Raft has `want` as the group's members.
+fn until_members(c: &mut Cluster, group: u64, want: &warren_replication::Members) {
+    for _ in 0..600 {
+        if NODES
+            .iter()
+            .all(|n| c.members[n].raft.members(GroupId(group)).as_ref() == Some(want))
+        {
+            return;
+        }
+        c.step();
+    }
+    let have: Vec<_> = NODES
+        .iter()
+        .map(|n| c.members[n].raft.members(GroupId(group)))
+        .collect();
+    panic!("members {have:?}, not {want:?}");
+}
+
+/// `add_member` and `delete_member` through any node: every node takes the queue's new
+/// voters from the metadata log, and its Raft group follows (a learner promoted, a voter
+/// demoted to a learner); the last voter cannot go, and a node outside the cluster is refused.
 #[test]
-fn an_initial_group_size_is_ignored_until_every_node_can_keep_it() {
+fn a_quorum_queues_members_change_through_any_node_and_its_group_follows() {
+    use warren_broker::MemberError;
+    let mut c = Cluster::new();
+    until_levels(&mut c);
     let mut args = quorum_args();
-    args.insert("x-quorum-initial-group-size", FieldValue::I32(2));
-    // Declared before the nodes' levels reached the log.
-    let c = Cluster::start_with(1, None, args);
+    args.insert("x-quorum-initial-group-size", FieldValue::I32(1));
+    let ticket = declare_waiting(&mut c, 2, "solo", args);
+    declare_answer(&mut c, 2, ticket).expect("declared");
+    c.run(20);
+    let group = groups_of(&c, "solo")[0].expect("replicated");
+    until_members(
+        &mut c,
+        group,
+        &warren_replication::Members {
+            voters: vec![2],
+            learners: vec![1, 3],
+        },
+    );
+    // Node 3 (a learner) asks for itself; node 1 asks again: nothing more to do.
+    assert_eq!(
+        c.broker(3).change_queue_member("/", "solo", 3, true),
+        Ok(true)
+    );
+    c.run(30);
+    assert_eq!(
+        c.broker(1).change_queue_member("/", "solo", 3, true),
+        Ok(false)
+    );
+    let pair = warren_replication::Members {
+        voters: vec![2, 3],
+        learners: vec![1],
+    };
+    until_members(&mut c, group, &pair);
     for n in NODES {
         let b = &c.members[&n].broker;
-        let id = b.queue_id("/", "jobs").expect("the queue");
+        let id = b.queue_id("/", "solo").expect("queue");
+        assert_eq!(b.replica_voters(id), Some(&[2, 3][..]), "node {n}");
+    }
+    // Every node: no voters of its own any more.
+    assert_eq!(
+        c.broker(1).change_queue_member("/", "solo", 1, true),
+        Ok(true)
+    );
+    until_members(
+        &mut c,
+        group,
+        &warren_replication::Members::voters(vec![1, 2, 3]),
+    );
+    c.run(30);
+    for n in NODES {
+        let b = &c.members[&n].broker;
+        let id = b.queue_id("/", "solo").expect("queue");
         assert_eq!(b.replica_voters(id), None, "node {n}");
     }
+    // Node 2 (which leads) taken off: it hands over, then becomes a learner.
+    assert_eq!(
+        c.broker(3).change_queue_member("/", "solo", 2, false),
+        Ok(true)
+    );
+    until_members(
+        &mut c,
+        group,
+        &warren_replication::Members {
+            voters: vec![1, 3],
+            learners: vec![2],
+        },
+    );
+    assert_eq!(
+        c.broker(3).change_queue_member("/", "solo", 1, false),
+        Ok(true)
+    );
+    c.run(30);
+    assert!(matches!(
+        c.broker(1).change_queue_member("/", "solo", 3, false),
+        Err(MemberError::LastMember { node: 3, .. })
+    ));
+    assert_eq!(
+        c.broker(1).change_queue_member("/", "solo", 9, true),
+        Err(MemberError::UnknownNode(9))
+    );
+    assert!(matches!(
+        c.broker(1).change_queue_member("/", "nothing", 1, true),
+        Err(MemberError::NoQueue { .. })
+    ));
+    // The queue still takes and confirms a publish with its one voter.
+    let sent = c.publish_held(1, 7, "solo");
+    for _ in 0..300 {
+        if c.held(1, sent).is_some() {
+            break;
+        }
+        c.step();
+    }
+    assert_eq!(c.held(1, sent), Some(true));
+    let voters = c.broker(2).quorum_queue_voters();
+    assert!(
+        voters.contains(&("/".into(), ShortStr::from_static("solo"), vec![3])),
+        "{voters:?}"
+    );
+}
+
+/// A node that is a stopped queue's only voter (or one of two) cannot be forgotten: the
+/// queue's group could never agree to drop it and would stop for good. RabbitMQ's
+/// `forget_cluster_node` leaves such a queue without members; Warren refuses and says why.
+#[test]
+fn a_node_without_which_a_queue_has_no_majority_cannot_be_forgotten() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let mut args = quorum_args();
+    args.insert("x-quorum-initial-group-size", FieldValue::I32(1));
+    let ticket = declare_waiting(&mut c, 3, "solo", args);
+    declare_answer(&mut c, 3, ticket).expect("declared");
+    c.run(20);
+    c.kill(3);
+    for _ in 0..500 {
+        if c.broker(1).peers_running().contains(&(3, false)) {
+            break;
+        }
+        c.step();
+    }
+    assert!(
+        c.broker(1).peers_running().contains(&(3, false)),
+        "node 3 seen down"
+    );
+    let refused = c.broker(1).forget_node(3);
+    assert!(
+        matches!(
+            &refused,
+            Err(warren_broker::ForgetError::QueueWithoutMajority { name, node: 3, .. }) if name == "solo"
+        ),
+        "{refused:?}"
+    );
 }

@@ -426,9 +426,10 @@ pub struct MultiRaft {
     /// The voters every group should have ([`MultiRaft::set_members`]); `None`: leave each
     /// group's members as they are.
     target: Option<Vec<NodeId>>,
-    /// Groups whose voters are some of the cluster's nodes ([`MultiRaft::set_group_voters`]):
-    /// the other nodes hold them as learners.
-    group_voters: BTreeMap<GroupId, Vec<NodeId>>,
+    /// Groups told their voters ([`MultiRaft::set_group_voters`]): some of the cluster's
+    /// nodes, the other nodes holding them as learners; `None`, every node (a group whose
+    /// voters of its own were taken back).
+    group_voters: BTreeMap<GroupId, Option<Vec<NodeId>>>,
     /// Since the last `ready`: groups whose members changed, groups whose leader wants a
     /// snapshot, members groups started with.
     member_changes: Vec<(GroupId, Members)>,
@@ -754,7 +755,7 @@ impl MultiRaft {
         let members = wanted_members(
             Some(&nodes),
             &self.cfg.nodes,
-            self.group_voters.get(&id).map(Vec::as_slice),
+            self.group_voters.get(&id).map(Option::as_deref),
         )
         .unwrap_or_else(|| Members::voters(nodes));
         self.add_group_members(id, members, campaign)
@@ -940,25 +941,19 @@ impl MultiRaft {
     /// members): the group this node leads moves towards them as [`MultiRaft::set_members`]
     /// says, and keeps every other node of the cluster as a learner, which holds and applies
     /// the log without a vote. Voters that are not (or no longer) nodes of the cluster are
-    /// left out. `None`: every node votes again. Every node should be told the same, as the
-    /// leader may change; only the leader acts on it.
+    /// left out. `None`: every node of the cluster votes (again). Every node should be told
+    /// the same, as the leader may change; only the leader acts on it.
     pub fn set_group_voters(&mut self, group: GroupId, voters: Option<Vec<NodeId>>) {
-        match voters {
-            Some(mut v) => {
-                v.sort_unstable();
-                v.dedup();
-                if self.group_voters.get(&group) == Some(&v) {
-                    return;
-                }
-                tracing::info!(group = group.0, voters = ?v, "group voters");
-                self.group_voters.insert(group, v);
-            }
-            None => {
-                if self.group_voters.remove(&group).is_none() {
-                    return;
-                }
-            }
+        let voters = voters.map(|mut v| {
+            v.sort_unstable();
+            v.dedup();
+            v
+        });
+        if self.group_voters.get(&group) == Some(&voters) {
+            return;
         }
+        tracing::info!(group = group.0, ?voters, "group voters");
+        self.group_voters.insert(group, voters);
         if self.is_leader(group) {
             self.wake(group);
         }
@@ -971,7 +966,7 @@ impl MultiRaft {
         wanted_members(
             self.target.as_deref(),
             &self.cfg.nodes,
-            self.group_voters.get(&group).map(Vec::as_slice),
+            self.group_voters.get(&group).map(Option::as_deref),
         )
     }
 
@@ -1530,7 +1525,7 @@ impl MultiRaft {
                 wanted_members(
                     self.target.as_deref(),
                     &self.cfg.nodes,
-                    self.group_voters.get(&id).map(Vec::as_slice),
+                    self.group_voters.get(&id).map(Option::as_deref),
                 )
             } else {
                 None
@@ -1962,12 +1957,15 @@ fn apply_member_changes(
 fn wanted_members(
     target: Option<&[NodeId]>,
     nodes: &[NodeId],
-    own: Option<&[NodeId]>,
+    own: Option<Option<&[NodeId]>>,
 ) -> Option<Members> {
     let Some(own) = own else {
         return target.map(|t| Members::voters(t.to_vec()));
     };
     let cluster = target.unwrap_or(nodes);
+    let Some(own) = own else {
+        return Some(Members::voters(cluster.to_vec()));
+    };
     let voters: Vec<NodeId> = own
         .iter()
         .copied()
@@ -2037,25 +2035,38 @@ fn reconcile(
         Some(MemberChange::AddLearner(new))
     } else if let Some(ready) = to_promote {
         Some(MemberChange::Promote(ready))
-    } else if learners.iter().any(|n| want.voters.contains(n)) {
-        // A learner still catching up (or down: nothing leaves until it votes).
+    } else if want.voters.iter().any(|n| !voters.contains(n)) {
+        // A voter to be that does not vote yet: a learner catching up, or a node down (or not
+        // a member yet). Nothing leaves until it votes.
         None
     } else if !want.voters.contains(&me) {
         // Removing (or demoting) the leader itself is what raft-rs handles least well: another
-        // leads first.
+        // leads first, one that can (replicating, up, not in maintenance mode).
         if let Some(to) = voters
             .iter()
             .copied()
             .filter(|v| *v != me && want.voters.contains(v))
-            .find(|v| up(v))
+            .find(|v| transfer_target(raw, peers, Some(*v)).is_some())
         {
             raw.transfer_leader(to);
         }
         None
-    } else if let Some(demoted) = voters.iter().copied().find(|n| want.learners.contains(n)) {
-        Some(MemberChange::Demote(demoted))
     } else {
-        gone.first().copied().map(MemberChange::Remove)
+        // A running voter leaves (or becomes a learner) only while the voters staying have a
+        // majority up: else the group would stop where it still commits.
+        let staying_up = |n: NodeId| {
+            let staying: Vec<NodeId> = voters.iter().copied().filter(|v| *v != n).collect();
+            let running = staying.iter().filter(|v| **v == me || up(v)).count();
+            running > staying.len() / 2
+        };
+        match voters.iter().copied().find(|n| want.learners.contains(n)) {
+            Some(demoted) => staying_up(demoted).then_some(MemberChange::Demote(demoted)),
+            None => gone
+                .first()
+                .copied()
+                .filter(|n| !voters.contains(n) || staying_up(*n))
+                .map(MemberChange::Remove),
+        }
     };
     if let Some(change) = change {
         tracing::info!(group = id.0, ?change, "membership change proposed");
@@ -2177,7 +2188,7 @@ impl Outbox {
 pub(crate) fn wanted_members_for_tests(
     target: Option<&[NodeId]>,
     nodes: &[NodeId],
-    own: Option<&[NodeId]>,
+    own: Option<Option<&[NodeId]>>,
 ) -> Option<Members> {
     wanted_members(target, nodes, own)
 }

@@ -271,8 +271,11 @@ pub fn queue_value(q: &QueueDef) -> BytesMut {
     q.arguments.encode(&mut v);
     // After the arguments, so that declarations stored without it still read.
     if q.group.is_some() || q.voters.is_some() {
-        // 0 (never a group's number): the name's.
-        v.put_u64(q.group.unwrap_or(0));
+        // With voters after it, a group is written even when it is the name's.
+        v.put_u64(
+            q.group
+                .unwrap_or_else(|| warren_broker::group_of(&q.vhost, &q.name)),
+        );
     }
     // After the group; versions before read the group and pass over what follows.
     if let Some(voters) = &q.voters {
@@ -961,7 +964,7 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             let group = if v.done("queue").is_ok() {
                 None
             } else {
-                Some(v.u64("replicated queue group")?).filter(|g| *g != 0)
+                Some(v.u64("replicated queue group")?)
             };
             let voters = if v.done("queue").is_ok() {
                 None
@@ -1226,15 +1229,22 @@ mod tests {
             Ok(Def::Queue(back)) => assert_eq!(back, placed),
             _ => panic!("a replicated queue's group did not round-trip"),
         }
-        // Its own voters, with its group or with its name's.
-        for group in [Some(7), None] {
+        // Its own voters, with its group; with its name's, that group is written.
+        let name_group = warren_broker::group_of(&placed.vhost, &placed.name);
+        for (group, back_group) in [(Some(7), Some(7)), (None, Some(name_group))] {
             let voted = QueueDef {
                 group,
                 voters: Some(vec![3, 1]),
                 ..placed.clone()
             };
             match decode_def(&queue_key(&voted.vhost, &voted.name), &queue_value(&voted)) {
-                Ok(Def::Queue(back)) => assert_eq!(back, voted),
+                Ok(Def::Queue(back)) => assert_eq!(
+                    back,
+                    QueueDef {
+                        group: back_group,
+                        ..voted
+                    }
+                ),
                 _ => panic!("a replicated queue's voters did not round-trip"),
             }
         }

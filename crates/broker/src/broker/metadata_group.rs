@@ -368,6 +368,12 @@ pub enum ForgetError {
     Level { have: u64, want: u64 },
     #[error("the metadata group has no leader: the cluster has no majority")]
     NoLeader,
+    #[error("quorum queue '{name}' in vhost '{vhost}' has too few of its members running to let node {node} go (its group could not agree to drop it, and would stop for good): bring node {node} back first")]
+    QueueWithoutMajority {
+        vhost: String,
+        name: String,
+        node: NodeId,
+    },
 }
 
 impl MetaState {
@@ -1392,6 +1398,12 @@ impl Broker {
                 }
                 None
             }
+            MetaOp::SetQueueVoters {
+                vhost,
+                name,
+                group,
+                voters,
+            } => self.apply_queue_voters(&vhost, &name, group, voters),
             MetaOp::SetQueueArguments {
                 vhost,
                 name,
@@ -1612,6 +1624,24 @@ impl Broker {
         }
         if c.meta.leader.is_none() {
             return Err(ForgetError::NoLeader);
+        }
+        // Each queue's group drops the node through its leader, which a majority of its
+        // voters must elect and follow without the node.
+        for (vhost, name, voters) in self.quorum_queue_voters() {
+            if !voters.contains(&node) {
+                continue;
+            }
+            let running = voters
+                .iter()
+                .filter(|n| **n != node && c.is_running(**n))
+                .count();
+            if running <= voters.len() / 2 {
+                return Err(ForgetError::QueueWithoutMajority {
+                    vhost,
+                    name: name.to_string(),
+                    node,
+                });
+            }
         }
         tracing::warn!(node, "asking the cluster to forget a node");
         // Applied here too only when the log has it (as the latest change to its object).
@@ -2161,6 +2191,39 @@ mod tests {
             |op| matches!(op, StoreOp::PutQueue(QueueDef { group: Some(g), .. }) if g == group),
         );
         assert!(stored, "the queue's group is stored");
+    }
+
+    /// `x-quorum-initial-group-size` gives a declaration voters of its own only once every
+    /// node keeps them (`GROUP_VOTERS_LEVEL`): below it the entry carries none, and every node
+    /// votes. The voters: this node (the first leader, `client-local`), then the next.
+    #[test]
+    fn an_initial_group_size_chooses_voters_only_once_every_node_keeps_them() {
+        let declared = |level_of_one: u64| -> Option<Vec<u64>> {
+            let mut b = new_node_two();
+            b.restore_meta_applied(
+                0,
+                &[],
+                &[(1, level_of_one), (2, FEATURE_LEVEL), (3, FEATURE_LEVEL)],
+                None,
+                &[],
+            );
+            b.set_meta_leader(Some(1));
+            let _ = sent(&mut b);
+            let mut req = quorum("small");
+            req.arguments
+                .insert("x-quorum-initial-group-size", FieldValue::I32(2));
+            let Ok(Declared::Waiting(_)) = b.declare_queue_as("/", req, 5, None) else {
+                panic!("not through the log");
+            };
+            let out = sent(&mut b);
+            let entry = decode_entry(out.last().expect("sent")).expect("an entry");
+            match &entry.ops.first().expect("an operation").1 {
+                MetaOp::DeclareQueue { voters, .. } => voters.clone(),
+                op => panic!("{op:?}"),
+            }
+        };
+        assert_eq!(declared(FEATURE_LEVEL), Some(vec![2, 3]));
+        assert_eq!(declared(GROUP_VOTERS_LEVEL - 1), None);
     }
 
     /// A declaration the log does not apply within its wait is refused with RabbitMQ's words;

@@ -59,6 +59,16 @@ pub(crate) enum MetaOp {
         name: ShortStr,
         changes: Vec<super::queue_arguments::ArgumentChange>,
     },
+    /// A quorum queue's voters changed (`add_member`, `delete_member`, `grow`, `shrink`):
+    /// `None`, every node votes. Only for the queue of `group` (one declared again since keeps
+    /// its own). Unknown to nodes of earlier versions (proposed only at `GROUP_VOTERS_LEVEL`):
+    /// it travels in an entry of its own.
+    SetQueueVoters {
+        vhost: String,
+        name: ShortStr,
+        group: u64,
+        voters: Option<Vec<u64>>,
+    },
     DeclareExchange {
         vhost: String,
         name: String,
@@ -195,6 +205,7 @@ impl MetaOp {
             self,
             MetaOp::Rebalance
                 | MetaOp::SetQueueArguments { .. }
+                | MetaOp::SetQueueVoters { .. }
                 | MetaOp::FeatureLevel { .. }
                 | MetaOp::ForgetNode { .. }
                 | MetaOp::AddNode { .. }
@@ -206,7 +217,8 @@ impl MetaOp {
         match self {
             MetaOp::DeclareQueue { vhost, name, .. }
             | MetaOp::DeleteQueue { vhost, name, .. }
-            | MetaOp::SetQueueArguments { vhost, name, .. } => queue_object(vhost, name),
+            | MetaOp::SetQueueArguments { vhost, name, .. }
+            | MetaOp::SetQueueVoters { vhost, name, .. } => queue_object(vhost, name),
             MetaOp::DeclareExchange { vhost, name, .. }
             | MetaOp::DeleteExchange { vhost, name } => {
                 format!("x\0{vhost}\0{name}")
@@ -321,6 +333,23 @@ fn binding_table(t: &mut FieldTable, b: &Binding) {
     t.insert("arguments", FieldValue::Table(b.arguments.detached()));
 }
 
+fn voter_array(voters: &[u64]) -> FieldValue {
+    FieldValue::Array(voters.iter().map(|n| FieldValue::U64(*n)).collect())
+}
+
+/// A table's voters (`None`: absent); a mistyped one makes the operation unreadable.
+fn voters_of(t: &FieldTable) -> Option<Option<Vec<u64>>> {
+    match t.get("voters") {
+        None => Some(None),
+        Some(v) => Some(Some(
+            v.as_array()?
+                .iter()
+                .map(FieldValue::as_u64)
+                .collect::<Option<Vec<u64>>>()?,
+        )),
+    }
+}
+
 fn op_table(op: &MetaOp) -> FieldTable {
     let mut t = FieldTable::new();
     let name = match op {
@@ -336,10 +365,7 @@ fn op_table(op: &MetaOp) -> FieldTable {
             text(&mut t, "name", name.as_str());
             t.insert("arguments", FieldValue::Table(arguments.detached()));
             if let Some(v) = voters {
-                t.insert(
-                    "voters",
-                    FieldValue::Array(v.iter().map(|n| FieldValue::U64(*n)).collect()),
-                );
+                t.insert("voters", voter_array(v));
             }
             if let Some(l) = leader {
                 t.insert(
@@ -357,6 +383,20 @@ fn op_table(op: &MetaOp) -> FieldTable {
                 }
             }
             "declare_queue"
+        }
+        MetaOp::SetQueueVoters {
+            vhost,
+            name,
+            group,
+            voters,
+        } => {
+            text(&mut t, "vhost", vhost);
+            text(&mut t, "name", name.as_str());
+            t.insert("group", FieldValue::U64(*group));
+            if let Some(v) = voters {
+                t.insert("voters", voter_array(v));
+            }
+            "set_queue_voters"
         }
         MetaOp::DeleteQueue { vhost, name, group } => {
             text(&mut t, "vhost", vhost);
@@ -647,15 +687,13 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
                 (None, _, Some(true)) => QueueGroup::ByName,
                 (None, _, _) => QueueGroup::Named,
             },
-            voters: match t.get("voters") {
-                None => None,
-                Some(v) => Some(
-                    v.as_array()?
-                        .iter()
-                        .map(FieldValue::as_u64)
-                        .collect::<Option<Vec<u64>>>()?,
-                ),
-            },
+            voters: voters_of(t)?,
+        },
+        "set_queue_voters" => MetaOp::SetQueueVoters {
+            vhost: f.text("vhost")?,
+            name: ShortStr::from_string(f.text("name")?),
+            group: t.get("group")?.as_u64()?,
+            voters: voters_of(t)?,
         },
         "delete_queue" => MetaOp::DeleteQueue {
             vhost: f.text("vhost")?,
@@ -1285,6 +1323,18 @@ mod tests {
             },
             MetaOp::FeatureLevel { node: 3, level: 1 },
             MetaOp::ForgetNode { node: 3 },
+            MetaOp::SetQueueVoters {
+                vhost: "/".into(),
+                name: ShortStr::from_static("placed"),
+                group: 9,
+                voters: Some(vec![1, 4]),
+            },
+            MetaOp::SetQueueVoters {
+                vhost: "/".into(),
+                name: ShortStr::from_static("placed"),
+                group: 9,
+                voters: None,
+            },
             MetaOp::AddNode {
                 node: 5,
                 addr: "n5.example:7705".into(),
@@ -1398,6 +1448,7 @@ mod tests {
                 matches!(
                     op,
                     MetaOp::SetQueueArguments { .. }
+                        | MetaOp::SetQueueVoters { .. }
                         | MetaOp::Rebalance
                         | MetaOp::FeatureLevel { .. }
                         | MetaOp::ForgetNode { .. }
@@ -1406,6 +1457,6 @@ mod tests {
             })
             .collect();
         assert_eq!(alone, want);
-        assert_eq!(alone.iter().filter(|a| **a).count(), 5);
+        assert_eq!(alone.iter().filter(|a| **a).count(), 7);
     }
 }

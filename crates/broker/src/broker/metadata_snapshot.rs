@@ -45,7 +45,8 @@ fn rank(op: &MetaOp) -> u8 {
         MetaOp::DeclareExchange { .. } | MetaOp::DeleteExchange { .. } => 8,
         MetaOp::DeclareQueue { .. }
         | MetaOp::DeleteQueue { .. }
-        | MetaOp::SetQueueArguments { .. } => 9,
+        | MetaOp::SetQueueArguments { .. }
+        | MetaOp::SetQueueVoters { .. } => 9,
         MetaOp::Bind(_) | MetaOp::Unbind(_) => 10,
         MetaOp::Rebalance => 11,
         MetaOp::FeatureLevel { .. } => 12,

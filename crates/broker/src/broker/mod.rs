@@ -12,6 +12,7 @@ mod persistence;
 mod policies;
 mod publish;
 mod queue_arguments;
+mod queue_members;
 mod remote_get;
 mod replicated;
 mod runtime;
@@ -28,6 +29,7 @@ pub use metadata_group::{
 };
 use persistence::*;
 use publish::*;
+pub use queue_members::MemberError;
 pub use remote_get::{GetAnswer, Got, GET_WAIT_MS};
 use replicated::not_led_here;
 pub use replicated::{

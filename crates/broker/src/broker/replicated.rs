@@ -1458,9 +1458,12 @@ impl Broker {
             .values()
             .filter_map(|id| self.queues.get(id))
             .filter(|q| {
-                q.replica
-                    .as_ref()
-                    .is_some_and(|r| critical(r.voters.as_deref().unwrap_or(&c.nodes)))
+                q.replica.as_ref().is_some_and(|r| {
+                    // As Raft takes them: those still in the cluster, else every node.
+                    let mut voters = r.voters.clone().unwrap_or_default();
+                    voters.retain(|n| c.nodes.contains(n));
+                    critical(if voters.is_empty() { &c.nodes } else { &voters })
+                })
             })
             .map(|q| (q.vhost.clone(), q.name.clone()))
             .collect();

@@ -199,9 +199,6 @@ pub struct QueueArgs {
     /// `x-queue-leader-locator` other than `client-local`: a new replicated queue's first
     /// leader is the running node leading the fewest.
     pub balanced_leader: bool,
-    /// `x-quorum-initial-group-size`: how many of the cluster's nodes a new replicated queue's
-    /// group has as voters (the others hold it as learners); `None`: every node.
-    pub initial_group_size: Option<u64>,
     /// `x-max-age` for streams, in ms.
     pub max_age_ms: Option<u64>,
     /// `x-delivery-limit` (quorum queues; not validated by RabbitMQ 3.10: taken when it is
@@ -449,10 +446,10 @@ fn check_key(key: &str, v: &FieldValue, args: &FieldTable, out: &mut QueueArgs) 
             }
         }
         "x-quorum-initial-group-size" | "x-initial-cluster-size" => {
-            out.initial_group_size = Some(check_non_neg(v).and_then(|n| match n {
+            check_non_neg(v).and_then(|n| match n {
                 0 => Err(Bad::Tagged("value_zero", "0".to_string())),
-                n => Ok(n),
-            })?);
+                _ => Ok(()),
+            })?;
         }
         "x-max-age" => {
             let s = check_str(v)?;

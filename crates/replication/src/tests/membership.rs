@@ -604,7 +604,7 @@ fn a_groups_voters_move_and_come_back_without_ever_falling_below_their_number() 
 
 #[test]
 fn a_groups_own_voters_outside_the_cluster_are_left_out() {
-    let w = |target: Option<&[NodeId]>, own: Option<&[NodeId]>| {
+    let w = |target: Option<&[NodeId]>, own: Option<Option<&[NodeId]>>| {
         super::super::multi::wanted_members_for_tests(target, &[1, 2, 3], own)
     };
     assert_eq!(w(None, None), None, "no target: members stay");
@@ -613,20 +613,26 @@ fn a_groups_own_voters_outside_the_cluster_are_left_out() {
         Some(Members::voters(vec![1, 2, 3]))
     );
     assert_eq!(
-        w(Some(&[1, 2, 3]), Some(&[3, 1, 3])),
+        w(Some(&[1, 2, 3]), Some(Some(&[3, 1, 3]))),
         Some(learners_of(&[1, 3], &[2]))
     );
     // Node 5 is not in the cluster; node 4 is, as a learner.
     assert_eq!(
-        w(Some(&[1, 2, 4]), Some(&[2, 5])),
+        w(Some(&[1, 2, 4]), Some(Some(&[2, 5]))),
         Some(learners_of(&[2], &[1, 4]))
     );
     // Without a target, the cluster's nodes at start.
-    assert_eq!(w(None, Some(&[2])), Some(learners_of(&[2], &[1, 3])));
+    assert_eq!(w(None, Some(Some(&[2]))), Some(learners_of(&[2], &[1, 3])));
     // None left: every node votes.
     assert_eq!(
-        w(Some(&[1, 2]), Some(&[7])),
+        w(Some(&[1, 2]), Some(Some(&[7]))),
         Some(Members::voters(vec![1, 2]))
+    );
+    // Taken back: every node votes, with a target or without.
+    assert_eq!(w(None, Some(None)), Some(Members::voters(vec![1, 2, 3])));
+    assert_eq!(
+        w(Some(&[1, 4]), Some(None)),
+        Some(Members::voters(vec![1, 4]))
     );
 }
 
@@ -653,5 +659,56 @@ fn a_demotion_is_refused_for_the_leader_and_a_non_voter() {
     voters.sort_unstable();
     run_until(&mut sim, 500, "the follower demoted", |s| {
         s.nodes[&leader].raft.members(G) == Some(learners_of(&voters, &[follower]))
+    });
+}
+
+/// A voter leaves only once the voters coming in vote, and only while those staying have a
+/// majority up: with the node coming in down, or with a staying voter down, the group keeps
+/// the voter it would lose, and moves once the node is back.
+#[test]
+fn a_voter_stays_while_its_replacement_is_down_or_the_rest_would_lose_their_majority() {
+    let mut sim = Sim::bare(34, vec![1, 2, 3, 4]);
+    sim.groups = vec![G];
+    for id in 1..=4 {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.set_members(vec![1, 2, 3, 4]);
+        n.raft.set_group_voters(G, Some(vec![1, 2, 3]));
+        n.raft.add_group(G, id == 1).expect("group");
+    }
+    run_until(&mut sim, 500, "node 1 leads", |s| s.leader(G) == Some(1));
+    for i in 0..5 {
+        assert!(sim.propose(G, data(i)));
+    }
+    sim.run(100);
+    // 3 to be replaced by 4, which is down (and seen down).
+    sim.kill(4);
+    sim.run(300);
+    group_voters_everywhere(&mut sim, Some(&[1, 2, 4]));
+    sim.run(1500);
+    assert_eq!(
+        sim.nodes[&1].raft.members(G),
+        Some(learners_of(&[1, 2, 3], &[4])),
+        "node 3 demoted while node 4 was down"
+    );
+    // Node 3 out, node 2 down: demoting 3 would leave {1, 2} with one of two up.
+    sim.kill(2);
+    sim.run(300);
+    group_voters_everywhere(&mut sim, Some(&[1, 2]));
+    sim.run(1500);
+    assert_eq!(
+        sim.nodes[&1].raft.members(G),
+        Some(learners_of(&[1, 2, 3], &[4])),
+        "node 3 demoted with node 2 down"
+    );
+    assert!(sim.propose(G, data(5)), "the group still commits");
+    run_until(&mut sim, 500, "the entry on node 3", |s| {
+        s.nodes[&3].applied.get(&G).is_some_and(|a| a.len() == 6)
+    });
+    // Both back: the change goes through.
+    sim.restart(2);
+    sim.restart(4);
+    group_voters_everywhere(&mut sim, Some(&[1, 2]));
+    run_until(&mut sim, 3000, "two voters and two learners", |s| {
+        s.nodes[&1].raft.members(G) == Some(learners_of(&[1, 2], &[3, 4]))
     });
 }

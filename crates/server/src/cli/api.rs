@@ -107,7 +107,8 @@ impl Api {
     ) -> Result<(u16, Value), CliError> {
         let url = format!("{}/api{path}", self.base);
         let sent = match method {
-            "GET" | "DELETE" => {
+            // A DELETE with a body (RabbitMQ's `replicas/delete` takes the node in it).
+            "GET" | "DELETE" if method == "GET" || body.is_none() => {
                 let mut r = if method == "GET" {
                     self.agent.get(&url)
                 } else {
@@ -120,10 +121,10 @@ impl Api {
                 r.call()
             }
             _ => {
-                let mut r = if method == "PUT" {
-                    self.agent.put(&url)
-                } else {
-                    self.agent.post(&url)
+                let mut r = match method {
+                    "PUT" => self.agent.put(&url),
+                    "DELETE" => self.agent.delete(&url).force_send_body(),
+                    _ => self.agent.post(&url),
                 };
                 r = r
                     .header("authorization", &self.auth)

@@ -280,6 +280,8 @@ pub enum Ctl {
     Parameters(super::parameters::ParameterCmd),
     #[command(flatten)]
     Maintenance(super::maintenance::MaintenanceCmd),
+    #[command(flatten)]
+    Members(super::members::MembersCmd),
 }
 
 const VHOST_LIMIT_NAMES: &[&str] = &["max-connections", "max-queues"];
@@ -424,6 +426,7 @@ pub fn name(c: &Ctl) -> &'static str {
         Ctl::Policies(p) => super::policies::name(p),
         Ctl::Parameters(p) => super::parameters::name(p),
         Ctl::Maintenance(m) => super::maintenance::name(m),
+        Ctl::Members(m) => super::members::name(m),
     }
 }
 
@@ -861,6 +864,7 @@ pub fn main(c: &Ctl) -> Result<ExitCode, CliError> {
         Ctl::Policies(p) => super::policies::main(p)?,
         Ctl::Parameters(p) => super::parameters::main(p)?,
         Ctl::Maintenance(m) => super::maintenance::main(m)?,
+        Ctl::Members(m) => super::members::main(m)?,
     }
     Ok(ExitCode::SUCCESS)
 }

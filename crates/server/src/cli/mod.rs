@@ -10,6 +10,7 @@ mod cluster_status;
 mod ctl;
 mod definitions;
 mod maintenance;
+mod members;
 mod messages;
 pub mod migrate;
 mod objects;

@@ -20,6 +20,7 @@ mod parameters;
 pub mod passwords;
 pub(crate) mod policies;
 pub mod rates;
+mod replicas;
 mod routes;
 mod ui;
 
@@ -233,6 +234,11 @@ impl ApiError {
             reason_json: None,
             retry_after: None,
         }
+    }
+
+    /// Why the request failed, as the answer's `reason` says.
+    pub fn reason(&self) -> &str {
+        &self.reason
     }
 
     pub fn not_found() -> Self {

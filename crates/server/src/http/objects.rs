@@ -111,14 +111,13 @@ pub fn with_members(
             .cloned()
             .unwrap_or_else(|| format!("warren-{n}"))
     };
-    let voters: Vec<u64> = match &s.voters {
-        Some(v) => {
-            let mut v = v.clone();
-            v.sort_unstable();
-            v
-        }
-        None => names.keys().copied().collect(),
-    };
+    // As Raft takes them: those still in the cluster, else every node.
+    let mut voters: Vec<u64> = s.voters.clone().unwrap_or_default();
+    voters.retain(|n| names.contains_key(n));
+    voters.sort_unstable();
+    if voters.is_empty() {
+        voters = names.keys().copied().collect();
+    }
     let members: Vec<Value> = voters.iter().map(|n| name(*n).into()).collect();
     let online: Vec<Value> = voters
         .iter()

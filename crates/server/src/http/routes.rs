@@ -60,6 +60,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .merge(super::policies::routes())
         .merge(super::parameters::routes())
         .merge(super::global::routes())
+        .merge(super::replicas::routes())
         .route("/api/exchanges", get(exchanges_all))
         .route("/api/exchanges/{vhost}", get(exchanges_vhost))
         .route(

@@ -1,0 +1,173 @@
+//! A quorum queue's members, as RabbitMQ's management API changes them (its 3.13 and later
+//! routes, which `rabbitmq-queues add_member`, `delete_member`, `grow` and `shrink` match):
+//! `POST /api/queues/quorum/{vhost}/{name}/replicas/add` and `DELETE
+//! .../replicas/delete` with `{"node": N}`, `POST /api/queues/quorum/replicas/on/{node}/grow`
+//! with a strategy (`all`, or `even`: only queues with an even number of members) and vhost
+//! and queue patterns, `DELETE /api/queues/quorum/replicas/on/{node}/shrink`. Administrators
+//! only. A node taken off a queue's members keeps it as a learner (see docs/compatibility.md).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use warren_broker::MemberError;
+
+use super::{Admin, Api, ApiError};
+
+type ApiState = State<Arc<Api>>;
+type Answer = Result<Response, ApiError>;
+
+pub fn routes() -> Router<Arc<Api>> {
+    Router::new()
+        .route(
+            "/api/queues/quorum/{vhost}/{name}/replicas/add",
+            post(add_member),
+        )
+        .route(
+            "/api/queues/quorum/{vhost}/{name}/replicas/delete",
+            delete(delete_member),
+        )
+        .route("/api/queues/quorum/replicas/on/{node}/grow", post(grow))
+        .route(
+            "/api/queues/quorum/replicas/on/{node}/shrink",
+            delete(shrink),
+        )
+}
+
+/// The number of the node a request names: as `/api/nodes` names it, or its number.
+fn node_number(api: &Api, name: &str) -> Result<u64, ApiError> {
+    api.names()
+        .into_iter()
+        .find(|(n, known)| known == name || n.to_string() == name)
+        .map(|(n, _)| n)
+        .ok_or_else(|| ApiError::bad_request(format!("no node {name} in the cluster")))
+}
+
+fn body_node(body: &Bytes) -> Result<String, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|_| ApiError::bad_request("body must be a JSON object"))?;
+    v["node"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| ApiError::bad_request("the body names no node (\"node\")"))
+}
+
+fn member_error(e: MemberError) -> ApiError {
+    match e {
+        MemberError::NoQueue { .. } => ApiError::not_found(),
+        e => ApiError::bad_request(e.to_string()),
+    }
+}
+
+fn change(api: &Api, vhost: &str, name: &str, node: u64, add: bool) -> Result<bool, ApiError> {
+    api.node
+        .write(|n, _| n.broker_mut().change_queue_member(vhost, name, node, add))?
+        .map_err(member_error)
+}
+
+async fn add_member(
+    State(api): ApiState,
+    _: Admin,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Answer {
+    let node = node_number(&api, &body_node(&body)?)?;
+    change(&api, &vhost, &name, node, true)?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn delete_member(
+    State(api): ApiState,
+    _: Admin,
+    Path((vhost, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Answer {
+    let node = node_number(&api, &body_node(&body)?)?;
+    change(&api, &vhost, &name, node, false)?;
+    Ok(StatusCode::ACCEPTED.into_response())
+}
+
+/// A pattern of grow's body (absent: every name), anchored as RabbitMQ's are not: a
+/// regular expression matched anywhere in the name.
+fn pattern(v: &Value, key: &str) -> Result<regex_lite::Regex, ApiError> {
+    let p = v[key].as_str().unwrap_or(".*");
+    regex_lite::Regex::new(p).map_err(|e| ApiError::bad_request(format!("{key}: {e}")))
+}
+
+/// Each queue's outcome, as `rabbitmq-queues shrink` lists them.
+fn outcomes(list: Vec<(String, String, Result<usize, String>)>) -> Value {
+    list.into_iter()
+        .map(|(vhost, name, r)| match r {
+            Ok(size) => json!({"vhost": vhost, "name": name, "size": size, "result": "ok"}),
+            Err(e) => json!({"vhost": vhost, "name": name, "result": "error", "error": e}),
+        })
+        .collect()
+}
+
+/// Makes `node` a member of every quorum queue (`all`), or of those with an even number of
+/// members (`even`), whose vhost and name match the patterns.
+async fn grow(State(api): ApiState, _: Admin, Path(node): Path<String>, body: Bytes) -> Answer {
+    let node = node_number(&api, &node)?;
+    let v: Value = if body.is_empty() {
+        json!({})
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|_| ApiError::bad_request("body must be a JSON object"))?
+    };
+    let even = match v["strategy"].as_str().unwrap_or("all") {
+        "all" => false,
+        "even" => true,
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "strategy must be all or even, not {other}"
+            )))
+        }
+    };
+    let (vhosts, queues) = (pattern(&v, "vhost_pattern")?, pattern(&v, "queue_pattern")?);
+    let list = api.node.read(|n, _| n.broker().quorum_queue_voters());
+    let mut done = Vec::new();
+    for (vhost, name, voters) in list {
+        if voters.contains(&node)
+            || (even && voters.len() % 2 != 0)
+            || !vhosts.is_match(&vhost)
+            || !queues.is_match(name.as_str())
+        {
+            continue;
+        }
+        let r = change(&api, &vhost, name.as_str(), node, true)
+            .map(|_| voters.len() + 1)
+            .map_err(|e| e.reason().to_owned());
+        done.push((vhost, name.to_string(), r));
+    }
+    for (vhost, name, r) in &done {
+        if let Err(error) = r {
+            tracing::warn!(%vhost, queue = %name, node, %error, "a quorum queue did not grow");
+        }
+    }
+    tracing::info!(node, queues = done.len(), "quorum queues grown onto a node");
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Takes `node` off the members of every quorum queue it is one of, but those it is the
+/// last member of.
+async fn shrink(State(api): ApiState, _: Admin, Path(node): Path<String>) -> Answer {
+    let node = node_number(&api, &node)?;
+    let list = api.node.read(|n, _| n.broker().quorum_queue_voters());
+    let mut done = Vec::new();
+    for (vhost, name, voters) in list {
+        if !voters.contains(&node) {
+            continue;
+        }
+        let r = change(&api, &vhost, name.as_str(), node, false)
+            .map(|_| voters.len() - 1)
+            .map_err(|e| e.reason().to_owned());
+        done.push((vhost, name.to_string(), r));
+    }
+    tracing::info!(node, queues = done.len(), "quorum queues shrunk off a node");
+    Ok((StatusCode::ACCEPTED, Json(outcomes(done))).into_response())
+}
