@@ -2059,8 +2059,16 @@ fn reconcile(
             let running = staying.iter().filter(|v| **v == me || up(v)).count();
             running > staying.len() / 2
         };
-        match voters.iter().copied().find(|n| want.learners.contains(n)) {
-            Some(demoted) => staying_up(demoted).then_some(MemberChange::Demote(demoted)),
+        let demoted: Vec<NodeId> = voters
+            .iter()
+            .copied()
+            .filter(|n| want.learners.contains(n))
+            .collect();
+        match demoted.first() {
+            Some(_) => demoted
+                .into_iter()
+                .find(|n| staying_up(*n))
+                .map(MemberChange::Demote),
             None => gone
                 .first()
                 .copied()

@@ -964,7 +964,8 @@ pub fn decode_def(key: &[u8], value: &[u8]) -> Result<Def, StoreError> {
             let group = if v.done("queue").is_ok() {
                 None
             } else {
-                Some(v.u64("replicated queue group")?)
+                // 0 is the metadata group's, never a queue's.
+                Some(v.u64("replicated queue group")?).filter(|g| *g != 0)
             };
             let voters = if v.done("queue").is_ok() {
                 None

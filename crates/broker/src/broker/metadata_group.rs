@@ -67,7 +67,8 @@ const JOIN_REFUSED_AFTER_MS: u64 = 30_000;
 /// 11, a vhost's metadata (its description, tags and default queue type) is in its
 /// `put_vhost` entries, and every node keeps it.
 /// 12, a quorum queue may have voters of its own (`x-quorum-initial-group-size`), in its
-/// `declare_queue` entry: the cluster's other nodes hold it as learners.
+/// `declare_queue` entry, changed by `change_queue_member` entries: the cluster's other nodes
+/// hold it as learners.
 pub const FEATURE_LEVEL: u64 = 12;
 
 /// The level from which a quorum queue gets voters of its own: a node of an older version
@@ -368,7 +369,7 @@ pub enum ForgetError {
     Level { have: u64, want: u64 },
     #[error("the metadata group has no leader: the cluster has no majority")]
     NoLeader,
-    #[error("quorum queue '{name}' in vhost '{vhost}' has too few of its members running to let node {node} go (its group could not agree to drop it, and would stop for good): bring node {node} back first")]
+    #[error("quorum queue '{name}' in vhost '{vhost}' has too few of its members running to let node {node} go (its group could not agree to drop it, and would stop for good): bring node {node} back first, or, if the queue never counted on it, take it off the queue's members (warren ctl delete_member)")]
     QueueWithoutMajority {
         vhost: String,
         name: String,
@@ -477,6 +478,13 @@ impl Broker {
     }
 
     /// A definition changed by a client here: every node is told.
+    /// Sends `op` to the cluster, to be applied here too only when the log has it
+    /// ([`MetaOp::applied_by_log`]).
+    pub(super) fn announce_by_log(&mut self, op: MetaOp) {
+        debug_assert!(op.applied_by_log());
+        self.announce_as(op, false);
+    }
+
     pub(super) fn announce(&mut self, op: MetaOp) {
         self.announce_as(op, true);
     }
@@ -1193,13 +1201,7 @@ impl Broker {
                 continue; // a copy
             }
             *seen = number;
-            let through_log = matches!(
-                op,
-                MetaOp::DeclareQueue {
-                    group: QueueGroup::FromLog | QueueGroup::ByName,
-                    ..
-                }
-            );
+            let through_log = op.applied_by_log();
             if mine && through_log {
                 let object = op.object();
                 if m.through_log
@@ -1398,12 +1400,13 @@ impl Broker {
                 }
                 None
             }
-            MetaOp::SetQueueVoters {
+            MetaOp::ChangeQueueMember {
                 vhost,
                 name,
                 group,
-                voters,
-            } => self.apply_queue_voters(&vhost, &name, group, voters),
+                node,
+                add,
+            } => self.apply_member_change(&vhost, &name, group, node, add),
             MetaOp::SetQueueArguments {
                 vhost,
                 name,
@@ -1799,25 +1802,21 @@ impl Broker {
         };
         let m = &mut c.meta;
         m.next_op = m.next_op.max(number);
-        // A declaration that waits for the log was not applied here: the log applies it.
-        let through_log = matches!(
-            op,
-            MetaOp::DeclareQueue {
-                group: QueueGroup::FromLog | QueueGroup::ByName,
-                ..
+        // A change applied by the log alone was not applied here: the log applies it.
+        match (&op, op.applied_by_log()) {
+            (
+                MetaOp::DeclareQueue {
+                    arguments: args, ..
+                },
+                true,
+            ) => {
+                m.through_log.insert(op.object(), (number, args.detached()));
             }
-        );
-        if let (
-            true,
-            MetaOp::DeclareQueue {
-                arguments: args, ..
-            },
-        ) = (through_log, &op)
-        {
-            m.through_log.insert(op.object(), (number, args.detached()));
-        } else {
-            let latest = m.latest.entry(op.object()).or_insert(number);
-            *latest = (*latest).max(number);
+            (_, true) => {}
+            (_, false) => {
+                let latest = m.latest.entry(op.object()).or_insert(number);
+                *latest = (*latest).max(number);
+            }
         }
         // Already in the store: it may go at once.
         let at = m.queued.partition_point(|w| w.number < number);

@@ -59,15 +59,18 @@ pub(crate) enum MetaOp {
         name: ShortStr,
         changes: Vec<super::queue_arguments::ArgumentChange>,
     },
-    /// A quorum queue's voters changed (`add_member`, `delete_member`, `grow`, `shrink`):
-    /// `None`, every node votes. Only for the queue of `group` (one declared again since keeps
-    /// its own). Unknown to nodes of earlier versions (proposed only at `GROUP_VOTERS_LEVEL`):
-    /// it travels in an entry of its own.
-    SetQueueVoters {
+    /// `node` made a voter of a quorum queue (`add`), or taken off its voters (`add_member`,
+    /// `delete_member`, `grow`, `shrink`), for the queue of `group` only (one declared again
+    /// since keeps its own). A change, not the set: two nodes changing one queue at once
+    /// both count. Applied by the log alone, on every node alike (never ahead on the node
+    /// that made it), so every node reaches the same voters. Unknown to nodes of earlier
+    /// versions (proposed only at `GROUP_VOTERS_LEVEL`): it travels in an entry of its own.
+    ChangeQueueMember {
         vhost: String,
         name: ShortStr,
         group: u64,
-        voters: Option<Vec<u64>>,
+        node: u64,
+        add: bool,
     },
     DeclareExchange {
         vhost: String,
@@ -205,10 +208,22 @@ impl MetaOp {
             self,
             MetaOp::Rebalance
                 | MetaOp::SetQueueArguments { .. }
-                | MetaOp::SetQueueVoters { .. }
+                | MetaOp::ChangeQueueMember { .. }
                 | MetaOp::FeatureLevel { .. }
                 | MetaOp::ForgetNode { .. }
                 | MetaOp::AddNode { .. }
+        )
+    }
+
+    /// Applied on every node, the one that made it included, only when the log has it (a
+    /// quorum queue's declaration that waits for the log, a change of a queue's members).
+    pub(super) fn applied_by_log(&self) -> bool {
+        matches!(
+            self,
+            MetaOp::DeclareQueue {
+                group: QueueGroup::FromLog | QueueGroup::ByName,
+                ..
+            } | MetaOp::ChangeQueueMember { .. }
         )
     }
 
@@ -217,8 +232,12 @@ impl MetaOp {
         match self {
             MetaOp::DeclareQueue { vhost, name, .. }
             | MetaOp::DeleteQueue { vhost, name, .. }
-            | MetaOp::SetQueueArguments { vhost, name, .. }
-            | MetaOp::SetQueueVoters { vhost, name, .. } => queue_object(vhost, name),
+            | MetaOp::SetQueueArguments { vhost, name, .. } => queue_object(vhost, name),
+            // Its own key: applied by the log alone, it is never weighed against the
+            // queue's other changes made here.
+            MetaOp::ChangeQueueMember {
+                vhost, name, node, ..
+            } => format!("qm\0{vhost}\0{name}\0{node}"),
             MetaOp::DeclareExchange { vhost, name, .. }
             | MetaOp::DeleteExchange { vhost, name } => {
                 format!("x\0{vhost}\0{name}")
@@ -384,19 +403,19 @@ fn op_table(op: &MetaOp) -> FieldTable {
             }
             "declare_queue"
         }
-        MetaOp::SetQueueVoters {
+        MetaOp::ChangeQueueMember {
             vhost,
             name,
             group,
-            voters,
+            node,
+            add,
         } => {
             text(&mut t, "vhost", vhost);
             text(&mut t, "name", name.as_str());
             t.insert("group", FieldValue::U64(*group));
-            if let Some(v) = voters {
-                t.insert("voters", voter_array(v));
-            }
-            "set_queue_voters"
+            t.insert("node", FieldValue::U64(*node));
+            flag(&mut t, "add", *add);
+            "change_queue_member"
         }
         MetaOp::DeleteQueue { vhost, name, group } => {
             text(&mut t, "vhost", vhost);
@@ -689,11 +708,12 @@ fn op_from(t: &FieldTable) -> Option<MetaOp> {
             },
             voters: voters_of(t)?,
         },
-        "set_queue_voters" => MetaOp::SetQueueVoters {
+        "change_queue_member" => MetaOp::ChangeQueueMember {
             vhost: f.text("vhost")?,
             name: ShortStr::from_string(f.text("name")?),
             group: t.get("group")?.as_u64()?,
-            voters: voters_of(t)?,
+            node: t.get("node")?.as_u64()?,
+            add: f.flag("add")?,
         },
         "delete_queue" => MetaOp::DeleteQueue {
             vhost: f.text("vhost")?,
@@ -1323,17 +1343,19 @@ mod tests {
             },
             MetaOp::FeatureLevel { node: 3, level: 1 },
             MetaOp::ForgetNode { node: 3 },
-            MetaOp::SetQueueVoters {
+            MetaOp::ChangeQueueMember {
                 vhost: "/".into(),
                 name: ShortStr::from_static("placed"),
                 group: 9,
-                voters: Some(vec![1, 4]),
+                node: 4,
+                add: true,
             },
-            MetaOp::SetQueueVoters {
+            MetaOp::ChangeQueueMember {
                 vhost: "/".into(),
                 name: ShortStr::from_static("placed"),
                 group: 9,
-                voters: None,
+                node: 1,
+                add: false,
             },
             MetaOp::AddNode {
                 node: 5,
@@ -1448,7 +1470,7 @@ mod tests {
                 matches!(
                     op,
                     MetaOp::SetQueueArguments { .. }
-                        | MetaOp::SetQueueVoters { .. }
+                        | MetaOp::ChangeQueueMember { .. }
                         | MetaOp::Rebalance
                         | MetaOp::FeatureLevel { .. }
                         | MetaOp::ForgetNode { .. }

@@ -46,7 +46,7 @@ fn rank(op: &MetaOp) -> u8 {
         MetaOp::DeclareQueue { .. }
         | MetaOp::DeleteQueue { .. }
         | MetaOp::SetQueueArguments { .. }
-        | MetaOp::SetQueueVoters { .. } => 9,
+        | MetaOp::ChangeQueueMember { .. } => 9,
         MetaOp::Bind(_) | MetaOp::Unbind(_) => 10,
         MetaOp::Rebalance => 11,
         MetaOp::FeatureLevel { .. } => 12,

@@ -34,20 +34,12 @@ pub enum MemberError {
 }
 
 impl Broker {
-    /// Adds `node` to the voters of quorum queue `name` (`add`), or takes it off them.
-    /// Whether anything changed: adding a voter or taking off a node that is not one changes
-    /// nothing, as RabbitMQ's commands are safe to repeat. The change is the cluster's: every
-    /// node applies it from the metadata log, and the queue's leader moves its group to it.
-    pub fn change_queue_member(
-        &mut self,
-        vhost: &str,
-        name: &str,
-        node: NodeId,
-        add: bool,
-    ) -> Result<bool, MemberError> {
-        let Some(c) = self.cluster.as_ref() else {
+    /// Whether this node may change quorum queues' members: in a cluster whose every node
+    /// keeps them.
+    pub fn members_changeable(&self) -> Result<(), MemberError> {
+        if self.cluster.is_none() {
             return Err(MemberError::NotClustered);
-        };
+        }
         let level = self.cluster_feature_level().unwrap_or(0);
         if level < GROUP_VOTERS_LEVEL {
             return Err(MemberError::ClusterTooOld {
@@ -55,97 +47,145 @@ impl Broker {
                 needs: GROUP_VOTERS_LEVEL,
             });
         }
-        if !c.nodes().contains(&node) {
+        Ok(())
+    }
+
+    /// Adds `node` to the voters of quorum queue `name` (`add`), or takes it off them.
+    /// Whether anything changes: adding a voter or taking off a node that is not one changes
+    /// nothing, as RabbitMQ's commands are safe to repeat. The change is the cluster's: every
+    /// node applies it when the metadata log has it (this one too), and the queue's leader
+    /// then moves its group to it.
+    pub fn change_queue_member(
+        &mut self,
+        vhost: &str,
+        name: &str,
+        node: NodeId,
+        add: bool,
+    ) -> Result<bool, MemberError> {
+        self.members_changeable()?;
+        let nodes = self.sorted_nodes();
+        if !nodes.contains(&node) {
             return Err(MemberError::UnknownNode(node));
         }
-        let mut nodes = c.nodes().to_vec();
-        nodes.sort_unstable();
-        let (id, group, current) = {
-            let q = self
-                .queue_id(vhost, name)
-                .and_then(|id| self.queues.get(&id))
-                .ok_or_else(|| MemberError::NoQueue {
-                    vhost: vhost.to_owned(),
-                    name: name.to_owned(),
-                })?;
-            let r = q.replica.as_ref().ok_or_else(|| MemberError::NotQuorum {
+        let q = self
+            .queue_id(vhost, name)
+            .and_then(|id| self.queues.get(&id))
+            .ok_or_else(|| MemberError::NoQueue {
                 vhost: vhost.to_owned(),
                 name: name.to_owned(),
             })?;
-            let mut current = r.voters.clone().unwrap_or_else(|| nodes.clone());
-            current.retain(|n| nodes.contains(n));
-            (q.id, r.group, current)
-        };
-        let mut voters = current.clone();
-        if add {
-            if voters.contains(&node) {
-                return Ok(false);
-            }
-            voters.push(node);
-        } else {
-            if !voters.contains(&node) {
-                return Ok(false);
-            }
-            if voters.len() == 1 {
+        let r = q.replica.as_ref().ok_or_else(|| MemberError::NotQuorum {
+            vhost: vhost.to_owned(),
+            name: name.to_owned(),
+        })?;
+        let group = r.group;
+        let voters = voters_in(r.voters.as_deref(), &nodes);
+        match (add, voters.contains(&node)) {
+            (true, true) | (false, false) => return Ok(false),
+            (false, true) if voters.len() == 1 => {
                 return Err(MemberError::LastMember {
                     vhost: vhost.to_owned(),
                     name: name.to_owned(),
                     node,
-                });
+                })
             }
-            voters.retain(|n| *n != node);
+            _ => {}
         }
-        voters.sort_unstable();
-        // Every node of the cluster: no voters of its own (a node added later votes too).
-        let voters = (voters != nodes).then_some(voters);
-        tracing::info!(%vhost, queue = %name, node, add, "quorum queue member change");
-        self.set_replica_voters(id, voters.clone());
-        self.announce(MetaOp::SetQueueVoters {
+        tracing::info!(%vhost, queue = %name, node, add, "quorum queue member change asked for");
+        self.announce_by_log(MetaOp::ChangeQueueMember {
             vhost: vhost.to_owned(),
             name: ShortStr::from_string(name.to_owned()),
             group,
-            voters,
+            node,
+            add,
         });
         Ok(true)
+    }
+
+    fn sorted_nodes(&self) -> Vec<NodeId> {
+        let mut nodes = self
+            .cluster
+            .as_ref()
+            .map(|c| c.nodes().to_vec())
+            .unwrap_or_default();
+        nodes.sort_unstable();
+        nodes
     }
 
     /// The quorum queues (vhost, name) and their voters, every node of the cluster unless a
     /// queue has voters of its own; in order.
     pub fn quorum_queue_voters(&self) -> Vec<(String, ShortStr, Vec<NodeId>)> {
-        let Some(c) = self.cluster.as_ref() else {
-            return Vec::new();
-        };
-        let mut nodes = c.nodes().to_vec();
-        nodes.sort_unstable();
+        let nodes = self.sorted_nodes();
         let mut out: Vec<(String, ShortStr, Vec<NodeId>)> = self
             .queues
             .values()
             .filter_map(|q| {
                 let r = q.replica.as_ref()?;
-                let mut voters = r.voters.clone().unwrap_or_else(|| nodes.clone());
-                voters.retain(|n| nodes.contains(n));
-                voters.sort_unstable();
-                Some((q.vhost.clone(), q.name.clone(), voters))
+                Some((
+                    q.vhost.clone(),
+                    q.name.clone(),
+                    voters_in(r.voters.as_deref(), &nodes),
+                ))
             })
             .collect();
         out.sort();
         out
     }
 
-    /// A `set_queue_voters` entry: the queue of that group takes them (one of another group,
-    /// declared again since, keeps its own).
-    pub(super) fn apply_queue_voters(
+    /// A `change_queue_member` entry, applied by every node in the log's order to the voters
+    /// the entries before gave: the queue of that group takes it (one of another group,
+    /// declared again since, keeps its own); a change that would leave no voter is refused
+    /// on every node alike.
+    pub(super) fn apply_member_change(
         &mut self,
         vhost: &str,
         name: &str,
         group: u64,
-        voters: Option<Vec<NodeId>>,
+        node: NodeId,
+        add: bool,
     ) -> Option<String> {
         let id = self.queue_id(vhost, name)?;
         if self.replica_group(id) != Some(group) {
             return None;
         }
+        let nodes = self.sorted_nodes();
+        let mut voters = voters_in(self.replica_voters(id), &nodes);
+        if add {
+            if !nodes.contains(&node) {
+                return Some(format!("node {node} is not a node of the cluster"));
+            }
+            voters.push(node);
+            voters.sort_unstable();
+            voters.dedup();
+        } else {
+            voters.retain(|n| *n != node);
+            if voters.is_empty() {
+                return Some(format!(
+                    "node {node} is the last member of queue '{name}' in vhost '{vhost}'"
+                ));
+            }
+        }
+        // Every node of the cluster: no voters of its own (a node added later votes too).
+        let voters = (voters != nodes).then_some(voters);
         self.set_replica_voters(id, voters);
         None
+    }
+}
+
+/// A queue's voters as Raft takes them: those of its own still in the cluster (sorted), else
+/// every node of `nodes` (sorted).
+pub(super) fn voters_in(own: Option<&[NodeId]>, nodes: &[NodeId]) -> Vec<NodeId> {
+    let mut voters: Vec<NodeId> = own
+        .unwrap_or_default()
+        .iter()
+        .copied()
+        .filter(|n| nodes.contains(n))
+        .collect();
+    voters.sort_unstable();
+    voters.dedup();
+    if voters.is_empty() {
+        nodes.to_vec()
+    } else {
+        voters
     }
 }

@@ -1459,10 +1459,10 @@ impl Broker {
             .filter_map(|id| self.queues.get(id))
             .filter(|q| {
                 q.replica.as_ref().is_some_and(|r| {
-                    // As Raft takes them: those still in the cluster, else every node.
-                    let mut voters = r.voters.clone().unwrap_or_default();
-                    voters.retain(|n| c.nodes.contains(n));
-                    critical(if voters.is_empty() { &c.nodes } else { &voters })
+                    critical(&super::queue_members::voters_in(
+                        r.voters.as_deref(),
+                        &c.nodes,
+                    ))
                 })
             })
             .map(|q| (q.vhost.clone(), q.name.clone()))

@@ -92,8 +92,8 @@ async fn delete_member(
     Ok(StatusCode::ACCEPTED.into_response())
 }
 
-/// A pattern of grow's body (absent: every name), anchored as RabbitMQ's are not: a
-/// regular expression matched anywhere in the name.
+/// A pattern of grow's body (absent: every name): a regular expression matched anywhere in
+/// the name, as RabbitMQ matches it.
 fn pattern(v: &Value, key: &str) -> Result<regex_lite::Regex, ApiError> {
     let p = v[key].as_str().unwrap_or(".*");
     regex_lite::Regex::new(p).map_err(|e| ApiError::bad_request(format!("{key}: {e}")))
@@ -129,7 +129,11 @@ async fn grow(State(api): ApiState, _: Admin, Path(node): Path<String>, body: By
         }
     };
     let (vhosts, queues) = (pattern(&v, "vhost_pattern")?, pattern(&v, "queue_pattern")?);
-    let list = api.node.read(|n, _| n.broker().quorum_queue_voters());
+    let list = api.node.read(|n, _| {
+        let b = n.broker();
+        b.members_changeable().map(|()| b.quorum_queue_voters())
+    });
+    let list = list.map_err(member_error)?;
     let mut done = Vec::new();
     for (vhost, name, voters) in list {
         if voters.contains(&node)
@@ -157,7 +161,11 @@ async fn grow(State(api): ApiState, _: Admin, Path(node): Path<String>, body: By
 /// last member of.
 async fn shrink(State(api): ApiState, _: Admin, Path(node): Path<String>) -> Answer {
     let node = node_number(&api, &node)?;
-    let list = api.node.read(|n, _| n.broker().quorum_queue_voters());
+    let list = api.node.read(|n, _| {
+        let b = n.broker();
+        b.members_changeable().map(|()| b.quorum_queue_voters())
+    });
+    let list = list.map_err(member_error)?;
     let mut done = Vec::new();
     for (vhost, name, voters) in list {
         if !voters.contains(&node) {
