@@ -75,34 +75,14 @@ pub fn name(c: &MembersCmd) -> &'static str {
 pub fn main(c: &MembersCmd) -> Result<(), CliError> {
     match c {
         MembersCmd::AddMember { queue, node, conn } => {
-            conn.conn.api().call(
-                "POST",
-                &format!(
-                    "/queues/quorum/{}/{}/replicas/add",
-                    enc(&conn.vhost),
-                    enc(queue)
-                ),
-                Some(&json!({ "node": node })),
-                &[],
-                "the queue",
-            )?;
+            replica_call(conn, queue, node, true)?;
             println!(
                 "{node} is a member of quorum queue '{queue}' in vhost '{}'",
                 conn.vhost
             );
         }
         MembersCmd::DeleteMember { queue, node, conn } => {
-            conn.conn.api().call(
-                "DELETE",
-                &format!(
-                    "/queues/quorum/{}/{}/replicas/delete",
-                    enc(&conn.vhost),
-                    enc(queue)
-                ),
-                Some(&json!({ "node": node })),
-                &[],
-                "the queue",
-            )?;
+            replica_call(conn, queue, node, false)?;
             println!(
                 "{node} is no member of quorum queue '{queue}' in vhost '{}' (it keeps the queue as a learner)",
                 conn.vhost
@@ -149,6 +129,28 @@ pub fn main(c: &MembersCmd) -> Result<(), CliError> {
             }
         }
     }
+    Ok(())
+}
+
+/// RabbitMQ's `replicas/add` (a POST) or `replicas/delete` (a DELETE) of one queue, with the
+/// node in the body.
+fn replica_call(conn: &InVhost, queue: &str, node: &str, add: bool) -> Result<(), CliError> {
+    let (method, verb) = if add {
+        ("POST", "add")
+    } else {
+        ("DELETE", "delete")
+    };
+    conn.conn.api().call(
+        method,
+        &format!(
+            "/queues/quorum/{}/{}/replicas/{verb}",
+            enc(&conn.vhost),
+            enc(queue)
+        ),
+        Some(&json!({ "node": node })),
+        &[],
+        "the queue",
+    )?;
     Ok(())
 }
 

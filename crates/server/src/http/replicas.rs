@@ -70,26 +70,35 @@ fn change(api: &Api, vhost: &str, name: &str, node: u64, add: bool) -> Result<bo
         .map_err(member_error)
 }
 
+/// The node a `replicas/add` or `replicas/delete` body names made a voter of the queue, or
+/// taken off its voters; RabbitMQ's statuses (204 and 202).
+fn member_route(api: &Api, (vhost, name): (String, String), body: &Bytes, add: bool) -> Answer {
+    let node = node_number(api, &body_node(body)?)?;
+    change(api, &vhost, &name, node, add)?;
+    Ok(if add {
+        StatusCode::NO_CONTENT
+    } else {
+        StatusCode::ACCEPTED
+    }
+    .into_response())
+}
+
 async fn add_member(
     State(api): ApiState,
     _: Admin,
-    Path((vhost, name)): Path<(String, String)>,
+    Path(q): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    let node = node_number(&api, &body_node(&body)?)?;
-    change(&api, &vhost, &name, node, true)?;
-    Ok(StatusCode::NO_CONTENT.into_response())
+    member_route(&api, q, &body, true)
 }
 
 async fn delete_member(
     State(api): ApiState,
     _: Admin,
-    Path((vhost, name)): Path<(String, String)>,
+    Path(q): Path<(String, String)>,
     body: Bytes,
 ) -> Answer {
-    let node = node_number(&api, &body_node(&body)?)?;
-    change(&api, &vhost, &name, node, false)?;
-    Ok(StatusCode::ACCEPTED.into_response())
+    member_route(&api, q, &body, false)
 }
 
 /// A pattern of grow's body (absent: every name): a regular expression matched anywhere in

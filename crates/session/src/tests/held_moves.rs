@@ -136,16 +136,21 @@ impl Leader {
         let id = b.queue_id("/", name).expect("queue");
         b.committed_machine(id).expect("committed").ready_count()
     }
+
+    /// Moves the source's `n` messages into the target.
+    fn move_all(&mut self, n: u32) {
+        let moved = self
+            .node
+            .move_messages("/", "source", "target", n, self.now)
+            .expect("move");
+        assert_eq!(moved, n);
+    }
 }
 
 #[test]
 fn a_moved_message_leaves_its_source_once_its_copy_is_applied() {
     let mut l = Leader::new(2);
-    let moved = l
-        .node
-        .move_messages("/", "source", "target", 2, l.now)
-        .expect("move");
-    assert_eq!(moved, 2);
+    l.move_all(2);
     // Taken from the source, held until the copies' entries are applied.
     assert_eq!(l.counts("source"), 2, "held in flight, not gone");
     l.commit_all();
@@ -156,11 +161,7 @@ fn a_moved_message_leaves_its_source_once_its_copy_is_applied() {
 #[test]
 fn a_moved_message_whose_copy_is_lost_goes_back_to_its_source() {
     let mut l = Leader::new(2);
-    let moved = l
-        .node
-        .move_messages("/", "source", "target", 2, l.now)
-        .expect("move");
-    assert_eq!(moved, 2);
+    l.move_all(2);
     assert!(l.refuse_all() > 0, "the copies were proposed");
     // The leader falls back to its committed state and acts again; what it proposes then
     // (its new term's marker) is committed.
