@@ -2529,4 +2529,12 @@ async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
     let (_conn1, ch1) = channel(&c, 1).await;
     publish_confirmed(&ch1, &q, std::iter::once("after".to_owned())).await;
     wait_for_messages(&c, 3, &q, 5);
+    // grow: `even` passes over a queue of one voter; `all` with its name makes node 1 one.
+    let (ok, said) = ctl(2, &["grow", "1", "even"]);
+    assert!(ok, "{said}");
+    assert_eq!(members(2), [3]);
+    let pattern = format!("^{q}$");
+    let (ok, said) = ctl(2, &["grow", "1", "all", "--queue-pattern", &pattern]);
+    assert!(ok, "{said}");
+    assert_eq!(members(3), [1, 3]);
 }

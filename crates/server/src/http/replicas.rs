@@ -21,6 +21,8 @@ use super::{Admin, Api, ApiError};
 
 type ApiState = State<Arc<Api>>;
 type Answer = Result<Response, ApiError>;
+/// A queue (vhost, name) and its number of voters after a change, or why it was refused.
+type Outcome = (String, String, Result<usize, String>);
 
 pub fn routes() -> Router<Arc<Api>> {
     Router::new()
@@ -109,13 +111,47 @@ fn pattern(v: &Value, key: &str) -> Result<regex_lite::Regex, ApiError> {
 }
 
 /// Each queue's outcome, as `rabbitmq-queues shrink` lists them.
-fn outcomes(list: Vec<(String, String, Result<usize, String>)>) -> Value {
+fn outcomes(list: Vec<Outcome>) -> Value {
     list.into_iter()
         .map(|(vhost, name, r)| match r {
             Ok(size) => json!({"vhost": vhost, "name": name, "size": size, "result": "ok"}),
             Err(e) => json!({"vhost": vhost, "name": name, "result": "error", "error": e}),
         })
         .collect()
+}
+
+/// Makes `node` a voter of (`add`), or takes it off, each quorum queue that `wanted` picks by
+/// its vhost, name and voters (and that needs the change); each one's outcome, its new size
+/// or why not.
+fn change_each(
+    api: &Api,
+    node: u64,
+    add: bool,
+    wanted: impl Fn(&str, &str, &[u64]) -> bool,
+) -> Result<Vec<Outcome>, ApiError> {
+    let list = api
+        .node
+        .read(|n, _| {
+            let b = n.broker();
+            b.members_changeable().map(|()| b.quorum_queue_voters())
+        })
+        .map_err(member_error)?;
+    let mut done = Vec::new();
+    for (vhost, name, voters) in list {
+        if voters.contains(&node) == add || !wanted(&vhost, name.as_str(), &voters) {
+            continue;
+        }
+        let size = if add {
+            voters.len() + 1
+        } else {
+            voters.len() - 1
+        };
+        let r = change(api, &vhost, name.as_str(), node, add)
+            .map(|_| size)
+            .map_err(|e| e.reason().to_owned());
+        done.push((vhost, name.to_string(), r));
+    }
+    Ok(done)
 }
 
 /// Makes `node` a member of every quorum queue (`all`), or of those with an even number of
@@ -138,25 +174,9 @@ async fn grow(State(api): ApiState, _: Admin, Path(node): Path<String>, body: By
         }
     };
     let (vhosts, queues) = (pattern(&v, "vhost_pattern")?, pattern(&v, "queue_pattern")?);
-    let list = api.node.read(|n, _| {
-        let b = n.broker();
-        b.members_changeable().map(|()| b.quorum_queue_voters())
-    });
-    let list = list.map_err(member_error)?;
-    let mut done = Vec::new();
-    for (vhost, name, voters) in list {
-        if voters.contains(&node)
-            || (even && voters.len() % 2 != 0)
-            || !vhosts.is_match(&vhost)
-            || !queues.is_match(name.as_str())
-        {
-            continue;
-        }
-        let r = change(&api, &vhost, name.as_str(), node, true)
-            .map(|_| voters.len() + 1)
-            .map_err(|e| e.reason().to_owned());
-        done.push((vhost, name.to_string(), r));
-    }
+    let done = change_each(&api, node, true, |vhost, name, voters| {
+        (!even || voters.len() % 2 == 0) && vhosts.is_match(vhost) && queues.is_match(name)
+    })?;
     for (vhost, name, r) in &done {
         if let Err(error) = r {
             tracing::warn!(%vhost, queue = %name, node, %error, "a quorum queue did not grow");
@@ -170,21 +190,7 @@ async fn grow(State(api): ApiState, _: Admin, Path(node): Path<String>, body: By
 /// last member of.
 async fn shrink(State(api): ApiState, _: Admin, Path(node): Path<String>) -> Answer {
     let node = node_number(&api, &node)?;
-    let list = api.node.read(|n, _| {
-        let b = n.broker();
-        b.members_changeable().map(|()| b.quorum_queue_voters())
-    });
-    let list = list.map_err(member_error)?;
-    let mut done = Vec::new();
-    for (vhost, name, voters) in list {
-        if !voters.contains(&node) {
-            continue;
-        }
-        let r = change(&api, &vhost, name.as_str(), node, false)
-            .map(|_| voters.len() - 1)
-            .map_err(|e| e.reason().to_owned());
-        done.push((vhost, name.to_string(), r));
-    }
+    let done = change_each(&api, node, false, |_, _, _| true)?;
     tracing::info!(node, queues = done.len(), "quorum queues shrunk off a node");
     Ok((StatusCode::ACCEPTED, Json(outcomes(done))).into_response())
 }
