@@ -6070,3 +6070,30 @@ fn a_node_without_which_a_queue_has_no_majority_cannot_be_forgotten() {
         "{refused:?}"
     );
 }
+
+/// Queues with two voters of three nodes, all declared on node 1: a rebalance evens their
+/// leaders out over their voters (nodes 1 and 2), never asking the learner (node 3) to lead.
+#[test]
+fn a_rebalance_hands_a_queue_with_voters_of_its_own_only_to_one_of_them() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let names: Vec<String> = (0..6).map(|i| format!("pair-{i}")).collect();
+    for name in &names {
+        let mut args = quorum_args();
+        args.insert("x-quorum-initial-group-size", FieldValue::I32(2));
+        let ticket = declare_waiting(&mut c, 1, name, args);
+        declare_answer(&mut c, 1, ticket).expect("declared");
+    }
+    c.run(300);
+    let count = |c: &Cluster| {
+        let mut led: BTreeMap<u64, usize> = NODES.into_iter().map(|n| (n, 0)).collect();
+        for l in leaders_of(c, &names) {
+            *led.entry(l).or_default() += 1;
+        }
+        led
+    };
+    assert_eq!(count(&c)[&1], 6, "client-local: all on node 1");
+    assert!(c.broker(2).rebalance());
+    c.run(300);
+    assert_eq!(count(&c), BTreeMap::from([(1, 3), (2, 3), (3, 0)]));
+}

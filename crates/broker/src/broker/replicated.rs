@@ -1335,7 +1335,10 @@ impl Broker {
             return;
         }
         let mut led: BTreeMap<NodeId, usize> = eligible.iter().map(|n| (*n, 0)).collect();
-        let mut mine: Vec<u64> = Vec::new();
+        // The groups led here, each with the nodes that may lead it (its voters).
+        let mut mine: Vec<(u64, Vec<NodeId>)> = Vec::new();
+        let mut nodes = c.nodes.clone();
+        nodes.sort_unstable();
         for (group, id) in &c.groups {
             let Some(r) = self.queues.get(id).and_then(|q| q.replica.as_ref()) else {
                 continue;
@@ -1345,7 +1348,8 @@ impl Broker {
                 *count += 1;
             }
             if leader == me {
-                mine.push(*group);
+                let voters = super::queue_members::voters_in(r.voters.as_deref(), &nodes);
+                mine.push((*group, voters));
             }
         }
         // Above the even share rounded down, and only to a node at least two below: the
@@ -1355,16 +1359,20 @@ impl Broker {
         mine.sort_unstable();
         let mut transfers = Vec::new();
         while led.get(&me).copied().unwrap_or(0) > share {
-            let Some(group) = mine.pop() else { break };
-            let Some((&to, _)) = led
-                .iter()
-                .filter(|(n, _)| **n != me)
-                .min_by_key(|(n, count)| (**count, **n))
-            else {
+            let Some((group, voters)) = mine.pop() else {
                 break;
             };
+            // Only a voter can lead (a learner never stands): a queue with voters of its own
+            // goes to the least led of them, or stays.
+            let Some((&to, _)) = led
+                .iter()
+                .filter(|(n, _)| **n != me && voters.contains(n))
+                .min_by_key(|(n, count)| (**count, **n))
+            else {
+                continue;
+            };
             if led.get(&to).copied().unwrap_or(0) + 1 >= led.get(&me).copied().unwrap_or(0) {
-                break;
+                continue;
             }
             *led.entry(to).or_default() += 1;
             *led.entry(me).or_default() -= 1;
