@@ -29,7 +29,7 @@ pub use metadata_group::{
 };
 use persistence::*;
 use publish::*;
-pub use queue_members::MemberError;
+pub use queue_members::{voters_in, MemberError};
 pub use remote_get::{GetAnswer, Got, GET_WAIT_MS};
 use replicated::not_led_here;
 pub use replicated::{

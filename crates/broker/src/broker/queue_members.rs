@@ -174,7 +174,7 @@ impl Broker {
 
 /// A queue's voters as Raft takes them: those of its own still in the cluster (sorted), else
 /// every node of `nodes` (sorted).
-pub(super) fn voters_in(own: Option<&[NodeId]>, nodes: &[NodeId]) -> Vec<NodeId> {
+pub fn voters_in(own: Option<&[NodeId]>, nodes: &[NodeId]) -> Vec<NodeId> {
     let mut voters: Vec<NodeId> = own
         .unwrap_or_default()
         .iter()

@@ -111,13 +111,8 @@ pub fn with_members(
             .cloned()
             .unwrap_or_else(|| format!("warren-{n}"))
     };
-    // As Raft takes them: those still in the cluster, else every node.
-    let mut voters: Vec<u64> = s.voters.clone().unwrap_or_default();
-    voters.retain(|n| names.contains_key(n));
-    voters.sort_unstable();
-    if voters.is_empty() {
-        voters = names.keys().copied().collect();
-    }
+    let nodes: Vec<u64> = names.keys().copied().collect();
+    let voters = warren_broker::voters_in(s.voters.as_deref(), &nodes);
     let members: Vec<Value> = voters.iter().map(|n| name(*n).into()).collect();
     let online: Vec<Value> = voters
         .iter()
