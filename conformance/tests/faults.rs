@@ -739,6 +739,8 @@ impl Drop for Paused {
 
 /// Runs `rounds` faults, one at a time with a pause between, on the fault thread (the cluster's
 /// calls block). Returns the cluster once every node is back and sees a metadata leader.
+/// With `members`, each round first changes the queue's voters (see [`change_members`]), so
+/// that the group's membership change runs into the fault.
 fn inject(
     mut c: TestCluster,
     rounds: u64,
@@ -746,10 +748,15 @@ fn inject(
     q: &str,
     addrs: &Addrs,
     h: &Shared,
+    members: bool,
 ) -> TestCluster {
     let mut rng = Rng(seed);
     for round in 1..=rounds {
         std::thread::sleep(rng.millis(1000, 2500));
+        if members {
+            change_members(&c, q, &mut rng, round);
+            std::thread::sleep(rng.millis(0, 300));
+        }
         // Half the faults hit the queue's leader, the rest a random node.
         let node = if rng.below(2) == 0 {
             c.leader_of(q, rng.below(3) + 1)
@@ -902,6 +909,176 @@ async fn replicated_queue_history_under_kills_and_pauses() {
         "two nodes led the queue in one term (seed {seed})"
     );
     drop(c);
+}
+
+/// The fault test with the queue's voters changing under it: a quorum queue of two voters on
+/// three nodes (`x-quorum-initial-group-size` 2, the third node a learner), and before each
+/// fault a voter taken off (while it has three) or a learner made one, through a random node's
+/// API (RabbitMQ's `replicas/delete` and `replicas/add`). Nothing confirmed may be lost, no two
+/// nodes may lead in one term, and once the faults end every node must list the same voters and
+/// its Raft group must have exactly those as voters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicated_queue_history_under_member_changes() {
+    if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        return; // spawns and kills its own cluster
+    }
+    let rounds = env_u64("WARREN_FAULT_ROUNDS").unwrap_or(8);
+    let seed = seed();
+    eprintln!(
+        "members: {rounds} rounds, seed {seed} (WARREN_FAULT_SEED={seed} repeats the choices)"
+    );
+    let mut rng = Rng(seed);
+    let c = TestCluster::start_partitionable(3, 20, SNAPSHOTS);
+    let q = unique("members");
+    {
+        let conn = c.node(1).connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        args.insert(
+            "x-quorum-initial-group-size".into(),
+            AMQPValue::LongLongInt(2),
+        );
+        let durable = lapin::options::QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        ch.queue_declare(q.as_str().into(), durable, args)
+            .await
+            .expect("declare the queue of two voters");
+    }
+    c.leader_of(&q, 1);
+    known_everywhere(&c, &q);
+    assert_eq!(voters_of(&c, &q, 2).as_deref(), Some(&[1, 2][..]));
+    let addrs: Addrs = Arc::new(Mutex::new(addrs_of(&c)));
+    let load = Load::start(&q, &addrs, &mut rng);
+    let started = Instant::now();
+    let Run {
+        c,
+        h,
+        report,
+        samples,
+        faults_took,
+        drained,
+        sessions,
+    } = run_faults_on(c, load, rounds, &mut rng, seed, true).await;
+    eprintln!(
+        "members: {rounds} rounds in {:.1} s, drained in {:.1} s, {sessions} consumer sessions, \
+         leaders seen in {} terms ({} reads), seed {seed}",
+        faults_took.as_secs_f64(),
+        drained.as_secs_f64(),
+        samples.leaders.len(),
+        samples.reads,
+    );
+    eprintln!("members: {report}");
+    report.explain(&h, started, &addrs, &q).await;
+    report.assert_ok(seed);
+    assert_eq!(
+        samples.terms_with_two_leaders(),
+        vec![],
+        "two nodes led the queue in one term (seed {seed})"
+    );
+    // The nodes agree on the voters the log settled on, and each group has exactly them.
+    let start = Instant::now();
+    loop {
+        let lists: Vec<Option<Vec<u64>>> = (1..=3).map(|n| voters_of(&c, &q, n)).collect();
+        let groups: Vec<Option<(String, Vec<u64>)>> =
+            (1..=3).map(|n| raft_membership(&c, &q, n)).collect();
+        let agreed = lists.iter().all(|l| l.is_some() && *l == lists[0]);
+        let settled = agreed
+            && (1..=3u64).all(|n| {
+                let voters = lists[0].as_deref().unwrap_or_default();
+                let want = if voters.contains(&n) {
+                    "voter"
+                } else {
+                    "non_voter"
+                };
+                groups[n as usize - 1]
+                    .as_ref()
+                    .is_some_and(|(role, v)| role == want && v == voters)
+            });
+        if settled {
+            eprintln!("members: the queue's voters at the end: {:?}", lists[0]);
+            break;
+        }
+        assert!(
+            start.elapsed() < REJOIN_PATIENCE,
+            "the nodes' voters {lists:?} and their groups' memberships {groups:?} did not \
+             settle (seed {seed})"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(c);
+}
+
+/// The voters of `q` as node `n`'s API lists them (its `members`), in number order; `None`
+/// when the node does not answer with the queue.
+fn voters_of(c: &TestCluster, q: &str, n: u64) -> Option<Vec<u64>> {
+    let api = warren_conformance::http::Api::of(c.node(n));
+    let (status, v) = api.call("GET", &format!("/queues/%2f/{q}"), None);
+    if status != 200 {
+        return None;
+    }
+    let mut voters: Vec<u64> = v["members"]
+        .as_array()?
+        .iter()
+        .filter_map(|m| m.as_str().and_then(node_number))
+        .collect();
+    voters.sort_unstable();
+    Some(voters)
+}
+
+/// What node `n`'s Raft group of `q` says of it (`voter`, `non_voter`), and the group's voters in
+/// number order (the queue's quorum status).
+fn raft_membership(c: &TestCluster, q: &str, n: u64) -> Option<(String, Vec<u64>)> {
+    let api = warren_conformance::http::Api::of(c.node(n));
+    let (status, v) = api.call("GET", &format!("/queues/%2f/{q}/quorum-status"), None);
+    if status != 200 {
+        return None;
+    }
+    let mut voters: Vec<u64> = v["members"]
+        .as_array()?
+        .iter()
+        .filter_map(|m| m.as_str().and_then(node_number))
+        .collect();
+    voters.sort_unstable();
+    Some((v["membership"].as_str()?.to_owned(), voters))
+}
+
+/// Changes `q`'s voters through a random node's API: one of three taken off, else a learner
+/// made a voter. A change is an entry of the metadata log; one answered with an error (no
+/// metadata leader in a fault's aftermath) may still be applied later, which the next round
+/// reads back. Printed either way.
+fn change_members(c: &TestCluster, q: &str, rng: &mut Rng, round: u64) {
+    let asked = rng.below(3) + 1;
+    let Some(voters) = voters_of(c, q, asked) else {
+        eprintln!("members: round {round}: node {asked} does not list the queue's voters");
+        return;
+    };
+    let (add, node) = if voters.len() >= 3 {
+        (false, voters[rng.below(voters.len() as u64) as usize])
+    } else {
+        let others: Vec<u64> = (1..=3).filter(|n| !voters.contains(n)).collect();
+        (true, others[rng.below(others.len() as u64) as usize])
+    };
+    let (method, verb) = if add {
+        ("POST", "add")
+    } else {
+        ("DELETE", "delete")
+    };
+    let api = warren_conformance::http::Api::of(c.node(asked));
+    let (status, v) = api.call(
+        method,
+        &format!("/queues/quorum/%2f/{q}/replicas/{verb}"),
+        Some(serde_json::json!({ "node": node.to_string() })),
+    );
+    eprintln!(
+        "members: round {round}: {verb} node {node} of voters {voters:?} through node {asked}: \
+         {status} {v}"
+    );
 }
 
 /// The delay of a message given back in [`replicated_task_queue_history_under_faults`]
@@ -1090,14 +1267,27 @@ struct Run {
 /// Runs `rounds` faults on `c` while `load` runs and a [`Sampler`] reads every node's metrics,
 /// then lets the consumers drain the queue and checks the history.
 async fn run_faults(c: TestCluster, load: Load, rounds: u64, rng: &mut Rng, seed: u64) -> Run {
+    run_faults_on(c, load, rounds, rng, seed, false).await
+}
+
+/// [`run_faults`], with the queue's voters changed before each fault when `members` is set.
+async fn run_faults_on(
+    c: TestCluster,
+    load: Load,
+    rounds: u64,
+    rng: &mut Rng,
+    seed: u64,
+    members: bool,
+) -> Run {
     let h = load.h.clone();
     let sampler = Sampler::start(&load.addrs, &load.q);
     let started = Instant::now();
     let fault_seed = rng.next();
     let (fq, fa, fh) = (load.q.clone(), load.addrs.clone(), h.clone());
-    let c = tokio::task::spawn_blocking(move || inject(c, rounds, fault_seed, &fq, &fa, &fh))
-        .await
-        .expect("the fault thread");
+    let c =
+        tokio::task::spawn_blocking(move || inject(c, rounds, fault_seed, &fq, &fa, &fh, members))
+            .await
+            .expect("the fault thread");
     let faults_took = started.elapsed();
     // Healed: the publishers stop, the consumers drain what is left.
     tokio::time::sleep(Duration::from_millis(500)).await;
