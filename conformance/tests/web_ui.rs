@@ -279,15 +279,17 @@ async fn publish(ch: &Channel, queue: &str, body: &str) {
     .unwrap();
 }
 
-#[tokio::test]
-async fn web_ui_shows_overview_queues_queue_and_connections() {
+/// The browser for a test of the page, or `None` (said why) when the test is to pass without one: against
+/// an external broker, or where Chromium is missing and not required.
+fn browser() -> Option<PathBuf> {
     if std::env::var_os("WARREN_TEST_URL").is_some_and(|v| !v.is_empty()) {
         eprintln!(
             "web_ui: skipped, WARREN_TEST_URL names an external broker (the page is Warren's)"
         );
-        return;
+        return None;
     }
-    let Some(chromium) = chromium() else {
+    let found = chromium();
+    if found.is_none() {
         if std::env::var("WARREN_TEST_REQUIRE_CHROMIUM").is_ok_and(|v| v == "1") {
             panic!(
                 "WARREN_TEST_REQUIRE_CHROMIUM=1 but no chromium on the PATH (or WARREN_CHROMIUM)"
@@ -297,6 +299,13 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
             "web_ui: SKIPPED, Chromium is not installed (apt-get install chromium, or set WARREN_CHROMIUM; \
              scripts/test installs it)"
         );
+    }
+    found
+}
+
+#[tokio::test]
+async fn web_ui_shows_overview_queues_queue_and_connections() {
+    let Some(chromium) = browser() else {
         return;
     };
     let broker = TestBroker::start();
@@ -683,4 +692,79 @@ async fn web_ui_shows_overview_queues_queue_and_connections() {
     let r = row(&dom, "data-shovel", "ui-half").unwrap_or_else(|| panic!("no shovel row:\n{dom}"));
     assert_eq!(cell(r, "forwarded"), "1 of 3");
     assert!(r.contains("data-testid=\"shovel-progress\""), "{r}");
+}
+
+/// A quorum queue's page on a cluster lists every node: its two members (x-quorum-initial-group-size 2)
+/// as voters in the Raft group, one of them the leader, each with a button to take it off, and the third
+/// node as a learner with a button to make it a member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn web_ui_shows_a_quorum_queues_members_on_a_cluster() {
+    let Some(chromium) = browser() else {
+        return;
+    };
+    let c = warren_conformance::cluster::TestCluster::start(3, 20);
+    let q = warren_conformance::unique("ui-pair");
+    let conn = c.node(1).connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    args.insert(
+        "x-quorum-initial-group-size".into(),
+        AMQPValue::LongLongInt(2),
+    );
+    declare(&ch, &q, args).await;
+    let api = warren_conformance::http::Api::of(c.node(1));
+    let name = |n: u64| {
+        let (_, v) = warren_conformance::http::Api::of(c.node(n)).call("GET", "/overview", None);
+        v["node"].as_str().expect("a node name").to_owned()
+    };
+    let names: Vec<String> = (1..=3).map(name).collect();
+    // Until node 3's group has it as a learner and a leader is chosen, the page could show less.
+    let start = Instant::now();
+    loop {
+        let (_, v) = api.call("GET", &format!("/queues/%2f/{q}/quorum-status"), None);
+        let learners = v["learners"].as_array().map_or(0, Vec::len);
+        if learners == 1 && v["leader"].is_string() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the group of {q}: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let http = c.node(1).http_url().expect("the management API").to_owned();
+    let dom = view(
+        &chromium,
+        format!("{http}/#/queues/%2F/{q}?user=guest&pass=guest"),
+    )
+    .await;
+    let section =
+        open_tag(&dom, "data-testid", "queue-members-section").expect("the members section");
+    assert!(
+        !section.contains(" hidden"),
+        "the members section is hidden:\n{dom}"
+    );
+    let mut leaders = 0;
+    for (i, node) in names.iter().enumerate() {
+        let r =
+            row(&dom, "data-member", node).unwrap_or_else(|| panic!("no row for {node}:\n{dom}"));
+        let raft = cell(r, "raft");
+        if i < 2 {
+            assert_eq!(cell(r, "member"), "yes", "{r}");
+            assert!(raft.starts_with("voter"), "{node}: {raft}");
+            assert_eq!(cell(r, "online"), "yes", "{r}");
+            assert!(r.contains("data-testid=\"member-delete\""), "{r}");
+            leaders += usize::from(raft.contains("leader"));
+        } else {
+            assert_eq!(cell(r, "member"), "no", "{r}");
+            assert_eq!(raft, "learner", "{r}");
+            assert!(r.contains("data-testid=\"member-add\""), "{r}");
+        }
+    }
+    assert_eq!(leaders, 1, "one leader among the members:\n{dom}");
+    drop(conn);
 }
