@@ -39,6 +39,15 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+# Each member keeps the messages' contents (in its log, then in away/ files and snapshots): about
+# 2.5 KB a message per member at its peak, by the 1,000,000-message runs in docs/benchmarks.md.
+need=$(( MESSAGES * 3 * 2500 / 1024 / 1024 ))
+free=$(df -Pm "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}')
+if [ "$free" -lt "$need" ]; then
+    echo "$MESSAGES messages need about $need MB on ${TMPDIR:-/tmp} for three members; $free MB are free" >&2
+    echo "(set TMPDIR to a folder on a larger disk, or pass fewer --messages)" >&2
+    exit 1
+fi
 # shellcheck source=bench/warren-cluster.sh
 . "$ROOT/bench/warren-cluster.sh"
 rate() { python3 -c "import json,sys; print(round(json.load(open(sys.argv[1]))[sys.argv[2]]))" "$1" "$2"; }
@@ -66,6 +75,7 @@ for n in 1 2 3; do
 done
 echo "backlog: $MESSAGES published through node $leader (the leader) at $(rate "$WARREN_CLUSTER_DIR/backlog.json" publish_rate) msg/s"
 echo "RSS after the backlog (MB):$(rss)"
+echo "data directories after the backlog (MB):$(disk)"
 echo "peak RSS so far (MB):$(rss VmHWM)"
 echo "messages whose contents are out of memory:${away:- (none reported)}"
 if [ -n "$RESTART" ]; then

@@ -2,7 +2,7 @@
 # Sourced by the benchmarks that start a 3-node Warren cluster of their own (scripts/cluster, in a
 # temporary folder, ports 5701-5703): checks the binaries and the ports, starts the cluster, stops
 # it and removes its folder on exit. Expects ROOT (the repository); sets WARREN_BIN, BENCH and
-# WARREN_CLUSTER_DIR; defines rss and declare_quorum.
+# WARREN_CLUSTER_DIR; defines rss, disk and declare_quorum.
 
 TARGET=${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}
 export WARREN_BIN=${WARREN_BIN:-$TARGET/release/warren}
@@ -29,6 +29,14 @@ rss() { # the three nodes' VmRSS (or, given VmHWM, their peak) in MB
     local out="" n field=${1:-VmRSS}
     for n in 1 2 3; do
         out="$out $(awk -v f="^$field" '$0 ~ f {printf "%.0f", $2 / 1024}' "/proc/$(cat "$WARREN_CLUSTER_DIR/node$n.pid")/status")"
+    done
+    echo "$out"
+}
+
+disk() { # the three nodes' data directories, in MB
+    local out="" n
+    for n in 1 2 3; do
+        out="$out $(du -sm "$WARREN_CLUSTER_DIR/node$n" 2>/dev/null | cut -f1)"
     done
     echo "$out"
 }

@@ -49,6 +49,7 @@ use warren_codec::{FieldTable, ShortStr};
 use crate::Overflow;
 use crate::{node_of, ConnId, NodeId};
 
+mod in_order;
 mod snapshot;
 pub use snapshot::{Restoring, SnapshotError, SNAPSHOT_PREFIX, SNAPSHOT_VERSION};
 
@@ -845,6 +846,8 @@ struct SpilledRun<S> {
     len: usize,
     /// What tells it from another run of the same ids ([`spill_mark`]).
     mark: u64,
+    /// How many of its messages have an expiry (its pairs the in-order deque may fold).
+    expiring: usize,
     handle: S,
 }
 
@@ -1017,6 +1020,18 @@ impl<P> PackedRun<P> {
             .iter()
             .enumerate()
             .map(|(i, p)| self.entry(p, self.group_at(i)))
+    }
+
+    /// `(expires_at, id)` of its messages with an expiry, in order.
+    fn expiry_pairs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.items
+            .iter()
+            .filter(|p| p.expiry > 0)
+            .map(|p| (self.base.saturating_add(u64::from(p.expiry - 1)), p.id))
+    }
+
+    fn expiring(&self) -> usize {
+        self.items.iter().filter(|p| p.expiry > 0).count()
     }
 
     /// Takes message `i` out of the run, rebuilt.
@@ -1258,8 +1273,9 @@ pub struct QueueMachine<M: crate::Payload> {
     /// The same for messages of the line whose expiries come in id order (a queue TTL: each
     /// message expires after the one before it): a deque, so the common case costs no tree
     /// node per message. Every entry's message is in `ready`, or in the tail of a queue that
-    /// does not page (a packed line's: [`Self::pack_line`]); `expiries` holds the rest.
-    expiries_in_order: VecDeque<(u64, u64)>,
+    /// does not page (a packed line's: [`Self::pack_line`]); `expiries` holds the rest. The
+    /// pairs of a run written out of memory are folded while it is out (node-local).
+    expiries_in_order: in_order::InOrder,
     ready_bytes: u64,
     in_flight_bytes: u64,
     /// Message groups with a message in flight or waiting for its retry, and that message's
@@ -1336,7 +1352,7 @@ impl<M: crate::Payload> Default for QueueMachine<M> {
             dedup_next: 0,
             dead: BTreeMap::new(),
             expiries: BTreeSet::new(),
-            expiries_in_order: VecDeque::new(),
+            expiries_in_order: in_order::InOrder::default(),
             ready_bytes: 0,
             in_flight_bytes: 0,
             group_locks: BTreeMap::new(),
@@ -1587,7 +1603,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         }
         shrink(&mut self.ready);
         shrink(&mut self.tail);
-        shrink(&mut self.expiries_in_order);
+        self.expiries_in_order.shrink(SHRINK_ABOVE);
     }
 
     fn enqueue_new(&mut self, message: M, meta: MsgMeta, effects: &mut Vec<Effect<M>>) -> Reply {
@@ -2400,7 +2416,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             && self
                 .expiries_in_order
                 .back()
-                .is_none_or(|&(last, last_id)| at >= last && id > last_id);
+                .is_none_or(|(last, last_id)| at >= last && id > last_id);
         if in_order {
             self.expiries_in_order.push_back((at, id));
         } else {
@@ -2411,7 +2427,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// A ready message leaves with its expiry (taken from the head of `ready`, or anywhere
     /// else through the index).
     fn untrack_expiry(&mut self, at: u64, id: u64) {
-        if self.expiries_in_order.front() == Some(&(at, id)) {
+        if self.expiries_in_order.front() == Some((at, id)) {
+            self.unfold_front();
             self.expiries_in_order.pop_front();
         } else {
             self.expiries.remove(&(at, id));
@@ -2674,8 +2691,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// What leaves `ready` for a page out (messages from id `first` on) takes its expiry to the
     /// index.
     fn expiries_leave_ready(&mut self, first: u64) {
-        while let Some(&(at, id)) = self.expiries_in_order.back().filter(|e| e.1 >= first) {
-            self.expiries_in_order.pop_back();
+        while let Some((at, id)) = self.expiries_in_order.pop_back_from(first) {
             self.expiries.insert((at, id));
         }
     }
@@ -2882,9 +2898,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         for slot in old {
             match slot {
                 Slot::Packed(run) => self.tail.extend(run.entries().map(Slot::Msg)),
-                Slot::Spilled(run) => {
-                    self.tail
-                        .extend(read_spilled::<M>(&run).entries().map(Slot::Msg));
+                Slot::Spilled(spilled) => {
+                    let run = read_spilled::<M>(&spilled);
+                    self.expiries_in_order
+                        .unfold(spilled.first, run.expiry_pairs());
+                    self.tail.extend(run.entries().map(Slot::Msg));
                 }
                 other => self.tail.push_back(other),
             }
@@ -2947,6 +2965,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             last += 1;
         }
         let mut spilled = 0;
+        let mut folds = Vec::new();
         for i in from..last {
             let Some(slot) = self.tail.get_mut(i) else {
                 break;
@@ -2970,6 +2989,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             let (meta, items) = run.spill_parts();
             let mark = spill_mark::<M>(&meta, &items);
             let len = items.len();
+            let expiring = run.expiring();
             let same = like
                 .and_then(|l| l.spilled_at(first))
                 .filter(|s| s.len == len && s.last == run_last && s.mark == mark);
@@ -2983,6 +3003,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
                             last: run_last,
                             len,
                             mark,
+                            expiring,
                             handle,
                         });
                     }
@@ -2992,8 +3013,54 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             }
             self.spill_seen = self.spill_seen.max(first);
             spilled += len;
+            folds.push((first, run_last, expiring));
+        }
+        for (first, last, expiring) in folds {
+            self.expiries_in_order.fold(first, last, expiring);
         }
         spilled
+    }
+
+    /// Reads back the run whose pairs come first in the in-order deque, if they are folded
+    /// (before the front pair is taken).
+    fn unfold_front(&mut self) {
+        let Some(run) = self.expiries_in_order.front_fold() else {
+            return;
+        };
+        let at = self.tail.binary_search_by_key(&run, Slot::first_id).ok();
+        match at.and_then(|i| self.tail.get(i)) {
+            Some(Slot::Spilled(_)) => {
+                if let Some(i) = at {
+                    self.unspill_at(i);
+                }
+            }
+            // A fold outlives its spilled run only by a fault of this machine's: its pairs
+            // come from the run if it is in memory, else they go (those messages then expire
+            // when they reach the head) rather than stop the line's expiries for good.
+            slot => {
+                debug_assert!(false, "a fold outlived its run {run}");
+                let pairs: Vec<(u64, u64)> = match slot {
+                    Some(Slot::Packed(r)) => r.expiry_pairs().collect(),
+                    _ => Vec::new(),
+                };
+                self.expiries_in_order.unfold(run, pairs);
+            }
+        }
+    }
+
+    /// The pairs of the spilled run whose first id is `run`, read back (none if there is no
+    /// such run).
+    fn spilled_pairs(&self, run: u64) -> Vec<(u64, u64)> {
+        self.spilled_at(run)
+            .map(|s| read_spilled::<M>(s).expiry_pairs().collect())
+            .unwrap_or_default()
+    }
+
+    /// The in-order expiries, folded ones read back from their runs: the same sequence on
+    /// every node.
+    fn in_order_pairs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.expiries_in_order
+            .iter_with(move |run| self.spilled_pairs(run))
     }
 
     /// The spilled run whose first message is `first`, if there is one.
@@ -3012,10 +3079,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// many messages it wrote (0: not such a run), `None` if the payload refused.
     fn spill_slot(slot: &mut Slot<M>, min: usize) -> Option<usize> {
         let first = slot.first_id();
-        let (meta, items, last) = match slot {
+        let (meta, items, last, expiring) = match slot {
             Slot::Packed(run) if run.len() >= min.max(1) => {
                 let (meta, items) = run.spill_parts();
-                (meta, items, run.items.back().map_or(first, |p| p.id))
+                let last = run.items.back().map_or(first, |p| p.id);
+                (meta, items, last, run.expiring())
             }
             _ => return Some(0),
         };
@@ -3027,6 +3095,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             last,
             len,
             mark,
+            expiring,
             handle,
         });
         Some(len)
@@ -3046,7 +3115,12 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
     /// Brings tail slot `i` back into memory if it is a spilled run.
     fn unspill_at(&mut self, i: usize) {
         let run = match self.tail.get(i) {
-            Some(Slot::Spilled(run)) => read_spilled::<M>(run),
+            Some(Slot::Spilled(spilled)) => {
+                let run = read_spilled::<M>(spilled);
+                self.expiries_in_order
+                    .unfold(spilled.first, run.expiry_pairs());
+                run
+            }
             _ => return,
         };
         if let Some(slot) = self.tail.get_mut(i) {
@@ -3448,7 +3522,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         // message sits in the line, which is not part of the state (a replicated queue's
         // member packs its line as it likes).
         loop {
-            let in_order = self.expiries_in_order.front().copied();
+            let in_order = self.expiries_in_order.front();
             let index = self.expiries.first().copied();
             let ((at, id), from_in_order) = match (in_order, index) {
                 (Some(a), Some(b)) if a <= b => (a, true),
@@ -3461,7 +3535,11 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
             }
             let entry = if from_in_order {
                 // Its message is in `ready`, nearly always at its head, or (a packed line's)
-                // at the front of the tail.
+                // at the front of the tail (its run read back first if it was written out).
+                self.unfold_front();
+                if self.expiries_in_order.front() != Some((at, id)) {
+                    continue;
+                }
                 self.expiries_in_order.pop_front();
                 self.take_expiring(id)
             } else {
@@ -3538,7 +3616,7 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         } else {
             min_opt(
                 self.expiries.first().map(|&(at, _)| at),
-                self.expiries_in_order.front().map(|&(at, _)| at),
+                self.expiries_in_order.front().map(|(at, _)| at),
             )
         };
         let first = min_opt(first, self.visibility.first().map(|&(at, _)| at));
@@ -4576,8 +4654,8 @@ impl<M: Clone + Hash + crate::Payload> QueueMachine<M> {
         self.has_had_consumers.hash(&mut h);
         // One set, whichever of the two holds each expiry (packing moves some: node-local).
         (self.expiries_in_order.len() + self.expiries.len()).hash(&mut h);
-        let mut in_order = self.expiries_in_order.iter().peekable();
-        let mut index = self.expiries.iter().peekable();
+        let mut in_order = self.in_order_pairs().peekable();
+        let mut index = self.expiries.iter().copied().peekable();
         loop {
             let next = match (in_order.peek(), index.peek()) {
                 (Some(a), Some(b)) if a <= b => in_order.next(),
@@ -5105,6 +5183,86 @@ mod tests {
         }
         assert_eq!(spilled.ready_count(), 0);
         assert_eq!(spilled.spilled_count(), 0);
+        assert_eq!(spilled.digest(), whole.digest());
+    }
+
+    /// A queue TTL's line (every message expires after the one before it, a log entry's
+    /// messages at the same time) keeps no pair per message for its runs written out of
+    /// memory: their pairs are folded, read back with the run, and everything the machine
+    /// does is as with the whole line (expiries at the front and in a run's middle, digests,
+    /// a snapshot, the drain).
+    #[test]
+    fn a_queue_ttls_spilled_runs_keep_no_expiry_per_message() {
+        let run = PACKED_RUN as u64;
+        let n = 6 * run + 100;
+        // A hundred messages an entry, as a busy publisher's: the same expiry each.
+        let meta = |id: u64| MsgMeta {
+            size: 3,
+            expires_at: Some(100_000 + id / 100),
+            ..MsgMeta::default()
+        };
+        let mut spilled = QueueMachine::new();
+        let mut whole = QueueMachine::new();
+        enqueue_metas(&mut spilled, 0..n, meta);
+        enqueue_metas(&mut whole, 0..n, meta);
+        assert_eq!(spilled.expiries_in_order.in_memory(), n as usize);
+        spilled.pack_line(16, n - 1);
+        // All but the first run and the last (it may still grow).
+        assert_eq!(spilled.spill_line(1, 64), 5 * PACKED_RUN);
+        assert_eq!(spilled.expiries_in_order.len(), n as usize);
+        let kept = spilled.expiries_in_order.in_memory();
+        assert_eq!(kept, n as usize - 5 * PACKED_RUN + 5, "five runs folded");
+        assert_eq!(spilled.digest(), whole.digest());
+        // The head expires into the first spilled run, then into the middle of the next.
+        for now in [100_001 + (run + 50) / 100, 100_001 + (2 * run + 3000) / 100] {
+            let meta = Meta {
+                index: spilled.last_index() + 1,
+                now_ms: now,
+            };
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            spilled.apply(meta, Command::Tick, &mut a);
+            whole.apply(meta, Command::Tick, &mut b);
+            assert!(!a.is_empty());
+            assert_eq!(a, b, "the same expiries at {now}");
+            assert_eq!(spilled.digest(), whole.digest());
+            assert_eq!(spilled.next_deadline(), whole.next_deadline());
+        }
+        assert!(spilled.spilled_count() < 5 * PACKED_RUN, "runs read back");
+        assert_eq!(
+            spilled.expiries_in_order.len(),
+            whole.expiries_in_order.len()
+        );
+        // More comes and is spilled; a consumer drains both lines the same way.
+        enqueue_metas(&mut spilled, n..n + 2 * run, meta);
+        enqueue_metas(&mut whole, n..n + 2 * run, meta);
+        spilled.pack_line(16, n + 2 * run - 1);
+        assert!(spilled.spill_line(1, 64) > 0);
+        assert!(spilled.expiries_in_order.in_memory() < spilled.expiries_in_order.len() / 2);
+        assert_eq!(spilled.digest(), whole.digest());
+        for m in [&mut spilled, &mut whole] {
+            step_at_zero(
+                m,
+                Command::Consume {
+                    id: ConsumerId(1),
+                    spec: spec(1, 100, false),
+                },
+            );
+        }
+        let mut rounds = 0;
+        while whole.ready_count() > 0 {
+            rounds += 1;
+            assert!(rounds < 10_000, "the lines do not drain");
+            let a = step_at_zero(&mut spilled, Command::Checkout { max: 100 });
+            let b = step_at_zero(&mut whole, Command::Checkout { max: 100 });
+            assert_eq!(a, b, "the same deliveries in round {rounds}");
+            for r in receipts_of(&a) {
+                assert_eq!(
+                    step_at_zero(&mut spilled, Command::Settle { receipt: r }),
+                    step_at_zero(&mut whole, Command::Settle { receipt: r })
+                );
+            }
+        }
+        assert_eq!(spilled.expiries_in_order.len(), 0);
         assert_eq!(spilled.digest(), whole.digest());
     }
 

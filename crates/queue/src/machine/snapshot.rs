@@ -190,16 +190,25 @@ fn put_dedup_key(out: &mut BytesMut, key: &DedupKey) {
     out.put_slice(&key.bytes);
 }
 
-fn put_pairs<'a>(
+fn put_pairs(
     out: &mut SnapOut,
     n: usize,
-    pairs: impl Iterator<Item = &'a (u64, u64)>,
+    pairs: impl Iterator<Item = (u64, u64)>,
 ) -> Result<(), SnapshotError> {
     put_len(out, n);
+    let mut written = 0;
     for (a, b) in pairs {
-        out.put_u64(*a);
-        out.put_u64(*b);
+        out.put_u64(a);
+        out.put_u64(b);
         out.spill()?;
+        written += 1;
+    }
+    // Folded expiries are read back from their runs as they are written: a count that does
+    // not match would make the snapshot unreadable, so it is not written.
+    if written != n {
+        return Err(SnapshotError::Write(format!(
+            "{written} expiries written of {n} counted"
+        )));
     }
     Ok(())
 }
@@ -437,7 +446,7 @@ impl QueueMachine<Message> {
             out.put_u64(*at);
             put_entry(out, e)?;
         }
-        put_pairs(out, self.retry_due.len(), self.retry_due.iter())?;
+        put_pairs(out, self.retry_due.len(), self.retry_due.iter().copied())?;
         put_len(out, self.parked.len());
         for (g, line) in &self.parked {
             out.put_u64(g.get());
@@ -480,8 +489,12 @@ impl QueueMachine<Message> {
             put_opt_u64(out, t.ack_deadline);
             out.spill()?;
         }
-        put_pairs(out, self.visibility.len(), self.visibility.iter())?;
-        put_pairs(out, self.ack_deadlines.len(), self.ack_deadlines.iter())?;
+        put_pairs(out, self.visibility.len(), self.visibility.iter().copied())?;
+        put_pairs(
+            out,
+            self.ack_deadlines.len(),
+            self.ack_deadlines.iter().copied(),
+        )?;
 
         put_len(out, self.consumers.len());
         for (id, c) in &self.consumers {
@@ -507,19 +520,21 @@ impl QueueMachine<Message> {
             put_opt_u64(out, c.limit.map(u64::from));
         }
 
-        put_pairs(out, self.expiries.len(), self.expiries.iter())?;
-        put_pairs(
-            out,
-            self.expiries_in_order.len(),
-            self.expiries_in_order.iter(),
-        )?;
+        put_pairs(out, self.expiries.len(), self.expiries.iter().copied())?;
+        // Folded pairs read back from their runs: a snapshot holds every pair, as a node that
+        // folded none would write it.
+        put_pairs(out, self.expiries_in_order.len(), self.in_order_pairs())?;
         put_len(out, self.enqueuers.len());
         for (id, e) in &self.enqueuers {
             out.put_u64(id.0);
             out.put_u64(e.seq);
             put_opt_u64(out, e.refused);
         }
-        put_pairs(out, self.expiry_caps.len(), self.expiry_caps.iter())?;
+        put_pairs(
+            out,
+            self.expiry_caps.len(),
+            self.expiry_caps.iter().copied(),
+        )?;
         match version {
             1 => {}
             2 => put_opt_u64(out, self.handoff),
@@ -721,6 +736,37 @@ impl SnapReader {
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             out.push((self.u64(what)?, self.u64(what)?));
+        }
+        Ok(out)
+    }
+
+    /// The in-order expiries, the pairs of the line's spilled runs folded as they come (a deep
+    /// TTL queue's were all in memory until the machine was built).
+    fn in_order(
+        &mut self,
+        packed: Option<&PackedTail>,
+    ) -> Result<super::in_order::InOrder, SnapshotError> {
+        let spilled: Vec<(u64, u64, usize)> = packed
+            .into_iter()
+            .flat_map(|p| p.slots.iter())
+            .filter_map(|s| match s {
+                Slot::Spilled(r) => Some((r.first, r.last, r.expiring)),
+                _ => None,
+            })
+            .collect();
+        let mut runs = spilled.into_iter().peekable();
+        let what = "expiries in order";
+        let n = self.count(16, what)?;
+        let mut out = super::in_order::InOrder::default();
+        for _ in 0..n {
+            let pair = (self.u64(what)?, self.u64(what)?);
+            while let Some((first, last, expiring)) = runs.next_if(|r| r.1 < pair.1) {
+                out.fold(first, last, expiring);
+            }
+            out.push_back(pair);
+        }
+        for (first, last, expiring) in runs {
+            out.fold(first, last, expiring);
         }
         Ok(out)
     }
@@ -935,7 +981,7 @@ impl SnapReader {
         })?;
 
         let expiries = self.pair_set("expiries")?;
-        let expiries_in_order = self.pair_list("expiries in order")?.into();
+        let expiries_in_order = self.in_order(packed.as_ref())?;
         let n = self.count(17, "enqueuers")?;
         let enqueuers = self.map(n, "enqueuers", |r| {
             let id = EnqueuerId(r.u64("enqueuer")?);
@@ -1088,7 +1134,8 @@ impl SnapReader {
         };
         m.recount();
         // The expiries of what left the head stay where the snapshot has them, as
-        // `pack_line` leaves them: the in-order deque reaches a packed line.
+        // `pack_line` leaves them: the in-order deque reaches a packed line (those of the runs
+        // written out as the line was read folded, as `spill_line` folds them).
         Ok(m)
     }
 }
@@ -1522,6 +1569,52 @@ mod tests {
         assert!(store.runs.lock().unwrap().is_empty());
     }
 
+    /// A queue TTL's line restored away: its runs written out as they are read, their
+    /// expiries folded (no pair per message left in memory for them), the machine the same,
+    /// its snapshot holding every pair, every message given back in order.
+    #[test]
+    fn a_queue_ttls_line_restored_away_folds_its_spilled_expiries() {
+        let store = std::sync::Arc::new(crate::tests::MemAway::default());
+        // Past the runs kept in memory: three full runs go out as they are read.
+        let n = 5 * Restoring::BATCH as u32 + 300;
+        let (_, whole, mut packed) =
+            restored_away(n, |i| Some(10_000_000 + u64::from(i / 100)), &store);
+        assert_eq!(packed.digest(), whole.digest());
+        assert!(packed.spilled_count() > 0);
+        assert_eq!(packed.expiries_in_order.len(), n as usize);
+        assert!(
+            packed.expiries_in_order.in_memory() < n as usize / 2,
+            "{} of {n} pairs in memory",
+            packed.expiries_in_order.in_memory()
+        );
+        let again = QueueMachine::restore_snapshot(snapshot_of(&packed)).unwrap();
+        assert_eq!(again.digest(), whole.digest());
+        assert_eq!(again.expiries_in_order.in_memory(), n as usize);
+        drop(again);
+        // Time passes to the middle of the first spilled run: the same messages expire.
+        let mut whole = whole;
+        assert_eq!(packed.next_deadline(), whole.next_deadline());
+        let first_spilled = 16 + Restoring::KEEP_RUNS * crate::machine::PACKED_RUN;
+        let now = 10_000_001 + first_spilled as u64 / 100 + 20;
+        let meta = Meta {
+            index: packed.last_index() + 1,
+            now_ms: now,
+        };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        packed.apply(meta, Command::Tick, &mut a);
+        whole.apply(meta, Command::Tick, &mut b);
+        assert_eq!(a, b);
+        assert_eq!(packed.digest(), whole.digest());
+        assert_eq!(packed.next_deadline(), whole.next_deadline());
+        let left = packed.ready_count() as u32;
+        assert!(
+            left < n - first_spilled as u32,
+            "{left} of {n} left: the expiries reached into a spilled run"
+        );
+        get_all_in_order_from(&mut packed, now, n - left, n, job);
+        assert_eq!(packed.expiries_in_order.len(), 0);
+    }
+
     /// A replicated queue of `n` jobs (`expiry` of each), its snapshot decoded whole and
     /// with `store` (keeping 16 messages at the head), which must take every write.
     fn restored_away(
@@ -1550,8 +1643,19 @@ mod tests {
         n: u32,
         body: impl Fn(u32) -> Bytes,
     ) {
+        get_all_in_order_from(m, now, 0, n, body);
+    }
+
+    /// [`get_all_in_order`] of messages `from` to `to` (excluded), the rest gone.
+    fn get_all_in_order_from(
+        m: &mut QueueMachine<Message>,
+        now: u64,
+        from: u32,
+        to: u32,
+        body: impl Fn(u32) -> Bytes,
+    ) {
         let mut effects = Vec::new();
-        for i in 0..n {
+        for i in from..to {
             effects.clear();
             let meta = Meta {
                 index: m.last_index() + 1,
