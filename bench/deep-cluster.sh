@@ -40,7 +40,8 @@ while [ $# -gt 0 ]; do
     shift
 done
 # Each member keeps the messages' contents (in its log, then in away/ files and snapshots): about
-# 2.5 KB a message per member at its peak, by the 1,000,000-message runs in docs/benchmarks.md.
+# 1.7 KB a message per member after the backlog and up to 2.3 KB before its log is compacted (the
+# runs in docs/benchmarks.md); 2.5 KB leaves some room.
 need=$(( MESSAGES * 3 * 2500 / 1024 / 1024 ))
 free=$(df -Pm "${TMPDIR:-/tmp}" | awk 'NR == 2 {print $4}')
 if [ "$free" -lt "$need" ]; then
