@@ -953,7 +953,17 @@ impl<P> PackedRun<P> {
 
     /// Appends `p` if the run has room and its expiry is within reach of the base.
     fn push(&mut self, p: Packing<P>) -> Result<(), Packing<P>> {
-        if self.items.len() >= PACKED_RUN {
+        // A run holds ids of one block of `PACKED_RUN`: where a run starts then depends on
+        // the ids alone, not on what each machine happened to pack before, so a leader's two
+        // machines make the same runs (and share their spilled records) even after one of
+        // them kept a message whole that the other packed.
+        let block = |id: u64| id / PACKED_RUN as u64;
+        if self.items.len() >= PACKED_RUN
+            || self
+                .items
+                .front()
+                .is_some_and(|f| block(f.id) != block(p.id))
+        {
             return Err(p);
         }
         let expiry = match p.expires_at {
@@ -5270,14 +5280,16 @@ mod tests {
     /// of its own (a spilled run takes no more), and a purge lets spilled runs go.
     #[test]
     fn a_message_after_a_spilled_run_packs_in_a_run_of_its_own() {
-        let n = 16 + 2 * PACKED_RUN as u64;
+        // Two blocks of ids: runs of 16 to 4,095 and of 4,096 to 8,191.
+        let n = 2 * PACKED_RUN as u64;
+        let packed = n as usize - 16;
         let mut m = packing_line(|_| None, n);
-        assert_eq!(m.pack_line(16, n - 1), 2 * PACKED_RUN);
+        assert_eq!(m.pack_line(16, n - 1), packed);
         enqueue_ids(&mut m, n..n + 2, |_| None);
         // The second run is followed by a message slot now: both runs go.
-        assert_eq!(m.spill_line(0, 1), 2 * PACKED_RUN);
+        assert_eq!(m.spill_line(0, 1), packed);
         assert!(m.share_payload(n, &n));
-        assert_eq!(m.packed_count(), 2 * PACKED_RUN + 1);
+        assert_eq!(m.packed_count(), packed + 1);
         assert_eq!(m.tail_packed, 3);
         let ids: Vec<u64> = m.ready_messages().map(|(id, _, _)| id).collect();
         assert_eq!(ids, (0..n + 2).collect::<Vec<_>>());
@@ -5313,18 +5325,7 @@ mod tests {
             committed.spill_line_with(1, 64, u64::MAX, Some(&ahead)),
             2 * PACKED_RUN
         );
-        let shared = |a: &QueueMachine<u64>, b: &QueueMachine<u64>| {
-            a.tail
-                .iter()
-                .filter_map(|s| match s {
-                    Slot::Spilled(r) => b
-                        .spilled_at(r.first)
-                        .map(|o| std::sync::Arc::ptr_eq(&o.handle, &r.handle)),
-                    _ => None,
-                })
-                .filter(|same| *same)
-                .count()
-        };
+        let shared = shared_records;
         assert_eq!(
             shared(&committed, &ahead),
             2,
@@ -5342,6 +5343,58 @@ mod tests {
         assert_eq!(committed.digest(), ahead.digest());
         let ids: Vec<u64> = committed.ready_messages().map(|(id, _, _)| id).collect();
         assert_eq!(ids, (0..n).collect::<Vec<_>>());
+    }
+
+    /// How many of `a`'s spilled runs are one record with a run of `b`'s.
+    fn shared_records(a: &QueueMachine<u64>, b: &QueueMachine<u64>) -> usize {
+        a.tail
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Spilled(r) => b
+                    .spilled_at(r.first)
+                    .map(|o| std::sync::Arc::ptr_eq(&o.handle, &r.handle)),
+                _ => None,
+            })
+            .filter(|same| *same)
+            .count()
+    }
+
+    /// A run holds one block of `PACKED_RUN` ids: a machine that kept a message whole where
+    /// its other machine packed it (here one of the first block) makes the same runs past
+    /// that block, and shares their spilled records. Runs that started wherever the last one
+    /// ended were offset from there on, and a leader wrote each of a deep queue's runs twice.
+    #[test]
+    fn runs_hold_blocks_of_ids_so_two_machines_share_them_past_a_difference() {
+        let run = PACKED_RUN as u64;
+        let n = 4 * run + 10;
+        let mut ahead = packing_line(|_| None, n);
+        let mut committed = QueueMachine::new();
+        enqueue_metas(&mut committed, 0..n, |id| MsgMeta {
+            size: 1,
+            pageable: id == 100,
+            ..MsgMeta::default()
+        });
+        ahead.pack_line(16, n - 1);
+        committed.pack_line(16, n - 1);
+        let firsts = |m: &QueueMachine<u64>| -> Vec<u64> {
+            m.tail
+                .iter()
+                .filter(|s| s.is_run_of_packed())
+                .map(Slot::first_id)
+                .collect()
+        };
+        assert_eq!(firsts(&ahead), [16, run, 2 * run, 3 * run, 4 * run]);
+        assert_eq!(
+            firsts(&committed),
+            [16, 101, run, 2 * run, 3 * run, 4 * run]
+        );
+        assert!(ahead.spill_line_with(0, 64, u64::MAX, None) > 0);
+        assert!(committed.spill_line_with(0, 64, u64::MAX, Some(&ahead)) > 0);
+        assert_eq!(
+            shared_records(&committed, &ahead),
+            3,
+            "the second, third and fourth blocks' runs"
+        );
     }
 
     type M = QueueMachine<&'static str>;
