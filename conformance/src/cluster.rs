@@ -164,6 +164,16 @@ impl TestCluster {
 
     /// Declares a durable quorum queue on node `n` (the cluster replicates it on every node).
     pub async fn declare_quorum_queue(&self, n: u64, name: &str) {
+        self.declare_quorum_queue_with(n, name, &[]).await;
+    }
+
+    /// [`TestCluster::declare_quorum_queue`] with more arguments.
+    pub async fn declare_quorum_queue_with(
+        &self,
+        n: u64,
+        name: &str,
+        extra: &[(&str, lapin::types::AMQPValue)],
+    ) {
         let conn = self.node(n).connect().await;
         let ch = conn.create_channel().await.expect("channel");
         let mut args = lapin::types::FieldTable::default();
@@ -171,6 +181,9 @@ impl TestCluster {
             "x-queue-type".into(),
             lapin::types::AMQPValue::LongString("quorum".into()),
         );
+        for (k, v) in extra {
+            args.insert((*k).into(), v.clone());
+        }
         let durable = lapin::options::QueueDeclareOptions {
             durable: true,
             ..Default::default()

@@ -704,18 +704,12 @@ async fn web_ui_shows_a_quorum_queues_members_on_a_cluster() {
     };
     let c = warren_conformance::cluster::TestCluster::start(3, 20);
     let q = warren_conformance::unique("ui-pair");
-    let conn = c.node(1).connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let mut args = FieldTable::default();
-    args.insert(
-        "x-queue-type".into(),
-        AMQPValue::LongString("quorum".into()),
-    );
-    args.insert(
-        "x-quorum-initial-group-size".into(),
-        AMQPValue::LongLongInt(2),
-    );
-    declare(&ch, &q, args).await;
+    c.declare_quorum_queue_with(
+        1,
+        &q,
+        &[("x-quorum-initial-group-size", AMQPValue::LongLongInt(2))],
+    )
+    .await;
     let api = warren_conformance::http::Api::of(c.node(1));
     let name = |n: u64| {
         let (_, v) = warren_conformance::http::Api::of(c.node(n)).call("GET", "/overview", None);
@@ -766,5 +760,4 @@ async fn web_ui_shows_a_quorum_queues_members_on_a_cluster() {
         }
     }
     assert_eq!(leaders, 1, "one leader among the members:\n{dom}");
-    drop(conn);
 }

@@ -5162,35 +5162,7 @@ mod tests {
         );
         assert!(spilled.census_is_current());
         // Two consumers drain both lines, a few at a time: the same deliveries.
-        let step = step_at_zero;
-        for m in [&mut spilled, &mut whole] {
-            for id in 1..=2 {
-                step(
-                    m,
-                    Command::Consume {
-                        id: ConsumerId(id),
-                        spec: spec(1, 50, false),
-                    },
-                );
-            }
-        }
-        let mut rounds = 0;
-        while whole.ready_count() > 0 {
-            rounds += 1;
-            assert!(rounds < 10_000, "the lines do not drain");
-            let a = step(&mut spilled, Command::Checkout { max: 64 });
-            let b = step(&mut whole, Command::Checkout { max: 64 });
-            assert_eq!(a, b, "the same deliveries in round {rounds}");
-            for r in receipts_of(&a) {
-                assert_eq!(
-                    step(&mut spilled, Command::Settle { receipt: r }),
-                    step(&mut whole, Command::Settle { receipt: r })
-                );
-            }
-            if rounds % 64 == 0 {
-                assert_eq!(spilled.digest(), whole.digest());
-            }
-        }
+        drain_alike(&mut spilled, &mut whole, 2, 50, 64);
         assert_eq!(spilled.ready_count(), 0);
         assert_eq!(spilled.spilled_count(), 0);
         assert_eq!(spilled.digest(), whole.digest());
@@ -5249,29 +5221,7 @@ mod tests {
         assert!(spilled.spill_line(1, 64) > 0);
         assert!(spilled.expiries_in_order.in_memory() < spilled.expiries_in_order.len() / 2);
         assert_eq!(spilled.digest(), whole.digest());
-        for m in [&mut spilled, &mut whole] {
-            step_at_zero(
-                m,
-                Command::Consume {
-                    id: ConsumerId(1),
-                    spec: spec(1, 100, false),
-                },
-            );
-        }
-        let mut rounds = 0;
-        while whole.ready_count() > 0 {
-            rounds += 1;
-            assert!(rounds < 10_000, "the lines do not drain");
-            let a = step_at_zero(&mut spilled, Command::Checkout { max: 100 });
-            let b = step_at_zero(&mut whole, Command::Checkout { max: 100 });
-            assert_eq!(a, b, "the same deliveries in round {rounds}");
-            for r in receipts_of(&a) {
-                assert_eq!(
-                    step_at_zero(&mut spilled, Command::Settle { receipt: r }),
-                    step_at_zero(&mut whole, Command::Settle { receipt: r })
-                );
-            }
-        }
+        drain_alike(&mut spilled, &mut whole, 1, 100, 100);
         assert_eq!(spilled.expiries_in_order.len(), 0);
         assert_eq!(spilled.digest(), whole.digest());
     }
@@ -5343,6 +5293,46 @@ mod tests {
         assert_eq!(committed.digest(), ahead.digest());
         let ids: Vec<u64> = committed.ready_messages().map(|(id, _, _)| id).collect();
         assert_eq!(ids, (0..n).collect::<Vec<_>>());
+    }
+
+    /// Consumers 1 to `consumers` (prefetch `prefetch` each) drain `a` and `b`, `max` a
+    /// checkout, each delivery settled: the same deliveries and replies in every round, and
+    /// the same digests every 64 rounds.
+    fn drain_alike(
+        a: &mut QueueMachine<u64>,
+        b: &mut QueueMachine<u64>,
+        consumers: u64,
+        prefetch: u32,
+        max: u32,
+    ) {
+        for m in [&mut *a, &mut *b] {
+            for id in 1..=consumers {
+                step_at_zero(
+                    m,
+                    Command::Consume {
+                        id: ConsumerId(id),
+                        spec: spec(1, prefetch, false),
+                    },
+                );
+            }
+        }
+        let mut rounds = 0;
+        while b.ready_count() > 0 {
+            rounds += 1;
+            assert!(rounds < 10_000, "the lines do not drain");
+            let da = step_at_zero(a, Command::Checkout { max });
+            let db = step_at_zero(b, Command::Checkout { max });
+            assert_eq!(da, db, "the same deliveries in round {rounds}");
+            for r in receipts_of(&da) {
+                assert_eq!(
+                    step_at_zero(a, Command::Settle { receipt: r }),
+                    step_at_zero(b, Command::Settle { receipt: r })
+                );
+            }
+            if rounds % 64 == 0 {
+                assert_eq!(a.digest(), b.digest());
+            }
+        }
     }
 
     /// How many of `a`'s spilled runs are one record with a run of `b`'s.
