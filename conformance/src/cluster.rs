@@ -167,13 +167,17 @@ impl TestCluster {
         self.declare_quorum_queue_with(n, name, &[]).await;
     }
 
-    /// [`TestCluster::declare_quorum_queue`] with more arguments.
+    /// [`TestCluster::declare_quorum_queue`] with more arguments, once every node knows every
+    /// node's feature level ([`TestCluster::wait_for_feature_levels`]).
     pub async fn declare_quorum_queue_with(
         &self,
         n: u64,
         name: &str,
         extra: &[(&str, lapin::types::AMQPValue)],
     ) {
+        if !extra.is_empty() {
+            self.wait_for_feature_levels();
+        }
         let conn = self.node(n).connect().await;
         let ch = conn.create_channel().await.expect("channel");
         let mut args = lapin::types::FieldTable::default();
@@ -191,6 +195,30 @@ impl TestCluster {
         ch.queue_declare(name.into(), durable, args)
             .await
             .expect("declare a quorum queue");
+    }
+
+    /// Waits until every node knows every node's feature level (it reports one above 0). Until
+    /// then a node counts an unknown node as the oldest, and ignores the queue arguments of
+    /// newer features (`x-quorum-initial-group-size`), as it must in a mixed cluster.
+    pub fn wait_for_feature_levels(&self) {
+        let start = Instant::now();
+        for n in 1..=self.nodes.len() as u64 {
+            let api = Api::of(self.node(n));
+            loop {
+                let (_, v) = api.call("GET", "/nodes", None);
+                if v[0]["cluster"]["feature_level"]
+                    .as_u64()
+                    .is_some_and(|l| l > 0)
+                {
+                    break;
+                }
+                assert!(
+                    start.elapsed() < WAIT,
+                    "node {n} does not know every node's feature level: {v}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
     }
 
     /// Waits until node `n` knows who leads the cluster's metadata.
