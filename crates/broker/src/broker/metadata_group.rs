@@ -627,10 +627,21 @@ impl Broker {
             .find_map(|k| arguments.get(k)?.as_i64())
             .and_then(|n| usize::try_from(n).ok())
             .filter(|n| *n > 0)?;
-        if self
-            .cluster_feature_level()
-            .is_none_or(|l| l < GROUP_VOTERS_LEVEL)
-        {
+        let level = self.cluster_feature_level();
+        if level.is_none_or(|l| l < GROUP_VOTERS_LEVEL) {
+            // Said, not silent: on a cluster that has just formed, a node that has not heard
+            // every node's level yet counts it as the oldest.
+            if level.is_some() {
+                tracing::warn!(
+                    size,
+                    level,
+                    needs = GROUP_VOTERS_LEVEL,
+                    "x-quorum-initial-group-size ignored: not every node is known to keep a \
+                     queue's own voters yet, so every node votes (take nodes off with \
+                     `warren ctl delete_member`, or declare queues once /api/nodes shows the \
+                     cluster's feature level at 12)"
+                );
+            }
             return None;
         }
         let c = self.cluster.as_ref()?;
