@@ -5145,16 +5145,7 @@ mod tests {
         assert_eq!(ids, (0..n + run).collect::<Vec<_>>());
         // Expiries in the middle of spilled runs, then across them.
         for now in [50_000 + 2 * run + 10, 50_000 + 3 * run + 500] {
-            let meta = Meta {
-                index: spilled.last_index() + 1,
-                now_ms: now,
-            };
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            spilled.apply(meta, Command::Tick, &mut a);
-            whole.apply(meta, Command::Tick, &mut b);
-            assert!(!a.is_empty());
-            assert_eq!(a, b, "the same expiries at {now}");
-            assert_eq!(spilled.digest(), whole.digest());
+            tick_alike(&mut spilled, &mut whole, now);
         }
         assert!(
             spilled.spilled_count() < 5 * PACKED_RUN,
@@ -5197,16 +5188,7 @@ mod tests {
         assert_eq!(spilled.digest(), whole.digest());
         // The head expires into the first spilled run, then into the middle of the next.
         for now in [100_001 + (run + 50) / 100, 100_001 + (2 * run + 3000) / 100] {
-            let meta = Meta {
-                index: spilled.last_index() + 1,
-                now_ms: now,
-            };
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            spilled.apply(meta, Command::Tick, &mut a);
-            whole.apply(meta, Command::Tick, &mut b);
-            assert!(!a.is_empty());
-            assert_eq!(a, b, "the same expiries at {now}");
-            assert_eq!(spilled.digest(), whole.digest());
+            tick_alike(&mut spilled, &mut whole, now);
             assert_eq!(spilled.next_deadline(), whole.next_deadline());
         }
         assert!(spilled.spilled_count() < 5 * PACKED_RUN, "runs read back");
@@ -5293,6 +5275,21 @@ mod tests {
         assert_eq!(committed.digest(), ahead.digest());
         let ids: Vec<u64> = committed.ready_messages().map(|(id, _, _)| id).collect();
         assert_eq!(ids, (0..n).collect::<Vec<_>>());
+    }
+
+    /// A tick at `now` on `a` and `b`: something expires, the same on both, and their digests
+    /// stay equal.
+    fn tick_alike(a: &mut QueueMachine<u64>, b: &mut QueueMachine<u64>, now: u64) {
+        let meta = Meta {
+            index: a.last_index() + 1,
+            now_ms: now,
+        };
+        let (mut ea, mut eb) = (Vec::new(), Vec::new());
+        a.apply(meta, Command::Tick, &mut ea);
+        b.apply(meta, Command::Tick, &mut eb);
+        assert!(!ea.is_empty());
+        assert_eq!(ea, eb, "the same expiries at {now}");
+        assert_eq!(a.digest(), b.digest());
     }
 
     /// Consumers 1 to `consumers` (prefetch `prefetch` each) drain `a` and `b`, `max` a
