@@ -996,17 +996,25 @@ async fn lapin_sees_unknown_delivery_tag() {
         let _ = ch
             .basic_ack(msg.delivery.delivery_tag, BasicAckOptions::default())
             .await;
-        res = ch
-            .queue_declare(
-                q.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await
-            .map(|_| ());
+        // When the declare overtook the ack, it succeeds and the close follows it: ask again
+        // until the close has been seen, for a bounded time.
+        for _ in 0..50 {
+            res = ch
+                .queue_declare(
+                    q.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    Default::default(),
+                )
+                .await
+                .map(|_| ());
+            if res.is_err() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
         if matches!(&res, Err(e) if matches!(e.kind(), lapin::ErrorKind::InvalidChannelState(..))) {
             // The close was handled before the declare went out; lapin records its reason in
             // the ackers of the channel's deliveries.
