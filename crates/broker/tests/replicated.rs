@@ -38,8 +38,8 @@ struct Member {
     raft: MultiRaft,
     log: MemLog,
     alive: bool,
-    /// The leader each group had at the last look.
-    leaders: BTreeMap<u64, Option<u64>>,
+    /// The leader each group had at the last look, and the term it was last seen leading.
+    leaders: BTreeMap<u64, (Option<u64>, u64)>,
     groups: BTreeSet<u64>,
     /// Groups the broker gave up.
     removed: BTreeSet<u64>,
@@ -362,9 +362,12 @@ impl Cluster {
             // then snapshots and committed entries.
             for &g in &m.groups {
                 let leader = m.raft.leader_of(GroupId(g));
-                if m.leaders.get(&g) != Some(&leader) {
-                    m.leaders.insert(g, leader);
-                    let term = m.raft.term_of(GroupId(g)).unwrap_or(0);
+                let term = m.raft.term_of(GroupId(g)).unwrap_or(0);
+                let (seen, seen_term) = m.leaders.get(&g).copied().unwrap_or((None, 0));
+                // A leader in a later term counts as a change, as Raft reports it.
+                if seen != leader || (leader.is_some() && term > seen_term) {
+                    let led_in = if leader.is_some() { term } else { seen_term };
+                    m.leaders.insert(g, (leader, led_in));
                     m.broker.set_leader(g, leader, term);
                 }
             }
@@ -6096,4 +6099,31 @@ fn a_rebalance_hands_a_queue_with_voters_of_its_own_only_to_one_of_them() {
     assert!(c.broker(2).rebalance());
     c.run(300);
     assert_eq!(count(&c), BTreeMap::from([(1, 3), (2, 3), (3, 0)]));
+}
+
+#[test]
+fn an_ack_lost_on_its_way_to_the_leader_is_sent_again_once_a_later_one_is_applied() {
+    let (mut c, leader, follower) = follower_consuming(10);
+    for n in 0..3 {
+        c.publish(leader, n);
+    }
+    let got = take_deliveries(&mut c, follower, 3, 50);
+    assert_eq!(got.len(), 3);
+    c.run(10);
+    // The first ack is lost between the nodes (a connection that broke, a leader that died
+    // before it took it); the next ones arrive.
+    assert!(c.broker(follower).settle(got[0].queue, got[0].receipt));
+    c.step();
+    let group = c.group;
+    let before = c.forwards.len();
+    c.forwards.retain(|(_, p)| p.group != group);
+    assert_eq!(before - c.forwards.len(), 1, "the forward of the first ack");
+    for d in &got[1..] {
+        assert!(c.broker(follower).settle(d.queue, d.receipt));
+    }
+    // Well within the periodic resend of what waits (2 s): a later ack applied shows the
+    // first one was lost, and it goes again at once.
+    c.run(50);
+    assert_counts(&c, &NODES, (0, 0));
+    assert_same_state(&c, &NODES);
 }

@@ -172,8 +172,9 @@ struct Group {
     raw: RawNode<GroupLog>,
     /// Consecutive ticks with nothing to do.
     quiet_ticks: u32,
-    /// The leader last reported in [`ReadyBatch::leaders`] (`INVALID_ID`: none).
+    /// The leader last reported in [`ReadyBatch::leaders`] (`INVALID_ID`: none), and its term.
     reported_leader: NodeId,
+    reported_term: u64,
     /// Leaders seen since the group was made here (each new one counts).
     leader_changes: u64,
 }
@@ -252,7 +253,9 @@ struct Peer {
 pub struct ReadyBatch {
     pub messages: Vec<NodeBatch>,
     /// Groups whose leader changed since the last `ready` (`None`: no leader known now), for the
-    /// driver to report whichever way it persists the batch.
+    /// driver to report whichever way it persists the batch. The same leader in a later term
+    /// counts as a change: a learner sees no election, so a leader that died and won again
+    /// would otherwise look unchanged to it.
     pub leaders: Vec<(GroupId, Option<NodeId>)>,
     /// Groups whose members changed here since the last `ready` (a membership change applied,
     /// or a leader's snapshot installed), with their members now. A group whose members no
@@ -1076,6 +1079,7 @@ impl MultiRaft {
                 raw,
                 quiet_ticks: 0,
                 reported_leader: INVALID_ID,
+                reported_term: 0,
                 leader_changes: 0,
             }),
         );
@@ -1626,11 +1630,15 @@ impl MultiRaft {
                 }
             }
             // Only stepping, proposing and ticking move a leader, and each touches the group.
-            let leader = g.raw.raft.leader_id;
-            if leader != g.reported_leader {
-                g.reported_leader = leader;
+            let (leader, term) = (g.raw.raft.leader_id, g.raw.raft.term);
+            let new_term = leader != INVALID_ID && term > g.reported_term;
+            if leader != g.reported_leader || new_term {
                 if leader != INVALID_ID {
                     g.leader_changes += 1;
+                }
+                g.reported_leader = leader;
+                if leader != INVALID_ID {
+                    g.reported_term = term;
                 }
                 leaders.push((id, (leader != INVALID_ID).then_some(leader)));
             }

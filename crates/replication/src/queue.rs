@@ -174,6 +174,11 @@ impl<T> Proposals<T> {
         }
     }
 
+    /// The number the next proposal will have: those numbered from it on are made after now.
+    pub fn upcoming(&self) -> u64 {
+        self.next_seq
+    }
+
     /// Takes back the proposal `origin` names if it was refused at once (this node is not the
     /// leader any more): nothing waits for it.
     pub fn withdraw(&mut self, group: GroupId, origin: Origin) -> Option<T> {

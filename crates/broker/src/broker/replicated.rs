@@ -64,6 +64,9 @@ struct Kept {
     /// When it was first sent, and last sent.
     first: u64,
     at: u64,
+    /// The number of this node's next proposal when it was last sent: one of its entries
+    /// numbered from there on, applied while this one is not, shows this one lost.
+    sent_before: u64,
     /// A publish, whose confirm waits for it (a consumer's command waits for nothing).
     confirm: bool,
 }
@@ -657,6 +660,32 @@ impl Cluster {
 
     pub(super) fn push_cancelled(&mut self, keys: Vec<ConsumerKey>) {
         self.cancelled.extend(keys);
+    }
+
+    /// Sends the forwards of `group` that `which` picks to `leader` again, in order (with no
+    /// leader known, they only count as sent now).
+    fn send_kept(
+        &mut self,
+        group: u64,
+        leader: Option<NodeId>,
+        now: u64,
+        which: impl Fn(&Kept) -> bool,
+    ) {
+        let upcoming = self.proposals.upcoming();
+        for k in self.kept.get_mut(&group).into_iter().flatten() {
+            if !which(k) {
+                continue;
+            }
+            k.at = now;
+            if let Some(leader) = leader {
+                k.sent_before = upcoming;
+                self.outbox.push(Proposal {
+                    group,
+                    data: k.data.clone(),
+                    to: Some(leader),
+                });
+            }
+        }
     }
 
     fn settle(&mut self, outcome: Outcome<Token>) {
@@ -1715,6 +1744,9 @@ impl Broker {
             // and must not hold back the confirms of every later batch.
             let mut outcomes = Vec::new();
             c.abandon(r.group, &mut outcomes);
+            // Its consumers' commands have nothing left to act on (and must not reach a queue
+            // made again in a group of the same number).
+            c.kept.remove(&r.group);
             c.early.remove(&r.group);
             c.deferred.remove(&r.group);
             // This node's consumers whose consume is not in the machine yet (forwarded to the
@@ -2139,6 +2171,7 @@ impl Broker {
             token,
             first: now,
             at: now,
+            sent_before: c.proposals.upcoming(),
             confirm: true,
         });
         true
@@ -2231,6 +2264,7 @@ impl Broker {
                     token: None,
                     first: now,
                     at: now,
+                    sent_before: c.proposals.upcoming(),
                     confirm,
                 });
                 true
@@ -2426,32 +2460,28 @@ impl Broker {
             }
         }
         // Consumers' commands still waiting go to the leader again.
-        for (group, kept) in c.kept.iter_mut() {
-            if kept
-                .front()
-                .is_none_or(|f| now.saturating_sub(f.at) < FORWARD_RESEND_MS)
-            {
-                continue;
-            }
-            let leader = c
-                .groups
-                .get(group)
-                .and_then(|id| self.queues.get(id))
-                .and_then(|q| q.replica.as_ref())
-                .and_then(|r| r.leader)
-                .filter(|l| *l != c.node);
+        let due: Vec<(u64, Option<NodeId>)> = c
+            .kept
+            .iter()
+            .filter(|(_, kept)| {
+                kept.front()
+                    .is_some_and(|f| now.saturating_sub(f.at) >= FORWARD_RESEND_MS)
+            })
+            .map(|(group, _)| {
+                let leader = c
+                    .groups
+                    .get(group)
+                    .and_then(|id| self.queues.get(id))
+                    .and_then(|q| q.replica.as_ref())
+                    .and_then(|r| r.leader)
+                    .filter(|l| *l != c.node);
+                (*group, leader)
+            })
+            .collect();
+        for (group, leader) in due {
             // With no leader known they wait for one (a leader change sends them all).
-            for k in kept.iter_mut().filter(|k| !k.confirm) {
-                k.at = now;
-                if let Some(leader) = leader {
-                    c.outbox.push(Proposal {
-                        group: *group,
-                        data: k.data.clone(),
-                        to: Some(leader),
-                    });
-                }
-            }
-            if let Some(f) = kept.front_mut() {
+            c.send_kept(group, leader, now, |k| !k.confirm);
+            if let Some(f) = c.kept.get_mut(&group).and_then(|k| k.front_mut()) {
                 f.at = now;
             }
         }
@@ -2609,6 +2639,7 @@ impl Broker {
     }
 
     fn apply_committed_here(&mut self, entries: &[Committed]) {
+        let now_ms = self.now_ms;
         let Some(c) = self.cluster.as_mut() else {
             return;
         };
@@ -2869,13 +2900,38 @@ impl Broker {
                     r.forwarded_ahead = r.forwarded_ahead.saturating_sub(1);
                 }
                 if head.origin.node == c.node {
-                    if let Some(kept) = c.kept.get_mut(&e.group.0) {
+                    let cl = &mut **c;
+                    if let Some(kept) = cl.kept.get_mut(&e.group.0) {
                         // Those still in the proposals are answered there (this one, or lost
                         // before it); one taken out at an election waits for its own entry, which
                         // the old leader may have committed after all.
                         let seq = head.origin.seq;
+                        let (outbox, upcoming, node) =
+                            (&mut cl.outbox, cl.proposals.upcoming(), cl.node);
                         kept.retain_mut(|k| match k.token.take() {
-                            None => k.seq > seq,
+                            None if k.seq >= seq => k.seq > seq,
+                            // A publish: its proposal's outcome is a nack.
+                            None if k.confirm => false,
+                            None => {
+                                // A consumer's command that a later one of this node overtook
+                                // was lost on its way (a broken connection, a leader that died
+                                // before it took it, or one that took it before it acted) if
+                                // that later one was sent after it. Dropped, an ack lost would
+                                // leave its message checked out to a live consumer for good: it
+                                // goes again now (twice changes nothing).
+                                if seq >= k.sent_before {
+                                    if let Some(leader) = r.leader.filter(|l| *l != node) {
+                                        outbox.push(Proposal {
+                                            group: e.group.0,
+                                            data: k.data.clone(),
+                                            to: Some(leader),
+                                        });
+                                        k.at = now_ms;
+                                        k.sent_before = upcoming;
+                                    }
+                                }
+                                true
+                            }
                             Some(token) if k.seq == seq => {
                                 outcomes.push(Outcome::Applied(token, reply));
                                 false
@@ -3086,6 +3142,7 @@ impl Broker {
     }
 
     fn set_leader_here(&mut self, group: u64, leader: Option<NodeId>, term: u64) {
+        let now = self.now_ms;
         if group == super::metadata_group::META_GROUP {
             self.set_meta_leader(leader);
             return;
@@ -3112,6 +3169,14 @@ impl Broker {
                 self.set_leader(group, None, led_in);
                 self.set_leader(group, leader, term);
                 return;
+            }
+            if term > r.term && !was_here {
+                if let (Some(l), Some(c)) = (leader, self.cluster.as_mut()) {
+                    // The same leader in a later term: it died and came back, or lost the lead
+                    // and won it again out of this node's sight (a learner sees no election).
+                    // What it was sent before may be gone with its old term.
+                    c.send_kept(group, Some(l), now, |_| true);
+                }
             }
             r.term = r.term.max(term);
             return;
@@ -3146,13 +3211,7 @@ impl Broker {
                 // Sent again to the new leader, in order: one the old leader committed is a
                 // `Duplicate` of its enqueuer's there (or, as a plain `Enqueue`, in the queue
                 // twice; never a loss).
-                for k in c.kept.get(&group).into_iter().flatten() {
-                    c.outbox.push(Proposal {
-                        group,
-                        data: k.data.clone(),
-                        to: Some(l),
-                    });
-                }
+                c.send_kept(group, Some(l), now, |_| true);
             }
         }
         if leader == Some(node) && !was_here {
