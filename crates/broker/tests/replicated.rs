@@ -6127,3 +6127,45 @@ fn an_ack_lost_on_its_way_to_the_leader_is_sent_again_once_a_later_one_is_applie
     assert_counts(&c, &NODES, (0, 0));
     assert_same_state(&c, &NODES);
 }
+
+/// `x-quorum-initial-group-size` on a cluster that has just formed, before every node's
+/// feature level is in the log: the queue starts with every node voting, and the declaring
+/// node takes the one past its size off once the levels are in (it was ignored for good).
+#[test]
+fn an_initial_group_size_asked_before_the_levels_are_known_is_applied_once_they_are() {
+    let mut c = Cluster::new();
+    assert!(
+        c.broker(3)
+            .cluster_feature_level()
+            .is_some_and(|l| l < warren_broker::FEATURE_LEVEL),
+        "the levels are known already"
+    );
+    let mut args = quorum_args();
+    args.insert("x-quorum-initial-group-size", FieldValue::I32(2));
+    let ticket = declare_waiting(&mut c, 3, "early", args);
+    declare_answer(&mut c, 3, ticket).expect("declared");
+    let group = groups_of(&c, "early")[0].expect("replicated");
+    until_levels(&mut c);
+    let leader = (1..=3)
+        .find(|n| c.members[n].raft.is_leader(GroupId(group)))
+        .expect("a leader");
+    // The leader stays a voter, with the next running node after it.
+    let mut voters = vec![leader, leader % 3 + 1];
+    voters.sort_unstable();
+    let learner = 6 - voters[0] - voters[1];
+    until_members(
+        &mut c,
+        group,
+        &warren_replication::Members {
+            voters: voters.clone(),
+            learners: vec![learner],
+        },
+    );
+    for n in NODES {
+        let b = &c.members[&n].broker;
+        let id = b.queue_id("/", "early").expect("the queue");
+        let mut have = b.replica_voters(id).expect("voters of its own").to_vec();
+        have.sort_unstable();
+        assert_eq!(have, voters, "node {n}");
+    }
+}

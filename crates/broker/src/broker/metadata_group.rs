@@ -138,6 +138,22 @@ const MADE_WAIT_MS: u64 = 2_000;
 /// here, so a log slow to commit (a loaded machine's fsyncs) does not eat the peers' time.
 pub const CHANGE_WAIT_MS: u64 = 5_000;
 
+/// How long a queue declared with `x-quorum-initial-group-size` before every node's feature
+/// level was known waits for them, to be given its voters then ([`SizeLater`]).
+const SIZE_LATER_MS: u64 = 60_000;
+
+/// A quorum queue declared here with `x-quorum-initial-group-size` while some node's feature
+/// level was not in the log yet (a cluster that has just formed): every node votes at first,
+/// and once every level is known this node takes the nodes past the size off its voters.
+#[derive(Debug)]
+pub(super) struct SizeLater {
+    vhost: String,
+    name: ShortStr,
+    size: usize,
+    /// Given up (the queue keeps every node as a voter) past this time.
+    until: u64,
+}
+
 /// A quorum queue's declaration made here, waiting for the log to make the queue.
 #[derive(Debug)]
 pub(super) struct PendingDeclare {
@@ -264,6 +280,8 @@ pub(crate) struct MetaState {
     /// must be equivalent, or the log's queue could not be made here).
     pub(super) through_log: HashMap<String, (u64, FieldTable)>,
     declare_answers: Vec<DeclareAnswer>,
+    /// Quorum queues declared here whose size waits for every node's level.
+    sizes_later: Vec<SizeLater>,
     /// How far each peer says it applied the log ([`META_APPLIED`]), since it was last seen
     /// coming up.
     pub(super) peer_applied: BTreeMap<NodeId, u64>,
@@ -585,7 +603,28 @@ impl Broker {
         } else {
             QueueGroup::ByName
         };
-        let voters = self.initial_voters(&arguments, leader);
+        let size = requested_size(&arguments);
+        let voters = size.and_then(|size| self.initial_voters(size, leader));
+        if let (Some(size), None) = (size, &voters) {
+            if self.levels_pending() && size < self.sorted_nodes().len() {
+                tracing::info!(
+                    %vhost,
+                    queue = %name,
+                    size,
+                    "x-quorum-initial-group-size waits for every node's feature level: every \
+                     node votes until then"
+                );
+                let until = self.now_ms.saturating_add(SIZE_LATER_MS);
+                if let Some(c) = self.cluster.as_mut() {
+                    c.meta.sizes_later.push(SizeLater {
+                        vhost: vhost.to_owned(),
+                        name: name.clone(),
+                        size,
+                        until,
+                    });
+                }
+            }
+        }
         let number = self.announce_as(
             MetaOp::DeclareQueue {
                 vhost: vhost.to_owned(),
@@ -618,45 +657,117 @@ impl Broker {
     }
 
     /// A new quorum queue's voters of its own, when `x-quorum-initial-group-size` asks for
-    /// fewer than the cluster's nodes (and every node can keep them): the node standing for
-    /// its first leader, then the running nodes after it in the nodes' order, then the others.
-    /// `None`: every node votes, as before the level (the argument was accepted and ignored).
-    fn initial_voters(&self, arguments: &FieldTable, leader: Option<NodeId>) -> Option<Vec<u64>> {
-        let size = ["x-quorum-initial-group-size", "x-initial-cluster-size"]
-            .iter()
-            .find_map(|k| arguments.get(k)?.as_i64())
-            .and_then(|n| usize::try_from(n).ok())
-            .filter(|n| *n > 0)?;
+    /// `size`, fewer than the cluster's nodes (and every node can keep them): the node standing
+    /// for its first leader, then the running nodes after it in the nodes' order, then the
+    /// others. `None`: every node votes, as before the level (the argument was accepted and
+    /// ignored, or waits for the levels: [`SizeLater`]).
+    fn initial_voters(&self, size: usize, leader: Option<NodeId>) -> Option<Vec<u64>> {
         let level = self.cluster_feature_level();
         if level.is_none_or(|l| l < GROUP_VOTERS_LEVEL) {
-            // Said, not silent: on a cluster that has just formed, a node that has not heard
-            // every node's level yet counts it as the oldest.
-            if level.is_some() {
+            // Said, not silent. A node not heard from yet is waited for instead.
+            if level.is_some() && !self.levels_pending() {
                 tracing::warn!(
                     size,
                     level,
                     needs = GROUP_VOTERS_LEVEL,
-                    "x-quorum-initial-group-size ignored: not every node is known to keep a \
-                     queue's own voters yet, so every node votes (take nodes off with \
-                     `warren ctl delete_member`, or declare queues once /api/nodes shows the \
-                     cluster's feature level at 12)"
+                    "x-quorum-initial-group-size ignored: a node of the cluster runs a version \
+                     that cannot keep a queue's own voters, so every node votes (upgrade every \
+                     node, then take nodes off with `warren ctl delete_member`)"
                 );
             }
             return None;
         }
+        self.voters_of_size(size, leader)
+    }
+
+    /// `size` voters: `first` (this node if `None`), then the running nodes after it in the
+    /// nodes' order, then the others. `None`: as many as the cluster has nodes, or more.
+    fn voters_of_size(&self, size: usize, first: Option<NodeId>) -> Option<Vec<u64>> {
         let c = self.cluster.as_ref()?;
         let mut nodes = c.nodes().to_vec();
         nodes.sort_unstable();
         if size >= nodes.len() {
             return None;
         }
-        let first = leader.unwrap_or_else(|| c.node());
+        let first = first.unwrap_or_else(|| c.node());
         let start = nodes.iter().position(|n| *n == first).unwrap_or(0);
         nodes.rotate_left(start);
         let (running, down): (Vec<u64>, Vec<u64>) = nodes
             .into_iter()
             .partition(|n| *n == first || c.is_running(*n));
         Some(running.into_iter().chain(down).take(size).collect())
+    }
+
+    /// Whether the cluster's level is low only for want of some node's level in the log
+    /// (every level known is one that keeps a queue's voters).
+    fn levels_pending(&self) -> bool {
+        let Some(c) = self.cluster.as_ref() else {
+            return false;
+        };
+        let known = |n: &NodeId| c.meta.levels.get(n).copied();
+        c.nodes().iter().any(|n| known(n).is_none())
+            && c.nodes()
+                .iter()
+                .filter_map(known)
+                .all(|l| l >= GROUP_VOTERS_LEVEL)
+    }
+
+    /// The queues whose `x-quorum-initial-group-size` waited for every node's level: once
+    /// the levels are in, each still voted on by every node has the nodes past its size taken
+    /// off (through the log, as `delete_member`), keeping its leader; past their wait, or
+    /// when a node's level is one that cannot keep voters, they keep every node.
+    fn size_queues_later(&mut self) {
+        let now = self.now_ms;
+        let ready = self.members_changeable().is_ok();
+        let pending = self.levels_pending();
+        let Some(c) = self.cluster.as_mut() else {
+            return;
+        };
+        if c.meta.sizes_later.is_empty() {
+            return;
+        }
+        let later = std::mem::take(&mut c.meta.sizes_later);
+        let mut waiting = Vec::new();
+        for s in later {
+            let id = self.queue_id(&s.vhost, &s.name);
+            let made = id.and_then(|id| self.queues.get(&id)?.replica.as_ref());
+            let Some(r) = made.filter(|_| ready) else {
+                if (pending || id.is_none()) && now < s.until {
+                    // The levels, or the declaration, are not in the log yet.
+                    waiting.push(s);
+                } else {
+                    tracing::warn!(
+                        vhost = %s.vhost,
+                        queue = %s.name,
+                        size = s.size,
+                        "x-quorum-initial-group-size not applied: every node votes (take nodes \
+                         off with `warren ctl delete_member`)"
+                    );
+                }
+                continue;
+            };
+            if r.voters.is_some() {
+                // Its members were changed meanwhile: left as they are.
+                continue;
+            }
+            let Some(keep) = self.voters_of_size(s.size, r.leader) else {
+                continue;
+            };
+            let off: Vec<NodeId> = self
+                .sorted_nodes()
+                .into_iter()
+                .filter(|n| !keep.contains(n))
+                .collect();
+            tracing::info!(vhost = %s.vhost, queue = %s.name, voters = ?keep, "x-quorum-initial-group-size applied");
+            for node in off {
+                if let Err(error) = self.change_queue_member(&s.vhost, &s.name, node, false) {
+                    tracing::warn!(vhost = %s.vhost, queue = %s.name, node, %error, "x-quorum-initial-group-size not applied");
+                }
+            }
+        }
+        if let Some(c) = self.cluster.as_mut() {
+            c.meta.sizes_later.append(&mut waiting);
+        }
     }
 
     /// The arguments of a quorum queue's declaration here that waits for the log: another
@@ -1151,6 +1262,7 @@ impl Broker {
         self.take_meta_snapshot();
         // Changes of this node the entries applied, with no running peer to wait for.
         self.answer_cluster_waits();
+        self.size_queues_later();
     }
 
     fn apply_meta_entry(&mut self, e: &Committed) {
@@ -1901,6 +2013,16 @@ impl Broker {
             .map(|c| std::mem::take(&mut c.meta.group_changes))
             .unwrap_or_default()
     }
+}
+
+/// The size `x-quorum-initial-group-size` (or its older name `x-initial-cluster-size`) asks
+/// of a quorum queue, if any.
+fn requested_size(arguments: &FieldTable) -> Option<usize> {
+    ["x-quorum-initial-group-size", "x-initial-cluster-size"]
+        .iter()
+        .find_map(|k| arguments.get(k)?.as_i64())
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|n| *n > 0)
 }
 
 #[cfg(test)]

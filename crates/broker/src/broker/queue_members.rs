@@ -102,7 +102,7 @@ impl Broker {
         Ok(true)
     }
 
-    fn sorted_nodes(&self) -> Vec<NodeId> {
+    pub(super) fn sorted_nodes(&self) -> Vec<NodeId> {
         let mut nodes = self
             .cluster
             .as_ref()
