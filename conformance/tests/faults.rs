@@ -918,12 +918,10 @@ async fn replicated_queue_history_under_kills_and_pauses() {
 /// nodes may lead in one term, and once the faults end every node must list the same voters and
 /// its Raft group must have exactly those as voters.
 ///
-/// Not in the suite yet: it found a liveness fault it does not fix. In about one run of three
-/// with 8 rounds, a message stays unacknowledged by a live consumer on a learner's node after the
-/// leader was killed (the client holds nothing; the queue waits for that consumer), so the drain
-/// never ends. No confirmed message is lost (the history check passes). `scripts/faults` runs it.
+/// It found a liveness fault: an ack forwarded from a learner's node to a leader killed before
+/// it took it was dropped once a later ack was applied, and its message stayed checked out to a
+/// live consumer, so the drain never ended (about one run of three with 8 rounds).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a delivery or ack on a learner's node can stay open after a leader's kill: see its doc"]
 async fn replicated_queue_history_under_member_changes() {
     if std::env::var("WARREN_TEST_URL").is_ok_and(|u| !u.trim().is_empty()) {
         return; // spawns and kills its own cluster
