@@ -52,9 +52,9 @@ pub use broker::snapshot::{
 pub use broker::{
     group_of, voters_in, AwayContext, Broker, ChangeAnswer, ConsumerTimeout, DeclareAnswer,
     DecodedSnapshot, ForgetError, GetAnswer, Got, GroupChange, MemberError, MetaClosed, Proposal,
-    QueueInfo, ReplicaSnapshot, SnapshotData, SnapshotDataError, SnapshotLimits, CHANGE_WAIT_MS,
-    DECLARE_WAIT_MS, FEATURE_LEVEL, GET_WAIT_MS, META_APPLIED, META_GROUP, NODE_DOWN_MS,
-    REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES, SNAPSHOT_INTERVAL_MS,
+    QueueInfo, Reconciliation, ReplicaSnapshot, SnapshotData, SnapshotDataError, SnapshotLimits,
+    CHANGE_WAIT_MS, DECLARE_WAIT_MS, FEATURE_LEVEL, GET_WAIT_MS, META_APPLIED, META_GROUP,
+    NODE_DOWN_MS, REPLICATED_MAX_BODY, SNAPSHOT_ENTRIES, SNAPSHOT_INTERVAL_MS,
 };
 pub use delayed::{DelayKey, Delayed, Holder, ReadRequest};
 pub use exchange::ExchangeKind;

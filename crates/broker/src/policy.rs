@@ -256,6 +256,12 @@ const KEYS: &[Key] = &[
     ),
     key("delivery-delay", Check::IntAtLeast(1), "delivery delay"),
     key("group-header", Check::Str, "group header"),
+    // RabbitMQ 3.13's: the size membership reconciliation grows a quorum queue to.
+    key(
+        "target-group-size",
+        Check::IntAtLeast(1),
+        "target group size",
+    ),
     key("message-deduplication", Check::Bool, "deduplication flag"),
     key("cache-size", Check::IntAtLeast(1), "cache size"),
     key("cache-ttl", Check::IntAtLeast(0), "cache TTL"),

@@ -6169,3 +6169,90 @@ fn an_initial_group_size_asked_before_the_levels_are_known_is_applied_once_they_
         assert_eq!(have, voters, "node {n}");
     }
 }
+
+/// Membership reconciliation on every node, looking every 2 s and 200 ms after a change.
+fn reconciling(c: &mut Cluster, target: Option<usize>) {
+    for n in NODES {
+        c.broker(n)
+            .set_membership_reconciliation(Some(warren_broker::Reconciliation {
+                target_group_size: target,
+                interval_ms: 2_000,
+                trigger_interval_ms: 200,
+            }));
+    }
+}
+
+/// Declares `name` on node 1 with one voter and `target` as its target size (argument).
+fn one_voter_queue(c: &mut Cluster, name: &str, target: Option<i32>) -> u64 {
+    let mut args = quorum_args();
+    args.insert("x-quorum-initial-group-size", FieldValue::I32(1));
+    if let Some(t) = target {
+        args.insert("x-quorum-target-group-size", FieldValue::I32(t));
+    }
+    let ticket = declare_waiting(c, 1, name, args);
+    declare_answer(c, 1, ticket).expect("declared");
+    c.run(20);
+    groups_of(c, name)[0].expect("replicated")
+}
+
+/// RabbitMQ's continuous membership reconciliation: a queue below its target size grows,
+/// one voter at a time and to odd sizes, on the node that leads it; one without a target,
+/// or on a cluster without reconciliation, keeps its voters.
+#[test]
+fn reconciliation_grows_a_queue_to_its_target_size() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let grows = one_voter_queue(&mut c, "grows", Some(3));
+    let stays = one_voter_queue(&mut c, "stays", None);
+    c.run(300);
+    let one = warren_replication::Members {
+        voters: vec![1],
+        learners: vec![2, 3],
+    };
+    until_members(&mut c, grows, &one);
+    reconciling(&mut c, None);
+    until_members(
+        &mut c,
+        grows,
+        &warren_replication::Members {
+            voters: vec![1, 2, 3],
+            learners: vec![],
+        },
+    );
+    c.run(300);
+    until_members(&mut c, stays, &one);
+    // The configured size applies to every queue.
+    reconciling(&mut c, Some(3));
+    until_members(
+        &mut c,
+        stays,
+        &warren_replication::Members {
+            voters: vec![1, 2, 3],
+            learners: vec![],
+        },
+    );
+}
+
+/// A queue of one voter grows only once two nodes can join (to three, never to two), so it
+/// waits while a node is down and grows once it is back.
+#[test]
+fn reconciliation_grows_to_odd_sizes_and_waits_for_a_node_that_is_down() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    reconciling(&mut c, Some(3));
+    c.pause(3);
+    c.run(200);
+    let group = one_voter_queue(&mut c, "odd", None);
+    c.run(600);
+    let have = c.members[&1].raft.members(GroupId(group)).expect("members");
+    assert_eq!(have.voters, vec![1], "grown with a node down: {have:?}");
+    c.resume(3);
+    until_members(
+        &mut c,
+        group,
+        &warren_replication::Members {
+            voters: vec![1, 2, 3],
+            learners: vec![],
+        },
+    );
+}

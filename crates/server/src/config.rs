@@ -158,6 +158,36 @@ pub struct Args {
     /// lists this node and at least one running node. Harmless on later starts
     #[arg(long, env = "WARREN_CLUSTER_JOIN")]
     pub cluster_join: bool,
+    /// Grows the quorum queues this node leads to their target size, one voter at a time and
+    /// to odd sizes, from the running nodes (RabbitMQ's continuous membership reconciliation,
+    /// quorum_membership_reconciliation_enabled). A queue's target is the largest of
+    /// --quorum-membership-reconciliation-target-group-size, its policy's `target-group-size`
+    /// and its `x-quorum-target-group-size` argument
+    #[arg(long, env = "WARREN_QUORUM_MEMBERSHIP_RECONCILIATION")]
+    pub quorum_membership_reconciliation: bool,
+    /// The size every quorum queue grows to with --quorum-membership-reconciliation
+    /// [default: none, only a policy's or argument's]
+    #[arg(
+        long,
+        env = "WARREN_QUORUM_MEMBERSHIP_RECONCILIATION_TARGET_GROUP_SIZE",
+        value_name = "N"
+    )]
+    pub quorum_membership_reconciliation_target_group_size: Option<usize>,
+    /// Time between two looks at the queues' sizes with nothing to do [default: 3600000]
+    #[arg(
+        long,
+        env = "WARREN_QUORUM_MEMBERSHIP_RECONCILIATION_INTERVAL",
+        value_name = "MS"
+    )]
+    pub quorum_membership_reconciliation_interval: Option<u64>,
+    /// Time from a change (a node up or down, a queue led here, a policy set) to the next
+    /// look, and between looks while queues grow [default: 10000]
+    #[arg(
+        long,
+        env = "WARREN_QUORUM_MEMBERSHIP_RECONCILIATION_TRIGGER_INTERVAL",
+        value_name = "MS"
+    )]
+    pub quorum_membership_reconciliation_trigger_interval: Option<u64>,
     /// Tests: Raft's tick in milliseconds [default: 50]
     #[arg(long, hide = true, value_name = "MS")]
     pub test_cluster_tick_ms: Option<u64>,
@@ -270,6 +300,10 @@ pub struct FileConfig {
     pub cluster_tls_key: Option<PathBuf>,
     pub cluster_tls_ca: Option<PathBuf>,
     pub cluster_join: Option<bool>,
+    pub quorum_membership_reconciliation_enabled: Option<bool>,
+    pub quorum_membership_reconciliation_target_group_size: Option<usize>,
+    pub quorum_membership_reconciliation_interval: Option<u64>,
+    pub quorum_membership_reconciliation_trigger_interval: Option<u64>,
     pub prometheus_port: Option<u16>,
     /// `false` turns the Prometheus endpoint off.
     pub prometheus: Option<bool>,
@@ -360,6 +394,8 @@ pub struct ClusterSettings {
     pub snapshot_inline_max: usize,
     /// Asks a running cluster to add it (`--cluster-join`).
     pub join: bool,
+    /// Grows its quorum queues to their target size (`--quorum-membership-reconciliation`).
+    pub reconciliation: Option<warren_broker::Reconciliation>,
 }
 
 /// The smallest cluster secret accepted, in bytes.
@@ -531,6 +567,7 @@ fn cluster_settings(
             .unwrap_or(crate::cluster::MAX_PROPOSAL)
             .clamp(1, crate::cluster::MAX_PROPOSAL),
         join: false,
+        reconciliation: None,
     }))
 }
 
@@ -732,8 +769,43 @@ impl Config {
             ),
         )?;
         let join = args.cluster_join || file.cluster_join.unwrap_or(false);
+        let reconciliation = (args.quorum_membership_reconciliation
+            || file
+                .quorum_membership_reconciliation_enabled
+                .unwrap_or(false))
+        .then(|| {
+            let defaults = warren_broker::Reconciliation::default();
+            warren_broker::Reconciliation {
+                target_group_size: args
+                    .quorum_membership_reconciliation_target_group_size
+                    .or(file.quorum_membership_reconciliation_target_group_size)
+                    .filter(|n| *n > 0),
+                interval_ms: args
+                    .quorum_membership_reconciliation_interval
+                    .or(file.quorum_membership_reconciliation_interval)
+                    .unwrap_or(defaults.interval_ms)
+                    .max(1),
+                trigger_interval_ms: args
+                    .quorum_membership_reconciliation_trigger_interval
+                    .or(file.quorum_membership_reconciliation_trigger_interval)
+                    .unwrap_or(defaults.trigger_interval_ms)
+                    .max(1),
+            }
+        });
         let cluster = match cluster {
-            Some(c) => Some(ClusterSettings { join, ..c }),
+            Some(c) => Some(ClusterSettings {
+                join,
+                reconciliation,
+                ..c
+            }),
+            None if reconciliation.is_some() => {
+                return Err(ConfigError::Cluster(
+                    "--quorum-membership-reconciliation grows quorum queues over a cluster's \
+                     nodes: it needs --cluster-node N, --cluster-nodes and \
+                     --cluster-secret-file"
+                        .into(),
+                ))
+            }
             None if join => {
                 return Err(ConfigError::Cluster(
                     "--cluster-join needs --cluster-node N (this node's new number), \
@@ -1026,6 +1098,48 @@ mod tests {
             ..Args::default()
         });
         assert!(alone.unwrap_err().to_string().contains("--cluster-node"));
+    }
+
+    /// Off unless asked for, RabbitMQ's defaults when asked for, and only on a cluster node.
+    #[test]
+    fn membership_reconciliation_is_off_by_default_and_needs_a_cluster() {
+        let dir = std::env::temp_dir().join(format!("warren-cmr-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "a real secret of more than sixteen bytes").expect("write");
+        let node = |on: bool, size: Option<usize>| Args {
+            cluster_node: Some(1),
+            cluster_nodes: Some("1=127.0.0.1:25672".into()),
+            cluster_secret_file: Some(secret.clone()),
+            quorum_membership_reconciliation: on,
+            quorum_membership_reconciliation_target_group_size: size,
+            ..Args::default()
+        };
+        let reconciliation = |a: Args| {
+            Config::resolve(a)
+                .expect("config")
+                .cluster
+                .expect("a cluster")
+                .reconciliation
+        };
+        let off = reconciliation(node(false, Some(3)));
+        let on = reconciliation(node(true, Some(3)));
+        let alone = Config::resolve(Args {
+            quorum_membership_reconciliation: true,
+            ..Args::default()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(off, None);
+        assert_eq!(
+            on,
+            Some(warren_broker::Reconciliation {
+                target_group_size: Some(3),
+                interval_ms: 3_600_000,
+                trigger_interval_ms: 10_000,
+            })
+        );
+        let e = alone.unwrap_err().to_string();
+        assert!(e.contains("--cluster-node"), "{e}");
     }
 
     #[test]

@@ -309,6 +309,7 @@ async fn run(config: Config) -> std::io::Result<()> {
             },
         );
         broker.set_snapshot_interval(c.snapshot_interval_ms);
+        broker.set_membership_reconciliation(c.reconciliation);
         let mut peers = c.nodes.clone();
         // `Config::resolve` checked that the list holds this node.
         let own = peers.remove(&c.node);

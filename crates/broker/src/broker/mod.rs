@@ -13,6 +13,7 @@ mod policies;
 mod publish;
 mod queue_arguments;
 mod queue_members;
+mod reconcile;
 mod remote_get;
 mod replicated;
 mod runtime;
@@ -30,6 +31,7 @@ pub use metadata_group::{
 use persistence::*;
 use publish::*;
 pub use queue_members::{voters_in, MemberError};
+pub use reconcile::Reconciliation;
 pub use remote_get::{GetAnswer, Got, GET_WAIT_MS};
 use replicated::not_led_here;
 pub use replicated::{

@@ -176,6 +176,8 @@ impl Broker {
         for id in ids {
             self.reapply_queue(id);
         }
+        // A policy's `target-group-size` may leave queues short of it.
+        self.reconcile_soon();
         // What a lowered limit dropped goes to its dead-letter exchange now.
         self.dead_letter_pending();
     }

@@ -410,6 +410,9 @@ pub(crate) struct Cluster {
     pub(super) release_tag: Option<Guard>,
     pub(super) guards_settled: Vec<(Guard, GuardEnd)>,
     pub(super) guards_dropped: HashSet<DelayKey>,
+    /// Membership reconciliation (`None`: off), and when it looks next.
+    pub(super) reconcile: Option<super::Reconciliation>,
+    pub(super) reconcile_at: u64,
 }
 
 impl Cluster {
@@ -461,6 +464,8 @@ impl Cluster {
             release_tag: None,
             guards_settled: Vec::new(),
             guards_dropped: HashSet::new(),
+            reconcile: None,
+            reconcile_at: u64::MAX,
         }
     }
 
@@ -1305,6 +1310,8 @@ impl Broker {
         // A declaration no longer waits for a node that is down (once it has been down for
         // `RECENTLY_DOWN_MS`: the timer comes back for it).
         self.answer_cluster_waits();
+        // A node back (or new) may take a queue to its target size.
+        self.reconcile_soon();
     }
 
     /// Maintenance mode (`warren ctl drain`, RabbitMQ's `rabbitmq-upgrade drain`) on or off
@@ -2411,6 +2418,7 @@ impl Broker {
     }
 
     fn expire_forwards_here(&mut self) {
+        self.reconcile_members();
         self.down_lost_peers();
         self.resend_meta();
         self.expire_gets();
@@ -2544,6 +2552,7 @@ impl Broker {
             .chain(downs)
             .chain(self.meta_deadline())
             .chain(self.get_deadline())
+            .chain(self.reconcile_deadline())
             .min()
     }
 
@@ -3240,6 +3249,8 @@ impl Broker {
             // time, the same on every member.
             let marker: Vec<Command<Message>> = downs.chain([Command::Touch]).collect();
             self.start_term(id, marker);
+            // A queue made, or led here now, may be short of its target size.
+            self.reconcile_soon();
         } else if leader.is_some_and(|l| l != node) {
             // Its first word to a leader since it started, if nothing was sent before.
             self.down_self_once(id);
