@@ -2420,6 +2420,60 @@ async fn a_classic_queues_confirm_still_waits_for_a_slow_disk_when_a_quorum_queu
     }
 }
 
+/// The members a node's API lists for queue `q`, by number.
+fn api_members(c: &TestCluster, n: u64, q: &str) -> Vec<u64> {
+    let (_, v) = Api::of(c.node(n)).call("GET", &format!("/queues/%2f/{q}"), None);
+    let mut m: Vec<u64> = v["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| {
+            m.as_str()
+                .and_then(warren_conformance::cluster::node_number)
+        })
+        .collect();
+    m.sort_unstable();
+    m
+}
+
+/// `--quorum-membership-reconciliation` (RabbitMQ's continuous membership reconciliation):
+/// a queue declared with one member and `x-quorum-target-group-size` 3 grows to three on
+/// its own; one without a target keeps its single member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_reconciliation_grows_a_queue_to_its_target_size() {
+    let c = TestCluster::start_with(
+        3,
+        20,
+        &[
+            "--quorum-membership-reconciliation",
+            "--quorum-membership-reconciliation-trigger-interval",
+            "100",
+        ],
+    );
+    let size = |n: i64| lapin::types::AMQPValue::LongLongInt(n);
+    let (grows, stays) = (unique("grows"), unique("stays"));
+    declare_quorum_with(
+        &c,
+        &grows,
+        &[
+            ("x-quorum-initial-group-size", size(1)),
+            ("x-quorum-target-group-size", size(3)),
+        ],
+    )
+    .await;
+    declare_quorum_with(&c, &stays, &[("x-quorum-initial-group-size", size(1))]).await;
+    let start = Instant::now();
+    while (1..=3).any(|n| api_members(&c, n, &grows) != [1, 2, 3]) {
+        assert!(
+            start.elapsed() < WAIT,
+            "members {:?}",
+            api_members(&c, 1, &grows)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(api_members(&c, 1, &stays), [1]);
+}
+
 /// `x-quorum-initial-group-size` 2 on a cluster of three: the queue's members are the node it
 /// was declared on and the next; the third holds the group as a learner (its quorum status
 /// says `non_voter`), takes the queue's messages from the log as the others do, serves its
