@@ -6256,3 +6256,37 @@ fn reconciliation_grows_to_odd_sizes_and_waits_for_a_node_that_is_down() {
         },
     );
 }
+
+/// A channel's credit sets, it does not add: one lost on its way and overtaken by a later
+/// one of the same channel is not sent again after it (the consumer would keep the older
+/// credit, and with nothing unacked its channel would never send another).
+#[test]
+fn a_channels_credit_lost_on_its_way_is_not_sent_again_after_a_later_one() {
+    let (mut c, leader, follower) = follower_consuming(10);
+    let id = c.id(follower);
+    let group = CreditGroup {
+        conn: conn(follower, 7),
+        channel: 1,
+    };
+    let credit = |limit| warren_broker::Credit {
+        blocked: false,
+        limit: Some(limit),
+    };
+    c.broker(follower).set_credit(id, group, credit(0));
+    c.step();
+    let g = c.group;
+    let before = c.forwards.len();
+    c.forwards.retain(|(_, p)| p.group != g);
+    assert_eq!(
+        before - c.forwards.len(),
+        1,
+        "the forward of the first credit"
+    );
+    c.broker(follower).set_credit(id, group, credit(10));
+    c.run(50);
+    for n in 0..3 {
+        c.publish(leader, n);
+    }
+    let got = take_deliveries(&mut c, follower, 3, 300);
+    assert_eq!(got.len(), 3, "the channel's credit is the later one");
+}

@@ -398,6 +398,10 @@ pub struct ClusterSettings {
     pub reconciliation: Option<warren_broker::Reconciliation>,
 }
 
+/// The shortest interval between two looks of membership reconciliation (each looks at every
+/// queue led here), in milliseconds.
+const MIN_RECONCILIATION_MS: u64 = 100;
+
 /// The smallest cluster secret accepted, in bytes.
 const MIN_CLUSTER_SECRET: usize = 16;
 
@@ -784,12 +788,12 @@ impl Config {
                     .quorum_membership_reconciliation_interval
                     .or(file.quorum_membership_reconciliation_interval)
                     .unwrap_or(defaults.interval_ms)
-                    .max(1),
+                    .max(MIN_RECONCILIATION_MS),
                 trigger_interval_ms: args
                     .quorum_membership_reconciliation_trigger_interval
                     .or(file.quorum_membership_reconciliation_trigger_interval)
                     .unwrap_or(defaults.trigger_interval_ms)
-                    .max(1),
+                    .max(MIN_RECONCILIATION_MS),
             }
         });
         let cluster = match cluster {

@@ -150,7 +150,8 @@ pub(super) struct SizeLater {
     vhost: String,
     name: ShortStr,
     size: usize,
-    /// Given up (the queue keeps every node as a voter) past this time.
+    /// Given up (the queue keeps every node as a voter) past this time, if the levels, the
+    /// queue or its leader are not known by then.
     until: u64,
 }
 
@@ -698,6 +699,16 @@ impl Broker {
         Some(running.into_iter().chain(down).take(size).collect())
     }
 
+    /// Whether a member change of this node's for queue `name` waits for the metadata log.
+    pub(super) fn member_change_pending(&self, vhost: &str, name: &str) -> bool {
+        self.cluster.as_ref().is_some_and(|c| {
+            c.meta.queued.iter().any(|w| {
+                matches!(&w.op, MetaOp::ChangeQueueMember { vhost: v, name: n, .. }
+                    if v == vhost && n.as_str() == name)
+            })
+        })
+    }
+
     /// Whether the cluster's level is low only for want of some node's level in the log
     /// (every level known is one that keeps a queue's voters).
     fn levels_pending(&self) -> bool {
@@ -730,10 +741,16 @@ impl Broker {
         let mut waiting = Vec::new();
         for s in later {
             let id = self.queue_id(&s.vhost, &s.name);
-            let made = id.and_then(|id| self.queues.get(&id)?.replica.as_ref());
-            let Some(r) = made.filter(|_| ready) else {
-                if (pending || id.is_none()) && now < s.until {
-                    // The levels, or the declaration, are not in the log yet.
+            let queue = id.and_then(|id| self.queues.get(&id));
+            if queue.is_some_and(|q| requested_size(&q.arguments) != Some(s.size)) {
+                // Deleted and declared again meanwhile without that size: not this one.
+                continue;
+            }
+            let made = queue.and_then(|q| q.replica.as_ref());
+            let Some(r) = made.filter(|r| ready && r.leader.is_some()) else {
+                if (pending || id.is_none() || made.is_some()) && now < s.until {
+                    // The levels, the declaration or the queue's first leader are not known
+                    // yet (a voter taken off could be the one about to be elected).
                     waiting.push(s);
                 } else {
                     tracing::warn!(

@@ -86,12 +86,14 @@ impl Broker {
         if now < at {
             return;
         }
-        let grown = if self.is_draining() || self.members_changeable().is_err() {
+        // Not now (in maintenance mode, or before every node's level is known): soon again.
+        let skipped = self.is_draining() || self.members_changeable().is_err();
+        let grown = if skipped {
             0
         } else {
             self.grow_short_queues(config.target_group_size)
         };
-        let next = if grown > 0 {
+        let next = if grown > 0 || skipped {
             config.trigger_interval_ms
         } else {
             config.interval_ms
@@ -139,7 +141,8 @@ impl Broker {
             .max()
             .unwrap_or(0);
             let voters = super::voters_in(r.voters.as_deref(), &nodes);
-            if voters.len() >= target {
+            if voters.len() >= target || self.member_change_pending(&q.vhost, &q.name) {
+                // At its size, or a change of this node's for it still waits for the log.
                 continue;
             }
             // Growing needs every voter up (a change waits for a voter that is down).

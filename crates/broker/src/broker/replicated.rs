@@ -69,6 +69,8 @@ struct Kept {
     sent_before: u64,
     /// A publish, whose confirm waits for it (a consumer's command waits for nothing).
     confirm: bool,
+    /// The channel whose credit it sets, for a `Credit`: a later one replaces it.
+    credit: Option<CreditGroup>,
 }
 
 /// A publish held back behind this node's own undecided proposals as leader
@@ -1328,6 +1330,9 @@ impl Broker {
                 .group_changes
                 .push(super::metadata_group::GroupChange::Drain { on });
         }
+        if !on {
+            self.reconcile_soon();
+        }
     }
 
     /// This node is in maintenance mode.
@@ -1454,6 +1459,8 @@ impl Broker {
             c.draining_peers.insert(node);
         } else {
             c.draining_peers.remove(&node);
+            // Back from maintenance mode: a queue short of its size may grow onto it.
+            self.reconcile_soon();
         }
     }
 
@@ -2180,6 +2187,7 @@ impl Broker {
             at: now,
             sent_before: c.proposals.upcoming(),
             confirm: true,
+            credit: None,
         });
         true
     }
@@ -2265,7 +2273,21 @@ impl Broker {
                         to: Some(leader),
                     });
                 }
-                c.kept.entry(r.group).or_default().push_back(Kept {
+                let kept = c.kept.entry(r.group).or_default();
+                if !confirm {
+                    // Sent again out of order (overtaken, or after a snapshot), an earlier
+                    // command this one supersedes would undo it: a channel's older credit (a
+                    // credit sets, it does not add), or anything of this node's consumers
+                    // before a `Down` of itself (which ends them all).
+                    match command {
+                        Command::Down { .. } => kept.retain(|k| k.confirm),
+                        Command::Credit { group, .. } => {
+                            kept.retain(|k| k.confirm || k.credit != Some(*group));
+                        }
+                        _ => {}
+                    }
+                }
+                kept.push_back(Kept {
                     seq: origin.seq,
                     data,
                     token: None,
@@ -2273,6 +2295,10 @@ impl Broker {
                     at: now,
                     sent_before: c.proposals.upcoming(),
                     confirm,
+                    credit: match command {
+                        Command::Credit { group, .. } => Some(*group),
+                        _ => None,
+                    },
                 });
                 true
             }
