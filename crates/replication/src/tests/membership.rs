@@ -709,3 +709,56 @@ fn a_voter_stays_while_its_replacement_is_down_or_the_rest_would_lose_their_majo
         s.nodes[&1].raft.members(G) == Some(learners_of(&[1, 2], &[3, 4]))
     });
 }
+
+/// A learner sees no election: its leader died (here: handed over and won back) and led
+/// again in a later term looks unchanged to it. `ReadyBatch::leaders` still reports the new
+/// term, so that what the learner's node sent the leader in its earlier term is sent again.
+#[test]
+fn a_learner_is_told_of_the_same_leader_in_a_later_term() {
+    let mut sim = Sim::bare(33, vec![1, 2, 3]);
+    sim.groups = vec![G];
+    for id in 1..=3 {
+        let n = sim.nodes.get_mut(&id).expect("node");
+        n.raft.set_members(vec![1, 2, 3]);
+        n.raft.set_group_voters(G, Some(vec![1, 2]));
+        n.raft.add_group(G, id == 1).expect("group");
+    }
+    run_until(&mut sim, 500, "node 1 leads, known to the learner", |s| {
+        s.leader(G) == Some(1) && s.nodes[&3].reported_leaders.get(&G) == Some(&Some(1))
+    });
+    let term = sim.nodes[&1].raft.term_of(G).expect("a term");
+    let reports = sim.nodes[&3].leader_reports;
+    sim.isolated.insert(3);
+    for to in [2, 1] {
+        let from = if to == 2 { 1 } else { 2 };
+        // Asked until the leader takes it (the peer must be known up and have the log).
+        let mut asked = false;
+        for _ in 0..200 {
+            if asked || sim.leader(G) == Some(to) {
+                break;
+            }
+            asked = sim
+                .nodes
+                .get_mut(&from)
+                .expect("node")
+                .raft
+                .transfer_leader(G, to);
+            sim.step();
+        }
+        assert!(asked, "node {from} never took the transfer to {to}");
+        run_until(&mut sim, 1000, "the leadership handed over", |s| {
+            s.leader(G) == Some(to)
+        });
+    }
+    assert!(sim.nodes[&1].raft.term_of(G) > Some(term));
+    sim.isolated.clear();
+    run_until(&mut sim, 1000, "the learner hears of the later term", |s| {
+        s.nodes[&3].raft.term_of(G) == s.nodes[&1].raft.term_of(G)
+    });
+    sim.run(5);
+    assert_eq!(sim.nodes[&3].reported_leaders.get(&G), Some(&Some(1)));
+    assert!(
+        sim.nodes[&3].leader_reports > reports,
+        "the same leader in a later term was not reported"
+    );
+}

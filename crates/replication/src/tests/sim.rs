@@ -45,6 +45,8 @@ pub struct SimNode {
     pub applied: BTreeMap<GroupId, Vec<Committed>>,
     /// Each group's leader as `ReadyBatch::leaders` last reported it here.
     pub reported_leaders: BTreeMap<GroupId, Option<NodeId>>,
+    /// How many leader changes `ReadyBatch::leaders` reported here.
+    pub leader_reports: u64,
     pub alive: bool,
     pub boots: u64,
     /// Jobs submitted to the log but not yet written (asynchronous mode).
@@ -67,6 +69,7 @@ impl SimNode {
             log,
             applied: BTreeMap::new(),
             reported_leaders: BTreeMap::new(),
+            leader_reports: 0,
             alive: true,
             boots: 1,
             pending: Vec::new(),
@@ -250,6 +253,7 @@ impl Sim {
         n.raft.tick(now);
         let mut batch = n.raft.ready();
         out.append(&mut batch.messages);
+        n.leader_reports += batch.leaders.len() as u64;
         n.reported_leaders.extend(batch.leaders.drain(..));
         n.refused.append(&mut batch.refused);
         let wanted = std::mem::take(&mut batch.snapshots_wanted);
