@@ -6290,3 +6290,52 @@ fn a_channels_credit_lost_on_its_way_is_not_sent_again_after_a_later_one() {
     let got = take_deliveries(&mut c, follower, 3, 300);
     assert_eq!(got.len(), 3, "the channel's credit is the later one");
 }
+
+/// A restarted node's first word to a queue's leader is a `Down` of itself. Lost on its way,
+/// it is sent again; a consume made meanwhile on that node waits behind it, so that the
+/// `Down` never reaches the log after the consume (which it would cut off at once).
+#[test]
+fn a_consume_waits_behind_a_down_of_its_node_that_was_lost_on_its_way() {
+    let mut c = Cluster::new();
+    until_levels(&mut c);
+    let leader = c.leader();
+    let follower = leader % 3 + 1;
+    c.kill(follower);
+    c.run(20);
+    c.restart(follower, None);
+    let group = c.group;
+    let is_down_of = |p: &Proposal, node: u64| {
+        p.group == group
+            && matches!(
+                warren_replication::queue::decode(Bytes::from(p.data.clone())),
+                Ok((_, warren_broker::machine::Command::Down { node: n })) if u64::from(n) == node
+            )
+    };
+    let mut dropped = false;
+    for _ in 0..300 {
+        c.step();
+        let before = c.forwards.len();
+        c.forwards.retain(|(_, p)| !is_down_of(p, follower));
+        if c.forwards.len() < before {
+            dropped = true;
+            break;
+        }
+    }
+    assert!(dropped, "the restarted node's Down was never forwarded");
+    consume(&mut c, follower, 10).expect("consume on the restarted node");
+    // Long enough for the lost `Down` to be sent again, and applied.
+    c.run(300);
+    for n in 0..3 {
+        c.publish(leader, n);
+    }
+    let got = take_deliveries(&mut c, follower, 3, 600);
+    assert_eq!(
+        got.len(),
+        3,
+        "the consumer on the restarted node gets the messages"
+    );
+    assert!(
+        c.broker(follower).take_replica_cancelled().is_empty(),
+        "the consumer was cut off by its node's Down"
+    );
+}

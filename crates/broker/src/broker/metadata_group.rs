@@ -699,16 +699,6 @@ impl Broker {
         Some(running.into_iter().chain(down).take(size).collect())
     }
 
-    /// Whether a member change of this node's for queue `name` waits for the metadata log.
-    pub(super) fn member_change_pending(&self, vhost: &str, name: &str) -> bool {
-        self.cluster.as_ref().is_some_and(|c| {
-            c.meta.queued.iter().any(|w| {
-                matches!(&w.op, MetaOp::ChangeQueueMember { vhost: v, name: n, .. }
-                    if v == vhost && n.as_str() == name)
-            })
-        })
-    }
-
     /// Whether the cluster's level is low only for want of some node's level in the log
     /// (every level known is one that keeps a queue's voters).
     fn levels_pending(&self) -> bool {
@@ -748,7 +738,7 @@ impl Broker {
             }
             let made = queue.and_then(|q| q.replica.as_ref());
             let Some(r) = made.filter(|r| ready && r.leader.is_some()) else {
-                if (pending || id.is_none() || made.is_some()) && now < s.until {
+                if (pending || id.is_none() || (ready && made.is_some())) && now < s.until {
                     // The levels, the declaration or the queue's first leader are not known
                     // yet (a voter taken off could be the one about to be elected).
                     waiting.push(s);

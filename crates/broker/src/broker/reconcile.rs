@@ -12,6 +12,7 @@
 //! off every queue.
 
 use super::Broker;
+use super::QueueId;
 use crate::policy::PolicyValue;
 use crate::replica::NodeId;
 
@@ -38,6 +39,10 @@ impl Default for Reconciliation {
         }
     }
 }
+
+/// How long a look waits for the voter it asked for a queue before it asks again (the
+/// metadata log may be slow, or have lost the change with its leader).
+const ASKED_WAIT_MS: u64 = 60_000;
 
 /// The argument and the policy key of a queue's target size.
 const TARGET_ARG: &str = "x-quorum-target-group-size";
@@ -103,7 +108,8 @@ impl Broker {
         }
     }
 
-    /// One voter more for each queue led here below its target; how many grew.
+    /// One voter more for each queue led here below its target; how many grew, or still wait
+    /// for the voter asked for them.
     fn grow_short_queues(&mut self, configured: Option<usize>) -> usize {
         let nodes = self.sorted_nodes();
         let Some(me) = self.cluster_node() else {
@@ -111,7 +117,9 @@ impl Broker {
         };
         let up =
             |b: &Broker, n: NodeId| n == me || b.cluster.as_ref().is_some_and(|c| c.is_running(n));
-        let mut grow: Vec<(String, String, NodeId)> = Vec::new();
+        let now = self.now_ms;
+        let mut waiting = 0;
+        let mut grow: Vec<(QueueId, usize, String, String, NodeId)> = Vec::new();
         let mut ids: Vec<_> = self.queues.keys().copied().collect();
         ids.sort();
         for id in ids {
@@ -141,8 +149,19 @@ impl Broker {
             .max()
             .unwrap_or(0);
             let voters = super::voters_in(r.voters.as_deref(), &nodes);
-            if voters.len() >= target || self.member_change_pending(&q.vhost, &q.name) {
-                // At its size, or a change of this node's for it still waits for the log.
+            if voters.len() >= target {
+                continue;
+            }
+            let asked = self
+                .cluster
+                .as_ref()
+                .and_then(|c| c.reconcile_asked.get(&id).copied());
+            if asked.is_some_and(|(len, at)| {
+                len == voters.len() && now.saturating_sub(at) < ASKED_WAIT_MS
+            }) {
+                // The voter this node asked for is not in yet (the metadata log is slow):
+                // asked again only once the wait is over.
+                waiting += 1;
                 continue;
             }
             // Growing needs every voter up (a change waits for a voter that is down).
@@ -166,13 +185,26 @@ impl Broker {
                 .find(|n| *n > me)
                 .or_else(|| candidates.first().copied());
             if let Some(node) = pick {
-                grow.push((q.vhost.clone(), q.name.to_string(), node));
+                grow.push((id, voters.len(), q.vhost.clone(), q.name.to_string(), node));
             }
         }
-        let mut grown = 0;
-        for (vhost, name, node) in grow {
+        let mut grown = waiting;
+        if let Some(c) = self.cluster.as_mut() {
+            // What was asked for queues that are gone, or grew since, is forgotten.
+            let queues = &self.queues;
+            c.reconcile_asked.retain(|id, (len, _)| {
+                queues
+                    .get(id)
+                    .and_then(|q| q.replica.as_ref())
+                    .is_some_and(|r| super::voters_in(r.voters.as_deref(), &nodes).len() == *len)
+            });
+        }
+        for (id, len, vhost, name, node) in grow {
             match self.change_queue_member(&vhost, &name, node, true) {
                 Ok(_) => {
+                    if let Some(c) = self.cluster.as_mut() {
+                        c.reconcile_asked.insert(id, (len, now));
+                    }
                     tracing::info!(%vhost, queue = %name, node, "quorum queue below its target size: a member added");
                     grown += 1;
                 }

@@ -71,6 +71,10 @@ struct Kept {
     confirm: bool,
     /// The channel whose credit it sets, for a `Credit`: a later one replaces it.
     credit: Option<CreditGroup>,
+    /// A `Down` of this node, which the consumer commands after it wait for; and one of those,
+    /// not sent yet.
+    down: bool,
+    held: bool,
 }
 
 /// A publish held back behind this node's own undecided proposals as leader
@@ -415,6 +419,8 @@ pub(crate) struct Cluster {
     /// Membership reconciliation (`None`: off), and when it looks next.
     pub(super) reconcile: Option<super::Reconciliation>,
     pub(super) reconcile_at: u64,
+    /// Queues it asked a voter for: their number of voters then, and when.
+    pub(super) reconcile_asked: HashMap<QueueId, (usize, u64)>,
 }
 
 impl Cluster {
@@ -468,6 +474,7 @@ impl Cluster {
             guards_dropped: HashSet::new(),
             reconcile: None,
             reconcile_at: u64::MAX,
+            reconcile_asked: HashMap::new(),
         }
     }
 
@@ -686,6 +693,7 @@ impl Cluster {
             k.at = now;
             if let Some(leader) = leader {
                 k.sent_before = upcoming;
+                k.held = false;
                 self.outbox.push(Proposal {
                     group,
                     data: k.data.clone(),
@@ -2188,6 +2196,8 @@ impl Broker {
             sent_before: c.proposals.upcoming(),
             confirm: true,
             credit: None,
+            down: false,
+            held: false,
         });
         true
     }
@@ -2266,14 +2276,19 @@ impl Broker {
                 if confirm && waiting.is_none() {
                     c.wait_on(&token, now);
                 }
-                if let Some(leader) = leader {
-                    c.outbox.push(Proposal {
+                let cl = &mut **c;
+                let kept = cl.kept.entry(r.group).or_default();
+                // Behind a `Down` of this node not applied yet, a consumer's command waits for
+                // it: sent now, it could reach the log first (a `Down` lost on its way is sent
+                // again), and the `Down` would then undo it (a consume cut off at once).
+                let held = !confirm && kept.iter().any(|k| k.down);
+                if let Some(leader) = leader.filter(|_| !held) {
+                    cl.outbox.push(Proposal {
                         group: r.group,
                         data: data.clone(),
                         to: Some(leader),
                     });
                 }
-                let kept = c.kept.entry(r.group).or_default();
                 if !confirm {
                     // Sent again out of order (overtaken, or after a snapshot), an earlier
                     // command this one supersedes would undo it: a channel's older credit (a
@@ -2293,12 +2308,14 @@ impl Broker {
                     token: None,
                     first: now,
                     at: now,
-                    sent_before: c.proposals.upcoming(),
+                    sent_before: cl.proposals.upcoming(),
                     confirm,
                     credit: match command {
                         Command::Credit { group, .. } => Some(*group),
                         _ => None,
                     },
+                    down: matches!(command, Command::Down { .. }),
+                    held,
                 });
                 true
             }
@@ -2954,7 +2971,7 @@ impl Broker {
                                 // that later one was sent after it. Dropped, an ack lost would
                                 // leave its message checked out to a live consumer for good: it
                                 // goes again now (twice changes nothing).
-                                if seq >= k.sent_before {
+                                if seq >= k.sent_before && !k.held {
                                     if let Some(leader) = r.leader.filter(|l| *l != node) {
                                         outbox.push(Proposal {
                                             group: e.group.0,
@@ -2976,8 +2993,24 @@ impl Broker {
                                 true
                             }
                         });
+                        if !kept.iter().any(|k| k.down) {
+                            // The `Down` they waited for is in the log: they go now, in order.
+                            let leader = r.leader.filter(|l| *l != node);
+                            for k in kept.iter_mut().filter(|k| k.held) {
+                                if let Some(leader) = leader {
+                                    outbox.push(Proposal {
+                                        group: e.group.0,
+                                        data: k.data.clone(),
+                                        to: Some(leader),
+                                    });
+                                    k.held = false;
+                                    k.at = now_ms;
+                                    k.sent_before = upcoming;
+                                }
+                            }
+                        }
                         if kept.is_empty() {
-                            c.kept.remove(&e.group.0);
+                            cl.kept.remove(&e.group.0);
                         }
                     }
                     r.applied_own = r.applied_own.max(head.origin.seq);
