@@ -2491,22 +2491,8 @@ async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
         )],
     )
     .await;
-    let members = |n: u64| {
-        let (_, v) = Api::of(c.node(n)).call("GET", &format!("/queues/%2f/{q}"), None);
-        let mut m: Vec<u64> = v["members"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|m| {
-                m.as_str()
-                    .and_then(warren_conformance::cluster::node_number)
-            })
-            .collect();
-        m.sort_unstable();
-        m
-    };
     for n in 1..=3 {
-        assert_eq!(members(n), [1, 2], "node {n}'s API");
+        assert_eq!(api_members(&c, n, &q), [1, 2], "node {n}'s API");
     }
     let status = |n: u64| {
         let (_, v) =
@@ -2555,7 +2541,11 @@ async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
     let (ok, said) = ctl(1, &["add_member", &q, "3"]);
     assert!(ok, "{said}");
     for n in 1..=3 {
-        assert_eq!(members(n), [1, 2, 3], "node {n}'s API after add_member");
+        assert_eq!(
+            api_members(&c, n, &q),
+            [1, 2, 3],
+            "node {n}'s API after add_member"
+        );
     }
     let start = Instant::now();
     while status(3) != "voter" {
@@ -2568,7 +2558,7 @@ async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
         said.contains(&format!("name: {q}\tsize: 2\tresult: ok")),
         "{said}"
     );
-    assert_eq!(members(2), [2, 3]);
+    assert_eq!(api_members(&c, 2, &q), [2, 3]);
     let start = Instant::now();
     while status(1) != "non_voter" {
         assert!(start.elapsed() < WAIT, "node 1: {}", status(1));
@@ -2576,7 +2566,7 @@ async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
     }
     let (ok, said) = ctl(3, &["delete_member", &q, "2"]);
     assert!(ok, "{said}");
-    assert_eq!(members(1), [3]);
+    assert_eq!(api_members(&c, 1, &q), [3]);
     let (ok, said) = ctl(3, &["delete_member", &q, "3"]);
     assert!(!ok && said.contains("last member"), "{said}");
     // The queue goes on with its one voter, through a learner's node.
@@ -2586,9 +2576,9 @@ async fn a_quorum_queue_of_two_voters_keeps_the_third_node_as_a_learner() {
     // grow: `even` passes over a queue of one voter; `all` with its name makes node 1 one.
     let (ok, said) = ctl(2, &["grow", "1", "even"]);
     assert!(ok, "{said}");
-    assert_eq!(members(2), [3]);
+    assert_eq!(api_members(&c, 2, &q), [3]);
     let pattern = format!("^{q}$");
     let (ok, said) = ctl(2, &["grow", "1", "all", "--queue-pattern", &pattern]);
     assert!(ok, "{said}");
-    assert_eq!(members(3), [1, 3]);
+    assert_eq!(api_members(&c, 3, &q), [1, 3]);
 }

@@ -77,6 +77,26 @@ struct Kept {
     held: bool,
 }
 
+impl Kept {
+    /// Sends it (again) to `leader` at `now`, before this node's proposal `upcoming`.
+    fn send_to(
+        &mut self,
+        leader: NodeId,
+        group: u64,
+        outbox: &mut Vec<Proposal>,
+        (now, upcoming): (u64, u64),
+    ) {
+        outbox.push(Proposal {
+            group,
+            data: self.data.clone(),
+            to: Some(leader),
+        });
+        self.at = now;
+        self.sent_before = upcoming;
+        self.held = false;
+    }
+}
+
 /// A publish held back behind this node's own undecided proposals as leader
 /// ([`Cluster::behind`]), with the confirm that waits for it.
 #[derive(Debug)]
@@ -692,13 +712,7 @@ impl Cluster {
             }
             k.at = now;
             if let Some(leader) = leader {
-                k.sent_before = upcoming;
-                k.held = false;
-                self.outbox.push(Proposal {
-                    group,
-                    data: k.data.clone(),
-                    to: Some(leader),
-                });
+                k.send_to(leader, group, &mut self.outbox, (now, upcoming));
             }
         }
     }
@@ -2973,13 +2987,7 @@ impl Broker {
                                 // goes again now (twice changes nothing).
                                 if seq >= k.sent_before && !k.held {
                                     if let Some(leader) = r.leader.filter(|l| *l != node) {
-                                        outbox.push(Proposal {
-                                            group: e.group.0,
-                                            data: k.data.clone(),
-                                            to: Some(leader),
-                                        });
-                                        k.at = now_ms;
-                                        k.sent_before = upcoming;
+                                        k.send_to(leader, e.group.0, outbox, (now_ms, upcoming));
                                     }
                                 }
                                 true
@@ -2995,17 +3003,9 @@ impl Broker {
                         });
                         if !kept.iter().any(|k| k.down) {
                             // The `Down` they waited for is in the log: they go now, in order.
-                            let leader = r.leader.filter(|l| *l != node);
-                            for k in kept.iter_mut().filter(|k| k.held) {
-                                if let Some(leader) = leader {
-                                    outbox.push(Proposal {
-                                        group: e.group.0,
-                                        data: k.data.clone(),
-                                        to: Some(leader),
-                                    });
-                                    k.held = false;
-                                    k.at = now_ms;
-                                    k.sent_before = upcoming;
+                            if let Some(leader) = r.leader.filter(|l| *l != node) {
+                                for k in kept.iter_mut().filter(|k| k.held) {
+                                    k.send_to(leader, e.group.0, outbox, (now_ms, upcoming));
                                 }
                             }
                         }
