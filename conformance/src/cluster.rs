@@ -138,6 +138,15 @@ impl TestCluster {
             .heal(n);
     }
 
+    /// Node `n`'s cluster address (`--cluster-nodes` entry), as its peers reach it.
+    pub fn cluster_address(&self, n: u64) -> std::net::SocketAddr {
+        self.addrs
+            .iter()
+            .find(|(id, _)| *id == n)
+            .map(|(_, a)| *a)
+            .expect("a node of the cluster")
+    }
+
     /// Node `n`'s data directory.
     pub fn data_dir(&self, n: u64) -> PathBuf {
         self.dir.join(format!("node{n}"))

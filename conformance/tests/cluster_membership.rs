@@ -315,3 +315,96 @@ async fn a_node_joining_through_a_node_that_does_not_lead_the_metadata_joins() {
         }
     });
 }
+
+/// `warren ctl join_cluster` makes a node that runs on its own a node of a running cluster
+/// (RabbitMQ's `stop_app`, `reset`, `join_cluster`, `start_app`): it refuses while the node
+/// holds a message, then, with `--force`, the node starts again in the same process, empty,
+/// takes every quorum queue with its messages, and a plain restart keeps it the cluster's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
+    let mut c = TestCluster::start(3, 20);
+    let q = unique("before-ctl-join");
+    c.declare_quorum_queue(1, &q).await;
+    publish_confirmed(&c, 1, &q, 0..20).await;
+
+    let alone = warren_conformance::TestBroker::start_with(&["--test-cluster-tick-ms", "20"]);
+    let pid = alone.pid();
+    let api = alone.http_url().expect("the management API").to_owned();
+    let held = unique("held-alone");
+    {
+        let conn = alone.connect().await;
+        let ch = conn.create_channel().await.expect("channel");
+        ch.queue_declare(
+            held.as_str().into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare");
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                held.as_str().into(),
+                BasicPublishOptions::default(),
+                b"held",
+                BasicProperties::default(),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+        assert!(matches!(confirm, Confirmation::Ack(_)), "{confirm:?}");
+    }
+    c.nodes.push(alone);
+
+    let seed = format!("1={}", c.cluster_address(1));
+    let own = format!("127.0.0.1:{}", warren_conformance::free_port());
+    let secret = c.data_dir(1).with_file_name("secret");
+    let join = |force: bool| {
+        Command::new(warren_binary())
+            .args(["ctl", "join_cluster", &seed, "--cluster-node", "4"])
+            .args(["--cluster-address", &own, "--cluster-secret-file"])
+            .arg(&secret)
+            .args(["--api", &api, "--wait", "60"])
+            .args(force.then_some("--force"))
+            .output()
+            .expect("run warren ctl")
+    };
+    let refused = join(false);
+    assert!(!refused.status.success(), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("holds 1 message(s)"),
+        "{}",
+        text(&refused)
+    );
+
+    let joined = join(true);
+    assert!(joined.status.success(), "{}", text(&joined));
+    assert!(
+        text(&joined).contains("warren-4@127.0.0.1 is a node of the cluster"),
+        "{}",
+        text(&joined)
+    );
+    assert_eq!(c.node(4).pid(), pid, "started again in the same process");
+    for n in [1, 4] {
+        wait_for_members(&c, n, &[1, 2, 3, 4]);
+    }
+    let (_, v) = Api::of(c.node(4)).call("GET", &format!("/queues/%2f/{held}"), None);
+    assert_eq!(v["error"], "Object Not Found", "the reset dropped it: {v}");
+
+    // A plain restart, with the arguments it had on its own, keeps it node 4.
+    c.node_mut(4).restart(false);
+    let (_, v) = Api::of(c.node(4)).call("GET", "/overview", None);
+    assert_eq!(v["node"], "warren-4@127.0.0.1", "{v}");
+    let mut got = drain(&c, 4, &q, 20).await;
+    got.sort();
+    got.dedup();
+    assert_eq!(
+        got.len(),
+        20,
+        "every confirmed message, on the new node: {got:?}"
+    );
+}

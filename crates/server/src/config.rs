@@ -497,7 +497,7 @@ fn cluster_tls(
     }
 }
 
-fn cluster_settings(
+pub(crate) fn cluster_settings(
     node: Option<u64>,
     nodes: Option<String>,
     secret_file: Option<PathBuf>,
@@ -757,22 +757,39 @@ impl Config {
                 }
             )));
         }
+        let mut node = args.cluster_node.or(file.cluster_node);
+        let mut nodes = args.cluster_nodes.or(file.cluster_nodes);
+        let mut secret_file = args.cluster_secret_file.or(file.cluster_secret_file);
+        let mut cluster_tls = (
+            args.cluster_tls_cert.or(file.cluster_tls_cert),
+            args.cluster_tls_key.or(file.cluster_tls_key),
+            args.cluster_tls_ca.or(file.cluster_tls_ca),
+        );
+        let mut join = args.cluster_join || file.cluster_join.unwrap_or(false);
+        // A node that `warren ctl join_cluster` made a cluster's keeps the settings it saved,
+        // unless its flags or file give others.
+        if node.is_none() && nodes.is_none() && secret_file.is_none() {
+            if let Some(saved) =
+                crate::joining::Saved::read(&data_dir).map_err(ConfigError::Cluster)?
+            {
+                node = Some(saved.node);
+                nodes = Some(saved.nodes);
+                secret_file = Some(saved.secret_file);
+                cluster_tls = (saved.tls_cert, saved.tls_key, saved.tls_ca);
+                join = true;
+            }
+        }
         let cluster = cluster_settings(
-            args.cluster_node.or(file.cluster_node),
-            args.cluster_nodes.or(file.cluster_nodes),
-            args.cluster_secret_file.or(file.cluster_secret_file),
-            (
-                args.cluster_tls_cert.or(file.cluster_tls_cert),
-                args.cluster_tls_key.or(file.cluster_tls_key),
-                args.cluster_tls_ca.or(file.cluster_tls_ca),
-            ),
+            node,
+            nodes,
+            secret_file,
+            cluster_tls,
             (
                 args.test_cluster_tick_ms,
                 args.test_snapshot_entries,
                 args.test_snapshot_inline_bytes,
             ),
         )?;
-        let join = args.cluster_join || file.cluster_join.unwrap_or(false);
         let reconciliation = (args.quorum_membership_reconciliation
             || file
                 .quorum_membership_reconciliation_enabled
@@ -1057,6 +1074,44 @@ mod tests {
         let e = placeholder.unwrap_err().to_string();
         assert!(e.contains("placeholder"), "{e}");
         assert!(real.is_ok(), "{:?}", real.err());
+    }
+
+    /// A node that `warren ctl join_cluster` made a cluster's starts as that node with no
+    /// cluster flags, asking to join (harmless once it has); flags of its own win.
+    #[test]
+    fn the_cluster_settings_join_cluster_saved_are_taken_unless_flags_give_others() {
+        let dir = std::env::temp_dir().join(format!("warren-saved-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "a real secret of more than sixteen bytes").expect("write");
+        crate::joining::Saved {
+            node: 4,
+            nodes: "1=127.0.0.1:25701,4=127.0.0.1:25704".into(),
+            secret_file: secret.clone(),
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
+            reset: false,
+        }
+        .write(&dir)
+        .expect("saved");
+        let saved = Config::resolve(Args {
+            data_dir: Some(dir.clone()),
+            ..Args::default()
+        });
+        let flagged = Config::resolve(Args {
+            data_dir: Some(dir.clone()),
+            cluster_node: Some(1),
+            cluster_nodes: Some("1=127.0.0.1:25701".into()),
+            cluster_secret_file: Some(secret),
+            ..Args::default()
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        let c = saved.expect("config").cluster.expect("a cluster node");
+        assert_eq!((c.node, c.join), (4, true));
+        assert_eq!(c.nodes.keys().copied().collect::<Vec<_>>(), [1, 4]);
+        let c = flagged.expect("config").cluster.expect("a cluster node");
+        assert_eq!((c.node, c.join), (1, false));
     }
 
     #[test]

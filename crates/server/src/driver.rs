@@ -748,6 +748,12 @@ impl NodeHandle {
         self.0.is_draining()
     }
 
+    /// Whether the node still asks a cluster to add it (`--cluster-join`, until the metadata
+    /// it installed names it).
+    pub fn is_joining(&self) -> bool {
+        self.0.joining.load(Ordering::Acquire)
+    }
+
     /// Reads the node (and its time, ms since the epoch) under the lock; keep `f` short.
     pub fn read<R>(&self, f: impl FnOnce(&Node, u64) -> R) -> R {
         let core = self.0.lock();

@@ -8,6 +8,7 @@ mod config;
 mod connection_threads;
 mod driver;
 mod http;
+mod joining;
 mod metrics;
 mod relay;
 mod shovel;
@@ -70,12 +71,31 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(config)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Stopped::ForGood) => ExitCode::SUCCESS,
+        Ok(Stopped::ToJoin) => {
+            runtime.shutdown_timeout(Duration::from_secs(5));
+            tracing::warn!("starting again to join the cluster");
+            let e = joining::restart();
+            eprintln!(
+                "warren: cannot start again to join the cluster ({e}): start it again as it \
+                 was started; it joins the cluster with the settings saved in its data directory"
+            );
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("warren: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// How the node's run ended.
+enum Stopped {
+    /// Stopped (a signal): the process ends.
+    ForGood,
+    /// Stopped to start again in this process as a node of a cluster (`warren ctl
+    /// join_cluster`).
+    ToJoin,
 }
 
 /// `--replay-commands FILE`: checks that a command log rebuilds the queues it recorded.
@@ -206,7 +226,11 @@ async fn http_listeners(
     Ok((management, prometheus, sqs))
 }
 
-async fn run(config: Config) -> std::io::Result<()> {
+async fn run(config: Config) -> std::io::Result<Stopped> {
+    // A node that `warren ctl join_cluster` stopped starts from an empty data directory.
+    if joining::reset_if_asked(&config.data_dir).map_err(std::io::Error::other)? {
+        tracing::warn!(data_dir = %config.data_dir.display(), "data directory reset: this node joins the cluster as a new node");
+    }
     let tls = match &config.tls {
         Some(files) => Some(
             tls::Tls::load(files.clone())
@@ -371,10 +395,13 @@ async fn run(config: Config) -> std::io::Result<()> {
     node.apply_config_users(fresh, &mut http::passwords::salt);
     node.set_recovering(true, 0);
     let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_tx = std::sync::Arc::new(stop_tx);
+    let restart = std::sync::Arc::new(joining::Restart::new(stop_tx.clone()));
     tokio::spawn(async move {
         wait_for_signal().await;
         let _ = stop_tx.send(true);
     });
+    let restart_api = restart.clone();
     let store = driver::serve(
         (listener, tls_listener),
         node,
@@ -417,7 +444,13 @@ async fn run(config: Config) -> std::io::Result<()> {
                 prometheus,
                 sqs_port,
             };
-            start_http(node, shovels, &config, tls.as_ref(), listeners)
+            start_http(
+                node,
+                shovels,
+                &config,
+                tls.as_ref(),
+                (listeners, restart_api),
+            )
         },
     )
     .await?;
@@ -428,7 +461,11 @@ async fn run(config: Config) -> std::io::Result<()> {
             .close_clean()
             .map_err(|e| std::io::Error::other(e.to_string()))?;
     }
-    Ok(())
+    Ok(if restart.asked() {
+        Stopped::ToJoin
+    } else {
+        Stopped::ForGood
+    })
 }
 
 /// 64 random bytes, hex: what the node's connections to itself log in with.
@@ -510,7 +547,7 @@ fn start_http(
     shovels: shovel::Shovels,
     config: &Config,
     tls: Option<&tls::Tls>,
-    listeners: HttpListeners,
+    (listeners, restart): (HttpListeners, std::sync::Arc<joining::Restart>),
 ) {
     let HttpListeners {
         management,
@@ -549,6 +586,7 @@ fn start_http(
         data_dir: config.data_dir.clone(),
         alarms: config.alarms,
         shovels,
+        restart: Some(restart),
     });
     if management.is_some() || prometheus.is_some() {
         tokio::spawn(http::rates::run(rates, api.node.clone()));

@@ -44,6 +44,13 @@ pub enum MaintenanceCmd {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Makes the node, running on its own, a node of a running cluster (RabbitMQ's `stop_app`,
+    /// `reset`, `join_cluster` and `start_app` in one): it stops, empties its data directory,
+    /// saves these settings in it and starts again asking SEED to add it; it takes the
+    /// cluster's definitions and every quorum queue. A node holding messages refuses unless
+    /// `--force`. Returns once the cluster lists it and no group is still taking it in
+    #[command(name = "join_cluster", alias = "join-cluster")]
+    JoinCluster(JoinCluster),
     /// Fails (exit 1) if stopping the node would leave a quorum queue, or the cluster's
     /// definitions, without a majority of running members, naming them (RabbitMQ's
     /// `rabbitmq-queues check_if_node_is_quorum_critical`)
@@ -98,12 +105,47 @@ pub enum MaintenanceCmd {
     },
 }
 
+#[derive(clap::Args, Debug, Clone)]
+pub struct JoinCluster {
+    /// Running nodes of the cluster, as their --cluster-nodes entries: N=HOST:PORT, one or
+    /// more, comma-separated (the others come with the cluster's metadata)
+    pub seed: String,
+    /// This node's number in the cluster: one no node of it has (a forgotten node's may be
+    /// taken again)
+    #[arg(long)]
+    pub cluster_node: u64,
+    /// Where the other nodes reach this node: HOST:PORT of its cluster listener
+    #[arg(long)]
+    pub cluster_address: String,
+    /// The file that holds the cluster's secret, on the node's host (read at every start)
+    #[arg(long)]
+    pub cluster_secret_file: std::path::PathBuf,
+    /// This node's certificate for the cluster's TLS links, when the cluster uses them
+    #[arg(long, requires_all = ["cluster_tls_key", "cluster_tls_ca"])]
+    pub cluster_tls_cert: Option<std::path::PathBuf>,
+    /// Its private key
+    #[arg(long, requires_all = ["cluster_tls_cert", "cluster_tls_ca"])]
+    pub cluster_tls_key: Option<std::path::PathBuf>,
+    /// The CA that signs every node's certificate
+    #[arg(long, requires_all = ["cluster_tls_cert", "cluster_tls_key"])]
+    pub cluster_tls_ca: Option<std::path::PathBuf>,
+    /// Drop the messages the node holds (it starts empty either way)
+    #[arg(long)]
+    pub force: bool,
+    /// How long to wait for the cluster to take the node in, in seconds
+    #[arg(long, default_value_t = 120.0)]
+    pub wait: f64,
+    #[command(flatten)]
+    pub conn: Conn,
+}
+
 pub fn name(c: &MaintenanceCmd) -> &'static str {
     match c {
         MaintenanceCmd::Drain { .. } => "ctl drain",
         MaintenanceCmd::Revive { .. } => "ctl revive",
         MaintenanceCmd::Rebalance { .. } => "ctl rebalance",
         MaintenanceCmd::ForgetClusterNode { .. } => "ctl forget_cluster_node",
+        MaintenanceCmd::JoinCluster(_) => "ctl join_cluster",
         MaintenanceCmd::CheckIfNodeIsQuorumCritical { .. } => {
             "ctl check_if_node_is_quorum_critical"
         }
@@ -159,6 +201,7 @@ pub fn main(c: &MaintenanceCmd) -> Result<(), CliError> {
         MaintenanceCmd::Drain { wait, conn } => drain(&conn.api(), *wait),
         MaintenanceCmd::Rebalance { wait, conn } => rebalance(&conn.api(), *wait),
         MaintenanceCmd::ForgetClusterNode { node, wait, conn } => forget(&conn.api(), node, *wait),
+        MaintenanceCmd::JoinCluster(j) => join_cluster(&j.conn.api(), j),
         MaintenanceCmd::CheckIfNodeIsQuorumCritical { conn } => {
             let api = conn.api();
             let node = node_name(&api)?;
@@ -284,6 +327,125 @@ fn forget(api: &Api, node: &str, wait: f64) -> Result<(), CliError> {
         }
         std::thread::sleep(Duration::from_millis(250));
     }
+}
+
+/// A path the node reads on its host: made absolute here when it exists here (the usual case,
+/// the command run on the node's host), else sent as given.
+fn node_path(p: &std::path::Path) -> String {
+    std::fs::canonicalize(p)
+        .unwrap_or_else(|_| p.to_path_buf())
+        .display()
+        .to_string()
+}
+
+/// Asks the node to join the cluster, then waits until it answers under its new name, the
+/// cluster lists it, and no running node is still taking it into a group.
+fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
+    let before = node_name(api)?;
+    let mut body = serde_json::json!({
+        "node": j.cluster_node,
+        "nodes": format!("{},{}={}", j.seed.trim_end_matches(','), j.cluster_node, j.cluster_address),
+        "secret_file": node_path(&j.cluster_secret_file),
+        "force": j.force,
+    });
+    for (key, file) in [
+        ("tls_cert", &j.cluster_tls_cert),
+        ("tls_key", &j.cluster_tls_key),
+        ("tls_ca", &j.cluster_tls_ca),
+    ] {
+        if let Some(f) = file {
+            body[key] = node_path(f).into();
+        }
+    }
+    let r = api.call("POST", "/cluster/join", Some(&body), &[], "the node")?;
+    let name = r.body["node"].as_str().unwrap_or_default().to_owned();
+    let dropped = r.body["messages_dropped"].as_u64().unwrap_or(0);
+    println!(
+        "{before} stops, empties its data directory{} and starts again as {name}, asking the \
+         cluster to add it",
+        if dropped > 0 {
+            format!(" (dropping {dropped} message(s))")
+        } else {
+            String::new()
+        }
+    );
+    let until = deadline(seconds(j.wait));
+    // The nodes' figures in /api/nodes are sent every FIGURES_EVERY: a 0 from before the
+    // groups began taking the node in would say done too early.
+    let settle = crate::http::FIGURES_EVERY + Duration::from_secs(1);
+    let mut settled_since: Option<Instant> = None;
+    let mut said = None;
+    loop {
+        std::thread::sleep(Duration::from_millis(250));
+        let now = match joined(api, &name) {
+            Ok(None) => {
+                let since = *settled_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= settle {
+                    println!("{name} is a node of the cluster; its quorum queues are in");
+                    return Ok(());
+                }
+                continue;
+            }
+            Ok(Some(state)) => {
+                settled_since = None;
+                state
+            }
+            Err(CliError::Unauthorized { user, .. }) => {
+                println!(
+                    "{name} holds the cluster's definitions now, and its users are the \
+                     cluster's: '{user}' is not among them. See it joined with the cluster's \
+                     credentials: warren ctl cluster_status --api {} --user U --password P",
+                    j.conn.api
+                );
+                return Ok(());
+            }
+            Err(CliError::Unreachable { .. }) => "restarting".to_owned(),
+            Err(e) => e.to_string(),
+        };
+        if said.as_ref() != Some(&now) {
+            println!("{now}");
+            said = Some(now.clone());
+        }
+        if Instant::now() >= until {
+            return Err(CliError::Failed(format!(
+                "{name} has not joined after {} s ({now}): it goes on asking; its log says why \
+                 (a wrong secret, a seed that cannot be reached, a number the cluster has). To \
+                 give up, stop it and remove {} from its data directory: it starts on its own \
+                 again, empty",
+                j.wait,
+                crate::joining::FILE
+            )));
+        }
+    }
+}
+
+/// What the node at `api` still waits for before it is a node of the cluster under `name`:
+/// `None` once nothing.
+fn joined(api: &Api, name: &str) -> Result<Option<String>, CliError> {
+    let overview = api.get("/overview", "the node's overview")?;
+    if overview["node"] != name {
+        return Ok(Some("restarting".into()));
+    }
+    let own = api.get(&format!("/nodes/{}", enc(name)), "the node")?;
+    if own["cluster"]["joining"] != false {
+        return Ok(Some(format!("{name} is up and asks the cluster to add it")));
+    }
+    let nodes = api.get("/nodes", "the cluster's nodes")?;
+    let list = nodes.as_array().cloned().unwrap_or_default();
+    if list.len() < 2 || !list.iter().any(|n| n["name"] == name) {
+        return Ok(Some(format!("{name} is up and asks the cluster to add it")));
+    }
+    let moving: u64 = list
+        .iter()
+        .filter(|n| n["running"] == true)
+        .filter_map(|n| n["cluster"]["members_changing"].as_u64())
+        .sum();
+    if moving > 0 {
+        return Ok(Some(format!(
+            "in the cluster; groups still taking it in: {moving}"
+        )));
+    }
+    Ok(None)
 }
 
 /// What stopping the node at `api` would leave without a majority of running members: `None`

@@ -64,6 +64,8 @@ pub struct Api {
     pub cluster_names: std::collections::BTreeMap<u64, String>,
     /// The shovels this node runs (`/api/shovels`).
     pub shovels: crate::shovel::Shovels,
+    /// Stops the node to start it again as a node of a cluster (`POST /api/cluster/join`).
+    pub restart: Option<Arc<crate::joining::Restart>>,
 }
 
 /// How often a cluster node sends its `/api/nodes` entry to its peers, whose `/api/nodes` then

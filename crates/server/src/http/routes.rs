@@ -49,6 +49,7 @@ pub fn router(api: Arc<Api>) -> Router {
         .route("/api/nodes/{node}/drain", post(drain))
         .route("/api/nodes/{node}/revive", post(revive))
         .route("/api/nodes/{node}/forget", post(forget))
+        .route("/api/cluster/join", post(join_cluster))
         .route("/api/rebalance/queues", post(rebalance))
         .route("/api/extensions", get(extensions))
         .merge(super::access::routes())
@@ -323,6 +324,9 @@ pub(crate) fn node_json(api: &Api) -> Value {
                 "node": node,
                 "nodes": nodes,
                 "metadata_leader": leader,
+                // Still asking the cluster to add it (`--cluster-join`): it takes no client
+                // until the cluster's metadata names it.
+                "joining": api.node.is_joining(),
                 // What every node announced it can do: 1 once quorum queues are numbered by
                 // the metadata log, 2 once the cluster can forget a node (an upgrade of the
                 // whole cluster is complete).
@@ -475,6 +479,115 @@ async fn forget(State(api): ApiState, Admin(who): Admin, Path(node): Path<String
         Err(warren_broker::ForgetError::NotMember(_)) => Err(ApiError::not_found()),
         Err(e) => Err(ApiError::bad_request(e.to_string())),
     }
+}
+
+/// `POST /api/cluster/join` (Warren's; `warren ctl join_cluster`, RabbitMQ's `rabbitmqctl
+/// join_cluster` after `stop_app` and `reset`): this node, running on its own, becomes a node
+/// of a running cluster. The body gives its number (`node`), `nodes` (`N=HOST:PORT,...`: this
+/// node's cluster address and at least one running node's), `secret_file` and the optional
+/// `tls_cert`, `tls_key` and `tls_ca`, as the `--cluster-*` flags would. A node holding
+/// messages refuses unless `force` is true: it starts empty, and takes the cluster's
+/// definitions. Answered 202 with the name the node will have; the node saves the settings in
+/// its data directory, stops (its clients are closed as on a shutdown) and starts again,
+/// reset, asking the cluster to add it ([`crate::joining`]).
+async fn join_cluster(State(api): ApiState, Admin(who): Admin, body: Bytes) -> Answer {
+    let b = body_json(&body)?;
+    let Some(restart) = api.restart.clone() else {
+        return Err(ApiError::bad_request(
+            "this node cannot start itself again: start it with --cluster-join",
+        ));
+    };
+    if !api.cluster_names.is_empty() {
+        return Err(ApiError::bad_request(format!(
+            "{} is a node of a cluster already: to move it to another cluster, forget it \
+             there (warren ctl forget_cluster_node) and start it on an empty data directory \
+             with --cluster-join",
+            api.node_name
+        )));
+    }
+    let text = |key: &str| b.get(key).and_then(Value::as_str).map(str::to_owned);
+    let path = |key: &str| -> Result<Option<std::path::PathBuf>, ApiError> {
+        match text(key).map(std::path::PathBuf::from) {
+            Some(p) if p.is_relative() => Err(ApiError::bad_request(format!(
+                "{key}: give an absolute path ({}): the node reads it on its own host, at \
+                 every start",
+                p.display()
+            ))),
+            p => Ok(p),
+        }
+    };
+    let Some(node) = b.get("node").and_then(Value::as_u64).filter(|n| *n > 0) else {
+        return Err(ApiError::bad_request(
+            "node: this node's number in the cluster (one that no node of it has), from 1",
+        ));
+    };
+    let Some(nodes) = text("nodes") else {
+        return Err(ApiError::bad_request(
+            "nodes: this node's cluster address and at least one running node's, as \
+             N=HOST:PORT,...",
+        ));
+    };
+    let Some(secret_file) = path("secret_file")? else {
+        return Err(ApiError::bad_request(
+            "secret_file: the file holding the cluster's secret, on this node's host",
+        ));
+    };
+    let tls = (path("tls_cert")?, path("tls_key")?, path("tls_ca")?);
+    let force = b.get("force").and_then(Value::as_bool).unwrap_or(false);
+    let settings = crate::config::cluster_settings(
+        Some(node),
+        Some(nodes.clone()),
+        Some(secret_file.clone()),
+        tls.clone(),
+        (None, None, None),
+    )
+    .map_err(|e| ApiError::bad_request(e.to_string()))?
+    .ok_or_else(|| ApiError::internal("no cluster settings"))?;
+    if settings.nodes.len() < 2 {
+        return Err(ApiError::bad_request(
+            "nodes: give at least one running node of the cluster beside this one",
+        ));
+    }
+    let held = api.node.read(|n, _| {
+        let t = n.broker().totals();
+        t.ready + t.unacked + t.delayed + t.dead_lettering
+    });
+    if held > 0 && !force {
+        return Err(ApiError::bad_request(format!(
+            "this node holds {held} message(s), and a node that joins a cluster starts empty, \
+             as rabbitmqctl reset leaves it: move them first (warren migrate, or consume them), \
+             or ask again with force (--force) to drop them"
+        )));
+    }
+    let name = settings
+        .nodes
+        .get(&node)
+        .map(|a| super::cluster_node_name(node, a))
+        .unwrap_or_default();
+    let saved = crate::joining::Saved {
+        node,
+        nodes,
+        secret_file,
+        tls_cert: tls.0,
+        tls_key: tls.1,
+        tls_ca: tls.2,
+        reset: true,
+    };
+    saved.write(&api.data_dir).map_err(|e| {
+        ApiError::internal(format!(
+            "cannot save the cluster settings in {}: {e}",
+            api.data_dir.display()
+        ))
+    })?;
+    if !restart.ask(std::time::Duration::from_millis(300)) {
+        return Err(ApiError::bad_request("the node is restarting already"));
+    }
+    tracing::warn!(by = %who.name, node, name = %name, dropped = held, "this node stops, resets and starts again to join a cluster");
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "node": name, "messages_dropped": held })),
+    )
+        .into_response())
 }
 
 /// `POST /api/rebalance/queues` (as RabbitMQ's): the cluster evens out its quorum queues'
