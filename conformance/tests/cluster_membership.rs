@@ -328,8 +328,11 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
     publish_confirmed(&c, 1, &q, 0..20).await;
 
     let alone = warren_conformance::TestBroker::start_with(&["--test-cluster-tick-ms", "20"]);
-    let pid = alone.pid();
     let api = alone.http_url().expect("the management API").to_owned();
+    let data = alone.data_dir().expect("its data directory").to_path_buf();
+    // A file of the user's own stays; the store is made anew (RocksDB's IDENTITY changes).
+    std::fs::write(data.join("my-notes.txt"), b"mine").expect("a file of my own");
+    let identity = std::fs::read(data.join("IDENTITY")).expect("the store's identity");
     let held = unique("held-alone");
     {
         let conn = alone.connect().await;
@@ -373,6 +376,15 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
             .output()
             .expect("run warren ctl")
     };
+    // A secret every user of the host can read is refused.
+    let public = join(false);
+    assert!(
+        !public.status.success() && text(&public).contains("every user of the host can read it"),
+        "{}",
+        text(&public)
+    );
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .expect("chmod the secret");
     let refused = join(false);
     assert!(!refused.status.success(), "{}", text(&refused));
     assert!(
@@ -388,7 +400,15 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
         "{}",
         text(&joined)
     );
-    assert_eq!(c.node(4).pid(), pid, "started again in the same process");
+    assert_ne!(
+        std::fs::read(data.join("IDENTITY")).expect("the new store's identity"),
+        identity,
+        "the data directory was reset"
+    );
+    assert!(
+        data.join("my-notes.txt").exists(),
+        "a file not Warren's stays"
+    );
     for n in [1, 4] {
         wait_for_members(&c, n, &[1, 2, 3, 4]);
     }

@@ -775,7 +775,9 @@ impl Config {
                 node = Some(saved.node);
                 nodes = Some(saved.nodes);
                 secret_file = Some(saved.secret_file);
-                cluster_tls = (saved.tls_cert, saved.tls_key, saved.tls_ca);
+                if saved.tls_cert.is_some() {
+                    cluster_tls = (saved.tls_cert, saved.tls_key, saved.tls_ca);
+                }
                 join = true;
             }
         }

@@ -1354,7 +1354,7 @@ pub async fn serve(
     ),
     (mut shutdown, cluster): (watch::Receiver<bool>, Option<crate::cluster::ClusterConfig>),
     on_start: impl FnOnce(NodeHandle),
-) -> std::io::Result<Option<Arc<warren_store::Store>>> {
+) -> std::io::Result<Served> {
     let config = node.config().clone();
     let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
     let shared = Arc::new(Shared {
@@ -1562,9 +1562,24 @@ pub async fn serve(
         let _ = tokio::task::spawn_blocking(move || raft.shutdown()).await;
     }
     // The last writes (messages of closed channels coming back) reach the disk before the store
-    // is handed back.
-    shared.lock().store = None;
-    Ok(store_thread.and_then(StoreThread::finish))
+    // is handed back. What the node holds is counted under the same lock: nothing can be
+    // confirmed after it.
+    let held = {
+        let mut core = shared.lock();
+        let t = core.node.broker().totals();
+        core.store = None;
+        t.ready + t.unacked + t.delayed + t.dead_lettering
+    };
+    Ok(Served {
+        store: store_thread.and_then(StoreThread::finish),
+        held,
+    })
+}
+
+/// What a node's run leaves: its store, and the messages it held once it stopped.
+pub struct Served {
+    pub store: Option<Arc<warren_store::Store>>,
+    pub held: u64,
 }
 
 /// How long a cluster node that is stopping waits for its leaderships to move before it

@@ -126,8 +126,12 @@ pub fn reset_if_asked(dir: &Path) -> Result<bool, String> {
             continue;
         }
         let path = entry.path();
-        let removed = if entry.file_type().is_ok_and(|t| t.is_dir()) {
+        let kind = entry.file_type().map_err(|e| io("cannot list", e))?;
+        let removed = if kind.is_dir() {
             std::fs::remove_dir_all(&path)
+        } else if kind.is_symlink() && path.is_dir() {
+            // A directory put on another volume through a link: emptied, the link kept.
+            empty_dir(&path)
         } else {
             std::fs::remove_file(&path)
         };
@@ -141,10 +145,25 @@ pub fn reset_if_asked(dir: &Path) -> Result<bool, String> {
     Ok(true)
 }
 
+/// Removes everything in `dir`, keeping `dir`.
+fn empty_dir(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(entry.path())?;
+        } else {
+            std::fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
+}
+
 /// Lets the management API stop the node so that it starts again in the same process.
 pub struct Restart {
     stop: Arc<watch::Sender<bool>>,
     asked: AtomicBool,
+    force: AtomicBool,
+    signalled: AtomicBool,
 }
 
 impl Restart {
@@ -152,37 +171,70 @@ impl Restart {
         Restart {
             stop,
             asked: AtomicBool::new(false),
+            force: AtomicBool::new(false),
+            signalled: AtomicBool::new(false),
         }
     }
 
-    /// Stops the node once `after` has passed (the answer to the request on its way), to
-    /// start it again. False when a restart was asked already.
-    pub fn ask(self: &Arc<Self>, after: std::time::Duration) -> bool {
+    /// Claims the restart: false when one was claimed already.
+    pub fn claim(&self, force: bool) -> bool {
         if self.asked.swap(true, Ordering::SeqCst) {
             return false;
         }
-        let me = self.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(after).await;
-            let _ = me.stop.send(true);
-        });
+        self.force.store(force, Ordering::SeqCst);
         true
     }
 
-    pub fn asked(&self) -> bool {
-        self.asked.load(Ordering::SeqCst)
+    /// Gives a claim back (its settings could not be saved).
+    pub fn unclaim(&self) {
+        self.asked.store(false, Ordering::SeqCst);
+    }
+
+    /// Stops the node once `after` has passed (the answer to the request on its way).
+    pub fn stop_after(&self, after: std::time::Duration) {
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            let _ = stop.send(true);
+        });
+    }
+
+    /// A stop signal came: it stops the node for good, a restart asked or not (the saved
+    /// settings then wait for the next start).
+    pub fn signalled(&self) {
+        self.signalled.store(true, Ordering::SeqCst);
+        let _ = self.stop.send(true);
+    }
+
+    /// Whether the node is to start again, and whether messages it holds may be dropped.
+    pub fn wanted(&self) -> Option<bool> {
+        (self.asked.load(Ordering::SeqCst) && !self.signalled.load(Ordering::SeqCst))
+            .then(|| self.force.load(Ordering::SeqCst))
     }
 }
 
-/// Replaces this process with a new run of the same program and arguments; returns only on
-/// failure.
+/// The node stopped to join, but held messages when it stopped (some came after the request
+/// was checked) and may not drop them: the settings are removed, and it starts again on its
+/// own, its messages kept.
+pub fn call_off(dir: &Path) -> std::io::Result<()> {
+    std::fs::remove_file(dir.join(FILE))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Replaces this process with a new run of the same program (the one running, even if its
+/// file was replaced since) and arguments; returns only on failure.
 pub fn restart() -> std::io::Error {
     use std::os::unix::process::CommandExt;
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => return e,
+    let exe = std::path::Path::new("/proc/self/exe");
+    let program = if exe.exists() {
+        exe.to_path_buf()
+    } else {
+        match std::env::args_os().next() {
+            Some(a) => PathBuf::from(a),
+            None => return std::io::Error::other("no program path"),
+        }
     };
-    std::process::Command::new(exe)
+    std::process::Command::new(program)
         .args(std::env::args_os().skip(1))
         .exec()
 }
@@ -208,7 +260,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("warren-reset-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("raft/snapshots")).expect("dirs");
-        std::fs::create_dir_all(dir.join("away")).expect("dirs");
+        // `away` on another volume, through a link: emptied there, the link kept.
+        let elsewhere = dir.with_extension("away-volume");
+        let _ = std::fs::remove_dir_all(&elsewhere);
+        std::fs::create_dir_all(&elsewhere).expect("dirs");
+        std::os::unix::fs::symlink(&elsewhere, dir.join("away")).expect("link");
         let ours = [
             "CURRENT",
             "IDENTITY",
@@ -233,7 +289,13 @@ mod tests {
         for f in ours {
             assert!(!dir.join(f).exists(), "{f} is Warren's: removed");
         }
-        assert!(!dir.join("raft").exists() && !dir.join("away").exists());
+        assert!(!dir.join("raft").exists());
+        assert!(dir.join("away").is_symlink(), "the link is kept");
+        assert_eq!(
+            std::fs::read_dir(&elsewhere).expect("the volume").count(),
+            0,
+            "what it pointed at is emptied"
+        );
         for f in theirs {
             assert!(dir.join(f).exists(), "{f} is not Warren's: kept");
         }
@@ -250,6 +312,7 @@ mod tests {
         assert_eq!(reset_if_asked(&dir), Ok(false));
         assert!(dir.join("CURRENT").exists());
         let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&elsewhere);
     }
 
     #[test]

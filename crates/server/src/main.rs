@@ -72,13 +72,15 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(run(config)) {
         Ok(Stopped::ForGood) => ExitCode::SUCCESS,
-        Ok(Stopped::ToJoin) => {
-            runtime.shutdown_timeout(Duration::from_secs(5));
-            tracing::warn!("starting again to join the cluster");
+        Ok(Stopped::Again) => {
+            // Everything that held the data directory was closed by `run`. A stop signal from
+            // here to the new run's start is not seen (the run before took it): keep this short.
+            runtime.shutdown_background();
+            tracing::warn!("starting again");
             let e = joining::restart();
             eprintln!(
-                "warren: cannot start again to join the cluster ({e}): start it again as it \
-                 was started; it joins the cluster with the settings saved in its data directory"
+                "warren: cannot start again ({e}): start it again as it was started; with the \
+                 settings saved in its data directory it joins the cluster"
             );
             ExitCode::FAILURE
         }
@@ -93,9 +95,9 @@ fn main() -> ExitCode {
 enum Stopped {
     /// Stopped (a signal): the process ends.
     ForGood,
-    /// Stopped to start again in this process as a node of a cluster (`warren ctl
-    /// join_cluster`).
-    ToJoin,
+    /// Stopped to start again in this process: as a node of a cluster (`warren ctl
+    /// join_cluster`), or on its own once that was called off.
+    Again,
 }
 
 /// `--replay-commands FILE`: checks that a command log rebuilds the queues it recorded.
@@ -395,14 +397,14 @@ async fn run(config: Config) -> std::io::Result<Stopped> {
     node.apply_config_users(fresh, &mut http::passwords::salt);
     node.set_recovering(true, 0);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let stop_tx = std::sync::Arc::new(stop_tx);
-    let restart = std::sync::Arc::new(joining::Restart::new(stop_tx.clone()));
+    let restart = std::sync::Arc::new(joining::Restart::new(std::sync::Arc::new(stop_tx)));
+    let on_signal = restart.clone();
     tokio::spawn(async move {
         wait_for_signal().await;
-        let _ = stop_tx.send(true);
+        on_signal.signalled();
     });
     let restart_api = restart.clone();
-    let store = driver::serve(
+    let served = driver::serve(
         (listener, tls_listener),
         node,
         recorder,
@@ -456,16 +458,34 @@ async fn run(config: Config) -> std::io::Result<Stopped> {
     .await?;
     // Give writer tasks a moment to put the last close frames on the wire.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    if let Some(store) = store {
+    if let Some(store) = served.store {
         store
             .close_clean()
             .map_err(|e| std::io::Error::other(e.to_string()))?;
     }
-    Ok(if restart.asked() {
-        Stopped::ToJoin
-    } else {
-        Stopped::ForGood
-    })
+    match restart.wanted() {
+        None => Ok(Stopped::ForGood),
+        // Counted when asked, but more came before the node stopped taking them: it keeps
+        // them, on its own.
+        Some(false) if served.held > 0 => {
+            joining::call_off(&config.data_dir).map_err(|e| {
+                std::io::Error::other(format!(
+                    "cannot remove {} from {}: {e}; remove it before starting again, or the \
+                     node drops its {} message(s) to join the cluster",
+                    joining::FILE,
+                    config.data_dir.display(),
+                    served.held
+                ))
+            })?;
+            tracing::error!(
+                held = served.held,
+                "joining the cluster is called off: messages came while the node stopped; it \
+                 starts again on its own with them (move them, then ask again)"
+            );
+            Ok(Stopped::Again)
+        }
+        Some(_) => Ok(Stopped::Again),
+    }
 }
 
 /// 64 random bytes, hex: what the node's connections to itself log in with.

@@ -342,6 +342,7 @@ fn node_path(p: &std::path::Path) -> String {
 /// cluster lists it, and no running node is still taking it into a group.
 fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
     let before = node_name(api)?;
+    let up_since = uptime(api, &before)?;
     let mut body = serde_json::json!({
         "node": j.cluster_node,
         "nodes": format!("{},{}={}", j.seed.trim_end_matches(','), j.cluster_node, j.cluster_address),
@@ -377,7 +378,14 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
     let mut said = None;
     loop {
         std::thread::sleep(Duration::from_millis(250));
-        let now = match joined(api, &name) {
+        let now = match joined(api, (&before, up_since), &name) {
+            Err(CliError::Failed(back)) if back == CALLED_OFF => {
+                return Err(CliError::Failed(format!(
+                    "{before} called joining the cluster off: messages came while it stopped, \
+                     and it keeps them; it runs on its own again (its log says how many). Move \
+                     them, or ask again with --force to drop them"
+                )));
+            }
             Ok(None) => {
                 let since = *settled_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= settle {
@@ -390,15 +398,13 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
                 settled_since = None;
                 state
             }
-            Err(CliError::Unauthorized { user, .. }) => {
-                println!(
-                    "{name} holds the cluster's definitions now, and its users are the \
-                     cluster's: '{user}' is not among them. See it joined with the cluster's \
-                     credentials: warren ctl cluster_status --api {} --user U --password P",
-                    j.conn.api
-                );
-                return Ok(());
-            }
+            // Until it holds the cluster's definitions the node knows only guest and the
+            // users of its config file; then the cluster's. Either may lack this one.
+            Err(CliError::Unauthorized { user, .. }) => format!(
+                "the node refuses user '{user}' (401): until it holds the cluster's \
+                 definitions it knows only guest and the users of its config file, then the \
+                 cluster's users"
+            ),
             Err(CliError::Unreachable { .. }) => "restarting".to_owned(),
             Err(e) => e.to_string(),
         };
@@ -419,10 +425,30 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
     }
 }
 
+/// What [`joined`] says of a node started again under its old name.
+const CALLED_OFF: &str = "started again under its old name";
+
+/// How long (ms) the node named `name` at `api` has been running.
+fn uptime(api: &Api, name: &str) -> Result<u64, CliError> {
+    let node = api.get(&format!("/nodes/{}", enc(name)), "the node")?;
+    Ok(node["uptime"].as_u64().unwrap_or(u64::MAX))
+}
+
 /// What the node at `api` still waits for before it is a node of the cluster under `name`:
-/// `None` once nothing.
-fn joined(api: &Api, name: &str) -> Result<Option<String>, CliError> {
+/// `None` once nothing. Fails with [`CALLED_OFF`] when it runs again under its name `before`
+/// (it has been up for less time than when it was asked).
+fn joined(
+    api: &Api,
+    (before, up_since): (&str, u64),
+    name: &str,
+) -> Result<Option<String>, CliError> {
     let overview = api.get("/overview", "the node's overview")?;
+    if overview["node"] == before && before != name {
+        if uptime(api, before)? < up_since {
+            return Err(CliError::Failed(CALLED_OFF.into()));
+        }
+        return Ok(Some("stopping".into()));
+    }
     if overview["node"] != name {
         return Ok(Some("restarting".into()));
     }

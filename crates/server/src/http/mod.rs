@@ -243,6 +243,17 @@ impl ApiError {
         &self.reason
     }
 
+    /// 409: the request clashes with one in progress.
+    pub fn conflict(reason: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::CONFLICT,
+            error: "conflict",
+            reason: reason.into(),
+            reason_json: None,
+            retry_after: None,
+        }
+    }
+
     pub fn not_found() -> Self {
         ApiError {
             status: StatusCode::NOT_FOUND,

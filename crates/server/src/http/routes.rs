@@ -534,6 +534,7 @@ async fn join_cluster(State(api): ApiState, Admin(who): Admin, body: Bytes) -> A
     };
     let tls = (path("tls_cert")?, path("tls_key")?, path("tls_ca")?);
     let force = b.get("force").and_then(Value::as_bool).unwrap_or(false);
+    secret_file_is_private(&secret_file)?;
     let settings = crate::config::cluster_settings(
         Some(node),
         Some(nodes.clone()),
@@ -564,6 +565,11 @@ async fn join_cluster(State(api): ApiState, Admin(who): Admin, body: Bytes) -> A
         .get(&node)
         .map(|a| super::cluster_node_name(node, a))
         .unwrap_or_default();
+    if !restart.claim(force) {
+        return Err(ApiError::conflict(
+            "the node is stopping already (to join a cluster, or for good)",
+        ));
+    }
     let saved = crate::joining::Saved {
         node,
         nodes,
@@ -573,21 +579,50 @@ async fn join_cluster(State(api): ApiState, Admin(who): Admin, body: Bytes) -> A
         tls_ca: tls.2,
         reset: true,
     };
-    saved.write(&api.data_dir).map_err(|e| {
-        ApiError::internal(format!(
+    if let Err(e) = saved.write(&api.data_dir) {
+        restart.unclaim();
+        return Err(ApiError::internal(format!(
             "cannot save the cluster settings in {}: {e}",
             api.data_dir.display()
-        ))
-    })?;
-    if !restart.ask(std::time::Duration::from_millis(300)) {
-        return Err(ApiError::bad_request("the node is restarting already"));
+        )));
     }
+    // Messages that come from now until the node stopped taking them are counted again then:
+    // without `force`, any of them calls the join off (crate::main's `run`).
+    restart.stop_after(std::time::Duration::from_millis(300));
     tracing::warn!(by = %who.name, node, name = %name, dropped = held, "this node stops, resets and starts again to join a cluster");
     Ok((
         StatusCode::ACCEPTED,
         Json(json!({ "node": name, "messages_dropped": held })),
     )
         .into_response())
+}
+
+/// The largest cluster secret file taken through the API.
+const SECRET_FILE_MAX: u64 = 64 << 10;
+
+/// A secret file named through the API must be a small regular file that not every user of
+/// the host can read: else an administrator of the API could take the node into a cluster of
+/// their own with a file whose contents everybody knows.
+fn secret_file_is_private(path: &std::path::Path) -> Result<(), ApiError> {
+    use std::os::unix::fs::PermissionsExt;
+    let refused = |why: &str| {
+        Err(ApiError::bad_request(format!(
+            "secret_file {}: {why}",
+            path.display()
+        )))
+    };
+    let Ok(meta) = std::fs::metadata(path) else {
+        return refused("cannot be read by the node");
+    };
+    if !meta.is_file() || meta.len() > SECRET_FILE_MAX {
+        return refused("is not a cluster secret (a small regular file)");
+    }
+    if meta.permissions().mode() & 0o004 != 0 {
+        return refused(
+            "every user of the host can read it: chmod o-r it (a secret stays private)",
+        );
+    }
+    Ok(())
 }
 
 /// `POST /api/rebalance/queues` (as RabbitMQ's): the cluster evens out its quorum queues'
