@@ -339,7 +339,10 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
         let ch = conn.create_channel().await.expect("channel");
         ch.queue_declare(
             held.as_str().into(),
-            Default::default(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
             FieldTable::default(),
         )
         .await
@@ -353,7 +356,7 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
                 held.as_str().into(),
                 BasicPublishOptions::default(),
                 b"held",
-                BasicProperties::default(),
+                BasicProperties::default().with_delivery_mode(2),
             )
             .await
             .expect("publish")
@@ -366,18 +369,18 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
     let seed = format!("1={}", c.cluster_address(1));
     let own = format!("127.0.0.1:{}", warren_conformance::free_port());
     let secret = c.data_dir(1).with_file_name("secret");
-    let join = |force: bool| {
+    let join = |api: &str, force: bool| {
         Command::new(warren_binary())
             .args(["ctl", "join_cluster", &seed, "--cluster-node", "4"])
             .args(["--cluster-address", &own, "--cluster-secret-file"])
             .arg(&secret)
-            .args(["--api", &api, "--wait", "60"])
+            .args(["--api", api, "--wait", "60"])
             .args(force.then_some("--force"))
             .output()
             .expect("run warren ctl")
     };
     // A secret every user of the host can read is refused.
-    let public = join(false);
+    let public = join(&api, false);
     assert!(
         !public.status.success() && text(&public).contains("every user of the host can read it"),
         "{}",
@@ -385,7 +388,7 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
     );
     std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
         .expect("chmod the secret");
-    let refused = join(false);
+    let refused = join(&api, false);
     assert!(!refused.status.success(), "{}", text(&refused));
     assert!(
         text(&refused).contains("holds 1 message(s)"),
@@ -393,7 +396,33 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
         text(&refused)
     );
 
-    let joined = join(true);
+    // Killed right after it took a join, before it stopped and counted what it held, the node
+    // starts on its own, its message kept: the join was not done.
+    let (status, v) = Api::of(c.node(4)).call(
+        "POST",
+        "/cluster/join",
+        Some(serde_json::json!({
+            "node": 4,
+            "nodes": format!("{seed},4={own}"),
+            "secret_file": secret,
+            "force": true,
+        })),
+    );
+    assert_eq!(status, 202, "{v}");
+    c.node_mut(4).restart(true);
+    let alone_again = Api::of(c.node(4));
+    eventually("the node on its own with its message", || {
+        let (_, v) = alone_again.call("GET", &format!("/queues/%2f/{held}"), None);
+        if v["messages"] == 1 {
+            Ok(())
+        } else {
+            Err(v.to_string())
+        }
+    });
+    assert!(!data.join("cluster.json").exists() && !data.join("cluster.json.asked").exists());
+
+    let api = c.node(4).http_url().expect("the management API").to_owned();
+    let joined = join(&api, true);
     assert!(joined.status.success(), "{}", text(&joined));
     assert!(
         text(&joined).contains("warren-4@127.0.0.1 is a node of the cluster"),

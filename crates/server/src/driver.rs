@@ -176,6 +176,9 @@ impl WriteState {
 
 struct Shared {
     core: Mutex<Core>,
+    /// The node stopped taking changes: what it held was counted and its store let go
+    /// (the end of [`serve`]); a change now would be answered without reaching the disk.
+    closed: AtomicBool,
     /// Woken when a flush leaves deliveries pending.
     dispatch: Notify,
     /// Wakes the timer task when the node's earliest deadline moved before the one it sleeps until.
@@ -808,8 +811,11 @@ impl NodeHandle {
     pub fn change<R>(&self, f: impl FnOnce(&mut Node, u64) -> R) -> Result<R, WriteError> {
         let shared = &self.0;
         shared.with_node(|node, now| {
-            // Under the lock that recovery's last step holds: no change slips in before it.
-            if shared.recovered.load(Ordering::Acquire) {
+            // Under the lock that recovery's last step holds: no change slips in before it;
+            // and under the one the stop's count holds: none slips in after it.
+            if shared.closed.load(Ordering::Acquire) {
+                Err(WriteError::Stopping)
+            } else if shared.recovered.load(Ordering::Acquire) {
                 Ok(f(node, now))
             } else {
                 Err(WriteError::Recovering)
@@ -1085,6 +1091,8 @@ impl Drop for QueueWatch {
 pub enum WriteError {
     #[error("the node is still recovering its queues")]
     Recovering,
+    #[error("the node is stopping")]
+    Stopping,
     #[error("the store's write failed")]
     Failed,
     #[error("the store did not finish the write within {0:?}")]
@@ -1358,6 +1366,7 @@ pub async fn serve(
     let config = node.config().clone();
     let (recovered_tx, recovered_rx) = watch::channel(recovery.is_none() || store.is_none());
     let shared = Arc::new(Shared {
+        closed: AtomicBool::new(false),
         core: Mutex::new(Core {
             recorder,
             store: None,
@@ -1568,6 +1577,7 @@ pub async fn serve(
         let mut core = shared.lock();
         let t = core.node.broker().totals();
         core.store = None;
+        shared.closed.store(true, Ordering::Release);
         t.ready + t.unacked + t.delayed + t.dead_lettering
     };
     Ok(Served {

@@ -2,17 +2,17 @@
 //! as RabbitMQ's `rabbitmqctl stop_app; reset; join_cluster; start_app` makes one.
 //!
 //! The management API takes the request ([`crate::http`]'s `POST /api/cluster/join`), checks
-//! it, and saves the node's cluster settings in its data directory ([`Saved`], in
-//! [`FILE`]), marked to be reset. The node then stops as on SIGTERM (its clients are closed
-//! with 320, as RabbitMQ's `stop_app` closes them) and starts again in the same process
-//! ([`restart`]): the start empties the data directory ([`reset_if_asked`]) and, with no
-//! `--cluster-node` of its own, takes the saved settings with `--cluster-join`, so it asks the
-//! cluster to add it. Every later start finds the settings there too: the node stays a node
+//! it, and saves the node's cluster settings in its data directory as asked for ([`Asked`]).
+//! The node then stops as on SIGTERM (its clients are closed with 320, as RabbitMQ's
+//! `stop_app` closes them), counts what it still holds once nothing can change it, and only
+//! then makes the settings its own ([`Saved`], in [`FILE`], marked to be reset), unless it
+//! holds messages it may not drop. It starts again in the same process ([`restart`]): the
+//! start empties the data directory ([`reset_if_asked`]) and, with no `--cluster-node` of its
+//! own, takes the saved settings with `--cluster-join`, so it asks the cluster to add it. Every later start finds the settings there too: the node stays a node
 //! of the cluster, as a RabbitMQ node remembers its cluster, without new flags.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -60,9 +60,13 @@ impl Saved {
 
     /// Saves the settings in `dir` for good: written beside, synced, renamed into place.
     pub fn write(&self, dir: &Path) -> std::io::Result<()> {
+        self.write_as(dir, FILE)
+    }
+
+    fn write_as(&self, dir: &Path, name: &str) -> std::io::Result<()> {
         let text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        let path = dir.join(FILE);
-        let tmp = dir.join(format!("{FILE}.tmp"));
+        let path = dir.join(name);
+        let tmp = dir.join(format!("{name}.tmp"));
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&text)?;
         f.write_all(b"\n")?;
@@ -158,36 +162,95 @@ fn empty_dir(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Where the API saves a join's settings until the node has stopped: only then, when what the
+/// node held was counted, are they moved to [`FILE`] ([`Asked::confirm`]). A crash before
+/// leaves this file alone, which the next start removes ([`drop_interrupted`]): the node
+/// starts on its own, its messages kept.
+pub const ASKED: &str = "cluster.json.asked";
+
+/// The settings of a join asked for, saved in [`ASKED`].
+pub struct Asked;
+
+impl Asked {
+    /// Saves `saved` as asked for.
+    pub fn save(dir: &Path, saved: &Saved) -> std::io::Result<()> {
+        saved.write_as(dir, ASKED)
+    }
+
+    /// The node stopped and may be reset: the settings take effect at the next start.
+    pub fn confirm(dir: &Path) -> std::io::Result<()> {
+        std::fs::rename(dir.join(ASKED), dir.join(FILE))?;
+        std::fs::File::open(dir)?.sync_all()
+    }
+
+    /// The join is called off: the node keeps what it holds.
+    pub fn withdraw(dir: &Path) -> std::io::Result<()> {
+        match std::fs::remove_file(dir.join(ASKED)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        std::fs::File::open(dir)?.sync_all()
+    }
+}
+
+/// A join asked for whose node did not stop cleanly (killed, or its stop failed): its
+/// messages were not counted, so it is not done; the node starts on its own. Whether one was.
+pub fn drop_interrupted(dir: &Path) -> std::io::Result<bool> {
+    if !dir.join(ASKED).exists() {
+        return Ok(false);
+    }
+    Asked::withdraw(dir)?;
+    Ok(true)
+}
+
+/// What the node does once it stopped, as [`Restart`] decides it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Outcome {
+    /// No join was asked for.
+    NoJoin,
+    /// A join was asked for, and whether held messages may be dropped; and whether a stop
+    /// signal came (the node then stops for good, and joins at its next start).
+    Join { force: bool, signalled: bool },
+}
+
+#[derive(Default)]
+struct State {
+    asked: Option<bool>,
+    signalled: bool,
+    decided: bool,
+}
+
 /// Lets the management API stop the node so that it starts again in the same process.
 pub struct Restart {
     stop: Arc<watch::Sender<bool>>,
-    asked: AtomicBool,
-    force: AtomicBool,
-    signalled: AtomicBool,
+    state: std::sync::Mutex<State>,
 }
 
 impl Restart {
     pub fn new(stop: Arc<watch::Sender<bool>>) -> Self {
         Restart {
             stop,
-            asked: AtomicBool::new(false),
-            force: AtomicBool::new(false),
-            signalled: AtomicBool::new(false),
+            state: std::sync::Mutex::new(State::default()),
         }
     }
 
-    /// Claims the restart: false when one was claimed already.
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Claims the join: false when one was claimed already, or the node is stopping.
     pub fn claim(&self, force: bool) -> bool {
-        if self.asked.swap(true, Ordering::SeqCst) {
+        let mut s = self.state();
+        if s.asked.is_some() || s.signalled || s.decided || *self.stop.borrow() {
             return false;
         }
-        self.force.store(force, Ordering::SeqCst);
+        s.asked = Some(force);
         true
     }
 
     /// Gives a claim back (its settings could not be saved).
     pub fn unclaim(&self) {
-        self.asked.store(false, Ordering::SeqCst);
+        self.state().asked = None;
     }
 
     /// Stops the node once `after` has passed (the answer to the request on its way).
@@ -199,26 +262,24 @@ impl Restart {
         });
     }
 
-    /// A stop signal came: it stops the node for good, a restart asked or not (the saved
-    /// settings then wait for the next start).
+    /// A stop signal came: the node stops, and does not start again in this process.
     pub fn signalled(&self) {
-        self.signalled.store(true, Ordering::SeqCst);
+        self.state().signalled = true;
         let _ = self.stop.send(true);
     }
 
-    /// Whether the node is to start again, and whether messages it holds may be dropped.
-    pub fn wanted(&self) -> Option<bool> {
-        (self.asked.load(Ordering::SeqCst) && !self.signalled.load(Ordering::SeqCst))
-            .then(|| self.force.load(Ordering::SeqCst))
+    /// What the node does now that it stopped; no join can be claimed after this.
+    pub fn decide(&self) -> Outcome {
+        let mut s = self.state();
+        s.decided = true;
+        match s.asked {
+            None => Outcome::NoJoin,
+            Some(force) => Outcome::Join {
+                force,
+                signalled: s.signalled,
+            },
+        }
     }
-}
-
-/// The node stopped to join, but held messages when it stopped (some came after the request
-/// was checked) and may not drop them: the settings are removed, and it starts again on its
-/// own, its messages kept.
-pub fn call_off(dir: &Path) -> std::io::Result<()> {
-    std::fs::remove_file(dir.join(FILE))?;
-    std::fs::File::open(dir)?.sync_all()
 }
 
 /// Replaces this process with a new run of the same program (the one running, even if its
@@ -329,6 +390,66 @@ mod tests {
         assert!(dir.join("CURRENT").exists());
         drop(held);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Asked-for settings become the node's only when the stop confirms them; withdrawn, or
+    /// left by a node that did not stop cleanly, they are gone at the next start.
+    #[test]
+    fn asked_settings_become_the_nodes_only_once_confirmed() {
+        let dir = std::env::temp_dir().join(format!("warren-asked-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        Asked::save(&dir, &saved()).expect("asked");
+        assert_eq!(Saved::read(&dir), Ok(None), "not the node's settings yet");
+        assert_eq!(drop_interrupted(&dir).ok(), Some(true));
+        assert!(!dir.join(ASKED).exists());
+        assert_eq!(drop_interrupted(&dir).ok(), Some(false));
+
+        Asked::save(&dir, &saved()).expect("asked");
+        Asked::withdraw(&dir).expect("withdrawn");
+        assert_eq!(Saved::read(&dir), Ok(None));
+
+        Asked::save(&dir, &saved()).expect("asked");
+        Asked::confirm(&dir).expect("confirmed");
+        assert_eq!(Saved::read(&dir), Ok(Some(saved())));
+        assert!(!dir.join(ASKED).exists());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_join_is_claimed_once_and_never_once_the_node_stops() {
+        let (tx, _rx) = watch::channel(false);
+        let r = Restart::new(Arc::new(tx));
+        assert!(r.claim(false));
+        assert!(!r.claim(true), "one join at a time");
+        r.unclaim();
+        assert!(r.claim(true));
+        assert_eq!(
+            r.decide(),
+            Outcome::Join {
+                force: true,
+                signalled: false
+            }
+        );
+        assert!(!r.claim(false), "decided: too late");
+
+        let (tx, _rx) = watch::channel(false);
+        let r = Restart::new(Arc::new(tx));
+        r.signalled();
+        assert!(!r.claim(false), "stopping for good");
+        assert_eq!(r.decide(), Outcome::NoJoin);
+
+        let (tx, _rx) = watch::channel(false);
+        let r = Restart::new(Arc::new(tx));
+        assert!(r.claim(false));
+        r.signalled();
+        assert_eq!(
+            r.decide(),
+            Outcome::Join {
+                force: false,
+                signalled: true
+            }
+        );
     }
 
     #[test]

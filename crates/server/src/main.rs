@@ -229,6 +229,13 @@ async fn http_listeners(
 }
 
 async fn run(config: Config) -> std::io::Result<Stopped> {
+    // A join asked for whose node did not stop cleanly was not counted: not done.
+    if joining::drop_interrupted(&config.data_dir)? {
+        tracing::warn!(
+            "joining a cluster was asked for, but the node did not stop cleanly: it starts on \
+             its own, keeping what it holds (ask again)"
+        );
+    }
     // A node that `warren ctl join_cluster` stopped starts from an empty data directory.
     if joining::reset_if_asked(&config.data_dir).map_err(std::io::Error::other)? {
         tracing::warn!(data_dir = %config.data_dir.display(), "data directory reset: this node joins the cluster as a new node");
@@ -463,29 +470,43 @@ async fn run(config: Config) -> std::io::Result<Stopped> {
             .close_clean()
             .map_err(|e| std::io::Error::other(e.to_string()))?;
     }
-    match restart.wanted() {
-        None => Ok(Stopped::ForGood),
+    let dir = &config.data_dir;
+    let (force, signalled) = match restart.decide() {
+        joining::Outcome::NoJoin => return Ok(Stopped::ForGood),
+        joining::Outcome::Join { force, signalled } => (force, signalled),
+    };
+    let again = if signalled {
+        Stopped::ForGood
+    } else {
+        Stopped::Again
+    };
+    if served.held > 0 && !force {
         // Counted when asked, but more came before the node stopped taking them: it keeps
         // them, on its own.
-        Some(false) if served.held > 0 => {
-            joining::call_off(&config.data_dir).map_err(|e| {
-                std::io::Error::other(format!(
-                    "cannot remove {} from {}: {e}; remove it before starting again, or the \
-                     node drops its {} message(s) to join the cluster",
-                    joining::FILE,
-                    config.data_dir.display(),
-                    served.held
-                ))
-            })?;
-            tracing::error!(
-                held = served.held,
-                "joining the cluster is called off: messages came while the node stopped; it \
-                 starts again on its own with them (move them, then ask again)"
-            );
-            Ok(Stopped::Again)
-        }
-        Some(_) => Ok(Stopped::Again),
+        joining::Asked::withdraw(dir).map_err(|e| {
+            std::io::Error::other(format!(
+                "cannot remove {} from {}: {e}; remove it before starting again",
+                joining::ASKED,
+                dir.display()
+            ))
+        })?;
+        tracing::error!(
+            held = served.held,
+            "joining the cluster is called off: messages came while the node stopped; it \
+             keeps them, on its own (move them, then ask again)"
+        );
+        return Ok(again);
     }
+    joining::Asked::confirm(dir).map_err(|e| {
+        std::io::Error::other(format!(
+            "cannot make the cluster settings in {} the node's: {e}; it stays on its own",
+            dir.display()
+        ))
+    })?;
+    if signalled {
+        tracing::warn!("stopped by a signal while joining a cluster: the next start resets this node and joins");
+    }
+    Ok(again)
 }
 
 /// 64 random bytes, hex: what the node's connections to itself log in with.

@@ -342,7 +342,6 @@ fn node_path(p: &std::path::Path) -> String {
 /// cluster lists it, and no running node is still taking it into a group.
 fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
     let before = node_name(api)?;
-    let up_since = uptime(api, &before)?;
     let mut body = serde_json::json!({
         "node": j.cluster_node,
         "nodes": format!("{},{}={}", j.seed.trim_end_matches(','), j.cluster_node, j.cluster_address),
@@ -358,6 +357,7 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
             body[key] = node_path(f).into();
         }
     }
+    let asked = Instant::now();
     let r = api.call("POST", "/cluster/join", Some(&body), &[], "the node")?;
     let name = r.body["node"].as_str().unwrap_or_default().to_owned();
     let dropped = r.body["messages_dropped"].as_u64().unwrap_or(0);
@@ -378,7 +378,7 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
     let mut said = None;
     loop {
         std::thread::sleep(Duration::from_millis(250));
-        let now = match joined(api, (&before, up_since), &name) {
+        let now = match joined(api, (&before, asked), &name) {
             Err(CliError::Failed(back)) if back == CALLED_OFF => {
                 return Err(CliError::Failed(format!(
                     "{before} called joining the cluster off: messages came while it stopped, \
@@ -394,10 +394,7 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
                 }
                 continue;
             }
-            Ok(Some(state)) => {
-                settled_since = None;
-                state
-            }
+            Ok(Some(state)) => state,
             // Until it holds the cluster's definitions the node knows only guest and the
             // users of its config file; then the cluster's. Either may lack this one.
             Err(CliError::Unauthorized { user, .. }) => format!(
@@ -408,6 +405,7 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
             Err(CliError::Unreachable { .. }) => "restarting".to_owned(),
             Err(e) => e.to_string(),
         };
+        settled_since = None;
         if said.as_ref() != Some(&now) {
             println!("{now}");
             said = Some(now.clone());
@@ -417,7 +415,7 @@ fn join_cluster(api: &Api, j: &JoinCluster) -> Result<(), CliError> {
                 "{name} has not joined after {} s ({now}): it goes on asking; its log says why \
                  (a wrong secret, a seed that cannot be reached, a number the cluster has). To \
                  give up, stop it and remove {} from its data directory: it starts on its own \
-                 again, empty",
+                 again, empty once it had started to join",
                 j.wait,
                 crate::joining::FILE
             )));
@@ -436,15 +434,16 @@ fn uptime(api: &Api, name: &str) -> Result<u64, CliError> {
 
 /// What the node at `api` still waits for before it is a node of the cluster under `name`:
 /// `None` once nothing. Fails with [`CALLED_OFF`] when it runs again under its name `before`
-/// (it has been up for less time than when it was asked).
+/// (it started after it was `asked`).
 fn joined(
     api: &Api,
-    (before, up_since): (&str, u64),
+    (before, asked): (&str, Instant),
     name: &str,
 ) -> Result<Option<String>, CliError> {
     let overview = api.get("/overview", "the node's overview")?;
     if overview["node"] == before && before != name {
-        if uptime(api, before)? < up_since {
+        let since_asked = u64::try_from(asked.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if uptime(api, before)? < since_asked {
             return Err(CliError::Failed(CALLED_OFF.into()));
         }
         return Ok(Some("stopping".into()));

@@ -389,6 +389,13 @@ impl From<WriteError> for ApiError {
             // The gate in front of the routes answers first; a change that reaches the node
             // before the end of recovery is refused there too.
             WriteError::Recovering => ApiError::recovering(0),
+            WriteError::Stopping => ApiError {
+                status: StatusCode::SERVICE_UNAVAILABLE,
+                error: "service_unavailable",
+                reason: "the node is stopping: nothing was changed".into(),
+                reason_json: None,
+                retry_after: Some(1),
+            },
             WriteError::Failed => ApiError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,
                 error: "internal_server_error",

@@ -535,6 +535,15 @@ async fn join_cluster(State(api): ApiState, Admin(who): Admin, body: Bytes) -> A
     let tls = (path("tls_cert")?, path("tls_key")?, path("tls_ca")?);
     let force = b.get("force").and_then(Value::as_bool).unwrap_or(false);
     secret_file_is_private(&secret_file)?;
+    let canonical =
+        |p: &std::path::Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    if canonical(&secret_file).starts_with(canonical(&api.data_dir)) {
+        return Err(ApiError::bad_request(format!(
+            "secret_file {}: keep the cluster's secret out of the node's data directory (the \
+             files Warren writes there are no secrets)",
+            secret_file.display()
+        )));
+    }
     let settings = crate::config::cluster_settings(
         Some(node),
         Some(nodes.clone()),
@@ -579,15 +588,15 @@ async fn join_cluster(State(api): ApiState, Admin(who): Admin, body: Bytes) -> A
         tls_ca: tls.2,
         reset: true,
     };
-    if let Err(e) = saved.write(&api.data_dir) {
+    if let Err(e) = crate::joining::Asked::save(&api.data_dir, &saved) {
         restart.unclaim();
         return Err(ApiError::internal(format!(
             "cannot save the cluster settings in {}: {e}",
             api.data_dir.display()
         )));
     }
-    // Messages that come from now until the node stopped taking them are counted again then:
-    // without `force`, any of them calls the join off (crate::main's `run`).
+    // The settings become the node's only once it stopped and counted what it holds then:
+    // without `force`, any message calls the join off (crate::main's `run`).
     restart.stop_after(std::time::Duration::from_millis(300));
     tracing::warn!(by = %who.name, node, name = %name, dropped = held, "this node stops, resets and starts again to join a cluster");
     Ok((

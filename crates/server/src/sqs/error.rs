@@ -140,6 +140,9 @@ impl From<crate::driver::WriteError> for SqsError {
             crate::driver::WriteError::Recovering => {
                 SqsError::unavailable("the node is starting: it is still recovering its queues")
             }
+            crate::driver::WriteError::Stopping => {
+                SqsError::unavailable("the node is stopping: send to another node")
+            }
             other => SqsError::internal(other.to_string()),
         }
     }
