@@ -1575,15 +1575,22 @@ pub async fn serve(
     // confirmed after it.
     let held = {
         let mut core = shared.lock();
-        let t = core.node.broker().totals();
+        let held = messages_held(&core.node);
         core.store = None;
         shared.closed.store(true, Ordering::Release);
-        t.ready + t.unacked + t.delayed + t.dead_lettering
+        held
     };
     Ok(Served {
         store: store_thread.and_then(StoreThread::finish),
         held,
     })
+}
+
+/// The messages the node holds: ready, delivered and not yet acked, delayed, and on their
+/// way to a dead-letter target.
+pub fn messages_held(node: &Node) -> u64 {
+    let t = node.broker().totals();
+    t.ready + t.unacked + t.delayed + t.dead_lettering
 }
 
 /// What a node's run leaves: its store, and the messages it held once it stopped.

@@ -108,19 +108,12 @@ pub fn reset_if_asked(dir: &Path) -> Result<bool, String> {
         return Ok(false);
     }
     let io = |what: &str, e: std::io::Error| format!("{what} {}: {e}", dir.display());
-    let lock_path = dir.join("warren.lock");
-    let lock = std::fs::File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&lock_path)
-        .map_err(|e| io("cannot open the lock of", e))?;
-    if lock.try_lock().is_err() {
+    let Some(lock) = lock_dir(dir).map_err(|e| io("cannot open the lock of", e))? else {
         return Err(format!(
             "{} is used by another warren process: stop it first",
             dir.display()
         ));
-    }
+    };
     let entries = std::fs::read_dir(dir).map_err(|e| io("cannot list", e))?;
     for entry in entries {
         let entry = entry.map_err(|e| io("cannot list", e))?;
@@ -199,8 +192,23 @@ pub fn drop_interrupted(dir: &Path) -> std::io::Result<bool> {
     if !dir.join(ASKED).exists() {
         return Ok(false);
     }
+    // Not while the node that asked still runs (this start then fails on the store's lock).
+    let Some(_held) = lock_dir(dir)? else {
+        return Ok(false);
+    };
     Asked::withdraw(dir)?;
     Ok(true)
+}
+
+/// The data directory's lock (the store's), held while the guard lives; `None` when another
+/// process holds it.
+fn lock_dir(dir: &Path) -> std::io::Result<Option<std::fs::File>> {
+    let lock = std::fs::File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("warren.lock"))?;
+    Ok(lock.try_lock().is_ok().then_some(lock))
 }
 
 /// What the node does once it stopped, as [`Restart`] decides it.
@@ -388,7 +396,12 @@ mod tests {
         let refused = reset_if_asked(&dir).expect_err("held");
         assert!(refused.contains("another warren process"), "{refused}");
         assert!(dir.join("CURRENT").exists());
+        // Nor is the join the running node asked for taken from it.
+        Asked::save(&dir, &saved()).expect("asked");
+        assert_eq!(drop_interrupted(&dir).ok(), Some(false));
+        assert!(dir.join(ASKED).exists());
         drop(held);
+        assert_eq!(drop_interrupted(&dir).ok(), Some(true));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

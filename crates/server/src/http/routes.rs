@@ -558,10 +558,7 @@ async fn join_cluster(State(api): ApiState, Admin(who): Admin, body: Bytes) -> A
             "nodes: give at least one running node of the cluster beside this one",
         ));
     }
-    let held = api.node.read(|n, _| {
-        let t = n.broker().totals();
-        t.ready + t.unacked + t.delayed + t.dead_lettering
-    });
+    let held = api.node.read(|n, _| crate::driver::messages_held(n));
     if held > 0 && !force {
         return Err(ApiError::bad_request(format!(
             "this node holds {held} message(s), and a node that joins a cluster starts empty, \
