@@ -1995,6 +1995,21 @@ fn wanted_members(
     Some(m)
 }
 
+/// Whether a learner holds the log up to [`CAUGHT_UP_LAG`] entries behind `committed`, as its
+/// answers said (`matched` moves only on them). A learner that took a snapshot while the
+/// leader had nothing more to send stays in raft-rs's probe state: the answer to the snapshot
+/// takes it from snapshot to probe, and only an answer to an append takes it on to replicate,
+/// which an idle group never sends. Waiting for replicate left such a learner unpromoted until
+/// the group's next entry.
+fn learner_caught_up(pr: &raft::Progress, committed: u64) -> bool {
+    let answered = match pr.state {
+        raft::ProgressState::Replicate => true,
+        raft::ProgressState::Probe => pr.matched > 0,
+        raft::ProgressState::Snapshot => false,
+    };
+    answered && pr.matched + CAUGHT_UP_LAG >= committed
+}
+
 /// The next step of a group this node leads towards the members `want`, proposed if there is
 /// one and no other is in progress. Nodes come in before any goes, and a voter leaves (or
 /// becomes a learner) only once the voters coming in vote, so that a change never leaves the
@@ -2016,9 +2031,9 @@ fn reconcile(
     let up = |n: &NodeId| peers.get(n).is_some_and(|p| p.up);
     let committed = r.raft_log.committed;
     let caught_up = |n: &NodeId| {
-        r.prs().get(*n).is_some_and(|pr| {
-            pr.state == raft::ProgressState::Replicate && pr.matched + CAUGHT_UP_LAG >= committed
-        })
+        r.prs()
+            .get(*n)
+            .is_some_and(|pr| learner_caught_up(pr, committed))
     };
     let member = |n: &NodeId| voters.contains(n) || learners.contains(n);
     let gone: Vec<NodeId> = voters
@@ -2207,4 +2222,41 @@ pub(crate) fn wanted_members_for_tests(
     own: Option<Option<&[NodeId]>>,
 ) -> Option<Members> {
     wanted_members(target, nodes, own)
+}
+
+#[cfg(test)]
+mod caught_up_tests {
+    use super::*;
+
+    /// What raft-rs does with a learner sent a snapshot at index 10 whose answer comes back
+    /// before the leader hears the snapshot was sent: snapshot, then probe, and no append
+    /// follows while the group has nothing new.
+    #[test]
+    fn a_learner_that_took_a_snapshot_while_the_group_was_idle_is_caught_up() {
+        let mut pr = raft::Progress::new(1, 256);
+        assert!(
+            !learner_caught_up(&pr, 10),
+            "a new learner has answered nothing"
+        );
+        pr.become_snapshot(10);
+        assert!(!learner_caught_up(&pr, 10), "still taking the snapshot");
+        assert!(pr.maybe_update(10));
+        assert!(pr.is_snapshot_caught_up());
+        pr.become_probe();
+        assert_eq!(pr.state, raft::ProgressState::Probe);
+        assert!(learner_caught_up(&pr, 10));
+        assert!(
+            !learner_caught_up(&pr, 10 + CAUGHT_UP_LAG + 1),
+            "too far behind"
+        );
+    }
+
+    #[test]
+    fn a_replicating_learner_is_caught_up_within_the_lag() {
+        let mut pr = raft::Progress::new(1, 256);
+        assert!(pr.maybe_update(100));
+        pr.become_replicate();
+        assert!(learner_caught_up(&pr, 100 + CAUGHT_UP_LAG));
+        assert!(!learner_caught_up(&pr, 101 + CAUGHT_UP_LAG));
+    }
 }
