@@ -333,38 +333,14 @@ async fn a_node_running_on_its_own_joins_the_cluster_with_ctl_join_cluster() {
     // A file of the user's own stays; the store is made anew (RocksDB's IDENTITY changes).
     std::fs::write(data.join("my-notes.txt"), b"mine").expect("a file of my own");
     let identity = std::fs::read(data.join("IDENTITY")).expect("the store's identity");
-    let held = unique("held-alone");
-    {
-        let conn = alone.connect().await;
-        let ch = conn.create_channel().await.expect("channel");
-        ch.queue_declare(
-            held.as_str().into(),
-            lapin::options::QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare");
-        ch.confirm_select(ConfirmSelectOptions::default())
-            .await
-            .expect("confirm.select");
-        let confirm = ch
-            .basic_publish(
-                "".into(),
-                held.as_str().into(),
-                BasicPublishOptions::default(),
-                b"held",
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("confirm");
-        assert!(matches!(confirm, Confirmation::Ack(_)), "{confirm:?}");
-    }
     c.nodes.push(alone);
+    // A durable queue holding one confirmed persistent message.
+    let held = unique("held-alone");
+    Api::of(c.node(4)).put(
+        &format!("/queues/%2f/{held}"),
+        serde_json::json!({"durable": true}),
+    );
+    publish_confirmed(&c, 4, &held, 0..1).await;
 
     let seed = format!("1={}", c.cluster_address(1));
     let own = format!("127.0.0.1:{}", warren_conformance::free_port());
